@@ -1,0 +1,360 @@
+package limits
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+//go:embed lua/lib.lua
+var luaLib string
+
+//go:embed lua/reserve.lua
+var luaReserve string
+
+//go:embed lua/settle.lua
+var luaSettle string
+
+//go:embed lua/charge.lua
+var luaCharge string
+
+//go:embed lua/lease.lua
+var luaLease string
+
+//go:embed lua/topup.lua
+var luaTopUp string
+
+// Each script is the shared algorithms followed by its entry code.
+var (
+	reserveScript = redis.NewScript(luaLib + luaReserve)
+	settleScript  = redis.NewScript(luaLib + luaSettle)
+	chargeScript  = redis.NewScript(luaLib + luaCharge)
+	leaseScript   = redis.NewScript(luaLib + luaLease)
+	topUpScript   = redis.NewScript(luaLib + luaTopUp)
+)
+
+// Errors returned by the Limiter. A denial is not an error: it is a Decision
+// with Allowed false.
+var (
+	// ErrNoEpoch means Redis holds no epoch for the slot: it lost its data and
+	// the windows have not been rebuilt yet. Nothing was decided or changed;
+	// decide locally until the rebuild writes the epoch (WriteEpoch).
+	ErrNoEpoch = errors.New("limits: redis has no epoch (lost its data, awaiting rebuild)")
+	// ErrInvalid wraps every rejected argument (empty tenant, negative cost...).
+	ErrInvalid = errors.New("limits: invalid argument")
+)
+
+// MaxID is the longest tenant, user, endpoint, IP, request id or reference,
+// in bytes.
+const MaxID = 256
+
+// MaxCost is the largest cost or amount the engine accepts: counters are
+// 48-bit integers in Redis.
+const MaxCost = 1_000_000_000_000
+
+// Options configure a Limiter. The zero value is ready to use.
+type Options struct {
+	// ReservationTTL is how long a reservation record (and a concurrency
+	// slot) lives when nobody settles it; it must be at least the event
+	// stream's max age so a late actual can still be corrected exactly.
+	// Zero means one hour.
+	ReservationTTL time.Duration
+	// VersionTTL is how long an idle subject's version is kept. Zero means 40
+	// days, longer than any default window.
+	VersionTTL time.Duration
+	// NoEpochGuard makes the scripts decide even when the epoch key is
+	// missing, for setups without an accounter (request-rate-only limits,
+	// isolated tests).
+	NoEpochGuard bool
+	// ClockOffset shifts Redis time as the scripts see it. It exists for
+	// tests and demos that need to move through windows; leave it zero.
+	ClockOffset time.Duration
+}
+
+// Limiter checks and reserves limits in Redis. Every method is one script
+// call (one round trip) and is safe for concurrent use; all state lives in
+// Redis, so any number of Limiters on any number of hosts agree.
+//
+// Most callers want Reserve before a request and Correct or Release after.
+type Limiter struct {
+	rdb    redis.Scripter
+	resTTL int64  // ms
+	verTTL int64  // ms
+	guard  string // "1" when the scripts check the epoch
+	offset int64  // ms
+}
+
+// New returns a Limiter over c, which may be a single node, a Sentinel
+// failover client or a Redis Cluster client.
+func New(c redis.Scripter, o Options) *Limiter {
+	if o.ReservationTTL <= 0 {
+		o.ReservationTTL = time.Hour
+	}
+	if o.VersionTTL <= 0 {
+		o.VersionTTL = 40 * 24 * time.Hour
+	}
+	guard := "1"
+	if o.NoEpochGuard {
+		guard = "0"
+	}
+	return &Limiter{
+		rdb: c, guard: guard,
+		resTTL: o.ReservationTTL.Milliseconds(),
+		verTTL: o.VersionTTL.Milliseconds(),
+		offset: o.ClockOffset.Milliseconds(),
+	}
+}
+
+// Request is one reservation: Cost weighted tokens for request RequestID of
+// (Tenant, User), checked against Rules, the subject's tenant-wide and user
+// limits (ScopeTenant and ScopeUser).
+type Request struct {
+	Tenant    string
+	User      string
+	RequestID string
+	Cost      int64
+	Rules     []Rule
+}
+
+// State is one limit after a decision, correction or peek.
+type State struct {
+	Rule      *Rule // the rule, from the slice the caller passed
+	Limit     int64 // the limit; for a balance, the credits topped up so far
+	Used      int64
+	Remaining int64
+	// Reset is the time until the limit next frees capacity (rolling,
+	// token_bucket, sliding_log) or resets (fixed, calendar_month); zero when
+	// nothing is used or it never resets (balance, concurrency).
+	Reset     time.Duration
+	WouldDeny bool // a shadow limit that would have denied
+}
+
+// Reason explains a denial that waiting alone cannot cure.
+type Reason string
+
+// Reasons of a Decision.
+const (
+	ReasonNone                Reason = ""
+	ReasonCostExceedsLimit    Reason = "cost_exceeds_limit"   // the cost is larger than a limit itself
+	ReasonInsufficientBalance Reason = "insufficient_balance" // only a top-up helps
+)
+
+// Decision is the answer to a Reserve or Peek. A denial reserved nothing.
+type Decision struct {
+	Allowed   bool
+	Duplicate bool // the request id was admitted before; nothing more was charged
+	// DeniedBy is the index in States of the first limit that denied, -1 when
+	// allowed.
+	DeniedBy int
+	Reason   Reason
+	// RetryAfter is how long until the cost would fit in every denying limit;
+	// zero when waiting does not help (see Reason).
+	RetryAfter    time.Duration
+	Now           time.Time // Redis time of the decision
+	Version       int64     // the subject's version after the decision
+	TenantVersion int64     // the tenant's version (changes with tenant-wide limits)
+	States        []State
+}
+
+// ShadowDenied reports whether a shadow limit would have denied.
+func (d *Decision) ShadowDenied() bool {
+	for i := range d.States {
+		if d.States[i].WouldDeny {
+			return true
+		}
+	}
+	return false
+}
+
+func checkID(field, v string, required bool) error {
+	if v == "" && required {
+		return fmt.Errorf("%w: %s: required", ErrInvalid, field)
+	}
+	if len(v) > MaxID {
+		return fmt.Errorf("%w: %s: longer than %d bytes", ErrInvalid, field, MaxID)
+	}
+	return nil
+}
+
+func checkCost(field string, v int64) error {
+	if v < 0 || v > MaxCost {
+		return fmt.Errorf("%w: %s: must be between 0 and %d", ErrInvalid, field, int64(MaxCost))
+	}
+	return nil
+}
+
+func (r *Request) validate() error {
+	return errors.Join(
+		checkID("tenant", r.Tenant, true),
+		checkID("user", r.User, true),
+		checkID("request_id", r.RequestID, true),
+		checkCost("cost", r.Cost),
+	)
+}
+
+// Reserve checks every rule and, when all allow, reserves the cost in all of
+// them and stores a reservation record for RequestID; when one denies,
+// nothing is reserved. Reserving a request id again returns Duplicate and
+// charges nothing. It returns ErrNoEpoch when Redis lost its data.
+func (l *Limiter) Reserve(ctx context.Context, r Request) (Decision, error) {
+	if err := r.validate(); err != nil {
+		return Decision{}, err
+	}
+	return l.subjectCall(ctx, r, 0)
+}
+
+// Peek reports the subject's limits without changing anything. RequestID and
+// Cost are ignored.
+func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
+	r.RequestID = "-"
+	if err := r.validate(); err != nil {
+		return Decision{}, err
+	}
+	return l.subjectCall(ctx, r, 1)
+}
+
+func (l *Limiter) subjectCall(ctx context.Context, r Request, mode int) (Decision, error) {
+	k := newSubjectKeys(r.Tenant, r.User)
+	meta := metaLevel(r.Rules)
+	keys := make([]string, 0, 4+len(r.Rules))
+	keys = append(keys, epochKey(k.tag()), k.reservation(r.RequestID), k.version(), k.tenantVersion())
+	for i := range r.Rules {
+		keys = append(keys, k.limit(&r.Rules[i]))
+	}
+	args := make([]any, 0, 9+6*len(r.Rules))
+	args = append(args, l.offset, r.Cost, mode, l.guard, meta, l.resTTL, l.verTTL, r.RequestID, len(r.Rules))
+	args = appendSpecs(args, r.Rules, l.resTTL)
+	return l.decide(ctx, keys, args, r.Rules, fmt.Sprintf("reserve %s/%s", r.Tenant, r.User))
+}
+
+// metaLevel says which versions a subject call maintains: the user's always,
+// the tenant's too when tenant-wide limits are involved.
+func metaLevel(rules []Rule) int {
+	for i := range rules {
+		if rules[i].Scope == ScopeTenant {
+			return 2
+		}
+	}
+	return 1
+}
+
+// ReserveShared checks and reserves cost in the shared limits of one
+// endpoint (scope ScopeGlobal, id the endpoint) or one client IP (ScopeIP,
+// id the address), all or nothing. Shared limits keep no reservation
+// record: give a reservation back with Charge and a negative amount.
+func (l *Limiter) ReserveShared(ctx context.Context, scope Scope, id string, cost int64, rules []Rule) (Decision, error) {
+	return l.sharedCall(ctx, scope, id, cost, rules, 0)
+}
+
+// PeekShared reports shared limits without changing anything.
+func (l *Limiter) PeekShared(ctx context.Context, scope Scope, id string, rules []Rule) (Decision, error) {
+	return l.sharedCall(ctx, scope, id, 0, rules, 1)
+}
+
+func (l *Limiter) sharedCall(ctx context.Context, scope Scope, id string, cost int64, rules []Rule, mode int) (Decision, error) {
+	if err := errors.Join(checkID(string(scope), id, true), checkCost("cost", cost)); err != nil {
+		return Decision{}, err
+	}
+	tag := sharedTag(scope, id)
+	keys := make([]string, 0, 1+len(rules))
+	keys = append(keys, epochKey(tag))
+	for i := range rules {
+		keys = append(keys, sharedKey(tag, &rules[i]))
+	}
+	args := make([]any, 0, 9+6*len(rules))
+	args = append(args, l.offset, cost, mode, l.guard, 0, 0, 0, "", len(rules))
+	args = appendSpecs(args, rules, l.resTTL)
+	return l.decide(ctx, keys, args, rules, fmt.Sprintf("reserve %s %s", scope, id))
+}
+
+func (l *Limiter) decide(ctx context.Context, keys []string, args []any, rules []Rule, what string) (Decision, error) {
+	v, err := reserveScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	if err != nil {
+		return Decision{}, fmt.Errorf("%s: %w", what, err)
+	}
+	if len(v) == 1 && v[0] == -1 {
+		return Decision{}, ErrNoEpoch
+	}
+	const head = 7
+	if len(v) != head+5*len(rules) {
+		return Decision{}, fmt.Errorf("%s: reply of %d values for %d limits", what, len(v), len(rules))
+	}
+	d := Decision{
+		Allowed:       v[0] == 1 || v[0] == 2,
+		Duplicate:     v[0] == 2,
+		DeniedBy:      int(v[1]) - 1,
+		Now:           time.UnixMilli(v[4]),
+		Version:       v[5],
+		TenantVersion: v[6],
+		States:        states(v[head:], rules),
+	}
+	if v[2] > 0 {
+		d.RetryAfter = time.Duration(v[2]) * time.Millisecond
+	}
+	switch v[3] {
+	case 1:
+		d.Reason = ReasonCostExceedsLimit
+	case 2:
+		d.Reason = ReasonInsufficientBalance
+	}
+	return d, nil
+}
+
+func states(v []int64, rules []Rule) []State {
+	out := make([]State, len(rules))
+	for i := range out {
+		w := v[5*i : 5*i+5]
+		out[i] = State{
+			Rule: &rules[i], Limit: w[0], Used: w[1], Remaining: w[2],
+			Reset: time.Duration(w[3]) * time.Millisecond, WouldDeny: w[4] == 1,
+		}
+	}
+	return out
+}
+
+// Kind codes shared with lua/lib.lua.
+var kindCode = map[Kind]int{
+	Rolling: 1, Fixed: 2, CalendarMonth: 3, TokenBucket: 4, SlidingLog: 5, Balance: 6, Concurrency: 7,
+}
+
+// appendSpecs appends the 6 script values of each rule (see lua/lib.lua).
+func appendSpecs(args []any, rules []Rule, slotTTL int64) []any {
+	for i := range rules {
+		r := &rules[i]
+		unit, shadow := 0, 0
+		if r.Unit == Tokens {
+			unit = 1
+		}
+		if r.Shadow {
+			shadow = 1
+		}
+		limit, a, b := r.Limit.Limit, int64(0), int64(0)
+		var rate float64
+		switch r.Kind {
+		case Rolling:
+			n := int64(r.Buckets)
+			if n <= 0 {
+				n = DefaultBuckets
+			}
+			a, b = time.Duration(r.Window).Milliseconds()/n, n
+		case Fixed, SlidingLog:
+			a = time.Duration(r.Window).Milliseconds()
+		case TokenBucket:
+			limit = r.Burst
+			rate = r.Rate / float64(time.Duration(r.Per).Milliseconds())
+			b = time.Duration(r.Per).Milliseconds()
+		case Concurrency:
+			a = slotTTL
+		}
+		if r.Kind == TokenBucket {
+			args = append(args, kindCode[r.Kind], unit, limit, rate, b, shadow)
+		} else {
+			args = append(args, kindCode[r.Kind], unit, limit, a, b, shadow)
+		}
+	}
+	return args
+}

@@ -1,0 +1,685 @@
+package limits
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/redistest"
+)
+
+// newTenant returns a tenant name no other test uses, so tests sharing the
+// development Redis own their keys.
+func newTenant(t testing.TB) string {
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	return t.Name() + "-" + hex.EncodeToString(b)
+}
+
+// at returns a Limiter that sees Redis time shifted by offset: moving through
+// windows without sleeping.
+func at(c redis.Scripter, offset time.Duration) *Limiter {
+	return New(c, Options{NoEpochGuard: true, ClockOffset: offset})
+}
+
+func rule(scope Scope, l Limit) Rule {
+	if l.Unit == "" {
+		l.Unit = Tokens
+	}
+	return Rule{Limit: l, Scope: scope}
+}
+
+func reserve(t *testing.T, l *Limiter, tenant, user, id string, cost int64, rules []Rule) Decision {
+	t.Helper()
+	d, err := l.Reserve(context.Background(), Request{Tenant: tenant, User: user, RequestID: id, Cost: cost, Rules: rules})
+	if err != nil {
+		t.Fatalf("Reserve(%s, %d) error = %v", id, cost, err)
+	}
+	return d
+}
+
+func peek(t *testing.T, l *Limiter, tenant, user string, rules []Rule) Decision {
+	t.Helper()
+	d, err := l.Peek(context.Background(), Request{Tenant: tenant, User: user, Rules: rules})
+	if err != nil {
+		t.Fatalf("Peek error = %v", err)
+	}
+	return d
+}
+
+func wantAllowed(t *testing.T, d Decision, want bool) {
+	t.Helper()
+	if d.Allowed != want {
+		t.Fatalf("Allowed = %v, want %v (decision %+v)", d.Allowed, want, d)
+	}
+}
+
+func wantUsed(t *testing.T, d Decision, i int, used int64) {
+	t.Helper()
+	if got := d.States[i].Used; got != used {
+		t.Fatalf("States[%d].Used = %d, want %d", i, got, used)
+	}
+}
+
+func TestRollingSlidesBucketByBucket(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 100, Window: Duration(10 * time.Second), Buckets: 10})}
+
+	d0 := reserve(t, at(c, 0), tenant, "u", "r1", 60, rules)
+	wantAllowed(t, d0, true)
+	d1 := reserve(t, at(c, 3*time.Second), tenant, "u", "r2", 40, rules)
+	wantAllowed(t, d1, true)
+	wantUsed(t, d1, 0, 100)
+	if d1.States[0].Remaining != 0 {
+		t.Fatalf("Remaining = %d, want 0", d1.States[0].Remaining)
+	}
+
+	// The 60 of r1 leave when their bucket leaves the window: that is when a
+	// single token fits again.
+	d2 := reserve(t, at(c, 4*time.Second), tenant, "u", "r3", 1, rules)
+	wantAllowed(t, d2, false)
+	b0 := d0.Now.UnixMilli() / 1000
+	want := time.Duration((b0+10)*1000-d2.Now.UnixMilli()) * time.Millisecond
+	if d2.RetryAfter != want {
+		t.Fatalf("RetryAfter = %v, want %v", d2.RetryAfter, want)
+	}
+	if d2.DeniedBy != 0 || d2.Reason != ReasonNone {
+		t.Fatalf("DeniedBy, Reason = %d, %q; want 0, none", d2.DeniedBy, d2.Reason)
+	}
+	wantUsed(t, d2, 0, 100) // the denial reserved nothing
+
+	// Past r1's bucket, 60 tokens are free again, but not 61.
+	later := at(c, time.Duration(want)+4*time.Second)
+	wantAllowed(t, reserve(t, later, tenant, "u", "r4", 61, rules), false)
+	d4 := reserve(t, later, tenant, "u", "r5", 60, rules)
+	wantAllowed(t, d4, true)
+	wantUsed(t, d4, 0, 100)
+
+	// After a whole idle window everything is free.
+	wantUsed(t, peek(t, at(c, 30*time.Second), tenant, "u", rules), 0, 0)
+}
+
+func TestFixedWindowResetsAtEpochAlignedBoundary(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "hour", Kind: Fixed, Unit: Requests, Limit: 3, Window: Duration(time.Hour)})}
+	l := at(c, 0)
+	for i := range 3 {
+		d := reserve(t, l, tenant, "u", "r"+string(rune('a'+i)), 500, rules)
+		wantAllowed(t, d, true)
+		wantUsed(t, d, 0, int64(i+1)) // a request costs 1 in a request limit
+	}
+	d := reserve(t, l, tenant, "u", "r-deny", 1, rules)
+	wantAllowed(t, d, false)
+	end := (d.Now.UnixMilli()/3600000 + 1) * 3600000
+	if want := time.Duration(end-d.Now.UnixMilli()) * time.Millisecond; d.RetryAfter != want || d.States[0].Reset != want {
+		t.Fatalf("RetryAfter, Reset = %v, %v; want %v", d.RetryAfter, d.States[0].Reset, want)
+	}
+	next := at(c, time.Duration(end-d.Now.UnixMilli()+1)*time.Millisecond)
+	wantAllowed(t, reserve(t, next, tenant, "u", "r-next", 1, rules), true)
+}
+
+func TestCalendarMonthResetsAtUTCMonthStart(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "month", Kind: CalendarMonth, Limit: 1000})}
+	d := reserve(t, at(c, 0), tenant, "u", "r1", 1000, rules)
+	wantAllowed(t, d, true)
+	now := d.Now.UTC()
+	next := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, time.UTC)
+	if want := next.Sub(d.Now).Truncate(time.Millisecond); d.States[0].Reset != want {
+		t.Fatalf("Reset = %v, want %v (next month %v)", d.States[0].Reset, want, next)
+	}
+	wantAllowed(t, reserve(t, at(c, 0), tenant, "u", "r2", 1, rules), false)
+	toNext := next.Sub(d.Now) + time.Second
+	wantAllowed(t, reserve(t, at(c, toNext), tenant, "u", "r3", 1000, rules), true)
+	// Month lengths: 31 days after the 31st of January is not March 3rd.
+	for _, tc := range []struct{ at, wantEnd time.Time }{
+		{time.Date(2028, 2, 29, 23, 0, 0, 0, time.UTC), time.Date(2028, 3, 1, 0, 0, 0, 0, time.UTC)},
+		{time.Date(2026, 12, 31, 12, 0, 0, 0, time.UTC), time.Date(2027, 1, 1, 0, 0, 0, 0, time.UTC)},
+		{time.Date(2100, 2, 28, 0, 0, 0, 0, time.UTC), time.Date(2100, 3, 1, 0, 0, 0, 0, time.UTC)},
+	} {
+		off := time.Until(tc.at)
+		dd := peek(t, at(c, off), newTenant(t), "u", rules)
+		got := dd.Now.Add(dd.States[0].Reset)
+		if !got.Equal(tc.wantEnd) {
+			t.Errorf("month end seen at %v = %v, want %v", dd.Now.UTC(), got.UTC(), tc.wantEnd)
+		}
+	}
+}
+
+func TestTokenBucketRefillsAndCapsAtBurst(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 10, Per: Duration(time.Second), Burst: 5})}
+	l := at(c, 0)
+	for i := range 5 {
+		wantAllowed(t, reserve(t, l, tenant, "u", "a"+string(rune('0'+i)), 1, rules), true)
+	}
+	d := reserve(t, l, tenant, "u", "deny", 1, rules)
+	wantAllowed(t, d, false)
+	if d.RetryAfter <= 0 || d.RetryAfter > 100*time.Millisecond {
+		t.Fatalf("RetryAfter = %v, want in (0, 100ms] at 10/s", d.RetryAfter)
+	}
+	// An hour later the bucket holds its burst, not 36000 tokens.
+	later := at(c, time.Hour)
+	for i := range 5 {
+		wantAllowed(t, reserve(t, later, tenant, "u", "b"+string(rune('0'+i)), 1, rules), true)
+	}
+	wantAllowed(t, reserve(t, later, tenant, "u", "b-deny", 1, rules), false)
+}
+
+func TestTokenBucketRateZeroIsAllowancePerPeriod(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "trial", Kind: TokenBucket, Unit: Requests, Rate: 0, Per: Duration(24 * time.Hour), Burst: 2})}
+	first := reserve(t, at(c, 0), tenant, "u", "a", 1, rules)
+	wantAllowed(t, first, true)
+	wantAllowed(t, reserve(t, at(c, time.Hour), tenant, "u", "b", 1, rules), true)
+	d := reserve(t, at(c, 2*time.Hour), tenant, "u", "c", 1, rules)
+	wantAllowed(t, d, false)
+	want := first.Now.Add(24 * time.Hour).Sub(d.Now)
+	if d.RetryAfter != want {
+		t.Fatalf("RetryAfter = %v, want %v (no refill until the period ends)", d.RetryAfter, want)
+	}
+	wantAllowed(t, reserve(t, at(c, 24*time.Hour+time.Second), tenant, "u", "d", 1, rules), true)
+}
+
+func TestSlidingLogIsExact(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "log", Kind: SlidingLog, Unit: Requests, Limit: 3, Window: Duration(10 * time.Second)})}
+	var times []time.Time
+	for i := range 3 {
+		d := reserve(t, at(c, time.Duration(i)*time.Second), tenant, "u", "r"+string(rune('0'+i)), 1, rules)
+		wantAllowed(t, d, true)
+		times = append(times, d.Now)
+	}
+	d := reserve(t, at(c, 3*time.Second), tenant, "u", "deny", 1, rules)
+	wantAllowed(t, d, false)
+	if want := times[0].Add(10 * time.Second).Sub(d.Now); d.RetryAfter != want {
+		t.Fatalf("RetryAfter = %v, want %v (when the oldest entry leaves)", d.RetryAfter, want)
+	}
+	// Just after the first entry leaves, exactly one request fits.
+	after := at(c, times[0].Add(10*time.Second+time.Millisecond).Sub(d.Now)+3*time.Second)
+	wantAllowed(t, reserve(t, after, tenant, "u", "r3", 1, rules), true)
+	wantAllowed(t, reserve(t, after, tenant, "u", "r4", 1, rules), false)
+}
+
+func TestBalanceSpendsTopUpsOnce(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "credits", Kind: Balance})}
+	l := at(c, 0)
+	ctx := context.Background()
+
+	d := reserve(t, l, tenant, "u", "r0", 10, rules)
+	wantAllowed(t, d, false)
+	if d.Reason != ReasonInsufficientBalance || d.RetryAfter != 0 {
+		t.Fatalf("Reason, RetryAfter = %q, %v; want insufficient_balance, 0", d.Reason, d.RetryAfter)
+	}
+	for i, want := range []bool{true, false} { // the retry of reference "pack-1" applies nothing
+		res, err := l.TopUp(ctx, tenant, "u", &rules[0], 100, "pack-1")
+		if err != nil || res.Applied != want || res.Credited != 100 {
+			t.Fatalf("TopUp #%d = %+v, %v; want applied %v, credited 100", i, res, err, want)
+		}
+	}
+	wantAllowed(t, reserve(t, l, tenant, "u", "r1", 60, rules), true)
+	wantAllowed(t, reserve(t, l, tenant, "u", "r2", 50, rules), false)
+	s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 30, Rules: rules})
+	if err != nil || s.Status != Settled || s.Delta != -30 {
+		t.Fatalf("Correct = %+v, %v; want settled, delta -30", s, err)
+	}
+	p := peek(t, l, tenant, "u", rules)
+	if st := p.States[0]; st.Limit != 100 || st.Used != 30 || st.Remaining != 70 {
+		t.Fatalf("balance = %+v, want limit 100 used 30 remaining 70", st)
+	}
+}
+
+func TestConcurrencyHoldsSlotUntilSettled(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "inflight", Kind: Concurrency, Unit: Requests, Limit: 2})}
+	l := at(c, 0)
+	ctx := context.Background()
+	wantAllowed(t, reserve(t, l, tenant, "u", "a", 5, rules), true)
+	wantAllowed(t, reserve(t, l, tenant, "u", "b", 5, rules), true)
+	d := reserve(t, l, tenant, "u", "c", 5, rules)
+	wantAllowed(t, d, false)
+	if d.RetryAfter != time.Second {
+		t.Fatalf("RetryAfter = %v, want 1s", d.RetryAfter)
+	}
+	if _, err := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "a", Rules: rules}); err != nil {
+		t.Fatal(err)
+	}
+	wantAllowed(t, reserve(t, l, tenant, "u", "c", 5, rules), true)
+	if _, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "b", Actual: 3, Rules: rules}); err != nil {
+		t.Fatal(err)
+	}
+	wantUsed(t, peek(t, l, tenant, "u", rules), 0, 1)
+	// A slot nobody settles expires with the reservation.
+	wantUsed(t, peek(t, at(c, 2*time.Hour), tenant, "u", rules), 0, 0)
+}
+
+func TestDenialReservesNothingAnywhere(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{
+		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 1_000_000}),
+		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)}),
+		rule(ScopeUser, Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 2, Window: Duration(24 * time.Hour)}),
+	}
+	l := at(c, 0)
+	wantAllowed(t, reserve(t, l, tenant, "u", "a", 10, rules), true)
+	wantAllowed(t, reserve(t, l, tenant, "u", "b", 10, rules), true)
+	d := reserve(t, l, tenant, "u", "c", 10, rules)
+	wantAllowed(t, d, false)
+	if d.DeniedBy != 2 {
+		t.Fatalf("DeniedBy = %d, want 2 (daily)", d.DeniedBy)
+	}
+	for i, want := range []int64{20, 20, 2} {
+		wantUsed(t, d, i, want)
+	}
+	// The tenant-wide counter is shared by the tenant's users.
+	d2 := reserve(t, l, tenant, "other", "a", 10, rules)
+	wantAllowed(t, d2, true)
+	wantUsed(t, d2, 0, 30)
+	wantUsed(t, d2, 1, 10)
+	if d2.TenantVersion != 3 || d2.Version != 1 {
+		t.Fatalf("versions = %d, %d; want tenant 3, user 1", d2.TenantVersion, d2.Version)
+	}
+}
+
+func TestCostExceedingLimitNeverFits(t *testing.T) {
+	c := redistest.Shared(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
+	d := reserve(t, at(c, 0), newTenant(t), "u", "big", 1001, rules)
+	wantAllowed(t, d, false)
+	if d.Reason != ReasonCostExceedsLimit || d.RetryAfter != 0 {
+		t.Fatalf("Reason, RetryAfter = %q, %v; want cost_exceeds_limit, 0", d.Reason, d.RetryAfter)
+	}
+}
+
+func TestReserveIsIdempotentByRequestID(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
+	l := at(c, 0)
+	first := reserve(t, l, tenant, "u", "same", 100, rules)
+	again := reserve(t, l, tenant, "u", "same", 100, rules)
+	if !again.Allowed || !again.Duplicate || first.Duplicate {
+		t.Fatalf("first, again = %+v, %+v; want allowed, then duplicate", first, again)
+	}
+	wantUsed(t, again, 0, 100)
+	if again.Version != first.Version {
+		t.Fatalf("version moved on a duplicate: %d -> %d", first.Version, again.Version)
+	}
+	// The same id of another user is another request.
+	wantUsed(t, reserve(t, l, tenant, "v", "same", 100, rules), 0, 100)
+}
+
+func TestCorrectAndReleaseApplyOnce(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{
+		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)}),
+		rule(ScopeUser, Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 100, Window: Duration(24 * time.Hour)}),
+	}
+	l := at(c, 0)
+	ctx := context.Background()
+	reserve(t, l, tenant, "u", "r1", 100, rules)
+	for i, want := range []SettleStatus{Settled, AlreadySettled, AlreadySettled} {
+		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 40, Rules: rules})
+		if err != nil || s.Status != want {
+			t.Fatalf("Correct #%d = %+v, %v; want status %v", i, s, err, want)
+		}
+		if len(s.States) != 1 || s.States[0].Used != 40 {
+			t.Fatalf("Correct #%d states = %+v, want only the token limit at 40", i, s.States)
+		}
+	}
+	// A request, once admitted, stays counted in request limits.
+	wantUsed(t, peek(t, l, tenant, "u", rules), 1, 1)
+
+	reserve(t, l, tenant, "u", "r2", 300, rules)
+	s, err := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules})
+	if err != nil || s.Status != Settled || s.Delta != -300 || s.States[0].Used != 40 {
+		t.Fatalf("Release = %+v, %v; want settled, -300, used 40", s, err)
+	}
+	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != AlreadySettled {
+		t.Fatalf("second Release status = %v, want AlreadySettled", s.Status)
+	}
+	if s, _ := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Actual: 999, Rules: rules}); s.Status != AlreadySettled || s.States[0].Used != 40 {
+		t.Fatalf("Correct after Release = %+v, want AlreadySettled at 40", s)
+	}
+	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "never", Rules: rules}); s.Status != UnknownRelease || s.States[0].Used != 40 {
+		t.Fatalf("Release unknown = %+v, want UnknownRelease at 40", s)
+	}
+	// An actual with no reservation anywhere is charged in full, once.
+	for i, want := range []SettleStatus{ChargedUnknown, AlreadySettled} {
+		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "orphan", Actual: 25, Rules: rules})
+		if err != nil || s.Status != want || s.States[0].Used != 65 {
+			t.Fatalf("Correct orphan #%d = %+v, %v; want %v at 65", i, s, err, want)
+		}
+	}
+}
+
+func TestCorrectionLandsInTheReservationsBucket(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{
+		rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 1000, Window: Duration(10 * time.Second), Buckets: 10}),
+		rule(ScopeUser, Limit{Name: "1m", Kind: Rolling, Limit: 1000, Window: Duration(time.Minute), Buckets: 6}),
+	}
+	ctx := context.Background()
+	d := reserve(t, at(c, 0), tenant, "u", "r1", 100, rules)
+	// 20 s later the 10 s window has slid past the reservation; the minute
+	// window has not, and the correction lands in the reservation's bucket, so
+	// it leaves the window together with the estimate.
+	later := at(c, 20*time.Second)
+	s, err := later.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 150, Rules: rules})
+	if err != nil || s.Status != Settled || !s.ReservedAt.Equal(d.Now) {
+		t.Fatalf("Correct = %+v, %v", s, err)
+	}
+	if s.States[0].Used != 0 || s.States[1].Used != 150 {
+		t.Fatalf("used after correction = %d, %d; want 0 (slid past), 150", s.States[0].Used, s.States[1].Used)
+	}
+	bucket := d.Now.UnixMilli() / 10000
+	leave := time.Duration((bucket+6)*10000-d.Now.UnixMilli()) * time.Millisecond
+	wantUsed(t, peek(t, at(c, leave), tenant, "u", rules), 1, 0)
+
+	// The ledger's copy stands in for an expired Redis record.
+	fb := &Fallback{ReservedAt: s.Now, Estimate: 100}
+	s2, err := later.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "expired", Actual: 130, Rules: rules, Fallback: fb})
+	if err != nil || s2.Status != Settled || s2.Delta != 30 {
+		t.Fatalf("Correct with fallback = %+v, %v; want settled, delta 30", s2, err)
+	}
+}
+
+func TestShadowLimitFillsButNeverDenies(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	shadow := rule(ScopeUser, Limit{Name: "try", Kind: Fixed, Unit: Requests, Limit: 1, Window: Duration(time.Hour), Shadow: true})
+	rules := []Rule{shadow, rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)})}
+	l := at(c, 0)
+	d1 := reserve(t, l, tenant, "u", "a", 10, rules)
+	d2 := reserve(t, l, tenant, "u", "b", 10, rules)
+	if !d1.Allowed || !d2.Allowed || d1.ShadowDenied() || !d2.ShadowDenied() || !d2.States[0].WouldDeny {
+		t.Fatalf("decisions = %+v / %+v; want both allowed, the second would-deny", d1, d2)
+	}
+	wantUsed(t, d2, 0, 2)
+	wantUsed(t, d2, 1, 20)
+}
+
+func TestEpochGuard(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	ctx := context.Background()
+	l := New(c, Options{})
+	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)})}
+	req := Request{Tenant: "acme", User: "u", RequestID: "r1", Cost: 10, Rules: rules}
+
+	if _, err := l.Reserve(ctx, req); !errors.Is(err, ErrNoEpoch) {
+		t.Fatalf("Reserve on a fresh Redis error = %v, want ErrNoEpoch", err)
+	}
+	if missing, err := EpochMissing(ctx, c); err != nil || !missing {
+		t.Fatalf("EpochMissing = %v, %v; want true", missing, err)
+	}
+	if err := WriteEpoch(ctx, c, "rebuild-1"); err != nil {
+		t.Fatal(err)
+	}
+	if missing, err := EpochMissing(ctx, c); err != nil || missing {
+		t.Fatalf("EpochMissing after WriteEpoch = %v, %v; want false", missing, err)
+	}
+	if d, err := l.Reserve(ctx, req); err != nil || !d.Allowed {
+		t.Fatalf("Reserve after WriteEpoch = %+v, %v", d, err)
+	}
+	// A restart without persistence loses everything, the epoch included:
+	// nobody gets a fresh quota, the caller is told to decide locally.
+	srv.Stop()
+	srv.Restart()
+	for name, call := range map[string]func() error{
+		"Reserve": func() error { _, err := l.Reserve(ctx, req); return err },
+		"Correct": func() error {
+			_, err := l.Correct(ctx, Settle{Tenant: "acme", User: "u", RequestID: "r1", Rules: rules})
+			return err
+		},
+		"Lease": func() error {
+			r := Rule{Limit: Limit{Name: "g", Kind: Fixed, Unit: Requests, Limit: 5, Window: Duration(time.Second)}, Scope: ScopeGlobal}
+			_, err := l.Lease(ctx, ScopeGlobal, "/x", &r, 1)
+			return err
+		},
+	} {
+		if err := call(); !errors.Is(err, ErrNoEpoch) {
+			t.Errorf("%s after restart error = %v, want ErrNoEpoch", name, err)
+		}
+	}
+	// The rebuild restores the windows from the ledger, then writes the epoch.
+	if _, err := l.Charge(ctx, ChargeRequest{Tenant: "acme", User: "u", Rules: rules, Amount: 10, Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteEpoch(ctx, c, "rebuild-2"); err != nil {
+		t.Fatal(err)
+	}
+	d, err := l.Peek(ctx, req)
+	if err != nil || d.States[0].Used != 10 {
+		t.Fatalf("Peek after rebuild = %+v, %v; want used 10", d, err)
+	}
+}
+
+func TestIdentifiersNeverShareState(t *testing.T) {
+	c := redistest.Shared(t)
+	base := newTenant(t)
+	long := strings.Repeat("é", MaxID/2)
+	pairs := [][2]string{
+		{"a:b", "c"}, {"a", "b:c"},
+		{"{x}", "u"}, {"x", "u"}, {"%7Bx%7D", "u"}, {"{x", "}u"},
+		{"t", " "}, {"t", "  "}, {"t", "\t"},
+		{"t", "Ａdmin"}, {"t", "Admin"}, {"t", "аdmin"}, // fullwidth and Cyrillic look-alikes
+		{"t", long}, {"t", long[:len(long)-2] + "e"},
+		{"%g/x", "u"}, {"%i1.2.3.4", "u"},
+		{"t", "u:e:/x:daily"}, {"t", "u"},
+	}
+	rules := []Rule{rule(ScopeUser, Limit{Name: "one", Kind: Fixed, Unit: Requests, Limit: 1, Window: Duration(time.Hour)})}
+	l := at(c, 0)
+	for _, p := range pairs {
+		d := reserve(t, l, base+p[0], p[1], "r", 1, rules)
+		if !d.Allowed || d.Duplicate {
+			t.Errorf("first request of (%q, %q) = %+v: it shares state with an earlier pair", p[0], p[1], d)
+		}
+	}
+	// An endpoint's per-user limit never shares a counter with a plan limit.
+	ep := []Rule{{Limit: rules[0].Limit, Scope: ScopeUser, Endpoint: "/x"}}
+	wantAllowed(t, reserve(t, l, base+"t", "u", "r2", 1, ep), true)
+}
+
+func TestKeysOfATenantShareItsHashTag(t *testing.T) {
+	for _, tenant := range []string{"acme", "{x}", "a}b{c", "%7B", ":::", "é"} {
+		k := newSubjectKeys(tenant, "u:{1}")
+		r := Rule{Limit: Limit{Name: "5h"}, Scope: ScopeUser}
+		tr := Rule{Limit: Limit{Name: "month"}, Scope: ScopeTenant}
+		keys := []string{k.limit(&r), k.limit(&tr), k.reservation("r:{2}"), k.version(), k.tenantVersion(), k.topup("ref}")}
+		want := hashTag(keys[0])
+		if want != esc(tenant) {
+			t.Errorf("tag of %q = %q, want %q", tenant, want, esc(tenant))
+		}
+		for _, key := range keys {
+			if got := hashTag(key); got != want {
+				t.Errorf("hashTag(%q) = %q, want %q", key, got, want)
+			}
+		}
+		if crc16(hashTag(epochKey(want)))%numSlots != crc16(want)%numSlots {
+			t.Errorf("epoch key of %q is in another slot", tenant)
+		}
+	}
+}
+
+// hashTag applies Redis Cluster's rule: the bytes between the first '{' and
+// the next '}', when not empty.
+func hashTag(key string) string {
+	i := strings.IndexByte(key, '{')
+	if i < 0 {
+		return key
+	}
+	j := strings.IndexByte(key[i+1:], '}')
+	if j <= 0 {
+		return key
+	}
+	return key[i+1 : i+1+j]
+}
+
+func TestLeaseNeverOverAdmits(t *testing.T) {
+	c := redistest.Shared(t)
+	ep := "/lease/" + newTenant(t)
+	r := Rule{Limit: Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 10, Window: Duration(time.Hour)}, Scope: ScopeGlobal, Endpoint: ep}
+	l := at(c, 0)
+	ctx := context.Background()
+	var got []int64
+	var last Lease
+	for _, n := range []int64{4, 10, 3} {
+		le, err := l.Lease(ctx, ScopeGlobal, ep, &r, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, le.Granted)
+		last = le
+		if le.ExpiresAt.After(le.Now.Truncate(time.Hour).Add(time.Hour)) {
+			t.Fatalf("lease outlives its window: expires %v", le.ExpiresAt)
+		}
+	}
+	if got[0] != 4 || got[1] != 6 || got[2] != 0 {
+		t.Fatalf("grants = %v, want [4 6 0]", got)
+	}
+	back, err := l.ReturnLease(ctx, ScopeGlobal, ep, &r, last, 3)
+	if err != nil || back != 3 {
+		t.Fatalf("ReturnLease = %d, %v; want 3", back, err)
+	}
+	d, _ := l.PeekShared(ctx, ScopeGlobal, ep, []Rule{r})
+	wantUsed(t, d, 0, 7)
+	// A lease from a window that has ended returns nothing to the new one.
+	next := at(c, time.Hour)
+	if back, _ := next.ReturnLease(ctx, ScopeGlobal, ep, &r, last, 3); back != 0 {
+		t.Fatalf("ReturnLease into the next window = %d, want 0", back)
+	}
+	// Token buckets lease too; the lease expires once the bucket could have
+	// refilled what it granted.
+	tb := Rule{Limit: Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 100, Per: Duration(time.Second), Burst: 50}, Scope: ScopeGlobal}
+	le, err := l.Lease(ctx, ScopeGlobal, ep, &tb, 20)
+	if err != nil || le.Granted != 20 || le.ExpiresAt.Sub(le.Now) != 200*time.Millisecond {
+		t.Fatalf("token bucket lease = %+v, %v; want 20 granted for 200ms", le, err)
+	}
+	if _, err := l.Lease(ctx, ScopeGlobal, ep, &Rule{Limit: Limit{Name: "x", Kind: Rolling, Unit: Requests}}, 1); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("lease of a rolling limit error = %v, want ErrInvalid", err)
+	}
+}
+
+func TestChargeGivesBackASharedReservation(t *testing.T) {
+	c := redistest.Shared(t)
+	ip := "198.51.100." + newTenant(t)
+	rules := []Rule{
+		{Limit: Limit{Name: "burst", Kind: SlidingLog, Unit: Requests, Limit: 5, Window: Duration(time.Minute)}, Scope: ScopeIP},
+		{Limit: Limit{Name: "tokens", Kind: Rolling, Unit: Tokens, Limit: 500, Window: Duration(time.Hour)}, Scope: ScopeIP},
+	}
+	l := at(c, 0)
+	ctx := context.Background()
+	if d, err := l.ReserveShared(ctx, ScopeIP, ip, 100, rules); err != nil || !d.Allowed {
+		t.Fatalf("ReserveShared = %+v, %v", d, err)
+	}
+	st, err := l.Charge(ctx, ChargeRequest{SharedScope: ScopeIP, SharedID: ip, Rules: rules, Amount: -100})
+	if err != nil || st[0].Used != 0 || st[1].Used != 0 {
+		t.Fatalf("Charge(-100) = %+v, %v; want both back at 0", st, err)
+	}
+}
+
+func TestValidation(t *testing.T) {
+	l := New(redistest.Shared(t), Options{NoEpochGuard: true})
+	ctx := context.Background()
+	for name, req := range map[string]Request{
+		"empty tenant":  {User: "u", RequestID: "r"},
+		"empty user":    {Tenant: "t", RequestID: "r"},
+		"long user":     {Tenant: "t", User: strings.Repeat("x", MaxID+1), RequestID: "r"},
+		"negative cost": {Tenant: "t", User: "u", RequestID: "r", Cost: -1},
+		"huge cost":     {Tenant: "t", User: "u", RequestID: "r", Cost: MaxCost + 1},
+	} {
+		if _, err := l.Reserve(ctx, req); !errors.Is(err, ErrInvalid) {
+			t.Errorf("Reserve(%s) error = %v, want ErrInvalid", name, err)
+		}
+	}
+}
+
+// raceExactly runs workers goroutines of perWorker requests of cost 1
+// against a quota of quota tokens and returns how many were allowed.
+func raceExactly(t *testing.T, l *Limiter, tenant string, workers, perWorker int, quota int64) int64 {
+	rules := []Rule{
+		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 1 << 40}),
+		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: quota, Window: Duration(5 * time.Hour)}),
+		rule(ScopeUser, Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 1, Per: Duration(time.Hour), Burst: 1 << 30}),
+	}
+	var allowed, failed atomic.Int64
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range perWorker {
+				id := string(rune('A'+w%26)) + "-" + hex.EncodeToString([]byte{byte(w), byte(i), byte(i >> 8)})
+				d, err := l.Reserve(context.Background(), Request{Tenant: tenant, User: "hot", RequestID: id, Cost: 1, Rules: rules})
+				if err != nil {
+					failed.Add(1)
+					continue
+				}
+				if d.Allowed {
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if failed.Load() > 0 {
+		t.Fatalf("%d reserves failed", failed.Load())
+	}
+	return allowed.Load()
+}
+
+func TestConcurrentReservesAreExact(t *testing.T) {
+	l := at(redistest.Shared(t), 0)
+	if got := raceExactly(t, l, newTenant(t), 64, 200, 1000); got != 1000 {
+		t.Fatalf("allowed %d of 12800 racing requests, want exactly 1000", got)
+	}
+}
+
+func TestClusterReservesAreExact(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	if err := WriteEpoch(ctx, cc, "cluster"); err != nil {
+		t.Fatal(err)
+	}
+	l := New(cc, Options{})
+	if got := raceExactly(t, l, newTenant(t), 64, 200, 1000); got != 1000 {
+		t.Fatalf("allowed %d of 12800 racing requests on the cluster, want exactly 1000", got)
+	}
+	// Tenants spread over the shards, each tenant's call stays on one.
+	for i := range 20 {
+		tenant := newTenant(t) + string(rune('a'+i))
+		reserve(t, l, tenant, "u", "r", 5, []Rule{
+			rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 100}),
+			rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)}),
+		})
+	}
+	var shardsWithKeys atomic.Int64
+	_ = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		if keys, _ := c.Keys(ctx, "q{*").Result(); len(keys) > 0 {
+			shardsWithKeys.Add(1)
+		}
+		return nil
+	})
+	if shardsWithKeys.Load() < 2 {
+		t.Fatalf("tenants landed on %d shards, want them spread", shardsWithKeys.Load())
+	}
+}

@@ -1,0 +1,213 @@
+package limits
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// SettleStatus says what a Correct or Release did.
+type SettleStatus int
+
+// The outcomes of settling a reservation.
+const (
+	// Settled means the reservation was corrected or released now.
+	Settled SettleStatus = iota + 1
+	// AlreadySettled means an earlier call settled it; nothing changed.
+	AlreadySettled
+	// ChargedUnknown means Correct found no reservation (and no fallback):
+	// the actual cost was charged in full at Redis's current time.
+	ChargedUnknown
+	// UnknownRelease means Release found no reservation: nothing to give back.
+	UnknownRelease
+)
+
+// Fallback is the durable copy of a reservation (the accounter's ledger),
+// used when the Redis record has expired or was lost.
+type Fallback struct {
+	ReservedAt time.Time
+	Estimate   int64
+}
+
+// Settle identifies a reservation to correct or release and the subject's
+// rules. Rules may hold every rule of the subject: only token limits and
+// concurrency slots are touched, since a request once admitted stays counted
+// in request limits.
+type Settle struct {
+	Tenant    string
+	User      string
+	RequestID string
+	Actual    int64 // weighted tokens actually used (Correct only)
+	Rules     []Rule
+	Fallback  *Fallback // optional
+}
+
+// Settlement is the result of Correct or Release.
+type Settlement struct {
+	Status        SettleStatus
+	Delta         int64     // tokens added to the windows (negative: given back)
+	ReservedAt    time.Time // the time the correction was applied at
+	Now           time.Time
+	Version       int64
+	TenantVersion int64
+	States        []State // the touched limits after the change
+}
+
+// Correct moves every token window of the reservation by actual - estimate,
+// in the bucket of the reservation's time (windows that have slid past it are
+// left alone), and frees its concurrency slot. It applies once however often
+// it is called. A request id with no reservation (and no Fallback) is charged
+// in full now.
+func (l *Limiter) Correct(ctx context.Context, s Settle) (Settlement, error) {
+	return l.settle(ctx, s, 1)
+}
+
+// Release gives the estimate and the concurrency slot of a reservation back,
+// once. Actual is ignored.
+func (l *Limiter) Release(ctx context.Context, s Settle) (Settlement, error) {
+	return l.settle(ctx, s, 2)
+}
+
+func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, error) {
+	if err := errors.Join(
+		checkID("tenant", s.Tenant, true),
+		checkID("user", s.User, true),
+		checkID("request_id", s.RequestID, true),
+		checkCost("actual", s.Actual),
+	); err != nil {
+		return Settlement{}, err
+	}
+	rules := settleRules(s.Rules)
+	k := newSubjectKeys(s.Tenant, s.User)
+	keys := make([]string, 0, 4+len(rules))
+	keys = append(keys, epochKey(k.tag()), k.reservation(s.RequestID), k.version(), k.tenantVersion())
+	for i := range rules {
+		keys = append(keys, k.limit(&rules[i]))
+	}
+	fbAt, fbEst := int64(-1), int64(-1)
+	if s.Fallback != nil {
+		fbAt, fbEst = s.Fallback.ReservedAt.UnixMilli(), s.Fallback.Estimate
+	}
+	args := make([]any, 0, 11+6*len(rules))
+	args = append(args, l.offset, op, s.Actual, l.guard, metaLevel(rules), l.resTTL, l.verTTL,
+		s.RequestID, fbAt, fbEst, len(rules))
+	args = appendSpecs(args, rules, l.resTTL)
+	v, err := settleScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	if err != nil {
+		return Settlement{}, fmt.Errorf("settle %s/%s: %w", s.Tenant, s.User, err)
+	}
+	if len(v) == 1 && v[0] == -1 {
+		return Settlement{}, ErrNoEpoch
+	}
+	const head = 6
+	if len(v) != head+5*len(rules) {
+		return Settlement{}, fmt.Errorf("settle %s/%s: reply of %d values for %d limits", s.Tenant, s.User, len(v), len(rules))
+	}
+	return Settlement{
+		Status:        SettleStatus(v[0]),
+		Delta:         v[1],
+		ReservedAt:    time.UnixMilli(v[2]),
+		Now:           time.UnixMilli(v[3]),
+		Version:       v[4],
+		TenantVersion: v[5],
+		States:        states(v[head:], rules),
+	}, nil
+}
+
+// settleRules keeps the rules a settlement touches: token limits and
+// concurrency slots.
+func settleRules(rules []Rule) []Rule {
+	n := 0
+	for i := range rules {
+		if touchedBySettle(&rules[i]) {
+			n++
+		}
+	}
+	if n == len(rules) {
+		return rules
+	}
+	out := make([]Rule, 0, n)
+	for i := range rules {
+		if touchedBySettle(&rules[i]) {
+			out = append(out, rules[i])
+		}
+	}
+	return out
+}
+
+func touchedBySettle(r *Rule) bool {
+	return r.Unit == Tokens || r.Kind == Concurrency
+}
+
+// Charge adds amount (negative gives back) to rules at time at (zero: now),
+// without a reservation record. Tenant and user (or, with Shared set, the
+// shared scope and id) name the counters. Admission uses it to give back an
+// earlier layer's reservation when a later layer denies; the accounter uses
+// it with Force to restore windows from its ledger after Redis lost its data.
+func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) {
+	if err := checkCost("amount", abs(c.Amount)); err != nil {
+		return nil, err
+	}
+	var tag string
+	var keyOf func(*Rule) string
+	if c.SharedScope != "" {
+		if err := checkID(string(c.SharedScope), c.SharedID, true); err != nil {
+			return nil, err
+		}
+		tag = sharedTag(c.SharedScope, c.SharedID)
+		keyOf = func(r *Rule) string { return sharedKey(tag, r) }
+	} else {
+		if err := errors.Join(checkID("tenant", c.Tenant, true), checkID("user", c.User, true)); err != nil {
+			return nil, err
+		}
+		k := newSubjectKeys(c.Tenant, c.User)
+		tag = k.tag()
+		keyOf = k.limit
+	}
+	keys := make([]string, 0, 1+len(c.Rules))
+	keys = append(keys, epochKey(tag))
+	for i := range c.Rules {
+		keys = append(keys, keyOf(&c.Rules[i]))
+	}
+	at := int64(0)
+	if !c.At.IsZero() {
+		at = c.At.UnixMilli()
+	}
+	guard := l.guard
+	if c.Force {
+		guard = "0"
+	}
+	args := make([]any, 0, 5+6*len(c.Rules))
+	args = append(args, l.offset, c.Amount, at, guard, len(c.Rules))
+	args = appendSpecs(args, c.Rules, l.resTTL)
+	v, err := chargeScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	if err != nil {
+		return nil, fmt.Errorf("charge %s: %w", tag, err)
+	}
+	if len(v) == 1 && v[0] == -1 {
+		return nil, ErrNoEpoch
+	}
+	if len(v) != 2+5*len(c.Rules) {
+		return nil, fmt.Errorf("charge %s: reply of %d values for %d limits", tag, len(v), len(c.Rules))
+	}
+	return states(v[2:], c.Rules), nil
+}
+
+// ChargeRequest names the counters and the amount of a Charge.
+type ChargeRequest struct {
+	Tenant, User string // the subject, or:
+	SharedScope  Scope  // ScopeGlobal or ScopeIP, with SharedID the endpoint or address
+	SharedID     string
+	Rules        []Rule
+	Amount       int64     // weighted tokens; requests limits move by 1 in its direction
+	At           time.Time // zero: now
+	Force        bool      // apply even when the epoch is missing (ledger rebuild)
+}
+
+func abs(v int64) int64 {
+	if v < 0 {
+		return -v
+	}
+	return v
+}
