@@ -1,18 +1,25 @@
 package limits
 
-import "strings"
+import (
+	"strconv"
+	"strings"
+)
 
 // Key layout. Every key starts with "q" and a Redis Cluster hash tag:
 //
-//	q{T}u:U:L     user U's counter of limit L (plan limits by name, endpoint
-//	              per-user limits as e:E:L), tenant T
-//	q{T}t:L       tenant T's tenant-wide counter of limit L
+//	q{T}u:U       blob of user U's limits (plan limits, endpoint per-user
+//	              limits) and U's version, tenant T
+//	q{T}t         blob of tenant T's tenant-wide limits and its version
 //	q{T}r:U:R     reservation record of request R of user U
-//	q{T}v:U       user U's version; q{T}v the tenant's version
+//	q{T}z:U:L     sorted set of user U's concurrency limit L (q{T}Z:L for a
+//	              tenant-wide one)
 //	q{T}b:R       marker of the balance top-up with reference R
-//	q{%gE}L       global counter of limit L of endpoint E
-//	q{%iA}L       counter of limit L of client IP A
+//	q{%gE}        blob of endpoint E's global limits
+//	q{%iA}        blob of client IP A's limits
 //	qe{S}         epoch key of the cluster slot that tag S hashes to (epoch.go)
+//
+// A blob holds the state of several limits, one record each, named by a
+// 48-bit hash of the limit's identity (ruleID); see lua/lib.lua.
 //
 // Identifiers are escaped (esc) so that no two different tenants, users,
 // endpoints or request ids ever produce the same key, whatever characters
@@ -58,26 +65,32 @@ func newSubjectKeys(tenant, user string) subjectKeys {
 // tag returns the hash tag's content, which decides the cluster slot.
 func (k subjectKeys) tag() string { return k.prefix[2 : len(k.prefix)-1] }
 
-func (k subjectKeys) limit(r *Rule) string {
-	name := esc(r.Name)
-	if r.Scope == ScopeTenant {
-		return k.prefix + "t:" + name
-	}
-	if r.Endpoint != "" {
-		return k.prefix + "u:" + k.user + ":e:" + esc(r.Endpoint) + ":" + name
-	}
-	return k.prefix + "u:" + k.user + ":" + name
-}
+func (k subjectKeys) blob() string       { return k.prefix + "u:" + k.user }
+func (k subjectKeys) tenantBlob() string { return k.prefix + "t" }
 
 func (k subjectKeys) reservation(requestID string) string {
 	return k.prefix + "r:" + k.user + ":" + esc(requestID)
 }
 
-func (k subjectKeys) version() string       { return k.prefix + "v:" + k.user }
-func (k subjectKeys) tenantVersion() string { return k.prefix + "v" }
+// concurrency returns the sorted set of a concurrency limit.
+func (k subjectKeys) concurrency(r *Rule) string {
+	if r.Scope == ScopeTenant {
+		return k.prefix + "Z:" + limitPath(r)
+	}
+	return k.prefix + "z:" + k.user + ":" + limitPath(r)
+}
 
 func (k subjectKeys) topup(reference string) string {
 	return k.prefix + "b:" + esc(reference)
+}
+
+// limitPath names a limit within its scope: endpoint limits carry their
+// endpoint, so they never share a counter with a plan limit of that name.
+func limitPath(r *Rule) string {
+	if r.Endpoint != "" {
+		return "e:" + esc(r.Endpoint) + ":" + esc(r.Name)
+	}
+	return esc(r.Name)
 }
 
 // sharedTag returns the hash tag content of a shared (global or IP) scope.
@@ -89,6 +102,33 @@ func sharedTag(scope Scope, id string) string {
 	return "%g" + esc(id)
 }
 
-func sharedKey(tag string, r *Rule) string {
-	return "q{" + tag + "}" + esc(r.Name)
+func sharedBlob(tag string) string { return "q{" + tag + "}" }
+
+// ruleID names a limit's record inside its blob: a 48-bit FNV-1a hash of
+// what identifies the limit and the layout of its state (scope, endpoint,
+// name, kind, window and buckets), but not of its size, so raising a limit
+// or moving a user to another plan with a limit of the same name keeps the
+// usage. 48 bits keep it exact in Lua's doubles; a blob holds a handful of
+// records, so a collision (odds about n^2/2^49) is not a practical concern.
+func ruleID(r *Rule) int64 {
+	h := uint64(14695981039346656037)
+	mix := func(s string) {
+		for i := 0; i < len(s); i++ {
+			h ^= uint64(s[i])
+			h *= 1099511628211
+		}
+		h ^= 0xff // separator: ("ab","c") and ("a","bc") differ
+		h *= 1099511628211
+	}
+	mix(string(r.Scope))
+	mix(r.Endpoint)
+	mix(r.Name)
+	mix(string(r.Kind))
+	if r.Kind == Rolling || r.Kind == Fixed || r.Kind == SlidingLog {
+		mix(strconv.FormatInt(int64(r.Window), 10))
+	}
+	if r.Kind == Rolling {
+		mix(strconv.Itoa(buckets(r)))
+	}
+	return int64(h >> 16)
 }

@@ -60,8 +60,8 @@ func (l *Limiter) leaseCall(ctx context.Context, scope Scope, id string, r *Rule
 		return nil, err
 	}
 	tag := sharedTag(scope, id)
-	keys := []string{epochKey(tag), sharedKey(tag, r)}
-	args := make([]any, 0, 11)
+	keys := []string{epochKey(tag), sharedBlob(tag)}
+	args := make([]any, 0, 5+specLen)
 	args = append(args, l.offset, op, n, l.guard, window)
 	args = appendSpecs(args, []Rule{*r}, l.resTTL)
 	v, err := leaseScript.Run(ctx, l.rdb, keys, args...).Int64Slice()

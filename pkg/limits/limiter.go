@@ -63,9 +63,6 @@ type Options struct {
 	// stream's max age so a late actual can still be corrected exactly.
 	// Zero means one hour.
 	ReservationTTL time.Duration
-	// VersionTTL is how long an idle subject's version is kept. Zero means 40
-	// days, longer than any default window.
-	VersionTTL time.Duration
 	// NoEpochGuard makes the scripts decide even when the epoch key is
 	// missing, for setups without an accounter (request-rate-only limits,
 	// isolated tests).
@@ -83,7 +80,6 @@ type Options struct {
 type Limiter struct {
 	rdb    redis.Scripter
 	resTTL int64  // ms
-	verTTL int64  // ms
 	guard  string // "1" when the scripts check the epoch
 	offset int64  // ms
 }
@@ -94,9 +90,6 @@ func New(c redis.Scripter, o Options) *Limiter {
 	if o.ReservationTTL <= 0 {
 		o.ReservationTTL = time.Hour
 	}
-	if o.VersionTTL <= 0 {
-		o.VersionTTL = 40 * 24 * time.Hour
-	}
 	guard := "1"
 	if o.NoEpochGuard {
 		guard = "0"
@@ -104,7 +97,6 @@ func New(c redis.Scripter, o Options) *Limiter {
 	return &Limiter{
 		rdb: c, guard: guard,
 		resTTL: o.ReservationTTL.Milliseconds(),
-		verTTL: o.VersionTTL.Milliseconds(),
 		offset: o.ClockOffset.Milliseconds(),
 	}
 }
@@ -218,28 +210,30 @@ func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
 }
 
 func (l *Limiter) subjectCall(ctx context.Context, r Request, mode int) (Decision, error) {
-	k := newSubjectKeys(r.Tenant, r.User)
-	meta := metaLevel(r.Rules)
-	keys := make([]string, 0, 4+len(r.Rules))
-	keys = append(keys, epochKey(k.tag()), k.reservation(r.RequestID), k.version(), k.tenantVersion())
-	for i := range r.Rules {
-		keys = append(keys, k.limit(&r.Rules[i]))
-	}
-	args := make([]any, 0, 9+6*len(r.Rules))
-	args = append(args, l.offset, r.Cost, mode, l.guard, meta, l.resTTL, l.verTTL, r.RequestID, len(r.Rules))
+	keys, meta := subjectKeysOf(newSubjectKeys(r.Tenant, r.User), r.RequestID, r.Rules)
+	args := make([]any, 0, 8+specLen*len(r.Rules))
+	args = append(args, l.offset, r.Cost, mode, l.guard, meta, l.resTTL, r.RequestID, len(r.Rules))
 	args = appendSpecs(args, r.Rules, l.resTTL)
 	return l.decide(ctx, keys, args, r.Rules, fmt.Sprintf("reserve %s/%s", r.Tenant, r.User))
 }
 
-// metaLevel says which versions a subject call maintains: the user's always,
-// the tenant's too when tenant-wide limits are involved.
-func metaLevel(rules []Rule) int {
+// subjectKeysOf returns the KEYS of a subject call (lua/lib.lua): the epoch,
+// the reservation record, the subject and tenant blobs, then one sorted set
+// per concurrency limit; and the meta argument saying whether the tenant
+// blob is involved.
+func subjectKeysOf(k subjectKeys, requestID string, rules []Rule) ([]string, string) {
+	keys := make([]string, 0, 4+len(rules))
+	keys = append(keys, epochKey(k.tag()), k.reservation(requestID), k.blob(), k.tenantBlob())
+	meta := "1"
 	for i := range rules {
 		if rules[i].Scope == ScopeTenant {
-			return 2
+			meta = "2"
+		}
+		if rules[i].Kind == Concurrency {
+			keys = append(keys, k.concurrency(&rules[i]))
 		}
 	}
-	return 1
+	return keys, meta
 }
 
 // ReserveShared checks and reserves cost in the shared limits of one
@@ -256,19 +250,25 @@ func (l *Limiter) PeekShared(ctx context.Context, scope Scope, id string, rules 
 }
 
 func (l *Limiter) sharedCall(ctx context.Context, scope Scope, id string, cost int64, rules []Rule, mode int) (Decision, error) {
-	if err := errors.Join(checkID(string(scope), id, true), checkCost("cost", cost)); err != nil {
+	if err := errors.Join(checkID(string(scope), id, true), checkCost("cost", cost), checkShared(rules)); err != nil {
 		return Decision{}, err
 	}
 	tag := sharedTag(scope, id)
-	keys := make([]string, 0, 1+len(rules))
-	keys = append(keys, epochKey(tag))
-	for i := range rules {
-		keys = append(keys, sharedKey(tag, &rules[i]))
-	}
-	args := make([]any, 0, 9+6*len(rules))
-	args = append(args, l.offset, cost, mode, l.guard, 0, 0, 0, "", len(rules))
+	args := make([]any, 0, 8+specLen*len(rules))
+	args = append(args, l.offset, cost, mode, l.guard, "0", 0, "", len(rules))
 	args = appendSpecs(args, rules, l.resTTL)
-	return l.decide(ctx, keys, args, rules, fmt.Sprintf("reserve %s %s", scope, id))
+	return l.decide(ctx, []string{epochKey(tag), sharedBlob(tag)}, args, rules, fmt.Sprintf("reserve %s %s", scope, id))
+}
+
+// checkShared rejects limits that need a subject: a shared scope keeps no
+// reservation record, so it has no concurrency slots or balances.
+func checkShared(rules []Rule) error {
+	for i := range rules {
+		if k := rules[i].Kind; k == Concurrency || k == Balance {
+			return fmt.Errorf("%w: %s: a %s limit needs a subject, not a shared scope", ErrInvalid, rules[i].Name, k)
+		}
+	}
+	return nil
 }
 
 func (l *Limiter) decide(ctx context.Context, keys []string, args []any, rules []Rule, what string) (Decision, error) {
@@ -321,40 +321,47 @@ var kindCode = map[Kind]int{
 	Rolling: 1, Fixed: 2, CalendarMonth: 3, TokenBucket: 4, SlidingLog: 5, Balance: 6, Concurrency: 7,
 }
 
-// appendSpecs appends the 6 script values of each rule (see lua/lib.lua).
+// specLen is the number of script arguments per limit.
+const specLen = 8
+
+// buckets returns the bucket count of a rolling window.
+func buckets(r *Rule) int {
+	if r.Buckets > 0 {
+		return r.Buckets
+	}
+	return DefaultBuckets
+}
+
+// appendSpecs appends the script arguments of each rule (see lua/lib.lua).
 func appendSpecs(args []any, rules []Rule, slotTTL int64) []any {
 	for i := range rules {
 		r := &rules[i]
-		unit, shadow := 0, 0
+		unit, shadow, tenant := 0, 0, 0
 		if r.Unit == Tokens {
 			unit = 1
 		}
 		if r.Shadow {
 			shadow = 1
 		}
-		limit, a, b := r.Limit.Limit, int64(0), int64(0)
-		var rate float64
+		if r.Scope == ScopeTenant {
+			tenant = 1
+		}
+		var a any = int64(0)
+		limit, b := r.Limit.Limit, int64(0)
 		switch r.Kind {
 		case Rolling:
-			n := int64(r.Buckets)
-			if n <= 0 {
-				n = DefaultBuckets
-			}
+			n := int64(buckets(r))
 			a, b = time.Duration(r.Window).Milliseconds()/n, n
 		case Fixed, SlidingLog:
 			a = time.Duration(r.Window).Milliseconds()
 		case TokenBucket:
 			limit = r.Burst
-			rate = r.Rate / float64(time.Duration(r.Per).Milliseconds())
+			a = r.Rate / float64(time.Duration(r.Per).Milliseconds())
 			b = time.Duration(r.Per).Milliseconds()
 		case Concurrency:
 			a = slotTTL
 		}
-		if r.Kind == TokenBucket {
-			args = append(args, kindCode[r.Kind], unit, limit, rate, b, shadow)
-		} else {
-			args = append(args, kindCode[r.Kind], unit, limit, a, b, shadow)
-		}
+		args = append(args, ruleID(r), kindCode[r.Kind], unit, limit, a, b, shadow, tenant)
 	}
 	return args
 }

@@ -280,7 +280,8 @@ func TestDenialReservesNothingAnywhere(t *testing.T) {
 	}
 	l := at(c, 0)
 	wantAllowed(t, reserve(t, l, tenant, "u", "a", 10, rules), true)
-	wantAllowed(t, reserve(t, l, tenant, "u", "b", 10, rules), true)
+	db := reserve(t, l, tenant, "u", "b", 10, rules)
+	wantAllowed(t, db, true)
 	d := reserve(t, l, tenant, "u", "c", 10, rules)
 	wantAllowed(t, d, false)
 	if d.DeniedBy != 2 {
@@ -294,8 +295,11 @@ func TestDenialReservesNothingAnywhere(t *testing.T) {
 	wantAllowed(t, d2, true)
 	wantUsed(t, d2, 0, 30)
 	wantUsed(t, d2, 1, 10)
-	if d2.TenantVersion != 3 || d2.Version != 1 {
-		t.Fatalf("versions = %d, %d; want tenant 3, user 1", d2.TenantVersion, d2.Version)
+	if d.Version != db.Version || d.TenantVersion != db.TenantVersion {
+		t.Fatalf("a denial moved the versions: %d/%d -> %d/%d", db.Version, db.TenantVersion, d.Version, d.TenantVersion)
+	}
+	if d2.TenantVersion <= db.TenantVersion || d2.Version <= 0 {
+		t.Fatalf("versions after another user's reserve = user %d, tenant %d; want the tenant's above %d", d2.Version, d2.TenantVersion, db.TenantVersion)
 	}
 }
 
@@ -504,9 +508,9 @@ func TestIdentifiersNeverShareState(t *testing.T) {
 func TestKeysOfATenantShareItsHashTag(t *testing.T) {
 	for _, tenant := range []string{"acme", "{x}", "a}b{c", "%7B", ":::", "é"} {
 		k := newSubjectKeys(tenant, "u:{1}")
-		r := Rule{Limit: Limit{Name: "5h"}, Scope: ScopeUser}
+		r := Rule{Limit: Limit{Name: "in}flight"}, Scope: ScopeUser, Endpoint: "/{v1}"}
 		tr := Rule{Limit: Limit{Name: "month"}, Scope: ScopeTenant}
-		keys := []string{k.limit(&r), k.limit(&tr), k.reservation("r:{2}"), k.version(), k.tenantVersion(), k.topup("ref}")}
+		keys := []string{k.blob(), k.tenantBlob(), k.reservation("r:{2}"), k.concurrency(&r), k.concurrency(&tr), k.topup("ref}")}
 		want := hashTag(keys[0])
 		if want != esc(tenant) {
 			t.Errorf("tag of %q = %q, want %q", tenant, want, esc(tenant))

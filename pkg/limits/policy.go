@@ -56,7 +56,8 @@ type Limit struct {
 	// and rates together, a tenant's quotas and rates together, one
 	// endpoint's global or user list, the ip list).
 	Name string `yaml:"name"`
-	Kind Kind   `yaml:"kind"`
+	// Kind is the algorithm (required).
+	Kind Kind `yaml:"kind"`
 	// Unit is what the limit counts. Parse fills it in: sliding_log and
 	// concurrency count requests and balance counts tokens; other kinds
 	// count tokens under a list named quotas and requests elsewhere.
@@ -138,13 +139,27 @@ type ModelWeights struct {
 // A Policy built in Go code works too (check it with Validate), but Resolve
 // then assembles the rules on every call instead of looking them up.
 type Policy struct {
-	DefaultPlan string                  `yaml:"default_plan"`
-	Plans       map[string]*Plan        `yaml:"plans"`
-	Tenants     map[string]*Tenant      `yaml:"tenants,omitempty"`
-	Endpoints   map[string]*Endpoint    `yaml:"endpoints,omitempty"`
-	IP          []Limit                 `yaml:"ip,omitempty"`
-	Models      map[string]ModelWeights `yaml:"models,omitempty"`
-	Shadow      bool                    `yaml:"shadow,omitempty"`
+	// DefaultPlan is the plan of a request that names none and whose
+	// tenant has none. It must name one of Plans.
+	DefaultPlan string `yaml:"default_plan"`
+	// Plans maps a plan name (1 to 64 of A-Z a-z 0-9 _ . -) to the plan.
+	// At least one is required.
+	Plans map[string]*Plan `yaml:"plans"`
+	// Tenants maps a tenant id, as requests send it, to its plan and
+	// tenant-wide limits. A tenant not listed has default_plan and no
+	// tenant-wide limits.
+	Tenants map[string]*Tenant `yaml:"tenants,omitempty"`
+	// Endpoints maps an API path, matched exactly against the request's
+	// endpoint (no prefixes, no patterns), to its limits. An undeclared
+	// endpoint has none.
+	Endpoints map[string]*Endpoint `yaml:"endpoints,omitempty"`
+	// IP holds the limits counted per client IP address, checked first.
+	IP []Limit `yaml:"ip,omitempty"`
+	// Models maps a model name to the weights of its tokens; see Cost.
+	Models map[string]ModelWeights `yaml:"models,omitempty"`
+	// Shadow makes every limit of the policy shadow: counted, reported,
+	// never denying. Use it to roll out a new policy.
+	Shadow bool `yaml:"shadow,omitempty"`
 
 	idx *policyIndex // built by Parse; nil for a Policy built in code
 }

@@ -26,7 +26,8 @@ import (
 // that the kubelet swaps. A policy path that is itself a symlink into
 // another directory is only seen to change through SIGHUP.
 //
-// Create one with NewWatcher; a Watcher is safe for concurrent use.
+// Create one with NewWatcher (the zero Watcher is not usable); its methods
+// are safe for concurrent use.
 type Watcher struct {
 	path     string
 	log      *slog.Logger

@@ -79,19 +79,13 @@ func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, err
 		return Settlement{}, err
 	}
 	rules := settleRules(s.Rules)
-	k := newSubjectKeys(s.Tenant, s.User)
-	keys := make([]string, 0, 4+len(rules))
-	keys = append(keys, epochKey(k.tag()), k.reservation(s.RequestID), k.version(), k.tenantVersion())
-	for i := range rules {
-		keys = append(keys, k.limit(&rules[i]))
-	}
+	keys, meta := subjectKeysOf(newSubjectKeys(s.Tenant, s.User), s.RequestID, rules)
 	fbAt, fbEst := int64(-1), int64(-1)
 	if s.Fallback != nil {
 		fbAt, fbEst = s.Fallback.ReservedAt.UnixMilli(), s.Fallback.Estimate
 	}
-	args := make([]any, 0, 11+6*len(rules))
-	args = append(args, l.offset, op, s.Actual, l.guard, metaLevel(rules), l.resTTL, l.verTTL,
-		s.RequestID, fbAt, fbEst, len(rules))
+	args := make([]any, 0, 10+specLen*len(rules))
+	args = append(args, l.offset, op, s.Actual, l.guard, meta, l.resTTL, s.RequestID, fbAt, fbEst, len(rules))
 	args = appendSpecs(args, rules, l.resTTL)
 	v, err := settleScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
@@ -149,26 +143,20 @@ func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) 
 	if err := checkCost("amount", abs(c.Amount)); err != nil {
 		return nil, err
 	}
-	var tag string
-	var keyOf func(*Rule) string
+	var keys []string
+	meta, what := "0", c.SharedID
 	if c.SharedScope != "" {
-		if err := checkID(string(c.SharedScope), c.SharedID, true); err != nil {
+		if err := errors.Join(checkID(string(c.SharedScope), c.SharedID, true), checkShared(c.Rules)); err != nil {
 			return nil, err
 		}
-		tag = sharedTag(c.SharedScope, c.SharedID)
-		keyOf = func(r *Rule) string { return sharedKey(tag, r) }
+		tag := sharedTag(c.SharedScope, c.SharedID)
+		keys = []string{epochKey(tag), sharedBlob(tag)}
 	} else {
 		if err := errors.Join(checkID("tenant", c.Tenant, true), checkID("user", c.User, true)); err != nil {
 			return nil, err
 		}
-		k := newSubjectKeys(c.Tenant, c.User)
-		tag = k.tag()
-		keyOf = k.limit
-	}
-	keys := make([]string, 0, 1+len(c.Rules))
-	keys = append(keys, epochKey(tag))
-	for i := range c.Rules {
-		keys = append(keys, keyOf(&c.Rules[i]))
+		keys, meta = subjectKeysOf(newSubjectKeys(c.Tenant, c.User), "-", c.Rules)
+		what = c.Tenant + "/" + c.User
 	}
 	at := int64(0)
 	if !c.At.IsZero() {
@@ -178,18 +166,18 @@ func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) 
 	if c.Force {
 		guard = "0"
 	}
-	args := make([]any, 0, 5+6*len(c.Rules))
-	args = append(args, l.offset, c.Amount, at, guard, len(c.Rules))
+	args := make([]any, 0, 6+specLen*len(c.Rules))
+	args = append(args, l.offset, c.Amount, at, guard, meta, len(c.Rules))
 	args = appendSpecs(args, c.Rules, l.resTTL)
 	v, err := chargeScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
-		return nil, fmt.Errorf("charge %s: %w", tag, err)
+		return nil, fmt.Errorf("charge %s: %w", what, err)
 	}
 	if len(v) == 1 && v[0] == -1 {
 		return nil, ErrNoEpoch
 	}
 	if len(v) != 2+5*len(c.Rules) {
-		return nil, fmt.Errorf("charge %s: reply of %d values for %d limits", tag, len(v), len(c.Rules))
+		return nil, fmt.Errorf("charge %s: reply of %d values for %d limits", what, len(v), len(c.Rules))
 	}
 	return states(v[2:], c.Rules), nil
 }

@@ -39,15 +39,20 @@ func (l *Limiter) TopUp(ctx context.Context, tenant, user string, r *Rule, amoun
 		return TopUpResult{}, fmt.Errorf("%w: amount: must be positive", ErrInvalid)
 	}
 	k := newSubjectKeys(tenant, user)
-	keys := []string{epochKey(k.tag()), k.limit(r), k.topup(reference)}
-	v, err := topUpScript.Run(ctx, l.rdb, keys, amount, topUpMarkerTTL, l.guard).Int64Slice()
+	blob := k.blob()
+	if r.Scope == ScopeTenant {
+		blob = k.tenantBlob()
+	}
+	keys := []string{epochKey(k.tag()), blob, k.topup(reference)}
+	args := appendSpecs([]any{amount, topUpMarkerTTL, l.guard}, []Rule{*r}, l.resTTL)
+	v, err := topUpScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return TopUpResult{}, fmt.Errorf("top up %s/%s: %w", tenant, user, err)
 	}
 	if len(v) == 1 && v[0] == -1 {
 		return TopUpResult{}, ErrNoEpoch
 	}
-	if len(v) != 3 {
+	if len(v) != 4 {
 		return TopUpResult{}, fmt.Errorf("top up %s/%s: reply of %d values", tenant, user, len(v))
 	}
 	return TopUpResult{Applied: v[0] == 1, Credited: v[1], Spent: v[2]}, nil
