@@ -1,0 +1,159 @@
+package events
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ErrDeadLettered is wrapped by Process's error when it moved the message
+// to the dead-letter stream: the event is done with, not to be retried.
+var ErrDeadLettered = errors.New("dead-lettered")
+
+// EnsureConsumer creates or updates the durable pull consumer durable on
+// cfg's usage stream: every event from the first (DeliverAll, so nothing
+// published before the consumer existed is missed), explicit acks, one
+// filter "<prefix>.usage.>" (nats-server 2.9 has no multi-filter
+// consumers; dispatch by type instead), AckWait from cfg. The server
+// redelivers without limit; Process dead-letters after cfg.MaxDeliver.
+// Several workers may share one durable to scale out.
+func EnsureConsumer(ctx context.Context, js jetstream.StreamConsumerManager, cfg Config, durable string) (jetstream.Consumer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	c, err := js.CreateOrUpdateConsumer(ctx, cfg.Stream, jetstream.ConsumerConfig{
+		Durable:       durable,
+		Description:   "quotaflow " + durable,
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       cfg.AckWait,
+		MaxDeliver:    -1,
+		FilterSubject: UsageSubjects(cfg.SubjectPrefix),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ensure consumer %s on %s: %w", durable, cfg.Stream, err)
+	}
+	return c, nil
+}
+
+// Handler handles one decoded event. An error means "try again later";
+// handlers must be idempotent, since delivery is at least once.
+type Handler func(ctx context.Context, ev Event) error
+
+// Handlers routes events to a function per type. A nil function skips its
+// type (the event is acked unhandled), so the accounter can leave
+// Corrected nil to ignore its own events. Pass h.Dispatch to Process.
+type Handlers struct {
+	Reserved  func(ctx context.Context, ev Event, d Reserved) error  // quotaflow.usage.reserved
+	Denied    func(ctx context.Context, ev Event, d Denied) error    // quotaflow.usage.denied
+	Actual    func(ctx context.Context, ev Event, d Actual) error    // quotaflow.usage.actual
+	Released  func(ctx context.Context, ev Event, d Released) error  // quotaflow.usage.released
+	Corrected func(ctx context.Context, ev Event, d Corrected) error // quotaflow.usage.corrected
+	TopUp     func(ctx context.Context, ev Event, d TopUp) error     // quotaflow.balance.topup
+}
+
+// Dispatch calls the function of ev's type; it is a Handler.
+func (h *Handlers) Dispatch(ctx context.Context, ev Event) error {
+	switch d := ev.Data.(type) {
+	case Reserved:
+		if h.Reserved != nil {
+			return h.Reserved(ctx, ev, d)
+		}
+	case Denied:
+		if h.Denied != nil {
+			return h.Denied(ctx, ev, d)
+		}
+	case Actual:
+		if h.Actual != nil {
+			return h.Actual(ctx, ev, d)
+		}
+	case Released:
+		if h.Released != nil {
+			return h.Released(ctx, ev, d)
+		}
+	case Corrected:
+		if h.Corrected != nil {
+			return h.Corrected(ctx, ev, d)
+		}
+	case TopUp:
+		if h.TopUp != nil {
+			return h.TopUp(ctx, ev, d)
+		}
+	}
+	return nil
+}
+
+// Process handles one message of a consumer made by EnsureConsumer, so a
+// bad event never stops the consumer:
+//
+//   - an event Decode rejects is dead-lettered (ReasonInvalid) and
+//     terminated;
+//   - otherwise handle runs; on success the message is acked;
+//   - when handle fails, the message is nak'ed with a backoff of 1 s
+//     doubling per delivery up to cfg.AckWait, and on its cfg.MaxDeliver-th
+//     delivery it is dead-lettered (ReasonMaxDeliver) instead; when ctx
+//     has ended (shutdown) it is nak'ed for immediate redelivery.
+//
+// It returns nil when the message was acked, an error wrapping
+// ErrDeadLettered when it went to the dead-letter stream, and any other
+// error when it will be redelivered (handler failed, or the dead-letter
+// publish or the ack failed). The consumer loop logs and counts; Process
+// does not log.
+func Process(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, handle Handler) error {
+	cfg = cfg.withDefaults()
+	ev, err := Decode(msg.Data())
+	if err != nil {
+		return deadLetter(ctx, js, cfg, ReasonInvalid, msg, err)
+	}
+	if herr := handle(ctx, ev); herr != nil {
+		if ctx.Err() != nil {
+			// Shutting down: hand it to another worker now.
+			_ = msg.Nak()
+			return fmt.Errorf("handle %s %s: %w", ev.Type(), ev.ID, herr)
+		}
+		var delivered uint64 = 1
+		if md, err := msg.Metadata(); err == nil {
+			delivered = md.NumDelivered
+		}
+		if delivered >= uint64(cfg.MaxDeliver) {
+			cause := fmt.Errorf("%s %s: delivered %d times, last error: %w", ev.Type(), ev.ID, delivered, herr)
+			return deadLetter(ctx, js, cfg, ReasonMaxDeliver, msg, cause)
+		}
+		_ = msg.NakWithDelay(backoff(delivered, cfg.AckWait)) // if lost, AckWait redelivers
+		return fmt.Errorf("handle %s %s (delivery %d): %w", ev.Type(), ev.ID, delivered, herr)
+	}
+	if err := msg.Ack(); err != nil {
+		return fmt.Errorf("ack %s %s: %w", ev.Type(), ev.ID, err)
+	}
+	return nil
+}
+
+func deadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, msg jetstream.Msg, cause error) error {
+	if err := DeadLetter(ctx, js, cfg.SubjectPrefix, reason, msg, cause); err != nil {
+		_ = msg.NakWithDelay(time.Second) // if lost, AckWait redelivers
+		return err
+	}
+	if err := msg.Term(); err != nil {
+		// It is in the dead-letter stream; a redelivery dead-letters it
+		// again and the DLQ's dedup drops the copy.
+		return fmt.Errorf("term dead-lettered %s: %w", msg.Subject(), err)
+	}
+	return fmt.Errorf("%w (%s): %w", ErrDeadLettered, reason, cause)
+}
+
+// backoff is the redelivery delay after the delivered-th failure: 1 s,
+// 2 s, 4 s... capped at max.
+func backoff(delivered uint64, max time.Duration) time.Duration {
+	d := max
+	if delivered < 1 {
+		delivered = 1
+	}
+	if delivered < 32 {
+		d = time.Second << (delivered - 1)
+	}
+	return min(d, max)
+}

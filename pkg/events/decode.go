@@ -1,0 +1,284 @@
+package events
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"unicode/utf8"
+)
+
+// ErrInvalid is wrapped by every error of Decode, Encode and
+// Event.Validate: the event breaks the contract. Consumers send such events
+// to the dead-letter stream (see Process); retrying cannot help.
+var ErrInvalid = errors.New("invalid event")
+
+// maxProblems bounds how many problems one error lists, so an error stays
+// short enough for a log line and a NATS header.
+const maxProblems = 10
+
+// Decode parses and validates one event in the CloudEvents structured JSON
+// form. The error, which wraps ErrInvalid, lists what is wrong by JSON path,
+// e.g. "invalid event: data.input_tokens: must be >= 0".
+//
+// Besides the per-field rules written in the package documentation, Decode
+// rejects input over MaxEventSize, invalid UTF-8, duplicate keys in the
+// envelope or data (JSON parsers disagree on which one wins) and trailing
+// data. Keys match exactly: "Tenant" is not "tenant". Unknown keys are
+// ignored, so producers may add CloudEvents extension attributes and
+// consumers tolerate fields added to data later.
+func Decode(b []byte) (Event, error) {
+	if len(b) > MaxEventSize {
+		return Event{}, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
+	}
+	if !utf8.Valid(b) {
+		return Event{}, fmt.Errorf("%w: event: not valid UTF-8", ErrInvalid)
+	}
+	if !json.Valid(b) {
+		// Only now pay for the parser's description of the mistake.
+		err := json.Unmarshal(b, new(json.RawMessage))
+		return Event{}, fmt.Errorf("%w: event: not valid JSON: %v", ErrInvalid, err)
+	}
+	top, err := object(b)
+	if err != nil {
+		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
+	}
+	c := newChecker()
+	r := &reader{c: c, m: top}
+	spec := r.str("specversion")
+	ev := Event{ID: r.str("id"), Source: r.str("source"), Time: r.time("time").UTC()}
+	typ := r.str("type")
+	subject := r.str("subject")
+	contentType := r.str("datacontenttype")
+
+	// Problems are reported in the order of the documentation: envelope,
+	// then data field by field.
+	c.equal("specversion", spec, SpecVersion)
+	c.eventID("id", ev.ID)
+	c.ident("source", ev.Source, true)
+	switch {
+	case c.pending("type"):
+	case typ == "":
+		c.add("type", "required")
+	case readers[typ] == nil:
+		c.add("type", fmt.Sprintf("unknown type %q", short(typ)))
+	}
+	c.time("time", ev.Time)
+	c.equal("datacontenttype", contentType, DataContentType)
+
+	raw, ok := r.raw("data")
+	var data []member
+	if !ok {
+		c.add("data", "required")
+	} else if data, err = object(raw); err != nil {
+		c.add("data", err.Error())
+	}
+	if err == nil && ok {
+		dr := &reader{c: c.at("data."), m: data}
+		if read := readers[typ]; read != nil {
+			ev.Data = read(dr)
+		}
+		if ev.Data != nil {
+			ev.Data.validate(c.at("data."))
+		}
+	}
+	if !c.pending("subject") && subject != "" && ev.Data != nil && !isSubject(subject, ev.Data) {
+		c.add("subject", "must be data's \"<tenant>/<user>\" or absent")
+	}
+	if err := c.err(); err != nil {
+		return Event{}, err
+	}
+	return ev, nil
+}
+
+// isSubject reports whether s is d's "<tenant>/<user>", without building it.
+func isSubject(s string, d Data) bool {
+	t, u := d.tenantUser()
+	return len(s) == len(t)+1+len(u) && s[:len(t)] == t && s[len(t)] == '/' && s[len(t)+1:] == u
+}
+
+// Validate checks ev against the rules Decode applies, so that what a
+// Publisher sends is what consumers accept. The error wraps ErrInvalid.
+func (e Event) Validate() error {
+	c := newChecker()
+	switch e.Data.(type) {
+	case Reserved, Denied, Actual, Released, Corrected, TopUp:
+	case nil:
+		c.add("data", "required")
+	default:
+		// A pointer to a data type satisfies Data too, but consumers'
+		// type switches would miss it.
+		c.add("data", fmt.Sprintf("must be a value of a data type, not %T", e.Data))
+	}
+	c.eventID("id", e.ID)
+	c.ident("source", e.Source, true)
+	c.time("time", e.Time)
+	if e.Data != nil {
+		e.Data.validate(c.at("data."))
+	}
+	return c.err()
+}
+
+// readers decode the data of each type.
+var readers = map[string]func(*reader) Data{
+	TypeReserved:  func(r *reader) Data { var d Reserved; d.read(r); return d },
+	TypeDenied:    func(r *reader) Data { var d Denied; d.read(r); return d },
+	TypeActual:    func(r *reader) Data { var d Actual; d.read(r); return d },
+	TypeReleased:  func(r *reader) Data { var d Released; d.read(r); return d },
+	TypeCorrected: func(r *reader) Data { var d Corrected; d.read(r); return d },
+	TypeTopUp:     func(r *reader) Data { var d TopUp; d.read(r); return d },
+}
+
+// Field rules per type; read (decode) and validate (both directions) list
+// the same fields, and the round-trip tests keep them in step with the json
+// tags.
+
+func (d *Reserved) read(r *reader) {
+	d.RequestID = r.str("request_id")
+	d.Tenant = r.str("tenant")
+	d.User = r.str("user")
+	d.Plan = r.str("plan")
+	d.Endpoint = r.str("endpoint")
+	d.Model = r.str("model")
+	d.IP = r.str("ip")
+	d.EstimatedTokens = r.int("estimated_tokens", true)
+	d.ExpiresAt = r.time("expires_at").UTC()
+	d.Version = r.int("version", true)
+	d.TenantVersion = r.int("tenant_version", false)
+	d.Limits = readLimits(r, "limits")
+	d.WouldDeny = readRefs(r, "would_deny")
+}
+
+func (d Reserved) validate(c checker) {
+	c.ident("request_id", d.RequestID, true)
+	c.ident("tenant", d.Tenant, true)
+	c.ident("user", d.User, true)
+	c.ident("plan", d.Plan, false)
+	c.ident("endpoint", d.Endpoint, true)
+	c.ident("model", d.Model, false)
+	c.ip("ip", d.IP)
+	c.count("estimated_tokens", d.EstimatedTokens, 0)
+	c.time("expires_at", d.ExpiresAt)
+	c.count("version", d.Version, 0)
+	c.count("tenant_version", d.TenantVersion, 0)
+	c.limits("limits", d.Limits)
+	c.refs("would_deny", d.WouldDeny)
+}
+
+func (d *Denied) read(r *reader) {
+	d.Tenant = r.str("tenant")
+	d.User = r.str("user")
+	d.IP = r.str("ip")
+	d.Endpoint = r.str("endpoint")
+	d.Scope = r.str("scope")
+	d.Name = r.str("name")
+	d.Count = r.int("count", true)
+}
+
+func (d Denied) validate(c checker) {
+	c.ident("tenant", d.Tenant, true)
+	c.ident("user", d.User, true)
+	c.ip("ip", d.IP)
+	c.ident("endpoint", d.Endpoint, true)
+	c.scope("scope", d.Scope)
+	c.ident("name", d.Name, true)
+	c.count("count", d.Count, 1)
+}
+
+func (d *Actual) read(r *reader) {
+	d.RequestID = r.str("request_id")
+	d.Tenant = r.str("tenant")
+	d.User = r.str("user")
+	d.Endpoint = r.str("endpoint")
+	d.Model = r.str("model")
+	d.InputTokens = r.int("input_tokens", true)
+	d.OutputTokens = r.int("output_tokens", true)
+}
+
+func (d Actual) validate(c checker) {
+	c.ident("request_id", d.RequestID, true)
+	c.ident("tenant", d.Tenant, true)
+	c.ident("user", d.User, true)
+	c.ident("endpoint", d.Endpoint, false)
+	c.ident("model", d.Model, false)
+	c.count("input_tokens", d.InputTokens, 0)
+	c.count("output_tokens", d.OutputTokens, 0)
+}
+
+func (d *Released) read(r *reader) {
+	d.RequestID = r.str("request_id")
+	d.Tenant = r.str("tenant")
+	d.User = r.str("user")
+}
+
+func (d Released) validate(c checker) {
+	c.ident("request_id", d.RequestID, true)
+	c.ident("tenant", d.Tenant, true)
+	c.ident("user", d.User, true)
+}
+
+func (d *Corrected) read(r *reader) {
+	d.RequestID = r.str("request_id")
+	d.Tenant = r.str("tenant")
+	d.User = r.str("user")
+	d.Delta = r.int("delta", true)
+	d.Version = r.int("version", true)
+	d.TenantVersion = r.int("tenant_version", false)
+	d.Limits = readLimits(r, "limits")
+}
+
+func (d Corrected) validate(c checker) {
+	c.ident("request_id", d.RequestID, true)
+	c.ident("tenant", d.Tenant, true)
+	c.ident("user", d.User, true)
+	c.signed("delta", d.Delta)
+	c.count("version", d.Version, 0)
+	c.count("tenant_version", d.TenantVersion, 0)
+	c.limits("limits", d.Limits)
+}
+
+func (d *TopUp) read(r *reader) {
+	d.Tenant = r.str("tenant")
+	d.User = r.str("user")
+	d.Amount = r.int("amount", true)
+	d.Reference = r.str("reference")
+}
+
+func (d TopUp) validate(c checker) {
+	c.ident("tenant", d.Tenant, true)
+	c.ident("user", d.User, false)
+	c.count("amount", d.Amount, 1)
+	c.ident("reference", d.Reference, true)
+}
+
+func readLimits(r *reader, name string) []LimitState {
+	var out []LimitState
+	r.array(name, func(ir *reader) {
+		if ir == nil {
+			out = append(out, LimitState{})
+			return
+		}
+		out = append(out, LimitState{
+			Scope:        ir.str("scope"),
+			Name:         ir.str("name"),
+			Endpoint:     ir.str("endpoint"),
+			Unit:         ir.str("unit"),
+			Limit:        ir.int("limit", true),
+			Used:         ir.int("used", true),
+			Remaining:    ir.int("remaining", true),
+			ResetSeconds: ir.int("reset_seconds", true),
+		})
+	})
+	return out
+}
+
+func readRefs(r *reader, name string) []LimitRef {
+	var out []LimitRef
+	r.array(name, func(ir *reader) {
+		if ir == nil {
+			out = append(out, LimitRef{})
+			return
+		}
+		out = append(out, LimitRef{Scope: ir.str("scope"), Name: ir.str("name"), Endpoint: ir.str("endpoint")})
+	})
+	return out
+}

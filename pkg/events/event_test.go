@@ -1,0 +1,340 @@
+package events
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+var testNow = time.Date(2025, 3, 14, 9, 26, 53, 0, time.UTC)
+
+// examples returns one event of each type with every field set.
+func examples() []Event {
+	ls := []LimitState{
+		{Scope: "user", Name: "5h", Unit: "tokens", Limit: 1000, Used: 990, Remaining: 10, ResetSeconds: 1800},
+		{Scope: "global", Name: "daily", Endpoint: "/api/v1/generate", Unit: "requests", Limit: 500, Used: 42, Remaining: 458, ResetSeconds: 52387},
+	}
+	return []Event{
+		NewReserved("quotaflow/admission", Reserved{
+			RequestID: "r-123", Tenant: "acme", User: "u-42", Plan: "pro", Endpoint: "/api/v1/generate",
+			Model: "big-model", IP: "203.0.113.7", EstimatedTokens: 1200, ExpiresAt: testNow.Add(time.Hour),
+			Version: 17, TenantVersion: 230, Limits: ls,
+			WouldDeny: []LimitRef{{Scope: "tenant", Name: "month"}, {Scope: "user", Name: "daily", Endpoint: "/api/v1/generate"}},
+		}, testNow),
+		NewDenied("quotaflow/admission", Denied{
+			Tenant: "acme", User: "u-42", IP: "2001:db8::7", Endpoint: "/api/v1/generate", Scope: "user", Name: "5h", Count: 3,
+		}, testNow.Add(400*time.Millisecond)),
+		NewActual("billing-proxy", Actual{
+			RequestID: "r-123", Tenant: "acme", User: "u-42", Endpoint: "/api/v1/generate", Model: "big-model",
+			InputTokens: 800, OutputTokens: 350,
+		}, testNow),
+		NewReleased("quotaflow/admission", Released{RequestID: "r-124", Tenant: "acme", User: "u-42"}, testNow),
+		NewCorrected("quotaflow/accounter", Corrected{
+			RequestID: "r-123", Tenant: "acme", User: "u-42", Delta: -650, Version: 18, TenantVersion: 231, Limits: ls[:1],
+		}, testNow),
+		NewTopUp("quotaflow/admission", TopUp{Tenant: "acme", User: "u-42", Amount: 50000, Reference: "pay_8Hq2"}, testNow),
+	}
+}
+
+func exampleOf(t *testing.T, typ string) Event {
+	t.Helper()
+	for _, ev := range examples() {
+		if ev.Type() == typ {
+			return ev
+		}
+	}
+	t.Fatalf("no example of %s", typ)
+	return Event{}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, ev := range examples() {
+		t.Run(ev.Type(), func(t *testing.T) {
+			b, err := Encode(ev)
+			if err != nil {
+				t.Fatalf("Encode(%s) = %v", ev.Type(), err)
+			}
+			got, err := Decode(b)
+			if err != nil {
+				t.Fatalf("Decode(%s) = %v", b, err)
+			}
+			if !reflect.DeepEqual(got, ev) {
+				t.Errorf("Decode(Encode(ev)) = %+v, want %+v", got, ev)
+			}
+			// Every field of the example is set, so a json tag that
+			// disagrees with read would lose it above; check nothing is
+			// written that read does not know either.
+			var m map[string]json.RawMessage
+			if err := json.Unmarshal(b, &m); err != nil {
+				t.Fatal(err)
+			}
+			if got, want := string(m["subject"]), `"acme/u-42"`; got != want {
+				t.Errorf("subject = %s, want %s", got, want)
+			}
+			if got, want := string(m["type"]), `"`+ev.Type()+`"`; got != want {
+				t.Errorf("type = %s, want %s", got, want)
+			}
+		})
+	}
+}
+
+func TestZeroOptionalFieldsRoundTrip(t *testing.T) {
+	evs := []Event{
+		NewReserved("s", Reserved{RequestID: "r", Tenant: "t", User: "u", Endpoint: "/e", ExpiresAt: testNow}, testNow),
+		NewActual("s", Actual{RequestID: "r", Tenant: "t", User: "u"}, testNow),
+		NewCorrected("s", Corrected{RequestID: "r", Tenant: "t", User: "u"}, testNow),
+		NewTopUp("s", TopUp{Tenant: "t", Amount: 1, Reference: "x"}, testNow),
+	}
+	for _, ev := range evs {
+		b, err := Encode(ev)
+		if err != nil {
+			t.Fatalf("Encode(%+v) = %v", ev, err)
+		}
+		got, err := Decode(b)
+		if err != nil {
+			t.Fatalf("Decode(%s) = %v", b, err)
+		}
+		if !reflect.DeepEqual(got, ev) {
+			t.Errorf("Decode(%s) = %+v, want %+v", b, got, ev)
+		}
+	}
+}
+
+// TestDocExamples decodes every JSON example of doc.go, so the
+// documentation other languages rely on cannot drift from the code.
+func TestDocExamples(t *testing.T) {
+	f, err := os.Open("doc.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var blocks []string
+	var cur strings.Builder
+	in := false
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case line == "//\t{":
+			in = true
+			cur.Reset()
+			cur.WriteString("{")
+		case in && line == "//\t}":
+			cur.WriteString("}")
+			blocks = append(blocks, cur.String())
+			in = false
+		case in:
+			cur.WriteString(strings.TrimPrefix(line, "//\t"))
+		}
+	}
+	if len(blocks) != 6 {
+		t.Fatalf("doc.go has %d examples, want 6", len(blocks))
+	}
+	seen := map[string]bool{}
+	for _, b := range blocks {
+		ev, err := Decode([]byte(b))
+		if err != nil {
+			t.Errorf("Decode(doc example) = %v\n%s", err, b)
+			continue
+		}
+		seen[ev.Type()] = true
+		if want := derivedID(ev); ev.ID != want {
+			t.Errorf("doc example %s has id %s, want %s", ev.Type(), ev.ID, want)
+		}
+	}
+	if len(seen) != 6 {
+		t.Errorf("doc examples cover %v, want all six types", seen)
+	}
+}
+
+func derivedID(ev Event) string {
+	switch d := ev.Data.(type) {
+	case Denied:
+		return DeniedID(d, ev.Time)
+	case TopUp:
+		return TopUpID(d.Tenant, d.Reference)
+	}
+	t, u := ev.Data.tenantUser()
+	var rid string
+	switch d := ev.Data.(type) {
+	case Reserved:
+		rid = d.RequestID
+	case Actual:
+		rid = d.RequestID
+	case Released:
+		rid = d.RequestID
+	case Corrected:
+		rid = d.RequestID
+	}
+	return ID(ev.Type(), t, u, rid)
+}
+
+func TestID(t *testing.T) {
+	// The vector of doc.go, computed independently (Python hashlib).
+	if got, want := ID(TypeActual, "acme", "u-42", "r-123"), "a2b7081b1f6328815ae20e245fd52556"; got != want {
+		t.Errorf("ID(actual, acme, u-42, r-123) = %s, want %s", got, want)
+	}
+	if got, want := TopUpID("acme", "pay_8Hq2"), "80e380f3d4a4777071521e28ebc6dc6b"; got != want {
+		t.Errorf("TopUpID(acme, pay_8Hq2) = %s, want %s", got, want)
+	}
+	distinct := [][2]string{
+		{ID("a:b", "c", "", ""), ID("a", "b:c", "", "")},
+		{ID(TypeActual, "ab", "c", "r"), ID(TypeActual, "a", "bc", "r")},
+		{ID(TypeActual, "a/b", "c", "r"), ID(TypeActual, "a", "b/c", "r")},
+		{ID(TypeActual, "t", "u", "r"), ID(TypeReserved, "t", "u", "r")},
+		{ID(TypeActual, "t", "u\x00", "r"), ID(TypeActual, "t", "u", "\x00r")},
+		{ID(TypeTopUp, "t", "", "ref"), TopUpID("t", "ref")},
+		{TopUpID("t", "ref"), TopUpID("tr", "ef")},
+	}
+	for _, p := range distinct {
+		if p[0] == p[1] {
+			t.Errorf("ids collide: %s", p[0])
+		}
+	}
+	if a, b := ID(TypeActual, "t", "u", "r"), ID(TypeActual, "t", "u", "r"); a != b || len(a) != 32 {
+		t.Errorf("ID is not a stable 32-character id: %q, %q", a, b)
+	}
+
+	d := Denied{Tenant: "t", User: "u", Endpoint: "/e", Scope: "user", Name: "n", Count: 1}
+	e1 := NewDenied("s", d, testNow.Add(100*time.Millisecond))
+	d.Count = 7
+	e2 := NewDenied("s", d, testNow.Add(900*time.Millisecond))
+	e3 := NewDenied("s", d, testNow.Add(time.Second))
+	if e1.ID != e2.ID {
+		t.Errorf("denials of one second have ids %s and %s, want one", e1.ID, e2.ID)
+	}
+	if e1.ID == e3.ID {
+		t.Errorf("denials of two seconds share id %s", e1.ID)
+	}
+	if !e1.Time.Equal(testNow) {
+		t.Errorf("NewDenied time = %v, want the start of the second %v", e1.Time, testNow)
+	}
+}
+
+func TestSubjects(t *testing.T) {
+	want := map[string]string{
+		TypeReserved: "qf.usage.reserved", TypeDenied: "qf.usage.denied", TypeActual: "qf.usage.actual",
+		TypeReleased: "qf.usage.released", TypeCorrected: "qf.usage.corrected", TypeTopUp: "qf.usage.topup",
+		"bogus": "",
+	}
+	for typ, w := range want {
+		if got := Subject("qf", typ); got != w {
+			t.Errorf("Subject(qf, %s) = %q, want %q", typ, got, w)
+		}
+	}
+	for reason, w := range map[string]string{
+		"invalid": "qf.dlq.invalid", "max_deliver": "qf.dlq.max_deliver", "": "qf.dlq.unknown",
+		"a.b *>c": "qf.dlq.a_b___c", "zürich": "qf.dlq.z__rich",
+	} {
+		if got := DLQSubject("qf", reason); got != w {
+			t.Errorf("DLQSubject(qf, %q) = %q, want %q", reason, got, w)
+		}
+	}
+}
+
+func TestUnmarshalArray(t *testing.T) {
+	var evs []Event
+	var parts []string
+	for _, ev := range examples() {
+		b, err := Encode(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parts = append(parts, string(b))
+	}
+	if err := json.Unmarshal([]byte("["+strings.Join(parts, ",")+"]"), &evs); err != nil {
+		t.Fatalf("json.Unmarshal([]Event) = %v", err)
+	}
+	if !reflect.DeepEqual(evs, examples()) {
+		t.Errorf("json.Unmarshal([]Event) = %+v, want the examples", evs)
+	}
+	bad := `[` + parts[0] + `,{"specversion":"1.0"}]`
+	if err := json.Unmarshal([]byte(bad), &evs); !errors.Is(err, ErrInvalid) {
+		t.Errorf("json.Unmarshal(array with a bad event) = %v, want ErrInvalid", err)
+	}
+}
+
+func TestHandlersDispatch(t *testing.T) {
+	var got []string
+	note := func(s string) { got = append(got, s) }
+	h := &Handlers{
+		Reserved: func(_ context.Context, _ Event, d Reserved) error { note("reserved " + d.RequestID); return nil },
+		Actual:   func(_ context.Context, _ Event, d Actual) error { note("actual " + d.RequestID); return nil },
+		TopUp:    func(_ context.Context, _ Event, d TopUp) error { return errors.New("boom") },
+	}
+	var errs []error
+	for _, ev := range examples() {
+		if err := h.Dispatch(context.Background(), ev); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if want := []string{"reserved r-123", "actual r-123"}; !reflect.DeepEqual(got, want) {
+		t.Errorf("handled %v, want %v", got, want)
+	}
+	if len(errs) != 1 || errs[0].Error() != "boom" {
+		t.Errorf("Dispatch errors = %v, want [boom]", errs)
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	for _, tc := range []struct {
+		n    uint64
+		max  time.Duration
+		want time.Duration
+	}{
+		{0, time.Minute, time.Second},
+		{1, time.Minute, time.Second},
+		{3, time.Minute, 4 * time.Second},
+		{7, time.Minute, time.Minute},
+		{1000, time.Minute, time.Minute},
+		{1, 200 * time.Millisecond, 200 * time.Millisecond},
+	} {
+		if got := backoff(tc.n, tc.max); got != tc.want {
+			t.Errorf("backoff(%d, %v) = %v, want %v", tc.n, tc.max, got, tc.want)
+		}
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	if err := (Config{}).Validate(); err != nil {
+		t.Errorf("Config{}.Validate() = %v, want nil (defaults)", err)
+	}
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"stream with dot", Config{Stream: "A.B"}, "stream"},
+		{"same streams", Config{Stream: "X", DLQStream: "X"}, "both"},
+		{"wildcard prefix", Config{SubjectPrefix: "qf.*"}, "subject_prefix"},
+		{"empty token", Config{SubjectPrefix: "qf..x"}, "subject_prefix"},
+		{"dup window past max age", Config{MaxAge: time.Hour, Duplicates: 2 * time.Hour}, "stream_duplicates"},
+		{"dup window past dlq age", Config{DLQMaxAge: time.Minute, Duplicates: time.Hour}, "dlq_max_age"},
+		{"replicas", Config{Replicas: 7}, "stream_replicas"},
+		{"negative max deliver", Config{MaxDeliver: -1}, "max_deliver"},
+		{"negative duration", Config{AckWait: -time.Second}, "positive"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.cfg.Validate()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Validate(%+v) = %v, want an error about %s", tc.cfg, err, tc.want)
+			}
+		})
+	}
+}
+
+func TestHeaderValue(t *testing.T) {
+	got := headerValue("line one\r\nline two\x00\xff" + strings.Repeat("é", 1000))
+	if strings.ContainsAny(got, "\r\n\x00") || len(got) > maxHeaderError || !strings.HasPrefix(got, "line one  line two \uFFFD") {
+		t.Errorf("headerValue = %q", got[:40])
+	}
+	if !strings.HasSuffix(got, "é") {
+		t.Errorf("headerValue cut a rune: %q", got[len(got)-4:])
+	}
+}

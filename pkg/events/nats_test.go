@@ -1,0 +1,446 @@
+package events
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// These tests run against the real NATS server (QF_NATS_URL, default
+// nats://127.0.0.1:4222; Debian's nats-server 2.9 on the development
+// machines). Each test owns a stream pair and subject prefix and deletes
+// them; none touches the default QUOTAFLOW_USAGE stream.
+
+func natsURL() string {
+	if u := os.Getenv("QF_NATS_URL"); u != "" {
+		return u
+	}
+	return nats.DefaultURL
+}
+
+func connect(t *testing.T, url string, opts ...nats.Option) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	opts = append([]nats.Option{nats.Timeout(2 * time.Second), nats.Name(t.Name())}, opts...)
+	nc, err := nats.Connect(url, opts...)
+	if err != nil {
+		t.Fatalf("connect to NATS at %s (start it, or run go test -short): %v", url, err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js
+}
+
+// realNATS connects to the shared server and returns a Config of streams
+// and a prefix no other test uses, with streams created and deleted at the
+// end.
+func realNATS(t *testing.T) (jetstream.JetStream, Config) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("needs NATS")
+	}
+	_, js := connect(t, natsURL())
+	return js, testStreams(t, js)
+}
+
+func testStreams(t *testing.T, js jetstream.JetStream) Config {
+	t.Helper()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	sfx := strings.ToUpper(hex.EncodeToString(b[:]))
+	cfg := Config{
+		Stream:        "QFTEST_" + sfx,
+		DLQStream:     "QFTEST_" + sfx + "_DLQ",
+		SubjectPrefix: "qftest_" + strings.ToLower(sfx),
+		MaxAge:        10 * time.Minute,
+		Duplicates:    5 * time.Minute,
+		DLQMaxAge:     10 * time.Minute,
+		MaxDeliver:    3,
+		AckWait:       300 * time.Millisecond,
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := EnsureStreams(ctx, js, cfg); err != nil {
+		t.Fatalf("EnsureStreams(%+v) = %v", cfg, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		for _, s := range []string{cfg.Stream, cfg.DLQStream} {
+			if err := js.DeleteStream(ctx, s); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+				t.Errorf("delete stream %s: %v", s, err)
+			}
+		}
+	})
+	return cfg
+}
+
+func streamMsgs(t *testing.T, js jetstream.JetStream, stream string) uint64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		t.Fatalf("stream %s: %v", stream, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatalf("stream %s info: %v", stream, err)
+	}
+	return info.State.Msgs
+}
+
+func TestEnsureStreams(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	// Again, unchanged: idempotent.
+	if err := EnsureStreams(ctx, js, cfg); err != nil {
+		t.Fatalf("EnsureStreams again = %v", err)
+	}
+	s, err := js.Stream(ctx, cfg.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := s.CachedInfo().Config
+	if len(got.Subjects) != 1 || got.Subjects[0] != cfg.SubjectPrefix+".usage.>" ||
+		got.Duplicates != cfg.Duplicates || got.MaxAge != cfg.MaxAge || got.Storage != jetstream.FileStorage {
+		t.Errorf("usage stream config = subjects %v dup %v age %v storage %v", got.Subjects, got.Duplicates, got.MaxAge, got.Storage)
+	}
+	d, err := js.Stream(ctx, cfg.DLQStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := d.CachedInfo().Config; len(got.Subjects) != 1 || got.Subjects[0] != cfg.SubjectPrefix+".dlq.>" || got.MaxAge != cfg.DLQMaxAge {
+		t.Errorf("dlq stream config = subjects %v age %v", got.Subjects, got.MaxAge)
+	}
+
+	// A changed setting is applied in place.
+	cfg2 := cfg
+	cfg2.MaxAge = 20 * time.Minute
+	if err := EnsureStreams(ctx, js, cfg2); err != nil {
+		t.Fatalf("EnsureStreams(longer max age) = %v", err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Config.MaxAge != cfg2.MaxAge {
+		t.Errorf("max age after update = %v, want %v", info.Config.MaxAge, cfg2.MaxAge)
+	}
+
+	bad := cfg
+	bad.Duplicates = time.Hour
+	if err := EnsureStreams(ctx, js, bad); err == nil {
+		t.Error("EnsureStreams(duplicates > max age) = nil, want an error")
+	}
+}
+
+func TestPublishDedup(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	p := NewPublisher(js, cfg)
+
+	act := exampleOf(t, TypeActual)
+	for i := range 3 {
+		if err := p.Publish(ctx, act); err != nil {
+			t.Fatalf("Publish #%d = %v", i, err)
+		}
+	}
+	if n := streamMsgs(t, js, cfg.Stream); n != 1 {
+		t.Fatalf("after publishing one event 3 times the stream holds %d, want 1", n)
+	}
+
+	// The same event rebuilt later (a retry after a crash) has the same id;
+	// a top-up with the same reference dedups even with another amount.
+	again := NewActual("other-host", act.Data.(Actual), testNow.Add(time.Minute))
+	top := exampleOf(t, TypeTopUp)
+	td := top.Data.(TopUp)
+	td.Amount = 1
+	topAgain := NewTopUp("quotaflow/admission", td, testNow.Add(time.Hour))
+	// Same request, other event types, and another request: all distinct.
+	other := act.Data.(Actual)
+	other.RequestID = "r-999"
+	otherEv := NewActual("s", other, testNow)
+	evs := append([]Event{otherEv}, examples()...)
+	evs = append(evs, again, topAgain)
+	if err := p.PublishBatch(ctx, evs); err != nil {
+		t.Fatalf("PublishBatch = %v", err)
+	}
+	if n, want := streamMsgs(t, js, cfg.Stream), uint64(7); n != want {
+		t.Errorf("stream holds %d events, want %d (6 examples + r-999)", n, want)
+	}
+
+	// Each lands on its type's subject with its id as Nats-Msg-Id.
+	s, err := js.Stream(ctx, cfg.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ev := range examples() {
+		if ev.Type() == TypeActual {
+			ev = otherEv // stored last on its subject
+		}
+		m, err := s.GetLastMsgForSubject(ctx, Subject(cfg.SubjectPrefix, ev.Type()))
+		if err != nil {
+			t.Fatalf("last msg on %s: %v", ev.Type(), err)
+		}
+		if id := m.Header.Get(jetstream.MsgIDHeader); id != ev.ID {
+			t.Errorf("%s stored with Nats-Msg-Id %q, want %q", ev.Type(), id, ev.ID)
+		}
+		if ct := m.Header.Get("Content-Type"); ct != ContentType {
+			t.Errorf("%s stored with Content-Type %q", ev.Type(), ct)
+		}
+		got, err := Decode(m.Data)
+		if err != nil {
+			t.Errorf("Decode(stored %s) = %v", ev.Type(), err)
+		} else if got.ID != ev.ID {
+			t.Errorf("stored %s has id %s, want %s", ev.Type(), got.ID, ev.ID)
+		}
+	}
+}
+
+func TestPublishBatchErrors(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	p := NewPublisher(js, cfg)
+
+	bad := exampleOf(t, TypeActual)
+	d := bad.Data.(Actual)
+	d.InputTokens = -1
+	bad.Data = d
+	if err := p.Publish(ctx, bad); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "data.input_tokens: must be >= 0") {
+		t.Errorf("Publish(invalid) = %v, want ErrInvalid about input_tokens", err)
+	}
+
+	evs := examples()
+	evs[2] = bad
+	err := p.PublishBatch(ctx, evs)
+	var be *BatchError
+	if !errors.As(err, &be) || len(be.Errs) != len(evs) {
+		t.Fatalf("PublishBatch(one invalid) = %v, want a *BatchError of %d", err, len(evs))
+	}
+	for i, e := range be.Errs {
+		if (e != nil) != (i == 2) {
+			t.Errorf("Errs[%d] = %v", i, e)
+		}
+	}
+	if !errors.Is(err, ErrInvalid) {
+		t.Errorf("PublishBatch error %v does not wrap ErrInvalid", err)
+	}
+	if n := streamMsgs(t, js, cfg.Stream); n != uint64(len(evs)-1) {
+		t.Errorf("stream holds %d, want %d", n, len(evs)-1)
+	}
+
+	// A publisher whose prefix belongs to no stream gets an error per
+	// event, not a hang.
+	lost := NewPublisher(js, Config{Stream: cfg.Stream, SubjectPrefix: cfg.SubjectPrefix + "_nowhere"})
+	short, cancel2 := context.WithTimeout(ctx, time.Second)
+	defer cancel2()
+	if err := lost.PublishBatch(short, examples()[:2]); !errors.As(err, &be) || be.Errs[0] == nil || be.Errs[1] == nil {
+		t.Errorf("PublishBatch(no stream) = %v, want both failed", err)
+	}
+	// A prefix that lands in another stream fails the expected-stream check.
+	other := NewPublisher(js, Config{Stream: cfg.Stream + "_OTHER", SubjectPrefix: cfg.SubjectPrefix})
+	if err := other.Publish(ctx, exampleOf(t, TypeReleased)); err == nil {
+		t.Error("Publish to a prefix of another stream = nil, want an error")
+	}
+	if err := p.Flush(ctx); err != nil {
+		t.Errorf("Flush = %v", err)
+	}
+}
+
+func TestConsumeAndDeadLetter(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	p := NewPublisher(js, cfg)
+
+	// Published before the consumer exists: DeliverAll must still see it.
+	good := exampleOf(t, TypeActual)
+	if err := p.Publish(ctx, good); err != nil {
+		t.Fatal(err)
+	}
+	// A malformed event straight onto the subject, as a buggy service
+	// in another language might.
+	malformed := []byte(`{"specversion":"1.0","type":"quotaflow.usage.actual","data":{"input_tokens":-1}}`)
+	if _, err := js.Publish(ctx, Subject(cfg.SubjectPrefix, TypeActual), malformed, jetstream.WithMsgID("bad-1")); err != nil {
+		t.Fatal(err)
+	}
+	// A valid event whose handler always fails: dead-lettered after
+	// MaxDeliver (3) deliveries.
+	poison := exampleOf(t, TypeReleased)
+	if err := p.Publish(ctx, poison); err != nil {
+		t.Fatal(err)
+	}
+	// The accounter ignores its own corrections: a nil handler acks them.
+	if err := p.Publish(ctx, exampleOf(t, TypeCorrected)); err != nil {
+		t.Fatal(err)
+	}
+
+	var cons jetstream.Consumer
+	for range 2 { // idempotent
+		var err error
+		if cons, err = EnsureConsumer(ctx, js, cfg, "worker"); err != nil {
+			t.Fatalf("EnsureConsumer = %v", err)
+		}
+	}
+	ci := cons.CachedInfo().Config
+	if ci.FilterSubject != cfg.SubjectPrefix+".usage.>" || ci.DeliverPolicy != jetstream.DeliverAllPolicy ||
+		ci.AckPolicy != jetstream.AckExplicitPolicy || ci.AckWait != cfg.AckWait {
+		t.Errorf("consumer config = %+v", ci)
+	}
+
+	var mu sync.Mutex
+	var handled []string
+	attempts := 0
+	h := &Handlers{
+		Actual: func(_ context.Context, ev Event, d Actual) error {
+			mu.Lock()
+			defer mu.Unlock()
+			handled = append(handled, ev.ID)
+			return nil
+		},
+		Released: func(context.Context, Event, Released) error {
+			mu.Lock()
+			defer mu.Unlock()
+			attempts++
+			return errors.New("ledger unavailable")
+		},
+	}
+	var dead, retried int
+	deadline := time.Now().Add(15 * time.Second)
+	for dead < 2 && time.Now().Before(deadline) {
+		batch, err := cons.Fetch(10, jetstream.FetchMaxWait(500*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for msg := range batch.Messages() {
+			switch err := Process(ctx, js, cfg, msg, h.Dispatch); {
+			case err == nil:
+			case errors.Is(err, ErrDeadLettered):
+				dead++
+			default:
+				retried++
+			}
+		}
+	}
+	if dead != 2 || retried != cfg.MaxDeliver-1 || attempts != cfg.MaxDeliver {
+		t.Errorf("dead-lettered %d, retried %d, attempts %d; want 2, %d, %d", dead, retried, attempts, cfg.MaxDeliver-1, cfg.MaxDeliver)
+	}
+	if len(handled) != 1 || handled[0] != good.ID {
+		t.Errorf("handled %v, want [%s]", handled, good.ID)
+	}
+
+	dlq, err := js.Stream(ctx, cfg.DLQStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonInvalid))
+	if err != nil {
+		t.Fatalf("invalid dead letter: %v", err)
+	}
+	if string(m.Data) != string(malformed) ||
+		!strings.Contains(m.Header.Get(HeaderError), "data.input_tokens: must be >= 0") ||
+		m.Header.Get(HeaderSubject) != Subject(cfg.SubjectPrefix, TypeActual) ||
+		m.Header.Get(HeaderStream) != cfg.Stream || m.Header.Get(HeaderMsgID) != "bad-1" ||
+		m.Header.Get(HeaderSequence) != "2" || m.Header.Get(HeaderDelivered) != "1" {
+		t.Errorf("invalid dead letter = %q %v", m.Data, m.Header)
+	}
+	m, err = dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonMaxDeliver))
+	if err != nil {
+		t.Fatalf("max_deliver dead letter: %v", err)
+	}
+	if e := m.Header.Get(HeaderError); !strings.Contains(e, "ledger unavailable") || !strings.Contains(e, "delivered 3 times") ||
+		m.Header.Get(HeaderMsgID) != poison.ID {
+		t.Errorf("max_deliver dead letter headers = %v", m.Header)
+	}
+
+	// Nothing is left pending or stranded.
+	info, err := cons.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.NumAckPending != 0 || info.NumPending != 0 || info.NumRedelivered != 0 {
+		t.Errorf("consumer after processing: pending %d, ack pending %d, redelivered %d", info.NumPending, info.NumAckPending, info.NumRedelivered)
+	}
+
+	// Dead-lettering the same stream message again (a crash before Term)
+	// stores it once.
+	if _, err := js.Publish(ctx, Subject(cfg.SubjectPrefix, TypeActual), malformed, jetstream.WithMsgID("bad-2")); err != nil {
+		t.Fatal(err)
+	}
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := streamMsgs(t, js, cfg.DLQStream)
+	for msg := range batch.Messages() {
+		for range 2 {
+			if err := DeadLetter(ctx, js, cfg.SubjectPrefix, "manual", msg, fmt.Errorf("twice")); err != nil {
+				t.Fatal(err)
+			}
+		}
+		_ = msg.Term()
+	}
+	if n := streamMsgs(t, js, cfg.DLQStream); n != before+1 {
+		t.Errorf("DLQ holds %d after dead-lettering one message twice, want %d", n, before+1)
+	}
+}
+
+func TestProcessShutdownRedelivers(t *testing.T) {
+	js, cfg := realNATS(t)
+	cfg.MaxDeliver = 1 // a failure would dead-letter at once, but shutdown must not
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := NewPublisher(js, cfg).Publish(ctx, exampleOf(t, TypeActual)); err != nil {
+		t.Fatal(err)
+	}
+	cons, err := EnsureConsumer(ctx, js, cfg, "worker")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fetch := func() jetstream.Msg {
+		t.Helper()
+		batch, err := cons.Fetch(1, jetstream.FetchMaxWait(2*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for msg := range batch.Messages() {
+			return msg
+		}
+		t.Fatal("no message")
+		return nil
+	}
+
+	stopping, stop := context.WithCancel(ctx)
+	stop()
+	err = Process(stopping, js, cfg, fetch(), func(ctx context.Context, _ Event) error { return ctx.Err() })
+	if err == nil || errors.Is(err, ErrDeadLettered) {
+		t.Fatalf("Process during shutdown = %v, want a retryable error", err)
+	}
+	msg := fetch() // nak'ed without delay: back at once
+	if md, _ := msg.Metadata(); md.NumDelivered != 2 {
+		t.Errorf("redelivery has NumDelivered %d, want 2", md.NumDelivered)
+	}
+	if err := Process(ctx, js, cfg, msg, func(context.Context, Event) error { return nil }); err != nil {
+		t.Errorf("Process = %v", err)
+	}
+	if n := streamMsgs(t, js, cfg.DLQStream); n != 0 {
+		t.Errorf("DLQ holds %d, want 0", n)
+	}
+}

@@ -1,0 +1,285 @@
+package events
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+	"unicode/utf8"
+)
+
+// Decode checks the whole input with json.Valid first; the scanner below
+// then only walks JSON known to be valid, which keeps it short and lets
+// Decode run without reflection or a tokenizer (it sits on every
+// consumer's hot path).
+
+// member is one key and raw value of a JSON object.
+type member struct {
+	key []byte // unescaped; a slice of the input when it had no escapes
+	val []byte
+}
+
+// object returns the members of the JSON object b (valid JSON), in order,
+// rejecting a non-object and duplicate keys.
+func object(b []byte) ([]member, error) {
+	i := skipSpace(b, 0)
+	if i == len(b) || b[i] != '{' {
+		return nil, errors.New("must be a JSON object")
+	}
+	ms := make([]member, 0, 16)
+	var seen map[string]bool // beyond a few members, instead of a linear search
+	i = skipSpace(b, i+1)
+	for b[i] != '}' {
+		end, escaped := scanString(b, i)
+		key := b[i+1 : end-1]
+		if escaped {
+			var s string
+			_ = json.Unmarshal(b[i:end], &s) // valid JSON: cannot fail
+			key = []byte(s)
+		}
+		if seen == nil && len(ms) == 16 {
+			seen = make(map[string]bool, 64)
+			for _, m := range ms {
+				seen[string(m.key)] = true
+			}
+		}
+		dup := false
+		if seen != nil {
+			dup = seen[string(key)]
+			seen[string(key)] = true
+		} else {
+			for _, m := range ms {
+				if string(m.key) == string(key) {
+					dup = true
+					break
+				}
+			}
+		}
+		if dup {
+			return nil, fmt.Errorf("duplicate key %q", short(string(key)))
+		}
+		i = skipSpace(b, skipSpace(b, end)+1) // past ':'
+		vend := skipValue(b, i)
+		ms = append(ms, member{key: key, val: b[i:vend]})
+		i = skipSpace(b, vend)
+		if b[i] == ',' {
+			i = skipSpace(b, i+1)
+		}
+	}
+	return ms, nil
+}
+
+// elements returns the raw elements of the JSON array b (valid JSON), or
+// false when b is not an array.
+func elements(b []byte) ([][]byte, bool) {
+	i := skipSpace(b, 0)
+	if i == len(b) || b[i] != '[' {
+		return nil, false
+	}
+	var out [][]byte
+	i = skipSpace(b, i+1)
+	for b[i] != ']' {
+		end := skipValue(b, i)
+		out = append(out, b[i:end])
+		i = skipSpace(b, end)
+		if b[i] == ',' {
+			i = skipSpace(b, i+1)
+		}
+	}
+	return out, true
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// scanString returns the index just past the string that starts at b[i]
+// (a quote), and whether it holds escapes.
+func scanString(b []byte, i int) (end int, escaped bool) {
+	for i++; i < len(b); i++ {
+		switch b[i] {
+		case '\\':
+			escaped = true
+			i++
+		case '"':
+			return i + 1, escaped
+		}
+	}
+	return i, escaped
+}
+
+// skipValue returns the index just past the value that starts at b[i].
+func skipValue(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		end, _ := scanString(b, i)
+		return end
+	case '{', '[':
+		depth := 0
+		for i < len(b) {
+			switch b[i] {
+			case '"':
+				i, _ = scanString(b, i)
+				continue
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+				if depth == 0 {
+					return i + 1
+				}
+			}
+			i++
+		}
+		return i
+	}
+	for i < len(b) { // number, true, false, null
+		switch b[i] {
+		case ',', '}', ']', ' ', '\t', '\n', '\r':
+			return i
+		}
+		i++
+	}
+	return i
+}
+
+// reader takes typed fields out of a decoded JSON object, deferring type
+// errors to its checker. Absent and null fields read as zero values.
+type reader struct {
+	c checker
+	m []member
+}
+
+// raw returns the field unless it is absent or null.
+func (r *reader) raw(name string) ([]byte, bool) {
+	for _, m := range r.m {
+		if string(m.key) == name {
+			if string(m.val) == "null" {
+				return nil, false
+			}
+			return m.val, true
+		}
+	}
+	return nil, false
+}
+
+func (r *reader) str(name string) string {
+	v, ok := r.raw(name)
+	if !ok {
+		return ""
+	}
+	if v[0] != '"' {
+		r.c.deferProblem(name, "must be a string")
+		return ""
+	}
+	if _, escaped := scanString(v, 0); !escaped {
+		return string(v[1 : len(v)-1])
+	}
+	var s string
+	_ = json.Unmarshal(v, &s) // valid JSON string: cannot fail
+	return s
+}
+
+// int reads an integer. A fraction, an exponent, more than 18 digits or a
+// non-number is a problem, and so is a missing required one: 0 must be
+// written out, so that a misspelt key is not read as zero.
+func (r *reader) int(name string, required bool) int64 {
+	v, ok := r.raw(name)
+	if !ok {
+		if required {
+			r.c.deferProblem(name, "required")
+		}
+		return 0
+	}
+	n, ok := parseInt(v)
+	if !ok {
+		r.c.deferProblem(name, "must be an integer")
+	}
+	return n
+}
+
+// parseInt parses a JSON integer of up to 18 digits, which always fits an
+// int64 (valid limits stop at 13 digits).
+func parseInt(v []byte) (int64, bool) {
+	neg := v[0] == '-'
+	if neg {
+		v = v[1:]
+	}
+	if len(v) == 0 || len(v) > 18 {
+		return 0, false
+	}
+	var n int64
+	for _, ch := range v {
+		if ch < '0' || ch > '9' {
+			return 0, false
+		}
+		n = n*10 + int64(ch-'0')
+	}
+	if neg {
+		n = -n
+	}
+	return n, true
+}
+
+func (r *reader) time(name string) time.Time {
+	v, ok := r.raw(name)
+	if !ok {
+		return time.Time{}
+	}
+	var t time.Time
+	if v[0] != '"' {
+		r.c.deferProblem(name, "must be an RFC 3339 time")
+		return t
+	}
+	text := v[1 : len(v)-1]
+	if _, escaped := scanString(v, 0); escaped {
+		var s string
+		_ = json.Unmarshal(v, &s) // valid JSON string: cannot fail
+		text = []byte(s)
+	}
+	if t.UnmarshalText(text) != nil { // strict RFC 3339
+		r.c.deferProblem(name, "must be an RFC 3339 time")
+		return time.Time{}
+	}
+	return t
+}
+
+// array calls each with a reader for every element of the array name,
+// which must hold objects; with nil for an element that is not one, so
+// later elements keep their indexes.
+func (r *reader) array(name string, each func(*reader)) {
+	v, ok := r.raw(name)
+	if !ok {
+		return
+	}
+	items, ok := elements(v)
+	if !ok {
+		r.c.deferProblem(name, "must be an array")
+		return
+	}
+	for i, it := range items {
+		m, err := object(it)
+		if err != nil {
+			r.c.deferProblem(fmt.Sprintf("%s[%d]", name, i), err.Error())
+			each(nil)
+			continue
+		}
+		each(&reader{c: r.c.item(name, i), m: m})
+	}
+}
+
+// short cuts s for an error message.
+func short(s string) string {
+	const n = 64
+	if len(s) <= n {
+		return s
+	}
+	i := n
+	for i > 0 && !utf8.RuneStart(s[i]) {
+		i--
+	}
+	return s[:i] + "…"
+}
