@@ -34,7 +34,7 @@ func (l *Limiter) Lease(ctx context.Context, scope Scope, id string, r *Rule, n 
 	}
 	return Lease{
 		Granted: v[0], WindowID: v[1], ExpiresAt: time.UnixMilli(v[2]), Now: time.UnixMilli(v[3]),
-		State: State{Rule: r, Limit: v[4], Used: v[5], Remaining: v[6], Reset: time.Duration(v[7]) * time.Millisecond},
+		State: State{Rule: r, Limit: v[4], Used: v[5], Remaining: max(0, v[4]-v[5]), Reset: time.Duration(v[6]) * time.Millisecond},
 	}, nil
 }
 
@@ -61,9 +61,7 @@ func (l *Limiter) leaseCall(ctx context.Context, scope Scope, id string, r *Rule
 	}
 	tag := sharedTag(scope, id)
 	keys := []string{epochKey(tag), sharedBlob(tag)}
-	args := make([]any, 0, 5+specLen)
-	args = append(args, l.offset, op, n, l.guard, window)
-	args = appendSpecs(args, []Rule{*r}, l.resTTL)
+	args := []any{l.offset, op, n, l.guard, window, packSpecs([]Rule{*r}, l.resTTL)}
 	v, err := leaseScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return nil, fmt.Errorf("lease %s %s: %w", scope, id, err)
@@ -71,7 +69,7 @@ func (l *Limiter) leaseCall(ctx context.Context, scope Scope, id string, r *Rule
 	if len(v) == 1 && v[0] == -1 {
 		return nil, ErrNoEpoch
 	}
-	if len(v) != 8 {
+	if len(v) != 7 {
 		return nil, fmt.Errorf("lease %s %s: reply of %d values", scope, id, len(v))
 	}
 	return v, nil

@@ -84,9 +84,7 @@ func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, err
 	if s.Fallback != nil {
 		fbAt, fbEst = s.Fallback.ReservedAt.UnixMilli(), s.Fallback.Estimate
 	}
-	args := make([]any, 0, 10+specLen*len(rules))
-	args = append(args, l.offset, op, s.Actual, l.guard, meta, l.resTTL, s.RequestID, fbAt, fbEst, len(rules))
-	args = appendSpecs(args, rules, l.resTTL)
+	args := []any{l.offset, op, s.Actual, l.guard, meta, l.resTTL, s.RequestID, fbAt, fbEst, packSpecs(rules, l.resTTL)}
 	v, err := settleScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return Settlement{}, fmt.Errorf("settle %s/%s: %w", s.Tenant, s.User, err)
@@ -95,7 +93,7 @@ func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, err
 		return Settlement{}, ErrNoEpoch
 	}
 	const head = 6
-	if len(v) != head+5*len(rules) {
+	if len(v) != head+4*len(rules) {
 		return Settlement{}, fmt.Errorf("settle %s/%s: reply of %d values for %d limits", s.Tenant, s.User, len(v), len(rules))
 	}
 	return Settlement{
@@ -166,9 +164,7 @@ func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) 
 	if c.Force {
 		guard = "0"
 	}
-	args := make([]any, 0, 6+specLen*len(c.Rules))
-	args = append(args, l.offset, c.Amount, at, guard, meta, len(c.Rules))
-	args = appendSpecs(args, c.Rules, l.resTTL)
+	args := []any{l.offset, c.Amount, at, guard, meta, packSpecs(c.Rules, l.resTTL)}
 	v, err := chargeScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
 	if err != nil {
 		return nil, fmt.Errorf("charge %s: %w", what, err)
@@ -176,7 +172,7 @@ func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) 
 	if len(v) == 1 && v[0] == -1 {
 		return nil, ErrNoEpoch
 	}
-	if len(v) != 2+5*len(c.Rules) {
+	if len(v) != 2+4*len(c.Rules) {
 		return nil, fmt.Errorf("charge %s: reply of %d values for %d limits", what, len(v), len(c.Rules))
 	}
 	return states(v[2:], c.Rules), nil

@@ -44,8 +44,7 @@ func (l *Limiter) TopUp(ctx context.Context, tenant, user string, r *Rule, amoun
 		blob = k.tenantBlob()
 	}
 	keys := []string{epochKey(k.tag()), blob, k.topup(reference)}
-	args := appendSpecs([]any{amount, topUpMarkerTTL, l.guard}, []Rule{*r}, l.resTTL)
-	v, err := topUpScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	v, err := topUpScript.Run(ctx, l.rdb, keys, amount, topUpMarkerTTL, l.guard, packSpecs([]Rule{*r}, l.resTTL)).Int64Slice()
 	if err != nil {
 		return TopUpResult{}, fmt.Errorf("top up %s/%s: %w", tenant, user, err)
 	}

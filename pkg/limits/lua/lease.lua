@@ -7,42 +7,42 @@
 -- by at most (instances x batch) per window, when leases expire unspent.
 --
 -- KEYS   epoch, the shared blob
--- ARGV[1] clock offset ms; ARGV[2] op: 1 lease, 2 give back; ARGV[3] amount
---        wanted (lease) or unspent (give back); ARGV[4] '1' = refuse without
---        the epoch; ARGV[5] give back only: the lease's window id;
---        ARGV[6...] the limit's spec (lib.lua): fixed or token_bucket
+-- ARGV   1 clock offset ms; 2 op: 1 lease, 2 give back; 3 amount wanted
+--        (lease) or unspent (give back); 4 '1' = refuse without the epoch;
+--        5 give back only: the lease's window id; 6 the packed spec of one
+--        fixed or token_bucket limit
 --
 -- Reply: {granted or returned, window_id, expires_at_ms, now_ms, limit, used,
---         remaining, reset_ms}, or {-1} without the epoch. A lease must be
---   spent before expires_at_ms: for fixed and a rate-0 bucket the end of the
---   window; for a refilling bucket the time it takes to refill what was
---   granted, so a late spend can never add to a full burst.
-local op, amount = ARGV[2], tonumber(ARGV[3])
+--         reset_ms}, or {-1} without the epoch. A lease must be spent before
+--   expires_at_ms: for fixed and a rate-0 bucket the end of the window; for a
+--   refilling bucket the time it takes to refill what was granted, so a late
+--   spend can never add to a full burst.
+local op, amount, specs = ARGV[2], tonumber(ARGV[3]), ARGV[6]
 local now = now_ms(tonumber(ARGV[1]))
-local ss = specs(6, 1)
-local vals, sub, _, sts = scope('0', ss, now)
+local vals, sub = scope('0', specs, 1, now)
 if ARGV[4] == '1' and not vals[1] then return { -1 } end
-local s, st = ss[1], sts[1]
+local kind, a, b = S[1], S[4], S[5]
 
 local wid, expires
-if s.kind == FIXED then
-  wid, expires = st.w, st.wend
-elseif s.a > 0 then
+if kind == FIXED then
+  wid, expires = S[10], S[12]
+elseif a > 0 then
   wid, expires = 0, 0
 else
-  wid, expires = st.y, st.y + s.b
+  wid, expires = S[11], S[11] + b
 end
 
 local n = 0
 if op == '1' then
-  local _, _, free = report(s, st, now)
+  local l, u = report(1, now)
+  local free = kind == BUCKET and a > 0 and floor(S[10]) or l - u
   n = max(0, min(amount, free))
-  if n > 0 then add(s, st, n, now, now) end
-  if s.kind == BUCKET and s.a > 0 then expires = now + max(1, ceil(n / s.a)) end
+  if n > 0 then add(1, n, now, now) end
+  if kind == BUCKET and a > 0 then expires = now + max(1, ceil(n / a)) end
 elseif tostring(wid) == ARGV[5] then
   n = amount
-  add(s, st, -n, now, now)
+  add(1, -n, now, now)
 end
-if n > 0 then commit('0', ss, sts, sub, nil, now) end
-local l, u, r, reset = report(s, st, now)
-return { n, wid, expires, now, l, u, r, reset }
+if n > 0 then commit('0', 1, sub, nil, now) end
+local l, u, reset = report(1, now)
+return { n, wid, expires, now, l, u, reset }

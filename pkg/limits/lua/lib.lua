@@ -2,11 +2,13 @@
 -- quotaflow script. Each entry script (reserve.lua, settle.lua, charge.lua,
 -- lease.lua, topup.lua) is this file followed by the entry's own code.
 --
--- Cost model (measured with callgrind on Redis 7.0): a redis.call costs
--- about 10k instructions, a call into C (struct.pack, string.sub) 1-2k, a
--- closure 0.5k. So all limits of one scope live in ONE string (a "blob"):
--- one MGET slot to read, one SET to write, and the hot path touches only the
--- bytes it changes.
+-- Redis runs scripts on one core, so their CPU per call caps the system.
+-- Measured with callgrind on Redis 7.0 (instructions, repeatable on a noisy
+-- machine): a redis.call costs ~10k, each script argument ~1k, a new table
+-- ~1.3k, a closure ~1.4k, a call into C ~0.4k, a VM operation ~50. Hence:
+-- all limits of one scope live in ONE string (a blob: one MGET slot, one
+-- SET); all limit specs arrive packed in ONE argument; state lives in one
+-- flat table; the hot path touches only the bytes it changes.
 --
 -- Blob: version (double), then one record per limit:
 --   id (I6: 48-bit hash of the limit's identity, from Go), expires ms (i6),
@@ -15,7 +17,7 @@
 -- call does not know (another endpoint's per-user limits) are carried over.
 -- The blob expires with its last record; balances never expire.
 --
--- Payloads (all little-endian, 48-bit ints hold +-1.4e14; limits cap at 1e12):
+-- Payloads (little-endian; 48-bit ints hold +-1.4e14, limits cap at 1e12):
 --   rolling      head bucket, tail (oldest non-empty bucket), total, then
 --                n bucket counters as a ring (bucket j at index j % n)
 --   fixed        window number, count
@@ -25,20 +27,28 @@
 --   balance      credited, spent
 -- concurrency is a sorted set of its own (member request id, score expiry).
 --
--- A limit spec is 8 ARGV values starting at ARGV[i]:
+-- Specs: one string, 32 bytes per limit, '<I6BBddd':
 --   id, kind (1 rolling, 2 fixed, 3 calendar_month, 4 token_bucket,
---   5 sliding_log, 6 balance, 7 concurrency), unit (1 tokens, 0 requests),
---   limit (token_bucket: burst), a, b, shadow (0/1), blob (0 subject or
---   shared, 1 tenant)
+--   5 sliding_log, 6 balance, 7 concurrency), flags (1 tokens, 2 shadow,
+--   4 tenant blob), limit (token_bucket: burst), a, b
 --   a: rolling bucket ms; fixed, sliding_log window ms; token_bucket refill
 --      per ms (0 = allowance); concurrency slot ttl ms
 --   b: rolling bucket count; token_bucket with a = 0: allowance period ms
 -- Time is Redis TIME plus a test offset, so skewed instances agree.
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
-local spack, sunpack = struct.pack, struct.unpack
+local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
 local NEVER = 140737488355327 -- 2^47-1: a record that never expires
 local ROLLING, FIXED, CALENDAR, BUCKET, LOG, BALANCE, CONC = 1, 2, 3, 4, 5, 6, 7
+local K = 16 -- slots of S per limit
+-- S holds every limit's spec and state: limit j at S[(j-1)*K + 1 ...]:
+--   +1 kind, +2 flags, +3 limit, +4 a, +5 b, +6 id, +7 blob (table),
+--   +8 payload position in the blob's raw string (false: none), +9 dirty,
+--   +10.. state: rolling b, h, tl, t, cur, full; fixed/calendar w, c, wend;
+--   bucket x, y; log entries, first; balance cr, sp; concurrency n, key,
+--   member, delta
+-- A constructor of 96 slots sizes S once: growing it costs a rehash per doubling.
+local S = { false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false }
 
 -- now_ms reads Redis time in ms plus offset.
 local function now_ms(offset)
@@ -46,17 +56,8 @@ local function now_ms(offset)
   return t[1] * 1000 + floor(t[2] / 1000) + offset
 end
 
--- days_from_civil counts days from 1970-01-01 to y-m-d (Howard Hinnant's
--- algorithm for the proleptic Gregorian calendar: exact months in UTC).
-local function days_from_civil(y, m, d)
-  if m <= 2 then y = y - 1 end
-  local era = floor(y / 400)
-  local yoe = y - era * 400
-  local doy = floor((153 * ((m + 9) % 12) + 2) / 5) + d - 1
-  return era * 146097 + yoe * 365 + floor(yoe / 4) - floor(yoe / 100) + doy - 719468
-end
-
--- month returns the UTC month number of ms and the ms at which it ends.
+-- month returns the UTC month number of ms and the ms at which it ends
+-- (Howard Hinnant's civil-from-days and days-from-civil: exact, no tables).
 local function month(ms)
   local z = floor(ms / 86400000) + 719468
   local era = floor(z / 146097)
@@ -66,43 +67,48 @@ local function month(ms)
   local mp = floor((5 * doy + 2) / 153)
   local m = mp < 10 and mp + 3 or mp - 9
   local y = yoe + era * 400 + (m <= 2 and 1 or 0)
+  -- the first day of the next month, in days since 1970
   local ny, nm = y, m + 1
   if nm == 13 then ny, nm = y + 1, 1 end
-  return y * 12 + m - 1, days_from_civil(ny, nm, 1) * 86400000
+  if nm <= 2 then ny = ny - 1 end
+  local nera = floor(ny / 400)
+  local nyoe = ny - nera * 400
+  local days = nera * 146097 + nyoe * 365 + floor(nyoe / 4) - floor(nyoe / 100)
+    + floor((153 * ((nm + 9) % 12) + 2) / 5) - 719468
+  return y * 12 + m - 1, days * 86400000
 end
 
--- open reads a blob into {ver, raw, pos = {id -> record start}, exp, ids}.
+-- open reads a blob: {ver, raw, [i] = id of the i-th live record,
+-- [id] = its position (number) or its new record (string), [-id] = expiry}.
 local function open(raw, now)
-  local bl = { ver = 0, raw = raw, pos = {}, exp = {}, ids = {}, new = {} }
+  local bl = { ver = 0, raw = raw, n = 0 }
   if not raw then return bl end
   bl.ver = sunpack('<d', raw)
-  local p, n = 9, #raw
-  while p <= n do
-    local id, e, len = sunpack('<I6i6I2', raw, p)
+  local p, len, n = 9, #raw, 0
+  while p <= len do
+    local id, e, l = sunpack('<I6i6I2', raw, p)
     if e > now then
-      bl.pos[id], bl.exp[id] = p, e
-      bl.ids[#bl.ids + 1] = id
+      n = n + 1
+      bl[n], bl[id], bl[-id] = id, p, e
     end
-    p = p + 14 + len
+    p = p + 14 + l
   end
+  bl.n = n
   return bl
 end
 
--- save writes a blob whose records changed and moves its version forward:
--- to now in µs, or one past the last version when that is later, so versions
--- only grow, even after the blob expired and came back.
+-- save writes a changed blob and moves its version forward: to now in µs,
+-- or one past the last version when that is later, so versions only grow,
+-- even after the blob expired and came back.
 local function save(bl, key, now)
   bl.ver = max(bl.ver + 1, now * 1000)
-  local parts, last = { spack('<d', bl.ver) }, 0
-  for i = 1, #bl.ids do
-    local id = bl.ids[i]
-    local rec = bl.new[id]
-    if not rec then
-      local p = bl.pos[id]
-      rec = bl.raw:sub(p, p + 13 + sunpack('<I2', bl.raw, p + 12))
-    end
-    parts[i + 1] = rec
-    if bl.exp[id] > last then last = bl.exp[id] end
+  local parts, last, raw = { spack('<d', bl.ver) }, 0, bl.raw
+  for i = 1, bl.n do
+    local id = bl[i]
+    local r = bl[id]
+    if type(r) == 'number' then r = raw:sub(r, r + 13 + sunpack('<I2', raw, r + 12)) end
+    parts[i + 1] = r
+    if bl[-id] > last then last = bl[-id] end
   end
   if last == 0 then
     redis.call('DEL', key) -- nothing left to keep
@@ -113,306 +119,290 @@ local function save(bl, key, now)
   end
 end
 
--- put replaces the record of id.
-local function put(bl, id, rec, e)
-  if not bl.exp[id] then bl.ids[#bl.ids + 1] = id end
-  bl.new[id], bl.exp[id] = rec, e
-end
-
--- specs reads n specs from ARGV[i].
-local function specs(i, n)
-  local out = {}
-  for j = 0, n - 1 do
-    local k = i + j * 8
-    out[j + 1] = {
-      id = tonumber(ARGV[k]), kind = tonumber(ARGV[k + 1]), tokens = ARGV[k + 2] == '1',
-      limit = tonumber(ARGV[k + 3]), a = tonumber(ARGV[k + 4]), b = tonumber(ARGV[k + 5]),
-      shadow = ARGV[k + 6] == '1', tenant = ARGV[k + 7] == '1',
-    }
+-- load decodes spec and state of limit j (1-based) from the specs string
+-- into S, brought forward to now: expired buckets, windows and log entries
+-- dropped, token buckets refilled. sub and ten are the open blobs; zkey is
+-- the sorted set of a concurrency limit.
+local function load(specs, j, sub, ten, now, zkey)
+  local o = (j - 1) * K
+  local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, (j - 1) * 32 + 1)
+  local bl = fl >= 4 and ten or sub
+  S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9] =
+    kind, fl, lim, a, b, id, bl, false
+  if kind == CONC then
+    redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
+    S[o + 10], S[o + 11], S[o + 12] = redis.call('ZCARD', zkey), zkey, false
+    return
   end
-  return out
-end
-
--- expand unpacks every counter of a rolling window into st.full (1-based
--- ring), for the paths that need more than the current bucket.
-local function expand(s, st)
-  if st.full then return end
-  local full
-  if st.raw then
-    full = { sunpack('<' .. string.rep('i6', s.b), st.raw, st.at + 18) }
-    full[s.b + 1] = nil
-  else
-    full = {}
-    for i = 1, s.b do full[i] = 0 end
-  end
-  if st.cur then full[st.b % s.b + 1] = st.cur end
-  st.full = full
-end
-
--- retail recomputes the oldest non-empty bucket of an expanded window.
-local function retail(s, st)
-  st.tl = st.b
-  for j = st.b - s.b + 1, st.b do
-    if st.full[j % s.b + 1] ~= 0 then
-      st.tl = j
+  local raw, at = bl.raw, bl[id]
+  if at then at = at + 14 else raw = nil end
+  S[o + 8] = at or false
+  if kind == ROLLING then
+    local cb = floor(now / a)
+    local h, tl, t
+    if raw then h, tl, t = sunpack('<i6i6i6', raw, at) end
+    if not raw or cb - h >= b then
+      local full = {}
+      for i = 1, b do full[i] = 0 end
+      S[o + 8], S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = false, cb, cb, cb, 0, false, full
       return
     end
-  end
-end
-
--- load decodes the state of limit s from blob bl (or its sorted set), brought
--- forward to now: buckets, windows and log entries that expired are dropped
--- and token buckets refilled.
-local function load(s, bl, now, zkey)
-  local k = s.kind
-  if k == CONC then
-    redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
-    return { n = redis.call('ZCARD', zkey), key = zkey }
-  end
-  local at = bl.pos[s.id]
-  local raw = at and bl.raw
-  if at then at = at + 14 end
-  if k == ROLLING then
-    local n = s.b
-    local b = floor(now / s.a)
-    local st = { b = b }
-    if raw then st.h, st.tl, st.t = sunpack('<i6i6i6', raw, at) end
-    if not raw or b - st.h >= n then
-      st.h, st.tl, st.t, st.full = b, b, 0, nil
-      expand(s, st)
-    else
-      st.raw, st.at = raw, at
-      if b > st.h then
-        expand(s, st)
-        for j = st.h + 1, b do
-          local i = j % n + 1
-          st.t = st.t - st.full[i]
-          st.full[i] = 0
-        end
-        st.h = b
-        if st.tl <= b - n then retail(s, st) end
+    local full = false
+    if cb > h then
+      full = { sunpack('<' .. srep('i6', b), raw, at + 18) }
+      full[b + 1] = nil
+      for k = h + 1, cb do
+        local i = k % b + 1
+        t = t - full[i]
+        full[i] = 0
       end
+      if tl <= cb - b then
+        tl = cb
+        for k = cb - b + 1, cb do
+          if full[k % b + 1] ~= 0 then tl = k; break end
+        end
+      end
+      h = cb
     end
-    return st
-  elseif k == FIXED or k == CALENDAR then
-    local st
-    if k == FIXED then
-      local w = floor(now / s.a)
-      st = { w = w, c = 0, wend = (w + 1) * s.a }
+    S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = cb, h, tl, t, false, full
+  elseif kind == FIXED or kind == CALENDAR then
+    local w, wend
+    if kind == FIXED then
+      w = floor(now / a)
+      wend = (w + 1) * a
     else
-      local w, wend = month(now)
-      st = { w = w, c = 0, wend = wend }
+      w, wend = month(now)
     end
+    local c = 0
     if raw then
-      local w, c = sunpack('<i6i6', raw, at)
-      if w == st.w then st.c = c end
+      local rw, rc = sunpack('<i6i6', raw, at)
+      if rw == w then c = rc end
     end
-    return st
-  elseif k == BUCKET then
+    S[o + 10], S[o + 11], S[o + 12] = w, c, wend
+  elseif kind == BUCKET then
     local x, y
     if raw then x, y = sunpack('<dd', raw, at) end
-    if s.a > 0 then -- x tokens, y last refill
-      if not raw then return { x = s.limit, y = now } end
-      return { x = min(s.limit, x + (now - y) * s.a), y = now }
+    if a > 0 then -- x tokens, y last refill
+      if raw then x = min(lim, x + (now - y) * a) else x = lim end
+      y = now
+    elseif not raw or now >= y + b then -- x used, y period start
+      x, y = 0, now
     end
-    if not raw or now >= y + s.b then return { x = 0, y = now } end -- x used, y period start
-    return { x = x, y = y }
-  elseif k == LOG then
-    local st = { first = 1 }
+    S[o + 10], S[o + 11] = x, y
+  elseif kind == LOG then
+    local e, first = {}, 1
     if raw then
-      local len = sunpack('<I2', raw, at - 2)
-      st = { sunpack('<' .. string.rep('i6', len / 6), raw, at) }
-      st[#st] = nil
-      local cut, first = now - s.a, 1
-      while st[first] and st[first] <= cut do first = first + 1 end
-      st.first = first
+      e = { sunpack('<' .. srep('i6', sunpack('<I2', raw, at - 2) / 6), raw, at) }
+      e[#e] = nil
+      local cut = now - a
+      while e[first] and e[first] <= cut do first = first + 1 end
     end
-    return st
+    S[o + 10], S[o + 11] = e, first
   else -- BALANCE
-    if raw then
-      local cr, sp = sunpack('<i6i6', raw, at)
-      return { cr = cr, sp = sp }
-    end
-    return { cr = 0, sp = 0 }
+    local cr, sp = 0, 0
+    if raw then cr, sp = sunpack('<i6i6', raw, at) end
+    S[o + 10], S[o + 11] = cr, sp
   end
 end
 
--- report returns limit, used, remaining and the ms until the limit next
--- frees capacity or resets (0 when nothing is used or it never resets).
-local function report(s, st, now)
-  local k = s.kind
-  if k == ROLLING then
-    local reset = 0
-    if st.t > 0 then reset = (st.tl + s.b) * s.a - now end
-    return s.limit, st.t, max(0, s.limit - st.t), reset
-  elseif k == FIXED or k == CALENDAR then
-    return s.limit, st.c, max(0, s.limit - st.c), st.wend - now
-  elseif k == BUCKET then
-    if s.a > 0 then
-      local used = s.limit - st.x
-      return s.limit, ceil(used), max(0, floor(st.x)), ceil(used / s.a)
-    end
-    return s.limit, st.x, max(0, s.limit - st.x), st.y + s.b - now
-  elseif k == LOG then
-    local used, reset = #st - st.first + 1, 0
-    if used > 0 then reset = st[st.first] + s.a - now end
-    return s.limit, used, max(0, s.limit - used), reset
-  elseif k == BALANCE then
-    return st.cr, st.sp, max(0, st.cr - st.sp), 0
-  end
-  return s.limit, st.n, max(0, s.limit - st.n), 0
+-- expand unpacks every counter of rolling limit j into a table, for the
+-- paths that need more than the current bucket.
+local function expand(o)
+  local full = S[o + 15]
+  if full then return full end
+  local b = S[o + 5]
+  full = { sunpack('<' .. srep('i6', b), S[o + 7].raw, S[o + 8] + 18) }
+  full[b + 1] = nil
+  if S[o + 14] then full[S[o + 10] % b + 1] = S[o + 14] end
+  S[o + 15] = full
+  return full
 end
 
--- check says whether cost fits; when it does not, also the ms after which
--- it would (-1: only a top-up helps) and whether the cost exceeds the limit
--- itself, so that waiting never helps.
-local function check(s, st, cost, now)
-  local k = s.kind
-  if k == ROLLING then
-    local need = st.t + cost - s.limit
-    if need <= 0 then return true end
-    if cost > s.limit then return false, 0, true end
-    expand(s, st)
-    local n, freed = s.b, 0
-    for j = st.b - n + 1, st.b do
-      freed = freed + st.full[j % n + 1]
-      if freed >= need then return false, (j + n) * s.a - now end
+-- report returns limit, used and the ms until limit j next frees capacity
+-- or resets (0 when nothing is used or it never resets).
+local function report(j, now)
+  local o = (j - 1) * K
+  local kind, lim, a, b = S[o + 1], S[o + 3], S[o + 4], S[o + 5]
+  if kind == ROLLING then
+    local t = S[o + 13]
+    if t > 0 then return lim, t, (S[o + 12] + b) * a - now end
+    return lim, 0, 0
+  elseif kind == FIXED or kind == CALENDAR then
+    return lim, S[o + 11], S[o + 12] - now
+  elseif kind == BUCKET then
+    if a > 0 then
+      local used = lim - S[o + 10]
+      return lim, ceil(used), ceil(used / a)
     end
-    return false, n * s.a -- corrections overshot: the whole window must pass
-  elseif k == FIXED or k == CALENDAR then
-    if st.c + cost <= s.limit then return true end
-    return false, st.wend - now, cost > s.limit
-  elseif k == BUCKET then
-    if s.a > 0 then
-      if st.x >= cost then return true end
-      return false, ceil((cost - st.x) / s.a), cost > s.limit
-    end
-    if st.x + cost <= s.limit then return true end
-    return false, st.y + s.b - now, cost > s.limit
-  elseif k == LOG then
-    local need = (#st - st.first + 1) + cost - s.limit
+    return lim, S[o + 10], S[o + 11] + b - now
+  elseif kind == LOG then
+    local e, first = S[o + 10], S[o + 11]
+    local used = #e - first + 1
+    if used > 0 then return lim, used, e[first] + a - now end
+    return lim, 0, 0
+  elseif kind == BALANCE then
+    return S[o + 10], S[o + 11], 0
+  end
+  return lim, S[o + 10], 0
+end
+
+-- check says whether cost fits limit j; when it does not, also the ms after
+-- which it would (-1: only a top-up helps) and whether the cost exceeds the
+-- limit itself, so that waiting never helps.
+local function check(j, cost, now)
+  local o = (j - 1) * K
+  local kind, lim, a, b = S[o + 1], S[o + 3], S[o + 4], S[o + 5]
+  if kind == ROLLING then
+    local need = S[o + 13] + cost - lim
     if need <= 0 then return true end
-    if cost > s.limit then return false, 0, true end
-    return false, st[st.first + need - 1] + s.a - now
-  elseif k == BALANCE then
-    if st.sp + cost <= st.cr then return true end
+    if cost > lim then return false, 0, true end
+    local full, freed, cb = expand(o), 0, S[o + 10]
+    for k = cb - b + 1, cb do
+      freed = freed + full[k % b + 1]
+      if freed >= need then return false, (k + b) * a - now end
+    end
+    return false, b * a -- corrections overshot: the whole window must pass
+  elseif kind == FIXED or kind == CALENDAR then
+    if S[o + 11] + cost <= lim then return true end
+    return false, S[o + 12] - now, cost > lim
+  elseif kind == BUCKET then
+    local x = S[o + 10]
+    if a > 0 then
+      if x >= cost then return true end
+      return false, ceil((cost - x) / a), cost > lim
+    end
+    if x + cost <= lim then return true end
+    return false, S[o + 11] + b - now, cost > lim
+  elseif kind == LOG then
+    local e, first = S[o + 10], S[o + 11]
+    local need = (#e - first + 1) + cost - lim
+    if need <= 0 then return true end
+    if cost > lim then return false, 0, true end
+    return false, e[first + need - 1] + a - now
+  elseif kind == BALANCE then
+    if S[o + 11] + cost <= S[o + 10] then return true end
     return false, -1
   end
-  if st.n + 1 <= s.limit then return true end
+  if S[o + 10] + 1 <= lim then return true end
   return false, 1000 -- slots free as requests finish: ask again in a second
 end
 
--- add charges delta (negative gives back) at time ts: now for a
+-- add charges delta (negative gives back) to limit j at time ts: now for a
 -- reservation, the reservation's time for a correction. A window that has
 -- slid past ts is left alone; counters never go below zero.
-local function add(s, st, delta, ts, now, member)
-  local k = s.kind
-  st.dirty = true
-  if k == ROLLING then
-    local n = s.b
-    local j = floor(ts / s.a)
-    if j <= st.b - n or j > st.b then return end
-    if j == st.b and delta > 0 and not st.full then
+local function add(j, delta, ts, now, member)
+  local o = (j - 1) * K
+  local kind, lim, a, b = S[o + 1], S[o + 3], S[o + 4], S[o + 5]
+  S[o + 9] = true
+  if kind == ROLLING then
+    local k, cb = floor(ts / a), S[o + 10]
+    if k <= cb - b or k > cb then return end
+    local t = S[o + 13]
+    if k == cb and delta > 0 and not S[o + 15] then
       -- hot path: only the current bucket and the header change
-      local cur = sunpack('<i6', st.raw, st.at + 18 + 6 * (j % n))
-      if st.t == 0 then st.tl = j end
-      st.cur, st.t = cur + delta, st.t + delta
+      local cur = S[o + 14] or sunpack('<i6', S[o + 7].raw, S[o + 8] + 18 + 6 * (k % b))
+      if t == 0 then S[o + 12] = k end
+      S[o + 13], S[o + 14] = t + delta, cur + delta
       return
     end
-    expand(s, st)
-    local i = j % n + 1
-    if st.full[i] + delta < 0 then delta = -st.full[i] end
-    st.full[i], st.t = st.full[i] + delta, st.t + delta
-    retail(s, st)
-  elseif k == FIXED or k == CALENDAR then
-    local w = k == FIXED and floor(ts / s.a) or month(ts)
-    if w == st.w then st.c = max(0, st.c + delta) end
-  elseif k == BUCKET then
-    if s.a > 0 then
-      st.x = min(s.limit, st.x - delta)
-    elseif ts >= st.y then
-      st.x = max(0, st.x + delta)
+    local full = expand(o)
+    local i = k % b + 1
+    if full[i] + delta < 0 then delta = -full[i] end
+    full[i], t = full[i] + delta, t + delta
+    S[o + 13], S[o + 12] = t, cb
+    for q = cb - b + 1, cb do
+      if full[q % b + 1] ~= 0 then S[o + 12] = q; break end
     end
-  elseif k == LOG then
+  elseif kind == FIXED or kind == CALENDAR then
+    local w
+    if kind == FIXED then w = floor(ts / a) else w = month(ts) end
+    if w == S[o + 10] then S[o + 11] = max(0, S[o + 11] + delta) end
+  elseif kind == BUCKET then
+    if a > 0 then
+      S[o + 10] = min(lim, S[o + 10] - delta)
+    elseif ts >= S[o + 11] then
+      S[o + 10] = max(0, S[o + 10] + delta)
+    end
+  elseif kind == LOG then
+    local e = S[o + 10]
     if delta < 0 then
-      if #st >= st.first then st[#st] = nil end
+      if #e >= S[o + 11] then e[#e] = nil end
     else
-      for _ = 1, delta do st[#st + 1] = now end
+      for _ = 1, delta do e[#e + 1] = now end
     end
-  elseif k == BALANCE then
-    st.sp = max(0, st.sp + delta)
+  elseif kind == BALANCE then
+    S[o + 11] = max(0, S[o + 11] + delta)
   else
-    st.member, st.delta = member, delta
-    st.n = max(0, st.n + delta)
+    S[o + 10], S[o + 12], S[o + 13] = max(0, S[o + 10] + delta), member, delta
   end
 end
 
--- store puts the changed state of limit s back into blob bl (a sorted set
--- is written directly).
-local function store(s, st, bl, now)
-  if not st.dirty then return end
-  local k, id = s.kind, s.id
-  if k == ROLLING then
-    local n, e = s.b, (st.h + s.b) * s.a
-    local head = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * n, st.h, st.tl, st.t)
-    if st.full then
-      put(bl, id, head .. spack('<' .. string.rep('i6', n), unpack(st.full)), e)
+-- store puts the changed state of limit j back into its blob (a sorted set
+-- is written directly) and returns whether the blob changed.
+local function store(j, now)
+  local o = (j - 1) * K
+  if not S[o + 9] then return false end
+  local kind, lim, a, b, id, bl = S[o + 1], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7]
+  local rec, e
+  if kind == ROLLING then
+    local h = S[o + 11]
+    e = (h + b) * a
+    rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, h, S[o + 12], S[o + 13])
+    local full = S[o + 15]
+    if full then
+      rec = rec .. spack('<' .. srep('i6', b), unpack(full))
     else
-      local off = st.at + 18 + 6 * (st.b % n)
-      put(bl, id, head .. st.raw:sub(st.at + 18, off - 1) .. spack('<i6', st.cur)
-        .. st.raw:sub(off + 6, st.at + 17 + 6 * n), e)
+      local raw, at = bl.raw, S[o + 8] + 18
+      local off = at + 6 * (S[o + 10] % b)
+      rec = rec .. raw:sub(at, off - 1) .. spack('<i6', S[o + 14]) .. raw:sub(off + 6, at + 6 * b - 1)
     end
-  elseif k == FIXED or k == CALENDAR then
-    put(bl, id, spack('<I6i6I2i6i6', id, st.wend, 12, st.w, st.c), st.wend)
-  elseif k == BUCKET then
-    local e
-    if s.a > 0 then e = now + ceil((s.limit - st.x) / s.a) + 1000 else e = st.y + s.b end
-    put(bl, id, spack('<I6i6I2dd', id, e, 16, st.x, st.y), e)
-  elseif k == LOG then
-    local live = {}
-    for i = st.first, #st do live[#live + 1] = st[i] end
-    if #live == 0 then
-      put(bl, id, spack('<I6i6I2', id, now, 0), now) -- expires at once
+  elseif kind == FIXED or kind == CALENDAR then
+    e = S[o + 12]
+    rec = spack('<I6i6I2i6i6', id, e, 12, S[o + 10], S[o + 11])
+  elseif kind == BUCKET then
+    local x, y = S[o + 10], S[o + 11]
+    if a > 0 then e = now + ceil((lim - x) / a) + 1000 else e = y + b end
+    rec = spack('<I6i6I2dd', id, e, 16, x, y)
+  elseif kind == LOG then
+    local ent, first = S[o + 10], S[o + 11]
+    local n = #ent - first + 1
+    if n <= 0 then
+      e = now -- nothing left: expires at once
+      rec = spack('<I6i6I2', id, e, 0)
     else
-      local e = live[#live] + s.a
-      put(bl, id, spack('<I6i6I2', id, e, 6 * #live) .. spack('<' .. string.rep('i6', #live), unpack(live)), e)
+      e = ent[#ent] + a
+      rec = spack('<I6i6I2', id, e, 6 * n) .. spack('<' .. srep('i6', n), unpack(ent, first))
     end
-  elseif k == BALANCE then
-    put(bl, id, spack('<I6i6I2i6i6', id, NEVER, 12, st.cr, st.sp), NEVER)
-  elseif st.member then
-    if st.delta > 0 then
-      redis.call('ZADD', st.key, now + s.a, st.member)
-      redis.call('PEXPIRE', st.key, s.a)
-    else
-      redis.call('ZREM', st.key, st.member)
+  elseif kind == BALANCE then
+    e = NEVER
+    rec = spack('<I6i6I2i6i6', id, e, 12, S[o + 10], S[o + 11])
+  else
+    local key, member = S[o + 11], S[o + 12]
+    if member then
+      if S[o + 13] > 0 then
+        redis.call('ZADD', key, now + a, member)
+        redis.call('PEXPIRE', key, a)
+      else
+        redis.call('ZREM', key, member)
+      end
     end
+    return false
   end
-end
-
--- unit_cost is what one request costs in limit s.
-local function unit_cost(s, cost)
-  if s.tokens then return cost end
-  return 1
-end
-
--- snapshot appends limit, used, remaining, reset ms and a flag of every
--- limit to out.
-local function snapshot(out, ss, sts, now, flags)
-  for j = 1, #ss do
-    local l, u, r, reset = report(ss[j], sts[j], now)
-    local o = #out
-    out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5] = l, u, r, reset, flags and flags[j] or 0
+  if not bl[-id] then
+    bl.n = bl.n + 1
+    bl[bl.n] = id
   end
-  return out
+  bl[id], bl[-id] = rec, e
+  return true
 end
 
 -- Subject and shared calls share one KEYS layout:
---   shared  (ARGV meta '0'): epoch, blob
---   subject (meta '1' or '2'): epoch, reservation, subject blob, tenant blob,
---           then one sorted set per concurrency limit, in spec order
--- scope opens the blobs and loads every limit; it returns the MGET values,
--- the blobs and the states.
-local function scope(meta, ss, now)
+--   shared  (meta '0'): epoch, blob
+--   subject (meta '1' or '2'): epoch, reservation, subject blob, tenant
+--           blob, then one sorted set per concurrency limit, in spec order
+-- scope opens the blobs and loads n limits; it returns the MGET values and
+-- the blobs.
+local function scope(meta, specs, n, now)
   local vals = redis.call('MGET', unpack(KEYS))
   local sub, ten, z
   if meta == '0' then
@@ -421,26 +411,38 @@ local function scope(meta, ss, now)
     sub, z = open(vals[3], now), 5
     if meta == '2' then ten = open(vals[4], now) end
   end
-  local sts = {}
-  for j = 1, #ss do
-    local s = ss[j]
+  for j = 1, n do
     local zkey
-    if s.kind == CONC then
-      zkey = KEYS[z]
-      z = z + 1
+    if specs:byte((j - 1) * 32 + 7) == CONC then
+      zkey, z = KEYS[z], z + 1
     end
-    sts[j] = load(s, s.tenant and ten or sub, now, zkey)
+    load(specs, j, sub, ten, now, zkey)
   end
-  return vals, sub, ten, sts
+  return vals, sub, ten
 end
 
--- commit stores every changed state and writes the blobs back.
-local function commit(meta, ss, sts, sub, ten, now)
-  for j = 1, #ss do store(ss[j], sts[j], ss[j].tenant and ten or sub, now) end
+-- commit stores every changed limit and writes the changed blobs back.
+local function commit(meta, n, sub, ten, now)
+  local changed = false
+  for j = 1, n do
+    if store(j, now) then changed = true end
+  end
+  if not changed then return end
   if meta == '0' then
     save(sub, KEYS[2], now)
   else
     save(sub, KEYS[3], now)
     if ten then save(ten, KEYS[4], now) end
   end
+end
+
+-- snapshot appends limit, used, reset ms and a flag of every limit to out.
+local function snapshot(out, n, now, flags)
+  local i = #out
+  for j = 1, n do
+    local l, u, r = report(j, now)
+    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, flags and flags[j] or 0
+    i = i + 4
+  end
+  return out
 end

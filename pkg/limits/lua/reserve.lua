@@ -6,16 +6,14 @@
 --        blob, tenant blob, then one sorted set per concurrency limit
 --        (lib.lua). The epoch key of the slot is missing when Redis lost its
 --        data (epoch.go).
--- ARGV[1] clock offset ms (0 outside tests); ARGV[2] cost in weighted
---        tokens (a requests limit charges 1); ARGV[3] mode: 0 reserve, 1 peek;
---        ARGV[4] '1' = refuse to decide without the epoch; ARGV[5] meta: '0'
---        shared, '1' subject, '2' subject with tenant-wide limits;
---        ARGV[6] reservation ttl ms; ARGV[7] request id; ARGV[8] number of
---        limits n; ARGV[9...] n specs of 8 values (lib.lua)
+-- ARGV   1 clock offset ms (0 outside tests); 2 cost in weighted tokens (a
+--        requests limit charges 1); 3 mode: 0 reserve, 1 peek; 4 '1' = refuse
+--        to decide without the epoch; 5 meta: '0' shared, '1' subject, '2'
+--        subject with tenant-wide limits; 6 reservation ttl ms; 7 request id;
+--        8 the packed specs (lib.lua)
 --
 -- Reply: {status, denied_by, retry_ms, reason, now_ms, version,
---         tenant_version, then per limit: limit, used, remaining, reset_ms,
---         would_deny}
+--         tenant_version, then per limit: limit, used, reset_ms, would_deny}
 --   status 1 allowed, 0 denied, 2 duplicate (this request id was admitted
 --   before: nothing charged), -1 no epoch (nothing decided).
 --   denied_by: 1-based index of the first limit that denied, 0 if none;
@@ -23,19 +21,19 @@
 --   reason: 0 none, 1 the cost exceeds a limit itself, 2 balance exhausted.
 -- Guarantees: all-or-nothing across the limits; a denial writes nothing;
 -- shadow limits fill and report would_deny but never deny.
-local cost, mode, meta = tonumber(ARGV[2]), ARGV[3], ARGV[5]
+local cost, mode, meta, specs = tonumber(ARGV[2]), ARGV[3], ARGV[5], ARGV[8]
 local now = now_ms(tonumber(ARGV[1]))
-local ss = specs(9, tonumber(ARGV[8]))
-local vals, sub, ten, sts = scope(meta, ss, now)
+local n = #specs / 32
+local vals, sub, ten = scope(meta, specs, n, now)
 if ARGV[4] == '1' and not vals[1] then return { -1 } end
 
 local flags, denied, retry, reason = {}, 0, 0, 0
-for j = 1, #ss do
-  local s = ss[j]
-  local ok, wait, exceeds = check(s, sts[j], unit_cost(s, cost), now)
+for j = 1, n do
+  local fl = S[(j - 1) * K + 2]
+  local ok, wait, exceeds = check(j, fl % 2 == 1 and cost or 1, now)
   flags[j] = 0
   if not ok then
-    if s.shadow then
+    if fl % 4 >= 2 then
       flags[j] = 1
     else
       if denied == 0 then denied = j end
@@ -58,8 +56,8 @@ elseif denied > 0 then
   status = 0
   if reason == 1 then retry = 0 end
 elseif mode == '0' then
-  for j = 1, #ss do add(ss[j], sts[j], unit_cost(ss[j], cost), now, now, ARGV[7]) end
-  commit(meta, ss, sts, sub, ten, now)
+  for j = 1, n do add(j, S[(j - 1) * K + 2] % 2 == 1 and cost or 1, now, now, ARGV[7]) end
+  commit(meta, n, sub, ten, now)
   if meta ~= '0' then redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, 0), 'PX', ARGV[6]) end
 end
-return snapshot({ status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0 }, ss, sts, now, flags)
+return snapshot({ status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0 }, n, now, flags)
