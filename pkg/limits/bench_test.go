@@ -1,0 +1,157 @@
+package limits
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/redistest"
+)
+
+// benchRules is the default plan of a subject: three rolling token windows,
+// a request token bucket and a tenant-wide calendar month.
+func benchRules() []Rule {
+	return []Rule{
+		{Limit: Limit{Name: "month", Kind: CalendarMonth, Unit: Tokens, Limit: 1 << 40}, Scope: ScopeTenant},
+		{Limit: Limit{Name: "5h", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(5 * time.Hour)}, Scope: ScopeUser},
+		{Limit: Limit{Name: "7d", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(168 * time.Hour)}, Scope: ScopeUser},
+		{Limit: Limit{Name: "30d", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(720 * time.Hour)}, Scope: ScopeUser},
+		{Limit: Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 1e6, Per: Duration(time.Second), Burst: 1e6}, Scope: ScopeUser},
+	}
+}
+
+// roundTrips counts commands sent to Redis, whatever pipeline or script.
+type roundTrips struct{ n atomic.Int64 }
+
+func (h *roundTrips) DialHook(next redis.DialHook) redis.DialHook {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) { return next(ctx, network, addr) }
+}
+
+func (h *roundTrips) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.n.Add(1)
+		return next(ctx, cmd)
+	}
+}
+
+func (h *roundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		h.n.Add(1)
+		return next(ctx, cmds)
+	}
+}
+
+// commandUsec reads the total usec and calls of one command from INFO commandstats.
+func commandUsec(b *testing.B, c *redis.Client, cmd string) (usec, calls float64) {
+	info, err := c.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if !strings.HasPrefix(line, "cmdstat_"+cmd+":") {
+			continue
+		}
+		for _, kv := range strings.Split(strings.TrimSpace(line[len("cmdstat_"+cmd+":"):]), ",") {
+			k, v, _ := strings.Cut(kv, "=")
+			f, _ := strconv.ParseFloat(v, 64)
+			switch k {
+			case "usec":
+				usec = f
+			case "calls":
+				calls = f
+			}
+		}
+	}
+	return usec, calls
+}
+
+// BenchmarkReserve reserves for 100k distinct users over 5 limits, on a
+// private Redis so INFO commandstats holds only this benchmark's calls, and
+// beside it the plain baseline of one INCR per operation.
+func BenchmarkReserve(b *testing.B) {
+	srv := redistest.Start(b)
+	c := srv.Client()
+	ctx := context.Background()
+	if err := WriteEpoch(ctx, c, "bench"); err != nil {
+		b.Fatal(err)
+	}
+	const users = 100_000
+	ids := make([]string, users)
+	for i := range ids {
+		ids[i] = "user-" + strconv.Itoa(i)
+	}
+
+	b.Run("limits=5", func(b *testing.B) {
+		hook := &roundTrips{}
+		c.AddHook(hook)
+		l := New(c, Options{})
+		rules := benchRules()
+		c.ConfigResetStat(ctx)
+		sent := hook.n.Load()
+		b.ReportAllocs()
+		i := 0
+		for b.Loop() {
+			i++
+			d, err := l.Reserve(ctx, Request{Tenant: "acme", User: ids[i%users], RequestID: "r" + strconv.Itoa(i), Cost: 100, Rules: rules})
+			if err != nil || !d.Allowed {
+				b.Fatalf("Reserve = %+v, %v", d, err)
+			}
+		}
+		usec, calls := commandUsec(b, c, "evalsha")
+		b.ReportMetric(usec/calls, "redis-us/op")
+		b.ReportMetric(float64(hook.n.Load()-sent-1)/float64(b.N), "roundtrips/op") // -1: the INFO
+	})
+
+	b.Run("baseline=incr", func(b *testing.B) {
+		c.ConfigResetStat(ctx)
+		b.ReportAllocs()
+		i := 0
+		for b.Loop() {
+			i++
+			if err := c.Incr(ctx, ids[i%users]).Err(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		usec, calls := commandUsec(b, c, "incr")
+		b.ReportMetric(usec/calls, "redis-us/op")
+	})
+}
+
+// BenchmarkSubjectMemory fills every bucket of every window of 1000
+// subjects and reports Redis bytes per subject (MEMORY USAGE of its blob)
+// and per reservation record. The fill runs once, whatever -benchtime says;
+// the timed loop only reads one subject's memory usage.
+func BenchmarkSubjectMemory(b *testing.B) {
+	srv := redistest.Start(b)
+	c := srv.Client()
+	ctx := context.Background()
+	rules := benchRules()[1:] // the tenant-wide month is shared, not per subject
+	const subjects = 1000
+	var subjectBytes, recordBytes int64
+	for s := range subjects {
+		user := "user-" + strconv.Itoa(s)
+		k := newSubjectKeys("acme", user)
+		// One charge in every bucket of the longest window fills all windows.
+		for h := 0; h < 720; h += 30 {
+			l := New(c, Options{NoEpochGuard: true, ClockOffset: -time.Duration(h) * time.Hour})
+			if _, err := l.Reserve(ctx, Request{Tenant: "acme", User: user, RequestID: fmt.Sprint(h), Cost: 1, Rules: rules}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		subjectBytes += c.MemoryUsage(ctx, k.blob()).Val()
+		recordBytes += c.MemoryUsage(ctx, k.reservation("0")).Val()
+	}
+	blob := newSubjectKeys("acme", "user-0").blob()
+	for b.Loop() {
+		c.MemoryUsage(ctx, blob)
+	}
+	b.ReportMetric(float64(subjectBytes)/subjects, "bytes/subject")
+	b.ReportMetric(float64(recordBytes)/subjects, "bytes/reservation")
+}
