@@ -1,0 +1,344 @@
+package decide
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"time"
+
+	"quotaflow/pkg/limits"
+)
+
+// Admit decides one request: it resolves the policy, checks the layers in
+// order (IP, global, then tenant and user in one Redis call), reserves the
+// cost in all of them or none, and reports every limit it checked. A denial
+// is a Result, not an error. Errors are the caller's: an Input field
+// (matches limits.ErrInvalid, reads "<field>: <what is wrong>") or an
+// unknown plan (matches limits.ErrUnknownPlan); a failing Redis never makes
+// Admit fail (see the package documentation).
+func (d *Decider) Admit(ctx context.Context, in Input) (Result, error) {
+	if err := in.validate(); err != nil {
+		return Result{}, err
+	}
+	rs, err := d.resolve(in.Tenant, in.Plan, in.Endpoint)
+	if err != nil {
+		return Result{}, err
+	}
+	a := admission{d: d, ctx: ctx, in: &in, remote: true}
+	if deg, _, outage, noEpoch := d.br.status(); deg && !noEpoch && d.failOpen(outage) {
+		a.allowAll(rs.Plan)
+	} else if err := a.run(&rs); err != nil {
+		return Result{}, err
+	}
+	d.m.decision(rs.Endpoint, &a.res)
+	return a.res, nil
+}
+
+// admission is the state of one Admit.
+type admission struct {
+	d   *Decider
+	ctx context.Context
+	in  *Input
+
+	// remote is cleared once a Redis call of this admission failed or was
+	// refused by the breaker: the remaining layers are decided locally
+	// without waiting on Redis again.
+	remote bool
+	res    Result
+	denied int // index in res.Limits of the denying limit, -1 if none
+
+	// What earlier layers took, to give back on a later denial.
+	takes  []*held      // leased units
+	spends []localSpend // local shares and quotas
+	shared []sharedRes  // reservations in Redis
+}
+
+// sharedRes is a shared reservation made in Redis.
+type sharedRes struct {
+	scope limits.Scope
+	id    string
+	rules []limits.Rule
+}
+
+// allowAll is the decision past FailOpenAfter: everything is allowed and
+// nothing is checked.
+func (a *admission) allowAll(plan string) {
+	now := time.Now()
+	a.res = Result{Allowed: true, Local: true, Plan: plan, Now: now, ExpiresAt: now.Add(a.d.opt.ReservationTTL)}
+}
+
+func (a *admission) run(rs *limits.Resolved) error {
+	a.denied = -1
+	a.res = Result{Plan: rs.Plan, Limits: make([]LimitState, 0, len(rs.IP)+len(rs.Global)+len(rs.Subject))}
+	ok := true
+	var err error
+	if a.in.IP != "" && len(rs.IP) > 0 {
+		ok, err = a.sharedLayer(limits.ScopeIP, a.in.IP, rs.IP)
+	}
+	if ok && err == nil && len(rs.Global) > 0 {
+		ok, err = a.sharedLayer(limits.ScopeGlobal, rs.Endpoint, rs.Global)
+	}
+	if ok && err == nil {
+		ok, err = a.subjectLayer(rs.Subject)
+	}
+	if err != nil {
+		a.undo()
+		return err
+	}
+	if !ok {
+		a.undo()
+	}
+	if a.res.Now.IsZero() {
+		a.res.Now = time.Now()
+	}
+	a.res.ExpiresAt = a.res.Now.Add(a.d.opt.ReservationTTL)
+	a.res.Allowed = a.denied < 0
+	if a.denied >= 0 {
+		a.res.DeniedBy = &a.res.Limits[a.denied]
+	}
+	for i := range a.res.Limits {
+		if a.res.Limits[i].WouldDeny {
+			a.res.ShadowDenied = true
+			break
+		}
+	}
+	return nil
+}
+
+// deny records the first denial.
+func (a *admission) deny(i int, retry time.Duration, reason limits.Reason) {
+	a.denied, a.res.RetryAfter, a.res.Reason = i, retry, reason
+}
+
+// sharedLayer checks the IP or the global layer: leasable limits from local
+// leases, the others in one ReserveShared call (or locally when Redis is
+// unavailable). It reports whether the layer allowed.
+func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Rule) (bool, error) {
+	d := a.d
+	base := len(a.res.Limits)
+	a.res.Limits = a.res.Limits[:base+len(rules)]
+	states := a.res.Limits[base:]
+	checked := make([]bool, len(rules))
+	var rest, local []int // rule indexes for ReserveShared, for local shares
+	defer func() { a.res.Limits = compact(a.res.Limits, base, checked, &a.denied) }()
+
+	now := d.mono()
+	for i := range rules {
+		r := &rules[i]
+		var p *pool
+		if limits.Leasable(r) {
+			p = d.poolFor(scope, id, r)
+		}
+		if p == nil {
+			rest = append(rest, i)
+			continue
+		}
+		var sr spendResult
+		if a.remote {
+			sr = d.spend(a.ctx, p, now)
+		} else if h := p.take(now); h != nil {
+			sr.h = h
+		} else {
+			sr.err = errBreakerOpen
+		}
+		switch {
+		case sr.h != nil:
+			a.takes = append(a.takes, sr.h)
+			states[i], checked[i] = d.leasedState(p, r, now, false), true
+		case sr.err != nil:
+			a.remote = false
+			local = append(local, i)
+		case sr.contended:
+			rest = append(rest, i)
+		default: // exhausted
+			states[i], checked[i] = d.leasedState(p, r, now, true), true
+			if r.Shadow {
+				states[i].WouldDeny = true
+				continue
+			}
+			a.deny(base+i, sr.retry, limits.ReasonNone)
+			return false, nil
+		}
+	}
+
+	if len(rest) > 0 && a.remote {
+		sub := rules
+		if len(rest) < len(rules) {
+			sub = make([]limits.Rule, len(rest))
+			for j, i := range rest {
+				sub[j] = rules[i]
+			}
+		}
+		var dec limits.Decision
+		err := d.call(a.ctx, opReserveShared, func(ctx context.Context) error {
+			var err error
+			dec, err = d.lim.ReserveShared(ctx, scope, id, a.in.Cost, sub)
+			return err
+		})
+		switch {
+		case err == nil:
+			for j, i := range rest {
+				states[i], checked[i] = stateOf(&dec.States[j]), true
+			}
+			if !dec.Allowed {
+				a.deny(base+rest[max(0, dec.DeniedBy)], dec.RetryAfter, dec.Reason)
+				return false, nil
+			}
+			a.shared = append(a.shared, sharedRes{scope: scope, id: id, rules: sub})
+			rest = nil
+		case errors.Is(err, limits.ErrInvalid):
+			return false, err
+		default:
+			a.remote = false
+		}
+	}
+	local = append(local, rest...)
+	if len(local) == 0 {
+		return true, nil
+	}
+	slices.Sort(local)
+	sub := make([]limits.Rule, len(local))
+	for j, i := range local {
+		sub[j] = rules[i]
+	}
+	out := make([]LimitState, len(sub))
+	e := d.local.get(ownerKey{scope: scope, a: id}, true)
+	e.mu.Lock()
+	di, retry, reason := d.localCheck([2]*entry{e, e}, sub, a.in.Cost, d.mono(), out, &a.spends)
+	e.mu.Unlock()
+	a.res.Local = true
+	for j, i := range local {
+		states[i], checked[i] = out[j], true
+	}
+	if di >= 0 {
+		a.deny(base+local[di], retry, reason)
+		return false, nil
+	}
+	return true, nil
+}
+
+// compact drops the states of rules a layer did not check from
+// limits[base:], keeping order, and moves the denied index with them.
+func compact(ls []LimitState, base int, checked []bool, denied *int) []LimitState {
+	n := base
+	for i, ok := range checked {
+		if !ok {
+			continue
+		}
+		if *denied == base+i {
+			*denied = n
+		}
+		ls[n] = ls[base+i]
+		n++
+	}
+	return ls[:n]
+}
+
+// subjectLayer checks the tenant-wide and user limits: one Reserve call, or
+// locally when Redis is unavailable.
+func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
+	d := a.d
+	base := len(a.res.Limits)
+	a.res.Limits = a.res.Limits[:base+len(rules)]
+	states := a.res.Limits[base:]
+	in := a.in
+	if a.remote {
+		var dec limits.Decision
+		err := d.call(a.ctx, opReserve, func(ctx context.Context) error {
+			var err error
+			dec, err = d.lim.Reserve(ctx, limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules})
+			return err
+		})
+		switch {
+		case err == nil:
+			for i := range dec.States {
+				states[i] = stateOf(&dec.States[i])
+			}
+			d.remember(in.Tenant, in.User, dec.States, d.mono())
+			a.res.Now, a.res.Version, a.res.TenantVersion = dec.Now, dec.Version, dec.TenantVersion
+			if dec.Duplicate {
+				// Admitted before: the earlier layers were counted then.
+				a.res.Duplicate = true
+				a.undo()
+				return true, nil
+			}
+			if !dec.Allowed {
+				a.deny(base+max(0, dec.DeniedBy), dec.RetryAfter, dec.Reason)
+				return false, nil
+			}
+			return true, nil
+		case errors.Is(err, limits.ErrInvalid):
+			return false, err
+		}
+		a.remote = false
+	}
+	var ue, te *entry
+	ue = d.local.get(ownerKey{scope: limits.ScopeUser, a: in.Tenant, b: in.User}, true)
+	for i := range rules {
+		if rules[i].Scope == limits.ScopeTenant {
+			te = d.local.get(ownerKey{scope: limits.ScopeTenant, a: in.Tenant}, true)
+			break
+		}
+	}
+	if te != nil {
+		te.mu.Lock()
+	}
+	ue.mu.Lock()
+	di, retry, reason := d.localCheck([2]*entry{te, ue}, rules, in.Cost, d.mono(), states, &a.spends)
+	ue.mu.Unlock()
+	if te != nil {
+		te.mu.Unlock()
+	}
+	a.res.Local = true
+	if di >= 0 {
+		a.deny(base+di, retry, reason)
+		return false, nil
+	}
+	return true, nil
+}
+
+// undo gives back what the layers checked so far took: leased units and
+// local spending at once, shared Redis reservations with a compensating
+// Charge (best effort: skipped while the breaker is open, and then the
+// reservation stays counted until its window passes, an under-admission).
+func (a *admission) undo() {
+	for _, h := range a.takes {
+		h.left.Add(1)
+	}
+	for _, s := range a.spends {
+		s.e.mu.Lock()
+		s.e.state(s.id).left += s.n
+		s.e.mu.Unlock()
+	}
+	a.takes, a.spends = nil, nil
+	for _, s := range a.shared {
+		a.d.compensate(a.ctx, s, a.in.Cost)
+	}
+	a.shared = nil
+}
+
+// compensate gives back a shared reservation of cost.
+func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) {
+	// Charge moves request limits by 1 in the amount's direction and token
+	// limits by the amount; a cost of 0 took nothing from token limits.
+	rules, amount := s.rules, -cost
+	if cost == 0 {
+		rules = nil
+		for i := range s.rules {
+			if s.rules[i].Unit == limits.Requests {
+				rules = append(rules, s.rules[i])
+			}
+		}
+		amount = -1
+	}
+	if len(rules) == 0 {
+		return
+	}
+	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
+		_, err := d.lim.Charge(ctx, limits.ChargeRequest{SharedScope: s.scope, SharedID: s.id, Rules: rules, Amount: amount})
+		return err
+	})
+	if err != nil {
+		d.log.Debug("compensate shared reservation", "scope", string(s.scope), "err", err)
+	}
+}

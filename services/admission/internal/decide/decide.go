@@ -1,0 +1,63 @@
+package decide
+
+import (
+	"time"
+
+	"quotaflow/pkg/limits"
+)
+
+// Input is one admission request, already validated by the HTTP layer.
+type Input struct {
+	RequestID string // never empty: the HTTP layer generates one when absent
+	Tenant    string
+	User      string
+	Plan      string // empty: the tenant's plan, then the policy's default
+	IP        string // empty: no IP layer
+	Endpoint  string
+	Model     string
+	Cost      int64 // weighted tokens
+}
+
+// Result is the decision on one Input.
+type Result struct {
+	Allowed   bool
+	Duplicate bool        // the request id was admitted before; nothing more reserved
+	DeniedBy  *LimitState // the first limit that denied, nil when allowed
+	Reason    limits.Reason
+	// RetryAfter is how long until the request would fit; zero when waiting
+	// does not help (Reason says why).
+	RetryAfter time.Duration
+	// Limits are every limit that applied, in checking order, after the
+	// decision. With a denial, the layers after the denying one were not
+	// checked and are absent (so are limits of the denying layer that were
+	// not reached: leased limits are checked before the layer's Redis call).
+	// Empty when everything is allowed past Options.FailOpenAfter.
+	Limits []LimitState
+	// Local is set when the decision was made without Redis ("failopen" in
+	// metrics): from the local limiter, or allowing all past the outage limit.
+	Local         bool
+	ShadowDenied  bool // a shadow limit would have denied
+	Plan          string
+	Version       int64 // the subject's version (0 when decided locally)
+	TenantVersion int64
+	ExpiresAt     time.Time // when the reservation lapses unless settled
+	Now           time.Time
+}
+
+// LimitState is one limit after a decision, as the API and events show it.
+// For a limit served from leases, Limit is exact and Remaining best effort:
+// Redis's remaining at the last lease plus what this instance still holds.
+// For a limit decided locally, Used and Remaining are this instance's local
+// view.
+type LimitState struct {
+	Scope     limits.Scope
+	Name      string
+	Endpoint  string // set for endpoint limits
+	Unit      limits.Unit
+	Limit     int64
+	Used      int64
+	Remaining int64
+	Reset     time.Duration
+	WouldDeny bool // shadow limit that would have denied
+	Shadow    bool
+}

@@ -1,0 +1,554 @@
+package decide
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+)
+
+const layeredPolicy = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: q, kind: fixed, window: 1h, limit: 1000}]
+endpoints:
+  {E}:
+    global: [{name: g, kind: sliding_log, window: 1h, limit: 3}]
+ip: [{name: burst, kind: fixed, window: 1h, limit: 2}]
+`
+
+func TestLayerOrderAndShortCircuit(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	pol := parsePolicy(t, layeredPolicy, ep)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	ipA, ipB, ipC := tenant+"-a", tenant+"-b", tenant+"-c"
+	rs, _ := pol.Resolve(tenant, "", ep)
+	userUsed := func() int64 {
+		t.Helper()
+		u, err := d.Usage(context.Background(), tenant, "u", "")
+		if err != nil {
+			t.Fatalf("Usage: %v", err)
+		}
+		return u[0].Used
+	}
+
+	for i := range 2 {
+		x := in(tenant, "u", ep, 1)
+		x.IP = ipA
+		r := admit(t, d, x)
+		wantAllowed(t, r, true)
+		if got, want := scopes(r), "ip:burst global:g user:q"; got != want {
+			t.Fatalf("admit %d: Limits = %s, want %s", i, got, want)
+		}
+	}
+
+	// The IP layer denies first: nothing later is checked or charged.
+	x := in(tenant, "u", ep, 1)
+	x.IP = ipA
+	r := admit(t, d, x)
+	wantAllowed(t, r, false)
+	if got := scopes(r); got != "ip:burst" {
+		t.Fatalf("Limits = %s, want only ip:burst", got)
+	}
+	if r.DeniedBy == nil || r.DeniedBy.Scope != limits.ScopeIP || r.RetryAfter <= 0 {
+		t.Fatalf("DeniedBy = %+v RetryAfter = %v, want the ip limit and a wait", r.DeniedBy, r.RetryAfter)
+	}
+	if got := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; got != 2 {
+		t.Fatalf("global used = %d after an ip denial, want 2", got)
+	}
+	if got := userUsed(); got != 2 {
+		t.Fatalf("user used = %d after an ip denial, want 2", got)
+	}
+
+	x = in(tenant, "u", ep, 1)
+	x.IP = ipB
+	wantAllowed(t, admit(t, d, x), true)
+
+	// The global layer denies: the IP unit goes back to its pool, the
+	// subject is not charged.
+	x = in(tenant, "u", ep, 1)
+	x.IP = ipC
+	r = admit(t, d, x)
+	wantAllowed(t, r, false)
+	if got := scopes(r); got != "ip:burst global:g" {
+		t.Fatalf("Limits = %s, want ip:burst global:g", got)
+	}
+	if r.DeniedBy.Scope != limits.ScopeGlobal {
+		t.Fatalf("DeniedBy = %+v, want the global limit", r.DeniedBy)
+	}
+	if got := userUsed(); got != 3 {
+		t.Fatalf("user used = %d after a global denial, want 3", got)
+	}
+	quiesce(t, d)
+	if used, held := sharedUsed(t, c, limits.ScopeIP, ipC, rs.IP)[0], localUnits(d, limits.ScopeIP, ipC, &rs.IP[0]); used-held != 0 {
+		t.Fatalf("ip %s: redis used %d - held %d = %d admitted, want 0", ipC, used, held, used-held)
+	}
+}
+
+const compensatePolicy = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: q, kind: fixed, window: 1h, limit: 100}]
+    rates: [{name: rps, kind: fixed, window: 1h, limit: 2}]
+endpoints:
+  {E}:
+    global:
+      - {name: tok, kind: rolling, window: 1h, limit: 100000, unit: tokens}
+      - {name: log, kind: sliding_log, window: 1h, limit: 100}
+      - {name: rate, kind: fixed, window: 1h, limit: 1000}
+ip: [{name: ipr, kind: fixed, window: 1h, limit: 1000}]
+`
+
+func TestLaterDenialCompensatesEarlierLayers(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep, ip := "/t/"+tenant, tenant+"-ip"
+	pol := parsePolicy(t, compensatePolicy, ep)
+	rs, _ := pol.Resolve(tenant, "", ep)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	steps := []struct {
+		cost    int64
+		allowed bool
+		tok     int64 // global token limit used after the step
+		log     int64 // global sliding_log used after the step
+	}{
+		{50, true, 50, 1},
+		{0, true, 50, 2},
+		{60, false, 50, 2}, // q and rps deny
+		{0, false, 50, 2},  // rps denies; a cost of 0 gave nothing to token limits
+	}
+	for i, s := range steps {
+		x := in(tenant, "u", ep, s.cost)
+		x.IP = ip
+		r := admit(t, d, x)
+		wantAllowed(t, r, s.allowed)
+		if !s.allowed && r.DeniedBy.Scope != limits.ScopeUser {
+			t.Fatalf("step %d: DeniedBy = %+v, want a user limit", i, r.DeniedBy)
+		}
+		used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)
+		if used[0] != s.tok || used[1] != s.log {
+			t.Fatalf("step %d: global tok, log used = %d, %d; want %d, %d", i, used[0], used[1], s.tok, s.log)
+		}
+	}
+	// The leased limits: Redis counts the leases, the pools hold the rest;
+	// the difference is what was admitted.
+	quiesce(t, d)
+	for _, l := range []struct {
+		scope limits.Scope
+		id    string
+		rules []limits.Rule
+		i     int
+	}{{limits.ScopeIP, ip, rs.IP, 0}, {limits.ScopeGlobal, ep, rs.Global, 2}} {
+		used := sharedUsed(t, c, l.scope, l.id, l.rules)[l.i]
+		held := localUnits(d, l.scope, l.id, &l.rules[l.i])
+		if used-held != 2 {
+			t.Fatalf("%s %s: redis used %d - held %d = %d admitted, want 2", l.scope, l.rules[l.i].Name, used, held, used-held)
+		}
+	}
+}
+
+func TestDuplicateGivesBackSharedLayers(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	pol := parsePolicy(t, compensatePolicy, ep)
+	rs, _ := pol.Resolve(tenant, "", ep)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	x := in(tenant, "u", ep, 10)
+	wantAllowed(t, admit(t, d, x), true)
+	r := admit(t, d, x)
+	if !r.Allowed || !r.Duplicate {
+		t.Fatalf("second Admit of %s = allowed %v duplicate %v, want both", x.RequestID, r.Allowed, r.Duplicate)
+	}
+	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global); used[0] != 10 || used[1] != 1 {
+		t.Fatalf("global used = %v after a duplicate, want [10 1 ...]", used)
+	}
+}
+
+const userOnlyPolicy = `
+default_plan: pro
+plans:
+  pro:
+    quotas:
+      - {name: 1h, kind: rolling, window: 1h, limit: 1000000}
+      - {name: 2h, kind: rolling, window: 2h, limit: 5000000}
+      - {name: hour, kind: fixed, window: 1h, limit: 10000000}
+    rates:
+      - {name: rps, kind: token_bucket, rate: 1000, per: 1s, burst: 1000}
+      - {name: inflight, kind: concurrency, limit: 1000}
+`
+
+func TestUserOnlyAdmitIsOneRoundTrip(t *testing.T) {
+	c := redistest.Shared(t)
+	rt := &roundTrips{}
+	c.AddHook(rt)
+	tenant := newTenant(t)
+	pol := parsePolicy(t, userOnlyPolicy, "")
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true})
+
+	wantAllowed(t, admit(t, d, in(tenant, "warm", "/any", 1)), true) // loads the script
+	rt.n.Store(0)
+	const n = 20
+	for i := range n {
+		x := in(tenant, "u"+string(rune('a'+i)), "/any", 5)
+		x.IP = "192.0.2.1" // no ip limits: no IP layer
+		r := admit(t, d, x)
+		wantAllowed(t, r, true)
+		if len(r.Limits) != 5 || r.Local {
+			t.Fatalf("Admit = %d limits, local %v; want 5 from Redis", len(r.Limits), r.Local)
+		}
+	}
+	// A denial costs the same single call.
+	wantAllowed(t, admit(t, d, in(tenant, "big", "/any", 2_000_000)), false)
+	if got := rt.n.Load(); got != n+1 {
+		t.Fatalf("round trips = %d for %d admits, want 1 each", got, n+1)
+	}
+}
+
+const racePolicy = `
+default_plan: free
+plans: {free: {}}
+endpoints:
+  {E}:
+    global: [{name: g, kind: fixed, window: 24h, limit: 100}]
+`
+
+// Two instances racing on a leased global limit never admit more than the
+// limit, lose at most a batch each, and give back what they hold on Close.
+func TestLeasingNeverOverAdmits(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	pol := parsePolicy(t, racePolicy, ep)
+	rs, _ := pol.Resolve(tenant, "", ep)
+	lo := limits.Options{NoEpochGuard: true, ClockOffset: midWindow(24 * time.Hour)}
+	o := Options{Instances: 2}
+	ds := []*Decider{newDecider(t, c, pol, o, lo), newDecider(t, c, pol, o, lo)}
+	const batch = 10 // 10% of 100
+
+	var allowed, local atomic.Int64
+	var wg sync.WaitGroup
+	for _, d := range ds {
+		for g := range 8 {
+			wg.Go(func() {
+				for range 30 {
+					r, err := d.Admit(context.Background(), in(tenant, "u"+string(rune('a'+g)), ep, 1))
+					if err != nil {
+						t.Errorf("Admit: %v", err)
+						return
+					}
+					if r.Allowed {
+						allowed.Add(1)
+					}
+					if r.Local {
+						local.Add(1)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	if local.Load() != 0 {
+		t.Fatalf("%d decisions were local; want all from Redis", local.Load())
+	}
+	got := allowed.Load()
+	if got > 100 || got < 100-2*batch {
+		t.Fatalf("allowed = %d, want between %d and 100", got, 100-2*batch)
+	}
+	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used > 100 {
+		t.Fatalf("redis used = %d, over the limit", used)
+	}
+	for _, d := range ds {
+		if err := d.Close(context.Background()); err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	}
+	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != got {
+		t.Fatalf("redis used = %d after Close, want the %d admitted (leases returned)", used, got)
+	}
+}
+
+const leasePolicy = `
+default_plan: free
+plans: {free: {}}
+endpoints:
+  {E}:
+    global: [{name: g, kind: fixed, window: 1h, limit: 1000}]
+ip: [{name: i, kind: fixed, window: 1h, limit: 1000}]
+`
+
+func TestCloseReturnsLeases(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep, ip := "/t/"+tenant, tenant+"-ip"
+	pol := parsePolicy(t, leasePolicy, ep)
+	rs, _ := pol.Resolve(tenant, "", ep)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	x := in(tenant, "u", ep, 1)
+	x.IP = ip
+	wantAllowed(t, admit(t, d, x), true)
+	quiesce(t, d)
+	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != 100 {
+		t.Fatalf("global used = %d, want a lease of 100", used)
+	}
+	if err := d.Close(context.Background()); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != 1 {
+		t.Fatalf("global used = %d after Close, want 1", used)
+	}
+	if used := sharedUsed(t, c, limits.ScopeIP, ip, rs.IP)[0]; used != 1 {
+		t.Fatalf("ip used = %d after Close, want 1", used)
+	}
+	// After Close, Admit still works, without leases: exact.
+	x = in(tenant, "u", ep, 1)
+	x.IP = ip
+	wantAllowed(t, admit(t, d, x), true)
+	if used := sharedUsed(t, c, limits.ScopeIP, ip, rs.IP)[0]; used != 2 {
+		t.Fatalf("ip used = %d after an Admit past Close, want 2", used)
+	}
+}
+
+func TestIdlePoolsAreEvicted(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	pol := parsePolicy(t, leasePolicy, ep)
+	rs, _ := pol.Resolve(tenant, "", ep)
+	d := newDecider(t, c, pol, Options{LeaseIdle: 20 * time.Millisecond}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	ips := []string{tenant + "-1", tenant + "-2", tenant + "-3"}
+	for _, ip := range ips {
+		x := in(tenant, "u", ep, 1)
+		x.IP = ip
+		wantAllowed(t, admit(t, d, x), true)
+	}
+	eventually(t, "every idle pool evicted", func() bool { return d.npools.Load() == 0 })
+	for _, ip := range ips {
+		if used := sharedUsed(t, c, limits.ScopeIP, ip, rs.IP)[0]; used != 1 {
+			t.Fatalf("ip %s used = %d after eviction, want 1 (the rest returned)", ip, used)
+		}
+	}
+}
+
+const shadowPolicy = `
+default_plan: free
+plans:
+  free:
+    quotas:
+      - {name: q, kind: fixed, window: 1h, limit: 10, shadow: true}
+      - {name: real, kind: fixed, window: 1h, limit: 30}
+endpoints:
+  {E}:
+    global: [{name: g, kind: fixed, window: 1h, limit: 1, shadow: true}]
+`
+
+func TestShadowLimitsNeverDeny(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	pol := parsePolicy(t, shadowPolicy, ep)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	r := admit(t, d, in(tenant, "u", ep, 8))
+	wantAllowed(t, r, true)
+	if r.ShadowDenied {
+		t.Fatalf("first Admit ShadowDenied, want not")
+	}
+	for i := range 2 {
+		r = admit(t, d, in(tenant, "u", ep, 8))
+		wantAllowed(t, r, true)
+		if !r.ShadowDenied || !r.Limits[0].WouldDeny || !r.Limits[1].WouldDeny {
+			t.Fatalf("Admit %d: ShadowDenied %v, limits %+v; want g and q to would-deny", i+2, r.ShadowDenied, r.Limits)
+		}
+	}
+	// A real limit still denies, with the shadow ones reported.
+	r = admit(t, d, in(tenant, "u", ep, 8))
+	wantAllowed(t, r, false)
+	if r.DeniedBy.Name != "real" {
+		t.Fatalf("DeniedBy = %+v, want real", r.DeniedBy)
+	}
+	if got := testutil.ToFloat64(d.m.decisions.WithLabelValues("global", ep, "shadow_denied")); got != 2 {
+		t.Fatalf("shadow_denied{scope=global} = %v, want 2", got)
+	}
+	if got := testutil.ToFloat64(d.m.decisions.WithLabelValues("user", ep, "denied")); got != 1 {
+		t.Fatalf("denied{scope=user} = %v, want 1", got)
+	}
+}
+
+func TestCallerErrors(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	pol := parsePolicy(t, userOnlyPolicy, "")
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true})
+
+	x := in(tenant, "u", "/x", 1)
+	x.Plan = "nope"
+	if _, err := d.Admit(context.Background(), x); !errors.Is(err, limits.ErrUnknownPlan) {
+		t.Fatalf("Admit(plan nope) error = %v, want ErrUnknownPlan", err)
+	}
+	x = in("", "u", "/x", 1)
+	_, err := d.Admit(context.Background(), x)
+	if !errors.Is(err, limits.ErrInvalid) || err.Error() != "tenant: required" {
+		t.Fatalf("Admit(no tenant) error = %v, want ErrInvalid \"tenant: required\"", err)
+	}
+	x = in(tenant, "u", "/x", -1)
+	if _, err := d.Admit(context.Background(), x); !errors.Is(err, limits.ErrInvalid) {
+		t.Fatalf("Admit(cost -1) error = %v, want ErrInvalid", err)
+	}
+	if _, err := d.Usage(context.Background(), tenant, "u", "nope"); !errors.Is(err, limits.ErrUnknownPlan) {
+		t.Fatalf("Usage(plan nope) error = %v, want ErrUnknownPlan", err)
+	}
+	// An undeclared endpoint is labelled "other".
+	wantAllowed(t, admit(t, d, in(tenant, "u", "/undeclared", 1)), true)
+	if got := testutil.ToFloat64(d.m.decisions.WithLabelValues("none", "other", "allowed")); got != 1 {
+		t.Fatalf("allowed{endpoint=other} = %v, want 1", got)
+	}
+}
+
+const balancePolicy = `
+default_plan: free
+plans:
+  free:
+    quotas:
+      - {name: q, kind: rolling, window: 1h, limit: 1000}
+      - {name: credits, kind: balance}
+    rates: [{name: conc, kind: concurrency, limit: 5}]
+  nobal:
+    quotas: [{name: q, kind: rolling, window: 1h, limit: 1000}]
+tenants:
+  {T2}: {plan: nobal}
+`
+
+func TestReleaseUsageTopUp(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant, other := newTenant(t), newTenant(t)
+	pol := parsePolicy(t, strings.ReplaceAll(balancePolicy, "{T2}", other), "")
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true})
+	ctx := context.Background()
+	usage := func() map[string]LimitState {
+		t.Helper()
+		u, err := d.Usage(ctx, tenant, "u", "")
+		if err != nil {
+			t.Fatalf("Usage: %v", err)
+		}
+		m := map[string]LimitState{}
+		for _, l := range u {
+			m[l.Name] = l
+		}
+		return m
+	}
+
+	r := admit(t, d, in(tenant, "u", "/x", 100))
+	if r.Allowed || r.Reason != limits.ReasonInsufficientBalance || r.RetryAfter != 0 {
+		t.Fatalf("Admit with no credits = %+v, want denied, insufficient_balance, no wait", r)
+	}
+	for i, want := range []bool{true, false} {
+		tr, err := d.TopUp(ctx, tenant, "u", 500, "pack-1")
+		if err != nil || tr.Applied != want || tr.Credited != 500 {
+			t.Fatalf("TopUp #%d = %+v, %v; want applied %v, credited 500", i+1, tr, err, want)
+		}
+	}
+	x := in(tenant, "u", "/x", 100)
+	wantAllowed(t, admit(t, d, x), true)
+	u := usage()
+	if u["q"].Used != 100 || u["credits"].Remaining != 400 || u["conc"].Used != 1 {
+		t.Fatalf("usage after admit = %+v", u)
+	}
+	s, err := d.Release(ctx, tenant, "u", x.RequestID)
+	if err != nil || s.Status != limits.Settled {
+		t.Fatalf("Release = %+v, %v; want Settled", s, err)
+	}
+	u = usage()
+	if u["q"].Used != 0 || u["credits"].Remaining != 500 || u["conc"].Used != 0 {
+		t.Fatalf("usage after release = %+v", u)
+	}
+	_, err = d.TopUp(ctx, other, "u", 500, "pack-1")
+	if !errors.Is(err, ErrNoBalance) || !errors.Is(err, limits.ErrInvalid) || err.Error() != `tenant: plan "nobal" has no balance limit to top up` {
+		t.Fatalf("TopUp on a plan without balance: error = %v, want ErrNoBalance and ErrInvalid", err)
+	}
+}
+
+// Close while requests are admitted: every unit Redis counts is one that was
+// admitted, whatever the interleaving of leases, sweeps and late installs.
+func TestCloseWhileAdmitting(t *testing.T) {
+	const pol = `
+default_plan: free
+plans: {free: {}}
+endpoints:
+  {E}:
+    global: [{name: g, kind: fixed, window: 1h, limit: 100000}]
+`
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	p := parsePolicy(t, pol, ep)
+	rs, _ := p.Resolve(tenant, "", ep)
+	d := newDecider(t, c, p, Options{LeaseBatch: 7}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	var allowed atomic.Int64
+	var wg sync.WaitGroup
+	for g := range 6 {
+		wg.Go(func() {
+			for range 200 {
+				r, err := d.Admit(context.Background(), in(tenant, "u"+string(rune('a'+g)), ep, 1))
+				if err != nil {
+					t.Errorf("Admit: %v", err)
+					return
+				}
+				if r.Local {
+					t.Errorf("Admit decided locally: %+v", r)
+					return
+				}
+				if r.Allowed {
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	eventually(t, "some admits", func() bool { return allowed.Load() > 100 })
+	if err := d.Close(context.Background()); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	wg.Wait()
+	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != allowed.Load() {
+		t.Fatalf("redis used = %d, admitted %d; want equal after Close", used, allowed.Load())
+	}
+}
+
+func TestTooManyPoolsFallsBackToRoundTrips(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	pol := parsePolicy(t, leasePolicy, ep)
+	rs, _ := pol.Resolve(tenant, "", ep)
+	d := newDecider(t, c, pol, Options{MaxLeasePools: 1}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	x := in(tenant, "u", ep, 1)
+	x.IP = tenant + "-1"
+	wantAllowed(t, admit(t, d, x), true) // the one pool: ip 1
+	x = in(tenant, "u", ep, 1)
+	x.IP = tenant + "-2"
+	wantAllowed(t, admit(t, d, x), true) // no pool left: ip 2 and the global limit cost a round trip
+	if used := sharedUsed(t, c, limits.ScopeIP, x.IP, rs.IP)[0]; used != 1 {
+		t.Fatalf("ip 2 used = %d, want 1 (reserved, not leased)", used)
+	}
+	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != 2 {
+		t.Fatalf("global used = %d, want 2 (reserved, not leased)", used)
+	}
+}

@@ -1,0 +1,357 @@
+package decide
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"quotaflow/pkg/limits"
+)
+
+// ErrUnavailable is returned by Release, Usage and TopUp (never by Admit)
+// when Redis cannot be asked: the breaker is open, the call failed or timed
+// out, or Redis has lost its data (then limits.ErrNoEpoch is wrapped too).
+// The HTTP layer answers 503.
+var ErrUnavailable = errors.New("decide: redis unavailable")
+
+// ErrNoBalance means TopUp found no balance limit among the subject's rules.
+// TopUp's error matches it and limits.ErrInvalid (the caller asked for
+// something the policy does not have: HTTP 400) and reads "tenant: plan
+// "<plan>" has no balance limit to top up".
+var ErrNoBalance = errors.New("decide: no balance limit")
+
+// errBreakerOpen is a call not attempted because the breaker is open.
+var errBreakerOpen = errors.New("decide: circuit breaker open")
+
+// Decider is admission's decision pipeline; see the package documentation
+// for the order of checks, leasing and degradation. Create it with New and
+// call Close on shutdown; Admit is what request handlers call. All methods
+// are safe for concurrent use.
+type Decider struct {
+	lim    *limits.Limiter
+	policy func() *limits.Policy
+	opt    Options
+	log    *slog.Logger
+	m      *metrics
+	br     *breaker
+	local  *localCache
+	epoch  time.Time // base of the monotonic clock (mono)
+
+	pools  sync.Map // poolKey → *pool
+	npools atomic.Int64
+
+	lastPolicy atomic.Pointer[limits.Policy] // whose endpoints have series
+
+	wake  chan struct{} // the breaker opened: the prober has work
+	ready chan struct{} // closed once the start-up probe has run
+	down  bool          // an outage was logged; guarded by the breaker's mutex
+
+	closing   atomic.Bool
+	spawnMu   sync.RWMutex // orders spawn's wg.Add before Close's wg.Wait
+	wg        sync.WaitGroup
+	stop      context.CancelFunc // ends the janitor and the prober
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// New returns a Decider over lim (built with o.LimiterOptions, so both agree
+// on the reservation TTL) that reads the current policy from policy (e.g. a
+// limits.Watcher's Current) on every request. log receives breaker changes
+// and background failures; reg receives the metrics (nil: not registered).
+// It starts two background goroutines, idle lease eviction and the Redis
+// prober (which also warms the connection and script cache at once); Close
+// stops them.
+func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Decider, error) {
+	if lim == nil || policy == nil {
+		return nil, errors.New("decide: a limiter and a policy source are required")
+	}
+	o, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	d := &Decider{
+		lim: lim, policy: policy, opt: o,
+		log:   log.With("component", "decide"),
+		local: newLocalCache(o.LocalEntries),
+		epoch: time.Now(),
+		wake:  make(chan struct{}, 1),
+		ready: make(chan struct{}),
+	}
+	d.m, err = newMetrics(reg, func() float64 { return float64(d.npools.Load()) })
+	if err != nil {
+		return nil, fmt.Errorf("decide: metrics: %w", err)
+	}
+	d.br = newBreaker(o.BreakerFailures, o.BreakerCooldown, d.onBreaker)
+	d.notePolicy(policy())
+	ctx, stop := context.WithCancel(context.Background())
+	d.stop = stop
+	d.spawn(func() { d.janitor(ctx) })
+	d.spawn(func() { d.prober(ctx) })
+	return d, nil
+}
+
+// onBreaker exports breaker transitions and logs the start and end of an
+// outage (not every failed probe). It runs under the breaker's mutex.
+func (d *Decider) onBreaker(s breakerState) {
+	d.m.breaker.Set(float64(s))
+	switch s {
+	case stateOpen:
+		select {
+		case d.wake <- struct{}{}:
+		default:
+		}
+		if !d.down {
+			d.down = true
+			d.log.Warn("redis unavailable: deciding locally", "reason", d.br.reason)
+		}
+	case stateClosed:
+		if d.down {
+			d.down = false
+			d.log.Info("redis available again")
+		}
+	}
+}
+
+// notePolicy creates the metric series of a policy's endpoints once.
+func (d *Decider) notePolicy(p *limits.Policy) {
+	if p != nil && d.lastPolicy.Load() != p {
+		d.m.addEndpoints(p)
+		d.lastPolicy.Store(p)
+	}
+}
+
+// mono is the monotonic clock of local state and leases, in ns.
+func (d *Decider) mono() int64 { return int64(time.Since(d.epoch)) }
+
+// spawn runs f on a goroutine the Decider waits for in Close; false once
+// closing.
+func (d *Decider) spawn(f func()) bool {
+	d.spawnMu.RLock()
+	defer d.spawnMu.RUnlock()
+	if d.closing.Load() {
+		return false
+	}
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		f()
+	}()
+	return true
+}
+
+// janitor evicts idle lease pools until ctx ends (Close).
+func (d *Decider) janitor(ctx context.Context) {
+	t := time.NewTicker(max(d.opt.LeaseIdle/2, time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			d.evictIdle(ctx)
+		}
+	}
+}
+
+// call runs one Redis operation under RedisTimeout and the breaker. It
+// returns errBreakerOpen without calling when the breaker is not closed; a
+// limits.ErrInvalid error is the caller's and passes through untouched.
+func (d *Decider) call(ctx context.Context, op string, fn func(context.Context) error) error {
+	if !d.br.allow() {
+		return errBreakerOpen
+	}
+	cctx, cancel := context.WithTimeout(ctx, d.opt.RedisTimeout)
+	err := fn(cctx)
+	cancel()
+	o, why := d.outcome(ctx, op, err)
+	d.br.done(false, o, why)
+	return err
+}
+
+// outcome classifies the error of a call made under ctx.
+func (d *Decider) outcome(ctx context.Context, op string, err error) (outcome, string) {
+	switch {
+	case err == nil:
+		return outcomeSuccess, ""
+	case errors.Is(err, limits.ErrInvalid):
+		return outcomeNeutral, ""
+	case errors.Is(err, limits.ErrNoEpoch):
+		return outcomeNoEpoch, "redis has no epoch"
+	case ctx.Err() != nil: // the caller gave up; says nothing about Redis
+		return outcomeNeutral, ""
+	}
+	d.m.redisErrors.WithLabelValues(op).Inc()
+	return outcomeFailure, err.Error()
+}
+
+// probeID is the endpoint whose (never written) global limits the prober
+// peeks: a script call that checks reachability and the epoch.
+const probeID = "quotaflow-probe"
+
+// prober makes one call at start, which warms a connection and the script
+// cache under ProbeTimeout rather than a request's RedisTimeout, and then
+// probes Redis whenever the breaker is open and its cool-down has passed,
+// until ctx ends. Recovery never depends on a request's call.
+func (d *Decider) prober(ctx context.Context) {
+	d.probeCall(ctx, false)
+	close(d.ready)
+	for {
+		if breakerState(d.br.state.Load()) == stateOpen {
+			t := time.NewTimer(d.br.wait())
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			if d.br.probe() {
+				d.probeCall(ctx, true)
+			}
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-d.wake:
+		}
+	}
+}
+
+// probeCall peeks the probe scope under ProbeTimeout and reports the
+// outcome to the breaker.
+func (d *Decider) probeCall(ctx context.Context, probe bool) {
+	cctx, cancel := context.WithTimeout(ctx, d.opt.ProbeTimeout)
+	_, err := d.lim.PeekShared(cctx, limits.ScopeGlobal, probeID, nil)
+	cancel()
+	o, why := d.outcome(ctx, opProbe, err)
+	d.br.done(probe, o, why)
+}
+
+// Degraded reports whether decisions are being made without Redis, and
+// why, for /readyz.
+func (d *Decider) Degraded() (bool, string) {
+	deg, reason, outage, noEpoch := d.br.status()
+	switch {
+	case !deg:
+		return false, ""
+	case noEpoch:
+		return true, "redis has no epoch (it lost its data): deciding locally until the accounter's rebuild"
+	case d.failOpen(outage):
+		return true, fmt.Sprintf("redis unavailable for %s, allowing every request: %s", outage.Round(time.Millisecond), reason)
+	}
+	return true, fmt.Sprintf("redis unavailable for %s, deciding locally: %s", outage.Round(time.Millisecond), reason)
+}
+
+// failOpen reports whether an outage this long allows everything.
+func (d *Decider) failOpen(outage time.Duration) bool {
+	return d.opt.FailOpenAfter > 0 && outage >= d.opt.FailOpenAfter
+}
+
+// Close stops the background work, waits for lease calls in flight and
+// returns every unspent lease to Redis (ctx bounds it). Admit keeps working
+// after Close, without leases (shared request limits then cost a round
+// trip). It is idempotent; the error lists leases it could not return
+// (their units come back when their windows end).
+func (d *Decider) Close(ctx context.Context) error {
+	d.closeOnce.Do(func() {
+		d.closing.Store(true)
+		d.spawnMu.Lock() // no spawn is between its check and wg.Add now
+		d.spawnMu.Unlock()
+		d.stop()
+		d.wg.Wait()
+		var errs []error
+		d.pools.Range(func(k, v any) bool {
+			errs = append(errs, d.sweepPool(ctx, k.(poolKey), v.(*pool)))
+			return true
+		})
+		d.closeErr = errors.Join(errs...)
+	})
+	return d.closeErr
+}
+
+// invalidError is a bad argument; it reads "<field>: <what is wrong>" and
+// matches limits.ErrInvalid (and also, when set).
+type invalidError struct {
+	field, msg string
+	also       error
+}
+
+func (e *invalidError) Error() string { return e.field + ": " + e.msg }
+
+func (e *invalidError) Unwrap() []error {
+	if e.also != nil {
+		return []error{limits.ErrInvalid, e.also}
+	}
+	return []error{limits.ErrInvalid}
+}
+
+func checkID(field, v string, required bool) error {
+	if v == "" && required {
+		return &invalidError{field: field, msg: "required"}
+	}
+	if len(v) > limits.MaxID {
+		return &invalidError{field: field, msg: fmt.Sprintf("longer than %d bytes", limits.MaxID)}
+	}
+	return nil
+}
+
+// validate checks what the engine would reject, so that a local decision
+// rejects the same inputs.
+func (in *Input) validate() error {
+	for _, c := range [...]struct {
+		field, v string
+		required bool
+	}{
+		{"request_id", in.RequestID, true},
+		{"tenant", in.Tenant, true},
+		{"user", in.User, true},
+		{"endpoint", in.Endpoint, true},
+		{"plan", in.Plan, false},
+		{"ip", in.IP, false},
+		{"model", in.Model, false},
+	} {
+		if err := checkID(c.field, c.v, c.required); err != nil {
+			return err
+		}
+	}
+	if in.Cost < 0 || in.Cost > limits.MaxCost {
+		return &invalidError{field: "estimated_tokens", msg: fmt.Sprintf("must be between 0 and %d", int64(limits.MaxCost))}
+	}
+	return nil
+}
+
+// errNoPolicy is a policy source that has nothing yet.
+var errNoPolicy = errors.New("decide: no policy loaded")
+
+// resolve returns the rules of a request under the current policy.
+func (d *Decider) resolve(tenant, plan, endpoint string) (limits.Resolved, error) {
+	pol := d.policy()
+	if pol == nil {
+		return limits.Resolved{}, errNoPolicy
+	}
+	d.notePolicy(pol)
+	rs, err := pol.Resolve(tenant, plan, endpoint)
+	if err != nil {
+		return rs, fmt.Errorf("plan: %w", err)
+	}
+	return rs, nil
+}
+
+// stateOf converts an engine state.
+func stateOf(s *limits.State) LimitState {
+	r := s.Rule
+	return LimitState{
+		Scope: r.Scope, Name: r.Name, Endpoint: r.Endpoint, Unit: r.Unit,
+		Limit: s.Limit, Used: s.Used, Remaining: s.Remaining, Reset: s.Reset,
+		WouldDeny: s.WouldDeny, Shadow: r.Shadow,
+	}
+}

@@ -1,0 +1,214 @@
+package decide
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+)
+
+const faultPolicy = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: q, kind: fixed, window: 1h, limit: 1000}]
+    rates: [{name: rps, kind: token_bucket, rate: 1000, per: 1s, burst: 1000}]
+endpoints:
+  /gen:
+    global: [{name: g, kind: fixed, window: 1h, limit: 100000}]
+`
+
+// faultOptions keep the breaker quick for tests; RedisTimeout leaves room
+// for -race on a busy machine.
+func faultOptions() Options {
+	return Options{
+		RedisTimeout: 200 * time.Millisecond, BreakerFailures: 2, BreakerCooldown: 20 * time.Millisecond,
+		FailOpenAfter: -1, UnseenAllowance: 50,
+	}
+}
+
+func TestRedisKilledMidRun(t *testing.T) {
+	s := redistest.Start(t)
+	c := faultClient(t, s)
+	ctx := context.Background()
+	if err := limits.WriteEpoch(ctx, c, "1"); err != nil {
+		t.Fatal(err)
+	}
+	pol := parsePolicy(t, faultPolicy, "")
+	d := newDecider(t, c, pol, faultOptions(), limits.Options{ClockOffset: midWindow(time.Hour)})
+
+	r := admit(t, d, in("acme", "seen", "/gen", 100))
+	if !r.Allowed || r.Local {
+		t.Fatalf("Admit with Redis up = %+v, want allowed by Redis", r)
+	}
+
+	s.Stop()
+	for i := range 20 {
+		r := admit(t, d, in("acme", "seen", "/gen", 10)) // never an error
+		if !r.Local || !r.Allowed {
+			t.Fatalf("Admit %d with Redis down = %+v, want allowed locally", i, r)
+		}
+	}
+	if deg, why := d.Degraded(); !deg || !strings.Contains(why, "deciding locally") {
+		t.Fatalf("Degraded() = %v, %q; want degraded, deciding locally", deg, why)
+	}
+	// The subject seen before has its last remaining (900, now 700); an
+	// unseen one gets the allowance of 50.
+	r = admit(t, d, in("acme", "seen", "/gen", 650))
+	if !r.Allowed || r.Limits[1].Remaining != 50 {
+		t.Fatalf("seen subject: %+v, want allowed with 50 left", r)
+	}
+	wantAllowed(t, admit(t, d, in("acme", "new", "/gen", 30)), true)
+	r = admit(t, d, in("acme", "new", "/gen", 30))
+	if r.Allowed || !r.Local || r.DeniedBy.Name != "q" || r.RetryAfter <= 0 {
+		t.Fatalf("unseen subject past its allowance: %+v, want a local denial by q with a wait", r)
+	}
+	if _, err := d.Release(ctx, "acme", "seen", "r1"); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("Release with Redis down: error = %v, want ErrUnavailable", err)
+	}
+
+	// Back but empty: still local until the epoch is written.
+	s.Restart()
+	eventually(t, "a probe to find no epoch", func() bool {
+		admit(t, d, in("acme", "seen", "/gen", 1))
+		_, why := d.Degraded()
+		return strings.Contains(why, "epoch")
+	})
+	if r := admit(t, d, in("acme", "seen", "/gen", 1)); !r.Local {
+		t.Fatalf("Admit without epoch = %+v, want local", r)
+	}
+	if err := limits.WriteEpoch(ctx, c, "2"); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "decisions from Redis again", func() bool {
+		return !admit(t, d, in("acme", "seen", "/gen", 1)).Local
+	})
+	if deg, why := d.Degraded(); deg {
+		t.Fatalf("Degraded() = true, %q after recovery", why)
+	}
+	if got := testutil.ToFloat64(d.m.decisions.WithLabelValues("none", "/gen", "failopen")); got < 20 {
+		t.Fatalf("failopen decisions = %v, want at least 20", got)
+	}
+	if got := testutil.ToFloat64(d.m.redisErrors.WithLabelValues(opReserve)); got < 1 {
+		t.Fatalf("redis errors = %v, want some", got)
+	}
+	if got := testutil.ToFloat64(d.m.breaker); got != float64(stateClosed) {
+		t.Fatalf("breaker gauge = %v, want closed", got)
+	}
+}
+
+func TestRedisHungDecidesLocally(t *testing.T) {
+	s := redistest.Start(t, "--enable-debug-command", "yes")
+	c := faultClient(t, s)
+	pol := parsePolicy(t, faultPolicy, "")
+	o := faultOptions()
+	o.RedisTimeout = 20 * time.Millisecond
+	d := newDecider(t, c, pol, o, limits.Options{NoEpochGuard: true})
+	wantAllowed(t, admit(t, d, in("acme", "u", "/x", 1)), true)
+
+	// DEBUG SLEEP blocks the server; a separate client sends it.
+	sleeper := faultClient(t, s)
+	done := make(chan error, 1)
+	go func() { done <- sleeper.Do(context.Background(), "DEBUG", "SLEEP", "2").Err() }()
+	eventually(t, "a local decision while Redis hangs", func() bool {
+		return admit(t, d, in("acme", "u", "/x", 1)).Local
+	})
+	<-done
+	eventually(t, "decisions from Redis again", func() bool {
+		return !admit(t, d, in("acme", "u", "/x", 1)).Local
+	})
+}
+
+func TestFailOpenAfterOutage(t *testing.T) {
+	s := redistest.Start(t)
+	c := faultClient(t, s)
+	pol := parsePolicy(t, faultPolicy, "")
+	o := faultOptions()
+	o.BreakerFailures, o.BreakerCooldown = 1, time.Hour // no probe during the test
+	o.FailOpenAfter, o.UnseenAllowance = time.Nanosecond, -1
+	d := newDecider(t, c, pol, o, limits.Options{NoEpochGuard: true})
+	s.Stop()
+
+	// The first failure opens the breaker; without an allowance the unseen
+	// subject is denied locally.
+	r := admit(t, d, in("acme", "u", "/gen", 10))
+	if r.Allowed || !r.Local {
+		t.Fatalf("first Admit with Redis down = %+v, want a local denial", r)
+	}
+	// Past FailOpenAfter everything is allowed, unchecked.
+	r = admit(t, d, in("acme", "u", "/gen", 10))
+	if !r.Allowed || !r.Local || len(r.Limits) != 0 {
+		t.Fatalf("Admit past FailOpenAfter = %+v, want allowed locally without limits", r)
+	}
+	if _, why := d.Degraded(); !strings.Contains(why, "allowing every request") {
+		t.Fatalf("Degraded() reason = %q, want fail-open", why)
+	}
+}
+
+func TestNoEpochDecidesLocally(t *testing.T) {
+	s := redistest.Start(t)
+	c := faultClient(t, s)
+	pol := parsePolicy(t, faultPolicy, "")
+	o := faultOptions()
+	o.FailOpenAfter, o.UnseenAllowance = time.Nanosecond, 10 // a missing epoch never fails open
+	d := newDecider(t, c, pol, o, limits.Options{})
+
+	r := admit(t, d, in("acme", "u", "/gen", 6))
+	if !r.Allowed || !r.Local {
+		t.Fatalf("Admit without epoch = %+v, want allowed locally", r)
+	}
+	r = admit(t, d, in("acme", "u", "/gen", 6))
+	if r.Allowed || !r.Local {
+		t.Fatalf("second Admit without epoch = %+v, want denied locally (allowance 10)", r)
+	}
+	if deg, why := d.Degraded(); !deg || !strings.Contains(why, "epoch") {
+		t.Fatalf("Degraded() = %v, %q; want the missing epoch", deg, why)
+	}
+	if got := testutil.ToFloat64(d.m.redisErrors.WithLabelValues(opReserve)); got != 0 {
+		t.Fatalf("redis errors = %v for a missing epoch, want 0", got)
+	}
+	if err := limits.WriteEpoch(context.Background(), c, "1"); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "decisions from Redis once the epoch is written", func() bool {
+		r := admit(t, d, in("acme", "u", "/gen", 6))
+		return !r.Local && r.Allowed
+	})
+}
+
+// A lease taken before an outage keeps serving its limit exactly; when it
+// runs out, the instance's share takes over.
+func TestLeaseOutlivesOutageThenShare(t *testing.T) {
+	const pol = `
+default_plan: free
+plans: {free: {}}
+endpoints:
+  /gen:
+    global: [{name: g, kind: fixed, window: 1h, limit: 40}]
+`
+	s := redistest.Start(t)
+	c := faultClient(t, s)
+	o := faultOptions()
+	o.Instances = 4 // share: 10 of 40
+	d := newDecider(t, c, parsePolicy(t, pol, ""), o, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	wantAllowed(t, admit(t, d, in("acme", "u", "/gen", 1)), true) // leases 4 (10%), spends 1
+	quiesce(t, d)
+	s.Stop()
+
+	allowed := 0
+	for range 40 {
+		if admit(t, d, in("acme", "u", "/gen", 1)).Allowed {
+			allowed++
+		}
+	}
+	// What the leases held (3, or 3+4 if a refill landed) plus the share of 10.
+	if allowed < 13 || allowed > 17 {
+		t.Fatalf("allowed %d of 40 with Redis down, want the leases held plus a share of 10", allowed)
+	}
+}
