@@ -3,10 +3,8 @@ package limits
 import (
 	"context"
 	"fmt"
-	"net"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,27 +22,6 @@ func benchRules() []Rule {
 		{Limit: Limit{Name: "7d", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(168 * time.Hour)}, Scope: ScopeUser},
 		{Limit: Limit{Name: "30d", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(720 * time.Hour)}, Scope: ScopeUser},
 		{Limit: Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 1e6, Per: Duration(time.Second), Burst: 1e6}, Scope: ScopeUser},
-	}
-}
-
-// roundTrips counts commands sent to Redis, whatever pipeline or script.
-type roundTrips struct{ n atomic.Int64 }
-
-func (h *roundTrips) DialHook(next redis.DialHook) redis.DialHook {
-	return func(ctx context.Context, network, addr string) (net.Conn, error) { return next(ctx, network, addr) }
-}
-
-func (h *roundTrips) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.n.Add(1)
-		return next(ctx, cmd)
-	}
-}
-
-func (h *roundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		h.n.Add(1)
-		return next(ctx, cmds)
 	}
 }
 
@@ -89,12 +66,12 @@ func BenchmarkReserve(b *testing.B) {
 	}
 
 	b.Run("limits=5", func(b *testing.B) {
-		hook := &roundTrips{}
+		hook := &redistest.RoundTrips{}
 		c.AddHook(hook)
 		l := New(c, Options{})
 		rules := benchRules()
 		c.ConfigResetStat(ctx)
-		sent := hook.n.Load()
+		sent := hook.Count()
 		b.ReportAllocs()
 		i := 0
 		for b.Loop() {
@@ -106,7 +83,7 @@ func BenchmarkReserve(b *testing.B) {
 		}
 		usec, calls := commandUsec(b, c, "evalsha")
 		b.ReportMetric(usec/calls, "redis-us/op")
-		b.ReportMetric(float64(hook.n.Load()-sent-1)/float64(b.N), "roundtrips/op") // -1: the INFO
+		b.ReportMetric(float64(hook.Count()-sent-1)/float64(b.N), "roundtrips/op") // -1: the INFO
 	})
 
 	b.Run("baseline=incr", func(b *testing.B) {

@@ -2,7 +2,6 @@ package limits
 
 import (
 	"context"
-	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"strings"
@@ -18,11 +17,7 @@ import (
 
 // newTenant returns a tenant name no other test uses, so tests sharing the
 // development Redis own their keys.
-func newTenant(t testing.TB) string {
-	b := make([]byte, 6)
-	_, _ = rand.Read(b)
-	return t.Name() + "-" + hex.EncodeToString(b)
-}
+func newTenant(t testing.TB) string { return redistest.UniqueName(t) }
 
 // at returns a Limiter that sees Redis time shifted by offset: moving through
 // windows without sleeping.

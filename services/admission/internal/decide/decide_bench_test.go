@@ -45,7 +45,7 @@ func BenchmarkAdmit(b *testing.B) {
 	}
 	pol := parsePolicy(b, benchPolicy, "")
 	s := redistest.Start(b)
-	rt := &roundTrips{}
+	rt := &redistest.RoundTrips{}
 	c := redis.NewClient(&redis.Options{Addr: s.Addr, ContextTimeoutEnabled: true, MaxRetries: -1, PoolSize: 64})
 	b.Cleanup(func() { c.Close() })
 	c.AddHook(rt)
@@ -70,7 +70,7 @@ func BenchmarkAdmit(b *testing.B) {
 		}
 		admitOne() // loads the scripts, takes the first lease
 		quiesce(b, d)
-		rt.n.Store(0)
+		rt.Reset()
 		b.ReportAllocs()
 		b.ResetTimer()
 		if parallel {
@@ -85,7 +85,7 @@ func BenchmarkAdmit(b *testing.B) {
 			}
 		}
 		b.StopTimer()
-		b.ReportMetric(float64(rt.n.Load())/float64(b.N), "roundtrips/op")
+		b.ReportMetric(float64(rt.Count())/float64(b.N), "roundtrips/op")
 		b.ReportMetric(float64(local.Load())/float64(b.N), "local/op")
 	}
 

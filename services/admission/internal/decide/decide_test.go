@@ -194,14 +194,14 @@ plans:
 
 func TestUserOnlyAdmitIsOneRoundTrip(t *testing.T) {
 	c := redistest.Shared(t)
-	rt := &roundTrips{}
+	rt := &redistest.RoundTrips{}
 	c.AddHook(rt)
 	tenant := newTenant(t)
 	pol := parsePolicy(t, userOnlyPolicy, "")
 	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true})
 
 	wantAllowed(t, admit(t, d, in(tenant, "warm", "/any", 1)), true) // loads the script
-	rt.n.Store(0)
+	rt.Reset()
 	const n = 20
 	for i := range n {
 		x := in(tenant, "u"+string(rune('a'+i)), "/any", 5)
@@ -214,7 +214,7 @@ func TestUserOnlyAdmitIsOneRoundTrip(t *testing.T) {
 	}
 	// A denial costs the same single call.
 	wantAllowed(t, admit(t, d, in(tenant, "big", "/any", 2_000_000)), false)
-	if got := rt.n.Load(); got != n+1 {
+	if got := rt.Count(); got != n+1 {
 		t.Fatalf("round trips = %d for %d admits, want 1 each", got, n+1)
 	}
 }

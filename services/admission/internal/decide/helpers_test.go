@@ -2,8 +2,6 @@ package decide
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"strings"
 	"sync/atomic"
@@ -19,11 +17,7 @@ import (
 
 // newTenant returns a name no other test uses, so tests sharing the
 // development Redis own their keys (tenants, endpoints and IPs alike).
-func newTenant(t testing.TB) string {
-	b := make([]byte, 6)
-	_, _ = rand.Read(b)
-	return strings.ReplaceAll(t.Name(), "/", "_") + "-" + hex.EncodeToString(b)
-}
+func newTenant(t testing.TB) string { return redistest.UniqueName(t) }
 
 // parsePolicy parses a policy, replacing every {E} with endpoint.
 func parsePolicy(t testing.TB, yaml, endpoint string) *limits.Policy {
@@ -39,25 +33,6 @@ func parsePolicy(t testing.TB, yaml, endpoint string) *limits.Policy {
 // epoch-aligned window of length w, so a test never straddles a boundary.
 func midWindow(w time.Duration) time.Duration {
 	return w/2 - time.Duration(time.Now().UnixNano()%int64(w))
-}
-
-// roundTrips counts the commands and pipelines a client sends.
-type roundTrips struct{ n atomic.Int64 }
-
-func (c *roundTrips) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (c *roundTrips) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		c.n.Add(1)
-		return next(ctx, cmd)
-	}
-}
-
-func (c *roundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		c.n.Add(1)
-		return next(ctx, cmds)
-	}
 }
 
 // newDecider builds a Decider over c, closed at cleanup.
