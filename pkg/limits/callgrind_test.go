@@ -1,0 +1,86 @@
+package limits
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// TestCallgrindInstructions counts the instructions redis-server spends per
+// 5-limit reserve and per INCR, with the server running under callgrind:
+// repeatable figures on a noisy machine. bench/callgrind.sh starts the
+// server and runs this test; without QF_CALLGRIND_ADDR it is skipped.
+func TestCallgrindInstructions(t *testing.T) {
+	addr, dir := os.Getenv("QF_CALLGRIND_ADDR"), os.Getenv("QF_CALLGRIND_DIR")
+	if addr == "" || dir == "" {
+		t.Skip("run by bench/callgrind.sh")
+	}
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	ctx := context.Background()
+	l := New(c, Options{NoEpochGuard: true})
+	rules := benchRules()
+	const users, calls = 50, 2000
+	run := strconv.FormatInt(int64(os.Getpid()), 36)
+	reserve := func(i int) {
+		if _, err := l.Reserve(ctx, Request{Tenant: "acme", User: "u" + strconv.Itoa(i%users),
+			RequestID: run + "-" + strconv.Itoa(i), Cost: 1, Rules: rules}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	incr := func(i int) {
+		if err := c.Incr(ctx, "incr-"+strconv.Itoa(i%users)).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range users * 2 { // load the script, create every subject's blob
+		reserve(-i - 1)
+		incr(i)
+	}
+	measure := func(op func(int)) float64 {
+		control(t, "-z")
+		for i := range calls {
+			op(i)
+		}
+		return float64(dump(t, dir)) / calls
+	}
+	r, b := measure(reserve), measure(incr)
+	t.Logf("callgrind: reserve over 5 limits %.0f instructions/call, INCR %.0f, ratio %.1f", r, b, r/b)
+}
+
+func control(t *testing.T, arg string) {
+	if out, err := exec.Command("callgrind_control", arg).CombinedOutput(); err != nil {
+		t.Fatalf("callgrind_control %s: %v\n%s", arg, err, out)
+	}
+}
+
+// dump writes a callgrind dump and returns its instruction total.
+func dump(t *testing.T, dir string) int64 {
+	old, _ := filepath.Glob(filepath.Join(dir, "out.*.*"))
+	for _, f := range old {
+		os.Remove(f)
+	}
+	control(t, "-d")
+	files, _ := filepath.Glob(filepath.Join(dir, "out.*.*"))
+	if len(files) != 1 {
+		t.Fatalf("callgrind dumps in %s: %v", dir, files)
+	}
+	data, err := os.ReadFile(files[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "summary: "); ok {
+			n, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			return n
+		}
+	}
+	t.Fatalf("no summary in %s", files[0])
+	return 0
+}
