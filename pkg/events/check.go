@@ -161,6 +161,16 @@ func (c checker) count(field string, v, min int64) {
 	}
 }
 
+func (c checker) version(field string, v int64) {
+	switch {
+	case c.pending(field):
+	case v < 0:
+		c.add(field, "must be >= 0")
+	case v > MaxVersion:
+		c.add(field, fmt.Sprintf("must be <= %d", int64(MaxVersion)))
+	}
+}
+
 func (c checker) signed(field string, v int64) {
 	if !c.pending(field) && (v < -MaxCount || v > MaxCount) {
 		c.add(field, fmt.Sprintf("must be between %d and %d", int64(-MaxCount), int64(MaxCount)))

@@ -158,8 +158,8 @@ func (d Reserved) validate(c checker) {
 	c.ip("ip", d.IP)
 	c.count("estimated_tokens", d.EstimatedTokens, 0)
 	c.time("expires_at", d.ExpiresAt)
-	c.count("version", d.Version, 0)
-	c.count("tenant_version", d.TenantVersion, 0)
+	c.version("version", d.Version)
+	c.version("tenant_version", d.TenantVersion)
 	c.limits("limits", d.Limits)
 	c.refs("would_deny", d.WouldDeny)
 }
@@ -231,8 +231,8 @@ func (d Corrected) validate(c checker) {
 	c.ident("tenant", d.Tenant, true)
 	c.ident("user", d.User, true)
 	c.signed("delta", d.Delta)
-	c.count("version", d.Version, 0)
-	c.count("tenant_version", d.TenantVersion, 0)
+	c.version("version", d.Version)
+	c.version("tenant_version", d.TenantVersion)
 	c.limits("limits", d.Limits)
 }
 

@@ -39,10 +39,14 @@ const (
 	// model, plan, limit name, reference, event id, source), in bytes. It
 	// matches the admission API's limit.
 	MaxID = 256
-	// MaxCount is the largest token count, amount, limit or version, and
-	// the largest magnitude of a delta: Redis keeps counters as 48-bit
-	// integers, and 1e12 stays below 2^48 with room to add.
+	// MaxCount is the largest token count, amount or limit, and the largest
+	// magnitude of a delta: Redis keeps counters as 48-bit integers, and
+	// 1e12 stays below 2^48 with room to add.
 	MaxCount = 1_000_000_000_000
+	// MaxVersion is the largest version: the largest integer every JSON
+	// reader keeps exact (2^53-1). Versions grow with Redis time in
+	// microseconds (about 1.8e15 in 2026), so they outgrow MaxCount.
+	MaxVersion = 1<<53 - 1
 )
 
 // Event is one quotaflow CloudEvent: the envelope of the CloudEvents 1.0

@@ -121,6 +121,9 @@ func TestDecodeValidation(t *testing.T) {
 		{TypeReserved, "data.estimated_tokens", -1, "data.estimated_tokens: must be >= 0"},
 		{TypeReserved, "data.estimated_tokens", MaxCount + 1, "data.estimated_tokens: must be <= 1000000000000"},
 		{TypeReserved, "data.estimated_tokens", MaxCount, ok},
+		{TypeReserved, "data.version", int64(1_800_000_000_000_000), ok}, // µs of Redis time
+		{TypeReserved, "data.version", int64(MaxVersion) + 1, "data.version: must be <= 9007199254740991"},
+		{TypeCorrected, "data.tenant_version", -1, "data.tenant_version: must be >= 0"},
 		{TypeReserved, "data.estimated_tokens", 0, ok},
 		{TypeReserved, "data.estimated_tokens", 1.5, "data.estimated_tokens: must be an integer"},
 		{TypeReserved, "data.estimated_tokens", raw("1e3"), "data.estimated_tokens: must be an integer"},

@@ -1,0 +1,91 @@
+package obs
+
+import (
+	"bytes"
+	"encoding/json"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+func TestParseLevel(t *testing.T) {
+	for in, want := range map[string]slog.Level{"": slog.LevelInfo, "DEBUG": slog.LevelDebug, "warning": slog.LevelWarn, " error ": slog.LevelError} {
+		if got, err := ParseLevel(in); err != nil || got != want {
+			t.Errorf("ParseLevel(%q) = %v, %v; want %v", in, got, err, want)
+		}
+	}
+	if _, err := ParseLevel("loud"); err == nil {
+		t.Error(`ParseLevel("loud") = nil error`)
+	}
+}
+
+func TestNewLogger(t *testing.T) {
+	var buf bytes.Buffer
+	log, err := NewLogger(&buf, "warn", "admission")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Info("hidden")
+	log.Warn("shown", "k", 1)
+	var rec map[string]any
+	if err := json.Unmarshal(buf.Bytes(), &rec); err != nil {
+		t.Fatalf("log line %q is not one JSON object: %v", buf.String(), err)
+	}
+	if rec["msg"] != "shown" || rec["service"] != "admission" || rec["level"] != "WARN" {
+		t.Errorf("record = %v", rec)
+	}
+}
+
+func get(t *testing.T, h http.Handler, path string) (int, map[string]any, string) {
+	t.Helper()
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, httptest.NewRequest("GET", path, nil))
+	var m map[string]any
+	_ = json.Unmarshal(w.Body.Bytes(), &m)
+	return w.Code, m, w.Body.String()
+}
+
+func TestOpsHandler(t *testing.T) {
+	reg := NewRegistry()
+	c := prometheus.NewCounter(prometheus.CounterOpts{Name: "quotaflow_test_total", Help: "test"})
+	reg.MustRegister(c)
+	c.Inc()
+	r := NewReadiness("streams")
+	h := OpsHandler(reg, r)
+
+	if code, _, _ := get(t, h, "/healthz"); code != 200 {
+		t.Errorf("/healthz = %d", code)
+	}
+	code, m, _ := get(t, h, "/readyz")
+	if code != 503 || m["status"] != "starting" {
+		t.Errorf("/readyz before ready = %d %v", code, m)
+	}
+	r.Waiting("streams", "nats: no servers")
+	if _, m, body := get(t, h, "/readyz"); !strings.Contains(body, "nats: no servers") {
+		t.Errorf("/readyz waiting = %v", m)
+	}
+	r.Ready("streams")
+	degraded := false
+	r.Watch("redis", func() (bool, string) { return degraded, "circuit open" })
+	if code, m, _ := get(t, h, "/readyz"); code != 200 || m["status"] != "ready" {
+		t.Errorf("/readyz ready = %d %v", code, m)
+	}
+	degraded = true
+	// Degraded dependencies are reported but keep the instance in service.
+	if code, m, body := get(t, h, "/readyz"); code != 200 || m["status"] != "degraded" || !strings.Contains(body, "circuit open") {
+		t.Errorf("/readyz degraded = %d %s", code, body)
+	}
+	r.Waiting("streams", "late") // no effect once ready
+	r.Drain()
+	if code, m, _ := get(t, h, "/readyz"); code != 503 || m["status"] != "draining" {
+		t.Errorf("/readyz draining = %d %v", code, m)
+	}
+	if code, _, body := get(t, h, "/metrics"); code != 200 || !strings.Contains(body, "quotaflow_test_total 1") ||
+		!strings.Contains(body, "go_goroutines") || !strings.Contains(body, "process_") {
+		t.Errorf("/metrics = %d, missing series", code)
+	}
+}

@@ -1,0 +1,141 @@
+package obs
+
+import (
+	"encoding/json"
+	"net/http"
+	"slices"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Readiness tracks what a service needs before it may take traffic and
+// what is degraded while it does.
+//
+// Required components (named in NewReadiness) each start not ready and must
+// be marked Ready once (the admission service requires its NATS streams);
+// until all are, /readyz answers 503. Degradation reporters (Watch) never
+// fail /readyz: a service that keeps answering correctly without Redis or
+// NATS must stay in its load balancer, so /readyz lists the degraded
+// dependency in its body with status 200. Draining (set at shutdown) turns
+// /readyz to 503 so load balancers stop sending new requests.
+//
+// The zero value is not usable; a Readiness is safe for concurrent use.
+type Readiness struct {
+	mu       sync.Mutex
+	pending  map[string]string // required component -> why it is not ready
+	watch    map[string]func() (bool, string)
+	draining bool
+}
+
+// NewReadiness returns a Readiness that waits for each required component.
+func NewReadiness(required ...string) *Readiness {
+	r := &Readiness{pending: map[string]string{}, watch: map[string]func() (bool, string){}}
+	for _, c := range required {
+		r.pending[c] = "starting"
+	}
+	return r
+}
+
+// Ready marks a required component ready (for good).
+func (r *Readiness) Ready(component string) {
+	r.mu.Lock()
+	delete(r.pending, component)
+	r.mu.Unlock()
+}
+
+// Waiting records why a required component is not ready yet; it has no
+// effect once the component is Ready.
+func (r *Readiness) Waiting(component, why string) {
+	r.mu.Lock()
+	if _, ok := r.pending[component]; ok {
+		r.pending[component] = why
+	}
+	r.mu.Unlock()
+}
+
+// Watch adds a dependency whose degradation /readyz reports: f returns
+// whether it is degraded and a short description. It is called on every
+// /readyz request, so it must be cheap and must not block.
+func (r *Readiness) Watch(dependency string, f func() (degraded bool, detail string)) {
+	r.mu.Lock()
+	r.watch[dependency] = f
+	r.mu.Unlock()
+}
+
+// Drain makes /readyz answer 503 from now on (graceful shutdown).
+func (r *Readiness) Drain() {
+	r.mu.Lock()
+	r.draining = true
+	r.mu.Unlock()
+}
+
+// Status is the body of /readyz.
+type Status struct {
+	// Status is "ready", "degraded" (ready, but a dependency is degraded),
+	// "starting" or "draining".
+	Status string `json:"status"`
+	// Waiting maps each required component that is not ready to why.
+	Waiting map[string]string `json:"waiting,omitempty"`
+	// Degraded maps each degraded dependency to a description.
+	Degraded map[string]string `json:"degraded,omitempty"`
+}
+
+// Check returns the current status and whether the service is ready.
+func (r *Readiness) Check() (Status, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var s Status
+	if len(r.pending) > 0 {
+		s.Waiting = make(map[string]string, len(r.pending))
+		for k, v := range r.pending {
+			s.Waiting[k] = v
+		}
+	}
+	names := make([]string, 0, len(r.watch))
+	for k := range r.watch {
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	for _, n := range names {
+		if bad, detail := r.watch[n](); bad {
+			if s.Degraded == nil {
+				s.Degraded = map[string]string{}
+			}
+			s.Degraded[n] = detail
+		}
+	}
+	switch {
+	case r.draining:
+		s.Status = "draining"
+	case len(s.Waiting) > 0:
+		s.Status = "starting"
+	case len(s.Degraded) > 0:
+		s.Status = "degraded"
+	default:
+		s.Status = "ready"
+	}
+	return s, !r.draining && len(s.Waiting) == 0
+}
+
+// OpsHandler serves /metrics from g, /healthz (200 while the process
+// runs) and /readyz (200 when r is ready, else 503; JSON Status body).
+func OpsHandler(g prometheus.Gatherer, r *Readiness) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{"status":"ok"}` + "\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		s, ok := r.Check()
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		if !ok {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+		_ = json.NewEncoder(w).Encode(s)
+	})
+	return mux
+}

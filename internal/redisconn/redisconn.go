@@ -1,0 +1,84 @@
+// Package redisconn turns a QF_REDIS_URL into a redis.UniversalClient: one
+// node, a Sentinel-monitored master or a Redis Cluster, chosen by the URL.
+package redisconn
+
+import (
+	"fmt"
+	"net/url"
+	"strconv"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Open parses rawURL and returns a client of the Redis it names:
+//
+//   - redis://[user:password@]host:port/db?opts — one node (redis.ParseURL);
+//   - ...?master_name=NAME&addr=host:port... — a Sentinel failover client; the
+//     URL's host and each addr are sentinels (redis.ParseFailoverURL);
+//   - ...?cluster=true or with addr=host:port parameters — a Redis Cluster
+//     client; the host and each addr are seed nodes (redis.ParseClusterURL).
+//
+// rediss:// enables TLS. Other query parameters are go-redis options
+// (dial_timeout=3s, pool_size=20, ...). Every client has
+// ContextTimeoutEnabled set, so a context deadline (admission's few
+// milliseconds per call) bounds the socket wait too, not only go-redis's own
+// read timeout. Errors never contain the URL, since it may hold a password.
+func Open(rawURL string) (redis.UniversalClient, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return nil, fmt.Errorf("redis url: cannot parse it")
+	}
+	q := u.Query()
+	cluster := false
+	if v := q.Get("cluster"); v != "" {
+		cluster, err = strconv.ParseBool(v)
+		if err != nil {
+			return nil, fmt.Errorf("redis url: cluster=%q is not a boolean", v)
+		}
+		q.Del("cluster")
+		u.RawQuery = q.Encode()
+	}
+	switch {
+	case q.Has("master_name"):
+		o, err := redis.ParseFailoverURL(u.String())
+		if err != nil {
+			return nil, fmt.Errorf("redis url (sentinel): %w", redact(err, u))
+		}
+		o.ContextTimeoutEnabled = true
+		return redis.NewFailoverClient(o), nil
+	case cluster || q.Has("addr"):
+		o, err := redis.ParseClusterURL(u.String())
+		if err != nil {
+			return nil, fmt.Errorf("redis url (cluster): %w", redact(err, u))
+		}
+		o.ContextTimeoutEnabled = true
+		return redis.NewClusterClient(o), nil
+	default:
+		o, err := redis.ParseURL(u.String())
+		if err != nil {
+			return nil, fmt.Errorf("redis url: %w", redact(err, u))
+		}
+		o.ContextTimeoutEnabled = true
+		return redis.NewClient(o), nil
+	}
+}
+
+// Redacted returns rawURL with any password replaced, for logs.
+func Redacted(rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return "(unparsable url)"
+	}
+	return u.Redacted()
+}
+
+// redact drops the error text if it would repeat the password.
+func redact(err error, u *url.URL) error {
+	if p, ok := u.User.Password(); ok && p != "" {
+		if strings.Contains(err.Error(), p) {
+			return fmt.Errorf("invalid url (details hidden: they contain the password)")
+		}
+	}
+	return err
+}

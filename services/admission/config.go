@@ -1,0 +1,187 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"net/url"
+	"strings"
+	"time"
+
+	"quotaflow/internal/obs"
+	"quotaflow/pkg/events"
+	"quotaflow/services/admission/internal/httpapi"
+)
+
+// Config is admission's configuration, read from QF_* environment variables
+// by envconfig (prefix QF); the tags hold the defaults. Validate checks it.
+type Config struct {
+	// RedisURL names one node, a Sentinel master or a Cluster (see
+	// redisconn.Open).
+	RedisURL string `envconfig:"REDIS_URL" default:"redis://127.0.0.1:6379/0"`
+	// NATSURL is the NATS server (JetStream enabled).
+	NATSURL string `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222"`
+	// PolicyFile is the policy YAML, reloaded on change and SIGHUP.
+	PolicyFile string `envconfig:"POLICY_FILE" default:"deploy/policy.yaml"`
+	// Config names the streams: QF_STREAM, QF_SUBJECT_PREFIX, QF_DLQ_STREAM,
+	// QF_STREAM_MAX_AGE, QF_STREAM_DUPLICATES, QF_DLQ_MAX_AGE,
+	// QF_STREAM_REPLICAS (and the consumer settings QF_MAX_DELIVER,
+	// QF_ACK_WAIT, which admission does not use).
+	events.Config
+	// LogLevel is debug, info, warn or error.
+	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
+	// AdmissionAddr is where the API listens.
+	AdmissionAddr string `envconfig:"ADMISSION_ADDR" default:":8080"`
+	// OpsAddr is where /metrics, /healthz and /readyz listen.
+	OpsAddr string `envconfig:"OPS_ADDR" default:":9090"`
+	// APITokens are "token" or "token@tenant" entries; empty disables
+	// authentication (with a warning at start).
+	APITokens []string `envconfig:"API_TOKENS"`
+	// RedisEpochGuard keeps admission local while Redis has lost its data
+	// until the accounter's rebuild; turn it off only without an accounter.
+	RedisEpochGuard bool `envconfig:"REDIS_EPOCH_GUARD" default:"true"`
+	// AuthzDenyStatus is the status of a /v1/authz denial: 429 or 403.
+	AuthzDenyStatus int `envconfig:"AUTHZ_DENY_STATUS" default:"429"`
+	// TrustedProxies are CIDRs (or addresses) whose X-Real-IP and
+	// X-Forwarded-For /v1/authz believes.
+	TrustedProxies []string `envconfig:"TRUSTED_PROXIES" default:"127.0.0.0/8,::1/128"`
+
+	// RedisTimeout bounds each Redis call; a slower one is decided locally.
+	RedisTimeout time.Duration `envconfig:"REDIS_TIMEOUT" default:"5ms"`
+	// BreakerFailures consecutive failed calls open the circuit breaker.
+	BreakerFailures int `envconfig:"REDIS_BREAKER_FAILURES" default:"5"`
+	// BreakerCooldown is how long the breaker stays open before a probe.
+	BreakerCooldown time.Duration `envconfig:"REDIS_BREAKER_COOLDOWN" default:"1s"`
+	// FailOpenAfter is how long Redis may be unreachable before every
+	// request is allowed unchecked; 0 means never.
+	FailOpenAfter time.Duration `envconfig:"FAILOPEN_AFTER" default:"30s"`
+	// UnseenAllowance is the tokens per token limit a subject never seen
+	// by this instance may spend while Redis is unreachable; 0 means none.
+	UnseenAllowance int64 `envconfig:"UNSEEN_ALLOWANCE" default:"1000"`
+	// Instances is how many admission instances share the Redis (each
+	// allows its share of shared limits while Redis is unreachable).
+	Instances int `envconfig:"INSTANCES" default:"1"`
+	// LeaseBatch is how many units a lease takes from a shared request
+	// limit; 0 means 10% of the limit, at most 100.
+	LeaseBatch int64 `envconfig:"LEASE_BATCH" default:"0"`
+	// LeaseIdle is how long an unused lease pool keeps its units.
+	LeaseIdle time.Duration `envconfig:"LEASE_IDLE" default:"30s"`
+	// ReservationTTL is how long an unsettled reservation lives; at least
+	// QF_STREAM_MAX_AGE, so a late actual event still finds it.
+	ReservationTTL time.Duration `envconfig:"RESERVATION_TTL" default:"24h"`
+
+	// OutboxMaxEvents bounds the in-memory event queue; past it events
+	// spill to SpillDir.
+	OutboxMaxEvents int `envconfig:"OUTBOX_MAX_EVENTS" default:"10000"`
+	// SpillDir holds events NATS could not take yet; one per instance.
+	SpillDir string `envconfig:"SPILL_DIR" default:"/var/tmp/quotaflow-admission-spill"`
+	// SpillMaxBytes bounds SpillDir; past it events are lost (and counted).
+	SpillMaxBytes int64 `envconfig:"SPILL_MAX_BYTES" default:"1073741824"`
+	// ShutdownTimeout bounds the graceful shutdown on SIGTERM.
+	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"15s"`
+}
+
+// Validate checks every field and returns all problems at once, each
+// naming its variable. It never repeats a token or a URL's password.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(v, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("QF_%s: %s", v, fmt.Sprintf(format, args...)))
+	}
+	for _, u := range []struct{ name, v string }{{"REDIS_URL", c.RedisURL}, {"NATS_URL", c.NATSURL}} {
+		if pu, err := url.Parse(u.v); err != nil || pu.Host == "" {
+			bad(u.name, "want a URL like %s", map[string]string{"REDIS_URL": "redis://host:6379/0", "NATS_URL": "nats://host:4222"}[u.name])
+		}
+	}
+	if c.PolicyFile == "" {
+		bad("POLICY_FILE", "required")
+	}
+	if err := c.Config.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if _, err := obs.ParseLevel(c.LogLevel); err != nil {
+		bad("LOG_LEVEL", "%v", err)
+	}
+	if c.AdmissionAddr == "" {
+		bad("ADMISSION_ADDR", "required")
+	}
+	if c.OpsAddr == "" {
+		bad("OPS_ADDR", "required")
+	}
+	if c.AdmissionAddr != "" && c.AdmissionAddr == c.OpsAddr && !strings.HasSuffix(c.OpsAddr, ":0") {
+		bad("OPS_ADDR", "must differ from QF_ADMISSION_ADDR")
+	}
+	if _, err := httpapi.NewAuth(c.APITokens); err != nil {
+		errs = append(errs, err)
+	}
+	if c.AuthzDenyStatus != 429 && c.AuthzDenyStatus != 403 {
+		bad("AUTHZ_DENY_STATUS", "%d: want 429 or 403", c.AuthzDenyStatus)
+	}
+	if _, err := c.Proxies(); err != nil {
+		errs = append(errs, err)
+	}
+	if c.RedisTimeout <= 0 || c.RedisTimeout > 10*time.Second {
+		bad("REDIS_TIMEOUT", "%v: want more than 0 and at most 10s (a few ms is typical)", c.RedisTimeout)
+	}
+	if c.BreakerFailures < 1 {
+		bad("REDIS_BREAKER_FAILURES", "want at least 1")
+	}
+	if c.BreakerCooldown <= 0 {
+		bad("REDIS_BREAKER_COOLDOWN", "must be positive")
+	}
+	if c.FailOpenAfter < 0 {
+		bad("FAILOPEN_AFTER", "must not be negative (0 means never)")
+	}
+	if c.UnseenAllowance < 0 {
+		bad("UNSEEN_ALLOWANCE", "must not be negative (0 means none)")
+	}
+	if c.Instances < 1 {
+		bad("INSTANCES", "want at least 1")
+	}
+	if c.LeaseBatch < 0 {
+		bad("LEASE_BATCH", "must not be negative (0 means automatic)")
+	}
+	if c.LeaseIdle <= 0 {
+		bad("LEASE_IDLE", "must be positive")
+	}
+	if c.ReservationTTL <= 0 {
+		bad("RESERVATION_TTL", "must be positive")
+	} else if c.MaxAge > 0 && c.ReservationTTL < c.MaxAge {
+		bad("RESERVATION_TTL", "%v is shorter than QF_STREAM_MAX_AGE %v: a late actual event would find no reservation", c.ReservationTTL, c.MaxAge)
+	}
+	if c.OutboxMaxEvents < 1 {
+		bad("OUTBOX_MAX_EVENTS", "want at least 1")
+	}
+	if c.SpillDir == "" {
+		bad("SPILL_DIR", "required")
+	}
+	if c.SpillMaxBytes < 1<<20 {
+		bad("SPILL_MAX_BYTES", "want at least 1048576 (1 MiB)")
+	}
+	if c.ShutdownTimeout <= 0 {
+		bad("SHUTDOWN_TIMEOUT", "must be positive")
+	}
+	return errors.Join(errs...)
+}
+
+// Proxies parses TrustedProxies; a bare address is a single-address
+// prefix.
+func (c *Config) Proxies() ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, s := range c.TrustedProxies {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		if p, err := netip.ParsePrefix(s); err == nil {
+			out = append(out, p.Masked())
+			continue
+		}
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return nil, fmt.Errorf("QF_TRUSTED_PROXIES: %q is neither a CIDR nor an address", s)
+		}
+		out = append(out, netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()))
+	}
+	return out, nil
+}

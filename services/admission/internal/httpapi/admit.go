@@ -1,0 +1,189 @@
+package httpapi
+
+import (
+	"fmt"
+	"net/http"
+	"time"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/decide"
+)
+
+// limitJSON is one limit in a response, as DESIGN §4 shows it.
+type limitJSON struct {
+	Scope        string `json:"scope"`
+	Name         string `json:"name"`
+	Endpoint     string `json:"endpoint,omitempty"` // endpoint limits only
+	Unit         string `json:"unit"`
+	Limit        int64  `json:"limit"`
+	Used         int64  `json:"used"`
+	Remaining    int64  `json:"remaining"`
+	ResetSeconds int64  `json:"reset_seconds"`
+	Shadow       bool   `json:"shadow,omitempty"` // counted, never denies
+}
+
+// limitRef names the limit that denied.
+type limitRef struct {
+	Scope    string `json:"scope"`
+	Name     string `json:"name"`
+	Endpoint string `json:"endpoint,omitempty"`
+}
+
+// decisionBody is the body of an admit or authz answer; on a denial it
+// is also an RFC 9457 problem (the first five fields).
+type decisionBody struct {
+	Type              string      `json:"type,omitempty"`
+	Title             string      `json:"title,omitempty"`
+	Status            int         `json:"status,omitempty"`
+	Detail            string      `json:"detail,omitempty"`
+	ViolatedPolicies  []string    `json:"violated-policies,omitempty"`
+	Allowed           bool        `json:"allowed"`
+	RequestID         string      `json:"request_id"`
+	DeniedBy          *limitRef   `json:"denied_by,omitempty"`
+	Reason            string      `json:"reason,omitempty"`
+	RetryAfterSeconds int64       `json:"retry_after_seconds,omitempty"`
+	Limits            []limitJSON `json:"limits"`
+}
+
+func limitsJSON(ls []decide.LimitState) []limitJSON {
+	out := make([]limitJSON, len(ls))
+	for i, l := range ls {
+		out[i] = limitJSON{
+			Scope: string(l.Scope), Name: l.Name, Endpoint: l.Endpoint, Unit: string(l.Unit),
+			Limit: l.Limit, Used: l.Used, Remaining: l.Remaining, ResetSeconds: ceilSeconds(l.Reset),
+			Shadow: l.Shadow,
+		}
+	}
+	return out
+}
+
+func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
+	p, ok := h.authenticate(w, r)
+	if !ok {
+		return
+	}
+	body, ok := readBody(w, r)
+	if !ok {
+		return
+	}
+	pol := h.policy()
+	in, ferr := decodeAdmit(body, pol.Cost)
+	if ferr != nil {
+		writeFieldError(w, ferr)
+		return
+	}
+	if !authorize(w, p, in.Tenant) {
+		return
+	}
+	h.decide(w, r, routeAdmit, pol, in, http.StatusTooManyRequests, false)
+}
+
+// decide runs one admission and writes the answer: 200 when allowed,
+// denyStatus with a problem body when denied.
+func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, pol *limits.Policy,
+	in decide.Input, denyStatus int, authz bool) {
+	if in.RequestID == "" {
+		in.RequestID = newRequestID()
+	}
+	res, err := h.dec.Admit(r.Context(), in)
+	if err != nil {
+		if msg, ok := clientError(err, in.Plan); ok {
+			writeError(w, http.StatusBadRequest, msg)
+			return
+		}
+		if canceled(r, err) {
+			writeError(w, 499, "client closed the request")
+			return
+		}
+		// Never fail the gateway's traffic on our own failure.
+		h.failopen.WithLabelValues(route).Inc()
+		h.log.Error("decider failed; allowing the request", "route", route, "request_id", in.RequestID, "err", err)
+		writeJSON(w, http.StatusOK, "application/json", decisionBody{Allowed: true, RequestID: in.RequestID, Limits: []limitJSON{}})
+		return
+	}
+	if res.Now.IsZero() {
+		res.Now = time.Now()
+	}
+	h.publishDecision(in, res)
+
+	var resolved *limits.Resolved
+	if rs, err := pol.Resolve(in.Tenant, res.Plan, in.Endpoint); err == nil {
+		resolved = &rs
+	}
+	retry := retryAfterSeconds(res)
+	setRateLimitHeaders(w.Header(), res, resolved, in.Cost, retry)
+	body := decisionBody{Allowed: res.Allowed, RequestID: in.RequestID, Limits: limitsJSON(res.Limits)}
+	if res.Allowed {
+		writeJSON(w, http.StatusOK, "application/json", body)
+		return
+	}
+	body.Reason = string(res.Reason)
+	body.RetryAfterSeconds = retry
+	body.Type = ProblemQuotaExceeded
+	body.Title = "Request cannot be satisfied as assigned quota has been exceeded"
+	body.Status = denyStatus
+	if d := res.DeniedBy; d != nil {
+		body.DeniedBy = &limitRef{Scope: string(d.Scope), Name: d.Name, Endpoint: d.Endpoint}
+		body.ViolatedPolicies = []string{policyName(*d)}
+		body.Detail = denialDetail(*d, res, in.Cost)
+	}
+	if authz {
+		w.Header().Set("X-Quota-Denied", "1")
+	}
+	writeJSON(w, denyStatus, "application/problem+json", body)
+}
+
+// denialDetail explains a denial in one sentence.
+func denialDetail(d decide.LimitState, res decide.Result, cost int64) string {
+	what := fmt.Sprintf("%s limit %q", d.Scope, d.Name)
+	if d.Endpoint != "" {
+		what = fmt.Sprintf("%s limit %q of endpoint %q", d.Scope, d.Name, d.Endpoint)
+	}
+	amount := int64(1)
+	if d.Unit == limits.Tokens {
+		amount = cost
+	}
+	switch res.Reason {
+	case limits.ReasonCostExceedsLimit:
+		return fmt.Sprintf("%s: the request needs %d %s, more than the limit of %d; it can never fit", what, amount, d.Unit, d.Limit)
+	case limits.ReasonInsufficientBalance:
+		return fmt.Sprintf("%s: the request needs %d %s but %d remain; only a top-up helps", what, amount, d.Unit, max(d.Remaining, 0))
+	}
+	return fmt.Sprintf("%s: the request needs %d %s but %d of %d remain", what, amount, d.Unit, max(d.Remaining, 0), d.Limit)
+}
+
+// publishDecision hands the decision's event to the outbox: a reserved
+// event when allowed (again for a duplicate: its id dedups, and it covers a
+// crash between reserving and publishing), one denial count when denied.
+func (h *Handler) publishDecision(in decide.Input, res decide.Result) {
+	if !res.Allowed {
+		if res.DeniedBy != nil {
+			h.ev.Denied(events.Denied{Tenant: in.Tenant, User: in.User, IP: in.IP, Endpoint: in.Endpoint,
+				Scope: string(res.DeniedBy.Scope), Name: res.DeniedBy.Name}, res.Now)
+		}
+		return
+	}
+	exp := res.ExpiresAt
+	if exp.IsZero() {
+		exp = res.Now.Add(h.ttl)
+	}
+	ev := events.Reserved{
+		RequestID: in.RequestID, Tenant: in.Tenant, User: in.User, Plan: res.Plan,
+		Endpoint: in.Endpoint, Model: in.Model, IP: in.IP, EstimatedTokens: in.Cost,
+		ExpiresAt: exp, Version: res.Version, TenantVersion: res.TenantVersion,
+	}
+	if len(res.Limits) > 0 {
+		ev.Limits = make([]events.LimitState, len(res.Limits))
+		for i, l := range res.Limits {
+			ev.Limits[i] = events.LimitState{
+				Scope: string(l.Scope), Name: l.Name, Endpoint: l.Endpoint, Unit: string(l.Unit),
+				Limit: l.Limit, Used: l.Used, Remaining: l.Remaining, ResetSeconds: ceilSeconds(l.Reset),
+			}
+			if l.WouldDeny {
+				ev.WouldDeny = append(ev.WouldDeny, events.LimitRef{Scope: string(l.Scope), Name: l.Name, Endpoint: l.Endpoint})
+			}
+		}
+	}
+	h.ev.Enqueue(events.NewReserved(h.source, ev, res.Now))
+}

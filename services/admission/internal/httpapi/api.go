@@ -1,0 +1,339 @@
+// Package httpapi is admission's HTTP API (DESIGN §4): POST /v1/admit,
+// /v1/authz (any method, any path under it), POST /v1/release, POST and GET
+// /v1/usage and POST /v1/balances/topup, with bearer-token authentication,
+// strict request validation, the IETF RateLimit headers and RFC 9457
+// problem bodies for denials.
+//
+// It decides nothing itself: a Decider (package decide) does, and an Events
+// sink (package outbox) publishes what happened. A failure of the Decider's
+// infrastructure never becomes a 5xx on the admission path: the request is
+// allowed and counted in quotaflow_admission_api_failopen_total, because a
+// gateway that cannot reach its quota check must not fail its own traffic.
+package httpapi
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/netip"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/decide"
+)
+
+// MaxBodyBytes is the largest request body accepted (64 KiB); a larger
+// one is answered 413 before any of it is parsed.
+const MaxBodyBytes = 64 << 10
+
+// ProblemQuotaExceeded is the RFC 9457 problem type of a denial
+// (draft-ietf-httpapi-ratelimit-headers §5.1).
+const ProblemQuotaExceeded = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+
+// Decider makes and undoes admission decisions: *decide.Decider. Errors
+// wrapping limits.ErrInvalid or limits.ErrUnknownPlan are the caller's
+// fault (400); any other error is an infrastructure failure.
+type Decider interface {
+	Admit(ctx context.Context, in decide.Input) (decide.Result, error)
+	Release(ctx context.Context, tenant, user, requestID string) (limits.Settlement, error)
+	Usage(ctx context.Context, tenant, user, plan string) ([]decide.LimitState, error)
+	TopUp(ctx context.Context, tenant, user string, amount int64, reference string) (limits.TopUpResult, error)
+}
+
+// Events receives what the API did: *outbox.Outbox. Enqueue and Denied
+// must not block; PublishNow returns once the stream stored every event.
+type Events interface {
+	Enqueue(ev events.Event)
+	Denied(d events.Denied, at time.Time)
+	PublishNow(ctx context.Context, evs []events.Event) error
+}
+
+// Options configure the API. Decider, Policy and Events are required.
+type Options struct {
+	// Decider makes the decisions (*decide.Decider).
+	Decider Decider
+	// Policy returns the policy in force (limits.Watcher.Current): the
+	// model weights for input/output token costs and the windows shown in
+	// RateLimit-Policy.
+	Policy func() *limits.Policy
+	// Events publishes what happened (*outbox.Outbox).
+	Events Events
+	// Auth checks bearer tokens; nil accepts every request.
+	Auth *Auth
+	// AuthzDenyStatus is the status of a denial on /v1/authz: 429
+	// (default; Envoy passes it through) or 403 (nginx auth_request
+	// treats only 401 and 403 as denials).
+	AuthzDenyStatus int
+	// TrustedProxies are the peers whose X-Real-IP and X-Forwarded-For
+	// headers /v1/authz believes. From other peers those headers are
+	// ignored and the request has no client IP (the IP layer is skipped).
+	TrustedProxies []netip.Prefix
+	// ReservationTTL is the lifetime of a reservation, used for the
+	// expires_at of an event when the decision did not report one
+	// (decided locally). Default one hour, limits' default.
+	ReservationTTL time.Duration
+	// Source is the CloudEvents source of the events (default
+	// "quotaflow/admission").
+	Source string
+	// UsageTimeout bounds how long POST /v1/usage waits for the stream's
+	// acknowledgements (default 5 s).
+	UsageTimeout time.Duration
+	// Log receives errors and per-request debug lines (never tokens); nil
+	// discards them.
+	Log *slog.Logger
+	// Registerer receives the API's metrics; nil registers nothing.
+	Registerer prometheus.Registerer
+}
+
+// Handler serves the API. Create it with New.
+type Handler struct {
+	dec      Decider
+	policy   func() *limits.Policy
+	ev       Events
+	auth     *Auth
+	deny     int
+	trusted  []netip.Prefix
+	ttl      time.Duration
+	source   string
+	usageTO  time.Duration
+	log      *slog.Logger
+	mux      *http.ServeMux
+	authz    http.Handler
+	duration *prometheus.HistogramVec
+	failopen *prometheus.CounterVec
+}
+
+// Route labels of quotaflow_admission_request_duration_seconds.
+const (
+	routeAdmit       = "admit"
+	routeAuthz       = "authz"
+	routeRelease     = "release"
+	routeUsageReport = "usage_report"
+	routeUsageGet    = "usage_get"
+	routeTopUp       = "topup"
+)
+
+// New returns the API handler.
+func New(o Options) (*Handler, error) {
+	if o.Decider == nil || o.Policy == nil || o.Events == nil {
+		return nil, errors.New("httpapi: Decider, Policy and Events are required")
+	}
+	switch o.AuthzDenyStatus {
+	case 0:
+		o.AuthzDenyStatus = http.StatusTooManyRequests
+	case http.StatusTooManyRequests, http.StatusForbidden:
+	default:
+		return nil, fmt.Errorf("httpapi: authz deny status %d: want 429 or 403", o.AuthzDenyStatus)
+	}
+	if o.ReservationTTL <= 0 {
+		o.ReservationTTL = time.Hour
+	}
+	if o.Source == "" {
+		o.Source = "quotaflow/admission"
+	}
+	if o.UsageTimeout <= 0 {
+		o.UsageTimeout = 5 * time.Second
+	}
+	if o.Log == nil {
+		o.Log = slog.New(slog.DiscardHandler)
+	}
+	h := &Handler{
+		dec: o.Decider, policy: o.Policy, ev: o.Events, auth: o.Auth, deny: o.AuthzDenyStatus,
+		trusted: o.TrustedProxies, ttl: o.ReservationTTL, source: o.Source, usageTO: o.UsageTimeout,
+		log: o.Log.With("component", "httpapi"),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "quotaflow_admission_request_duration_seconds",
+			Help: "Time to answer an API request, by route and status class.",
+			// 50 µs to about 1.6 s: admits take well under a millisecond.
+			Buckets: prometheus.ExponentialBuckets(0.00005, 2, 16),
+		}, []string{"route", "code"}),
+		failopen: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_admission_api_failopen_total",
+			Help: "Admission requests allowed because the decider failed unexpectedly (should stay 0: the decider handles Redis outages itself).",
+		}, []string{"route"}),
+	}
+	routes := []string{routeAdmit, routeAuthz, routeRelease, routeUsageReport, routeUsageGet, routeTopUp}
+	for _, r := range routes {
+		for _, c := range []string{"2xx", "4xx", "5xx"} {
+			h.duration.WithLabelValues(r, c)
+		}
+	}
+	h.failopen.WithLabelValues(routeAdmit)
+	h.failopen.WithLabelValues(routeAuthz)
+	if o.Registerer != nil {
+		if err := o.Registerer.Register(h.duration); err != nil {
+			return nil, fmt.Errorf("httpapi: %w", err)
+		}
+		if err := o.Registerer.Register(h.failopen); err != nil {
+			return nil, fmt.Errorf("httpapi: %w", err)
+		}
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/admit", h.instrument(routeAdmit, h.serveAdmit))
+	mux.Handle("POST /v1/release", h.instrument(routeRelease, h.serveRelease))
+	mux.Handle("POST /v1/usage", h.instrument(routeUsageReport, h.serveUsageReport))
+	mux.Handle("GET /v1/usage", h.instrument(routeUsageGet, h.serveUsageGet))
+	mux.Handle("POST /v1/balances/topup", h.instrument(routeTopUp, h.serveTopUp))
+	h.mux = mux
+	h.authz = h.instrument(routeAuthz, h.serveAuthz)
+	return h, nil
+}
+
+// ServeHTTP routes a request. /v1/authz and everything under it bypass
+// the ServeMux, which would redirect an uncleaned path (a "//" or ".." in
+// the original URI that Envoy appends) instead of answering it.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	p := r.URL.EscapedPath()
+	if p == "/v1/authz" || strings.HasPrefix(p, "/v1/authz/") {
+		h.authz.ServeHTTP(w, r)
+		return
+	}
+	h.mux.ServeHTTP(w, r)
+}
+
+// statusWriter records the status code for the duration metric.
+type statusWriter struct {
+	http.ResponseWriter
+	code int
+}
+
+func (s *statusWriter) WriteHeader(code int) {
+	if s.code == 0 {
+		s.code = code
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *statusWriter) Write(b []byte) (int, error) {
+	if s.code == 0 {
+		s.code = http.StatusOK
+	}
+	return s.ResponseWriter.Write(b)
+}
+
+func (h *Handler) instrument(route string, f http.HandlerFunc) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		sw := &statusWriter{ResponseWriter: w}
+		f(sw, r)
+		code := sw.code
+		if code == 0 {
+			code = http.StatusOK
+		}
+		took := time.Since(start)
+		h.duration.WithLabelValues(route, codeClass(code)).Observe(took.Seconds())
+		if h.log.Enabled(r.Context(), slog.LevelDebug) { // no boxing of the arguments otherwise
+			h.log.Debug("request", "route", route, "method", r.Method, "code", code, "duration", took)
+		}
+	})
+}
+
+func codeClass(code int) string {
+	switch {
+	case code >= 500:
+		return "5xx"
+	case code >= 400:
+		return "4xx"
+	}
+	return "2xx"
+}
+
+// errorBody is every non-decision error response.
+type errorBody struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+}
+
+func writeJSON(w http.ResponseWriter, status int, contentType string, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		status, b = http.StatusInternalServerError, []byte(`{"code":500,"message":"encoding the response failed"}`)
+	}
+	w.Header().Set("Content-Type", contentType)
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(status)
+	_, _ = w.Write(append(b, '\n'))
+}
+
+func writeError(w http.ResponseWriter, status int, msg string) {
+	if status == http.StatusUnauthorized {
+		w.Header().Set("WWW-Authenticate", `Bearer realm="quotaflow"`)
+	}
+	writeJSON(w, status, "application/json", errorBody{Code: status, Message: msg})
+}
+
+func writeFieldError(w http.ResponseWriter, e *fieldError) {
+	writeError(w, http.StatusBadRequest, e.Error())
+}
+
+// authenticate answers 401 and returns false unless r has a valid token.
+func (h *Handler) authenticate(w http.ResponseWriter, r *http.Request) (principal, bool) {
+	p, ok := h.auth.authenticate(r)
+	if !ok {
+		writeError(w, http.StatusUnauthorized, "authorization: missing or invalid bearer token")
+	}
+	return p, ok
+}
+
+// authorize answers 403 and returns false unless p may act for tenant.
+func authorize(w http.ResponseWriter, p principal, tenant string) bool {
+	if !p.allows(tenant) {
+		writeError(w, http.StatusForbidden, "tenant: this token is not valid for the tenant")
+		return false
+	}
+	return true
+}
+
+// readBody reads at most MaxBodyBytes, answering 413 for more: at once when
+// Content-Length says so, else as soon as the limit is passed.
+func readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	if r.ContentLength > MaxBodyBytes {
+		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body: larger than %d bytes", MaxBodyBytes))
+		return nil, false
+	}
+	b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxBodyBytes))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body: larger than %d bytes", MaxBodyBytes))
+		} else {
+			writeError(w, http.StatusBadRequest, "body: could not be read")
+		}
+		return nil, false
+	}
+	return b, true
+}
+
+// newRequestID returns a random request id (26 base32 characters, 130
+// bits).
+func newRequestID() string { return rand.Text() }
+
+// clientError reports whether a Decider error is the caller's fault, and
+// the 400 message.
+func clientError(err error, plan string) (string, bool) {
+	switch {
+	case errors.Is(err, limits.ErrUnknownPlan):
+		return fmt.Sprintf("plan: %q is not a plan of the policy", plan), true
+	case errors.Is(err, limits.ErrInvalid):
+		msg := err.Error()
+		if i := strings.LastIndex(msg, limits.ErrInvalid.Error()+": "); i >= 0 {
+			msg = msg[i+len(limits.ErrInvalid.Error())+2:]
+		}
+		return msg, true
+	}
+	return "", false
+}
+
+// canceled reports whether err is only the client going away.
+func canceled(r *http.Request, err error) bool {
+	return r.Context().Err() != nil && errors.Is(err, context.Canceled)
+}

@@ -1,0 +1,175 @@
+package httpapi
+
+import (
+	"net/http"
+	"net/netip"
+	"net/url"
+	"strconv"
+	"strings"
+
+	"quotaflow/services/admission/internal/decide"
+)
+
+// Headers /v1/authz reads. The gateway sets them itself, overwriting
+// whatever the client sent.
+const (
+	hdrTenant          = "X-Quota-Tenant"
+	hdrUser            = "X-Quota-User"
+	hdrPlan            = "X-Quota-Plan"
+	hdrEstimated       = "X-Quota-Estimated-Tokens"
+	hdrModel           = "X-Quota-Model"
+	hdrInputTokens     = "X-Quota-Input-Tokens"
+	hdrMaxOutputTokens = "X-Quota-Max-Output-Tokens"
+	hdrRequestID       = "X-Request-Id"
+	hdrRealIP          = "X-Real-IP"
+	hdrForwardedFor    = "X-Forwarded-For"
+	hdrOriginalURI     = "X-Original-URI"
+	hdrForwardedURI    = "X-Forwarded-Uri"
+)
+
+// serveAuthz is the admission check for gateways that can only forward a
+// request: nginx auth_request, Envoy ext_authz (HTTP), Traefik forwardAuth.
+func (h *Handler) serveAuthz(w http.ResponseWriter, r *http.Request) {
+	p, ok := h.authenticate(w, r)
+	if !ok {
+		return
+	}
+	pol := h.policy()
+	in, ferr := decodeAuthz(r, h.trusted, pol.Cost)
+	if ferr != nil {
+		writeFieldError(w, ferr)
+		return
+	}
+	if !authorize(w, p, in.Tenant) {
+		return
+	}
+	h.decide(w, r, routeAuthz, pol, in, h.deny, true)
+}
+
+// decodeAuthz reads an admission request from r's headers.
+func decodeAuthz(r *http.Request, trusted []netip.Prefix, cost costFunc) (decide.Input, *fieldError) {
+	in := decide.Input{
+		Tenant:    r.Header.Get(hdrTenant),
+		User:      r.Header.Get(hdrUser),
+		Plan:      r.Header.Get(hdrPlan),
+		Model:     r.Header.Get(hdrModel),
+		RequestID: r.Header.Get(hdrRequestID),
+	}
+	for _, f := range []struct {
+		name, v  string
+		required bool
+	}{
+		{hdrRequestID, in.RequestID, false},
+		{hdrTenant, in.Tenant, true},
+		{hdrUser, in.User, true},
+		{hdrPlan, in.Plan, false},
+		{hdrModel, in.Model, false},
+	} {
+		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
+			return decide.Input{}, ferr
+		}
+	}
+	ep, ferr := authzEndpoint(r)
+	if ferr != nil {
+		return decide.Input{}, ferr
+	}
+	in.Endpoint = ep
+	ip, ferr := clientIP(r, trusted)
+	if ferr != nil {
+		return decide.Input{}, ferr
+	}
+	in.IP = ip
+	var nums [3]*int64
+	for i, name := range []string{hdrEstimated, hdrInputTokens, hdrMaxOutputTokens} {
+		v := r.Header.Get(name)
+		if v == "" {
+			continue
+		}
+		n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		if err != nil {
+			return decide.Input{}, bad(name, "must be a whole number from 0 to 1000000000000")
+		}
+		nums[i] = &n
+	}
+	c, ferr := tokensCost(nums[0], nums[1], nums[2], in.Model, cost, hdrEstimated, hdrInputTokens, hdrMaxOutputTokens)
+	if ferr != nil {
+		return decide.Input{}, ferr
+	}
+	in.Cost = c
+	return in, nil
+}
+
+// authzEndpoint is the endpoint of the original request: X-Original-URI
+// (nginx), else X-Forwarded-Uri (Traefik), else the path after /v1/authz
+// (Envoy appends the original path to its path prefix). The query string is
+// dropped and percent-escapes decoded, so /api/%67enerate?x=1 counts as
+// /api/generate, like the gateway routes it.
+func authzEndpoint(r *http.Request) (string, *fieldError) {
+	field, raw := hdrOriginalURI, r.Header.Get(hdrOriginalURI)
+	if raw == "" {
+		field, raw = hdrForwardedURI, r.Header.Get(hdrForwardedURI)
+	}
+	if raw == "" {
+		field = "endpoint"
+		raw = strings.TrimPrefix(r.URL.EscapedPath(), "/v1/authz")
+		if raw == "" {
+			return "", bad("endpoint", "required: set X-Original-URI or X-Forwarded-Uri, or append the path to /v1/authz")
+		}
+	}
+	if i := strings.IndexAny(raw, "?#"); i >= 0 {
+		raw = raw[:i]
+	}
+	ep, err := url.PathUnescape(raw)
+	if err != nil {
+		return "", bad(field, "invalid percent-encoding")
+	}
+	if ferr := checkID(field, ep, true); ferr != nil {
+		return "", ferr
+	}
+	return ep, nil
+}
+
+// clientIP is the client address of an authz request: X-Real-IP, else the
+// last X-Forwarded-For address that is not a trusted proxy, but only when
+// the peer itself is a trusted proxy. Otherwise it is empty: the request
+// has no IP layer (the peer is the gateway, whose address would put every
+// client in one bucket).
+func clientIP(r *http.Request, trusted []netip.Prefix) (string, *fieldError) {
+	peer, err := netip.ParseAddrPort(r.RemoteAddr)
+	if err != nil || !isTrusted(peer.Addr().Unmap(), trusted) {
+		return "", nil
+	}
+	if v := strings.TrimSpace(r.Header.Get(hdrRealIP)); v != "" {
+		return parseIP(hdrRealIP, v)
+	}
+	xff := r.Header.Values(hdrForwardedFor)
+	if len(xff) == 0 {
+		return "", nil
+	}
+	hops := strings.Split(strings.Join(xff, ","), ",")
+	var first string
+	for i := len(hops) - 1; i >= 0; i-- {
+		hop := strings.TrimSpace(hops[i])
+		ip, ferr := parseIP(hdrForwardedFor, hop)
+		if ferr != nil {
+			return "", ferr
+		}
+		if ip == "" {
+			continue
+		}
+		first = ip
+		if !isTrusted(netip.MustParseAddr(ip), trusted) {
+			return ip, nil
+		}
+	}
+	return first, nil // every hop is a trusted proxy: the leftmost one
+}
+
+func isTrusted(a netip.Addr, trusted []netip.Prefix) bool {
+	for _, p := range trusted {
+		if p.Contains(a) {
+			return true
+		}
+	}
+	return false
+}

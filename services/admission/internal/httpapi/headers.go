@@ -1,0 +1,231 @@
+package httpapi
+
+import (
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/decide"
+)
+
+// The rate-limit headers follow draft-ietf-httpapi-ratelimit-headers-11:
+//
+//	RateLimit-Policy: "user:5h";q=1000;w=18000;qf-unit="tokens", "user:rps";q=10;w=2;qu="requests"
+//	RateLimit: "user:5h";r=10;t=1800;qf-unit="tokens"
+//
+// Both are Structured Field Lists of Items whose value is a String naming the
+// policy: "<scope>:<limit name>", or "user:endpoint:<name>" for an
+// endpoint's per-user limits (a limit name cannot contain ':', so names
+// never collide). RateLimit-Policy lists every limit that applied (shadow
+// limits excluded: they never deny); q is the limit, w its window in whole
+// seconds (rounded up; a token bucket's w is the time to refill its burst,
+// a calendar month, a balance and a concurrency limit have none). The draft's
+// quota units registry has "requests", "content-bytes" and
+// "concurrent-requests" only, so request limits say qu="requests",
+// concurrency limits qu="concurrent-requests", and token limits carry the
+// vendor parameter qf-unit="tokens" (the draft asks for vendor-prefixed
+// parameters for anything else; a client unaware of it reads the quota as
+// abstract units). RateLimit names the most constraining limit, with r its
+// remaining quota (never negative) and t the seconds until it frees capacity
+// or resets.
+
+// policyName is a limit's name in the RateLimit headers and in a
+// problem's violated-policies.
+func policyName(l decide.LimitState) string {
+	if l.Scope == limits.ScopeUser && l.Endpoint != "" {
+		return "user:endpoint:" + l.Name
+	}
+	return string(l.Scope) + ":" + l.Name
+}
+
+// sfString encodes s as a Structured Field String (printable ASCII with
+// '"' and '\' escaped; anything else becomes '?', which policy names never
+// contain).
+func sfString(s string) string {
+	var b strings.Builder
+	b.Grow(len(s) + 2)
+	b.WriteByte('"')
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '"' || c == '\\':
+			b.WriteByte('\\')
+			b.WriteByte(c)
+		case c < 0x20 || c > 0x7e:
+			b.WriteByte('?')
+		default:
+			b.WriteByte(c)
+		}
+	}
+	b.WriteByte('"')
+	return b.String()
+}
+
+// ceilSeconds rounds d up to whole seconds (0 for d ≤ 0).
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64((d + time.Second - 1) / time.Second)
+}
+
+// windowSeconds is the w parameter of a rule, 0 when it has none.
+func windowSeconds(r *limits.Rule) int64 {
+	if r == nil {
+		return 0
+	}
+	switch r.Kind {
+	case limits.Rolling, limits.Fixed, limits.SlidingLog:
+		return max(1, ceilSeconds(time.Duration(r.Window)))
+	case limits.TokenBucket:
+		per := time.Duration(r.Per)
+		if r.Rate <= 0 {
+			return max(1, ceilSeconds(per))
+		}
+		refill := float64(per) * float64(r.Burst) / r.Rate
+		if refill > float64(math.MaxInt64/2) {
+			return 0
+		}
+		return max(1, ceilSeconds(time.Duration(refill)))
+	}
+	return 0
+}
+
+// ruleOf finds the policy rule behind a limit state (for its window and
+// kind); nil when the policy changed in between.
+func ruleOf(res *limits.Resolved, l decide.LimitState) *limits.Rule {
+	if res == nil {
+		return nil
+	}
+	var list []limits.Rule
+	switch l.Scope {
+	case limits.ScopeIP:
+		list = res.IP
+	case limits.ScopeGlobal:
+		list = res.Global
+	default:
+		list = res.Subject
+	}
+	for i := range list {
+		r := &list[i]
+		if r.Scope == l.Scope && r.Name == l.Name && r.Endpoint == l.Endpoint {
+			return r
+		}
+	}
+	return nil
+}
+
+// unitParam is the unit parameter of a limit's items.
+func unitParam(l decide.LimitState, r *limits.Rule) string {
+	switch {
+	case r != nil && r.Kind == limits.Concurrency:
+		return `;qu="concurrent-requests"`
+	case l.Unit == limits.Tokens:
+		return `;qf-unit="tokens"`
+	default:
+		return `;qu="requests"`
+	}
+}
+
+// constraining picks the limit a client will run into first: the one that
+// denied, else the one that fits the fewest more requests of this cost
+// (remaining / cost for token limits, remaining for request limits), ties
+// going to the later reset. Shadow limits never count. It returns -1 when
+// no limit applies.
+func constraining(res decide.Result, cost int64) int {
+	best, bestFit, bestReset := -1, int64(math.MaxInt64), time.Duration(-1)
+	for i, l := range res.Limits {
+		if l.Shadow {
+			continue
+		}
+		if !res.Allowed && res.DeniedBy != nil && l.Scope == res.DeniedBy.Scope &&
+			l.Name == res.DeniedBy.Name && l.Endpoint == res.DeniedBy.Endpoint {
+			return i
+		}
+		fit := max(l.Remaining, 0)
+		if l.Unit == limits.Tokens {
+			switch {
+			case cost > 0:
+				fit /= cost
+			case fit > 0:
+				fit = math.MaxInt64 - 1 // a free request always fits
+			}
+		}
+		if fit < bestFit || fit == bestFit && l.Reset > bestReset {
+			best, bestFit, bestReset = i, fit, l.Reset
+		}
+	}
+	return best
+}
+
+// setRateLimitHeaders writes RateLimit-Policy, RateLimit and the
+// X-RateLimit-* headers for a decision, and Retry-After (with retryAfter
+// > 0, i.e. on a denial that waiting cures).
+func setRateLimitHeaders(h http.Header, res decide.Result, resolved *limits.Resolved, cost, retryAfter int64) {
+	var pol strings.Builder
+	for _, l := range res.Limits {
+		if l.Shadow {
+			continue
+		}
+		r := ruleOf(resolved, l)
+		if pol.Len() > 0 {
+			pol.WriteString(", ")
+		}
+		pol.WriteString(sfString(policyName(l)))
+		pol.WriteString(";q=")
+		pol.WriteString(strconv.FormatInt(max(l.Limit, 0), 10))
+		if w := windowSeconds(r); w > 0 {
+			pol.WriteString(";w=")
+			pol.WriteString(strconv.FormatInt(w, 10))
+		}
+		pol.WriteString(unitParam(l, r))
+	}
+	if pol.Len() > 0 {
+		h.Set("RateLimit-Policy", pol.String())
+	}
+	if i := constraining(res, cost); i >= 0 {
+		l := res.Limits[i]
+		remaining := max(l.Remaining, 0)
+		reset := ceilSeconds(l.Reset)
+		if !res.Allowed {
+			remaining = 0
+			// Retry-After must not point before the end of the effective
+			// window (draft §6).
+			reset = max(reset, retryAfter)
+		}
+		var rl strings.Builder
+		rl.WriteString(sfString(policyName(l)))
+		rl.WriteString(";r=")
+		rl.WriteString(strconv.FormatInt(remaining, 10))
+		rl.WriteString(";t=")
+		rl.WriteString(strconv.FormatInt(reset, 10))
+		if l.Unit == limits.Tokens {
+			rl.WriteString(`;qf-unit="tokens"`)
+		}
+		h.Set("RateLimit", rl.String())
+		h.Set("X-RateLimit-Limit", strconv.FormatInt(max(l.Limit, 0), 10))
+		h.Set("X-RateLimit-Remaining", strconv.FormatInt(remaining, 10))
+		h.Set("X-RateLimit-Reset", strconv.FormatInt(reset, 10))
+	}
+	if retryAfter > 0 {
+		h.Set("Retry-After", strconv.FormatInt(retryAfter, 10))
+	}
+}
+
+// retryAfterSeconds is the Retry-After of a denial: the wait rounded up
+// to whole seconds, at least 1; 0 (no header) when waiting does not help.
+func retryAfterSeconds(res decide.Result) int64 {
+	if res.Allowed {
+		return 0
+	}
+	if res.RetryAfter <= 0 {
+		if res.Reason != limits.ReasonNone {
+			return 0
+		}
+		return 1 // a denial always frees up eventually; never invite a hot loop
+	}
+	return max(1, ceilSeconds(res.RetryAfter))
+}

@@ -1,0 +1,157 @@
+package httpapi
+
+import (
+	"net/http"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+)
+
+// releaseBody is the body of POST /v1/release.
+type releaseBody struct {
+	Tenant    string `json:"tenant"`
+	User      string `json:"user"`
+	RequestID string `json:"request_id"`
+}
+
+// releaseAnswer is its answer.
+type releaseAnswer struct {
+	RequestID string `json:"request_id"`
+	// Status is "released" (given back now), "already_settled" (released
+	// or corrected before) or "unknown" (no such reservation, e.g. it
+	// expired).
+	Status string `json:"status"`
+	// ReturnedTokens is the estimate given back now (0 unless released).
+	ReturnedTokens int64 `json:"returned_tokens"`
+}
+
+func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
+	p, ok := h.authenticate(w, r)
+	if !ok {
+		return
+	}
+	raw, ok := readBody(w, r)
+	if !ok {
+		return
+	}
+	var b releaseBody
+	if ferr := decodeStrict(raw, &b); ferr != nil {
+		writeFieldError(w, ferr)
+		return
+	}
+	for _, f := range []struct{ name, v string }{{"tenant", b.Tenant}, {"user", b.User}, {"request_id", b.RequestID}} {
+		if ferr := checkID(f.name, f.v, true); ferr != nil {
+			writeFieldError(w, ferr)
+			return
+		}
+	}
+	if !authorize(w, p, b.Tenant) {
+		return
+	}
+	s, err := h.dec.Release(r.Context(), b.Tenant, b.User, b.RequestID)
+	if err != nil {
+		h.infraError(w, r, "release", err)
+		return
+	}
+	// Published whatever the status: the id dedups a repeat, and a
+	// reservation Redis no longer knows may still be open in the ledger.
+	at := s.Now
+	if at.IsZero() {
+		at = nowUTC()
+	}
+	h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User}, at))
+	a := releaseAnswer{RequestID: b.RequestID}
+	switch s.Status {
+	case limits.Settled:
+		a.Status, a.ReturnedTokens = "released", max(-s.Delta, 0)
+	case limits.AlreadySettled:
+		a.Status = "already_settled"
+	default:
+		a.Status = "unknown"
+	}
+	writeJSON(w, http.StatusOK, "application/json", a)
+}
+
+// infraError answers a failure of the decider outside the admission path
+// (release, usage, top-up): 400 for the caller's mistakes, else 503 with
+// Retry-After, since each of these calls is safe to retry.
+func (h *Handler) infraError(w http.ResponseWriter, r *http.Request, what string, err error) {
+	if msg, ok := clientError(err, ""); ok {
+		writeError(w, http.StatusBadRequest, msg)
+		return
+	}
+	if canceled(r, err) {
+		writeError(w, 499, "client closed the request")
+		return
+	}
+	h.log.Warn(what+" failed", "err", err)
+	w.Header().Set("Retry-After", "1")
+	writeError(w, http.StatusServiceUnavailable, what+": temporarily unavailable, retry")
+}
+
+// topUpBody is the body of POST /v1/balances/topup.
+type topUpBody struct {
+	Tenant    string `json:"tenant"`
+	User      string `json:"user"`
+	Amount    *int64 `json:"amount"`
+	Reference string `json:"reference"`
+}
+
+// topUpAnswer is its answer.
+type topUpAnswer struct {
+	Tenant    string `json:"tenant"`
+	User      string `json:"user,omitempty"`
+	Reference string `json:"reference"`
+	// Applied is false when this reference was applied before (nothing
+	// changed).
+	Applied  bool  `json:"applied"`
+	Credited int64 `json:"credited"`
+	Spent    int64 `json:"spent"`
+	Balance  int64 `json:"balance"`
+}
+
+func (h *Handler) serveTopUp(w http.ResponseWriter, r *http.Request) {
+	p, ok := h.authenticate(w, r)
+	if !ok {
+		return
+	}
+	raw, ok := readBody(w, r)
+	if !ok {
+		return
+	}
+	var b topUpBody
+	if ferr := decodeStrict(raw, &b); ferr != nil {
+		writeFieldError(w, ferr)
+		return
+	}
+	for _, f := range []struct {
+		name, v  string
+		required bool
+	}{{"tenant", b.Tenant, true}, {"user", b.User, false}, {"reference", b.Reference, true}} {
+		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
+			writeFieldError(w, ferr)
+			return
+		}
+	}
+	if b.Amount == nil {
+		writeFieldError(w, bad("amount", "required"))
+		return
+	}
+	if *b.Amount < 1 || *b.Amount > limits.MaxCost {
+		writeFieldError(w, bad("amount", "must be a whole number from 1 to %d", int64(limits.MaxCost)))
+		return
+	}
+	if !authorize(w, p, b.Tenant) {
+		return
+	}
+	res, err := h.dec.TopUp(r.Context(), b.Tenant, b.User, *b.Amount, b.Reference)
+	if err != nil {
+		h.infraError(w, r, "topup", err)
+		return
+	}
+	h.ev.Enqueue(events.NewTopUp(h.source, events.TopUp{Tenant: b.Tenant, User: b.User, Amount: *b.Amount, Reference: b.Reference}, nowUTC()))
+	writeJSON(w, http.StatusOK, "application/json", topUpAnswer{
+		Tenant: b.Tenant, User: b.User, Reference: b.Reference, Applied: res.Applied,
+		Credited: res.Credited, Spent: res.Spent, Balance: res.Credited - res.Spent,
+	})
+}

@@ -1,0 +1,161 @@
+package httpapi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"quotaflow/pkg/events"
+)
+
+func nowUTC() time.Time { return time.Now().UTC() }
+
+// usageAnswer is the body of GET /v1/usage.
+type usageAnswer struct {
+	Tenant string      `json:"tenant"`
+	User   string      `json:"user"`
+	Plan   string      `json:"plan,omitempty"`
+	Limits []limitJSON `json:"limits"`
+}
+
+// serveUsageGet answers GET /v1/usage?tenant=..&user=..[&plan=..] with
+// every limit of the subject, changing nothing.
+func (h *Handler) serveUsageGet(w http.ResponseWriter, r *http.Request) {
+	p, ok := h.authenticate(w, r)
+	if !ok {
+		return
+	}
+	q := r.URL.Query()
+	tenant, user, plan := q.Get("tenant"), q.Get("user"), q.Get("plan")
+	for _, f := range []struct {
+		name, v  string
+		required bool
+	}{{"tenant", tenant, true}, {"user", user, true}, {"plan", plan, false}} {
+		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
+			writeFieldError(w, ferr)
+			return
+		}
+	}
+	if !authorize(w, p, tenant) {
+		return
+	}
+	ls, err := h.dec.Usage(r.Context(), tenant, user, plan)
+	if err != nil {
+		h.infraError(w, r, "usage", err)
+		return
+	}
+	writeJSON(w, http.StatusOK, "application/json", usageAnswer{Tenant: tenant, User: user, Plan: plan, Limits: limitsJSON(ls)})
+}
+
+// usageReportAnswer is the body of a 202 to POST /v1/usage.
+type usageReportAnswer struct {
+	Accepted int `json:"accepted"`
+}
+
+// serveUsageReport publishes a JSON array of usage CloudEvents (actual or
+// released) and answers 202 once JetStream stored every one. Each event is
+// validated as consumers will (events.Decode); the first bad one is named by
+// its index. Events are published with their own ids, so a retried report
+// is stored once.
+func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
+	p, ok := h.authenticate(w, r)
+	if !ok {
+		return
+	}
+	raw, ok := readBody(w, r)
+	if !ok {
+		return
+	}
+	evs, ferr := decodeUsage(raw)
+	if ferr != nil {
+		writeFieldError(w, ferr)
+		return
+	}
+	for _, ev := range evs {
+		if !authorize(w, p, eventTenant(ev)) {
+			return
+		}
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), h.usageTO)
+	defer cancel()
+	if err := h.ev.PublishNow(ctx, evs); err != nil {
+		if canceled(r, err) {
+			writeError(w, 499, "client closed the request")
+			return
+		}
+		var be *events.BatchError
+		n := len(evs)
+		if errors.As(err, &be) {
+			n = len(be.Unwrap())
+		}
+		h.log.Warn("publishing reported usage failed", "events", len(evs), "failed", n, "err", err)
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusServiceUnavailable,
+			fmt.Sprintf("events: %d of %d not stored by the stream; retry the whole report (event ids dedup)", n, len(evs)))
+		return
+	}
+	writeJSON(w, http.StatusAccepted, "application/json", usageReportAnswer{Accepted: len(evs)})
+}
+
+// decodeUsage parses the body of POST /v1/usage: a non-empty JSON array of
+// actual or released events.
+func decodeUsage(body []byte) ([]events.Event, *fieldError) {
+	var raws []json.RawMessage
+	if ferr := decodeStrict(body, &raws); ferr != nil {
+		if ferr.field == "body" && ferr.problem == "must be a JSON object" {
+			ferr.problem = "must be a JSON array of CloudEvents"
+		}
+		return nil, ferr
+	}
+	if len(raws) == 0 {
+		return nil, bad("body", "no events; want a JSON array of CloudEvents")
+	}
+	evs := make([]events.Event, len(raws))
+	for i, raw := range raws {
+		ev, err := events.Decode(raw)
+		if err != nil {
+			return nil, eventError(i, err)
+		}
+		switch ev.Type() {
+		case events.TypeActual, events.TypeReleased:
+		default:
+			return nil, bad(fmt.Sprintf("[%d].type", i), "%q cannot be reported here; want %s or %s",
+				ev.Type(), events.TypeActual, events.TypeReleased)
+		}
+		evs[i] = ev
+	}
+	return evs, nil
+}
+
+// eventError turns events.Decode's "invalid event: a: x; b: y" into
+// "[i].a: x; [i].b: y".
+func eventError(i int, err error) *fieldError {
+	msg := strings.TrimPrefix(err.Error(), events.ErrInvalid.Error()+": ")
+	parts := strings.Split(msg, "; ")
+	idx := fmt.Sprintf("[%d]", i)
+	for j, part := range parts {
+		if !strings.HasPrefix(part, "and ") {
+			parts[j] = idx + "." + part
+		}
+	}
+	field, problem, found := strings.Cut(strings.Join(parts, "; "), ": ")
+	if !found {
+		return bad(idx, "%s", msg)
+	}
+	return &fieldError{field: field, problem: problem}
+}
+
+// eventTenant is the tenant an event is about.
+func eventTenant(ev events.Event) string {
+	switch d := ev.Data.(type) {
+	case events.Actual:
+		return d.Tenant
+	case events.Released:
+		return d.Tenant
+	}
+	return ""
+}

@@ -1,0 +1,238 @@
+package outbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"quotaflow/pkg/events"
+)
+
+// These tests publish to real NATS servers: the shared one (QF_NATS_URL,
+// default nats://127.0.0.1:4222) and, where a test stops and restarts NATS,
+// an embedded nats-server. Each test owns its streams and subject prefix
+// and deletes them.
+
+func natsURL() string {
+	if u := os.Getenv("QF_NATS_URL"); u != "" {
+		return u
+	}
+	return nats.DefaultURL
+}
+
+func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(url, nats.Name(t.Name()), nats.Timeout(2*time.Second),
+		nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectJitter(0, 0))
+	if err != nil {
+		t.Fatalf("connect to NATS at %s (run `go tool task deps`): %v", url, err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js
+}
+
+// testStreams creates a stream pair and prefix of the test's own, deleted
+// at cleanup.
+func testStreams(t *testing.T, js jetstream.JetStream) events.Config {
+	t.Helper()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	sfx := strings.ToUpper(hex.EncodeToString(b[:]))
+	cfg := events.Config{
+		Stream: "QFTEST_OUTBOX_" + sfx, DLQStream: "QFTEST_OUTBOX_" + sfx + "_DLQ",
+		SubjectPrefix: "qftest_outbox_" + strings.ToLower(sfx),
+		MaxAge:        10 * time.Minute, Duplicates: 5 * time.Minute, DLQMaxAge: 10 * time.Minute,
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := events.EnsureStreams(ctx, js, cfg); err != nil {
+		t.Fatalf("EnsureStreams = %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = js.DeleteStream(ctx, cfg.Stream)
+		_ = js.DeleteStream(ctx, cfg.DLQStream)
+	})
+	return cfg
+}
+
+// storedIDs reads every message of the stream and counts event ids.
+func storedIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := map[string]int{}
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			t.Fatalf("GetMsg(%d) = %v", seq, err)
+		}
+		ev, err := events.Decode(m.Data)
+		if err != nil {
+			t.Fatalf("stored message %d does not decode: %v", seq, err)
+		}
+		if h := m.Header.Get(jetstream.MsgIDHeader); h != ev.ID {
+			t.Errorf("message %d: Nats-Msg-Id %q, event id %q", seq, h, ev.ID)
+		}
+		ids[ev.ID]++
+	}
+	return ids
+}
+
+func streamMsgs(js jetstream.JetStream, stream string) uint64 {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		return 0
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0
+	}
+	return info.State.Msgs
+}
+
+func TestRealNATS(t *testing.T) {
+	_, js := connect(t, natsURL())
+	cfg := testStreams(t, js)
+	o, err := New(events.NewPublisher(js, cfg), Options{SpillDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]bool{}
+	for i := range 100 {
+		ev := reserved(i)
+		want[ev.ID] = true
+		o.Enqueue(ev)
+		o.Enqueue(ev) // a repeat is stored once
+	}
+	d := events.Denied{Tenant: "acme", User: "u", Endpoint: "/e", Scope: "user", Name: "5h"}
+	for range 50 {
+		o.Denied(d, testNow)
+	}
+	want[events.DeniedID(d, testNow)] = true
+	actual := events.NewActual("svc", events.Actual{RequestID: "r-1", Tenant: "acme", User: "u", InputTokens: 5, OutputTokens: 6}, testNow)
+	if err := o.PublishNow(context.Background(), []events.Event{actual}); err != nil {
+		t.Fatalf("PublishNow = %v", err)
+	}
+	want[actual.ID] = true
+	closeOutbox(t, o, 10*time.Second)
+
+	ids := storedIDs(t, js, cfg.Stream)
+	for id := range want {
+		if ids[id] != 1 {
+			t.Errorf("event %s stored %d times, want 1", id, ids[id])
+		}
+	}
+	if len(ids) != len(want) {
+		t.Errorf("stream holds %d events, want %d", len(ids), len(want))
+	}
+	if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeActual)); got != 1 {
+		t.Errorf("published{actual} = %v, want 1", got)
+	}
+}
+
+func startServer(t *testing.T, dir string, port int) *server.Server {
+	t.Helper()
+	s, err := server.NewServer(&server.Options{
+		Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Start()
+	if !s.ReadyForConnections(10 * time.Second) {
+		t.Fatal("embedded nats-server did not start")
+	}
+	return s
+}
+
+func stopServer(s *server.Server) {
+	s.Shutdown()
+	s.WaitForShutdown()
+}
+
+// TestNATSRestartEveryEventOnce stops NATS in the middle of a run and
+// starts it again: events published before, queued and spilled during the
+// outage all end up in the stream exactly once.
+func TestNATSRestartEveryEventOnce(t *testing.T) {
+	storeDir := t.TempDir()
+	s := startServer(t, storeDir, -1)
+	port := s.Addr().(*net.TCPAddr).Port
+	t.Cleanup(func() { stopServer(s) })
+	nc, js := connect(t, s.ClientURL())
+	cfg := testStreams(t, js)
+
+	spillDir := t.TempDir()
+	o, err := New(events.NewPublisher(js, cfg), Options{
+		SpillDir: spillDir, MaxEvents: 50, BatchSize: 16,
+		PublishTimeout: 500 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const before, total = 100, 400
+	for i := range before {
+		o.Enqueue(reserved(i))
+	}
+	eventually(t, "the first events stored", func() bool { return streamMsgs(js, cfg.Stream) >= 50 })
+
+	stopServer(s)
+	for i := before; i < total; i++ {
+		o.Enqueue(reserved(i))
+	}
+	if testutil.ToFloat64(o.m.spilled) == 0 {
+		t.Fatal("nothing spilled during the outage (queue bound 50, 300 events)")
+	}
+	if deg, _ := o.Degraded(); !deg {
+		t.Error("Degraded() = false during the outage")
+	}
+
+	s = startServer(t, storeDir, port)
+	eventually(t, "the client reconnected", nc.IsConnected)
+	eventually(t, "every event stored", func() bool { return streamMsgs(js, cfg.Stream) >= total })
+	eventually(t, "the outbox drained", func() bool { m, b := o.Pending(); return m == 0 && b == 0 })
+	closeOutbox(t, o, 10*time.Second)
+
+	ids := storedIDs(t, js, cfg.Stream)
+	for i := range total {
+		if id := reserved(i).ID; ids[id] != 1 {
+			t.Errorf("reserved event %d stored %d times, want exactly 1", i, ids[id])
+		}
+	}
+	if len(ids) != total {
+		t.Errorf("stream holds %d distinct events, want %d", len(ids), total)
+	}
+	if len(segments(t, spillDir)) != 0 {
+		t.Error("spill segments left after recovery")
+	}
+	for _, r := range []string{"spill_full", "spill_error", "invalid", "corrupt"} {
+		if n := testutil.ToFloat64(o.m.lost.WithLabelValues(r)); n != 0 {
+			t.Errorf("lost{%s} = %v, want 0", r, n)
+		}
+	}
+}

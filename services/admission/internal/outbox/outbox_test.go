@@ -1,0 +1,374 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"quotaflow/pkg/events"
+)
+
+var testNow = time.Date(2025, 3, 14, 9, 26, 53, 0, time.UTC)
+
+func reserved(i int) events.Event {
+	return events.NewReserved("quotaflow/admission", events.Reserved{
+		RequestID: fmt.Sprintf("r-%d", i), Tenant: "acme", User: "u-42", Endpoint: "/api/v1/generate",
+		EstimatedTokens: int64(i), ExpiresAt: testNow.Add(time.Hour), Version: int64(i + 1),
+		Limits: []events.LimitState{{Scope: "user", Name: "5h", Unit: "tokens", Limit: 1000, Used: int64(i), Remaining: 1000 - int64(i)}},
+	}, testNow)
+}
+
+// fakePublisher stores batches in memory; while down it fails them all.
+type fakePublisher struct {
+	mu      sync.Mutex
+	down    bool
+	stored  map[string]int // event id -> times stored (a real stream dedups; this counts)
+	byID    map[string]events.Event
+	batches int
+}
+
+func newFakePublisher(down bool) *fakePublisher {
+	return &fakePublisher{down: down, stored: map[string]int{}, byID: map[string]events.Event{}}
+}
+
+func (p *fakePublisher) PublishBatch(ctx context.Context, evs []events.Event) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.batches++
+	errs := make([]error, len(evs))
+	failed := false
+	for i, ev := range evs {
+		switch {
+		case ev.Validate() != nil:
+			errs[i], failed = ev.Validate(), true
+		case p.down:
+			errs[i], failed = errors.New("nats: no responders"), true
+		default:
+			p.stored[ev.ID]++
+			p.byID[ev.ID] = ev
+		}
+	}
+	if failed {
+		return &events.BatchError{Errs: errs}
+	}
+	return nil
+}
+
+func (p *fakePublisher) setDown(down bool) {
+	p.mu.Lock()
+	p.down = down
+	p.mu.Unlock()
+}
+
+func (p *fakePublisher) count() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.stored)
+}
+
+// eventually polls cond until it holds or 30 s pass.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func segments(t *testing.T, dir string) []string {
+	t.Helper()
+	m, err := filepath.Glob(filepath.Join(dir, "*"+segmentExt))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func closeOutbox(t *testing.T, o *Outbox, d time.Duration) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	if err := o.Close(ctx); err != nil {
+		t.Fatalf("Close = %v", err)
+	}
+}
+
+func TestEnqueuePublishes(t *testing.T) {
+	pub := newFakePublisher(false)
+	reg := prometheus.NewRegistry()
+	o, err := New(pub, Options{SpillDir: t.TempDir(), Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 1000 {
+		o.Enqueue(reserved(i))
+	}
+	eventually(t, "1000 events stored", func() bool { return pub.count() == 1000 })
+	closeOutbox(t, o, 5*time.Second)
+	if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeReserved)); got != 1000 {
+		t.Errorf("published{reserved} = %v, want 1000", got)
+	}
+	if got := testutil.ToFloat64(o.m.spilled); got != 0 {
+		t.Errorf("spilled = %v, want 0", got)
+	}
+	if n, err := testutil.GatherAndCount(reg, "quotaflow_admission_outbox_queue_depth", "quotaflow_events_published_total",
+		"quotaflow_admission_outbox_lost_total", "quotaflow_admission_outbox_spilled_total"); err != nil || n != 12 {
+		t.Errorf("metric series = %d, %v; want 12", n, err)
+	}
+}
+
+// TestSpillAndRecover: while publishing fails the memory queue fills and
+// the rest spills to disk; once it works again everything is published and
+// the spill files are removed.
+func TestSpillAndRecover(t *testing.T) {
+	pub := newFakePublisher(true)
+	dir := t.TempDir()
+	o, err := New(pub, Options{SpillDir: dir, MaxEvents: 10, BatchSize: 4, MaxBackoff: 20 * time.Millisecond, segmentBytes: 4 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 300
+	for i := range n {
+		o.Enqueue(reserved(i))
+	}
+	// At most the queue and one batch stay in memory.
+	if spilled := testutil.ToFloat64(o.m.spilled); spilled < n-10-4 {
+		t.Fatalf("spilled %v events, want at least %d", spilled, n-14)
+	}
+	if segs := segments(t, dir); len(segs) < 2 {
+		t.Fatalf("spill segments = %v, want several (4 KiB each)", segs)
+	}
+	if deg, why := o.Degraded(); !deg {
+		t.Errorf("Degraded() = false while publishing fails")
+	} else if !strings.Contains(why, "publishing fails") && !strings.Contains(why, "spilled") {
+		t.Errorf("Degraded() = %q", why)
+	}
+	if mem, disk := o.Pending(); mem > 14 || disk == 0 {
+		t.Errorf("Pending() = %d, %d; want ≤ 14 in memory and bytes on disk", mem, disk)
+	}
+
+	pub.setDown(false)
+	eventually(t, "all events stored", func() bool { return pub.count() == n })
+	eventually(t, "spill segments removed", func() bool { return len(segments(t, dir)) == 0 })
+	eventually(t, "spill bytes back to 0", func() bool { _, b := o.Pending(); return b == 0 })
+	closeOutbox(t, o, 5*time.Second)
+	for i := range n {
+		if ev := reserved(i); pub.stored[ev.ID] == 0 {
+			t.Fatalf("event %d never stored", i)
+		}
+	}
+	if got := testutil.ToFloat64(o.m.lost.WithLabelValues("spill_full")); got != 0 {
+		t.Errorf("lost = %v, want 0", got)
+	}
+}
+
+// TestCloseSpillsForNextStart: what the shutdown deadline leaves is on disk
+// and the next start publishes it.
+func TestCloseSpillsForNextStart(t *testing.T) {
+	dir := t.TempDir()
+	down := newFakePublisher(true)
+	o, err := New(down, Options{SpillDir: dir, MaxEvents: 1000, MaxBackoff: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 50
+	for i := range n {
+		o.Enqueue(reserved(i))
+	}
+	o.Denied(events.Denied{Tenant: "acme", User: "u-42", Endpoint: "/e", Scope: "user", Name: "5h"}, testNow)
+	closeOutbox(t, o, 200*time.Millisecond)
+	if len(segments(t, dir)) == 0 {
+		t.Fatal("nothing spilled at Close")
+	}
+
+	up := newFakePublisher(false)
+	o2, err := New(up, Options{SpillDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the spilled events published", func() bool { return up.count() == n+1 })
+	eventually(t, "spill segments removed", func() bool { return len(segments(t, dir)) == 0 })
+	closeOutbox(t, o2, 5*time.Second)
+	denied := events.NewDenied("quotaflow/admission", events.Denied{Tenant: "acme", User: "u-42", Endpoint: "/e", Scope: "user", Name: "5h", Count: 1}, testNow)
+	if ev, ok := up.byID[denied.ID]; !ok || ev.Data.(events.Denied).Count != 1 {
+		t.Errorf("the pending denial was not published after the restart: %+v", ev)
+	}
+}
+
+func TestSpillDirLocked(t *testing.T) {
+	dir := t.TempDir()
+	o, err := New(newFakePublisher(false), Options{SpillDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(newFakePublisher(false), Options{SpillDir: dir}); err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Errorf("second New on one spill dir = %v, want an in-use error", err)
+	}
+	closeOutbox(t, o, time.Second)
+	o, err = New(newFakePublisher(false), Options{SpillDir: dir})
+	if err != nil {
+		t.Fatalf("New after Close = %v", err)
+	}
+	closeOutbox(t, o, time.Second)
+	if _, err := New(newFakePublisher(false), Options{}); err == nil {
+		t.Error("New without a spill dir = nil error")
+	}
+}
+
+func TestSpillFullIsCounted(t *testing.T) {
+	pub := newFakePublisher(true)
+	o, err := New(pub, Options{SpillDir: t.TempDir(), MaxEvents: 1, BatchSize: 1, MaxSpillBytes: 2000, MaxBackoff: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		o.Enqueue(reserved(i))
+	}
+	lost := testutil.ToFloat64(o.m.lost.WithLabelValues("spill_full"))
+	spilled := testutil.ToFloat64(o.m.spilled)
+	if lost == 0 || spilled == 0 {
+		t.Errorf("lost %v, spilled %v; want both > 0 with a 2000-byte spill limit", lost, spilled)
+	}
+	pub.setDown(false)
+	eventually(t, "what was kept is published", func() bool { return float64(pub.count()) == 20-lost })
+	closeOutbox(t, o, time.Second)
+}
+
+func TestInvalidEventIsDroppedAndCounted(t *testing.T) {
+	pub := newFakePublisher(false)
+	o, err := New(pub, Options{SpillDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := reserved(1)
+	r := bad.Data.(events.Reserved)
+	r.Tenant = ""
+	bad.Data = r
+	o.Enqueue(bad)
+	o.Enqueue(reserved(2))
+	eventually(t, "the valid event stored", func() bool { return pub.count() == 1 })
+	eventually(t, "the invalid one counted", func() bool { return testutil.ToFloat64(o.m.lost.WithLabelValues("invalid")) == 1 })
+	closeOutbox(t, o, time.Second)
+}
+
+func TestCorruptSpillLinesAreSkipped(t *testing.T) {
+	dir := t.TempDir()
+	var lines []string
+	for i := range 3 {
+		b, err := events.Encode(reserved(i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines = append(lines, string(b))
+	}
+	content := lines[0] + "\n{not json\n" + lines[1] + "\n" + strings.Repeat("x", events.MaxEventSize+10) + "\n" + lines[2][:40]
+	if err := os.WriteFile(filepath.Join(dir, "00000000000000000007.jsonl"), []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	pub := newFakePublisher(false)
+	o, err := New(pub, Options{SpillDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the segment replayed", func() bool { return len(segments(t, dir)) == 0 })
+	closeOutbox(t, o, time.Second)
+	if pub.count() != 2 {
+		t.Errorf("stored %d events, want the 2 intact ones", pub.count())
+	}
+	if got := testutil.ToFloat64(o.m.lost.WithLabelValues("corrupt")); got != 3 {
+		t.Errorf("corrupt = %v, want 3 (bad JSON, an over-long line, a torn last line)", got)
+	}
+}
+
+// TestDeniedAggregation: a flood of denials is one event per key and
+// second, with the count.
+func TestDeniedAggregation(t *testing.T) {
+	var mu sync.Mutex
+	now := testNow.Add(10 * time.Second) // every second below has ended
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	pub := newFakePublisher(false)
+	o, err := New(pub, Options{SpillDir: t.TempDir(), Now: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := events.Denied{Tenant: "acme", User: "u-1", IP: "203.0.113.7", Endpoint: "/e", Scope: "user", Name: "5h"}
+	b := a
+	b.User = "u-2"
+	c := a
+	c.Name = "rps"
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 125 {
+				o.Denied(a, testNow.Add(time.Duration(i)*time.Millisecond)) // one second: 1000 in all
+				if g == 0 && i < 10 {
+					o.Denied(b, testNow)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	o.Denied(c, testNow)
+	o.Denied(a, testNow.Add(time.Second)) // the next second
+	eventually(t, "4 aggregates", func() bool { return pub.count() == 4 })
+
+	// A denial of the current second waits for the second to end (or Close).
+	mu.Lock()
+	now = testNow.Add(time.Minute)
+	mu.Unlock()
+	o.Denied(a, testNow.Add(time.Minute))
+	closeOutbox(t, o, 5*time.Second)
+
+	want := map[string]int64{}
+	for _, w := range []struct {
+		d  events.Denied
+		at time.Time
+		n  int64
+	}{{a, testNow, 1000}, {b, testNow, 10}, {c, testNow, 1}, {a, testNow.Add(time.Second), 1}, {a, testNow.Add(time.Minute), 1}} {
+		want[events.DeniedID(w.d, w.at)] = w.n
+	}
+	if len(pub.byID) != len(want) {
+		t.Errorf("published %d denied events, want %d", len(pub.byID), len(want))
+	}
+	for id, n := range want {
+		ev, ok := pub.byID[id]
+		if !ok {
+			t.Errorf("no aggregate %s", id)
+			continue
+		}
+		if d := ev.Data.(events.Denied); d.Count != n || pub.stored[id] != 1 {
+			t.Errorf("aggregate %+v stored %d times, want count %d once", d, pub.stored[id], n)
+		}
+		if ev.Time.Nanosecond() != 0 {
+			t.Errorf("aggregate time %v is not the start of a second", ev.Time)
+		}
+	}
+}
+
+func TestEnqueueAfterCloseSpillsOrCounts(t *testing.T) {
+	dir := t.TempDir()
+	o, err := New(newFakePublisher(false), Options{SpillDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeOutbox(t, o, time.Second)
+	o.Enqueue(reserved(1))
+	if got := testutil.ToFloat64(o.m.lost.WithLabelValues("spill_error")); got != 1 {
+		t.Errorf("an event after Close: lost{spill_error} = %v, want 1", got)
+	}
+	if err := o.Close(context.Background()); err == nil {
+		t.Error("second Close = nil error")
+	}
+}

@@ -1,0 +1,213 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"quotaflow/services/admission/internal/httpapi"
+)
+
+// TestNginxAuthRequest runs real nginx with deploy/nginx/quotaflow.conf in
+// front of a tiny upstream and admission: a client gets 200s, then a 429
+// with Retry-After and the rate-limit headers, through nginx. nginx is
+// installed (Debian package) by deploy/nginx/ensure-nginx.sh when missing;
+// the test skips only when that is impossible here (no apt-get or no root).
+func TestNginxAuthRequest(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs nginx")
+	}
+	nginx := ensureNginx(t)
+
+	policy := `
+default_plan: three
+plans:
+  three:
+    rates: [{name: allowance, kind: token_bucket, rate: 0, per: 24h, burst: 3}]
+    quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000}]
+`
+	s := newStack(t, policy, []string{"nginx-token"}, func(o *httpapi.Options) {
+		o.AuthzDenyStatus = http.StatusForbidden
+		o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}
+	})
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "hello %s/%s request %s\n", r.Header.Get("X-Quota-Tenant"), r.Header.Get("X-Quota-User"), r.Header.Get("X-Request-Id"))
+	}))
+	t.Cleanup(upstream.Close)
+
+	port := freePort(t)
+	conf, err := os.ReadFile(filepath.Join("..", "..", "deploy", "nginx", "quotaflow.conf"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(conf)
+	for old, repl := range map[string]string{
+		"server 127.0.0.1:8080;":     "server " + strings.TrimPrefix(s.srv.URL, "http://") + ";",
+		"server 127.0.0.1:3000;":     "server " + strings.TrimPrefix(upstream.URL, "http://") + ";",
+		"listen 127.0.0.1:8000;":     fmt.Sprintf("listen 127.0.0.1:%d;", port),
+		"CHANGE-ME-admission-token":  "nginx-token",
+		`"key-acme-alice"   "acme";`: `"key-acme-alice"   "` + s.tenant + `";`,
+		`"key-acme-bob"     "acme";`: `"key-acme-bob"     "` + s.tenant + `";`,
+	} {
+		if !strings.Contains(text, old) {
+			t.Fatalf("deploy/nginx/quotaflow.conf no longer contains %q", old)
+		}
+		text = strings.ReplaceAll(text, old, repl)
+	}
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "quotaflow.conf"), []byte(text), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	user := ""
+	if os.Geteuid() == 0 {
+		user = "user root;" // workers may then read the test's private temp dir
+	}
+	mainConf := fmt.Sprintf(`%s
+worker_processes 1;
+pid %[2]s/nginx.pid;
+error_log %[2]s/error.log info;
+events { worker_connections 64; }
+http {
+    log_format qf "$uri rid=$request_id status=$status"; log_subrequest on;
+    access_log %[2]s/access.log qf;
+    client_body_temp_path %[2]s/body;
+    proxy_temp_path %[2]s/proxy;
+    fastcgi_temp_path %[2]s/fastcgi;
+    uwsgi_temp_path %[2]s/uwsgi;
+    scgi_temp_path %[2]s/scgi;
+    include %[2]s/quotaflow.conf;
+}
+`, user, dir)
+	if err := os.WriteFile(filepath.Join(dir, "nginx.conf"), []byte(mainConf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(nginx, "-t", "-p", dir, "-c", filepath.Join(dir, "nginx.conf")).CombinedOutput(); err != nil {
+		t.Fatalf("nginx -t: %v\n%s", err, out)
+	}
+	cmd := exec.Command(nginx, "-p", dir, "-c", filepath.Join(dir, "nginx.conf"), "-g", "daemon off;")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+		if t.Failed() {
+			for _, f := range []string{"access.log", "error.log"} {
+				if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+					t.Logf("nginx %s:\n%s", f, b)
+				}
+			}
+		}
+	})
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	waitListening(t, fmt.Sprintf("127.0.0.1:%d", port))
+
+	get := func(key string, hdr ...string) (*http.Response, string) {
+		req, _ := http.NewRequest("POST", base+"/api/v1/generate?stream=1", strings.NewReader(`{"prompt":"hi"}`))
+		if key != "" {
+			req.Header.Set("X-Api-Key", key)
+		}
+		for i := 0; i+1 < len(hdr); i += 2 {
+			req.Header.Set(hdr[i], hdr[i+1])
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+
+	if resp, _ := get(""); resp.StatusCode != 401 {
+		t.Errorf("no API key: %d, want 401 from nginx", resp.StatusCode)
+	}
+	for i := range 3 {
+		// A client-sent X-Quota-* header is overwritten by nginx.
+		resp, body := get("key-acme-alice", "X-Quota-Tenant", "someone-else", "X-Quota-Estimated-Tokens", "0")
+		if resp.StatusCode != 200 || !strings.HasPrefix(body, "hello "+s.tenant+"/alice") {
+			t.Fatalf("request %d: %d %q, want 200 from the upstream", i, resp.StatusCode, body)
+		}
+		if resp.Header.Get("RateLimit") == "" || resp.Header.Get("RateLimit-Policy") == "" ||
+			resp.Header.Get("X-RateLimit-Remaining") != fmt.Sprint(2-i) {
+			t.Errorf("request %d: headers %v", i, resp.Header)
+		}
+	}
+	// The upstream saw the request id admission reserved under: it can
+	// release (or report) that reservation.
+	_, body := get("key-acme-bob")
+	id := body[strings.LastIndex(body, " ")+1 : len(body)-1]
+	rel := s.call("POST", "/v1/release", `{"tenant":"`+s.tenant+`","user":"bob","request_id":"`+id+`"}`,
+		"Authorization", "Bearer nginx-token")
+	if rel.code != 200 || rel.body["status"] != "released" {
+		t.Errorf("release of the upstream's X-Request-Id %q = %d %v, want released", id, rel.code, rel.body)
+	}
+
+	resp, body := get("key-acme-alice")
+	if resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("4th request: %d %q, want 429", resp.StatusCode, body)
+	}
+	if ra := resp.Header.Get("Retry-After"); ra == "" || ra == "0" {
+		t.Errorf("429 without Retry-After: %v", resp.Header)
+	}
+	if !strings.HasPrefix(resp.Header.Get("RateLimit"), `"user:allowance";r=0;t=`) || resp.Header.Get("X-RateLimit-Remaining") != "0" ||
+		!strings.Contains(resp.Header.Get("RateLimit-Policy"), `"user:allowance";q=3`) ||
+		resp.Header.Get("Content-Type") != "application/problem+json" || !strings.Contains(body, "quota-exceeded") {
+		t.Errorf("429 headers %v body %q", resp.Header, body)
+	}
+	// Another user of the tenant is not affected.
+	if resp, body := get("key-acme-bob"); resp.StatusCode != 200 {
+		t.Errorf("bob: %d %q, want 200", resp.StatusCode, body)
+	}
+}
+
+// ensureNginx returns the nginx binary, installing it when missing.
+func ensureNginx(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command("bash", filepath.Join("..", "..", "deploy", "nginx", "ensure-nginx.sh")).Output()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) && ee.ExitCode() == 3 {
+		t.Skipf("nginx is not installed and cannot be installed here: %s", ee.Stderr)
+	}
+	if err != nil {
+		t.Fatalf("deploy/nginx/ensure-nginx.sh: %v", err)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func waitListening(t *testing.T, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nginx did not listen on %s: %v", addr, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

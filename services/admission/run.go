@@ -1,0 +1,292 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"quotaflow/internal/obs"
+	"quotaflow/internal/redisconn"
+	"quotaflow/internal/server"
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/httpapi"
+	"quotaflow/services/admission/internal/outbox"
+)
+
+// source is the CloudEvents source of everything admission publishes.
+const source = "quotaflow/admission"
+
+// readyStreams is the readiness component that turns ready once the
+// streams exist.
+const readyStreams = "nats_streams"
+
+// run wires the service, serves until ctx ends, then shuts down in reverse
+// order: stop HTTP intake, close the Decider (returning leases), flush the
+// outbox, drain NATS, close Redis. started, when not nil, is told the bound
+// API and ops addresses (tests listen on port 0).
+func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, ops string)) (err error) {
+	reg := obs.NewRegistry()
+	ready := obs.NewReadiness(readyStreams)
+
+	auth, err := httpapi.NewAuth(cfg.APITokens)
+	if err != nil {
+		return err
+	}
+	proxies, err := cfg.Proxies()
+	if err != nil {
+		return err
+	}
+	log.Info("starting",
+		"admission_addr", cfg.AdmissionAddr, "ops_addr", cfg.OpsAddr, "policy_file", cfg.PolicyFile,
+		"redis_url", redisconn.Redacted(cfg.RedisURL), "nats_url", redisconn.Redacted(cfg.NATSURL),
+		"stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix, "api_tokens", len(cfg.APITokens),
+		"redis_epoch_guard", cfg.RedisEpochGuard, "authz_deny_status", cfg.AuthzDenyStatus, "spill_dir", cfg.SpillDir)
+	if auth == nil {
+		log.Warn("QF_API_TOKENS is empty: the API accepts requests without authentication")
+	}
+
+	// The ops server first, so /healthz answers during start-up.
+	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready), log)
+	if err != nil {
+		return err
+	}
+	defer shutdownStep(log, "ops server", cfg.ShutdownTimeout, ops.Shutdown)
+
+	// Policy: reload on file change and on SIGHUP.
+	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "quotaflow_admission_policy_reloads_total",
+		Help: "Policy reloads that found new content, by result (ok, rejected).",
+	}, []string{"result"})
+	reloads.WithLabelValues("ok")
+	reloads.WithLabelValues("rejected")
+	reg.MustRegister(reloads)
+	watcher, err := limits.NewWatcher(cfg.PolicyFile, log, limits.WithReloadHook(func(_ *limits.Policy, err error) {
+		if err != nil {
+			reloads.WithLabelValues("rejected").Inc()
+		} else {
+			reloads.WithLabelValues("ok").Inc()
+		}
+	}))
+	if err != nil {
+		return err
+	}
+	var bg sync.WaitGroup // background goroutines, stopped by bgCancel
+	bgCtx, bgCancel := context.WithCancel(context.Background())
+	defer func() { bgCancel(); bg.Wait() }()
+	bg.Go(func() {
+		if err := watcher.Run(bgCtx); err != nil {
+			log.Error("policy file watch failed; reload with SIGHUP", "err", err)
+		}
+	})
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	bg.Go(func() {
+		for {
+			select {
+			case <-hup:
+				if err := watcher.Reload(); err != nil {
+					log.Error("policy reload on SIGHUP rejected; the last good policy stays in force", "err", err)
+				}
+			case <-bgCtx.Done():
+				return
+			}
+		}
+	})
+
+	// Redis and the Decider.
+	rdb, err := redisconn.Open(cfg.RedisURL)
+	if err != nil {
+		return err
+	}
+	defer rdb.Close()
+	dopts := decide.Options{
+		RedisTimeout:    cfg.RedisTimeout,
+		BreakerFailures: cfg.BreakerFailures,
+		BreakerCooldown: cfg.BreakerCooldown,
+		UnseenAllowance: cfg.UnseenAllowance,
+		FailOpenAfter:   cfg.FailOpenAfter,
+		Instances:       cfg.Instances,
+		LeaseBatch:      cfg.LeaseBatch,
+		LeaseIdle:       cfg.LeaseIdle,
+		ReservationTTL:  cfg.ReservationTTL,
+	}
+	if cfg.UnseenAllowance == 0 {
+		dopts.UnseenAllowance = -1 // none (decide reads 0 as its default)
+	}
+	if cfg.FailOpenAfter == 0 {
+		dopts.FailOpenAfter = -1 // never
+	}
+	lim := limits.New(rdb, dopts.LimiterOptions(limits.Options{NoEpochGuard: !cfg.RedisEpochGuard}))
+	dec, err := decide.New(lim, watcher.Current, dopts, log, reg)
+	if err != nil {
+		return err
+	}
+	decClosed := false
+	defer func() {
+		if !decClosed {
+			shutdownStep(log, "decider", cfg.ShutdownTimeout, dec.Close)
+		}
+	}()
+	ready.Watch("redis", dec.Degraded)
+
+	// NATS: connect even while it is down and reconnect forever; events
+	// wait in the outbox meanwhile.
+	nc, err := nats.Connect(cfg.NATSURL,
+		nats.Name("quotaflow-admission"),
+		nats.MaxReconnects(-1),
+		nats.RetryOnFailedConnect(true),
+		nats.ReconnectWait(500*time.Millisecond),
+		nats.DrainTimeout(cfg.ShutdownTimeout),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			log.Warn("nats disconnected; events are queued", "err", err)
+		}),
+		nats.ReconnectHandler(func(*nats.Conn) { log.Info("nats reconnected") }),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			log.Warn("nats error", "err", err)
+		}),
+	)
+	if err != nil {
+		return fmt.Errorf("nats: %w", err)
+	}
+	ncDrained := false
+	defer func() {
+		if !ncDrained {
+			nc.Close()
+		}
+	}()
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(outbox.DefaultPublishTimeout))
+	if err != nil {
+		return fmt.Errorf("jetstream: %w", err)
+	}
+	ob, err := outbox.New(events.NewPublisher(js, cfg.Config), outbox.Options{
+		SpillDir:      cfg.SpillDir,
+		MaxEvents:     cfg.OutboxMaxEvents,
+		MaxSpillBytes: cfg.SpillMaxBytes,
+		Source:        source,
+		Log:           log,
+		Registerer:    reg,
+	})
+	if err != nil {
+		return err
+	}
+	obClosed := false
+	defer func() {
+		if !obClosed {
+			shutdownStep(log, "outbox", cfg.ShutdownTimeout, ob.Close)
+		}
+	}()
+	ready.Watch("nats", func() (bool, string) {
+		if !nc.IsConnected() {
+			return true, "not connected (" + nc.Status().String() + "); events are queued"
+		}
+		return ob.Degraded()
+	})
+	bg.Go(func() { ensureStreams(bgCtx, js, cfg.Config, ready, log) })
+
+	// The API last: everything it needs is in place.
+	api, err := httpapi.New(httpapi.Options{
+		Decider:         dec,
+		Policy:          watcher.Current,
+		Events:          ob,
+		Auth:            auth,
+		AuthzDenyStatus: cfg.AuthzDenyStatus,
+		TrustedProxies:  proxies,
+		ReservationTTL:  cfg.ReservationTTL,
+		Source:          source,
+		Log:             log,
+		Registerer:      reg,
+	})
+	if err != nil {
+		return err
+	}
+	srv, err := server.Listen(cfg.AdmissionAddr, "api", api, log)
+	if err != nil {
+		return err
+	}
+	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest())
+	if started != nil {
+		started(srv.Addr(), ops.Addr())
+	}
+
+	<-ctx.Done()
+	log.Info("shutting down")
+	ready.Drain()
+	shutdownStep(log, "api server", cfg.ShutdownTimeout, srv.Shutdown)
+	decClosed = true
+	shutdownStep(log, "decider", cfg.ShutdownTimeout, dec.Close)
+	obClosed = true
+	shutdownStep(log, "outbox", cfg.ShutdownTimeout, ob.Close)
+	ncDrained = true
+	shutdownStep(log, "nats", cfg.ShutdownTimeout, func(ctx context.Context) error { return drain(ctx, nc) })
+	log.Info("stopped")
+	return nil
+}
+
+// shutdownStep runs one shutdown step under its own deadline and logs a
+// failure (the remaining steps still run).
+func shutdownStep(log *slog.Logger, what string, timeout time.Duration, f func(context.Context) error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if err := f(ctx); err != nil {
+		log.Warn("shutdown step failed", "step", what, "err", err)
+	}
+}
+
+// drain flushes the connection's pending publishes and closes it.
+func drain(ctx context.Context, nc *nats.Conn) error {
+	closed := make(chan struct{})
+	nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
+	if err := nc.Drain(); err != nil {
+		nc.Close()
+		if errors.Is(err, nats.ErrConnectionClosed) {
+			return nil
+		}
+		return err
+	}
+	select {
+	case <-closed:
+		return nil
+	case <-ctx.Done():
+		nc.Close()
+		return ctx.Err()
+	}
+}
+
+// ensureStreams creates or updates the streams, retrying until it works
+// (NATS may start after admission), then marks the service ready.
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg events.Config, ready *obs.Readiness, log *slog.Logger) {
+	wait := 100 * time.Millisecond
+	for {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err := events.EnsureStreams(cctx, js, cfg)
+		cancel()
+		if err == nil {
+			ready.Ready(readyStreams)
+			log.Info("streams ready", "stream", cfg.Stream)
+			return
+		}
+		ready.Waiting(readyStreams, err.Error())
+		log.Warn("ensuring the NATS streams failed; retrying", "err", err, "retry_in", wait.String())
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		wait = min(2*wait, 5*time.Second)
+	}
+}

@@ -1,0 +1,202 @@
+package main
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kelseyhightower/envconfig"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/internal/redistest"
+)
+
+// testConfig is the configuration envconfig gives with no environment,
+// pointed at test-owned streams, ports and spill directory.
+func testConfig(t *testing.T) Config {
+	t.Helper()
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "QF_") && k != "QF_REDIS_URL" && k != "QF_NATS_URL" {
+			t.Setenv(k, "") // defaults only
+			os.Unsetenv(k)
+		}
+	}
+	var cfg Config
+	if err := envconfig.Process("QF", &cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg.PolicyFile = filepath.Join("..", "..", "deploy", "policy.yaml")
+	cfg.AdmissionAddr, cfg.OpsAddr = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.SpillDir = filepath.Join(t.TempDir(), "spill")
+	cfg.RedisEpochGuard = false
+	cfg.ShutdownTimeout = 5 * time.Second
+	return cfg
+}
+
+func TestConfigDefaultsValidate(t *testing.T) {
+	cfg := testConfig(t)
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("Validate(defaults) = %v", err)
+	}
+	for _, want := range []struct {
+		name      string
+		got, want any
+	}{
+		{"QF_REDIS_EPOCH_GUARD", Config{}.RedisEpochGuard, false}, // zero value; the tag default is checked below
+		{"QF_AUTHZ_DENY_STATUS", cfg.AuthzDenyStatus, 429},
+		{"QF_REDIS_TIMEOUT", cfg.RedisTimeout, 5 * time.Millisecond},
+		{"QF_RESERVATION_TTL", cfg.ReservationTTL, 24 * time.Hour},
+		{"QF_STREAM", cfg.Stream, "QUOTAFLOW_USAGE"},
+		{"QF_SUBJECT_PREFIX", cfg.SubjectPrefix, "quotaflow"},
+		{"QF_OUTBOX_MAX_EVENTS", cfg.OutboxMaxEvents, 10000},
+	} {
+		if want.got != want.want {
+			t.Errorf("%s = %v, want %v", want.name, want.got, want.want)
+		}
+	}
+	var fresh Config
+	if err := envconfig.Process("QF", &fresh); err != nil {
+		t.Fatal(err)
+	}
+	if !fresh.RedisEpochGuard || fresh.AdmissionAddr != ":8080" || fresh.OpsAddr != ":9090" ||
+		fresh.PolicyFile != "deploy/policy.yaml" || len(fresh.TrustedProxies) != 2 {
+		t.Errorf("defaults = %+v", fresh)
+	}
+}
+
+func TestConfigValidateNamesVariables(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.AuthzDenyStatus = 500
+	cfg.TrustedProxies = []string{"10.0.0.0/8", "not-a-cidr"}
+	cfg.APITokens = []string{"supersecret@"}
+	cfg.RedisTimeout = 0
+	cfg.ReservationTTL = time.Hour // shorter than the stream's 24h
+	cfg.LogLevel = "loud"
+	cfg.SpillDir = ""
+	err := cfg.Validate()
+	if err == nil {
+		t.Fatal("Validate = nil")
+	}
+	for _, want := range []string{"QF_AUTHZ_DENY_STATUS", "QF_TRUSTED_PROXIES", "QF_API_TOKENS", "QF_REDIS_TIMEOUT",
+		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Validate error lacks %s: %v", want, err)
+		}
+	}
+	if strings.Contains(err.Error(), "supersecret") {
+		t.Errorf("Validate error repeats a token: %v", err)
+	}
+}
+
+// TestRun starts the whole service as main does, checks that it becomes
+// ready and answers, and that it shuts down cleanly.
+func TestRun(t *testing.T) {
+	redistest.Shared(t)
+	cfg := testConfig(t)
+	nc, err := nats.Connect(natsURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close) // after testStreams' cleanup, which needs it
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Config = testStreams(t, js)
+	tenant := "run-" + randomHex(6)
+	cleanupTenant(t, redistest.Shared(t), tenant)
+	cfg.APITokens = []string{"run-token@" + tenant}
+
+	var logs strings.Builder
+	lw := &syncWriter{w: &logs}
+	log := slog.New(slog.NewJSONHandler(lw, nil))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	addrs := make(chan [2]string, 1)
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, cfg, log, func(api, ops string) { addrs <- [2]string{api, ops} }) }()
+	var api, ops string
+	select {
+	case a := <-addrs:
+		api, ops = "http://"+a[0], "http://"+a[1]
+	case err := <-done:
+		t.Fatalf("run = %v before starting", err)
+	}
+
+	get := func(url string) (int, string) {
+		resp, err := http.Get(url)
+		if err != nil {
+			t.Fatalf("GET %s: %v", url, err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if code, _ := get(ops + "/healthz"); code != 200 {
+		t.Errorf("/healthz = %d", code)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		code, body := get(ops + "/readyz")
+		if code == 200 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz = %d %s, never ready", code, body)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	req, _ := http.NewRequest("POST", api+"/v1/admit",
+		strings.NewReader(`{"tenant":"`+tenant+`","user":"u","endpoint":"/api/v1/generate","estimated_tokens":10}`))
+	req.Header.Set("Authorization", "Bearer run-token")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 || resp.Header.Get("RateLimit") == "" {
+		t.Errorf("POST /v1/admit = %d %v", resp.StatusCode, resp.Header)
+	}
+	if code, body := get(ops + "/metrics"); code != 200 || !strings.Contains(body, `quotaflow_admission_request_duration_seconds_count{code="2xx",route="admit"} 1`) ||
+		!strings.Contains(body, "quotaflow_admission_decisions_total") || !strings.Contains(body, "quotaflow_events_published_total") {
+		t.Errorf("/metrics = %d, lacks the admission series", code)
+	}
+
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("run = %v after cancel, want nil", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("run did not return after cancel")
+	}
+	lw.mu.Lock()
+	logText := logs.String()
+	lw.mu.Unlock()
+	if s := logText; strings.Contains(s, "run-token") {
+		t.Errorf("logs contain the API token: %s", s)
+	} else if !strings.Contains(s, `"msg":"stopped"`) {
+		t.Errorf("no clean stop in the logs: %s", s)
+	}
+}
+
+// syncWriter serializes writes (the logger writes from several goroutines).
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(b []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(b)
+}
