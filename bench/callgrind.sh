@@ -13,4 +13,4 @@ server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
 QF_CALLGRIND_ADDR=127.0.0.1:$port QF_CALLGRIND_DIR=$dir \
-  go test -count=1 -run TestCallgrindInstructions -v ./pkg/limits/ | grep -E 'callgrind:|FAIL|ok'
+  go test -count=1 -run TestCallgrindInstructions -v ./pkg/limits/ | grep -E 'callgrind|FAIL|ok|_test.go'

@@ -3,6 +3,7 @@ package obs
 import (
 	"encoding/json"
 	"net/http"
+	"net/http/pprof"
 	"slices"
 	"sync"
 
@@ -120,9 +121,13 @@ func (r *Readiness) Check() (Status, bool) {
 }
 
 // OpsHandler serves /metrics from g, /healthz (200 while the process
-// runs) and /readyz (200 when r is ready, else 503; JSON Status body).
+// runs), /readyz (200 when r is ready, else 503; JSON Status body) and the
+// Go profiler under /debug/pprof/. The ops port is for operators and
+// Prometheus only, never exposed to clients.
 func OpsHandler(g prometheus.Gatherer, r *Readiness) http.Handler {
 	mux := http.NewServeMux()
+	mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+	mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")

@@ -50,6 +50,9 @@ type Config struct {
 	RedisTimeout time.Duration `envconfig:"REDIS_TIMEOUT" default:"5ms"`
 	// BreakerFailures consecutive failed calls open the circuit breaker.
 	BreakerFailures int `envconfig:"REDIS_BREAKER_FAILURES" default:"5"`
+	// BreakerWindow is how long consecutive failures must last before they
+	// open the breaker (one latency spike fails many calls at once).
+	BreakerWindow time.Duration `envconfig:"REDIS_BREAKER_WINDOW" default:"100ms"`
 	// BreakerCooldown is how long the breaker stays open before a probe.
 	BreakerCooldown time.Duration `envconfig:"REDIS_BREAKER_COOLDOWN" default:"1s"`
 	// FailOpenAfter is how long Redis may be unreachable before every

@@ -116,6 +116,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		RedisTimeout:    cfg.RedisTimeout,
 		BreakerFailures: cfg.BreakerFailures,
 		BreakerCooldown: cfg.BreakerCooldown,
+		BreakerWindow:   cfg.BreakerWindow,
 		UnseenAllowance: cfg.UnseenAllowance,
 		FailOpenAfter:   cfg.FailOpenAfter,
 		Instances:       cfg.Instances,

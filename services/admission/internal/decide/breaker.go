@@ -17,8 +17,11 @@ const (
 )
 
 // breaker is a consecutive-failure circuit breaker. Closed, it lets every
-// call through and counts consecutive failures; at threshold (or at once for
-// a missing epoch) it opens. Open, it refuses every call; once cooldown has
+// call through and counts consecutive failures; at threshold, once the
+// streak has lasted window (or at once for a missing epoch), it opens. The
+// window keeps one latency spike from opening it: many requests in flight
+// time out together, a burst of failures in a millisecond, while a dead or
+// hung Redis fails every call for as long as it lasts. Open, it refuses every call; once cooldown has
 // passed the Decider's background prober claims the half-open state with
 // probe and makes one call of its own (with a longer deadline than a
 // request's, so a cold connection or script cache cannot keep it failing):
@@ -33,11 +36,13 @@ const (
 // zero value is not usable; it is safe for concurrent use.
 type breaker struct {
 	threshold int32
+	window    time.Duration
 	cooldown  time.Duration
 	onState   func(breakerState) // called under mu on every transition
 
 	state       atomic.Int32 // breakerState
 	consecutive atomic.Int32 // failures in a row while closed
+	streakStart time.Time    // first failure of the current streak; under mu
 
 	mu       sync.Mutex
 	openedAt time.Time // when it last opened or re-opened
@@ -46,8 +51,8 @@ type breaker struct {
 	reason   string    // the last failure, for Degraded
 }
 
-func newBreaker(threshold int, cooldown time.Duration, onState func(breakerState)) *breaker {
-	return &breaker{threshold: int32(threshold), cooldown: cooldown, onState: onState}
+func newBreaker(threshold int, window, cooldown time.Duration, onState func(breakerState)) *breaker {
+	return &breaker{threshold: int32(threshold), window: window, cooldown: cooldown, onState: onState}
 }
 
 // allow reports whether a call may go to Redis: only while closed. Every
@@ -122,7 +127,11 @@ func (b *breaker) done(probe bool, o outcome, reason string) {
 			b.open()
 		case st == stateClosed:
 			b.reason, b.noEpoch = reason, o == outcomeNoEpoch
-			if b.consecutive.Add(1) >= b.threshold || o == outcomeNoEpoch {
+			n := b.consecutive.Add(1)
+			if n == 1 {
+				b.streakStart = time.Now()
+			}
+			if o == outcomeNoEpoch || n >= b.threshold && time.Since(b.streakStart) >= b.window {
 				b.open()
 			}
 		}

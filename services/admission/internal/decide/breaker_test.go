@@ -9,7 +9,7 @@ import (
 func TestBreaker(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var states []breakerState
-		b := newBreaker(3, time.Second, func(s breakerState) { states = append(states, s) })
+		b := newBreaker(3, 0, time.Second, func(s breakerState) { states = append(states, s) })
 		allow := func(want bool) {
 			t.Helper()
 			if got := b.allow(); got != want {
@@ -80,6 +80,34 @@ func TestBreaker(t *testing.T) {
 			if states[i] != want[i] {
 				t.Fatalf("transitions = %v, want %v", states, want)
 			}
+		}
+	})
+}
+
+// TestBreakerWindow: a burst of failures within one latency spike does not
+// open the breaker; failures that go on for the window do.
+func TestBreakerWindow(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := newBreaker(5, 100*time.Millisecond, time.Second, nil)
+		for range 16 { // 16 requests in flight time out together
+			b.done(false, outcomeFailure, "timeout")
+		}
+		if !b.allow() {
+			t.Fatal("a burst of 16 simultaneous timeouts opened the breaker")
+		}
+		b.done(false, outcomeSuccess, "")
+		for range 12 { // a dead Redis: failures for more than 100ms
+			b.done(false, outcomeFailure, "refused")
+			time.Sleep(11 * time.Millisecond)
+		}
+		if b.allow() {
+			t.Fatal("failures lasting longer than the window kept the breaker closed")
+		}
+		// A missing epoch opens it at once, window or not.
+		b2 := newBreaker(5, time.Hour, time.Second, nil)
+		b2.done(false, outcomeNoEpoch, "no epoch")
+		if b2.allow() {
+			t.Fatal("a missing epoch did not open the breaker at once")
 		}
 	})
 }

@@ -90,7 +90,7 @@ func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *s
 	if err != nil {
 		return nil, fmt.Errorf("decide: metrics: %w", err)
 	}
-	d.br = newBreaker(o.BreakerFailures, o.BreakerCooldown, d.onBreaker)
+	d.br = newBreaker(o.BreakerFailures, o.BreakerWindow, o.BreakerCooldown, d.onBreaker)
 	d.notePolicy(policy())
 	ctx, stop := context.WithCancel(context.Background())
 	d.stop = stop

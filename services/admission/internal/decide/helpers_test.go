@@ -43,6 +43,10 @@ func newDecider(t testing.TB, c redis.Scripter, pol *limits.Policy, o Options, l
 		// that check exact Redis state; fault tests set their own.
 		o.RedisTimeout = 2 * time.Second
 	}
+	if o.BreakerWindow == 0 {
+		// Fault tests count on the threshold alone; the window has its own test.
+		o.BreakerWindow = -1
+	}
 	lim := limits.New(c, o.LimiterOptions(lo))
 	d, err := New(lim, func() *limits.Policy { return pol }, o, nil, prometheus.NewRegistry())
 	if err != nil {

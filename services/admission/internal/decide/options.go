@@ -23,6 +23,12 @@ type Options struct {
 	// cool-down has passed. Zero means 5. A missing epoch (limits.ErrNoEpoch)
 	// opens it at once.
 	BreakerFailures int
+	// BreakerWindow is how long a streak of failures must last before it
+	// opens the breaker: with many requests in flight, one latency spike
+	// times out a burst of them within a millisecond, which says nothing
+	// about Redis being down. Zero means 100ms; negative opens on
+	// BreakerFailures alone.
+	BreakerWindow time.Duration
 	// BreakerCooldown is how long the breaker stays open before a
 	// background probe (half-open) checks Redis again. Zero means 1s.
 	BreakerCooldown time.Duration
@@ -83,6 +89,7 @@ const (
 	DefaultRedisTimeout    = 5 * time.Millisecond
 	DefaultBreakerFailures = 5
 	DefaultBreakerCooldown = time.Second
+	DefaultBreakerWindow   = 100 * time.Millisecond
 	DefaultProbeTimeout    = 250 * time.Millisecond
 	DefaultUnseenAllowance = 1000
 	DefaultFailOpenAfter   = 30 * time.Second
@@ -135,6 +142,8 @@ func (o Options) withDefaults() (Options, error) {
 	}
 	def(&o.RedisTimeout, DefaultRedisTimeout)
 	def(&o.BreakerCooldown, DefaultBreakerCooldown)
+	def(&o.BreakerWindow, DefaultBreakerWindow)
+	o.BreakerWindow = max(0, o.BreakerWindow)
 	def(&o.ProbeTimeout, DefaultProbeTimeout)
 	def(&o.FailOpenAfter, DefaultFailOpenAfter)
 	def(&o.LeaseIdle, DefaultLeaseIdle)

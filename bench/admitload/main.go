@@ -1,0 +1,42 @@
+// Command admitload measures admission under load against a plain net/http
+// baseline in the same run: requests/s and p50/p99 latency at fixed
+// concurrency over 100k distinct users, admission's CPU per request and RSS,
+// Redis commands and Redis CPU per admit (INFO commandstats of a private
+// redis-server), and p99 latency while Redis is down. It builds and starts
+// everything it measures; NATS comes from QF_NATS_URL (a stream of its own).
+//
+//	go run ./bench/admitload -duration 10s -concurrency 16,64
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+func main() {
+	duration := flag.Duration("duration", 10*time.Second, "load per measurement")
+	concurrency := flag.String("concurrency", "16,64", "client concurrencies, comma-separated")
+	users := flag.Int("users", 100_000, "distinct users")
+	down := flag.Duration("down", 5*time.Second, "load while Redis is down")
+	timeout := flag.Duration("redis-timeout", 0, "admission's QF_REDIS_TIMEOUT (0: its default)")
+	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
+	flag.Parse()
+	var levels []int
+	for _, s := range strings.Split(*concurrency, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n < 1 {
+			fmt.Fprintf(os.Stderr, "admitload: -concurrency %q: want positive integers\n", *concurrency)
+			os.Exit(2)
+		}
+		levels = append(levels, n)
+	}
+	if err := run(context.Background(), levels, *users, *duration, *down, *timeout, *profile); err != nil {
+		fmt.Fprintln(os.Stderr, "admitload:", err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,424 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/limits"
+)
+
+// benchPolicy is a plan of five limits (three rolling token windows, a
+// request token bucket, a tenant-wide month), sized never to deny, and one
+// endpoint with a leased global limit.
+const benchPolicy = `default_plan: bench
+plans:
+  bench:
+    quotas:
+      - {name: 5h,  kind: rolling, window: 5h,   limit: 1000000000}
+      - {name: 7d,  kind: rolling, window: 168h, limit: 1000000000}
+      - {name: 30d, kind: rolling, window: 720h, limit: 1000000000}
+    rates:
+      - {name: rps, kind: token_bucket, rate: 1000000, per: 1s, burst: 1000000}
+tenants:
+  bench: {plan: bench, quotas: [{name: month, kind: calendar_month, limit: 1000000000000}]}
+endpoints:
+  /leased:
+    global: [{name: daily, kind: fixed, window: 24h, limit: 1000000000}]
+`
+
+func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout time.Duration, profile string) error {
+	dir, err := os.MkdirTemp("", "admitload")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	var stop []func()
+	defer func() {
+		for i := len(stop) - 1; i >= 0; i-- {
+			stop[i]()
+		}
+	}()
+
+	admissionBin, err := build(dir, "./services/admission")
+	if err != nil {
+		return err
+	}
+	plainBin, err := build(dir, "./bench/admitload/plain")
+	if err != nil {
+		return err
+	}
+	policy := filepath.Join(dir, "policy.yaml")
+	if err := os.WriteFile(policy, []byte(benchPolicy), 0o644); err != nil {
+		return err
+	}
+
+	redisAddr := freeAddr()
+	_, port, _ := net.SplitHostPort(redisAddr)
+	redisProc, err := start(dir, "redis", nil, "redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir)
+	if err != nil {
+		return err
+	}
+	stop = append(stop, func() { kill(redisProc) })
+	rdb := redis.NewClient(&redis.Options{Addr: redisAddr, MaxRetries: -1})
+	defer rdb.Close()
+	if err := waitFor(func() error { return rdb.Ping(ctx).Err() }); err != nil {
+		return fmt.Errorf("redis: %w", err)
+	}
+	if err := limits.WriteEpoch(ctx, rdb, "admitload"); err != nil {
+		return err
+	}
+
+	natsURL := envOr("QF_NATS_URL", "nats://127.0.0.1:4222")
+	suffix := strconv.Itoa(os.Getpid())
+	stream, dlq := "ADMITLOAD_"+suffix, "ADMITLOAD_DLQ_"+suffix
+	stop = append(stop, func() { deleteStreams(natsURL, stream, dlq) })
+
+	api, ops := freeAddr(), freeAddr()
+	env := []string{
+		"QF_REDIS_URL=redis://" + redisAddr + "/0", "QF_NATS_URL=" + natsURL, "QF_POLICY_FILE=" + policy,
+		"QF_STREAM=" + stream, "QF_DLQ_STREAM=" + dlq, "QF_SUBJECT_PREFIX=admitload" + suffix,
+		"QF_ADMISSION_ADDR=" + api, "QF_OPS_ADDR=" + ops, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),
+		"QF_LOG_LEVEL=warn",
+	}
+	if redisTimeout > 0 {
+		env = append(env, "QF_REDIS_TIMEOUT="+redisTimeout.String())
+	}
+	adm, err := start(dir, "admission", env, admissionBin)
+	if err != nil {
+		return err
+	}
+	stop = append(stop, func() { kill(adm) })
+	if err := waitFor(func() error { return httpOK("http://" + ops + "/readyz") }); err != nil {
+		return fmt.Errorf("admission not ready (log in %s): %w", dir, err)
+	}
+	size, err := answerSize("http://" + api + "/v1/admit")
+	if err != nil {
+		return err
+	}
+	plainAddr := freeAddr()
+	plain, err := start(dir, "plain", nil, plainBin, "-addr", plainAddr, "-size", strconv.Itoa(size))
+	if err != nil {
+		return err
+	}
+	stop = append(stop, func() { kill(plain) })
+	if err := waitFor(func() error { _, err := answerSize("http://" + plainAddr + "/v1/admit"); return err }); err != nil {
+		return err
+	}
+
+	fmt.Printf("admission answer %d bytes; plain answer of the same size; %d users; %s per run\n\n", size, users, dur)
+	fmt.Println("| target | concurrency | req/s | p50 | p99 | server CPU/req | RSS | Redis calls/req | Redis µs/req | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
+	row := func(name string, conc int, r result, p *exec.Cmd, cpu time.Duration, calls, usec float64, failopen float64) {
+		n := float64(r.n)
+		fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %d MiB | %s | %s | %.0f | %s |\n", name, conc, n/r.elapsed.Seconds(),
+			r.pct(50), r.pct(99), (cpu / time.Duration(max(1, r.n))).Round(100*time.Nanosecond), rssMiB(p),
+			ratio(calls, n), ratio(usec, n), failopen, r.statuses())
+	}
+	measure := func(name, url string, p *exec.Cmd, conc int, endpoint string, d time.Duration) result {
+		c0, u0 := commandStats(ctx, rdb)
+		f0 := failopens(ops)
+		t0 := cpuTime(p)
+		var prof sync.WaitGroup
+		if p == adm && profile != "" {
+			file := profile
+			profile = ""
+			prof.Go(func() {
+				saveProfile("http://"+ops+"/debug/pprof/profile?seconds="+strconv.Itoa(int(d.Seconds())-1), file)
+			})
+		}
+		r := load(url, users, endpoint, conc, d)
+		prof.Wait()
+		cpu := cpuTime(p) - t0
+		var calls, usec float64
+		if p == adm {
+			c1, u1 := commandStats(ctx, rdb)
+			calls, usec = c1-c0, u1-u0
+		}
+		row(name, conc, r, p, cpu, calls, usec, failopens(ops)-f0)
+		return r
+	}
+	for _, conc := range levels {
+		measure("plain net/http", "http://"+plainAddr+"/v1/admit", plain, conc, "/x", dur)
+		measure("admission, 5 limits", "http://"+api+"/v1/admit", adm, conc, "/x", dur)
+	}
+	measure("admission, 5 limits + leased global", "http://"+api+"/v1/admit", adm, levels[0], "/leased", dur)
+
+	kill(redisProc)
+	r := measure("admission, Redis down", "http://"+api+"/v1/admit", adm, levels[0], "/x", down)
+	fmt.Printf("\nRedis down: p99 %s over %d requests, %s\n", r.pct(99), r.n, r.statuses())
+	return nil
+}
+
+func ratio(v, n float64) string {
+	if v == 0 {
+		return "-"
+	}
+	return strconv.FormatFloat(v/n, 'f', 2, 64)
+}
+
+// result holds one load run.
+type result struct {
+	n       int
+	elapsed time.Duration
+	lat     []time.Duration
+	codes   map[int]int
+}
+
+func (r result) pct(p int) time.Duration {
+	if len(r.lat) == 0 {
+		return 0
+	}
+	return r.lat[min(len(r.lat)-1, len(r.lat)*p/100)].Round(10 * time.Microsecond)
+}
+
+func (r result) statuses() string {
+	var parts []string
+	for _, c := range slices.Sorted(maps.Keys(r.codes)) {
+		parts = append(parts, fmt.Sprintf("%d×%d", r.codes[c], c))
+	}
+	return strings.Join(parts, " ")
+}
+
+// load sends admits from conc workers for d, each for a random one of users.
+func load(url string, users int, endpoint string, conc int, d time.Duration) result {
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: conc}, Timeout: 5 * time.Second}
+	var mu sync.Mutex
+	res := result{codes: map[int]int{}}
+	var wg sync.WaitGroup
+	start := time.Now()
+	deadline := start.Add(d)
+	for range conc {
+		wg.Go(func() {
+			var lat []time.Duration
+			codes := map[int]int{}
+			for time.Now().Before(deadline) {
+				body := fmt.Sprintf(`{"tenant":"bench","user":"u-%d","endpoint":%q,"estimated_tokens":100}`, rand.IntN(users), endpoint)
+				t := time.Now()
+				resp, err := client.Post(url, "application/json", strings.NewReader(body))
+				if err != nil {
+					codes[0]++
+					continue
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				lat = append(lat, time.Since(t))
+				codes[resp.StatusCode]++
+			}
+			mu.Lock()
+			res.lat = append(res.lat, lat...)
+			for c, n := range codes {
+				res.codes[c] += n
+			}
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	res.elapsed = time.Since(start)
+	res.n = len(res.lat)
+	slices.Sort(res.lat)
+	return res
+}
+
+func saveProfile(url, file string) {
+	resp, err := http.Get(url)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "admitload: profile:", err)
+		return
+	}
+	defer resp.Body.Close()
+	f, err := os.Create(file)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "admitload: profile:", err)
+		return
+	}
+	defer f.Close()
+	_, _ = io.Copy(f, resp.Body)
+}
+
+func answerSize(url string) (int, error) {
+	resp, err := http.Post(url, "application/json", strings.NewReader(`{"tenant":"bench","user":"size","endpoint":"/x","estimated_tokens":100}`))
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("%s: %s %s", url, resp.Status, b)
+	}
+	return len(b), err
+}
+
+// commandStats sums the calls and µs of the script commands (EVALSHA,
+// EVAL) in INFO commandstats: admission sends nothing else, and the
+// commands a script runs are counted apart (and inside its µs), so summing
+// every line would count them twice.
+func commandStats(ctx context.Context, rdb *redis.Client) (calls, usec float64) {
+	info, err := rdb.Info(ctx, "commandstats").Result()
+	if err != nil {
+		return 0, 0
+	}
+	for _, line := range strings.Split(info, "\n") {
+		_, stats, ok := strings.Cut(strings.TrimSpace(line), ":")
+		if !ok || !(strings.HasPrefix(line, "cmdstat_evalsha:") || strings.HasPrefix(line, "cmdstat_eval:")) {
+			continue
+		}
+		for _, kv := range strings.Split(stats, ",") {
+			k, v, _ := strings.Cut(kv, "=")
+			f, _ := strconv.ParseFloat(v, 64)
+			switch k {
+			case "calls":
+				calls += f
+			case "usec":
+				usec += f
+			}
+		}
+	}
+	return calls, usec
+}
+
+// failopens reads admission's count of decisions made without Redis.
+func failopens(ops string) float64 {
+	resp, err := http.Get("http://" + ops + "/metrics")
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var sum float64
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "quotaflow_admission_decisions_total{") && strings.Contains(line, `result="failopen"`) {
+			f, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+			sum += f
+		}
+	}
+	return sum
+}
+
+// cpuTime reads the user+system CPU time of a process from /proc.
+func cpuTime(p *exec.Cmd) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+2:]))
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * 10 * time.Millisecond // USER_HZ is 100 on Linux
+}
+
+func rssMiB(p *exec.Cmd) int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.Process.Pid))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, _ := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
+			return kb / 1024
+		}
+	}
+	return 0
+}
+
+func build(dir, pkg string) (string, error) {
+	out := filepath.Join(dir, filepath.Base(pkg))
+	if b, err := exec.Command("go", "build", "-o", out, pkg).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build %s: %v\n%s", pkg, err, b)
+	}
+	return out, nil
+}
+
+func start(dir, name string, env []string, bin string, args ...string) (*exec.Cmd, error) {
+	log, err := os.Create(filepath.Join(dir, name+".log"))
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	return cmd, nil
+}
+
+func kill(p *exec.Cmd) {
+	if p.Process != nil && p.ProcessState == nil {
+		_ = p.Process.Kill()
+		_ = p.Wait()
+	}
+}
+
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func waitFor(f func() error) error {
+	var err error
+	for range 300 {
+		if err = f(); err == nil {
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return err
+}
+
+func httpOK(url string) error {
+	resp, err := http.Get(url)
+	if err != nil {
+		return err
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s", url, resp.Status)
+	}
+	return nil
+}
+
+func deleteStreams(url string, names ...string) {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		return
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, n := range names {
+		_ = js.DeleteStream(ctx, n)
+	}
+}
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
