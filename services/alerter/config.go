@@ -1,0 +1,116 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"quotaflow/internal/obs"
+	"quotaflow/pkg/events"
+)
+
+// Config is the alerter's configuration, read from QF_* environment
+// variables by envconfig (prefix QF); the tags hold the defaults.
+// Validate checks it.
+type Config struct {
+	// NATSURL is the NATS server (JetStream enabled).
+	NATSURL string `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222"`
+	// PostgresURL is the database of the alert state and the outbox; it
+	// is created when absent.
+	PostgresURL string `envconfig:"POSTGRES_URL" default:"postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"`
+	// Config names the streams (QF_STREAM, QF_SUBJECT_PREFIX, ...) and the
+	// consumer's QF_MAX_DELIVER and QF_ACK_WAIT.
+	events.Config
+	// Consumer is the durable consumer's name; alerter instances sharing
+	// it split the events.
+	Consumer string `envconfig:"CONSUMER" default:"quotaflow-alerter"`
+	// LogLevel is debug, info, warn or error.
+	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
+	// OpsAddr is where /metrics, /healthz and /readyz listen.
+	OpsAddr string `envconfig:"OPS_ADDR" default:":9092"`
+	// WebhooksFile is the YAML list of webhook endpoints (DESIGN §7);
+	// empty means none (alerts are detected and counted, not sent).
+	WebhooksFile string `envconfig:"WEBHOOKS_FILE"`
+
+	// Hysteresis is how many percentage points usage must fall under a
+	// fired threshold to re-arm it.
+	Hysteresis float64 `envconfig:"ALERT_HYSTERESIS" default:"5"`
+	// SpikeRate is the denial rate (0-1) above which a spike fires.
+	SpikeRate float64 `envconfig:"SPIKE_RATE" default:"0.05"`
+	// SpikeMinRequests is the fewest requests in SpikeWindow for a spike.
+	SpikeMinRequests int64 `envconfig:"SPIKE_MIN_REQUESTS" default:"100"`
+	// SpikeWindow is the span of the denial rate.
+	SpikeWindow time.Duration `envconfig:"SPIKE_WINDOW" default:"5m"`
+	// EvalInterval is how often denial rates and bursts are evaluated.
+	EvalInterval time.Duration `envconfig:"EVAL_INTERVAL" default:"5s"`
+	// AbuseBurst denials of one subject or IP within AbuseWindow raise
+	// quota.abuse_suspected.
+	AbuseBurst int64 `envconfig:"ABUSE_BURST" default:"50"`
+	// AbuseWindow is the span of an abuse burst.
+	AbuseWindow time.Duration `envconfig:"ABUSE_WINDOW" default:"1m"`
+
+	// DeliveryTimeout bounds one webhook attempt.
+	DeliveryTimeout time.Duration `envconfig:"DELIVERY_TIMEOUT" default:"10s"`
+	// DeliveryMinBackoff is the delay after a first failed attempt; it
+	// doubles per attempt, with jitter.
+	DeliveryMinBackoff time.Duration `envconfig:"DELIVERY_MIN_BACKOFF" default:"1s"`
+	// DeliveryMaxBackoff caps the delay between attempts.
+	DeliveryMaxBackoff time.Duration `envconfig:"DELIVERY_MAX_BACKOFF" default:"5m"`
+	// DeliveryMaxAge is how long a delivery is retried before it is dead.
+	DeliveryMaxAge time.Duration `envconfig:"DELIVERY_MAX_AGE" default:"24h"`
+	// DeliveryPoll is how often the outbox is polled for due retries.
+	DeliveryPoll time.Duration `envconfig:"DELIVERY_POLL" default:"1s"`
+
+	// ShutdownTimeout bounds each step of the graceful shutdown.
+	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
+}
+
+// Validate checks the cross-field rules and ranges.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if err := c.Config.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if _, err := obs.ParseLevel(c.LogLevel); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Consumer == "" {
+		bad("QF_CONSUMER: required")
+	}
+	if c.Hysteresis < 0 || c.Hysteresis >= 80 {
+		bad("QF_ALERT_HYSTERESIS %v: want 0 to under 80 percentage points", c.Hysteresis)
+	}
+	if c.SpikeRate <= 0 || c.SpikeRate >= 1 {
+		bad("QF_SPIKE_RATE %v: want a rate between 0 and 1", c.SpikeRate)
+	}
+	if c.SpikeMinRequests < 1 {
+		bad("QF_SPIKE_MIN_REQUESTS %d: want at least 1", c.SpikeMinRequests)
+	}
+	if c.AbuseBurst < 1 {
+		bad("QF_ABUSE_BURST %d: want at least 1", c.AbuseBurst)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"QF_SPIKE_WINDOW", c.SpikeWindow}, {"QF_EVAL_INTERVAL", c.EvalInterval}, {"QF_ABUSE_WINDOW", c.AbuseWindow},
+		{"QF_DELIVERY_TIMEOUT", c.DeliveryTimeout}, {"QF_DELIVERY_MIN_BACKOFF", c.DeliveryMinBackoff},
+		{"QF_DELIVERY_MAX_BACKOFF", c.DeliveryMaxBackoff}, {"QF_DELIVERY_MAX_AGE", c.DeliveryMaxAge},
+		{"QF_DELIVERY_POLL", c.DeliveryPoll}, {"QF_SHUTDOWN_TIMEOUT", c.ShutdownTimeout},
+	} {
+		if d.v <= 0 {
+			bad("%s %v: want a positive duration", d.name, d.v)
+		}
+	}
+	if c.DeliveryMinBackoff > c.DeliveryMaxBackoff {
+		bad("QF_DELIVERY_MIN_BACKOFF %v is longer than QF_DELIVERY_MAX_BACKOFF %v", c.DeliveryMinBackoff, c.DeliveryMaxBackoff)
+	}
+	if c.EvalInterval > c.SpikeWindow {
+		bad("QF_EVAL_INTERVAL %v is longer than QF_SPIKE_WINDOW %v", c.EvalInterval, c.SpikeWindow)
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("alerter config: %w", err)
+	}
+	return nil
+}

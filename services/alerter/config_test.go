@@ -1,0 +1,37 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kelseyhightower/envconfig"
+
+	"quotaflow/services/alerter/internal/deliver"
+	"quotaflow/services/alerter/internal/detect"
+)
+
+func TestConfigDefaults(t *testing.T) {
+	var cfg Config
+	if err := envconfig.Process("QF_ALERTER_TEST_UNSET", &cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("defaults: %v", err)
+	}
+	if cfg.OpsAddr != ":9092" || cfg.SpikeRate != 0.05 || cfg.SpikeMinRequests != 100 || cfg.AbuseBurst != 50 {
+		t.Errorf("defaults = %+v", cfg)
+	}
+	cfg.SpikeRate = 2
+	cfg.DeliveryMinBackoff = cfg.DeliveryMaxBackoff * 2
+	err := cfg.Validate()
+	if err == nil || !strings.Contains(err.Error(), "QF_SPIKE_RATE") || !strings.Contains(err.Error(), "QF_DELIVERY_MIN_BACKOFF") {
+		t.Errorf("Validate = %v, want both mistakes named", err)
+	}
+}
+
+func TestExampleWebhooksFile(t *testing.T) {
+	hooks, err := deliver.Load("../../deploy/webhooks.example.yaml", detect.Kinds)
+	if err != nil || len(hooks) != 1 {
+		t.Fatalf("Load(example) = %v, %v", hooks, err)
+	}
+}

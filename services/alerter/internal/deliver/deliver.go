@@ -1,0 +1,285 @@
+package deliver
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
+
+	"quotaflow/services/alerter/internal/store"
+)
+
+// Options tune delivery. The zero value of a field means its default.
+type Options struct {
+	// AttemptTimeout bounds one HTTP attempt (default 10s).
+	AttemptTimeout time.Duration
+	// MinBackoff is the delay after the first failed attempt; it doubles
+	// per attempt (default 1s).
+	MinBackoff time.Duration
+	// MaxBackoff caps the delay between attempts (default 5m).
+	MaxBackoff time.Duration
+	// MaxAge is how long a delivery is retried before it is dead
+	// (default 24h).
+	MaxAge time.Duration
+	// Poll is how often the outbox is checked when nothing wakes the
+	// deliverer (default 1s).
+	Poll time.Duration
+	// Batch is how many deliveries one pass claims and sends in parallel
+	// (default 16).
+	Batch int
+}
+
+func (o Options) withDefaults() Options {
+	if o.AttemptTimeout == 0 {
+		o.AttemptTimeout = 10 * time.Second
+	}
+	if o.MinBackoff == 0 {
+		o.MinBackoff = time.Second
+	}
+	if o.MaxBackoff == 0 {
+		o.MaxBackoff = 5 * time.Minute
+	}
+	if o.MaxAge == 0 {
+		o.MaxAge = 24 * time.Hour
+	}
+	if o.Poll == 0 {
+		o.Poll = time.Second
+	}
+	if o.Batch == 0 {
+		o.Batch = 16
+	}
+	return o
+}
+
+// Outbox is the part of store.Store the Deliverer uses.
+type Outbox interface {
+	Claim(ctx context.Context, n int, lease time.Duration) ([]store.Delivery, error)
+	Delivered(ctx context.Context, id int64, status int) error
+	Failed(ctx context.Context, id int64, cause string, status int, backoff, maxAge time.Duration, permanent bool) (string, error)
+}
+
+type endpoint struct {
+	hook   Webhook
+	signer *standardwebhooks.Webhook
+	client *http.Client
+}
+
+// Deliverer sends the outbox's due deliveries. Run owns its loop; Notify
+// wakes it early. It is safe for concurrent use. Create it with New.
+type Deliverer struct {
+	ob      Outbox
+	opt     Options
+	log     *slog.Logger
+	hooks   map[string]*endpoint
+	results *prometheus.CounterVec
+	wake    chan struct{}
+}
+
+// Results of quotaflow_webhook_deliveries_total: one per attempt.
+const (
+	ResultDelivered = "delivered" // 2xx
+	ResultFailed    = "failed"    // will be retried
+	ResultDead      = "dead"      // given up: too old, refused address or unknown webhook
+)
+
+// New returns a Deliverer over ob sending to hooks, counting attempts in
+// quotaflow_webhook_deliveries_total{result} on reg.
+func New(ob Outbox, hooks []Webhook, opt Options, log *slog.Logger, reg prometheus.Registerer) (*Deliverer, error) {
+	d := &Deliverer{
+		ob: ob, opt: opt.withDefaults(), log: log.With("component", "deliver"),
+		hooks: map[string]*endpoint{}, wake: make(chan struct{}, 1),
+	}
+	for _, h := range hooks {
+		key, err := DecodeSecret(h.Secret)
+		if err != nil {
+			return nil, fmt.Errorf("webhook %s secret: %w", h.Name, err)
+		}
+		signer, err := standardwebhooks.NewWebhookRaw(key)
+		if err != nil {
+			return nil, fmt.Errorf("webhook %s signer: %w", h.Name, err)
+		}
+		d.hooks[h.Name] = &endpoint{hook: h, signer: signer, client: newClient(h.AllowPrivate)}
+	}
+	d.results = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "quotaflow_webhook_deliveries_total",
+		Help: "Webhook delivery attempts, by result (delivered, failed: retried later, dead: given up).",
+	}, []string{"result"})
+	for _, r := range []string{ResultDelivered, ResultFailed, ResultDead} {
+		d.results.WithLabelValues(r)
+	}
+	if err := reg.Register(d.results); err != nil {
+		return nil, fmt.Errorf("register delivery metrics: %w", err)
+	}
+	return d, nil
+}
+
+// Notify wakes Run to look at the outbox now; it never blocks.
+func (d *Deliverer) Notify() {
+	select {
+	case d.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Run sends due deliveries until ctx ends: at each Notify and every Poll.
+// Attempts in flight when ctx ends are cut short and retried later.
+func (d *Deliverer) Run(ctx context.Context) {
+	t := time.NewTicker(d.opt.Poll)
+	defer t.Stop()
+	for {
+		for {
+			n, err := d.Once(ctx)
+			if err != nil && ctx.Err() == nil {
+				d.log.Error("deliver alerts", "err", err)
+			}
+			if err != nil || n < d.opt.Batch {
+				break // more may be due: loop only when the batch was full
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-d.wake:
+		case <-t.C:
+		}
+	}
+}
+
+// Once claims up to Batch due deliveries (oldest first), attempts them
+// (webhooks in parallel, each webhook's in order) and records each
+// outcome. It returns how many it claimed.
+func (d *Deliverer) Once(ctx context.Context) (int, error) {
+	// The lease outlasts an attempt, so nobody retries one in flight; if
+	// this process dies mid-attempt, the delivery is due again after it.
+	batch, err := d.ob.Claim(ctx, d.opt.Batch, d.opt.AttemptTimeout+5*time.Second)
+	if err != nil {
+		return 0, err
+	}
+	// One goroutine per webhook, sending its deliveries in outbox order, so
+	// a receiver that is up gets a limit's 80, 90 and 100% alerts in order.
+	byHook := map[string][]store.Delivery{}
+	for _, dl := range batch {
+		byHook[dl.Webhook] = append(byHook[dl.Webhook], dl)
+	}
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+	)
+	for _, dls := range byHook {
+		wg.Go(func() {
+			for _, dl := range dls {
+				if err := d.attempt(ctx, dl); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return len(batch), errors.Join(errs...)
+}
+
+// MessageID is the webhook-id of an alert sent to a webhook: stable across
+// retries and restarts, so receivers drop repeats.
+func MessageID(alertID, webhook string) string {
+	h := sha256.Sum256([]byte(alertID + "\x00" + webhook))
+	return "msg_" + hex.EncodeToString(h[:16])
+}
+
+func (d *Deliverer) attempt(ctx context.Context, dl store.Delivery) error {
+	log := d.log.With("alert_id", dl.AlertID, "webhook", dl.Webhook, "kind", dl.Kind, "attempt", dl.Attempts)
+	ep := d.hooks[dl.Webhook]
+	if ep == nil {
+		return d.fail(ctx, log, dl, "webhook not configured", 0, true)
+	}
+	status, err := ep.send(ctx, MessageID(dl.AlertID, dl.Webhook), dl.Payload, d.opt.AttemptTimeout)
+	if ctx.Err() != nil {
+		return nil // shutting down: the lease passes and it is retried
+	}
+	switch {
+	case err != nil:
+		return d.fail(ctx, log, dl, err.Error(), 0, errors.Is(err, ErrForbiddenAddress))
+	case status < 200 || status > 299:
+		return d.fail(ctx, log, dl, "receiver answered "+strconv.Itoa(status), status, false)
+	}
+	if err := d.ob.Delivered(ctx, dl.ID, status); err != nil {
+		return err
+	}
+	d.results.WithLabelValues(ResultDelivered).Inc()
+	log.Debug("alert delivered", "status", status)
+	return nil
+}
+
+func (d *Deliverer) fail(ctx context.Context, log *slog.Logger, dl store.Delivery, cause string, status int, permanent bool) error {
+	st, err := d.ob.Failed(ctx, dl.ID, cause, status, d.backoff(dl.Attempts), d.opt.MaxAge, permanent)
+	if err != nil {
+		return err
+	}
+	if st == store.StatusDead {
+		d.results.WithLabelValues(ResultDead).Inc()
+		log.Warn("alert delivery dead: giving up", "err", cause)
+		return nil
+	}
+	d.results.WithLabelValues(ResultFailed).Inc()
+	log.Info("alert delivery failed; will retry", "err", cause)
+	return nil
+}
+
+// backoff is the delay after the attempts-th failed attempt: MinBackoff
+// doubling per attempt up to MaxBackoff, with jitter taking it anywhere in
+// its upper half, so receivers recovering from an outage are not hit by
+// every alerter at once.
+func (d *Deliverer) backoff(attempts int) time.Duration {
+	b := d.opt.MaxBackoff
+	if attempts >= 1 && attempts < 31 {
+		b = min(d.opt.MinBackoff<<(attempts-1), d.opt.MaxBackoff)
+	}
+	return b/2 + rand.N(b/2+1)
+}
+
+// send POSTs one signed body and returns the receiver's status. Its
+// errors never contain the URL (webhook URLs often embed a token).
+func (ep *endpoint) send(ctx context.Context, msgID string, body []byte, timeout time.Duration) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	now := time.Now()
+	sig, err := ep.signer.Sign(msgID, now, body)
+	if err != nil {
+		return 0, fmt.Errorf("sign: %w", err)
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, ep.hook.URL, bytes.NewReader(body))
+	if err != nil {
+		return 0, errors.New("build request: invalid webhook url")
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("User-Agent", "quotaflow-alerter")
+	req.Header.Set(standardwebhooks.HeaderWebhookID, msgID)
+	req.Header.Set(standardwebhooks.HeaderWebhookTimestamp, strconv.FormatInt(now.Unix(), 10))
+	req.Header.Set(standardwebhooks.HeaderWebhookSignature, sig)
+	resp, err := ep.client.Do(req)
+	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // drop the URL
+		}
+		return 0, fmt.Errorf("post: %w", err)
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	_ = resp.Body.Close()
+	return resp.StatusCode, nil
+}

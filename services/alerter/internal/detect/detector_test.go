@@ -1,0 +1,222 @@
+package detect
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"log/slog"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"quotaflow/pkg/events"
+	"quotaflow/services/alerter/internal/store"
+)
+
+// newStore returns a Store on a migrated database of the test's own (real
+// Postgres; QF_TEST_POSTGRES_URL overrides the default), dropped at the end.
+func newStore(t *testing.T) *store.Store {
+	t.Helper()
+	ctx := context.Background()
+	base := os.Getenv("QF_TEST_POSTGRES_URL")
+	if base == "" {
+		base = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+	}
+	cc, err := pgx.ParseConfig(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 5)
+	_, _ = rand.Read(b)
+	db := "qf_alerter_detect_test_" + hex.EncodeToString(b)
+	t.Cleanup(func() {
+		c, err := pgx.ConnectConfig(context.Background(), cc)
+		if err != nil {
+			t.Errorf("drop database: %v", err)
+			return
+		}
+		defer c.Close(context.Background())
+		if _, err := c.Exec(context.Background(), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
+			t.Errorf("drop database: %v", err)
+		}
+	})
+	pool, err := store.Open(ctx, strings.Replace(base, "/postgres?", "/"+db+"?", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := store.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	return store.New(pool)
+}
+
+// clock is a settable time source.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *clock) now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+func (c *clock) add(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+func newDetector(t *testing.T, st *store.Store, c *clock) *Detector {
+	t.Helper()
+	d, err := New(st, func(string, string) []string { return []string{"ops"} }, Options{SpikeMinRequests: 10},
+		slog.New(slog.DiscardHandler), prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.now = c.now
+	d.started = c.now()
+	if err := d.Load(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+func spikeStates(t *testing.T, st *store.Store) []string {
+	t.Helper()
+	ds, err := st.Deliveries(context.Background(), KindSpike)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, d := range ds {
+		var b struct{ Data SpikeData }
+		if err := json.Unmarshal(d.Payload, &b); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, b.Data.Tenant+"|"+b.Data.Endpoint+"|"+b.Data.State)
+	}
+	return out
+}
+
+// A spike firing when the alerter stops is resolved by the next instance
+// once a whole window passes without enough traffic, and never fires twice.
+func TestSpikeSurvivesRestart(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)}
+	d := newDetector(t, st, c)
+	at := c.now()
+	for i := range 10 {
+		ev := events.Event{ID: "r", Time: at}
+		if err := d.Reserved(ctx, ev, events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: int64(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Denied(ctx, events.Event{Time: at}, events.Denied{Tenant: "acme", User: "u", Endpoint: "/e", Count: 2}); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if err := d.Evaluate(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := []string{"acme||firing", "|/e|firing"}
+	if got := spikeStates(t, st); len(got) != 2 || !(got[0] == want[0] && got[1] == want[1] || got[0] == want[1] && got[1] == want[0]) {
+		t.Fatalf("after the spike: %q, want %q", got, want)
+	}
+
+	// Restart: the new instance knows both are firing. Within the first
+	// window it lacks data and waits; after a full window it resolves.
+	c.add(time.Minute)
+	d2 := newDetector(t, st, c)
+	if err := d2.Evaluate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := spikeStates(t, st); len(got) != 2 {
+		t.Fatalf("right after restart: %q, want no new alert", got)
+	}
+	c.add(5 * time.Minute)
+	for range 3 {
+		if err := d2.Evaluate(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := spikeStates(t, st)
+	if len(got) != 4 || !strings.HasSuffix(got[2], "|resolved") || !strings.HasSuffix(got[3], "|resolved") {
+		t.Fatalf("after a quiet window: %q, want both resolved once", got)
+	}
+}
+
+func TestAbuseBurstOncePerBurst(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)}
+	d := newDetector(t, st, c)
+	deny := func(n int64) {
+		t.Helper()
+		err := d.Denied(ctx, events.Event{Time: c.now()}, events.Denied{Tenant: "acme", User: "u", IP: "203.0.113.7", Endpoint: "/e", Count: n})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Evaluate(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func() int {
+		ds, err := st.Deliveries(ctx, KindAbuse)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ds)
+	}
+	deny(49)
+	if n := count(); n != 0 {
+		t.Fatalf("49 denials: %d abuse alerts, want 0", n)
+	}
+	deny(1)
+	deny(20) // the same burst
+	if n := count(); n != 2 {
+		t.Fatalf("a burst: %d abuse alerts, want 2 (subject and IP)", n)
+	}
+	c.add(2 * time.Minute) // the burst is over
+	deny(1)
+	c.add(time.Second)
+	deny(60) // a new one
+	if n := count(); n != 4 {
+		t.Fatalf("a second burst: %d abuse alerts, want 4", n)
+	}
+}
+
+// Snapshots that take the fast path (nothing to fire or re-arm) still
+// advance the durable version, so an older snapshot arriving later is
+// ignored, even by a new instance with an empty cache.
+func TestQuietSnapshotsAdvanceVersion(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Now().UTC()}
+	lim := func(used int64) []events.LimitState {
+		return []events.LimitState{{Scope: "user", Name: "5h", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}}
+	}
+	snap := func(d *Detector, v, used int64) {
+		t.Helper()
+		if err := d.Reserved(ctx, events.Event{Time: c.now()}, events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: v, Limits: lim(used)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	d := newDetector(t, st, c)
+	snap(d, 1, 10) // a transaction: the level is now cached
+	snap(d, 5, 20) // the fast path
+	d2 := newDetector(t, st, c)
+	snap(d2, 4, 95) // stale: version 4 < 5
+	if ds, err := st.Deliveries(ctx, ""); err != nil || len(ds) != 0 {
+		t.Fatalf("deliveries = %+v, %v; want none for a stale snapshot", ds, err)
+	}
+	snap(d2, 6, 95)
+	if ds, err := st.Deliveries(ctx, ""); err != nil || len(ds) != 2 {
+		t.Fatalf("deliveries = %d, %v; want 80 and 90", len(ds), err)
+	}
+}

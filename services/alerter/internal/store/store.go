@@ -1,0 +1,405 @@
+// Package store is the alerter's durable state in Postgres: the last
+// snapshot version per subject, the threshold level per limit, the
+// denial-spike state, and the webhook outbox, which is also the delivery
+// log. Its migrations are embedded and applied at start under an advisory
+// lock (tern, version table alerter_schema_version).
+//
+// Detection changes state and enqueues the resulting alerts in one
+// transaction (Store.Update), so a crash either loses both or keeps both:
+// an alert is never fired without being queued, nor queued twice.
+package store
+
+import (
+	"cmp"
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/tern/v2/migrate"
+)
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// VersionTable records which migrations ran; it is the alerter's own, so
+// the accounter may keep its tables in the same database.
+const VersionTable = "alerter_schema_version"
+
+// Open connects a pool to the database of url, creating the database first
+// when it does not exist. Errors never contain the URL (it may hold a
+// password).
+func Open(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, errors.New("postgres url: cannot parse")
+	}
+	if err := CreateDatabase(ctx, cfg.ConnConfig); err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("postgres pool: %w", err)
+	}
+	return pool, nil
+}
+
+// CreateDatabase creates cc's database unless it exists.
+func CreateDatabase(ctx context.Context, cc *pgx.ConnConfig) error {
+	conn, err := pgx.ConnectConfig(ctx, cc)
+	if err == nil {
+		return conn.Close(ctx)
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "3D000" { // invalid_catalog_name
+		return fmt.Errorf("postgres connect: %w", err)
+	}
+	admin := cc.Copy()
+	admin.Database = "postgres"
+	ac, err := pgx.ConnectConfig(ctx, admin)
+	if err != nil {
+		return fmt.Errorf("postgres connect to create database %s: %w", cc.Database, err)
+	}
+	defer ac.Close(ctx)
+	_, err = ac.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{cc.Database}.Sanitize())
+	if errors.As(err, &pgErr) && pgErr.Code == "42P04" { // duplicate_database: another instance won
+		err = nil
+	}
+	if err != nil {
+		return fmt.Errorf("create database %s: %w", cc.Database, err)
+	}
+	return nil
+}
+
+// Migrate applies the embedded migrations that have not run yet, under
+// tern's advisory lock, so instances starting together apply each once.
+func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	defer c.Release()
+	m, err := migrate.NewMigrator(ctx, c.Conn(), VersionTable)
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	sub, err := fs.Sub(migrations, "migrations")
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	if err := m.LoadMigrations(sub); err != nil {
+		return fmt.Errorf("migrate: load: %w", err)
+	}
+	if err := m.Migrate(ctx); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	return nil
+}
+
+// Store reads and writes the alerter's tables. It is safe for concurrent
+// use; create it with New.
+type Store struct {
+	pool *pgxpool.Pool
+}
+
+// New returns a Store on pool (migrated with Migrate).
+func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
+
+// Ping checks that Postgres answers.
+func (s *Store) Ping(ctx context.Context) error { return s.pool.Ping(ctx) }
+
+// Update runs fn in one transaction and commits when it returns nil.
+func (s *Store) Update(ctx context.Context, fn func(tx *Tx) error) error {
+	return pgx.BeginFunc(ctx, s.pool, func(t pgx.Tx) error { return fn(&Tx{tx: t}) })
+}
+
+// Tx is one transaction of Update. It must not be used after fn returns.
+type Tx struct {
+	tx pgx.Tx
+}
+
+const qVersion = `
+INSERT INTO alert_versions (tenant, user_id, scope, version) VALUES ($1, $2, $3, $4)
+ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
+WHERE alert_versions.version <= EXCLUDED.version
+RETURNING version`
+
+// Advance records version v for (tenant, user, scope) and reports whether
+// it is at least the last one recorded; false means the snapshot is stale.
+// The row stays locked until the transaction ends, which serializes
+// snapshots of one subject across alerter instances.
+func (t *Tx) Advance(ctx context.Context, tenant, user, scope string, v int64) (bool, error) {
+	var got int64
+	err := t.tx.QueryRow(ctx, qVersion, tenant, user, scope, v).Scan(&got)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("advance version %s/%s: %w", tenant, user, err)
+	}
+	return true, nil
+}
+
+const qVersions = `
+INSERT INTO alert_versions (tenant, user_id, scope, version)
+SELECT $1, u, s, v FROM (VALUES ($2, 'user', $3::bigint), ('', 'tenant', $4::bigint)) AS x(u, s, v) WHERE v > 0
+ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
+WHERE alert_versions.version < EXCLUDED.version`
+
+// AdvanceVersions records the subject's version and (when above 0) the
+// tenant's version in one statement, outside any transaction: the fast
+// path of a snapshot that changes no threshold state.
+func (s *Store) AdvanceVersions(ctx context.Context, tenant, user string, version, tenantVersion int64) error {
+	if _, err := s.pool.Exec(ctx, qVersions, tenant, user, version, tenantVersion); err != nil {
+		return fmt.Errorf("advance versions %s/%s: %w", tenant, user, err)
+	}
+	return nil
+}
+
+// LimitKey identifies one limit of one subject; User is empty for
+// tenant-scope limits.
+type LimitKey struct {
+	Tenant   string
+	User     string // empty for tenant-scope limits
+	Scope    string // "user" or "tenant"
+	Endpoint string // set for an endpoint's per-user limit
+	Name     string // the limit's name in the policy
+}
+
+// LimitState is the threshold state of one limit. The zero value is a
+// limit never seen: every threshold armed.
+type LimitState struct {
+	// Level is the highest threshold fired and not re-armed (0 = none).
+	Level int
+	// Fires counts the alerts ever fired for this limit.
+	Fires int64
+	// LastUsed is the used amount of the last snapshot.
+	LastUsed int64
+	// ResetAt is when the window of the last snapshot resets; zero when
+	// unknown.
+	ResetAt time.Time
+}
+
+const qLimit = `
+SELECT level, fires, last_used, reset_at FROM alert_limits
+WHERE tenant = $1 AND user_id = $2 AND scope = $3 AND endpoint = $4 AND name = $5
+FOR UPDATE`
+
+// Limit returns k's state (zero when never seen), locking its row.
+func (t *Tx) Limit(ctx context.Context, k LimitKey) (LimitState, error) {
+	var st LimitState
+	var reset *time.Time
+	err := t.tx.QueryRow(ctx, qLimit, k.Tenant, k.User, k.Scope, k.Endpoint, k.Name).
+		Scan(&st.Level, &st.Fires, &st.LastUsed, &reset)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return LimitState{}, nil
+	}
+	if err != nil {
+		return st, fmt.Errorf("read limit %s/%s %s: %w", k.Tenant, k.Name, k.Scope, err)
+	}
+	if reset != nil {
+		st.ResetAt = *reset
+	}
+	return st, nil
+}
+
+const qSaveLimit = `
+INSERT INTO alert_limits (tenant, user_id, scope, endpoint, name, level, fires, last_used, reset_at, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())
+ON CONFLICT (tenant, user_id, scope, endpoint, name) DO UPDATE SET
+  level = EXCLUDED.level, fires = EXCLUDED.fires, last_used = EXCLUDED.last_used,
+  reset_at = EXCLUDED.reset_at, updated_at = now()`
+
+// SaveLimit writes k's state.
+func (t *Tx) SaveLimit(ctx context.Context, k LimitKey, st LimitState) error {
+	var reset *time.Time
+	if !st.ResetAt.IsZero() {
+		reset = &st.ResetAt
+	}
+	_, err := t.tx.Exec(ctx, qSaveLimit, k.Tenant, k.User, k.Scope, k.Endpoint, k.Name, st.Level, st.Fires, st.LastUsed, reset)
+	if err != nil {
+		return fmt.Errorf("save limit %s/%s %s: %w", k.Tenant, k.Name, k.Scope, err)
+	}
+	return nil
+}
+
+const qSpike = `SELECT firing, episode FROM alert_spikes WHERE tenant = $1 AND endpoint = $2 FOR UPDATE`
+
+// Spike returns whether the denial spike of (tenant, endpoint) is firing
+// and its episode count (false, 0 when never seen), locking its row.
+func (t *Tx) Spike(ctx context.Context, tenant, endpoint string) (firing bool, episode int64, err error) {
+	err = t.tx.QueryRow(ctx, qSpike, tenant, endpoint).Scan(&firing, &episode)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, 0, nil
+	}
+	if err != nil {
+		return false, 0, fmt.Errorf("read spike %s %s: %w", tenant, endpoint, err)
+	}
+	return firing, episode, nil
+}
+
+const qSaveSpike = `
+INSERT INTO alert_spikes (tenant, endpoint, firing, episode, updated_at) VALUES ($1, $2, $3, $4, now())
+ON CONFLICT (tenant, endpoint) DO UPDATE SET firing = EXCLUDED.firing, episode = EXCLUDED.episode, updated_at = now()`
+
+// SaveSpike writes the spike state of (tenant, endpoint).
+func (t *Tx) SaveSpike(ctx context.Context, tenant, endpoint string, firing bool, episode int64) error {
+	if _, err := t.tx.Exec(ctx, qSaveSpike, tenant, endpoint, firing, episode); err != nil {
+		return fmt.Errorf("save spike %s %s: %w", tenant, endpoint, err)
+	}
+	return nil
+}
+
+// FiringSpikes returns the (tenant, endpoint) pairs whose spike is firing.
+func (s *Store) FiringSpikes(ctx context.Context) ([][2]string, error) {
+	rows, err := s.pool.Query(ctx, `SELECT tenant, endpoint FROM alert_spikes WHERE firing`)
+	if err != nil {
+		return nil, fmt.Errorf("firing spikes: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) ([2]string, error) {
+		var k [2]string
+		err := r.Scan(&k[0], &k[1])
+		return k, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("firing spikes: %w", err)
+	}
+	return out, nil
+}
+
+// Alert is one alert to deliver: ID is deterministic (the same firing
+// always has the same ID), Payload the webhook body.
+type Alert struct {
+	ID      string // deterministic per firing
+	Kind    string // quota.threshold, quota.denial_spike or quota.abuse_suspected
+	Tenant  string // empty for an endpoint's spike or an IP's burst
+	Payload []byte // the webhook body
+}
+
+const qEnqueue = `
+INSERT INTO webhook_outbox (alert_id, webhook, kind, tenant, payload) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (alert_id, webhook) DO NOTHING`
+
+// Enqueue queues a for each webhook; an (alert, webhook) already queued
+// is left alone.
+func (t *Tx) Enqueue(ctx context.Context, a Alert, webhooks []string) error {
+	for _, w := range webhooks {
+		if _, err := t.tx.Exec(ctx, qEnqueue, a.ID, w, a.Kind, a.Tenant, a.Payload); err != nil {
+			return fmt.Errorf("enqueue alert %s for %s: %w", a.ID, w, err)
+		}
+	}
+	return nil
+}
+
+// Delivery statuses of the outbox.
+const (
+	StatusPending   = "pending"   // to be attempted at next_attempt_at
+	StatusDelivered = "delivered" // a 2xx answer was received
+	StatusDead      = "dead"      // given up: too old, refused or unknown webhook
+)
+
+// Delivery is one outbox row.
+type Delivery struct {
+	ID          int64     // the row's id; the outbox order
+	AlertID     string    // the alert's deterministic id
+	Webhook     string    // the webhook's name
+	Kind        string    // the alert kind
+	Tenant      string    // the alert's tenant, empty for none
+	Payload     []byte    // the webhook body
+	Attempts    int       // attempts made (Claim counts the one it hands out)
+	Status      string    // StatusPending, StatusDelivered or StatusDead
+	LastError   string    // why the last attempt failed; never a URL or secret
+	LastStatus  int       // the receiver's last HTTP status, 0 when none
+	CreatedAt   time.Time // when the alert was queued
+	DeliveredAt time.Time // zero until delivered
+}
+
+const qClaim = `
+UPDATE webhook_outbox SET attempts = attempts + 1, next_attempt_at = now() + make_interval(secs => $2)
+WHERE id IN (
+  SELECT id FROM webhook_outbox WHERE status = 'pending' AND next_attempt_at <= now()
+  ORDER BY next_attempt_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+RETURNING id, alert_id, webhook, kind, tenant, payload, attempts, status, created_at`
+
+// Claim takes up to n due deliveries, in outbox order, and pushes their next attempt lease
+// into the future, so another instance (or this one after a crash) tries
+// again only once the lease has passed: a crash mid-attempt costs one more
+// delivery at most, never zero. Attempts counts this attempt.
+func (s *Store) Claim(ctx context.Context, n int, lease time.Duration) ([]Delivery, error) {
+	rows, err := s.pool.Query(ctx, qClaim, n, lease.Seconds())
+	if err != nil {
+		return nil, fmt.Errorf("claim deliveries: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Delivery, error) {
+		var d Delivery
+		err := r.Scan(&d.ID, &d.AlertID, &d.Webhook, &d.Kind, &d.Tenant, &d.Payload, &d.Attempts, &d.Status, &d.CreatedAt)
+		return d, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("claim deliveries: %w", err)
+	}
+	// RETURNING has no order; the outbox's is the alerts' order.
+	slices.SortFunc(out, func(a, b Delivery) int { return cmp.Compare(a.ID, b.ID) })
+	return out, nil
+}
+
+// Delivered marks delivery id done with the receiver's HTTP status.
+func (s *Store) Delivered(ctx context.Context, id int64, status int) error {
+	_, err := s.pool.Exec(ctx, `UPDATE webhook_outbox SET status = 'delivered', delivered_at = now(),
+last_status = $2, last_error = '' WHERE id = $1`, id, status)
+	if err != nil {
+		return fmt.Errorf("mark delivery %d delivered: %w", id, err)
+	}
+	return nil
+}
+
+const qRetry = `
+UPDATE webhook_outbox SET
+  status = CASE WHEN $5 OR created_at + make_interval(secs => $4) <= now() THEN 'dead' ELSE 'pending' END,
+  next_attempt_at = now() + make_interval(secs => $3), last_error = $2, last_status = $6
+WHERE id = $1 RETURNING status`
+
+// Failed records a failed attempt of delivery id: it is retried after
+// backoff, unless permanent or the delivery is older than maxAge, in which
+// case it is dead. It returns the new status.
+func (s *Store) Failed(ctx context.Context, id int64, cause string, httpStatus int, backoff, maxAge time.Duration, permanent bool) (string, error) {
+	var st string
+	err := s.pool.QueryRow(ctx, qRetry, id, cause, backoff.Seconds(), maxAge.Seconds(), permanent, httpStatus).Scan(&st)
+	if err != nil {
+		return "", fmt.Errorf("mark delivery %d failed: %w", id, err)
+	}
+	return st, nil
+}
+
+const qDeliveries = `
+SELECT id, alert_id, webhook, kind, tenant, payload, attempts, status, last_error, last_status, created_at, delivered_at
+FROM webhook_outbox WHERE ($1 = '' OR kind = $1) ORDER BY id`
+
+// Deliveries lists the delivery log, oldest first, of alerts of kind (all
+// when empty).
+func (s *Store) Deliveries(ctx context.Context, kind string) ([]Delivery, error) {
+	rows, err := s.pool.Query(ctx, qDeliveries, kind)
+	if err != nil {
+		return nil, fmt.Errorf("list deliveries: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Delivery, error) {
+		var d Delivery
+		var at *time.Time
+		err := r.Scan(&d.ID, &d.AlertID, &d.Webhook, &d.Kind, &d.Tenant, &d.Payload, &d.Attempts, &d.Status,
+			&d.LastError, &d.LastStatus, &d.CreatedAt, &at)
+		if at != nil {
+			d.DeliveredAt = *at
+		}
+		return d, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list deliveries: %w", err)
+	}
+	return out, nil
+}

@@ -1,0 +1,115 @@
+package store
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// newStore returns a Store on a database of the test's own (real
+// Postgres; QF_TEST_POSTGRES_URL overrides the default), migrated twice to
+// show migrations are idempotent, dropped at the end.
+func newStore(t *testing.T) *Store {
+	t.Helper()
+	ctx := context.Background()
+	base := os.Getenv("QF_TEST_POSTGRES_URL")
+	if base == "" {
+		base = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+	}
+	cc, err := pgx.ParseConfig(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 5)
+	_, _ = rand.Read(b)
+	db := "qf_alerter_store_test_" + hex.EncodeToString(b)
+	t.Cleanup(func() {
+		c, err := pgx.ConnectConfig(context.Background(), cc)
+		if err != nil {
+			t.Errorf("drop database: %v", err)
+			return
+		}
+		defer c.Close(context.Background())
+		if _, err := c.Exec(context.Background(), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
+			t.Errorf("drop database: %v", err)
+		}
+	})
+	pool, err := Open(ctx, strings.Replace(base, "/postgres?", "/"+db+"?", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	for range 2 {
+		if err := Migrate(ctx, pool); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return New(pool)
+}
+
+func TestAdvance(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	for _, tt := range []struct {
+		v    int64
+		want bool
+	}{{5, true}, {5, true}, {4, false}, {7, true}, {6, false}} {
+		var got bool
+		err := s.Update(ctx, func(tx *Tx) error {
+			var err error
+			got, err = tx.Advance(ctx, "acme", "u1", "user", tt.v)
+			return err
+		})
+		if err != nil || got != tt.want {
+			t.Fatalf("Advance(%d) = %v, %v; want %v", tt.v, got, err, tt.want)
+		}
+	}
+}
+
+func TestOutbox(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	err := s.Update(ctx, func(tx *Tx) error {
+		for _, id := range []string{"a1", "a2", "a1"} { // a1 again: no duplicate
+			if err := tx.Enqueue(ctx, Alert{ID: id, Kind: "quota.threshold", Payload: []byte("{}")}, []string{"ops"}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Claim(ctx, 10, time.Hour)
+	if err != nil || len(got) != 2 || got[0].AlertID != "a1" || got[1].AlertID != "a2" || got[0].Attempts != 1 {
+		t.Fatalf("Claim = %+v, %v; want a1, a2 at attempt 1", got, err)
+	}
+	// Leased: nothing is due until the lease passes.
+	if again, err := s.Claim(ctx, 10, time.Hour); err != nil || len(again) != 0 {
+		t.Fatalf("Claim during the lease = %+v, %v; want none", again, err)
+	}
+	if err := s.Delivered(ctx, got[0].ID, 204); err != nil {
+		t.Fatal(err)
+	}
+	// A failure within the max age stays pending; past it, dead.
+	if st, err := s.Failed(ctx, got[1].ID, "receiver answered 500", 500, 0, time.Hour, false); err != nil || st != StatusPending {
+		t.Fatalf("Failed = %q, %v; want pending", st, err)
+	}
+	if again, err := s.Claim(ctx, 10, time.Hour); err != nil || len(again) != 1 || again[0].Attempts != 2 {
+		t.Fatalf("Claim after backoff 0 = %+v, %v; want a2 at attempt 2", again, err)
+	}
+	if st, err := s.Failed(ctx, got[1].ID, "receiver answered 500", 500, 0, time.Nanosecond, false); err != nil || st != StatusDead {
+		t.Fatalf("Failed past max age = %q, %v; want dead", st, err)
+	}
+	log, err := s.Deliveries(ctx, "")
+	if err != nil || len(log) != 2 || log[0].Status != StatusDelivered || log[1].Status != StatusDead ||
+		log[1].LastError != "receiver answered 500" || log[0].DeliveredAt.IsZero() {
+		t.Fatalf("Deliveries = %+v, %v", log, err)
+	}
+}
