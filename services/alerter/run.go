@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/obs"
+	"quotaflow/internal/pgdb"
 	"quotaflow/internal/server"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/deliver"
@@ -54,7 +55,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 		started(ops.Addr())
 	}
 
-	pool, err := store.Open(ctx, cfg.PostgresURL)
+	pool, err := pgdb.Open(ctx, cfg.PostgresURL)
 	if err != nil {
 		return err
 	}

@@ -21,11 +21,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/detect"
 	"quotaflow/services/alerter/internal/store"
@@ -145,24 +145,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 	ctx := context.Background()
 	id := randHex(5)
 
-	base := envOr("QF_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable")
-	cc, err := pgx.ParseConfig(base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	db := "qf_alerter_test_" + id
-	t.Cleanup(func() {
-		c, err := pgx.ConnectConfig(context.Background(), cc)
-		if err != nil {
-			t.Errorf("drop database: %v", err)
-			return
-		}
-		defer c.Close(context.Background())
-		if _, err := c.Exec(context.Background(), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
-			t.Errorf("drop database: %v", err)
-		}
-	})
-	pgURL := strings.Replace(base, "/postgres?", "/"+db+"?", 1)
+	pgURL := pgtest.NewDatabase(t, "qf_alerter_test")
 
 	nc, err := nats.Connect(envOr("QF_TEST_NATS_URL", "nats://127.0.0.1:4222"))
 	if err != nil {

@@ -2,19 +2,17 @@ package detect
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"log/slog"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/pgdb"
+	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/store"
 )
@@ -24,29 +22,7 @@ import (
 func newStore(t *testing.T) *store.Store {
 	t.Helper()
 	ctx := context.Background()
-	base := os.Getenv("QF_TEST_POSTGRES_URL")
-	if base == "" {
-		base = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
-	}
-	cc, err := pgx.ParseConfig(base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 5)
-	_, _ = rand.Read(b)
-	db := "qf_alerter_detect_test_" + hex.EncodeToString(b)
-	t.Cleanup(func() {
-		c, err := pgx.ConnectConfig(context.Background(), cc)
-		if err != nil {
-			t.Errorf("drop database: %v", err)
-			return
-		}
-		defer c.Close(context.Background())
-		if _, err := c.Exec(context.Background(), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
-			t.Errorf("drop database: %v", err)
-		}
-	})
-	pool, err := store.Open(ctx, strings.Replace(base, "/postgres?", "/"+db+"?", 1))
+	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_alerter_detect_test"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,84 @@
+// Package pgdb opens the Postgres database a service keeps its tables in
+// and applies the service's embedded migrations. Errors never contain the
+// URL, which may hold a password.
+package pgdb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/tern/v2/migrate"
+)
+
+// Open connects a pool to the database of url, creating the database first
+// when it does not exist.
+func Open(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, errors.New("postgres url: cannot parse")
+	}
+	if err := CreateDatabase(ctx, cfg.ConnConfig); err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("postgres pool: %w", err)
+	}
+	return pool, nil
+}
+
+// CreateDatabase creates cc's database unless it exists; instances racing
+// to create it are fine.
+func CreateDatabase(ctx context.Context, cc *pgx.ConnConfig) error {
+	conn, err := pgx.ConnectConfig(ctx, cc)
+	if err == nil {
+		return conn.Close(ctx)
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "3D000" { // invalid_catalog_name
+		return fmt.Errorf("postgres connect: %w", err)
+	}
+	admin := cc.Copy()
+	admin.Database = "postgres"
+	ac, err := pgx.ConnectConfig(ctx, admin)
+	if err != nil {
+		return fmt.Errorf("postgres connect to create database %s: %w", cc.Database, err)
+	}
+	defer ac.Close(ctx)
+	_, err = ac.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{cc.Database}.Sanitize())
+	if errors.As(err, &pgErr) && pgErr.Code == "42P04" { // duplicate_database: another instance won
+		err = nil
+	}
+	if err != nil {
+		return fmt.Errorf("create database %s: %w", cc.Database, err)
+	}
+	return nil
+}
+
+// Migrate applies the migrations in fsys (numbered *.sql files, tern's
+// format) that have not run yet, under tern's advisory lock, so instances
+// starting together apply each once. versionTable is the service's own, so
+// several services may share one database.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, fsys fs.FS, versionTable string) error {
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	defer c.Release()
+	m, err := migrate.NewMigrator(ctx, c.Conn(), versionTable)
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	if err := m.LoadMigrations(fsys); err != nil {
+		return fmt.Errorf("migrate: load: %w", err)
+	}
+	if err := m.Migrate(ctx); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	return nil
+}

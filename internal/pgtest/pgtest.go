@@ -1,0 +1,62 @@
+// Package pgtest gives each test a Postgres database of its own on the real
+// server (QF_TEST_POSTGRES_URL, else the local default), dropped when the
+// test ends: tests never share or flush a database.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"net/url"
+	"os"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// BaseURL is the server tests create their databases on.
+func BaseURL() string {
+	if u := os.Getenv("QF_TEST_POSTGRES_URL"); u != "" {
+		return u
+	}
+	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+}
+
+// NewDatabase creates an empty database named after prefix and a random
+// suffix, drops it at the end of the test, and returns its URL.
+func NewDatabase(t testing.TB, prefix string) string {
+	t.Helper()
+	ctx := context.Background()
+	cc, err := pgx.ParseConfig(BaseURL())
+	if err != nil {
+		t.Fatalf("QF_TEST_POSTGRES_URL: %v", err)
+	}
+	b := make([]byte, 5)
+	_, _ = rand.Read(b)
+	db := prefix + "_" + hex.EncodeToString(b)
+	c, err := pgx.ConnectConfig(ctx, cc)
+	if err != nil {
+		t.Fatalf("postgres is not reachable (run `go tool task deps`): %v", err)
+	}
+	defer c.Close(ctx)
+	if _, err := c.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{db}.Sanitize()); err != nil {
+		t.Fatalf("create database %s: %v", db, err)
+	}
+	t.Cleanup(func() {
+		c, err := pgx.ConnectConfig(context.Background(), cc)
+		if err != nil {
+			t.Errorf("drop database %s: %v", db, err)
+			return
+		}
+		defer c.Close(context.Background())
+		if _, err := c.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{db}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Errorf("drop database %s: %v", db, err)
+		}
+	})
+	u, err := url.Parse(BaseURL())
+	if err != nil {
+		t.Fatalf("QF_TEST_POSTGRES_URL: %v", err)
+	}
+	u.Path = "/" + db
+	return u.String()
+}
