@@ -188,3 +188,6 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 	}
 	return out, nil
 }
+
+// Level is the log level, for service.Main.
+func (c *Config) Level() string { return c.LogLevel }

@@ -7,36 +7,13 @@ package main
 
 import (
 	"context"
-	"fmt"
-	"os"
-	"os/signal"
-	"syscall"
+	"log/slog"
 
-	"github.com/kelseyhightower/envconfig"
-
-	"quotaflow/internal/obs"
+	"quotaflow/internal/service"
 )
 
 func main() {
-	var cfg Config
-	if err := envconfig.Process("QF", &cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "admission: configuration:", err)
-		os.Exit(2)
-	}
-	if err := cfg.Validate(); err != nil {
-		fmt.Fprintln(os.Stderr, "admission: configuration:", err)
-		os.Exit(2)
-	}
-	log, err := obs.NewLogger(os.Stderr, cfg.LogLevel, "admission")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "admission:", err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	err = run(ctx, cfg, log, nil)
-	stop()
-	if err != nil {
-		log.Error("admission failed", "err", err)
-		os.Exit(1)
-	}
+	service.Main("admission", &Config{}, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
+		return run(ctx, *cfg, log, nil)
+	})
 }

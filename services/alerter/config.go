@@ -114,3 +114,6 @@ func (c Config) Validate() error {
 	}
 	return nil
 }
+
+// Level is the log level, for service.Main.
+func (c *Config) Level() string { return c.LogLevel }

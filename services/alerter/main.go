@@ -13,36 +13,13 @@ package main
 
 import (
 	"context"
-	"fmt"
-	"os"
-	"os/signal"
-	"syscall"
+	"log/slog"
 
-	"github.com/kelseyhightower/envconfig"
-
-	"quotaflow/internal/obs"
+	"quotaflow/internal/service"
 )
 
 func main() {
-	var cfg Config
-	if err := envconfig.Process("QF", &cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "alerter: configuration:", err)
-		os.Exit(2)
-	}
-	if err := cfg.Validate(); err != nil {
-		fmt.Fprintln(os.Stderr, "alerter: configuration:", err)
-		os.Exit(2)
-	}
-	log, err := obs.NewLogger(os.Stderr, cfg.LogLevel, "alerter")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "alerter:", err)
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	err = run(ctx, cfg, log, nil)
-	stop()
-	if err != nil {
-		log.Error("alerter failed", "err", err)
-		os.Exit(1)
-	}
+	service.Main("alerter", &Config{}, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
+		return run(ctx, *cfg, log, nil)
+	})
 }

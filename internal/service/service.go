@@ -1,0 +1,52 @@
+// Package service holds what every quotaflow binary's main does the same
+// way: read the QF_ environment into the service's Config, validate it,
+// build the JSON logger, run until SIGINT or SIGTERM, and exit non-zero on
+// an error, so the mains stay thin and alike.
+package service
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/kelseyhightower/envconfig"
+
+	"quotaflow/internal/obs"
+)
+
+// Config is a service's configuration: envconfig fields with the QF prefix,
+// cross-field rules in Validate, and the log level.
+type Config interface {
+	Validate() error
+	Level() string
+}
+
+// Main runs service name: it fills cfg from the environment, validates it,
+// and calls run with a context cancelled by SIGINT or SIGTERM. It exits 2
+// on a configuration error and 1 when run fails; it returns when run
+// returns nil.
+func Main[C Config](name string, cfg C, run func(ctx context.Context, cfg C, log *slog.Logger) error) {
+	if err := envconfig.Process("QF", cfg); err != nil {
+		fmt.Fprintf(os.Stderr, "%s: configuration: %v\n", name, err)
+		os.Exit(2)
+	}
+	if err := cfg.Validate(); err != nil {
+		fmt.Fprintf(os.Stderr, "%s: configuration: %v\n", name, err)
+		os.Exit(2)
+	}
+	log, err := obs.NewLogger(os.Stderr, cfg.Level(), name)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", name, err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	err = run(ctx, cfg, log)
+	stop()
+	if err != nil {
+		log.Error(name+" failed", "err", err)
+		os.Exit(1)
+	}
+}
