@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -18,6 +17,7 @@ import (
 	"quotaflow/internal/obs"
 	"quotaflow/internal/redisconn"
 	"quotaflow/internal/server"
+	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/decide"
@@ -62,7 +62,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	if err != nil {
 		return err
 	}
-	defer shutdownStep(log, "ops server", cfg.ShutdownTimeout, ops.Shutdown)
+	defer service.ShutdownStep(log, "ops server", cfg.ShutdownTimeout, ops.Shutdown)
 
 	// Policy: reload on file change and on SIGHUP.
 	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -138,7 +138,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	decClosed := false
 	defer func() {
 		if !decClosed {
-			shutdownStep(log, "decider", cfg.ShutdownTimeout, dec.Close)
+			service.ShutdownStep(log, "decider", cfg.ShutdownTimeout, dec.Close)
 		}
 	}()
 	ready.Watch("redis", dec.Degraded)
@@ -186,7 +186,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	obClosed := false
 	defer func() {
 		if !obClosed {
-			shutdownStep(log, "outbox", cfg.ShutdownTimeout, ob.Close)
+			service.ShutdownStep(log, "outbox", cfg.ShutdownTimeout, ob.Close)
 		}
 	}()
 	ready.Watch("nats", func() (bool, string) {
@@ -225,45 +225,15 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	<-ctx.Done()
 	log.Info("shutting down")
 	ready.Drain()
-	shutdownStep(log, "api server", cfg.ShutdownTimeout, srv.Shutdown)
+	service.ShutdownStep(log, "api server", cfg.ShutdownTimeout, srv.Shutdown)
 	decClosed = true
-	shutdownStep(log, "decider", cfg.ShutdownTimeout, dec.Close)
+	service.ShutdownStep(log, "decider", cfg.ShutdownTimeout, dec.Close)
 	obClosed = true
-	shutdownStep(log, "outbox", cfg.ShutdownTimeout, ob.Close)
+	service.ShutdownStep(log, "outbox", cfg.ShutdownTimeout, ob.Close)
 	ncDrained = true
-	shutdownStep(log, "nats", cfg.ShutdownTimeout, func(ctx context.Context) error { return drain(ctx, nc) })
+	service.ShutdownStep(log, "nats", cfg.ShutdownTimeout, func(ctx context.Context) error { return service.DrainNATS(ctx, nc) })
 	log.Info("stopped")
 	return nil
-}
-
-// shutdownStep runs one shutdown step under its own deadline and logs a
-// failure (the remaining steps still run).
-func shutdownStep(log *slog.Logger, what string, timeout time.Duration, f func(context.Context) error) {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	if err := f(ctx); err != nil {
-		log.Warn("shutdown step failed", "step", what, "err", err)
-	}
-}
-
-// drain flushes the connection's pending publishes and closes it.
-func drain(ctx context.Context, nc *nats.Conn) error {
-	closed := make(chan struct{})
-	nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
-	if err := nc.Drain(); err != nil {
-		nc.Close()
-		if errors.Is(err, nats.ErrConnectionClosed) {
-			return nil
-		}
-		return err
-	}
-	select {
-	case <-closed:
-		return nil
-	case <-ctx.Done():
-		nc.Close()
-		return ctx.Err()
-	}
 }
 
 // ensureStreams creates or updates the streams, retrying until it works

@@ -15,6 +15,7 @@ import (
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
 	"quotaflow/internal/server"
+	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/deliver"
 	"quotaflow/services/alerter/internal/detect"
@@ -50,7 +51,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	if err != nil {
 		return err
 	}
-	defer shutdownStep(log, "ops server", cfg.ShutdownTimeout, ops.Shutdown)
+	defer service.ShutdownStep(log, "ops server", cfg.ShutdownTimeout, ops.Shutdown)
 	if started != nil {
 		started(ops.Addr())
 	}
@@ -117,7 +118,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	consumer.Wait()
 	bgCancel()
 	bg.Wait()
-	shutdownStep(log, "nats", cfg.ShutdownTimeout, func(ctx context.Context) error { return drain(ctx, nc) })
+	service.ShutdownStep(log, "nats", cfg.ShutdownTimeout, func(ctx context.Context) error { return service.DrainNATS(ctx, nc) })
 	return nil
 }
 
@@ -189,36 +190,6 @@ func sleep(ctx context.Context, d time.Duration) {
 	select {
 	case <-ctx.Done():
 	case <-t.C:
-	}
-}
-
-// shutdownStep runs one shutdown step under its own deadline and logs a
-// failure (the remaining steps still run).
-func shutdownStep(log *slog.Logger, what string, timeout time.Duration, f func(context.Context) error) {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	if err := f(ctx); err != nil {
-		log.Warn("shutdown step failed", "step", what, "err", err)
-	}
-}
-
-// drain lets in-flight acks reach the server and closes the connection.
-func drain(ctx context.Context, nc *nats.Conn) error {
-	closed := make(chan struct{})
-	nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
-	if err := nc.Drain(); err != nil {
-		nc.Close()
-		if errors.Is(err, nats.ErrConnectionClosed) {
-			return nil
-		}
-		return err
-	}
-	select {
-	case <-closed:
-		return nil
-	case <-ctx.Done():
-		nc.Close()
-		return ctx.Err()
 	}
 }
 
