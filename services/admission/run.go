@@ -4,10 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"os"
-	"os/signal"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -85,26 +82,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	var bg sync.WaitGroup // background goroutines, stopped by bgCancel
 	bgCtx, bgCancel := context.WithCancel(context.Background())
 	defer func() { bgCancel(); bg.Wait() }()
-	bg.Go(func() {
-		if err := watcher.Run(bgCtx); err != nil {
-			log.Error("policy file watch failed; reload with SIGHUP", "err", err)
-		}
-	})
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-	bg.Go(func() {
-		for {
-			select {
-			case <-hup:
-				if err := watcher.Reload(); err != nil {
-					log.Error("policy reload on SIGHUP rejected; the last good policy stays in force", "err", err)
-				}
-			case <-bgCtx.Done():
-				return
-			}
-		}
-	})
+	bg.Go(func() { service.WatchPolicy(bgCtx, watcher, log) })
 
 	// Redis and the Decider.
 	rdb, err := redisconn.Open(cfg.RedisURL)

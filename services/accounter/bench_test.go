@@ -1,0 +1,183 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"quotaflow/internal/pgdb"
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/accounter/internal/ledger"
+)
+
+// BenchmarkEndToEnd is issue 4's "Measured": b.N actual events (no
+// reservation, 1000 users, so each is charged in full in Redis) are
+// published first; then, in the same run and on the same data,
+//
+//   - copy: a raw pgx CopyFrom of the same rows into a plain table,
+//   - ack: a bare pull consumer that fetches and acks every message,
+//   - accounter: the whole service, until every event is in Postgres and
+//     Redis,
+//
+// each reported as events/s, with ratio = accounter / min(copy, ack).
+// Run it with a fixed count, e.g.
+//
+//	go test -run '^$' -bench EndToEnd -benchtime 100000x ./services/accounter/
+func BenchmarkEndToEnd(b *testing.B) {
+	if b.N < 1000 {
+		return // the framework's probe run; use -benchtime Nx with N >= 1000
+	}
+	e := newBenchEnv(b)
+	ctx := context.Background()
+	n := b.N
+
+	evs := make([]events.Event, n)
+	now := time.Now()
+	for i := range n {
+		evs[i] = events.NewActual("bench", events.Actual{
+			RequestID: fmt.Sprintf("r%d", i), Tenant: "bench", User: fmt.Sprintf("u%d", i%1000),
+			InputTokens: int64(i%100 + 1), OutputTokens: 5,
+		}, now)
+	}
+	for start := 0; start < n; start += 1000 {
+		if err := e.pub.PublishBatch(ctx, evs[start:min(start+1000, n)]); err != nil {
+			b.Fatalf("publish: %v", err)
+		}
+	}
+
+	// Baseline 1: raw CopyFrom of the same rows.
+	pool := e.pgPool(b)
+	if _, err := pool.Exec(ctx, `CREATE TABLE copy_baseline (event_id text, type text, tenant text, user_id text,
+		request_id text, tokens bigint, occurred_at timestamptz, payload jsonb)`); err != nil {
+		b.Fatal(err)
+	}
+	rows := make([][]any, n)
+	for i, ev := range evs {
+		raw, err := events.Encode(ev)
+		if err != nil {
+			b.Fatal(err)
+		}
+		d := ev.Data.(events.Actual)
+		rows[i] = []any{ev.ID, ev.Type(), d.Tenant, d.User, d.RequestID, d.InputTokens + d.OutputTokens, ev.Time, string(raw)}
+	}
+	b.ResetTimer()
+	start := time.Now()
+	if _, err := pool.CopyFrom(ctx, pgx.Identifier{"copy_baseline"},
+		[]string{"event_id", "type", "tenant", "user_id", "request_id", "tokens", "occurred_at", "payload"},
+		pgx.CopyFromRows(rows)); err != nil {
+		b.Fatal(err)
+	}
+	copyRate := float64(n) / time.Since(start).Seconds()
+
+	// Baseline 2: a bare pull consumer that only acks.
+	bare, err := e.js.CreateOrUpdateConsumer(ctx, e.cfg.Stream, jetstream.ConsumerConfig{
+		Durable: "bare", AckPolicy: jetstream.AckExplicitPolicy, DeliverPolicy: jetstream.DeliverAllPolicy,
+		FilterSubject: events.UsageSubjects(e.cfg.SubjectPrefix),
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	start = time.Now()
+	for got := 0; got < n; {
+		batch, err := bare.Fetch(e.cfg.BatchSize, jetstream.FetchMaxWait(e.cfg.BatchWait))
+		if err != nil {
+			b.Fatal(err)
+		}
+		for m := range batch.Messages() {
+			if err := m.Ack(); err != nil {
+				b.Fatal(err)
+			}
+			got++
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
+			b.Fatal(err)
+		}
+	}
+	ackRate := float64(n) / time.Since(start).Seconds()
+
+	// The accounter.
+	start = time.Now()
+	var reg *prometheus.Registry
+	e.start(&hooks{registry: func(r *prometheus.Registry) { reg = r }})
+	db := e.pg
+	deadline := time.Now().Add(30 * time.Minute)
+	for {
+		var done int64
+		if err := db.QueryRow(ctx, "SELECT count(*) FROM reservations WHERE status = 'settled'").Scan(&done); err != nil {
+			b.Fatal(err)
+		}
+		if done == int64(n) {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("only %d of %d settled", done, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	accRate := float64(n) / time.Since(start).Seconds()
+	b.StopTimer()
+
+	b.ReportMetric(accRate, "accounter_events/s")
+	b.ReportMetric(copyRate, "copyfrom_events/s")
+	b.ReportMetric(ackRate, "ackonly_events/s")
+	b.ReportMetric(accRate/min(copyRate, ackRate), "ratio")
+	// Where the accounter's time goes: seconds per phase, summed over the
+	// batches of all workers.
+	mfs, err := reg.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "quotaflow_accounter_batch_phase_seconds" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			b.ReportMetric(m.GetHistogram().GetSampleSum(), m.GetLabel()[0].GetValue()+"_s")
+		}
+	}
+	var events64 int64
+	if err := db.QueryRow(ctx, "SELECT count(*) FROM usage_events").Scan(&events64); err != nil || events64 != int64(n) {
+		b.Fatalf("usage_events = %d, %v; want %d", events64, err, n)
+	}
+}
+
+// newBenchEnv is newEnv for a benchmark: the accounter's production batch
+// settings and a Redis with its epoch written.
+func newBenchEnv(b *testing.B) *env {
+	e := newEnv(b)
+	e.cfg.LogLevel = "warn"
+	e.cfg.Workers = benchWorkers()
+	e.cfg.BatchSize = 500
+	e.cfg.BatchWait = 200 * time.Millisecond
+	e.cfg.AckWait = 30 * time.Second
+	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "bench"); err != nil {
+		b.Fatal(err)
+	}
+	// Create the database and schema up front, so the accounter's run
+	// measures consuming only.
+	pool, err := pgdb.Open(context.Background(), e.cfg.PostgresURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pool.Close()
+	if err := ledger.Migrate(context.Background(), pool); err != nil {
+		b.Fatal(err)
+	}
+	return e
+}
+
+// benchWorkers is QF_BENCH_WORKERS, else 4.
+func benchWorkers() int {
+	var n int
+	if _, err := fmt.Sscan(envOr("QF_BENCH_WORKERS", "4"), &n); err != nil || n < 1 {
+		return 4
+	}
+	return n
+}

@@ -1,0 +1,52 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kelseyhightower/envconfig"
+)
+
+func TestConfigDefaultsAreValid(t *testing.T) {
+	var c Config
+	if err := envconfig.Process("QF_ACCOUNTER_TEST_NONE", &c); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Validate(); err != nil {
+		t.Fatalf("Validate(defaults) = %v", err)
+	}
+	if c.OpsAddr != ":9091" || c.PostgresURL != "postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable" {
+		t.Errorf("defaults: ops %q, postgres %q", c.OpsAddr, c.PostgresURL)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	var base Config
+	if err := envconfig.Process("QF_ACCOUNTER_TEST_NONE", &base); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		edit func(*Config)
+		want string
+	}{
+		{"postgres url", func(c *Config) { c.PostgresURL = "postgres://user:s3cret@" }, "QF_POSTGRES_URL"},
+		{"batch size", func(c *Config) { c.BatchSize = 0 }, "QF_BATCH_SIZE"},
+		{"workers", func(c *Config) { c.Workers = 0 }, "QF_WORKERS"},
+		{"ttl", func(c *Config) { c.ReservationTTL = 0 }, "QF_RESERVATION_TTL"},
+		{"durable", func(c *Config) { c.Durable = "" }, "QF_DURABLE"},
+		{"level", func(c *Config) { c.LogLevel = "loud" }, "QF_LOG_LEVEL"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := base
+			tc.edit(&c)
+			err := c.Validate()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Validate() = %v, want an error naming %s", err, tc.want)
+			}
+			if strings.Contains(err.Error(), "s3cret") {
+				t.Errorf("Validate() = %v: the error repeats a password", err)
+			}
+		})
+	}
+}

@@ -1,0 +1,538 @@
+// Package consume is the accounter's pull-consumer loop: workers fetch
+// batches from one durable JetStream consumer, write each batch to the
+// ledger in one transaction, apply its Redis effects, publish the
+// corrections, record the settlements, and only then acknowledge the
+// messages. Any failure before the acks naks the messages with a backoff
+// (events.Process), so an effect is never acknowledged before Postgres and
+// Redis both hold it, and every effect is idempotent under redelivery.
+package consume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/accounter/internal/correct"
+	"quotaflow/services/accounter/internal/ledger"
+)
+
+// Ledger is the part of the ledger a batch writes.
+type Ledger interface {
+	Write(ctx context.Context, recs []ledger.Record) (ledger.WriteResult, error)
+	MarkSettled(ctx context.Context, marks []ledger.Mark) error
+}
+
+// Corrections publishes corrected events and waits for their acks.
+type Corrections interface {
+	PublishBatch(ctx context.Context, evs []events.Event) error
+}
+
+// Options configure a Consumer.
+type Options struct {
+	// Events names the streams (dead letters, MaxDeliver, AckWait).
+	Events events.Config
+	// Workers is how many batches are in flight at once (default 1).
+	Workers int
+	// BatchSize is the most messages per fetch (default 500).
+	BatchSize int
+	// BatchWait is the longest a fetch waits to fill a batch (default 200ms).
+	BatchWait time.Duration
+	// Source is the CloudEvents source of corrected events.
+	Source string
+	// RedisParallel is how many Redis calls of one batch run at once
+	// (default 32).
+	RedisParallel int
+	// BeforeAck, when set, runs after a batch's effects and before its
+	// acks; an error abandons the batch unacknowledged, as a crash would.
+	// Tests use it to inject crashes.
+	BeforeAck func(n int) error
+}
+
+// Consumer runs the consume loop. Create it with New; Run it once.
+type Consumer struct {
+	cons  jetstream.Consumer
+	js    jetstream.Publisher
+	store Ledger
+	cor   *correct.Corrector
+	pub   Corrections
+	opts  Options
+	log   *slog.Logger
+	m     *metrics
+}
+
+// New returns a Consumer of cons writing to store, correcting through cor
+// and publishing corrections with pub; dead letters go through js. Its
+// metrics register on reg.
+func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, cor *correct.Corrector, pub Corrections, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Consumer, error) {
+	if opts.Workers <= 0 {
+		opts.Workers = 1
+	}
+	if opts.BatchSize <= 0 {
+		opts.BatchSize = 500
+	}
+	if opts.RedisParallel <= 0 {
+		opts.RedisParallel = 32
+	}
+	if opts.BatchWait <= 0 {
+		opts.BatchWait = 200 * time.Millisecond
+	}
+	m, err := newMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	return &Consumer{cons: cons, js: js, store: store, cor: cor, pub: pub, opts: opts, log: log.With("component", "consume"), m: m}, nil
+}
+
+// Run fetches and handles batches with opts.Workers workers until ctx
+// ends, then waits for the batches in flight (their messages are nak'ed
+// for immediate redelivery if cut short).
+func (c *Consumer) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	for range c.opts.Workers {
+		wg.Go(func() { c.worker(ctx) })
+	}
+	wg.Wait()
+}
+
+func (c *Consumer) worker(ctx context.Context) {
+	wait := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		batch, err := c.cons.Fetch(c.opts.BatchSize, jetstream.FetchMaxWait(c.opts.BatchWait))
+		if err != nil {
+			c.log.Warn("fetch failed; retrying", "err", err, "retry_in", wait.String())
+			sleep(ctx, wait)
+			wait = min(2*wait, 5*time.Second)
+			continue
+		}
+		var msgs []jetstream.Msg
+		for msg := range batch.Messages() {
+			msgs = append(msgs, msg)
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, context.DeadlineExceeded) {
+			c.log.Debug("fetch ended with an error", "err", err)
+		}
+		if len(msgs) == 0 {
+			c.m.lag.Set(0)
+			continue
+		}
+		wait = 100 * time.Millisecond
+		c.Handle(ctx, msgs)
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+// item is one message of a batch and what became of it.
+type item struct {
+	msg  jetstream.Msg
+	ev   events.Event
+	err  error // nil: every effect is in place, ack it
+	bad  bool  // Decode failed: dead-letter it
+	skip bool  // our own corrected event
+	// rejected is why Postgres refused the event itself: dead-letter it.
+	rejected error
+	// transient marks err as an outage (Postgres, Redis or NATS
+	// unreachable, Redis without its epoch) rather than a problem of the
+	// event: it is retried without end instead of counting towards
+	// MaxDeliver, so an outage never dead-letters good events.
+	transient bool
+}
+
+// Handle processes one batch: ledger, Redis, corrections, settlements,
+// then one ack, nak or dead letter per message.
+func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
+	start := time.Now()
+	c.m.batchSize.Observe(float64(len(msgs)))
+	items := make([]item, len(msgs))
+	recs := make([]ledger.Record, 0, len(msgs))
+	for i, msg := range msgs {
+		items[i].msg = msg
+		ev, err := events.Decode(msg.Data())
+		if err != nil {
+			items[i].bad = true
+			continue
+		}
+		items[i].ev = ev
+		if ev.Type() == events.TypeCorrected {
+			items[i].skip = true
+			continue
+		}
+		recs = append(recs, c.record(ev, msg.Data()))
+	}
+
+	err := c.apply(ctx, items, recs)
+	if err == nil && c.opts.BeforeAck != nil {
+		if err := c.opts.BeforeAck(len(msgs)); err != nil {
+			c.log.Warn("batch abandoned before its acks", "err", err, "size", len(msgs))
+			return
+		}
+	}
+	if err != nil {
+		c.log.Warn("batch failed; its events will be redelivered", "err", err, "size", len(msgs))
+	}
+
+	var newest time.Time
+	t0 := time.Now()
+	defer func() { c.m.phase.WithLabelValues("ack").Observe(time.Since(t0).Seconds()) }()
+	for i := range items {
+		it := &items[i]
+		if err != nil && !it.bad && !it.skip {
+			it.err, it.transient = err, true
+		}
+		typ := "unknown"
+		if !it.bad {
+			typ = it.ev.Type()
+		}
+		var perr error
+		if it.rejected != nil {
+			perr = c.deadLetter(ctx, it.msg, it.rejected)
+		} else if it.err != nil && it.transient {
+			perr = c.retry(ctx, it.msg, it.err)
+		} else {
+			perr = events.Process(ctx, c.js, c.opts.Events, it.msg, func(context.Context, events.Event) error { return it.err })
+		}
+		switch {
+		case perr == nil && it.skip:
+			c.m.events.WithLabelValues(typ, "ignored").Inc()
+		case perr == nil:
+			c.m.events.WithLabelValues(typ, "ok").Inc()
+		case errors.Is(perr, events.ErrDeadLettered):
+			c.m.events.WithLabelValues(typ, "dead_lettered").Inc()
+			c.log.Warn("event dead-lettered", "err", perr)
+		default:
+			c.m.events.WithLabelValues(typ, "retry").Inc()
+			c.log.Debug("event will be redelivered", "err", perr)
+		}
+		if md, err := it.msg.Metadata(); err == nil && md.Timestamp.After(newest) {
+			newest = md.Timestamp
+		}
+	}
+	if !newest.IsZero() {
+		c.m.lag.Set(max(0, time.Since(newest).Seconds()))
+	}
+	c.m.batchSeconds.Observe(time.Since(start).Seconds())
+}
+
+// retry naks msg after an outage with a backoff of 1 s doubling per
+// delivery up to AckWait (at once when shutting down), without ever
+// dead-lettering it.
+func (c *Consumer) retry(ctx context.Context, msg jetstream.Msg, cause error) error {
+	if ctx.Err() != nil {
+		_ = msg.Nak()
+		return cause
+	}
+	delay := c.opts.Events.AckWait
+	if delay <= 0 {
+		delay = events.DefaultAckWait
+	}
+	if md, err := msg.Metadata(); err == nil && md.NumDelivered >= 1 && md.NumDelivered < 32 {
+		delay = min(delay, time.Second<<(md.NumDelivered-1))
+	}
+	_ = msg.NakWithDelay(delay) // if lost, AckWait redelivers
+	return cause
+}
+
+// transient reports whether a Redis effect failed because of Redis itself
+// (unreachable, loading, failing over, without its epoch) rather than the
+// event: invalid arguments, policy errors and script errors may be the
+// event's fault, and go through MaxDeliver to the dead letters.
+func transient(err error) bool {
+	if errors.Is(err, limits.ErrInvalid) || errors.Is(err, correct.ErrResolve) {
+		return false
+	}
+	var rerr redis.Error
+	if errors.As(err, &rerr) {
+		for _, p := range []string{"LOADING", "BUSY", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK"} {
+			if redis.HasErrorPrefix(err, p) {
+				return true
+			}
+		}
+		return false
+	}
+	return true
+}
+
+// ReasonRejected is the dead-letter reason of an event Postgres refused
+// to store (see ledger.IsRejected).
+const ReasonRejected = "ledger_rejected"
+
+// deadLetter moves msg to the dead-letter stream at once and terminates
+// it; if that fails it is nak'ed and comes back.
+func (c *Consumer) deadLetter(ctx context.Context, msg jetstream.Msg, cause error) error {
+	prefix := c.opts.Events.SubjectPrefix
+	if prefix == "" {
+		prefix = events.DefaultSubjectPrefix
+	}
+	if err := events.DeadLetter(ctx, c.js, prefix, ReasonRejected, msg, cause); err != nil {
+		_ = msg.NakWithDelay(time.Second)
+		return err
+	}
+	if err := msg.Term(); err != nil {
+		return fmt.Errorf("term dead-lettered %s: %w", msg.Subject(), err)
+	}
+	return fmt.Errorf("%w (%s): %w", events.ErrDeadLettered, ReasonRejected, cause)
+}
+
+// record turns an event into its ledger row.
+func (c *Consumer) record(ev events.Event, payload []byte) ledger.Record {
+	r := ledger.Record{EventID: ev.ID, Kind: ev.Type(), OccurredAt: ev.Time, Payload: payload}
+	switch d := ev.Data.(type) {
+	case events.Reserved:
+		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
+		r.Tokens, r.Plan, r.Endpoint, r.Model, r.ExpiresAt = d.EstimatedTokens, d.Plan, d.Endpoint, d.Model, d.ExpiresAt
+	case events.Actual:
+		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
+		r.Tokens, r.Endpoint, r.Model = c.cor.Cost(d), d.Endpoint, d.Model
+	case events.Released:
+		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
+	case events.Denied:
+		r.Tenant, r.User = d.Tenant, d.User
+	case events.TopUp:
+		r.Tenant, r.User, r.RequestID, r.Tokens = d.Tenant, d.User, d.Reference, d.Amount
+	}
+	return r
+}
+
+// apply writes the batch to the ledger and applies its Redis effects. A
+// ledger failure fails the whole batch (returned); a Redis failure fails
+// only its event (items[i].err).
+func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record) error {
+	if len(recs) == 0 {
+		return nil
+	}
+	t0 := time.Now()
+	res, err := c.store.Write(ctx, recs)
+	if err != nil && ledger.IsRejected(err) {
+		// One event Postgres cannot hold must not hold up the others:
+		// find it by writing them one by one.
+		res, err = c.writeEach(ctx, items, recs)
+	}
+	c.m.phase.WithLabelValues("ledger").Observe(time.Since(t0).Seconds())
+	if err != nil {
+		return err
+	}
+	c.cor.Gate.RLock()
+	defer c.cor.Gate.RUnlock()
+
+	// One Redis effect per open reservation of the batch, in the order of
+	// the batch's events; they touch different reservations, so they run
+	// concurrently (a script call is one round trip each: running them
+	// side by side is what pipelining them would buy).
+	var tasks []task
+	done := map[ledger.Key]bool{}
+	for i := range items {
+		it := &items[i]
+		if it.bad || it.skip || it.rejected != nil {
+			continue
+		}
+		var t task
+		switch d := it.ev.Data.(type) {
+		case events.Actual:
+			t = task{item: i, actual: &d, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
+			t.cost = c.cor.Cost(d)
+		case events.Released:
+			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
+		default:
+			continue
+		}
+		row, found := res.Reservations[t.key]
+		// A reservation the ledger records as settled, released or expired
+		// is in Redis already, and the Redis marker may have expired since:
+		// it must not be settled again.
+		if done[t.key] || !found || row.Status != ledger.StatusOpen {
+			continue
+		}
+		done[t.key] = true
+		t.row = row
+		tasks = append(tasks, t)
+	}
+	t0 = time.Now()
+	sem := make(chan struct{}, c.opts.RedisParallel)
+	var wg sync.WaitGroup
+	for i := range tasks {
+		t := &tasks[i]
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			if t.actual != nil {
+				t.settlement, t.ok, t.err = c.cor.Actual(ctx, *t.actual, t.cost, t.row)
+			} else {
+				_, t.err = c.cor.Release(ctx, t.row)
+				t.ok = t.err == nil
+			}
+		})
+	}
+	wg.Wait()
+	c.m.phase.WithLabelValues("redis").Observe(time.Since(t0).Seconds())
+
+	var (
+		marks     []ledger.Mark
+		fixes     []events.Event
+		fixOwners []int // tasks index of each correction
+		now       = time.Now()
+	)
+	for j := range tasks {
+		t := &tasks[j]
+		k := t.key
+		if t.err != nil {
+			items[t.item].err = fmt.Errorf("settle %s/%s %s: %w", k.Tenant, k.User, k.RequestID, t.err)
+			items[t.item].transient = transient(t.err)
+			continue
+		}
+		if !t.ok {
+			continue
+		}
+		if t.actual == nil {
+			marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusReleased})
+			continue
+		}
+		s, delta := t.settlement, t.settlement.Delta
+		switch s.Status {
+		case limits.AlreadySettled:
+			// An earlier delivery corrected Redis but failed before the
+			// ledger knew: announce it again (the id dedups).
+			delta = t.cost
+			if t.row.Estimate >= 0 {
+				delta = t.cost - t.row.Estimate
+			}
+		case limits.Settled, limits.ChargedUnknown:
+		default:
+			continue
+		}
+		fixes = append(fixes, correct.CorrectedEvent(c.opts.Source, k.Tenant, k.User, k.RequestID, s, delta, now))
+		fixOwners = append(fixOwners, j)
+		marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusSettled})
+	}
+	t0 = time.Now()
+	defer func() { c.m.phase.WithLabelValues("publish_mark").Observe(time.Since(t0).Seconds()) }()
+	if len(fixes) > 0 {
+		if err := c.pub.PublishBatch(ctx, fixes); err != nil {
+			var be *events.BatchError
+			if !errors.As(err, &be) {
+				return fmt.Errorf("publish corrections: %w", err)
+			}
+			failed := map[ledger.Key]bool{}
+			for j, e := range be.Errs {
+				if e != nil {
+					t := &tasks[fixOwners[j]]
+					items[t.item].err, items[t.item].transient = e, true
+					failed[t.key] = true
+				}
+			}
+			// Leave those open, so a redelivery announces them again.
+			kept := marks[:0]
+			for _, m := range marks {
+				if !failed[m.Key] {
+					kept = append(kept, m)
+				}
+			}
+			marks = kept
+		}
+	}
+	return c.store.MarkSettled(ctx, marks)
+}
+
+// writeEach writes recs one by one, marking the items whose record
+// Postgres rejects (ledger.IsRejected); any other failure fails the batch.
+// recs are the records of items that are neither bad nor skipped, in order.
+func (c *Consumer) writeEach(ctx context.Context, items []item, recs []ledger.Record) (ledger.WriteResult, error) {
+	all := ledger.WriteResult{Reservations: map[ledger.Key]ledger.Reservation{}}
+	r := 0
+	for i := range items {
+		it := &items[i]
+		if it.bad || it.skip {
+			continue
+		}
+		res, err := c.store.Write(ctx, recs[r:r+1])
+		r++
+		if err != nil {
+			if ledger.IsRejected(err) {
+				it.rejected = err
+				continue
+			}
+			return ledger.WriteResult{}, err
+		}
+		all.Inserted += res.Inserted
+		maps.Copy(all.Reservations, res.Reservations)
+	}
+	return all, nil
+}
+
+// task is the Redis effect of one event of a batch.
+type task struct {
+	item       int        // index in the batch
+	key        ledger.Key // the reservation
+	row        ledger.Reservation
+	actual     *events.Actual // nil: a release
+	cost       int64
+	settlement limits.Settlement
+	ok         bool // an effect was applied (or found applied)
+	err        error
+}
+
+type metrics struct {
+	events       *prometheus.CounterVec
+	lag          prometheus.Gauge
+	batchSize    prometheus.Histogram
+	batchSeconds prometheus.Histogram
+	phase        *prometheus.HistogramVec
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_accounter_events_total",
+			Help: "Consumed events by CloudEvent type and result (ok, ignored, retry, dead_lettered).",
+		}, []string{"type", "result"}),
+		lag: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "quotaflow_accounter_lag_seconds",
+			Help: "Age of the newest event of the last batch when it was handled; 0 when the stream is drained.",
+		}),
+		batchSize: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "quotaflow_accounter_batch_size",
+			Help:    "Messages per fetched batch.",
+			Buckets: []float64{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000},
+		}),
+		batchSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "quotaflow_accounter_batch_duration_seconds",
+			Help:    "Time to handle one batch: ledger, Redis, corrections and acks.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 14),
+		}),
+		phase: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "quotaflow_accounter_batch_phase_seconds",
+			Help:    "Time of each phase of a batch: ledger (Postgres write), redis (corrections), publish_mark (corrected events and settlements), ack.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}, []string{"phase"}),
+	}
+	for _, ph := range []string{"ledger", "redis", "publish_mark", "ack"} {
+		m.phase.WithLabelValues(ph)
+	}
+	for _, typ := range []string{events.TypeReserved, events.TypeDenied, events.TypeActual, events.TypeReleased, events.TypeCorrected, events.TypeTopUp, "unknown"} {
+		for _, res := range []string{"ok", "ignored", "retry", "dead_lettered"} {
+			m.events.WithLabelValues(typ, res)
+		}
+	}
+	for _, col := range []prometheus.Collector{m.events, m.lag, m.batchSize, m.batchSeconds, m.phase} {
+		if err := reg.Register(col); err != nil {
+			return nil, fmt.Errorf("register metrics: %w", err)
+		}
+	}
+	return m, nil
+}

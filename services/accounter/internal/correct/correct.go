@@ -1,0 +1,261 @@
+// Package correct applies the accounter's effects to Redis through
+// pkg/limits: an actual event corrects its reservation's token windows, a
+// released event gives the estimate back, expired reservations are settled,
+// and after Redis lost its data every subject active in the longest window
+// is rebuilt from the ledger before the epoch key is written.
+package correct
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/accounter/internal/ledger"
+)
+
+// Ledger is what the Corrector reads from Postgres to rebuild Redis.
+type Ledger interface {
+	UsageSince(ctx context.Context, since time.Time, f func(ledger.Usage) error) error
+	TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error)
+}
+
+// ErrResolve wraps the errors of resolving an event's rules from the
+// policy: a problem of the event or the policy, not an outage.
+var ErrResolve = errors.New("resolve rules")
+
+// rebuildLockID is the Postgres advisory lock the accounter's instances
+// take around a rebuild, so that only one of them charges the ledger into
+// Redis ("qf-rebuild" as a number).
+const rebuildLockID = 0x71662d7265627569
+
+// Corrector applies events to Redis. Its methods are safe for concurrent
+// use; create it with New.
+//
+// Consumers hold Gate's read lock from the first Redis effect of a batch
+// until the ledger records that Redis holds it, and Rebuild holds the write
+// lock, so a rebuild never reads a ledger that is behind Redis within this
+// process.
+type Corrector struct {
+	lim    *limits.Limiter
+	rdb    redis.UniversalClient
+	policy func() *limits.Policy
+	store  Ledger
+	log    *slog.Logger
+
+	// Gate orders batches against rebuilds; see the type's doc.
+	Gate sync.RWMutex
+}
+
+// New returns a Corrector using lim (over rdb) with the current policy
+// from policy, rebuilding from store.
+func New(lim *limits.Limiter, rdb redis.UniversalClient, policy func() *limits.Policy, store Ledger, log *slog.Logger) *Corrector {
+	return &Corrector{lim: lim, rdb: rdb, policy: policy, store: store, log: log.With("component", "correct")}
+}
+
+// Cost is the weighted cost of an actual event under the current policy.
+func (c *Corrector) Cost(d events.Actual) int64 {
+	return c.policy().Cost(d.Model, d.InputTokens, d.OutputTokens)
+}
+
+// rules returns the subject rules of tenant on plan for endpoint; a plan
+// the policy no longer has falls back to the tenant's or default plan.
+func (c *Corrector) rules(tenant, plan, endpoint string) ([]limits.Rule, error) {
+	p := c.policy()
+	r, err := p.Resolve(tenant, plan, endpoint)
+	if errors.Is(err, limits.ErrUnknownPlan) {
+		r, err = p.Resolve(tenant, "", endpoint)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w of %s: %w", ErrResolve, tenant, err)
+	}
+	return r.Subject, nil
+}
+
+// Actual corrects the reservation of d to cost. res is its ledger row
+// (after this batch's write); its estimate is the fallback when the Redis
+// record is gone, and with no estimate anywhere the cost is charged in full.
+// A reservation the ledger already settled at its estimate (expired) is not
+// touched: ok is false then.
+func (c *Corrector) Actual(ctx context.Context, d events.Actual, cost int64, res ledger.Reservation) (s limits.Settlement, ok bool, err error) {
+	if res.Status == ledger.StatusExpired || res.Status == ledger.StatusExpiredReleased {
+		return limits.Settlement{}, false, nil
+	}
+	endpoint := res.Endpoint
+	if endpoint == "" {
+		endpoint = d.Endpoint
+	}
+	rules, err := c.rules(d.Tenant, res.Plan, endpoint)
+	if err != nil {
+		return limits.Settlement{}, false, err
+	}
+	s, err = c.lim.Correct(ctx, limits.Settle{
+		Tenant: d.Tenant, User: d.User, RequestID: d.RequestID,
+		Actual: cost, Rules: rules, Fallback: fallback(res),
+	})
+	if err != nil {
+		return limits.Settlement{}, false, err
+	}
+	return s, true, nil
+}
+
+// Release gives back the estimate of reservation res.
+func (c *Corrector) Release(ctx context.Context, res ledger.Reservation) (limits.Settlement, error) {
+	rules, err := c.rules(res.Tenant, res.Plan, res.Endpoint)
+	if err != nil {
+		return limits.Settlement{}, err
+	}
+	return c.lim.Release(ctx, limits.Settle{
+		Tenant: res.Tenant, User: res.User, RequestID: res.RequestID,
+		Rules: rules, Fallback: fallback(res),
+	})
+}
+
+func fallback(res ledger.Reservation) *limits.Fallback {
+	if res.Estimate < 0 || res.ReservedAt.IsZero() {
+		return nil
+	}
+	return &limits.Fallback{ReservedAt: res.ReservedAt, Estimate: res.Estimate}
+}
+
+// CorrectedEvent is the corrected event of settlement s of request
+// requestID of (tenant, user), with the touched limits after it.
+func CorrectedEvent(source, tenant, user, requestID string, s limits.Settlement, delta int64, now time.Time) events.Event {
+	ls := make([]events.LimitState, 0, len(s.States))
+	for _, st := range s.States {
+		if st.Rule == nil {
+			continue
+		}
+		ls = append(ls, events.LimitState{
+			Scope: string(st.Rule.Scope), Name: st.Rule.Name, Endpoint: st.Rule.Endpoint,
+			Unit: string(st.Rule.Unit), Limit: st.Limit, Used: st.Used, Remaining: st.Remaining,
+			ResetSeconds: int64((st.Reset + time.Second - 1) / time.Second),
+		})
+	}
+	return events.NewCorrected(source, events.Corrected{
+		RequestID: requestID, Tenant: tenant, User: user, Delta: delta,
+		Version: s.Version, TenantVersion: s.TenantVersion, Limits: ls,
+	}, now)
+}
+
+// EnsureEpoch rebuilds Redis from the ledger when its epoch key is missing
+// (a restart without persistence, a flush, a failover to an empty replica)
+// and then writes the epoch, so admission leaves its local mode. It returns
+// whether it rebuilt. Only one instance rebuilds at a time (a Postgres
+// advisory lock); the others find the epoch written on their next check.
+func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int, err error) {
+	missing, err := limits.EpochMissing(ctx, c.rdb)
+	if err != nil || !missing {
+		return false, 0, err
+	}
+	unlock, ok, err := c.store.TryLock(ctx, rebuildLockID)
+	if err != nil || !ok {
+		return false, 0, err
+	}
+	defer unlock()
+	c.Gate.Lock()
+	defer c.Gate.Unlock()
+	// Another instance may have rebuilt between the check and the lock.
+	if missing, err = limits.EpochMissing(ctx, c.rdb); err != nil || !missing {
+		return false, 0, err
+	}
+	subjects, err = c.rebuild(ctx)
+	if err != nil {
+		return false, subjects, err
+	}
+	if err := limits.WriteEpoch(ctx, c.rdb, strconv.FormatInt(time.Now().UnixMilli(), 10)); err != nil {
+		return false, subjects, err
+	}
+	return true, subjects, nil
+}
+
+// rebuild charges the ledger's usage of the longest token window into the
+// token windows (Charge with Force at each usage's time), subject by
+// subject in time order. Request limits start afresh and balances are not
+// rebuilt (see the package's report).
+func (c *Corrector) rebuild(ctx context.Context) (int, error) {
+	p := c.policy()
+	w := p.LongestTokenWindow()
+	if w == 0 {
+		return 0, nil
+	}
+	subjects := 0
+	var last ledger.Usage
+	cache := map[[3]string][]limits.Rule{}
+	err := c.store.UsageSince(ctx, time.Now().Add(-w), func(u ledger.Usage) error {
+		if u.Tenant != last.Tenant || u.User != last.User || subjects == 0 {
+			subjects++
+			last = u
+		}
+		k := [3]string{u.Tenant, u.Plan, u.Endpoint}
+		rules, seen := cache[k]
+		if !seen {
+			all, err := c.rules(u.Tenant, u.Plan, u.Endpoint)
+			if err != nil {
+				return err
+			}
+			for _, r := range all {
+				if r.Unit == limits.Tokens && r.Kind != limits.Balance {
+					rules = append(rules, r)
+				}
+			}
+			cache[k] = rules
+		}
+		if len(rules) == 0 {
+			return nil
+		}
+		_, err := c.lim.Charge(ctx, limits.ChargeRequest{
+			Tenant: u.Tenant, User: u.User, Rules: rules, Amount: u.Tokens, At: u.At, Force: true,
+		})
+		return err
+	})
+	if err != nil {
+		return subjects, fmt.Errorf("rebuild: %w", err)
+	}
+	return subjects, nil
+}
+
+// ExpiryLedger is the part of the ledger the expiry task uses.
+type ExpiryLedger interface {
+	ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, error)
+	Expired(ctx context.Context, cutoff time.Time, limit int) ([]ledger.Reservation, error)
+	MarkExpired(ctx context.Context, keys []ledger.Key, status string) error
+}
+
+// SettleExpired settles every reservation reserved before cutoff that got
+// neither an actual nor a release, and returns how many. At the estimate
+// (atEstimate), Redis already counts it and only the ledger changes;
+// otherwise the estimate is given back in Redis first. A late actual of
+// such a reservation is recorded in the ledger but corrects nothing.
+func (c *Corrector) SettleExpired(ctx context.Context, l ExpiryLedger, cutoff time.Time, atEstimate bool) (int64, error) {
+	if atEstimate {
+		return l.ExpireAtEstimate(ctx, cutoff)
+	}
+	c.Gate.RLock()
+	defer c.Gate.RUnlock()
+	var total int64
+	for {
+		rows, err := l.Expired(ctx, cutoff, 500)
+		if err != nil || len(rows) == 0 {
+			return total, err
+		}
+		keys := make([]ledger.Key, 0, len(rows))
+		for _, r := range rows {
+			if _, err := c.Release(ctx, r); err != nil {
+				return total, fmt.Errorf("release expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, err)
+			}
+			keys = append(keys, r.Key)
+		}
+		if err := l.MarkExpired(ctx, keys, ledger.StatusExpiredReleased); err != nil {
+			return total, err
+		}
+		total += int64(len(keys))
+	}
+}

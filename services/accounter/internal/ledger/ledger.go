@@ -1,0 +1,401 @@
+// Package ledger is the accounter's durable record in Postgres: every
+// consumed event once (usage_events), the durable copy of each reservation
+// (reservations) and hourly usage totals (usage_rollups). Its migrations are
+// embedded and applied at start under an advisory lock. Every write is
+// idempotent, so a redelivered batch changes nothing.
+package ledger
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"quotaflow/internal/pgdb"
+)
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// VersionTable records which migrations ran; it is the accounter's own, so
+// other services may keep theirs in the same database.
+const VersionTable = "accounter_schema_version"
+
+// Migrate applies the accounter's embedded migrations that have not run
+// yet (pgdb.Migrate: under an advisory lock, so instances starting together
+// apply each once).
+func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	sub, err := fs.Sub(migrations, "migrations")
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	return pgdb.Migrate(ctx, pool, sub, VersionTable)
+}
+
+// Statuses of a reservation row; see migrations/001_ledger.sql.
+const (
+	StatusOpen            = "open"             // nothing settled in Redis yet
+	StatusSettled         = "settled"          // the actual cost is applied in Redis
+	StatusReleased        = "released"         // the estimate was given back in Redis
+	StatusExpired         = "expired"          // no actual before the TTL: settled at the estimate
+	StatusExpiredReleased = "expired_released" // no actual before the TTL: the estimate given back
+)
+
+// Key identifies a reservation: the Redis correction's idempotency key.
+type Key struct {
+	Tenant, User, RequestID string
+}
+
+// Record is one consumed event as the ledger stores it (RequestID holds a
+// top-up's reference and is empty for a denial). Kind is the
+// CloudEvent type; Tokens the weighted cost (reserved: the estimate; actual:
+// the actual cost; released and denied: 0; topup: the amount). Plan,
+// Endpoint, Model and ExpiresAt feed the reservation row of reserved,
+// actual and released events.
+type Record struct {
+	EventID    string
+	Kind       string
+	Tenant     string
+	User       string
+	RequestID  string
+	Tokens     int64
+	OccurredAt time.Time // the CloudEvent time
+	Payload    []byte    // the event's JSON
+	Plan       string
+	Endpoint   string
+	Model      string
+	ExpiresAt  time.Time
+}
+
+// Reservation is a reservations row after a write. Estimate is -1 when no
+// reserved event has arrived; ReservedAt is zero then.
+type Reservation struct {
+	Key
+	Plan       string
+	Endpoint   string
+	Estimate   int64
+	Actual     int64 // -1 when no actual event has arrived
+	ReservedAt time.Time
+	Status     string
+}
+
+// Store reads and writes the ledger. It is safe for concurrent use; create
+// it with New.
+type Store struct {
+	pool *pgxpool.Pool
+}
+
+// New returns a Store over pool (already migrated).
+func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
+
+// Kinds of reservation event, as the CloudEvent type strings.
+const (
+	kindReserved = "quotaflow.usage.reserved"
+	kindActual   = "quotaflow.usage.actual"
+	kindReleased = "quotaflow.usage.released"
+)
+
+// insertEvents stores the batch's events that are new, adds the new actual
+// events to the hourly rollups, and returns how many were new. One
+// statement: the rollups see exactly the rows this statement inserted, so a
+// redelivery adds nothing.
+const insertEvents = `
+WITH input AS (
+    SELECT DISTINCT ON (event_id) *
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::jsonb[])
+        AS t(event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
+    ORDER BY event_id
+), ins AS (
+    INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
+    SELECT event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload FROM input
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING type, tenant, user_id, tokens, occurred_at
+), roll AS (
+    INSERT INTO usage_rollups AS r (tenant, user_id, bucket_start, tokens, requests)
+    SELECT tenant, user_id, date_trunc('hour', occurred_at, 'UTC'), sum(tokens), count(*)
+    FROM ins WHERE type = 'quotaflow.usage.actual'
+    GROUP BY 1, 2, 3
+    ORDER BY 1, 2, 3
+    ON CONFLICT (tenant, user_id, bucket_start)
+    DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + excluded.requests
+)
+SELECT count(*) FROM ins`
+
+// upsertReservations merges the batch's reserved, actual and released
+// events into their reservation rows (first value wins, so a redelivery
+// changes nothing) and returns every touched row.
+const upsertReservations = `
+INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model,
+    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at)
+SELECT tenant, user_id, request_id,
+    coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), ''),
+    coalesce(max(endpoint) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(endpoint), ''),
+    coalesce(max(model) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(model), ''),
+    max(tokens) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
+    min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
+    max(expires_at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
+    max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual'),
+    min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
+    min(at) FILTER (WHERE kind = 'quotaflow.usage.released')
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::timestamptz[], $10::timestamptz[])
+    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at)
+GROUP BY tenant, user_id, request_id
+ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
+ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
+    plan = CASE WHEN r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL THEN excluded.plan ELSE r.plan END,
+    endpoint = CASE WHEN (r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL) OR r.endpoint = ''
+        THEN excluded.endpoint ELSE r.endpoint END,
+    model = CASE WHEN r.model = '' THEN excluded.model ELSE r.model END,
+    estimated_tokens = coalesce(r.estimated_tokens, excluded.estimated_tokens),
+    reserved_at = coalesce(r.reserved_at, excluded.reserved_at),
+    expires_at = coalesce(r.expires_at, excluded.expires_at),
+    actual_tokens = coalesce(r.actual_tokens, excluded.actual_tokens),
+    actual_at = coalesce(r.actual_at, excluded.actual_at),
+    released_at = coalesce(r.released_at, excluded.released_at),
+    updated_at = now()
+RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
+    coalesce(actual_tokens, -1), reserved_at, status`
+
+// WriteResult is what Write did.
+type WriteResult struct {
+	// Inserted is how many events were new (the rest were redeliveries).
+	Inserted int
+	// Reservations holds the row of every reservation the batch touched,
+	// after the write.
+	Reservations map[Key]Reservation
+}
+
+// Write stores a batch in one transaction: the new events, their rollups and
+// the reservation rows. Writing the same records again changes nothing.
+func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
+	n := len(recs)
+	ids, kinds, tenants, users, reqs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	tokens, ats, payloads := make([]int64, n), make([]time.Time, n), make([]string, n)
+	var rt, ru, rr, rk, rp, re, rm []string
+	var rtok []int64
+	var rat, rexp []*time.Time
+	for i, r := range recs {
+		ids[i], kinds[i], tenants[i], users[i], reqs[i] = r.EventID, r.Kind, r.Tenant, r.User, r.RequestID
+		tokens[i], ats[i], payloads[i] = r.Tokens, r.OccurredAt, string(r.Payload)
+		switch r.Kind {
+		case kindReserved, kindActual, kindReleased:
+			rt, ru, rr, rk = append(rt, r.Tenant), append(ru, r.User), append(rr, r.RequestID), append(rk, r.Kind)
+			rp, re, rm = append(rp, r.Plan), append(re, r.Endpoint), append(rm, r.Model)
+			rtok = append(rtok, r.Tokens)
+			at := r.OccurredAt
+			rat = append(rat, &at)
+			var exp *time.Time
+			if !r.ExpiresAt.IsZero() {
+				e := r.ExpiresAt
+				exp = &e
+			}
+			rexp = append(rexp, exp)
+		}
+	}
+	res := WriteResult{Reservations: make(map[Key]Reservation, len(rt))}
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		res.Inserted = 0
+		clear(res.Reservations)
+		if err := tx.QueryRow(ctx, insertEvents, ids, kinds, tenants, users, reqs, tokens, ats, payloads).Scan(&res.Inserted); err != nil {
+			return fmt.Errorf("insert events: %w", err)
+		}
+		if len(rt) == 0 {
+			return nil
+		}
+		rows, err := tx.Query(ctx, upsertReservations, rt, ru, rr, rk, rp, re, rm, rtok, rat, rexp)
+		if err != nil {
+			return fmt.Errorf("upsert reservations: %w", err)
+		}
+		var v Reservation
+		var reservedAt *time.Time
+		_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status}, func() error {
+			v.ReservedAt = time.Time{}
+			if reservedAt != nil {
+				v.ReservedAt = *reservedAt
+			}
+			res.Reservations[v.Key] = v
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("upsert reservations: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return WriteResult{}, fmt.Errorf("ledger write of %d events: %w", n, err)
+	}
+	return res, nil
+}
+
+// Mark records that Redis now holds the effect of a reservation's actual or
+// release event: Status is StatusSettled or StatusReleased.
+type Mark struct {
+	Key
+	Status string
+}
+
+// markSettled moves open rows to their settled status; rows already
+// settled, released or expired keep theirs.
+const markSettled = `
+UPDATE reservations AS r SET status = m.status, settled_at = now(), updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
+WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id AND r.status = 'open'`
+
+// MarkSettled records marks in one statement. Calling it again changes
+// nothing.
+func (s *Store) MarkSettled(ctx context.Context, marks []Mark) error {
+	if len(marks) == 0 {
+		return nil
+	}
+	t, u, r, st := make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks))
+	for i, m := range marks {
+		t[i], u[i], r[i], st[i] = m.Tenant, m.User, m.RequestID, m.Status
+	}
+	if _, err := s.pool.Exec(ctx, markSettled, t, u, r, st); err != nil {
+		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
+	}
+	return nil
+}
+
+// expireAtEstimate settles, in the ledger only, open reservations without
+// an actual or a release that were reserved before $1: Redis already counts
+// their estimate, which is now final.
+const expireAtEstimate = `
+UPDATE reservations SET status = 'expired', settled_at = now(), updated_at = now()
+WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1`
+
+// ExpireAtEstimate settles every reservation reserved before cutoff that
+// got neither an actual nor a release at its estimate, and returns how
+// many it settled.
+func (s *Store) ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, error) {
+	tag, err := s.pool.Exec(ctx, expireAtEstimate, cutoff)
+	if err != nil {
+		return 0, fmt.Errorf("expire reservations: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+const selectExpired = `
+SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, -1, reserved_at, status
+FROM reservations
+WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1
+ORDER BY reserved_at LIMIT $2`
+
+// Expired returns up to limit open reservations reserved before cutoff with
+// neither an actual nor a release, oldest first.
+func (s *Store) Expired(ctx context.Context, cutoff time.Time, limit int) ([]Reservation, error) {
+	rows, err := s.pool.Query(ctx, selectExpired, cutoff, limit)
+	if err != nil {
+		return nil, fmt.Errorf("select expired reservations: %w", err)
+	}
+	var out []Reservation
+	var v Reservation
+	_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &v.ReservedAt, &v.Status}, func() error {
+		out = append(out, v)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("select expired reservations: %w", err)
+	}
+	return out, nil
+}
+
+// MarkExpired sets the status of the open reservations keys to status
+// (StatusExpired or StatusExpiredReleased).
+func (s *Store) MarkExpired(ctx context.Context, keys []Key, status string) error {
+	marks := make([]Mark, len(keys))
+	for i, k := range keys {
+		marks[i] = Mark{Key: k, Status: status}
+	}
+	return s.MarkSettled(ctx, marks)
+}
+
+// Usage is what the windows of a subject hold for its reservations at one
+// time (to the second), for the rebuild of Redis.
+type Usage struct {
+	Tenant, User   string
+	Plan, Endpoint string
+	At             time.Time
+	Tokens         int64
+}
+
+// selectUsage sums, per subject, plan, endpoint and second, what Redis
+// holds for each reservation since $1 given its status: the actual once
+// settled, nothing once released, the estimate while open (the pending
+// actual will correct it) or once expired at the estimate.
+const selectUsage = `
+SELECT tenant, user_id, plan, endpoint, date_trunc('second', at) AS sec, sum(tokens)::bigint
+FROM (
+    SELECT tenant, user_id, plan, endpoint, coalesce(reserved_at, actual_at, released_at) AS at,
+        CASE status
+            WHEN 'settled' THEN coalesce(actual_tokens, 0)
+            WHEN 'released' THEN 0
+            WHEN 'expired_released' THEN 0
+            ELSE coalesce(estimated_tokens, 0)
+        END AS tokens
+    FROM reservations
+    WHERE coalesce(reserved_at, actual_at, released_at) >= $1
+) u
+GROUP BY tenant, user_id, plan, endpoint, sec
+HAVING sum(tokens) <> 0
+ORDER BY tenant, user_id, sec`
+
+// UsageSince calls f for the usage of every subject since since, ordered
+// by subject then time. It reads one consistent snapshot.
+func (s *Store) UsageSince(ctx context.Context, since time.Time, f func(Usage) error) error {
+	rows, err := s.pool.Query(ctx, selectUsage, since)
+	if err != nil {
+		return fmt.Errorf("select usage: %w", err)
+	}
+	var u Usage
+	_, err = pgx.ForEachRow(rows, []any{&u.Tenant, &u.User, &u.Plan, &u.Endpoint, &u.At, &u.Tokens}, func() error { return f(u) })
+	if err != nil {
+		return fmt.Errorf("select usage: %w", err)
+	}
+	return nil
+}
+
+// TryLock takes the session advisory lock id on a dedicated connection and
+// returns its release function, or ok false when another session holds it.
+// The accounter's instances take it around a rebuild of Redis.
+func (s *Store) TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error) {
+	c, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, false, fmt.Errorf("advisory lock: %w", err)
+	}
+	if err := c.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", id).Scan(&ok); err != nil {
+		c.Release()
+		return nil, false, fmt.Errorf("advisory lock: %w", err)
+	}
+	if !ok {
+		c.Release()
+		return nil, false, nil
+	}
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if _, err := c.Exec(ctx, "SELECT pg_advisory_unlock($1)", id); err != nil {
+			// A lost unlock must not leave the lock behind on a pooled connection.
+			c.Conn().Close(ctx)
+		}
+		c.Release()
+	}, true, nil
+}
+
+// IsRejected reports whether err means Postgres refused the data itself
+// (SQLSTATE class 22, data exception, e.g. a NUL character, which text and
+// jsonb cannot hold; or 54, program limit exceeded): writing the same record
+// again can never succeed, unlike a lost connection.
+func IsRejected(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || len(pgErr.Code) < 2 {
+		return false
+	}
+	return pgErr.Code[:2] == "22" || pgErr.Code[:2] == "54"
+}

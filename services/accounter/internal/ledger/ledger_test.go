@@ -1,0 +1,122 @@
+package ledger
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"quotaflow/internal/pgdb"
+	"quotaflow/internal/pgtest"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// testPool creates a database of the test's own on the development
+// Postgres (QF_TEST_POSTGRES_URL overrides it), migrates it and drops it at
+// the end.
+func testPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	ctx := context.Background()
+	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_ledger_test"))
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatalf("Migrate: %v", err)
+	}
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatalf("Migrate again: %v", err)
+	}
+	return pool
+}
+
+func TestWriteIsIdempotentAndMergesOutOfOrder(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	actual := Record{EventID: "a1", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r1", Tokens: 40,
+		OccurredAt: at.Add(time.Minute), Payload: []byte(`{"x":1}`), Endpoint: "/e"}
+	reserved := Record{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100,
+		OccurredAt: at, Payload: []byte(`{}`), Plan: "pro", Endpoint: "/gen", ExpiresAt: at.Add(time.Hour)}
+
+	// The actual first, twice in one batch (one event under two message ids).
+	res, err := s.Write(ctx, []Record{actual, actual})
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := Key{Tenant: "t", User: "u", RequestID: "r1"}
+	if got := res.Reservations[k]; res.Inserted != 1 || got.Estimate != -1 || got.Actual != 40 || got.Status != StatusOpen {
+		t.Fatalf("Write(actual, actual) = %d inserted, row %+v; want 1, no estimate, actual 40, open", res.Inserted, got)
+	}
+	// Then the reserved event, with the actual redelivered beside it.
+	res, err = s.Write(ctx, []Record{reserved, actual})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := res.Reservations[k]
+	if res.Inserted != 1 || got.Estimate != 100 || got.Actual != 40 || got.Plan != "pro" || got.Endpoint != "/gen" || !got.ReservedAt.Equal(at) {
+		t.Fatalf("Write(reserved, actual) = %d inserted, row %+v; want 1, estimate 100, actual 40, plan pro, /gen, reserved at %v", res.Inserted, got, at)
+	}
+	// Everything again: nothing changes.
+	res, err = s.Write(ctx, []Record{reserved, actual})
+	if err != nil || res.Inserted != 0 {
+		t.Fatalf("Write again = %d inserted, %v; want 0", res.Inserted, err)
+	}
+	var tokens, requests int64
+	if err := pool.QueryRow(ctx, "SELECT tokens, requests FROM usage_rollups WHERE tenant='t' AND bucket_start=$1", at.Truncate(time.Hour)).Scan(&tokens, &requests); err != nil {
+		t.Fatal(err)
+	}
+	if tokens != 40 || requests != 1 {
+		t.Errorf("rollup = %d tokens, %d requests; want 40, 1", tokens, requests)
+	}
+
+	// Settling is recorded once and never undone by a later mark.
+	if err := s.MarkSettled(ctx, []Mark{{Key: k, Status: StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.MarkSettled(ctx, []Mark{{Key: k, Status: StatusReleased}}); err != nil {
+		t.Fatal(err)
+	}
+	res, _ = s.Write(ctx, []Record{actual})
+	if st := res.Reservations[k].Status; st != StatusSettled {
+		t.Errorf("status = %s, want settled", st)
+	}
+
+	// The rebuild sees the actual at the reservation's time.
+	var usage []Usage
+	if err := s.UsageSince(ctx, at.Add(-time.Hour), func(u Usage) error { usage = append(usage, u); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if len(usage) != 1 || usage[0].Tokens != 40 || !usage[0].At.Equal(at) || usage[0].Plan != "pro" {
+		t.Errorf("UsageSince = %+v, want one usage of 40 at %v on plan pro", usage, at)
+	}
+}
+
+func TestExpire(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	now := time.Now()
+	recs := []Record{
+		{EventID: "old", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "old", Tokens: 10, OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`)},
+		{EventID: "new", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "new", Tokens: 10, OccurredAt: now, Payload: []byte(`{}`)},
+		{EventID: "done-r", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "done", Tokens: 10, OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`)},
+		{EventID: "done-a", Kind: kindActual, Tenant: "t", User: "u", RequestID: "done", Tokens: 5, OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`)},
+	}
+	if _, err := s.Write(ctx, recs); err != nil {
+		t.Fatal(err)
+	}
+	rows, err := s.Expired(ctx, now.Add(-time.Hour), 10)
+	if err != nil || len(rows) != 1 || rows[0].RequestID != "old" {
+		t.Fatalf("Expired = %+v, %v; want the old reservation only", rows, err)
+	}
+	n, err := s.ExpireAtEstimate(ctx, now.Add(-time.Hour))
+	if err != nil || n != 1 {
+		t.Fatalf("ExpireAtEstimate = %d, %v; want 1", n, err)
+	}
+	if n, _ := s.ExpireAtEstimate(ctx, now.Add(-time.Hour)); n != 0 {
+		t.Errorf("ExpireAtEstimate again = %d, want 0", n)
+	}
+}

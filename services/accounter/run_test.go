@@ -1,0 +1,757 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/internal/obs"
+	"quotaflow/internal/pgtest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+)
+
+// The integration tests run against the real Postgres and NATS of the
+// development machine (QF_TEST_POSTGRES_URL, QF_TEST_NATS_URL override
+// them) and a private redis-server each. Each test owns its database,
+// stream, subject prefix and Redis.
+
+const testPolicy = `
+default_plan: free
+plans:
+  free:
+    quotas:
+      - {name: 5h,  kind: rolling, window: 5h,   limit: 100000}
+      - {name: 30d, kind: rolling, window: 720h, limit: 1000000}
+    rates:
+      - {name: rps, kind: token_bucket, rate: 1000, per: 1s, burst: 1000}
+models:
+  big-model: {input_weight: 1, output_weight: 3}
+`
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// env is one test's private world: database, Redis, stream and policy.
+type env struct {
+	t      testing.TB
+	cfg    Config
+	pg     *pgxpool.Pool
+	redis  *redistest.Server
+	lim    *limits.Limiter
+	policy *limits.Policy
+	js     jetstream.JetStream
+	pub    *events.Publisher
+	ops    string // the ops address of the last start
+}
+
+func newEnv(t testing.TB) *env {
+	t.Helper()
+	ctx := context.Background()
+	id := randHex(5)
+
+	// Postgres: a database of our own, dropped at the end.
+	pgURL := pgtest.NewDatabase(t, "qf_accounter_test")
+
+	// NATS: our own streams and prefix.
+	nc, err := nats.Connect(envOr("QF_TEST_NATS_URL", "nats://127.0.0.1:4222"))
+	if err != nil {
+		t.Fatalf("nats: %v", err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ec := events.Config{
+		Stream: "QFT_ACCT_" + id, DLQStream: "QFT_ACCT_DLQ_" + id, SubjectPrefix: "qftacct" + id,
+		AckWait: 2 * time.Second, MaxDeliver: 5,
+	}
+	if err := events.EnsureStreams(ctx, js, ec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = js.DeleteStream(context.Background(), ec.Stream)
+		_ = js.DeleteStream(context.Background(), ec.DLQStream)
+	})
+
+	policyFile := filepath.Join(t.TempDir(), "policy.yaml")
+	if err := os.WriteFile(policyFile, []byte(testPolicy), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	pol, err := limits.Parse([]byte(testPolicy))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs := redistest.Start(t)
+
+	e := &env{
+		t: t, redis: rs, policy: pol, js: js, pub: events.NewPublisher(js, ec),
+		lim: limits.New(rs.Client(), limits.Options{ReservationTTL: time.Hour}),
+		cfg: Config{
+			RedisURL: "redis://" + rs.Addr + "/0", PostgresURL: pgURL, NATSURL: nc.ConnectedUrl(),
+			PolicyFile: policyFile, Config: ec, LogLevel: "info", OpsAddr: "127.0.0.1:0",
+			Durable: "accounter", Workers: 2, BatchSize: 100, BatchWait: 50 * time.Millisecond,
+			ReservationTTL: time.Hour, SettleExpiredAtEstimate: true,
+			ExpiryInterval: 200 * time.Millisecond, EpochInterval: 200 * time.Millisecond,
+			ReconcileInterval: 300 * time.Millisecond,
+			ShutdownTimeout:   5 * time.Second,
+		},
+	}
+	return e
+}
+
+// start runs the accounter until the test ends (or stop is called) and
+// waits until it is ready.
+func (e *env) start(h *hooks) (stop func()) {
+	t := e.t
+	t.Helper()
+	if h == nil {
+		h = &hooks{}
+	}
+	addr := make(chan string, 1)
+	h.started = func(ops string) { addr <- ops }
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	level, err := obs.ParseLevel(e.cfg.LogLevel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewJSONHandler(testWriter{t}, &slog.HandlerOptions{Level: level}))
+	go func() { done <- run(ctx, e.cfg, log, h) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("run: %v", err)
+			}
+		})
+	}
+	t.Cleanup(stop)
+	var ops string
+	select {
+	case ops = <-addr:
+	case err := <-done:
+		t.Fatalf("run ended at start: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("run did not start")
+	}
+	e.ops = ops
+	waitFor(t, "readyz 200", func() bool {
+		resp, err := http.Get("http://" + ops + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
+	e.pgPool(t)
+	return stop
+}
+
+// testAppName marks the test's own Postgres connections, which the
+// connection-killing test spares.
+const testAppName = "qf_accounter_test"
+
+// pgPool returns the test's own pool of the accounter's database (which
+// must exist), opening it on first use.
+func (e *env) pgPool(t testing.TB) *pgxpool.Pool {
+	if e.pg != nil {
+		return e.pg
+	}
+	pc, err := pgxpool.ParseConfig(e.cfg.PostgresURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc.ConnConfig.RuntimeParams["application_name"] = testAppName
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	e.pg = pool
+	return pool
+}
+
+type testWriter struct{ t testing.TB }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+var _ io.Writer = testWriter{}
+
+func waitFor(t testing.TB, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// with returns a copy of e that reports to t (a subtest).
+func (e *env) with(t *testing.T) *env {
+	c := *e
+	c.t = t
+	return &c
+}
+
+func (e *env) rules(tenant string) []limits.Rule {
+	r, err := e.policy.Resolve(tenant, "", "")
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return r.Subject
+}
+
+// reserve does what admission does for an admitted request: reserve in
+// Redis and publish the reserved event (unless publish is false).
+func (e *env) reserve(tenant, user, req string, est int64, publish bool) {
+	e.t.Helper()
+	ctx := context.Background()
+	d, err := e.lim.Reserve(ctx, limits.Request{Tenant: tenant, User: user, RequestID: req, Cost: est, Rules: e.rules(tenant)})
+	if err != nil || !d.Allowed {
+		e.t.Fatalf("Reserve(%s/%s %s) = %+v, %v", tenant, user, req, d, err)
+	}
+	if publish {
+		e.publish(events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: tenant, User: user, Endpoint: "/api/v1/generate",
+			EstimatedTokens: est, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
+		}, time.Now()))
+	}
+}
+
+func (e *env) actual(tenant, user, req, model string, in, out int64) events.Event {
+	return events.NewActual("test/service", events.Actual{
+		RequestID: req, Tenant: tenant, User: user, Model: model, InputTokens: in, OutputTokens: out,
+	}, time.Now())
+}
+
+func (e *env) publish(ev events.Event) {
+	e.t.Helper()
+	if err := e.pub.Publish(context.Background(), ev); err != nil {
+		e.t.Fatalf("publish: %v", err)
+	}
+}
+
+// used returns the Used of the subject's token limit name.
+func (e *env) used(tenant, user, name string) int64 {
+	e.t.Helper()
+	d, err := e.lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: user, Rules: e.rules(tenant)})
+	if err != nil {
+		e.t.Fatalf("Peek(%s/%s): %v", tenant, user, err)
+	}
+	for _, s := range d.States {
+		if s.Rule.Name == name {
+			return s.Used
+		}
+	}
+	e.t.Fatalf("no limit %s", name)
+	return 0
+}
+
+func (e *env) count(q string, args ...any) int64 {
+	e.t.Helper()
+	var n int64
+	if err := e.pg.QueryRow(context.Background(), q, args...).Scan(&n); err != nil {
+		e.t.Fatalf("%s: %v", q, err)
+	}
+	return n
+}
+
+func (e *env) status(tenant, user, req string) string {
+	var s string
+	err := e.pg.QueryRow(context.Background(),
+		"SELECT status FROM reservations WHERE tenant=$1 AND user_id=$2 AND request_id=$3", tenant, user, req).Scan(&s)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ""
+	}
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return s
+}
+
+func (e *env) waitStatus(tenant, user, req, want string) {
+	e.t.Helper()
+	waitFor(e.t, fmt.Sprintf("reservation %s/%s %s %s", tenant, user, req, want), func() bool {
+		return e.status(tenant, user, req) == want
+	})
+}
+
+func (e *env) subjectMsgs(stream, subject string) uint64 {
+	e.t.Helper()
+	s, err := e.js.Stream(context.Background(), stream)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	info, err := s.Info(context.Background(), jetstream.WithSubjectFilter(subject))
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return info.State.Subjects[subject]
+}
+
+func TestAccounterEvents(t *testing.T) {
+	base := newEnv(t)
+	base.cfg.ReservationTTL = 3 * time.Second // the expiry subtest waits it out
+	base.start(nil)
+	ctx := context.Background()
+	prefix := base.cfg.SubjectPrefix
+	waitFor(t, "epoch written at start", func() bool {
+		missing, err := limits.EpochMissing(ctx, base.redis.Client())
+		return err == nil && !missing
+	})
+
+	t.Run("duplicate event under another Nats-Msg-Id", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr, req := "dup-"+randHex(4), "u1", "r1"
+		e.reserve(ten, usr, req, 100, true)
+		ev := e.actual(ten, usr, req, "big-model", 30, 10) // 30 + 3*10 = 60
+		e.publish(ev)
+		raw, err := events.Encode(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := nats.NewMsg(events.Subject(prefix, events.TypeActual))
+		m.Data = raw
+		m.Header.Set(jetstream.MsgIDHeader, "another-id-"+randHex(4))
+		if _, err := e.js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+		e.waitStatus(ten, usr, req, "settled")
+		// Let the second copy be consumed too.
+		waitFor(t, "both copies consumed", func() bool {
+			c, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
+			if err != nil {
+				return false
+			}
+			i, err := c.Info(ctx)
+			return err == nil && i.NumPending == 0 && i.NumAckPending == 0
+		})
+		if n := e.count("SELECT count(*) FROM usage_events WHERE event_id=$1", ev.ID); n != 1 {
+			t.Errorf("usage_events rows of the actual = %d, want 1", n)
+		}
+		if got := e.used(ten, usr, "5h"); got != 60 {
+			t.Errorf("5h used = %d, want 60 (corrected once)", got)
+		}
+		if n := e.count("SELECT tokens FROM usage_rollups WHERE tenant=$1", ten); n != 60 {
+			t.Errorf("rollup tokens = %d, want 60", n)
+		}
+		// The corrected event was published by then (before the ack), once.
+		if n := e.subjectMsgs(e.cfg.Stream, events.Subject(prefix, events.TypeCorrected)); n != 1 {
+			t.Errorf("corrected events = %d, want 1", n)
+		}
+	})
+
+	t.Run("actual before reserved", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr, req := "early-"+randHex(4), "u1", "r1"
+		e.reserve(ten, usr, req, 100, false)
+		e.publish(e.actual(ten, usr, req, "", 30, 10)) // 40
+		e.waitStatus(ten, usr, req, "settled")
+		if got := e.used(ten, usr, "5h"); got != 40 {
+			t.Errorf("5h used = %d, want 40", got)
+		}
+		e.publish(events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
+			ExpiresAt: time.Now().Add(time.Hour), Version: 1,
+		}, time.Now()))
+		waitFor(t, "estimate recorded", func() bool {
+			return e.count("SELECT coalesce(max(estimated_tokens), 0) FROM reservations WHERE tenant=$1", ten) == 100
+		})
+		if got, st := e.used(ten, usr, "5h"), e.status(ten, usr, req); got != 40 || st != "settled" {
+			t.Errorf("after the late reserved: used %d, status %s; want 40, settled", got, st)
+		}
+	})
+
+	t.Run("actual with no reservation", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr, req := "none-"+randHex(4), "u1", "r1"
+		e.publish(e.actual(ten, usr, req, "", 50, 20))
+		e.waitStatus(ten, usr, req, "settled")
+		if got := e.used(ten, usr, "5h"); got != 70 {
+			t.Errorf("5h used = %d, want 70 (charged in full)", got)
+		}
+	})
+
+	t.Run("released", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr, req := "rel-"+randHex(4), "u1", "r1"
+		e.reserve(ten, usr, req, 100, true)
+		e.publish(events.NewReleased("test/service", events.Released{RequestID: req, Tenant: ten, User: usr}, time.Now()))
+		e.waitStatus(ten, usr, req, "released")
+		if got := e.used(ten, usr, "5h"); got != 0 {
+			t.Errorf("5h used = %d, want 0", got)
+		}
+	})
+
+	t.Run("expired reservation settled at the estimate", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr, req := "exp-"+randHex(4), "u1", "r1"
+		e.reserve(ten, usr, req, 100, true)
+		e.waitStatus(ten, usr, req, "open")
+		e.waitStatus(ten, usr, req, "expired") // after QF_RESERVATION_TTL (3s)
+		if got := e.used(ten, usr, "5h"); got != 100 {
+			t.Errorf("5h used = %d, want 100", got)
+		}
+		// A late actual is recorded but corrects nothing.
+		late := e.actual(ten, usr, req, "", 10, 0)
+		e.publish(late)
+		waitFor(t, "late actual recorded", func() bool {
+			return e.count("SELECT count(*) FROM usage_events WHERE event_id=$1", late.ID) == 1
+		})
+		time.Sleep(200 * time.Millisecond)
+		if got, st := e.used(ten, usr, "5h"), e.status(ten, usr, req); got != 100 || st != "expired" {
+			t.Errorf("after a late actual: used %d, status %s; want 100, expired", got, st)
+		}
+	})
+
+	t.Run("metrics", func(t *testing.T) {
+		resp, err := http.Get("http://" + base.ops + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		for _, want := range []string{
+			`quotaflow_accounter_events_total{result="ok",type="quotaflow.usage.actual"}`,
+			"quotaflow_accounter_lag_seconds",
+			"quotaflow_accounter_batch_size_bucket",
+			"quotaflow_accounter_batch_phase_seconds_bucket",
+			"quotaflow_accounter_rebuilds_total",
+		} {
+			if !strings.Contains(string(body), want) {
+				t.Errorf("/metrics lacks %s", want)
+			}
+		}
+	})
+
+	t.Run("poison message goes to the DLQ", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr, req := "poison-"+randHex(4), "u1", "r1"
+		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeActual), []byte(`{"specversion":"1.0","id":`)); err != nil {
+			t.Fatal(err)
+		}
+		e.publish(e.actual(ten, usr, req, "", 5, 5))
+		e.waitStatus(ten, usr, req, "settled")
+		waitFor(t, "dead letter", func() bool {
+			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, events.ReasonInvalid)) == 1
+		})
+	})
+
+	t.Run("an event Postgres cannot store goes to the DLQ", func(t *testing.T) {
+		e := base.with(t)
+		// A valid event (identifiers are arbitrary UTF-8), but text and
+		// jsonb cannot hold NUL; it is published between good ones.
+		ten := "nul-" + randHex(4)
+		e.publish(e.actual(ten, "u1", "before", "", 1, 1))
+		e.publish(e.actual(ten+"\x00x", "u1", "r1", "", 1, 1))
+		e.publish(e.actual(ten, "u1", "after", "", 1, 1))
+		e.waitStatus(ten, "u1", "before", "settled")
+		e.waitStatus(ten, "u1", "after", "settled")
+		waitFor(t, "dead letter", func() bool {
+			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, "ledger_rejected")) == 1
+		})
+	})
+}
+
+func TestRedeliveredBatchCountsOnce(t *testing.T) {
+	e := newEnv(t)
+	// Admission's view: a Redis the accounter initialised before.
+	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg.Workers = 1
+	e.cfg.BatchSize = 1000
+	e.cfg.BatchWait = 500 * time.Millisecond
+	ten := "redeliver-" + randHex(4)
+	const n = 20
+	var want int64
+	for i := range n {
+		req := fmt.Sprintf("r%d", i)
+		e.reserve(ten, "u1", req, 100, true)
+		e.publish(e.actual(ten, "u1", req, "", int64(10+i), 0))
+		want += int64(10 + i)
+	}
+
+	// The first accounter applies a whole batch, then "crashes" before
+	// any ack.
+	abandoned := make(chan int, 1)
+	var first atomic.Bool
+	stop := e.start(&hooks{beforeAck: func(size int) error {
+		if first.CompareAndSwap(false, true) {
+			abandoned <- size
+		}
+		return errors.New("crash")
+	}})
+	var size int
+	select {
+	case size = <-abandoned:
+	case <-time.After(20 * time.Second):
+		t.Fatal("no batch handled")
+	}
+	stop()
+	if size < 2 {
+		t.Logf("the abandoned batch held %d messages", size)
+	}
+	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten); got == 0 {
+		t.Fatal("the abandoned batch wrote nothing to the ledger")
+	}
+
+	// A second accounter gets the batch again after AckWait.
+	e.start(nil)
+	waitFor(t, "every actual settled", func() bool {
+		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n
+	})
+	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten); got != 2*n {
+		t.Errorf("usage_events rows = %d, want %d", got, 2*n)
+	}
+	if got := e.used(ten, "u1", "5h"); got != want {
+		t.Errorf("5h used = %d, want %d (each actual once)", got, want)
+	}
+	if got := e.count("SELECT coalesce(sum(tokens), 0) FROM usage_rollups WHERE tenant=$1", ten); got != want {
+		t.Errorf("rollup tokens = %d, want %d", got, want)
+	}
+}
+
+func TestRedisLossRebuildsWindows(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.start(nil) // a brand-new Redis and an empty ledger: the epoch is written at once
+	waitFor(t, "epoch written at start", func() bool {
+		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+
+	ten := "flush-" + randHex(4)
+	users := []string{"a", "b", "c"}
+	for i, u := range users {
+		e.reserve(ten, u, "settled", 200, true)
+		e.publish(e.actual(ten, u, "settled", "", int64(50*(i+1)), 0))
+		e.reserve(ten, u, "open", 300, true) // no actual yet
+		e.reserve(ten, u, "released", 400, true)
+		e.publish(events.NewReleased("test/service", events.Released{RequestID: "released", Tenant: ten, User: u}, time.Now()))
+	}
+	e.publish(e.actual(ten, "d", "unreserved", "", 77, 0))
+	for _, u := range users {
+		e.waitStatus(ten, u, "settled", "settled")
+		e.waitStatus(ten, u, "released", "released")
+		e.waitStatus(ten, u, "open", "open")
+	}
+	e.waitStatus(ten, "d", "unreserved", "settled")
+	before := map[string][2]int64{}
+	for _, u := range append(users, "d") {
+		before[u] = [2]int64{e.used(ten, u, "5h"), e.used(ten, u, "30d")}
+	}
+
+	e.redis.Stop()
+	e.redis.Restart() // empty: no persistence
+	waitFor(t, "epoch rewritten", func() bool {
+		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	for u, want := range before {
+		if got := [2]int64{e.used(ten, u, "5h"), e.used(ten, u, "30d")}; got != want {
+			t.Errorf("%s: used (5h, 30d) after the rebuild = %v, want %v", u, got, want)
+		}
+	}
+
+	// The open reservation's actual still corrects it, from the ledger's copy.
+	e.publish(e.actual(ten, "a", "open", "", 120, 0))
+	e.waitStatus(ten, "a", "open", "settled")
+	if got, want := e.used(ten, "a", "5h"), before["a"][0]-300+120; got != want {
+		t.Errorf("a: 5h used after the late actual = %d, want %d", got, want)
+	}
+
+	// Reconciliation agrees with the rebuilt Redis, and sees tokens the
+	// ledger never heard of.
+	waitFor(t, "no drift", func() bool { return e.metric("quotaflow_accounter_drift_tokens") == 0 })
+	if _, err := e.lim.Charge(ctx, limits.ChargeRequest{Tenant: ten, User: "b", Rules: e.rules(ten)[:2], Amount: 500}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "drift of 1000 (500 in each of two windows)", func() bool {
+		return e.metric("quotaflow_accounter_drift_tokens") == 1000 && e.metric("quotaflow_accounter_drift_subjects") == 1
+	})
+}
+
+// metric returns the value of the unlabelled metric name on /metrics.
+func (e *env) metric(name string) float64 {
+	e.t.Helper()
+	resp, err := http.Get("http://" + e.ops + "/metrics")
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	for _, line := range strings.Split(string(body), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			var f float64
+			if _, err := fmt.Sscan(v, &f); err == nil {
+				return f
+			}
+		}
+	}
+	e.t.Fatalf("no metric %s", name)
+	return 0
+}
+
+func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.start(nil)
+	waitFor(t, "epoch written at start", func() bool {
+		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	db := e.pg.Config().ConnConfig.Database
+	admin, err := pgx.Connect(ctx, envOr("QF_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+
+	ten := "pgkill-" + randHex(4)
+	const n = 300
+	var want int64
+	published := make(chan struct{})
+	go func() {
+		defer close(published)
+		for i := range n {
+			req := fmt.Sprintf("r%d", i)
+			e.reserve(ten, fmt.Sprintf("u%d", i%3), req, 100, true)
+			e.publish(e.actual(ten, fmt.Sprintf("u%d", i%3), req, "", int64(i%50+1), 0))
+			if i%20 == 0 {
+				time.Sleep(20 * time.Millisecond)
+			}
+		}
+	}()
+	for i := 0; i < n; i++ {
+		want += int64(i%50 + 1)
+	}
+	killed := int64(0)
+	func() {
+		for {
+			select {
+			case <-published:
+				return
+			case <-time.After(150 * time.Millisecond):
+			}
+			var k int64
+			err := admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+				WHERE datname = $1 AND pid <> pg_backend_pid() AND application_name <> $2`, db, testAppName).Scan(&k)
+			if err != nil {
+				t.Fatalf("terminate: %v", err)
+			}
+			killed += k
+		}
+	}()
+	t.Logf("terminated %d accounter connections", killed)
+	defer func() {
+		if t.Failed() {
+			rows, _ := e.pg.Query(ctx, "SELECT status, count(*), count(actual_tokens), count(estimated_tokens) FROM reservations WHERE tenant=$1 GROUP BY 1", ten)
+			for rows.Next() {
+				var st string
+				var a, b, c int64
+				_ = rows.Scan(&st, &a, &b, &c)
+				t.Logf("status %s: %d rows, %d actual, %d estimate", st, a, b, c)
+			}
+			t.Logf("dlq: %d", e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, events.ReasonMaxDeliver)))
+		}
+	}()
+	waitFor(t, "every event in the ledger and every actual settled", func() bool {
+		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n &&
+			e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten) == 2*n
+	})
+	var used int64
+	for u := range 3 {
+		used += e.used(ten, fmt.Sprintf("u%d", u), "5h")
+	}
+	if used != want {
+		t.Errorf("5h used over the users = %d, want %d", used, want)
+	}
+	if got := e.count("SELECT coalesce(sum(tokens), 0) FROM usage_rollups WHERE tenant=$1", ten); got != want {
+		t.Errorf("rollup tokens = %d, want %d", got, want)
+	}
+}
+
+func TestExpiredReservationReleased(t *testing.T) {
+	e := newEnv(t)
+	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg.ReservationTTL = 2 * time.Second
+	e.cfg.SettleExpiredAtEstimate = false
+	e.start(nil)
+	ten, usr, req := "exprel-"+randHex(4), "u1", "r1"
+	e.reserve(ten, usr, req, 100, true)
+	e.waitStatus(ten, usr, req, "expired_released")
+	if got := e.used(ten, usr, "5h"); got != 0 {
+		t.Errorf("5h used = %d, want 0 (the estimate given back)", got)
+	}
+}
+
+func TestRedisOutageDeadLettersNothing(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	if err := limits.WriteEpoch(ctx, e.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg.MaxDeliver = 2 // an outage outlasts it by far
+	e.start(nil)
+	ten, usr, req := "outage-"+randHex(4), "u1", "r1"
+	e.reserve(ten, usr, req, 100, true)
+	e.waitStatus(ten, usr, req, "open")
+
+	e.redis.Stop()
+	e.publish(e.actual(ten, usr, req, "", 40, 0))
+	waitFor(t, "several failed deliveries", func() bool {
+		c, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
+		if err != nil {
+			return false
+		}
+		i, err := c.Info(ctx)
+		return err == nil && i.NumRedelivered > 0 && time.Since(i.Created) > 0 && i.Delivered.Consumer >= 5
+	})
+	e.redis.Restart() // empty: the accounter rebuilds it from the ledger
+	e.waitStatus(ten, usr, req, "settled")
+	if got := e.used(ten, usr, "5h"); got != 40 {
+		t.Errorf("5h used = %d, want 40", got)
+	}
+	if n := e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, events.ReasonMaxDeliver)); n != 0 {
+		t.Errorf("%d events dead-lettered during the outage, want 0", n)
+	}
+}
