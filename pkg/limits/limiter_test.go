@@ -240,6 +240,32 @@ func TestBalanceSpendsTopUpsOnce(t *testing.T) {
 	}
 }
 
+func TestRestoreBalanceAfterDataLoss(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	ctx := context.Background()
+	l := New(c, Options{})
+	rules := []Rule{rule(ScopeUser, Limit{Name: "credits", Kind: Balance})}
+	// Redis came back empty: the guard refuses to decide, the ledger's
+	// figures go back in, then the epoch.
+	if err := l.RestoreBalance(ctx, "t", "u", &rules[0], 500, 120, "rebuild-1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.RestoreBalance(ctx, "t", "u", &rules[0], 500, 0, "rebuild-1"); err != nil { // a retried rebuild
+		t.Fatal(err)
+	}
+	if err := WriteEpoch(ctx, c, "rebuild-1"); err != nil {
+		t.Fatal(err)
+	}
+	d, err := l.Peek(ctx, Request{Tenant: "t", User: "u", Rules: rules})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := d.States[0]; st.Limit != 500 || st.Used != 120 || st.Remaining != 380 {
+		t.Fatalf("restored balance = %+v, want credited 500, spent 120", st)
+	}
+}
+
 func TestConcurrencyHoldsSlotUntilSettled(t *testing.T) {
 	c := redistest.Shared(t)
 	tenant := newTenant(t)

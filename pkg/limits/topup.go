@@ -21,6 +21,27 @@ type TopUpResult struct {
 // (tenant, reference): a retried top-up changes nothing. For a tenant-wide
 // balance (r.Scope is ScopeTenant) user is ignored.
 func (l *Limiter) TopUp(ctx context.Context, tenant, user string, r *Rule, amount int64, reference string) (TopUpResult, error) {
+	return l.topUp(ctx, tenant, user, r, amount, reference, l.guard)
+}
+
+// RestoreBalance puts a balance lost with Redis's data back from the
+// ledger: credited credits (once per reference: use one per rebuild) and
+// spent spent, even while the epoch is missing. Call it before WriteEpoch,
+// on a balance that has not been used since Redis came back empty.
+func (l *Limiter) RestoreBalance(ctx context.Context, tenant, user string, r *Rule, credited, spent int64, reference string) error {
+	if credited > 0 {
+		if _, err := l.topUp(ctx, tenant, user, r, credited, reference, "0"); err != nil {
+			return err
+		}
+	}
+	if spent <= 0 {
+		return nil
+	}
+	_, err := l.Charge(ctx, ChargeRequest{Tenant: tenant, User: user, Rules: []Rule{*r}, Amount: spent, Force: true})
+	return err
+}
+
+func (l *Limiter) topUp(ctx context.Context, tenant, user string, r *Rule, amount int64, reference, guard string) (TopUpResult, error) {
 	if r.Kind != Balance {
 		return TopUpResult{}, fmt.Errorf("%w: top up %s: not a balance", ErrInvalid, r.Name)
 	}
@@ -44,7 +65,7 @@ func (l *Limiter) TopUp(ctx context.Context, tenant, user string, r *Rule, amoun
 		blob = k.tenantBlob()
 	}
 	keys := []string{epochKey(k.tag()), blob, k.topup(reference)}
-	v, err := topUpScript.Run(ctx, l.rdb, keys, amount, topUpMarkerTTL, l.guard, packSpecs([]Rule{*r}, l.resTTL)).Int64Slice()
+	v, err := topUpScript.Run(ctx, l.rdb, keys, amount, topUpMarkerTTL, guard, packSpecs([]Rule{*r}, l.resTTL)).Int64Slice()
 	if err != nil {
 		return TopUpResult{}, fmt.Errorf("top up %s/%s: %w", tenant, user, err)
 	}

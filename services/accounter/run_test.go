@@ -43,6 +43,12 @@ plans:
       - {name: 30d, kind: rolling, window: 720h, limit: 1000000}
     rates:
       - {name: rps, kind: token_bucket, rate: 1000, per: 1s, burst: 1000}
+  prepaid:
+    quotas:
+      - {name: 5h,      kind: rolling, window: 5h, limit: 100000}
+      - {name: credits, kind: balance}
+tenants:
+  prepaid: {plan: prepaid}
 models:
   big-model: {input_weight: 1, output_weight: 3}
 `
@@ -606,6 +612,58 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 	waitFor(t, "drift of 1000 (500 in each of two windows)", func() bool {
 		return e.metric("quotaflow_accounter_drift_tokens") == 1000 && e.metric("quotaflow_accounter_drift_subjects") == 1
 	})
+}
+
+// TestRedisLossRebuildsBalances: prepaid credits survive Redis losing its
+// data: top-ups come back as credit, what requests hold as spent.
+func TestRedisLossRebuildsBalances(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.start(nil)
+	waitFor(t, "epoch written at start", func() bool {
+		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	const ten = "prepaid" // the policy's tenant on the plan with a balance
+	rules := e.rules(ten)
+	bal := &rules[1]
+	balance := func() (credited, spent int64) {
+		t.Helper()
+		d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: "u", Rules: rules})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d.States[1].Limit, d.States[1].Used
+	}
+	for _, ref := range []string{"pay-1", "pay-2"} { // as admission does: Redis, then the event
+		if _, err := e.lim.TopUp(ctx, ten, "u", bal, 1000, ref); err != nil {
+			t.Fatal(err)
+		}
+		e.publish(events.NewTopUp("test/admission", events.TopUp{Tenant: ten, User: "u", Amount: 1000, Reference: ref}, time.Now()))
+	}
+	e.reserve(ten, "u", "done", 300, true)
+	e.publish(e.actual(ten, "u", "done", "", 120, 0))
+	e.reserve(ten, "u", "open", 200, true) // no actual yet: its estimate is spent
+	e.waitStatus(ten, "u", "done", "settled")
+	e.waitStatus(ten, "u", "open", "open")
+	waitFor(t, "top-ups in the ledger", func() bool {
+		var n int
+		_ = e.pg.QueryRow(ctx, "SELECT count(*) FROM usage_events WHERE type = 'quotaflow.balance.topup'").Scan(&n)
+		return n == 2
+	})
+	if c, sp := balance(); c != 2000 || sp != 320 {
+		t.Fatalf("balance before = credited %d, spent %d; want 2000, 320", c, sp)
+	}
+
+	e.redis.Stop()
+	e.redis.Restart()
+	waitFor(t, "epoch rewritten", func() bool {
+		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	if c, sp := balance(); c != 2000 || sp != 320 {
+		t.Errorf("balance after the rebuild = credited %d, spent %d; want 2000, 320", c, sp)
+	}
 }
 
 // metric returns the value of the unlabelled metric name on /metrics.

@@ -24,6 +24,7 @@ import (
 // Ledger is what the Corrector reads from Postgres to rebuild Redis.
 type Ledger interface {
 	UsageSince(ctx context.Context, since time.Time, f func(ledger.Usage) error) error
+	Balances(ctx context.Context, f func(ledger.Balance) error) error
 	TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error)
 }
 
@@ -170,7 +171,11 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 	if err != nil {
 		return false, subjects, err
 	}
-	if err := limits.WriteEpoch(ctx, c.rdb, strconv.FormatInt(time.Now().UnixMilli(), 10)); err != nil {
+	epoch := strconv.FormatInt(time.Now().UnixMilli(), 10)
+	if err := c.rebuildBalances(ctx, "rebuild-"+epoch); err != nil {
+		return false, subjects, err
+	}
+	if err := limits.WriteEpoch(ctx, c.rdb, epoch); err != nil {
 		return false, subjects, err
 	}
 	return true, subjects, nil
@@ -178,8 +183,8 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 
 // rebuild charges the ledger's usage of the longest token window into the
 // token windows (Charge with Force at each usage's time), subject by
-// subject in time order. Request limits start afresh and balances are not
-// rebuilt (see the package's report).
+// subject in time order. Request limits and concurrency slots start afresh;
+// balances are rebuilt by rebuildBalances.
 func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 	p := c.policy()
 	w := p.LongestTokenWindow()
@@ -220,6 +225,28 @@ func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 		return subjects, fmt.Errorf("rebuild: %w", err)
 	}
 	return subjects, nil
+}
+
+// rebuildBalances puts back the prepaid balance of every subject that
+// received a top-up: its top-ups as credit, what its requests hold as
+// spent, under the balance limit of the subject's current plan (a subject
+// whose plan has none keeps nothing in Redis). reference makes a retried
+// rebuild credit once.
+func (c *Corrector) rebuildBalances(ctx context.Context, reference string) error {
+	return c.store.Balances(ctx, func(b ledger.Balance) error {
+		rules, err := c.rules(b.Tenant, "", "")
+		if err != nil {
+			return err
+		}
+		for i := range rules {
+			if r := &rules[i]; r.Kind == limits.Balance {
+				if err := c.lim.RestoreBalance(ctx, b.Tenant, b.User, r, b.Credited, b.Spent, reference); err != nil {
+					return fmt.Errorf("rebuild balance %s/%s: %w", b.Tenant, b.User, err)
+				}
+			}
+		}
+		return nil
+	})
 }
 
 // ExpiryLedger is the part of the ledger the expiry task uses.

@@ -361,6 +361,48 @@ func (s *Store) UsageSince(ctx context.Context, since time.Time, f func(Usage) e
 	return nil
 }
 
+// Balance is what a subject's prepaid balance held: every top-up it
+// received, and what its requests spent (by the same rules as Usage, over
+// all time).
+type Balance struct {
+	Tenant, User    string
+	Credited, Spent int64
+}
+
+// selectBalances sums the top-ups of every subject that received one, and
+// what its reservations hold given their status.
+const selectBalances = `
+SELECT t.tenant, t.user_id, t.credited, coalesce(r.spent, 0)
+FROM (
+    SELECT tenant, user_id, sum(tokens)::bigint AS credited
+    FROM usage_events WHERE type = 'quotaflow.balance.topup'
+    GROUP BY tenant, user_id
+) t
+LEFT JOIN LATERAL (
+    SELECT sum(CASE status
+            WHEN 'settled' THEN coalesce(actual_tokens, 0)
+            WHEN 'released' THEN 0
+            WHEN 'expired_released' THEN 0
+            ELSE coalesce(estimated_tokens, 0)
+        END)::bigint AS spent
+    FROM reservations r WHERE r.tenant = t.tenant AND r.user_id = t.user_id
+) r ON true
+ORDER BY t.tenant, t.user_id`
+
+// Balances calls f for every subject that received a top-up.
+func (s *Store) Balances(ctx context.Context, f func(Balance) error) error {
+	rows, err := s.pool.Query(ctx, selectBalances)
+	if err != nil {
+		return fmt.Errorf("select balances: %w", err)
+	}
+	var b Balance
+	_, err = pgx.ForEachRow(rows, []any{&b.Tenant, &b.User, &b.Credited, &b.Spent}, func() error { return f(b) })
+	if err != nil {
+		return fmt.Errorf("select balances: %w", err)
+	}
+	return nil
+}
+
 // TryLock takes the session advisory lock id on a dedicated connection and
 // returns its release function, or ok false when another session holds it.
 // The accounter's instances take it around a rebuild of Redis.
