@@ -30,6 +30,9 @@ var luaLease string
 //go:embed lua/topup.lua
 var luaTopUp string
 
+//go:embed lua/admitted.lua
+var luaAdmitted string
+
 // Each script is the shared algorithms followed by its entry code.
 var (
 	reserveScript = redis.NewScript(luaLib + luaReserve)
@@ -37,6 +40,8 @@ var (
 	chargeScript  = redis.NewScript(luaLib + luaCharge)
 	leaseScript   = redis.NewScript(luaLib + luaLease)
 	topUpScript   = redis.NewScript(luaLib + luaTopUp)
+	// admittedScript needs none of the algorithms.
+	admittedScript = redis.NewScript(luaAdmitted)
 )
 
 // Errors returned by the Limiter. A denial is not an error: it is a Decision
@@ -234,6 +239,22 @@ func subjectKeysOf(k subjectKeys, requestID string, rules []Rule) ([]string, str
 		}
 	}
 	return keys, meta
+}
+
+// Admitted reports whether request id of (tenant, user) has a reservation
+// record, i.e. was admitted (and possibly settled) within ReservationTTL.
+// Admission asks it when a shared layer denies a request whose id the
+// caller chose: a retry of an admitted request gets its stored decision,
+// never a denial by a layer it already passed.
+func (l *Limiter) Admitted(ctx context.Context, tenant, user, requestID string) (bool, error) {
+	if err := errors.Join(checkID("tenant", tenant, true), checkID("user", user, true), checkID("request_id", requestID, true)); err != nil {
+		return false, err
+	}
+	n, err := admittedScript.Run(ctx, l.rdb, []string{newSubjectKeys(tenant, user).reservation(requestID)}).Int64()
+	if err != nil {
+		return false, fmt.Errorf("admitted %s/%s: %w", tenant, user, err)
+	}
+	return n == 1, nil
 }
 
 // ReserveShared checks and reserves cost in the shared limits of one

@@ -350,6 +350,15 @@ func TestReserveIsIdempotentByRequestID(t *testing.T) {
 	}
 	// The same id of another user is another request.
 	wantUsed(t, reserve(t, l, tenant, "v", "same", 100, rules), 0, 100)
+
+	for _, tc := range []struct {
+		user, id string
+		want     bool
+	}{{"u", "same", true}, {"u", "other", false}, {"w", "same", false}} {
+		if got, err := l.Admitted(context.Background(), tenant, tc.user, tc.id); err != nil || got != tc.want {
+			t.Errorf("Admitted(%s, %s) = %v, %v; want %v", tc.user, tc.id, got, err, tc.want)
+		}
+	}
 }
 
 func TestCorrectAndReleaseApplyOnce(t *testing.T) {

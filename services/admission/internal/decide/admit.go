@@ -78,6 +78,14 @@ func (a *admission) run(rs *limits.Resolved) error {
 	if ok && err == nil && len(rs.Global) > 0 {
 		ok, err = a.sharedLayer(limits.ScopeGlobal, rs.Endpoint, rs.Global)
 	}
+	if !ok && err == nil && a.in.CallerID && a.retryOfAdmitted() {
+		// A retry of an admitted request gets its stored decision, not a
+		// denial by a layer it passed when it was admitted.
+		a.undo()
+		a.denied, a.res.RetryAfter, a.res.Reason = -1, 0, limits.ReasonNone
+		a.res.Limits = a.res.Limits[:0]
+		ok = true
+	}
 	if ok && err == nil {
 		ok, err = a.subjectLayer(rs.Subject)
 	}
@@ -103,6 +111,21 @@ func (a *admission) run(rs *limits.Resolved) error {
 		}
 	}
 	return nil
+}
+
+// retryOfAdmitted reports whether the request id already has a reservation
+// in Redis; false when Redis cannot say.
+func (a *admission) retryOfAdmitted() bool {
+	if !a.remote {
+		return false
+	}
+	var admitted bool
+	err := a.d.call(a.ctx, opReserve, func(ctx context.Context) error {
+		var err error
+		admitted, err = a.d.lim.Admitted(ctx, a.in.Tenant, a.in.User, a.in.RequestID)
+		return err
+	})
+	return err == nil && admitted
 }
 
 // deny records the first denial.

@@ -9,6 +9,10 @@ import (
 // Input is one admission request, already validated by the HTTP layer.
 type Input struct {
 	RequestID string // never empty: the HTTP layer generates one when absent
+	// CallerID says the caller chose RequestID, so it may be a retry of a
+	// request admitted before: when a shared layer denies it, Admit asks
+	// Redis whether it was (one more round trip, on that path only).
+	CallerID bool
 	Tenant    string
 	User      string
 	Plan      string // empty: the tenant's plan, then the policy's default

@@ -552,3 +552,47 @@ func TestTooManyPoolsFallsBackToRoundTrips(t *testing.T) {
 		t.Fatalf("global used = %d, want 2 (reserved, not leased)", used)
 	}
 }
+
+const retryPolicy = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: q, kind: fixed, window: 1h, limit: 1000}]
+endpoints:
+  {E}:
+    global: [{name: once, kind: fixed, window: 1h, limit: 1}]
+`
+
+// TestRetryOfAdmittedRequestPassesSharedLayers: a gateway retrying a
+// request it was allowed gets the stored decision, even when the global
+// layer is exhausted since (by that very request); a new request id is
+// denied, and an id the caller did not choose is never looked up.
+func TestRetryOfAdmittedRequestPassesSharedLayers(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/retry/" + tenant
+	pol := parsePolicy(t, retryPolicy, ep)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	first := in(tenant, "u", ep, 10)
+	first.CallerID = true
+	wantAllowed(t, admit(t, d, first), true)
+	again := admit(t, d, first)
+	wantAllowed(t, again, true)
+	if !again.Duplicate {
+		t.Fatalf("retry = %+v, want the stored decision (duplicate)", again)
+	}
+	if q := again.Limits[len(again.Limits)-1]; q.Name != "q" || q.Used != 10 {
+		t.Fatalf("retry charged again: %+v", again.Limits)
+	}
+	other := in(tenant, "u", ep, 10)
+	other.CallerID = true
+	if r := admit(t, d, other); r.Allowed || r.DeniedBy.Scope != limits.ScopeGlobal {
+		t.Fatalf("new request = %+v, want denied by the global layer", r)
+	}
+	generated := first
+	generated.CallerID = false
+	if r := admit(t, d, generated); r.Allowed {
+		t.Fatalf("an id the caller did not choose was looked up: %+v", r)
+	}
+}

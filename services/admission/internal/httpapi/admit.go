@@ -83,7 +83,8 @@ func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
 // denyStatus with a problem body when denied.
 func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, pol *limits.Policy,
 	in decide.Input, denyStatus int, authz bool) {
-	if in.RequestID == "" {
+	in.CallerID = in.RequestID != ""
+	if !in.CallerID {
 		in.RequestID = newRequestID()
 	}
 	res, err := h.dec.Admit(r.Context(), in)

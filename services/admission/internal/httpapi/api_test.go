@@ -272,7 +272,7 @@ func TestAdmitAllowed(t *testing.T) {
 		}
 	}
 	in := e.dec.lastInput(t)
-	wantIn := decide.Input{RequestID: "r-123", Tenant: "acme", User: "u-42", Plan: "free", IP: "203.0.113.7",
+	wantIn := decide.Input{RequestID: "r-123", CallerID: true, Tenant: "acme", User: "u-42", Plan: "free", IP: "203.0.113.7",
 		Endpoint: "/api/v1/generate", Model: "big-model", Cost: 120}
 	if in != wantIn {
 		t.Errorf("decider got %+v, want %+v", in, wantIn)
@@ -496,8 +496,10 @@ func TestAdmitInputs(t *testing.T) {
 			if w := e.do("POST", "/v1/admit", tc.body); w.Code != http.StatusOK {
 				t.Fatalf("POST /v1/admit = %d %s", w.Code, w.Body)
 			}
-			if got := e.dec.lastInput(t); got != tc.want {
-				t.Errorf("decider got %+v, want %+v", got, tc.want)
+			want := tc.want
+			want.CallerID = true // every case names its request id
+			if got := e.dec.lastInput(t); got != want {
+				t.Errorf("decider got %+v, want %+v", got, want)
 			}
 		})
 	}
@@ -721,8 +723,10 @@ func TestAuthz(t *testing.T) {
 				if w.Code != http.StatusOK {
 					t.Fatalf("%s %s = %d %s, want 200", method, tc.target, w.Code, w.Body)
 				}
-				if got := e.dec.lastInput(t); got != tc.want {
-					t.Errorf("%s: decider got %+v, want %+v", method, got, tc.want)
+				want := tc.want
+				want.CallerID = true // every case sends X-Request-Id
+				if got := e.dec.lastInput(t); got != want {
+					t.Errorf("%s: decider got %+v, want %+v", method, got, want)
 				}
 				if w.Header().Get("RateLimit") == "" || w.Header().Get("X-Quota-Denied") != "" {
 					t.Errorf("%s: headers %v", method, w.Header())

@@ -1,0 +1,7 @@
+-- admitted.lua: whether a request id has a reservation record.
+--
+-- KEYS[1] the reservation record (keys.go). No ARGV.
+-- Reply: 1 when the record exists (admitted, possibly settled since), else 0.
+-- A script, not a bare EXISTS, so the Limiter needs nothing but
+-- redis.Scripter from its client.
+return redis.call('EXISTS', KEYS[1])
