@@ -13,13 +13,13 @@ type Input struct {
 	// request admitted before: when a shared layer denies it, Admit asks
 	// Redis whether it was (one more round trip, on that path only).
 	CallerID bool
-	Tenant    string
-	User      string
-	Plan      string // empty: the tenant's plan, then the policy's default
-	IP        string // empty: no IP layer
-	Endpoint  string
-	Model     string
-	Cost      int64 // weighted tokens
+	Tenant   string
+	User     string
+	Plan     string // empty: the tenant's plan, then the policy's default
+	IP       string // empty: no IP layer
+	Endpoint string
+	Model    string
+	Cost     int64 // weighted tokens
 }
 
 // Result is the decision on one Input.
