@@ -379,6 +379,40 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 		t.Errorf("consumer after processing: pending %d, ack pending %d, redelivered %d", info.NumPending, info.NumAckPending, info.NumRedelivered)
 	}
 
+	// The ledger is back: the poison event is replayed from the dead-letter
+	// stream to its subject and handled once; the malformed one stays.
+	for i, want := range []int{1, 0} {
+		n, err := Replay(ctx, js, cfg, ReasonMaxDeliver)
+		if err != nil || n != want {
+			t.Fatalf("Replay #%d = %d, %v; want %d", i, n, err, want)
+		}
+	}
+	if _, err := dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonMaxDeliver)); !errors.Is(err, jetstream.ErrMsgNotFound) {
+		t.Errorf("replayed dead letter still in the dead-letter stream: %v", err)
+	}
+	if _, err := dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonInvalid)); err != nil {
+		t.Errorf("the malformed dead letter was replayed too: %v", err)
+	}
+	var released []string
+	h.Released = func(_ context.Context, ev Event, _ Released) error {
+		released = append(released, ev.ID)
+		return nil
+	}
+	for deadline := time.Now().Add(10 * time.Second); len(released) == 0 && time.Now().Before(deadline); {
+		batch, err := cons.Fetch(10, jetstream.FetchMaxWait(500*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for msg := range batch.Messages() {
+			if err := Process(ctx, js, cfg, msg, h.Dispatch); err != nil {
+				t.Fatalf("replayed event: %v", err)
+			}
+		}
+	}
+	if len(released) != 1 || released[0] != poison.ID {
+		t.Errorf("after replay the consumer handled %v, want [%s]", released, poison.ID)
+	}
+
 	// Dead-lettering the same stream message again (a crash before Term)
 	// stores it once.
 	if _, err := js.Publish(ctx, Subject(cfg.SubjectPrefix, TypeActual), malformed, jetstream.WithMsgID("bad-2")); err != nil {
