@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,7 +14,7 @@ import (
 
 // BenchmarkConsume measures the events per second one alerter sustains:
 // reserved events each carrying a user and a tenant limit under every
-// threshold (one Postgres transaction each), published up front and timed
+// threshold (one Postgres transaction per fetched batch), published up front and timed
 // until the consumer has acked them all. Run it against the real servers:
 //
 //	go test -run '^$' -bench Consume -benchtime 2000x ./services/alerter/
@@ -51,10 +53,51 @@ func BenchmarkConsume(b *testing.B) {
 //
 //	go test -run '^$' -bench AlertLatency -benchtime 200x ./services/alerter/
 func BenchmarkAlertLatency(b *testing.B) {
+	for _, bg := range []int{0, 5000} {
+		b.Run(fmt.Sprintf("background=%d/s", bg), func(b *testing.B) { alertLatency(b, bg) })
+	}
+}
+
+// alertLatency measures from publishing the snapshot that crosses 80% to
+// the webhook request arriving, while a background publisher sends
+// background quiet snapshots per second (other users at 10%: they move
+// versions and state but raise nothing).
+func alertLatency(b *testing.B, background int) {
 	e := newEnv(b, opsHook)
 	e.start(nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	var sent atomic.Int64
+	if background > 0 {
+		wg.Go(func() {
+			const tick = 10 * time.Millisecond
+			per := background * int(tick) / int(time.Second)
+			t := time.NewTicker(tick)
+			defer t.Stop()
+			for n := 0; ; {
+				select {
+				case <-ctx.Done():
+					return
+				case <-t.C:
+				}
+				now := time.Now().UTC()
+				batch := make([]events.Event, per)
+				for i := range batch {
+					n++
+					batch[i] = reserved("bg", fmt.Sprintf("b%d", n%5000), fmt.Sprintf("r%d", n), int64(n), 0, now, userLimit(100, 60))
+				}
+				if err := e.pub.PublishBatch(ctx, batch); err == nil {
+					sent.Add(int64(per))
+				}
+			}
+		})
+		time.Sleep(time.Second) // let the background reach its rate
+	}
 	lat := make([]time.Duration, 0, b.N)
 	b.ResetTimer()
+	start0 := time.Now()
+	sent.Store(0)
 	for i := range b.N {
 		user := fmt.Sprintf("u%d", i)
 		start := time.Now()
@@ -72,4 +115,5 @@ func BenchmarkAlertLatency(b *testing.B) {
 	slices.Sort(lat)
 	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50-ms")
 	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99-ms")
+	b.ReportMetric(float64(sent.Load())/time.Since(start0).Seconds(), "background-events/s")
 }

@@ -29,7 +29,8 @@ type Config struct {
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9092"`
 	// WebhooksFile is the YAML list of webhook endpoints (DESIGN §7);
-	// empty means none (alerts are detected and counted, not sent).
+	// empty means none (alerts are detected and counted, not sent). It is
+	// reloaded when it changes and on SIGHUP.
 	WebhooksFile string `envconfig:"WEBHOOKS_FILE"`
 
 	// Hysteresis is how many percentage points usage must fall under a

@@ -3,7 +3,10 @@
 // quota.denial_spike and quota.abuse_suspected alerts, delivered to signed
 // webhooks from a durable Postgres outbox. It is configured by QF_*
 // environment variables (see Config), serves /metrics, /healthz and
-// /readyz on QF_OPS_ADDR and shuts down gracefully on SIGTERM.
+// /readyz on QF_OPS_ADDR and shuts down gracefully on SIGTERM. It waits
+// for Postgres at start (retrying with backoff; /readyz says "waiting for
+// postgres"), and reloads QF_WEBHOOKS_FILE when the file changes and on
+// SIGHUP, keeping the last good webhooks when an edit is invalid.
 //
 // The delivery log is the webhook_outbox table:
 //

@@ -6,9 +6,13 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"os"
+	"os/signal"
 	"sync"
+	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -56,14 +60,11 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 		started(ops.Addr())
 	}
 
-	pool, err := pgdb.Open(ctx, cfg.PostgresURL)
-	if err != nil {
-		return err
+	pool := openPostgres(ctx, cfg.PostgresURL, ready, log)
+	if pool == nil {
+		return nil // ctx ended while Postgres was unavailable
 	}
 	defer pool.Close()
-	if err := store.Migrate(ctx, pool); err != nil {
-		return err
-	}
 	ready.Ready(readyPostgres)
 	st := store.New(pool)
 
@@ -74,7 +75,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	if err != nil {
 		return err
 	}
-	det, err := detect.New(st, deliver.Route(hooks), detect.Options{
+	det, err := detect.New(st, dl.Route, detect.Options{
 		Hysteresis: cfg.Hysteresis, SpikeWindow: cfg.SpikeWindow, SpikeRate: cfg.SpikeRate,
 		SpikeMinRequests: cfg.SpikeMinRequests, AbuseWindow: cfg.AbuseWindow, AbuseBurst: cfg.AbuseBurst,
 	}, log, reg, dl.Notify)
@@ -90,6 +91,13 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	defer func() { bgCancel(); bg.Wait() }()
 	bg.Go(func() { dl.Run(bgCtx) })
 	bg.Go(func() { det.Run(bgCtx, cfg.EvalInterval) })
+	if cfg.WebhooksFile != "" {
+		w, err := deliver.NewWatcher(cfg.WebhooksFile, detect.Kinds, dl.SetWebhooks, log)
+		if err != nil {
+			return err
+		}
+		bg.Go(func() { watchWebhooks(bgCtx, w, log) })
+	}
 
 	nc, err := nats.Connect(cfg.NATSURL,
 		nats.Name("quotaflow-alerter"),
@@ -109,7 +117,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	var consumer sync.WaitGroup
 	cctx, ccancel := context.WithCancel(ctx)
 	defer ccancel()
-	consumer.Go(func() { consume(cctx, js, cfg, handlers.Dispatch, ready, log) })
+	consumer.Go(func() { consume(cctx, js, cfg, handlers.Dispatch, det.HandleBatch, ready, log) })
 
 	<-ctx.Done()
 	log.Info("shutting down")
@@ -122,13 +130,40 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	return nil
 }
 
+// watchWebhooks keeps the webhooks of w current until ctx ends: it
+// reloads the file when it changes and on SIGHUP; a rejected file is
+// logged and the last good webhooks stay in force.
+func watchWebhooks(ctx context.Context, w *deliver.Watcher, log *slog.Logger) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() {
+		if err := w.Run(ctx); err != nil {
+			log.Error("webhooks file watch failed; reload with SIGHUP", "err", err)
+		}
+	})
+	for {
+		select {
+		case <-hup:
+			w.ReloadAndLog("SIGHUP")
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
 // consume ensures the streams and the durable consumer (retrying while
 // NATS is unavailable), marks the service ready, then processes events
-// until ctx ends.
-func consume(ctx context.Context, js jetstream.JetStream, cfg Config, handle events.Handler, ready *obs.Readiness, log *slog.Logger) {
+// until ctx ends: in batches of what has arrived (up to maxBatch), each
+// handled by batch in one Postgres transaction and then acked, falling
+// back to handle event by event when a batch fails.
+func consume(ctx context.Context, js jetstream.JetStream, cfg Config, handle events.Handler,
+	batch func(context.Context, []events.Event) error, ready *obs.Readiness, log *slog.Logger) {
 	log = log.With("component", "consume")
 	var cons jetstream.Consumer
-	retry(ctx, log, ready, func(ctx context.Context) error {
+	retry(ctx, log, ready, readyConsumer, "ensuring the NATS stream and consumer", func(ctx context.Context) error {
 		if err := events.EnsureStreams(ctx, js, cfg.Config); err != nil {
 			return err
 		}
@@ -141,8 +176,9 @@ func consume(ctx context.Context, js jetstream.JetStream, cfg Config, handle eve
 	}
 	ready.Ready(readyConsumer)
 	log.Info("consuming", "stream", cfg.Stream, "consumer", cfg.Consumer)
+	msgs := make([]jetstream.Msg, 0, maxBatch)
 	for ctx.Err() == nil {
-		it, err := cons.Messages(jetstream.PullMaxMessages(64))
+		it, err := cons.Messages(jetstream.PullMaxMessages(maxBatch))
 		if err != nil {
 			log.Warn("open message iterator; retrying", "err", err)
 			sleep(ctx, time.Second)
@@ -157,18 +193,95 @@ func consume(ctx context.Context, js jetstream.JetStream, cfg Config, handle eve
 				}
 				break
 			}
-			if err := events.Process(ctx, js, cfg.Config, msg, handle); err != nil && ctx.Err() == nil {
-				log.Warn("event not processed", "subject", msg.Subject(), "err", err)
+			// Take what else has arrived, up to maxBatch, without waiting
+			// for more than a moment.
+			msgs = append(msgs[:0], msg)
+			for len(msgs) < maxBatch {
+				m, err := it.Next(jetstream.NextMaxWait(time.Millisecond))
+				if err != nil {
+					break
+				}
+				msgs = append(msgs, m)
 			}
+			processBatch(ctx, js, cfg, msgs, handle, batch, log)
 		}
 		stop()
 		it.Stop()
 	}
 }
 
-// retry calls f until it succeeds or ctx ends, backing off up to 5 s and
-// reporting why the consumer is not ready.
-func retry(ctx context.Context, log *slog.Logger, ready *obs.Readiness, f func(context.Context) error) {
+// maxBatch is the most events handled in one Postgres transaction.
+const maxBatch = 256
+
+// processBatch handles msgs with batch (one transaction for all) and acks
+// them. Events that do not decode are dead-lettered; when batch fails,
+// each event is processed on its own by events.Process (so one bad event
+// is retried and dead-lettered alone, and the others go through).
+func processBatch(ctx context.Context, js jetstream.JetStream, cfg Config, msgs []jetstream.Msg,
+	handle events.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
+	evs := make([]events.Event, 0, len(msgs))
+	ok := make([]jetstream.Msg, 0, len(msgs))
+	for _, m := range msgs {
+		ev, err := events.Decode(m.Data())
+		if err != nil {
+			// Process dead-letters what does not decode.
+			if err := events.Process(ctx, js, cfg.Config, m, handle); err != nil && ctx.Err() == nil {
+				log.Warn("event not processed", "subject", m.Subject(), "err", err)
+			}
+			continue
+		}
+		evs, ok = append(evs, ev), append(ok, m)
+	}
+	if len(evs) == 0 {
+		return
+	}
+	if err := batch(ctx, evs); err != nil {
+		if ctx.Err() != nil {
+			for _, m := range ok {
+				_ = m.Nak() // shutting down: hand them to another worker now
+			}
+			return
+		}
+		log.Warn("event batch failed; processing its events one by one", "events", len(evs), "err", err)
+		for _, m := range ok {
+			if err := events.Process(ctx, js, cfg.Config, m, handle); err != nil && ctx.Err() == nil {
+				log.Warn("event not processed", "subject", m.Subject(), "err", err)
+			}
+		}
+		return
+	}
+	for _, m := range ok {
+		if err := m.Ack(); err != nil {
+			log.Warn("ack event", "subject", m.Subject(), "err", err)
+		}
+	}
+}
+
+// openPostgres opens the database of url and applies the migrations,
+// retrying with backoff while Postgres does not answer (or the migration
+// fails), with /readyz reporting "waiting for postgres" meanwhile. It
+// returns nil when ctx ends first.
+func openPostgres(ctx context.Context, url string, ready *obs.Readiness, log *slog.Logger) *pgxpool.Pool {
+	var pool *pgxpool.Pool
+	retry(ctx, log, ready, readyPostgres, "opening and migrating postgres", func(ctx context.Context) error {
+		p, err := pgdb.Open(ctx, url)
+		if err != nil {
+			return fmt.Errorf("waiting for postgres: %w", err)
+		}
+		if err := store.Migrate(ctx, p); err != nil {
+			p.Close()
+			return fmt.Errorf("waiting for postgres: %w", err)
+		}
+		pool = p
+		return nil
+	})
+	return pool
+}
+
+// retry calls f until it succeeds or ctx ends, backing off up to 5 s,
+// reporting f's error as why component is not ready and logging what
+// failed.
+func retry(ctx context.Context, log *slog.Logger, ready *obs.Readiness, component, what string, f func(context.Context) error) {
 	wait := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -177,8 +290,11 @@ func retry(ctx context.Context, log *slog.Logger, ready *obs.Readiness, f func(c
 		if err == nil {
 			return
 		}
-		ready.Waiting(readyConsumer, err.Error())
-		log.Warn("ensuring the NATS stream and consumer failed; retrying", "err", err, "retry_in", wait.String())
+		if ctx.Err() != nil {
+			return
+		}
+		ready.Waiting(component, err.Error())
+		log.Warn(what+" failed; retrying", "err", err, "retry_in", wait.String())
 		sleep(ctx, wait)
 		wait = min(2*wait, 5*time.Second)
 	}

@@ -12,6 +12,8 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/url"
+	"reflect"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -83,9 +85,12 @@ type Deliverer struct {
 	ob      Outbox
 	opt     Options
 	log     *slog.Logger
-	hooks   map[string]*endpoint
 	results *prometheus.CounterVec
 	wake    chan struct{}
+
+	mu    sync.RWMutex
+	hooks map[string]*endpoint // by name
+	list  []Webhook            // in file order, for Route
 }
 
 // Results of quotaflow_webhook_deliveries_total: one per attempt.
@@ -102,16 +107,8 @@ func New(ob Outbox, hooks []Webhook, opt Options, log *slog.Logger, reg promethe
 		ob: ob, opt: opt.withDefaults(), log: log.With("component", "deliver"),
 		hooks: map[string]*endpoint{}, wake: make(chan struct{}, 1),
 	}
-	for _, h := range hooks {
-		key, err := DecodeSecret(h.Secret)
-		if err != nil {
-			return nil, fmt.Errorf("webhook %s secret: %w", h.Name, err)
-		}
-		signer, err := standardwebhooks.NewWebhookRaw(key)
-		if err != nil {
-			return nil, fmt.Errorf("webhook %s signer: %w", h.Name, err)
-		}
-		d.hooks[h.Name] = &endpoint{hook: h, signer: signer, client: newClient(h.AllowPrivate)}
+	if err := d.SetWebhooks(hooks); err != nil {
+		return nil, err
 	}
 	d.results = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_webhook_deliveries_total",
@@ -124,6 +121,64 @@ func New(ob Outbox, hooks []Webhook, opt Options, log *slog.Logger, reg promethe
 		return nil, fmt.Errorf("register delivery metrics: %w", err)
 	}
 	return d, nil
+}
+
+// SetWebhooks replaces the webhooks alerts are routed and sent to (a
+// reload of QF_WEBHOOKS_FILE). It changes nothing when one of them is
+// unusable. Deliveries already queued for a webhook that is gone are
+// marked dead at their next attempt; attempts in flight finish with the
+// endpoint they started with.
+func (d *Deliverer) SetWebhooks(hooks []Webhook) error {
+	d.mu.RLock()
+	old := d.hooks
+	d.mu.RUnlock()
+	next := make(map[string]*endpoint, len(hooks))
+	for _, h := range hooks {
+		if ep := old[h.Name]; ep != nil && reflect.DeepEqual(ep.hook, h) {
+			next[h.Name] = ep // unchanged: keep its connections
+			continue
+		}
+		key, err := DecodeSecret(h.Secret)
+		if err != nil {
+			return fmt.Errorf("webhook %s secret: %w", h.Name, err)
+		}
+		signer, err := standardwebhooks.NewWebhookRaw(key)
+		if err != nil {
+			return fmt.Errorf("webhook %s signer: %w", h.Name, err)
+		}
+		next[h.Name] = &endpoint{hook: h, signer: signer, client: newClient(h.AllowPrivate)}
+	}
+	d.mu.Lock()
+	old = d.hooks
+	d.hooks, d.list = next, slices.Clone(hooks)
+	d.mu.Unlock()
+	for name, ep := range old {
+		if next[name] != ep {
+			ep.client.CloseIdleConnections()
+		}
+	}
+	return nil
+}
+
+// Webhooks returns the webhooks in force, in file order.
+func (d *Deliverer) Webhooks() []Webhook {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	return slices.Clone(d.list)
+}
+
+// Route names the webhooks in force that want an alert of kind for
+// tenant; it fits detect.Router and follows SetWebhooks.
+func (d *Deliverer) Route(kind, tenant string) []string {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	var names []string
+	for _, w := range d.list {
+		if w.Wants(kind, tenant) {
+			names = append(names, w.Name)
+		}
+	}
+	return names
 }
 
 // Notify wakes Run to look at the outbox now; it never blocks.
@@ -203,7 +258,9 @@ func MessageID(alertID, webhook string) string {
 
 func (d *Deliverer) attempt(ctx context.Context, dl store.Delivery) error {
 	log := d.log.With("alert_id", dl.AlertID, "webhook", dl.Webhook, "kind", dl.Kind, "attempt", dl.Attempts)
+	d.mu.RLock()
 	ep := d.hooks[dl.Webhook]
+	d.mu.RUnlock()
 	if ep == nil {
 		return d.fail(ctx, log, dl, "webhook not configured", 0, true)
 	}

@@ -124,17 +124,3 @@ func DecodeSecret(s string) ([]byte, error) {
 	}
 	return key, nil
 }
-
-// Route returns a Router over hooks: the names of the webhooks that want
-// each alert.
-func Route(hooks []Webhook) func(kind, tenant string) []string {
-	return func(kind, tenant string) []string {
-		var names []string
-		for _, w := range hooks {
-			if w.Wants(kind, tenant) {
-				names = append(names, w.Name)
-			}
-		}
-		return names
-	}
-}

@@ -81,6 +81,8 @@ type Router func(kind, tenant string) []string
 // would each see part of the traffic.) Threshold state itself is in
 // Postgres; a snapshot that can change it costs one transaction, one that
 // cannot (every limit known to be armed and under 75%) one statement.
+// HandleBatch handles a whole batch of events in one transaction, which
+// is how the alerter consumes.
 type Detector struct {
 	st     Updater
 	route  Router

@@ -342,3 +342,150 @@ func (s *Store) Deliveries(ctx context.Context, kind string) ([]Delivery, error)
 	}
 	return out, nil
 }
+
+// VersionKey identifies the version row of a subject: scope "user" with
+// the user's id, or scope "tenant" with User empty.
+type VersionKey struct {
+	Tenant string // the subject's tenant
+	User   string // empty for scope "tenant"
+	Scope  string // "user" or "tenant"
+}
+
+const qVersionsFor = `
+SELECT v.tenant, v.user_id, v.scope, v.version
+FROM alert_versions v
+JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(tenant, user_id, scope)
+  ON v.tenant = k.tenant AND v.user_id = k.user_id AND v.scope = k.scope
+ORDER BY v.tenant, v.user_id, v.scope
+FOR UPDATE OF v`
+
+// Versions returns the recorded versions of keys in one query (keys never
+// seen are absent), locking their rows until the transaction ends.
+func (t *Tx) Versions(ctx context.Context, keys []VersionKey) (map[VersionKey]int64, error) {
+	out := make(map[VersionKey]int64, len(keys))
+	if len(keys) == 0 {
+		return out, nil
+	}
+	ts, us, ss := make([]string, len(keys)), make([]string, len(keys)), make([]string, len(keys))
+	for i, k := range keys {
+		ts[i], us[i], ss[i] = k.Tenant, k.User, k.Scope
+	}
+	rows, err := t.tx.Query(ctx, qVersionsFor, ts, us, ss)
+	if err != nil {
+		return nil, fmt.Errorf("read versions: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var k VersionKey
+		var v int64
+		if err := rows.Scan(&k.Tenant, &k.User, &k.Scope, &v); err != nil {
+			return nil, fmt.Errorf("read versions: %w", err)
+		}
+		out[k] = v
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read versions: %w", err)
+	}
+	return out, nil
+}
+
+const qSaveVersions = `
+INSERT INTO alert_versions (tenant, user_id, scope, version)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
+ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
+WHERE alert_versions.version < EXCLUDED.version`
+
+// SaveVersions records versions in one statement; a recorded version is
+// only ever raised.
+func (t *Tx) SaveVersions(ctx context.Context, versions map[VersionKey]int64) error {
+	if len(versions) == 0 {
+		return nil
+	}
+	n := len(versions)
+	ts, us, ss, vs := make([]string, 0, n), make([]string, 0, n), make([]string, 0, n), make([]int64, 0, n)
+	for k, v := range versions {
+		ts, us, ss, vs = append(ts, k.Tenant), append(us, k.User), append(ss, k.Scope), append(vs, v)
+	}
+	if _, err := t.tx.Exec(ctx, qSaveVersions, ts, us, ss, vs); err != nil {
+		return fmt.Errorf("save versions: %w", err)
+	}
+	return nil
+}
+
+const qLimits = `
+SELECT l.tenant, l.user_id, l.scope, l.endpoint, l.name, l.level, l.fires, l.last_used, l.reset_at
+FROM alert_limits l
+JOIN unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[]) AS k(tenant, user_id, scope, endpoint, name)
+  ON l.tenant = k.tenant AND l.user_id = k.user_id AND l.scope = k.scope AND l.endpoint = k.endpoint AND l.name = k.name
+ORDER BY l.tenant, l.user_id, l.scope, l.endpoint, l.name
+FOR UPDATE OF l`
+
+// Limits returns the states of keys in one query (limits never seen are
+// absent: their state is the zero LimitState), locking their rows until
+// the transaction ends.
+func (t *Tx) Limits(ctx context.Context, keys []LimitKey) (map[LimitKey]LimitState, error) {
+	out := make(map[LimitKey]LimitState, len(keys))
+	if len(keys) == 0 {
+		return out, nil
+	}
+	n := len(keys)
+	ts, us, ss, es, ns := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	for i, k := range keys {
+		ts[i], us[i], ss[i], es[i], ns[i] = k.Tenant, k.User, k.Scope, k.Endpoint, k.Name
+	}
+	rows, err := t.tx.Query(ctx, qLimits, ts, us, ss, es, ns)
+	if err != nil {
+		return nil, fmt.Errorf("read limits: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var k LimitKey
+		var st LimitState
+		var reset *time.Time
+		if err := rows.Scan(&k.Tenant, &k.User, &k.Scope, &k.Endpoint, &k.Name, &st.Level, &st.Fires, &st.LastUsed, &reset); err != nil {
+			return nil, fmt.Errorf("read limits: %w", err)
+		}
+		if reset != nil {
+			st.ResetAt = *reset
+		}
+		out[k] = st
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read limits: %w", err)
+	}
+	return out, nil
+}
+
+const qSaveLimits = `
+INSERT INTO alert_limits (tenant, user_id, scope, endpoint, name, level, fires, last_used, reset_at, updated_at)
+SELECT tenant, user_id, scope, endpoint, name, level, fires, last_used, reset_at, now()
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::integer[], $7::bigint[], $8::bigint[], $9::timestamptz[])
+  AS x(tenant, user_id, scope, endpoint, name, level, fires, last_used, reset_at)
+ON CONFLICT (tenant, user_id, scope, endpoint, name) DO UPDATE SET
+  level = EXCLUDED.level, fires = EXCLUDED.fires, last_used = EXCLUDED.last_used,
+  reset_at = EXCLUDED.reset_at, updated_at = now()`
+
+// SaveLimits writes the states of several limits in one statement.
+func (t *Tx) SaveLimits(ctx context.Context, states map[LimitKey]LimitState) error {
+	if len(states) == 0 {
+		return nil
+	}
+	n := len(states)
+	ts, us, ss, es, ns := make([]string, 0, n), make([]string, 0, n), make([]string, 0, n), make([]string, 0, n), make([]string, 0, n)
+	lv, fs, lu := make([]int32, 0, n), make([]int64, 0, n), make([]int64, 0, n)
+	rs := make([]*time.Time, 0, n)
+	for k, st := range states {
+		ts, us, ss, es, ns = append(ts, k.Tenant), append(us, k.User), append(ss, k.Scope), append(es, k.Endpoint), append(ns, k.Name)
+		lv, fs, lu = append(lv, int32(st.Level)), append(fs, st.Fires), append(lu, st.LastUsed)
+		var reset *time.Time
+		if !st.ResetAt.IsZero() {
+			r := st.ResetAt
+			reset = &r
+		}
+		rs = append(rs, reset)
+	}
+	if _, err := t.tx.Exec(ctx, qSaveLimits, ts, us, ss, es, ns, lv, fs, lu, rs); err != nil {
+		return fmt.Errorf("save limits: %w", err)
+	}
+	return nil
+}

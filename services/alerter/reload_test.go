@@ -1,0 +1,76 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"quotaflow/services/alerter/internal/detect"
+)
+
+// TestWebhooksReload changes QF_WEBHOOKS_FILE under a running alerter: a
+// valid edit takes effect without restart, an invalid one is rejected with
+// the path of the mistake and the last good webhooks keep receiving, and
+// SIGHUP reloads too.
+func TestWebhooksReload(t *testing.T) {
+	e := newEnv(t, `webhooks:
+  - name: ops
+    url: $URL
+    secret: $SECRET
+    tenants: [globex]
+    allow_private: true
+`)
+	logs := &logSink{}
+	e.start(logs)
+	write := func(content string) {
+		t.Helper()
+		content = strings.ReplaceAll(content, "$URL", e.recv.srv.URL)
+		content = strings.ReplaceAll(content, "$SECRET", testSecret)
+		if err := os.WriteFile(e.cfg.WebhooksFile, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// crossing publishes a threshold crossing of a new acme user every
+	// 100 ms until an alert arrives (bounded by eventually).
+	users := 0
+	crossing := func(what string) {
+		t.Helper()
+		before := len(e.recv.of(detect.KindThreshold))
+		next := time.Now()
+		e.eventually(what, func() bool {
+			if time.Now().After(next) {
+				users++
+				e.publish(reserved("acme", fmt.Sprintf("u%d", users), "r", 1, 0, time.Now().UTC(), userLimit(850, 0)))
+				next = time.Now().Add(100 * time.Millisecond)
+			}
+			return len(e.recv.of(detect.KindThreshold)) > before
+		})
+	}
+
+	// acme's alerts go nowhere yet; the edit routes them to ops.
+	write(opsHook)
+	crossing("acme alert after the reload")
+
+	// An invalid edit is rejected, precisely, and ops keeps receiving.
+	write(opsHook + `  - name: broken
+    url: ftp://hooks.example.com/x
+    secret: $SECRET
+`)
+	e.eventually("rejection logged", func() bool { return strings.Contains(logs.String(), "webhooks[1].url") })
+	if !strings.Contains(logs.String(), e.cfg.WebhooksFile) {
+		t.Errorf("rejection does not name the file %s: %s", e.cfg.WebhooksFile, logs.String())
+	}
+	crossing("acme alert with the last good webhooks")
+
+	// SIGHUP reloads (the same broken content: rejected again).
+	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	e.eventually("reload on SIGHUP", func() bool { return strings.Contains(logs.String(), `"trigger":"SIGHUP"`) })
+	if strings.Contains(logs.String(), strings.TrimPrefix(testSecret, "whsec_")) {
+		t.Errorf("logs contain the webhook secret")
+	}
+}
