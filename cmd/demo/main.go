@@ -1,8 +1,10 @@
-// Command demo plays a short scripted scenario through quotaflow's limits
-// engine against the local Redis, printing each decision: a user filling the
-// 5 h window of the free plan, a denial with its Retry-After, a correction
-// giving tokens back, an idempotent retry, a release, and the window sliding
-// on. Run it with `go tool task demo`, which starts Redis first.
+// Command demo runs the whole quotaflow pipeline on this machine: it
+// builds and starts admission, the accounter and the alerter against the
+// local Redis, Postgres and NATS (started by `go tool task deps`), plays a
+// gateway and an LLM service against them for about a minute, receives and
+// verifies the alert webhooks, prints a summary and stops what it started.
+//
+//	go run ./cmd/demo [-duration 50s] [-keep]
 package main
 
 import (
@@ -14,11 +16,21 @@ import (
 )
 
 func main() {
+	cfg, err := parseFlags(os.Args[1:])
+	if err != nil {
+		os.Exit(2)
+	}
+	// Ctrl-C stops the traffic early; run still prints what it saw and
+	// stops the services, so an interrupted demo leaves nothing behind.
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, os.Stdout); err != nil {
+	if cfg.Cleanup != "" {
+		err = cleanupKept(ctx, cfg, cfg.Cleanup, os.Stdout)
+	} else {
+		_, err = run(ctx, cfg, os.Stdout)
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
-		stop()
 		os.Exit(1)
 	}
 }

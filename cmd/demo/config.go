@@ -1,0 +1,63 @@
+package main
+
+import (
+	"flag"
+	"os"
+	"time"
+)
+
+// Config is what one demo run does. The test uses a shortened one.
+type Config struct {
+	// Duration of the traffic. The generator plays a fixed number of
+	// rounds spread over it, so a short run crosses the same thresholds as
+	// a long one, only faster.
+	Duration time.Duration
+	// Rounds of traffic: each round every user sends one request and each
+	// hammering user a burst. Bounds the request count.
+	Rounds int
+	// Progress is the interval of the progress lines.
+	Progress time.Duration
+	// Keep leaves the services running (and the database, streams and
+	// Redis keys in place) and prints how to reach and stop them.
+	Keep bool
+	// Cleanup, when set, is the id of a run left by --keep whose database,
+	// streams, Redis keys and files are to be removed (nothing else runs).
+	Cleanup string
+	// SettleTimeout bounds the wait for the accounter to catch up with
+	// every event sent and for the last alerts to arrive.
+	SettleTimeout time.Duration
+	// RedisURL, PostgresURL and NATSURL are the shared local servers.
+	RedisURL, PostgresURL, NATSURL string
+}
+
+func defaultConfig() Config {
+	return Config{
+		Duration:      50 * time.Second,
+		Rounds:        60,
+		Progress:      5 * time.Second,
+		SettleTimeout: 30 * time.Second,
+		RedisURL:      envOr("QF_REDIS_URL", "redis://127.0.0.1:6379/0"),
+		PostgresURL:   envOr("QF_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"),
+		NATSURL:       envOr("QF_NATS_URL", "nats://127.0.0.1:4222"),
+	}
+}
+
+func parseFlags(args []string) (Config, error) {
+	cfg := defaultConfig()
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs.DurationVar(&cfg.Duration, "duration", cfg.Duration, "how long the traffic runs")
+	fs.IntVar(&cfg.Rounds, "rounds", cfg.Rounds, "rounds of traffic (bounds the number of requests)")
+	fs.DurationVar(&cfg.Progress, "progress", cfg.Progress, "interval of the progress lines")
+	fs.BoolVar(&cfg.Keep, "keep", false, "leave the services running and print their URLs")
+	fs.StringVar(&cfg.Cleanup, "cleanup", "", "remove what the --keep run with this id left (after stopping its services)")
+	fs.DurationVar(&cfg.SettleTimeout, "settle", cfg.SettleTimeout, "how long to wait for the ledger and the alerts to catch up")
+	err := fs.Parse(args)
+	return cfg, err
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}

@@ -1,0 +1,285 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Report is what a run saw; the test asserts on it.
+type Report struct {
+	Run, Database   string
+	Stats           *stats
+	DeniedBy        map[string]int
+	Decisions       []decision
+	Ledger          ledger
+	LedgerMatches   bool
+	Alerts          map[string]int
+	Thresholds      map[int]int
+	BadSignatures   int
+	DuplicateAlerts int
+	Refires         int // threshold alerts fired again after re-arming (not printed)
+}
+
+// run performs one demo: set up, start, play traffic, summarize, stop.
+func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
+	// The receiver prints from its handler goroutines.
+	out = &lockedWriter{w: out}
+	n := newNames()
+	rep := &Report{Run: n.run, Database: n.database}
+	fmt.Fprintf(out, "quotaflow full demo, run %s\n", n.run)
+
+	root, err := moduleRoot(ctx)
+	if err != nil {
+		return nil, err
+	}
+	dir := runDir(n.run)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	fmt.Fprintln(out, "building the services ...")
+	binDir := filepath.Join(dir, "bin")
+	if err := build(ctx, root, binDir); err != nil {
+		return nil, err
+	}
+
+	pgURL, err := databaseURL(cfg.PostgresURL, n.database)
+	if err != nil {
+		return nil, err
+	}
+	if err := createDatabase(ctx, pgURL); err != nil {
+		return nil, fmt.Errorf("postgres (run `go tool task deps`): %w", err)
+	}
+	recv, err := newReceiver(n.whSecret, out)
+	if err != nil {
+		return nil, err
+	}
+	policy, hooks, err := writeFiles(dir, n, recv.url)
+	if err != nil {
+		return nil, err
+	}
+
+	var svcs []*service
+	kept := false
+	// Cleanup runs however run ends: services first (they hold the
+	// database, the streams and the Redis keys), then their resources.
+	defer func() {
+		if kept {
+			return
+		}
+		recv.close()
+		cctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		cleanup(cctx, out, cfg, n, pgURL, dir, svcs)
+	}()
+
+	ports := map[string]int{}
+	for _, k := range []string{"api", "admission", "accounter", "alerter"} {
+		if ports[k], err = freePort(); err != nil {
+			return nil, err
+		}
+	}
+	addr := func(k string) string { return "127.0.0.1:" + strconv.Itoa(ports[k]) }
+	common := []string{
+		"QF_REDIS_URL=" + cfg.RedisURL, "QF_NATS_URL=" + cfg.NATSURL, "QF_POSTGRES_URL=" + pgURL,
+		"QF_POLICY_FILE=" + policy, "QF_STREAM=" + n.stream, "QF_DLQ_STREAM=" + n.dlq,
+		"QF_SUBJECT_PREFIX=" + n.prefix, "QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
+	}
+	specs := []struct {
+		name string
+		env  []string
+	}{
+		// The accounter first: with the epoch guard on, admission decides
+		// locally until an accounter has marked the Redis.
+		{"accounter", []string{"QF_OPS_ADDR=" + addr("accounter"), "QF_DURABLE=accounter-" + n.run}},
+		{"alerter", []string{"QF_OPS_ADDR=" + addr("alerter"), "QF_WEBHOOKS_FILE=" + hooks,
+			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
+		{"admission", []string{"QF_OPS_ADDR=" + addr("admission"), "QF_ADMISSION_ADDR=" + addr("api"),
+			"QF_API_TOKENS=" + n.token, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),
+			// A busy laptop answers Redis in more than the default 5 ms;
+			// the demo wants Redis's exact decisions, not local ones.
+			"QF_REDIS_TIMEOUT=250ms"}},
+	}
+	for _, sp := range specs {
+		s, err := start(sp.name, filepath.Join(binDir, sp.name), dir, addr(sp.name), append(append([]string{}, common...), sp.env...))
+		if err != nil {
+			return nil, err
+		}
+		svcs = append(svcs, s)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	for _, s := range svcs {
+		if err := s.waitReady(rctx); err != nil {
+			cancel()
+			return nil, err
+		}
+		fmt.Fprintf(out, "  %-9s ready  %s/readyz (pid %d)\n", s.name, s.ops, s.cmd.Process.Pid)
+	}
+	cancel()
+	if deg := svcs[2].waitSteady(ctx, 30*time.Second); deg != "" {
+		fmt.Fprintf(out, "  admission still degraded, running anyway: %s\n", deg)
+	}
+	api := "http://" + addr("api")
+	fmt.Fprintf(out, "admission API %s, webhook receiver %s\n", api, recv.url)
+	fmt.Fprintf(out, "tenants %s; policy: 5h quota %d tokens, 10 req/s (burst 20), %s %d requests/day per user\n\n",
+		strings.Join(n.tenants, ", "), n.quota5h, n.endpoint, n.dailyReqs)
+
+	st := &stats{deniedBy: map[string]int{}, errs: map[string]int{}}
+	rep.Stats = st
+	gen := &generator{base: api, token: n.token, endpoint: n.endpoint, run: n.run, st: st,
+		client: &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 32}}}
+	fmt.Fprintf(out, "traffic for %v (%d rounds, %d users) ...\n", cfg.Duration, cfg.Rounds, len(demoUsers(n)))
+	playTraffic(ctx, out, cfg, gen, demoUsers(n), recv)
+	if ctx.Err() != nil {
+		fmt.Fprintln(out, "interrupted: summarizing what was sent, then stopping everything")
+	}
+
+	// Accounter and alerter are asynchronous: wait until the ledger holds
+	// every actual event sent, then give the last alerts a moment.
+	sctx := context.WithoutCancel(ctx)
+	l, lerr := waitLedger(sctx, pgURL, st.actualEvents.Load(), st.actualSent.Load(), st.allowed.Load(), st.releases.Load(), cfg.SettleTimeout)
+	rep.Ledger = l
+	rep.LedgerMatches = lerr == nil && l.actualTotal == st.actualSent.Load()
+	waitAlertsQuiet(recv, 2*time.Second, 15*time.Second)
+
+	rep.DeniedBy = st.deniedByCopy()
+	rep.Decisions, err = decisions(sctx, svcs[2].ops)
+	if err != nil {
+		fmt.Fprintf(out, "cannot read admission metrics: %v\n", err)
+	}
+	rep.Alerts, rep.Thresholds, rep.BadSignatures, rep.DuplicateAlerts, rep.Refires = recv.counts()
+	printSummary(out, rep)
+
+	if cfg.Keep {
+		kept = true
+		printKept(out, n, api, pgURL, dir, svcs)
+	}
+	if lerr != nil {
+		return rep, fmt.Errorf("ledger: %w", lerr)
+	}
+	if !rep.LedgerMatches {
+		return rep, errors.New("the ledger's actual total differs from what was sent")
+	}
+	return rep, nil
+}
+
+// lockedWriter serializes writes to w.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+// playTraffic runs the generator and prints a progress line every
+// cfg.Progress.
+func playTraffic(ctx context.Context, out io.Writer, cfg Config, gen *generator, us []user, recv *receiver) {
+	done := make(chan struct{})
+	go func() {
+		gen.play(ctx, us, cfg.Rounds, cfg.Duration)
+		close(done)
+	}()
+	t0 := time.Now()
+	tick := time.NewTicker(cfg.Progress)
+	defer tick.Stop()
+	line := func() {
+		st := gen.st
+		fmt.Fprintf(out, "[%5.1fs] admits %5d  allowed %5d  429s %5d  5xx %d  actual events %5d  releases %4d  alerts %3d\n",
+			time.Since(t0).Seconds(), st.admits.Load(), st.allowed.Load(), st.denied.Load(), st.status5xx.Load(),
+			st.actualEvents.Load(), st.releases.Load(), recv.total())
+	}
+	for {
+		select {
+		case <-done:
+			line()
+			return
+		case <-tick.C:
+			line()
+		}
+	}
+}
+
+// waitAlertsQuiet returns once no alert arrived for quiet, or after max.
+func waitAlertsQuiet(recv *receiver, quiet, max time.Duration) {
+	deadline := time.Now().Add(max)
+	last, lastChange := recv.total(), time.Now()
+	for time.Now().Before(deadline) {
+		time.Sleep(250 * time.Millisecond)
+		if n := recv.total(); n != last {
+			last, lastChange = n, time.Now()
+		} else if time.Since(lastChange) >= quiet {
+			return
+		}
+	}
+}
+
+// cleanup stops the services and removes the run's database, streams,
+// Redis keys and temp directory.
+func cleanup(ctx context.Context, out io.Writer, cfg Config, n names, pgURL, dir string, svcs []*service) {
+	if len(svcs) > 0 {
+		fmt.Fprintln(out, "\nstopping the services ...")
+	}
+	// Reverse order: admission stops taking requests before the
+	// consumers of its events go.
+	for i := len(svcs) - 1; i >= 0; i-- {
+		if err := svcs[i].stop(20 * time.Second); err != nil {
+			fmt.Fprintf(out, "  %s: %v\n", svcs[i].name, err)
+		}
+	}
+	if err := dropDatabase(ctx, pgURL); err != nil {
+		fmt.Fprintf(out, "  drop database %s: %v\n", n.database, err)
+	}
+	if err := deleteStreams(ctx, cfg.NATSURL, n); err != nil {
+		fmt.Fprintf(out, "  %v\n", err)
+	}
+	if err := deleteRedisKeys(ctx, cfg.RedisURL, n); err != nil {
+		fmt.Fprintf(out, "  redis cleanup: %v\n", err)
+	}
+	_ = os.RemoveAll(dir)
+	fmt.Fprintf(out, "stopped; database %s, streams %s/%s and the run's Redis keys removed\n", n.database, n.stream, n.dlq)
+}
+
+// runDir is the run's directory (binaries, policy, logs, spill): derived
+// from the run id so that -cleanup finds it.
+func runDir(run string) string {
+	return filepath.Join(os.TempDir(), "quotaflow-demo-"+run)
+}
+
+// cleanupKept removes what a --keep run left, once its services are
+// stopped: the run id names everything.
+func cleanupKept(ctx context.Context, cfg Config, run string, out io.Writer) error {
+	n := namesFor(run)
+	pgURL, err := databaseURL(cfg.PostgresURL, n.database)
+	if err != nil {
+		return err
+	}
+	cleanup(ctx, out, cfg, n, pgURL, runDir(run), nil)
+	return nil
+}
+
+func printKept(out io.Writer, n names, api, pgURL, dir string, svcs []*service) {
+	fmt.Fprintln(out, "\n--keep: the services keep running:")
+	fmt.Fprintf(out, "  admission API  %s  (Authorization: Bearer %s)\n", api, n.token)
+	var pids []string
+	for _, s := range svcs {
+		fmt.Fprintf(out, "  %-9s ops  %s/metrics  log %s\n", s.name, s.ops, s.logPath)
+		pids = append(pids, strconv.Itoa(s.cmd.Process.Pid))
+	}
+	fmt.Fprintf(out, "  ledger         psql '%s'\n", pgURL)
+	fmt.Fprintf(out, "  try: curl -s %s/v1/usage?tenant=%s\\&user=heavy -H 'Authorization: Bearer %s'\n", api, n.tenants[0], n.token)
+	fmt.Fprintln(out, "  (the webhook receiver lived in this process: alerts now fail and are retried by the alerter)")
+	fmt.Fprintf(out, "stop them with:  kill %s\n", strings.Join(pids, " "))
+	fmt.Fprintf(out, "then remove its database, streams, Redis keys and files:  go run ./cmd/demo -cleanup %s\n", n.run)
+}
