@@ -5,12 +5,10 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
-	"strings"
+	"quotaflow/internal/filewatch"
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/fsnotify/fsnotify"
 )
 
 // Watcher keeps the current policy of a file that operators may edit while
@@ -149,42 +147,7 @@ func (w *Watcher) hook(p *Policy, err error) {
 // ctx is done, or an error if the directory cannot be watched. Call it once,
 // on a goroutine its owner waits for.
 func (w *Watcher) Run(ctx context.Context) error {
-	fw, err := fsnotify.NewWatcher()
-	if err != nil {
-		return fmt.Errorf("watch policy: %w", err)
-	}
-	defer fw.Close()
-	dir, base := filepath.Split(w.path)
-	if err := fw.Add(dir); err != nil {
-		return fmt.Errorf("watch policy directory %s: %w", dir, err)
-	}
-	w.reloadAndLog()
-
-	timer := time.NewTimer(w.debounce)
-	timer.Stop()
-	defer timer.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case ev, ok := <-fw.Events:
-			if !ok {
-				return nil
-			}
-			if relevantEvent(ev, base) {
-				timer.Reset(w.debounce)
-			}
-		case err, ok := <-fw.Errors:
-			if !ok {
-				return nil
-			}
-			// An overflow may have dropped the event we wanted: reload anyway.
-			w.log.Warn("policy watch error", "err", err)
-			timer.Reset(w.debounce)
-		case <-timer.C:
-			w.reloadAndLog()
-		}
-	}
+	return filewatch.Run(ctx, w.path, w.debounce, w.log, "policy", w.reloadAndLog)
 }
 
 func (w *Watcher) reloadAndLog() {
@@ -192,16 +155,4 @@ func (w *Watcher) reloadAndLog() {
 		w.log.Error("policy reload failed; the last good policy stays in force",
 			"err", err, "digest", w.Current().Digest())
 	}
-}
-
-// relevantEvent reports whether a change in the watched directory may have
-// changed the policy file: an event on the file itself, or on the "..data"
-// style entries through which a ConfigMap volume's files are linked.
-// Attribute changes alone are ignored: indexers and backup tools make many.
-func relevantEvent(ev fsnotify.Event, base string) bool {
-	if ev.Op == fsnotify.Chmod {
-		return false
-	}
-	name := filepath.Base(ev.Name)
-	return name == base || strings.HasPrefix(name, "..")
 }

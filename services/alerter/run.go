@@ -6,16 +6,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
-	"os"
-	"os/signal"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/filewatch"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
 	"quotaflow/internal/server"
@@ -134,24 +132,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 // reloads the file when it changes and on SIGHUP; a rejected file is
 // logged and the last good webhooks stay in force.
 func watchWebhooks(ctx context.Context, w *deliver.Watcher, log *slog.Logger) {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	wg.Go(func() {
-		if err := w.Run(ctx); err != nil {
-			log.Error("webhooks file watch failed; reload with SIGHUP", "err", err)
-		}
-	})
-	for {
-		select {
-		case <-hup:
-			w.ReloadAndLog("SIGHUP")
-		case <-ctx.Done():
-			return
-		}
-	}
+	filewatch.OnSIGHUP(ctx, log, "webhooks file", w.Run, func() { w.ReloadAndLog("SIGHUP") })
 }
 
 // consume ensures the streams and the durable consumer (retrying while

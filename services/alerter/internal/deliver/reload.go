@@ -7,11 +7,9 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
+	"quotaflow/internal/filewatch"
 	"sync"
 	"time"
-
-	"github.com/fsnotify/fsnotify"
 )
 
 // Watcher keeps the webhooks of QF_WEBHOOKS_FILE in force while the
@@ -99,44 +97,7 @@ func (w *Watcher) Reload() error {
 // nil when ctx is done, or an error when the directory cannot be watched
 // (SIGHUP still reloads).
 func (w *Watcher) Run(ctx context.Context) error {
-	fw, err := fsnotify.NewWatcher()
-	if err != nil {
-		return fmt.Errorf("watch webhooks file: %w", err)
-	}
-	defer fw.Close()
-	dir, base := filepath.Split(w.path)
-	if err := fw.Add(dir); err != nil {
-		return fmt.Errorf("watch webhooks directory %s: %w", dir, err)
-	}
-	w.ReloadAndLog("watch")
-
-	timer := time.NewTimer(w.debounce)
-	timer.Stop()
-	defer timer.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case ev, ok := <-fw.Events:
-			if !ok {
-				return nil
-			}
-			if ev.Op != fsnotify.Chmod {
-				if name := filepath.Base(ev.Name); name == base || strings.HasPrefix(name, "..") {
-					timer.Reset(w.debounce)
-				}
-			}
-		case err, ok := <-fw.Errors:
-			if !ok {
-				return nil
-			}
-			// An overflow may have dropped the event we wanted: reload anyway.
-			w.log.Warn("webhooks file watch error", "err", err)
-			timer.Reset(w.debounce)
-		case <-timer.C:
-			w.ReloadAndLog("change")
-		}
-	}
+	return filewatch.Run(ctx, w.path, w.debounce, w.log, "webhooks file", func() { w.ReloadAndLog("change") })
 }
 
 // ReloadAndLog calls Reload and logs a rejection at Error, saying that
