@@ -25,25 +25,47 @@ type releaseAnswer struct {
 	ReturnedTokens int64 `json:"returned_tokens"`
 }
 
-func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
+// readJSON authenticates the caller and decodes the request's JSON body
+// into v strictly; when it returns false it has answered already.
+func (h *Handler) readJSON(w http.ResponseWriter, r *http.Request, v any) (principal, bool) {
 	p, ok := h.authenticate(w, r)
 	if !ok {
-		return
+		return p, false
 	}
 	raw, ok := readBody(w, r)
 	if !ok {
-		return
+		return p, false
 	}
-	var b releaseBody
-	if ferr := decodeStrict(raw, &b); ferr != nil {
+	if ferr := decodeStrict(raw, v); ferr != nil {
 		writeFieldError(w, ferr)
-		return
+		return p, false
 	}
-	for _, f := range []struct{ name, v string }{{"tenant", b.Tenant}, {"user", b.User}, {"request_id", b.RequestID}} {
-		if ferr := checkID(f.name, f.v, true); ferr != nil {
+	return p, true
+}
+
+// idField is an identifier to check, with its field name.
+type idField struct {
+	name, v  string
+	required bool
+}
+
+// checkIDs checks identifiers (length, UTF-8, presence); when it returns
+// false it has answered with the first bad one.
+func checkIDs(w http.ResponseWriter, fields ...idField) bool {
+	for _, f := range fields {
+		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
 			writeFieldError(w, ferr)
-			return
+			return false
 		}
+	}
+	return true
+}
+
+func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
+	var b releaseBody
+	p, ok := h.readJSON(w, r, &b)
+	if !ok || !checkIDs(w, idField{"tenant", b.Tenant, true}, idField{"user", b.User, true}, idField{"request_id", b.RequestID, true}) {
+		return
 	}
 	if !authorize(w, p, b.Tenant) {
 		return
@@ -111,27 +133,10 @@ type topUpAnswer struct {
 }
 
 func (h *Handler) serveTopUp(w http.ResponseWriter, r *http.Request) {
-	p, ok := h.authenticate(w, r)
-	if !ok {
-		return
-	}
-	raw, ok := readBody(w, r)
-	if !ok {
-		return
-	}
 	var b topUpBody
-	if ferr := decodeStrict(raw, &b); ferr != nil {
-		writeFieldError(w, ferr)
+	p, ok := h.readJSON(w, r, &b)
+	if !ok || !checkIDs(w, idField{"tenant", b.Tenant, true}, idField{"user", b.User, false}, idField{"reference", b.Reference, true}) {
 		return
-	}
-	for _, f := range []struct {
-		name, v  string
-		required bool
-	}{{"tenant", b.Tenant, true}, {"user", b.User, false}, {"reference", b.Reference, true}} {
-		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
-			writeFieldError(w, ferr)
-			return
-		}
 	}
 	if b.Amount == nil {
 		writeFieldError(w, bad("amount", "required"))

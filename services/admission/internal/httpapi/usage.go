@@ -31,14 +31,8 @@ func (h *Handler) serveUsageGet(w http.ResponseWriter, r *http.Request) {
 	}
 	q := r.URL.Query()
 	tenant, user, plan := q.Get("tenant"), q.Get("user"), q.Get("plan")
-	for _, f := range []struct {
-		name, v  string
-		required bool
-	}{{"tenant", tenant, true}, {"user", user, true}, {"plan", plan, false}} {
-		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
-			writeFieldError(w, ferr)
-			return
-		}
+	if !checkIDs(w, idField{"tenant", tenant, true}, idField{"user", user, true}, idField{"plan", plan, false}) {
+		return
 	}
 	if !authorize(w, p, tenant) {
 		return
