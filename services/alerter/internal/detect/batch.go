@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"slices"
 	"strconv"
 	"time"
 
@@ -125,11 +126,11 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 	err := d.st.Update(ctx, func(tx *store.Tx) error {
 		fired = 0
 		levels = map[store.LimitKey]int{}
-		cur, err := tx.Versions(ctx, mapsKeys(vkeys))
+		cur, err := tx.Versions(ctx, slices.Collect(maps.Keys(vkeys)))
 		if err != nil {
 			return err
 		}
-		states, err := tx.Limits(ctx, mapsKeys(touched))
+		states, err := tx.Limits(ctx, slices.Collect(maps.Keys(touched)))
 		if err != nil {
 			return err
 		}
@@ -202,25 +203,7 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 		return tx.SaveVersions(ctx, newVersions)
 	})
 	if err != nil {
-		d.mu.Lock()
-		clear(d.levels) // the cache may not match what was rolled back
-		d.mu.Unlock()
-		return fmt.Errorf("thresholds of a batch of %d snapshots: %w", len(snaps), err)
+		err = fmt.Errorf("thresholds of a batch of %d snapshots: %w", len(snaps), err)
 	}
-	d.mu.Lock()
-	if len(d.levels)+len(levels) > maxCachedLevels {
-		clear(d.levels)
-	}
-	maps.Copy(d.levels, levels)
-	d.mu.Unlock()
-	d.raised(KindThreshold, fired)
-	return nil
-}
-
-func mapsKeys[K comparable](m map[K]bool) []K {
-	out := make([]K, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	return out
+	return d.committed(err, levels, fired)
 }

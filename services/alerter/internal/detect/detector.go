@@ -275,12 +275,22 @@ func (d *Detector) snapshot(ctx context.Context, ev events.Event, tenant, user s
 		return nil
 	})
 	if err != nil {
-		d.mu.Lock()
-		clear(d.levels) // the cache may not match what was rolled back
-		d.mu.Unlock()
-		return fmt.Errorf("thresholds of %s/%s: %w", tenant, user, err)
+		err = fmt.Errorf("thresholds of %s/%s: %w", tenant, user, err)
 	}
+	return d.committed(err, levels, fired)
+}
+
+// committed brings the cache of threshold levels in line with the
+// transaction that computed levels: dropped when it failed (the cache may
+// not match what was rolled back), merged when it committed, when the fired
+// alerts are counted. It returns err.
+func (d *Detector) committed(err error, levels map[store.LimitKey]int, fired int) error {
 	d.mu.Lock()
+	if err != nil {
+		clear(d.levels)
+		d.mu.Unlock()
+		return err
+	}
 	if len(d.levels)+len(levels) > maxCachedLevels {
 		clear(d.levels)
 	}
