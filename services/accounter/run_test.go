@@ -22,6 +22,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/natstest"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgtest"
 	"quotaflow/internal/redistest"
@@ -81,33 +82,13 @@ type env struct {
 
 func newEnv(t testing.TB) *env {
 	t.Helper()
-	ctx := context.Background()
-	id := randHex(5)
 
 	// Postgres: a database of our own, dropped at the end.
 	pgURL := pgtest.NewDatabase(t, "qf_accounter_test")
 
 	// NATS: our own streams and prefix.
-	nc, err := nats.Connect(envOr("QF_TEST_NATS_URL", "nats://127.0.0.1:4222"))
-	if err != nil {
-		t.Fatalf("nats: %v", err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ec := events.Config{
-		Stream: "QFT_ACCT_" + id, DLQStream: "QFT_ACCT_DLQ_" + id, SubjectPrefix: "qftacct" + id,
-		AckWait: 2 * time.Second, MaxDeliver: 5,
-	}
-	if err := events.EnsureStreams(ctx, js, ec); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = js.DeleteStream(context.Background(), ec.Stream)
-		_ = js.DeleteStream(context.Background(), ec.DLQStream)
-	})
+	nc, js := natstest.Connect(t, natstest.URL())
+	ec := natstest.Streams(t, js, "acct", events.Config{AckWait: 2 * time.Second, MaxDeliver: 5})
 
 	policyFile := filepath.Join(t.TempDir(), "policy.yaml")
 	if err := os.WriteFile(policyFile, []byte(testPolicy), 0o600); err != nil {

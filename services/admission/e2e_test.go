@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
@@ -38,36 +39,6 @@ func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
-}
-
-func natsURL() string {
-	if u := os.Getenv("QF_NATS_URL"); u != "" {
-		return u
-	}
-	return nats.DefaultURL
-}
-
-// testStreams creates streams and a prefix of the test's own.
-func testStreams(t *testing.T, js jetstream.JetStream) events.Config {
-	t.Helper()
-	sfx := strings.ToUpper(randomHex(6))
-	cfg := events.Config{
-		Stream: "QFTEST_ADM_" + sfx, DLQStream: "QFTEST_ADM_" + sfx + "_DLQ",
-		SubjectPrefix: "qftest_adm_" + strings.ToLower(sfx),
-		MaxAge:        10 * time.Minute, Duplicates: 5 * time.Minute, DLQMaxAge: 10 * time.Minute,
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := events.EnsureStreams(ctx, js, cfg); err != nil {
-		t.Fatalf("EnsureStreams = %v", err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = js.DeleteStream(ctx, cfg.Stream)
-		_ = js.DeleteStream(ctx, cfg.DLQStream)
-	})
-	return cfg
 }
 
 // cleanupTenant deletes every key of tenant (they share its hash tag).
@@ -126,16 +97,8 @@ func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string,
 	if err != nil {
 		t.Fatal(err)
 	}
-	nc, err := nats.Connect(natsURL(), nats.Name(t.Name()))
-	if err != nil {
-		t.Fatalf("connect to NATS (run `go tool task deps`): %v", err)
-	}
-	t.Cleanup(nc.Close)
-	s.js, err = jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.cfg = testStreams(t, s.js)
+	_, s.js = natstest.Connect(t, natstest.URL(), nats.Name(t.Name()))
+	s.cfg = natstest.Streams(t, s.js, "adm", events.Config{})
 	s.ob, err = outbox.New(events.NewPublisher(s.js, s.cfg), outbox.Options{SpillDir: filepath.Join(dir, "spill"), Registerer: s.reg})
 	if err != nil {
 		t.Fatal(err)

@@ -13,10 +13,10 @@ import (
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/events"
 )
 
 // testConfig is the configuration envconfig gives with no environment,
@@ -101,16 +101,8 @@ func TestConfigValidateNamesVariables(t *testing.T) {
 func TestRun(t *testing.T) {
 	redistest.Shared(t)
 	cfg := testConfig(t)
-	nc, err := nats.Connect(natsURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close) // after testStreams' cleanup, which needs it
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.Config = testStreams(t, js)
+	_, js := natstest.Connect(t, natstest.URL())
+	cfg.Config = natstest.Streams(t, js, "run", events.Config{})
 	tenant := "run-" + randomHex(6)
 	cleanupTenant(t, redistest.Shared(t), tenant)
 	cfg.APITokens = []string{"run-token@" + tenant}

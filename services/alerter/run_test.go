@@ -22,9 +22,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/natstest"
 	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/detect"
@@ -142,31 +142,11 @@ type env struct {
 
 func newEnv(t testing.TB, webhooks string) *env {
 	t.Helper()
-	ctx := context.Background()
-	id := randHex(5)
 
 	pgURL := pgtest.NewDatabase(t, "qf_alerter_test")
 
-	nc, err := nats.Connect(envOr("QF_TEST_NATS_URL", "nats://127.0.0.1:4222"))
-	if err != nil {
-		t.Fatalf("nats: %v", err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ec := events.Config{
-		Stream: "QFT_ALERT_" + id, DLQStream: "QFT_ALERT_DLQ_" + id, SubjectPrefix: "qftalert" + id,
-		AckWait: 2 * time.Second, MaxDeliver: 5,
-	}
-	if err := events.EnsureStreams(ctx, js, ec); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = js.DeleteStream(context.Background(), ec.Stream)
-		_ = js.DeleteStream(context.Background(), ec.DLQStream)
-	})
+	_, js := natstest.Connect(t, natstest.URL())
+	ec := natstest.Streams(t, js, "alert", events.Config{AckWait: 2 * time.Second, MaxDeliver: 5})
 
 	recv := newReceiver(t)
 	file := filepath.Join(t.TempDir(), "webhooks.yaml")

@@ -2,19 +2,15 @@ package outbox
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"net"
-	"os"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
 )
 
@@ -22,13 +18,6 @@ import (
 // default nats://127.0.0.1:4222) and, where a test stops and restarts NATS,
 // an embedded nats-server. Each test owns its streams and subject prefix
 // and deletes them.
-
-func natsURL() string {
-	if u := os.Getenv("QF_NATS_URL"); u != "" {
-		return u
-	}
-	return nats.DefaultURL
-}
 
 func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
@@ -43,32 +32,6 @@ func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 		t.Fatal(err)
 	}
 	return nc, js
-}
-
-// testStreams creates a stream pair and prefix of the test's own, deleted
-// at cleanup.
-func testStreams(t *testing.T, js jetstream.JetStream) events.Config {
-	t.Helper()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	sfx := strings.ToUpper(hex.EncodeToString(b[:]))
-	cfg := events.Config{
-		Stream: "QFTEST_OUTBOX_" + sfx, DLQStream: "QFTEST_OUTBOX_" + sfx + "_DLQ",
-		SubjectPrefix: "qftest_outbox_" + strings.ToLower(sfx),
-		MaxAge:        10 * time.Minute, Duplicates: 5 * time.Minute, DLQMaxAge: 10 * time.Minute,
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := events.EnsureStreams(ctx, js, cfg); err != nil {
-		t.Fatalf("EnsureStreams = %v", err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = js.DeleteStream(ctx, cfg.Stream)
-		_ = js.DeleteStream(ctx, cfg.DLQStream)
-	})
-	return cfg
 }
 
 // storedIDs reads every message of the stream and counts event ids.
@@ -117,8 +80,8 @@ func streamMsgs(js jetstream.JetStream, stream string) uint64 {
 }
 
 func TestRealNATS(t *testing.T) {
-	_, js := connect(t, natsURL())
-	cfg := testStreams(t, js)
+	_, js := connect(t, natstest.URL())
+	cfg := natstest.Streams(t, js, "outbox", events.Config{})
 	o, err := New(events.NewPublisher(js, cfg), Options{SpillDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(err)
@@ -156,36 +119,16 @@ func TestRealNATS(t *testing.T) {
 	}
 }
 
-func startServer(t *testing.T, dir string, port int) *server.Server {
-	t.Helper()
-	s, err := server.NewServer(&server.Options{
-		Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Start()
-	if !s.ReadyForConnections(10 * time.Second) {
-		t.Fatal("embedded nats-server did not start")
-	}
-	return s
-}
-
-func stopServer(s *server.Server) {
-	s.Shutdown()
-	s.WaitForShutdown()
-}
-
 // TestNATSRestartEveryEventOnce stops NATS in the middle of a run and
 // starts it again: events published before, queued and spilled during the
 // outage all end up in the stream exactly once.
 func TestNATSRestartEveryEventOnce(t *testing.T) {
 	storeDir := t.TempDir()
-	s := startServer(t, storeDir, -1)
+	s := natstest.Embedded(t, storeDir, -1)
 	port := s.Addr().(*net.TCPAddr).Port
-	t.Cleanup(func() { stopServer(s) })
+	t.Cleanup(func() { natstest.Stop(s) })
 	nc, js := connect(t, s.ClientURL())
-	cfg := testStreams(t, js)
+	cfg := natstest.Streams(t, js, "outbox", events.Config{})
 
 	spillDir := t.TempDir()
 	o, err := New(events.NewPublisher(js, cfg), Options{
@@ -201,7 +144,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 	}
 	eventually(t, "the first events stored", func() bool { return streamMsgs(js, cfg.Stream) >= 50 })
 
-	stopServer(s)
+	natstest.Stop(s)
 	for i := before; i < total; i++ {
 		o.Enqueue(reserved(i))
 	}
@@ -212,7 +155,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 		t.Error("Degraded() = false during the outage")
 	}
 
-	s = startServer(t, storeDir, port)
+	s = natstest.Embedded(t, storeDir, port)
 	eventually(t, "the client reconnected", nc.IsConnected)
 	eventually(t, "every event stored", func() bool { return streamMsgs(js, cfg.Stream) >= total })
 	eventually(t, "the outbox drained", func() bool { m, b := o.Pending(); return m == 0 && b == 0 })
