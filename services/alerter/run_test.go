@@ -3,10 +3,8 @@ package main
 import (
 	"context"
 	"crypto/hmac"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -38,19 +36,6 @@ import (
 
 const testSecret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
-func envOr(k, def string) string {
-	if v := os.Getenv(k); v != "" {
-		return v
-	}
-	return def
-}
-
-func randHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
 // hit is one request the receiver accepted.
 type hit struct {
 	id   string
@@ -70,6 +55,8 @@ type receiver struct {
 	seen     map[string]int // webhook-id -> accepted deliveries
 	hits     []hit
 	arrived  chan struct{} // a signal per new alert, dropped when full
+	// answerDelay delays each accepted answer (nanoseconds).
+	answerDelay atomic.Int64
 }
 
 func newReceiver(t testing.TB) *receiver {
@@ -106,7 +93,6 @@ func (r *receiver) serve(w http.ResponseWriter, req *http.Request) {
 		r.t.Errorf("webhook %s: body %s: %v", id, b, err)
 	}
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	r.seen[id]++
 	if r.seen[id] == 1 {
 		r.hits = append(r.hits, hit{id: id, body: body.Body, raw: body.Data})
@@ -115,6 +101,10 @@ func (r *receiver) serve(w http.ResponseWriter, req *http.Request) {
 		default:
 		}
 	}
+	r.mu.Unlock()
+	// A slow answer: the alerter may die before it hears that the
+	// receiver has the alert.
+	time.Sleep(time.Duration(r.answerDelay.Load()))
 }
 
 // of returns the distinct alerts of kind received so far, in order.
@@ -157,7 +147,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 	}
 
 	cfg := Config{
-		NATSURL: envOr("QF_TEST_NATS_URL", "nats://127.0.0.1:4222"), PostgresURL: pgURL, Config: ec,
+		NATSURL: natstest.URL(), PostgresURL: pgURL, Config: ec,
 		Consumer: "alerter", LogLevel: "debug", OpsAddr: "127.0.0.1:0", WebhooksFile: file,
 		Hysteresis: 5, SpikeRate: 0.05, SpikeMinRequests: 10, SpikeWindow: 5 * time.Minute,
 		EvalInterval: 50 * time.Millisecond, AbuseBurst: 50, AbuseWindow: time.Minute,
