@@ -677,7 +677,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 		return err == nil && !missing
 	})
 	db := e.pg.Config().ConnConfig.Database
-	admin, err := pgx.Connect(ctx, envOr("QF_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"))
+	admin, err := pgx.Connect(ctx, pgtest.BaseURL())
 	if err != nil {
 		t.Fatal(err)
 	}

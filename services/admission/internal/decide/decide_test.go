@@ -27,11 +27,7 @@ ip: [{name: burst, kind: fixed, window: 1h, limit: 2}]
 `
 
 func TestLayerOrderAndShortCircuit(t *testing.T) {
-	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	ep := "/t/" + tenant
-	pol := parsePolicy(t, layeredPolicy, ep)
-	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	c, d, pol, tenant, ep := onEndpoint(t, layeredPolicy, "/t/")
 	ipA, ipB, ipC := tenant+"-a", tenant+"-b", tenant+"-c"
 	rs, _ := pol.Resolve(tenant, "", ep)
 	userUsed := func() int64 {
@@ -112,12 +108,9 @@ ip: [{name: ipr, kind: fixed, window: 1h, limit: 1000}]
 `
 
 func TestLaterDenialCompensatesEarlierLayers(t *testing.T) {
-	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	ep, ip := "/t/"+tenant, tenant+"-ip"
-	pol := parsePolicy(t, compensatePolicy, ep)
+	c, d, pol, tenant, ep := onEndpoint(t, compensatePolicy, "/t/")
+	ip := tenant + "-ip"
 	rs, _ := pol.Resolve(tenant, "", ep)
-	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
 
 	steps := []struct {
 		cost    int64
@@ -161,12 +154,8 @@ func TestLaterDenialCompensatesEarlierLayers(t *testing.T) {
 }
 
 func TestDuplicateGivesBackSharedLayers(t *testing.T) {
-	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	ep := "/t/" + tenant
-	pol := parsePolicy(t, compensatePolicy, ep)
+	c, d, pol, tenant, ep := onEndpoint(t, compensatePolicy, "/t/")
 	rs, _ := pol.Resolve(tenant, "", ep)
-	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
 
 	x := in(tenant, "u", ep, 10)
 	wantAllowed(t, admit(t, d, x), true)
@@ -292,12 +281,9 @@ ip: [{name: i, kind: fixed, window: 1h, limit: 1000}]
 `
 
 func TestCloseReturnsLeases(t *testing.T) {
-	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	ep, ip := "/t/"+tenant, tenant+"-ip"
-	pol := parsePolicy(t, leasePolicy, ep)
+	c, d, pol, tenant, ep := onEndpoint(t, leasePolicy, "/t/")
+	ip := tenant + "-ip"
 	rs, _ := pol.Resolve(tenant, "", ep)
-	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
 
 	x := in(tenant, "u", ep, 1)
 	x.IP = ip
@@ -359,11 +345,7 @@ endpoints:
 `
 
 func TestShadowLimitsNeverDeny(t *testing.T) {
-	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	ep := "/t/" + tenant
-	pol := parsePolicy(t, shadowPolicy, ep)
-	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	_, d, _, tenant, ep := onEndpoint(t, shadowPolicy, "/t/")
 
 	r := admit(t, d, in(tenant, "u", ep, 8))
 	wantAllowed(t, r, true)
@@ -568,11 +550,7 @@ endpoints:
 // layer is exhausted since (by that very request); a new request id is
 // denied, and an id the caller did not choose is never looked up.
 func TestRetryOfAdmittedRequestPassesSharedLayers(t *testing.T) {
-	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	ep := "/retry/" + tenant
-	pol := parsePolicy(t, retryPolicy, ep)
-	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	_, d, _, tenant, ep := onEndpoint(t, retryPolicy, "/retry/")
 
 	first := in(tenant, "u", ep, 10)
 	first.CallerID = true

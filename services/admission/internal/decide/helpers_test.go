@@ -35,6 +35,19 @@ func midWindow(w time.Duration) time.Duration {
 	return w/2 - time.Duration(time.Now().UnixNano()%int64(w))
 }
 
+// onEndpoint returns a Decider on the shared Redis over policy (its {E}
+// replaced by a fresh endpoint under prefix), in the middle of an hour
+// window, with the Redis client, the policy, a fresh tenant and the endpoint.
+func onEndpoint(t *testing.T, policy, prefix string) (*redis.Client, *Decider, *limits.Policy, string, string) {
+	t.Helper()
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := prefix + tenant
+	pol := parsePolicy(t, policy, ep)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	return c, d, pol, tenant, ep
+}
+
 // newDecider builds a Decider over c, closed at cleanup.
 func newDecider(t testing.TB, c redis.Scripter, pol *limits.Policy, o Options, lo limits.Options) *Decider {
 	t.Helper()
