@@ -3,12 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/base64"
 	"errors"
-	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -61,17 +56,17 @@ func TestDemo(t *testing.T) {
 		t.Fatalf("run = %v", err)
 	}
 	st := rep.Stats
-	if n := st.status5xx.Load(); n != 0 {
-		t.Errorf("admission answered 5xx %d times: %v", n, st.errs)
+	if n := st.Status5xx.Load(); n != 0 {
+		t.Errorf("admission answered 5xx %d times: %v", n, st.Unexpected())
 	}
-	if st.denied.Load() == 0 {
+	if st.Denied.Load() == 0 {
 		t.Error("no 429 at all: the hammering users should run their limits dry")
 	}
-	if st.actualEvents.Load() == 0 {
+	if st.ActualEvents.Load() == 0 {
 		t.Fatal("no actual usage sent")
 	}
-	if !rep.LedgerMatches || rep.Ledger.actualTotal != st.actualSent.Load() {
-		t.Errorf("ledger actual total %d, sent %d", rep.Ledger.actualTotal, st.actualSent.Load())
+	if !rep.LedgerMatches || rep.Ledger.ActualTotal != st.ActualSent.Load() {
+		t.Errorf("ledger actual total %d, sent %d", rep.Ledger.ActualTotal, st.ActualSent.Load())
 	}
 	if rep.Alerts["quota.threshold"] == 0 {
 		t.Errorf("no quota.threshold alert received (alerts %v)", rep.Alerts)
@@ -117,37 +112,5 @@ func assertCleanedUp(t *testing.T, cfg Config, run string) {
 	var exists bool
 	if err := conn.QueryRow(ctx, "SELECT exists(SELECT 1 FROM pg_database WHERE datname = $1)", n.database).Scan(&exists); err != nil || exists {
 		t.Errorf("database %s after the run: exists=%v err=%v", n.database, exists, err)
-	}
-}
-
-// TestReceiverVerify checks the signature check against a signature made
-// here by the spec's recipe, and that tampering is refused.
-func TestReceiverVerify(t *testing.T) {
-	key := []byte("0123456789abcdef0123")
-	secret := "whsec_" + base64.StdEncoding.EncodeToString(key)
-	r, err := newReceiver(secret, &bytes.Buffer{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.close()
-	body := []byte(`{"type":"quota.threshold","data":{}}`)
-	ts := strconv.FormatInt(time.Now().Unix(), 10)
-	m := hmac.New(sha256.New, key)
-	m.Write([]byte("msg_1." + ts + "."))
-	m.Write(body)
-	sig := "v1," + base64.StdEncoding.EncodeToString(m.Sum(nil))
-	h := http.Header{}
-	h.Set("webhook-id", "msg_1")
-	h.Set("webhook-timestamp", ts)
-	h.Set("webhook-signature", "v1,AAAA "+sig) // a rotated-out signature first
-	if err := r.verify(h, body); err != nil {
-		t.Errorf("valid signature refused: %v", err)
-	}
-	if err := r.verify(h, append(body, ' ')); err == nil {
-		t.Error("tampered body accepted")
-	}
-	h.Set("webhook-timestamp", strconv.FormatInt(time.Now().Add(-time.Hour).Unix(), 10))
-	if err := r.verify(h, body); err == nil {
-		t.Error("stale timestamp accepted")
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"fmt"
-	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -18,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/pgdb"
 )
 
@@ -194,12 +194,20 @@ func deleteRedisKeys(ctx context.Context, redisURL string, n names) error {
 	return nil
 }
 
-// freePort returns a loopback port nothing listens on right now.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
+// users: per tenant a light user (stays under 80 %), a medium one (crosses
+// 80/90 %) and a heavy one (reaches the 5 h quota and gets 429s); two
+// tenants also have a script hammering small requests, which runs the
+// token bucket and the endpoint's daily limit dry.
+func demoUsers(n names) []e2e.User {
+	var us []e2e.User
+	for i, t := range n.tenants {
+		us = append(us,
+			e2e.User{Tenant: t, Name: "light", Estimate: 200, Burst: 1},
+			e2e.User{Tenant: t, Name: "medium", Estimate: 600, Burst: 1},
+			e2e.User{Tenant: t, Name: "heavy", Estimate: 1000, Burst: 1})
+		if i < 2 {
+			us = append(us, e2e.User{Tenant: t, Name: "script", Estimate: 40, Burst: 12})
+		}
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	return us
 }

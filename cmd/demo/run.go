@@ -12,15 +12,17 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"quotaflow/internal/e2e"
 )
 
 // Report is what a run saw; the test asserts on it.
 type Report struct {
 	Run, Database   string
-	Stats           *stats
+	Stats           *e2e.Stats
 	DeniedBy        map[string]int
-	Decisions       []decision
-	Ledger          ledger
+	Decisions       []e2e.Decision
+	Ledger          e2e.Ledger
 	LedgerMatches   bool
 	Alerts          map[string]int
 	Thresholds      map[int]int
@@ -37,7 +39,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	rep := &Report{Run: n.run, Database: n.database}
 	fmt.Fprintf(out, "quotaflow full demo, run %s\n", n.run)
 
-	root, err := moduleRoot(ctx)
+	root, err := e2e.ModuleRoot(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -47,7 +49,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}
 	fmt.Fprintln(out, "building the services ...")
 	binDir := filepath.Join(dir, "bin")
-	if err := build(ctx, root, binDir); err != nil {
+	if err := e2e.Build(ctx, root, binDir); err != nil {
 		return nil, err
 	}
 
@@ -58,16 +60,16 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	if err := createDatabase(ctx, pgURL); err != nil {
 		return nil, fmt.Errorf("postgres (run `go tool task deps`): %w", err)
 	}
-	recv, err := newReceiver(n.whSecret, out)
+	recv, err := e2e.NewReceiver(n.whSecret, out)
 	if err != nil {
 		return nil, err
 	}
-	policy, hooks, err := writeFiles(dir, n, recv.url)
+	policy, hooks, err := writeFiles(dir, n, recv.URL)
 	if err != nil {
 		return nil, err
 	}
 
-	var svcs []*service
+	var svcs []*e2e.Service
 	kept := false
 	// Cleanup runs however run ends: services first (they hold the
 	// database, the streams and the Redis keys), then their resources.
@@ -75,7 +77,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		if kept {
 			return
 		}
-		recv.close()
+		recv.Close()
 		cctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		cleanup(cctx, out, cfg, n, pgURL, dir, svcs)
@@ -83,7 +85,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 
 	ports := map[string]int{}
 	for _, k := range []string{"api", "admission", "accounter", "alerter"} {
-		if ports[k], err = freePort(); err != nil {
+		if ports[k], err = e2e.FreePort(); err != nil {
 			return nil, err
 		}
 	}
@@ -109,7 +111,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 			"QF_REDIS_TIMEOUT=250ms"}},
 	}
 	for _, sp := range specs {
-		s, err := start(sp.name, filepath.Join(binDir, sp.name), dir, addr(sp.name), append(append([]string{}, common...), sp.env...))
+		s, err := e2e.Start(sp.name, filepath.Join(binDir, sp.name), dir, addr(sp.name), append(append([]string{}, common...), sp.env...))
 		if err != nil {
 			return nil, err
 		}
@@ -117,25 +119,25 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}
 	rctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	for _, s := range svcs {
-		if err := s.waitReady(rctx); err != nil {
+		if err := s.WaitReady(rctx); err != nil {
 			cancel()
 			return nil, err
 		}
-		fmt.Fprintf(out, "  %-9s ready  %s/readyz (pid %d)\n", s.name, s.ops, s.cmd.Process.Pid)
+		fmt.Fprintf(out, "  %-9s ready  %s/readyz (pid %d)\n", s.Name, s.Ops, s.Cmd.Process.Pid)
 	}
 	cancel()
-	if deg := svcs[2].waitSteady(ctx, 30*time.Second); deg != "" {
+	if deg := svcs[2].WaitSteady(ctx, 30*time.Second); deg != "" {
 		fmt.Fprintf(out, "  admission still degraded, running anyway: %s\n", deg)
 	}
 	api := "http://" + addr("api")
-	fmt.Fprintf(out, "admission API %s, webhook receiver %s\n", api, recv.url)
+	fmt.Fprintf(out, "admission API %s, webhook receiver %s\n", api, recv.URL)
 	fmt.Fprintf(out, "tenants %s; policy: 5h quota %d tokens, 10 req/s (burst 20), %s %d requests/day per user\n\n",
 		strings.Join(n.tenants, ", "), n.quota5h, n.endpoint, n.dailyReqs)
 
-	st := &stats{deniedBy: map[string]int{}, errs: map[string]int{}}
+	st := e2e.NewStats()
 	rep.Stats = st
-	gen := &generator{base: api, token: n.token, endpoint: n.endpoint, run: n.run, st: st,
-		client: &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 32}}}
+	gen := &e2e.Generator{Base: api, Token: n.token, Endpoint: n.endpoint, Run: n.run, St: st, Patience: time.Second,
+		Client: &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 32}}}
 	fmt.Fprintf(out, "traffic for %v (%d rounds, %d users) ...\n", cfg.Duration, cfg.Rounds, len(demoUsers(n)))
 	playTraffic(ctx, out, cfg, gen, demoUsers(n), recv)
 	if ctx.Err() != nil {
@@ -145,17 +147,17 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	// Accounter and alerter are asynchronous: wait until the ledger holds
 	// every actual event sent, then give the last alerts a moment.
 	sctx := context.WithoutCancel(ctx)
-	l, lerr := waitLedger(sctx, pgURL, st.actualEvents.Load(), st.actualSent.Load(), st.allowed.Load(), st.releases.Load(), cfg.SettleTimeout)
+	l, lerr := e2e.WaitLedger(sctx, pgURL, st.ActualEvents.Load(), st.ActualSent.Load(), st.Allowed.Load(), st.Releases.Load(), cfg.SettleTimeout)
 	rep.Ledger = l
-	rep.LedgerMatches = lerr == nil && l.actualTotal == st.actualSent.Load()
+	rep.LedgerMatches = lerr == nil && l.ActualTotal == st.ActualSent.Load()
 	waitAlertsQuiet(recv, 2*time.Second, 15*time.Second)
 
-	rep.DeniedBy = st.deniedByCopy()
-	rep.Decisions, err = decisions(sctx, svcs[2].ops)
+	rep.DeniedBy = st.DeniedBy()
+	rep.Decisions, err = e2e.Decisions(sctx, svcs[2].Ops)
 	if err != nil {
 		fmt.Fprintf(out, "cannot read admission metrics: %v\n", err)
 	}
-	rep.Alerts, rep.Thresholds, rep.BadSignatures, rep.DuplicateAlerts, rep.Refires = recv.counts()
+	rep.Alerts, rep.Thresholds, rep.BadSignatures, rep.DuplicateAlerts, rep.Refires = recv.Counts()
 	printSummary(out, rep)
 
 	if cfg.Keep {
@@ -185,20 +187,20 @@ func (l *lockedWriter) Write(p []byte) (int, error) {
 
 // playTraffic runs the generator and prints a progress line every
 // cfg.Progress.
-func playTraffic(ctx context.Context, out io.Writer, cfg Config, gen *generator, us []user, recv *receiver) {
+func playTraffic(ctx context.Context, out io.Writer, cfg Config, gen *e2e.Generator, us []e2e.User, recv *e2e.Receiver) {
 	done := make(chan struct{})
 	go func() {
-		gen.play(ctx, us, cfg.Rounds, cfg.Duration)
+		gen.Play(ctx, us, cfg.Rounds, cfg.Duration)
 		close(done)
 	}()
 	t0 := time.Now()
 	tick := time.NewTicker(cfg.Progress)
 	defer tick.Stop()
 	line := func() {
-		st := gen.st
+		st := gen.St
 		fmt.Fprintf(out, "[%5.1fs] admits %5d  allowed %5d  429s %5d  5xx %d  actual events %5d  releases %4d  alerts %3d\n",
-			time.Since(t0).Seconds(), st.admits.Load(), st.allowed.Load(), st.denied.Load(), st.status5xx.Load(),
-			st.actualEvents.Load(), st.releases.Load(), recv.total())
+			time.Since(t0).Seconds(), st.Admits.Load(), st.Allowed.Load(), st.Denied.Load(), st.Status5xx.Load(),
+			st.ActualEvents.Load(), st.Releases.Load(), recv.Total())
 	}
 	for {
 		select {
@@ -212,12 +214,12 @@ func playTraffic(ctx context.Context, out io.Writer, cfg Config, gen *generator,
 }
 
 // waitAlertsQuiet returns once no alert arrived for quiet, or after max.
-func waitAlertsQuiet(recv *receiver, quiet, max time.Duration) {
+func waitAlertsQuiet(recv *e2e.Receiver, quiet, max time.Duration) {
 	deadline := time.Now().Add(max)
-	last, lastChange := recv.total(), time.Now()
+	last, lastChange := recv.Total(), time.Now()
 	for time.Now().Before(deadline) {
 		time.Sleep(250 * time.Millisecond)
-		if n := recv.total(); n != last {
+		if n := recv.Total(); n != last {
 			last, lastChange = n, time.Now()
 		} else if time.Since(lastChange) >= quiet {
 			return
@@ -227,15 +229,15 @@ func waitAlertsQuiet(recv *receiver, quiet, max time.Duration) {
 
 // cleanup stops the services and removes the run's database, streams,
 // Redis keys and temp directory.
-func cleanup(ctx context.Context, out io.Writer, cfg Config, n names, pgURL, dir string, svcs []*service) {
+func cleanup(ctx context.Context, out io.Writer, cfg Config, n names, pgURL, dir string, svcs []*e2e.Service) {
 	if len(svcs) > 0 {
 		fmt.Fprintln(out, "\nstopping the services ...")
 	}
 	// Reverse order: admission stops taking requests before the
 	// consumers of its events go.
 	for i := len(svcs) - 1; i >= 0; i-- {
-		if err := svcs[i].stop(20 * time.Second); err != nil {
-			fmt.Fprintf(out, "  %s: %v\n", svcs[i].name, err)
+		if err := svcs[i].Stop(20 * time.Second); err != nil {
+			fmt.Fprintf(out, "  %s: %v\n", svcs[i].Name, err)
 		}
 	}
 	if err := dropDatabase(ctx, pgURL); err != nil {
@@ -269,13 +271,13 @@ func cleanupKept(ctx context.Context, cfg Config, run string, out io.Writer) err
 	return nil
 }
 
-func printKept(out io.Writer, n names, api, pgURL, dir string, svcs []*service) {
+func printKept(out io.Writer, n names, api, pgURL, dir string, svcs []*e2e.Service) {
 	fmt.Fprintln(out, "\n--keep: the services keep running:")
 	fmt.Fprintf(out, "  admission API  %s  (Authorization: Bearer %s)\n", api, n.token)
 	var pids []string
 	for _, s := range svcs {
-		fmt.Fprintf(out, "  %-9s ops  %s/metrics  log %s\n", s.name, s.ops, s.logPath)
-		pids = append(pids, strconv.Itoa(s.cmd.Process.Pid))
+		fmt.Fprintf(out, "  %-9s ops  %s/metrics  log %s\n", s.Name, s.Ops, s.LogPath)
+		pids = append(pids, strconv.Itoa(s.Cmd.Process.Pid))
 	}
 	fmt.Fprintf(out, "  ledger         psql '%s'\n", pgURL)
 	fmt.Fprintf(out, "  try: curl -s %s/v1/usage?tenant=%s\\&user=heavy -H 'Authorization: Bearer %s'\n", api, n.tenants[0], n.token)

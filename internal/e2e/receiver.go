@@ -1,4 +1,4 @@
-package main
+package e2e
 
 import (
 	"crypto/hmac"
@@ -15,15 +15,15 @@ import (
 	"time"
 )
 
-// receiver is the webhook endpoint the alerter delivers to. It verifies
+// Receiver is the webhook endpoint the alerter delivers to. It verifies
 // each delivery's Standard Webhooks signature itself (not with the library
 // the alerter signs with, so a shared bug cannot hide), drops repeats by
 // webhook-id as a real receiver must, and prints each alert.
-type receiver struct {
+type Receiver struct {
 	key []byte // the secret's base64 part, decoded
 	out io.Writer
 	srv *http.Server
-	url string
+	URL string // where the alerter delivers
 
 	mu     sync.Mutex
 	seen   map[string]bool // webhook-id
@@ -38,7 +38,9 @@ type receiver struct {
 	refires int
 }
 
-func newReceiver(secret string, out io.Writer) (*receiver, error) {
+// NewReceiver starts a Receiver on a loopback port for the Standard
+// Webhooks secret ("whsec_" + base64), printing each new alert to out.
+func NewReceiver(secret string, out io.Writer) (*Receiver, error) {
 	key, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(secret, "whsec_"))
 	if err != nil {
 		return nil, fmt.Errorf("webhook secret: %w", err)
@@ -47,17 +49,17 @@ func newReceiver(secret string, out io.Writer) (*receiver, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &receiver{key: key, out: out, seen: map[string]bool{}, byKind: map[string]int{}, thresh: map[int]int{}, fired: map[string]int{}}
-	r.url = "http://" + l.Addr().String() + "/hooks/quota"
+	r := &Receiver{key: key, out: out, seen: map[string]bool{}, byKind: map[string]int{}, thresh: map[int]int{}, fired: map[string]int{}}
+	r.URL = "http://" + l.Addr().String() + "/hooks/quota"
 	r.srv = &http.Server{Handler: r, ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = r.srv.Serve(l) }()
 	return r, nil
 }
 
-// verify checks webhook-signature against HMAC-SHA256(id.timestamp.body).
+// Verify checks webhook-signature against HMAC-SHA256(id.timestamp.body).
 // The header may hold several space-separated "v1,<base64>" signatures
 // (during a secret rotation); one match is enough.
-func (r *receiver) verify(h http.Header, body []byte) error {
+func (r *Receiver) Verify(h http.Header, body []byte) error {
 	id, ts, sigs := h.Get("webhook-id"), h.Get("webhook-timestamp"), h.Get("webhook-signature")
 	if id == "" || ts == "" || sigs == "" {
 		return fmt.Errorf("missing webhook headers")
@@ -109,13 +111,13 @@ type alertData struct {
 	Key        string  `json:"key"`
 }
 
-func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
+func (r *Receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	body, err := io.ReadAll(io.LimitReader(req.Body, 1<<20))
 	if err != nil {
 		http.Error(w, "read", http.StatusBadRequest)
 		return
 	}
-	if err := r.verify(req.Header, body); err != nil {
+	if err := r.Verify(req.Header, body); err != nil {
 		r.mu.Lock()
 		r.bad++
 		r.mu.Unlock()
@@ -179,8 +181,8 @@ func describeAlert(kind string, d alertData) string {
 	return "alert " + kind + ", signature ok"
 }
 
-// counts returns a copy of the tallies.
-func (r *receiver) counts() (byKind map[string]int, thresh map[int]int, bad, dups, refires int) {
+// Counts returns a copy of the tallies.
+func (r *Receiver) Counts() (byKind map[string]int, thresh map[int]int, bad, dups, refires int) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	byKind, thresh = map[string]int{}, map[int]int{}
@@ -193,7 +195,8 @@ func (r *receiver) counts() (byKind map[string]int, thresh map[int]int, bad, dup
 	return byKind, thresh, r.bad, r.dups, r.refires
 }
 
-func (r *receiver) total() int {
+// Total is the number of distinct alerts received.
+func (r *Receiver) Total() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	n := 0
@@ -203,4 +206,16 @@ func (r *receiver) total() int {
 	return n
 }
 
-func (r *receiver) close() { _ = r.srv.Close() }
+// Close stops the receiver.
+func (r *Receiver) Close() { _ = r.srv.Close() }
+
+// IDs returns the webhook-ids of every delivery received.
+func (r *Receiver) IDs() map[string]bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ids := make(map[string]bool, len(r.seen))
+	for k := range r.seen {
+		ids[k] = true
+	}
+	return ids
+}

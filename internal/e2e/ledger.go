@@ -1,0 +1,144 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net/http"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"quotaflow/pkg/events"
+)
+
+// Decision is one series of quotaflow_admission_decisions_total.
+type Decision struct {
+	Scope, Endpoint, Result string
+	Count                   float64
+}
+
+// Decisions reads admission's decision counters from its /metrics (text
+// format; parsed by hand since only one simple family is needed).
+func Decisions(ctx context.Context, opsURL string) ([]Decision, error) {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, opsURL+"/metrics", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	var ds []Decision
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64*1024), 1<<20)
+	const name = "quotaflow_admission_decisions_total{"
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, name) {
+			continue
+		}
+		labels, value, ok := strings.Cut(line[len(name):], "} ")
+		if !ok {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
+		if err != nil {
+			continue
+		}
+		d := Decision{Count: v}
+		for _, kv := range strings.Split(labels, ",") {
+			k, val, _ := strings.Cut(kv, "=")
+			val = strings.Trim(val, `"`)
+			switch k {
+			case "scope":
+				d.Scope = val
+			case "endpoint":
+				d.Endpoint = val
+			case "result":
+				d.Result = val
+			}
+		}
+		ds = append(ds, d)
+	}
+	sort.Slice(ds, func(i, j int) bool {
+		if ds[i].Result != ds[j].Result {
+			return ds[i].Result < ds[j].Result
+		}
+		return ds[i].Scope+ds[i].Endpoint < ds[j].Scope+ds[j].Endpoint
+	})
+	return ds, sc.Err()
+}
+
+// Ledger is what the accounter wrote to Postgres.
+type Ledger struct {
+	EventsByType map[string][2]int64 // type → count, sum of tokens
+	ResByStatus  map[string]int64
+	ActualTotal  int64
+	ActualCount  int64
+}
+
+// ReadLedger reads the ledger of the database at url.
+func ReadLedger(ctx context.Context, url string) (Ledger, error) {
+	l := Ledger{EventsByType: map[string][2]int64{}, ResByStatus: map[string]int64{}}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return l, err
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, `SELECT type, count(*), coalesce(sum(tokens), 0)::bigint FROM usage_events GROUP BY type`)
+	if err != nil {
+		return l, err
+	}
+	for rows.Next() {
+		var typ string
+		var n, sum int64
+		if err := rows.Scan(&typ, &n, &sum); err != nil {
+			return l, err
+		}
+		l.EventsByType[typ] = [2]int64{n, sum}
+	}
+	if err := rows.Err(); err != nil {
+		return l, err
+	}
+	if a, ok := l.EventsByType[events.TypeActual]; ok {
+		l.ActualCount, l.ActualTotal = a[0], a[1]
+	}
+	rows, err = conn.Query(ctx, `SELECT status, count(*) FROM reservations GROUP BY status`)
+	if err != nil {
+		return l, err
+	}
+	for rows.Next() {
+		var st string
+		var n int64
+		if err := rows.Scan(&st, &n); err != nil {
+			return l, err
+		}
+		l.ResByStatus[st] = n
+	}
+	return l, rows.Err()
+}
+
+// WaitLedger polls the ledger until it holds every actual event sent and
+// the reserved and released events of every allowed admit and release (the
+// accounter consumes asynchronously, admission publishes from an outbox),
+// or until timeout.
+func WaitLedger(ctx context.Context, url string, wantCount, wantTokens, wantReserved, wantReleased int64, timeout time.Duration) (Ledger, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		l, err := ReadLedger(ctx, url)
+		if err == nil && l.ActualCount >= wantCount && l.ActualTotal >= wantTokens &&
+			l.EventsByType[events.TypeReserved][0] >= wantReserved && l.EventsByType[events.TypeReleased][0] >= wantReleased {
+			return l, nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			if err == nil {
+				err = fmt.Errorf("ledger has %d actual events / %d tokens, want %d / %d after %v",
+					l.ActualCount, l.ActualTotal, wantCount, wantTokens, timeout)
+			}
+			return l, err
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}

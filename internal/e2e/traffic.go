@@ -1,0 +1,242 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"quotaflow/pkg/events"
+)
+
+// User is one simulated end user: how much each request is estimated at
+// and how many requests it sends per round.
+type User struct {
+	Tenant, Name string
+	Estimate     int64 // mean estimate in tokens
+	Burst        int   // requests per round
+}
+
+// Stats is what the generator did, counted as it goes.
+type Stats struct {
+	Admits, Allowed, Denied, Status5xx, OtherStatus atomic.Int64
+	Reserved                                        atomic.Int64 // estimates of allowed admits
+	ActualSent, ActualEvents                        atomic.Int64 // accepted (202) actual events
+	Releases, ReleasedTokens                        atomic.Int64
+	Failed                                          atomic.Int64 // transport errors, given-up reports
+
+	mu       sync.Mutex
+	deniedBy map[string]int // violated policy → 429s
+	errs     map[string]int // "route status" → count, for every 5xx and unexpected status
+}
+
+func (s *Stats) unexpected(path string, code int) {
+	s.mu.Lock()
+	s.errs[fmt.Sprintf("%s %d", path, code)]++
+	s.mu.Unlock()
+}
+
+func (s *Stats) deny(policy string) {
+	s.mu.Lock()
+	s.deniedBy[policy]++
+	s.mu.Unlock()
+}
+
+// DeniedBy returns the 429s by violated policy.
+func (s *Stats) DeniedBy() map[string]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := map[string]int{}
+	for k, v := range s.deniedBy {
+		m[k] = v
+	}
+	return m
+}
+
+// Generator plays a gateway (admits) and an LLM service (reports the
+// actual usage, or a release) against admission. It only talks to the
+// admission URL it is given, which is on 127.0.0.1.
+type Generator struct {
+	Base, Token, Endpoint string // admission's URL, bearer token, the endpoint admitted
+	Run                   string // prefix of the request ids
+	Client                *http.Client
+	St                    *Stats
+	// Patience is how long a usage report or a release is resent after a
+	// 503 or a transport error before it counts as failed.
+	Patience time.Duration
+	// Latency, when set, is told every admit's latency and status.
+	Latency func(d time.Duration, status int)
+
+	seq atomic.Int64
+}
+
+// Play runs rounds spread over d, every user concurrently, then returns.
+func (g *Generator) Play(ctx context.Context, us []User, rounds int, d time.Duration) {
+	interval := d / time.Duration(rounds)
+	t0 := time.Now()
+	var wg sync.WaitGroup
+	for i, u := range us {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(i), uint64(t0.UnixNano())))
+			// Spread users over the interval so they do not fire in step.
+			offset := time.Duration(rng.Int64N(int64(interval) + 1))
+			for r := 0; r < rounds; r++ {
+				wait := time.Until(t0.Add(offset + time.Duration(r)*interval))
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(wait):
+				}
+				for b := 0; b < u.Burst && ctx.Err() == nil; b++ {
+					g.request(ctx, rng, u)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// request admits one request and, when allowed, reports what it cost.
+func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
+	est := u.Estimate/2 + rng.Int64N(u.Estimate+1) // mean ≈ u.Estimate
+	id := fmt.Sprintf("%s-%06d", g.Run, g.seq.Add(1))
+	body, _ := json.Marshal(map[string]any{
+		"request_id": id, "tenant": u.Tenant, "user": u.Name,
+		"endpoint": g.Endpoint, "estimated_tokens": est,
+	})
+	g.St.Admits.Add(1)
+	t0 := time.Now()
+	code, resp, err := g.post(ctx, "/v1/admit", body)
+	if g.Latency != nil && err == nil {
+		g.Latency(time.Since(t0), code)
+	}
+	switch {
+	case err != nil:
+		g.St.Failed.Add(1)
+		return
+	case code == http.StatusOK:
+		g.St.Allowed.Add(1)
+		g.St.Reserved.Add(est)
+	case code == http.StatusTooManyRequests:
+		g.St.Denied.Add(1)
+		var p struct {
+			Violated []string `json:"violated-policies"`
+			Reason   string   `json:"reason"`
+		}
+		_ = json.Unmarshal(resp, &p)
+		g.St.deny(strings.Join(p.Violated, ","))
+		return
+	default:
+		return // counted by post
+	}
+	// Once admitted, the request is reported even when the traffic stops
+	// meanwhile: a report abandoned after JetStream stored it would be in
+	// the ledger but not in the counts.
+	ctx = context.WithoutCancel(ctx)
+	// The LLM call: one in ten fails before using tokens (release); the
+	// others cost 0.5 to 1.2 times the estimate, as real completions
+	// rarely match their estimate.
+	if rng.IntN(10) == 0 {
+		rb, _ := json.Marshal(map[string]string{"tenant": u.Tenant, "user": u.Name, "request_id": id})
+		// 503: Redis unreachable; a release is safe to retry.
+		if g.retry(ctx, "/v1/release", rb, http.StatusOK) {
+			g.St.Releases.Add(1)
+			g.St.ReleasedTokens.Add(est)
+		} else {
+			g.St.Failed.Add(1)
+		}
+		return
+	}
+	actual := est * int64(50+rng.IntN(71)) / 100
+	in := actual * 2 / 5
+	ev := events.NewActual("quotaflow-demo", events.Actual{
+		RequestID: id, Tenant: u.Tenant, User: u.Name, Endpoint: g.Endpoint,
+		InputTokens: in, OutputTokens: actual - in,
+	}, time.Now())
+	eb, err := json.Marshal([]events.Event{ev})
+	if err != nil {
+		g.St.Failed.Add(1)
+		return
+	}
+	// 503 means JetStream did not store it: resend (the event id dedups).
+	if g.retry(ctx, "/v1/usage", eb, http.StatusAccepted) {
+		g.St.ActualSent.Add(actual)
+		g.St.ActualEvents.Add(1)
+	} else {
+		g.St.Failed.Add(1)
+	}
+}
+
+// retry posts body until it gets want, resending after a 503 or a
+// transport error for up to g.Patience; it reports whether want came. The
+// resends are safe: a release is idempotent and a usage event's id makes
+// JetStream drop a copy it already stored.
+func (g *Generator) retry(ctx context.Context, path string, body []byte, want int) bool {
+	deadline := time.Now().Add(g.Patience)
+	for {
+		code, _, err := g.post(ctx, path, body)
+		if err == nil && code == want {
+			return true
+		}
+		if err == nil && code != http.StatusServiceUnavailable {
+			return false
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+func (g *Generator) post(ctx context.Context, path string, body []byte) (int, []byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.Base+path, bytes.NewReader(body))
+	if err != nil {
+		return 0, nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+g.Token)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := g.Client.Do(req)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	switch {
+	case resp.StatusCode >= 500:
+		g.St.Status5xx.Add(1)
+		g.St.unexpected(path, resp.StatusCode)
+	case resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusAccepted && resp.StatusCode != http.StatusTooManyRequests:
+		g.St.OtherStatus.Add(1)
+		g.St.unexpected(path, resp.StatusCode)
+	}
+	return resp.StatusCode, b, nil
+}
+
+// NewStats returns empty Stats.
+func NewStats() *Stats {
+	return &Stats{deniedBy: map[string]int{}, errs: map[string]int{}}
+}
+
+// Unexpected returns the 5xx and unexpected statuses by "route status".
+func (s *Stats) Unexpected() map[string]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := make(map[string]int, len(s.errs))
+	for k, v := range s.errs {
+		m[k] = v
+	}
+	return m
+}
