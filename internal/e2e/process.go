@@ -19,16 +19,24 @@ import (
 	"time"
 )
 
-// Service is one child process: a quotaflow service.
-type Service struct {
+// Process is a child process that can be killed and started again: a
+// quotaflow service or a server the chaos suite runs privately.
+type Process struct {
 	Name    string
-	Cmd     *exec.Cmd
-	Ops     string // base URL of /metrics, /healthz, /readyz
-	LogPath string
+	Cmd     *exec.Cmd // the current process
+	LogPath string    // stdout and stderr of every start, appended
 	bin     string
+	args    []string
 	env     []string
-	done    chan struct{} // closed when the current process has exited
-	err     error         // its exit status, once done
+	cred    *syscall.Credential // nil: this process's user
+	done    chan struct{}       // closed when the current process has exited
+	err     error               // its exit status, once done
+}
+
+// Service is a quotaflow service process.
+type Service struct {
+	*Process
+	Ops string // base URL of /metrics, /healthz, /readyz
 }
 
 // ModuleRoot is the directory of go.mod, where the services are built
@@ -61,46 +69,46 @@ func Build(ctx context.Context, root, binDir string) error {
 // Start runs bin with env added to a clean QF_ environment, logging to
 // logDir/name.log.
 func Start(name, bin, logDir, opsAddr string, env []string) (*Service, error) {
-	s := &Service{Name: name, Ops: "http://" + opsAddr, LogPath: filepath.Join(logDir, name+".log"), bin: bin}
+	p := &Process{Name: name, LogPath: filepath.Join(logDir, name+".log"), bin: bin}
 	// The services must see only this run's configuration, not QF_
 	// variables of the caller's shell (another stream, another database).
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "QF_") {
-			s.env = append(s.env, kv)
+			p.env = append(p.env, kv)
 		}
 	}
-	s.env = append(s.env, env...)
-	return s, s.launch()
+	p.env = append(p.env, env...)
+	return &Service{Process: p, Ops: "http://" + opsAddr}, p.launch()
 }
 
-// Restart starts the service again, with the same binary and environment,
-// once its process has exited (after Kill or Stop); the log goes on.
-func (s *Service) Restart() error {
-	<-s.done
-	return s.launch()
+// Restart starts the process again, with the same command, once it has
+// exited (after Kill or Stop); the log goes on.
+func (p *Process) Restart() error {
+	<-p.done
+	return p.launch()
 }
 
-func (s *Service) launch() error {
-	logf, err := os.OpenFile(s.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+func (p *Process) launch() error {
+	logf, err := os.OpenFile(p.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(s.bin)
-	cmd.Env = s.env
+	cmd := exec.Command(p.bin, p.args...)
+	cmd.Env = p.env
 	cmd.Stdout, cmd.Stderr = logf, logf
 	// Own process group: a Ctrl-C on the terminal reaches the demo only,
 	// which then stops the services in order (and --keep survives it).
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: p.cred}
 	if err := cmd.Start(); err != nil {
 		logf.Close()
-		return fmt.Errorf("start %s: %w", s.Name, err)
+		return fmt.Errorf("start %s: %w", p.Name, err)
 	}
 	done := make(chan struct{})
-	s.Cmd, s.done, s.err = cmd, done, nil
+	p.Cmd, p.done, p.err = cmd, done, nil
 	go func() {
 		err := cmd.Wait()
 		logf.Close()
-		s.err = err
+		p.err = err
 		close(done)
 	}()
 	return nil
@@ -153,20 +161,26 @@ func (s *Service) WaitSteady(ctx context.Context, timeout time.Duration) string 
 
 // Stop sends SIGTERM and waits for the graceful shutdown (bounded by the
 // service's own QF_SHUTDOWN_TIMEOUT steps), then SIGKILL after timeout.
-func (s *Service) Stop(timeout time.Duration) error {
+func (p *Process) Stop(timeout time.Duration) error {
+	return p.Signal(syscall.SIGTERM, timeout)
+}
+
+// Signal sends sig and waits until the process has exited, sending
+// SIGKILL after timeout.
+func (p *Process) Signal(sig syscall.Signal, timeout time.Duration) error {
 	select {
-	case <-s.done:
-		return s.err
+	case <-p.done:
+		return p.err
 	default:
 	}
-	_ = s.Cmd.Process.Signal(syscall.SIGTERM)
+	_ = p.Cmd.Process.Signal(sig)
 	select {
-	case <-s.done:
-		return s.err
+	case <-p.done:
+		return p.err
 	case <-time.After(timeout):
-		_ = s.Cmd.Process.Kill()
-		<-s.done
-		return fmt.Errorf("%s did not stop within %v: killed", s.Name, timeout)
+		_ = p.Cmd.Process.Kill()
+		<-p.done
+		return fmt.Errorf("%s did not stop within %v: killed", p.Name, timeout)
 	}
 }
 
@@ -185,13 +199,10 @@ func Tail(path string, n int) string {
 
 // Kill sends SIGKILL (a crash: no graceful shutdown) and waits until the
 // process is gone.
-func (s *Service) Kill() {
-	_ = s.Cmd.Process.Kill()
-	<-s.done
+func (p *Process) Kill() {
+	_ = p.Cmd.Process.Kill()
+	<-p.done
 }
-
-// Done is closed when the process has exited.
-func (s *Service) Done() <-chan struct{} { return s.done }
 
 // FreePort returns a loopback port nothing listens on right now.
 func FreePort() (int, error) {
