@@ -162,7 +162,9 @@ type Reserved struct {
 	// ExpiresAt is when an unsettled reservation lapses.
 	ExpiresAt time.Time `json:"expires_at"`
 	// Version is the subject's version after this reservation; it orders
-	// the snapshots in Limits (drop one older than the last seen).
+	// the snapshots in Limits (drop one older than the last seen). 0 when
+	// admission decided without Redis: no Redis window holds the estimate,
+	// so the accounter charges the actual in full.
 	Version int64 `json:"version"`
 	// TenantVersion is the tenant's version, which orders snapshots of
 	// tenant-scope limits across the tenant's users; 0 when not known.

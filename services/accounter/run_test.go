@@ -395,6 +395,28 @@ func TestAccounterEvents(t *testing.T) {
 		}
 	})
 
+	t.Run("decided without Redis", func(t *testing.T) {
+		// Admission's local mode reserves nothing in Redis and publishes
+		// version 0: the actual is charged in full, a release gives
+		// nothing back, although the ledger holds an estimate for both.
+		e := base.with(t)
+		ten, usr := "local-"+randHex(4), "u1"
+		for _, req := range []string{"r1", "r2"} {
+			e.publish(events.NewReserved("test/admission", events.Reserved{
+				RequestID: req, Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
+				ExpiresAt: time.Now().Add(time.Hour),
+			}, time.Now()))
+			e.waitStatus(ten, usr, req, "open")
+		}
+		e.publish(e.actual(ten, usr, "r1", "", 30, 10)) // 40
+		e.publish(events.NewReleased("test/service", events.Released{RequestID: "r2", Tenant: ten, User: usr}, time.Now()))
+		e.waitStatus(ten, usr, "r1", "settled")
+		e.waitStatus(ten, usr, "r2", "released")
+		if got := e.used(ten, usr, "5h"); got != 40 {
+			t.Errorf("5h used = %d, want 40 (the actual in full, nothing released)", got)
+		}
+	})
+
 	t.Run("released", func(t *testing.T) {
 		e := base.with(t)
 		ten, usr, req := "rel-"+randHex(4), "u1", "r1"

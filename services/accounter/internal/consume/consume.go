@@ -297,6 +297,7 @@ func (c *Consumer) record(ev events.Event, payload []byte) ledger.Record {
 	case events.Reserved:
 		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
 		r.Tokens, r.Plan, r.Endpoint, r.Model, r.ExpiresAt = d.EstimatedTokens, d.Plan, d.Endpoint, d.Model, d.ExpiresAt
+		r.Local = d.Version == 0 // admission decided without Redis
 	case events.Actual:
 		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
 		r.Tokens, r.Endpoint, r.Model = c.cor.Cost(d), d.Endpoint, d.Model

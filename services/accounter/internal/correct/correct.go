@@ -119,8 +119,12 @@ func (c *Corrector) Release(ctx context.Context, res ledger.Reservation) (limits
 	})
 }
 
+// fallback is what Redis holds for reservation res when its record there
+// is gone: its estimate at its time, unless there is none or the decision
+// was made without Redis (then an actual is charged in full and a release
+// gives nothing back).
 func fallback(res ledger.Reservation) *limits.Fallback {
-	if res.Estimate < 0 || res.ReservedAt.IsZero() {
+	if res.Estimate < 0 || res.ReservedAt.IsZero() || res.Local {
 		return nil
 	}
 	return &limits.Fallback{ReservedAt: res.ReservedAt, Estimate: res.Estimate}

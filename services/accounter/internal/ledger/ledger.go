@@ -71,6 +71,9 @@ type Record struct {
 	Endpoint   string
 	Model      string
 	ExpiresAt  time.Time
+	// Local marks a reserved event of a decision made without Redis
+	// (version 0): no Redis window holds its estimate.
+	Local bool
 }
 
 // Reservation is a reservations row after a write. Estimate is -1 when no
@@ -83,6 +86,7 @@ type Reservation struct {
 	Actual     int64 // -1 when no actual event has arrived
 	ReservedAt time.Time
 	Status     string
+	Local      bool // decided without Redis: no window holds the estimate
 }
 
 // Store reads and writes the ledger. It is safe for concurrent use; create
@@ -132,7 +136,7 @@ SELECT count(*) FROM ins`
 // changes nothing) and returns every touched row.
 const upsertReservations = `
 INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model,
-    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at)
+    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at, local)
 SELECT tenant, user_id, request_id,
     coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), ''),
     coalesce(max(endpoint) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(endpoint), ''),
@@ -142,9 +146,10 @@ SELECT tenant, user_id, request_id,
     max(expires_at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
     max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
-    min(at) FILTER (WHERE kind = 'quotaflow.usage.released')
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::timestamptz[], $10::timestamptz[])
-    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at)
+    min(at) FILTER (WHERE kind = 'quotaflow.usage.released'),
+    coalesce(bool_or(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::timestamptz[], $10::timestamptz[], $11::bool[])
+    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at, local)
 GROUP BY tenant, user_id, request_id
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
 ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
@@ -152,6 +157,7 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     endpoint = CASE WHEN (r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL) OR r.endpoint = ''
         THEN excluded.endpoint ELSE r.endpoint END,
     model = CASE WHEN r.model = '' THEN excluded.model ELSE r.model END,
+    local = CASE WHEN r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL THEN excluded.local ELSE r.local END,
     estimated_tokens = coalesce(r.estimated_tokens, excluded.estimated_tokens),
     reserved_at = coalesce(r.reserved_at, excluded.reserved_at),
     expires_at = coalesce(r.expires_at, excluded.expires_at),
@@ -160,7 +166,7 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     released_at = coalesce(r.released_at, excluded.released_at),
     updated_at = now()
 RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
-    coalesce(actual_tokens, -1), reserved_at, status`
+    coalesce(actual_tokens, -1), reserved_at, status, local`
 
 // WriteResult is what Write did.
 type WriteResult struct {
@@ -180,6 +186,7 @@ func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
 	var rt, ru, rr, rk, rp, re, rm []string
 	var rtok []int64
 	var rat, rexp []*time.Time
+	var rlocal []bool
 	for i, r := range recs {
 		ids[i], kinds[i], tenants[i], users[i], reqs[i] = r.EventID, r.Kind, r.Tenant, r.User, r.RequestID
 		tokens[i], ats[i], payloads[i] = r.Tokens, r.OccurredAt, string(r.Payload)
@@ -187,7 +194,7 @@ func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
 		case kindReserved, kindActual, kindReleased:
 			rt, ru, rr, rk = append(rt, r.Tenant), append(ru, r.User), append(rr, r.RequestID), append(rk, r.Kind)
 			rp, re, rm = append(rp, r.Plan), append(re, r.Endpoint), append(rm, r.Model)
-			rtok = append(rtok, r.Tokens)
+			rtok, rlocal = append(rtok, r.Tokens), append(rlocal, r.Local)
 			at := r.OccurredAt
 			rat = append(rat, &at)
 			var exp *time.Time
@@ -208,13 +215,13 @@ func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
 		if len(rt) == 0 {
 			return nil
 		}
-		rows, err := tx.Query(ctx, upsertReservations, rt, ru, rr, rk, rp, re, rm, rtok, rat, rexp)
+		rows, err := tx.Query(ctx, upsertReservations, rt, ru, rr, rk, rp, re, rm, rtok, rat, rexp, rlocal)
 		if err != nil {
 			return fmt.Errorf("upsert reservations: %w", err)
 		}
 		var v Reservation
 		var reservedAt *time.Time
-		_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status}, func() error {
+		_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status, &v.Local}, func() error {
 			v.ReservedAt = time.Time{}
 			if reservedAt != nil {
 				v.ReservedAt = *reservedAt
@@ -328,15 +335,16 @@ type Usage struct {
 // selectUsage sums, per subject, plan, endpoint and second, what Redis
 // holds for each reservation since $1 given its status: the actual once
 // settled, nothing once released, the estimate while open (the pending
-// actual will correct it) or once expired at the estimate.
+// actual will correct it) or once expired at the estimate; nothing before
+// it is settled for a reservation decided without Redis (local), whose
+// actual is charged in full.
 const selectUsage = `
 SELECT tenant, user_id, plan, endpoint, date_trunc('second', at) AS sec, sum(tokens)::bigint
 FROM (
     SELECT tenant, user_id, plan, endpoint, coalesce(reserved_at, actual_at, released_at) AS at,
-        CASE status
-            WHEN 'settled' THEN coalesce(actual_tokens, 0)
-            WHEN 'released' THEN 0
-            WHEN 'expired_released' THEN 0
+        CASE
+            WHEN status = 'settled' THEN coalesce(actual_tokens, 0)
+            WHEN status IN ('released', 'expired_released') OR local THEN 0
             ELSE coalesce(estimated_tokens, 0)
         END AS tokens
     FROM reservations
@@ -379,10 +387,9 @@ FROM (
     GROUP BY tenant, user_id
 ) t
 LEFT JOIN LATERAL (
-    SELECT sum(CASE status
-            WHEN 'settled' THEN coalesce(actual_tokens, 0)
-            WHEN 'released' THEN 0
-            WHEN 'expired_released' THEN 0
+    SELECT sum(CASE
+            WHEN status = 'settled' THEN coalesce(actual_tokens, 0)
+            WHEN status IN ('released', 'expired_released') OR local THEN 0
             ELSE coalesce(estimated_tokens, 0)
         END)::bigint AS spent
     FROM reservations r WHERE r.tenant = t.tenant AND r.user_id = t.user_id
