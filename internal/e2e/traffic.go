@@ -8,6 +8,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -147,8 +148,8 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 	// rarely match their estimate.
 	if rng.IntN(10) == 0 {
 		rb, _ := json.Marshal(map[string]string{"tenant": u.Tenant, "user": u.Name, "request_id": id})
-		// 503: Redis unreachable; a release is safe to retry.
-		if g.retry(ctx, "/v1/release", rb, http.StatusOK) {
+		// 202: queued for the accounter while Redis is unreachable.
+		if g.retry(ctx, "/v1/release", rb, http.StatusOK, http.StatusAccepted) {
 			g.St.Releases.Add(1)
 			g.St.ReleasedTokens.Add(est)
 		} else {
@@ -176,15 +177,15 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 	}
 }
 
-// retry posts body until it gets want, resending after a 503 or a
+// retry posts body until it gets a status in want, resending after a 503 or a
 // transport error for up to g.Patience; it reports whether want came. The
 // resends are safe: a release is idempotent and a usage event's id makes
 // JetStream drop a copy it already stored.
-func (g *Generator) retry(ctx context.Context, path string, body []byte, want int) bool {
+func (g *Generator) retry(ctx context.Context, path string, body []byte, want ...int) bool {
 	deadline := time.Now().Add(g.Patience)
 	for {
 		code, _, err := g.post(ctx, path, body)
-		if err == nil && code == want {
+		if err == nil && slices.Contains(want, code) {
 			return true
 		}
 		if err == nil && code != http.StatusServiceUnavailable {

@@ -877,11 +877,14 @@ func TestRelease(t *testing.T) {
 		return limits.Settlement{}, errors.New("redis down")
 	}
 	w := e.do("POST", "/v1/release", `{"tenant":"acme","user":"u-42","request_id":"r-1"}`)
-	if w.Code != 503 || w.Header().Get("Retry-After") != "1" {
-		t.Errorf("POST /v1/release with redis down = %d (Retry-After %q), want 503 with Retry-After 1", w.Code, w.Header().Get("Retry-After"))
+	if m := decodeMap(t, w); w.Code != 202 || m["status"] != "queued" || m["request_id"] != "r-1" {
+		t.Errorf("POST /v1/release with redis down = %d %s, want 202 status queued", w.Code, w.Body)
 	}
-	if len(e.ev.enqueued) != 3 {
-		t.Error("a failed release published an event")
+	if len(e.ev.enqueued) != 4 {
+		t.Fatalf("a release with redis down published %d events, want the released event", len(e.ev.enqueued)-3)
+	}
+	if d, ok := e.ev.enqueued[3].Data.(events.Released); !ok || d != (events.Released{RequestID: "r-1", Tenant: "acme", User: "u-42"}) {
+		t.Errorf("queued release published %+v", e.ev.enqueued[3])
 	}
 	if w := e.do("GET", "/v1/release", ""); w.Code != http.StatusMethodNotAllowed {
 		t.Errorf("GET /v1/release = %d, want 405", w.Code)

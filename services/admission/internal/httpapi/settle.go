@@ -18,8 +18,9 @@ type releaseBody struct {
 type releaseAnswer struct {
 	RequestID string `json:"request_id"`
 	// Status is "released" (given back now), "already_settled" (released
-	// or corrected before) or "unknown" (no such reservation, e.g. it
-	// expired).
+	// or corrected before), "unknown" (no such reservation, e.g. it
+	// expired) or, with a 202 while Redis is out of reach, "queued" (the
+	// accounter gives the estimate back).
 	Status string `json:"status"`
 	// ReturnedTokens is the estimate given back now (0 unless released).
 	ReturnedTokens int64 `json:"returned_tokens"`
@@ -72,7 +73,17 @@ func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 	}
 	s, err := h.dec.Release(r.Context(), b.Tenant, b.User, b.RequestID)
 	if err != nil {
-		h.infraError(w, r, "release", err)
+		if _, bad := clientError(err, ""); bad || canceled(r, err) {
+			h.infraError(w, r, "release", err)
+			return
+		}
+		// Redis is out of reach: the released event alone is enough, since
+		// the accounter gives back the estimate of every reservation the
+		// ledger holds open when it consumes it. No caller is failed
+		// because Redis is down.
+		h.log.Warn("release queued for the accounter", "err", err)
+		h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User}, nowUTC()))
+		writeJSON(w, http.StatusAccepted, "application/json", releaseAnswer{RequestID: b.RequestID, Status: "queued"})
 		return
 	}
 	// Published whatever the status: the id dedups a repeat, and a
