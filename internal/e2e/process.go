@@ -143,10 +143,12 @@ func (s *Service) WaitReady(ctx context.Context) error {
 func (s *Service) WaitSteady(ctx context.Context, timeout time.Duration) string {
 	c := &http.Client{Timeout: 2 * time.Second}
 	deadline := time.Now().Add(timeout)
-	last := ""
+	last := "no answer"
 	for time.Now().Before(deadline) && ctx.Err() == nil {
 		resp, err := c.Get(s.Ops + "/readyz")
-		if err == nil {
+		if err != nil {
+			last = err.Error()
+		} else {
 			b, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK && !bytes.Contains(b, []byte("degraded")) {

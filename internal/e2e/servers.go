@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // Server is a Redis, NATS or Postgres server process private to one run,
@@ -144,11 +146,18 @@ func StartPostgres(ctx context.Context, dir string) (*Server, error) {
 	s, err := startServer(ctx, cred, "postgres", dir, filepath.Join(bin, "postgres"), port,
 		"postgres://postgres@127.0.0.1:"+p+"/postgres?sslmode=disable",
 		"-D", data, "-p", p, "-k", pgDir, "-c", "listen_addresses=127.0.0.1")
+	if err == nil {
+		s.tmp = pgDir
+		// It listens before it accepts sessions ("the database system is
+		// starting up").
+		if err = waitSession(ctx, s.URL); err != nil {
+			s.Close()
+		}
+	}
 	if err != nil {
 		os.RemoveAll(pgDir)
 		return nil, err
 	}
-	s.tmp = pgDir
 	return s, nil
 }
 
@@ -180,4 +189,18 @@ func lookPath(name, fallback string) (string, error) {
 		return "", fmt.Errorf("%s not found (run `go tool task deps`)", name)
 	}
 	return fallback, nil
+}
+
+func waitSession(ctx context.Context, url string) error {
+	for {
+		conn, err := pgx.Connect(ctx, url)
+		if err == nil {
+			return conn.Close(ctx)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("postgres does not accept sessions: %w", err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }

@@ -1,0 +1,66 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"sync"
+	"testing"
+	"time"
+)
+
+// syncBuffer collects the run's output for the failure message.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestChaos is `go tool task chaos` shortened: every fault injected once,
+// briefly, under steady load, and every check of the full run asserted.
+func TestChaos(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the services and runs private Redis, NATS and Postgres servers")
+	}
+	cfg := Config{Down: 2 * time.Second, Gap: 3 * time.Second, Rate: 3, Settle: 60 * time.Second}
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	var out syncBuffer
+	rep, err := run(ctx, cfg, &out)
+	defer func() {
+		if t.Failed() {
+			t.Logf("chaos output:\n%s", out.String())
+		}
+	}()
+	if err != nil {
+		t.Fatalf("run = %v", err)
+	}
+	if len(rep.Checks) != 6 {
+		t.Fatalf("%d checks made, want 6", len(rep.Checks))
+	}
+	for _, c := range rep.failed() {
+		t.Errorf("check %q failed: %s", c.name, c.detail)
+	}
+	if n := rep.Stats.ActualEvents.Load(); n < 100 {
+		t.Errorf("only %d actual events sent: the load did not run", n)
+	}
+	var faultPhases int
+	for _, p := range rep.Phases {
+		if p.recovery > 0 {
+			faultPhases++
+		}
+	}
+	if faultPhases != len(faults) {
+		t.Errorf("%d faults recovered from, want %d", faultPhases, len(faults))
+	}
+}

@@ -1,0 +1,220 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/url"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/internal/e2e"
+	"quotaflow/pkg/events"
+)
+
+// check waits for the pipeline to settle and checks what the run left in
+// admission's answers, the ledger, Redis, the dead-letter stream and the
+// webhook receiver.
+func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
+	var cs []check
+	add := func(name string, ok bool, format string, args ...any) {
+		cs = append(cs, check{name: name, ok: ok, detail: fmt.Sprintf(format, args...)})
+	}
+	add("admission never failed a request", s.Status5xx.Load() == 0 && s.Failed.Load() == 0,
+		"%d 5xx %v, %d transport errors or reports given up", s.Status5xx.Load(), s.Unexpected(), s.Failed.Load())
+
+	l, err := e2e.WaitLedger(ctx, st.dbURL, s.ActualEvents.Load(), s.ActualSent.Load(), s.Allowed.Load(), s.Releases.Load(), cfg.Settle)
+	add("ledger token total equals the actual usage sent", err == nil && l.ActualTotal == s.ActualSent.Load(),
+		"ledger %d tokens in %d actual events, sent %d tokens in %d (%v)", l.ActualTotal, l.ActualCount, s.ActualSent.Load(), s.ActualEvents.Load(), err)
+	reserved, released := l.EventsByType[events.TypeReserved][0], l.EventsByType[events.TypeReleased][0]
+	add("no event counted twice", l.ActualCount == s.ActualEvents.Load() && reserved == s.Allowed.Load() && released == s.Releases.Load(),
+		"usage_events rows: actual %d (sent %d), reserved %d (allowed admits %d), released %d (releases %d)",
+		l.ActualCount, s.ActualEvents.Load(), reserved, s.Allowed.Load(), released, s.Releases.Load())
+
+	ok, detail := st.windowsMatchLedger(ctx)
+	add("Redis windows equal the ledger", ok, "%s", detail)
+	ok, detail = st.deadLettersEmpty(ctx)
+	add("nothing dead-lettered", ok, "%s", detail)
+	ok, detail = st.alertsDeliveredOnce(ctx, cfg.Settle)
+	add("every alert delivered once", ok, "%s", detail)
+	return cs
+}
+
+// windowsMatchLedger compares, for every simulated user, the used tokens
+// of each token limit admission reports (GET /v1/usage, from Redis) with
+// the actual tokens in the ledger. Every reservation is settled by now and
+// the whole run lies in the newest buckets of each window, so they must
+// be equal.
+func (st *stack) windowsMatchLedger(ctx context.Context) (bool, string) {
+	ledger, err := actualBySubject(ctx, st.dbURL)
+	if err != nil {
+		return false, err.Error()
+	}
+	compared, mismatches, off := 0, 0, int64(0)
+	first := ""
+	for _, u := range chaosUsers() {
+		lims, err := st.usage(ctx, u.Tenant, u.Name)
+		if err != nil {
+			return false, err.Error()
+		}
+		want := ledger[[2]string{u.Tenant, u.Name}]
+		for _, lim := range lims {
+			if lim.Unit != "tokens" {
+				continue
+			}
+			compared++
+			if lim.Used != want {
+				mismatches++
+				off += lim.Used - want
+				if first == "" {
+					first = fmt.Sprintf(", first %s/%s %s: Redis %d, ledger %d", u.Tenant, u.Name, lim.Name, lim.Used, want)
+				}
+			}
+		}
+	}
+	if compared == 0 {
+		return false, "no token limit reported"
+	}
+	return mismatches == 0, fmt.Sprintf("%d token windows of %d users compared, %d differ (Redis − ledger %+d tokens in all%s)",
+		compared, len(chaosUsers()), mismatches, off, first)
+}
+
+type usageLimit struct {
+	Name string `json:"name"`
+	Unit string `json:"unit"`
+	Used int64  `json:"used"`
+}
+
+func (st *stack) usage(ctx context.Context, tenant, user string) ([]usageLimit, error) {
+	q := url.Values{"tenant": {tenant}, "user": {user}}
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, st.api+"/v1/usage?"+q.Encode(), nil)
+	req.Header.Set("Authorization", "Bearer "+st.token)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("GET /v1/usage: %s", resp.Status)
+	}
+	var body struct {
+		Limits []usageLimit `json:"limits"`
+	}
+	return body.Limits, json.NewDecoder(resp.Body).Decode(&body)
+}
+
+func actualBySubject(ctx context.Context, dbURL string) (map[[2]string]int64, error) {
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, `SELECT tenant, user_id, sum(tokens)::bigint FROM usage_events WHERE type = $1 GROUP BY 1, 2`, events.TypeActual)
+	if err != nil {
+		return nil, err
+	}
+	m := map[[2]string]int64{}
+	var t, u string
+	var n int64
+	_, err = pgx.ForEachRow(rows, []any{&t, &u, &n}, func() error {
+		m[[2]string{t, u}] = n
+		return nil
+	})
+	return m, err
+}
+
+// deadLettersEmpty checks that no event went to the dead-letter stream:
+// an outage must delay events, never poison them.
+func (st *stack) deadLettersEmpty(ctx context.Context) (bool, string) {
+	nc, err := nats.Connect(st.nats.URL)
+	if err != nil {
+		return false, err.Error()
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return false, err.Error()
+	}
+	s, err := js.Stream(ctx, events.DefaultDLQStream)
+	if err != nil {
+		return false, err.Error()
+	}
+	n := s.CachedInfo().State.Msgs
+	return n == 0, fmt.Sprintf("%s holds %d messages", events.DefaultDLQStream, n)
+}
+
+// alertsDeliveredOnce waits until the alerter's outbox has nothing
+// pending, then checks that every alert it holds reached the receiver
+// (which drops repeats by webhook-id), that the receiver got nothing
+// else, and that every signature verified.
+func (st *stack) alertsDeliveredOnce(ctx context.Context, timeout time.Duration) (bool, string) {
+	conn, err := pgx.Connect(ctx, st.dbURL)
+	if err != nil {
+		return false, err.Error()
+	}
+	defer conn.Close(ctx)
+	type row struct{ alertID, webhook, status string }
+	var rs []row
+	deadline := time.Now().Add(timeout)
+	for {
+		rs = rs[:0]
+		var r row
+		rows, err := conn.Query(ctx, `SELECT alert_id, webhook, status FROM webhook_outbox`)
+		if err == nil {
+			_, err = pgx.ForEachRow(rows, []any{&r.alertID, &r.webhook, &r.status}, func() error {
+				rs = append(rs, r)
+				return nil
+			})
+		}
+		if err != nil {
+			return false, err.Error()
+		}
+		pending := 0
+		for _, r := range rs {
+			if r.status == "pending" {
+				pending++
+			}
+		}
+		if pending == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	got := st.recv.IDs()
+	missing, notDelivered := 0, 0
+	want := map[string]bool{}
+	for _, r := range rs {
+		id := messageID(r.alertID, r.webhook)
+		want[id] = true
+		if r.status != "delivered" {
+			notDelivered++
+		}
+		if !got[id] {
+			missing++
+		}
+	}
+	unknown := 0
+	for id := range got {
+		if !want[id] {
+			unknown++
+		}
+	}
+	_, _, bad, dups, _ := st.recv.Counts()
+	ok := len(rs) > 0 && missing == 0 && notDelivered == 0 && unknown == 0 && bad == 0
+	return ok, fmt.Sprintf("%d alerts in the outbox, %d not delivered, %d never received, %d received that the outbox does not hold, %d bad signatures; %d redeliveries dropped by webhook-id",
+		len(rs), notDelivered, missing, unknown, bad, dups)
+}
+
+// messageID is the webhook-id the alerter gives an alert sent to a
+// webhook (its deliver.MessageID), recomputed here: the alerter's
+// packages are internal to it.
+func messageID(alertID, webhook string) string {
+	h := sha256.Sum256([]byte(alertID + "\x00" + webhook))
+	return "msg_" + hex.EncodeToString(h[:16])
+}

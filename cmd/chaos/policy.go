@@ -1,0 +1,69 @@
+package main
+
+import (
+	"crypto/rand"
+	"encoding/base64"
+	"fmt"
+	"time"
+
+	"quotaflow/internal/e2e"
+)
+
+const endpoint = "/v1/chat"
+
+var tenants = []string{"acme", "globex", "initech"}
+
+// chaosUsers: per tenant a light user, a medium one that crosses 80 % of
+// the 5 h quota late in the run, a heavy one that crosses 100 % and gets
+// 429s, and one in between; so alerts fire while faults are injected.
+func chaosUsers() []e2e.User {
+	var us []e2e.User
+	for _, t := range tenants {
+		us = append(us,
+			e2e.User{Tenant: t, Name: "light", Estimate: 300, Burst: 1},
+			e2e.User{Tenant: t, Name: "steady", Estimate: 600, Burst: 1},
+			e2e.User{Tenant: t, Name: "medium", Estimate: 1100, Burst: 1},
+			e2e.User{Tenant: t, Name: "heavy", Estimate: 1600, Burst: 1})
+	}
+	return us
+}
+
+// quota5h sizes the 5 h quota to the run's expected length (about a
+// second of recovery per fault): 1000 tokens per request a user sends,
+// so the heavy users (~1360 actual tokens a request) run out after about
+// three quarters of the run and the medium ones (~935) cross 80 % near
+// its end.
+func quota5h(cfg Config) int64 {
+	n := len(faults)
+	expected := time.Duration(n+1)*cfg.Gap + time.Duration(n)*(cfg.Down+time.Second)
+	return int64(1000 * cfg.Rate * expected.Seconds())
+}
+
+func chaosPolicy(cfg Config) string {
+	q := quota5h(cfg)
+	return fmt.Sprintf(`# written by cmd/chaos
+default_plan: chaos
+plans:
+  chaos:
+    quotas:
+      - {name: 5h, kind: rolling, window: 5h,   limit: %d}
+      - {name: 7d, kind: rolling, window: 168h, limit: %d}
+`, q, 20*q)
+}
+
+func newWebhookSecret() string {
+	key := make([]byte, 24)
+	_, _ = rand.Read(key)
+	return "whsec_" + base64.StdEncoding.EncodeToString(key)
+}
+
+func webhooks(url, secret string) string {
+	return fmt.Sprintf(`webhooks:
+  - name: chaos-receiver
+    url: %s
+    secret: %s
+    kinds: []
+    tenants: []
+    allow_private: true   # the receiver is this process, on loopback
+`, url, secret)
+}
