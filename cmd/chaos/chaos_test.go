@@ -56,7 +56,7 @@ func TestChaos(t *testing.T) {
 	}
 	var faultPhases int
 	for _, p := range rep.Phases {
-		if p.recovery > 0 {
+		if p.caughtUp > 0 {
 			faultPhases++
 		}
 	}

@@ -52,7 +52,7 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 // the whole run lies in the newest buckets of each window, so they must
 // be equal.
 func (st *stack) windowsMatchLedger(ctx context.Context) (bool, string) {
-	ledger, err := actualBySubject(ctx, st.dbURL)
+	ledger, open, err := actualBySubject(ctx, st.dbURL)
 	if err != nil {
 		return false, err.Error()
 	}
@@ -81,8 +81,8 @@ func (st *stack) windowsMatchLedger(ctx context.Context) (bool, string) {
 	if compared == 0 {
 		return false, "no token limit reported"
 	}
-	return mismatches == 0, fmt.Sprintf("%d token windows of %d users compared, %d differ (Redis − ledger %+d tokens in all%s)",
-		compared, len(chaosUsers()), mismatches, off, first)
+	return mismatches == 0, fmt.Sprintf("%d token windows of %d users compared, %d differ (Redis − ledger %+d tokens in all%s); %d reservations still open",
+		compared, len(chaosUsers()), mismatches, off, first, open)
 }
 
 type usageLimit struct {
@@ -109,15 +109,21 @@ func (st *stack) usage(ctx context.Context, tenant, user string) ([]usageLimit, 
 	return body.Limits, json.NewDecoder(resp.Body).Decode(&body)
 }
 
-func actualBySubject(ctx context.Context, dbURL string) (map[[2]string]int64, error) {
+// actualBySubject sums the ledger's actual tokens by (tenant, user) and
+// counts the reservations neither settled nor released.
+func actualBySubject(ctx context.Context, dbURL string) (map[[2]string]int64, int64, error) {
 	conn, err := pgx.Connect(ctx, dbURL)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer conn.Close(ctx)
+	var open int64
+	if err := conn.QueryRow(ctx, `SELECT count(*) FROM reservations WHERE status = 'open'`).Scan(&open); err != nil {
+		return nil, 0, err
+	}
 	rows, err := conn.Query(ctx, `SELECT tenant, user_id, sum(tokens)::bigint FROM usage_events WHERE type = $1 GROUP BY 1, 2`, events.TypeActual)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	m := map[[2]string]int64{}
 	var t, u string
@@ -126,7 +132,7 @@ func actualBySubject(ctx context.Context, dbURL string) (map[[2]string]int64, er
 		m[[2]string{t, u}] = n
 		return nil
 	})
-	return m, err
+	return m, open, err
 }
 
 // deadLettersEmpty checks that no event went to the dead-letter stream:

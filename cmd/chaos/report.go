@@ -42,6 +42,7 @@ type phase struct {
 	name       string
 	start, end time.Time
 	recovery   time.Duration // restart → every service ready and steady
+	caughtUp   time.Duration // restart → the ledger holds every actual event sent before it
 	failopen   float64       // admission decisions made without Redis
 
 	mu     sync.Mutex
@@ -115,16 +116,16 @@ func printReport(out io.Writer, r *Report) {
 	fmt.Fprintf(out, "traffic: %d admits (%d allowed, %d denied), %d 5xx, %d transport errors or given-up reports; %d actual events (%d tokens), %d releases\n\n",
 		st.Admits.Load(), st.Allowed.Load(), st.Denied.Load(), st.Status5xx.Load(), st.Failed.Load(),
 		st.ActualEvents.Load(), st.ActualSent.Load(), st.Releases.Load())
-	fmt.Fprintf(out, "| phase | length | admits | 429 | 5xx | failopen | p50 | p99 | max | recovery |\n|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(out, "| phase | length | admits | 429 | 5xx | failopen | p50 | p99 | max | services steady | ledger caught up |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, p := range r.Phases {
-		rec := ""
-		if p.recovery > 0 {
-			rec = fmt.Sprintf("%.1f s", p.recovery.Seconds())
+		rec, caught := "", ""
+		if p.caughtUp > 0 {
+			rec, caught = fmt.Sprintf("%.1f s", p.recovery.Seconds()), fmt.Sprintf("%.1f s", p.caughtUp.Seconds())
 		}
-		fmt.Fprintf(out, "| %s | %.1f s | %d | %d | %d | %.0f | %s | %s | %s | %s |\n",
+		fmt.Fprintf(out, "| %s | %.1f s | %d | %d | %d | %.0f | %s | %s | %s | %s | %s |\n",
 			p.name, p.end.Sub(p.start).Seconds(), p.count(func(int) bool { return true }),
 			p.count(func(s int) bool { return s == 429 }), p.count(func(s int) bool { return s >= 500 }),
-			p.failopen, ms(p.quantile(0.5)), ms(p.quantile(0.99)), ms(p.quantile(1)), rec)
+			p.failopen, ms(p.quantile(0.5)), ms(p.quantile(0.99)), ms(p.quantile(1)), rec, caught)
 	}
 	fmt.Fprintln(out)
 	for _, c := range r.Checks {

@@ -12,9 +12,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/pgdb"
+	"quotaflow/pkg/events"
 )
 
 // Config is one chaos run; the test uses a shortened one.
@@ -48,6 +51,7 @@ type stack struct {
 	alerter           *e2e.Service
 	recv              *e2e.Receiver
 	api, token, dbURL string
+	stats             *e2e.Stats // the traffic's, once it runs
 }
 
 func (s *stack) services() []*e2e.Service {
@@ -83,13 +87,33 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The LLM service publishes its actual usage to JetStream itself, as
+	// services do (admission's POST /v1/usage is for those that cannot,
+	// and answers 503 while NATS is down, by contract).
+	nc, err := nats.Connect(st.nats.URL, nats.Name("quotaflow-chaos-llm"),
+		nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		return nil, err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, err
+	}
+	pub := events.NewPublisher(js, events.Config{})
 	rep := &Report{Stats: e2e.NewStats()}
+	st.stats = rep.Stats
 	rec := &recorder{}
 	gen := &e2e.Generator{
 		Base: st.api, Token: st.token, Endpoint: endpoint, Run: "chaos", St: rep.Stats,
 		Client:   &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 64}},
 		Patience: 2 * cfg.Settle, // a report outlives any outage of the run
 		Latency:  rec.observe,
+		Publish: func(ctx context.Context, ev events.Event) error {
+			ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			return pub.Publish(ctx, ev)
+		},
 	}
 	loadCtx, stopLoad := context.WithCancel(ctx)
 	defer stopLoad()
@@ -276,14 +300,28 @@ func (st *stack) phase(ctx context.Context, out io.Writer, rec *recorder, name s
 	if err := fault(ctx); err != nil {
 		return fmt.Errorf("restart %s: %w", name, err)
 	}
-	up := time.Now()
+	up, sent := time.Now(), st.stats.ActualEvents.Load()
 	for _, s := range st.services() {
 		if deg := s.WaitSteady(ctx, d); deg != "" {
 			return fmt.Errorf("after the %s fault %s did not recover within %v: %s; log:\n%s", name, s.Name, d, deg, e2e.Tail(s.LogPath, 20))
 		}
 	}
 	p.recovery = time.Since(up)
-	fmt.Fprintf(out, "[%s] %s: back, pipeline steady %.1fs after the restart\n", time.Now().Format("15:04:05"), name, p.recovery.Seconds())
+	// The ledger has caught up once it holds every actual event accepted
+	// before the restart.
+	for {
+		l, err := e2e.ReadLedger(ctx, st.dbURL)
+		if err == nil && l.ActualCount >= sent {
+			break
+		}
+		if time.Since(up) > d {
+			return fmt.Errorf("after the %s fault the ledger did not catch up within %v (%v)", name, d, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	p.caughtUp = time.Since(up)
+	fmt.Fprintf(out, "[%s] %s: back; services steady after %.1fs, ledger caught up after %.1fs\n",
+		time.Now().Format("15:04:05"), name, p.recovery.Seconds(), p.caughtUp.Seconds())
 	return nil
 }
 

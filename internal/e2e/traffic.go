@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -35,12 +36,20 @@ type Stats struct {
 
 	mu       sync.Mutex
 	deniedBy map[string]int // violated policy → 429s
-	errs     map[string]int // "route status" → count, for every 5xx and unexpected status
+	errs     map[string]int // "route status" or "route: error" → count, for every 5xx, unexpected status and failure
 }
 
 func (s *Stats) unexpected(path string, code int) {
 	s.mu.Lock()
 	s.errs[fmt.Sprintf("%s %d", path, code)]++
+	s.mu.Unlock()
+}
+
+// fail counts a request that failed for good, and why.
+func (s *Stats) fail(what string) {
+	s.Failed.Add(1)
+	s.mu.Lock()
+	s.errs[what]++
 	s.mu.Unlock()
 }
 
@@ -74,6 +83,10 @@ type Generator struct {
 	Patience time.Duration
 	// Latency, when set, is told every admit's latency and status.
 	Latency func(d time.Duration, status int)
+	// Publish, when set, reports actual usage as a service that publishes
+	// to NATS itself does (resent after an error for up to Patience);
+	// otherwise it goes through admission's POST /v1/usage.
+	Publish func(ctx context.Context, ev events.Event) error
 
 	seq atomic.Int64
 }
@@ -116,13 +129,15 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 	})
 	g.St.Admits.Add(1)
 	t0 := time.Now()
-	code, resp, err := g.post(ctx, "/v1/admit", body)
+	// An admit in flight when the traffic stops is finished: cut short, it
+	// could leave a reservation no report ever settles.
+	code, resp, err := g.post(context.WithoutCancel(ctx), "/v1/admit", body)
 	if g.Latency != nil && err == nil {
 		g.Latency(time.Since(t0), code)
 	}
 	switch {
 	case err != nil:
-		g.St.Failed.Add(1)
+		g.St.fail("/v1/admit: " + err.Error())
 		return
 	case code == http.StatusOK:
 		g.St.Allowed.Add(1)
@@ -153,7 +168,7 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 			g.St.Releases.Add(1)
 			g.St.ReleasedTokens.Add(est)
 		} else {
-			g.St.Failed.Add(1)
+			g.St.fail("/v1/release: given up")
 		}
 		return
 	}
@@ -163,36 +178,47 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 		RequestID: id, Tenant: u.Tenant, User: u.Name, Endpoint: g.Endpoint,
 		InputTokens: in, OutputTokens: actual - in,
 	}, time.Now())
-	eb, err := json.Marshal([]events.Event{ev})
-	if err != nil {
-		g.St.Failed.Add(1)
-		return
-	}
-	// 503 means JetStream did not store it: resend (the event id dedups).
-	if g.retry(ctx, "/v1/usage", eb, http.StatusAccepted) {
+	if g.report(ctx, ev) {
 		g.St.ActualSent.Add(actual)
 		g.St.ActualEvents.Add(1)
 	} else {
-		g.St.Failed.Add(1)
+		g.St.fail("actual usage report: given up")
 	}
 }
 
-// retry posts body until it gets a status in want, resending after a 503 or a
-// transport error for up to g.Patience; it reports whether want came. The
-// resends are safe: a release is idempotent and a usage event's id makes
-// JetStream drop a copy it already stored.
+// report sends the actual usage event ev until it is stored, resending
+// after a failure (its id dedups) for up to g.Patience.
+func (g *Generator) report(ctx context.Context, ev events.Event) bool {
+	if g.Publish == nil {
+		eb, err := json.Marshal([]events.Event{ev})
+		// 503 means JetStream did not store it: resend.
+		return err == nil && g.retry(ctx, "/v1/usage", eb, http.StatusAccepted)
+	}
+	return g.persist(ctx, func() (ok, again bool) {
+		err := g.Publish(ctx, ev)
+		return err == nil, !errors.Is(err, events.ErrInvalid)
+	})
+}
+
+// retry posts body until it gets a status in want, resending after a 503
+// or a transport error for up to g.Patience; it reports whether want came.
+// The resends are safe: a release is idempotent and a usage event's id
+// makes JetStream drop a copy it already stored.
 func (g *Generator) retry(ctx context.Context, path string, body []byte, want ...int) bool {
+	return g.persist(ctx, func() (ok, again bool) {
+		code, _, err := g.post(ctx, path, body)
+		return err == nil && slices.Contains(want, code), err != nil || code == http.StatusServiceUnavailable
+	})
+}
+
+// persist calls try until it succeeds or fails for good, pausing between
+// tries, for up to g.Patience.
+func (g *Generator) persist(ctx context.Context, try func() (ok, again bool)) bool {
 	deadline := time.Now().Add(g.Patience)
 	for {
-		code, _, err := g.post(ctx, path, body)
-		if err == nil && slices.Contains(want, code) {
-			return true
-		}
-		if err == nil && code != http.StatusServiceUnavailable {
-			return false
-		}
-		if time.Now().After(deadline) {
-			return false
+		ok, again := try()
+		if ok || !again || time.Now().After(deadline) {
+			return ok
 		}
 		select {
 		case <-ctx.Done():
@@ -231,7 +257,8 @@ func NewStats() *Stats {
 	return &Stats{deniedBy: map[string]int{}, errs: map[string]int{}}
 }
 
-// Unexpected returns the 5xx and unexpected statuses by "route status".
+// Unexpected returns the 5xx and unexpected statuses by "route status"
+// and the failures by "route: error".
 func (s *Stats) Unexpected() map[string]int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
