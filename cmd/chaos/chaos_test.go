@@ -1,30 +1,12 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"sync"
 	"testing"
 	"time"
+
+	"quotaflow/internal/e2e"
 )
-
-// syncBuffer collects the run's output for the failure message.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // TestChaos is `go tool task chaos` shortened: every fault injected once,
 // briefly, under steady load, and every check of the full run asserted.
@@ -35,7 +17,7 @@ func TestChaos(t *testing.T) {
 	cfg := Config{Down: 2 * time.Second, Gap: 3 * time.Second, Rate: 3, Settle: 60 * time.Second}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
-	var out syncBuffer
+	var out e2e.Buffer
 	rep, err := run(ctx, cfg, &out)
 	defer func() {
 		if t.Failed() {

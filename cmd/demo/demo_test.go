@@ -1,36 +1,18 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"quotaflow/internal/e2e"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
-
-// syncBuffer collects the demo's output for the failure message.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // TestDemo runs the whole demo, shortened, against the real servers (run
 // `go tool task deps` first): the three services built and started as
@@ -45,7 +27,7 @@ func TestDemo(t *testing.T) {
 	cfg.SettleTimeout = 30 * time.Second
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	var out syncBuffer
+	var out e2e.Buffer
 	rep, err := run(ctx, cfg, &out)
 	defer func() {
 		if t.Failed() {
