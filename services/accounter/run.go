@@ -161,7 +161,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	})
 	driftSubjects := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "quotaflow_accounter_drift_subjects",
-		Help: "Subjects whose Redis windows disagreed with the ledger at the last reconciliation.",
+		Help: "Subjects, and tenants for tenant-wide limits, whose Redis windows disagreed with the ledger at the last reconciliation.",
 	})
 	repaired := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_accounter_repaired_tokens_total",

@@ -1,8 +1,9 @@
 // Package correct applies the accounter's effects to Redis through
 // pkg/limits: an actual event corrects its reservation's token windows, a
 // released event gives the estimate back, expired reservations are settled,
-// and after Redis lost its data every subject active in the longest window
-// is rebuilt from the ledger before the epoch key is written.
+// after Redis lost its data every subject active in the longest window is
+// rebuilt from the ledger before the epoch key is written, and a periodic
+// reconciliation (Reconciler) repairs windows that drifted from the ledger.
 package correct
 
 import (

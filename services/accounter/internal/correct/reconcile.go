@@ -207,6 +207,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 		}
 	})
 	if err != nil {
+		r.seen = nil
 		return d, fmt.Errorf("reconcile: %w", err)
 	}
 
@@ -270,6 +271,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 		err = measure(o, keyUser, tally{})
 	}
 	if err != nil {
+		r.seen = nil // consecutive scans only
 		return d, fmt.Errorf("reconcile: %w", err)
 	}
 

@@ -335,3 +335,42 @@ func TestRepairOff(t *testing.T) {
 	}
 	wantUsed(t, "measured only", w.used("t", "u"), map[string]int64{"5h": 100})
 }
+
+// lockHook runs before() just before each TryLock.
+type lockHook struct {
+	ReconcileLedger
+	before func()
+}
+
+func (h lockHook) TryLock(ctx context.Context, id int64) (func(), bool, error) {
+	h.before()
+	return h.ReconcileLedger.TryLock(ctx, id)
+}
+
+// TestTwoInstancesRepairOnce: two instances sharing Redis and the ledger
+// both see the drift twice; one repairs it just before the other takes the
+// lock, and the other's fresh measurement finds nothing left to repair.
+func TestTwoInstancesRepairOnce(t *testing.T) {
+	w := newWorld(t, true)
+	w.settle(w.reserve("t", "u", "", 100, true), 100)
+	w.charge("t", "u", 40, "5h")
+	seen := Drift{Subjects: 1, Drifted: 1, Tokens: 40}
+	var first Drift
+	hook := lockHook{ReconcileLedger: w.store, before: func() {
+		var err error
+		if first, err = w.rec.Reconcile(w.ctx); err != nil {
+			t.Error(err)
+		}
+	}}
+	other := NewReconciler(w.rec.c, hook, ConsumerBacklog{Consumer: w.cons}, true, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+	w.reconcile(seen)
+	for i, want := range []Drift{seen, seen} { // the second scan finds it stable
+		if d, err := other.Reconcile(w.ctx); err != nil || d != want {
+			t.Fatalf("other Reconcile #%d = %+v, %v; want %+v", i+1, d, err, want)
+		}
+	}
+	if want := (Drift{Subjects: 1, Drifted: 1, Tokens: 40, Repaired: 1, Lowered: 40}); first != want {
+		t.Errorf("first instance's Reconcile = %+v, want %+v", first, want)
+	}
+	wantUsed(t, "repaired once", w.used("t", "u"), map[string]int64{"5h": 100})
+}
