@@ -41,7 +41,7 @@ endpoints:
 `
 
 type world struct {
-	t     *testing.T
+	t     testing.TB
 	ctx   context.Context
 	pol   *limits.Policy
 	lim   *limits.Limiter
@@ -52,7 +52,7 @@ type world struct {
 	n     int // request ids
 }
 
-func newWorld(t *testing.T, repair bool) *world {
+func newWorld(t testing.TB, repair bool) *world {
 	t.Helper()
 	ctx := context.Background()
 	pol, err := limits.Parse([]byte(reconcilePolicy))
