@@ -225,7 +225,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 				driftSubjects.Set(float64(d.Drifted))
 				if d.Drifted > 0 {
 					log.Warn("redis drifts from the ledger", "subjects", d.Subjects, "drifted", d.Drifted, "tokens", d.Tokens,
-						"repaired_limits", d.Repaired, "raised", d.Raised, "lowered", d.Lowered)
+						"repaired_limits", d.Repaired, "raised", d.Raised, "lowered", d.Lowered, "held_in_flight", d.Held)
 				}
 			})
 		})

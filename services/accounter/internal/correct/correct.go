@@ -67,10 +67,16 @@ func (c *Corrector) Cost(d events.Actual) int64 {
 	return c.policy().Cost(d.Model, d.InputTokens, d.OutputTokens)
 }
 
-// rules returns the subject rules of tenant on plan for endpoint; a plan
-// the policy no longer has falls back to the tenant's or default plan.
+// rules returns the subject rules of tenant on plan for endpoint under
+// the current policy; see subjectRules.
 func (c *Corrector) rules(tenant, plan, endpoint string) ([]limits.Rule, error) {
-	p := c.policy()
+	return subjectRules(c.policy(), tenant, plan, endpoint)
+}
+
+// subjectRules returns the subject rules of tenant on plan for endpoint
+// under p; a plan p no longer has falls back to the tenant's or default
+// plan.
+func subjectRules(p *limits.Policy, tenant, plan, endpoint string) ([]limits.Rule, error) {
 	r, err := p.Resolve(tenant, plan, endpoint)
 	if errors.Is(err, limits.ErrUnknownPlan) {
 		r, err = p.Resolve(tenant, "", endpoint)

@@ -64,6 +64,9 @@ type Drift struct {
 	// tokens added to and taken from their windows.
 	Repaired        int
 	Raised, Lowered int64
+	// Held is how many limits drifted alike in two scans but were left
+	// alone because events were in flight when they were measured again.
+	Held int
 }
 
 // Reconciler compares every token window in Redis (rolling, fixed and
@@ -83,7 +86,8 @@ type Drift struct {
 // Redis is legitimately ahead of the ledger by reservations whose events
 // are still in the stream, and behind it by releases admission applied
 // before their events arrived. A drift is therefore repaired only when
-//   - it was seen, bucket for bucket, in two consecutive scans;
+//   - it was seen, bucket for bucket, in two consecutive scans under the
+//     same policy;
 //   - the consumer has nothing pending or unacknowledged, and delivers
 //     nothing while the owner of the drift is measured once more; and
 //   - that fresh measurement finds the same drift again.
@@ -104,8 +108,10 @@ type Reconciler struct {
 	backlog Backlog
 	repair  bool
 	log     *slog.Logger
-	// seen holds the drifts of the previous scan, by limit and owner.
-	seen map[driftKey]string
+	// seen holds the drifts of the previous scan, by limit and owner,
+	// measured under policy seenUnder.
+	seen      map[driftKey]string
+	seenUnder *limits.Policy
 }
 
 // NewReconciler returns a Reconciler of c's Redis against store. With
@@ -175,8 +181,9 @@ func (d *drift) fingerprint() string {
 
 // scan is the state of one Reconcile.
 type scan struct {
-	now   time.Time
-	since time.Time
+	policy *limits.Policy // one policy for the whole scan
+	now    time.Time
+	since  time.Time
 	// rules caches the windowed token rules by tenant, plan and endpoint;
 	// candidates every such rule a tenant's windows may hold.
 	rules      map[[3]string][]limits.Rule
@@ -188,13 +195,14 @@ type scan struct {
 // and reports what it found and did.
 func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 	var d Drift
-	w := r.c.policy().LongestTokenWindow()
+	p := r.c.policy()
+	w := p.LongestTokenWindow()
 	if w == 0 {
 		r.seen = nil
 		return d, nil
 	}
 	now := time.Now()
-	s := &scan{now: now, since: now.Add(-w), rules: map[[3]string][]limits.Rule{}, candidates: map[string][2][]limits.Rule{}}
+	s := &scan{policy: p, now: now, since: now.Add(-w), rules: map[[3]string][]limits.Rule{}, candidates: map[string][2][]limits.Rule{}}
 
 	// Redis's blobs first, so that a window with no usage in the ledger
 	// is compared too.
@@ -276,7 +284,10 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 	}
 
 	prev := r.seen
-	r.seen = make(map[driftKey]string, len(found))
+	if r.seenUnder != p {
+		prev = nil // a reloaded policy may count differently: start again
+	}
+	r.seen, r.seenUnder = make(map[driftKey]string, len(found)), p
 	for i := range found {
 		r.seen[found[i].key] = found[i].fingerprint()
 	}
@@ -343,7 +354,7 @@ func (r *Reconciler) windowRules(s *scan, tenant, plan, endpoint string) ([]limi
 	if rules, ok := s.rules[k]; ok {
 		return rules, nil
 	}
-	all, err := r.c.rules(tenant, plan, endpoint)
+	all, err := subjectRules(s.policy, tenant, plan, endpoint)
 	if err != nil {
 		return nil, err
 	}
@@ -364,10 +375,9 @@ func (r *Reconciler) candidates(s *scan, tenant string) (user, ten []limits.Rule
 	if c, ok := s.candidates[tenant]; ok {
 		return c[0], c[1], nil
 	}
-	p := r.c.policy()
-	endpoints := append([]string{""}, slices.Sorted(maps.Keys(p.Endpoints))...)
+	endpoints := append([]string{""}, slices.Sorted(maps.Keys(s.policy.Endpoints))...)
 	seen := map[limitID]bool{}
-	for _, plan := range slices.Sorted(maps.Keys(p.Plans)) {
+	for _, plan := range slices.Sorted(maps.Keys(s.policy.Plans)) {
 		for _, e := range endpoints {
 			rules, err := r.windowRules(s, tenant, plan, e)
 			if err != nil {
@@ -463,7 +473,7 @@ func (r *Reconciler) repairStable(ctx context.Context, s *scan, found []drift, p
 			return err
 		}
 		if !quiet {
-			r.log.Info("drift left for the next scan: events are in flight", "tenant", o.tenant, "user", o.user)
+			d.Held += len(stable[o])
 			continue
 		}
 		for i := range fresh {

@@ -290,8 +290,9 @@ func TestNoRepairWhileEventsAreInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.charge("t", "x", 10, "5h")
-	for range 3 {
-		w.reconcile(Drift{Subjects: 2, Drifted: 2, Tokens: 3*200 + 10})
+	w.reconcile(Drift{Subjects: 2, Drifted: 2, Tokens: 3*200 + 10})
+	for range 2 { // seen alike, held: 3 limits of p, 1 of x
+		w.reconcile(Drift{Subjects: 2, Drifted: 2, Tokens: 3*200 + 10, Held: 4})
 	}
 	wantUsed(t, "in flight", w.used("t", "p"), map[string]int64{"5h": 200, "day": 200, "month": 200})
 	wantUsed(t, "in flight", w.used("t", "x"), map[string]int64{"5h": 10})
