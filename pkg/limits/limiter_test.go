@@ -699,12 +699,28 @@ func TestClusterReservesAreExact(t *testing.T) {
 		t.Fatalf("allowed %d of 12800 racing requests on the cluster, want exactly 1000", got)
 	}
 	// Tenants spread over the shards, each tenant's call stays on one.
+	rules := []Rule{
+		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 100}),
+		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)}),
+	}
+	var tenants []string
 	for i := range 20 {
 		tenant := newTenant(t) + string(rune('a'+i))
-		reserve(t, l, tenant, "u", "r", 5, []Rule{
-			rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 100}),
-			rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)}),
-		})
+		tenants = append(tenants, tenant)
+		reserve(t, l, tenant, "u", "r", 5, rules)
+	}
+	// The reconciliation's scan walks every shard; Windows reads each slot.
+	found := map[string]int{}
+	if err := ScanSubjects(ctx, cc, func(tenant, user string) { found[tenant]++ }); err != nil {
+		t.Fatal(err)
+	}
+	for _, tenant := range tenants {
+		if found[tenant] != 2 {
+			t.Errorf("ScanSubjects found %d blobs of %s, want its user's and its own", found[tenant], tenant)
+		}
+		if _, ws, err := l.Windows(ctx, tenant, "u", rules); err != nil || ws[0].Used() != 5 || ws[1].Used() != 5 {
+			t.Errorf("Windows(%s) = %+v, %v; want 5 used in each", tenant, ws, err)
+		}
 	}
 	var shardsWithKeys atomic.Int64
 	_ = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {

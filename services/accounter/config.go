@@ -50,6 +50,10 @@ type Config struct {
 	// ReconcileInterval is how often Redis's token windows are compared
 	// with the ledger (quotaflow_accounter_drift_*); 0 turns it off.
 	ReconcileInterval time.Duration `envconfig:"RECONCILE_INTERVAL" default:"10m"`
+	// ReconcileRepair repairs the drift that two consecutive comparisons
+	// find unchanged while no event is in flight
+	// (quotaflow_accounter_repaired_tokens_total); false only measures.
+	ReconcileRepair bool `envconfig:"RECONCILE_REPAIR" default:"true"`
 	// ShutdownTimeout bounds the graceful shutdown on SIGTERM.
 	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"15s"`
 }

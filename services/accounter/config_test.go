@@ -18,6 +18,9 @@ func TestConfigDefaultsAreValid(t *testing.T) {
 	if c.OpsAddr != ":9091" || c.PostgresURL != "postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable" {
 		t.Errorf("defaults: ops %q, postgres %q", c.OpsAddr, c.PostgresURL)
 	}
+	if !c.ReconcileRepair {
+		t.Error("defaults: the reconciliation does not repair")
+	}
 }
 
 func TestConfigValidate(t *testing.T) {

@@ -61,7 +61,8 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		"redis_url", redisconn.Redacted(cfg.RedisURL), "postgres_url", redisconn.Redacted(cfg.PostgresURL),
 		"nats_url", redisconn.Redacted(cfg.NATSURL), "stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix,
 		"durable", cfg.Durable, "workers", cfg.Workers, "batch_size", cfg.BatchSize, "batch_wait", cfg.BatchWait.String(),
-		"reservation_ttl", cfg.ReservationTTL.String(), "settle_expired_at_estimate", cfg.SettleExpiredAtEstimate)
+		"reservation_ttl", cfg.ReservationTTL.String(), "settle_expired_at_estimate", cfg.SettleExpiredAtEstimate,
+		"reconcile_interval", cfg.ReconcileInterval.String(), "reconcile_repair", cfg.ReconcileRepair)
 
 	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready), log)
 	if err != nil {
@@ -160,11 +161,17 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	})
 	driftSubjects := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "quotaflow_accounter_drift_subjects",
-		Help: "Subjects whose Redis windows disagreed with the ledger at the last reconciliation.",
+		Help: "Subjects, and tenants for tenant-wide limits, whose Redis windows disagreed with the ledger at the last reconciliation.",
 	})
+	repaired := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "quotaflow_accounter_repaired_tokens_total",
+		Help: "Weighted tokens the reconciliation added to (raised) or took from (lowered) Redis's token windows to agree with the ledger.",
+	}, []string{"direction"})
 	epochs.WithLabelValues("ok")
 	epochs.WithLabelValues("error")
-	reg.MustRegister(epochs, expired, driftTokens, driftSubjects)
+	repaired.WithLabelValues("raised")
+	repaired.WithLabelValues("lowered")
+	reg.MustRegister(epochs, expired, driftTokens, driftSubjects, repaired)
 
 	// The epoch first: consuming into a Redis that lost its data would only
 	// nak (the scripts refuse without the epoch).
@@ -204,9 +211,12 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	})
 
 	if cfg.ReconcileInterval > 0 {
+		rec := correct.NewReconciler(cor, store, correct.ConsumerBacklog{Consumer: cons}, cfg.ReconcileRepair, log)
 		bg.Go(func() {
 			every(bgCtx, cfg.ReconcileInterval, func(ctx context.Context) {
-				d, err := cor.Reconcile(ctx)
+				d, err := rec.Reconcile(ctx)
+				repaired.WithLabelValues("raised").Add(float64(d.Raised))
+				repaired.WithLabelValues("lowered").Add(float64(d.Lowered))
 				if err != nil {
 					log.Error("reconciling redis with the ledger failed", "err", err)
 					return
@@ -214,7 +224,8 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 				driftTokens.Set(float64(d.Tokens))
 				driftSubjects.Set(float64(d.Drifted))
 				if d.Drifted > 0 {
-					log.Warn("redis drifts from the ledger", "subjects", d.Subjects, "drifted", d.Drifted, "tokens", d.Tokens)
+					log.Warn("redis drifts from the ledger", "subjects", d.Subjects, "drifted", d.Drifted, "tokens", d.Tokens,
+						"repaired_limits", d.Repaired, "raised", d.Raised, "lowered", d.Lowered, "held_in_flight", d.Held)
 				}
 			})
 		})

@@ -109,8 +109,8 @@ func newEnv(t testing.TB) *env {
 			Durable: "accounter", Workers: 2, BatchSize: 100, BatchWait: 50 * time.Millisecond,
 			ReservationTTL: time.Hour, SettleExpiredAtEstimate: true,
 			ExpiryInterval: 200 * time.Millisecond, EpochInterval: 200 * time.Millisecond,
-			ReconcileInterval: 300 * time.Millisecond,
-			ShutdownTimeout:   5 * time.Second,
+			ReconcileInterval: 300 * time.Millisecond, ReconcileRepair: true,
+			ShutdownTimeout: 5 * time.Second,
 		},
 	}
 	return e
@@ -606,15 +606,21 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 		t.Errorf("a: 5h used after the late actual = %d, want %d", got, want)
 	}
 
-	// Reconciliation agrees with the rebuilt Redis, and sees tokens the
-	// ledger never heard of.
+	// Reconciliation agrees with the rebuilt Redis, and takes back tokens
+	// the ledger never heard of.
 	waitFor(t, "no drift", func() bool { return e.metric("quotaflow_accounter_drift_tokens") == 0 })
 	if _, err := e.lim.Charge(ctx, limits.ChargeRequest{Tenant: ten, User: "b", Rules: e.rules(ten)[:2], Amount: 500}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "drift of 1000 (500 in each of two windows)", func() bool {
-		return e.metric("quotaflow_accounter_drift_tokens") == 1000 && e.metric("quotaflow_accounter_drift_subjects") == 1
+	waitFor(t, "1000 tokens (500 in each of two windows) repaired", func() bool {
+		return e.metric(`quotaflow_accounter_repaired_tokens_total{direction="lowered"}`) == 1000
 	})
+	if got := [2]int64{e.used(ten, "b", "5h"), e.used(ten, "b", "30d")}; got != before["b"] {
+		t.Errorf("b: used (5h, 30d) after the repair = %v, want %v", got, before["b"])
+	}
+	if got := e.metric(`quotaflow_accounter_repaired_tokens_total{direction="raised"}`); got != 0 {
+		t.Errorf("raised %v tokens, want 0", got)
+	}
 }
 
 // TestRedisLossRebuildsBalances: prepaid credits survive Redis losing its

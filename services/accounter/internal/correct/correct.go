@@ -1,8 +1,9 @@
 // Package correct applies the accounter's effects to Redis through
 // pkg/limits: an actual event corrects its reservation's token windows, a
 // released event gives the estimate back, expired reservations are settled,
-// and after Redis lost its data every subject active in the longest window
-// is rebuilt from the ledger before the epoch key is written.
+// after Redis lost its data every subject active in the longest window is
+// rebuilt from the ledger before the epoch key is written, and a periodic
+// reconciliation (Reconciler) repairs windows that drifted from the ledger.
 package correct
 
 import (
@@ -66,10 +67,16 @@ func (c *Corrector) Cost(d events.Actual) int64 {
 	return c.policy().Cost(d.Model, d.InputTokens, d.OutputTokens)
 }
 
-// rules returns the subject rules of tenant on plan for endpoint; a plan
-// the policy no longer has falls back to the tenant's or default plan.
+// rules returns the subject rules of tenant on plan for endpoint under
+// the current policy; see subjectRules.
 func (c *Corrector) rules(tenant, plan, endpoint string) ([]limits.Rule, error) {
-	p := c.policy()
+	return subjectRules(c.policy(), tenant, plan, endpoint)
+}
+
+// subjectRules returns the subject rules of tenant on plan for endpoint
+// under p; a plan p no longer has falls back to the tenant's or default
+// plan.
+func subjectRules(p *limits.Policy, tenant, plan, endpoint string) ([]limits.Rule, error) {
 	r, err := p.Resolve(tenant, plan, endpoint)
 	if errors.Is(err, limits.ErrUnknownPlan) {
 		r, err = p.Resolve(tenant, "", endpoint)

@@ -3,140 +3,552 @@ package correct
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/ledger"
 )
 
-// Drift is what Reconcile found.
-type Drift struct {
-	// Subjects is how many subjects the ledger holds usage of in the
-	// longest window; Drifted how many of them Redis disagrees on.
-	Subjects, Drifted int
-	// Tokens is the sum over drifted subjects and limits of how far Redis's
-	// used lies outside what the ledger allows (weighted tokens).
-	Tokens int64
+// ReconcileLedger is what the reconciliation reads from Postgres.
+type ReconcileLedger interface {
+	UsageSince(ctx context.Context, since time.Time, f func(ledger.Usage) error) error
+	UsageOf(ctx context.Context, since time.Time, tenant, user string, f func(ledger.Usage) error) error
+	TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error)
 }
 
-// Reconcile compares, for every subject active in the longest window, the
-// used tokens Redis reports (Peek) for each rolling, fixed and
-// calendar_month token limit with the ledger's usage in that window, and
-// measures the drift. A rolling window is exact to one bucket, so a value
-// between the ledger's sums without and with the oldest bucket counts as
-// agreement. It reads the ledger with one streaming query and Redis one
-// subject at a time: no key scans.
+// Backlog tells whether events are still on their way into the ledger.
+type Backlog interface {
+	// Backlog returns how many events the accounter's consumer has yet to
+	// deliver or to see acknowledged, and how many deliveries it has made,
+	// a count that moves with every message handed out.
+	Backlog(ctx context.Context) (pending, delivered uint64, err error)
+}
+
+// ConsumerBacklog is the Backlog of the accounter's durable JetStream
+// consumer, which every instance shares.
+type ConsumerBacklog struct{ Consumer jetstream.Consumer }
+
+// Backlog reads the consumer's info from the server.
+func (b ConsumerBacklog) Backlog(ctx context.Context) (pending, delivered uint64, err error) {
+	info, err := b.Consumer.Info(ctx)
+	if err != nil {
+		return 0, 0, fmt.Errorf("consumer info: %w", err)
+	}
+	return info.NumPending + uint64(max(info.NumAckPending, 0)), info.Delivered.Consumer, nil
+}
+
+// reconcileLockID is the Postgres advisory lock an instance holds while it
+// repairs, so that two instances never apply the same repair twice
+// ("qf-reconc" as a number).
+const reconcileLockID = 0x71662d7265636f6e
+
+// Drift is what one Reconcile found and did.
+type Drift struct {
+	// Subjects is how many subjects were compared: those the ledger holds
+	// usage of in the longest window and those Redis holds windows of.
+	Subjects int
+	// Drifted is how many subjects and tenants (for tenant-wide limits)
+	// Redis disagrees with the ledger on.
+	Drifted int
+	// Tokens is the sum over drifted limits of how far Redis's window lies
+	// from the ledger's (weighted tokens, either direction).
+	Tokens int64
+	// Repaired is how many limits were repaired; Raised and Lowered the
+	// tokens added to and taken from their windows.
+	Repaired        int
+	Raised, Lowered int64
+	// Held is how many limits drifted alike in two scans but were left
+	// alone because events were in flight when they were measured again.
+	Held int
+}
+
+// Reconciler compares every token window in Redis (rolling, fixed and
+// calendar_month) with what the ledger says it holds, and repairs the
+// difference when it is certainly not an event on its way.
 //
-// It only measures: Redis is legitimately ahead of the ledger by the
-// reservations whose events are still in the stream, so a repair here
-// would take back tokens in flight. A Redis that lost its data is rebuilt
-// by EnsureEpoch instead.
-func (c *Corrector) Reconcile(ctx context.Context) (Drift, error) {
-	p := c.policy()
-	w := p.LongestTokenWindow()
+// What a window should hold, bucket by bucket, is the ledger's usage
+// (ledger.Usage: actuals of settled reservations, estimates of open and
+// expired ones) under every rule that counted it: a user's limits count
+// the user's usage, a tenant-wide limit its users' usage together, an
+// endpoint's per-user limit only usage of that endpoint. Redis is read
+// bucket by bucket (limits.Windows). A rolling window is exact to one
+// bucket, so its oldest bucket is never compared: it leaves within one
+// bucket anyway, and a charge made by the accounter later than its event's
+// time (an actual with no reservation) may sit one bucket later in Redis.
+//
+// Redis is legitimately ahead of the ledger by reservations whose events
+// are still in the stream, and behind it by releases admission applied
+// before their events arrived. A drift is therefore repaired only when
+//   - it was seen, bucket for bucket, in two consecutive scans under the
+//     same policy;
+//   - the consumer has nothing pending or unacknowledged, and delivers
+//     nothing while the owner of the drift is measured once more; and
+//   - that fresh measurement finds the same drift again.
+//
+// The repair charges each bucket's difference at the bucket's time
+// (limits.Charge, positive or negative), so the window agrees with the
+// ledger and goes on agreeing as it slides. An instance repairs under a
+// Postgres advisory lock, and the fresh measurement under it makes a
+// second instance find nothing left to repair.
+//
+// Subjects are found by streaming the ledger and by walking Redis's keys
+// with SCAN cursors (limits.ScanSubjects), so windows the ledger has never
+// heard of are found too. Create a Reconciler with NewReconciler and call
+// Reconcile from one goroutine.
+type Reconciler struct {
+	c       *Corrector
+	store   ReconcileLedger
+	backlog Backlog
+	repair  bool
+	log     *slog.Logger
+	// seen holds the drifts of the previous scan, by limit and owner,
+	// measured under policy seenUnder.
+	seen      map[driftKey]string
+	seenUnder *limits.Policy
+}
+
+// NewReconciler returns a Reconciler of c's Redis against store. With
+// repair false it only measures.
+func NewReconciler(c *Corrector, store ReconcileLedger, backlog Backlog, repair bool, log *slog.Logger) *Reconciler {
+	return &Reconciler{c: c, store: store, backlog: backlog, repair: repair, log: log.With("component", "reconcile")}
+}
+
+// owner is whose counter a window is: a subject, or a tenant (user empty)
+// for tenant-wide limits.
+type owner struct{ tenant, user string }
+
+// limitID is what names a limit's counter in Redis (limits' ruleID): its
+// size may change without touching the counter.
+type limitID struct {
+	scope          limits.Scope
+	endpoint, name string
+	kind           limits.Kind
+	window         limits.Duration
+	buckets        int
+}
+
+func idOf(r *limits.Rule) limitID {
+	return limitID{r.Scope, r.Endpoint, r.Name, r.Kind, r.Window, r.Buckets}
+}
+
+type driftKey struct {
+	owner
+	limitID
+}
+
+// tally is what the ledger puts in each bucket (limits.BucketOf) of each
+// limit of one owner.
+type tally map[limitID]map[int64]int64
+
+func (t tally) add(r *limits.Rule, n, tokens int64) {
+	id := idOf(r)
+	if t[id] == nil {
+		t[id] = map[int64]int64{}
+	}
+	t[id][n] += tokens
+}
+
+// drift is one limit of one owner that Redis disagrees on: fix holds, per
+// bucket, what to add to Redis to agree.
+type drift struct {
+	key  driftKey
+	rule limits.Rule
+	fix  []fix
+	net  int64
+}
+
+// fix is what to add to bucket n of a window (negative: take away).
+type fix struct{ n, tokens int64 }
+
+// fingerprint names a drift exactly, bucket by bucket, to compare scans.
+func (d *drift) fingerprint() string {
+	var b strings.Builder
+	for _, f := range d.fix {
+		b.WriteString(strconv.FormatInt(f.n, 10))
+		b.WriteByte(':')
+		b.WriteString(strconv.FormatInt(f.tokens, 10))
+		b.WriteByte(' ')
+	}
+	return b.String()
+}
+
+// scan is the state of one Reconcile.
+type scan struct {
+	policy *limits.Policy // one policy for the whole scan
+	now    time.Time
+	since  time.Time
+	// rules caches the windowed token rules by tenant, plan and endpoint;
+	// candidates every such rule a tenant's windows may hold.
+	rules      map[[3]string][]limits.Rule
+	candidates map[string][2][]limits.Rule // user rules, tenant rules
+}
+
+// Reconcile compares every subject's and tenant's token windows with the
+// ledger, repairs the drift that is safe to repair (see the type's doc)
+// and reports what it found and did.
+func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 	var d Drift
+	p := r.c.policy()
+	w := p.LongestTokenWindow()
 	if w == 0 {
+		r.seen = nil
 		return d, nil
 	}
 	now := time.Now()
-	var cur []ledger.Usage
-	flush := func() error {
-		if len(cur) == 0 {
-			return nil
+	s := &scan{policy: p, now: now, since: now.Add(-w), rules: map[[3]string][]limits.Rule{}, candidates: map[string][2][]limits.Rule{}}
+
+	// Redis's blobs first, so that a window with no usage in the ledger
+	// is compared too.
+	inRedis := map[owner]bool{}
+	anyUser := map[string]string{} // a user of each tenant, to address its blob
+	err := limits.ScanSubjects(ctx, r.c.rdb, func(tenant, user string) {
+		inRedis[owner{tenant, user}] = true
+		if user != "" {
+			anyUser[tenant] = user
 		}
-		d.Subjects++
-		tokens, err := c.drift(ctx, cur, now)
-		cur = cur[:0]
+	})
+	if err != nil {
+		r.seen = nil
+		return d, fmt.Errorf("reconcile: %w", err)
+	}
+
+	var found []drift
+	measure := func(o owner, keyUser string, t tally) error {
+		if o.user != "" {
+			d.Subjects++
+		}
+		delete(inRedis, o)
+		ds, err := r.compare(ctx, s, o, keyUser, t)
 		if err != nil {
 			return err
 		}
-		if tokens > 0 {
+		if len(ds) > 0 {
 			d.Drifted++
-			d.Tokens += tokens
 		}
+		for _, x := range ds {
+			d.Tokens += abs(x.net)
+		}
+		found = append(found, ds...)
 		return nil
 	}
-	err := c.store.UsageSince(ctx, now.Add(-w), func(u ledger.Usage) error {
-		if len(cur) > 0 && (u.Tenant != cur[0].Tenant || u.User != cur[0].User) {
-			if err := flush(); err != nil {
+
+	// The ledger, subject by subject: each subject's limits when the
+	// subject ends, the tenant-wide ones when the tenant ends.
+	var cur owner
+	users, tenants := tally{}, tally{}
+	err = r.store.UsageSince(ctx, s.since, func(u ledger.Usage) error {
+		if cur.tenant != "" && (u.Tenant != cur.tenant || u.User != cur.user) {
+			if err := measure(cur, cur.user, users); err != nil {
 				return err
 			}
+			users = tally{}
+			if u.Tenant != cur.tenant {
+				if err := measure(owner{cur.tenant, ""}, cur.user, tenants); err != nil {
+					return err
+				}
+				tenants = tally{}
+			}
 		}
-		cur = append(cur, u)
-		return nil
+		cur = owner{u.Tenant, u.User}
+		return r.count(s, u, users, tenants)
 	})
-	if err == nil {
-		err = flush()
+	if err == nil && cur.tenant != "" {
+		err = measure(cur, cur.user, users)
+		if err == nil {
+			err = measure(owner{cur.tenant, ""}, cur.user, tenants)
+		}
+	}
+	// Then what only Redis holds.
+	for _, o := range slices.SortedFunc(maps.Keys(inRedis), compareOwners) {
+		if err != nil {
+			break
+		}
+		keyUser := o.user
+		if keyUser == "" {
+			if keyUser = anyUser[o.tenant]; keyUser == "" {
+				keyUser = "-" // any name addresses the tenant blob
+			}
+		}
+		err = measure(o, keyUser, tally{})
 	}
 	if err != nil {
+		r.seen = nil // consecutive scans only
+		return d, fmt.Errorf("reconcile: %w", err)
+	}
+
+	prev := r.seen
+	if r.seenUnder != p {
+		prev = nil // a reloaded policy may count differently: start again
+	}
+	r.seen, r.seenUnder = make(map[driftKey]string, len(found)), p
+	for i := range found {
+		r.seen[found[i].key] = found[i].fingerprint()
+	}
+	if !r.repair {
+		return d, nil
+	}
+	if err := r.repairStable(ctx, s, found, prev, &d); err != nil {
 		return d, fmt.Errorf("reconcile: %w", err)
 	}
 	return d, nil
 }
 
-// drift returns how far Redis is from the ledger's usage us of one
-// subject, over the subject's token limits of the plan and endpoint of its
-// latest usage.
-func (c *Corrector) drift(ctx context.Context, us []ledger.Usage, now time.Time) (int64, error) {
-	last := us[len(us)-1]
-	all, err := c.rules(last.Tenant, last.Plan, last.Endpoint)
-	if err != nil {
-		return 0, err
+func compareOwners(a, b owner) int {
+	if c := strings.Compare(a.tenant, b.tenant); c != 0 {
+		return c
 	}
-	var rules []limits.Rule
-	for _, r := range all {
-		if r.Unit == limits.Tokens && (r.Kind == limits.Rolling || r.Kind == limits.Fixed || r.Kind == limits.CalendarMonth) {
-			rules = append(rules, r)
-		}
-	}
-	if len(rules) == 0 {
-		return 0, nil
-	}
-	dec, err := c.lim.Peek(ctx, limits.Request{Tenant: last.Tenant, User: last.User, Rules: rules})
-	if err != nil {
-		return 0, err
-	}
-	var total int64
-	for i, st := range dec.States {
-		lo, hi := expected(us, &rules[i], now)
-		switch {
-		case st.Used < lo:
-			total += lo - st.Used
-		case st.Used > hi:
-			total += st.Used - hi
-		}
-	}
-	return total, nil
+	return strings.Compare(a.user, b.user)
 }
 
-// expected returns the least and most the ledger allows rule r's window to
-// hold now: equal for fixed and calendar windows, one bucket apart for a
-// rolling window.
-func expected(us []ledger.Usage, r *limits.Rule, now time.Time) (lo, hi int64) {
-	var from, fromLo time.Time
-	switch r.Kind {
-	case limits.Rolling:
-		win := time.Duration(r.Window)
-		buckets := max(r.Buckets, 1)
-		from = now.Add(-win)
-		fromLo = from.Add(win / time.Duration(buckets))
-	case limits.Fixed:
-		win := time.Duration(r.Window)
-		from = time.UnixMilli(now.UnixMilli() / win.Milliseconds() * win.Milliseconds())
-		fromLo = from
-	default: // calendar_month
-		u := now.UTC()
-		from = time.Date(u.Year(), u.Month(), 1, 0, 0, 0, 0, time.UTC)
-		fromLo = from
+func abs(v int64) int64 {
+	if v < 0 {
+		return -v
 	}
-	from = from.Add(-time.Second) // the ledger's times are truncated to the second
-	for _, u := range us {
-		if !u.At.Before(from) {
-			hi += u.Tokens
+	return v
+}
+
+// count adds usage u to the buckets of every windowed token rule that
+// counted it, in the subject's or the tenant's tally; usage older than a
+// rule's window is left out.
+func (r *Reconciler) count(s *scan, u ledger.Usage, users, tenants tally) error {
+	rules, err := r.windowRules(s, u.Tenant, u.Plan, u.Endpoint)
+	if err != nil {
+		return err
+	}
+	for i := range rules {
+		rule := &rules[i]
+		n := limits.BucketOf(rule, u.At)
+		if n < oldest(rule, s.now) {
+			continue
 		}
-		if !u.At.Before(fromLo) {
-			lo += u.Tokens
+		if rule.Scope == limits.ScopeTenant {
+			tenants.add(rule, n, u.Tokens)
+		} else {
+			users.add(rule, n, u.Tokens)
 		}
 	}
-	return lo, hi
+	return nil
+}
+
+// oldest is the number of the oldest bucket rule may still hold around
+// now: one bucket before the window, against clock skew from Redis.
+func oldest(r *limits.Rule, now time.Time) int64 {
+	n := int64(1)
+	if r.Kind == limits.Rolling {
+		n = int64(max(r.Buckets, 1))
+	}
+	return limits.BucketOf(r, now) - n
+}
+
+// windowRules returns the windowed token rules of tenant on plan for
+// endpoint: the ones Windows reads.
+func (r *Reconciler) windowRules(s *scan, tenant, plan, endpoint string) ([]limits.Rule, error) {
+	k := [3]string{tenant, plan, endpoint}
+	if rules, ok := s.rules[k]; ok {
+		return rules, nil
+	}
+	all, err := subjectRules(s.policy, tenant, plan, endpoint)
+	if err != nil {
+		return nil, err
+	}
+	var rules []limits.Rule
+	for _, rule := range all {
+		if rule.Unit == limits.Tokens && limits.Windowed(&rule) {
+			rules = append(rules, rule)
+		}
+	}
+	s.rules[k] = rules
+	return rules, nil
+}
+
+// candidates returns every windowed token rule tenant's windows may hold,
+// whatever plan and endpoint its requests named: its users' limits and
+// its tenant-wide ones, each once.
+func (r *Reconciler) candidates(s *scan, tenant string) (user, ten []limits.Rule, err error) {
+	if c, ok := s.candidates[tenant]; ok {
+		return c[0], c[1], nil
+	}
+	endpoints := append([]string{""}, slices.Sorted(maps.Keys(s.policy.Endpoints))...)
+	seen := map[limitID]bool{}
+	for _, plan := range slices.Sorted(maps.Keys(s.policy.Plans)) {
+		for _, e := range endpoints {
+			rules, err := r.windowRules(s, tenant, plan, e)
+			if err != nil {
+				return nil, nil, err
+			}
+			for _, rule := range rules {
+				if seen[idOf(&rule)] {
+					continue
+				}
+				seen[idOf(&rule)] = true
+				if rule.Scope == limits.ScopeTenant {
+					ten = append(ten, rule)
+				} else {
+					user = append(user, rule)
+				}
+			}
+		}
+	}
+	s.candidates[tenant] = [2][]limits.Rule{user, ten}
+	return user, ten, nil
+}
+
+// compare reads o's windows (a subject's limits, or with o.user empty the
+// tenant-wide ones through keyUser's keys) and returns each limit whose
+// window differs from tally t outside its oldest bucket.
+func (r *Reconciler) compare(ctx context.Context, s *scan, o owner, keyUser string, t tally) ([]drift, error) {
+	user, ten, err := r.candidates(s, o.tenant)
+	if err != nil {
+		return nil, err
+	}
+	rules := user
+	if o.user == "" {
+		rules = ten
+	}
+	if len(rules) == 0 {
+		return nil, nil
+	}
+	_, ws, err := r.c.lim.Windows(ctx, o.tenant, keyUser, rules)
+	if err != nil {
+		return nil, err
+	}
+	var out []drift
+	for i := range ws {
+		want := t[idOf(ws[i].Rule)]
+		bs := ws[i].Buckets
+		if ws[i].Rule.Kind == limits.Rolling {
+			bs = bs[1:]
+		}
+		x := drift{key: driftKey{o, idOf(ws[i].Rule)}, rule: *ws[i].Rule}
+		for _, b := range bs {
+			if diff := want[b.N] - b.Used; diff != 0 {
+				x.fix = append(x.fix, fix{b.N, diff})
+				x.net += diff
+			}
+		}
+		if x.net != 0 {
+			out = append(out, x)
+		}
+	}
+	return out, nil
+}
+
+// repairStable repairs the drifts of found that the previous scan saw
+// exactly so, owner by owner, each after a quiet fresh measurement.
+func (r *Reconciler) repairStable(ctx context.Context, s *scan, found []drift, prev map[driftKey]string, d *Drift) error {
+	stable := map[owner]map[limitID]string{}
+	var order []owner
+	for i := range found {
+		x := &found[i]
+		fp := x.fingerprint()
+		if prev[x.key] != fp {
+			continue
+		}
+		if stable[x.key.owner] == nil {
+			stable[x.key.owner] = map[limitID]string{}
+			order = append(order, x.key.owner)
+		}
+		stable[x.key.owner][x.key.limitID] = fp
+	}
+	if len(order) == 0 {
+		return nil
+	}
+	unlock, ok, err := r.store.TryLock(ctx, reconcileLockID)
+	if err != nil || !ok {
+		return err // another instance is repairing: the next scan rechecks
+	}
+	defer unlock()
+	r.c.Gate.RLock() // no rebuild of Redis meanwhile
+	defer r.c.Gate.RUnlock()
+	for _, o := range order {
+		fresh, quiet, err := r.remeasure(ctx, s, o)
+		if err != nil {
+			return err
+		}
+		if !quiet {
+			d.Held += len(stable[o])
+			continue
+		}
+		for i := range fresh {
+			x := &fresh[i]
+			if fp, ok := stable[o][x.key.limitID]; !ok || fp != x.fingerprint() {
+				continue
+			}
+			if err := r.apply(ctx, o, x, d); err != nil {
+				return err
+			}
+			delete(r.seen, x.key) // a drift after the repair must be seen twice again
+		}
+	}
+	return nil
+}
+
+// remeasure measures o again from a fresh read of the ledger and Redis,
+// and says whether the consumer was quiet throughout: nothing pending
+// before, nothing delivered since.
+func (r *Reconciler) remeasure(ctx context.Context, s *scan, o owner) ([]drift, bool, error) {
+	pending, delivered, err := r.backlog.Backlog(ctx)
+	if err != nil || pending > 0 {
+		return nil, false, err
+	}
+	t, keyUser := tally{}, o.user
+	err = r.store.UsageOf(ctx, s.since, o.tenant, o.user, func(u ledger.Usage) error {
+		keyUser = u.User
+		if o.user == "" {
+			return r.count(s, u, tally{}, t)
+		}
+		return r.count(s, u, t, tally{})
+	})
+	if err != nil {
+		return nil, false, err
+	}
+	if keyUser == "" {
+		keyUser = "-" // a tenant with no usage: any name addresses its blob
+	}
+	ds, err := r.compare(ctx, s, o, keyUser, t)
+	if err != nil {
+		return nil, false, err
+	}
+	pending2, delivered2, err := r.backlog.Backlog(ctx)
+	if err != nil {
+		return nil, false, err
+	}
+	return ds, pending2 == 0 && delivered2 == delivered, nil
+}
+
+// apply charges each bucket's difference of drift x at the bucket's time.
+func (r *Reconciler) apply(ctx context.Context, o owner, x *drift, d *Drift) error {
+	user := o.user
+	if user == "" {
+		user = "-" // tenant-wide limits live in the tenant's blob
+	}
+	var raised, lowered int64
+	for _, f := range x.fix {
+		_, err := r.c.lim.Charge(ctx, limits.ChargeRequest{
+			Tenant: o.tenant, User: user, Rules: []limits.Rule{x.rule},
+			Amount: f.tokens, At: limits.BucketStart(&x.rule, f.n),
+		})
+		if err != nil {
+			return fmt.Errorf("repair %s/%s %s: %w", o.tenant, o.user, x.rule.Name, err)
+		}
+		if f.tokens > 0 {
+			raised += f.tokens
+		} else {
+			lowered -= f.tokens
+		}
+	}
+	d.Repaired++
+	d.Raised += raised
+	d.Lowered += lowered
+	r.log.Warn("repaired redis window from the ledger",
+		"tenant", o.tenant, "user", o.user, "scope", string(x.rule.Scope), "limit", x.rule.Name,
+		"endpoint", x.rule.Endpoint, "raised", raised, "lowered", lowered)
+	return nil
 }

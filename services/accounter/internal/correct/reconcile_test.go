@@ -1,37 +1,377 @@
 package correct
 
 import (
+	"context"
+	"io"
+	"log/slog"
+	"slices"
+	"strconv"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/internal/natstest"
+	"quotaflow/internal/pgdb"
+	"quotaflow/internal/pgtest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/ledger"
 )
 
-func TestExpected(t *testing.T) {
-	now := time.Date(2026, 11, 30, 12, 30, 0, 0, time.UTC)
-	us := []ledger.Usage{
-		{At: time.Date(2026, 10, 31, 23, 0, 0, 0, time.UTC), Tokens: 1}, // last month
-		{At: now.Add(-5 * time.Hour), Tokens: 10},                       // the 5h window's oldest bucket
-		{At: now.Add(-4 * time.Hour), Tokens: 100},
-		{At: now.Add(-20 * time.Minute), Tokens: 1000}, // this hour's fixed window
+// The reconciliation tests run against a private redis-server (the scan
+// walks every key, so the shared Redis would mix in other tests'
+// subjects), a Postgres database and a NATS stream of their own.
+
+const reconcilePolicy = `
+default_plan: free
+plans:
+  free:
+    quotas:
+      - {name: 5h,    kind: rolling, window: 5h, limit: 1000000}
+      - {name: day,   kind: fixed, window: 24h, limit: 1000000}
+      - {name: month, kind: calendar_month, limit: 1000000}
+tenants:
+  acme:
+    quotas: [{name: t5h, kind: rolling, window: 5h, limit: 1000000}]
+endpoints:
+  /gen:
+    user: [{name: gen1h, kind: rolling, window: 1h, unit: tokens, limit: 1000000}]
+`
+
+type world struct {
+	t     testing.TB
+	ctx   context.Context
+	pol   *limits.Policy
+	lim   *limits.Limiter
+	store *ledger.Store
+	rec   *Reconciler
+	pub   *events.Publisher
+	cons  jetstream.Consumer
+	n     int // request ids
+}
+
+func newWorld(t testing.TB, repair bool) *world {
+	t.Helper()
+	ctx := context.Background()
+	pol, err := limits.Parse([]byte(reconcilePolicy))
+	if err != nil {
+		t.Fatal(err)
 	}
-	rolling := limits.Rule{Limit: limits.Limit{Kind: limits.Rolling, Window: limits.Duration(5 * time.Hour), Buckets: 24}}
-	fixed := limits.Rule{Limit: limits.Limit{Kind: limits.Fixed, Window: limits.Duration(time.Hour)}}
-	month := limits.Rule{Limit: limits.Limit{Kind: limits.CalendarMonth}}
-	for _, tc := range []struct {
-		name   string
-		r      limits.Rule
-		lo, hi int64
-	}{
-		{"rolling: exact to one bucket", rolling, 1100, 1110},
-		{"fixed: this window", fixed, 1000, 1000},
-		{"calendar month: since the 1st", month, 1110, 1110},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			if lo, hi := expected(us, &tc.r, now); lo != tc.lo || hi != tc.hi {
-				t.Errorf("expected(%s) = %d, %d; want %d, %d", tc.r.Kind, lo, hi, tc.lo, tc.hi)
-			}
-		})
+	rdb := redistest.Start(t).Client()
+	if err := limits.WriteEpoch(ctx, rdb, "test"); err != nil {
+		t.Fatal(err)
 	}
+	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_reconcile_test"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := ledger.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	_, js := natstest.Connect(t, natstest.URL())
+	ec := natstest.Streams(t, js, "reconcile", events.Config{AckWait: 30 * time.Second, MaxDeliver: 5})
+	cons, err := events.EnsureConsumer(ctx, js, ec, "accounter")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewJSONHandler(io.Discard, nil))
+	store := ledger.New(pool)
+	lim := limits.New(rdb, limits.Options{ReservationTTL: time.Hour})
+	c := New(lim, rdb, func() *limits.Policy { return pol }, store, log)
+	return &world{
+		t: t, ctx: ctx, pol: pol, lim: lim, store: store, pub: events.NewPublisher(js, ec), cons: cons,
+		rec: NewReconciler(c, store, ConsumerBacklog{Consumer: cons}, repair, log),
+	}
+}
+
+func (w *world) rules(tenant, endpoint string) []limits.Rule {
+	r, err := w.pol.Resolve(tenant, "", endpoint)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return r.Subject
+}
+
+// reserve reserves est in Redis as admission does and returns the event;
+// with record it also reaches the ledger, as the accounter would.
+func (w *world) reserve(tenant, user, endpoint string, est int64, record bool) events.Event {
+	w.t.Helper()
+	w.n++
+	id := "r" + strconv.Itoa(w.n)
+	d, err := w.lim.Reserve(w.ctx, limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: est, Rules: w.rules(tenant, endpoint)})
+	if err != nil || !d.Allowed {
+		w.t.Fatalf("Reserve = %+v, %v", d, err)
+	}
+	ev := events.NewReserved("test", events.Reserved{RequestID: id, Tenant: tenant, User: user, Endpoint: endpoint, EstimatedTokens: est, ExpiresAt: d.Now.Add(time.Hour)}, d.Now)
+	if record {
+		w.record(ev)
+	}
+	return ev
+}
+
+// record writes a reserved event into the ledger.
+func (w *world) record(ev events.Event) {
+	w.t.Helper()
+	d := ev.Data.(events.Reserved)
+	_, err := w.store.Write(w.ctx, []ledger.Record{{
+		EventID: ev.ID, Kind: ev.Type(), Tenant: d.Tenant, User: d.User, RequestID: d.RequestID,
+		Tokens: d.EstimatedTokens, OccurredAt: ev.Time, Payload: []byte(`{}`), Endpoint: d.Endpoint,
+	}})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// settle corrects reservation ev to actual in Redis and in the ledger.
+func (w *world) settle(ev events.Event, actual int64) {
+	w.t.Helper()
+	d := ev.Data.(events.Reserved)
+	_, err := w.lim.Correct(w.ctx, limits.Settle{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID, Actual: actual, Rules: w.rules(d.Tenant, d.Endpoint)})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	w.ledgerOnly(d.Tenant, d.User, d.RequestID, d.Endpoint, ev.Time, d.EstimatedTokens, actual)
+}
+
+// ledgerOnly records a reservation settled at actual in the ledger alone:
+// tokens Redis never got.
+func (w *world) ledgerOnly(tenant, user, id, endpoint string, at time.Time, est, actual int64) {
+	w.t.Helper()
+	k := ledger.Key{Tenant: tenant, User: user, RequestID: id}
+	_, err := w.store.Write(w.ctx, []ledger.Record{
+		{EventID: "v-" + tenant + user + id, Kind: events.TypeReserved, Tenant: tenant, User: user, RequestID: id, Tokens: est, OccurredAt: at, Payload: []byte(`{}`), Endpoint: endpoint},
+		{EventID: "a-" + tenant + user + id, Kind: events.TypeActual, Tenant: tenant, User: user, RequestID: id, Tokens: actual, OccurredAt: at, Payload: []byte(`{}`), Endpoint: endpoint},
+	})
+	if err == nil {
+		err = w.store.MarkSettled(w.ctx, []ledger.Mark{{Key: k, Status: ledger.StatusSettled}})
+	}
+	if err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// charge adds amount to the limits named names of (tenant, user) now, behind
+// the ledger's back.
+func (w *world) charge(tenant, user string, amount int64, names ...string) {
+	w.t.Helper()
+	var rules []limits.Rule
+	for _, r := range w.rules(tenant, "/gen") {
+		if slices.Contains(names, r.Name) {
+			rules = append(rules, r)
+		}
+	}
+	if _, err := w.lim.Charge(w.ctx, limits.ChargeRequest{Tenant: tenant, User: user, Rules: rules, Amount: amount}); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// used returns what each limit of (tenant, user) on /gen holds, by name.
+func (w *world) used(tenant, user string) map[string]int64 {
+	w.t.Helper()
+	rules := w.rules(tenant, "/gen")
+	d, err := w.lim.Peek(w.ctx, limits.Request{Tenant: tenant, User: user, Rules: rules})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	out := map[string]int64{}
+	for i, st := range d.States {
+		out[rules[i].Name] = st.Used
+	}
+	return out
+}
+
+func (w *world) reconcile(want Drift) {
+	w.t.Helper()
+	got, err := w.rec.Reconcile(w.ctx)
+	if err != nil {
+		w.t.Fatalf("Reconcile = %v", err)
+	}
+	if got != want {
+		w.t.Fatalf("Reconcile = %+v, want %+v", got, want)
+	}
+}
+
+func wantUsed(t *testing.T, what string, got, want map[string]int64) {
+	t.Helper()
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s: %s used = %d, want %d (all: %v)", what, k, got[k], v, got)
+		}
+	}
+}
+
+// TestRepairLowersRedisToTheLedger: tokens charged behind the ledger's back
+// (a user's limits, a tenant-wide limit, a subject the ledger never saw)
+// are taken back on the second scan that sees them, once.
+func TestRepairLowersRedisToTheLedger(t *testing.T) {
+	w := newWorld(t, true)
+	for _, u := range []string{"a", "b"} {
+		w.settle(w.reserve("acme", u, "/gen", 100, true), 70)
+		w.settle(w.reserve("acme", u, "", 50, true), 50)
+	}
+	ledgerA := map[string]int64{"t5h": 240, "5h": 120, "day": 120, "month": 120, "gen1h": 70}
+	w.reconcile(Drift{Subjects: 2})
+	wantUsed(t, "before", w.used("acme", "a"), ledgerA)
+
+	w.charge("acme", "a", 500, "5h", "day", "month", "gen1h")
+	w.charge("acme", "b", 30, "t5h")
+	w.charge("other", "x", 9, "5h")
+	// Seen once: measured, left alone. Drifted: a, acme, other/x.
+	w.reconcile(Drift{Subjects: 3, Drifted: 3, Tokens: 4*500 + 30 + 9})
+	wantUsed(t, "after one scan", w.used("acme", "a"), map[string]int64{"t5h": 270, "5h": 620, "gen1h": 570})
+	// Seen twice, unchanged, nothing in flight: repaired.
+	w.reconcile(Drift{Subjects: 3, Drifted: 3, Tokens: 4*500 + 30 + 9, Repaired: 6, Lowered: 4*500 + 30 + 9})
+	wantUsed(t, "after the repair", w.used("acme", "a"), ledgerA)
+	wantUsed(t, "after the repair", w.used("acme", "b"), map[string]int64{"t5h": 240, "5h": 120})
+	wantUsed(t, "after the repair", w.used("other", "x"), map[string]int64{"5h": 0})
+	// other/x's window is empty now (its blob stays till the window ends);
+	// nothing drifts any more.
+	w.reconcile(Drift{Subjects: 3})
+}
+
+// TestRepairRaisesRedisToTheLedger: usage the ledger holds and Redis lost
+// comes back, in the bucket of its time.
+func TestRepairRaisesRedisToTheLedger(t *testing.T) {
+	w := newWorld(t, true)
+	w.settle(w.reserve("t", "u", "/gen", 100, true), 100)
+	// 40 minutes ago, or since midnight UTC when that is nearer, so that
+	// the day and the month count it too.
+	now := time.Now().UTC()
+	at := now.Add(-40 * time.Minute).Truncate(time.Second)
+	if midnight := now.Truncate(24 * time.Hour); at.Before(midnight) {
+		at = midnight
+	}
+	w.ledgerOnly("t", "u", "lost", "/gen", at, 300, 250)
+	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 250 * 4})
+	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 250 * 4, Repaired: 4, Raised: 250 * 4})
+
+	rules := w.rules("t", "/gen")
+	_, ws, err := w.lim.Windows(w.ctx, "t", "u", rules)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, win := range ws {
+		if win.Used() != 350 {
+			t.Errorf("%s used = %d, want 350", win.Rule.Name, win.Used())
+		}
+		n := limits.BucketOf(win.Rule, at)
+		k := slices.IndexFunc(win.Buckets, func(b limits.Bucket) bool { return b.N == n })
+		if k < 0 || win.Buckets[k].Used < 250 {
+			t.Errorf("%s: the bucket of the lost usage holds too little: %+v", win.Rule.Name, win.Buckets)
+		}
+	}
+	w.reconcile(Drift{Subjects: 1})
+}
+
+// TestOpenReservationIsNotTakenBack: an open reservation counts its
+// estimate in Redis and in the ledger alike.
+func TestOpenReservationIsNotTakenBack(t *testing.T) {
+	w := newWorld(t, true)
+	w.reserve("acme", "u", "/gen", 400, true) // no actual yet
+	w.settle(w.reserve("acme", "u", "", 100, true), 60)
+	want := map[string]int64{"t5h": 460, "5h": 460, "day": 460, "month": 460, "gen1h": 400}
+	for range 3 {
+		w.reconcile(Drift{Subjects: 1})
+	}
+	wantUsed(t, "after three scans", w.used("acme", "u"), want)
+}
+
+// TestNoRepairWhileEventsAreInFlight: a reservation whose event is still in
+// the stream looks like drift and is never taken back, and while anything
+// is pending nothing else is repaired either; once the event reaches the
+// ledger the reservation agrees and the stable drift is repaired.
+func TestNoRepairWhileEventsAreInFlight(t *testing.T) {
+	w := newWorld(t, true)
+	ev := w.reserve("t", "p", "/chat", 200, false) // an endpoint without limits of its own
+	if err := w.pub.Publish(w.ctx, ev); err != nil {
+		t.Fatal(err)
+	}
+	w.charge("t", "x", 10, "5h")
+	w.reconcile(Drift{Subjects: 2, Drifted: 2, Tokens: 3*200 + 10})
+	for range 2 { // seen alike, held: 3 limits of p, 1 of x
+		w.reconcile(Drift{Subjects: 2, Drifted: 2, Tokens: 3*200 + 10, Held: 4})
+	}
+	wantUsed(t, "in flight", w.used("t", "p"), map[string]int64{"5h": 200, "day": 200, "month": 200})
+	wantUsed(t, "in flight", w.used("t", "x"), map[string]int64{"5h": 10})
+
+	// The accounter consumes it: the ledger, then the ack.
+	batch, err := w.cons.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for m := range batch.Messages() {
+		w.record(ev)
+		if err := m.DoubleAck(w.ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w.reconcile(Drift{Subjects: 2, Drifted: 1, Tokens: 10, Repaired: 1, Lowered: 10})
+	wantUsed(t, "consumed", w.used("t", "p"), map[string]int64{"5h": 200, "day": 200, "month": 200})
+	wantUsed(t, "consumed", w.used("t", "x"), map[string]int64{"5h": 0})
+}
+
+// TestDriftSeenOnceIsNotRepaired: a drift must be seen unchanged, bucket
+// for bucket, by two consecutive scans.
+func TestDriftSeenOnceIsNotRepaired(t *testing.T) {
+	w := newWorld(t, true)
+	w.settle(w.reserve("t", "u", "", 100, true), 100)
+	w.charge("t", "u", 100, "5h")
+	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 100})
+	w.charge("t", "u", 50, "5h") // still moving
+	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 150})
+	wantUsed(t, "moving", w.used("t", "u"), map[string]int64{"5h": 250})
+	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 150, Repaired: 1, Lowered: 150})
+	wantUsed(t, "repaired", w.used("t", "u"), map[string]int64{"5h": 100})
+}
+
+// TestRepairOff only measures.
+func TestRepairOff(t *testing.T) {
+	w := newWorld(t, false)
+	w.charge("t", "u", 100, "5h")
+	for range 3 {
+		w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 100})
+	}
+	wantUsed(t, "measured only", w.used("t", "u"), map[string]int64{"5h": 100})
+}
+
+// lockHook runs before() just before each TryLock.
+type lockHook struct {
+	ReconcileLedger
+	before func()
+}
+
+func (h lockHook) TryLock(ctx context.Context, id int64) (func(), bool, error) {
+	h.before()
+	return h.ReconcileLedger.TryLock(ctx, id)
+}
+
+// TestTwoInstancesRepairOnce: two instances sharing Redis and the ledger
+// both see the drift twice; one repairs it just before the other takes the
+// lock, and the other's fresh measurement finds nothing left to repair.
+func TestTwoInstancesRepairOnce(t *testing.T) {
+	w := newWorld(t, true)
+	w.settle(w.reserve("t", "u", "", 100, true), 100)
+	w.charge("t", "u", 40, "5h")
+	seen := Drift{Subjects: 1, Drifted: 1, Tokens: 40}
+	var first Drift
+	hook := lockHook{ReconcileLedger: w.store, before: func() {
+		var err error
+		if first, err = w.rec.Reconcile(w.ctx); err != nil {
+			t.Error(err)
+		}
+	}}
+	other := NewReconciler(w.rec.c, hook, ConsumerBacklog{Consumer: w.cons}, true, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+	w.reconcile(seen)
+	for i, want := range []Drift{seen, seen} { // the second scan finds it stable
+		if d, err := other.Reconcile(w.ctx); err != nil || d != want {
+			t.Fatalf("other Reconcile #%d = %+v, %v; want %+v", i+1, d, err, want)
+		}
+	}
+	if want := (Drift{Subjects: 1, Drifted: 1, Tokens: 40, Repaired: 1, Lowered: 40}); first != want {
+		t.Errorf("first instance's Reconcile = %+v, want %+v", first, want)
+	}
+	wantUsed(t, "repaired once", w.used("t", "u"), map[string]int64{"5h": 100})
 }

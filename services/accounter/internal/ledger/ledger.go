@@ -332,13 +332,14 @@ type Usage struct {
 	Tokens         int64
 }
 
-// selectUsage sums, per subject, plan, endpoint and second, what Redis
+// usageQuery sums, per subject, plan, endpoint and second, what Redis
 // holds for each reservation since $1 given its status: the actual once
 // settled, nothing once released, the estimate while open (the pending
 // actual will correct it) or once expired at the estimate; nothing before
 // it is settled for a reservation decided without Redis (local), whose
-// actual is charged in full.
-const selectUsage = `
+// actual is charged in full. where narrows the reservations.
+func usageQuery(where string) string {
+	return `
 SELECT tenant, user_id, plan, endpoint, date_trunc('second', at) AS sec, sum(tokens)::bigint
 FROM (
     SELECT tenant, user_id, plan, endpoint, coalesce(reserved_at, actual_at, released_at) AS at,
@@ -348,16 +349,33 @@ FROM (
             ELSE coalesce(estimated_tokens, 0)
         END AS tokens
     FROM reservations
-    WHERE coalesce(reserved_at, actual_at, released_at) >= $1
+    WHERE coalesce(reserved_at, actual_at, released_at) >= $1` + where + `
 ) u
 GROUP BY tenant, user_id, plan, endpoint, sec
 HAVING sum(tokens) <> 0
 ORDER BY tenant, user_id, sec`
+}
+
+var (
+	selectUsage = usageQuery("")
+	// selectUsageOf reads one tenant ($2), or one of its users ($3).
+	selectUsageOf = usageQuery(" AND tenant = $2 AND ($3 = '' OR user_id = $3)")
+)
 
 // UsageSince calls f for the usage of every subject since since, ordered
 // by subject then time. It reads one consistent snapshot.
 func (s *Store) UsageSince(ctx context.Context, since time.Time, f func(Usage) error) error {
-	rows, err := s.pool.Query(ctx, selectUsage, since)
+	return s.usage(ctx, f, selectUsage, since)
+}
+
+// UsageOf calls f for the usage since since of one subject of tenant, or
+// of all its users when user is empty, ordered by user then time.
+func (s *Store) UsageOf(ctx context.Context, since time.Time, tenant, user string, f func(Usage) error) error {
+	return s.usage(ctx, f, selectUsageOf, since, tenant, user)
+}
+
+func (s *Store) usage(ctx context.Context, f func(Usage) error, query string, args ...any) error {
+	rows, err := s.pool.Query(ctx, query, args...)
 	if err != nil {
 		return fmt.Errorf("select usage: %w", err)
 	}

@@ -120,3 +120,35 @@ func TestExpire(t *testing.T) {
 		t.Errorf("ExpireAtEstimate again = %d, want 0", n)
 	}
 }
+
+// TestUsageOf reads one subject, or every user of one tenant, and nothing
+// of other tenants.
+func TestUsageOf(t *testing.T) {
+	s := New(testPool(t))
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	var recs []Record
+	for i, sub := range [][2]string{{"t", "a"}, {"t", "b"}, {"t2", "a"}} {
+		recs = append(recs, Record{EventID: "v" + sub[0] + sub[1], Kind: kindReserved, Tenant: sub[0], User: sub[1],
+			RequestID: "r", Tokens: int64(10 * (i + 1)), OccurredAt: at, Payload: []byte(`{}`)})
+	}
+	if _, err := s.Write(ctx, recs); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		tenant, user string
+		want         int64
+	}{{"t", "a", 10}, {"t", "b", 20}, {"t", "", 30}, {"t2", "", 30}, {"t3", "", 0}} {
+		var got int64
+		err := s.UsageOf(ctx, at.Add(-time.Hour), tc.tenant, tc.user, func(u Usage) error {
+			if u.Tenant != tc.tenant || (tc.user != "" && u.User != tc.user) {
+				t.Errorf("UsageOf(%s, %s) read %s/%s", tc.tenant, tc.user, u.Tenant, u.User)
+			}
+			got += u.Tokens
+			return nil
+		})
+		if err != nil || got != tc.want {
+			t.Errorf("UsageOf(%s, %q) = %d tokens, %v; want %d", tc.tenant, tc.user, got, err, tc.want)
+		}
+	}
+}

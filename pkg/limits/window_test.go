@@ -1,0 +1,120 @@
+package limits
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"quotaflow/internal/redistest"
+)
+
+// TestWindows: what Windows decodes from the blobs agrees with what the
+// scripts report (Peek) and puts each charge in the bucket of its time.
+func TestWindows(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	tenant := newTenant(t)
+	rules := []Rule{
+		rule(ScopeTenant, Limit{Name: "t1m", Kind: Rolling, Limit: 1e6, Window: Duration(time.Minute), Buckets: 6}),
+		rule(ScopeUser, Limit{Name: "1m", Kind: Rolling, Limit: 1e6, Window: Duration(time.Minute), Buckets: 6}),
+		rule(ScopeUser, Limit{Name: "1h", Kind: Fixed, Limit: 1e6, Window: Duration(time.Hour)}),
+		rule(ScopeUser, Limit{Name: "month", Kind: CalendarMonth, Limit: 1e6}),
+	}
+	l := at(c, 0)
+	d := reserve(t, l, tenant, "u:{x}%", "r1", 100, rules)
+	now := d.Now
+	// Charges 25 s and 50 s back: the rolling windows hold them in older
+	// buckets; the fixed and calendar windows only if still current.
+	for _, back := range []time.Duration{25 * time.Second, 50 * time.Second} {
+		if _, err := l.Charge(ctx, ChargeRequest{Tenant: tenant, User: "u:{x}%", Rules: rules, Amount: 7, At: now.Add(-back)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, ws, err := l.Windows(ctx, tenant, "u:{x}%", rules)
+	if err != nil {
+		t.Fatalf("Windows = %v", err)
+	}
+	p := peek(t, l, tenant, "u:{x}%", rules)
+	for i, w := range ws {
+		if w.Used() != p.States[i].Used {
+			t.Errorf("%s: Windows used %d, Peek %d", rules[i].Name, w.Used(), p.States[i].Used)
+		}
+		if w.Rule != &rules[i] {
+			t.Errorf("%s: Rule points elsewhere", rules[i].Name)
+		}
+	}
+	for _, i := range []int{0, 1} {
+		w := ws[i]
+		if len(w.Buckets) != 6 || w.Buckets[5].N != BucketOf(&rules[i], got) {
+			t.Fatalf("%s: buckets %+v, want 6 ending at the current one", rules[i].Name, w.Buckets)
+		}
+		for _, at := range []time.Time{now, now.Add(-25 * time.Second), now.Add(-50 * time.Second)} {
+			n := BucketOf(&rules[i], at)
+			k := slices.IndexFunc(w.Buckets, func(b Bucket) bool { return b.N == n })
+			if k < 0 || w.Buckets[k].Used == 0 {
+				t.Errorf("%s: bucket %d of %v empty or missing in %+v", rules[i].Name, n, at, w.Buckets)
+			}
+			if s := BucketStart(&rules[i], n); BucketOf(&rules[i], s) != n || at.Sub(s) >= 10*time.Second || at.Before(s) {
+				t.Errorf("BucketStart(%d) = %v, not the start of the bucket of %v", n, s, at)
+			}
+		}
+	}
+	if ws[1].Used() != 114 {
+		t.Errorf("1m used = %d, want 114", ws[1].Used())
+	}
+
+	// Two minutes later the rolling windows are empty.
+	_, ws, err = at(c, 2*time.Minute).Windows(ctx, tenant, "u:{x}%", rules)
+	if err != nil || ws[0].Used() != 0 || ws[1].Used() != 0 {
+		t.Errorf("Windows 2 min later = %+v, %v; want empty rolling windows", ws, err)
+	}
+	if _, _, err := l.Windows(ctx, tenant, "u", []Rule{rule(ScopeUser, Limit{Name: "b", Kind: Balance})}); err == nil {
+		t.Error("Windows of a balance = nil error, want ErrInvalid")
+	}
+}
+
+func TestBucketStartOfMonths(t *testing.T) {
+	r := rule(ScopeUser, Limit{Name: "m", Kind: CalendarMonth, Limit: 1})
+	for _, at := range []time.Time{
+		time.Date(2026, 12, 31, 23, 59, 59, 0, time.UTC),
+		time.Date(2027, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC),
+	} {
+		want := time.Date(at.Year(), at.Month(), 1, 0, 0, 0, 0, time.UTC)
+		if got := BucketStart(&r, BucketOf(&r, at)); !got.Equal(want) {
+			t.Errorf("BucketStart(BucketOf(%v)) = %v, want %v", at, got, want)
+		}
+	}
+}
+
+// TestScanSubjects finds every subject and tenant blob, whatever characters
+// the names hold, and nothing of other tenants' keys or shared scopes.
+func TestScanSubjects(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	tenant := newTenant(t) + "%{t}:"
+	l := at(c, 0)
+	rules := []Rule{
+		rule(ScopeTenant, Limit{Name: "t", Kind: Fixed, Limit: 1e6, Window: Duration(time.Hour)}),
+		rule(ScopeUser, Limit{Name: "u", Kind: Fixed, Limit: 1e6, Window: Duration(time.Hour)}),
+	}
+	for _, u := range []string{"a", "%25", "b:{c}"} {
+		reserve(t, l, tenant, u, "r", 1, rules)
+	}
+	if _, err := l.ReserveShared(ctx, ScopeGlobal, tenant, 1, rules[:1]); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	if err := ScanSubjects(ctx, c, func(ten, user string) {
+		if ten == tenant {
+			got = append(got, user)
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(got)
+	if want := []string{"", "%25", "a", "b:{c}"}; !slices.Equal(got, want) {
+		t.Errorf("ScanSubjects found users %q, want %q", got, want)
+	}
+}
