@@ -38,8 +38,12 @@
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
+local Z6 = '\0\0\0\0\0\0' -- one empty rolling bucket
 local NEVER = 140737488355327 -- 2^47-1: a record that never expires
 local ROLLING, FIXED, CALENDAR, BUCKET, LOG, BALANCE, CONC = 1, 2, 3, 4, 5, 6, 7
+-- Every month has at least 28 days: a time less than DAYS28 before the end
+-- of a month lies in that month, and month() need not run.
+local DAYS28 = 28 * 86400000
 local K = 16 -- slots of S per limit
 -- S holds every limit's spec and state: limit j at S[(j-1)*K + 1 ...]:
 --   +1 kind, +2 flags, +3 limit, +4 a, +5 b, +6 id, +7 blob (table),
@@ -142,9 +146,8 @@ local function load(specs, j, sub, ten, now, zkey)
     local h, tl, t
     if raw then h, tl, t = sunpack('<i6i6i6', raw, at) end
     if not raw or cb - h >= b then
-      local full = {}
-      for i = 1, b do full[i] = 0 end
-      S[o + 8], S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = false, cb, cb, cb, 0, false, full
+      -- a fresh window: every bucket is zero, and none is built until stored
+      S[o + 8], S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = false, cb, cb, cb, 0, 0, false
       return
     end
     local full = false
@@ -166,19 +169,17 @@ local function load(specs, j, sub, ten, now, zkey)
     end
     S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = cb, h, tl, t, false, full
   elseif kind == FIXED or kind == CALENDAR then
-    local w, wend
+    local w, wend, rw, rc
+    if raw then rw, rc = sunpack('<i6i6', raw, at) end
     if kind == FIXED then
       w = floor(now / a)
       wend = (w + 1) * a
+    elseif raw and now >= bl[-id] - DAYS28 then
+      w, wend = rw, bl[-id] -- the record's month, which ends at its expiry
     else
       w, wend = month(now)
     end
-    local c = 0
-    if raw then
-      local rw, rc = sunpack('<i6i6', raw, at)
-      if rw == w then c = rc end
-    end
-    S[o + 10], S[o + 11], S[o + 12] = w, c, wend
+    S[o + 10], S[o + 11], S[o + 12] = w, rw == w and rc or 0, wend
   elseif kind == BUCKET then
     local x, y
     if raw then x, y = sunpack('<dd', raw, at) end
@@ -210,9 +211,14 @@ end
 local function expand(o)
   local full = S[o + 15]
   if full then return full end
-  local b = S[o + 5]
-  full = { sunpack('<' .. srep('i6', b), S[o + 7].raw, S[o + 8] + 18) }
-  full[b + 1] = nil
+  local b, at = S[o + 5], S[o + 8]
+  if at then
+    full = { sunpack('<' .. srep('i6', b), S[o + 7].raw, at + 18) }
+    full[b + 1] = nil
+  else
+    full = {}
+    for i = 1, b do full[i] = 0 end
+  end
   if S[o + 14] then full[S[o + 10] % b + 1] = S[o + 14] end
   S[o + 15] = full
   return full
@@ -315,7 +321,13 @@ local function add(j, delta, ts, now, member)
     end
   elseif kind == FIXED or kind == CALENDAR then
     local w
-    if kind == FIXED then w = floor(ts / a) else w = month(ts) end
+    if kind == FIXED then
+      w = floor(ts / a)
+    elseif ts < S[o + 12] and ts >= S[o + 12] - DAYS28 then
+      w = S[o + 10]
+    else
+      w = month(ts)
+    end
     if w == S[o + 10] then S[o + 11] = max(0, S[o + 11] + delta) end
   elseif kind == BUCKET then
     if a > 0 then
@@ -348,13 +360,16 @@ local function store(j, now)
     local h = S[o + 11]
     e = (h + b) * a
     rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, h, S[o + 12], S[o + 13])
-    local full = S[o + 15]
+    local full, at, i = S[o + 15], S[o + 8], S[o + 10] % b
     if full then
       rec = rec .. spack('<' .. srep('i6', b), unpack(full))
+    elseif not at then
+      rec = rec .. srep(Z6, i) .. spack('<i6', S[o + 14]) .. srep(Z6, b - i - 1)
+    elseif not S[o + 14] then -- a correction outside the window: no bucket changed
+      rec = rec .. bl.raw:sub(at + 18, at + 17 + 6 * b)
     else
-      local raw, at = bl.raw, S[o + 8] + 18
-      local off = at + 6 * (S[o + 10] % b)
-      rec = rec .. raw:sub(at, off - 1) .. spack('<i6', S[o + 14]) .. raw:sub(off + 6, at + 6 * b - 1)
+      local raw, off = bl.raw, at + 18 + 6 * i
+      rec = rec .. raw:sub(at + 18, off - 1) .. spack('<i6', S[o + 14]) .. raw:sub(off + 6, at + 17 + 6 * b)
     end
   elseif kind == FIXED or kind == CALENDAR then
     e = S[o + 12]
