@@ -50,9 +50,11 @@ local K = 16 -- slots of S per limit
 --   +8 payload position in the blob's raw string (false: none), +9 dirty,
 --   +10.. state: rolling b, h, tl, t, cur, full; fixed/calendar w, c, wend;
 --   bucket x, y; log entries, first; balance cr, sp; concurrency n, key,
---   member, delta
--- A constructor of 96 slots sizes S once: growing it costs a rehash per doubling.
-local S = { false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false }
+--   member, delta; +16 would deny (1: a shadow limit that does not fit)
+-- A constructor of 96 slots sizes S once (growing it costs a rehash per
+-- doubling); of nils, which the compiler loads in one VM operation, where
+-- each false costs one (callgrind: 7.6k instructions against 10.8k).
+local S = { nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
 
 -- now_ms reads Redis time in ms plus offset.
 local function now_ms(offset)
@@ -131,8 +133,8 @@ local function load(specs, j, sub, ten, now, zkey)
   local o = (j - 1) * K
   local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, (j - 1) * 32 + 1)
   local bl = fl >= 4 and ten or sub
-  S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9] =
-    kind, fl, lim, a, b, id, bl, false
+  S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9], S[o + 16] =
+    kind, fl, lim, a, b, id, bl, false, 0
   if kind == CONC then
     redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
     S[o + 10], S[o + 11], S[o + 12] = redis.call('ZCARD', zkey), zkey, false
@@ -451,12 +453,17 @@ local function commit(meta, n, sub, ten, now)
   end
 end
 
--- snapshot appends limit, used, reset ms and a flag of every limit to out.
-local function snapshot(out, n, now, flags)
+-- snapshot returns the head values h1..h7 (a reply's first values; fewer
+-- when the last are nil) followed by limit, used, reset ms and the
+-- would-deny flag of every limit. The reply table is presized for 5 limits
+-- by a constructor of nils, as S is: growing it cost a rehash per doubling.
+local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7)
+  local out = { h1, h2, h3, h4, h5, h6, h7, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil,
+    nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
   local i = #out
   for j = 1, n do
     local l, u, r = report(j, now)
-    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, flags and flags[j] or 0
+    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, S[(j - 1) * K + 16]
     i = i + 4
   end
   return out
