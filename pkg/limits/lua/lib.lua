@@ -4,8 +4,10 @@
 --
 -- Redis runs scripts on one core, so their CPU per call caps the system.
 -- Measured with callgrind on Redis 7.0 (instructions, repeatable on a noisy
--- machine): a redis.call costs ~10k, each script argument ~1k, a new table
--- ~1.3k, a closure ~1.4k, a call into C ~0.4k, a VM operation ~50. Hence:
+-- machine; bench/results.md): a redis.call costs ~10k, each script argument
+-- ~1k, a VM operation ~70-100, a Lua function call ~330, a closure ~460, an
+-- empty table ~650 (a presized one ~75 more per slot), a call into C from
+-- ~300 (math.floor) to ~2.7k (struct.pack of six fields). Hence:
 -- all limits of one scope live in ONE string (a blob: one MGET slot, one
 -- SET); all limit specs arrive packed in ONE argument; state lives in one
 -- flat table; the hot path touches only the bytes it changes.
