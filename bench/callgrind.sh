@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Counts the instructions redis-server spends per 5-limit reserve and per
-# INCR by running it under callgrind (valgrind): figures that repeat on a
-# noisy machine, unlike timings. Usage: bench/callgrind.sh
+# Counts the instructions redis-server spends per 5-limit reserve (steady:
+# subjects whose blobs exist; first touch: a new subject each) and per INCR
+# by running it under callgrind (valgrind): figures that repeat within a few
+# percent on a noisy machine, unlike timings. Usage: bench/callgrind.sh
+# (QF_CALLGRIND_USERS=n spreads the steady reserves over n subjects).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }
@@ -11,6 +13,6 @@ valgrind --tool=callgrind --callgrind-out-file="$dir/out.%p" \
   redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >"$dir/valgrind.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT
-for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
+for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
 QF_CALLGRIND_ADDR=127.0.0.1:$port QF_CALLGRIND_DIR=$dir \
   go test -count=1 -run TestCallgrindInstructions -v ./pkg/limits/ | grep -E 'callgrind|FAIL|ok|_test.go'

@@ -49,9 +49,13 @@ func commandUsec(b *testing.B, c *redis.Client, cmd string) (usec, calls float64
 	return usec, calls
 }
 
-// BenchmarkReserve reserves for 100k distinct users over 5 limits, on a
-// private Redis so INFO commandstats holds only this benchmark's calls, and
-// beside it the plain baseline of one INCR per operation.
+// BenchmarkReserve reserves over 5 limits on a private Redis, so INFO
+// commandstats holds only this benchmark's calls, and beside it the plain
+// baseline of one INCR per operation. Three user mixes: 100k distinct users
+// (at -benchtime 20000x the first repetition meets only new subjects, the
+// next ones the same 20000 again), every reserve a new subject (first
+// touch: new keys, every window built), and 1000 users whose blobs exist
+// (steady: active users).
 func BenchmarkReserve(b *testing.B) {
 	srv := redistest.Start(b)
 	c := srv.Client()
@@ -64,27 +68,44 @@ func BenchmarkReserve(b *testing.B) {
 	for i := range ids {
 		ids[i] = "user-" + strconv.Itoa(i)
 	}
-
-	b.Run("limits=5", func(b *testing.B) {
-		hook := &redistest.RoundTrips{}
-		c.AddHook(hook)
-		l := New(c, Options{})
-		rules := benchRules()
-		c.ConfigResetStat(ctx)
-		sent := hook.Count()
-		b.ReportAllocs()
-		i := 0
-		for b.Loop() {
-			i++
-			d, err := l.Reserve(ctx, Request{Tenant: "acme", User: ids[i%users], RequestID: "r" + strconv.Itoa(i), Cost: 100, Rules: rules})
-			if err != nil || !d.Allowed {
-				b.Fatalf("Reserve = %+v, %v", d, err)
-			}
+	rules := benchRules()
+	l := New(c, Options{})
+	hook := &redistest.RoundTrips{}
+	c.AddHook(hook)
+	reserve := func(b *testing.B, user string, id string) {
+		d, err := l.Reserve(ctx, Request{Tenant: "acme", User: user, RequestID: id, Cost: 100, Rules: rules})
+		if err != nil || !d.Allowed {
+			b.Fatalf("Reserve = %+v, %v", d, err)
 		}
-		usec, calls := commandUsec(b, c, "evalsha")
-		b.ReportMetric(usec/calls, "redis-us/op")
-		b.ReportMetric(float64(hook.Count()-sent-1)/float64(b.N), "roundtrips/op") // -1: the INFO
+	}
+	run := func(name string, user func(i int) string) {
+		b.Run(name, func(b *testing.B) {
+			c.ConfigResetStat(ctx)
+			sent := hook.Count()
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				i++
+				reserve(b, user(i), name+"-"+strconv.Itoa(i))
+			}
+			usec, calls := commandUsec(b, c, "evalsha")
+			b.ReportMetric(usec/calls, "redis-us/op")
+			b.ReportMetric(float64(hook.Count()-sent-1)/float64(b.N), "roundtrips/op") // -1: the INFO
+		})
+	}
+
+	run("limits=5", func(i int) string { return ids[i%users] })
+	runs := 0 // -count repeats a sub-benchmark: each repetition needs subjects of its own
+	run("limits=5,subjects=new", func(i int) string {
+		if i == 1 {
+			runs++
+		}
+		return "new-" + strconv.Itoa(runs) + "-" + strconv.Itoa(i)
 	})
+	for i := range 1000 { // the steady mix's blobs exist before it starts
+		reserve(b, "steady-"+strconv.Itoa(i), "warm-"+strconv.Itoa(i))
+	}
+	run("limits=5,subjects=1000", func(i int) string { return "steady-" + strconv.Itoa(i%1000) })
 
 	b.Run("baseline=incr", func(b *testing.B) {
 		c.ConfigResetStat(ctx)

@@ -14,8 +14,11 @@ import (
 
 // TestCallgrindInstructions counts the instructions redis-server spends per
 // 5-limit reserve and per INCR, with the server running under callgrind:
-// repeatable figures on a noisy machine. bench/callgrind.sh starts the
-// server and runs this test; without QF_CALLGRIND_ADDR it is skipped.
+// repeatable figures on a noisy machine. Two reserve figures: steady (the
+// subjects' blobs exist, as for active users) and first touch (every reserve
+// meets a new subject, as most of admission's load test does).
+// bench/callgrind.sh starts the server and runs this test; without
+// QF_CALLGRIND_ADDR it is skipped.
 func TestCallgrindInstructions(t *testing.T) {
 	addr, dir := os.Getenv("QF_CALLGRIND_ADDR"), os.Getenv("QF_CALLGRIND_DIR")
 	if addr == "" || dir == "" {
@@ -28,22 +31,24 @@ func TestCallgrindInstructions(t *testing.T) {
 	rules := benchRules()
 	users, calls := 50, 2000
 	if n, err := strconv.Atoi(os.Getenv("QF_CALLGRIND_USERS")); err == nil && n > 0 {
-		users = n // QF_CALLGRIND_USERS=1000000: every reserve meets a new subject
+		users = n
 	}
 	run := strconv.FormatInt(int64(os.Getpid()), 36)
-	reserve := func(i int) {
-		if _, err := l.Reserve(ctx, Request{Tenant: "acme", User: "u" + strconv.Itoa(i%users),
+	reserve := func(user string, i int) {
+		if _, err := l.Reserve(ctx, Request{Tenant: "acme", User: user,
 			RequestID: run + "-" + strconv.Itoa(i), Cost: 1, Rules: rules}); err != nil {
 			t.Fatal(err)
 		}
 	}
+	steady := func(i int) { reserve("u"+strconv.Itoa(i%users), i) }
+	first := func(i int) { reserve("new-"+run+"-"+strconv.Itoa(i), -i-1) }
 	incr := func(i int) {
 		if err := c.Incr(ctx, "incr-"+strconv.Itoa(i%users)).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}
-	for i := range min(users, 100) * 2 { // load the script, create the first subjects' blobs
-		reserve(-i - 1)
+	for i := range min(users, 100) * 2 { // load the script, create the steady subjects' blobs
+		steady(-i - 1)
 		incr(i)
 	}
 	measure := func(op func(int)) float64 {
@@ -53,8 +58,9 @@ func TestCallgrindInstructions(t *testing.T) {
 		}
 		return float64(dump(t, dir)) / float64(calls)
 	}
-	r, b := measure(reserve), measure(incr)
-	t.Logf("callgrind: %d users: reserve over 5 limits %.0f instructions/call, INCR %.0f, ratio %.1f", users, r, b, r/b)
+	r, f, b := measure(steady), measure(first), measure(incr)
+	t.Logf("callgrind: reserve over 5 limits, %d users: %.0f instructions/call; first touch (a new subject each): %.0f; INCR %.0f; ratios %.1f and %.1f",
+		users, r, f, b, r/b, f/b)
 }
 
 func control(t *testing.T, arg string) {

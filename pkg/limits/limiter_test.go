@@ -733,3 +733,100 @@ func TestClusterReservesAreExact(t *testing.T) {
 		t.Fatalf("tenants landed on %d shards, want them spread", shardsWithKeys.Load())
 	}
 }
+
+func TestCorrectionPastTheWindowKeepsItsCurrentBucket(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{
+		rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 1000, Window: Duration(10 * time.Second), Buckets: 10}),
+		rule(ScopeUser, Limit{Name: "1m", Kind: Rolling, Limit: 1000, Window: Duration(time.Minute), Buckets: 6}),
+	}
+	ctx := context.Background()
+	reserve(t, at(c, 0), tenant, "u", "r1", 100, rules)
+	// 20 s later r2 lands in the 10 s window's current bucket; r1's
+	// correction belongs to a bucket that window has dropped, so only the
+	// minute window moves, and r2's bucket stays as it was.
+	later := at(c, 20*time.Second)
+	reserve(t, later, tenant, "u", "r2", 7, rules)
+	s, err := later.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 150, Rules: rules})
+	if err != nil || s.Status != Settled {
+		t.Fatalf("Correct = %+v, %v", s, err)
+	}
+	if s.States[0].Used != 7 || s.States[1].Used != 157 {
+		t.Fatalf("used after correction = %d, %d; want 7, 157", s.States[0].Used, s.States[1].Used)
+	}
+	d := reserve(t, later, tenant, "u", "r3", 1, rules)
+	wantUsed(t, d, 0, 8)
+	wantUsed(t, d, 1, 158)
+}
+
+// A calendar month's record is trusted for its month without recomputing
+// the date when the time is within 28 days of the month's end; these
+// reserves move back and forth across a month boundary around that edge.
+func TestCalendarMonthCountsAcrossBoundaryBothWays(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "month", Kind: CalendarMonth, Limit: 1000})}
+	ctx := context.Background()
+	on := func(d time.Time) *Limiter { return at(c, time.Until(d)) }
+	utc := func(m time.Month, day, h int) time.Time { return time.Date(2031, m, day, h, 0, 0, 0, time.UTC) }
+	wantUsed(t, reserve(t, on(utc(3, 10, 12)), tenant, "u", "r1", 100, rules), 0, 100)
+	for _, tc := range []struct {
+		at   time.Time
+		used int64
+	}{
+		{utc(3, 1, 1), 100},   // March 1st, more than 28 days before April: same month
+		{utc(3, 5, 0), 100},   // within 28 days of April
+		{utc(3, 31, 22), 100}, // near the end of March
+		{utc(2, 28, 23), 0},   // February: the March record does not count
+		{utc(4, 1, 1), 0},     // April: the March record expired
+	} {
+		d, err := on(tc.at).Peek(ctx, Request{Tenant: tenant, User: "u", Rules: rules})
+		if err != nil || d.States[0].Used != tc.used {
+			t.Fatalf("Peek on %v = %+v, %v; want used %d", tc.at, d.States, err, tc.used)
+		}
+	}
+	// A reserve in February (time moved back) starts February's count.
+	wantUsed(t, reserve(t, on(utc(2, 28, 23)), tenant, "u", "r2", 5, rules), 0, 5)
+	// A correction of r1 at the end of March lands in r1's month.
+	s, err := on(utc(3, 31, 22)).Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 130, Rules: rules})
+	if err != nil || s.States[0].Used != 30 {
+		t.Fatalf("Correct = %+v, %v; want used 30 (February's record replaced March's)", s, err)
+	}
+}
+
+// A subject's first reserve builds its windows without unpacking buckets
+// (all zero but the current one); later reserves must see exactly that
+// charge wherever in the ring it landed, through every bucket of the window
+// and after the first charge leaves.
+func TestFirstTouchWindowsSlideExactly(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	rules := []Rule{
+		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 1 << 40}),
+		rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 1 << 30, Window: Duration(10 * time.Second), Buckets: 10}),
+		rule(ScopeUser, Limit{Name: "4s", Kind: Rolling, Limit: 1 << 30, Window: Duration(4 * time.Second), Buckets: 4}),
+	}
+	type charge struct{ ms, cost int64 }
+	var charges []charge
+	// used returns the expected total of a window of n buckets of 1 s at ms.
+	used := func(ms int64, n int64) (sum int64) {
+		for _, ch := range charges {
+			if ch.ms/1000 > ms/1000-n {
+				sum += ch.cost
+			}
+		}
+		return sum
+	}
+	var month int64
+	for k := range 16 {
+		cost := int64(k + 1)
+		d := reserve(t, at(c, time.Duration(k)*1300*time.Millisecond), tenant, "u", "r"+strings.Repeat("x", k), cost, rules)
+		wantAllowed(t, d, true)
+		charges = append(charges, charge{d.Now.UnixMilli(), cost})
+		month += cost
+		wantUsed(t, d, 0, month)
+		wantUsed(t, d, 1, used(d.Now.UnixMilli(), 10))
+		wantUsed(t, d, 2, used(d.Now.UnixMilli(), 4))
+	}
+}

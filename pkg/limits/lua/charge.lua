@@ -27,4 +27,4 @@ for j = 1, n do
   end
 end
 commit(meta, n, sub, ten, now)
-return snapshot({ 1, now }, n, now)
+return snapshot(n, now, 1, now)

@@ -4,8 +4,10 @@
 --
 -- Redis runs scripts on one core, so their CPU per call caps the system.
 -- Measured with callgrind on Redis 7.0 (instructions, repeatable on a noisy
--- machine): a redis.call costs ~10k, each script argument ~1k, a new table
--- ~1.3k, a closure ~1.4k, a call into C ~0.4k, a VM operation ~50. Hence:
+-- machine; bench/results.md): a redis.call costs ~10k, each script argument
+-- ~1k, a VM operation ~70-100, a Lua function call ~330, a closure ~460, an
+-- empty table ~650 (a presized one ~75 more per slot), a call into C from
+-- ~300 (math.floor) to ~2.7k (struct.pack of six fields). Hence:
 -- all limits of one scope live in ONE string (a blob: one MGET slot, one
 -- SET); all limit specs arrive packed in ONE argument; state lives in one
 -- flat table; the hot path touches only the bytes it changes.
@@ -38,17 +40,23 @@
 
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
+local Z6 = '\0\0\0\0\0\0' -- one empty rolling bucket
 local NEVER = 140737488355327 -- 2^47-1: a record that never expires
 local ROLLING, FIXED, CALENDAR, BUCKET, LOG, BALANCE, CONC = 1, 2, 3, 4, 5, 6, 7
+-- Every month has at least 28 days: a time less than DAYS28 before the end
+-- of a month lies in that month, and month() need not run.
+local DAYS28 = 28 * 86400000
 local K = 16 -- slots of S per limit
 -- S holds every limit's spec and state: limit j at S[(j-1)*K + 1 ...]:
 --   +1 kind, +2 flags, +3 limit, +4 a, +5 b, +6 id, +7 blob (table),
 --   +8 payload position in the blob's raw string (false: none), +9 dirty,
 --   +10.. state: rolling b, h, tl, t, cur, full; fixed/calendar w, c, wend;
 --   bucket x, y; log entries, first; balance cr, sp; concurrency n, key,
---   member, delta
--- A constructor of 96 slots sizes S once: growing it costs a rehash per doubling.
-local S = { false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false }
+--   member, delta; +16 would deny (1: a shadow limit that does not fit)
+-- A constructor of 96 slots sizes S once (growing it costs a rehash per
+-- doubling); of nils, which the compiler loads in one VM operation, where
+-- each false costs one (callgrind: 7.6k instructions against 10.8k).
+local S = { nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
 
 -- now_ms reads Redis time in ms plus offset.
 local function now_ms(offset)
@@ -127,8 +135,8 @@ local function load(specs, j, sub, ten, now, zkey)
   local o = (j - 1) * K
   local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, (j - 1) * 32 + 1)
   local bl = fl >= 4 and ten or sub
-  S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9] =
-    kind, fl, lim, a, b, id, bl, false
+  S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9], S[o + 16] =
+    kind, fl, lim, a, b, id, bl, false, 0
   if kind == CONC then
     redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
     S[o + 10], S[o + 11], S[o + 12] = redis.call('ZCARD', zkey), zkey, false
@@ -142,9 +150,8 @@ local function load(specs, j, sub, ten, now, zkey)
     local h, tl, t
     if raw then h, tl, t = sunpack('<i6i6i6', raw, at) end
     if not raw or cb - h >= b then
-      local full = {}
-      for i = 1, b do full[i] = 0 end
-      S[o + 8], S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = false, cb, cb, cb, 0, false, full
+      -- a fresh window: every bucket is zero, and none is built until stored
+      S[o + 8], S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = false, cb, cb, cb, 0, 0, false
       return
     end
     local full = false
@@ -166,19 +173,17 @@ local function load(specs, j, sub, ten, now, zkey)
     end
     S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = cb, h, tl, t, false, full
   elseif kind == FIXED or kind == CALENDAR then
-    local w, wend
+    local w, wend, rw, rc
+    if raw then rw, rc = sunpack('<i6i6', raw, at) end
     if kind == FIXED then
       w = floor(now / a)
       wend = (w + 1) * a
+    elseif raw and now >= bl[-id] - DAYS28 then
+      w, wend = rw, bl[-id] -- the record's month, which ends at its expiry
     else
       w, wend = month(now)
     end
-    local c = 0
-    if raw then
-      local rw, rc = sunpack('<i6i6', raw, at)
-      if rw == w then c = rc end
-    end
-    S[o + 10], S[o + 11], S[o + 12] = w, c, wend
+    S[o + 10], S[o + 11], S[o + 12] = w, rw == w and rc or 0, wend
   elseif kind == BUCKET then
     local x, y
     if raw then x, y = sunpack('<dd', raw, at) end
@@ -210,9 +215,14 @@ end
 local function expand(o)
   local full = S[o + 15]
   if full then return full end
-  local b = S[o + 5]
-  full = { sunpack('<' .. srep('i6', b), S[o + 7].raw, S[o + 8] + 18) }
-  full[b + 1] = nil
+  local b, at = S[o + 5], S[o + 8]
+  if at then
+    full = { sunpack('<' .. srep('i6', b), S[o + 7].raw, at + 18) }
+    full[b + 1] = nil
+  else
+    full = {}
+    for i = 1, b do full[i] = 0 end
+  end
   if S[o + 14] then full[S[o + 10] % b + 1] = S[o + 14] end
   S[o + 15] = full
   return full
@@ -315,7 +325,13 @@ local function add(j, delta, ts, now, member)
     end
   elseif kind == FIXED or kind == CALENDAR then
     local w
-    if kind == FIXED then w = floor(ts / a) else w = month(ts) end
+    if kind == FIXED then
+      w = floor(ts / a)
+    elseif ts < S[o + 12] and ts >= S[o + 12] - DAYS28 then
+      w = S[o + 10]
+    else
+      w = month(ts)
+    end
     if w == S[o + 10] then S[o + 11] = max(0, S[o + 11] + delta) end
   elseif kind == BUCKET then
     if a > 0 then
@@ -348,13 +364,16 @@ local function store(j, now)
     local h = S[o + 11]
     e = (h + b) * a
     rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, h, S[o + 12], S[o + 13])
-    local full = S[o + 15]
+    local full, at, i = S[o + 15], S[o + 8], S[o + 10] % b
     if full then
       rec = rec .. spack('<' .. srep('i6', b), unpack(full))
+    elseif not at then
+      rec = rec .. srep(Z6, i) .. spack('<i6', S[o + 14]) .. srep(Z6, b - i - 1)
+    elseif not S[o + 14] then -- a correction outside the window: no bucket changed
+      rec = rec .. bl.raw:sub(at + 18, at + 17 + 6 * b)
     else
-      local raw, at = bl.raw, S[o + 8] + 18
-      local off = at + 6 * (S[o + 10] % b)
-      rec = rec .. raw:sub(at, off - 1) .. spack('<i6', S[o + 14]) .. raw:sub(off + 6, at + 6 * b - 1)
+      local raw, off = bl.raw, at + 18 + 6 * i
+      rec = rec .. raw:sub(at + 18, off - 1) .. spack('<i6', S[o + 14]) .. raw:sub(off + 6, at + 17 + 6 * b)
     end
   elseif kind == FIXED or kind == CALENDAR then
     e = S[o + 12]
@@ -436,12 +455,17 @@ local function commit(meta, n, sub, ten, now)
   end
 end
 
--- snapshot appends limit, used, reset ms and a flag of every limit to out.
-local function snapshot(out, n, now, flags)
+-- snapshot returns the head values h1..h7 (a reply's first values; fewer
+-- when the last are nil) followed by limit, used, reset ms and the
+-- would-deny flag of every limit. The reply table is presized for 5 limits
+-- by a constructor of nils, as S is: growing it cost a rehash per doubling.
+local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7)
+  local out = { h1, h2, h3, h4, h5, h6, h7, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil,
+    nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
   local i = #out
   for j = 1, n do
     local l, u, r = report(j, now)
-    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, flags and flags[j] or 0
+    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, S[(j - 1) * K + 16]
     i = i + 4
   end
   return out

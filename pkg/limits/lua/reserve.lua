@@ -27,14 +27,13 @@ local n = #specs / 32
 local vals, sub, ten = scope(meta, specs, n, now)
 if ARGV[4] == '1' and not vals[1] then return { -1 } end
 
-local flags, denied, retry, reason = {}, 0, 0, 0
+local denied, retry, reason = 0, 0, 0
 for j = 1, n do
   local fl = S[(j - 1) * K + 2]
   local ok, wait, exceeds = check(j, fl % 2 == 1 and cost or 1, now)
-  flags[j] = 0
   if not ok then
     if fl % 4 >= 2 then
-      flags[j] = 1
+      S[(j - 1) * K + 16] = 1
     else
       if denied == 0 then denied = j end
       if exceeds then
@@ -60,4 +59,4 @@ elseif mode == '0' then
   commit(meta, n, sub, ten, now)
   if meta ~= '0' then redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, 0), 'PX', ARGV[6]) end
 end
-return snapshot({ status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0 }, n, now, flags)
+return snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)

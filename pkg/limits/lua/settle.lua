@@ -28,13 +28,13 @@ local status, ts, est = 1, nil, nil
 if vals[2] then
   local state
   ts, est, state = sunpack('<i6i6B', vals[2])
-  if state ~= 0 then return snapshot({ 2, 0, ts, now, sub.ver, ten and ten.ver or 0 }, n, now) end
+  if state ~= 0 then return snapshot(n, now, 2, 0, ts, now, sub.ver, ten and ten.ver or 0) end
 elseif tonumber(ARGV[9]) >= 0 then
   ts, est = tonumber(ARGV[8]), tonumber(ARGV[9])
 elseif op == '1' then
   status, ts, est = 3, now, 0
 else
-  return snapshot({ 4, 0, 0, now, sub.ver, ten and ten.ver or 0 }, n, now)
+  return snapshot(n, now, 4, 0, 0, now, sub.ver, ten and ten.ver or 0)
 end
 
 local delta = op == '1' and actual - est or -est
@@ -47,4 +47,4 @@ for j = 1, n do
 end
 commit(meta, n, sub, ten, now)
 redis.call('SET', KEYS[2], spack('<i6i6B', ts, est, tonumber(op)), 'PX', ARGV[6])
-return snapshot({ status, delta, ts, now, sub.ver, ten and ten.ver or 0 }, n, now)
+return snapshot(n, now, status, delta, ts, now, sub.ver, ten and ten.ver or 0)
