@@ -20,7 +20,9 @@
 // Lease and ReturnLease serve the shared global, endpoint and IP layers.
 // Every call is one script (one round trip) and works on one Redis node and
 // on a Redis Cluster: all keys of a call share one hash tag (the tenant's,
-// or the endpoint's or IP's for shared limits).
+// or the endpoint's or IP's for shared limits). SettleMany and ChargeMany
+// send many settlements or charges in one pipelined round trip, with the
+// result of the same calls made one by one.
 //
 // # Algorithms
 //
