@@ -49,9 +49,6 @@ type Options struct {
 	BatchWait time.Duration
 	// Source is the CloudEvents source of corrected events.
 	Source string
-	// RedisParallel is how many Redis calls of one batch run at once
-	// (default 32).
-	RedisParallel int
 	// BeforeAck, when set, runs after a batch's effects and before its
 	// acks; an error abandons the batch unacknowledged, as a crash would.
 	// Tests use it to inject crashes.
@@ -79,9 +76,6 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, cor *cor
 	}
 	if opts.BatchSize <= 0 {
 		opts.BatchSize = 500
-	}
-	if opts.RedisParallel <= 0 {
-		opts.RedisParallel = 32
 	}
 	if opts.BatchWait <= 0 {
 		opts.BatchWait = 200 * time.Millisecond
@@ -332,9 +326,7 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	defer c.cor.Gate.RUnlock()
 
 	// One Redis effect per open reservation of the batch, in the order of
-	// the batch's events; they touch different reservations, so they run
-	// concurrently (a script call is one round trip each: running them
-	// side by side is what pipelining them would buy).
+	// the batch's events, all in one pipelined round trip.
 	var tasks []task
 	done := map[ledger.Key]bool{}
 	for i := range items {
@@ -345,8 +337,8 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		var t task
 		switch d := it.ev.Data.(type) {
 		case events.Actual:
-			t = task{item: i, actual: &d, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
-			t.cost = c.cor.Cost(d)
+			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
+			t.Actual, t.Cost = &d, c.cor.Cost(d)
 		case events.Released:
 			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
 		default:
@@ -360,26 +352,17 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 			continue
 		}
 		done[t.key] = true
-		t.row = row
+		t.Row = row
 		tasks = append(tasks, t)
 	}
 	t0 = time.Now()
-	sem := make(chan struct{}, c.opts.RedisParallel)
-	var wg sync.WaitGroup
+	effects := make([]correct.Effect, len(tasks))
 	for i := range tasks {
-		t := &tasks[i]
-		sem <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			if t.actual != nil {
-				t.settlement, t.ok, t.err = c.cor.Actual(ctx, *t.actual, t.cost, t.row)
-			} else {
-				_, t.err = c.cor.Release(ctx, t.row)
-				t.ok = t.err == nil
-			}
-		})
+		effects[i] = tasks[i].Effect
 	}
-	wg.Wait()
+	for i, o := range c.cor.Apply(ctx, effects) {
+		tasks[i].Outcome = o
+	}
 	c.m.phase.WithLabelValues("redis").Observe(time.Since(t0).Seconds())
 
 	var (
@@ -391,26 +374,26 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	for j := range tasks {
 		t := &tasks[j]
 		k := t.key
-		if t.err != nil {
-			items[t.item].err = fmt.Errorf("settle %s/%s %s: %w", k.Tenant, k.User, k.RequestID, t.err)
-			items[t.item].transient = transient(t.err)
+		if t.Err != nil {
+			items[t.item].err = fmt.Errorf("settle %s/%s %s: %w", k.Tenant, k.User, k.RequestID, t.Err)
+			items[t.item].transient = transient(t.Err)
 			continue
 		}
-		if !t.ok {
+		if !t.OK {
 			continue
 		}
-		if t.actual == nil {
+		if t.Actual == nil {
 			marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusReleased})
 			continue
 		}
-		s, delta := t.settlement, t.settlement.Delta
+		s, delta := t.Settlement, t.Settlement.Delta
 		switch s.Status {
 		case limits.AlreadySettled:
 			// An earlier delivery corrected Redis but failed before the
 			// ledger knew: announce it again (the id dedups).
-			delta = t.cost
-			if t.row.Estimate >= 0 {
-				delta = t.cost - t.row.Estimate
+			delta = t.Cost
+			if t.Row.Estimate >= 0 {
+				delta = t.Cost - t.Row.Estimate
 			}
 		case limits.Settled, limits.ChargedUnknown:
 		default:
@@ -475,16 +458,12 @@ func (c *Consumer) writeEach(ctx context.Context, items []item, recs []ledger.Re
 	return all, nil
 }
 
-// task is the Redis effect of one event of a batch.
+// task is the Redis effect of one event of a batch and its outcome.
 type task struct {
-	item       int        // index in the batch
-	key        ledger.Key // the reservation
-	row        ledger.Reservation
-	actual     *events.Actual // nil: a release
-	cost       int64
-	settlement limits.Settlement
-	ok         bool // an effect was applied (or found applied)
-	err        error
+	item int        // index in the batch
+	key  ledger.Key // the reservation
+	correct.Effect
+	correct.Outcome
 }
 
 type metrics struct {

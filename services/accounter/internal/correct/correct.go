@@ -6,6 +6,7 @@
 package correct
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -80,43 +81,61 @@ func (c *Corrector) rules(tenant, plan, endpoint string) ([]limits.Rule, error) 
 	return r.Subject, nil
 }
 
-// Actual corrects the reservation of d to cost. res is its ledger row
-// (after this batch's write); its estimate is the fallback when the Redis
-// record is gone, and with no estimate anywhere the cost is charged in full.
-// A reservation the ledger already settled at its estimate (expired) is not
-// touched: ok is false then.
-func (c *Corrector) Actual(ctx context.Context, d events.Actual, cost int64, res ledger.Reservation) (s limits.Settlement, ok bool, err error) {
-	if res.Status == ledger.StatusExpired || res.Status == ledger.StatusExpiredReleased {
-		return limits.Settlement{}, false, nil
-	}
-	endpoint := res.Endpoint
-	if endpoint == "" {
-		endpoint = d.Endpoint
-	}
-	rules, err := c.rules(d.Tenant, res.Plan, endpoint)
-	if err != nil {
-		return limits.Settlement{}, false, err
-	}
-	s, err = c.lim.Correct(ctx, limits.Settle{
-		Tenant: d.Tenant, User: d.User, RequestID: d.RequestID,
-		Actual: cost, Rules: rules, Fallback: fallback(res),
-	})
-	if err != nil {
-		return limits.Settlement{}, false, err
-	}
-	return s, true, nil
+// Effect is the Redis effect of one event: the correction of an actual
+// event to Cost (Actual set) or the release of a reservation. Row is the
+// reservation's ledger row (after the batch's write); its estimate is the
+// fallback when the Redis record is gone, and with no estimate anywhere an
+// actual is charged in full.
+type Effect struct {
+	Actual *events.Actual // nil: a release
+	Cost   int64
+	Row    ledger.Reservation
 }
 
-// Release gives back the estimate of reservation res.
-func (c *Corrector) Release(ctx context.Context, res ledger.Reservation) (limits.Settlement, error) {
-	rules, err := c.rules(res.Tenant, res.Plan, res.Endpoint)
-	if err != nil {
-		return limits.Settlement{}, err
+// Outcome is what became of one Effect. OK is false when there was nothing
+// to do: an actual of a reservation the ledger already settled at its
+// estimate (expired) is not applied.
+type Outcome struct {
+	Settlement limits.Settlement
+	OK         bool
+	Err        error
+}
+
+// Apply applies effects to Redis in one pipelined round trip
+// (limits.SettleMany), in order, and returns one outcome per effect; an
+// effect's failure (its rules unresolvable, Redis unreachable) fails only
+// its own outcome.
+func (c *Corrector) Apply(ctx context.Context, effects []Effect) []Outcome {
+	out := make([]Outcome, len(effects))
+	ops := make([]limits.SettleOp, 0, len(effects))
+	owner := make([]int, 0, len(effects)) // effects index of each op
+	for i, e := range effects {
+		res := e.Row
+		op := limits.SettleOp{Release: e.Actual == nil}
+		endpoint := res.Endpoint
+		if e.Actual != nil {
+			if res.Status == ledger.StatusExpired || res.Status == ledger.StatusExpiredReleased {
+				continue
+			}
+			if endpoint == "" {
+				endpoint = e.Actual.Endpoint
+			}
+			op.Actual = e.Cost
+		}
+		rules, err := c.rules(res.Tenant, res.Plan, endpoint)
+		if err != nil {
+			out[i].Err = err
+			continue
+		}
+		op.Tenant, op.User, op.RequestID = res.Tenant, res.User, res.RequestID
+		op.Rules, op.Fallback = rules, fallback(res)
+		ops = append(ops, op)
+		owner = append(owner, i)
 	}
-	return c.lim.Release(ctx, limits.Settle{
-		Tenant: res.Tenant, User: res.User, RequestID: res.RequestID,
-		Rules: rules, Fallback: fallback(res),
-	})
+	for j, r := range c.lim.SettleMany(ctx, ops) {
+		out[owner[j]] = Outcome{Settlement: r.Settlement, OK: r.Err == nil, Err: r.Err}
+	}
+	return out
 }
 
 func fallback(res ledger.Reservation) *limits.Fallback {
@@ -273,16 +292,25 @@ func (c *Corrector) SettleExpired(ctx context.Context, l ExpiryLedger, cutoff ti
 		if err != nil || len(rows) == 0 {
 			return total, err
 		}
+		effects := make([]Effect, len(rows))
+		for i, r := range rows {
+			effects[i].Row = r
+		}
 		keys := make([]ledger.Key, 0, len(rows))
-		for _, r := range rows {
-			if _, err := c.Release(ctx, r); err != nil {
-				return total, fmt.Errorf("release expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, err)
+		var failed error
+		for i, o := range c.Apply(ctx, effects) {
+			if r := rows[i]; o.Err != nil {
+				failed = cmp.Or(failed, fmt.Errorf("release expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, o.Err))
+				continue
 			}
-			keys = append(keys, r.Key)
+			keys = append(keys, rows[i].Key)
 		}
 		if err := l.MarkExpired(ctx, keys, ledger.StatusExpiredReleased); err != nil {
 			return total, err
 		}
 		total += int64(len(keys))
+		if failed != nil {
+			return total, failed
+		}
 	}
 }

@@ -199,34 +199,34 @@ func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
 		}
 	}
 	res := WriteResult{Reservations: make(map[Key]Reservation, len(rt))}
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		res.Inserted = 0
-		clear(res.Reservations)
-		if err := tx.QueryRow(ctx, insertEvents, ids, kinds, tenants, users, reqs, tokens, ats, payloads).Scan(&res.Inserted); err != nil {
+	// One round trip: a batch without BEGIN runs as one implicit
+	// transaction (a single Sync), so both statements apply or neither.
+	b := &pgx.Batch{}
+	b.Queue(insertEvents, ids, kinds, tenants, users, reqs, tokens, ats, payloads).QueryRow(func(row pgx.Row) error {
+		if err := row.Scan(&res.Inserted); err != nil {
 			return fmt.Errorf("insert events: %w", err)
-		}
-		if len(rt) == 0 {
-			return nil
-		}
-		rows, err := tx.Query(ctx, upsertReservations, rt, ru, rr, rk, rp, re, rm, rtok, rat, rexp)
-		if err != nil {
-			return fmt.Errorf("upsert reservations: %w", err)
-		}
-		var v Reservation
-		var reservedAt *time.Time
-		_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status}, func() error {
-			v.ReservedAt = time.Time{}
-			if reservedAt != nil {
-				v.ReservedAt = *reservedAt
-			}
-			res.Reservations[v.Key] = v
-			return nil
-		})
-		if err != nil {
-			return fmt.Errorf("upsert reservations: %w", err)
 		}
 		return nil
 	})
+	if len(rt) > 0 {
+		b.Queue(upsertReservations, rt, ru, rr, rk, rp, re, rm, rtok, rat, rexp).Query(func(rows pgx.Rows) error {
+			var v Reservation
+			var reservedAt *time.Time
+			_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status}, func() error {
+				v.ReservedAt = time.Time{}
+				if reservedAt != nil {
+					v.ReservedAt = *reservedAt
+				}
+				res.Reservations[v.Key] = v
+				return nil
+			})
+			if err != nil {
+				return fmt.Errorf("upsert reservations: %w", err)
+			}
+			return nil
+		})
+	}
+	err := s.pool.SendBatch(ctx, b).Close()
 	if err != nil {
 		return WriteResult{}, fmt.Errorf("ledger write of %d events: %w", n, err)
 	}
