@@ -101,15 +101,28 @@ const (
 	kindReleased = "quotaflow.usage.released"
 )
 
-// insertEvents stores the batch's events that are new, adds the new actual
+// createStaging makes the session's staging table that Write copies a batch
+// into: COPY is the cheapest way into Postgres, and the statements below
+// then merge the staged rows into the ledger. It is temporary (each pooled
+// connection has its own) and emptied at each commit.
+const createStaging = `
+CREATE TEMP TABLE IF NOT EXISTS ledger_in (
+    event_id text, type text, tenant text, user_id text, request_id text, tokens bigint,
+    occurred_at timestamptz, payload jsonb, plan text, endpoint text, model text, expires_at timestamptz
+) ON COMMIT DELETE ROWS`
+
+// stagingColumns are ledger_in's columns in COPY order.
+var stagingColumns = []string{"event_id", "type", "tenant", "user_id", "request_id", "tokens",
+	"occurred_at", "payload", "plan", "endpoint", "model", "expires_at"}
+
+// insertEvents stores the staged events that are new, adds the new actual
 // events to the hourly rollups, and returns how many were new. One
 // statement: the rollups see exactly the rows this statement inserted, so a
 // redelivery adds nothing.
 const insertEvents = `
 WITH input AS (
-    SELECT DISTINCT ON (event_id) *
-    FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::jsonb[])
-        AS t(event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
+    SELECT DISTINCT ON (event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
+    FROM ledger_in
     ORDER BY event_id
 ), ins AS (
     INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
@@ -127,7 +140,7 @@ WITH input AS (
 )
 SELECT count(*) FROM ins`
 
-// upsertReservations merges the batch's reserved, actual and released
+// upsertReservations merges the staged reserved, actual and released
 // events into their reservation rows (first value wins, so a redelivery
 // changes nothing) and returns every touched row.
 const upsertReservations = `
@@ -143,8 +156,11 @@ SELECT tenant, user_id, request_id,
     max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.released')
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::timestamptz[], $10::timestamptz[])
-    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at)
+FROM (
+    SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at
+    FROM ledger_in
+    WHERE type IN ('quotaflow.usage.reserved', 'quotaflow.usage.actual', 'quotaflow.usage.released')
+) t
 GROUP BY tenant, user_id, request_id
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
 ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
@@ -174,42 +190,33 @@ type WriteResult struct {
 // Write stores a batch in one transaction: the new events, their rollups and
 // the reservation rows. Writing the same records again changes nothing.
 func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
-	n := len(recs)
-	ids, kinds, tenants, users, reqs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	tokens, ats, payloads := make([]int64, n), make([]time.Time, n), make([]string, n)
-	var rt, ru, rr, rk, rp, re, rm []string
-	var rtok []int64
-	var rat, rexp []*time.Time
-	for i, r := range recs {
-		ids[i], kinds[i], tenants[i], users[i], reqs[i] = r.EventID, r.Kind, r.Tenant, r.User, r.RequestID
-		tokens[i], ats[i], payloads[i] = r.Tokens, r.OccurredAt, string(r.Payload)
-		switch r.Kind {
-		case kindReserved, kindActual, kindReleased:
-			rt, ru, rr, rk = append(rt, r.Tenant), append(ru, r.User), append(rr, r.RequestID), append(rk, r.Kind)
-			rp, re, rm = append(rp, r.Plan), append(re, r.Endpoint), append(rm, r.Model)
-			rtok = append(rtok, r.Tokens)
-			at := r.OccurredAt
-			rat = append(rat, &at)
+	res := WriteResult{Reservations: make(map[Key]Reservation, len(recs))}
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		res.Inserted = 0
+		clear(res.Reservations)
+		if _, err := tx.Exec(ctx, createStaging); err != nil {
+			return fmt.Errorf("staging table: %w", err)
+		}
+		_, err := tx.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
+			r := &recs[i]
 			var exp *time.Time
 			if !r.ExpiresAt.IsZero() {
-				e := r.ExpiresAt
-				exp = &e
+				exp = &r.ExpiresAt
 			}
-			rexp = append(rexp, exp)
+			return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, string(r.Payload),
+				r.Plan, r.Endpoint, r.Model, exp}, nil
+		}))
+		if err != nil {
+			return fmt.Errorf("copy events: %w", err)
 		}
-	}
-	res := WriteResult{Reservations: make(map[Key]Reservation, len(rt))}
-	// One round trip: a batch without BEGIN runs as one implicit
-	// transaction (a single Sync), so both statements apply or neither.
-	b := &pgx.Batch{}
-	b.Queue(insertEvents, ids, kinds, tenants, users, reqs, tokens, ats, payloads).QueryRow(func(row pgx.Row) error {
-		if err := row.Scan(&res.Inserted); err != nil {
-			return fmt.Errorf("insert events: %w", err)
-		}
-		return nil
-	})
-	if len(rt) > 0 {
-		b.Queue(upsertReservations, rt, ru, rr, rk, rp, re, rm, rtok, rat, rexp).Query(func(rows pgx.Rows) error {
+		b := &pgx.Batch{}
+		b.Queue(insertEvents).QueryRow(func(row pgx.Row) error {
+			if err := row.Scan(&res.Inserted); err != nil {
+				return fmt.Errorf("insert events: %w", err)
+			}
+			return nil
+		})
+		b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
 			var v Reservation
 			var reservedAt *time.Time
 			_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status}, func() error {
@@ -225,10 +232,10 @@ func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
 			}
 			return nil
 		})
-	}
-	err := s.pool.SendBatch(ctx, b).Close()
+		return tx.SendBatch(ctx, b).Close()
+	})
 	if err != nil {
-		return WriteResult{}, fmt.Errorf("ledger write of %d events: %w", n, err)
+		return WriteResult{}, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
 	return res, nil
 }

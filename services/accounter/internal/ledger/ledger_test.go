@@ -14,7 +14,7 @@ import (
 // testPool creates a database of the test's own on the development
 // Postgres (QF_TEST_POSTGRES_URL overrides it), migrates it and drops it at
 // the end.
-func testPool(t *testing.T) *pgxpool.Pool {
+func testPool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
 	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_ledger_test"))
