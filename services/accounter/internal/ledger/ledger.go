@@ -101,24 +101,28 @@ const (
 	kindReleased = "quotaflow.usage.released"
 )
 
-// createStaging makes the session's staging table that Write copies a batch
-// into: COPY is the cheapest way into Postgres, and the statements below
-// then merge the staged rows into the ledger. It is temporary (each pooled
-// connection has its own) and emptied at each commit.
+// createStaging makes the session's staging tables: ledger_in, which Begin
+// copies a batch into (COPY is the cheapest way into Postgres; the
+// statements below merge the staged rows into the ledger), and ledger_new,
+// the events that were new, whose rollups Commit adds. They are temporary
+// (each pooled connection has its own) and emptied at each commit.
 const createStaging = `
 CREATE TEMP TABLE IF NOT EXISTS ledger_in (
     event_id text, type text, tenant text, user_id text, request_id text, tokens bigint,
     occurred_at timestamptz, payload jsonb, plan text, endpoint text, model text, expires_at timestamptz
+) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS ledger_new (
+    type text, tenant text, user_id text, tokens bigint, occurred_at timestamptz
 ) ON COMMIT DELETE ROWS`
 
 // stagingColumns are ledger_in's columns in COPY order.
 var stagingColumns = []string{"event_id", "type", "tenant", "user_id", "request_id", "tokens",
 	"occurred_at", "payload", "plan", "endpoint", "model", "expires_at"}
 
-// insertEvents stores the staged events that are new, adds the new actual
-// events to the hourly rollups, and returns how many were new. One
-// statement: the rollups see exactly the rows this statement inserted, so a
-// redelivery adds nothing.
+// insertEvents stores the staged events that are new, keeps them in
+// ledger_new for the rollups, and returns how many were new: the rollups
+// see exactly the rows this statement inserted, so a redelivery adds
+// nothing.
 const insertEvents = `
 WITH input AS (
     SELECT DISTINCT ON (event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
@@ -129,16 +133,22 @@ WITH input AS (
     SELECT event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload FROM input
     ON CONFLICT (event_id) DO NOTHING
     RETURNING type, tenant, user_id, tokens, occurred_at
-), roll AS (
-    INSERT INTO usage_rollups AS r (tenant, user_id, bucket_start, tokens, requests)
-    SELECT tenant, user_id, date_trunc('hour', occurred_at, 'UTC'), sum(tokens), count(*)
-    FROM ins WHERE type = 'quotaflow.usage.actual'
-    GROUP BY 1, 2, 3
-    ORDER BY 1, 2, 3
-    ON CONFLICT (tenant, user_id, bucket_start)
-    DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + excluded.requests
+), kept AS (
+    INSERT INTO ledger_new SELECT * FROM ins
 )
 SELECT count(*) FROM ins`
+
+// addRollups adds the new actual events to the hourly rollups. It runs
+// last in the transaction: rollup rows are shared by every batch of a
+// subject, so their locks are held only until the commit.
+const addRollups = `
+INSERT INTO usage_rollups AS r (tenant, user_id, bucket_start, tokens, requests)
+SELECT tenant, user_id, date_trunc('hour', occurred_at, 'UTC'), sum(tokens), count(*)
+FROM ledger_new WHERE type = 'quotaflow.usage.actual'
+GROUP BY 1, 2, 3
+ORDER BY 1, 2, 3
+ON CONFLICT (tenant, user_id, bucket_start)
+DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + excluded.requests`
 
 // upsertReservations merges the staged reserved, actual and released
 // events into their reservation rows (first value wins, so a redelivery
@@ -178,7 +188,7 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
 RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
     coalesce(actual_tokens, -1), reserved_at, status`
 
-// WriteResult is what Write did.
+// WriteResult is what a write did.
 type WriteResult struct {
 	// Inserted is how many events were new (the rest were redeliveries).
 	Inserted int
@@ -187,57 +197,108 @@ type WriteResult struct {
 	Reservations map[Key]Reservation
 }
 
-// Write stores a batch in one transaction: the new events, their rollups and
-// the reservation rows. Writing the same records again changes nothing.
-func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
-	res := WriteResult{Reservations: make(map[Key]Reservation, len(recs))}
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		res.Inserted = 0
-		clear(res.Reservations)
-		if _, err := tx.Exec(ctx, createStaging); err != nil {
-			return fmt.Errorf("staging table: %w", err)
-		}
-		_, err := tx.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
-			r := &recs[i]
-			var exp *time.Time
-			if !r.ExpiresAt.IsZero() {
-				exp = &r.ExpiresAt
-			}
-			return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, string(r.Payload),
-				r.Plan, r.Endpoint, r.Model, exp}, nil
-		}))
-		if err != nil {
-			return fmt.Errorf("copy events: %w", err)
-		}
-		b := &pgx.Batch{}
-		b.Queue(insertEvents).QueryRow(func(row pgx.Row) error {
-			if err := row.Scan(&res.Inserted); err != nil {
-				return fmt.Errorf("insert events: %w", err)
-			}
-			return nil
-		})
-		b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
-			var v Reservation
-			var reservedAt *time.Time
-			_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status}, func() error {
-				v.ReservedAt = time.Time{}
-				if reservedAt != nil {
-					v.ReservedAt = *reservedAt
-				}
-				res.Reservations[v.Key] = v
-				return nil
-			})
-			if err != nil {
-				return fmt.Errorf("upsert reservations: %w", err)
-			}
-			return nil
-		})
-		return tx.SendBatch(ctx, b).Close()
-	})
+// Tx is a batch's write in progress: its events and reservation rows are
+// written and locked, not yet committed. The consumer applies the batch's
+// Redis effects meanwhile, so that Commit records them (marks) in the same
+// transaction. Call Commit or Rollback once.
+type Tx struct {
+	tx pgx.Tx
+	// Result is what the write did, as the transaction sees it.
+	Result WriteResult
+}
+
+// Begin writes a batch in a new transaction and leaves it open: the
+// records are copied into the staging table, the new events stored and
+// the reservation rows merged (their rows returned in Result). A
+// redelivered record changes nothing.
+func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
+	tx, err := s.pool.Begin(ctx)
 	if err != nil {
-		return WriteResult{}, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
+		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
-	return res, nil
+	t := &Tx{tx: tx, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}}
+	if err := t.write(ctx, recs); err != nil {
+		t.Rollback(ctx)
+		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
+	}
+	return t, nil
+}
+
+func (t *Tx) write(ctx context.Context, recs []Record) error {
+	if _, err := t.tx.Exec(ctx, createStaging); err != nil {
+		return fmt.Errorf("staging tables: %w", err)
+	}
+	_, err := t.tx.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
+		r := &recs[i]
+		var exp *time.Time
+		if !r.ExpiresAt.IsZero() {
+			exp = &r.ExpiresAt
+		}
+		return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, string(r.Payload),
+			r.Plan, r.Endpoint, r.Model, exp}, nil
+	}))
+	if err != nil {
+		return fmt.Errorf("copy events: %w", err)
+	}
+	res := &t.Result
+	b := &pgx.Batch{}
+	b.Queue(insertEvents).QueryRow(func(row pgx.Row) error {
+		if err := row.Scan(&res.Inserted); err != nil {
+			return fmt.Errorf("insert events: %w", err)
+		}
+		return nil
+	})
+	b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
+		var v Reservation
+		var reservedAt *time.Time
+		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status}, func() error {
+			v.ReservedAt = time.Time{}
+			if reservedAt != nil {
+				v.ReservedAt = *reservedAt
+			}
+			res.Reservations[v.Key] = v
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("upsert reservations: %w", err)
+		}
+		return nil
+	})
+	return t.tx.SendBatch(ctx, b).Close()
+}
+
+// Commit adds the batch's rollups, records marks (see MarkSettled) and
+// commits.
+func (t *Tx) Commit(ctx context.Context, marks []Mark) error {
+	b := &pgx.Batch{}
+	b.Queue(addRollups)
+	if len(marks) > 0 {
+		b.Queue(markSettled, markArgs(marks)...)
+	}
+	if err := t.tx.SendBatch(ctx, b).Close(); err != nil {
+		t.Rollback(ctx)
+		return fmt.Errorf("ledger commit: %w", err)
+	}
+	if err := t.tx.Commit(ctx); err != nil {
+		return fmt.Errorf("ledger commit: %w", err)
+	}
+	return nil
+}
+
+// Rollback abandons the write; after Commit it does nothing.
+func (t *Tx) Rollback(ctx context.Context) {
+	// A failed rollback leaves nothing behind: pgx closes the connection.
+	_ = t.tx.Rollback(context.WithoutCancel(ctx))
+}
+
+// Write stores a batch in one transaction (Begin, then Commit without
+// marks). Writing the same records again changes nothing.
+func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
+	t, err := s.Begin(ctx, recs)
+	if err != nil {
+		return WriteResult{}, err
+	}
+	return t.Result, t.Commit(ctx, nil)
 }
 
 // Mark records that Redis now holds the effect of a reservation's actual or
@@ -260,14 +321,19 @@ func (s *Store) MarkSettled(ctx context.Context, marks []Mark) error {
 	if len(marks) == 0 {
 		return nil
 	}
+	if _, err := s.pool.Exec(ctx, markSettled, markArgs(marks)...); err != nil {
+		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
+	}
+	return nil
+}
+
+// markArgs are markSettled's arguments for marks.
+func markArgs(marks []Mark) []any {
 	t, u, r, st := make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks))
 	for i, m := range marks {
 		t[i], u[i], r[i], st[i] = m.Tenant, m.User, m.RequestID, m.Status
 	}
-	if _, err := s.pool.Exec(ctx, markSettled, t, u, r, st); err != nil {
-		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
-	}
-	return nil
+	return []any{t, u, r, st}
 }
 
 // expireAtEstimate settles, in the ledger only, open reservations without
