@@ -160,6 +160,12 @@ func newBenchEnv(b *testing.B) *env {
 	e.cfg.BatchWait = 200 * time.Millisecond
 	e.cfg.AckWait = 30 * time.Second
 	e.cfg.ExpiryInterval, e.cfg.EpochInterval, e.cfg.ReconcileInterval = time.Minute, 5*time.Second, 10*time.Minute
+	// The tests' streams keep events 10 minutes; a million events may take
+	// longer from publishing to consuming.
+	e.cfg.MaxAge = 2 * time.Hour
+	if err := events.EnsureStreams(context.Background(), e.js, e.cfg.Config); err != nil {
+		b.Fatal(err)
+	}
 	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "bench"); err != nil {
 		b.Fatal(err)
 	}
