@@ -138,9 +138,8 @@ WITH input AS (
 )
 SELECT count(*) FROM ins`
 
-// addRollups adds the new actual events to the hourly rollups. It runs
-// last in the transaction: rollup rows are shared by every batch of a
-// subject, so their locks are held only until the commit.
+// addRollups adds the new actual events (ledger_new) to the hourly
+// rollups.
 const addRollups = `
 INSERT INTO usage_rollups AS r (tenant, user_id, bucket_start, tokens, requests)
 SELECT tenant, user_id, date_trunc('hour', occurred_at, 'UTC'), sum(tokens), count(*)
@@ -200,9 +199,14 @@ type WriteResult struct {
 // Tx is a batch's write in progress: its events and reservation rows are
 // written and locked, not yet committed. The consumer applies the batch's
 // Redis effects meanwhile, so that Commit records them (marks) in the same
-// transaction. Call Commit or Rollback once.
+// transaction. Call Commit or Rollback; Rollback after Commit does nothing.
+//
+// It drives the transaction on a pooled connection itself, rather than
+// through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
+// four round trips a batch (BEGIN with the staging tables, COPY, the
+// merge, the settlements with COMMIT).
 type Tx struct {
-	tx pgx.Tx
+	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
 	Result WriteResult
 }
@@ -212,11 +216,11 @@ type Tx struct {
 // the reservation rows merged (their rows returned in Result). A
 // redelivered record changes nothing.
 func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
-	tx, err := s.pool.Begin(ctx)
+	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
-	t := &Tx{tx: tx, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}}
+	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}}
 	if err := t.write(ctx, recs); err != nil {
 		t.Rollback(ctx)
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
@@ -225,10 +229,12 @@ func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
 }
 
 func (t *Tx) write(ctx context.Context, recs []Record) error {
-	if _, err := t.tx.Exec(ctx, createStaging); err != nil {
-		return fmt.Errorf("staging tables: %w", err)
+	// Without arguments Exec uses the simple protocol, which runs several
+	// statements in one round trip.
+	if _, err := t.conn.Exec(ctx, "BEGIN;"+createStaging); err != nil {
+		return fmt.Errorf("begin: %w", err)
 	}
-	_, err := t.tx.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
+	_, err := t.conn.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
 		r := &recs[i]
 		var exp *time.Time
 		if !r.ExpiresAt.IsZero() {
@@ -264,31 +270,42 @@ func (t *Tx) write(ctx context.Context, recs []Record) error {
 		}
 		return nil
 	})
-	return t.tx.SendBatch(ctx, b).Close()
+	return t.conn.SendBatch(ctx, b).Close()
 }
 
-// Commit adds the batch's rollups, records marks (see MarkSettled) and
-// commits.
+// Commit records marks (see MarkSettled), adds the batch's rollups and
+// commits, in one round trip. The rollups come last: their rows are shared
+// by every batch of a subject, so their locks are held only until the
+// commit.
 func (t *Tx) Commit(ctx context.Context, marks []Mark) error {
 	b := &pgx.Batch{}
-	b.Queue(addRollups)
 	if len(marks) > 0 {
 		b.Queue(markSettled, markArgs(marks)...)
 	}
-	if err := t.tx.SendBatch(ctx, b).Close(); err != nil {
+	b.Queue(addRollups)
+	b.Queue("COMMIT")
+	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
 		t.Rollback(ctx)
 		return fmt.Errorf("ledger commit: %w", err)
 	}
-	if err := t.tx.Commit(ctx); err != nil {
-		return fmt.Errorf("ledger commit: %w", err)
-	}
+	t.conn.Release()
+	t.conn = nil
 	return nil
 }
 
-// Rollback abandons the write; after Commit it does nothing.
+// Rollback abandons the write.
 func (t *Tx) Rollback(ctx context.Context) {
-	// A failed rollback leaves nothing behind: pgx closes the connection.
-	_ = t.tx.Rollback(context.WithoutCancel(ctx))
+	if t.conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if _, err := t.conn.Exec(ctx, "ROLLBACK"); err != nil {
+		// The connection's state is unknown: it must not go back to the pool.
+		_ = t.conn.Conn().Close(ctx)
+	}
+	t.conn.Release()
+	t.conn = nil
 }
 
 // Write stores a batch in one transaction (Begin, then Commit without
