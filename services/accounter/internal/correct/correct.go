@@ -201,9 +201,9 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 }
 
 // rebuild charges the ledger's usage of the longest token window into the
-// token windows (Charge with Force at each usage's time), subject by
-// subject in time order. Request limits and concurrency slots start afresh;
-// balances are rebuilt by rebuildBalances.
+// token windows (Charge with Force at each usage's time, many per round
+// trip), subject by subject in time order. Request limits and concurrency
+// slots start afresh; balances are rebuilt by rebuildBalances.
 func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 	p := c.policy()
 	w := p.LongestTokenWindow()
@@ -213,6 +213,16 @@ func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 	subjects := 0
 	var last ledger.Usage
 	cache := map[[3]string][]limits.Rule{}
+	var pending []limits.ChargeRequest // in the ledger's order, which ChargeMany keeps
+	flush := func() error {
+		for _, r := range c.lim.ChargeMany(ctx, pending) {
+			if r.Err != nil {
+				return r.Err
+			}
+		}
+		pending = pending[:0]
+		return nil
+	}
 	err := c.store.UsageSince(ctx, time.Now().Add(-w), func(u ledger.Usage) error {
 		if u.Tenant != last.Tenant || u.User != last.User || subjects == 0 {
 			subjects++
@@ -235,16 +245,26 @@ func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 		if len(rules) == 0 {
 			return nil
 		}
-		_, err := c.lim.Charge(ctx, limits.ChargeRequest{
+		pending = append(pending, limits.ChargeRequest{
 			Tenant: u.Tenant, User: u.User, Rules: rules, Amount: u.Tokens, At: u.At, Force: true,
 		})
-		return err
+		if len(pending) < rebuildBatch {
+			return nil
+		}
+		return flush()
 	})
+	if err == nil {
+		err = flush()
+	}
 	if err != nil {
 		return subjects, fmt.Errorf("rebuild: %w", err)
 	}
 	return subjects, nil
 }
+
+// rebuildBatch is how many charges a rebuild sends in one pipelined round
+// trip.
+const rebuildBatch = 500
 
 // rebuildBalances puts back the prepaid balance of every subject that
 // received a top-up: its top-ups as credit, what its requests hold as
