@@ -203,8 +203,8 @@ type WriteResult struct {
 //
 // It drives the transaction on a pooled connection itself, rather than
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
-// four round trips a batch (BEGIN with the staging tables, COPY, the
-// merge, the settlements with COMMIT).
+// four exchanges a batch (BEGIN with the staging tables, COPY, the merge,
+// the settlements with COMMIT) instead of six.
 type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
