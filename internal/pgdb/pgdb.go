@@ -16,11 +16,15 @@ import (
 )
 
 // Open connects a pool to the database of url, creating the database first
-// when it does not exist.
-func Open(ctx context.Context, url string) (*pgxpool.Pool, error) {
+// when it does not exist. Each configure function, if any, adjusts the
+// pool's settings (parsed from url) first.
+func Open(ctx context.Context, url string, configure ...func(*pgxpool.Config)) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, errors.New("postgres url: cannot parse")
+	}
+	for _, f := range configure {
+		f(cfg)
 	}
 	if err := CreateDatabase(ctx, cfg.ConnConfig); err != nil {
 		return nil, err

@@ -20,7 +20,9 @@
 // Lease and ReturnLease serve the shared global, endpoint and IP layers.
 // Every call is one script (one round trip) and works on one Redis node and
 // on a Redis Cluster: all keys of a call share one hash tag (the tenant's,
-// or the endpoint's or IP's for shared limits). For the accounter's
+// or the endpoint's or IP's for shared limits). SettleMany and ChargeMany
+// send many settlements or charges in one pipelined round trip, with the
+// result of the same calls made one by one. For the accounter's
 // reconciliation, Windows reads a subject's token windows bucket by bucket
 // (BucketOf and BucketStart number the buckets) and ScanSubjects walks every
 // subject and tenant with SCAN cursors.

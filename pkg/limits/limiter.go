@@ -80,7 +80,8 @@ type Options struct {
 }
 
 // Limiter checks and reserves limits in Redis. Every method is one script
-// call (one round trip) and is safe for concurrent use; all state lives in
+// call (one round trip; SettleMany and ChargeMany pipeline many) and is
+// safe for concurrent use; all state lives in
 // Redis, so any number of Limiters on any number of hosts agree.
 //
 // Most callers want Reserve before a request and Correct or Release after.

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // SettleStatus says what a Correct or Release did.
@@ -70,13 +72,23 @@ func (l *Limiter) Release(ctx context.Context, s Settle) (Settlement, error) {
 }
 
 func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, error) {
+	c := l.settleCall(s, op)
+	if c.err != nil {
+		return Settlement{}, c.err
+	}
+	return parseSettlement(settleScript.Run(ctx, l.rdb, c.keys, c.args...), &c)
+}
+
+// settleCall validates s and builds its settle.lua call (op 1 corrects, 2
+// releases).
+func (l *Limiter) settleCall(s Settle, op int) call {
 	if err := errors.Join(
 		checkID("tenant", s.Tenant, true),
 		checkID("user", s.User, true),
 		checkID("request_id", s.RequestID, true),
 		checkCost("actual", s.Actual),
 	); err != nil {
-		return Settlement{}, err
+		return call{err: err}
 	}
 	rules := settleRules(s.Rules)
 	keys, meta := subjectKeysOf(newSubjectKeys(s.Tenant, s.User), s.RequestID, rules)
@@ -84,17 +96,26 @@ func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, err
 	if s.Fallback != nil {
 		fbAt, fbEst = s.Fallback.ReservedAt.UnixMilli(), s.Fallback.Estimate
 	}
-	args := []any{l.offset, op, s.Actual, l.guard, meta, l.resTTL, s.RequestID, fbAt, fbEst, packSpecs(rules, l.resTTL)}
-	v, err := settleScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	return call{
+		keys:  keys,
+		args:  []any{l.offset, op, s.Actual, l.guard, meta, l.resTTL, s.RequestID, fbAt, fbEst, packSpecs(rules, l.resTTL)},
+		rules: rules,
+		what:  "settle " + s.Tenant + "/" + s.User,
+	}
+}
+
+// parseSettlement decodes the reply of settle.lua call c.
+func parseSettlement(cmd *redis.Cmd, c *call) (Settlement, error) {
+	v, err := cmd.Int64Slice()
 	if err != nil {
-		return Settlement{}, fmt.Errorf("settle %s/%s: %w", s.Tenant, s.User, err)
+		return Settlement{}, fmt.Errorf("%s: %w", c.what, err)
 	}
 	if len(v) == 1 && v[0] == -1 {
 		return Settlement{}, ErrNoEpoch
 	}
 	const head = 6
-	if len(v) != head+4*len(rules) {
-		return Settlement{}, fmt.Errorf("settle %s/%s: reply of %d values for %d limits", s.Tenant, s.User, len(v), len(rules))
+	if len(v) != head+4*len(c.rules) {
+		return Settlement{}, fmt.Errorf("%s: reply of %d values for %d limits", c.what, len(v), len(c.rules))
 	}
 	return Settlement{
 		Status:        SettleStatus(v[0]),
@@ -103,7 +124,7 @@ func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, err
 		Now:           time.UnixMilli(v[3]),
 		Version:       v[4],
 		TenantVersion: v[5],
-		States:        states(v[head:], rules),
+		States:        states(v[head:], c.rules),
 	}, nil
 }
 
@@ -138,20 +159,29 @@ func touchedBySettle(r *Rule) bool {
 // earlier layer's reservation when a later layer denies; the accounter uses
 // it with Force to restore windows from its ledger after Redis lost its data.
 func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) {
+	cl := l.chargeCall(c)
+	if cl.err != nil {
+		return nil, cl.err
+	}
+	return parseCharge(chargeScript.Run(ctx, l.rdb, cl.keys, cl.args...), &cl)
+}
+
+// chargeCall validates c and builds its charge.lua call.
+func (l *Limiter) chargeCall(c ChargeRequest) call {
 	if err := checkCost("amount", abs(c.Amount)); err != nil {
-		return nil, err
+		return call{err: err}
 	}
 	var keys []string
 	meta, what := "0", c.SharedID
 	if c.SharedScope != "" {
 		if err := errors.Join(checkID(string(c.SharedScope), c.SharedID, true), checkShared(c.Rules)); err != nil {
-			return nil, err
+			return call{err: err}
 		}
 		tag := sharedTag(c.SharedScope, c.SharedID)
 		keys = []string{epochKey(tag), sharedBlob(tag)}
 	} else {
 		if err := errors.Join(checkID("tenant", c.Tenant, true), checkID("user", c.User, true)); err != nil {
-			return nil, err
+			return call{err: err}
 		}
 		keys, meta = subjectKeysOf(newSubjectKeys(c.Tenant, c.User), "-", c.Rules)
 		what = c.Tenant + "/" + c.User
@@ -164,18 +194,27 @@ func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) 
 	if c.Force {
 		guard = "0"
 	}
-	args := []any{l.offset, c.Amount, at, guard, meta, packSpecs(c.Rules, l.resTTL)}
-	v, err := chargeScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	return call{
+		keys:  keys,
+		args:  []any{l.offset, c.Amount, at, guard, meta, packSpecs(c.Rules, l.resTTL)},
+		rules: c.Rules,
+		what:  "charge " + what,
+	}
+}
+
+// parseCharge decodes the reply of charge.lua call c.
+func parseCharge(cmd *redis.Cmd, c *call) ([]State, error) {
+	v, err := cmd.Int64Slice()
 	if err != nil {
-		return nil, fmt.Errorf("charge %s: %w", what, err)
+		return nil, fmt.Errorf("%s: %w", c.what, err)
 	}
 	if len(v) == 1 && v[0] == -1 {
 		return nil, ErrNoEpoch
 	}
-	if len(v) != 2+4*len(c.Rules) {
-		return nil, fmt.Errorf("charge %s: reply of %d values for %d limits", what, len(v), len(c.Rules))
+	if len(v) != 2+4*len(c.rules) {
+		return nil, fmt.Errorf("%s: reply of %d values for %d limits", c.what, len(v), len(c.rules))
 	}
-	return states(v[2:], c.Rules), nil
+	return states(v[2:], c.rules), nil
 }
 
 // ChargeRequest names the counters and the amount of a Charge.

@@ -85,7 +85,11 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	// Postgres: create the database if absent, migrate; retried until it
 	// answers, /readyz saying why meanwhile.
 	pool, err := retry(ctx, log, ready, readyMigrations, func(ctx context.Context) (*pgxpool.Pool, error) {
-		pool, err := pgdb.Open(ctx, cfg.PostgresURL)
+		pool, err := pgdb.Open(ctx, cfg.PostgresURL, func(pc *pgxpool.Config) {
+			// Each worker holds a connection for its batch's transaction;
+			// the expiry task and a rebuild's lock need one each besides.
+			pc.MaxConns = max(pc.MaxConns, int32(cfg.Workers)+2)
+		})
 		if err != nil {
 			return nil, err
 		}

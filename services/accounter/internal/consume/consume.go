@@ -1,8 +1,8 @@
 // Package consume is the accounter's pull-consumer loop: workers fetch
-// batches from one durable JetStream consumer, write each batch to the
-// ledger in one transaction, apply its Redis effects, publish the
-// corrections, record the settlements, and only then acknowledge the
-// messages. Any failure before the acks naks the messages with a backoff
+// batches from one durable JetStream consumer and handle each in one ledger
+// transaction: write the batch, apply its Redis effects (one pipelined
+// round trip), publish the corrections, record the settlements, commit,
+// and only then acknowledge the messages. Any failure before the acks naks the messages with a backoff
 // (events.Process), so an effect is never acknowledged before Postgres and
 // Redis both hold it, and every effect is idempotent under redelivery.
 package consume
@@ -12,7 +12,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"sync"
 	"time"
 
@@ -28,8 +27,7 @@ import (
 
 // Ledger is the part of the ledger a batch writes.
 type Ledger interface {
-	Write(ctx context.Context, recs []ledger.Record) (ledger.WriteResult, error)
-	MarkSettled(ctx context.Context, marks []ledger.Mark) error
+	Begin(ctx context.Context, recs []ledger.Record) (*ledger.Tx, error)
 }
 
 // Corrections publishes corrected events and waits for their acks.
@@ -49,9 +47,6 @@ type Options struct {
 	BatchWait time.Duration
 	// Source is the CloudEvents source of corrected events.
 	Source string
-	// RedisParallel is how many Redis calls of one batch run at once
-	// (default 32).
-	RedisParallel int
 	// BeforeAck, when set, runs after a batch's effects and before its
 	// acks; an error abandons the batch unacknowledged, as a crash would.
 	// Tests use it to inject crashes.
@@ -79,9 +74,6 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, cor *cor
 	}
 	if opts.BatchSize <= 0 {
 		opts.BatchSize = 500
-	}
-	if opts.RedisParallel <= 0 {
-		opts.RedisParallel = 32
 	}
 	if opts.BatchWait <= 0 {
 		opts.BatchWait = 200 * time.Millisecond
@@ -311,31 +303,33 @@ func (c *Consumer) record(ev events.Event, payload []byte) ledger.Record {
 	return r
 }
 
-// apply writes the batch to the ledger and applies its Redis effects. A
-// ledger failure fails the whole batch (returned); a Redis failure fails
-// only its event (items[i].err).
+// apply writes the batch to the ledger and applies its Redis effects, in
+// one ledger transaction: the events and reservation rows are written
+// (their rows locked), Redis corrected, the corrections published, then the
+// reservations marked settled and everything committed at once. A ledger
+// failure fails the whole batch (returned); a Redis or publish failure
+// fails only its event (items[i].err), whose reservation stays open.
 func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record) error {
 	if len(recs) == 0 {
 		return nil
 	}
 	t0 := time.Now()
-	res, err := c.store.Write(ctx, recs)
+	tx, err := c.store.Begin(ctx, recs)
 	if err != nil && ledger.IsRejected(err) {
-		// One event Postgres cannot hold must not hold up the others:
-		// find it by writing them one by one.
-		res, err = c.writeEach(ctx, items, recs)
+		// One event Postgres cannot hold must not hold up the others.
+		tx, err = c.beginWithoutRejected(ctx, items, recs)
 	}
 	c.m.phase.WithLabelValues("ledger").Observe(time.Since(t0).Seconds())
 	if err != nil {
 		return err
 	}
+	defer tx.Rollback(ctx) // unless committed
+	res := tx.Result
 	c.cor.Gate.RLock()
 	defer c.cor.Gate.RUnlock()
 
 	// One Redis effect per open reservation of the batch, in the order of
-	// the batch's events; they touch different reservations, so they run
-	// concurrently (a script call is one round trip each: running them
-	// side by side is what pipelining them would buy).
+	// the batch's events, all in one pipelined round trip.
 	var tasks []task
 	done := map[ledger.Key]bool{}
 	for i := range items {
@@ -346,8 +340,8 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		var t task
 		switch d := it.ev.Data.(type) {
 		case events.Actual:
-			t = task{item: i, actual: &d, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
-			t.cost = c.cor.Cost(d)
+			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
+			t.Actual, t.Cost = &d, c.cor.Cost(d)
 		case events.Released:
 			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
 		default:
@@ -361,26 +355,17 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 			continue
 		}
 		done[t.key] = true
-		t.row = row
+		t.Row = row
 		tasks = append(tasks, t)
 	}
 	t0 = time.Now()
-	sem := make(chan struct{}, c.opts.RedisParallel)
-	var wg sync.WaitGroup
+	effects := make([]correct.Effect, len(tasks))
 	for i := range tasks {
-		t := &tasks[i]
-		sem <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			if t.actual != nil {
-				t.settlement, t.ok, t.err = c.cor.Actual(ctx, *t.actual, t.cost, t.row)
-			} else {
-				_, t.err = c.cor.Release(ctx, t.row)
-				t.ok = t.err == nil
-			}
-		})
+		effects[i] = tasks[i].Effect
 	}
-	wg.Wait()
+	for i, o := range c.cor.Apply(ctx, effects) {
+		tasks[i].Outcome = o
+	}
 	c.m.phase.WithLabelValues("redis").Observe(time.Since(t0).Seconds())
 
 	var (
@@ -392,26 +377,26 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	for j := range tasks {
 		t := &tasks[j]
 		k := t.key
-		if t.err != nil {
-			items[t.item].err = fmt.Errorf("settle %s/%s %s: %w", k.Tenant, k.User, k.RequestID, t.err)
-			items[t.item].transient = transient(t.err)
+		if t.Err != nil {
+			items[t.item].err = fmt.Errorf("settle %s/%s %s: %w", k.Tenant, k.User, k.RequestID, t.Err)
+			items[t.item].transient = transient(t.Err)
 			continue
 		}
-		if !t.ok {
+		if !t.OK {
 			continue
 		}
-		if t.actual == nil {
+		if t.Actual == nil {
 			marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusReleased})
 			continue
 		}
-		s, delta := t.settlement, t.settlement.Delta
+		s, delta := t.Settlement, t.Settlement.Delta
 		switch s.Status {
 		case limits.AlreadySettled:
 			// An earlier delivery corrected Redis but failed before the
 			// ledger knew: announce it again (the id dedups).
-			delta = t.cost
-			if t.row.Estimate >= 0 {
-				delta = t.cost - t.row.Estimate
+			delta = t.Cost
+			if t.Row.Estimate >= 0 {
+				delta = t.Cost - t.Row.Estimate
 			}
 		case limits.Settled, limits.ChargedUnknown:
 		default:
@@ -422,7 +407,6 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusSettled})
 	}
 	t0 = time.Now()
-	defer func() { c.m.phase.WithLabelValues("publish_mark").Observe(time.Since(t0).Seconds()) }()
 	if len(fixes) > 0 {
 		if err := c.pub.PublishBatch(ctx, fixes); err != nil {
 			var be *events.BatchError
@@ -447,45 +431,47 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 			marks = kept
 		}
 	}
-	return c.store.MarkSettled(ctx, marks)
+	c.m.phase.WithLabelValues("publish").Observe(time.Since(t0).Seconds())
+	t0 = time.Now()
+	defer func() { c.m.phase.WithLabelValues("commit").Observe(time.Since(t0).Seconds()) }()
+	return tx.Commit(ctx, marks)
 }
 
-// writeEach writes recs one by one, marking the items whose record
-// Postgres rejects (ledger.IsRejected); any other failure fails the batch.
-// recs are the records of items that are neither bad nor skipped, in order.
-func (c *Consumer) writeEach(ctx context.Context, items []item, recs []ledger.Record) (ledger.WriteResult, error) {
-	all := ledger.WriteResult{Reservations: map[ledger.Key]ledger.Reservation{}}
+// beginWithoutRejected finds the items whose record Postgres rejects
+// (ledger.IsRejected) by writing each alone and rolling it back, marks
+// them, and begins the batch's write without them; any other failure fails
+// the batch. recs are the records of items that are neither bad nor
+// skipped, in order.
+func (c *Consumer) beginWithoutRejected(ctx context.Context, items []item, recs []ledger.Record) (*ledger.Tx, error) {
+	var good []ledger.Record
 	r := 0
 	for i := range items {
 		it := &items[i]
 		if it.bad || it.skip {
 			continue
 		}
-		res, err := c.store.Write(ctx, recs[r:r+1])
+		rec := recs[r]
 		r++
+		tx, err := c.store.Begin(ctx, []ledger.Record{rec})
 		if err != nil {
 			if ledger.IsRejected(err) {
 				it.rejected = err
 				continue
 			}
-			return ledger.WriteResult{}, err
+			return nil, err
 		}
-		all.Inserted += res.Inserted
-		maps.Copy(all.Reservations, res.Reservations)
+		tx.Rollback(ctx)
+		good = append(good, rec)
 	}
-	return all, nil
+	return c.store.Begin(ctx, good)
 }
 
-// task is the Redis effect of one event of a batch.
+// task is the Redis effect of one event of a batch and its outcome.
 type task struct {
-	item       int        // index in the batch
-	key        ledger.Key // the reservation
-	row        ledger.Reservation
-	actual     *events.Actual // nil: a release
-	cost       int64
-	settlement limits.Settlement
-	ok         bool // an effect was applied (or found applied)
-	err        error
+	item int        // index in the batch
+	key  ledger.Key // the reservation
+	correct.Effect
+	correct.Outcome
 }
 
 type metrics struct {
@@ -518,11 +504,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		phase: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "quotaflow_accounter_batch_phase_seconds",
-			Help:    "Time of each phase of a batch: ledger (Postgres write), redis (corrections), publish_mark (corrected events and settlements), ack.",
+			Help:    "Time of each phase of a batch: ledger (Postgres write, transaction left open), redis (corrections), publish (corrected events), commit (rollups, settlements, commit), ack.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
 		}, []string{"phase"}),
 	}
-	for _, ph := range []string{"ledger", "redis", "publish_mark", "ack"} {
+	for _, ph := range []string{"ledger", "redis", "publish", "commit", "ack"} {
 		m.phase.WithLabelValues(ph)
 	}
 	for _, typ := range []string{events.TypeReserved, events.TypeDenied, events.TypeActual, events.TypeReleased, events.TypeCorrected, events.TypeTopUp, "unknown"} {

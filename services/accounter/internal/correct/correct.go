@@ -7,6 +7,7 @@
 package correct
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -87,43 +88,61 @@ func subjectRules(p *limits.Policy, tenant, plan, endpoint string) ([]limits.Rul
 	return r.Subject, nil
 }
 
-// Actual corrects the reservation of d to cost. res is its ledger row
-// (after this batch's write); its estimate is the fallback when the Redis
-// record is gone, and with no estimate anywhere the cost is charged in full.
-// A reservation the ledger already settled at its estimate (expired) is not
-// touched: ok is false then.
-func (c *Corrector) Actual(ctx context.Context, d events.Actual, cost int64, res ledger.Reservation) (s limits.Settlement, ok bool, err error) {
-	if res.Status == ledger.StatusExpired || res.Status == ledger.StatusExpiredReleased {
-		return limits.Settlement{}, false, nil
-	}
-	endpoint := res.Endpoint
-	if endpoint == "" {
-		endpoint = d.Endpoint
-	}
-	rules, err := c.rules(d.Tenant, res.Plan, endpoint)
-	if err != nil {
-		return limits.Settlement{}, false, err
-	}
-	s, err = c.lim.Correct(ctx, limits.Settle{
-		Tenant: d.Tenant, User: d.User, RequestID: d.RequestID,
-		Actual: cost, Rules: rules, Fallback: fallback(res),
-	})
-	if err != nil {
-		return limits.Settlement{}, false, err
-	}
-	return s, true, nil
+// Effect is the Redis effect of one event: the correction of an actual
+// event to Cost (Actual set) or the release of a reservation. Row is the
+// reservation's ledger row (after the batch's write); its estimate is the
+// fallback when the Redis record is gone, and with no estimate anywhere an
+// actual is charged in full.
+type Effect struct {
+	Actual *events.Actual // nil: a release
+	Cost   int64
+	Row    ledger.Reservation
 }
 
-// Release gives back the estimate of reservation res.
-func (c *Corrector) Release(ctx context.Context, res ledger.Reservation) (limits.Settlement, error) {
-	rules, err := c.rules(res.Tenant, res.Plan, res.Endpoint)
-	if err != nil {
-		return limits.Settlement{}, err
+// Outcome is what became of one Effect. OK is false when there was nothing
+// to do: an actual of a reservation the ledger already settled at its
+// estimate (expired) is not applied.
+type Outcome struct {
+	Settlement limits.Settlement
+	OK         bool
+	Err        error
+}
+
+// Apply applies effects to Redis in one pipelined round trip
+// (limits.SettleMany), in order, and returns one outcome per effect; an
+// effect's failure (its rules unresolvable, Redis unreachable) fails only
+// its own outcome.
+func (c *Corrector) Apply(ctx context.Context, effects []Effect) []Outcome {
+	out := make([]Outcome, len(effects))
+	ops := make([]limits.SettleOp, 0, len(effects))
+	owner := make([]int, 0, len(effects)) // effects index of each op
+	for i, e := range effects {
+		res := e.Row
+		op := limits.SettleOp{Release: e.Actual == nil}
+		endpoint := res.Endpoint
+		if e.Actual != nil {
+			if res.Status == ledger.StatusExpired || res.Status == ledger.StatusExpiredReleased {
+				continue
+			}
+			if endpoint == "" {
+				endpoint = e.Actual.Endpoint
+			}
+			op.Actual = e.Cost
+		}
+		rules, err := c.rules(res.Tenant, res.Plan, endpoint)
+		if err != nil {
+			out[i].Err = err
+			continue
+		}
+		op.Tenant, op.User, op.RequestID = res.Tenant, res.User, res.RequestID
+		op.Rules, op.Fallback = rules, fallback(res)
+		ops = append(ops, op)
+		owner = append(owner, i)
 	}
-	return c.lim.Release(ctx, limits.Settle{
-		Tenant: res.Tenant, User: res.User, RequestID: res.RequestID,
-		Rules: rules, Fallback: fallback(res),
-	})
+	for j, r := range c.lim.SettleMany(ctx, ops) {
+		out[owner[j]] = Outcome{Settlement: r.Settlement, OK: r.Err == nil, Err: r.Err}
+	}
+	return out
 }
 
 // fallback is what Redis holds for reservation res when its record there
@@ -193,9 +212,9 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 }
 
 // rebuild charges the ledger's usage of the longest token window into the
-// token windows (Charge with Force at each usage's time), subject by
-// subject in time order. Request limits and concurrency slots start afresh;
-// balances are rebuilt by rebuildBalances.
+// token windows (Charge with Force at each usage's time, many per round
+// trip), subject by subject in time order. Request limits and concurrency
+// slots start afresh; balances are rebuilt by rebuildBalances.
 func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 	p := c.policy()
 	w := p.LongestTokenWindow()
@@ -205,6 +224,16 @@ func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 	subjects := 0
 	var last ledger.Usage
 	cache := map[[3]string][]limits.Rule{}
+	var pending []limits.ChargeRequest // in the ledger's order, which ChargeMany keeps
+	flush := func() error {
+		for _, r := range c.lim.ChargeMany(ctx, pending) {
+			if r.Err != nil {
+				return r.Err
+			}
+		}
+		pending = pending[:0]
+		return nil
+	}
 	err := c.store.UsageSince(ctx, time.Now().Add(-w), func(u ledger.Usage) error {
 		if u.Tenant != last.Tenant || u.User != last.User || subjects == 0 {
 			subjects++
@@ -227,16 +256,26 @@ func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 		if len(rules) == 0 {
 			return nil
 		}
-		_, err := c.lim.Charge(ctx, limits.ChargeRequest{
+		pending = append(pending, limits.ChargeRequest{
 			Tenant: u.Tenant, User: u.User, Rules: rules, Amount: u.Tokens, At: u.At, Force: true,
 		})
-		return err
+		if len(pending) < rebuildBatch {
+			return nil
+		}
+		return flush()
 	})
+	if err == nil {
+		err = flush()
+	}
 	if err != nil {
 		return subjects, fmt.Errorf("rebuild: %w", err)
 	}
 	return subjects, nil
 }
+
+// rebuildBatch is how many charges a rebuild sends in one pipelined round
+// trip.
+const rebuildBatch = 500
 
 // rebuildBalances puts back the prepaid balance of every subject that
 // received a top-up: its top-ups as credit, what its requests hold as
@@ -284,16 +323,25 @@ func (c *Corrector) SettleExpired(ctx context.Context, l ExpiryLedger, cutoff ti
 		if err != nil || len(rows) == 0 {
 			return total, err
 		}
+		effects := make([]Effect, len(rows))
+		for i, r := range rows {
+			effects[i].Row = r
+		}
 		keys := make([]ledger.Key, 0, len(rows))
-		for _, r := range rows {
-			if _, err := c.Release(ctx, r); err != nil {
-				return total, fmt.Errorf("release expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, err)
+		var failed error
+		for i, o := range c.Apply(ctx, effects) {
+			if r := rows[i]; o.Err != nil {
+				failed = cmp.Or(failed, fmt.Errorf("release expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, o.Err))
+				continue
 			}
-			keys = append(keys, r.Key)
+			keys = append(keys, rows[i].Key)
 		}
 		if err := l.MarkExpired(ctx, keys, ledger.StatusExpiredReleased); err != nil {
 			return total, err
 		}
 		total += int64(len(keys))
+		if failed != nil {
+			return total, failed
+		}
 	}
 }

@@ -105,33 +105,56 @@ const (
 	kindReleased = "quotaflow.usage.released"
 )
 
-// insertEvents stores the batch's events that are new, adds the new actual
-// events to the hourly rollups, and returns how many were new. One
-// statement: the rollups see exactly the rows this statement inserted, so a
-// redelivery adds nothing.
+// createStaging makes the session's staging tables: ledger_in, which Begin
+// copies a batch into (COPY is the cheapest way into Postgres; the
+// statements below merge the staged rows into the ledger), and ledger_new,
+// the events that were new, whose rollups Commit adds. They are temporary
+// (each pooled connection has its own) and emptied at each commit.
+const createStaging = `
+CREATE TEMP TABLE IF NOT EXISTS ledger_in (
+    event_id text, type text, tenant text, user_id text, request_id text, tokens bigint,
+    occurred_at timestamptz, payload jsonb, plan text, endpoint text, model text, expires_at timestamptz,
+    local boolean
+) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS ledger_new (
+    type text, tenant text, user_id text, tokens bigint, occurred_at timestamptz
+) ON COMMIT DELETE ROWS`
+
+// stagingColumns are ledger_in's columns in COPY order.
+var stagingColumns = []string{"event_id", "type", "tenant", "user_id", "request_id", "tokens",
+	"occurred_at", "payload", "plan", "endpoint", "model", "expires_at", "local"}
+
+// insertEvents stores the staged events that are new, keeps them in
+// ledger_new for the rollups, and returns how many were new: the rollups
+// see exactly the rows this statement inserted, so a redelivery adds
+// nothing.
 const insertEvents = `
 WITH input AS (
-    SELECT DISTINCT ON (event_id) *
-    FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::jsonb[])
-        AS t(event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
+    SELECT DISTINCT ON (event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
+    FROM ledger_in
     ORDER BY event_id
 ), ins AS (
     INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
     SELECT event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload FROM input
     ON CONFLICT (event_id) DO NOTHING
     RETURNING type, tenant, user_id, tokens, occurred_at
-), roll AS (
-    INSERT INTO usage_rollups AS r (tenant, user_id, bucket_start, tokens, requests)
-    SELECT tenant, user_id, date_trunc('hour', occurred_at, 'UTC'), sum(tokens), count(*)
-    FROM ins WHERE type = 'quotaflow.usage.actual'
-    GROUP BY 1, 2, 3
-    ORDER BY 1, 2, 3
-    ON CONFLICT (tenant, user_id, bucket_start)
-    DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + excluded.requests
+), kept AS (
+    INSERT INTO ledger_new SELECT * FROM ins
 )
 SELECT count(*) FROM ins`
 
-// upsertReservations merges the batch's reserved, actual and released
+// addRollups adds the new actual events (ledger_new) to the hourly
+// rollups.
+const addRollups = `
+INSERT INTO usage_rollups AS r (tenant, user_id, bucket_start, tokens, requests)
+SELECT tenant, user_id, date_trunc('hour', occurred_at, 'UTC'), sum(tokens), count(*)
+FROM ledger_new WHERE type = 'quotaflow.usage.actual'
+GROUP BY 1, 2, 3
+ORDER BY 1, 2, 3
+ON CONFLICT (tenant, user_id, bucket_start)
+DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + excluded.requests`
+
+// upsertReservations merges the staged reserved, actual and released
 // events into their reservation rows (first value wins, so a redelivery
 // changes nothing) and returns every touched row.
 const upsertReservations = `
@@ -148,8 +171,11 @@ SELECT tenant, user_id, request_id,
     min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.released'),
     coalesce(bool_or(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[], $9::timestamptz[], $10::timestamptz[], $11::bool[])
-    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at, local)
+FROM (
+    SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at, local
+    FROM ledger_in
+    WHERE type IN ('quotaflow.usage.reserved', 'quotaflow.usage.actual', 'quotaflow.usage.released')
+) t
 GROUP BY tenant, user_id, request_id
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
 ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
@@ -168,7 +194,7 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
 RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
     coalesce(actual_tokens, -1), reserved_at, status, local`
 
-// WriteResult is what Write did.
+// WriteResult is what a write did.
 type WriteResult struct {
 	// Inserted is how many events were new (the rest were redeliveries).
 	Inserted int
@@ -177,51 +203,68 @@ type WriteResult struct {
 	Reservations map[Key]Reservation
 }
 
-// Write stores a batch in one transaction: the new events, their rollups and
-// the reservation rows. Writing the same records again changes nothing.
-func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
-	n := len(recs)
-	ids, kinds, tenants, users, reqs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	tokens, ats, payloads := make([]int64, n), make([]time.Time, n), make([]string, n)
-	var rt, ru, rr, rk, rp, re, rm []string
-	var rtok []int64
-	var rat, rexp []*time.Time
-	var rlocal []bool
-	for i, r := range recs {
-		ids[i], kinds[i], tenants[i], users[i], reqs[i] = r.EventID, r.Kind, r.Tenant, r.User, r.RequestID
-		tokens[i], ats[i], payloads[i] = r.Tokens, r.OccurredAt, string(r.Payload)
-		switch r.Kind {
-		case kindReserved, kindActual, kindReleased:
-			rt, ru, rr, rk = append(rt, r.Tenant), append(ru, r.User), append(rr, r.RequestID), append(rk, r.Kind)
-			rp, re, rm = append(rp, r.Plan), append(re, r.Endpoint), append(rm, r.Model)
-			rtok, rlocal = append(rtok, r.Tokens), append(rlocal, r.Local)
-			at := r.OccurredAt
-			rat = append(rat, &at)
-			var exp *time.Time
-			if !r.ExpiresAt.IsZero() {
-				e := r.ExpiresAt
-				exp = &e
-			}
-			rexp = append(rexp, exp)
-		}
+// Tx is a batch's write in progress: its events and reservation rows are
+// written and locked, not yet committed. The consumer applies the batch's
+// Redis effects meanwhile, so that Commit records them (marks) in the same
+// transaction. Call Commit or Rollback; Rollback after Commit does nothing.
+//
+// It drives the transaction on a pooled connection itself, rather than
+// through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
+// four exchanges a batch (BEGIN with the staging tables, COPY, the merge,
+// the settlements with COMMIT) instead of six.
+type Tx struct {
+	conn *pgxpool.Conn // nil once committed or rolled back
+	// Result is what the write did, as the transaction sees it.
+	Result WriteResult
+}
+
+// Begin writes a batch in a new transaction and leaves it open: the
+// records are copied into the staging table, the new events stored and
+// the reservation rows merged (their rows returned in Result). A
+// redelivered record changes nothing.
+func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
-	res := WriteResult{Reservations: make(map[Key]Reservation, len(rt))}
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		res.Inserted = 0
-		clear(res.Reservations)
-		if err := tx.QueryRow(ctx, insertEvents, ids, kinds, tenants, users, reqs, tokens, ats, payloads).Scan(&res.Inserted); err != nil {
+	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}}
+	if err := t.write(ctx, recs); err != nil {
+		t.Rollback(ctx)
+		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
+	}
+	return t, nil
+}
+
+func (t *Tx) write(ctx context.Context, recs []Record) error {
+	// Without arguments Exec uses the simple protocol, which runs several
+	// statements in one round trip.
+	if _, err := t.conn.Exec(ctx, "BEGIN;"+createStaging); err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	_, err := t.conn.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
+		r := &recs[i]
+		var exp *time.Time
+		if !r.ExpiresAt.IsZero() {
+			exp = &r.ExpiresAt
+		}
+		return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, string(r.Payload),
+			r.Plan, r.Endpoint, r.Model, exp, r.Local}, nil
+	}))
+	if err != nil {
+		return fmt.Errorf("copy events: %w", err)
+	}
+	res := &t.Result
+	b := &pgx.Batch{}
+	b.Queue(insertEvents).QueryRow(func(row pgx.Row) error {
+		if err := row.Scan(&res.Inserted); err != nil {
 			return fmt.Errorf("insert events: %w", err)
 		}
-		if len(rt) == 0 {
-			return nil
-		}
-		rows, err := tx.Query(ctx, upsertReservations, rt, ru, rr, rk, rp, re, rm, rtok, rat, rexp, rlocal)
-		if err != nil {
-			return fmt.Errorf("upsert reservations: %w", err)
-		}
+		return nil
+	})
+	b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
 		var v Reservation
 		var reservedAt *time.Time
-		_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status, &v.Local}, func() error {
+		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status, &v.Local}, func() error {
 			v.ReservedAt = time.Time{}
 			if reservedAt != nil {
 				v.ReservedAt = *reservedAt
@@ -234,10 +277,52 @@ func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
 		}
 		return nil
 	})
-	if err != nil {
-		return WriteResult{}, fmt.Errorf("ledger write of %d events: %w", n, err)
+	return t.conn.SendBatch(ctx, b).Close()
+}
+
+// Commit records marks (see MarkSettled), adds the batch's rollups and
+// commits, in one round trip. The rollups come last: their rows are shared
+// by every batch of a subject, so their locks are held only until the
+// commit.
+func (t *Tx) Commit(ctx context.Context, marks []Mark) error {
+	b := &pgx.Batch{}
+	if len(marks) > 0 {
+		b.Queue(markSettled, markArgs(marks)...)
 	}
-	return res, nil
+	b.Queue(addRollups)
+	b.Queue("COMMIT")
+	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
+		t.Rollback(ctx)
+		return fmt.Errorf("ledger commit: %w", err)
+	}
+	t.conn.Release()
+	t.conn = nil
+	return nil
+}
+
+// Rollback abandons the write.
+func (t *Tx) Rollback(ctx context.Context) {
+	if t.conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if _, err := t.conn.Exec(ctx, "ROLLBACK"); err != nil {
+		// The connection's state is unknown: it must not go back to the pool.
+		_ = t.conn.Conn().Close(ctx)
+	}
+	t.conn.Release()
+	t.conn = nil
+}
+
+// Write stores a batch in one transaction (Begin, then Commit without
+// marks). Writing the same records again changes nothing.
+func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
+	t, err := s.Begin(ctx, recs)
+	if err != nil {
+		return WriteResult{}, err
+	}
+	return t.Result, t.Commit(ctx, nil)
 }
 
 // Mark records that Redis now holds the effect of a reservation's actual or
@@ -260,14 +345,19 @@ func (s *Store) MarkSettled(ctx context.Context, marks []Mark) error {
 	if len(marks) == 0 {
 		return nil
 	}
+	if _, err := s.pool.Exec(ctx, markSettled, markArgs(marks)...); err != nil {
+		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
+	}
+	return nil
+}
+
+// markArgs are markSettled's arguments for marks.
+func markArgs(marks []Mark) []any {
 	t, u, r, st := make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks))
 	for i, m := range marks {
 		t[i], u[i], r[i], st[i] = m.Tenant, m.User, m.RequestID, m.Status
 	}
-	if _, err := s.pool.Exec(ctx, markSettled, t, u, r, st); err != nil {
-		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
-	}
-	return nil
+	return []any{t, u, r, st}
 }
 
 // expireAtEstimate settles, in the ledger only, open reservations without

@@ -14,7 +14,7 @@ import (
 // testPool creates a database of the test's own on the development
 // Postgres (QF_TEST_POSTGRES_URL overrides it), migrates it and drops it at
 // the end.
-func testPool(t *testing.T) *pgxpool.Pool {
+func testPool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
 	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_ledger_test"))
@@ -150,5 +150,55 @@ func TestUsageOf(t *testing.T) {
 		if err != nil || got != tc.want {
 			t.Errorf("UsageOf(%s, %q) = %d tokens, %v; want %d", tc.tenant, tc.user, got, err, tc.want)
 		}
+	}
+}
+
+func TestTxCommitsOrLeavesNothing(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	k := Key{Tenant: "t", User: "u", RequestID: "r1"}
+	recs := []Record{{EventID: "a1", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r1", Tokens: 40, OccurredAt: at, Payload: []byte(`{}`)}}
+	count := func(q string) (n int64) {
+		t.Helper()
+		if err := pool.QueryRow(ctx, q).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	tx, err := s.Begin(ctx, recs)
+	if err != nil || tx.Result.Inserted != 1 || tx.Result.Reservations[k].Status != StatusOpen {
+		t.Fatalf("Begin = %+v, %v; want 1 inserted, open", tx, err)
+	}
+	tx.Rollback(ctx)
+	if n := count("SELECT count(*) FROM usage_events") + count("SELECT count(*) FROM reservations"); n != 0 {
+		t.Fatalf("%d rows after Rollback, want 0", n)
+	}
+
+	tx, err = s.Begin(ctx, recs)
+	if err != nil || tx.Result.Inserted != 1 {
+		t.Fatalf("Begin again = %+v, %v; want 1 inserted", tx, err)
+	}
+	if err := tx.Commit(ctx, []Mark{{Key: k, Status: StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	tx.Rollback(ctx) // after Commit: nothing
+	if n := count("SELECT count(*) FROM reservations WHERE status = 'settled'"); n != 1 {
+		t.Errorf("settled reservations = %d, want 1", n)
+	}
+	if n := count("SELECT sum(tokens) FROM usage_rollups"); n != 40 {
+		t.Errorf("rolled up tokens = %d, want 40", n)
+	}
+	// The connections went back to the pool clean: the next batch on any
+	// of them starts its own transaction.
+	for range 3 {
+		if _, err := s.Write(ctx, recs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := count("SELECT sum(tokens) FROM usage_rollups"); n != 40 {
+		t.Errorf("rolled up tokens after redeliveries = %d, want 40", n)
 	}
 }

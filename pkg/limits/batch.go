@@ -1,0 +1,149 @@
+package limits
+
+import (
+	"context"
+	"errors"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// SettleOp is one settlement of SettleMany: a Correct, or a Release when
+// Release is set.
+type SettleOp struct {
+	Settle
+	Release bool
+}
+
+// SettleResult is what Correct or Release would have returned for one
+// SettleOp.
+type SettleResult struct {
+	Settlement
+	Err error
+}
+
+// SettleMany corrects or releases every op as Correct and Release do, with
+// the same guarantees (each reservation settles once, the epoch is checked
+// per op) and the same result as calling them one by one in order: Redis
+// runs a pipeline's scripts in the order sent, so an op repeated within
+// ops finds the earlier one's effect (AlreadySettled). The calls go out in
+// one pipelined round trip (one per node of a Redis Cluster, since each
+// op's keys share one slot) when the client pipelines (*redis.Client,
+// *redis.ClusterClient, *redis.Ring), else one by one. An invalid op or a
+// failed call fails only its own result.
+func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult {
+	calls := make([]call, len(ops))
+	for i := range ops {
+		op := 1
+		if ops[i].Release {
+			op = 2
+		}
+		calls[i] = l.settleCall(ops[i].Settle, op)
+	}
+	cmds := l.runAll(ctx, settleScript, calls)
+	out := make([]SettleResult, len(ops))
+	for i := range calls {
+		if calls[i].err != nil {
+			out[i].Err = calls[i].err
+			continue
+		}
+		out[i].Settlement, out[i].Err = parseSettlement(cmds[i], &calls[i])
+	}
+	return out
+}
+
+// ChargeResult is what Charge would have returned for one request of
+// ChargeMany.
+type ChargeResult struct {
+	States []State
+	Err    error
+}
+
+// ChargeMany charges every request as Charge does, in order, in one
+// pipelined round trip like SettleMany.
+func (l *Limiter) ChargeMany(ctx context.Context, reqs []ChargeRequest) []ChargeResult {
+	calls := make([]call, len(reqs))
+	for i := range reqs {
+		calls[i] = l.chargeCall(reqs[i])
+	}
+	cmds := l.runAll(ctx, chargeScript, calls)
+	out := make([]ChargeResult, len(reqs))
+	for i := range calls {
+		if calls[i].err != nil {
+			out[i].Err = calls[i].err
+			continue
+		}
+		out[i].States, out[i].Err = parseCharge(cmds[i], &calls[i])
+	}
+	return out
+}
+
+// call is one prepared script call; err, when set, rejected its arguments
+// and it is not sent.
+type call struct {
+	keys  []string
+	args  []any
+	rules []Rule // the rules the reply reports on, in order
+	what  string // names the call in errors
+	err   error
+}
+
+// pipeliner is what runAll needs to pipeline.
+type pipeliner interface {
+	Pipeline() redis.Pipeliner
+}
+
+// runAll runs script for every valid call and returns its command (nil for
+// the invalid ones). With a pipelining client the calls go out as EVALSHA
+// in one pipeline; the ones a node answers NOSCRIPT (it has not cached the
+// script yet, or flushed it) go again as EVAL in a second one, as
+// Script.Run does for a single call. A node misses the script for all the
+// calls it gets, so the retried calls keep their order among themselves.
+func (l *Limiter) runAll(ctx context.Context, script *redis.Script, calls []call) []*redis.Cmd {
+	cmds := make([]*redis.Cmd, len(calls))
+	p, ok := l.rdb.(pipeliner)
+	if !ok {
+		for i := range calls {
+			if calls[i].err == nil {
+				cmds[i] = script.Run(ctx, l.rdb, calls[i].keys, calls[i].args...)
+			}
+		}
+		return cmds
+	}
+	send := func(eval bool, which []int) {
+		pipe := p.Pipeline()
+		for _, i := range which {
+			if eval {
+				cmds[i] = script.Eval(ctx, pipe, calls[i].keys, calls[i].args...)
+			} else {
+				cmds[i] = script.EvalSha(ctx, pipe, calls[i].keys, calls[i].args...)
+			}
+		}
+		_, _ = pipe.Exec(ctx) // each command holds its own error
+	}
+	valid := make([]int, 0, len(calls))
+	for i := range calls {
+		if calls[i].err == nil {
+			valid = append(valid, i)
+		}
+	}
+	if len(valid) == 0 {
+		return cmds
+	}
+	send(false, valid)
+	var missing []int
+	for _, i := range valid {
+		if isNoScript(cmds[i].Err()) {
+			missing = append(missing, i)
+		}
+	}
+	if len(missing) > 0 {
+		send(true, missing)
+	}
+	return cmds
+}
+
+// isNoScript reports whether err says the node has not cached the script,
+// in either form go-redis hands it over.
+func isNoScript(err error) bool {
+	return err != nil && (errors.Is(err, redis.ErrNoScript) || redis.HasErrorPrefix(err, "NOSCRIPT"))
+}
