@@ -269,7 +269,7 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 		var dec limits.Decision
 		err := d.call(a.ctx, opReserve, func(ctx context.Context) error {
 			var err error
-			dec, err = d.lim.Reserve(ctx, limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules})
+			dec, err = d.batch.reserve(ctx, limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules})
 			return err
 		})
 		switch {

@@ -23,7 +23,10 @@
 // token_bucket kinds are served from leases and cost none on the hot path;
 // any other shared limit (token units, sliding_log, rolling) costs one
 // ReserveShared call per layer. A denial after a shared reservation costs a
-// Charge to compensate it.
+// Charge to compensate it. Reserve calls of concurrent admissions share
+// their round trip: those that arrive while one pipeline is in flight go
+// together in the next (limits.Limiter.ReserveBatch), each still its own
+// atomic script run with its own deadline.
 //
 // # Leasing
 //
