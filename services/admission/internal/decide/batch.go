@@ -15,8 +15,14 @@ import (
 // then go in the next one (limits.ReserveBatch), so under load a round trip
 // — one write and one read system call on each side — serves many requests
 // instead of one, and with no load a call goes out at once. Each call is
-// still one script run with its own reply, and each caller still waits no
-// longer than its own deadline.
+// still one script run with its own reply.
+//
+// Deadlines: a batch is sent under the earliest deadline of its calls, and a
+// call whose deadline passed while it was queued is not sent. Calls arrive
+// in deadline order (they share Options.RedisTimeout), so the batch in
+// flight when a call is queued ends before that call's deadline, and no
+// caller waits past its own. This is why a caller needs no context and
+// timer of its own.
 //
 // One goroutine (run) sends the batches; a single pipeline in flight keeps
 // Redis, which runs scripts one at a time anyway, fed without making the
@@ -31,42 +37,47 @@ type batcher struct {
 	stopped bool
 }
 
-// reservation is one queued Reserve call; done is closed once dec and err
-// are set.
+// reservation is one queued Reserve call; done receives once dec and err
+// are set. Reservations are reused.
 type reservation struct {
-	ctx  context.Context
-	req  limits.Request
-	done chan struct{}
-	dec  limits.Decision
-	err  error
+	deadline time.Time
+	req      limits.Request
+	done     chan struct{}
+	dec      limits.Decision
+	err      error
 }
+
+var reservations = sync.Pool{New: func() any { return &reservation{done: make(chan struct{}, 1)} }}
 
 func newBatcher(lim *limits.Limiter, size prometheus.Observer) *batcher {
 	return &batcher{lim: lim, size: size, wake: make(chan struct{}, 1)}
 }
 
-// reserve is limits.Limiter.Reserve through the next batch. It returns
-// ctx's error when ctx ends first; the call may still reach Redis then, as a
-// lone call cut off by its deadline may.
-func (b *batcher) reserve(ctx context.Context, req limits.Request) (limits.Decision, error) {
-	r := &reservation{ctx: ctx, req: req, done: make(chan struct{})}
+// reserve is limits.Limiter.Reserve through the next batch, within timeout
+// (context.DeadlineExceeded after it). Only the values of ctx matter: the
+// call waits for its batch, which ends by the deadline.
+func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits.Request) (limits.Decision, error) {
 	b.mu.Lock()
+	deadline := time.Now().Add(timeout) // under mu: the queue is in deadline order
 	if b.stopped {
 		b.mu.Unlock()
+		ctx, cancel := context.WithDeadline(ctx, deadline)
+		defer cancel()
 		return b.lim.Reserve(ctx, req)
 	}
+	r := reservations.Get().(*reservation)
+	r.deadline, r.req = deadline, req
 	b.queue = append(b.queue, r)
 	b.mu.Unlock()
 	select {
 	case b.wake <- struct{}{}:
 	default: // already signalled
 	}
-	select {
-	case <-r.done:
-		return r.dec, r.err
-	case <-ctx.Done():
-		return limits.Decision{}, ctx.Err()
-	}
+	<-r.done
+	dec, err := r.dec, r.err
+	*r = reservation{done: r.done}
+	reservations.Put(r)
+	return dec, err
 }
 
 // run sends batches until ctx ends, then sends what is still queued and
@@ -92,42 +103,39 @@ func (b *batcher) run(ctx context.Context) {
 				break
 			}
 			b.send(batch)
-			clear(batch) // let the finished reservations go
+			clear(batch) // the reservations belong to their callers again
 		}
 	}
 }
 
-// send makes one pipelined call for the reservations whose callers still
-// wait, under the latest of their deadlines.
+// send makes one pipelined call for the reservations still within their
+// deadlines, under the earliest of them, and answers every reservation.
 func (b *batcher) send(batch []*reservation) {
 	live := make([]*reservation, 0, len(batch))
 	reqs := make([]limits.Request, 0, len(batch))
+	now := time.Now()
 	var deadline time.Time
-	unbounded := false
 	for _, r := range batch {
-		if r.ctx.Err() != nil {
-			continue // its caller has given up
+		if !r.deadline.After(now) {
+			r.err = context.DeadlineExceeded
+			r.done <- struct{}{}
+			continue
 		}
 		live = append(live, r)
 		reqs = append(reqs, r.req)
-		dl, ok := r.ctx.Deadline()
-		unbounded = unbounded || !ok
-		if dl.After(deadline) {
-			deadline = dl
+		if deadline.IsZero() || r.deadline.Before(deadline) {
+			deadline = r.deadline
 		}
 	}
 	if len(live) == 0 {
 		return
 	}
-	ctx, cancel := context.Background(), context.CancelFunc(func() {})
-	if !unbounded {
-		ctx, cancel = context.WithDeadline(ctx, deadline)
-	}
 	b.size.Observe(float64(len(reqs)))
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	out := b.lim.ReserveBatch(ctx, reqs)
 	cancel()
 	for i, r := range live {
 		r.dec, r.err = out[i].Decision, out[i].Err
-		close(r.done)
+		r.done <- struct{}{}
 	}
 }

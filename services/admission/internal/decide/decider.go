@@ -180,6 +180,19 @@ func (d *Decider) call(ctx context.Context, op string, fn func(context.Context) 
 	return err
 }
 
+// reserve is call for the subject layer's Reserve, which goes through the
+// batcher: it enforces RedisTimeout itself, without a context and timer per
+// call.
+func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decision, error) {
+	if !d.br.allow() {
+		return limits.Decision{}, errBreakerOpen
+	}
+	dec, err := d.batch.reserve(ctx, d.opt.RedisTimeout, req)
+	o, why := d.outcome(ctx, opReserve, err)
+	d.br.done(false, o, why)
+	return dec, err
+}
+
 // outcome classifies the error of a call made under ctx.
 func (d *Decider) outcome(ctx context.Context, op string, err error) (outcome, string) {
 	switch {
