@@ -57,7 +57,7 @@
 // # Degradation
 //
 // Redis failing never fails a request. Every call has Options.RedisTimeout
-// (5ms), which reaches the socket only if the go-redis client is built with
+// (10ms), which reaches the socket only if the go-redis client is built with
 // ContextTimeoutEnabled: true (build it so). A circuit breaker opens after
 // Options.BreakerFailures consecutive failures, or at once when Redis
 // answers without its epoch (limits.ErrNoEpoch: it lost its data), and then
