@@ -2,11 +2,14 @@ package decide
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
 	"quotaflow/internal/redistest"
@@ -64,5 +67,38 @@ plans:
 	}
 	if got := m.GetHistogram().GetSampleSum(); got != workers*each {
 		t.Fatalf("reserve calls batched = %v, want %d", got, workers*each)
+	}
+}
+
+// A call whose deadline passed while it was queued is answered
+// context.DeadlineExceeded and never sent; the others of its batch are.
+func TestBatchSkipsCallsPastTheirDeadline(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	lim := limits.New(c, limits.Options{NoEpochGuard: true})
+	b := newBatcher(lim, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
+	rules := []limits.Rule{{Scope: limits.ScopeUser, Limit: limits.Limit{Name: "n", Kind: limits.Fixed, Unit: limits.Requests, Limit: 10, Window: limits.Duration(time.Hour)}}}
+	now := time.Now()
+	var batch []*reservation
+	for i, dl := range []time.Time{now.Add(time.Minute), now.Add(-time.Millisecond), now.Add(time.Minute)} {
+		batch = append(batch, &reservation{
+			deadline: dl, done: make(chan struct{}, 1),
+			req: limits.Request{Tenant: tenant, User: "u", RequestID: fmt.Sprint(i), Cost: 1, Rules: rules},
+		})
+	}
+	b.send(batch)
+	for i, r := range batch {
+		<-r.done
+		expired := i == 1
+		if expired != errors.Is(r.err, context.DeadlineExceeded) || !expired && (r.err != nil || !r.dec.Allowed) {
+			t.Errorf("call %d (expired %v): %+v, %v", i, expired, r.dec, r.err)
+		}
+	}
+	dec, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rules})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if used := dec.States[0].Used; used != 2 {
+		t.Fatalf("redis used = %d, want 2 (the expired call not sent)", used)
 	}
 }
