@@ -65,9 +65,9 @@ type Decider struct {
 // on the reservation TTL) that reads the current policy from policy (e.g. a
 // limits.Watcher's Current) on every request. log receives breaker changes
 // and background failures; reg receives the metrics (nil: not registered).
-// It starts three background goroutines, idle lease eviction, the Redis
-// prober (which also warms the connection and script cache at once) and the
-// batcher of Reserve calls; Close stops them.
+// It starts two background goroutines, idle lease eviction and the Redis
+// prober (which also warms the connection and script cache at once); Close
+// stops them.
 func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Decider, error) {
 	if lim == nil || policy == nil {
 		return nil, errors.New("decide: a limiter and a policy source are required")
@@ -98,7 +98,6 @@ func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *s
 	d.stop = stop
 	d.spawn(func() { d.janitor(ctx) })
 	d.spawn(func() { d.prober(ctx) })
-	d.spawn(func() { d.batch.run(ctx) })
 	return d, nil
 }
 
