@@ -124,17 +124,18 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	}
 
 	fmt.Printf("admission answer %d bytes; plain answer of the same size; %d users; %s per run\n\n", size, users, dur)
-	fmt.Println("| target | concurrency | req/s | p50 | p99 | server CPU/req | RSS | Redis calls/req | Redis µs/req | failopen | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
-	row := func(name string, conc int, r result, p *exec.Cmd, cpu time.Duration, calls, usec float64, failopen float64) {
+	fmt.Println("| target | concurrency | req/s | p50 | p99 | server CPU/req | RSS | Redis calls/req | Redis µs/req | Reserves/batch | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
+	row := func(name string, conc int, r result, p *exec.Cmd, cpu time.Duration, calls, usec, perBatch, failopen float64) {
 		n := float64(r.n)
-		fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %d MiB | %s | %s | %.0f | %s |\n", name, conc, n/r.elapsed.Seconds(),
+		fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %d MiB | %s | %s | %s | %.0f | %s |\n", name, conc, n/r.elapsed.Seconds(),
 			r.pct(50), r.pct(99), (cpu / time.Duration(max(1, r.n))).Round(100*time.Nanosecond), rssMiB(p),
-			ratio(calls, n), ratio(usec, n), failopen, r.statuses())
+			ratio(calls, n), ratio(usec, n), ratio(perBatch, 1), failopen, r.statuses())
 	}
 	measure := func(name, url string, p *exec.Cmd, conc int, endpoint string, d time.Duration) result {
 		c0, u0 := commandStats(ctx, rdb)
 		f0 := failopens(ops)
+		rc0, b0 := batches(ops)
 		t0 := cpuTime(p)
 		var prof sync.WaitGroup
 		if p == adm && profile != "" {
@@ -147,12 +148,15 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 		r := load(url, users, endpoint, conc, d)
 		prof.Wait()
 		cpu := cpuTime(p) - t0
-		var calls, usec float64
+		var calls, usec, perBatch float64
 		if p == adm {
 			c1, u1 := commandStats(ctx, rdb)
 			calls, usec = c1-c0, u1-u0
+			if rc1, b1 := batches(ops); b1 > b0 {
+				perBatch = (rc1 - rc0) / (b1 - b0)
+			}
 		}
-		row(name, conc, r, p, cpu, calls, usec, failopens(ops)-f0)
+		row(name, conc, r, p, cpu, calls, usec, perBatch, failopens(ops)-f0)
 		return r
 	}
 	for _, conc := range levels {
@@ -296,6 +300,19 @@ func commandStats(ctx context.Context, rdb *redis.Client) (calls, usec float64) 
 
 // failopens reads admission's count of decisions made without Redis.
 func failopens(ops string) float64 {
+	return metricSum(ops, "quotaflow_admission_decisions_total{", `result="failopen"`)
+}
+
+// batches reads how many Reserve calls admission sent in how many
+// pipelined batches.
+func batches(ops string) (calls, batches float64) {
+	return metricSum(ops, "quotaflow_admission_reserve_batch_size_sum", ""),
+		metricSum(ops, "quotaflow_admission_reserve_batch_size_count", "")
+}
+
+// metricSum adds up the samples of admission's metrics whose line starts
+// with prefix and contains sub.
+func metricSum(ops, prefix, sub string) float64 {
 	resp, err := http.Get("http://" + ops + "/metrics")
 	if err != nil {
 		return 0
@@ -304,7 +321,7 @@ func failopens(ops string) float64 {
 	b, _ := io.ReadAll(resp.Body)
 	var sum float64
 	for _, line := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(line, "quotaflow_admission_decisions_total{") && strings.Contains(line, `result="failopen"`) {
+		if strings.HasPrefix(line, prefix) && strings.Contains(line, sub) {
 			f, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
 			sum += f
 		}

@@ -218,9 +218,25 @@ func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
 }
 
 func (l *Limiter) subjectCall(ctx context.Context, r Request, mode int) (Decision, error) {
+	keys, args := l.subjectArgs(&r, mode)
+	v, err := reserveScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	return decodeDecision(v, err, &r)
+}
+
+// subjectArgs returns the KEYS and ARGV of a subject call of mode (0
+// reserve, 1 peek).
+func (l *Limiter) subjectArgs(r *Request, mode int) ([]string, []any) {
 	keys, meta := subjectKeysOf(newSubjectKeys(r.Tenant, r.User), r.RequestID, r.Rules)
-	args := []any{l.offset, r.Cost, mode, l.guard, meta, l.resTTL, r.RequestID, packSpecs(r.Rules, l.resTTL)}
-	return l.decide(ctx, keys, args, r.Rules, fmt.Sprintf("reserve %s/%s", r.Tenant, r.User))
+	return keys, []any{l.offset, r.Cost, mode, l.guard, meta, l.resTTL, r.RequestID, packSpecs(r.Rules, l.resTTL)}
+}
+
+// decodeDecision reads the reply (or error) of a subject call of r.
+func decodeDecision(v []int64, err error, r *Request) (Decision, error) {
+	d, err := decodeReply(v, err, r.Rules)
+	if err != nil && !errors.Is(err, ErrNoEpoch) {
+		err = fmt.Errorf("reserve %s/%s: %w", r.Tenant, r.User, err)
+	}
+	return d, err
 }
 
 // subjectKeysOf returns the KEYS of a subject call (lua/lib.lua): the epoch,
@@ -277,7 +293,12 @@ func (l *Limiter) sharedCall(ctx context.Context, scope Scope, id string, cost i
 	}
 	tag := sharedTag(scope, id)
 	args := []any{l.offset, cost, mode, l.guard, "0", 0, "", packSpecs(rules, l.resTTL)}
-	return l.decide(ctx, []string{epochKey(tag), sharedBlob(tag)}, args, rules, fmt.Sprintf("reserve %s %s", scope, id))
+	v, err := reserveScript.Run(ctx, l.rdb, []string{epochKey(tag), sharedBlob(tag)}, args...).Int64Slice()
+	d, err := decodeReply(v, err, rules)
+	if err != nil && !errors.Is(err, ErrNoEpoch) {
+		err = fmt.Errorf("reserve %s %s: %w", scope, id, err)
+	}
+	return d, err
 }
 
 // checkShared rejects limits that need a subject: a shared scope keeps no
@@ -291,17 +312,19 @@ func checkShared(rules []Rule) error {
 	return nil
 }
 
-func (l *Limiter) decide(ctx context.Context, keys []string, args []any, rules []Rule, what string) (Decision, error) {
-	v, err := reserveScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+// decodeReply reads the reply of the reserve script (lua/reserve.lua) or
+// the error of its call. Errors other than ErrNoEpoch are the caller's to
+// wrap with what it called, so the success path formats nothing.
+func decodeReply(v []int64, err error, rules []Rule) (Decision, error) {
 	if err != nil {
-		return Decision{}, fmt.Errorf("%s: %w", what, err)
+		return Decision{}, err
 	}
 	if len(v) == 1 && v[0] == -1 {
 		return Decision{}, ErrNoEpoch
 	}
 	const head = 7
 	if len(v) != head+4*len(rules) {
-		return Decision{}, fmt.Errorf("%s: reply of %d values for %d limits", what, len(v), len(rules))
+		return Decision{}, fmt.Errorf("reply of %d values for %d limits", len(v), len(rules))
 	}
 	d := Decision{
 		Allowed:       v[0] == 1 || v[0] == 2,

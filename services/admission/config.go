@@ -47,7 +47,7 @@ type Config struct {
 	TrustedProxies []string `envconfig:"TRUSTED_PROXIES" default:"127.0.0.0/8,::1/128"`
 
 	// RedisTimeout bounds each Redis call; a slower one is decided locally.
-	RedisTimeout time.Duration `envconfig:"REDIS_TIMEOUT" default:"5ms"`
+	RedisTimeout time.Duration `envconfig:"REDIS_TIMEOUT" default:"10ms"`
 	// BreakerFailures consecutive failed calls open the circuit breaker.
 	BreakerFailures int `envconfig:"REDIS_BREAKER_FAILURES" default:"5"`
 	// BreakerWindow is how long consecutive failures must last before they

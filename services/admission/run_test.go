@@ -52,7 +52,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 	}{
 		{"QF_REDIS_EPOCH_GUARD", Config{}.RedisEpochGuard, false}, // zero value; the tag default is checked below
 		{"QF_AUTHZ_DENY_STATUS", cfg.AuthzDenyStatus, 429},
-		{"QF_REDIS_TIMEOUT", cfg.RedisTimeout, 5 * time.Millisecond},
+		{"QF_REDIS_TIMEOUT", cfg.RedisTimeout, 10 * time.Millisecond},
 		{"QF_RESERVATION_TTL", cfg.ReservationTTL, 24 * time.Hour},
 		{"QF_STREAM", cfg.Stream, "QUOTAFLOW_USAGE"},
 		{"QF_SUBJECT_PREFIX", cfg.SubjectPrefix, "quotaflow"},

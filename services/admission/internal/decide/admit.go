@@ -266,12 +266,7 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 	states := a.res.Limits[base:]
 	in := a.in
 	if a.remote {
-		var dec limits.Decision
-		err := d.call(a.ctx, opReserve, func(ctx context.Context) error {
-			var err error
-			dec, err = d.lim.Reserve(ctx, limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules})
-			return err
-		})
+		dec, err := d.reserve(a.ctx, limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules})
 		switch {
 		case err == nil:
 			for i := range dec.States {

@@ -41,6 +41,7 @@ type Decider struct {
 	m      *metrics
 	br     *breaker
 	local  *localCache
+	batch  *batcher
 	epoch  time.Time // base of the monotonic clock (mono)
 
 	pools  sync.Map // poolKey → *pool
@@ -90,6 +91,7 @@ func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *s
 	if err != nil {
 		return nil, fmt.Errorf("decide: metrics: %w", err)
 	}
+	d.batch = newBatcher(lim, d.m.batchSize)
 	d.br = newBreaker(o.BreakerFailures, o.BreakerWindow, o.BreakerCooldown, d.onBreaker)
 	d.notePolicy(policy())
 	ctx, stop := context.WithCancel(context.Background())
@@ -175,6 +177,19 @@ func (d *Decider) call(ctx context.Context, op string, fn func(context.Context) 
 	o, why := d.outcome(ctx, op, err)
 	d.br.done(false, o, why)
 	return err
+}
+
+// reserve is call for the subject layer's Reserve, which goes through the
+// batcher: it enforces RedisTimeout itself, without a context and timer per
+// call.
+func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decision, error) {
+	if !d.br.allow() {
+		return limits.Decision{}, errBreakerOpen
+	}
+	dec, err := d.batch.reserve(ctx, d.opt.RedisTimeout, req)
+	o, why := d.outcome(ctx, opReserve, err)
+	d.br.done(false, o, why)
+	return dec, err
 }
 
 // outcome classifies the error of a call made under ctx.

@@ -23,7 +23,10 @@
 // token_bucket kinds are served from leases and cost none on the hot path;
 // any other shared limit (token units, sliding_log, rolling) costs one
 // ReserveShared call per layer. A denial after a shared reservation costs a
-// Charge to compensate it.
+// Charge to compensate it. Reserve calls of concurrent admissions share
+// their round trip: those that arrive while one pipeline is in flight go
+// together in the next (limits.Limiter.ReserveBatch), each still its own
+// atomic script run with its own deadline.
 //
 // # Leasing
 //
@@ -54,7 +57,7 @@
 // # Degradation
 //
 // Redis failing never fails a request. Every call has Options.RedisTimeout
-// (5ms), which reaches the socket only if the go-redis client is built with
+// (10ms), which reaches the socket only if the go-redis client is built with
 // ContextTimeoutEnabled: true (build it so). A circuit breaker opens after
 // Options.BreakerFailures consecutive failures, or at once when Redis
 // answers without its epoch (limits.ErrNoEpoch: it lost its data), and then

@@ -72,6 +72,9 @@ func (e *entry) state(id uint64) *ruleState {
 		}
 	}
 	st := &ruleState{id: id}
+	if e.rules == nil {
+		e.rules = make([]*ruleState, 0, 4) // a plan's handful of limits, without regrowing
+	}
 	e.rules = append(e.rules, st)
 	return st
 }

@@ -71,6 +71,7 @@ type metrics struct {
 	redisErrors *prometheus.CounterVec
 	breaker     prometheus.Gauge
 	refills     *prometheus.CounterVec
+	batchSize   prometheus.Histogram
 
 	mu  sync.Mutex // serializes adding endpoints
 	eps atomic.Pointer[map[string]*endpointCounters]
@@ -94,6 +95,11 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 			Name: "quotaflow_admission_lease_refills_total",
 			Help: "Leases of shared request limits taken from Redis, by scope and result (granted, exhausted, error).",
 		}, []string{"scope", "result"}),
+		batchSize: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "quotaflow_admission_reserve_batch_size",
+			Help:    "Reserve calls sent to Redis together in one pipelined round trip.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 8), // 1 … 128
+		}),
 	}
 	poolGauge := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "quotaflow_admission_lease_pools",
@@ -111,7 +117,7 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 	m.eps.Store(&empty)
 	m.endpoint(otherEndpoint)
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.decisions, m.redisErrors, m.breaker, m.refills, poolGauge} {
+		for _, c := range []prometheus.Collector{m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, poolGauge} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

@@ -221,6 +221,11 @@ func (s *statusWriter) Write(b []byte) (int, error) {
 }
 
 func (h *Handler) instrument(route string, f http.HandlerFunc) http.Handler {
+	// The route's series, looked up once rather than per request.
+	observers := map[string]prometheus.Observer{}
+	for _, c := range []string{"2xx", "4xx", "5xx"} {
+		observers[c] = h.duration.WithLabelValues(route, c)
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
 		sw := &statusWriter{ResponseWriter: w}
@@ -230,7 +235,7 @@ func (h *Handler) instrument(route string, f http.HandlerFunc) http.Handler {
 			code = http.StatusOK
 		}
 		took := time.Since(start)
-		h.duration.WithLabelValues(route, codeClass(code)).Observe(took.Seconds())
+		observers[codeClass(code)].Observe(took.Seconds())
 		if h.log.Enabled(r.Context(), slog.LevelDebug) { // no boxing of the arguments otherwise
 			h.log.Debug("request", "route", route, "method", r.Method, "code", code, "duration", took)
 		}

@@ -1066,8 +1066,8 @@ func TestRateLimitHeaders(t *testing.T) {
 		t.Errorf("headers without limits: %v", h)
 	}
 	// The policy names are Structured Field strings.
-	if got := sfString("a\"b\\c\x01é"); got != `"a\"b\\c???"` {
-		t.Errorf("sfString = %s", got)
+	if got := string(appendSFString(nil, "a\"b\\c\x01é")); got != `"a\"b\\c???"` {
+		t.Errorf("appendSFString = %s", got)
 	}
 }
 

@@ -51,9 +51,12 @@ type costFunc func(model string, input, output int64) int64
 // returns has every rule of DESIGN §4 checked; RequestID may be empty (the
 // caller generates one).
 func decodeAdmit(body []byte, cost costFunc) (decide.Input, *fieldError) {
-	var b admitBody
-	if ferr := decodeStrict(body, &b); ferr != nil {
-		return decide.Input{}, ferr
+	b, ok := decodeAdmitFast(body)
+	if !ok {
+		b = admitBody{}
+		if ferr := decodeStrict(body, &b); ferr != nil {
+			return decide.Input{}, ferr
+		}
 	}
 	in := decide.Input{
 		RequestID: b.RequestID, Tenant: b.Tenant, User: b.User, Plan: b.Plan,

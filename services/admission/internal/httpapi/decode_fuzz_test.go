@@ -60,3 +60,55 @@ func FuzzDecodeAdmit(f *testing.F) {
 		}
 	})
 }
+
+// FuzzDecodeAdmitFast checks that the fast decoder accepts nothing that
+// encoding/json (decodeStrict) would reject or read differently. Its
+// testdata/fuzz holds a copy of FuzzDecodeAdmit's seeds; these add the
+// edges of the fast decoder's grammar.
+func FuzzDecodeAdmitFast(f *testing.F) {
+	for _, s := range []string{
+		`{}`, ` {} `, `{}x`, `{"tenant":"t",}`, `{"Tenant":"t"}`, `{"tenant":null}`, `{"tenant":"a\"b"}`,
+		`{"estimated_tokens":1.0}`, `{"estimated_tokens":1e3}`, `{"estimated_tokens":0123}`, `{"estimated_tokens":-}`,
+		`{"estimated_tokens":123456789012345678}`, `{"estimated_tokens":1234567890123456789}`, `{"estimated_tokens":-5}`,
+		`{"estimated_tokens":"5"}`, `{"tenant":5}`, "{\"tenant\":\"a\tb\"}", `{"tenant":"\xff"}`, `{"x":1}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Add([]byte(`{"tenant":"acme","user":"u-1","endpoint":"/v1/chat","estimated_tokens":100}`))
+	f.Add([]byte(` { "request_id" : "r", "plan":"p","ip":"::1","model":"m","input_tokens":-0,"max_output_tokens":12 ,"tenant":"t","tenant":"é"} `))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		fast, ok := decodeAdmitFast(body)
+		if !ok {
+			return
+		}
+		var strict admitBody
+		if ferr := decodeStrict(body, &strict); ferr != nil {
+			t.Fatalf("fast decoder accepted %q, decodeStrict rejects it: %v", body, ferr)
+		}
+		if !equalAdmitBody(fast, strict) {
+			t.Fatalf("body %q: fast %+v, decodeStrict %+v", body, fast, strict)
+		}
+	})
+}
+
+func equalAdmitBody(a, b admitBody) bool {
+	eq := func(x, y *int64) bool { return x == nil && y == nil || x != nil && y != nil && *x == *y }
+	return a.RequestID == b.RequestID && a.Tenant == b.Tenant && a.User == b.User && a.Plan == b.Plan && a.IP == b.IP &&
+		a.Endpoint == b.Endpoint && a.Model == b.Model &&
+		eq(a.EstimatedTokens, b.EstimatedTokens) && eq(a.InputTokens, b.InputTokens) && eq(a.MaxOutputTokens, b.MaxOutputTokens)
+}
+
+// The bodies gateways send take the fast path.
+func TestDecodeAdmitFastTakesTypicalBodies(t *testing.T) {
+	for _, body := range []string{
+		admitBodyOK,
+		`{"request_id":"r-1","tenant":"acme","user":"u-1","plan":"pro","ip":"192.0.2.1","endpoint":"/v1/chat","model":"m","input_tokens":10,"max_output_tokens":20}`,
+		"{\n  \"tenant\": \"acme\",\n  \"user\": \"é\",\n  \"endpoint\": \"/x\"\n}\n",
+	} {
+		b, ok := decodeAdmitFast([]byte(body))
+		var strict admitBody
+		if err := decodeStrict([]byte(body), &strict); !ok || err != nil || !equalAdmitBody(b, strict) {
+			t.Errorf("decodeAdmitFast(%s) = %+v, %v; want %+v, true", body, b, ok, strict)
+		}
+	}
+}

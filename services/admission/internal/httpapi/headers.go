@@ -4,7 +4,6 @@ import (
 	"math"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	"quotaflow/pkg/limits"
@@ -41,27 +40,38 @@ func policyName(l decide.LimitState) string {
 	return string(l.Scope) + ":" + l.Name
 }
 
-// sfString encodes s as a Structured Field String (printable ASCII with
-// '"' and '\' escaped; anything else becomes '?', which policy names never
-// contain).
-func sfString(s string) string {
-	var b strings.Builder
-	b.Grow(len(s) + 2)
-	b.WriteByte('"')
+// appendSFString appends s as a Structured Field String (printable ASCII
+// with '"' and '\' escaped; anything else becomes '?', which policy names
+// never contain).
+func appendSFString(b []byte, s string) []byte {
+	return append(appendSFChars(append(b, '"'), s), '"')
+}
+
+// appendSFChars appends the characters of s as appendSFString does, without
+// the quotes.
+func appendSFChars(b []byte, s string) []byte {
 	for i := 0; i < len(s); i++ {
 		c := s[i]
 		switch {
 		case c == '"' || c == '\\':
-			b.WriteByte('\\')
-			b.WriteByte(c)
+			b = append(b, '\\', c)
 		case c < 0x20 || c > 0x7e:
-			b.WriteByte('?')
+			b = append(b, '?')
 		default:
-			b.WriteByte(c)
+			b = append(b, c)
 		}
 	}
-	b.WriteByte('"')
-	return b.String()
+	return b
+}
+
+// appendPolicyName appends policyName(l) as a Structured Field String.
+func appendPolicyName(b []byte, l *decide.LimitState) []byte {
+	if l.Scope == limits.ScopeUser && l.Endpoint != "" {
+		b = append(b, `"user:endpoint:`...)
+	} else {
+		b = append(appendSFChars(append(b, '"'), string(l.Scope)), ':')
+	}
+	return append(appendSFChars(b, l.Name), '"')
 }
 
 // ceilSeconds rounds d up to whole seconds (0 for d ≤ 0).
@@ -161,33 +171,46 @@ func constraining(res decide.Result, cost int64) int {
 	return best
 }
 
+// The rate-limit header names in canonical form, so that setting them does
+// not canonicalize (and allocate) per request.
+var (
+	hdrPolicy       = http.CanonicalHeaderKey("RateLimit-Policy")
+	hdrRateLimit    = http.CanonicalHeaderKey("RateLimit")
+	hdrXLimit       = http.CanonicalHeaderKey("X-RateLimit-Limit")
+	hdrXRemaining   = http.CanonicalHeaderKey("X-RateLimit-Remaining")
+	hdrXReset       = http.CanonicalHeaderKey("X-RateLimit-Reset")
+	hdrRetryAfter   = http.CanonicalHeaderKey("Retry-After")
+	hdrContentType  = http.CanonicalHeaderKey("Content-Type")
+	hdrCacheControl = http.CanonicalHeaderKey("Cache-Control")
+)
+
 // setRateLimitHeaders writes RateLimit-Policy, RateLimit and the
 // X-RateLimit-* headers for a decision, and Retry-After (with retryAfter
 // > 0, i.e. on a denial that waiting cures).
 func setRateLimitHeaders(h http.Header, res decide.Result, resolved *limits.Resolved, cost, retryAfter int64) {
-	var pol strings.Builder
-	for _, l := range res.Limits {
+	var arr [512]byte
+	b := arr[:0]
+	for i := range res.Limits {
+		l := &res.Limits[i]
 		if l.Shadow {
 			continue
 		}
-		r := ruleOf(resolved, l)
-		if pol.Len() > 0 {
-			pol.WriteString(", ")
+		r := ruleOf(resolved, *l)
+		if len(b) > 0 {
+			b = append(b, ", "...)
 		}
-		pol.WriteString(sfString(policyName(l)))
-		pol.WriteString(";q=")
-		pol.WriteString(strconv.FormatInt(max(l.Limit, 0), 10))
+		b = appendPolicyName(b, l)
+		b = strconv.AppendInt(append(b, ";q="...), max(l.Limit, 0), 10)
 		if w := windowSeconds(r); w > 0 {
-			pol.WriteString(";w=")
-			pol.WriteString(strconv.FormatInt(w, 10))
+			b = strconv.AppendInt(append(b, ";w="...), w, 10)
 		}
-		pol.WriteString(unitParam(l, r))
+		b = append(b, unitParam(*l, r)...)
 	}
-	if pol.Len() > 0 {
-		h.Set("RateLimit-Policy", pol.String())
+	if len(b) > 0 {
+		h[hdrPolicy] = []string{string(b)}
 	}
 	if i := constraining(res, cost); i >= 0 {
-		l := res.Limits[i]
+		l := &res.Limits[i]
 		remaining := max(l.Remaining, 0)
 		reset := ceilSeconds(l.Reset)
 		if !res.Allowed {
@@ -196,22 +219,19 @@ func setRateLimitHeaders(h http.Header, res decide.Result, resolved *limits.Reso
 			// window (draft §6).
 			reset = max(reset, retryAfter)
 		}
-		var rl strings.Builder
-		rl.WriteString(sfString(policyName(l)))
-		rl.WriteString(";r=")
-		rl.WriteString(strconv.FormatInt(remaining, 10))
-		rl.WriteString(";t=")
-		rl.WriteString(strconv.FormatInt(reset, 10))
+		b = appendPolicyName(b[:0], l)
+		b = strconv.AppendInt(append(b, ";r="...), remaining, 10)
+		b = strconv.AppendInt(append(b, ";t="...), reset, 10)
 		if l.Unit == limits.Tokens {
-			rl.WriteString(`;qf-unit="tokens"`)
+			b = append(b, `;qf-unit="tokens"`...)
 		}
-		h.Set("RateLimit", rl.String())
-		h.Set("X-RateLimit-Limit", strconv.FormatInt(max(l.Limit, 0), 10))
-		h.Set("X-RateLimit-Remaining", strconv.FormatInt(remaining, 10))
-		h.Set("X-RateLimit-Reset", strconv.FormatInt(reset, 10))
+		h[hdrRateLimit] = []string{string(b)}
+		h[hdrXLimit] = []string{strconv.FormatInt(max(l.Limit, 0), 10)}
+		h[hdrXRemaining] = []string{strconv.FormatInt(remaining, 10)}
+		h[hdrXReset] = []string{strconv.FormatInt(reset, 10)}
 	}
 	if retryAfter > 0 {
-		h.Set("Retry-After", strconv.FormatInt(retryAfter, 10))
+		h[hdrRetryAfter] = []string{strconv.FormatInt(retryAfter, 10)}
 	}
 }
 
