@@ -227,7 +227,7 @@ func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) 
 	st.api = "http://" + apiAddr
 	if st.admission, err = start("admission", "QF_ADMISSION_ADDR="+apiAddr, "QF_API_TOKENS="+st.token,
 		"QF_SPILL_DIR="+filepath.Join(dir, "spill"),
-		// Two loaded cores answer Redis in more than the default 5 ms at
+		// Two loaded cores answer Redis in more than the default 10 ms at
 		// times; the run wants Redis's exact decisions between faults.
 		"QF_REDIS_TIMEOUT=100ms"); err != nil {
 		return st, err

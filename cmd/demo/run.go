@@ -106,7 +106,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
 		{"admission", []string{"QF_OPS_ADDR=" + addr("admission"), "QF_ADMISSION_ADDR=" + addr("api"),
 			"QF_API_TOKENS=" + n.token, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),
-			// A busy laptop answers Redis in more than the default 5 ms;
+			// A busy laptop answers Redis in more than the default 10 ms;
 			// the demo wants Redis's exact decisions, not local ones.
 			"QF_REDIS_TIMEOUT=250ms"}},
 	}
