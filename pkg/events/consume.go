@@ -104,12 +104,20 @@ func (h *Handlers) Dispatch(ctx context.Context, ev Event) error {
 // publish or the ack failed). The consumer loop logs and counts; Process
 // does not log.
 func Process(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, handle Handler) error {
-	cfg = cfg.withDefaults()
 	ev, err := Decode(msg.Data())
 	if err != nil {
-		return deadLetter(ctx, js, cfg, ReasonInvalid, msg, err)
+		return deadLetter(ctx, js, cfg.withDefaults(), ReasonInvalid, msg, err)
 	}
-	if herr := handle(ctx, ev); herr != nil {
+	return Finish(ctx, js, cfg, msg, ev, handle(ctx, ev))
+}
+
+// Finish ends the delivery of msg, whose event ev was handled with result
+// herr, as Process does after its handler: it acks on success, else naks
+// with the backoff or dead-letters at cfg.MaxDeliver. It is for consumers
+// that decode and handle a batch themselves, so a message is decoded once.
+func Finish(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, ev Event, herr error) error {
+	cfg = cfg.withDefaults()
+	if herr != nil {
 		if ctx.Err() != nil {
 			// Shutting down: hand it to another worker now.
 			_ = msg.Nak()

@@ -8,6 +8,7 @@
 package consume
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -62,7 +63,9 @@ type Consumer struct {
 	pub   Corrections
 	opts  Options
 	log   *slog.Logger
-	m     *metrics
+	// corrected is the subject of the corrected events, skipped unread.
+	corrected string
+	m         *metrics
 }
 
 // New returns a Consumer of cons writing to store, correcting through cor
@@ -82,7 +85,9 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, cor *cor
 	if err != nil {
 		return nil, err
 	}
-	return &Consumer{cons: cons, js: js, store: store, cor: cor, pub: pub, opts: opts, log: log.With("component", "consume"), m: m}, nil
+	corrected := events.Subject(cmp.Or(opts.Events.SubjectPrefix, events.DefaultSubjectPrefix), events.TypeCorrected)
+	return &Consumer{cons: cons, js: js, store: store, cor: cor, pub: pub, opts: opts, corrected: corrected,
+		log: log.With("component", "consume"), m: m}, nil
 }
 
 // Run fetches and handles batches with opts.Workers workers until ctx
@@ -156,16 +161,18 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 	recs := make([]ledger.Record, 0, len(msgs))
 	for i, msg := range msgs {
 		items[i].msg = msg
+		// Our own corrected events, half of what the stream carries, are
+		// acked unread (DESIGN §6: the accounter ignores them).
+		if msg.Subject() == c.corrected {
+			items[i].skip = true
+			continue
+		}
 		ev, err := events.Decode(msg.Data())
 		if err != nil {
 			items[i].bad = true
 			continue
 		}
 		items[i].ev = ev
-		if ev.Type() == events.TypeCorrected {
-			items[i].skip = true
-			continue
-		}
 		recs = append(recs, c.record(ev, msg.Data()))
 	}
 
@@ -188,17 +195,20 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 		if err != nil && !it.bad && !it.skip {
 			it.err, it.transient = err, true
 		}
-		typ := "unknown"
-		if !it.bad {
-			typ = it.ev.Type()
-		}
+		var typ string
 		var perr error
-		if it.rejected != nil {
-			perr = c.deadLetter(ctx, it.msg, it.rejected)
-		} else if it.err != nil && it.transient {
-			perr = c.retry(ctx, it.msg, it.err)
-		} else {
-			perr = events.Process(ctx, c.js, c.opts.Events, it.msg, func(context.Context, events.Event) error { return it.err })
+		switch {
+		case it.skip:
+			typ, perr = events.TypeCorrected, it.msg.Ack()
+		case it.bad: // Process dead-letters what Decode rejects
+			typ = "unknown"
+			perr = events.Process(ctx, c.js, c.opts.Events, it.msg, nil)
+		case it.rejected != nil:
+			typ, perr = it.ev.Type(), c.deadLetter(ctx, it.msg, it.rejected)
+		case it.err != nil && it.transient:
+			typ, perr = it.ev.Type(), c.retry(ctx, it.msg, it.err)
+		default:
+			typ, perr = it.ev.Type(), events.Finish(ctx, c.js, c.opts.Events, it.msg, it.ev, it.err)
 		}
 		switch {
 		case perr == nil && it.skip:
