@@ -19,8 +19,9 @@
 #       Seconds to wait for a server to answer after starting it (default 30).
 #
 # Also installed when missing, wherever the servers run: redis-server and
-# redis-cli (the tests start private Redis servers and a 3-node Redis Cluster)
-# and gcc (`go test -race` needs cgo).
+# redis-cli (the tests start private Redis servers and a 3-node Redis Cluster),
+# the postgresql and nats-server packages (the chaos suite crashes private
+# ones) and gcc (`go test -race` needs cgo).
 set -euo pipefail
 set -E
 trap 'printf "deps: error: command failed (line %s): %s\n" "$LINENO" "$BASH_COMMAND" >&2' ERR
@@ -292,6 +293,20 @@ nats_jetstream() {
 	[[ $info == *'"jetstream":true'* ]]
 }
 
+have_nats_server() {
+	command -v nats-server >/dev/null 2>&1 || [[ -x /usr/sbin/nats-server ]]
+}
+
+install_nats_server() {
+	apt_install nats-server
+	# On systemd machines the package starts nats-server.service from
+	# /etc/nats-server.conf, which has no JetStream; it would hold the port.
+	if [[ -d /run/systemd/system ]]; then
+		log "NATS: disabling the packaged nats-server.service (it runs without JetStream)"
+		as_root systemctl disable --now nats-server.service || true
+	fi
+}
+
 ensure_nats() {
 	local info nats_bin
 	if ! is_local "${QF_NATS_URL:-}" "$NATS_PORT"; then
@@ -300,14 +315,8 @@ ensure_nats() {
 		return
 	fi
 	info=$(nats_info) || info=
-	if [[ -z $info ]] && ! command -v nats-server >/dev/null 2>&1 && [[ ! -x /usr/sbin/nats-server ]]; then
-		apt_install nats-server
-		# On systemd machines the package starts nats-server.service from
-		# /etc/nats-server.conf, which has no JetStream; it would hold the port.
-		if [[ -d /run/systemd/system ]]; then
-			log "NATS: disabling the packaged nats-server.service (it runs without JetStream)"
-			as_root systemctl disable --now nats-server.service || true
-		fi
+	if [[ -z $info ]] && ! have_nats_server; then
+		install_nats_server
 		info=$(nats_info) || info=
 	fi
 	if [[ -n $info ]]; then
@@ -333,6 +342,20 @@ ensure_nats() {
 	log "NATS: started"
 }
 
+# --- Servers the chaos suite runs privately -----------------------------------
+
+# cmd/chaos (and TestChaos) starts a Postgres cluster and a nats-server of its
+# own, to crash them, wherever the shared servers run: install their binaries
+# when missing.
+ensure_private_servers() {
+	if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+		apt_install postgresql
+	fi
+	if ! have_nats_server; then
+		install_nats_server
+	fi
+}
+
 main() {
 	# Serialise concurrent runs (say `task test` and `task demo` started together).
 	if command -v flock >/dev/null 2>&1; then
@@ -343,6 +366,7 @@ main() {
 	ensure_redis
 	ensure_postgres
 	ensure_nats
+	ensure_private_servers
 	if ((${#external[@]} == 0)); then
 		log "ready: Redis, PostgreSQL and NATS on loopback"
 	else
