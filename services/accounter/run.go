@@ -87,8 +87,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	pool, err := retry(ctx, log, ready, readyMigrations, func(ctx context.Context) (*pgxpool.Pool, error) {
 		pool, err := pgdb.Open(ctx, cfg.PostgresURL, func(pc *pgxpool.Config) {
 			// Each worker holds a connection for its batch's transaction;
-			// the expiry task and a rebuild's lock need one each besides.
-			pc.MaxConns = max(pc.MaxConns, int32(cfg.Workers)+2)
+			// a rebuild and a repair each hold a lock's connection and read
+			// the ledger on another, and the expiry task needs one.
+			pc.MaxConns = max(pc.MaxConns, int32(cfg.Workers)+5)
 		})
 		if err != nil {
 			return nil, err

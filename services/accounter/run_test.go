@@ -428,6 +428,24 @@ func TestAccounterEvents(t *testing.T) {
 		}
 	})
 
+	t.Run("local reservation expired at the estimate", func(t *testing.T) {
+		// No Redis window held it: settling it at the estimate charges it.
+		e := base.with(t)
+		ten, usr, req := "lexp-"+randHex(4), "u1", "r1"
+		e.publish(events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
+			ExpiresAt: time.Now().Add(time.Hour),
+		}, time.Now()))
+		e.waitStatus(ten, usr, req, "open")
+		if got := e.used(ten, usr, "5h"); got != 0 {
+			t.Fatalf("5h used while open = %d, want 0 (decided without Redis)", got)
+		}
+		e.waitStatus(ten, usr, req, "expired") // after QF_RESERVATION_TTL (3s)
+		if got := e.used(ten, usr, "5h"); got != 100 {
+			t.Errorf("5h used = %d, want 100 (the estimate, charged at expiry)", got)
+		}
+	})
+
 	t.Run("expired reservation settled at the estimate", func(t *testing.T) {
 		e := base.with(t)
 		ten, usr, req := "exp-"+randHex(4), "u1", "r1"

@@ -2,9 +2,10 @@
 // batches from one durable JetStream consumer and handle each in one ledger
 // transaction: write the batch, apply its Redis effects (one pipelined
 // round trip), publish the corrections, record the settlements, commit,
-// and only then acknowledge the messages. Any failure before the acks naks the messages with a backoff
-// (events.Process), so an effect is never acknowledged before Postgres and
-// Redis both hold it, and every effect is idempotent under redelivery.
+// and only then acknowledge the messages. Any failure before the acks naks
+// the messages with a backoff (events.Finish, or retry for an outage), so
+// an effect is never acknowledged before Postgres and Redis both hold it,
+// and every effect is idempotent under redelivery.
 package consume
 
 import (
@@ -138,11 +139,12 @@ func sleep(ctx context.Context, d time.Duration) {
 
 // item is one message of a batch and what became of it.
 type item struct {
-	msg  jetstream.Msg
-	ev   events.Event
-	err  error // nil: every effect is in place, ack it
-	bad  bool  // Decode failed: dead-letter it
-	skip bool  // our own corrected event
+	msg       jetstream.Msg
+	ev        events.Event
+	err       error // nil: every effect is in place, ack it
+	bad       bool  // Decode failed (decodeErr): dead-letter it
+	decodeErr error
+	skip      bool // our own corrected event
 	// rejected is why Postgres refused the event itself: dead-letter it.
 	rejected error
 	// transient marks err as an outage (Postgres, Redis or NATS
@@ -169,7 +171,7 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 		}
 		ev, err := events.Decode(msg.Data())
 		if err != nil {
-			items[i].bad = true
+			items[i].bad, items[i].decodeErr = true, err
 			continue
 		}
 		items[i].ev = ev
@@ -200,11 +202,10 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 		switch {
 		case it.skip:
 			typ, perr = events.TypeCorrected, it.msg.Ack()
-		case it.bad: // Process dead-letters what Decode rejects
-			typ = "unknown"
-			perr = events.Process(ctx, c.js, c.opts.Events, it.msg, nil)
+		case it.bad:
+			typ, perr = "unknown", c.deadLetter(ctx, it.msg, events.ReasonInvalid, it.decodeErr)
 		case it.rejected != nil:
-			typ, perr = it.ev.Type(), c.deadLetter(ctx, it.msg, it.rejected)
+			typ, perr = it.ev.Type(), c.deadLetter(ctx, it.msg, ReasonRejected, it.rejected)
 		case it.err != nil && it.transient:
 			typ, perr = it.ev.Type(), c.retry(ctx, it.msg, it.err)
 		default:
@@ -275,21 +276,21 @@ func transient(err error) bool {
 // to store (see ledger.IsRejected).
 const ReasonRejected = "ledger_rejected"
 
-// deadLetter moves msg to the dead-letter stream at once and terminates
-// it; if that fails it is nak'ed and comes back.
-func (c *Consumer) deadLetter(ctx context.Context, msg jetstream.Msg, cause error) error {
+// deadLetter moves msg to the dead-letter stream under reason at once and
+// terminates it; if that fails it is nak'ed and comes back.
+func (c *Consumer) deadLetter(ctx context.Context, msg jetstream.Msg, reason string, cause error) error {
 	prefix := c.opts.Events.SubjectPrefix
 	if prefix == "" {
 		prefix = events.DefaultSubjectPrefix
 	}
-	if err := events.DeadLetter(ctx, c.js, prefix, ReasonRejected, msg, cause); err != nil {
+	if err := events.DeadLetter(ctx, c.js, prefix, reason, msg, cause); err != nil {
 		_ = msg.NakWithDelay(time.Second)
 		return err
 	}
 	if err := msg.Term(); err != nil {
 		return fmt.Errorf("term dead-lettered %s: %w", msg.Subject(), err)
 	}
-	return fmt.Errorf("%w (%s): %w", events.ErrDeadLettered, ReasonRejected, cause)
+	return fmt.Errorf("%w (%s): %w", events.ErrDeadLettered, reason, cause)
 }
 
 // record turns an event into its ledger row.
@@ -323,6 +324,11 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	if len(recs) == 0 {
 		return nil
 	}
+	// The gate before the ledger connection: a rebuild waiting for the
+	// write lock must never find the pool's connections held by workers
+	// queued behind it.
+	c.cor.Gate.RLock()
+	defer c.cor.Gate.RUnlock()
 	t0 := time.Now()
 	tx, err := c.store.Begin(ctx, recs)
 	if err != nil && ledger.IsRejected(err) {
@@ -335,8 +341,6 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	}
 	defer tx.Rollback(ctx) // unless committed
 	res := tx.Result
-	c.cor.Gate.RLock()
-	defer c.cor.Gate.RUnlock()
 
 	// One Redis effect per open reservation of the batch, in the order of
 	// the batch's events, all in one pipelined round trip.

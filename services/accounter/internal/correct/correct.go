@@ -42,9 +42,9 @@ const rebuildLockID = 0x71662d7265627569
 // Corrector applies events to Redis. Its methods are safe for concurrent
 // use; create it with New.
 //
-// Consumers hold Gate's read lock from the first Redis effect of a batch
-// until the ledger records that Redis holds it, and Rebuild holds the write
-// lock, so a rebuild never reads a ledger that is behind Redis within this
+// Consumers hold Gate's read lock from before a batch's ledger write
+// until the ledger records that Redis holds its effects, and Rebuild holds
+// the write lock, so a rebuild never reads a ledger that is behind Redis within this
 // process.
 type Corrector struct {
 	lim    *limits.Limiter
@@ -211,6 +211,23 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 	return true, subjects, nil
 }
 
+// windowRules are the token windows of tenant's subjects on plan for
+// endpoint: what the ledger's usage is charged into (balances are rebuilt
+// apart).
+func (c *Corrector) windowRules(tenant, plan, endpoint string) ([]limits.Rule, error) {
+	all, err := c.rules(tenant, plan, endpoint)
+	if err != nil {
+		return nil, err
+	}
+	var rules []limits.Rule
+	for _, r := range all {
+		if r.Unit == limits.Tokens && r.Kind != limits.Balance {
+			rules = append(rules, r)
+		}
+	}
+	return rules, nil
+}
+
 // rebuild charges the ledger's usage of the longest token window into the
 // token windows (Charge with Force at each usage's time, many per round
 // trip), subject by subject in time order. Request limits and concurrency
@@ -242,14 +259,9 @@ func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 		k := [3]string{u.Tenant, u.Plan, u.Endpoint}
 		rules, seen := cache[k]
 		if !seen {
-			all, err := c.rules(u.Tenant, u.Plan, u.Endpoint)
-			if err != nil {
+			var err error
+			if rules, err = c.windowRules(u.Tenant, u.Plan, u.Endpoint); err != nil {
 				return err
-			}
-			for _, r := range all {
-				if r.Unit == limits.Tokens && r.Kind != limits.Balance {
-					rules = append(rules, r)
-				}
 			}
 			cache[k] = rules
 		}
@@ -308,20 +320,34 @@ type ExpiryLedger interface {
 
 // SettleExpired settles every reservation reserved before cutoff that got
 // neither an actual nor a release, and returns how many. At the estimate
-// (atEstimate), Redis already counts it and only the ledger changes;
-// otherwise the estimate is given back in Redis first. A late actual of
-// such a reservation is recorded in the ledger but corrects nothing.
+// (atEstimate), Redis already counts it and only the ledger changes, but
+// for a reservation decided without Redis (local), whose estimate is
+// charged now; otherwise the estimate is given back in Redis first (a
+// local one has none to give back). A late actual of such a reservation
+// is recorded in the ledger but corrects nothing.
 func (c *Corrector) SettleExpired(ctx context.Context, l ExpiryLedger, cutoff time.Time, atEstimate bool) (int64, error) {
+	var total int64
 	if atEstimate {
-		return l.ExpireAtEstimate(ctx, cutoff)
+		n, err := l.ExpireAtEstimate(ctx, cutoff) // all but the local ones
+		if err != nil {
+			return n, err
+		}
+		total = n
 	}
 	c.Gate.RLock()
 	defer c.Gate.RUnlock()
-	var total int64
 	for {
 		rows, err := l.Expired(ctx, cutoff, 500)
 		if err != nil || len(rows) == 0 {
 			return total, err
+		}
+		if atEstimate {
+			n, err := c.chargeExpired(ctx, l, rows)
+			total += n
+			if err != nil {
+				return total, err
+			}
+			continue
 		}
 		effects := make([]Effect, len(rows))
 		for i, r := range rows {
@@ -344,4 +370,38 @@ func (c *Corrector) SettleExpired(ctx context.Context, l ExpiryLedger, cutoff ti
 			return total, failed
 		}
 	}
+}
+
+// chargeExpired settles expired rows at their estimate: it charges the
+// estimate of the local ones (no Redis window holds it) at their time,
+// then marks every row expired.
+func (c *Corrector) chargeExpired(ctx context.Context, l ExpiryLedger, rows []ledger.Reservation) (int64, error) {
+	var charges []limits.ChargeRequest
+	for _, r := range rows {
+		if !r.Local || r.Estimate <= 0 {
+			continue
+		}
+		rules, err := c.windowRules(r.Tenant, r.Plan, r.Endpoint)
+		if err != nil {
+			return 0, err
+		}
+		if len(rules) > 0 {
+			charges = append(charges, limits.ChargeRequest{
+				Tenant: r.Tenant, User: r.User, Rules: rules, Amount: r.Estimate, At: r.ReservedAt, Force: true,
+			})
+		}
+	}
+	for i, res := range c.lim.ChargeMany(ctx, charges) {
+		if res.Err != nil {
+			return 0, fmt.Errorf("charge expired %s/%s: %w", charges[i].Tenant, charges[i].User, res.Err)
+		}
+	}
+	keys := make([]ledger.Key, len(rows))
+	for i, r := range rows {
+		keys[i] = r.Key
+	}
+	if err := l.MarkExpired(ctx, keys, ledger.StatusExpired); err != nil {
+		return 0, err
+	}
+	return int64(len(rows)), nil
 }

@@ -460,13 +460,15 @@ func (r *Reconciler) repairStable(ctx context.Context, s *scan, found []drift, p
 	if len(order) == 0 {
 		return nil
 	}
+	// The gate before the lock's connection, as the consumers do: no
+	// rebuild of Redis meanwhile, and none kept waiting for a connection.
+	r.c.Gate.RLock()
+	defer r.c.Gate.RUnlock()
 	unlock, ok, err := r.store.TryLock(ctx, reconcileLockID)
 	if err != nil || !ok {
 		return err // another instance is repairing: the next scan rechecks
 	}
 	defer unlock()
-	r.c.Gate.RLock() // no rebuild of Redis meanwhile
-	defer r.c.Gate.RUnlock()
 	for _, o := range order {
 		fresh, quiet, err := r.remeasure(ctx, s, o)
 		if err != nil {

@@ -170,7 +170,7 @@ SELECT tenant, user_id, request_id,
     max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.released'),
-    coalesce(bool_or(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
+    coalesce(bool_and(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
 FROM (
     SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at, local
     FROM ledger_in
@@ -183,7 +183,11 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     endpoint = CASE WHEN (r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL) OR r.endpoint = ''
         THEN excluded.endpoint ELSE r.endpoint END,
     model = CASE WHEN r.model = '' THEN excluded.model ELSE r.model END,
-    local = CASE WHEN r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL THEN excluded.local ELSE r.local END,
+    -- local only while every reserved event of the request was decided
+    -- without Redis (a retry admitted through Redis holds the estimate)
+    local = CASE WHEN r.estimated_tokens IS NULL THEN excluded.local
+        WHEN excluded.estimated_tokens IS NOT NULL THEN r.local AND excluded.local
+        ELSE r.local END,
     estimated_tokens = coalesce(r.estimated_tokens, excluded.estimated_tokens),
     reserved_at = coalesce(r.reserved_at, excluded.reserved_at),
     expires_at = coalesce(r.expires_at, excluded.expires_at),
@@ -210,8 +214,9 @@ type WriteResult struct {
 //
 // It drives the transaction on a pooled connection itself, rather than
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
-// four exchanges a batch (BEGIN with the staging tables, COPY, the merge,
-// the settlements with COMMIT) instead of six.
+// four exchanges a batch (BEGIN with the staging tables, COPY — two round
+// trips, as the server answers the COPY before the data goes —, the
+// merge, the settlements with COMMIT) instead of six.
 type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
@@ -362,14 +367,15 @@ func markArgs(marks []Mark) []any {
 
 // expireAtEstimate settles, in the ledger only, open reservations without
 // an actual or a release that were reserved before $1: Redis already counts
-// their estimate, which is now final.
+// their estimate, which is now final. Local ones are left to the caller,
+// which charges their estimate first.
 const expireAtEstimate = `
 UPDATE reservations SET status = 'expired', settled_at = now(), updated_at = now()
-WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1`
+WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1 AND NOT local`
 
 // ExpireAtEstimate settles every reservation reserved before cutoff that
-// got neither an actual nor a release at its estimate, and returns how
-// many it settled.
+// got neither an actual nor a release at its estimate, but the local ones,
+// and returns how many it settled.
 func (s *Store) ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, error) {
 	tag, err := s.pool.Exec(ctx, expireAtEstimate, cutoff)
 	if err != nil {
@@ -379,7 +385,7 @@ func (s *Store) ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, 
 }
 
 const selectExpired = `
-SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, -1, reserved_at, status
+SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, -1, reserved_at, status, local
 FROM reservations
 WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1
 ORDER BY reserved_at LIMIT $2`
@@ -393,7 +399,7 @@ func (s *Store) Expired(ctx context.Context, cutoff time.Time, limit int) ([]Res
 	}
 	var out []Reservation
 	var v Reservation
-	_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &v.ReservedAt, &v.Status}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &v.ReservedAt, &v.Status, &v.Local}, func() error {
 		out = append(out, v)
 		return nil
 	})
@@ -433,11 +439,7 @@ func usageQuery(where string) string {
 SELECT tenant, user_id, plan, endpoint, date_trunc('second', at) AS sec, sum(tokens)::bigint
 FROM (
     SELECT tenant, user_id, plan, endpoint, coalesce(reserved_at, actual_at, released_at) AS at,
-        CASE
-            WHEN status = 'settled' THEN coalesce(actual_tokens, 0)
-            WHEN status IN ('released', 'expired_released') OR local THEN 0
-            ELSE coalesce(estimated_tokens, 0)
-        END AS tokens
+        ` + heldTokens + ` AS tokens
     FROM reservations
     WHERE coalesce(reserved_at, actual_at, released_at) >= $1` + where + `
 ) u
@@ -485,6 +487,17 @@ type Balance struct {
 	Credited, Spent int64
 }
 
+// heldTokens is what Redis holds for a reservations row given its status
+// (the counterpart of correct's fallback): the actual once settled,
+// nothing once released, nothing while open for a reservation decided
+// without Redis (local), else the estimate (open: the pending actual will
+// correct it; expired: settled at it, charged then for a local one).
+const heldTokens = `CASE
+            WHEN status = 'settled' THEN coalesce(actual_tokens, 0)
+            WHEN status IN ('released', 'expired_released') OR (local AND status = 'open') THEN 0
+            ELSE coalesce(estimated_tokens, 0)
+        END`
+
 // selectBalances sums the top-ups of every subject that received one, and
 // what its reservations hold given their status.
 const selectBalances = `
@@ -495,11 +508,7 @@ FROM (
     GROUP BY tenant, user_id
 ) t
 LEFT JOIN LATERAL (
-    SELECT sum(CASE
-            WHEN status = 'settled' THEN coalesce(actual_tokens, 0)
-            WHEN status IN ('released', 'expired_released') OR local THEN 0
-            ELSE coalesce(estimated_tokens, 0)
-        END)::bigint AS spent
+    SELECT sum(` + heldTokens + `)::bigint AS spent
     FROM reservations r WHERE r.tenant = t.tenant AND r.user_id = t.user_id
 ) r ON true
 ORDER BY t.tenant, t.user_id`

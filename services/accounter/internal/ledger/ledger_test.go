@@ -119,6 +119,21 @@ func TestExpire(t *testing.T) {
 	if n, _ := s.ExpireAtEstimate(ctx, now.Add(-time.Hour)); n != 0 {
 		t.Errorf("ExpireAtEstimate again = %d, want 0", n)
 	}
+
+	// A reservation decided without Redis is left to the caller, which
+	// charges its estimate: Expired says it is local.
+	local := Record{EventID: "local", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "local", Tokens: 10,
+		OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`), Local: true}
+	if _, err := s.Write(ctx, []Record{local}); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := s.ExpireAtEstimate(ctx, now.Add(-time.Hour)); n != 0 {
+		t.Errorf("ExpireAtEstimate of a local reservation = %d, want 0", n)
+	}
+	rows, err = s.Expired(ctx, now.Add(-time.Hour), 10)
+	if err != nil || len(rows) != 1 || rows[0].RequestID != "local" || !rows[0].Local {
+		t.Errorf("Expired = %+v, %v; want the local reservation, marked local", rows, err)
+	}
 }
 
 // TestUsageOf reads one subject, or every user of one tenant, and nothing
