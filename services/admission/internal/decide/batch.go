@@ -24,7 +24,8 @@ import (
 // without making batches small, and a caller parks once at most.
 //
 // Deadlines: a batch is sent under the earliest deadline of its calls, and a
-// call whose deadline passed while it was queued is not sent. Calls queue in
+// call whose deadline passed while it was queued is not sent (when it is the
+// one to send, the first live caller sends instead). Calls queue in
 // deadline order (they share Options.RedisTimeout), so the batch in flight
 // when a call is queued ends before that call's deadline, and no caller
 // waits past its own: a caller needs no context and timer of its own.
@@ -76,15 +77,31 @@ func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits
 	b.queue = append(b.queue, r)
 	b.mu.Unlock()
 	<-r.done
-	if batch := r.lead; batch != nil {
-		b.send(batch)
-		<-r.done // send answered this caller too
-		b.handOff()
+	if r.lead != nil {
+		b.lead(r)
 	}
 	dec, err := r.dec, r.err
 	*r = reservation{done: r.done}
 	reservations.Put(r)
 	return dec, err
+}
+
+// lead handles the batch r heads (r.lead) and returns once r is answered.
+func (b *batcher) lead(r *reservation) {
+	live := expire(r.lead, time.Now())
+	switch {
+	case len(live) == 0:
+		b.handOff()
+	case live[0] == r:
+		b.send(live)
+		b.handOff()
+	default:
+		// This caller's deadline has passed: the first live one sends,
+		// rather than this one waiting on the others' deadlines.
+		live[0].lead = live
+		live[0].done <- struct{}{}
+	}
+	<-r.done // expire or send answered r
 }
 
 // handOff ends a round trip: what queued meanwhile becomes the next batch,
@@ -101,27 +118,32 @@ func (b *batcher) handOff() {
 	}
 }
 
-// send makes one pipelined call for the reservations still within their
-// deadlines, under the earliest of them, and answers every reservation.
-func (b *batcher) send(batch []*reservation) {
+// expire answers the reservations of batch whose deadlines have passed by
+// now with context.DeadlineExceeded and returns the others, in order.
+func expire(batch []*reservation, now time.Time) []*reservation {
 	live := make([]*reservation, 0, len(batch))
-	reqs := make([]limits.Request, 0, len(batch))
-	now := time.Now()
-	var deadline time.Time
 	for _, r := range batch {
-		if !r.deadline.After(now) {
-			r.err = context.DeadlineExceeded
-			r.done <- struct{}{}
+		if r.deadline.After(now) {
+			live = append(live, r)
 			continue
 		}
-		live = append(live, r)
-		reqs = append(reqs, r.req)
+		r.lead = nil
+		r.err = context.DeadlineExceeded
+		r.done <- struct{}{}
+	}
+	return live
+}
+
+// send makes one pipelined call for live, under the earliest of their
+// deadlines, and answers every reservation.
+func (b *batcher) send(live []*reservation) {
+	reqs := make([]limits.Request, len(live))
+	var deadline time.Time
+	for i, r := range live {
+		reqs[i] = r.req
 		if deadline.IsZero() || r.deadline.Before(deadline) {
 			deadline = r.deadline
 		}
-	}
-	if len(live) == 0 {
-		return
 	}
 	b.size.Observe(float64(len(reqs)))
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)

@@ -86,7 +86,7 @@ func TestBatchSkipsCallsPastTheirDeadline(t *testing.T) {
 			req: limits.Request{Tenant: tenant, User: "u", RequestID: fmt.Sprint(i), Cost: 1, Rules: rules},
 		})
 	}
-	b.send(batch)
+	b.send(expire(batch, time.Now()))
 	for i, r := range batch {
 		<-r.done
 		expired := i == 1
@@ -100,5 +100,53 @@ func TestBatchSkipsCallsPastTheirDeadline(t *testing.T) {
 	}
 	if used := dec.States[0].Used; used != 2 {
 		t.Fatalf("redis used = %d, want 2 (the expired call not sent)", used)
+	}
+}
+
+// A caller whose deadline passed while queued, and whose turn it is to send
+// its batch, returns at once: the first live caller of the batch sends it.
+func TestExpiredLeadHandsItsBatchOn(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	lim := limits.New(c, limits.Options{NoEpochGuard: true})
+	b := newBatcher(lim, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
+	rules := []limits.Rule{{Scope: limits.ScopeUser, Limit: limits.Limit{Name: "n", Kind: limits.Fixed, Unit: limits.Requests, Limit: 10, Window: limits.Duration(time.Hour)}}}
+	now := time.Now()
+	var batch []*reservation
+	for i, dl := range []time.Time{now.Add(-time.Millisecond), now.Add(time.Minute), now.Add(time.Minute)} {
+		batch = append(batch, &reservation{
+			deadline: dl, done: make(chan struct{}, 1),
+			req: limits.Request{Tenant: tenant, User: "u", RequestID: fmt.Sprint(i), Cost: 1, Rules: rules},
+		})
+	}
+	used := func() int64 {
+		dec, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rules})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return dec.States[0].Used
+	}
+	b.busy = true
+	batch[0].lead = batch
+	b.lead(batch[0]) // returns without sending
+	if !errors.Is(batch[0].err, context.DeadlineExceeded) {
+		t.Errorf("expired lead: %v, want DeadlineExceeded", batch[0].err)
+	}
+	if n := used(); n != 0 {
+		t.Fatalf("redis used = %d after the expired lead returned, want 0 (nothing sent by it)", n)
+	}
+	<-batch[1].done
+	if len(batch[1].lead) != 2 || batch[1].lead[0] != batch[1] || batch[1].lead[1] != batch[2] {
+		t.Fatalf("the first live caller leads %v, want itself and the third", batch[1].lead)
+	}
+	b.lead(batch[1])
+	<-batch[2].done
+	for i, r := range batch[1:] {
+		if r.err != nil || !r.dec.Allowed {
+			t.Errorf("live call %d: %+v, %v", i+1, r.dec, r.err)
+		}
+	}
+	if n := used(); n != 2 {
+		t.Errorf("redis used = %d, want 2", n)
 	}
 }

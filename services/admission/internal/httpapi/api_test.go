@@ -1066,8 +1066,13 @@ func TestRateLimitHeaders(t *testing.T) {
 		t.Errorf("headers without limits: %v", h)
 	}
 	// The policy names are Structured Field strings.
-	if got := string(appendSFString(nil, "a\"b\\c\x01é")); got != `"a\"b\\c???"` {
-		t.Errorf("appendSFString = %s", got)
+	l := decide.LimitState{Scope: limits.ScopeUser, Name: "a\"b\\c\x01é"}
+	if got := string(appendPolicyName(nil, &l)); got != `"user:a\"b\\c???"` {
+		t.Errorf("appendPolicyName = %s", got)
+	}
+	l = decide.LimitState{Scope: limits.ScopeUser, Endpoint: "/v1/chat", Name: "daily"}
+	if got, name := string(appendPolicyName(nil, &l)), policyName(l); got != `"user:endpoint:daily"` || name != "user:endpoint:daily" {
+		t.Errorf("appendPolicyName = %s, policyName = %s; want user:endpoint:daily", got, name)
 	}
 }
 

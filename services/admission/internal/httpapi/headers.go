@@ -33,22 +33,28 @@ import (
 
 // policyName is a limit's name in the RateLimit headers and in a
 // problem's violated-policies.
-func policyName(l decide.LimitState) string {
+func policyName(l decide.LimitState) string { return string(appendPolicyChars(nil, &l)) }
+
+// appendPolicyName appends policyName(l) as a Structured Field String.
+func appendPolicyName(b []byte, l *decide.LimitState) []byte {
+	return append(appendPolicyChars(append(b, '"'), l), '"')
+}
+
+// appendPolicyChars appends l's policy name, "user:endpoint:<name>" for an
+// endpoint's per-user limit and "<scope>:<name>" otherwise, as the
+// characters of a Structured Field String.
+func appendPolicyChars(b []byte, l *decide.LimitState) []byte {
 	if l.Scope == limits.ScopeUser && l.Endpoint != "" {
-		return "user:endpoint:" + l.Name
+		b = append(b, "user:endpoint:"...)
+	} else {
+		b = append(appendSFChars(b, string(l.Scope)), ':')
 	}
-	return string(l.Scope) + ":" + l.Name
+	return appendSFChars(b, l.Name)
 }
 
-// appendSFString appends s as a Structured Field String (printable ASCII
-// with '"' and '\' escaped; anything else becomes '?', which policy names
-// never contain).
-func appendSFString(b []byte, s string) []byte {
-	return append(appendSFChars(append(b, '"'), s), '"')
-}
-
-// appendSFChars appends the characters of s as appendSFString does, without
-// the quotes.
+// appendSFChars appends s as the characters of a Structured Field String:
+// printable ASCII with '"' and '\' escaped; anything else becomes '?',
+// which policy names never contain.
 func appendSFChars(b []byte, s string) []byte {
 	for i := 0; i < len(s); i++ {
 		c := s[i]
@@ -62,16 +68,6 @@ func appendSFChars(b []byte, s string) []byte {
 		}
 	}
 	return b
-}
-
-// appendPolicyName appends policyName(l) as a Structured Field String.
-func appendPolicyName(b []byte, l *decide.LimitState) []byte {
-	if l.Scope == limits.ScopeUser && l.Endpoint != "" {
-		b = append(b, `"user:endpoint:`...)
-	} else {
-		b = append(appendSFChars(append(b, '"'), string(l.Scope)), ':')
-	}
-	return append(appendSFChars(b, l.Name), '"')
 }
 
 // ceilSeconds rounds d up to whole seconds (0 for d ≤ 0).
