@@ -605,6 +605,14 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 		before[u] = [2]int64{e.used(ten, u, "5h"), e.used(ten, u, "30d")}
 	}
 
+	// A reservation the lost Redis held whose reserved event reaches the
+	// ledger only after the rebuild: the rebuilt Redis never counted it.
+	inflight, err := e.lim.Reserve(ctx, limits.Request{Tenant: ten, User: "c", RequestID: "inflight", Cost: 250, Rules: e.rules(ten)})
+	if err != nil || !inflight.Allowed {
+		t.Fatalf("Reserve = %+v, %v", inflight, err)
+	}
+	reservedAt := time.Now()
+
 	e.redis.Stop()
 	e.redis.Restart() // empty: no persistence
 	waitFor(t, "epoch rewritten", func() bool {
@@ -623,6 +631,17 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 	if got, want := e.used(ten, "a", "5h"), before["a"][0]-300+120; got != want {
 		t.Errorf("a: 5h used after the late actual = %d, want %d", got, want)
 	}
+
+	e.publish(events.NewReserved("test/admission", events.Reserved{
+		RequestID: "inflight", Tenant: ten, User: "c", Endpoint: "/api/v1/generate",
+		EstimatedTokens: 250, ExpiresAt: reservedAt.Add(time.Hour), Version: inflight.Version,
+	}, reservedAt))
+	e.publish(e.actual(ten, "c", "inflight", "", 100, 0))
+	e.waitStatus(ten, "c", "inflight", "settled")
+	if got, want := e.used(ten, "c", "5h"), before["c"][0]+100; got != want {
+		t.Errorf("c: 5h used after the in-flight reservation's actual = %d, want %d (charged in full)", got, want)
+	}
+	before["c"] = [2]int64{before["c"][0] + 100, before["c"][1] + 100}
 
 	// Reconciliation agrees with the rebuilt Redis, and takes back tokens
 	// the ledger never heard of.

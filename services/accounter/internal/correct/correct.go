@@ -28,6 +28,7 @@ type Ledger interface {
 	UsageSince(ctx context.Context, since time.Time, f func(ledger.Usage) error) error
 	Balances(ctx context.Context, f func(ledger.Balance) error) error
 	TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error)
+	MarkRebuild(ctx context.Context, epoch string) error
 }
 
 // ErrResolve wraps the errors of resolving an event's rules from the
@@ -197,11 +198,16 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 	if missing, err = limits.EpochMissing(ctx, c.rdb); err != nil || !missing {
 		return false, 0, err
 	}
+	// Recorded before the ledger is read: a reservation of the lost Redis
+	// whose reserved event arrives after this is not in the rebuilt one.
+	epoch := strconv.FormatInt(time.Now().UnixMilli(), 10)
+	if err := c.store.MarkRebuild(ctx, epoch); err != nil {
+		return false, 0, err
+	}
 	subjects, err = c.rebuild(ctx)
 	if err != nil {
 		return false, subjects, err
 	}
-	epoch := strconv.FormatInt(time.Now().UnixMilli(), 10)
 	if err := c.rebuildBalances(ctx, "rebuild-"+epoch); err != nil {
 		return false, subjects, err
 	}

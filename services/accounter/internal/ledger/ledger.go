@@ -156,7 +156,9 @@ DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + exclu
 
 // upsertReservations merges the staged reserved, actual and released
 // events into their reservation rows (first value wins, so a redelivery
-// changes nothing) and returns every touched row.
+// changes nothing) and returns every touched row. A row is local when its
+// estimate is in no Redis window: decided without Redis, or reserved in a
+// Redis that lost its data before a rebuild counted it.
 const upsertReservations = `
 INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model,
     estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at, local)
@@ -171,6 +173,9 @@ SELECT tenant, user_id, request_id,
     min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.released'),
     coalesce(bool_and(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
+        -- reserved before the last rebuild, known only after it: the Redis
+        -- that held it lost its data, the rebuilt one never counted it
+        OR coalesce(min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved') < (SELECT max(at) FROM rebuilds), false)
 FROM (
     SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at, local
     FROM ledger_in
@@ -564,4 +569,13 @@ func IsRejected(err error) bool {
 		return false
 	}
 	return pgErr.Code[:2] == "22" || pgErr.Code[:2] == "54"
+}
+
+// MarkRebuild records that a rebuild of Redis to epoch starts now, before
+// it reads the ledger (see upsertReservations).
+func (s *Store) MarkRebuild(ctx context.Context, epoch string) error {
+	if _, err := s.pool.Exec(ctx, `INSERT INTO rebuilds (epoch) VALUES ($1)`, epoch); err != nil {
+		return fmt.Errorf("record the rebuild: %w", err)
+	}
+	return nil
 }
