@@ -321,6 +321,14 @@ func (e Event) MarshalJSON() ([]byte, error) {
 	if e.Data == nil {
 		return nil, fmt.Errorf("%w: data: required", ErrInvalid)
 	}
+	if b, ok := appendFast(make([]byte, 0, 1024), &e); ok {
+		return b, nil
+	}
+	return e.marshalSlow()
+}
+
+// marshalSlow is MarshalJSON through encoding/json, for every event.
+func (e Event) marshalSlow() ([]byte, error) {
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
 	// Identifiers are arbitrary text; HTML escaping would only inflate it.
