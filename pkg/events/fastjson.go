@@ -27,12 +27,9 @@ func appendFast(dst []byte, e *Event) (_ []byte, ok bool) {
 		return dst, false
 	}
 	w := fastWriter{b: dst, ok: true}
-	w.raw(`{"specversion":"` + SpecVersion + `","id":`)
-	w.str(e.ID)
-	w.raw(`,"source":`)
-	w.str(e.Source)
-	w.raw(`,"type":`)
-	w.str(e.Data.Type())
+	w.strField(`{"specversion":"`+SpecVersion+`","id":`, e.ID)
+	w.strField(`,"source":`, e.Source)
+	w.strField(`,"type":`, e.Data.Type())
 	w.raw(`,"time":`)
 	w.time(e.Time)
 	w.raw(`,"subject":`)
@@ -98,37 +95,38 @@ func (w *fastWriter) time(t time.Time) {
 	w.b = append(b, '"')
 }
 
+// Field writers: key is the JSON before the value, with its comma or
+// brace, e.g. `,"tenant":`; the opt ones leave out a zero value, as
+// omitempty does.
+func (w *fastWriter) strField(key, s string) { w.raw(key); w.str(s) }
+
+func (w *fastWriter) optStr(key, s string) {
+	if s != "" {
+		w.strField(key, s)
+	}
+}
+
+func (w *fastWriter) intField(key string, v int64) { w.raw(key); w.int(v) }
+
+func (w *fastWriter) optInt(key string, v int64) {
+	if v != 0 {
+		w.intField(key, v)
+	}
+}
+
 func (w *fastWriter) reserved(d *Reserved) {
-	w.raw(`{"request_id":`)
-	w.str(d.RequestID)
-	w.raw(`,"tenant":`)
-	w.str(d.Tenant)
-	w.raw(`,"user":`)
-	w.str(d.User)
-	if d.Plan != "" {
-		w.raw(`,"plan":`)
-		w.str(d.Plan)
-	}
-	w.raw(`,"endpoint":`)
-	w.str(d.Endpoint)
-	if d.Model != "" {
-		w.raw(`,"model":`)
-		w.str(d.Model)
-	}
-	if d.IP != "" {
-		w.raw(`,"ip":`)
-		w.str(d.IP)
-	}
-	w.raw(`,"estimated_tokens":`)
-	w.int(d.EstimatedTokens)
+	w.strField(`{"request_id":`, d.RequestID)
+	w.strField(`,"tenant":`, d.Tenant)
+	w.strField(`,"user":`, d.User)
+	w.optStr(`,"plan":`, d.Plan)
+	w.strField(`,"endpoint":`, d.Endpoint)
+	w.optStr(`,"model":`, d.Model)
+	w.optStr(`,"ip":`, d.IP)
+	w.intField(`,"estimated_tokens":`, d.EstimatedTokens)
 	w.raw(`,"expires_at":`)
 	w.time(d.ExpiresAt)
-	w.raw(`,"version":`)
-	w.int(d.Version)
-	if d.TenantVersion != 0 {
-		w.raw(`,"tenant_version":`)
-		w.int(d.TenantVersion)
-	}
+	w.intField(`,"version":`, d.Version)
+	w.optInt(`,"tenant_version":`, d.TenantVersion)
 	w.limits(d.Limits)
 	if len(d.WouldDeny) > 0 {
 		w.raw(`,"would_deny":[`)
@@ -137,14 +135,9 @@ func (w *fastWriter) reserved(d *Reserved) {
 				w.raw(",")
 			}
 			r := &d.WouldDeny[i]
-			w.raw(`{"scope":`)
-			w.str(r.Scope)
-			w.raw(`,"name":`)
-			w.str(r.Name)
-			if r.Endpoint != "" {
-				w.raw(`,"endpoint":`)
-				w.str(r.Endpoint)
-			}
+			w.strField(`{"scope":`, r.Scope)
+			w.strField(`,"name":`, r.Name)
+			w.optStr(`,"endpoint":`, r.Endpoint)
 			w.raw("}")
 		}
 		w.raw("]")
@@ -153,20 +146,12 @@ func (w *fastWriter) reserved(d *Reserved) {
 }
 
 func (w *fastWriter) corrected(d *Corrected) {
-	w.raw(`{"request_id":`)
-	w.str(d.RequestID)
-	w.raw(`,"tenant":`)
-	w.str(d.Tenant)
-	w.raw(`,"user":`)
-	w.str(d.User)
-	w.raw(`,"delta":`)
-	w.int(d.Delta)
-	w.raw(`,"version":`)
-	w.int(d.Version)
-	if d.TenantVersion != 0 {
-		w.raw(`,"tenant_version":`)
-		w.int(d.TenantVersion)
-	}
+	w.strField(`{"request_id":`, d.RequestID)
+	w.strField(`,"tenant":`, d.Tenant)
+	w.strField(`,"user":`, d.User)
+	w.intField(`,"delta":`, d.Delta)
+	w.intField(`,"version":`, d.Version)
+	w.optInt(`,"tenant_version":`, d.TenantVersion)
 	w.limits(d.Limits)
 	w.raw("}")
 }
@@ -182,24 +167,14 @@ func (w *fastWriter) limits(ls []LimitState) {
 			w.raw(",")
 		}
 		l := &ls[i]
-		w.raw(`{"scope":`)
-		w.str(l.Scope)
-		w.raw(`,"name":`)
-		w.str(l.Name)
-		if l.Endpoint != "" {
-			w.raw(`,"endpoint":`)
-			w.str(l.Endpoint)
-		}
-		w.raw(`,"unit":`)
-		w.str(l.Unit)
-		w.raw(`,"limit":`)
-		w.int(l.Limit)
-		w.raw(`,"used":`)
-		w.int(l.Used)
-		w.raw(`,"remaining":`)
-		w.int(l.Remaining)
-		w.raw(`,"reset_seconds":`)
-		w.int(l.ResetSeconds)
+		w.strField(`{"scope":`, l.Scope)
+		w.strField(`,"name":`, l.Name)
+		w.optStr(`,"endpoint":`, l.Endpoint)
+		w.strField(`,"unit":`, l.Unit)
+		w.intField(`,"limit":`, l.Limit)
+		w.intField(`,"used":`, l.Used)
+		w.intField(`,"remaining":`, l.Remaining)
+		w.intField(`,"reset_seconds":`, l.ResetSeconds)
 		w.raw("}")
 	}
 	w.raw("]")
