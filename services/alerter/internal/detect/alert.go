@@ -15,9 +15,6 @@
 package detect
 
 import (
-	"crypto/sha256"
-	"encoding/binary"
-	"encoding/hex"
 	"encoding/json"
 	"time"
 )
@@ -85,20 +82,6 @@ type AbuseData struct {
 	Denied        int64     `json:"denied"`         // denials in the window
 	WindowSeconds int64     `json:"window_seconds"` // the window's span
 	OccurredAt    time.Time `json:"occurred_at"`    // when the burst was detected
-}
-
-// alertID derives a deterministic alert id from fields: the lowercase hex
-// of the first 16 bytes of SHA-256 over each field's length (8 bytes, big
-// endian) and bytes, as pkg/events derives event ids.
-func alertID(fields ...string) string {
-	h := sha256.New()
-	var n [8]byte
-	for _, f := range fields {
-		binary.BigEndian.PutUint64(n[:], uint64(len(f)))
-		h.Write(n[:])
-		h.Write([]byte(f))
-	}
-	return hex.EncodeToString(h.Sum(nil)[:16])
 }
 
 func body(kind string, at time.Time, data any) ([]byte, error) {

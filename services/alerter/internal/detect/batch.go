@@ -188,7 +188,7 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 						Unit: l.Unit, Threshold: t, Used: l.Used, Limit: l.Limit,
 						Percent: min(percent(l.Used, l.Limit), 100), ResetSeconds: l.ResetSeconds, OccurredAt: s.at,
 					}
-					id := alertID(KindThreshold, s.tenant, k.User, l.Scope, l.Endpoint, l.Name,
+					id := events.HashID(KindThreshold, s.tenant, k.User, l.Scope, l.Endpoint, l.Name,
 						strconv.Itoa(t), strconv.FormatInt(prev+int64(j)+1, 10))
 					if err := d.enqueue(ctx, tx, KindThreshold, s.tenant, id, now, data); err != nil {
 						return err

@@ -264,7 +264,7 @@ func (d *Detector) snapshot(ctx context.Context, ev events.Event, tenant, user s
 					Unit: l.Unit, Threshold: t, Used: l.Used, Limit: l.Limit,
 					Percent: min(percent(l.Used, l.Limit), 100), ResetSeconds: l.ResetSeconds, OccurredAt: ev.Time,
 				}
-				id := alertID(KindThreshold, tenant, k.User, l.Scope, l.Endpoint, l.Name,
+				id := events.HashID(KindThreshold, tenant, k.User, l.Scope, l.Endpoint, l.Name,
 					strconv.Itoa(t), strconv.FormatInt(prev+int64(i)+1, 10))
 				if err := d.enqueue(ctx, tx, KindThreshold, tenant, id, now, data); err != nil {
 					return err
@@ -467,7 +467,7 @@ func (d *Detector) spike(ctx context.Context, now time.Time, c spikeChange) erro
 			Tenant: tenant, Endpoint: endpoint, DenialRate: rate, Denied: c.denied, Total: total,
 			WindowSeconds: int64(d.opt.SpikeWindow / time.Second), State: state,
 		}
-		id := alertID(KindSpike, tenant, endpoint, strconv.FormatInt(episode, 10), state)
+		id := events.HashID(KindSpike, tenant, endpoint, strconv.FormatInt(episode, 10), state)
 		sent = true
 		return d.enqueue(ctx, tx, KindSpike, tenant, id, now, data)
 	})
@@ -496,7 +496,7 @@ func (d *Detector) burst(ctx context.Context, now time.Time, k abuseKey, n int64
 		WindowSeconds: int64(d.opt.AbuseWindow / time.Second), OccurredAt: now.UTC(),
 	}
 	// The id is unique per burst: its key and the second it was detected.
-	id := alertID(KindAbuse, key, k.tenant, k.user, k.ip, strconv.FormatInt(now.Unix(), 10))
+	id := events.HashID(KindAbuse, key, k.tenant, k.user, k.ip, strconv.FormatInt(now.Unix(), 10))
 	err := d.st.Update(ctx, func(tx *store.Tx) error {
 		return d.enqueue(ctx, tx, KindAbuse, k.tenant, id, now, data)
 	})
