@@ -201,10 +201,10 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	}
 	checkEpoch(ctx)
 	bg.Go(func() {
-		every(bgCtx, cfg.EpochInterval, checkEpoch)
+		service.Every(bgCtx, cfg.EpochInterval, checkEpoch)
 	})
 	bg.Go(func() {
-		every(bgCtx, cfg.ExpiryInterval, func(ctx context.Context) {
+		service.Every(bgCtx, cfg.ExpiryInterval, func(ctx context.Context) {
 			n, err := cor.SettleExpired(ctx, store, time.Now().Add(-cfg.ReservationTTL), cfg.SettleExpiredAtEstimate)
 			expired.Add(float64(n))
 			if err != nil {
@@ -218,7 +218,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	if cfg.ReconcileInterval > 0 {
 		rec := correct.NewReconciler(cor, store, correct.ConsumerBacklog{Consumer: cons}, cfg.ReconcileRepair, log)
 		bg.Go(func() {
-			every(bgCtx, cfg.ReconcileInterval, func(ctx context.Context) {
+			service.Every(bgCtx, cfg.ReconcileInterval, func(ctx context.Context) {
 				d, err := rec.Reconcile(ctx)
 				repaired.WithLabelValues("raised").Add(float64(d.Raised))
 				repaired.WithLabelValues("lowered").Add(float64(d.Lowered))
@@ -301,19 +301,5 @@ func retry[T any](ctx context.Context, log *slog.Logger, ready *obs.Readiness, c
 		case <-t.C:
 		}
 		wait = min(2*wait, 5*time.Second)
-	}
-}
-
-// every calls f every d until ctx ends.
-func every(ctx context.Context, d time.Duration, f func(context.Context)) {
-	t := time.NewTicker(d)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			f(ctx)
-		}
 	}
 }

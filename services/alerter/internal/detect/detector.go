@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/store"
 )
@@ -344,18 +345,11 @@ func (d *Detector) raised(kind string, n int) {
 
 // Run calls Evaluate every interval until ctx ends, logging its errors.
 func (d *Detector) Run(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if err := d.Evaluate(ctx); err != nil && ctx.Err() == nil {
-				d.log.Error("evaluate rate alerts", "err", err)
-			}
+	service.Every(ctx, interval, func(ctx context.Context) {
+		if err := d.Evaluate(ctx); err != nil && ctx.Err() == nil {
+			d.log.Error("evaluate rate alerts", "err", err)
 		}
-	}
+	})
 }
 
 type spikeChange struct {
