@@ -64,11 +64,16 @@ func CreateDatabase(ctx context.Context, cc *pgx.ConnConfig) error {
 	return nil
 }
 
-// Migrate applies the migrations in fsys (numbered *.sql files, tern's
-// format) that have not run yet, under tern's advisory lock, so instances
-// starting together apply each once. versionTable is the service's own, so
-// several services may share one database.
+// Migrate applies the migrations in fsys's directory "migrations"
+// (numbered *.sql files, tern's format; a service embeds migrations/*.sql)
+// that have not run yet, under tern's advisory lock, so instances starting
+// together apply each once. versionTable is the service's own, so several
+// services may share one database.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, fsys fs.FS, versionTable string) error {
+	fsys, err := fs.Sub(fsys, "migrations")
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
 	c, err := pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("migrate: %w", err)

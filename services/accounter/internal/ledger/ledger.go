@@ -10,7 +10,6 @@ import (
 	"embed"
 	"errors"
 	"fmt"
-	"io/fs"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -31,11 +30,7 @@ const VersionTable = "accounter_schema_version"
 // yet (pgdb.Migrate: under an advisory lock, so instances starting together
 // apply each once).
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	sub, err := fs.Sub(migrations, "migrations")
-	if err != nil {
-		return fmt.Errorf("migrate: %w", err)
-	}
-	return pgdb.Migrate(ctx, pool, sub, VersionTable)
+	return pgdb.Migrate(ctx, pool, migrations, VersionTable)
 }
 
 // Statuses of a reservation row; see migrations/001_ledger.sql.

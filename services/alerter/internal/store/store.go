@@ -15,7 +15,6 @@ import (
 	"embed"
 	"errors"
 	"fmt"
-	"io/fs"
 	"slices"
 	"time"
 
@@ -34,11 +33,7 @@ const VersionTable = "alerter_schema_version"
 
 // Migrate applies the alerter's embedded migrations that have not run yet.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	sub, err := fs.Sub(migrations, "migrations")
-	if err != nil {
-		return fmt.Errorf("migrate: %w", err)
-	}
-	return pgdb.Migrate(ctx, pool, sub, VersionTable)
+	return pgdb.Migrate(ctx, pool, migrations, VersionTable)
 }
 
 // Store reads and writes the alerter's tables. It is safe for concurrent
