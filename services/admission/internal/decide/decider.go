@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/service"
 	"quotaflow/pkg/limits"
 )
 
@@ -152,16 +153,7 @@ func (d *Decider) spawn(f func()) bool {
 
 // janitor evicts idle lease pools until ctx ends (Close).
 func (d *Decider) janitor(ctx context.Context) {
-	t := time.NewTicker(max(d.opt.LeaseIdle/2, time.Millisecond))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			d.evictIdle(ctx)
-		}
-	}
+	service.Every(ctx, max(d.opt.LeaseIdle/2, time.Millisecond), d.evictIdle)
 }
 
 // call runs one Redis operation under RedisTimeout and the breaker. It
