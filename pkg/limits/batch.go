@@ -40,7 +40,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
 			out[i].Err = calls[i].err
 			continue
 		}
-		v, err := cmds[i].Int64Slice()
+		v, err := packedInts(cmds[i])
 		out[i].Decision, out[i].Err = decodeDecision(v, err, &rs[i])
 	}
 	return out

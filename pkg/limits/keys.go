@@ -124,11 +124,14 @@ func ruleID(r *Rule) int64 {
 	mix(r.Endpoint)
 	mix(r.Name)
 	mix(string(r.Kind))
+	// Numbers are mixed as their decimal text, formatted on the stack: a
+	// Reserve computes the id of every limit it checks.
+	var num [20]byte
 	if r.Kind == Rolling || r.Kind == Fixed || r.Kind == SlidingLog {
-		mix(strconv.FormatInt(int64(r.Window), 10))
+		mix(string(strconv.AppendInt(num[:0], int64(r.Window), 10)))
 	}
 	if r.Kind == Rolling {
-		mix(strconv.Itoa(buckets(r)))
+		mix(string(strconv.AppendInt(num[:0], int64(buckets(r)), 10)))
 	}
 	return int64(h >> 16)
 }

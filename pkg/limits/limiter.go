@@ -219,7 +219,7 @@ func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
 
 func (l *Limiter) subjectCall(ctx context.Context, r Request, mode int) (Decision, error) {
 	keys, args := l.subjectArgs(&r, mode)
-	v, err := reserveScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	v, err := packedInts(reserveScript.Run(ctx, l.rdb, keys, args...))
 	return decodeDecision(v, err, &r)
 }
 
@@ -293,7 +293,7 @@ func (l *Limiter) sharedCall(ctx context.Context, scope Scope, id string, cost i
 	}
 	tag := sharedTag(scope, id)
 	args := []any{l.offset, cost, mode, l.guard, "0", 0, "", packSpecs(rules, l.resTTL)}
-	v, err := reserveScript.Run(ctx, l.rdb, []string{epochKey(tag), sharedBlob(tag)}, args...).Int64Slice()
+	v, err := packedInts(reserveScript.Run(ctx, l.rdb, []string{epochKey(tag), sharedBlob(tag)}, args...))
 	d, err := decodeReply(v, err, rules)
 	if err != nil && !errors.Is(err, ErrNoEpoch) {
 		err = fmt.Errorf("reserve %s %s: %w", scope, id, err)
@@ -345,6 +345,25 @@ func decodeReply(v []int64, err error, rules []Rule) (Decision, error) {
 		d.Reason = ReasonInsufficientBalance
 	}
 	return d, nil
+}
+
+// packedInts reads the reply of a script that answers with snapshot
+// (lua/lib.lua): 64-bit little-endian integers packed in one string, which
+// the client reads in one piece where an array reply costs a read and an
+// allocation per value.
+func packedInts(cmd *redis.Cmd) ([]int64, error) {
+	s, err := cmd.Text()
+	if err != nil {
+		return nil, err
+	}
+	if len(s)%8 != 0 {
+		return nil, fmt.Errorf("reply of %d bytes is not a list of 64-bit integers", len(s))
+	}
+	v := make([]int64, len(s)/8)
+	for i := range v {
+		v[i] = int64(binary.LittleEndian.Uint64([]byte(s[8*i : 8*i+8])))
+	}
+	return v, nil
 }
 
 // states decodes the 4 reply values per limit: limit, used, reset ms, flag.

@@ -486,6 +486,16 @@ func TestEpochGuard(t *testing.T) {
 			_, err := l.Correct(ctx, Settle{Tenant: "acme", User: "u", RequestID: "r1", Rules: rules})
 			return err
 		},
+		"Charge": func() error {
+			_, err := l.Charge(ctx, ChargeRequest{Tenant: "acme", User: "u", Rules: rules, Amount: 1})
+			return err
+		},
+		"ReserveBatch": func() error {
+			r2 := req
+			r2.RequestID = "r2"
+			out := l.ReserveBatch(ctx, []Request{req, r2})
+			return errors.Join(out[0].Err, out[1].Err)
+		},
 		"Lease": func() error {
 			r := Rule{Limit: Limit{Name: "g", Kind: Fixed, Unit: Requests, Limit: 5, Window: Duration(time.Second)}, Scope: ScopeGlobal}
 			_, err := l.Lease(ctx, ScopeGlobal, "/x", &r, 1)
@@ -533,6 +543,26 @@ func TestIdentifiersNeverShareState(t *testing.T) {
 	// An endpoint's per-user limit never shares a counter with a plan limit.
 	ep := []Rule{{Limit: rules[0].Limit, Scope: ScopeUser, Endpoint: "/x"}}
 	wantAllowed(t, reserve(t, l, base+"t", "u", "r2", 1, ep), true)
+}
+
+// A limit's record id is stored in every blob in Redis: if the hash changed,
+// an upgrade would make every user's usage vanish. These ids were computed
+// by the original implementation.
+func TestRuleIDsAreStableAcrossReleases(t *testing.T) {
+	for _, c := range []struct {
+		rule Rule
+		want int64
+	}{
+		{Rule{Limit: Limit{Name: "tokens_5h", Kind: Rolling, Window: Duration(5 * time.Hour)}, Scope: ScopeUser}, 0x6c96957575c7},
+		{Rule{Limit: Limit{Name: "tokens_30d", Kind: Rolling, Window: Duration(30 * 24 * time.Hour), Buckets: 30}, Scope: ScopeTenant}, 0xa01d522440e9},
+		{Rule{Limit: Limit{Name: "rpm", Kind: Fixed, Window: Duration(time.Minute)}, Scope: ScopeGlobal, Endpoint: "/v1/chat"}, 0xa2d187ef7433},
+		{Rule{Limit: Limit{Name: "burst", Kind: TokenBucket}, Scope: ScopeUser}, 0xae987ce68de6},
+		{Rule{Limit: Limit{Name: "log", Kind: SlidingLog, Window: Duration(time.Second)}, Scope: ScopeIP}, 0xbb0f996e7b97},
+	} {
+		if got := ruleID(&c.rule); got != c.want {
+			t.Errorf("ruleID(%s) = %#x, want %#x", c.rule.Name, got, c.want)
+		}
+	}
 }
 
 func TestKeysOfATenantShareItsHashTag(t *testing.T) {

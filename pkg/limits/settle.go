@@ -106,7 +106,7 @@ func (l *Limiter) settleCall(s Settle, op int) call {
 
 // parseSettlement decodes the reply of settle.lua call c.
 func parseSettlement(cmd *redis.Cmd, c *call) (Settlement, error) {
-	v, err := cmd.Int64Slice()
+	v, err := packedInts(cmd)
 	if err != nil {
 		return Settlement{}, fmt.Errorf("%s: %w", c.what, err)
 	}
@@ -204,7 +204,7 @@ func (l *Limiter) chargeCall(c ChargeRequest) call {
 
 // parseCharge decodes the reply of charge.lua call c.
 func parseCharge(cmd *redis.Cmd, c *call) ([]State, error) {
-	v, err := cmd.Int64Slice()
+	v, err := packedInts(cmd)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", c.what, err)
 	}

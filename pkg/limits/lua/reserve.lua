@@ -12,8 +12,9 @@
 --        subject with tenant-wide limits; 6 reservation ttl ms; 7 request id;
 --        8 the packed specs (lib.lua)
 --
--- Reply: {status, denied_by, retry_ms, reason, now_ms, version,
---         tenant_version, then per limit: limit, used, reset_ms, would_deny}
+-- Reply (packed 64-bit integers, lib.lua snapshot): status, denied_by,
+--        retry_ms, reason, now_ms, version, tenant_version, then per limit:
+--        limit, used, reset_ms, would_deny
 --   status 1 allowed, 0 denied, 2 duplicate (this request id was admitted
 --   before: nothing charged), -1 no epoch (nothing decided).
 --   denied_by: 1-based index of the first limit that denied, 0 if none;
@@ -25,7 +26,7 @@ local cost, mode, meta, specs = tonumber(ARGV[2]), ARGV[3], ARGV[5], ARGV[8]
 local now = now_ms(tonumber(ARGV[1]))
 local n = #specs / 32
 local vals, sub, ten = scope(meta, specs, n, now)
-if ARGV[4] == '1' and not vals[1] then return { -1 } end
+if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
 
 local denied, retry, reason = 0, 0, 0
 for j = 1, n do

@@ -10,8 +10,9 @@
 --        for when the Redis record is gone (-1 = none); 10 the packed specs
 --        of the subject's token limits and concurrency limits
 --
--- Reply: {status, delta, reserved_at_ms, now_ms, version, tenant_version,
---         then per limit: limit, used, reset_ms, 0}
+-- Reply (packed 64-bit integers, lib.lua snapshot): status, delta,
+--        reserved_at_ms, now_ms, version, tenant_version, then per limit:
+--        limit, used, reset_ms, 0
 --   status 1 applied, 2 already settled (nothing changed), 3 unknown
 --   reservation charged in full now (correct), 4 unknown reservation
 --   (release: nothing to give back), -1 no epoch.
@@ -22,7 +23,7 @@ local op, actual, meta, specs = ARGV[2], tonumber(ARGV[3]), ARGV[5], ARGV[10]
 local now = now_ms(tonumber(ARGV[1]))
 local n = #specs / 32
 local vals, sub, ten = scope(meta, specs, n, now)
-if ARGV[4] == '1' and not vals[1] then return { -1 } end
+if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
 
 local status, ts, est = 1, nil, nil
 if vals[2] then
