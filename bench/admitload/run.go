@@ -270,8 +270,8 @@ func answerSize(url string) (int, error) {
 	return len(b), err
 }
 
-// commandStats sums the calls and µs of the script commands (EVALSHA,
-// EVAL) in INFO commandstats: admission sends nothing else, and the
+// commandStats sums the calls and µs of the engine's commands (FCALL, or
+// EVALSHA and EVAL on a server without functions) in INFO commandstats: admission sends nothing else, and the
 // commands a script runs are counted apart (and inside its µs), so summing
 // every line would count them twice.
 func commandStats(ctx context.Context, rdb *redis.Client) (calls, usec float64) {
@@ -281,7 +281,7 @@ func commandStats(ctx context.Context, rdb *redis.Client) (calls, usec float64) 
 	}
 	for _, line := range strings.Split(info, "\n") {
 		_, stats, ok := strings.Cut(strings.TrimSpace(line), ":")
-		if !ok || !(strings.HasPrefix(line, "cmdstat_evalsha:") || strings.HasPrefix(line, "cmdstat_eval:")) {
+		if !ok || !(strings.HasPrefix(line, "cmdstat_fcall:") || strings.HasPrefix(line, "cmdstat_evalsha:") || strings.HasPrefix(line, "cmdstat_eval:")) {
 			continue
 		}
 		for _, kv := range strings.Split(stats, ",") {

@@ -34,7 +34,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
 		}
 		calls[i].keys, calls[i].args = l.subjectArgs(&rs[i], 0)
 	}
-	cmds := l.runAll(ctx, reserveScript, calls)
+	cmds := l.runAll(ctx, reserveEntry, calls)
 	for i := range calls {
 		if calls[i].err != nil {
 			out[i].Err = calls[i].err
@@ -78,7 +78,7 @@ func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult
 		}
 		calls[i] = l.settleCall(ops[i].Settle, op)
 	}
-	cmds := l.runAll(ctx, settleScript, calls)
+	cmds := l.runAll(ctx, settleEntry, calls)
 	out := make([]SettleResult, len(ops))
 	for i := range calls {
 		if calls[i].err != nil {
@@ -104,7 +104,7 @@ func (l *Limiter) ChargeMany(ctx context.Context, reqs []ChargeRequest) []Charge
 	for i := range reqs {
 		calls[i] = l.chargeCall(reqs[i])
 	}
-	cmds := l.runAll(ctx, chargeScript, calls)
+	cmds := l.runAll(ctx, chargeEntry, calls)
 	out := make([]ChargeResult, len(reqs))
 	for i := range calls {
 		if calls[i].err != nil {
@@ -131,33 +131,54 @@ type pipeliner interface {
 	Pipeline() redis.Pipeliner
 }
 
-// runAll runs script for every valid call and returns its command (nil for
-// the invalid ones). With a pipelining client the calls go out as EVALSHA
-// in one pipeline; the ones a node answers NOSCRIPT (it has not cached the
-// script yet, or flushed it) go again as EVAL in a second one, as
-// Script.Run does for a single call. A node misses the script for all the
-// calls it gets, so the retried calls keep their order among themselves.
-func (l *Limiter) runAll(ctx context.Context, script *redis.Script, calls []call) []*redis.Cmd {
+// runAll runs entry e for every valid call and returns its command (nil
+// for the invalid ones). With a pipelining client the calls go out in one
+// pipeline: as FCALL while the server serves functions, and again, after
+// loading the library, for the ones a node answered that it lacks it; else
+// as EVALSHA, and again as EVAL for the ones a node answered NOSCRIPT, as
+// Script.Run does for a single call. A node misses the library or the
+// script for all the calls it gets, so retried calls keep their order among
+// themselves.
+func (l *Limiter) runAll(ctx context.Context, e *entry, calls []call) []*redis.Cmd {
 	cmds := make([]*redis.Cmd, len(calls))
 	p, ok := l.rdb.(pipeliner)
 	if !ok {
 		for i := range calls {
 			if calls[i].err == nil {
-				cmds[i] = script.Run(ctx, l.rdb, calls[i].keys, calls[i].args...)
+				cmds[i] = l.run(ctx, e, calls[i].keys, calls[i].args...)
 			}
 		}
 		return cmds
 	}
-	send := func(eval bool, which []int) {
+	const (
+		fcall = iota
+		evalsha
+		eval
+	)
+	send := func(how int, which []int) {
 		pipe := p.Pipeline()
 		for _, i := range which {
-			if eval {
-				cmds[i] = script.Eval(ctx, pipe, calls[i].keys, calls[i].args...)
-			} else {
-				cmds[i] = script.EvalSha(ctx, pipe, calls[i].keys, calls[i].args...)
+			c := &calls[i]
+			switch how {
+			case fcall:
+				cmds[i] = pipe.FCall(ctx, e.fn, c.keys, c.args...)
+			case evalsha:
+				cmds[i] = e.script.EvalSha(ctx, pipe, c.keys, c.args...)
+			default:
+				cmds[i] = e.script.Eval(ctx, pipe, c.keys, c.args...)
 			}
 		}
 		_, _ = pipe.Exec(ctx) // each command holds its own error
+	}
+	// failed returns the calls of which whose command failed as match says.
+	failed := func(which []int, match func(error) bool) []int {
+		var out []int
+		for _, i := range which {
+			if match(cmds[i].Err()) {
+				out = append(out, i)
+			}
+		}
+		return out
 	}
 	valid := make([]int, 0, len(calls))
 	for i := range calls {
@@ -168,15 +189,26 @@ func (l *Limiter) runAll(ctx context.Context, script *redis.Script, calls []call
 	if len(valid) == 0 {
 		return cmds
 	}
-	send(false, valid)
-	var missing []int
-	for _, i := range valid {
-		if isNoScript(cmds[i].Err()) {
-			missing = append(missing, i)
+	if l.usesFunctions(e) {
+		send(fcall, valid)
+		if missing := failed(valid, isNoFunction); len(missing) > 0 {
+			if err := l.loadEngine(ctx); err == nil {
+				send(fcall, missing)
+			} else {
+				for _, i := range missing {
+					cmds[i].SetErr(err)
+				}
+			}
 		}
+		valid = failed(valid, functionsUnavailable)
+		if len(valid) == 0 {
+			return cmds
+		}
+		l.scriptsOnly.Store(true)
 	}
-	if len(missing) > 0 {
-		send(true, missing)
+	send(evalsha, valid)
+	if missing := failed(valid, isNoScript); len(missing) > 0 {
+		send(eval, missing)
 	}
 	return cmds
 }

@@ -163,48 +163,85 @@ func usedOf(ss []State) []int64 {
 	return out
 }
 
-func TestSettleManyLoadsTheScriptAndChecksTheEpoch(t *testing.T) {
-	srv := redistest.Start(t)
-	c := srv.Client()
-	rt := &calls{}
-	c.AddHook(rt)
-	l := New(c, Options{})
-	ctx := context.Background()
-	rules := batchRules()[1:2]
-	ops := []SettleOp{
-		{Settle: Settle{Tenant: "acme", User: "u", RequestID: "a", Actual: 7, Rules: rules}},
-		{Settle: Settle{Tenant: "acme", User: "u", RequestID: "b", Actual: 5, Rules: rules}},
-	}
-	// A fresh Redis has neither the script (NOSCRIPT, then EVAL) nor the
-	// epoch: nothing is applied.
-	for i, r := range l.SettleMany(ctx, ops) {
-		if !errors.Is(r.Err, ErrNoEpoch) {
-			t.Errorf("op %d on a fresh Redis error = %v, want ErrNoEpoch", i, r.Err)
-		}
-	}
-	if n := rt.Count(); n != 2 {
-		t.Errorf("first SettleMany took %d round trips, want 2 (EVALSHA, then EVAL)", n)
-	}
-	if err := WriteEpoch(ctx, c, "test"); err != nil {
-		t.Fatal(err)
-	}
-	rt.Reset()
-	for i, r := range l.SettleMany(ctx, ops) {
-		if r.Err != nil || r.Status != ChargedUnknown || r.States[0].Used != 7+int64(i)*5 {
-			t.Errorf("op %d = %+v, %v; want charged, used %d", i, r.Settlement, r.Err, 7+i*5)
-		}
-	}
-	if n := rt.Count(); n != 1 {
-		t.Errorf("SettleMany with the script cached took %d round trips, want 1", n)
-	}
-	// A flushed script cache is reloaded the same way; nothing applies twice.
-	if err := c.ScriptFlush(ctx).Err(); err != nil {
-		t.Fatal(err)
-	}
-	for i, r := range l.SettleMany(ctx, ops) {
-		if r.Err != nil || r.Status != AlreadySettled || r.States[0].Used != 12 {
-			t.Errorf("op %d after SCRIPT FLUSH = %+v, %v; want already settled at 12", i, r.Settlement, r.Err)
-		}
+// SettleMany loads what a server lacks and checks the epoch: the engine as
+// a function library on a server that serves functions, as scripts on one
+// whose ACL forbids them (as a server before Redis 7 answers: unknown
+// command).
+func TestSettleManyLoadsTheEngineAndChecksTheEpoch(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		acl  []any // applied to the default user
+		// round trips of the first call (the engine missing), of a call
+		// with it loaded, and of a call after flush
+		first, loaded, flushed int64
+		flush                  func(context.Context, *redis.Client) error
+	}{
+		{name: "functions", first: 3, loaded: 1, flushed: 3, // FCALL, FUNCTION LOAD, FCALL
+			flush: func(ctx context.Context, c *redis.Client) error { return c.FunctionFlush(ctx).Err() }},
+		{name: "scripts", acl: []any{"-fcall", "-function"}, first: 3, loaded: 1, flushed: 2, // FCALL refused, EVALSHA, EVAL
+			flush: func(ctx context.Context, c *redis.Client) error { return c.ScriptFlush(ctx).Err() }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			srv := redistest.Start(t)
+			c2 := srv.Client()
+			ctx := context.Background()
+			if c.acl != nil {
+				if err := c2.Do(ctx, append([]any{"acl", "setuser", "default"}, c.acl...)...).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rt := &calls{}
+			c2.AddHook(rt)
+			l := New(c2, Options{})
+			rules := batchRules()[1:2]
+			ops := []SettleOp{
+				{Settle: Settle{Tenant: "acme", User: "u", RequestID: "a", Actual: 7, Rules: rules}},
+				{Settle: Settle{Tenant: "acme", User: "u", RequestID: "b", Actual: 5, Rules: rules}},
+			}
+			// A fresh Redis has neither the engine nor the epoch: nothing is
+			// applied.
+			for i, r := range l.SettleMany(ctx, ops) {
+				if !errors.Is(r.Err, ErrNoEpoch) {
+					t.Errorf("op %d on a fresh Redis error = %v, want ErrNoEpoch", i, r.Err)
+				}
+			}
+			if n := rt.Count(); n != c.first {
+				t.Errorf("first SettleMany took %d round trips, want %d", n, c.first)
+			}
+			if err := WriteEpoch(ctx, c2, "test"); err != nil {
+				t.Fatal(err)
+			}
+			rt.Reset()
+			for i, r := range l.SettleMany(ctx, ops) {
+				if r.Err != nil || r.Status != ChargedUnknown || r.States[0].Used != 7+int64(i)*5 {
+					t.Errorf("op %d = %+v, %v; want charged, used %d", i, r.Settlement, r.Err, 7+i*5)
+				}
+			}
+			if n := rt.Count(); n != c.loaded {
+				t.Errorf("SettleMany with the engine loaded took %d round trips, want %d", n, c.loaded)
+			}
+			// A flushed engine is loaded again; nothing applies twice.
+			if err := c.flush(ctx, c2); err != nil {
+				t.Fatal(err)
+			}
+			rt.Reset()
+			for i, r := range l.SettleMany(ctx, ops) {
+				if r.Err != nil || r.Status != AlreadySettled || r.States[0].Used != 12 {
+					t.Errorf("op %d after the flush = %+v, %v; want already settled at 12", i, r.Settlement, r.Err)
+				}
+			}
+			if n := rt.Count(); n != c.flushed {
+				t.Errorf("SettleMany after the flush took %d round trips, want %d", n, c.flushed)
+			}
+			// A lone call loads what is missing the same way.
+			if err := c.flush(ctx, c2); err != nil {
+				t.Fatal(err)
+			}
+			st, err := l.Correct(ctx, ops[0].Settle)
+			if err != nil || st.Status != AlreadySettled {
+				t.Errorf("Correct after the flush = %+v, %v; want already settled", st, err)
+			}
+		})
 	}
 }
 

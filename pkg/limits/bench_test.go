@@ -88,7 +88,7 @@ func BenchmarkReserve(b *testing.B) {
 				i++
 				reserve(b, user(i), name+"-"+strconv.Itoa(i))
 			}
-			usec, calls := commandUsec(b, c, "evalsha")
+			usec, calls := commandUsec(b, c, "fcall")
 			b.ReportMetric(usec/calls, "redis-us/op")
 			b.ReportMetric(float64(hook.Count()-sent-1)/float64(b.N), "roundtrips/op") // -1: the INFO
 		})

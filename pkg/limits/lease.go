@@ -62,7 +62,7 @@ func (l *Limiter) leaseCall(ctx context.Context, scope Scope, id string, r *Rule
 	tag := sharedTag(scope, id)
 	keys := []string{epochKey(tag), sharedBlob(tag)}
 	args := []any{l.offset, op, n, l.guard, window, packSpecs([]Rule{*r}, l.resTTL)}
-	v, err := leaseScript.Run(ctx, l.rdb, keys, args...).Int64Slice()
+	v, err := l.run(ctx, leaseEntry, keys, args...).Int64Slice()
 	if err != nil {
 		return nil, fmt.Errorf("lease %s %s: %w", scope, id, err)
 	}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -33,16 +34,8 @@ var luaTopUp string
 //go:embed lua/admitted.lua
 var luaAdmitted string
 
-// Each script is the shared algorithms followed by its entry code.
-var (
-	reserveScript = redis.NewScript(luaLib + luaReserve)
-	settleScript  = redis.NewScript(luaLib + luaSettle)
-	chargeScript  = redis.NewScript(luaLib + luaCharge)
-	leaseScript   = redis.NewScript(luaLib + luaLease)
-	topUpScript   = redis.NewScript(luaLib + luaTopUp)
-	// admittedScript needs none of the algorithms.
-	admittedScript = redis.NewScript(luaAdmitted)
-)
+// admittedScript needs none of the algorithms (script.go has the rest).
+var admittedScript = redis.NewScript(luaAdmitted)
 
 // Errors returned by the Limiter. A denial is not an error: it is a Decision
 // with Allowed false.
@@ -86,15 +79,18 @@ type Options struct {
 //
 // Most callers want Reserve before a request and Correct or Release after.
 type Limiter struct {
-	rdb    redis.Scripter
+	rdb    Client
 	resTTL int64  // ms
 	guard  string // "1" when the scripts check the epoch
 	offset int64  // ms
+	// scriptsOnly is set once the server turned out not to serve functions
+	// (script.go).
+	scriptsOnly atomic.Bool
 }
 
 // New returns a Limiter over c, which may be a single node, a Sentinel
 // failover client or a Redis Cluster client.
-func New(c redis.Scripter, o Options) *Limiter {
+func New(c Client, o Options) *Limiter {
 	if o.ReservationTTL <= 0 {
 		o.ReservationTTL = time.Hour
 	}
@@ -219,7 +215,7 @@ func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
 
 func (l *Limiter) subjectCall(ctx context.Context, r Request, mode int) (Decision, error) {
 	keys, args := l.subjectArgs(&r, mode)
-	v, err := packedInts(reserveScript.Run(ctx, l.rdb, keys, args...))
+	v, err := packedInts(l.run(ctx, reserveEntry, keys, args...))
 	return decodeDecision(v, err, &r)
 }
 
@@ -293,7 +289,7 @@ func (l *Limiter) sharedCall(ctx context.Context, scope Scope, id string, cost i
 	}
 	tag := sharedTag(scope, id)
 	args := []any{l.offset, cost, mode, l.guard, "0", 0, "", packSpecs(rules, l.resTTL)}
-	v, err := packedInts(reserveScript.Run(ctx, l.rdb, []string{epochKey(tag), sharedBlob(tag)}, args...))
+	v, err := packedInts(l.run(ctx, reserveEntry, []string{epochKey(tag), sharedBlob(tag)}, args...))
 	d, err := decodeReply(v, err, rules)
 	if err != nil && !errors.Is(err, ErrNoEpoch) {
 		err = fmt.Errorf("reserve %s %s: %w", scope, id, err)

@@ -21,7 +21,7 @@ func newTenant(t testing.TB) string { return redistest.UniqueName(t) }
 
 // at returns a Limiter that sees Redis time shifted by offset: moving through
 // windows without sleeping.
-func at(c redis.Scripter, offset time.Duration) *Limiter {
+func at(c Client, offset time.Duration) *Limiter {
 	return New(c, Options{NoEpochGuard: true, ClockOffset: offset})
 }
 

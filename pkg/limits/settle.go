@@ -76,7 +76,7 @@ func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, err
 	if c.err != nil {
 		return Settlement{}, c.err
 	}
-	return parseSettlement(settleScript.Run(ctx, l.rdb, c.keys, c.args...), &c)
+	return parseSettlement(l.run(ctx, settleEntry, c.keys, c.args...), &c)
 }
 
 // settleCall validates s and builds its settle.lua call (op 1 corrects, 2
@@ -163,7 +163,7 @@ func (l *Limiter) Charge(ctx context.Context, c ChargeRequest) ([]State, error) 
 	if cl.err != nil {
 		return nil, cl.err
 	}
-	return parseCharge(chargeScript.Run(ctx, l.rdb, cl.keys, cl.args...), &cl)
+	return parseCharge(l.run(ctx, chargeEntry, cl.keys, cl.args...), &cl)
 }
 
 // chargeCall validates c and builds its charge.lua call.

@@ -65,7 +65,7 @@ func (l *Limiter) topUp(ctx context.Context, tenant, user string, r *Rule, amoun
 		blob = k.tenantBlob()
 	}
 	keys := []string{epochKey(k.tag()), blob, k.topup(reference)}
-	v, err := topUpScript.Run(ctx, l.rdb, keys, amount, topUpMarkerTTL, guard, packSpecs([]Rule{*r}, l.resTTL)).Int64Slice()
+	v, err := l.run(ctx, topUpEntry, keys, amount, topUpMarkerTTL, guard, packSpecs([]Rule{*r}, l.resTTL)).Int64Slice()
 	if err != nil {
 		return TopUpResult{}, fmt.Errorf("top up %s/%s: %w", tenant, user, err)
 	}

@@ -49,7 +49,7 @@ func onEndpoint(t *testing.T, policy, prefix string) (*redis.Client, *Decider, *
 }
 
 // newDecider builds a Decider over c, closed at cleanup.
-func newDecider(t testing.TB, c redis.Scripter, pol *limits.Policy, o Options, lo limits.Options) *Decider {
+func newDecider(t testing.TB, c limits.Client, pol *limits.Policy, o Options, lo limits.Options) *Decider {
 	t.Helper()
 	if o.RedisTimeout == 0 {
 		// The shared Redis and -race make a few ms too tight for tests
@@ -121,7 +121,7 @@ func scopes(r Result) string {
 }
 
 // sharedUsed peeks the used count of each rule of a shared scope.
-func sharedUsed(t testing.TB, c redis.Scripter, scope limits.Scope, id string, rules []limits.Rule) []int64 {
+func sharedUsed(t testing.TB, c limits.Client, scope limits.Scope, id string, rules []limits.Rule) []int64 {
 	t.Helper()
 	dec, err := limits.New(c, limits.Options{NoEpochGuard: true}).PeekShared(context.Background(), scope, id, rules)
 	if err != nil {
