@@ -194,11 +194,16 @@ WITH src AS (
         WHERE type IN ('quotaflow.usage.reserved', 'quotaflow.usage.actual', 'quotaflow.usage.released')` + filter + `
     ) t
     GROUP BY tenant, user_id, request_id
+    ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
 ), old AS (
-    SELECT r.tenant, r.user_id, r.request_id, r.status
-    FROM reservations r JOIN src s USING (tenant, user_id, request_id)
-    ORDER BY r.tenant, r.user_id, r.request_id -- one lock order for concurrent batches
-    FOR UPDATE OF r
+    -- A lookup by key per row, whatever the statistics were when the
+    -- statement was prepared: planned on an empty table, a join would
+    -- scan the whole table at every batch.
+    SELECT o.* FROM src s CROSS JOIN LATERAL (
+        SELECT r.tenant, r.user_id, r.request_id, r.status FROM reservations r
+        WHERE r.tenant = s.tenant AND r.user_id = s.user_id AND r.request_id = s.request_id
+        FOR UPDATE
+    ) o
 ), upd AS (
     UPDATE reservations AS r SET
         plan = CASE WHEN r.estimated_tokens IS NULL AND s.estimated_tokens IS NOT NULL THEN s.plan ELSE r.plan END,
