@@ -270,7 +270,8 @@ type WriteResult struct {
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
 // four exchanges a batch (BEGIN with the staging tables, COPY — two round
 // trips, as the server answers the COPY before the data goes —, the
-// merge, the settlements with COMMIT) instead of six.
+// merge, the settlements with COMMIT) instead of six; one more when another
+// batch inserted one of its reservations meanwhile (see mergeQuery).
 type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
