@@ -217,3 +217,124 @@ func TestTxCommitsOrLeavesNothing(t *testing.T) {
 		t.Errorf("rolled up tokens after redeliveries = %d, want 40", n)
 	}
 }
+
+// TestCommitKeepsOnlyConfirmedFinishes checks that a reservation Begin
+// writes finished ends as marks say: settled or released when they confirm
+// it, open when they do not hold it, with settled_at set exactly when it
+// is no longer open; and that Result reports it open until then.
+func TestCommitKeepsOnlyConfirmedFinishes(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	rec := func(id, kind, req string) Record {
+		return Record{EventID: id, Kind: kind, Tenant: "t", User: "u", RequestID: req, Tokens: 40, OccurredAt: at, Payload: []byte(`{}`)}
+	}
+	key := func(req string) Key { return Key{Tenant: "t", User: "u", RequestID: req} }
+	row := func(req string) (status string, settled bool) {
+		t.Helper()
+		if err := pool.QueryRow(ctx, "SELECT status, settled_at IS NOT NULL FROM reservations WHERE request_id = $1", req).Scan(&status, &settled); err != nil {
+			t.Fatal(err)
+		}
+		return status, settled
+	}
+	tests := []struct {
+		name  string
+		recs  []Record
+		marks []Mark
+		want  string
+	}{
+		{"actual confirmed", []Record{rec("a1", kindActual, "r1")}, []Mark{{key("r1"), StatusSettled}}, StatusSettled},
+		{"actual not confirmed", []Record{rec("a2", kindActual, "r2")}, nil, StatusOpen},
+		{"release confirmed", []Record{rec("v3", kindReserved, "r3"), rec("x3", kindReleased, "r3")}, []Mark{{key("r3"), StatusReleased}}, StatusReleased},
+		{"release first, marked settled", []Record{rec("x4", kindReleased, "r4"), rec("a4", kindActual, "r4")}, []Mark{{key("r4"), StatusSettled}}, StatusSettled},
+		{"reserved only", []Record{rec("v5", kindReserved, "r5")}, []Mark{{key("r5"), StatusSettled}}, StatusSettled},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			k := tc.recs[0].RequestID
+			for round := range 2 { // the second round is a redelivery of the first
+				tx, err := s.Begin(ctx, tc.recs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				wantBefore := StatusOpen
+				if round == 1 {
+					wantBefore = tc.want
+				}
+				if got := tx.Result.Reservations[key(k)].Status; got != wantBefore {
+					t.Errorf("round %d: Begin(%s) reports %s, want %s", round, tc.name, got, wantBefore)
+				}
+				if err := tx.Commit(ctx, tc.marks); err != nil {
+					t.Fatal(err)
+				}
+				if st, settled := row(k); st != tc.want || settled != (tc.want != StatusOpen) {
+					t.Errorf("round %d: after Commit(%v) status = %s, settled_at set %v; want %s, %v", round, tc.marks, st, settled, tc.want, tc.want != StatusOpen)
+				}
+			}
+		})
+	}
+}
+
+// TestBeginMergesRowInsertedMeanwhile runs two batches of one reservation
+// at once: the second merges the row the first inserted while it ran
+// (after its snapshot, before its insert), once the first commits.
+func TestBeginMergesRowInsertedMeanwhile(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	k := Key{Tenant: "t", User: "u", RequestID: "r1"}
+	reserved := Record{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100, OccurredAt: at, Payload: []byte(`{}`), Plan: "pro"}
+	actual := Record{EventID: "a1", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r1", Tokens: 40, OccurredAt: at, Payload: []byte(`{}`)}
+
+	first, err := s.Begin(ctx, []Record{reserved})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type begun struct {
+		tx  *Tx
+		err error
+	}
+	second := make(chan begun, 1)
+	go func() {
+		tx, err := s.Begin(ctx, []Record{actual})
+		second <- begun{tx, err}
+	}()
+	// The second waits on the first's uncommitted row.
+	for {
+		var waiting bool
+		if err := pool.QueryRow(ctx, "SELECT count(*) > 0 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'").Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		select {
+		case b := <-second:
+			t.Fatalf("the second Begin returned (%v) before the first committed", b.err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if err := first.Commit(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	b := <-second
+	if b.err != nil {
+		t.Fatal(b.err)
+	}
+	if got := b.tx.Result.Reservations[k]; got.Estimate != 100 || got.Actual != 40 || got.Status != StatusOpen || got.Plan != "pro" {
+		t.Errorf("the second Begin's row = %+v, want estimate 100, actual 40, open, plan pro", got)
+	}
+	if err := b.tx.Commit(ctx, []Mark{{Key: k, Status: StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	var status string
+	var est, act int64
+	if err := pool.QueryRow(ctx, "SELECT status, estimated_tokens, actual_tokens FROM reservations").Scan(&status, &est, &act); err != nil {
+		t.Fatal(err)
+	}
+	if status != StatusSettled || est != 100 || act != 40 {
+		t.Errorf("row = %s, estimate %d, actual %d; want settled, 100, 40", status, est, act)
+	}
+}
