@@ -190,9 +190,10 @@ func (l *Limiter) runAll(ctx context.Context, e *entry, calls []call) []*redis.C
 		return cmds
 	}
 	if l.usesFunctions(e) {
+		seen := l.loads.Load()
 		send(fcall, valid)
 		if missing := failed(valid, isNoFunction); len(missing) > 0 {
-			if err := l.loadEngine(ctx); err == nil {
+			if err := l.loadEngine(ctx, seen); err == nil {
 				send(fcall, missing)
 			} else {
 				for _, i := range missing {

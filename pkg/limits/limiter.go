@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -86,6 +87,10 @@ type Limiter struct {
 	// scriptsOnly is set once the server turned out not to serve functions
 	// (script.go).
 	scriptsOnly atomic.Bool
+	// loads counts the library's loads; loading serializes them, so calls
+	// that miss the library together load it once (script.go).
+	loads   atomic.Uint64
+	loading sync.Mutex
 }
 
 // New returns a Limiter over c, which may be a single node, a Sentinel

@@ -119,8 +119,16 @@ func loadLibrary(ctx context.Context, c functionLoader) error {
 
 // loadEngine loads the library on every node that may serve the engine: all
 // masters of a Cluster, all shards of a Ring, else the one server.
-// Replicas receive it from their masters.
-func (l *Limiter) loadEngine(ctx context.Context) error {
+// Replicas receive it from their masters. seen is the count of loads the
+// caller read before its call missed the library: when a load has finished
+// since, as when many calls miss it at once after a restart, the library is
+// there and only the first of them loads it.
+func (l *Limiter) loadEngine(ctx context.Context, seen uint64) error {
+	l.loading.Lock()
+	defer l.loading.Unlock()
+	if l.loads.Load() != seen {
+		return nil
+	}
 	each := func(ctx context.Context, c *redis.Client) error { return loadLibrary(ctx, c) }
 	var err error
 	switch c := l.rdb.(type) {
@@ -134,6 +142,7 @@ func (l *Limiter) loadEngine(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("load the limits engine into redis: %w", err)
 	}
+	l.loads.Add(1)
 	return nil
 }
 
@@ -146,10 +155,11 @@ func (l *Limiter) usesFunctions(e *entry) bool {
 // (loading the library when the node lacks it), else as a script.
 func (l *Limiter) run(ctx context.Context, e *entry, keys []string, args ...any) *redis.Cmd {
 	if l.usesFunctions(e) {
+		seen := l.loads.Load()
 		cmd := l.rdb.FCall(ctx, e.fn, keys, args...)
 		err := cmd.Err()
 		if isNoFunction(err) {
-			if err = l.loadEngine(ctx); err == nil {
+			if err = l.loadEngine(ctx, seen); err == nil {
 				return l.rdb.FCall(ctx, e.fn, keys, args...)
 			}
 			cmd.SetErr(err)

@@ -4,8 +4,12 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/redistest"
 )
@@ -96,5 +100,60 @@ func TestFunctionsDecideLikeScripts(t *testing.T) {
 	// Both really took their own path.
 	if !sl.scriptsOnly.Load() || fl.scriptsOnly.Load() {
 		t.Fatalf("scripts only: %v on the restricted server, %v on the other", sl.scriptsOnly.Load(), fl.scriptsOnly.Load())
+	}
+}
+
+// loadCounter counts FUNCTION commands (loads) sent alone.
+type loadCounter struct {
+	redistest.RoundTrips
+	n atomic.Int64
+}
+
+func (c *loadCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "function" {
+			c.n.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// Calls that miss the library together, as every admit in flight does when
+// Redis restarts empty, load it once; all of them then succeed.
+func TestCallsMissingTheLibraryLoadItOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	loads := &loadCounter{}
+	c.AddHook(loads)
+	l := New(c, Options{NoEpochGuard: true})
+	ctx := context.Background()
+	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
+	for round := range 3 {
+		if err := c.FunctionFlush(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		loads.n.Store(0)
+		var wg sync.WaitGroup
+		errs := make(chan error, 32)
+		for i := range 32 {
+			wg.Go(func() {
+				_, err := l.Reserve(ctx, Request{Tenant: "acme", User: "u", RequestID: fmt.Sprintf("%d-%d", round, i), Cost: 1, Rules: rules})
+				errs <- err
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatalf("round %d: Reserve error = %v", round, err)
+			}
+		}
+		if n := loads.n.Load(); n != 1 {
+			t.Errorf("round %d: %d FUNCTION LOADs for 32 calls missing the library, want 1", round, n)
+		}
+	}
+	d, err := l.Peek(ctx, Request{Tenant: "acme", User: "u", Rules: rules})
+	if err != nil || d.States[0].Used != 96 {
+		t.Errorf("used after 3 rounds = %+v, %v; want 96", d.States, err)
 	}
 }
