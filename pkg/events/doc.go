@@ -76,7 +76,9 @@
 //
 // reserved: request_id, tenant, user, endpoint required; plan, model, ip
 // optional; estimated_tokens (weighted tokens reserved) and version (the
-// subject's version after this decision) required; expires_at required;
+// subject's version after this decision; 0 when admission decided without
+// Redis, and then limits is the deciding instance's local view, not usage
+// to alert on) required; expires_at required;
 // tenant_version optional (the tenant's version, which orders snapshots of
 // tenant-scope limits); limits (every limit that applied, after the
 // decision) and would_deny (shadow limits that would have denied) optional

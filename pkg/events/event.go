@@ -164,7 +164,9 @@ type Reserved struct {
 	// Version is the subject's version after this reservation; it orders
 	// the snapshots in Limits (drop one older than the last seen). 0 when
 	// admission decided without Redis: no Redis window holds the estimate,
-	// so the accounter charges the actual in full.
+	// so the accounter charges the actual in full, and Limits is that
+	// instance's local view rather than usage, so the alerter takes no
+	// thresholds from it.
 	Version int64 `json:"version"`
 	// TenantVersion is the tenant's version, which orders snapshots of
 	// tenant-scope limits across the tenant's users; 0 when not known.

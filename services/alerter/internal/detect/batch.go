@@ -45,7 +45,9 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 	for _, ev := range evs {
 		switch r := ev.Data.(type) {
 		case events.Reserved:
-			snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+			if !decidedLocally(r) {
+				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+			}
 		case events.Corrected:
 			snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
 		}

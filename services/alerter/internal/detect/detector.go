@@ -145,11 +145,22 @@ func (d *Detector) Load(ctx context.Context) error {
 }
 
 // Reserved handles a reserved event: one allowed request for the rate
-// alerts, and its limits snapshot for the thresholds.
+// alerts, and its limits snapshot for the thresholds unless admission
+// decided it without Redis.
 func (d *Detector) Reserved(ctx context.Context, ev events.Event, r events.Reserved) error {
 	d.count(ev.Time, r.Tenant, r.Endpoint, 1, 0)
+	if decidedLocally(r) {
+		return nil
+	}
 	return d.snapshot(ctx, ev, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits)
 }
+
+// decidedLocally reports whether admission decided r without Redis
+// (version 0, see events.Reserved). Its limits are that instance's local
+// view, not usage in Redis: for a subject it never saw they would claim a
+// nearly full quota. They are no snapshot to cross thresholds with, and,
+// having no version, none to order by either.
+func decidedLocally(r events.Reserved) bool { return r.Version == 0 }
 
 // Corrected handles a corrected event's limits snapshot.
 func (d *Detector) Corrected(ctx context.Context, ev events.Event, c events.Corrected) error {
