@@ -388,7 +388,7 @@ func TestDenialSpikeAndAbuse(t *testing.T) {
 	now := time.Now().UTC()
 	denied := func(user, ip, name string, n int64) events.Event {
 		return events.NewDenied("test", events.Denied{Tenant: "acme", User: user, IP: ip, Endpoint: "/api/v1/chat",
-			Scope: "user", Name: name, Count: n}, now)
+			Scope: "user", Name: name, Count: n}, now, "test")
 	}
 	var evs []events.Event
 	for i := range 10 {
