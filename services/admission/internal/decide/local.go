@@ -16,6 +16,12 @@ import (
 //     last seen in a Redis decision, spent down locally during an outage,
 //     and back to the full limit once the window it was seen in has passed.
 //     An owner never seen gets UnseenAllowance.
+//   - Every other limit (request limits of any scope, token limits of shared
+//     scopes): this instance's share, a token bucket of capacity
+//     ceil(capacity / Instances) that refills that much per window (for a
+//     token bucket limit: at rate / Instances).
+//   - Concurrency limits are not enforced locally: nothing could release a
+//     slot taken without Redis.
 //
 // A limit decided locally reports Remaining as what this instance may still
 // allow, and Used as the usage it knows of: what was used when Redis was
@@ -23,12 +29,6 @@ import (
 // owner never seen and for a share. Never limit - remaining: for an owner
 // never seen that would claim a nearly full quota (DESIGN §4: used is real
 // usage after the decision).
-//   - Every other limit (request limits of any scope, token limits of shared
-//     scopes): this instance's share, a token bucket of capacity
-//     ceil(capacity / Instances) that refills that much per window (for a
-//     token bucket limit: at rate / Instances).
-//   - Concurrency limits are not enforced locally: nothing could release a
-//     slot taken without Redis.
 
 // ownerKey names the owner of local state.
 type ownerKey struct {
