@@ -50,10 +50,11 @@
 // the start of the second and count the denials in it. Several publishers
 // may each count some denials of one key and second (admission scales
 // out), so origin names the aggregate's publisher: any string unique to
-// it, stable while it may retry. Admission uses a random id each process
-// makes at start, and for a denial published on its own (more distinct
-// keys in one second than it aggregates) that id, "/" and a sequence
-// number. Consumers add the counts of every aggregate.
+// it and kept for as long as it may republish the aggregate. Admission
+// uses a random id each process makes at start, and for a denial published
+// on its own (more distinct keys in one second than it aggregates) that
+// id, "/" and a sequence number. Consumers add the counts of every
+// aggregate.
 //
 // # Envelope
 //

@@ -15,10 +15,10 @@
 // counted in quotaflow_admission_outbox_lost_total.
 //
 // Denied aggregates denials per second and key, so a flood of denials costs
-// one event per (tenant, user, ip, endpoint, scope, limit) and second. Each
-// outbox signs its aggregates with its own instance id (events.DeniedID's
-// origin), so the aggregates of several admission instances are all
-// stored, and a retried one still dedups.
+// one event per (tenant, user, ip, endpoint, scope, limit) and second. The
+// ids of an outbox's aggregates derive from its own instance id
+// (events.DeniedID's origin), so the aggregates of several admission
+// instances are all stored, and a retried one still dedups.
 //
 // Order is not preserved across a spill: consumers order snapshots by their
 // version, not by arrival.
@@ -82,9 +82,8 @@ type Options struct {
 	// events.DeniedID), unique among the processes publishing to one
 	// stream and without '/', which separates the sequence number of a
 	// denial published on its own (default: 128 random bits in base32,
-	// made by New). An aggregate carries
-	// its id through retries and spills, so a new process needs no memory
-	// of the old one's.
+	// made by New). An aggregate carries its id through retries and
+	// spills, so a new process needs no memory of the old one's.
 	Instance string
 
 	segmentBytes int64 // rotate spill segments at this size (tests shrink it)
