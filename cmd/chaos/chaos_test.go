@@ -27,8 +27,8 @@ func TestChaos(t *testing.T) {
 	if err != nil {
 		t.Fatalf("run = %v", err)
 	}
-	if len(rep.Checks) != 6 {
-		t.Fatalf("%d checks made, want 6", len(rep.Checks))
+	if len(rep.Checks) != 7 {
+		t.Fatalf("%d checks made, want 7", len(rep.Checks))
 	}
 	for _, c := range rep.failed() {
 		t.Errorf("check %q failed: %s", c.name, c.detail)

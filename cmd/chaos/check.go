@@ -43,6 +43,15 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 	add("nothing dead-lettered", ok, "%s", detail)
 	ok, detail = st.alertsDeliveredOnce(ctx, cfg.Settle)
 	add("every alert delivered once", ok, "%s", detail)
+	// Decisions made while Redis was down must not alert on usage that
+	// never happened.
+	thresholds := st.recv.ThresholdAlerts()
+	unfounded := s.Unfounded(thresholds)
+	detail = fmt.Sprintf("%d of %d threshold alerts claim more usage than the traffic caused", len(unfounded), len(thresholds))
+	if len(unfounded) > 0 {
+		detail += fmt.Sprintf(", first %s", unfounded[0])
+	}
+	add("threshold alerts within the usage sent", len(unfounded) == 0, "%s", detail)
 	return cs
 }
 

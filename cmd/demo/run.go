@@ -29,6 +29,9 @@ type Report struct {
 	BadSignatures   int
 	DuplicateAlerts int
 	Refires         int // threshold alerts fired again after re-arming (not printed)
+	// Unfounded are threshold alerts claiming more usage than the traffic
+	// caused (e2e.Stats.Unfounded).
+	Unfounded []e2e.ThresholdAlert
 }
 
 // run performs one demo: set up, start, play traffic, summarize, stop.
@@ -158,6 +161,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		fmt.Fprintf(out, "cannot read admission metrics: %v\n", err)
 	}
 	rep.Alerts, rep.Thresholds, rep.BadSignatures, rep.DuplicateAlerts, rep.Refires = recv.Counts()
+	rep.Unfounded = st.Unfounded(recv.ThresholdAlerts())
 	printSummary(out, rep)
 
 	if cfg.Keep {
@@ -169,6 +173,9 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}
 	if !rep.LedgerMatches {
 		return rep, errors.New("the ledger's actual total differs from what was sent")
+	}
+	if len(rep.Unfounded) > 0 {
+		return rep, fmt.Errorf("%d threshold alerts claim more usage than the traffic caused", len(rep.Unfounded))
 	}
 	return rep, nil
 }

@@ -58,10 +58,17 @@ func printSummary(out io.Writer, rep *Report) {
 	}
 	fmt.Fprintf(out, "  of these, fired again after re-arming (not printed above: mostly the refilling rps bucket) %d\n", rep.Refires)
 	fmt.Fprintf(out, "  refused (bad signature) %4d, redeliveries dropped by webhook-id %d\n", rep.BadSignatures, rep.DuplicateAlerts)
-	if rep.LedgerMatches {
-		fmt.Fprintf(out, "\nCHECK ok: ledger actual total %d == actual sent %d\n", rep.Ledger.ActualTotal, st.ActualSent.Load())
-	} else {
+	for _, a := range rep.Unfounded {
+		fmt.Fprintf(out, "  ! more usage than the traffic caused: %s\n", a)
+	}
+	switch {
+	case !rep.LedgerMatches:
 		fmt.Fprintf(out, "\nCHECK FAILED: ledger actual total %d != actual sent %d\n", rep.Ledger.ActualTotal, st.ActualSent.Load())
+	case len(rep.Unfounded) > 0:
+		fmt.Fprintf(out, "\nCHECK FAILED: %d threshold alerts claim more usage than the traffic caused\n", len(rep.Unfounded))
+	default:
+		fmt.Fprintf(out, "\nCHECK ok: ledger actual total %d == actual sent %d; every threshold alert within the usage sent\n",
+			rep.Ledger.ActualTotal, st.ActualSent.Load())
 	}
 }
 

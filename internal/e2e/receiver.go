@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -34,8 +35,24 @@ type Receiver struct {
 	// fired counts threshold alerts per limit and threshold. A request
 	// rate's token bucket refills within a second, so the alerter re-arms
 	// and fires it again and again: only its first firing is printed.
-	fired   map[string]int
-	refires int
+	fired      map[string]int
+	refires    int
+	thresholds []ThresholdAlert // every distinct one, in arrival order
+}
+
+// ThresholdAlert is what a quota.threshold alert said.
+type ThresholdAlert struct {
+	Tenant, User, Endpoint, LimitName, Unit string
+	Threshold                               int
+	Used, Limit                             int64
+}
+
+func (a ThresholdAlert) String() string {
+	lim := a.LimitName
+	if a.Endpoint != "" {
+		lim = a.Endpoint + " " + lim
+	}
+	return fmt.Sprintf("%d%% %s/%s %s at %d/%d %s", a.Threshold, a.Tenant, a.User, lim, a.Used, a.Limit, a.Unit)
 }
 
 // NewReceiver starts a Receiver on a loopback port for the Standard
@@ -141,6 +158,8 @@ func (r *Receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		r.byKind[a.Type]++
 		if a.Type == "quota.threshold" {
 			r.thresh[d.Threshold]++
+			r.thresholds = append(r.thresholds, ThresholdAlert{Tenant: d.Tenant, User: d.User, Endpoint: d.Endpoint,
+				LimitName: d.LimitName, Unit: d.Unit, Threshold: d.Threshold, Used: d.Used, Limit: d.Limit})
 			k := fmt.Sprintf("%s/%s/%s/%s/%d", d.Tenant, d.User, d.Endpoint, d.LimitName, d.Threshold)
 			r.fired[k]++
 			if again = r.fired[k] > 1; again {
@@ -193,6 +212,13 @@ func (r *Receiver) Counts() (byKind map[string]int, thresh map[int]int, bad, dup
 		thresh[k] = v
 	}
 	return byKind, thresh, r.bad, r.dups, r.refires
+}
+
+// ThresholdAlerts returns the distinct quota.threshold alerts received.
+func (r *Receiver) ThresholdAlerts() []ThresholdAlert {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.thresholds)
 }
 
 // Total is the number of distinct alerts received.

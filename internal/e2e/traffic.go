@@ -37,6 +37,57 @@ type Stats struct {
 	mu       sync.Mutex
 	deniedBy map[string]int // violated policy → 429s
 	errs     map[string]int // "route status" or "route: error" → count, for every 5xx, unexpected status and failure
+	caused   map[[2]string]*caused
+}
+
+// caused bounds the usage one (tenant, user)'s traffic can have put in any
+// of its windows: every admitted request, at its estimate or its actual
+// cost when that was higher.
+type caused struct{ tokens, requests int64 }
+
+// cause adds an admitted request's share to u's bound: tokens, and
+// requests admitted.
+func (s *Stats) cause(u User, tokens, requests int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	k := [2]string{u.Tenant, u.Name}
+	c := s.caused[k]
+	if c == nil {
+		c = &caused{}
+		s.caused[k] = c
+	}
+	c.tokens += tokens
+	c.requests += requests
+}
+
+// Unfounded returns the threshold alerts that claim more usage than the
+// traffic can have caused: more tokens than its admitted requests cost
+// (estimate, or actual when higher), or more requests than it had
+// admitted, for the alert's user, or summed over the tenant's users for a
+// tenant-wide limit. An alert from made-up usage (a decision admission
+// took without Redis, reporting limit minus a local allowance as used)
+// shows up here; real ones never do.
+func (s *Stats) Unfounded(alerts []ThresholdAlert) []ThresholdAlert {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []ThresholdAlert
+	for _, a := range alerts {
+		var c caused
+		for k, v := range s.caused {
+			if k[0] == a.Tenant && (a.User == "" || k[1] == a.User) {
+				c.tokens += v.tokens
+				c.requests += v.requests
+			}
+		}
+		bound := c.requests
+		if a.Unit == "tokens" {
+			bound = c.tokens
+		}
+		if a.Used > bound {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 func (s *Stats) unexpected(path string, code int) {
@@ -142,6 +193,7 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 	case code == http.StatusOK:
 		g.St.Allowed.Add(1)
 		g.St.Reserved.Add(est)
+		g.St.cause(u, est, 1)
 	case code == http.StatusTooManyRequests:
 		g.St.Denied.Add(1)
 		var p struct {
@@ -173,6 +225,9 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 		return
 	}
 	actual := est * int64(50+rng.IntN(71)) / 100
+	// Counted whether or not the report gets through: one that failed
+	// may still have been stored.
+	g.St.cause(u, max(0, actual-est), 0)
 	in := actual * 2 / 5
 	ev := events.NewActual("quotaflow-demo", events.Actual{
 		RequestID: id, Tenant: u.Tenant, User: u.Name, Endpoint: g.Endpoint,
@@ -254,7 +309,7 @@ func (g *Generator) post(ctx context.Context, path string, body []byte) (int, []
 
 // NewStats returns empty Stats.
 func NewStats() *Stats {
-	return &Stats{deniedBy: map[string]int{}, errs: map[string]int{}}
+	return &Stats{deniedBy: map[string]int{}, errs: map[string]int{}, caused: map[[2]string]*caused{}}
 }
 
 // Unexpected returns the 5xx and unexpected statuses by "route status"

@@ -37,7 +37,7 @@
 //	reserved, actual, released, corrected:  H(type, tenant, user, request_id)
 //	topup:                                  H("quotaflow.balance.topup", tenant, reference)
 //	denied:                                 H("quotaflow.usage.denied", tenant, user, ip, endpoint,
-//	                                          scope, name, decimal Unix second of time)
+//	                                          scope, name, decimal Unix second of time, origin)
 //
 // H(f1, f2, ...) is the SHA-256 of, for each field in order, its length in
 // bytes as an 8-byte big-endian unsigned integer followed by its UTF-8
@@ -47,7 +47,14 @@
 // is "a2b7081b1f6328815ae20e245fd52556". In Go: ID, TopUpID, DeniedID, or
 // the builders NewReserved, NewActual and so on, which also set type,
 // subject and time. Denials are aggregated per second: the event's time is
-// the start of the second and count the denials in it.
+// the start of the second and count the denials in it. Several publishers
+// may each count some denials of one key and second (admission scales
+// out), so origin names the aggregate's publisher: any string unique to
+// it and kept for as long as it may republish the aggregate. Admission
+// uses a random id each process makes at start, and for a denial published
+// on its own (more distinct keys in one second than it aggregates) that
+// id, "/" and a sequence number. Consumers add the counts of every
+// aggregate.
 //
 // # Envelope
 //
@@ -76,7 +83,9 @@
 //
 // reserved: request_id, tenant, user, endpoint required; plan, model, ip
 // optional; estimated_tokens (weighted tokens reserved) and version (the
-// subject's version after this decision) required; expires_at required;
+// subject's version after this decision; 0 when admission decided without
+// Redis, and then limits is the deciding instance's local view, not usage
+// to alert on) required; expires_at required;
 // tenant_version optional (the tenant's version, which orders snapshots of
 // tenant-scope limits); limits (every limit that applied, after the
 // decision) and would_deny (shadow limits that would have denied) optional
@@ -113,11 +122,12 @@
 // last one seen for the subject (tenant_version for tenant-scope limits).
 //
 // denied: tenant, user, endpoint, scope, name required, ip optional, count
-// (at least 1) required; the denials of one second:
+// (at least 1) required; the denials of one second that one publisher
+// counted (this one's origin: "6KBU4LCEX3JKN7GDQVHL2ZYAPM"):
 //
 //	{
 //	  "specversion": "1.0",
-//	  "id": "0ef3f7fc283b9b3ceeb38057f0b0c905",
+//	  "id": "74ce1f8ced2293e2804f3d8c3e4df1bd",
 //	  "source": "quotaflow/admission",
 //	  "type": "quotaflow.usage.denied",
 //	  "time": "2025-03-14T09:26:53Z",

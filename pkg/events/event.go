@@ -164,7 +164,9 @@ type Reserved struct {
 	// Version is the subject's version after this reservation; it orders
 	// the snapshots in Limits (drop one older than the last seen). 0 when
 	// admission decided without Redis: no Redis window holds the estimate,
-	// so the accounter charges the actual in full.
+	// so the accounter charges the actual in full, and Limits is that
+	// instance's local view rather than usage, so the alerter takes no
+	// thresholds from it.
 	Version int64 `json:"version"`
 	// TenantVersion is the tenant's version, which orders snapshots of
 	// tenant-scope limits across the tenant's users; 0 when not known.
@@ -177,7 +179,8 @@ type Reserved struct {
 
 // Denied is published by admission for denials, aggregated per second and
 // per (tenant, user, ip, endpoint, scope, name): Count denials happened in
-// the second that starts at the event's Time.
+// the second that starts at the event's Time. Each admission instance
+// publishes its own aggregate (see DeniedID): consumers add the counts.
 type Denied struct {
 	Tenant   string `json:"tenant"`       // the tenant, as given to admission
 	User     string `json:"user"`         // the user within the tenant
@@ -270,13 +273,13 @@ func NewReserved(source string, d Reserved, now time.Time) Event {
 	return Event{ID: ID(TypeReserved, d.Tenant, d.User, d.RequestID), Source: source, Time: now.UTC(), Data: d}
 }
 
-// NewDenied returns the event for d, the denials of the second that holds
-// now: its Time is the start of that second and its ID derives from the
-// second, so one aggregate per second and key is stored however often it
-// is published.
-func NewDenied(source string, d Denied, now time.Time) Event {
+// NewDenied returns the event for d, the denials origin counted in the
+// second that holds now: its Time is the start of that second and its ID
+// derives from the second and origin (see DeniedID), so one aggregate per
+// origin, second and key is stored however often it is published.
+func NewDenied(source string, d Denied, now time.Time, origin string) Event {
 	sec := time.Unix(now.Unix(), 0).UTC()
-	return Event{ID: DeniedID(d, sec), Source: source, Time: sec, Data: d}
+	return Event{ID: DeniedID(d, sec, origin), Source: source, Time: sec, Data: d}
 }
 
 // NewActual returns the event for d from source at now, with its

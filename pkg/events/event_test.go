@@ -14,6 +14,10 @@ import (
 
 var testNow = time.Date(2025, 3, 14, 9, 26, 53, 0, time.UTC)
 
+// docOrigin is the origin of the denied events of the tests and of
+// doc.go's example.
+const docOrigin = "6KBU4LCEX3JKN7GDQVHL2ZYAPM"
+
 // examples returns one event of each type with every field set.
 func examples() []Event {
 	ls := []LimitState{
@@ -29,7 +33,7 @@ func examples() []Event {
 		}, testNow),
 		NewDenied("quotaflow/admission", Denied{
 			Tenant: "acme", User: "u-42", IP: "2001:db8::7", Endpoint: "/api/v1/generate", Scope: "user", Name: "5h", Count: 3,
-		}, testNow.Add(400*time.Millisecond)),
+		}, testNow.Add(400*time.Millisecond), docOrigin),
 		NewActual("billing-proxy", Actual{
 			RequestID: "r-123", Tenant: "acme", User: "u-42", Endpoint: "/api/v1/generate", Model: "big-model",
 			InputTokens: 800, OutputTokens: 350,
@@ -156,7 +160,7 @@ func TestDocExamples(t *testing.T) {
 func derivedID(ev Event) string {
 	switch d := ev.Data.(type) {
 	case Denied:
-		return DeniedID(d, ev.Time)
+		return DeniedID(d, ev.Time, docOrigin)
 	case TopUp:
 		return TopUpID(d.Tenant, d.Reference)
 	}
@@ -202,15 +206,19 @@ func TestID(t *testing.T) {
 	}
 
 	d := Denied{Tenant: "t", User: "u", Endpoint: "/e", Scope: "user", Name: "n", Count: 1}
-	e1 := NewDenied("s", d, testNow.Add(100*time.Millisecond))
+	e1 := NewDenied("s", d, testNow.Add(100*time.Millisecond), "a")
 	d.Count = 7
-	e2 := NewDenied("s", d, testNow.Add(900*time.Millisecond))
-	e3 := NewDenied("s", d, testNow.Add(time.Second))
+	e2 := NewDenied("s", d, testNow.Add(900*time.Millisecond), "a")
+	e3 := NewDenied("s", d, testNow.Add(time.Second), "a")
+	e4 := NewDenied("s", d, testNow, "b")
 	if e1.ID != e2.ID {
-		t.Errorf("denials of one second have ids %s and %s, want one", e1.ID, e2.ID)
+		t.Errorf("denials of one second and origin have ids %s and %s, want one", e1.ID, e2.ID)
 	}
 	if e1.ID == e3.ID {
 		t.Errorf("denials of two seconds share id %s", e1.ID)
+	}
+	if e1.ID == e4.ID {
+		t.Errorf("denials of two origins share id %s", e1.ID)
 	}
 	if !e1.Time.Equal(testNow) {
 		t.Errorf("NewDenied time = %v, want the start of the second %v", e1.Time, testNow)

@@ -23,11 +23,15 @@ func TopUpID(tenant, reference string) string {
 }
 
 // DeniedID returns the id of the denial aggregate d for the second that
-// holds at: one id per (tenant, user, ip, endpoint, scope, name, Unix
-// second). Count is not part of it, so a republished aggregate dedups.
-func DeniedID(d Denied, at time.Time) string {
+// holds at, counted by origin: one id per (tenant, user, ip, endpoint,
+// scope, name, Unix second, origin). Count is not part of it, so a
+// republished aggregate dedups. Origin tells apart aggregates of one key
+// and second that are each a share of the count: every publisher that
+// aggregates on its own (each admission instance) needs its own, or the
+// stream keeps the first count and drops the others as duplicates.
+func DeniedID(d Denied, at time.Time, origin string) string {
 	return HashID(TypeDenied, d.Tenant, d.User, d.IP, d.Endpoint, d.Scope, d.Name,
-		strconv.FormatInt(at.Unix(), 10))
+		strconv.FormatInt(at.Unix(), 10), origin)
 }
 
 // HashID is the lowercase hex of the first 16 bytes (128 bits) of the

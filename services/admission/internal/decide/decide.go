@@ -51,8 +51,9 @@ type Result struct {
 // LimitState is one limit after a decision, as the API and events show it.
 // For a limit served from leases, Limit is exact and Remaining best effort:
 // Redis's remaining at the last lease plus what this instance still holds.
-// For a limit decided locally, Used and Remaining are this instance's local
-// view.
+// For a limit decided locally, Remaining is what this instance may still
+// allow and Used the usage it knows of (see local.go): never more than
+// really happened, so a subject it never saw does not look nearly full.
 type LimitState struct {
 	Scope     limits.Scope
 	Name      string

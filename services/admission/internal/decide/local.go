@@ -22,6 +22,13 @@ import (
 //     token bucket limit: at rate / Instances).
 //   - Concurrency limits are not enforced locally: nothing could release a
 //     slot taken without Redis.
+//
+// A limit decided locally reports Remaining as what this instance may still
+// allow, and Used as the usage it knows of: what was used when Redis was
+// last seen plus its own spending since, or its own spending alone for an
+// owner never seen and for a share. Never limit - remaining: for an owner
+// never seen that would claim a nearly full quota (DESIGN §4: used is real
+// usage after the decision).
 
 // ownerKey names the owner of local state.
 type ownerKey struct {
@@ -52,6 +59,7 @@ func ruleID(r *limits.Rule) uint64 {
 type ruleState struct {
 	id      uint64
 	init    bool
+	seen    bool    // quota: left came from a Redis decision
 	left    float64 // units still allowed locally
 	at      int64   // share: last refill (monotonic ns)
 	resetAt int64   // quota: when the window seen frees everything (0: never)
@@ -194,15 +202,33 @@ func (d *Decider) shareRate(r *limits.Rule) float64 {
 	return d.shareCap(r) / float64(p)
 }
 
+// unspent is what a limit's local state holds with nothing spent: the
+// whole limit once Redis showed the owner's usage (left then counts down
+// from it), the allowance for an owner never seen, the share otherwise.
+func (d *Decider) unspent(r *limits.Rule, st *ruleState) float64 {
+	switch {
+	case !quotaKind(r):
+		return d.shareCap(r)
+	case st.seen:
+		return float64(capacity(r))
+	}
+	return d.allowance(r)
+}
+
+// allowance is what a quota of an owner never seen starts with.
+func (d *Decider) allowance(r *limits.Rule) float64 {
+	if r.Kind == limits.Balance { // a balance's credits are unknown here
+		return float64(d.opt.UnseenAllowance)
+	}
+	return float64(min(d.opt.UnseenAllowance, capacity(r)))
+}
+
 // bring moves a limit's local state forward to now (monotonic ns); caller
 // holds the entry's mutex.
 func (d *Decider) bring(r *limits.Rule, st *ruleState, now int64) {
 	if quotaKind(r) {
 		if !st.init {
-			st.init, st.left = true, float64(d.opt.UnseenAllowance)
-			if r.Kind != limits.Balance { // a balance's credits are unknown here
-				st.left = min(st.left, float64(capacity(r)))
-			}
+			st.init, st.left = true, d.allowance(r)
 		}
 		if st.resetAt != 0 && now >= st.resetAt {
 			st.left = float64(capacity(r))
@@ -285,8 +311,9 @@ func (d *Decider) localCheck(owners [2]*entry, rules []limits.Rule, cost int64, 
 		out[i].Remaining = left
 		if r.Kind == limits.Balance {
 			out[i].Limit = left // credits unknown locally: report what is left
+		} else {
+			out[i].Used = max(0, int64(d.unspent(r, st))-left)
 		}
-		out[i].Used = max(0, out[i].Limit-left)
 		if st.resetAt > now {
 			out[i].Reset = time.Duration(st.resetAt - now)
 		} else if !quotaKind(r) && st.left < d.shareCap(r) {
@@ -362,7 +389,7 @@ func (d *Decider) remember(tenant, user string, states []limits.State, now int64
 		}
 		e.mu.Lock()
 		st := e.state(ruleID(r))
-		st.init, st.left, st.resetAt = true, float64(s.Remaining), reset
+		st.init, st.seen, st.left, st.resetAt = true, true, float64(s.Remaining), reset
 		e.mu.Unlock()
 	}
 }

@@ -45,8 +45,8 @@ func TestLocalShare(t *testing.T) {
 			}
 		}
 		di, retry, reason, out := check(d, e, rules, 1)
-		if di != 0 || reason != limits.ReasonNone || retry < 2400*time.Millisecond || retry > 2401*time.Millisecond || out[0].Remaining != 0 {
-			t.Fatalf("26th = denied %d, retry %v, reason %q, %+v; want denied, one unit in 2.4s", di, retry, reason, out[0])
+		if di != 0 || reason != limits.ReasonNone || retry < 2400*time.Millisecond || retry > 2401*time.Millisecond || out[0].Remaining != 0 || out[0].Used != 25 {
+			t.Fatalf("26th = denied %d, retry %v, reason %q, %+v; want denied, one unit in 2.4s, 25 used (this instance's)", di, retry, reason, out[0])
 		}
 		time.Sleep(retry)
 		if di, _, _, _ := check(d, e, rules, 1); di >= 0 {
@@ -65,8 +65,8 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 		if seen == nil {
 			t.Fatal("remember kept nothing")
 		}
-		if di, _, _, out := check(d, seen, rules, 20); di >= 0 || out[0].Remaining != 10 {
-			t.Fatalf("cost 20 of 30 seen: denied %d, %+v; want allowed with 10 left", di, out[0])
+		if di, _, _, out := check(d, seen, rules, 20); di >= 0 || out[0].Remaining != 10 || out[0].Used != 90 {
+			t.Fatalf("cost 20 of 30 seen: denied %d, %+v; want allowed, 90 used, 10 left", di, out[0])
 		}
 		di, retry, _, _ := check(d, seen, rules, 20)
 		if di != 0 || retry != 10*time.Minute {
@@ -77,9 +77,14 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 			t.Fatalf("after the reset: denied %d, %+v; want the full limit back", di, out[0])
 		}
 
-		// Never seen: the allowance, which does not refill.
+		// Never seen: the allowance, which does not refill. Used is what
+		// this instance spent, not the limit minus the allowance: nobody
+		// knows the rest, and alerts must not read it as usage.
 		unseen := d.local.get(ownerKey{scope: limits.ScopeUser, a: "acme", b: "new"}, true)
-		if di, _, _, _ := check(d, unseen, rules, 50); di >= 0 {
+		if di, _, _, out := check(d, unseen, rules, 10); di >= 0 || out[0].Used != 10 || out[0].Remaining != 40 {
+			t.Fatalf("cost 10 of an unseen subject's 50: denied %d, %+v; want allowed, 10 used, 40 left", di, out[0])
+		}
+		if di, _, _, _ := check(d, unseen, rules, 40); di >= 0 {
 			t.Fatal("unseen subject denied within its allowance")
 		}
 		if di, _, _, _ := check(d, unseen, rules, 1); di != 0 {

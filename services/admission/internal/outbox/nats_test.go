@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"maps"
 	"net"
 	"testing"
 	"time"
@@ -34,8 +35,9 @@ func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 	return nc, js
 }
 
-// storedIDs reads every message of the stream and counts event ids.
-func storedIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]int {
+// storedEvents reads every message of the stream, checking that its
+// Nats-Msg-Id is the event id.
+func storedEvents(t *testing.T, js jetstream.JetStream, stream string) []events.Event {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -47,7 +49,7 @@ func storedIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]i
 	if err != nil {
 		t.Fatal(err)
 	}
-	ids := map[string]int{}
+	var evs []events.Event
 	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
 		m, err := s.GetMsg(ctx, seq)
 		if err != nil {
@@ -60,6 +62,16 @@ func storedIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]i
 		if h := m.Header.Get(jetstream.MsgIDHeader); h != ev.ID {
 			t.Errorf("message %d: Nats-Msg-Id %q, event id %q", seq, h, ev.ID)
 		}
+		evs = append(evs, ev)
+	}
+	return evs
+}
+
+// storedIDs counts the stream's messages by event id.
+func storedIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]int {
+	t.Helper()
+	ids := map[string]int{}
+	for _, ev := range storedEvents(t, js, stream) {
 		ids[ev.ID]++
 	}
 	return ids
@@ -97,7 +109,7 @@ func TestRealNATS(t *testing.T) {
 	for range 50 {
 		o.Denied(d, testNow)
 	}
-	want[events.DeniedID(d, testNow)] = true
+	want[events.DeniedID(d, testNow, o.opt.Instance)] = true
 	actual := events.NewActual("svc", events.Actual{RequestID: "r-1", Tenant: "acme", User: "u", InputTokens: 5, OutputTokens: 6}, testNow)
 	if err := o.PublishNow(context.Background(), []events.Event{actual}); err != nil {
 		t.Fatalf("PublishNow = %v", err)
@@ -116,6 +128,47 @@ func TestRealNATS(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeActual)); got != 1 {
 		t.Errorf("published{actual} = %v, want 1", got)
+	}
+}
+
+// TestDeniedAcrossInstances: two admission instances denying one key in
+// one second each publish their count, and the stream stores both; an
+// instance's aggregate published again is stored once.
+func TestDeniedAcrossInstances(t *testing.T) {
+	_, js := connect(t, natstest.URL())
+	cfg := natstest.Streams(t, js, "outbox", events.Config{})
+	pub := events.NewPublisher(js, cfg)
+	d := events.Denied{Tenant: "acme", User: "u", IP: "203.0.113.7", Endpoint: "/e", Scope: "user", Name: "5h"}
+	var instances []string
+	for _, n := range []int{3, 2} {
+		o, err := New(pub, Options{SpillDir: t.TempDir()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		instances = append(instances, o.opt.Instance)
+		for i := range n {
+			o.Denied(d, testNow.Add(time.Duration(i)*100*time.Millisecond))
+		}
+		closeOutbox(t, o, 10*time.Second)
+	}
+	// The first instance retries its aggregate (a publish whose ack was
+	// lost): the same id, so the stream drops it.
+	retry := d
+	retry.Count = 3
+	if err := pub.PublishBatch(context.Background(), []events.Event{events.NewDenied(DefaultSource, retry, testNow.Add(500*time.Millisecond), instances[0])}); err != nil {
+		t.Fatal(err)
+	}
+
+	got := map[string]int64{}
+	for _, ev := range storedEvents(t, js, cfg.Stream) {
+		got[ev.ID] += ev.Data.(events.Denied).Count
+	}
+	want := map[string]int64{
+		events.DeniedID(d, testNow, instances[0]): 3,
+		events.DeniedID(d, testNow, instances[1]): 2,
+	}
+	if !maps.Equal(got, want) {
+		t.Errorf("stored denied counts by id %v, want %v (3 from one instance, 2 from the other, once each)", got, want)
 	}
 }
 

@@ -15,7 +15,10 @@
 // counted in quotaflow_admission_outbox_lost_total.
 //
 // Denied aggregates denials per second and key, so a flood of denials costs
-// one event per (tenant, user, ip, endpoint, scope, limit) and second.
+// one event per (tenant, user, ip, endpoint, scope, limit) and second. The
+// ids of an outbox's aggregates derive from its own instance id
+// (events.DeniedID's origin), so the aggregates of several admission
+// instances are all stored, and a retried one still dedups.
 //
 // Order is not preserved across a spill: consumers order snapshots by their
 // version, not by arrival.
@@ -23,9 +26,12 @@ package outbox
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -72,8 +78,16 @@ type Options struct {
 	// Now is the clock the denial aggregation closes seconds by (default
 	// time.Now).
 	Now func() time.Time
+	// Instance is the origin of this outbox's denial aggregates (see
+	// events.DeniedID), unique among the processes publishing to one
+	// stream and without '/', which separates the sequence number of a
+	// denial published on its own (default: 128 random bits in base32,
+	// made by New). An aggregate carries its id through retries and
+	// spills, so a new process needs no memory of the old one's.
+	Instance string
 
 	segmentBytes int64 // rotate spill segments at this size (tests shrink it)
+	maxDenyKeys  int   // bound of the denial aggregation (tests shrink it)
 }
 
 // Defaults of Options.
@@ -86,11 +100,11 @@ const (
 	DefaultSource         = "quotaflow/admission"
 	defaultSegmentBytes   = 16 << 20
 	firstBackoff          = 50 * time.Millisecond
-	// maxDenyKeys bounds the denial aggregation map. A key beyond it (more
-	// distinct denying keys than this within one second) is published on
-	// its own with count 1, and further denials of that key in that second
-	// are dropped as duplicates by the stream: its count is then low.
-	maxDenyKeys = 100_000
+	// defaultMaxDenyKeys bounds the denial aggregation map. A denial of a
+	// key beyond it (more distinct denying keys than this within one
+	// second) is published on its own with count 1, under an id of its own
+	// (the instance and a sequence number), so none is lost.
+	defaultMaxDenyKeys = 100_000
 )
 
 func (o Options) withDefaults() Options {
@@ -118,8 +132,14 @@ func (o Options) withDefaults() Options {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
+	if o.Instance == "" {
+		o.Instance = rand.Text()
+	}
 	if o.segmentBytes <= 0 {
 		o.segmentBytes = defaultSegmentBytes
+	}
+	if o.maxDenyKeys <= 0 {
+		o.maxDenyKeys = defaultMaxDenyKeys
 	}
 	return o
 }
@@ -151,8 +171,9 @@ type Outbox struct {
 	denyStop chan struct{}
 	denyDone chan struct{}
 
-	denyMu sync.Mutex
-	deny   map[denyKey]int64
+	denyMu   sync.Mutex
+	deny     map[denyKey]int64
+	denyLone atomic.Uint64 // denials published on their own so far
 
 	loseMu         sync.Mutex
 	loseLog        map[string]time.Time // last log line per loss reason
@@ -169,6 +190,9 @@ type denyKey struct {
 func New(pub Publisher, opt Options) (*Outbox, error) {
 	if opt.SpillDir == "" {
 		return nil, errors.New("outbox: spill dir is required")
+	}
+	if strings.Contains(opt.Instance, "/") {
+		return nil, errors.New("outbox: instance: must not contain '/'")
 	}
 	opt = opt.withDefaults()
 	sp, err := openSpill(opt.SpillDir, opt.MaxSpillBytes, opt.segmentBytes)
@@ -226,14 +250,15 @@ func (o *Outbox) Denied(d events.Denied, at time.Time) {
 	d.Count = 0
 	k := denyKey{d: d, second: at.Unix()}
 	o.denyMu.Lock()
-	if _, ok := o.deny[k]; ok || len(o.deny) < maxDenyKeys {
+	if _, ok := o.deny[k]; ok || len(o.deny) < o.opt.maxDenyKeys {
 		o.deny[k]++
 		o.denyMu.Unlock()
 		return
 	}
 	o.denyMu.Unlock()
 	d.Count = 1
-	o.Enqueue(events.NewDenied(o.opt.Source, d, at))
+	origin := o.opt.Instance + "/" + strconv.FormatUint(o.denyLone.Add(1), 10)
+	o.Enqueue(events.NewDenied(o.opt.Source, d, at, origin))
 }
 
 // PublishNow publishes evs synchronously (POST /v1/usage) and returns
@@ -571,7 +596,7 @@ func (o *Outbox) flushDenied(final bool) {
 		}
 		d := k.d
 		d.Count = n
-		out = append(out, events.NewDenied(o.opt.Source, d, time.Unix(k.second, 0)))
+		out = append(out, events.NewDenied(o.opt.Source, d, time.Unix(k.second, 0), o.opt.Instance))
 		delete(o.deny, k)
 	}
 	o.denyMu.Unlock()

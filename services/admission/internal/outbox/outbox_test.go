@@ -201,9 +201,9 @@ func TestCloseSpillsForNextStart(t *testing.T) {
 	eventually(t, "the spilled events published", func() bool { return up.count() == n+1 })
 	eventually(t, "spill segments removed", func() bool { return len(segments(t, dir)) == 0 })
 	closeOutbox(t, o2, 5*time.Second)
-	denied := events.NewDenied("quotaflow/admission", events.Denied{Tenant: "acme", User: "u-42", Endpoint: "/e", Scope: "user", Name: "5h", Count: 1}, testNow)
+	denied := events.NewDenied("quotaflow/admission", events.Denied{Tenant: "acme", User: "u-42", Endpoint: "/e", Scope: "user", Name: "5h", Count: 1}, testNow, o.opt.Instance)
 	if ev, ok := up.byID[denied.ID]; !ok || ev.Data.(events.Denied).Count != 1 {
-		t.Errorf("the pending denial was not published after the restart: %+v", ev)
+		t.Errorf("the pending denial was not published after the restart under its first process's id: %+v", ev)
 	}
 }
 
@@ -337,7 +337,7 @@ func TestDeniedAggregation(t *testing.T) {
 		at time.Time
 		n  int64
 	}{{a, testNow, 1000}, {b, testNow, 10}, {c, testNow, 1}, {a, testNow.Add(time.Second), 1}, {a, testNow.Add(time.Minute), 1}} {
-		want[events.DeniedID(w.d, w.at)] = w.n
+		want[events.DeniedID(w.d, w.at, o.opt.Instance)] = w.n
 	}
 	if len(pub.byID) != len(want) {
 		t.Errorf("published %d denied events, want %d", len(pub.byID), len(want))
@@ -354,6 +354,44 @@ func TestDeniedAggregation(t *testing.T) {
 		if ev.Time.Nanosecond() != 0 {
 			t.Errorf("aggregate time %v is not the start of a second", ev.Time)
 		}
+	}
+}
+
+// TestDeniedOverflowKeepsEveryDenial: past the aggregation bound each
+// denial is an event of its own, with an id no other denial shares, of
+// this instance or another.
+func TestDeniedOverflowKeepsEveryDenial(t *testing.T) {
+	pub := newFakePublisher(false)
+	a := events.Denied{Tenant: "acme", User: "u-1", Endpoint: "/e", Scope: "user", Name: "5h"}
+	b := a
+	b.User = "u-2"
+	for range 2 { // two instances
+		o, err := New(pub, Options{SpillDir: t.TempDir(), maxDenyKeys: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		o.Denied(a, testNow) // fills the aggregation
+		for range 3 {
+			o.Denied(b, testNow) // each on its own
+		}
+		closeOutbox(t, o, 5*time.Second)
+	}
+	counts := map[string]int64{}
+	for id, ev := range pub.byID {
+		d := ev.Data.(events.Denied)
+		counts[d.User] += d.Count
+		if pub.stored[id] != 1 {
+			t.Errorf("event %s stored %d times, want 1", id, pub.stored[id])
+		}
+	}
+	if len(pub.byID) != 8 || counts["u-1"] != 2 || counts["u-2"] != 6 {
+		t.Errorf("%d denied events counting %v, want 8 counting u-1: 2, u-2: 6", len(pub.byID), counts)
+	}
+}
+
+func TestInstanceWithSlashRefused(t *testing.T) {
+	if _, err := New(newFakePublisher(false), Options{SpillDir: t.TempDir(), Instance: "a/1"}); err == nil {
+		t.Fatal("New accepted an instance id holding the sequence separator")
 	}
 }
 

@@ -213,9 +213,13 @@ func (d *Deliverer) Run(ctx context.Context) {
 	}
 }
 
-// Once claims up to Batch due deliveries (oldest first), attempts them
-// (webhooks in parallel, each webhook's in order) and records each
-// outcome. It returns how many it claimed.
+// Once claims up to Batch due deliveries (oldest first; of an ordered
+// group of alerts only the earliest pending, see store.Claim), attempts
+// them (webhooks in parallel, each webhook's one after another) and
+// records each outcome. It returns how many it claimed. A delivery that
+// ends (delivered or dead) wakes Run, as the next alert of its group is now
+// due: a jump across three thresholds goes out in three passes in a row,
+// not one per Poll.
 func (d *Deliverer) Once(ctx context.Context) (int, error) {
 	// The lease outlasts an attempt, so nobody retries one in flight; if
 	// this process dies mid-attempt, the delivery is due again after it.
@@ -223,8 +227,8 @@ func (d *Deliverer) Once(ctx context.Context) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	// One goroutine per webhook, sending its deliveries in outbox order, so
-	// a receiver that is up gets a limit's 80, 90 and 100% alerts in order.
+	// One goroutine per webhook, sending its deliveries in outbox order:
+	// one connection at a time per receiver.
 	byHook := map[string][]store.Delivery{}
 	for _, dl := range batch {
 		byHook[dl.Webhook] = append(byHook[dl.Webhook], dl)
@@ -279,6 +283,7 @@ func (d *Deliverer) attempt(ctx context.Context, dl store.Delivery) error {
 	}
 	d.results.WithLabelValues(ResultDelivered).Inc()
 	log.Debug("alert delivered", "status", status)
+	d.Notify() // the next alert of its group is due
 	return nil
 }
 
@@ -290,6 +295,7 @@ func (d *Deliverer) fail(ctx context.Context, log *slog.Logger, dl store.Deliver
 	if st == store.StatusDead {
 		d.results.WithLabelValues(ResultDead).Inc()
 		log.Warn("alert delivery dead: giving up", "err", cause)
+		d.Notify() // the next alert of its group is due
 		return nil
 	}
 	d.results.WithLabelValues(ResultFailed).Inc()

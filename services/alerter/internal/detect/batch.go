@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"strconv"
 	"time"
 
 	"quotaflow/pkg/events"
@@ -45,7 +44,9 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 	for _, ev := range evs {
 		switch r := ev.Data.(type) {
 		case events.Reserved:
-			snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+			if !decidedLocally(r) {
+				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+			}
 		case events.Corrected:
 			snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
 		}
@@ -188,9 +189,7 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 						Unit: l.Unit, Threshold: t, Used: l.Used, Limit: l.Limit,
 						Percent: min(percent(l.Used, l.Limit), 100), ResetSeconds: l.ResetSeconds, OccurredAt: s.at,
 					}
-					id := events.HashID(KindThreshold, s.tenant, k.User, l.Scope, l.Endpoint, l.Name,
-						strconv.Itoa(t), strconv.FormatInt(prev+int64(j)+1, 10))
-					if err := d.enqueue(ctx, tx, KindThreshold, s.tenant, id, now, data); err != nil {
+					if err := d.enqueue(ctx, tx, thresholdAlert(k, t, prev+int64(j)+1), now, data); err != nil {
 						return err
 					}
 					fired++

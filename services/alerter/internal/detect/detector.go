@@ -145,11 +145,22 @@ func (d *Detector) Load(ctx context.Context) error {
 }
 
 // Reserved handles a reserved event: one allowed request for the rate
-// alerts, and its limits snapshot for the thresholds.
+// alerts, and its limits snapshot for the thresholds unless admission
+// decided it without Redis.
 func (d *Detector) Reserved(ctx context.Context, ev events.Event, r events.Reserved) error {
 	d.count(ev.Time, r.Tenant, r.Endpoint, 1, 0)
+	if decidedLocally(r) {
+		return nil
+	}
 	return d.snapshot(ctx, ev, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits)
 }
+
+// decidedLocally reports whether admission decided r without Redis
+// (version 0, see events.Reserved). Its limits are that instance's local
+// view, not usage in Redis: for a subject it never saw they would claim a
+// nearly full quota. They are no snapshot to cross thresholds with, and,
+// having no version, none to order by either.
+func decidedLocally(r events.Reserved) bool { return r.Version == 0 }
 
 // Corrected handles a corrected event's limits snapshot.
 func (d *Detector) Corrected(ctx context.Context, ev events.Event, c events.Corrected) error {
@@ -265,9 +276,7 @@ func (d *Detector) snapshot(ctx context.Context, ev events.Event, tenant, user s
 					Unit: l.Unit, Threshold: t, Used: l.Used, Limit: l.Limit,
 					Percent: min(percent(l.Used, l.Limit), 100), ResetSeconds: l.ResetSeconds, OccurredAt: ev.Time,
 				}
-				id := events.HashID(KindThreshold, tenant, k.User, l.Scope, l.Endpoint, l.Name,
-					strconv.Itoa(t), strconv.FormatInt(prev+int64(i)+1, 10))
-				if err := d.enqueue(ctx, tx, KindThreshold, tenant, id, now, data); err != nil {
+				if err := d.enqueue(ctx, tx, thresholdAlert(k, t, prev+int64(i)+1), now, data); err != nil {
 					return err
 				}
 				fired++
@@ -325,12 +334,28 @@ func (d *Detector) quiet(tenant, user string, limits []events.LimitState) bool {
 	return true
 }
 
-func (d *Detector) enqueue(ctx context.Context, tx *store.Tx, kind, tenant, id string, now time.Time, data any) error {
-	b, err := body(kind, now, data)
+// enqueue queues alert a, its payload the body of data, for the webhooks
+// that want it.
+func (d *Detector) enqueue(ctx context.Context, tx *store.Tx, a store.Alert, now time.Time, data any) error {
+	b, err := body(a.Kind, now, data)
 	if err != nil {
-		return fmt.Errorf("encode %s alert: %w", kind, err)
+		return fmt.Errorf("encode %s alert: %w", a.Kind, err)
 	}
-	return tx.Enqueue(ctx, store.Alert{ID: id, Kind: kind, Tenant: tenant, Payload: b}, d.route(kind, tenant))
+	a.Payload = b
+	return tx.Enqueue(ctx, a, d.route(a.Kind, a.Tenant))
+}
+
+// thresholdAlert is the alert of threshold t of limit k at its fire-th
+// firing: its id is new at each firing, and every alert of the limit is
+// delivered in order (DESIGN §7: a jump from 70 to 100 % sends 80, 90 and
+// 100 in this order).
+func thresholdAlert(k store.LimitKey, t int, fire int64) store.Alert {
+	return store.Alert{
+		ID: events.HashID(KindThreshold, k.Tenant, k.User, k.Scope, k.Endpoint, k.Name,
+			strconv.Itoa(t), strconv.FormatInt(fire, 10)),
+		Kind: KindThreshold, Tenant: k.Tenant,
+		Order: events.HashID(KindThreshold, k.Tenant, k.User, k.Scope, k.Endpoint, k.Name),
+	}
 }
 
 func (d *Detector) raised(kind string, n int) {
@@ -461,9 +486,13 @@ func (d *Detector) spike(ctx context.Context, now time.Time, c spikeChange) erro
 			Tenant: tenant, Endpoint: endpoint, DenialRate: rate, Denied: c.denied, Total: total,
 			WindowSeconds: int64(d.opt.SpikeWindow / time.Second), State: state,
 		}
-		id := events.HashID(KindSpike, tenant, endpoint, strconv.FormatInt(episode, 10), state)
+		// A spike's resolution goes out after its firing.
+		a := store.Alert{
+			ID:   events.HashID(KindSpike, tenant, endpoint, strconv.FormatInt(episode, 10), state),
+			Kind: KindSpike, Tenant: tenant, Order: events.HashID(KindSpike, tenant, endpoint),
+		}
 		sent = true
-		return d.enqueue(ctx, tx, KindSpike, tenant, id, now, data)
+		return d.enqueue(ctx, tx, a, now, data)
 	})
 	if err != nil {
 		return fmt.Errorf("denial spike %q %q: %w", tenant, endpoint, err)
@@ -490,9 +519,13 @@ func (d *Detector) burst(ctx context.Context, now time.Time, k abuseKey, n int64
 		WindowSeconds: int64(d.opt.AbuseWindow / time.Second), OccurredAt: now.UTC(),
 	}
 	// The id is unique per burst: its key and the second it was detected.
-	id := events.HashID(KindAbuse, key, k.tenant, k.user, k.ip, strconv.FormatInt(now.Unix(), 10))
+	// Bursts are separate alerts with no order to keep.
+	a := store.Alert{
+		ID:   events.HashID(KindAbuse, key, k.tenant, k.user, k.ip, strconv.FormatInt(now.Unix(), 10)),
+		Kind: KindAbuse, Tenant: k.tenant,
+	}
 	err := d.st.Update(ctx, func(tx *store.Tx) error {
-		return d.enqueue(ctx, tx, KindAbuse, k.tenant, id, now, data)
+		return d.enqueue(ctx, tx, a, now, data)
 	})
 	if err != nil {
 		return fmt.Errorf("abuse alert: %w", err)

@@ -196,3 +196,49 @@ func TestQuietSnapshotsAdvanceVersion(t *testing.T) {
 		t.Fatalf("deliveries = %d, %v; want 80 and 90", len(ds), err)
 	}
 }
+
+// A reserved event of a decision admission made without Redis (version 0)
+// carries its local view, which for a subject it never saw claims a nearly
+// full quota: neither handler raises a threshold alert for it, while the
+// same snapshot from Redis does.
+func TestLocalDecisionRaisesNoThreshold(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Now().UTC()}
+	d := newDetector(t, st, c)
+	for _, tt := range []struct {
+		name   string
+		handle func(events.Event, events.Reserved) error
+	}{
+		{"Reserved", func(ev events.Event, r events.Reserved) error { return d.Reserved(ctx, ev, r) }},
+		{"HandleBatch", func(ev events.Event, _ events.Reserved) error { return d.HandleBatch(ctx, []events.Event{ev}) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			tenant := "acme-" + tt.name
+			snap := func(version int64) []string {
+				t.Helper()
+				r := events.Reserved{Tenant: tenant, User: "new", Endpoint: "/e", Version: version, Limits: []events.LimitState{
+					{Scope: "user", Name: "30d", Unit: "tokens", Limit: 10000, Used: 9100, Remaining: 900},
+					{Scope: "tenant", Name: "month", Unit: "tokens", Limit: 100000, Used: 99100, Remaining: 900},
+				}}
+				if err := tt.handle(events.Event{Time: c.now(), Data: r}, r); err != nil {
+					t.Fatal(err)
+				}
+				var got []string
+				for _, a := range thresholdAlerts(t, st) {
+					if strings.HasPrefix(a, tenant+"/") {
+						got = append(got, a)
+					}
+				}
+				return got
+			}
+			if got := snap(0); len(got) != 0 {
+				t.Fatalf("a local decision (version 0) raised %q, want nothing", got)
+			}
+			want := tenant + "/new 30d 80|" + tenant + "/new 30d 90|" + tenant + "/ month 80|" + tenant + "/ month 90"
+			if got := strings.Join(snap(1), "|"); got != want {
+				t.Fatalf("the snapshot from Redis raised %q, want %q", got, want)
+			}
+		})
+	}
+}

@@ -214,17 +214,22 @@ type Alert struct {
 	Kind    string // quota.threshold, quota.denial_spike or quota.abuse_suspected
 	Tenant  string // empty for an endpoint's spike or an IP's burst
 	Payload []byte // the webhook body
+	// Order groups the alerts that must reach each webhook in the order
+	// they were queued (a limit's thresholds, a spike's firing and
+	// resolution): one is not attempted while an earlier one of its group
+	// is pending. Empty for an alert with no order to keep.
+	Order string
 }
 
 const qEnqueue = `
-INSERT INTO webhook_outbox (alert_id, webhook, kind, tenant, payload) VALUES ($1, $2, $3, $4, $5)
+INSERT INTO webhook_outbox (alert_id, webhook, kind, tenant, payload, order_key) VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (alert_id, webhook) DO NOTHING`
 
 // Enqueue queues a for each webhook; an (alert, webhook) already queued
 // is left alone.
 func (t *Tx) Enqueue(ctx context.Context, a Alert, webhooks []string) error {
 	for _, w := range webhooks {
-		if _, err := t.tx.Exec(ctx, qEnqueue, a.ID, w, a.Kind, a.Tenant, a.Payload); err != nil {
+		if _, err := t.tx.Exec(ctx, qEnqueue, a.ID, w, a.Kind, a.Tenant, a.Payload, a.Order); err != nil {
 			return fmt.Errorf("enqueue alert %s for %s: %w", a.ID, w, err)
 		}
 	}
@@ -257,14 +262,23 @@ type Delivery struct {
 const qClaim = `
 UPDATE webhook_outbox SET attempts = attempts + 1, next_attempt_at = now() + make_interval(secs => $2)
 WHERE id IN (
-  SELECT id FROM webhook_outbox WHERE status = 'pending' AND next_attempt_at <= now()
-  ORDER BY next_attempt_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+  SELECT o.id FROM webhook_outbox o
+  WHERE o.status = 'pending' AND o.next_attempt_at <= now()
+    AND (o.order_key = '' OR NOT EXISTS (
+      SELECT 1 FROM webhook_outbox p
+      WHERE p.webhook = o.webhook AND p.order_key = o.order_key AND p.status = 'pending' AND p.id < o.id))
+  ORDER BY o.next_attempt_at LIMIT $1 FOR UPDATE OF o SKIP LOCKED)
 RETURNING id, alert_id, webhook, kind, tenant, payload, attempts, status, created_at`
 
 // Claim takes up to n due deliveries, in outbox order, and pushes their next attempt lease
 // into the future, so another instance (or this one after a crash) tries
 // again only once the lease has passed: a crash mid-attempt costs one more
-// delivery at most, never zero. Attempts counts this attempt.
+// delivery at most, never zero. Attempts counts this attempt. A delivery
+// with an Alert.Order is taken only when no earlier one of its webhook and
+// order is pending, due or waiting for a retry, so backoff never reorders
+// a group: the next one becomes due once the earlier is delivered or dead.
+// (Waiting ages it: past the max age of Failed its first failure is
+// final.)
 func (s *Store) Claim(ctx context.Context, n int, lease time.Duration) ([]Delivery, error) {
 	rows, err := s.pool.Query(ctx, qClaim, n, lease.Seconds())
 	if err != nil {

@@ -88,3 +88,58 @@ func TestOutbox(t *testing.T) {
 		t.Fatalf("Deliveries = %+v, %v", log, err)
 	}
 }
+
+// Claim hands out one delivery per webhook and order at a time, the
+// earliest: the next waits while it is pending, also for a retry.
+func TestClaimKeepsOrder(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	err := s.Update(ctx, func(tx *Tx) error {
+		for _, a := range []Alert{
+			{ID: "k80", Order: "k"}, {ID: "k90", Order: "k"}, {ID: "free1"}, {ID: "free2"}, {ID: "j80", Order: "j"},
+		} {
+			a.Kind, a.Payload = "quota.threshold", []byte("{}")
+			if err := tx.Enqueue(ctx, a, []string{"ops", "audit"}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func() map[string][]int64 {
+		t.Helper()
+		ds, err := s.Claim(ctx, 100, time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string][]int64{}
+		for _, d := range ds {
+			got[d.Webhook+" "+d.AlertID] = append(got[d.Webhook+" "+d.AlertID], d.ID)
+		}
+		return got
+	}
+	first := claim()
+	for _, w := range []string{"ops", "audit"} {
+		for _, id := range []string{"k80", "free1", "free2", "j80"} {
+			if len(first[w+" "+id]) != 1 {
+				t.Errorf("first Claim = %v: no %s for %s", first, id, w)
+			}
+		}
+		if first[w+" k90"] != nil {
+			t.Errorf("first Claim handed out %s k90 while its k80 is pending", w)
+		}
+	}
+	// k80 fails for ops (due again at once) and is delivered for audit:
+	// audit's k90 is next, ops's waits for the retry of k80.
+	if _, err := s.Failed(ctx, first["ops k80"][0], "receiver answered 500", 500, 0, time.Hour, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Delivered(ctx, first["audit k80"][0], 204); err != nil {
+		t.Fatal(err)
+	}
+	if got := claim(); len(got) != 2 || got["ops k80"] == nil || got["audit k90"] == nil {
+		t.Fatalf("Claim after ops's k80 failed and audit's was delivered = %v, want ops k80 and audit k90", got)
+	}
+}
