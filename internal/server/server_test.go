@@ -6,13 +6,13 @@ import (
 	"log/slog"
 	"net/http"
 	"testing"
-	"time"
 )
 
 func TestListenServeShutdown(t *testing.T) {
 	log := slog.New(slog.DiscardHandler)
-	release := make(chan struct{})
+	arrived, release := make(chan struct{}), make(chan struct{})
 	s, err := Listen("127.0.0.1:0", "test", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(arrived)
 		<-release
 		_, _ = io.WriteString(w, "done")
 	}), log)
@@ -33,7 +33,7 @@ func TestListenServeShutdown(t *testing.T) {
 		resp.Body.Close()
 		got <- string(b)
 	}()
-	time.Sleep(50 * time.Millisecond) // let the request arrive (not a timing assertion)
+	<-arrived // shut down with the request in flight
 	shut := make(chan error, 1)
 	go func() { shut <- s.Shutdown(context.Background()) }()
 	close(release)
