@@ -17,7 +17,9 @@ import (
 //go:embed lua/windows.lua
 var luaWindows string
 
-var windowsScript = redis.NewScript(luaWindows)
+// windowsEntry runs as a script only: windows.lua has no lib.lua, whose
+// rebuild on every call is what the function library spares.
+var windowsEntry = &entry{script: redis.NewScript(luaWindows)}
 
 // Window is what one token window of a subject holds now, bucket by bucket:
 // the n buckets of a rolling window, oldest first, or the one current
@@ -97,25 +99,83 @@ func floorDiv(a, b int64) int64 {
 // accounter's reconciliation compares them with its ledger. It returns
 // ErrInvalid for a rule that is not windowed.
 func (l *Limiter) Windows(ctx context.Context, tenant, user string, rules []Rule) (time.Time, []Window, error) {
+	c := l.windowsCall(tenant, user, rules)
+	if c.err != nil {
+		return time.Time{}, nil, c.err
+	}
+	return parseWindows(l.run(ctx, windowsEntry, c.keys, c.args...), &c)
+}
+
+// WindowsRequest names the subject and the rules of one read of
+// WindowsMany.
+type WindowsRequest struct {
+	Tenant, User string
+	Rules        []Rule
+}
+
+// WindowsResult is what Windows would have returned for one
+// WindowsRequest.
+type WindowsResult struct {
+	Now     time.Time
+	Windows []Window
+	Err     error
+}
+
+// WindowsMany reads every request as Windows does, in one pipelined round
+// trip (one per node of a Redis Cluster) like SettleMany, and returns the
+// results in the order of reqs. Each read is its own script run, atomic
+// for its subject with its own Redis time; reads of different subjects
+// are not one snapshot. An invalid request or a failed read fails only its
+// own result.
+func (l *Limiter) WindowsMany(ctx context.Context, reqs []WindowsRequest) []WindowsResult {
+	calls := make([]call, len(reqs))
+	for i := range reqs {
+		calls[i] = l.windowsCall(reqs[i].Tenant, reqs[i].User, reqs[i].Rules)
+	}
+	cmds := l.runAll(ctx, windowsEntry, calls)
+	out := make([]WindowsResult, len(reqs))
+	for i := range calls {
+		if calls[i].err != nil {
+			out[i].Err = calls[i].err
+			continue
+		}
+		out[i].Now, out[i].Windows, out[i].Err = parseWindows(cmds[i], &calls[i])
+	}
+	return out
+}
+
+// windowsCall validates a read of rules of (tenant, user) and builds its
+// windows.lua call.
+func (l *Limiter) windowsCall(tenant, user string, rules []Rule) call {
 	if err := errors.Join(checkID("tenant", tenant, true), checkID("user", user, true)); err != nil {
-		return time.Time{}, nil, err
+		return call{err: err}
 	}
 	for i := range rules {
 		if !Windowed(&rules[i]) {
-			return time.Time{}, nil, fmt.Errorf("%w: %s: a %s limit has no buckets to read", ErrInvalid, rules[i].Name, rules[i].Kind)
+			return call{err: fmt.Errorf("%w: %s: a %s limit has no buckets to read", ErrInvalid, rules[i].Name, rules[i].Kind)}
 		}
 	}
 	k := newSubjectKeys(tenant, user)
-	v, err := windowsScript.Run(ctx, l.rdb, []string{k.blob(), k.tenantBlob()}, l.offset).Slice()
+	return call{
+		keys:  []string{k.blob(), k.tenantBlob()},
+		args:  []any{l.offset},
+		rules: rules,
+		what:  "windows " + tenant + "/" + user,
+	}
+}
+
+// parseWindows decodes the reply of windows.lua call c.
+func parseWindows(cmd *redis.Cmd, c *call) (time.Time, []Window, error) {
+	v, err := cmd.Slice()
 	if err != nil {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: %w", tenant, user, err)
+		return time.Time{}, nil, fmt.Errorf("%s: %w", c.what, err)
 	}
 	if len(v) < 1 {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: empty reply", tenant, user)
+		return time.Time{}, nil, fmt.Errorf("%s: empty reply", c.what)
 	}
 	nowMS, ok := v[0].(int64)
 	if !ok {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: time is %T", tenant, user, v[0])
+		return time.Time{}, nil, fmt.Errorf("%s: time is %T", c.what, v[0])
 	}
 	blob := func(i int) (string, error) {
 		if i >= len(v) || v[i] == nil {
@@ -123,7 +183,7 @@ func (l *Limiter) Windows(ctx context.Context, tenant, user string, rules []Rule
 		}
 		s, ok := v[i].(string)
 		if !ok {
-			return "", fmt.Errorf("windows %s/%s: blob is %T", tenant, user, v[i])
+			return "", fmt.Errorf("%s: blob is %T", c.what, v[i])
 		}
 		return s, nil
 	}
@@ -137,16 +197,16 @@ func (l *Limiter) Windows(ctx context.Context, tenant, user string, rules []Rule
 	}
 	subRecs, err := records(sub, nowMS)
 	if err != nil {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: subject blob: %w", tenant, user, err)
+		return time.Time{}, nil, fmt.Errorf("%s: subject blob: %w", c.what, err)
 	}
 	tenRecs, err := records(ten, nowMS)
 	if err != nil {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: tenant blob: %w", tenant, user, err)
+		return time.Time{}, nil, fmt.Errorf("%s: tenant blob: %w", c.what, err)
 	}
 	now := time.UnixMilli(nowMS)
-	out := make([]Window, len(rules))
-	for i := range rules {
-		r := &rules[i]
+	out := make([]Window, len(c.rules))
+	for i := range c.rules {
+		r := &c.rules[i]
 		recs := subRecs
 		if r.Scope == ScopeTenant {
 			recs = tenRecs
