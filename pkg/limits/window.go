@@ -195,35 +195,50 @@ func parseWindows(cmd *redis.Cmd, c *call) (time.Time, []Window, error) {
 	if err != nil {
 		return time.Time{}, nil, err
 	}
-	subRecs, err := records(sub, nowMS)
+	// Blobs hold a handful of records: a linear search on the stack beats
+	// a map per blob, which was most of a read's allocations.
+	var subBuf, tenBuf [16]record
+	subRecs, err := records(subBuf[:0], sub, nowMS)
 	if err != nil {
 		return time.Time{}, nil, fmt.Errorf("%s: subject blob: %w", c.what, err)
 	}
-	tenRecs, err := records(ten, nowMS)
+	tenRecs, err := records(tenBuf[:0], ten, nowMS)
 	if err != nil {
 		return time.Time{}, nil, fmt.Errorf("%s: tenant blob: %w", c.what, err)
 	}
 	now := time.UnixMilli(nowMS)
 	out := make([]Window, len(c.rules))
+	n := 0
+	for i := range c.rules {
+		n += windowLen(&c.rules[i])
+	}
+	all := make([]Bucket, 0, n) // one array for every window's buckets
 	for i := range c.rules {
 		r := &c.rules[i]
 		recs := subRecs
 		if r.Scope == ScopeTenant {
 			recs = tenRecs
 		}
-		out[i] = Window{Rule: r, Buckets: decodeWindow(r, recs[ruleID(r)], now)}
+		start := len(all)
+		all = decodeWindow(all, r, payloadOf(recs, ruleID(r)), now)
+		out[i] = Window{Rule: r, Buckets: all[start:len(all):len(all)]}
 	}
 	return now, out, nil
 }
 
-// records splits a blob (lua/lib.lua: a version, then records of id,
-// expiry, payload length and payload) into the payloads of its live
-// records by id. Keep it in step with lib.lua's format: TestWindows
-// compares what it decodes with what the scripts report.
-func records(raw string, now int64) (map[int64]string, error) {
-	out := map[int64]string{}
+// record is one live record of a blob.
+type record struct {
+	id      int64
+	payload string
+}
+
+// records appends to dst the live records of a blob (lua/lib.lua: a
+// version, then records of id, expiry, payload length and payload). Keep
+// it in step with lib.lua's format: TestWindows compares what it decodes
+// with what the scripts report.
+func records(dst []record, raw string, now int64) ([]record, error) {
 	if raw == "" {
-		return out, nil
+		return dst, nil
 	}
 	if len(raw) < 8 {
 		return nil, fmt.Errorf("%d bytes", len(raw))
@@ -239,40 +254,58 @@ func records(raw string, now int64) (map[int64]string, error) {
 			return nil, fmt.Errorf("record payload past the end at %d", p)
 		}
 		if exp > now {
-			out[id] = raw[p+14 : p+14+n]
+			dst = append(dst, record{id, raw[p+14 : p+14+n]})
 		}
 		p += 14 + n
 	}
-	return out, nil
+	return dst, nil
 }
 
-// decodeWindow returns the buckets windowed rule r covers at now, given
-// its record's payload (empty when it has none), brought forward to now as
-// lib.lua's load does: buckets the window has left count nothing.
-func decodeWindow(r *Rule, payload string, now time.Time) []Bucket {
+// payloadOf returns the payload of record id of recs, the last one if the
+// blob held it twice, or "" when it holds none.
+func payloadOf(recs []record, id int64) string {
+	for i := len(recs) - 1; i >= 0; i-- {
+		if recs[i].id == id {
+			return recs[i].payload
+		}
+	}
+	return ""
+}
+
+// windowLen is how many buckets decodeWindow returns for r.
+func windowLen(r *Rule) int {
+	if r.Kind == Rolling {
+		return buckets(r)
+	}
+	return 1
+}
+
+// decodeWindow appends to dst the buckets windowed rule r covers at now,
+// given its record's payload (empty when it has none), brought forward to
+// now as lib.lua's load does: buckets the window has left count nothing.
+func decodeWindow(dst []Bucket, r *Rule, payload string, now time.Time) []Bucket {
 	cur := BucketOf(r, now)
 	if r.Kind != Rolling {
 		b := Bucket{N: cur}
 		if len(payload) >= 12 && int48(payload) == cur {
 			b.Used = int48(payload[6:])
 		}
-		return []Bucket{b}
+		return append(dst, b)
 	}
 	n := int64(buckets(r))
-	out := make([]Bucket, n)
 	var head int64 = math.MinInt64
 	if len(payload) >= 18+6*int(n) {
 		head = int48(payload)
 	}
-	for i := range out {
-		k := cur - n + 1 + int64(i)
-		out[i].N = k
+	for i := range n {
+		b := Bucket{N: cur - n + 1 + i}
 		// Buckets after the head were not written since the ring came round.
-		if head != math.MinInt64 && cur-head < n && k <= head {
-			out[i].Used = int48(payload[18+6*int(k%n):])
+		if head != math.MinInt64 && cur-head < n && b.N <= head {
+			b.Used = int48(payload[18+6*int(b.N%n):])
 		}
+		dst = append(dst, b)
 	}
-	return out
+	return dst
 }
 
 func uint48(b string) uint64 {
