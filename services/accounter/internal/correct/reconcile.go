@@ -146,14 +146,16 @@ type driftKey struct {
 
 // tally is what the ledger puts in each bucket (limits.BucketOf) of each
 // limit of one owner.
-type tally map[limitID]map[int64]int64
+type tally map[bucket]int64
+
+// bucket names bucket n of a limit.
+type bucket struct {
+	limitID
+	n int64
+}
 
 func (t tally) add(r *limits.Rule, n, tokens int64) {
-	id := idOf(r)
-	if t[id] == nil {
-		t[id] = map[int64]int64{}
-	}
-	t[id][n] += tokens
+	t[bucket{idOf(r), n}] += tokens
 }
 
 // drift is one limit of one owner that Redis disagrees on: fix holds, per
@@ -222,9 +224,19 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 
 	// Owners are measured in chunks, their windows read in one pipelined
 	// round trip per chunk: a round trip per subject would make the scan
-	// as slow as Redis's latency times the subjects.
+	// as slow as Redis's latency times the subjects. A chunk's tallies are
+	// cleared and reused, sparing the allocation of a map per owner.
 	var found []drift
 	chunk := make([]measurement, 0, readChunk)
+	var spare []tally
+	newTally := func() tally {
+		if len(spare) == 0 {
+			return tally{}
+		}
+		t := spare[len(spare)-1]
+		spare = spare[:len(spare)-1]
+		return t
+	}
 	flush := func() error {
 		dss, err := r.compare(ctx, s, chunk)
 		if err != nil {
@@ -238,6 +250,10 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 				d.Tokens += abs(x.net)
 			}
 			found = append(found, ds...)
+		}
+		for _, m := range chunk {
+			clear(m.t)
+			spare = append(spare, m.t)
 		}
 		chunk = chunk[:0]
 		return nil
@@ -257,18 +273,18 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 	// The ledger, subject by subject: each subject's limits when the
 	// subject ends, the tenant-wide ones when the tenant ends.
 	var cur owner
-	users, tenants := tally{}, tally{}
+	users, tenants := newTally(), newTally()
 	err = r.store.UsageSince(ctx, s.since, func(u ledger.Usage) error {
 		if cur.tenant != "" && (u.Tenant != cur.tenant || u.User != cur.user) {
 			if err := measure(cur, cur.user, users); err != nil {
 				return err
 			}
-			users = tally{}
+			users = newTally()
 			if u.Tenant != cur.tenant {
 				if err := measure(owner{cur.tenant, ""}, cur.user, tenants); err != nil {
 					return err
 				}
-				tenants = tally{}
+				tenants = newTally()
 			}
 		}
 		cur = owner{u.Tenant, u.User}
@@ -291,7 +307,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 				keyUser = "-" // any name addresses the tenant blob
 			}
 		}
-		err = measure(o, keyUser, tally{})
+		err = measure(o, keyUser, newTally())
 	}
 	if err == nil {
 		err = flush()
@@ -467,14 +483,14 @@ func (r *Reconciler) compare(ctx context.Context, s *scan, ms []measurement) ([]
 func driftsOf(o owner, t tally, ws []limits.Window) []drift {
 	var out []drift
 	for i := range ws {
-		want := t[idOf(ws[i].Rule)]
 		bs := ws[i].Buckets
 		if ws[i].Rule.Kind == limits.Rolling {
 			bs = bs[1:]
 		}
-		x := drift{key: driftKey{o, idOf(ws[i].Rule)}, rule: *ws[i].Rule}
+		id := idOf(ws[i].Rule)
+		x := drift{key: driftKey{o, id}, rule: *ws[i].Rule}
 		for _, b := range bs {
-			if diff := want[b.N] - b.Used; diff != 0 {
+			if diff := t[bucket{id, b.N}] - b.Used; diff != 0 {
 				x.fix = append(x.fix, fix{b.N, diff})
 				x.net += diff
 			}
