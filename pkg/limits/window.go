@@ -17,7 +17,9 @@ import (
 //go:embed lua/windows.lua
 var luaWindows string
 
-var windowsScript = redis.NewScript(luaWindows)
+// windowsEntry runs as a script only: windows.lua has no lib.lua, whose
+// rebuild on every call is what the function library spares.
+var windowsEntry = &entry{script: redis.NewScript(luaWindows)}
 
 // Window is what one token window of a subject holds now, bucket by bucket:
 // the n buckets of a rolling window, oldest first, or the one current
@@ -97,25 +99,83 @@ func floorDiv(a, b int64) int64 {
 // accounter's reconciliation compares them with its ledger. It returns
 // ErrInvalid for a rule that is not windowed.
 func (l *Limiter) Windows(ctx context.Context, tenant, user string, rules []Rule) (time.Time, []Window, error) {
+	c := l.windowsCall(tenant, user, rules)
+	if c.err != nil {
+		return time.Time{}, nil, c.err
+	}
+	return parseWindows(l.run(ctx, windowsEntry, c.keys, c.args...), &c)
+}
+
+// WindowsRequest names the subject and the rules of one read of
+// WindowsMany.
+type WindowsRequest struct {
+	Tenant, User string
+	Rules        []Rule
+}
+
+// WindowsResult is what Windows would have returned for one
+// WindowsRequest.
+type WindowsResult struct {
+	Now     time.Time
+	Windows []Window
+	Err     error
+}
+
+// WindowsMany reads every request as Windows does, in one pipelined round
+// trip (one per node of a Redis Cluster) like SettleMany, and returns the
+// results in the order of reqs. Each read is its own script run, atomic
+// for its subject with its own Redis time; reads of different subjects
+// are not one snapshot. An invalid request or a failed read fails only its
+// own result.
+func (l *Limiter) WindowsMany(ctx context.Context, reqs []WindowsRequest) []WindowsResult {
+	calls := make([]call, len(reqs))
+	for i := range reqs {
+		calls[i] = l.windowsCall(reqs[i].Tenant, reqs[i].User, reqs[i].Rules)
+	}
+	cmds := l.runAll(ctx, windowsEntry, calls)
+	out := make([]WindowsResult, len(reqs))
+	for i := range calls {
+		if calls[i].err != nil {
+			out[i].Err = calls[i].err
+			continue
+		}
+		out[i].Now, out[i].Windows, out[i].Err = parseWindows(cmds[i], &calls[i])
+	}
+	return out
+}
+
+// windowsCall validates a read of rules of (tenant, user) and builds its
+// windows.lua call.
+func (l *Limiter) windowsCall(tenant, user string, rules []Rule) call {
 	if err := errors.Join(checkID("tenant", tenant, true), checkID("user", user, true)); err != nil {
-		return time.Time{}, nil, err
+		return call{err: err}
 	}
 	for i := range rules {
 		if !Windowed(&rules[i]) {
-			return time.Time{}, nil, fmt.Errorf("%w: %s: a %s limit has no buckets to read", ErrInvalid, rules[i].Name, rules[i].Kind)
+			return call{err: fmt.Errorf("%w: %s: a %s limit has no buckets to read", ErrInvalid, rules[i].Name, rules[i].Kind)}
 		}
 	}
 	k := newSubjectKeys(tenant, user)
-	v, err := windowsScript.Run(ctx, l.rdb, []string{k.blob(), k.tenantBlob()}, l.offset).Slice()
+	return call{
+		keys:  []string{k.blob(), k.tenantBlob()},
+		args:  []any{l.offset},
+		rules: rules,
+		what:  "windows " + tenant + "/" + user,
+	}
+}
+
+// parseWindows decodes the reply of windows.lua call c.
+func parseWindows(cmd *redis.Cmd, c *call) (time.Time, []Window, error) {
+	v, err := cmd.Slice()
 	if err != nil {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: %w", tenant, user, err)
+		return time.Time{}, nil, fmt.Errorf("%s: %w", c.what, err)
 	}
 	if len(v) < 1 {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: empty reply", tenant, user)
+		return time.Time{}, nil, fmt.Errorf("%s: empty reply", c.what)
 	}
 	nowMS, ok := v[0].(int64)
 	if !ok {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: time is %T", tenant, user, v[0])
+		return time.Time{}, nil, fmt.Errorf("%s: time is %T", c.what, v[0])
 	}
 	blob := func(i int) (string, error) {
 		if i >= len(v) || v[i] == nil {
@@ -123,7 +183,7 @@ func (l *Limiter) Windows(ctx context.Context, tenant, user string, rules []Rule
 		}
 		s, ok := v[i].(string)
 		if !ok {
-			return "", fmt.Errorf("windows %s/%s: blob is %T", tenant, user, v[i])
+			return "", fmt.Errorf("%s: blob is %T", c.what, v[i])
 		}
 		return s, nil
 	}
@@ -135,35 +195,50 @@ func (l *Limiter) Windows(ctx context.Context, tenant, user string, rules []Rule
 	if err != nil {
 		return time.Time{}, nil, err
 	}
-	subRecs, err := records(sub, nowMS)
+	// Blobs hold a handful of records: a linear search on the stack beats
+	// a map per blob, which was most of a read's allocations.
+	var subBuf, tenBuf [16]record
+	subRecs, err := records(subBuf[:0], sub, nowMS)
 	if err != nil {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: subject blob: %w", tenant, user, err)
+		return time.Time{}, nil, fmt.Errorf("%s: subject blob: %w", c.what, err)
 	}
-	tenRecs, err := records(ten, nowMS)
+	tenRecs, err := records(tenBuf[:0], ten, nowMS)
 	if err != nil {
-		return time.Time{}, nil, fmt.Errorf("windows %s/%s: tenant blob: %w", tenant, user, err)
+		return time.Time{}, nil, fmt.Errorf("%s: tenant blob: %w", c.what, err)
 	}
 	now := time.UnixMilli(nowMS)
-	out := make([]Window, len(rules))
-	for i := range rules {
-		r := &rules[i]
+	out := make([]Window, len(c.rules))
+	n := 0
+	for i := range c.rules {
+		n += windowLen(&c.rules[i])
+	}
+	all := make([]Bucket, 0, n) // one array for every window's buckets
+	for i := range c.rules {
+		r := &c.rules[i]
 		recs := subRecs
 		if r.Scope == ScopeTenant {
 			recs = tenRecs
 		}
-		out[i] = Window{Rule: r, Buckets: decodeWindow(r, recs[ruleID(r)], now)}
+		start := len(all)
+		all = decodeWindow(all, r, payloadOf(recs, ruleID(r)), now)
+		out[i] = Window{Rule: r, Buckets: all[start:len(all):len(all)]}
 	}
 	return now, out, nil
 }
 
-// records splits a blob (lua/lib.lua: a version, then records of id,
-// expiry, payload length and payload) into the payloads of its live
-// records by id. Keep it in step with lib.lua's format: TestWindows
-// compares what it decodes with what the scripts report.
-func records(raw string, now int64) (map[int64]string, error) {
-	out := map[int64]string{}
+// record is one live record of a blob.
+type record struct {
+	id      int64
+	payload string
+}
+
+// records appends to dst the live records of a blob (lua/lib.lua: a
+// version, then records of id, expiry, payload length and payload). Keep
+// it in step with lib.lua's format: TestWindows compares what it decodes
+// with what the scripts report.
+func records(dst []record, raw string, now int64) ([]record, error) {
 	if raw == "" {
-		return out, nil
+		return dst, nil
 	}
 	if len(raw) < 8 {
 		return nil, fmt.Errorf("%d bytes", len(raw))
@@ -179,40 +254,58 @@ func records(raw string, now int64) (map[int64]string, error) {
 			return nil, fmt.Errorf("record payload past the end at %d", p)
 		}
 		if exp > now {
-			out[id] = raw[p+14 : p+14+n]
+			dst = append(dst, record{id, raw[p+14 : p+14+n]})
 		}
 		p += 14 + n
 	}
-	return out, nil
+	return dst, nil
 }
 
-// decodeWindow returns the buckets windowed rule r covers at now, given
-// its record's payload (empty when it has none), brought forward to now as
-// lib.lua's load does: buckets the window has left count nothing.
-func decodeWindow(r *Rule, payload string, now time.Time) []Bucket {
+// payloadOf returns the payload of record id of recs, the last one if the
+// blob held it twice, or "" when it holds none.
+func payloadOf(recs []record, id int64) string {
+	for i := len(recs) - 1; i >= 0; i-- {
+		if recs[i].id == id {
+			return recs[i].payload
+		}
+	}
+	return ""
+}
+
+// windowLen is how many buckets decodeWindow returns for r.
+func windowLen(r *Rule) int {
+	if r.Kind == Rolling {
+		return buckets(r)
+	}
+	return 1
+}
+
+// decodeWindow appends to dst the buckets windowed rule r covers at now,
+// given its record's payload (empty when it has none), brought forward to
+// now as lib.lua's load does: buckets the window has left count nothing.
+func decodeWindow(dst []Bucket, r *Rule, payload string, now time.Time) []Bucket {
 	cur := BucketOf(r, now)
 	if r.Kind != Rolling {
 		b := Bucket{N: cur}
 		if len(payload) >= 12 && int48(payload) == cur {
 			b.Used = int48(payload[6:])
 		}
-		return []Bucket{b}
+		return append(dst, b)
 	}
 	n := int64(buckets(r))
-	out := make([]Bucket, n)
 	var head int64 = math.MinInt64
 	if len(payload) >= 18+6*int(n) {
 		head = int48(payload)
 	}
-	for i := range out {
-		k := cur - n + 1 + int64(i)
-		out[i].N = k
+	for i := range n {
+		b := Bucket{N: cur - n + 1 + i}
 		// Buckets after the head were not written since the ring came round.
-		if head != math.MinInt64 && cur-head < n && k <= head {
-			out[i].Used = int48(payload[18+6*int(k%n):])
+		if head != math.MinInt64 && cur-head < n && b.N <= head {
+			b.Used = int48(payload[18+6*int(b.N%n):])
 		}
+		dst = append(dst, b)
 	}
-	return out
+	return dst
 }
 
 func uint48(b string) uint64 {

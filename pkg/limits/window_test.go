@@ -2,9 +2,13 @@ package limits
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/redistest"
 )
@@ -71,6 +75,87 @@ func TestWindows(t *testing.T) {
 	}
 	if _, _, err := l.Windows(ctx, tenant, "u", []Rule{rule(ScopeUser, Limit{Name: "b", Kind: Balance})}); err == nil {
 		t.Error("Windows of a balance = nil error, want ErrInvalid")
+	}
+}
+
+// TestWindowsMany: each result of one pipelined read is its own subject's,
+// as Windows reads it alone, on one Redis (in one round trip) and across a
+// Cluster's nodes; an invalid request fails alone.
+func TestWindowsMany(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		client func(*testing.T) (redis.UniversalClient, *calls)
+	}{
+		{"redis", func(t *testing.T) (redis.UniversalClient, *calls) { return countedShared(t) }},
+		{"cluster", func(t *testing.T) (redis.UniversalClient, *calls) { return redistest.Cluster(t), nil }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, rt := tc.client(t)
+			ctx := context.Background()
+			l := at(c, 0)
+			rules := []Rule{
+				rule(ScopeTenant, Limit{Name: "t1m", Kind: Rolling, Limit: 1e9, Window: Duration(time.Minute), Buckets: 6}),
+				rule(ScopeUser, Limit{Name: "1h", Kind: Fixed, Limit: 1e9, Window: Duration(time.Hour)}),
+			}
+			// 40 subjects of 8 tenants, user i charged 1+i, so a result read
+			// for the wrong subject shows; an invalid request among them.
+			const users, tenants = 40, 8
+			base := newTenant(t)
+			var reqs []WindowsRequest
+			var charges []ChargeRequest
+			for i := range users {
+				r := WindowsRequest{Tenant: fmt.Sprintf("%s-%d", base, i%tenants), User: fmt.Sprintf("u%d", i), Rules: slices.Clone(rules)}
+				reqs = append(reqs, r)
+				charges = append(charges, ChargeRequest{Tenant: r.Tenant, User: r.User, Rules: rules, Amount: int64(1 + i)})
+			}
+			for i, r := range l.ChargeMany(ctx, charges) {
+				if r.Err != nil {
+					t.Fatalf("charge %d: %v", i, r.Err)
+				}
+			}
+			const invalid = 3
+			reqs = slices.Insert(reqs, invalid, WindowsRequest{Tenant: base, User: "", Rules: rules})
+			if rt != nil {
+				// With the script cached (a fresh node answers NOSCRIPT first).
+				if _, _, err := l.Windows(ctx, base, "u", rules); err != nil {
+					t.Fatal(err)
+				}
+				rt.Reset()
+			}
+			got := l.WindowsMany(ctx, reqs)
+			if rt != nil && rt.Count() != 1 {
+				t.Errorf("WindowsMany took %d round trips, want 1", rt.Count())
+			}
+			if len(got) != len(reqs) {
+				t.Fatalf("WindowsMany returned %d results for %d requests", len(got), len(reqs))
+			}
+			if !errors.Is(got[invalid].Err, ErrInvalid) {
+				t.Errorf("result %d (no user) error = %v, want ErrInvalid", invalid, got[invalid].Err)
+			}
+			got, reqs = slices.Delete(got, invalid, invalid+1), slices.Delete(reqs, invalid, invalid+1)
+			for i, r := range got {
+				q := &reqs[i]
+				var ten int64 // the tenant's window holds its users' charges
+				for j := i % tenants; j < users; j += tenants {
+					ten += int64(1 + j)
+				}
+				if r.Err != nil || r.Windows[0].Used() != ten || r.Windows[1].Used() != int64(1+i) {
+					t.Fatalf("%s/%s: %+v, %v; want used %d and %d", q.Tenant, q.User, r.Windows, r.Err, ten, 1+i)
+				}
+				_, want, err := l.Windows(ctx, q.Tenant, q.User, rules)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for j := range want {
+					if !slices.Equal(r.Windows[j].Buckets, want[j].Buckets) {
+						t.Errorf("%s/%s %s: WindowsMany %+v, Windows %+v", q.Tenant, q.User, rules[j].Name, r.Windows[j].Buckets, want[j].Buckets)
+					}
+					if r.Windows[j].Rule != &q.Rules[j] {
+						t.Errorf("%s/%s %s: Rule points elsewhere", q.Tenant, q.User, rules[j].Name)
+					}
+				}
+			}
+		})
 	}
 }
 

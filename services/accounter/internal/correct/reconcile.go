@@ -78,7 +78,8 @@ type Drift struct {
 // expired ones) under every rule that counted it: a user's limits count
 // the user's usage, a tenant-wide limit its users' usage together, an
 // endpoint's per-user limit only usage of that endpoint. Redis is read
-// bucket by bucket (limits.Windows). A rolling window is exact to one
+// bucket by bucket (limits.WindowsMany), the windows of many owners a
+// round trip. A rolling window is exact to one
 // bucket, so its oldest bucket is never compared: it leaves within one
 // bucket anyway, and a charge made by the accounter later than its event's
 // time (an actual with no reservation) may sit one bucket later in Redis.
@@ -145,14 +146,16 @@ type driftKey struct {
 
 // tally is what the ledger puts in each bucket (limits.BucketOf) of each
 // limit of one owner.
-type tally map[limitID]map[int64]int64
+type tally map[bucket]int64
+
+// bucket names bucket n of a limit.
+type bucket struct {
+	limitID
+	n int64
+}
 
 func (t tally) add(r *limits.Rule, n, tokens int64) {
-	id := idOf(r)
-	if t[id] == nil {
-		t[id] = map[int64]int64{}
-	}
-	t[id][n] += tokens
+	t[bucket{idOf(r), n}] += tokens
 }
 
 // drift is one limit of one owner that Redis disagrees on: fix holds, per
@@ -219,41 +222,69 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 		return d, fmt.Errorf("reconcile: %w", err)
 	}
 
+	// Owners are measured in chunks, their windows read in one pipelined
+	// round trip per chunk: a round trip per subject would make the scan
+	// as slow as Redis's latency times the subjects. A chunk's tallies are
+	// cleared and reused, sparing the allocation of a map per owner.
 	var found []drift
+	chunk := make([]measurement, 0, readChunk)
+	var spare []tally
+	newTally := func() tally {
+		if len(spare) == 0 {
+			return tally{}
+		}
+		t := spare[len(spare)-1]
+		spare = spare[:len(spare)-1]
+		return t
+	}
+	flush := func() error {
+		dss, err := r.compare(ctx, s, chunk)
+		if err != nil {
+			return err
+		}
+		for _, ds := range dss {
+			if len(ds) > 0 {
+				d.Drifted++
+			}
+			for _, x := range ds {
+				d.Tokens += abs(x.net)
+			}
+			found = append(found, ds...)
+		}
+		for _, m := range chunk {
+			clear(m.t)
+			spare = append(spare, m.t)
+		}
+		chunk = chunk[:0]
+		return nil
+	}
 	measure := func(o owner, keyUser string, t tally) error {
 		if o.user != "" {
 			d.Subjects++
 		}
 		delete(inRedis, o)
-		ds, err := r.compare(ctx, s, o, keyUser, t)
-		if err != nil {
-			return err
+		chunk = append(chunk, measurement{o, keyUser, t})
+		if len(chunk) < readChunk {
+			return nil
 		}
-		if len(ds) > 0 {
-			d.Drifted++
-		}
-		for _, x := range ds {
-			d.Tokens += abs(x.net)
-		}
-		found = append(found, ds...)
-		return nil
+		return flush()
 	}
 
 	// The ledger, subject by subject: each subject's limits when the
 	// subject ends, the tenant-wide ones when the tenant ends.
 	var cur owner
-	users, tenants := tally{}, tally{}
+	users, tenants := newTally(), newTally()
 	err = r.store.UsageSince(ctx, s.since, func(u ledger.Usage) error {
 		if cur.tenant != "" && (u.Tenant != cur.tenant || u.User != cur.user) {
 			if err := measure(cur, cur.user, users); err != nil {
 				return err
 			}
-			users = tally{}
+			users = newTally()
 			if u.Tenant != cur.tenant {
 				if err := measure(owner{cur.tenant, ""}, cur.user, tenants); err != nil {
 					return err
 				}
-				tenants = tally{}
+				tenants = newTally()
 			}
 		}
 		cur = owner{u.Tenant, u.User}
@@ -276,7 +307,10 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 				keyUser = "-" // any name addresses the tenant blob
 			}
 		}
-		err = measure(o, keyUser, tally{})
+		err = measure(o, keyUser, newTally())
+	}
+	if err == nil {
+		err = flush()
 	}
 	if err != nil {
 		r.seen = nil // consecutive scans only
@@ -400,35 +434,63 @@ func (r *Reconciler) candidates(s *scan, tenant string) (user, ten []limits.Rule
 	return user, ten, nil
 }
 
-// compare reads o's windows (a subject's limits, or with o.user empty the
-// tenant-wide ones through keyUser's keys) and returns each limit whose
-// window differs from tally t outside its oldest bucket.
-func (r *Reconciler) compare(ctx context.Context, s *scan, o owner, keyUser string, t tally) ([]drift, error) {
-	user, ten, err := r.candidates(s, o.tenant)
-	if err != nil {
-		return nil, err
+// readChunk is how many owners' windows one round trip reads: as many keys
+// as a page of limits.ScanSubjects, and with blobs of a kilobyte or so a
+// reply of about a megabyte, which Redis buffers for the client.
+const readChunk = 1000
+
+// measurement is an owner to compare with tally t: a subject's limits, or
+// with o.user empty the tenant-wide ones, read through keyUser's keys.
+type measurement struct {
+	o       owner
+	keyUser string
+	t       tally
+}
+
+// compare reads the windows of every measurement of ms (one pipelined
+// round trip) and returns, for each in order, the limits whose window
+// differs from its tally outside the window's oldest bucket.
+func (r *Reconciler) compare(ctx context.Context, s *scan, ms []measurement) ([][]drift, error) {
+	reqs := make([]limits.WindowsRequest, 0, len(ms))
+	read := make([]int, 0, len(ms)) // the measurement of each request
+	for i, m := range ms {
+		user, ten, err := r.candidates(s, m.o.tenant)
+		if err != nil {
+			return nil, err
+		}
+		rules := user
+		if m.o.user == "" {
+			rules = ten
+		}
+		if len(rules) > 0 {
+			reqs = append(reqs, limits.WindowsRequest{Tenant: m.o.tenant, User: m.keyUser, Rules: rules})
+			read = append(read, i)
+		}
 	}
-	rules := user
-	if o.user == "" {
-		rules = ten
+	out := make([][]drift, len(ms))
+	for k, res := range r.c.lim.WindowsMany(ctx, reqs) {
+		if res.Err != nil {
+			return nil, res.Err
+		}
+		m := &ms[read[k]]
+		out[read[k]] = driftsOf(m.o, m.t, res.Windows)
 	}
-	if len(rules) == 0 {
-		return nil, nil
-	}
-	_, ws, err := r.c.lim.Windows(ctx, o.tenant, keyUser, rules)
-	if err != nil {
-		return nil, err
-	}
+	return out, nil
+}
+
+// driftsOf returns each window of ws, o's, that differs from tally t outside
+// its oldest bucket.
+func driftsOf(o owner, t tally, ws []limits.Window) []drift {
 	var out []drift
 	for i := range ws {
-		want := t[idOf(ws[i].Rule)]
 		bs := ws[i].Buckets
 		if ws[i].Rule.Kind == limits.Rolling {
 			bs = bs[1:]
 		}
-		x := drift{key: driftKey{o, idOf(ws[i].Rule)}, rule: *ws[i].Rule}
+		id := idOf(ws[i].Rule)
+		x := drift{key: driftKey{o, id}, rule: *ws[i].Rule}
 		for _, b := range bs {
-			if diff := want[b.N] - b.Used; diff != 0 {
+			if diff := t[bucket{id, b.N}] - b.Used; diff != 0 {
 				x.fix = append(x.fix, fix{b.N, diff})
 				x.net += diff
 			}
@@ -437,7 +499,7 @@ func (r *Reconciler) compare(ctx context.Context, s *scan, o owner, keyUser stri
 			out = append(out, x)
 		}
 	}
-	return out, nil
+	return out
 }
 
 // repairStable repairs the drifts of found that the previous scan saw
@@ -514,7 +576,7 @@ func (r *Reconciler) remeasure(ctx context.Context, s *scan, o owner) ([]drift, 
 	if keyUser == "" {
 		keyUser = "-" // a tenant with no usage: any name addresses its blob
 	}
-	ds, err := r.compare(ctx, s, o, keyUser, t)
+	dss, err := r.compare(ctx, s, []measurement{{o, keyUser, t}})
 	if err != nil {
 		return nil, false, err
 	}
@@ -522,7 +584,7 @@ func (r *Reconciler) remeasure(ctx context.Context, s *scan, o owner) ([]drift, 
 	if err != nil {
 		return nil, false, err
 	}
-	return ds, pending2 == 0 && delivered2 == delivered, nil
+	return dss[0], pending2 == 0 && delivered2 == delivered, nil
 }
 
 // apply charges each bucket's difference of drift x at the bucket's time.

@@ -2,6 +2,7 @@ package correct
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"slices"
@@ -311,6 +312,79 @@ func TestNoRepairWhileEventsAreInFlight(t *testing.T) {
 	w.reconcile(Drift{Subjects: 2, Drifted: 1, Tokens: 10, Repaired: 1, Lowered: 10})
 	wantUsed(t, "consumed", w.used("t", "p"), map[string]int64{"5h": 200, "day": 200, "month": 200})
 	wantUsed(t, "consumed", w.used("t", "x"), map[string]int64{"5h": 0})
+}
+
+// TestReconcileComparesEachOwnerWithItsOwnLedger: subjects read many a
+// round trip, over more than one chunk, each with its own usage and drift
+// (none for some), among them a tenant-wide limit and subjects only Redis
+// knows: exactly the drifted ones are found and each is repaired to its
+// own ledger's value.
+func TestReconcileComparesEachOwnerWithItsOwnLedger(t *testing.T) {
+	w := newWorld(t, true)
+	const n, onlyRedis = readChunk + readChunk/2, 10
+	at := time.Now().Truncate(time.Second) // the ledger's precision
+	var recs []ledger.Record
+	var charges []limits.ChargeRequest
+	seen, repaired := Drift{Subjects: n + onlyRedis}, Drift{}
+	// drifted counts a drift of d tokens (Redis ahead) in nlim limits of
+	// one owner.
+	drifted := func(d int64, nlim int) {
+		if d == 0 {
+			return
+		}
+		seen.Drifted++
+		seen.Tokens += int64(nlim) * abs(d)
+		repaired.Repaired += nlim
+		if d > 0 {
+			repaired.Lowered += int64(nlim) * d
+		} else {
+			repaired.Raised -= int64(nlim) * d
+		}
+	}
+	var acme, acmeDrift int64
+	for i := range n {
+		tenant, user := "b", fmt.Sprintf("u%04d", i)
+		if i%2 == 0 {
+			tenant = "acme"
+		}
+		used, d := int64(100+i), int64(i%5-2)
+		recs = append(recs, ledger.Record{EventID: user, Kind: events.TypeReserved, Tenant: tenant, User: user,
+			RequestID: "r", Tokens: used, OccurredAt: at, Payload: []byte(`{}`)})
+		charges = append(charges, limits.ChargeRequest{Tenant: tenant, User: user, Rules: w.rules(tenant, ""), Amount: used + d, At: at})
+		drifted(d, 3) // 5h, day, month
+		if tenant == "acme" {
+			acme += used
+			acmeDrift += d
+		}
+	}
+	drifted(acmeDrift, 1) // t5h
+	for i := range onlyRedis {
+		charges = append(charges, limits.ChargeRequest{Tenant: "c", User: fmt.Sprintf("x%d", i), Rules: w.rules("c", ""), Amount: int64(1 + i), At: at})
+		drifted(int64(1+i), 3)
+	}
+	if _, err := w.store.Write(w.ctx, recs); err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range w.lim.ChargeMany(w.ctx, charges) {
+		if r.Err != nil {
+			t.Fatalf("charge %d: %v", i, r.Err)
+		}
+	}
+	w.reconcile(seen)
+	repaired.Subjects, repaired.Drifted, repaired.Tokens = seen.Subjects, seen.Drifted, seen.Tokens
+	w.reconcile(repaired)
+	for _, r := range recs {
+		want := map[string]int64{"5h": r.Tokens, "day": r.Tokens, "month": r.Tokens}
+		if r.Tenant == "acme" {
+			want["t5h"] = acme
+		}
+		wantUsed(t, r.Tenant+"/"+r.User, w.used(r.Tenant, r.User), want)
+		if t.Failed() {
+			t.FailNow()
+		}
+	}
+	wantUsed(t, "c/x9", w.used("c", "x9"), map[string]int64{"5h": 0, "day": 0, "month": 0})
+	w.reconcile(Drift{Subjects: n + onlyRedis})
 }
 
 // TestDriftSeenOnceIsNotRepaired: a drift must be seen unchanged, bucket
