@@ -109,7 +109,7 @@ const createStaging = `
 CREATE TEMP TABLE IF NOT EXISTS ledger_in (
     event_id text, type text, tenant text, user_id text, request_id text, tokens bigint,
     occurred_at timestamptz, payload jsonb, plan text, endpoint text, model text, expires_at timestamptz,
-    local boolean, finishes boolean
+    local boolean
 ) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS ledger_new (
     type text, tenant text, user_id text, tokens bigint, occurred_at timestamptz
@@ -117,7 +117,7 @@ CREATE TEMP TABLE IF NOT EXISTS ledger_new (
 
 // stagingColumns are ledger_in's columns in COPY order.
 var stagingColumns = []string{"event_id", "type", "tenant", "user_id", "request_id", "tokens",
-	"occurred_at", "payload", "plan", "endpoint", "model", "expires_at", "local", "finishes"}
+	"occurred_at", "payload", "plan", "endpoint", "model", "expires_at", "local"}
 
 // insertEvents stores the staged events that are new, keeps them in
 // ledger_new for the rollups, and returns how many were new: the rollups
@@ -149,108 +149,54 @@ ORDER BY 1, 2, 3
 ON CONFLICT (tenant, user_id, bucket_start)
 DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + excluded.requests`
 
-// mergeQuery merges the staged reserved, actual and released events into
-// their reservation rows (first value wins, so a redelivery changes
-// nothing) and returns every touched row with its status before the
-// statement (was). A row is local when its estimate is in no Redis window:
-// decided without Redis, or reserved in a Redis that lost its data before
-// a rebuild counted it.
-//
-// Each row is written once, in the status the batch is expected to leave
-// it in: an open row that the batch finishes (the record flagged finishes:
-// its first actual or released event) is written settled or released at
-// once, and Commit puts it back to open only if Redis did not take the
-// effect (a second row version only then: the old statement inserted every
-// row open and the commit updated it, two row versions with their index
-// entries per reservation). Rows that exist are locked first (old, FOR
-// UPDATE, so was is their status under the lock) and updated; the others
-// are inserted. A row another transaction inserts between this statement's
-// snapshot and its insert is neither (ON CONFLICT DO NOTHING waits for that
-// transaction, then skips it): the caller merges such rows again with
-// filter restricting src to them, when the row is visible.
-func mergeQuery(filter string) string {
-	return `
-WITH src AS (
-    SELECT tenant, user_id, request_id,
-        coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), '') AS plan,
-        coalesce(max(endpoint) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(endpoint), '') AS endpoint,
-        coalesce(max(model) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(model), '') AS model,
-        max(tokens) FILTER (WHERE kind = 'quotaflow.usage.reserved') AS estimated_tokens,
-        min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved') AS reserved_at,
-        max(expires_at) FILTER (WHERE kind = 'quotaflow.usage.reserved') AS expires_at,
-        max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual') AS actual_tokens,
-        min(at) FILTER (WHERE kind = 'quotaflow.usage.actual') AS actual_at,
-        min(at) FILTER (WHERE kind = 'quotaflow.usage.released') AS released_at,
-        coalesce(bool_and(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
-            -- reserved before the last rebuild, known only after it: the Redis
-            -- that held it lost its data, the rebuilt one never counted it
-            OR coalesce(min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved') < (SELECT max(at) FROM rebuilds), false) AS local,
-        CASE max(kind) FILTER (WHERE finishes)
-            WHEN 'quotaflow.usage.actual' THEN 'settled' WHEN 'quotaflow.usage.released' THEN 'released'
-        END AS finish
-    FROM (
-        SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at, local, finishes
-        FROM ledger_in
-        WHERE type IN ('quotaflow.usage.reserved', 'quotaflow.usage.actual', 'quotaflow.usage.released')` + filter + `
-    ) t
-    GROUP BY tenant, user_id, request_id
-    ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
-), old AS (
-    -- A lookup by key per row, whatever the statistics were when the
-    -- statement was prepared: planned on an empty table, a join would
-    -- scan the whole table at every batch.
-    SELECT o.* FROM src s CROSS JOIN LATERAL (
-        SELECT r.tenant, r.user_id, r.request_id, r.status FROM reservations r
-        WHERE r.tenant = s.tenant AND r.user_id = s.user_id AND r.request_id = s.request_id
-        FOR UPDATE
-    ) o
-), upd AS (
-    UPDATE reservations AS r SET
-        plan = CASE WHEN r.estimated_tokens IS NULL AND s.estimated_tokens IS NOT NULL THEN s.plan ELSE r.plan END,
-        endpoint = CASE WHEN (r.estimated_tokens IS NULL AND s.estimated_tokens IS NOT NULL) OR r.endpoint = ''
-            THEN s.endpoint ELSE r.endpoint END,
-        model = CASE WHEN r.model = '' THEN s.model ELSE r.model END,
-        -- local only while every reserved event of the request was decided
-        -- without Redis (a retry admitted through Redis holds the estimate)
-        local = CASE WHEN r.estimated_tokens IS NULL THEN s.local
-            WHEN s.estimated_tokens IS NOT NULL THEN r.local AND s.local
-            ELSE r.local END,
-        estimated_tokens = coalesce(r.estimated_tokens, s.estimated_tokens),
-        reserved_at = coalesce(r.reserved_at, s.reserved_at),
-        expires_at = coalesce(r.expires_at, s.expires_at),
-        actual_tokens = coalesce(r.actual_tokens, s.actual_tokens),
-        actual_at = coalesce(r.actual_at, s.actual_at),
-        released_at = coalesce(r.released_at, s.released_at),
-        status = CASE WHEN r.status = 'open' AND s.finish IS NOT NULL THEN s.finish ELSE r.status END,
-        settled_at = CASE WHEN r.status = 'open' AND s.finish IS NOT NULL THEN now() ELSE r.settled_at END,
-        updated_at = now()
-    FROM src s JOIN old o USING (tenant, user_id, request_id)
-    WHERE r.tenant = s.tenant AND r.user_id = s.user_id AND r.request_id = s.request_id
-    RETURNING r.tenant, r.user_id, r.request_id, r.plan, r.endpoint, coalesce(r.estimated_tokens, -1),
-        coalesce(r.actual_tokens, -1), r.reserved_at, r.status, o.status AS was, r.local
-), ins AS (
-    INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model, estimated_tokens,
-        reserved_at, expires_at, actual_tokens, actual_at, released_at, local, status, settled_at)
-    SELECT tenant, user_id, request_id, plan, endpoint, model, estimated_tokens,
-        reserved_at, expires_at, actual_tokens, actual_at, released_at, local,
-        coalesce(finish, 'open'), CASE WHEN finish IS NOT NULL THEN now() END
-    FROM src s
-    WHERE NOT EXISTS (SELECT FROM old o WHERE o.tenant = s.tenant AND o.user_id = s.user_id AND o.request_id = s.request_id)
-    ORDER BY tenant, user_id, request_id
-    ON CONFLICT (tenant, user_id, request_id) DO NOTHING
-    RETURNING r.tenant, r.user_id, r.request_id, r.plan, r.endpoint, coalesce(r.estimated_tokens, -1),
-        coalesce(r.actual_tokens, -1), r.reserved_at, r.status, 'open' AS was, r.local
-)
-SELECT * FROM upd UNION ALL SELECT * FROM ins`
-}
-
-var (
-	mergeReservations = mergeQuery("")
-	// mergeRaced merges again the rows of $1, $2, $3 (tenants, users,
-	// request ids) that mergeReservations found neither visible nor free.
-	mergeRaced = mergeQuery(`
-            AND (tenant, user_id, request_id) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))`)
-)
+// upsertReservations merges the staged reserved, actual and released
+// events into their reservation rows (first value wins, so a redelivery
+// changes nothing) and returns every touched row. A row is local when its
+// estimate is in no Redis window: decided without Redis, or reserved in a
+// Redis that lost its data before a rebuild counted it.
+const upsertReservations = `
+INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model,
+    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at, local)
+SELECT tenant, user_id, request_id,
+    coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), ''),
+    coalesce(max(endpoint) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(endpoint), ''),
+    coalesce(max(model) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(model), ''),
+    max(tokens) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
+    min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
+    max(expires_at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
+    max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual'),
+    min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
+    min(at) FILTER (WHERE kind = 'quotaflow.usage.released'),
+    coalesce(bool_and(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
+        -- reserved before the last rebuild, known only after it: the Redis
+        -- that held it lost its data, the rebuilt one never counted it
+        OR coalesce(min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved') < (SELECT max(at) FROM rebuilds), false)
+FROM (
+    SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at, local
+    FROM ledger_in
+    WHERE type IN ('quotaflow.usage.reserved', 'quotaflow.usage.actual', 'quotaflow.usage.released')
+) t
+GROUP BY tenant, user_id, request_id
+ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
+ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
+    plan = CASE WHEN r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL THEN excluded.plan ELSE r.plan END,
+    endpoint = CASE WHEN (r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL) OR r.endpoint = ''
+        THEN excluded.endpoint ELSE r.endpoint END,
+    model = CASE WHEN r.model = '' THEN excluded.model ELSE r.model END,
+    -- local only while every reserved event of the request was decided
+    -- without Redis (a retry admitted through Redis holds the estimate)
+    local = CASE WHEN r.estimated_tokens IS NULL THEN excluded.local
+        WHEN excluded.estimated_tokens IS NOT NULL THEN r.local AND excluded.local
+        ELSE r.local END,
+    estimated_tokens = coalesce(r.estimated_tokens, excluded.estimated_tokens),
+    reserved_at = coalesce(r.reserved_at, excluded.reserved_at),
+    expires_at = coalesce(r.expires_at, excluded.expires_at),
+    actual_tokens = coalesce(r.actual_tokens, excluded.actual_tokens),
+    actual_at = coalesce(r.actual_at, excluded.actual_at),
+    released_at = coalesce(r.released_at, excluded.released_at),
+    updated_at = now()
+RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
+    coalesce(actual_tokens, -1), reserved_at, status, local`
 
 // WriteResult is what a write did.
 type WriteResult struct {
@@ -276,26 +222,18 @@ type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
 	Result WriteResult
-	// finished holds the rows Begin wrote in the status the batch finishes
-	// them in (StatusSettled or StatusReleased), which Result reports open.
-	finished map[Key]string
 }
 
 // Begin writes a batch in a new transaction and leaves it open: the
 // records are copied into the staging table, the new events stored and
 // the reservation rows merged (their rows returned in Result). A
 // redelivered record changes nothing.
-//
-// An open reservation that the batch finishes, by its first actual or
-// released record in recs' order, is written settled or released already,
-// the status Commit records when marks confirm it; Result reports it open,
-// as Redis does not hold the effect yet.
 func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
-	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}, finished: map[Key]string{}}
+	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}}
 	if err := t.write(ctx, recs); err != nil {
 		t.Rollback(ctx)
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
@@ -309,23 +247,14 @@ func (t *Tx) write(ctx context.Context, recs []Record) error {
 	if _, err := t.conn.Exec(ctx, "BEGIN;"+createStaging); err != nil {
 		return fmt.Errorf("begin: %w", err)
 	}
-	// The batch's reservations, each true once a record finishes it.
-	keys := map[Key]bool{}
 	_, err := t.conn.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
 		r := &recs[i]
 		var exp *time.Time
 		if !r.ExpiresAt.IsZero() {
 			exp = &r.ExpiresAt
 		}
-		finishes := false
-		if k := (Key{Tenant: r.Tenant, User: r.User, RequestID: r.RequestID}); r.Kind == kindActual || r.Kind == kindReleased {
-			finishes = !keys[k]
-			keys[k] = true
-		} else if _, ok := keys[k]; !ok && r.Kind == kindReserved {
-			keys[k] = false
-		}
 		return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, string(r.Payload),
-			r.Plan, r.Endpoint, r.Model, exp, r.Local, finishes}, nil
+			r.Plan, r.Endpoint, r.Model, exp, r.Local}, nil
 	}))
 	if err != nil {
 		return fmt.Errorf("copy events: %w", err)
@@ -338,94 +267,33 @@ func (t *Tx) write(ctx context.Context, recs []Record) error {
 		}
 		return nil
 	})
-	b.Queue(mergeReservations).Query(t.scanMerged)
-	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
-		return err
-	}
-	// Rows another batch inserted meanwhile, visible now (see mergeQuery).
-	var raced []Key
-	for k := range keys {
-		if _, ok := res.Reservations[k]; !ok {
-			raced = append(raced, k)
-		}
-	}
-	if len(raced) == 0 {
-		return nil
-	}
-	tenants, users, requests := make([]string, len(raced)), make([]string, len(raced)), make([]string, len(raced))
-	for i, k := range raced {
-		tenants[i], users[i], requests[i] = k.Tenant, k.User, k.RequestID
-	}
-	rows, err := t.conn.Query(ctx, mergeRaced, tenants, users, requests)
-	if err != nil {
-		return fmt.Errorf("merge reservations: %w", err)
-	}
-	if err := t.scanMerged(rows); err != nil {
-		return err
-	}
-	for _, k := range raced {
-		if _, ok := res.Reservations[k]; !ok {
-			return fmt.Errorf("merge reservations: %s/%s %s neither inserted nor found", k.Tenant, k.User, k.RequestID)
-		}
-	}
-	return nil
-}
-
-// scanMerged reads the rows of mergeQuery into Result and finished.
-func (t *Tx) scanMerged(rows pgx.Rows) error {
-	var v Reservation
-	var reservedAt *time.Time
-	var status string
-	_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &status, &v.Status, &v.Local}, func() error {
-		v.ReservedAt = time.Time{}
-		if reservedAt != nil {
-			v.ReservedAt = *reservedAt
-		}
-		t.Result.Reservations[v.Key] = v
-		if status != v.Status {
-			t.finished[v.Key] = status
+	b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
+		var v Reservation
+		var reservedAt *time.Time
+		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status, &v.Local}, func() error {
+			v.ReservedAt = time.Time{}
+			if reservedAt != nil {
+				v.ReservedAt = *reservedAt
+			}
+			res.Reservations[v.Key] = v
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("upsert reservations: %w", err)
 		}
 		return nil
 	})
-	if err != nil {
-		return fmt.Errorf("merge reservations: %w", err)
-	}
-	return nil
+	return t.conn.SendBatch(ctx, b).Close()
 }
 
 // Commit records marks (see MarkSettled), adds the batch's rollups and
 // commits, in one round trip. The rollups come last: their rows are shared
 // by every batch of a subject, so their locks are held only until the
 // commit.
-//
-// A row Begin wrote finished is left as it is when marks hold it with that
-// status, set to the mark's status when they hold another, and put back to
-// open when they do not hold it: the outcome is the same as marking rows
-// that Begin had left open.
 func (t *Tx) Commit(ctx context.Context, marks []Mark) error {
-	var open, fixes []Mark
-	marked := make(map[Key]bool, len(marks))
-	for _, m := range marks {
-		st, ok := t.finished[m.Key]
-		switch {
-		case !ok:
-			open = append(open, m)
-		case st != m.Status && !marked[m.Key]:
-			fixes = append(fixes, m)
-		}
-		marked[m.Key] = true
-	}
-	for k := range t.finished {
-		if !marked[k] {
-			fixes = append(fixes, Mark{Key: k, Status: StatusOpen})
-		}
-	}
 	b := &pgx.Batch{}
-	if len(open) > 0 {
-		b.Queue(markSettled, markArgs(open)...)
-	}
-	if len(fixes) > 0 {
-		b.Queue(refinish, markArgs(fixes)...)
+	if len(marks) > 0 {
+		b.Queue(markSettled, markArgs(marks)...)
 	}
 	b.Queue(addRollups)
 	b.Queue("COMMIT")
@@ -476,15 +344,6 @@ const markSettled = `
 UPDATE reservations AS r SET status = m.status, settled_at = now(), updated_at = now()
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
 WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id AND r.status = 'open'`
-
-// refinish sets the status of rows that Begin wrote finished and this
-// transaction holds: back to open (settled_at NULL, as every open row has
-// it), or to another finished status.
-const refinish = `
-UPDATE reservations AS r SET status = m.status,
-    settled_at = CASE WHEN m.status = 'open' THEN NULL ELSE now() END, updated_at = now()
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
-WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id`
 
 // MarkSettled records marks in one statement. Calling it again changes
 // nothing.
