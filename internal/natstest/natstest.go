@@ -1,5 +1,5 @@
 // Package natstest gives service tests NATS JetStream for real: the
-// development server (QF_TEST_NATS_URL, else the local default) with
+// server the services use (QF_NATS_URL, else the local default) with
 // streams and a subject prefix of the test's own, deleted when it ends, and
 // embedded servers (nats-server as a library) that a test may stop and
 // start again on the same store.
@@ -23,7 +23,7 @@ import (
 
 // URL is the NATS server tests use.
 func URL() string {
-	if u := os.Getenv("QF_TEST_NATS_URL"); u != "" {
+	if u := os.Getenv("QF_NATS_URL"); u != "" {
 		return u
 	}
 	return "nats://127.0.0.1:4222"

@@ -1,6 +1,6 @@
 // Package pgtest gives each test a Postgres database of its own on the real
-// server (QF_TEST_POSTGRES_URL, else the local default), dropped when the
-// test ends: tests never share or flush a database.
+// server the services use (QF_POSTGRES_URL, else the local default), dropped
+// when the test ends: tests never share or flush a database.
 package pgtest
 
 import (
@@ -14,22 +14,36 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// BaseURL is the server tests create their databases on.
+// BaseURL is the server tests create their databases on: the one
+// QF_POSTGRES_URL names (else the local default), with its maintenance
+// database "postgres" (the database QF_POSTGRES_URL names need not exist).
 func BaseURL() string {
-	if u := os.Getenv("QF_TEST_POSTGRES_URL"); u != "" {
-		return u
+	u := os.Getenv("QF_POSTGRES_URL")
+	if u == "" {
+		u = "postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"
 	}
-	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+	return withDatabase(u, "postgres")
+}
+
+// withDatabase is base, a URL or a key=value DSN (both are valid in
+// QF_POSTGRES_URL), naming database db instead.
+func withDatabase(base, db string) string {
+	if u, err := url.Parse(base); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		u.Path = "/" + db
+		return u.String()
+	}
+	return base + " dbname=" + db // in a DSN the last setting of a key wins
 }
 
 // NewDatabase creates an empty database named after prefix and a random
-// suffix, drops it at the end of the test, and returns its URL.
+// suffix, drops it at the end of the test, and returns its URL (a DSN when
+// QF_POSTGRES_URL is one).
 func NewDatabase(t testing.TB, prefix string) string {
 	t.Helper()
 	ctx := context.Background()
 	cc, err := pgx.ParseConfig(BaseURL())
 	if err != nil {
-		t.Fatalf("QF_TEST_POSTGRES_URL: %v", err)
+		t.Fatalf("QF_POSTGRES_URL: %v", err)
 	}
 	b := make([]byte, 5)
 	_, _ = rand.Read(b)
@@ -53,10 +67,5 @@ func NewDatabase(t testing.TB, prefix string) string {
 			t.Errorf("drop database %s: %v", db, err)
 		}
 	})
-	u, err := url.Parse(BaseURL())
-	if err != nil {
-		t.Fatalf("QF_TEST_POSTGRES_URL: %v", err)
-	}
-	u.Path = "/" + db
-	return u.String()
+	return withDatabase(BaseURL(), db)
 }

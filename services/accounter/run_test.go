@@ -31,8 +31,8 @@ import (
 )
 
 // The integration tests run against the real Postgres and NATS of the
-// development machine (QF_TEST_POSTGRES_URL, QF_TEST_NATS_URL override
-// them) and a private redis-server each. Each test owns its database,
+// development machine (QF_POSTGRES_URL, QF_NATS_URL override them) and a
+// private redis-server each. Each test owns its database,
 // stream, subject prefix and Redis.
 
 const testPolicy = `

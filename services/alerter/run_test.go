@@ -32,8 +32,8 @@ import (
 )
 
 // The integration tests run against the real Postgres and NATS of the
-// development machine (QF_TEST_POSTGRES_URL, QF_TEST_NATS_URL override
-// them) and an HTTP receiver of their own. Each test owns its database,
+// development machine (QF_POSTGRES_URL, QF_NATS_URL override them) and an
+// HTTP receiver of their own. Each test owns its database,
 // stream and subject prefix.
 
 const testSecret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"

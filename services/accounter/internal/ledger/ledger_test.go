@@ -15,8 +15,8 @@ import (
 )
 
 // testPool creates a database of the test's own on the development
-// Postgres (QF_TEST_POSTGRES_URL overrides it), migrates it and drops it at
-// the end.
+// Postgres (QF_POSTGRES_URL overrides it), migrates it and drops it at the
+// end.
 func testPool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()

@@ -10,7 +10,7 @@ import (
 )
 
 // newStore returns a Store on a database of the test's own (real
-// Postgres; QF_TEST_POSTGRES_URL overrides the default), migrated twice to
+// Postgres; QF_POSTGRES_URL overrides the default), migrated twice to
 // show migrations are idempotent, dropped at the end.
 func newStore(t *testing.T) *Store {
 	t.Helper()
