@@ -352,8 +352,8 @@ func TestContractOverHTTP(t *testing.T) {
 	if a := paid("p-3", 40); a.code != 429 {
 		t.Errorf("admit past the balance = %d %v", a.code, a.body)
 	}
-	if u := s.call("GET", "/v1/usage?tenant="+s.tenant+"&user=buyer&plan=nope", ""); u.code != 400 {
-		t.Errorf("usage with an unknown plan = %d %v", u.code, u.body)
+	if u := s.call("GET", "/v1/usage?tenant="+s.tenant+"&user=buyer&plan=nope", ""); u.code != 400 || u.body["message"] != `plan: "nope" is not a plan of the policy` {
+		t.Errorf("usage with an unknown plan = %d %v, want 400 naming it", u.code, u.body)
 	}
 }
 

@@ -921,11 +921,12 @@ func TestUsageGet(t *testing.T) {
 			t.Errorf("GET /v1/usage%s = %d %s, want 400 %q", q, w.Code, w.Body, msg)
 		}
 	}
-	e.dec.usage = func(string, string, string) ([]decide.LimitState, error) {
-		return nil, fmt.Errorf("%w: %q", limits.ErrUnknownPlan, "gold")
+	e.dec.usage = func(_, _, plan string) ([]decide.LimitState, error) {
+		return nil, fmt.Errorf("%w %q", limits.ErrUnknownPlan, plan)
 	}
-	if w := e.do("GET", "/v1/usage?tenant=a&user=u&plan=gold", ""); w.Code != 400 {
-		t.Errorf("GET /v1/usage with an unknown plan = %d, want 400", w.Code)
+	const want = `plan: "nope" is not a plan of the policy`
+	if w := e.do("GET", "/v1/usage?tenant=a&user=u&plan=nope", ""); w.Code != 400 || decodeMap(t, w)["message"] != want {
+		t.Errorf("GET /v1/usage with an unknown plan = %d %s, want 400 %q", w.Code, w.Body, want)
 	}
 }
 

@@ -74,7 +74,7 @@ func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 	s, err := h.dec.Release(r.Context(), b.Tenant, b.User, b.RequestID)
 	if err != nil {
 		if _, bad := clientError(err, ""); bad || canceled(r, err) {
-			h.infraError(w, r, "release", err)
+			h.infraError(w, r, "release", "", err)
 			return
 		}
 		// Redis is out of reach: the released event alone is enough, since
@@ -106,10 +106,11 @@ func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 }
 
 // infraError answers a failure of the decider outside the admission path
-// (release, usage, top-up): 400 for the caller's mistakes, else 503 with
-// Retry-After, since each of these calls is safe to retry.
-func (h *Handler) infraError(w http.ResponseWriter, r *http.Request, what string, err error) {
-	if msg, ok := clientError(err, ""); ok {
+// (release, usage, top-up): 400 for the caller's mistakes (plan is the one
+// the caller named, if any), else 503 with Retry-After, since each of these
+// calls is safe to retry.
+func (h *Handler) infraError(w http.ResponseWriter, r *http.Request, what, plan string, err error) {
+	if msg, ok := clientError(err, plan); ok {
 		writeError(w, http.StatusBadRequest, msg)
 		return
 	}
@@ -162,7 +163,7 @@ func (h *Handler) serveTopUp(w http.ResponseWriter, r *http.Request) {
 	}
 	res, err := h.dec.TopUp(r.Context(), b.Tenant, b.User, *b.Amount, b.Reference)
 	if err != nil {
-		h.infraError(w, r, "topup", err)
+		h.infraError(w, r, "topup", "", err)
 		return
 	}
 	h.ev.Enqueue(events.NewTopUp(h.source, events.TopUp{Tenant: b.Tenant, User: b.User, Amount: *b.Amount, Reference: b.Reference}, nowUTC()))

@@ -39,7 +39,7 @@ func (h *Handler) serveUsageGet(w http.ResponseWriter, r *http.Request) {
 	}
 	ls, err := h.dec.Usage(r.Context(), tenant, user, plan)
 	if err != nil {
-		h.infraError(w, r, "usage", err)
+		h.infraError(w, r, "usage", plan, err)
 		return
 	}
 	writeJSON(w, http.StatusOK, "application/json", usageAnswer{Tenant: tenant, User: user, Plan: plan, Limits: limitsJSON(ls)})
