@@ -357,6 +357,59 @@ func TestContractOverHTTP(t *testing.T) {
 	}
 }
 
+const leasedPolicy = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: 5h, kind: rolling, window: 5h, limit: 1000}]
+endpoints:
+  /gen/TENANT:
+    global: [{name: daily, kind: fixed, window: 24h, limit: 500}]
+`
+
+// TestLeasedFiguresOverHTTP: a global limit served from a lease reports
+// what is counted, not the unit a later denial gave back, in a 429 and in
+// the replay of an admitted request id.
+func TestLeasedFiguresOverHTTP(t *testing.T) {
+	s := newStack(t, leasedPolicy, nil)
+	t.Cleanup(func() {
+		s.close() // returns the lease first
+		ctx := context.Background()
+		rdb := redistest.Shared(t)
+		iter := rdb.Scan(ctx, 0, "*"+s.tenant+"*", 1000).Iterator()
+		for iter.Next(ctx) {
+			rdb.Del(ctx, iter.Val())
+		}
+	})
+	admit := func(id string, cost int64) answer {
+		b, _ := json.Marshal(map[string]any{"tenant": s.tenant, "user": "u", "request_id": id,
+			"endpoint": "/gen/" + s.tenant, "estimated_tokens": cost})
+		return s.call("POST", "/v1/admit", string(b))
+	}
+	for _, step := range []struct {
+		id   string
+		cost int64
+		code int
+		want string // scope:name used/remaining of each limit
+	}{
+		{"r-1", 600, 200, "global:daily 1/499 user:5h 600/400"},
+		{"r-2", 600, 429, "global:daily 1/499 user:5h 600/400"},
+		{"r-1", 600, 200, "global:daily 1/499 user:5h 600/400"}, // the replay
+		{"r-3", 100, 200, "global:daily 2/498 user:5h 700/300"},
+	} {
+		a := admit(step.id, step.cost)
+		var got []string
+		lims, _ := a.body["limits"].([]any)
+		for _, l := range lims {
+			m := l.(map[string]any)
+			got = append(got, fmt.Sprintf("%s:%s %v/%v", m["scope"], m["name"], m["used"], m["remaining"]))
+		}
+		if a.code != step.code || strings.Join(got, " ") != step.want {
+			t.Errorf("admit %s of %d = %d %s, want %d %s", step.id, step.cost, a.code, strings.Join(got, " "), step.code, step.want)
+		}
+	}
+}
+
 // TestIdentifiersDoNotCollide: pairs that a naive key scheme would merge
 // keep separate counters.
 func TestIdentifiersDoNotCollide(t *testing.T) {

@@ -44,20 +44,33 @@ type admission struct {
 	// refused by the breaker: the remaining layers are decided locally
 	// without waiting on Redis again.
 	remote bool
+	// res.Limits has a slot per rule of every layer reached, left zero when
+	// its rule was not checked; run compacts it at the end, so that the
+	// slots stay put until undo has re-reported what it gave back.
 	res    Result
 	denied int // index in res.Limits of the denying limit, -1 if none
 
-	// What earlier layers took, to give back on a later denial.
-	takes  []*held      // leased units
+	// What earlier layers took, to give back on a later denial, each with
+	// the slot in res.Limits of the limit it took from.
+	takes  []leaseTake  // leased units
 	spends []localSpend // local shares and quotas
 	shared []sharedRes  // reservations in Redis
 }
 
-// sharedRes is a shared reservation made in Redis.
+// leaseTake is a unit spent from a lease.
+type leaseTake struct {
+	h  *held
+	at int
+}
+
+// sharedRes is a shared reservation made in Redis; rules[j] is reported in
+// slot at+idx[j].
 type sharedRes struct {
 	scope limits.Scope
 	id    string
 	rules []limits.Rule
+	at    int
+	idx   []int
 }
 
 // allowAll is the decision past FailOpenAfter: everything is allowed and
@@ -96,6 +109,7 @@ func (a *admission) run(rs *limits.Resolved) error {
 	if !ok {
 		a.undo()
 	}
+	a.res.Limits = compact(a.res.Limits, &a.denied)
 	if a.res.Now.IsZero() {
 		a.res.Now = time.Now()
 	}
@@ -141,9 +155,10 @@ func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Ru
 	base := len(a.res.Limits)
 	a.res.Limits = a.res.Limits[:base+len(rules)]
 	states := a.res.Limits[base:]
-	checked := make([]bool, len(rules))
+	// A slot left zero was not checked (after a retry's reset it held the
+	// states of the first pass).
+	clear(states)
 	var rest, local []int // rule indexes for ReserveShared, for local shares
-	defer func() { a.res.Limits = compact(a.res.Limits, base, checked, &a.denied) }()
 
 	now := d.mono()
 	for i := range rules {
@@ -166,15 +181,15 @@ func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Ru
 		}
 		switch {
 		case sr.h != nil:
-			a.takes = append(a.takes, sr.h)
-			states[i], checked[i] = d.leasedState(p, r, now, false), true
+			a.takes = append(a.takes, leaseTake{h: sr.h, at: base + i})
+			states[i] = d.leasedState(p, r, now, false)
 		case sr.err != nil:
 			a.remote = false
 			local = append(local, i)
 		case sr.contended:
 			rest = append(rest, i)
 		default: // exhausted
-			states[i], checked[i] = d.leasedState(p, r, now, true), true
+			states[i] = d.leasedState(p, r, now, true)
 			if r.Shadow {
 				states[i].WouldDeny = true
 				continue
@@ -201,13 +216,13 @@ func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Ru
 		switch {
 		case err == nil:
 			for j, i := range rest {
-				states[i], checked[i] = stateOf(&dec.States[j]), true
+				states[i] = stateOf(&dec.States[j])
 			}
 			if !dec.Allowed {
 				a.deny(base+rest[max(0, dec.DeniedBy)], dec.RetryAfter, dec.Reason)
 				return false, nil
 			}
-			a.shared = append(a.shared, sharedRes{scope: scope, id: id, rules: sub})
+			a.shared = append(a.shared, sharedRes{scope: scope, id: id, rules: sub, at: base, idx: rest})
 			rest = nil
 		case errors.Is(err, limits.ErrInvalid):
 			return false, err
@@ -226,12 +241,16 @@ func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Ru
 	}
 	out := make([]LimitState, len(sub))
 	e := d.local.get(ownerKey{scope: scope, a: id}, true)
+	n := len(a.spends)
 	e.mu.Lock()
 	di, retry, reason := d.localCheck([2]*entry{e, e}, sub, a.in.Cost, d.mono(), out, &a.spends)
 	e.mu.Unlock()
+	for k := n; k < len(a.spends); k++ {
+		a.spends[k].at = base + local[a.spends[k].at]
+	}
 	a.res.Local = true
 	for j, i := range local {
-		states[i], checked[i] = out[j], true
+		states[i] = out[j]
 	}
 	if di >= 0 {
 		a.deny(base+local[di], retry, reason)
@@ -240,18 +259,18 @@ func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Ru
 	return true, nil
 }
 
-// compact drops the states of rules a layer did not check from
-// limits[base:], keeping order, and moves the denied index with them.
-func compact(ls []LimitState, base int, checked []bool, denied *int) []LimitState {
-	n := base
-	for i, ok := range checked {
-		if !ok {
+// compact drops the slots of rules that were not checked (zero: no scope),
+// keeping order, and moves the denied index with them.
+func compact(ls []LimitState, denied *int) []LimitState {
+	n := 0
+	for i := range ls {
+		if ls[i].Scope == "" {
 			continue
 		}
-		if *denied == base+i {
+		if *denied == i {
 			*denied = n
 		}
-		ls[n] = ls[base+i]
+		ls[n] = ls[i]
 		n++
 	}
 	return ls[:n]
@@ -301,9 +320,13 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 	if te != nil {
 		te.mu.Lock()
 	}
+	n := len(a.spends)
 	ue.mu.Lock()
 	di, retry, reason := d.localCheck([2]*entry{te, ue}, rules, in.Cost, d.mono(), states, &a.spends)
 	ue.mu.Unlock()
+	for k := n; k < len(a.spends); k++ {
+		a.spends[k].at += base
+	}
 	if te != nil {
 		te.mu.Unlock()
 	}
@@ -319,24 +342,42 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 // local spending at once, shared Redis reservations with a compensating
 // Charge (best effort: skipped while the breaker is open, and then the
 // reservation stays counted until its window passes, an under-admission).
+// The limits it gave back to are reported without what they got back
+// (DESIGN §4: used and remaining are after the decision).
 func (a *admission) undo() {
-	for _, h := range a.takes {
-		h.left.Add(1)
+	for _, t := range a.takes {
+		t.h.left.Add(1)
+		a.givenBack(t.at, 1)
 	}
 	for _, s := range a.spends {
 		s.e.mu.Lock()
 		s.e.state(s.id).left += s.n
 		s.e.mu.Unlock()
+		a.givenBack(s.at, int64(s.n))
 	}
 	a.takes, a.spends = nil, nil
 	for _, s := range a.shared {
-		a.d.compensate(a.ctx, s, a.in.Cost)
+		if !a.d.compensate(a.ctx, s, a.in.Cost) {
+			continue
+		}
+		for j := range s.rules {
+			a.givenBack(s.at+s.idx[j], unitCost(&s.rules[j], a.in.Cost))
+		}
 	}
 	a.shared = nil
 }
 
-// compensate gives back a shared reservation of cost.
-func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) {
+// givenBack re-reports the limit in slot i after n of its units were given
+// back. Every state of a shared layer has Remaining = max(0, Limit - Used).
+func (a *admission) givenBack(i int, n int64) {
+	s := &a.res.Limits[i]
+	s.Used = max(0, s.Used-n)
+	s.Remaining = max(0, s.Limit-s.Used)
+}
+
+// compensate gives back a shared reservation of cost; false when Redis
+// could not be told, so the reservation still counts.
+func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) bool {
 	// Charge moves request limits by 1 in the amount's direction and token
 	// limits by the amount; a cost of 0 took nothing from token limits.
 	rules, amount := s.rules, -cost
@@ -350,7 +391,7 @@ func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) {
 		amount = -1
 	}
 	if len(rules) == 0 {
-		return
+		return true
 	}
 	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
 		_, err := d.lim.Charge(ctx, limits.ChargeRequest{SharedScope: s.scope, SharedID: s.id, Rules: rules, Amount: amount})
@@ -358,5 +399,7 @@ func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) {
 	})
 	if err != nil {
 		d.log.Debug("compensate shared reservation", "scope", string(s.scope), "err", err)
+		return false
 	}
+	return true
 }

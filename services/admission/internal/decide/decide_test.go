@@ -3,6 +3,7 @@ package decide
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -572,5 +573,45 @@ func TestRetryOfAdmittedRequestPassesSharedLayers(t *testing.T) {
 	generated.CallerID = false
 	if r := admit(t, d, generated); r.Allowed {
 		t.Fatalf("an id the caller did not choose was looked up: %+v", r)
+	}
+}
+
+// The figures a client sees after a denial or for a retried request id are
+// what is counted once the earlier layers got their units back: leased
+// (ip:ipr, global:rate) and reserved in Redis (global:tok, global:log).
+func TestGivenBackUnitsAreNotReported(t *testing.T) {
+	_, d, _, tenant, ep := onEndpoint(t, compensatePolicy, "/t/")
+	ip := tenant + "-ip"
+	used := func(r Result) string {
+		var b strings.Builder
+		for _, l := range r.Limits {
+			fmt.Fprintf(&b, "%s:%s=%d/%d ", l.Scope, l.Name, l.Used, l.Remaining)
+		}
+		return strings.TrimSpace(b.String())
+	}
+	first := in(tenant, "u", ep, 50)
+	first.IP = ip
+	steps := []struct {
+		what    string
+		x       Input
+		allowed bool
+		want    string // scope:name=used/remaining of every limit reported
+	}{
+		{"first", first, true,
+			"ip:ipr=1/999 global:tok=50/99950 global:log=1/99 global:rate=1/999 user:q=50/50 user:rps=1/1"},
+		{"denied by q", in(tenant, "u", ep, 60), false,
+			"ip:ipr=1/999 global:tok=50/99950 global:log=1/99 global:rate=1/999 user:q=50/50 user:rps=1/1"},
+		{"retry of the first", first, true,
+			"ip:ipr=1/999 global:tok=50/99950 global:log=1/99 global:rate=1/999 user:q=50/50 user:rps=1/1"},
+		{"second", in(tenant, "u", ep, 40), true,
+			"ip:ipr=2/998 global:tok=90/99910 global:log=2/98 global:rate=2/998 user:q=90/10 user:rps=2/0"},
+	}
+	for _, s := range steps {
+		s.x.IP = ip
+		r := admit(t, d, s.x)
+		wantAllowed(t, r, s.allowed)
+		if got := used(r); got != s.want {
+			t.Errorf("%s: Limits = %s\nwant %s", s.what, got, s.want)
+		}
 	}
 }

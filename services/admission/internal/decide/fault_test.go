@@ -3,6 +3,7 @@ package decide
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -210,5 +211,49 @@ endpoints:
 	// What the leases held (3, or 3+4 if a refill landed) plus the share of 10.
 	if allowed < 13 || allowed > 17 {
 		t.Fatalf("allowed %d of 40 with Redis down, want the leases held plus a share of 10", allowed)
+	}
+}
+
+// Decided locally, a denial by the user layer gives the shared layers'
+// shares back, and the figures reported say so. (Long windows: a share
+// refills by less than a unit during the test.)
+func TestLocalDenialReportsGivenBackShares(t *testing.T) {
+	const pol = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: q, kind: fixed, window: 1h, limit: 1000}]
+endpoints:
+  /gen:
+    global: [{name: tok, kind: rolling, window: 720h, limit: 100000, unit: tokens}]
+ip: [{name: ipr, kind: fixed, window: 24h, limit: 100}]
+`
+	s := redistest.Start(t)
+	c := faultClient(t, s)
+	d := newDecider(t, c, parsePolicy(t, pol, ""), faultOptions(), limits.Options{NoEpochGuard: true})
+	s.Stop()
+
+	shared := func(r Result) string {
+		return fmt.Sprintf("%s=%d/%d %s=%d/%d", r.Limits[0].Name, r.Limits[0].Used, r.Limits[0].Remaining,
+			r.Limits[1].Name, r.Limits[1].Used, r.Limits[1].Remaining)
+	}
+	for _, step := range []struct {
+		cost    int64
+		allowed bool
+		want    string
+	}{
+		{30, true, "ipr=1/99 tok=30/99970"},
+		{30, false, "ipr=1/99 tok=30/99970"}, // q: the unseen allowance of 50 has 20 left
+		{10, true, "ipr=2/98 tok=40/99960"},
+	} {
+		x := in("acme", "u", "/gen", step.cost)
+		x.IP = "203.0.113.7"
+		r := admit(t, d, x)
+		if !r.Local || r.Allowed != step.allowed || len(r.Limits) != 3 {
+			t.Fatalf("Admit(cost %d) = %+v, want local, allowed %v, three limits", step.cost, r, step.allowed)
+		}
+		if got := shared(r); got != step.want {
+			t.Errorf("Admit(cost %d): ip, global = %s, want %s", step.cost, got, step.want)
+		}
 	}
 }

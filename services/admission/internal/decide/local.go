@@ -305,7 +305,7 @@ func (d *Decider) localCheck(owners [2]*entry, rules []limits.Rule, cost int64, 
 			if r.Scope == limits.ScopeTenant {
 				e = owners[0]
 			}
-			*spends = append(*spends, localSpend{e: e, id: st.id, n: need})
+			*spends = append(*spends, localSpend{e: e, id: st.id, n: need, at: i})
 		}
 		left := int64(math.Floor(max(0, st.left)))
 		out[i].Remaining = left
@@ -355,6 +355,7 @@ type localSpend struct {
 	e  *entry
 	id uint64
 	n  float64
+	at int // localCheck: the index of its rule; then its slot in Result.Limits
 }
 
 // remember records the remaining of the token limits of a subject and its
