@@ -111,6 +111,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		return err
 	}
 	defer rdb.Close()
+	rdb.AddHook(newRedisErrors(reg))
 	lim := limits.New(rdb, limits.Options{ReservationTTL: cfg.ReservationTTL})
 	cor := correct.New(lim, rdb, watcher.Current, store, log)
 
@@ -181,7 +182,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	// The epoch first: consuming into a Redis that lost its data would only
 	// nak (the scripts refuse without the epoch).
 	checkEpoch := func(ctx context.Context) {
-		cctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+		cctx, cancel := context.WithTimeout(withRedisOp(ctx, opEpoch), 10*time.Minute)
 		defer cancel()
 		start := time.Now()
 		rebuilt, subjects, err := cor.EnsureEpoch(cctx)
@@ -205,7 +206,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	})
 	bg.Go(func() {
 		service.Every(bgCtx, cfg.ExpiryInterval, func(ctx context.Context) {
-			n, err := cor.SettleExpired(ctx, store, time.Now().Add(-cfg.ReservationTTL), cfg.SettleExpiredAtEstimate)
+			n, err := cor.SettleExpired(withRedisOp(ctx, opExpiry), store, time.Now().Add(-cfg.ReservationTTL), cfg.SettleExpiredAtEstimate)
 			expired.Add(float64(n))
 			if err != nil {
 				log.Error("settling expired reservations failed; retrying", "err", err)
@@ -219,7 +220,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		rec := correct.NewReconciler(cor, store, correct.ConsumerBacklog{Consumer: cons}, cfg.ReconcileRepair, log)
 		bg.Go(func() {
 			service.Every(bgCtx, cfg.ReconcileInterval, func(ctx context.Context) {
-				d, err := rec.Reconcile(ctx)
+				d, err := rec.Reconcile(withRedisOp(ctx, opReconcile))
 				repaired.WithLabelValues("raised").Add(float64(d.Raised))
 				repaired.WithLabelValues("lowered").Add(float64(d.Lowered))
 				if err != nil {
@@ -245,7 +246,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		return err
 	}
 	log.Info("consuming", "stream", cfg.Stream, "durable", cfg.Durable)
-	consumer.Run(ctx) // until ctx ends; waits for the batches in flight
+	consumer.Run(withRedisOp(ctx, opConsume)) // until ctx ends; waits for the batches in flight
 
 	log.Info("shutting down")
 	ready.Drain()

@@ -485,11 +485,24 @@ func TestAccounterEvents(t *testing.T) {
 				t.Errorf("/metrics lacks %s", want)
 			}
 		}
+		e := base.with(t)
+		// The subtests above each published a correction.
+		if n := e.metric(`quotaflow_events_published_total{type="quotaflow.usage.corrected"}`); n < 4 {
+			t.Errorf("corrected events published = %v, want at least 4", n)
+		}
+		// A fresh Redis answers NOSCRIPT at first: not an error.
+		for _, op := range []string{"consume", "epoch", "expiry", "reconcile", "other"} {
+			if n := e.metric(`quotaflow_redis_errors_total{op="` + op + `"}`); n != 0 {
+				t.Errorf("redis errors of %s with Redis up = %v, want 0", op, n)
+			}
+		}
 	})
 
 	t.Run("poison message goes to the DLQ", func(t *testing.T) {
 		e := base.with(t)
 		ten, usr, req := "poison-"+randHex(4), "u1", "r1"
+		const dlq = `quotaflow_events_published_total{type="dlq"}`
+		before := e.metric(dlq)
 		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeActual), []byte(`{"specversion":"1.0","id":`)); err != nil {
 			t.Fatal(err)
 		}
@@ -498,6 +511,7 @@ func TestAccounterEvents(t *testing.T) {
 		waitFor(t, "dead letter", func() bool {
 			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, events.ReasonInvalid)) == 1
 		})
+		waitFor(t, "dead letter counted as published", func() bool { return e.metric(dlq) == before+1 })
 	})
 
 	t.Run("an event Postgres cannot store goes to the DLQ", func(t *testing.T) {
@@ -712,7 +726,8 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	}
 }
 
-// metric returns the value of the unlabelled metric name on /metrics.
+// metric returns the value of the series name (with its labels, as
+// /metrics prints them) on /metrics.
 func (e *env) metric(name string) float64 {
 	e.t.Helper()
 	resp, err := http.Get("http://" + e.ops + "/metrics")
@@ -850,6 +865,11 @@ func TestRedisOutageDeadLettersNothing(t *testing.T) {
 		i, err := c.Info(ctx)
 		return err == nil && i.NumRedelivered > 0 && i.Delivered.Consumer >= 5
 	})
+	for _, op := range []string{"consume", "epoch"} {
+		if n := e.metric(`quotaflow_redis_errors_total{op="` + op + `"}`); n < 1 {
+			t.Errorf("redis errors of %s during the outage = %v, want some", op, n)
+		}
+	}
 	e.redis.Restart() // empty: the accounter rebuilds it from the ledger
 	e.waitStatus(ten, usr, req, "settled")
 	if got := e.used(ten, usr, "5h"); got != 40 {

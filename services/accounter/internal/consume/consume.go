@@ -218,6 +218,7 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 			c.m.events.WithLabelValues(typ, "ok").Inc()
 		case errors.Is(perr, events.ErrDeadLettered):
 			c.m.events.WithLabelValues(typ, "dead_lettered").Inc()
+			c.m.published.WithLabelValues(publishedDLQ).Inc()
 			c.log.Warn("event dead-lettered", "err", perr)
 		default:
 			c.m.events.WithLabelValues(typ, "retry").Inc()
@@ -422,6 +423,7 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	}
 	t0 = time.Now()
 	if len(fixes) > 0 {
+		stored := len(fixes)
 		if err := c.pub.PublishBatch(ctx, fixes); err != nil {
 			var be *events.BatchError
 			if !errors.As(err, &be) {
@@ -430,6 +432,7 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 			failed := map[ledger.Key]bool{}
 			for j, e := range be.Errs {
 				if e != nil {
+					stored--
 					t := &tasks[fixOwners[j]]
 					items[t.item].err, items[t.item].transient = e, true
 					failed[t.key] = true
@@ -444,6 +447,7 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 			}
 			marks = kept
 		}
+		c.m.published.WithLabelValues(events.TypeCorrected).Add(float64(stored))
 	}
 	c.m.phase.WithLabelValues("publish").Observe(time.Since(t0).Seconds())
 	t0 = time.Now()
@@ -488,8 +492,14 @@ type task struct {
 	correct.Outcome
 }
 
+// publishedDLQ is the type label of quotaflow_events_published_total for
+// dead letters: they go to the dead-letter stream whatever their type, and
+// an undecodable one has none.
+const publishedDLQ = "dlq"
+
 type metrics struct {
 	events       *prometheus.CounterVec
+	published    *prometheus.CounterVec
 	lag          prometheus.Gauge
 	batchSize    prometheus.Histogram
 	batchSeconds prometheus.Histogram
@@ -502,6 +512,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "quotaflow_accounter_events_total",
 			Help: "Consumed events by CloudEvent type and result (ok, ignored, retry, dead_lettered).",
 		}, []string{"type", "result"}),
+		published: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_events_published_total",
+			Help: "Events the accounter published and JetStream acknowledged, by type: quotaflow.usage.corrected, or dlq for dead letters.",
+		}, []string{"type"}),
 		lag: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "quotaflow_accounter_lag_seconds",
 			Help: "Age of the newest event of the last batch when it was handled; 0 when the stream is drained.",
@@ -530,7 +544,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			m.events.WithLabelValues(typ, res)
 		}
 	}
-	for _, col := range []prometheus.Collector{m.events, m.lag, m.batchSize, m.batchSeconds, m.phase} {
+	m.published.WithLabelValues(events.TypeCorrected)
+	m.published.WithLabelValues(publishedDLQ)
+	for _, col := range []prometheus.Collector{m.events, m.published, m.lag, m.batchSize, m.batchSeconds, m.phase} {
 		if err := reg.Register(col); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
