@@ -879,3 +879,138 @@ func TestRedisOutageDeadLettersNothing(t *testing.T) {
 		t.Errorf("%d events dead-lettered during the outage, want 0", n)
 	}
 }
+
+// A release of a request id Redis does not know (admission answers
+// "unknown" and still publishes the released event) must not keep the
+// tokens of that request id from being charged, exactly once, whatever
+// arrives after it: the actual alone, a reservation admitted later, or the
+// reserved event of a reservation decided without Redis arriving late.
+func TestUnknownReleaseThenUsage(t *testing.T) {
+	base := newEnv(t)
+	ctx := context.Background()
+	if err := limits.WriteEpoch(ctx, base.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	base.cfg.ReservationTTL = 2 * time.Second // the expiry task runs over them all
+	base.start(nil)
+
+	t.Run("actual with no reservation", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr := "unrel-"+randHex(4), "u1"
+		e.unknownRelease(ten, usr, "r1")
+		e.settleActual(ten, usr, "r1", 50)
+		if got := e.used(ten, usr, "5h"); got != 50 {
+			t.Errorf("5h used = %d, want 50 (the actual, charged in full once)", got)
+		}
+	})
+
+	t.Run("reservation admitted after the release", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr := "unrel-"+randHex(4), "u1"
+		e.unknownRelease(ten, usr, "r1")
+		e.reserve(ten, usr, "r1", 100, true)
+		waitFor(t, "estimate recorded", func() bool {
+			return e.count("SELECT coalesce(max(estimated_tokens), 0) FROM reservations WHERE tenant=$1", ten) == 100
+		})
+		e.settleActual(ten, usr, "r1", 30)
+		if got := e.used(ten, usr, "5h"); got != 30 {
+			t.Errorf("5h used = %d, want 30 (the estimate corrected to the actual)", got)
+		}
+	})
+
+	t.Run("local reservation whose reserved event comes after the release", func(t *testing.T) {
+		// Admission decided it without Redis (version 0) and its reserved
+		// event waited in the outbox; the release went through Redis,
+		// which never held it.
+		e := base.with(t)
+		ten, usr := "unrel-"+randHex(4), "u1"
+		e.unknownRelease(ten, usr, "r1")
+		e.consume(events.NewReserved("test/admission", events.Reserved{
+			RequestID: "r1", Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
+			ExpiresAt: time.Now().Add(time.Hour),
+		}, time.Now()))
+		if got := e.used(ten, usr, "5h"); got != 0 {
+			t.Errorf("5h used after the late reserved event = %d, want 0 (never held in Redis)", got)
+		}
+		e.settleActual(ten, usr, "r1", 20)
+		if got := e.used(ten, usr, "5h"); got != 20 {
+			t.Errorf("5h used = %d, want 20 (the actual, charged in full once)", got)
+		}
+	})
+
+	t.Run("local reservation released before its reserved event, no actual", func(t *testing.T) {
+		e := base.with(t)
+		ten, usr := "unrel-"+randHex(4), "u1"
+		e.unknownRelease(ten, usr, "r1")
+		e.consume(events.NewReserved("test/admission", events.Reserved{
+			RequestID: "r1", Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
+			ExpiresAt: time.Now().Add(time.Hour),
+		}, time.Now()))
+		time.Sleep(3 * time.Second) // past QF_RESERVATION_TTL: the expiry task must leave it alone
+		if got := e.used(ten, usr, "5h"); got != 0 {
+			t.Errorf("5h used = %d, want 0 (released, never held in Redis)", got)
+		}
+	})
+
+	t.Run("known release before its reserved event", func(t *testing.T) {
+		// The common reordering: admission released a reservation Redis
+		// held, and the released event overtook the reserved one.
+		e := base.with(t)
+		ten, usr := "unrel-"+randHex(4), "u1"
+		e.reserve(ten, usr, "r1", 100, false)
+		if s, err := e.lim.Release(ctx, limits.Settle{Tenant: ten, User: usr, RequestID: "r1", Rules: e.rules(ten)}); err != nil || s.Status != limits.Settled {
+			t.Fatalf("Release = %+v, %v; want settled", s, err)
+		}
+		e.consume(events.NewReleased("test/admission", events.Released{RequestID: "r1", Tenant: ten, User: usr}, time.Now()))
+		e.consume(events.NewReserved("test/admission", events.Reserved{
+			RequestID: "r1", Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
+			ExpiresAt: time.Now().Add(time.Hour), Version: 1,
+		}, time.Now()))
+		if got, st := e.used(ten, usr, "5h"), e.status(ten, usr, "r1"); got != 0 || st != "released" {
+			t.Errorf("after the late reserved event: used %d, status %s; want 0, released", got, st)
+		}
+	})
+
+	// The ledger agrees with Redis: reconciliation (every 300 ms here)
+	// finds nothing to repair.
+	time.Sleep(time.Second)
+	if d := base.metric("quotaflow_accounter_drift_tokens"); d != 0 {
+		t.Errorf("drift = %v tokens, want 0", d)
+	}
+	for _, dir := range []string{"raised", "lowered"} {
+		if n := base.metric(`quotaflow_accounter_repaired_tokens_total{direction="` + dir + `"}`); n != 0 {
+			t.Errorf("repaired tokens %s = %v, want 0", dir, n)
+		}
+	}
+}
+
+// consume publishes ev and waits until the accounter has committed it.
+func (e *env) consume(ev events.Event) {
+	e.t.Helper()
+	e.publish(ev)
+	waitFor(e.t, ev.Type()+" "+ev.ID+" consumed", func() bool {
+		return e.count("SELECT count(*) FROM usage_events WHERE event_id=$1", ev.ID) == 1
+	})
+}
+
+// unknownRelease does what admission does for POST /v1/release of a
+// request id Redis does not know: a Release that finds nothing, then the
+// released event all the same.
+func (e *env) unknownRelease(tenant, user, req string) {
+	e.t.Helper()
+	s, err := e.lim.Release(context.Background(), limits.Settle{Tenant: tenant, User: user, RequestID: req, Rules: e.rules(tenant)})
+	if err != nil || s.Status != limits.UnknownRelease {
+		e.t.Fatalf("Release(%s) = %+v, %v; want an unknown release", req, s, err)
+	}
+	e.consume(events.NewReleased("test/admission", events.Released{RequestID: req, Tenant: tenant, User: user}, time.Now()))
+}
+
+// settleActual publishes an actual of tokens for req and checks that the
+// batch that consumed it settled the reservation (they commit together).
+func (e *env) settleActual(tenant, user, req string, tokens int64) {
+	e.t.Helper()
+	e.consume(e.actual(tenant, user, req, "", tokens, 0))
+	if st := e.status(tenant, user, req); st != "settled" {
+		e.t.Errorf("reservation %s after its actual: status %s, want settled", req, st)
+	}
+}
