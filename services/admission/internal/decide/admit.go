@@ -368,11 +368,14 @@ func (a *admission) undo() {
 }
 
 // givenBack re-reports the limit in slot i after n of its units were given
-// back. Every state of a shared layer has Remaining = max(0, Limit - Used).
+// back: n less used, n more remaining, but never more than the limit leaves
+// (a window Redis counts past its limit has nothing remaining). Remaining
+// is not Limit - Used throughout: a local share reports what this instance
+// may still allow.
 func (a *admission) givenBack(i int, n int64) {
 	s := &a.res.Limits[i]
 	s.Used = max(0, s.Used-n)
-	s.Remaining = max(0, s.Limit-s.Used)
+	s.Remaining = min(s.Remaining+n, max(0, s.Limit-s.Used))
 }
 
 // compensate gives back a shared reservation of cost; false when Redis

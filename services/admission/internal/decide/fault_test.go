@@ -230,7 +230,9 @@ ip: [{name: ipr, kind: fixed, window: 24h, limit: 100}]
 `
 	s := redistest.Start(t)
 	c := faultClient(t, s)
-	d := newDecider(t, c, parsePolicy(t, pol, ""), faultOptions(), limits.Options{NoEpochGuard: true})
+	o := faultOptions()
+	o.Instances = 4 // shares of 25 and 25000: remaining is the share's, used this instance's
+	d := newDecider(t, c, parsePolicy(t, pol, ""), o, limits.Options{NoEpochGuard: true})
 	s.Stop()
 
 	shared := func(r Result) string {
@@ -242,9 +244,9 @@ ip: [{name: ipr, kind: fixed, window: 24h, limit: 100}]
 		allowed bool
 		want    string
 	}{
-		{30, true, "ipr=1/99 tok=30/99970"},
-		{30, false, "ipr=1/99 tok=30/99970"}, // q: the unseen allowance of 50 has 20 left
-		{10, true, "ipr=2/98 tok=40/99960"},
+		{30, true, "ipr=1/24 tok=30/24970"},
+		{30, false, "ipr=1/24 tok=30/24970"}, // q: the unseen allowance of 50 has 20 left
+		{10, true, "ipr=2/23 tok=40/24960"},
 	} {
 		x := in("acme", "u", "/gen", step.cost)
 		x.IP = "203.0.113.7"
