@@ -30,12 +30,13 @@ func withRedisOp(ctx context.Context, op string) context.Context {
 
 // redisErrors is a go-redis hook counting the calls (a command, or a
 // pipeline: one round trip) that Redis failed, by the op of their context.
-// Not failures: a nil reply, NOSCRIPT (the script is sent again at once),
-// a call whose context was canceled (shutdown), which says nothing about
-// Redis, and the commands go-redis itself sends to set up a connection
-// (HELLO, CLIENT SETINFO, CLIENT MAINT_NOTIFICATIONS), which a Redis 7.0
-// may refuse and go-redis does without. The accounter sends neither HELLO
-// nor CLIENT itself.
+// Not failures: a nil reply; a node that has not loaded the limits engine
+// yet ("Function not found", NOSCRIPT: pkg/limits loads it and calls again
+// at once, as after every restart of Redis); a call whose context was
+// canceled (shutdown), which says nothing about Redis; and the commands
+// go-redis sends itself to set up a connection (HELLO, CLIENT SETINFO,
+// CLIENT MAINT_NOTIFICATIONS), which Redis 7.0 may refuse and go-redis does
+// without. The accounter sends neither HELLO nor CLIENT itself.
 type redisErrors struct {
 	errs *prometheus.CounterVec
 }
@@ -91,7 +92,7 @@ func failed(ctx context.Context, name string, err error) bool {
 	switch {
 	case err == nil, errors.Is(err, redis.Nil), errors.Is(ctx.Err(), context.Canceled):
 		return false
-	case errors.Is(err, redis.ErrNoScript), redis.HasErrorPrefix(err, "NOSCRIPT"):
+	case errors.Is(err, redis.ErrNoScript), redis.HasErrorPrefix(err, "NOSCRIPT"), redis.HasErrorPrefix(err, "Function not found"):
 		return false
 	}
 	return name != "hello" && name != "client"

@@ -1,0 +1,71 @@
+package main
+
+import (
+	"context"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/redistest"
+)
+
+// The hook counts what Redis failed, once per command or pipeline, under
+// the op of the context, and nothing that is part of normal operation.
+func TestRedisErrorsHook(t *testing.T) {
+	s := redistest.Start(t)
+	c := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1}) // fail at once when stopped
+	t.Cleanup(func() { c.Close() })
+	reg := prometheus.NewRegistry()
+	h := newRedisErrors(reg)
+	c.AddHook(h)
+	ctx := withRedisOp(context.Background(), opConsume)
+	count := func() float64 { return testutil.ToFloat64(h.errs.WithLabelValues(opConsume)) }
+
+	// Normal operation: a missing key, a node without the engine loaded
+	// yet, a canceled call; the connection's set-up ran on first use.
+	if err := c.Get(ctx, "missing").Err(); err != redis.Nil {
+		t.Fatalf("GET missing = %v, want redis.Nil", err)
+	}
+	if err := c.EvalSha(ctx, "ffffffffffffffffffffffffffffffffffffffff", nil).Err(); err == nil {
+		t.Fatal("EVALSHA of an unknown script succeeded")
+	}
+	if err := c.FCall(ctx, "qf_no_such_function", nil).Err(); err == nil {
+		t.Fatal("FCALL of an unknown function succeeded")
+	}
+	pipe := c.Pipeline()
+	pipe.Get(ctx, "missing")
+	pipe.EvalSha(ctx, "ffffffffffffffffffffffffffffffffffffffff", nil)
+	_, _ = pipe.Exec(ctx)
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	_ = c.Get(canceled, "k").Err()
+	if n := count(); n != 0 {
+		t.Fatalf("redis errors after normal operation = %v, want 0", n)
+	}
+
+	// Failures: a command Redis refuses, a pipeline (one round trip) of
+	// two, a command with Redis gone; none outside an op goes uncounted.
+	if err := c.Do(ctx, "NOSUCHCOMMAND").Err(); err == nil {
+		t.Fatal("an unknown command succeeded")
+	}
+	pipe = c.Pipeline()
+	pipe.Do(ctx, "NOSUCHCOMMAND")
+	pipe.Do(ctx, "NOSUCHCOMMAND")
+	_, _ = pipe.Exec(ctx)
+	if n := count(); n != 2 {
+		t.Fatalf("redis errors = %v, want 2 (a command, a pipeline)", n)
+	}
+	s.Stop()
+	if err := c.Get(ctx, "k").Err(); err == nil {
+		t.Fatal("GET with Redis stopped succeeded")
+	}
+	if n := count(); n != 3 {
+		t.Fatalf("redis errors = %v with Redis stopped, want 3", n)
+	}
+	_ = c.Get(context.Background(), "k").Err()
+	if n := testutil.ToFloat64(h.errs.WithLabelValues(opOther)); n != 1 {
+		t.Fatalf("redis errors outside an op = %v, want 1 under other", n)
+	}
+}
