@@ -1014,3 +1014,51 @@ func (e *env) settleActual(tenant, user, req string, tokens int64) {
 		e.t.Errorf("reservation %s after its actual: status %s, want settled", req, st)
 	}
 }
+
+// The same as the first case of TestUnknownReleaseThenUsage with the
+// release and the actual in one batch: the actual is charged all the same.
+func TestUnknownReleaseAndActualInOneBatch(t *testing.T) {
+	e := newEnv(t)
+	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg.Workers = 1 // one fetch takes both events
+	ten, usr := "unrel1-"+randHex(4), "u1"
+	rel := events.NewReleased("test/admission", events.Released{RequestID: "r1", Tenant: ten, User: usr}, time.Now())
+	act := e.actual(ten, usr, "r1", "", 50, 0)
+	e.publish(rel)
+	e.publish(act)
+	e.start(nil)
+	waitFor(t, "both consumed", func() bool {
+		return e.count("SELECT count(*) FROM usage_events WHERE event_id IN ($1, $2)", rel.ID, act.ID) == 2
+	})
+	if got, st := e.used(ten, usr, "5h"), e.status(ten, usr, "r1"); got != 50 || st != "settled" {
+		t.Errorf("used %d, status %s; want 50 (the actual, charged in full once), settled", got, st)
+	}
+}
+
+// When Redis fails the release of such a batch, the actual behind it is
+// retried with it rather than acknowledged unapplied.
+func TestUnknownReleaseAndActualRetriedTogether(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.cfg.Workers = 1
+	ten, usr := "unrel2-"+randHex(4), "u1"
+	e.redis.Stop()
+	e.publish(events.NewReleased("test/admission", events.Released{RequestID: "r1", Tenant: ten, User: usr}, time.Now()))
+	e.publish(e.actual(ten, usr, "r1", "", 50, 0))
+	e.start(nil)
+	waitFor(t, "a failed delivery", func() bool {
+		c, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
+		if err != nil {
+			return false
+		}
+		i, err := c.Info(ctx)
+		return err == nil && i.NumRedelivered > 0
+	})
+	e.redis.Restart() // empty: the accounter rebuilds it from the ledger
+	e.waitStatus(ten, usr, "r1", "settled")
+	if got := e.used(ten, usr, "5h"); got != 50 {
+		t.Errorf("5h used = %d, want 50", got)
+	}
+}
