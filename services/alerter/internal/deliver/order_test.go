@@ -19,7 +19,7 @@ import (
 )
 
 // newStore returns a Store on a migrated database of the test's own (real
-// Postgres; QF_TEST_POSTGRES_URL overrides the default), dropped at the end.
+// Postgres; QF_POSTGRES_URL overrides the default), dropped at the end.
 func newStore(t *testing.T) *store.Store {
 	t.Helper()
 	ctx := context.Background()
