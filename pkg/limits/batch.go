@@ -192,14 +192,17 @@ func (l *Limiter) runAll(ctx context.Context, e *entry, calls []call) []*redis.C
 	if l.usesFunctions(e) {
 		seen := l.loads.Load()
 		send(fcall, valid)
-		if missing := failed(valid, isNoFunction); len(missing) > 0 {
-			if err := l.loadEngine(ctx, seen); err == nil {
-				send(fcall, missing)
-			} else {
+		missing := failed(valid, isNoFunction)
+		for try := 0; len(missing) > 0 && try < loadTries; try++ {
+			if err := l.loadEngine(ctx, seen); err != nil {
 				for _, i := range missing {
 					cmds[i].SetErr(err)
 				}
+				break
 			}
+			seen = l.loads.Load()
+			send(fcall, missing)
+			missing = failed(missing, isNoFunction)
 		}
 		valid = failed(valid, functionsUnavailable)
 		if len(valid) == 0 {

@@ -151,6 +151,12 @@ func (l *Limiter) usesFunctions(e *entry) bool {
 	return e.fn != "" && !l.scriptsOnly.Load()
 }
 
+// loadTries is how often a call that misses the library loads it and tries
+// again. Twice: the first load may be skipped because another call's load
+// finished meanwhile, and that load may have reached another node (a
+// failover in between); the second one then loads.
+const loadTries = 2
+
 // run calls entry e once: as a function while the server serves them
 // (loading the library when the node lacks it), else as a script.
 func (l *Limiter) run(ctx context.Context, e *entry, keys []string, args ...any) *redis.Cmd {
@@ -158,11 +164,14 @@ func (l *Limiter) run(ctx context.Context, e *entry, keys []string, args ...any)
 		seen := l.loads.Load()
 		cmd := l.rdb.FCall(ctx, e.fn, keys, args...)
 		err := cmd.Err()
-		if isNoFunction(err) {
-			if err = l.loadEngine(ctx, seen); err == nil {
-				return l.rdb.FCall(ctx, e.fn, keys, args...)
+		for try := 0; isNoFunction(err) && try < loadTries; try++ {
+			if err = l.loadEngine(ctx, seen); err != nil {
+				cmd.SetErr(err)
+				break
 			}
-			cmd.SetErr(err)
+			seen = l.loads.Load()
+			cmd = l.rdb.FCall(ctx, e.fn, keys, args...)
+			err = cmd.Err()
 		}
 		if !functionsUnavailable(err) {
 			return cmd

@@ -157,3 +157,32 @@ func TestCallsMissingTheLibraryLoadItOnce(t *testing.T) {
 		t.Errorf("used after 3 rounds = %+v, %v; want 96", d.States, err)
 	}
 }
+
+// bumpOnFCall makes the first FCALL look as if another call's load had
+// finished just before it: the load counter moves, the server still lacks
+// the library (as after a failover to an empty replica).
+type bumpOnFCall struct {
+	redistest.RoundTrips
+	l    *Limiter
+	once sync.Once
+}
+
+func (b *bumpOnFCall) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "fcall" {
+			b.once.Do(func() { b.l.loads.Add(1) })
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func TestACallMissingTheLibraryAfterAnotherLoadLoadsIt(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	l := New(c, Options{NoEpochGuard: true})
+	c.AddHook(&bumpOnFCall{l: l})
+	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
+	if _, err := l.Reserve(context.Background(), Request{Tenant: "acme", User: "u", RequestID: "r1", Cost: 1, Rules: rules}); err != nil {
+		t.Fatalf("Reserve after a load that did not reach this server: %v", err)
+	}
+}
