@@ -51,7 +51,8 @@ type Config struct {
 	// BreakerFailures consecutive failed calls open the circuit breaker.
 	BreakerFailures int `envconfig:"REDIS_BREAKER_FAILURES" default:"5"`
 	// BreakerWindow is how long consecutive failures must last before they
-	// open the breaker (one latency spike fails many calls at once).
+	// open the breaker (one latency spike fails many calls at once); 0 opens
+	// it on BreakerFailures alone.
 	BreakerWindow time.Duration `envconfig:"REDIS_BREAKER_WINDOW" default:"100ms"`
 	// BreakerCooldown is how long the breaker stays open before a probe.
 	BreakerCooldown time.Duration `envconfig:"REDIS_BREAKER_COOLDOWN" default:"1s"`
@@ -128,6 +129,9 @@ func (c *Config) Validate() error {
 	}
 	if c.BreakerFailures < 1 {
 		bad("REDIS_BREAKER_FAILURES", "want at least 1")
+	}
+	if c.BreakerWindow < 0 {
+		bad("REDIS_BREAKER_WINDOW", "must not be negative (0 opens on REDIS_BREAKER_FAILURES alone)")
 	}
 	if c.BreakerCooldown <= 0 {
 		bad("REDIS_BREAKER_COOLDOWN", "must be positive")

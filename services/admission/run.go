@@ -94,7 +94,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		RedisTimeout:    cfg.RedisTimeout,
 		BreakerFailures: cfg.BreakerFailures,
 		BreakerCooldown: cfg.BreakerCooldown,
-		BreakerWindow:   cfg.BreakerWindow,
+		BreakerWindow:   breakerWindow(cfg.BreakerWindow),
 		UnseenAllowance: cfg.UnseenAllowance,
 		FailOpenAfter:   cfg.FailOpenAfter,
 		Instances:       cfg.Instances,
@@ -238,4 +238,13 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg events.Confi
 		}
 		wait = min(2*wait, 5*time.Second)
 	}
+}
+
+// breakerWindow maps QF_REDIS_BREAKER_WINDOW to decide's option, where zero
+// means the default and a negative window none: a user who sets 0 means none.
+func breakerWindow(w time.Duration) time.Duration {
+	if w == 0 {
+		return -1
+	}
+	return w
 }

@@ -81,18 +81,30 @@ func TestConfigValidateNamesVariables(t *testing.T) {
 	cfg.ReservationTTL = time.Hour // shorter than the stream's 24h
 	cfg.LogLevel = "loud"
 	cfg.SpillDir = ""
+	cfg.BreakerWindow = -time.Millisecond
 	err := cfg.Validate()
 	if err == nil {
 		t.Fatal("Validate = nil")
 	}
 	for _, want := range []string{"QF_AUTHZ_DENY_STATUS", "QF_TRUSTED_PROXIES", "QF_API_TOKENS", "QF_REDIS_TIMEOUT",
-		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR"} {
+		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR", "QF_REDIS_BREAKER_WINDOW"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Validate error lacks %s: %v", want, err)
 		}
 	}
 	if strings.Contains(err.Error(), "supersecret") {
 		t.Errorf("Validate error repeats a token: %v", err)
+	}
+}
+
+// QF_REDIS_BREAKER_WINDOW=0 means no window: decide's zero means its
+// default, a negative window none.
+func TestBreakerWindowZeroMeansNone(t *testing.T) {
+	if w := breakerWindow(0); w >= 0 {
+		t.Errorf("window for QF_REDIS_BREAKER_WINDOW=0 = %v, want negative (none)", w)
+	}
+	if w := breakerWindow(time.Second); w != time.Second {
+		t.Errorf("window for 1s = %v", w)
 	}
 }
 
