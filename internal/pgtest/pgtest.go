@@ -12,6 +12,9 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"quotaflow/internal/pgdb"
 )
 
 // BaseURL is the server tests create their databases on: the one
@@ -68,4 +71,20 @@ func NewDatabase(t testing.TB, prefix string) string {
 		}
 	})
 	return withDatabase(BaseURL(), db)
+}
+
+// Pool opens a pool on a new database of the test's own (NewDatabase),
+// applies migrate to it and closes the pool when the test ends.
+func Pool(t testing.TB, prefix string, migrate func(context.Context, *pgxpool.Pool) error) *pgxpool.Pool {
+	t.Helper()
+	ctx := context.Background()
+	pool, err := pgdb.Open(ctx, NewDatabase(t, prefix))
+	if err != nil {
+		t.Fatalf("open database: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	if err := migrate(ctx, pool); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	return pool
 }

@@ -13,7 +13,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/natstest"
-	"quotaflow/internal/pgdb"
 	"quotaflow/internal/pgtest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
@@ -64,14 +63,7 @@ func newWorld(t testing.TB, repair bool) *world {
 	if err := limits.WriteEpoch(ctx, rdb, "test"); err != nil {
 		t.Fatal(err)
 	}
-	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_reconcile_test"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	if err := ledger.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
+	pool := pgtest.Pool(t, "qf_reconcile_test", ledger.Migrate)
 	_, js := natstest.Connect(t, natstest.URL())
 	ec := natstest.Streams(t, js, "reconcile", events.Config{AckWait: 30 * time.Second, MaxDeliver: 5})
 	cons, err := events.EnsureConsumer(ctx, js, ec, "accounter")

@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"quotaflow/internal/pgdb"
 	"quotaflow/internal/pgtest"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -18,17 +17,8 @@ import (
 // Postgres (QF_POSTGRES_URL overrides it), migrates it and drops it at the
 // end.
 func testPool(t testing.TB) *pgxpool.Pool {
-	t.Helper()
-	ctx := context.Background()
-	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_ledger_test"))
-	if err != nil {
-		t.Fatalf("Open: %v", err)
-	}
-	t.Cleanup(pool.Close)
-	if err := Migrate(ctx, pool); err != nil {
-		t.Fatalf("Migrate: %v", err)
-	}
-	if err := Migrate(ctx, pool); err != nil {
+	pool := pgtest.Pool(t, "qf_ledger_test", Migrate)
+	if err := Migrate(context.Background(), pool); err != nil {
 		t.Fatalf("Migrate again: %v", err)
 	}
 	return pool

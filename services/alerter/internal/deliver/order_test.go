@@ -13,7 +13,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"quotaflow/internal/pgdb"
 	"quotaflow/internal/pgtest"
 	"quotaflow/services/alerter/internal/store"
 )
@@ -21,17 +20,7 @@ import (
 // newStore returns a Store on a migrated database of the test's own (real
 // Postgres; QF_POSTGRES_URL overrides the default), dropped at the end.
 func newStore(t *testing.T) *store.Store {
-	t.Helper()
-	ctx := context.Background()
-	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_alerter_deliver_test"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	if err := store.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	return store.New(pool)
+	return store.New(pgtest.Pool(t, "qf_alerter_deliver_test", store.Migrate))
 }
 
 // A limit's 80, 90 and 100 % alerts reach the receiver in that order even

@@ -11,7 +11,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"quotaflow/internal/pgdb"
 	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/store"
@@ -20,17 +19,7 @@ import (
 // newStore returns a Store on a migrated database of the test's own (real
 // Postgres; QF_POSTGRES_URL overrides the default), dropped at the end.
 func newStore(t *testing.T) *store.Store {
-	t.Helper()
-	ctx := context.Background()
-	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_alerter_detect_test"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	if err := store.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	return store.New(pool)
+	return store.New(pgtest.Pool(t, "qf_alerter_detect_test", store.Migrate))
 }
 
 // clock is a settable time source.

@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"quotaflow/internal/pgdb"
 	"quotaflow/internal/pgtest"
 )
 
@@ -13,17 +12,9 @@ import (
 // Postgres; QF_POSTGRES_URL overrides the default), migrated twice to
 // show migrations are idempotent, dropped at the end.
 func newStore(t *testing.T) *Store {
-	t.Helper()
-	ctx := context.Background()
-	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_alerter_store_test"))
-	if err != nil {
+	pool := pgtest.Pool(t, "qf_alerter_store_test", Migrate)
+	if err := Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	for range 2 {
-		if err := Migrate(ctx, pool); err != nil {
-			t.Fatal(err)
-		}
 	}
 	return New(pool)
 }
