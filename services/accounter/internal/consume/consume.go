@@ -343,9 +343,10 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	defer tx.Rollback(ctx) // unless committed
 	res := tx.Result
 
-	// The Redis effects of the batch's actual and released events on open
-	// reservations, in the order of the events.
-	var pending []task
+	// One Redis effect per open reservation of the batch, in the order of
+	// the batch's events, all in one pipelined round trip.
+	var tasks []task
+	done := map[ledger.Key]bool{}
 	for i := range items {
 		it := &items[i]
 		if it.bad || it.skip || it.rejected != nil {
@@ -365,54 +366,20 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		// A reservation the ledger records as settled, released or expired
 		// is in Redis already, and the Redis marker may have expired since:
 		// it must not be settled again.
-		if !found || row.Status != ledger.StatusOpen {
+		if done[t.key] || !found || row.Status != ledger.StatusOpen {
 			continue
 		}
+		done[t.key] = true
 		t.Row = row
-		pending = append(pending, t)
+		tasks = append(tasks, t)
 	}
-	// Each reservation's first effect settles it, all of them in one
-	// pipelined round trip; its later effects in the batch have nothing
-	// left to do. Only a release that found the reservation nowhere
-	// (voidRelease) leaves it open: then the next effect runs in one more
-	// round trip, as it would in a later batch, or fails with it.
 	t0 = time.Now()
-	var tasks []task
-	for len(pending) > 0 {
-		var round, rest []task
-		first := map[ledger.Key]bool{}
-		for _, t := range pending {
-			if first[t.key] {
-				rest = append(rest, t)
-				continue
-			}
-			first[t.key] = true
-			round = append(round, t)
-		}
-		effects := make([]correct.Effect, len(round))
-		for i := range round {
-			effects[i] = round[i].Effect
-		}
-		again := map[ledger.Key]error{} // nil: left open
-		for i, o := range c.cor.Apply(ctx, effects) {
-			round[i].Outcome = o
-			if t := &round[i]; t.Err != nil || voidRelease(t) {
-				again[t.key] = t.Err
-			}
-		}
-		tasks = append(tasks, round...)
-		pending = pending[:0]
-		for _, t := range rest {
-			err, ok := again[t.key]
-			switch {
-			case !ok:
-			case err != nil:
-				t.Err = err // fails with the effect before it: both are retried
-				tasks = append(tasks, t)
-			default:
-				pending = append(pending, t)
-			}
-		}
+	effects := make([]correct.Effect, len(tasks))
+	for i := range tasks {
+		effects[i] = tasks[i].Effect
+	}
+	for i, o := range c.cor.Apply(ctx, effects) {
+		tasks[i].Outcome = o
 	}
 	c.m.phase.WithLabelValues("redis").Observe(time.Since(t0).Seconds())
 
@@ -434,7 +401,15 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 			continue
 		}
 		if t.Actual == nil {
-			if voidRelease(t) {
+			// A release of a reservation known nowhere yet (no record in
+			// Redis, no reserved event in the ledger) gave nothing back. It
+			// leaves the row open, so that what comes later for the request
+			// id still counts once: an actual is charged (in full, or
+			// against a reservation admitted since), a late reserved event
+			// is held like any open reservation (nothing, if decided
+			// without Redis). The expiry task passes over a row with a
+			// release, so it never charges such a local estimate.
+			if t.Settlement.Status == limits.UnknownRelease && t.Row.Estimate < 0 {
 				continue
 			}
 			marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusReleased})
@@ -518,18 +493,6 @@ func (c *Consumer) beginWithoutRejected(ctx context.Context, items []item, recs 
 		good = append(good, rec)
 	}
 	return c.store.Begin(ctx, good)
-}
-
-// voidRelease reports whether t released a reservation known nowhere yet
-// (no record in Redis, no reserved event in the ledger), as admission's
-// "unknown" answer told the caller: it gave nothing back and leaves the row
-// open, so that what comes later for the request id still counts once. An
-// actual is charged (in full, or against a reservation admitted since); a
-// late reserved event is held like any open reservation (nothing, if
-// decided without Redis), and the expiry task passes over a row with a
-// release, so it never charges such a local estimate.
-func voidRelease(t *task) bool {
-	return t.Actual == nil && t.Err == nil && t.Settlement.Status == limits.UnknownRelease && t.Row.Estimate < 0
 }
 
 // task is the Redis effect of one event of a batch and its outcome.
