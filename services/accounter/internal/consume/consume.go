@@ -401,17 +401,6 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 			continue
 		}
 		if t.Actual == nil {
-			// A release of a reservation known nowhere yet (no record in
-			// Redis, no reserved event in the ledger) gave nothing back. It
-			// leaves the row open, so that what comes later for the request
-			// id still counts once: an actual is charged (in full, or
-			// against a reservation admitted since), a late reserved event
-			// is held like any open reservation (nothing, if decided
-			// without Redis). The expiry task passes over a row with a
-			// release, so it never charges such a local estimate.
-			if t.Settlement.Status == limits.UnknownRelease && t.Row.Estimate < 0 {
-				continue
-			}
 			marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusReleased})
 			continue
 		}
