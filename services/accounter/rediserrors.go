@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
@@ -94,6 +95,8 @@ func failed(ctx context.Context, name string, err error) bool {
 		return false
 	case errors.Is(err, redis.ErrNoScript), redis.HasErrorPrefix(err, "NOSCRIPT"), redis.HasErrorPrefix(err, "Function not found"):
 		return false
+	case name == "function" && strings.Contains(err.Error(), "already exists"):
+		return false // another instance loaded the limits engine first
 	}
 	return name != "hello" && name != "client"
 }

@@ -24,7 +24,7 @@ func TestRedisErrorsHook(t *testing.T) {
 	count := func() float64 { return testutil.ToFloat64(h.errs.WithLabelValues(opConsume)) }
 
 	// Normal operation: a missing key, a node without the engine loaded
-	// yet, a canceled call; the connection's set-up ran on first use.
+	// yet, another instance's load of it, a canceled call; the connection's set-up ran on first use.
 	if err := c.Get(ctx, "missing").Err(); err != redis.Nil {
 		t.Fatalf("GET missing = %v, want redis.Nil", err)
 	}
@@ -33,6 +33,13 @@ func TestRedisErrorsHook(t *testing.T) {
 	}
 	if err := c.FCall(ctx, "qf_no_such_function", nil).Err(); err == nil {
 		t.Fatal("FCALL of an unknown function succeeded")
+	}
+	// Two instances loading the engine at once: the second load finds it.
+	lib := "#!lua name=qf_hooktest\nredis.register_function('qf_hooktest_f', function() return 1 end)"
+	for i := range 2 {
+		if err := c.FunctionLoad(ctx, lib).Err(); (err != nil) != (i == 1) {
+			t.Fatalf("FUNCTION LOAD %d = %v", i+1, err)
+		}
 	}
 	pipe := c.Pipeline()
 	pipe.Get(ctx, "missing")
