@@ -33,6 +33,10 @@ func BaseURL() string {
 func withDatabase(base, db string) string {
 	if u, err := url.Parse(base); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
 		u.Path = "/" + db
+		if q := u.Query(); q.Has("dbname") { // pgx lets it override the path
+			q.Set("dbname", db)
+			u.RawQuery = q.Encode()
+		}
 		return u.String()
 	}
 	return base + " dbname=" + db // in a DSN the last setting of a key wins
