@@ -373,8 +373,8 @@ func TestCorrectAndReleaseApplyOnce(t *testing.T) {
 	reserve(t, l, tenant, "u", "r1", 100, rules)
 	for i, want := range []SettleStatus{Settled, AlreadySettled, AlreadySettled} {
 		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 40, Rules: rules})
-		if err != nil || s.Status != want {
-			t.Fatalf("Correct #%d = %+v, %v; want status %v", i, s, err, want)
+		if err != nil || s.Status != want || s.ByRelease {
+			t.Fatalf("Correct #%d = %+v, %v; want status %v, settled by a correction", i, s, err, want)
 		}
 		if len(s.States) != 1 || s.States[0].Used != 40 {
 			t.Fatalf("Correct #%d states = %+v, want only the token limit at 40", i, s.States)
@@ -388,11 +388,14 @@ func TestCorrectAndReleaseApplyOnce(t *testing.T) {
 	if err != nil || s.Status != Settled || s.Delta != -300 || s.States[0].Used != 40 {
 		t.Fatalf("Release = %+v, %v; want settled, -300, used 40", s, err)
 	}
-	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != AlreadySettled {
-		t.Fatalf("second Release status = %v, want AlreadySettled", s.Status)
+	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != AlreadySettled || !s.ByRelease {
+		t.Fatalf("second Release = %+v, want AlreadySettled by a release", s)
 	}
-	if s, _ := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Actual: 999, Rules: rules}); s.Status != AlreadySettled || s.States[0].Used != 40 {
-		t.Fatalf("Correct after Release = %+v, want AlreadySettled at 40", s)
+	if s, _ := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Actual: 999, Rules: rules}); s.Status != AlreadySettled || !s.ByRelease || s.States[0].Used != 40 {
+		t.Fatalf("Correct after Release = %+v, want AlreadySettled by a release at 40", s)
+	}
+	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Rules: rules}); s.Status != AlreadySettled || s.ByRelease || s.Delta != 0 {
+		t.Fatalf("Release after Correct = %+v, want AlreadySettled by a correction, delta 0", s)
 	}
 	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "never", Rules: rules}); s.Status != UnknownRelease || s.States[0].Used != 40 {
 		t.Fatalf("Release unknown = %+v, want UnknownRelease at 40", s)

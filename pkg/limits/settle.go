@@ -47,7 +47,10 @@ type Settle struct {
 
 // Settlement is the result of Correct or Release.
 type Settlement struct {
-	Status        SettleStatus
+	Status SettleStatus
+	// ByRelease says, when Status is AlreadySettled, that a release settled
+	// the reservation (else a correction did).
+	ByRelease     bool
 	Delta         int64     // tokens added to the windows (negative: given back)
 	ReservedAt    time.Time // the time the correction was applied at
 	Now           time.Time
@@ -117,7 +120,7 @@ func parseSettlement(cmd *redis.Cmd, c *call) (Settlement, error) {
 	if len(v) != head+4*len(c.rules) {
 		return Settlement{}, fmt.Errorf("%s: reply of %d values for %d limits", c.what, len(v), len(c.rules))
 	}
-	return Settlement{
+	s := Settlement{
 		Status:        SettleStatus(v[0]),
 		Delta:         v[1],
 		ReservedAt:    time.UnixMilli(v[2]),
@@ -125,7 +128,11 @@ func parseSettlement(cmd *redis.Cmd, c *call) (Settlement, error) {
 		Version:       v[4],
 		TenantVersion: v[5],
 		States:        states(v[head:], c.rules),
-	}, nil
+	}
+	if s.Status == AlreadySettled {
+		s.ByRelease, s.Delta = v[1] == 2, 0
+	}
+	return s, nil
 }
 
 // settleRules keeps the rules a settlement touches: token limits and

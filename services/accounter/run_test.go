@@ -428,6 +428,56 @@ func TestAccounterEvents(t *testing.T) {
 		}
 	})
 
+	// A delivery that applied its event in Redis and died before the ledger
+	// commit leaves Redis ahead of the ledger. If the request id's other
+	// event comes before the redelivery, Redis's first applied event still
+	// wins: the other one changes nothing, the redelivery settles the row.
+	inRedisFirst := func(t *testing.T, release bool) (e *env, ten, usr, req string) {
+		e = base.with(t)
+		ten, usr, req = "crash-"+randHex(4), "u1", "r1"
+		e.reserve(ten, usr, req, 100, true)
+		e.waitStatus(ten, usr, req, "open")
+		st := limits.Settle{Tenant: ten, User: usr, RequestID: req, Actual: 40, Rules: e.rules(ten)}
+		var err error
+		if release {
+			_, err = e.lim.Release(context.Background(), st)
+		} else {
+			_, err = e.lim.Correct(context.Background(), st)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e, ten, usr, req
+	}
+	consumed := func(e *env, typ, ten string) {
+		waitFor(e.t, typ+" consumed", func() bool {
+			return e.count("SELECT count(*) FROM usage_events WHERE type=$1 AND tenant=$2", typ, ten) == 1
+		})
+	}
+	t.Run("actual applied in Redis before a crash, then a release", func(t *testing.T) {
+		e, ten, usr, req := inRedisFirst(t, false)
+		e.publish(events.NewReleased("test/service", events.Released{RequestID: req, Tenant: ten, User: usr}, time.Now()))
+		consumed(e, events.TypeReleased, ten)
+		e.publish(e.actual(ten, usr, req, "", 30, 10)) // the redelivery
+		e.waitStatus(ten, usr, req, "settled")
+		if got := e.used(ten, usr, "5h"); got != 40 {
+			t.Errorf("5h used = %d, want 40 (the actual, applied first)", got)
+		}
+	})
+	t.Run("release applied in Redis before a crash, then the actual", func(t *testing.T) {
+		e, ten, usr, req := inRedisFirst(t, true)
+		e.publish(e.actual(ten, usr, req, "", 30, 10))
+		consumed(e, events.TypeActual, ten)
+		if st := e.status(ten, usr, req); st != "open" {
+			t.Errorf("status after the actual = %s, want open (Redis holds the release)", st)
+		}
+		e.publish(events.NewReleased("test/service", events.Released{RequestID: req, Tenant: ten, User: usr}, time.Now())) // the redelivery
+		e.waitStatus(ten, usr, req, "released")
+		if got := e.used(ten, usr, "5h"); got != 0 {
+			t.Errorf("5h used = %d, want 0 (the release, applied first)", got)
+		}
+	})
+
 	t.Run("local reservation expired at the estimate", func(t *testing.T) {
 		// No Redis window held it: settling it at the estimate charges it.
 		e := base.with(t)

@@ -13,7 +13,8 @@
 -- Reply (packed 64-bit integers, lib.lua snapshot): status, delta,
 --        reserved_at_ms, now_ms, version, tenant_version, then per limit:
 --        limit, used, reset_ms, 0
---   status 1 applied, 2 already settled (nothing changed), 3 unknown
+--   status 1 applied, 2 already settled (nothing changed; delta is then
+--   the op that settled it: 1 a correction, 2 a release), 3 unknown
 --   reservation charged in full now (correct), 4 unknown reservation
 --   (release: nothing to give back), -1 no epoch.
 -- The record stays, marked settled, for its ttl, so a repeated or late
@@ -29,7 +30,7 @@ local status, ts, est = 1, nil, nil
 if vals[2] then
   local state
   ts, est, state = sunpack('<i6i6B', vals[2])
-  if state ~= 0 then return snapshot(n, now, 2, 0, ts, now, sub.ver, ten and ten.ver or 0) end
+  if state ~= 0 then return snapshot(n, now, 2, state, ts, now, sub.ver, ten and ten.ver or 0) end
 elseif tonumber(ARGV[9]) >= 0 then
   ts, est = tonumber(ARGV[8]), tonumber(ARGV[9])
 elseif op == '1' then

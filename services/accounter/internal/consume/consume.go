@@ -400,6 +400,13 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		if !t.OK {
 			continue
 		}
+		if s := t.Settlement; s.Status == limits.AlreadySettled && s.ByRelease != (t.Actual == nil) {
+			// Redis holds the other event of the request id, applied by a
+			// delivery that failed before the ledger knew: the first applied
+			// wins, and that event's redelivery settles the row as Redis has
+			// it. This one changes nothing.
+			continue
+		}
 		if t.Actual == nil {
 			marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusReleased})
 			continue
