@@ -70,22 +70,34 @@ plans:
 	}
 }
 
-// A call whose deadline passed while it was queued is answered
-// context.DeadlineExceeded and never sent; the others of its batch are.
-func TestBatchSkipsCallsPastTheirDeadline(t *testing.T) {
-	c := redistest.Shared(t)
+// queued returns a batcher and one queued reservation of a fresh user per
+// deadline, and a reader of how many of them Redis counted.
+func queued(t *testing.T, deadlines ...time.Time) (b *batcher, batch []*reservation, used func() int64) {
+	lim := limits.New(redistest.Shared(t), limits.Options{NoEpochGuard: true})
+	b = newBatcher(lim, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
 	tenant := newTenant(t)
-	lim := limits.New(c, limits.Options{NoEpochGuard: true})
-	b := newBatcher(lim, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
 	rules := []limits.Rule{{Scope: limits.ScopeUser, Limit: limits.Limit{Name: "n", Kind: limits.Fixed, Unit: limits.Requests, Limit: 10, Window: limits.Duration(time.Hour)}}}
-	now := time.Now()
-	var batch []*reservation
-	for i, dl := range []time.Time{now.Add(time.Minute), now.Add(-time.Millisecond), now.Add(time.Minute)} {
+	for i, dl := range deadlines {
 		batch = append(batch, &reservation{
 			deadline: dl, done: make(chan struct{}, 1),
 			req: limits.Request{Tenant: tenant, User: "u", RequestID: fmt.Sprint(i), Cost: 1, Rules: rules},
 		})
 	}
+	used = func() int64 {
+		dec, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rules})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return dec.States[0].Used
+	}
+	return b, batch, used
+}
+
+// A call whose deadline passed while it was queued is answered
+// context.DeadlineExceeded and never sent; the others of its batch are.
+func TestBatchSkipsCallsPastTheirDeadline(t *testing.T) {
+	now := time.Now()
+	b, batch, used := queued(t, now.Add(time.Minute), now.Add(-time.Millisecond), now.Add(time.Minute))
 	b.send(expire(batch, time.Now()))
 	for i, r := range batch {
 		<-r.done
@@ -94,38 +106,16 @@ func TestBatchSkipsCallsPastTheirDeadline(t *testing.T) {
 			t.Errorf("call %d (expired %v): %+v, %v", i, expired, r.dec, r.err)
 		}
 	}
-	dec, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rules})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if used := dec.States[0].Used; used != 2 {
-		t.Fatalf("redis used = %d, want 2 (the expired call not sent)", used)
+	if n := used(); n != 2 {
+		t.Fatalf("redis used = %d, want 2 (the expired call not sent)", n)
 	}
 }
 
 // A caller whose deadline passed while queued, and whose turn it is to send
 // its batch, returns at once: the first live caller of the batch sends it.
 func TestExpiredLeadHandsItsBatchOn(t *testing.T) {
-	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	lim := limits.New(c, limits.Options{NoEpochGuard: true})
-	b := newBatcher(lim, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
-	rules := []limits.Rule{{Scope: limits.ScopeUser, Limit: limits.Limit{Name: "n", Kind: limits.Fixed, Unit: limits.Requests, Limit: 10, Window: limits.Duration(time.Hour)}}}
 	now := time.Now()
-	var batch []*reservation
-	for i, dl := range []time.Time{now.Add(-time.Millisecond), now.Add(time.Minute), now.Add(time.Minute)} {
-		batch = append(batch, &reservation{
-			deadline: dl, done: make(chan struct{}, 1),
-			req: limits.Request{Tenant: tenant, User: "u", RequestID: fmt.Sprint(i), Cost: 1, Rules: rules},
-		})
-	}
-	used := func() int64 {
-		dec, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rules})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return dec.States[0].Used
-	}
+	b, batch, used := queued(t, now.Add(-time.Millisecond), now.Add(time.Minute), now.Add(time.Minute))
 	b.busy = true
 	batch[0].lead = batch
 	b.lead(batch[0]) // returns without sending
