@@ -132,43 +132,42 @@ type pipeliner interface {
 }
 
 // runAll runs entry e for every valid call and returns its command (nil
-// for the invalid ones). With a pipelining client the calls go out in one
-// pipeline: as FCALL while the server serves functions, and again, after
-// loading the library, for the ones a node answered that it lacks it; else
-// as EVALSHA, and again as EVAL for the ones a node answered NOSCRIPT, as
-// Script.Run does for a single call. A node misses the library or the
-// script for all the calls it gets, so retried calls keep their order among
-// themselves.
+// for the invalid ones): as FCALL while the server serves functions, and
+// again, after loading the library, for the ones a node answered that it
+// lacks it; else as EVALSHA, and again as EVAL for the ones a node answered
+// NOSCRIPT. Several calls go out in one pipeline per attempt when the
+// client pipelines, a lone call as a plain command. A node misses the
+// library or the script for all the calls it gets, so retried calls keep
+// their order among themselves.
 func (l *Limiter) runAll(ctx context.Context, e *entry, calls []call) []*redis.Cmd {
 	cmds := make([]*redis.Cmd, len(calls))
-	p, ok := l.rdb.(pipeliner)
-	if !ok {
-		for i := range calls {
-			if calls[i].err == nil {
-				cmds[i] = l.run(ctx, e, calls[i].keys, calls[i].args...)
-			}
-		}
-		return cmds
-	}
+	p, pipelines := l.rdb.(pipeliner)
 	const (
 		fcall = iota
 		evalsha
 		eval
 	)
 	send := func(how int, which []int) {
-		pipe := p.Pipeline()
+		var to Client = l.rdb
+		var pipe redis.Pipeliner
+		if pipelines && len(which) > 1 {
+			pipe = p.Pipeline()
+			to = pipe
+		}
 		for _, i := range which {
 			c := &calls[i]
 			switch how {
 			case fcall:
-				cmds[i] = pipe.FCall(ctx, e.fn, c.keys, c.args...)
+				cmds[i] = to.FCall(ctx, e.fn, c.keys, c.args...)
 			case evalsha:
-				cmds[i] = e.script.EvalSha(ctx, pipe, c.keys, c.args...)
+				cmds[i] = e.script.EvalSha(ctx, to, c.keys, c.args...)
 			default:
-				cmds[i] = e.script.Eval(ctx, pipe, c.keys, c.args...)
+				cmds[i] = e.script.Eval(ctx, to, c.keys, c.args...)
 			}
 		}
-		_, _ = pipe.Exec(ctx) // each command holds its own error
+		if pipe != nil {
+			_, _ = pipe.Exec(ctx) // each command holds its own error
+		}
 	}
 	// failed returns the calls of which whose command failed as match says.
 	failed := func(which []int, match func(error) bool) []int {

@@ -157,26 +157,7 @@ func (l *Limiter) usesFunctions(e *entry) bool {
 // failover in between); the second one then loads.
 const loadTries = 2
 
-// run calls entry e once: as a function while the server serves them
-// (loading the library when the node lacks it), else as a script.
+// run calls entry e once, as runAll does.
 func (l *Limiter) run(ctx context.Context, e *entry, keys []string, args ...any) *redis.Cmd {
-	if l.usesFunctions(e) {
-		seen := l.loads.Load()
-		cmd := l.rdb.FCall(ctx, e.fn, keys, args...)
-		err := cmd.Err()
-		for try := 0; isNoFunction(err) && try < loadTries; try++ {
-			if err = l.loadEngine(ctx, seen); err != nil {
-				cmd.SetErr(err)
-				break
-			}
-			seen = l.loads.Load()
-			cmd = l.rdb.FCall(ctx, e.fn, keys, args...)
-			err = cmd.Err()
-		}
-		if !functionsUnavailable(err) {
-			return cmd
-		}
-		l.scriptsOnly.Store(true)
-	}
-	return e.script.Run(ctx, l.rdb, keys, args...)
+	return l.runAll(ctx, e, []call{{keys: keys, args: args}})[0]
 }
