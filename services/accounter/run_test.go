@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -566,11 +567,24 @@ func TestAccounterEvents(t *testing.T) {
 
 	t.Run("an event Postgres cannot store goes to the DLQ", func(t *testing.T) {
 		e := base.with(t)
-		// A valid event (identifiers are arbitrary UTF-8), but text and
-		// jsonb cannot hold NUL; it is published between good ones.
-		ten := "nul-" + randHex(4)
+		// A valid event (its tenant's unpaired surrogate escape reads as
+		// U+FFFD), but the ledger keeps the event's JSON as it came, and
+		// jsonb refuses the escape; it is published between good ones. (A
+		// NUL, which text cannot hold either, no longer gets this far:
+		// identifiers never hold control characters.)
+		ten := "bad-" + randHex(4)
 		e.publish(e.actual(ten, "u1", "before", "", 1, 1))
-		e.publish(e.actual(ten+"\x00x", "u1", "r1", "", 1, 1))
+		raw, err := events.Encode(e.actual(ten+"-x", "u1", "r1", "", 1, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw = bytes.ReplaceAll(raw, []byte(ten+"-x"), []byte(ten+`\ud800`))
+		if _, err := events.Decode(raw); err != nil {
+			t.Fatalf("the event Postgres cannot store is invalid: %v", err)
+		}
+		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeActual), raw); err != nil {
+			t.Fatal(err)
+		}
 		e.publish(e.actual(ten, "u1", "after", "", 1, 1))
 		e.waitStatus(ten, "u1", "before", "settled")
 		e.waitStatus(ten, "u1", "after", "settled")
