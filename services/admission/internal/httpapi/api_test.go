@@ -436,6 +436,17 @@ func TestAdmitValidation(t *testing.T) {
 		{"invalid utf8", "{\"tenant\":\"a\xff\",\"user\":\"u\",\"endpoint\":\"/e\"}", "body: not valid UTF-8"},
 		{"lone surrogate", `{"tenant":"a\ud800","user":"u","endpoint":"/e"}`, "body: string contains an unpaired UTF-16 surrogate escape"},
 		{"lone low surrogate", `{"tenant":"a\udc00","user":"u","endpoint":"/e"}`, "body: string contains an unpaired UTF-16 surrogate escape"},
+		{"high surrogate before a letter", `{"tenant":"a","user":"\ud800\u0041","endpoint":"/e"}`, "body: string contains an unpaired UTF-16 surrogate escape"},
+		{"escaped NUL in user", `{"tenant":"a","user":"a\u0000b","endpoint":"/e"}`, "user: contains a control character"},
+		{"escaped tab in tenant", `{"tenant":"a\tb","user":"u","endpoint":"/e"}`, "tenant: contains a control character"},
+		{"escaped C0 in request id", `{"request_id":"r\u001f","tenant":"a","user":"u","endpoint":"/e"}`, "request_id: contains a control character"},
+		{"escaped DEL in model", `{"model":"m\u007f","tenant":"a","user":"u","endpoint":"/e"}`, "model: contains a control character"},
+		{"escaped C1 in plan", `{"plan":"p\u0085","tenant":"a","user":"u","endpoint":"/e"}`, "plan: contains a control character"},
+		{"raw DEL in endpoint", "{\"tenant\":\"a\",\"user\":\"u\",\"endpoint\":\"/e\x7f\"}", "endpoint: contains a control character"},
+		{"raw C1 in user", "{\"tenant\":\"a\",\"user\":\"u\u009f\",\"endpoint\":\"/e\"}", "user: contains a control character"},
+		{"raw NUL", "{\"tenant\":\"a\x00\",\"user\":\"u\",\"endpoint\":\"/e\"}", "body: invalid JSON at byte 13"},
+		{"257 bytes straddling a character", `{"tenant":"a","user":"` + strings.Repeat("x", 255) + `é","endpoint":"/e"}`, "user: longer than 256 bytes"},
+		{"257 bytes escaped", `{"tenant":"a","user":"` + strings.Repeat("x", 255) + `\u00e9","endpoint":"/e"}`, "user: longer than 256 bytes"},
 		{"negative", `{"tenant":"a","user":"u","endpoint":"/e","estimated_tokens":-1}`, "estimated_tokens: must be a whole number from 0 to 1000000000000"},
 		{"too big", `{"tenant":"a","user":"u","endpoint":"/e","estimated_tokens":1000000000001}`, "estimated_tokens: must be a whole number from 0 to 1000000000000"},
 		{"fraction", `{"tenant":"a","user":"u","endpoint":"/e","estimated_tokens":1.5}`, "estimated_tokens: must be a whole number from 0 to 1000000000000"},
@@ -487,8 +498,12 @@ func TestAdmitInputs(t *testing.T) {
 			decide.Input{RequestID: "r", Tenant: "a", User: "u", Endpoint: "/e", IP: "192.0.2.1"}},
 		{"ipv6 canonical", `{"request_id":"r","tenant":"a","user":"u","endpoint":"/e","ip":"2001:DB8:0::1"}`,
 			decide.Input{RequestID: "r", Tenant: "a", User: "u", Endpoint: "/e", IP: "2001:db8::1"}},
-		{"identifiers are kept byte for byte", `{"request_id":"r\u0000","tenant":"a:b/c\u00e9 ","user":"\ud83d\ude00{x}","endpoint":"/e?q"}`,
-			decide.Input{RequestID: "r\x00", Tenant: "a:b/cé ", User: "😀{x}", Endpoint: "/e?q"}},
+		{"identifiers are kept byte for byte", `{"request_id":"r\u00a0","tenant":"a:b/c\u00e9 ","user":"\ud83d\ude00{x}\u2028","endpoint":"/e?q"}`,
+			decide.Input{RequestID: "r\u00a0", Tenant: "a:b/cé ", User: "😀{x}\u2028", Endpoint: "/e?q"}},
+		{"256 bytes", `{"request_id":"r","tenant":"` + strings.Repeat("t", 256) + `","user":"` + strings.Repeat("é", 128) + `","endpoint":"/e","estimated_tokens":1000000000000}`,
+			decide.Input{RequestID: "r", Tenant: strings.Repeat("t", 256), User: strings.Repeat("é", 128), Endpoint: "/e", Cost: 1000000000000}},
+		{"256 bytes escaped", `{"request_id":"r","tenant":"t","user":"` + strings.Repeat("\u00e9", 128) + `","endpoint":"/e","input_tokens":1000000000000}`,
+			decide.Input{RequestID: "r", Tenant: "t", User: strings.Repeat("é", 128), Endpoint: "/e", Cost: 1000000000000}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t, nil)
@@ -867,6 +882,8 @@ func TestRelease(t *testing.T) {
 		`{"tenant":"acme","user":"u","request_id":"r","x":1}`:                       "x: unknown field",
 		`{"tenant":"","user":"u","request_id":"r"}`:                                 "tenant: required",
 		`{"tenant":"a","user":"u","request_id":"` + strings.Repeat("r", 300) + `"}`: "request_id: longer than 256 bytes",
+		`{"tenant":"acme","user":"u\u0000","request_id":"r"}`:                       "user: contains a control character",
+		`{"tenant":"acme","user":"u","request_id":"r\u0085"}`:                       "request_id: contains a control character",
 	} {
 		if w := e.do("POST", "/v1/release", body); w.Code != 400 || decodeMap(t, w)["message"] != msg {
 			t.Errorf("POST /v1/release %s = %d %s, want 400 %q", body, w.Code, w.Body, msg)
@@ -916,6 +933,9 @@ func TestUsageGet(t *testing.T) {
 		"?user=u":   "tenant: required",
 		"?tenant=a": "user: required",
 		"?tenant=a&user=u&plan=" + strings.Repeat("p", 257): "plan: longer than 256 bytes",
+		"?tenant=a%00&user=u":                               "tenant: contains a control character",
+		"?tenant=a&user=%C2%85":                             "user: contains a control character",
+		"?tenant=a&user=%FF":                                "user: not valid UTF-8",
 	} {
 		if w := e.do("GET", "/v1/usage"+q, ""); w.Code != 400 || decodeMap(t, w)["message"] != msg {
 			t.Errorf("GET /v1/usage%s = %d %s, want 400 %q", q, w.Code, w.Body, msg)
@@ -956,15 +976,21 @@ func TestTopUp(t *testing.T) {
 		t.Errorf("topup event = %+v", ev)
 	}
 	for body, msg := range map[string]string{
-		`{"tenant":"acme","amount":5}`:                   "reference: required",
-		`{"tenant":"acme","reference":"r"}`:              "amount: required",
-		`{"tenant":"acme","reference":"r","amount":0}`:   "amount: must be a whole number from 1 to 1000000000000",
-		`{"tenant":"acme","reference":"r","amount":2.5}`: "amount: must be a whole number from 0 to 1000000000000",
-		`{"user":"u","reference":"r","amount":1}`:        "tenant: required",
+		`{"tenant":"acme","amount":5}`:                              "reference: required",
+		`{"tenant":"acme","reference":"r"}`:                         "amount: required",
+		`{"tenant":"acme","reference":"r","amount":0}`:              "amount: must be a whole number from 1 to 1000000000000",
+		`{"tenant":"acme","reference":"r","amount":2.5}`:            "amount: must be a whole number from 0 to 1000000000000",
+		`{"user":"u","reference":"r","amount":1}`:                   "tenant: required",
+		`{"tenant":"acme","reference":"r","amount":1000000000001}`:  "amount: must be a whole number from 1 to 1000000000000",
+		`{"tenant":"acme","reference":"r\u0000","amount":1}`:        "reference: contains a control character",
+		`{"tenant":"acme","user":"u\t","reference":"r","amount":1}`: "user: contains a control character",
 	} {
 		if w := e.do("POST", "/v1/balances/topup", body); w.Code != 400 || decodeMap(t, w)["message"] != msg {
 			t.Errorf("POST /v1/balances/topup %s = %d %s, want 400 %q", body, w.Code, w.Body, msg)
 		}
+	}
+	if w := e.do("POST", "/v1/balances/topup", `{"tenant":"acme","reference":"max","amount":1000000000000}`); w.Code != 200 {
+		t.Errorf("topup of 10^12 = %d %s, want 200", w.Code, w.Body)
 	}
 	e.dec.topUp = func(string, string, int64, string) (limits.TopUpResult, error) {
 		return limits.TopUpResult{}, fmt.Errorf("%w: plan has no balance", limits.ErrInvalid)
@@ -999,6 +1025,10 @@ func TestUsageReport(t *testing.T) {
 		{"not an array", `{}`, "body: must be a JSON array of CloudEvents"},
 		{"empty", `[]`, "body: no events; want a JSON array of CloudEvents"},
 		{"bad event", "[" + actualJSON("e1", "acme", 5) + "," + actualJSON("e2", "acme", -7) + "]", "[1].data.input_tokens: must be >= 0"},
+		{"count past 10^12", "[" + actualJSON("e1", "acme", 1000000000001) + "]", "[0].data.input_tokens: must be <= 1000000000000"},
+		{"NUL in tenant", "[" + actualJSON("e1", `acme\u0000`, 5) + "]", "[0].data.tenant: contains a control character"},
+		{"C1 in tenant", "[" + actualJSON("e1", "acme\u0085", 5) + "]", "[0].data.tenant: contains a control character"},
+		{"lone surrogate in tenant", "[" + actualJSON("e1", `acme\ud800`, 5) + "]", "body: string contains an unpaired UTF-16 surrogate escape"},
 		{"wrong type", `[{"specversion":"1.0","id":"x","source":"s","type":"quotaflow.balance.topup","time":"2025-03-14T09:26:53Z",
 		  "datacontenttype":"application/json","data":{"tenant":"acme","amount":5,"reference":"r"}}]`,
 			"[0].type: \"quotaflow.balance.topup\" cannot be reported here; want quotaflow.usage.actual or quotaflow.usage.released"},
@@ -1009,6 +1039,9 @@ func TestUsageReport(t *testing.T) {
 				t.Errorf("POST /v1/usage = %d %s, want 400 %q", w.Code, w.Body, tc.msg)
 			}
 		})
+	}
+	if w := e.do("POST", "/v1/usage", "["+actualJSON("e9", "acme", 1000000000000)+"]", auth...); w.Code != http.StatusAccepted {
+		t.Errorf("POST /v1/usage of 10^12 tokens = %d %s, want 202", w.Code, w.Body)
 	}
 	// A scoped token may only report its tenant's usage.
 	w = e.do("POST", "/v1/usage", "["+actualJSON("e1", "acme", 5)+","+actualJSON("e3", "other", 5)+"]", auth...)

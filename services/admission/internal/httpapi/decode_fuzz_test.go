@@ -6,13 +6,14 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
 )
 
 // FuzzDecodeAdmit checks the POST /v1/admit decoder on arbitrary bodies:
-// it never panics; what it accepts satisfies every rule of DESIGN §4 and
-// survives a round trip; what it rejects names a field in a printable,
-// valid UTF-8 message. Seeds live in testdata/fuzz/FuzzDecodeAdmit.
+// it never panics; what it accepts satisfies every rule of DESIGN §4 (the
+// identifiers pass ident.Check) and survives a round trip; what it rejects
+// names a field in a printable, valid UTF-8 message. Seeds live in testdata/fuzz/FuzzDecodeAdmit.
 func FuzzDecodeAdmit(f *testing.F) {
 	pol := mustPolicy(f)
 	f.Fuzz(func(t *testing.T, body []byte) {
@@ -33,8 +34,8 @@ func FuzzDecodeAdmit(f *testing.F) {
 		}
 		for name, v := range map[string]string{"request_id": in.RequestID, "tenant": in.Tenant, "user": in.User,
 			"plan": in.Plan, "endpoint": in.Endpoint, "model": in.Model} {
-			if len(v) > limits.MaxID || !utf8.ValidString(v) {
-				t.Fatalf("accepted %s %q", name, v)
+			if err := ident.Check(v); err != nil {
+				t.Fatalf("accepted %s %q: %v", name, v, err)
 			}
 		}
 		if in.Cost < 0 || in.Cost > limits.MaxCost {
