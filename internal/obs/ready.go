@@ -120,14 +120,28 @@ func (r *Readiness) Check() (Status, bool) {
 	return s, !r.draining && len(s.Waiting) == 0
 }
 
+// Ops configures the ops port beyond its address, whose default differs
+// by service. Every service's Config embeds it, so its variables mean the
+// same in each (envconfig, prefix QF).
+type Ops struct {
+	// Pprof (QF_PPROF) serves the Go profiler under /debug/pprof/. Off by
+	// default: heap and goroutine dumps expose request data (tenants,
+	// users, tokens in flight) and a CPU profile costs CPU while it runs,
+	// so profiling is something an operator turns on, not a standing
+	// endpoint on every instance.
+	Pprof bool `envconfig:"PPROF" default:"false"`
+}
+
 // OpsHandler serves /metrics from g, /healthz (200 while the process
-// runs), /readyz (200 when r is ready, else 503; JSON Status body) and the
-// Go profiler under /debug/pprof/. The ops port is for operators and
-// Prometheus only, never exposed to clients.
-func OpsHandler(g prometheus.Gatherer, r *Readiness) http.Handler {
+// runs), /readyz (200 when r is ready, else 503; JSON Status body) and,
+// with o.Pprof, the Go profiler under /debug/pprof/ (404 without). The ops
+// port is for operators and Prometheus only, never exposed to clients.
+func OpsHandler(g prometheus.Gatherer, r *Readiness, o Ops) http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /debug/pprof/", pprof.Index)
-	mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+	if o.Pprof {
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")

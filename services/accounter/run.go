@@ -57,14 +57,14 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	}
 	ready := obs.NewReadiness(readyStreams, readyMigrations)
 	log.Info("starting",
-		"ops_addr", cfg.OpsAddr, "policy_file", cfg.PolicyFile,
+		"ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "policy_file", cfg.PolicyFile,
 		"redis_url", redisconn.Redacted(cfg.RedisURL), "postgres_url", redisconn.Redacted(cfg.PostgresURL),
 		"nats_url", redisconn.Redacted(cfg.NATSURL), "stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix,
 		"durable", cfg.Durable, "workers", cfg.Workers, "batch_size", cfg.BatchSize, "batch_wait", cfg.BatchWait.String(),
 		"reservation_ttl", cfg.ReservationTTL.String(), "settle_expired_at_estimate", cfg.SettleExpiredAtEstimate,
 		"reconcile_interval", cfg.ReconcileInterval.String(), "reconcile_repair", cfg.ReconcileRepair)
 
-	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready), log)
+	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready, cfg.Ops), log)
 	if err != nil {
 		return err
 	}

@@ -46,7 +46,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		return err
 	}
 	log.Info("starting",
-		"admission_addr", cfg.AdmissionAddr, "ops_addr", cfg.OpsAddr, "policy_file", cfg.PolicyFile,
+		"admission_addr", cfg.AdmissionAddr, "ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "policy_file", cfg.PolicyFile,
 		"redis_url", redisconn.Redacted(cfg.RedisURL), "nats_url", redisconn.Redacted(cfg.NATSURL),
 		"stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix, "api_tokens", len(cfg.APITokens),
 		"redis_epoch_guard", cfg.RedisEpochGuard, "authz_deny_status", cfg.AuthzDenyStatus, "spill_dir", cfg.SpillDir)
@@ -55,7 +55,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	}
 
 	// The ops server first, so /healthz answers during start-up.
-	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready), log)
+	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready, cfg.Ops), log)
 	if err != nil {
 		return err
 	}

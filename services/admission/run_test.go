@@ -57,6 +57,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 		{"QF_STREAM", cfg.Stream, "QUOTAFLOW_USAGE"},
 		{"QF_SUBJECT_PREFIX", cfg.SubjectPrefix, "quotaflow"},
 		{"QF_OUTBOX_MAX_EVENTS", cfg.OutboxMaxEvents, 10000},
+		{"QF_PPROF", cfg.Pprof, false},
 	} {
 		if want.got != want.want {
 			t.Errorf("%s = %v, want %v", want.name, want.got, want.want)
@@ -69,6 +70,11 @@ func TestConfigDefaultsValidate(t *testing.T) {
 	if !fresh.RedisEpochGuard || fresh.AdmissionAddr != ":8080" || fresh.OpsAddr != ":9090" ||
 		fresh.PolicyFile != "deploy/policy.yaml" || len(fresh.TrustedProxies) != 2 {
 		t.Errorf("defaults = %+v", fresh)
+	}
+	// The ops settings every service embeds (obs.Ops) are read by name.
+	t.Setenv("QF_PPROF", "true")
+	if err := envconfig.Process("QF", &fresh); err != nil || !fresh.Pprof {
+		t.Errorf("QF_PPROF=true: Pprof %v, %v", fresh.Pprof, err)
 	}
 }
 
@@ -146,6 +152,9 @@ func TestRun(t *testing.T) {
 	}
 	if code, _ := get(ops + "/healthz"); code != 200 {
 		t.Errorf("/healthz = %d", code)
+	}
+	if code, _ := get(ops + "/debug/pprof/"); code != 404 {
+		t.Errorf("/debug/pprof/ without QF_PPROF = %d, want 404", code)
 	}
 	deadline := time.Now().Add(20 * time.Second)
 	for {
