@@ -79,6 +79,13 @@ func TestOpsHandler(t *testing.T) {
 	if code, m, body := get(t, h, "/readyz"); code != 200 || m["status"] != "degraded" || !strings.Contains(body, "circuit open") {
 		t.Errorf("/readyz degraded = %d %s", code, body)
 	}
+	// A note is shown but changes nothing.
+	degraded = false
+	r.Note("policy", func() string { return "unknown" })
+	r.Note("quiet", func() string { return "" })
+	if code, m, body := get(t, h, "/readyz"); code != 200 || m["status"] != "ready" || !strings.Contains(body, `"notes":{"policy":"unknown"}`) {
+		t.Errorf("/readyz with a note = %d %s", code, body)
+	}
 	r.Waiting("streams", "late") // no effect once ready
 	r.Drain()
 	if code, m, _ := get(t, h, "/readyz"); code != 503 || m["status"] != "draining" {

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/eviction"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
 	"quotaflow/internal/redisconn"
@@ -112,6 +113,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	}
 	defer rdb.Close()
 	rdb.AddHook(newRedisErrors(reg))
+	evict := eviction.New(rdb, log)
+	evict.Report(ready)
+	bg.Go(func() { evict.Run(bgCtx, eviction.Interval) })
 	lim := limits.New(rdb, limits.Options{ReservationTTL: cfg.ReservationTTL})
 	cor := correct.New(lim, rdb, watcher.Current, store, log)
 

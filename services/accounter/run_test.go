@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -23,6 +24,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/eviction"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgtest"
@@ -942,4 +944,25 @@ func TestRedisOutageDeadLettersNothing(t *testing.T) {
 	if n := e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, events.ReasonMaxDeliver)); n != 0 {
 		t.Errorf("%d events dead-lettered during the outage, want 0", n)
 	}
+}
+
+// A Redis that may evict quota state keeps the accounter ready, with the
+// policy named under degraded in /readyz.
+func TestEvictingRedisIsReportedNotFatal(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	if err := e.redis.Client().ConfigSet(ctx, "maxmemory-policy", "volatile-lru").Err(); err != nil {
+		t.Fatal(err)
+	}
+	e.start(nil)
+	waitFor(t, "readyz naming volatile-lru", func() bool {
+		resp, err := http.Get("http://" + e.ops + "/readyz")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		var s obs.Status
+		return json.NewDecoder(resp.Body).Decode(&s) == nil && resp.StatusCode == 200 &&
+			strings.Contains(s.Degraded[eviction.Name], "volatile-lru")
+	})
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/eviction"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/redisconn"
 	"quotaflow/internal/server"
@@ -90,6 +91,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		return err
 	}
 	defer rdb.Close()
+	evict := eviction.New(rdb, log)
+	evict.Report(ready)
+	bg.Go(func() { evict.Run(bgCtx, eviction.Interval) })
 	dopts := decide.Options{
 		RedisTimeout:    cfg.RedisTimeout,
 		BreakerFailures: cfg.BreakerFailures,
