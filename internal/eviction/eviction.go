@@ -30,6 +30,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/service"
 )
 
 // Interval is how often Run checks again.
@@ -97,16 +99,7 @@ func New(c Client, log *slog.Logger) *Watcher {
 // Run checks at once and then every interval until ctx ends.
 func (w *Watcher) Run(ctx context.Context, interval time.Duration) {
 	w.Check(ctx)
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			w.Check(ctx)
-		}
-	}
+	service.Every(ctx, interval, func(ctx context.Context) { w.Check(ctx) })
 }
 
 // Check reads the policy now, logs it if it changed and returns it. While

@@ -14,24 +14,6 @@ import (
 	"quotaflow/internal/redistest"
 )
 
-// logBuffer collects a Watcher's log lines.
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // readyz is the /readyz a Watcher reports into.
 func readyz(t *testing.T, w *Watcher) obs.Status {
 	t.Helper()
@@ -44,8 +26,10 @@ func readyz(t *testing.T, w *Watcher) obs.Status {
 	return s
 }
 
-func newWatcher(c Client) (*Watcher, *logBuffer) {
-	logs := &logBuffer{}
+// newWatcher returns a Watcher of c and its log. Check logs on the
+// caller's goroutine, so the tests need no lock around the buffer.
+func newWatcher(c Client) (*Watcher, *bytes.Buffer) {
+	logs := &bytes.Buffer{}
 	return New(c, slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))), logs
 }
 
