@@ -97,6 +97,7 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 		"QF_STREAM=" + stream, "QF_DLQ_STREAM=" + dlq, "QF_SUBJECT_PREFIX=admitload" + suffix,
 		"QF_ADMISSION_ADDR=" + api, "QF_OPS_ADDR=" + ops, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),
 		"QF_LOG_LEVEL=warn",
+		"QF_PPROF=true", // the CPU profile below comes from /debug/pprof
 	}
 	if redisTimeout > 0 {
 		env = append(env, "QF_REDIS_TIMEOUT="+redisTimeout.String())

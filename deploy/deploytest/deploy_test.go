@@ -287,7 +287,8 @@ func TestDashboard(t *testing.T) {
 }
 
 // readVars returns the QF_ variables a service reads: the envconfig tags
-// of services/<svc>/config.go and of pkg/events (which every service embeds).
+// of services/<svc>/config.go and of what every service embeds, pkg/events
+// (events.Config) and internal/obs (obs.Ops).
 func readVars(t *testing.T) map[string]map[string]bool {
 	t.Helper()
 	tag := regexp.MustCompile("envconfig:\"([A-Z0-9_]+)\"")
@@ -304,21 +305,25 @@ func readVars(t *testing.T) map[string]map[string]bool {
 		}
 		return vars
 	}
-	ev, err := filepath.Glob(filepath.Join(repoRoot, "pkg/events/*.go"))
+	embedded, err := filepath.Glob(filepath.Join(repoRoot, "pkg/events/*.go"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	ev = slices.DeleteFunc(ev, func(p string) bool { return strings.HasSuffix(p, "_test.go") })
+	ops, err := filepath.Glob(filepath.Join(repoRoot, "internal/obs/*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	embedded = slices.DeleteFunc(append(embedded, ops...), func(p string) bool { return strings.HasSuffix(p, "_test.go") })
 	out := map[string]map[string]bool{"any": {}}
 	for _, svc := range services {
 		src, err := os.ReadFile(filepath.Join(repoRoot, "services", svc, "config.go"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !strings.Contains(string(src), "events.Config") {
-			t.Fatalf("services/%s/config.go no longer embeds events.Config: update this test", svc)
+		if !strings.Contains(string(src), "events.Config") || !strings.Contains(string(src), "obs.Ops") {
+			t.Fatalf("services/%s/config.go no longer embeds events.Config and obs.Ops: update this test", svc)
 		}
-		out[svc] = scan(append([]string{filepath.Join(repoRoot, "services", svc, "config.go")}, ev...)...)
+		out[svc] = scan(append([]string{filepath.Join(repoRoot, "services", svc, "config.go")}, embedded...)...)
 		for v := range out[svc] {
 			out["any"][v] = true
 		}

@@ -55,7 +55,7 @@ func TestOpsHandler(t *testing.T) {
 	reg.MustRegister(c)
 	c.Inc()
 	r := NewReadiness("streams")
-	h := OpsHandler(reg, r)
+	h := OpsHandler(reg, r, Ops{})
 
 	if code, _, _ := get(t, h, "/healthz"); code != 200 {
 		t.Errorf("/healthz = %d", code)
@@ -79,6 +79,13 @@ func TestOpsHandler(t *testing.T) {
 	if code, m, body := get(t, h, "/readyz"); code != 200 || m["status"] != "degraded" || !strings.Contains(body, "circuit open") {
 		t.Errorf("/readyz degraded = %d %s", code, body)
 	}
+	// A note is shown but changes nothing.
+	degraded = false
+	r.Note("policy", func() string { return "unknown" })
+	r.Note("quiet", func() string { return "" })
+	if code, m, body := get(t, h, "/readyz"); code != 200 || m["status"] != "ready" || !strings.Contains(body, `"notes":{"policy":"unknown"}`) {
+		t.Errorf("/readyz with a note = %d %s", code, body)
+	}
 	r.Waiting("streams", "late") // no effect once ready
 	r.Drain()
 	if code, m, _ := get(t, h, "/readyz"); code != 503 || m["status"] != "draining" {
@@ -87,5 +94,23 @@ func TestOpsHandler(t *testing.T) {
 	if code, _, body := get(t, h, "/metrics"); code != 200 || !strings.Contains(body, "quotaflow_test_total 1") ||
 		!strings.Contains(body, "go_goroutines") || !strings.Contains(body, "process_") {
 		t.Errorf("/metrics = %d, missing series", code)
+	}
+}
+
+// The profiler is served only when asked for (QF_PPROF).
+func TestOpsHandlerPprof(t *testing.T) {
+	for _, tc := range []struct {
+		o    Ops
+		want int
+	}{{Ops{}, 404}, {Ops{Pprof: true}, 200}} {
+		h := OpsHandler(NewRegistry(), NewReadiness(), tc.o)
+		for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap", "/debug/pprof/goroutine?debug=1"} {
+			if code, _, _ := get(t, h, path); code != tc.want {
+				t.Errorf("Pprof %v: GET %s = %d, want %d", tc.o.Pprof, path, code, tc.want)
+			}
+		}
+		if code, _, _ := get(t, h, "/metrics"); code != 200 {
+			t.Errorf("Pprof %v: /metrics = %d", tc.o.Pprof, code)
+		}
 	}
 }

@@ -19,20 +19,24 @@ import (
 // until all are, /readyz answers 503. Degradation reporters (Watch) never
 // fail /readyz: a service that keeps answering correctly without Redis or
 // NATS must stay in its load balancer, so /readyz lists the degraded
-// dependency in its body with status 200. Draining (set at shutdown) turns
-// /readyz to 503 so load balancers stop sending new requests.
+// dependency in its body with status 200. Notes (Note) are facts an
+// operator should know that are not a degradation (a setting that could not
+// be read); they never change the status either. Draining (set at
+// shutdown) turns /readyz to 503 so load balancers stop sending new
+// requests.
 //
 // The zero value is not usable; a Readiness is safe for concurrent use.
 type Readiness struct {
 	mu       sync.Mutex
 	pending  map[string]string // required component -> why it is not ready
 	watch    map[string]func() (bool, string)
+	notes    map[string]func() string
 	draining bool
 }
 
 // NewReadiness returns a Readiness that waits for each required component.
 func NewReadiness(required ...string) *Readiness {
-	r := &Readiness{pending: map[string]string{}, watch: map[string]func() (bool, string){}}
+	r := &Readiness{pending: map[string]string{}, watch: map[string]func() (bool, string){}, notes: map[string]func() string{}}
 	for _, c := range required {
 		r.pending[c] = "starting"
 	}
@@ -65,6 +69,15 @@ func (r *Readiness) Watch(dependency string, f func() (degraded bool, detail str
 	r.mu.Unlock()
 }
 
+// Note adds a source of notes: f returns a short note for /readyz, or ""
+// for none. Like Watch, it is called on every /readyz request, so it must
+// be cheap and must not block.
+func (r *Readiness) Note(name string, f func() string) {
+	r.mu.Lock()
+	r.notes[name] = f
+	r.mu.Unlock()
+}
+
 // Drain makes /readyz answer 503 from now on (graceful shutdown).
 func (r *Readiness) Drain() {
 	r.mu.Lock()
@@ -81,6 +94,8 @@ type Status struct {
 	Waiting map[string]string `json:"waiting,omitempty"`
 	// Degraded maps each degraded dependency to a description.
 	Degraded map[string]string `json:"degraded,omitempty"`
+	// Notes maps each source with something to say (Note) to its note.
+	Notes map[string]string `json:"notes,omitempty"`
 }
 
 // Check returns the current status and whether the service is ready.
@@ -107,6 +122,14 @@ func (r *Readiness) Check() (Status, bool) {
 			s.Degraded[n] = detail
 		}
 	}
+	for n, f := range r.notes {
+		if note := f(); note != "" {
+			if s.Notes == nil {
+				s.Notes = map[string]string{}
+			}
+			s.Notes[n] = note
+		}
+	}
 	switch {
 	case r.draining:
 		s.Status = "draining"
@@ -120,14 +143,28 @@ func (r *Readiness) Check() (Status, bool) {
 	return s, !r.draining && len(s.Waiting) == 0
 }
 
+// Ops configures the ops port beyond its address, whose default differs
+// by service. Every service's Config embeds it, so its variables mean the
+// same in each (envconfig, prefix QF).
+type Ops struct {
+	// Pprof (QF_PPROF) serves the Go profiler under /debug/pprof/. Off by
+	// default: heap and goroutine dumps expose request data (tenants,
+	// users, tokens in flight) and a CPU profile costs CPU while it runs,
+	// so profiling is something an operator turns on, not a standing
+	// endpoint on every instance.
+	Pprof bool `envconfig:"PPROF" default:"false"`
+}
+
 // OpsHandler serves /metrics from g, /healthz (200 while the process
-// runs), /readyz (200 when r is ready, else 503; JSON Status body) and the
-// Go profiler under /debug/pprof/. The ops port is for operators and
-// Prometheus only, never exposed to clients.
-func OpsHandler(g prometheus.Gatherer, r *Readiness) http.Handler {
+// runs), /readyz (200 when r is ready, else 503; JSON Status body) and,
+// with o.Pprof, the Go profiler under /debug/pprof/ (404 without). The ops
+// port is for operators and Prometheus only, never exposed to clients.
+func OpsHandler(g prometheus.Gatherer, r *Readiness, o Ops) http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /debug/pprof/", pprof.Index)
-	mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+	if o.Pprof {
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")

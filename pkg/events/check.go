@@ -6,7 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
+
+	"quotaflow/pkg/ident"
 )
 
 // checker collects problems as "path: what is wrong", at most one per
@@ -120,15 +121,17 @@ func (c checker) equal(field, v, want string) {
 	}
 }
 
+// ident checks an identifier by the rule every boundary applies (package
+// ident), so that a consumer never stores what admission would refuse.
 func (c checker) ident(field, v string, required bool) {
 	switch {
 	case c.pending(field):
 	case v == "" && required:
 		c.add(field, "required")
-	case len(v) > MaxID:
-		c.add(field, fmt.Sprintf("longer than %d bytes", MaxID))
-	case !utf8.ValidString(v):
-		c.add(field, "not valid UTF-8")
+	default:
+		if err := ident.Check(v); err != nil {
+			c.add(field, err.Error())
+		}
 	}
 }
 

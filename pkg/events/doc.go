@@ -74,8 +74,9 @@
 // # Data
 //
 // Keys are snake_case and match exactly. Identifiers (request_id, tenant,
-// user, plan, endpoint, model, limit names, reference) are arbitrary UTF-8
-// of at most 256 bytes; required ones are non-empty. Counts are JSON
+// user, plan, endpoint, model, limit names, reference) are UTF-8 of at most
+// 256 bytes without control characters (U+0000–U+001F, U+007F–U+009F; the
+// rule of package ident); required ones are non-empty. Counts are JSON
 // integers (no fraction or exponent) from 0 to 1e12: required count fields
 // must be written out even when 0. ip is an IPv4 or IPv6 address. Times are
 // RFC 3339. Optional fields may be absent or null. Unknown keys are

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"time"
+
+	"quotaflow/pkg/ident"
 )
 
 // CloudEvent type strings, one per kind of event.
@@ -36,9 +38,9 @@ const (
 	// consumers parse megabytes.
 	MaxEventSize = 64 << 10
 	// MaxID is the longest identifier (tenant, user, request id, endpoint,
-	// model, plan, limit name, reference, event id, source), in bytes. It
-	// matches the admission API's limit.
-	MaxID = 256
+	// model, plan, limit name, reference, event id, source), in bytes:
+	// ident.MaxLen, the bound every boundary applies.
+	MaxID = ident.MaxLen
 	// MaxCount is the largest token count, amount or limit, and the largest
 	// magnitude of a delta: Redis keeps counters as 48-bit integers, and
 	// 1e12 stays below 2^48 with room to add.

@@ -4,13 +4,17 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
+
+	"quotaflow/pkg/ident"
 )
 
 // FuzzDecode checks that Decode never panics, that every error wraps
-// ErrInvalid, and that whatever it accepts is valid and survives
+// ErrInvalid, and that whatever it accepts is valid, holds only valid
+// identifiers (ident.Check, asserted apart from the checker) and survives
 // Encode/Decode unchanged. Seeds: testdata/fuzz/FuzzDecode (one valid event
 // of each type and broken ones) and the examples.
 func FuzzDecode(f *testing.F) {
@@ -35,6 +39,7 @@ func FuzzDecode(f *testing.F) {
 		if err := ev.Validate(); err != nil {
 			t.Fatalf("Decode(%q) accepted an event Validate rejects: %v", b, err)
 		}
+		checkIdentifiers(t, ev)
 		agreeWithStdlib(t, b, ev)
 		b2, err := Encode(ev)
 		if err != nil {
@@ -57,6 +62,41 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("Encode is not stable: %s vs %s (%v)", b2, b3, err)
 		}
 	})
+}
+
+// checkIdentifiers fails unless every string of an accepted event (source,
+// and every string in data, nested ones included: identifiers, scopes,
+// units, times) passes ident.Check. It walks the JSON encoding/json makes
+// of the data, so it needs no list of fields that could fall behind.
+func checkIdentifiers(t *testing.T, ev Event) {
+	t.Helper()
+	b, err := json.Marshal(ev.Data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var data any
+	if err := json.Unmarshal(b, &data); err != nil {
+		t.Fatal(err)
+	}
+	var walk func(path string, v any)
+	walk = func(path string, v any) {
+		switch v := v.(type) {
+		case string:
+			if err := ident.Check(v); err != nil {
+				t.Fatalf("accepted %s %q: %v", path, v, err)
+			}
+		case map[string]any:
+			for k, x := range v {
+				walk(path+"."+k, x)
+			}
+		case []any:
+			for i, x := range v {
+				walk(fmt.Sprintf("%s[%d]", path, i), x)
+			}
+		}
+	}
+	walk("source", ev.Source)
+	walk("data", data)
 }
 
 // agreeWithStdlib checks Decode's hand-written scanner against

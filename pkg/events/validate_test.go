@@ -110,6 +110,23 @@ func TestDecodeValidation(t *testing.T) {
 		{TypeReserved, "data.tenant", maxed, "subject"}, // valid tenant; only the subject no longer matches
 		{TypeReserved, "data.user", del, "data.user: required"},
 		{TypeReserved, "data.user", 42, "data.user: must be a string"},
+		{TypeReserved, "data.user", "a\x00b", "data.user: contains a control character"},
+		{TypeReserved, "data.user", "a\tb", "data.user: contains a control character"},
+		{TypeReserved, "data.tenant", "acme\x00", "data.tenant: contains a control character"},
+		{TypeReserved, "data.tenant", "a\x7f", "data.tenant: contains a control character"},   // DEL, raw in the JSON
+		{TypeReserved, "data.tenant", "a\u0085", "data.tenant: contains a control character"}, // C1 (NEL), raw
+		{TypeReserved, "data.tenant", "a\u00a0\u2028", "subject"},                             // not Cc: valid
+		{TypeReserved, "data.request_id", "r\x1b[31m", "data.request_id: contains a control character"},
+		{TypeReserved, "data.endpoint", "/x\n", "data.endpoint: contains a control character"},
+		{TypeReserved, "data.model", "m\x00", "data.model: contains a control character"},
+		{TypeReserved, "data.plan", "p\u009f", "data.plan: contains a control character"},
+		{TypeReserved, "data.limits", []map[string]any{{"scope": "user", "name": "5h\x00", "unit": "tokens", "limit": 1, "used": 0, "remaining": 1, "reset_seconds": 0}},
+			"data.limits[0].name: contains a control character"},
+		{TypeActual, "source", "svc\x00", "source: contains a control character"},
+		{TypeTopUp, "data.reference", "pay\x00", "data.reference: contains a control character"},
+		{TypeDenied, "data.user", "u\x01", "data.user: contains a control character"},
+		{TypeReleased, "data.user", "u\x00", "data.user: contains a control character"},
+		{TypeCorrected, "data.tenant", "t\x00", "data.tenant: contains a control character"},
 		{TypeReserved, "data.endpoint", del, "data.endpoint: required"},
 		{TypeReserved, "data.plan", del, ok},
 		{TypeReserved, "data.plan", long, "data.plan: longer than 256 bytes"},
@@ -293,6 +310,8 @@ func TestValidateGo(t *testing.T) {
 	withData := func(d Data) Event { e := ok; e.Data = d; return e }
 	bad := d
 	bad.Tenant = "ac\xffme"
+	nul := d
+	nul.User = "u\x00"
 	tests := []struct {
 		name string
 		ev   Event
@@ -301,6 +320,7 @@ func TestValidateGo(t *testing.T) {
 		{"nil data", withData(nil), "data: required"},
 		{"pointer data", withData(&d), "data: must be a value of a data type, not *events.Actual"},
 		{"invalid utf-8", withData(bad), "data.tenant: not valid UTF-8"},
+		{"NUL in user", withData(nul), "data.user: contains a control character"},
 		{"zero time", func() Event { e := ok; e.Time = time.Time{}; return e }(), "time: required"},
 		{"year 10000", func() Event { e := ok; e.Time = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC); return e }(), "time: year"},
 		{"no id", func() Event { e := ok; e.ID = ""; return e }(), "id: required"},
@@ -318,9 +338,9 @@ func TestValidateGo(t *testing.T) {
 		})
 	}
 
-	// Identifiers are arbitrary UTF-8: any characters, two pairs never
+	// Identifiers are any UTF-8 but control characters: two pairs never
 	// collide, and the longest allowed passes.
-	odd := Actual{RequestID: strings.Repeat("r", MaxID), Tenant: "a/b\"\\\u2028<&>", User: "\x00\t東京", InputTokens: 1}
+	odd := Actual{RequestID: strings.Repeat("r", MaxID), Tenant: "a/b\"\\\u2028<&>", User: "\u00a0 \ufffd東京", InputTokens: 1}
 	ev := NewActual("s", odd, testNow)
 	b, err := Encode(ev)
 	if err != nil {

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/ident"
 )
 
 //go:embed lua/lib.lua
@@ -50,8 +52,8 @@ var (
 )
 
 // MaxID is the longest tenant, user, endpoint, IP, request id or reference,
-// in bytes.
-const MaxID = 256
+// in bytes: ident.MaxLen, the one rule every boundary applies.
+const MaxID = ident.MaxLen
 
 // MaxCost is the largest cost or amount the engine accepts: counters are
 // 48-bit integers in Redis.
@@ -171,12 +173,14 @@ func (d *Decision) ShadowDenied() bool {
 	return false
 }
 
+// checkID applies the identifier rule (package ident) to an argument, so
+// that nothing a boundary missed reaches Redis keys, events or the ledger.
 func checkID(field, v string, required bool) error {
 	if v == "" && required {
 		return fmt.Errorf("%w: %s: required", ErrInvalid, field)
 	}
-	if len(v) > MaxID {
-		return fmt.Errorf("%w: %s: longer than %d bytes", ErrInvalid, field, MaxID)
+	if err := ident.Check(v); err != nil {
+		return fmt.Errorf("%w: %s: %w", ErrInvalid, field, err)
 	}
 	return nil
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/ident"
 )
 
 // newTenant returns a tenant name no other test uses, so tests sharing the
@@ -529,7 +530,7 @@ func TestIdentifiersNeverShareState(t *testing.T) {
 	pairs := [][2]string{
 		{"a:b", "c"}, {"a", "b:c"},
 		{"{x}", "u"}, {"x", "u"}, {"%7Bx%7D", "u"}, {"{x", "}u"},
-		{"t", " "}, {"t", "  "}, {"t", "\t"},
+		{"t", " "}, {"t", "  "}, {"t", "\u00a0"}, {"t", "\u3000"}, // spaces that are no control characters
 		{"t", "Ａdmin"}, {"t", "Admin"}, {"t", "аdmin"}, // fullwidth and Cyrillic look-alikes
 		{"t", long}, {"t", long[:len(long)-2] + "e"},
 		{"%g/x", "u"}, {"%i1.2.3.4", "u"},
@@ -673,12 +674,23 @@ func TestValidation(t *testing.T) {
 		"empty tenant":  {User: "u", RequestID: "r"},
 		"empty user":    {Tenant: "t", RequestID: "r"},
 		"long user":     {Tenant: "t", User: strings.Repeat("x", MaxID+1), RequestID: "r"},
+		"NUL in user":   {Tenant: "t", User: "a\x00b", RequestID: "r"},
+		"C1 in tenant":  {Tenant: "t\u0085", User: "u", RequestID: "r"},
+		"invalid UTF-8": {Tenant: "t", User: "u", RequestID: "r\xff"},
 		"negative cost": {Tenant: "t", User: "u", RequestID: "r", Cost: -1},
 		"huge cost":     {Tenant: "t", User: "u", RequestID: "r", Cost: MaxCost + 1},
 	} {
 		if _, err := l.Reserve(ctx, req); !errors.Is(err, ErrInvalid) {
 			t.Errorf("Reserve(%s) error = %v, want ErrInvalid", name, err)
 		}
+	}
+	// The identifier rule's message, as boundaries show it.
+	_, err := l.Reserve(ctx, Request{Tenant: "t", User: "a\x00b", RequestID: "r"})
+	if want := "user: contains a control character"; err == nil || !strings.HasSuffix(err.Error(), want) || !errors.Is(err, ident.ErrControl) {
+		t.Errorf("Reserve(NUL in user) = %v, want ...%q wrapping ident.ErrControl", err, want)
+	}
+	if _, err := l.Reserve(ctx, Request{Tenant: "t", User: "u", RequestID: "r", Cost: MaxCost}); err != nil {
+		t.Errorf("Reserve(cost %d) = %v, want no error", int64(MaxCost), err)
 	}
 }
 

@@ -10,7 +10,8 @@ import (
 	"strings"
 	"time"
 	"unicode"
-	"unicode/utf8"
+
+	"quotaflow/pkg/ident"
 )
 
 // PolicyError is one problem in a policy: where (Path, e.g.
@@ -47,10 +48,7 @@ const (
 	// every request.
 	minBuckets = 2
 	maxBuckets = 120
-	// maxIdentifier is the longest tenant, endpoint or model name, in
-	// bytes: the same bound the admission API puts on identifiers.
-	maxIdentifier = 256
-	maxNameLen    = 64
+	maxNameLen = 64
 	// maxListLen bounds one list of limits. Every rule of a request is a
 	// key of one script call; no tier needs more, and YAML aliases cannot
 	// then blow a small file up into a huge policy.
@@ -119,8 +117,10 @@ var (
 // name used in several plans has the same kind and unit in each (and, if
 // rolling, the same bucket length), since a user's counter is keyed by name
 // and outlives a plan change;
-// default_plan and every tenant's plan defined; tenant and model names of 1
-// to 256 bytes of UTF-8; endpoints paths starting with "/"; model weights
+// default_plan and every tenant's plan defined; tenant, endpoint and model
+// names valid identifiers (package ident: 1 to 256 bytes of UTF-8 without
+// control characters); endpoints paths starting with "/" without white
+// space; model weights
 // finite, non-negative and not both zero.
 func (p *Policy) Validate() error {
 	if p == nil {
@@ -256,17 +256,17 @@ func (c *policyChecker) sameShape(shapes map[string]counterShape, plan, path str
 }
 
 // identifier checks a tenant, endpoint or model name.
+// identifier checks a tenant, endpoint or model name by the rule the
+// admission API applies to the requests that name it (package ident): a
+// policy entry no request could match is a mistake. Endpoints are paths,
+// which never hold white space either.
 func (c *policyChecker) identifier(path, what, name string) {
-	switch {
-	case name == "":
+	if name == "" {
 		c.add(path, "%s name must not be empty", what)
-	case len(name) > maxIdentifier:
-		c.add(path, "%s name is longer than %d bytes", what, maxIdentifier)
-	case !utf8.ValidString(name):
-		c.add(path, "%s name is not valid UTF-8", what)
-	case strings.ContainsFunc(name, unicode.IsControl) ||
-		what == "endpoint" && strings.ContainsFunc(name, unicode.IsSpace):
-		c.add(path, "%s name contains a control or space character", what)
+	} else if err := ident.Check(name); err != nil {
+		c.add(path, "%s name %v", what, err)
+	} else if what == "endpoint" && strings.ContainsFunc(name, unicode.IsSpace) {
+		c.add(path, "endpoint name contains a space character")
 	}
 }
 

@@ -30,9 +30,14 @@ func TestParseValidationErrors(t *testing.T) {
 		{"bad plan name", "default_plan: free\nplans: {free: {}, gold plan: {}}", `plans["gold plan"]: invalid plan name: use 1 to 64 letters, digits, '_', '.' or '-'`},
 		{"tenant plan undefined", withList("tenants: {acme: {plan: gold}}"), `tenants.acme.plan: plan "gold" is not defined`},
 		{"tenant empty name", withList(`tenants: {"": {plan: free}}`), `tenants[""]: tenant name must not be empty`},
-		{"tenant long name", withList("tenants: {" + strings.Repeat("t", 257) + ": {}}"), "tenants." + strings.Repeat("t", 257) + ": tenant name is longer than 256 bytes"},
+		{"tenant long name", withList("tenants: {" + strings.Repeat("t", 257) + ": {}}"), "tenants." + strings.Repeat("t", 257) + ": tenant name longer than 256 bytes"},
+		{"tenant name with NUL", withList(`tenants: {"a\0b": {}}`), `tenants["a\x00b"]: tenant name contains a control character`},
+		{"tenant name with C1", withList(`tenants: {"a\x85": {}}`), `tenants["a\u0085"]: tenant name contains a control character`},
+		{"tenant name with DEL", withList(`tenants: {"a\x7f": {}}`), `tenants["a\x7f"]: tenant name contains a control character`},
+		{"endpoint with NUL", withList(`endpoints: {"/a\0": {}}`), `endpoints["/a\x00"]: endpoint name contains a control character`},
+		{"model with tab", withList(`models: {"m\tx": {input_weight: 1}}`), `models["m\tx"]: model name contains a control character`},
 		{"endpoint not a path", withList("endpoints: {api: {}}"), `endpoints.api: endpoint must be a path starting with "/"`},
-		{"endpoint with space", withList(`endpoints: {"/a b": {}}`), `endpoints["/a b"]: endpoint name contains a control or space character`},
+		{"endpoint with space", withList(`endpoints: {"/a b": {}}`), `endpoints["/a b"]: endpoint name contains a space character`},
 
 		// Names.
 		{"missing name", planWith("{kind: rolling, window: 5h, limit: 1}"), "plans.free.quotas[0].name: required"},

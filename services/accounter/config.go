@@ -25,6 +25,8 @@ type Config struct {
 	events.Config
 	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
 	OpsAddr  string `envconfig:"OPS_ADDR" default:":9091"`
+	// Ops holds the ops port's other settings: QF_PPROF.
+	obs.Ops
 
 	// Durable is the consumer's durable name; every accounter instance
 	// shares it to split the stream.

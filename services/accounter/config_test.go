@@ -21,6 +21,9 @@ func TestConfigDefaultsAreValid(t *testing.T) {
 	if !c.ReconcileRepair {
 		t.Error("defaults: the reconciliation does not repair")
 	}
+	if c.Pprof {
+		t.Error("defaults: QF_PPROF is on")
+	}
 }
 
 func TestConfigValidate(t *testing.T) {

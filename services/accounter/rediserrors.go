@@ -37,7 +37,9 @@ func withRedisOp(ctx context.Context, op string) context.Context {
 // canceled (shutdown), which says nothing about Redis; and the commands
 // go-redis sends itself to set up a connection (HELLO, CLIENT SETINFO,
 // CLIENT MAINT_NOTIFICATIONS), which Redis 7.0 may refuse and go-redis does
-// without. The accounter sends neither HELLO nor CLIENT itself.
+// without; and CONFIG GET of the eviction check, which an ACL or a managed
+// Redis may refuse by design. The accounter sends neither HELLO nor CLIENT
+// itself.
 type redisErrors struct {
 	errs *prometheus.CounterVec
 }
@@ -98,7 +100,7 @@ func failed(ctx context.Context, name string, err error) bool {
 	case name == "function" && strings.Contains(err.Error(), "already exists"):
 		return false // another instance loaded the limits engine first
 	}
-	return name != "hello" && name != "client"
+	return name != "hello" && name != "client" && name != "config"
 }
 
 var _ redis.Hook = (*redisErrors)(nil)

@@ -24,7 +24,8 @@ func TestRedisErrorsHook(t *testing.T) {
 	count := func() float64 { return testutil.ToFloat64(h.errs.WithLabelValues(opConsume)) }
 
 	// Normal operation: a missing key, a node without the engine loaded
-	// yet, another instance's load of it, a canceled call; the connection's set-up ran on first use.
+	// yet, another instance's load of it, a canceled call, a refused
+	// CONFIG GET; the connection's set-up ran on first use.
 	if err := c.Get(ctx, "missing").Err(); err != redis.Nil {
 		t.Fatalf("GET missing = %v, want redis.Nil", err)
 	}
@@ -48,6 +49,17 @@ func TestRedisErrorsHook(t *testing.T) {
 	canceled, cancel := context.WithCancel(ctx)
 	cancel()
 	_ = c.Get(canceled, "k").Err()
+	// The eviction check's CONFIG GET, refused to an ACL user without
+	// +config|get.
+	if err := c.Do(ctx, "ACL", "SETUSER", "hooktest", "on", ">pw", "~*", "+@all", "-config").Err(); err != nil {
+		t.Fatal(err)
+	}
+	limited := redis.NewClient(&redis.Options{Addr: s.Addr, Username: "hooktest", Password: "pw"})
+	t.Cleanup(func() { limited.Close() })
+	limited.AddHook(h)
+	if err := limited.ConfigGet(ctx, "maxmemory-policy").Err(); err == nil {
+		t.Fatal("CONFIG GET without +config succeeded")
+	}
 	if n := count(); n != 0 {
 		t.Fatalf("redis errors after normal operation = %v, want 0", n)
 	}

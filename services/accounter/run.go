@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/eviction"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
 	"quotaflow/internal/redisconn"
@@ -57,14 +58,14 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	}
 	ready := obs.NewReadiness(readyStreams, readyMigrations)
 	log.Info("starting",
-		"ops_addr", cfg.OpsAddr, "policy_file", cfg.PolicyFile,
+		"ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "policy_file", cfg.PolicyFile,
 		"redis_url", redisconn.Redacted(cfg.RedisURL), "postgres_url", redisconn.Redacted(cfg.PostgresURL),
 		"nats_url", redisconn.Redacted(cfg.NATSURL), "stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix,
 		"durable", cfg.Durable, "workers", cfg.Workers, "batch_size", cfg.BatchSize, "batch_wait", cfg.BatchWait.String(),
 		"reservation_ttl", cfg.ReservationTTL.String(), "settle_expired_at_estimate", cfg.SettleExpiredAtEstimate,
 		"reconcile_interval", cfg.ReconcileInterval.String(), "reconcile_repair", cfg.ReconcileRepair)
 
-	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready), log)
+	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready, cfg.Ops), log)
 	if err != nil {
 		return err
 	}
@@ -112,6 +113,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	}
 	defer rdb.Close()
 	rdb.AddHook(newRedisErrors(reg))
+	evict := eviction.New(rdb, log)
+	evict.Report(ready)
+	bg.Go(func() { evict.Run(bgCtx, eviction.Interval) })
 	lim := limits.New(rdb, limits.Options{ReservationTTL: cfg.ReservationTTL})
 	cor := correct.New(lim, rdb, watcher.Current, store, log)
 

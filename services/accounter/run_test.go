@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +24,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/eviction"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgtest"
@@ -566,11 +569,24 @@ func TestAccounterEvents(t *testing.T) {
 
 	t.Run("an event Postgres cannot store goes to the DLQ", func(t *testing.T) {
 		e := base.with(t)
-		// A valid event (identifiers are arbitrary UTF-8), but text and
-		// jsonb cannot hold NUL; it is published between good ones.
-		ten := "nul-" + randHex(4)
+		// A valid event (its tenant's unpaired surrogate escape reads as
+		// U+FFFD), but the ledger keeps the event's JSON as it came, and
+		// jsonb refuses the escape; it is published between good ones. (A
+		// NUL, which text cannot hold either, no longer gets this far:
+		// identifiers never hold control characters.)
+		ten := "bad-" + randHex(4)
 		e.publish(e.actual(ten, "u1", "before", "", 1, 1))
-		e.publish(e.actual(ten+"\x00x", "u1", "r1", "", 1, 1))
+		raw, err := events.Encode(e.actual(ten+"-x", "u1", "r1", "", 1, 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw = bytes.ReplaceAll(raw, []byte(ten+"-x"), []byte(ten+`\ud800`))
+		if _, err := events.Decode(raw); err != nil {
+			t.Fatalf("the event Postgres cannot store is invalid: %v", err)
+		}
+		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeActual), raw); err != nil {
+			t.Fatal(err)
+		}
 		e.publish(e.actual(ten, "u1", "after", "", 1, 1))
 		e.waitStatus(ten, "u1", "before", "settled")
 		e.waitStatus(ten, "u1", "after", "settled")
@@ -928,4 +944,25 @@ func TestRedisOutageDeadLettersNothing(t *testing.T) {
 	if n := e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, events.ReasonMaxDeliver)); n != 0 {
 		t.Errorf("%d events dead-lettered during the outage, want 0", n)
 	}
+}
+
+// A Redis that may evict quota state keeps the accounter ready, with the
+// policy named under degraded in /readyz.
+func TestEvictingRedisIsReportedNotFatal(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	if err := e.redis.Client().ConfigSet(ctx, "maxmemory-policy", "volatile-lru").Err(); err != nil {
+		t.Fatal(err)
+	}
+	e.start(nil)
+	waitFor(t, "readyz naming volatile-lru", func() bool {
+		resp, err := http.Get("http://" + e.ops + "/readyz")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		var s obs.Status
+		return json.NewDecoder(resp.Body).Decode(&s) == nil && resp.StatusCode == 200 &&
+			strings.Contains(s.Degraded[eviction.Name], "volatile-lru")
+	})
 }

@@ -34,6 +34,8 @@ type Config struct {
 	AdmissionAddr string `envconfig:"ADMISSION_ADDR" default:":8080"`
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9090"`
+	// Ops holds the ops port's other settings: QF_PPROF.
+	obs.Ops
 	// APITokens are "token" or "token@tenant" entries; empty disables
 	// authentication (with a warning at start).
 	APITokens []string `envconfig:"API_TOKENS"`

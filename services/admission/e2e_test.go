@@ -414,10 +414,17 @@ func TestLeasedFiguresOverHTTP(t *testing.T) {
 // keep separate counters.
 func TestIdentifiersDoNotCollide(t *testing.T) {
 	s := newStack(t, contractPolicy, nil)
-	users := []string{"a:b", "a", "b:c", "a}b", "a{b", "a/b", "x\x00y", "x", "é", "e\u0301", "😀", " ", "a b"}
+	users := []string{"a:b", "a", "b:c", "a}b", "a{b", "a/b", "x\u00a0y", "x", "é", "e\u0301", "😀", " ", "a b"}
 	for i, u := range users {
 		if a := s.admit(u, fmt.Sprintf("r-%d", i), 600); a.code != 200 {
 			t.Errorf("admit user %q = %d %v; it shares a counter with another user", u, a.code, a.body)
+		}
+	}
+	// Control characters are no identifiers (Postgres, for one, cannot
+	// store a NUL): refused at the door.
+	for i, u := range []string{"x\x00y", "x\ty", "x\u0085y", "x\x7fy"} {
+		if a := s.admit(u, fmt.Sprintf("c-%d", i), 1); a.code != 400 || a.body["message"] != "user: contains a control character" {
+			t.Errorf("admit user %q = %d %v, want 400 user: contains a control character", u, a.code, a.body)
 		}
 	}
 	// Tenants too: (T+":x", "y") against (T, "x:y").

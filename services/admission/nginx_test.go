@@ -133,6 +133,21 @@ http {
 	if resp, _ := get(""); resp.StatusCode != 401 {
 		t.Errorf("no API key: %d, want 401 from nginx", resp.StatusCode)
 	}
+	// A URI admission cannot check (an escaped control character in the
+	// endpoint; nginx itself refuses an escaped NUL with a 400) is a
+	// denial the client sees as a 429, not a 400 that nginx makes a 500.
+	// It spends none of alice's allowance.
+	req, _ := http.NewRequest("GET", base+"/api/v1/gen%01erate", nil)
+	req.Header.Set("X-Api-Key", "key-acme-alice")
+	if resp, err := http.DefaultClient.Do(req); err != nil {
+		t.Fatal(err)
+	} else {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "" {
+			t.Errorf("escaped control character in the URI: %d %v %q, want 429 without Retry-After", resp.StatusCode, resp.Header, b)
+		}
+	}
 	for i := range 3 {
 		// A client-sent X-Quota-* header is overwritten by nginx.
 		resp, body := get("key-acme-alice", "X-Quota-Tenant", "someone-else", "X-Quota-Estimated-Tokens", "0")

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/eviction"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/redisconn"
 	"quotaflow/internal/server"
@@ -46,7 +47,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		return err
 	}
 	log.Info("starting",
-		"admission_addr", cfg.AdmissionAddr, "ops_addr", cfg.OpsAddr, "policy_file", cfg.PolicyFile,
+		"admission_addr", cfg.AdmissionAddr, "ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "policy_file", cfg.PolicyFile,
 		"redis_url", redisconn.Redacted(cfg.RedisURL), "nats_url", redisconn.Redacted(cfg.NATSURL),
 		"stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix, "api_tokens", len(cfg.APITokens),
 		"redis_epoch_guard", cfg.RedisEpochGuard, "authz_deny_status", cfg.AuthzDenyStatus, "spill_dir", cfg.SpillDir)
@@ -55,7 +56,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	}
 
 	// The ops server first, so /healthz answers during start-up.
-	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready), log)
+	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready, cfg.Ops), log)
 	if err != nil {
 		return err
 	}
@@ -90,6 +91,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		return err
 	}
 	defer rdb.Close()
+	evict := eviction.New(rdb, log)
+	evict.Report(ready)
+	bg.Go(func() { evict.Run(bgCtx, eviction.Interval) })
 	dopts := decide.Options{
 		RedisTimeout:    cfg.RedisTimeout,
 		BreakerFailures: cfg.BreakerFailures,

@@ -57,6 +57,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 		{"QF_STREAM", cfg.Stream, "QUOTAFLOW_USAGE"},
 		{"QF_SUBJECT_PREFIX", cfg.SubjectPrefix, "quotaflow"},
 		{"QF_OUTBOX_MAX_EVENTS", cfg.OutboxMaxEvents, 10000},
+		{"QF_PPROF", cfg.Pprof, false},
 	} {
 		if want.got != want.want {
 			t.Errorf("%s = %v, want %v", want.name, want.got, want.want)
@@ -69,6 +70,11 @@ func TestConfigDefaultsValidate(t *testing.T) {
 	if !fresh.RedisEpochGuard || fresh.AdmissionAddr != ":8080" || fresh.OpsAddr != ":9090" ||
 		fresh.PolicyFile != "deploy/policy.yaml" || len(fresh.TrustedProxies) != 2 {
 		t.Errorf("defaults = %+v", fresh)
+	}
+	// The ops settings every service embeds (obs.Ops) are read by name.
+	t.Setenv("QF_PPROF", "true")
+	if err := envconfig.Process("QF", &fresh); err != nil || !fresh.Pprof {
+		t.Errorf("QF_PPROF=true: Pprof %v, %v", fresh.Pprof, err)
 	}
 }
 
@@ -122,41 +128,17 @@ func TestRun(t *testing.T) {
 	var logs strings.Builder
 	lw := &syncWriter{w: &logs}
 	log := slog.New(slog.NewJSONHandler(lw, nil))
-	ctx, cancel := context.WithCancel(context.Background())
+	api, ops, done, cancel := startRun(t, cfg, log)
 	defer cancel()
-	addrs := make(chan [2]string, 1)
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, cfg, log, func(api, ops string) { addrs <- [2]string{api, ops} }) }()
-	var api, ops string
-	select {
-	case a := <-addrs:
-		api, ops = "http://"+a[0], "http://"+a[1]
-	case err := <-done:
-		t.Fatalf("run = %v before starting", err)
-	}
 
-	get := func(url string) (int, string) {
-		resp, err := http.Get(url)
-		if err != nil {
-			t.Fatalf("GET %s: %v", url, err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
-	}
-	if code, _ := get(ops + "/healthz"); code != 200 {
+	if code, _ := get(t, ops+"/healthz"); code != 200 {
 		t.Errorf("/healthz = %d", code)
 	}
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		code, body := get(ops + "/readyz")
-		if code == 200 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("/readyz = %d %s, never ready", code, body)
-		}
-		time.Sleep(20 * time.Millisecond)
+	if code, _ := get(t, ops+"/debug/pprof/"); code != 404 {
+		t.Errorf("/debug/pprof/ without QF_PPROF = %d, want 404", code)
+	}
+	if body := waitReady(t, ops); strings.Contains(body, "redis_eviction") {
+		t.Errorf("/readyz = %s: the development Redis should run noeviction", body)
 	}
 	req, _ := http.NewRequest("POST", api+"/v1/admit",
 		strings.NewReader(`{"tenant":"`+tenant+`","user":"u","endpoint":"/api/v1/generate","estimated_tokens":10}`))
@@ -169,7 +151,7 @@ func TestRun(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("RateLimit") == "" {
 		t.Errorf("POST /v1/admit = %d %v", resp.StatusCode, resp.Header)
 	}
-	if code, body := get(ops + "/metrics"); code != 200 || !strings.Contains(body, `quotaflow_admission_request_duration_seconds_count{code="2xx",route="admit"} 1`) ||
+	if code, body := get(t, ops+"/metrics"); code != 200 || !strings.Contains(body, `quotaflow_admission_request_duration_seconds_count{code="2xx",route="admit"} 1`) ||
 		!strings.Contains(body, "quotaflow_admission_decisions_total") || !strings.Contains(body, "quotaflow_events_published_total") {
 		t.Errorf("/metrics = %d, lacks the admission series", code)
 	}
@@ -190,6 +172,83 @@ func TestRun(t *testing.T) {
 		t.Errorf("logs contain the API token: %s", s)
 	} else if !strings.Contains(s, `"msg":"stopped"`) {
 		t.Errorf("no clean stop in the logs: %s", s)
+	}
+}
+
+// startRun runs admission with cfg until cancel, returning its API and ops
+// base URLs and run's result.
+func startRun(t *testing.T, cfg Config, log *slog.Logger) (api, ops string, done <-chan error, cancel func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	addrs := make(chan [2]string, 1)
+	res := make(chan error, 1)
+	go func() { res <- run(ctx, cfg, log, func(api, ops string) { addrs <- [2]string{api, ops} }) }()
+	select {
+	case a := <-addrs:
+		return "http://" + a[0], "http://" + a[1], res, cancel
+	case err := <-res:
+		cancel()
+		t.Fatalf("run = %v before starting", err)
+	}
+	return "", "", nil, nil
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// waitReady waits for /readyz to answer 200 and returns its body.
+func waitReady(t *testing.T, ops string) string {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		code, body := get(t, ops+"/readyz")
+		if code == 200 {
+			return body
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz = %d %s, never ready", code, body)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A Redis that may evict quota state is a warning at start and a degraded
+// note in /readyz, which stays 200; QF_PPROF serves the profiler.
+func TestRunReportsEvictingRedis(t *testing.T) {
+	srv := redistest.Start(t, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+	cfg := testConfig(t)
+	cfg.RedisURL = "redis://" + srv.Addr + "/0"
+	cfg.Pprof = true
+	_, js := natstest.Connect(t, natstest.URL())
+	cfg.Config = natstest.Streams(t, js, "evict", events.Config{})
+	var logs strings.Builder
+	lw := &syncWriter{w: &logs}
+	_, ops, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(lw, nil)))
+	defer func() { cancel(); <-done }()
+
+	deadline := time.Now().Add(20 * time.Second)
+	for body := waitReady(t, ops); !strings.Contains(body, `"redis_eviction":"maxmemory-policy allkeys-lru (maxmemory 67108864 bytes)`); body = waitReady(t, ops) {
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz = %s, want 200 with the eviction note", body)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	lw.mu.Lock()
+	l := logs.String()
+	lw.mu.Unlock()
+	if !strings.Contains(l, `"maxmemory_policy":"allkeys-lru","maxmemory":67108864`) {
+		t.Errorf("log = %s, want the warning naming the policy", l)
+	}
+	if code, _ := get(t, ops+"/debug/pprof/"); code != 200 {
+		t.Errorf("/debug/pprof/ with QF_PPROF = %d, want 200", code)
 	}
 }
 

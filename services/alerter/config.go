@@ -28,6 +28,8 @@ type Config struct {
 	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9092"`
+	// Ops holds the ops port's other settings: QF_PPROF.
+	obs.Ops
 	// WebhooksFile is the YAML list of webhook endpoints (DESIGN §7);
 	// empty means none (alerts are detected and counted, not sent). It is
 	// reloaded when it changes and on SIGHUP.

@@ -38,7 +38,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	reg := obs.NewRegistry()
 	ready := obs.NewReadiness(readyPostgres, readyConsumer)
 	log.Info("starting",
-		"ops_addr", cfg.OpsAddr, "postgres_url", redacted(cfg.PostgresURL), "nats_url", redacted(cfg.NATSURL), "stream", cfg.Stream,
+		"ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "postgres_url", redacted(cfg.PostgresURL), "nats_url", redacted(cfg.NATSURL), "stream", cfg.Stream,
 		"subject_prefix", cfg.SubjectPrefix, "consumer", cfg.Consumer, "webhooks_file", cfg.WebhooksFile)
 
 	hooks, err := deliver.Load(cfg.WebhooksFile, detect.Kinds)
@@ -49,7 +49,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 		log.Warn("no webhooks configured: alerts are detected and counted but not sent")
 	}
 
-	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready), log)
+	ops, err := server.Listen(cfg.OpsAddr, "ops", obs.OpsHandler(reg, ready, cfg.Ops), log)
 	if err != nil {
 		return err
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
 )
 
@@ -393,6 +394,23 @@ func TestCallerErrors(t *testing.T) {
 	x = in(tenant, "u", "/x", -1)
 	if _, err := d.Admit(context.Background(), x); !errors.Is(err, limits.ErrInvalid) {
 		t.Fatalf("Admit(cost -1) error = %v, want ErrInvalid", err)
+	}
+	x = in(tenant, "u", "/x", limits.MaxCost+1)
+	if _, err := d.Admit(context.Background(), x); !errors.Is(err, limits.ErrInvalid) {
+		t.Fatalf("Admit(cost 10^12+1) error = %v, want ErrInvalid", err)
+	}
+	x = in(tenant, "u", "/x", limits.MaxCost)
+	if _, err := d.Admit(context.Background(), x); err != nil {
+		t.Fatalf("Admit(cost 10^12) error = %v, want a decision", err)
+	}
+	x = in(tenant, "a\x00b", "/x", 1)
+	_, err = d.Admit(context.Background(), x)
+	if !errors.Is(err, limits.ErrInvalid) || !errors.Is(err, ident.ErrControl) || err.Error() != "user: contains a control character" {
+		t.Fatalf("Admit(NUL in user) error = %v, want ErrInvalid \"user: contains a control character\"", err)
+	}
+	x = in(tenant, "u", "/x\u0085", 1)
+	if _, err := d.Admit(context.Background(), x); !errors.Is(err, ident.ErrControl) {
+		t.Fatalf("Admit(C1 in endpoint) error = %v, want ident.ErrControl", err)
 	}
 	if _, err := d.Usage(context.Background(), tenant, "u", "nope"); !errors.Is(err, limits.ErrUnknownPlan) {
 		t.Fatalf("Usage(plan nope) error = %v, want ErrUnknownPlan", err)

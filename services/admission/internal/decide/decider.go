@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/internal/service"
+	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
 )
 
@@ -301,12 +302,14 @@ func (e *invalidError) Unwrap() []error {
 	return []error{limits.ErrInvalid}
 }
 
+// checkID applies the identifier rule (package ident), so that a local
+// decision refuses what the engine would.
 func checkID(field, v string, required bool) error {
 	if v == "" && required {
 		return &invalidError{field: field, msg: "required"}
 	}
-	if len(v) > limits.MaxID {
-		return &invalidError{field: field, msg: fmt.Sprintf("longer than %d bytes", limits.MaxID)}
+	if err := ident.Check(v); err != nil {
+		return &invalidError{field: field, msg: err.Error(), also: err}
 	}
 	return nil
 }

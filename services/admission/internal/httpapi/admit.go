@@ -90,7 +90,11 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 	res, err := h.dec.Admit(r.Context(), in)
 	if err != nil {
 		if msg, ok := clientError(err, in.Plan); ok {
-			writeError(w, http.StatusBadRequest, msg)
+			if authz {
+				h.denyInvalid(w, msg)
+			} else {
+				writeError(w, http.StatusBadRequest, msg)
+			}
 			return
 		}
 		if canceled(r, err) {

@@ -436,6 +436,17 @@ func TestAdmitValidation(t *testing.T) {
 		{"invalid utf8", "{\"tenant\":\"a\xff\",\"user\":\"u\",\"endpoint\":\"/e\"}", "body: not valid UTF-8"},
 		{"lone surrogate", `{"tenant":"a\ud800","user":"u","endpoint":"/e"}`, "body: string contains an unpaired UTF-16 surrogate escape"},
 		{"lone low surrogate", `{"tenant":"a\udc00","user":"u","endpoint":"/e"}`, "body: string contains an unpaired UTF-16 surrogate escape"},
+		{"high surrogate before a letter", `{"tenant":"a","user":"\ud800\u0041","endpoint":"/e"}`, "body: string contains an unpaired UTF-16 surrogate escape"},
+		{"escaped NUL in user", `{"tenant":"a","user":"a\u0000b","endpoint":"/e"}`, "user: contains a control character"},
+		{"escaped tab in tenant", `{"tenant":"a\tb","user":"u","endpoint":"/e"}`, "tenant: contains a control character"},
+		{"escaped C0 in request id", `{"request_id":"r\u001f","tenant":"a","user":"u","endpoint":"/e"}`, "request_id: contains a control character"},
+		{"escaped DEL in model", `{"model":"m\u007f","tenant":"a","user":"u","endpoint":"/e"}`, "model: contains a control character"},
+		{"escaped C1 in plan", `{"plan":"p\u0085","tenant":"a","user":"u","endpoint":"/e"}`, "plan: contains a control character"},
+		{"raw DEL in endpoint", "{\"tenant\":\"a\",\"user\":\"u\",\"endpoint\":\"/e\x7f\"}", "endpoint: contains a control character"},
+		{"raw C1 in user", "{\"tenant\":\"a\",\"user\":\"u\u009f\",\"endpoint\":\"/e\"}", "user: contains a control character"},
+		{"raw NUL", "{\"tenant\":\"a\x00\",\"user\":\"u\",\"endpoint\":\"/e\"}", "body: invalid JSON at byte 13"},
+		{"257 bytes straddling a character", `{"tenant":"a","user":"` + strings.Repeat("x", 255) + `é","endpoint":"/e"}`, "user: longer than 256 bytes"},
+		{"257 bytes escaped", `{"tenant":"a","user":"` + strings.Repeat("x", 255) + `\u00e9","endpoint":"/e"}`, "user: longer than 256 bytes"},
 		{"negative", `{"tenant":"a","user":"u","endpoint":"/e","estimated_tokens":-1}`, "estimated_tokens: must be a whole number from 0 to 1000000000000"},
 		{"too big", `{"tenant":"a","user":"u","endpoint":"/e","estimated_tokens":1000000000001}`, "estimated_tokens: must be a whole number from 0 to 1000000000000"},
 		{"fraction", `{"tenant":"a","user":"u","endpoint":"/e","estimated_tokens":1.5}`, "estimated_tokens: must be a whole number from 0 to 1000000000000"},
@@ -487,8 +498,12 @@ func TestAdmitInputs(t *testing.T) {
 			decide.Input{RequestID: "r", Tenant: "a", User: "u", Endpoint: "/e", IP: "192.0.2.1"}},
 		{"ipv6 canonical", `{"request_id":"r","tenant":"a","user":"u","endpoint":"/e","ip":"2001:DB8:0::1"}`,
 			decide.Input{RequestID: "r", Tenant: "a", User: "u", Endpoint: "/e", IP: "2001:db8::1"}},
-		{"identifiers are kept byte for byte", `{"request_id":"r\u0000","tenant":"a:b/c\u00e9 ","user":"\ud83d\ude00{x}","endpoint":"/e?q"}`,
-			decide.Input{RequestID: "r\x00", Tenant: "a:b/cé ", User: "😀{x}", Endpoint: "/e?q"}},
+		{"identifiers are kept byte for byte", `{"request_id":"r\u00a0","tenant":"a:b/c\u00e9 ","user":"\ud83d\ude00{x}\u2028","endpoint":"/e?q"}`,
+			decide.Input{RequestID: "r\u00a0", Tenant: "a:b/cé ", User: "😀{x}\u2028", Endpoint: "/e?q"}},
+		{"256 bytes", `{"request_id":"r","tenant":"` + strings.Repeat("t", 256) + `","user":"` + strings.Repeat("é", 128) + `","endpoint":"/e","estimated_tokens":1000000000000}`,
+			decide.Input{RequestID: "r", Tenant: strings.Repeat("t", 256), User: strings.Repeat("é", 128), Endpoint: "/e", Cost: 1000000000000}},
+		{"256 bytes escaped", `{"request_id":"r","tenant":"t","user":"` + strings.Repeat("\u00e9", 128) + `","endpoint":"/e","input_tokens":1000000000000}`,
+			decide.Input{RequestID: "r", Tenant: "t", User: strings.Repeat("é", 128), Endpoint: "/e", Cost: 1000000000000}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t, nil)
@@ -763,6 +778,8 @@ func TestAuthzDenied(t *testing.T) {
 	}
 }
 
+// Every input /v1/authz cannot check is a denial with the configured
+// status, never a 400, which nginx's auth_request would turn into a 500.
 func TestAuthzValidation(t *testing.T) {
 	for _, tc := range []struct {
 		name, target string
@@ -773,23 +790,113 @@ func TestAuthzValidation(t *testing.T) {
 		{"no user", "/v1/authz/e", []string{hdrTenant, "a"}, "X-Quota-User: required"},
 		{"no endpoint", "/v1/authz", []string{hdrTenant, "a", hdrUser, "u"}, "endpoint: required: set X-Original-URI or X-Forwarded-Uri, or append the path to /v1/authz"},
 		{"bad escape", "/v1/authz", []string{hdrTenant, "a", hdrUser, "u", hdrOriginalURI, "/a%zz"}, "X-Original-URI: invalid percent-encoding"},
+		{"bad escape in forwarded uri", "/v1/authz", []string{hdrTenant, "a", hdrUser, "u", hdrForwardedURI, "/a%"}, "X-Forwarded-Uri: invalid percent-encoding"},
+		{"escaped NUL in the uri", "/v1/authz", []string{hdrTenant, "a", hdrUser, "u", hdrOriginalURI, "/a%00b"}, "X-Original-URI: contains a control character"},
+		{"escaped NUL in the path", "/v1/authz/a%00", []string{hdrTenant, "a", hdrUser, "u"}, "endpoint: contains a control character"},
+		{"escaped C1 in the uri", "/v1/authz", []string{hdrTenant, "a", hdrUser, "u", hdrForwardedURI, "/a%C2%85"}, "X-Forwarded-Uri: contains a control character"},
+		{"escaped invalid UTF-8", "/v1/authz", []string{hdrTenant, "a", hdrUser, "u", hdrOriginalURI, "/a%ff"}, "X-Original-URI: not valid UTF-8"},
+		{"long endpoint", "/v1/authz", []string{hdrTenant, "a", hdrUser, "u", hdrOriginalURI, "/" + strings.Repeat("e", 256)}, "X-Original-URI: longer than 256 bytes"},
 		{"bad tokens", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrEstimated, "12x"}, "X-Quota-Estimated-Tokens: must be a whole number from 0 to 1000000000000"},
 		{"negative tokens", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrEstimated, "-3"}, "X-Quota-Estimated-Tokens: must be a whole number from 0 to 1000000000000"},
+		{"tokens past 10^12", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrEstimated, "1000000000001"}, "X-Quota-Estimated-Tokens: must be a whole number from 0 to 1000000000000"},
+		{"tokens past int64", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrEstimated, "99999999999999999999"}, "X-Quota-Estimated-Tokens: must be a whole number from 0 to 1000000000000"},
+		{"input tokens past 10^12", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrInputTokens, "1000000000001"}, "X-Quota-Input-Tokens: must be a whole number from 0 to 1000000000000"},
+		{"max output tokens past 10^12", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrMaxOutputTokens, "1000000000001"}, "X-Quota-Max-Output-Tokens: must be a whole number from 0 to 1000000000000"},
+		{"weighted cost past 10^12", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrModel, "big-model", hdrMaxOutputTokens, "400000000000"},
+			"X-Quota-Input-Tokens: weighted cost 1200000000000 of X-Quota-Input-Tokens and X-Quota-Max-Output-Tokens exceeds 1000000000000"},
+		{"both costs", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrEstimated, "1", hdrInputTokens, "1"},
+			"X-Quota-Estimated-Tokens: give either X-Quota-Estimated-Tokens or X-Quota-Input-Tokens and X-Quota-Max-Output-Tokens, not both"},
 		{"long user", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, strings.Repeat("u", 257)}, "X-Quota-User: longer than 256 bytes"},
 		{"invalid utf8", "/v1/authz/e", []string{hdrTenant, "a\xff", hdrUser, "u"}, "X-Quota-Tenant: not valid UTF-8"},
+		{"tab in user", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u\tv"}, "X-Quota-User: contains a control character"},
+		{"C1 in tenant", "/v1/authz/e", []string{hdrTenant, "a\u0085", hdrUser, "u"}, "X-Quota-Tenant: contains a control character"},
+		{"DEL in plan", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrPlan, "free\x7f"}, "X-Quota-Plan: contains a control character"},
+		{"escape in model", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrModel, "m\x1b[0m"}, "X-Quota-Model: contains a control character"},
+		{"NUL in request id", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrRequestID, "r\x00"}, "X-Request-Id: contains a control character"},
 		{"bad real ip", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrRealIP, "nope"}, "X-Real-IP: not an IP address"},
+		{"bad forwarded for", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrForwardedFor, "198.51.100.1, nope"}, "X-Forwarded-For: not an IP address"},
+		{"zone in real ip", "/v1/authz/e", []string{hdrTenant, "a", hdrUser, "u", hdrRealIP, "fe80::1%eth0"}, "X-Real-IP: not an IP address"},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			e := newEnv(t, func(o *Options) { o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")} })
-			e.dec.admit = allowed
-			w := e.do("GET", tc.target, "", tc.hdr...)
-			if w.Code != 400 {
-				t.Fatalf("GET %s = %d %s, want 400", tc.target, w.Code, w.Body)
+		for _, status := range []int{429, 403} {
+			t.Run(fmt.Sprint(tc.name, "/", status), func(t *testing.T) {
+				e := newEnv(t, func(o *Options) {
+					o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}
+					o.AuthzDenyStatus = status
+				})
+				e.dec.admit = allowed
+				w := e.do("GET", tc.target, "", tc.hdr...)
+				wantInvalidDenial(t, w, status, tc.want)
+				if e.dec.calls() != 0 {
+					t.Errorf("the decider was called for an invalid request")
+				}
+			})
+		}
+	}
+}
+
+// wantInvalidDenial checks the answer to a /v1/authz request that cannot
+// be checked: the deny status, X-Quota-Denied, no Retry-After and a problem
+// body naming the field.
+func wantInvalidDenial(t *testing.T, w *httptest.ResponseRecorder, status int, detail string) {
+	t.Helper()
+	if w.Code != status {
+		t.Fatalf("GET /v1/authz = %d %s, want %d", w.Code, w.Body, status)
+	}
+	if w.Header().Get("X-Quota-Denied") != "1" || w.Header().Get("Retry-After") != "" ||
+		w.Header().Get("Content-Type") != "application/problem+json" {
+		t.Errorf("headers = %v, want X-Quota-Denied: 1, a problem and no Retry-After", w.Header())
+	}
+	m := decodeMap(t, w)
+	if m["type"] != ProblemInvalidRequest || m["status"] != float64(status) || m["reason"] != "invalid_request" ||
+		m["detail"] != detail || m["allowed"] != false {
+		t.Errorf("body = %s, want reason invalid_request, status %d and detail %q", w.Body, status, detail)
+	}
+}
+
+// A caller's mistake the decider finds (an unknown plan) is a denial on
+// /v1/authz too; the token's verdicts keep their own statuses, which nginx
+// understands.
+func TestAuthzInvalidFromDecider(t *testing.T) {
+	for _, status := range []int{429, 403} {
+		t.Run(fmt.Sprint(status), func(t *testing.T) {
+			e := newEnv(t, func(o *Options) { withTokens(o); o.AuthzDenyStatus = status })
+			e.dec.admit = func(decide.Input) (decide.Result, error) {
+				return decide.Result{}, fmt.Errorf("resolve: %w", limits.ErrUnknownPlan)
 			}
-			if m := decodeMap(t, w); m["message"] != tc.want {
-				t.Errorf("message = %q, want %q", m["message"], tc.want)
+			w := e.do("GET", "/v1/authz/e", "", "Authorization", "Bearer "+tokenAny, hdrTenant, "acme", hdrUser, "u", hdrPlan, "gold")
+			wantInvalidDenial(t, w, status, `plan: "gold" is not a plan of the policy`)
+
+			if w := e.do("GET", "/v1/authz/e", "", hdrTenant, "acme", hdrUser, "u\x00"); w.Code != 401 {
+				t.Errorf("no token, invalid user: %d, want 401", w.Code)
+			}
+			if w := e.do("GET", "/v1/authz/e", "", "Authorization", "Bearer "+tokenAcme, hdrTenant, "other", hdrUser, "u"); w.Code != 403 || w.Header().Get("X-Quota-Denied") != "" {
+				t.Errorf("token of another tenant: %d %v, want 403 without X-Quota-Denied", w.Code, w.Header())
+			}
+			// /v1/admit keeps its 400.
+			if w := e.do("POST", "/v1/admit", `{"tenant":"acme","user":"u","endpoint":"/e","plan":"gold"}`, "Authorization", "Bearer "+tokenAny); w.Code != 400 {
+				t.Errorf("POST /v1/admit with an unknown plan = %d, want 400", w.Code)
 			}
 		})
+	}
+}
+
+// Costs up to 10^12 are checked, one more is not: at the door on
+// /v1/authz as on /v1/admit.
+func TestAuthzCostEdge(t *testing.T) {
+	e := newEnv(t, nil)
+	e.dec.admit = allowed
+	for _, hdr := range [][]string{
+		{hdrEstimated, "1000000000000"},
+		{hdrInputTokens, "1000000000000"},
+		{hdrModel, "big-model", hdrInputTokens, "1", hdrMaxOutputTokens, "333333333333"},
+	} {
+		w := e.do("GET", "/v1/authz/e", "", append([]string{hdrTenant, "acme", hdrUser, "u"}, hdr...)...)
+		if w.Code != 200 {
+			t.Fatalf("GET /v1/authz %v = %d %s, want 200", hdr, w.Code, w.Body)
+		}
+		if c := e.dec.lastInput(t).Cost; c != 1000000000000 {
+			t.Errorf("GET /v1/authz %v: cost %d, want 10^12", hdr, c)
+		}
 	}
 }
 
@@ -867,6 +974,8 @@ func TestRelease(t *testing.T) {
 		`{"tenant":"acme","user":"u","request_id":"r","x":1}`:                       "x: unknown field",
 		`{"tenant":"","user":"u","request_id":"r"}`:                                 "tenant: required",
 		`{"tenant":"a","user":"u","request_id":"` + strings.Repeat("r", 300) + `"}`: "request_id: longer than 256 bytes",
+		`{"tenant":"acme","user":"u\u0000","request_id":"r"}`:                       "user: contains a control character",
+		`{"tenant":"acme","user":"u","request_id":"r\u0085"}`:                       "request_id: contains a control character",
 	} {
 		if w := e.do("POST", "/v1/release", body); w.Code != 400 || decodeMap(t, w)["message"] != msg {
 			t.Errorf("POST /v1/release %s = %d %s, want 400 %q", body, w.Code, w.Body, msg)
@@ -916,6 +1025,9 @@ func TestUsageGet(t *testing.T) {
 		"?user=u":   "tenant: required",
 		"?tenant=a": "user: required",
 		"?tenant=a&user=u&plan=" + strings.Repeat("p", 257): "plan: longer than 256 bytes",
+		"?tenant=a%00&user=u":                               "tenant: contains a control character",
+		"?tenant=a&user=%C2%85":                             "user: contains a control character",
+		"?tenant=a&user=%FF":                                "user: not valid UTF-8",
 	} {
 		if w := e.do("GET", "/v1/usage"+q, ""); w.Code != 400 || decodeMap(t, w)["message"] != msg {
 			t.Errorf("GET /v1/usage%s = %d %s, want 400 %q", q, w.Code, w.Body, msg)
@@ -956,15 +1068,21 @@ func TestTopUp(t *testing.T) {
 		t.Errorf("topup event = %+v", ev)
 	}
 	for body, msg := range map[string]string{
-		`{"tenant":"acme","amount":5}`:                   "reference: required",
-		`{"tenant":"acme","reference":"r"}`:              "amount: required",
-		`{"tenant":"acme","reference":"r","amount":0}`:   "amount: must be a whole number from 1 to 1000000000000",
-		`{"tenant":"acme","reference":"r","amount":2.5}`: "amount: must be a whole number from 0 to 1000000000000",
-		`{"user":"u","reference":"r","amount":1}`:        "tenant: required",
+		`{"tenant":"acme","amount":5}`:                              "reference: required",
+		`{"tenant":"acme","reference":"r"}`:                         "amount: required",
+		`{"tenant":"acme","reference":"r","amount":0}`:              "amount: must be a whole number from 1 to 1000000000000",
+		`{"tenant":"acme","reference":"r","amount":2.5}`:            "amount: must be a whole number from 0 to 1000000000000",
+		`{"user":"u","reference":"r","amount":1}`:                   "tenant: required",
+		`{"tenant":"acme","reference":"r","amount":1000000000001}`:  "amount: must be a whole number from 1 to 1000000000000",
+		`{"tenant":"acme","reference":"r\u0000","amount":1}`:        "reference: contains a control character",
+		`{"tenant":"acme","user":"u\t","reference":"r","amount":1}`: "user: contains a control character",
 	} {
 		if w := e.do("POST", "/v1/balances/topup", body); w.Code != 400 || decodeMap(t, w)["message"] != msg {
 			t.Errorf("POST /v1/balances/topup %s = %d %s, want 400 %q", body, w.Code, w.Body, msg)
 		}
+	}
+	if w := e.do("POST", "/v1/balances/topup", `{"tenant":"acme","reference":"max","amount":1000000000000}`); w.Code != 200 {
+		t.Errorf("topup of 10^12 = %d %s, want 200", w.Code, w.Body)
 	}
 	e.dec.topUp = func(string, string, int64, string) (limits.TopUpResult, error) {
 		return limits.TopUpResult{}, fmt.Errorf("%w: plan has no balance", limits.ErrInvalid)
@@ -999,6 +1117,10 @@ func TestUsageReport(t *testing.T) {
 		{"not an array", `{}`, "body: must be a JSON array of CloudEvents"},
 		{"empty", `[]`, "body: no events; want a JSON array of CloudEvents"},
 		{"bad event", "[" + actualJSON("e1", "acme", 5) + "," + actualJSON("e2", "acme", -7) + "]", "[1].data.input_tokens: must be >= 0"},
+		{"count past 10^12", "[" + actualJSON("e1", "acme", 1000000000001) + "]", "[0].data.input_tokens: must be <= 1000000000000"},
+		{"NUL in tenant", "[" + actualJSON("e1", `acme\u0000`, 5) + "]", "[0].data.tenant: contains a control character"},
+		{"C1 in tenant", "[" + actualJSON("e1", "acme\u0085", 5) + "]", "[0].data.tenant: contains a control character"},
+		{"lone surrogate in tenant", "[" + actualJSON("e1", `acme\ud800`, 5) + "]", "body: string contains an unpaired UTF-16 surrogate escape"},
 		{"wrong type", `[{"specversion":"1.0","id":"x","source":"s","type":"quotaflow.balance.topup","time":"2025-03-14T09:26:53Z",
 		  "datacontenttype":"application/json","data":{"tenant":"acme","amount":5,"reference":"r"}}]`,
 			"[0].type: \"quotaflow.balance.topup\" cannot be reported here; want quotaflow.usage.actual or quotaflow.usage.released"},
@@ -1009,6 +1131,9 @@ func TestUsageReport(t *testing.T) {
 				t.Errorf("POST /v1/usage = %d %s, want 400 %q", w.Code, w.Body, tc.msg)
 			}
 		})
+	}
+	if w := e.do("POST", "/v1/usage", "["+actualJSON("e9", "acme", 1000000000000)+"]", auth...); w.Code != http.StatusAccepted {
+		t.Errorf("POST /v1/usage of 10^12 tokens = %d %s, want 202", w.Code, w.Body)
 	}
 	// A scoped token may only report its tenant's usage.
 	w = e.do("POST", "/v1/usage", "["+actualJSON("e1", "acme", 5)+","+actualJSON("e3", "other", 5)+"]", auth...)

@@ -37,13 +37,35 @@ func (h *Handler) serveAuthz(w http.ResponseWriter, r *http.Request) {
 	pol := h.policy()
 	in, ferr := decodeAuthz(r, h.trusted, pol.Cost)
 	if ferr != nil {
-		writeFieldError(w, ferr)
+		h.denyInvalid(w, ferr.Error())
 		return
 	}
 	if !authorize(w, p, in.Tenant) {
 		return
 	}
 	h.decide(w, r, routeAuthz, pol, in, h.deny, true)
+}
+
+// ProblemInvalidRequest is the RFC 9457 problem type of a /v1/authz
+// request that cannot be checked (a missing or invalid header, endpoint or
+// number). It is a tag URI (RFC 4151): nothing to dereference.
+const ProblemInvalidRequest = "tag:quotaflow,2025:problem:invalid-request"
+
+// reasonInvalidRequest is the reason of such a denial.
+const reasonInvalidRequest = "invalid_request"
+
+// denyInvalid answers a /v1/authz request that cannot be checked with the
+// configured denial status, never a 400: nginx's auth_request turns every
+// status but 2xx, 401 and 403 into a 500, which would hide the caller's
+// mistake behind a server error. The problem body says what is wrong
+// (detail is "<field>: <what is wrong>"); there is no Retry-After, since
+// the same request never fits.
+func (h *Handler) denyInvalid(w http.ResponseWriter, detail string) {
+	w.Header().Set("X-Quota-Denied", "1")
+	writeDecision(w, h.deny, "application/problem+json", &decisionBody{
+		Type: ProblemInvalidRequest, Title: "Request cannot be checked: invalid input", Status: h.deny,
+		Detail: detail, Reason: reasonInvalidRequest, Limits: []limitJSON{},
+	})
 }
 
 // decodeAuthz reads an admission request from r's headers.

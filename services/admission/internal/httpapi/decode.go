@@ -11,12 +11,13 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/decide"
 )
 
 // maxID is the longest identifier in bytes (DESIGN §4).
-const maxID = limits.MaxID
+const maxID = ident.MaxLen
 
 // fieldError is a 400: which field (JSON key, query parameter or header)
 // and what is wrong with it.
@@ -124,16 +125,16 @@ func tokensCost(est, input, output *int64, model string, cost costFunc, estName,
 	return 0, nil
 }
 
-// checkID validates an identifier: valid UTF-8 of at most maxID bytes,
-// non-empty when required. Any other content is allowed (DESIGN §4).
+// checkID validates an identifier by the rule of package ident (valid
+// UTF-8 of at most maxID bytes without control characters), non-empty when
+// required (DESIGN §4). It runs on every admit, so it must not allocate
+// for a valid identifier.
 func checkID(field, v string, required bool) *fieldError {
-	switch {
-	case v == "" && required:
+	if v == "" && required {
 		return bad(field, "required")
-	case len(v) > maxID:
-		return bad(field, "longer than %d bytes", maxID)
-	case !utf8.ValidString(v):
-		return bad(field, "not valid UTF-8")
+	}
+	if err := ident.Check(v); err != nil {
+		return &fieldError{field: field, problem: err.Error()}
 	}
 	return nil
 }
@@ -217,7 +218,7 @@ func sanitizeField(s string) string {
 		s = s[:64]
 	}
 	return strings.Map(func(r rune) rune {
-		if r < 0x20 || r == 0x7f || r == utf8.RuneError {
+		if ident.IsControl(r) || r == utf8.RuneError {
 			return '?'
 		}
 		return r

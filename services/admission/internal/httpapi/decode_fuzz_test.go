@@ -2,28 +2,28 @@ package httpapi
 
 import (
 	"encoding/json"
+	"errors"
 	"net/netip"
+	"reflect"
+	"strings"
 	"testing"
 	"unicode/utf8"
 
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
 )
 
 // FuzzDecodeAdmit checks the POST /v1/admit decoder on arbitrary bodies:
-// it never panics; what it accepts satisfies every rule of DESIGN §4 and
-// survives a round trip; what it rejects names a field in a printable,
-// valid UTF-8 message. Seeds live in testdata/fuzz/FuzzDecodeAdmit.
+// it never panics; what it accepts satisfies every rule of DESIGN §4 (the
+// identifiers pass ident.Check) and survives a round trip; what it rejects
+// names a field in a printable, valid UTF-8 message. Seeds live in testdata/fuzz/FuzzDecodeAdmit.
 func FuzzDecodeAdmit(f *testing.F) {
 	pol := mustPolicy(f)
 	f.Fuzz(func(t *testing.T, body []byte) {
 		in, ferr := decodeAdmit(body, pol.Cost)
 		if ferr != nil {
-			if ferr.field == "" || ferr.problem == "" {
-				t.Fatalf("error without field or problem: %q", ferr.Error())
-			}
-			if msg := ferr.Error(); !utf8.ValidString(msg) || len(msg) > 1024 {
-				t.Fatalf("error message is not short valid UTF-8: %q", msg)
-			}
+			checkFieldError(t, ferr)
 			return
 		}
 		for name, v := range map[string]string{"tenant": in.Tenant, "user": in.User, "endpoint": in.Endpoint} {
@@ -33,8 +33,8 @@ func FuzzDecodeAdmit(f *testing.F) {
 		}
 		for name, v := range map[string]string{"request_id": in.RequestID, "tenant": in.Tenant, "user": in.User,
 			"plan": in.Plan, "endpoint": in.Endpoint, "model": in.Model} {
-			if len(v) > limits.MaxID || !utf8.ValidString(v) {
-				t.Fatalf("accepted %s %q", name, v)
+			if err := ident.Check(v); err != nil {
+				t.Fatalf("accepted %s %q: %v", name, v, err)
 			}
 		}
 		if in.Cost < 0 || in.Cost > limits.MaxCost {
@@ -57,6 +57,79 @@ func FuzzDecodeAdmit(f *testing.F) {
 		in2, ferr := decodeAdmit(again, pol.Cost)
 		if ferr != nil || in2 != in {
 			t.Fatalf("round trip of %q: %+v, %v; want %+v", again, in2, ferr, in)
+		}
+	})
+}
+
+// checkFieldError fails unless a rejection names a field and a problem in
+// a short, valid UTF-8 message.
+func checkFieldError(t *testing.T, ferr *fieldError) {
+	t.Helper()
+	if ferr.field == "" || ferr.problem == "" {
+		t.Fatalf("error without field or problem: %q", ferr.Error())
+	}
+	if msg := ferr.Error(); !utf8.ValidString(msg) || len(msg) > 1024 {
+		t.Fatalf("error message is not short valid UTF-8: %q", msg)
+	}
+}
+
+// FuzzDecodeUsage checks the POST /v1/usage decoder on arbitrary bodies: it
+// never panics; what it rejects names a field in a short valid UTF-8
+// message; what it accepts is a non-empty list of valid actual or released
+// events whose identifiers pass ident.Check and whose counts lie in 0 to
+// 10^12, and that list, written out again with events.Encode, decodes to
+// the same events. Seeds live in testdata/fuzz/FuzzDecodeUsage.
+func FuzzDecodeUsage(f *testing.F) {
+	f.Add([]byte("[" + actualJSON("e1", "acme", 5) + "]"))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		evs, ferr := decodeUsage(body)
+		if ferr != nil {
+			checkFieldError(t, ferr)
+			return
+		}
+		if len(evs) == 0 {
+			t.Fatalf("accepted no events: %q", body)
+		}
+		again := []byte{'['}
+		for i, ev := range evs {
+			if err := ev.Validate(); err != nil {
+				t.Fatalf("accepted event %d that Validate rejects: %v", i, err)
+			}
+			var ids []string
+			switch d := ev.Data.(type) {
+			case events.Actual:
+				ids = []string{d.RequestID, d.Tenant, d.User, d.Endpoint, d.Model}
+				if d.InputTokens < 0 || d.InputTokens > limits.MaxCost || d.OutputTokens < 0 || d.OutputTokens > limits.MaxCost {
+					t.Fatalf("accepted counts %d, %d", d.InputTokens, d.OutputTokens)
+				}
+			case events.Released:
+				ids = []string{d.RequestID, d.Tenant, d.User}
+			default:
+				t.Fatalf("accepted a %s event", ev.Type())
+			}
+			for _, v := range append(ids, ev.Source) {
+				if err := ident.Check(v); err != nil {
+					t.Fatalf("accepted identifier %q: %v", v, err)
+				}
+			}
+			b, err := events.Encode(ev)
+			if err != nil {
+				// Re-encoding may grow past the size cap (U+2028 is
+				// escaped); nothing else may fail.
+				if errors.Is(err, events.ErrInvalid) && strings.Contains(err.Error(), "larger than") {
+					return
+				}
+				t.Fatalf("Encode(accepted event %d) = %v", i, err)
+			}
+			if i > 0 {
+				again = append(again, ',')
+			}
+			again = append(again, b...)
+		}
+		again = append(again, ']')
+		evs2, ferr := decodeUsage(again)
+		if ferr != nil || !reflect.DeepEqual(evs, evs2) {
+			t.Fatalf("round trip of %q: %+v, %v; want %+v", again, evs2, ferr, evs)
 		}
 	})
 }
