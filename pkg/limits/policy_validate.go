@@ -119,7 +119,8 @@ var (
 // name used in several plans has the same kind and unit in each (and, if
 // rolling, the same bucket length), since a user's counter is keyed by name
 // and outlives a plan change;
-// default_plan and every tenant's plan defined; tenant and model names of 1
+// default_plan, every tenant's plan and every plan a tenant's plans list
+// names defined; tenant and model names of 1
 // to 256 bytes of UTF-8; endpoints paths starting with "/"; model weights
 // finite, non-negative and not both zero.
 func (p *Policy) Validate() error {
@@ -177,6 +178,11 @@ func (c *policyChecker) policy(p *Policy) {
 		}
 		if _, ok := p.Plans[t.Plan]; t.Plan != "" && !ok {
 			c.add(keyPath(path, "plan"), "plan %q is not defined", t.Plan)
+		}
+		for i, name := range t.Plans {
+			if _, ok := p.Plans[name]; !ok {
+				c.add(indexPath(keyPath(path, "plans"), i), "plan %q is not defined", name)
+			}
 		}
 		seen := map[string]string{}
 		c.limits(keyPath(path, "quotas"), t.Quotas, tenantQuotas, seen)
