@@ -1,15 +1,15 @@
 package auth
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"strconv"
 
 	"go.yaml.in/yaml/v3"
+
+	"quotaflow/internal/yamldoc"
 )
 
 // MaxFileSize is the largest tokens file accepted (1 MiB): thousands of
@@ -36,29 +36,21 @@ const fileFields = "token or sha256, tenant, roles"
 // one.
 func ParseFile(data []byte) ([]Entry, error) {
 	if len(data) > MaxFileSize {
-		return nil, fmt.Errorf("larger than %d bytes (1 MiB)", MaxFileSize)
+		return nil, fmt.Errorf("file is larger than %d bytes (1 MiB)", MaxFileSize)
 	}
-	dec := yaml.NewDecoder(bytes.NewReader(data))
-	var doc yaml.Node
-	if err := dec.Decode(&doc); err != nil {
-		if errors.Is(err, io.EOF) {
-			return nil, errors.New(`empty; write [] for a file of no tokens`)
-		}
-		return nil, fmt.Errorf("parse: %w", err)
+	doc, err := yamldoc.Decode(data, "file")
+	if errors.Is(err, yamldoc.ErrEmpty) {
+		return nil, errors.New("file is empty; write [] for a file of no tokens")
 	}
-	var next yaml.Node
-	if err := dec.Decode(&next); !errors.Is(err, io.EOF) {
-		if err != nil {
-			return nil, fmt.Errorf("parse: %w", err)
-		}
-		return nil, fmt.Errorf("holds more than one YAML document (line %d)", next.Line)
+	if err != nil {
+		return nil, err
 	}
-	list := deref(&doc)
-	if list.Kind == yaml.DocumentNode && len(list.Content) == 1 {
+	list := doc
+	if len(list.Content) == 1 {
 		list = deref(list.Content[0])
 	}
 	if list.Kind != yaml.SequenceNode {
-		return nil, errors.New("must be a list of entries of " + fileFields)
+		return nil, errors.New("file must be a list of entries of " + fileFields)
 	}
 	p := fileParser{}
 	out := make([]Entry, 0, len(list.Content))

@@ -56,9 +56,9 @@ func TestParseFileErrors(t *testing.T) {
 	const tok = "s3cret-token"
 	sum := hexSum(tok)
 	for _, tc := range []struct{ name, src, want string }{
-		{"empty", "", "empty; write [] for a file of no tokens"},
-		{"comments only", "# none yet\n", "empty; write [] for a file of no tokens"},
-		{"a mapping", "token: " + tok, "must be a list of entries of token or sha256, tenant, roles"},
+		{"empty", "", "file is empty; write [] for a file of no tokens"},
+		{"comments only", "# none yet\n", "file is empty; write [] for a file of no tokens"},
+		{"a mapping", "token: " + tok, "file must be a list of entries of token or sha256, tenant, roles"},
 		{"a scalar item", "- " + tok, "[0]: must be a mapping of token or sha256, tenant, roles"},
 		{"unknown field", "- {token: a-token}\n- token: b-token\n  tenat: acme", "[1]: unknown field on line 3 (want token or sha256, tenant, roles)"},
 		{"a token as a key", "- " + tok + ": x", "[0]: unknown field on line 1 (want token or sha256, tenant, roles)\n[0]: token or sha256 required"},
@@ -82,9 +82,9 @@ func TestParseFileErrors(t *testing.T) {
 		{"bound admin", "- {token: " + tok + ", tenant: acme, roles: [admin]}", "[0].roles: role admin acts for every tenant and cannot be bound to one"},
 		{"every mistake", "- {token: " + tok + "}\n- {tenant: acme}\n- {sha256: nope, roles: [root]}",
 			"[1]: token or sha256 required\n[2].sha256: want the 64 hex digits of the token's SHA-256\n[2].roles[0]: unknown role (want gateway, report, billing or admin)"},
-		{"two documents", "- {token: a-token}\n---\n- {token: b-token}", "holds more than one YAML document (line 2)"},
-		{"syntax", "- {token: " + tok + "\n", "parse: yaml: line 1: did not find expected ',' or '}'"},
-		{"too large", "# " + strings.Repeat("x", MaxFileSize), "larger than 1048576 bytes (1 MiB)"},
+		{"two documents", "- {token: a-token}\n---\n- {token: b-token}", "file holds more than one YAML document (line 2)"},
+		{"syntax", "- {token: " + tok + "\n", "parse file: yaml: line 1: did not find expected ',' or '}'"},
+		{"too large", "# " + strings.Repeat("x", MaxFileSize), "file is larger than 1048576 bytes (1 MiB)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseFile([]byte(tc.src))
