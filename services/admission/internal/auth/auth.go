@@ -168,8 +168,8 @@ type Principal struct {
 // authentication.
 var everyone = []Grant{{Roles: Admin}}
 
-// As returns p acting in role: For then considers only the grants that
-// allow it.
+// As returns p acting in role: Allowed and For then consider only the
+// grants that allow it (before As, every grant counts).
 func (p Principal) As(role Roles) Principal {
 	p.role = role
 	return p
