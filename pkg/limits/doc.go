@@ -9,7 +9,8 @@
 // limits, endpoints with global and per-user limits, an IP layer and model
 // cost weights. Policy.Resolve turns a request's tenant, plan and endpoint
 // into Rules grouped by layer (IP, global, subject); Policy.Cost weighs a
-// model's input and output tokens.
+// model's input and output tokens; Policy.Grants says which plans a caller
+// bound to a tenant may name.
 //
 // # Engine
 //

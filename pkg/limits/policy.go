@@ -104,13 +104,16 @@ type Plan struct {
 
 // Tenant holds a tenant's default plan and its tenant-wide limits, which all
 // of the tenant's users share. Plan, when set, names a plan of the policy and
-// replaces default_plan for requests that name no plan. Shadow makes the
+// replaces default_plan for requests that name no plan. Plans lists the other
+// plans a caller whose API token is bound to this tenant may name (see
+// Policy.Grants); the tenant's own plan is always granted. Shadow makes the
 // tenant-wide limits shadow (not the plan's).
 type Tenant struct {
-	Plan   string  `yaml:"plan,omitempty"`
-	Quotas []Limit `yaml:"quotas,omitempty"`
-	Rates  []Limit `yaml:"rates,omitempty"`
-	Shadow bool    `yaml:"shadow,omitempty"`
+	Plan   string   `yaml:"plan,omitempty"`
+	Plans  []string `yaml:"plans,omitempty"`
+	Quotas []Limit  `yaml:"quotas,omitempty"`
+	Rates  []Limit  `yaml:"rates,omitempty"`
+	Shadow bool     `yaml:"shadow,omitempty"`
 }
 
 // Endpoint holds the limits of one API path: Global ones shared by all

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"go.yaml.in/yaml/v3"
+
+	"quotaflow/internal/yamldoc"
 )
 
 // MaxPolicySize is the largest policy Parse and LoadFile accept, in bytes
@@ -72,27 +74,16 @@ func Parse(data []byte) (*Policy, error) {
 	if len(data) > MaxPolicySize {
 		return nil, fmt.Errorf("policy is larger than %d bytes (1 MiB)", MaxPolicySize)
 	}
-	var root yaml.Node
-	dec := yaml.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&root); err != nil {
-		if errors.Is(err, io.EOF) {
-			return nil, errors.New("policy is empty")
-		}
-		return nil, fmt.Errorf("parse policy: %w", err)
-	}
-	var next yaml.Node
-	if err := dec.Decode(&next); !errors.Is(err, io.EOF) {
-		if err != nil {
-			return nil, fmt.Errorf("parse policy: %w", err)
-		}
-		return nil, fmt.Errorf("policy holds more than one YAML document (line %d)", next.Line)
+	root, err := yamldoc.Decode(data, "policy")
+	if err != nil {
+		return nil, err
 	}
 
 	// The schema walk gives shape errors a path, where the decoder would give
 	// a line and a Go type name, and catches what the decoder lets through:
 	// it truncates 1.5 to 1 in an integer field.
 	w := schemaWalker{}
-	w.walk(&root, reflect.TypeFor[Policy](), "")
+	w.walk(root, reflect.TypeFor[Policy](), "")
 	if len(w.errs) > 0 {
 		return nil, errors.Join(w.errs...)
 	}

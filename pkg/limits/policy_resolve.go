@@ -52,8 +52,9 @@ const maxPrecomputed = 1 << 15
 type subjectKey struct{ tenant, plan, endpoint string }
 
 type tenantEntry struct {
-	plan  string // the tenant's plan, or "" for default_plan
-	rules []Rule // tenant-wide rules
+	plan  string   // the tenant's plan, or "" for default_plan
+	plans []string // the other plans it grants (Grants)
+	rules []Rule   // tenant-wide rules
 }
 
 type endpointEntry struct {
@@ -116,6 +117,31 @@ func (p *Policy) Resolve(tenant, plan, endpoint string) (Resolved, error) {
 	}
 	r.Subject = s
 	return r, nil
+}
+
+// Grants reports whether a caller whose API token is bound to tenant may
+// name plan in a request: the tenant's own plan (its plan, else
+// default_plan; an empty plan means that one) and every plan its plans list
+// names. Callers not bound to a tenant may name any plan; admission answers
+// 403 to the others (DESIGN §4). An unknown tenant is granted default_plan
+// only. On a policy from Parse it is one map lookup and does not allocate;
+// it is safe for concurrent use.
+func (p *Policy) Grants(tenant, plan string) bool {
+	if plan == "" {
+		return true
+	}
+	var own string
+	var others []string
+	if ix := p.idx; ix != nil {
+		te := ix.tenants[tenant]
+		own, others = te.plan, te.plans
+	} else if t := p.Tenants[tenant]; t != nil {
+		own, others = t.Plan, t.Plans
+	}
+	if own == "" {
+		own = p.DefaultPlan
+	}
+	return plan == own || slices.Contains(others, plan)
 }
 
 // resolveSlow is Resolve for a Policy built in code, without an index.
@@ -280,8 +306,8 @@ func buildIndex(p *Policy, digest string) *policyIndex {
 	for _, name := range slices.Sorted(maps.Keys(p.Tenants)) {
 		t := p.Tenants[name]
 		rules := p.tenantRules(t)
-		if t.Plan != "" || len(rules) > 0 {
-			ix.tenants[name] = tenantEntry{plan: t.Plan, rules: rules}
+		if t.Plan != "" || len(t.Plans) > 0 || len(rules) > 0 {
+			ix.tenants[name] = tenantEntry{plan: t.Plan, plans: slices.Clip(t.Plans), rules: rules}
 		}
 		if len(rules) > 0 {
 			ruled = append(ruled, name)

@@ -200,6 +200,49 @@ func TestResolveUnknownPlan(t *testing.T) {
 	}
 }
 
+// grantsPolicy has a tenant on its own plan granting another, one on the
+// default plan granting another, and one with only tenant-wide limits.
+const grantsPolicy = `
+default_plan: free
+plans: {free: {}, pro: {}, enterprise: {}}
+tenants:
+  acme: {plan: pro, plans: [enterprise]}
+  beta: {plans: [pro]}
+  gamma: {quotas: [{name: month, kind: calendar_month, limit: 10}]}
+`
+
+func TestPolicyGrants(t *testing.T) {
+	parsed := mustParse(t, grantsPolicy)
+	inCode := &Policy{DefaultPlan: "free", Plans: parsed.Plans, Tenants: parsed.Tenants} // no index: the slow path
+	for _, tc := range []struct {
+		tenant, plan string
+		want         bool
+	}{
+		{"acme", "", true},           // the tenant's own plan
+		{"acme", "pro", true},        // its plan
+		{"acme", "enterprise", true}, // granted
+		{"acme", "free", false},      // default_plan is not acme's plan
+		{"beta", "free", true},       // default_plan is beta's own
+		{"beta", "pro", true},
+		{"beta", "enterprise", false},
+		{"gamma", "free", true},
+		{"gamma", "pro", false},
+		{"unlisted", "free", true},
+		{"unlisted", "", true},
+		{"unlisted", "pro", false},
+		{"acme", "gold", false}, // not a plan at all
+	} {
+		for name, p := range map[string]*Policy{"parsed": parsed, "built in code": inCode} {
+			if got := p.Grants(tc.tenant, tc.plan); got != tc.want {
+				t.Errorf("%s: Grants(%q, %q) = %v, want %v", name, tc.tenant, tc.plan, got, tc.want)
+			}
+		}
+	}
+	if allocs := testing.AllocsPerRun(100, func() { parsed.Grants("acme", "enterprise") }); allocs != 0 {
+		t.Errorf("Grants allocates %v times, want 0", allocs)
+	}
+}
+
 func TestResolveShadowInheritance(t *testing.T) {
 	const src = `
 default_plan: trial

@@ -117,10 +117,10 @@ var (
 // name used in several plans has the same kind and unit in each (and, if
 // rolling, the same bucket length), since a user's counter is keyed by name
 // and outlives a plan change;
-// default_plan and every tenant's plan defined; tenant, endpoint and model
-// names valid identifiers (package ident: 1 to 256 bytes of UTF-8 without
-// control characters); endpoints paths starting with "/" without white
-// space; model weights
+// default_plan, every tenant's plan and every plan a tenant's plans list
+// names defined; tenant, endpoint and model names valid identifiers
+// (package ident: 1 to 256 bytes of UTF-8 without control characters);
+// endpoints paths starting with "/" without white space; model weights
 // finite, non-negative and not both zero.
 func (p *Policy) Validate() error {
 	if p == nil {
@@ -177,6 +177,11 @@ func (c *policyChecker) policy(p *Policy) {
 		}
 		if _, ok := p.Plans[t.Plan]; t.Plan != "" && !ok {
 			c.add(keyPath(path, "plan"), "plan %q is not defined", t.Plan)
+		}
+		for i, name := range t.Plans {
+			if _, ok := p.Plans[name]; !ok {
+				c.add(indexPath(keyPath(path, "plans"), i), "plan %q is not defined", name)
+			}
 		}
 		seen := map[string]string{}
 		c.limits(keyPath(path, "quotas"), t.Quotas, tenantQuotas, seen)

@@ -10,7 +10,7 @@ import (
 
 	"quotaflow/internal/obs"
 	"quotaflow/pkg/events"
-	"quotaflow/services/admission/internal/httpapi"
+	"quotaflow/services/admission/internal/auth"
 )
 
 // Config is admission's configuration, read from QF_* environment variables
@@ -36,9 +36,14 @@ type Config struct {
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9090"`
 	// Ops holds the ops port's other settings: QF_PPROF.
 	obs.Ops
-	// APITokens are "token" or "token@tenant" entries; empty disables
-	// authentication (with a warning at start).
+	// APITokens are token[@tenant][#role+role] entries (auth.ParseEntry).
+	// With APITokensFile empty too there is no authentication, and a
+	// warning at start.
 	APITokens []string `envconfig:"API_TOKENS"`
+	// APITokensFile is a YAML list of token entries (auth.ParseFile),
+	// reloaded on change and SIGHUP; its tokens add to APITokens. It is
+	// read at start, not by Validate.
+	APITokensFile string `envconfig:"API_TOKENS_FILE"`
 	// RedisEpochGuard keeps admission local while Redis has lost its data
 	// until the accounter's rebuild; turn it off only without an accounter.
 	RedisEpochGuard bool `envconfig:"REDIS_EPOCH_GUARD" default:"true"`
@@ -117,7 +122,7 @@ func (c *Config) Validate() error {
 	if c.AdmissionAddr != "" && c.AdmissionAddr == c.OpsAddr && !strings.HasSuffix(c.OpsAddr, ":0") {
 		bad("OPS_ADDR", "must differ from QF_ADMISSION_ADDR")
 	}
-	if _, err := httpapi.NewAuth(c.APITokens); err != nil {
+	if _, err := auth.ParseEntries(c.APITokens); err != nil {
 		errs = append(errs, err)
 	}
 	if c.AuthzDenyStatus != 429 && c.AuthzDenyStatus != 403 {

@@ -25,6 +25,7 @@ import (
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/httpapi"
 	"quotaflow/services/admission/internal/outbox"
@@ -106,11 +107,11 @@ func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string,
 	for i := range tokens {
 		tokens[i] = strings.ReplaceAll(tokens[i], "TENANT", s.tenant)
 	}
-	auth, err := httpapi.NewAuth(tokens)
+	a, err := auth.New(auth.Options{Tokens: tokens})
 	if err != nil {
 		t.Fatal(err)
 	}
-	o := httpapi.Options{Decider: s.dec, Policy: w.Current, Events: s.ob, Auth: auth, Registerer: s.reg}
+	o := httpapi.Options{Decider: s.dec, Policy: w.Current, Events: s.ob, Auth: a, Registerer: s.reg}
 	for _, f := range opts {
 		f(&o)
 	}
@@ -438,31 +439,35 @@ func TestIdentifiersDoNotCollide(t *testing.T) {
 	}
 }
 
-// TestAuthOverHTTP: tokens as QF_API_TOKENS gives them.
+// TestAuthOverHTTP: tokens as QF_API_TOKENS gives them, with their
+// tenants, roles and the plans the policy grants a tenant.
 func TestAuthOverHTTP(t *testing.T) {
-	s := newStack(t, contractPolicy, []string{"all-tenants-token", "scoped-token@TENANT"})
-	body := func(tenant string) string {
-		return `{"tenant":"` + tenant + `","user":"u","endpoint":"/e","estimated_tokens":1}`
+	s := newStack(t, contractPolicy, []string{"all-tenants-token", "scoped-token@TENANT", "report-token#report"})
+	body := func(tenant, plan string) string {
+		return `{"tenant":"` + tenant + `","user":"u","endpoint":"/e","plan":"` + plan + `","estimated_tokens":1}`
 	}
 	for _, tc := range []struct {
-		token, tenant string
-		want          int
+		token, tenant, plan string
+		want                int
 	}{
-		{"", s.tenant, 401},
-		{"wrong", s.tenant, 401},
-		{"scoped-token", s.tenant, 200},
-		{"scoped-token", s.tenant + "-other", 403},
-		{"all-tenants-token", s.tenant, 200},
+		{"", s.tenant, "", 401},
+		{"wrong", s.tenant, "", 401},
+		{"scoped-token", s.tenant, "", 200},
+		{"scoped-token", s.tenant, "free", 200},
+		{"scoped-token", s.tenant, "paid", 403}, // not granted to the tenant
+		{"scoped-token", s.tenant + "-other", "", 403},
+		{"all-tenants-token", s.tenant, "", 200},
+		{"report-token", s.tenant, "", 403}, // report may not admit
 	} {
 		var hdr []string
 		if tc.token != "" {
 			hdr = []string{"Authorization", "Bearer " + tc.token}
 		}
-		if a := s.call("POST", "/v1/admit", body(tc.tenant), hdr...); a.code != tc.want {
-			t.Errorf("token %q tenant %q: %d %v, want %d", tc.token, tc.tenant, a.code, a.body, tc.want)
+		if a := s.call("POST", "/v1/admit", body(tc.tenant, tc.plan), hdr...); a.code != tc.want {
+			t.Errorf("token %q tenant %q plan %q: %d %v, want %d", tc.token, tc.tenant, tc.plan, a.code, a.body, tc.want)
 		}
 	}
-	big := strings.Repeat(" ", httpapi.MaxBodyBytes) + body(s.tenant)
+	big := strings.Repeat(" ", httpapi.MaxBodyBytes) + body(s.tenant, "")
 	if a := s.call("POST", "/v1/admit", big, "Authorization", "Bearer all-tenants-token"); a.code != 413 {
 		t.Errorf("oversized body = %d, want 413", a.code)
 	}

@@ -18,6 +18,7 @@ import (
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/httpapi"
 	"quotaflow/services/admission/internal/outbox"
@@ -38,7 +39,13 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	reg := obs.NewRegistry()
 	ready := obs.NewReadiness(readyStreams)
 
-	auth, err := httpapi.NewAuth(cfg.APITokens)
+	tokens, err := auth.New(auth.Options{
+		Tokens: cfg.APITokens, File: cfg.APITokensFile, Log: log,
+		OnReload: reloadCounter(reg, prometheus.CounterOpts{
+			Name: "quotaflow_admission_tokens_reloads_total",
+			Help: "Reloads of QF_API_TOKENS_FILE that found new content, by result (ok, rejected).",
+		}),
+	})
 	if err != nil {
 		return err
 	}
@@ -49,10 +56,13 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	log.Info("starting",
 		"admission_addr", cfg.AdmissionAddr, "ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "policy_file", cfg.PolicyFile,
 		"redis_url", redisconn.Redacted(cfg.RedisURL), "nats_url", redisconn.Redacted(cfg.NATSURL),
-		"stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix, "api_tokens", len(cfg.APITokens),
+		"stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix, "api_tokens", tokens.Len(), "api_tokens_file", cfg.APITokensFile,
 		"redis_epoch_guard", cfg.RedisEpochGuard, "authz_deny_status", cfg.AuthzDenyStatus, "spill_dir", cfg.SpillDir)
-	if auth == nil {
-		log.Warn("QF_API_TOKENS is empty: the API accepts requests without authentication")
+	switch {
+	case tokens == nil:
+		log.Warn("QF_API_TOKENS and QF_API_TOKENS_FILE are empty: the API accepts requests without authentication")
+	case tokens.Len() == 0:
+		log.Warn("no API token is in force: every request gets 401 until QF_API_TOKENS_FILE holds one")
 	}
 
 	// The ops server first, so /healthz answers during start-up.
@@ -63,19 +73,12 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	defer service.ShutdownStep(log, "ops server", cfg.ShutdownTimeout, ops.Shutdown)
 
 	// Policy: reload on file change and on SIGHUP.
-	reloads := prometheus.NewCounterVec(prometheus.CounterOpts{
+	policyReloaded := reloadCounter(reg, prometheus.CounterOpts{
 		Name: "quotaflow_admission_policy_reloads_total",
 		Help: "Policy reloads that found new content, by result (ok, rejected).",
-	}, []string{"result"})
-	reloads.WithLabelValues("ok")
-	reloads.WithLabelValues("rejected")
-	reg.MustRegister(reloads)
+	})
 	watcher, err := limits.NewWatcher(cfg.PolicyFile, log, limits.WithReloadHook(func(_ *limits.Policy, err error) {
-		if err != nil {
-			reloads.WithLabelValues("rejected").Inc()
-		} else {
-			reloads.WithLabelValues("ok").Inc()
-		}
+		policyReloaded(err)
 	}))
 	if err != nil {
 		return err
@@ -84,6 +87,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	bgCtx, bgCancel := context.WithCancel(context.Background())
 	defer func() { bgCancel(); bg.Wait() }()
 	bg.Go(func() { service.WatchPolicy(bgCtx, watcher, log) })
+	bg.Go(func() { tokens.Watch(bgCtx) }) // returns at once without a tokens file
 
 	// Redis and the Decider.
 	rdb, err := redisconn.Open(cfg.RedisURL)
@@ -184,7 +188,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		Decider:         dec,
 		Policy:          watcher.Current,
 		Events:          ob,
-		Auth:            auth,
+		Auth:            tokens,
 		AuthzDenyStatus: cfg.AuthzDenyStatus,
 		TrustedProxies:  proxies,
 		ReservationTTL:  cfg.ReservationTTL,
@@ -216,6 +220,22 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	service.ShutdownStep(log, "nats", cfg.ShutdownTimeout, func(ctx context.Context) error { return service.DrainNATS(ctx, nc) })
 	log.Info("stopped")
 	return nil
+}
+
+// reloadCounter registers a counter of a file's reloads by result (ok,
+// rejected), both series starting at zero, and returns the hook that
+// counts one reload: nil error for ok.
+func reloadCounter(reg prometheus.Registerer, opts prometheus.CounterOpts) func(error) {
+	c := prometheus.NewCounterVec(opts, []string{"result"})
+	ok, rejected := c.WithLabelValues("ok"), c.WithLabelValues("rejected")
+	reg.MustRegister(c)
+	return func(err error) {
+		if err != nil {
+			rejected.Inc()
+		} else {
+			ok.Inc()
+		}
+	}
 }
 
 // ensureStreams creates or updates the streams, retrying until it works

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"io"
 	"log/slog"
 	"net/http"
@@ -103,6 +105,25 @@ func TestConfigValidateNamesVariables(t *testing.T) {
 	}
 }
 
+// A tokens file that does not load is a start-up error, naming the file
+// and the mistake but not the token.
+func TestRunRejectsBadTokensFile(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.APITokensFile = filepath.Join(t.TempDir(), "tokens.yaml")
+	if err := os.WriteFile(cfg.APITokensFile, []byte("- {token: start-secret, roles: [superuser]}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	err := run(context.Background(), cfg, slog.New(slog.DiscardHandler), nil)
+	if err == nil || !strings.Contains(err.Error(), cfg.APITokensFile+": [0].roles[0]: unknown role") || strings.Contains(err.Error(), "start-secret") {
+		t.Errorf("run with an invalid tokens file = %v, want a start-up error naming the file and the mistake, not the token", err)
+	}
+}
+
+func sha256Hex(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(sum[:])
+}
+
 // QF_REDIS_BREAKER_WINDOW=0 means no window: decide's zero means its
 // default, a negative window none.
 func TestBreakerWindowZeroMeansNone(t *testing.T) {
@@ -124,6 +145,18 @@ func TestRun(t *testing.T) {
 	tenant := "run-" + randomHex(6)
 	cleanupTenant(t, redistest.Shared(t), tenant)
 	cfg.APITokens = []string{"run-token@" + tenant}
+	cfg.APITokensFile = filepath.Join(t.TempDir(), "tokens.yaml")
+	fileToken := "run-file-token-" + randomHex(8)
+	writeTokens := func(content string) {
+		tmp := cfg.APITokensFile + ".tmp"
+		if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, cfg.APITokensFile); err != nil {
+			t.Fatal(err)
+		}
+	}
+	writeTokens("- {sha256: " + sha256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway]}\n")
 
 	var logs strings.Builder
 	lw := &syncWriter{w: &logs}
@@ -140,20 +173,40 @@ func TestRun(t *testing.T) {
 	if body := waitReady(t, ops); strings.Contains(body, "redis_eviction") {
 		t.Errorf("/readyz = %s: the development Redis should run noeviction", body)
 	}
-	req, _ := http.NewRequest("POST", api+"/v1/admit",
-		strings.NewReader(`{"tenant":"`+tenant+`","user":"u","endpoint":"/api/v1/generate","estimated_tokens":10}`))
-	req.Header.Set("Authorization", "Bearer run-token")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
+	admit := func(token string) *http.Response {
+		req, _ := http.NewRequest("POST", api+"/v1/admit",
+			strings.NewReader(`{"tenant":"`+tenant+`","user":"u","endpoint":"/api/v1/generate","estimated_tokens":10}`))
+		req.Header.Set("Authorization", "Bearer "+token)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp
 	}
-	resp.Body.Close()
-	if resp.StatusCode != 200 || resp.Header.Get("RateLimit") == "" {
+	if resp := admit("run-token"); resp.StatusCode != 200 || resp.Header.Get("RateLimit") == "" {
 		t.Errorf("POST /v1/admit = %d %v", resp.StatusCode, resp.Header)
 	}
-	if code, body := get(t, ops+"/metrics"); code != 200 || !strings.Contains(body, `quotaflow_admission_request_duration_seconds_count{code="2xx",route="admit"} 1`) ||
-		!strings.Contains(body, "quotaflow_admission_decisions_total") || !strings.Contains(body, "quotaflow_events_published_total") {
+	if resp := admit(fileToken); resp.StatusCode != 200 {
+		t.Errorf("POST /v1/admit with the file's token = %d, want 200", resp.StatusCode)
+	}
+	if code, body := get(t, ops+"/metrics"); code != 200 || !strings.Contains(body, `quotaflow_admission_request_duration_seconds_count{code="2xx",route="admit"} 2`) ||
+		!strings.Contains(body, "quotaflow_admission_decisions_total") || !strings.Contains(body, "quotaflow_events_published_total") ||
+		!strings.Contains(body, `quotaflow_admission_tokens_reloads_total{result="rejected"} 0`) {
 		t.Errorf("/metrics = %d, lacks the admission series", code)
+	}
+	// A broken edit of the tokens file is counted and changes nothing.
+	writeTokens("- {sha256: " + sha256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway], colour: red}\n")
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if _, body := get(t, ops+"/metrics"); strings.Contains(body, `quotaflow_admission_tokens_reloads_total{result="rejected"} 1`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the rejected tokens file was not counted within 10s")
+		}
+	}
+	if resp := admit(fileToken); resp.StatusCode != 200 {
+		t.Errorf("POST /v1/admit with the file's token after a broken edit = %d, want 200", resp.StatusCode)
 	}
 
 	cancel()
@@ -168,8 +221,10 @@ func TestRun(t *testing.T) {
 	lw.mu.Lock()
 	logText := logs.String()
 	lw.mu.Unlock()
-	if s := logText; strings.Contains(s, "run-token") {
-		t.Errorf("logs contain the API token: %s", s)
+	if s := logText; strings.Contains(s, "run-token") || strings.Contains(s, "run-file-token") || strings.Contains(s, sha256Hex(fileToken)[:16]) {
+		t.Errorf("logs contain an API token or its digest: %s", s)
+	} else if !strings.Contains(s, "tokens file rejected") {
+		t.Errorf("the rejected tokens file is not logged: %s", s)
 	} else if !strings.Contains(s, `"msg":"stopped"`) {
 		t.Errorf("no clean stop in the logs: %s", s)
 	}

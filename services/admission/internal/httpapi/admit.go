@@ -7,6 +7,7 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
 
@@ -59,7 +60,7 @@ func limitsJSON(ls []decide.LimitState) []limitJSON {
 }
 
 func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
-	p, ok := h.authenticate(w, r)
+	p, ok := h.authenticate(w, r, auth.Gateway)
 	if !ok {
 		return
 	}
@@ -73,7 +74,7 @@ func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
 		writeFieldError(w, ferr)
 		return
 	}
-	if !authorize(w, p, in.Tenant) {
+	if !authorizePlan(w, p, pol, in.Tenant, in.Plan) {
 		return
 	}
 	h.decide(w, r, routeAdmit, pol, in, http.StatusTooManyRequests, false)

@@ -1,7 +1,8 @@
 // Package httpapi is admission's HTTP API (DESIGN §4): POST /v1/admit,
 // /v1/authz (any method, any path under it), POST /v1/release, POST and GET
-// /v1/usage and POST /v1/balances/topup, with bearer-token authentication,
-// strict request validation, the IETF RateLimit headers and RFC 9457
+// /v1/usage and POST /v1/balances/topup, with bearer-token authentication
+// and the tokens' roles, tenants and plans (package auth), strict request
+// validation, the IETF RateLimit headers and RFC 9457
 // problem bodies for denials.
 //
 // It decides nothing itself: a Decider (package decide) does, and an Events
@@ -28,6 +29,7 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
 
@@ -67,8 +69,9 @@ type Options struct {
 	Policy func() *limits.Policy
 	// Events publishes what happened (*outbox.Outbox).
 	Events Events
-	// Auth checks bearer tokens; nil accepts every request.
-	Auth *Auth
+	// Auth checks bearer tokens and their roles; nil accepts every
+	// request.
+	Auth *auth.Auth
 	// AuthzDenyStatus is the status of a denial on /v1/authz: 429
 	// (default; Envoy passes it through) or 403 (nginx auth_request
 	// treats only 401 and 403 as denials).
@@ -99,7 +102,7 @@ type Handler struct {
 	dec      Decider
 	policy   func() *limits.Policy
 	ev       Events
-	auth     *Auth
+	tokens   *auth.Auth
 	deny     int
 	trusted  []netip.Prefix
 	ttl      time.Duration
@@ -147,7 +150,7 @@ func New(o Options) (*Handler, error) {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
 	h := &Handler{
-		dec: o.Decider, policy: o.Policy, ev: o.Events, auth: o.Auth, deny: o.AuthzDenyStatus,
+		dec: o.Decider, policy: o.Policy, ev: o.Events, tokens: o.Auth, deny: o.AuthzDenyStatus,
 		trusted: o.TrustedProxies, ttl: o.ReservationTTL, source: o.Source, usageTO: o.UsageTimeout,
 		log: o.Log.With("component", "httpapi"),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -280,19 +283,45 @@ func writeFieldError(w http.ResponseWriter, e *fieldError) {
 	writeError(w, http.StatusBadRequest, e.Error())
 }
 
-// authenticate answers 401 and returns false unless r has a valid token.
-func (h *Handler) authenticate(w http.ResponseWriter, r *http.Request) (principal, bool) {
-	p, ok := h.auth.authenticate(r)
+// authenticate answers 401 and returns false unless r has a valid token,
+// and 403 unless the token holds role (the route's) for some tenant; it
+// returns the principal acting in role.
+func (h *Handler) authenticate(w http.ResponseWriter, r *http.Request, role auth.Roles) (auth.Principal, bool) {
+	p, ok := h.tokens.Authenticate(r)
 	if !ok {
 		writeError(w, http.StatusUnauthorized, "authorization: missing or invalid bearer token")
+		return p, false
 	}
-	return p, ok
+	p = p.As(role)
+	if !p.Allowed() {
+		forbidden(w)
+		return p, false
+	}
+	return p, true
+}
+
+// forbidden answers 403 with one message for every reason (role, tenant or
+// plan), so that a caller learns nothing about what its token lacks.
+func forbidden(w http.ResponseWriter) {
+	writeError(w, http.StatusForbidden, "authorization: this token does not allow this request")
 }
 
 // authorize answers 403 and returns false unless p may act for tenant.
-func authorize(w http.ResponseWriter, p principal, tenant string) bool {
-	if !p.allows(tenant) {
-		writeError(w, http.StatusForbidden, "tenant: this token is not valid for the tenant")
+func authorize(w http.ResponseWriter, p auth.Principal, tenant string) bool {
+	if ok, _ := p.For(tenant); !ok {
+		forbidden(w)
+		return false
+	}
+	return true
+}
+
+// authorizePlan answers 403 and returns false unless p may act for tenant
+// on plan: a token bound to the tenant may name only the plans pol grants
+// it (an empty plan is the tenant's own), any other token any plan.
+func authorizePlan(w http.ResponseWriter, p auth.Principal, pol *limits.Policy, tenant, plan string) bool {
+	ok, anyPlan := p.For(tenant)
+	if !ok || !anyPlan && !pol.Grants(tenant, plan) {
+		forbidden(w)
 		return false
 	}
 	return true

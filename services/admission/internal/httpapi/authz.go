@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 
+	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
 
@@ -30,7 +31,7 @@ const (
 // serveAuthz is the admission check for gateways that can only forward a
 // request: nginx auth_request, Envoy ext_authz (HTTP), Traefik forwardAuth.
 func (h *Handler) serveAuthz(w http.ResponseWriter, r *http.Request) {
-	p, ok := h.authenticate(w, r)
+	p, ok := h.authenticate(w, r, auth.Gateway)
 	if !ok {
 		return
 	}
@@ -40,7 +41,7 @@ func (h *Handler) serveAuthz(w http.ResponseWriter, r *http.Request) {
 		h.denyInvalid(w, ferr.Error())
 		return
 	}
-	if !authorize(w, p, in.Tenant) {
+	if !authorizePlan(w, p, pol, in.Tenant, in.Plan) {
 		return
 	}
 	h.decide(w, r, routeAuthz, pol, in, h.deny, true)

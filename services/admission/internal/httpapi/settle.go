@@ -5,6 +5,7 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/auth"
 )
 
 // releaseBody is the body of POST /v1/release.
@@ -26,10 +27,10 @@ type releaseAnswer struct {
 	ReturnedTokens int64 `json:"returned_tokens"`
 }
 
-// readJSON authenticates the caller and decodes the request's JSON body
-// into v strictly; when it returns false it has answered already.
-func (h *Handler) readJSON(w http.ResponseWriter, r *http.Request, v any) (principal, bool) {
-	p, ok := h.authenticate(w, r)
+// readJSON authenticates the caller in role and decodes the request's JSON
+// body into v strictly; when it returns false it has answered already.
+func (h *Handler) readJSON(w http.ResponseWriter, r *http.Request, role auth.Roles, v any) (auth.Principal, bool) {
+	p, ok := h.authenticate(w, r, role)
 	if !ok {
 		return p, false
 	}
@@ -64,7 +65,7 @@ func checkIDs(w http.ResponseWriter, fields ...idField) bool {
 
 func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 	var b releaseBody
-	p, ok := h.readJSON(w, r, &b)
+	p, ok := h.readJSON(w, r, auth.Gateway, &b)
 	if !ok || !checkIDs(w, idField{"tenant", b.Tenant, true}, idField{"user", b.User, true}, idField{"request_id", b.RequestID, true}) {
 		return
 	}
@@ -146,7 +147,7 @@ type topUpAnswer struct {
 
 func (h *Handler) serveTopUp(w http.ResponseWriter, r *http.Request) {
 	var b topUpBody
-	p, ok := h.readJSON(w, r, &b)
+	p, ok := h.readJSON(w, r, auth.Billing, &b)
 	if !ok || !checkIDs(w, idField{"tenant", b.Tenant, true}, idField{"user", b.User, false}, idField{"reference", b.Reference, true}) {
 		return
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/events"
+	"quotaflow/services/admission/internal/auth"
 )
 
 func nowUTC() time.Time { return time.Now().UTC() }
@@ -25,7 +26,7 @@ type usageAnswer struct {
 // serveUsageGet answers GET /v1/usage?tenant=..&user=..[&plan=..] with
 // every limit of the subject, changing nothing.
 func (h *Handler) serveUsageGet(w http.ResponseWriter, r *http.Request) {
-	p, ok := h.authenticate(w, r)
+	p, ok := h.authenticate(w, r, auth.Gateway)
 	if !ok {
 		return
 	}
@@ -34,7 +35,7 @@ func (h *Handler) serveUsageGet(w http.ResponseWriter, r *http.Request) {
 	if !checkIDs(w, idField{"tenant", tenant, true}, idField{"user", user, true}, idField{"plan", plan, false}) {
 		return
 	}
-	if !authorize(w, p, tenant) {
+	if !authorizePlan(w, p, h.policy(), tenant, plan) {
 		return
 	}
 	ls, err := h.dec.Usage(r.Context(), tenant, user, plan)
@@ -56,7 +57,7 @@ type usageReportAnswer struct {
 // its index. Events are published with their own ids, so a retried report
 // is stored once.
 func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
-	p, ok := h.authenticate(w, r)
+	p, ok := h.authenticate(w, r, auth.Report)
 	if !ok {
 		return
 	}
