@@ -3,6 +3,7 @@ package events
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -200,6 +201,20 @@ func (c checker) ip(field, v string) {
 			c.add(field, "not an IP address")
 		}
 	}
+}
+
+// oneOf checks that v is one of want ("" among them makes it optional).
+func (c checker) oneOf(field, v string, want ...string) {
+	if c.pending(field) || slices.Contains(want, v) {
+		return
+	}
+	quoted := make([]string, 0, len(want))
+	for _, w := range want {
+		if w != "" {
+			quoted = append(quoted, strconv.Quote(w))
+		}
+	}
+	c.add(field, "must be one of "+strings.Join(quoted, ", "))
 }
 
 func (c checker) scope(field, v string) {

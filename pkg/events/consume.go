@@ -90,7 +90,8 @@ func (h *Handlers) Dispatch(ctx context.Context, ev Event) error {
 // Process handles one message of a consumer made by EnsureConsumer, so a
 // bad event never stops the consumer:
 //
-//   - an event Decode rejects is dead-lettered (ReasonInvalid) and
+//   - an event DecodeMsg rejects (Decode's rules, and a time out of the
+//     bounds of its first storage) is dead-lettered (ReasonInvalid) and
 //     terminated;
 //   - otherwise handle runs; on success the message is acked;
 //   - when handle fails, the message is nak'ed with a backoff of 1 s
@@ -104,7 +105,7 @@ func (h *Handlers) Dispatch(ctx context.Context, ev Event) error {
 // publish or the ack failed). The consumer loop logs and counts; Process
 // does not log.
 func Process(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, handle Handler) error {
-	ev, err := Decode(msg.Data())
+	ev, err := DecodeMsg(msg, cfg)
 	if err != nil {
 		return deadLetter(ctx, js, cfg.withDefaults(), ReasonInvalid, msg, err)
 	}

@@ -26,7 +26,15 @@ const maxProblems = 10
 // data. Keys match exactly: "Tenant" is not "tenant". Unknown keys are
 // ignored, so producers may add CloudEvents extension attributes and
 // consumers tolerate fields added to data later.
-func Decode(b []byte) (Event, error) {
+func Decode(b []byte) (Event, error) { return decode(b, false) }
+
+// DecodeReported is Decode for an event whose id its receiver derives
+// (admission's POST /v1/usage derives it from the event's type, tenant,
+// user and request id, so that no caller can claim another's id): an id
+// in b is ignored, whatever it holds, and the returned event has none.
+func DecodeReported(b []byte) (Event, error) { return decode(b, true) }
+
+func decode(b []byte, noID bool) (Event, error) {
 	if len(b) > MaxEventSize {
 		return Event{}, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
 	}
@@ -45,7 +53,10 @@ func Decode(b []byte) (Event, error) {
 	c := newChecker()
 	r := &reader{c: c, m: top}
 	spec := r.str("specversion")
-	ev := Event{ID: r.str("id"), Source: r.str("source"), Time: r.time("time").UTC()}
+	ev := Event{Source: r.str("source"), Time: r.time("time").UTC()}
+	if !noID {
+		ev.ID = r.str("id")
+	}
 	typ := r.str("type")
 	subject := r.str("subject")
 	contentType := r.str("datacontenttype")
@@ -53,7 +64,9 @@ func Decode(b []byte) (Event, error) {
 	// Problems are reported in the order of the documentation: envelope,
 	// then data field by field.
 	c.equal("specversion", spec, SpecVersion)
-	c.eventID("id", ev.ID)
+	if !noID {
+		c.eventID("id", ev.ID)
+	}
 	c.ident("source", ev.Source, true)
 	switch {
 	case c.pending("type"):
@@ -208,12 +221,16 @@ func (d *Released) read(r *reader) {
 	d.RequestID = r.str("request_id")
 	d.Tenant = r.str("tenant")
 	d.User = r.str("user")
+	d.Status = r.str("status")
+	d.ReturnedTokens = r.int("returned_tokens", false)
 }
 
 func (d Released) validate(c checker) {
 	c.ident("request_id", d.RequestID, true)
 	c.ident("tenant", d.Tenant, true)
 	c.ident("user", d.User, true)
+	c.oneOf("status", d.Status, "", ReleaseReleased, ReleaseAlreadySettled, ReleaseUnknown, ReleaseQueued)
+	c.count("returned_tokens", d.ReturnedTokens, 0)
 }
 
 func (d *Corrected) read(r *reader) {

@@ -156,7 +156,13 @@
 //	}
 //
 // released: request_id, tenant, user, all required; the request failed
-// before using tokens:
+// before using tokens. From admission also status, what its release did in
+// Redis ("released": the estimate given back, returned_tokens of it;
+// "already_settled" or "unknown": nothing changed; "queued": Redis was
+// unreachable and the consumer gives the estimate back); from other
+// publishers status is absent and means queued. Actual usage always wins:
+// an actual event of the request, before or after the release, is charged
+// in full.
 //
 //	{
 //	  "specversion": "1.0",
@@ -166,7 +172,8 @@
 //	  "time": "2025-03-14T09:26:53Z",
 //	  "subject": "acme/u-42",
 //	  "datacontenttype": "application/json",
-//	  "data": {"request_id": "r-124", "tenant": "acme", "user": "u-42"}
+//	  "data": {"request_id": "r-124", "tenant": "acme", "user": "u-42",
+//	           "status": "released", "returned_tokens": 1200}
 //	}
 //
 // corrected: request_id, tenant, user, delta (actual - estimate in weighted

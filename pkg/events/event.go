@@ -208,12 +208,29 @@ type Actual struct {
 }
 
 // Released says a request failed before using tokens: its estimate and
-// concurrency slot come back.
+// concurrency slots come back. Actual usage always wins: an actual of the
+// same request, before or after, is charged in full.
 type Released struct {
 	RequestID string `json:"request_id"` // the reservation to give back
 	Tenant    string `json:"tenant"`     // the tenant, as given to admission
 	User      string `json:"user"`       // the user within the tenant
+	// Status says what admission's release did in Redis: ReleaseReleased
+	// (the estimate given back now), ReleaseAlreadySettled (settled before:
+	// nothing changed), ReleaseUnknown (no reservation of the id: nothing
+	// changed) or ReleaseQueued (Redis unreachable: the consumer gives it
+	// back). Empty from other publishers: like queued.
+	Status string `json:"status,omitempty"`
+	// ReturnedTokens is the estimate given back (status released).
+	ReturnedTokens int64 `json:"returned_tokens,omitempty"`
 }
+
+// Statuses of a Released event from admission.
+const (
+	ReleaseReleased       = "released"
+	ReleaseAlreadySettled = "already_settled"
+	ReleaseUnknown        = "unknown"
+	ReleaseQueued         = "queued"
+)
 
 // Corrected is published by the accounter after it moved a reservation's
 // token windows by Delta = actual - estimate (weighted tokens; negative

@@ -271,7 +271,7 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	p := NewPublisher(js, cfg)
 
 	// Published before the consumer exists: DeliverAll must still see it.
-	good := exampleOf(t, TypeActual)
+	good := current(exampleOf(t, TypeActual))
 	if err := p.Publish(ctx, good); err != nil {
 		t.Fatal(err)
 	}
@@ -283,12 +283,12 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	}
 	// A valid event whose handler always fails: dead-lettered after
 	// MaxDeliver (3) deliveries.
-	poison := exampleOf(t, TypeReleased)
+	poison := current(exampleOf(t, TypeReleased))
 	if err := p.Publish(ctx, poison); err != nil {
 		t.Fatal(err)
 	}
 	// The accounter ignores its own corrections: a nil handler acks them.
-	if err := p.Publish(ctx, exampleOf(t, TypeCorrected)); err != nil {
+	if err := p.Publish(ctx, current(exampleOf(t, TypeCorrected))); err != nil {
 		t.Fatal(err)
 	}
 
@@ -441,7 +441,7 @@ func TestProcessShutdownRedelivers(t *testing.T) {
 	cfg.MaxDeliver = 1 // a failure would dead-letter at once, but shutdown must not
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := NewPublisher(js, cfg).Publish(ctx, exampleOf(t, TypeActual)); err != nil {
+	if err := NewPublisher(js, cfg).Publish(ctx, current(exampleOf(t, TypeActual))); err != nil {
 		t.Fatal(err)
 	}
 	cons, err := EnsureConsumer(ctx, js, cfg, "worker")
@@ -477,4 +477,11 @@ func TestProcessShutdownRedelivers(t *testing.T) {
 	if n := streamMsgs(t, js, cfg.DLQStream); n != 0 {
 		t.Errorf("DLQ holds %d, want 0", n)
 	}
+}
+
+// current is ev happening now: consumers refuse an event older than the
+// stream keeps them (CheckTime).
+func current(ev Event) Event {
+	ev.Time = time.Now().UTC()
+	return ev
 }

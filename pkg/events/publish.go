@@ -49,17 +49,33 @@ const maxHeaderError = 1024
 // this package would reject. Publish is the call most callers want;
 // PublishBatch sends many at once. A Publisher is safe for concurrent use.
 type Publisher struct {
-	js     jetstream.Publisher
-	prefix string
-	stream string
+	js      jetstream.Publisher
+	prefix  string
+	stream  string
+	ownTime bool
 }
+
+// PublisherOption configures a Publisher.
+type PublisherOption func(*Publisher)
+
+// WithOwnTime makes the Publisher stamp every event with its own time as
+// its first storage (HeaderFirstStored), so consumers judge the event's
+// time against itself rather than against when the stream stored it: for a
+// publisher that stores events before the stream does and may publish them
+// long after (admission's outbox and spill) and has checked their times
+// itself.
+func WithOwnTime() PublisherOption { return func(p *Publisher) { p.ownTime = true } }
 
 // NewPublisher returns a Publisher on js for the stream and subject prefix
 // of cfg (zero fields take their defaults). Every publish expects cfg's
 // stream, so a misrouted prefix fails instead of landing elsewhere.
-func NewPublisher(js jetstream.Publisher, cfg Config) *Publisher {
+func NewPublisher(js jetstream.Publisher, cfg Config, opts ...PublisherOption) *Publisher {
 	cfg = cfg.withDefaults()
-	return &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream}
+	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream}
+	for _, o := range opts {
+		o(p)
+	}
+	return p
 }
 
 func (p *Publisher) msg(ev Event) (*nats.Msg, error) {
@@ -70,6 +86,9 @@ func (p *Publisher) msg(ev Event) (*nats.Msg, error) {
 	m := nats.NewMsg(Subject(p.prefix, ev.Type()))
 	m.Data = b
 	m.Header.Set("Content-Type", ContentType)
+	if p.ownTime {
+		m.Header.Set(HeaderFirstStored, ev.Time.UTC().Format(time.RFC3339Nano))
+	}
 	return m, nil
 }
 
@@ -211,6 +230,10 @@ func DeadLetter(ctx context.Context, js jetstream.Publisher, prefix, reason stri
 	}
 	var opts []jetstream.PublishOpt
 	if md, err := msg.Metadata(); err == nil {
+		if dl.Header.Get(HeaderFirstStored) == "" {
+			// A replay is judged by when the event was first stored.
+			dl.Header.Set(HeaderFirstStored, md.Timestamp.UTC().Format(time.RFC3339Nano))
+		}
 		seq := strconv.FormatUint(md.Sequence.Stream, 10)
 		dl.Header.Set(HeaderStream, md.Stream)
 		dl.Header.Set(HeaderSequence, seq)

@@ -47,10 +47,15 @@ func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
 }
 
 // SettleOp is one settlement of SettleMany: a Correct, or a Release when
-// Release is set.
+// Release is set. With IfGone too, the release applies only when Redis
+// holds no record of the request id: it stands for a release that found
+// none when it was made (admission's answer "unknown"), which must not undo
+// a reservation the id got afterwards, yet gives back what a rebuild from
+// the ledger put in the windows for it.
 type SettleOp struct {
 	Settle
 	Release bool
+	IfGone  bool
 }
 
 // SettleResult is what Correct or Release would have returned for one
@@ -72,9 +77,12 @@ type SettleResult struct {
 func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult {
 	calls := make([]call, len(ops))
 	for i := range ops {
-		op := 1
-		if ops[i].Release {
-			op = 2
+		op := settleCorrect
+		switch {
+		case ops[i].Release && ops[i].IfGone:
+			op = settleReleaseIfGone
+		case ops[i].Release:
+			op = settleRelease
 		}
 		calls[i] = l.settleCall(ops[i].Settle, op)
 	}

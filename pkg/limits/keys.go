@@ -111,27 +111,54 @@ func sharedBlob(tag string) string { return "q{" + tag + "}" }
 // usage. 48 bits keep it exact in Lua's doubles; a blob holds a handful of
 // records, so a collision (odds about n^2/2^49) is not a practical concern.
 func ruleID(r *Rule) int64 {
-	h := uint64(14695981039346656037)
-	mix := func(s string) {
-		for i := 0; i < len(s); i++ {
-			h ^= uint64(s[i])
-			h *= 1099511628211
-		}
-		h ^= 0xff // separator: ("ab","c") and ("a","bc") differ
-		h *= 1099511628211
-	}
-	mix(string(r.Scope))
-	mix(r.Endpoint)
-	mix(r.Name)
-	mix(string(r.Kind))
-	// Numbers are mixed as their decimal text, formatted on the stack: a
-	// Reserve computes the id of every limit it checks.
-	var num [20]byte
+	h := newHash48()
+	h.mix(string(r.Scope))
+	h.mix(r.Endpoint)
+	h.mix(r.Name)
+	h.mix(string(r.Kind))
 	if r.Kind == Rolling || r.Kind == Fixed || r.Kind == SlidingLog {
-		mix(string(strconv.AppendInt(num[:0], int64(r.Window), 10)))
+		h.mixInt(int64(r.Window))
 	}
 	if r.Kind == Rolling {
-		mix(string(strconv.AppendInt(num[:0], int64(buckets(r)), 10)))
+		h.mixInt(int64(buckets(r)))
 	}
-	return int64(h >> 16)
+	return h.sum()
 }
+
+// Fingerprint identifies the request a request id stands for, by its
+// endpoint, plan, model and cost (a 48-bit hash, as Request.Fingerprint
+// wants): a Reserve of an open reservation's id is a Duplicate only with
+// the same fingerprint.
+func Fingerprint(endpoint, plan, model string, cost int64) int64 {
+	h := newHash48()
+	h.mix(endpoint)
+	h.mix(plan)
+	h.mix(model)
+	h.mixInt(cost)
+	return h.sum()
+}
+
+// hash48 is FNV-1a over separated fields, cut to 48 bits so that it stays
+// exact in Lua's doubles.
+type hash48 uint64
+
+func newHash48() hash48 { return 14695981039346656037 }
+
+func (h *hash48) mix(s string) {
+	v := uint64(*h)
+	for i := 0; i < len(s); i++ {
+		v ^= uint64(s[i])
+		v *= 1099511628211
+	}
+	v ^= 0xff // separator: ("ab","c") and ("a","bc") differ
+	*h = hash48(v * 1099511628211)
+}
+
+// mixInt mixes n as its decimal text, formatted on the stack: a Reserve
+// hashes every limit it checks.
+func (h *hash48) mixInt(n int64) {
+	var num [20]byte
+	h.mix(string(strconv.AppendInt(num[:0], n, 10)))
+}
+
+func (h hash48) sum() int64 { return int64(uint64(h) >> 16) }

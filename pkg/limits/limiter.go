@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -36,6 +37,9 @@ var luaTopUp string
 
 //go:embed lua/admitted.lua
 var luaAdmitted string
+
+//go:embed lua/void.lua
+var luaVoid string
 
 // admittedScript needs none of the algorithms (script.go has the rest).
 var admittedScript = redis.NewScript(luaAdmitted)
@@ -115,12 +119,25 @@ func New(c Client, o Options) *Limiter {
 // Request is one reservation: Cost weighted tokens for request RequestID of
 // (Tenant, User), checked against Rules, the subject's tenant-wide and user
 // limits (ScopeTenant and ScopeUser).
+//
+// RequestID is an idempotency key only while its reservation is open and
+// only for the same request, which Fingerprint identifies (see
+// Fingerprint): a Reserve of an open reservation's id with the same
+// fingerprint is a Duplicate; with another, or of a settled one, a
+// Conflict. Fresh asks for a request id no record holds at all
+// (ConflictReused otherwise), for callers to whom every call is a new
+// request. Nonce tells this call apart from every other Reserve of the id,
+// so that VoidReserve can undo exactly this call if its reply is lost;
+// zero is fine when the caller never voids.
 type Request struct {
-	Tenant    string
-	User      string
-	RequestID string
-	Cost      int64
-	Rules     []Rule
+	Tenant      string
+	User        string
+	RequestID   string
+	Cost        int64
+	Rules       []Rule
+	Fingerprint int64
+	Nonce       int64
+	Fresh       bool
 }
 
 // State is one limit after a decision, correction or peek.
@@ -144,12 +161,33 @@ const (
 	ReasonNone                Reason = ""
 	ReasonCostExceedsLimit    Reason = "cost_exceeds_limit"   // the cost is larger than a limit itself
 	ReasonInsufficientBalance Reason = "insufficient_balance" // only a top-up helps
+	// ReasonRequestIDReused: a Fresh request's id has a record (admission
+	// reports ConflictReused so).
+	ReasonRequestIDReused Reason = "request_id_reused"
 )
 
-// Decision is the answer to a Reserve or Peek. A denial reserved nothing.
+// Conflict says why a Reserve refused a request id without deciding.
+type Conflict int
+
+// The conflicts of a Decision.
+const (
+	NoConflict Conflict = iota
+	// ConflictRequest: the id's open reservation is of a different request
+	// (another fingerprint).
+	ConflictRequest
+	// ConflictSettled: the id's reservation was settled or released.
+	ConflictSettled
+	// ConflictReused: Fresh was set and the id has a record.
+	ConflictReused
+)
+
+// Decision is the answer to a Reserve or Peek. A denial reserved nothing,
+// and neither did a Conflict (then Allowed is false and States report the
+// limits as they are).
 type Decision struct {
 	Allowed   bool
-	Duplicate bool // the request id was admitted before; nothing more was charged
+	Duplicate bool // the same request was admitted before and is open; nothing more was charged
+	Conflict  Conflict
 	// DeniedBy is the index in States of the first limit that denied, -1 when
 	// allowed.
 	DeniedBy int
@@ -202,9 +240,11 @@ func (r *Request) validate() error {
 }
 
 // Reserve checks every rule and, when all allow, reserves the cost in all of
-// them and stores a reservation record for RequestID; when one denies,
-// nothing is reserved. Reserving a request id again returns Duplicate and
-// charges nothing. It returns ErrNoEpoch when Redis lost its data.
+// them and stores a reservation record for RequestID, which names the limits
+// it holds (so a settlement gives back exactly those); when one denies,
+// nothing is reserved. A request id with a record charges nothing: it is a
+// Duplicate or a Conflict (see Request). It returns ErrNoEpoch when Redis
+// lost its data.
 func (l *Limiter) Reserve(ctx context.Context, r Request) (Decision, error) {
 	if err := r.validate(); err != nil {
 		return Decision{}, err
@@ -229,10 +269,57 @@ func (l *Limiter) subjectCall(ctx context.Context, r Request, mode int) (Decisio
 }
 
 // subjectArgs returns the KEYS and ARGV of a subject call of mode (0
-// reserve, 1 peek).
+// reserve, 1 peek; a Fresh reserve is mode 2).
 func (l *Limiter) subjectArgs(r *Request, mode int) ([]string, []any) {
 	keys, meta := subjectKeysOf(newSubjectKeys(r.Tenant, r.User), r.RequestID, r.Rules)
-	return keys, []any{l.offset, r.Cost, mode, l.guard, meta, l.resTTL, r.RequestID, packSpecs(r.Rules, l.resTTL)}
+	specs := packSpecs(r.Rules, l.resTTL)
+	if mode == 0 && r.Fresh {
+		mode = 2
+	}
+	return keys, []any{l.offset, r.Cost, mode, l.guard, meta, l.resTTL, member(keys), specs,
+		r.Fingerprint & mask48, r.Nonce & mask48, recordTail(r.Rules, specs, keys)}
+}
+
+// mask48 keeps the 48 bits of a fingerprint or nonce that the record holds
+// (exact in Lua's doubles).
+const mask48 = 1<<48 - 1
+
+// member is the concurrency member of a subject call's request: the
+// reservation record's key after its tag, unique per (user, request id), so
+// two users of a tenant never share a slot of a tenant-wide limit.
+func member(keys []string) string {
+	rec := keys[1]
+	return rec[strings.Index(rec, "}r:")+3:]
+}
+
+// recordTail is the tail of a reservation record (lua/lib.lua): the count
+// and packed specs of the rules a settlement touches, then the sorted set
+// key of each concurrency limit among them (keys as subjectKeysOf built
+// them for rules, specs as packSpecs did).
+func recordTail(rules []Rule, specs string, keys []string) string {
+	n, size := 0, 2
+	z := 4 // the first concurrency set in keys
+	for i := range rules {
+		if touchedBySettle(&rules[i]) {
+			n++
+			size += specLen
+		}
+		if rules[i].Kind == Concurrency {
+			size += 2 + len(keys[z])
+			z++
+		}
+	}
+	buf := binary.LittleEndian.AppendUint16(make([]byte, 0, size), uint16(n))
+	for i := range rules {
+		if touchedBySettle(&rules[i]) {
+			buf = append(buf, specs[i*specLen:(i+1)*specLen]...)
+		}
+	}
+	for _, k := range keys[4:] {
+		buf = binary.LittleEndian.AppendUint16(buf, uint16(len(k)))
+		buf = append(buf, k...)
+	}
+	return string(buf)
 }
 
 // decodeDecision reads the reply (or error) of a subject call of r.
@@ -261,6 +348,64 @@ func subjectKeysOf(k subjectKeys, requestID string, rules []Rule) ([]string, str
 		}
 	}
 	return keys, meta
+}
+
+// VoidStatus says what VoidReserve did.
+type VoidStatus int
+
+// The outcomes of VoidReserve.
+const (
+	// Voided means an open reservation was given back: the lost call's own,
+	// or, for an allowed request, one of the same request (fingerprint).
+	Voided VoidStatus = iota + 1
+	// VoidMarked means no reservation was found; a marker now stops the
+	// lost call from reserving should it still run.
+	VoidMarked
+	// VoidLeft means the request id's record is another call's, or
+	// settled: nothing changed.
+	VoidLeft
+)
+
+// Void names a Reserve call whose reply was lost (it timed out, so it may
+// or may not have run in Redis) and the decision the caller made without
+// it.
+type Void struct {
+	Tenant, User, RequestID string
+	Fingerprint, Nonce      int64 // the lost call's Request fields
+	Allowed                 bool  // the decision made without Redis
+}
+
+// tombTTL is how long the marker of a voided call that was denied stops
+// that call: a script call that has not reached Redis a minute after it was
+// sent never will (its connection was closed when its deadline passed).
+const tombTTL = time.Minute
+
+// VoidReserve makes Redis agree with a decision taken without it, after a
+// Reserve whose reply was lost: whatever that call reserved is given back,
+// so the request holds nothing in Redis (a local decision's reserved event
+// says no window holds it, and its actual is charged in full). For an
+// allowed request the id stays recorded as holding nothing, so a repeat of
+// the request is a Duplicate and a settlement finds it; for a denied one no
+// record stays (the id may be admitted later) except a short-lived marker,
+// when the call had not run, that stops that call alone. It is idempotent.
+func (l *Limiter) VoidReserve(ctx context.Context, v Void) (VoidStatus, error) {
+	if err := errors.Join(checkID("tenant", v.Tenant, true), checkID("user", v.User, true), checkID("request_id", v.RequestID, true)); err != nil {
+		return 0, err
+	}
+	keys, _ := subjectKeysOf(newSubjectKeys(v.Tenant, v.User), v.RequestID, nil)
+	allowed := "0"
+	if v.Allowed {
+		allowed = "1"
+	}
+	n, err := l.run(ctx, voidEntry, keys, l.offset, l.guard, allowed, v.Fingerprint&mask48, v.Nonce&mask48,
+		l.resTTL, member(keys), tombTTL.Milliseconds()).Int64()
+	switch {
+	case err != nil:
+		return 0, fmt.Errorf("void reserve %s/%s: %w", v.Tenant, v.User, err)
+	case n == -1:
+		return 0, ErrNoEpoch
+	}
+	return VoidStatus(n), nil
 }
 
 // Admitted reports whether request id of (tenant, user) has a reservation
@@ -334,6 +479,7 @@ func decodeReply(v []int64, err error, rules []Rule) (Decision, error) {
 	d := Decision{
 		Allowed:       v[0] == 1 || v[0] == 2,
 		Duplicate:     v[0] == 2,
+		Conflict:      conflictOf(v[0]),
 		DeniedBy:      int(v[1]) - 1,
 		Now:           time.UnixMilli(v[4]),
 		Version:       v[5],
@@ -350,6 +496,19 @@ func decodeReply(v []int64, err error, rules []Rule) (Decision, error) {
 		d.Reason = ReasonInsufficientBalance
 	}
 	return d, nil
+}
+
+// conflictOf maps a status of the reserve script to a Decision's Conflict.
+func conflictOf(status int64) Conflict {
+	switch status {
+	case 3:
+		return ConflictRequest
+	case 4:
+		return ConflictSettled
+	case 5:
+		return ConflictReused
+	}
+	return NoConflict
 }
 
 // packedInts reads the reply of a script that answers with snapshot
@@ -372,12 +531,15 @@ func packedInts(cmd *redis.Cmd) ([]int64, error) {
 }
 
 // states decodes the 4 reply values per limit: limit, used, reset ms, flag.
+// Counts are held to [0, MaxCost], as the scripts saturate them, so that
+// no snapshot of state an older release left can break the event contract.
 func states(v []int64, rules []Rule) []State {
 	out := make([]State, len(rules))
 	for i := range out {
 		w := v[4*i : 4*i+4]
+		lim, used := min(max(w[0], 0), MaxCost), min(max(w[1], 0), MaxCost)
 		out[i] = State{
-			Rule: &rules[i], Limit: w[0], Used: w[1], Remaining: max(0, w[0]-w[1]),
+			Rule: &rules[i], Limit: lim, Used: used, Remaining: max(0, lim-used),
 			Reset: time.Duration(w[2]) * time.Millisecond, WouldDeny: w[3] == 1,
 		}
 	}

@@ -392,20 +392,30 @@ func TestCorrectAndReleaseApplyOnce(t *testing.T) {
 	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != AlreadySettled || !s.ByRelease {
 		t.Fatalf("second Release = %+v, want AlreadySettled by a release", s)
 	}
-	if s, _ := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Actual: 999, Rules: rules}); s.Status != AlreadySettled || !s.ByRelease || s.States[0].Used != 40 {
-		t.Fatalf("Correct after Release = %+v, want AlreadySettled by a release at 40", s)
+	// Actual usage always wins: after a release it is charged in full, once.
+	for i, want := range []SettleStatus{Settled, AlreadySettled} {
+		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Actual: 999, Rules: rules})
+		if err != nil || s.Status != want || s.ByRelease || s.Estimate != 0 || s.States[0].Used != 1039 {
+			t.Fatalf("Correct #%d after Release = %+v, %v; want %v, estimate 0, at 1039", i, s, err, want)
+		}
+		if i == 0 && s.Delta != 999 {
+			t.Fatalf("Correct after Release delta = %d, want the whole actual 999", s.Delta)
+		}
 	}
-	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Rules: rules}); s.Status != AlreadySettled || s.ByRelease || s.Delta != 0 {
-		t.Fatalf("Release after Correct = %+v, want AlreadySettled by a correction, delta 0", s)
+	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != AlreadySettled || s.ByRelease || s.States[0].Used != 1039 {
+		t.Fatalf("Release after Release and Correct = %+v, want AlreadySettled by the correction at 1039", s)
 	}
-	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "never", Rules: rules}); s.Status != UnknownRelease || s.States[0].Used != 40 {
-		t.Fatalf("Release unknown = %+v, want UnknownRelease at 40", s)
+	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Rules: rules}); s.Status != AlreadySettled || s.ByRelease || s.Delta != 0 || s.Estimate != 100 {
+		t.Fatalf("Release after Correct = %+v, want AlreadySettled by a correction against 100, delta 0", s)
+	}
+	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "never", Rules: rules}); s.Status != UnknownRelease || s.States[0].Used != 1039 {
+		t.Fatalf("Release unknown = %+v, want UnknownRelease at 1039", s)
 	}
 	// An actual with no reservation anywhere is charged in full, once.
 	for i, want := range []SettleStatus{ChargedUnknown, AlreadySettled} {
 		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "orphan", Actual: 25, Rules: rules})
-		if err != nil || s.Status != want || s.States[0].Used != 65 {
-			t.Fatalf("Correct orphan #%d = %+v, %v; want %v at 65", i, s, err, want)
+		if err != nil || s.Status != want || s.States[0].Used != 1064 {
+			t.Fatalf("Correct orphan #%d = %+v, %v; want %v at 1064", i, s, err, want)
 		}
 	}
 }

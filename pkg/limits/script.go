@@ -44,6 +44,7 @@ var engine = newLibrary([][2]string{
 	{"charge", luaCharge},
 	{"lease", luaLease},
 	{"topup", luaTopUp},
+	{"void", luaVoid},
 })
 
 // The entries of the engine.
@@ -53,6 +54,7 @@ var (
 	chargeEntry  = engine.entries["charge"]
 	leaseEntry   = engine.entries["lease"]
 	topUpEntry   = engine.entries["topup"]
+	voidEntry    = engine.entries["void"]
 )
 
 // library is the engine's code as one Redis function library.

@@ -25,17 +25,28 @@ const (
 	UnknownRelease
 )
 
+// NoEstimate is a Fallback's Estimate when Redis's windows hold nothing for
+// the reservation (it was decided without Redis, or none is known): an
+// actual is then charged in full at the Fallback's time.
+const NoEstimate = -1
+
 // Fallback is the durable copy of a reservation (the accounter's ledger),
-// used when the Redis record has expired or was lost.
+// used when Redis holds no record of it (expired, lost, or never made): the
+// time its usage counts at, and the estimate the windows hold for it
+// (NoEstimate: none).
 type Fallback struct {
 	ReservedAt time.Time
 	Estimate   int64
 }
 
-// Settle identifies a reservation to correct or release and the subject's
-// rules. Rules may hold every rule of the subject: only token limits and
-// concurrency slots are touched, since a request once admitted stays counted
-// in request limits.
+// Settle identifies a reservation to correct or release. What it touches is
+// what the reservation holds, as its record names it (its token limits and
+// concurrency slots, under the rules of its admission); Rules are the
+// subject's rules today, which the Settlement reports on (and which are
+// settled instead when the record names none: a record of an earlier
+// release, or none at all). Rules may hold every rule of the subject: only
+// token limits and concurrency slots count, since a request once admitted
+// stays counted in request limits.
 type Settle struct {
 	Tenant    string
 	User      string
@@ -49,30 +60,45 @@ type Settle struct {
 type Settlement struct {
 	Status SettleStatus
 	// ByRelease says, when Status is AlreadySettled, that a release settled
-	// the reservation (else a correction did).
-	ByRelease     bool
+	// the reservation (else a correction did, or it is still open and the
+	// call was a release that only applies without a record).
+	ByRelease bool
+	// Estimate is what the reservation held before the call; with
+	// AlreadySettled by a correction, what its actual was measured against
+	// (0 after a release: the actual was charged in full).
+	Estimate      int64
 	Delta         int64     // tokens added to the windows (negative: given back)
 	ReservedAt    time.Time // the time the correction was applied at
 	Now           time.Time
 	Version       int64
 	TenantVersion int64
-	States        []State // the touched limits after the change
+	States        []State // the limits of Settle.Rules after the change
 }
 
-// Correct moves every token window of the reservation by actual - estimate,
-// in the bucket of the reservation's time (windows that have slid past it are
-// left alone), and frees its concurrency slot. It applies once however often
-// it is called. A request id with no reservation (and no Fallback) is charged
-// in full now.
+// Correct moves every token window the reservation holds by actual -
+// estimate, in the bucket of the reservation's time (windows that have slid
+// past it are left alone), and frees its concurrency slots. After a release
+// the actual is charged in full at that time: actual usage always wins. It
+// applies once however often it is called. A request id with no reservation
+// (and no Fallback estimate) is charged in full at the Fallback's time, or
+// now.
 func (l *Limiter) Correct(ctx context.Context, s Settle) (Settlement, error) {
-	return l.settle(ctx, s, 1)
+	return l.settle(ctx, s, settleCorrect)
 }
 
-// Release gives the estimate and the concurrency slot of a reservation back,
-// once. Actual is ignored.
+// Release gives the estimate and the concurrency slots of a reservation
+// back, once. Actual is ignored. A reservation already corrected is left
+// alone: a release after the actual changes nothing.
 func (l *Limiter) Release(ctx context.Context, s Settle) (Settlement, error) {
-	return l.settle(ctx, s, 2)
+	return l.settle(ctx, s, settleRelease)
 }
+
+// The ops of settle.lua.
+const (
+	settleCorrect       = 1
+	settleRelease       = 2
+	settleReleaseIfGone = 3 // release only when Redis holds no record of the id
+)
 
 func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, error) {
 	c := l.settleCall(s, op)
@@ -82,8 +108,7 @@ func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, err
 	return parseSettlement(l.run(ctx, settleEntry, c.keys, c.args...), &c)
 }
 
-// settleCall validates s and builds its settle.lua call (op 1 corrects, 2
-// releases).
+// settleCall validates s and builds its settle.lua call.
 func (l *Limiter) settleCall(s Settle, op int) call {
 	if err := errors.Join(
 		checkID("tenant", s.Tenant, true),
@@ -94,14 +119,17 @@ func (l *Limiter) settleCall(s Settle, op int) call {
 		return call{err: err}
 	}
 	rules := settleRules(s.Rules)
-	keys, meta := subjectKeysOf(newSubjectKeys(s.Tenant, s.User), s.RequestID, rules)
+	keys, _ := subjectKeysOf(newSubjectKeys(s.Tenant, s.User), s.RequestID, rules)
 	fbAt, fbEst := int64(-1), int64(-1)
-	if s.Fallback != nil {
-		fbAt, fbEst = s.Fallback.ReservedAt.UnixMilli(), s.Fallback.Estimate
+	if fb := s.Fallback; fb != nil {
+		if !fb.ReservedAt.IsZero() {
+			fbAt = fb.ReservedAt.UnixMilli()
+		}
+		fbEst = max(fb.Estimate, NoEstimate)
 	}
 	return call{
 		keys:  keys,
-		args:  []any{l.offset, op, s.Actual, l.guard, meta, l.resTTL, s.RequestID, fbAt, fbEst, packSpecs(rules, l.resTTL)},
+		args:  []any{l.offset, op, s.Actual, l.guard, "", l.resTTL, member(keys), fbAt, fbEst, packSpecs(rules, l.resTTL)},
 		rules: rules,
 		what:  "settle " + s.Tenant + "/" + s.User,
 	}
@@ -116,7 +144,7 @@ func parseSettlement(cmd *redis.Cmd, c *call) (Settlement, error) {
 	if len(v) == 1 && v[0] == -1 {
 		return Settlement{}, ErrNoEpoch
 	}
-	const head = 6
+	const head = 8
 	if len(v) != head+4*len(c.rules) {
 		return Settlement{}, fmt.Errorf("%s: reply of %d values for %d limits", c.what, len(v), len(c.rules))
 	}
@@ -127,13 +155,17 @@ func parseSettlement(cmd *redis.Cmd, c *call) (Settlement, error) {
 		Now:           time.UnixMilli(v[3]),
 		Version:       v[4],
 		TenantVersion: v[5],
+		Estimate:      v[7],
 		States:        states(v[head:], c.rules),
 	}
 	if s.Status == AlreadySettled {
-		s.ByRelease, s.Delta = v[1] == 2, 0
+		s.ByRelease = v[6] == recordReleased
 	}
 	return s, nil
 }
+
+// recordReleased is the state of a released reservation record (lua/lib.lua).
+const recordReleased = 2
 
 // settleRules keeps the rules a settlement touches: token limits and
 // concurrency slots.

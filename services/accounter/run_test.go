@@ -433,8 +433,8 @@ func TestAccounterEvents(t *testing.T) {
 
 	// A delivery that applied its event in Redis and died before the ledger
 	// commit leaves Redis ahead of the ledger. If the request id's other
-	// event comes before the redelivery, Redis's first applied event still
-	// wins: the other one changes nothing, the redelivery settles the row.
+	// event comes before the redelivery, the actual still wins, whichever
+	// was applied first: Redis and the ledger end with the actual charged.
 	inRedisFirst := func(t *testing.T, release bool) (e *env, ten, usr, req string) {
 		e = base.with(t)
 		ten, usr, req = "crash-"+randHex(4), "u1", "r1"
@@ -470,14 +470,14 @@ func TestAccounterEvents(t *testing.T) {
 	t.Run("release applied in Redis before a crash, then the actual", func(t *testing.T) {
 		e, ten, usr, req := inRedisFirst(t, true)
 		e.publish(e.actual(ten, usr, req, "", 30, 10))
-		consumed(e, events.TypeActual, ten)
-		if st := e.status(ten, usr, req); st != "open" {
-			t.Errorf("status after the actual = %s, want open (Redis holds the release)", st)
-		}
+		e.waitStatus(ten, usr, req, "settled")
 		e.publish(events.NewReleased("test/service", events.Released{RequestID: req, Tenant: ten, User: usr}, time.Now())) // the redelivery
-		e.waitStatus(ten, usr, req, "released")
-		if got := e.used(ten, usr, "5h"); got != 0 {
-			t.Errorf("5h used = %d, want 0 (the release, applied first)", got)
+		consumed(e, events.TypeReleased, ten)
+		if st := e.status(ten, usr, req); st != "settled" {
+			t.Errorf("status after the release's redelivery = %s, want settled (the actual wins)", st)
+		}
+		if got := e.used(ten, usr, "5h"); got != 40 {
+			t.Errorf("5h used = %d, want 40 (the actual in full after the release)", got)
 		}
 	})
 

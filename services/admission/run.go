@@ -158,7 +158,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
-	ob, err := outbox.New(events.NewPublisher(js, cfg.Config), outbox.Options{
+	// Admission keeps events in its outbox (and spill) before the stream
+	// does: they are stamped with their own time as first stored.
+	ob, err := outbox.New(events.NewPublisher(js, cfg.Config, events.WithOwnTime()), outbox.Options{
 		SpillDir:      cfg.SpillDir,
 		MaxEvents:     cfg.OutboxMaxEvents,
 		MaxSpillBytes: cfg.SpillMaxBytes,
@@ -192,6 +194,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		AuthzDenyStatus: cfg.AuthzDenyStatus,
 		TrustedProxies:  proxies,
 		ReservationTTL:  cfg.ReservationTTL,
+		MaxEventAge:     cfg.MaxAge,
 		Source:          source,
 		Log:             log,
 		Registerer:      reg,

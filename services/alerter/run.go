@@ -203,7 +203,7 @@ func processBatch(ctx context.Context, js jetstream.JetStream, cfg Config, msgs 
 	evs := make([]events.Event, 0, len(msgs))
 	ok := make([]jetstream.Msg, 0, len(msgs))
 	for _, m := range msgs {
-		ev, err := events.Decode(m.Data())
+		ev, err := events.DecodeMsg(m, cfg.Config)
 		if err != nil {
 			// Process dead-letters what does not decode.
 			if err := events.Process(ctx, js, cfg.Config, m, handle); err != nil && ctx.Err() == nil {

@@ -301,7 +301,10 @@ func TestThresholdAlerts(t *testing.T) {
 `)
 	logs := &logSink{}
 	e.start(logs)
-	now := time.Now().UTC().Truncate(time.Second)
+	// Event times stand in for the clock; two minutes back, so that the
+	// window reset below still lies in the past (consumers refuse events
+	// from the future).
+	now := time.Now().UTC().Truncate(time.Second).Add(-2 * time.Minute)
 	tenantLimit := func(used int64) events.LimitState {
 		return events.LimitState{Scope: "tenant", Name: "month", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}
 	}

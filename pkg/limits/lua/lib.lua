@@ -42,6 +42,10 @@ local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
 local Z6 = '\0\0\0\0\0\0' -- one empty rolling bucket
 local NEVER = 140737488355327 -- 2^47-1: a record that never expires
+-- MAXC is the most a counter holds: 1e12, the cap of every count in the
+-- event contract. Counters saturate there, so every snapshot stays
+-- encodable and no 48-bit field can wrap, whatever is charged.
+local MAXC = 1000000000000
 local ROLLING, FIXED, CALENDAR, BUCKET, LOG, BALANCE, CONC = 1, 2, 3, 4, 5, 6, 7
 -- Every month has at least 28 days: a time less than DAYS28 before the end
 -- of a month lies in that month, and month() need not run.
@@ -127,13 +131,13 @@ local function save(bl, key, now)
   end
 end
 
--- load decodes spec and state of limit j (1-based) from the specs string
--- into S, brought forward to now: expired buckets, windows and log entries
+-- load decodes spec i (1-based) of the specs string and its state into slot
+-- j of S, brought forward to now: expired buckets, windows and log entries
 -- dropped, token buckets refilled. sub and ten are the open blobs; zkey is
 -- the sorted set of a concurrency limit.
-local function load(specs, j, sub, ten, now, zkey)
+local function load(specs, i, j, sub, ten, now, zkey)
   local o = (j - 1) * K
-  local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, (j - 1) * 32 + 1)
+  local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, (i - 1) * 32 + 1)
   local bl = fl >= 4 and ten or sub
   S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9], S[o + 16] =
     kind, fl, lim, a, b, id, bl, false, 0
@@ -299,7 +303,7 @@ end
 
 -- add charges delta (negative gives back) to limit j at time ts: now for a
 -- reservation, the reservation's time for a correction. A window that has
--- slid past ts is left alone; counters never go below zero.
+-- slid past ts is left alone; counters never go below zero nor above MAXC.
 local function add(j, delta, ts, now, member)
   local o = (j - 1) * K
   local kind, lim, a, b = S[o + 1], S[o + 3], S[o + 4], S[o + 5]
@@ -308,6 +312,7 @@ local function add(j, delta, ts, now, member)
     local k, cb = floor(ts / a), S[o + 10]
     if k <= cb - b or k > cb then return end
     local t = S[o + 13]
+    if delta > 0 and t + delta > MAXC then delta = max(0, MAXC - t) end
     if k == cb and delta > 0 and not S[o + 15] then
       -- hot path: only the current bucket and the header change
       local cur = S[o + 14] or sunpack('<i6', S[o + 7].raw, S[o + 8] + 18 + 6 * (k % b))
@@ -332,12 +337,12 @@ local function add(j, delta, ts, now, member)
     else
       w = month(ts)
     end
-    if w == S[o + 10] then S[o + 11] = max(0, S[o + 11] + delta) end
+    if w == S[o + 10] then S[o + 11] = min(MAXC, max(0, S[o + 11] + delta)) end
   elseif kind == BUCKET then
-    if a > 0 then
-      S[o + 10] = min(lim, S[o + 10] - delta)
+    if a > 0 then -- tokens left, at most MAXC below the burst
+      S[o + 10] = max(lim - MAXC, min(lim, S[o + 10] - delta))
     elseif ts >= S[o + 11] then
-      S[o + 10] = max(0, S[o + 10] + delta)
+      S[o + 10] = min(MAXC, max(0, S[o + 10] + delta))
     end
   elseif kind == LOG then
     local e = S[o + 10]
@@ -347,17 +352,17 @@ local function add(j, delta, ts, now, member)
       for _ = 1, delta do e[#e + 1] = now end
     end
   elseif kind == BALANCE then
-    S[o + 11] = max(0, S[o + 11] + delta)
+    S[o + 11] = min(MAXC, max(0, S[o + 11] + delta))
   else
     S[o + 10], S[o + 12], S[o + 13] = max(0, S[o + 10] + delta), member, delta
   end
 end
 
 -- store puts the changed state of limit j back into its blob (a sorted set
--- is written directly) and returns whether the blob changed.
+-- is written directly) and marks the blob dirty.
 local function store(j, now)
   local o = (j - 1) * K
-  if not S[o + 9] then return false end
+  if not S[o + 9] then return end
   local kind, lim, a, b, id, bl = S[o + 1], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7]
   local rec, e
   if kind == ROLLING then
@@ -405,14 +410,46 @@ local function store(j, now)
         redis.call('ZREM', key, member)
       end
     end
-    return false
+    return
   end
   if not bl[-id] then
     bl.n = bl.n + 1
     bl[bl.n] = id
   end
-  bl[id], bl[-id] = rec, e
-  return true
+  bl[id], bl[-id], bl.dirty = rec, e, true
+end
+
+-- Reservation record (KEYS[2] of a subject call), '<i6i6BI6I6': time ms,
+-- estimate, state, fingerprint (of the request: endpoint, plan, model,
+-- cost), nonce (of the Reserve call that wrote it), then a tail that
+-- limiter.go builds: I2 count m, the m packed specs of the limits the
+-- reservation holds (its token limits and concurrency limits), then for
+-- each concurrency limit among them its sorted set's key (I2 length,
+-- bytes), so that settling it touches exactly what the reserve took,
+-- whatever the policy says by then. A record of 13 bytes ('<i6i6B') is of
+-- an earlier release: no fingerprint, nonce or tail. States:
+--   OPEN       reserved, not settled
+--   CORRECTED  the actual cost was applied (estimate: what it was measured
+--              against)
+--   RELEASED   the estimate was given back (a later actual is charged in
+--              full)
+--   VOID       left by void.lua for a Reserve whose reply was lost and that
+--              admission allowed locally: it holds nothing, and repeats of
+--              the request are duplicates
+--   TOMB       the same for one admission denied locally: it stops only the
+--              lost call itself (its nonce), should that run late
+local OPEN, CORRECTED, RELEASED, VOID, TOMB = 0, 1, 2, 3, 4
+
+-- record reads a reservation record: time, estimate, state, fingerprint,
+-- nonce, and the position of its tail (nil when it has none).
+local function record(raw)
+  if #raw == 13 then
+    local ts, est, st = sunpack('<i6i6B', raw)
+    return ts, est, st, 0, 0, nil
+  end
+  local ts, est, st, fp, nonce, p = sunpack('<i6i6BI6I6', raw)
+  if p > #raw then p = nil end
+  return ts, est, st, fp, nonce, p
 end
 
 -- Subject and shared calls share one KEYS layout:
@@ -435,34 +472,60 @@ local function scope(meta, specs, n, now)
     if specs:byte((j - 1) * 32 + 7) == CONC then
       zkey, z = KEYS[z], z + 1
     end
-    load(specs, j, sub, ten, now, zkey)
+    load(specs, j, j, sub, ten, now, zkey)
   end
   return vals, sub, ten
 end
 
--- commit stores every changed limit and writes the changed blobs back.
-local function commit(meta, n, sub, ten, now)
-  local changed = false
-  for j = 1, n do
-    if store(j, now) then changed = true end
+-- holds loads the limits the tail of record raw (at p) names into S: a
+-- limit that is also among the call's n specs keeps its slot (loaded from
+-- the call's spec, so it reports under today's policy), any other gets a
+-- slot after n, loaded from the record's spec. It returns the slots, in
+-- the record's order, and the last slot used.
+local function holds(raw, p, n, sub, ten, now)
+  local m = sunpack('<I2', raw, p)
+  local specs = raw:sub(p + 2, p + 1 + 32 * m)
+  local z, out, last = p + 2 + 32 * m, {}, n
+  for i = 1, m do
+    local id, kind = sunpack('<I6B', specs, (i - 1) * 32 + 1)
+    local zkey
+    if kind == CONC then
+      local l = sunpack('<I2', raw, z)
+      zkey, z = raw:sub(z + 2, z + 1 + l), z + 2 + l
+    end
+    local j
+    for q = 1, n do
+      if S[(q - 1) * K + 6] == id then j = q; break end
+    end
+    if not j then
+      last = last + 1
+      j = last
+      load(specs, i, j, sub, ten, now, zkey)
+    end
+    out[i] = j
   end
-  if not changed then return end
-  if meta == '0' then
-    save(sub, KEYS[2], now)
-  else
-    save(sub, KEYS[3], now)
-    if ten then save(ten, KEYS[4], now) end
-  end
+  return out, last
 end
 
--- snapshot returns the head values h1..h7 (fewer when the last are nil)
+-- commit stores limits 1..n and writes the blobs that changed back.
+local function commit(meta, n, sub, ten, now)
+  for j = 1, n do store(j, now) end
+  if meta == '0' then
+    if sub.dirty then save(sub, KEYS[2], now) end
+    return
+  end
+  if sub.dirty then save(sub, KEYS[3], now) end
+  if ten and ten.dirty then save(ten, KEYS[4], now) end
+end
+
+-- snapshot returns the head values h1..h8 (fewer when the last are nil)
 -- followed by limit, used, reset ms and the would-deny flag of every limit,
 -- packed as little-endian 64-bit integers in one string: one bulk string
 -- costs the client one read and one allocation where a RESP array of 27
 -- integers cost it one each. The table is presized for 5 limits by a
 -- constructor of nils, as S is.
-local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7)
-  local out = { h1, h2, h3, h4, h5, h6, h7, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil,
+local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7, h8)
+  local out = { h1, h2, h3, h4, h5, h6, h7, h8, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil,
     nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
   local i = #out
   for j = 1, n do

@@ -7,16 +7,22 @@
 --        (lib.lua). The epoch key of the slot is missing when Redis lost its
 --        data (epoch.go).
 -- ARGV   1 clock offset ms (0 outside tests); 2 cost in weighted tokens (a
---        requests limit charges 1); 3 mode: 0 reserve, 1 peek; 4 '1' = refuse
---        to decide without the epoch; 5 meta: '0' shared, '1' subject, '2'
---        subject with tenant-wide limits; 6 reservation ttl ms; 7 request id;
---        8 the packed specs (lib.lua)
+--        requests limit charges 1); 3 mode: 0 reserve, 1 peek, 2 reserve a
+--        request id that must be new (any record of it denies); 4 '1' =
+--        refuse to decide without the epoch; 5 meta: '0' shared, '1'
+--        subject, '2' subject with tenant-wide limits; 6 reservation ttl
+--        ms; 7 concurrency member; 8 the packed specs (lib.lua); subject
+--        only: 9 the request's fingerprint, 10 this call's nonce, 11 the
+--        record's tail (lib.lua: the limits it holds)
 --
 -- Reply (packed 64-bit integers, lib.lua snapshot): status, denied_by,
 --        retry_ms, reason, now_ms, version, tenant_version, then per limit:
 --        limit, used, reset_ms, would_deny
---   status 1 allowed, 0 denied, 2 duplicate (this request id was admitted
---   before: nothing charged), -1 no epoch (nothing decided).
+--   status 1 allowed, 0 denied, 2 duplicate (this request was admitted
+--   before and is not settled: nothing charged), 3 the request id belongs
+--   to a different request (another fingerprint), 4 the request id is
+--   settled or released, 5 the request id exists and mode 2 wants a new one,
+--   -1 no epoch (nothing decided). Statuses 2 to 5 charge nothing.
 --   denied_by: 1-based index of the first limit that denied, 0 if none;
 --   retry_ms: wait until every denying limit fits (-1: only a top-up helps);
 --   reason: 0 none, 1 the cost exceeds a limit itself, 2 balance exhausted.
@@ -27,6 +33,25 @@ local now = now_ms(tonumber(ARGV[1]))
 local n = #specs / 32
 local vals, sub, ten = scope(meta, specs, n, now)
 if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
+
+local raw = meta ~= '0' and mode ~= '1' and vals[2]
+if raw then
+  local _, _, state, fp, nonce = record(raw)
+  local status
+  if state == TOMB then
+    -- the lost call a local denial stands for: it must not reserve now
+    if nonce == tonumber(ARGV[10]) then status = 4 end
+  elseif mode == '2' then
+    status = 5
+  elseif state == CORRECTED or state == RELEASED then
+    status = 4
+  elseif fp == tonumber(ARGV[9]) then
+    status = 2
+  else
+    status = 3
+  end
+  if status then return snapshot(n, now, status, 0, 0, 0, now, sub.ver, ten and ten.ver or 0) end
+end
 
 local denied, retry, reason = 0, 0, 0
 for j = 1, n do
@@ -50,14 +75,14 @@ for j = 1, n do
 end
 
 local status = 1
-if meta ~= '0' and vals[2] and mode == '0' then
-  status = 2
-elseif denied > 0 then
+if denied > 0 then
   status = 0
   if reason == 1 then retry = 0 end
-elseif mode == '0' then
+elseif mode ~= '1' then
   for j = 1, n do add(j, S[(j - 1) * K + 2] % 2 == 1 and cost or 1, now, now, ARGV[7]) end
   commit(meta, n, sub, ten, now)
-  if meta ~= '0' then redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, 0), 'PX', ARGV[6]) end
+  if meta ~= '0' then
+    redis.call('SET', KEYS[2], spack('<i6i6BI6I6', now, cost, OPEN, ARGV[9], ARGV[10]) .. ARGV[11], 'PX', ARGV[6])
+  end
 end
 return snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)

@@ -11,9 +11,9 @@ local vals = redis.call('MGET', KEYS[1], KEYS[2], KEYS[3])
 if ARGV[3] == '1' and not vals[1] then return { -1 } end
 local now = now_ms(0)
 local bl = open(vals[2], now)
-load(ARGV[4], 1, bl, bl, now)
+load(ARGV[4], 1, 1, bl, bl, now)
 if vals[3] then return { 2, S[10], S[11], bl.ver } end
-S[10], S[9] = S[10] + tonumber(ARGV[1]), true
+S[10], S[9] = min(MAXC, S[10] + tonumber(ARGV[1])), true
 store(1, now)
 save(bl, KEYS[2], now)
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])

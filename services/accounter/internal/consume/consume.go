@@ -169,13 +169,13 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 			items[i].skip = true
 			continue
 		}
-		ev, err := events.Decode(msg.Data())
+		ev, err := events.DecodeMsg(msg, c.opts.Events)
 		if err != nil {
 			items[i].bad, items[i].decodeErr = true, err
 			continue
 		}
 		items[i].ev = ev
-		recs = append(recs, c.record(ev, msg.Data()))
+		recs = append(recs, c.record(ev, msg.Data(), events.FirstStored(msg)))
 	}
 
 	err := c.apply(ctx, items, recs)
@@ -294,9 +294,16 @@ func (c *Consumer) deadLetter(ctx context.Context, msg jetstream.Msg, reason str
 	return fmt.Errorf("%w (%s): %w", events.ErrDeadLettered, reason, cause)
 }
 
-// record turns an event into its ledger row.
-func (c *Consumer) record(ev events.Event, payload []byte) ledger.Record {
-	r := ledger.Record{EventID: ev.ID, Kind: ev.Type(), OccurredAt: ev.Time, Payload: payload}
+// record turns an event, first stored at stored, into its ledger row. Its
+// time is at most stored: the few seconds of clock skew an event may have
+// must not date usage after Redis has charged it (at its own time, which
+// is no later than now either).
+func (c *Consumer) record(ev events.Event, payload []byte, stored time.Time) ledger.Record {
+	at := ev.Time
+	if !stored.IsZero() && at.After(stored) {
+		at = stored
+	}
+	r := ledger.Record{EventID: ev.ID, Kind: ev.Type(), OccurredAt: at, Payload: payload}
 	switch d := ev.Data.(type) {
 	case events.Reserved:
 		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
@@ -343,10 +350,16 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	defer tx.Rollback(ctx) // unless committed
 	res := tx.Result
 
-	// One Redis effect per open reservation of the batch, in the order of
-	// the batch's events, all in one pipelined round trip.
+	// One Redis effect per event that settles a reservation, in the order
+	// of the batch (a release and an actual of one request id both apply:
+	// the later finds the earlier's effect), all in one pipelined round
+	// trip.
 	var tasks []task
-	done := map[ledger.Key]bool{}
+	type effectKey struct {
+		key     ledger.Key
+		release bool
+	}
+	done := map[effectKey]bool{}
 	for i := range items {
 		it := &items[i]
 		if it.bad || it.skip || it.rejected != nil {
@@ -356,20 +369,24 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		switch d := it.ev.Data.(type) {
 		case events.Actual:
 			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
-			t.Actual, t.Cost = &d, c.cor.Cost(d)
+			t.Cost, t.Endpoint = c.cor.Cost(d), d.Endpoint
 		case events.Released:
+			if d.Status == events.ReleaseAlreadySettled {
+				continue // admission's release changed nothing in Redis
+			}
 			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
+			// A release that found no reservation must not undo one the id
+			// got later; it gives back only what a rebuild put back.
+			t.Release, t.IfGone = true, d.Status == events.ReleaseUnknown
 		default:
 			continue
 		}
 		row, found := res.Reservations[t.key]
-		// A reservation the ledger records as settled, released or expired
-		// is in Redis already, and the Redis marker may have expired since:
-		// it must not be settled again.
-		if done[t.key] || !found || row.Status != ledger.StatusOpen {
+		ek := effectKey{t.key, t.Release}
+		if !found || done[ek] || !settles(row.Status, t.Release) {
 			continue
 		}
-		done[t.key] = true
+		done[ek] = true
 		t.Row = row
 		tasks = append(tasks, t)
 	}
@@ -400,26 +417,26 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		if !t.OK {
 			continue
 		}
-		if s := t.Settlement; s.Status == limits.AlreadySettled && s.ByRelease != (t.Actual == nil) {
-			// Redis holds the other event of the request id, applied by a
-			// delivery that failed before the ledger knew: the first applied
-			// wins, and that event's redelivery settles the row as Redis has
-			// it. This one changes nothing.
-			continue
-		}
-		if t.Actual == nil {
+		s := t.Settlement
+		if t.Release {
+			switch {
+			case s.Status == limits.AlreadySettled && !s.ByRelease:
+				// An actual settled it (actual usage always wins: its own
+				// event settles the row, now or on its redelivery), or a
+				// release-if-gone found a reservation: nothing changes.
+				continue
+			case t.IfGone && s.Status == limits.UnknownRelease && t.Row.Estimate < 0:
+				continue // a release of an id not admitted: void
+			}
 			marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusReleased})
 			continue
 		}
-		s, delta := t.Settlement, t.Settlement.Delta
+		delta := s.Delta
 		switch s.Status {
 		case limits.AlreadySettled:
 			// An earlier delivery corrected Redis but failed before the
 			// ledger knew: announce it again (the id dedups).
-			delta = t.Cost
-			if t.Row.Estimate >= 0 {
-				delta = t.Cost - t.Row.Estimate
-			}
+			delta = t.Cost - s.Estimate
 		case limits.Settled, limits.ChargedUnknown:
 		default:
 			continue
@@ -459,7 +476,33 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 	c.m.phase.WithLabelValues("publish").Observe(time.Since(t0).Seconds())
 	t0 = time.Now()
 	defer func() { c.m.phase.WithLabelValues("commit").Observe(time.Since(t0).Seconds()) }()
-	return tx.Commit(ctx, marks)
+	return tx.Commit(ctx, finalMarks(marks))
+}
+
+// settles reports whether an event may settle a reservation whose ledger
+// row has status: an open one, and a released one by an actual (actual
+// usage always wins). A row settled or expired is in Redis already, whose
+// record may have expired since: it must not be settled again.
+func settles(status string, release bool) bool {
+	return status == ledger.StatusOpen || status == ledger.StatusReleased && !release
+}
+
+// finalMarks keeps one mark per reservation, the last of the batch's
+// effects: settled wins over released, as in Redis.
+func finalMarks(marks []ledger.Mark) []ledger.Mark {
+	at := make(map[ledger.Key]int, len(marks))
+	out := marks[:0]
+	for _, m := range marks {
+		if i, ok := at[m.Key]; ok {
+			if m.Status == ledger.StatusSettled {
+				out[i].Status = m.Status
+			}
+			continue
+		}
+		at[m.Key] = len(out)
+		out = append(out, m)
+	}
+	return out
 }
 
 // beginWithoutRejected finds the items whose record Postgres rejects

@@ -64,9 +64,11 @@ func New(lim *limits.Limiter, rdb redis.UniversalClient, policy func() *limits.P
 	return &Corrector{lim: lim, rdb: rdb, policy: policy, store: store, log: log.With("component", "correct")}
 }
 
-// Cost is the weighted cost of an actual event under the current policy.
+// Cost is the weighted cost of an actual event under the current policy,
+// saturated at limits.MaxCost as the counters are: usage that large is
+// charged as the most a window can hold, never refused.
 func (c *Corrector) Cost(d events.Actual) int64 {
-	return c.policy().Cost(d.Model, d.InputTokens, d.OutputTokens)
+	return min(c.policy().Cost(d.Model, d.InputTokens, d.OutputTokens), limits.MaxCost)
 }
 
 // rules returns the subject rules of tenant on plan for endpoint under
@@ -89,15 +91,20 @@ func subjectRules(p *limits.Policy, tenant, plan, endpoint string) ([]limits.Rul
 	return r.Subject, nil
 }
 
-// Effect is the Redis effect of one event: the correction of an actual
-// event to Cost (Actual set) or the release of a reservation. Row is the
-// reservation's ledger row (after the batch's write); its estimate is the
-// fallback when the Redis record is gone, and with no estimate anywhere an
-// actual is charged in full.
+// Effect is the Redis effect of one event: the correction of a reservation
+// to the actual Cost, or its release (Release). Row is the reservation's
+// ledger row (after the batch's write); its estimate and time are the
+// fallback when Redis holds no record, and with no estimate anywhere an
+// actual is charged in full at the row's time.
 type Effect struct {
-	Actual *events.Actual // nil: a release
+	Release bool
+	// IfGone makes a release apply only where Redis holds no record of the
+	// request id (admission's release found none: see limits.SettleOp).
+	IfGone bool
 	Cost   int64
-	Row    ledger.Reservation
+	// Endpoint is the actual's, for rules when the row has none.
+	Endpoint string
+	Row      ledger.Reservation
 }
 
 // Outcome is what became of one Effect. OK is false when there was nothing
@@ -119,14 +126,11 @@ func (c *Corrector) Apply(ctx context.Context, effects []Effect) []Outcome {
 	owner := make([]int, 0, len(effects)) // effects index of each op
 	for i, e := range effects {
 		res := e.Row
-		op := limits.SettleOp{Release: e.Actual == nil}
-		endpoint := res.Endpoint
-		if e.Actual != nil {
+		op := limits.SettleOp{Release: e.Release, IfGone: e.IfGone}
+		endpoint := cmp.Or(res.Endpoint, e.Endpoint)
+		if !e.Release {
 			if res.Status == ledger.StatusExpired || res.Status == ledger.StatusExpiredReleased {
 				continue
-			}
-			if endpoint == "" {
-				endpoint = e.Actual.Endpoint
 			}
 			op.Actual = e.Cost
 		}
@@ -146,13 +150,13 @@ func (c *Corrector) Apply(ctx context.Context, effects []Effect) []Outcome {
 	return out
 }
 
-// fallback is what Redis holds for reservation res when its record there
-// is gone: its estimate at its time, unless there is none or the decision
-// was made without Redis (then an actual is charged in full and a release
-// gives nothing back).
+// fallback is what Redis holds for reservation res when it has no record
+// of it: its estimate at its time, unless there is none or the decision was
+// made without Redis (then an actual is charged in full at the row's time,
+// where a rebuild counts it too, and a release gives nothing back).
 func fallback(res ledger.Reservation) *limits.Fallback {
 	if res.Estimate < 0 || res.ReservedAt.IsZero() || res.Local {
-		return nil
+		return &limits.Fallback{ReservedAt: res.At, Estimate: limits.NoEstimate}
 	}
 	return &limits.Fallback{ReservedAt: res.ReservedAt, Estimate: res.Estimate}
 }
@@ -357,7 +361,7 @@ func (c *Corrector) SettleExpired(ctx context.Context, l ExpiryLedger, cutoff ti
 		}
 		effects := make([]Effect, len(rows))
 		for i, r := range rows {
-			effects[i].Row = r
+			effects[i] = Effect{Release: true, Row: r}
 		}
 		keys := make([]ledger.Key, 0, len(rows))
 		var failed error
@@ -378,36 +382,29 @@ func (c *Corrector) SettleExpired(ctx context.Context, l ExpiryLedger, cutoff ti
 	}
 }
 
-// chargeExpired settles expired rows at their estimate: it charges the
-// estimate of the local ones (no Redis window holds it) at their time,
-// then marks every row expired.
+// chargeExpired settles expired local rows at their estimate: each is
+// corrected to its estimate, which charges it at its time where Redis holds
+// nothing for it (the decision was made without Redis) and changes nothing
+// where a Reserve that timed out did reserve it; then the rows are marked
+// expired. A row Redis finds settled already waits for the event that
+// settled it.
 func (c *Corrector) chargeExpired(ctx context.Context, l ExpiryLedger, rows []ledger.Reservation) (int64, error) {
-	var charges []limits.ChargeRequest
-	for _, r := range rows {
-		if !r.Local || r.Estimate <= 0 {
-			continue
-		}
-		rules, err := c.windowRules(r.Tenant, r.Plan, r.Endpoint)
-		if err != nil {
-			return 0, err
-		}
-		if len(rules) > 0 {
-			charges = append(charges, limits.ChargeRequest{
-				Tenant: r.Tenant, User: r.User, Rules: rules, Amount: r.Estimate, At: r.ReservedAt, Force: true,
-			})
-		}
-	}
-	for i, res := range c.lim.ChargeMany(ctx, charges) {
-		if res.Err != nil {
-			return 0, fmt.Errorf("charge expired %s/%s: %w", charges[i].Tenant, charges[i].User, res.Err)
-		}
-	}
-	keys := make([]ledger.Key, len(rows))
+	effects := make([]Effect, len(rows))
 	for i, r := range rows {
-		keys[i] = r.Key
+		effects[i] = Effect{Cost: max(r.Estimate, 0), Row: r}
+	}
+	keys := make([]ledger.Key, 0, len(rows))
+	for i, o := range c.Apply(ctx, effects) {
+		r := rows[i]
+		if o.Err != nil {
+			return 0, fmt.Errorf("charge expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, o.Err)
+		}
+		if st := o.Settlement.Status; st == limits.Settled || st == limits.ChargedUnknown {
+			keys = append(keys, r.Key)
+		}
 	}
 	if err := l.MarkExpired(ctx, keys, ledger.StatusExpired); err != nil {
 		return 0, err
 	}
-	return int64(len(rows)), nil
+	return int64(len(keys)), nil
 }

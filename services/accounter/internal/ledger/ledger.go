@@ -80,8 +80,11 @@ type Reservation struct {
 	Estimate   int64
 	Actual     int64 // -1 when no actual event has arrived
 	ReservedAt time.Time
-	Status     string
-	Local      bool // decided without Redis: no window holds the estimate
+	// At is when the row's usage counts, in the windows as in a rebuild:
+	// its reservation's time, else its first actual's, else its release's.
+	At     time.Time
+	Status string
+	Local  bool // decided without Redis: no window holds the estimate
 }
 
 // Store reads and writes the ledger. It is safe for concurrent use; create
@@ -125,13 +128,13 @@ var stagingColumns = []string{"event_id", "type", "tenant", "user_id", "request_
 // nothing.
 const insertEvents = `
 WITH input AS (
-    SELECT DISTINCT ON (event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
+    SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
     FROM ledger_in
-    ORDER BY event_id
+    ORDER BY tenant, event_id
 ), ins AS (
     INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
     SELECT event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload FROM input
-    ON CONFLICT (event_id) DO NOTHING
+    ON CONFLICT (tenant, event_id) DO NOTHING
     RETURNING type, tenant, user_id, tokens, occurred_at
 ), kept AS (
     INSERT INTO ledger_new SELECT * FROM ins
@@ -196,7 +199,7 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     released_at = coalesce(r.released_at, excluded.released_at),
     updated_at = now()
 RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
-    coalesce(actual_tokens, -1), reserved_at, status, local`
+    coalesce(actual_tokens, -1), reserved_at, coalesce(reserved_at, actual_at, released_at), status, local`
 
 // WriteResult is what a write did.
 type WriteResult struct {
@@ -270,7 +273,7 @@ func (t *Tx) write(ctx context.Context, recs []Record) error {
 	b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
 		var v Reservation
 		var reservedAt *time.Time
-		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.Status, &v.Local}, func() error {
+		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.At, &v.Status, &v.Local}, func() error {
 			v.ReservedAt = time.Time{}
 			if reservedAt != nil {
 				v.ReservedAt = *reservedAt
@@ -338,12 +341,14 @@ type Mark struct {
 	Status string
 }
 
-// markSettled moves open rows to their settled status; rows already
-// settled, released or expired keep theirs.
+// markSettled moves open rows to their settled status, and released ones
+// to settled (actual usage always wins over a release); other rows keep
+// theirs. A key appears once in the marks (see Tx.Commit).
 const markSettled = `
 UPDATE reservations AS r SET status = m.status, settled_at = now(), updated_at = now()
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
-WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id AND r.status = 'open'`
+WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id
+    AND (r.status = 'open' OR (r.status = 'released' AND m.status = 'settled'))`
 
 // MarkSettled records marks in one statement. Calling it again changes
 // nothing.
@@ -386,7 +391,7 @@ func (s *Store) ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, 
 }
 
 const selectExpired = `
-SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, -1, reserved_at, status, local
+SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, -1, reserved_at, reserved_at, status, local
 FROM reservations
 WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1
 ORDER BY reserved_at LIMIT $2`
@@ -400,7 +405,7 @@ func (s *Store) Expired(ctx context.Context, cutoff time.Time, limit int) ([]Res
 	}
 	var out []Reservation
 	var v Reservation
-	_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &v.ReservedAt, &v.Status, &v.Local}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &v.ReservedAt, &v.At, &v.Status, &v.Local}, func() error {
 		out = append(out, v)
 		return nil
 	})

@@ -49,6 +49,9 @@ type admission struct {
 	// slots stay put until undo has re-reported what it gave back.
 	res    Result
 	denied int // index in res.Limits of the denying limit, -1 if none
+	// reused is a denial by no limit: the request id is taken and the
+	// request wanted a fresh one (Input.Fresh).
+	reused bool
 
 	// What earlier layers took, to give back on a later denial, each with
 	// the slot in res.Limits of the limit it took from.
@@ -91,7 +94,7 @@ func (a *admission) run(rs *limits.Resolved) error {
 	if ok && err == nil && len(rs.Global) > 0 {
 		ok, err = a.sharedLayer(limits.ScopeGlobal, rs.Endpoint, rs.Global)
 	}
-	if !ok && err == nil && a.in.CallerID && a.retryOfAdmitted() {
+	if !ok && err == nil && a.in.CallerID && !a.in.Fresh && a.retryOfAdmitted() {
 		// A retry of an admitted request gets its stored decision, not a
 		// denial by a layer it passed when it was admitted.
 		a.undo()
@@ -114,7 +117,7 @@ func (a *admission) run(rs *limits.Resolved) error {
 		a.res.Now = time.Now()
 	}
 	a.res.ExpiresAt = a.res.Now.Add(a.d.opt.ReservationTTL)
-	a.res.Allowed = a.denied < 0
+	a.res.Allowed = a.denied < 0 && !a.reused
 	if a.denied >= 0 {
 		a.res.DeniedBy = &a.res.Limits[a.denied]
 	}
@@ -284,8 +287,13 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 	a.res.Limits = a.res.Limits[:base+len(rules)]
 	states := a.res.Limits[base:]
 	in := a.in
+	// lost is a Reserve that may have run in Redis though its reply never
+	// came: once the local decision is taken, Redis is made to agree.
+	var lost *limits.Request
 	if a.remote {
-		dec, err := d.reserve(a.ctx, limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules})
+		req := limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules,
+			Fingerprint: limits.Fingerprint(in.Endpoint, a.res.Plan, in.Model, in.Cost), Nonce: newNonce(), Fresh: in.Fresh}
+		dec, sent, err := d.reserve(a.ctx, req)
 		switch {
 		case err == nil:
 			for i := range dec.States {
@@ -293,19 +301,26 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 			}
 			d.remember(in.Tenant, in.User, dec.States, d.mono())
 			a.res.Now, a.res.Version, a.res.TenantVersion = dec.Now, dec.Version, dec.TenantVersion
-			if dec.Duplicate {
+			switch {
+			case dec.Duplicate:
 				// Admitted before: the earlier layers were counted then.
 				a.res.Duplicate = true
 				a.undo()
 				return true, nil
-			}
-			if !dec.Allowed {
+			case dec.Conflict == limits.ConflictReused:
+				a.reused, a.res.Reason = true, limits.ReasonRequestIDReused
+				return false, nil
+			case dec.Conflict != limits.NoConflict:
+				return false, conflictError(dec.Conflict)
+			case !dec.Allowed:
 				a.deny(base+max(0, dec.DeniedBy), dec.RetryAfter, dec.Reason)
 				return false, nil
 			}
 			return true, nil
 		case errors.Is(err, limits.ErrInvalid):
 			return false, err
+		case sent && mayHaveRun(err):
+			lost = &req
 		}
 		a.remote = false
 	}
@@ -331,6 +346,10 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 		te.mu.Unlock()
 	}
 	a.res.Local = true
+	if lost != nil {
+		d.voids.add(limits.Void{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID,
+			Fingerprint: lost.Fingerprint, Nonce: lost.Nonce, Allowed: di < 0})
+	}
 	if di >= 0 {
 		a.deny(base+di, retry, reason)
 		return false, nil

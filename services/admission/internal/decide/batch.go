@@ -48,6 +48,7 @@ type reservation struct {
 	lead     []*reservation
 	dec      limits.Decision
 	err      error
+	sent     bool // it went out in a batch
 }
 
 var reservations = sync.Pool{New: func() any { return &reservation{done: make(chan struct{}, 1)} }}
@@ -59,7 +60,9 @@ func newBatcher(lim *limits.Limiter, size prometheus.Observer) *batcher {
 // reserve is limits.Limiter.Reserve, alone or in the next batch, within
 // timeout (context.DeadlineExceeded after it). A call sent alone also ends
 // with ctx; a queued one waits for its batch, which ends by its deadline.
-func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits.Request) (limits.Decision, error) {
+// sent says the call went out to Redis: one whose deadline passed in the
+// queue did not, and cannot have run.
+func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits.Request) (limits.Decision, bool, error) {
 	b.mu.Lock()
 	deadline := time.Now().Add(timeout) // under mu: the queue is in deadline order
 	if !b.busy {
@@ -70,7 +73,7 @@ func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits
 		dec, err := b.lim.Reserve(ctx, req)
 		cancel()
 		b.handOff()
-		return dec, err
+		return dec, true, err
 	}
 	r := reservations.Get().(*reservation)
 	r.deadline, r.req = deadline, req
@@ -80,10 +83,10 @@ func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits
 	if r.lead != nil {
 		b.lead(r)
 	}
-	dec, err := r.dec, r.err
+	dec, sent, err := r.dec, r.sent, r.err
 	*r = reservation{done: r.done}
 	reservations.Put(r)
-	return dec, err
+	return dec, sent, err
 }
 
 // lead handles the batch r heads (r.lead) and returns once r is answered.
@@ -150,7 +153,7 @@ func (b *batcher) send(live []*reservation) {
 	out := b.lim.ReserveBatch(ctx, reqs)
 	cancel()
 	for i, r := range live {
-		r.dec, r.err = out[i].Decision, out[i].Err
+		r.dec, r.err, r.sent = out[i].Decision, out[i].Err, true
 		r.done <- struct{}{}
 	}
 }

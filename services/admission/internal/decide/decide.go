@@ -13,6 +13,10 @@ type Input struct {
 	// request admitted before: when a shared layer denies it, Admit asks
 	// Redis whether it was (one more round trip, on that path only).
 	CallerID bool
+	// Fresh says every call is a new request (/v1/authz): a request id that
+	// any reservation holds, open or settled, is a denial
+	// (limits.ReasonRequestIDReused), never a replayed allow.
+	Fresh    bool
 	Tenant   string
 	User     string
 	Plan     string // empty: the tenant's plan, then the policy's default

@@ -44,6 +44,7 @@ type Decider struct {
 	br     *breaker
 	local  *localCache
 	batch  *batcher
+	voids  *voider
 	epoch  time.Time // base of the monotonic clock (mono)
 
 	pools  sync.Map // poolKey → *pool
@@ -94,12 +95,14 @@ func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *s
 		return nil, fmt.Errorf("decide: metrics: %w", err)
 	}
 	d.batch = newBatcher(lim, d.m.batchSize)
+	d.voids = newVoider(lim, o.ProbeTimeout, o.BreakerCooldown, d.m.voids)
 	d.br = newBreaker(o.BreakerFailures, o.BreakerWindow, o.BreakerCooldown, d.onBreaker)
 	d.notePolicy(policy())
 	ctx, stop := context.WithCancel(context.Background())
 	d.stop = stop
 	d.spawn(func() { d.janitor(ctx) })
 	d.spawn(func() { d.prober(ctx) })
+	d.spawn(func() { d.voids.run(ctx) })
 	return d, nil
 }
 
@@ -174,15 +177,16 @@ func (d *Decider) call(ctx context.Context, op string, fn func(context.Context) 
 
 // reserve is call for the subject layer's Reserve, which goes through the
 // batcher: it enforces RedisTimeout itself, without a context and timer per
-// call.
-func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decision, error) {
+// call. sent says the call went out to Redis (with an error, it may have
+// run there).
+func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decision, bool, error) {
 	if !d.br.allow() {
-		return limits.Decision{}, errBreakerOpen
+		return limits.Decision{}, false, errBreakerOpen
 	}
-	dec, err := d.batch.reserve(ctx, d.opt.RedisTimeout, req)
+	dec, sent, err := d.batch.reserve(ctx, d.opt.RedisTimeout, req)
 	o, why := d.outcome(ctx, opReserve, err)
 	d.br.done(false, o, why)
-	return dec, err
+	return dec, sent, err
 }
 
 // outcome classifies the error of a call made under ctx.
@@ -264,11 +268,12 @@ func (d *Decider) failOpen(outage time.Duration) bool {
 	return d.opt.FailOpenAfter > 0 && outage >= d.opt.FailOpenAfter
 }
 
-// Close stops the background work, waits for lease calls in flight and
-// returns every unspent lease to Redis (ctx bounds it). Admit keeps working
-// after Close, without leases (shared request limits then cost a round
-// trip). It is idempotent; the error lists leases it could not return
-// (their units come back when their windows end).
+// Close stops the background work, waits for lease calls in flight,
+// returns every unspent lease to Redis and makes a last attempt at the
+// voids still queued (ctx bounds it). Admit keeps working after Close,
+// without leases (shared request limits then cost a round trip). It is
+// idempotent; the error lists leases it could not return (their units come
+// back when their windows end) and voids it could not make.
 func (d *Decider) Close(ctx context.Context) error {
 	d.closeOnce.Do(func() {
 		d.closing.Store(true)
@@ -281,6 +286,7 @@ func (d *Decider) Close(ctx context.Context) error {
 			errs = append(errs, d.sweepPool(ctx, k.(poolKey), v.(*pool)))
 			return true
 		})
+		errs = append(errs, d.voids.flush(ctx))
 		d.closeErr = errors.Join(errs...)
 	})
 	return d.closeErr

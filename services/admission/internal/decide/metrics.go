@@ -72,6 +72,7 @@ type metrics struct {
 	breaker     prometheus.Gauge
 	refills     *prometheus.CounterVec
 	batchSize   prometheus.Histogram
+	voids       *prometheus.CounterVec
 
 	mu  sync.Mutex // serializes adding endpoints
 	eps atomic.Pointer[map[string]*endpointCounters]
@@ -100,6 +101,10 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 			Help:    "Reserve calls sent to Redis together in one pipelined round trip.",
 			Buckets: prometheus.ExponentialBuckets(1, 2, 8), // 1 … 128
 		}),
+		voids: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_admission_reserve_voids_total",
+			Help: "Reserve calls whose reply was lost, made to agree with the local decision in Redis afterwards, by result: voided (a reservation given back), marked (it had not run), left (settled meanwhile), retry (Redis still away), dropped (queue full), invalid.",
+		}, []string{"result"}),
 	}
 	poolGauge := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "quotaflow_admission_lease_pools",
@@ -113,11 +118,14 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 			m.refills.WithLabelValues(string(s), r)
 		}
 	}
+	for _, r := range voidResults {
+		m.voids.WithLabelValues(r)
+	}
 	empty := map[string]*endpointCounters{}
 	m.eps.Store(&empty)
 	m.endpoint(otherEndpoint)
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, poolGauge} {
+		for _, c := range []prometheus.Collector{m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, m.voids, poolGauge} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -173,6 +181,8 @@ func (m *metrics) decision(ep string, r *Result) {
 		}
 	case r.DeniedBy != nil:
 		scope, result = r.DeniedBy.Scope, resultDenied
+	case !r.Allowed: // denied by no limit: a request id reused
+		result = resultDenied
 	case r.ShadowDenied:
 		result = resultShadowDenied
 		for i := range r.Limits {

@@ -16,16 +16,13 @@ func unavailable(what string, err error) error {
 	return fmt.Errorf("%s: %w: %w", what, ErrUnavailable, err)
 }
 
-// Release gives back the estimate and the concurrency slot of request
-// requestID of (tenant, user), once; a request id with no reservation gives
-// Status limits.UnknownRelease.
-//
-// Release uses the subject's current rules: those of the tenant's plan (else
-// default_plan) in the policy now, without any endpoint's per-user limits,
-// because the reservation record keeps neither the plan nor the endpoint. A
-// request admitted on another plan, or under an endpoint's per-user token or
-// concurrency limit, gets back only what those rules share; the rest expires
-// with the reservation.
+// Release gives back the estimate and the concurrency slots of request
+// requestID of (tenant, user), once: exactly what its reservation holds, as
+// its record names it (its plan's and endpoint's limits at admission, even
+// after a policy change); a request id with no reservation gives Status
+// limits.UnknownRelease, and one whose actual was applied changes nothing.
+// The Settlement reports the limits of the tenant's plan (else
+// default_plan) in the policy now.
 func (d *Decider) Release(ctx context.Context, tenant, user, requestID string) (limits.Settlement, error) {
 	rs, err := d.resolve(tenant, "", "")
 	if err != nil {

@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -90,6 +91,10 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 	}
 	res, err := h.dec.Admit(r.Context(), in)
 	if err != nil {
+		if errors.Is(err, decide.ErrConflict) {
+			writeError(w, http.StatusConflict, err.Error())
+			return
+		}
 		if msg, ok := clientError(err, in.Plan); ok {
 			if authz {
 				h.denyInvalid(w, msg)
@@ -133,6 +138,8 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 		body.DeniedBy = &limitRef{Scope: string(d.Scope), Name: d.Name, Endpoint: d.Endpoint}
 		body.ViolatedPolicies = []string{policyName(*d)}
 		body.Detail = denialDetail(*d, res, in.Cost)
+	} else if res.Reason == limits.ReasonRequestIDReused {
+		body.Detail = "X-Request-Id: a reservation holds this id already; the gateway must send a new id with every request"
 	}
 	if authz {
 		w.Header().Set("X-Quota-Denied", "1")

@@ -90,6 +90,10 @@ type Options struct {
 	// UsageTimeout bounds how long POST /v1/usage waits for the stream's
 	// acknowledgements (default 5 s).
 	UsageTimeout time.Duration
+	// MaxEventAge is how long the usage stream keeps events (its MaxAge):
+	// POST /v1/usage refuses an event older than that, which the
+	// consumers would dead-letter (default events.DefaultMaxAge).
+	MaxEventAge time.Duration
 	// Log receives errors and per-request debug lines (never tokens); nil
 	// discards them.
 	Log *slog.Logger
@@ -108,6 +112,7 @@ type Handler struct {
 	ttl      time.Duration
 	source   string
 	usageTO  time.Duration
+	maxAge   time.Duration
 	log      *slog.Logger
 	mux      *http.ServeMux
 	authz    http.Handler
@@ -146,12 +151,15 @@ func New(o Options) (*Handler, error) {
 	if o.UsageTimeout <= 0 {
 		o.UsageTimeout = 5 * time.Second
 	}
+	if o.MaxEventAge <= 0 {
+		o.MaxEventAge = events.DefaultMaxAge
+	}
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
 	h := &Handler{
 		dec: o.Decider, policy: o.Policy, ev: o.Events, tokens: o.Auth, deny: o.AuthzDenyStatus,
-		trusted: o.TrustedProxies, ttl: o.ReservationTTL, source: o.Source, usageTO: o.UsageTimeout,
+		trusted: o.TrustedProxies, ttl: o.ReservationTTL, source: o.Source, usageTO: o.UsageTimeout, maxAge: o.MaxEventAge,
 		log: o.Log.With("component", "httpapi"),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "quotaflow_admission_request_duration_seconds",

@@ -706,6 +706,7 @@ func TestAuthz(t *testing.T) {
 				}
 				want := tc.want
 				want.CallerID = true // every case sends X-Request-Id
+				want.Fresh = true    // every authz call is a new request
 				if got := e.dec.lastInput(t); got != want {
 					t.Errorf("%s: decider got %+v, want %+v", method, got, want)
 				}
@@ -929,9 +930,16 @@ func TestRelease(t *testing.T) {
 	if len(e.ev.enqueued) != 3 {
 		t.Fatalf("enqueued %d events, want 3", len(e.ev.enqueued))
 	}
-	ev := e.ev.enqueued[0]
-	if d, ok := ev.Data.(events.Released); !ok || d != (events.Released{RequestID: "r-1", Tenant: "acme", User: "u-42"}) || ev.Validate() != nil {
-		t.Errorf("released event = %+v (%v)", ev, ev.Validate())
+	// Each released event says what the release did.
+	for i, want := range []events.Released{
+		{RequestID: "r-1", Tenant: "acme", User: "u-42", Status: events.ReleaseReleased, ReturnedTokens: 120},
+		{RequestID: "r-1", Tenant: "acme", User: "u-42", Status: events.ReleaseAlreadySettled},
+		{RequestID: "r-1", Tenant: "acme", User: "u-42", Status: events.ReleaseUnknown},
+	} {
+		ev := e.ev.enqueued[i]
+		if d, ok := ev.Data.(events.Released); !ok || d != want || ev.Validate() != nil {
+			t.Errorf("released event %d = %+v (%v), want %+v", i, ev, ev.Validate(), want)
+		}
 	}
 
 	for body, msg := range map[string]string{
@@ -958,7 +966,7 @@ func TestRelease(t *testing.T) {
 	if len(e.ev.enqueued) != 4 {
 		t.Fatalf("a release with redis down published %d events, want the released event", len(e.ev.enqueued)-3)
 	}
-	if d, ok := e.ev.enqueued[3].Data.(events.Released); !ok || d != (events.Released{RequestID: "r-1", Tenant: "acme", User: "u-42"}) {
+	if d, ok := e.ev.enqueued[3].Data.(events.Released); !ok || d != (events.Released{RequestID: "r-1", Tenant: "acme", User: "u-42", Status: events.ReleaseQueued}) {
 		t.Errorf("queued release published %+v", e.ev.enqueued[3])
 	}
 	if w := e.do("GET", "/v1/release", ""); w.Code != http.StatusMethodNotAllowed {
@@ -1059,9 +1067,16 @@ func TestTopUp(t *testing.T) {
 }
 
 func actualJSON(id, tenant string, input int) string {
+	return actualAt(id, tenant, input, time.Now())
+}
+
+// actualAt is an actual event of request "r-<id>" at time at, with the
+// caller's event id id, which admission ignores.
+func actualAt(id, tenant string, input int, at time.Time) string {
 	return fmt.Sprintf(`{"specversion":"1.0","id":"%s","source":"svc","type":"quotaflow.usage.actual",
-	 "time":"2025-03-14T09:26:53Z","datacontenttype":"application/json",
-	 "data":{"request_id":"r-%s","tenant":"%s","user":"u","input_tokens":%d,"output_tokens":1}}`, id, id, tenant, input)
+	 "time":"%s","datacontenttype":"application/json",
+	 "data":{"request_id":"r-%s","tenant":"%s","user":"u","input_tokens":%d,"output_tokens":1}}`,
+		id, at.UTC().Format(time.RFC3339Nano), id, tenant, input)
 }
 
 func TestUsageReport(t *testing.T) {
@@ -1075,8 +1090,16 @@ func TestUsageReport(t *testing.T) {
 	if m := decodeMap(t, w); m["accepted"] != float64(2) {
 		t.Errorf("body = %s", w.Body)
 	}
-	if len(e.ev.now) != 2 || e.ev.now[1].ID != "e2" {
+	// Admission derives every event id, whatever the caller sent: no
+	// caller can claim the id of another's event.
+	if len(e.ev.now) != 2 || e.ev.now[1].ID != events.ID(events.TypeActual, "acme", "u", "r-e2") {
 		t.Errorf("published %+v", e.ev.now)
+	}
+	noID := strings.Replace(actualJSON("e4", "acme", 5), `"id":"e4",`, "", 1)
+	badID := strings.Replace(actualJSON("e5", "acme", 5), `"id":"e5"`, `"id":"not an id \u0000"`, 1)
+	if w := e.do("POST", "/v1/usage", "["+noID+","+badID+"]", auth...); w.Code != http.StatusAccepted ||
+		e.ev.now[2].ID != events.ID(events.TypeActual, "acme", "u", "r-e4") || e.ev.now[3].ID != events.ID(events.TypeActual, "acme", "u", "r-e5") {
+		t.Errorf("POST /v1/usage without an id and with an odd one = %d %s, published %+v; want 202, ids derived", w.Code, w.Body, e.ev.now[2:])
 	}
 
 	for _, tc := range []struct{ name, body, msg string }{
@@ -1087,13 +1110,16 @@ func TestUsageReport(t *testing.T) {
 		{"NUL in tenant", "[" + actualJSON("e1", `acme\u0000`, 5) + "]", "[0].data.tenant: contains a control character"},
 		{"C1 in tenant", "[" + actualJSON("e1", "acme\u0085", 5) + "]", "[0].data.tenant: contains a control character"},
 		{"lone surrogate in tenant", "[" + actualJSON("e1", `acme\ud800`, 5) + "]", "body: string contains an unpaired UTF-16 surrogate escape"},
+		{"too old", "[" + actualAt("e1", "acme", 5, time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)) + "]",
+			"[0].time: 2000-01-01T00:00:00Z is more than 24h0m0s before the event was first stored"},
+		{"ahead", "[" + actualAt("e1", "acme", 5, time.Now().Add(2*events.MaxSkew)) + "]", "after the event was first stored"},
 		{"wrong type", `[{"specversion":"1.0","id":"x","source":"s","type":"quotaflow.balance.topup","time":"2025-03-14T09:26:53Z",
 		  "datacontenttype":"application/json","data":{"tenant":"acme","amount":5,"reference":"r"}}]`,
 			"[0].type: \"quotaflow.balance.topup\" cannot be reported here; want quotaflow.usage.actual or quotaflow.usage.released"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := e.do("POST", "/v1/usage", tc.body, auth...)
-			if w.Code != 400 || decodeMap(t, w)["message"] != tc.msg {
+			if msg, _ := decodeMap(t, w)["message"].(string); w.Code != 400 || !strings.Contains(msg, tc.msg) {
 				t.Errorf("POST /v1/usage = %d %s, want 400 %q", w.Code, w.Body, tc.msg)
 			}
 		})

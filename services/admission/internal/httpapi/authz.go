@@ -44,6 +44,9 @@ func (h *Handler) serveAuthz(w http.ResponseWriter, r *http.Request) {
 	if !authorizePlan(w, p, pol, in.Tenant, in.Plan) {
 		return
 	}
+	// Every authz call is a new upstream request: a request id any
+	// reservation holds is a denial, never a replayed allow.
+	in.Fresh = true
 	h.decide(w, r, routeAuthz, pol, in, h.deny, true)
 }
 

@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"quotaflow/pkg/events"
@@ -76,13 +77,17 @@ func checkFieldError(t *testing.T, ferr *fieldError) {
 // FuzzDecodeUsage checks the POST /v1/usage decoder on arbitrary bodies: it
 // never panics; what it rejects names a field in a short valid UTF-8
 // message; what it accepts is a non-empty list of valid actual or released
-// events whose identifiers pass ident.Check and whose counts lie in 0 to
-// 10^12, and that list, written out again with events.Encode, decodes to
-// the same events. Seeds live in testdata/fuzz/FuzzDecodeUsage.
+// events whose identifiers pass ident.Check, whose counts lie in 0 to
+// 10^12, whose times are not ahead of now and whose ids are derived, never
+// the caller's; and that list, written out again with events.Encode,
+// decodes to the same events. Seeds live in testdata/fuzz/FuzzDecodeUsage.
+// The stream's age here is a century, so the seeds' fixed times pass.
 func FuzzDecodeUsage(f *testing.F) {
 	f.Add([]byte("[" + actualJSON("e1", "acme", 5) + "]"))
+	const century = 100 * 365 * 24 * time.Hour
 	f.Fuzz(func(t *testing.T, body []byte) {
-		evs, ferr := decodeUsage(body)
+		now := time.Now()
+		evs, ferr := decodeUsage(body, now, century)
 		if ferr != nil {
 			checkFieldError(t, ferr)
 			return
@@ -99,13 +104,22 @@ func FuzzDecodeUsage(f *testing.F) {
 			switch d := ev.Data.(type) {
 			case events.Actual:
 				ids = []string{d.RequestID, d.Tenant, d.User, d.Endpoint, d.Model}
+				if ev.ID != events.ID(events.TypeActual, d.Tenant, d.User, d.RequestID) {
+					t.Fatalf("accepted event %d kept id %q, not the derived one", i, ev.ID)
+				}
 				if d.InputTokens < 0 || d.InputTokens > limits.MaxCost || d.OutputTokens < 0 || d.OutputTokens > limits.MaxCost {
 					t.Fatalf("accepted counts %d, %d", d.InputTokens, d.OutputTokens)
 				}
 			case events.Released:
 				ids = []string{d.RequestID, d.Tenant, d.User}
+				if ev.ID != events.ID(events.TypeReleased, d.Tenant, d.User, d.RequestID) {
+					t.Fatalf("accepted event %d kept id %q, not the derived one", i, ev.ID)
+				}
 			default:
 				t.Fatalf("accepted a %s event", ev.Type())
+			}
+			if ev.Time.After(now.Add(events.MaxSkew)) {
+				t.Fatalf("accepted event %d from the future: %s", i, ev.Time)
 			}
 			for _, v := range append(ids, ev.Source) {
 				if err := ident.Check(v); err != nil {
@@ -127,7 +141,7 @@ func FuzzDecodeUsage(f *testing.F) {
 			again = append(again, b...)
 		}
 		again = append(again, ']')
-		evs2, ferr := decodeUsage(again)
+		evs2, ferr := decodeUsage(again, now, century)
 		if ferr != nil || !reflect.DeepEqual(evs, evs2) {
 			t.Fatalf("round trip of %q: %+v, %v; want %+v", again, evs2, ferr, evs)
 		}

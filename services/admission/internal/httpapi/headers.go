@@ -209,7 +209,7 @@ func setRateLimitHeaders(h http.Header, res decide.Result, resolved *limits.Reso
 		l := &res.Limits[i]
 		remaining := max(l.Remaining, 0)
 		reset := ceilSeconds(l.Reset)
-		if !res.Allowed {
+		if !res.Allowed && res.DeniedBy != nil { // (a reused request id is denied by no limit)
 			remaining = 0
 			// Retry-After must not point before the end of the effective
 			// window (draft §6).

@@ -83,26 +83,29 @@ func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 		// ledger holds open when it consumes it. No caller is failed
 		// because Redis is down.
 		h.log.Warn("release queued for the accounter", "err", err)
-		h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User}, nowUTC()))
-		writeJSON(w, http.StatusAccepted, "application/json", releaseAnswer{RequestID: b.RequestID, Status: "queued"})
+		h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User,
+			Status: events.ReleaseQueued}, nowUTC()))
+		writeJSON(w, http.StatusAccepted, "application/json", releaseAnswer{RequestID: b.RequestID, Status: events.ReleaseQueued})
 		return
 	}
-	// Published whatever the status: the id dedups a repeat, and a
-	// reservation Redis no longer knows may still be open in the ledger.
+	a := releaseAnswer{RequestID: b.RequestID}
+	switch s.Status {
+	case limits.Settled:
+		a.Status, a.ReturnedTokens = events.ReleaseReleased, max(-s.Delta, 0)
+	case limits.AlreadySettled:
+		a.Status = events.ReleaseAlreadySettled
+	default:
+		a.Status = events.ReleaseUnknown
+	}
+	// Published whatever the status, saying what the release did: the
+	// ledger learns of it, and a reservation Redis no longer knows may
+	// still be open there (after Redis lost its data).
 	at := s.Now
 	if at.IsZero() {
 		at = nowUTC()
 	}
-	h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User}, at))
-	a := releaseAnswer{RequestID: b.RequestID}
-	switch s.Status {
-	case limits.Settled:
-		a.Status, a.ReturnedTokens = "released", max(-s.Delta, 0)
-	case limits.AlreadySettled:
-		a.Status = "already_settled"
-	default:
-		a.Status = "unknown"
-	}
+	h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User,
+		Status: a.Status, ReturnedTokens: a.ReturnedTokens}, at))
 	writeJSON(w, http.StatusOK, "application/json", a)
 }
 

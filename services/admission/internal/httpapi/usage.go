@@ -53,9 +53,11 @@ type usageReportAnswer struct {
 
 // serveUsageReport publishes a JSON array of usage CloudEvents (actual or
 // released) and answers 202 once JetStream stored every one. Each event is
-// validated as consumers will (events.Decode); the first bad one is named by
-// its index. Events are published with their own ids, so a retried report
-// is stored once.
+// validated as consumers will (events.DecodeReported, and its time against
+// now as the first storage); the first bad one is named by its index. Event
+// ids are derived here from each event's type, tenant, user and request id
+// (a caller's id is ignored), so a retried report is stored once and no
+// caller can claim an id of another's event.
 func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 	p, ok := h.authenticate(w, r, auth.Report)
 	if !ok {
@@ -65,7 +67,7 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	evs, ferr := decodeUsage(raw)
+	evs, ferr := decodeUsage(raw, time.Now(), h.maxAge)
 	if ferr != nil {
 		writeFieldError(w, ferr)
 		return
@@ -97,8 +99,9 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 }
 
 // decodeUsage parses the body of POST /v1/usage: a non-empty JSON array of
-// actual or released events.
-func decodeUsage(body []byte) ([]events.Event, *fieldError) {
+// actual or released events, each with a time within the stream's maxAge
+// before now and events.MaxSkew after it; it derives their ids.
+func decodeUsage(body []byte, now time.Time, maxAge time.Duration) ([]events.Event, *fieldError) {
 	var raws []json.RawMessage
 	if ferr := decodeStrict(body, &raws); ferr != nil {
 		if ferr.field == "body" && ferr.problem == "must be a JSON object" {
@@ -111,15 +114,21 @@ func decodeUsage(body []byte) ([]events.Event, *fieldError) {
 	}
 	evs := make([]events.Event, len(raws))
 	for i, raw := range raws {
-		ev, err := events.Decode(raw)
+		ev, err := events.DecodeReported(raw)
 		if err != nil {
 			return nil, eventError(i, err)
 		}
-		switch ev.Type() {
-		case events.TypeActual, events.TypeReleased:
+		switch d := ev.Data.(type) {
+		case events.Actual:
+			ev.ID = events.ID(events.TypeActual, d.Tenant, d.User, d.RequestID)
+		case events.Released:
+			ev.ID = events.ID(events.TypeReleased, d.Tenant, d.User, d.RequestID)
 		default:
 			return nil, bad(fmt.Sprintf("[%d].type", i), "%q cannot be reported here; want %s or %s",
 				ev.Type(), events.TypeActual, events.TypeReleased)
+		}
+		if err := events.CheckTime(ev.Time, now, maxAge); err != nil {
+			return nil, eventError(i, err)
 		}
 		evs[i] = ev
 	}

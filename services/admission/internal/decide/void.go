@@ -1,0 +1,186 @@
+package decide
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/limits"
+)
+
+// ErrConflict is matched by Admit's error when the request id is taken and
+// nothing was reserved: its open reservation is of another request (another
+// endpoint, plan, model or cost), or it was settled or released within the
+// reservation TTL. The HTTP layer answers 409; the error reads
+// "request_id: <why>".
+var ErrConflict = errors.New("decide: request id taken")
+
+// conflictError is an ErrConflict for conflict c.
+type conflictError limits.Conflict
+
+func (c conflictError) Error() string {
+	if limits.Conflict(c) == limits.ConflictRequest {
+		return "request_id: already used for another request (endpoint, plan, model or cost differ)"
+	}
+	return "request_id: already settled or released; a request id is used once"
+}
+
+func (c conflictError) Unwrap() error { return ErrConflict }
+
+// newNonce tells one Reserve call apart from the others of its request id
+// (limits.Request.Nonce).
+func newNonce() int64 { return rand.Int64N(1<<48-1) + 1 }
+
+// mayHaveRun reports whether a Reserve call that was sent and failed with
+// err may still have run in Redis: a timeout or a broken connection after
+// the call was written. A reply from Redis (an error reply included), a
+// missing epoch, a refused argument or a connection never made all say it
+// did not, or that it did and answered.
+func mayHaveRun(err error) bool {
+	var rerr redis.Error
+	var operr *net.OpError
+	switch {
+	case err == nil, errors.As(err, &rerr), errors.Is(err, limits.ErrNoEpoch), errors.Is(err, limits.ErrInvalid),
+		errors.Is(err, errBreakerOpen), errors.Is(err, redis.ErrPoolTimeout):
+		return false
+	case errors.As(err, &operr) && operr.Op == "dial":
+		return false
+	}
+	return true
+}
+
+// voider makes Redis agree with the local decisions taken after Reserve
+// calls whose replies were lost (limits.Limiter.VoidReserve), in the
+// background and as soon as Redis answers, so that a request denied
+// locally holds nothing in Redis and one allowed locally holds what its
+// reserved event (version 0) tells the accounter: nothing, its actual to be
+// charged in full. Voids wait in a bounded queue; one that does not fit is
+// dropped and counted (its reservation, if the call ran, then stays until
+// its window passes: an over-count, never an over-admission).
+type voider struct {
+	lim     *limits.Limiter
+	timeout time.Duration
+	retry   time.Duration
+	max     int
+	results *prometheus.CounterVec
+
+	mu    sync.Mutex
+	queue []limits.Void
+	wake  chan struct{}
+}
+
+// maxVoids bounds the queue of voids waiting for Redis (about 200 bytes
+// each). Only calls that timed out after being sent need one, and the
+// breaker stops calls soon in an outage, so it holds few.
+const maxVoids = 100_000
+
+func newVoider(lim *limits.Limiter, timeout, retry time.Duration, results *prometheus.CounterVec) *voider {
+	return &voider{lim: lim, timeout: timeout, retry: retry, max: maxVoids, results: results, wake: make(chan struct{}, 1)}
+}
+
+// add queues v and returns at once.
+func (v *voider) add(x limits.Void) {
+	v.mu.Lock()
+	full := len(v.queue) >= v.max
+	if !full {
+		v.queue = append(v.queue, x)
+	}
+	v.mu.Unlock()
+	if full {
+		v.results.WithLabelValues("dropped").Inc()
+		return
+	}
+	select {
+	case v.wake <- struct{}{}:
+	default:
+	}
+}
+
+// run voids what is queued until ctx ends, waiting retry after a failure.
+func (v *voider) run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-v.wake:
+		}
+		for !v.drain(ctx) {
+			t := time.NewTimer(v.retry)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+		}
+	}
+}
+
+// drain voids the queue in order and reports whether it emptied; it stops
+// at the first failure (Redis is still away), keeping the rest.
+func (v *voider) drain(ctx context.Context) bool {
+	for {
+		v.mu.Lock()
+		if len(v.queue) == 0 {
+			v.mu.Unlock()
+			return true
+		}
+		x := v.queue[0]
+		v.mu.Unlock()
+		cctx, cancel := context.WithTimeout(ctx, v.timeout)
+		st, err := v.lim.VoidReserve(cctx, x)
+		cancel()
+		if err != nil && !errors.Is(err, limits.ErrInvalid) {
+			v.results.WithLabelValues("retry").Inc()
+			return false
+		}
+		v.mu.Lock()
+		v.queue = v.queue[1:]
+		v.mu.Unlock()
+		v.results.WithLabelValues(voidLabel(st, err)).Inc()
+	}
+}
+
+// pending is how many voids wait.
+func (v *voider) pending() int {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return len(v.queue)
+}
+
+// flush makes a last attempt at what is queued: once, or until ctx's
+// deadline when it has one; what is left is lost with the process and is
+// the error.
+func (v *voider) flush(ctx context.Context) error {
+	_, bounded := ctx.Deadline()
+	for !v.drain(ctx) && bounded && ctx.Err() == nil {
+		time.Sleep(min(v.retry, 50*time.Millisecond))
+	}
+	if n := v.pending(); n > 0 {
+		return fmt.Errorf("%d reserve calls whose replies were lost are not voided in redis", n)
+	}
+	return nil
+}
+
+// voidLabel is the result label of quotaflow_admission_reserve_voids_total.
+func voidLabel(st limits.VoidStatus, err error) string {
+	switch {
+	case err != nil:
+		return "invalid"
+	case st == limits.Voided:
+		return "voided"
+	case st == limits.VoidMarked:
+		return "marked"
+	}
+	return "left"
+}
+
+// voidResults are its label values.
+var voidResults = []string{"voided", "marked", "left", "retry", "dropped", "invalid"}
