@@ -293,28 +293,16 @@ func member(keys []string) string {
 }
 
 // recordTail is the tail of a reservation record (lua/lib.lua): the count
-// and packed specs of the rules a settlement touches, then the sorted set
-// key of each concurrency limit among them (keys as subjectKeysOf built
+// and the packed specs of every rule the reserve charges, then the sorted
+// set key of each concurrency limit among them (keys as subjectKeysOf built
 // them for rules, specs as packSpecs did).
 func recordTail(rules []Rule, specs string, keys []string) string {
-	n, size := 0, 2
-	z := 4 // the first concurrency set in keys
-	for i := range rules {
-		if touchedBySettle(&rules[i]) {
-			n++
-			size += specLen
-		}
-		if rules[i].Kind == Concurrency {
-			size += 2 + len(keys[z])
-			z++
-		}
+	size := 2 + len(specs)
+	for _, k := range keys[4:] {
+		size += 2 + len(k)
 	}
-	buf := binary.LittleEndian.AppendUint16(make([]byte, 0, size), uint16(n))
-	for i := range rules {
-		if touchedBySettle(&rules[i]) {
-			buf = append(buf, specs[i*specLen:(i+1)*specLen]...)
-		}
-	}
+	buf := binary.LittleEndian.AppendUint16(make([]byte, 0, size), uint16(len(rules)))
+	buf = append(buf, specs...)
 	for _, k := range keys[4:] {
 		buf = binary.LittleEndian.AppendUint16(buf, uint16(len(k)))
 		buf = append(buf, k...)

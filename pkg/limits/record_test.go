@@ -192,10 +192,12 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 	rules := []Rule{
 		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)}),
 		{Limit: Limit{Name: "inflight", Kind: Concurrency, Unit: Requests, Limit: 1}, Scope: ScopeTenant},
+		rule(ScopeUser, Limit{Name: "rpm", Kind: Fixed, Unit: Requests, Limit: 5, Window: Duration(time.Hour)}),
 	}
-	used := func(tenant string) [2]int64 {
+	// used is the 5h window, the slots held and the requests counted.
+	used := func(tenant string) [3]int64 {
 		d := peek(t, l, tenant, "u", rules)
-		return [2]int64{d.States[0].Used, d.States[1].Used}
+		return [3]int64{d.States[0].Used, d.States[1].Used, d.States[2].Used}
 	}
 	req := func(tenant string, nonce int64) Request {
 		return Request{Tenant: tenant, User: "u", RequestID: "r", Cost: 100, Rules: rules, Fingerprint: 9, Nonce: nonce}
@@ -215,8 +217,8 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		if st := void(tenant, false); st != Voided {
 			t.Fatalf("VoidReserve = %v, want Voided", st)
 		}
-		if u := used(tenant); u != [2]int64{} {
-			t.Fatalf("after voiding a denied call used = %v, want nothing held", u)
+		if u := used(tenant); u != [3]int64{} {
+			t.Fatalf("after voiding a denied call used = %v, want nothing held or counted", u)
 		}
 		// No record stays: the id may be admitted later.
 		if d := reserveReq(t, l, req(tenant, 2)); !d.Allowed || d.Duplicate {
@@ -228,7 +230,7 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		if st := void(tenant, false); st != VoidMarked {
 			t.Fatalf("VoidReserve = %v, want VoidMarked", st)
 		}
-		if d := reserveReq(t, l, req(tenant, 1)); d.Allowed || used(tenant) != [2]int64{} {
+		if d := reserveReq(t, l, req(tenant, 1)); d.Allowed || used(tenant) != [3]int64{} {
 			t.Fatalf("the lost call running late = %+v (used %v), want it to reserve nothing", d, used(tenant))
 		}
 		if d := reserveReq(t, l, req(tenant, 2)); !d.Allowed || d.Duplicate {
@@ -241,8 +243,8 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		if st := void(tenant, true); st != Voided {
 			t.Fatalf("VoidReserve = %v, want Voided", st)
 		}
-		if u := used(tenant); u != [2]int64{} {
-			t.Fatalf("after voiding an allowed call used = %v, want nothing held", u)
+		if u := used(tenant); u != [3]int64{0, 0, 1} {
+			t.Fatalf("after voiding an allowed call used = %v, want nothing held, the request counted", u)
 		}
 		if d := reserveReq(t, l, req(tenant, 2)); !d.Duplicate {
 			t.Fatalf("a retry of the request = %+v, want a duplicate", d)
@@ -250,14 +252,14 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		// Its actual is charged in full, at the time the ledger has.
 		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r", Actual: 70, Rules: rules,
 			Fallback: &Fallback{ReservedAt: time.Now(), Estimate: NoEstimate}})
-		if err != nil || s.Delta != 70 || used(tenant) != [2]int64{70, 0} {
+		if err != nil || s.Delta != 70 || used(tenant) != [3]int64{70, 0, 1} {
 			t.Fatalf("Correct of the voided request = %+v, %v (used %v); want 70 charged", s, err, used(tenant))
 		}
 	})
 	t.Run("allowed, a retry was admitted meanwhile", func(t *testing.T) {
 		tenant := newTenant(t)
 		reserveReq(t, l, req(tenant, 5)) // another call's reservation of the same request
-		if st := void(tenant, true); st != Voided || used(tenant) != [2]int64{} {
+		if st := void(tenant, true); st != Voided || used(tenant) != [3]int64{0, 0, 1} {
 			t.Fatalf("VoidReserve = %v (used %v), want the request's reservation given back", st, used(tenant))
 		}
 	})
@@ -266,7 +268,7 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		if st := void(tenant, true); st != VoidMarked {
 			t.Fatalf("VoidReserve = %v, want VoidMarked", st)
 		}
-		if d := reserveReq(t, l, req(tenant, 1)); !d.Duplicate || used(tenant) != [2]int64{} {
+		if d := reserveReq(t, l, req(tenant, 1)); !d.Duplicate || used(tenant) != [3]int64{} {
 			t.Fatalf("the lost call running late = %+v (used %v), want a duplicate that charges nothing", d, used(tenant))
 		}
 	})
@@ -276,7 +278,7 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		if _, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r", Actual: 30, Rules: rules}); err != nil {
 			t.Fatal(err)
 		}
-		if st := void(tenant, false); st != VoidLeft || used(tenant) != [2]int64{30, 0} {
+		if st := void(tenant, false); st != VoidLeft || used(tenant) != [3]int64{30, 0, 1} {
 			t.Fatalf("VoidReserve of a settled id = %v (used %v), want it left alone", st, used(tenant))
 		}
 	})

@@ -423,10 +423,11 @@ end
 -- estimate, state, fingerprint (of the request: endpoint, plan, model,
 -- cost), nonce (of the Reserve call that wrote it), then a tail that
 -- limiter.go builds: I2 count m, the m packed specs of the limits the
--- reservation holds (its token limits and concurrency limits), then for
--- each concurrency limit among them its sorted set's key (I2 length,
--- bytes), so that settling it touches exactly what the reserve took,
--- whatever the policy says by then. A record of 13 bytes ('<i6i6B') is of
+-- reserve charged, then for each concurrency limit among them its sorted
+-- set's key (I2 length, bytes), so that settling it touches exactly what
+-- the reserve took, whatever the policy says by then (a settlement touches
+-- its token limits and concurrency slots; voiding a denied call, its
+-- request limits too). A record of 13 bytes ('<i6i6B') is of
 -- an earlier release: no fingerprint, nonce or tail. States:
 --   OPEN       reserved, not settled
 --   CORRECTED  the actual cost was applied (estimate: what it was measured
@@ -477,32 +478,35 @@ local function scope(meta, specs, n, now)
   return vals, sub, ten
 end
 
--- holds loads the limits the tail of record raw (at p) names into S: a
--- limit that is also among the call's n specs keeps its slot (loaded from
--- the call's spec, so it reports under today's policy), any other gets a
--- slot after n, loaded from the record's spec. It returns the slots, in
--- the record's order, and the last slot used.
-local function holds(raw, p, n, sub, ten, now)
+-- holds loads the limits the tail of record raw (at p) names into S, all
+-- of them or (all false) only its token limits and concurrency slots, what
+-- a settlement touches: a limit that is also among the call's n specs
+-- keeps its slot (loaded from the call's spec, so it reports under today's
+-- policy), any other gets a slot after n, loaded from the record's spec.
+-- It returns the slots, in the record's order, and the last slot used.
+local function holds(raw, p, n, sub, ten, now, all)
   local m = sunpack('<I2', raw, p)
   local specs = raw:sub(p + 2, p + 1 + 32 * m)
   local z, out, last = p + 2 + 32 * m, {}, n
   for i = 1, m do
-    local id, kind = sunpack('<I6B', specs, (i - 1) * 32 + 1)
+    local id, kind, fl = sunpack('<I6BB', specs, (i - 1) * 32 + 1)
     local zkey
     if kind == CONC then
       local l = sunpack('<I2', raw, z)
       zkey, z = raw:sub(z + 2, z + 1 + l), z + 2 + l
     end
-    local j
-    for q = 1, n do
-      if S[(q - 1) * K + 6] == id then j = q; break end
+    if all or kind == CONC or fl % 2 == 1 then
+      local j
+      for q = 1, n do
+        if S[(q - 1) * K + 6] == id then j = q; break end
+      end
+      if not j then
+        last = last + 1
+        j = last
+        load(specs, i, j, sub, ten, now, zkey)
+      end
+      out[#out + 1] = j
     end
-    if not j then
-      last = last + 1
-      j = last
-      load(specs, i, j, sub, ten, now, zkey)
-    end
-    out[i] = j
   end
   return out, last
 end

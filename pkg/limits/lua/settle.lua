@@ -45,7 +45,7 @@ local status, at, hold, slots, last = 1, ts, 0, nil, n
 local fbt, fbe = tonumber(ARGV[8]), tonumber(ARGV[9])
 if state == OPEN or state == RELEASED then
   if state == OPEN then hold = est end
-  if p then slots, last = holds(raw, p, n, sub, ten, now) end
+  if p then slots, last = holds(raw, p, n, sub, ten, now, false) end
 elseif state == VOID then
   if fbt >= 0 then at = fbt end
 elseif fbe >= 0 then

@@ -8,7 +8,8 @@
 --        5 the lost call's nonce; 6 record ttl ms; 7 concurrency member;
 --        8 tombstone ttl ms
 --
--- Reply: status 1 an open reservation was given back, 2 none was found
+-- Reply: status 1 an open reservation was given back (for a denied request
+--   its request limits too), 2 none was found
 --   (a marker now stops the lost call should it run late), 3 the record is
 --   another call's or settled: left alone, -1 no epoch.
 -- What the record becomes: for an allowed request VOID (it holds nothing;
@@ -27,11 +28,16 @@ if raw then
   local ts, est, state, rfp, rnonce, p = record(raw)
   if state == OPEN and (rnonce == nonce or (allowed and rfp == fp)) then
     if p then
-      local slots, last = holds(raw, p, 0, sub, ten, now)
+      -- a denied request gives back every limit; an allowed one stays
+      -- counted in its request limits, as admitted requests do
+      local slots, last = holds(raw, p, 0, sub, ten, now, not allowed)
       for i = 1, #slots do
         local j = slots[i]
-        if S[(j - 1) * K + 1] == CONC then
+        local o = (j - 1) * K
+        if S[o + 1] == CONC then
           add(j, -1, ts, now, ARGV[7])
+        elseif S[o + 2] % 2 == 0 then
+          add(j, -1, ts, now)
         elseif est ~= 0 then
           add(j, -est, ts, now)
         end
