@@ -151,12 +151,17 @@ func (c *Corrector) Apply(ctx context.Context, effects []Effect) []Outcome {
 }
 
 // fallback is what Redis holds for reservation res when it has no record
-// of it: its estimate at its time, unless there is none or the decision was
-// made without Redis (then an actual is charged in full at the row's time,
-// where a rebuild counts it too, and a release gives nothing back).
+// of it: its estimate at its time while it is open, nothing once it was
+// released (an actual then is charged in full), and nothing when there is
+// no estimate or the decision was made without Redis (then an actual is
+// charged in full at the row's time, where a rebuild counts it too, and a
+// release gives nothing back).
 func fallback(res ledger.Reservation) *limits.Fallback {
-	if res.Estimate < 0 || res.ReservedAt.IsZero() || res.Local {
+	switch {
+	case res.Estimate < 0 || res.ReservedAt.IsZero() || res.Local:
 		return &limits.Fallback{ReservedAt: res.At, Estimate: limits.NoEstimate}
+	case res.Status == ledger.StatusReleased:
+		return &limits.Fallback{ReservedAt: res.ReservedAt, Estimate: 0}
 	}
 	return &limits.Fallback{ReservedAt: res.ReservedAt, Estimate: res.Estimate}
 }
