@@ -60,13 +60,20 @@
 // releases touch token limits and concurrency slots only; an admitted
 // request stays counted in request limits.
 //
-// A reservation record (about 100 bytes, ReservationTTL) stores the time and
-// estimate of each admitted request: it makes a repeated Reserve of the same
-// request id a no-op, and lets Correct move each token window by
-// actual-estimate in the bucket of the reservation's time, so a correction
-// leaves the window together with the estimate. A subject's version grows
-// with each reserve and correction (Decision.Version), so consumers of
-// snapshots can drop stale ones.
+// A reservation record (ReservationTTL; about 60 bytes plus 32 per limit)
+// stores the time and estimate of each admitted request, a fingerprint of
+// the request (endpoint, plan, model, cost) and the limits it charged. So a
+// request id is an idempotency key only for the same open request: a repeat
+// is a Duplicate that charges nothing, another request under the id or an
+// id settled or released is a Conflict (Request). Correct moves each token
+// window the reservation holds by actual-estimate in the bucket of the
+// reservation's time, so a correction leaves the window together with the
+// estimate, and Release gives back exactly what was reserved, whatever the
+// policy says by then; actual usage wins over a release in either order.
+// VoidReserve makes Redis agree with a decision taken without it after a
+// Reserve whose reply was lost. A subject's version grows with each reserve
+// and correction (Decision.Version), so consumers of snapshots can drop
+// stale ones. Counters saturate at MaxCost, the event contract's cap.
 //
 // # Redis losing its data
 //
