@@ -6,6 +6,9 @@
 // everything it measures; NATS comes from QF_NATS_URL (a stream of its own).
 //
 //	go run ./bench/admitload -duration 10s -concurrency 16,64
+//
+// With -ab DIR it compares this checkout's admission with the one built
+// from DIR (a worktree of an earlier commit) in interleaved rounds.
 package main
 
 import (
@@ -25,6 +28,8 @@ func main() {
 	down := flag.Duration("down", 5*time.Second, "load while Redis is down")
 	timeout := flag.Duration("redis-timeout", 0, "admission's QF_REDIS_TIMEOUT (0: its default)")
 	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
+	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency)")
+	rounds := flag.Int("rounds", 5, "rounds of -ab")
 	flag.Parse()
 	var levels []int
 	for _, s := range strings.Split(*concurrency, ",") {
@@ -34,6 +39,13 @@ func main() {
 			os.Exit(2)
 		}
 		levels = append(levels, n)
+	}
+	if *base != "" {
+		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration); err != nil {
+			fmt.Fprintln(os.Stderr, "admitload:", err)
+			os.Exit(1)
+		}
+		return
 	}
 	if err := run(context.Background(), levels, *users, *duration, *down, *timeout, *profile); err != nil {
 		fmt.Fprintln(os.Stderr, "admitload:", err)

@@ -44,71 +44,92 @@ endpoints:
     global: [{name: daily, kind: fixed, window: 24h, limit: 1000000000}]
 `
 
-func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout time.Duration, profile string) error {
+// bench is what every measurement starts: a directory, a private
+// redis-server holding the epoch, the policy, NATS streams of its own, and
+// what to stop at the end (in reverse order).
+type bench struct {
+	dir, policy, redisAddr, natsURL string
+	redisProc                       *exec.Cmd
+	rdb                             *redis.Client
+	stop                            []func()
+}
+
+func newBench(ctx context.Context) (*bench, error) {
 	dir, err := os.MkdirTemp("", "admitload")
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	var stop []func()
-	defer func() {
-		for i := len(stop) - 1; i >= 0; i-- {
-			stop[i]()
-		}
-	}()
+	b := &bench{dir: dir, policy: filepath.Join(dir, "policy.yaml"), natsURL: envOr("QF_NATS_URL", "nats://127.0.0.1:4222")}
+	b.stop = append(b.stop, func() { os.RemoveAll(dir) })
+	if err := os.WriteFile(b.policy, []byte(benchPolicy), 0o644); err != nil {
+		return b, err
+	}
+	b.redisAddr = freeAddr()
+	_, port, _ := net.SplitHostPort(b.redisAddr)
+	if b.redisProc, err = start(dir, "redis", nil, "redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir); err != nil {
+		return b, err
+	}
+	b.stop = append(b.stop, func() { kill(b.redisProc) })
+	b.rdb = redis.NewClient(&redis.Options{Addr: b.redisAddr, MaxRetries: -1})
+	b.stop = append(b.stop, func() { b.rdb.Close() })
+	if err := waitFor(func() error { return b.rdb.Ping(ctx).Err() }); err != nil {
+		return b, fmt.Errorf("redis: %w", err)
+	}
+	return b, limits.WriteEpoch(ctx, b.rdb, "admitload")
+}
 
-	admissionBin, err := build(dir, "./services/admission")
-	if err != nil {
-		return err
+func (b *bench) close() {
+	for i := len(b.stop) - 1; i >= 0; i-- {
+		b.stop[i]()
 	}
-	plainBin, err := build(dir, "./bench/admitload/plain")
-	if err != nil {
-		return err
-	}
-	policy := filepath.Join(dir, "policy.yaml")
-	if err := os.WriteFile(policy, []byte(benchPolicy), 0o644); err != nil {
-		return err
-	}
+}
 
-	redisAddr := freeAddr()
-	_, port, _ := net.SplitHostPort(redisAddr)
-	redisProc, err := start(dir, "redis", nil, "redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir)
-	if err != nil {
-		return err
-	}
-	stop = append(stop, func() { kill(redisProc) })
-	rdb := redis.NewClient(&redis.Options{Addr: redisAddr, MaxRetries: -1})
-	defer rdb.Close()
-	if err := waitFor(func() error { return rdb.Ping(ctx).Err() }); err != nil {
-		return fmt.Errorf("redis: %w", err)
-	}
-	if err := limits.WriteEpoch(ctx, rdb, "admitload"); err != nil {
-		return err
-	}
-
-	natsURL := envOr("QF_NATS_URL", "nats://127.0.0.1:4222")
-	suffix := strconv.Itoa(os.Getpid())
+// admission starts the admission binary bin as name, on the private Redis
+// and streams of its own, with extra settings, and returns its API and ops
+// addresses once it is ready.
+func (b *bench) admission(name, bin string, extra ...string) (p *exec.Cmd, api, ops string, err error) {
+	suffix := strconv.Itoa(os.Getpid()) + "_" + name
 	stream, dlq := "ADMITLOAD_"+suffix, "ADMITLOAD_DLQ_"+suffix
-	stop = append(stop, func() { deleteStreams(natsURL, stream, dlq) })
-
-	api, ops := freeAddr(), freeAddr()
-	env := []string{
-		"QF_REDIS_URL=redis://" + redisAddr + "/0", "QF_NATS_URL=" + natsURL, "QF_POLICY_FILE=" + policy,
+	b.stop = append(b.stop, func() { deleteStreams(b.natsURL, stream, dlq) })
+	api, ops = freeAddr(), freeAddr()
+	env := append([]string{
+		"QF_REDIS_URL=redis://" + b.redisAddr + "/0", "QF_NATS_URL=" + b.natsURL, "QF_POLICY_FILE=" + b.policy,
 		"QF_STREAM=" + stream, "QF_DLQ_STREAM=" + dlq, "QF_SUBJECT_PREFIX=admitload" + suffix,
-		"QF_ADMISSION_ADDR=" + api, "QF_OPS_ADDR=" + ops, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),
+		"QF_ADMISSION_ADDR=" + api, "QF_OPS_ADDR=" + ops, "QF_SPILL_DIR=" + filepath.Join(b.dir, "spill-"+name),
 		"QF_LOG_LEVEL=warn",
-		"QF_PPROF=true", // the CPU profile below comes from /debug/pprof
+	}, extra...)
+	if p, err = start(b.dir, name, env, bin); err != nil {
+		return nil, "", "", err
 	}
-	if redisTimeout > 0 {
-		env = append(env, "QF_REDIS_TIMEOUT="+redisTimeout.String())
+	b.stop = append(b.stop, func() { kill(p) })
+	if err := waitFor(func() error { return httpOK("http://" + ops + "/readyz") }); err != nil {
+		return nil, "", "", fmt.Errorf("%s not ready (log in %s): %w", name, b.dir, err)
 	}
-	adm, err := start(dir, "admission", env, admissionBin)
+	return p, api, ops, nil
+}
+
+func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout time.Duration, profile string) error {
+	b, err := newBench(ctx)
+	defer b.close()
 	if err != nil {
 		return err
 	}
-	stop = append(stop, func() { kill(adm) })
-	if err := waitFor(func() error { return httpOK("http://" + ops + "/readyz") }); err != nil {
-		return fmt.Errorf("admission not ready (log in %s): %w", dir, err)
+	dir, rdb := b.dir, b.rdb
+	admissionBin, err := build(dir, ".", "./services/admission")
+	if err != nil {
+		return err
+	}
+	plainBin, err := build(dir, ".", "./bench/admitload/plain")
+	if err != nil {
+		return err
+	}
+	extra := []string{"QF_PPROF=true"} // the CPU profile below comes from /debug/pprof
+	if redisTimeout > 0 {
+		extra = append(extra, "QF_REDIS_TIMEOUT="+redisTimeout.String())
+	}
+	adm, api, ops, err := b.admission("admission", admissionBin, extra...)
+	if err != nil {
+		return err
 	}
 	size, err := answerSize("http://" + api + "/v1/admit")
 	if err != nil {
@@ -119,7 +140,7 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	if err != nil {
 		return err
 	}
-	stop = append(stop, func() { kill(plain) })
+	b.stop = append(b.stop, func() { kill(plain) })
 	if err := waitFor(func() error { _, err := answerSize("http://" + plainAddr + "/v1/admit"); return err }); err != nil {
 		return err
 	}
@@ -166,7 +187,7 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	}
 	measure("admission, 5 limits + leased global", "http://"+api+"/v1/admit", adm, levels[0], "/leased", dur)
 
-	kill(redisProc)
+	kill(b.redisProc)
 	r := measure("admission, Redis down", "http://"+api+"/v1/admit", adm, levels[0], "/x", down)
 	fmt.Printf("\nRedis down: p99 %s over %d requests, %s\n", r.pct(99), r.n, r.statuses())
 	return nil
@@ -356,10 +377,18 @@ func rssMiB(p *exec.Cmd) int64 {
 	return 0
 }
 
-func build(dir, pkg string) (string, error) {
-	out := filepath.Join(dir, filepath.Base(pkg))
-	if b, err := exec.Command("go", "build", "-o", out, pkg).CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build %s: %v\n%s", pkg, err, b)
+// build compiles package pkg of the module checked out in src into dir,
+// named after the package (and src's last element, for another checkout).
+func build(dir, src, pkg string) (string, error) {
+	name := filepath.Base(pkg)
+	if src != "." {
+		name += "-" + filepath.Base(src)
+	}
+	out := filepath.Join(dir, name)
+	cmd := exec.Command("go", "build", "-o", out, pkg)
+	cmd.Dir = src
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build %s in %s: %v\n%s", pkg, src, err, b)
 	}
 	return out, nil
 }

@@ -1,0 +1,96 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"slices"
+	"time"
+)
+
+// ab measures admission as built from this checkout against admission as
+// built from another checkout (an earlier commit), on one private Redis:
+// both run side by side, warm, and take the same load in turn, rounds
+// times, the order swapped every round (A B, B A, ...) so that a machine
+// getting busier or quieter weighs on both alike. It prints every round and
+// the medians, with the CPU each admission and Redis spend per request.
+func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Duration) error {
+	b, err := newBench(ctx)
+	defer b.close()
+	if err != nil {
+		return err
+	}
+	type target struct {
+		name       string
+		p          *exec.Cmd
+		url        string
+		rps, cpu   []float64 // per round: requests/s, admission CPU µs per request
+		redis, p99 []float64 // Redis µs per request, p99 ms
+	}
+	var ts []*target
+	for _, src := range []struct{ name, dir string }{{"before", base}, {"after", "."}} {
+		bin, err := build(b.dir, src.dir, "./services/admission")
+		if err != nil {
+			return err
+		}
+		p, api, _, err := b.admission(src.name, bin)
+		if err != nil {
+			return err
+		}
+		ts = append(ts, &target{name: src.name, p: p, url: "http://" + api + "/v1/admit"})
+	}
+	for _, t := range ts { // warm both: connections, the engine in Redis, the Go runtime
+		load(t.url, users, "/x", conc, 2*time.Second)
+	}
+	fmt.Printf("before = %s, after = this checkout; %d users, concurrency %d, %s per run\n\n", base, users, conc, dur)
+	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis µs/req | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|")
+	for r := range rounds {
+		order := []*target{ts[0], ts[1]}
+		if r%2 == 1 {
+			order[0], order[1] = order[1], order[0]
+		}
+		for _, t := range order {
+			_, u0 := commandStats(ctx, b.rdb)
+			c0 := cpuTime(t.p)
+			res := load(t.url, users, "/x", conc, dur)
+			cpu := cpuTime(t.p) - c0
+			_, u1 := commandStats(ctx, b.rdb)
+			n := float64(max(1, res.n))
+			t.rps = append(t.rps, n/res.elapsed.Seconds())
+			t.cpu = append(t.cpu, float64(cpu.Microseconds())/n)
+			t.redis = append(t.redis, (u1-u0)/n)
+			t.p99 = append(t.p99, float64(res.pct(99).Microseconds())/1000)
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f | %s |\n", r+1, t.name, n/res.elapsed.Seconds(),
+				res.pct(50), res.pct(99), t.cpu[r], t.redis[r], res.statuses())
+		}
+	}
+	fmt.Printf("\nmedians over %d rounds:\n\n", rounds)
+	fmt.Println("| target | req/s | p99 | admission CPU/req | Redis µs/req |")
+	fmt.Println("|---|---|---|---|---|")
+	for _, t := range ts {
+		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f |\n", t.name, median(t.rps), median(t.p99), median(t.cpu), median(t.redis))
+	}
+	fmt.Printf("\nafter / before, req/s: %.3f (median of the per-round ratios %.3f)\n",
+		median(ts[1].rps)/median(ts[0].rps), median(ratios(ts[1].rps, ts[0].rps)))
+	return nil
+}
+
+func median(v []float64) float64 {
+	s := slices.Sorted(slices.Values(v))
+	if len(s) == 0 {
+		return 0
+	}
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+func ratios(a, b []float64) []float64 {
+	out := make([]float64, len(a))
+	for i := range a {
+		out[i] = a[i] / b[i]
+	}
+	return out
+}
