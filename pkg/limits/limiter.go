@@ -272,12 +272,11 @@ func (l *Limiter) subjectCall(ctx context.Context, r Request, mode int) (Decisio
 // reserve, 1 peek; a Fresh reserve is mode 2).
 func (l *Limiter) subjectArgs(r *Request, mode int) ([]string, []any) {
 	keys, meta := subjectKeysOf(newSubjectKeys(r.Tenant, r.User), r.RequestID, r.Rules)
-	specs := packSpecs(r.Rules, l.resTTL)
 	if mode == 0 && r.Fresh {
 		mode = 2
 	}
-	return keys, []any{l.offset, r.Cost, mode, l.guard, meta, l.resTTL, member(keys), specs,
-		r.Fingerprint & mask48, r.Nonce & mask48, recordTail(r.Rules, specs, keys)}
+	return keys, []any{l.offset, r.Cost, mode, l.guard, meta, l.resTTL, member(keys),
+		l.recordTail(r.Fingerprint, r.Nonce, r.Rules, keys)}
 }
 
 // mask48 keeps the 48 bits of a fingerprint or nonce that the record holds
@@ -292,22 +291,31 @@ func member(keys []string) string {
 	return rec[strings.Index(rec, "}r:")+3:]
 }
 
-// recordTail is the tail of a reservation record (lua/lib.lua): the count
-// and the packed specs of every rule the reserve charges, then the sorted
-// set key of each concurrency limit among them (keys as subjectKeysOf built
-// them for rules, specs as packSpecs did).
-func recordTail(rules []Rule, specs string, keys []string) string {
-	size := 2 + len(specs)
+// recordTail is a reservation record after its state byte (lua/lib.lua),
+// which a subject call sends in place of its specs: the request's
+// fingerprint and the call's nonce, the count and the packed specs of
+// rules, then the sorted set key of each concurrency limit among them (keys
+// as subjectKeysOf built them for rules). One string, one allocation, one
+// script argument.
+func (l *Limiter) recordTail(fingerprint, nonce int64, rules []Rule, keys []string) string {
+	size := 14 + specLen*len(rules)
 	for _, k := range keys[4:] {
 		size += 2 + len(k)
 	}
-	buf := binary.LittleEndian.AppendUint16(make([]byte, 0, size), uint16(len(rules)))
-	buf = append(buf, specs...)
-	for _, k := range keys[4:] {
-		buf = binary.LittleEndian.AppendUint16(buf, uint16(len(k)))
-		buf = append(buf, k...)
+	var b strings.Builder
+	b.Grow(size)
+	var n [8]byte
+	for _, v := range [2]int64{fingerprint & mask48, nonce & mask48} {
+		binary.LittleEndian.PutUint64(n[:], uint64(v))
+		b.Write(n[:6])
 	}
-	return string(buf)
+	b.Write(binary.LittleEndian.AppendUint16(n[:0], uint16(len(rules))))
+	writeSpecs(&b, rules, l.resTTL)
+	for _, k := range keys[4:] {
+		b.Write(binary.LittleEndian.AppendUint16(n[:0], uint16(len(k))))
+		b.WriteString(k)
+	}
+	return b.String()
 }
 
 // decodeDecision reads the reply (or error) of a subject call of r.
@@ -554,7 +562,15 @@ func buckets(r *Rule) int {
 // decode (lua/lib.lua: '<I6BBddd' per limit). One argument instead of eight
 // per limit: Redis spends about 1k instructions per script argument.
 func packSpecs(rules []Rule, slotTTL int64) string {
-	buf := make([]byte, specLen*len(rules))
+	var b strings.Builder // one allocation: String does not copy
+	b.Grow(specLen * len(rules))
+	writeSpecs(&b, rules, slotTTL)
+	return b.String()
+}
+
+// writeSpecs writes the packed spec of every rule to b.
+func writeSpecs(b *strings.Builder, rules []Rule, slotTTL int64) {
+	var w [specLen]byte
 	for i := range rules {
 		r := &rules[i]
 		var flags byte
@@ -567,21 +583,20 @@ func packSpecs(rules []Rule, slotTTL int64) string {
 		if r.Scope == ScopeTenant {
 			flags |= 4
 		}
-		limit, a, b := float64(r.Limit.Limit), 0.0, 0.0
+		limit, a, c := float64(r.Limit.Limit), 0.0, 0.0
 		switch r.Kind {
 		case Rolling:
 			n := int64(buckets(r))
-			a, b = float64(time.Duration(r.Window).Milliseconds()/n), float64(n)
+			a, c = float64(time.Duration(r.Window).Milliseconds()/n), float64(n)
 		case Fixed, SlidingLog:
 			a = float64(time.Duration(r.Window).Milliseconds())
 		case TokenBucket:
 			limit = float64(r.Burst)
 			a = r.Rate / float64(time.Duration(r.Per).Milliseconds())
-			b = float64(time.Duration(r.Per).Milliseconds())
+			c = float64(time.Duration(r.Per).Milliseconds())
 		case Concurrency:
 			a = float64(slotTTL)
 		}
-		w := buf[i*specLen:]
 		id := uint64(ruleID(r))
 		for k := range 6 {
 			w[k] = byte(id >> (8 * k))
@@ -589,7 +604,7 @@ func packSpecs(rules []Rule, slotTTL int64) string {
 		w[6], w[7] = byte(kindCode[r.Kind]), flags
 		binary.LittleEndian.PutUint64(w[8:], math.Float64bits(limit))
 		binary.LittleEndian.PutUint64(w[16:], math.Float64bits(a))
-		binary.LittleEndian.PutUint64(w[24:], math.Float64bits(b))
+		binary.LittleEndian.PutUint64(w[24:], math.Float64bits(c))
+		b.Write(w[:])
 	}
-	return string(buf)
 }

@@ -58,6 +58,13 @@ func TestEngineAgreesWithModel(t *testing.T) {
 			t.Fatal(err)
 		}
 		m.user(u).credited = amount
+		// A first request starts the allowances' periods (a token bucket
+		// without refill counts from its first use): a charge dated before
+		// that would fall outside them, as outside any window.
+		if _, err := l.Reserve(ctx, Request{Tenant: tenant, User: u, RequestID: "first", Rules: rules, Fingerprint: 1}); err != nil {
+			t.Fatal(err)
+		}
+		m.reserve(u, "first", 0, 1, 0)
 	}
 
 	nonce := int64(0)

@@ -337,12 +337,21 @@ local function add(j, delta, ts, now, member)
     else
       w = month(ts)
     end
-    if w == S[o + 10] then S[o + 11] = min(MAXC, max(0, S[o + 11] + delta)) end
+    if w == S[o + 10] then
+      -- clamped by comparisons: a call of min or max costs more (lib header)
+      local c = S[o + 11] + delta
+      if c > MAXC then c = MAXC elseif c < 0 then c = 0 end
+      S[o + 11] = c
+    end
   elseif kind == BUCKET then
     if a > 0 then -- tokens left, at most MAXC below the burst
-      S[o + 10] = max(lim - MAXC, min(lim, S[o + 10] - delta))
+      local x = S[o + 10] - delta
+      if x > lim then x = lim elseif x < lim - MAXC then x = lim - MAXC end
+      S[o + 10] = x
     elseif ts >= S[o + 11] then
-      S[o + 10] = min(MAXC, max(0, S[o + 10] + delta))
+      local x = S[o + 10] + delta
+      if x > MAXC then x = MAXC elseif x < 0 then x = 0 end
+      S[o + 10] = x
     end
   elseif kind == LOG then
     local e = S[o + 10]

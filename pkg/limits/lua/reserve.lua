@@ -11,9 +11,12 @@
 --        request id that must be new (any record of it denies); 4 '1' =
 --        refuse to decide without the epoch; 5 meta: '0' shared, '1'
 --        subject, '2' subject with tenant-wide limits; 6 reservation ttl
---        ms; 7 concurrency member; 8 the packed specs (lib.lua); subject
---        only: 9 the request's fingerprint, 10 this call's nonce, 11 the
---        record's tail (lib.lua: the limits it holds)
+--        ms; 7 concurrency member; 8 shared: the packed specs (lib.lua);
+--        subject: the record after its state byte, which holds them
+--        ('<I6I6' the request's fingerprint and this call's nonce, then the
+--        tail: I2 count and the specs, then the concurrency sets' keys),
+--        packed in Go: one argument, and one small struct.pack, on the hot
+--        path
 --
 -- Reply (packed 64-bit integers, lib.lua snapshot): status, denied_by,
 --        retry_ms, reason, now_ms, version, tenant_version, then per limit:
@@ -29,6 +32,7 @@
 -- Guarantees: all-or-nothing across the limits; a denial writes nothing;
 -- shadow limits fill and report would_deny but never deny.
 local cost, mode, meta, specs = tonumber(ARGV[2]), ARGV[3], ARGV[5], ARGV[8]
+if meta ~= '0' then specs = specs:sub(15, 14 + 32 * sunpack('<I2', specs, 13)) end
 local now = now_ms(tonumber(ARGV[1]))
 local n = #specs / 32
 local vals, sub, ten = scope(meta, specs, n, now)
@@ -37,15 +41,16 @@ if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
 local raw = meta ~= '0' and mode ~= '1' and vals[2]
 if raw then
   local _, _, state, fp, nonce = record(raw)
+  local myfp, mynonce = sunpack('<I6I6', ARGV[8])
   local status
   if state == TOMB then
     -- the lost call a local denial stands for: it must not reserve now
-    if nonce == tonumber(ARGV[10]) then status = 4 end
+    if nonce == mynonce then status = 4 end
   elseif mode == '2' then
     status = 5
   elseif state == CORRECTED or state == RELEASED then
     status = 4
-  elseif fp == tonumber(ARGV[9]) then
+  elseif fp == myfp then
     status = 2
   else
     status = 3
@@ -82,7 +87,7 @@ elseif mode ~= '1' then
   for j = 1, n do add(j, S[(j - 1) * K + 2] % 2 == 1 and cost or 1, now, now, ARGV[7]) end
   commit(meta, n, sub, ten, now)
   if meta ~= '0' then
-    redis.call('SET', KEYS[2], spack('<i6i6BI6I6', now, cost, OPEN, ARGV[9], ARGV[10]) .. ARGV[11], 'PX', ARGV[6])
+    redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, OPEN) .. ARGV[8], 'PX', ARGV[6])
   end
 end
 return snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)

@@ -74,7 +74,11 @@ for i = 1, #slots do
 end
 commit('2', last, sub, ten, now)
 local settled = op == '1' and CORRECTED or RELEASED
-local rec = spack('<i6i6BI6I6', at, hold, settled, fp, nonce)
-if p then rec = rec .. raw:sub(p) end
+local rec
+if p then -- its fingerprint, nonce and tail kept
+  rec = spack('<i6i6B', at, hold, settled) .. raw:sub(14)
+else
+  rec = spack('<i6i6BI6I6', at, hold, settled, fp, nonce)
+end
 redis.call('SET', KEYS[2], rec, 'PX', ARGV[6])
 return snapshot(n, now, status, delta, at, now, sub.ver, ten.ver, state, hold)

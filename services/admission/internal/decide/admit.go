@@ -289,7 +289,7 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 	in := a.in
 	// lost is a Reserve that may have run in Redis though its reply never
 	// came: once the local decision is taken, Redis is made to agree.
-	var lost *limits.Request
+	var lost limits.Void
 	if a.remote {
 		req := limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules,
 			Fingerprint: limits.Fingerprint(in.Endpoint, a.res.Plan, in.Model, in.Cost), Nonce: newNonce(), Fresh: in.Fresh}
@@ -320,7 +320,7 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 		case errors.Is(err, limits.ErrInvalid):
 			return false, err
 		case sent && mayHaveRun(err):
-			lost = &req
+			lost = limits.Void{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Fingerprint: req.Fingerprint, Nonce: req.Nonce}
 		}
 		a.remote = false
 	}
@@ -346,9 +346,9 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 		te.mu.Unlock()
 	}
 	a.res.Local = true
-	if lost != nil {
-		d.voids.add(limits.Void{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID,
-			Fingerprint: lost.Fingerprint, Nonce: lost.Nonce, Allowed: di < 0})
+	if lost.Nonce != 0 {
+		lost.Allowed = di < 0
+		d.voids.add(lost)
 	}
 	if di >= 0 {
 		a.deny(base+di, retry, reason)
