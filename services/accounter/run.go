@@ -173,6 +173,10 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		Name: "quotaflow_accounter_drift_subjects",
 		Help: "Subjects, and tenants for tenant-wide limits, whose Redis windows disagreed with the ledger at the last reconciliation.",
 	})
+	reconciled := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "quotaflow_accounter_reconciliations_total",
+		Help: "Reconciliation passes of Redis's token windows against the ledger, by result (ok, error).",
+	}, []string{"result"})
 	repaired := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_accounter_repaired_tokens_total",
 		Help: "Weighted tokens the reconciliation added to (raised) or took from (lowered) Redis's token windows to agree with the ledger.",
@@ -181,7 +185,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	epochs.WithLabelValues("error")
 	repaired.WithLabelValues("raised")
 	repaired.WithLabelValues("lowered")
-	reg.MustRegister(epochs, expired, driftTokens, driftSubjects, repaired)
+	reconciled.WithLabelValues("ok")
+	reconciled.WithLabelValues("error")
+	reg.MustRegister(epochs, expired, driftTokens, driftSubjects, repaired, reconciled)
 
 	// The epoch first: consuming into a Redis that lost its data would only
 	// nak (the scripts refuse without the epoch).
@@ -228,9 +234,11 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 				repaired.WithLabelValues("raised").Add(float64(d.Raised))
 				repaired.WithLabelValues("lowered").Add(float64(d.Lowered))
 				if err != nil {
+					reconciled.WithLabelValues("error").Inc()
 					log.Error("reconciling redis with the ledger failed", "err", err)
 					return
 				}
+				reconciled.WithLabelValues("ok").Inc()
 				driftTokens.Set(float64(d.Tokens))
 				driftSubjects.Set(float64(d.Drifted))
 				if d.Drifted > 0 {

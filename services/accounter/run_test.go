@@ -799,7 +799,8 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 }
 
 // TestRedisLossRebuildsBalances: prepaid credits survive Redis losing its
-// data: top-ups come back as credit, what requests hold as spent.
+// data: top-ups come back as credit, what requests hold as spent, for
+// every user of a tenant.
 func TestRedisLossRebuildsBalances(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -811,19 +812,23 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	const ten = "prepaid" // the policy's tenant on the plan with a balance
 	rules := e.rules(ten)
 	bal := &rules[1]
-	balance := func() (credited, spent int64) {
+	balance := func(user string) (credited, spent int64) {
 		t.Helper()
-		d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: "u", Rules: rules})
+		d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: user, Rules: rules})
 		if err != nil {
 			t.Fatal(err)
 		}
 		return d.States[1].Limit, d.States[1].Used
 	}
-	for _, ref := range []string{"pay-1", "pay-2"} { // as admission does: Redis, then the event
-		if _, err := e.lim.TopUp(ctx, ten, "u", bal, 1000, ref); err != nil {
+	for _, ref := range []string{"pay-1", "pay-2", "pay-3"} { // as admission does: Redis, then the event
+		user := "u"
+		if ref == "pay-3" {
+			user = "v"
+		}
+		if _, err := e.lim.TopUp(ctx, ten, user, bal, 1000, ref); err != nil {
 			t.Fatal(err)
 		}
-		e.publish(events.NewTopUp("test/admission", events.TopUp{Tenant: ten, User: "u", Amount: 1000, Reference: ref}, time.Now()))
+		e.publish(events.NewTopUp("test/admission", events.TopUp{Tenant: ten, User: user, Amount: 1000, Reference: ref}, time.Now()))
 	}
 	e.reserve(ten, "u", "done", 300, true)
 	e.publish(e.actual(ten, "u", "done", "", 120, 0))
@@ -833,9 +838,9 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	waitFor(t, "top-ups in the ledger", func() bool {
 		var n int
 		_ = e.pg.QueryRow(ctx, "SELECT count(*) FROM usage_events WHERE type = 'quotaflow.balance.topup'").Scan(&n)
-		return n == 2
+		return n == 3
 	})
-	if c, sp := balance(); c != 2000 || sp != 320 {
+	if c, sp := balance("u"); c != 2000 || sp != 320 {
 		t.Fatalf("balance before = credited %d, spent %d; want 2000, 320", c, sp)
 	}
 
@@ -845,8 +850,11 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 		missing, err := limits.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
-	if c, sp := balance(); c != 2000 || sp != 320 {
+	if c, sp := balance("u"); c != 2000 || sp != 320 {
 		t.Errorf("balance after the rebuild = credited %d, spent %d; want 2000, 320", c, sp)
+	}
+	if c, sp := balance("v"); c != 1000 || sp != 0 {
+		t.Errorf("the other user's balance after the rebuild = credited %d, spent %d; want 1000, 0", c, sp)
 	}
 }
 

@@ -217,7 +217,7 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 	if err != nil {
 		return false, subjects, err
 	}
-	if err := c.rebuildBalances(ctx, "rebuild-"+epoch); err != nil {
+	if err := c.rebuildBalances(ctx, epoch); err != nil {
 		return false, subjects, err
 	}
 	if err := limits.WriteEpoch(ctx, c.rdb, epoch); err != nil {
@@ -307,14 +307,16 @@ const rebuildBatch = 500
 // rebuildBalances puts back the prepaid balance of every subject that
 // received a top-up: its top-ups as credit, what its requests hold as
 // spent, under the balance limit of the subject's current plan (a subject
-// whose plan has none keeps nothing in Redis). reference makes a retried
-// rebuild credit once.
-func (c *Corrector) rebuildBalances(ctx context.Context, reference string) error {
+// whose plan has none keeps nothing in Redis). epoch makes a retried
+// rebuild credit once: each subject's credit is a top-up with a reference
+// of its own, since a top-up's reference is a key per tenant, not per user.
+func (c *Corrector) rebuildBalances(ctx context.Context, epoch string) error {
 	return c.store.Balances(ctx, func(b ledger.Balance) error {
 		rules, err := c.rules(b.Tenant, "", "")
 		if err != nil {
 			return err
 		}
+		reference := "rebuild-" + events.HashID(epoch, b.User)
 		for i := range rules {
 			if r := &rules[i]; r.Kind == limits.Balance {
 				if err := c.lim.RestoreBalance(ctx, b.Tenant, b.User, r, b.Credited, b.Spent, reference); err != nil {

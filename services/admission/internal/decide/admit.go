@@ -81,6 +81,9 @@ type sharedRes struct {
 func (a *admission) allowAll(plan string) {
 	now := time.Now()
 	a.res = Result{Allowed: true, Local: true, Plan: plan, Now: now, ExpiresAt: now.Add(a.d.opt.ReservationTTL)}
+	v := voidOf(a.in, plan)
+	v.Allowed = true
+	a.d.voids.add(v) // the request keeps its id (see subjectLayer)
 }
 
 func (a *admission) run(rs *limits.Resolved) error {
@@ -287,12 +290,14 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 	a.res.Limits = a.res.Limits[:base+len(rules)]
 	states := a.res.Limits[base:]
 	in := a.in
-	// lost is a Reserve that may have run in Redis though its reply never
-	// came: once the local decision is taken, Redis is made to agree.
-	var lost limits.Void
+	// Once a decision is taken without Redis, Redis is made to agree with
+	// it (voider): a request allowed locally keeps its id, so a retry is a
+	// duplicate there too; a Reserve that may have run though its reply
+	// never came (lost) is undone, whatever was decided.
+	lost := voidOf(in, a.res.Plan)
 	if a.remote {
 		req := limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules,
-			Fingerprint: limits.Fingerprint(in.Endpoint, a.res.Plan, in.Model, in.Cost), Nonce: newNonce(), Fresh: in.Fresh}
+			Fingerprint: lost.Fingerprint, Nonce: newNonce(), Fresh: in.Fresh}
 		dec, sent, err := d.reserve(a.ctx, req)
 		switch {
 		case err == nil:
@@ -320,7 +325,7 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 		case errors.Is(err, limits.ErrInvalid):
 			return false, err
 		case sent && mayHaveRun(err):
-			lost = limits.Void{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Fingerprint: req.Fingerprint, Nonce: req.Nonce}
+			lost.Nonce = req.Nonce
 		}
 		a.remote = false
 	}
@@ -346,8 +351,7 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 		te.mu.Unlock()
 	}
 	a.res.Local = true
-	if lost.Nonce != 0 {
-		lost.Allowed = di < 0
+	if lost.Allowed = di < 0; lost.Allowed || lost.Nonce != 0 {
 		d.voids.add(lost)
 	}
 	if di >= 0 {

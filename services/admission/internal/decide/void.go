@@ -34,6 +34,12 @@ func (c conflictError) Error() string {
 
 func (c conflictError) Unwrap() error { return ErrConflict }
 
+// voidOf names the request of in, decided on plan, for VoidReserve.
+func voidOf(in *Input, plan string) limits.Void {
+	return limits.Void{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID,
+		Fingerprint: limits.Fingerprint(in.Endpoint, plan, in.Model, in.Cost)}
+}
+
 // newNonce tells one Reserve call apart from the others of its request id
 // (limits.Request.Nonce).
 func newNonce() int64 { return rand.Int64N(1<<48-1) + 1 }
@@ -56,14 +62,16 @@ func mayHaveRun(err error) bool {
 	return true
 }
 
-// voider makes Redis agree with the local decisions taken after Reserve
-// calls whose replies were lost (limits.Limiter.VoidReserve), in the
-// background and as soon as Redis answers, so that a request denied
-// locally holds nothing in Redis and one allowed locally holds what its
-// reserved event (version 0) tells the accounter: nothing, its actual to be
-// charged in full. Voids wait in a bounded queue; one that does not fit is
-// dropped and counted (its reservation, if the call ran, then stays until
-// its window passes: an over-count, never an over-admission).
+// voider makes Redis agree with the decisions taken without it
+// (limits.Limiter.VoidReserve), in the background and as soon as Redis
+// answers: a request allowed locally holds what its reserved event
+// (version 0) tells the accounter, nothing, its actual to be charged in
+// full, and its id is kept, so that a retry is a duplicate; a Reserve whose
+// reply was lost is undone, so that a request denied locally holds nothing
+// either. Voids wait in a bounded queue; one that does not fit is dropped
+// and counted (a retry of its request may then be reserved again, and a
+// lost call that ran stays counted until its window passes: an
+// over-count, never an over-admission).
 type voider struct {
 	lim     *limits.Limiter
 	timeout time.Duration
@@ -77,8 +85,8 @@ type voider struct {
 }
 
 // maxVoids bounds the queue of voids waiting for Redis (about 200 bytes
-// each). Only calls that timed out after being sent need one, and the
-// breaker stops calls soon in an outage, so it holds few.
+// each): one per request allowed without Redis, and per call that timed
+// out after being sent.
 const maxVoids = 100_000
 
 func newVoider(lim *limits.Limiter, timeout, retry time.Duration, results *prometheus.CounterVec) *voider {
