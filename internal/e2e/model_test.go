@@ -73,7 +73,7 @@ func TestPipelineAgreesWithModel(t *testing.T) {
 			switch op := rng.IntN(10); {
 			case op < 6: // admit: mostly new, sometimes a retry of this sequence's or an older one
 				id, cost := fmt.Sprintf("s%d-%d", seq, rng.IntN(1000)), int64(rng.IntN(400))
-				if r := mu.pick(rng); r != nil && rng.IntN(3) == 0 && !r.beforeLoss(m) {
+				if r := mu.pick(rng); r != nil && rng.IntN(3) == 0 {
 					id = r.id
 					if rng.IntN(2) == 0 {
 						cost = r.cost // an identical retry
@@ -81,6 +81,7 @@ func TestPipelineAgreesWithModel(t *testing.T) {
 				}
 				want := m.admit(u, id, cost)
 				got := p.admit(t, u, id, cost)
+				trace(t, "seq %d admit %s/%s cost %d -> %s", seq, u, id, cost, got)
 				if got != want {
 					t.Fatalf("sequence %d: admit %s/%s cost %d = %s, model %s (seed %d)\naccounter log:\n%s", seq, u, id, cost, got, want, seed,
 						e2e.Tail(p.accounter.LogPath, 15))
@@ -92,6 +93,7 @@ func TestPipelineAgreesWithModel(t *testing.T) {
 				}
 				p.release(t, u, r.id)
 				m.release(u, r.id)
+				trace(t, "seq %d release %s/%s", seq, u, r.id)
 			default: // actual usage, published as a service does; or a service's release
 				// Both reach the model when they are published, at the end
 				// of the sequence: until then Redis has not seen them.
@@ -101,14 +103,22 @@ func TestPipelineAgreesWithModel(t *testing.T) {
 				}
 				id := r.id
 				if r.reported || rng.IntN(5) == 0 {
-					pending = append(pending, func() { p.publishRelease(t, u, id); m.release(u, id) })
+					pending = append(pending, func() {
+						p.publishRelease(t, u, id)
+						m.release(u, id)
+						trace(t, "seq %d publish release %s/%s", seq, u, id)
+					})
 					continue
 				}
 				r.reported = true
 				actual := r.cost * int64(40+rng.IntN(80)) / 100
 				ev := events.NewActual("test/llm", events.Actual{RequestID: id, Tenant: p.tenant, User: u, InputTokens: actual}, time.Now())
 				dup := rng.IntN(4) == 0
-				pending = append(pending, func() { p.publish(t, ev, dup); m.correct(u, id, actual) })
+				pending = append(pending, func() {
+					p.publish(t, ev, dup)
+					m.correct(u, id, actual)
+					trace(t, "seq %d publish actual %s/%s %d", seq, u, id, actual)
+				})
 			}
 		}
 		rng.Shuffle(len(pending), func(i, j int) { pending[i], pending[j] = pending[j], pending[i] })
@@ -315,7 +325,9 @@ func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 	for i := range 8 {
 		u := fmt.Sprintf("u%d", 1+rng.IntN(3))
 		id, cost := fmt.Sprintf("local-%d-%d", m.loss, i), int64(rng.IntN(300))
-		if got := p.admit(t, u, id, cost); got == "allowed" {
+		got := p.admit(t, u, id, cost)
+		trace(t, "local admit %s/%s cost %d -> %s", u, id, cost, got)
+		if got == "allowed" {
 			local[u] += cost
 			tenantLocal += cost
 			m.admitLocal(u, id, cost)
@@ -508,10 +520,7 @@ type preq struct {
 	actual   int64 // -1 until its reported usage is published
 	reported bool  // its usage is on the way
 	released bool
-	loss     int // the Redis loss it was admitted after
 }
-
-func (r *preq) beforeLoss(m *pmodel) bool { return r.loss != m.loss }
 
 func (m *pmodel) user(u string) *puser {
 	if m.users[u] == nil {
@@ -581,7 +590,7 @@ func (m *pmodel) admit(u, id string, cost int64) string {
 	if !fits {
 		return "denied"
 	}
-	m.add(u, &preq{id: id, cost: cost, slot: true, actual: -1, loss: m.loss})
+	m.add(u, &preq{id: id, cost: cost, slot: true, actual: -1})
 	mu.counted++
 	return "allowed"
 }
@@ -594,7 +603,7 @@ func (m *pmodel) add(u string, r *preq) {
 
 // admitLocal records an admit allowed without Redis.
 func (m *pmodel) admitLocal(u, id string, cost int64) {
-	m.add(u, &preq{id: id, cost: cost, local: true, actual: -1, loss: m.loss})
+	m.add(u, &preq{id: id, cost: cost, local: true, actual: -1})
 }
 
 func (m *pmodel) release(u, id string) {
@@ -715,4 +724,10 @@ func TestMain(m *testing.M) {
 		os.RemoveAll(buildDir)
 	}
 	os.Exit(code)
+}
+
+func trace(t *testing.T, format string, args ...any) {
+	if os.Getenv("QF_MODEL_TRACE") != "" {
+		t.Logf(format, args...)
+	}
 }

@@ -41,6 +41,9 @@ var luaAdmitted string
 //go:embed lua/void.lua
 var luaVoid string
 
+//go:embed lua/restore.lua
+var luaRestore string
+
 // admittedScript needs none of the algorithms (script.go has the rest).
 var admittedScript = redis.NewScript(luaAdmitted)
 
@@ -115,6 +118,10 @@ func New(c Client, o Options) *Limiter {
 		offset: o.ClockOffset.Milliseconds(),
 	}
 }
+
+// ReservationTTL is how long a reservation record lives unless it is
+// settled (Options.ReservationTTL).
+func (l *Limiter) ReservationTTL() time.Duration { return time.Duration(l.resTTL) * time.Millisecond }
 
 // Request is one reservation: Cost weighted tokens for request RequestID of
 // (Tenant, User), checked against Rules, the subject's tenant-wide and user

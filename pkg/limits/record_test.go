@@ -283,3 +283,90 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		}
 	})
 }
+
+func TestRestoreManyPutsOpenReservationsBack(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	l := New(c, Options{NoEpochGuard: true, ReservationTTL: time.Hour})
+	ctx := context.Background()
+	rules := []Rule{
+		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)}),
+		{Limit: Limit{Name: "inflight", Kind: Concurrency, Unit: Requests, Limit: 2}, Scope: ScopeUser},
+	}
+	fp := Fingerprint("/gen", "free", "", 100)
+	d := reserveReq(t, l, Request{Tenant: "T", User: "u", RequestID: "r", Cost: 100, Rules: rules, Fingerprint: fp})
+	// Redis loses its data; a rebuild charges the ledger's estimate back
+	// and puts the record back.
+	if err := c.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Charge(ctx, ChargeRequest{Tenant: "T", User: "u", Rules: rules[:1], Amount: 100, At: d.Now, Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	opens := []Restore{
+		{Tenant: "T", User: "u", RequestID: "r", Fingerprint: fp, ReservedAt: d.Now, Estimate: 100, Rules: rules, Expires: d.Now.Add(time.Hour)},
+		{Tenant: "T", User: "u", RequestID: "old", ReservedAt: time.Now().Add(-2 * time.Hour), Estimate: 50, Rules: rules, Expires: time.Now().Add(-time.Hour)},
+		{Tenant: "T", User: "u", RequestID: "done", State: RecordCorrected, Expires: time.Now().Add(time.Hour)},
+		{Tenant: "T", User: "u", RequestID: "gone", State: RecordReleased, Fingerprint: fp, ReservedAt: d.Now, Estimate: 100, Rules: rules, Expires: time.Now().Add(time.Hour)},
+		{Tenant: "T", User: "u", RequestID: "local", State: RecordVoid, Fingerprint: fp, ReservedAt: d.Now, Expires: time.Now().Add(time.Hour)},
+	}
+	for i, err := range l.RestoreMany(ctx, opens) {
+		if err != nil {
+			t.Fatalf("RestoreMany[%d] = %v", i, err)
+		}
+	}
+	if d := reserveReq(t, l, Request{Tenant: "T", User: "u", RequestID: "r", Cost: 100, Rules: rules, Fingerprint: fp}); !d.Duplicate {
+		t.Fatalf("a retry after the restore = %+v, want a duplicate", d)
+	}
+	if d := reserveReq(t, l, Request{Tenant: "T", User: "u", RequestID: "old", Cost: 50, Rules: rules}); !d.Allowed || d.Duplicate {
+		t.Fatalf("the id of a reservation past its TTL = %+v, want a new reservation (none restored)", d)
+	}
+	for _, id := range []string{"done", "gone"} {
+		if d := reserveReq(t, l, Request{Tenant: "T", User: "u", RequestID: id, Cost: 100, Rules: rules, Fingerprint: fp}); d.Conflict != ConflictSettled {
+			t.Fatalf("a retry of %s, settled before the loss = %+v, want ConflictSettled", id, d)
+		}
+	}
+	if d := reserveReq(t, l, Request{Tenant: "T", User: "u", RequestID: "local", Cost: 100, Rules: rules, Fingerprint: fp}); !d.Duplicate {
+		t.Fatalf("a retry of a request admitted without Redis = %+v, want a duplicate", d)
+	}
+	// The actual of the released one is charged in full, under its rules.
+	if s, err := l.Correct(ctx, Settle{Tenant: "T", User: "u", RequestID: "gone", Actual: 30, Rules: rules}); err != nil || s.Delta != 30 {
+		t.Fatalf("Correct of the restored released reservation = %+v, %v; want 30 charged", s, err)
+	}
+	s, err := l.Release(ctx, Settle{Tenant: "T", User: "u", RequestID: "r", Rules: rules})
+	if err != nil || s.Status != Settled || s.Delta != -100 {
+		t.Fatalf("Release after the restore = %+v, %v; want the estimate back", s, err)
+	}
+	// A record there already (the id was settled since) is left alone.
+	for _, err := range l.RestoreMany(ctx, opens[:1]) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if d := reserveReq(t, l, Request{Tenant: "T", User: "u", RequestID: "r", Cost: 100, Rules: rules, Fingerprint: fp}); d.Conflict != ConflictSettled {
+		t.Fatalf("a retry of the released request = %+v, want ConflictSettled", d)
+	}
+}
+
+// A restored record that names no limits (a void one, from a rebuild) is
+// settled under the call's rules, like a record without a tail.
+func TestRestoredVoidRecordSettlesUnderTheCallsRules(t *testing.T) {
+	c := redistest.Shared(t)
+	l := at(c, 0)
+	ctx := context.Background()
+	tenant := newTenant(t)
+	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
+	for _, err := range l.RestoreMany(ctx, []Restore{{Tenant: tenant, User: "u", RequestID: "r", State: RecordVoid,
+		ReservedAt: time.Now(), Expires: time.Now().Add(time.Hour)}}) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r", Rules: rules}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r", Actual: 18, Rules: rules})
+	if err != nil || s.Delta != 18 || s.States[0].Used != 18 {
+		t.Fatalf("the actual after a release of a restored void record = %+v, %v; want 18 charged", s, err)
+	}
+}

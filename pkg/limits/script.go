@@ -45,6 +45,7 @@ var engine = newLibrary([][2]string{
 	{"lease", luaLease},
 	{"topup", luaTopUp},
 	{"void", luaVoid},
+	{"restore", luaRestore},
 })
 
 // The entries of the engine.
@@ -55,6 +56,7 @@ var (
 	leaseEntry   = engine.entries["lease"]
 	topUpEntry   = engine.entries["topup"]
 	voidEntry    = engine.entries["void"]
+	restoreEntry = engine.entries["restore"]
 )
 
 // library is the engine's code as one Redis function library.

@@ -273,3 +273,92 @@ func abs(v int64) int64 {
 	}
 	return v
 }
+
+// RecordState is the state a restored reservation record says its request
+// is in.
+type RecordState int
+
+// The states of a restored record (lua/lib.lua).
+const (
+	// RecordOpen: reserved, not settled; Redis's windows hold its estimate.
+	RecordOpen RecordState = iota
+	// RecordCorrected: its actual usage was applied.
+	RecordCorrected
+	// RecordReleased: its estimate was given back; an actual is still
+	// charged in full.
+	RecordReleased
+	// RecordVoid: admitted without Redis, not settled; no window holds it.
+	RecordVoid
+)
+
+// Restore is a reservation record to put back after Redis lost its data,
+// as the accounter's ledger knows it (RestoreMany).
+type Restore struct {
+	Tenant, User, RequestID string
+	State                   RecordState
+	// Fingerprint is of the request's endpoint, plan, model and estimate,
+	// so that a retry of the same request is a Duplicate again.
+	Fingerprint int64
+	ReservedAt  time.Time // when its usage counts
+	Estimate    int64     // what the windows hold for it while it is open
+	// Rules are the rules it was admitted under (as the ledger's plan and
+	// endpoint resolve today): what its settlement touches. Only an open
+	// or a released record needs them.
+	Rules   []Rule
+	Expires time.Time // when the record would have expired
+}
+
+// RestoreMany puts back reservation records after Redis lost its data, in
+// one pipelined round trip: an open reservation's, so that a retry of its
+// request is a Duplicate again and its settlement finds what it holds, and
+// a settled or released one's, so that its id is refused again for the
+// rest of its TTL. A request id that has a record already is left alone, a
+// record past its expiry is skipped. It writes no window: rebuild those
+// with Charge. It returns one error per restore (nil for the restored and
+// the skipped).
+func (l *Limiter) RestoreMany(ctx context.Context, rs []Restore) []error {
+	calls := make([]call, len(rs))
+	now := time.Now()
+	for i, r := range rs {
+		if err := errors.Join(checkID("tenant", r.Tenant, true), checkID("user", r.User, true),
+			checkID("request_id", r.RequestID, true), checkCost("estimate", r.Estimate)); err != nil {
+			calls[i].err = err
+			continue
+		}
+		if !r.Expires.After(now) {
+			calls[i].err = errSkip
+			continue
+		}
+		keys, _ := subjectKeysOf(newSubjectKeys(r.Tenant, r.User), r.RequestID, r.Rules)
+		var head [13]byte
+		putInt48(head[0:], r.ReservedAt.UnixMilli())
+		putInt48(head[6:], r.Estimate)
+		head[12] = byte(r.State)
+		rec := string(head[:]) + l.recordTail(r.Fingerprint, 0, r.Rules, keys)
+		calls[i] = call{keys: keys[1:2], args: []any{rec, r.Expires.UnixMilli()}}
+	}
+	cmds := l.runAll(ctx, restoreEntry, calls)
+	errs := make([]error, len(rs))
+	for i, c := range calls {
+		switch {
+		case errors.Is(c.err, errSkip):
+		case c.err != nil:
+			errs[i] = c.err
+		default:
+			if err := cmds[i].Err(); err != nil {
+				errs[i] = fmt.Errorf("restore reservation %s/%s: %w", rs[i].Tenant, rs[i].User, err)
+			}
+		}
+	}
+	return errs
+}
+
+// errSkip marks a call RestoreMany has no need to make.
+var errSkip = errors.New("skip")
+
+// putInt48 writes v as a little-endian 48-bit integer (struct.pack i6).
+func putInt48(b []byte, v int64) {
+	for k := range 6 {
+		b[k] = byte(v >> (8 * k))
+	}
+}

@@ -451,14 +451,15 @@ end
 local OPEN, CORRECTED, RELEASED, VOID, TOMB = 0, 1, 2, 3, 4
 
 -- record reads a reservation record: time, estimate, state, fingerprint,
--- nonce, and the position of its tail (nil when it has none).
+-- nonce, and the position of its tail (nil when it names no limit: a
+-- settlement then touches the call's specs).
 local function record(raw)
   if #raw == 13 then
     local ts, est, st = sunpack('<i6i6B', raw)
     return ts, est, st, 0, 0, nil
   end
   local ts, est, st, fp, nonce, p = sunpack('<i6i6BI6I6', raw)
-  if p > #raw then p = nil end
+  if p > #raw or sunpack('<I2', raw, p) == 0 then p = nil end
   return ts, est, st, fp, nonce, p
 end
 

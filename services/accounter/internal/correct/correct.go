@@ -26,6 +26,7 @@ import (
 // Ledger is what the Corrector reads from Postgres to rebuild Redis.
 type Ledger interface {
 	UsageSince(ctx context.Context, since time.Time, f func(ledger.Usage) error) error
+	RecentSince(ctx context.Context, now time.Time, ttl time.Duration, f func(ledger.Recent) error) error
 	Balances(ctx context.Context, f func(ledger.Balance) error) error
 	TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error)
 	MarkRebuild(ctx context.Context, epoch string) error
@@ -220,6 +221,9 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 	if err := c.rebuildBalances(ctx, epoch); err != nil {
 		return false, subjects, err
 	}
+	if err := c.restoreRecords(ctx); err != nil {
+		return false, subjects, err
+	}
 	if err := limits.WriteEpoch(ctx, c.rdb, epoch); err != nil {
 		return false, subjects, err
 	}
@@ -326,6 +330,76 @@ func (c *Corrector) rebuildBalances(ctx context.Context, epoch string) error {
 		}
 		return nil
 	})
+}
+
+// restoreRecords puts back the reservation records the lost Redis held,
+// as the ledger knows them (reserved or settled within the reservation
+// TTL), under the rules of their plan and endpoint today: a retry of an
+// open request is a duplicate again, not reserved a second time, its
+// release or actual finds what it holds, and a settled or released id is
+// refused again for the rest of its TTL.
+func (c *Corrector) restoreRecords(ctx context.Context) error {
+	var pending []limits.Restore
+	flush := func() error {
+		for i, err := range c.lim.RestoreMany(ctx, pending) {
+			if err != nil {
+				return fmt.Errorf("restore reservation %s/%s %s: %w", pending[i].Tenant, pending[i].User, pending[i].RequestID, err)
+			}
+		}
+		pending = pending[:0]
+		return nil
+	}
+	ttl := c.lim.ReservationTTL()
+	err := c.store.RecentSince(ctx, time.Now(), ttl, func(r ledger.Recent) error {
+		rs := restoreOf(r, ttl)
+		if rs == nil {
+			return nil
+		}
+		if rs.State == limits.RecordOpen || rs.State == limits.RecordReleased {
+			var err error
+			if rs.Rules, err = c.rules(r.Tenant, r.Plan, r.Endpoint); err != nil {
+				return err
+			}
+		}
+		pending = append(pending, *rs)
+		if len(pending) < rebuildBatch {
+			return nil
+		}
+		return flush()
+	})
+	if err == nil {
+		err = flush()
+	}
+	return err
+}
+
+// restoreOf is the record a reservation row stands for (nil: none, an open
+// row without a reserved event, which no reserve wrote).
+func restoreOf(r ledger.Recent, ttl time.Duration) *limits.Restore {
+	est := max(r.Estimate, 0)
+	if r.Local {
+		est = 0 // no window holds it
+	}
+	rs := &limits.Restore{
+		Tenant: r.Tenant, User: r.User, RequestID: r.RequestID, ReservedAt: r.At, Estimate: est,
+		Expires: r.Since.Add(ttl),
+	}
+	if r.Estimate >= 0 {
+		rs.Fingerprint = limits.Fingerprint(r.Endpoint, r.Plan, r.Model, r.Estimate)
+	}
+	switch {
+	case r.Status == ledger.StatusSettled:
+		rs.State = limits.RecordCorrected
+	case r.Status == ledger.StatusReleased:
+		rs.State = limits.RecordReleased
+	case r.Estimate < 0:
+		return nil
+	case r.Local:
+		rs.State = limits.RecordVoid
+	default:
+		rs.State = limits.RecordOpen
+	}
+	return rs
 }
 
 // ExpiryLedger is the part of the ledger the expiry task uses.

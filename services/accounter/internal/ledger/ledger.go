@@ -485,6 +485,49 @@ func (s *Store) usage(ctx context.Context, f func(Usage) error, query string, ar
 	return nil
 }
 
+// Recent is a reservation whose Redis record would still exist: open and
+// reserved within the reservation TTL, or settled or released within it.
+// A rebuild of Redis puts the record back (correct.Corrector).
+type Recent struct {
+	Key
+	Plan, Endpoint, Model string
+	Status                string
+	Estimate              int64     // -1 when no reserved event arrived
+	At                    time.Time // when its usage counts (Reservation.At)
+	// Since is when its record's TTL runs from: its reservation while
+	// open, its settlement after.
+	Since time.Time
+	Local bool
+}
+
+// selectRecent reads the reservations of the last $1 (twice the TTL: one
+// settled within the TTL was reserved at most a TTL before that) whose
+// record would still live: open ones reserved since $2 (now - TTL), settled
+// or released ones settled since $2. The index on coalesce(reserved_at,
+// actual_at, released_at) serves the range.
+const selectRecent = `
+SELECT tenant, user_id, request_id, plan, endpoint, model, status, coalesce(estimated_tokens, -1),
+    coalesce(reserved_at, actual_at, released_at), coalesce(settled_at, reserved_at), local
+FROM reservations
+WHERE coalesce(reserved_at, actual_at, released_at) >= $1
+    AND (status = 'open' AND reserved_at >= $2 OR status IN ('settled', 'released') AND settled_at >= $2)`
+
+// RecentSince calls f for every reservation whose Redis record would
+// still exist, given the reservation ttl.
+func (s *Store) RecentSince(ctx context.Context, now time.Time, ttl time.Duration, f func(Recent) error) error {
+	rows, err := s.pool.Query(ctx, selectRecent, now.Add(-2*ttl), now.Add(-ttl))
+	if err != nil {
+		return fmt.Errorf("select recent reservations: %w", err)
+	}
+	var r Recent
+	_, err = pgx.ForEachRow(rows, []any{&r.Tenant, &r.User, &r.RequestID, &r.Plan, &r.Endpoint, &r.Model, &r.Status,
+		&r.Estimate, &r.At, &r.Since, &r.Local}, func() error { return f(r) })
+	if err != nil {
+		return fmt.Errorf("select recent reservations: %w", err)
+	}
+	return nil
+}
+
 // Balance is what a subject's prepaid balance held: every top-up it
 // received, and what its requests spent (by the same rules as Usage, over
 // all time).
