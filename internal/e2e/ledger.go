@@ -1,13 +1,9 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"net/http"
 	"sort"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -21,46 +17,14 @@ type Decision struct {
 	Count                   float64
 }
 
-// Decisions reads admission's decision counters from its /metrics (text
-// format; parsed by hand since only one simple family is needed).
+// Decisions reads admission's decision counters from its /metrics.
 func Decisions(ctx context.Context, opsURL string) ([]Decision, error) {
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, opsURL+"/metrics", nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
+	samples, err := Scrape(ctx, opsURL)
 	var ds []Decision
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64*1024), 1<<20)
-	const name = "quotaflow_admission_decisions_total{"
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, name) {
-			continue
+	for _, s := range samples {
+		if s.Name == "quotaflow_admission_decisions_total" {
+			ds = append(ds, Decision{Scope: s.Labels["scope"], Endpoint: s.Labels["endpoint"], Result: s.Labels["result"], Count: s.Value})
 		}
-		labels, value, ok := strings.Cut(line[len(name):], "} ")
-		if !ok {
-			continue
-		}
-		v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
-		if err != nil {
-			continue
-		}
-		d := Decision{Count: v}
-		for _, kv := range strings.Split(labels, ",") {
-			k, val, _ := strings.Cut(kv, "=")
-			val = strings.Trim(val, `"`)
-			switch k {
-			case "scope":
-				d.Scope = val
-			case "endpoint":
-				d.Endpoint = val
-			case "result":
-				d.Result = val
-			}
-		}
-		ds = append(ds, d)
 	}
 	sort.Slice(ds, func(i, j int) bool {
 		if ds[i].Result != ds[j].Result {
@@ -68,7 +32,7 @@ func Decisions(ctx context.Context, opsURL string) ([]Decision, error) {
 		}
 		return ds[i].Scope+ds[i].Endpoint < ds[j].Scope+ds[j].Endpoint
 	})
-	return ds, sc.Err()
+	return ds, err
 }
 
 // Ledger is what the accounter wrote to Postgres.

@@ -78,7 +78,9 @@ func startServer(ctx context.Context, cred *syscall.Credential, name, dir, bin s
 
 // StartRedis runs a redis-server that keeps nothing on disk: a restart
 // after Kill brings it back empty, as a failover to an empty replica does.
-func StartRedis(ctx context.Context, dir string) (*Server, error) {
+// extra are more redis-server arguments (e.g. "--enable-debug-command",
+// "yes" for a test that makes the server sleep).
+func StartRedis(ctx context.Context, dir string, extra ...string) (*Server, error) {
 	port, err := FreePort()
 	if err != nil {
 		return nil, err
@@ -88,8 +90,8 @@ func StartRedis(ctx context.Context, dir string) (*Server, error) {
 		return nil, fmt.Errorf("redis-server (run `go tool task deps`): %w", err)
 	}
 	p := strconv.Itoa(port)
-	return startServer(ctx, nil, "redis", dir, bin, port, "redis://127.0.0.1:"+p+"/0",
-		"--port", p, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir)
+	args := append([]string{"--port", p, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir}, extra...)
+	return startServer(ctx, nil, "redis", dir, bin, port, "redis://127.0.0.1:"+p+"/0", args...)
 }
 
 // StartNATS runs a nats-server with JetStream storing in dir/nats, so that

@@ -480,6 +480,13 @@ func (r *Reconciler) compare(ctx context.Context, s *scan, ms []measurement) ([]
 
 // driftsOf returns each window of ws, o's, that differs from tally t outside
 // its oldest bucket.
+//
+// A window holds at most limits.MaxCost, where the scripts saturate it (the
+// cap of every count in the events). So where the ledger puts the cap or
+// more in a window, Redis agrees once the window is full; short of that,
+// the one fix is what fills it, in the newest bucket Redis holds less of
+// than the ledger. Comparing bucket by bucket instead would find a drift
+// that no repair can remove, and ask for repairs past what Charge accepts.
 func driftsOf(o owner, t tally, ws []limits.Window) []drift {
 	var out []drift
 	for i := range ws {
@@ -489,17 +496,42 @@ func driftsOf(o owner, t tally, ws []limits.Window) []drift {
 		}
 		id := idOf(ws[i].Rule)
 		x := drift{key: driftKey{o, id}, rule: *ws[i].Rule}
-		for _, b := range bs {
-			if diff := t[bucket{id, b.N}] - b.Used; diff != 0 {
-				x.fix = append(x.fix, fix{b.N, diff})
-				x.net += diff
+		var want int64
+		for _, b := range ws[i].Buckets {
+			want += t[bucket{id, b.N}]
+		}
+		if want >= limits.MaxCost {
+			x.fix = fill(id, t, bs, limits.MaxCost-ws[i].Used())
+		} else {
+			for _, b := range bs {
+				if diff := t[bucket{id, b.N}] - b.Used; diff != 0 {
+					x.fix = append(x.fix, fix{b.N, diff})
+				}
 			}
+		}
+		for _, f := range x.fix {
+			x.net += f.tokens
 		}
 		if x.net != 0 {
 			out = append(out, x)
 		}
 	}
 	return out
+}
+
+// fill is the fix that adds room tokens to a saturated window: in the newest
+// of buckets bs that holds less than tally t says. None when the window is
+// full, or only its oldest bucket (not compared) holds less.
+func fill(id limitID, t tally, bs []limits.Bucket, room int64) []fix {
+	if room <= 0 {
+		return nil
+	}
+	for k := len(bs) - 1; k >= 0; k-- {
+		if t[bucket{id, bs[k].N}] > bs[k].Used {
+			return []fix{{bs[k].N, room}}
+		}
+	}
+	return nil
 }
 
 // repairStable repairs the drifts of found that the previous scan saw

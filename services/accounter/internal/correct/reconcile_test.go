@@ -379,6 +379,30 @@ func TestReconcileComparesEachOwnerWithItsOwnLedger(t *testing.T) {
 	w.reconcile(Drift{Subjects: n + onlyRedis})
 }
 
+// TestSaturatedWindowAgrees: windows stop at limits.MaxCost, so a window
+// the ledger fills past it agrees once full, and one that Redis holds less
+// of is filled to the cap by one repair (more would be refused), after
+// which it agrees too.
+func TestSaturatedWindowAgrees(t *testing.T) {
+	w := newWorld(t, true)
+	at := time.Now().UTC().Truncate(time.Second)
+	for i := range 3 {
+		w.ledgerOnly("t", "full", "f"+strconv.Itoa(i), "", at, limits.MaxCost, limits.MaxCost)
+		w.ledgerOnly("t", "short", "s"+strconv.Itoa(i), "", at, limits.MaxCost, limits.MaxCost)
+	}
+	for range 2 {
+		w.charge("t", "full", limits.MaxCost, "5h", "day", "month") // the second saturates
+	}
+	w.charge("t", "short", 400, "5h")
+	room := int64(limits.MaxCost-400) + 2*limits.MaxCost
+	w.reconcile(Drift{Subjects: 2, Drifted: 1, Tokens: room})
+	w.reconcile(Drift{Subjects: 2, Drifted: 1, Tokens: room, Repaired: 3, Raised: room})
+	for _, u := range []string{"full", "short"} {
+		wantUsed(t, u, w.used("t", u), map[string]int64{"5h": limits.MaxCost, "day": limits.MaxCost, "month": limits.MaxCost})
+	}
+	w.reconcile(Drift{Subjects: 2})
+}
+
 // TestDriftSeenOnceIsNotRepaired: a drift must be seen unchanged, bucket
 // for bucket, by two consecutive scans.
 func TestDriftSeenOnceIsNotRepaired(t *testing.T) {
