@@ -1,31 +1,19 @@
 package e2e_test
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"maps"
 	"math/rand/v2"
 	"net/http"
-	"net/url"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
-	"quotaflow/internal/e2e"
-	"quotaflow/internal/natstest"
-	"quotaflow/internal/pgtest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 )
@@ -83,8 +71,7 @@ func TestPipelineAgreesWithModel(t *testing.T) {
 				got := p.admit(t, u, id, cost)
 				trace(t, "seq %d admit %s/%s cost %d -> %s", seq, u, id, cost, got)
 				if got != want {
-					t.Fatalf("sequence %d: admit %s/%s cost %d = %s, model %s (seed %d)\naccounter log:\n%s", seq, u, id, cost, got, want, seed,
-						e2e.Tail(p.accounter.LogPath, 15))
+					t.Fatalf("sequence %d: admit %s/%s cost %d = %s, model %s (seed %d)\nanswer: %s", seq, u, id, cost, got, want, seed, p.last)
 				}
 			case op < 8: // release through admission: applied in Redis at once
 				r := mu.pick(rng)
@@ -134,18 +121,16 @@ func TestPipelineAgreesWithModel(t *testing.T) {
 		p.settle(t, m)
 		p.check(t, m, seq)
 	}
-	p.checkReconciled(t)
+	p.reconcilesClean(t, 0)
 }
 
-// pipeline is the processes and the servers of one run.
+// pipeline is a stack and what the model test plays on it.
 type pipeline struct {
-	dir, tenant, dbURL, api string
-	admission, accounter    *e2e.Service
-	redis                   *redistest.Server
-	js                      jetstream.JetStream
-	cfg                     events.Config
-	pub                     *events.Publisher
-	client                  *http.Client
+	*stack
+	tenant   string
+	gw, bill caller // a gateway's and a billing token's
+	pub      *events.Publisher
+	last     reply // admission's last answer to an admit
 }
 
 // modelPolicy has a limit of every kind a subject can hold, in windows no
@@ -175,104 +160,49 @@ tenants:
 
 func startPipeline(t *testing.T) *pipeline {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	p := &pipeline{dir: t.TempDir(), tenant: redistest.UniqueName(t), client: &http.Client{Timeout: 10 * time.Second}}
-	bin := builtServices(t)
-	p.redis = redistest.Start(t)
-	p.dbURL = pgtest.NewDatabase(t, "qf_model")
-	_, p.js = natstest.Connect(t, natstest.URL(), nats.Name(t.Name()))
-	p.cfg = natstest.Streams(t, p.js, "model", events.Config{})
-	p.pub = events.NewPublisher(p.js, p.cfg)
-	policy := filepath.Join(p.dir, "policy.yaml")
-	if err := os.WriteFile(policy, []byte(modelPolicy(p.tenant)), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	common := []string{
-		"QF_REDIS_URL=redis://" + p.redis.Addr + "/0", "QF_NATS_URL=" + natstest.URL(), "QF_POLICY_FILE=" + policy,
-		"QF_STREAM=" + p.cfg.Stream, "QF_DLQ_STREAM=" + p.cfg.DLQStream, "QF_SUBJECT_PREFIX=" + p.cfg.SubjectPrefix,
-		"QF_STREAM_MAX_AGE=" + p.cfg.MaxAge.String(), "QF_STREAM_DUPLICATES=" + p.cfg.Duplicates.String(),
-		"QF_DLQ_MAX_AGE=" + p.cfg.DLQMaxAge.String(), "QF_LOG_LEVEL=warn",
-	}
-	start := func(name string, env ...string) *e2e.Service {
-		port, err := e2e.FreePort()
-		if err != nil {
-			t.Fatal(err)
-		}
-		ops := "127.0.0.1:" + strconv.Itoa(port)
-		s, err := e2e.Start(name, filepath.Join(bin, name), p.dir, ops, append(append(common, env...), "QF_OPS_ADDR="+ops))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = s.Stop(20 * time.Second) })
-		if err := s.WaitReady(ctx); err != nil {
-			t.Fatal(err)
-		}
-		return s
-	}
-	p.accounter = start("accounter", "QF_POSTGRES_URL="+p.dbURL, "QF_BATCH_WAIT=20ms", "QF_EPOCH_INTERVAL=200ms",
-		"QF_RECONCILE_INTERVAL=1s", "QF_ACK_WAIT=2s", "QF_WORKERS=2")
-	port, err := e2e.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.api = "http://127.0.0.1:" + strconv.Itoa(port)
-	// A generous Redis timeout: under -race on two busy cores a few
-	// milliseconds would send decisions to the local limiter, and the
-	// model predicts Redis's exact ones.
-	p.admission = start("admission", "QF_ADMISSION_ADDR=127.0.0.1:"+strconv.Itoa(port), "QF_REDIS_TIMEOUT=2s",
-		"QF_SPILL_DIR="+filepath.Join(p.dir, "spill"), "QF_API_TOKENS=gw,bill#billing")
-	if d := p.admission.WaitSteady(ctx, time.Minute); d != "" {
-		t.Fatalf("admission not steady: %s", d)
-	}
-	return p
-}
-
-// call sends an API request with token and returns the status and body.
-func (p *pipeline) call(t *testing.T, method, path, token, body string) (int, []byte) {
-	t.Helper()
-	req, _ := http.NewRequest(method, p.api+path, strings.NewReader(body))
-	req.Header.Set("Authorization", "Bearer "+token)
-	resp, err := p.client.Do(req)
-	if err != nil {
-		t.Fatalf("%s %s: %v", method, path, err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, b
+	tenant := redistest.UniqueName(t)
+	gw, bill := randomToken("gw"), randomToken("bill")
+	s := startStack(t, stackConfig{
+		policy: modelPolicy(tenant),
+		tokens: []string{gw, bill + "#billing"},
+		// A generous Redis timeout: under -race on two busy cores a few
+		// milliseconds would send decisions to the local limiter, and the
+		// model predicts Redis's exact ones.
+		admission: []string{"QF_REDIS_TIMEOUT=2s"},
+		accounter: []string{"QF_EPOCH_INTERVAL=200ms", "QF_RECONCILE_INTERVAL=1s", "QF_ACK_WAIT=2s", "QF_WORKERS=2"},
+	})
+	return &pipeline{stack: s, tenant: tenant, gw: s.as(t, gw), bill: s.as(t, bill), pub: events.NewPublisher(s.js, s.streams)}
 }
 
 func (p *pipeline) topUp(t *testing.T, u string, amount int64) {
 	t.Helper()
-	code, b := p.call(t, "POST", "/v1/balances/topup", "bill", fmt.Sprintf(`{"tenant":%q,"user":%q,"amount":%d,"reference":"seed-%s"}`, p.tenant, u, amount, u))
-	if code != 200 {
-		t.Fatalf("top up %s: %d %s", u, code, b)
+	if r := p.bill.do(http.MethodPost, "/v1/balances/topup", map[string]any{"tenant": p.tenant, "user": u, "amount": amount, "reference": "seed-" + u}); r.code != 200 {
+		t.Fatalf("top up %s: %s", u, r)
 	}
 }
 
 // admit asks admission and names the answer as the model does.
 func (p *pipeline) admit(t *testing.T, u, id string, cost int64) string {
 	t.Helper()
-	code, b := p.call(t, "POST", "/v1/admit", "gw", fmt.Sprintf(`{"tenant":%q,"user":%q,"request_id":%q,"endpoint":"/gen","estimated_tokens":%d}`, p.tenant, u, id, cost))
-	switch code {
+	r := p.gw.admit(admitReq{RequestID: id, Tenant: p.tenant, User: u, Endpoint: "/gen", Estimate: cost})
+	p.last = r
+	switch r.code {
 	case 200:
 		return "allowed"
 	case 429:
-		if testing.Verbose() {
-			t.Logf("admit %s/%s cost %d denied: %s", u, id, cost, b)
-		}
+		trace(t, "admit %s/%s cost %d denied: %s", u, id, cost, r)
 		return "denied"
 	case 409:
 		return "conflict"
 	}
-	t.Fatalf("admit %s/%s = %d %s", u, id, code, b)
+	t.Fatalf("admit %s/%s = %s", u, id, r)
 	return ""
 }
 
 func (p *pipeline) release(t *testing.T, u, id string) {
 	t.Helper()
-	if code, b := p.call(t, "POST", "/v1/release", "gw", fmt.Sprintf(`{"tenant":%q,"user":%q,"request_id":%q}`, p.tenant, u, id)); code != 200 && code != 202 {
-		t.Fatalf("release %s/%s = %d %s", u, id, code, b)
+	if r, _ := p.gw.release(p.tenant, u, id); r.code != 200 && r.code != 202 {
+		t.Fatalf("release %s/%s = %s", u, id, r)
 	}
 }
 
@@ -286,15 +216,12 @@ func (p *pipeline) publish(t *testing.T, ev events.Event, dup bool) {
 	if err := p.pub.Publish(ctx, ev); err != nil {
 		t.Fatal(err)
 	}
-	if !dup {
-		return
-	}
-	b, err := events.Encode(ev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.js.Publish(ctx, events.Subject(p.cfg.SubjectPrefix, ev.Type()), b, jetstream.WithMsgID("again-"+ev.ID)); err != nil {
-		t.Fatal(err)
+	if dup {
+		b, err := events.Encode(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.publishRaw(t, ev.Type(), "again-"+ev.ID, b)
 	}
 }
 
@@ -302,12 +229,12 @@ func (p *pipeline) publishRelease(t *testing.T, u, id string) {
 	p.publish(t, events.NewReleased("test/llm", events.Released{RequestID: id, Tenant: p.tenant, User: u}, time.Now()), false)
 }
 
-// loseRedis stops Redis, admits locally meanwhile (within the local
-// allowance), and brings Redis back empty: the accounter rebuilds the
-// windows from the ledger and admission returns to Redis.
+// loseRedis crashes Redis, admits locally meanwhile (within the local
+// allowance), and brings Redis back empty: the accounter rebuilds it from
+// the ledger and admission returns to it.
 func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 	t.Helper()
-	p.redis.Stop()
+	p.redis.Kill()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	m.loss++
@@ -342,7 +269,9 @@ func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 	if a := allowance(m.tenantDecided, m.tenantRemaining); tenantLocal > a {
 		t.Errorf("the tenant was allowed %d tokens without Redis; its allowance was %d", tenantLocal, a)
 	}
-	p.redis.Restart()
+	if err := p.redis.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
 	m.afterLoss()
 	if d := p.admission.WaitSteady(ctx, 45*time.Second); d != "" {
 		t.Fatalf("admission still degraded after Redis came back: %s", d)
@@ -350,143 +279,59 @@ func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 }
 
 // settle waits until the accounter has consumed everything the model
-// expects in the ledger and corrected Redis accordingly.
+// expects in the ledger; it corrects Redis in the same transactions.
 func (p *pipeline) settle(t *testing.T, m *pmodel) {
 	t.Helper()
-	ctx := context.Background()
 	want := m.ledger()
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		got, err := p.reservations(ctx)
-		if err == nil && maps.Equal(got, want) {
-			// Every row as it should be; the Redis corrections came in the
-			// same transactions, so they are in place too.
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("ledger never settled: %v\nwant %v\naccounter log:\n%s", err, diff(got, want), e2e.Tail(p.accounter.LogPath, 20))
-		}
-		time.Sleep(100 * time.Millisecond)
+	if !eventually(t, "the ledger settled", func() (bool, string) {
+		got := p.reservations(t)
+		return maps.Equal(got, want), fmt.Sprint(diff(got, want))
+	}) {
+		t.FailNow()
 	}
 }
 
-// reservations reads every reservation row as "status actual".
-func (p *pipeline) reservations(ctx context.Context) (map[string]string, error) {
-	conn, err := pgx.Connect(ctx, p.dbURL)
+// reservations reads every reservation row of the tenant as "status
+// actual local".
+func (p *pipeline) reservations(t *testing.T) map[string]string {
+	t.Helper()
+	rows, err := p.db.Query(context.Background(), `SELECT user_id, request_id, status, coalesce(actual_tokens, -1), local FROM reservations WHERE tenant = $1`, p.tenant)
 	if err != nil {
-		return nil, err
-	}
-	defer conn.Close(ctx)
-	rows, err := conn.Query(ctx, `SELECT user_id, request_id, status, coalesce(actual_tokens, -1), local FROM reservations WHERE tenant = $1`, p.tenant)
-	if err != nil {
-		return nil, err
+		t.Fatal(err)
 	}
 	out := map[string]string{}
-	for rows.Next() {
-		var u, id, st string
-		var actual int64
-		var local bool
-		if err := rows.Scan(&u, &id, &st, &actual, &local); err != nil {
-			return nil, err
-		}
+	var u, id, st string
+	var actual int64
+	var local bool
+	if _, err := pgx.ForEachRow(rows, []any{&u, &id, &st, &actual, &local}, func() error {
 		out[u+"/"+id] = fmt.Sprintf("%s %d local=%v", st, actual, local)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
-	return out, rows.Err()
+	return out
 }
 
 // check compares Redis, the ledger's events and the rollups with the model.
 func (p *pipeline) check(t *testing.T, m *pmodel, seq int) {
 	t.Helper()
 	for _, u := range slices.Sorted(maps.Keys(m.users)) {
-		code, b := p.call(t, "GET", "/v1/usage?tenant="+url.QueryEscape(p.tenant)+"&user="+u, "gw", "")
-		if code != 200 {
-			t.Fatalf("GET /v1/usage %s = %d %s", u, code, b)
-		}
-		var ans struct {
-			Limits []struct {
-				Name       string
-				Limit      int64
-				Used       int64
-				Unit, Kind string
+		got := p.gw.usage(p.tenant, u, "")
+		for name, want := range m.used(u) {
+			if l, ok := got[name]; !ok || l.Used != want {
+				t.Errorf("sequence %d: %s %s used = %d, model %d", seq, u, name, l.Used, want)
 			}
 		}
-		if err := json.Unmarshal(b, &ans); err != nil {
-			t.Fatal(err)
-		}
-		want := m.used(u)
-		for _, l := range ans.Limits {
-			w, ok := want[l.Name]
-			if !ok {
-				continue
-			}
-			if l.Used != w {
-				t.Errorf("sequence %d: %s %s used = %d, model %d", seq, u, l.Name, l.Used, w)
-			}
-			if l.Name == "credits" && l.Limit != m.user(u).credited {
-				t.Errorf("sequence %d: %s credited = %d, model %d", seq, u, l.Limit, m.user(u).credited)
-			}
+		if l := got["credits"]; l.Limit != m.user(u).credited {
+			t.Errorf("sequence %d: %s credited = %d, model %d", seq, u, l.Limit, m.user(u).credited)
 		}
 	}
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, p.dbURL)
-	if err != nil {
-		t.Fatal(err)
+	actuals := p.count(t, `SELECT count(*) FROM usage_events WHERE tenant = $1 AND type = 'quotaflow.usage.actual'`, p.tenant)
+	rolled := p.count(t, `SELECT coalesce(sum(tokens), 0)::bigint FROM usage_rollups WHERE tenant = $1`, p.tenant)
+	requests := p.count(t, `SELECT coalesce(sum(requests), 0)::bigint FROM usage_rollups WHERE tenant = $1`, p.tenant)
+	if tokens, n := m.actuals(); actuals != n || rolled != tokens || requests != n {
+		t.Errorf("sequence %d: ledger %d actual events, rollups %d tokens in %d requests; model %d tokens in %d", seq, actuals, rolled, requests, tokens, n)
 	}
-	defer conn.Close(ctx)
-	var actualEvents, rolledTokens, rolledRequests int64
-	if err := conn.QueryRow(ctx, `SELECT count(*) FROM usage_events WHERE tenant = $1 AND type = $2`, p.tenant, events.TypeActual).Scan(&actualEvents); err != nil {
-		t.Fatal(err)
-	}
-	if err := conn.QueryRow(ctx, `SELECT coalesce(sum(tokens), 0)::bigint, coalesce(sum(requests), 0)::bigint FROM usage_rollups WHERE tenant = $1`, p.tenant).Scan(&rolledTokens, &rolledRequests); err != nil {
-		t.Fatal(err)
-	}
-	tokens, n := m.actuals()
-	if actualEvents != n || rolledTokens != tokens || rolledRequests != n {
-		t.Errorf("sequence %d: ledger %d actual events, rollups %d tokens in %d requests; model %d tokens in %d", seq, actualEvents, rolledTokens, rolledRequests, tokens, n)
-	}
-}
-
-// checkReconciled waits for reconciliation passes and requires that they
-// repaired nothing: Redis and the ledger agreed all along.
-func (p *pipeline) checkReconciled(t *testing.T) {
-	t.Helper()
-	runs := func() float64 {
-		return metric(t, p.accounter.Ops, `quotaflow_accounter_reconciliations_total{result="ok"}`)
-	}
-	before := runs()
-	deadline := time.Now().Add(30 * time.Second)
-	for runs() < before+3 { // a repair needs two equal scans, then a recheck
-		if time.Now().After(deadline) {
-			t.Fatal("no reconciliation ran within 30s")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	if n := metric(t, p.accounter.Ops, "quotaflow_accounter_repaired_tokens_total"); n != 0 {
-		t.Errorf("reconciliation repaired %v tokens: Redis and the ledger disagreed", n)
-	}
-	if n := metric(t, p.accounter.Ops, "quotaflow_accounter_drift_tokens"); n != 0 {
-		t.Errorf("reconciliation finds %v tokens of drift", n)
-	}
-}
-
-// metric sums the samples of name on the ops port at base.
-func metric(t *testing.T, base, name string) float64 {
-	t.Helper()
-	resp, err := http.Get(base + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	var sum float64
-	for _, line := range bytes.Split(b, []byte("\n")) {
-		l := string(line)
-		if strings.HasPrefix(l, name+" ") || strings.HasPrefix(l, name+"{") || strings.HasSuffix(name, "}") && strings.HasPrefix(l, name) {
-			f, _ := strconv.ParseFloat(l[strings.LastIndexByte(l, ' ')+1:], 64)
-			sum += f
-		}
-	}
-	return sum
 }
 
 // pmodel is the rules of DESIGN §4–§6 for the requests of one run.
@@ -690,42 +535,8 @@ func diff(got, want map[string]string) []string {
 	return out
 }
 
-// builtServices builds the three services once for the package's tests
-// and returns their directory.
-func builtServices(t *testing.T) string {
-	t.Helper()
-	buildOnce.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		root, err := e2e.ModuleRoot(ctx)
-		if err == nil {
-			buildDir, err = os.MkdirTemp("", "qf-e2e-bin")
-		}
-		if err == nil {
-			err = e2e.Build(ctx, root, buildDir)
-		}
-		buildErr = err
-	})
-	if buildErr != nil {
-		t.Fatal(buildErr)
-	}
-	return buildDir
-}
-
-var (
-	buildOnce sync.Once
-	buildDir  string
-	buildErr  error
-)
-
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if buildDir != "" {
-		os.RemoveAll(buildDir)
-	}
-	os.Exit(code)
-}
-
+// trace logs what the run does when QF_MODEL_TRACE is set, to follow a
+// failing seed.
 func trace(t *testing.T, format string, args ...any) {
 	if os.Getenv("QF_MODEL_TRACE") != "" {
 		t.Logf(format, args...)

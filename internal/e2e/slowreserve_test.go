@@ -95,12 +95,12 @@ func (s *stack) admitWhileRedisSleeps(t *testing.T, c caller, req admitReq) repl
 	// would time out before the reserve is sent, and it would never run).
 	c.usage(req.Tenant, req.User, req.Plan)
 
-	sleeper := redis.NewClient(&redis.Options{Addr: s.redisAddr, ReadTimeout: time.Minute})
+	sleeper := redis.NewClient(&redis.Options{Addr: s.redis.Addr, ReadTimeout: time.Minute})
 	defer sleeper.Close()
 	slept := make(chan error, 1)
 	go func() { slept <- sleeper.Do(context.Background(), "DEBUG", "SLEEP", "1.5").Err() }()
 	// Asleep once a PING goes unanswered.
-	probe := redis.NewClient(&redis.Options{Addr: s.redisAddr, ReadTimeout: 200 * time.Millisecond, MaxRetries: -1})
+	probe := redis.NewClient(&redis.Options{Addr: s.redis.Addr, ReadTimeout: 200 * time.Millisecond, MaxRetries: -1})
 	defer probe.Close()
 	eventually(t, "redis asleep", func() (bool, string) {
 		err := probe.Ping(context.Background()).Err()

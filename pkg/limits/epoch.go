@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/redis/go-redis/v9"
@@ -50,6 +51,11 @@ func epochKey(tag string) string {
 	return "qe{" + slotTag(crc16(tag)%numSlots) + "}"
 }
 
+// TenantEpochKey is the epoch key of the slot that holds tenant's state:
+// while it exists, that shard holds it (EXISTS shows an operator which
+// shard a rebuild is waiting on).
+func TenantEpochKey(tenant string) string { return epochKey(esc(tenant)) }
+
 // WriteEpoch marks every slot of the Redis behind c as initialised with
 // value (any identifier of the rebuild, e.g. its time). The accounter calls
 // it after rebuilding the windows; on a brand-new Redis its first start calls
@@ -71,6 +77,35 @@ func WriteEpoch(ctx context.Context, c redis.UniversalClient, value string) erro
 // EpochMissing reports whether any slot of the Redis behind c has lost its
 // epoch key, i.e. whether a rebuild is needed. It reads every slot's key.
 func EpochMissing(ctx context.Context, c redis.UniversalClient) (bool, error) {
+	lost, err := LostSlots(ctx, c)
+	return lost.Any(), err
+}
+
+// Lost is the set of cluster slots whose epoch key is missing: they lost
+// their data (a single Redis loses them all at once). The zero value is
+// empty.
+type Lost struct {
+	bits [numSlots / 64]uint64
+	n    int
+}
+
+// Any reports whether a slot is lost.
+func (l *Lost) Any() bool { return l.n > 0 }
+
+// All reports whether every slot is lost: nothing of quotaflow's state is
+// left (a single Redis that restarted empty).
+func (l *Lost) All() bool { return l.n == numSlots }
+
+// Tenant reports whether the slot of tenant's keys (all of them: its users'
+// limits, its tenant-wide limits, its reservation records) is lost.
+func (l *Lost) Tenant(tenant string) bool { return l.has(crc16(esc(tenant)) % numSlots) }
+
+func (l *Lost) has(slot uint16) bool { return l.bits[slot/64]&(1<<(slot%64)) != 0 }
+
+// LostSlots reads every slot's epoch key and returns the slots that lost
+// theirs.
+func LostSlots(ctx context.Context, c redis.UniversalClient) (Lost, error) {
+	var lost Lost
 	const batch = 1024
 	for start := 0; start < numSlots; start += batch {
 		p := c.Pipeline()
@@ -79,15 +114,60 @@ func EpochMissing(ctx context.Context, c redis.UniversalClient) (bool, error) {
 			cmds = append(cmds, p.Exists(ctx, "qe{"+slotTag(uint16(s))+"}"))
 		}
 		if _, err := p.Exec(ctx); err != nil {
-			return false, fmt.Errorf("read epoch: %w", err)
+			return Lost{}, fmt.Errorf("read epoch: %w", err)
 		}
-		for _, cmd := range cmds {
+		for i, cmd := range cmds {
 			if cmd.Val() == 0 {
-				return true, nil
+				slot := start + i
+				lost.bits[slot/64] |= 1 << (slot % 64)
+				lost.n++
 			}
 		}
 	}
-	return false, nil
+	return lost, nil
+}
+
+// ClearLost deletes every quotaflow key in the lost slots. Scripts write
+// nothing where the epoch is missing, so what a lost slot holds can only
+// be what an earlier, unfinished rebuild put there: clearing it first makes
+// a rebuild that is retried charge its windows once, not twice. A Redis
+// that lost everything holds little to clear; on a cluster, only the keys
+// of a lost slot are removed, however much the others hold.
+func ClearLost(ctx context.Context, c redis.UniversalClient, lost *Lost) error {
+	if !lost.Any() {
+		return nil
+	}
+	clear := func(ctx context.Context, n redis.Cmdable) error {
+		it := n.Scan(ctx, 0, "q{*", 1000).Iterator()
+		var doomed []string
+		for it.Next(ctx) {
+			key := it.Val()
+			end := strings.IndexByte(key, '}')
+			if end < 0 || !lost.has(crc16(key[2:end])%numSlots) {
+				continue
+			}
+			doomed = append(doomed, key)
+		}
+		if err := it.Err(); err != nil {
+			return err
+		}
+		for _, k := range doomed { // one by one: in a cluster they span slots
+			if err := n.Del(ctx, k).Err(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var err error
+	if cc, ok := c.(*redis.ClusterClient); ok {
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, n *redis.Client) error { return clear(ctx, n) })
+	} else {
+		err = clear(ctx, c)
+	}
+	if err != nil {
+		return fmt.Errorf("clear lost slots: %w", err)
+	}
+	return nil
 }
 
 // crc16 is the CRC16-CCITT (XMODEM) that Redis Cluster hashes keys with.

@@ -370,3 +370,41 @@ func TestRestoredVoidRecordSettlesUnderTheCallsRules(t *testing.T) {
 		t.Fatalf("the actual after a release of a restored void record = %+v, %v; want 18 charged", s, err)
 	}
 }
+
+// On a cluster a shard loses its data alone: only its slots miss their
+// epoch, and clearing them leaves every other slot's state alone.
+func TestLostSlotsOfOneShard(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	if err := WriteEpoch(ctx, cc, "cluster"); err != nil {
+		t.Fatal(err)
+	}
+	l := New(cc, Options{})
+	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)})}
+	a, b := newTenant(t)+"-a", newTenant(t)+"-b"
+	for crc16(esc(a))%numSlots == crc16(esc(b))%numSlots {
+		b += "x"
+	}
+	for _, tenant := range []string{a, b} {
+		reserve(t, l, tenant, "u", "r", 5, rules)
+	}
+	// a's slot loses its epoch: as after a failover to an empty replica,
+	// where an unfinished rebuild then wrote a's keys again.
+	if err := cc.Del(ctx, TenantEpochKey(a)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	lost, err := LostSlots(ctx, cc)
+	if err != nil || !lost.Tenant(a) || lost.Tenant(b) || lost.All() {
+		t.Fatalf("LostSlots = a %v, b %v, all %v (%v); want a's slot alone", lost.Tenant(a), lost.Tenant(b), lost.All(), err)
+	}
+	if err := ClearLost(ctx, cc, &lost); err != nil {
+		t.Fatal(err)
+	}
+	nl := New(cc, Options{NoEpochGuard: true})
+	if d := peek(t, nl, a, "u", rules); d.States[0].Used != 0 {
+		t.Errorf("a's window after clearing its lost slot = %d, want 0", d.States[0].Used)
+	}
+	if d := peek(t, nl, b, "u", rules); d.States[0].Used != 5 {
+		t.Errorf("b's window after clearing another slot = %d, want its 5", d.States[0].Used)
+	}
+}

@@ -187,14 +187,18 @@ func CorrectedEvent(source, tenant, user, requestID string, s limits.Settlement,
 	}, now)
 }
 
-// EnsureEpoch rebuilds Redis from the ledger when its epoch key is missing
+// EnsureEpoch rebuilds Redis from the ledger when epoch keys are missing
 // (a restart without persistence, a flush, a failover to an empty replica)
 // and then writes the epoch, so admission leaves its local mode. It returns
-// whether it rebuilt. Only one instance rebuilds at a time (a Postgres
-// advisory lock); the others find the epoch written on their next check.
+// whether it rebuilt. Only the slots that lost their epoch are rebuilt (a
+// cluster loses a shard at a time; the others keep their state), and what
+// an earlier, unfinished attempt put in them is cleared first, so a rebuild
+// retried after a failure charges each window once. Only one instance
+// rebuilds at a time (a Postgres advisory lock); the others find the epoch
+// written on their next check.
 func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int, err error) {
-	missing, err := limits.EpochMissing(ctx, c.rdb)
-	if err != nil || !missing {
+	lost, err := limits.LostSlots(ctx, c.rdb)
+	if err != nil || !lost.Any() {
 		return false, 0, err
 	}
 	unlock, ok, err := c.store.TryLock(ctx, rebuildLockID)
@@ -205,7 +209,7 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 	c.Gate.Lock()
 	defer c.Gate.Unlock()
 	// Another instance may have rebuilt between the check and the lock.
-	if missing, err = limits.EpochMissing(ctx, c.rdb); err != nil || !missing {
+	if lost, err = limits.LostSlots(ctx, c.rdb); err != nil || !lost.Any() {
 		return false, 0, err
 	}
 	// Recorded before the ledger is read: a reservation of the lost Redis
@@ -214,14 +218,17 @@ func (c *Corrector) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int
 	if err := c.store.MarkRebuild(ctx, epoch); err != nil {
 		return false, 0, err
 	}
-	subjects, err = c.rebuild(ctx)
+	if err := limits.ClearLost(ctx, c.rdb, &lost); err != nil {
+		return false, 0, err
+	}
+	subjects, err = c.rebuild(ctx, &lost)
 	if err != nil {
 		return false, subjects, err
 	}
-	if err := c.rebuildBalances(ctx, epoch); err != nil {
+	if err := c.rebuildBalances(ctx, epoch, &lost); err != nil {
 		return false, subjects, err
 	}
-	if err := c.restoreRecords(ctx); err != nil {
+	if err := c.restoreRecords(ctx, &lost); err != nil {
 		return false, subjects, err
 	}
 	if err := limits.WriteEpoch(ctx, c.rdb, epoch); err != nil {
@@ -251,7 +258,7 @@ func (c *Corrector) windowRules(tenant, plan, endpoint string) ([]limits.Rule, e
 // token windows (Charge with Force at each usage's time, many per round
 // trip), subject by subject in time order. Request limits and concurrency
 // slots start afresh; balances are rebuilt by rebuildBalances.
-func (c *Corrector) rebuild(ctx context.Context) (int, error) {
+func (c *Corrector) rebuild(ctx context.Context, lost *limits.Lost) (int, error) {
 	p := c.policy()
 	w := p.LongestTokenWindow()
 	if w == 0 {
@@ -271,6 +278,9 @@ func (c *Corrector) rebuild(ctx context.Context) (int, error) {
 		return nil
 	}
 	err := c.store.UsageSince(ctx, time.Now().Add(-w), func(u ledger.Usage) error {
+		if !lost.Tenant(u.Tenant) {
+			return nil // its slot kept its state
+		}
 		if u.Tenant != last.Tenant || u.User != last.User || subjects == 0 {
 			subjects++
 			last = u
@@ -314,8 +324,11 @@ const rebuildBatch = 500
 // whose plan has none keeps nothing in Redis). epoch makes a retried
 // rebuild credit once: each subject's credit is a top-up with a reference
 // of its own, since a top-up's reference is a key per tenant, not per user.
-func (c *Corrector) rebuildBalances(ctx context.Context, epoch string) error {
+func (c *Corrector) rebuildBalances(ctx context.Context, epoch string, lost *limits.Lost) error {
 	return c.store.Balances(ctx, func(b ledger.Balance) error {
+		if !lost.Tenant(b.Tenant) {
+			return nil
+		}
 		rules, err := c.rules(b.Tenant, "", "")
 		if err != nil {
 			return err
@@ -338,7 +351,7 @@ func (c *Corrector) rebuildBalances(ctx context.Context, epoch string) error {
 // open request is a duplicate again, not reserved a second time, its
 // release or actual finds what it holds, and a settled or released id is
 // refused again for the rest of its TTL.
-func (c *Corrector) restoreRecords(ctx context.Context) error {
+func (c *Corrector) restoreRecords(ctx context.Context, lost *limits.Lost) error {
 	var pending []limits.Restore
 	flush := func() error {
 		for i, err := range c.lim.RestoreMany(ctx, pending) {
@@ -352,7 +365,7 @@ func (c *Corrector) restoreRecords(ctx context.Context) error {
 	ttl := c.lim.ReservationTTL()
 	err := c.store.RecentSince(ctx, time.Now(), ttl, func(r ledger.Recent) error {
 		rs := restoreOf(r, ttl)
-		if rs == nil {
+		if rs == nil || !lost.Tenant(r.Tenant) {
 			return nil
 		}
 		if rs.State == limits.RecordOpen || rs.State == limits.RecordReleased {
