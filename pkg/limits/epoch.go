@@ -158,13 +158,7 @@ func ClearLost(ctx context.Context, c redis.UniversalClient, lost *Lost) error {
 		}
 		return nil
 	}
-	var err error
-	if cc, ok := c.(*redis.ClusterClient); ok {
-		err = cc.ForEachMaster(ctx, func(ctx context.Context, n *redis.Client) error { return clear(ctx, n) })
-	} else {
-		err = clear(ctx, c)
-	}
-	if err != nil {
+	if err := eachNode(ctx, c, clear); err != nil {
 		return fmt.Errorf("clear lost slots: %w", err)
 	}
 	return nil

@@ -133,21 +133,28 @@ func (l *Limiter) loadEngine(ctx context.Context, seen uint64) error {
 	if l.loads.Load() != seen {
 		return nil
 	}
-	each := func(ctx context.Context, c *redis.Client) error { return loadLibrary(ctx, c) }
-	var err error
-	switch c := l.rdb.(type) {
-	case *redis.ClusterClient:
-		err = c.ForEachMaster(ctx, each)
-	case *redis.Ring:
-		err = c.ForEachShard(ctx, each)
-	default:
-		err = loadLibrary(ctx, c)
-	}
+	err := eachNode(ctx, l.rdb, func(ctx context.Context, n redis.Cmdable) error { return loadLibrary(ctx, n) })
 	if err != nil {
 		return fmt.Errorf("load the limits engine into redis: %w", err)
 	}
 	l.loads.Add(1)
 	return nil
+}
+
+// eachNode runs f on every node that holds state of c: each master of a
+// Cluster, each shard of a Ring, else c itself (replicas follow their
+// masters).
+func eachNode(ctx context.Context, c any, f func(context.Context, redis.Cmdable) error) error {
+	each := func(ctx context.Context, n *redis.Client) error { return f(ctx, n) }
+	switch c := c.(type) {
+	case *redis.ClusterClient:
+		return c.ForEachMaster(ctx, each)
+	case *redis.Ring:
+		return c.ForEachShard(ctx, each)
+	case redis.Cmdable:
+		return f(ctx, c)
+	}
+	return fmt.Errorf("%T is no Redis client", c)
 }
 
 // usesFunctions reports whether calls of e go out as FCALL.

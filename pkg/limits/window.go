@@ -357,13 +357,7 @@ func ScanSubjects(ctx context.Context, c redis.UniversalClient, f func(tenant, u
 		}
 		return it.Err()
 	}
-	var err error
-	if cc, ok := c.(*redis.ClusterClient); ok {
-		err = cc.ForEachMaster(ctx, func(ctx context.Context, n *redis.Client) error { return scan(ctx, n) })
-	} else {
-		err = scan(ctx, c)
-	}
-	if err != nil {
+	if err := eachNode(ctx, c, scan); err != nil {
 		return fmt.Errorf("scan subjects: %w", err)
 	}
 	return nil
