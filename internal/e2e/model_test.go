@@ -16,6 +16,7 @@ import (
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
 )
 
 // TestPipelineAgreesWithModel runs admission and the accounter as
@@ -273,6 +274,13 @@ func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 		t.Fatal(err)
 	}
 	m.afterLoss()
+	// The rebuild first: admission may not have noticed the outage (a
+	// short streak of failures does not open its breaker) and would look
+	// steady until it meets the missing epoch.
+	eventually(t, "the epoch rewritten", func() (bool, string) {
+		missing, err := limits.EpochMissing(ctx, p.rdb)
+		return err == nil && !missing, fmt.Sprint(missing, err)
+	})
 	if d := p.admission.WaitSteady(ctx, 45*time.Second); d != "" {
 		t.Fatalf("admission still degraded after Redis came back: %s", d)
 	}

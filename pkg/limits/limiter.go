@@ -392,23 +392,51 @@ const tombTTL = time.Minute
 // record stays (the id may be admitted later) except a short-lived marker,
 // when the call had not run, that stops that call alone. It is idempotent.
 func (l *Limiter) VoidReserve(ctx context.Context, v Void) (VoidStatus, error) {
-	if err := errors.Join(checkID("tenant", v.Tenant, true), checkID("user", v.User, true), checkID("request_id", v.RequestID, true)); err != nil {
-		return 0, err
+	r := l.VoidMany(ctx, []Void{v})[0]
+	return r.Status, r.Err
+}
+
+// VoidResult is the outcome of one Void of VoidMany.
+type VoidResult struct {
+	Status VoidStatus
+	Err    error
+}
+
+// VoidMany makes every VoidReserve of vs, in one pipelined round trip (one
+// per Cluster node), and returns their outcomes in order.
+func (l *Limiter) VoidMany(ctx context.Context, vs []Void) []VoidResult {
+	calls := make([]call, len(vs))
+	for i, v := range vs {
+		if err := errors.Join(checkID("tenant", v.Tenant, true), checkID("user", v.User, true), checkID("request_id", v.RequestID, true)); err != nil {
+			calls[i].err = err
+			continue
+		}
+		keys, _ := subjectKeysOf(newSubjectKeys(v.Tenant, v.User), v.RequestID, nil)
+		allowed := "0"
+		if v.Allowed {
+			allowed = "1"
+		}
+		calls[i] = call{keys: keys, args: []any{l.offset, l.guard, allowed, v.Fingerprint & mask48, v.Nonce & mask48,
+			l.resTTL, member(keys), tombTTL.Milliseconds()}}
 	}
-	keys, _ := subjectKeysOf(newSubjectKeys(v.Tenant, v.User), v.RequestID, nil)
-	allowed := "0"
-	if v.Allowed {
-		allowed = "1"
+	cmds := l.runAll(ctx, voidEntry, calls)
+	out := make([]VoidResult, len(vs))
+	for i, c := range calls {
+		if c.err != nil {
+			out[i].Err = c.err
+			continue
+		}
+		n, err := cmds[i].Int64()
+		switch {
+		case err != nil:
+			out[i].Err = fmt.Errorf("void reserve %s/%s: %w", vs[i].Tenant, vs[i].User, err)
+		case n == -1:
+			out[i].Err = ErrNoEpoch
+		default:
+			out[i].Status = VoidStatus(n)
+		}
 	}
-	n, err := l.run(ctx, voidEntry, keys, l.offset, l.guard, allowed, v.Fingerprint&mask48, v.Nonce&mask48,
-		l.resTTL, member(keys), tombTTL.Milliseconds()).Int64()
-	switch {
-	case err != nil:
-		return 0, fmt.Errorf("void reserve %s/%s: %w", v.Tenant, v.User, err)
-	case n == -1:
-		return 0, ErrNoEpoch
-	}
-	return VoidStatus(n), nil
+	return out
 }
 
 // Admitted reports whether request id of (tenant, user) has a reservation

@@ -239,14 +239,24 @@ func (d *Decider) prober(ctx context.Context) {
 }
 
 // probeCall peeks the probe scope under ProbeTimeout and reports the
-// outcome to the breaker.
+// outcome to the breaker. Before a probe closes the breaker it makes Redis
+// agree with every decision taken without it (the voider), so that no
+// retry of a request allowed locally is reserved a second time once
+// decisions come from Redis again.
 func (d *Decider) probeCall(ctx context.Context, probe bool) {
 	cctx, cancel := context.WithTimeout(ctx, d.opt.ProbeTimeout)
 	_, err := d.lim.PeekShared(cctx, limits.ScopeGlobal, probeID, nil)
 	cancel()
+	if err == nil && probe && !d.voids.drain(ctx) {
+		err = errVoidsPending
+	}
 	o, why := d.outcome(ctx, opProbe, err)
 	d.br.done(probe, o, why)
 }
+
+// errVoidsPending is a probe that reached Redis but could not void the
+// decisions taken without it.
+var errVoidsPending = errors.New("decide: redis refused the voids of local decisions")
 
 // Degraded reports whether decisions are being made without Redis, and
 // why, for /readyz.

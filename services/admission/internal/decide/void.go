@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"sync"
 	"time"
 
@@ -79,9 +80,10 @@ type voider struct {
 	max     int
 	results *prometheus.CounterVec
 
-	mu    sync.Mutex
-	queue []limits.Void
-	wake  chan struct{}
+	mu       sync.Mutex
+	queue    []limits.Void
+	wake     chan struct{}
+	draining sync.Mutex // one drain at a time
 }
 
 // maxVoids bounds the queue of voids waiting for Redis (about 200 bytes
@@ -131,30 +133,43 @@ func (v *voider) run(ctx context.Context) {
 	}
 }
 
-// drain voids the queue in order and reports whether it emptied; it stops
-// at the first failure (Redis is still away), keeping the rest.
+// drain voids the queue in order, voidChunk at a time in one round trip,
+// and reports whether it emptied; it stops at the first void Redis failed,
+// keeping it and the rest. Drains take turns: the prober's, before it
+// closes the breaker, and the voider's own.
 func (v *voider) drain(ctx context.Context) bool {
+	v.draining.Lock()
+	defer v.draining.Unlock()
 	for {
 		v.mu.Lock()
-		if len(v.queue) == 0 {
-			v.mu.Unlock()
+		chunk := slices.Clone(v.queue[:min(len(v.queue), voidChunk)])
+		v.mu.Unlock()
+		if len(chunk) == 0 {
 			return true
 		}
-		x := v.queue[0]
-		v.mu.Unlock()
 		cctx, cancel := context.WithTimeout(ctx, v.timeout)
-		st, err := v.lim.VoidReserve(cctx, x)
+		res := v.lim.VoidMany(cctx, chunk)
 		cancel()
-		if err != nil && !errors.Is(err, limits.ErrInvalid) {
+		done := 0
+		for _, r := range res {
+			if r.Err != nil && !errors.Is(r.Err, limits.ErrInvalid) {
+				break
+			}
+			v.results.WithLabelValues(voidLabel(r.Status, r.Err)).Inc()
+			done++
+		}
+		v.mu.Lock()
+		v.queue = v.queue[done:]
+		v.mu.Unlock()
+		if done < len(chunk) {
 			v.results.WithLabelValues("retry").Inc()
 			return false
 		}
-		v.mu.Lock()
-		v.queue = v.queue[1:]
-		v.mu.Unlock()
-		v.results.WithLabelValues(voidLabel(st, err)).Inc()
 	}
 }
+
+// voidChunk is how many voids go to Redis in one pipelined round trip.
+const voidChunk = 500
 
 // pending is how many voids wait.
 func (v *voider) pending() int {
