@@ -3,7 +3,8 @@
 # subjects whose blobs exist; first touch: a new subject each) and per INCR
 # by running it under callgrind (valgrind): figures that repeat within a few
 # percent on a noisy machine, unlike timings. Usage: bench/callgrind.sh
-# (QF_CALLGRIND_USERS=n spreads the steady reserves over n subjects).
+# (QF_CALLGRIND_USERS=n spreads the steady reserves over n subjects;
+# QF_CALLGRIND_KEEP=dir keeps the dumps there for callgrind_annotate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }

@@ -21,11 +21,12 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		return err
 	}
 	type target struct {
-		name       string
-		p          *exec.Cmd
-		url        string
-		rps, cpu   []float64 // per round: requests/s, admission CPU µs per request
-		redis, p99 []float64 // Redis µs per request, p99 ms
+		name        string
+		p           *exec.Cmd
+		url         string
+		rps, cpu    []float64 // per round: requests/s, admission CPU µs per request
+		rcpu, redis []float64 // Redis CPU µs per request (/proc), µs in its engine commands per request
+		p99         []float64 // ms
 	}
 	var ts []*target
 	for _, src := range []struct{ name, dir string }{{"before", base}, {"after", "."}} {
@@ -43,8 +44,8 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		load(t.url, users, "/x", conc, 2*time.Second)
 	}
 	fmt.Printf("before = %s, after = this checkout; %d users, concurrency %d, %s per run\n\n", base, users, conc, dur)
-	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis µs/req | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|")
+	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	for r := range rounds {
 		order := []*target{ts[0], ts[1]}
 		if r%2 == 1 {
@@ -52,24 +53,26 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		}
 		for _, t := range order {
 			_, u0 := commandStats(ctx, b.rdb)
-			c0 := cpuTime(t.p)
+			c0, r0 := cpuTime(t.p), cpuTime(b.redisProc)
 			res := load(t.url, users, "/x", conc, dur)
-			cpu := cpuTime(t.p) - c0
+			cpu, rcpu := cpuTime(t.p)-c0, cpuTime(b.redisProc)-r0
 			_, u1 := commandStats(ctx, b.rdb)
 			n := float64(max(1, res.n))
 			t.rps = append(t.rps, n/res.elapsed.Seconds())
 			t.cpu = append(t.cpu, float64(cpu.Microseconds())/n)
+			t.rcpu = append(t.rcpu, float64(rcpu.Microseconds())/n)
 			t.redis = append(t.redis, (u1-u0)/n)
 			t.p99 = append(t.p99, float64(res.pct(99).Microseconds())/1000)
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f | %s |\n", r+1, t.name, n/res.elapsed.Seconds(),
-				res.pct(50), res.pct(99), t.cpu[r], t.redis[r], res.statuses())
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f µs | %.1f µs | %s |\n", r+1, t.name, n/res.elapsed.Seconds(),
+				res.pct(50), res.pct(99), t.cpu[r], t.rcpu[r], t.redis[r], res.statuses())
 		}
 	}
 	fmt.Printf("\nmedians over %d rounds:\n\n", rounds)
-	fmt.Println("| target | req/s | p99 | admission CPU/req | Redis µs/req |")
-	fmt.Println("|---|---|---|---|---|")
+	fmt.Println("| target | req/s | p99 | admission CPU/req | Redis CPU/req | in scripts/req |")
+	fmt.Println("|---|---|---|---|---|---|")
 	for _, t := range ts {
-		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f |\n", t.name, median(t.rps), median(t.p99), median(t.cpu), median(t.redis))
+		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f µs | %.1f µs |\n", t.name, median(t.rps), median(t.p99),
+			median(t.cpu), median(t.rcpu), median(t.redis))
 	}
 	fmt.Printf("\nafter / before, req/s: %.3f (median of the per-round ratios %.3f)\n",
 		median(ts[1].rps)/median(ts[0].rps), median(ratios(ts[1].rps, ts[0].rps)))

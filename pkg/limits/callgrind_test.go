@@ -69,6 +69,9 @@ func control(t *testing.T, arg string) {
 	}
 }
 
+// keeps counts the dumps kept in QF_CALLGRIND_KEEP: 1 steady, 2 first touch, 3 INCR.
+var keeps int
+
 // dump writes a callgrind dump and returns its instruction total.
 func dump(t *testing.T, dir string) int64 {
 	old, _ := filepath.Glob(filepath.Join(dir, "out.*.*"))
@@ -83,6 +86,12 @@ func dump(t *testing.T, dir string) int64 {
 	data, err := os.ReadFile(files[0])
 	if err != nil {
 		t.Fatal(err)
+	}
+	if keep := os.Getenv("QF_CALLGRIND_KEEP"); keep != "" { // for callgrind_annotate
+		keeps++
+		if err := os.WriteFile(filepath.Join(keep, "dump."+strconv.Itoa(keeps)), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for _, line := range strings.Split(string(data), "\n") {
 		if v, ok := strings.CutPrefix(line, "summary: "); ok {

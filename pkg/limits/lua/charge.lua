@@ -13,10 +13,10 @@
 -- Reply (packed 64-bit integers, lib.lua snapshot): status, now_ms, then
 --        per limit: limit, used, reset_ms, 0
 --   status 1 applied, -1 no epoch.
-local amount, at, meta, specs = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[5], ARGV[6]
+local amount, at, meta, specs = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5]), ARGV[6]
 local now = now_ms(tonumber(ARGV[1]))
 local n = #specs / 32
-local vals, sub, ten = scope(meta, specs, n, now)
+local vals, sub, ten = scope(meta, specs, 1, n, now)
 if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
 if at == 0 then at = now end
 for j = 1, n do

@@ -19,7 +19,7 @@
 --   spend can never add to a full burst.
 local op, amount, specs = ARGV[2], tonumber(ARGV[3]), ARGV[6]
 local now = now_ms(tonumber(ARGV[1]))
-local vals, sub = scope('0', specs, 1, now)
+local vals, sub = scope(0, specs, 1, 1, now)
 if ARGV[4] == '1' and not vals[1] then return { -1 } end
 local kind, a, b = S[1], S[4], S[5]
 
@@ -43,6 +43,6 @@ elseif tostring(wid) == ARGV[5] then
   n = amount
   add(1, -n, now, now)
 end
-if n > 0 then commit('0', 1, sub, nil, now) end
+if n > 0 then commit(0, 1, sub, nil, now) end
 local l, u, reset = report(1, now)
 return { n, wid, expires, now, l, u, reset }

@@ -62,6 +62,16 @@ local K = 16 -- slots of S per limit
 -- each false costs one (callgrind: 7.6k instructions against 10.8k).
 local S = { nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
 
+-- I6S[n] and I8S[n] are the struct formats of n 48-bit and n 64-bit
+-- integers, built once by fmt: kept while the library stays loaded, where
+-- building one costs a concatenation and a string.rep per use.
+local I6S, I8S = {}, {}
+local function fmt(cache, f, n)
+  local v = '<' .. srep(f, n)
+  cache[n] = v
+  return v
+end
+
 -- now_ms reads Redis time in ms plus offset.
 local function now_ms(offset)
   local t = redis.call('TIME')
@@ -131,13 +141,13 @@ local function save(bl, key, now)
   end
 end
 
--- load decodes spec i (1-based) of the specs string and its state into slot
+-- load decodes the spec at byte pos of string specs and its state into slot
 -- j of S, brought forward to now: expired buckets, windows and log entries
 -- dropped, token buckets refilled. sub and ten are the open blobs; zkey is
 -- the sorted set of a concurrency limit.
-local function load(specs, i, j, sub, ten, now, zkey)
+local function load(specs, pos, j, sub, ten, now, zkey)
   local o = (j - 1) * K
-  local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, (i - 1) * 32 + 1)
+  local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, pos)
   local bl = fl >= 4 and ten or sub
   S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9], S[o + 16] =
     kind, fl, lim, a, b, id, bl, false, 0
@@ -160,7 +170,7 @@ local function load(specs, i, j, sub, ten, now, zkey)
     end
     local full = false
     if cb > h then
-      full = { sunpack('<' .. srep('i6', b), raw, at + 18) }
+      full = { sunpack(I6S[b] or fmt(I6S, 'i6', b), raw, at + 18) }
       full[b + 1] = nil
       for k = h + 1, cb do
         local i = k % b + 1
@@ -201,7 +211,8 @@ local function load(specs, i, j, sub, ten, now, zkey)
   elseif kind == LOG then
     local e, first = {}, 1
     if raw then
-      e = { sunpack('<' .. srep('i6', sunpack('<I2', raw, at - 2) / 6), raw, at) }
+      local k = sunpack('<I2', raw, at - 2) / 6
+      e = { sunpack(I6S[k] or fmt(I6S, 'i6', k), raw, at) }
       e[#e] = nil
       local cut = now - a
       while e[first] and e[first] <= cut do first = first + 1 end
@@ -221,7 +232,7 @@ local function expand(o)
   if full then return full end
   local b, at = S[o + 5], S[o + 8]
   if at then
-    full = { sunpack('<' .. srep('i6', b), S[o + 7].raw, at + 18) }
+    full = { sunpack(I6S[b] or fmt(I6S, 'i6', b), S[o + 7].raw, at + 18) }
     full[b + 1] = nil
   else
     full = {}
@@ -380,7 +391,7 @@ local function store(j, now)
     rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, h, S[o + 12], S[o + 13])
     local full, at, i = S[o + 15], S[o + 8], S[o + 10] % b
     if full then
-      rec = rec .. spack('<' .. srep('i6', b), unpack(full))
+      rec = rec .. spack(I6S[b] or fmt(I6S, 'i6', b), unpack(full))
     elseif not at then
       rec = rec .. srep(Z6, i) .. spack('<i6', S[o + 14]) .. srep(Z6, b - i - 1)
     elseif not S[o + 14] then -- a correction outside the window: no bucket changed
@@ -404,7 +415,7 @@ local function store(j, now)
       rec = spack('<I6i6I2', id, e, 0)
     else
       e = ent[#ent] + a
-      rec = spack('<I6i6I2', id, e, 6 * n) .. spack('<' .. srep('i6', n), unpack(ent, first))
+      rec = spack('<I6i6I2', id, e, 6 * n) .. spack(I6S[n] or fmt(I6S, 'i6', n), unpack(ent, first))
     end
   elseif kind == BALANCE then
     e = NEVER
@@ -464,26 +475,28 @@ local function record(raw)
 end
 
 -- Subject and shared calls share one KEYS layout:
---   shared  (meta '0'): epoch, blob
---   subject (meta '1' or '2'): epoch, reservation, subject blob, tenant
---           blob, then one sorted set per concurrency limit, in spec order
--- scope opens the blobs and loads n limits; it returns the MGET values and
--- the blobs.
-local function scope(meta, specs, n, now)
+--   shared  (meta 0): epoch, blob
+--   subject (meta 1, or 2 with tenant-wide limits): epoch, reservation,
+--           subject blob, tenant blob, then one sorted set per concurrency
+--           limit, in spec order
+-- scope opens the blobs and loads the n limits whose specs string specs
+-- holds from byte at on (in place: a substring costs a copy); it returns
+-- the MGET values and the blobs.
+local function scope(meta, specs, at, n, now)
   local vals = redis.call('MGET', unpack(KEYS))
   local sub, ten, z
-  if meta == '0' then
+  if meta == 0 then
     sub, z = open(vals[2], now), 3
   else
     sub, z = open(vals[3], now), 5
-    if meta == '2' then ten = open(vals[4], now) end
+    if meta == 2 then ten = open(vals[4], now) end
   end
   for j = 1, n do
-    local zkey
-    if specs:byte((j - 1) * 32 + 7) == CONC then
+    local zkey, pos = nil, at + (j - 1) * 32
+    if specs:byte(pos + 6) == CONC then
       zkey, z = KEYS[z], z + 1
     end
-    load(specs, j, j, sub, ten, now, zkey)
+    load(specs, pos, j, sub, ten, now, zkey)
   end
   return vals, sub, ten
 end
@@ -496,10 +509,10 @@ end
 -- It returns the slots, in the record's order, and the last slot used.
 local function holds(raw, p, n, sub, ten, now, all)
   local m = sunpack('<I2', raw, p)
-  local specs = raw:sub(p + 2, p + 1 + 32 * m)
   local z, out, last = p + 2 + 32 * m, {}, n
   for i = 1, m do
-    local id, kind, fl = sunpack('<I6BB', specs, (i - 1) * 32 + 1)
+    local pos = p + 2 + (i - 1) * 32
+    local id, kind, fl = sunpack('<I6BB', raw, pos)
     local zkey
     if kind == CONC then
       local l = sunpack('<I2', raw, z)
@@ -513,7 +526,7 @@ local function holds(raw, p, n, sub, ten, now, all)
       if not j then
         last = last + 1
         j = last
-        load(specs, i, j, sub, ten, now, zkey)
+        load(raw, pos, j, sub, ten, now, zkey)
       end
       out[#out + 1] = j
     end
@@ -524,7 +537,7 @@ end
 -- commit stores limits 1..n and writes the blobs that changed back.
 local function commit(meta, n, sub, ten, now)
   for j = 1, n do store(j, now) end
-  if meta == '0' then
+  if meta == 0 then
     if sub.dirty then save(sub, KEYS[2], now) end
     return
   end
@@ -547,5 +560,5 @@ local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7, h8)
     out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, S[(j - 1) * K + 16]
     i = i + 4
   end
-  return spack('<' .. srep('i8', i), unpack(out, 1, i))
+  return spack(I8S[i] or fmt(I8S, 'i8', i), unpack(out, 1, i))
 end

@@ -6,17 +6,17 @@
 --        blob, tenant blob, then one sorted set per concurrency limit
 --        (lib.lua). The epoch key of the slot is missing when Redis lost its
 --        data (epoch.go).
--- ARGV   1 clock offset ms (0 outside tests); 2 cost in weighted tokens (a
---        requests limit charges 1); 3 mode: 0 reserve, 1 peek, 2 reserve a
---        request id that must be new (any record of it denies); 4 '1' =
---        refuse to decide without the epoch; 5 meta: '0' shared, '1'
---        subject, '2' subject with tenant-wide limits; 6 reservation ttl
---        ms; 7 concurrency member; 8 shared: the packed specs (lib.lua);
---        subject: the record after its state byte, which holds them
---        ('<I6I6' the request's fingerprint and this call's nonce, then the
---        tail: I2 count and the specs, then the concurrency sets' keys),
---        packed in Go: one argument, and one small struct.pack, on the hot
---        path
+-- ARGV   1 packed in Go (limiter.go reserveArg), one argument where eight
+--        cost 7k instructions more: '<i6i6BBBi6' clock offset ms (0
+--        outside tests), cost in weighted tokens (a requests limit charges
+--        1), mode (0 reserve, 1 peek, 2 reserve a request id that must be
+--        new: any record of it denies), 1 = refuse to decide without the
+--        epoch, meta (0 shared, 1 subject, 2 subject with tenant-wide
+--        limits), reservation ttl ms; then from byte 22 on what the
+--        reservation record holds after its state byte (lib.lua): '<I6I6'
+--        the request's fingerprint and this call's nonce (0 for a shared
+--        call), I2 count and the packed specs, the concurrency sets' keys;
+--        2 the concurrency member, with concurrency limits only
 --
 -- Reply (packed 64-bit integers, lib.lua snapshot): status, denied_by,
 --        retry_ms, reason, now_ms, version, tenant_version, then per limit:
@@ -31,22 +31,20 @@
 --   reason: 0 none, 1 the cost exceeds a limit itself, 2 balance exhausted.
 -- Guarantees: all-or-nothing across the limits; a denial writes nothing;
 -- shadow limits fill and report would_deny but never deny.
-local cost, mode, meta, specs = tonumber(ARGV[2]), ARGV[3], ARGV[5], ARGV[8]
-if meta ~= '0' then specs = specs:sub(15, 14 + 32 * sunpack('<I2', specs, 13)) end
-local now = now_ms(tonumber(ARGV[1]))
-local n = #specs / 32
-local vals, sub, ten = scope(meta, specs, n, now)
-if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
+local arg = ARGV[1]
+local offset, cost, mode, guard, meta, ttl, myfp, mynonce, n = sunpack('<i6i6BBBi6I6I6I2', arg)
+local now = now_ms(offset)
+local vals, sub, ten = scope(meta, arg, 36, n, now)
+if guard == 1 and not vals[1] then return spack('<i8', -1) end
 
-local raw = meta ~= '0' and mode ~= '1' and vals[2]
+local raw = meta ~= 0 and mode ~= 1 and vals[2]
 if raw then
   local _, _, state, fp, nonce = record(raw)
-  local myfp, mynonce = sunpack('<I6I6', ARGV[8])
   local status
   if state == TOMB then
     -- the lost call a local denial stands for: it must not reserve now
     if nonce == mynonce then status = 4 end
-  elseif mode == '2' then
+  elseif mode == 2 then
     status = 5
   elseif state == CORRECTED or state == RELEASED then
     status = 4
@@ -83,11 +81,11 @@ local status = 1
 if denied > 0 then
   status = 0
   if reason == 1 then retry = 0 end
-elseif mode ~= '1' then
-  for j = 1, n do add(j, S[(j - 1) * K + 2] % 2 == 1 and cost or 1, now, now, ARGV[7]) end
+elseif mode ~= 1 then
+  for j = 1, n do add(j, S[(j - 1) * K + 2] % 2 == 1 and cost or 1, now, now, ARGV[2]) end
   commit(meta, n, sub, ten, now)
-  if meta ~= '0' then
-    redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, OPEN) .. ARGV[8], 'PX', ARGV[6])
+  if meta ~= 0 then
+    redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, OPEN) .. arg:sub(22), 'PX', ttl)
   end
 end
 return snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)

@@ -30,7 +30,7 @@
 local op, actual, specs = ARGV[2], tonumber(ARGV[3]), ARGV[10]
 local now = now_ms(tonumber(ARGV[1]))
 local n = #specs / 32
-local vals, sub, ten = scope('2', specs, n, now)
+local vals, sub, ten = scope(2, specs, 1, n, now)
 if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
 
 local raw, ts, est, state, fp, nonce, p = vals[2], 0, 0, -1, 0, 0, nil
@@ -72,7 +72,7 @@ for i = 1, #slots do
     add(j, delta, at, now)
   end
 end
-commit('2', last, sub, ten, now)
+commit(2, last, sub, ten, now)
 local settled = op == '1' and CORRECTED or RELEASED
 local rec
 if p then -- its fingerprint, nonce and tail kept

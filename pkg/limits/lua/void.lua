@@ -20,7 +20,7 @@
 -- reservation of the same request is (a retry that Redis admitted meanwhile
 -- published the same reserved event id, which the stream dropped).
 local now = now_ms(tonumber(ARGV[1]))
-local vals, sub, ten = scope('2', '', 0, now)
+local vals, sub, ten = scope(2, '', 1, 0, now)
 if ARGV[2] == '1' and not vals[1] then return -1 end
 local allowed, fp, nonce = ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
 local raw = vals[2]
@@ -42,7 +42,7 @@ if raw then
           add(j, -est, ts, now)
         end
       end
-      commit('2', last, sub, ten, now)
+      commit(2, last, sub, ten, now)
     end
     if allowed then
       redis.call('SET', KEYS[2], spack('<i6i6BI6I6', ts, 0, VOID, rfp, rnonce), 'PX', ARGV[6])
