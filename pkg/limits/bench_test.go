@@ -124,7 +124,7 @@ func BenchmarkReserve(b *testing.B) {
 
 // BenchmarkSubjectMemory fills every bucket of every window of 1000
 // subjects and reports Redis bytes per subject (MEMORY USAGE of its blob)
-// and per reservation record. The fill runs once, whatever -benchtime says;
+// and per reservation record, open and once corrected. The fill runs once, whatever -benchtime says;
 // the timed loop only reads one subject's memory usage.
 func BenchmarkSubjectMemory(b *testing.B) {
 	srv := redistest.Start(b)
@@ -132,7 +132,7 @@ func BenchmarkSubjectMemory(b *testing.B) {
 	ctx := context.Background()
 	rules := benchRules()[1:] // the tenant-wide month is shared, not per subject
 	const subjects = 1000
-	var subjectBytes, recordBytes int64
+	var subjectBytes, recordBytes, correctedBytes int64
 	for s := range subjects {
 		user := "user-" + strconv.Itoa(s)
 		k := newSubjectKeys("acme", user)
@@ -145,6 +145,10 @@ func BenchmarkSubjectMemory(b *testing.B) {
 		}
 		subjectBytes += c.MemoryUsage(ctx, k.blob()).Val()
 		recordBytes += c.MemoryUsage(ctx, k.reservation("0")).Val()
+		if _, err := New(c, Options{NoEpochGuard: true}).Correct(ctx, Settle{Tenant: "acme", User: user, RequestID: "0", Actual: 1, Rules: rules}); err != nil {
+			b.Fatal(err)
+		}
+		correctedBytes += c.MemoryUsage(ctx, k.reservation("0")).Val()
 	}
 	blob := newSubjectKeys("acme", "user-0").blob()
 	for b.Loop() {
@@ -152,4 +156,5 @@ func BenchmarkSubjectMemory(b *testing.B) {
 	}
 	b.ReportMetric(float64(subjectBytes)/subjects, "bytes/subject")
 	b.ReportMetric(float64(recordBytes)/subjects, "bytes/reservation")
+	b.ReportMetric(float64(correctedBytes)/subjects, "bytes/corrected")
 }

@@ -408,3 +408,51 @@ func TestLostSlotsOfOneShard(t *testing.T) {
 		t.Errorf("b's window after clearing another slot = %d, want its 5", d.States[0].Used)
 	}
 }
+
+// A corrected record is kept for its ttl only to answer retries and late
+// settlements, so it keeps no tail: at a day's ttl, every admit of the day
+// holds one in Redis. A released one keeps its tail, for a later actual.
+func TestACorrectedRecordKeepsNoTail(t *testing.T) {
+	c := redistest.Shared(t)
+	l := at(c, 0)
+	ctx := context.Background()
+	tenant := newTenant(t)
+	rules := []Rule{
+		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)}),
+		rule(ScopeUser, Limit{Name: "7d", Kind: Rolling, Limit: 1000, Window: Duration(168 * time.Hour)}),
+	}
+	size := func(id string) int64 {
+		return c.StrLen(ctx, newSubjectKeys(tenant, "u").reservation(id)).Val()
+	}
+	for _, id := range []string{"c", "r"} {
+		reserveReq(t, l, Request{Tenant: tenant, User: "u", RequestID: id, Cost: 100, Rules: rules})
+	}
+	open := size("c")
+	if want := int64(13 + 14 + 2*specLen); open != want {
+		t.Fatalf("open record = %d bytes, want %d (header, fingerprint, nonce, count, two specs)", open, want)
+	}
+	if _, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "c", Actual: 40, Rules: rules}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r", Rules: rules}); err != nil {
+		t.Fatal(err)
+	}
+	if got := size("c"); got != 25 {
+		t.Fatalf("corrected record = %d bytes, want 25 (no tail)", got)
+	}
+	if got := size("r"); got != open {
+		t.Fatalf("released record = %d bytes, want %d (its tail kept)", got, open)
+	}
+	// What the corrected record still answers: a retry, a late settlement.
+	if d := reserveReq(t, l, Request{Tenant: tenant, User: "u", RequestID: "c", Cost: 100, Rules: rules}); d.Conflict != ConflictSettled {
+		t.Fatalf("retry of the corrected id = %+v, want ConflictSettled", d)
+	}
+	for _, settle := range []func(context.Context, Settle) (Settlement, error){l.Correct, l.Release} {
+		if s, err := settle(ctx, Settle{Tenant: tenant, User: "u", RequestID: "c", Actual: 90, Rules: rules}); err != nil || s.Status != AlreadySettled {
+			t.Fatalf("a late settlement of the corrected id = %+v, %v; want already settled", s, err)
+		}
+	}
+	if d := peek(t, l, tenant, "u", rules); d.States[0].Used != 40 {
+		t.Fatalf("5h used = %d, want 40: the actual, nothing of the released one or the late settlements", d.States[0].Used)
+	}
+}

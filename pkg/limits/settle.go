@@ -334,7 +334,11 @@ func (l *Limiter) RestoreMany(ctx context.Context, rs []Restore) []error {
 		putInt48(head[0:], r.ReservedAt.UnixMilli())
 		putInt48(head[6:], r.Estimate)
 		head[12] = byte(r.State)
-		rec := string(head[:]) + l.recordTail(r.Fingerprint, 0, r.Rules, keys[4:])
+		rules, conc := r.Rules, keys[4:]
+		if r.State == RecordCorrected { // as settle.lua leaves it: no tail
+			rules, conc = nil, nil
+		}
+		rec := string(head[:]) + l.recordTail(r.Fingerprint, 0, rules, conc)
 		calls[i] = call{keys: keys[1:2], args: []any{rec, r.Expires.UnixMilli()}}
 	}
 	cmds := l.runAll(ctx, restoreEntry, calls)

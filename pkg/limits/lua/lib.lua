@@ -447,8 +447,9 @@ end
 -- set's key (I2 length, bytes), so that settling it touches exactly what
 -- the reserve took, whatever the policy says by then (a settlement touches
 -- its token limits and concurrency slots; voiding a denied call, its
--- request limits too). A record of 13 bytes ('<i6i6B') is of
--- an earlier release: no fingerprint, nonce or tail. States:
+-- request limits too). A CORRECTED record keeps no tail (nothing settles
+-- it again), nor does one of 13 bytes ('<i6i6B'), of an earlier release,
+-- keep a fingerprint or nonce. States:
 --   OPEN       reserved, not settled
 --   CORRECTED  the actual cost was applied (estimate: what it was measured
 --              against)

@@ -26,7 +26,8 @@
 -- Actual always wins: an actual after a release is charged in full at the
 -- reservation's time, a release after an actual changes nothing. The record
 -- stays, settled, for its ttl, so a repeated or late settle changes
--- nothing. A window that has slid past the reservation time is left alone.
+-- nothing; a corrected one without its tail. A window that has slid past
+-- the reservation time is left alone.
 local op, actual, specs = ARGV[2], tonumber(ARGV[3]), ARGV[10]
 local now = now_ms(tonumber(ARGV[1]))
 local n = #specs / 32
@@ -75,9 +76,9 @@ end
 commit(2, last, sub, ten, now)
 local settled = op == '1' and CORRECTED or RELEASED
 local rec
-if p then -- its fingerprint, nonce and tail kept
+if p and settled == RELEASED then -- its tail kept, for a later actual
   rec = spack('<i6i6B', at, hold, settled) .. raw:sub(14)
-else
+else -- nothing settles a corrected record again: the tail would only take memory
   rec = spack('<i6i6BI6I6', at, hold, settled, fp, nonce)
 end
 redis.call('SET', KEYS[2], rec, 'PX', ARGV[6])
