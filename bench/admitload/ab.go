@@ -21,12 +21,12 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		return err
 	}
 	type target struct {
-		name        string
+		name, url   string
+		ops         string // its ops address, for the failopen count
 		p           *exec.Cmd
-		url         string
 		rps, cpu    []float64 // per round: requests/s, admission CPU µs per request
 		rcpu, redis []float64 // Redis CPU µs per request (/proc), µs in its engine commands per request
-		p99         []float64 // ms
+		p99, local  []float64 // ms, decisions made without Redis
 	}
 	var ts []*target
 	for _, src := range []struct{ name, dir string }{{"before", base}, {"after", "."}} {
@@ -34,18 +34,18 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		if err != nil {
 			return err
 		}
-		p, api, _, err := b.admission(src.name, bin)
+		p, api, ops, err := b.admission(src.name, bin)
 		if err != nil {
 			return err
 		}
-		ts = append(ts, &target{name: src.name, p: p, url: "http://" + api + "/v1/admit"})
+		ts = append(ts, &target{name: src.name, p: p, url: "http://" + api + "/v1/admit", ops: ops})
 	}
 	for _, t := range ts { // warm both: connections, the engine in Redis, the Go runtime
 		load(t.url, users, "/x", conc, 2*time.Second)
 	}
 	fmt.Printf("before = %s, after = this checkout; %d users, concurrency %d, %s per run\n\n", base, users, conc, dur)
-	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|")
 	for r := range rounds {
 		order := []*target{ts[0], ts[1]}
 		if r%2 == 1 {
@@ -53,7 +53,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		}
 		for _, t := range order {
 			_, u0 := commandStats(ctx, b.rdb)
-			c0, r0 := cpuTime(t.p), cpuTime(b.redisProc)
+			c0, r0, f0 := cpuTime(t.p), cpuTime(b.redisProc), failopens(t.ops)
 			res := load(t.url, users, "/x", conc, dur)
 			cpu, rcpu := cpuTime(t.p)-c0, cpuTime(b.redisProc)-r0
 			_, u1 := commandStats(ctx, b.rdb)
@@ -63,8 +63,9 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 			t.rcpu = append(t.rcpu, float64(rcpu.Microseconds())/n)
 			t.redis = append(t.redis, (u1-u0)/n)
 			t.p99 = append(t.p99, float64(res.pct(99).Microseconds())/1000)
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f µs | %.1f µs | %s |\n", r+1, t.name, n/res.elapsed.Seconds(),
-				res.pct(50), res.pct(99), t.cpu[r], t.rcpu[r], t.redis[r], res.statuses())
+			t.local = append(t.local, failopens(t.ops)-f0)
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f µs | %.1f µs | %.0f | %s |\n", r+1, t.name, n/res.elapsed.Seconds(),
+				res.pct(50), res.pct(99), t.cpu[r], t.rcpu[r], t.redis[r], t.local[r], res.statuses())
 		}
 	}
 	fmt.Printf("\nmedians over %d rounds:\n\n", rounds)
