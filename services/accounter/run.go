@@ -23,8 +23,11 @@ import (
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/consume"
-	"quotaflow/services/accounter/internal/correct"
+	"quotaflow/services/accounter/internal/effects"
+	"quotaflow/services/accounter/internal/expire"
 	"quotaflow/services/accounter/internal/ledger"
+	"quotaflow/services/accounter/internal/rebuild"
+	"quotaflow/services/accounter/internal/reconcile"
 )
 
 // source is the CloudEvents source of the corrected events.
@@ -117,7 +120,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	evict.Report(ready)
 	bg.Go(func() { evict.Run(bgCtx, eviction.Interval) })
 	lim := limits.New(rdb, limits.Options{ReservationTTL: cfg.ReservationTTL})
-	cor := correct.New(lim, rdb, watcher.Current, store, log)
+	app := effects.New(lim, watcher.Current)
+	rb := rebuild.New(lim, rdb, watcher.Current, store)
+	expiry := expire.New(app, store, rb.Gate())
 
 	nc, err := nats.Connect(cfg.NATSURL,
 		nats.Name("quotaflow-accounter"),
@@ -195,7 +200,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		cctx, cancel := context.WithTimeout(withRedisOp(ctx, opEpoch), 10*time.Minute)
 		defer cancel()
 		start := time.Now()
-		rebuilt, subjects, err := cor.EnsureEpoch(cctx)
+		rebuilt, subjects, err := rb.EnsureEpoch(cctx)
 		if err == nil {
 			redisErr.Store(nil)
 		}
@@ -216,7 +221,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	})
 	bg.Go(func() {
 		service.Every(bgCtx, cfg.ExpiryInterval, func(ctx context.Context) {
-			n, err := cor.SettleExpired(withRedisOp(ctx, opExpiry), store, time.Now().Add(-cfg.ReservationTTL), cfg.SettleExpiredAtEstimate)
+			n, err := expiry.Settle(withRedisOp(ctx, opExpiry), time.Now().Add(-cfg.ReservationTTL), cfg.SettleExpiredAtEstimate)
 			expired.Add(float64(n))
 			if err != nil {
 				log.Error("settling expired reservations failed; retrying", "err", err)
@@ -227,7 +232,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	})
 
 	if cfg.ReconcileInterval > 0 {
-		rec := correct.NewReconciler(cor, store, correct.ConsumerBacklog{Consumer: cons}, cfg.ReconcileRepair, log)
+		rec := reconcile.New(lim, rdb, watcher.Current, store, reconcile.ConsumerBacklog{Consumer: cons}, rb.Gate(), cfg.ReconcileRepair, log)
 		bg.Go(func() {
 			service.Every(bgCtx, cfg.ReconcileInterval, func(ctx context.Context) {
 				d, err := rec.Reconcile(withRedisOp(ctx, opReconcile))
@@ -250,7 +255,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	}
 
 	pub := events.NewPublisher(js, cfg.Config)
-	consumer, err := consume.New(cons, js, store, cor, pub, consume.Options{
+	consumer, err := consume.New(cons, js, store, app, rb.Gate(), pub, consume.Options{
 		Events: cfg.Config, Workers: cfg.Workers, BatchSize: cfg.BatchSize, BatchWait: cfg.BatchWait,
 		Source: source, BeforeAck: h.beforeAck,
 	}, log, reg)

@@ -23,8 +23,9 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
-	"quotaflow/services/accounter/internal/correct"
+	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/ledger"
+	"quotaflow/services/accounter/internal/rebuild"
 )
 
 // Ledger is the part of the ledger a batch writes.
@@ -60,7 +61,8 @@ type Consumer struct {
 	cons  jetstream.Consumer
 	js    jetstream.Publisher
 	store Ledger
-	cor   *correct.Corrector
+	app   *effects.Applier
+	gate  *rebuild.Gate
 	pub   Corrections
 	opts  Options
 	log   *slog.Logger
@@ -69,10 +71,10 @@ type Consumer struct {
 	m         *metrics
 }
 
-// New returns a Consumer of cons writing to store, correcting through cor
-// and publishing corrections with pub; dead letters go through js. Its
-// metrics register on reg.
-func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, cor *correct.Corrector, pub Corrections, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Consumer, error) {
+// New returns a Consumer of cons writing to store, applying effects in
+// Redis through app while holding gate, and publishing corrections with
+// pub; dead letters go through js. Its metrics register on reg.
+func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, app *effects.Applier, gate *rebuild.Gate, pub Corrections, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Consumer, error) {
 	if opts.Workers <= 0 {
 		opts.Workers = 1
 	}
@@ -87,7 +89,7 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, cor *cor
 		return nil, err
 	}
 	corrected := events.Subject(cmp.Or(opts.Events.SubjectPrefix, events.DefaultSubjectPrefix), events.TypeCorrected)
-	return &Consumer{cons: cons, js: js, store: store, cor: cor, pub: pub, opts: opts, corrected: corrected,
+	return &Consumer{cons: cons, js: js, store: store, app: app, gate: gate, pub: pub, opts: opts, corrected: corrected,
 		log: log.With("component", "consume"), m: m}, nil
 }
 
@@ -258,7 +260,7 @@ func (c *Consumer) retry(ctx context.Context, msg jetstream.Msg, cause error) er
 // event: invalid arguments, policy errors and script errors may be the
 // event's fault, and go through MaxDeliver to the dead letters.
 func transient(err error) bool {
-	if errors.Is(err, limits.ErrInvalid) || errors.Is(err, correct.ErrResolve) {
+	if errors.Is(err, limits.ErrInvalid) || errors.Is(err, effects.ErrResolve) {
 		return false
 	}
 	var rerr redis.Error
@@ -311,7 +313,7 @@ func (c *Consumer) record(ev events.Event, payload []byte, stored time.Time) led
 		r.Local = d.Version == 0 // admission decided without Redis
 	case events.Actual:
 		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
-		r.Tokens, r.Endpoint, r.Model = c.cor.Cost(d), d.Endpoint, d.Model
+		r.Tokens, r.Endpoint, r.Model = c.app.Cost(d), d.Endpoint, d.Model
 	case events.Released:
 		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
 	case events.Denied:
@@ -323,20 +325,23 @@ func (c *Consumer) record(ev events.Event, payload []byte, stored time.Time) led
 }
 
 // apply writes the batch to the ledger and applies its Redis effects, in
+// one ledger transaction (applyTx), holding the rebuild gate from before
+// the ledger connection: a rebuild waiting for the gate must never find the
+// pool's connections held by workers queued behind it.
+func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record) error {
+	if len(recs) == 0 {
+		return nil
+	}
+	return c.gate.Hold(func() error { return c.applyTx(ctx, items, recs) })
+}
+
+// applyTx writes the batch to the ledger and applies its Redis effects, in
 // one ledger transaction: the events and reservation rows are written
 // (their rows locked), Redis corrected, the corrections published, then the
 // reservations marked settled and everything committed at once. A ledger
 // failure fails the whole batch (returned); a Redis or publish failure
 // fails only its event (items[i].err), whose reservation stays open.
-func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record) error {
-	if len(recs) == 0 {
-		return nil
-	}
-	// The gate before the ledger connection: a rebuild waiting for the
-	// write lock must never find the pool's connections held by workers
-	// queued behind it.
-	c.cor.Gate.RLock()
-	defer c.cor.Gate.RUnlock()
+func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Record) error {
 	t0 := time.Now()
 	tx, err := c.store.Begin(ctx, recs)
 	if err != nil && ledger.IsRejected(err) {
@@ -369,7 +374,7 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		switch d := it.ev.Data.(type) {
 		case events.Actual:
 			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
-			t.Cost, t.Endpoint = c.cor.Cost(d), d.Endpoint
+			t.Cost, t.Endpoint = c.app.Cost(d), d.Endpoint
 		case events.Released:
 			if d.Status == events.ReleaseAlreadySettled {
 				continue // admission's release changed nothing in Redis
@@ -391,11 +396,11 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		tasks = append(tasks, t)
 	}
 	t0 = time.Now()
-	effects := make([]correct.Effect, len(tasks))
+	effs := make([]effects.Effect, len(tasks))
 	for i := range tasks {
-		effects[i] = tasks[i].Effect
+		effs[i] = tasks[i].Effect
 	}
-	for i, o := range c.cor.Apply(ctx, effects) {
+	for i, o := range c.app.Apply(ctx, effs) {
 		tasks[i].Outcome = o
 	}
 	c.m.phase.WithLabelValues("redis").Observe(time.Since(t0).Seconds())
@@ -441,7 +446,7 @@ func (c *Consumer) apply(ctx context.Context, items []item, recs []ledger.Record
 		default:
 			continue
 		}
-		fixes = append(fixes, correct.CorrectedEvent(c.opts.Source, k.Tenant, k.User, k.RequestID, s, delta, now))
+		fixes = append(fixes, effects.CorrectedEvent(c.opts.Source, k.Tenant, k.User, k.RequestID, s, delta, now))
 		fixOwners = append(fixOwners, j)
 		marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusSettled})
 	}
@@ -538,8 +543,8 @@ func (c *Consumer) beginWithoutRejected(ctx context.Context, items []item, recs 
 type task struct {
 	item int        // index in the batch
 	key  ledger.Key // the reservation
-	correct.Effect
-	correct.Outcome
+	effects.Effect
+	effects.Outcome
 }
 
 // publishedDLQ is the type label of quotaflow_events_published_total for

@@ -10,7 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/pkg/limits"
-	"quotaflow/services/accounter/internal/correct"
+	"quotaflow/services/accounter/internal/effects"
 )
 
 // scriptError is a Redis error reply, as go-redis returns it.
@@ -33,7 +33,7 @@ func TestTransient(t *testing.T) {
 		{"loading", fmt.Errorf("settle: %w", scriptError("LOADING Redis is loading the dataset in memory")), true},
 		{"script error", fmt.Errorf("settle: %w", scriptError("ERR user_script:1: bad argument")), false},
 		{"invalid argument", fmt.Errorf("settle: %w", limits.ErrInvalid), false},
-		{"policy", fmt.Errorf("%w of t: %w", correct.ErrResolve, errors.New("unknown plan")), false},
+		{"policy", fmt.Errorf("%w of t: %w", effects.ErrResolve, errors.New("unknown plan")), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := transient(tc.err); got != tc.want {

@@ -487,7 +487,7 @@ func (s *Store) usage(ctx context.Context, f func(Usage) error, query string, ar
 
 // Recent is a reservation whose Redis record would still exist: open and
 // reserved within the reservation TTL, or settled or released within it.
-// A rebuild of Redis puts the record back (correct.Corrector).
+// A rebuild of Redis puts the record back (rebuild.Rebuilder).
 type Recent struct {
 	Key
 	Plan, Endpoint, Model string

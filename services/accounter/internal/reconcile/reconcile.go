@@ -1,4 +1,7 @@
-package correct
+// Package reconcile compares Redis's token windows with the ledger and
+// repairs the drift that is certainly not an event on its way; see
+// Reconciler.
+package reconcile
 
 import (
 	"context"
@@ -11,13 +14,17 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/ledger"
+	"quotaflow/services/accounter/internal/rebuild"
 )
 
-// ReconcileLedger is what the reconciliation reads from Postgres.
-type ReconcileLedger interface {
+// Ledger is what the reconciliation reads from Postgres, and the lock it
+// repairs under.
+type Ledger interface {
 	UsageSince(ctx context.Context, since time.Time, f func(ledger.Usage) error) error
 	UsageOf(ctx context.Context, since time.Time, tenant, user string, f func(ledger.Usage) error) error
 	TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error)
@@ -101,12 +108,15 @@ type Drift struct {
 //
 // Subjects are found by streaming the ledger and by walking Redis's keys
 // with SCAN cursors (limits.ScanSubjects), so windows the ledger has never
-// heard of are found too. Create a Reconciler with NewReconciler and call
-// Reconcile from one goroutine.
+// heard of are found too. Repairs hold the rebuild gate. Create a
+// Reconciler with New and call Reconcile from one goroutine.
 type Reconciler struct {
-	c       *Corrector
-	store   ReconcileLedger
+	lim     *limits.Limiter
+	rdb     redis.UniversalClient
+	policy  func() *limits.Policy
+	store   Ledger
 	backlog Backlog
+	gate    *rebuild.Gate
 	repair  bool
 	log     *slog.Logger
 	// seen holds the drifts of the previous scan, by limit and owner,
@@ -115,10 +125,12 @@ type Reconciler struct {
 	seenUnder *limits.Policy
 }
 
-// NewReconciler returns a Reconciler of c's Redis against store. With
-// repair false it only measures.
-func NewReconciler(c *Corrector, store ReconcileLedger, backlog Backlog, repair bool, log *slog.Logger) *Reconciler {
-	return &Reconciler{c: c, store: store, backlog: backlog, repair: repair, log: log.With("component", "reconcile")}
+// New returns a Reconciler of lim's Redis, rdb, against store under the
+// current policy from policy, its repairs holding gate. With repair false
+// it only measures.
+func New(lim *limits.Limiter, rdb redis.UniversalClient, policy func() *limits.Policy, store Ledger, backlog Backlog, gate *rebuild.Gate, repair bool, log *slog.Logger) *Reconciler {
+	return &Reconciler{lim: lim, rdb: rdb, policy: policy, store: store, backlog: backlog, gate: gate, repair: repair,
+		log: log.With("component", "reconcile")}
 }
 
 // owner is whose counter a window is: a subject, or a tenant (user empty)
@@ -198,7 +210,7 @@ type scan struct {
 // and reports what it found and did.
 func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 	var d Drift
-	p := r.c.policy()
+	p := r.policy()
 	w := p.LongestTokenWindow()
 	if w == 0 {
 		r.seen = nil
@@ -211,7 +223,7 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 	// is compared too.
 	inRedis := map[owner]bool{}
 	anyUser := map[string]string{} // a user of each tenant, to address its blob
-	err := limits.ScanSubjects(ctx, r.c.rdb, func(tenant, user string) {
+	err := limits.ScanSubjects(ctx, r.rdb, func(tenant, user string) {
 		inRedis[owner{tenant, user}] = true
 		if user != "" {
 			anyUser[tenant] = user
@@ -388,7 +400,7 @@ func (r *Reconciler) windowRules(s *scan, tenant, plan, endpoint string) ([]limi
 	if rules, ok := s.rules[k]; ok {
 		return rules, nil
 	}
-	all, err := subjectRules(s.policy, tenant, plan, endpoint)
+	all, err := effects.Rules(s.policy, tenant, plan, endpoint)
 	if err != nil {
 		return nil, err
 	}
@@ -468,7 +480,7 @@ func (r *Reconciler) compare(ctx context.Context, s *scan, ms []measurement) ([]
 		}
 	}
 	out := make([][]drift, len(ms))
-	for k, res := range r.c.lim.WindowsMany(ctx, reqs) {
+	for k, res := range r.lim.WindowsMany(ctx, reqs) {
 		if res.Err != nil {
 			return nil, res.Err
 		}
@@ -556,8 +568,13 @@ func (r *Reconciler) repairStable(ctx context.Context, s *scan, found []drift, p
 	}
 	// The gate before the lock's connection, as the consumers do: no
 	// rebuild of Redis meanwhile, and none kept waiting for a connection.
-	r.c.Gate.RLock()
-	defer r.c.Gate.RUnlock()
+	return r.gate.Hold(func() error { return r.repairLocked(ctx, s, order, stable, d) })
+}
+
+// repairLocked takes the repair lock and repairs, owner by owner in order,
+// the stable drifts a fresh measurement finds again while the consumer is
+// quiet.
+func (r *Reconciler) repairLocked(ctx context.Context, s *scan, order []owner, stable map[owner]map[limitID]string, d *Drift) error {
 	unlock, ok, err := r.store.TryLock(ctx, reconcileLockID)
 	if err != nil || !ok {
 		return err // another instance is repairing: the next scan rechecks
@@ -627,7 +644,7 @@ func (r *Reconciler) apply(ctx context.Context, o owner, x *drift, d *Drift) err
 	}
 	var raised, lowered int64
 	for _, f := range x.fix {
-		_, err := r.c.lim.Charge(ctx, limits.ChargeRequest{
+		_, err := r.lim.Charge(ctx, limits.ChargeRequest{
 			Tenant: o.tenant, User: user, Rules: []limits.Rule{x.rule},
 			Amount: f.tokens, At: limits.BucketStart(&x.rule, f.n),
 		})

@@ -1,34 +1,41 @@
-package correct
+package rebuild
 
 import (
 	"testing"
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/services/accounter/internal/ledgertest"
 )
+
+// newRebuilder returns a ledgertest.World and a Rebuilder of its Redis
+// from its ledger.
+func newRebuilder(t *testing.T) (*ledgertest.World, *Rebuilder) {
+	w := ledgertest.New(t)
+	return w, New(w.Lim, w.RDB, w.Current, w.Store)
+}
 
 // A rebuild that stops halfway (its windows charged, the epoch not written)
 // and runs again charges every window once, and restores the records of
 // open reservations: a retry of one is a duplicate, not a second
 // reservation.
 func TestRebuildRetriedChargesOnce(t *testing.T) {
-	w := newWorld(t, false)
-	c := w.rec.c
-	open := w.reserve("acme", "u1", "", 300, true)
-	done := w.reserve("acme", "u2", "", 100, true)
-	w.settle(done, 70)
-	if err := c.rdb.FlushAll(w.ctx).Err(); err != nil {
+	w, rb := newRebuilder(t)
+	open := w.Reserve("acme", "u1", "", 300, true)
+	done := w.Reserve("acme", "u2", "", 100, true)
+	w.Settle(done, 70)
+	if err := w.RDB.FlushAll(w.Ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	lost, err := limits.LostSlots(w.ctx, c.rdb)
+	lost, err := limits.LostSlots(w.Ctx, w.RDB)
 	if err != nil || !lost.All() {
 		t.Fatalf("LostSlots after a flush = all %v, %v; want every slot", lost.All(), err)
 	}
-	if _, err := c.rebuild(w.ctx, &lost); err != nil { // the attempt that died before the epoch
+	if _, err := rb.rebuild(w.Ctx, &lost); err != nil { // the attempt that died before the epoch
 		t.Fatal(err)
 	}
 	for i := range 2 { // the retry, then a check that finds nothing to do
-		rebuilt, _, err := c.EnsureEpoch(w.ctx)
+		rebuilt, _, err := rb.EnsureEpoch(w.Ctx)
 		if err != nil || rebuilt != (i == 0) {
 			t.Fatalf("EnsureEpoch #%d = %v, %v; want a rebuild the first time only", i, rebuilt, err)
 		}
@@ -37,7 +44,7 @@ func TestRebuildRetriedChargesOnce(t *testing.T) {
 		user string
 		want int64
 	}{{"u1", 300}, {"u2", 70}} {
-		d, err := w.lim.Peek(w.ctx, limits.Request{Tenant: "acme", User: tc.user, Rules: w.rules("acme", "")})
+		d, err := w.Lim.Peek(w.Ctx, limits.Request{Tenant: "acme", User: tc.user, Rules: w.Rules("acme", "")})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -46,8 +53,8 @@ func TestRebuildRetriedChargesOnce(t *testing.T) {
 		}
 	}
 	o := open.Data.(events.Reserved)
-	again, err := w.lim.Reserve(w.ctx, limits.Request{Tenant: o.Tenant, User: o.User, RequestID: o.RequestID, Cost: o.EstimatedTokens,
-		Rules: w.rules("acme", ""), Fingerprint: limits.Fingerprint(o.Endpoint, o.Plan, o.Model, o.EstimatedTokens)})
+	again, err := w.Lim.Reserve(w.Ctx, limits.Request{Tenant: o.Tenant, User: o.User, RequestID: o.RequestID, Cost: o.EstimatedTokens,
+		Rules: w.Rules("acme", ""), Fingerprint: limits.Fingerprint(o.Endpoint, o.Plan, o.Model, o.EstimatedTokens)})
 	if err != nil || !again.Duplicate {
 		t.Errorf("a retry of the open reservation after the rebuild = %+v, %v; want a duplicate", again, err)
 	}
@@ -57,22 +64,21 @@ func TestRebuildRetriedChargesOnce(t *testing.T) {
 // empty replica), only their tenants are rebuilt: the others' windows, which
 // Redis still holds, are not charged again.
 func TestRebuildOnlyTheLostSlots(t *testing.T) {
-	w := newWorld(t, false)
-	c := w.rec.c
-	w.reserve("acme", "u1", "", 300, true)
-	w.reserve("other", "u1", "", 200, true)
+	w, rb := newRebuilder(t)
+	w.Reserve("acme", "u1", "", 300, true)
+	w.Reserve("other", "u1", "", 200, true)
 	// acme's slot loses its state (and its epoch), other's keeps it.
-	if err := c.rdb.Del(w.ctx, "q{acme}u:u1", "q{acme}t", limits.TenantEpochKey("acme")).Err(); err != nil {
+	if err := w.RDB.Del(w.Ctx, "q{acme}u:u1", "q{acme}t", limits.TenantEpochKey("acme")).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if rebuilt, _, err := c.EnsureEpoch(w.ctx); err != nil || !rebuilt {
+	if rebuilt, _, err := rb.EnsureEpoch(w.Ctx); err != nil || !rebuilt {
 		t.Fatalf("EnsureEpoch = %v, %v; want a rebuild", rebuilt, err)
 	}
 	for _, tc := range []struct {
 		tenant string
 		want   int64
 	}{{"acme", 300}, {"other", 200}} {
-		d, err := w.lim.Peek(w.ctx, limits.Request{Tenant: tc.tenant, User: "u1", Rules: w.rules(tc.tenant, "")})
+		d, err := w.Lim.Peek(w.Ctx, limits.Request{Tenant: tc.tenant, User: "u1", Rules: w.Rules(tc.tenant, "")})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,4 +1,4 @@
-package correct
+package reconcile
 
 import (
 	"strconv"
@@ -16,34 +16,34 @@ import (
 // run: a plain SCAN of the blob keys, and the ledger stream plus one Peek
 // per subject (what the measuring-only reconciliation did). Run it as
 //
-//	go test -run '^$' -bench Reconcile -benchtime 10x ./services/accounter/internal/correct/
+//	go test -run '^$' -bench Reconcile -benchtime 10x ./services/accounter/internal/reconcile/
 func BenchmarkReconcile(b *testing.B) {
 	const tenants, users = 100, 100
 	w := newWorld(b, true)
 	recs := make([]ledger.Record, 0, users)
 	for ti := range tenants {
 		tenant := "t" + strconv.Itoa(ti)
-		rules := w.rules(tenant, "")
+		rules := w.Rules(tenant, "")
 		recs = recs[:0]
 		for ui := range users {
 			user := "u" + strconv.Itoa(ui)
-			d, err := w.lim.Reserve(w.ctx, limits.Request{Tenant: tenant, User: user, RequestID: "r", Cost: 10, Rules: rules})
+			d, err := w.Lim.Reserve(w.Ctx, limits.Request{Tenant: tenant, User: user, RequestID: "r", Cost: 10, Rules: rules})
 			if err != nil || !d.Allowed {
 				b.Fatalf("Reserve = %+v, %v", d, err)
 			}
 			recs = append(recs, ledger.Record{EventID: tenant + "/" + user, Kind: events.TypeReserved, Tenant: tenant, User: user,
 				RequestID: "r", Tokens: 10, OccurredAt: d.Now, Payload: []byte(`{}`)})
 		}
-		if _, err := w.store.Write(w.ctx, recs); err != nil {
+		if _, err := w.Store.Write(w.Ctx, recs); err != nil {
 			b.Fatal(err)
 		}
 	}
-	rdb := w.rec.c.rdb
+	rdb := w.RDB
 	b.Run("scan", func(b *testing.B) {
 		for b.Loop() {
 			n := 0
-			it := rdb.Scan(w.ctx, 0, "q{*}[ut]*", 1000).Iterator()
-			for it.Next(w.ctx) {
+			it := rdb.Scan(w.Ctx, 0, "q{*}[ut]*", 1000).Iterator()
+			for it.Next(w.Ctx) {
 				n++
 			}
 			if it.Err() != nil || n != tenants*users {
@@ -54,13 +54,13 @@ func BenchmarkReconcile(b *testing.B) {
 	b.Run("ledger+peek", func(b *testing.B) {
 		for b.Loop() {
 			n, last := 0, ledger.Usage{}
-			err := w.store.UsageSince(w.ctx, time.Now().Add(-w.pol.LongestTokenWindow()), func(u ledger.Usage) error {
+			err := w.Store.UsageSince(w.Ctx, time.Now().Add(-w.Pol.LongestTokenWindow()), func(u ledger.Usage) error {
 				if u.Tenant == last.Tenant && u.User == last.User {
 					return nil
 				}
 				last = u
 				n++
-				_, err := w.lim.Peek(w.ctx, limits.Request{Tenant: u.Tenant, User: u.User, Rules: w.rules(u.Tenant, u.Endpoint)})
+				_, err := w.Lim.Peek(w.Ctx, limits.Request{Tenant: u.Tenant, User: u.User, Rules: w.Rules(u.Tenant, u.Endpoint)})
 				return err
 			})
 			if err != nil || n != tenants*users {
@@ -70,7 +70,7 @@ func BenchmarkReconcile(b *testing.B) {
 	})
 	b.Run("reconcile", func(b *testing.B) {
 		for b.Loop() {
-			d, err := w.rec.Reconcile(w.ctx)
+			d, err := w.rec.Reconcile(w.Ctx)
 			if err != nil || d != (Drift{Subjects: tenants * users}) {
 				b.Fatalf("Reconcile = %+v, %v", d, err)
 			}

@@ -1,4 +1,4 @@
-package correct
+package reconcile
 
 import (
 	"context"
@@ -13,161 +13,66 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/natstest"
-	"quotaflow/internal/pgtest"
-	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/ledger"
+	"quotaflow/services/accounter/internal/ledgertest"
+	"quotaflow/services/accounter/internal/rebuild"
 )
 
-// The reconciliation tests run against a private redis-server (the scan
-// walks every key, so the shared Redis would mix in other tests'
-// subjects), a Postgres database and a NATS stream of their own.
-
-const reconcilePolicy = `
-default_plan: free
-plans:
-  free:
-    quotas:
-      - {name: 5h,    kind: rolling, window: 5h, limit: 1000000}
-      - {name: day,   kind: fixed, window: 24h, limit: 1000000}
-      - {name: month, kind: calendar_month, limit: 1000000}
-tenants:
-  acme:
-    quotas: [{name: t5h, kind: rolling, window: 5h, limit: 1000000}]
-endpoints:
-  /gen:
-    user: [{name: gen1h, kind: rolling, window: 1h, unit: tokens, limit: 1000000}]
-`
+// The reconciliation tests run in a ledgertest.World (a private
+// redis-server: the scan walks every key) with a NATS stream of their own.
 
 type world struct {
-	t     testing.TB
-	ctx   context.Context
-	pol   *limits.Policy
-	lim   *limits.Limiter
-	store *ledger.Store
-	rec   *Reconciler
-	pub   *events.Publisher
-	cons  jetstream.Consumer
-	n     int // request ids
+	*ledgertest.World
+	rec  *Reconciler
+	pub  *events.Publisher
+	cons jetstream.Consumer
 }
 
 func newWorld(t testing.TB, repair bool) *world {
 	t.Helper()
-	ctx := context.Background()
-	pol, err := limits.Parse([]byte(reconcilePolicy))
-	if err != nil {
-		t.Fatal(err)
-	}
-	rdb := redistest.Start(t).Client()
-	if err := limits.WriteEpoch(ctx, rdb, "test"); err != nil {
-		t.Fatal(err)
-	}
-	pool := pgtest.Pool(t, "qf_reconcile_test", ledger.Migrate)
+	lw := ledgertest.New(t)
 	_, js := natstest.Connect(t, natstest.URL())
 	ec := natstest.Streams(t, js, "reconcile", events.Config{AckWait: 30 * time.Second, MaxDeliver: 5})
-	cons, err := events.EnsureConsumer(ctx, js, ec, "accounter")
+	cons, err := events.EnsureConsumer(lw.Ctx, js, ec, "accounter")
 	if err != nil {
 		t.Fatal(err)
 	}
-	log := slog.New(slog.NewJSONHandler(io.Discard, nil))
-	store := ledger.New(pool)
-	lim := limits.New(rdb, limits.Options{ReservationTTL: time.Hour})
-	c := New(lim, rdb, func() *limits.Policy { return pol }, store, log)
 	return &world{
-		t: t, ctx: ctx, pol: pol, lim: lim, store: store, pub: events.NewPublisher(js, ec), cons: cons,
-		rec: NewReconciler(c, store, ConsumerBacklog{Consumer: cons}, repair, log),
+		World: lw, pub: events.NewPublisher(js, ec), cons: cons,
+		rec: newReconciler(lw, lw.Store, cons, repair),
 	}
 }
 
-func (w *world) rules(tenant, endpoint string) []limits.Rule {
-	r, err := w.pol.Resolve(tenant, "", endpoint)
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	return r.Subject
-}
-
-// reserve reserves est in Redis as admission does and returns the event;
-// with record it also reaches the ledger, as the accounter would.
-func (w *world) reserve(tenant, user, endpoint string, est int64, record bool) events.Event {
-	w.t.Helper()
-	w.n++
-	id := "r" + strconv.Itoa(w.n)
-	d, err := w.lim.Reserve(w.ctx, limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: est, Rules: w.rules(tenant, endpoint)})
-	if err != nil || !d.Allowed {
-		w.t.Fatalf("Reserve = %+v, %v", d, err)
-	}
-	ev := events.NewReserved("test", events.Reserved{RequestID: id, Tenant: tenant, User: user, Endpoint: endpoint, EstimatedTokens: est, ExpiresAt: d.Now.Add(time.Hour)}, d.Now)
-	if record {
-		w.record(ev)
-	}
-	return ev
-}
-
-// record writes a reserved event into the ledger.
-func (w *world) record(ev events.Event) {
-	w.t.Helper()
-	d := ev.Data.(events.Reserved)
-	_, err := w.store.Write(w.ctx, []ledger.Record{{
-		EventID: ev.ID, Kind: ev.Type(), Tenant: d.Tenant, User: d.User, RequestID: d.RequestID,
-		Tokens: d.EstimatedTokens, OccurredAt: ev.Time, Payload: []byte(`{}`), Endpoint: d.Endpoint,
-	}})
-	if err != nil {
-		w.t.Fatal(err)
-	}
-}
-
-// settle corrects reservation ev to actual in Redis and in the ledger.
-func (w *world) settle(ev events.Event, actual int64) {
-	w.t.Helper()
-	d := ev.Data.(events.Reserved)
-	_, err := w.lim.Correct(w.ctx, limits.Settle{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID, Actual: actual, Rules: w.rules(d.Tenant, d.Endpoint)})
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	w.ledgerOnly(d.Tenant, d.User, d.RequestID, d.Endpoint, ev.Time, d.EstimatedTokens, actual)
-}
-
-// ledgerOnly records a reservation settled at actual in the ledger alone:
-// tokens Redis never got.
-func (w *world) ledgerOnly(tenant, user, id, endpoint string, at time.Time, est, actual int64) {
-	w.t.Helper()
-	k := ledger.Key{Tenant: tenant, User: user, RequestID: id}
-	_, err := w.store.Write(w.ctx, []ledger.Record{
-		{EventID: "v-" + tenant + user + id, Kind: events.TypeReserved, Tenant: tenant, User: user, RequestID: id, Tokens: est, OccurredAt: at, Payload: []byte(`{}`), Endpoint: endpoint},
-		{EventID: "a-" + tenant + user + id, Kind: events.TypeActual, Tenant: tenant, User: user, RequestID: id, Tokens: actual, OccurredAt: at, Payload: []byte(`{}`), Endpoint: endpoint},
-	})
-	if err == nil {
-		err = w.store.MarkSettled(w.ctx, []ledger.Mark{{Key: k, Status: ledger.StatusSettled}})
-	}
-	if err != nil {
-		w.t.Fatal(err)
-	}
+// newReconciler returns a Reconciler of w's Redis against store, with the
+// backlog of cons.
+func newReconciler(w *ledgertest.World, store Ledger, cons jetstream.Consumer, repair bool) *Reconciler {
+	return New(w.Lim, w.RDB, w.Current, store, ConsumerBacklog{Consumer: cons}, new(rebuild.Gate), repair, slog.New(slog.NewJSONHandler(io.Discard, nil)))
 }
 
 // charge adds amount to the limits named names of (tenant, user) now, behind
 // the ledger's back.
 func (w *world) charge(tenant, user string, amount int64, names ...string) {
-	w.t.Helper()
+	w.T.Helper()
 	var rules []limits.Rule
-	for _, r := range w.rules(tenant, "/gen") {
+	for _, r := range w.Rules(tenant, "/gen") {
 		if slices.Contains(names, r.Name) {
 			rules = append(rules, r)
 		}
 	}
-	if _, err := w.lim.Charge(w.ctx, limits.ChargeRequest{Tenant: tenant, User: user, Rules: rules, Amount: amount}); err != nil {
-		w.t.Fatal(err)
+	if _, err := w.Lim.Charge(w.Ctx, limits.ChargeRequest{Tenant: tenant, User: user, Rules: rules, Amount: amount}); err != nil {
+		w.T.Fatal(err)
 	}
 }
 
 // used returns what each limit of (tenant, user) on /gen holds, by name.
 func (w *world) used(tenant, user string) map[string]int64 {
-	w.t.Helper()
-	rules := w.rules(tenant, "/gen")
-	d, err := w.lim.Peek(w.ctx, limits.Request{Tenant: tenant, User: user, Rules: rules})
+	w.T.Helper()
+	rules := w.Rules(tenant, "/gen")
+	d, err := w.Lim.Peek(w.Ctx, limits.Request{Tenant: tenant, User: user, Rules: rules})
 	if err != nil {
-		w.t.Fatal(err)
+		w.T.Fatal(err)
 	}
 	out := map[string]int64{}
 	for i, st := range d.States {
@@ -177,13 +82,13 @@ func (w *world) used(tenant, user string) map[string]int64 {
 }
 
 func (w *world) reconcile(want Drift) {
-	w.t.Helper()
-	got, err := w.rec.Reconcile(w.ctx)
+	w.T.Helper()
+	got, err := w.rec.Reconcile(w.Ctx)
 	if err != nil {
-		w.t.Fatalf("Reconcile = %v", err)
+		w.T.Fatalf("Reconcile = %v", err)
 	}
 	if got != want {
-		w.t.Fatalf("Reconcile = %+v, want %+v", got, want)
+		w.T.Fatalf("Reconcile = %+v, want %+v", got, want)
 	}
 }
 
@@ -202,8 +107,8 @@ func wantUsed(t *testing.T, what string, got, want map[string]int64) {
 func TestRepairLowersRedisToTheLedger(t *testing.T) {
 	w := newWorld(t, true)
 	for _, u := range []string{"a", "b"} {
-		w.settle(w.reserve("acme", u, "/gen", 100, true), 70)
-		w.settle(w.reserve("acme", u, "", 50, true), 50)
+		w.Settle(w.Reserve("acme", u, "/gen", 100, true), 70)
+		w.Settle(w.Reserve("acme", u, "", 50, true), 50)
 	}
 	ledgerA := map[string]int64{"t5h": 240, "5h": 120, "day": 120, "month": 120, "gen1h": 70}
 	w.reconcile(Drift{Subjects: 2})
@@ -229,7 +134,7 @@ func TestRepairLowersRedisToTheLedger(t *testing.T) {
 // comes back, in the bucket of its time.
 func TestRepairRaisesRedisToTheLedger(t *testing.T) {
 	w := newWorld(t, true)
-	w.settle(w.reserve("t", "u", "/gen", 100, true), 100)
+	w.Settle(w.Reserve("t", "u", "/gen", 100, true), 100)
 	// 40 minutes ago, or since midnight UTC when that is nearer, so that
 	// the day and the month count it too.
 	now := time.Now().UTC()
@@ -237,12 +142,12 @@ func TestRepairRaisesRedisToTheLedger(t *testing.T) {
 	if midnight := now.Truncate(24 * time.Hour); at.Before(midnight) {
 		at = midnight
 	}
-	w.ledgerOnly("t", "u", "lost", "/gen", at, 300, 250)
+	w.LedgerOnly("t", "u", "lost", "/gen", at, 300, 250)
 	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 250 * 4})
 	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 250 * 4, Repaired: 4, Raised: 250 * 4})
 
-	rules := w.rules("t", "/gen")
-	_, ws, err := w.lim.Windows(w.ctx, "t", "u", rules)
+	rules := w.Rules("t", "/gen")
+	_, ws, err := w.Lim.Windows(w.Ctx, "t", "u", rules)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -263,8 +168,8 @@ func TestRepairRaisesRedisToTheLedger(t *testing.T) {
 // estimate in Redis and in the ledger alike.
 func TestOpenReservationIsNotTakenBack(t *testing.T) {
 	w := newWorld(t, true)
-	w.reserve("acme", "u", "/gen", 400, true) // no actual yet
-	w.settle(w.reserve("acme", "u", "", 100, true), 60)
+	w.Reserve("acme", "u", "/gen", 400, true) // no actual yet
+	w.Settle(w.Reserve("acme", "u", "", 100, true), 60)
 	want := map[string]int64{"t5h": 460, "5h": 460, "day": 460, "month": 460, "gen1h": 400}
 	for range 3 {
 		w.reconcile(Drift{Subjects: 1})
@@ -278,8 +183,8 @@ func TestOpenReservationIsNotTakenBack(t *testing.T) {
 // ledger the reservation agrees and the stable drift is repaired.
 func TestNoRepairWhileEventsAreInFlight(t *testing.T) {
 	w := newWorld(t, true)
-	ev := w.reserve("t", "p", "/chat", 200, false) // an endpoint without limits of its own
-	if err := w.pub.Publish(w.ctx, ev); err != nil {
+	ev := w.Reserve("t", "p", "/chat", 200, false) // an endpoint without limits of its own
+	if err := w.pub.Publish(w.Ctx, ev); err != nil {
 		t.Fatal(err)
 	}
 	w.charge("t", "x", 10, "5h")
@@ -296,8 +201,8 @@ func TestNoRepairWhileEventsAreInFlight(t *testing.T) {
 		t.Fatal(err)
 	}
 	for m := range batch.Messages() {
-		w.record(ev)
-		if err := m.DoubleAck(w.ctx); err != nil {
+		w.Record(ev)
+		if err := m.DoubleAck(w.Ctx); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -342,7 +247,7 @@ func TestReconcileComparesEachOwnerWithItsOwnLedger(t *testing.T) {
 		used, d := int64(100+i), int64(i%5-2)
 		recs = append(recs, ledger.Record{EventID: user, Kind: events.TypeReserved, Tenant: tenant, User: user,
 			RequestID: "r", Tokens: used, OccurredAt: at, Payload: []byte(`{}`)})
-		charges = append(charges, limits.ChargeRequest{Tenant: tenant, User: user, Rules: w.rules(tenant, ""), Amount: used + d, At: at})
+		charges = append(charges, limits.ChargeRequest{Tenant: tenant, User: user, Rules: w.Rules(tenant, ""), Amount: used + d, At: at})
 		drifted(d, 3) // 5h, day, month
 		if tenant == "acme" {
 			acme += used
@@ -351,13 +256,13 @@ func TestReconcileComparesEachOwnerWithItsOwnLedger(t *testing.T) {
 	}
 	drifted(acmeDrift, 1) // t5h
 	for i := range onlyRedis {
-		charges = append(charges, limits.ChargeRequest{Tenant: "c", User: fmt.Sprintf("x%d", i), Rules: w.rules("c", ""), Amount: int64(1 + i), At: at})
+		charges = append(charges, limits.ChargeRequest{Tenant: "c", User: fmt.Sprintf("x%d", i), Rules: w.Rules("c", ""), Amount: int64(1 + i), At: at})
 		drifted(int64(1+i), 3)
 	}
-	if _, err := w.store.Write(w.ctx, recs); err != nil {
+	if _, err := w.Store.Write(w.Ctx, recs); err != nil {
 		t.Fatal(err)
 	}
-	for i, r := range w.lim.ChargeMany(w.ctx, charges) {
+	for i, r := range w.Lim.ChargeMany(w.Ctx, charges) {
 		if r.Err != nil {
 			t.Fatalf("charge %d: %v", i, r.Err)
 		}
@@ -387,8 +292,8 @@ func TestSaturatedWindowAgrees(t *testing.T) {
 	w := newWorld(t, true)
 	at := time.Now().UTC().Truncate(time.Second)
 	for i := range 3 {
-		w.ledgerOnly("t", "full", "f"+strconv.Itoa(i), "", at, limits.MaxCost, limits.MaxCost)
-		w.ledgerOnly("t", "short", "s"+strconv.Itoa(i), "", at, limits.MaxCost, limits.MaxCost)
+		w.LedgerOnly("t", "full", "f"+strconv.Itoa(i), "", at, limits.MaxCost, limits.MaxCost)
+		w.LedgerOnly("t", "short", "s"+strconv.Itoa(i), "", at, limits.MaxCost, limits.MaxCost)
 	}
 	for range 2 {
 		w.charge("t", "full", limits.MaxCost, "5h", "day", "month") // the second saturates
@@ -407,7 +312,7 @@ func TestSaturatedWindowAgrees(t *testing.T) {
 // for bucket, by two consecutive scans.
 func TestDriftSeenOnceIsNotRepaired(t *testing.T) {
 	w := newWorld(t, true)
-	w.settle(w.reserve("t", "u", "", 100, true), 100)
+	w.Settle(w.Reserve("t", "u", "", 100, true), 100)
 	w.charge("t", "u", 100, "5h")
 	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 100})
 	w.charge("t", "u", 50, "5h") // still moving
@@ -429,13 +334,13 @@ func TestRepairOff(t *testing.T) {
 
 // lockHook runs before() just before each TryLock.
 type lockHook struct {
-	ReconcileLedger
+	Ledger
 	before func()
 }
 
 func (h lockHook) TryLock(ctx context.Context, id int64) (func(), bool, error) {
 	h.before()
-	return h.ReconcileLedger.TryLock(ctx, id)
+	return h.Ledger.TryLock(ctx, id)
 }
 
 // TestTwoInstancesRepairOnce: two instances sharing Redis and the ledger
@@ -443,20 +348,20 @@ func (h lockHook) TryLock(ctx context.Context, id int64) (func(), bool, error) {
 // lock, and the other's fresh measurement finds nothing left to repair.
 func TestTwoInstancesRepairOnce(t *testing.T) {
 	w := newWorld(t, true)
-	w.settle(w.reserve("t", "u", "", 100, true), 100)
+	w.Settle(w.Reserve("t", "u", "", 100, true), 100)
 	w.charge("t", "u", 40, "5h")
 	seen := Drift{Subjects: 1, Drifted: 1, Tokens: 40}
 	var first Drift
-	hook := lockHook{ReconcileLedger: w.store, before: func() {
+	hook := lockHook{Ledger: w.Store, before: func() {
 		var err error
-		if first, err = w.rec.Reconcile(w.ctx); err != nil {
+		if first, err = w.rec.Reconcile(w.Ctx); err != nil {
 			t.Error(err)
 		}
 	}}
-	other := NewReconciler(w.rec.c, hook, ConsumerBacklog{Consumer: w.cons}, true, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+	other := newReconciler(w.World, hook, w.cons, true)
 	w.reconcile(seen)
 	for i, want := range []Drift{seen, seen} { // the second scan finds it stable
-		if d, err := other.Reconcile(w.ctx); err != nil || d != want {
+		if d, err := other.Reconcile(w.Ctx); err != nil || d != want {
 			t.Fatalf("other Reconcile #%d = %+v, %v; want %+v", i+1, d, err, want)
 		}
 	}

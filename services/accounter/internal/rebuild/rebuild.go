@@ -1,0 +1,309 @@
+// Package rebuild puts Redis back from the ledger after it lost its data
+// (a restart without persistence, a flush, a failover to an empty
+// replica): the token windows of every subject active in the longest
+// window, the prepaid balances and the reservation records, before the
+// epoch key is written. Its Gate keeps the accounter's other writers of
+// Redis out while a rebuild runs.
+package rebuild
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/accounter/internal/effects"
+	"quotaflow/services/accounter/internal/ledger"
+)
+
+// Ledger is what a rebuild reads from Postgres, and the lock and mark it
+// takes there.
+type Ledger interface {
+	UsageSince(ctx context.Context, since time.Time, f func(ledger.Usage) error) error
+	RecentSince(ctx context.Context, now time.Time, ttl time.Duration, f func(ledger.Recent) error) error
+	Balances(ctx context.Context, f func(ledger.Balance) error) error
+	TryLock(ctx context.Context, id int64) (unlock func(), ok bool, err error)
+	MarkRebuild(ctx context.Context, epoch string) error
+}
+
+// Gate orders the accounter's writers of Redis and the ledger against a
+// rebuild within one process: the consumers hold it from before a batch's
+// ledger write until the ledger records that Redis holds its effects (the
+// expiry task and the repairs likewise), and a rebuild runs only while no
+// one holds it, so it never reads a ledger that is behind Redis. Holders
+// take it before a ledger connection, so a rebuild waiting for it never
+// finds the pool's connections held by holders queued behind it. The zero
+// Gate is open; the Rebuilder's is Rebuilder.Gate.
+type Gate struct{ mu sync.RWMutex }
+
+// Hold runs f while no rebuild runs and returns its error; any number of
+// holders run at once.
+func (g *Gate) Hold(f func() error) error {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	return f()
+}
+
+// rebuildLockID is the Postgres advisory lock the accounter's instances
+// take around a rebuild, so that only one of them charges the ledger into
+// Redis ("qf-rebuild" as a number).
+const rebuildLockID = 0x71662d7265627569
+
+// Rebuilder rebuilds Redis from the ledger; most callers want EnsureEpoch.
+// Its methods are safe for concurrent use; create it with New.
+type Rebuilder struct {
+	lim    *limits.Limiter
+	rdb    redis.UniversalClient
+	policy func() *limits.Policy
+	store  Ledger
+	gate   Gate
+}
+
+// New returns a Rebuilder of lim's Redis, rdb, from store under the
+// current policy from policy.
+func New(lim *limits.Limiter, rdb redis.UniversalClient, policy func() *limits.Policy, store Ledger) *Rebuilder {
+	return &Rebuilder{lim: lim, rdb: rdb, policy: policy, store: store}
+}
+
+// Gate is the gate the rebuilds of r wait for: every writer of Redis's
+// state in this process holds it.
+func (rb *Rebuilder) Gate() *Gate { return &rb.gate }
+
+// rules returns the subject rules of tenant on plan for endpoint under the
+// current policy.
+func (rb *Rebuilder) rules(tenant, plan, endpoint string) ([]limits.Rule, error) {
+	return effects.Rules(rb.policy(), tenant, plan, endpoint)
+}
+
+// EnsureEpoch rebuilds Redis from the ledger when epoch keys are missing
+// (a restart without persistence, a flush, a failover to an empty replica)
+// and then writes the epoch, so admission leaves its local mode. It returns
+// whether it rebuilt. Only the slots that lost their epoch are rebuilt (a
+// cluster loses a shard at a time; the others keep their state), and what
+// an earlier, unfinished attempt put in them is cleared first, so a rebuild
+// retried after a failure charges each window once. Only one instance
+// rebuilds at a time (a Postgres advisory lock); the others find the epoch
+// written on their next check.
+func (rb *Rebuilder) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int, err error) {
+	lost, err := limits.LostSlots(ctx, rb.rdb)
+	if err != nil || !lost.Any() {
+		return false, 0, err
+	}
+	unlock, ok, err := rb.store.TryLock(ctx, rebuildLockID)
+	if err != nil || !ok {
+		return false, 0, err
+	}
+	defer unlock()
+	rb.gate.mu.Lock()
+	defer rb.gate.mu.Unlock()
+	// Another instance may have rebuilt between the check and the lock.
+	if lost, err = limits.LostSlots(ctx, rb.rdb); err != nil || !lost.Any() {
+		return false, 0, err
+	}
+	// Recorded before the ledger is read: a reservation of the lost Redis
+	// whose reserved event arrives after this is not in the rebuilt one.
+	epoch := strconv.FormatInt(time.Now().UnixMilli(), 10)
+	if err := rb.store.MarkRebuild(ctx, epoch); err != nil {
+		return false, 0, err
+	}
+	if err := limits.ClearLost(ctx, rb.rdb, &lost); err != nil {
+		return false, 0, err
+	}
+	subjects, err = rb.rebuild(ctx, &lost)
+	if err != nil {
+		return false, subjects, err
+	}
+	if err := rb.rebuildBalances(ctx, epoch, &lost); err != nil {
+		return false, subjects, err
+	}
+	if err := rb.restoreRecords(ctx, &lost); err != nil {
+		return false, subjects, err
+	}
+	if err := limits.WriteEpoch(ctx, rb.rdb, epoch); err != nil {
+		return false, subjects, err
+	}
+	return true, subjects, nil
+}
+
+// windowRules are the token windows of tenant's subjects on plan for
+// endpoint: what the ledger's usage is charged into (balances are rebuilt
+// apart).
+func (rb *Rebuilder) windowRules(tenant, plan, endpoint string) ([]limits.Rule, error) {
+	all, err := rb.rules(tenant, plan, endpoint)
+	if err != nil {
+		return nil, err
+	}
+	var rules []limits.Rule
+	for _, r := range all {
+		if r.Unit == limits.Tokens && r.Kind != limits.Balance {
+			rules = append(rules, r)
+		}
+	}
+	return rules, nil
+}
+
+// rebuild charges the ledger's usage of the longest token window into the
+// token windows (Charge with Force at each usage's time, many per round
+// trip), subject by subject in time order. Request limits and concurrency
+// slots start afresh; balances are rebuilt by rebuildBalances.
+func (rb *Rebuilder) rebuild(ctx context.Context, lost *limits.Lost) (int, error) {
+	p := rb.policy()
+	w := p.LongestTokenWindow()
+	if w == 0 {
+		return 0, nil
+	}
+	subjects := 0
+	var last ledger.Usage
+	cache := map[[3]string][]limits.Rule{}
+	var pending []limits.ChargeRequest // in the ledger's order, which ChargeMany keeps
+	flush := func() error {
+		for _, r := range rb.lim.ChargeMany(ctx, pending) {
+			if r.Err != nil {
+				return r.Err
+			}
+		}
+		pending = pending[:0]
+		return nil
+	}
+	err := rb.store.UsageSince(ctx, time.Now().Add(-w), func(u ledger.Usage) error {
+		if !lost.Tenant(u.Tenant) {
+			return nil // its slot kept its state
+		}
+		if u.Tenant != last.Tenant || u.User != last.User || subjects == 0 {
+			subjects++
+			last = u
+		}
+		k := [3]string{u.Tenant, u.Plan, u.Endpoint}
+		rules, seen := cache[k]
+		if !seen {
+			var err error
+			if rules, err = rb.windowRules(u.Tenant, u.Plan, u.Endpoint); err != nil {
+				return err
+			}
+			cache[k] = rules
+		}
+		if len(rules) == 0 {
+			return nil
+		}
+		pending = append(pending, limits.ChargeRequest{
+			Tenant: u.Tenant, User: u.User, Rules: rules, Amount: u.Tokens, At: u.At, Force: true,
+		})
+		if len(pending) < rebuildBatch {
+			return nil
+		}
+		return flush()
+	})
+	if err == nil {
+		err = flush()
+	}
+	if err != nil {
+		return subjects, fmt.Errorf("rebuild: %w", err)
+	}
+	return subjects, nil
+}
+
+// rebuildBatch is how many charges a rebuild sends in one pipelined round
+// trip.
+const rebuildBatch = 500
+
+// rebuildBalances puts back the prepaid balance of every subject that
+// received a top-up: its top-ups as credit, what its requests hold as
+// spent, under the balance limit of the subject's current plan (a subject
+// whose plan has none keeps nothing in Redis). epoch makes a retried
+// rebuild credit once: each subject's credit is a top-up with a reference
+// of its own, since a top-up's reference is a key per tenant, not per user.
+func (rb *Rebuilder) rebuildBalances(ctx context.Context, epoch string, lost *limits.Lost) error {
+	return rb.store.Balances(ctx, func(b ledger.Balance) error {
+		if !lost.Tenant(b.Tenant) {
+			return nil
+		}
+		rules, err := rb.rules(b.Tenant, "", "")
+		if err != nil {
+			return err
+		}
+		reference := "rebuild-" + events.HashID(epoch, b.User)
+		for i := range rules {
+			if r := &rules[i]; r.Kind == limits.Balance {
+				if err := rb.lim.RestoreBalance(ctx, b.Tenant, b.User, r, b.Credited, b.Spent, reference); err != nil {
+					return fmt.Errorf("rebuild balance %s/%s: %w", b.Tenant, b.User, err)
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// restoreRecords puts back the reservation records the lost Redis held,
+// as the ledger knows them (reserved or settled within the reservation
+// TTL), under the rules of their plan and endpoint today: a retry of an
+// open request is a duplicate again, not reserved a second time, its
+// release or actual finds what it holds, and a settled or released id is
+// refused again for the rest of its TTL.
+func (rb *Rebuilder) restoreRecords(ctx context.Context, lost *limits.Lost) error {
+	var pending []limits.Restore
+	flush := func() error {
+		for i, err := range rb.lim.RestoreMany(ctx, pending) {
+			if err != nil {
+				return fmt.Errorf("restore reservation %s/%s %s: %w", pending[i].Tenant, pending[i].User, pending[i].RequestID, err)
+			}
+		}
+		pending = pending[:0]
+		return nil
+	}
+	ttl := rb.lim.ReservationTTL()
+	err := rb.store.RecentSince(ctx, time.Now(), ttl, func(r ledger.Recent) error {
+		rs := restoreOf(r, ttl)
+		if rs == nil || !lost.Tenant(r.Tenant) {
+			return nil
+		}
+		if rs.State == limits.RecordOpen || rs.State == limits.RecordReleased {
+			var err error
+			if rs.Rules, err = rb.rules(r.Tenant, r.Plan, r.Endpoint); err != nil {
+				return err
+			}
+		}
+		pending = append(pending, *rs)
+		if len(pending) < rebuildBatch {
+			return nil
+		}
+		return flush()
+	})
+	if err == nil {
+		err = flush()
+	}
+	return err
+}
+
+// restoreOf is the record a reservation row stands for (nil: none, an open
+// row without a reserved event, which no reserve wrote).
+func restoreOf(r ledger.Recent, ttl time.Duration) *limits.Restore {
+	est := max(r.Estimate, 0)
+	if r.Local {
+		est = 0 // no window holds it
+	}
+	rs := &limits.Restore{
+		Tenant: r.Tenant, User: r.User, RequestID: r.RequestID, ReservedAt: r.At, Estimate: est,
+		Expires: r.Since.Add(ttl),
+	}
+	if r.Estimate >= 0 {
+		rs.Fingerprint = limits.Fingerprint(r.Endpoint, r.Plan, r.Model, r.Estimate)
+	}
+	switch {
+	case r.Status == ledger.StatusSettled:
+		rs.State = limits.RecordCorrected
+	case r.Status == ledger.StatusReleased:
+		rs.State = limits.RecordReleased
+	case r.Estimate < 0:
+		return nil
+	case r.Local:
+		rs.State = limits.RecordVoid
+	default:
+		rs.State = limits.RecordOpen
+	}
+	return rs
+}
