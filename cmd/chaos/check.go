@@ -16,6 +16,7 @@ import (
 
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // check waits for the pipeline to settle and checks what the run left in
@@ -156,12 +157,12 @@ func (st *stack) deadLettersEmpty(ctx context.Context) (bool, string) {
 	if err != nil {
 		return false, err.Error()
 	}
-	s, err := js.Stream(ctx, events.DefaultDLQStream)
+	s, err := js.Stream(ctx, stream.Defaults().DLQStream)
 	if err != nil {
 		return false, err.Error()
 	}
 	n := s.CachedInfo().State.Msgs
-	return n == 0, fmt.Sprintf("%s holds %d messages", events.DefaultDLQStream, n)
+	return n == 0, fmt.Sprintf("%s holds %d messages", stream.Defaults().DLQStream, n)
 }
 
 // alertsDeliveredOnce waits until the alerter's outbox has nothing

@@ -18,6 +18,7 @@ import (
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/pgdb"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // Config is one chaos run; the test uses a shortened one.
@@ -100,7 +101,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
-	pub := events.NewPublisher(js, events.Config{})
+	pub := stream.NewPublisher(js, stream.Config{})
 	rep := &Report{Stats: e2e.NewStats()}
 	st.stats = rep.Stats
 	rec := &recorder{}

@@ -1,6 +1,6 @@
 // Command dlqreplay republishes dead-lettered usage events to the subjects
 // they came from, once the cause is fixed, and removes them from the
-// dead-letter stream (events.Replay). It reads QF_NATS_URL, QF_STREAM,
+// dead-letter stream (stream.Replay). It reads QF_NATS_URL, QF_STREAM,
 // QF_DLQ_STREAM and QF_SUBJECT_PREFIX like the services.
 //
 //	go tool task dlq-replay -- -reason max_deliver
@@ -19,7 +19,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 func main() {
@@ -38,7 +38,7 @@ func main() {
 func run(ctx context.Context, reason string) (int, error) {
 	var cfg struct {
 		NATSURL string `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222"`
-		events.Config
+		stream.Config
 	}
 	if err := envconfig.Process("QF", &cfg); err != nil {
 		return 0, err
@@ -52,5 +52,5 @@ func run(ctx context.Context, reason string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	return events.Replay(ctx, js, cfg.Config, reason)
+	return stream.Replay(ctx, js, cfg.Config, reason)
 }

@@ -287,8 +287,8 @@ func TestDashboard(t *testing.T) {
 }
 
 // readVars returns the QF_ variables a service reads: the envconfig tags
-// of services/<svc>/config.go and of what every service embeds, pkg/events
-// (events.Config) and internal/obs (obs.Ops).
+// of services/<svc>/config.go and of what every service embeds,
+// pkg/events/stream (stream.Config) and internal/obs (obs.Ops).
 func readVars(t *testing.T) map[string]map[string]bool {
 	t.Helper()
 	tag := regexp.MustCompile("envconfig:\"([A-Z0-9_]+)\"")
@@ -305,7 +305,7 @@ func readVars(t *testing.T) map[string]map[string]bool {
 		}
 		return vars
 	}
-	embedded, err := filepath.Glob(filepath.Join(repoRoot, "pkg/events/*.go"))
+	embedded, err := filepath.Glob(filepath.Join(repoRoot, "pkg/events/stream/*.go"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -320,8 +320,8 @@ func readVars(t *testing.T) map[string]map[string]bool {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !strings.Contains(string(src), "events.Config") || !strings.Contains(string(src), "obs.Ops") {
-			t.Fatalf("services/%s/config.go no longer embeds events.Config and obs.Ops: update this test", svc)
+		if !strings.Contains(string(src), "stream.Config") || !strings.Contains(string(src), "obs.Ops") {
+			t.Fatalf("services/%s/config.go no longer embeds stream.Config and obs.Ops: update this test", svc)
 		}
 		out[svc] = scan(append([]string{filepath.Join(repoRoot, "services", svc, "config.go")}, embedded...)...)
 		for v := range out[svc] {

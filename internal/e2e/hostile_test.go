@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // The hostile-caller suite (issue 11, "Trust"): callers that use the API
@@ -399,7 +400,7 @@ func testControlCharacters(t *testing.T, s *stack, gw caller) {
 		n, tokens := s.actuals(t, tenant, "u2")
 		return n == 1 && tokens == 7, fmt.Sprintf("%d actual events of u2, %d tokens", n, tokens)
 	})
-	s.deadLetteredOnce(t, "evt-nul", events.ReasonInvalid)
+	s.deadLetteredOnce(t, "evt-nul", stream.ReasonInvalid)
 	if n := s.count(t, `SELECT count(*) FROM usage_events WHERE tenant = $1 AND user_id <> 'u2'`, tenant); n != 0 {
 		t.Errorf("the ledger holds %d events of the NUL subject, want 0", n)
 	}
@@ -427,7 +428,7 @@ func testEventTime(t *testing.T, s *stack, gw caller) {
 	})
 	raw, _ := json.Marshal(actualEvent("evt-2000-nats", tenant, user, "r1", 50, 0, old))
 	s.publishRaw(t, events.TypeActual, "evt-2000-nats", raw)
-	s.deadLetteredOnce(t, "evt-2000-nats", events.ReasonInvalid)
+	s.deadLetteredOnce(t, "evt-2000-nats", stream.ReasonInvalid)
 	check := func(when string) {
 		t.Helper()
 		if used := gw.used(tenant, user, "", "5h"); used != 100 {

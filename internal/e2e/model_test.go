@@ -16,6 +16,7 @@ import (
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 )
 
@@ -130,7 +131,7 @@ type pipeline struct {
 	*stack
 	tenant   string
 	gw, bill caller // a gateway's and a billing token's
-	pub      *events.Publisher
+	pub      *stream.Publisher
 	last     reply // admission's last answer to an admit
 }
 
@@ -172,7 +173,7 @@ func startPipeline(t *testing.T) *pipeline {
 		admission: []string{"QF_REDIS_TIMEOUT=2s"},
 		accounter: []string{"QF_EPOCH_INTERVAL=200ms", "QF_RECONCILE_INTERVAL=1s", "QF_ACK_WAIT=2s", "QF_WORKERS=2"},
 	})
-	return &pipeline{stack: s, tenant: tenant, gw: s.as(t, gw), bill: s.as(t, bill), pub: events.NewPublisher(s.js, s.streams)}
+	return &pipeline{stack: s, tenant: tenant, gw: s.as(t, gw), bill: s.as(t, bill), pub: stream.NewPublisher(s.js, s.streams)}
 }
 
 func (p *pipeline) topUp(t *testing.T, u string, amount int64) {

@@ -28,6 +28,7 @@ import (
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // binariesEnv names a directory of admission and accounter binaries to
@@ -102,7 +103,7 @@ type stack struct {
 	rdb       *redis.Client // a client of it
 	db        *pgxpool.Pool // the accounter's ledger
 	js        jetstream.JetStream
-	streams   events.Config
+	streams   stream.Config
 }
 
 // startStack starts a stack for the test and stops it at cleanup, logging
@@ -131,7 +132,7 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 	}
 	t.Cleanup(s.db.Close)
 	_, s.js = natstest.Connect(t, natstest.URL(), nats.Name(t.Name()))
-	s.streams = natstest.Streams(t, s.js, "hostile", events.Config{})
+	s.streams = natstest.Streams(t, s.js, "hostile", stream.Config{})
 
 	policy := filepath.Join(dir, "policy.yaml")
 	if err := os.WriteFile(policy, []byte(cfg.policy), 0o600); err != nil {
@@ -406,7 +407,7 @@ func (c caller) report(evs ...map[string]any) reply {
 
 // publishRaw publishes body straight to the usage stream as a service on
 // NATS does, with msgID as its Nats-Msg-Id, bypassing every check of
-// admission and of events.Publisher.
+// admission and of stream.Publisher.
 func (s *stack) publishRaw(t *testing.T, typ, msgID string, body []byte) {
 	t.Helper()
 	m := nats.NewMsg(events.Subject(s.streams.SubjectPrefix, typ))
@@ -447,7 +448,7 @@ func (s *stack) messages(t *testing.T, stream, subject string) []*jetstream.RawS
 // deadLetters returns every dead letter, oldest first.
 func (s *stack) deadLetters(t *testing.T) []*jetstream.RawStreamMsg {
 	t.Helper()
-	return s.messages(t, s.streams.DLQStream, s.streams.SubjectPrefix+".dlq.>")
+	return s.messages(t, s.streams.DLQStream, events.DLQSubjects(s.streams.SubjectPrefix))
 }
 
 // deadLetteredOnce waits until the message published with msgID is
@@ -458,13 +459,13 @@ func (s *stack) deadLetteredOnce(t *testing.T, msgID, reason string) {
 	eventually(t, msgID+" dead-lettered", func() (bool, string) {
 		subjects = subjects[:0]
 		for _, m := range s.deadLetters(t) {
-			if m.Header.Get(events.HeaderMsgID) == msgID {
+			if m.Header.Get(stream.HeaderMsgID) == msgID {
 				subjects = append(subjects, m.Subject)
 			}
 		}
 		return len(subjects) > 0, "none"
 	})
-	if want := s.streams.SubjectPrefix + ".dlq." + reason; len(subjects) != 1 || subjects[0] != want {
+	if want := events.DLQSubject(s.streams.SubjectPrefix, reason); len(subjects) != 1 || subjects[0] != want {
 		t.Errorf("%s dead-lettered on %q, want once on %s", msgID, subjects, want)
 	}
 }

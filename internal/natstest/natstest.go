@@ -18,7 +18,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // URL is the NATS server tests use.
@@ -48,7 +48,7 @@ func Connect(t testing.TB, url string, opts ...nats.Option) (*nats.Conn, jetstre
 // Streams creates a usage stream, a dead-letter stream and a subject
 // prefix named after name and a random suffix, on top of base (its
 // redelivery settings are kept), and deletes both streams at cleanup.
-func Streams(t testing.TB, js jetstream.JetStream, name string, base events.Config) events.Config {
+func Streams(t testing.TB, js jetstream.JetStream, name string, base stream.Config) stream.Config {
 	t.Helper()
 	b := make([]byte, 6)
 	_, _ = rand.Read(b)
@@ -61,8 +61,8 @@ func Streams(t testing.TB, js jetstream.JetStream, name string, base events.Conf
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := events.EnsureStreams(ctx, js, cfg); err != nil {
-		t.Fatalf("EnsureStreams = %v", err)
+	if err := stream.Ensure(ctx, js, cfg); err != nil {
+		t.Fatalf("stream.Ensure = %v", err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -1,13 +1,15 @@
 // Package events is quotaflow's event contract: the CloudEvents every
-// service publishes to and consumes from NATS JetStream, their subjects and
-// ids, the streams that hold them, and small helpers to publish, consume
-// and dead-letter them. Go services use the types; services in other
-// languages publish and read the JSON documented here.
+// service publishes to and consumes from NATS JetStream, their subjects,
+// ids, JSON and validation. It is plain Go, without NATS: Go services build
+// and decode events with it and send them with package stream; services in
+// other languages publish and read the JSON documented here.
 //
-// # Streams and subjects
+// # Subjects
 //
-// One stream (Config.Stream, default QUOTAFLOW_USAGE) holds every event, on
-// "<prefix>.usage.>" (Config.SubjectPrefix, default "quotaflow"):
+// Every event travels on "<prefix>.usage.<kind>" (Subject), so that one
+// stream and one consumer filter, "<prefix>.usage.>" (UsageSubjects), cover
+// them all. The prefix is the deployment's QF_SUBJECT_PREFIX ("quotaflow"
+// unless configured), the stream its QF_STREAM (QUOTAFLOW_USAGE):
 //
 //	type                         subject                    published by
 //	quotaflow.usage.reserved     <prefix>.usage.reserved    admission
@@ -17,14 +19,9 @@
 //	quotaflow.usage.corrected    <prefix>.usage.corrected   accounter
 //	quotaflow.balance.topup      <prefix>.usage.topup       admission
 //
-// A second, retained stream (Config.DLQStream, default QUOTAFLOW_DLQ) on
-// "<prefix>.dlq.<reason>" keeps events consumers could not process: the
-// original payload with headers Quotaflow-Error, Quotaflow-Original-Subject,
-// -Stream, -Sequence, -Msg-Id and Quotaflow-Delivered. EnsureStreams creates
-// both (idempotent); it and everything here work with nats-server 2.9.
-// Consumers use one durable pull consumer filtered on "<prefix>.usage.>",
-// starting from the first event, and dispatch by type (EnsureConsumer,
-// Handlers, Process).
+// An event consumers cannot process is kept, its payload unchanged, on
+// "<prefix>.dlq.<reason>" (DLQSubject) in a second stream (QF_DLQ_STREAM,
+// QUOTAFLOW_DLQ); package stream says which headers tell why.
 //
 // # Publishing and ids
 //
@@ -212,8 +209,10 @@
 //
 // Decode enforces all of the above, rejects events over 64 KiB, invalid
 // UTF-8, duplicate keys and trailing data, and reports every problem by
-// path ("invalid event: data.input_tokens: must be >= 0"). Its errors wrap
-// ErrInvalid: such an event can never succeed, so consumers dead-letter it
-// (Process does) rather than retry. Publisher validates before sending, so
-// what Go services publish always decodes.
+// path ("invalid event: data.input_tokens: must be >= 0"). Consumers also
+// refuse an event whose time lies further before its first storage than
+// the stream keeps events, or more than MaxSkew after it (CheckTime). These
+// errors wrap ErrInvalid: such an event can never succeed, so consumers
+// dead-letter it (stream.Process does) rather than retry. stream.Publisher
+// validates before sending, so what Go services publish always decodes.
 package events

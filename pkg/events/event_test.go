@@ -2,7 +2,6 @@ package events
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
 	"errors"
 	"os"
@@ -244,6 +243,12 @@ func TestSubjects(t *testing.T) {
 			t.Errorf("DLQSubject(qf, %q) = %q, want %q", reason, got, w)
 		}
 	}
+	if got := UsageSubjects("qf"); got != "qf.usage.>" {
+		t.Errorf("UsageSubjects(qf) = %q, want qf.usage.>", got)
+	}
+	if got := DLQSubjects("qf"); got != "qf.dlq.>" {
+		t.Errorf("DLQSubjects(qf) = %q, want qf.dlq.>", got)
+	}
 }
 
 func TestUnmarshalArray(t *testing.T) {
@@ -265,84 +270,5 @@ func TestUnmarshalArray(t *testing.T) {
 	bad := `[` + parts[0] + `,{"specversion":"1.0"}]`
 	if err := json.Unmarshal([]byte(bad), &evs); !errors.Is(err, ErrInvalid) {
 		t.Errorf("json.Unmarshal(array with a bad event) = %v, want ErrInvalid", err)
-	}
-}
-
-func TestHandlersDispatch(t *testing.T) {
-	var got []string
-	note := func(s string) { got = append(got, s) }
-	h := &Handlers{
-		Reserved: func(_ context.Context, _ Event, d Reserved) error { note("reserved " + d.RequestID); return nil },
-		Actual:   func(_ context.Context, _ Event, d Actual) error { note("actual " + d.RequestID); return nil },
-		TopUp:    func(_ context.Context, _ Event, d TopUp) error { return errors.New("boom") },
-	}
-	var errs []error
-	for _, ev := range examples() {
-		if err := h.Dispatch(context.Background(), ev); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if want := []string{"reserved r-123", "actual r-123"}; !reflect.DeepEqual(got, want) {
-		t.Errorf("handled %v, want %v", got, want)
-	}
-	if len(errs) != 1 || errs[0].Error() != "boom" {
-		t.Errorf("Dispatch errors = %v, want [boom]", errs)
-	}
-}
-
-func TestBackoff(t *testing.T) {
-	for _, tc := range []struct {
-		n    uint64
-		max  time.Duration
-		want time.Duration
-	}{
-		{0, time.Minute, time.Second},
-		{1, time.Minute, time.Second},
-		{3, time.Minute, 4 * time.Second},
-		{7, time.Minute, time.Minute},
-		{1000, time.Minute, time.Minute},
-		{1, 200 * time.Millisecond, 200 * time.Millisecond},
-	} {
-		if got := backoff(tc.n, tc.max); got != tc.want {
-			t.Errorf("backoff(%d, %v) = %v, want %v", tc.n, tc.max, got, tc.want)
-		}
-	}
-}
-
-func TestConfigValidate(t *testing.T) {
-	if err := (Config{}).Validate(); err != nil {
-		t.Errorf("Config{}.Validate() = %v, want nil (defaults)", err)
-	}
-	for _, tc := range []struct {
-		name string
-		cfg  Config
-		want string
-	}{
-		{"stream with dot", Config{Stream: "A.B"}, "stream"},
-		{"same streams", Config{Stream: "X", DLQStream: "X"}, "both"},
-		{"wildcard prefix", Config{SubjectPrefix: "qf.*"}, "subject_prefix"},
-		{"empty token", Config{SubjectPrefix: "qf..x"}, "subject_prefix"},
-		{"dup window past max age", Config{MaxAge: time.Hour, Duplicates: 2 * time.Hour}, "stream_duplicates"},
-		{"dup window past dlq age", Config{DLQMaxAge: time.Minute, Duplicates: time.Hour}, "dlq_max_age"},
-		{"replicas", Config{Replicas: 7}, "stream_replicas"},
-		{"negative max deliver", Config{MaxDeliver: -1}, "max_deliver"},
-		{"negative duration", Config{AckWait: -time.Second}, "positive"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			err := tc.cfg.Validate()
-			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Errorf("Validate(%+v) = %v, want an error about %s", tc.cfg, err, tc.want)
-			}
-		})
-	}
-}
-
-func TestHeaderValue(t *testing.T) {
-	got := headerValue("line one\r\nline two\x00\xff" + strings.Repeat("é", 1000))
-	if strings.ContainsAny(got, "\r\n\x00") || len(got) > maxHeaderError || !strings.HasPrefix(got, "line one  line two \uFFFD") {
-		t.Errorf("headerValue = %q", got[:40])
-	}
-	if !strings.HasSuffix(got, "é") {
-		t.Errorf("headerValue cut a rune: %q", got[len(got)-4:])
 	}
 }

@@ -13,6 +13,7 @@ import (
 
 	"quotaflow/internal/pgdb"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/ledger"
 )
@@ -192,7 +193,7 @@ func newBenchEnv(b *testing.B) *env {
 	// The tests' streams keep events 10 minutes; a million events may take
 	// longer from publishing to consuming.
 	e.cfg.MaxAge = 2 * time.Hour
-	if err := events.EnsureStreams(context.Background(), e.js, e.cfg.Config); err != nil {
+	if err := stream.Ensure(context.Background(), e.js, e.cfg.Config); err != nil {
 		b.Fatal(err)
 	}
 	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "bench"); err != nil {

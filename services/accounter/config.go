@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"quotaflow/internal/obs"
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // Config is the accounter's configuration, read from QF_* environment
@@ -22,7 +22,7 @@ type Config struct {
 	// QF_SUBJECT_PREFIX, QF_DLQ_STREAM, QF_STREAM_MAX_AGE,
 	// QF_STREAM_DUPLICATES, QF_DLQ_MAX_AGE, QF_STREAM_REPLICAS,
 	// QF_MAX_DELIVER, QF_ACK_WAIT.
-	events.Config
+	stream.Config
 	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
 	OpsAddr  string `envconfig:"OPS_ADDR" default:":9091"`
 	// Ops holds the ops port's other settings: QF_PPROF.

@@ -20,7 +20,7 @@ import (
 	"quotaflow/internal/redisconn"
 	"quotaflow/internal/server"
 	"quotaflow/internal/service"
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/consume"
 	"quotaflow/services/accounter/internal/effects"
@@ -142,10 +142,10 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		return fmt.Errorf("jetstream: %w", err)
 	}
 	cons, err := retry(ctx, log, ready, readyStreams, func(ctx context.Context) (jetstream.Consumer, error) {
-		if err := events.EnsureStreams(ctx, js, cfg.Config); err != nil {
+		if err := stream.Ensure(ctx, js, cfg.Config); err != nil {
 			return nil, err
 		}
-		c, err := events.EnsureConsumer(ctx, js, cfg.Config, cfg.Durable)
+		c, err := stream.EnsureConsumer(ctx, js, cfg.Config, cfg.Durable)
 		if err != nil {
 			return nil, err
 		}
@@ -254,7 +254,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		})
 	}
 
-	pub := events.NewPublisher(js, cfg.Config)
+	pub := stream.NewPublisher(js, cfg.Config)
 	consumer, err := consume.New(cons, js, store, app, rb.Gate(), pub, consume.Options{
 		Events: cfg.Config, Workers: cfg.Workers, BatchSize: cfg.BatchSize, BatchWait: cfg.BatchWait,
 		Source: source, BeforeAck: h.beforeAck,

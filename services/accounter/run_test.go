@@ -30,6 +30,7 @@ import (
 	"quotaflow/internal/pgtest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 )
 
@@ -79,7 +80,7 @@ type env struct {
 	lim    *limits.Limiter
 	policy *limits.Policy
 	js     jetstream.JetStream
-	pub    *events.Publisher
+	pub    *stream.Publisher
 	ops    string // the ops address of the last start
 }
 
@@ -91,7 +92,7 @@ func newEnv(t testing.TB) *env {
 
 	// NATS: our own streams and prefix.
 	nc, js := natstest.Connect(t, natstest.URL())
-	ec := natstest.Streams(t, js, "acct", events.Config{AckWait: 2 * time.Second, MaxDeliver: 5})
+	ec := natstest.Streams(t, js, "acct", stream.Config{AckWait: 2 * time.Second, MaxDeliver: 5})
 
 	policyFile := filepath.Join(t.TempDir(), "policy.yaml")
 	if err := os.WriteFile(policyFile, []byte(testPolicy), 0o600); err != nil {
@@ -104,7 +105,7 @@ func newEnv(t testing.TB) *env {
 	rs := redistest.Start(t)
 
 	e := &env{
-		t: t, redis: rs, policy: pol, js: js, pub: events.NewPublisher(js, ec),
+		t: t, redis: rs, policy: pol, js: js, pub: stream.NewPublisher(js, ec),
 		lim: limits.New(rs.Client(), limits.Options{ReservationTTL: time.Hour}),
 		cfg: Config{
 			RedisURL: "redis://" + rs.Addr + "/0", PostgresURL: pgURL, NATSURL: nc.ConnectedUrl(),
@@ -620,7 +621,7 @@ func TestAccounterEvents(t *testing.T) {
 		e.publish(e.actual(ten, usr, req, "", 5, 5))
 		e.waitStatus(ten, usr, req, "settled")
 		waitFor(t, "dead letter", func() bool {
-			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, events.ReasonInvalid)) == 1
+			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, stream.ReasonInvalid)) == 1
 		})
 		waitFor(t, "dead letter counted as published", func() bool { return e.metric(dlq) == before+1 })
 	})
@@ -940,7 +941,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 				_ = rows.Scan(&st, &a, &b, &c)
 				t.Logf("status %s: %d rows, %d actual, %d estimate", st, a, b, c)
 			}
-			t.Logf("dlq: %d", e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, events.ReasonMaxDeliver)))
+			t.Logf("dlq: %d", e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, stream.ReasonMaxDeliver)))
 		}
 	}()
 	waitFor(t, "every event in the ledger and every actual settled", func() bool {
@@ -1007,7 +1008,7 @@ func TestRedisOutageDeadLettersNothing(t *testing.T) {
 	if got := e.used(ten, usr, "5h"); got != 40 {
 		t.Errorf("5h used = %d, want 40", got)
 	}
-	if n := e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, events.ReasonMaxDeliver)); n != 0 {
+	if n := e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, stream.ReasonMaxDeliver)); n != 0 {
 		t.Errorf("%d events dead-lettered during the outage, want 0", n)
 	}
 }

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"quotaflow/internal/obs"
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/services/admission/internal/auth"
 )
 
@@ -27,7 +27,7 @@ type Config struct {
 	// QF_STREAM_MAX_AGE, QF_STREAM_DUPLICATES, QF_DLQ_MAX_AGE,
 	// QF_STREAM_REPLICAS (and the consumer settings QF_MAX_DELIVER,
 	// QF_ACK_WAIT, which admission does not use).
-	events.Config
+	stream.Config
 	// LogLevel is debug, info, warn or error.
 	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
 	// AdmissionAddr is where the API listens.

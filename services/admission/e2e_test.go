@@ -24,6 +24,7 @@ import (
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
@@ -59,7 +60,7 @@ type stack struct {
 	ob     *outbox.Outbox
 	dec    *decide.Decider
 	js     jetstream.JetStream
-	cfg    events.Config
+	cfg    stream.Config
 	reg    *prometheus.Registry
 	tenant string
 	closed bool
@@ -99,8 +100,8 @@ func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string,
 		t.Fatal(err)
 	}
 	_, s.js = natstest.Connect(t, natstest.URL(), nats.Name(t.Name()))
-	s.cfg = natstest.Streams(t, s.js, "adm", events.Config{})
-	s.ob, err = outbox.New(events.NewPublisher(s.js, s.cfg), outbox.Options{SpillDir: filepath.Join(dir, "spill"), Registerer: s.reg})
+	s.cfg = natstest.Streams(t, s.js, "adm", stream.Config{})
+	s.ob, err = outbox.New(stream.NewPublisher(s.js, s.cfg), outbox.Options{SpillDir: filepath.Join(dir, "spill"), Registerer: s.reg})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,7 +16,7 @@ import (
 	"quotaflow/internal/redisconn"
 	"quotaflow/internal/server"
 	"quotaflow/internal/service"
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
@@ -160,7 +160,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	}
 	// Admission keeps events in its outbox (and spill) before the stream
 	// does: they are stamped with their own time as first stored.
-	ob, err := outbox.New(events.NewPublisher(js, cfg.Config, events.WithOwnTime()), outbox.Options{
+	ob, err := outbox.New(stream.NewPublisher(js, cfg.Config, stream.WithOwnTime()), outbox.Options{
 		SpillDir:      cfg.SpillDir,
 		MaxEvents:     cfg.OutboxMaxEvents,
 		MaxSpillBytes: cfg.SpillMaxBytes,
@@ -243,11 +243,11 @@ func reloadCounter(reg prometheus.Registerer, opts prometheus.CounterOpts) func(
 
 // ensureStreams creates or updates the streams, retrying until it works
 // (NATS may start after admission), then marks the service ready.
-func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg events.Config, ready *obs.Readiness, log *slog.Logger) {
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg stream.Config, ready *obs.Readiness, log *slog.Logger) {
 	wait := 100 * time.Millisecond
 	for {
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err := events.EnsureStreams(cctx, js, cfg)
+		err := stream.Ensure(cctx, js, cfg)
 		cancel()
 		if err == nil {
 			ready.Ready(readyStreams)

@@ -18,7 +18,7 @@ import (
 
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // testConfig is the configuration envconfig gives with no environment,
@@ -141,7 +141,7 @@ func TestRun(t *testing.T) {
 	redistest.Shared(t)
 	cfg := testConfig(t)
 	_, js := natstest.Connect(t, natstest.URL())
-	cfg.Config = natstest.Streams(t, js, "run", events.Config{})
+	cfg.Config = natstest.Streams(t, js, "run", stream.Config{})
 	tenant := "run-" + randomHex(6)
 	cleanupTenant(t, redistest.Shared(t), tenant)
 	cfg.APITokens = []string{"run-token@" + tenant}
@@ -283,7 +283,7 @@ func TestRunReportsEvictingRedis(t *testing.T) {
 	cfg.RedisURL = "redis://" + srv.Addr + "/0"
 	cfg.Pprof = true
 	_, js := natstest.Connect(t, natstest.URL())
-	cfg.Config = natstest.Streams(t, js, "evict", events.Config{})
+	cfg.Config = natstest.Streams(t, js, "evict", stream.Config{})
 	var logs strings.Builder
 	lw := &syncWriter{w: &logs}
 	_, ops, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(lw, nil)))

@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"quotaflow/internal/obs"
-	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // Config is the alerter's configuration, read from QF_* environment
@@ -20,7 +20,7 @@ type Config struct {
 	PostgresURL string `envconfig:"POSTGRES_URL" default:"postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"`
 	// Config names the streams (QF_STREAM, QF_SUBJECT_PREFIX, ...) and the
 	// consumer's QF_MAX_DELIVER and QF_ACK_WAIT.
-	events.Config
+	stream.Config
 	// Consumer is the durable consumer's name; alerter instances sharing
 	// it split the events.
 	Consumer string `envconfig:"CONSUMER" default:"quotaflow-alerter"`

@@ -19,6 +19,7 @@ import (
 	"quotaflow/internal/server"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/services/alerter/internal/deliver"
 	"quotaflow/services/alerter/internal/detect"
 	"quotaflow/services/alerter/internal/store"
@@ -111,7 +112,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	if err != nil {
 		return err
 	}
-	handlers := events.Handlers{Reserved: det.Reserved, Corrected: det.Corrected, Denied: det.Denied}
+	handlers := stream.Handlers{Reserved: det.Reserved, Corrected: det.Corrected, Denied: det.Denied}
 	var consumer sync.WaitGroup
 	cctx, ccancel := context.WithCancel(ctx)
 	defer ccancel()
@@ -140,15 +141,15 @@ func watchWebhooks(ctx context.Context, w *deliver.Watcher, log *slog.Logger) {
 // until ctx ends: in batches of what has arrived (up to maxBatch), each
 // handled by batch in one Postgres transaction and then acked, falling
 // back to handle event by event when a batch fails.
-func consume(ctx context.Context, js jetstream.JetStream, cfg Config, handle events.Handler,
+func consume(ctx context.Context, js jetstream.JetStream, cfg Config, handle stream.Handler,
 	batch func(context.Context, []events.Event) error, ready *obs.Readiness, log *slog.Logger) {
 	log = log.With("component", "consume")
 	var cons jetstream.Consumer
 	retry(ctx, log, ready, readyConsumer, "ensuring the NATS stream and consumer", func(ctx context.Context) error {
-		if err := events.EnsureStreams(ctx, js, cfg.Config); err != nil {
+		if err := stream.Ensure(ctx, js, cfg.Config); err != nil {
 			return err
 		}
-		c, err := events.EnsureConsumer(ctx, js, cfg.Config, cfg.Consumer)
+		c, err := stream.EnsureConsumer(ctx, js, cfg.Config, cfg.Consumer)
 		cons = c
 		return err
 	})
@@ -196,17 +197,17 @@ const maxBatch = 256
 
 // processBatch handles msgs with batch (one transaction for all) and acks
 // them. Events that do not decode are dead-lettered; when batch fails,
-// each event is processed on its own by events.Process (so one bad event
+// each event is processed on its own by stream.Process (so one bad event
 // is retried and dead-lettered alone, and the others go through).
 func processBatch(ctx context.Context, js jetstream.JetStream, cfg Config, msgs []jetstream.Msg,
-	handle events.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
+	handle stream.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
 	evs := make([]events.Event, 0, len(msgs))
 	ok := make([]jetstream.Msg, 0, len(msgs))
 	for _, m := range msgs {
-		ev, err := events.DecodeMsg(m, cfg.Config)
+		ev, err := stream.DecodeMsg(m, cfg.Config)
 		if err != nil {
 			// Process dead-letters what does not decode.
-			if err := events.Process(ctx, js, cfg.Config, m, handle); err != nil && ctx.Err() == nil {
+			if err := stream.Process(ctx, js, cfg.Config, m, handle); err != nil && ctx.Err() == nil {
 				log.Warn("event not processed", "subject", m.Subject(), "err", err)
 			}
 			continue
@@ -225,7 +226,7 @@ func processBatch(ctx context.Context, js jetstream.JetStream, cfg Config, msgs 
 		}
 		log.Warn("event batch failed; processing its events one by one", "events", len(evs), "err", err)
 		for _, m := range ok {
-			if err := events.Process(ctx, js, cfg.Config, m, handle); err != nil && ctx.Err() == nil {
+			if err := stream.Process(ctx, js, cfg.Config, m, handle); err != nil && ctx.Err() == nil {
 				log.Warn("event not processed", "subject", m.Subject(), "err", err)
 			}
 		}

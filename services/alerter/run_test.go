@@ -27,6 +27,7 @@ import (
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/services/alerter/internal/detect"
 	"quotaflow/services/alerter/internal/store"
 )
@@ -128,7 +129,7 @@ type env struct {
 	cfg  Config
 	pg   *pgxpool.Pool
 	js   jetstream.JetStream
-	pub  *events.Publisher
+	pub  *stream.Publisher
 	recv *receiver
 }
 
@@ -138,7 +139,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 	pgURL := pgtest.NewDatabase(t, "qf_alerter_test")
 
 	_, js := natstest.Connect(t, natstest.URL())
-	ec := natstest.Streams(t, js, "alert", events.Config{AckWait: 2 * time.Second, MaxDeliver: 5})
+	ec := natstest.Streams(t, js, "alert", stream.Config{AckWait: 2 * time.Second, MaxDeliver: 5})
 
 	recv := newReceiver(t)
 	file := filepath.Join(t.TempDir(), "webhooks.yaml")
@@ -160,7 +161,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	e := &env{t: t, cfg: cfg, js: js, pub: events.NewPublisher(js, ec), recv: recv}
+	e := &env{t: t, cfg: cfg, js: js, pub: stream.NewPublisher(js, ec), recv: recv}
 	return e
 }
 

@@ -3,13 +3,12 @@
 // transaction: write the batch, apply its Redis effects (one pipelined
 // round trip), publish the corrections, record the settlements, commit,
 // and only then acknowledge the messages. Any failure before the acks naks
-// the messages with a backoff (events.Finish, or retry for an outage), so
+// the messages with a backoff (stream.Finish, or retry for an outage), so
 // an effect is never acknowledged before Postgres and Redis both hold it,
 // and every effect is idempotent under redelivery.
 package consume
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -22,6 +21,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/ledger"
@@ -41,7 +41,7 @@ type Corrections interface {
 // Options configure a Consumer.
 type Options struct {
 	// Events names the streams (dead letters, MaxDeliver, AckWait).
-	Events events.Config
+	Events stream.Config
 	// Workers is how many batches are in flight at once (default 1).
 	Workers int
 	// BatchSize is the most messages per fetch (default 500).
@@ -88,7 +88,8 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, app *eff
 	if err != nil {
 		return nil, err
 	}
-	corrected := events.Subject(cmp.Or(opts.Events.SubjectPrefix, events.DefaultSubjectPrefix), events.TypeCorrected)
+	opts.Events = opts.Events.WithDefaults()
+	corrected := events.Subject(opts.Events.SubjectPrefix, events.TypeCorrected)
 	return &Consumer{cons: cons, js: js, store: store, app: app, gate: gate, pub: pub, opts: opts, corrected: corrected,
 		log: log.With("component", "consume"), m: m}, nil
 }
@@ -171,13 +172,13 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 			items[i].skip = true
 			continue
 		}
-		ev, err := events.DecodeMsg(msg, c.opts.Events)
+		ev, err := stream.DecodeMsg(msg, c.opts.Events)
 		if err != nil {
 			items[i].bad, items[i].decodeErr = true, err
 			continue
 		}
 		items[i].ev = ev
-		recs = append(recs, c.record(ev, msg.Data(), events.FirstStored(msg)))
+		recs = append(recs, c.record(ev, msg.Data(), stream.FirstStored(msg)))
 	}
 
 	err := c.apply(ctx, items, recs)
@@ -205,20 +206,20 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 		case it.skip:
 			typ, perr = events.TypeCorrected, it.msg.Ack()
 		case it.bad:
-			typ, perr = "unknown", c.deadLetter(ctx, it.msg, events.ReasonInvalid, it.decodeErr)
+			typ, perr = "unknown", stream.Reject(ctx, c.js, c.opts.Events, stream.ReasonInvalid, it.msg, it.decodeErr)
 		case it.rejected != nil:
-			typ, perr = it.ev.Type(), c.deadLetter(ctx, it.msg, ReasonRejected, it.rejected)
+			typ, perr = it.ev.Type(), stream.Reject(ctx, c.js, c.opts.Events, ReasonRejected, it.msg, it.rejected)
 		case it.err != nil && it.transient:
 			typ, perr = it.ev.Type(), c.retry(ctx, it.msg, it.err)
 		default:
-			typ, perr = it.ev.Type(), events.Finish(ctx, c.js, c.opts.Events, it.msg, it.ev, it.err)
+			typ, perr = it.ev.Type(), stream.Finish(ctx, c.js, c.opts.Events, it.msg, it.ev, it.err)
 		}
 		switch {
 		case perr == nil && it.skip:
 			c.m.events.WithLabelValues(typ, "ignored").Inc()
 		case perr == nil:
 			c.m.events.WithLabelValues(typ, "ok").Inc()
-		case errors.Is(perr, events.ErrDeadLettered):
+		case errors.Is(perr, stream.ErrDeadLettered):
 			c.m.events.WithLabelValues(typ, "dead_lettered").Inc()
 			c.m.published.WithLabelValues(publishedDLQ).Inc()
 			c.log.Warn("event dead-lettered", "err", perr)
@@ -245,9 +246,6 @@ func (c *Consumer) retry(ctx context.Context, msg jetstream.Msg, cause error) er
 		return cause
 	}
 	delay := c.opts.Events.AckWait
-	if delay <= 0 {
-		delay = events.DefaultAckWait
-	}
 	if md, err := msg.Metadata(); err == nil && md.NumDelivered >= 1 && md.NumDelivered < 32 {
 		delay = min(delay, time.Second<<(md.NumDelivered-1))
 	}
@@ -278,23 +276,6 @@ func transient(err error) bool {
 // ReasonRejected is the dead-letter reason of an event Postgres refused
 // to store (see ledger.IsRejected).
 const ReasonRejected = "ledger_rejected"
-
-// deadLetter moves msg to the dead-letter stream under reason at once and
-// terminates it; if that fails it is nak'ed and comes back.
-func (c *Consumer) deadLetter(ctx context.Context, msg jetstream.Msg, reason string, cause error) error {
-	prefix := c.opts.Events.SubjectPrefix
-	if prefix == "" {
-		prefix = events.DefaultSubjectPrefix
-	}
-	if err := events.DeadLetter(ctx, c.js, prefix, reason, msg, cause); err != nil {
-		_ = msg.NakWithDelay(time.Second)
-		return err
-	}
-	if err := msg.Term(); err != nil {
-		return fmt.Errorf("term dead-lettered %s: %w", msg.Subject(), err)
-	}
-	return fmt.Errorf("%w (%s): %w", events.ErrDeadLettered, reason, cause)
-}
 
 // record turns an event, first stored at stored, into its ledger row. Its
 // time is at most stored: the few seconds of clock skew an event may have
@@ -454,7 +435,7 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 	if len(fixes) > 0 {
 		stored := len(fixes)
 		if err := c.pub.PublishBatch(ctx, fixes); err != nil {
-			var be *events.BatchError
+			var be *stream.BatchError
 			if !errors.As(err, &be) {
 				return fmt.Errorf("publish corrections: %w", err)
 			}

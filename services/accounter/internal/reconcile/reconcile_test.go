@@ -14,6 +14,7 @@ import (
 
 	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/ledger"
 	"quotaflow/services/accounter/internal/ledgertest"
@@ -26,7 +27,7 @@ import (
 type world struct {
 	*ledgertest.World
 	rec  *Reconciler
-	pub  *events.Publisher
+	pub  *stream.Publisher
 	cons jetstream.Consumer
 }
 
@@ -34,13 +35,13 @@ func newWorld(t testing.TB, repair bool) *world {
 	t.Helper()
 	lw := ledgertest.New(t)
 	_, js := natstest.Connect(t, natstest.URL())
-	ec := natstest.Streams(t, js, "reconcile", events.Config{AckWait: 30 * time.Second, MaxDeliver: 5})
-	cons, err := events.EnsureConsumer(lw.Ctx, js, ec, "accounter")
+	ec := natstest.Streams(t, js, "reconcile", stream.Config{AckWait: 30 * time.Second, MaxDeliver: 5})
+	cons, err := stream.EnsureConsumer(lw.Ctx, js, ec, "accounter")
 	if err != nil {
 		t.Fatal(err)
 	}
 	return &world{
-		World: lw, pub: events.NewPublisher(js, ec), cons: cons,
+		World: lw, pub: stream.NewPublisher(js, ec), cons: cons,
 		rec: newReconciler(lw, lw.Store, cons, repair),
 	}
 }

@@ -28,6 +28,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
@@ -92,7 +93,7 @@ type Options struct {
 	UsageTimeout time.Duration
 	// MaxEventAge is how long the usage stream keeps events (its MaxAge):
 	// POST /v1/usage refuses an event older than that, which the
-	// consumers would dead-letter (default events.DefaultMaxAge).
+	// consumers would dead-letter (default stream.Defaults().MaxAge).
 	MaxEventAge time.Duration
 	// Log receives errors and per-request debug lines (never tokens); nil
 	// discards them.
@@ -152,7 +153,7 @@ func New(o Options) (*Handler, error) {
 		o.UsageTimeout = 5 * time.Second
 	}
 	if o.MaxEventAge <= 0 {
-		o.MaxEventAge = events.DefaultMaxAge
+		o.MaxEventAge = stream.Defaults().MaxAge
 	}
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)

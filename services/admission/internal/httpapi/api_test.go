@@ -21,6 +21,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
@@ -1133,7 +1134,7 @@ func TestUsageReport(t *testing.T) {
 		t.Errorf("POST /v1/usage with another tenant's event = %d, want 403", w.Code)
 	}
 	// NATS failing: 503, retry.
-	e.ev.nowErr = &events.BatchError{Errs: []error{nil, errors.New("timeout")}}
+	e.ev.nowErr = &stream.BatchError{Errs: []error{nil, errors.New("timeout")}}
 	w = e.do("POST", "/v1/usage", body, auth...)
 	if w.Code != 503 || w.Header().Get("Retry-After") != "1" || !strings.Contains(decodeMap(t, w)["message"].(string), "1 of 2") {
 		t.Errorf("POST /v1/usage with NATS failing = %d %s", w.Code, w.Body)

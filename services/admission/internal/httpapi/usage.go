@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/services/admission/internal/auth"
 )
 
@@ -84,7 +85,7 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 			writeError(w, 499, "client closed the request")
 			return
 		}
-		var be *events.BatchError
+		var be *stream.BatchError
 		n := len(evs)
 		if errors.As(err, &be) {
 			n = len(be.Unwrap())

@@ -13,6 +13,7 @@ import (
 
 	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // These tests publish to real NATS servers: the shared one (QF_NATS_URL,
@@ -93,8 +94,8 @@ func streamMsgs(js jetstream.JetStream, stream string) uint64 {
 
 func TestRealNATS(t *testing.T) {
 	_, js := connect(t, natstest.URL())
-	cfg := natstest.Streams(t, js, "outbox", events.Config{})
-	o, err := New(events.NewPublisher(js, cfg), Options{SpillDir: t.TempDir()})
+	cfg := natstest.Streams(t, js, "outbox", stream.Config{})
+	o, err := New(stream.NewPublisher(js, cfg), Options{SpillDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,8 +137,8 @@ func TestRealNATS(t *testing.T) {
 // instance's aggregate published again is stored once.
 func TestDeniedAcrossInstances(t *testing.T) {
 	_, js := connect(t, natstest.URL())
-	cfg := natstest.Streams(t, js, "outbox", events.Config{})
-	pub := events.NewPublisher(js, cfg)
+	cfg := natstest.Streams(t, js, "outbox", stream.Config{})
+	pub := stream.NewPublisher(js, cfg)
 	d := events.Denied{Tenant: "acme", User: "u", IP: "203.0.113.7", Endpoint: "/e", Scope: "user", Name: "5h"}
 	var instances []string
 	for _, n := range []int{3, 2} {
@@ -181,10 +182,10 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 	port := s.Addr().(*net.TCPAddr).Port
 	t.Cleanup(func() { natstest.Stop(s) })
 	nc, js := connect(t, s.ClientURL())
-	cfg := natstest.Streams(t, js, "outbox", events.Config{})
+	cfg := natstest.Streams(t, js, "outbox", stream.Config{})
 
 	spillDir := t.TempDir()
-	o, err := New(events.NewPublisher(js, cfg), Options{
+	o, err := New(stream.NewPublisher(js, cfg), Options{
 		SpillDir: spillDir, MaxEvents: 50, BatchSize: 16,
 		PublishTimeout: 500 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
 	})

@@ -39,10 +39,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // Publisher stores a batch of events in the stream and says which failed:
-// *events.Publisher.
+// *stream.Publisher.
 type Publisher interface {
 	PublishBatch(ctx context.Context, evs []events.Event) error
 }
@@ -262,11 +263,11 @@ func (o *Outbox) Denied(d events.Denied, at time.Time) {
 }
 
 // PublishNow publishes evs synchronously (POST /v1/usage) and returns
-// nil once the stream has stored every one, else an *events.BatchError
+// nil once the stream has stored every one, else a *stream.BatchError
 // saying which failed. It does not use the queue.
 func (o *Outbox) PublishNow(ctx context.Context, evs []events.Event) error {
 	err := o.pub.PublishBatch(ctx, evs)
-	var be *events.BatchError
+	var be *stream.BatchError
 	switch {
 	case err == nil:
 		for _, ev := range evs {
@@ -548,7 +549,7 @@ func (o *Outbox) publish(ctx context.Context, batch []events.Event) ([]events.Ev
 		}
 		return nil, nil
 	}
-	var be *events.BatchError
+	var be *stream.BatchError
 	if !errors.As(err, &be) || len(be.Errs) != len(batch) {
 		return batch, err
 	}

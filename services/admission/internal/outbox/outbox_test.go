@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 var testNow = time.Date(2025, 3, 14, 9, 26, 53, 0, time.UTC)
@@ -58,7 +59,7 @@ func (p *fakePublisher) PublishBatch(ctx context.Context, evs []events.Event) er
 		}
 	}
 	if failed {
-		return &events.BatchError{Errs: errs}
+		return &stream.BatchError{Errs: errs}
 	}
 	return nil
 }

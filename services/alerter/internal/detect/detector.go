@@ -74,7 +74,7 @@ const maxCachedLevels = 200_000
 type Router func(kind, tenant string) []string
 
 // Detector raises alerts from events. Its event methods fit
-// events.Handlers; Run evaluates the rate-based alerts periodically. It is
+// stream.Handlers; Run evaluates the rate-based alerts periodically. It is
 // safe for concurrent use. Create it with New.
 //
 // Run one alerter per consumer: the rate windows and the cache of

@@ -1,4 +1,4 @@
-package events
+package stream_test
 
 import (
 	"context"
@@ -8,37 +8,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/internal/natstest"
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
-
-// startServer runs an embedded nats-server with JetStream storing in dir,
-// on port (-1: any free port).
-func startServer(t *testing.T, dir string, port int) *server.Server {
-	t.Helper()
-	s, err := server.NewServer(&server.Options{
-		Host:      "127.0.0.1",
-		Port:      port,
-		JetStream: true,
-		StoreDir:  dir,
-		NoLog:     true,
-		NoSigs:    true,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Start()
-	if !s.ReadyForConnections(10 * time.Second) {
-		t.Fatal("embedded nats-server did not start")
-	}
-	return s
-}
-
-func stopServer(s *server.Server) {
-	s.Shutdown()
-	s.WaitForShutdown()
-}
 
 // TestRetryAfterRestartDedups stops the server while events are being
 // published, restarts it on the same store, and retries every event until
@@ -46,18 +22,18 @@ func stopServer(s *server.Server) {
 // client's buffered resends) duplicates, so each event is stored once.
 func TestRetryAfterRestartDedups(t *testing.T) {
 	dir := t.TempDir()
-	s := startServer(t, dir, -1)
+	s := natstest.Embedded(t, dir, -1)
 	port := s.Addr().(*net.TCPAddr).Port
-	t.Cleanup(func() { stopServer(s) })
+	t.Cleanup(func() { natstest.Stop(s) })
 
 	nc, js := connect(t, s.ClientURL(),
 		nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectJitter(0, 0))
 	cfg := testStreams(t, js)
-	p := NewPublisher(js, cfg)
+	p := stream.NewPublisher(js, cfg)
 
-	var evs []Event
+	var evs []events.Event
 	for i := range 20 {
-		evs = append(evs, NewActual("svc", Actual{
+		evs = append(evs, events.NewActual("svc", events.Actual{
 			RequestID: fmt.Sprintf("r-%d", i), Tenant: "acme", User: "u-1", InputTokens: int64(i), OutputTokens: 1,
 		}, testNow))
 	}
@@ -67,15 +43,15 @@ func TestRetryAfterRestartDedups(t *testing.T) {
 		t.Fatalf("PublishBatch before the outage = %v", err)
 	}
 
-	stopServer(s)
+	natstest.Stop(s)
 	// During the outage publishes fail (the client buffers them and will
 	// resend them after reconnecting, which the caller cannot know).
 	short, cancel2 := context.WithTimeout(ctx, 300*time.Millisecond)
 	err := p.PublishBatch(short, evs)
 	cancel2()
-	var be *BatchError
+	var be *stream.BatchError
 	if !errors.As(err, &be) {
-		t.Fatalf("PublishBatch during the outage = %v, want a *BatchError", err)
+		t.Fatalf("PublishBatch during the outage = %v, want a *stream.BatchError", err)
 	}
 	short, cancel3 := context.WithTimeout(ctx, 100*time.Millisecond)
 	if err := p.Publish(short, evs[15]); err == nil {
@@ -83,7 +59,7 @@ func TestRetryAfterRestartDedups(t *testing.T) {
 	}
 	cancel3()
 
-	s = startServer(t, dir, port)
+	s = natstest.Embedded(t, dir, port)
 	// Retry what failed until the restarted server has taken everything.
 	pending := evs
 	for attempt := 0; len(pending) > 0; attempt++ {
@@ -97,7 +73,7 @@ func TestRetryAfterRestartDedups(t *testing.T) {
 			pending = nil
 			break
 		}
-		var next []Event
+		var next []events.Event
 		for i, e := range be.Errs {
 			if e != nil {
 				next = append(next, pending[i])
@@ -118,12 +94,12 @@ func TestRetryAfterRestartDedups(t *testing.T) {
 	}
 	// Every event is now a duplicate as far as the restarted server is
 	// concerned, including those stored before the outage.
-	for _, ev := range []Event{evs[0], evs[19]} {
-		b, err := Encode(ev)
+	for _, ev := range []events.Event{evs[0], evs[19]} {
+		b, err := events.Encode(ev)
 		if err != nil {
 			t.Fatal(err)
 		}
-		ack, err := js.Publish(ctx, Subject(cfg.SubjectPrefix, ev.Type()), b, jetstream.WithMsgID(ev.ID))
+		ack, err := js.Publish(ctx, events.Subject(cfg.SubjectPrefix, ev.Type()), b, jetstream.WithMsgID(ev.ID))
 		if err != nil || !ack.Duplicate {
 			t.Errorf("republish %s: ack %+v, %v; want a duplicate", ev.ID, ack, err)
 		}

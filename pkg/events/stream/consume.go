@@ -1,4 +1,4 @@
-package events
+package stream
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/pkg/events"
 )
 
 // ErrDeadLettered is wrapped by Process's error when it moved the message
@@ -24,7 +26,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.StreamConsumerManager, cfg
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg = cfg.withDefaults()
+	cfg = cfg.WithDefaults()
 	c, err := js.CreateOrUpdateConsumer(ctx, cfg.Stream, jetstream.ConsumerConfig{
 		Durable:       durable,
 		Description:   "quotaflow " + durable,
@@ -32,7 +34,7 @@ func EnsureConsumer(ctx context.Context, js jetstream.StreamConsumerManager, cfg
 		AckPolicy:     jetstream.AckExplicitPolicy,
 		AckWait:       cfg.AckWait,
 		MaxDeliver:    -1,
-		FilterSubject: UsageSubjects(cfg.SubjectPrefix),
+		FilterSubject: events.UsageSubjects(cfg.SubjectPrefix),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("ensure consumer %s on %s: %w", durable, cfg.Stream, err)
@@ -42,44 +44,44 @@ func EnsureConsumer(ctx context.Context, js jetstream.StreamConsumerManager, cfg
 
 // Handler handles one decoded event. An error means "try again later";
 // handlers must be idempotent, since delivery is at least once.
-type Handler func(ctx context.Context, ev Event) error
+type Handler func(ctx context.Context, ev events.Event) error
 
 // Handlers routes events to a function per type. A nil function skips its
 // type (the event is acked unhandled), so the accounter can leave
 // Corrected nil to ignore its own events. Pass h.Dispatch to Process.
 type Handlers struct {
-	Reserved  func(ctx context.Context, ev Event, d Reserved) error  // quotaflow.usage.reserved
-	Denied    func(ctx context.Context, ev Event, d Denied) error    // quotaflow.usage.denied
-	Actual    func(ctx context.Context, ev Event, d Actual) error    // quotaflow.usage.actual
-	Released  func(ctx context.Context, ev Event, d Released) error  // quotaflow.usage.released
-	Corrected func(ctx context.Context, ev Event, d Corrected) error // quotaflow.usage.corrected
-	TopUp     func(ctx context.Context, ev Event, d TopUp) error     // quotaflow.balance.topup
+	Reserved  func(ctx context.Context, ev events.Event, d events.Reserved) error  // quotaflow.usage.reserved
+	Denied    func(ctx context.Context, ev events.Event, d events.Denied) error    // quotaflow.usage.denied
+	Actual    func(ctx context.Context, ev events.Event, d events.Actual) error    // quotaflow.usage.actual
+	Released  func(ctx context.Context, ev events.Event, d events.Released) error  // quotaflow.usage.released
+	Corrected func(ctx context.Context, ev events.Event, d events.Corrected) error // quotaflow.usage.corrected
+	TopUp     func(ctx context.Context, ev events.Event, d events.TopUp) error     // quotaflow.balance.topup
 }
 
 // Dispatch calls the function of ev's type; it is a Handler.
-func (h *Handlers) Dispatch(ctx context.Context, ev Event) error {
+func (h *Handlers) Dispatch(ctx context.Context, ev events.Event) error {
 	switch d := ev.Data.(type) {
-	case Reserved:
+	case events.Reserved:
 		if h.Reserved != nil {
 			return h.Reserved(ctx, ev, d)
 		}
-	case Denied:
+	case events.Denied:
 		if h.Denied != nil {
 			return h.Denied(ctx, ev, d)
 		}
-	case Actual:
+	case events.Actual:
 		if h.Actual != nil {
 			return h.Actual(ctx, ev, d)
 		}
-	case Released:
+	case events.Released:
 		if h.Released != nil {
 			return h.Released(ctx, ev, d)
 		}
-	case Corrected:
+	case events.Corrected:
 		if h.Corrected != nil {
 			return h.Corrected(ctx, ev, d)
 		}
-	case TopUp:
+	case events.TopUp:
 		if h.TopUp != nil {
 			return h.TopUp(ctx, ev, d)
 		}
@@ -90,8 +92,8 @@ func (h *Handlers) Dispatch(ctx context.Context, ev Event) error {
 // Process handles one message of a consumer made by EnsureConsumer, so a
 // bad event never stops the consumer:
 //
-//   - an event DecodeMsg rejects (Decode's rules, and a time out of the
-//     bounds of its first storage) is dead-lettered (ReasonInvalid) and
+//   - an event DecodeMsg rejects (events.Decode's rules, and a time out of
+//     the bounds of its first storage) is dead-lettered (ReasonInvalid) and
 //     terminated;
 //   - otherwise handle runs; on success the message is acked;
 //   - when handle fails, the message is nak'ed with a backoff of 1 s
@@ -107,7 +109,7 @@ func (h *Handlers) Dispatch(ctx context.Context, ev Event) error {
 func Process(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, handle Handler) error {
 	ev, err := DecodeMsg(msg, cfg)
 	if err != nil {
-		return deadLetter(ctx, js, cfg.withDefaults(), ReasonInvalid, msg, err)
+		return Reject(ctx, js, cfg, ReasonInvalid, msg, err)
 	}
 	return Finish(ctx, js, cfg, msg, ev, handle(ctx, ev))
 }
@@ -116,8 +118,8 @@ func Process(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstr
 // herr, as Process does after its handler: it acks on success, else naks
 // with the backoff or dead-letters at cfg.MaxDeliver. It is for consumers
 // that decode and handle a batch themselves, so a message is decoded once.
-func Finish(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, ev Event, herr error) error {
-	cfg = cfg.withDefaults()
+func Finish(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, ev events.Event, herr error) error {
+	cfg = cfg.WithDefaults()
 	if herr != nil {
 		if ctx.Err() != nil {
 			// Shutting down: hand it to another worker now.
@@ -130,7 +132,7 @@ func Finish(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstre
 		}
 		if delivered >= uint64(cfg.MaxDeliver) {
 			cause := fmt.Errorf("%s %s: delivered %d times, last error: %w", ev.Type(), ev.ID, delivered, herr)
-			return deadLetter(ctx, js, cfg, ReasonMaxDeliver, msg, cause)
+			return Reject(ctx, js, cfg, ReasonMaxDeliver, msg, cause)
 		}
 		_ = msg.NakWithDelay(backoff(delivered, cfg.AckWait)) // if lost, AckWait redelivers
 		return fmt.Errorf("handle %s %s (delivery %d): %w", ev.Type(), ev.ID, delivered, herr)
@@ -141,8 +143,13 @@ func Finish(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstre
 	return nil
 }
 
-func deadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, msg jetstream.Msg, cause error) error {
-	if err := DeadLetter(ctx, js, cfg.SubjectPrefix, reason, msg, cause); err != nil {
+// Reject ends the delivery of msg for good, as Process does with an event
+// that can never succeed: it dead-letters msg under reason (DeadLetter) and
+// terminates it, returning an error wrapping ErrDeadLettered. If the dead
+// letter cannot be published, msg is nak'ed to come back a second later and
+// the error says why.
+func Reject(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, msg jetstream.Msg, cause error) error {
+	if err := DeadLetter(ctx, js, cfg, reason, msg, cause); err != nil {
 		_ = msg.NakWithDelay(time.Second) // if lost, AckWait redelivers
 		return err
 	}

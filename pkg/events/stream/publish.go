@@ -1,4 +1,4 @@
-package events
+package stream
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/pkg/events"
 )
 
 // Headers of a dead letter, beside the original payload.
@@ -32,7 +34,7 @@ const (
 // Dead-letter reasons used by Process; each is the last token of the
 // dead-letter subject.
 const (
-	ReasonInvalid    = "invalid"     // Decode rejected the event
+	ReasonInvalid    = "invalid"     // DecodeMsg rejected the event
 	ReasonMaxDeliver = "max_deliver" // the handler failed MaxDeliver times
 )
 
@@ -45,8 +47,8 @@ const maxHeaderError = 1024
 
 // Publisher publishes events to the usage stream, each with Nats-Msg-Id set
 // to the event id, so a retried publish of the same event is stored once.
-// It validates every event first (Encode): consumers never see an event
-// this package would reject. Publish is the call most callers want;
+// It validates every event first (events.Encode): consumers never see an
+// event the contract rejects. Publish is the call most callers want;
 // PublishBatch sends many at once. A Publisher is safe for concurrent use.
 type Publisher struct {
 	js      jetstream.Publisher
@@ -70,7 +72,7 @@ func WithOwnTime() PublisherOption { return func(p *Publisher) { p.ownTime = tru
 // of cfg (zero fields take their defaults). Every publish expects cfg's
 // stream, so a misrouted prefix fails instead of landing elsewhere.
 func NewPublisher(js jetstream.Publisher, cfg Config, opts ...PublisherOption) *Publisher {
-	cfg = cfg.withDefaults()
+	cfg = cfg.WithDefaults()
 	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream}
 	for _, o := range opts {
 		o(p)
@@ -78,28 +80,28 @@ func NewPublisher(js jetstream.Publisher, cfg Config, opts ...PublisherOption) *
 	return p
 }
 
-func (p *Publisher) msg(ev Event) (*nats.Msg, error) {
-	b, err := Encode(ev)
+func (p *Publisher) msg(ev events.Event) (*nats.Msg, error) {
+	b, err := events.Encode(ev)
 	if err != nil {
 		return nil, err
 	}
-	m := nats.NewMsg(Subject(p.prefix, ev.Type()))
+	m := nats.NewMsg(events.Subject(p.prefix, ev.Type()))
 	m.Data = b
-	m.Header.Set("Content-Type", ContentType)
+	m.Header.Set("Content-Type", events.ContentType)
 	if p.ownTime {
 		m.Header.Set(HeaderFirstStored, ev.Time.UTC().Format(time.RFC3339Nano))
 	}
 	return m, nil
 }
 
-func (p *Publisher) opts(ev Event) []jetstream.PublishOpt {
+func (p *Publisher) opts(ev events.Event) []jetstream.PublishOpt {
 	return []jetstream.PublishOpt{jetstream.WithMsgID(ev.ID), jetstream.WithExpectStream(p.stream)}
 }
 
 // Publish sends ev and waits until the stream has stored it (or already
-// had it: a duplicate is success). Errors other than ErrInvalid may be
-// retried with the same event.
-func (p *Publisher) Publish(ctx context.Context, ev Event) error {
+// had it: a duplicate is success). Errors other than events.ErrInvalid may
+// be retried with the same event.
+func (p *Publisher) Publish(ctx context.Context, ev events.Event) error {
 	m, err := p.msg(ev)
 	if err != nil {
 		return err
@@ -116,7 +118,7 @@ func (p *Publisher) Publish(ctx context.Context, ev Event) error {
 // ack. The jetstream context bounds how many may be pending
 // (jetstream.WithPublishAsyncMaxPending). Wait for them with the futures,
 // PublishBatch or Flush.
-func (p *Publisher) PublishAsync(ev Event) (jetstream.PubAckFuture, error) {
+func (p *Publisher) PublishAsync(ev events.Event) (jetstream.PubAckFuture, error) {
 	m, err := p.msg(ev)
 	if err != nil {
 		return nil, err
@@ -132,7 +134,7 @@ func (p *Publisher) PublishAsync(ev Event) (jetstream.PubAckFuture, error) {
 // ends (5 s when ctx has no deadline). It returns nil when all were stored,
 // else a *BatchError saying which failed; retrying those (or the whole
 // batch: ids dedup) is safe.
-func (p *Publisher) PublishBatch(ctx context.Context, evs []Event) error {
+func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error {
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
 	errs := make([]error, len(evs))
@@ -204,15 +206,15 @@ func (e *BatchError) Unwrap() []error {
 	return out
 }
 
-// DeadLetter publishes msg's payload unchanged to DLQSubject(prefix,
-// reason) in the dead-letter stream, with headers saying why (HeaderError,
+// DeadLetter publishes msg's payload unchanged to
+// events.DLQSubject(cfg.SubjectPrefix, reason) in the dead-letter stream, with headers saying why (HeaderError,
 // from cause) and where it came from (HeaderSubject, HeaderStream,
 // HeaderSequence, HeaderMsgID, HeaderDelivered). Its Nats-Msg-Id derives
 // from the original stream and sequence, so dead-lettering the same message
 // twice (a crash before its Term) stores it once. Original headers other
 // than Nats-* ones are kept.
-func DeadLetter(ctx context.Context, js jetstream.Publisher, prefix, reason string, msg jetstream.Msg, cause error) error {
-	dl := nats.NewMsg(DLQSubject(prefix, reason))
+func DeadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, msg jetstream.Msg, cause error) error {
+	dl := nats.NewMsg(events.DLQSubject(cfg.WithDefaults().SubjectPrefix, reason))
 	dl.Data = msg.Data()
 	for k, v := range msg.Headers() {
 		if !strings.HasPrefix(strings.ToLower(k), "nats-") {

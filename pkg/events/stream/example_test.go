@@ -1,4 +1,4 @@
-package events_test
+package stream_test
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // A service reporting the tokens a request used.
@@ -22,11 +23,11 @@ func ExamplePublisher() {
 	}
 	defer nc.Drain()
 	js, _ := jetstream.New(nc)
-	var cfg events.Config // defaults: QUOTAFLOW_USAGE on quotaflow.usage.>
-	if err := events.EnsureStreams(ctx, js, cfg); err != nil {
+	var cfg stream.Config // defaults: QUOTAFLOW_USAGE on quotaflow.usage.>
+	if err := stream.Ensure(ctx, js, cfg); err != nil {
 		return
 	}
-	p := events.NewPublisher(js, cfg)
+	p := stream.NewPublisher(js, cfg)
 	ev := events.NewActual("billing-proxy", events.Actual{
 		RequestID: "r-123", Tenant: "acme", User: "u-42", Model: "big-model",
 		InputTokens: 800, OutputTokens: 350,
@@ -48,12 +49,12 @@ func ExampleProcess() {
 	}
 	defer nc.Drain()
 	js, _ := jetstream.New(nc)
-	var cfg events.Config
-	cons, err := events.EnsureConsumer(ctx, js, cfg, "accounter")
+	var cfg stream.Config
+	cons, err := stream.EnsureConsumer(ctx, js, cfg, "accounter")
 	if err != nil {
 		return
 	}
-	h := &events.Handlers{
+	h := &stream.Handlers{
 		Actual: func(ctx context.Context, ev events.Event, d events.Actual) error {
 			// Idempotent effect keyed by ev.ID.
 			return nil
@@ -67,8 +68,8 @@ func ExampleProcess() {
 			continue
 		}
 		for msg := range batch.Messages() {
-			if err := events.Process(ctx, js, cfg, msg, h.Dispatch); err != nil {
-				log.Warn("event not processed", "err", err, "dead_lettered", errors.Is(err, events.ErrDeadLettered))
+			if err := stream.Process(ctx, js, cfg, msg, h.Dispatch); err != nil {
+				log.Warn("event not processed", "err", err, "dead_lettered", errors.Is(err, stream.ErrDeadLettered))
 			}
 		}
 	}

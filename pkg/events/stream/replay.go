@@ -1,4 +1,4 @@
-package events
+package stream
 
 import (
 	"context"
@@ -8,6 +8,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/pkg/events"
 )
 
 // Replay republishes the dead letters of cfg's dead-letter stream whose
@@ -22,14 +24,14 @@ import (
 // CloudEvent id in the payload, so an event that reaches them twice (a
 // replay retried after a crash between publish and delete) counts once.
 func Replay(ctx context.Context, js jetstream.JetStream, cfg Config, reason string) (int, error) {
-	cfg = cfg.withDefaults()
+	cfg = cfg.WithDefaults()
 	stream, err := js.Stream(ctx, cfg.DLQStream)
 	if err != nil {
 		return 0, fmt.Errorf("replay: dead-letter stream %s: %w", cfg.DLQStream, err)
 	}
-	filter := DLQSubject(cfg.SubjectPrefix, ">")
+	filter := events.DLQSubject(cfg.SubjectPrefix, ">")
 	if reason != "" {
-		filter = DLQSubject(cfg.SubjectPrefix, reason)
+		filter = events.DLQSubject(cfg.SubjectPrefix, reason)
 	}
 	info, err := stream.Info(ctx)
 	if err != nil {

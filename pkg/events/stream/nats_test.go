@@ -1,12 +1,9 @@
-package events
+package stream_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -14,109 +11,70 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/internal/natstest"
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
-// These tests run against the real NATS server (QF_NATS_URL, default
-// nats://127.0.0.1:4222; Debian's nats-server 2.9 on the development
-// machines). Each test owns a stream pair and subject prefix and deletes
+// These tests run against the real NATS server (natstest.URL; Debian's
+// nats-server 2.9 on the development machines), or an embedded one where
+// they stop it. Each test owns a stream pair and subject prefix and deletes
 // them; none touches the default QUOTAFLOW_USAGE stream.
 
-func natsURL() string {
-	if u := os.Getenv("QF_NATS_URL"); u != "" {
-		return u
-	}
-	return nats.DefaultURL
+// testStreams are streams of the test's own on js, redelivering fast.
+func testStreams(t *testing.T, js jetstream.JetStream) stream.Config {
+	t.Helper()
+	return natstest.Streams(t, js, "stream", stream.Config{MaxDeliver: 3, AckWait: 300 * time.Millisecond})
 }
 
+// connect connects to url as the test.
 func connect(t *testing.T, url string, opts ...nats.Option) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	opts = append([]nats.Option{nats.Timeout(2 * time.Second), nats.Name(t.Name())}, opts...)
-	nc, err := nats.Connect(url, opts...)
-	if err != nil {
-		t.Fatalf("connect to NATS at %s (start it, or run go test -short): %v", url, err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return nc, js
+	return natstest.Connect(t, url, append([]nats.Option{nats.Timeout(2 * time.Second), nats.Name(t.Name())}, opts...)...)
 }
 
 // realNATS connects to the shared server and returns a Config of streams
-// and a prefix no other test uses, with streams created and deleted at the
-// end.
-func realNATS(t *testing.T) (jetstream.JetStream, Config) {
+// and a prefix no other test uses.
+func realNATS(t *testing.T) (jetstream.JetStream, stream.Config) {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("needs NATS")
 	}
-	_, js := connect(t, natsURL())
+	_, js := connect(t, natstest.URL())
 	return js, testStreams(t, js)
 }
 
-func testStreams(t *testing.T, js jetstream.JetStream) Config {
-	t.Helper()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	sfx := strings.ToUpper(hex.EncodeToString(b[:]))
-	cfg := Config{
-		Stream:        "QFTEST_" + sfx,
-		DLQStream:     "QFTEST_" + sfx + "_DLQ",
-		SubjectPrefix: "qftest_" + strings.ToLower(sfx),
-		MaxAge:        10 * time.Minute,
-		Duplicates:    5 * time.Minute,
-		DLQMaxAge:     10 * time.Minute,
-		MaxDeliver:    3,
-		AckWait:       300 * time.Millisecond,
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := EnsureStreams(ctx, js, cfg); err != nil {
-		t.Fatalf("EnsureStreams(%+v) = %v", cfg, err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		for _, s := range []string{cfg.Stream, cfg.DLQStream} {
-			if err := js.DeleteStream(ctx, s); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
-				t.Errorf("delete stream %s: %v", s, err)
-			}
-		}
-	})
-	return cfg
-}
-
-func streamMsgs(t *testing.T, js jetstream.JetStream, stream string) uint64 {
+func streamMsgs(t *testing.T, js jetstream.JetStream, name string) uint64 {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	s, err := js.Stream(ctx, stream)
+	s, err := js.Stream(ctx, name)
 	if err != nil {
-		t.Fatalf("stream %s: %v", stream, err)
+		t.Fatalf("stream %s: %v", name, err)
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		t.Fatalf("stream %s info: %v", stream, err)
+		t.Fatalf("stream %s info: %v", name, err)
 	}
 	return info.State.Msgs
 }
 
-func TestEnsureStreams(t *testing.T) {
+func TestEnsure(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 
 	// Again, unchanged: idempotent.
-	if err := EnsureStreams(ctx, js, cfg); err != nil {
-		t.Fatalf("EnsureStreams again = %v", err)
+	if err := stream.Ensure(ctx, js, cfg); err != nil {
+		t.Fatalf("Ensure again = %v", err)
 	}
 	s, err := js.Stream(ctx, cfg.Stream)
 	if err != nil {
 		t.Fatal(err)
 	}
 	got := s.CachedInfo().Config
-	if len(got.Subjects) != 1 || got.Subjects[0] != cfg.SubjectPrefix+".usage.>" ||
+	if len(got.Subjects) != 1 || got.Subjects[0] != events.UsageSubjects(cfg.SubjectPrefix) ||
 		got.Duplicates != cfg.Duplicates || got.MaxAge != cfg.MaxAge || got.Storage != jetstream.FileStorage {
 		t.Errorf("usage stream config = subjects %v dup %v age %v storage %v", got.Subjects, got.Duplicates, got.MaxAge, got.Storage)
 	}
@@ -124,15 +82,15 @@ func TestEnsureStreams(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := d.CachedInfo().Config; len(got.Subjects) != 1 || got.Subjects[0] != cfg.SubjectPrefix+".dlq.>" || got.MaxAge != cfg.DLQMaxAge {
+	if got := d.CachedInfo().Config; len(got.Subjects) != 1 || got.Subjects[0] != events.DLQSubjects(cfg.SubjectPrefix) || got.MaxAge != cfg.DLQMaxAge {
 		t.Errorf("dlq stream config = subjects %v age %v", got.Subjects, got.MaxAge)
 	}
 
 	// A changed setting is applied in place.
 	cfg2 := cfg
 	cfg2.MaxAge = 20 * time.Minute
-	if err := EnsureStreams(ctx, js, cfg2); err != nil {
-		t.Fatalf("EnsureStreams(longer max age) = %v", err)
+	if err := stream.Ensure(ctx, js, cfg2); err != nil {
+		t.Fatalf("Ensure(longer max age) = %v", err)
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
@@ -144,8 +102,8 @@ func TestEnsureStreams(t *testing.T) {
 
 	bad := cfg
 	bad.Duplicates = time.Hour
-	if err := EnsureStreams(ctx, js, bad); err == nil {
-		t.Error("EnsureStreams(duplicates > max age) = nil, want an error")
+	if err := stream.Ensure(ctx, js, bad); err == nil {
+		t.Error("Ensure(duplicates > max age) = nil, want an error")
 	}
 }
 
@@ -153,9 +111,9 @@ func TestPublishDedup(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	p := NewPublisher(js, cfg)
+	p := stream.NewPublisher(js, cfg)
 
-	act := exampleOf(t, TypeActual)
+	act := exampleOf(t, events.TypeActual)
 	for i := range 3 {
 		if err := p.Publish(ctx, act); err != nil {
 			t.Fatalf("Publish #%d = %v", i, err)
@@ -167,16 +125,16 @@ func TestPublishDedup(t *testing.T) {
 
 	// The same event rebuilt later (a retry after a crash) has the same id;
 	// a top-up with the same reference dedups even with another amount.
-	again := NewActual("other-host", act.Data.(Actual), testNow.Add(time.Minute))
-	top := exampleOf(t, TypeTopUp)
-	td := top.Data.(TopUp)
+	again := events.NewActual("other-host", act.Data.(events.Actual), testNow.Add(time.Minute))
+	top := exampleOf(t, events.TypeTopUp)
+	td := top.Data.(events.TopUp)
 	td.Amount = 1
-	topAgain := NewTopUp("quotaflow/admission", td, testNow.Add(time.Hour))
+	topAgain := events.NewTopUp("quotaflow/admission", td, testNow.Add(time.Hour))
 	// Same request, other event types, and another request: all distinct.
-	other := act.Data.(Actual)
+	other := act.Data.(events.Actual)
 	other.RequestID = "r-999"
-	otherEv := NewActual("s", other, testNow)
-	evs := append([]Event{otherEv}, examples()...)
+	otherEv := events.NewActual("s", other, testNow)
+	evs := append([]events.Event{otherEv}, oneOfEach()...)
 	evs = append(evs, again, topAgain)
 	if err := p.PublishBatch(ctx, evs); err != nil {
 		t.Fatalf("PublishBatch = %v", err)
@@ -190,21 +148,21 @@ func TestPublishDedup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, ev := range examples() {
-		if ev.Type() == TypeActual {
+	for _, ev := range oneOfEach() {
+		if ev.Type() == events.TypeActual {
 			ev = otherEv // stored last on its subject
 		}
-		m, err := s.GetLastMsgForSubject(ctx, Subject(cfg.SubjectPrefix, ev.Type()))
+		m, err := s.GetLastMsgForSubject(ctx, events.Subject(cfg.SubjectPrefix, ev.Type()))
 		if err != nil {
 			t.Fatalf("last msg on %s: %v", ev.Type(), err)
 		}
 		if id := m.Header.Get(jetstream.MsgIDHeader); id != ev.ID {
 			t.Errorf("%s stored with Nats-Msg-Id %q, want %q", ev.Type(), id, ev.ID)
 		}
-		if ct := m.Header.Get("Content-Type"); ct != ContentType {
+		if ct := m.Header.Get("Content-Type"); ct != events.ContentType {
 			t.Errorf("%s stored with Content-Type %q", ev.Type(), ct)
 		}
-		got, err := Decode(m.Data)
+		got, err := events.Decode(m.Data)
 		if err != nil {
 			t.Errorf("Decode(stored %s) = %v", ev.Type(), err)
 		} else if got.ID != ev.ID {
@@ -217,30 +175,30 @@ func TestPublishBatchErrors(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	p := NewPublisher(js, cfg)
+	p := stream.NewPublisher(js, cfg)
 
-	bad := exampleOf(t, TypeActual)
-	d := bad.Data.(Actual)
+	bad := exampleOf(t, events.TypeActual)
+	d := bad.Data.(events.Actual)
 	d.InputTokens = -1
 	bad.Data = d
-	if err := p.Publish(ctx, bad); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "data.input_tokens: must be >= 0") {
-		t.Errorf("Publish(invalid) = %v, want ErrInvalid about input_tokens", err)
+	if err := p.Publish(ctx, bad); !errors.Is(err, events.ErrInvalid) || !strings.Contains(err.Error(), "data.input_tokens: must be >= 0") {
+		t.Errorf("Publish(invalid) = %v, want events.ErrInvalid about input_tokens", err)
 	}
 
-	evs := examples()
+	evs := oneOfEach()
 	evs[2] = bad
 	err := p.PublishBatch(ctx, evs)
-	var be *BatchError
+	var be *stream.BatchError
 	if !errors.As(err, &be) || len(be.Errs) != len(evs) {
-		t.Fatalf("PublishBatch(one invalid) = %v, want a *BatchError of %d", err, len(evs))
+		t.Fatalf("PublishBatch(one invalid) = %v, want a *stream.BatchError of %d", err, len(evs))
 	}
 	for i, e := range be.Errs {
 		if (e != nil) != (i == 2) {
 			t.Errorf("Errs[%d] = %v", i, e)
 		}
 	}
-	if !errors.Is(err, ErrInvalid) {
-		t.Errorf("PublishBatch error %v does not wrap ErrInvalid", err)
+	if !errors.Is(err, events.ErrInvalid) {
+		t.Errorf("PublishBatch error %v does not wrap events.ErrInvalid", err)
 	}
 	if n := streamMsgs(t, js, cfg.Stream); n != uint64(len(evs)-1) {
 		t.Errorf("stream holds %d, want %d", n, len(evs)-1)
@@ -248,15 +206,15 @@ func TestPublishBatchErrors(t *testing.T) {
 
 	// A publisher whose prefix belongs to no stream gets an error per
 	// event, not a hang.
-	lost := NewPublisher(js, Config{Stream: cfg.Stream, SubjectPrefix: cfg.SubjectPrefix + "_nowhere"})
+	lost := stream.NewPublisher(js, stream.Config{Stream: cfg.Stream, SubjectPrefix: cfg.SubjectPrefix + "_nowhere"})
 	short, cancel2 := context.WithTimeout(ctx, time.Second)
 	defer cancel2()
-	if err := lost.PublishBatch(short, examples()[:2]); !errors.As(err, &be) || be.Errs[0] == nil || be.Errs[1] == nil {
+	if err := lost.PublishBatch(short, oneOfEach()[:2]); !errors.As(err, &be) || be.Errs[0] == nil || be.Errs[1] == nil {
 		t.Errorf("PublishBatch(no stream) = %v, want both failed", err)
 	}
 	// A prefix that lands in another stream fails the expected-stream check.
-	other := NewPublisher(js, Config{Stream: cfg.Stream + "_OTHER", SubjectPrefix: cfg.SubjectPrefix})
-	if err := other.Publish(ctx, exampleOf(t, TypeReleased)); err == nil {
+	other := stream.NewPublisher(js, stream.Config{Stream: cfg.Stream + "_OTHER", SubjectPrefix: cfg.SubjectPrefix})
+	if err := other.Publish(ctx, exampleOf(t, events.TypeReleased)); err == nil {
 		t.Error("Publish to a prefix of another stream = nil, want an error")
 	}
 	if err := p.Flush(ctx); err != nil {
@@ -268,39 +226,39 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	p := NewPublisher(js, cfg)
+	p := stream.NewPublisher(js, cfg)
 
 	// Published before the consumer exists: DeliverAll must still see it.
-	good := current(exampleOf(t, TypeActual))
+	good := current(exampleOf(t, events.TypeActual))
 	if err := p.Publish(ctx, good); err != nil {
 		t.Fatal(err)
 	}
 	// A malformed event straight onto the subject, as a buggy service
 	// in another language might.
 	malformed := []byte(`{"specversion":"1.0","type":"quotaflow.usage.actual","data":{"input_tokens":-1}}`)
-	if _, err := js.Publish(ctx, Subject(cfg.SubjectPrefix, TypeActual), malformed, jetstream.WithMsgID("bad-1")); err != nil {
+	if _, err := js.Publish(ctx, events.Subject(cfg.SubjectPrefix, events.TypeActual), malformed, jetstream.WithMsgID("bad-1")); err != nil {
 		t.Fatal(err)
 	}
 	// A valid event whose handler always fails: dead-lettered after
 	// MaxDeliver (3) deliveries.
-	poison := current(exampleOf(t, TypeReleased))
+	poison := current(exampleOf(t, events.TypeReleased))
 	if err := p.Publish(ctx, poison); err != nil {
 		t.Fatal(err)
 	}
 	// The accounter ignores its own corrections: a nil handler acks them.
-	if err := p.Publish(ctx, current(exampleOf(t, TypeCorrected))); err != nil {
+	if err := p.Publish(ctx, current(exampleOf(t, events.TypeCorrected))); err != nil {
 		t.Fatal(err)
 	}
 
 	var cons jetstream.Consumer
 	for range 2 { // idempotent
 		var err error
-		if cons, err = EnsureConsumer(ctx, js, cfg, "worker"); err != nil {
+		if cons, err = stream.EnsureConsumer(ctx, js, cfg, "worker"); err != nil {
 			t.Fatalf("EnsureConsumer = %v", err)
 		}
 	}
 	ci := cons.CachedInfo().Config
-	if ci.FilterSubject != cfg.SubjectPrefix+".usage.>" || ci.DeliverPolicy != jetstream.DeliverAllPolicy ||
+	if ci.FilterSubject != events.UsageSubjects(cfg.SubjectPrefix) || ci.DeliverPolicy != jetstream.DeliverAllPolicy ||
 		ci.AckPolicy != jetstream.AckExplicitPolicy || ci.AckWait != cfg.AckWait {
 		t.Errorf("consumer config = %+v", ci)
 	}
@@ -308,14 +266,14 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	var mu sync.Mutex
 	var handled []string
 	attempts := 0
-	h := &Handlers{
-		Actual: func(_ context.Context, ev Event, d Actual) error {
+	h := &stream.Handlers{
+		Actual: func(_ context.Context, ev events.Event, d events.Actual) error {
 			mu.Lock()
 			defer mu.Unlock()
 			handled = append(handled, ev.ID)
 			return nil
 		},
-		Released: func(context.Context, Event, Released) error {
+		Released: func(context.Context, events.Event, events.Released) error {
 			mu.Lock()
 			defer mu.Unlock()
 			attempts++
@@ -330,9 +288,9 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 			t.Fatal(err)
 		}
 		for msg := range batch.Messages() {
-			switch err := Process(ctx, js, cfg, msg, h.Dispatch); {
+			switch err := stream.Process(ctx, js, cfg, msg, h.Dispatch); {
 			case err == nil:
-			case errors.Is(err, ErrDeadLettered):
+			case errors.Is(err, stream.ErrDeadLettered):
 				dead++
 			default:
 				retried++
@@ -350,23 +308,23 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonInvalid))
+	m, err := dlq.GetLastMsgForSubject(ctx, events.DLQSubject(cfg.SubjectPrefix, stream.ReasonInvalid))
 	if err != nil {
 		t.Fatalf("invalid dead letter: %v", err)
 	}
 	if string(m.Data) != string(malformed) ||
-		!strings.Contains(m.Header.Get(HeaderError), "data.input_tokens: must be >= 0") ||
-		m.Header.Get(HeaderSubject) != Subject(cfg.SubjectPrefix, TypeActual) ||
-		m.Header.Get(HeaderStream) != cfg.Stream || m.Header.Get(HeaderMsgID) != "bad-1" ||
-		m.Header.Get(HeaderSequence) != "2" || m.Header.Get(HeaderDelivered) != "1" {
+		!strings.Contains(m.Header.Get(stream.HeaderError), "data.input_tokens: must be >= 0") ||
+		m.Header.Get(stream.HeaderSubject) != events.Subject(cfg.SubjectPrefix, events.TypeActual) ||
+		m.Header.Get(stream.HeaderStream) != cfg.Stream || m.Header.Get(stream.HeaderMsgID) != "bad-1" ||
+		m.Header.Get(stream.HeaderSequence) != "2" || m.Header.Get(stream.HeaderDelivered) != "1" {
 		t.Errorf("invalid dead letter = %q %v", m.Data, m.Header)
 	}
-	m, err = dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonMaxDeliver))
+	m, err = dlq.GetLastMsgForSubject(ctx, events.DLQSubject(cfg.SubjectPrefix, stream.ReasonMaxDeliver))
 	if err != nil {
 		t.Fatalf("max_deliver dead letter: %v", err)
 	}
-	if e := m.Header.Get(HeaderError); !strings.Contains(e, "ledger unavailable") || !strings.Contains(e, "delivered 3 times") ||
-		m.Header.Get(HeaderMsgID) != poison.ID {
+	if e := m.Header.Get(stream.HeaderError); !strings.Contains(e, "ledger unavailable") || !strings.Contains(e, "delivered 3 times") ||
+		m.Header.Get(stream.HeaderMsgID) != poison.ID {
 		t.Errorf("max_deliver dead letter headers = %v", m.Header)
 	}
 
@@ -382,19 +340,19 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	// The ledger is back: the poison event is replayed from the dead-letter
 	// stream to its subject and handled once; the malformed one stays.
 	for i, want := range []int{1, 0} {
-		n, err := Replay(ctx, js, cfg, ReasonMaxDeliver)
+		n, err := stream.Replay(ctx, js, cfg, stream.ReasonMaxDeliver)
 		if err != nil || n != want {
 			t.Fatalf("Replay #%d = %d, %v; want %d", i, n, err, want)
 		}
 	}
-	if _, err := dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonMaxDeliver)); !errors.Is(err, jetstream.ErrMsgNotFound) {
+	if _, err := dlq.GetLastMsgForSubject(ctx, events.DLQSubject(cfg.SubjectPrefix, stream.ReasonMaxDeliver)); !errors.Is(err, jetstream.ErrMsgNotFound) {
 		t.Errorf("replayed dead letter still in the dead-letter stream: %v", err)
 	}
-	if _, err := dlq.GetLastMsgForSubject(ctx, DLQSubject(cfg.SubjectPrefix, ReasonInvalid)); err != nil {
+	if _, err := dlq.GetLastMsgForSubject(ctx, events.DLQSubject(cfg.SubjectPrefix, stream.ReasonInvalid)); err != nil {
 		t.Errorf("the malformed dead letter was replayed too: %v", err)
 	}
 	var released []string
-	h.Released = func(_ context.Context, ev Event, _ Released) error {
+	h.Released = func(_ context.Context, ev events.Event, _ events.Released) error {
 		released = append(released, ev.ID)
 		return nil
 	}
@@ -404,7 +362,7 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 			t.Fatal(err)
 		}
 		for msg := range batch.Messages() {
-			if err := Process(ctx, js, cfg, msg, h.Dispatch); err != nil {
+			if err := stream.Process(ctx, js, cfg, msg, h.Dispatch); err != nil {
 				t.Fatalf("replayed event: %v", err)
 			}
 		}
@@ -415,7 +373,7 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 
 	// Dead-lettering the same stream message again (a crash before Term)
 	// stores it once.
-	if _, err := js.Publish(ctx, Subject(cfg.SubjectPrefix, TypeActual), malformed, jetstream.WithMsgID("bad-2")); err != nil {
+	if _, err := js.Publish(ctx, events.Subject(cfg.SubjectPrefix, events.TypeActual), malformed, jetstream.WithMsgID("bad-2")); err != nil {
 		t.Fatal(err)
 	}
 	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(2*time.Second))
@@ -425,7 +383,7 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	before := streamMsgs(t, js, cfg.DLQStream)
 	for msg := range batch.Messages() {
 		for range 2 {
-			if err := DeadLetter(ctx, js, cfg.SubjectPrefix, "manual", msg, fmt.Errorf("twice")); err != nil {
+			if err := stream.DeadLetter(ctx, js, cfg, "manual", msg, fmt.Errorf("twice")); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -441,10 +399,10 @@ func TestProcessShutdownRedelivers(t *testing.T) {
 	cfg.MaxDeliver = 1 // a failure would dead-letter at once, but shutdown must not
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := NewPublisher(js, cfg).Publish(ctx, current(exampleOf(t, TypeActual))); err != nil {
+	if err := stream.NewPublisher(js, cfg).Publish(ctx, current(exampleOf(t, events.TypeActual))); err != nil {
 		t.Fatal(err)
 	}
-	cons, err := EnsureConsumer(ctx, js, cfg, "worker")
+	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -463,25 +421,18 @@ func TestProcessShutdownRedelivers(t *testing.T) {
 
 	stopping, stop := context.WithCancel(ctx)
 	stop()
-	err = Process(stopping, js, cfg, fetch(), func(ctx context.Context, _ Event) error { return ctx.Err() })
-	if err == nil || errors.Is(err, ErrDeadLettered) {
+	err = stream.Process(stopping, js, cfg, fetch(), func(ctx context.Context, _ events.Event) error { return ctx.Err() })
+	if err == nil || errors.Is(err, stream.ErrDeadLettered) {
 		t.Fatalf("Process during shutdown = %v, want a retryable error", err)
 	}
 	msg := fetch() // nak'ed without delay: back at once
 	if md, _ := msg.Metadata(); md.NumDelivered != 2 {
 		t.Errorf("redelivery has NumDelivered %d, want 2", md.NumDelivered)
 	}
-	if err := Process(ctx, js, cfg, msg, func(context.Context, Event) error { return nil }); err != nil {
+	if err := stream.Process(ctx, js, cfg, msg, func(context.Context, events.Event) error { return nil }); err != nil {
 		t.Errorf("Process = %v", err)
 	}
 	if n := streamMsgs(t, js, cfg.DLQStream); n != 0 {
 		t.Errorf("DLQ holds %d, want 0", n)
 	}
-}
-
-// current is ev happening now: consumers refuse an event older than the
-// stream keeps them (CheckTime).
-func current(ev Event) Event {
-	ev.Time = time.Now().UTC()
-	return ev
 }
