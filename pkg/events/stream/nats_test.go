@@ -436,3 +436,41 @@ func TestProcessShutdownRedelivers(t *testing.T) {
 		t.Errorf("DLQ holds %d, want 0", n)
 	}
 }
+
+// Replay without a reason replays the dead letters of every reason.
+func TestReplayEveryReason(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	evs := oneOfEach()[2:4] // an actual and a released
+	if err := stream.NewPublisher(js, cfg).PublishBatch(ctx, evs); err != nil {
+		t.Fatal(err)
+	}
+	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, err := cons.Fetch(2, jetstream.FetchMaxWait(2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reasons := []string{"one", "two"}
+	for msg := range batch.Messages() {
+		if err := stream.Reject(ctx, js, cfg, reasons[0], msg, errors.New("test")); !errors.Is(err, stream.ErrDeadLettered) {
+			t.Fatalf("Reject = %v, want ErrDeadLettered", err)
+		}
+		reasons = reasons[1:]
+	}
+	if len(reasons) != 0 {
+		t.Fatalf("fetched %d of 2 messages", 2-len(reasons))
+	}
+	if n, err := stream.Replay(ctx, js, cfg, ""); err != nil || n != 2 {
+		t.Errorf(`Replay(every reason) = %d, %v; want 2`, n, err)
+	}
+	if n := streamMsgs(t, js, cfg.DLQStream); n != 0 {
+		t.Errorf("the dead-letter stream holds %d after the replay, want 0", n)
+	}
+	if n := streamMsgs(t, js, cfg.Stream); n != 4 {
+		t.Errorf("the usage stream holds %d after the replay, want 4 (2 replayed)", n)
+	}
+}

@@ -29,7 +29,7 @@ func Replay(ctx context.Context, js jetstream.JetStream, cfg Config, reason stri
 	if err != nil {
 		return 0, fmt.Errorf("replay: dead-letter stream %s: %w", cfg.DLQStream, err)
 	}
-	filter := events.DLQSubject(cfg.SubjectPrefix, ">")
+	filter := events.DLQSubjects(cfg.SubjectPrefix)
 	if reason != "" {
 		filter = events.DLQSubject(cfg.SubjectPrefix, reason)
 	}
