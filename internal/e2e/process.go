@@ -1,7 +1,13 @@
 // Package e2e runs the quotaflow services as processes for the demo and
-// the chaos suite: building and starting them, a traffic generator that
-// plays a gateway and an LLM service, a webhook receiver that verifies and
-// dedups alerts, and readers of the ledger and the metrics.
+// the chaos suite: building and starting them and private Redis, NATS and
+// Postgres servers, a traffic generator that plays a gateway and an LLM
+// service, a webhook receiver that verifies and dedups alerts, and readers
+// of the ledger and the metrics. It also holds what every test shares
+// (shared.go): free ports, random names, a buffer for concurrent output
+// and a bounded wait.
+//
+// redistest, natstest and pgtest build on it, and the tests of pkg/limits
+// use them: it must not import pkg/limits.
 package e2e
 
 import (
@@ -9,13 +15,11 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 )
@@ -205,33 +209,4 @@ func Tail(path string, n int) string {
 func (p *Process) Kill() {
 	_ = p.Cmd.Process.Kill()
 	<-p.done
-}
-
-// FreePort returns a loopback port nothing listens on right now.
-func FreePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
-// Buffer collects a run's output, written by several goroutines, for a
-// test's failure message.
-type Buffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *Buffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *Buffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

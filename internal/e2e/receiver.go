@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"crypto/hmac"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
@@ -53,6 +54,27 @@ func (a ThresholdAlert) String() string {
 		lim = a.Endpoint + " " + lim
 	}
 	return fmt.Sprintf("%d%% %s/%s %s at %d/%d %s", a.Threshold, a.Tenant, a.User, lim, a.Used, a.Limit, a.Unit)
+}
+
+// NewWebhookSecret returns a fresh Standard Webhooks secret ("whsec_" and
+// the base64 of 24 random bytes) for a run's alerter and its Receiver.
+func NewWebhookSecret() string {
+	key := make([]byte, 24)
+	_, _ = rand.Read(key)
+	return "whsec_" + base64.StdEncoding.EncodeToString(key)
+}
+
+// Webhooks is an alerter webhooks file that sends every alert to the
+// Receiver at url, signed with secret, as the webhook name.
+func Webhooks(name, url, secret string) string {
+	return fmt.Sprintf(`webhooks:
+  - name: %s
+    url: %s
+    secret: %s
+    kinds: []
+    tenants: []
+    allow_private: true   # the receiver is this process, on loopback
+`, name, url, secret)
 }
 
 // NewReceiver starts a Receiver on a loopback port for the Standard

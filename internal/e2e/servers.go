@@ -79,9 +79,10 @@ func startServer(ctx context.Context, cred *syscall.Credential, name, dir, bin s
 // StartRedis runs a redis-server that keeps nothing on disk: a restart
 // after Kill brings it back empty, as a failover to an empty replica does.
 // extra are more redis-server arguments (e.g. "--enable-debug-command",
-// "yes" for a test that makes the server sleep).
+// "yes" for a test that makes the server sleep, or those of a Cluster
+// node: its port leaves room for the cluster bus).
 func StartRedis(ctx context.Context, dir string, extra ...string) (*Server, error) {
-	port, err := FreePort()
+	port, err := redisPort()
 	if err != nil {
 		return nil, err
 	}
@@ -92,6 +93,25 @@ func StartRedis(ctx context.Context, dir string, extra ...string) (*Server, erro
 	p := strconv.Itoa(port)
 	args := append([]string{"--port", p, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir}, extra...)
 	return startServer(ctx, nil, "redis", dir, bin, port, "redis://127.0.0.1:"+p+"/0", args...)
+}
+
+// redisPort is a free port whose cluster bus port, 10000 above it, is
+// free too.
+func redisPort() (int, error) {
+	for range 100 {
+		p, err := FreePort()
+		if err != nil {
+			return 0, err
+		}
+		if p+10000 > 65535 {
+			continue
+		}
+		if bus, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p+10000)); err == nil {
+			bus.Close()
+			return p, nil
+		}
+	}
+	return 0, fmt.Errorf("no free port for redis-server and its cluster bus")
 }
 
 // StartNATS runs a nats-server with JetStream storing in dir/nats, so that

@@ -7,8 +7,6 @@ package natstest
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"os"
 	"strings"
 	"testing"
@@ -18,6 +16,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events/stream"
 )
 
@@ -50,9 +49,7 @@ func Connect(t testing.TB, url string, opts ...nats.Option) (*nats.Conn, jetstre
 // redelivery settings are kept), and deletes both streams at cleanup.
 func Streams(t testing.TB, js jetstream.JetStream, name string, base stream.Config) stream.Config {
 	t.Helper()
-	b := make([]byte, 6)
-	_, _ = rand.Read(b)
-	sfx := strings.ToUpper(name + "_" + hex.EncodeToString(b))
+	sfx := strings.ToUpper(name + "_" + e2e.RandomHex(6))
 	cfg := base
 	cfg.Stream, cfg.DLQStream = "QFTEST_"+sfx, "QFTEST_"+sfx+"_DLQ"
 	cfg.SubjectPrefix = "qftest_" + strings.ToLower(sfx)

@@ -5,8 +5,6 @@ package pgtest
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"net/url"
 	"os"
 	"testing"
@@ -14,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/pgdb"
 )
 
@@ -52,9 +51,7 @@ func NewDatabase(t testing.TB, prefix string) string {
 	if err != nil {
 		t.Fatalf("QF_POSTGRES_URL: %v", err)
 	}
-	b := make([]byte, 5)
-	_, _ = rand.Read(b)
-	db := prefix + "_" + hex.EncodeToString(b)
+	db := prefix + "_" + e2e.RandomHex(5)
 	c, err := pgx.ConnectConfig(ctx, cc)
 	if err != nil {
 		t.Fatalf("postgres is not reachable (run `go tool task deps`): %v", err)

@@ -2,22 +2,20 @@ package redistest
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"strings"
 	"sync/atomic"
 	"testing"
 
 	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/e2e"
 )
 
 // UniqueName returns a name no other test run uses (the test's name and a
 // random suffix), so tests sharing the development Redis own their keys:
 // use it for tenants, endpoints and IPs.
 func UniqueName(t testing.TB) string {
-	b := make([]byte, 6)
-	_, _ = rand.Read(b)
-	return strings.ReplaceAll(t.Name(), "/", "_") + "-" + hex.EncodeToString(b)
+	return strings.ReplaceAll(t.Name(), "/", "_") + "-" + e2e.RandomHex(6)
 }
 
 // RoundTrips is a go-redis hook counting what a client sends: one per

@@ -1,23 +1,22 @@
 // Package redistest starts real Redis servers for tests: private single
 // nodes that a test may stop and restart, and a local three-master Redis
 // Cluster. They run redis-server from PATH (Debian's redis-server package,
-// which `task deps` installs) on free loopback ports, in the test's temp
-// directory, and are stopped by t.Cleanup.
+// which `task deps` installs) as e2e.StartRedis does for the chaos suite,
+// on free loopback ports, in the test's temp directory, and are stopped by
+// t.Cleanup.
 package redistest
 
 import (
 	"context"
-	"fmt"
-	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/e2e"
 )
 
 // SharedURL is the Redis every integration test may use (each test owns its
@@ -47,47 +46,41 @@ func Shared(t testing.TB) *redis.Client {
 	return c
 }
 
-// Server is a private redis-server process.
+// Server is a private redis-server (e2e.StartRedis) that a test may stop
+// and restart.
 type Server struct {
-	t    testing.TB
 	Addr string
-	dir  string
-	args []string
-	cmd  *exec.Cmd
+	t    testing.TB
+	srv  *e2e.Server
 }
 
 // Start runs a private redis-server on a free port with extra args.
 func Start(t testing.TB, args ...string) *Server {
 	t.Helper()
-	s := &Server{t: t, Addr: freeAddr(t), dir: t.TempDir(), args: args}
-	s.Restart()
-	t.Cleanup(s.Stop)
-	return s
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	srv, err := e2e.StartRedis(ctx, t.TempDir(), args...)
+	if err != nil {
+		t.Fatalf("start redis-server: %v", err)
+	}
+	t.Cleanup(srv.Close)
+	return &Server{Addr: srv.Addr, t: t, srv: srv}
 }
 
-// Restart starts the server again on the same port (empty: it keeps
-// nothing on disk), waiting until it answers.
+// Restart starts the server again on the same port after Stop (empty: it
+// keeps nothing on disk), waiting until it answers.
 func (s *Server) Restart() {
 	s.t.Helper()
-	_, port, _ := net.SplitHostPort(s.Addr)
-	args := append([]string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", s.dir, "--logfile", filepath.Join(s.dir, "redis.log")}, s.args...)
-	s.cmd = exec.Command("redis-server", args...)
-	if err := s.cmd.Start(); err != nil {
-		s.t.Fatalf("start redis-server (install it with `go tool task deps`): %v", err)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.srv.Up(ctx); err != nil {
+		s.t.Fatalf("restart redis-server: %v", err)
 	}
-	waitPing(s.t, s.Addr)
 }
 
-// Stop kills the server (SIGKILL: a crash, not a shutdown) and waits for it.
-func (s *Server) Stop() {
-	if s.cmd == nil || s.cmd.Process == nil {
-		return
-	}
-	_ = s.cmd.Process.Kill()
-	_ = s.cmd.Wait()
-	s.cmd = nil
-}
+// Stop kills the server (SIGKILL: a crash, not a shutdown) and waits for
+// it; stopping a stopped server does nothing.
+func (s *Server) Stop() { s.srv.Kill() }
 
 // Client returns a client of the server, closed at cleanup.
 func (s *Server) Client() *redis.Client {
@@ -111,20 +104,13 @@ func Cluster(t testing.TB) *redis.ClusterClient {
 	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
 		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
 	}
-	deadline := time.Now().Add(20 * time.Second)
 	for _, a := range addrs {
 		c := redis.NewClient(&redis.Options{Addr: a})
-		for {
+		t.Cleanup(func() { c.Close() })
+		e2e.Eventually(t, "cluster_state:ok at "+a, func() bool {
 			info, err := c.ClusterInfo(context.Background()).Result()
-			if err == nil && strings.Contains(info, "cluster_state:ok") {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("cluster at %s not ok: %v %s", a, err, info)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-		c.Close()
+			return err == nil && strings.Contains(info, "cluster_state:ok")
+		})
 	}
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs})
 	t.Cleanup(func() { cc.Close() })
@@ -134,39 +120,4 @@ func Cluster(t testing.TB) *redis.ClusterClient {
 		t.Fatalf("cluster shards: %v", err)
 	}
 	return cc
-}
-
-func freeAddr(t testing.TB) string {
-	t.Helper()
-	// Cluster nodes also listen on port+10000, so stay below 55535.
-	for range 100 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatalf("free port: %v", err)
-		}
-		addr := l.Addr().String()
-		l.Close()
-		_, p, _ := net.SplitHostPort(addr)
-		if n, _ := strconv.Atoi(p); n < 55535 {
-			if bus, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", n+10000)); err == nil {
-				bus.Close()
-				return addr
-			}
-		}
-	}
-	t.Fatalf("no free port pair")
-	return ""
-}
-
-func waitPing(t testing.TB, addr string) {
-	t.Helper()
-	c := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
-	defer c.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for c.Ping(context.Background()).Err() != nil {
-		if time.Now().After(deadline) {
-			t.Fatalf("redis-server at %s did not start", addr)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }

@@ -1,0 +1,81 @@
+package e2e
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/hex"
+	"net"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+)
+
+// What the tests of every package share, and the demo, the chaos suite and
+// the benchmark with them: they run beside other runs on shared servers
+// and watch work done on other goroutines and processes.
+
+// FreePort returns a loopback port nothing listens on right now.
+func FreePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// FreeAddr is FreePort as host:port, for what a test or a service listens
+// on.
+func FreeAddr() (string, error) {
+	p, err := FreePort()
+	if err != nil {
+		return "", err
+	}
+	return "127.0.0.1:" + strconv.Itoa(p), nil
+}
+
+// RandomHex returns n random bytes in hex: the suffix that makes a run's
+// tenants, tokens, streams and databases its own on shared servers.
+func RandomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// Buffer collects output that several goroutines write (a logger, a
+// receiver's handlers), for a test to read while they still may.
+type Buffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *Buffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *Buffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// patience bounds Eventually: far above what a healthy wait takes, so a
+// slow shared machine does not fail a test.
+const patience = 30 * time.Second
+
+// Eventually polls cond until it holds, failing the test when it does not
+// within patience: a test waits for what happens on other goroutines
+// instead of sleeping through a guess.
+func Eventually(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(patience)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", patience, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
