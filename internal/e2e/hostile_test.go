@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 )
@@ -67,9 +68,9 @@ type hostileTokens struct {
 
 func newHostileTokens() hostileTokens {
 	tk := hostileTokens{
-		gateway: randomToken("gw"), billing: randomToken("billing"),
-		planpick: randomToken("planpick"), gamma: randomToken("gamma"),
-		ta: randomToken("ta"), tb: randomToken("tb"), rel: randomToken("rel"),
+		gateway: "gw-" + e2e.RandomHex(8), billing: "billing-" + e2e.RandomHex(8),
+		planpick: "planpick-" + e2e.RandomHex(8), gamma: "gamma-" + e2e.RandomHex(8),
+		ta: "ta-" + e2e.RandomHex(8), tb: "tb-" + e2e.RandomHex(8), rel: "rel-" + e2e.RandomHex(8),
 	}
 	tk.entries = []string{tk.gateway, tk.billing + "#billing",
 		tk.planpick + "@planpick", tk.gamma + "@gamma", tk.ta + "@ta", tk.tb + "@tb", tk.rel + "@rel"}

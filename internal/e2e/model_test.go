@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
@@ -163,7 +164,7 @@ tenants:
 func startPipeline(t *testing.T) *pipeline {
 	t.Helper()
 	tenant := redistest.UniqueName(t)
-	gw, bill := randomToken("gw"), randomToken("bill")
+	gw, bill := "gw-"+e2e.RandomHex(8), "bill-"+e2e.RandomHex(8)
 	s := startStack(t, stackConfig{
 		policy: modelPolicy(tenant),
 		tokens: []string{gw, bill + "#billing"},

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/e2e"
 )
 
 // slowPolicy limits one plan's users in tokens, requests and requests in
@@ -32,7 +34,7 @@ func TestHostileSlowReserve(t *testing.T) {
 		t.Skip("builds the services and runs them against the real servers")
 	}
 	t.Parallel() // a stack of its own, so it may overlap TestHostile
-	token := randomToken("gw")
+	token := "gw-" + e2e.RandomHex(8)
 	s := startStack(t, stackConfig{
 		policy: slowPolicy,
 		tokens: []string{token},

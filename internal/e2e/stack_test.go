@@ -3,8 +3,6 @@ package e2e_test
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,7 +10,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -146,7 +143,10 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 		"QF_DLQ_MAX_AGE=" + sc.DLQMaxAge.String(), "QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
 	}
 	start := func(name string, env []string) *e2e.Service {
-		ops := freeAddr(t)
+		ops, err := e2e.FreeAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
 		env = append(append(append([]string{}, common...), "QF_OPS_ADDR="+ops), env...)
 		svc, err := e2e.Start(name, filepath.Join(bin, name), dir, ops, env)
 		if err != nil {
@@ -166,7 +166,10 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 	// from a brand-new Redis.
 	s.accounter = start("accounter", append([]string{"QF_POSTGRES_URL=" + dbURL,
 		"QF_BATCH_WAIT=20ms", "QF_EPOCH_INTERVAL=1s"}, cfg.accounter...))
-	apiAddr := freeAddr(t)
+	apiAddr, err := e2e.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
 	s.api = "http://" + apiAddr
 	s.admission = start("admission", append([]string{"QF_ADMISSION_ADDR=" + apiAddr,
 		"QF_API_TOKENS=" + strings.Join(cfg.tokens, ","), "QF_SPILL_DIR=" + filepath.Join(dir, "spill")}, cfg.admission...))
@@ -179,22 +182,6 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 		t.Fatalf("admission still degraded: %s", deg)
 	}
 	return s
-}
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	p, err := e2e.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return "127.0.0.1:" + strconv.Itoa(p)
-}
-
-// randomToken is a bearer token no other run shares.
-func randomToken(name string) string {
-	b := make([]byte, 8)
-	_, _ = rand.Read(b)
-	return name + "-" + hex.EncodeToString(b)
 }
 
 // patience bounds every wait for the pipeline (the accounter consumes

@@ -1,7 +1,6 @@
 package limits
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
@@ -11,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"quotaflow/internal/e2e"
 )
 
 const (
@@ -72,17 +73,6 @@ func (r *reloads) next(t *testing.T) error {
 	}
 }
 
-// waitFor polls cond until it holds, for at most 10 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // runWatcher runs w until the test ends and checks that Run returns nil.
 func runWatcher(t *testing.T, w *Watcher) {
 	ctx, cancel := context.WithCancel(context.Background())
@@ -94,24 +84,6 @@ func runWatcher(t *testing.T, w *Watcher) {
 			t.Errorf("Run() = %v, want nil after cancel", err)
 		}
 	})
-}
-
-// syncBuffer is a bytes.Buffer safe for the logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func TestReloadKeepsLastGoodPolicy(t *testing.T) {
@@ -171,7 +143,7 @@ func TestReloadOnFileChange(t *testing.T) {
 	path := filepath.Join(dir, "policy.yaml")
 	writeFile(t, path, goodV1)
 	rec := newReloads()
-	var logs syncBuffer
+	var logs e2e.Buffer
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
 	w, err := NewWatcher(path, log, WithReloadHook(rec.hook), WithReloadDebounce(20*time.Millisecond))
 	if err != nil {
@@ -196,17 +168,17 @@ func TestReloadOnFileChange(t *testing.T) {
 	if got := w.Current().DefaultPlan; got != "free" {
 		t.Errorf("after a broken edit DefaultPlan = %q, want free (the last good policy)", got)
 	}
-	waitFor(t, "the failure in the log", func() bool {
+	e2e.Eventually(t, "the failure in the log", func() bool {
 		return strings.Contains(logs.String(), `"msg":"policy reload failed; the last good policy stays in force"`)
 	})
 
 	// Saved by rename, good: picked up.
 	replaceFile(t, path, goodV2)
-	waitFor(t, "default_plan pro", func() bool { return w.Current().DefaultPlan == "pro" })
+	e2e.Eventually(t, "default_plan pro", func() bool { return w.Current().DefaultPlan == "pro" })
 
 	// Written in place, good.
 	writeFile(t, path, goodV3)
-	waitFor(t, "shadow policy", func() bool { return w.Current().Shadow })
+	e2e.Eventually(t, "shadow policy", func() bool { return w.Current().Shadow })
 }
 
 func TestReloadConfigMapSymlinkSwap(t *testing.T) {
@@ -244,7 +216,7 @@ func TestReloadConfigMapSymlinkSwap(t *testing.T) {
 	if err := os.RemoveAll(filepath.Join(dir, "..v1")); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "default_plan pro after the swap", func() bool { return w.Current().DefaultPlan == "pro" })
+	e2e.Eventually(t, "default_plan pro after the swap", func() bool { return w.Current().DefaultPlan == "pro" })
 }
 
 func TestReloadNewWatcherRejectsBadFile(t *testing.T) {

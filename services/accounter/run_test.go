@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -24,6 +22,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/eviction"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/obs"
@@ -63,12 +62,6 @@ func envOr(k, def string) string {
 		return v
 	}
 	return def
-}
-
-func randHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
 }
 
 // env is one test's private world: database, Redis, stream and policy.
@@ -157,7 +150,7 @@ func (e *env) start(h *hooks) (stop func()) {
 		t.Fatal("run did not start")
 	}
 	e.ops = ops
-	waitFor(t, "readyz 200", func() bool {
+	e2e.Eventually(t, "readyz 200", func() bool {
 		resp, err := http.Get("http://" + ops + "/readyz")
 		if err != nil {
 			return false
@@ -201,17 +194,6 @@ func (w testWriter) Write(p []byte) (int, error) {
 }
 
 var _ io.Writer = testWriter{}
-
-func waitFor(t testing.TB, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
 
 // with returns a copy of e that reports to t (a subtest).
 func (e *env) with(t *testing.T) *env {
@@ -305,7 +287,7 @@ func (e *env) status(tenant, user, req string) string {
 
 func (e *env) waitStatus(tenant, user, req, want string) {
 	e.t.Helper()
-	waitFor(e.t, fmt.Sprintf("reservation %s/%s %s %s", tenant, user, req, want), func() bool {
+	e2e.Eventually(e.t, fmt.Sprintf("reservation %s/%s %s %s", tenant, user, req, want), func() bool {
 		return e.status(tenant, user, req) == want
 	})
 }
@@ -329,14 +311,14 @@ func TestAccounterEvents(t *testing.T) {
 	base.start(nil)
 	ctx := context.Background()
 	prefix := base.cfg.SubjectPrefix
-	waitFor(t, "epoch written at start", func() bool {
+	e2e.Eventually(t, "epoch written at start", func() bool {
 		missing, err := limits.EpochMissing(ctx, base.redis.Client())
 		return err == nil && !missing
 	})
 
 	t.Run("duplicate event under another Nats-Msg-Id", func(t *testing.T) {
 		e := base.with(t)
-		ten, usr, req := "dup-"+randHex(4), "u1", "r1"
+		ten, usr, req := "dup-"+e2e.RandomHex(4), "u1", "r1"
 		e.reserve(ten, usr, req, 100, true)
 		ev := e.actual(ten, usr, req, "big-model", 30, 10) // 30 + 3*10 = 60
 		e.publish(ev)
@@ -346,13 +328,13 @@ func TestAccounterEvents(t *testing.T) {
 		}
 		m := nats.NewMsg(events.Subject(prefix, events.TypeActual))
 		m.Data = raw
-		m.Header.Set(jetstream.MsgIDHeader, "another-id-"+randHex(4))
+		m.Header.Set(jetstream.MsgIDHeader, "another-id-"+e2e.RandomHex(4))
 		if _, err := e.js.PublishMsg(ctx, m); err != nil {
 			t.Fatal(err)
 		}
 		e.waitStatus(ten, usr, req, "settled")
 		// Let the second copy be consumed too.
-		waitFor(t, "both copies consumed", func() bool {
+		e2e.Eventually(t, "both copies consumed", func() bool {
 			c, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
 			if err != nil {
 				return false
@@ -377,7 +359,7 @@ func TestAccounterEvents(t *testing.T) {
 
 	t.Run("actual before reserved", func(t *testing.T) {
 		e := base.with(t)
-		ten, usr, req := "early-"+randHex(4), "u1", "r1"
+		ten, usr, req := "early-"+e2e.RandomHex(4), "u1", "r1"
 		e.reserve(ten, usr, req, 100, false)
 		e.publish(e.actual(ten, usr, req, "", 30, 10)) // 40
 		e.waitStatus(ten, usr, req, "settled")
@@ -388,7 +370,7 @@ func TestAccounterEvents(t *testing.T) {
 			RequestID: req, Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
 			ExpiresAt: time.Now().Add(time.Hour), Version: 1,
 		}, time.Now()))
-		waitFor(t, "estimate recorded", func() bool {
+		e2e.Eventually(t, "estimate recorded", func() bool {
 			return e.count("SELECT coalesce(max(estimated_tokens), 0) FROM reservations WHERE tenant=$1", ten) == 100
 		})
 		if got, st := e.used(ten, usr, "5h"), e.status(ten, usr, req); got != 40 || st != "settled" {
@@ -398,7 +380,7 @@ func TestAccounterEvents(t *testing.T) {
 
 	t.Run("actual with no reservation", func(t *testing.T) {
 		e := base.with(t)
-		ten, usr, req := "none-"+randHex(4), "u1", "r1"
+		ten, usr, req := "none-"+e2e.RandomHex(4), "u1", "r1"
 		e.publish(e.actual(ten, usr, req, "", 50, 20))
 		e.waitStatus(ten, usr, req, "settled")
 		if got := e.used(ten, usr, "5h"); got != 70 {
@@ -411,7 +393,7 @@ func TestAccounterEvents(t *testing.T) {
 		// version 0: the actual is charged in full, a release gives
 		// nothing back, although the ledger holds an estimate for both.
 		e := base.with(t)
-		ten, usr := "local-"+randHex(4), "u1"
+		ten, usr := "local-"+e2e.RandomHex(4), "u1"
 		for _, req := range []string{"r1", "r2"} {
 			e.publish(events.NewReserved("test/admission", events.Reserved{
 				RequestID: req, Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
@@ -430,7 +412,7 @@ func TestAccounterEvents(t *testing.T) {
 
 	t.Run("released", func(t *testing.T) {
 		e := base.with(t)
-		ten, usr, req := "rel-"+randHex(4), "u1", "r1"
+		ten, usr, req := "rel-"+e2e.RandomHex(4), "u1", "r1"
 		e.reserve(ten, usr, req, 100, true)
 		e.publish(events.NewReleased("test/service", events.Released{RequestID: req, Tenant: ten, User: usr}, time.Now()))
 		e.waitStatus(ten, usr, req, "released")
@@ -445,7 +427,7 @@ func TestAccounterEvents(t *testing.T) {
 	// was applied first: Redis and the ledger end with the actual charged.
 	inRedisFirst := func(t *testing.T, release bool) (e *env, ten, usr, req string) {
 		e = base.with(t)
-		ten, usr, req = "crash-"+randHex(4), "u1", "r1"
+		ten, usr, req = "crash-"+e2e.RandomHex(4), "u1", "r1"
 		e.reserve(ten, usr, req, 100, true)
 		e.waitStatus(ten, usr, req, "open")
 		st := limits.Settle{Tenant: ten, User: usr, RequestID: req, Actual: 40, Rules: e.rules(ten)}
@@ -461,7 +443,7 @@ func TestAccounterEvents(t *testing.T) {
 		return e, ten, usr, req
 	}
 	consumed := func(e *env, typ, ten string) {
-		waitFor(e.t, typ+" consumed", func() bool {
+		e2e.Eventually(e.t, typ+" consumed", func() bool {
 			return e.count("SELECT count(*) FROM usage_events WHERE type=$1 AND tenant=$2", typ, ten) == 1
 		})
 	}
@@ -494,7 +476,7 @@ func TestAccounterEvents(t *testing.T) {
 		// given back, so the actual is charged in full, not as actual -
 		// estimate.
 		e := base.with(t)
-		ten, usr, req := "relgone-"+randHex(4), "u1", "r1"
+		ten, usr, req := "relgone-"+e2e.RandomHex(4), "u1", "r1"
 		e.reserve(ten, usr, req, 100, true)
 		e.waitStatus(ten, usr, req, "open")
 		e.publish(events.NewReleased("test/service", events.Released{RequestID: req, Tenant: ten, User: usr}, time.Now()))
@@ -515,7 +497,7 @@ func TestAccounterEvents(t *testing.T) {
 		// changes nothing more); already_settled: nothing; unknown: nothing
 		// where Redis holds a reservation of the id (it came after).
 		e := base.with(t)
-		ten, usr := "relst-"+randHex(4), "u1"
+		ten, usr := "relst-"+e2e.RandomHex(4), "u1"
 		e.reserve(ten, usr, "rel", 100, true)
 		e.reserve(ten, usr, "late", 100, true)
 		e.waitStatus(ten, usr, "late", "open")
@@ -529,7 +511,7 @@ func TestAccounterEvents(t *testing.T) {
 			e.publish(events.NewReleased("quotaflow/admission", d, time.Now()))
 		}
 		e.waitStatus(ten, usr, "rel", "released")
-		waitFor(t, "both released events consumed", func() bool {
+		e2e.Eventually(t, "both released events consumed", func() bool {
 			return e.count("SELECT count(*) FROM usage_events WHERE type=$1 AND tenant=$2", events.TypeReleased, ten) == 2
 		})
 		if st := e.status(ten, usr, "late"); st != "open" {
@@ -543,7 +525,7 @@ func TestAccounterEvents(t *testing.T) {
 	t.Run("local reservation expired at the estimate", func(t *testing.T) {
 		// No Redis window held it: settling it at the estimate charges it.
 		e := base.with(t)
-		ten, usr, req := "lexp-"+randHex(4), "u1", "r1"
+		ten, usr, req := "lexp-"+e2e.RandomHex(4), "u1", "r1"
 		e.publish(events.NewReserved("test/admission", events.Reserved{
 			RequestID: req, Tenant: ten, User: usr, Endpoint: "/x", EstimatedTokens: 100,
 			ExpiresAt: time.Now().Add(time.Hour),
@@ -560,7 +542,7 @@ func TestAccounterEvents(t *testing.T) {
 
 	t.Run("expired reservation settled at the estimate", func(t *testing.T) {
 		e := base.with(t)
-		ten, usr, req := "exp-"+randHex(4), "u1", "r1"
+		ten, usr, req := "exp-"+e2e.RandomHex(4), "u1", "r1"
 		e.reserve(ten, usr, req, 100, true)
 		e.waitStatus(ten, usr, req, "open")
 		e.waitStatus(ten, usr, req, "expired") // after QF_RESERVATION_TTL (3s)
@@ -570,7 +552,7 @@ func TestAccounterEvents(t *testing.T) {
 		// A late actual is recorded but corrects nothing.
 		late := e.actual(ten, usr, req, "", 10, 0)
 		e.publish(late)
-		waitFor(t, "late actual recorded", func() bool {
+		e2e.Eventually(t, "late actual recorded", func() bool {
 			return e.count("SELECT count(*) FROM usage_events WHERE event_id=$1", late.ID) == 1
 		})
 		time.Sleep(200 * time.Millisecond)
@@ -612,7 +594,7 @@ func TestAccounterEvents(t *testing.T) {
 
 	t.Run("poison message goes to the DLQ", func(t *testing.T) {
 		e := base.with(t)
-		ten, usr, req := "poison-"+randHex(4), "u1", "r1"
+		ten, usr, req := "poison-"+e2e.RandomHex(4), "u1", "r1"
 		const dlq = `quotaflow_events_published_total{type="dlq"}`
 		before := e.metric(dlq)
 		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeActual), []byte(`{"specversion":"1.0","id":`)); err != nil {
@@ -620,10 +602,10 @@ func TestAccounterEvents(t *testing.T) {
 		}
 		e.publish(e.actual(ten, usr, req, "", 5, 5))
 		e.waitStatus(ten, usr, req, "settled")
-		waitFor(t, "dead letter", func() bool {
+		e2e.Eventually(t, "dead letter", func() bool {
 			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, stream.ReasonInvalid)) == 1
 		})
-		waitFor(t, "dead letter counted as published", func() bool { return e.metric(dlq) == before+1 })
+		e2e.Eventually(t, "dead letter counted as published", func() bool { return e.metric(dlq) == before+1 })
 	})
 
 	t.Run("an event Postgres cannot store goes to the DLQ", func(t *testing.T) {
@@ -633,7 +615,7 @@ func TestAccounterEvents(t *testing.T) {
 		// jsonb refuses the escape; it is published between good ones. (A
 		// NUL, which text cannot hold either, no longer gets this far:
 		// identifiers never hold control characters.)
-		ten := "bad-" + randHex(4)
+		ten := "bad-" + e2e.RandomHex(4)
 		e.publish(e.actual(ten, "u1", "before", "", 1, 1))
 		raw, err := events.Encode(e.actual(ten+"-x", "u1", "r1", "", 1, 1))
 		if err != nil {
@@ -649,7 +631,7 @@ func TestAccounterEvents(t *testing.T) {
 		e.publish(e.actual(ten, "u1", "after", "", 1, 1))
 		e.waitStatus(ten, "u1", "before", "settled")
 		e.waitStatus(ten, "u1", "after", "settled")
-		waitFor(t, "dead letter", func() bool {
+		e2e.Eventually(t, "dead letter", func() bool {
 			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, "ledger_rejected")) == 1
 		})
 	})
@@ -664,7 +646,7 @@ func TestRedeliveredBatchCountsOnce(t *testing.T) {
 	e.cfg.Workers = 1
 	e.cfg.BatchSize = 1000
 	e.cfg.BatchWait = 500 * time.Millisecond
-	ten := "redeliver-" + randHex(4)
+	ten := "redeliver-" + e2e.RandomHex(4)
 	const n = 20
 	var want int64
 	for i := range n {
@@ -700,7 +682,7 @@ func TestRedeliveredBatchCountsOnce(t *testing.T) {
 
 	// A second accounter gets the batch again after AckWait.
 	e.start(nil)
-	waitFor(t, "every actual settled", func() bool {
+	e2e.Eventually(t, "every actual settled", func() bool {
 		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n
 	})
 	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten); got != 2*n {
@@ -718,12 +700,12 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil) // a brand-new Redis and an empty ledger: the epoch is written at once
-	waitFor(t, "epoch written at start", func() bool {
+	e2e.Eventually(t, "epoch written at start", func() bool {
 		missing, err := limits.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
 
-	ten := "flush-" + randHex(4)
+	ten := "flush-" + e2e.RandomHex(4)
 	users := []string{"a", "b", "c"}
 	for i, u := range users {
 		e.reserve(ten, u, "settled", 200, true)
@@ -754,7 +736,7 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 
 	e.redis.Stop()
 	e.redis.Restart() // empty: no persistence
-	waitFor(t, "epoch rewritten", func() bool {
+	e2e.Eventually(t, "epoch rewritten", func() bool {
 		missing, err := limits.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
@@ -784,11 +766,11 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 
 	// Reconciliation agrees with the rebuilt Redis, and takes back tokens
 	// the ledger never heard of.
-	waitFor(t, "no drift", func() bool { return e.metric("quotaflow_accounter_drift_tokens") == 0 })
+	e2e.Eventually(t, "no drift", func() bool { return e.metric("quotaflow_accounter_drift_tokens") == 0 })
 	if _, err := e.lim.Charge(ctx, limits.ChargeRequest{Tenant: ten, User: "b", Rules: e.rules(ten)[:2], Amount: 500}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "1000 tokens (500 in each of two windows) repaired", func() bool {
+	e2e.Eventually(t, "1000 tokens (500 in each of two windows) repaired", func() bool {
 		return e.metric(`quotaflow_accounter_repaired_tokens_total{direction="lowered"}`) == 1000
 	})
 	if got := [2]int64{e.used(ten, "b", "5h"), e.used(ten, "b", "30d")}; got != before["b"] {
@@ -806,7 +788,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil)
-	waitFor(t, "epoch written at start", func() bool {
+	e2e.Eventually(t, "epoch written at start", func() bool {
 		missing, err := limits.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
@@ -836,7 +818,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	e.reserve(ten, "u", "open", 200, true) // no actual yet: its estimate is spent
 	e.waitStatus(ten, "u", "done", "settled")
 	e.waitStatus(ten, "u", "open", "open")
-	waitFor(t, "top-ups in the ledger", func() bool {
+	e2e.Eventually(t, "top-ups in the ledger", func() bool {
 		var n int
 		_ = e.pg.QueryRow(ctx, "SELECT count(*) FROM usage_events WHERE type = 'quotaflow.balance.topup'").Scan(&n)
 		return n == 3
@@ -847,7 +829,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 
 	e.redis.Stop()
 	e.redis.Restart()
-	waitFor(t, "epoch rewritten", func() bool {
+	e2e.Eventually(t, "epoch rewritten", func() bool {
 		missing, err := limits.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
@@ -885,7 +867,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil)
-	waitFor(t, "epoch written at start", func() bool {
+	e2e.Eventually(t, "epoch written at start", func() bool {
 		missing, err := limits.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
@@ -896,7 +878,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 	}
 	defer admin.Close(ctx)
 
-	ten := "pgkill-" + randHex(4)
+	ten := "pgkill-" + e2e.RandomHex(4)
 	const n = 300
 	var want int64
 	published := make(chan struct{})
@@ -944,7 +926,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 			t.Logf("dlq: %d", e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, stream.ReasonMaxDeliver)))
 		}
 	}()
-	waitFor(t, "every event in the ledger and every actual settled", func() bool {
+	e2e.Eventually(t, "every event in the ledger and every actual settled", func() bool {
 		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n &&
 			e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten) == 2*n
 	})
@@ -968,7 +950,7 @@ func TestExpiredReservationReleased(t *testing.T) {
 	e.cfg.ReservationTTL = 2 * time.Second
 	e.cfg.SettleExpiredAtEstimate = false
 	e.start(nil)
-	ten, usr, req := "exprel-"+randHex(4), "u1", "r1"
+	ten, usr, req := "exprel-"+e2e.RandomHex(4), "u1", "r1"
 	e.reserve(ten, usr, req, 100, true)
 	e.waitStatus(ten, usr, req, "expired_released")
 	if got := e.used(ten, usr, "5h"); got != 0 {
@@ -984,13 +966,13 @@ func TestRedisOutageDeadLettersNothing(t *testing.T) {
 	}
 	e.cfg.MaxDeliver = 2 // an outage outlasts it by far
 	e.start(nil)
-	ten, usr, req := "outage-"+randHex(4), "u1", "r1"
+	ten, usr, req := "outage-"+e2e.RandomHex(4), "u1", "r1"
 	e.reserve(ten, usr, req, 100, true)
 	e.waitStatus(ten, usr, req, "open")
 
 	e.redis.Stop()
 	e.publish(e.actual(ten, usr, req, "", 40, 0))
-	waitFor(t, "several failed deliveries", func() bool {
+	e2e.Eventually(t, "several failed deliveries", func() bool {
 		c, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
 		if err != nil {
 			return false
@@ -1022,7 +1004,7 @@ func TestEvictingRedisIsReportedNotFatal(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.start(nil)
-	waitFor(t, "readyz naming volatile-lru", func() bool {
+	e2e.Eventually(t, "readyz naming volatile-lru", func() bool {
 		resp, err := http.Get("http://" + e.ops + "/readyz")
 		if err != nil {
 			return false

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -21,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
@@ -36,12 +35,6 @@ import (
 // on the shared NATS, the API behind an httptest server. Each test owns a
 // random tenant (its Redis keys carry the tenant's hash tag and are deleted
 // at cleanup), its streams and subject prefix.
-
-func randomHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
 
 // cleanupTenant deletes every key of tenant (they share its hash tag).
 func cleanupTenant(t *testing.T, rdb *redis.Client, tenant string) {
@@ -79,7 +72,7 @@ func newStack(t *testing.T, policy string, tokens []string, opts ...stackOption)
 // newStackOn is newStack on the Redis behind rdb.
 func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string, opts ...stackOption) *stack {
 	t.Helper()
-	s := &stack{t: t, tenant: "e2e-" + randomHex(6), reg: prometheus.NewRegistry()}
+	s := &stack{t: t, tenant: "e2e-" + e2e.RandomHex(6), reg: prometheus.NewRegistry()}
 	dir := t.TempDir()
 	path := filepath.Join(dir, "policy.yaml")
 	if err := os.WriteFile(path, []byte(strings.ReplaceAll(policy, "TENANT", s.tenant)), 0o600); err != nil {

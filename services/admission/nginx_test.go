@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/services/admission/internal/httpapi"
 )
 
@@ -45,7 +46,10 @@ plans:
 	}))
 	t.Cleanup(upstream.Close)
 
-	port := freePort(t)
+	addr, err := e2e.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
 	conf, err := os.ReadFile(filepath.Join("..", "..", "deploy", "nginx", "quotaflow.conf"))
 	if err != nil {
 		t.Fatal(err)
@@ -54,7 +58,7 @@ plans:
 	for old, repl := range map[string]string{
 		"server 127.0.0.1:8080;":     "server " + strings.TrimPrefix(s.srv.URL, "http://") + ";",
 		"server 127.0.0.1:3000;":     "server " + strings.TrimPrefix(upstream.URL, "http://") + ";",
-		"listen 127.0.0.1:8000;":     fmt.Sprintf("listen 127.0.0.1:%d;", port),
+		"listen 127.0.0.1:8000;":     "listen " + addr + ";",
 		"CHANGE-ME-admission-token":  "nginx-token",
 		`"key-acme-alice"   "acme";`: `"key-acme-alice"   "` + s.tenant + `";`,
 		`"key-acme-bob"     "acme";`: `"key-acme-bob"     "` + s.tenant + `";`,
@@ -110,8 +114,8 @@ http {
 			}
 		}
 	})
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
-	waitListening(t, fmt.Sprintf("127.0.0.1:%d", port))
+	base := "http://" + addr
+	waitListening(t, addr)
 
 	get := func(key string, hdr ...string) (*http.Response, string) {
 		req, _ := http.NewRequest("POST", base+"/api/v1/generate?stream=1", strings.NewReader(`{"prompt":"hi"}`))
@@ -199,16 +203,6 @@ func ensureNginx(t *testing.T) string {
 		t.Fatalf("deploy/nginx/ensure-nginx.sh: %v", err)
 	}
 	return strings.TrimSpace(string(out))
-}
-
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 func waitListening(t *testing.T, addr string) {

@@ -10,12 +10,12 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events/stream"
@@ -142,11 +142,11 @@ func TestRun(t *testing.T) {
 	cfg := testConfig(t)
 	_, js := natstest.Connect(t, natstest.URL())
 	cfg.Config = natstest.Streams(t, js, "run", stream.Config{})
-	tenant := "run-" + randomHex(6)
+	tenant := "run-" + e2e.RandomHex(6)
 	cleanupTenant(t, redistest.Shared(t), tenant)
 	cfg.APITokens = []string{"run-token@" + tenant}
 	cfg.APITokensFile = filepath.Join(t.TempDir(), "tokens.yaml")
-	fileToken := "run-file-token-" + randomHex(8)
+	fileToken := "run-file-token-" + e2e.RandomHex(8)
 	writeTokens := func(content string) {
 		tmp := cfg.APITokensFile + ".tmp"
 		if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
@@ -158,9 +158,8 @@ func TestRun(t *testing.T) {
 	}
 	writeTokens("- {sha256: " + sha256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway]}\n")
 
-	var logs strings.Builder
-	lw := &syncWriter{w: &logs}
-	log := slog.New(slog.NewJSONHandler(lw, nil))
+	var logs e2e.Buffer
+	log := slog.New(slog.NewJSONHandler(&logs, nil))
 	api, ops, done, cancel := startRun(t, cfg, log)
 	defer cancel()
 
@@ -197,14 +196,10 @@ func TestRun(t *testing.T) {
 	}
 	// A broken edit of the tokens file is counted and changes nothing.
 	writeTokens("- {sha256: " + sha256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway], colour: red}\n")
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if _, body := get(t, ops+"/metrics"); strings.Contains(body, `quotaflow_admission_tokens_reloads_total{result="rejected"} 1`) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the rejected tokens file was not counted within 10s")
-		}
-	}
+	e2e.Eventually(t, "the rejected tokens file counted", func() bool {
+		_, body := get(t, ops+"/metrics")
+		return strings.Contains(body, `quotaflow_admission_tokens_reloads_total{result="rejected"} 1`)
+	})
 	if resp := admit(fileToken); resp.StatusCode != 200 {
 		t.Errorf("POST /v1/admit with the file's token after a broken edit = %d, want 200", resp.StatusCode)
 	}
@@ -218,10 +213,7 @@ func TestRun(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("run did not return after cancel")
 	}
-	lw.mu.Lock()
-	logText := logs.String()
-	lw.mu.Unlock()
-	if s := logText; strings.Contains(s, "run-token") || strings.Contains(s, "run-file-token") || strings.Contains(s, sha256Hex(fileToken)[:16]) {
+	if s := logs.String(); strings.Contains(s, "run-token") || strings.Contains(s, "run-file-token") || strings.Contains(s, sha256Hex(fileToken)[:16]) {
 		t.Errorf("logs contain an API token or its digest: %s", s)
 	} else if !strings.Contains(s, "tokens file rejected") {
 		t.Errorf("the rejected tokens file is not logged: %s", s)
@@ -284,9 +276,8 @@ func TestRunReportsEvictingRedis(t *testing.T) {
 	cfg.Pprof = true
 	_, js := natstest.Connect(t, natstest.URL())
 	cfg.Config = natstest.Streams(t, js, "evict", stream.Config{})
-	var logs strings.Builder
-	lw := &syncWriter{w: &logs}
-	_, ops, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(lw, nil)))
+	var logs e2e.Buffer
+	_, ops, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
 	defer func() { cancel(); <-done }()
 
 	deadline := time.Now().Add(20 * time.Second)
@@ -296,25 +287,10 @@ func TestRunReportsEvictingRedis(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	lw.mu.Lock()
-	l := logs.String()
-	lw.mu.Unlock()
-	if !strings.Contains(l, `"maxmemory_policy":"allkeys-lru","maxmemory":67108864`) {
+	if l := logs.String(); !strings.Contains(l, `"maxmemory_policy":"allkeys-lru","maxmemory":67108864`) {
 		t.Errorf("log = %s, want the warning naming the policy", l)
 	}
 	if code, _ := get(t, ops+"/debug/pprof/"); code != 200 {
 		t.Errorf("/debug/pprof/ with QF_PPROF = %d, want 200", code)
 	}
-}
-
-// syncWriter serializes writes (the logger writes from several goroutines).
-type syncWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (s *syncWriter) Write(b []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(b)
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
 )
 
@@ -39,7 +40,7 @@ func BenchmarkConsume(b *testing.B) {
 	for i := 0; i < len(evs); i += 500 {
 		e.publish(evs[i:min(i+500, len(evs))]...)
 	}
-	e.eventually("all consumed", func() bool {
+	e2e.Eventually(e.t, "all consumed", func() bool {
 		info, err := cons.Info(ctx)
 		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream >= uint64(b.N)
 	})

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -12,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/services/alerter/internal/detect"
 	"quotaflow/services/alerter/internal/store"
 
@@ -33,7 +32,10 @@ func TestKilledMidDelivery(t *testing.T) {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	start := func() *exec.Cmd {
-		ops := freeAddr(t)
+		ops, err := e2e.FreeAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
 		c := e.cfg
 		cmd := exec.Command(bin)
 		cmd.Env = append(os.Environ(),
@@ -46,13 +48,9 @@ func TestKilledMidDelivery(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		e.eventually("alerter process ready", func() bool {
-			resp, err := http.Get("http://" + ops + "/readyz")
-			if err != nil {
-				return false
-			}
-			resp.Body.Close()
-			return resp.StatusCode == http.StatusOK
+		e2e.Eventually(e.t, "alerter process ready", func() bool {
+			code, _ := readyz(ops)
+			return code == http.StatusOK
 		})
 		return cmd
 	}
@@ -69,7 +67,7 @@ func TestKilledMidDelivery(t *testing.T) {
 	e.recv.answerDelay.Store(int64(5 * time.Second))
 	first := start()
 	e.publish(reserved("acme", "u1", "r1", 1, 0, time.Now(), userLimit(850, 0)))
-	e.eventually("an alert accepted, its answer pending", func() bool { return len(e.recv.of(detect.KindThreshold)) == 1 })
+	e2e.Eventually(e.t, "an alert accepted, its answer pending", func() bool { return len(e.recv.of(detect.KindThreshold)) == 1 })
 	if err := first.Process.Kill(); err != nil { // SIGKILL: no shutdown, no flush
 		t.Fatal(err)
 	}
@@ -77,7 +75,7 @@ func TestKilledMidDelivery(t *testing.T) {
 
 	e.recv.answerDelay.Store(0)
 	start()
-	e.eventually("delivered after the restart", func() bool {
+	e2e.Eventually(e.t, "delivered after the restart", func() bool {
 		ds := e.deliveries(detect.KindThreshold)
 		return len(ds) == 1 && ds[0].Status == store.StatusDelivered
 	})
@@ -91,13 +89,4 @@ func TestKilledMidDelivery(t *testing.T) {
 			t.Errorf("webhook-id %s accepted %d times, want 2 (once before the kill, once after)", id, n)
 		}
 	}
-}
-
-func freeAddr(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return fmt.Sprint(l.Addr())
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/services/alerter/internal/detect"
 )
 
@@ -23,7 +24,7 @@ func TestWebhooksReload(t *testing.T) {
     tenants: [globex]
     allow_private: true
 `)
-	logs := &logSink{}
+	logs := &e2e.Buffer{}
 	e.start(logs)
 	write := func(content string) {
 		t.Helper()
@@ -40,7 +41,7 @@ func TestWebhooksReload(t *testing.T) {
 		t.Helper()
 		before := len(e.recv.of(detect.KindThreshold))
 		next := time.Now()
-		e.eventually(what, func() bool {
+		e2e.Eventually(e.t, what, func() bool {
 			if time.Now().After(next) {
 				users++
 				e.publish(reserved("acme", fmt.Sprintf("u%d", users), "r", 1, 0, time.Now().UTC(), userLimit(850, 0)))
@@ -59,7 +60,7 @@ func TestWebhooksReload(t *testing.T) {
     url: ftp://hooks.example.com/x
     secret: $SECRET
 `)
-	e.eventually("rejection logged", func() bool { return strings.Contains(logs.String(), "webhooks[1].url") })
+	e2e.Eventually(e.t, "rejection logged", func() bool { return strings.Contains(logs.String(), "webhooks[1].url") })
 	if !strings.Contains(logs.String(), e.cfg.WebhooksFile) {
 		t.Errorf("rejection does not name the file %s: %s", e.cfg.WebhooksFile, logs.String())
 	}
@@ -69,7 +70,7 @@ func TestWebhooksReload(t *testing.T) {
 	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	e.eventually("reload on SIGHUP", func() bool { return strings.Contains(logs.String(), `"trigger":"SIGHUP"`) })
+	e2e.Eventually(e.t, "reload on SIGHUP", func() bool { return strings.Contains(logs.String(), `"trigger":"SIGHUP"`) })
 	if strings.Contains(logs.String(), strings.TrimPrefix(testSecret, "whsec_")) {
 		t.Errorf("logs contain the webhook secret")
 	}

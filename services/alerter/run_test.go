@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
@@ -165,25 +166,6 @@ func newEnv(t testing.TB, webhooks string) *env {
 	return e
 }
 
-// logSink collects the alerter's logs, so a test can check no secret
-// reaches them.
-type logSink struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *logSink) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logSink) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // start runs an alerter on e until the returned stop is called (or the
 // test ends), after /readyz turned 200.
 func (e *env) start(logs io.Writer) (stop func()) {
@@ -213,13 +195,9 @@ func (e *env) start(logs io.Writer) (stop func()) {
 		})
 	}
 	e.t.Cleanup(stop)
-	e.eventually("alerter ready", func() bool {
-		resp, err := http.Get("http://" + ops + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
+	e2e.Eventually(e.t, "alerter ready", func() bool {
+		code, _ := readyz(ops)
+		return code == http.StatusOK
 	})
 	if e.pg == nil {
 		pool, err := pgxpool.New(context.Background(), e.cfg.PostgresURL)
@@ -230,18 +208,6 @@ func (e *env) start(logs io.Writer) (stop func()) {
 		e.pg = pool
 	}
 	return stop
-}
-
-// eventually polls cond until it holds, failing the test after 20 s.
-func (e *env) eventually(what string, cond func() bool) {
-	e.t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			e.t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 func (e *env) publish(evs ...events.Event) {
@@ -300,7 +266,7 @@ func TestThresholdAlerts(t *testing.T) {
     tenants: [globex]
     allow_private: true
 `)
-	logs := &logSink{}
+	logs := &e2e.Buffer{}
 	e.start(logs)
 	// Event times stand in for the clock; two minutes back, so that the
 	// window reset below still lies in the past (consumers refuse events
@@ -321,7 +287,7 @@ func TestThresholdAlerts(t *testing.T) {
 	}
 	want := func(n int, step string, exp ...string) {
 		t.Helper()
-		e.eventually(step, func() bool { return len(e.recv.of(detect.KindThreshold)) >= n })
+		e2e.Eventually(e.t, step, func() bool { return len(e.recv.of(detect.KindThreshold)) >= n })
 		got := thresholds(t, e.recv.of(detect.KindThreshold))
 		if !maps.EqualFunc(byLimit(got), byLimit(exp), slices.Equal) {
 			t.Fatalf("%s: alerts %q, want %q (in this order per limit)", step, got, exp)
@@ -374,7 +340,7 @@ func TestThresholdAlerts(t *testing.T) {
 
 	// Everything delivered once; the tenant filter kept acme's alerts from
 	// the globex-only webhook.
-	e.eventually("all delivered", func() bool {
+	e2e.Eventually(e.t, "all delivered", func() bool {
 		for _, d := range e.deliveries("") {
 			if d.Status != store.StatusDelivered {
 				return false
@@ -416,7 +382,7 @@ func TestDenialSpikeAndAbuse(t *testing.T) {
 	evs = append(evs, denied("u1", "", "5h", 5))
 	e.publish(evs...)
 	spikes := func(n int) []detect.SpikeData {
-		e.eventually(fmt.Sprintf("%d spike alerts", n), func() bool { return len(e.recv.of(detect.KindSpike)) >= n })
+		e2e.Eventually(e.t, fmt.Sprintf("%d spike alerts", n), func() bool { return len(e.recv.of(detect.KindSpike)) >= n })
 		var out []detect.SpikeData
 		for _, h := range e.recv.of(detect.KindSpike) {
 			var d detect.SpikeData
@@ -455,7 +421,7 @@ func TestDenialSpikeAndAbuse(t *testing.T) {
 
 	// A burst of 60 denials from one user and IP: one abuse alert each.
 	e.publish(denied("u9", "203.0.113.9", "a", 30), denied("u9", "203.0.113.9", "b", 30))
-	e.eventually("abuse alerts", func() bool { return len(e.recv.of(detect.KindAbuse)) >= 2 })
+	e2e.Eventually(e.t, "abuse alerts", func() bool { return len(e.recv.of(detect.KindAbuse)) >= 2 })
 	keys := map[string]bool{}
 	for _, h := range e.recv.of(detect.KindAbuse) {
 		var d detect.AbuseData
@@ -485,12 +451,12 @@ func TestReceiverDownThenUp(t *testing.T) {
 	e.recv.status.Store(http.StatusServiceUnavailable)
 	e.start(nil)
 	e.publish(reserved("acme", "u1", "r1", 1, 0, time.Now(), userLimit(850, 0)))
-	e.eventually("failed attempts", func() bool {
+	e2e.Eventually(e.t, "failed attempts", func() bool {
 		ds := e.deliveries(detect.KindThreshold)
 		return len(ds) == 1 && ds[0].Attempts >= 3 && ds[0].LastStatus == http.StatusServiceUnavailable
 	})
 	e.recv.status.Store(http.StatusOK)
-	e.eventually("delivered", func() bool {
+	e2e.Eventually(e.t, "delivered", func() bool {
 		ds := e.deliveries(detect.KindThreshold)
 		return ds[0].Status == store.StatusDelivered
 	})
@@ -506,7 +472,7 @@ func TestRestartMidRetry(t *testing.T) {
 	e.publish(reserved("acme", "u1", "r1", 1, 0, time.Now(), userLimit(950, 0)))
 	// 80 % is retried; 90 % waits behind it, never attempted, so it
 	// cannot overtake it.
-	e.eventually("retrying", func() bool {
+	e2e.Eventually(e.t, "retrying", func() bool {
 		ds := e.deliveries(detect.KindThreshold)
 		return len(ds) == 2 && ds[0].Attempts >= 2
 	})
@@ -520,7 +486,7 @@ func TestRestartMidRetry(t *testing.T) {
 	e.recv.status.Store(http.StatusOK)
 	e.start(nil)
 	e.publish(reserved("acme", "u1", "r2", 2, 0, time.Now(), userLimit(960, 0))) // same state: no alert
-	e.eventually("delivered", func() bool {
+	e2e.Eventually(e.t, "delivered", func() bool {
 		ds := e.deliveries(detect.KindThreshold)
 		return ds[0].Status == store.StatusDelivered && ds[1].Status == store.StatusDelivered
 	})
@@ -540,7 +506,7 @@ func TestPrivateDestinationRefused(t *testing.T) {
 `)
 	e.start(nil)
 	e.publish(reserved("acme", "u1", "r1", 1, 0, time.Now(), userLimit(850, 0)))
-	e.eventually("dead delivery", func() bool {
+	e2e.Eventually(e.t, "dead delivery", func() bool {
 		ds := e.deliveries(detect.KindThreshold)
 		return len(ds) == 1 && ds[0].Status == store.StatusDead
 	})

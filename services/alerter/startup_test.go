@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"quotaflow/internal/e2e"
 )
 
 // readyz returns /readyz's status code and body, or 0 when ops does not
@@ -23,18 +25,6 @@ func readyz(ops string) (int, string) {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(b)
-}
-
-// freePort returns a loopback address nothing listens on (for now).
-func freePort(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return addr
 }
 
 // proxy forwards the TCP connections accepted on l to target until l is
@@ -71,7 +61,10 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	late := freePort(t)
+	late, err := e2e.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
 	u := *real
 	u.Host = late
 	q := u.Query()
@@ -93,7 +86,7 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 		t.Fatalf("run returned %v before serving /readyz", err)
 	}
 
-	e.eventually("readyz waiting for postgres", func() bool {
+	e2e.Eventually(e.t, "readyz waiting for postgres", func() bool {
 		code, body := readyz(ops)
 		return code == http.StatusServiceUnavailable && strings.Contains(body, "waiting for postgres")
 	})
@@ -113,7 +106,7 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 		t.Fatalf("listen on %s: %v", late, err)
 	}
 	proxy(t, l, real.Host)
-	e.eventually("ready once postgres answers", func() bool {
+	e2e.Eventually(e.t, "ready once postgres answers", func() bool {
 		code, _ := readyz(ops)
 		return code == http.StatusOK
 	})
@@ -133,7 +126,11 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 // is clean.
 func TestStopsWhilePostgresDown(t *testing.T) {
 	e := newEnv(t, opsHook)
-	e.cfg.PostgresURL = "postgres://postgres@" + freePort(t) + "/x?sslmode=disable&connect_timeout=2"
+	down, err := e2e.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.cfg.PostgresURL = "postgres://postgres@" + down + "/x?sslmode=disable&connect_timeout=2"
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	opsc := make(chan string, 1)
@@ -141,7 +138,7 @@ func TestStopsWhilePostgresDown(t *testing.T) {
 		done <- run(ctx, e.cfg, slog.New(slog.DiscardHandler), func(ops string) { opsc <- ops })
 	}()
 	ops := <-opsc
-	e.eventually("readyz waiting for postgres", func() bool {
+	e2e.Eventually(e.t, "readyz waiting for postgres", func() bool {
 		_, body := readyz(ops)
 		return strings.Contains(body, "waiting for postgres")
 	})

@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
@@ -326,7 +327,7 @@ func TestIdlePoolsAreEvicted(t *testing.T) {
 		x.IP = ip
 		wantAllowed(t, admit(t, d, x), true)
 	}
-	eventually(t, "every idle pool evicted", func() bool { return d.npools.Load() == 0 })
+	e2e.Eventually(t, "every idle pool evicted", func() bool { return d.npools.Load() == 0 })
 	for _, ip := range ips {
 		if used := sharedUsed(t, c, limits.ScopeIP, ip, rs.IP)[0]; used != 1 {
 			t.Fatalf("ip %s used = %d after eviction, want 1 (the rest returned)", ip, used)
@@ -522,7 +523,7 @@ endpoints:
 			}
 		})
 	}
-	eventually(t, "some admits", func() bool { return allowed.Load() > 100 })
+	e2e.Eventually(t, "some admits", func() bool { return allowed.Load() > 100 })
 	if err := d.Close(context.Background()); err != nil {
 		t.Fatalf("Close: %v", err)
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
 )
@@ -76,7 +77,7 @@ func TestRedisKilledMidRun(t *testing.T) {
 
 	// Back but empty: still local until the epoch is written.
 	s.Restart()
-	eventually(t, "a probe to find no epoch", func() bool {
+	e2e.Eventually(t, "a probe to find no epoch", func() bool {
 		admit(t, d, in("acme", "seen", "/gen", 1))
 		_, why := d.Degraded()
 		return strings.Contains(why, "epoch")
@@ -87,7 +88,7 @@ func TestRedisKilledMidRun(t *testing.T) {
 	if err := limits.WriteEpoch(ctx, c, "2"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "decisions from Redis again", func() bool {
+	e2e.Eventually(t, "decisions from Redis again", func() bool {
 		return !admit(t, d, in("acme", "seen", "/gen", 1)).Local
 	})
 	if deg, why := d.Degraded(); deg {
@@ -117,11 +118,11 @@ func TestRedisHungDecidesLocally(t *testing.T) {
 	sleeper := faultClient(t, s)
 	done := make(chan error, 1)
 	go func() { done <- sleeper.Do(context.Background(), "DEBUG", "SLEEP", "2").Err() }()
-	eventually(t, "a local decision while Redis hangs", func() bool {
+	e2e.Eventually(t, "a local decision while Redis hangs", func() bool {
 		return admit(t, d, in("acme", "u", "/x", 1)).Local
 	})
 	<-done
-	eventually(t, "decisions from Redis again", func() bool {
+	e2e.Eventually(t, "decisions from Redis again", func() bool {
 		return !admit(t, d, in("acme", "u", "/x", 1)).Local
 	})
 }
@@ -177,7 +178,7 @@ func TestNoEpochDecidesLocally(t *testing.T) {
 	if err := limits.WriteEpoch(context.Background(), c, "1"); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "decisions from Redis once the epoch is written", func() bool {
+	e2e.Eventually(t, "decisions from Redis once the epoch is written", func() bool {
 		r := admit(t, d, in("acme", "u", "/gen", 6))
 		return !r.Local && r.Allowed
 	})

@@ -162,15 +162,3 @@ func localUnits(d *Decider, scope limits.Scope, id string, r *limits.Rule) int64
 	}
 	return v.(*pool).available(d.mono())
 }
-
-// eventually polls cond (bounded) instead of sleeping through a guess.
-func eventually(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not reached within 15s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}

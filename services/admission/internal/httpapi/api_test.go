@@ -1,7 +1,6 @@
 package httpapi
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -20,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
@@ -153,18 +153,18 @@ type env struct {
 	dec  *fakeDecider
 	ev   *fakeEvents
 	reg  *prometheus.Registry
-	logs *bytes.Buffer
+	logs *e2e.Buffer
 }
 
 func newEnv(t testing.TB, mod func(*Options)) *env {
 	t.Helper()
-	e := &env{dec: &fakeDecider{}, ev: &fakeEvents{}, reg: prometheus.NewRegistry(), logs: &bytes.Buffer{}}
+	e := &env{dec: &fakeDecider{}, ev: &fakeEvents{}, reg: prometheus.NewRegistry(), logs: &e2e.Buffer{}}
 	pol := mustPolicy(t)
 	o := Options{
 		Decider:    e.dec,
 		Policy:     func() *limits.Policy { return pol },
 		Events:     e.ev,
-		Log:        slog.New(slog.NewJSONHandler(&lockedWriter{w: e.logs}, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Log:        slog.New(slog.NewJSONHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 		Registerer: e.reg,
 	}
 	if mod != nil {
@@ -176,17 +176,6 @@ func newEnv(t testing.TB, mod func(*Options)) *env {
 	}
 	e.h = h
 	return e
-}
-
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(b []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(b)
 }
 
 // do sends a request to the handler and returns the recorded answer.

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
@@ -196,7 +197,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 	for i := range before {
 		o.Enqueue(reserved(i))
 	}
-	eventually(t, "the first events stored", func() bool { return streamMsgs(js, cfg.Stream) >= 50 })
+	e2e.Eventually(t, "the first events stored", func() bool { return streamMsgs(js, cfg.Stream) >= 50 })
 
 	natstest.Stop(s)
 	for i := before; i < total; i++ {
@@ -210,9 +211,9 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 	}
 
 	s = natstest.Embedded(t, storeDir, port)
-	eventually(t, "the client reconnected", nc.IsConnected)
-	eventually(t, "every event stored", func() bool { return streamMsgs(js, cfg.Stream) >= total })
-	eventually(t, "the outbox drained", func() bool { m, b := o.Pending(); return m == 0 && b == 0 })
+	e2e.Eventually(t, "the client reconnected", nc.IsConnected)
+	e2e.Eventually(t, "every event stored", func() bool { return streamMsgs(js, cfg.Stream) >= total })
+	e2e.Eventually(t, "the outbox drained", func() bool { m, b := o.Pending(); return m == 0 && b == 0 })
 	closeOutbox(t, o, 10*time.Second)
 
 	ids := storedIDs(t, js, cfg.Stream)

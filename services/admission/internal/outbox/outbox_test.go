@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 )
@@ -76,18 +77,6 @@ func (p *fakePublisher) count() int {
 	return len(p.stored)
 }
 
-// eventually polls cond until it holds or 30 s pass.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func segments(t *testing.T, dir string) []string {
 	t.Helper()
 	m, err := filepath.Glob(filepath.Join(dir, "*"+segmentExt))
@@ -116,7 +105,7 @@ func TestEnqueuePublishes(t *testing.T) {
 	for i := range 1000 {
 		o.Enqueue(reserved(i))
 	}
-	eventually(t, "1000 events stored", func() bool { return pub.count() == 1000 })
+	e2e.Eventually(t, "1000 events stored", func() bool { return pub.count() == 1000 })
 	closeOutbox(t, o, 5*time.Second)
 	if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeReserved)); got != 1000 {
 		t.Errorf("published{reserved} = %v, want 1000", got)
@@ -161,9 +150,9 @@ func TestSpillAndRecover(t *testing.T) {
 	}
 
 	pub.setDown(false)
-	eventually(t, "all events stored", func() bool { return pub.count() == n })
-	eventually(t, "spill segments removed", func() bool { return len(segments(t, dir)) == 0 })
-	eventually(t, "spill bytes back to 0", func() bool { _, b := o.Pending(); return b == 0 })
+	e2e.Eventually(t, "all events stored", func() bool { return pub.count() == n })
+	e2e.Eventually(t, "spill segments removed", func() bool { return len(segments(t, dir)) == 0 })
+	e2e.Eventually(t, "spill bytes back to 0", func() bool { _, b := o.Pending(); return b == 0 })
 	closeOutbox(t, o, 5*time.Second)
 	for i := range n {
 		if ev := reserved(i); pub.stored[ev.ID] == 0 {
@@ -199,8 +188,8 @@ func TestCloseSpillsForNextStart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the spilled events published", func() bool { return up.count() == n+1 })
-	eventually(t, "spill segments removed", func() bool { return len(segments(t, dir)) == 0 })
+	e2e.Eventually(t, "the spilled events published", func() bool { return up.count() == n+1 })
+	e2e.Eventually(t, "spill segments removed", func() bool { return len(segments(t, dir)) == 0 })
 	closeOutbox(t, o2, 5*time.Second)
 	denied := events.NewDenied("quotaflow/admission", events.Denied{Tenant: "acme", User: "u-42", Endpoint: "/e", Scope: "user", Name: "5h", Count: 1}, testNow, o.opt.Instance)
 	if ev, ok := up.byID[denied.ID]; !ok || ev.Data.(events.Denied).Count != 1 {
@@ -243,7 +232,7 @@ func TestSpillFullIsCounted(t *testing.T) {
 		t.Errorf("lost %v, spilled %v; want both > 0 with a 2000-byte spill limit", lost, spilled)
 	}
 	pub.setDown(false)
-	eventually(t, "what was kept is published", func() bool { return float64(pub.count()) == 20-lost })
+	e2e.Eventually(t, "what was kept is published", func() bool { return float64(pub.count()) == 20-lost })
 	closeOutbox(t, o, time.Second)
 }
 
@@ -259,8 +248,8 @@ func TestInvalidEventIsDroppedAndCounted(t *testing.T) {
 	bad.Data = r
 	o.Enqueue(bad)
 	o.Enqueue(reserved(2))
-	eventually(t, "the valid event stored", func() bool { return pub.count() == 1 })
-	eventually(t, "the invalid one counted", func() bool { return testutil.ToFloat64(o.m.lost.WithLabelValues("invalid")) == 1 })
+	e2e.Eventually(t, "the valid event stored", func() bool { return pub.count() == 1 })
+	e2e.Eventually(t, "the invalid one counted", func() bool { return testutil.ToFloat64(o.m.lost.WithLabelValues("invalid")) == 1 })
 	closeOutbox(t, o, time.Second)
 }
 
@@ -283,7 +272,7 @@ func TestCorruptSpillLinesAreSkipped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the segment replayed", func() bool { return len(segments(t, dir)) == 0 })
+	e2e.Eventually(t, "the segment replayed", func() bool { return len(segments(t, dir)) == 0 })
 	closeOutbox(t, o, time.Second)
 	if pub.count() != 2 {
 		t.Errorf("stored %d events, want the 2 intact ones", pub.count())
@@ -323,7 +312,7 @@ func TestDeniedAggregation(t *testing.T) {
 	wg.Wait()
 	o.Denied(c, testNow)
 	o.Denied(a, testNow.Add(time.Second)) // the next second
-	eventually(t, "4 aggregates", func() bool { return pub.count() == 4 })
+	e2e.Eventually(t, "4 aggregates", func() bool { return pub.count() == 4 })
 
 	// A denial of the current second waits for the second to end (or Close).
 	mu.Lock()
