@@ -53,9 +53,9 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		}
 		for _, t := range order {
 			_, u0 := commandStats(ctx, b.rdb)
-			c0, r0, f0 := cpuTime(t.p), cpuTime(b.redisProc), failopens(t.ops)
+			c0, r0, f0 := cpuTime(t.p), cpuTime(b.redis.Cmd), failopens(t.ops)
 			res := load(t.url, users, "/x", conc, dur)
-			cpu, rcpu := cpuTime(t.p)-c0, cpuTime(b.redisProc)-r0
+			cpu, rcpu := cpuTime(t.p)-c0, cpuTime(b.redis.Cmd)-r0
 			_, u1 := commandStats(ctx, b.rdb)
 			n := float64(max(1, res.n))
 			t.rps = append(t.rps, n/res.elapsed.Seconds())

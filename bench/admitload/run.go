@@ -7,7 +7,6 @@ import (
 	"io"
 	"maps"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -22,6 +21,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/pkg/limits"
 )
 
@@ -48,10 +48,10 @@ endpoints:
 // redis-server holding the epoch, the policy, NATS streams of its own, and
 // what to stop at the end (in reverse order).
 type bench struct {
-	dir, policy, redisAddr, natsURL string
-	redisProc                       *exec.Cmd
-	rdb                             *redis.Client
-	stop                            []func()
+	dir, policy, natsURL string
+	redis                *e2e.Server
+	rdb                  *redis.Client
+	stop                 []func()
 }
 
 func newBench(ctx context.Context) (*bench, error) {
@@ -64,17 +64,12 @@ func newBench(ctx context.Context) (*bench, error) {
 	if err := os.WriteFile(b.policy, []byte(benchPolicy), 0o644); err != nil {
 		return b, err
 	}
-	b.redisAddr = freeAddr()
-	_, port, _ := net.SplitHostPort(b.redisAddr)
-	if b.redisProc, err = start(dir, "redis", nil, "redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir); err != nil {
+	if b.redis, err = e2e.StartRedis(ctx, dir); err != nil {
 		return b, err
 	}
-	b.stop = append(b.stop, func() { kill(b.redisProc) })
-	b.rdb = redis.NewClient(&redis.Options{Addr: b.redisAddr, MaxRetries: -1})
+	b.stop = append(b.stop, b.redis.Close)
+	b.rdb = redis.NewClient(&redis.Options{Addr: b.redis.Addr, MaxRetries: -1})
 	b.stop = append(b.stop, func() { b.rdb.Close() })
-	if err := waitFor(func() error { return b.rdb.Ping(ctx).Err() }); err != nil {
-		return b, fmt.Errorf("redis: %w", err)
-	}
 	return b, limits.WriteEpoch(ctx, b.rdb, "admitload")
 }
 
@@ -91,9 +86,14 @@ func (b *bench) admission(name, bin string, extra ...string) (p *exec.Cmd, api, 
 	suffix := strconv.Itoa(os.Getpid()) + "_" + name
 	stream, dlq := "ADMITLOAD_"+suffix, "ADMITLOAD_DLQ_"+suffix
 	b.stop = append(b.stop, func() { deleteStreams(b.natsURL, stream, dlq) })
-	api, ops = freeAddr(), freeAddr()
+	if api, err = e2e.FreeAddr(); err != nil {
+		return nil, "", "", err
+	}
+	if ops, err = e2e.FreeAddr(); err != nil {
+		return nil, "", "", err
+	}
 	env := append([]string{
-		"QF_REDIS_URL=redis://" + b.redisAddr + "/0", "QF_NATS_URL=" + b.natsURL, "QF_POLICY_FILE=" + b.policy,
+		"QF_REDIS_URL=" + b.redis.URL, "QF_NATS_URL=" + b.natsURL, "QF_POLICY_FILE=" + b.policy,
 		"QF_STREAM=" + stream, "QF_DLQ_STREAM=" + dlq, "QF_SUBJECT_PREFIX=admitload" + suffix,
 		"QF_ADMISSION_ADDR=" + api, "QF_OPS_ADDR=" + ops, "QF_SPILL_DIR=" + filepath.Join(b.dir, "spill-"+name),
 		"QF_LOG_LEVEL=warn",
@@ -135,7 +135,10 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	if err != nil {
 		return err
 	}
-	plainAddr := freeAddr()
+	plainAddr, err := e2e.FreeAddr()
+	if err != nil {
+		return err
+	}
 	plain, err := start(dir, "plain", nil, plainBin, "-addr", plainAddr, "-size", strconv.Itoa(size))
 	if err != nil {
 		return err
@@ -187,7 +190,7 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	}
 	measure("admission, 5 limits + leased global", "http://"+api+"/v1/admit", adm, levels[0], "/leased", dur)
 
-	kill(b.redisProc)
+	b.redis.Kill()
 	r := measure("admission, Redis down", "http://"+api+"/v1/admit", adm, levels[0], "/x", down)
 	fmt.Printf("\nRedis down: p99 %s over %d requests, %s\n", r.pct(99), r.n, r.statuses())
 	return nil
@@ -412,15 +415,6 @@ func kill(p *exec.Cmd) {
 		_ = p.Process.Kill()
 		_ = p.Wait()
 	}
-}
-
-func freeAddr() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 func waitFor(f func() error) error {

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"crypto/rand"
-	"encoding/base64"
 	"fmt"
 	"time"
 
@@ -49,21 +47,4 @@ plans:
       - {name: 5h, kind: rolling, window: 5h,   limit: %d}
       - {name: 7d, kind: rolling, window: 168h, limit: %d}
 `, q, 20*q)
-}
-
-func newWebhookSecret() string {
-	key := make([]byte, 24)
-	_, _ = rand.Read(key)
-	return "whsec_" + base64.StdEncoding.EncodeToString(key)
-}
-
-func webhooks(url, secret string) string {
-	return fmt.Sprintf(`webhooks:
-  - name: chaos-receiver
-    url: %s
-    secret: %s
-    kinds: []
-    tenants: []
-    allow_private: true   # the receiver is this process, on loopback
-`, url, secret)
 }

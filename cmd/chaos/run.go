@@ -184,7 +184,7 @@ func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) 
 	if err := pgdb.CreateDatabase(ctx, cc); err != nil {
 		return st, fmt.Errorf("create database: %w", err)
 	}
-	secret := newWebhookSecret()
+	secret := e2e.NewWebhookSecret()
 	if st.recv, err = e2e.NewReceiver(secret, io.Discard); err != nil {
 		return st, err
 	}
@@ -193,14 +193,10 @@ func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) 
 	if err := os.WriteFile(policy, []byte(chaosPolicy(cfg)), 0o600); err != nil {
 		return st, err
 	}
-	if err := os.WriteFile(hooks, []byte(webhooks(st.recv.URL, secret)), 0o600); err != nil {
+	if err := os.WriteFile(hooks, []byte(e2e.Webhooks("chaos-receiver", st.recv.URL, secret)), 0o600); err != nil {
 		return st, err
 	}
 
-	addr := func() (string, error) {
-		p, err := e2e.FreePort()
-		return "127.0.0.1:" + strconv.Itoa(p), err
-	}
 	common := []string{
 		"QF_REDIS_URL=" + st.redis.URL, "QF_NATS_URL=" + st.nats.URL, "QF_POSTGRES_URL=" + st.dbURL,
 		"QF_POLICY_FILE=" + policy, "QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
@@ -208,7 +204,7 @@ func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) 
 		"QF_ACK_WAIT=5s",
 	}
 	start := func(name string, env ...string) (*e2e.Service, error) {
-		ops, err := addr()
+		ops, err := e2e.FreeAddr()
 		if err != nil {
 			return nil, err
 		}
@@ -221,7 +217,7 @@ func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) 
 	if st.alerter, err = start("alerter", "QF_WEBHOOKS_FILE="+hooks, "QF_CONSUMER=alerter", "QF_DELIVERY_POLL=500ms"); err != nil {
 		return st, err
 	}
-	apiAddr, err := addr()
+	apiAddr, err := e2e.FreeAddr()
 	if err != nil {
 		return st, err
 	}

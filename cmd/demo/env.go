@@ -2,9 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/base64"
-	"encoding/hex"
 	"fmt"
 	"net/url"
 	"os"
@@ -38,7 +35,7 @@ type names struct {
 	dailyReqs int64
 }
 
-func newNames() names { return namesFor(randomHex(4)) }
+func newNames() names { return namesFor(e2e.RandomHex(4)) }
 
 // namesFor derives every name from the run id (secrets aside), so that
 // -cleanup can find a kept run's resources.
@@ -50,25 +47,17 @@ func namesFor(run string) names {
 		dlq:       "QFDEMO_" + up + "_DLQ",
 		prefix:    "qfdemo_" + run,
 		database:  "qfdemo_" + run,
-		token:     "demo-" + randomHex(16),
+		token:     "demo-" + e2e.RandomHex(16),
 		endpoint:  "/v1/chat",
 		planName:  "demo",
 		quota5h:   30000,
 		dailyReqs: 100,
 	}
-	key := make([]byte, 24)
-	_, _ = rand.Read(key)
-	n.whSecret = "whsec_" + base64.StdEncoding.EncodeToString(key)
+	n.whSecret = e2e.NewWebhookSecret()
 	for _, t := range []string{"acme", "globex", "initech"} {
 		n.tenants = append(n.tenants, "demo-"+run+"-"+t)
 	}
 	return n
-}
-
-func randomHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
 }
 
 // policy is the demo plan: a 5 h token quota small enough that the heavier
@@ -92,17 +81,6 @@ endpoints:
 `, n.run, n.planName, n.planName, n.quota5h, n.quota5h*20, n.endpoint, n.dailyReqs)
 }
 
-func (n names) webhooks(url string) string {
-	return fmt.Sprintf(`webhooks:
-  - name: demo-receiver
-    url: %s
-    secret: %s
-    kinds: []
-    tenants: []
-    allow_private: true   # the receiver is this process, on loopback
-`, url, n.whSecret)
-}
-
 // writeFiles writes the policy and webhooks files into dir.
 func writeFiles(dir string, n names, hookURL string) (policy, hooks string, err error) {
 	policy = filepath.Join(dir, "policy.yaml")
@@ -110,7 +88,7 @@ func writeFiles(dir string, n names, hookURL string) (policy, hooks string, err 
 	if err = os.WriteFile(policy, []byte(n.policy()), 0o600); err != nil {
 		return
 	}
-	err = os.WriteFile(hooks, []byte(n.webhooks(hookURL)), 0o600)
+	err = os.WriteFile(hooks, []byte(e2e.Webhooks("demo-receiver", hookURL, n.whSecret)), 0o600)
 	return
 }
 

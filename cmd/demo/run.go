@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"quotaflow/internal/e2e"
@@ -35,9 +34,9 @@ type Report struct {
 }
 
 // run performs one demo: set up, start, play traffic, summarize, stop.
+// out must take concurrent writes (os.Stdout, an e2e.Buffer): the receiver
+// prints from its handler goroutines.
 func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
-	// The receiver prints from its handler goroutines.
-	out = &lockedWriter{w: out}
 	n := newNames()
 	rep := &Report{Run: n.run, Database: n.database}
 	fmt.Fprintf(out, "quotaflow full demo, run %s\n", n.run)
@@ -86,13 +85,12 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		cleanup(cctx, out, cfg, n, pgURL, dir, svcs)
 	}()
 
-	ports := map[string]int{}
+	addr := map[string]string{}
 	for _, k := range []string{"api", "admission", "accounter", "alerter"} {
-		if ports[k], err = e2e.FreePort(); err != nil {
+		if addr[k], err = e2e.FreeAddr(); err != nil {
 			return nil, err
 		}
 	}
-	addr := func(k string) string { return "127.0.0.1:" + strconv.Itoa(ports[k]) }
 	common := []string{
 		"QF_REDIS_URL=" + cfg.RedisURL, "QF_NATS_URL=" + cfg.NATSURL, "QF_POSTGRES_URL=" + pgURL,
 		"QF_POLICY_FILE=" + policy, "QF_STREAM=" + n.stream, "QF_DLQ_STREAM=" + n.dlq,
@@ -104,17 +102,17 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}{
 		// The accounter first: with the epoch guard on, admission decides
 		// locally until an accounter has marked the Redis.
-		{"accounter", []string{"QF_OPS_ADDR=" + addr("accounter"), "QF_DURABLE=accounter-" + n.run}},
-		{"alerter", []string{"QF_OPS_ADDR=" + addr("alerter"), "QF_WEBHOOKS_FILE=" + hooks,
+		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=accounter-" + n.run}},
+		{"alerter", []string{"QF_OPS_ADDR=" + addr["alerter"], "QF_WEBHOOKS_FILE=" + hooks,
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
-		{"admission", []string{"QF_OPS_ADDR=" + addr("admission"), "QF_ADMISSION_ADDR=" + addr("api"),
+		{"admission", []string{"QF_OPS_ADDR=" + addr["admission"], "QF_ADMISSION_ADDR=" + addr["api"],
 			"QF_API_TOKENS=" + n.token, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),
 			// A busy laptop answers Redis in more than the default 10 ms;
 			// the demo wants Redis's exact decisions, not local ones.
 			"QF_REDIS_TIMEOUT=250ms"}},
 	}
 	for _, sp := range specs {
-		s, err := e2e.Start(sp.name, filepath.Join(binDir, sp.name), dir, addr(sp.name), append(append([]string{}, common...), sp.env...))
+		s, err := e2e.Start(sp.name, filepath.Join(binDir, sp.name), dir, addr[sp.name], append(append([]string{}, common...), sp.env...))
 		if err != nil {
 			return nil, err
 		}
@@ -132,7 +130,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	if deg := svcs[2].WaitSteady(ctx, 30*time.Second); deg != "" {
 		fmt.Fprintf(out, "  admission still degraded, running anyway: %s\n", deg)
 	}
-	api := "http://" + addr("api")
+	api := "http://" + addr["api"]
 	fmt.Fprintf(out, "admission API %s, webhook receiver %s\n", api, recv.URL)
 	fmt.Fprintf(out, "tenants %s; policy: 5h quota %d tokens, 10 req/s (burst 20), %s %d requests/day per user\n\n",
 		strings.Join(n.tenants, ", "), n.quota5h, n.endpoint, n.dailyReqs)
@@ -178,18 +176,6 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		return rep, fmt.Errorf("%d threshold alerts claim more usage than the traffic caused", len(rep.Unfounded))
 	}
 	return rep, nil
-}
-
-// lockedWriter serializes writes to w.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
 
 // playTraffic runs the generator and prints a progress line every
