@@ -1,7 +1,12 @@
-// Package service holds what every quotaflow binary's main does the same
-// way: read the QF_ environment into the service's Config, validate it,
-// build the JSON logger, run until SIGINT or SIGTERM, and exit non-zero on
-// an error, so the mains stay thin and alike.
+// Package service is how every quotaflow service starts and stops. Main
+// reads the QF_ environment into the service's Config, validates it, builds
+// the JSON logger and calls run until SIGINT or SIGTERM. run wires its
+// pieces with the kit here, so that every run reads the same way: a Stack
+// that stops what was started in reverse order, Retry for the steps that
+// wait for a server, and ConnectNATS.
+//
+// It imports internal/obs, internal/filewatch and pkg/ packages; only the
+// services' commands and their components import it.
 package service
 
 import (

@@ -1,0 +1,62 @@
+package config
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestRedacted(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"},
+		{"redis://u:hunter2@h:6379/0", "redis://u:xxxxx@h:6379/0"},
+		{"rediss://:hunter2@h:6379/0?master_name=m&sentinel_password=hunter2", "rediss://:xxxxx@h:6379/0?master_name=m&sentinel_password=xxxxx"},
+		{"postgres://postgres@h:5432/q?sslmode=disable", "postgres://postgres@h:5432/q?sslmode=disable"},
+		{"postgres://u@h/q?password=hunter2", "postgres://u@h/q?password=xxxxx"},
+		{"nats://hunter2@h:4222", "nats://xxxxx@h:4222"},
+		{"nats://u:hunter2@a:4222, nats://b:4222", "nats://u:xxxxx@a:4222,nats://b:4222"},
+		{"host=h user=u password=hunter2", "(not a url)"},
+		{"::", "(not a url)"},
+	} {
+		got := Redacted(tc.in)
+		if got != tc.want || strings.Contains(got, "hunter2") {
+			t.Errorf("Redacted(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+	}
+}
+
+func TestDefaultsAreValid(t *testing.T) {
+	for _, p := range []interface{ Validate() error }{DefaultRedis, DefaultPostgres, DefaultNATS, DefaultPolicy, DefaultLog} {
+		if err := p.Validate(); err != nil {
+			t.Errorf("%T.Validate() = %v", p, err)
+		}
+	}
+}
+
+func TestValidateNamesTheVariable(t *testing.T) {
+	for _, tc := range []struct {
+		part interface{ Validate() error }
+		want string
+	}{
+		{Redis{RedisURL: "redis://:hunter2@"}, "QF_REDIS_URL"},
+		{Postgres{PostgresURL: "host=h password=hunter2"}, "QF_POSTGRES_URL"},
+		{NATS{NATSURL: "127.0.0.1:4222"}, "QF_NATS_URL"},
+		{Policy{}, "QF_POLICY_FILE"},
+		{Log{LogLevel: "loud"}, "QF_LOG_LEVEL"},
+	} {
+		err := tc.part.Validate()
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "hunter2") {
+			t.Errorf("%T.Validate() = %v, want an error naming %s and no password", tc.part, err, tc.want)
+		}
+	}
+}
+
+func TestURLsFromTheEnvironment(t *testing.T) {
+	t.Setenv("QF_REDIS_URL", "")
+	t.Setenv("QF_NATS_URL", "nats://elsewhere:4222")
+	if got := RedisURL(); got != DefaultRedisURL {
+		t.Errorf("RedisURL() with QF_REDIS_URL empty = %q, want the default", got)
+	}
+	if got := NATSURL(); got != "nats://elsewhere:4222" {
+		t.Errorf("NATSURL() = %q, want QF_NATS_URL's", got)
+	}
+}

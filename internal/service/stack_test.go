@@ -1,0 +1,127 @@
+package service
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// recorder is a stack whose stops append their names to order.
+type recorder struct {
+	*Stack
+	order []string
+	logs  *bytes.Buffer
+}
+
+func newRecorder(timeout time.Duration) *recorder {
+	var logs bytes.Buffer
+	return &recorder{Stack: NewStack(slog.New(slog.NewTextHandler(&logs, nil)), timeout), logs: &logs}
+}
+
+func (r *recorder) push(name string, err error) {
+	r.Push(name, func(context.Context) error {
+		r.order = append(r.order, name)
+		return err
+	})
+}
+
+func TestStackStopsInReverseOrder(t *testing.T) {
+	r := newRecorder(time.Second)
+	r.push("ops server", nil)
+	r.push("redis", nil)
+	r.push("nats", nil)
+	r.push("api server", nil)
+	r.Close()
+	if want := []string{"api server", "nats", "redis", "ops server"}; !slices.Equal(r.order, want) {
+		t.Errorf("Close ran %v, want %v", r.order, want)
+	}
+	if !strings.Contains(r.logs.String(), "msg=stopped") {
+		t.Errorf("logs = %q, want a stopped line", r.logs.String())
+	}
+	r.order = nil
+	r.Close()
+	if len(r.order) != 0 {
+		t.Errorf("a second Close ran %v again", r.order)
+	}
+}
+
+// A run that fails part-way stops what it had started, in reverse, and
+// nothing it had not.
+func TestStackStopsWhatStartedWhenRunFails(t *testing.T) {
+	r := newRecorder(time.Second)
+	run := func() error {
+		defer r.Close()
+		r.push("ops server", nil)
+		r.push("postgres", nil)
+		if err := errors.New("nats: no servers"); err != nil {
+			return err
+		}
+		r.push("nats", nil)
+		return nil
+	}
+	if err := run(); err == nil {
+		t.Fatal("run = nil, want its error")
+	}
+	if want := []string{"postgres", "ops server"}; !slices.Equal(r.order, want) {
+		t.Errorf("Close ran %v, want %v", r.order, want)
+	}
+}
+
+// A failed or slow stop is logged and the ones after it still run, each
+// under a deadline of its own.
+func TestStackGoesOnAfterAFailedStop(t *testing.T) {
+	r := newRecorder(50 * time.Millisecond)
+	r.Push("postgres", func(ctx context.Context) error {
+		if dl, ok := ctx.Deadline(); !ok || time.Until(dl) < 40*time.Millisecond {
+			t.Errorf("postgres's stop got deadline %v (set %v), want its own 50ms", dl, ok)
+		}
+		r.order = append(r.order, "postgres")
+		return nil
+	})
+	r.Push("outbox", func(ctx context.Context) error {
+		<-ctx.Done() // a flush that does not finish in time
+		r.order = append(r.order, "outbox")
+		return ctx.Err()
+	})
+	r.push("decider", errors.New("leases not returned"))
+	r.Close()
+	if want := []string{"decider", "outbox", "postgres"}; !slices.Equal(r.order, want) {
+		t.Errorf("Close ran %v, want %v", r.order, want)
+	}
+	for _, want := range []string{"step=decider err=\"leases not returned\"", "step=outbox err=\"context deadline exceeded\""} {
+		if !strings.Contains(r.logs.String(), want) {
+			t.Errorf("logs lack %s: %s", want, r.logs.String())
+		}
+	}
+}
+
+// A goroutine started with Go runs until its turn: what was pushed after
+// it stops first, while it still runs; then it is cancelled and waited for.
+func TestStackGoStopsInItsTurn(t *testing.T) {
+	r := newRecorder(time.Second)
+	r.push("redis", nil)
+	running := make(chan context.Context)
+	r.Go("eviction", func(ctx context.Context) {
+		running <- ctx
+		<-ctx.Done()
+		time.Sleep(10 * time.Millisecond) // Close must wait for this
+		r.order = append(r.order, "eviction")
+	})
+	evictionCtx := <-running
+	r.Push("api server", func(context.Context) error {
+		if evictionCtx.Err() != nil {
+			t.Error("the goroutine was cancelled before what started after it stopped")
+		}
+		r.order = append(r.order, "api server")
+		return nil
+	})
+	r.Close()
+	if want := []string{"api server", "eviction", "redis"}; !slices.Equal(r.order, want) {
+		t.Errorf("Close ran %v, want %v", r.order, want)
+	}
+}
