@@ -21,6 +21,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/limits"
 )
@@ -59,7 +60,7 @@ func newBench(ctx context.Context) (*bench, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &bench{dir: dir, policy: filepath.Join(dir, "policy.yaml"), natsURL: envOr("QF_NATS_URL", "nats://127.0.0.1:4222")}
+	b := &bench{dir: dir, policy: filepath.Join(dir, "policy.yaml"), natsURL: config.NATSURL()}
 	b.stop = append(b.stop, func() { os.RemoveAll(dir) })
 	if err := os.WriteFile(b.policy, []byte(benchPolicy), 0o644); err != nil {
 		return b, err
@@ -455,11 +456,4 @@ func deleteStreams(url string, names ...string) {
 	for _, n := range names {
 		_ = js.DeleteStream(ctx, n)
 	}
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
 }

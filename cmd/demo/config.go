@@ -2,8 +2,9 @@ package main
 
 import (
 	"flag"
-	"os"
 	"time"
+
+	"quotaflow/internal/config"
 )
 
 // Config is what one demo run does. The test uses a shortened one.
@@ -36,9 +37,9 @@ func defaultConfig() Config {
 		Rounds:        60,
 		Progress:      5 * time.Second,
 		SettleTimeout: 30 * time.Second,
-		RedisURL:      envOr("QF_REDIS_URL", "redis://127.0.0.1:6379/0"),
-		PostgresURL:   envOr("QF_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"),
-		NATSURL:       envOr("QF_NATS_URL", "nats://127.0.0.1:4222"),
+		RedisURL:      config.RedisURL(),
+		PostgresURL:   config.PostgresURL(),
+		NATSURL:       config.NATSURL(),
 	}
 }
 
@@ -53,11 +54,4 @@ func parseFlags(args []string) (Config, error) {
 	fs.DurationVar(&cfg.SettleTimeout, "settle", cfg.SettleTimeout, "how long to wait for the ledger and the alerts to catch up")
 	err := fs.Parse(args)
 	return cfg, err
-}
-
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
 }

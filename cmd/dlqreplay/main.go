@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/config"
 	"quotaflow/pkg/events/stream"
 )
 
@@ -36,10 +37,7 @@ func main() {
 }
 
 func run(ctx context.Context, reason string) (int, error) {
-	var cfg struct {
-		NATSURL string `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222"`
-		stream.Config
-	}
+	cfg := config.DefaultNATS
 	if err := envconfig.Process("QF", &cfg); err != nil {
 		return 0, err
 	}

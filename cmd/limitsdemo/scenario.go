@@ -4,24 +4,24 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/config"
 	"quotaflow/pkg/limits"
 )
 
 // run plays the scenario on the policy in QF_POLICY_FILE (default
 // deploy/policy.yaml) and the Redis in QF_REDIS_URL.
 func run(ctx context.Context, out io.Writer) error {
-	policyFile := envOr("QF_POLICY_FILE", "deploy/policy.yaml")
+	policyFile := config.PolicyFile()
 	policy, err := limits.LoadFile(policyFile)
 	if err != nil {
 		return err
 	}
-	opt, err := redis.ParseURL(envOr("QF_REDIS_URL", "redis://127.0.0.1:6379/0"))
+	opt, err := redis.ParseURL(config.RedisURL())
 	if err != nil {
 		return fmt.Errorf("QF_REDIS_URL: %w", err)
 	}
@@ -166,11 +166,4 @@ func describe(r *limits.Rule) string {
 	default:
 		return fmt.Sprintf("%d %s", r.Limit.Limit, r.Unit)
 	}
-}
-
-func envOr(key, def string) string {
-	if v := os.Getenv(key); v != "" {
-		return v
-	}
-	return def
 }

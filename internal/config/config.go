@@ -3,7 +3,7 @@
 // level) with their QF_ variables and their defaults, written once here. A
 // service's Config embeds the parts it uses, starts from their defaults and
 // adds its own settings; the tools and tests that talk to the same servers
-// read the URLs here too (RedisURL, PostgresURL, NATSURL).
+// read them here too (RedisURL, PostgresURL, NATSURL, PolicyFile).
 //
 // It imports only internal/obs and pkg/events/stream (for the stream settings).
 package config
@@ -131,6 +131,10 @@ func PostgresURL() string { return env("QF_POSTGRES_URL", DefaultPostgresURL) }
 // NATSURL is the NATS server the services would use here: QF_NATS_URL,
 // else the default.
 func NATSURL() string { return env("QF_NATS_URL", DefaultNATSURL) }
+
+// PolicyFile is the policy the services would load here: QF_POLICY_FILE,
+// else the default.
+func PolicyFile() string { return env("QF_POLICY_FILE", DefaultPolicyFile) }
 
 func env(name, def string) string {
 	if v := os.Getenv(name); v != "" {

@@ -7,7 +7,6 @@ package natstest
 
 import (
 	"context"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -16,17 +15,13 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events/stream"
 )
 
 // URL is the NATS server tests use.
-func URL() string {
-	if u := os.Getenv("QF_NATS_URL"); u != "" {
-		return u
-	}
-	return "nats://127.0.0.1:4222"
-}
+func URL() string { return config.NATSURL() }
 
 // Connect connects to url with opts, closing the connection at cleanup,
 // and fails the test when the server is not reachable.

@@ -6,12 +6,12 @@ package pgtest
 import (
 	"context"
 	"net/url"
-	"os"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/pgdb"
 )
@@ -20,11 +20,7 @@ import (
 // QF_POSTGRES_URL names (else the local default), with its maintenance
 // database "postgres" (the database QF_POSTGRES_URL names need not exist).
 func BaseURL() string {
-	u := os.Getenv("QF_POSTGRES_URL")
-	if u == "" {
-		u = "postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"
-	}
-	return withDatabase(u, "postgres")
+	return withDatabase(config.PostgresURL(), "postgres")
 }
 
 // withDatabase is base, a URL or a key=value DSN (both are valid in

@@ -64,15 +64,6 @@ func Open(rawURL string) (redis.UniversalClient, error) {
 	}
 }
 
-// Redacted returns rawURL with any password replaced, for logs.
-func Redacted(rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "(unparsable url)"
-	}
-	return u.Redacted()
-}
-
 // redact drops the error text if it would repeat the password.
 func redact(err error, u *url.URL) error {
 	if p, ok := u.User.Password(); ok && p != "" {

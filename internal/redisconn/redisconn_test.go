@@ -43,7 +43,4 @@ func TestOpen(t *testing.T) {
 			t.Errorf("Open error %q contains the password", err)
 		}
 	}
-	if got := Redacted("redis://u:hunter2@h:6379/0"); strings.Contains(got, "hunter2") {
-		t.Errorf("Redacted = %q", got)
-	}
 }

@@ -8,7 +8,6 @@ package redistest
 
 import (
 	"context"
-	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -16,17 +15,13 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
 )
 
 // SharedURL is the Redis every integration test may use (each test owns its
 // keys): QF_REDIS_URL, else the local default.
-func SharedURL() string {
-	if u := os.Getenv("QF_REDIS_URL"); u != "" {
-		return u
-	}
-	return "redis://127.0.0.1:6379/0"
-}
+func SharedURL() string { return config.RedisURL() }
 
 // Shared returns a client of SharedURL, failing the test when it is not
 // reachable: integration tests run against real servers, never skip.

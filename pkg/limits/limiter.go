@@ -66,12 +66,18 @@ const MaxID = ident.MaxLen
 // 48-bit integers in Redis.
 const MaxCost = 1_000_000_000_000
 
+// DefaultReservationTTL is how long a reservation lives when nobody settles
+// it, unless Options say otherwise: a day, the usage stream's default max
+// age, so that an actual event as late as the stream keeps it still finds
+// its reservation. Every service's QF_RESERVATION_TTL defaults to it.
+const DefaultReservationTTL = 24 * time.Hour
+
 // Options configure a Limiter. The zero value is ready to use.
 type Options struct {
 	// ReservationTTL is how long a reservation record (and a concurrency
 	// slot) lives when nobody settles it; it must be at least the event
 	// stream's max age so a late actual can still be corrected exactly.
-	// Zero means one hour.
+	// Zero means DefaultReservationTTL.
 	ReservationTTL time.Duration
 	// NoEpochGuard makes the scripts decide even when the epoch key is
 	// missing, for setups without an accounter (request-rate-only limits,
@@ -106,7 +112,7 @@ type Limiter struct {
 // failover client or a Redis Cluster client.
 func New(c Client, o Options) *Limiter {
 	if o.ReservationTTL <= 0 {
-		o.ReservationTTL = time.Hour
+		o.ReservationTTL = DefaultReservationTTL
 	}
 	guard := "1"
 	if o.NoEpochGuard {

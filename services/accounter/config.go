@@ -3,28 +3,25 @@ package main
 import (
 	"errors"
 	"fmt"
-	"net/url"
 	"time"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
-	"quotaflow/pkg/events/stream"
+	"quotaflow/pkg/limits"
 )
 
 // Config is the accounter's configuration, read from QF_* environment
-// variables by envconfig (prefix QF); the tags hold the defaults. Validate
-// checks it.
+// variables by envconfig (prefix QF) over defaults(): the tags hold the
+// accounter's own defaults, internal/config and pkg/limits the shared
+// ones. Validate checks it.
 type Config struct {
-	RedisURL    string `envconfig:"REDIS_URL" default:"redis://127.0.0.1:6379/0"`
-	PostgresURL string `envconfig:"POSTGRES_URL" default:"postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"`
-	NATSURL     string `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222"`
-	PolicyFile  string `envconfig:"POLICY_FILE" default:"deploy/policy.yaml"`
-	// Config names the streams and the consumer's redelivery: QF_STREAM,
-	// QF_SUBJECT_PREFIX, QF_DLQ_STREAM, QF_STREAM_MAX_AGE,
-	// QF_STREAM_DUPLICATES, QF_DLQ_MAX_AGE, QF_STREAM_REPLICAS,
-	// QF_MAX_DELIVER, QF_ACK_WAIT.
-	stream.Config
-	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
-	OpsAddr  string `envconfig:"OPS_ADDR" default:":9091"`
+	config.Redis    // QF_REDIS_URL
+	config.Postgres // QF_POSTGRES_URL: the ledger
+	config.NATS     // QF_NATS_URL, the streams and the consumer's redelivery
+	config.Policy   // QF_POLICY_FILE
+	config.Log      // QF_LOG_LEVEL
+	// OpsAddr is where /metrics, /healthz and /readyz listen.
+	OpsAddr string `envconfig:"OPS_ADDR" default:":9091"`
 	// Ops holds the ops port's other settings: QF_PPROF.
 	obs.Ops
 
@@ -39,8 +36,9 @@ type Config struct {
 	BatchWait time.Duration `envconfig:"BATCH_WAIT" default:"200ms"`
 	// ReservationTTL is how long a reservation waits for its actual event
 	// before the expiry task settles it; the same value as admission's
-	// QF_RESERVATION_TTL, and at least QF_STREAM_MAX_AGE.
-	ReservationTTL time.Duration `envconfig:"RESERVATION_TTL" default:"24h"`
+	// QF_RESERVATION_TTL, and at least QF_STREAM_MAX_AGE. Default
+	// limits.DefaultReservationTTL.
+	ReservationTTL time.Duration `envconfig:"RESERVATION_TTL"`
 	// SettleExpiredAtEstimate settles an expired reservation at its
 	// estimate (Redis keeps counting it); false gives the estimate back.
 	SettleExpiredAtEstimate bool `envconfig:"SETTLE_EXPIRED_AT_ESTIMATE" default:"true"`
@@ -60,6 +58,16 @@ type Config struct {
 	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"15s"`
 }
 
+// defaults is Config before the environment is read: the defaults other
+// packages own. envconfig keeps them where a variable is unset.
+func defaults() Config {
+	return Config{
+		Redis: config.DefaultRedis, Postgres: config.DefaultPostgres, NATS: config.DefaultNATS,
+		Policy: config.DefaultPolicy, Log: config.DefaultLog,
+		ReservationTTL: limits.DefaultReservationTTL,
+	}
+}
+
 // Validate checks every field and returns all problems at once, each
 // naming its variable. It never repeats a URL's password.
 func (c *Config) Validate() error {
@@ -67,24 +75,7 @@ func (c *Config) Validate() error {
 	bad := func(v, format string, args ...any) {
 		errs = append(errs, fmt.Errorf("QF_%s: %s", v, fmt.Sprintf(format, args...)))
 	}
-	for _, u := range []struct{ name, v, want string }{
-		{"REDIS_URL", c.RedisURL, "redis://host:6379/0"},
-		{"POSTGRES_URL", c.PostgresURL, "postgres://user@host:5432/db"},
-		{"NATS_URL", c.NATSURL, "nats://host:4222"},
-	} {
-		if pu, err := url.Parse(u.v); err != nil || pu.Host == "" {
-			bad(u.name, "want a URL like %s", u.want)
-		}
-	}
-	if c.PolicyFile == "" {
-		bad("POLICY_FILE", "required")
-	}
-	if err := c.Config.Validate(); err != nil {
-		errs = append(errs, err)
-	}
-	if _, err := obs.ParseLevel(c.LogLevel); err != nil {
-		bad("LOG_LEVEL", "%v", err)
-	}
+	errs = append(errs, c.Redis.Validate(), c.Postgres.Validate(), c.NATS.Validate(), c.Policy.Validate(), c.Log.Validate())
 	if c.OpsAddr == "" {
 		bad("OPS_ADDR", "required")
 	}
@@ -116,6 +107,3 @@ func (c *Config) Validate() error {
 	}
 	return errors.Join(errs...)
 }
-
-// Level is the log level, for service.Main.
-func (c *Config) Level() string { return c.LogLevel }

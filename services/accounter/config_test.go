@@ -8,7 +8,7 @@ import (
 )
 
 func TestConfigDefaultsAreValid(t *testing.T) {
-	var c Config
+	c := defaults()
 	if err := envconfig.Process("QF_ACCOUNTER_TEST_NONE", &c); err != nil {
 		t.Fatal(err)
 	}
@@ -27,7 +27,7 @@ func TestConfigDefaultsAreValid(t *testing.T) {
 }
 
 func TestConfigValidate(t *testing.T) {
-	var base Config
+	base := defaults()
 	if err := envconfig.Process("QF_ACCOUNTER_TEST_NONE", &base); err != nil {
 		t.Fatal(err)
 	}

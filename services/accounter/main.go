@@ -16,7 +16,8 @@ import (
 )
 
 func main() {
-	service.Main("accounter", &Config{}, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
+	cfg := defaults()
+	service.Main("accounter", &cfg, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		return run(ctx, *cfg, log, nil)
 	})
 }

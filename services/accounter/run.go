@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/eviction"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
@@ -62,8 +63,8 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	ready := obs.NewReadiness(readyStreams, readyMigrations)
 	log.Info("starting",
 		"ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "policy_file", cfg.PolicyFile,
-		"redis_url", redisconn.Redacted(cfg.RedisURL), "postgres_url", redisconn.Redacted(cfg.PostgresURL),
-		"nats_url", redisconn.Redacted(cfg.NATSURL), "stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix,
+		"redis_url", config.Redacted(cfg.RedisURL), "postgres_url", config.Redacted(cfg.PostgresURL),
+		"nats_url", config.Redacted(cfg.NATSURL), "stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix,
 		"durable", cfg.Durable, "workers", cfg.Workers, "batch_size", cfg.BatchSize, "batch_wait", cfg.BatchWait.String(),
 		"reservation_ttl", cfg.ReservationTTL.String(), "settle_expired_at_estimate", cfg.SettleExpiredAtEstimate,
 		"reconcile_interval", cfg.ReconcileInterval.String(), "reconcile_repair", cfg.ReconcileRepair)

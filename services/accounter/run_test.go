@@ -22,6 +22,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/eviction"
 	"quotaflow/internal/natstest"
@@ -101,8 +102,9 @@ func newEnv(t testing.TB) *env {
 		t: t, redis: rs, policy: pol, js: js, pub: stream.NewPublisher(js, ec),
 		lim: limits.New(rs.Client(), limits.Options{ReservationTTL: time.Hour}),
 		cfg: Config{
-			RedisURL: "redis://" + rs.Addr + "/0", PostgresURL: pgURL, NATSURL: nc.ConnectedUrl(),
-			PolicyFile: policyFile, Config: ec, LogLevel: "info", OpsAddr: "127.0.0.1:0",
+			Redis: config.Redis{RedisURL: "redis://" + rs.Addr + "/0"}, Postgres: config.Postgres{PostgresURL: pgURL},
+			NATS: config.NATS{NATSURL: nc.ConnectedUrl(), Config: ec}, Policy: config.Policy{PolicyFile: policyFile},
+			Log: config.Log{LogLevel: "info"}, OpsAddr: "127.0.0.1:0",
 			Durable: "accounter", Workers: 2, BatchSize: 100, BatchWait: 50 * time.Millisecond,
 			ReservationTTL: time.Hour, SettleExpiredAtEstimate: true,
 			ExpiryInterval: 200 * time.Millisecond, EpochInterval: 200 * time.Millisecond,

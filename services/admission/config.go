@@ -4,32 +4,24 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"net/url"
 	"strings"
 	"time"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
-	"quotaflow/pkg/events/stream"
+	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
 )
 
 // Config is admission's configuration, read from QF_* environment variables
-// by envconfig (prefix QF); the tags hold the defaults. Validate checks it.
+// by envconfig (prefix QF) over defaults(): the tags hold admission's own
+// defaults, internal/config and pkg/limits the shared ones. Validate checks
+// it.
 type Config struct {
-	// RedisURL names one node, a Sentinel master or a Cluster (see
-	// redisconn.Open).
-	RedisURL string `envconfig:"REDIS_URL" default:"redis://127.0.0.1:6379/0"`
-	// NATSURL is the NATS server (JetStream enabled).
-	NATSURL string `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222"`
-	// PolicyFile is the policy YAML, reloaded on change and SIGHUP.
-	PolicyFile string `envconfig:"POLICY_FILE" default:"deploy/policy.yaml"`
-	// Config names the streams: QF_STREAM, QF_SUBJECT_PREFIX, QF_DLQ_STREAM,
-	// QF_STREAM_MAX_AGE, QF_STREAM_DUPLICATES, QF_DLQ_MAX_AGE,
-	// QF_STREAM_REPLICAS (and the consumer settings QF_MAX_DELIVER,
-	// QF_ACK_WAIT, which admission does not use).
-	stream.Config
-	// LogLevel is debug, info, warn or error.
-	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
+	config.Redis  // QF_REDIS_URL
+	config.NATS   // QF_NATS_URL and the streams (not the consumer settings, which admission does not use)
+	config.Policy // QF_POLICY_FILE
+	config.Log    // QF_LOG_LEVEL
 	// AdmissionAddr is where the API listens.
 	AdmissionAddr string `envconfig:"ADMISSION_ADDR" default:":8080"`
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
@@ -78,8 +70,9 @@ type Config struct {
 	// LeaseIdle is how long an unused lease pool keeps its units.
 	LeaseIdle time.Duration `envconfig:"LEASE_IDLE" default:"30s"`
 	// ReservationTTL is how long an unsettled reservation lives; at least
-	// QF_STREAM_MAX_AGE, so a late actual event still finds it.
-	ReservationTTL time.Duration `envconfig:"RESERVATION_TTL" default:"24h"`
+	// QF_STREAM_MAX_AGE, so a late actual event still finds it. Default
+	// limits.DefaultReservationTTL.
+	ReservationTTL time.Duration `envconfig:"RESERVATION_TTL"`
 
 	// OutboxMaxEvents bounds the in-memory event queue; past it events
 	// spill to SpillDir.
@@ -92,6 +85,15 @@ type Config struct {
 	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"15s"`
 }
 
+// defaults is Config before the environment is read: the defaults other
+// packages own. envconfig keeps them where a variable is unset.
+func defaults() Config {
+	return Config{
+		Redis: config.DefaultRedis, NATS: config.DefaultNATS, Policy: config.DefaultPolicy, Log: config.DefaultLog,
+		ReservationTTL: limits.DefaultReservationTTL,
+	}
+}
+
 // Validate checks every field and returns all problems at once, each
 // naming its variable. It never repeats a token or a URL's password.
 func (c *Config) Validate() error {
@@ -99,20 +101,7 @@ func (c *Config) Validate() error {
 	bad := func(v, format string, args ...any) {
 		errs = append(errs, fmt.Errorf("QF_%s: %s", v, fmt.Sprintf(format, args...)))
 	}
-	for _, u := range []struct{ name, v string }{{"REDIS_URL", c.RedisURL}, {"NATS_URL", c.NATSURL}} {
-		if pu, err := url.Parse(u.v); err != nil || pu.Host == "" {
-			bad(u.name, "want a URL like %s", map[string]string{"REDIS_URL": "redis://host:6379/0", "NATS_URL": "nats://host:4222"}[u.name])
-		}
-	}
-	if c.PolicyFile == "" {
-		bad("POLICY_FILE", "required")
-	}
-	if err := c.Config.Validate(); err != nil {
-		errs = append(errs, err)
-	}
-	if _, err := obs.ParseLevel(c.LogLevel); err != nil {
-		bad("LOG_LEVEL", "%v", err)
-	}
+	errs = append(errs, c.Redis.Validate(), c.NATS.Validate(), c.Policy.Validate(), c.Log.Validate())
 	if c.AdmissionAddr == "" {
 		bad("ADMISSION_ADDR", "required")
 	}
@@ -199,6 +188,3 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 	}
 	return out, nil
 }
-
-// Level is the log level, for service.Main.
-func (c *Config) Level() string { return c.LogLevel }

@@ -87,7 +87,7 @@ func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string,
 	// few milliseconds would send decisions to the local fallback, and this
 	// test is about Redis's exactness.
 	dopts := decide.Options{RedisTimeout: 5 * time.Second}
-	lim := limits.New(rdb, dopts.LimiterOptions(limits.Options{NoEpochGuard: true}))
+	lim := limits.New(rdb, limits.Options{NoEpochGuard: true})
 	s.dec, err = decide.New(lim, w.Current, dopts, nil, s.reg)
 	if err != nil {
 		t.Fatal(err)

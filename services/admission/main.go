@@ -14,7 +14,8 @@ import (
 )
 
 func main() {
-	service.Main("admission", &Config{}, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
+	cfg := defaults()
+	service.Main("admission", &cfg, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		return run(ctx, *cfg, log, nil)
 	})
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/eviction"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/redisconn"
@@ -55,7 +56,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	}
 	log.Info("starting",
 		"admission_addr", cfg.AdmissionAddr, "ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "policy_file", cfg.PolicyFile,
-		"redis_url", redisconn.Redacted(cfg.RedisURL), "nats_url", redisconn.Redacted(cfg.NATSURL),
+		"redis_url", config.Redacted(cfg.RedisURL), "nats_url", config.Redacted(cfg.NATSURL),
 		"stream", cfg.Stream, "subject_prefix", cfg.SubjectPrefix, "api_tokens", tokens.Len(), "api_tokens_file", cfg.APITokensFile,
 		"redis_epoch_guard", cfg.RedisEpochGuard, "authz_deny_status", cfg.AuthzDenyStatus, "spill_dir", cfg.SpillDir)
 	switch {
@@ -108,7 +109,6 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		Instances:       cfg.Instances,
 		LeaseBatch:      cfg.LeaseBatch,
 		LeaseIdle:       cfg.LeaseIdle,
-		ReservationTTL:  cfg.ReservationTTL,
 	}
 	if cfg.UnseenAllowance == 0 {
 		dopts.UnseenAllowance = -1 // none (decide reads 0 as its default)
@@ -116,7 +116,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 	if cfg.FailOpenAfter == 0 {
 		dopts.FailOpenAfter = -1 // never
 	}
-	lim := limits.New(rdb, dopts.LimiterOptions(limits.Options{NoEpochGuard: !cfg.RedisEpochGuard}))
+	lim := limits.New(rdb, limits.Options{ReservationTTL: cfg.ReservationTTL, NoEpochGuard: !cfg.RedisEpochGuard})
 	dec, err := decide.New(lim, watcher.Current, dopts, log, reg)
 	if err != nil {
 		return err
@@ -193,7 +193,6 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		Auth:            tokens,
 		AuthzDenyStatus: cfg.AuthzDenyStatus,
 		TrustedProxies:  proxies,
-		ReservationTTL:  cfg.ReservationTTL,
 		MaxEventAge:     cfg.MaxAge,
 		Source:          source,
 		Log:             log,

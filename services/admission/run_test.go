@@ -31,7 +31,7 @@ func testConfig(t *testing.T) Config {
 			os.Unsetenv(k)
 		}
 	}
-	var cfg Config
+	cfg := defaults()
 	if err := envconfig.Process("QF", &cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -65,7 +65,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 			t.Errorf("%s = %v, want %v", want.name, want.got, want.want)
 		}
 	}
-	var fresh Config
+	fresh := defaults()
 	if err := envconfig.Process("QF", &fresh); err != nil {
 		t.Fatal(err)
 	}

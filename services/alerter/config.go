@@ -5,27 +5,21 @@ import (
 	"fmt"
 	"time"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
-	"quotaflow/pkg/events/stream"
 )
 
 // Config is the alerter's configuration, read from QF_* environment
-// variables by envconfig (prefix QF); the tags hold the defaults.
-// Validate checks it.
+// variables by envconfig (prefix QF) over defaults(): the tags hold the
+// alerter's own defaults, internal/config the shared ones. Validate checks
+// it.
 type Config struct {
-	// NATSURL is the NATS server (JetStream enabled).
-	NATSURL string `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222"`
-	// PostgresURL is the database of the alert state and the outbox; it
-	// is created when absent.
-	PostgresURL string `envconfig:"POSTGRES_URL" default:"postgres://postgres@127.0.0.1:5432/quotaflow?sslmode=disable"`
-	// Config names the streams (QF_STREAM, QF_SUBJECT_PREFIX, ...) and the
-	// consumer's QF_MAX_DELIVER and QF_ACK_WAIT.
-	stream.Config
+	config.NATS     // QF_NATS_URL, the streams and the consumer's redelivery
+	config.Postgres // QF_POSTGRES_URL: the alert state and the webhook outbox
+	config.Log      // QF_LOG_LEVEL
 	// Consumer is the durable consumer's name; alerter instances sharing
 	// it split the events.
 	Consumer string `envconfig:"CONSUMER" default:"quotaflow-alerter"`
-	// LogLevel is debug, info, warn or error.
-	LogLevel string `envconfig:"LOG_LEVEL" default:"info"`
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9092"`
 	// Ops holds the ops port's other settings: QF_PPROF.
@@ -68,16 +62,16 @@ type Config struct {
 	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
 }
 
-// Validate checks the cross-field rules and ranges.
+// defaults is Config before the environment is read: the defaults
+// internal/config owns. envconfig keeps them where a variable is unset.
+func defaults() Config {
+	return Config{NATS: config.DefaultNATS, Postgres: config.DefaultPostgres, Log: config.DefaultLog}
+}
+
+// Validate checks the URLs, the cross-field rules and ranges.
 func (c Config) Validate() error {
-	var errs []error
+	errs := []error{c.NATS.Validate(), c.Postgres.Validate(), c.Log.Validate()}
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
-	if err := c.Config.Validate(); err != nil {
-		errs = append(errs, err)
-	}
-	if _, err := obs.ParseLevel(c.LogLevel); err != nil {
-		errs = append(errs, err)
-	}
 	if c.Consumer == "" {
 		bad("QF_CONSUMER: required")
 	}
@@ -117,6 +111,3 @@ func (c Config) Validate() error {
 	}
 	return nil
 }
-
-// Level is the log level, for service.Main.
-func (c *Config) Level() string { return c.LogLevel }

@@ -11,7 +11,7 @@ import (
 )
 
 func TestConfigDefaults(t *testing.T) {
-	var cfg Config
+	cfg := defaults()
 	if err := envconfig.Process("QF_ALERTER_TEST_UNSET", &cfg); err != nil {
 		t.Fatal(err)
 	}

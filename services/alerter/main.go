@@ -22,7 +22,8 @@ import (
 )
 
 func main() {
-	service.Main("alerter", &Config{}, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
+	cfg := defaults()
+	service.Main("alerter", &cfg, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
 		return run(ctx, *cfg, log, nil)
 	})
 }

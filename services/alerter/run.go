@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/url"
 	"sync"
 	"time"
 
@@ -13,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/filewatch"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
@@ -39,7 +39,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(ops str
 	reg := obs.NewRegistry()
 	ready := obs.NewReadiness(readyPostgres, readyConsumer)
 	log.Info("starting",
-		"ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "postgres_url", redacted(cfg.PostgresURL), "nats_url", redacted(cfg.NATSURL), "stream", cfg.Stream,
+		"ops_addr", cfg.OpsAddr, "pprof", cfg.Pprof, "postgres_url", config.Redacted(cfg.PostgresURL), "nats_url", config.Redacted(cfg.NATSURL), "stream", cfg.Stream,
 		"subject_prefix", cfg.SubjectPrefix, "consumer", cfg.Consumer, "webhooks_file", cfg.WebhooksFile)
 
 	hooks, err := deliver.Load(cfg.WebhooksFile, detect.Kinds)
@@ -289,13 +289,4 @@ func sleep(ctx context.Context, d time.Duration) {
 	case <-ctx.Done():
 	case <-t.C:
 	}
-}
-
-// redacted returns rawURL with any password replaced, for logs.
-func redacted(rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "(unparsable url)"
-	}
-	return u.Redacted()
 }

@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/pgtest"
@@ -151,8 +152,8 @@ func newEnv(t testing.TB, webhooks string) *env {
 	}
 
 	cfg := Config{
-		NATSURL: natstest.URL(), PostgresURL: pgURL, Config: ec,
-		Consumer: "alerter", LogLevel: "debug", OpsAddr: "127.0.0.1:0", WebhooksFile: file,
+		NATS: config.NATS{NATSURL: natstest.URL(), Config: ec}, Postgres: config.Postgres{PostgresURL: pgURL},
+		Consumer: "alerter", Log: config.Log{LogLevel: "debug"}, OpsAddr: "127.0.0.1:0", WebhooksFile: file,
 		Hysteresis: 5, SpikeRate: 0.05, SpikeMinRequests: 10, SpikeWindow: 5 * time.Minute,
 		EvalInterval: 50 * time.Millisecond, AbuseBurst: 50, AbuseWindow: time.Minute,
 		DeliveryTimeout: 2 * time.Second, DeliveryMinBackoff: 20 * time.Millisecond,

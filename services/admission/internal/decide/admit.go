@@ -80,7 +80,7 @@ type sharedRes struct {
 // nothing is checked.
 func (a *admission) allowAll(plan string) {
 	now := time.Now()
-	a.res = Result{Allowed: true, Local: true, Plan: plan, Now: now, ExpiresAt: now.Add(a.d.opt.ReservationTTL)}
+	a.res = Result{Allowed: true, Local: true, Plan: plan, Now: now, ExpiresAt: now.Add(a.d.ttl)}
 	v := voidOf(a.in, plan)
 	v.Allowed = true
 	a.d.voids.add(v) // the request keeps its id (see subjectLayer)
@@ -119,7 +119,7 @@ func (a *admission) run(rs *limits.Resolved) error {
 	if a.res.Now.IsZero() {
 		a.res.Now = time.Now()
 	}
-	a.res.ExpiresAt = a.res.Now.Add(a.d.opt.ReservationTTL)
+	a.res.ExpiresAt = a.res.Now.Add(a.d.ttl)
 	a.res.Allowed = a.denied < 0 && !a.reused
 	if a.denied >= 0 {
 		a.res.DeniedBy = &a.res.Limits[a.denied]

@@ -48,7 +48,7 @@ type Result struct {
 	Plan          string
 	Version       int64 // the subject's version (0 when decided locally)
 	TenantVersion int64
-	ExpiresAt     time.Time // when the reservation lapses unless settled
+	ExpiresAt     time.Time // when the reservation lapses unless settled; set when Allowed
 	Now           time.Time
 }
 

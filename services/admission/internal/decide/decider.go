@@ -39,6 +39,7 @@ type Decider struct {
 	lim    *limits.Limiter
 	policy func() *limits.Policy
 	opt    Options
+	ttl    time.Duration // lim's reservation TTL, for Result.ExpiresAt
 	log    *slog.Logger
 	m      *metrics
 	br     *breaker
@@ -64,8 +65,8 @@ type Decider struct {
 	closeErr  error
 }
 
-// New returns a Decider over lim (built with o.LimiterOptions, so both agree
-// on the reservation TTL) that reads the current policy from policy (e.g. a
+// New returns a Decider over lim (whose reservation TTL its results'
+// ExpiresAt follow, local decisions too) that reads the current policy from policy (e.g. a
 // limits.Watcher's Current) on every request. log receives breaker changes
 // and background failures; reg receives the metrics (nil: not registered).
 // It starts two background goroutines, idle lease eviction and the Redis
@@ -83,7 +84,7 @@ func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *s
 		log = slog.New(slog.DiscardHandler)
 	}
 	d := &Decider{
-		lim: lim, policy: policy, opt: o,
+		lim: lim, policy: policy, opt: o, ttl: lim.ReservationTTL(),
 		log:   log.With("component", "decide"),
 		local: newLocalCache(o.LocalEntries),
 		epoch: time.Now(),

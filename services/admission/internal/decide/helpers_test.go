@@ -60,7 +60,7 @@ func newDecider(t testing.TB, c limits.Client, pol *limits.Policy, o Options, lo
 		// Fault tests count on the threshold alone; the window has its own test.
 		o.BreakerWindow = -1
 	}
-	lim := limits.New(c, o.LimiterOptions(lo))
+	lim := limits.New(c, lo)
 	d, err := New(lim, func() *limits.Policy { return pol }, o, nil, prometheus.NewRegistry())
 	if err != nil {
 		t.Fatalf("New: %v", err)

@@ -3,8 +3,6 @@ package decide
 import (
 	"fmt"
 	"time"
-
-	"quotaflow/pkg/limits"
 )
 
 // Options tune a Decider. The zero value gives the documented defaults;
@@ -76,12 +74,6 @@ type Options struct {
 	// recently used are forgotten first, a generation at a time. About 300
 	// bytes each. Zero means 100000.
 	LocalEntries int
-
-	// ReservationTTL is how long a reservation lives unless settled; it
-	// gives Result.ExpiresAt. It must equal the Limiter's
-	// limits.Options.ReservationTTL: build those with LimiterOptions. Zero
-	// means one hour, the Limiter's default.
-	ReservationTTL time.Duration
 }
 
 // Defaults of Options. DefaultRedisTimeout is 10ms, not less: a Reserve
@@ -101,17 +93,8 @@ const (
 	DefaultLeaseIdle       = 30 * time.Second
 	DefaultMaxLeasePools   = 100_000
 	DefaultLocalEntries    = 100_000
-	DefaultReservationTTL  = time.Hour
 	maxLeaseBatch          = 100 // a batch is 10% of the limit, at most this
 )
-
-// LimiterOptions returns lo with the ReservationTTL of o, so the Limiter and
-// the Decider agree on when reservations expire.
-func (o Options) LimiterOptions(lo limits.Options) limits.Options {
-	o, _ = o.withDefaults()
-	lo.ReservationTTL = o.ReservationTTL
-	return lo
-}
 
 // withDefaults fills in zero values and checks the rest.
 func (o Options) withDefaults() (Options, error) {
@@ -136,8 +119,6 @@ func (o Options) withDefaults() (Options, error) {
 		return o, fmt.Errorf("decide: MaxLeasePools: must not be negative")
 	case o.LocalEntries < 0:
 		return o, fmt.Errorf("decide: LocalEntries: must not be negative")
-	case o.ReservationTTL < 0:
-		return o, fmt.Errorf("decide: ReservationTTL: must not be negative")
 	}
 	def := func(v *time.Duration, d time.Duration) {
 		if *v == 0 {
@@ -151,7 +132,6 @@ func (o Options) withDefaults() (Options, error) {
 	def(&o.ProbeTimeout, DefaultProbeTimeout)
 	def(&o.FailOpenAfter, DefaultFailOpenAfter)
 	def(&o.LeaseIdle, DefaultLeaseIdle)
-	def(&o.ReservationTTL, DefaultReservationTTL)
 	if o.BreakerFailures == 0 {
 		o.BreakerFailures = DefaultBreakerFailures
 	}

@@ -177,14 +177,10 @@ func (h *Handler) publishDecision(in decide.Input, res decide.Result) {
 		}
 		return
 	}
-	exp := res.ExpiresAt
-	if exp.IsZero() {
-		exp = res.Now.Add(h.ttl)
-	}
 	ev := events.Reserved{
 		RequestID: in.RequestID, Tenant: in.Tenant, User: in.User, Plan: res.Plan,
 		Endpoint: in.Endpoint, Model: in.Model, IP: in.IP, EstimatedTokens: in.Cost,
-		ExpiresAt: exp, Version: res.Version, TenantVersion: res.TenantVersion,
+		ExpiresAt: res.ExpiresAt, Version: res.Version, TenantVersion: res.TenantVersion,
 	}
 	if len(res.Limits) > 0 {
 		ev.Limits = make([]events.LimitState, len(res.Limits))

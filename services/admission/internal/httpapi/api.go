@@ -81,10 +81,6 @@ type Options struct {
 	// headers /v1/authz believes. From other peers those headers are
 	// ignored and the request has no client IP (the IP layer is skipped).
 	TrustedProxies []netip.Prefix
-	// ReservationTTL is the lifetime of a reservation, used for the
-	// expires_at of an event when the decision did not report one
-	// (decided locally). Default one hour, limits' default.
-	ReservationTTL time.Duration
 	// Source is the CloudEvents source of the events (default
 	// "quotaflow/admission").
 	Source string
@@ -110,7 +106,6 @@ type Handler struct {
 	tokens   *auth.Auth
 	deny     int
 	trusted  []netip.Prefix
-	ttl      time.Duration
 	source   string
 	usageTO  time.Duration
 	maxAge   time.Duration
@@ -143,9 +138,6 @@ func New(o Options) (*Handler, error) {
 	default:
 		return nil, fmt.Errorf("httpapi: authz deny status %d: want 429 or 403", o.AuthzDenyStatus)
 	}
-	if o.ReservationTTL <= 0 {
-		o.ReservationTTL = time.Hour
-	}
 	if o.Source == "" {
 		o.Source = "quotaflow/admission"
 	}
@@ -160,7 +152,7 @@ func New(o Options) (*Handler, error) {
 	}
 	h := &Handler{
 		dec: o.Decider, policy: o.Policy, ev: o.Events, tokens: o.Auth, deny: o.AuthzDenyStatus,
-		trusted: o.TrustedProxies, ttl: o.ReservationTTL, source: o.Source, usageTO: o.UsageTimeout, maxAge: o.MaxEventAge,
+		trusted: o.TrustedProxies, source: o.Source, usageTO: o.UsageTimeout, maxAge: o.MaxEventAge,
 		log: o.Log.With("component", "httpapi"),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "quotaflow_admission_request_duration_seconds",
