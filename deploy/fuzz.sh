@@ -4,7 +4,7 @@
 # one target at a time. It is what `go tool task fuzz` runs:
 #
 #   go tool task fuzz                        # all targets, 10s each
-#   FUZZTIME=2m go tool task fuzz -- ./pkg/limits
+#   FUZZTIME=2m go tool task fuzz -- ./pkg/limits/policy
 #
 # A target that fails leaves its input in the package's testdata/fuzz/<Target>/;
 # commit it, and the plain test run replays it from then on.

@@ -23,7 +23,7 @@ import (
 
 	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
-	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/repair"
 )
 
 // benchPolicy is a plan of five limits (three rolling token windows, a
@@ -71,7 +71,7 @@ func newBench(ctx context.Context) (*bench, error) {
 	b.stop = append(b.stop, b.redis.Close)
 	b.rdb = redis.NewClient(&redis.Options{Addr: b.redis.Addr, MaxRetries: -1})
 	b.stop = append(b.stop, func() { b.rdb.Close() })
-	return b, limits.WriteEpoch(ctx, b.rdb, "admitload")
+	return b, repair.WriteEpoch(ctx, b.rdb, "admitload")
 }
 
 func (b *bench) close() {

@@ -11,13 +11,14 @@ import (
 
 	"quotaflow/internal/config"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // run plays the scenario on the policy in QF_POLICY_FILE (default
 // deploy/policy.yaml) and the Redis in QF_REDIS_URL.
 func run(ctx context.Context, out io.Writer) error {
 	policyFile := config.PolicyFile()
-	policy, err := limits.LoadFile(policyFile)
+	pol, err := policy.LoadFile(policyFile)
 	if err != nil {
 		return err
 	}
@@ -36,7 +37,7 @@ func run(ctx context.Context, out io.Writer) error {
 	// epoch guard (which waits for the ledger rebuild) is off.
 	tenant := fmt.Sprintf("demo-%d", time.Now().UnixNano())
 	const user = "alice"
-	res, err := policy.Resolve(tenant, "", "")
+	res, err := pol.Resolve(tenant, "", "")
 	if err != nil {
 		return err
 	}
@@ -157,11 +158,11 @@ func settleStatus(s limits.SettleStatus) string {
 	}
 }
 
-func describe(r *limits.Rule) string {
+func describe(r *policy.Rule) string {
 	switch r.Kind {
-	case limits.TokenBucket:
+	case policy.TokenBucket:
 		return fmt.Sprintf("%g %s per %s, burst %d", r.Rate, r.Unit, time.Duration(r.Per), r.Burst)
-	case limits.Rolling, limits.Fixed, limits.SlidingLog:
+	case policy.Rolling, policy.Fixed, policy.SlidingLog:
 		return fmt.Sprintf("%d %s per %s", r.Limit.Limit, r.Unit, time.Duration(r.Window))
 	default:
 		return fmt.Sprintf("%d %s", r.Limit.Limit, r.Unit)

@@ -18,7 +18,7 @@ import (
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
-	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/repair"
 )
 
 // TestPipelineAgreesWithModel runs admission and the accounter as
@@ -280,7 +280,7 @@ func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 	// short streak of failures does not open its breaker) and would look
 	// steady until it meets the missing epoch.
 	eventually(t, "the epoch rewritten", func() (bool, string) {
-		missing, err := limits.EpochMissing(ctx, p.rdb)
+		missing, err := repair.EpochMissing(ctx, p.rdb)
 		return err == nil && !missing, fmt.Sprint(missing, err)
 	})
 	if d := p.admission.WaitSteady(ctx, 45*time.Second); d != "" {

@@ -1,4 +1,4 @@
-package limits
+package limits_test
 
 import (
 	"context"
@@ -9,72 +9,34 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 )
-
-// countedShared returns a client of the shared Redis whose round trips
-// are counted.
-func countedShared(t *testing.T) (*redis.Client, *calls) {
-	t.Helper()
-	opt, err := redis.ParseURL(redistest.SharedURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := redis.NewClient(opt)
-	t.Cleanup(func() { c.Close() })
-	n := &calls{}
-	c.AddHook(n)
-	return c, n
-}
-
-// calls counts round trips like redistest.RoundTrips, but not the
-// handshake of a new connection (HELLO, CLIENT SETINFO), whose timing
-// depends on the pool.
-type calls struct{ redistest.RoundTrips }
-
-func (c *calls) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	counted := c.RoundTrips.ProcessHook(next)
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if handshake(cmd) {
-			return next(ctx, cmd)
-		}
-		return counted(ctx, cmd)
-	}
-}
-
-func (c *calls) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	counted := c.RoundTrips.ProcessPipelineHook(next)
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		if len(cmds) > 0 && handshake(cmds[0]) {
-			return next(ctx, cmds)
-		}
-		return counted(ctx, cmds)
-	}
-}
-
-func handshake(cmd redis.Cmder) bool { return cmd.Name() == "hello" || cmd.Name() == "client" }
 
 // batchRules are a tenant-wide month, a user window, a concurrency slot
 // and a request limit (which settlements leave alone).
-func batchRules() []Rule {
-	return []Rule{
-		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 1 << 30}),
-		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 10000, Window: Duration(5 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "inflight", Kind: Concurrency, Unit: Requests, Limit: 10}),
-		rule(ScopeUser, Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 100, Window: Duration(24 * time.Hour)}),
+func batchRules() []policy.Rule {
+	return []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1 << 30}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 10000, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "inflight", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 10}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "daily", Kind: policy.Fixed, Unit: policy.Requests, Limit: 100, Window: policy.Duration(24 * time.Hour)}),
 	}
 }
 
 // batchOps is a batch with every outcome: a duplicate within the batch, a
 // correct after a release, unknown ids, a fallback, an invalid op and a
 // second user.
-func batchOps(tenant string, rules []Rule, now time.Time) []SettleOp {
-	s := func(user, id string, actual int64) Settle {
-		return Settle{Tenant: tenant, User: user, RequestID: id, Actual: actual, Rules: rules}
+func batchOps(tenant string, rules []policy.Rule, now time.Time) []limits.SettleOp {
+	s := func(user, id string, actual int64) limits.Settle {
+		return limits.Settle{Tenant: tenant, User: user, RequestID: id, Actual: actual, Rules: rules}
 	}
 	fb := s("u", "fb", 130)
-	fb.Fallback = &Fallback{ReservedAt: now, Estimate: 100}
-	return []SettleOp{
+	fb.Fallback = &limits.Fallback{ReservedAt: now, Estimate: 100}
+	return []limits.SettleOp{
 		{Settle: s("u", "r1", 40)},
 		{Settle: s("u", "r1", 40)},
 		{Settle: s("u", "r2", 0), Release: true},
@@ -89,22 +51,22 @@ func batchOps(tenant string, rules []Rule, now time.Time) []SettleOp {
 }
 
 func TestSettleManyEqualsOneByOne(t *testing.T) {
-	c, rt := countedShared(t)
-	l := at(c, 0)
+	c, rt := limitstest.CountedShared(t)
+	l := limitstest.At(c, 0)
 	ctx := context.Background()
 	rules := batchRules()
-	one, many := newTenant(t)+"-one", newTenant(t)+"-many"
+	one, many := redistest.UniqueName(t)+"-one", redistest.UniqueName(t)+"-many"
 	for _, tenant := range []string{one, many} {
-		reserve(t, l, tenant, "u", "r1", 100, rules)
-		reserve(t, l, tenant, "u", "r2", 300, rules)
-		reserve(t, l, tenant, "u", "r3", 50, rules)
-		reserve(t, l, tenant, "v", "r4", 20, rules)
+		limitstest.Reserve(t, l, tenant, "u", "r1", 100, rules)
+		limitstest.Reserve(t, l, tenant, "u", "r2", 300, rules)
+		limitstest.Reserve(t, l, tenant, "u", "r3", 50, rules)
+		limitstest.Reserve(t, l, tenant, "v", "r4", 20, rules)
 	}
 	now := time.Now()
 
-	var want []SettleResult
+	var want []limits.SettleResult
 	for _, op := range batchOps(one, rules, now) {
-		var r SettleResult
+		var r limits.SettleResult
 		if op.Release {
 			r.Settlement, r.Err = l.Release(ctx, op.Settle)
 		} else {
@@ -118,7 +80,7 @@ func TestSettleManyEqualsOneByOne(t *testing.T) {
 		t.Errorf("SettleMany of %d ops took %d round trips, want 1", len(got), n)
 	}
 
-	wantStatus := []SettleStatus{Settled, AlreadySettled, Settled, Settled, UnknownRelease, ChargedUnknown, Settled, Settled, 0, Settled}
+	wantStatus := []limits.SettleStatus{limits.Settled, limits.AlreadySettled, limits.Settled, limits.Settled, limits.UnknownRelease, limits.ChargedUnknown, limits.Settled, limits.Settled, 0, limits.Settled}
 	wantDelta := []int64{-60, 0, -300, 999, 0, 25, 30, 10 - 20, 0, 0}
 	if len(got) != len(want) {
 		t.Fatalf("SettleMany returned %d results, want %d", len(got), len(want))
@@ -126,7 +88,7 @@ func TestSettleManyEqualsOneByOne(t *testing.T) {
 	for i := range got {
 		g, w := got[i], want[i]
 		if i == 8 {
-			if !errors.Is(g.Err, ErrInvalid) || !errors.Is(w.Err, ErrInvalid) {
+			if !errors.Is(g.Err, limits.ErrInvalid) || !errors.Is(w.Err, limits.ErrInvalid) {
 				t.Errorf("op %d (empty request id) errors = %v / %v, want ErrInvalid", i, g.Err, w.Err)
 			}
 			continue
@@ -138,30 +100,22 @@ func TestSettleManyEqualsOneByOne(t *testing.T) {
 			t.Errorf("op %d = status %v delta %d (batch), %v %d (one by one); want %v %d",
 				i, g.Status, g.Delta, w.Status, w.Delta, wantStatus[i], wantDelta[i])
 		}
-		if fmt.Sprint(usedOf(g.States)) != fmt.Sprint(usedOf(w.States)) {
-			t.Errorf("op %d used = %v (batch), %v (one by one)", i, usedOf(g.States), usedOf(w.States))
+		if fmt.Sprint(limitstest.Used(g.States)) != fmt.Sprint(limitstest.Used(w.States)) {
+			t.Errorf("op %d used = %v (batch), %v (one by one)", i, limitstest.Used(g.States), limitstest.Used(w.States))
 		}
 	}
 	for _, user := range []string{"u", "v"} {
-		g, w := peek(t, l, many, user, rules), peek(t, l, one, user, rules)
-		if fmt.Sprint(usedOf(g.States)) != fmt.Sprint(usedOf(w.States)) {
-			t.Errorf("%s after the batch used = %v, one by one %v", user, usedOf(g.States), usedOf(w.States))
+		g, w := limitstest.Peek(t, l, many, user, rules), limitstest.Peek(t, l, one, user, rules)
+		if fmt.Sprint(limitstest.Used(g.States)) != fmt.Sprint(limitstest.Used(w.States)) {
+			t.Errorf("%s after the batch used = %v, one by one %v", user, limitstest.Used(g.States), limitstest.Used(w.States))
 		}
 	}
 	// month: the estimates 470, then -60 -300 +999 (the actual after the
 	// release, in full) +25 +30 -10 +0; u's window without v's 10; no slot
 	// held; u's 3 admitted requests still counted.
-	if u := usedOf(peek(t, l, many, "u", rules).States); fmt.Sprint(u) != "[1154 1144 0 3]" {
+	if u := limitstest.Used(limitstest.Peek(t, l, many, "u", rules).States); fmt.Sprint(u) != "[1154 1144 0 3]" {
 		t.Errorf("u after the batch used = %v, want [1154 1144 0 3]", u)
 	}
-}
-
-func usedOf(ss []State) []int64 {
-	out := make([]int64, len(ss))
-	for i, s := range ss {
-		out[i] = s.Used
-	}
-	return out
 }
 
 // SettleMany loads what a server lacks and checks the epoch: the engine as
@@ -191,30 +145,30 @@ func TestSettleManyLoadsTheEngineAndChecksTheEpoch(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			rt := &calls{}
+			rt := &limitstest.Calls{}
 			c2.AddHook(rt)
-			l := New(c2, Options{})
+			l := limits.New(c2, limits.Options{})
 			rules := batchRules()[1:2]
-			ops := []SettleOp{
-				{Settle: Settle{Tenant: "acme", User: "u", RequestID: "a", Actual: 7, Rules: rules}},
-				{Settle: Settle{Tenant: "acme", User: "u", RequestID: "b", Actual: 5, Rules: rules}},
+			ops := []limits.SettleOp{
+				{Settle: limits.Settle{Tenant: "acme", User: "u", RequestID: "a", Actual: 7, Rules: rules}},
+				{Settle: limits.Settle{Tenant: "acme", User: "u", RequestID: "b", Actual: 5, Rules: rules}},
 			}
 			// A fresh Redis has neither the engine nor the epoch: nothing is
 			// applied.
 			for i, r := range l.SettleMany(ctx, ops) {
-				if !errors.Is(r.Err, ErrNoEpoch) {
+				if !errors.Is(r.Err, limits.ErrNoEpoch) {
 					t.Errorf("op %d on a fresh Redis error = %v, want ErrNoEpoch", i, r.Err)
 				}
 			}
 			if n := rt.Count(); n != c.first {
 				t.Errorf("first SettleMany took %d round trips, want %d", n, c.first)
 			}
-			if err := WriteEpoch(ctx, c2, "test"); err != nil {
+			if err := repair.WriteEpoch(ctx, c2, "test"); err != nil {
 				t.Fatal(err)
 			}
 			rt.Reset()
 			for i, r := range l.SettleMany(ctx, ops) {
-				if r.Err != nil || r.Status != ChargedUnknown || r.States[0].Used != 7+int64(i)*5 {
+				if r.Err != nil || r.Status != limits.ChargedUnknown || r.States[0].Used != 7+int64(i)*5 {
 					t.Errorf("op %d = %+v, %v; want charged, used %d", i, r.Settlement, r.Err, 7+i*5)
 				}
 			}
@@ -227,7 +181,7 @@ func TestSettleManyLoadsTheEngineAndChecksTheEpoch(t *testing.T) {
 			}
 			rt.Reset()
 			for i, r := range l.SettleMany(ctx, ops) {
-				if r.Err != nil || r.Status != AlreadySettled || r.States[0].Used != 12 {
+				if r.Err != nil || r.Status != limits.AlreadySettled || r.States[0].Used != 12 {
 					t.Errorf("op %d after the flush = %+v, %v; want already settled at 12", i, r.Settlement, r.Err)
 				}
 			}
@@ -239,7 +193,7 @@ func TestSettleManyLoadsTheEngineAndChecksTheEpoch(t *testing.T) {
 				t.Fatal(err)
 			}
 			st, err := l.Correct(ctx, ops[0].Settle)
-			if err != nil || st.Status != AlreadySettled {
+			if err != nil || st.Status != limits.AlreadySettled {
 				t.Errorf("Correct after the flush = %+v, %v; want already settled", st, err)
 			}
 		})
@@ -249,65 +203,24 @@ func TestSettleManyLoadsTheEngineAndChecksTheEpoch(t *testing.T) {
 func TestSettleManyOnCluster(t *testing.T) {
 	cc := redistest.Cluster(t)
 	ctx := context.Background()
-	if err := WriteEpoch(ctx, cc, "cluster"); err != nil {
+	if err := repair.WriteEpoch(ctx, cc, "cluster"); err != nil {
 		t.Fatal(err)
 	}
-	l := New(cc, Options{})
+	l := limits.New(cc, limits.Options{})
 	rules := batchRules()[:2]
-	base := newTenant(t)
-	var ops []SettleOp
+	base := redistest.UniqueName(t)
+	var ops []limits.SettleOp
 	for i := range 30 {
-		s := Settle{Tenant: fmt.Sprintf("%s-%d", base, i), User: "u", RequestID: "r", Actual: int64(i + 1), Rules: rules}
-		ops = append(ops, SettleOp{Settle: s}, SettleOp{Settle: s})
+		s := limits.Settle{Tenant: fmt.Sprintf("%s-%d", base, i), User: "u", RequestID: "r", Actual: int64(i + 1), Rules: rules}
+		ops = append(ops, limits.SettleOp{Settle: s}, limits.SettleOp{Settle: s})
 	}
 	for i, r := range l.SettleMany(ctx, ops) {
-		want, used := ChargedUnknown, int64(i/2+1)
+		want, used := limits.ChargedUnknown, int64(i/2+1)
 		if i%2 == 1 {
-			want = AlreadySettled
+			want = limits.AlreadySettled
 		}
 		if r.Err != nil || r.Status != want || r.States[0].Used != used || r.States[1].Used != used {
 			t.Errorf("op %d = %+v, %v; want %v at %d", i, r.Settlement, r.Err, want, used)
-		}
-	}
-}
-
-func TestChargeManyEqualsOneByOne(t *testing.T) {
-	c, rt := countedShared(t)
-	l := at(c, 0)
-	ctx := context.Background()
-	rules := batchRules()[:2]
-	shared := []Rule{{Limit: Limit{Name: "tokens", Kind: Rolling, Unit: Tokens, Limit: 500, Window: Duration(time.Hour)}, Scope: ScopeIP}}
-	reqs := func(tenant string) []ChargeRequest {
-		return []ChargeRequest{
-			{Tenant: tenant, User: "u", Rules: rules, Amount: 100},
-			{Tenant: tenant, User: "u", Rules: rules, Amount: -30},
-			{Tenant: tenant, User: "u", Rules: rules, Amount: 5, At: time.Now().Add(-time.Minute)},
-			{SharedScope: ScopeIP, SharedID: "192.0.2." + tenant, Rules: shared, Amount: 40},
-			{Tenant: tenant, Rules: rules, Amount: 1},
-		}
-	}
-	one, many := newTenant(t)+"-one", newTenant(t)+"-many"
-	var want []ChargeResult
-	for _, r := range reqs(one) {
-		st, err := l.Charge(ctx, r)
-		want = append(want, ChargeResult{States: st, Err: err})
-	}
-	rt.Reset()
-	got := l.ChargeMany(ctx, reqs(many))
-	if n := rt.Count(); n != 1 {
-		t.Errorf("ChargeMany took %d round trips, want 1", n)
-	}
-	wantUsed := []string{"[100 100]", "[70 70]", "[75 75]", "[40]", ""}
-	for i := range got {
-		if i == 4 {
-			if !errors.Is(got[i].Err, ErrInvalid) || !errors.Is(want[i].Err, ErrInvalid) {
-				t.Errorf("charge %d (no user) errors = %v / %v, want ErrInvalid", i, got[i].Err, want[i].Err)
-			}
-			continue
-		}
-		g, w := fmt.Sprint(usedOf(got[i].States)), fmt.Sprint(usedOf(want[i].States))
-		if got[i].Err != nil || want[i].Err != nil || g != wantUsed[i] || w != wantUsed[i] {
-			t.Errorf("charge %d = %s, %v (batch); %s, %v (one by one); want %s", i, g, got[i].Err, w, want[i].Err, wantUsed[i])
 		}
 	}
 }

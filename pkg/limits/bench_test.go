@@ -11,17 +11,19 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits/internal/wire"
+	"quotaflow/pkg/limits/policy"
 )
 
 // benchRules is the default plan of a subject: three rolling token windows,
 // a request token bucket and a tenant-wide calendar month.
-func benchRules() []Rule {
-	return []Rule{
-		{Limit: Limit{Name: "month", Kind: CalendarMonth, Unit: Tokens, Limit: 1 << 40}, Scope: ScopeTenant},
-		{Limit: Limit{Name: "5h", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(5 * time.Hour)}, Scope: ScopeUser},
-		{Limit: Limit{Name: "7d", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(168 * time.Hour)}, Scope: ScopeUser},
-		{Limit: Limit{Name: "30d", Kind: Rolling, Unit: Tokens, Limit: 1 << 30, Window: Duration(720 * time.Hour)}, Scope: ScopeUser},
-		{Limit: Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 1e6, Per: Duration(time.Second), Burst: 1e6}, Scope: ScopeUser},
+func benchRules() []policy.Rule {
+	return []policy.Rule{
+		{Limit: policy.Limit{Name: "month", Kind: policy.CalendarMonth, Unit: policy.Tokens, Limit: 1 << 40}, Scope: policy.ScopeTenant},
+		{Limit: policy.Limit{Name: "5h", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1 << 30, Window: policy.Duration(5 * time.Hour)}, Scope: policy.ScopeUser},
+		{Limit: policy.Limit{Name: "7d", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1 << 30, Window: policy.Duration(168 * time.Hour)}, Scope: policy.ScopeUser},
+		{Limit: policy.Limit{Name: "30d", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1 << 30, Window: policy.Duration(720 * time.Hour)}, Scope: policy.ScopeUser},
+		{Limit: policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 1e6, Per: policy.Duration(time.Second), Burst: 1e6}, Scope: policy.ScopeUser},
 	}
 }
 
@@ -60,7 +62,8 @@ func BenchmarkReserve(b *testing.B) {
 	srv := redistest.Start(b)
 	c := srv.Client()
 	ctx := context.Background()
-	if err := WriteEpoch(ctx, c, "bench"); err != nil {
+	// The guard reads the epoch key of acme's slot, all this Redis needs.
+	if err := c.Set(ctx, wire.SlotEpochKey(wire.TenantSlot("acme")), "bench", 0).Err(); err != nil {
 		b.Fatal(err)
 	}
 	const users = 100_000
@@ -135,7 +138,7 @@ func BenchmarkSubjectMemory(b *testing.B) {
 	var subjectBytes, recordBytes, correctedBytes int64
 	for s := range subjects {
 		user := "user-" + strconv.Itoa(s)
-		k := newSubjectKeys("acme", user)
+		k := wire.NewSubjectKeys("acme", user)
 		// One charge in every bucket of the longest window fills all windows.
 		for h := 0; h < 720; h += 30 {
 			l := New(c, Options{NoEpochGuard: true, ClockOffset: -time.Duration(h) * time.Hour})
@@ -143,14 +146,14 @@ func BenchmarkSubjectMemory(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
-		subjectBytes += c.MemoryUsage(ctx, k.blob()).Val()
-		recordBytes += c.MemoryUsage(ctx, k.reservation("0")).Val()
+		subjectBytes += c.MemoryUsage(ctx, k.Blob()).Val()
+		recordBytes += c.MemoryUsage(ctx, k.Reservation("0")).Val()
 		if _, err := New(c, Options{NoEpochGuard: true}).Correct(ctx, Settle{Tenant: "acme", User: user, RequestID: "0", Actual: 1, Rules: rules}); err != nil {
 			b.Fatal(err)
 		}
-		correctedBytes += c.MemoryUsage(ctx, k.reservation("0")).Val()
+		correctedBytes += c.MemoryUsage(ctx, k.Reservation("0")).Val()
 	}
-	blob := newSubjectKeys("acme", "user-0").blob()
+	blob := wire.NewSubjectKeys("acme", "user-0").Blob()
 	for b.Loop() {
 		c.MemoryUsage(ctx, blob)
 	}

@@ -1,4 +1,4 @@
-package limits
+package limits_test
 
 import (
 	"context"
@@ -12,53 +12,22 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/ident"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 )
 
-// newTenant returns a tenant name no other test uses, so tests sharing the
-// development Redis own their keys.
-func newTenant(t testing.TB) string { return redistest.UniqueName(t) }
-
-// at returns a Limiter that sees Redis time shifted by offset: moving through
-// windows without sleeping.
-func at(c Client, offset time.Duration) *Limiter {
-	return New(c, Options{NoEpochGuard: true, ClockOffset: offset})
-}
-
-func rule(scope Scope, l Limit) Rule {
-	if l.Unit == "" {
-		l.Unit = Tokens
-	}
-	return Rule{Limit: l, Scope: scope}
-}
-
-func reserve(t *testing.T, l *Limiter, tenant, user, id string, cost int64, rules []Rule) Decision {
-	t.Helper()
-	d, err := l.Reserve(context.Background(), Request{Tenant: tenant, User: user, RequestID: id, Cost: cost, Rules: rules})
-	if err != nil {
-		t.Fatalf("Reserve(%s, %d) error = %v", id, cost, err)
-	}
-	return d
-}
-
-func peek(t *testing.T, l *Limiter, tenant, user string, rules []Rule) Decision {
-	t.Helper()
-	d, err := l.Peek(context.Background(), Request{Tenant: tenant, User: user, Rules: rules})
-	if err != nil {
-		t.Fatalf("Peek error = %v", err)
-	}
-	return d
-}
-
-func wantAllowed(t *testing.T, d Decision, want bool) {
+func wantAllowed(t *testing.T, d limits.Decision, want bool) {
 	t.Helper()
 	if d.Allowed != want {
 		t.Fatalf("Allowed = %v, want %v (decision %+v)", d.Allowed, want, d)
 	}
 }
 
-func wantUsed(t *testing.T, d Decision, i int, used int64) {
+func wantUsed(t *testing.T, d limits.Decision, i int, used int64) {
 	t.Helper()
 	if got := d.States[i].Used; got != used {
 		t.Fatalf("States[%d].Used = %d, want %d", i, got, used)
@@ -67,12 +36,12 @@ func wantUsed(t *testing.T, d Decision, i int, used int64) {
 
 func TestRollingSlidesBucketByBucket(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 100, Window: Duration(10 * time.Second), Buckets: 10})}
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10s", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(10 * time.Second), Buckets: 10})}
 
-	d0 := reserve(t, at(c, 0), tenant, "u", "r1", 60, rules)
+	d0 := limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "r1", 60, rules)
 	wantAllowed(t, d0, true)
-	d1 := reserve(t, at(c, 3*time.Second), tenant, "u", "r2", 40, rules)
+	d1 := limitstest.Reserve(t, limitstest.At(c, 3*time.Second), tenant, "u", "r2", 40, rules)
 	wantAllowed(t, d1, true)
 	wantUsed(t, d1, 0, 100)
 	if d1.States[0].Remaining != 0 {
@@ -81,63 +50,63 @@ func TestRollingSlidesBucketByBucket(t *testing.T) {
 
 	// The 60 of r1 leave when their bucket leaves the window: that is when a
 	// single token fits again.
-	d2 := reserve(t, at(c, 4*time.Second), tenant, "u", "r3", 1, rules)
+	d2 := limitstest.Reserve(t, limitstest.At(c, 4*time.Second), tenant, "u", "r3", 1, rules)
 	wantAllowed(t, d2, false)
 	b0 := d0.Now.UnixMilli() / 1000
 	want := time.Duration((b0+10)*1000-d2.Now.UnixMilli()) * time.Millisecond
 	if d2.RetryAfter != want {
 		t.Fatalf("RetryAfter = %v, want %v", d2.RetryAfter, want)
 	}
-	if d2.DeniedBy != 0 || d2.Reason != ReasonNone {
+	if d2.DeniedBy != 0 || d2.Reason != limits.ReasonNone {
 		t.Fatalf("DeniedBy, Reason = %d, %q; want 0, none", d2.DeniedBy, d2.Reason)
 	}
 	wantUsed(t, d2, 0, 100) // the denial reserved nothing
 
 	// Past r1's bucket, 60 tokens are free again, but not 61.
-	later := at(c, time.Duration(want)+4*time.Second)
-	wantAllowed(t, reserve(t, later, tenant, "u", "r4", 61, rules), false)
-	d4 := reserve(t, later, tenant, "u", "r5", 60, rules)
+	later := limitstest.At(c, time.Duration(want)+4*time.Second)
+	wantAllowed(t, limitstest.Reserve(t, later, tenant, "u", "r4", 61, rules), false)
+	d4 := limitstest.Reserve(t, later, tenant, "u", "r5", 60, rules)
 	wantAllowed(t, d4, true)
 	wantUsed(t, d4, 0, 100)
 
 	// After a whole idle window everything is free.
-	wantUsed(t, peek(t, at(c, 30*time.Second), tenant, "u", rules), 0, 0)
+	wantUsed(t, limitstest.Peek(t, limitstest.At(c, 30*time.Second), tenant, "u", rules), 0, 0)
 }
 
 func TestFixedWindowResetsAtEpochAlignedBoundary(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "hour", Kind: Fixed, Unit: Requests, Limit: 3, Window: Duration(time.Hour)})}
-	l := at(c, 0)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "hour", Kind: policy.Fixed, Unit: policy.Requests, Limit: 3, Window: policy.Duration(time.Hour)})}
+	l := limitstest.At(c, 0)
 	for i := range 3 {
-		d := reserve(t, l, tenant, "u", "r"+string(rune('a'+i)), 500, rules)
+		d := limitstest.Reserve(t, l, tenant, "u", "r"+string(rune('a'+i)), 500, rules)
 		wantAllowed(t, d, true)
 		wantUsed(t, d, 0, int64(i+1)) // a request costs 1 in a request limit
 	}
-	d := reserve(t, l, tenant, "u", "r-deny", 1, rules)
+	d := limitstest.Reserve(t, l, tenant, "u", "r-deny", 1, rules)
 	wantAllowed(t, d, false)
 	end := (d.Now.UnixMilli()/3600000 + 1) * 3600000
 	if want := time.Duration(end-d.Now.UnixMilli()) * time.Millisecond; d.RetryAfter != want || d.States[0].Reset != want {
 		t.Fatalf("RetryAfter, Reset = %v, %v; want %v", d.RetryAfter, d.States[0].Reset, want)
 	}
-	next := at(c, time.Duration(end-d.Now.UnixMilli()+1)*time.Millisecond)
-	wantAllowed(t, reserve(t, next, tenant, "u", "r-next", 1, rules), true)
+	next := limitstest.At(c, time.Duration(end-d.Now.UnixMilli()+1)*time.Millisecond)
+	wantAllowed(t, limitstest.Reserve(t, next, tenant, "u", "r-next", 1, rules), true)
 }
 
 func TestCalendarMonthResetsAtUTCMonthStart(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "month", Kind: CalendarMonth, Limit: 1000})}
-	d := reserve(t, at(c, 0), tenant, "u", "r1", 1000, rules)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1000})}
+	d := limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "r1", 1000, rules)
 	wantAllowed(t, d, true)
 	now := d.Now.UTC()
 	next := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, time.UTC)
 	if want := next.Sub(d.Now).Truncate(time.Millisecond); d.States[0].Reset != want {
 		t.Fatalf("Reset = %v, want %v (next month %v)", d.States[0].Reset, want, next)
 	}
-	wantAllowed(t, reserve(t, at(c, 0), tenant, "u", "r2", 1, rules), false)
+	wantAllowed(t, limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "r2", 1, rules), false)
 	toNext := next.Sub(d.Now) + time.Second
-	wantAllowed(t, reserve(t, at(c, toNext), tenant, "u", "r3", 1000, rules), true)
+	wantAllowed(t, limitstest.Reserve(t, limitstest.At(c, toNext), tenant, "u", "r3", 1000, rules), true)
 	// Month lengths: 31 days after the 31st of January is not March 3rd.
 	for _, tc := range []struct{ at, wantEnd time.Time }{
 		{time.Date(2028, 2, 29, 23, 0, 0, 0, time.UTC), time.Date(2028, 3, 1, 0, 0, 0, 0, time.UTC)},
@@ -145,7 +114,7 @@ func TestCalendarMonthResetsAtUTCMonthStart(t *testing.T) {
 		{time.Date(2100, 2, 28, 0, 0, 0, 0, time.UTC), time.Date(2100, 3, 1, 0, 0, 0, 0, time.UTC)},
 	} {
 		off := time.Until(tc.at)
-		dd := peek(t, at(c, off), newTenant(t), "u", rules)
+		dd := limitstest.Peek(t, limitstest.At(c, off), redistest.UniqueName(t), "u", rules)
 		got := dd.Now.Add(dd.States[0].Reset)
 		if !got.Equal(tc.wantEnd) {
 			t.Errorf("month end seen at %v = %v, want %v", dd.Now.UTC(), got.UTC(), tc.wantEnd)
@@ -155,72 +124,72 @@ func TestCalendarMonthResetsAtUTCMonthStart(t *testing.T) {
 
 func TestTokenBucketRefillsAndCapsAtBurst(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 10, Per: Duration(time.Second), Burst: 5})}
-	l := at(c, 0)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 10, Per: policy.Duration(time.Second), Burst: 5})}
+	l := limitstest.At(c, 0)
 	for i := range 5 {
-		wantAllowed(t, reserve(t, l, tenant, "u", "a"+string(rune('0'+i)), 1, rules), true)
+		wantAllowed(t, limitstest.Reserve(t, l, tenant, "u", "a"+string(rune('0'+i)), 1, rules), true)
 	}
-	d := reserve(t, l, tenant, "u", "deny", 1, rules)
+	d := limitstest.Reserve(t, l, tenant, "u", "deny", 1, rules)
 	wantAllowed(t, d, false)
 	if d.RetryAfter <= 0 || d.RetryAfter > 100*time.Millisecond {
 		t.Fatalf("RetryAfter = %v, want in (0, 100ms] at 10/s", d.RetryAfter)
 	}
 	// An hour later the bucket holds its burst, not 36000 tokens.
-	later := at(c, time.Hour)
+	later := limitstest.At(c, time.Hour)
 	for i := range 5 {
-		wantAllowed(t, reserve(t, later, tenant, "u", "b"+string(rune('0'+i)), 1, rules), true)
+		wantAllowed(t, limitstest.Reserve(t, later, tenant, "u", "b"+string(rune('0'+i)), 1, rules), true)
 	}
-	wantAllowed(t, reserve(t, later, tenant, "u", "b-deny", 1, rules), false)
+	wantAllowed(t, limitstest.Reserve(t, later, tenant, "u", "b-deny", 1, rules), false)
 }
 
 func TestTokenBucketRateZeroIsAllowancePerPeriod(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "trial", Kind: TokenBucket, Unit: Requests, Rate: 0, Per: Duration(24 * time.Hour), Burst: 2})}
-	first := reserve(t, at(c, 0), tenant, "u", "a", 1, rules)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "trial", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 0, Per: policy.Duration(24 * time.Hour), Burst: 2})}
+	first := limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "a", 1, rules)
 	wantAllowed(t, first, true)
-	wantAllowed(t, reserve(t, at(c, time.Hour), tenant, "u", "b", 1, rules), true)
-	d := reserve(t, at(c, 2*time.Hour), tenant, "u", "c", 1, rules)
+	wantAllowed(t, limitstest.Reserve(t, limitstest.At(c, time.Hour), tenant, "u", "b", 1, rules), true)
+	d := limitstest.Reserve(t, limitstest.At(c, 2*time.Hour), tenant, "u", "c", 1, rules)
 	wantAllowed(t, d, false)
 	want := first.Now.Add(24 * time.Hour).Sub(d.Now)
 	if d.RetryAfter != want {
 		t.Fatalf("RetryAfter = %v, want %v (no refill until the period ends)", d.RetryAfter, want)
 	}
-	wantAllowed(t, reserve(t, at(c, 24*time.Hour+time.Second), tenant, "u", "d", 1, rules), true)
+	wantAllowed(t, limitstest.Reserve(t, limitstest.At(c, 24*time.Hour+time.Second), tenant, "u", "d", 1, rules), true)
 }
 
 func TestSlidingLogIsExact(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "log", Kind: SlidingLog, Unit: Requests, Limit: 3, Window: Duration(10 * time.Second)})}
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 3, Window: policy.Duration(10 * time.Second)})}
 	var times []time.Time
 	for i := range 3 {
-		d := reserve(t, at(c, time.Duration(i)*time.Second), tenant, "u", "r"+string(rune('0'+i)), 1, rules)
+		d := limitstest.Reserve(t, limitstest.At(c, time.Duration(i)*time.Second), tenant, "u", "r"+string(rune('0'+i)), 1, rules)
 		wantAllowed(t, d, true)
 		times = append(times, d.Now)
 	}
-	d := reserve(t, at(c, 3*time.Second), tenant, "u", "deny", 1, rules)
+	d := limitstest.Reserve(t, limitstest.At(c, 3*time.Second), tenant, "u", "deny", 1, rules)
 	wantAllowed(t, d, false)
 	if want := times[0].Add(10 * time.Second).Sub(d.Now); d.RetryAfter != want {
 		t.Fatalf("RetryAfter = %v, want %v (when the oldest entry leaves)", d.RetryAfter, want)
 	}
 	// Just after the first entry leaves, exactly one request fits.
-	after := at(c, times[0].Add(10*time.Second+time.Millisecond).Sub(d.Now)+3*time.Second)
-	wantAllowed(t, reserve(t, after, tenant, "u", "r3", 1, rules), true)
-	wantAllowed(t, reserve(t, after, tenant, "u", "r4", 1, rules), false)
+	after := limitstest.At(c, times[0].Add(10*time.Second+time.Millisecond).Sub(d.Now)+3*time.Second)
+	wantAllowed(t, limitstest.Reserve(t, after, tenant, "u", "r3", 1, rules), true)
+	wantAllowed(t, limitstest.Reserve(t, after, tenant, "u", "r4", 1, rules), false)
 }
 
 func TestBalanceSpendsTopUpsOnce(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "credits", Kind: Balance})}
-	l := at(c, 0)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "credits", Kind: policy.Balance})}
+	l := limitstest.At(c, 0)
 	ctx := context.Background()
 
-	d := reserve(t, l, tenant, "u", "r0", 10, rules)
+	d := limitstest.Reserve(t, l, tenant, "u", "r0", 10, rules)
 	wantAllowed(t, d, false)
-	if d.Reason != ReasonInsufficientBalance || d.RetryAfter != 0 {
+	if d.Reason != limits.ReasonInsufficientBalance || d.RetryAfter != 0 {
 		t.Fatalf("Reason, RetryAfter = %q, %v; want insufficient_balance, 0", d.Reason, d.RetryAfter)
 	}
 	for i, want := range []bool{true, false} { // the retry of reference "pack-1" applies nothing
@@ -229,82 +198,56 @@ func TestBalanceSpendsTopUpsOnce(t *testing.T) {
 			t.Fatalf("TopUp #%d = %+v, %v; want applied %v, credited 100", i, res, err, want)
 		}
 	}
-	wantAllowed(t, reserve(t, l, tenant, "u", "r1", 60, rules), true)
-	wantAllowed(t, reserve(t, l, tenant, "u", "r2", 50, rules), false)
-	s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 30, Rules: rules})
-	if err != nil || s.Status != Settled || s.Delta != -30 {
+	wantAllowed(t, limitstest.Reserve(t, l, tenant, "u", "r1", 60, rules), true)
+	wantAllowed(t, limitstest.Reserve(t, l, tenant, "u", "r2", 50, rules), false)
+	s, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 30, Rules: rules})
+	if err != nil || s.Status != limits.Settled || s.Delta != -30 {
 		t.Fatalf("Correct = %+v, %v; want settled, delta -30", s, err)
 	}
-	p := peek(t, l, tenant, "u", rules)
+	p := limitstest.Peek(t, l, tenant, "u", rules)
 	if st := p.States[0]; st.Limit != 100 || st.Used != 30 || st.Remaining != 70 {
 		t.Fatalf("balance = %+v, want limit 100 used 30 remaining 70", st)
 	}
 }
 
-func TestRestoreBalanceAfterDataLoss(t *testing.T) {
-	srv := redistest.Start(t)
-	c := srv.Client()
-	ctx := context.Background()
-	l := New(c, Options{})
-	rules := []Rule{rule(ScopeUser, Limit{Name: "credits", Kind: Balance})}
-	// Redis came back empty: the guard refuses to decide, the ledger's
-	// figures go back in, then the epoch.
-	if err := l.RestoreBalance(ctx, "t", "u", &rules[0], 500, 120, "rebuild-1"); err != nil {
-		t.Fatal(err)
-	}
-	if err := l.RestoreBalance(ctx, "t", "u", &rules[0], 500, 0, "rebuild-1"); err != nil { // a retried rebuild
-		t.Fatal(err)
-	}
-	if err := WriteEpoch(ctx, c, "rebuild-1"); err != nil {
-		t.Fatal(err)
-	}
-	d, err := l.Peek(ctx, Request{Tenant: "t", User: "u", Rules: rules})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st := d.States[0]; st.Limit != 500 || st.Used != 120 || st.Remaining != 380 {
-		t.Fatalf("restored balance = %+v, want credited 500, spent 120", st)
-	}
-}
-
 func TestConcurrencyHoldsSlotUntilSettled(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "inflight", Kind: Concurrency, Unit: Requests, Limit: 2})}
-	l := at(c, 0)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "inflight", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 2})}
+	l := limitstest.At(c, 0)
 	ctx := context.Background()
-	wantAllowed(t, reserve(t, l, tenant, "u", "a", 5, rules), true)
-	wantAllowed(t, reserve(t, l, tenant, "u", "b", 5, rules), true)
-	d := reserve(t, l, tenant, "u", "c", 5, rules)
+	wantAllowed(t, limitstest.Reserve(t, l, tenant, "u", "a", 5, rules), true)
+	wantAllowed(t, limitstest.Reserve(t, l, tenant, "u", "b", 5, rules), true)
+	d := limitstest.Reserve(t, l, tenant, "u", "c", 5, rules)
 	wantAllowed(t, d, false)
 	if d.RetryAfter != time.Second {
 		t.Fatalf("RetryAfter = %v, want 1s", d.RetryAfter)
 	}
-	if _, err := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "a", Rules: rules}); err != nil {
+	if _, err := l.Release(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "a", Rules: rules}); err != nil {
 		t.Fatal(err)
 	}
-	wantAllowed(t, reserve(t, l, tenant, "u", "c", 5, rules), true)
-	if _, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "b", Actual: 3, Rules: rules}); err != nil {
+	wantAllowed(t, limitstest.Reserve(t, l, tenant, "u", "c", 5, rules), true)
+	if _, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "b", Actual: 3, Rules: rules}); err != nil {
 		t.Fatal(err)
 	}
-	wantUsed(t, peek(t, l, tenant, "u", rules), 0, 1)
+	wantUsed(t, limitstest.Peek(t, l, tenant, "u", rules), 0, 1)
 	// A slot nobody settles expires with the reservation.
-	wantUsed(t, peek(t, at(c, 2*time.Hour), tenant, "u", rules), 0, 0)
+	wantUsed(t, limitstest.Peek(t, limitstest.At(c, 2*time.Hour), tenant, "u", rules), 0, 0)
 }
 
 func TestDenialReservesNothingAnywhere(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{
-		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 1_000_000}),
-		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 2, Window: Duration(24 * time.Hour)}),
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1_000_000}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "daily", Kind: policy.Fixed, Unit: policy.Requests, Limit: 2, Window: policy.Duration(24 * time.Hour)}),
 	}
-	l := at(c, 0)
-	wantAllowed(t, reserve(t, l, tenant, "u", "a", 10, rules), true)
-	db := reserve(t, l, tenant, "u", "b", 10, rules)
+	l := limitstest.At(c, 0)
+	wantAllowed(t, limitstest.Reserve(t, l, tenant, "u", "a", 10, rules), true)
+	db := limitstest.Reserve(t, l, tenant, "u", "b", 10, rules)
 	wantAllowed(t, db, true)
-	d := reserve(t, l, tenant, "u", "c", 10, rules)
+	d := limitstest.Reserve(t, l, tenant, "u", "c", 10, rules)
 	wantAllowed(t, d, false)
 	if d.DeniedBy != 2 {
 		t.Fatalf("DeniedBy = %d, want 2 (daily)", d.DeniedBy)
@@ -313,7 +256,7 @@ func TestDenialReservesNothingAnywhere(t *testing.T) {
 		wantUsed(t, d, i, want)
 	}
 	// The tenant-wide counter is shared by the tenant's users.
-	d2 := reserve(t, l, tenant, "other", "a", 10, rules)
+	d2 := limitstest.Reserve(t, l, tenant, "other", "a", 10, rules)
 	wantAllowed(t, d2, true)
 	wantUsed(t, d2, 0, 30)
 	wantUsed(t, d2, 1, 10)
@@ -327,21 +270,21 @@ func TestDenialReservesNothingAnywhere(t *testing.T) {
 
 func TestCostExceedingLimitNeverFits(t *testing.T) {
 	c := redistest.Shared(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
-	d := reserve(t, at(c, 0), newTenant(t), "u", "big", 1001, rules)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(5 * time.Hour)})}
+	d := limitstest.Reserve(t, limitstest.At(c, 0), redistest.UniqueName(t), "u", "big", 1001, rules)
 	wantAllowed(t, d, false)
-	if d.Reason != ReasonCostExceedsLimit || d.RetryAfter != 0 {
+	if d.Reason != limits.ReasonCostExceedsLimit || d.RetryAfter != 0 {
 		t.Fatalf("Reason, RetryAfter = %q, %v; want cost_exceeds_limit, 0", d.Reason, d.RetryAfter)
 	}
 }
 
 func TestReserveIsIdempotentByRequestID(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
-	l := at(c, 0)
-	first := reserve(t, l, tenant, "u", "same", 100, rules)
-	again := reserve(t, l, tenant, "u", "same", 100, rules)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(5 * time.Hour)})}
+	l := limitstest.At(c, 0)
+	first := limitstest.Reserve(t, l, tenant, "u", "same", 100, rules)
+	again := limitstest.Reserve(t, l, tenant, "u", "same", 100, rules)
 	if !again.Allowed || !again.Duplicate || first.Duplicate {
 		t.Fatalf("first, again = %+v, %+v; want allowed, then duplicate", first, again)
 	}
@@ -350,7 +293,7 @@ func TestReserveIsIdempotentByRequestID(t *testing.T) {
 		t.Fatalf("version moved on a duplicate: %d -> %d", first.Version, again.Version)
 	}
 	// The same id of another user is another request.
-	wantUsed(t, reserve(t, l, tenant, "v", "same", 100, rules), 0, 100)
+	wantUsed(t, limitstest.Reserve(t, l, tenant, "v", "same", 100, rules), 0, 100)
 
 	for _, tc := range []struct {
 		user, id string
@@ -364,16 +307,16 @@ func TestReserveIsIdempotentByRequestID(t *testing.T) {
 
 func TestCorrectAndReleaseApplyOnce(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{
-		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 100, Window: Duration(24 * time.Hour)}),
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "daily", Kind: policy.Fixed, Unit: policy.Requests, Limit: 100, Window: policy.Duration(24 * time.Hour)}),
 	}
-	l := at(c, 0)
+	l := limitstest.At(c, 0)
 	ctx := context.Background()
-	reserve(t, l, tenant, "u", "r1", 100, rules)
-	for i, want := range []SettleStatus{Settled, AlreadySettled, AlreadySettled} {
-		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 40, Rules: rules})
+	limitstest.Reserve(t, l, tenant, "u", "r1", 100, rules)
+	for i, want := range []limits.SettleStatus{limits.Settled, limits.AlreadySettled, limits.AlreadySettled} {
+		s, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 40, Rules: rules})
 		if err != nil || s.Status != want || s.ByRelease {
 			t.Fatalf("Correct #%d = %+v, %v; want status %v, settled by a correction", i, s, err, want)
 		}
@@ -382,19 +325,19 @@ func TestCorrectAndReleaseApplyOnce(t *testing.T) {
 		}
 	}
 	// A request, once admitted, stays counted in request limits.
-	wantUsed(t, peek(t, l, tenant, "u", rules), 1, 1)
+	wantUsed(t, limitstest.Peek(t, l, tenant, "u", rules), 1, 1)
 
-	reserve(t, l, tenant, "u", "r2", 300, rules)
-	s, err := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules})
-	if err != nil || s.Status != Settled || s.Delta != -300 || s.States[0].Used != 40 {
+	limitstest.Reserve(t, l, tenant, "u", "r2", 300, rules)
+	s, err := l.Release(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules})
+	if err != nil || s.Status != limits.Settled || s.Delta != -300 || s.States[0].Used != 40 {
 		t.Fatalf("Release = %+v, %v; want settled, -300, used 40", s, err)
 	}
-	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != AlreadySettled || !s.ByRelease {
+	if s, _ := l.Release(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != limits.AlreadySettled || !s.ByRelease {
 		t.Fatalf("second Release = %+v, want AlreadySettled by a release", s)
 	}
 	// Actual usage always wins: after a release it is charged in full, once.
-	for i, want := range []SettleStatus{Settled, AlreadySettled} {
-		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Actual: 999, Rules: rules})
+	for i, want := range []limits.SettleStatus{limits.Settled, limits.AlreadySettled} {
+		s, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r2", Actual: 999, Rules: rules})
 		if err != nil || s.Status != want || s.ByRelease || s.Estimate != 0 || s.States[0].Used != 1039 {
 			t.Fatalf("Correct #%d after Release = %+v, %v; want %v, estimate 0, at 1039", i, s, err, want)
 		}
@@ -402,18 +345,18 @@ func TestCorrectAndReleaseApplyOnce(t *testing.T) {
 			t.Fatalf("Correct after Release delta = %d, want the whole actual 999", s.Delta)
 		}
 	}
-	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != AlreadySettled || s.ByRelease || s.States[0].Used != 1039 {
+	if s, _ := l.Release(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r2", Rules: rules}); s.Status != limits.AlreadySettled || s.ByRelease || s.States[0].Used != 1039 {
 		t.Fatalf("Release after Release and Correct = %+v, want AlreadySettled by the correction at 1039", s)
 	}
-	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Rules: rules}); s.Status != AlreadySettled || s.ByRelease || s.Delta != 0 || s.Estimate != 100 {
+	if s, _ := l.Release(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r1", Rules: rules}); s.Status != limits.AlreadySettled || s.ByRelease || s.Delta != 0 || s.Estimate != 100 {
 		t.Fatalf("Release after Correct = %+v, want AlreadySettled by a correction against 100, delta 0", s)
 	}
-	if s, _ := l.Release(ctx, Settle{Tenant: tenant, User: "u", RequestID: "never", Rules: rules}); s.Status != UnknownRelease || s.States[0].Used != 1039 {
+	if s, _ := l.Release(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "never", Rules: rules}); s.Status != limits.UnknownRelease || s.States[0].Used != 1039 {
 		t.Fatalf("Release unknown = %+v, want UnknownRelease at 1039", s)
 	}
 	// An actual with no reservation anywhere is charged in full, once.
-	for i, want := range []SettleStatus{ChargedUnknown, AlreadySettled} {
-		s, err := l.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "orphan", Actual: 25, Rules: rules})
+	for i, want := range []limits.SettleStatus{limits.ChargedUnknown, limits.AlreadySettled} {
+		s, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "orphan", Actual: 25, Rules: rules})
 		if err != nil || s.Status != want || s.States[0].Used != 1064 {
 			t.Fatalf("Correct orphan #%d = %+v, %v; want %v at 1064", i, s, err, want)
 		}
@@ -422,19 +365,19 @@ func TestCorrectAndReleaseApplyOnce(t *testing.T) {
 
 func TestCorrectionLandsInTheReservationsBucket(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{
-		rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 1000, Window: Duration(10 * time.Second), Buckets: 10}),
-		rule(ScopeUser, Limit{Name: "1m", Kind: Rolling, Limit: 1000, Window: Duration(time.Minute), Buckets: 6}),
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10s", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(10 * time.Second), Buckets: 10}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1m", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(time.Minute), Buckets: 6}),
 	}
 	ctx := context.Background()
-	d := reserve(t, at(c, 0), tenant, "u", "r1", 100, rules)
+	d := limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "r1", 100, rules)
 	// 20 s later the 10 s window has slid past the reservation; the minute
 	// window has not, and the correction lands in the reservation's bucket, so
 	// it leaves the window together with the estimate.
-	later := at(c, 20*time.Second)
-	s, err := later.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 150, Rules: rules})
-	if err != nil || s.Status != Settled || !s.ReservedAt.Equal(d.Now) {
+	later := limitstest.At(c, 20*time.Second)
+	s, err := later.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 150, Rules: rules})
+	if err != nil || s.Status != limits.Settled || !s.ReservedAt.Equal(d.Now) {
 		t.Fatalf("Correct = %+v, %v", s, err)
 	}
 	if s.States[0].Used != 0 || s.States[1].Used != 150 {
@@ -442,24 +385,24 @@ func TestCorrectionLandsInTheReservationsBucket(t *testing.T) {
 	}
 	bucket := d.Now.UnixMilli() / 10000
 	leave := time.Duration((bucket+6)*10000-d.Now.UnixMilli()) * time.Millisecond
-	wantUsed(t, peek(t, at(c, leave), tenant, "u", rules), 1, 0)
+	wantUsed(t, limitstest.Peek(t, limitstest.At(c, leave), tenant, "u", rules), 1, 0)
 
 	// The ledger's copy stands in for an expired Redis record.
-	fb := &Fallback{ReservedAt: s.Now, Estimate: 100}
-	s2, err := later.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "expired", Actual: 130, Rules: rules, Fallback: fb})
-	if err != nil || s2.Status != Settled || s2.Delta != 30 {
+	fb := &limits.Fallback{ReservedAt: s.Now, Estimate: 100}
+	s2, err := later.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "expired", Actual: 130, Rules: rules, Fallback: fb})
+	if err != nil || s2.Status != limits.Settled || s2.Delta != 30 {
 		t.Fatalf("Correct with fallback = %+v, %v; want settled, delta 30", s2, err)
 	}
 }
 
 func TestShadowLimitFillsButNeverDenies(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	shadow := rule(ScopeUser, Limit{Name: "try", Kind: Fixed, Unit: Requests, Limit: 1, Window: Duration(time.Hour), Shadow: true})
-	rules := []Rule{shadow, rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)})}
-	l := at(c, 0)
-	d1 := reserve(t, l, tenant, "u", "a", 10, rules)
-	d2 := reserve(t, l, tenant, "u", "b", 10, rules)
+	tenant := redistest.UniqueName(t)
+	shadow := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "try", Kind: policy.Fixed, Unit: policy.Requests, Limit: 1, Window: policy.Duration(time.Hour), Shadow: true})
+	rules := []policy.Rule{shadow, limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * time.Hour)})}
+	l := limitstest.At(c, 0)
+	d1 := limitstest.Reserve(t, l, tenant, "u", "a", 10, rules)
+	d2 := limitstest.Reserve(t, l, tenant, "u", "b", 10, rules)
 	if !d1.Allowed || !d2.Allowed || d1.ShadowDenied() || !d2.ShadowDenied() || !d2.States[0].WouldDeny {
 		t.Fatalf("decisions = %+v / %+v; want both allowed, the second would-deny", d1, d2)
 	}
@@ -471,20 +414,20 @@ func TestEpochGuard(t *testing.T) {
 	srv := redistest.Start(t)
 	c := srv.Client()
 	ctx := context.Background()
-	l := New(c, Options{})
-	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)})}
-	req := Request{Tenant: "acme", User: "u", RequestID: "r1", Cost: 10, Rules: rules}
+	l, tools := limits.New(c, limits.Options{}), repair.New(c, limits.Options{})
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * time.Hour)})}
+	req := limits.Request{Tenant: "acme", User: "u", RequestID: "r1", Cost: 10, Rules: rules}
 
-	if _, err := l.Reserve(ctx, req); !errors.Is(err, ErrNoEpoch) {
+	if _, err := l.Reserve(ctx, req); !errors.Is(err, limits.ErrNoEpoch) {
 		t.Fatalf("Reserve on a fresh Redis error = %v, want ErrNoEpoch", err)
 	}
-	if missing, err := EpochMissing(ctx, c); err != nil || !missing {
+	if missing, err := repair.EpochMissing(ctx, c); err != nil || !missing {
 		t.Fatalf("EpochMissing = %v, %v; want true", missing, err)
 	}
-	if err := WriteEpoch(ctx, c, "rebuild-1"); err != nil {
+	if err := repair.WriteEpoch(ctx, c, "rebuild-1"); err != nil {
 		t.Fatal(err)
 	}
-	if missing, err := EpochMissing(ctx, c); err != nil || missing {
+	if missing, err := repair.EpochMissing(ctx, c); err != nil || missing {
 		t.Fatalf("EpochMissing after WriteEpoch = %v, %v; want false", missing, err)
 	}
 	if d, err := l.Reserve(ctx, req); err != nil || !d.Allowed {
@@ -497,34 +440,34 @@ func TestEpochGuard(t *testing.T) {
 	for name, call := range map[string]func() error{
 		"Reserve": func() error { _, err := l.Reserve(ctx, req); return err },
 		"Correct": func() error {
-			_, err := l.Correct(ctx, Settle{Tenant: "acme", User: "u", RequestID: "r1", Rules: rules})
+			_, err := l.Correct(ctx, limits.Settle{Tenant: "acme", User: "u", RequestID: "r1", Rules: rules})
 			return err
 		},
 		"Charge": func() error {
-			_, err := l.Charge(ctx, ChargeRequest{Tenant: "acme", User: "u", Rules: rules, Amount: 1})
+			_, err := tools.Charge(ctx, repair.ChargeRequest{Tenant: "acme", User: "u", Rules: rules, Amount: 1})
 			return err
 		},
 		"ReserveBatch": func() error {
 			r2 := req
 			r2.RequestID = "r2"
-			out := l.ReserveBatch(ctx, []Request{req, r2})
+			out := l.ReserveBatch(ctx, []limits.Request{req, r2})
 			return errors.Join(out[0].Err, out[1].Err)
 		},
 		"Lease": func() error {
-			r := Rule{Limit: Limit{Name: "g", Kind: Fixed, Unit: Requests, Limit: 5, Window: Duration(time.Second)}, Scope: ScopeGlobal}
-			_, err := l.Lease(ctx, ScopeGlobal, "/x", &r, 1)
+			r := policy.Rule{Limit: policy.Limit{Name: "g", Kind: policy.Fixed, Unit: policy.Requests, Limit: 5, Window: policy.Duration(time.Second)}, Scope: policy.ScopeGlobal}
+			_, err := l.Lease(ctx, policy.ScopeGlobal, "/x", &r, 1)
 			return err
 		},
 	} {
-		if err := call(); !errors.Is(err, ErrNoEpoch) {
+		if err := call(); !errors.Is(err, limits.ErrNoEpoch) {
 			t.Errorf("%s after restart error = %v, want ErrNoEpoch", name, err)
 		}
 	}
 	// The rebuild restores the windows from the ledger, then writes the epoch.
-	if _, err := l.Charge(ctx, ChargeRequest{Tenant: "acme", User: "u", Rules: rules, Amount: 10, Force: true}); err != nil {
+	if _, err := tools.Charge(ctx, repair.ChargeRequest{Tenant: "acme", User: "u", Rules: rules, Amount: 10, Force: true}); err != nil {
 		t.Fatal(err)
 	}
-	if err := WriteEpoch(ctx, c, "rebuild-2"); err != nil {
+	if err := repair.WriteEpoch(ctx, c, "rebuild-2"); err != nil {
 		t.Fatal(err)
 	}
 	d, err := l.Peek(ctx, req)
@@ -535,8 +478,8 @@ func TestEpochGuard(t *testing.T) {
 
 func TestIdentifiersNeverShareState(t *testing.T) {
 	c := redistest.Shared(t)
-	base := newTenant(t)
-	long := strings.Repeat("é", MaxID/2)
+	base := redistest.UniqueName(t)
+	long := strings.Repeat("é", limits.MaxID/2)
 	pairs := [][2]string{
 		{"a:b", "c"}, {"a", "b:c"},
 		{"{x}", "u"}, {"x", "u"}, {"%7Bx%7D", "u"}, {"{x", "}u"},
@@ -546,84 +489,29 @@ func TestIdentifiersNeverShareState(t *testing.T) {
 		{"%g/x", "u"}, {"%i1.2.3.4", "u"},
 		{"t", "u:e:/x:daily"}, {"t", "u"},
 	}
-	rules := []Rule{rule(ScopeUser, Limit{Name: "one", Kind: Fixed, Unit: Requests, Limit: 1, Window: Duration(time.Hour)})}
-	l := at(c, 0)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "one", Kind: policy.Fixed, Unit: policy.Requests, Limit: 1, Window: policy.Duration(time.Hour)})}
+	l := limitstest.At(c, 0)
 	for _, p := range pairs {
-		d := reserve(t, l, base+p[0], p[1], "r", 1, rules)
+		d := limitstest.Reserve(t, l, base+p[0], p[1], "r", 1, rules)
 		if !d.Allowed || d.Duplicate {
 			t.Errorf("first request of (%q, %q) = %+v: it shares state with an earlier pair", p[0], p[1], d)
 		}
 	}
 	// An endpoint's per-user limit never shares a counter with a plan limit.
-	ep := []Rule{{Limit: rules[0].Limit, Scope: ScopeUser, Endpoint: "/x"}}
-	wantAllowed(t, reserve(t, l, base+"t", "u", "r2", 1, ep), true)
-}
-
-// A limit's record id is stored in every blob in Redis: if the hash changed,
-// an upgrade would make every user's usage vanish. These ids were computed
-// by the original implementation.
-func TestRuleIDsAreStableAcrossReleases(t *testing.T) {
-	for _, c := range []struct {
-		rule Rule
-		want int64
-	}{
-		{Rule{Limit: Limit{Name: "tokens_5h", Kind: Rolling, Window: Duration(5 * time.Hour)}, Scope: ScopeUser}, 0x6c96957575c7},
-		{Rule{Limit: Limit{Name: "tokens_30d", Kind: Rolling, Window: Duration(30 * 24 * time.Hour), Buckets: 30}, Scope: ScopeTenant}, 0xa01d522440e9},
-		{Rule{Limit: Limit{Name: "rpm", Kind: Fixed, Window: Duration(time.Minute)}, Scope: ScopeGlobal, Endpoint: "/v1/chat"}, 0xa2d187ef7433},
-		{Rule{Limit: Limit{Name: "burst", Kind: TokenBucket}, Scope: ScopeUser}, 0xae987ce68de6},
-		{Rule{Limit: Limit{Name: "log", Kind: SlidingLog, Window: Duration(time.Second)}, Scope: ScopeIP}, 0xbb0f996e7b97},
-	} {
-		if got := ruleID(&c.rule); got != c.want {
-			t.Errorf("ruleID(%s) = %#x, want %#x", c.rule.Name, got, c.want)
-		}
-	}
-}
-
-func TestKeysOfATenantShareItsHashTag(t *testing.T) {
-	for _, tenant := range []string{"acme", "{x}", "a}b{c", "%7B", ":::", "é"} {
-		k := newSubjectKeys(tenant, "u:{1}")
-		r := Rule{Limit: Limit{Name: "in}flight"}, Scope: ScopeUser, Endpoint: "/{v1}"}
-		tr := Rule{Limit: Limit{Name: "month"}, Scope: ScopeTenant}
-		keys := []string{k.blob(), k.tenantBlob(), k.reservation("r:{2}"), k.concurrency(&r), k.concurrency(&tr), k.topup("ref}")}
-		want := hashTag(keys[0])
-		if want != esc(tenant) {
-			t.Errorf("tag of %q = %q, want %q", tenant, want, esc(tenant))
-		}
-		for _, key := range keys {
-			if got := hashTag(key); got != want {
-				t.Errorf("hashTag(%q) = %q, want %q", key, got, want)
-			}
-		}
-		if crc16(hashTag(epochKey(want)))%numSlots != crc16(want)%numSlots {
-			t.Errorf("epoch key of %q is in another slot", tenant)
-		}
-	}
-}
-
-// hashTag applies Redis Cluster's rule: the bytes between the first '{' and
-// the next '}', when not empty.
-func hashTag(key string) string {
-	i := strings.IndexByte(key, '{')
-	if i < 0 {
-		return key
-	}
-	j := strings.IndexByte(key[i+1:], '}')
-	if j <= 0 {
-		return key
-	}
-	return key[i+1 : i+1+j]
+	ep := []policy.Rule{{Limit: rules[0].Limit, Scope: policy.ScopeUser, Endpoint: "/x"}}
+	wantAllowed(t, limitstest.Reserve(t, l, base+"t", "u", "r2", 1, ep), true)
 }
 
 func TestLeaseNeverOverAdmits(t *testing.T) {
 	c := redistest.Shared(t)
-	ep := "/lease/" + newTenant(t)
-	r := Rule{Limit: Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 10, Window: Duration(time.Hour)}, Scope: ScopeGlobal, Endpoint: ep}
-	l := at(c, 0)
+	ep := "/lease/" + redistest.UniqueName(t)
+	r := policy.Rule{Limit: policy.Limit{Name: "daily", Kind: policy.Fixed, Unit: policy.Requests, Limit: 10, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeGlobal, Endpoint: ep}
+	l := limitstest.At(c, 0)
 	ctx := context.Background()
 	var got []int64
-	var last Lease
+	var last limits.Lease
 	for _, n := range []int64{4, 10, 3} {
-		le, err := l.Lease(ctx, ScopeGlobal, ep, &r, n)
+		le, err := l.Lease(ctx, policy.ScopeGlobal, ep, &r, n)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -636,81 +524,81 @@ func TestLeaseNeverOverAdmits(t *testing.T) {
 	if got[0] != 4 || got[1] != 6 || got[2] != 0 {
 		t.Fatalf("grants = %v, want [4 6 0]", got)
 	}
-	back, err := l.ReturnLease(ctx, ScopeGlobal, ep, &r, last, 3)
+	back, err := l.ReturnLease(ctx, policy.ScopeGlobal, ep, &r, last, 3)
 	if err != nil || back != 3 {
 		t.Fatalf("ReturnLease = %d, %v; want 3", back, err)
 	}
-	d, _ := l.PeekShared(ctx, ScopeGlobal, ep, []Rule{r})
+	d, _ := l.PeekShared(ctx, policy.ScopeGlobal, ep, []policy.Rule{r})
 	wantUsed(t, d, 0, 7)
 	// A lease from a window that has ended returns nothing to the new one.
-	next := at(c, time.Hour)
-	if back, _ := next.ReturnLease(ctx, ScopeGlobal, ep, &r, last, 3); back != 0 {
+	next := limitstest.At(c, time.Hour)
+	if back, _ := next.ReturnLease(ctx, policy.ScopeGlobal, ep, &r, last, 3); back != 0 {
 		t.Fatalf("ReturnLease into the next window = %d, want 0", back)
 	}
 	// Token buckets lease too; the lease expires once the bucket could have
 	// refilled what it granted.
-	tb := Rule{Limit: Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 100, Per: Duration(time.Second), Burst: 50}, Scope: ScopeGlobal}
-	le, err := l.Lease(ctx, ScopeGlobal, ep, &tb, 20)
+	tb := policy.Rule{Limit: policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 100, Per: policy.Duration(time.Second), Burst: 50}, Scope: policy.ScopeGlobal}
+	le, err := l.Lease(ctx, policy.ScopeGlobal, ep, &tb, 20)
 	if err != nil || le.Granted != 20 || le.ExpiresAt.Sub(le.Now) != 200*time.Millisecond {
 		t.Fatalf("token bucket lease = %+v, %v; want 20 granted for 200ms", le, err)
 	}
-	if _, err := l.Lease(ctx, ScopeGlobal, ep, &Rule{Limit: Limit{Name: "x", Kind: Rolling, Unit: Requests}}, 1); !errors.Is(err, ErrInvalid) {
+	if _, err := l.Lease(ctx, policy.ScopeGlobal, ep, &policy.Rule{Limit: policy.Limit{Name: "x", Kind: policy.Rolling, Unit: policy.Requests}}, 1); !errors.Is(err, limits.ErrInvalid) {
 		t.Fatalf("lease of a rolling limit error = %v, want ErrInvalid", err)
 	}
 }
 
-func TestChargeGivesBackASharedReservation(t *testing.T) {
+func TestChargeSharedGivesBackASharedReservation(t *testing.T) {
 	c := redistest.Shared(t)
-	ip := "198.51.100." + newTenant(t)
-	rules := []Rule{
-		{Limit: Limit{Name: "burst", Kind: SlidingLog, Unit: Requests, Limit: 5, Window: Duration(time.Minute)}, Scope: ScopeIP},
-		{Limit: Limit{Name: "tokens", Kind: Rolling, Unit: Tokens, Limit: 500, Window: Duration(time.Hour)}, Scope: ScopeIP},
+	ip := "198.51.100." + redistest.UniqueName(t)
+	rules := []policy.Rule{
+		{Limit: policy.Limit{Name: "burst", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 5, Window: policy.Duration(time.Minute)}, Scope: policy.ScopeIP},
+		{Limit: policy.Limit{Name: "tokens", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 500, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeIP},
 	}
-	l := at(c, 0)
+	l := limitstest.At(c, 0)
 	ctx := context.Background()
-	if d, err := l.ReserveShared(ctx, ScopeIP, ip, 100, rules); err != nil || !d.Allowed {
+	if d, err := l.ReserveShared(ctx, policy.ScopeIP, ip, 100, rules); err != nil || !d.Allowed {
 		t.Fatalf("ReserveShared = %+v, %v", d, err)
 	}
-	st, err := l.Charge(ctx, ChargeRequest{SharedScope: ScopeIP, SharedID: ip, Rules: rules, Amount: -100})
+	st, err := l.ChargeShared(ctx, policy.ScopeIP, ip, rules, -100)
 	if err != nil || st[0].Used != 0 || st[1].Used != 0 {
-		t.Fatalf("Charge(-100) = %+v, %v; want both back at 0", st, err)
+		t.Fatalf("ChargeShared(-100) = %+v, %v; want both back at 0", st, err)
 	}
 }
 
 func TestValidation(t *testing.T) {
-	l := New(redistest.Shared(t), Options{NoEpochGuard: true})
+	l := limits.New(redistest.Shared(t), limits.Options{NoEpochGuard: true})
 	ctx := context.Background()
-	for name, req := range map[string]Request{
+	for name, req := range map[string]limits.Request{
 		"empty tenant":  {User: "u", RequestID: "r"},
 		"empty user":    {Tenant: "t", RequestID: "r"},
-		"long user":     {Tenant: "t", User: strings.Repeat("x", MaxID+1), RequestID: "r"},
+		"long user":     {Tenant: "t", User: strings.Repeat("x", limits.MaxID+1), RequestID: "r"},
 		"NUL in user":   {Tenant: "t", User: "a\x00b", RequestID: "r"},
 		"C1 in tenant":  {Tenant: "t\u0085", User: "u", RequestID: "r"},
 		"invalid UTF-8": {Tenant: "t", User: "u", RequestID: "r\xff"},
 		"negative cost": {Tenant: "t", User: "u", RequestID: "r", Cost: -1},
-		"huge cost":     {Tenant: "t", User: "u", RequestID: "r", Cost: MaxCost + 1},
+		"huge cost":     {Tenant: "t", User: "u", RequestID: "r", Cost: limits.MaxCost + 1},
 	} {
-		if _, err := l.Reserve(ctx, req); !errors.Is(err, ErrInvalid) {
+		if _, err := l.Reserve(ctx, req); !errors.Is(err, limits.ErrInvalid) {
 			t.Errorf("Reserve(%s) error = %v, want ErrInvalid", name, err)
 		}
 	}
 	// The identifier rule's message, as boundaries show it.
-	_, err := l.Reserve(ctx, Request{Tenant: "t", User: "a\x00b", RequestID: "r"})
+	_, err := l.Reserve(ctx, limits.Request{Tenant: "t", User: "a\x00b", RequestID: "r"})
 	if want := "user: contains a control character"; err == nil || !strings.HasSuffix(err.Error(), want) || !errors.Is(err, ident.ErrControl) {
 		t.Errorf("Reserve(NUL in user) = %v, want ...%q wrapping ident.ErrControl", err, want)
 	}
-	if _, err := l.Reserve(ctx, Request{Tenant: "t", User: "u", RequestID: "r", Cost: MaxCost}); err != nil {
-		t.Errorf("Reserve(cost %d) = %v, want no error", int64(MaxCost), err)
+	if _, err := l.Reserve(ctx, limits.Request{Tenant: "t", User: "u", RequestID: "r", Cost: limits.MaxCost}); err != nil {
+		t.Errorf("Reserve(cost %d) = %v, want no error", int64(limits.MaxCost), err)
 	}
 }
 
 // raceExactly runs workers goroutines of perWorker requests of cost 1
 // against a quota of quota tokens and returns how many were allowed.
-func raceExactly(t *testing.T, l *Limiter, tenant string, workers, perWorker int, quota int64) int64 {
-	rules := []Rule{
-		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 1 << 40}),
-		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: quota, Window: Duration(5 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "rps", Kind: TokenBucket, Unit: Requests, Rate: 1, Per: Duration(time.Hour), Burst: 1 << 30}),
+func raceExactly(t *testing.T, l *limits.Limiter, tenant string, workers, perWorker int, quota int64) int64 {
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1 << 40}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: quota, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 1, Per: policy.Duration(time.Hour), Burst: 1 << 30}),
 	}
 	var allowed, failed atomic.Int64
 	var wg sync.WaitGroup
@@ -718,7 +606,7 @@ func raceExactly(t *testing.T, l *Limiter, tenant string, workers, perWorker int
 		wg.Go(func() {
 			for i := range perWorker {
 				id := string(rune('A'+w%26)) + "-" + hex.EncodeToString([]byte{byte(w), byte(i), byte(i >> 8)})
-				d, err := l.Reserve(context.Background(), Request{Tenant: tenant, User: "hot", RequestID: id, Cost: 1, Rules: rules})
+				d, err := l.Reserve(context.Background(), limits.Request{Tenant: tenant, User: "hot", RequestID: id, Cost: 1, Rules: rules})
 				if err != nil {
 					failed.Add(1)
 					continue
@@ -737,8 +625,8 @@ func raceExactly(t *testing.T, l *Limiter, tenant string, workers, perWorker int
 }
 
 func TestConcurrentReservesAreExact(t *testing.T) {
-	l := at(redistest.Shared(t), 0)
-	if got := raceExactly(t, l, newTenant(t), 64, 200, 1000); got != 1000 {
+	l := limitstest.At(redistest.Shared(t), 0)
+	if got := raceExactly(t, l, redistest.UniqueName(t), 64, 200, 1000); got != 1000 {
 		t.Fatalf("allowed %d of 12800 racing requests, want exactly 1000", got)
 	}
 }
@@ -746,34 +634,34 @@ func TestConcurrentReservesAreExact(t *testing.T) {
 func TestClusterReservesAreExact(t *testing.T) {
 	cc := redistest.Cluster(t)
 	ctx := context.Background()
-	if err := WriteEpoch(ctx, cc, "cluster"); err != nil {
+	if err := repair.WriteEpoch(ctx, cc, "cluster"); err != nil {
 		t.Fatal(err)
 	}
-	l := New(cc, Options{})
-	if got := raceExactly(t, l, newTenant(t), 64, 200, 1000); got != 1000 {
+	l := limits.New(cc, limits.Options{})
+	if got := raceExactly(t, l, redistest.UniqueName(t), 64, 200, 1000); got != 1000 {
 		t.Fatalf("allowed %d of 12800 racing requests on the cluster, want exactly 1000", got)
 	}
 	// Tenants spread over the shards, each tenant's call stays on one.
-	rules := []Rule{
-		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 100}),
-		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * time.Hour)}),
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 100}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * time.Hour)}),
 	}
 	var tenants []string
 	for i := range 20 {
-		tenant := newTenant(t) + string(rune('a'+i))
+		tenant := redistest.UniqueName(t) + string(rune('a'+i))
 		tenants = append(tenants, tenant)
-		reserve(t, l, tenant, "u", "r", 5, rules)
+		limitstest.Reserve(t, l, tenant, "u", "r", 5, rules)
 	}
 	// The reconciliation's scan walks every shard; Windows reads each slot.
 	found := map[string]int{}
-	if err := ScanSubjects(ctx, cc, func(tenant, user string) { found[tenant]++ }); err != nil {
+	if err := repair.ScanSubjects(ctx, cc, func(tenant, user string) { found[tenant]++ }); err != nil {
 		t.Fatal(err)
 	}
 	for _, tenant := range tenants {
 		if found[tenant] != 2 {
 			t.Errorf("ScanSubjects found %d blobs of %s, want its user's and its own", found[tenant], tenant)
 		}
-		if _, ws, err := l.Windows(ctx, tenant, "u", rules); err != nil || ws[0].Used() != 5 || ws[1].Used() != 5 {
+		if _, ws, err := repair.New(cc, limits.Options{}).Windows(ctx, tenant, "u", rules); err != nil || ws[0].Used() != 5 || ws[1].Used() != 5 {
 			t.Errorf("Windows(%s) = %+v, %v; want 5 used in each", tenant, ws, err)
 		}
 	}
@@ -791,26 +679,26 @@ func TestClusterReservesAreExact(t *testing.T) {
 
 func TestCorrectionPastTheWindowKeepsItsCurrentBucket(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{
-		rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 1000, Window: Duration(10 * time.Second), Buckets: 10}),
-		rule(ScopeUser, Limit{Name: "1m", Kind: Rolling, Limit: 1000, Window: Duration(time.Minute), Buckets: 6}),
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10s", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(10 * time.Second), Buckets: 10}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1m", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(time.Minute), Buckets: 6}),
 	}
 	ctx := context.Background()
-	reserve(t, at(c, 0), tenant, "u", "r1", 100, rules)
+	limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "r1", 100, rules)
 	// 20 s later r2 lands in the 10 s window's current bucket; r1's
 	// correction belongs to a bucket that window has dropped, so only the
 	// minute window moves, and r2's bucket stays as it was.
-	later := at(c, 20*time.Second)
-	reserve(t, later, tenant, "u", "r2", 7, rules)
-	s, err := later.Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 150, Rules: rules})
-	if err != nil || s.Status != Settled {
+	later := limitstest.At(c, 20*time.Second)
+	limitstest.Reserve(t, later, tenant, "u", "r2", 7, rules)
+	s, err := later.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 150, Rules: rules})
+	if err != nil || s.Status != limits.Settled {
 		t.Fatalf("Correct = %+v, %v", s, err)
 	}
 	if s.States[0].Used != 7 || s.States[1].Used != 157 {
 		t.Fatalf("used after correction = %d, %d; want 7, 157", s.States[0].Used, s.States[1].Used)
 	}
-	d := reserve(t, later, tenant, "u", "r3", 1, rules)
+	d := limitstest.Reserve(t, later, tenant, "u", "r3", 1, rules)
 	wantUsed(t, d, 0, 8)
 	wantUsed(t, d, 1, 158)
 }
@@ -820,12 +708,12 @@ func TestCorrectionPastTheWindowKeepsItsCurrentBucket(t *testing.T) {
 // reserves move back and forth across a month boundary around that edge.
 func TestCalendarMonthCountsAcrossBoundaryBothWays(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "month", Kind: CalendarMonth, Limit: 1000})}
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1000})}
 	ctx := context.Background()
-	on := func(d time.Time) *Limiter { return at(c, time.Until(d)) }
+	on := func(d time.Time) *limits.Limiter { return limitstest.At(c, time.Until(d)) }
 	utc := func(m time.Month, day, h int) time.Time { return time.Date(2031, m, day, h, 0, 0, 0, time.UTC) }
-	wantUsed(t, reserve(t, on(utc(3, 10, 12)), tenant, "u", "r1", 100, rules), 0, 100)
+	wantUsed(t, limitstest.Reserve(t, on(utc(3, 10, 12)), tenant, "u", "r1", 100, rules), 0, 100)
 	for _, tc := range []struct {
 		at   time.Time
 		used int64
@@ -836,15 +724,15 @@ func TestCalendarMonthCountsAcrossBoundaryBothWays(t *testing.T) {
 		{utc(2, 28, 23), 0},   // February: the March record does not count
 		{utc(4, 1, 1), 0},     // April: the March record expired
 	} {
-		d, err := on(tc.at).Peek(ctx, Request{Tenant: tenant, User: "u", Rules: rules})
+		d, err := on(tc.at).Peek(ctx, limits.Request{Tenant: tenant, User: "u", Rules: rules})
 		if err != nil || d.States[0].Used != tc.used {
 			t.Fatalf("Peek on %v = %+v, %v; want used %d", tc.at, d.States, err, tc.used)
 		}
 	}
 	// A reserve in February (time moved back) starts February's count.
-	wantUsed(t, reserve(t, on(utc(2, 28, 23)), tenant, "u", "r2", 5, rules), 0, 5)
+	wantUsed(t, limitstest.Reserve(t, on(utc(2, 28, 23)), tenant, "u", "r2", 5, rules), 0, 5)
 	// A correction of r1 at the end of March lands in r1's month.
-	s, err := on(utc(3, 31, 22)).Correct(ctx, Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 130, Rules: rules})
+	s, err := on(utc(3, 31, 22)).Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 130, Rules: rules})
 	if err != nil || s.States[0].Used != 30 {
 		t.Fatalf("Correct = %+v, %v; want used 30 (February's record replaced March's)", s, err)
 	}
@@ -856,11 +744,11 @@ func TestCalendarMonthCountsAcrossBoundaryBothWays(t *testing.T) {
 // and after the first charge leaves.
 func TestFirstTouchWindowsSlideExactly(t *testing.T) {
 	c := redistest.Shared(t)
-	tenant := newTenant(t)
-	rules := []Rule{
-		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 1 << 40}),
-		rule(ScopeUser, Limit{Name: "10s", Kind: Rolling, Limit: 1 << 30, Window: Duration(10 * time.Second), Buckets: 10}),
-		rule(ScopeUser, Limit{Name: "4s", Kind: Rolling, Limit: 1 << 30, Window: Duration(4 * time.Second), Buckets: 4}),
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1 << 40}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10s", Kind: policy.Rolling, Limit: 1 << 30, Window: policy.Duration(10 * time.Second), Buckets: 10}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "4s", Kind: policy.Rolling, Limit: 1 << 30, Window: policy.Duration(4 * time.Second), Buckets: 4}),
 	}
 	type charge struct{ ms, cost int64 }
 	var charges []charge
@@ -876,7 +764,7 @@ func TestFirstTouchWindowsSlideExactly(t *testing.T) {
 	var month int64
 	for k := range 16 {
 		cost := int64(k + 1)
-		d := reserve(t, at(c, time.Duration(k)*1300*time.Millisecond), tenant, "u", "r"+strings.Repeat("x", k), cost, rules)
+		d := limitstest.Reserve(t, limitstest.At(c, time.Duration(k)*1300*time.Millisecond), tenant, "u", "r"+strings.Repeat("x", k), cost, rules)
 		wantAllowed(t, d, true)
 		charges = append(charges, charge{d.Now.UnixMilli(), cost})
 		month += cost

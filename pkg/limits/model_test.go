@@ -1,4 +1,4 @@
-package limits
+package limits_test
 
 import (
 	"context"
@@ -9,7 +9,11 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/internal/wire"
+	"quotaflow/pkg/limits/policy"
 )
 
 // TestEngineAgreesWithModel plays random interleavings of every engine
@@ -35,20 +39,20 @@ func TestEngineAgreesWithModel(t *testing.T) {
 	// Redis time pinned five minutes into the hour, so no fixed, calendar
 	// or allowance window turns over during the run.
 	offset := 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
-	l := at(c, offset)
-	tenant := newTenant(t)
-	rules := []Rule{
-		rule(ScopeTenant, Limit{Name: "t5h", Kind: Rolling, Limit: 7000, Window: Duration(5 * time.Hour)}),
-		{Limit: Limit{Name: "tslots", Kind: Concurrency, Unit: Requests, Limit: 9}, Scope: ScopeTenant},
-		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 4000, Window: Duration(5 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "day", Kind: Fixed, Limit: 4500, Window: Duration(24 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "month", Kind: CalendarMonth, Limit: 5000}),
-		rule(ScopeUser, Limit{Name: "allowance", Kind: TokenBucket, Burst: 5500, Per: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "log", Kind: SlidingLog, Unit: Requests, Limit: 22, Window: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "hourly", Kind: Fixed, Unit: Requests, Limit: 24, Window: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "requests", Kind: TokenBucket, Unit: Requests, Burst: 23, Per: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "credits", Kind: Balance}),
-		{Limit: Limit{Name: "slots", Kind: Concurrency, Unit: Requests, Limit: 6}, Scope: ScopeUser},
+	l := limitstest.At(c, offset)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t5h", Kind: policy.Rolling, Limit: 7000, Window: policy.Duration(5 * time.Hour)}),
+		{Limit: policy.Limit{Name: "tslots", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 9}, Scope: policy.ScopeTenant},
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 4000, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "day", Kind: policy.Fixed, Limit: 4500, Window: policy.Duration(24 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 5000}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "allowance", Kind: policy.TokenBucket, Burst: 5500, Per: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 22, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "hourly", Kind: policy.Fixed, Unit: policy.Requests, Limit: 24, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "requests", Kind: policy.TokenBucket, Unit: policy.Requests, Burst: 23, Per: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "credits", Kind: policy.Balance}),
+		{Limit: policy.Limit{Name: "slots", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 6}, Scope: policy.ScopeUser},
 	}
 	m := newModel(rules)
 	users := []string{"u1", "u2"}
@@ -61,7 +65,7 @@ func TestEngineAgreesWithModel(t *testing.T) {
 		// A first request starts the allowances' periods (a token bucket
 		// without refill counts from its first use): a charge dated before
 		// that would fall outside them, as outside any window.
-		if _, err := l.Reserve(ctx, Request{Tenant: tenant, User: u, RequestID: "first", Rules: rules, Fingerprint: 1}); err != nil {
+		if _, err := l.Reserve(ctx, limits.Request{Tenant: tenant, User: u, RequestID: "first", Rules: rules, Fingerprint: 1}); err != nil {
 			t.Fatal(err)
 		}
 		m.reserve(u, "first", 0, 1, 0)
@@ -84,7 +88,7 @@ func TestEngineAgreesWithModel(t *testing.T) {
 		cost := int64(rng.IntN(260))
 		what := ""
 		nonce++
-		req := Request{Tenant: tenant, User: u, RequestID: id, Cost: cost, Rules: rules, Fingerprint: cost + 1, Nonce: nonce}
+		req := limits.Request{Tenant: tenant, User: u, RequestID: id, Cost: cost, Rules: rules, Fingerprint: cost + 1, Nonce: nonce}
 		if r := mu.recs[id]; r != nil && r.gone {
 			// An id whose record expired: only what the accounter would
 			// still do (settle an open one, correct a released or void
@@ -94,8 +98,8 @@ func TestEngineAgreesWithModel(t *testing.T) {
 			}
 			actual := int64(rng.IntN(260))
 			// dated in Redis's time, as the ledger has it
-			fb := &Fallback{ReservedAt: time.Now().Add(offset), Estimate: r.fallbackEstimate()}
-			s := Settle{Tenant: tenant, User: u, RequestID: id, Actual: actual, Rules: rules, Fallback: fb}
+			fb := &limits.Fallback{ReservedAt: time.Now().Add(offset), Estimate: r.fallbackEstimate()}
+			s := limits.Settle{Tenant: tenant, User: u, RequestID: id, Actual: actual, Rules: rules, Fallback: fb}
 			var err error
 			if r.state != stOpen || rng.IntN(2) == 0 {
 				what = fmt.Sprintf("correct gone %s %d", id, actual)
@@ -109,7 +113,7 @@ func TestEngineAgreesWithModel(t *testing.T) {
 			if err != nil {
 				t.Fatalf("step %d %s: %v", step, what, err)
 			}
-			m.check(t, step, what, peek(t, l, tenant, u, rules), u)
+			m.check(t, step, what, limitstest.Peek(t, l, tenant, u, rules), u)
 			continue
 		}
 		switch op := rng.IntN(100); {
@@ -137,13 +141,13 @@ func TestEngineAgreesWithModel(t *testing.T) {
 				actual = r.cost * int64(50+rng.IntN(70)) / 100 // estimates are off by -50 % to +20 %
 			}
 			what = fmt.Sprintf("correct %s %d", id, actual)
-			if _, err := l.Correct(ctx, Settle{Tenant: tenant, User: u, RequestID: id, Actual: actual, Rules: rules}); err != nil {
+			if _, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: u, RequestID: id, Actual: actual, Rules: rules}); err != nil {
 				t.Fatalf("step %d %s: %v", step, what, err)
 			}
 			m.correct(u, id, actual)
 		case op < 70:
 			what = "release " + id
-			if _, err := l.Release(ctx, Settle{Tenant: tenant, User: u, RequestID: id, Rules: rules}); err != nil {
+			if _, err := l.Release(ctx, limits.Settle{Tenant: tenant, User: u, RequestID: id, Rules: rules}); err != nil {
 				t.Fatalf("step %d %s: %v", step, what, err)
 			}
 			m.release(u, id)
@@ -155,7 +159,7 @@ func TestEngineAgreesWithModel(t *testing.T) {
 			late := rng.IntN(3) == 0 // it reaches Redis only after the void
 			what = fmt.Sprintf("lost reserve %s cost %d (local allow %v, late %v)", id, cost, allowed, late)
 			void := func() {
-				if _, err := l.VoidReserve(ctx, Void{Tenant: tenant, User: u, RequestID: id, Fingerprint: req.Fingerprint, Nonce: nonce, Allowed: allowed}); err != nil {
+				if _, err := l.VoidReserve(ctx, limits.Void{Tenant: tenant, User: u, RequestID: id, Fingerprint: req.Fingerprint, Nonce: nonce, Allowed: allowed}); err != nil {
 					t.Fatalf("step %d %s: %v", step, what, err)
 				}
 			}
@@ -179,7 +183,7 @@ func TestEngineAgreesWithModel(t *testing.T) {
 				continue
 			}
 			what = "expire record " + id
-			if err := c.Del(ctx, newSubjectKeys(tenant, u).reservation(id)).Err(); err != nil {
+			if err := c.Del(ctx, wire.NewSubjectKeys(tenant, u).Reservation(id)).Err(); err != nil {
 				t.Fatal(err)
 			}
 			r.gone = true
@@ -194,13 +198,13 @@ func TestEngineAgreesWithModel(t *testing.T) {
 			actual := int64(rng.IntN(60))
 			id = "orphan-" + strconv.Itoa(step)
 			what = fmt.Sprintf("correct orphan %s %d", id, actual)
-			if _, err := l.Correct(ctx, Settle{Tenant: tenant, User: u, RequestID: id, Actual: actual, Rules: rules}); err != nil {
+			if _, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: u, RequestID: id, Actual: actual, Rules: rules}); err != nil {
 				t.Fatalf("step %d %s: %v", step, what, err)
 			}
 			m.correct(u, id, actual)
 		}
 		for _, v := range users {
-			m.check(t, step, what, peek(t, l, tenant, v, rules), v)
+			m.check(t, step, what, limitstest.Peek(t, l, tenant, v, rules), v)
 		}
 	}
 }
@@ -234,7 +238,7 @@ func (r *mrec) fallbackEstimate() int64 {
 	case stReleased:
 		return 0
 	}
-	return NoEstimate
+	return limits.NoEstimate
 }
 
 type muser struct {
@@ -245,11 +249,11 @@ type muser struct {
 }
 
 type model struct {
-	rules []Rule
+	rules []policy.Rule
 	users map[string]*muser
 }
 
-func newModel(rules []Rule) *model { return &model{rules: rules, users: map[string]*muser{}} }
+func newModel(rules []policy.Rule) *model { return &model{rules: rules, users: map[string]*muser{}} }
 
 // open lists the ids of open reservations, in order.
 func (mu *muser) open() []string {
@@ -369,13 +373,13 @@ func (m *model) voidBefore(u, id string, cost, fp int64, allowed bool) {
 
 // check compares the limits of d (a decision or a peek of user u) with
 // the model.
-func (m *model) check(t *testing.T, step int, what string, d Decision, u string) {
+func (m *model) check(t *testing.T, step int, what string, d limits.Decision, u string) {
 	t.Helper()
 	tokens, slots := m.held(u)
 	ttokens, tslots := m.tenant()
 	mu := m.user(u)
 	want := []int64{ttokens, tslots, tokens, tokens, tokens, tokens, mu.counted, mu.counted, mu.counted, tokens, slots}
-	got := usedOf(d.States)
+	got := limitstest.Used(d.States)
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("step %d after %s: %s used %v, model %v", step, what, u, got, want)
 	}
@@ -385,13 +389,13 @@ func (m *model) check(t *testing.T, step int, what string, d Decision, u string)
 }
 
 // outcome names a Decision as the model does.
-func outcome(d Decision) string {
+func outcome(d limits.Decision) string {
 	switch {
 	case d.Duplicate:
 		return "duplicate"
-	case d.Conflict == ConflictRequest:
+	case d.Conflict == limits.ConflictRequest:
 		return "conflict request"
-	case d.Conflict == ConflictSettled:
+	case d.Conflict == limits.ConflictSettled:
 		return "conflict settled"
 	case d.Allowed:
 		return "allowed"

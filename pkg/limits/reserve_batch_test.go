@@ -1,4 +1,4 @@
-package limits
+package limits_test
 
 import (
 	"context"
@@ -7,7 +7,10 @@ import (
 	"strings"
 	"testing"
 
+	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // TestReserveBatchDecidesLikeReserveInOrder sends, in one batch to a fresh
@@ -15,13 +18,13 @@ import (
 // one user than its limit, a retried request id, an invalid request and
 // another user: each outcome is what lone Reserve calls in that order give.
 func TestReserveBatchDecidesLikeReserveInOrder(t *testing.T) {
-	l := at(redistest.Start(t).Client(), 0)
-	tenant := newTenant(t)
-	rules := []Rule{rule(ScopeUser, Limit{Name: "n", Kind: Fixed, Unit: Requests, Limit: 3, Window: Duration(3600e9)})}
-	req := func(user, id string) Request {
-		return Request{Tenant: tenant, User: user, RequestID: id, Cost: 1, Rules: rules}
+	l := limitstest.At(redistest.Start(t).Client(), 0)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 3, Window: policy.Duration(3600e9)})}
+	req := func(user, id string) limits.Request {
+		return limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: 1, Rules: rules}
 	}
-	rs := []Request{req("a", "1"), req("a", "2"), req("a", "3"), req("a", "4"), req("a", "1"), req("", "5"), req("b", "1")}
+	rs := []limits.Request{req("a", "1"), req("a", "2"), req("a", "3"), req("a", "4"), req("a", "1"), req("", "5"), req("b", "1")}
 	type want struct {
 		allowed, dup bool
 		used         int64
@@ -34,7 +37,7 @@ func TestReserveBatchDecidesLikeReserveInOrder(t *testing.T) {
 	}
 	for i, o := range out {
 		if rs[i].User == "" {
-			if !errors.Is(o.Err, ErrInvalid) {
+			if !errors.Is(o.Err, limits.ErrInvalid) {
 				t.Errorf("ReserveBatch[%d] (no user) error = %v, want ErrInvalid", i, o.Err)
 			}
 			continue
@@ -51,7 +54,7 @@ func TestReserveBatchDecidesLikeReserveInOrder(t *testing.T) {
 			t.Errorf("ReserveBatch[%d].States[0].Rule does not point into the request's rules", i)
 		}
 	}
-	if d := peek(t, l, tenant, "a", rules); d.States[0].Used != 3 {
+	if d := limitstest.Peek(t, l, tenant, "a", rules); d.States[0].Used != 3 {
 		t.Fatalf("after the batch, user a used %d, want 3", d.States[0].Used)
 	}
 }
@@ -61,12 +64,12 @@ func TestReserveBatchDecidesLikeReserveInOrder(t *testing.T) {
 // script cache); every call is decided, twice.
 func TestReserveBatchOnClusterSpansNodes(t *testing.T) {
 	cc := redistest.Cluster(t)
-	l := New(cc, Options{NoEpochGuard: true})
-	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 100, Window: Duration(5 * 3600e9)})}
-	base := newTenant(t)
-	var rs []Request
+	l := limits.New(cc, limits.Options{NoEpochGuard: true})
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * 3600e9)})}
+	base := redistest.UniqueName(t)
+	var rs []limits.Request
 	for i := range 30 {
-		rs = append(rs, Request{Tenant: base + strconv.Itoa(i), User: "u", RequestID: "r", Cost: 5, Rules: rules})
+		rs = append(rs, limits.Request{Tenant: base + strconv.Itoa(i), User: "u", RequestID: "r", Cost: 5, Rules: rules})
 	}
 	for round, wantUsed := range []int64{5, 10} {
 		for i := range rs {
@@ -88,10 +91,10 @@ func TestReserveBatchOnClusterSpansNodes(t *testing.T) {
 // connection's error, naming its subject.
 func TestReserveBatchFailsEveryCallWhenRedisIsDown(t *testing.T) {
 	srv := redistest.Start(t)
-	l := at(srv.Client(), 0)
+	l := limitstest.At(srv.Client(), 0)
 	srv.Stop()
-	rules := []Rule{rule(ScopeUser, Limit{Name: "n", Kind: Fixed, Unit: Requests, Limit: 3, Window: Duration(3600e9)})}
-	rs := []Request{
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 3, Window: policy.Duration(3600e9)})}
+	rs := []limits.Request{
 		{Tenant: "t", User: "a", RequestID: "1", Rules: rules},
 		{Tenant: "t", User: "b", RequestID: "1", Rules: rules},
 	}

@@ -1,4 +1,4 @@
-package limits
+package limits_test
 
 import (
 	"context"
@@ -11,7 +11,11 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 )
 
 // The function library keeps lib.lua's state table from one call to the
@@ -29,37 +33,43 @@ func TestFunctionsDecideLikeScripts(t *testing.T) {
 	if err := scripts.Do(ctx, "acl", "setuser", "default", "-fcall", "-function").Err(); err != nil {
 		t.Fatal(err)
 	}
-	fl, sl := New(fnSrv.Client(), Options{NoEpochGuard: true}), New(scripts, Options{NoEpochGuard: true})
+	functions := fnSrv.Client()
+	fnEvals, scEvals := &named{name: "evalsha"}, &named{name: "evalsha"}
+	functions.AddHook(fnEvals)
+	scripts.AddHook(scEvals)
+	opts := limits.Options{NoEpochGuard: true}
+	fl, sl := limits.New(functions, opts), limits.New(scripts, opts)
+	fr, sr := repair.New(functions, opts), repair.New(scripts, opts)
 	// Windows of an hour or more and a token bucket without refill: both
 	// servers see the same buckets though their clocks differ by the
 	// microseconds between their calls.
-	pool := []Rule{
-		rule(ScopeTenant, Limit{Name: "month", Kind: CalendarMonth, Limit: 5000}),
-		rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 900, Window: Duration(5 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "7d", Kind: Rolling, Limit: 1500, Window: Duration(7 * 24 * time.Hour), Buckets: 7}),
-		rule(ScopeUser, Limit{Name: "inflight", Kind: Concurrency, Unit: Requests, Limit: 4}),
-		rule(ScopeUser, Limit{Name: "daily", Kind: Fixed, Unit: Requests, Limit: 40, Window: Duration(24 * time.Hour)}),
-		rule(ScopeUser, Limit{Name: "allowance", Kind: TokenBucket, Unit: Requests, Burst: 30, Per: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "log", Kind: SlidingLog, Unit: Requests, Limit: 25, Window: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "credits", Kind: Balance}),
-		rule(ScopeUser, Limit{Name: "shadow", Kind: Rolling, Limit: 300, Window: Duration(5 * time.Hour), Shadow: true}),
+	pool := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 5000}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 900, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "7d", Kind: policy.Rolling, Limit: 1500, Window: policy.Duration(7 * 24 * time.Hour), Buckets: 7}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "inflight", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "daily", Kind: policy.Fixed, Unit: policy.Requests, Limit: 40, Window: policy.Duration(24 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "allowance", Kind: policy.TokenBucket, Unit: policy.Requests, Burst: 30, Per: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 25, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "credits", Kind: policy.Balance}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "shadow", Kind: policy.Rolling, Limit: 300, Window: policy.Duration(5 * time.Hour), Shadow: true}),
 	}
 	rng := rand.New(rand.NewPCG(1, 2))
-	pick := func() []Rule {
-		rules := make([]Rule, 0, len(pool))
+	pick := func() []policy.Rule {
+		rules := make([]policy.Rule, 0, len(pool))
 		for _, i := range rng.Perm(len(pool))[:1+rng.IntN(len(pool))] {
 			rules = append(rules, pool[i])
 		}
 		return rules
 	}
-	show := func(ss []State) string {
+	show := func(ss []limits.State) string {
 		out := ""
 		for _, s := range ss {
 			out += fmt.Sprintf("%s:%d/%d/%v ", s.Rule.Name, s.Used, s.Limit, s.WouldDeny)
 		}
 		return out
 	}
-	tenant := newTenant(t)
+	tenant := redistest.UniqueName(t)
 	for i := range 600 {
 		user := fmt.Sprintf("u%d", rng.IntN(4))
 		id := fmt.Sprintf("r%d", rng.IntN(150))
@@ -67,13 +77,13 @@ func TestFunctionsDecideLikeScripts(t *testing.T) {
 		var f, s string
 		switch op := rng.IntN(10); {
 		case op < 5:
-			r := Request{Tenant: tenant, User: user, RequestID: id, Cost: int64(rng.IntN(120)), Rules: rules}
+			r := limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: int64(rng.IntN(120)), Rules: rules}
 			fd, ferr := fl.Reserve(ctx, r)
 			sd, serr := sl.Reserve(ctx, r)
 			f = fmt.Sprint(fd.Allowed, fd.Duplicate, fd.DeniedBy, fd.Reason, ferr, show(fd.States))
 			s = fmt.Sprint(sd.Allowed, sd.Duplicate, sd.DeniedBy, sd.Reason, serr, show(sd.States))
 		case op < 7:
-			st := Settle{Tenant: tenant, User: user, RequestID: id, Actual: int64(rng.IntN(150)), Rules: rules}
+			st := limits.Settle{Tenant: tenant, User: user, RequestID: id, Actual: int64(rng.IntN(150)), Rules: rules}
 			fs, ferr := fl.Correct(ctx, st)
 			ss, serr := sl.Correct(ctx, st)
 			if op == 6 {
@@ -83,9 +93,9 @@ func TestFunctionsDecideLikeScripts(t *testing.T) {
 			f = fmt.Sprint(fs.Status, fs.Delta, ferr, show(fs.States))
 			s = fmt.Sprint(ss.Status, ss.Delta, serr, show(ss.States))
 		case op < 9:
-			c := ChargeRequest{Tenant: tenant, User: user, Rules: rules, Amount: int64(rng.IntN(200) - 80)}
-			fs, ferr := fl.Charge(ctx, c)
-			ss, serr := sl.Charge(ctx, c)
+			c := repair.ChargeRequest{Tenant: tenant, User: user, Rules: rules, Amount: int64(rng.IntN(200) - 80)}
+			fs, ferr := fr.Charge(ctx, c)
+			ss, serr := sr.Charge(ctx, c)
 			f, s = fmt.Sprint(ferr, show(fs)), fmt.Sprint(serr, show(ss))
 		default:
 			amount, ref := int64(1+rng.IntN(300)), fmt.Sprintf("t%d", i)
@@ -98,20 +108,21 @@ func TestFunctionsDecideLikeScripts(t *testing.T) {
 		}
 	}
 	// Both really took their own path.
-	if !sl.scriptsOnly.Load() || fl.scriptsOnly.Load() {
-		t.Fatalf("scripts only: %v on the restricted server, %v on the other", sl.scriptsOnly.Load(), fl.scriptsOnly.Load())
+	if scEvals.n.Load() == 0 || fnEvals.n.Load() != 0 {
+		t.Fatalf("EVALSHAs: %d on the restricted server, %d on the other; want some and none", scEvals.n.Load(), fnEvals.n.Load())
 	}
 }
 
-// loadCounter counts FUNCTION commands (loads) sent alone.
-type loadCounter struct {
+// named counts the commands of one name sent alone.
+type named struct {
 	redistest.RoundTrips
-	n atomic.Int64
+	name string
+	n    atomic.Int64
 }
 
-func (c *loadCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+func (c *named) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if cmd.Name() == "function" {
+		if cmd.Name() == c.name {
 			c.n.Add(1)
 		}
 		return next(ctx, cmd)
@@ -123,11 +134,11 @@ func (c *loadCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func TestCallsMissingTheLibraryLoadItOnce(t *testing.T) {
 	srv := redistest.Start(t)
 	c := srv.Client()
-	loads := &loadCounter{}
+	loads := &named{name: "function"}
 	c.AddHook(loads)
-	l := New(c, Options{NoEpochGuard: true})
+	l := limits.New(c, limits.Options{NoEpochGuard: true})
 	ctx := context.Background()
-	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(5 * time.Hour)})}
 	for round := range 3 {
 		if err := c.FunctionFlush(ctx).Err(); err != nil {
 			t.Fatal(err)
@@ -137,7 +148,7 @@ func TestCallsMissingTheLibraryLoadItOnce(t *testing.T) {
 		errs := make(chan error, 32)
 		for i := range 32 {
 			wg.Go(func() {
-				_, err := l.Reserve(ctx, Request{Tenant: "acme", User: "u", RequestID: fmt.Sprintf("%d-%d", round, i), Cost: 1, Rules: rules})
+				_, err := l.Reserve(ctx, limits.Request{Tenant: "acme", User: "u", RequestID: fmt.Sprintf("%d-%d", round, i), Cost: 1, Rules: rules})
 				errs <- err
 			})
 		}
@@ -152,37 +163,8 @@ func TestCallsMissingTheLibraryLoadItOnce(t *testing.T) {
 			t.Errorf("round %d: %d FUNCTION LOADs for 32 calls missing the library, want 1", round, n)
 		}
 	}
-	d, err := l.Peek(ctx, Request{Tenant: "acme", User: "u", Rules: rules})
+	d, err := l.Peek(ctx, limits.Request{Tenant: "acme", User: "u", Rules: rules})
 	if err != nil || d.States[0].Used != 96 {
 		t.Errorf("used after 3 rounds = %+v, %v; want 96", d.States, err)
-	}
-}
-
-// bumpOnFCall makes the first FCALL look as if another call's load had
-// finished just before it: the load counter moves, the server still lacks
-// the library (as after a failover to an empty replica).
-type bumpOnFCall struct {
-	redistest.RoundTrips
-	l    *Limiter
-	once sync.Once
-}
-
-func (b *bumpOnFCall) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if cmd.Name() == "fcall" {
-			b.once.Do(func() { b.l.loads.Add(1) })
-		}
-		return next(ctx, cmd)
-	}
-}
-
-func TestACallMissingTheLibraryAfterAnotherLoadLoadsIt(t *testing.T) {
-	srv := redistest.Start(t)
-	c := srv.Client()
-	l := New(c, Options{NoEpochGuard: true})
-	c.AddHook(&bumpOnFCall{l: l})
-	rules := []Rule{rule(ScopeUser, Limit{Name: "5h", Kind: Rolling, Limit: 1000, Window: Duration(5 * time.Hour)})}
-	if _, err := l.Reserve(context.Background(), Request{Tenant: "acme", User: "u", RequestID: "r1", Cost: 1, Rules: rules}); err != nil {
-		t.Fatalf("Reserve after a load that did not reach this server: %v", err)
 	}
 }

@@ -14,7 +14,7 @@ import (
 	"quotaflow/internal/pgdb"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
-	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/ledger"
 )
 
@@ -196,7 +196,7 @@ func newBenchEnv(b *testing.B) *env {
 	if err := stream.Ensure(context.Background(), e.js, e.cfg.Config); err != nil {
 		b.Fatal(err)
 	}
-	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "bench"); err != nil {
+	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "bench"); err != nil {
 		b.Fatal(err)
 	}
 	// Create the database and schema up front, so the accounter's run

@@ -23,6 +23,7 @@ import (
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/consume"
 	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/expire"
@@ -78,7 +79,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 		h.started(ops.Addr())
 	}
 
-	watcher, err := limits.NewWatcher(cfg.PolicyFile, log)
+	watcher, err := service.NewPolicyWatcher(cfg.PolicyFile, log)
 	if err != nil {
 		return err
 	}
@@ -120,9 +121,10 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	evict := eviction.New(rdb, log)
 	evict.Report(ready)
 	bg.Go(func() { evict.Run(bgCtx, eviction.Interval) })
-	lim := limits.New(rdb, limits.Options{ReservationTTL: cfg.ReservationTTL})
-	app := effects.New(lim, watcher.Current)
-	rb := rebuild.New(lim, rdb, watcher.Current, store)
+	opts := limits.Options{ReservationTTL: cfg.ReservationTTL}
+	rep := repair.New(rdb, opts)
+	app := effects.New(limits.New(rdb, opts), watcher.Current)
+	rb := rebuild.New(rep, rdb, watcher.Current, store)
 	expiry := expire.New(app, store, rb.Gate())
 
 	nc, err := nats.Connect(cfg.NATSURL,
@@ -233,7 +235,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h *hooks) error {
 	})
 
 	if cfg.ReconcileInterval > 0 {
-		rec := reconcile.New(lim, rdb, watcher.Current, store, reconcile.ConsumerBacklog{Consumer: cons}, rb.Gate(), cfg.ReconcileRepair, log)
+		rec := reconcile.New(rep, rdb, watcher.Current, store, reconcile.ConsumerBacklog{Consumer: cons}, rb.Gate(), cfg.ReconcileRepair, log)
 		bg.Go(func() {
 			service.Every(bgCtx, cfg.ReconcileInterval, func(ctx context.Context) {
 				d, err := rec.Reconcile(withRedisOp(ctx, opReconcile))

@@ -32,6 +32,8 @@ import (
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 )
 
 // The integration tests run against the real Postgres and NATS of the
@@ -72,7 +74,7 @@ type env struct {
 	pg     *pgxpool.Pool
 	redis  *redistest.Server
 	lim    *limits.Limiter
-	policy *limits.Policy
+	policy *policy.Policy
 	js     jetstream.JetStream
 	pub    *stream.Publisher
 	ops    string // the ops address of the last start
@@ -92,7 +94,7 @@ func newEnv(t testing.TB) *env {
 	if err := os.WriteFile(policyFile, []byte(testPolicy), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	pol, err := limits.Parse([]byte(testPolicy))
+	pol, err := policy.Parse([]byte(testPolicy))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -204,7 +206,7 @@ func (e *env) with(t *testing.T) *env {
 	return &c
 }
 
-func (e *env) rules(tenant string) []limits.Rule {
+func (e *env) rules(tenant string) []policy.Rule {
 	r, err := e.policy.Resolve(tenant, "", "")
 	if err != nil {
 		e.t.Fatal(err)
@@ -244,8 +246,8 @@ func (e *env) publish(ev events.Event) {
 
 // used returns the Used of the subject's token limit name.
 // reservationKey is the Redis key of a reservation record (the layout of
-// pkg/limits/keys.go, for names that need no escaping): tests delete it to
-// play its TTL passing or Redis losing it.
+// pkg/limits/internal/wire/keys.go, for names that need no escaping): tests
+// delete it to play its TTL passing or Redis losing it.
 func reservationKey(tenant, user, req string) string {
 	return "q{" + tenant + "}r:" + user + ":" + req
 }
@@ -314,7 +316,7 @@ func TestAccounterEvents(t *testing.T) {
 	ctx := context.Background()
 	prefix := base.cfg.SubjectPrefix
 	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := limits.EpochMissing(ctx, base.redis.Client())
+		missing, err := repair.EpochMissing(ctx, base.redis.Client())
 		return err == nil && !missing
 	})
 
@@ -642,7 +644,7 @@ func TestAccounterEvents(t *testing.T) {
 func TestRedeliveredBatchCountsOnce(t *testing.T) {
 	e := newEnv(t)
 	// Admission's view: a Redis the accounter initialised before.
-	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
 		t.Fatal(err)
 	}
 	e.cfg.Workers = 1
@@ -703,7 +705,7 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 	ctx := context.Background()
 	e.start(nil) // a brand-new Redis and an empty ledger: the epoch is written at once
 	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
 
@@ -739,7 +741,7 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 	e.redis.Stop()
 	e.redis.Restart() // empty: no persistence
 	e2e.Eventually(t, "epoch rewritten", func() bool {
-		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
 	for u, want := range before {
@@ -769,7 +771,7 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 	// Reconciliation agrees with the rebuilt Redis, and takes back tokens
 	// the ledger never heard of.
 	e2e.Eventually(t, "no drift", func() bool { return e.metric("quotaflow_accounter_drift_tokens") == 0 })
-	if _, err := e.lim.Charge(ctx, limits.ChargeRequest{Tenant: ten, User: "b", Rules: e.rules(ten)[:2], Amount: 500}); err != nil {
+	if _, err := repair.New(e.redis.Client(), limits.Options{}).Charge(ctx, repair.ChargeRequest{Tenant: ten, User: "b", Rules: e.rules(ten)[:2], Amount: 500}); err != nil {
 		t.Fatal(err)
 	}
 	e2e.Eventually(t, "1000 tokens (500 in each of two windows) repaired", func() bool {
@@ -791,7 +793,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	ctx := context.Background()
 	e.start(nil)
 	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
 	const ten = "prepaid" // the policy's tenant on the plan with a balance
@@ -832,7 +834,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	e.redis.Stop()
 	e.redis.Restart()
 	e2e.Eventually(t, "epoch rewritten", func() bool {
-		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
 	if c, sp := balance("u"); c != 2000 || sp != 320 {
@@ -870,7 +872,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 	ctx := context.Background()
 	e.start(nil)
 	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := limits.EpochMissing(ctx, e.redis.Client())
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
 		return err == nil && !missing
 	})
 	db := e.pg.Config().ConnConfig.Database
@@ -946,7 +948,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 
 func TestExpiredReservationReleased(t *testing.T) {
 	e := newEnv(t)
-	if err := limits.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
 		t.Fatal(err)
 	}
 	e.cfg.ReservationTTL = 2 * time.Second
@@ -963,7 +965,7 @@ func TestExpiredReservationReleased(t *testing.T) {
 func TestRedisOutageDeadLettersNothing(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
-	if err := limits.WriteEpoch(ctx, e.redis.Client(), "test"); err != nil {
+	if err := repair.WriteEpoch(ctx, e.redis.Client(), "test"); err != nil {
 		t.Fatal(err)
 	}
 	e.cfg.MaxDeliver = 2 // an outage outlasts it by far

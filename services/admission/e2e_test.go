@@ -22,6 +22,7 @@ import (
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
@@ -78,7 +79,7 @@ func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string,
 	if err := os.WriteFile(path, []byte(strings.ReplaceAll(policy, "TENANT", s.tenant)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	w, err := limits.NewWatcher(path, nil)
+	w, err := service.NewPolicyWatcher(path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

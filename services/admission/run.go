@@ -19,6 +19,7 @@ import (
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/httpapi"
@@ -78,7 +79,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, started func(api, op
 		Name: "quotaflow_admission_policy_reloads_total",
 		Help: "Policy reloads that found new content, by result (ok, rejected).",
 	})
-	watcher, err := limits.NewWatcher(cfg.PolicyFile, log, limits.WithReloadHook(func(_ *limits.Policy, err error) {
+	watcher, err := service.NewPolicyWatcher(cfg.PolicyFile, log, service.WithPolicyReloadHook(func(_ *policy.Policy, err error) {
 		policyReloaded(err)
 	}))
 	if err != nil {

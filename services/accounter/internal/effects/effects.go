@@ -15,6 +15,7 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/accounter/internal/ledger"
 )
 
@@ -24,9 +25,9 @@ var ErrResolve = errors.New("resolve rules")
 
 // Rules returns the subject rules of tenant on plan for endpoint under p;
 // a plan p no longer has falls back to the tenant's or default plan.
-func Rules(p *limits.Policy, tenant, plan, endpoint string) ([]limits.Rule, error) {
+func Rules(p *policy.Policy, tenant, plan, endpoint string) ([]policy.Rule, error) {
 	r, err := p.Resolve(tenant, plan, endpoint)
-	if errors.Is(err, limits.ErrUnknownPlan) {
+	if errors.Is(err, policy.ErrUnknownPlan) {
 		r, err = p.Resolve(tenant, "", endpoint)
 	}
 	if err != nil {
@@ -39,11 +40,11 @@ func Rules(p *limits.Policy, tenant, plan, endpoint string) ([]limits.Rule, erro
 // are safe for concurrent use; create it with New.
 type Applier struct {
 	lim    *limits.Limiter
-	policy func() *limits.Policy
+	policy func() *policy.Policy
 }
 
 // New returns an Applier using lim with the current policy from policy.
-func New(lim *limits.Limiter, policy func() *limits.Policy) *Applier {
+func New(lim *limits.Limiter, policy func() *policy.Policy) *Applier {
 	return &Applier{lim: lim, policy: policy}
 }
 

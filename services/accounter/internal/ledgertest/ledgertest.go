@@ -18,6 +18,8 @@ import (
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/ledger"
 )
 
@@ -44,9 +46,10 @@ endpoints:
 type World struct {
 	T     testing.TB
 	Ctx   context.Context
-	Pol   *limits.Policy
+	Pol   *policy.Policy
 	RDB   redis.UniversalClient
 	Lim   *limits.Limiter // reservation TTL one hour
+	Rep   *repair.Tools   // as Lim
 	Store *ledger.Store
 	n     int // request ids
 }
@@ -55,26 +58,27 @@ type World struct {
 func New(t testing.TB) *World {
 	t.Helper()
 	ctx := context.Background()
-	pol, err := limits.Parse([]byte(Policy))
+	pol, err := policy.Parse([]byte(Policy))
 	if err != nil {
 		t.Fatal(err)
 	}
 	rdb := redistest.Start(t).Client()
-	if err := limits.WriteEpoch(ctx, rdb, "test"); err != nil {
+	if err := repair.WriteEpoch(ctx, rdb, "test"); err != nil {
 		t.Fatal(err)
 	}
 	pool := pgtest.Pool(t, "qf_ledgertest", ledger.Migrate)
+	opts := limits.Options{ReservationTTL: time.Hour}
 	return &World{
 		T: t, Ctx: ctx, Pol: pol, RDB: rdb, Store: ledger.New(pool),
-		Lim: limits.New(rdb, limits.Options{ReservationTTL: time.Hour}),
+		Lim: limits.New(rdb, opts), Rep: repair.New(rdb, opts),
 	}
 }
 
 // Current returns the World's policy, as a policy watcher's Current does.
-func (w *World) Current() *limits.Policy { return w.Pol }
+func (w *World) Current() *policy.Policy { return w.Pol }
 
 // Rules returns the subject rules of tenant's default plan for endpoint.
-func (w *World) Rules(tenant, endpoint string) []limits.Rule {
+func (w *World) Rules(tenant, endpoint string) []policy.Rule {
 	r, err := w.Pol.Resolve(tenant, "", endpoint)
 	if err != nil {
 		w.T.Fatal(err)

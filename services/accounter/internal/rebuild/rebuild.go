@@ -17,6 +17,8 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/ledger"
 )
@@ -57,17 +59,17 @@ const rebuildLockID = 0x71662d7265627569
 // Rebuilder rebuilds Redis from the ledger; most callers want EnsureEpoch.
 // Its methods are safe for concurrent use; create it with New.
 type Rebuilder struct {
-	lim    *limits.Limiter
+	rep    *repair.Tools
 	rdb    redis.UniversalClient
-	policy func() *limits.Policy
+	policy func() *policy.Policy
 	store  Ledger
 	gate   Gate
 }
 
-// New returns a Rebuilder of lim's Redis, rdb, from store under the
+// New returns a Rebuilder of rep's Redis, rdb, from store under the
 // current policy from policy.
-func New(lim *limits.Limiter, rdb redis.UniversalClient, policy func() *limits.Policy, store Ledger) *Rebuilder {
-	return &Rebuilder{lim: lim, rdb: rdb, policy: policy, store: store}
+func New(rep *repair.Tools, rdb redis.UniversalClient, policy func() *policy.Policy, store Ledger) *Rebuilder {
+	return &Rebuilder{rep: rep, rdb: rdb, policy: policy, store: store}
 }
 
 // Gate is the gate the rebuilds of r wait for: every writer of Redis's
@@ -76,7 +78,7 @@ func (rb *Rebuilder) Gate() *Gate { return &rb.gate }
 
 // rules returns the subject rules of tenant on plan for endpoint under the
 // current policy.
-func (rb *Rebuilder) rules(tenant, plan, endpoint string) ([]limits.Rule, error) {
+func (rb *Rebuilder) rules(tenant, plan, endpoint string) ([]policy.Rule, error) {
 	return effects.Rules(rb.policy(), tenant, plan, endpoint)
 }
 
@@ -90,7 +92,7 @@ func (rb *Rebuilder) rules(tenant, plan, endpoint string) ([]limits.Rule, error)
 // rebuilds at a time (a Postgres advisory lock); the others find the epoch
 // written on their next check.
 func (rb *Rebuilder) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects int, err error) {
-	lost, err := limits.LostSlots(ctx, rb.rdb)
+	lost, err := repair.LostSlots(ctx, rb.rdb)
 	if err != nil || !lost.Any() {
 		return false, 0, err
 	}
@@ -102,7 +104,7 @@ func (rb *Rebuilder) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects in
 	rb.gate.mu.Lock()
 	defer rb.gate.mu.Unlock()
 	// Another instance may have rebuilt between the check and the lock.
-	if lost, err = limits.LostSlots(ctx, rb.rdb); err != nil || !lost.Any() {
+	if lost, err = repair.LostSlots(ctx, rb.rdb); err != nil || !lost.Any() {
 		return false, 0, err
 	}
 	// Recorded before the ledger is read: a reservation of the lost Redis
@@ -111,7 +113,7 @@ func (rb *Rebuilder) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects in
 	if err := rb.store.MarkRebuild(ctx, epoch); err != nil {
 		return false, 0, err
 	}
-	if err := limits.ClearLost(ctx, rb.rdb, &lost); err != nil {
+	if err := repair.ClearLost(ctx, rb.rdb, &lost); err != nil {
 		return false, 0, err
 	}
 	subjects, err = rb.rebuild(ctx, &lost)
@@ -124,7 +126,7 @@ func (rb *Rebuilder) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects in
 	if err := rb.restoreRecords(ctx, &lost); err != nil {
 		return false, subjects, err
 	}
-	if err := limits.WriteEpoch(ctx, rb.rdb, epoch); err != nil {
+	if err := repair.WriteEpoch(ctx, rb.rdb, epoch); err != nil {
 		return false, subjects, err
 	}
 	return true, subjects, nil
@@ -133,14 +135,14 @@ func (rb *Rebuilder) EnsureEpoch(ctx context.Context) (rebuilt bool, subjects in
 // windowRules are the token windows of tenant's subjects on plan for
 // endpoint: what the ledger's usage is charged into (balances are rebuilt
 // apart).
-func (rb *Rebuilder) windowRules(tenant, plan, endpoint string) ([]limits.Rule, error) {
+func (rb *Rebuilder) windowRules(tenant, plan, endpoint string) ([]policy.Rule, error) {
 	all, err := rb.rules(tenant, plan, endpoint)
 	if err != nil {
 		return nil, err
 	}
-	var rules []limits.Rule
+	var rules []policy.Rule
 	for _, r := range all {
-		if r.Unit == limits.Tokens && r.Kind != limits.Balance {
+		if r.Unit == policy.Tokens && r.Kind != policy.Balance {
 			rules = append(rules, r)
 		}
 	}
@@ -151,7 +153,7 @@ func (rb *Rebuilder) windowRules(tenant, plan, endpoint string) ([]limits.Rule, 
 // token windows (Charge with Force at each usage's time, many per round
 // trip), subject by subject in time order. Request limits and concurrency
 // slots start afresh; balances are rebuilt by rebuildBalances.
-func (rb *Rebuilder) rebuild(ctx context.Context, lost *limits.Lost) (int, error) {
+func (rb *Rebuilder) rebuild(ctx context.Context, lost *repair.Lost) (int, error) {
 	p := rb.policy()
 	w := p.LongestTokenWindow()
 	if w == 0 {
@@ -159,10 +161,10 @@ func (rb *Rebuilder) rebuild(ctx context.Context, lost *limits.Lost) (int, error
 	}
 	subjects := 0
 	var last ledger.Usage
-	cache := map[[3]string][]limits.Rule{}
-	var pending []limits.ChargeRequest // in the ledger's order, which ChargeMany keeps
+	cache := map[[3]string][]policy.Rule{}
+	var pending []repair.ChargeRequest // in the ledger's order, which ChargeMany keeps
 	flush := func() error {
-		for _, r := range rb.lim.ChargeMany(ctx, pending) {
+		for _, r := range rb.rep.ChargeMany(ctx, pending) {
 			if r.Err != nil {
 				return r.Err
 			}
@@ -190,7 +192,7 @@ func (rb *Rebuilder) rebuild(ctx context.Context, lost *limits.Lost) (int, error
 		if len(rules) == 0 {
 			return nil
 		}
-		pending = append(pending, limits.ChargeRequest{
+		pending = append(pending, repair.ChargeRequest{
 			Tenant: u.Tenant, User: u.User, Rules: rules, Amount: u.Tokens, At: u.At, Force: true,
 		})
 		if len(pending) < rebuildBatch {
@@ -217,7 +219,7 @@ const rebuildBatch = 500
 // whose plan has none keeps nothing in Redis). epoch makes a retried
 // rebuild credit once: each subject's credit is a top-up with a reference
 // of its own, since a top-up's reference is a key per tenant, not per user.
-func (rb *Rebuilder) rebuildBalances(ctx context.Context, epoch string, lost *limits.Lost) error {
+func (rb *Rebuilder) rebuildBalances(ctx context.Context, epoch string, lost *repair.Lost) error {
 	return rb.store.Balances(ctx, func(b ledger.Balance) error {
 		if !lost.Tenant(b.Tenant) {
 			return nil
@@ -228,8 +230,8 @@ func (rb *Rebuilder) rebuildBalances(ctx context.Context, epoch string, lost *li
 		}
 		reference := "rebuild-" + events.HashID(epoch, b.User)
 		for i := range rules {
-			if r := &rules[i]; r.Kind == limits.Balance {
-				if err := rb.lim.RestoreBalance(ctx, b.Tenant, b.User, r, b.Credited, b.Spent, reference); err != nil {
+			if r := &rules[i]; r.Kind == policy.Balance {
+				if err := rb.rep.RestoreBalance(ctx, b.Tenant, b.User, r, b.Credited, b.Spent, reference); err != nil {
 					return fmt.Errorf("rebuild balance %s/%s: %w", b.Tenant, b.User, err)
 				}
 			}
@@ -244,10 +246,10 @@ func (rb *Rebuilder) rebuildBalances(ctx context.Context, epoch string, lost *li
 // open request is a duplicate again, not reserved a second time, its
 // release or actual finds what it holds, and a settled or released id is
 // refused again for the rest of its TTL.
-func (rb *Rebuilder) restoreRecords(ctx context.Context, lost *limits.Lost) error {
-	var pending []limits.Restore
+func (rb *Rebuilder) restoreRecords(ctx context.Context, lost *repair.Lost) error {
+	var pending []repair.Restore
 	flush := func() error {
-		for i, err := range rb.lim.RestoreMany(ctx, pending) {
+		for i, err := range rb.rep.RestoreMany(ctx, pending) {
 			if err != nil {
 				return fmt.Errorf("restore reservation %s/%s %s: %w", pending[i].Tenant, pending[i].User, pending[i].RequestID, err)
 			}
@@ -255,13 +257,13 @@ func (rb *Rebuilder) restoreRecords(ctx context.Context, lost *limits.Lost) erro
 		pending = pending[:0]
 		return nil
 	}
-	ttl := rb.lim.ReservationTTL()
+	ttl := rb.rep.ReservationTTL()
 	err := rb.store.RecentSince(ctx, time.Now(), ttl, func(r ledger.Recent) error {
 		rs := restoreOf(r, ttl)
 		if rs == nil || !lost.Tenant(r.Tenant) {
 			return nil
 		}
-		if rs.State == limits.RecordOpen || rs.State == limits.RecordReleased {
+		if rs.State == repair.RecordOpen || rs.State == repair.RecordReleased {
 			var err error
 			if rs.Rules, err = rb.rules(r.Tenant, r.Plan, r.Endpoint); err != nil {
 				return err
@@ -281,12 +283,12 @@ func (rb *Rebuilder) restoreRecords(ctx context.Context, lost *limits.Lost) erro
 
 // restoreOf is the record a reservation row stands for (nil: none, an open
 // row without a reserved event, which no reserve wrote).
-func restoreOf(r ledger.Recent, ttl time.Duration) *limits.Restore {
+func restoreOf(r ledger.Recent, ttl time.Duration) *repair.Restore {
 	est := max(r.Estimate, 0)
 	if r.Local {
 		est = 0 // no window holds it
 	}
-	rs := &limits.Restore{
+	rs := &repair.Restore{
 		Tenant: r.Tenant, User: r.User, RequestID: r.RequestID, ReservedAt: r.At, Estimate: est,
 		Expires: r.Since.Add(ttl),
 	}
@@ -295,15 +297,15 @@ func restoreOf(r ledger.Recent, ttl time.Duration) *limits.Restore {
 	}
 	switch {
 	case r.Status == ledger.StatusSettled:
-		rs.State = limits.RecordCorrected
+		rs.State = repair.RecordCorrected
 	case r.Status == ledger.StatusReleased:
-		rs.State = limits.RecordReleased
+		rs.State = repair.RecordReleased
 	case r.Estimate < 0:
 		return nil
 	case r.Local:
-		rs.State = limits.RecordVoid
+		rs.State = repair.RecordVoid
 	default:
-		rs.State = limits.RecordOpen
+		rs.State = repair.RecordOpen
 	}
 	return rs
 }

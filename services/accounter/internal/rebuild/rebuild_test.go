@@ -5,6 +5,7 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/ledgertest"
 )
 
@@ -12,7 +13,7 @@ import (
 // from its ledger.
 func newRebuilder(t *testing.T) (*ledgertest.World, *Rebuilder) {
 	w := ledgertest.New(t)
-	return w, New(w.Lim, w.RDB, w.Current, w.Store)
+	return w, New(w.Rep, w.RDB, w.Current, w.Store)
 }
 
 // A rebuild that stops halfway (its windows charged, the epoch not written)
@@ -27,7 +28,7 @@ func TestRebuildRetriedChargesOnce(t *testing.T) {
 	if err := w.RDB.FlushAll(w.Ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	lost, err := limits.LostSlots(w.Ctx, w.RDB)
+	lost, err := repair.LostSlots(w.Ctx, w.RDB)
 	if err != nil || !lost.All() {
 		t.Fatalf("LostSlots after a flush = all %v, %v; want every slot", lost.All(), err)
 	}
@@ -68,7 +69,7 @@ func TestRebuildOnlyTheLostSlots(t *testing.T) {
 	w.Reserve("acme", "u1", "", 300, true)
 	w.Reserve("other", "u1", "", 200, true)
 	// acme's slot loses its state (and its epoch), other's keeps it.
-	if err := w.RDB.Del(w.Ctx, "q{acme}u:u1", "q{acme}t", limits.TenantEpochKey("acme")).Err(); err != nil {
+	if err := w.RDB.Del(w.Ctx, "q{acme}u:u1", "q{acme}t", repair.TenantEpochKey("acme")).Err(); err != nil {
 		t.Fatal(err)
 	}
 	if rebuilt, _, err := rb.EnsureEpoch(w.Ctx); err != nil || !rebuilt {

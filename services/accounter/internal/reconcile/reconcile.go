@@ -17,6 +17,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/ledger"
 	"quotaflow/services/accounter/internal/rebuild"
@@ -85,11 +87,11 @@ type Drift struct {
 // expired ones) under every rule that counted it: a user's limits count
 // the user's usage, a tenant-wide limit its users' usage together, an
 // endpoint's per-user limit only usage of that endpoint. Redis is read
-// bucket by bucket (limits.WindowsMany), the windows of many owners a
-// round trip. A rolling window is exact to one
-// bucket, so its oldest bucket is never compared: it leaves within one
-// bucket anyway, and a charge made by the accounter later than its event's
-// time (an actual with no reservation) may sit one bucket later in Redis.
+// bucket by bucket (repair.Tools.WindowsMany), the windows of many owners
+// a round trip. A rolling window is exact to one bucket, so its oldest
+// bucket is never compared: it leaves within one bucket anyway, and a
+// charge made by the accounter later than its event's time (an actual with
+// no reservation) may sit one bucket later in Redis.
 //
 // Redis is legitimately ahead of the ledger by reservations whose events
 // are still in the stream, and behind it by releases admission applied
@@ -101,19 +103,19 @@ type Drift struct {
 //   - that fresh measurement finds the same drift again.
 //
 // The repair charges each bucket's difference at the bucket's time
-// (limits.Charge, positive or negative), so the window agrees with the
+// (repair.Tools.Charge, positive or negative), so the window agrees with the
 // ledger and goes on agreeing as it slides. An instance repairs under a
 // Postgres advisory lock, and the fresh measurement under it makes a
 // second instance find nothing left to repair.
 //
 // Subjects are found by streaming the ledger and by walking Redis's keys
-// with SCAN cursors (limits.ScanSubjects), so windows the ledger has never
+// with SCAN cursors (repair.ScanSubjects), so windows the ledger has never
 // heard of are found too. Repairs hold the rebuild gate. Create a
 // Reconciler with New and call Reconcile from one goroutine.
 type Reconciler struct {
-	lim     *limits.Limiter
+	rep     *repair.Tools
 	rdb     redis.UniversalClient
-	policy  func() *limits.Policy
+	policy  func() *policy.Policy
 	store   Ledger
 	backlog Backlog
 	gate    *rebuild.Gate
@@ -122,14 +124,14 @@ type Reconciler struct {
 	// seen holds the drifts of the previous scan, by limit and owner,
 	// measured under policy seenUnder.
 	seen      map[driftKey]string
-	seenUnder *limits.Policy
+	seenUnder *policy.Policy
 }
 
-// New returns a Reconciler of lim's Redis, rdb, against store under the
+// New returns a Reconciler of rep's Redis, rdb, against store under the
 // current policy from policy, its repairs holding gate. With repair false
 // it only measures.
-func New(lim *limits.Limiter, rdb redis.UniversalClient, policy func() *limits.Policy, store Ledger, backlog Backlog, gate *rebuild.Gate, repair bool, log *slog.Logger) *Reconciler {
-	return &Reconciler{lim: lim, rdb: rdb, policy: policy, store: store, backlog: backlog, gate: gate, repair: repair,
+func New(rep *repair.Tools, rdb redis.UniversalClient, policy func() *policy.Policy, store Ledger, backlog Backlog, gate *rebuild.Gate, repair bool, log *slog.Logger) *Reconciler {
+	return &Reconciler{rep: rep, rdb: rdb, policy: policy, store: store, backlog: backlog, gate: gate, repair: repair,
 		log: log.With("component", "reconcile")}
 }
 
@@ -140,14 +142,14 @@ type owner struct{ tenant, user string }
 // limitID is what names a limit's counter in Redis (limits' ruleID): its
 // size may change without touching the counter.
 type limitID struct {
-	scope          limits.Scope
+	scope          policy.Scope
 	endpoint, name string
-	kind           limits.Kind
-	window         limits.Duration
+	kind           policy.Kind
+	window         policy.Duration
 	buckets        int
 }
 
-func idOf(r *limits.Rule) limitID {
+func idOf(r *policy.Rule) limitID {
 	return limitID{r.Scope, r.Endpoint, r.Name, r.Kind, r.Window, r.Buckets}
 }
 
@@ -156,7 +158,7 @@ type driftKey struct {
 	limitID
 }
 
-// tally is what the ledger puts in each bucket (limits.BucketOf) of each
+// tally is what the ledger puts in each bucket (repair.BucketOf) of each
 // limit of one owner.
 type tally map[bucket]int64
 
@@ -166,7 +168,7 @@ type bucket struct {
 	n int64
 }
 
-func (t tally) add(r *limits.Rule, n, tokens int64) {
+func (t tally) add(r *policy.Rule, n, tokens int64) {
 	t[bucket{idOf(r), n}] += tokens
 }
 
@@ -174,7 +176,7 @@ func (t tally) add(r *limits.Rule, n, tokens int64) {
 // bucket, what to add to Redis to agree.
 type drift struct {
 	key  driftKey
-	rule limits.Rule
+	rule policy.Rule
 	fix  []fix
 	net  int64
 }
@@ -196,13 +198,13 @@ func (d *drift) fingerprint() string {
 
 // scan is the state of one Reconcile.
 type scan struct {
-	policy *limits.Policy // one policy for the whole scan
+	policy *policy.Policy // one policy for the whole scan
 	now    time.Time
 	since  time.Time
 	// rules caches the windowed token rules by tenant, plan and endpoint;
 	// candidates every such rule a tenant's windows may hold.
-	rules      map[[3]string][]limits.Rule
-	candidates map[string][2][]limits.Rule // user rules, tenant rules
+	rules      map[[3]string][]policy.Rule
+	candidates map[string][2][]policy.Rule // user rules, tenant rules
 }
 
 // Reconcile compares every subject's and tenant's token windows with the
@@ -217,13 +219,13 @@ func (r *Reconciler) Reconcile(ctx context.Context) (Drift, error) {
 		return d, nil
 	}
 	now := time.Now()
-	s := &scan{policy: p, now: now, since: now.Add(-w), rules: map[[3]string][]limits.Rule{}, candidates: map[string][2][]limits.Rule{}}
+	s := &scan{policy: p, now: now, since: now.Add(-w), rules: map[[3]string][]policy.Rule{}, candidates: map[string][2][]policy.Rule{}}
 
 	// Redis's blobs first, so that a window with no usage in the ledger
 	// is compared too.
 	inRedis := map[owner]bool{}
 	anyUser := map[string]string{} // a user of each tenant, to address its blob
-	err := limits.ScanSubjects(ctx, r.rdb, func(tenant, user string) {
+	err := repair.ScanSubjects(ctx, r.rdb, func(tenant, user string) {
 		inRedis[owner{tenant, user}] = true
 		if user != "" {
 			anyUser[tenant] = user
@@ -370,11 +372,11 @@ func (r *Reconciler) count(s *scan, u ledger.Usage, users, tenants tally) error 
 	}
 	for i := range rules {
 		rule := &rules[i]
-		n := limits.BucketOf(rule, u.At)
+		n := repair.BucketOf(rule, u.At)
 		if n < oldest(rule, s.now) {
 			continue
 		}
-		if rule.Scope == limits.ScopeTenant {
+		if rule.Scope == policy.ScopeTenant {
 			tenants.add(rule, n, u.Tokens)
 		} else {
 			users.add(rule, n, u.Tokens)
@@ -385,17 +387,17 @@ func (r *Reconciler) count(s *scan, u ledger.Usage, users, tenants tally) error 
 
 // oldest is the number of the oldest bucket rule may still hold around
 // now: one bucket before the window, against clock skew from Redis.
-func oldest(r *limits.Rule, now time.Time) int64 {
+func oldest(r *policy.Rule, now time.Time) int64 {
 	n := int64(1)
-	if r.Kind == limits.Rolling {
+	if r.Kind == policy.Rolling {
 		n = int64(max(r.Buckets, 1))
 	}
-	return limits.BucketOf(r, now) - n
+	return repair.BucketOf(r, now) - n
 }
 
 // windowRules returns the windowed token rules of tenant on plan for
 // endpoint: the ones Windows reads.
-func (r *Reconciler) windowRules(s *scan, tenant, plan, endpoint string) ([]limits.Rule, error) {
+func (r *Reconciler) windowRules(s *scan, tenant, plan, endpoint string) ([]policy.Rule, error) {
 	k := [3]string{tenant, plan, endpoint}
 	if rules, ok := s.rules[k]; ok {
 		return rules, nil
@@ -404,9 +406,9 @@ func (r *Reconciler) windowRules(s *scan, tenant, plan, endpoint string) ([]limi
 	if err != nil {
 		return nil, err
 	}
-	var rules []limits.Rule
+	var rules []policy.Rule
 	for _, rule := range all {
-		if rule.Unit == limits.Tokens && limits.Windowed(&rule) {
+		if rule.Unit == policy.Tokens && repair.Windowed(&rule) {
 			rules = append(rules, rule)
 		}
 	}
@@ -417,7 +419,7 @@ func (r *Reconciler) windowRules(s *scan, tenant, plan, endpoint string) ([]limi
 // candidates returns every windowed token rule tenant's windows may hold,
 // whatever plan and endpoint its requests named: its users' limits and
 // its tenant-wide ones, each once.
-func (r *Reconciler) candidates(s *scan, tenant string) (user, ten []limits.Rule, err error) {
+func (r *Reconciler) candidates(s *scan, tenant string) (user, ten []policy.Rule, err error) {
 	if c, ok := s.candidates[tenant]; ok {
 		return c[0], c[1], nil
 	}
@@ -434,7 +436,7 @@ func (r *Reconciler) candidates(s *scan, tenant string) (user, ten []limits.Rule
 					continue
 				}
 				seen[idOf(&rule)] = true
-				if rule.Scope == limits.ScopeTenant {
+				if rule.Scope == policy.ScopeTenant {
 					ten = append(ten, rule)
 				} else {
 					user = append(user, rule)
@@ -442,12 +444,12 @@ func (r *Reconciler) candidates(s *scan, tenant string) (user, ten []limits.Rule
 			}
 		}
 	}
-	s.candidates[tenant] = [2][]limits.Rule{user, ten}
+	s.candidates[tenant] = [2][]policy.Rule{user, ten}
 	return user, ten, nil
 }
 
 // readChunk is how many owners' windows one round trip reads: as many keys
-// as a page of limits.ScanSubjects, and with blobs of a kilobyte or so a
+// as a page of repair.ScanSubjects, and with blobs of a kilobyte or so a
 // reply of about a megabyte, which Redis buffers for the client.
 const readChunk = 1000
 
@@ -463,7 +465,7 @@ type measurement struct {
 // round trip) and returns, for each in order, the limits whose window
 // differs from its tally outside the window's oldest bucket.
 func (r *Reconciler) compare(ctx context.Context, s *scan, ms []measurement) ([][]drift, error) {
-	reqs := make([]limits.WindowsRequest, 0, len(ms))
+	reqs := make([]repair.WindowsRequest, 0, len(ms))
 	read := make([]int, 0, len(ms)) // the measurement of each request
 	for i, m := range ms {
 		user, ten, err := r.candidates(s, m.o.tenant)
@@ -475,12 +477,12 @@ func (r *Reconciler) compare(ctx context.Context, s *scan, ms []measurement) ([]
 			rules = ten
 		}
 		if len(rules) > 0 {
-			reqs = append(reqs, limits.WindowsRequest{Tenant: m.o.tenant, User: m.keyUser, Rules: rules})
+			reqs = append(reqs, repair.WindowsRequest{Tenant: m.o.tenant, User: m.keyUser, Rules: rules})
 			read = append(read, i)
 		}
 	}
 	out := make([][]drift, len(ms))
-	for k, res := range r.lim.WindowsMany(ctx, reqs) {
+	for k, res := range r.rep.WindowsMany(ctx, reqs) {
 		if res.Err != nil {
 			return nil, res.Err
 		}
@@ -499,11 +501,11 @@ func (r *Reconciler) compare(ctx context.Context, s *scan, ms []measurement) ([]
 // the one fix is what fills it, in the newest bucket Redis holds less of
 // than the ledger. Comparing bucket by bucket instead would find a drift
 // that no repair can remove, and ask for repairs past what Charge accepts.
-func driftsOf(o owner, t tally, ws []limits.Window) []drift {
+func driftsOf(o owner, t tally, ws []repair.Window) []drift {
 	var out []drift
 	for i := range ws {
 		bs := ws[i].Buckets
-		if ws[i].Rule.Kind == limits.Rolling {
+		if ws[i].Rule.Kind == policy.Rolling {
 			bs = bs[1:]
 		}
 		id := idOf(ws[i].Rule)
@@ -534,7 +536,7 @@ func driftsOf(o owner, t tally, ws []limits.Window) []drift {
 // fill is the fix that adds room tokens to a saturated window: in the newest
 // of buckets bs that holds less than tally t says. None when the window is
 // full, or only its oldest bucket (not compared) holds less.
-func fill(id limitID, t tally, bs []limits.Bucket, room int64) []fix {
+func fill(id limitID, t tally, bs []repair.Bucket, room int64) []fix {
 	if room <= 0 {
 		return nil
 	}
@@ -644,9 +646,9 @@ func (r *Reconciler) apply(ctx context.Context, o owner, x *drift, d *Drift) err
 	}
 	var raised, lowered int64
 	for _, f := range x.fix {
-		_, err := r.lim.Charge(ctx, limits.ChargeRequest{
-			Tenant: o.tenant, User: user, Rules: []limits.Rule{x.rule},
-			Amount: f.tokens, At: limits.BucketStart(&x.rule, f.n),
+		_, err := r.rep.Charge(ctx, repair.ChargeRequest{
+			Tenant: o.tenant, User: user, Rules: []policy.Rule{x.rule},
+			Amount: f.tokens, At: repair.BucketStart(&x.rule, f.n),
 		})
 		if err != nil {
 			return fmt.Errorf("repair %s/%s %s: %w", o.tenant, o.user, x.rule.Name, err)

@@ -16,6 +16,8 @@ import (
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/ledger"
 	"quotaflow/services/accounter/internal/ledgertest"
 	"quotaflow/services/accounter/internal/rebuild"
@@ -49,20 +51,20 @@ func newWorld(t testing.TB, repair bool) *world {
 // newReconciler returns a Reconciler of w's Redis against store, with the
 // backlog of cons.
 func newReconciler(w *ledgertest.World, store Ledger, cons jetstream.Consumer, repair bool) *Reconciler {
-	return New(w.Lim, w.RDB, w.Current, store, ConsumerBacklog{Consumer: cons}, new(rebuild.Gate), repair, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+	return New(w.Rep, w.RDB, w.Current, store, ConsumerBacklog{Consumer: cons}, new(rebuild.Gate), repair, slog.New(slog.NewJSONHandler(io.Discard, nil)))
 }
 
 // charge adds amount to the limits named names of (tenant, user) now, behind
 // the ledger's back.
 func (w *world) charge(tenant, user string, amount int64, names ...string) {
 	w.T.Helper()
-	var rules []limits.Rule
+	var rules []policy.Rule
 	for _, r := range w.Rules(tenant, "/gen") {
 		if slices.Contains(names, r.Name) {
 			rules = append(rules, r)
 		}
 	}
-	if _, err := w.Lim.Charge(w.Ctx, limits.ChargeRequest{Tenant: tenant, User: user, Rules: rules, Amount: amount}); err != nil {
+	if _, err := w.Rep.Charge(w.Ctx, repair.ChargeRequest{Tenant: tenant, User: user, Rules: rules, Amount: amount}); err != nil {
 		w.T.Fatal(err)
 	}
 }
@@ -148,7 +150,7 @@ func TestRepairRaisesRedisToTheLedger(t *testing.T) {
 	w.reconcile(Drift{Subjects: 1, Drifted: 1, Tokens: 250 * 4, Repaired: 4, Raised: 250 * 4})
 
 	rules := w.Rules("t", "/gen")
-	_, ws, err := w.Lim.Windows(w.Ctx, "t", "u", rules)
+	_, ws, err := w.Rep.Windows(w.Ctx, "t", "u", rules)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,8 +158,8 @@ func TestRepairRaisesRedisToTheLedger(t *testing.T) {
 		if win.Used() != 350 {
 			t.Errorf("%s used = %d, want 350", win.Rule.Name, win.Used())
 		}
-		n := limits.BucketOf(win.Rule, at)
-		k := slices.IndexFunc(win.Buckets, func(b limits.Bucket) bool { return b.N == n })
+		n := repair.BucketOf(win.Rule, at)
+		k := slices.IndexFunc(win.Buckets, func(b repair.Bucket) bool { return b.N == n })
 		if k < 0 || win.Buckets[k].Used < 250 {
 			t.Errorf("%s: the bucket of the lost usage holds too little: %+v", win.Rule.Name, win.Buckets)
 		}
@@ -222,7 +224,7 @@ func TestReconcileComparesEachOwnerWithItsOwnLedger(t *testing.T) {
 	const n, onlyRedis = readChunk + readChunk/2, 10
 	at := time.Now().Truncate(time.Second) // the ledger's precision
 	var recs []ledger.Record
-	var charges []limits.ChargeRequest
+	var charges []repair.ChargeRequest
 	seen, repaired := Drift{Subjects: n + onlyRedis}, Drift{}
 	// drifted counts a drift of d tokens (Redis ahead) in nlim limits of
 	// one owner.
@@ -248,7 +250,7 @@ func TestReconcileComparesEachOwnerWithItsOwnLedger(t *testing.T) {
 		used, d := int64(100+i), int64(i%5-2)
 		recs = append(recs, ledger.Record{EventID: user, Kind: events.TypeReserved, Tenant: tenant, User: user,
 			RequestID: "r", Tokens: used, OccurredAt: at, Payload: []byte(`{}`)})
-		charges = append(charges, limits.ChargeRequest{Tenant: tenant, User: user, Rules: w.Rules(tenant, ""), Amount: used + d, At: at})
+		charges = append(charges, repair.ChargeRequest{Tenant: tenant, User: user, Rules: w.Rules(tenant, ""), Amount: used + d, At: at})
 		drifted(d, 3) // 5h, day, month
 		if tenant == "acme" {
 			acme += used
@@ -257,13 +259,13 @@ func TestReconcileComparesEachOwnerWithItsOwnLedger(t *testing.T) {
 	}
 	drifted(acmeDrift, 1) // t5h
 	for i := range onlyRedis {
-		charges = append(charges, limits.ChargeRequest{Tenant: "c", User: fmt.Sprintf("x%d", i), Rules: w.Rules("c", ""), Amount: int64(1 + i), At: at})
+		charges = append(charges, repair.ChargeRequest{Tenant: "c", User: fmt.Sprintf("x%d", i), Rules: w.Rules("c", ""), Amount: int64(1 + i), At: at})
 		drifted(int64(1+i), 3)
 	}
 	if _, err := w.Store.Write(w.Ctx, recs); err != nil {
 		t.Fatal(err)
 	}
-	for i, r := range w.Lim.ChargeMany(w.Ctx, charges) {
+	for i, r := range w.Rep.ChargeMany(w.Ctx, charges) {
 		if r.Err != nil {
 			t.Fatalf("charge %d: %v", i, r.Err)
 		}

@@ -190,7 +190,7 @@ func (p Principal) Allowed() bool {
 // For reports whether p may act in its role for tenant and, when it may,
 // whether it may name any plan. A grant for every tenant (the platform's
 // own gateway, or an admin) may name any plan; a grant bound to the tenant
-// only the plans the policy grants that tenant (limits.Policy.Grants),
+// only the plans the policy grants that tenant (policy.Policy.Grants),
 // which the caller checks.
 func (p Principal) For(tenant string) (ok, anyPlan bool) {
 	for _, g := range p.grants {

@@ -9,7 +9,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"quotaflow/internal/yamldoc"
+	"quotaflow/pkg/yamldoc"
 )
 
 // MaxFileSize is the largest tokens file accepted (1 MiB): thousands of

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // Admit decides one request: it resolves the policy, checks the layers in
@@ -14,7 +15,7 @@ import (
 // cost in all of them or none, and reports every limit it checked. A denial
 // is a Result, not an error. Errors are the caller's: an Input field
 // (matches limits.ErrInvalid, reads "<field>: <what is wrong>") or an
-// unknown plan (matches limits.ErrUnknownPlan); a failing Redis never makes
+// unknown plan (matches policy.ErrUnknownPlan); a failing Redis never makes
 // Admit fail (see the package documentation).
 func (d *Decider) Admit(ctx context.Context, in Input) (Result, error) {
 	if err := in.validate(); err != nil {
@@ -69,9 +70,9 @@ type leaseTake struct {
 // sharedRes is a shared reservation made in Redis; rules[j] is reported in
 // slot at+idx[j].
 type sharedRes struct {
-	scope limits.Scope
+	scope policy.Scope
 	id    string
-	rules []limits.Rule
+	rules []policy.Rule
 	at    int
 	idx   []int
 }
@@ -86,16 +87,16 @@ func (a *admission) allowAll(plan string) {
 	a.d.voids.add(v) // the request keeps its id (see subjectLayer)
 }
 
-func (a *admission) run(rs *limits.Resolved) error {
+func (a *admission) run(rs *policy.Resolved) error {
 	a.denied = -1
 	a.res = Result{Plan: rs.Plan, Limits: make([]LimitState, 0, len(rs.IP)+len(rs.Global)+len(rs.Subject))}
 	ok := true
 	var err error
 	if a.in.IP != "" && len(rs.IP) > 0 {
-		ok, err = a.sharedLayer(limits.ScopeIP, a.in.IP, rs.IP)
+		ok, err = a.sharedLayer(policy.ScopeIP, a.in.IP, rs.IP)
 	}
 	if ok && err == nil && len(rs.Global) > 0 {
-		ok, err = a.sharedLayer(limits.ScopeGlobal, rs.Endpoint, rs.Global)
+		ok, err = a.sharedLayer(policy.ScopeGlobal, rs.Endpoint, rs.Global)
 	}
 	if !ok && err == nil && a.in.CallerID && !a.in.Fresh && a.retryOfAdmitted() {
 		// A retry of an admitted request gets its stored decision, not a
@@ -156,7 +157,7 @@ func (a *admission) deny(i int, retry time.Duration, reason limits.Reason) {
 // sharedLayer checks the IP or the global layer: leasable limits from local
 // leases, the others in one ReserveShared call (or locally when Redis is
 // unavailable). It reports whether the layer allowed.
-func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Rule) (bool, error) {
+func (a *admission) sharedLayer(scope policy.Scope, id string, rules []policy.Rule) (bool, error) {
 	d := a.d
 	base := len(a.res.Limits)
 	a.res.Limits = a.res.Limits[:base+len(rules)]
@@ -208,7 +209,7 @@ func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Ru
 	if len(rest) > 0 && a.remote {
 		sub := rules
 		if len(rest) < len(rules) {
-			sub = make([]limits.Rule, len(rest))
+			sub = make([]policy.Rule, len(rest))
 			for j, i := range rest {
 				sub[j] = rules[i]
 			}
@@ -241,7 +242,7 @@ func (a *admission) sharedLayer(scope limits.Scope, id string, rules []limits.Ru
 		return true, nil
 	}
 	slices.Sort(local)
-	sub := make([]limits.Rule, len(local))
+	sub := make([]policy.Rule, len(local))
 	for j, i := range local {
 		sub[j] = rules[i]
 	}
@@ -284,7 +285,7 @@ func compact(ls []LimitState, denied *int) []LimitState {
 
 // subjectLayer checks the tenant-wide and user limits: one Reserve call, or
 // locally when Redis is unavailable.
-func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
+func (a *admission) subjectLayer(rules []policy.Rule) (bool, error) {
 	d := a.d
 	base := len(a.res.Limits)
 	a.res.Limits = a.res.Limits[:base+len(rules)]
@@ -330,10 +331,10 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 		a.remote = false
 	}
 	var ue, te *entry
-	ue = d.local.get(ownerKey{scope: limits.ScopeUser, a: in.Tenant, b: in.User}, true)
+	ue = d.local.get(ownerKey{scope: policy.ScopeUser, a: in.Tenant, b: in.User}, true)
 	for i := range rules {
-		if rules[i].Scope == limits.ScopeTenant {
-			te = d.local.get(ownerKey{scope: limits.ScopeTenant, a: in.Tenant}, true)
+		if rules[i].Scope == policy.ScopeTenant {
+			te = d.local.get(ownerKey{scope: policy.ScopeTenant, a: in.Tenant}, true)
 			break
 		}
 	}
@@ -363,8 +364,9 @@ func (a *admission) subjectLayer(rules []limits.Rule) (bool, error) {
 
 // undo gives back what the layers checked so far took: leased units and
 // local spending at once, shared Redis reservations with a compensating
-// Charge (best effort: skipped while the breaker is open, and then the
-// reservation stays counted until its window passes, an under-admission).
+// ChargeShared (best effort: skipped while the breaker is open, and then
+// the reservation stays counted until its window passes, an
+// under-admission).
 // The limits it gave back to are reported without what they got back
 // (DESIGN §4: used and remaining are after the decision).
 func (a *admission) undo() {
@@ -404,13 +406,13 @@ func (a *admission) givenBack(i int, n int64) {
 // compensate gives back a shared reservation of cost; false when Redis
 // could not be told, so the reservation still counts.
 func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) bool {
-	// Charge moves request limits by 1 in the amount's direction and token
-	// limits by the amount; a cost of 0 took nothing from token limits.
+	// ChargeShared moves request limits by 1 in the amount's direction and
+	// token limits by the amount; a cost of 0 took nothing from token limits.
 	rules, amount := s.rules, -cost
 	if cost == 0 {
 		rules = nil
 		for i := range s.rules {
-			if s.rules[i].Unit == limits.Requests {
+			if s.rules[i].Unit == policy.Requests {
 				rules = append(rules, s.rules[i])
 			}
 		}
@@ -420,7 +422,7 @@ func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) bool 
 		return true
 	}
 	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
-		_, err := d.lim.Charge(ctx, limits.ChargeRequest{SharedScope: s.scope, SharedID: s.id, Rules: rules, Amount: amount})
+		_, err := d.lim.ChargeShared(ctx, s.scope, s.id, rules, amount)
 		return err
 	})
 	if err != nil {

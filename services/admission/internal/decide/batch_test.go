@@ -14,6 +14,7 @@ import (
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // Concurrent admissions of one user go to Redis in shared batches and are
@@ -76,7 +77,7 @@ func queued(t *testing.T, deadlines ...time.Time) (b *batcher, batch []*reservat
 	lim := limits.New(redistest.Shared(t), limits.Options{NoEpochGuard: true})
 	b = newBatcher(lim, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
 	tenant := newTenant(t)
-	rules := []limits.Rule{{Scope: limits.ScopeUser, Limit: limits.Limit{Name: "n", Kind: limits.Fixed, Unit: limits.Requests, Limit: 10, Window: limits.Duration(time.Hour)}}}
+	rules := []policy.Rule{{Scope: policy.ScopeUser, Limit: policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 10, Window: policy.Duration(time.Hour)}}}
 	for i, dl := range deadlines {
 		batch = append(batch, &reservation{
 			deadline: dl, done: make(chan struct{}, 1),

@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // Input is one admission request, already validated by the HTTP layer.
@@ -59,10 +60,10 @@ type Result struct {
 // allow and Used the usage it knows of (see local.go): never more than
 // really happened, so a subject it never saw does not look nearly full.
 type LimitState struct {
-	Scope     limits.Scope
+	Scope     policy.Scope
 	Name      string
 	Endpoint  string // set for endpoint limits
-	Unit      limits.Unit
+	Unit      policy.Unit
 	Limit     int64
 	Used      int64
 	Remaining int64

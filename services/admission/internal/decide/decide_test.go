@@ -16,6 +16,7 @@ import (
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 const layeredPolicy = `
@@ -60,10 +61,10 @@ func TestLayerOrderAndShortCircuit(t *testing.T) {
 	if got := scopes(r); got != "ip:burst" {
 		t.Fatalf("Limits = %s, want only ip:burst", got)
 	}
-	if r.DeniedBy == nil || r.DeniedBy.Scope != limits.ScopeIP || r.RetryAfter <= 0 {
+	if r.DeniedBy == nil || r.DeniedBy.Scope != policy.ScopeIP || r.RetryAfter <= 0 {
 		t.Fatalf("DeniedBy = %+v RetryAfter = %v, want the ip limit and a wait", r.DeniedBy, r.RetryAfter)
 	}
-	if got := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; got != 2 {
+	if got := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; got != 2 {
 		t.Fatalf("global used = %d after an ip denial, want 2", got)
 	}
 	if got := userUsed(); got != 2 {
@@ -83,14 +84,14 @@ func TestLayerOrderAndShortCircuit(t *testing.T) {
 	if got := scopes(r); got != "ip:burst global:g" {
 		t.Fatalf("Limits = %s, want ip:burst global:g", got)
 	}
-	if r.DeniedBy.Scope != limits.ScopeGlobal {
+	if r.DeniedBy.Scope != policy.ScopeGlobal {
 		t.Fatalf("DeniedBy = %+v, want the global limit", r.DeniedBy)
 	}
 	if got := userUsed(); got != 3 {
 		t.Fatalf("user used = %d after a global denial, want 3", got)
 	}
 	quiesce(t, d)
-	if used, held := sharedUsed(t, c, limits.ScopeIP, ipC, rs.IP)[0], localUnits(d, limits.ScopeIP, ipC, &rs.IP[0]); used-held != 0 {
+	if used, held := sharedUsed(t, c, policy.ScopeIP, ipC, rs.IP)[0], localUnits(d, policy.ScopeIP, ipC, &rs.IP[0]); used-held != 0 {
 		t.Fatalf("ip %s: redis used %d - held %d = %d admitted, want 0", ipC, used, held, used-held)
 	}
 }
@@ -131,10 +132,10 @@ func TestLaterDenialCompensatesEarlierLayers(t *testing.T) {
 		x.IP = ip
 		r := admit(t, d, x)
 		wantAllowed(t, r, s.allowed)
-		if !s.allowed && r.DeniedBy.Scope != limits.ScopeUser {
+		if !s.allowed && r.DeniedBy.Scope != policy.ScopeUser {
 			t.Fatalf("step %d: DeniedBy = %+v, want a user limit", i, r.DeniedBy)
 		}
-		used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)
+		used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)
 		if used[0] != s.tok || used[1] != s.log {
 			t.Fatalf("step %d: global tok, log used = %d, %d; want %d, %d", i, used[0], used[1], s.tok, s.log)
 		}
@@ -143,11 +144,11 @@ func TestLaterDenialCompensatesEarlierLayers(t *testing.T) {
 	// the difference is what was admitted.
 	quiesce(t, d)
 	for _, l := range []struct {
-		scope limits.Scope
+		scope policy.Scope
 		id    string
-		rules []limits.Rule
+		rules []policy.Rule
 		i     int
-	}{{limits.ScopeIP, ip, rs.IP, 0}, {limits.ScopeGlobal, ep, rs.Global, 2}} {
+	}{{policy.ScopeIP, ip, rs.IP, 0}, {policy.ScopeGlobal, ep, rs.Global, 2}} {
 		used := sharedUsed(t, c, l.scope, l.id, l.rules)[l.i]
 		held := localUnits(d, l.scope, l.id, &l.rules[l.i])
 		if used-held != 2 {
@@ -166,7 +167,7 @@ func TestDuplicateGivesBackSharedLayers(t *testing.T) {
 	if !r.Allowed || !r.Duplicate {
 		t.Fatalf("second Admit of %s = allowed %v duplicate %v, want both", x.RequestID, r.Allowed, r.Duplicate)
 	}
-	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global); used[0] != 10 || used[1] != 1 {
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global); used[0] != 10 || used[1] != 1 {
 		t.Fatalf("global used = %v after a duplicate, want [10 1 ...]", used)
 	}
 }
@@ -261,7 +262,7 @@ func TestLeasingNeverOverAdmits(t *testing.T) {
 	if got > 100 || got < 100-2*batch {
 		t.Fatalf("allowed = %d, want between %d and 100", got, 100-2*batch)
 	}
-	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used > 100 {
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; used > 100 {
 		t.Fatalf("redis used = %d, over the limit", used)
 	}
 	for _, d := range ds {
@@ -269,7 +270,7 @@ func TestLeasingNeverOverAdmits(t *testing.T) {
 			t.Fatalf("Close: %v", err)
 		}
 	}
-	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != got {
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; used != got {
 		t.Fatalf("redis used = %d after Close, want the %d admitted (leases returned)", used, got)
 	}
 }
@@ -292,23 +293,23 @@ func TestCloseReturnsLeases(t *testing.T) {
 	x.IP = ip
 	wantAllowed(t, admit(t, d, x), true)
 	quiesce(t, d)
-	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != 100 {
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; used != 100 {
 		t.Fatalf("global used = %d, want a lease of 100", used)
 	}
 	if err := d.Close(context.Background()); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
-	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != 1 {
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; used != 1 {
 		t.Fatalf("global used = %d after Close, want 1", used)
 	}
-	if used := sharedUsed(t, c, limits.ScopeIP, ip, rs.IP)[0]; used != 1 {
+	if used := sharedUsed(t, c, policy.ScopeIP, ip, rs.IP)[0]; used != 1 {
 		t.Fatalf("ip used = %d after Close, want 1", used)
 	}
 	// After Close, Admit still works, without leases: exact.
 	x = in(tenant, "u", ep, 1)
 	x.IP = ip
 	wantAllowed(t, admit(t, d, x), true)
-	if used := sharedUsed(t, c, limits.ScopeIP, ip, rs.IP)[0]; used != 2 {
+	if used := sharedUsed(t, c, policy.ScopeIP, ip, rs.IP)[0]; used != 2 {
 		t.Fatalf("ip used = %d after an Admit past Close, want 2", used)
 	}
 }
@@ -329,7 +330,7 @@ func TestIdlePoolsAreEvicted(t *testing.T) {
 	}
 	e2e.Eventually(t, "every idle pool evicted", func() bool { return d.npools.Load() == 0 })
 	for _, ip := range ips {
-		if used := sharedUsed(t, c, limits.ScopeIP, ip, rs.IP)[0]; used != 1 {
+		if used := sharedUsed(t, c, policy.ScopeIP, ip, rs.IP)[0]; used != 1 {
 			t.Fatalf("ip %s used = %d after eviction, want 1 (the rest returned)", ip, used)
 		}
 	}
@@ -384,7 +385,7 @@ func TestCallerErrors(t *testing.T) {
 
 	x := in(tenant, "u", "/x", 1)
 	x.Plan = "nope"
-	if _, err := d.Admit(context.Background(), x); !errors.Is(err, limits.ErrUnknownPlan) {
+	if _, err := d.Admit(context.Background(), x); !errors.Is(err, policy.ErrUnknownPlan) {
 		t.Fatalf("Admit(plan nope) error = %v, want ErrUnknownPlan", err)
 	}
 	x = in("", "u", "/x", 1)
@@ -413,7 +414,7 @@ func TestCallerErrors(t *testing.T) {
 	if _, err := d.Admit(context.Background(), x); !errors.Is(err, ident.ErrControl) {
 		t.Fatalf("Admit(C1 in endpoint) error = %v, want ident.ErrControl", err)
 	}
-	if _, err := d.Usage(context.Background(), tenant, "u", "nope"); !errors.Is(err, limits.ErrUnknownPlan) {
+	if _, err := d.Usage(context.Background(), tenant, "u", "nope"); !errors.Is(err, policy.ErrUnknownPlan) {
 		t.Fatalf("Usage(plan nope) error = %v, want ErrUnknownPlan", err)
 	}
 	// An undeclared endpoint is labelled "other".
@@ -528,7 +529,7 @@ endpoints:
 		t.Fatalf("Close: %v", err)
 	}
 	wg.Wait()
-	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != allowed.Load() {
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; used != allowed.Load() {
 		t.Fatalf("redis used = %d, admitted %d; want equal after Close", used, allowed.Load())
 	}
 }
@@ -547,10 +548,10 @@ func TestTooManyPoolsFallsBackToRoundTrips(t *testing.T) {
 	x = in(tenant, "u", ep, 1)
 	x.IP = tenant + "-2"
 	wantAllowed(t, admit(t, d, x), true) // no pool left: ip 2 and the global limit cost a round trip
-	if used := sharedUsed(t, c, limits.ScopeIP, x.IP, rs.IP)[0]; used != 1 {
+	if used := sharedUsed(t, c, policy.ScopeIP, x.IP, rs.IP)[0]; used != 1 {
 		t.Fatalf("ip 2 used = %d, want 1 (reserved, not leased)", used)
 	}
-	if used := sharedUsed(t, c, limits.ScopeGlobal, ep, rs.Global)[0]; used != 2 {
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; used != 2 {
 		t.Fatalf("global used = %d, want 2 (reserved, not leased)", used)
 	}
 }
@@ -585,7 +586,7 @@ func TestRetryOfAdmittedRequestPassesSharedLayers(t *testing.T) {
 	}
 	other := in(tenant, "u", ep, 10)
 	other.CallerID = true
-	if r := admit(t, d, other); r.Allowed || r.DeniedBy.Scope != limits.ScopeGlobal {
+	if r := admit(t, d, other); r.Allowed || r.DeniedBy.Scope != policy.ScopeGlobal {
 		t.Fatalf("new request = %+v, want denied by the global layer", r)
 	}
 	generated := first

@@ -14,6 +14,7 @@ import (
 	"quotaflow/internal/service"
 	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // ErrUnavailable is returned by Release, Usage and TopUp (never by Admit)
@@ -37,7 +38,7 @@ var errBreakerOpen = errors.New("decide: circuit breaker open")
 // are safe for concurrent use.
 type Decider struct {
 	lim    *limits.Limiter
-	policy func() *limits.Policy
+	policy func() *policy.Policy
 	opt    Options
 	ttl    time.Duration // lim's reservation TTL, for Result.ExpiresAt
 	log    *slog.Logger
@@ -51,7 +52,7 @@ type Decider struct {
 	pools  sync.Map // poolKey → *pool
 	npools atomic.Int64
 
-	lastPolicy atomic.Pointer[limits.Policy] // whose endpoints have series
+	lastPolicy atomic.Pointer[policy.Policy] // whose endpoints have series
 
 	wake  chan struct{} // the breaker opened: the prober has work
 	ready chan struct{} // closed once the start-up probe has run
@@ -66,13 +67,14 @@ type Decider struct {
 }
 
 // New returns a Decider over lim (whose reservation TTL its results'
-// ExpiresAt follow, local decisions too) that reads the current policy from policy (e.g. a
-// limits.Watcher's Current) on every request. log receives breaker changes
-// and background failures; reg receives the metrics (nil: not registered).
+// ExpiresAt follow, local decisions too) that reads the current policy
+// from policy (e.g. a service.PolicyWatcher's Current) on every request.
+// log receives breaker changes and background failures; reg receives the
+// metrics (nil: not registered).
 // It starts two background goroutines, idle lease eviction and the Redis
 // prober (which also warms the connection and script cache at once); Close
 // stops them.
-func New(lim *limits.Limiter, policy func() *limits.Policy, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Decider, error) {
+func New(lim *limits.Limiter, policy func() *policy.Policy, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Decider, error) {
 	if lim == nil || policy == nil {
 		return nil, errors.New("decide: a limiter and a policy source are required")
 	}
@@ -130,7 +132,7 @@ func (d *Decider) onBreaker(s breakerState) {
 }
 
 // notePolicy creates the metric series of a policy's endpoints once.
-func (d *Decider) notePolicy(p *limits.Policy) {
+func (d *Decider) notePolicy(p *policy.Policy) {
 	if p != nil && d.lastPolicy.Load() != p {
 		d.m.addEndpoints(p)
 		d.lastPolicy.Store(p)
@@ -246,7 +248,7 @@ func (d *Decider) prober(ctx context.Context) {
 // decisions come from Redis again.
 func (d *Decider) probeCall(ctx context.Context, probe bool) {
 	cctx, cancel := context.WithTimeout(ctx, d.opt.ProbeTimeout)
-	_, err := d.lim.PeekShared(cctx, limits.ScopeGlobal, probeID, nil)
+	_, err := d.lim.PeekShared(cctx, policy.ScopeGlobal, probeID, nil)
 	cancel()
 	if err == nil && probe && !d.voids.drain(ctx) {
 		err = errVoidsPending
@@ -360,10 +362,10 @@ func (in *Input) validate() error {
 var errNoPolicy = errors.New("decide: no policy loaded")
 
 // resolve returns the rules of a request under the current policy.
-func (d *Decider) resolve(tenant, plan, endpoint string) (limits.Resolved, error) {
+func (d *Decider) resolve(tenant, plan, endpoint string) (policy.Resolved, error) {
 	pol := d.policy()
 	if pol == nil {
-		return limits.Resolved{}, errNoPolicy
+		return policy.Resolved{}, errNoPolicy
 	}
 	d.notePolicy(pol)
 	rs, err := pol.Resolve(tenant, plan, endpoint)

@@ -16,14 +16,15 @@
 // Result.Limits. A denial reserves nothing anywhere: what earlier layers
 // took is given back (leased units to their local pool, local spending to
 // the local state, a shared reservation in Redis with a compensating
-// limits.Charge). Shadow limits fill and report WouldDeny but never deny.
+// limits.Limiter.ChargeShared). Shadow limits fill and report WouldDeny but
+// never deny.
 //
 // Round trips: a request whose policy has only subject limits costs exactly
 // one (the Reserve call). Shared request limits of the fixed and
 // token_bucket kinds are served from leases and cost none on the hot path;
 // any other shared limit (token units, sliding_log, rolling) costs one
 // ReserveShared call per layer. A denial after a shared reservation costs a
-// Charge to compensate it. Reserve calls of concurrent admissions share
+// ChargeShared to compensate it. Reserve calls of concurrent admissions share
 // their round trip: those that arrive while one pipeline is in flight go
 // together in the next (limits.Limiter.ReserveBatch), each still its own
 // atomic script run with its own deadline.

@@ -13,6 +13,7 @@ import (
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/repair"
 )
 
 const faultPolicy = `
@@ -39,7 +40,7 @@ func TestRedisKilledMidRun(t *testing.T) {
 	s := redistest.Start(t)
 	c := faultClient(t, s)
 	ctx := context.Background()
-	if err := limits.WriteEpoch(ctx, c, "1"); err != nil {
+	if err := repair.WriteEpoch(ctx, c, "1"); err != nil {
 		t.Fatal(err)
 	}
 	pol := parsePolicy(t, faultPolicy, "")
@@ -85,7 +86,7 @@ func TestRedisKilledMidRun(t *testing.T) {
 	if r := admit(t, d, in("acme", "seen", "/gen", 1)); !r.Local {
 		t.Fatalf("Admit without epoch = %+v, want local", r)
 	}
-	if err := limits.WriteEpoch(ctx, c, "2"); err != nil {
+	if err := repair.WriteEpoch(ctx, c, "2"); err != nil {
 		t.Fatal(err)
 	}
 	e2e.Eventually(t, "decisions from Redis again", func() bool {
@@ -175,7 +176,7 @@ func TestNoEpochDecidesLocally(t *testing.T) {
 	if got := testutil.ToFloat64(d.m.redisErrors.WithLabelValues(opReserve)); got != 0 {
 		t.Fatalf("redis errors = %v for a missing epoch, want 0", got)
 	}
-	if err := limits.WriteEpoch(context.Background(), c, "1"); err != nil {
+	if err := repair.WriteEpoch(context.Background(), c, "1"); err != nil {
 		t.Fatal(err)
 	}
 	e2e.Eventually(t, "decisions from Redis once the epoch is written", func() bool {

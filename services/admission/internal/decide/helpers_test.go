@@ -13,6 +13,7 @@ import (
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // newTenant returns a name no other test uses, so tests sharing the
@@ -20,9 +21,9 @@ import (
 func newTenant(t testing.TB) string { return redistest.UniqueName(t) }
 
 // parsePolicy parses a policy, replacing every {E} with endpoint.
-func parsePolicy(t testing.TB, yaml, endpoint string) *limits.Policy {
+func parsePolicy(t testing.TB, yaml, endpoint string) *policy.Policy {
 	t.Helper()
-	p, err := limits.Parse([]byte(strings.ReplaceAll(yaml, "{E}", endpoint)))
+	p, err := policy.Parse([]byte(strings.ReplaceAll(yaml, "{E}", endpoint)))
 	if err != nil {
 		t.Fatalf("Parse: %v", err)
 	}
@@ -38,7 +39,7 @@ func midWindow(w time.Duration) time.Duration {
 // onEndpoint returns a Decider on the shared Redis over policy (its {E}
 // replaced by a fresh endpoint under prefix), in the middle of an hour
 // window, with the Redis client, the policy, a fresh tenant and the endpoint.
-func onEndpoint(t *testing.T, policy, prefix string) (*redis.Client, *Decider, *limits.Policy, string, string) {
+func onEndpoint(t *testing.T, policy, prefix string) (*redis.Client, *Decider, *policy.Policy, string, string) {
 	t.Helper()
 	c := redistest.Shared(t)
 	tenant := newTenant(t)
@@ -49,7 +50,7 @@ func onEndpoint(t *testing.T, policy, prefix string) (*redis.Client, *Decider, *
 }
 
 // newDecider builds a Decider over c, closed at cleanup.
-func newDecider(t testing.TB, c limits.Client, pol *limits.Policy, o Options, lo limits.Options) *Decider {
+func newDecider(t testing.TB, c limits.Client, pol *policy.Policy, o Options, lo limits.Options) *Decider {
 	t.Helper()
 	if o.RedisTimeout == 0 {
 		// The shared Redis and -race make a few ms too tight for tests
@@ -61,7 +62,7 @@ func newDecider(t testing.TB, c limits.Client, pol *limits.Policy, o Options, lo
 		o.BreakerWindow = -1
 	}
 	lim := limits.New(c, lo)
-	d, err := New(lim, func() *limits.Policy { return pol }, o, nil, prometheus.NewRegistry())
+	d, err := New(lim, func() *policy.Policy { return pol }, o, nil, prometheus.NewRegistry())
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -121,7 +122,7 @@ func scopes(r Result) string {
 }
 
 // sharedUsed peeks the used count of each rule of a shared scope.
-func sharedUsed(t testing.TB, c limits.Client, scope limits.Scope, id string, rules []limits.Rule) []int64 {
+func sharedUsed(t testing.TB, c limits.Client, scope policy.Scope, id string, rules []policy.Rule) []int64 {
 	t.Helper()
 	dec, err := limits.New(c, limits.Options{NoEpochGuard: true}).PeekShared(context.Background(), scope, id, rules)
 	if err != nil {
@@ -155,7 +156,7 @@ func quiesce(t testing.TB, d *Decider) {
 }
 
 // localUnits counts the units a Decider holds in live leases for a rule.
-func localUnits(d *Decider, scope limits.Scope, id string, r *limits.Rule) int64 {
+func localUnits(d *Decider, scope policy.Scope, id string, r *policy.Rule) int64 {
 	v, ok := d.pools.Load(poolKey{scope: scope, id: id, rule: ruleID(r)})
 	if !ok {
 		return 0

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // Leasing (DESIGN §4): a shared request limit that limits.Leasable accepts
@@ -28,14 +29,14 @@ import (
 
 // poolKey names a lease pool.
 type poolKey struct {
-	scope limits.Scope
+	scope policy.Scope
 	id    string // the IP address or the endpoint
 	rule  uint64 // ruleID
 }
 
 // pool is the local quota of one shared limit of one scope and id.
 type pool struct {
-	scope limits.Scope
+	scope policy.Scope
 	id    string
 
 	cfg       atomic.Pointer[poolConfig]
@@ -51,7 +52,7 @@ type pool struct {
 
 // poolConfig is the limit a pool leases for and its batch sizes.
 type poolConfig struct {
-	rule  limits.Rule
+	rule  policy.Rule
 	batch int64
 	low   int64 // refill when fewer units than this are available
 }
@@ -78,7 +79,7 @@ type leaseView struct {
 }
 
 // batchFor sizes the leases of r.
-func (d *Decider) batchFor(r *limits.Rule) (batch, low int64) {
+func (d *Decider) batchFor(r *policy.Rule) (batch, low int64) {
 	c := capacity(r)
 	batch = d.opt.LeaseBatch
 	if batch == 0 {
@@ -91,7 +92,7 @@ func (d *Decider) batchFor(r *limits.Rule) (batch, low int64) {
 
 // poolFor returns the pool of rule r of (scope, id), creating it; nil when
 // leasing is off (closing) or there are too many pools.
-func (d *Decider) poolFor(scope limits.Scope, id string, r *limits.Rule) *pool {
+func (d *Decider) poolFor(scope policy.Scope, id string, r *policy.Rule) *pool {
 	if d.closing.Load() {
 		return nil
 	}
@@ -330,7 +331,7 @@ func (d *Decider) leaseFor(ctx context.Context, p *pool, r *refill, take bool) (
 	if l.Granted <= 0 {
 		d.m.refills.WithLabelValues(string(p.scope), "exhausted").Inc()
 		wait := l.ExpiresAt.Sub(l.Now)
-		if c.rule.Kind == limits.TokenBucket && c.rule.Rate > 0 {
+		if c.rule.Kind == policy.TokenBucket && c.rule.Rate > 0 {
 			wait = time.Duration(math.Ceil(float64(c.rule.Per) / c.rule.Rate)) // one unit's refill
 		}
 		p.exhausted.Store(t0 + int64(max(wait, time.Millisecond)))
@@ -361,7 +362,7 @@ func (d *Decider) leaseFor(ctx context.Context, p *pool, r *refill, take bool) (
 }
 
 // returnLease gives unspent units back to Redis, best effort.
-func (d *Decider) returnLease(ctx context.Context, scope limits.Scope, id string, r *limits.Rule, u unspent) error {
+func (d *Decider) returnLease(ctx context.Context, scope policy.Scope, id string, r *policy.Rule, u unspent) error {
 	err := d.call(ctx, opReturnLease, func(ctx context.Context) error {
 		_, err := d.lim.ReturnLease(ctx, scope, id, r, u.lease, u.n)
 		return err
@@ -407,7 +408,7 @@ func (d *Decider) evictIdle(ctx context.Context) {
 // leasedState reports a leased limit: its capacity and a best-effort
 // remaining, Redis's remaining at the last lease plus what this instance
 // still holds.
-func (d *Decider) leasedState(p *pool, r *limits.Rule, now int64, denied bool) LimitState {
+func (d *Decider) leasedState(p *pool, r *policy.Rule, now int64, denied bool) LimitState {
 	s := LimitState{Scope: r.Scope, Name: r.Name, Endpoint: r.Endpoint, Unit: r.Unit, Limit: capacity(r), Shadow: r.Shadow}
 	if v := p.view.Load(); v != nil {
 		s.Limit = v.limit

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // Local state: what the Decider knows without Redis, per owner (a subject, a
@@ -32,7 +33,7 @@ import (
 
 // ownerKey names the owner of local state.
 type ownerKey struct {
-	scope limits.Scope
+	scope policy.Scope
 	a, b  string // ip: address; global: endpoint; tenant: tenant; user: tenant, user
 }
 
@@ -40,18 +41,18 @@ type ownerKey struct {
 // id: a limit whose size changes keeps its state, one whose kind or window
 // changes starts afresh.
 type ruleKey struct {
-	scope          limits.Scope
+	scope          policy.Scope
 	endpoint, name string
-	kind           limits.Kind
-	unit           limits.Unit
-	window         limits.Duration
+	kind           policy.Kind
+	unit           policy.Unit
+	window         policy.Duration
 }
 
 var hashSeed = maphash.MakeSeed()
 
 // ruleID hashes a rule's identity; collisions among an owner's handful of
 // limits (odds about n²/2⁶⁵) are not a practical concern.
-func ruleID(r *limits.Rule) uint64 {
+func ruleID(r *policy.Rule) uint64 {
 	return maphash.Comparable(hashSeed, ruleKey{r.Scope, r.Endpoint, r.Name, r.Kind, r.Unit, r.Window})
 }
 
@@ -148,21 +149,21 @@ func (c *localCache) len() int {
 }
 
 // capacity is what a limit admits when empty.
-func capacity(r *limits.Rule) int64 {
-	if r.Kind == limits.TokenBucket {
+func capacity(r *policy.Rule) int64 {
+	if r.Kind == policy.TokenBucket {
 		return r.Burst
 	}
 	return r.Limit.Limit
 }
 
 // period is how long a limit takes to free its whole capacity.
-func period(r *limits.Rule) time.Duration {
+func period(r *policy.Rule) time.Duration {
 	switch r.Kind {
-	case limits.Rolling, limits.Fixed, limits.SlidingLog:
+	case policy.Rolling, policy.Fixed, policy.SlidingLog:
 		return time.Duration(r.Window)
-	case limits.CalendarMonth:
+	case policy.CalendarMonth:
 		return 31 * 24 * time.Hour
-	case limits.TokenBucket:
+	case policy.TokenBucket:
 		if r.Rate > 0 {
 			return time.Duration(float64(r.Burst) / r.Rate * float64(r.Per))
 		}
@@ -173,26 +174,26 @@ func period(r *limits.Rule) time.Duration {
 
 // quotaKind reports whether a limit is decided locally from the remaining
 // last seen (token limits of a subject or tenant) rather than from a share.
-func quotaKind(r *limits.Rule) bool {
-	return r.Unit == limits.Tokens && (r.Scope == limits.ScopeUser || r.Scope == limits.ScopeTenant)
+func quotaKind(r *policy.Rule) bool {
+	return r.Unit == policy.Tokens && (r.Scope == policy.ScopeUser || r.Scope == policy.ScopeTenant)
 }
 
 // unitCost is what a request costs in a limit.
-func unitCost(r *limits.Rule, cost int64) int64 {
-	if r.Unit == limits.Tokens {
+func unitCost(r *policy.Rule, cost int64) int64 {
+	if r.Unit == policy.Tokens {
 		return cost
 	}
 	return 1
 }
 
 // shareCap and shareRate size this instance's share of a limit.
-func (d *Decider) shareCap(r *limits.Rule) float64 {
+func (d *Decider) shareCap(r *policy.Rule) float64 {
 	return math.Ceil(float64(capacity(r)) / float64(d.opt.Instances))
 }
 
 // shareRate is the refill of a share in units per nanosecond.
-func (d *Decider) shareRate(r *limits.Rule) float64 {
-	if r.Kind == limits.TokenBucket && r.Rate > 0 {
+func (d *Decider) shareRate(r *policy.Rule) float64 {
+	if r.Kind == policy.TokenBucket && r.Rate > 0 {
 		return r.Rate / float64(d.opt.Instances) / float64(r.Per)
 	}
 	p := period(r)
@@ -205,7 +206,7 @@ func (d *Decider) shareRate(r *limits.Rule) float64 {
 // unspent is what a limit's local state holds with nothing spent: the
 // whole limit once Redis showed the owner's usage (left then counts down
 // from it), the allowance for an owner never seen, the share otherwise.
-func (d *Decider) unspent(r *limits.Rule, st *ruleState) float64 {
+func (d *Decider) unspent(r *policy.Rule, st *ruleState) float64 {
 	switch {
 	case !quotaKind(r):
 		return d.shareCap(r)
@@ -216,8 +217,8 @@ func (d *Decider) unspent(r *limits.Rule, st *ruleState) float64 {
 }
 
 // allowance is what a quota of an owner never seen starts with.
-func (d *Decider) allowance(r *limits.Rule) float64 {
-	if r.Kind == limits.Balance { // a balance's credits are unknown here
+func (d *Decider) allowance(r *policy.Rule) float64 {
+	if r.Kind == policy.Balance { // a balance's credits are unknown here
 		return float64(d.opt.UnseenAllowance)
 	}
 	return float64(min(d.opt.UnseenAllowance, capacity(r)))
@@ -225,7 +226,7 @@ func (d *Decider) allowance(r *limits.Rule) float64 {
 
 // bring moves a limit's local state forward to now (monotonic ns); caller
 // holds the entry's mutex.
-func (d *Decider) bring(r *limits.Rule, st *ruleState, now int64) {
+func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 	if quotaKind(r) {
 		if !st.init {
 			st.init, st.left = true, d.allowance(r)
@@ -253,21 +254,21 @@ func (d *Decider) bring(r *limits.Rule, st *ruleState, now int64) {
 // Caller holds both owners' mutexes. It fills out (one state per rule) and
 // returns the index of the first denying rule (-1: allowed), the wait and
 // the reason. When allowed, the cost is spent and added to spends.
-func (d *Decider) localCheck(owners [2]*entry, rules []limits.Rule, cost int64, now int64, out []LimitState, spends *[]localSpend) (denied int, retry time.Duration, reason limits.Reason) {
+func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, now int64, out []LimitState, spends *[]localSpend) (denied int, retry time.Duration, reason limits.Reason) {
 	denied = -1
 	sts := make([]*ruleState, len(rules))
 	for i := range rules {
 		r := &rules[i]
 		out[i] = LimitState{Scope: r.Scope, Name: r.Name, Endpoint: r.Endpoint, Unit: r.Unit, Limit: capacity(r), Shadow: r.Shadow}
-		if r.Kind == limits.Concurrency {
+		if r.Kind == policy.Concurrency {
 			out[i].Remaining = r.Limit.Limit // not enforced locally
 			continue
 		}
-		if r.Kind == limits.Balance {
+		if r.Kind == policy.Balance {
 			out[i].Limit = 0
 		}
 		e := owners[1]
-		if r.Scope == limits.ScopeTenant {
+		if r.Scope == policy.ScopeTenant {
 			e = owners[0]
 		}
 		st := e.state(ruleID(r))
@@ -302,14 +303,14 @@ func (d *Decider) localCheck(owners [2]*entry, rules []limits.Rule, cost int64, 
 		if denied < 0 && st.left >= need {
 			st.left -= need
 			e := owners[1]
-			if r.Scope == limits.ScopeTenant {
+			if r.Scope == policy.ScopeTenant {
 				e = owners[0]
 			}
 			*spends = append(*spends, localSpend{e: e, id: st.id, n: need, at: i})
 		}
 		left := int64(math.Floor(max(0, st.left)))
 		out[i].Remaining = left
-		if r.Kind == limits.Balance {
+		if r.Kind == policy.Balance {
 			out[i].Limit = left // credits unknown locally: report what is left
 		} else {
 			out[i].Used = max(0, int64(d.unspent(r, st))-left)
@@ -327,8 +328,8 @@ func (d *Decider) localCheck(owners [2]*entry, rules []limits.Rule, cost int64, 
 
 // localWait says how long until need units fit in a limit decided locally,
 // or why waiting does not help.
-func (d *Decider) localWait(r *limits.Rule, st *ruleState, need float64, now int64) (time.Duration, limits.Reason) {
-	if r.Kind == limits.Balance {
+func (d *Decider) localWait(r *policy.Rule, st *ruleState, need float64, now int64) (time.Duration, limits.Reason) {
+	if r.Kind == policy.Balance {
 		return 0, limits.ReasonInsufficientBalance
 	}
 	if need > float64(capacity(r)) {
@@ -369,21 +370,21 @@ func (d *Decider) remember(tenant, user string, states []limits.State, now int64
 			continue
 		}
 		var e *entry
-		if r.Scope == limits.ScopeTenant {
+		if r.Scope == policy.ScopeTenant {
 			if te == nil {
-				te = d.local.get(ownerKey{scope: limits.ScopeTenant, a: tenant}, true)
+				te = d.local.get(ownerKey{scope: policy.ScopeTenant, a: tenant}, true)
 			}
 			e = te
 		} else {
 			if ue == nil {
-				ue = d.local.get(ownerKey{scope: limits.ScopeUser, a: tenant, b: user}, true)
+				ue = d.local.get(ownerKey{scope: policy.ScopeUser, a: tenant, b: user}, true)
 			}
 			e = ue
 		}
 		var reset int64
 		switch r.Kind {
-		case limits.Balance:
-		case limits.Rolling, limits.SlidingLog:
+		case policy.Balance:
+		case policy.Rolling, policy.SlidingLog:
 			reset = now + int64(time.Duration(r.Window))
 		default: // fixed, calendar_month, token_bucket: Reset is when it is empty again
 			reset = now + int64(s.Reset)

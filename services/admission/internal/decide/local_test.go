@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // localDecider is a Decider with only its local state, for pure logic.
@@ -19,13 +20,13 @@ func localDecider(t *testing.T, o Options) *Decider {
 	return &Decider{opt: o, local: newLocalCache(o.LocalEntries), epoch: time.Now()}
 }
 
-func rule(scope limits.Scope, unit limits.Unit, l limits.Limit) limits.Rule {
+func rule(scope policy.Scope, unit policy.Unit, l policy.Limit) policy.Rule {
 	l.Unit = unit
-	return limits.Rule{Limit: l, Scope: scope}
+	return policy.Rule{Limit: l, Scope: scope}
 }
 
 // check decides rules locally for one owner entry.
-func check(d *Decider, e *entry, rules []limits.Rule, cost int64) (int, time.Duration, limits.Reason, []LimitState) {
+func check(d *Decider, e *entry, rules []policy.Rule, cost int64) (int, time.Duration, limits.Reason, []LimitState) {
 	out := make([]LimitState, len(rules))
 	var spends []localSpend
 	e.mu.Lock()
@@ -37,7 +38,7 @@ func check(d *Decider, e *entry, rules []limits.Rule, cost int64) (int, time.Dur
 func TestLocalShare(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{Instances: 4})
-		rules := []limits.Rule{rule(limits.ScopeGlobal, limits.Requests, limits.Limit{Name: "m", Kind: limits.Fixed, Limit: 100, Window: limits.Duration(time.Minute)})}
+		rules := []policy.Rule{rule(policy.ScopeGlobal, policy.Requests, policy.Limit{Name: "m", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Minute)})}
 		e := &entry{}
 		for i := range 25 { // 100 / 4 instances
 			if di, _, _, _ := check(d, e, rules, 1); di >= 0 {
@@ -58,10 +59,10 @@ func TestLocalShare(t *testing.T) {
 func TestLocalQuotaFromLastSeen(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{UnseenAllowance: 50})
-		r := rule(limits.ScopeUser, limits.Tokens, limits.Limit{Name: "h", Kind: limits.Fixed, Limit: 100, Window: limits.Duration(time.Hour)})
-		rules := []limits.Rule{r}
+		r := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})
+		rules := []policy.Rule{r}
 		d.remember("acme", "seen", []limits.State{{Rule: &rules[0], Limit: 100, Used: 70, Remaining: 30, Reset: 10 * time.Minute}}, d.mono())
-		seen := d.local.get(ownerKey{scope: limits.ScopeUser, a: "acme", b: "seen"}, false)
+		seen := d.local.get(ownerKey{scope: policy.ScopeUser, a: "acme", b: "seen"}, false)
 		if seen == nil {
 			t.Fatal("remember kept nothing")
 		}
@@ -80,7 +81,7 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 		// Never seen: the allowance, which does not refill. Used is what
 		// this instance spent, not the limit minus the allowance: nobody
 		// knows the rest, and alerts must not read it as usage.
-		unseen := d.local.get(ownerKey{scope: limits.ScopeUser, a: "acme", b: "new"}, true)
+		unseen := d.local.get(ownerKey{scope: policy.ScopeUser, a: "acme", b: "new"}, true)
 		if di, _, _, out := check(d, unseen, rules, 10); di >= 0 || out[0].Used != 10 || out[0].Remaining != 40 {
 			t.Fatalf("cost 10 of an unseen subject's 50: denied %d, %+v; want allowed, 10 used, 40 left", di, out[0])
 		}
@@ -99,10 +100,10 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 
 func TestLocalAllOrNothingAndShadow(t *testing.T) {
 	d := localDecider(t, Options{UnseenAllowance: 10}) // capped by each limit
-	shadow := rule(limits.ScopeUser, limits.Tokens, limits.Limit{Name: "s", Kind: limits.Fixed, Limit: 5, Window: limits.Duration(time.Hour), Shadow: true})
-	big := rule(limits.ScopeUser, limits.Tokens, limits.Limit{Name: "big", Kind: limits.Fixed, Limit: 1000, Window: limits.Duration(time.Hour)})
-	rate := rule(limits.ScopeUser, limits.Requests, limits.Limit{Name: "r", Kind: limits.Fixed, Limit: 1, Window: limits.Duration(time.Hour)})
-	rules := []limits.Rule{shadow, big, rate}
+	shadow := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "s", Kind: policy.Fixed, Limit: 5, Window: policy.Duration(time.Hour), Shadow: true})
+	big := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "big", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})
+	rate := rule(policy.ScopeUser, policy.Requests, policy.Limit{Name: "r", Kind: policy.Fixed, Limit: 1, Window: policy.Duration(time.Hour)})
+	rules := []policy.Rule{shadow, big, rate}
 	e := &entry{}
 
 	di, _, _, out := check(d, e, rules, 8)
@@ -120,9 +121,9 @@ func TestLocalAllOrNothingAndShadow(t *testing.T) {
 
 func TestLocalCacheIsBounded(t *testing.T) {
 	c := newLocalCache(1024)
-	hot := ownerKey{scope: limits.ScopeUser, a: "t", b: "hot"}
+	hot := ownerKey{scope: policy.ScopeUser, a: "t", b: "hot"}
 	for i := range 100_000 {
-		c.get(ownerKey{scope: limits.ScopeUser, a: "t", b: fmt.Sprint(i)}, true)
+		c.get(ownerKey{scope: policy.ScopeUser, a: "t", b: fmt.Sprint(i)}, true)
 		if i%100 == 0 {
 			c.get(hot, true)
 		}
@@ -133,7 +134,7 @@ func TestLocalCacheIsBounded(t *testing.T) {
 	if c.get(hot, false) == nil {
 		t.Fatal("a recently used entry was evicted")
 	}
-	if c.get(ownerKey{scope: limits.ScopeUser, a: "t", b: "0"}, false) != nil {
+	if c.get(ownerKey{scope: policy.ScopeUser, a: "t", b: "0"}, false) != nil {
 		t.Fatal("the oldest entry is still there")
 	}
 }

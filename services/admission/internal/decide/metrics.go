@@ -7,7 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // Label values of quotaflow_admission_decisions_total. scope is the scope of
@@ -15,7 +15,7 @@ import (
 // would have denied; for a local denial counted as failopen: the local
 // denying limit's), or "none" when nothing denied.
 var (
-	scopeLabels  = [...]string{"none", string(limits.ScopeIP), string(limits.ScopeGlobal), string(limits.ScopeTenant), string(limits.ScopeUser)}
+	scopeLabels  = [...]string{"none", string(policy.ScopeIP), string(policy.ScopeGlobal), string(policy.ScopeTenant), string(policy.ScopeUser)}
 	resultLabels = [...]string{"allowed", "denied", "failopen", "shadow_denied"}
 )
 
@@ -30,15 +30,15 @@ const (
 // declare, so that callers cannot create series.
 const otherEndpoint = "other"
 
-func scopeIndex(s limits.Scope) int {
+func scopeIndex(s policy.Scope) int {
 	switch s {
-	case limits.ScopeIP:
+	case policy.ScopeIP:
 		return 1
-	case limits.ScopeGlobal:
+	case policy.ScopeGlobal:
 		return 2
-	case limits.ScopeTenant:
+	case policy.ScopeTenant:
 		return 3
-	case limits.ScopeUser:
+	case policy.ScopeUser:
 		return 4
 	}
 	return 0
@@ -113,7 +113,7 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 	for _, op := range redisOps {
 		m.redisErrors.WithLabelValues(op)
 	}
-	for _, s := range []limits.Scope{limits.ScopeIP, limits.ScopeGlobal} {
+	for _, s := range []policy.Scope{policy.ScopeIP, policy.ScopeGlobal} {
 		for _, r := range []string{"granted", "exhausted", "error"} {
 			m.refills.WithLabelValues(string(s), r)
 		}
@@ -135,7 +135,7 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 }
 
 // addEndpoints creates the series of every endpoint p declares.
-func (m *metrics) addEndpoints(p *limits.Policy) {
+func (m *metrics) addEndpoints(p *policy.Policy) {
 	if p == nil {
 		return
 	}
@@ -172,7 +172,7 @@ func (m *metrics) endpoint(ep string) *endpointCounters {
 
 // decision counts one decision.
 func (m *metrics) decision(ep string, r *Result) {
-	scope, result := limits.Scope(""), resultAllowed
+	scope, result := policy.Scope(""), resultAllowed
 	switch {
 	case r.Local:
 		result = resultFailOpen

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // unavailable wraps a failed Redis call of Release, Usage or TopUp.
@@ -74,10 +75,10 @@ func (d *Decider) TopUp(ctx context.Context, tenant, user string, amount int64, 
 	if err != nil {
 		return limits.TopUpResult{}, err
 	}
-	var bal *limits.Rule
+	var bal *policy.Rule
 	for i := range rs.Subject {
 		r := &rs.Subject[i]
-		if r.Kind == limits.Balance && (bal == nil || r.Scope == limits.ScopeUser) {
+		if r.Kind == policy.Balance && (bal == nil || r.Scope == policy.ScopeUser) {
 			bal = r
 		}
 	}

@@ -8,6 +8,7 @@ import (
 
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
@@ -83,7 +84,7 @@ func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
 
 // decide runs one admission and writes the answer: 200 when allowed,
 // denyStatus with a problem body when denied.
-func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, pol *limits.Policy,
+func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, pol *policy.Policy,
 	in decide.Input, denyStatus int, authz bool) {
 	in.CallerID = in.RequestID != ""
 	if !in.CallerID {
@@ -118,7 +119,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 	}
 	h.publishDecision(in, res)
 
-	var resolved *limits.Resolved
+	var resolved *policy.Resolved
 	if rs, err := pol.Resolve(in.Tenant, res.Plan, in.Endpoint); err == nil {
 		resolved = &rs
 	}
@@ -154,7 +155,7 @@ func denialDetail(d decide.LimitState, res decide.Result, cost int64) string {
 		what = fmt.Sprintf("%s limit %q of endpoint %q", d.Scope, d.Name, d.Endpoint)
 	}
 	amount := int64(1)
-	if d.Unit == limits.Tokens {
+	if d.Unit == policy.Tokens {
 		amount = cost
 	}
 	switch res.Reason {

@@ -30,6 +30,7 @@ import (
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
@@ -43,7 +44,7 @@ const MaxBodyBytes = 64 << 10
 const ProblemQuotaExceeded = "https://iana.org/assignments/http-problem-types#quota-exceeded"
 
 // Decider makes and undoes admission decisions: *decide.Decider. Errors
-// wrapping limits.ErrInvalid or limits.ErrUnknownPlan are the caller's
+// wrapping limits.ErrInvalid or policy.ErrUnknownPlan are the caller's
 // fault (400); any other error is an infrastructure failure.
 type Decider interface {
 	Admit(ctx context.Context, in decide.Input) (decide.Result, error)
@@ -64,10 +65,10 @@ type Events interface {
 type Options struct {
 	// Decider makes the decisions (*decide.Decider).
 	Decider Decider
-	// Policy returns the policy in force (limits.Watcher.Current): the
+	// Policy returns the policy in force (service.PolicyWatcher.Current): the
 	// model weights for input/output token costs and the windows shown in
 	// RateLimit-Policy.
-	Policy func() *limits.Policy
+	Policy func() *policy.Policy
 	// Events publishes what happened (*outbox.Outbox).
 	Events Events
 	// Auth checks bearer tokens and their roles; nil accepts every
@@ -101,7 +102,7 @@ type Options struct {
 // Handler serves the API. Create it with New.
 type Handler struct {
 	dec      Decider
-	policy   func() *limits.Policy
+	policy   func() *policy.Policy
 	ev       Events
 	tokens   *auth.Auth
 	deny     int
@@ -319,7 +320,7 @@ func authorize(w http.ResponseWriter, p auth.Principal, tenant string) bool {
 // authorizePlan answers 403 and returns false unless p may act for tenant
 // on plan: a token bound to the tenant may name only the plans pol grants
 // it (an empty plan is the tenant's own), any other token any plan.
-func authorizePlan(w http.ResponseWriter, p auth.Principal, pol *limits.Policy, tenant, plan string) bool {
+func authorizePlan(w http.ResponseWriter, p auth.Principal, pol *policy.Policy, tenant, plan string) bool {
 	ok, anyPlan := p.For(tenant)
 	if !ok || !anyPlan && !pol.Grants(tenant, plan) {
 		forbidden(w)
@@ -356,7 +357,7 @@ func newRequestID() string { return rand.Text() }
 // the 400 message.
 func clientError(err error, plan string) (string, bool) {
 	switch {
-	case errors.Is(err, limits.ErrUnknownPlan):
+	case errors.Is(err, policy.ErrUnknownPlan):
 		return fmt.Sprintf("plan: %q is not a plan of the policy", plan), true
 	case errors.Is(err, limits.ErrInvalid):
 		msg := err.Error()

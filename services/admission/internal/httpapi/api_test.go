@@ -23,6 +23,7 @@ import (
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
@@ -51,9 +52,9 @@ models:
   big-model: {input_weight: 1, output_weight: 3}
 `
 
-func mustPolicy(t testing.TB) *limits.Policy {
+func mustPolicy(t testing.TB) *policy.Policy {
 	t.Helper()
-	p, err := limits.Parse([]byte(testPolicy))
+	p, err := policy.Parse([]byte(testPolicy))
 	if err != nil {
 		t.Fatalf("Parse(testPolicy) = %v", err)
 	}
@@ -162,7 +163,7 @@ func newEnv(t testing.TB, mod func(*Options)) *env {
 	pol := mustPolicy(t)
 	o := Options{
 		Decider:    e.dec,
-		Policy:     func() *limits.Policy { return pol },
+		Policy:     func() *policy.Policy { return pol },
 		Events:     e.ev,
 		Log:        slog.New(slog.NewJSONHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 		Registerer: e.reg,
@@ -207,8 +208,8 @@ func decodeMap(t *testing.T, w *httptest.ResponseRecorder) map[string]any {
 // rate.
 func userLimits(used5h int64) []decide.LimitState {
 	return []decide.LimitState{
-		{Scope: limits.ScopeUser, Name: "5h", Unit: limits.Tokens, Limit: 1000, Used: used5h, Remaining: 1000 - used5h, Reset: 1800 * time.Second},
-		{Scope: limits.ScopeUser, Name: "rps", Unit: limits.Requests, Limit: 10, Used: 1, Remaining: 9, Reset: 200 * time.Millisecond},
+		{Scope: policy.ScopeUser, Name: "5h", Unit: policy.Tokens, Limit: 1000, Used: used5h, Remaining: 1000 - used5h, Reset: 1800 * time.Second},
+		{Scope: policy.ScopeUser, Name: "rps", Unit: policy.Requests, Limit: 10, Used: 1, Remaining: 9, Reset: 200 * time.Millisecond},
 	}
 }
 
@@ -536,7 +537,7 @@ func TestAdmitDeciderErrors(t *testing.T) {
 		message  string
 		failopen float64
 	}{
-		{"unknown plan", fmt.Errorf("resolve: %w: %q", limits.ErrUnknownPlan, "gold"), 400, `plan: "gold" is not a plan of the policy`, 0},
+		{"unknown plan", fmt.Errorf("resolve: %w: %q", policy.ErrUnknownPlan, "gold"), 400, `plan: "gold" is not a plan of the policy`, 0},
 		{"invalid", fmt.Errorf("%w: cost: too large", limits.ErrInvalid), 400, "cost: too large", 0},
 		{"infrastructure", errors.New("redis: connection refused"), 200, "", 1},
 	} {
@@ -730,7 +731,7 @@ func TestAuthzDenied(t *testing.T) {
 			}
 		})
 	}
-	if _, err := New(Options{Decider: &fakeDecider{}, Policy: func() *limits.Policy { return nil }, Events: &fakeEvents{}, AuthzDenyStatus: 500}); err == nil {
+	if _, err := New(Options{Decider: &fakeDecider{}, Policy: func() *policy.Policy { return nil }, Events: &fakeEvents{}, AuthzDenyStatus: 500}); err == nil {
 		t.Error("New with AuthzDenyStatus 500 = nil error")
 	}
 }
@@ -818,7 +819,7 @@ func TestAuthzInvalidFromDecider(t *testing.T) {
 		t.Run(fmt.Sprint(status), func(t *testing.T) {
 			e := newEnv(t, func(o *Options) { withTokens(o); o.AuthzDenyStatus = status })
 			e.dec.admit = func(decide.Input) (decide.Result, error) {
-				return decide.Result{}, fmt.Errorf("resolve: %w", limits.ErrUnknownPlan)
+				return decide.Result{}, fmt.Errorf("resolve: %w", policy.ErrUnknownPlan)
 			}
 			w := e.do("GET", "/v1/authz/e", "", "Authorization", "Bearer "+tokenAny, hdrTenant, "acme", hdrUser, "u", hdrPlan, "gold")
 			wantInvalidDenial(t, w, status, `plan: "gold" is not a plan of the policy`)
@@ -998,7 +999,7 @@ func TestUsageGet(t *testing.T) {
 		}
 	}
 	e.dec.usage = func(_, _, plan string) ([]decide.LimitState, error) {
-		return nil, fmt.Errorf("%w %q", limits.ErrUnknownPlan, plan)
+		return nil, fmt.Errorf("%w %q", policy.ErrUnknownPlan, plan)
 	}
 	const want = `plan: "nope" is not a plan of the policy`
 	if w := e.do("GET", "/v1/usage?tenant=a&user=u&plan=nope", ""); w.Code != 400 || decodeMap(t, w)["message"] != want {
@@ -1137,15 +1138,15 @@ func TestRateLimitHeaders(t *testing.T) {
 		t.Fatal(err)
 	}
 	ls := []decide.LimitState{
-		{Scope: limits.ScopeIP, Name: "burst", Unit: limits.Requests, Limit: 100, Remaining: 90, Reset: 4 * time.Second},
-		{Scope: limits.ScopeGlobal, Name: "daily", Endpoint: "/api/v1/generate", Unit: limits.Requests, Limit: 500, Remaining: 400},
-		{Scope: limits.ScopeTenant, Name: "month", Unit: limits.Tokens, Limit: 1000000, Remaining: 999000, Shadow: true},
-		{Scope: limits.ScopeUser, Name: "5h", Unit: limits.Tokens, Limit: 1000, Remaining: 300, Reset: 100 * time.Second},
-		{Scope: limits.ScopeUser, Name: "credits", Unit: limits.Tokens, Limit: 5000, Remaining: 5000},
-		{Scope: limits.ScopeUser, Name: "rps", Unit: limits.Requests, Limit: 10, Remaining: 3, Reset: 100 * time.Millisecond},
-		{Scope: limits.ScopeUser, Name: "inflight", Unit: limits.Requests, Limit: 4, Remaining: 3},
-		{Scope: limits.ScopeUser, Name: "month", Unit: limits.Requests, Limit: 100000, Remaining: 5},
-		{Scope: limits.ScopeUser, Name: "daily", Endpoint: "/api/v1/generate", Unit: limits.Requests, Limit: 15, Remaining: 14, Reset: 1200 * time.Millisecond},
+		{Scope: policy.ScopeIP, Name: "burst", Unit: policy.Requests, Limit: 100, Remaining: 90, Reset: 4 * time.Second},
+		{Scope: policy.ScopeGlobal, Name: "daily", Endpoint: "/api/v1/generate", Unit: policy.Requests, Limit: 500, Remaining: 400},
+		{Scope: policy.ScopeTenant, Name: "month", Unit: policy.Tokens, Limit: 1000000, Remaining: 999000, Shadow: true},
+		{Scope: policy.ScopeUser, Name: "5h", Unit: policy.Tokens, Limit: 1000, Remaining: 300, Reset: 100 * time.Second},
+		{Scope: policy.ScopeUser, Name: "credits", Unit: policy.Tokens, Limit: 5000, Remaining: 5000},
+		{Scope: policy.ScopeUser, Name: "rps", Unit: policy.Requests, Limit: 10, Remaining: 3, Reset: 100 * time.Millisecond},
+		{Scope: policy.ScopeUser, Name: "inflight", Unit: policy.Requests, Limit: 4, Remaining: 3},
+		{Scope: policy.ScopeUser, Name: "month", Unit: policy.Requests, Limit: 100000, Remaining: 5},
+		{Scope: policy.ScopeUser, Name: "daily", Endpoint: "/api/v1/generate", Unit: policy.Requests, Limit: 15, Remaining: 14, Reset: 1200 * time.Millisecond},
 	}
 	h := http.Header{}
 	setRateLimitHeaders(h, decide.Result{Allowed: true, Limits: ls}, &res, 100, 0)
@@ -1174,11 +1175,11 @@ func TestRateLimitHeaders(t *testing.T) {
 		t.Errorf("headers without limits: %v", h)
 	}
 	// The policy names are Structured Field strings.
-	l := decide.LimitState{Scope: limits.ScopeUser, Name: "a\"b\\c\x01é"}
+	l := decide.LimitState{Scope: policy.ScopeUser, Name: "a\"b\\c\x01é"}
 	if got := string(appendPolicyName(nil, &l)); got != `"user:a\"b\\c???"` {
 		t.Errorf("appendPolicyName = %s", got)
 	}
-	l = decide.LimitState{Scope: limits.ScopeUser, Endpoint: "/v1/chat", Name: "daily"}
+	l = decide.LimitState{Scope: policy.ScopeUser, Endpoint: "/v1/chat", Name: "daily"}
 	if got, name := string(appendPolicyName(nil, &l)), policyName(l); got != `"user:endpoint:daily"` || name != "user:endpoint:daily" {
 		t.Errorf("appendPolicyName = %s, policyName = %s; want user:endpoint:daily", got, name)
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
@@ -197,12 +198,12 @@ tenants:
 // authz and the usage query; anything else is 403 before the decider is
 // called. Unbound tokens and admins may name any plan.
 func TestPlanGrants(t *testing.T) {
-	pol, err := limits.Parse([]byte(grantsPolicy))
+	pol, err := policy.Parse([]byte(grantsPolicy))
 	if err != nil {
 		t.Fatal(err)
 	}
 	e := newEnv(t, func(o *Options) {
-		o.Policy = func() *limits.Policy { return pol }
+		o.Policy = func() *policy.Policy { return pol }
 		withAuth(t, auth.Options{Tokens: []string{"s3cret-acme@acme", "s3cret-any", "s3cret-admin#admin"}})(o)
 	}).answering()
 	var usagePlans []string

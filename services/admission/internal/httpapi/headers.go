@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/decide"
 )
 
@@ -44,7 +45,7 @@ func appendPolicyName(b []byte, l *decide.LimitState) []byte {
 // endpoint's per-user limit and "<scope>:<name>" otherwise, as the
 // characters of a Structured Field String.
 func appendPolicyChars(b []byte, l *decide.LimitState) []byte {
-	if l.Scope == limits.ScopeUser && l.Endpoint != "" {
+	if l.Scope == policy.ScopeUser && l.Endpoint != "" {
 		b = append(b, "user:endpoint:"...)
 	} else {
 		b = append(appendSFChars(b, string(l.Scope)), ':')
@@ -79,14 +80,14 @@ func ceilSeconds(d time.Duration) int64 {
 }
 
 // windowSeconds is the w parameter of a rule, 0 when it has none.
-func windowSeconds(r *limits.Rule) int64 {
+func windowSeconds(r *policy.Rule) int64 {
 	if r == nil {
 		return 0
 	}
 	switch r.Kind {
-	case limits.Rolling, limits.Fixed, limits.SlidingLog:
+	case policy.Rolling, policy.Fixed, policy.SlidingLog:
 		return max(1, ceilSeconds(time.Duration(r.Window)))
-	case limits.TokenBucket:
+	case policy.TokenBucket:
 		per := time.Duration(r.Per)
 		if r.Rate <= 0 {
 			return max(1, ceilSeconds(per))
@@ -102,15 +103,15 @@ func windowSeconds(r *limits.Rule) int64 {
 
 // ruleOf finds the policy rule behind a limit state (for its window and
 // kind); nil when the policy changed in between.
-func ruleOf(res *limits.Resolved, l decide.LimitState) *limits.Rule {
+func ruleOf(res *policy.Resolved, l decide.LimitState) *policy.Rule {
 	if res == nil {
 		return nil
 	}
-	var list []limits.Rule
+	var list []policy.Rule
 	switch l.Scope {
-	case limits.ScopeIP:
+	case policy.ScopeIP:
 		list = res.IP
-	case limits.ScopeGlobal:
+	case policy.ScopeGlobal:
 		list = res.Global
 	default:
 		list = res.Subject
@@ -125,11 +126,11 @@ func ruleOf(res *limits.Resolved, l decide.LimitState) *limits.Rule {
 }
 
 // unitParam is the unit parameter of a limit's items.
-func unitParam(l decide.LimitState, r *limits.Rule) string {
+func unitParam(l decide.LimitState, r *policy.Rule) string {
 	switch {
-	case r != nil && r.Kind == limits.Concurrency:
+	case r != nil && r.Kind == policy.Concurrency:
 		return `;qu="concurrent-requests"`
-	case l.Unit == limits.Tokens:
+	case l.Unit == policy.Tokens:
 		return `;qf-unit="tokens"`
 	default:
 		return `;qu="requests"`
@@ -152,7 +153,7 @@ func constraining(res decide.Result, cost int64) int {
 			return i
 		}
 		fit := max(l.Remaining, 0)
-		if l.Unit == limits.Tokens {
+		if l.Unit == policy.Tokens {
 			switch {
 			case cost > 0:
 				fit /= cost
@@ -183,7 +184,7 @@ var (
 // setRateLimitHeaders writes RateLimit-Policy, RateLimit and the
 // X-RateLimit-* headers for a decision, and Retry-After (with retryAfter
 // > 0, i.e. on a denial that waiting cures).
-func setRateLimitHeaders(h http.Header, res decide.Result, resolved *limits.Resolved, cost, retryAfter int64) {
+func setRateLimitHeaders(h http.Header, res decide.Result, resolved *policy.Resolved, cost, retryAfter int64) {
 	var arr [512]byte
 	b := arr[:0]
 	for i := range res.Limits {
@@ -218,7 +219,7 @@ func setRateLimitHeaders(h http.Header, res decide.Result, resolved *limits.Reso
 		b = appendPolicyName(b[:0], l)
 		b = strconv.AppendInt(append(b, ";r="...), remaining, 10)
 		b = strconv.AppendInt(append(b, ";t="...), reset, 10)
-		if l.Unit == limits.Tokens {
+		if l.Unit == policy.Tokens {
 			b = append(b, `;qf-unit="tokens"`...)
 		}
 		h[hdrRateLimit] = []string{string(b)}

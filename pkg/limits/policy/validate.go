@@ -1,4 +1,4 @@
-package limits
+package policy
 
 import (
 	"errors"
@@ -14,18 +14,18 @@ import (
 	"quotaflow/pkg/ident"
 )
 
-// PolicyError is one problem in a policy: where (Path, e.g.
+// Error is one problem in a policy: where (Path, e.g.
 // "plans.free.quotas[1].window", or "endpoints[\"/v1/x\"].user[0].limit"
 // for a key that is not a plain word) and what is wrong. Parse and Validate
 // return every problem at once, joined with errors.Join; errors.As finds the
 // first.
-type PolicyError struct {
+type Error struct {
 	Path    string
 	Problem string
 }
 
 // Error returns "path: problem".
-func (e *PolicyError) Error() string {
+func (e *Error) Error() string {
 	if e.Path == "" {
 		return "policy " + e.Problem
 	}
@@ -85,7 +85,7 @@ var (
 )
 
 // Validate checks a policy and returns every problem it finds, as
-// *PolicyError values joined with errors.Join, in a stable order: the
+// *Error values joined with errors.Join, in a stable order: the
 // sections in file order (default_plan, plans, tenants, endpoints, ip,
 // models), map keys sorted, and within a limit name, kind, unit, then the
 // kind's fields. Parse runs it; call it yourself on a Policy built in code.
@@ -137,7 +137,7 @@ type policyChecker struct {
 }
 
 func (c *policyChecker) add(path, format string, args ...any) {
-	c.errs = append(c.errs, &PolicyError{Path: path, Problem: fmt.Sprintf(format, args...)})
+	c.errs = append(c.errs, &Error{Path: path, Problem: fmt.Sprintf(format, args...)})
 }
 
 func (c *policyChecker) policy(p *Policy) {

@@ -1,6 +1,6 @@
 -- windows.lua: read one subject's blobs and Redis time in one step, for the
 -- accounter's reconciliation, which decodes the bucket counters in Go
--- (window.go). It writes nothing. It does not include lib.lua: it only
+-- (wire/protocol.go). It writes nothing. It does not include lib.lua: it only
 -- returns the raw blobs, whose format lib.lua documents.
 --
 -- KEYS   1 subject blob, 2 tenant blob (lib.lua)

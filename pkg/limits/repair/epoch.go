@@ -1,60 +1,19 @@
-package limits
+package repair
 
 import (
 	"context"
 	"fmt"
-	"strconv"
-	"strings"
-	"sync"
 
 	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/limits/internal/script"
+	"quotaflow/pkg/limits/internal/wire"
 )
-
-// The epoch marks a Redis as holding quotaflow's state. When Redis restarts
-// empty, fails over to an empty replica or is flushed, the epoch is gone and
-// every script answers ErrNoEpoch instead of deciding, so nobody gets a fresh
-// quota; admission decides locally until the accounter has rebuilt the
-// windows from its ledger and called WriteEpoch.
-//
-// A script may only touch keys of one cluster slot, and a cluster loses data
-// one shard at a time, so there is one epoch key per slot (16384 small keys,
-// about 1 MiB): the script of a tenant reads the epoch key of the tenant's
-// slot, which says exactly whether that shard still holds its state. A single
-// Redis node uses the same keys, so both run the same code.
-
-const numSlots = 16384
-
-var (
-	slotTagsOnce sync.Once
-	slotTags     [numSlots]string
-)
-
-// slotTag returns a short string whose hash slot is slot; the table is built
-// once by trying base-36 strings, which covers every slot within 4 characters.
-func slotTag(slot uint16) string {
-	slotTagsOnce.Do(func() {
-		left := numSlots
-		for i := 0; left > 0; i++ {
-			s := strconv.FormatInt(int64(i), 36)
-			h := crc16(s) % numSlots
-			if slotTags[h] == "" {
-				slotTags[h] = s
-				left--
-			}
-		}
-	})
-	return slotTags[slot]
-}
-
-// epochKey returns the epoch key of the slot of hash tag content tag.
-func epochKey(tag string) string {
-	return "qe{" + slotTag(crc16(tag)%numSlots) + "}"
-}
 
 // TenantEpochKey is the epoch key of the slot that holds tenant's state:
 // while it exists, that shard holds it (EXISTS shows an operator which
 // shard a rebuild is waiting on).
-func TenantEpochKey(tenant string) string { return epochKey(esc(tenant)) }
+func TenantEpochKey(tenant string) string { return wire.SlotEpochKey(wire.TenantSlot(tenant)) }
 
 // WriteEpoch marks every slot of the Redis behind c as initialised with
 // value (any identifier of the rebuild, e.g. its time). The accounter calls
@@ -62,10 +21,10 @@ func TenantEpochKey(tenant string) string { return epochKey(esc(tenant)) }
 // it at once. It is idempotent.
 func WriteEpoch(ctx context.Context, c redis.UniversalClient, value string) error {
 	const batch = 1024
-	for start := 0; start < numSlots; start += batch {
+	for start := 0; start < wire.NumSlots; start += batch {
 		p := c.Pipeline()
 		for s := start; s < start+batch; s++ {
-			p.Set(ctx, "qe{"+slotTag(uint16(s))+"}", value, 0)
+			p.Set(ctx, wire.SlotEpochKey(uint16(s)), value, 0)
 		}
 		if _, err := p.Exec(ctx); err != nil {
 			return fmt.Errorf("write epoch: %w", err)
@@ -85,7 +44,7 @@ func EpochMissing(ctx context.Context, c redis.UniversalClient) (bool, error) {
 // their data (a single Redis loses them all at once). The zero value is
 // empty.
 type Lost struct {
-	bits [numSlots / 64]uint64
+	bits [wire.NumSlots / 64]uint64
 	n    int
 }
 
@@ -94,11 +53,11 @@ func (l *Lost) Any() bool { return l.n > 0 }
 
 // All reports whether every slot is lost: nothing of quotaflow's state is
 // left (a single Redis that restarted empty).
-func (l *Lost) All() bool { return l.n == numSlots }
+func (l *Lost) All() bool { return l.n == wire.NumSlots }
 
 // Tenant reports whether the slot of tenant's keys (all of them: its users'
 // limits, its tenant-wide limits, its reservation records) is lost.
-func (l *Lost) Tenant(tenant string) bool { return l.has(crc16(esc(tenant)) % numSlots) }
+func (l *Lost) Tenant(tenant string) bool { return l.has(wire.TenantSlot(tenant)) }
 
 func (l *Lost) has(slot uint16) bool { return l.bits[slot/64]&(1<<(slot%64)) != 0 }
 
@@ -107,11 +66,11 @@ func (l *Lost) has(slot uint16) bool { return l.bits[slot/64]&(1<<(slot%64)) != 
 func LostSlots(ctx context.Context, c redis.UniversalClient) (Lost, error) {
 	var lost Lost
 	const batch = 1024
-	for start := 0; start < numSlots; start += batch {
+	for start := 0; start < wire.NumSlots; start += batch {
 		p := c.Pipeline()
 		cmds := make([]*redis.IntCmd, 0, batch)
 		for s := start; s < start+batch; s++ {
-			cmds = append(cmds, p.Exists(ctx, "qe{"+slotTag(uint16(s))+"}"))
+			cmds = append(cmds, p.Exists(ctx, wire.SlotEpochKey(uint16(s))))
 		}
 		if _, err := p.Exec(ctx); err != nil {
 			return Lost{}, fmt.Errorf("read epoch: %w", err)
@@ -138,12 +97,11 @@ func ClearLost(ctx context.Context, c redis.UniversalClient, lost *Lost) error {
 		return nil
 	}
 	clear := func(ctx context.Context, n redis.Cmdable) error {
-		it := n.Scan(ctx, 0, "q{*", 1000).Iterator()
+		it := n.Scan(ctx, 0, wire.StateKeyPattern, 1000).Iterator()
 		var doomed []string
 		for it.Next(ctx) {
 			key := it.Val()
-			end := strings.IndexByte(key, '}')
-			if end < 0 || !lost.has(crc16(key[2:end])%numSlots) {
+			if slot, ok := wire.SlotOfKey(key); !ok || !lost.has(slot) {
 				continue
 			}
 			doomed = append(doomed, key)
@@ -158,32 +116,8 @@ func ClearLost(ctx context.Context, c redis.UniversalClient, lost *Lost) error {
 		}
 		return nil
 	}
-	if err := eachNode(ctx, c, clear); err != nil {
+	if err := script.EachNode(ctx, c, clear); err != nil {
 		return fmt.Errorf("clear lost slots: %w", err)
 	}
 	return nil
 }
-
-// crc16 is the CRC16-CCITT (XMODEM) that Redis Cluster hashes keys with.
-func crc16(s string) uint16 {
-	var crc uint16
-	for i := 0; i < len(s); i++ {
-		crc = crc<<8 ^ crcTable[byte(crc>>8)^s[i]]
-	}
-	return crc
-}
-
-var crcTable = func() (t [256]uint16) {
-	for i := range t {
-		c := uint16(i) << 8
-		for range 8 {
-			if c&0x8000 != 0 {
-				c = c<<1 ^ 0x1021
-			} else {
-				c <<= 1
-			}
-		}
-		t[i] = c
-	}
-	return t
-}()

@@ -5,8 +5,8 @@
 -- KEYS   shared: epoch, blob; subject: epoch, reservation record, subject
 --        blob, tenant blob, then one sorted set per concurrency limit
 --        (lib.lua). The epoch key of the slot is missing when Redis lost its
---        data (epoch.go).
--- ARGV   1 packed in Go (limiter.go reserveArg), one argument where eight
+--        data (wire/keys.go).
+-- ARGV   1 packed in Go (wire/protocol.go), one argument where eight
 --        cost 7k instructions more: '<i6i6BBBi6' clock offset ms (0
 --        outside tests), cost in weighted tokens (a requests limit charges
 --        1), mode (0 reserve, 1 peek, 2 reserve a request id that must be

@@ -1,16 +1,50 @@
-package limits
+// Package script runs the limits engine's Lua in Redis: the sources under
+// lua/, assembled into one function library and, for servers without
+// functions, into plain scripts; and a Runner that sends calls (built by
+// package wire) to them, pipelined.
+package script
 
 import (
 	"context"
 	"crypto/sha1"
+	_ "embed"
 	"encoding/hex"
-	"fmt"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
 )
 
-// Client is what a Limiter needs from go-redis: scripts, and Redis
+//go:embed lua/lib.lua
+var luaLib string
+
+//go:embed lua/reserve.lua
+var luaReserve string
+
+//go:embed lua/settle.lua
+var luaSettle string
+
+//go:embed lua/charge.lua
+var luaCharge string
+
+//go:embed lua/lease.lua
+var luaLease string
+
+//go:embed lua/topup.lua
+var luaTopUp string
+
+//go:embed lua/admitted.lua
+var luaAdmitted string
+
+//go:embed lua/void.lua
+var luaVoid string
+
+//go:embed lua/restore.lua
+var luaRestore string
+
+//go:embed lua/windows.lua
+var luaWindows string
+
+// Client is what a Runner needs from go-redis: scripts, and Redis
 // functions where the server has them. *redis.Client (single node or
 // Sentinel failover), *redis.ClusterClient and *redis.Ring satisfy it.
 type Client interface {
@@ -19,7 +53,7 @@ type Client interface {
 	FunctionLoad(ctx context.Context, code string) *redis.StringCmd
 }
 
-// entry is one entry point of the Lua engine (lib.lua followed by the
+// Entry is one entry point of the Lua engine (lib.lua followed by the
 // entry's code).
 //
 // On Redis 7 and later the entries run as functions of one library: Redis
@@ -32,7 +66,7 @@ type Client interface {
 // The library's name and its functions' names carry a hash of its code, so
 // instances of different releases, each calling the code it was built with,
 // share a Redis during a rolling upgrade.
-type entry struct {
+type Entry struct {
 	fn     string        // the function's name in the library; "" runs only as a script
 	script *redis.Script // the same code as a script
 }
@@ -48,21 +82,29 @@ var engine = newLibrary([][2]string{
 	{"restore", luaRestore},
 })
 
-// The entries of the engine.
+// The entries of the engine (wire builds their calls).
 var (
-	reserveEntry = engine.entries["reserve"]
-	settleEntry  = engine.entries["settle"]
-	chargeEntry  = engine.entries["charge"]
-	leaseEntry   = engine.entries["lease"]
-	topUpEntry   = engine.entries["topup"]
-	voidEntry    = engine.entries["void"]
-	restoreEntry = engine.entries["restore"]
+	Reserve = engine.entries["reserve"]
+	Settle  = engine.entries["settle"]
+	Charge  = engine.entries["charge"]
+	Lease   = engine.entries["lease"]
+	TopUp   = engine.entries["topup"]
+	Void    = engine.entries["void"]
+	Restore = engine.entries["restore"]
+)
+
+// Entries that need none of lib.lua run as scripts only: the library
+// spares the rebuild of lib.lua's state on every call, which they do not
+// make.
+var (
+	Windows  = &Entry{script: redis.NewScript(luaWindows)}
+	Admitted = &Entry{script: redis.NewScript(luaAdmitted)}
 )
 
 // library is the engine's code as one Redis function library.
 type library struct {
 	code    string
-	entries map[string]*entry
+	entries map[string]*Entry
 }
 
 // newLibrary builds the library of the given entries (name, entry code).
@@ -81,10 +123,10 @@ func newLibrary(codes [][2]string) *library {
 	body.WriteString("}\nend\n")
 	sum := sha1.Sum([]byte(body.String()))
 	prefix := "qf" + hex.EncodeToString(sum[:6])
-	lib := &library{entries: make(map[string]*entry, len(codes))}
+	lib := &library{entries: make(map[string]*Entry, len(codes))}
 	for _, c := range codes {
 		fn := prefix + "_" + c[0]
-		lib.entries[c[0]] = &entry{fn: fn, script: redis.NewScript(luaLib + c[1])}
+		lib.entries[c[0]] = &Entry{fn: fn, script: redis.NewScript(luaLib + c[1])}
 		body.WriteString("redis.register_function('" + fn + "', function(k, a)\n" +
 			"  KEYS, ARGV = k, a\n  run = run or init()\n  return run." + c[0] + "()\nend)\n")
 	}
@@ -119,56 +161,4 @@ func loadLibrary(ctx context.Context, c functionLoader) error {
 		return nil
 	}
 	return err
-}
-
-// loadEngine loads the library on every node that may serve the engine: all
-// masters of a Cluster, all shards of a Ring, else the one server.
-// Replicas receive it from their masters. seen is the count of loads the
-// caller read before its call missed the library: when a load has finished
-// since, as when many calls miss it at once after a restart, the library is
-// there and only the first of them loads it.
-func (l *Limiter) loadEngine(ctx context.Context, seen uint64) error {
-	l.loading.Lock()
-	defer l.loading.Unlock()
-	if l.loads.Load() != seen {
-		return nil
-	}
-	err := eachNode(ctx, l.rdb, func(ctx context.Context, n redis.Cmdable) error { return loadLibrary(ctx, n) })
-	if err != nil {
-		return fmt.Errorf("load the limits engine into redis: %w", err)
-	}
-	l.loads.Add(1)
-	return nil
-}
-
-// eachNode runs f on every node that holds state of c: each master of a
-// Cluster, each shard of a Ring, else c itself (replicas follow their
-// masters).
-func eachNode(ctx context.Context, c any, f func(context.Context, redis.Cmdable) error) error {
-	each := func(ctx context.Context, n *redis.Client) error { return f(ctx, n) }
-	switch c := c.(type) {
-	case *redis.ClusterClient:
-		return c.ForEachMaster(ctx, each)
-	case *redis.Ring:
-		return c.ForEachShard(ctx, each)
-	case redis.Cmdable:
-		return f(ctx, c)
-	}
-	return fmt.Errorf("%T is no Redis client", c)
-}
-
-// usesFunctions reports whether calls of e go out as FCALL.
-func (l *Limiter) usesFunctions(e *entry) bool {
-	return e.fn != "" && !l.scriptsOnly.Load()
-}
-
-// loadTries is how often a call that misses the library loads it and tries
-// again. Twice: the first load may be skipped because another call's load
-// finished meanwhile, and that load may have reached another node (a
-// failover in between); the second one then loads.
-const loadTries = 2
-
-// run calls entry e once, as runAll does.
-func (l *Limiter) run(ctx context.Context, e *entry, keys []string, args ...any) *redis.Cmd {
-	return l.runAll(ctx, e, []call{{keys: keys, args: args}})[0]
 }

@@ -1,4 +1,4 @@
-package limits
+package repair_test
 
 import (
 	"context"
@@ -10,7 +10,11 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 )
 
 // TestWindows: what Windows decodes from the blobs agrees with what the
@@ -18,28 +22,28 @@ import (
 func TestWindows(t *testing.T) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
-	tenant := newTenant(t)
-	rules := []Rule{
-		rule(ScopeTenant, Limit{Name: "t1m", Kind: Rolling, Limit: 1e6, Window: Duration(time.Minute), Buckets: 6}),
-		rule(ScopeUser, Limit{Name: "1m", Kind: Rolling, Limit: 1e6, Window: Duration(time.Minute), Buckets: 6}),
-		rule(ScopeUser, Limit{Name: "1h", Kind: Fixed, Limit: 1e6, Window: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "month", Kind: CalendarMonth, Limit: 1e6}),
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t1m", Kind: policy.Rolling, Limit: 1e6, Window: policy.Duration(time.Minute), Buckets: 6}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1m", Kind: policy.Rolling, Limit: 1e6, Window: policy.Duration(time.Minute), Buckets: 6}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Fixed, Limit: 1e6, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1e6}),
 	}
-	l := at(c, 0)
-	d := reserve(t, l, tenant, "u:{x}%", "r1", 100, rules)
+	l, tools := limitstest.At(c, 0), limitstest.RepairAt(c, 0)
+	d := limitstest.Reserve(t, l, tenant, "u:{x}%", "r1", 100, rules)
 	now := d.Now
 	// Charges 25 s and 50 s back: the rolling windows hold them in older
 	// buckets; the fixed and calendar windows only if still current.
 	for _, back := range []time.Duration{25 * time.Second, 50 * time.Second} {
-		if _, err := l.Charge(ctx, ChargeRequest{Tenant: tenant, User: "u:{x}%", Rules: rules, Amount: 7, At: now.Add(-back)}); err != nil {
+		if _, err := tools.Charge(ctx, repair.ChargeRequest{Tenant: tenant, User: "u:{x}%", Rules: rules, Amount: 7, At: now.Add(-back)}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	got, ws, err := l.Windows(ctx, tenant, "u:{x}%", rules)
+	got, ws, err := tools.Windows(ctx, tenant, "u:{x}%", rules)
 	if err != nil {
 		t.Fatalf("Windows = %v", err)
 	}
-	p := peek(t, l, tenant, "u:{x}%", rules)
+	p := limitstest.Peek(t, l, tenant, "u:{x}%", rules)
 	for i, w := range ws {
 		if w.Used() != p.States[i].Used {
 			t.Errorf("%s: Windows used %d, Peek %d", rules[i].Name, w.Used(), p.States[i].Used)
@@ -50,16 +54,16 @@ func TestWindows(t *testing.T) {
 	}
 	for _, i := range []int{0, 1} {
 		w := ws[i]
-		if len(w.Buckets) != 6 || w.Buckets[5].N != BucketOf(&rules[i], got) {
+		if len(w.Buckets) != 6 || w.Buckets[5].N != repair.BucketOf(&rules[i], got) {
 			t.Fatalf("%s: buckets %+v, want 6 ending at the current one", rules[i].Name, w.Buckets)
 		}
 		for _, at := range []time.Time{now, now.Add(-25 * time.Second), now.Add(-50 * time.Second)} {
-			n := BucketOf(&rules[i], at)
-			k := slices.IndexFunc(w.Buckets, func(b Bucket) bool { return b.N == n })
+			n := repair.BucketOf(&rules[i], at)
+			k := slices.IndexFunc(w.Buckets, func(b repair.Bucket) bool { return b.N == n })
 			if k < 0 || w.Buckets[k].Used == 0 {
 				t.Errorf("%s: bucket %d of %v empty or missing in %+v", rules[i].Name, n, at, w.Buckets)
 			}
-			if s := BucketStart(&rules[i], n); BucketOf(&rules[i], s) != n || at.Sub(s) >= 10*time.Second || at.Before(s) {
+			if s := repair.BucketStart(&rules[i], n); repair.BucketOf(&rules[i], s) != n || at.Sub(s) >= 10*time.Second || at.Before(s) {
 				t.Errorf("BucketStart(%d) = %v, not the start of the bucket of %v", n, s, at)
 			}
 		}
@@ -69,11 +73,11 @@ func TestWindows(t *testing.T) {
 	}
 
 	// Two minutes later the rolling windows are empty.
-	_, ws, err = at(c, 2*time.Minute).Windows(ctx, tenant, "u:{x}%", rules)
+	_, ws, err = limitstest.RepairAt(c, 2*time.Minute).Windows(ctx, tenant, "u:{x}%", rules)
 	if err != nil || ws[0].Used() != 0 || ws[1].Used() != 0 {
 		t.Errorf("Windows 2 min later = %+v, %v; want empty rolling windows", ws, err)
 	}
-	if _, _, err := l.Windows(ctx, tenant, "u", []Rule{rule(ScopeUser, Limit{Name: "b", Kind: Balance})}); err == nil {
+	if _, _, err := tools.Windows(ctx, tenant, "u", []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "b", Kind: policy.Balance})}); err == nil {
 		t.Error("Windows of a balance = nil error, want ErrInvalid")
 	}
 }
@@ -84,29 +88,29 @@ func TestWindows(t *testing.T) {
 func TestWindowsMany(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		client func(*testing.T) (redis.UniversalClient, *calls)
+		client func(*testing.T) (redis.UniversalClient, *limitstest.Calls)
 	}{
-		{"redis", func(t *testing.T) (redis.UniversalClient, *calls) { return countedShared(t) }},
-		{"cluster", func(t *testing.T) (redis.UniversalClient, *calls) { return redistest.Cluster(t), nil }},
+		{"redis", func(t *testing.T) (redis.UniversalClient, *limitstest.Calls) { return limitstest.CountedShared(t) }},
+		{"cluster", func(t *testing.T) (redis.UniversalClient, *limitstest.Calls) { return redistest.Cluster(t), nil }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, rt := tc.client(t)
 			ctx := context.Background()
-			l := at(c, 0)
-			rules := []Rule{
-				rule(ScopeTenant, Limit{Name: "t1m", Kind: Rolling, Limit: 1e9, Window: Duration(time.Minute), Buckets: 6}),
-				rule(ScopeUser, Limit{Name: "1h", Kind: Fixed, Limit: 1e9, Window: Duration(time.Hour)}),
+			l := limitstest.RepairAt(c, 0)
+			rules := []policy.Rule{
+				limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t1m", Kind: policy.Rolling, Limit: 1e9, Window: policy.Duration(time.Minute), Buckets: 6}),
+				limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Fixed, Limit: 1e9, Window: policy.Duration(time.Hour)}),
 			}
 			// 40 subjects of 8 tenants, user i charged 1+i, so a result read
 			// for the wrong subject shows; an invalid request among them.
 			const users, tenants = 40, 8
-			base := newTenant(t)
-			var reqs []WindowsRequest
-			var charges []ChargeRequest
+			base := redistest.UniqueName(t)
+			var reqs []repair.WindowsRequest
+			var charges []repair.ChargeRequest
 			for i := range users {
-				r := WindowsRequest{Tenant: fmt.Sprintf("%s-%d", base, i%tenants), User: fmt.Sprintf("u%d", i), Rules: slices.Clone(rules)}
+				r := repair.WindowsRequest{Tenant: fmt.Sprintf("%s-%d", base, i%tenants), User: fmt.Sprintf("u%d", i), Rules: slices.Clone(rules)}
 				reqs = append(reqs, r)
-				charges = append(charges, ChargeRequest{Tenant: r.Tenant, User: r.User, Rules: rules, Amount: int64(1 + i)})
+				charges = append(charges, repair.ChargeRequest{Tenant: r.Tenant, User: r.User, Rules: rules, Amount: int64(1 + i)})
 			}
 			for i, r := range l.ChargeMany(ctx, charges) {
 				if r.Err != nil {
@@ -114,7 +118,7 @@ func TestWindowsMany(t *testing.T) {
 				}
 			}
 			const invalid = 3
-			reqs = slices.Insert(reqs, invalid, WindowsRequest{Tenant: base, User: "", Rules: rules})
+			reqs = slices.Insert(reqs, invalid, repair.WindowsRequest{Tenant: base, User: "", Rules: rules})
 			if rt != nil {
 				// With the script cached (a fresh node answers NOSCRIPT first).
 				if _, _, err := l.Windows(ctx, base, "u", rules); err != nil {
@@ -129,7 +133,7 @@ func TestWindowsMany(t *testing.T) {
 			if len(got) != len(reqs) {
 				t.Fatalf("WindowsMany returned %d results for %d requests", len(got), len(reqs))
 			}
-			if !errors.Is(got[invalid].Err, ErrInvalid) {
+			if !errors.Is(got[invalid].Err, limits.ErrInvalid) {
 				t.Errorf("result %d (no user) error = %v, want ErrInvalid", invalid, got[invalid].Err)
 			}
 			got, reqs = slices.Delete(got, invalid, invalid+1), slices.Delete(reqs, invalid, invalid+1)
@@ -160,14 +164,14 @@ func TestWindowsMany(t *testing.T) {
 }
 
 func TestBucketStartOfMonths(t *testing.T) {
-	r := rule(ScopeUser, Limit{Name: "m", Kind: CalendarMonth, Limit: 1})
+	r := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "m", Kind: policy.CalendarMonth, Limit: 1})
 	for _, at := range []time.Time{
 		time.Date(2026, 12, 31, 23, 59, 59, 0, time.UTC),
 		time.Date(2027, 1, 1, 0, 0, 0, 0, time.UTC),
 		time.Date(2024, 2, 29, 12, 0, 0, 0, time.UTC),
 	} {
 		want := time.Date(at.Year(), at.Month(), 1, 0, 0, 0, 0, time.UTC)
-		if got := BucketStart(&r, BucketOf(&r, at)); !got.Equal(want) {
+		if got := repair.BucketStart(&r, repair.BucketOf(&r, at)); !got.Equal(want) {
 			t.Errorf("BucketStart(BucketOf(%v)) = %v, want %v", at, got, want)
 		}
 	}
@@ -178,20 +182,20 @@ func TestBucketStartOfMonths(t *testing.T) {
 func TestScanSubjects(t *testing.T) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
-	tenant := newTenant(t) + "%{t}:"
-	l := at(c, 0)
-	rules := []Rule{
-		rule(ScopeTenant, Limit{Name: "t", Kind: Fixed, Limit: 1e6, Window: Duration(time.Hour)}),
-		rule(ScopeUser, Limit{Name: "u", Kind: Fixed, Limit: 1e6, Window: Duration(time.Hour)}),
+	tenant := redistest.UniqueName(t) + "%{t}:"
+	l := limitstest.At(c, 0)
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t", Kind: policy.Fixed, Limit: 1e6, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "u", Kind: policy.Fixed, Limit: 1e6, Window: policy.Duration(time.Hour)}),
 	}
 	for _, u := range []string{"a", "%25", "b:{c}"} {
-		reserve(t, l, tenant, u, "r", 1, rules)
+		limitstest.Reserve(t, l, tenant, u, "r", 1, rules)
 	}
-	if _, err := l.ReserveShared(ctx, ScopeGlobal, tenant, 1, rules[:1]); err != nil {
+	if _, err := l.ReserveShared(ctx, policy.ScopeGlobal, tenant, 1, rules[:1]); err != nil {
 		t.Fatal(err)
 	}
 	var got []string
-	if err := ScanSubjects(ctx, c, func(ten, user string) {
+	if err := repair.ScanSubjects(ctx, c, func(ten, user string) {
 		if ten == tenant {
 			got = append(got, user)
 		}

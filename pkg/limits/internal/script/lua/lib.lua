@@ -442,7 +442,7 @@ end
 -- Reservation record (KEYS[2] of a subject call), '<i6i6BI6I6': time ms,
 -- estimate, state, fingerprint (of the request: endpoint, plan, model,
 -- cost), nonce (of the Reserve call that wrote it), then a tail that
--- limiter.go builds: I2 count m, the m packed specs of the limits the
+-- wire/protocol.go builds: I2 count m, the m packed specs of the limits the
 -- reserve charged, then for each concurrency limit among them its sorted
 -- set's key (I2 length, bytes), so that settling it touches exactly what
 -- the reserve took, whatever the policy says by then (a settlement touches

@@ -1,4 +1,4 @@
-package limits
+package service
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"quotaflow/internal/e2e"
+	"quotaflow/pkg/limits/policy"
 )
 
 const (
@@ -39,7 +40,7 @@ func replaceFile(t *testing.T, path, content string) {
 	}
 }
 
-// reloads records what a Watcher's hook saw.
+// reloads records what a PolicyWatcher's hook saw.
 type reloads struct {
 	mu    sync.Mutex
 	calls []error // nil for a success
@@ -48,7 +49,7 @@ type reloads struct {
 
 func newReloads() *reloads { return &reloads{ch: make(chan error, 100)} }
 
-func (r *reloads) hook(p *Policy, err error) {
+func (r *reloads) hook(p *policy.Policy, err error) {
 	r.mu.Lock()
 	r.calls = append(r.calls, err)
 	r.mu.Unlock()
@@ -74,7 +75,7 @@ func (r *reloads) next(t *testing.T) error {
 }
 
 // runWatcher runs w until the test ends and checks that Run returns nil.
-func runWatcher(t *testing.T, w *Watcher) {
+func runWatcher(t *testing.T, w *PolicyWatcher) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- w.Run(ctx) }()
@@ -91,9 +92,9 @@ func TestReloadKeepsLastGoodPolicy(t *testing.T) {
 	path := filepath.Join(dir, "policy.yaml")
 	writeFile(t, path, goodV1)
 	rec := newReloads()
-	w, err := NewWatcher(path, nil, WithReloadHook(rec.hook))
+	w, err := NewPolicyWatcher(path, nil, WithPolicyReloadHook(rec.hook))
 	if err != nil {
-		t.Fatalf("NewWatcher() error = %v", err)
+		t.Fatalf("NewPolicyWatcher() error = %v", err)
 	}
 	first := w.Current()
 
@@ -145,9 +146,9 @@ func TestReloadOnFileChange(t *testing.T) {
 	rec := newReloads()
 	var logs e2e.Buffer
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
-	w, err := NewWatcher(path, log, WithReloadHook(rec.hook), WithReloadDebounce(20*time.Millisecond))
+	w, err := NewPolicyWatcher(path, log, WithPolicyReloadHook(rec.hook), WithPolicyReloadDebounce(20*time.Millisecond))
 	if err != nil {
-		t.Fatalf("NewWatcher() error = %v", err)
+		t.Fatalf("NewPolicyWatcher() error = %v", err)
 	}
 	runWatcher(t, w)
 
@@ -200,9 +201,9 @@ func TestReloadConfigMapSymlinkSwap(t *testing.T) {
 	if err := os.Symlink(filepath.Join("..data", "policy.yaml"), path); err != nil {
 		t.Fatal(err)
 	}
-	w, err := NewWatcher(path, nil, WithReloadDebounce(20*time.Millisecond))
+	w, err := NewPolicyWatcher(path, nil, WithPolicyReloadDebounce(20*time.Millisecond))
 	if err != nil {
-		t.Fatalf("NewWatcher() error = %v", err)
+		t.Fatalf("NewPolicyWatcher() error = %v", err)
 	}
 	runWatcher(t, w)
 
@@ -223,11 +224,11 @@ func TestReloadNewWatcherRejectsBadFile(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "policy.yaml")
 	writeFile(t, path, broken)
-	if _, err := NewWatcher(path, nil); err == nil || !strings.Contains(err.Error(), "plans.free.quotas[0].window: must be positive") {
-		t.Errorf("NewWatcher(broken) error = %v, want the window error", err)
+	if _, err := NewPolicyWatcher(path, nil); err == nil || !strings.Contains(err.Error(), "plans.free.quotas[0].window: must be positive") {
+		t.Errorf("NewPolicyWatcher(broken) error = %v, want the window error", err)
 	}
-	if _, err := NewWatcher(filepath.Join(dir, "missing.yaml"), nil); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("NewWatcher(missing) error = %v, want os.ErrNotExist", err)
+	if _, err := NewPolicyWatcher(filepath.Join(dir, "missing.yaml"), nil); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("NewPolicyWatcher(missing) error = %v, want os.ErrNotExist", err)
 	}
 }
 
@@ -235,7 +236,7 @@ func TestReloadRunStopsWithContext(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "policy.yaml")
 	writeFile(t, path, goodV1)
-	w, err := NewWatcher(path, nil)
+	w, err := NewPolicyWatcher(path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package limits
+package policy
 
 import (
 	"errors"
@@ -147,9 +147,9 @@ func TestParseValidationErrors(t *testing.T) {
 				t.Errorf("Parse(%q) error =\n%v\nwant\n%v", tt.src, got, tt.want)
 			}
 			if err != nil {
-				var pe *PolicyError
+				var pe *Error
 				if !errors.As(err, &pe) {
-					t.Errorf("Parse(%q) error %v holds no *PolicyError", tt.src, err)
+					t.Errorf("Parse(%q) error %v holds no *Error", tt.src, err)
 				}
 			}
 		})

@@ -1,4 +1,4 @@
-package limits
+package policy
 
 import (
 	"bytes"
@@ -16,7 +16,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"quotaflow/internal/yamldoc"
+	"quotaflow/pkg/yamldoc"
 )
 
 // MaxPolicySize is the largest policy Parse and LoadFile accept, in bytes
@@ -27,7 +27,7 @@ const MaxPolicySize = 1 << 20
 // LoadFile reads and parses the policy file at path; see Parse. Errors name
 // the file.
 func LoadFile(path string) (*Policy, error) {
-	data, err := readPolicyFile(path)
+	data, err := ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
@@ -38,9 +38,11 @@ func LoadFile(path string) (*Policy, error) {
 	return p, nil
 }
 
-// readPolicyFile reads a policy file, at most one byte past MaxPolicySize so
-// that Parse can tell it is too large.
-func readPolicyFile(path string) ([]byte, error) {
+// ReadFile reads a policy file, at most one byte past MaxPolicySize so that
+// Parse can tell it is too large. LoadFile is ReadFile, then Parse; a
+// reloader that skips content it has seen reads with it and compares
+// DigestOf.
+func ReadFile(path string) ([]byte, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("load policy: %w", err)
@@ -53,7 +55,8 @@ func readPolicyFile(path string) ([]byte, error) {
 	return data, nil
 }
 
-func digestOf(data []byte) string {
+// DigestOf is the Digest of a Policy parsed from data.
+func DigestOf(data []byte) string {
 	sum := sha256.Sum256(data)
 	return hex.EncodeToString(sum[:])
 }
@@ -67,7 +70,7 @@ func digestOf(data []byte) string {
 // burst, buckets), durations that are not Go duration strings ("5h",
 // "168h", "1s"; a bare 0 is allowed), more than one YAML document and input
 // over MaxPolicySize. Problems of shape and every rule of Validate come back
-// together, as *PolicyError values joined with errors.Join in the order of
+// together, as *Error values joined with errors.Join in the order of
 // the file's sections and sorted keys, so one run shows every mistake; YAML
 // syntax errors come alone with their line.
 func Parse(data []byte) (*Policy, error) {
@@ -98,7 +101,7 @@ func Parse(data []byte) (*Policy, error) {
 		return nil, err
 	}
 	p.normalize()
-	p.idx = buildIndex(&p, digestOf(data))
+	p.idx = buildIndex(&p, DigestOf(data))
 	return &p, nil
 }
 
@@ -181,7 +184,7 @@ type schemaWalker struct {
 }
 
 func (w *schemaWalker) add(path, format string, args ...any) {
-	w.errs = append(w.errs, &PolicyError{Path: path, Problem: fmt.Sprintf(format, args...)})
+	w.errs = append(w.errs, &Error{Path: path, Problem: fmt.Sprintf(format, args...)})
 }
 
 var durationType = reflect.TypeFor[Duration]()

@@ -1,4 +1,4 @@
-package limits
+package policy
 
 import (
 	"errors"
@@ -483,7 +483,7 @@ models:
 }
 
 func TestPolicyDeployFile(t *testing.T) {
-	p, err := LoadFile("../../deploy/policy.yaml")
+	p, err := LoadFile("../../../deploy/policy.yaml")
 	if err != nil {
 		t.Fatalf("LoadFile(deploy/policy.yaml) error = %v", err)
 	}

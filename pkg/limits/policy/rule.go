@@ -1,4 +1,4 @@
-package limits
+package policy
 
 // Rule is a Limit bound to the place its counter lives: its scope and, for
 // endpoint limits, the endpoint. The engine takes Rules; Policy.Resolve

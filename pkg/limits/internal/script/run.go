@@ -1,0 +1,177 @@
+package script
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/limits/internal/wire"
+)
+
+// Runner sends calls of the engine's entries to Redis through one client.
+// It is safe for concurrent use; create it with NewRunner.
+type Runner struct {
+	c Client
+	// scriptsOnly is set once the server turned out not to serve functions.
+	scriptsOnly atomic.Bool
+	// loads counts the library's loads; loading serializes them, so calls
+	// that miss the library together load it once.
+	loads   atomic.Uint64
+	loading sync.Mutex
+}
+
+// NewRunner returns a Runner over c, which may be a single node, a
+// Sentinel failover client or a Redis Cluster client.
+func NewRunner(c Client) *Runner { return &Runner{c: c} }
+
+// Run calls entry e once, as RunAll does.
+func (r *Runner) Run(ctx context.Context, e *Entry, c *wire.Call) *redis.Cmd {
+	return r.RunAll(ctx, e, []wire.Call{*c})[0]
+}
+
+// pipeliner is what RunAll needs to pipeline.
+type pipeliner interface {
+	Pipeline() redis.Pipeliner
+}
+
+// RunAll runs entry e for every valid call and returns its command (nil
+// for the invalid ones): as FCALL while the server serves functions, and
+// again, after loading the library, for the ones a node answered that it
+// lacks it; else as EVALSHA, and again as EVAL for the ones a node answered
+// NOSCRIPT. Several calls go out in one pipeline per attempt when the
+// client pipelines, a lone call as a plain command. A node misses the
+// library or the script for all the calls it gets, so retried calls keep
+// their order among themselves.
+func (r *Runner) RunAll(ctx context.Context, e *Entry, calls []wire.Call) []*redis.Cmd {
+	cmds := make([]*redis.Cmd, len(calls))
+	p, pipelines := r.c.(pipeliner)
+	const (
+		fcall = iota
+		evalsha
+		eval
+	)
+	send := func(how int, which []int) {
+		var to Client = r.c
+		var pipe redis.Pipeliner
+		if pipelines && len(which) > 1 {
+			pipe = p.Pipeline()
+			to = pipe
+		}
+		for _, i := range which {
+			c := &calls[i]
+			switch how {
+			case fcall:
+				cmds[i] = to.FCall(ctx, e.fn, c.Keys, c.Args...)
+			case evalsha:
+				cmds[i] = e.script.EvalSha(ctx, to, c.Keys, c.Args...)
+			default:
+				cmds[i] = e.script.Eval(ctx, to, c.Keys, c.Args...)
+			}
+		}
+		if pipe != nil {
+			_, _ = pipe.Exec(ctx) // each command holds its own error
+		}
+	}
+	// failed returns the calls of which whose command failed as match says.
+	failed := func(which []int, match func(error) bool) []int {
+		var out []int
+		for _, i := range which {
+			if match(cmds[i].Err()) {
+				out = append(out, i)
+			}
+		}
+		return out
+	}
+	valid := make([]int, 0, len(calls))
+	for i := range calls {
+		if calls[i].Err == nil {
+			valid = append(valid, i)
+		}
+	}
+	if len(valid) == 0 {
+		return cmds
+	}
+	if r.usesFunctions(e) {
+		seen := r.loads.Load()
+		send(fcall, valid)
+		missing := failed(valid, isNoFunction)
+		for try := 0; len(missing) > 0 && try < loadTries; try++ {
+			if err := r.loadEngine(ctx, seen); err != nil {
+				for _, i := range missing {
+					cmds[i].SetErr(err)
+				}
+				break
+			}
+			seen = r.loads.Load()
+			send(fcall, missing)
+			missing = failed(missing, isNoFunction)
+		}
+		valid = failed(valid, functionsUnavailable)
+		if len(valid) == 0 {
+			return cmds
+		}
+		r.scriptsOnly.Store(true)
+	}
+	send(evalsha, valid)
+	if missing := failed(valid, isNoScript); len(missing) > 0 {
+		send(eval, missing)
+	}
+	return cmds
+}
+
+// isNoScript reports whether err says the node has not cached the script,
+// in either form go-redis hands it over.
+func isNoScript(err error) bool {
+	return err != nil && (errors.Is(err, redis.ErrNoScript) || redis.HasErrorPrefix(err, "NOSCRIPT"))
+}
+
+// usesFunctions reports whether calls of e go out as FCALL.
+func (r *Runner) usesFunctions(e *Entry) bool {
+	return e.fn != "" && !r.scriptsOnly.Load()
+}
+
+// loadTries is how often a call that misses the library loads it and tries
+// again. Twice: the first load may be skipped because another call's load
+// finished meanwhile, and that load may have reached another node (a
+// failover in between); the second one then loads.
+const loadTries = 2
+
+// loadEngine loads the library on every node that may serve the engine: all
+// masters of a Cluster, all shards of a Ring, else the one server.
+// Replicas receive it from their masters. seen is the count of loads the
+// caller read before its call missed the library: when a load has finished
+// since, as when many calls miss it at once after a restart, the library is
+// there and only the first of them loads it.
+func (r *Runner) loadEngine(ctx context.Context, seen uint64) error {
+	r.loading.Lock()
+	defer r.loading.Unlock()
+	if r.loads.Load() != seen {
+		return nil
+	}
+	err := EachNode(ctx, r.c, func(ctx context.Context, n redis.Cmdable) error { return loadLibrary(ctx, n) })
+	if err != nil {
+		return fmt.Errorf("load the limits engine into redis: %w", err)
+	}
+	r.loads.Add(1)
+	return nil
+}
+
+// EachNode runs f on every node that holds state of c: each master of a
+// Cluster, each shard of a Ring, else c itself (replicas follow their
+// masters).
+func EachNode(ctx context.Context, c any, f func(context.Context, redis.Cmdable) error) error {
+	each := func(ctx context.Context, n *redis.Client) error { return f(ctx, n) }
+	switch c := c.(type) {
+	case *redis.ClusterClient:
+		return c.ForEachMaster(ctx, each)
+	case *redis.Ring:
+		return c.ForEachShard(ctx, each)
+	case redis.Cmdable:
+		return f(ctx, c)
+	}
+	return fmt.Errorf("%T is no Redis client", c)
+}

@@ -1,0 +1,44 @@
+package script
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits/internal/wire"
+	"quotaflow/pkg/limits/policy"
+)
+
+// bumpOnFCall makes the first FCALL look as if another call's load had
+// finished just before it: the load counter moves, the server still lacks
+// the library (as after a failover to an empty replica).
+type bumpOnFCall struct {
+	redistest.RoundTrips
+	r    *Runner
+	once sync.Once
+}
+
+func (b *bumpOnFCall) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "fcall" {
+			b.once.Do(func() { b.r.loads.Add(1) })
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func TestACallMissingTheLibraryAfterAnotherLoadLoadsIt(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	r := NewRunner(c)
+	c.AddHook(&bumpOnFCall{r: r})
+	rules := []policy.Rule{{Limit: policy.Limit{Name: "5h", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1000, Window: policy.Duration(5 * time.Hour)}, Scope: policy.ScopeUser}}
+	call := wire.NewParams(0, true, 0).ReserveCall("acme", "u", "r1", 1, wire.ModeReserve, 0, 0, rules)
+	if _, err := wire.DecodeReserve(r.Run(context.Background(), Reserve, &call), &call); err != nil {
+		t.Fatalf("reserve after a load that did not reach this server: %v", err)
+	}
+}

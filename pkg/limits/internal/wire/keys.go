@@ -1,0 +1,291 @@
+package wire
+
+import (
+	"strconv"
+	"strings"
+	"sync"
+
+	"quotaflow/pkg/limits/policy"
+)
+
+// Key layout. Every key starts with "q" and a Redis Cluster hash tag:
+//
+//	q{T}u:U       blob of user U's limits (plan limits, endpoint per-user
+//	              limits) and U's version, tenant T
+//	q{T}t         blob of tenant T's tenant-wide limits and its version
+//	q{T}r:U:R     reservation record of request R of user U
+//	q{T}z:U:L     sorted set of user U's concurrency limit L (q{T}Z:L for a
+//	              tenant-wide one)
+//	q{T}b:R       marker of the balance top-up with reference R
+//	q{%gE}        blob of endpoint E's global limits
+//	q{%iA}        blob of client IP A's limits
+//	qe{S}         epoch key of the cluster slot that tag S hashes to
+//
+// A blob holds the state of several limits, one record each, named by a
+// 48-bit hash of the limit's identity (RuleID); see protocol.go.
+//
+// Identifiers are escaped (Esc) so that no two different tenants, users,
+// endpoints or request ids ever produce the same key, whatever characters
+// they contain, and so that a tenant can never choose the tag of another
+// tenant or of a shared scope: escaped text holds no '{', '}' or ':', and its
+// '%' is always followed by two hex digits, so the "%g" and "%i" tags of the
+// shared scopes cannot be spelled by a tenant.
+
+// Esc percent-escapes the bytes that carry meaning in a key.
+func Esc(s string) string {
+	if !strings.ContainsAny(s, "%{}:") {
+		return s
+	}
+	var b strings.Builder
+	b.Grow(len(s) + 8)
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; c {
+		case '%':
+			b.WriteString("%25")
+		case '{':
+			b.WriteString("%7B")
+		case '}':
+			b.WriteString("%7D")
+		case ':':
+			b.WriteString("%3A")
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return b.String()
+}
+
+// unesc reverses Esc.
+func unesc(s string) string {
+	if !strings.Contains(s, "%") {
+		return s
+	}
+	r := strings.NewReplacer("%25", "%", "%7B", "{", "%7D", "}", "%3A", ":")
+	return r.Replace(s)
+}
+
+// SubjectKeys builds the keys of one (tenant, user).
+type SubjectKeys struct {
+	prefix string // q{T}
+	user   string // escaped user
+}
+
+// NewSubjectKeys returns the keys of (tenant, user).
+func NewSubjectKeys(tenant, user string) SubjectKeys {
+	return SubjectKeys{prefix: "q{" + Esc(tenant) + "}", user: Esc(user)}
+}
+
+// Tag returns the hash tag's content, which decides the cluster slot.
+func (k SubjectKeys) Tag() string { return k.prefix[2 : len(k.prefix)-1] }
+
+// Blob is the subject's blob.
+func (k SubjectKeys) Blob() string { return k.prefix + "u:" + k.user }
+
+// TenantBlob is the blob of the tenant's tenant-wide limits.
+func (k SubjectKeys) TenantBlob() string { return k.prefix + "t" }
+
+// Reservation is the reservation record of requestID.
+func (k SubjectKeys) Reservation(requestID string) string {
+	return k.prefix + "r:" + k.user + ":" + Esc(requestID)
+}
+
+// Concurrency returns the sorted set of a concurrency limit.
+func (k SubjectKeys) Concurrency(r *policy.Rule) string {
+	if r.Scope == policy.ScopeTenant {
+		return k.prefix + "Z:" + limitPath(r)
+	}
+	return k.prefix + "z:" + k.user + ":" + limitPath(r)
+}
+
+// TopUp is the marker of the top-up with reference.
+func (k SubjectKeys) TopUp(reference string) string {
+	return k.prefix + "b:" + Esc(reference)
+}
+
+// limitPath names a limit within its scope: endpoint limits carry their
+// endpoint, so they never share a counter with a plan limit of that name.
+func limitPath(r *policy.Rule) string {
+	if r.Endpoint != "" {
+		return "e:" + Esc(r.Endpoint) + ":" + Esc(r.Name)
+	}
+	return Esc(r.Name)
+}
+
+// SharedTag returns the hash tag content of a shared (global or IP) scope.
+// Each endpoint and each IP has its own tag, so a cluster spreads them.
+func SharedTag(scope policy.Scope, id string) string {
+	if scope == policy.ScopeIP {
+		return "%i" + Esc(id)
+	}
+	return "%g" + Esc(id)
+}
+
+// SharedBlob is the blob of the shared scope with tag.
+func SharedBlob(tag string) string { return "q{" + tag + "}" }
+
+// SubjectBlobPattern is the SCAN pattern of every subject and tenant blob
+// (and of a few other keys, which SubjectOf rejects).
+const SubjectBlobPattern = "q{*}[ut]*"
+
+// SubjectOf returns the tenant and user of a subject blob's key (user ""
+// for a tenant blob), and false for any other key.
+func SubjectOf(key string) (tenant, user string, ok bool) {
+	tag, rest, ok := tagOf(key)
+	if !ok || strings.HasPrefix(tag, "%g") || strings.HasPrefix(tag, "%i") {
+		return "", "", false // a shared scope's tag, which no escaped tenant spells
+	}
+	switch {
+	case rest == "t":
+	case strings.HasPrefix(rest, "u:") && len(rest) > 2:
+		user = unesc(rest[2:])
+	default:
+		return "", "", false
+	}
+	return unesc(tag), user, true
+}
+
+// StateKeyPattern is the SCAN pattern of every key that holds state of a
+// tenant or a shared scope (all but the epoch keys).
+const StateKeyPattern = "q{*"
+
+// SlotOfKey returns the cluster slot of a key that StateKeyPattern matches,
+// and false for a key without a tag.
+func SlotOfKey(key string) (uint16, bool) {
+	tag, _, ok := tagOf(key)
+	return Slot(tag), ok
+}
+
+// tagOf splits a key that opens with "q{" into its tag and the rest.
+// Escaped text holds no '}', so the tag ends at the first one.
+func tagOf(key string) (tag, rest string, ok bool) {
+	end := strings.IndexByte(key, '}')
+	if end < 0 {
+		return "", "", false
+	}
+	return key[2:end], key[end+1:], true
+}
+
+// The epoch marks a Redis as holding quotaflow's state. A script may only
+// touch keys of one cluster slot, and a cluster loses data one shard at a
+// time, so there is one epoch key per slot (16384 small keys, about 1 MiB):
+// the script of a tenant reads the epoch key of the tenant's slot, which
+// says exactly whether that shard still holds its state. A single Redis
+// node uses the same keys, so both run the same code.
+
+// NumSlots is the number of Redis Cluster hash slots.
+const NumSlots = 16384
+
+var (
+	slotTagsOnce sync.Once
+	slotTags     [NumSlots]string
+)
+
+// slotTag returns a short string whose hash slot is slot; the table is built
+// once by trying base-36 strings, which covers every slot within 4 characters.
+func slotTag(slot uint16) string {
+	slotTagsOnce.Do(func() {
+		left := NumSlots
+		for i := 0; left > 0; i++ {
+			s := strconv.FormatInt(int64(i), 36)
+			h := crc16(s) % NumSlots
+			if slotTags[h] == "" {
+				slotTags[h] = s
+				left--
+			}
+		}
+	})
+	return slotTags[slot]
+}
+
+// Slot is the cluster slot of hash tag content tag.
+func Slot(tag string) uint16 { return crc16(tag) % NumSlots }
+
+// TenantSlot is the cluster slot of every key of tenant.
+func TenantSlot(tenant string) uint16 { return Slot(Esc(tenant)) }
+
+// EpochKey returns the epoch key of the slot of hash tag content tag.
+func EpochKey(tag string) string { return SlotEpochKey(Slot(tag)) }
+
+// SlotEpochKey returns the epoch key of slot.
+func SlotEpochKey(slot uint16) string { return "qe{" + slotTag(slot) + "}" }
+
+// crc16 is the CRC16-CCITT (XMODEM) that Redis Cluster hashes keys with.
+func crc16(s string) uint16 {
+	var crc uint16
+	for i := 0; i < len(s); i++ {
+		crc = crc<<8 ^ crcTable[byte(crc>>8)^s[i]]
+	}
+	return crc
+}
+
+var crcTable = func() (t [256]uint16) {
+	for i := range t {
+		c := uint16(i) << 8
+		for range 8 {
+			if c&0x8000 != 0 {
+				c = c<<1 ^ 0x1021
+			} else {
+				c <<= 1
+			}
+		}
+		t[i] = c
+	}
+	return t
+}()
+
+// RuleID names a limit's record inside its blob: a 48-bit FNV-1a hash of
+// what identifies the limit and the layout of its state (scope, endpoint,
+// name, kind, window and buckets), but not of its size, so raising a limit
+// or moving a user to another plan with a limit of the same name keeps the
+// usage. 48 bits keep it exact in Lua's doubles; a blob holds a handful of
+// records, so a collision (odds about n^2/2^49) is not a practical concern.
+func RuleID(r *policy.Rule) int64 {
+	h := newHash48()
+	h.mix(string(r.Scope))
+	h.mix(r.Endpoint)
+	h.mix(r.Name)
+	h.mix(string(r.Kind))
+	if r.Kind == policy.Rolling || r.Kind == policy.Fixed || r.Kind == policy.SlidingLog {
+		h.mixInt(int64(r.Window))
+	}
+	if r.Kind == policy.Rolling {
+		h.mixInt(int64(Buckets(r)))
+	}
+	return h.sum()
+}
+
+// Fingerprint is limits.Fingerprint: a 48-bit hash of a request's
+// endpoint, plan, model and cost.
+func Fingerprint(endpoint, plan, model string, cost int64) int64 {
+	h := newHash48()
+	h.mix(endpoint)
+	h.mix(plan)
+	h.mix(model)
+	h.mixInt(cost)
+	return h.sum()
+}
+
+// hash48 is FNV-1a over separated fields, cut to 48 bits so that it stays
+// exact in Lua's doubles.
+type hash48 uint64
+
+func newHash48() hash48 { return 14695981039346656037 }
+
+func (h *hash48) mix(s string) {
+	v := uint64(*h)
+	for i := 0; i < len(s); i++ {
+		v ^= uint64(s[i])
+		v *= 1099511628211
+	}
+	v ^= 0xff // separator: ("ab","c") and ("a","bc") differ
+	*h = hash48(v * 1099511628211)
+}
+
+// mixInt mixes n as its decimal text, formatted on the stack: a Reserve
+// hashes every limit it checks.
+func (h *hash48) mixInt(n int64) {
+	var num [20]byte
+	h.mix(string(strconv.AppendInt(num[:0], n, 10)))
+}
+
+func (h hash48) sum() int64 { return int64(uint64(h) >> 16) }
