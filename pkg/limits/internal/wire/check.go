@@ -24,9 +24,9 @@ const MaxID = ident.MaxLen
 // the scripts saturate them here (lib.lua's MAXC).
 const MaxCost = 1_000_000_000_000
 
-// CheckID applies the identifier rule (package ident) to an argument, so
+// checkID applies the identifier rule (package ident) to an argument, so
 // that nothing a boundary missed reaches Redis keys, events or the ledger.
-func CheckID(field, v string, required bool) error {
+func checkID(field, v string, required bool) error {
 	if v == "" && required {
 		return fmt.Errorf("%w: %s: required", ErrInvalid, field)
 	}
@@ -36,8 +36,8 @@ func CheckID(field, v string, required bool) error {
 	return nil
 }
 
-// CheckCost checks a cost or amount: 0 to MaxCost.
-func CheckCost(field string, v int64) error {
+// checkCost checks a cost or amount: 0 to MaxCost.
+func checkCost(field string, v int64) error {
 	if v < 0 || v > MaxCost {
 		return fmt.Errorf("%w: %s: must be between 0 and %d", ErrInvalid, field, int64(MaxCost))
 	}
@@ -46,7 +46,7 @@ func CheckCost(field string, v int64) error {
 
 // checkSubject checks the tenant and user of a subject call.
 func checkSubject(tenant, user string) error {
-	return errors.Join(CheckID("tenant", tenant, true), CheckID("user", user, true))
+	return errors.Join(checkID("tenant", tenant, true), checkID("user", user, true))
 }
 
 // checkShared rejects limits that need a subject: a shared scope keeps no

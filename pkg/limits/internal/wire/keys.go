@@ -22,17 +22,17 @@ import (
 //	qe{S}         epoch key of the cluster slot that tag S hashes to
 //
 // A blob holds the state of several limits, one record each, named by a
-// 48-bit hash of the limit's identity (RuleID); see protocol.go.
+// 48-bit hash of the limit's identity (ruleID); see protocol.go.
 //
-// Identifiers are escaped (Esc) so that no two different tenants, users,
+// Identifiers are escaped (esc) so that no two different tenants, users,
 // endpoints or request ids ever produce the same key, whatever characters
 // they contain, and so that a tenant can never choose the tag of another
 // tenant or of a shared scope: escaped text holds no '{', '}' or ':', and its
 // '%' is always followed by two hex digits, so the "%g" and "%i" tags of the
 // shared scopes cannot be spelled by a tenant.
 
-// Esc percent-escapes the bytes that carry meaning in a key.
-func Esc(s string) string {
+// esc percent-escapes the bytes that carry meaning in a key.
+func esc(s string) string {
 	if !strings.ContainsAny(s, "%{}:") {
 		return s
 	}
@@ -55,7 +55,7 @@ func Esc(s string) string {
 	return b.String()
 }
 
-// unesc reverses Esc.
+// unesc reverses esc.
 func unesc(s string) string {
 	if !strings.Contains(s, "%") {
 		return s
@@ -72,7 +72,7 @@ type SubjectKeys struct {
 
 // NewSubjectKeys returns the keys of (tenant, user).
 func NewSubjectKeys(tenant, user string) SubjectKeys {
-	return SubjectKeys{prefix: "q{" + Esc(tenant) + "}", user: Esc(user)}
+	return SubjectKeys{prefix: "q{" + esc(tenant) + "}", user: esc(user)}
 }
 
 // Tag returns the hash tag's content, which decides the cluster slot.
@@ -86,7 +86,7 @@ func (k SubjectKeys) TenantBlob() string { return k.prefix + "t" }
 
 // Reservation is the reservation record of requestID.
 func (k SubjectKeys) Reservation(requestID string) string {
-	return k.prefix + "r:" + k.user + ":" + Esc(requestID)
+	return k.prefix + "r:" + k.user + ":" + esc(requestID)
 }
 
 // Concurrency returns the sorted set of a concurrency limit.
@@ -99,29 +99,29 @@ func (k SubjectKeys) Concurrency(r *policy.Rule) string {
 
 // TopUp is the marker of the top-up with reference.
 func (k SubjectKeys) TopUp(reference string) string {
-	return k.prefix + "b:" + Esc(reference)
+	return k.prefix + "b:" + esc(reference)
 }
 
 // limitPath names a limit within its scope: endpoint limits carry their
 // endpoint, so they never share a counter with a plan limit of that name.
 func limitPath(r *policy.Rule) string {
 	if r.Endpoint != "" {
-		return "e:" + Esc(r.Endpoint) + ":" + Esc(r.Name)
+		return "e:" + esc(r.Endpoint) + ":" + esc(r.Name)
 	}
-	return Esc(r.Name)
+	return esc(r.Name)
 }
 
-// SharedTag returns the hash tag content of a shared (global or IP) scope.
+// sharedTag returns the hash tag content of a shared (global or IP) scope.
 // Each endpoint and each IP has its own tag, so a cluster spreads them.
-func SharedTag(scope policy.Scope, id string) string {
+func sharedTag(scope policy.Scope, id string) string {
 	if scope == policy.ScopeIP {
-		return "%i" + Esc(id)
+		return "%i" + esc(id)
 	}
-	return "%g" + Esc(id)
+	return "%g" + esc(id)
 }
 
-// SharedBlob is the blob of the shared scope with tag.
-func SharedBlob(tag string) string { return "q{" + tag + "}" }
+// sharedBlob is the blob of the shared scope with tag.
+func sharedBlob(tag string) string { return "q{" + tag + "}" }
 
 // SubjectBlobPattern is the SCAN pattern of every subject and tenant blob
 // (and of a few other keys, which SubjectOf rejects).
@@ -201,10 +201,10 @@ func slotTag(slot uint16) string {
 func Slot(tag string) uint16 { return crc16(tag) % NumSlots }
 
 // TenantSlot is the cluster slot of every key of tenant.
-func TenantSlot(tenant string) uint16 { return Slot(Esc(tenant)) }
+func TenantSlot(tenant string) uint16 { return Slot(esc(tenant)) }
 
-// EpochKey returns the epoch key of the slot of hash tag content tag.
-func EpochKey(tag string) string { return SlotEpochKey(Slot(tag)) }
+// epochKey returns the epoch key of the slot of hash tag content tag.
+func epochKey(tag string) string { return SlotEpochKey(Slot(tag)) }
 
 // SlotEpochKey returns the epoch key of slot.
 func SlotEpochKey(slot uint16) string { return "qe{" + slotTag(slot) + "}" }
@@ -233,13 +233,13 @@ var crcTable = func() (t [256]uint16) {
 	return t
 }()
 
-// RuleID names a limit's record inside its blob: a 48-bit FNV-1a hash of
+// ruleID names a limit's record inside its blob: a 48-bit FNV-1a hash of
 // what identifies the limit and the layout of its state (scope, endpoint,
 // name, kind, window and buckets), but not of its size, so raising a limit
 // or moving a user to another plan with a limit of the same name keeps the
 // usage. 48 bits keep it exact in Lua's doubles; a blob holds a handful of
 // records, so a collision (odds about n^2/2^49) is not a practical concern.
-func RuleID(r *policy.Rule) int64 {
+func ruleID(r *policy.Rule) int64 {
 	h := newHash48()
 	h.mix(string(r.Scope))
 	h.mix(r.Endpoint)
@@ -249,7 +249,7 @@ func RuleID(r *policy.Rule) int64 {
 		h.mixInt(int64(r.Window))
 	}
 	if r.Kind == policy.Rolling {
-		h.mixInt(int64(Buckets(r)))
+		h.mixInt(int64(buckets(r)))
 	}
 	return h.sum()
 }

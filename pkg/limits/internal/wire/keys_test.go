@@ -22,8 +22,8 @@ func TestRuleIDsAreStableAcrossReleases(t *testing.T) {
 		{policy.Rule{Limit: policy.Limit{Name: "burst", Kind: policy.TokenBucket}, Scope: policy.ScopeUser}, 0xae987ce68de6},
 		{policy.Rule{Limit: policy.Limit{Name: "log", Kind: policy.SlidingLog, Window: policy.Duration(time.Second)}, Scope: policy.ScopeIP}, 0xbb0f996e7b97},
 	} {
-		if got := RuleID(&c.rule); got != c.want {
-			t.Errorf("RuleID(%s) = %#x, want %#x", c.rule.Name, got, c.want)
+		if got := ruleID(&c.rule); got != c.want {
+			t.Errorf("ruleID(%s) = %#x, want %#x", c.rule.Name, got, c.want)
 		}
 	}
 }
@@ -35,15 +35,15 @@ func TestKeysOfATenantShareItsHashTag(t *testing.T) {
 		tr := policy.Rule{Limit: policy.Limit{Name: "month"}, Scope: policy.ScopeTenant}
 		keys := []string{k.Blob(), k.TenantBlob(), k.Reservation("r:{2}"), k.Concurrency(&r), k.Concurrency(&tr), k.TopUp("ref}")}
 		want := hashTag(keys[0])
-		if want != Esc(tenant) {
-			t.Errorf("tag of %q = %q, want %q", tenant, want, Esc(tenant))
+		if want != esc(tenant) {
+			t.Errorf("tag of %q = %q, want %q", tenant, want, esc(tenant))
 		}
 		for _, key := range keys {
 			if got := hashTag(key); got != want {
 				t.Errorf("hashTag(%q) = %q, want %q", key, got, want)
 			}
 		}
-		if Slot(hashTag(EpochKey(want))) != Slot(want) {
+		if Slot(hashTag(epochKey(want))) != Slot(want) {
 			t.Errorf("epoch key of %q is in another slot", tenant)
 		}
 	}

@@ -43,7 +43,7 @@
 // # Specs
 //
 // The limits of a call travel packed in one string, 32 bytes each,
-// '<I6BBddd': id (RuleID), kind (1 rolling, 2 fixed, 3 calendar_month,
+// '<I6BBddd': id (ruleID), kind (1 rolling, 2 fixed, 3 calendar_month,
 // 4 token_bucket, 5 sliding_log, 6 balance, 7 concurrency), flags (1 counts
 // tokens, 2 shadow, 4 lives in the tenant blob), limit (token_bucket: its
 // burst), a, b. a is a rolling window's bucket length ms; a fixed or
@@ -97,7 +97,7 @@
 // A concurrency limit is a sorted set of its own (member: the request's
 // record key after its tag; score: expiry). Records past their expiry count
 // as absent. Windows decodes rolling, fixed and calendar payloads here
-// (AppendWindow); everything else only Lua reads.
+// (DecodeWindows); everything else only Lua reads.
 package wire
 
 import (
@@ -223,7 +223,7 @@ const topUpMarkerTTL = 400 * 24 * 3600 * 1000 // ms
 // cost for requestID, under rules, with the request's fingerprint and the
 // call's nonce. It checks the identifiers and the cost.
 func (p Params) ReserveCall(tenant, user, requestID string, cost int64, mode int, fingerprint, nonce int64, rules []policy.Rule) Call {
-	if err := errors.Join(checkSubject(tenant, user), CheckID("request_id", requestID, true), CheckCost("cost", cost)); err != nil {
+	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("cost", cost)); err != nil {
 		return invalid(err)
 	}
 	keys, meta := subjectCallKeys(NewSubjectKeys(tenant, user), requestID, rules)
@@ -237,12 +237,12 @@ func (p Params) ReserveCall(tenant, user, requestID string, cost int64, mode int
 // SharedReserveCall is the reserve call of mode of cost in the shared
 // limits rules of scope's id.
 func (p Params) SharedReserveCall(scope policy.Scope, id string, cost int64, mode int, rules []policy.Rule) Call {
-	if err := errors.Join(CheckID(string(scope), id, true), CheckCost("cost", cost), checkShared(rules)); err != nil {
+	if err := errors.Join(checkID(string(scope), id, true), checkCost("cost", cost), checkShared(rules)); err != nil {
 		return invalid(err)
 	}
-	tag := SharedTag(scope, id)
+	tag := sharedTag(scope, id)
 	arg := p.reserveArg(cost, mode, 0, 0, 0, rules, nil)
-	return Call{Keys: []string{EpochKey(tag), SharedBlob(tag)}, Args: []any{arg}, Rules: rules}
+	return Call{Keys: []string{epochKey(tag), sharedBlob(tag)}, Args: []any{arg}, Rules: rules}
 }
 
 // reserveArg is the reserve argument: the call's scalars, then the record
@@ -325,7 +325,7 @@ func States[S state](v []int64, rules []policy.Rule) []S {
 // rules, of which it sends the token limits and concurrency slots, what a
 // settlement touches.
 func (p Params) SettleCall(tenant, user, requestID string, op int, actual int64, rules []policy.Rule, fallbackAt, fallbackEstimate int64) Call {
-	if err := errors.Join(checkSubject(tenant, user), CheckID("request_id", requestID, true), CheckCost("actual", actual)); err != nil {
+	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("actual", actual)); err != nil {
 		return invalid(err)
 	}
 	rules = settleRules(rules)
@@ -390,17 +390,17 @@ func DecodeSettle(cmd *redis.Cmd, c *Call) (SettleReply, error) {
 // shared scope's id. force applies it even when the epoch is missing (a
 // rebuild from the ledger).
 func (p Params) ChargeCall(tenant, user string, scope policy.Scope, id string, rules []policy.Rule, amount int64, at time.Time, force bool) Call {
-	if err := CheckCost("amount", abs(amount)); err != nil {
+	if err := checkCost("amount", abs(amount)); err != nil {
 		return invalid(err)
 	}
 	var keys []string
 	meta, what := "0", id
 	if scope != "" {
-		if err := errors.Join(CheckID(string(scope), id, true), checkShared(rules)); err != nil {
+		if err := errors.Join(checkID(string(scope), id, true), checkShared(rules)); err != nil {
 			return invalid(err)
 		}
-		tag := SharedTag(scope, id)
-		keys = []string{EpochKey(tag), SharedBlob(tag)}
+		tag := sharedTag(scope, id)
+		keys = []string{epochKey(tag), sharedBlob(tag)}
 	} else {
 		if err := checkSubject(tenant, user); err != nil {
 			return invalid(err)
@@ -484,12 +484,12 @@ const (
 // LeaseCall is the lease call of op for n units of shared limit r of
 // scope's id (window: the lease's window id, for LeaseReturn).
 func (p Params) LeaseCall(scope policy.Scope, id string, r *policy.Rule, op int, n, window int64) Call {
-	if err := errors.Join(CheckID(string(scope), id, true), CheckCost("amount", n)); err != nil {
+	if err := errors.Join(checkID(string(scope), id, true), checkCost("amount", n)); err != nil {
 		return invalid(err)
 	}
-	tag := SharedTag(scope, id)
+	tag := sharedTag(scope, id)
 	return Call{
-		Keys: []string{EpochKey(tag), SharedBlob(tag)},
+		Keys: []string{epochKey(tag), sharedBlob(tag)},
 		Args: []any{p.offset, op, n, p.guard, window, packSpecs([]policy.Rule{*r}, p.resTTL)},
 		What: "lease " + string(scope) + " " + id,
 	}
@@ -525,7 +525,7 @@ func (p Params) TopUpCall(tenant, user string, r *policy.Rule, amount int64, ref
 	if r.Scope == policy.ScopeTenant {
 		user = "-"
 	}
-	if err := errors.Join(checkSubject(tenant, user), CheckID("reference", reference, true), CheckCost("amount", amount)); err != nil {
+	if err := errors.Join(checkSubject(tenant, user), checkID("reference", reference, true), checkCost("amount", amount)); err != nil {
 		return invalid(err)
 	}
 	if amount == 0 {
@@ -541,7 +541,7 @@ func (p Params) TopUpCall(tenant, user string, r *policy.Rule, amount int64, ref
 		guard = "0"
 	}
 	return Call{
-		Keys: []string{EpochKey(k.Tag()), blob, k.TopUp(reference)},
+		Keys: []string{epochKey(k.Tag()), blob, k.TopUp(reference)},
 		Args: []any{amount, topUpMarkerTTL, guard, packSpecs([]policy.Rule{*r}, p.resTTL)},
 		What: "top up " + tenant + "/" + user,
 	}
@@ -566,7 +566,7 @@ func DecodeTopUp(cmd *redis.Cmd, c *Call) (applied bool, credited, spent int64, 
 // VoidCall is the void call of the lost Reserve of requestID of (tenant,
 // user) with fingerprint and nonce, allowed or denied without Redis.
 func (p Params) VoidCall(tenant, user, requestID string, fingerprint, nonce int64, allowed bool) Call {
-	if err := errors.Join(checkSubject(tenant, user), CheckID("request_id", requestID, true)); err != nil {
+	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true)); err != nil {
 		return invalid(err)
 	}
 	keys, _ := subjectCallKeys(NewSubjectKeys(tenant, user), requestID, nil)
@@ -595,7 +595,7 @@ func DecodeVoid(cmd *redis.Cmd, c *Call) (int64, error) {
 
 // AdmittedCall is the admitted call of requestID of (tenant, user).
 func AdmittedCall(tenant, user, requestID string) Call {
-	if err := errors.Join(checkSubject(tenant, user), CheckID("request_id", requestID, true)); err != nil {
+	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true)); err != nil {
 		return invalid(err)
 	}
 	return Call{
@@ -618,7 +618,7 @@ func DecodeAdmitted(cmd *redis.Cmd, c *Call) (bool, error) {
 // counting at reservedAt, estimate held while open, under rules (which a
 // corrected record does not keep), until expires.
 func (p Params) RestoreCall(tenant, user, requestID string, state byte, fingerprint int64, reservedAt time.Time, estimate int64, rules []policy.Rule, expires time.Time) Call {
-	if err := errors.Join(checkSubject(tenant, user), CheckID("request_id", requestID, true), CheckCost("estimate", estimate)); err != nil {
+	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("estimate", estimate)); err != nil {
 		return invalid(err)
 	}
 	keys, _ := subjectCallKeys(NewSubjectKeys(tenant, user), requestID, rules)
@@ -730,7 +730,7 @@ func DecodeWindows[B bucket](cmd *redis.Cmd, c *Call, f func(i int, buckets []B)
 			recs = tenRecs
 		}
 		start := len(all)
-		all = appendWindow(all, r, payloadOf(recs, RuleID(r)), now)
+		all = appendWindow(all, r, payloadOf(recs, ruleID(r)), now)
 		f(i, all[start:len(all):len(all)])
 	}
 	return now, nil
@@ -784,7 +784,7 @@ func payloadOf(recs []record, id int64) string {
 // windowLen is how many buckets appendWindow returns for r.
 func windowLen(r *policy.Rule) int {
 	if r.Kind == policy.Rolling {
-		return Buckets(r)
+		return buckets(r)
 	}
 	return 1
 }
@@ -801,14 +801,14 @@ func appendWindow[B bucket](dst []B, r *policy.Rule, payload string, now time.Ti
 		}
 		return append(dst, b)
 	}
-	n := int64(Buckets(r))
+	n := int64(buckets(r))
 	var head int64 = math.MinInt64
 	if len(payload) >= 18+6*int(n) {
 		head = int48(payload)
 	}
 	for i := range n {
 		bn, used := cur-n+1+i, int64(0)
-		// Buckets after the head were not written since the ring came round.
+		// buckets after the head were not written since the ring came round.
 		if head != math.MinInt64 && cur-head < n && bn <= head {
 			used = int48(payload[18+6*int(bn%n):])
 		}
@@ -847,7 +847,7 @@ func BucketStart(r *policy.Rule, n int64) time.Time {
 
 // bucketMillis is a rolling window's bucket length, as a spec sends it.
 func bucketMillis(r *policy.Rule) int64 {
-	return time.Duration(r.Window).Milliseconds() / int64(Buckets(r))
+	return time.Duration(r.Window).Milliseconds() / int64(buckets(r))
 }
 
 func floorDiv(a, b int64) int64 {
@@ -858,8 +858,8 @@ func floorDiv(a, b int64) int64 {
 	return q
 }
 
-// Buckets returns the bucket count of a rolling window.
-func Buckets(r *policy.Rule) int {
+// buckets returns the bucket count of a rolling window.
+func buckets(r *policy.Rule) int {
 	if r.Buckets > 0 {
 		return r.Buckets
 	}
@@ -872,7 +872,7 @@ func Buckets(r *policy.Rule) int {
 // is involved.
 func subjectCallKeys(k SubjectKeys, requestID string, rules []policy.Rule) ([]string, byte) {
 	keys := make([]string, 0, 4+len(rules))
-	keys = append(keys, EpochKey(k.Tag()), k.Reservation(requestID), k.Blob(), k.TenantBlob())
+	keys = append(keys, epochKey(k.Tag()), k.Reservation(requestID), k.Blob(), k.TenantBlob())
 	meta := byte(1)
 	for i := range rules {
 		if rules[i].Scope == policy.ScopeTenant {
@@ -952,7 +952,7 @@ func writeSpecs(b *strings.Builder, rules []policy.Rule, slotTTL int64) {
 		limit, a, c := float64(r.Limit.Limit), 0.0, 0.0
 		switch r.Kind {
 		case policy.Rolling:
-			n := int64(Buckets(r))
+			n := int64(buckets(r))
 			a, c = float64(time.Duration(r.Window).Milliseconds()/n), float64(n)
 		case policy.Fixed, policy.SlidingLog:
 			a = float64(time.Duration(r.Window).Milliseconds())
@@ -963,7 +963,7 @@ func writeSpecs(b *strings.Builder, rules []policy.Rule, slotTTL int64) {
 		case policy.Concurrency:
 			a = float64(slotTTL)
 		}
-		id := uint64(RuleID(r))
+		id := uint64(ruleID(r))
 		for k := range 6 {
 			w[k] = byte(id >> (8 * k))
 		}
