@@ -232,7 +232,7 @@ func TestConcurrencyHoldsSlotUntilSettled(t *testing.T) {
 	}
 	wantUsed(t, limitstest.Peek(t, l, tenant, "u", rules), 0, 1)
 	// A slot nobody settles expires with the reservation.
-	wantUsed(t, limitstest.Peek(t, limitstest.At(c, 2*time.Hour), tenant, "u", rules), 0, 0)
+	wantUsed(t, limitstest.Peek(t, limitstest.At(c, limits.DefaultReservationTTL+time.Hour), tenant, "u", rules), 0, 0)
 }
 
 func TestDenialReservesNothingAnywhere(t *testing.T) {
