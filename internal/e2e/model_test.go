@@ -29,7 +29,7 @@ import (
 // after), accounter crashes mid-batch and a Redis loss with decisions made
 // locally meanwhile. After each sequence has settled, Redis's windows,
 // request counters and slots, the ledger's reservations and the hourly
-// rollups must equal a plain model of the rules (DESIGN §4–§6), every
+// rollups must equal a plain model of the rules (docs/design.md §4–§6), every
 // decision taken while Redis answered must be the model's, every one taken
 // without it within the local allowance, and reconciliation must find
 // nothing to repair. QF_MODEL_SEED replays a run.
@@ -344,7 +344,7 @@ func (p *pipeline) check(t *testing.T, m *pmodel, seq int) {
 	}
 }
 
-// pmodel is the rules of DESIGN §4–§6 for the requests of one run.
+// pmodel is the rules of docs/design.md §4–§6 for the requests of one run.
 type pmodel struct {
 	users map[string]*puser
 	loss  int // Redis losses so far

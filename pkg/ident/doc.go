@@ -1,7 +1,7 @@
 // Package ident is quotaflow's one rule for identifiers: tenants, users,
 // endpoints, request ids, plans, models, top-up references, limit names
 // and the other strings that name things in requests, events and policies
-// (DESIGN §4).
+// (docs/design.md §4).
 //
 // An identifier is valid UTF-8 of at most MaxLen bytes without control
 // characters (Unicode category Cc: U+0000–U+001F and U+007F–U+009F, NUL

@@ -19,7 +19,7 @@ import (
 // TestEngineAgreesWithModel plays random interleavings of every engine
 // operation on two users of one tenant, under every kind of limit, and
 // checks after each one that Redis holds exactly what a plain model of the
-// rules says (DESIGN §4): a request id is a key only for the same open
+// rules says (docs/design.md §4): a request id is a key only for the same open
 // request; a denial, a duplicate and a conflict charge nothing; a
 // settlement moves token limits by actual - estimate and frees slots;
 // actual usage wins over a release; a release after an actual changes

@@ -1,4 +1,4 @@
-// Command accounter is quotaflow's accounter (DESIGN §6): a durable pull
+// Command accounter is quotaflow's accounter (docs/design.md §6): a durable pull
 // consumer of the usage stream that keeps the Postgres ledger of every
 // event, corrects the Redis token windows by the actual cost of each
 // request, settles expired reservations, and rebuilds Redis from the ledger

@@ -469,7 +469,7 @@ func TestAuthOverHTTP(t *testing.T) {
 }
 
 // TestReservedEventsReachTheStream: every admitted request's reserved
-// event, with DESIGN §5's fields, is in the stream exactly once; denials
+// event, with docs/design.md §5's fields, is in the stream exactly once; denials
 // arrive aggregated.
 func TestReservedEventsReachTheStream(t *testing.T) {
 	s := newStack(t, contractPolicy, nil)

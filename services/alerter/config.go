@@ -24,7 +24,7 @@ type Config struct {
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9092"`
 	// Ops holds the ops port's other settings: QF_PPROF.
 	obs.Ops
-	// WebhooksFile is the YAML list of webhook endpoints (DESIGN §7);
+	// WebhooksFile is the YAML list of webhook endpoints (docs/design.md §7);
 	// empty means none (alerts are detected and counted, not sent). It is
 	// reloaded when it changes and on SIGHUP.
 	WebhooksFile string `envconfig:"WEBHOOKS_FILE"`

@@ -1,4 +1,4 @@
-// Command alerter is quotaflow's alerter (DESIGN §7): it consumes usage
+// Command alerter is quotaflow's alerter (docs/design.md §7): it consumes usage
 // events and raises quota.threshold (80/90/100% of a limit),
 // quota.denial_spike and quota.abuse_suspected alerts, delivered to signed
 // webhooks from a durable Postgres outbox. It is configured by QF_*

@@ -276,7 +276,7 @@ func TestThresholdAlerts(t *testing.T) {
 	tenantLimit := func(used int64) events.LimitState {
 		return events.LimitState{Scope: "tenant", Name: "month", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}
 	}
-	// Each limit's alerts arrive in order (DESIGN §7); different limits'
+	// Each limit's alerts arrive in order (docs/design.md §7); different limits'
 	// may interleave.
 	byLimit := func(alerts []string) map[string][]string {
 		m := map[string][]string{}
@@ -324,7 +324,7 @@ func TestThresholdAlerts(t *testing.T) {
 		Limits: []events.LimitState{userLimit(920, 3600)}}, now.Add(62*time.Second)))
 	want(8, "correction", "acme/u1 5h 80", "acme/u1 5h 90", "acme/u1 5h 100", "acme/ month 80", "acme/ month 90", "acme/u1 5h 80", "acme/u1 5h 80", "acme/u1 5h 90")
 
-	// Payload shape (DESIGN §7), of the first 100 % alert.
+	// Payload shape (docs/design.md §7), of the first 100 % alert.
 	var first map[string]any
 	i := slices.Index(thresholds(t, e.recv.of(detect.KindThreshold)), "acme/u1 5h 100")
 	if err := json.Unmarshal(e.recv.of(detect.KindThreshold)[i].raw, &first); err != nil {

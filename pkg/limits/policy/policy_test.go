@@ -10,7 +10,7 @@ import (
 	"time"
 )
 
-// designPolicy is the example of DESIGN.md §3, with plan pro filled in.
+// designPolicy is the example of docs/design.md §3, with plan pro filled in.
 const designPolicy = `
 default_plan: free
 plans:

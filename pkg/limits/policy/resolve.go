@@ -123,7 +123,7 @@ func (p *Policy) Resolve(tenant, plan, endpoint string) (Resolved, error) {
 // name plan in a request: the tenant's own plan (its plan, else
 // default_plan; an empty plan means that one) and every plan its plans list
 // names. Callers not bound to a tenant may name any plan; admission answers
-// 403 to the others (DESIGN §4). An unknown tenant is granted default_plan
+// 403 to the others (docs/design.md §4). An unknown tenant is granted default_plan
 // only. On a policy from Parse it is one map lookup and does not allocate;
 // it is safe for concurrent use.
 func (p *Policy) Grants(tenant, plan string) bool {

@@ -167,7 +167,7 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 	for i, msg := range msgs {
 		items[i].msg = msg
 		// Our own corrected events, half of what the stream carries, are
-		// acked unread (DESIGN §6: the accounter ignores them).
+		// acked unread (docs/design.md §6: the accounter ignores them).
 		if msg.Subject() == c.corrected {
 			items[i].skip = true
 			continue

@@ -1,4 +1,4 @@
-// Package auth is admission's bearer-token authentication (DESIGN §4): the
+// Package auth is admission's bearer-token authentication (docs/design.md §4): the
 // token entries of QF_API_TOKENS and QF_API_TOKENS_FILE, the roles they
 // grant, the tenant they may be bound to, and the reload of the file while
 // the service runs.

@@ -31,7 +31,7 @@ var rolePosition = regexp.MustCompile(`^role [0-9]+ after`)
 // FuzzParseEntry checks the QF_API_TOKENS entry parser on arbitrary
 // entries: it never panics; every error is one of its fixed messages (so it
 // never repeats a token, a tenant or a role); what it accepts follows the
-// grammar token[@tenant][#role+role] with every rule of DESIGN §4 and
+// grammar token[@tenant][#role+role] with every rule of docs/design.md §4 and
 // survives a round trip. Seeds live in testdata/fuzz/FuzzParseEntry.
 func FuzzParseEntry(f *testing.F) {
 	f.Fuzz(func(t *testing.T, s string) {

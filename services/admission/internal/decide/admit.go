@@ -368,7 +368,7 @@ func (a *admission) subjectLayer(rules []policy.Rule) (bool, error) {
 // the reservation stays counted until its window passes, an
 // under-admission).
 // The limits it gave back to are reported without what they got back
-// (DESIGN §4: used and remaining are after the decision).
+// (docs/design.md §4: used and remaining are after the decision).
 func (a *admission) undo() {
 	for _, t := range a.takes {
 		t.h.left.Add(1)

@@ -13,7 +13,7 @@ import (
 	"quotaflow/pkg/limits/policy"
 )
 
-// Leasing (DESIGN §4): a shared request limit that limits.Leasable accepts
+// Leasing (docs/design.md §4): a shared request limit that limits.Leasable accepts
 // (fixed and token_bucket, unit requests) is served from a local pool per
 // (scope, id, limit). A lease is a batch of units that Redis counts as used
 // at once; requests spend them with a compare-and-swap on the lease's

@@ -28,7 +28,7 @@ import (
 // allow, and Used as the usage it knows of: what was used when Redis was
 // last seen plus its own spending since, or its own spending alone for an
 // owner never seen and for a share. Never limit - remaining: for an owner
-// never seen that would claim a nearly full quota (DESIGN §4: used is real
+// never seen that would claim a nearly full quota (docs/design.md §4: used is real
 // usage after the decision).
 
 // ownerKey names the owner of local state.

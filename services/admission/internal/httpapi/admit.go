@@ -13,7 +13,7 @@ import (
 	"quotaflow/services/admission/internal/decide"
 )
 
-// limitJSON is one limit in a response, as DESIGN §4 shows it.
+// limitJSON is one limit in a response, as docs/design.md §4 shows it.
 type limitJSON struct {
 	Scope        string `json:"scope"`
 	Name         string `json:"name"`

@@ -1,4 +1,4 @@
-// Package httpapi is admission's HTTP API (DESIGN §4): POST /v1/admit,
+// Package httpapi is admission's HTTP API (docs/design.md §4): POST /v1/admit,
 // /v1/authz (any method, any path under it), POST /v1/release, POST and GET
 // /v1/usage and POST /v1/balances/topup, with bearer-token authentication
 // and the tokens' roles, tenants and plans (package auth), strict request

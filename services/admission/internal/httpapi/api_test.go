@@ -282,7 +282,7 @@ func TestAdmitAllowed(t *testing.T) {
 			t.Errorf("%s = %q, want %q", h, got, v)
 		}
 	}
-	// The reserved event carries DESIGN §5's fields.
+	// The reserved event carries docs/design.md §5's fields.
 	if len(e.ev.enqueued) != 1 {
 		t.Fatalf("enqueued %d events, want 1 reserved", len(e.ev.enqueued))
 	}

@@ -16,7 +16,7 @@ import (
 	"quotaflow/services/admission/internal/decide"
 )
 
-// maxID is the longest identifier in bytes (DESIGN §4).
+// maxID is the longest identifier in bytes (docs/design.md §4).
 const maxID = ident.MaxLen
 
 // fieldError is a 400: which field (JSON key, query parameter or header)
@@ -49,7 +49,7 @@ type admitBody struct {
 type costFunc func(model string, input, output int64) int64
 
 // decodeAdmit parses and validates a POST /v1/admit body. The Input it
-// returns has every rule of DESIGN §4 checked; RequestID may be empty (the
+// returns has every rule of docs/design.md §4 checked; RequestID may be empty (the
 // caller generates one).
 func decodeAdmit(body []byte, cost costFunc) (decide.Input, *fieldError) {
 	b, ok := decodeAdmitFast(body)
@@ -127,7 +127,7 @@ func tokensCost(est, input, output *int64, model string, cost costFunc, estName,
 
 // checkID validates an identifier by the rule of package ident (valid
 // UTF-8 of at most maxID bytes without control characters), non-empty when
-// required (DESIGN §4). It runs on every admit, so it must not allocate
+// required (docs/design.md §4). It runs on every admit, so it must not allocate
 // for a valid identifier.
 func checkID(field, v string, required bool) *fieldError {
 	if v == "" && required {

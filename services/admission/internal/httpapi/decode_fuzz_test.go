@@ -16,7 +16,7 @@ import (
 )
 
 // FuzzDecodeAdmit checks the POST /v1/admit decoder on arbitrary bodies:
-// it never panics; what it accepts satisfies every rule of DESIGN §4 (the
+// it never panics; what it accepts satisfies every rule of docs/design.md §4 (the
 // identifiers pass ident.Check) and survives a round trip; what it rejects
 // names a field in a printable, valid UTF-8 message. Seeds live in testdata/fuzz/FuzzDecodeAdmit.
 func FuzzDecodeAdmit(f *testing.F) {

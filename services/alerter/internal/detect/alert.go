@@ -1,4 +1,4 @@
-// Package detect turns usage events into alerts (DESIGN §7):
+// Package detect turns usage events into alerts (docs/design.md §7):
 //
 //   - quota.threshold when a user- or tenant-scope limit reaches 80, 90
 //     and 100% of its limit (Detector.Reserved, Detector.Corrected);

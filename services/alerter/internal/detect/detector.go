@@ -347,7 +347,7 @@ func (d *Detector) enqueue(ctx context.Context, tx *store.Tx, a store.Alert, now
 
 // thresholdAlert is the alert of threshold t of limit k at its fire-th
 // firing: its id is new at each firing, and every alert of the limit is
-// delivered in order (DESIGN §7: a jump from 70 to 100 % sends 80, 90 and
+// delivered in order (docs/design.md §7: a jump from 70 to 100 % sends 80, 90 and
 // 100 in this order).
 func thresholdAlert(k store.LimitKey, t int, fire int64) store.Alert {
 	return store.Alert{

@@ -1,4 +1,4 @@
--- The accounter's ledger (DESIGN §6). Applied by tern under an advisory lock
+-- The accounter's ledger (docs/design.md §6). Applied by tern under an advisory lock
 -- and recorded in accounter_schema_version.
 
 -- Every consumed event, once: a redelivery conflicts on event_id.

@@ -1,4 +1,4 @@
--- The alerter's durable state (DESIGN §7). Applied by tern under an advisory
+-- The alerter's durable state (docs/design.md §7). Applied by tern under an advisory
 -- lock and recorded in alerter_schema_version.
 
 -- The last snapshot version seen per subject (scope 'user': the subject's

@@ -1,5 +1,5 @@
 -- Deliveries of one order key to one webhook go out strictly in outbox
--- order (DESIGN §7: a limit's 80, 90 and 100 % alerts in order, a spike's
+-- order (docs/design.md §7: a limit's 80, 90 and 100 % alerts in order, a spike's
 -- firing before its resolution): Claim hands out a delivery only when no
 -- earlier one of its (webhook, order_key) is pending, so a later alert
 -- waits while an earlier one waits for its retry. '' orders nothing.
