@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Counts the instructions redis-server spends per 5-limit reserve (steady:
-# subjects whose blobs exist; first touch: a new subject each) and per INCR
-# by running it under callgrind (valgrind): figures that repeat within a few
-# percent on a noisy machine, unlike timings. Usage: bench/callgrind.sh
+# subjects whose blobs exist; first touch: a new subject each), per 1-limit
+# reserve, per 5-limit settle (a correction) and per INCR by running it
+# under callgrind (valgrind): figures that repeat within a few percent on a
+# noisy machine, unlike timings. Usage: bench/callgrind.sh
 # (QF_CALLGRIND_USERS=n spreads the steady reserves over n subjects;
-# QF_CALLGRIND_KEEP=dir keeps the dumps there for callgrind_annotate).
+# QF_CALLGRIND_KEEP=dir keeps the dumps there for callgrind_annotate;
+# QF_CALLGRIND_IN=call counts only inside Redis's call(), a command's
+# execution: without reading, parsing and replying, nor the timer's work,
+# which grows with the wall time a run takes on a loaded machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }
 dir=$(mktemp -d)
 port=$(( 20000 + RANDOM % 20000 ))
-valgrind --tool=callgrind --callgrind-out-file="$dir/out.%p" \
+only=()
+[ -n "${QF_CALLGRIND_IN:-}" ] && only=(--collect-atstart=no "--toggle-collect=$QF_CALLGRIND_IN")
+valgrind --tool=callgrind "${only[@]}" --callgrind-out-file="$dir/out.%p" \
   redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >"$dir/valgrind.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT

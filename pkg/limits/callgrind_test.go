@@ -10,13 +10,17 @@ import (
 	"testing"
 
 	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/limits/policy"
 )
 
 // TestCallgrindInstructions counts the instructions redis-server spends per
-// 5-limit reserve and per INCR, with the server running under callgrind:
-// repeatable figures on a noisy machine. Two reserve figures: steady (the
-// subjects' blobs exist, as for active users) and first touch (every reserve
-// meets a new subject, as most of admission's load test does).
+// 5-limit reserve, per 1-limit reserve, per settle and per INCR, with the
+// server running under callgrind: repeatable figures on a noisy machine. Two
+// 5-limit reserve figures: steady (the subjects' blobs exist, as for active
+// users) and first touch (every reserve meets a new subject, as most of
+// admission's load test does); the 1-limit reserves are steady; the settles
+// correct the steady 5-limit reserves.
 // bench/callgrind.sh starts the server and runs this test; without
 // QF_CALLGRIND_ADDR it is skipped.
 func TestCallgrindInstructions(t *testing.T) {
@@ -34,14 +38,24 @@ func TestCallgrindInstructions(t *testing.T) {
 		users = n
 	}
 	run := strconv.FormatInt(int64(os.Getpid()), 36)
-	reserve := func(user string, i int) {
-		if _, err := l.Reserve(ctx, Request{Tenant: "acme", User: user,
-			RequestID: run + "-" + strconv.Itoa(i), Cost: 1, Rules: rules}); err != nil {
+	reserveOf := func(rules []policy.Rule, prefix string) func(user string, i int) {
+		return func(user string, i int) {
+			if _, err := l.Reserve(ctx, Request{Tenant: "acme", User: user,
+				RequestID: prefix + run + "-" + strconv.Itoa(i), Cost: 1, Rules: rules}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	reserve, reserve1 := reserveOf(rules, ""), reserveOf(rules[1:2], "one-")
+	steady := func(i int) { reserve("u"+strconv.Itoa(i%users), i) }
+	first := func(i int) { reserve("new-"+run+"-"+strconv.Itoa(i), -i-1) }
+	one := func(i int) { reserve1("u"+strconv.Itoa(i%users), i) }
+	settle := func(i int) { // corrects the reserve steady(i) made
+		if _, err := l.Correct(ctx, Settle{Tenant: "acme", User: "u" + strconv.Itoa(i%users),
+			RequestID: run + "-" + strconv.Itoa(i), Actual: 2, Rules: rules}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	steady := func(i int) { reserve("u"+strconv.Itoa(i%users), i) }
-	first := func(i int) { reserve("new-"+run+"-"+strconv.Itoa(i), -i-1) }
 	incr := func(i int) {
 		if err := c.Incr(ctx, "incr-"+strconv.Itoa(i%users)).Err(); err != nil {
 			t.Fatal(err)
@@ -49,6 +63,7 @@ func TestCallgrindInstructions(t *testing.T) {
 	}
 	for i := range min(users, 100) * 2 { // load the script, create the steady subjects' blobs
 		steady(-i - 1)
+		one(-i - 1)
 		incr(i)
 	}
 	measure := func(op func(int)) float64 {
@@ -58,9 +73,9 @@ func TestCallgrindInstructions(t *testing.T) {
 		}
 		return float64(dump(t, dir)) / float64(calls)
 	}
-	r, f, b := measure(steady), measure(first), measure(incr)
-	t.Logf("callgrind: reserve over 5 limits, %d users: %.0f instructions/call; first touch (a new subject each): %.0f; INCR %.0f; ratios %.1f and %.1f",
-		users, r, f, b, r/b, f/b)
+	r, f, o, s, b := measure(steady), measure(first), measure(one), measure(settle), measure(incr)
+	t.Logf("callgrind: reserve over 5 limits, %d users: %.0f instructions/call; first touch (a new subject each): %.0f; over 1 limit: %.0f; settle (correct) over 5 limits: %.0f; INCR %.0f; ratios %.1f and %.1f",
+		users, r, f, o, s, b, r/b, f/b)
 }
 
 func control(t *testing.T, arg string) {
@@ -69,7 +84,8 @@ func control(t *testing.T, arg string) {
 	}
 }
 
-// keeps counts the dumps kept in QF_CALLGRIND_KEEP: 1 steady, 2 first touch, 3 INCR.
+// keeps counts the dumps kept in QF_CALLGRIND_KEEP: 1 steady, 2 first touch,
+// 3 one limit, 4 settle, 5 INCR.
 var keeps int
 
 // dump writes a callgrind dump and returns its instruction total.
