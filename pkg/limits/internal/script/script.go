@@ -71,8 +71,9 @@ type Entry struct {
 	script *redis.Script // the same code as a script
 }
 
-// engine is the function library: every entry that shares lib.lua.
-var engine = newLibrary([][2]string{
+// engineCode is every entry that shares lib.lua: its name (that of its
+// file in lua/) and its code.
+var engineCode = [][2]string{
 	{"reserve", luaReserve},
 	{"settle", luaSettle},
 	{"charge", luaCharge},
@@ -80,7 +81,10 @@ var engine = newLibrary([][2]string{
 	{"topup", luaTopUp},
 	{"void", luaVoid},
 	{"restore", luaRestore},
-})
+}
+
+// engine is the function library of engineCode.
+var engine = newLibrary(luaLib, engineCode)
 
 // The entries of the engine (wire builds their calls).
 var (
@@ -107,15 +111,21 @@ type library struct {
 	entries map[string]*Entry
 }
 
-// newLibrary builds the library of the given entries (name, entry code).
-// Its top level may not touch Lua's standard libraries (Redis exposes only
-// redis.register_function while loading), so lib.lua and the entries are
+// newLibrary builds the library of the given entries (name, entry code)
+// on lib, with their names written in (names.go). Its top level may not
+// touch Lua's standard libraries (Redis exposes only
+// redis.register_function while loading), so lib and the entries are
 // wrapped in a function that the first call runs; KEYS and ARGV, the
 // globals a script sees, are upvalues that each call sets.
-func newLibrary(codes [][2]string) *library {
+func newLibrary(lib string, entries [][2]string) *library {
+	lib = mustExpand("lib", lib)
+	codes := make([][2]string, len(entries))
+	for i, e := range entries {
+		codes[i] = [2]string{e[0], mustExpand(e[0], e[1])}
+	}
 	var body strings.Builder
 	body.WriteString("local KEYS, ARGV\nlocal run\nlocal function init()\n")
-	body.WriteString(luaLib)
+	body.WriteString(lib)
 	body.WriteString("\nreturn {\n")
 	for _, c := range codes {
 		body.WriteString(c[0] + " = function()\n" + c[1] + "\nend,\n")
@@ -123,15 +133,15 @@ func newLibrary(codes [][2]string) *library {
 	body.WriteString("}\nend\n")
 	sum := sha1.Sum([]byte(body.String()))
 	prefix := "qf" + hex.EncodeToString(sum[:6])
-	lib := &library{entries: make(map[string]*Entry, len(codes))}
+	l := &library{entries: make(map[string]*Entry, len(codes))}
 	for _, c := range codes {
 		fn := prefix + "_" + c[0]
-		lib.entries[c[0]] = &Entry{fn: fn, script: redis.NewScript(luaLib + c[1])}
+		l.entries[c[0]] = &Entry{fn: fn, script: redis.NewScript(lib + c[1])}
 		body.WriteString("redis.register_function('" + fn + "', function(k, a)\n" +
 			"  KEYS, ARGV = k, a\n  run = run or init()\n  return run." + c[0] + "()\nend)\n")
 	}
-	lib.code = "#!lua name=" + prefix + "\n" + body.String()
-	return lib
+	l.code = "#!lua name=" + prefix + "\n" + body.String()
+	return l
 }
 
 // functionsUnavailable reports whether err says the server cannot serve the

@@ -38,7 +38,8 @@
 //	admitted  none; KEYS the record alone                        1 exists, 0 not
 //
 // Each .lua file's header states what its entry guarantees and what its
-// statuses mean; the constants below name them for Go.
+// statuses mean; the constants below name them for Go, and LuaNames gives
+// the same numbers to the Lua, which writes them as names.
 //
 // # Specs
 //
@@ -71,8 +72,8 @@
 // # Reservation record
 //
 // KEYS[2] of a subject call, '<i6i6BI6I6': time ms, estimate, state
-// (RecordOpen, RecordCorrected, RecordReleased, RecordVoid, and 4 TOMB: the
-// marker of a locally denied call whose Reserve was lost), the request's
+// (RecordOpen, RecordCorrected, RecordReleased, RecordVoid, and recordTomb:
+// the marker of a locally denied call whose Reserve was lost), the request's
 // fingerprint, the nonce of the Reserve that wrote it; then the tail: I2
 // count m, the m specs of the limits the reserve charged, then for each
 // concurrency limit among them its sorted set's key (I2 length, bytes). A
@@ -191,7 +192,17 @@ const (
 	RecordCorrected = 1
 	RecordReleased  = 2
 	RecordVoid      = 3
+	recordTomb      = 4 // a locally denied call's marker (void.lua); never restored
 )
+
+// recordHeadLen is the size of a reservation record before its
+// fingerprint: time, estimate, state ('<i6i6B'), all of a record of an
+// earlier release.
+const recordHeadLen = 13
+
+// tailHeadLen is the size of a record tail before its specs: fingerprint,
+// nonce, spec count ('<I6I6I2').
+const tailHeadLen = 14
 
 // mask48 keeps the 48 bits of a fingerprint or nonce that the record holds
 // (exact in Lua's doubles).
@@ -209,6 +220,50 @@ var kindCode = map[policy.Kind]byte{
 	policy.Rolling: 1, policy.Fixed: 2, policy.CalendarMonth: 3, policy.TokenBucket: 4,
 	policy.SlidingLog: 5, policy.Balance: 6, policy.Concurrency: 7,
 }
+
+// The bits of a spec's flags byte.
+const (
+	flagTokens = 1 // the limit counts tokens, not requests
+	flagShadow = 2 // it reports but never denies
+	flagTenant = 4 // it lives in the tenant blob
+)
+
+// LuaNames are the numbers above as the Lua code names them: package
+// script writes each in for its name when it assembles the engine, so the
+// two sides of the protocol read them from this one table.
+var LuaNames = map[string]int64{
+	"ROLLING":                 int64(kindCode[policy.Rolling]),
+	"FIXED":                   int64(kindCode[policy.Fixed]),
+	"CALENDAR":                int64(kindCode[policy.CalendarMonth]),
+	"TOKEN_BUCKET":            int64(kindCode[policy.TokenBucket]),
+	"SLIDING_LOG":             int64(kindCode[policy.SlidingLog]),
+	"BALANCE":                 int64(kindCode[policy.Balance]),
+	"CONCURRENCY":             int64(kindCode[policy.Concurrency]),
+	"MODE_PEEK":               ModePeek,
+	"MODE_FRESH":              ModeFresh,
+	"STATUS_DENIED":           StatusDenied,
+	"STATUS_ALLOWED":          StatusAllowed,
+	"STATUS_DUPLICATE":        StatusDuplicate,
+	"STATUS_CONFLICT_REQUEST": StatusConflictRequest,
+	"STATUS_CONFLICT_SETTLED": StatusConflictSettled,
+	"STATUS_CONFLICT_REUSED":  StatusConflictReused,
+	"REASON_EXCEEDS_LIMIT":    ReasonCostExceedsLimit,
+	"REASON_NO_BALANCE":       ReasonInsufficientBalance,
+	"OPEN":                    RecordOpen,
+	"CORRECTED":               RecordCorrected,
+	"RELEASED":                RecordReleased,
+	"VOID":                    RecordVoid,
+	"TOMB":                    recordTomb,
+	"SPEC_LEN":                specLen,
+	"RESERVE_HEAD":            reserveHeadLen,
+	"RECORD_HEAD":             recordHeadLen,
+	"TAIL_HEAD":               tailHeadLen,
+	"MAX_COUNT":               MaxCost,
+}
+
+// LuaFlags are the bits of a spec's flags byte that the Lua code tests as
+// IS_<name>(flags).
+var LuaFlags = map[string]int64{"TOKENS": flagTokens, "SHADOW": flagShadow, "TENANT": flagTenant}
 
 // tombTTL is how long the marker of a voided call that was denied stops
 // that call: a script call that has not reached Redis a minute after it was
@@ -622,7 +677,7 @@ func (p Params) RestoreCall(tenant, user, requestID string, state byte, fingerpr
 		return invalid(err)
 	}
 	keys, _ := subjectCallKeys(NewSubjectKeys(tenant, user), requestID, rules)
-	var head [13]byte
+	var head [recordHeadLen]byte
 	putInt48(head[0:], reservedAt.UnixMilli())
 	putInt48(head[6:], estimate)
 	head[12] = state
@@ -905,7 +960,7 @@ func (p Params) recordTail(fingerprint, nonce int64, rules []policy.Rule, conc [
 }
 
 func tailLen(rules []policy.Rule, conc []string) int {
-	n := 14 + specLen*len(rules)
+	n := tailHeadLen + specLen*len(rules)
 	for _, k := range conc {
 		n += 2 + len(k)
 	}
@@ -913,7 +968,7 @@ func tailLen(rules []policy.Rule, conc []string) int {
 }
 
 func (p Params) writeTail(b *strings.Builder, fingerprint, nonce int64, rules []policy.Rule, conc []string) {
-	var n [14]byte
+	var n [tailHeadLen]byte
 	putInt48(n[0:], fingerprint&mask48)
 	putInt48(n[6:], nonce&mask48)
 	binary.LittleEndian.PutUint16(n[12:], uint16(len(rules)))
@@ -941,13 +996,13 @@ func writeSpecs(b *strings.Builder, rules []policy.Rule, slotTTL int64) {
 		r := &rules[i]
 		var flags byte
 		if r.Unit == policy.Tokens {
-			flags |= 1
+			flags |= flagTokens
 		}
 		if r.Shadow {
-			flags |= 2
+			flags |= flagShadow
 		}
 		if r.Scope == policy.ScopeTenant {
-			flags |= 4
+			flags |= flagTenant
 		}
 		limit, a, c := float64(r.Limit.Limit), 0.0, 0.0
 		switch r.Kind {

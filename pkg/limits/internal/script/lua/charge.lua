@@ -15,15 +15,15 @@
 --   status 1 applied, -1 no epoch.
 local amount, at, meta, specs = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5]), ARGV[6]
 local now = now_ms(tonumber(ARGV[1]))
-local n = #specs / 32
+local n = #specs / SPEC_LEN
 local vals, sub, ten = scope(meta, specs, 1, n, now)
 if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
 if at == 0 then at = now end
 for j = 1, n do
-  local o = (j - 1) * K
-  if S[o + 1] ~= CONC then
+  local o = (j - 1) * SLOTS
+  if S[o + KIND] ~= CONCURRENCY then
     local d = amount
-    if S[o + 2] % 2 == 0 then d = amount < 0 and -1 or 1 end
+    if not IS_TOKENS(S[o + FLAGS]) then d = amount < 0 and -1 or 1 end
     add(j, d, at, now)
   end
 end

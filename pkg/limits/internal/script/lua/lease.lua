@@ -21,24 +21,24 @@ local op, amount, specs = ARGV[2], tonumber(ARGV[3]), ARGV[6]
 local now = now_ms(tonumber(ARGV[1]))
 local vals, sub = scope(0, specs, 1, 1, now)
 if ARGV[4] == '1' and not vals[1] then return { -1 } end
-local kind, a, b = S[1], S[4], S[5]
+local kind, a, b = S[KIND], S[SPEC_A], S[SPEC_B]
 
 local wid, expires
 if kind == FIXED then
-  wid, expires = S[10], S[12]
+  wid, expires = S[WIN_NUM], S[WIN_END]
 elseif a > 0 then
   wid, expires = 0, 0
 else
-  wid, expires = S[11], S[11] + b
+  wid, expires = S[TB_TIME], S[TB_TIME] + b
 end
 
 local n = 0
 if op == '1' then
   local l, u = report(1, now)
-  local free = kind == BUCKET and a > 0 and floor(S[10]) or l - u
+  local free = kind == TOKEN_BUCKET and a > 0 and floor(S[TB_LEVEL]) or l - u
   n = max(0, min(amount, free))
   if n > 0 then add(1, n, now, now) end
-  if kind == BUCKET and a > 0 then expires = now + max(1, ceil(n / a)) end
+  if kind == TOKEN_BUCKET and a > 0 then expires = now + max(1, ceil(n / a)) end
 elseif tostring(wid) == ARGV[5] then
   n = amount
   add(1, -n, now, now)

@@ -38,34 +38,28 @@
 --   b: rolling bucket count; token_bucket with a = 0: allowance period ms
 -- Time is Redis TIME plus a test offset, so skewed instances agree.
 
+-- Names in capitals are numbers that the library's assembly writes in
+-- (../names.go, and ../../wire/protocol.go for those Go shares, which say
+-- what each means): a local would cost a VM operation per use. MAX_COUNT
+-- is the most a counter holds: 1e12, the cap of every count in the event
+-- contract. Counters saturate there, so every snapshot stays encodable and
+-- no 48-bit field can wrap, whatever is charged. Every month has at least
+-- 28 days: a time less than DAYS_28 before the end of a month lies in that
+-- month, and month() need not run.
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
-local Z6 = '\0\0\0\0\0\0' -- one empty rolling bucket
-local NEVER = 140737488355327 -- 2^47-1: a record that never expires
--- MAXC is the most a counter holds: 1e12, the cap of every count in the
--- event contract. Counters saturate there, so every snapshot stays
--- encodable and no 48-bit field can wrap, whatever is charged.
-local MAXC = 1000000000000
-local ROLLING, FIXED, CALENDAR, BUCKET, LOG, BALANCE, CONC = 1, 2, 3, 4, 5, 6, 7
--- Every month has at least 28 days: a time less than DAYS28 before the end
--- of a month lies in that month, and month() need not run.
-local DAYS28 = 28 * 86400000
-local K = 16 -- slots of S per limit
--- S holds every limit's spec and state: limit j at S[(j-1)*K + 1 ...]:
---   +1 kind, +2 flags, +3 limit, +4 a, +5 b, +6 id, +7 blob (table),
---   +8 payload position in the blob's raw string (false: none), +9 dirty,
---   +10.. state: rolling b, h, tl, t, cur, full; fixed/calendar w, c, wend;
---   bucket x, y; log entries, first; balance cr, sp; concurrency n, key,
---   member, delta; +16 would deny (1: a shadow limit that does not fit)
--- A constructor of 96 slots sizes S once (growing it costs a rehash per
--- doubling); of nils, which the compiler loads in one VM operation, where
--- each false costs one (callgrind: 7.6k instructions against 10.8k).
-local S = { nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
+local z6 = '\0\0\0\0\0\0' -- one empty rolling bucket
+-- S holds every limit's spec and state: limit j in the SLOTS slots after
+-- (j-1)*SLOTS, named in names.go. A constructor of STATE_SLOTS slots
+-- sizes S once (growing it costs a rehash per doubling); of nils, which the
+-- compiler loads in one VM operation, where each false costs one
+-- (callgrind: 7.6k instructions against 10.8k).
+local S = { NILS(STATE_SLOTS) }
 
--- I6S[n] and I8S[n] are the struct formats of n 48-bit and n 64-bit
+-- i6s[n] and i8s[n] are the struct formats of n 48-bit and n 64-bit
 -- integers, built once by fmt: kept while the library stays loaded, where
 -- building one costs a concatenation and a string.rep per use.
-local I6S, I8S = {}, {}
+local i6s, i8s = {}, {}
 local function fmt(cache, f, n)
   local v = '<' .. srep(f, n)
   cache[n] = v
@@ -146,31 +140,32 @@ end
 -- dropped, token buckets refilled. sub and ten are the open blobs; zkey is
 -- the sorted set of a concurrency limit.
 local function load(specs, pos, j, sub, ten, now, zkey)
-  local o = (j - 1) * K
+  local o = (j - 1) * SLOTS
   local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, pos)
-  local bl = fl >= 4 and ten or sub
-  S[o + 1], S[o + 2], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7], S[o + 9], S[o + 16] =
-    kind, fl, lim, a, b, id, bl, false, 0
-  if kind == CONC then
+  local bl = IS_TENANT(fl) and ten or sub
+  S[o + KIND], S[o + FLAGS], S[o + LIMIT], S[o + SPEC_A], S[o + SPEC_B], S[o + ID], S[o + BLOB], S[o + DIRTY],
+    S[o + WOULD_DENY] = kind, fl, lim, a, b, id, bl, false, 0
+  if kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
-    S[o + 10], S[o + 11], S[o + 12] = redis.call('ZCARD', zkey), zkey, false
+    S[o + CONC_USED], S[o + CONC_KEY], S[o + CONC_MEMBER] = redis.call('ZCARD', zkey), zkey, false
     return
   end
   local raw, at = bl.raw, bl[id]
   if at then at = at + 14 else raw = nil end
-  S[o + 8] = at or false
+  S[o + PAYLOAD] = at or false
   if kind == ROLLING then
     local cb = floor(now / a)
     local h, tl, t
     if raw then h, tl, t = sunpack('<i6i6i6', raw, at) end
     if not raw or cb - h >= b then
       -- a fresh window: every bucket is zero, and none is built until stored
-      S[o + 8], S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = false, cb, cb, cb, 0, 0, false
+      S[o + PAYLOAD], S[o + ROLL_NOW], S[o + ROLL_HEAD], S[o + ROLL_TAIL], S[o + ROLL_TOTAL], S[o + ROLL_NOW_USED],
+        S[o + ROLL_BUCKETS] = false, cb, cb, cb, 0, 0, false
       return
     end
     local full = false
     if cb > h then
-      full = { sunpack(I6S[b] or fmt(I6S, 'i6', b), raw, at + 18) }
+      full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), raw, at + 18) }
       full[b + 1] = nil
       for k = h + 1, cb do
         local i = k % b + 1
@@ -185,20 +180,21 @@ local function load(specs, pos, j, sub, ten, now, zkey)
       end
       h = cb
     end
-    S[o + 10], S[o + 11], S[o + 12], S[o + 13], S[o + 14], S[o + 15] = cb, h, tl, t, false, full
+    S[o + ROLL_NOW], S[o + ROLL_HEAD], S[o + ROLL_TAIL], S[o + ROLL_TOTAL], S[o + ROLL_NOW_USED], S[o + ROLL_BUCKETS] =
+      cb, h, tl, t, false, full
   elseif kind == FIXED or kind == CALENDAR then
     local w, wend, rw, rc
     if raw then rw, rc = sunpack('<i6i6', raw, at) end
     if kind == FIXED then
       w = floor(now / a)
       wend = (w + 1) * a
-    elseif raw and now >= bl[-id] - DAYS28 then
+    elseif raw and now >= bl[-id] - DAYS_28 then
       w, wend = rw, bl[-id] -- the record's month, which ends at its expiry
     else
       w, wend = month(now)
     end
-    S[o + 10], S[o + 11], S[o + 12] = w, rw == w and rc or 0, wend
-  elseif kind == BUCKET then
+    S[o + WIN_NUM], S[o + WIN_USED], S[o + WIN_END] = w, rw == w and rc or 0, wend
+  elseif kind == TOKEN_BUCKET then
     local x, y
     if raw then x, y = sunpack('<dd', raw, at) end
     if a > 0 then -- x tokens, y last refill
@@ -207,223 +203,224 @@ local function load(specs, pos, j, sub, ten, now, zkey)
     elseif not raw or now >= y + b then -- x used, y period start
       x, y = 0, now
     end
-    S[o + 10], S[o + 11] = x, y
-  elseif kind == LOG then
+    S[o + TB_LEVEL], S[o + TB_TIME] = x, y
+  elseif kind == SLIDING_LOG then
     local e, first = {}, 1
     if raw then
       local k = sunpack('<I2', raw, at - 2) / 6
-      e = { sunpack(I6S[k] or fmt(I6S, 'i6', k), raw, at) }
+      e = { sunpack(i6s[k] or fmt(i6s, 'i6', k), raw, at) }
       e[#e] = nil
       local cut = now - a
       while e[first] and e[first] <= cut do first = first + 1 end
     end
-    S[o + 10], S[o + 11] = e, first
+    S[o + LOG_TIMES], S[o + LOG_FIRST] = e, first
   else -- BALANCE
     local cr, sp = 0, 0
     if raw then cr, sp = sunpack('<i6i6', raw, at) end
-    S[o + 10], S[o + 11] = cr, sp
+    S[o + BAL_CREDITED], S[o + BAL_SPENT] = cr, sp
   end
 end
 
 -- expand unpacks every counter of rolling limit j into a table, for the
 -- paths that need more than the current bucket.
 local function expand(o)
-  local full = S[o + 15]
+  local full = S[o + ROLL_BUCKETS]
   if full then return full end
-  local b, at = S[o + 5], S[o + 8]
+  local b, at = S[o + SPEC_B], S[o + PAYLOAD]
   if at then
-    full = { sunpack(I6S[b] or fmt(I6S, 'i6', b), S[o + 7].raw, at + 18) }
+    full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), S[o + BLOB].raw, at + 18) }
     full[b + 1] = nil
   else
     full = {}
     for i = 1, b do full[i] = 0 end
   end
-  if S[o + 14] then full[S[o + 10] % b + 1] = S[o + 14] end
-  S[o + 15] = full
+  if S[o + ROLL_NOW_USED] then full[S[o + ROLL_NOW] % b + 1] = S[o + ROLL_NOW_USED] end
+  S[o + ROLL_BUCKETS] = full
   return full
 end
 
 -- report returns limit, used and the ms until limit j next frees capacity
 -- or resets (0 when nothing is used or it never resets).
 local function report(j, now)
-  local o = (j - 1) * K
-  local kind, lim, a, b = S[o + 1], S[o + 3], S[o + 4], S[o + 5]
+  local o = (j - 1) * SLOTS
+  local kind, lim, a, b = S[o + KIND], S[o + LIMIT], S[o + SPEC_A], S[o + SPEC_B]
   if kind == ROLLING then
-    local t = S[o + 13]
-    if t > 0 then return lim, t, (S[o + 12] + b) * a - now end
+    local t = S[o + ROLL_TOTAL]
+    if t > 0 then return lim, t, (S[o + ROLL_TAIL] + b) * a - now end
     return lim, 0, 0
   elseif kind == FIXED or kind == CALENDAR then
-    return lim, S[o + 11], S[o + 12] - now
-  elseif kind == BUCKET then
+    return lim, S[o + WIN_USED], S[o + WIN_END] - now
+  elseif kind == TOKEN_BUCKET then
     if a > 0 then
-      local used = lim - S[o + 10]
+      local used = lim - S[o + TB_LEVEL]
       return lim, ceil(used), ceil(used / a)
     end
-    return lim, S[o + 10], S[o + 11] + b - now
-  elseif kind == LOG then
-    local e, first = S[o + 10], S[o + 11]
+    return lim, S[o + TB_LEVEL], S[o + TB_TIME] + b - now
+  elseif kind == SLIDING_LOG then
+    local e, first = S[o + LOG_TIMES], S[o + LOG_FIRST]
     local used = #e - first + 1
     if used > 0 then return lim, used, e[first] + a - now end
     return lim, 0, 0
   elseif kind == BALANCE then
-    return S[o + 10], S[o + 11], 0
+    return S[o + BAL_CREDITED], S[o + BAL_SPENT], 0
   end
-  return lim, S[o + 10], 0
+  return lim, S[o + CONC_USED], 0
 end
 
 -- check says whether cost fits limit j; when it does not, also the ms after
 -- which it would (-1: only a top-up helps) and whether the cost exceeds the
 -- limit itself, so that waiting never helps.
 local function check(j, cost, now)
-  local o = (j - 1) * K
-  local kind, lim, a, b = S[o + 1], S[o + 3], S[o + 4], S[o + 5]
+  local o = (j - 1) * SLOTS
+  local kind, lim, a, b = S[o + KIND], S[o + LIMIT], S[o + SPEC_A], S[o + SPEC_B]
   if kind == ROLLING then
-    local need = S[o + 13] + cost - lim
+    local need = S[o + ROLL_TOTAL] + cost - lim
     if need <= 0 then return true end
     if cost > lim then return false, 0, true end
-    local full, freed, cb = expand(o), 0, S[o + 10]
+    local full, freed, cb = expand(o), 0, S[o + ROLL_NOW]
     for k = cb - b + 1, cb do
       freed = freed + full[k % b + 1]
       if freed >= need then return false, (k + b) * a - now end
     end
     return false, b * a -- corrections overshot: the whole window must pass
   elseif kind == FIXED or kind == CALENDAR then
-    if S[o + 11] + cost <= lim then return true end
-    return false, S[o + 12] - now, cost > lim
-  elseif kind == BUCKET then
-    local x = S[o + 10]
+    if S[o + WIN_USED] + cost <= lim then return true end
+    return false, S[o + WIN_END] - now, cost > lim
+  elseif kind == TOKEN_BUCKET then
+    local x = S[o + TB_LEVEL]
     if a > 0 then
       if x >= cost then return true end
       return false, ceil((cost - x) / a), cost > lim
     end
     if x + cost <= lim then return true end
-    return false, S[o + 11] + b - now, cost > lim
-  elseif kind == LOG then
-    local e, first = S[o + 10], S[o + 11]
+    return false, S[o + TB_TIME] + b - now, cost > lim
+  elseif kind == SLIDING_LOG then
+    local e, first = S[o + LOG_TIMES], S[o + LOG_FIRST]
     local need = (#e - first + 1) + cost - lim
     if need <= 0 then return true end
     if cost > lim then return false, 0, true end
     return false, e[first + need - 1] + a - now
   elseif kind == BALANCE then
-    if S[o + 11] + cost <= S[o + 10] then return true end
+    if S[o + BAL_SPENT] + cost <= S[o + BAL_CREDITED] then return true end
     return false, -1
   end
-  if S[o + 10] + 1 <= lim then return true end
+  if S[o + CONC_USED] + 1 <= lim then return true end
   return false, 1000 -- slots free as requests finish: ask again in a second
 end
 
 -- add charges delta (negative gives back) to limit j at time ts: now for a
 -- reservation, the reservation's time for a correction. A window that has
--- slid past ts is left alone; counters never go below zero nor above MAXC.
+-- slid past ts is left alone; counters never go below zero nor above
+-- MAX_COUNT.
 local function add(j, delta, ts, now, member)
-  local o = (j - 1) * K
-  local kind, lim, a, b = S[o + 1], S[o + 3], S[o + 4], S[o + 5]
-  S[o + 9] = true
+  local o = (j - 1) * SLOTS
+  local kind, lim, a, b = S[o + KIND], S[o + LIMIT], S[o + SPEC_A], S[o + SPEC_B]
+  S[o + DIRTY] = true
   if kind == ROLLING then
-    local k, cb = floor(ts / a), S[o + 10]
+    local k, cb = floor(ts / a), S[o + ROLL_NOW]
     if k <= cb - b or k > cb then return end
-    local t = S[o + 13]
-    if delta > 0 and t + delta > MAXC then delta = max(0, MAXC - t) end
-    if k == cb and delta > 0 and not S[o + 15] then
+    local t = S[o + ROLL_TOTAL]
+    if delta > 0 and t + delta > MAX_COUNT then delta = max(0, MAX_COUNT - t) end
+    if k == cb and delta > 0 and not S[o + ROLL_BUCKETS] then
       -- hot path: only the current bucket and the header change
-      local cur = S[o + 14] or sunpack('<i6', S[o + 7].raw, S[o + 8] + 18 + 6 * (k % b))
-      if t == 0 then S[o + 12] = k end
-      S[o + 13], S[o + 14] = t + delta, cur + delta
+      local cur = S[o + ROLL_NOW_USED] or sunpack('<i6', S[o + BLOB].raw, S[o + PAYLOAD] + 18 + 6 * (k % b))
+      if t == 0 then S[o + ROLL_TAIL] = k end
+      S[o + ROLL_TOTAL], S[o + ROLL_NOW_USED] = t + delta, cur + delta
       return
     end
     local full = expand(o)
     local i = k % b + 1
     if full[i] + delta < 0 then delta = -full[i] end
     full[i], t = full[i] + delta, t + delta
-    S[o + 13], S[o + 12] = t, cb
+    S[o + ROLL_TOTAL], S[o + ROLL_TAIL] = t, cb
     for q = cb - b + 1, cb do
-      if full[q % b + 1] ~= 0 then S[o + 12] = q; break end
+      if full[q % b + 1] ~= 0 then S[o + ROLL_TAIL] = q; break end
     end
   elseif kind == FIXED or kind == CALENDAR then
     local w
     if kind == FIXED then
       w = floor(ts / a)
-    elseif ts < S[o + 12] and ts >= S[o + 12] - DAYS28 then
-      w = S[o + 10]
+    elseif ts < S[o + WIN_END] and ts >= S[o + WIN_END] - DAYS_28 then
+      w = S[o + WIN_NUM]
     else
       w = month(ts)
     end
-    if w == S[o + 10] then
+    if w == S[o + WIN_NUM] then
       -- clamped by comparisons: a call of min or max costs more (lib header)
-      local c = S[o + 11] + delta
-      if c > MAXC then c = MAXC elseif c < 0 then c = 0 end
-      S[o + 11] = c
+      local c = S[o + WIN_USED] + delta
+      if c > MAX_COUNT then c = MAX_COUNT elseif c < 0 then c = 0 end
+      S[o + WIN_USED] = c
     end
-  elseif kind == BUCKET then
-    if a > 0 then -- tokens left, at most MAXC below the burst
-      local x = S[o + 10] - delta
-      if x > lim then x = lim elseif x < lim - MAXC then x = lim - MAXC end
-      S[o + 10] = x
-    elseif ts >= S[o + 11] then
-      local x = S[o + 10] + delta
-      if x > MAXC then x = MAXC elseif x < 0 then x = 0 end
-      S[o + 10] = x
+  elseif kind == TOKEN_BUCKET then
+    if a > 0 then -- tokens left, at most MAX_COUNT below the burst
+      local x = S[o + TB_LEVEL] - delta
+      if x > lim then x = lim elseif x < lim - MAX_COUNT then x = lim - MAX_COUNT end
+      S[o + TB_LEVEL] = x
+    elseif ts >= S[o + TB_TIME] then
+      local x = S[o + TB_LEVEL] + delta
+      if x > MAX_COUNT then x = MAX_COUNT elseif x < 0 then x = 0 end
+      S[o + TB_LEVEL] = x
     end
-  elseif kind == LOG then
-    local e = S[o + 10]
+  elseif kind == SLIDING_LOG then
+    local e = S[o + LOG_TIMES]
     if delta < 0 then
-      if #e >= S[o + 11] then e[#e] = nil end
+      if #e >= S[o + LOG_FIRST] then e[#e] = nil end
     else
       for _ = 1, delta do e[#e + 1] = now end
     end
   elseif kind == BALANCE then
-    S[o + 11] = min(MAXC, max(0, S[o + 11] + delta))
+    S[o + BAL_SPENT] = min(MAX_COUNT, max(0, S[o + BAL_SPENT] + delta))
   else
-    S[o + 10], S[o + 12], S[o + 13] = max(0, S[o + 10] + delta), member, delta
+    S[o + CONC_USED], S[o + CONC_MEMBER], S[o + CONC_DELTA] = max(0, S[o + CONC_USED] + delta), member, delta
   end
 end
 
 -- store puts the changed state of limit j back into its blob (a sorted set
 -- is written directly) and marks the blob dirty.
 local function store(j, now)
-  local o = (j - 1) * K
-  if not S[o + 9] then return end
-  local kind, lim, a, b, id, bl = S[o + 1], S[o + 3], S[o + 4], S[o + 5], S[o + 6], S[o + 7]
+  local o = (j - 1) * SLOTS
+  if not S[o + DIRTY] then return end
+  local kind, lim, a, b, id, bl = S[o + KIND], S[o + LIMIT], S[o + SPEC_A], S[o + SPEC_B], S[o + ID], S[o + BLOB]
   local rec, e
   if kind == ROLLING then
-    local h = S[o + 11]
+    local h = S[o + ROLL_HEAD]
     e = (h + b) * a
-    rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, h, S[o + 12], S[o + 13])
-    local full, at, i = S[o + 15], S[o + 8], S[o + 10] % b
+    rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, h, S[o + ROLL_TAIL], S[o + ROLL_TOTAL])
+    local full, at, i = S[o + ROLL_BUCKETS], S[o + PAYLOAD], S[o + ROLL_NOW] % b
     if full then
-      rec = rec .. spack(I6S[b] or fmt(I6S, 'i6', b), unpack(full))
+      rec = rec .. spack(i6s[b] or fmt(i6s, 'i6', b), unpack(full))
     elseif not at then
-      rec = rec .. srep(Z6, i) .. spack('<i6', S[o + 14]) .. srep(Z6, b - i - 1)
-    elseif not S[o + 14] then -- a correction outside the window: no bucket changed
+      rec = rec .. srep(z6, i) .. spack('<i6', S[o + ROLL_NOW_USED]) .. srep(z6, b - i - 1)
+    elseif not S[o + ROLL_NOW_USED] then -- a correction outside the window: no bucket changed
       rec = rec .. bl.raw:sub(at + 18, at + 17 + 6 * b)
     else
       local raw, off = bl.raw, at + 18 + 6 * i
-      rec = rec .. raw:sub(at + 18, off - 1) .. spack('<i6', S[o + 14]) .. raw:sub(off + 6, at + 17 + 6 * b)
+      rec = rec .. raw:sub(at + 18, off - 1) .. spack('<i6', S[o + ROLL_NOW_USED]) .. raw:sub(off + 6, at + 17 + 6 * b)
     end
   elseif kind == FIXED or kind == CALENDAR then
-    e = S[o + 12]
-    rec = spack('<I6i6I2i6i6', id, e, 12, S[o + 10], S[o + 11])
-  elseif kind == BUCKET then
-    local x, y = S[o + 10], S[o + 11]
+    e = S[o + WIN_END]
+    rec = spack('<I6i6I2i6i6', id, e, 12, S[o + WIN_NUM], S[o + WIN_USED])
+  elseif kind == TOKEN_BUCKET then
+    local x, y = S[o + TB_LEVEL], S[o + TB_TIME]
     if a > 0 then e = now + ceil((lim - x) / a) + 1000 else e = y + b end
     rec = spack('<I6i6I2dd', id, e, 16, x, y)
-  elseif kind == LOG then
-    local ent, first = S[o + 10], S[o + 11]
+  elseif kind == SLIDING_LOG then
+    local ent, first = S[o + LOG_TIMES], S[o + LOG_FIRST]
     local n = #ent - first + 1
     if n <= 0 then
       e = now -- nothing left: expires at once
       rec = spack('<I6i6I2', id, e, 0)
     else
       e = ent[#ent] + a
-      rec = spack('<I6i6I2', id, e, 6 * n) .. spack(I6S[n] or fmt(I6S, 'i6', n), unpack(ent, first))
+      rec = spack('<I6i6I2', id, e, 6 * n) .. spack(i6s[n] or fmt(i6s, 'i6', n), unpack(ent, first))
     end
   elseif kind == BALANCE then
     e = NEVER
-    rec = spack('<I6i6I2i6i6', id, e, 12, S[o + 10], S[o + 11])
+    rec = spack('<I6i6I2i6i6', id, e, 12, S[o + BAL_CREDITED], S[o + BAL_SPENT])
   else
-    local key, member = S[o + 11], S[o + 12]
+    local key, member = S[o + CONC_KEY], S[o + CONC_MEMBER]
     if member then
-      if S[o + 13] > 0 then
+      if S[o + CONC_DELTA] > 0 then
         redis.call('ZADD', key, now + a, member)
         redis.call('PEXPIRE', key, a)
       else
@@ -460,13 +457,12 @@ end
 --              the request are duplicates
 --   TOMB       the same for one admission denied locally: it stops only the
 --              lost call itself (its nonce), should that run late
-local OPEN, CORRECTED, RELEASED, VOID, TOMB = 0, 1, 2, 3, 4
 
 -- record reads a reservation record: time, estimate, state, fingerprint,
 -- nonce, and the position of its tail (nil when it names no limit: a
 -- settlement then touches the call's specs).
 local function record(raw)
-  if #raw == 13 then
+  if #raw == RECORD_HEAD then
     local ts, est, st = sunpack('<i6i6B', raw)
     return ts, est, st, 0, 0, nil
   end
@@ -493,8 +489,8 @@ local function scope(meta, specs, at, n, now)
     if meta == 2 then ten = open(vals[4], now) end
   end
   for j = 1, n do
-    local zkey, pos = nil, at + (j - 1) * 32
-    if specs:byte(pos + 6) == CONC then
+    local zkey, pos = nil, at + (j - 1) * SPEC_LEN
+    if specs:byte(pos + 6) == CONCURRENCY then
       zkey, z = KEYS[z], z + 1
     end
     load(specs, pos, j, sub, ten, now, zkey)
@@ -510,19 +506,19 @@ end
 -- It returns the slots, in the record's order, and the last slot used.
 local function holds(raw, p, n, sub, ten, now, all)
   local m = sunpack('<I2', raw, p)
-  local z, out, last = p + 2 + 32 * m, {}, n
+  local z, out, last = p + 2 + SPEC_LEN * m, {}, n
   for i = 1, m do
-    local pos = p + 2 + (i - 1) * 32
+    local pos = p + 2 + (i - 1) * SPEC_LEN
     local id, kind, fl = sunpack('<I6BB', raw, pos)
     local zkey
-    if kind == CONC then
+    if kind == CONCURRENCY then
       local l = sunpack('<I2', raw, z)
       zkey, z = raw:sub(z + 2, z + 1 + l), z + 2 + l
     end
-    if all or kind == CONC or fl % 2 == 1 then
+    if all or kind == CONCURRENCY or IS_TOKENS(fl) then
       local j
       for q = 1, n do
-        if S[(q - 1) * K + 6] == id then j = q; break end
+        if S[(q - 1) * SLOTS + ID] == id then j = q; break end
       end
       if not j then
         last = last + 1
@@ -553,13 +549,12 @@ end
 -- integers cost it one each. The table is presized for 5 limits by a
 -- constructor of nils, as S is.
 local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7, h8)
-  local out = { h1, h2, h3, h4, h5, h6, h7, h8, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil,
-    nil, nil, nil, nil, nil, nil, nil, nil, nil, nil }
+  local out = { h1, h2, h3, h4, h5, h6, h7, h8, NILS(20) }
   local i = #out
   for j = 1, n do
     local l, u, r = report(j, now)
-    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, S[(j - 1) * K + 16]
+    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, S[(j - 1) * SLOTS + WOULD_DENY]
     i = i + 4
   end
-  return spack(I8S[i] or fmt(I8S, 'i8', i), unpack(out, 1, i))
+  return spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i))
 end

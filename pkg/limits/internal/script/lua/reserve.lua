@@ -34,41 +34,41 @@
 local arg = ARGV[1]
 local offset, cost, mode, guard, meta, ttl, myfp, mynonce, n = sunpack('<i6i6BBBi6I6I6I2', arg)
 local now = now_ms(offset)
-local vals, sub, ten = scope(meta, arg, 36, n, now)
+local vals, sub, ten = scope(meta, arg, RESERVE_HEAD + TAIL_HEAD + 1, n, now)
 if guard == 1 and not vals[1] then return spack('<i8', -1) end
 
-local raw = meta ~= 0 and mode ~= 1 and vals[2]
+local raw = meta ~= 0 and mode ~= MODE_PEEK and vals[2]
 if raw then
   local _, _, state, fp, nonce = record(raw)
   local status
   if state == TOMB then
     -- the lost call a local denial stands for: it must not reserve now
-    if nonce == mynonce then status = 4 end
-  elseif mode == 2 then
-    status = 5
+    if nonce == mynonce then status = STATUS_CONFLICT_SETTLED end
+  elseif mode == MODE_FRESH then
+    status = STATUS_CONFLICT_REUSED
   elseif state == CORRECTED or state == RELEASED then
-    status = 4
+    status = STATUS_CONFLICT_SETTLED
   elseif fp == myfp then
-    status = 2
+    status = STATUS_DUPLICATE
   else
-    status = 3
+    status = STATUS_CONFLICT_REQUEST
   end
   if status then return snapshot(n, now, status, 0, 0, 0, now, sub.ver, ten and ten.ver or 0) end
 end
 
 local denied, retry, reason = 0, 0, 0
 for j = 1, n do
-  local fl = S[(j - 1) * K + 2]
-  local ok, wait, exceeds = check(j, fl % 2 == 1 and cost or 1, now)
+  local fl = S[(j - 1) * SLOTS + FLAGS]
+  local ok, wait, exceeds = check(j, IS_TOKENS(fl) and cost or 1, now)
   if not ok then
-    if fl % 4 >= 2 then
-      S[(j - 1) * K + 16] = 1
+    if IS_SHADOW(fl) then
+      S[(j - 1) * SLOTS + WOULD_DENY] = 1
     else
       if denied == 0 then denied = j end
       if exceeds then
-        reason = 1
+        reason = REASON_EXCEEDS_LIMIT
       elseif wait < 0 then
-        if reason == 0 then reason = 2 end
+        if reason == 0 then reason = REASON_NO_BALANCE end
         retry = -1
       elseif retry >= 0 then
         retry = max(retry, wait)
@@ -77,15 +77,15 @@ for j = 1, n do
   end
 end
 
-local status = 1
+local status = STATUS_ALLOWED
 if denied > 0 then
-  status = 0
-  if reason == 1 then retry = 0 end
-elseif mode ~= 1 then
-  for j = 1, n do add(j, S[(j - 1) * K + 2] % 2 == 1 and cost or 1, now, now, ARGV[2]) end
+  status = STATUS_DENIED
+  if reason == REASON_EXCEEDS_LIMIT then retry = 0 end
+elseif mode ~= MODE_PEEK then
+  for j = 1, n do add(j, IS_TOKENS(S[(j - 1) * SLOTS + FLAGS]) and cost or 1, now, now, ARGV[2]) end
   commit(meta, n, sub, ten, now)
   if meta ~= 0 then
-    redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, OPEN) .. arg:sub(22), 'PX', ttl)
+    redis.call('SET', KEYS[2], spack('<i6i6B', now, cost, OPEN) .. arg:sub(RESERVE_HEAD + 1), 'PX', ttl)
   end
 end
 return snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)

@@ -30,7 +30,7 @@
 -- the reservation time is left alone.
 local op, actual, specs = ARGV[2], tonumber(ARGV[3]), ARGV[10]
 local now = now_ms(tonumber(ARGV[1]))
-local n = #specs / 32
+local n = #specs / SPEC_LEN
 local vals, sub, ten = scope(2, specs, 1, n, now)
 if ARGV[4] == '1' and not vals[1] then return spack('<i8', -1) end
 
@@ -67,7 +67,7 @@ local delta = op == '1' and actual - hold or -hold
 local free = state ~= RELEASED and state ~= VOID
 for i = 1, #slots do
   local j = slots[i]
-  if S[(j - 1) * K + 1] == CONC then
+  if S[(j - 1) * SLOTS + KIND] == CONCURRENCY then
     if free then add(j, -1, at, now, ARGV[7]) end
   elseif delta ~= 0 then
     add(j, delta, at, now)
@@ -77,7 +77,7 @@ commit(2, last, sub, ten, now)
 local settled = op == '1' and CORRECTED or RELEASED
 local rec
 if p and settled == RELEASED then -- its tail kept, for a later actual
-  rec = spack('<i6i6B', at, hold, settled) .. raw:sub(14)
+  rec = spack('<i6i6B', at, hold, settled) .. raw:sub(RECORD_HEAD + 1)
 else -- nothing settles a corrected record again: the tail would only take memory
   rec = spack('<i6i6BI6I6', at, hold, settled, fp, nonce)
 end

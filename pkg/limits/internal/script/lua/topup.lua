@@ -12,9 +12,9 @@ if ARGV[3] == '1' and not vals[1] then return { -1 } end
 local now = now_ms(0)
 local bl = open(vals[2], now)
 load(ARGV[4], 1, 1, bl, bl, now)
-if vals[3] then return { 2, S[10], S[11], bl.ver } end
-S[10], S[9] = min(MAXC, S[10] + tonumber(ARGV[1])), true
+if vals[3] then return { 2, S[BAL_CREDITED], S[BAL_SPENT], bl.ver } end
+S[BAL_CREDITED], S[DIRTY] = min(MAX_COUNT, S[BAL_CREDITED] + tonumber(ARGV[1])), true
 store(1, now)
 save(bl, KEYS[2], now)
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
-return { 1, S[10], S[11], bl.ver }
+return { 1, S[BAL_CREDITED], S[BAL_SPENT], bl.ver }

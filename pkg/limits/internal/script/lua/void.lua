@@ -33,10 +33,10 @@ if raw then
       local slots, last = holds(raw, p, 0, sub, ten, now, not allowed)
       for i = 1, #slots do
         local j = slots[i]
-        local o = (j - 1) * K
-        if S[o + 1] == CONC then
+        local o = (j - 1) * SLOTS
+        if S[o + KIND] == CONCURRENCY then
           add(j, -1, ts, now, ARGV[7])
-        elseif S[o + 2] % 2 == 0 then
+        elseif not IS_TOKENS(S[o + FLAGS]) then
           add(j, -1, ts, now)
         elseif est ~= 0 then
           add(j, -est, ts, now)
