@@ -10,6 +10,7 @@ import (
 	"errors"
 	"io"
 	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -287,49 +288,70 @@ func TestDashboard(t *testing.T) {
 }
 
 // readVars returns the QF_ variables a service reads: the envconfig tags
-// of services/<svc>/config.go and of what every service embeds,
-// pkg/events/stream (stream.Config) and internal/obs (obs.Ops).
+// of services/<svc>/config.go, of the parts of internal/config it embeds
+// (config.NATS embeds pkg/events/stream's stream.Config) and of
+// internal/obs (obs.Ops).
 func readVars(t *testing.T) map[string]map[string]bool {
 	t.Helper()
 	tag := regexp.MustCompile("envconfig:\"([A-Z0-9_]+)\"")
-	scan := func(paths ...string) map[string]bool {
-		vars := map[string]bool{}
+	scan := func(vars map[string]bool, src string) {
+		for _, m := range tag.FindAllStringSubmatch(src, -1) {
+			vars["QF_"+m[1]] = true
+		}
+	}
+	read := func(pattern string) string {
+		paths, err := filepath.Glob(filepath.Join(repoRoot, pattern))
+		if err != nil || len(paths) == 0 {
+			t.Fatalf("%s: %v", pattern, err)
+		}
+		var b strings.Builder
 		for _, p := range paths {
-			b, err := os.ReadFile(p)
+			if strings.HasSuffix(p, "_test.go") {
+				continue
+			}
+			src, err := os.ReadFile(p)
 			if err != nil {
 				t.Fatal(err)
 			}
-			for _, m := range tag.FindAllStringSubmatch(string(b), -1) {
-				vars["QF_"+m[1]] = true
-			}
+			b.Write(src)
 		}
-		return vars
+		return b.String()
 	}
-	embedded, err := filepath.Glob(filepath.Join(repoRoot, "pkg/events/stream/*.go"))
-	if err != nil {
-		t.Fatal(err)
+	// The variables of each part of internal/config, by type name.
+	parts := map[string]map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?s)\ntype (\w+) struct \{(.*?)\n\}`).FindAllStringSubmatch(read("internal/config/*.go"), -1) {
+		parts[m[1]] = map[string]bool{}
+		scan(parts[m[1]], m[2])
+		if strings.Contains(m[2], "stream.Config") {
+			scan(parts[m[1]], read("pkg/events/stream/*.go"))
+		}
 	}
-	ops, err := filepath.Glob(filepath.Join(repoRoot, "internal/obs/*.go"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	embedded = slices.DeleteFunc(append(embedded, ops...), func(p string) bool { return strings.HasSuffix(p, "_test.go") })
+	ops := read("internal/obs/*.go")
+	embeds := regexp.MustCompile(`(?m)^\tconfig\.(\w+)\b`)
 	out := map[string]map[string]bool{"any": {}}
 	for _, svc := range services {
-		src, err := os.ReadFile(filepath.Join(repoRoot, "services", svc, "config.go"))
-		if err != nil {
-			t.Fatal(err)
+		src := read(filepath.Join("services", svc, "config.go"))
+		if !strings.Contains(src, "config.NATS") || !strings.Contains(src, "obs.Ops") {
+			t.Fatalf("services/%s/config.go no longer embeds config.NATS and obs.Ops: update this test", svc)
 		}
-		if !strings.Contains(string(src), "stream.Config") || !strings.Contains(string(src), "obs.Ops") {
-			t.Fatalf("services/%s/config.go no longer embeds stream.Config and obs.Ops: update this test", svc)
+		out[svc] = map[string]bool{}
+		scan(out[svc], src)
+		scan(out[svc], ops)
+		for _, m := range embeds.FindAllStringSubmatch(src, -1) {
+			if parts[m[1]] == nil {
+				t.Fatalf("services/%s/config.go embeds config.%s, which internal/config does not declare", svc, m[1])
+			}
+			maps.Copy(out[svc], parts[m[1]])
 		}
-		out[svc] = scan(append([]string{filepath.Join(repoRoot, "services", svc, "config.go")}, embedded...)...)
-		for v := range out[svc] {
-			out["any"][v] = true
+		maps.Copy(out["any"], out[svc])
+	}
+	for _, want := range []string{"QF_REDIS_URL", "QF_STREAM", "QF_PPROF", "QF_ADMISSION_ADDR"} {
+		if !out["admission"][want] {
+			t.Fatalf("admission reads %d variables, not %s: the scanner is broken", len(out["admission"]), want)
 		}
 	}
-	if len(out["admission"]) < 10 {
-		t.Fatalf("found only %d variables of admission: the scanner is broken", len(out["admission"]))
+	if out["alerter"]["QF_REDIS_URL"] {
+		t.Fatal("the alerter reads QF_REDIS_URL: the scanner is broken")
 	}
 	return out
 }
