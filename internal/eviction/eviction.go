@@ -96,6 +96,15 @@ func New(c Client, log *slog.Logger) *Watcher {
 	return &Watcher{c: c, log: log.With("component", "redis_eviction")}
 }
 
+// Watch reports c's eviction policy into r (Report) and returns the task
+// that keeps it current, for Stack.Go: a check at once, then one every
+// Interval until its context ends.
+func Watch(c Client, log *slog.Logger, r Readiness) func(context.Context) {
+	w := New(c, log)
+	w.Report(r)
+	return func(ctx context.Context) { w.Run(ctx, Interval) }
+}
+
 // Run checks at once and then every interval until ctx ends.
 func (w *Watcher) Run(ctx context.Context, interval time.Duration) {
 	w.Check(ctx)

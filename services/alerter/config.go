@@ -7,6 +7,8 @@ import (
 
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
+	"quotaflow/services/alerter/internal/deliver"
+	"quotaflow/services/alerter/internal/detect"
 )
 
 // Config is the alerter's configuration, read from QF_* environment
@@ -110,4 +112,25 @@ func (c Config) Validate() error {
 		return fmt.Errorf("alerter config: %w", err)
 	}
 	return nil
+}
+
+// logArgs are the settings the "starting" line shows, without secrets.
+func (c Config) logArgs() []any {
+	return []any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "postgres_url", config.Redacted(c.PostgresURL),
+		"nats_url", config.Redacted(c.NATSURL), "stream", c.Stream, "subject_prefix", c.SubjectPrefix,
+		"consumer", c.Consumer, "webhooks_file", c.WebhooksFile}
+}
+
+func (c Config) deliverOptions() deliver.Options {
+	return deliver.Options{
+		AttemptTimeout: c.DeliveryTimeout, MinBackoff: c.DeliveryMinBackoff, MaxBackoff: c.DeliveryMaxBackoff,
+		MaxAge: c.DeliveryMaxAge, Poll: c.DeliveryPoll,
+	}
+}
+
+func (c Config) detectOptions() detect.Options {
+	return detect.Options{
+		Hysteresis: c.Hysteresis, SpikeWindow: c.SpikeWindow, SpikeRate: c.SpikeRate,
+		SpikeMinRequests: c.SpikeMinRequests, AbuseWindow: c.AbuseWindow, AbuseBurst: c.AbuseBurst,
+	}
 }

@@ -178,7 +178,7 @@ func (e *env) start(logs io.Writer) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	opsc := make(chan string, 1)
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, e.cfg, log, func(ops string) { opsc <- ops }) }()
+	go func() { done <- run(ctx, e.cfg, log, hooks{started: func(ops string) { opsc <- ops }}) }()
 	var ops string
 	select {
 	case ops = <-opsc:

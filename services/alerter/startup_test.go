@@ -77,7 +77,7 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 	opsc := make(chan string, 1)
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, e.cfg, slog.New(slog.DiscardHandler), func(ops string) { opsc <- ops })
+		done <- run(ctx, e.cfg, slog.New(slog.DiscardHandler), hooks{started: func(ops string) { opsc <- ops }})
 	}()
 	var ops string
 	select {
@@ -135,7 +135,7 @@ func TestStopsWhilePostgresDown(t *testing.T) {
 	done := make(chan error, 1)
 	opsc := make(chan string, 1)
 	go func() {
-		done <- run(ctx, e.cfg, slog.New(slog.DiscardHandler), func(ops string) { opsc <- ops })
+		done <- run(ctx, e.cfg, slog.New(slog.DiscardHandler), hooks{started: func(ops string) { opsc <- ops }})
 	}()
 	ops := <-opsc
 	e2e.Eventually(e.t, "readyz waiting for postgres", func() bool {

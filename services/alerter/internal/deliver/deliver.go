@@ -101,7 +101,8 @@ const (
 )
 
 // New returns a Deliverer over ob sending to hooks, counting attempts in
-// quotaflow_webhook_deliveries_total{result} on reg.
+// quotaflow_webhook_deliveries_total{result} on reg. Without hooks it
+// warns that alerts are detected and counted but not sent.
 func New(ob Outbox, hooks []Webhook, opt Options, log *slog.Logger, reg prometheus.Registerer) (*Deliverer, error) {
 	d := &Deliverer{
 		ob: ob, opt: opt.withDefaults(), log: log.With("component", "deliver"),
@@ -109,6 +110,9 @@ func New(ob Outbox, hooks []Webhook, opt Options, log *slog.Logger, reg promethe
 	}
 	if err := d.SetWebhooks(hooks); err != nil {
 		return nil, err
+	}
+	if len(hooks) == 0 {
+		d.log.Warn("no webhooks configured: alerts are detected and counted but not sent")
 	}
 	d.results = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_webhook_deliveries_total",

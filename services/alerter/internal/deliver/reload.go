@@ -7,9 +7,10 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"quotaflow/internal/filewatch"
 	"sync"
 	"time"
+
+	"quotaflow/internal/filewatch"
 )
 
 // Watcher keeps the webhooks of QF_WEBHOOKS_FILE in force while the
@@ -98,6 +99,12 @@ func (w *Watcher) Reload() error {
 // (SIGHUP still reloads).
 func (w *Watcher) Run(ctx context.Context) error {
 	return filewatch.Run(ctx, w.path, w.debounce, w.log, "webhooks file", func() { w.ReloadAndLog("change") })
+}
+
+// Watch keeps the webhooks current until ctx ends: it reloads the file
+// when it changes (Run) and on SIGHUP.
+func (w *Watcher) Watch(ctx context.Context) {
+	filewatch.OnSIGHUP(ctx, w.log, "webhooks file", w.Run, func() { w.ReloadAndLog("SIGHUP") })
 }
 
 // ReloadAndLog calls Reload and logs a rejection at Error, saying that
