@@ -16,7 +16,7 @@
 // that renames CONFIG) the policy is unknown: that is logged and shown as a
 // note, not as a failure.
 //
-// Admission and the accounter each run one.
+// Admission and the accounter each run one (service.OpenRedis).
 package eviction
 
 import (
@@ -30,11 +30,9 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-
-	"quotaflow/internal/service"
 )
 
-// Interval is how often Run checks again.
+// Interval is how often the policy is checked again after the first check.
 const Interval = time.Minute
 
 // checkTimeout bounds one check (two CONFIG GETs per node).
@@ -94,21 +92,6 @@ type Watcher struct {
 // New returns a Watcher of c that logs to log.
 func New(c Client, log *slog.Logger) *Watcher {
 	return &Watcher{c: c, log: log.With("component", "redis_eviction")}
-}
-
-// Watch reports c's eviction policy into r (Report) and returns the task
-// that keeps it current, for Stack.Go: a check at once, then one every
-// Interval until its context ends.
-func Watch(c Client, log *slog.Logger, r Readiness) func(context.Context) {
-	w := New(c, log)
-	w.Report(r)
-	return func(ctx context.Context) { w.Run(ctx, Interval) }
-}
-
-// Run checks at once and then every interval until ctx ends.
-func (w *Watcher) Run(ctx context.Context, interval time.Duration) {
-	w.Check(ctx)
-	service.Every(ctx, interval, func(ctx context.Context) { w.Check(ctx) })
 }
 
 // Check reads the policy now, logs it if it changed and returns it. While

@@ -2,6 +2,7 @@ package service
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -39,10 +40,31 @@ func ConnectNATS(s *Stack, name, url string, opts ...jetstream.JetStreamOpt) (*n
 	if err != nil {
 		return nil, nil, fmt.Errorf("nats: %w", err)
 	}
-	s.Push("nats", func(ctx context.Context) error { return DrainNATS(ctx, nc) })
+	s.Push("nats", func(ctx context.Context) error { return drainNATS(ctx, nc) })
 	js, err := jetstream.New(nc, opts...)
 	if err != nil {
 		return nil, nil, fmt.Errorf("jetstream: %w", err)
 	}
 	return nc, js, nil
+}
+
+// drainNATS lets pending publishes and acks reach the server, then closes
+// the connection; past ctx's deadline it closes it at once.
+func drainNATS(ctx context.Context, nc *nats.Conn) error {
+	closed := make(chan struct{})
+	nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
+	if err := nc.Drain(); err != nil {
+		nc.Close()
+		if errors.Is(err, nats.ErrConnectionClosed) {
+			return nil
+		}
+		return err
+	}
+	select {
+	case <-closed:
+		return nil
+	case <-ctx.Done():
+		nc.Close()
+		return ctx.Err()
+	}
 }

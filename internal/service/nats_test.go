@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"quotaflow/internal/natstest"
+	"quotaflow/internal/obs"
 )
 
 // ConnectNATS returns at once while NATS is down, connects when it comes
@@ -20,7 +21,7 @@ func TestConnectNATSWaitsForTheServerAndDrains(t *testing.T) {
 	natstest.Stop(srv)
 
 	var logs bytes.Buffer
-	s := NewStack(slog.New(slog.NewTextHandler(&logs, nil)), 5*time.Second)
+	s := NewStack(slog.New(slog.NewTextHandler(&logs, nil)), 5*time.Second, obs.NewReadiness())
 	start := time.Now()
 	nc, _, err := ConnectNATS(s, "test", srv.ClientURL())
 	if err != nil {

@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
-	"quotaflow/internal/obs"
+	"quotaflow/internal/eviction"
 	"quotaflow/internal/pgdb"
 	"quotaflow/internal/redisconn"
 	"quotaflow/internal/server"
@@ -25,14 +25,26 @@ func Listen(s *Stack, name, addr string, h http.Handler) (*server.Server, error)
 	return srv, nil
 }
 
-// OpenRedis returns a client of the Redis url names (redisconn.Open); the
-// stack closes it in its turn.
-func OpenRedis(s *Stack, url string) (redis.UniversalClient, error) {
+// OpenRedis returns a client of the Redis url names (redisconn.Open) with
+// hooks added, and watches its eviction policy: /readyz reports a policy
+// that may evict quota state, checked at once and every
+// eviction.Interval. The stack stops the watch and closes the client in
+// their turn.
+func OpenRedis(s *Stack, url string, hooks ...redis.Hook) (redis.UniversalClient, error) {
 	rdb, err := redisconn.Open(url)
 	if err != nil {
 		return nil, err
 	}
+	for _, h := range hooks {
+		rdb.AddHook(h)
+	}
 	s.Push("redis", func(context.Context) error { return rdb.Close() })
+	ev := eviction.New(rdb, s.log)
+	ev.Report(s.ready)
+	s.Go("eviction check", func(ctx context.Context) {
+		ev.Check(ctx)
+		Every(ctx, eviction.Interval, func(ctx context.Context) { ev.Check(ctx) })
+	})
 	return rdb, nil
 }
 
@@ -41,9 +53,9 @@ func OpenRedis(s *Stack, url string) (redis.UniversalClient, error) {
 // both until they succeed (Retry), /readyz saying "waiting for postgres"
 // and why as the reason component is not ready; the stack closes the pool
 // in its turn. It returns false when ctx ends first.
-func OpenPostgres(ctx context.Context, s *Stack, ready *obs.Readiness, component, url string,
+func OpenPostgres(ctx context.Context, s *Stack, component, url string,
 	migrate func(context.Context, *pgxpool.Pool) error, configure ...func(*pgxpool.Config)) (*pgxpool.Pool, bool) {
-	pool, ok := Retry(ctx, s.log, ready, component, func(ctx context.Context) (*pgxpool.Pool, error) {
+	pool, ok := Retry(ctx, s.log, s.ready, component, func(ctx context.Context) (*pgxpool.Pool, error) {
 		pool, err := pgdb.Open(ctx, url, configure...)
 		if err != nil {
 			return nil, fmt.Errorf("waiting for postgres: %w", err)

@@ -160,13 +160,21 @@ func (w *PolicyWatcher) reloadAndLog() {
 	}
 }
 
-// WatchPolicy keeps w's policy current until ctx ends: it reloads on a
-// change of the file and on SIGHUP, and logs an edit it rejected (the last
-// good policy stays in force). It returns when ctx is done.
-func WatchPolicy(ctx context.Context, w *PolicyWatcher, log *slog.Logger) {
-	filewatch.OnSIGHUP(ctx, log, "policy file", w.Run, func() {
-		if err := w.Reload(); err != nil {
-			log.Error("policy reload on SIGHUP rejected; the last good policy stays in force", "err", err)
-		}
+// WatchPolicy loads the policy file at path (NewPolicyWatcher) and keeps
+// it current until the stack stops it: it reloads on a change of the file
+// and on SIGHUP, and logs an edit it rejected (the last good policy stays
+// in force).
+func WatchPolicy(s *Stack, path string, log *slog.Logger, opts ...PolicyWatcherOption) (*PolicyWatcher, error) {
+	w, err := NewPolicyWatcher(path, log, opts...)
+	if err != nil {
+		return nil, err
+	}
+	s.Go("policy file", func(ctx context.Context) {
+		filewatch.OnSIGHUP(ctx, log, "policy file", w.Run, func() {
+			if err := w.Reload(); err != nil {
+				log.Error("policy reload on SIGHUP rejected; the last good policy stays in force", "err", err)
+			}
+		})
 	})
+	return w, nil
 }

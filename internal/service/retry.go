@@ -32,6 +32,7 @@ func Retry[T any](ctx context.Context, log *slog.Logger, ready *obs.Readiness, c
 		cancel()
 		if err == nil {
 			ready.Ready(component)
+			log.Info("start-up step done", "step", component)
 			return v, true
 		}
 		if ctx.Err() != nil {

@@ -1,6 +1,6 @@
 // Package service is how every quotaflow service starts and stops. Main
 // reads the QF_ environment into the service's Config, validates it, builds
-// the JSON logger and calls run until SIGINT or SIGTERM. run wires its
+// the JSON logger, logs the settings and calls run until SIGINT or SIGTERM. run wires its
 // pieces with the kit here, so that every run reads the same way: a Stack
 // that stops what was started in reverse order, Retry for the steps that
 // wait for a server, and ConnectNATS.
@@ -23,14 +23,17 @@ import (
 )
 
 // Config is a service's configuration: envconfig fields with the QF prefix,
-// cross-field rules in Validate, and the log level.
+// cross-field rules in Validate, the log level, and the settings worth a
+// line at start as slog key-value pairs, without secrets (URLs through
+// config.Redacted).
 type Config interface {
 	Validate() error
 	Level() string
+	LogArgs() []any
 }
 
 // Main runs service name: it fills cfg from the environment, validates it,
-// and calls run with a context cancelled by SIGINT or SIGTERM. It exits 2
+// logs its LogArgs, and calls run with a context cancelled by SIGINT or SIGTERM. It exits 2
 // on a configuration error and 1 when run fails; it returns when run
 // returns nil.
 func Main[C Config](name string, cfg C, run func(ctx context.Context, cfg C, log *slog.Logger) error) {
@@ -47,6 +50,7 @@ func Main[C Config](name string, cfg C, run func(ctx context.Context, cfg C, log
 		fmt.Fprintf(os.Stderr, "%s: %v\n", name, err)
 		os.Exit(2)
 	}
+	log.Info("starting", cfg.LogArgs()...)
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	err = run(ctx, cfg, log)
 	stop()

@@ -5,6 +5,8 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+
+	"quotaflow/internal/obs"
 )
 
 // Stack holds what a service's run has started, to stop it in reverse
@@ -12,6 +14,8 @@ import (
 // defers one Close, which stops them all, last started first, whether run
 // returns early on an error or at shutdown. So whatever a piece needs is
 // still running when the piece stops, and no step is skipped or run twice.
+// Before the first stop, Close turns /readyz to draining, so that load
+// balancers stop sending work while the service finishes what it has.
 //
 // Each stop has its own deadline (the service's QF_SHUTDOWN_TIMEOUT), and a
 // failed stop is logged, so the ones after it still run. A Stack belongs
@@ -19,6 +23,7 @@ import (
 type Stack struct {
 	log     *slog.Logger
 	timeout time.Duration
+	ready   *obs.Readiness
 	steps   []step
 }
 
@@ -27,10 +32,10 @@ type step struct {
 	stop func(context.Context) error
 }
 
-// NewStack returns an empty stack whose stops each get timeout and log
-// their failures to log.
-func NewStack(log *slog.Logger, timeout time.Duration) *Stack {
-	return &Stack{log: log, timeout: timeout}
+// NewStack returns an empty stack of the service whose readiness is
+// ready; its stops each get timeout and log their failures to log.
+func NewStack(log *slog.Logger, timeout time.Duration, ready *obs.Readiness) *Stack {
+	return &Stack{log: log, timeout: timeout, ready: ready}
 }
 
 // Push adds stop, named name in the logs, to run before everything pushed
@@ -54,9 +59,11 @@ func (s *Stack) Go(name string, f func(context.Context)) {
 	})
 }
 
-// Close runs every stop, last pushed first, and logs "stopped" once they
-// have run. The stack is empty afterwards.
+// Close drains the readiness, runs every stop, last pushed first, and logs
+// "stopped" once they have run. The stack is empty afterwards.
 func (s *Stack) Close() {
+	s.log.Info("shutting down")
+	s.ready.Drain()
 	for i := len(s.steps) - 1; i >= 0; i-- {
 		st := s.steps[i]
 		ctx, cancel := context.WithTimeout(context.Background(), s.timeout)

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"quotaflow/internal/obs"
 )
 
 // recorder is a stack whose stops append their names to order.
@@ -20,7 +22,7 @@ type recorder struct {
 
 func newRecorder(timeout time.Duration) *recorder {
 	var logs bytes.Buffer
-	return &recorder{Stack: NewStack(slog.New(slog.NewTextHandler(&logs, nil)), timeout), logs: &logs}
+	return &recorder{Stack: NewStack(slog.New(slog.NewTextHandler(&logs, nil)), timeout, obs.NewReadiness()), logs: &logs}
 }
 
 func (r *recorder) push(name string, err error) {
@@ -33,6 +35,12 @@ func (r *recorder) push(name string, err error) {
 func TestStackStopsInReverseOrder(t *testing.T) {
 	r := newRecorder(time.Second)
 	r.push("ops server", nil)
+	r.Push("api server", func(context.Context) error {
+		if st, _ := r.ready.Check(); st.Status != "draining" {
+			t.Errorf("readyz %q while the first stop runs, want draining", st.Status)
+		}
+		return nil
+	})
 	r.push("redis", nil)
 	r.push("nats", nil)
 	r.push("api server", nil)

@@ -5,9 +5,13 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
 	"quotaflow/pkg/limits"
+	"quotaflow/services/accounter/internal/consume"
+	"quotaflow/services/accounter/internal/expire"
 )
 
 // Config is the accounter's configuration, read from QF_* environment
@@ -106,4 +110,36 @@ func (c *Config) Validate() error {
 		bad("RECONCILE_INTERVAL", "must not be negative (0 turns it off)")
 	}
 	return errors.Join(errs...)
+}
+
+// LogArgs are the settings the "starting" line shows, without secrets.
+func (c Config) LogArgs() []any {
+	return []any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "policy_file", c.PolicyFile,
+		"redis_url", config.Redacted(c.RedisURL), "postgres_url", config.Redacted(c.PostgresURL),
+		"nats_url", config.Redacted(c.NATSURL), "stream", c.Stream, "subject_prefix", c.SubjectPrefix,
+		"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
+		"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
+		"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair}
+}
+
+// poolSize lets each worker hold a connection for its batch's
+// transaction, while a rebuild and a repair each hold a lock's connection
+// and read the ledger on another, and the expiry task needs one.
+func (c Config) poolSize(pc *pgxpool.Config) {
+	pc.MaxConns = max(pc.MaxConns, int32(c.Workers)+5)
+}
+
+// limitsOptions are the engine's and the repair tools' options: the same
+// reservation TTL for both.
+func (c Config) limitsOptions() limits.Options {
+	return limits.Options{ReservationTTL: c.ReservationTTL}
+}
+
+func (c Config) expireOptions() expire.Options {
+	return expire.Options{TTL: c.ReservationTTL, AtEstimate: c.SettleExpiredAtEstimate}
+}
+
+func (c Config) consumeOptions(beforeAck func(int) error) consume.Options {
+	return consume.Options{Events: c.Config, Workers: c.Workers, BatchSize: c.BatchSize, BatchWait: c.BatchWait,
+		Source: source, BeforeAck: beforeAck}
 }

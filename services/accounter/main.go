@@ -18,6 +18,6 @@ import (
 func main() {
 	cfg := defaults()
 	service.Main("accounter", &cfg, func(ctx context.Context, cfg *Config, log *slog.Logger) error {
-		return run(ctx, *cfg, log, nil)
+		return run(ctx, *cfg, log, hooks{})
 	})
 }

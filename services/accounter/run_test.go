@@ -21,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
@@ -77,7 +78,8 @@ type env struct {
 	policy *policy.Policy
 	js     jetstream.JetStream
 	pub    *stream.Publisher
-	ops    string // the ops address of the last start
+	ops    string               // the ops address of the last start
+	reg    *prometheus.Registry // its metrics
 }
 
 func newEnv(t testing.TB) *env {
@@ -126,7 +128,8 @@ func (e *env) start(h *hooks) (stop func()) {
 		h = &hooks{}
 	}
 	addr := make(chan string, 1)
-	h.started = func(ops string) { addr <- ops }
+	var reg *prometheus.Registry
+	h.started = func(ops string, r *prometheus.Registry) { reg = r; addr <- ops }
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	level, err := obs.ParseLevel(e.cfg.LogLevel)
@@ -134,7 +137,7 @@ func (e *env) start(h *hooks) (stop func()) {
 		t.Fatal(err)
 	}
 	log := slog.New(slog.NewJSONHandler(testWriter{t}, &slog.HandlerOptions{Level: level}))
-	go func() { done <- run(ctx, e.cfg, log, h) }()
+	go func() { done <- run(ctx, e.cfg, log, *h) }()
 	var once sync.Once
 	stop = func() {
 		once.Do(func() {
@@ -153,7 +156,7 @@ func (e *env) start(h *hooks) (stop func()) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("run did not start")
 	}
-	e.ops = ops
+	e.ops, e.reg = ops, reg
 	e2e.Eventually(t, "readyz 200", func() bool {
 		resp, err := http.Get("http://" + ops + "/readyz")
 		if err != nil {

@@ -3,14 +3,19 @@ package main
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"strings"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
+	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/outbox"
 )
 
 // Config is admission's configuration, read from QF_* environment variables
@@ -187,4 +192,42 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 		out = append(out, netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()))
 	}
 	return out, nil
+}
+
+// LogArgs are the settings the "starting" line shows, without secrets.
+func (c *Config) LogArgs() []any {
+	return []any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "pprof", c.Pprof, "policy_file", c.PolicyFile,
+		"redis_url", config.Redacted(c.RedisURL), "nats_url", config.Redacted(c.NATSURL),
+		"stream", c.Stream, "subject_prefix", c.SubjectPrefix, "api_tokens_file", c.APITokensFile,
+		"redis_epoch_guard", c.RedisEpochGuard, "authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir}
+}
+
+// decideOptions are the Decider's options; where a setting's 0 means none
+// or never, decide's is negative (its 0 is its default).
+func (c *Config) decideOptions() decide.Options {
+	o := decide.Options{
+		RedisTimeout: c.RedisTimeout, BreakerFailures: c.BreakerFailures, BreakerCooldown: c.BreakerCooldown,
+		BreakerWindow: breakerWindow(c.BreakerWindow), UnseenAllowance: c.UnseenAllowance, FailOpenAfter: c.FailOpenAfter,
+		Instances: c.Instances, LeaseBatch: c.LeaseBatch, LeaseIdle: c.LeaseIdle,
+	}
+	if c.UnseenAllowance == 0 {
+		o.UnseenAllowance = -1 // none
+	}
+	if c.FailOpenAfter == 0 {
+		o.FailOpenAfter = -1 // never
+	}
+	return o
+}
+
+// breakerWindow maps QF_REDIS_BREAKER_WINDOW to decide's option, where zero
+// means the default and a negative window none: a user who sets 0 means none.
+func breakerWindow(w time.Duration) time.Duration {
+	if w == 0 {
+		return -1
+	}
+	return w
+}
+
+func (c *Config) outboxOptions(log *slog.Logger, reg prometheus.Registerer) outbox.Options {
+	return outbox.Options{SpillDir: c.SpillDir, MaxEvents: c.OutboxMaxEvents, MaxSpillBytes: c.SpillMaxBytes, Log: log, Registerer: reg}
 }

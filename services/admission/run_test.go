@@ -113,7 +113,7 @@ func TestRunRejectsBadTokensFile(t *testing.T) {
 	if err := os.WriteFile(cfg.APITokensFile, []byte("- {token: start-secret, roles: [superuser]}\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	err := run(context.Background(), cfg, slog.New(slog.DiscardHandler), nil)
+	err := run(context.Background(), cfg, slog.New(slog.DiscardHandler), hooks{})
 	if err == nil || !strings.Contains(err.Error(), cfg.APITokensFile+": [0].roles[0]: unknown role") || strings.Contains(err.Error(), "start-secret") {
 		t.Errorf("run with an invalid tokens file = %v, want a start-up error naming the file and the mistake, not the token", err)
 	}
@@ -229,7 +229,9 @@ func startRun(t *testing.T, cfg Config, log *slog.Logger) (api, ops string, done
 	ctx, cancel := context.WithCancel(context.Background())
 	addrs := make(chan [2]string, 1)
 	res := make(chan error, 1)
-	go func() { res <- run(ctx, cfg, log, func(api, ops string) { addrs <- [2]string{api, ops} }) }()
+	go func() {
+		res <- run(ctx, cfg, log, hooks{started: func(api, ops string) { addrs <- [2]string{api, ops} }})
+	}()
 	select {
 	case a := <-addrs:
 		return "http://" + a[0], "http://" + a[1], res, cancel

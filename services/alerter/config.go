@@ -114,8 +114,8 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// logArgs are the settings the "starting" line shows, without secrets.
-func (c Config) logArgs() []any {
+// LogArgs are the settings the "starting" line shows, without secrets.
+func (c Config) LogArgs() []any {
 	return []any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "postgres_url", config.Redacted(c.PostgresURL),
 		"nats_url", config.Redacted(c.NATSURL), "stream", c.Stream, "subject_prefix", c.SubjectPrefix,
 		"consumer", c.Consumer, "webhooks_file", c.WebhooksFile}

@@ -32,9 +32,8 @@ type hooks struct {
 // Stopped while it waits for Postgres or NATS, it returns nil.
 func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyPostgres, readyConsumer)
-	stack := service.NewStack(log, cfg.ShutdownTimeout)
+	stack := service.NewStack(log, cfg.ShutdownTimeout, ready)
 	defer stack.Close()
-	log.Info("starting", cfg.logArgs()...)
 	webhooks, err := deliver.Load(cfg.WebhooksFile, detect.Kinds)
 	if err != nil {
 		return err
@@ -47,7 +46,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		h.started(ops.Addr())
 	}
 
-	pool, ok := service.OpenPostgres(ctx, stack, ready, readyPostgres, cfg.PostgresURL, store.Migrate)
+	pool, ok := service.OpenPostgres(ctx, stack, readyPostgres, cfg.PostgresURL, store.Migrate)
 	if !ok {
 		return nil
 	}
@@ -82,10 +81,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if !ok {
 		return nil
 	}
-	log.Info("consuming", "stream", cfg.Stream, "consumer", cfg.Consumer)
 	consume.Run(ctx, cons, js, cfg.Config, det, log) // until ctx ends
-	log.Info("shutting down")
-	ready.Drain()
 	return nil
 }
 

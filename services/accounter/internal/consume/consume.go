@@ -98,6 +98,8 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, app *eff
 // ends, then waits for the batches in flight (their messages are nak'ed
 // for immediate redelivery if cut short).
 func (c *Consumer) Run(ctx context.Context) {
+	info := c.cons.CachedInfo()
+	c.log.Info("consuming", "stream", info.Stream, "durable", info.Name, "workers", c.opts.Workers)
 	var wg sync.WaitGroup
 	for range c.opts.Workers {
 		wg.Go(func() { c.worker(ctx) })

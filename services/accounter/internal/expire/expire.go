@@ -6,7 +6,10 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/effects"
@@ -21,28 +24,66 @@ type Ledger interface {
 	MarkExpired(ctx context.Context, keys []ledger.Key, status string) error
 }
 
-// Expirer settles expired reservations; call Settle from one goroutine at
+// Options say which reservations have expired and how they are settled.
+type Options struct {
+	// TTL is how long a reservation waits for its actual event:
+	// QF_RESERVATION_TTL.
+	TTL time.Duration
+	// AtEstimate settles an expired reservation at its estimate; false
+	// gives the estimate back: QF_SETTLE_EXPIRED_AT_ESTIMATE.
+	AtEstimate bool
+}
+
+// Expirer settles expired reservations; call Expire from one goroutine at
 // a time. Create it with New.
 type Expirer struct {
-	app   *effects.Applier
-	store Ledger
-	gate  *rebuild.Gate
+	app     *effects.Applier
+	store   Ledger
+	gate    *rebuild.Gate
+	opt     Options
+	log     *slog.Logger
+	expired prometheus.Counter
 }
 
 // New returns an Expirer of the reservations in store, applying their
-// effects in Redis through app while holding gate.
-func New(app *effects.Applier, store Ledger, gate *rebuild.Gate) *Expirer {
-	return &Expirer{app: app, store: store, gate: gate}
+// effects in Redis through app while holding gate. Expire logs to log and
+// counts in quotaflow_accounter_expired_reservations_total on reg (nil:
+// not registered).
+func New(app *effects.Applier, store Ledger, gate *rebuild.Gate, opt Options, log *slog.Logger, reg prometheus.Registerer) (*Expirer, error) {
+	e := &Expirer{app: app, store: store, gate: gate, opt: opt, log: log.With("component", "expire"),
+		expired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "quotaflow_accounter_expired_reservations_total",
+			Help: "Reservations settled by the expiry task because no actual event came before their TTL.",
+		})}
+	if reg != nil {
+		if err := reg.Register(e.expired); err != nil {
+			return nil, fmt.Errorf("expire: register metrics: %w", err)
+		}
+	}
+	return e, nil
 }
 
-// Settle settles every reservation reserved before cutoff that got
+// Expire settles the reservations that have expired by now, logging and
+// counting them; a failure is logged and the next call tries again. The
+// accounter calls it every QF_EXPIRY_INTERVAL.
+func (e *Expirer) Expire(ctx context.Context) {
+	n, err := e.settle(ctx, time.Now().Add(-e.opt.TTL), e.opt.AtEstimate)
+	e.expired.Add(float64(n))
+	if err != nil {
+		e.log.Error("settling expired reservations failed; retrying", "err", err)
+	} else if n > 0 {
+		e.log.Info("settled expired reservations", "count", n, "at_estimate", e.opt.AtEstimate)
+	}
+}
+
+// settle settles every reservation reserved before cutoff that got
 // neither an actual nor a release, and returns how many. At the estimate
 // (atEstimate), Redis already counts it and only the ledger changes, but
 // for a reservation decided without Redis (local), whose estimate is
 // charged now; otherwise the estimate is given back in Redis first (a
 // local one has none to give back). A late actual of such a reservation
 // is recorded in the ledger but corrects nothing.
-func (e *Expirer) Settle(ctx context.Context, cutoff time.Time, atEstimate bool) (int64, error) {
+func (e *Expirer) settle(ctx context.Context, cutoff time.Time, atEstimate bool) (int64, error) {
 	var total int64
 	if atEstimate {
 		n, err := e.store.ExpireAtEstimate(ctx, cutoff) // all but the local ones

@@ -3,16 +3,19 @@
 // replica): the token windows of every subject active in the longest
 // window, the prepaid balances and the reservation records, before the
 // epoch key is written. Its Gate keeps the accounter's other writers of
-// Redis out while a rebuild runs.
+// Redis out while a rebuild runs; Check is the accounter's periodic check.
 package rebuild
 
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/pkg/events"
@@ -56,20 +59,73 @@ func (g *Gate) Hold(f func() error) error {
 // Redis ("qf-rebuild" as a number).
 const rebuildLockID = 0x71662d7265627569
 
-// Rebuilder rebuilds Redis from the ledger; most callers want EnsureEpoch.
-// Its methods are safe for concurrent use; create it with New.
+// Rebuilder rebuilds Redis from the ledger; most callers want Check, or
+// EnsureEpoch. Its methods are safe for concurrent use; create it with New.
 type Rebuilder struct {
-	rep    *repair.Tools
-	rdb    redis.UniversalClient
-	policy func() *policy.Policy
-	store  Ledger
-	gate   Gate
+	rep      *repair.Tools
+	rdb      redis.UniversalClient
+	policy   func() *policy.Policy
+	store    Ledger
+	gate     Gate
+	log      *slog.Logger
+	rebuilds *prometheus.CounterVec // by result
+	failure  atomic.Pointer[string] // the last check's, for Degraded
 }
 
 // New returns a Rebuilder of rep's Redis, rdb, from store under the
-// current policy from policy.
-func New(rep *repair.Tools, rdb redis.UniversalClient, policy func() *policy.Policy, store Ledger) *Rebuilder {
-	return &Rebuilder{rep: rep, rdb: rdb, policy: policy, store: store}
+// current policy from policy. Check logs to log and counts in
+// quotaflow_accounter_rebuilds_total on reg (nil: not registered).
+func New(rep *repair.Tools, rdb redis.UniversalClient, policy func() *policy.Policy, store Ledger, log *slog.Logger, reg prometheus.Registerer) (*Rebuilder, error) {
+	rb := &Rebuilder{rep: rep, rdb: rdb, policy: policy, store: store, log: log.With("component", "rebuild"),
+		rebuilds: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_accounter_rebuilds_total",
+			Help: "Rebuilds of Redis from the ledger after it lost its data, by result (ok, error).",
+		}, []string{"result"})}
+	rb.rebuilds.WithLabelValues("ok")
+	rb.rebuilds.WithLabelValues("error")
+	if reg != nil {
+		if err := reg.Register(rb.rebuilds); err != nil {
+			return nil, fmt.Errorf("rebuild: register metrics: %w", err)
+		}
+	}
+	return rb, nil
+}
+
+// checkTimeout bounds one Check: a rebuild reads the ledger's usage of the
+// longest window, which takes minutes on a large ledger, not hours.
+const checkTimeout = 10 * time.Minute
+
+// Check makes sure Redis holds its epoch, rebuilding it from the ledger
+// when it lost its data (EnsureEpoch). It logs and counts a rebuild or a
+// failure; a failure is what Degraded reports until a check succeeds. The
+// accounter checks before it consumes (into a Redis without its epoch the
+// scripts refuse, so every event would only be nakked) and then every
+// QF_EPOCH_INTERVAL.
+func (rb *Rebuilder) Check(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, checkTimeout)
+	defer cancel()
+	start := time.Now()
+	rebuilt, subjects, err := rb.EnsureEpoch(ctx)
+	if err != nil {
+		msg := "epoch check or rebuild failed: " + err.Error()
+		rb.failure.Store(&msg)
+		rb.rebuilds.WithLabelValues("error").Inc()
+		rb.log.Error("redis epoch check or rebuild failed; retrying", "err", err)
+		return
+	}
+	rb.failure.Store(nil)
+	if rebuilt {
+		rb.rebuilds.WithLabelValues("ok").Inc()
+		rb.log.Info("redis rebuilt from the ledger; epoch written", "subjects", subjects, "took", time.Since(start).String())
+	}
+}
+
+// Degraded reports the last Check's failure, for obs.Readiness.Watch.
+func (rb *Rebuilder) Degraded() (bool, string) {
+	if e := rb.failure.Load(); e != nil {
+		return true, *e
+	}
+	return false, ""
 }
 
 // Gate is the gate the rebuilds of r wait for: every writer of Redis's

@@ -1,6 +1,7 @@
 package rebuild
 
 import (
+	"log/slog"
 	"testing"
 
 	"quotaflow/pkg/events"
@@ -13,7 +14,11 @@ import (
 // from its ledger.
 func newRebuilder(t *testing.T) (*ledgertest.World, *Rebuilder) {
 	w := ledgertest.New(t)
-	return w, New(w.Rep, w.RDB, w.Current, w.Store)
+	rb, err := New(w.Rep, w.RDB, w.Current, w.Store, slog.New(slog.DiscardHandler), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w, rb
 }
 
 // A rebuild that stops halfway (its windows charged, the epoch not written)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/pkg/limits"
@@ -111,7 +112,7 @@ type Drift struct {
 // Subjects are found by streaming the ledger and by walking Redis's keys
 // with SCAN cursors (repair.ScanSubjects), so windows the ledger has never
 // heard of are found too. Repairs hold the rebuild gate. Create a
-// Reconciler with New and call Reconcile from one goroutine.
+// Reconciler with New and call Check (or Reconcile) from one goroutine.
 type Reconciler struct {
 	rep     *repair.Tools
 	rdb     redis.UniversalClient
@@ -121,6 +122,7 @@ type Reconciler struct {
 	gate    *rebuild.Gate
 	repair  bool
 	log     *slog.Logger
+	m       metrics
 	// seen holds the drifts of the previous scan, by limit and owner,
 	// measured under policy seenUnder.
 	seen      map[driftKey]string
@@ -129,10 +131,78 @@ type Reconciler struct {
 
 // New returns a Reconciler of rep's Redis, rdb, against store under the
 // current policy from policy, its repairs holding gate. With repair false
-// it only measures.
-func New(rep *repair.Tools, rdb redis.UniversalClient, policy func() *policy.Policy, store Ledger, backlog Backlog, gate *rebuild.Gate, repair bool, log *slog.Logger) *Reconciler {
+// it only measures. Check logs to log and reports on reg (nil: not
+// registered) in the quotaflow_accounter_drift_*, _reconciliations_total
+// and _repaired_tokens_total series.
+func New(rep *repair.Tools, rdb redis.UniversalClient, policy func() *policy.Policy, store Ledger, backlog Backlog,
+	gate *rebuild.Gate, repair bool, log *slog.Logger, reg prometheus.Registerer) (*Reconciler, error) {
+	m, err := newMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
 	return &Reconciler{rep: rep, rdb: rdb, policy: policy, store: store, backlog: backlog, gate: gate, repair: repair,
-		log: log.With("component", "reconcile")}
+		log: log.With("component", "reconcile"), m: m}, nil
+}
+
+// metrics are what Check reports.
+type metrics struct {
+	driftTokens, driftSubjects prometheus.Gauge
+	passes, repaired           *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer) (metrics, error) {
+	m := metrics{
+		driftTokens: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "quotaflow_accounter_drift_tokens",
+			Help: "Weighted tokens by which Redis's token windows lie outside the ledger's usage, summed over subjects and limits, at the last reconciliation (reservations still in the stream count too).",
+		}),
+		driftSubjects: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "quotaflow_accounter_drift_subjects",
+			Help: "Subjects, and tenants for tenant-wide limits, whose Redis windows disagreed with the ledger at the last reconciliation.",
+		}),
+		passes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_accounter_reconciliations_total",
+			Help: "Reconciliation passes of Redis's token windows against the ledger, by result (ok, error).",
+		}, []string{"result"}),
+		repaired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_accounter_repaired_tokens_total",
+			Help: "Weighted tokens the reconciliation added to (raised) or took from (lowered) Redis's token windows to agree with the ledger.",
+		}, []string{"direction"}),
+	}
+	m.passes.WithLabelValues("ok")
+	m.passes.WithLabelValues("error")
+	m.repaired.WithLabelValues("raised")
+	m.repaired.WithLabelValues("lowered")
+	if reg != nil {
+		for _, c := range []prometheus.Collector{m.driftTokens, m.driftSubjects, m.passes, m.repaired} {
+			if err := reg.Register(c); err != nil {
+				return m, fmt.Errorf("reconcile: register metrics: %w", err)
+			}
+		}
+	}
+	return m, nil
+}
+
+// Check reconciles once (Reconcile) and reports what it found: the drift
+// gauges, the passes and the repaired tokens, and a warning while Redis
+// drifts. A failure is logged and counted; the next call tries again. The
+// accounter calls it every QF_RECONCILE_INTERVAL.
+func (r *Reconciler) Check(ctx context.Context) {
+	d, err := r.Reconcile(ctx)
+	r.m.repaired.WithLabelValues("raised").Add(float64(d.Raised))
+	r.m.repaired.WithLabelValues("lowered").Add(float64(d.Lowered))
+	if err != nil {
+		r.m.passes.WithLabelValues("error").Inc()
+		r.log.Error("reconciling redis with the ledger failed", "err", err)
+		return
+	}
+	r.m.passes.WithLabelValues("ok").Inc()
+	r.m.driftTokens.Set(float64(d.Tokens))
+	r.m.driftSubjects.Set(float64(d.Drifted))
+	if d.Drifted > 0 {
+		r.log.Warn("redis drifts from the ledger", "subjects", d.Subjects, "drifted", d.Drifted, "tokens", d.Tokens,
+			"repaired_limits", d.Repaired, "raised", d.Raised, "lowered", d.Lowered, "held_in_flight", d.Held)
+	}
 }
 
 // owner is whose counter a window is: a subject, or a tenant (user empty)

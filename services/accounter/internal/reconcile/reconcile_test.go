@@ -3,7 +3,6 @@ package reconcile
 import (
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"slices"
 	"strconv"
@@ -51,7 +50,11 @@ func newWorld(t testing.TB, repair bool) *world {
 // newReconciler returns a Reconciler of w's Redis against store, with the
 // backlog of cons.
 func newReconciler(w *ledgertest.World, store Ledger, cons jetstream.Consumer, repair bool) *Reconciler {
-	return New(w.Rep, w.RDB, w.Current, store, ConsumerBacklog{Consumer: cons}, new(rebuild.Gate), repair, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+	r, err := New(w.Rep, w.RDB, w.Current, store, ConsumerBacklog{Consumer: cons}, new(rebuild.Gate), repair, slog.New(slog.DiscardHandler), nil)
+	if err != nil {
+		w.T.Fatal(err)
+	}
+	return r
 }
 
 // charge adds amount to the limits named names of (tenant, user) now, behind

@@ -67,17 +67,19 @@ type Auth struct {
 // New parses the QF_API_TOKENS entries and loads the file; either failing
 // is an error, as a service should not start with tokens it cannot read.
 // It returns nil and no error when there is neither an entry nor a file: no
-// authentication.
+// authentication. It logs how many tokens are in force, and warns when
+// none is or when nothing is authenticated.
 func New(o Options) (*Auth, error) {
 	env, err := ParseEntries(o.Tokens)
 	if err != nil {
 		return nil, err
 	}
-	if len(env) == 0 && o.File == "" {
-		return nil, nil
-	}
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
+	}
+	if len(env) == 0 && o.File == "" {
+		o.Log.Warn("QF_API_TOKENS and QF_API_TOKENS_FILE are empty: the API accepts requests without authentication")
+		return nil, nil
 	}
 	if o.Debounce <= 0 {
 		o.Debounce = 100 * time.Millisecond
@@ -94,6 +96,11 @@ func New(o Options) (*Auth, error) {
 		}
 	}
 	a.onReload = o.OnReload // not for the first load: nothing was reloaded
+	if a.Len() == 0 {
+		a.log.Warn("no API token is in force: every request gets 401 until QF_API_TOKENS_FILE holds one")
+	} else {
+		a.log.Info("api tokens in force", "tokens", a.Len())
+	}
 	return a, nil
 }
 

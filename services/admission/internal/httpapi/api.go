@@ -33,6 +33,7 @@ import (
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/outbox"
 )
 
 // MaxBodyBytes is the largest request body accepted (64 KiB); a larger
@@ -83,7 +84,7 @@ type Options struct {
 	// ignored and the request has no client IP (the IP layer is skipped).
 	TrustedProxies []netip.Prefix
 	// Source is the CloudEvents source of the events (default
-	// "quotaflow/admission").
+	// outbox.DefaultSource, as the outbox's own events).
 	Source string
 	// UsageTimeout bounds how long POST /v1/usage waits for the stream's
 	// acknowledgements (default 5 s).
@@ -140,7 +141,7 @@ func New(o Options) (*Handler, error) {
 		return nil, fmt.Errorf("httpapi: authz deny status %d: want 429 or 403", o.AuthzDenyStatus)
 	}
 	if o.Source == "" {
-		o.Source = "quotaflow/admission"
+		o.Source = outbox.DefaultSource
 	}
 	if o.UsageTimeout <= 0 {
 		o.UsageTimeout = 5 * time.Second

@@ -69,7 +69,7 @@ type Options struct {
 	// (default 5 s; the first wait is 50 ms, doubling).
 	MaxBackoff time.Duration
 	// Source is the CloudEvents source of the denied aggregates (default
-	// "quotaflow/admission").
+	// DefaultSource).
 	Source string
 	// Log receives state changes (spilling started, replay done, losses);
 	// nil discards them.

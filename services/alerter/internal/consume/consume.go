@@ -36,6 +36,8 @@ type Handler interface {
 // streams (for dead letters); js publishes the dead letters.
 func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, cfg stream.Config, h Handler, log *slog.Logger) {
 	log = log.With("component", "consume")
+	info := cons.CachedInfo()
+	log.Info("consuming", "stream", info.Stream, "consumer", info.Name)
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
 	one := hs.Dispatch
 	msgs := make([]jetstream.Msg, 0, maxBatch)
