@@ -18,3 +18,16 @@ func Every(ctx context.Context, d time.Duration, f func(context.Context)) {
 		}
 	}
 }
+
+// Sleep waits d, or less when ctx ends first; it reports whether the whole
+// of d passed.
+func Sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

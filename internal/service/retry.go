@@ -41,13 +41,9 @@ func Retry[T any](ctx context.Context, log *slog.Logger, ready *obs.Readiness, c
 		}
 		ready.Waiting(component, err.Error())
 		log.Warn("start-up step failed; retrying", "step", component, "err", err, "retry_in", wait.String())
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !Sleep(ctx, wait) {
 			var zero T
 			return zero, false
-		case <-t.C:
 		}
 		wait = min(2*wait, maxBackoff)
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
@@ -113,7 +114,7 @@ func (c *Consumer) worker(ctx context.Context) {
 		batch, err := c.cons.Fetch(c.opts.BatchSize, jetstream.FetchMaxWait(c.opts.BatchWait))
 		if err != nil {
 			c.log.Warn("fetch failed; retrying", "err", err, "retry_in", wait.String())
-			sleep(ctx, wait)
+			service.Sleep(ctx, wait)
 			wait = min(2*wait, 5*time.Second)
 			continue
 		}
@@ -130,15 +131,6 @@ func (c *Consumer) worker(ctx context.Context) {
 		}
 		wait = 100 * time.Millisecond
 		c.Handle(ctx, msgs)
-	}
-}
-
-func sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 )
@@ -45,7 +46,7 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 		it, err := cons.Messages(jetstream.PullMaxMessages(maxBatch))
 		if err != nil {
 			log.Warn("open message iterator; retrying", "err", err)
-			sleep(ctx, time.Second)
+			service.Sleep(ctx, time.Second)
 			continue
 		}
 		stop := context.AfterFunc(ctx, it.Stop)
@@ -114,14 +115,5 @@ func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config
 		if err := m.Ack(); err != nil {
 			log.Warn("ack event", "subject", m.Subject(), "err", err)
 		}
-	}
-}
-
-func sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
 	}
 }
