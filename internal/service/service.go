@@ -1,12 +1,14 @@
 // Package service is how every quotaflow service starts and stops. Main
 // reads the QF_ environment into the service's Config, validates it, builds
-// the JSON logger, logs the settings and calls run until SIGINT or SIGTERM. run wires its
-// pieces with the kit here, so that every run reads the same way: a Stack
-// that stops what was started in reverse order, Retry for the steps that
-// wait for a server, and ConnectNATS.
+// the JSON logger, logs the settings and calls run until SIGINT or SIGTERM.
+// run wires its pieces with the kit here, so that every run reads the same
+// way: a Stack that stops what was started in reverse order; Listen,
+// OpenRedis, OpenPostgres, ConnectNATS and WatchPolicy, which start a piece
+// and push its stop; Retry for the steps that wait for a server.
 //
-// It imports internal/obs, internal/filewatch and pkg/ packages; only the
-// services' commands and their components import it.
+// It imports the other internal/ plumbing (obs, server, redisconn, pgdb,
+// eviction, filewatch) and pkg/ packages; only the services' commands and
+// their components import it.
 package service
 
 import (
