@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"time"
 
 	"quotaflow/internal/obs"
 	"quotaflow/pkg/events/stream"
@@ -26,6 +27,10 @@ const (
 	DefaultNATSURL     = "nats://127.0.0.1:4222"
 	DefaultPolicyFile  = "deploy/policy.yaml"
 	DefaultLogLevel    = "info"
+	// DefaultShutdownTimeout bounds each step of a graceful shutdown
+	// (QF_SHUTDOWN_TIMEOUT) of admission and the accounter; the alerter's
+	// steps, which only stop loops and drain NATS, have their own.
+	DefaultShutdownTimeout = 15 * time.Second
 )
 
 // Redis is QF_REDIS_URL, for the services that keep limits in Redis.

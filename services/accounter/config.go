@@ -16,8 +16,8 @@ import (
 
 // Config is the accounter's configuration, read from QF_* environment
 // variables by envconfig (prefix QF) over defaults(): the tags hold the
-// accounter's own defaults, internal/config and pkg/limits the shared
-// ones. Validate checks it.
+// defaults of the settings only the accounter's main uses, the packages
+// that use the others own theirs (defaults). Validate checks it.
 type Config struct {
 	config.Redis    // QF_REDIS_URL
 	config.Postgres // QF_POSTGRES_URL: the ledger
@@ -33,11 +33,11 @@ type Config struct {
 	// shares it to split the stream.
 	Durable string `envconfig:"DURABLE" default:"accounter"`
 	// Workers is how many batches one instance handles at once.
-	Workers int `envconfig:"WORKERS" default:"4"`
+	Workers int `envconfig:"WORKERS"`
 	// BatchSize and BatchWait bound a fetch: at most BatchSize messages,
 	// waiting at most BatchWait for them.
-	BatchSize int           `envconfig:"BATCH_SIZE" default:"500"`
-	BatchWait time.Duration `envconfig:"BATCH_WAIT" default:"200ms"`
+	BatchSize int           `envconfig:"BATCH_SIZE"`
+	BatchWait time.Duration `envconfig:"BATCH_WAIT"`
 	// ReservationTTL is how long a reservation waits for its actual event
 	// before the expiry task settles it; the same value as admission's
 	// QF_RESERVATION_TTL, and at least QF_STREAM_MAX_AGE. Default
@@ -59,7 +59,7 @@ type Config struct {
 	// (quotaflow_accounter_repaired_tokens_total); false only measures.
 	ReconcileRepair bool `envconfig:"RECONCILE_REPAIR" default:"true"`
 	// ShutdownTimeout bounds the graceful shutdown on SIGTERM.
-	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"15s"`
+	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT"`
 }
 
 // defaults is Config before the environment is read: the defaults other
@@ -68,7 +68,9 @@ func defaults() Config {
 	return Config{
 		Redis: config.DefaultRedis, Postgres: config.DefaultPostgres, NATS: config.DefaultNATS,
 		Policy: config.DefaultPolicy, Log: config.DefaultLog,
-		ReservationTTL: limits.DefaultReservationTTL,
+		Workers: consume.DefaultWorkers, BatchSize: consume.DefaultBatchSize, BatchWait: consume.DefaultBatchWait,
+		ReservationTTL:  limits.DefaultReservationTTL,
+		ShutdownTimeout: config.DefaultShutdownTimeout,
 	}
 }
 

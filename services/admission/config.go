@@ -15,13 +15,14 @@ import (
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/httpapi"
 	"quotaflow/services/admission/internal/outbox"
 )
 
 // Config is admission's configuration, read from QF_* environment variables
-// by envconfig (prefix QF) over defaults(): the tags hold admission's own
-// defaults, internal/config and pkg/limits the shared ones. Validate checks
-// it.
+// by envconfig (prefix QF) over defaults(): the tags hold the defaults of
+// the settings only admission's main uses, the packages that use the others
+// own theirs (defaults). Validate checks it.
 type Config struct {
 	config.Redis  // QF_REDIS_URL
 	config.NATS   // QF_NATS_URL and the streams (not the consumer settings, which admission does not use)
@@ -45,35 +46,35 @@ type Config struct {
 	// until the accounter's rebuild; turn it off only without an accounter.
 	RedisEpochGuard bool `envconfig:"REDIS_EPOCH_GUARD" default:"true"`
 	// AuthzDenyStatus is the status of a /v1/authz denial: 429 or 403.
-	AuthzDenyStatus int `envconfig:"AUTHZ_DENY_STATUS" default:"429"`
+	AuthzDenyStatus int `envconfig:"AUTHZ_DENY_STATUS"`
 	// TrustedProxies are CIDRs (or addresses) whose X-Real-IP and
 	// X-Forwarded-For /v1/authz believes.
 	TrustedProxies []string `envconfig:"TRUSTED_PROXIES" default:"127.0.0.0/8,::1/128"`
 
 	// RedisTimeout bounds each Redis call; a slower one is decided locally.
-	RedisTimeout time.Duration `envconfig:"REDIS_TIMEOUT" default:"10ms"`
+	RedisTimeout time.Duration `envconfig:"REDIS_TIMEOUT"`
 	// BreakerFailures consecutive failed calls open the circuit breaker.
-	BreakerFailures int `envconfig:"REDIS_BREAKER_FAILURES" default:"5"`
+	BreakerFailures int `envconfig:"REDIS_BREAKER_FAILURES"`
 	// BreakerWindow is how long consecutive failures must last before they
 	// open the breaker (one latency spike fails many calls at once); 0 opens
 	// it on BreakerFailures alone.
-	BreakerWindow time.Duration `envconfig:"REDIS_BREAKER_WINDOW" default:"100ms"`
+	BreakerWindow time.Duration `envconfig:"REDIS_BREAKER_WINDOW"`
 	// BreakerCooldown is how long the breaker stays open before a probe.
-	BreakerCooldown time.Duration `envconfig:"REDIS_BREAKER_COOLDOWN" default:"1s"`
+	BreakerCooldown time.Duration `envconfig:"REDIS_BREAKER_COOLDOWN"`
 	// FailOpenAfter is how long Redis may be unreachable before every
 	// request is allowed unchecked; 0 means never.
-	FailOpenAfter time.Duration `envconfig:"FAILOPEN_AFTER" default:"30s"`
+	FailOpenAfter time.Duration `envconfig:"FAILOPEN_AFTER"`
 	// UnseenAllowance is the tokens per token limit a subject never seen
 	// by this instance may spend while Redis is unreachable; 0 means none.
-	UnseenAllowance int64 `envconfig:"UNSEEN_ALLOWANCE" default:"1000"`
+	UnseenAllowance int64 `envconfig:"UNSEEN_ALLOWANCE"`
 	// Instances is how many admission instances share the Redis (each
 	// allows its share of shared limits while Redis is unreachable).
-	Instances int `envconfig:"INSTANCES" default:"1"`
+	Instances int `envconfig:"INSTANCES"`
 	// LeaseBatch is how many units a lease takes from a shared request
 	// limit; 0 means 10% of the limit, at most 100.
-	LeaseBatch int64 `envconfig:"LEASE_BATCH" default:"0"`
+	LeaseBatch int64 `envconfig:"LEASE_BATCH"`
 	// LeaseIdle is how long an unused lease pool keeps its units.
-	LeaseIdle time.Duration `envconfig:"LEASE_IDLE" default:"30s"`
+	LeaseIdle time.Duration `envconfig:"LEASE_IDLE"`
 	// ReservationTTL is how long an unsettled reservation lives; at least
 	// QF_STREAM_MAX_AGE, so a late actual event still finds it. Default
 	// limits.DefaultReservationTTL.
@@ -81,21 +82,29 @@ type Config struct {
 
 	// OutboxMaxEvents bounds the in-memory event queue; past it events
 	// spill to SpillDir.
-	OutboxMaxEvents int `envconfig:"OUTBOX_MAX_EVENTS" default:"10000"`
+	OutboxMaxEvents int `envconfig:"OUTBOX_MAX_EVENTS"`
 	// SpillDir holds events NATS could not take yet; one per instance.
 	SpillDir string `envconfig:"SPILL_DIR" default:"/var/tmp/quotaflow-admission-spill"`
 	// SpillMaxBytes bounds SpillDir; past it events are lost (and counted).
-	SpillMaxBytes int64 `envconfig:"SPILL_MAX_BYTES" default:"1073741824"`
+	SpillMaxBytes int64 `envconfig:"SPILL_MAX_BYTES"`
 	// ShutdownTimeout bounds the graceful shutdown on SIGTERM.
-	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"15s"`
+	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT"`
 }
 
 // defaults is Config before the environment is read: the defaults other
-// packages own. envconfig keeps them where a variable is unset.
+// packages own (the package that uses a setting owns its default).
+// envconfig keeps them where a variable is unset.
 func defaults() Config {
 	return Config{
 		Redis: config.DefaultRedis, NATS: config.DefaultNATS, Policy: config.DefaultPolicy, Log: config.DefaultLog,
-		ReservationTTL: limits.DefaultReservationTTL,
+		AuthzDenyStatus: httpapi.DefaultAuthzDenyStatus,
+		RedisTimeout:    decide.DefaultRedisTimeout, BreakerFailures: decide.DefaultBreakerFailures,
+		BreakerWindow: decide.DefaultBreakerWindow, BreakerCooldown: decide.DefaultBreakerCooldown,
+		FailOpenAfter: decide.DefaultFailOpenAfter, UnseenAllowance: decide.DefaultUnseenAllowance,
+		Instances: decide.DefaultInstances, LeaseIdle: decide.DefaultLeaseIdle,
+		ReservationTTL:  limits.DefaultReservationTTL,
+		OutboxMaxEvents: outbox.DefaultMaxEvents, SpillMaxBytes: outbox.DefaultMaxSpillBytes,
+		ShutdownTimeout: config.DefaultShutdownTimeout,
 	}
 }
 

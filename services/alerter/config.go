@@ -13,8 +13,8 @@ import (
 
 // Config is the alerter's configuration, read from QF_* environment
 // variables by envconfig (prefix QF) over defaults(): the tags hold the
-// alerter's own defaults, internal/config the shared ones. Validate checks
-// it.
+// defaults of the settings only the alerter's main uses, the packages that
+// use the others own theirs (defaults). Validate checks it.
 type Config struct {
 	config.NATS     // QF_NATS_URL, the streams and the consumer's redelivery
 	config.Postgres // QF_POSTGRES_URL: the alert state and the webhook outbox
@@ -33,41 +33,50 @@ type Config struct {
 
 	// Hysteresis is how many percentage points usage must fall under a
 	// fired threshold to re-arm it.
-	Hysteresis float64 `envconfig:"ALERT_HYSTERESIS" default:"5"`
+	Hysteresis float64 `envconfig:"ALERT_HYSTERESIS"`
 	// SpikeRate is the denial rate (0-1) above which a spike fires.
-	SpikeRate float64 `envconfig:"SPIKE_RATE" default:"0.05"`
+	SpikeRate float64 `envconfig:"SPIKE_RATE"`
 	// SpikeMinRequests is the fewest requests in SpikeWindow for a spike.
-	SpikeMinRequests int64 `envconfig:"SPIKE_MIN_REQUESTS" default:"100"`
+	SpikeMinRequests int64 `envconfig:"SPIKE_MIN_REQUESTS"`
 	// SpikeWindow is the span of the denial rate.
-	SpikeWindow time.Duration `envconfig:"SPIKE_WINDOW" default:"5m"`
+	SpikeWindow time.Duration `envconfig:"SPIKE_WINDOW"`
 	// EvalInterval is how often denial rates and bursts are evaluated.
 	EvalInterval time.Duration `envconfig:"EVAL_INTERVAL" default:"5s"`
 	// AbuseBurst denials of one subject or IP within AbuseWindow raise
 	// quota.abuse_suspected.
-	AbuseBurst int64 `envconfig:"ABUSE_BURST" default:"50"`
+	AbuseBurst int64 `envconfig:"ABUSE_BURST"`
 	// AbuseWindow is the span of an abuse burst.
-	AbuseWindow time.Duration `envconfig:"ABUSE_WINDOW" default:"1m"`
+	AbuseWindow time.Duration `envconfig:"ABUSE_WINDOW"`
 
 	// DeliveryTimeout bounds one webhook attempt.
-	DeliveryTimeout time.Duration `envconfig:"DELIVERY_TIMEOUT" default:"10s"`
+	DeliveryTimeout time.Duration `envconfig:"DELIVERY_TIMEOUT"`
 	// DeliveryMinBackoff is the delay after a first failed attempt; it
 	// doubles per attempt, with jitter.
-	DeliveryMinBackoff time.Duration `envconfig:"DELIVERY_MIN_BACKOFF" default:"1s"`
+	DeliveryMinBackoff time.Duration `envconfig:"DELIVERY_MIN_BACKOFF"`
 	// DeliveryMaxBackoff caps the delay between attempts.
-	DeliveryMaxBackoff time.Duration `envconfig:"DELIVERY_MAX_BACKOFF" default:"5m"`
+	DeliveryMaxBackoff time.Duration `envconfig:"DELIVERY_MAX_BACKOFF"`
 	// DeliveryMaxAge is how long a delivery is retried before it is dead.
-	DeliveryMaxAge time.Duration `envconfig:"DELIVERY_MAX_AGE" default:"24h"`
+	DeliveryMaxAge time.Duration `envconfig:"DELIVERY_MAX_AGE"`
 	// DeliveryPoll is how often the outbox is polled for due retries.
-	DeliveryPoll time.Duration `envconfig:"DELIVERY_POLL" default:"1s"`
+	DeliveryPoll time.Duration `envconfig:"DELIVERY_POLL"`
 
 	// ShutdownTimeout bounds each step of the graceful shutdown.
 	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
 }
 
-// defaults is Config before the environment is read: the defaults
-// internal/config owns. envconfig keeps them where a variable is unset.
+// defaults is Config before the environment is read: the defaults other
+// packages own (the package that uses a setting owns its default).
+// envconfig keeps them where a variable is unset.
 func defaults() Config {
-	return Config{NATS: config.DefaultNATS, Postgres: config.DefaultPostgres, Log: config.DefaultLog}
+	return Config{
+		NATS: config.DefaultNATS, Postgres: config.DefaultPostgres, Log: config.DefaultLog,
+		Hysteresis: detect.DefaultHysteresis, SpikeRate: detect.DefaultSpikeRate,
+		SpikeMinRequests: detect.DefaultSpikeMinRequests, SpikeWindow: detect.DefaultSpikeWindow,
+		AbuseBurst: detect.DefaultAbuseBurst, AbuseWindow: detect.DefaultAbuseWindow,
+		DeliveryTimeout: deliver.DefaultAttemptTimeout, DeliveryMinBackoff: deliver.DefaultMinBackoff,
+		DeliveryMaxBackoff: deliver.DefaultMaxBackoff, DeliveryMaxAge: deliver.DefaultMaxAge,
+		DeliveryPoll: deliver.DefaultPoll,
+	}
 }
 
 // Validate checks the URLs, the cross-field rules and ranges.

@@ -43,11 +43,13 @@ type Corrections interface {
 type Options struct {
 	// Events names the streams (dead letters, MaxDeliver, AckWait).
 	Events stream.Config
-	// Workers is how many batches are in flight at once (default 1).
+	// Workers is how many batches are in flight at once (default
+	// DefaultWorkers).
 	Workers int
-	// BatchSize is the most messages per fetch (default 500).
+	// BatchSize is the most messages per fetch (default DefaultBatchSize).
 	BatchSize int
-	// BatchWait is the longest a fetch waits to fill a batch (default 200ms).
+	// BatchWait is the longest a fetch waits to fill a batch (default
+	// DefaultBatchWait).
 	BatchWait time.Duration
 	// Source is the CloudEvents source of corrected events.
 	Source string
@@ -56,6 +58,15 @@ type Options struct {
 	// Tests use it to inject crashes.
 	BeforeAck func(n int) error
 }
+
+// Defaults of Options: four batches of up to 500 events in flight, a fetch
+// waiting at most 200 ms to fill one, as the accounter benchmark of
+// bench/results.md runs.
+const (
+	DefaultWorkers   = 4
+	DefaultBatchSize = 500
+	DefaultBatchWait = 200 * time.Millisecond
+)
 
 // Consumer runs the consume loop. Create it with New; Run it once.
 type Consumer struct {
@@ -77,13 +88,13 @@ type Consumer struct {
 // pub; dead letters go through js. Its metrics register on reg.
 func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, app *effects.Applier, gate *rebuild.Gate, pub Corrections, opts Options, log *slog.Logger, reg prometheus.Registerer) (*Consumer, error) {
 	if opts.Workers <= 0 {
-		opts.Workers = 1
+		opts.Workers = DefaultWorkers
 	}
 	if opts.BatchSize <= 0 {
-		opts.BatchSize = 500
+		opts.BatchSize = DefaultBatchSize
 	}
 	if opts.BatchWait <= 0 {
-		opts.BatchWait = 200 * time.Millisecond
+		opts.BatchWait = DefaultBatchWait
 	}
 	m, err := newMetrics(reg)
 	if err != nil {

@@ -48,7 +48,7 @@ type Options struct {
 
 	// Instances is how many admission instances share the Redis. While
 	// Redis is unavailable each instance allows 1/Instances of every request
-	// limit and shared token limit. Zero means 1.
+	// limit and shared token limit. Zero means DefaultInstances, 1.
 	Instances int
 
 	// LeaseBatch is how many units one lease takes from a shared request
@@ -89,6 +89,7 @@ const (
 	DefaultProbeTimeout    = 250 * time.Millisecond
 	DefaultUnseenAllowance = 1000
 	DefaultFailOpenAfter   = 30 * time.Second
+	DefaultInstances       = 1
 	DefaultLeaseLowWater   = 0.5
 	DefaultLeaseIdle       = 30 * time.Second
 	DefaultMaxLeasePools   = 100_000
@@ -142,7 +143,7 @@ func (o Options) withDefaults() (Options, error) {
 		o.UnseenAllowance = 0
 	}
 	if o.Instances == 0 {
-		o.Instances = 1
+		o.Instances = DefaultInstances
 	}
 	if o.LeaseLowWater == 0 {
 		o.LeaseLowWater = DefaultLeaseLowWater

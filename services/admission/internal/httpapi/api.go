@@ -128,6 +128,10 @@ const (
 	routeTopUp       = "topup"
 )
 
+// DefaultAuthzDenyStatus is the status of a /v1/authz denial unless
+// Options say otherwise: 429, which Envoy passes through.
+const DefaultAuthzDenyStatus = http.StatusTooManyRequests
+
 // New returns the API handler.
 func New(o Options) (*Handler, error) {
 	if o.Decider == nil || o.Policy == nil || o.Events == nil {
@@ -135,7 +139,7 @@ func New(o Options) (*Handler, error) {
 	}
 	switch o.AuthzDenyStatus {
 	case 0:
-		o.AuthzDenyStatus = http.StatusTooManyRequests
+		o.AuthzDenyStatus = DefaultAuthzDenyStatus
 	case http.StatusTooManyRequests, http.StatusForbidden:
 	default:
 		return nil, fmt.Errorf("httpapi: authz deny status %d: want 429 or 403", o.AuthzDenyStatus)

@@ -26,42 +26,51 @@ import (
 
 // Options tune delivery. The zero value of a field means its default.
 type Options struct {
-	// AttemptTimeout bounds one HTTP attempt (default 10s).
+	// AttemptTimeout bounds one HTTP attempt.
 	AttemptTimeout time.Duration
 	// MinBackoff is the delay after the first failed attempt; it doubles
-	// per attempt (default 1s).
+	// per attempt.
 	MinBackoff time.Duration
-	// MaxBackoff caps the delay between attempts (default 5m).
+	// MaxBackoff caps the delay between attempts.
 	MaxBackoff time.Duration
-	// MaxAge is how long a delivery is retried before it is dead
-	// (default 24h).
+	// MaxAge is how long a delivery is retried before it is dead.
 	MaxAge time.Duration
 	// Poll is how often the outbox is checked when nothing wakes the
-	// deliverer (default 1s).
+	// deliverer.
 	Poll time.Duration
-	// Batch is how many deliveries one pass claims and sends in parallel
-	// (default 16).
+	// Batch is how many deliveries one pass claims and sends in parallel.
 	Batch int
 }
 
+// Defaults of Options: an attempt gets 10 s; retries wait 1 s doubling up
+// to 5 m and go on for a day.
+const (
+	DefaultAttemptTimeout = 10 * time.Second
+	DefaultMinBackoff     = time.Second
+	DefaultMaxBackoff     = 5 * time.Minute
+	DefaultMaxAge         = 24 * time.Hour
+	DefaultPoll           = time.Second
+	DefaultBatch          = 16
+)
+
 func (o Options) withDefaults() Options {
 	if o.AttemptTimeout == 0 {
-		o.AttemptTimeout = 10 * time.Second
+		o.AttemptTimeout = DefaultAttemptTimeout
 	}
 	if o.MinBackoff == 0 {
-		o.MinBackoff = time.Second
+		o.MinBackoff = DefaultMinBackoff
 	}
 	if o.MaxBackoff == 0 {
-		o.MaxBackoff = 5 * time.Minute
+		o.MaxBackoff = DefaultMaxBackoff
 	}
 	if o.MaxAge == 0 {
-		o.MaxAge = 24 * time.Hour
+		o.MaxAge = DefaultMaxAge
 	}
 	if o.Poll == 0 {
-		o.Poll = time.Second
+		o.Poll = DefaultPoll
 	}
 	if o.Batch == 0 {
-		o.Batch = 16
+		o.Batch = DefaultBatch
 	}
 	return o
 }

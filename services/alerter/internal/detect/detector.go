@@ -20,41 +20,51 @@ import (
 // Options tune detection. The zero value of a field means its default.
 type Options struct {
 	// Hysteresis is how far, in percentage points, usage must fall under a
-	// fired threshold before it re-arms (default 5).
+	// fired threshold before it re-arms.
 	Hysteresis float64
-	// SpikeWindow is the span of the denial rate (default 5m).
+	// SpikeWindow is the span of the denial rate.
 	SpikeWindow time.Duration
-	// SpikeRate is the denial rate (0-1) above which a spike fires
-	// (default 0.05).
+	// SpikeRate is the denial rate (0-1) above which a spike fires.
 	SpikeRate float64
 	// SpikeMinRequests is the fewest requests in the window for a spike to
-	// fire (default 100).
+	// fire.
 	SpikeMinRequests int64
-	// AbuseWindow is the span of an abuse burst (default 1m).
+	// AbuseWindow is the span of an abuse burst.
 	AbuseWindow time.Duration
 	// AbuseBurst is how many denials of one subject or IP within
-	// AbuseWindow raise quota.abuse_suspected (default 50).
+	// AbuseWindow raise quota.abuse_suspected.
 	AbuseBurst int64
 }
 
+// Defaults of Options: a spike is a denial rate above 5 % over 5 minutes
+// with at least 100 requests; abuse is 50 denials within a minute.
+const (
+	DefaultHysteresis       = 5
+	DefaultSpikeWindow      = 5 * time.Minute
+	DefaultSpikeRate        = 0.05
+	DefaultSpikeMinRequests = 100
+	DefaultAbuseWindow      = time.Minute
+	DefaultAbuseBurst       = 50
+)
+
 func (o Options) withDefaults() Options {
 	if o.Hysteresis == 0 {
-		o.Hysteresis = 5
+		o.Hysteresis = DefaultHysteresis
 	}
 	if o.SpikeWindow == 0 {
-		o.SpikeWindow = 5 * time.Minute
+		o.SpikeWindow = DefaultSpikeWindow
 	}
 	if o.SpikeRate == 0 {
-		o.SpikeRate = 0.05
+		o.SpikeRate = DefaultSpikeRate
 	}
 	if o.SpikeMinRequests == 0 {
-		o.SpikeMinRequests = 100
+		o.SpikeMinRequests = DefaultSpikeMinRequests
 	}
 	if o.AbuseWindow == 0 {
-		o.AbuseWindow = time.Minute
+		o.AbuseWindow = DefaultAbuseWindow
 	}
 	if o.AbuseBurst == 0 {
-		o.AbuseBurst = 50
+		o.AbuseBurst = DefaultAbuseBurst
 	}
 	return o
 }
