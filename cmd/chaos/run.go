@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"strconv"
 	"syscall"
 	"time"
 
@@ -156,7 +155,7 @@ func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) 
 	if err != nil {
 		return nil, err
 	}
-	st := &stack{dir: dir, token: "chaos-" + strconv.FormatInt(time.Now().UnixNano(), 36)}
+	st := &stack{dir: dir, token: "chaos-" + e2e.RandomHex(16)}
 	root, err := e2e.ModuleRoot(ctx)
 	if err != nil {
 		return st, err
