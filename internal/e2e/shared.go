@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"crypto/rand"
 	"encoding/hex"
+	"io"
 	"net"
+	"net/http"
 	"strconv"
 	"sync"
 	"testing"
@@ -60,6 +62,19 @@ func (s *Buffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// Readyz returns the status code and body of /readyz on the ops address
+// addr (host:port), or 0 and "" when nothing answers there.
+func Readyz(addr string) (int, string) {
+	c := &http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get("http://" + addr + "/readyz")
+	if err != nil {
+		return 0, ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
 }
 
 // patience bounds Eventually: far above what a healthy wait takes, so a

@@ -158,12 +158,8 @@ func (e *env) start(h *hooks) (stop func()) {
 	}
 	e.ops, e.reg = ops, reg
 	e2e.Eventually(t, "readyz 200", func() bool {
-		resp, err := http.Get("http://" + ops + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == 200
+		code, _ := e2e.Readyz(ops)
+		return code == 200
 	})
 	e.pgPool(t)
 	return stop
@@ -1012,13 +1008,9 @@ func TestEvictingRedisIsReportedNotFatal(t *testing.T) {
 	}
 	e.start(nil)
 	e2e.Eventually(t, "readyz naming volatile-lru", func() bool {
-		resp, err := http.Get("http://" + e.ops + "/readyz")
-		if err != nil {
-			return false
-		}
-		defer resp.Body.Close()
+		code, body := e2e.Readyz(e.ops)
 		var s obs.Status
-		return json.NewDecoder(resp.Body).Decode(&s) == nil && resp.StatusCode == 200 &&
+		return code == 200 && json.Unmarshal([]byte(body), &s) == nil &&
 			strings.Contains(s.Degraded[eviction.Name], "volatile-lru")
 	})
 }

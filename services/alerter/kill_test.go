@@ -49,7 +49,7 @@ func TestKilledMidDelivery(t *testing.T) {
 		}
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
 		e2e.Eventually(e.t, "alerter process ready", func() bool {
-			code, _ := readyz(ops)
+			code, _ := e2e.Readyz(ops)
 			return code == http.StatusOK
 		})
 		return cmd

@@ -197,7 +197,7 @@ func (e *env) start(logs io.Writer) (stop func()) {
 	}
 	e.t.Cleanup(stop)
 	e2e.Eventually(e.t, "alerter ready", func() bool {
-		code, _ := readyz(ops)
+		code, _ := e2e.Readyz(ops)
 		return code == http.StatusOK
 	})
 	if e.pg == nil {

@@ -15,18 +15,6 @@ import (
 	"quotaflow/internal/e2e"
 )
 
-// readyz returns /readyz's status code and body, or 0 when ops does not
-// answer.
-func readyz(ops string) (int, string) {
-	resp, err := http.Get("http://" + ops + "/readyz")
-	if err != nil {
-		return 0, ""
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
-}
-
 // proxy forwards the TCP connections accepted on l to target until l is
 // closed.
 func proxy(t *testing.T, l net.Listener, target string) {
@@ -87,7 +75,7 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 	}
 
 	e2e.Eventually(e.t, "readyz waiting for postgres", func() bool {
-		code, body := readyz(ops)
+		code, body := e2e.Readyz(ops)
 		return code == http.StatusServiceUnavailable && strings.Contains(body, "waiting for postgres")
 	})
 	// It keeps retrying (several backoff rounds) instead of exiting.
@@ -96,7 +84,7 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 		t.Fatalf("run exited while Postgres was down: %v", err)
 	case <-time.After(700 * time.Millisecond):
 	}
-	if code, body := readyz(ops); code != http.StatusServiceUnavailable || !strings.Contains(body, "waiting for postgres") {
+	if code, body := e2e.Readyz(ops); code != http.StatusServiceUnavailable || !strings.Contains(body, "waiting for postgres") {
 		t.Fatalf("readyz = %d %s, want 503 waiting for postgres", code, body)
 	}
 
@@ -107,7 +95,7 @@ func TestStartsWhenPostgresComesLate(t *testing.T) {
 	}
 	proxy(t, l, real.Host)
 	e2e.Eventually(e.t, "ready once postgres answers", func() bool {
-		code, _ := readyz(ops)
+		code, _ := e2e.Readyz(ops)
 		return code == http.StatusOK
 	})
 
@@ -139,7 +127,7 @@ func TestStopsWhilePostgresDown(t *testing.T) {
 	}()
 	ops := <-opsc
 	e2e.Eventually(e.t, "readyz waiting for postgres", func() bool {
-		_, body := readyz(ops)
+		_, body := e2e.Readyz(ops)
 		return strings.Contains(body, "waiting for postgres")
 	})
 	cancel()
