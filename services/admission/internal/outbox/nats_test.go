@@ -22,14 +22,12 @@ import (
 // an embedded nats-server. Each test owns its streams and subject prefix
 // and deletes them.
 
+// connect is natstest.Connect reconnecting at once and forever, with a
+// JetStream whose async publishes time out as the outbox's tests expect.
 func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	nc, err := nats.Connect(url, nats.Name(t.Name()), nats.Timeout(2*time.Second),
+	nc, _ := natstest.Connect(t, url, nats.Name(t.Name()), nats.Timeout(2*time.Second),
 		nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectJitter(0, 0))
-	if err != nil {
-		t.Fatalf("connect to NATS at %s (run `go tool task deps`): %v", url, err)
-	}
-	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(2*time.Second))
 	if err != nil {
 		t.Fatal(err)
