@@ -14,4 +14,13 @@
 //
 // When Redis has lost its data, calls return ErrNoEpoch instead of
 // deciding until the accounter has rebuilt it (package repair).
+//
+// # Memory in Redis
+//
+// The state of all limits of one scope is one Redis string; one limit's
+// record in it takes: rolling 14+18+6n bytes for n buckets (176 for the
+// default 24), fixed, calendar_month and balance 26, token_bucket 30,
+// sliding_log 14+6k for k requests in the window. A concurrency limit is a
+// sorted set, about 60 bytes per request in flight. The wire format is
+// internal/wire/protocol.go.
 package limits

@@ -14,29 +14,27 @@
 // Every limit counts tokens or requests: a request costs 1 in a requests
 // limit and its weighted token cost in a tokens limit. Corrections and
 // releases of a reservation touch token limits and concurrency slots only;
-// an admitted request stays counted in request limits. The engine keeps
-// the state of all limits of one scope in one Redis string; the bytes
-// below are the record of one limit there.
+// an admitted request stays counted in request limits. What each kind
+// costs in Redis is in package limits.
 //
 //   - rolling: a sliding window kept as n time buckets (default 24) in a
 //     ring plus a running total, so a call is O(1) amortised: buckets that
 //     left the window are subtracted as time passes. Exact to one bucket:
 //     the window holds the last W-W/n to W of usage. Retry-After is when
-//     enough of the oldest buckets leave. 14+18+6n bytes (176 for n=24).
+//     enough of the oldest buckets leave.
 //   - fixed: a count per window aligned to the Unix epoch; exact; resets at
-//     the window's end. 26 bytes.
+//     the window's end.
 //   - calendar_month: a count per UTC calendar month (exact month lengths,
-//     leap years); resets at 00:00 UTC on the 1st. 26 bytes.
+//     leap years); resets at 00:00 UTC on the 1st.
 //   - token_bucket: refills rate/per continuously up to burst (the
 //     golang.org/x/time/rate model, computed lazily from the last refill);
 //     exact. With rate 0 it is an allowance of burst per period `per`,
-//     starting at its first use. 30 bytes.
+//     starting at its first use.
 //   - sliding_log: one timestamp per admitted request; exact; for small
-//     request counts (at most 1000). 14+6k bytes for k requests in the
-//     window.
+//     request counts (at most 1000).
 //   - balance: prepaid credits (credited, spent); only top-ups raise it and
-//     it never expires. 26 bytes.
+//     it never expires.
 //   - concurrency: requests in flight, a sorted set of request ids scored
 //     by expiry: a slot is held until the reservation is settled, or until
-//     its TTL passes. About 60 bytes per request in flight.
+//     its TTL passes.
 package policy
