@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"io"
 	"log/slog"
 	"net/http"
@@ -19,6 +17,7 @@ import (
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events/stream"
+	"quotaflow/services/admission/internal/auth/authtest"
 )
 
 // testConfig is the configuration envconfig gives with no environment,
@@ -119,11 +118,6 @@ func TestRunRejectsBadTokensFile(t *testing.T) {
 	}
 }
 
-func sha256Hex(s string) string {
-	sum := sha256.Sum256([]byte(s))
-	return hex.EncodeToString(sum[:])
-}
-
 // QF_REDIS_BREAKER_WINDOW=0 means no window: decide's zero means its
 // default, a negative window none.
 func TestBreakerWindowZeroMeansNone(t *testing.T) {
@@ -156,7 +150,7 @@ func TestRun(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	writeTokens("- {sha256: " + sha256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway]}\n")
+	writeTokens("- {sha256: " + authtest.SHA256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway]}\n")
 
 	var logs e2e.Buffer
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
@@ -195,7 +189,7 @@ func TestRun(t *testing.T) {
 		t.Errorf("/metrics = %d, lacks the admission series", code)
 	}
 	// A broken edit of the tokens file is counted and changes nothing.
-	writeTokens("- {sha256: " + sha256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway], colour: red}\n")
+	writeTokens("- {sha256: " + authtest.SHA256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway], colour: red}\n")
 	e2e.Eventually(t, "the rejected tokens file counted", func() bool {
 		_, body := get(t, ops+"/metrics")
 		return strings.Contains(body, `quotaflow_admission_tokens_reloads_total{result="rejected"} 1`)
@@ -213,7 +207,7 @@ func TestRun(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("run did not return after cancel")
 	}
-	if s := logs.String(); strings.Contains(s, "run-token") || strings.Contains(s, "run-file-token") || strings.Contains(s, sha256Hex(fileToken)[:16]) {
+	if s := logs.String(); strings.Contains(s, "run-token") || strings.Contains(s, "run-file-token") || strings.Contains(s, authtest.SHA256Hex(fileToken)[:16]) {
 		t.Errorf("logs contain an API token or its digest: %s", s)
 	} else if !strings.Contains(s, "tokens file rejected") {
 		t.Errorf("the rejected tokens file is not logged: %s", s)

@@ -2,25 +2,20 @@ package auth
 
 import (
 	"crypto/sha256"
-	"encoding/hex"
 	"strings"
 	"testing"
-)
 
-// hexSum is the hex SHA-256 of tok, as a file's sha256 field holds it.
-func hexSum(tok string) string {
-	s := sha256.Sum256([]byte(tok))
-	return hex.EncodeToString(s[:])
-}
+	"quotaflow/services/admission/internal/auth/authtest"
+)
 
 func TestParseFile(t *testing.T) {
 	src := `
 # rotated by the platform team
 - token: s3cret-gateway
 - {token: "s3cret-acme", tenant: "acme#1,eu", roles: [report]}
-- sha256: ` + strings.ToUpper(hexSum("s3cret-billing")) + `
+- sha256: ` + strings.ToUpper(authtest.SHA256Hex("s3cret-billing")) + `
   roles: [billing, gateway]
-- {sha256: ` + hexSum("s3cret-admin") + `, roles: [admin]}
+- {sha256: ` + authtest.SHA256Hex("s3cret-admin") + `, roles: [admin]}
 - &shared {token: 12345, tenant: beta}
 - *shared
 `
@@ -54,7 +49,7 @@ func TestParseFile(t *testing.T) {
 
 func TestParseFileErrors(t *testing.T) {
 	const tok = "s3cret-token"
-	sum := hexSum(tok)
+	sum := authtest.SHA256Hex(tok)
 	for _, tc := range []struct{ name, src, want string }{
 		{"empty", "", "file is empty; write [] for a file of no tokens"},
 		{"comments only", "# none yet\n", "file is empty; write [] for a file of no tokens"},

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"quotaflow/services/admission/internal/auth/authtest"
 )
 
 // save writes content to path the way editors and kubelet do: a new file
@@ -47,16 +49,6 @@ func valid(a *Auth, tok string) bool {
 	return ok
 }
 
-// noSecrets fails when s holds one of the tokens or its digest.
-func noSecrets(t *testing.T, where, s string, tokens ...string) {
-	t.Helper()
-	for _, tok := range tokens {
-		if strings.Contains(s, tok) || strings.Contains(strings.ToLower(s), hexSum(tok)[:16]) {
-			t.Errorf("%s holds the token %q or its digest: %s", where, tok, s)
-		}
-	}
-}
-
 func TestNewStart(t *testing.T) {
 	if a, err := New(Options{Tokens: []string{" ", ""}}); a != nil || err != nil {
 		t.Errorf("New without tokens or file = %v, %v; want nil, nil (no authentication)", a, err)
@@ -75,7 +67,7 @@ func TestNewStart(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "QF_API_TOKENS_FILE "+bad+": [0].roles[0]: unknown role") {
 		t.Errorf("New with an invalid file = %v, want the file and the path of the mistake", err)
 	}
-	noSecrets(t, "New's error", err.Error(), "s3cret-start")
+	authtest.NoSecrets(t, "New's error", err.Error(), "s3cret-start")
 
 	// A file with no tokens yet is authentication with no token in force.
 	empty := filepath.Join(dir, "none.yaml")
@@ -97,7 +89,7 @@ func TestReload(t *testing.T) {
 
 	// Rotation: the new token, given by its digest, replaces the old one;
 	// QF_API_TOKENS stays.
-	save(t, path, "- {sha256: "+hexSum("s3cret-new")+", tenant: acme}\n")
+	save(t, path, "- {sha256: "+authtest.SHA256Hex("s3cret-new")+", tenant: acme}\n")
 	if err := a.Reload(); err != nil {
 		t.Fatalf("Reload = %v", err)
 	}
@@ -115,7 +107,7 @@ func TestReload(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "[0]: unknown field on line 1") {
 		t.Fatalf("Reload of an invalid file = %v, want the path of the mistake", err)
 	}
-	noSecrets(t, "Reload's error", err.Error(), "s3cret-broken", "s3cret-new", "s3cret-env")
+	authtest.NoSecrets(t, "Reload's error", err.Error(), "s3cret-broken", "s3cret-new", "s3cret-env")
 	if got := <-verdicts; got == nil {
 		t.Error("OnReload(nil) for an invalid file")
 	}
@@ -138,5 +130,5 @@ func TestReload(t *testing.T) {
 	if err := a.Reload(); err == nil || !valid(a, "s3cret-new") {
 		t.Errorf("Reload of an empty file = %v, want an error and the tokens unchanged", err)
 	}
-	noSecrets(t, "the logs", logs.String(), "s3cret-old", "s3cret-new", "s3cret-env", "s3cret-broken")
+	authtest.NoSecrets(t, "the logs", logs.String(), "s3cret-old", "s3cret-new", "s3cret-env", "s3cret-broken")
 }

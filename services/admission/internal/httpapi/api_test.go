@@ -25,6 +25,7 @@ import (
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
+	"quotaflow/services/admission/internal/auth/authtest"
 	"quotaflow/services/admission/internal/decide"
 )
 
@@ -662,7 +663,7 @@ func TestAuth(t *testing.T) {
 		})
 	}
 	// Tokens never reach logs or bodies.
-	noSecrets(t, "the logs", e.logs.String(), tokenAny, tokenAcme)
+	authtest.NoSecrets(t, "the logs", e.logs.String(), tokenAny, tokenAcme)
 }
 
 func TestAuthz(t *testing.T) {

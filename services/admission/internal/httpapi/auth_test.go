@@ -2,8 +2,6 @@ package httpapi
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"net/http"
 	"os"
@@ -16,19 +14,9 @@ import (
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
+	"quotaflow/services/admission/internal/auth/authtest"
 	"quotaflow/services/admission/internal/decide"
 )
-
-// noSecrets fails when s holds one of the tokens or its SHA-256 digest.
-func noSecrets(t *testing.T, where, s string, tokens ...string) {
-	t.Helper()
-	for _, tok := range tokens {
-		sum := sha256.Sum256([]byte(tok))
-		if strings.Contains(s, tok) || strings.Contains(strings.ToLower(s), hex.EncodeToString(sum[:])[:16]) {
-			t.Errorf("%s hold the token %q or its digest: %s", where, tok, s)
-		}
-	}
-}
 
 // withAuth sets the API's Auth to one built from o (logging to the test's
 // log).
@@ -144,7 +132,7 @@ func TestRolesByRoute(t *testing.T) {
 			t.Errorf("unknown token on %s = %d, want 401", rt.name, code)
 		}
 	}
-	noSecrets(t, "the logs", e.logs.String(), "s3cret-gateway", "s3cret-report", "s3cret-billing", "s3cret-admin",
+	authtest.NoSecrets(t, "the logs", e.logs.String(), "s3cret-gateway", "s3cret-report", "s3cret-billing", "s3cret-admin",
 		"s3cret-default", "s3cret-acme", "s3cret-all", "s3cret-unknown")
 }
 
@@ -263,18 +251,13 @@ func save(t *testing.T, path, content string) {
 	}
 }
 
-func sha256Hex(tok string) string {
-	s := sha256.Sum256([]byte(tok))
-	return hex.EncodeToString(s[:])
-}
-
 // TestTokensFileRotation: QF_API_TOKENS_FILE's tokens, given by their
 // SHA-256, rotate without a restart: after the reload the old token gets
 // 401 and the new one works; an invalid edit keeps the last good tokens;
 // QF_API_TOKENS's stay in force throughout.
 func TestTokensFileRotation(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "tokens.yaml")
-	save(t, path, "- {sha256: "+sha256Hex("s3cret-v1")+", tenant: acme}\n")
+	save(t, path, "- {sha256: "+authtest.SHA256Hex("s3cret-v1")+", tenant: acme}\n")
 	verdicts := make(chan error, 10)
 	var a *auth.Auth
 	e := newEnv(t, func(o *Options) {
@@ -305,7 +288,7 @@ func TestTokensFileRotation(t *testing.T) {
 		t.Fatalf("before rotating: v1 %d, env %d; want 200, 200", v1, env)
 	}
 
-	save(t, path, "- {sha256: "+sha256Hex("s3cret-v2")+", tenant: acme}\n")
+	save(t, path, "- {sha256: "+authtest.SHA256Hex("s3cret-v2")+", tenant: acme}\n")
 	if err := reloaded(); err != nil {
 		t.Fatalf("reload of the rotated file = %v", err)
 	}
@@ -313,18 +296,18 @@ func TestTokensFileRotation(t *testing.T) {
 		t.Errorf("after rotating: v1 %d, v2 %d, env %d; want 401, 200, 200", v1, v2, env)
 	}
 
-	save(t, path, "- {sha256: "+sha256Hex("s3cret-v3")[:40]+", tenant: acme}\n- {token: s3cret-v4, roles: [everything]}\n")
+	save(t, path, "- {sha256: "+authtest.SHA256Hex("s3cret-v3")[:40]+", tenant: acme}\n- {token: s3cret-v4, roles: [everything]}\n")
 	err := reloaded()
 	if err == nil || !strings.Contains(err.Error(), "[0].sha256: want the 64 hex digits") || !strings.Contains(err.Error(), "[1].roles[0]: unknown role") {
 		t.Fatalf("reload of an invalid file = %v, want both mistakes by path", err)
 	}
-	noSecrets(t, "the reload error", err.Error(), "s3cret-v3", "s3cret-v4")
+	authtest.NoSecrets(t, "the reload error", err.Error(), "s3cret-v3", "s3cret-v4")
 	if v2, v4 := admit("s3cret-v2"), admit("s3cret-v4"); v2 != 200 || v4 != 401 {
 		t.Errorf("after an invalid edit: v2 %d, v4 %d; want 200 (the last good tokens), 401", v2, v4)
 	}
 	cancel()
 	<-done
-	noSecrets(t, "the logs", e.logs.String(), "s3cret-v1", "s3cret-v2", "s3cret-v3", "s3cret-v4", "s3cret-env")
+	authtest.NoSecrets(t, "the logs", e.logs.String(), "s3cret-v1", "s3cret-v2", "s3cret-v3", "s3cret-v4", "s3cret-env")
 	if !strings.Contains(e.logs.String(), "tokens file rejected") {
 		t.Errorf("the rejected edit is not logged: %s", e.logs.String())
 	}
