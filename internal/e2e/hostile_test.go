@@ -233,7 +233,7 @@ func testReleaseKeepsActualUsage(t *testing.T, s *stack, gw caller) {
 	}
 	settled := func(user, id string) {
 		t.Helper()
-		eventually(t, id+" settled at 50 in the ledger and in Redis", func() (bool, string) {
+		e2e.EventuallyLast(t, id+" settled at 50 in the ledger and in Redis", func() (bool, string) {
 			st, actual := s.reservation(t, tenant, user, id)
 			n, tokens := s.actuals(t, tenant, user)
 			used := gw.used(tenant, user, "", "5h")
@@ -336,7 +336,7 @@ func testCrossTenantEventIDs(t *testing.T, s *stack, gw, a, b caller) {
 		t.Fatalf("tenant tb reports = %s, want 202", r)
 	}
 	for tenant, want := range map[string]int64{"ta": 30, "tb": 40} {
-		eventually(t, "tenant "+tenant+"'s event in the ledger and in Redis", func() (bool, string) {
+		e2e.EventuallyLast(t, "tenant "+tenant+"'s event in the ledger and in Redis", func() (bool, string) {
 			n, tokens := s.actuals(t, tenant, user)
 			used := gw.used(tenant, user, "", "5h")
 			return n == 1 && tokens == want && used == want,
@@ -397,7 +397,7 @@ func testControlCharacters(t *testing.T, s *stack, gw caller) {
 	s.publishRaw(t, events.TypeActual, "evt-nul", bad)
 	good, _ := json.Marshal(actualEvent("evt-after-nul", tenant, "u2", "r-after", 7, 0, time.Now()))
 	s.publishRaw(t, events.TypeActual, "evt-after-nul", good)
-	eventually(t, "the event after the NUL one consumed", func() (bool, string) {
+	e2e.EventuallyLast(t, "the event after the NUL one consumed", func() (bool, string) {
 		n, tokens := s.actuals(t, tenant, "u2")
 		return n == 1 && tokens == 7, fmt.Sprintf("%d actual events of u2, %d tokens", n, tokens)
 	})
@@ -423,7 +423,7 @@ func testEventTime(t *testing.T, s *stack, gw caller) {
 	if r := gw.admit(admitReq{RequestID: "r1", Tenant: tenant, User: user, Endpoint: "/v1/chat", Estimate: 100}); r.code != http.StatusOK {
 		t.Fatalf("admit r1 = %s, want 200", r)
 	}
-	eventually(t, "r1's reservation in the ledger", func() (bool, string) {
+	e2e.EventuallyLast(t, "r1's reservation in the ledger", func() (bool, string) {
 		st, _ := s.reservation(t, tenant, user, "r1")
 		return st == "open", fmt.Sprintf("status %q", st)
 	})
@@ -585,7 +585,7 @@ func testOverflow(t *testing.T, s *stack, gw caller) {
 		}
 		evs = evs[n:]
 	}
-	eventually(t, "every actual in the ledger", func() (bool, string) {
+	e2e.EventuallyLast(t, "every actual in the ledger", func() (bool, string) {
 		n, _ := s.actuals(t, tenant, user)
 		return n == unseen+1, fmt.Sprintf("%d actual events", n)
 	})
@@ -593,11 +593,11 @@ func testOverflow(t *testing.T, s *stack, gw caller) {
 	// A reserve on the saturated windows: its reserved event is encodable
 	// too, so it reaches the ledger.
 	admit("o3", 0, http.StatusOK)
-	eventually(t, "o3's reserved event in the ledger", func() (bool, string) {
+	e2e.EventuallyLast(t, "o3's reserved event in the ledger", func() (bool, string) {
 		st, _ := s.reservation(t, tenant, user, "o3")
 		return st == "open", fmt.Sprintf("status %q", st)
 	})
-	eventually(t, "a corrected event published for every actual", func() (bool, string) {
+	e2e.EventuallyLast(t, "a corrected event published for every actual", func() (bool, string) {
 		n := 0
 		for _, m := range s.messages(t, s.streams.Stream, events.Subject(s.streams.SubjectPrefix, events.TypeCorrected)) {
 			var ev struct {

@@ -279,7 +279,7 @@ func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 	// The rebuild first: admission may not have noticed the outage (a
 	// short streak of failures does not open its breaker) and would look
 	// steady until it meets the missing epoch.
-	eventually(t, "the epoch rewritten", func() (bool, string) {
+	e2e.EventuallyLast(t, "the epoch rewritten", func() (bool, string) {
 		missing, err := repair.EpochMissing(ctx, p.rdb)
 		return err == nil && !missing, fmt.Sprint(missing, err)
 	})
@@ -293,12 +293,10 @@ func (p *pipeline) loseRedis(t *testing.T, m *pmodel, rng *rand.Rand) {
 func (p *pipeline) settle(t *testing.T, m *pmodel) {
 	t.Helper()
 	want := m.ledger()
-	if !eventually(t, "the ledger settled", func() (bool, string) {
+	e2e.EventuallyLast(t, "the ledger settled", func() (bool, string) {
 		got := p.reservations(t)
 		return maps.Equal(got, want), fmt.Sprint(diff(got, want))
-	}) {
-		t.FailNow()
-	}
+	})
 }
 
 // reservations reads every reservation row of the tenant as "status

@@ -86,9 +86,24 @@ const patience = 30 * time.Second
 // instead of sleeping through a guess.
 func Eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
+	EventuallyLast(t, what, func() (bool, string) { return cond(), "" })
+}
+
+// EventuallyLast is Eventually for a cond that also describes the state it
+// saw (a row's status, a count): the failure reports the last one, which
+// says how far the wait got.
+func EventuallyLast(t testing.TB, what string, cond func() (ok bool, last string)) {
+	t.Helper()
 	deadline := time.Now().Add(patience)
-	for !cond() {
+	for {
+		ok, last := cond()
+		if ok {
+			return
+		}
 		if time.Now().After(deadline) {
+			if last != "" {
+				t.Fatalf("timed out after %v waiting for %s (last: %s)", patience, what, last)
+			}
 			t.Fatalf("timed out after %v waiting for %s", patience, what)
 		}
 		time.Sleep(10 * time.Millisecond)

@@ -71,7 +71,7 @@ func TestHostileSlowReserve(t *testing.T) {
 	if r := gw.report(actualEvent("evt-small", tenant, "allowed", "small", 80, 0, time.Now())); r.code != http.StatusAccepted {
 		t.Fatalf("report the actual = %s, want 202", r)
 	}
-	eventually(t, "the actual settled in the ledger", func() (bool, string) {
+	e2e.EventuallyLast(t, "the actual settled in the ledger", func() (bool, string) {
 		st, actual := s.reservation(t, tenant, "allowed", "small")
 		return st == "settled" && actual == 80, fmt.Sprintf("reservation %q, actual %d", st, actual)
 	})
@@ -104,7 +104,7 @@ func (s *stack) admitWhileRedisSleeps(t *testing.T, c caller, req admitReq) repl
 	// Asleep once a PING goes unanswered.
 	probe := redis.NewClient(&redis.Options{Addr: s.redis.Addr, ReadTimeout: 200 * time.Millisecond, MaxRetries: -1})
 	defer probe.Close()
-	eventually(t, "redis asleep", func() (bool, string) {
+	e2e.EventuallyLast(t, "redis asleep", func() (bool, string) {
 		err := probe.Ping(context.Background()).Err()
 		return err != nil, fmt.Sprintf("PING = %v", err)
 	})
@@ -115,7 +115,7 @@ func (s *stack) admitWhileRedisSleeps(t *testing.T, c caller, req admitReq) repl
 	if n := metric(t, s.admission, "quotaflow_admission_decisions_total", "result", "failopen"); n == local0 {
 		t.Fatalf("admit %s = %s was decided by Redis, not locally: Redis woke up too early", req.RequestID, r)
 	}
-	eventually(t, "the lost reserve voided", func() (bool, string) {
+	e2e.EventuallyLast(t, "the lost reserve voided", func() (bool, string) {
 		n := metric(t, s.admission, metricVoids) - metric(t, s.admission, metricVoids, "result", "retry")
 		return n > voids0, fmt.Sprintf("%v voids", n-voids0)
 	})

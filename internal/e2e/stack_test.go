@@ -184,30 +184,6 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 	return s
 }
 
-// patience bounds every wait for the pipeline (the accounter consumes
-// asynchronously, admission publishes from an outbox); a healthy run takes
-// well under a second for each.
-const patience = 20 * time.Second
-
-// eventually polls cond until it holds, failing the test (and returning
-// false) when it does not within patience; what describes the last state
-// seen.
-func eventually(t *testing.T, what string, cond func() (bool, string)) bool {
-	t.Helper()
-	deadline := time.Now().Add(patience)
-	for {
-		ok, last := cond()
-		if ok {
-			return true
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("%s: not within %v (last: %s)", what, patience, last)
-			return false
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 // metric sums the series of name with labels (key, value pairs) on svc's
 // ops port.
 func metric(t *testing.T, svc *e2e.Service, name string, labels ...string) float64 {
@@ -346,7 +322,7 @@ func (c caller) usage(tenant, user, plan string) map[string]limitState {
 	// 503 is Redis out of reach for a moment (a test may make it slow):
 	// asked again.
 	var r reply
-	eventually(c.t, "GET "+q, func() (bool, string) {
+	e2e.EventuallyLast(c.t, "GET "+q, func() (bool, string) {
 		r = c.do(http.MethodGet, q, nil)
 		return r.code != http.StatusServiceUnavailable, r.String()
 	})
@@ -443,7 +419,7 @@ func (s *stack) deadLetters(t *testing.T) []*jetstream.RawStreamMsg {
 func (s *stack) deadLetteredOnce(t *testing.T, msgID, reason string) {
 	t.Helper()
 	var subjects []string
-	eventually(t, msgID+" dead-lettered", func() (bool, string) {
+	e2e.EventuallyLast(t, msgID+" dead-lettered", func() (bool, string) {
 		subjects = subjects[:0]
 		for _, m := range s.deadLetters(t) {
 			if m.Header.Get(stream.HeaderMsgID) == msgID {
@@ -527,7 +503,7 @@ func (s *stack) reconciled(t *testing.T) {
 		return metric(t, s.accounter, "quotaflow_accounter_reconciliations_total", "result", "ok")
 	}
 	from := runs()
-	eventually(t, "three reconciliations", func() (bool, string) {
+	e2e.EventuallyLast(t, "three reconciliations", func() (bool, string) {
 		n := runs()
 		return n >= from+3, fmt.Sprintf("%v since the call", n-from)
 	})
