@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -157,14 +158,20 @@ func TestRun(t *testing.T) {
 	api, ops, done, cancel := startRun(t, cfg, log)
 	defer cancel()
 
-	if code, _ := get(t, ops+"/healthz"); code != 200 {
+	if code, _ := get(t, "http://"+ops+"/healthz"); code != 200 {
 		t.Errorf("/healthz = %d", code)
 	}
-	if code, _ := get(t, ops+"/debug/pprof/"); code != 404 {
+	if code, _ := get(t, "http://"+ops+"/debug/pprof/"); code != 404 {
 		t.Errorf("/debug/pprof/ without QF_PPROF = %d, want 404", code)
 	}
-	if body := waitReady(t, ops); strings.Contains(body, "redis_eviction") {
-		t.Errorf("/readyz = %s: the development Redis should run noeviction", body)
+	var ready string
+	e2e.EventuallyLast(t, "/readyz 200", func() (bool, string) {
+		code, body := e2e.Readyz(ops)
+		ready = body
+		return code == http.StatusOK, fmt.Sprint(code, " ", body)
+	})
+	if strings.Contains(ready, "redis_eviction") {
+		t.Errorf("/readyz = %s: the development Redis should run noeviction", ready)
 	}
 	admit := func(token string) *http.Response {
 		req, _ := http.NewRequest("POST", api+"/v1/admit",
@@ -183,7 +190,7 @@ func TestRun(t *testing.T) {
 	if resp := admit(fileToken); resp.StatusCode != 200 {
 		t.Errorf("POST /v1/admit with the file's token = %d, want 200", resp.StatusCode)
 	}
-	if code, body := get(t, ops+"/metrics"); code != 200 || !strings.Contains(body, `quotaflow_admission_request_duration_seconds_count{code="2xx",route="admit"} 2`) ||
+	if code, body := get(t, "http://"+ops+"/metrics"); code != 200 || !strings.Contains(body, `quotaflow_admission_request_duration_seconds_count{code="2xx",route="admit"} 2`) ||
 		!strings.Contains(body, "quotaflow_admission_decisions_total") || !strings.Contains(body, "quotaflow_events_published_total") ||
 		!strings.Contains(body, `quotaflow_admission_tokens_reloads_total{result="rejected"} 0`) {
 		t.Errorf("/metrics = %d, lacks the admission series", code)
@@ -191,7 +198,7 @@ func TestRun(t *testing.T) {
 	// A broken edit of the tokens file is counted and changes nothing.
 	writeTokens("- {sha256: " + authtest.SHA256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway], colour: red}\n")
 	e2e.Eventually(t, "the rejected tokens file counted", func() bool {
-		_, body := get(t, ops+"/metrics")
+		_, body := get(t, "http://"+ops+"/metrics")
 		return strings.Contains(body, `quotaflow_admission_tokens_reloads_total{result="rejected"} 1`)
 	})
 	if resp := admit(fileToken); resp.StatusCode != 200 {
@@ -216,8 +223,8 @@ func TestRun(t *testing.T) {
 	}
 }
 
-// startRun runs admission with cfg until cancel, returning its API and ops
-// base URLs and run's result.
+// startRun runs admission with cfg until cancel, returning its API base
+// URL, its ops address (host:port) and run's result.
 func startRun(t *testing.T, cfg Config, log *slog.Logger) (api, ops string, done <-chan error, cancel func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -228,7 +235,7 @@ func startRun(t *testing.T, cfg Config, log *slog.Logger) (api, ops string, done
 	}()
 	select {
 	case a := <-addrs:
-		return "http://" + a[0], "http://" + a[1], res, cancel
+		return "http://" + a[0], a[1], res, cancel
 	case err := <-res:
 		cancel()
 		t.Fatalf("run = %v before starting", err)
@@ -247,22 +254,6 @@ func get(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
-// waitReady waits for /readyz to answer 200 and returns its body.
-func waitReady(t *testing.T, ops string) string {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		code, body := get(t, ops+"/readyz")
-		if code == 200 {
-			return body
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("/readyz = %d %s, never ready", code, body)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // A Redis that may evict quota state is a warning at start and a degraded
 // note in /readyz, which stays 200; QF_PPROF serves the profiler.
 func TestRunReportsEvictingRedis(t *testing.T) {
@@ -276,17 +267,15 @@ func TestRunReportsEvictingRedis(t *testing.T) {
 	_, ops, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
 	defer func() { cancel(); <-done }()
 
-	deadline := time.Now().Add(20 * time.Second)
-	for body := waitReady(t, ops); !strings.Contains(body, `"redis_eviction":"maxmemory-policy allkeys-lru (maxmemory 67108864 bytes)`); body = waitReady(t, ops) {
-		if time.Now().After(deadline) {
-			t.Fatalf("/readyz = %s, want 200 with the eviction note", body)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	e2e.EventuallyLast(t, "/readyz 200 with the eviction note", func() (bool, string) {
+		code, body := e2e.Readyz(ops)
+		return code == http.StatusOK && strings.Contains(body, `"redis_eviction":"maxmemory-policy allkeys-lru (maxmemory 67108864 bytes)`),
+			fmt.Sprint(code, " ", body)
+	})
 	if l := logs.String(); !strings.Contains(l, `"maxmemory_policy":"allkeys-lru","maxmemory":67108864`) {
 		t.Errorf("log = %s, want the warning naming the policy", l)
 	}
-	if code, _ := get(t, ops+"/debug/pprof/"); code != 200 {
+	if code, _ := get(t, "http://"+ops+"/debug/pprof/"); code != 200 {
 		t.Errorf("/debug/pprof/ with QF_PPROF = %d, want 200", code)
 	}
 }
