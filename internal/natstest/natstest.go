@@ -65,6 +65,23 @@ func Streams(t testing.TB, js jetstream.JetStream, name string, base stream.Conf
 	return cfg
 }
 
+// StreamMsgs is the number of messages the stream name holds now; it fails the
+// test when the stream or its state cannot be read.
+func StreamMsgs(t testing.TB, js jetstream.JetStream, name string) uint64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		t.Fatalf("stream %s: %v", name, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatalf("stream %s info: %v", name, err)
+	}
+	return info.State.Msgs
+}
+
 // Embedded starts a nats-server with JetStream storing in dir, on port
 // (-1: any free port; pass the first one's port to restart it in place),
 // and waits until it accepts connections. Stop it with Stop.

@@ -45,21 +45,6 @@ func realNATS(t *testing.T) (jetstream.JetStream, stream.Config) {
 	return js, testStreams(t, js)
 }
 
-func streamMsgs(t *testing.T, js jetstream.JetStream, name string) uint64 {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	s, err := js.Stream(ctx, name)
-	if err != nil {
-		t.Fatalf("stream %s: %v", name, err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		t.Fatalf("stream %s info: %v", name, err)
-	}
-	return info.State.Msgs
-}
-
 func TestEnsure(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -119,7 +104,7 @@ func TestPublishDedup(t *testing.T) {
 			t.Fatalf("Publish #%d = %v", i, err)
 		}
 	}
-	if n := streamMsgs(t, js, cfg.Stream); n != 1 {
+	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != 1 {
 		t.Fatalf("after publishing one event 3 times the stream holds %d, want 1", n)
 	}
 
@@ -139,7 +124,7 @@ func TestPublishDedup(t *testing.T) {
 	if err := p.PublishBatch(ctx, evs); err != nil {
 		t.Fatalf("PublishBatch = %v", err)
 	}
-	if n, want := streamMsgs(t, js, cfg.Stream), uint64(7); n != want {
+	if n, want := natstest.StreamMsgs(t, js, cfg.Stream), uint64(7); n != want {
 		t.Errorf("stream holds %d events, want %d (6 examples + r-999)", n, want)
 	}
 
@@ -200,7 +185,7 @@ func TestPublishBatchErrors(t *testing.T) {
 	if !errors.Is(err, events.ErrInvalid) {
 		t.Errorf("PublishBatch error %v does not wrap events.ErrInvalid", err)
 	}
-	if n := streamMsgs(t, js, cfg.Stream); n != uint64(len(evs)-1) {
+	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != uint64(len(evs)-1) {
 		t.Errorf("stream holds %d, want %d", n, len(evs)-1)
 	}
 
@@ -380,7 +365,7 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	before := streamMsgs(t, js, cfg.DLQStream)
+	before := natstest.StreamMsgs(t, js, cfg.DLQStream)
 	for msg := range batch.Messages() {
 		for range 2 {
 			if err := stream.DeadLetter(ctx, js, cfg, "manual", msg, fmt.Errorf("twice")); err != nil {
@@ -389,7 +374,7 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 		}
 		_ = msg.Term()
 	}
-	if n := streamMsgs(t, js, cfg.DLQStream); n != before+1 {
+	if n := natstest.StreamMsgs(t, js, cfg.DLQStream); n != before+1 {
 		t.Errorf("DLQ holds %d after dead-lettering one message twice, want %d", n, before+1)
 	}
 }
@@ -432,7 +417,7 @@ func TestProcessShutdownRedelivers(t *testing.T) {
 	if err := stream.Process(ctx, js, cfg, msg, func(context.Context, events.Event) error { return nil }); err != nil {
 		t.Errorf("Process = %v", err)
 	}
-	if n := streamMsgs(t, js, cfg.DLQStream); n != 0 {
+	if n := natstest.StreamMsgs(t, js, cfg.DLQStream); n != 0 {
 		t.Errorf("DLQ holds %d, want 0", n)
 	}
 }
@@ -467,10 +452,10 @@ func TestReplayEveryReason(t *testing.T) {
 	if n, err := stream.Replay(ctx, js, cfg, ""); err != nil || n != 2 {
 		t.Errorf(`Replay(every reason) = %d, %v; want 2`, n, err)
 	}
-	if n := streamMsgs(t, js, cfg.DLQStream); n != 0 {
+	if n := natstest.StreamMsgs(t, js, cfg.DLQStream); n != 0 {
 		t.Errorf("the dead-letter stream holds %d after the replay, want 0", n)
 	}
-	if n := streamMsgs(t, js, cfg.Stream); n != 4 {
+	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != 4 {
 		t.Errorf("the usage stream holds %d after the replay, want 4 (2 replayed)", n)
 	}
 }

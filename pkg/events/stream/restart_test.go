@@ -89,7 +89,7 @@ func TestRetryAfterRestartDedups(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if n := streamMsgs(t, js, cfg.Stream); n != uint64(len(evs)) {
+	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != uint64(len(evs)) {
 		t.Errorf("stream holds %d events after outage and retries, want %d", n, len(evs))
 	}
 	// Every event is now a duplicate as far as the restarted server is
@@ -104,7 +104,7 @@ func TestRetryAfterRestartDedups(t *testing.T) {
 			t.Errorf("republish %s: ack %+v, %v; want a duplicate", ev.ID, ack, err)
 		}
 	}
-	if n := streamMsgs(t, js, cfg.Stream); n != uint64(len(evs)) {
+	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != uint64(len(evs)) {
 		t.Errorf("stream holds %d events after republishing, want %d", n, len(evs))
 	}
 }

@@ -77,20 +77,6 @@ func storedIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]i
 	return ids
 }
 
-func streamMsgs(js jetstream.JetStream, stream string) uint64 {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	s, err := js.Stream(ctx, stream)
-	if err != nil {
-		return 0
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		return 0
-	}
-	return info.State.Msgs
-}
-
 func TestRealNATS(t *testing.T) {
 	_, js := connect(t, natstest.URL())
 	cfg := natstest.Streams(t, js, "outbox", stream.Config{})
@@ -195,7 +181,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 	for i := range before {
 		o.Enqueue(reserved(i))
 	}
-	e2e.Eventually(t, "the first events stored", func() bool { return streamMsgs(js, cfg.Stream) >= 50 })
+	e2e.Eventually(t, "the first events stored", func() bool { return natstest.StreamMsgs(t, js, cfg.Stream) >= 50 })
 
 	natstest.Stop(s)
 	for i := before; i < total; i++ {
@@ -210,7 +196,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 
 	s = natstest.Embedded(t, storeDir, port)
 	e2e.Eventually(t, "the client reconnected", nc.IsConnected)
-	e2e.Eventually(t, "every event stored", func() bool { return streamMsgs(js, cfg.Stream) >= total })
+	e2e.Eventually(t, "every event stored", func() bool { return natstest.StreamMsgs(t, js, cfg.Stream) >= total })
 	e2e.Eventually(t, "the outbox drained", func() bool { m, b := o.Pending(); return m == 0 && b == 0 })
 	closeOutbox(t, o, 10*time.Second)
 
