@@ -2,7 +2,9 @@ package service
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -18,8 +20,11 @@ import (
 // balancers stop sending work while the service finishes what it has.
 //
 // Each stop has its own deadline (the service's QF_SHUTDOWN_TIMEOUT), and a
-// failed stop is logged, so the ones after it still run. A Stack belongs
-// to run's goroutine: it is not safe for concurrent use.
+// failed stop is logged, so the ones after it still run. A stop that panics
+// is logged with its stack and the ones after it still run too (the outbox
+// is still flushed or spilled, NATS still drained); Close then panics with
+// the first such value, so the process fails as it would have. A Stack
+// belongs to run's goroutine: it is not safe for concurrent use.
 type Stack struct {
 	log     *slog.Logger
 	timeout time.Duration
@@ -60,18 +65,54 @@ func (s *Stack) Go(name string, f func(context.Context)) {
 }
 
 // Close drains the readiness, runs every stop, last pushed first, and logs
-// "stopped" once they have run. The stack is empty afterwards.
+// "stopped" once they have run. The stack is empty afterwards. If a stop
+// panicked, Close panics with its value once every stop has run.
 func (s *Stack) Close() {
 	s.log.Info("shutting down")
 	s.ready.Drain()
-	for i := len(s.steps) - 1; i >= 0; i-- {
-		st := s.steps[i]
-		ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-		if err := st.stop(ctx); err != nil {
-			s.log.Warn("shutdown step failed", "step", st.name, "err", err)
-		}
-		cancel()
-	}
+	steps := s.steps
 	s.steps = nil
+	var panicked *stepPanic
+	for i := len(steps) - 1; i >= 0; i-- {
+		if p := s.stop(steps[i]); p != nil && panicked == nil {
+			panicked = p
+		}
+	}
 	s.log.Info("stopped")
+	if panicked != nil {
+		panic(panicked)
+	}
+}
+
+// stop runs one step under its own deadline, logging its error; a panic
+// is logged and returned instead of unwinding through the rest of Close.
+func (s *Stack) stop(st step) (p *stepPanic) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	defer func() {
+		if v := recover(); v != nil {
+			p = &stepPanic{step: st.name, value: v}
+			s.log.Error("shutdown step panicked", "step", st.name, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		}
+	}()
+	if err := st.stop(ctx); err != nil {
+		s.log.Warn("shutdown step failed", "step", st.name, "err", err)
+	}
+	return nil
+}
+
+// stepPanic is what Close panics with after a stop panicked.
+type stepPanic struct {
+	step  string
+	value any
+}
+
+func (p *stepPanic) Error() string {
+	return fmt.Sprintf("shutdown step %s panicked: %v", p.step, p.value)
+}
+
+// Unwrap returns the panic's value when it is an error.
+func (p *stepPanic) Unwrap() error {
+	err, _ := p.value.(error)
+	return err
 }

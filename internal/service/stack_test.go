@@ -133,3 +133,33 @@ func TestStackGoStopsInItsTurn(t *testing.T) {
 		t.Errorf("Close ran %v, want %v", r.order, want)
 	}
 }
+
+// A stop that panics does not skip the ones after it: the outbox is still
+// flushed and NATS still drained; Close panics afterwards with its value.
+func TestStackGoesOnAfterAPanickingStop(t *testing.T) {
+	r := newRecorder(time.Second)
+	r.push("nats", nil)
+	r.push("outbox", nil)
+	r.Push("decider", func(context.Context) error {
+		r.order = append(r.order, "decider")
+		panic("lease pool corrupted")
+	})
+	r.push("api server", nil)
+	var got any
+	func() {
+		defer func() { got = recover() }()
+		r.Close()
+	}()
+	if want := []string{"api server", "decider", "outbox", "nats"}; !slices.Equal(r.order, want) {
+		t.Errorf("Close ran %v, want %v", r.order, want)
+	}
+	err, ok := got.(error)
+	if !ok || !strings.Contains(err.Error(), "decider") || !strings.Contains(err.Error(), "lease pool corrupted") {
+		t.Errorf("Close panicked with %v, want the decider's panic", got)
+	}
+	for _, want := range []string{"shutdown step panicked", "step=decider", "msg=stopped"} {
+		if !strings.Contains(r.logs.String(), want) {
+			t.Errorf("logs lack %s: %s", want, r.logs.String())
+		}
+	}
+}
