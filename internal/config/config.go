@@ -69,6 +69,18 @@ type Log struct {
 	LogLevel string `envconfig:"LOG_LEVEL"`
 }
 
+// LogArgs of each part are its settings for a service's "starting" line,
+// URLs redacted: a service lists its parts' LogArgs and cannot forget to.
+func (r Redis) LogArgs() []any { return []any{"redis_url", Redacted(r.RedisURL)} }
+
+func (p Postgres) LogArgs() []any { return []any{"postgres_url", Redacted(p.PostgresURL)} }
+
+func (n NATS) LogArgs() []any {
+	return []any{"nats_url", Redacted(n.NATSURL), "stream", n.Stream, "subject_prefix", n.SubjectPrefix}
+}
+
+func (p Policy) LogArgs() []any { return []any{"policy_file", p.PolicyFile} }
+
 // The parts at their defaults, for a service's Config to start from before
 // envconfig reads the environment (envconfig keeps a field whose variable
 // is unset and whose tag has no default).

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 )
@@ -58,5 +59,22 @@ func TestURLsFromTheEnvironment(t *testing.T) {
 	}
 	if got := NATSURL(); got != "nats://elsewhere:4222" {
 		t.Errorf("NATSURL() = %q, want QF_NATS_URL's", got)
+	}
+}
+
+// The parts' LogArgs, which every service's starting line is made of,
+// show no password or token.
+func TestPartsLogNoSecrets(t *testing.T) {
+	n := NATS{NATSURL: "nats://tok3n@nats:4222"}
+	args := [][]any{
+		Redis{RedisURL: "redis://u:s3cret@redis:6379/0"}.LogArgs(),
+		Postgres{PostgresURL: "postgres://u:s3cret@pg/db?sslmode=disable"}.LogArgs(),
+		n.LogArgs(),
+	}
+	for _, a := range args {
+		s := fmt.Sprint(a...)
+		if strings.Contains(s, "s3cret") || strings.Contains(s, "tok3n") || !strings.Contains(s, "xxxxx") {
+			t.Errorf("LogArgs %q: want the secret masked", s)
+		}
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -116,12 +117,11 @@ func (c *Config) Validate() error {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
-	return []any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "policy_file", c.PolicyFile,
-		"redis_url", config.Redacted(c.RedisURL), "postgres_url", config.Redacted(c.PostgresURL),
-		"nats_url", config.Redacted(c.NATSURL), "stream", c.Stream, "subject_prefix", c.SubjectPrefix,
-		"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
-		"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
-		"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair}
+	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof},
+		c.Policy.LogArgs(), c.Redis.LogArgs(), c.Postgres.LogArgs(), c.NATS.LogArgs(), []any{
+			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
+			"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
+			"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair})
 }
 
 // poolSize lets each worker hold a connection for its batch's

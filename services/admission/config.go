@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -205,10 +206,10 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c *Config) LogArgs() []any {
-	return []any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "pprof", c.Pprof, "policy_file", c.PolicyFile,
-		"redis_url", config.Redacted(c.RedisURL), "nats_url", config.Redacted(c.NATSURL),
-		"stream", c.Stream, "subject_prefix", c.SubjectPrefix, "api_tokens_file", c.APITokensFile,
-		"redis_epoch_guard", c.RedisEpochGuard, "authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir}
+	return slices.Concat([]any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "pprof", c.Pprof},
+		c.Policy.LogArgs(), c.Redis.LogArgs(), c.NATS.LogArgs(),
+		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
+			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir})
 }
 
 // decideOptions are the Decider's options; where a setting's 0 means none

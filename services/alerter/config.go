@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"quotaflow/internal/config"
@@ -125,9 +126,8 @@ func (c Config) Validate() error {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
-	return []any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "postgres_url", config.Redacted(c.PostgresURL),
-		"nats_url", config.Redacted(c.NATSURL), "stream", c.Stream, "subject_prefix", c.SubjectPrefix,
-		"consumer", c.Consumer, "webhooks_file", c.WebhooksFile}
+	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof}, c.Postgres.LogArgs(), c.NATS.LogArgs(),
+		[]any{"consumer", c.Consumer, "webhooks_file", c.WebhooksFile})
 }
 
 func (c Config) deliverOptions() deliver.Options {
