@@ -35,9 +35,7 @@ func (t *Tools) ReservationTTL() time.Duration { return t.p.ReservationTTL() }
 
 // ChargeRequest names the counters and the amount of a Charge.
 type ChargeRequest struct {
-	Tenant, User string       // the subject, or:
-	SharedScope  policy.Scope // policy.ScopeGlobal or policy.ScopeIP, with SharedID the endpoint or address
-	SharedID     string
+	Tenant, User string // the subject
 	Rules        []policy.Rule
 	Amount       int64     // weighted tokens; requests limits move by 1 in its direction
 	At           time.Time // zero: now
@@ -46,10 +44,9 @@ type ChargeRequest struct {
 
 // Charge adds amount (negative gives back) to rules at time at (zero:
 // now), without a reservation record: a window that has slid past at is
-// left alone. Tenant and user (or, with SharedScope set, the shared scope
-// and id) name the counters. The reconciliation moves a drifted window
-// with it; the rebuild charges the ledger's usage with Force, after Redis
-// lost its data. It returns the limits after the change, or
+// left alone. Tenant and user name the counters. The reconciliation
+// moves a drifted window with it; the rebuild charges the ledger's usage
+// with Force, after Redis lost its data. It returns the limits after the change, or
 // limits.ErrNoEpoch without Force when the epoch is missing.
 func (t *Tools) Charge(ctx context.Context, c ChargeRequest) ([]limits.State, error) {
 	cl := t.chargeCall(&c)
@@ -60,7 +57,7 @@ func (t *Tools) Charge(ctx context.Context, c ChargeRequest) ([]limits.State, er
 }
 
 func (t *Tools) chargeCall(c *ChargeRequest) wire.Call {
-	return t.p.ChargeCall(c.Tenant, c.User, c.SharedScope, c.SharedID, c.Rules, c.Amount, c.At, c.Force)
+	return t.p.ChargeCall(c.Tenant, c.User, "", "", c.Rules, c.Amount, c.At, c.Force)
 }
 
 // ChargeResult is what Charge would have returned for one request of
