@@ -35,7 +35,11 @@ const MaxCost = wire.MaxCost
 // Client is what a Limiter needs from go-redis: scripts, and Redis
 // functions where the server has them. *redis.Client (single node or
 // Sentinel failover), *redis.ClusterClient and *redis.Ring satisfy it.
-type Client = script.Client
+type Client interface {
+	redis.Scripter
+	FCall(ctx context.Context, function string, keys []string, args ...any) *redis.Cmd
+	FunctionLoad(ctx context.Context, code string) *redis.StringCmd
+}
 
 // DefaultReservationTTL is how long a reservation lives when nobody settles
 // it, unless Options say otherwise: a day, the usage stream's default max

@@ -47,6 +47,7 @@ var luaWindows string
 // Client is what a Runner needs from go-redis: scripts, and Redis
 // functions where the server has them. *redis.Client (single node or
 // Sentinel failover), *redis.ClusterClient and *redis.Ring satisfy it.
+// limits.Client spells the same methods out, so that its users see them.
 type Client interface {
 	redis.Scripter
 	FCall(ctx context.Context, function string, keys []string, args ...any) *redis.Cmd
