@@ -30,7 +30,7 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 	add("admission never failed a request", s.Status5xx.Load() == 0 && s.Failed.Load() == 0,
 		"%d 5xx %v, %d transport errors or reports given up", s.Status5xx.Load(), s.Unexpected(), s.Failed.Load())
 
-	l, err := e2e.WaitLedger(ctx, st.dbURL, s.ActualEvents.Load(), s.ActualSent.Load(), s.Allowed.Load(), s.Releases.Load(), cfg.Settle)
+	l, err := e2e.WaitLedger(ctx, st.DBURL, s.ActualEvents.Load(), s.ActualSent.Load(), s.Allowed.Load(), s.Releases.Load(), cfg.Settle)
 	add("ledger token total equals the actual usage sent", err == nil && l.ActualTotal == s.ActualSent.Load(),
 		"ledger %d tokens in %d actual events, sent %d tokens in %d (%v)", l.ActualTotal, l.ActualCount, s.ActualSent.Load(), s.ActualEvents.Load(), err)
 	reserved, released := l.EventsByType[events.TypeReserved][0], l.EventsByType[events.TypeReleased][0]
@@ -62,7 +62,7 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 // the whole run lies in the newest buckets of each window, so they must
 // be equal.
 func (st *stack) windowsMatchLedger(ctx context.Context) (bool, string) {
-	ledger, open, err := actualBySubject(ctx, st.dbURL)
+	ledger, open, err := actualBySubject(ctx, st.DBURL)
 	if err != nil {
 		return false, err.Error()
 	}
@@ -103,7 +103,7 @@ type usageLimit struct {
 
 func (st *stack) usage(ctx context.Context, tenant, user string) ([]usageLimit, error) {
 	q := url.Values{"tenant": {tenant}, "user": {user}}
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, st.api+"/v1/usage?"+q.Encode(), nil)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, st.API+"/v1/usage?"+q.Encode(), nil)
 	req.Header.Set("Authorization", "Bearer "+st.token)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -148,7 +148,7 @@ func actualBySubject(ctx context.Context, dbURL string) (map[[2]string]int64, in
 // deadLettersEmpty checks that no event went to the dead-letter stream:
 // an outage must delay events, never poison them.
 func (st *stack) deadLettersEmpty(ctx context.Context) (bool, string) {
-	nc, err := nats.Connect(st.nats.URL)
+	nc, err := nats.Connect(st.NATS.URL)
 	if err != nil {
 		return false, err.Error()
 	}
@@ -171,7 +171,7 @@ func (st *stack) deadLettersEmpty(ctx context.Context) (bool, string) {
 // (which drops repeats by webhook-id), that the receiver got nothing
 // else, and that every signature verified.
 func (st *stack) alertsDeliveredOnce(ctx context.Context, timeout time.Duration) (bool, string) {
-	conn, err := pgx.Connect(ctx, st.dbURL)
+	conn, err := pgx.Connect(ctx, st.DBURL)
 	if err != nil {
 		return false, err.Error()
 	}

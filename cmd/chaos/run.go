@@ -5,17 +5,13 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"os"
-	"path/filepath"
 	"syscall"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/e2e"
-	"quotaflow/internal/pgdb"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 )
@@ -41,40 +37,23 @@ func defaultConfig() Config {
 // faults in the order they are injected.
 var faults = []string{"redis", "nats", "postgres", "accounter", "alerter"}
 
-// stack is what one run started: private servers, the three services and
-// the webhook receiver.
+// stack is what one run started: the private pipeline and the webhook
+// receiver.
 type stack struct {
-	dir               string
-	redis, nats, pg   *e2e.Server
-	admission         *e2e.Service
-	accounter         *e2e.Service
-	alerter           *e2e.Service
-	recv              *e2e.Receiver
-	api, token, dbURL string
-	stats             *e2e.Stats // the traffic's, once it runs
+	*e2e.Private
+	recv  *e2e.Receiver
+	token string
+	stats *e2e.Stats // the traffic's, once it runs
 }
 
-func (s *stack) services() []*e2e.Service {
-	return []*e2e.Service{s.accounter, s.alerter, s.admission}
-}
-
-// close stops the services (admission first, so nothing is left to
-// publish), then the servers, and removes the run's files.
+// close stops the pipeline, then the receiver.
 func (s *stack) close() {
-	for _, svc := range []*e2e.Service{s.admission, s.alerter, s.accounter} {
-		if svc != nil {
-			_ = svc.Stop(20 * time.Second)
-		}
-	}
-	for _, srv := range []*e2e.Server{s.pg, s.nats, s.redis} {
-		if srv != nil {
-			srv.Close()
-		}
+	if s.Private != nil {
+		s.Private.Close()
 	}
 	if s.recv != nil {
 		s.recv.Close()
 	}
-	_ = os.RemoveAll(s.dir)
 }
 
 // run starts everything, plays steady traffic while injecting the faults
@@ -90,7 +69,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	// The LLM service publishes its actual usage to JetStream itself, as
 	// services do (admission's POST /v1/usage is for those that cannot,
 	// and answers 503 while NATS is down, by contract).
-	nc, err := nats.Connect(st.nats.URL, nats.Name("quotaflow-chaos-llm"),
+	nc, err := nats.Connect(st.NATS.URL, nats.Name("quotaflow-chaos-llm"),
 		nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		return nil, err
@@ -105,7 +84,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	st.stats = rep.Stats
 	rec := &recorder{}
 	gen := &e2e.Generator{
-		Base: st.api, Token: st.token, Endpoint: endpoint, Run: "chaos", St: rep.Stats,
+		Base: st.API, Token: st.token, Endpoint: endpoint, Run: "chaos", St: rep.Stats,
 		Client:   &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 64}},
 		Patience: 2 * cfg.Settle, // a report outlives any outage of the run
 		Latency:  rec.observe,
@@ -148,97 +127,28 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	return rep, nil
 }
 
-// startStack builds the services and starts the private servers, the
-// receiver and the services, waiting until admission decides from Redis.
+// startStack starts the receiver and the private pipeline, waiting until
+// admission decides from Redis.
 func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) {
-	dir, err := os.MkdirTemp("", "quotaflow-chaos-")
-	if err != nil {
-		return nil, err
-	}
-	st := &stack{dir: dir, token: "chaos-" + e2e.RandomHex(16)}
-	root, err := e2e.ModuleRoot(ctx)
-	if err != nil {
-		return st, err
-	}
-	fmt.Fprintln(out, "building the services ...")
-	binDir := filepath.Join(dir, "bin")
-	if err := e2e.Build(ctx, root, binDir); err != nil {
-		return st, err
-	}
-	fmt.Fprintln(out, "starting private redis-server, nats-server and postgres ...")
-	if st.redis, err = e2e.StartRedis(ctx, dir); err != nil {
-		return st, err
-	}
-	if st.nats, err = e2e.StartNATS(ctx, dir); err != nil {
-		return st, err
-	}
-	if st.pg, err = e2e.StartPostgres(ctx, dir); err != nil {
-		return st, err
-	}
-	st.dbURL = "postgres://postgres@" + st.pg.Addr + "/quotaflow?sslmode=disable"
-	cc, err := pgx.ParseConfig(st.dbURL)
-	if err != nil {
-		return st, err
-	}
-	if err := pgdb.CreateDatabase(ctx, cc); err != nil {
-		return st, fmt.Errorf("create database: %w", err)
-	}
+	st := &stack{token: "chaos-" + e2e.RandomHex(16)}
 	secret := e2e.NewWebhookSecret()
+	var err error
 	if st.recv, err = e2e.NewReceiver(secret, io.Discard); err != nil {
 		return st, err
 	}
-	policy := filepath.Join(dir, "policy.yaml")
-	hooks := filepath.Join(dir, "webhooks.yaml")
-	if err := os.WriteFile(policy, []byte(chaosPolicy(cfg)), 0o600); err != nil {
-		return st, err
-	}
-	if err := os.WriteFile(hooks, []byte(e2e.Webhooks("chaos-receiver", st.recv.URL, secret)), 0o600); err != nil {
-		return st, err
-	}
-
-	common := []string{
-		"QF_REDIS_URL=" + st.redis.URL, "QF_NATS_URL=" + st.nats.URL, "QF_POSTGRES_URL=" + st.dbURL,
-		"QF_POLICY_FILE=" + policy, "QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
-		// A killed consumer's unacknowledged batch comes back after this.
-		"QF_ACK_WAIT=5s",
-	}
-	start := func(name string, env ...string) (*e2e.Service, error) {
-		ops, err := e2e.FreeAddr()
-		if err != nil {
-			return nil, err
-		}
-		env = append(append(env, common...), "QF_OPS_ADDR="+ops)
-		return e2e.Start(name, filepath.Join(binDir, name), dir, ops, env)
-	}
-	if st.accounter, err = start("accounter", "QF_EPOCH_INTERVAL=1s"); err != nil {
-		return st, err
-	}
-	if st.alerter, err = start("alerter", "QF_WEBHOOKS_FILE="+hooks, "QF_CONSUMER=alerter", "QF_DELIVERY_POLL=500ms"); err != nil {
-		return st, err
-	}
-	apiAddr, err := e2e.FreeAddr()
-	if err != nil {
-		return st, err
-	}
-	st.api = "http://" + apiAddr
-	if st.admission, err = start("admission", "QF_ADMISSION_ADDR="+apiAddr, "QF_API_TOKENS="+st.token,
-		"QF_SPILL_DIR="+filepath.Join(dir, "spill"),
+	st.Private, err = e2e.StartPrivate(ctx, e2e.PrivateConfig{
+		Name: "chaos", Policy: chaosPolicy(cfg), Token: st.token, Out: out,
+		Webhooks: e2e.Webhooks("chaos-receiver", st.recv.URL, secret),
+		Env: []string{"QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
+			// A killed consumer's unacknowledged batch comes back after this.
+			"QF_ACK_WAIT=5s"},
+		AccounterEnv: []string{"QF_EPOCH_INTERVAL=1s"},
+		AlerterEnv:   []string{"QF_CONSUMER=alerter", "QF_DELIVERY_POLL=500ms"},
 		// Two loaded cores answer Redis in more than the default 10 ms at
 		// times; the run wants Redis's exact decisions between faults.
-		"QF_REDIS_TIMEOUT=100ms"); err != nil {
-		return st, err
-	}
-	rctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	for _, s := range st.services() {
-		if err := s.WaitReady(rctx); err != nil {
-			return st, err
-		}
-	}
-	if deg := st.admission.WaitSteady(ctx, 30*time.Second); deg != "" {
-		return st, fmt.Errorf("admission still degraded: %s", deg)
-	}
-	return st, nil
+		AdmissionEnv: []string{"QF_REDIS_TIMEOUT=100ms"},
+	})
+	return st, err
 }
 
 // inject returns the fault called name: the process killed, down for
@@ -266,15 +176,15 @@ func (st *stack) inject(name string, down time.Duration) func(context.Context) e
 	}
 	switch name {
 	case "redis": // no persistence: back empty, as after a failover to an empty replica
-		return server(st.redis, st.redis.Kill)
+		return server(st.Redis, st.Redis.Kill)
 	case "nats": // JetStream's file store survives
-		return server(st.nats, st.nats.Kill)
+		return server(st.NATS, st.NATS.Kill)
 	case "postgres": // immediate shutdown: crash recovery at the next start
-		return server(st.pg, func() { _ = st.pg.Signal(syscall.SIGQUIT, 10*time.Second) })
+		return server(st.Postgres, func() { _ = st.Postgres.Signal(syscall.SIGQUIT, 10*time.Second) })
 	case "accounter":
-		return service(st.accounter)
+		return service(st.Accounter)
 	default:
-		return service(st.alerter)
+		return service(st.Alerter)
 	}
 }
 
@@ -297,7 +207,7 @@ func (st *stack) phase(ctx context.Context, out io.Writer, rec *recorder, name s
 		return fmt.Errorf("restart %s: %w", name, err)
 	}
 	up, sent := time.Now(), st.stats.ActualEvents.Load()
-	for _, s := range st.services() {
+	for _, s := range st.Services() {
 		if deg := s.WaitSteady(ctx, d); deg != "" {
 			return fmt.Errorf("after the %s fault %s did not recover within %v: %s; log:\n%s", name, s.Name, d, deg, e2e.Tail(s.LogPath, 20))
 		}
@@ -306,7 +216,7 @@ func (st *stack) phase(ctx context.Context, out io.Writer, rec *recorder, name s
 	// The ledger has caught up once it holds every actual event accepted
 	// before the restart.
 	for {
-		l, err := e2e.ReadLedger(ctx, st.dbURL)
+		l, err := e2e.ReadLedger(ctx, st.DBURL)
 		if err == nil && l.ActualCount >= sent {
 			break
 		}
@@ -323,7 +233,7 @@ func (st *stack) phase(ctx context.Context, out io.Writer, rec *recorder, name s
 
 // failopen is admission's count of decisions made without Redis so far.
 func (st *stack) failopen(ctx context.Context) float64 {
-	ds, err := e2e.Decisions(ctx, st.admission.Ops)
+	ds, err := e2e.Decisions(ctx, st.Admission.Ops)
 	if err != nil {
 		return 0
 	}
