@@ -1,0 +1,379 @@
+// Package load is the benchmarks' one load generator: HTTP/1.1 over
+// keep-alive TCP connections, one goroutine per connection, as cheap per
+// request as wrk, so that what it measures is the server and not the client
+// (net/http's client costs several times more CPU per request than the
+// servers it would compare).
+//
+// Each connection writes a request its Client builds into a reused buffer,
+// reads the answer by its status line and Content-Length (chunked answers
+// are refused: no target sends them) and records the latency in a
+// fixed-bucket Histogram. Run drives the connections in a closed loop (each
+// sends its next request when the answer to the last one is in) or, with a
+// Rate, in an open loop: requests are due on a fixed schedule and latency
+// counts from when a request was due, not when it could be sent, so a
+// stalled server shows in the percentiles instead of slowing the load
+// (coordinated omission).
+package load
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"math/rand/v2"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Client makes the requests of one connection. Run calls its methods from
+// that connection's goroutine only, so it needs no locking of its own.
+type Client interface {
+	// Next appends the connection's next request, a whole HTTP/1.1
+	// request, to buf and returns it.
+	Next(buf []byte) []byte
+	// Response sees the answer to the request Next wrote last: its
+	// status, its body (only valid until Response returns) and its
+	// latency. A request that got no answer (the connection failed) is
+	// not seen; Next is asked for a new one.
+	Response(status int, body []byte, latency time.Duration)
+}
+
+// Config says what Run sends where.
+type Config struct {
+	Addr     string        // host:port
+	Conns    int           // connections, each with a goroutine of its own
+	Duration time.Duration // no request is sent after it
+	// Rate is the total of requests per second due over all connections
+	// (open loop); 0 is a closed loop.
+	Rate float64
+	// NewClient returns the Client of connection conn (0 ≤ conn < Conns).
+	NewClient func(conn int) Client
+	// Timeout bounds the wait for one answer after Duration ends (default
+	// 10 s), so a stalled server cannot hang the run.
+	Timeout time.Duration
+}
+
+// Result is what a Run measured.
+type Result struct {
+	Requests uint64        // answers read
+	Errors   uint64        // failed connections (each dialled again) and unreadable answers
+	Elapsed  time.Duration // from the start to the last answer
+	Status   map[int]uint64
+	Latency  Histogram
+	LastErr  error // the last of Errors, for the log
+}
+
+// Rate is the answers per second.
+func (r *Result) Rate() float64 { return float64(r.Requests) / max(r.Elapsed.Seconds(), 1e-9) }
+
+// Statuses lists the answers by status, e.g. "9998×200 2×429".
+func (r *Result) Statuses() string {
+	var parts []string
+	for _, c := range slices.Sorted(maps.Keys(r.Status)) {
+		parts = append(parts, fmt.Sprintf("%d×%d", r.Status[c], c))
+	}
+	if r.Errors > 0 {
+		parts = append(parts, fmt.Sprintf("%d errors", r.Errors))
+	}
+	return strings.Join(parts, " ")
+}
+
+// Run loads cfg.Addr until cfg.Duration has passed or ctx ends, then waits
+// for the answers in flight. It fails only on a bad Config or when no
+// connection could be made at all.
+func Run(ctx context.Context, cfg Config) (*Result, error) {
+	if cfg.Conns < 1 || cfg.Duration <= 0 || cfg.Rate < 0 || cfg.NewClient == nil || cfg.Addr == "" {
+		return nil, fmt.Errorf("load: config needs Addr, Conns ≥ 1, Duration > 0, Rate ≥ 0 and NewClient")
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 10 * time.Second
+	}
+	start := time.Now()
+	ws := make([]*worker, cfg.Conns)
+	var wg sync.WaitGroup
+	for i := range ws {
+		w := &worker{cfg: &cfg, client: cfg.NewClient(i), start: start, end: start.Add(cfg.Duration)}
+		if cfg.Rate > 0 {
+			w.every = time.Duration(float64(cfg.Conns) / cfg.Rate * 1e9)
+			w.offset = w.every * time.Duration(i) / time.Duration(cfg.Conns) // spread the connections' schedules
+		}
+		ws[i] = w
+		wg.Go(func() { w.run(ctx) })
+	}
+	wg.Wait()
+	res := &Result{Elapsed: time.Since(start), Status: map[int]uint64{}}
+	for _, w := range ws {
+		res.Requests += w.requests
+		res.Errors += w.errors
+		res.Latency.Merge(&w.hist)
+		for code, n := range w.status {
+			if n > 0 {
+				res.Status[code] += n
+			}
+		}
+		if w.lastErr != nil {
+			res.LastErr = w.lastErr
+		}
+	}
+	if res.Requests == 0 && res.LastErr != nil {
+		return res, fmt.Errorf("load %s: no answer: %w", cfg.Addr, res.LastErr)
+	}
+	return res, nil
+}
+
+// worker is one connection's loop and its counts, merged by Run at the end.
+type worker struct {
+	cfg           *Config
+	client        Client
+	start, end    time.Time
+	every, offset time.Duration // open loop: the schedule
+	timer         *time.Timer   // open loop: the wait until a request is due
+	conn          net.Conn
+	rd            *bufio.Reader
+	buf, body     []byte
+	hist          Histogram
+	status        [600]uint64
+	requests      uint64
+	errors        uint64
+	lastErr       error
+}
+
+func (w *worker) run(ctx context.Context) {
+	defer func() {
+		if w.conn != nil {
+			w.conn.Close()
+		}
+	}()
+	for k := 0; ctx.Err() == nil; k++ {
+		// The closed loop ends with the clock; the open loop with its
+		// schedule, so that it sends exactly the requests due before the
+		// end even when it runs late.
+		var due time.Time
+		if w.every > 0 {
+			due = w.start.Add(w.offset + time.Duration(k)*w.every)
+			if !due.Before(w.end) {
+				return
+			}
+		} else if !time.Now().Before(w.end) {
+			return
+		}
+		if w.conn == nil && !w.dial(ctx) {
+			continue
+		}
+		sent := time.Now()
+		if w.every > 0 {
+			if wait := due.Sub(sent); wait > 0 {
+				if w.timer == nil {
+					w.timer = time.NewTimer(wait)
+				} else {
+					w.timer.Reset(wait)
+				}
+				select {
+				case <-w.timer.C:
+				case <-ctx.Done():
+					return
+				}
+			}
+			sent = due // latency counts from when the request was due
+		}
+		w.buf = w.client.Next(w.buf[:0])
+		if _, err := w.conn.Write(w.buf); err != nil {
+			w.fail(err)
+			continue
+		}
+		status, body, err := w.read()
+		if err != nil {
+			w.fail(err)
+			continue
+		}
+		lat := time.Since(sent)
+		w.hist.Record(lat)
+		w.status[status]++
+		w.requests++
+		w.client.Response(status, body, lat)
+	}
+}
+
+func (w *worker) dial(ctx context.Context) bool {
+	d := net.Dialer{Timeout: w.cfg.Timeout}
+	c, err := d.DialContext(ctx, "tcp", w.cfg.Addr)
+	if err != nil {
+		w.fail(err)
+		select { // do not spin on a server that is down
+		case <-time.After(10 * time.Millisecond):
+		case <-ctx.Done():
+		}
+		return false
+	}
+	_ = c.SetDeadline(w.end.Add(w.cfg.Timeout))
+	w.conn = c
+	if w.rd == nil {
+		w.rd = bufio.NewReaderSize(c, 32<<10)
+	} else {
+		w.rd.Reset(c)
+	}
+	return true
+}
+
+func (w *worker) fail(err error) {
+	w.errors++
+	w.lastErr = err
+	if w.conn != nil {
+		w.conn.Close()
+		w.conn = nil
+	}
+}
+
+var (
+	errChunked = errors.New("chunked answer: not supported")
+	errLength  = errors.New("answer without Content-Length")
+)
+
+// read reads one answer: the status line, the headers (for Content-Length
+// and Connection: close) and the body, into the worker's reused buffer.
+func (w *worker) read() (status int, body []byte, err error) {
+	line, err := w.rd.ReadSlice('\n')
+	if err != nil {
+		return 0, nil, err
+	}
+	if len(line) < 12 || !bytes.HasPrefix(line, []byte("HTTP/1.")) || line[8] != ' ' {
+		return 0, nil, fmt.Errorf("bad status line %q", line)
+	}
+	status, ok := digits(line[9:12])
+	if !ok || status < 100 || status >= len(w.status) {
+		return 0, nil, fmt.Errorf("bad status line %q", line)
+	}
+	length, closing := -1, false
+	for {
+		h, err := w.rd.ReadSlice('\n')
+		if err != nil {
+			return 0, nil, err
+		}
+		if len(h) <= 2 { // the blank line
+			break
+		}
+		name, value, ok := bytes.Cut(h, []byte(":"))
+		if !ok {
+			return 0, nil, fmt.Errorf("bad header %q", h)
+		}
+		value = bytes.TrimSpace(value)
+		switch {
+		case asciiEqualFold(name, "content-length"):
+			n, ok := digits(value)
+			if !ok {
+				return 0, nil, fmt.Errorf("bad Content-Length %q", value)
+			}
+			length = n
+		case asciiEqualFold(name, "transfer-encoding"):
+			return 0, nil, errChunked
+		case asciiEqualFold(name, "connection"):
+			closing = asciiEqualFold(value, "close")
+		}
+	}
+	if length < 0 {
+		if status != 204 && status != 304 && status >= 200 {
+			return 0, nil, errLength
+		}
+		length = 0
+	}
+	if cap(w.body) < length {
+		w.body = make([]byte, length)
+	}
+	w.body = w.body[:length]
+	if _, err := io.ReadFull(w.rd, w.body); err != nil {
+		return 0, nil, err
+	}
+	if closing { // the answer is whole; dial again for the next request
+		w.conn.Close()
+		w.conn = nil
+	}
+	return status, w.body, nil
+}
+
+// digits parses a decimal of up to 9 digits, without the allocation of
+// converting to a string for strconv.
+func digits(b []byte) (int, bool) {
+	if len(b) == 0 || len(b) > 9 {
+		return 0, false
+	}
+	n := 0
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n, true
+}
+
+func asciiEqualFold(b []byte, s string) bool {
+	if len(b) != len(s) {
+		return false
+	}
+	for i := range b {
+		c := b[i]
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		if c != s[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// Post is the fixed part of a POST request, its request line and headers,
+// built once; Append adds the length and a body.
+type Post struct{ head []byte }
+
+// NewPost prepares POSTs of JSON bodies to path on host, with extra
+// header lines ("Authorization: Bearer …") if any.
+func NewPost(host, path string, header ...string) Post {
+	var b strings.Builder
+	b.WriteString("POST " + path + " HTTP/1.1\r\nHost: " + host + "\r\nContent-Type: application/json\r\n")
+	for _, h := range header {
+		b.WriteString(h + "\r\n")
+	}
+	b.WriteString("Content-Length: ")
+	return Post{head: []byte(b.String())}
+}
+
+// Append appends the request carrying body to buf.
+func (p Post) Append(buf, body []byte) []byte {
+	buf = append(buf, p.head...)
+	buf = strconv.AppendInt(buf, int64(len(body)), 10)
+	buf = append(buf, "\r\n\r\n"...)
+	return append(buf, body...)
+}
+
+// Users returns clients that POST to path, each request for a random one
+// of users (0 ≤ user < users): body appends the JSON body for a user to
+// dst. Each connection draws from a generator of its own, seeded with its
+// number, so a run's sequence of users repeats.
+func Users(post Post, users int, body func(dst []byte, user int) []byte) func(conn int) Client {
+	return func(conn int) Client {
+		return &usersClient{post: post, users: users, body: body, rnd: rand.New(rand.NewPCG(uint64(conn), 13))}
+	}
+}
+
+type usersClient struct {
+	post    Post
+	users   int
+	body    func(dst []byte, user int) []byte
+	rnd     *rand.Rand
+	scratch []byte
+}
+
+func (c *usersClient) Next(buf []byte) []byte {
+	c.scratch = c.body(c.scratch[:0], c.rnd.IntN(c.users))
+	return c.post.Append(buf, c.scratch)
+}
+
+func (c *usersClient) Response(int, []byte, time.Duration) {}

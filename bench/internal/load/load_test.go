@@ -1,0 +1,217 @@
+package load
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// server answers each POST with the user of its body, 429 for users that
+// are multiples of 5, and closes the connection after every 7th answer on
+// it; it counts what it saw.
+type server struct {
+	mu       sync.Mutex
+	requests int
+	byStatus map[int]int
+	bad      int
+}
+
+func (s *server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var body struct{ User int }
+	b, _ := io.ReadAll(r.Body)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r.Method != http.MethodPost || r.URL.Path != "/v1/x" || r.Header.Get("Authorization") != "Bearer t" || json.Unmarshal(b, &body) != nil {
+		s.bad++
+		http.Error(w, "bad", http.StatusBadRequest)
+		return
+	}
+	s.requests++
+	status := http.StatusOK
+	if body.User%5 == 0 {
+		status = http.StatusTooManyRequests
+	}
+	s.byStatus[status]++
+	if s.requests%7 == 0 {
+		w.Header().Set("Connection", "close")
+	}
+	w.WriteHeader(status)
+	fmt.Fprintf(w, `{"user":%d}`, body.User)
+}
+
+// recorder is a Client that checks every answer carries its request's
+// user and counts them.
+type recorder struct {
+	Client
+	last  int
+	seen  map[int]int
+	wrong int
+}
+
+func (r *recorder) Next(buf []byte) []byte {
+	buf = r.Client.Next(buf)
+	_, body, _ := strings.Cut(string(buf), "\r\n\r\n")
+	var b struct{ User int }
+	_ = json.Unmarshal([]byte(body), &b)
+	r.last = b.User
+	return buf
+}
+
+func (r *recorder) Response(status int, body []byte, _ time.Duration) {
+	if string(body) != `{"user":`+strconv.Itoa(r.last)+`}` || (status == 429) != (r.last%5 == 0) {
+		r.wrong++
+	}
+	r.seen[status]++
+}
+
+func TestRun(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		rate float64
+		want uint64 // requests; 0: whatever the closed loop managed
+	}{
+		{"closed loop", 0, 0},
+		// 3 connections due every 30 ms, starting 0, 10 and 20 ms in,
+		// before 600 ms: 20 requests each, however late they run.
+		{"open loop", 100, 60},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := &server{byStatus: map[int]int{}}
+			ts := httptest.NewServer(srv)
+			defer ts.Close()
+			addr := strings.TrimPrefix(ts.URL, "http://")
+			var mu sync.Mutex
+			var recs []*recorder
+			users := Users(NewPost(addr, "/v1/x", "Authorization: Bearer t"), 1000, func(dst []byte, user int) []byte {
+				return fmt.Appendf(dst, `{"user":%d}`, user)
+			})
+			res, err := Run(context.Background(), Config{
+				Addr: addr, Conns: 3, Duration: 600 * time.Millisecond, Rate: tc.rate,
+				NewClient: func(conn int) Client {
+					r := &recorder{Client: users(conn), seen: map[int]int{}}
+					mu.Lock()
+					recs = append(recs, r)
+					mu.Unlock()
+					return r
+				},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv.mu.Lock()
+			defer srv.mu.Unlock()
+			if res.Errors != 0 || srv.bad != 0 {
+				t.Fatalf("Run = %d errors (last %v), server saw %d bad requests; want none", res.Errors, res.LastErr, srv.bad)
+			}
+			if tc.want != 0 && res.Requests != tc.want {
+				t.Errorf("Run(rate %v) = %d requests, want %d", tc.rate, res.Requests, tc.want)
+			}
+			if res.Requests < 14 || int(res.Requests) != srv.requests || res.Latency.Count() != res.Requests {
+				t.Fatalf("Run = %d requests, %d latencies; server answered %d", res.Requests, res.Latency.Count(), srv.requests)
+			}
+			seen := map[int]int{}
+			for _, r := range recs {
+				if r.wrong != 0 {
+					t.Errorf("a connection saw %d answers not to its request", r.wrong)
+				}
+				for s, n := range r.seen {
+					seen[s] += n
+				}
+			}
+			for _, s := range []int{200, 429} {
+				if uint64(srv.byStatus[s]) != res.Status[s] || seen[s] != srv.byStatus[s] {
+					t.Errorf("status %d: Result %d, Client saw %d, server sent %d", s, res.Status[s], seen[s], srv.byStatus[s])
+				}
+			}
+			if len(res.Status) != 2 {
+				t.Errorf("Status = %v, want 200s and 429s only", res.Status)
+			}
+		})
+	}
+}
+
+func TestRunRefusesChunkedAndCountsErrors(t *testing.T) {
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write([]byte("a"))
+		w.(http.Flusher).Flush() // no Content-Length: chunked
+	}))
+	defer ts.Close()
+	addr := strings.TrimPrefix(ts.URL, "http://")
+	res, err := Run(context.Background(), Config{
+		Addr: addr, Conns: 1, Duration: 100 * time.Millisecond,
+		NewClient: Users(NewPost(addr, "/"), 1, func(dst []byte, _ int) []byte { return append(dst, "{}"...) }),
+	})
+	if err == nil || res.Requests != 0 || res.Errors == 0 {
+		t.Fatalf("Run against a chunked server = %d requests, %d errors, %v; want an error and no request", res.Requests, res.Errors, err)
+	}
+}
+
+func TestRunRejectsBadConfig(t *testing.T) {
+	for _, c := range []Config{{}, {Addr: "x:1", Conns: 1, Duration: time.Second}, {Addr: "x:1", Conns: 1, Duration: time.Second, Rate: -1, NewClient: func(int) Client { return nil }}} {
+		if _, err := Run(context.Background(), c); err == nil {
+			t.Errorf("Run(%+v) = nil error, want one", c)
+		}
+	}
+}
+
+func TestHistogramBuckets(t *testing.T) {
+	for v := uint64(0); v < 1<<20; v += 1 + v/97 {
+		checkBucket(t, v)
+	}
+	for _, v := range []uint64{1<<40 - 1, 1 << 40, 1<<62 + 12345, 1<<63 - 1} {
+		checkBucket(t, v)
+	}
+}
+
+func checkBucket(t *testing.T, v uint64) {
+	t.Helper()
+	i := bucket(v)
+	if i < 0 || i >= buckets || lowest(i) > v || (i+1 < buckets && lowest(i+1) <= v) {
+		t.Fatalf("bucket(%d) = %d holding [%d, %d)", v, i, lowest(i), lowest(i+1))
+	}
+	if w := lowest(i+1) - lowest(i); v >= 1<<subBits && w > v>>subBits {
+		t.Fatalf("bucket(%d) is %d wide, more than 1/%d of it", v, w, 1<<subBits)
+	}
+}
+
+func TestHistogramQuantile(t *testing.T) {
+	var h, o Histogram
+	for i := 1; i <= 900; i++ {
+		h.Record(time.Duration(i) * time.Microsecond)
+	}
+	for i := 1; i <= 100; i++ {
+		o.Record(time.Duration(i) * time.Millisecond)
+	}
+	o.Record(-time.Second) // counts as 0
+	h.Merge(&o)
+	for _, tc := range []struct {
+		q    float64
+		want time.Duration
+	}{
+		// sorted: 0, 1…900 µs, 1…100 ms; the rank is ⌊q·1001⌋
+		{0.5, 499 * time.Microsecond},
+		{0.9, 899 * time.Microsecond},
+		{0.99, 89 * time.Millisecond},
+		{1, 100 * time.Millisecond},
+	} {
+		got := h.Quantile(tc.q)
+		if got < tc.want || got > tc.want+tc.want/(1<<subBits) {
+			t.Errorf("Quantile(%v) = %v, want %v (+1/%d)", tc.q, got, tc.want, 1<<subBits)
+		}
+	}
+	if h.Count() != 1001 || h.Max() != 100*time.Millisecond {
+		t.Errorf("Count, Max = %d, %v; want 1001, 100ms", h.Count(), h.Max())
+	}
+	var empty Histogram
+	if empty.Quantile(0.99) != 0 {
+		t.Errorf("empty Quantile = %v, want 0", empty.Quantile(0.99))
+	}
+}
