@@ -21,7 +21,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		return err
 	}
 	type target struct {
-		name, url   string
+		name, addr  string
 		ops         string // its ops address, for the failopen count
 		p           *exec.Cmd
 		rps, cpu    []float64 // per round: requests/s, admission CPU µs per request
@@ -38,10 +38,10 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		if err != nil {
 			return err
 		}
-		ts = append(ts, &target{name: src.name, p: p, url: "http://" + api + "/v1/admit", ops: ops})
+		ts = append(ts, &target{name: src.name, p: p, addr: api, ops: ops})
 	}
 	for _, t := range ts { // warm both: connections, the engine in Redis, the Go runtime
-		load(t.url, users, "/x", conc, 2*time.Second)
+		admits(t.addr, users, "/x", conc, 2*time.Second)
 	}
 	fmt.Printf("before = %s, after = this checkout; %d users, concurrency %d, %s per run\n\n", base, users, conc, dur)
 	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | failopen | statuses |")
@@ -54,18 +54,18 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		for _, t := range order {
 			_, u0 := commandStats(ctx, b.rdb)
 			c0, r0, f0 := cpuTime(t.p), cpuTime(b.redis.Cmd), failopens(t.ops)
-			res := load(t.url, users, "/x", conc, dur)
+			res := admits(t.addr, users, "/x", conc, dur)
 			cpu, rcpu := cpuTime(t.p)-c0, cpuTime(b.redis.Cmd)-r0
 			_, u1 := commandStats(ctx, b.rdb)
-			n := float64(max(1, res.n))
-			t.rps = append(t.rps, n/res.elapsed.Seconds())
+			n := float64(max(1, res.Requests))
+			t.rps = append(t.rps, res.Rate())
 			t.cpu = append(t.cpu, float64(cpu.Microseconds())/n)
 			t.rcpu = append(t.rcpu, float64(rcpu.Microseconds())/n)
 			t.redis = append(t.redis, (u1-u0)/n)
-			t.p99 = append(t.p99, float64(res.pct(99).Microseconds())/1000)
+			t.p99 = append(t.p99, float64(pct(res, 99).Microseconds())/1000)
 			t.local = append(t.local, failopens(t.ops)-f0)
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f µs | %.1f µs | %.0f | %s |\n", r+1, t.name, n/res.elapsed.Seconds(),
-				res.pct(50), res.pct(99), t.cpu[r], t.rcpu[r], t.redis[r], t.local[r], res.statuses())
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f µs | %.1f µs | %.0f | %s |\n", r+1, t.name, res.Rate(),
+				pct(res, 50), pct(res, 99), t.cpu[r], t.rcpu[r], t.redis[r], t.local[r], res.Statuses())
 		}
 	}
 	fmt.Printf("\nmedians over %d rounds:\n\n", rounds)

@@ -1,17 +1,13 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
-	"maps"
-	"math/rand/v2"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -21,6 +17,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/bench/internal/load"
+	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/limits/repair"
@@ -152,13 +150,13 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	fmt.Printf("admission answer %d bytes; plain answer of the same size; %d users; %s per run\n\n", size, users, dur)
 	fmt.Println("| target | concurrency | req/s | p50 | p99 | server CPU/req | RSS | Redis calls/req | Redis µs/req | Reserves/batch | failopen | statuses |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
-	row := func(name string, conc int, r result, p *exec.Cmd, cpu time.Duration, calls, usec, perBatch, failopen float64) {
-		n := float64(r.n)
-		fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %d MiB | %s | %s | %s | %.0f | %s |\n", name, conc, n/r.elapsed.Seconds(),
-			r.pct(50), r.pct(99), (cpu / time.Duration(max(1, r.n))).Round(100*time.Nanosecond), rssMiB(p),
-			ratio(calls, n), ratio(usec, n), ratio(perBatch, 1), failopen, r.statuses())
+	row := func(name string, conc int, r *load.Result, p *exec.Cmd, cpu time.Duration, calls, usec, perBatch, failopen float64) {
+		n := float64(r.Requests)
+		fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %d MiB | %s | %s | %s | %.0f | %s |\n", name, conc, r.Rate(),
+			pct(r, 50), pct(r, 99), (cpu / time.Duration(max(1, r.Requests))).Round(100*time.Nanosecond), rssMiB(p),
+			ratio(calls, n), ratio(usec, n), ratio(perBatch, 1), failopen, r.Statuses())
 	}
-	measure := func(name, url string, p *exec.Cmd, conc int, endpoint string, d time.Duration) result {
+	measure := func(name, addr string, p *exec.Cmd, conc int, endpoint string, d time.Duration) *load.Result {
 		c0, u0 := commandStats(ctx, rdb)
 		f0 := failopens(ops)
 		rc0, b0 := batches(ops)
@@ -171,7 +169,7 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 				saveProfile("http://"+ops+"/debug/pprof/profile?seconds="+strconv.Itoa(int(d.Seconds())-1), file)
 			})
 		}
-		r := load(url, users, endpoint, conc, d)
+		r := admits(addr, users, endpoint, conc, d)
 		prof.Wait()
 		cpu := cpuTime(p) - t0
 		var calls, usec, perBatch float64
@@ -186,14 +184,14 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 		return r
 	}
 	for _, conc := range levels {
-		measure("plain net/http", "http://"+plainAddr+"/v1/admit", plain, conc, "/x", dur)
-		measure("admission, 5 limits", "http://"+api+"/v1/admit", adm, conc, "/x", dur)
+		measure("plain net/http", plainAddr, plain, conc, "/x", dur)
+		measure("admission, 5 limits", api, adm, conc, "/x", dur)
 	}
-	measure("admission, 5 limits + leased global", "http://"+api+"/v1/admit", adm, levels[0], "/leased", dur)
+	measure("admission, 5 limits + leased global", api, adm, levels[0], "/leased", dur)
 
 	b.redis.Kill()
-	r := measure("admission, Redis down", "http://"+api+"/v1/admit", adm, levels[0], "/x", down)
-	fmt.Printf("\nRedis down: p99 %s over %d requests, %s\n", r.pct(99), r.n, r.statuses())
+	r := measure("admission, Redis down", api, adm, levels[0], "/x", down)
+	fmt.Printf("\nRedis down: p99 %s over %d requests, %s\n", pct(r, 99), r.Requests, r.Statuses())
 	return nil
 }
 
@@ -204,67 +202,27 @@ func ratio(v, n float64) string {
 	return strconv.FormatFloat(v/n, 'f', 2, 64)
 }
 
-// result holds one load run.
-type result struct {
-	n       int
-	elapsed time.Duration
-	lat     []time.Duration
-	codes   map[int]int
-}
-
-func (r result) pct(p int) time.Duration {
-	if len(r.lat) == 0 {
-		return 0
+// admits loads addr with conc connections for d, each request an admit of
+// 100 estimated tokens on endpoint for a random one of users.
+func admits(addr string, users int, endpoint string, conc int, d time.Duration) *load.Result {
+	ep := strconv.Quote(endpoint)
+	res, err := load.Run(context.Background(), load.Config{Addr: addr, Conns: conc, Duration: d,
+		NewClient: load.Users(load.NewPost(addr, "/v1/admit"), users, func(dst []byte, user int) []byte {
+			dst = append(dst, `{"tenant":"bench","user":"u-`...)
+			dst = strconv.AppendInt(dst, int64(user), 10)
+			dst = append(dst, `","endpoint":`...)
+			dst = append(dst, ep...)
+			return append(dst, `,"estimated_tokens":100}`...)
+		})})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "admitload:", err)
 	}
-	return r.lat[min(len(r.lat)-1, len(r.lat)*p/100)].Round(10 * time.Microsecond)
-}
-
-func (r result) statuses() string {
-	var parts []string
-	for _, c := range slices.Sorted(maps.Keys(r.codes)) {
-		parts = append(parts, fmt.Sprintf("%d×%d", r.codes[c], c))
-	}
-	return strings.Join(parts, " ")
-}
-
-// load sends admits from conc workers for d, each for a random one of users.
-func load(url string, users int, endpoint string, conc int, d time.Duration) result {
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: conc}, Timeout: 5 * time.Second}
-	var mu sync.Mutex
-	res := result{codes: map[int]int{}}
-	var wg sync.WaitGroup
-	start := time.Now()
-	deadline := start.Add(d)
-	for range conc {
-		wg.Go(func() {
-			var lat []time.Duration
-			codes := map[int]int{}
-			for time.Now().Before(deadline) {
-				body := fmt.Sprintf(`{"tenant":"bench","user":"u-%d","endpoint":%q,"estimated_tokens":100}`, rand.IntN(users), endpoint)
-				t := time.Now()
-				resp, err := client.Post(url, "application/json", strings.NewReader(body))
-				if err != nil {
-					codes[0]++
-					continue
-				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-				lat = append(lat, time.Since(t))
-				codes[resp.StatusCode]++
-			}
-			mu.Lock()
-			res.lat = append(res.lat, lat...)
-			for c, n := range codes {
-				res.codes[c] += n
-			}
-			mu.Unlock()
-		})
-	}
-	wg.Wait()
-	res.elapsed = time.Since(start)
-	res.n = len(res.lat)
-	slices.Sort(res.lat)
 	return res
+}
+
+// pct is the q-th percentile of r's latencies, to 10 µs.
+func pct(r *load.Result, q float64) time.Duration {
+	return r.Latency.Quantile(q / 100).Round(10 * time.Microsecond)
 }
 
 func saveProfile(url, file string) {
@@ -355,30 +313,15 @@ func metricSum(ops, prefix, sub string) float64 {
 	return sum
 }
 
-// cpuTime reads the user+system CPU time of a process from /proc.
+// cpuTime reads the CPU time of a process (0 once it is gone).
 func cpuTime(p *exec.Cmd) time.Duration {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.Process.Pid))
-	if err != nil {
-		return 0
-	}
-	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+2:]))
-	ut, _ := strconv.ParseInt(f[11], 10, 64)
-	st, _ := strconv.ParseInt(f[12], 10, 64)
-	return time.Duration(ut+st) * 10 * time.Millisecond // USER_HZ is 100 on Linux
+	t, _ := proc.CPU(p.Process.Pid)
+	return t
 }
 
 func rssMiB(p *exec.Cmd) int64 {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.Process.Pid))
-	if err != nil {
-		return 0
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			kb, _ := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
-			return kb / 1024
-		}
-	}
-	return 0
+	m, _ := proc.Memory(p.Process.Pid)
+	return m.RSS >> 20
 }
 
 // build compiles package pkg of the module checked out in src into dir,
