@@ -9,6 +9,10 @@
 //
 // With -ab DIR it compares this checkout's admission with the one built
 // from DIR (a worktree of an earlier commit) in interleaved rounds.
+//
+// With -peer it sets admission beside its peer, envoyproxy/ratelimit, and
+// a plain handler, in interleaved rounds, each server on Redis and NATS
+// servers of its own (peer.go): `go tool task bench-peer`.
 package main
 
 import (
@@ -29,7 +33,12 @@ func main() {
 	timeout := flag.Duration("redis-timeout", 0, "admission's QF_REDIS_TIMEOUT (0: its default)")
 	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
 	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency)")
-	rounds := flag.Int("rounds", 5, "rounds of -ab")
+	rounds := flag.Int("rounds", 5, "rounds of -ab and -peer")
+	peerMode := flag.Bool("peer", false, "compare with plain net/http and envoyproxy/ratelimit, admission with one and with five limits, in interleaved rounds")
+	targets := flag.String("targets", "", "-peer: only these of plain,envoy,one,five (comma-separated; default all)")
+	envoyPool := flag.Int("envoy-pool", 64, "-peer: envoy's REDIS_POOL_SIZE")
+	envoyWindow := flag.Duration("envoy-window", 0, "-peer: envoy's REDIS_PIPELINE_WINDOW (used by its cluster client only, at this version)")
+	open := flag.Float64("open", 0.7, "-peer: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (0: not)")
 	flag.Parse()
 	var levels []int
 	for _, s := range strings.Split(*concurrency, ",") {
@@ -39,6 +48,25 @@ func main() {
 			os.Exit(2)
 		}
 		levels = append(levels, n)
+	}
+	if *peerMode {
+		o := peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds, targets: map[string]bool{},
+			envoyPool: *envoyPool, envoyWindow: *envoyWindow, openFrac: *open}
+		for _, t := range strings.Split(*targets, ",") {
+			switch t = strings.TrimSpace(t); t {
+			case "":
+			case "plain", "envoy", "one", "five":
+				o.targets[t] = true
+			default:
+				fmt.Fprintf(os.Stderr, "admitload: -targets %q: want plain, envoy, one or five\n", t)
+				os.Exit(2)
+			}
+		}
+		if err := peer(context.Background(), o); err != nil {
+			fmt.Fprintln(os.Stderr, "admitload:", err)
+			os.Exit(1)
+		}
+		return
 	}
 	if *base != "" {
 		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration); err != nil {

@@ -54,22 +54,44 @@ type bench struct {
 }
 
 func newBench(ctx context.Context) (*bench, error) {
-	dir, err := os.MkdirTemp("", "admitload")
+	b, err := newDir()
 	if err != nil {
-		return nil, err
+		return b, err
 	}
-	b := &bench{dir: dir, policy: filepath.Join(dir, "policy.yaml"), natsURL: config.NATSURL()}
-	b.stop = append(b.stop, func() { os.RemoveAll(dir) })
+	b.natsURL = config.NATSURL()
 	if err := os.WriteFile(b.policy, []byte(benchPolicy), 0o644); err != nil {
 		return b, err
 	}
-	if b.redis, err = e2e.StartRedis(ctx, dir); err != nil {
-		return b, err
+	b.redis, b.rdb, err = b.privateRedis(ctx)
+	return b, err
+}
+
+// newDir starts a bench with its directory only.
+func newDir() (*bench, error) {
+	dir, err := os.MkdirTemp("", "admitload")
+	if err != nil {
+		return &bench{}, err
 	}
-	b.stop = append(b.stop, b.redis.Close)
-	b.rdb = redis.NewClient(&redis.Options{Addr: b.redis.Addr, MaxRetries: -1})
-	b.stop = append(b.stop, func() { b.rdb.Close() })
-	return b, repair.WriteEpoch(ctx, b.rdb, "admitload")
+	b := &bench{dir: dir, policy: filepath.Join(dir, "policy.yaml")}
+	b.stop = append(b.stop, func() { os.RemoveAll(dir) })
+	return b, nil
+}
+
+// privateRedis starts a redis-server of its own, holding the epoch that
+// admission waits for, and a client of it.
+func (b *bench) privateRedis(ctx context.Context) (*e2e.Server, *redis.Client, error) {
+	dir, err := os.MkdirTemp(b.dir, "redis")
+	if err != nil {
+		return nil, nil, err
+	}
+	srv, err := e2e.StartRedis(ctx, dir)
+	if err != nil {
+		return nil, nil, err
+	}
+	b.stop = append(b.stop, srv.Close)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, MaxRetries: -1})
+	b.stop = append(b.stop, func() { rdb.Close() })
+	return srv, rdb, repair.WriteEpoch(ctx, rdb, "admitload")
 }
 
 func (b *bench) close() {
@@ -82,9 +104,15 @@ func (b *bench) close() {
 // and streams of its own, with extra settings, and returns its API and ops
 // addresses once it is ready.
 func (b *bench) admission(name, bin string, extra ...string) (p *exec.Cmd, api, ops string, err error) {
+	return b.admissionOn(name, bin, b.redis.URL, b.natsURL, b.policy, extra...)
+}
+
+// admissionOn starts admission as name on the given Redis, NATS and
+// policy file.
+func (b *bench) admissionOn(name, bin, redisURL, natsURL, policy string, extra ...string) (p *exec.Cmd, api, ops string, err error) {
 	suffix := strconv.Itoa(os.Getpid()) + "_" + name
 	stream, dlq := "ADMITLOAD_"+suffix, "ADMITLOAD_DLQ_"+suffix
-	b.stop = append(b.stop, func() { deleteStreams(b.natsURL, stream, dlq) })
+	b.stop = append(b.stop, func() { deleteStreams(natsURL, stream, dlq) })
 	if api, err = e2e.FreeAddr(); err != nil {
 		return nil, "", "", err
 	}
@@ -92,7 +120,7 @@ func (b *bench) admission(name, bin string, extra ...string) (p *exec.Cmd, api, 
 		return nil, "", "", err
 	}
 	env := append([]string{
-		"QF_REDIS_URL=" + b.redis.URL, "QF_NATS_URL=" + b.natsURL, "QF_POLICY_FILE=" + b.policy,
+		"QF_REDIS_URL=" + redisURL, "QF_NATS_URL=" + natsURL, "QF_POLICY_FILE=" + policy,
 		"QF_STREAM=" + stream, "QF_DLQ_STREAM=" + dlq, "QF_SUBJECT_PREFIX=admitload" + suffix,
 		"QF_ADMISSION_ADDR=" + api, "QF_OPS_ADDR=" + ops, "QF_SPILL_DIR=" + filepath.Join(b.dir, "spill-"+name),
 		"QF_LOG_LEVEL=warn",
@@ -205,15 +233,8 @@ func ratio(v, n float64) string {
 // admits loads addr with conc connections for d, each request an admit of
 // 100 estimated tokens on endpoint for a random one of users.
 func admits(addr string, users int, endpoint string, conc int, d time.Duration) *load.Result {
-	ep := strconv.Quote(endpoint)
 	res, err := load.Run(context.Background(), load.Config{Addr: addr, Conns: conc, Duration: d,
-		NewClient: load.Users(load.NewPost(addr, "/v1/admit"), users, func(dst []byte, user int) []byte {
-			dst = append(dst, `{"tenant":"bench","user":"u-`...)
-			dst = strconv.AppendInt(dst, int64(user), 10)
-			dst = append(dst, `","endpoint":`...)
-			dst = append(dst, ep...)
-			return append(dst, `,"estimated_tokens":100}`...)
-		})})
+		NewClient: load.Users(load.NewPost(addr, "/v1/admit"), users, admitBody(endpoint))})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "admitload:", err)
 	}

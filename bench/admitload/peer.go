@@ -1,0 +1,495 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"quotaflow/bench/internal/load"
+	"quotaflow/bench/internal/proc"
+	"quotaflow/internal/e2e"
+)
+
+// The peer: envoyproxy/ratelimit, pinned (the repository has no tags).
+const (
+	envoyPackage = "github.com/envoyproxy/ratelimit/src/service_cmd"
+	envoyVersion = "v1.4.1-0.20260122083618-3fb702589d36"
+)
+
+// envoyConfig gives the peer one per-user descriptor with a limit it never
+// reaches: a counter per user and hour, as admission's one-limit plan.
+const envoyConfig = `domain: bench
+descriptors:
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 1000000000}
+`
+
+// onePolicy is admission's equivalent of envoy's counter: a per-user
+// fixed-window request limit, sized never to deny.
+const onePolicy = `default_plan: one
+plans:
+  one:
+    rates:
+      - {name: hour, kind: fixed, window: 1h, limit: 1000000000}
+tenants:
+  bench: {plan: one}
+`
+
+// fivePolicy is issue 13's five limits: three rolling token windows, a
+// token bucket and a per-user endpoint limit, sized never to deny.
+const fivePolicy = `default_plan: five
+plans:
+  five:
+    quotas:
+      - {name: 5h,  kind: rolling, window: 5h,   limit: 1000000000}
+      - {name: 7d,  kind: rolling, window: 168h, limit: 1000000000}
+      - {name: 30d, kind: rolling, window: 720h, limit: 1000000000}
+    rates:
+      - {name: rps, kind: token_bucket, rate: 1000000, per: 1s, burst: 1000000}
+tenants:
+  bench: {plan: five}
+endpoints:
+  /x:
+    user: [{name: daily, kind: fixed, window: 24h, limit: 1000000000}]
+`
+
+// peerOptions are the flags of -peer.
+type peerOptions struct {
+	levels      []int
+	users       int
+	dur         time.Duration
+	rounds      int
+	targets     map[string]bool // by short name; all when empty
+	envoyPool   int             // REDIS_POOL_SIZE
+	envoyWindow time.Duration   // REDIS_PIPELINE_WINDOW
+	openFrac    float64         // the open loop's rate, of the five-limit plan's closed-loop maximum
+}
+
+// peerTarget is one server under load and the processes its requests cost.
+type peerTarget struct {
+	short, name string
+	addr        string
+	post        load.Post
+	body        func(dst []byte, user int) []byte
+	server      *exec.Cmd
+	redis, nats *e2e.Server // nil when it has none
+	ops         string      // admission's ops address, for its failopen count
+	runs        map[int][]peerRun
+}
+
+// peerRun is one load of one target.
+type peerRun struct {
+	res                      *load.Result
+	server, redis, nats, gen float64 // CPU µs per request
+	rss                      int64   // the server's VmRSS after the run, bytes
+	failopen                 float64
+}
+
+// peer loads, in one run and interleaved rounds, a plain net/http handler,
+// envoyproxy/ratelimit and admission with one and with five limits, each
+// server on a Redis (and admission on a nats-server) of its own, and
+// prints per target the rates, their ratios, latencies and the CPU per
+// request of every process, then the goals of issue 13.
+func peer(ctx context.Context, o peerOptions) error {
+	b, err := newDir()
+	defer b.close()
+	if err != nil {
+		return err
+	}
+	load0 := loadavg()
+	var ts []*peerTarget
+	want := func(short string) bool { return len(o.targets) == 0 || o.targets[short] }
+
+	// Admission first: plain answers with a body the size of its answer.
+	size := 0
+	if want("one") || want("five") || want("plain") {
+		bin, err := build(b.dir, ".", "./services/admission")
+		if err != nil {
+			return err
+		}
+		for _, a := range []struct{ short, name, policy string }{
+			{"five", "admission, 5 limits", fivePolicy},
+			{"one", "admission, 1 limit", onePolicy},
+		} {
+			if !want(a.short) && !(a.short == "five" && want("plain")) {
+				continue
+			}
+			t, err := b.peerAdmission(ctx, bin, a.short, a.name, a.policy)
+			if err != nil {
+				return err
+			}
+			if size == 0 {
+				if size, err = answerSize("http://" + t.addr + "/v1/admit"); err != nil {
+					return err
+				}
+			}
+			if want(a.short) {
+				ts = append(ts, t)
+			}
+		}
+	}
+	if want("plain") {
+		t, err := b.peerPlain(size)
+		if err != nil {
+			return err
+		}
+		ts = append([]*peerTarget{t}, ts...)
+	}
+	if want("envoy") {
+		t, err := b.peerEnvoy(ctx, o)
+		if err != nil {
+			return err
+		}
+		ts = append(ts, t)
+	}
+	if len(ts) == 0 {
+		return fmt.Errorf("-targets: none of plain, envoy, one, five")
+	}
+
+	self := os.Getpid()
+	measure := func(t *peerTarget, conc int, rate float64) (peerRun, error) {
+		c0 := cpus(t, self)
+		f0 := failopens(t.ops)
+		res, err := load.Run(ctx, load.Config{Addr: t.addr, Conns: conc, Duration: o.dur, Rate: rate,
+			NewClient: load.Users(t.post, o.users, t.body)})
+		if err != nil {
+			return peerRun{}, fmt.Errorf("%s: %w", t.name, err)
+		}
+		c1 := cpus(t, self)
+		n := float64(max(1, res.Requests))
+		m, _ := proc.Memory(t.server.Process.Pid)
+		r := peerRun{res: res, rss: m.RSS, failopen: failopens(t.ops) - f0}
+		for i, p := range []*float64{&r.server, &r.redis, &r.nats, &r.gen} {
+			*p = float64((c1[i] - c0[i]).Microseconds()) / n
+		}
+		return r, nil
+	}
+
+	fmt.Printf("%d users, %s per run, %d rounds, targets in rotating order; load average %s at the start\n", o.users, o.dur, o.rounds, load0)
+	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s; plain answers %d bytes (admission's 5-limit answer)\n\n",
+		envoyPackage, envoyVersion, o.envoyPool, o.envoyWindow, size)
+	for _, t := range ts { // warm: connections, Redis's functions, 100k users' keys, the Go runtimes
+		if _, err := measure(t, o.levels[len(o.levels)-1], 0); err != nil {
+			return err
+		}
+	}
+	fmt.Println("| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | server RSS | statuses | failopen |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	for r := range o.rounds {
+		for _, conc := range o.levels {
+			for i := range ts {
+				t := ts[(i+r)%len(ts)] // each round starts one target later
+				run, err := measure(t, conc, 0)
+				if err != nil {
+					return err
+				}
+				t.runs[conc] = append(t.runs[conc], run)
+				fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %s | %s | %s |\n", r+1, conc, t.name, run.res.Rate(),
+					pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
+					mib(run.rss), run.res.Statuses(), orDashF(t.ops, run.failopen))
+			}
+		}
+	}
+	summary(ts, o)
+
+	if five := find(ts, "five"); five != nil && o.openFrac > 0 {
+		top := o.levels[len(o.levels)-1]
+		rate := o.openFrac * median(rates(five.runs[top], nil))
+		run, err := measure(five, top, rate)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("\nopen loop, %s: %.0f req/s due (%.0f %% of its median closed-loop rate at c=%d) over %d connections: "+
+			"%.0f req/s answered, p50 %s, p99 %s, p99.9 %s, max %s; %s; server RSS %s\n", five.name, rate, 100*o.openFrac, top, top,
+			run.res.Rate(), pct(run.res, 50), pct(run.res, 99), pct(run.res, 99.9), run.res.Latency.Max().Round(10*time.Microsecond),
+			run.res.Statuses(), mib(run.rss))
+	}
+	fmt.Printf("\nload average %s at the start, %s at the end\n", load0, loadavg())
+	return nil
+}
+
+// summary prints the medians over the rounds and issue 13's goals.
+func summary(ts []*peerTarget, o peerOptions) {
+	plain, envoy := find(ts, "plain"), find(ts, "envoy")
+	fmt.Printf("\nmedians over %d rounds (ratios: median of the per-round ratios, each to the run of the same round):\n\n", o.rounds)
+	fmt.Println("| target | c | req/s | ÷ plain | ÷ envoy | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req | server RSS |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	for _, conc := range o.levels {
+		for _, t := range ts {
+			rs := t.runs[conc]
+			f := func(get func(peerRun) float64) float64 {
+				v := make([]float64, len(rs))
+				for i, r := range rs {
+					v[i] = get(r)
+				}
+				return median(v)
+			}
+			server, redis, nats, gen := f(func(r peerRun) float64 { return r.server }), f(func(r peerRun) float64 { return r.redis }),
+				f(func(r peerRun) float64 { return r.nats }), f(func(r peerRun) float64 { return r.gen })
+			fmt.Printf("| %s | %d | %.0f | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f | %s |\n", t.name, conc,
+				median(rates(rs, nil)), ratioTo(t, plain, conc), ratioTo(t, envoy, conc),
+				f(func(r peerRun) float64 { return ms(pct(r.res, 50)) }), f(func(r peerRun) float64 { return ms(pct(r.res, 99)) }),
+				server, orDash(t.redis, redis), orDash(t.nats, nats), gen, f(func(r peerRun) float64 { return r.server + r.redis + r.nats + r.gen }),
+				mib(int64(f(func(r peerRun) float64 { return float64(r.rss) }))))
+		}
+	}
+	one, five := find(ts, "one"), find(ts, "five")
+	if one == nil || five == nil || envoy == nil {
+		return
+	}
+	top := o.levels[len(o.levels)-1]
+	at := func(t *peerTarget, get func(peerRun) float64) string {
+		var parts []string
+		for _, conc := range o.levels {
+			v := make([]float64, len(t.runs[conc]))
+			for i, r := range t.runs[conc] {
+				v[i] = get(r)
+			}
+			parts = append(parts, fmt.Sprintf("%.1f µs (c=%d)", median(v), conc))
+		}
+		return strings.Join(parts, ", ")
+	}
+	fmt.Println("\nissue 13's goals (closed loop; the open-loop p99 follows below):\n\n| goal | this run |\n|---|---|")
+	fmt.Printf("| admission with 1 limit ≥ 1.5× envoy's throughput | %s |\n", ratiosAt(one, envoy, o.levels))
+	fmt.Printf("| admission with 5 limits ≥ 1.0× envoy's throughput | %s |\n", ratiosAt(five, envoy, o.levels))
+	fmt.Printf("| Redis CPU per 1-limit reserve ≤ 6 µs | %s |\n", at(one, func(r peerRun) float64 { return r.redis }))
+	fmt.Printf("| Redis CPU per 5-limit reserve ≤ 15 µs | %s |\n", at(five, func(r peerRun) float64 { return r.redis }))
+	rss := make([]float64, len(five.runs[top]))
+	for i, r := range five.runs[top] {
+		rss[i] = float64(r.rss)
+	}
+	fmt.Printf("| admission RSS at c=%d, 5-limit plan, %d users ≤ 40 MB | %s (VmRSS after each run, median) |\n", top, o.users, mib(int64(median(rss))))
+}
+
+func find(ts []*peerTarget, short string) *peerTarget {
+	for _, t := range ts {
+		if t.short == short {
+			return t
+		}
+	}
+	return nil
+}
+
+// rates lists the req/s of runs, or their ratios to base's runs of the
+// same rounds.
+func rates(runs, base []peerRun) []float64 {
+	v := make([]float64, len(runs))
+	for i, r := range runs {
+		v[i] = r.res.Rate()
+		if base != nil {
+			v[i] /= base[i].res.Rate()
+		}
+	}
+	return v
+}
+
+func ratioTo(t, base *peerTarget, conc int) string {
+	if base == nil {
+		return "-"
+	}
+	return strconv.FormatFloat(median(rates(t.runs[conc], base.runs[conc])), 'f', 3, 64)
+}
+
+func ratiosAt(t, base *peerTarget, levels []int) string {
+	var parts []string
+	for _, conc := range levels {
+		parts = append(parts, ratioTo(t, base, conc)+"× (c="+strconv.Itoa(conc)+")")
+	}
+	return strings.Join(parts, ", ")
+}
+
+// cpus reads the CPU time of t's server, Redis and nats-server and of this
+// process, the load generator (its other goroutines idle during a load).
+func cpus(t *peerTarget, self int) [4]time.Duration {
+	var c [4]time.Duration
+	for i, s := range []*e2e.Server{t.redis, t.nats} {
+		if s != nil {
+			c[i+1], _ = proc.CPU(s.Cmd.Process.Pid)
+		}
+	}
+	c[0], _ = proc.CPU(t.server.Process.Pid)
+	c[3], _ = proc.CPU(self)
+	return c
+}
+
+func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy string) (*peerTarget, error) {
+	rs, _, err := b.privateRedis(ctx)
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp(b.dir, "nats")
+	if err != nil {
+		return nil, err
+	}
+	ns, err := e2e.StartNATS(ctx, dir)
+	if err != nil {
+		return nil, err
+	}
+	b.stop = append(b.stop, ns.Close)
+	file := filepath.Join(b.dir, short+".yaml")
+	if err := os.WriteFile(file, []byte(policy), 0o644); err != nil {
+		return nil, err
+	}
+	// A Redis deadline that the noisy machine never passes, so that every
+	// decision is Redis's (the failopen column counts those that were not).
+	p, api, ops, err := b.admissionOn(short, bin, rs.URL, ns.URL, file, "QF_REDIS_TIMEOUT=1s")
+	if err != nil {
+		return nil, err
+	}
+	return &peerTarget{short: short, name: name, addr: api, post: load.NewPost(api, "/v1/admit"), body: admitBody("/x"),
+		server: p, redis: rs, nats: ns, ops: ops, runs: map[int][]peerRun{}}, nil
+}
+
+func (b *bench) peerPlain(size int) (*peerTarget, error) {
+	bin, err := build(b.dir, ".", "./bench/admitload/plain")
+	if err != nil {
+		return nil, err
+	}
+	addr, err := e2e.FreeAddr()
+	if err != nil {
+		return nil, err
+	}
+	p, err := start(b.dir, "plain", nil, bin, "-addr", addr, "-size", strconv.Itoa(max(size, 100)))
+	if err != nil {
+		return nil, err
+	}
+	b.stop = append(b.stop, func() { kill(p) })
+	if err := waitFor(func() error { _, err := answerSize("http://" + addr + "/v1/admit"); return err }); err != nil {
+		return nil, err
+	}
+	return &peerTarget{short: "plain", name: "plain net/http", addr: addr, post: load.NewPost(addr, "/v1/admit"), body: admitBody("/x"),
+		server: p, runs: map[int][]peerRun{}}, nil
+}
+
+// peerEnvoy starts envoyproxy/ratelimit on a Redis of its own, with its
+// statistics off (USE_STATSD=false), logging warnings only, its config
+// read once from a runtime directory, and its three ports free ones.
+func (b *bench) peerEnvoy(ctx context.Context, o peerOptions) (*peerTarget, error) {
+	bin, err := envoyBinary()
+	if err != nil {
+		return nil, err
+	}
+	rs, _, err := b.privateRedis(ctx)
+	if err != nil {
+		return nil, err
+	}
+	root := filepath.Join(b.dir, "envoy-runtime")
+	if err := os.MkdirAll(filepath.Join(root, "ratelimit", "config"), 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(root, "ratelimit", "config", "bench.yaml"), []byte(envoyConfig), 0o644); err != nil {
+		return nil, err
+	}
+	var ports [3]string
+	for i := range ports {
+		if ports[i], err = e2e.FreeAddr(); err != nil {
+			return nil, err
+		}
+		_, ports[i], _ = strings.Cut(ports[i], ":")
+	}
+	env := []string{
+		"HOST=127.0.0.1", "PORT=" + ports[0], "GRPC_HOST=127.0.0.1", "GRPC_PORT=" + ports[1], "DEBUG_HOST=127.0.0.1", "DEBUG_PORT=" + ports[2],
+		"USE_STATSD=false", "LOG_LEVEL=warn",
+		"REDIS_SOCKET_TYPE=tcp", "REDIS_TYPE=SINGLE", "REDIS_URL=" + rs.Addr, "REDIS_POOL_SIZE=" + strconv.Itoa(o.envoyPool),
+		"REDIS_PIPELINE_WINDOW=" + o.envoyWindow.String(),
+		"RUNTIME_ROOT=" + root, "RUNTIME_SUBDIRECTORY=ratelimit", "RUNTIME_WATCH_ROOT=false",
+	}
+	p, err := start(b.dir, "envoy", env, bin)
+	if err != nil {
+		return nil, err
+	}
+	b.stop = append(b.stop, func() { kill(p) })
+	addr := "127.0.0.1:" + ports[0]
+	t := &peerTarget{short: "envoy", name: "envoyproxy/ratelimit, 1 counter", addr: addr, post: load.NewPost(addr, "/json"),
+		body: envoyBody, server: p, redis: rs, runs: map[int][]peerRun{}}
+	if err := waitFor(func() error { return envoyOK(addr) }); err != nil {
+		return nil, fmt.Errorf("envoy ratelimit not answering (log in %s): %w", b.dir, err)
+	}
+	return t, nil
+}
+
+// envoyOK checks that the peer answers a check OK.
+func envoyOK(addr string) error {
+	resp, err := http.Post("http://"+addr+"/json", "application/json", strings.NewReader(string(envoyBody(nil, 0))))
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"overallCode":"OK"`) {
+		return fmt.Errorf("/json: %s %s", resp.Status, b)
+	}
+	return nil
+}
+
+func envoyBody(dst []byte, user int) []byte {
+	dst = append(dst, `{"domain":"bench","descriptors":[{"entries":[{"key":"user","value":"u`...)
+	dst = strconv.AppendInt(dst, int64(user), 10)
+	return append(dst, `"}]}]}`...)
+}
+
+// envoyBinary builds the pinned envoyproxy/ratelimit once into the user's
+// cache directory, keyed by its version, and returns its path.
+func envoyBinary() (string, error) {
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		return "", err
+	}
+	dir := filepath.Join(cache, "quotaflow-bench", "envoy-ratelimit@"+envoyVersion)
+	bin := filepath.Join(dir, filepath.Base(envoyPackage))
+	if _, err := os.Stat(bin); err == nil {
+		return bin, nil
+	}
+	fmt.Fprintf(os.Stderr, "building %s@%s into %s (about 90 s the first time)\n", envoyPackage, envoyVersion, dir)
+	cmd := exec.Command("go", "install", envoyPackage+"@"+envoyVersion)
+	cmd.Env = append(os.Environ(), "GOBIN="+dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go install %s@%s: %v\n%s", envoyPackage, envoyVersion, err, out)
+	}
+	return bin, nil
+}
+
+func admitBody(endpoint string) func(dst []byte, user int) []byte {
+	ep := strconv.Quote(endpoint)
+	return func(dst []byte, user int) []byte {
+		dst = append(dst, `{"tenant":"bench","user":"u-`...)
+		dst = strconv.AppendInt(dst, int64(user), 10)
+		dst = append(dst, `","endpoint":`...)
+		dst = append(dst, ep...)
+		return append(dst, `,"estimated_tokens":100}`...)
+	}
+}
+
+func loadavg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "?"
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
+
+func orDash(s *e2e.Server, v float64) string {
+	if s == nil {
+		return "-"
+	}
+	return strconv.FormatFloat(v, 'f', 1, 64)
+}
+
+func orDashF(ops string, v float64) string {
+	if ops == "" {
+		return "-"
+	}
+	return strconv.FormatFloat(v, 'f', 0, 64)
+}
+
+func mib(b int64) string { return strconv.FormatInt(b>>20, 10) + " MiB" }
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
