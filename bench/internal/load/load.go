@@ -45,11 +45,23 @@ type Client interface {
 	Response(status int, body []byte, latency time.Duration)
 }
 
+// A Sequencer is a Client whose requests come in sequences that must not
+// be cut, such as an admit and the usage report of the request it
+// admitted: a closed-loop Run that reaches its Duration lets each
+// connection send its requests while InSequence holds (bounded by
+// Timeout).
+type Sequencer interface {
+	Client
+	// InSequence reports whether the request Next would write now
+	// continues a sequence.
+	InSequence() bool
+}
+
 // Config says what Run sends where.
 type Config struct {
 	Addr     string        // host:port
 	Conns    int           // connections, each with a goroutine of its own
-	Duration time.Duration // no request is sent after it
+	Duration time.Duration // no request (closed loop: no sequence, see Sequencer) begins after it
 	// Rate is the total of requests per second due over all connections
 	// (open loop); 0 is a closed loop.
 	Rate float64
@@ -161,7 +173,7 @@ func (w *worker) run(ctx context.Context) {
 			if !due.Before(w.end) {
 				return
 			}
-		} else if !time.Now().Before(w.end) {
+		} else if now := time.Now(); !now.Before(w.end) && (!w.inSequence() || now.After(w.end.Add(w.cfg.Timeout))) {
 			return
 		}
 		if w.conn == nil && !w.dial(ctx) {
@@ -199,6 +211,13 @@ func (w *worker) run(ctx context.Context) {
 		w.requests++
 		w.client.Response(status, body, lat)
 	}
+}
+
+// inSequence reports whether the worker's Client is a Sequencer in the
+// middle of a sequence.
+func (w *worker) inSequence() bool {
+	s, ok := w.client.(Sequencer)
+	return ok && s.InSequence()
 }
 
 func (w *worker) dial(ctx context.Context) bool {

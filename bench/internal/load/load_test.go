@@ -215,3 +215,50 @@ func TestHistogramQuantile(t *testing.T) {
 		t.Errorf("empty Quantile = %v, want 0", empty.Quantile(0.99))
 	}
 }
+
+// stepper is a Sequencer whose requests come in sequences of three
+// steps, each naming its step in the path.
+type stepper struct {
+	post [3]Post
+	step int
+}
+
+func (s *stepper) Next(buf []byte) []byte { return s.post[s.step].Append(buf, []byte("{}")) }
+
+func (s *stepper) Response(int, []byte, time.Duration) { s.step = (s.step + 1) % 3 }
+
+func (s *stepper) InSequence() bool { return s.step != 0 }
+
+// TestSequencer checks that a closed loop reaching its end lets every
+// connection finish the sequence it began: the server sees as many last
+// steps as first ones. The first step is slow, so the end nearly always
+// falls inside a sequence.
+func TestSequencer(t *testing.T) {
+	var mu sync.Mutex
+	steps := map[string]int{}
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/0" {
+			time.Sleep(5 * time.Millisecond)
+		}
+		mu.Lock()
+		steps[r.URL.Path]++
+		mu.Unlock()
+	}))
+	defer ts.Close()
+	addr := strings.TrimPrefix(ts.URL, "http://")
+	res, err := Run(context.Background(), Config{
+		Addr: addr, Conns: 3, Duration: 100 * time.Millisecond,
+		NewClient: func(int) Client {
+			return &stepper{post: [3]Post{NewPost(addr, "/0"), NewPost(addr, "/1"), NewPost(addr, "/2")}}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if res.Errors != 0 || steps["/0"] == 0 || steps["/0"] != steps["/1"] || steps["/1"] != steps["/2"] ||
+		res.Requests != uint64(steps["/0"]+steps["/1"]+steps["/2"]) {
+		t.Errorf("Run = %d requests, %d errors; server saw steps %v, want as many of each", res.Requests, res.Errors, steps)
+	}
+}
