@@ -1,0 +1,125 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/pkg/events"
+)
+
+// ledger reads the accounter's Postgres ledger over one connection of
+// its own, opened before the load so that no backend starts during it.
+type ledger struct{ conn *pgx.Conn }
+
+func openLedger(ctx context.Context, url string) (*ledger, error) {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: %w", err)
+	}
+	return &ledger{conn: conn}, nil
+}
+
+func (l *ledger) close() { _ = l.conn.Close(context.Background()) }
+
+// actuals is the count of actual events in the ledger and their tokens.
+func (l *ledger) actuals(ctx context.Context) (n, tokens int64, err error) {
+	err = l.conn.QueryRow(ctx, `SELECT count(*), coalesce(sum(tokens), 0)::bigint FROM usage_events WHERE type = $1`,
+		events.TypeActual).Scan(&n, &tokens)
+	return n, tokens, err
+}
+
+// waitActuals polls the ledger until it holds want actual events, or
+// until timeout; it returns how long after since that was. The poll's own
+// load on Postgres falls after the load window, outside the CPU figures.
+func (l *ledger) waitActuals(ctx context.Context, want int64, since time.Time, timeout time.Duration) (time.Duration, error) {
+	for {
+		n, _, err := l.actuals(ctx)
+		if err == nil && n >= want {
+			return time.Since(since), nil
+		}
+		if time.Since(since) > timeout {
+			if err == nil {
+				err = fmt.Errorf("the ledger holds %d of %d actual events after %v", n, want, timeout)
+			}
+			return 0, err
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// reservations counts the ledger's reservations: all, those still open,
+// those settled, and the actual tokens settled.
+type reservations struct{ all, open, settled, tokens int64 }
+
+func (l *ledger) reservations(ctx context.Context) (r reservations, err error) {
+	err = l.conn.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE status = 'open'),
+		count(*) FILTER (WHERE status = 'settled'), coalesce(sum(actual_tokens), 0)::bigint FROM reservations`).
+		Scan(&r.all, &r.open, &r.settled, &r.tokens)
+	return r, err
+}
+
+// check compares the end state with what the load did (t, over every
+// round): every report's actual event in the ledger once, with its
+// tokens; a reservation for every admitted request, none left open, each
+// settled at its actual; nothing dead-lettered; no request that failed.
+// It waits up to timeout for the settlements, then returns every
+// mismatch it found.
+func check(ctx context.Context, l *ledger, natsURL, dlq string, t *tally, timeout time.Duration) []string {
+	var bad []string
+	add := func(format string, args ...any) { bad = append(bad, fmt.Sprintf(format, args...)) }
+	if len(t.refused) > 0 || len(t.rejected) > 0 || t.lostAdmit > 0 {
+		add("requests failed: admits refused %v, reports given up %v, admits unanswered %d", t.refused, t.rejected, t.lostAdmit)
+	}
+	n, tokens, err := l.actuals(ctx)
+	switch {
+	case err != nil:
+		add("ledger: %v", err)
+	case n != t.reported || tokens != t.tokens:
+		add("ledger: %d actual events of %d tokens, want %d of %d", n, tokens, t.reported, t.tokens)
+	}
+	var r reservations
+	deadline := time.Now().Add(timeout)
+	for {
+		r, err = l.reservations(ctx)
+		if err != nil || r.open == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	switch {
+	case err != nil:
+		add("reservations: %v", err)
+	case r.all != t.admitted || r.open != 0 || r.settled != t.reported || r.tokens != t.tokens:
+		add("reservations: %d, %d open, %d settled at %d tokens; want %d, 0 open, %d settled at %d tokens",
+			r.all, r.open, r.settled, r.tokens, t.admitted, t.reported, t.tokens)
+	}
+	if d, err := deadLetters(ctx, natsURL, dlq); err != nil {
+		add("dead letters: %v", err)
+	} else if d != 0 {
+		add("%d dead-lettered messages", d)
+	}
+	return bad
+}
+
+// deadLetters counts the messages in the dead-letter stream.
+func deadLetters(ctx context.Context, url, name string) (uint64, error) {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		return 0, err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return 0, err
+	}
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		return 0, err
+	}
+	return s.CachedInfo().State.Msgs, nil
+}

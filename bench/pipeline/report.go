@@ -1,0 +1,128 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"time"
+)
+
+// report prints every round and the medians as Markdown tables: rates,
+// keep-up, catch-up and each process's CPU per accounted request; then
+// the end state's check.
+func report(out io.Writer, cfg Config, ms []meter, rounds []round, total *tally, failopen float64, bad []string) {
+	fmt.Fprintf(out, "\n%d connections (closed loop), %d users, %v per round, %d rounds; admit (5 limits) then one actual event in its own POST /v1/usage\n\n",
+		cfg.Conns, cfg.Users, cfg.Duration, len(rounds))
+	head := []string{"round", "admitted/s", "accounted/s", "keep-up", "catch-up"}
+	for _, m := range ms {
+		head = append(head, m.name)
+	}
+	head = append(head, "all")
+	fmt.Fprintln(out, "CPU per accounted request, µs:")
+	fmt.Fprintln(out)
+	row(out, head...)
+	row(out, slices.Repeat([]string{"---"}, len(head))...)
+	col := func(f func(r round) float64) []float64 {
+		var v []float64
+		for _, r := range rounds {
+			v = append(v, f(r))
+		}
+		return v
+	}
+	cells := func(label string, f func(func(r round) float64) string) []string {
+		c := []string{label,
+			f(func(r round) float64 { return r.admittedRate() }),
+			f(func(r round) float64 { return r.accountedRate() }),
+			f(func(r round) float64 { return r.keepUp() }),
+			f(func(r round) float64 { return r.catchUp.Seconds() }),
+		}
+		for i := range ms {
+			c = append(c, f(func(r round) float64 { return µs(r.perAccounted(i)) }))
+		}
+		return append(c, f(func(r round) float64 {
+			var sum time.Duration
+			for i := range ms {
+				sum += r.perAccounted(i)
+			}
+			return µs(sum)
+		}))
+	}
+	for i := range rounds {
+		row(out, cells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
+	}
+	row(out, cells("median", func(f func(r round) float64) string { return format(median(col(f))) })...)
+	fmt.Fprintf(out, "\nrequests (warm-up included): %d admitted, %d reported (%d tokens), %d reports resent after a 503; %.0f admits decided without Redis (failopen)\n",
+		total.admitted, total.reported, total.tokens, total.resent, failopen)
+	if len(bad) == 0 {
+		fmt.Fprintln(out, "end state exact: every report once in the ledger with its tokens, every reservation settled at its actual, no dead letter")
+		return
+	}
+	fmt.Fprintln(out, "END STATE NOT EXACT:")
+	for _, b := range bad {
+		fmt.Fprintln(out, "  "+b)
+	}
+}
+
+func row(out io.Writer, cells ...string) {
+	fmt.Fprintln(out, "| "+strings.Join(cells, " | ")+" |")
+}
+
+func µs(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+
+// format prints a figure with the digits that matter: rates as integers,
+// ratios and seconds with two decimals, µs with one.
+func format(v float64) string {
+	switch {
+	case v >= 1000:
+		return fmt.Sprintf("%.0f", v)
+	case v >= 10:
+		return fmt.Sprintf("%.1f", v)
+	default:
+		return fmt.Sprintf("%.2f", v)
+	}
+}
+
+func median(v []float64) float64 {
+	s := slices.Sorted(slices.Values(v))
+	if len(s) == 0 {
+		return 0
+	}
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// reportPeer prints envoy's rounds, CPU per check, and the ratio of the
+// pipeline's accounted requests per second to envoy's checks per second,
+// round by round (the rounds ran interleaved).
+func reportPeer(out io.Writer, ms []meter, checks []peerRound, rounds []round) {
+	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections; CPU per check, µs:\n\n", envoyVersion)
+	head := []string{"round", "checks/s", "p99"}
+	for _, m := range ms {
+		head = append(head, m.name)
+	}
+	head = append(head, "all", "pipeline accounted/s ÷ checks/s")
+	row(out, head...)
+	row(out, slices.Repeat([]string{"---"}, len(head))...)
+	var rates, ratios []float64
+	for i, c := range checks {
+		cells := []string{fmt.Sprint(i + 1), format(c.rate()), c.res.Latency.Quantile(0.99).Round(10 * time.Microsecond).String()}
+		var sum time.Duration
+		for j := range ms {
+			cells = append(cells, format(µs(c.perCheck(j))))
+			sum += c.perCheck(j)
+		}
+		ratio := rounds[i].accountedRate() / c.rate()
+		rates, ratios = append(rates, c.rate()), append(ratios, ratio)
+		row(out, append(cells, format(µs(sum)), fmt.Sprintf("%.3f", ratio))...)
+	}
+	fmt.Fprintf(out, "\nmedian: ratelimit %s checks/s; pipeline / ratelimit %.3f (median of the rounds' ratios)\n",
+		format(median(rates)), median(ratios))
+	for _, c := range checks {
+		if len(c.res.Status) != 1 || c.res.Errors > 0 {
+			fmt.Fprintf(out, "ratelimit answers: %s\n", c.res.Statuses())
+		}
+	}
+}

@@ -1,0 +1,272 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"time"
+
+	"quotaflow/bench/internal/load"
+	"quotaflow/bench/internal/proc"
+	"quotaflow/internal/e2e"
+)
+
+// policy is a plan of five limits sized never to deny: three rolling
+// token windows, a request token bucket and a per-user endpoint limit,
+// the five-limit plan of the admission benchmarks.
+const policy = `# written by bench/pipeline
+default_plan: bench
+plans:
+  bench:
+    quotas:
+      - {name: 5h,  kind: rolling, window: 5h,   limit: 1000000000000}
+      - {name: 7d,  kind: rolling, window: 168h, limit: 1000000000000}
+      - {name: 30d, kind: rolling, window: 720h, limit: 1000000000000}
+    rates:
+      - {name: rps, kind: token_bucket, rate: 1000000, per: 1s, burst: 1000000}
+endpoints:
+  ` + endpoint + `:
+    user: [{name: daily, kind: fixed, window: 24h, limit: 1000000000}]
+`
+
+// Config is one benchmark run.
+type Config struct {
+	Duration time.Duration // load per round
+	Warmup   time.Duration // unmeasured pipeline load before the rounds
+	Conns    int           // connections of the closed loop
+	Users    int           // distinct users, drawn at random per request
+	Rounds   int           // measured rounds of each target, interleaved
+	Settle   time.Duration // bound on the wait for the ledger after a round
+	Envoy    bool          // measure envoyproxy/ratelimit in the same rounds
+	EnvoyBin string        // its service_cmd binary; "" builds the pinned one
+}
+
+// meter reads a process's CPU time so far.
+type meter struct {
+	name string
+	cpu  func() (time.Duration, error)
+}
+
+func pidMeter(name string, pid int) meter {
+	return meter{name, func() (time.Duration, error) { return proc.CPU(pid) }}
+}
+
+// read returns every meter's CPU time, in the meters' order.
+func read(ms []meter) ([]time.Duration, error) {
+	out := make([]time.Duration, len(ms))
+	for i, m := range ms {
+		d, err := m.cpu()
+		if err != nil {
+			return nil, fmt.Errorf("cpu of %s: %w", m.name, err)
+		}
+		out[i] = d
+	}
+	return out, nil
+}
+
+// round is what one measured round of the pipeline did.
+type round struct {
+	elapsed   time.Duration   // the load, from its start to its last answer
+	t         *tally          // the round's requests
+	accounted int64           // actual events the ledger gained during the load
+	catchUp   time.Duration   // from the end of the load until the ledger held every report
+	cpu       []time.Duration // per meter, over the load
+}
+
+func (r round) admittedRate() float64  { return float64(r.t.admitted) / r.elapsed.Seconds() }
+func (r round) accountedRate() float64 { return float64(r.accounted) / r.elapsed.Seconds() }
+func (r round) keepUp() float64        { return float64(r.accounted) / max(1, float64(r.t.admitted)) }
+
+// perAccounted is meter i's CPU per request accounted during the load.
+func (r round) perAccounted(i int) time.Duration {
+	return r.cpu[i] / time.Duration(max(1, r.accounted))
+}
+
+// pipeline is the started pipeline and what the rounds so far did.
+type pipeline struct {
+	cfg    Config
+	p      *e2e.Private
+	host   string // admission's host:port
+	ledger *ledger
+	meters []meter
+	total  *tally // every round's, the warm-up's included
+}
+
+func run(ctx context.Context, cfg Config, out io.Writer) error {
+	p, err := e2e.StartPrivate(ctx, e2e.PrivateConfig{
+		Name: "pipeline", Policy: policy, Out: out,
+		Env: []string{"QF_LOG_LEVEL=warn"},
+		// Consuming, with no webhook: a quota never reaches a threshold.
+		AlerterEnv: []string{"QF_CONSUMER=alerter"},
+		// A busy two-core machine answers in more than the default 10 ms
+		// at times; a decision made without Redis then is cheaper and not
+		// the pipeline's, so the run waits for Redis instead (and counts
+		// the failopens it still sees).
+		AdmissionEnv: []string{"QF_REDIS_TIMEOUT=1s"},
+	})
+	if p != nil {
+		defer p.Close()
+	}
+	if err != nil {
+		return err
+	}
+	u, err := url.Parse(p.API)
+	if err != nil {
+		return err
+	}
+	pl := &pipeline{cfg: cfg, p: p, host: u.Host, total: newTally()}
+	if pl.ledger, err = openLedger(ctx, p.DBURL); err != nil {
+		return err
+	}
+	defer pl.ledger.close()
+	pl.meters = []meter{
+		pidMeter("admission", p.Admission.Cmd.Process.Pid),
+		pidMeter("accounter", p.Accounter.Cmd.Process.Pid),
+		pidMeter("alerter", p.Alerter.Cmd.Process.Pid),
+		pidMeter("redis-server", p.Redis.Cmd.Process.Pid),
+		pidMeter("nats-server", p.NATS.Cmd.Process.Pid),
+		// The postmaster and its backends, those that exit included.
+		{"postgres", func() (time.Duration, error) { return proc.TreeCPU(p.Postgres.Cmd.Process.Pid) }},
+		pidMeter("load generator", os.Getpid()),
+	}
+
+	var peer *envoy
+	var peerMeters []meter
+	if cfg.Envoy {
+		fmt.Fprintln(out, "starting envoyproxy/ratelimit "+envoyVersion+" ...")
+		bin, err := envoyBinary(ctx, cfg.EnvoyBin)
+		if err != nil {
+			return err
+		}
+		peer, err = startEnvoy(ctx, p.Dir, bin, cfg.Conns)
+		if peer != nil {
+			defer peer.close()
+		}
+		if err != nil {
+			return err
+		}
+		peerMeters = []meter{
+			pidMeter("ratelimit", peer.svc.Cmd.Process.Pid),
+			pidMeter("redis-server", peer.redis.Cmd.Process.Pid),
+			pidMeter("load generator", os.Getpid()),
+		}
+	}
+
+	fmt.Fprintf(out, "warm-up: %v of each load ...\n", cfg.Warmup)
+	if _, err := pl.round(ctx, "w", cfg.Warmup); err != nil {
+		return fmt.Errorf("warm-up: %w", err)
+	}
+	if peer != nil {
+		if _, err := peer.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Warmup); err != nil {
+			return fmt.Errorf("warm-up of ratelimit: %w", err)
+		}
+	}
+	// Rounds alternate which target goes first, so that a machine getting
+	// busier or quieter weighs on both alike.
+	var rounds []round
+	var checks []peerRound
+	for i := range cfg.Rounds {
+		steps := []func() error{
+			func() error {
+				fmt.Fprintf(out, "round %d: %v of pipeline load ...\n", i+1, cfg.Duration)
+				r, err := pl.round(ctx, fmt.Sprintf("r%d", i+1), cfg.Duration)
+				rounds = append(rounds, r)
+				return err
+			},
+		}
+		if peer != nil {
+			steps = append(steps, func() error {
+				fmt.Fprintf(out, "round %d: %v of ratelimit load ...\n", i+1, cfg.Duration)
+				c, err := peer.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Duration)
+				checks = append(checks, c)
+				return err
+			})
+			if i%2 == 1 {
+				steps[0], steps[1] = steps[1], steps[0]
+			}
+		}
+		for _, step := range steps {
+			if err := step(); err != nil {
+				return fmt.Errorf("round %d: %w", i+1, err)
+			}
+		}
+	}
+	bad := check(ctx, pl.ledger, p.NATS.URL, "QUOTAFLOW_DLQ", pl.total, cfg.Settle)
+	failopen := failopens(ctx, p.Admission)
+	report(out, cfg, pl.meters, rounds, pl.total, failopen, bad)
+	if peer != nil {
+		reportPeer(out, peerMeters, checks, rounds)
+	}
+	switch {
+	case len(bad) > 0:
+		return fmt.Errorf("the end state is not exact")
+	case failopen != 0:
+		return fmt.Errorf("%.0f admits were decided without Redis: the figures are not the pipeline's", failopen)
+	}
+	return nil
+}
+
+// failopens is how many decisions admission made without Redis (after
+// its deadline, QF_REDIS_TIMEOUT): cheaper ones, which a figure should
+// not be made of.
+func failopens(ctx context.Context, admission *e2e.Service) float64 {
+	ds, err := e2e.Decisions(ctx, admission.Ops)
+	if err != nil {
+		return -1
+	}
+	var n float64
+	for _, d := range ds {
+		if d.Result == "failopen" {
+			n += d.Count
+		}
+	}
+	return n
+}
+
+// round plays the pipeline load for d, waits for the ledger to hold every
+// report and returns what it measured. name prefixes the request ids.
+func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (round, error) {
+	n0, _, err := pl.ledger.actuals(ctx)
+	if err != nil {
+		return round{}, err
+	}
+	tallies := make([]*tally, pl.cfg.Conns)
+	cpu0, err := read(pl.meters)
+	if err != nil {
+		return round{}, err
+	}
+	res, err := load.Run(ctx, load.Config{
+		Addr: pl.host, Conns: pl.cfg.Conns, Duration: d,
+		NewClient: func(conn int) load.Client {
+			tallies[conn] = newTally()
+			prefix := fmt.Sprintf("%s-c%d-", name, conn)
+			return newClient(pl.host, prefix, pl.cfg.Users, uint64(conn), tallies[conn])
+		},
+	})
+	if err != nil {
+		return round{}, err
+	}
+	end := time.Now()
+	cpu1, err := read(pl.meters)
+	if err != nil {
+		return round{}, err
+	}
+	n1, _, err := pl.ledger.actuals(ctx)
+	if err != nil {
+		return round{}, err
+	}
+	r := round{elapsed: res.Elapsed, t: newTally(), accounted: n1 - n0}
+	for _, t := range tallies {
+		r.t.add(t)
+	}
+	pl.total.add(r.t)
+	for i := range cpu1 {
+		r.cpu = append(r.cpu, cpu1[i]-cpu0[i])
+	}
+	if r.catchUp, err = pl.ledger.waitActuals(ctx, pl.total.reported, end, pl.cfg.Settle); err != nil {
+		return r, err
+	}
+	return r, nil
+}
