@@ -24,6 +24,11 @@
 // A Publisher validates each event, publishes it on its type's subject
 // with Nats-Msg-Id set to the event's id, so a retry is stored once, and
 // expects the usage stream to store it, so a misrouted prefix fails.
+// A Batcher sits in front of it for services whose callers each wait for
+// a few events to be stored (admission's POST /v1/usage): concurrent
+// calls share one PublishBatch, a round closing at MaxEvents events or
+// MaxWait after its first call, and each caller gets its own events'
+// result.
 //
 // # Consuming
 //
