@@ -13,6 +13,7 @@ import (
 
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
@@ -84,6 +85,13 @@ type Config struct {
 	// OutboxMaxEvents bounds the in-memory event queue; past it events
 	// spill to SpillDir.
 	OutboxMaxEvents int `envconfig:"OUTBOX_MAX_EVENTS"`
+	// EventBatchMax is the most events one publish round carries, of the
+	// outbox and of POST /v1/usage alike.
+	EventBatchMax int `envconfig:"EVENT_BATCH_MAX"`
+	// EventBatchWait is the longest the first event of a publish round
+	// waits for others; 0 publishes at once (a round then takes what came
+	// while the one before it was publishing).
+	EventBatchWait time.Duration `envconfig:"EVENT_BATCH_WAIT"`
 	// SpillDir holds events NATS could not take yet; one per instance.
 	SpillDir string `envconfig:"SPILL_DIR" default:"/var/tmp/quotaflow-admission-spill"`
 	// SpillMaxBytes bounds SpillDir; past it events are lost (and counted).
@@ -105,6 +113,7 @@ func defaults() Config {
 		Instances: decide.DefaultInstances, LeaseIdle: decide.DefaultLeaseIdle,
 		ReservationTTL:  limits.DefaultReservationTTL,
 		OutboxMaxEvents: outbox.DefaultMaxEvents, SpillMaxBytes: outbox.DefaultMaxSpillBytes,
+		EventBatchMax: stream.DefaultBatchMax, EventBatchWait: stream.DefaultBatchWait,
 		ShutdownTimeout: config.DefaultShutdownTimeout,
 	}
 }
@@ -170,6 +179,12 @@ func (c *Config) Validate() error {
 	if c.OutboxMaxEvents < 1 {
 		bad("OUTBOX_MAX_EVENTS", "want at least 1")
 	}
+	if c.EventBatchMax < 1 || c.EventBatchMax > maxEventBatch {
+		bad("EVENT_BATCH_MAX", "%d: want 1 to %d", c.EventBatchMax, maxEventBatch)
+	}
+	if c.EventBatchWait < 0 || c.EventBatchWait > maxEventBatchWait {
+		bad("EVENT_BATCH_WAIT", "%v: want 0 (publish at once) to %v (a few ms is typical): every POST /v1/usage may wait this long", c.EventBatchWait, maxEventBatchWait)
+	}
 	if c.SpillDir == "" {
 		bad("SPILL_DIR", "required")
 	}
@@ -181,6 +196,14 @@ func (c *Config) Validate() error {
 	}
 	return errors.Join(errs...)
 }
+
+// Bounds of the event batch settings: a round of more events than the
+// outbox's default queue gains nothing, and a wait near a second would make
+// every usage report that slow.
+const (
+	maxEventBatch     = 10000
+	maxEventBatchWait = time.Second
+)
 
 // Proxies parses TrustedProxies; a bare address is a single-address
 // prefix.
@@ -209,7 +232,8 @@ func (c *Config) LogArgs() []any {
 	return slices.Concat([]any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "pprof", c.Pprof},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.NATS.LogArgs(),
 		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
-			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir})
+			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir,
+			"event_batch_max", c.EventBatchMax, "event_batch_wait", c.EventBatchWait.String()})
 }
 
 // decideOptions are the Decider's options; where a setting's 0 means none
@@ -239,5 +263,10 @@ func breakerWindow(w time.Duration) time.Duration {
 }
 
 func (c *Config) outboxOptions(log *slog.Logger, reg prometheus.Registerer) outbox.Options {
-	return outbox.Options{SpillDir: c.SpillDir, MaxEvents: c.OutboxMaxEvents, MaxSpillBytes: c.SpillMaxBytes, Log: log, Registerer: reg}
+	wait := c.EventBatchWait
+	if wait == 0 {
+		wait = -1 // none; the outbox's 0 is its default
+	}
+	return outbox.Options{SpillDir: c.SpillDir, MaxEvents: c.OutboxMaxEvents, MaxSpillBytes: c.SpillMaxBytes,
+		BatchSize: c.EventBatchMax, BatchWait: wait, Log: log, Registerer: reg}
 }

@@ -59,6 +59,8 @@ func TestConfigDefaultsValidate(t *testing.T) {
 		{"QF_STREAM", cfg.Stream, "QUOTAFLOW_USAGE"},
 		{"QF_SUBJECT_PREFIX", cfg.SubjectPrefix, "quotaflow"},
 		{"QF_OUTBOX_MAX_EVENTS", cfg.OutboxMaxEvents, 10000},
+		{"QF_EVENT_BATCH_MAX", cfg.EventBatchMax, 256},
+		{"QF_EVENT_BATCH_WAIT", cfg.EventBatchWait, time.Millisecond},
 		{"QF_PPROF", cfg.Pprof, false},
 	} {
 		if want.got != want.want {
@@ -90,12 +92,14 @@ func TestConfigValidateNamesVariables(t *testing.T) {
 	cfg.LogLevel = "loud"
 	cfg.SpillDir = ""
 	cfg.BreakerWindow = -time.Millisecond
+	cfg.EventBatchMax = 0
+	cfg.EventBatchWait = 2 * time.Second
 	err := cfg.Validate()
 	if err == nil {
 		t.Fatal("Validate = nil")
 	}
 	for _, want := range []string{"QF_AUTHZ_DENY_STATUS", "QF_TRUSTED_PROXIES", "QF_API_TOKENS", "QF_REDIS_TIMEOUT",
-		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR", "QF_REDIS_BREAKER_WINDOW"} {
+		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR", "QF_REDIS_BREAKER_WINDOW", "QF_EVENT_BATCH_MAX", "QF_EVENT_BATCH_WAIT"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Validate error lacks %s: %v", want, err)
 		}
@@ -127,6 +131,28 @@ func TestBreakerWindowZeroMeansNone(t *testing.T) {
 	}
 	if w := breakerWindow(time.Second); w != time.Second {
 		t.Errorf("window for 1s = %v", w)
+	}
+}
+
+// QF_EVENT_BATCH_WAIT=0 publishes at once: the outbox's zero means its
+// default, a negative wait none. QF_EVENT_BATCH_MAX reaches the outbox.
+func TestEventBatchSettings(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.EventBatchWait, cfg.EventBatchMax = 0, 7
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("Validate(QF_EVENT_BATCH_WAIT=0) = %v", err)
+	}
+	o := cfg.outboxOptions(nil, nil)
+	if o.BatchWait >= 0 || o.BatchSize != 7 {
+		t.Errorf("outbox options for wait 0, max 7: BatchWait %v, BatchSize %d; want negative and 7", o.BatchWait, o.BatchSize)
+	}
+	cfg.EventBatchWait = 3 * time.Millisecond
+	if o := cfg.outboxOptions(nil, nil); o.BatchWait != 3*time.Millisecond {
+		t.Errorf("BatchWait for 3ms = %v", o.BatchWait)
+	}
+	cfg.EventBatchWait = -time.Millisecond
+	if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "QF_EVENT_BATCH_WAIT") {
+		t.Errorf("Validate(QF_EVENT_BATCH_WAIT=-1ms) = %v, want an error naming it", err)
 	}
 }
 

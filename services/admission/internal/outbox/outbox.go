@@ -4,7 +4,10 @@
 // Enqueue puts an event in a bounded in-memory queue and returns at once; one
 // goroutine publishes the queue in batches through pkg/events (Nats-Msg-Id =
 // the event's deterministic id, so a batch retried after a timeout or a NATS
-// restart is stored once). While NATS is slow or down the publisher retries
+// restart is stored once). A round takes up to Options.BatchSize events,
+// and when the queue holds fewer it waits up to Options.BatchWait after
+// the first of them for more, so that under moderate load a round carries
+// many events rather than one. While NATS is slow or down the publisher retries
 // with backoff and the queue fills; past its bound (Options.MaxEvents) events
 // are appended to segment files in Options.SpillDir instead of being dropped.
 // When publishing works again and the queue is empty, the segments are
@@ -19,6 +22,11 @@
 // ids of an outbox's aggregates derive from its own instance id
 // (events.DeniedID's origin), so the aggregates of several admission
 // instances are all stored, and a retried one still dedups.
+//
+// PublishNow, for callers that must know their events are stored (POST
+// /v1/usage), goes through a stream.Batcher instead of the queue:
+// concurrent calls share a round, bounded by the same BatchSize and
+// BatchWait.
 //
 // Order is not preserved across a spill: consumers order snapshots by their
 // version, not by arrival.
@@ -60,8 +68,14 @@ type Options struct {
 	// MaxSpillBytes bounds SpillDir (default 1 GiB, about a million
 	// events). Past it, events are lost and counted.
 	MaxSpillBytes int64
-	// BatchSize is how many events one publish round sends (default 256).
+	// BatchSize is the most events one publish round sends, of the queue
+	// and of PublishNow alike (default stream.DefaultBatchMax).
 	BatchSize int
+	// BatchWait is the longest a round waits for more events after its
+	// first, when fewer than BatchSize are at hand (default
+	// stream.DefaultBatchWait); negative: no wait. A round never waits when
+	// a full batch is queued, nor for a retry or a spill replay.
+	BatchWait time.Duration
 	// PublishTimeout bounds one publish round (default 5 s): a batch not
 	// acknowledged by then is retried.
 	PublishTimeout time.Duration
@@ -95,7 +109,6 @@ type Options struct {
 const (
 	DefaultMaxEvents      = 10000
 	DefaultMaxSpillBytes  = 1 << 30
-	DefaultBatchSize      = 256
 	DefaultPublishTimeout = 5 * time.Second
 	DefaultMaxBackoff     = 5 * time.Second
 	DefaultSource         = "quotaflow/admission"
@@ -116,7 +129,10 @@ func (o Options) withDefaults() Options {
 		o.MaxSpillBytes = DefaultMaxSpillBytes
 	}
 	if o.BatchSize <= 0 {
-		o.BatchSize = DefaultBatchSize
+		o.BatchSize = stream.DefaultBatchMax
+	}
+	if o.BatchWait == 0 {
+		o.BatchWait = stream.DefaultBatchWait
 	}
 	if o.PublishTimeout <= 0 {
 		o.PublishTimeout = DefaultPublishTimeout
@@ -150,10 +166,11 @@ func (o Options) withDefaults() Options {
 // Close. Enqueue, Denied and PublishNow are safe for concurrent use and
 // Enqueue and Denied never block on NATS.
 type Outbox struct {
-	pub   Publisher
+	pub   Publisher // counts what the stream acknowledged
+	now   *stream.Batcher
 	opt   Options
 	log   *slog.Logger
-	queue chan events.Event
+	queue chan queued
 	spill *spillDir
 	kick  chan struct{} // wakes the publisher when something was spilled
 	m     *metrics
@@ -181,6 +198,13 @@ type Outbox struct {
 	loseSuppressed map[string]int       // losses not logged since
 }
 
+// queued is an event in the queue, with when it came, for the wait
+// metric.
+type queued struct {
+	ev events.Event
+	at time.Time
+}
+
 type denyKey struct {
 	d      events.Denied // Count zero
 	second int64
@@ -201,10 +225,9 @@ func New(pub Publisher, opt Options) (*Outbox, error) {
 		return nil, fmt.Errorf("outbox: %w", err)
 	}
 	o := &Outbox{
-		pub:      pub,
 		opt:      opt,
 		log:      opt.Log.With("component", "outbox"),
-		queue:    make(chan events.Event, opt.MaxEvents),
+		queue:    make(chan queued, opt.MaxEvents),
 		spill:    sp,
 		kick:     make(chan struct{}, 1),
 		closing:  make(chan struct{}),
@@ -219,6 +242,10 @@ func New(pub Publisher, opt Options) (*Outbox, error) {
 	o.lastErr.Store("")
 	o.runCtx, o.stopRun = context.WithCancel(context.Background())
 	o.m = newMetrics(opt.Registerer, o)
+	o.pub = counted{pub: pub, m: o.m}
+	o.now = stream.NewBatcher(o.pub, stream.BatcherOptions{
+		MaxEvents: opt.BatchSize, MaxWait: opt.BatchWait, Timeout: opt.PublishTimeout, Observe: o.m.usage.observe,
+	})
 	if n := sp.bytes(); n > 0 {
 		o.log.Info("spilled events from an earlier run will be replayed", "bytes", n, "dir", opt.SpillDir)
 		o.spilling.Store(true)
@@ -234,7 +261,7 @@ func (o *Outbox) Enqueue(ev events.Event) {
 	o.closeMu.RLock()
 	if !o.closed {
 		select {
-		case o.queue <- ev:
+		case o.queue <- queued{ev: ev, at: time.Now()}:
 			o.closeMu.RUnlock()
 			return
 		default:
@@ -264,23 +291,10 @@ func (o *Outbox) Denied(d events.Denied, at time.Time) {
 
 // PublishNow publishes evs synchronously (POST /v1/usage) and returns
 // nil once the stream has stored every one, else a *stream.BatchError
-// saying which failed. It does not use the queue.
+// saying which failed, or ctx's error. It does not use the queue:
+// concurrent calls share a round of the outbox's stream.Batcher.
 func (o *Outbox) PublishNow(ctx context.Context, evs []events.Event) error {
-	err := o.pub.PublishBatch(ctx, evs)
-	var be *stream.BatchError
-	switch {
-	case err == nil:
-		for _, ev := range evs {
-			o.m.published.WithLabelValues(ev.Type()).Inc()
-		}
-	case errors.As(err, &be):
-		for i, e := range be.Errs {
-			if e == nil && i < len(evs) {
-				o.m.published.WithLabelValues(evs[i].Type()).Inc()
-			}
-		}
-	}
-	return err
+	return o.now.Publish(ctx, evs)
 }
 
 // Pending returns the events waiting in memory and the bytes waiting in
@@ -316,6 +330,9 @@ func (o *Outbox) Close(ctx context.Context) error {
 	}
 	o.closed = true
 	o.closeMu.Unlock()
+	// The API has stopped: nothing calls PublishNow any more, and its
+	// callers have their answers.
+	o.now.Close(ctx)
 
 	close(o.denyStop)
 	<-o.denyDone
@@ -330,8 +347,8 @@ func (o *Outbox) Close(ctx context.Context) error {
 	left := o.left
 	for {
 		select {
-		case ev := <-o.queue:
-			left = append(left, ev)
+		case q := <-o.queue:
+			left = append(left, q.ev)
 			continue
 		default:
 		}
@@ -401,6 +418,8 @@ func (o *Outbox) run() {
 	defer close(o.done)
 	var (
 		batch      []events.Event
+		arrived    []time.Time // when batch's events were queued, until its first publish
+		fresh      bool        // batch has not been published yet
 		seg        *segmentReader
 		fromSpill  bool
 		backoff    time.Duration
@@ -423,11 +442,12 @@ func (o *Outbox) run() {
 		}
 		if len(batch) == 0 {
 			fromSpill = false
-			batch = o.take(batch)
+			batch, arrived = o.take(batch, arrived[:0], !closing)
 			if len(batch) == 0 && !closing {
 				batch, seg = o.replay(batch, seg)
 				fromSpill = len(batch) > 0
 			}
+			fresh = true
 		}
 		if len(batch) == 0 {
 			if closing {
@@ -440,14 +460,19 @@ func (o *Outbox) run() {
 				continue
 			}
 			select {
-			case ev := <-o.queue:
-				batch = append(batch, ev)
+			case q := <-o.queue:
+				batch, arrived = o.fill(append(batch, q.ev), append(arrived[:0], q.at), closingSig)
+				fresh = true
 			case <-o.kick:
 			case <-closingSig:
 			}
 			continue
 		}
 
+		if fresh {
+			o.m.outbox.observeSince(len(batch), arrived, time.Now())
+			fresh = false
+		}
 		o.inflight.Store(int64(len(batch)))
 		ctx, cancel := context.WithTimeout(o.runCtx, o.opt.PublishTimeout)
 		retry, err := o.publish(ctx, batch)
@@ -490,17 +515,45 @@ func (o *Outbox) run() {
 	}
 }
 
-// take moves up to BatchSize queued events into batch without blocking.
-func (o *Outbox) take(batch []events.Event) []events.Event {
+// take moves up to BatchSize queued events into batch, and their arrival
+// times into arrived; when it found some but fewer than BatchSize and
+// mayWait, it waits for more as fill does.
+func (o *Outbox) take(batch []events.Event, arrived []time.Time, mayWait bool) ([]events.Event, []time.Time) {
 	for len(batch) < o.opt.BatchSize {
 		select {
-		case ev := <-o.queue:
-			batch = append(batch, ev)
+		case q := <-o.queue:
+			batch, arrived = append(batch, q.ev), append(arrived, q.at)
 		default:
-			return batch
+			if len(batch) == 0 || !mayWait {
+				return batch, arrived
+			}
+			return o.fill(batch, arrived, o.closing)
 		}
 	}
-	return batch
+	return batch, arrived
+}
+
+// fill waits for more queued events until batch holds BatchSize, BatchWait
+// has passed since its first event was queued, or stop is closed (Close:
+// publish at once).
+func (o *Outbox) fill(batch []events.Event, arrived []time.Time, stop <-chan struct{}) ([]events.Event, []time.Time) {
+	wait := time.Until(arrived[0].Add(o.opt.BatchWait))
+	if wait <= 0 || len(batch) >= o.opt.BatchSize {
+		return batch, arrived
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	for len(batch) < o.opt.BatchSize {
+		select {
+		case q := <-o.queue:
+			batch, arrived = append(batch, q.ev), append(arrived, q.at)
+		case <-t.C:
+			return batch, arrived
+		case <-stop:
+			return batch, arrived
+		}
+	}
+	return batch, arrived
 }
 
 // replay reads the next events of the oldest spill segment into batch.
@@ -544,9 +597,6 @@ func (o *Outbox) finishSegment(seg *segmentReader) {
 func (o *Outbox) publish(ctx context.Context, batch []events.Event) ([]events.Event, error) {
 	err := o.pub.PublishBatch(ctx, batch)
 	if err == nil {
-		for _, ev := range batch {
-			o.m.published.WithLabelValues(ev.Type()).Inc()
-		}
 		return nil, nil
 	}
 	var be *stream.BatchError
@@ -558,7 +608,6 @@ func (o *Outbox) publish(ctx context.Context, batch []events.Event) ([]events.Ev
 	for i, e := range be.Errs {
 		switch {
 		case e == nil:
-			o.m.published.WithLabelValues(batch[i].Type()).Inc()
 		case errors.Is(e, events.ErrInvalid):
 			o.lose("invalid", 1, e)
 		default:
@@ -607,7 +656,7 @@ func (o *Outbox) flushDenied(final bool) {
 			// still drains it, so put them there directly when there is
 			// room.
 			select {
-			case o.queue <- ev:
+			case o.queue <- queued{ev: ev, at: time.Now()}:
 				continue
 			default:
 			}
@@ -618,11 +667,63 @@ func (o *Outbox) flushDenied(final bool) {
 	}
 }
 
+// counted is the outbox's Publisher: it counts the events the stream
+// acknowledged, of the queue and of PublishNow alike.
+type counted struct {
+	pub Publisher
+	m   *metrics
+}
+
+func (c counted) PublishBatch(ctx context.Context, evs []events.Event) error {
+	err := c.pub.PublishBatch(ctx, evs)
+	var be *stream.BatchError
+	switch {
+	case err == nil:
+		for _, ev := range evs {
+			c.m.published.WithLabelValues(ev.Type()).Inc()
+		}
+	case errors.As(err, &be) && len(be.Errs) == len(evs):
+		for i, e := range be.Errs {
+			if e == nil {
+				c.m.published.WithLabelValues(evs[i].Type()).Inc()
+			}
+		}
+	}
+	return err
+}
+
 type metrics struct {
 	published *prometheus.CounterVec
 	lost      *prometheus.CounterVec
 	spilled   prometheus.Counter
 	failures  prometheus.Counter
+	outbox    rounds // the queue's publish rounds
+	usage     rounds // PublishNow's
+}
+
+// rounds reports one publisher's rounds: how many events each carried and
+// how long each event waited for its round.
+type rounds struct {
+	events prometheus.Observer
+	wait   prometheus.Observer
+}
+
+// observe is a stream.BatcherOptions.Observe.
+func (r rounds) observe(n int, waits []time.Duration) {
+	r.events.Observe(float64(n))
+	for _, w := range waits {
+		r.wait.Observe(w.Seconds())
+	}
+}
+
+// observeSince reports a round of n events starting at now, of which those
+// queued at arrived waited since then (events replayed from the spill
+// directory have none: their wait is the outage's).
+func (r rounds) observeSince(n int, arrived []time.Time, now time.Time) {
+	r.events.Observe(float64(n))
+	for _, at := range arrived {
+		r.wait.Observe(now.Sub(at).Seconds())
+	}
 }
 
 func newMetrics(reg prometheus.Registerer, o *Outbox) *metrics {
@@ -651,8 +752,22 @@ func newMetrics(reg prometheus.Registerer, o *Outbox) *metrics {
 	for _, r := range []string{"spill_full", "spill_error", "invalid", "corrupt"} {
 		m.lost.WithLabelValues(r)
 	}
+	sizes := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "quotaflow_admission_publish_batch_events",
+		Help: "Events per publish round, by publisher (outbox: the queue of reserved, denied, released and top-up events; usage: POST /v1/usage).",
+		// Up to the largest QF_EVENT_BATCH_MAX.
+		Buckets: prometheus.ExponentialBuckets(1, 2, 14),
+	}, []string{"publisher"})
+	waits := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "quotaflow_admission_publish_wait_seconds",
+		Help: "How long an event waited from its hand-over (enqueued, or POST /v1/usage publishing) to the start of its publish round, by publisher.",
+		// 50 µs to 1.6 s: a round's wait (QF_EVENT_BATCH_WAIT) is ms; longer is a backlog.
+		Buckets: prometheus.ExponentialBuckets(50e-6, 2, 16),
+	}, []string{"publisher"})
+	m.outbox = rounds{events: sizes.WithLabelValues("outbox"), wait: waits.WithLabelValues("outbox")}
+	m.usage = rounds{events: sizes.WithLabelValues("usage"), wait: waits.WithLabelValues("usage")}
 	if reg != nil {
-		reg.MustRegister(m.published, m.lost, m.spilled, m.failures,
+		reg.MustRegister(m.published, m.lost, m.spilled, m.failures, sizes, waits,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "quotaflow_admission_outbox_queue_depth",
 				Help: "Events waiting in memory to be published.",

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -36,6 +37,7 @@ type fakePublisher struct {
 	stored  map[string]int // event id -> times stored (a real stream dedups; this counts)
 	byID    map[string]events.Event
 	batches int
+	sizes   []int // events per batch
 }
 
 func newFakePublisher(down bool) *fakePublisher {
@@ -46,6 +48,7 @@ func (p *fakePublisher) PublishBatch(ctx context.Context, evs []events.Event) er
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.batches++
+	p.sizes = append(p.sizes, len(evs))
 	errs := make([]error, len(evs))
 	failed := false
 	for i, ev := range evs {
@@ -114,8 +117,122 @@ func TestEnqueuePublishes(t *testing.T) {
 		t.Errorf("spilled = %v, want 0", got)
 	}
 	if n, err := testutil.GatherAndCount(reg, "quotaflow_admission_outbox_queue_depth", "quotaflow_events_published_total",
-		"quotaflow_admission_outbox_lost_total", "quotaflow_admission_outbox_spilled_total"); err != nil || n != 12 {
-		t.Errorf("metric series = %d, %v; want 12", n, err)
+		"quotaflow_admission_outbox_lost_total", "quotaflow_admission_outbox_spilled_total",
+		"quotaflow_admission_publish_batch_events", "quotaflow_admission_publish_wait_seconds"); err != nil || n != 16 {
+		t.Errorf("metric series = %d, %v; want 16", n, err)
+	}
+}
+
+func (p *fakePublisher) batchSizes() []int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.sizes)
+}
+
+// histogram is the sample count and sum of a histogram of reg.
+func histogram(t *testing.T, reg *prometheus.Registry, name, publisher string) (count uint64, sum float64) {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "publisher" && l.GetValue() == publisher {
+					return m.GetHistogram().GetSampleCount(), m.GetHistogram().GetSampleSum()
+				}
+			}
+		}
+	}
+	t.Fatalf("no %s{publisher=%q}", name, publisher)
+	return 0, 0
+}
+
+// Events that come one at a time while the publisher is idle share a
+// round: it waits up to BatchWait (here longer than the test, so rounds
+// close only when full) after its first event. Close publishes the last,
+// partial round at once. With a negative BatchWait each goes alone.
+func TestRoundsWaitForMore(t *testing.T) {
+	for _, tc := range []struct {
+		wait time.Duration
+		want []int
+	}{
+		{time.Minute, []int{5, 5, 2}},
+		{-1, []int{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}},
+	} {
+		t.Run(tc.wait.String(), func(t *testing.T) {
+			pub := newFakePublisher(false)
+			reg := prometheus.NewRegistry()
+			o, err := New(pub, Options{SpillDir: t.TempDir(), BatchSize: 5, BatchWait: tc.wait, Registerer: reg})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range 12 {
+				o.Enqueue(reserved(i))
+				// The publisher has taken it before the next comes.
+				e2e.Eventually(t, "queue empty", func() bool { return len(o.queue) == 0 })
+				if tc.wait < 0 {
+					e2e.Eventually(t, "event stored", func() bool { return pub.count() == i+1 })
+				}
+			}
+			closeOutbox(t, o, 5*time.Second)
+			if got := pub.batchSizes(); !slices.Equal(got, tc.want) {
+				t.Errorf("rounds carried %v events, want %v", got, tc.want)
+			}
+			if pub.count() != 12 || testutil.ToFloat64(o.m.spilled) != 0 {
+				t.Errorf("stored %d, spilled %v; want 12 and 0", pub.count(), testutil.ToFloat64(o.m.spilled))
+			}
+			if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "outbox"); n != uint64(len(tc.want)) || sum != 12 {
+				t.Errorf("batch_events{outbox} count %d sum %v, want %d and 12", n, sum, len(tc.want))
+			}
+			if n, _ := histogram(t, reg, "quotaflow_admission_publish_wait_seconds", "outbox"); n != 12 {
+				t.Errorf("wait_seconds{outbox} count %d, want 12 (one per event)", n)
+			}
+		})
+	}
+}
+
+// Concurrent PublishNow calls share rounds of at most BatchSize events,
+// reported under publisher="usage", and are counted as published.
+func TestPublishNowSharesRounds(t *testing.T) {
+	pub := newFakePublisher(false)
+	reg := prometheus.NewRegistry()
+	o, err := New(pub, Options{SpillDir: t.TempDir(), BatchSize: 4, BatchWait: time.Minute, Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make([]error, 8)
+	for i := range errs {
+		wg.Go(func() { errs[i] = o.PublishNow(ctx, []events.Event{reserved(i)}) })
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("PublishNow #%d = %v", i, err)
+		}
+	}
+	closeOutbox(t, o, 5*time.Second)
+	if got := pub.batchSizes(); !slices.Equal(got, []int{4, 4}) {
+		t.Errorf("rounds carried %v events, want [4 4]", got)
+	}
+	if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "usage"); n != 2 || sum != 8 {
+		t.Errorf("batch_events{usage} count %d sum %v, want 2 and 8", n, sum)
+	}
+	if n, _ := histogram(t, reg, "quotaflow_admission_publish_wait_seconds", "usage"); n != 8 {
+		t.Errorf("wait_seconds{usage} count %d, want 8", n)
+	}
+	if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeReserved)); got != 8 {
+		t.Errorf("published{reserved} = %v, want 8", got)
+	}
+	if err := o.PublishNow(ctx, []events.Event{reserved(9)}); !errors.Is(err, stream.ErrBatcherClosed) {
+		t.Errorf("PublishNow after Close = %v, want stream.ErrBatcherClosed", err)
 	}
 }
 
