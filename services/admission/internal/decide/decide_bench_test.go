@@ -2,6 +2,7 @@ package decide
 
 import (
 	"context"
+	"runtime"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -113,4 +114,43 @@ func BenchmarkAdmit(b *testing.B) {
 		d := newDecider(b, dc, pol, Options{RedisTimeout: DefaultRedisTimeout, BreakerCooldown: time.Hour, FailOpenAfter: -1}, lo)
 		run(b, d, "/gen", true)
 	})
+}
+
+// BenchmarkRemember measures remember, the local fallback's bookkeeping
+// after every Redis decision, over 100k users of the benchmark plan (three
+// token quotas kept per user) plus a tenant-wide month, and reports the
+// owners the default bound kept once each user was seen and the heap they
+// hold (the user names excluded: they are allocated before).
+func BenchmarkRemember(b *testing.B) {
+	pol := parsePolicy(b, benchPolicy+"tenants:\n  bench: {plan: pro, quotas: [{name: month, kind: calendar_month, limit: 1000000000000}]}\n", "")
+	rs, err := pol.Resolve("bench", "", "/any")
+	if err != nil {
+		b.Fatal(err)
+	}
+	states := make([]limits.State, len(rs.Subject))
+	for i := range rs.Subject {
+		states[i] = limits.State{Rule: &rs.Subject[i], Limit: 1e9, Remaining: 1e9, Reset: time.Hour}
+	}
+	users := make([]string, benchUsers)
+	for i := range users {
+		users[i] = "u" + strconv.Itoa(i)
+	}
+	d := localDecider(b, Options{})
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for _, u := range users {
+		d.remember("bench", u, states, d.mono())
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	owners := d.local.len() // the default bound keeps 50k to 100k of them
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		d.remember("bench", users[i%benchUsers], states, d.mono())
+		i++
+	}
+	b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(owners), "heapB/owner")
+	b.ReportMetric(float64(owners), "owners")
 }

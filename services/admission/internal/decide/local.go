@@ -56,37 +56,44 @@ func ruleID(r *policy.Rule) uint64 {
 	return maphash.Comparable(hashSeed, ruleKey{r.Scope, r.Endpoint, r.Name, r.Kind, r.Unit, r.Window})
 }
 
-// ruleState is the local state of one limit of one owner.
+// ruleState is the local state of one limit of one owner. It holds no
+// pointer, so an owner's states are one allocation the GC does not scan.
 type ruleState struct {
-	id      uint64
-	init    bool
-	seen    bool    // quota: left came from a Redis decision
-	left    float64 // units still allowed locally
-	at      int64   // share: last refill (monotonic ns)
-	resetAt int64   // quota: when the window seen frees everything (0: never)
+	id   uint64
+	left float64 // units still allowed locally
+	// t is, for a quota, when the window seen frees everything (0: never);
+	// for a share, its last refill. Monotonic ns.
+	t    int64
+	init bool
+	seen bool // quota: left came from a Redis decision
 }
 
 // entry is the local state of one owner. Its mutex makes a local decision
 // over several limits all-or-nothing.
 type entry struct {
 	mu    sync.Mutex
-	rules []*ruleState // pointers stay valid as rules are added
+	rules []ruleState // by value: adding one may move the others
 }
 
-// state returns the state of rule id, adding it; caller holds mu.
-func (e *entry) state(id uint64) *ruleState {
-	for _, st := range e.rules {
-		if st.id == id {
-			return st
+// index returns the index of rule id's state in e.rules, adding it (with
+// room for hint states on the first); caller holds mu. An index stays
+// valid as states are added, a pointer into e.rules does not.
+func (e *entry) index(id uint64, hint int) int {
+	for i := range e.rules {
+		if e.rules[i].id == id {
+			return i
 		}
 	}
-	st := &ruleState{id: id}
 	if e.rules == nil {
-		e.rules = make([]*ruleState, 0, 4) // a plan's handful of limits, without regrowing
+		e.rules = make([]ruleState, 0, max(1, hint)) // the limits at hand, without regrowing
 	}
-	e.rules = append(e.rules, st)
-	return st
+	e.rules = append(e.rules, ruleState{id: id})
+	return len(e.rules) - 1
 }
+
+// state returns the state of rule id, adding it; caller holds mu, and the
+// pointer is good until the next state is added.
+func (e *entry) state(id uint64) *ruleState { return &e.rules[e.index(id, 1)] }
 
 // localShards spreads the owner map over this many mutexes.
 const localShards = 64
@@ -96,6 +103,12 @@ const localShards = 64
 // up it becomes the previous one and the old previous one is dropped. A hit
 // in the previous generation moves the entry forward. So the least recently
 // used entries go first, with O(1) work and no list.
+//
+// Owners are kept by a 64-bit hash of their key, not the key: the cache
+// holds no strings (a request's tenant and user do not outlive it) and a
+// slot is 16 bytes, which keeps 100k owners' state in about 15 MB. Two owners
+// whose hashes collide (odds about n²/2⁶⁵ for n entries) share their local
+// state, which only matters while Redis is unavailable.
 type localCache struct {
 	max    int
 	shards [localShards]localShard
@@ -103,13 +116,13 @@ type localCache struct {
 
 type localShard struct {
 	mu       sync.Mutex
-	cur, old map[ownerKey]*entry
+	cur, old map[uint64]*entry
 }
 
 func newLocalCache(entries int) *localCache {
 	c := &localCache{max: max(1, entries/(2*localShards))}
 	for i := range c.shards {
-		c.shards[i].cur = make(map[ownerKey]*entry)
+		c.shards[i].cur = make(map[uint64]*entry)
 	}
 	return c
 }
@@ -117,13 +130,14 @@ func newLocalCache(entries int) *localCache {
 // get returns the entry of k, creating it when create is set (else nil if
 // absent).
 func (c *localCache) get(k ownerKey, create bool) *entry {
-	s := &c.shards[maphash.Comparable(hashSeed, k)%localShards]
+	h := maphash.Comparable(hashSeed, k)
+	s := &c.shards[h%localShards]
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if e := s.cur[k]; e != nil {
+	if e := s.cur[h]; e != nil {
 		return e
 	}
-	e := s.old[k]
+	e := s.old[h]
 	if e == nil && !create {
 		return nil
 	}
@@ -131,9 +145,9 @@ func (c *localCache) get(k ownerKey, create bool) *entry {
 		e = &entry{}
 	}
 	if len(s.cur) >= c.max {
-		s.old, s.cur = s.cur, make(map[ownerKey]*entry, c.max)
+		s.old, s.cur = s.cur, make(map[uint64]*entry, c.max)
 	}
-	s.cur[k] = e
+	s.cur[h] = e
 	return e
 }
 
@@ -231,20 +245,20 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 		if !st.init {
 			st.init, st.left = true, d.allowance(r)
 		}
-		if st.resetAt != 0 && now >= st.resetAt {
+		if st.t != 0 && now >= st.t {
 			st.left = float64(capacity(r))
-			st.resetAt = now + int64(period(r))
+			st.t = now + int64(period(r))
 		}
 		return
 	}
 	c := d.shareCap(r)
 	if !st.init {
-		st.init, st.left, st.at = true, c, now
+		st.init, st.left, st.t = true, c, now
 		return
 	}
-	if now > st.at {
-		st.left = min(c, st.left+float64(now-st.at)*d.shareRate(r))
-		st.at = now
+	if now > st.t {
+		st.left = min(c, st.left+float64(now-st.t)*d.shareRate(r))
+		st.t = now
 	}
 }
 
@@ -256,8 +270,22 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 // the reason. When allowed, the cost is spent and added to spends.
 func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, now int64, out []LimitState, spends *[]localSpend) (denied int, retry time.Duration, reason limits.Reason) {
 	denied = -1
-	sts := make([]*ruleState, len(rules))
+	owner := func(r *policy.Rule) *entry {
+		if r.Scope == policy.ScopeTenant {
+			return owners[0]
+		}
+		return owners[1]
+	}
+	// Each rule's index in its owner's states (-1: not enforced). Pointers
+	// are taken per use: a later rule's state may move the earlier ones.
+	var buf [8]int
+	idx := buf[:0]
+	if len(rules) > len(buf) {
+		idx = make([]int, 0, len(rules))
+	}
+	idx = idx[:len(rules)]
 	for i := range rules {
+		idx[i] = -1
 		r := &rules[i]
 		out[i] = LimitState{Scope: r.Scope, Name: r.Name, Endpoint: r.Endpoint, Unit: r.Unit, Limit: capacity(r), Shadow: r.Shadow}
 		if r.Kind == policy.Concurrency {
@@ -267,13 +295,10 @@ func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, 
 		if r.Kind == policy.Balance {
 			out[i].Limit = 0
 		}
-		e := owners[1]
-		if r.Scope == policy.ScopeTenant {
-			e = owners[0]
-		}
-		st := e.state(ruleID(r))
+		e := owner(r)
+		idx[i] = e.index(ruleID(r), len(rules))
+		st := &e.rules[idx[i]]
 		d.bring(r, st, now)
-		sts[i] = st
 		need := float64(unitCost(r, cost))
 		if st.left >= need {
 			continue
@@ -294,18 +319,15 @@ func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, 
 		retry = 0
 	}
 	for i := range rules {
-		st := sts[i]
-		if st == nil {
+		if idx[i] < 0 {
 			continue
 		}
 		r := &rules[i]
+		e := owner(r)
+		st := &e.rules[idx[i]]
 		need := float64(unitCost(r, cost))
 		if denied < 0 && st.left >= need {
 			st.left -= need
-			e := owners[1]
-			if r.Scope == policy.ScopeTenant {
-				e = owners[0]
-			}
 			*spends = append(*spends, localSpend{e: e, id: st.id, n: need, at: i})
 		}
 		left := int64(math.Floor(max(0, st.left)))
@@ -315,8 +337,8 @@ func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, 
 		} else {
 			out[i].Used = max(0, int64(d.unspent(r, st))-left)
 		}
-		if st.resetAt > now {
-			out[i].Reset = time.Duration(st.resetAt - now)
+		if quotaKind(r) && st.t > now {
+			out[i].Reset = time.Duration(st.t - now)
 		} else if !quotaKind(r) && st.left < d.shareCap(r) {
 			if rate := d.shareRate(r); rate > 0 {
 				out[i].Reset = time.Duration((d.shareCap(r) - st.left) / rate)
@@ -336,8 +358,8 @@ func (d *Decider) localWait(r *policy.Rule, st *ruleState, need float64, now int
 		return 0, limits.ReasonCostExceedsLimit
 	}
 	if quotaKind(r) {
-		if st.resetAt > now {
-			return time.Duration(st.resetAt - now), limits.ReasonNone
+		if st.t > now {
+			return time.Duration(st.t - now), limits.ReasonNone
 		}
 		// Never seen, allowance spent: ask again once Redis may be back.
 		return max(time.Second, d.opt.BreakerCooldown), limits.ReasonNone
@@ -362,24 +384,31 @@ type localSpend struct {
 // remember records the remaining of the token limits of a subject and its
 // tenant from a Redis decision, for local decisions during an outage.
 func (d *Decider) remember(tenant, user string, states []limits.State, now int64) {
-	var te, ue *entry
+	d.rememberOf(ownerKey{scope: policy.ScopeUser, a: tenant, b: user}, false, states, now)
+	d.rememberOf(ownerKey{scope: policy.ScopeTenant, a: tenant}, true, states, now)
+}
+
+// rememberOf records the quotas of one owner among states (the
+// tenant-scope ones when tenant is set), under one lock of its entry.
+func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now int64) {
+	mine := func(r *policy.Rule) bool { return quotaKind(r) && (r.Scope == policy.ScopeTenant) == tenant }
+	n := 0
+	for i := range states {
+		if mine(states[i].Rule) {
+			n++
+		}
+	}
+	if n == 0 {
+		return
+	}
+	e := d.local.get(k, true)
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	for i := range states {
 		s := &states[i]
 		r := s.Rule
-		if !quotaKind(r) {
+		if !mine(r) {
 			continue
-		}
-		var e *entry
-		if r.Scope == policy.ScopeTenant {
-			if te == nil {
-				te = d.local.get(ownerKey{scope: policy.ScopeTenant, a: tenant}, true)
-			}
-			e = te
-		} else {
-			if ue == nil {
-				ue = d.local.get(ownerKey{scope: policy.ScopeUser, a: tenant, b: user}, true)
-			}
-			e = ue
 		}
 		var reset int64
 		switch r.Kind {
@@ -389,9 +418,7 @@ func (d *Decider) remember(tenant, user string, states []limits.State, now int64
 		default: // fixed, calendar_month, token_bucket: Reset is when it is empty again
 			reset = now + int64(s.Reset)
 		}
-		e.mu.Lock()
-		st := e.state(ruleID(r))
-		st.init, st.seen, st.left, st.resetAt = true, true, float64(s.Remaining), reset
-		e.mu.Unlock()
+		st := &e.rules[e.index(ruleID(r), n)]
+		st.init, st.seen, st.left, st.t = true, true, float64(s.Remaining), reset
 	}
 }

@@ -11,7 +11,7 @@ import (
 )
 
 // localDecider is a Decider with only its local state, for pure logic.
-func localDecider(t *testing.T, o Options) *Decider {
+func localDecider(t testing.TB, o Options) *Decider {
 	t.Helper()
 	o, err := o.withDefaults()
 	if err != nil {
