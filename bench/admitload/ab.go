@@ -27,6 +27,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		rps, cpu    []float64 // per round: requests/s, admission CPU µs per request
 		rcpu, redis []float64 // Redis CPU µs per request (/proc), µs in its engine commands per request
 		p99, local  []float64 // ms, decisions made without Redis
+		rss         []float64 // MiB after the round
 	}
 	var ts []*target
 	for _, src := range []struct{ name, dir string }{{"before", base}, {"after", "."}} {
@@ -44,8 +45,8 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		admits(t.addr, users, "/x", conc, 2*time.Second)
 	}
 	fmt.Printf("before = %s, after = this checkout; %d users, concurrency %d, %s per run\n\n", base, users, conc, dur)
-	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | failopen | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | RSS | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
 	for r := range rounds {
 		order := []*target{ts[0], ts[1]}
 		if r%2 == 1 {
@@ -64,16 +65,17 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 			t.redis = append(t.redis, (u1-u0)/n)
 			t.p99 = append(t.p99, float64(pct(res, 99).Microseconds())/1000)
 			t.local = append(t.local, failopens(t.ops)-f0)
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f µs | %.1f µs | %.0f | %s |\n", r+1, t.name, res.Rate(),
-				pct(res, 50), pct(res, 99), t.cpu[r], t.rcpu[r], t.redis[r], t.local[r], res.Statuses())
+			t.rss = append(t.rss, float64(rssMiB(t.p)))
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f µs | %.1f µs | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
+				pct(res, 50), pct(res, 99), t.cpu[r], t.rcpu[r], t.redis[r], t.rss[r], t.local[r], res.Statuses())
 		}
 	}
 	fmt.Printf("\nmedians over %d rounds:\n\n", rounds)
-	fmt.Println("| target | req/s | p99 | admission CPU/req | Redis CPU/req | in scripts/req |")
-	fmt.Println("|---|---|---|---|---|---|")
+	fmt.Println("| target | req/s | p99 | admission CPU/req | Redis CPU/req | in scripts/req | RSS |")
+	fmt.Println("|---|---|---|---|---|---|---|")
 	for _, t := range ts {
-		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f µs | %.1f µs |\n", t.name, median(t.rps), median(t.p99),
-			median(t.cpu), median(t.rcpu), median(t.redis))
+		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f µs | %.1f µs | %.0f MiB |\n", t.name, median(t.rps), median(t.p99),
+			median(t.cpu), median(t.rcpu), median(t.redis), median(t.rss))
 	}
 	fmt.Printf("\nafter / before, req/s: %.3f (median of the per-round ratios %.3f)\n",
 		median(ts[1].rps)/median(ts[0].rps), median(ratios(ts[1].rps, ts[0].rps)))

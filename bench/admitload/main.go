@@ -32,6 +32,7 @@ func main() {
 	down := flag.Duration("down", 5*time.Second, "load while Redis is down")
 	timeout := flag.Duration("redis-timeout", 0, "admission's QF_REDIS_TIMEOUT (0: its default)")
 	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
+	heap := flag.String("heapprofile", "", "write a heap profile of admission after the first admission run to this file")
 	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency)")
 	rounds := flag.Int("rounds", 5, "rounds of -ab and -peer")
 	peerMode := flag.Bool("peer", false, "compare with plain net/http and envoyproxy/ratelimit, admission with one and with five limits, in interleaved rounds")
@@ -75,7 +76,7 @@ func main() {
 		}
 		return
 	}
-	if err := run(context.Background(), levels, *users, *duration, *down, *timeout, *profile); err != nil {
+	if err := run(context.Background(), levels, *users, *duration, *down, *timeout, *profile, *heap); err != nil {
 		fmt.Fprintln(os.Stderr, "admitload:", err)
 		os.Exit(1)
 	}

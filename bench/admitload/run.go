@@ -135,7 +135,7 @@ func (b *bench) admissionOn(name, bin, redisURL, natsURL, policy string, extra .
 	return p, api, ops, nil
 }
 
-func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout time.Duration, profile string) error {
+func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout time.Duration, profile, heap string) error {
 	b, err := newBench(ctx)
 	defer b.close()
 	if err != nil {
@@ -150,7 +150,7 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	if err != nil {
 		return err
 	}
-	extra := []string{"QF_PPROF=true"} // the CPU profile below comes from /debug/pprof
+	extra := []string{"QF_PPROF=true"} // the profiles below come from /debug/pprof
 	if redisTimeout > 0 {
 		extra = append(extra, "QF_REDIS_TIMEOUT="+redisTimeout.String())
 	}
@@ -199,6 +199,10 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 		}
 		r := admits(addr, users, endpoint, conc, d)
 		prof.Wait()
+		if p == adm && heap != "" { // what the run left live, after a GC
+			saveProfile("http://"+ops+"/debug/pprof/heap?gc=1", heap)
+			heap = ""
+		}
 		cpu := cpuTime(p) - t0
 		var calls, usec, perBatch float64
 		if p == adm {
