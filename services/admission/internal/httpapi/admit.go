@@ -111,7 +111,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 		// Never fail the gateway's traffic on our own failure.
 		h.failopen.WithLabelValues(route).Inc()
 		h.log.Error("decider failed; allowing the request", "route", route, "request_id", in.RequestID, "err", err)
-		writeDecision(w, http.StatusOK, "application/json", &decisionBody{Allowed: true, RequestID: in.RequestID, Limits: []limitJSON{}})
+		writeDecision(w, http.StatusOK, jsonType, &decisionBody{Allowed: true, RequestID: in.RequestID, Limits: []limitJSON{}})
 		return
 	}
 	if res.Now.IsZero() {
@@ -127,7 +127,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 	setRateLimitHeaders(w.Header(), res, resolved, in.Cost, retry)
 	body := decisionBody{Allowed: res.Allowed, RequestID: in.RequestID, Limits: limitsJSON(res.Limits)}
 	if res.Allowed {
-		writeDecision(w, http.StatusOK, "application/json", &body)
+		writeDecision(w, http.StatusOK, jsonType, &body)
 		return
 	}
 	body.Reason = string(res.Reason)
@@ -145,7 +145,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 	if authz {
 		w.Header().Set("X-Quota-Denied", "1")
 	}
-	writeDecision(w, denyStatus, "application/problem+json", &body)
+	writeDecision(w, denyStatus, problemType, &body)
 }
 
 // denialDetail explains a denial in one sentence.

@@ -66,7 +66,7 @@ const reasonInvalidRequest = "invalid_request"
 // the same request never fits.
 func (h *Handler) denyInvalid(w http.ResponseWriter, detail string) {
 	w.Header().Set("X-Quota-Denied", "1")
-	writeDecision(w, h.deny, "application/problem+json", &decisionBody{
+	writeDecision(w, h.deny, problemType, &decisionBody{
 		Type: ProblemInvalidRequest, Title: "Request cannot be checked: invalid input", Status: h.deny,
 		Detail: detail, Reason: reasonInvalidRequest, Limits: []limitJSON{},
 	})

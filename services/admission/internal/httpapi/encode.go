@@ -15,16 +15,22 @@ import (
 // bufPool holds response buffers; an admit answer is under 1 KiB.
 var bufPool = sync.Pool{New: func() any { b := make([]byte, 0, 1024); return &b }}
 
-// noStore is the Cache-Control value of every answer, shared: net/http only
-// reads header values.
-var noStore = []string{"no-store"}
+// The values of Cache-Control and of a decision's Content-Type, shared
+// (net/http only reads header values) and full, so that an Add to a
+// header copies them rather than writing into the shared array.
+var (
+	noStore     = []string{"no-store"}
+	jsonType    = []string{"application/json"}
+	problemType = []string{"application/problem+json"}
+)
 
-// writeDecision writes body as writeJSON would.
-func writeDecision(w http.ResponseWriter, status int, contentType string, body *decisionBody) {
+// writeDecision writes body as writeJSON would, with contentType (jsonType
+// or problemType).
+func writeDecision(w http.ResponseWriter, status int, contentType []string, body *decisionBody) {
 	bp := bufPool.Get().(*[]byte)
 	b := append(body.appendJSON((*bp)[:0]), '\n')
 	h := w.Header()
-	h[hdrContentType] = []string{contentType}
+	h[hdrContentType] = contentType
 	h[hdrCacheControl] = noStore
 	w.WriteHeader(status)
 	_, _ = w.Write(b)

@@ -183,10 +183,19 @@ var (
 
 // setRateLimitHeaders writes RateLimit-Policy, RateLimit and the
 // X-RateLimit-* headers for a decision, and Retry-After (with retryAfter
-// > 0, i.e. on a denial that waiting cures).
+// > 0, i.e. on a denial that waiting cures). The values are cut from one
+// string and the headers' value slices from one array: two allocations,
+// not one or two per header.
 func setRateLimitHeaders(h http.Header, res decide.Result, resolved *policy.Resolved, cost, retryAfter int64) {
 	var arr [512]byte
 	b := arr[:0]
+	var ends [6]int // where each header's value ends in b
+	var keys [6]string
+	n := 0
+	cut := func(key string) {
+		keys[n], ends[n] = key, len(b)
+		n++
+	}
 	for i := range res.Limits {
 		l := &res.Limits[i]
 		if l.Shadow {
@@ -204,7 +213,7 @@ func setRateLimitHeaders(h http.Header, res decide.Result, resolved *policy.Reso
 		b = append(b, unitParam(*l, r)...)
 	}
 	if len(b) > 0 {
-		h[hdrPolicy] = []string{string(b)}
+		cut(hdrPolicy)
 	}
 	if i := constraining(res, cost); i >= 0 {
 		l := &res.Limits[i]
@@ -216,19 +225,34 @@ func setRateLimitHeaders(h http.Header, res decide.Result, resolved *policy.Reso
 			// window (draft §6).
 			reset = max(reset, retryAfter)
 		}
-		b = appendPolicyName(b[:0], l)
+		b = appendPolicyName(b, l)
 		b = strconv.AppendInt(append(b, ";r="...), remaining, 10)
 		b = strconv.AppendInt(append(b, ";t="...), reset, 10)
 		if l.Unit == policy.Tokens {
 			b = append(b, `;qf-unit="tokens"`...)
 		}
-		h[hdrRateLimit] = []string{string(b)}
-		h[hdrXLimit] = []string{strconv.FormatInt(max(l.Limit, 0), 10)}
-		h[hdrXRemaining] = []string{strconv.FormatInt(remaining, 10)}
-		h[hdrXReset] = []string{strconv.FormatInt(reset, 10)}
+		cut(hdrRateLimit)
+		b = strconv.AppendInt(b, max(l.Limit, 0), 10)
+		cut(hdrXLimit)
+		b = strconv.AppendInt(b, remaining, 10)
+		cut(hdrXRemaining)
+		b = strconv.AppendInt(b, reset, 10)
+		cut(hdrXReset)
 	}
 	if retryAfter > 0 {
-		h[hdrRetryAfter] = []string{strconv.FormatInt(retryAfter, 10)}
+		b = strconv.AppendInt(b, retryAfter, 10)
+		cut(hdrRetryAfter)
+	}
+	if n == 0 {
+		return
+	}
+	all := string(b)
+	vals := make([]string, n)
+	start := 0
+	for i := range n {
+		vals[i] = all[start:ends[i]]
+		h[keys[i]] = vals[i : i+1 : i+1] // full: an Add to one header cannot overwrite the next
+		start = ends[i]
 	}
 }
 
