@@ -3,8 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,24 +10,11 @@ import (
 	"strings"
 	"time"
 
+	"quotaflow/bench/internal/envoy"
 	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/e2e"
 )
-
-// The peer: envoyproxy/ratelimit, pinned (the repository has no tags).
-const (
-	envoyPackage = "github.com/envoyproxy/ratelimit/src/service_cmd"
-	envoyVersion = "v1.4.1-0.20260122083618-3fb702589d36"
-)
-
-// envoyConfig gives the peer one per-user descriptor with a limit it never
-// reaches: a counter per user and hour, as admission's one-limit plan.
-const envoyConfig = `domain: bench
-descriptors:
-  - key: user
-    rate_limit: {unit: hour, requests_per_unit: 1000000000}
-`
 
 // onePolicy is admission's equivalent of envoy's counter: a per-user
 // fixed-window request limit, sized never to deny.
@@ -174,7 +159,7 @@ func peer(ctx context.Context, o peerOptions) error {
 
 	fmt.Printf("%d users, %s per run, %d rounds, targets in rotating order; load average %s at the start\n", o.users, o.dur, o.rounds, load0)
 	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s; plain answers %d bytes (admission's 5-limit answer)\n\n",
-		envoyPackage, envoyVersion, o.envoyPool, o.envoyWindow, size)
+		envoy.Package, envoy.Version, o.envoyPool, o.envoyWindow, size)
 	for _, t := range ts { // warm: connections, Redis's functions, 100k users' keys, the Go runtimes
 		if _, err := measure(t, o.levels[len(o.levels)-1], 0); err != nil {
 			return err
@@ -368,11 +353,10 @@ func (b *bench) peerPlain(size int) (*peerTarget, error) {
 		server: p, runs: map[int][]peerRun{}}, nil
 }
 
-// peerEnvoy starts envoyproxy/ratelimit on a Redis of its own, with its
-// statistics off (USE_STATSD=false), logging warnings only, its config
-// read once from a runtime directory, and its three ports free ones.
+// peerEnvoy starts envoyproxy/ratelimit on a Redis of its own, set up by
+// envoy.Setup.
 func (b *bench) peerEnvoy(ctx context.Context, o peerOptions) (*peerTarget, error) {
-	bin, err := envoyBinary()
+	bin, err := envoy.Binary()
 	if err != nil {
 		return nil, err
 	}
@@ -380,80 +364,21 @@ func (b *bench) peerEnvoy(ctx context.Context, o peerOptions) (*peerTarget, erro
 	if err != nil {
 		return nil, err
 	}
-	root := filepath.Join(b.dir, "envoy-runtime")
-	if err := os.MkdirAll(filepath.Join(root, "ratelimit", "config"), 0o755); err != nil {
+	env, addr, err := envoy.Setup(b.dir, rs.Addr, o.envoyPool, o.envoyWindow)
+	if err != nil {
 		return nil, err
-	}
-	if err := os.WriteFile(filepath.Join(root, "ratelimit", "config", "bench.yaml"), []byte(envoyConfig), 0o644); err != nil {
-		return nil, err
-	}
-	var ports [3]string
-	for i := range ports {
-		if ports[i], err = e2e.FreeAddr(); err != nil {
-			return nil, err
-		}
-		_, ports[i], _ = strings.Cut(ports[i], ":")
-	}
-	env := []string{
-		"HOST=127.0.0.1", "PORT=" + ports[0], "GRPC_HOST=127.0.0.1", "GRPC_PORT=" + ports[1], "DEBUG_HOST=127.0.0.1", "DEBUG_PORT=" + ports[2],
-		"USE_STATSD=false", "LOG_LEVEL=warn",
-		"REDIS_SOCKET_TYPE=tcp", "REDIS_TYPE=SINGLE", "REDIS_URL=" + rs.Addr, "REDIS_POOL_SIZE=" + strconv.Itoa(o.envoyPool),
-		"REDIS_PIPELINE_WINDOW=" + o.envoyWindow.String(),
-		"RUNTIME_ROOT=" + root, "RUNTIME_SUBDIRECTORY=ratelimit", "RUNTIME_WATCH_ROOT=false",
 	}
 	p, err := start(b.dir, "envoy", env, bin)
 	if err != nil {
 		return nil, err
 	}
 	b.stop = append(b.stop, func() { kill(p) })
-	addr := "127.0.0.1:" + ports[0]
 	t := &peerTarget{short: "envoy", name: "envoyproxy/ratelimit, 1 counter", addr: addr, post: load.NewPost(addr, "/json"),
-		body: envoyBody, server: p, redis: rs, runs: map[int][]peerRun{}}
-	if err := waitFor(func() error { return envoyOK(addr) }); err != nil {
+		body: envoy.Body, server: p, redis: rs, runs: map[int][]peerRun{}}
+	if err := waitFor(func() error { return envoy.Check(addr) }); err != nil {
 		return nil, fmt.Errorf("envoy ratelimit not answering (log in %s): %w", b.dir, err)
 	}
 	return t, nil
-}
-
-// envoyOK checks that the peer answers a check OK.
-func envoyOK(addr string) error {
-	resp, err := http.Post("http://"+addr+"/json", "application/json", strings.NewReader(string(envoyBody(nil, 0))))
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"overallCode":"OK"`) {
-		return fmt.Errorf("/json: %s %s", resp.Status, b)
-	}
-	return nil
-}
-
-func envoyBody(dst []byte, user int) []byte {
-	dst = append(dst, `{"domain":"bench","descriptors":[{"entries":[{"key":"user","value":"u`...)
-	dst = strconv.AppendInt(dst, int64(user), 10)
-	return append(dst, `"}]}]}`...)
-}
-
-// envoyBinary builds the pinned envoyproxy/ratelimit once into the user's
-// cache directory, keyed by its version, and returns its path.
-func envoyBinary() (string, error) {
-	cache, err := os.UserCacheDir()
-	if err != nil {
-		return "", err
-	}
-	dir := filepath.Join(cache, "quotaflow-bench", "envoy-ratelimit@"+envoyVersion)
-	bin := filepath.Join(dir, filepath.Base(envoyPackage))
-	if _, err := os.Stat(bin); err == nil {
-		return bin, nil
-	}
-	fmt.Fprintf(os.Stderr, "building %s@%s into %s (about 90 s the first time)\n", envoyPackage, envoyVersion, dir)
-	cmd := exec.Command("go", "install", envoyPackage+"@"+envoyVersion)
-	cmd.Env = append(os.Environ(), "GOBIN="+dir)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go install %s@%s: %v\n%s", envoyPackage, envoyVersion, err, out)
-	}
-	return bin, nil
 }
 
 func admitBody(endpoint string) func(dst []byte, user int) []byte {

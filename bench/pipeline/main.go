@@ -8,7 +8,8 @@
 // requests admitted and accounted (actual events in the ledger) per
 // second, keep-up (their ratio), the time from the end of the load until
 // the ledger held every report, and the CPU per accounted request of each
-// process, read from /proc over the load; then it checks the end state:
+// process, read from /proc from the start of the load until the ledger
+// held every report; then it checks the end state:
 // the ledger holds every report once with its tokens and no reservation is
 // left open. In the same run, in interleaved rounds, it loads the pinned
 // envoyproxy/ratelimit (a per-user counter on a Redis of its own) with the

@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"quotaflow/bench/internal/envoy"
 )
 
 // report prints every round and the medians as Markdown tables: rates,
@@ -19,7 +21,7 @@ func report(out io.Writer, cfg Config, ms []meter, rounds []round, total *tally,
 		head = append(head, m.name)
 	}
 	head = append(head, "all")
-	fmt.Fprintln(out, "CPU per accounted request, µs:")
+	fmt.Fprintln(out, "CPU per accounted request, µs, from the start of the load until the ledger held every report; catch-up in seconds:")
 	fmt.Fprintln(out)
 	row(out, head...)
 	row(out, slices.Repeat([]string{"---"}, len(head))...)
@@ -98,7 +100,7 @@ func median(v []float64) float64 {
 // pipeline's accounted requests per second to envoy's checks per second,
 // round by round (the rounds ran interleaved).
 func reportPeer(out io.Writer, ms []meter, checks []peerRound, rounds []round) {
-	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections; CPU per check, µs:\n\n", envoyVersion)
+	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections, REDIS_POOL_SIZE = connections; CPU per check, µs:\n\n", envoy.Version)
 	head := []string{"round", "checks/s", "p99"}
 	for _, m := range ms {
 		head = append(head, m.name)

@@ -8,6 +8,7 @@ import (
 	"os"
 	"time"
 
+	"quotaflow/bench/internal/envoy"
 	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/e2e"
@@ -68,20 +69,24 @@ func read(ms []meter) ([]time.Duration, error) {
 
 // round is what one measured round of the pipeline did.
 type round struct {
-	elapsed   time.Duration   // the load, from its start to its last answer
-	t         *tally          // the round's requests
-	accounted int64           // actual events the ledger gained during the load
-	catchUp   time.Duration   // from the end of the load until the ledger held every report
-	cpu       []time.Duration // per meter, over the load
+	elapsed   time.Duration // the load, from its start to its last answer
+	t         *tally        // the round's requests
+	accounted int64         // actual events the ledger gained during the load
+	catchUp   time.Duration // from the end of the load until the ledger held every report
+	// cpu is per meter, from the start of the load until the ledger held
+	// every report: all the work of the round's requests, even when the
+	// accounter lags behind the load.
+	cpu []time.Duration
 }
 
 func (r round) admittedRate() float64  { return float64(r.t.admitted) / r.elapsed.Seconds() }
 func (r round) accountedRate() float64 { return float64(r.accounted) / r.elapsed.Seconds() }
 func (r round) keepUp() float64        { return float64(r.accounted) / max(1, float64(r.t.admitted)) }
 
-// perAccounted is meter i's CPU per request accounted during the load.
+// perAccounted is meter i's CPU per request accounted: per report, since
+// cpu runs until the ledger held them all.
 func (r round) perAccounted(i int) time.Duration {
-	return r.cpu[i] / time.Duration(max(1, r.accounted))
+	return r.cpu[i] / time.Duration(max(1, r.t.reported))
 }
 
 // pipeline is the started pipeline and what the rounds so far did.
@@ -92,6 +97,7 @@ type pipeline struct {
 	ledger *ledger
 	meters []meter
 	total  *tally // every round's, the warm-up's included
+	rounds int    // rounds begun, the warm-up's included: seeds the users
 }
 
 func run(ctx context.Context, cfg Config, out io.Writer) error {
@@ -132,24 +138,26 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 		pidMeter("load generator", os.Getpid()),
 	}
 
-	var peer *envoy
+	var rl *peer
 	var peerMeters []meter
 	if cfg.Envoy {
-		fmt.Fprintln(out, "starting envoyproxy/ratelimit "+envoyVersion+" ...")
-		bin, err := envoyBinary(ctx, cfg.EnvoyBin)
-		if err != nil {
-			return err
+		fmt.Fprintln(out, "starting envoyproxy/ratelimit "+envoy.Version+" ...")
+		bin := cfg.EnvoyBin
+		if bin == "" {
+			if bin, err = envoy.Binary(); err != nil {
+				return err
+			}
 		}
-		peer, err = startEnvoy(ctx, p.Dir, bin, cfg.Conns)
-		if peer != nil {
-			defer peer.close()
+		rl, err = startEnvoy(ctx, p.Dir, bin, cfg.Conns)
+		if rl != nil {
+			defer rl.close()
 		}
 		if err != nil {
 			return err
 		}
 		peerMeters = []meter{
-			pidMeter("ratelimit", peer.svc.Cmd.Process.Pid),
-			pidMeter("redis-server", peer.redis.Cmd.Process.Pid),
+			pidMeter("ratelimit", rl.svc.Cmd.Process.Pid),
+			pidMeter("redis-server", rl.redis.Cmd.Process.Pid),
 			pidMeter("load generator", os.Getpid()),
 		}
 	}
@@ -158,8 +166,8 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 	if _, err := pl.round(ctx, "w", cfg.Warmup); err != nil {
 		return fmt.Errorf("warm-up: %w", err)
 	}
-	if peer != nil {
-		if _, err := peer.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Warmup); err != nil {
+	if rl != nil {
+		if _, err := rl.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Warmup); err != nil {
 			return fmt.Errorf("warm-up of ratelimit: %w", err)
 		}
 	}
@@ -176,10 +184,10 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 				return err
 			},
 		}
-		if peer != nil {
+		if rl != nil {
 			steps = append(steps, func() error {
 				fmt.Fprintf(out, "round %d: %v of ratelimit load ...\n", i+1, cfg.Duration)
-				c, err := peer.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Duration)
+				c, err := rl.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Duration)
 				checks = append(checks, c)
 				return err
 			})
@@ -196,7 +204,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 	bad := check(ctx, pl.ledger, p.NATS.URL, "QUOTAFLOW_DLQ", pl.total, cfg.Settle)
 	failopen := failopens(ctx, p.Admission)
 	report(out, cfg, pl.meters, rounds, pl.total, failopen, bad)
-	if peer != nil {
+	if rl != nil {
 		reportPeer(out, peerMeters, checks, rounds)
 	}
 	switch {
@@ -233,6 +241,8 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		return round{}, err
 	}
 	tallies := make([]*tally, pl.cfg.Conns)
+	seed := uint64(pl.rounds * pl.cfg.Conns)
+	pl.rounds++
 	cpu0, err := read(pl.meters)
 	if err != nil {
 		return round{}, err
@@ -242,17 +252,13 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		NewClient: func(conn int) load.Client {
 			tallies[conn] = newTally()
 			prefix := fmt.Sprintf("%s-c%d-", name, conn)
-			return newClient(pl.host, prefix, pl.cfg.Users, uint64(conn), tallies[conn])
+			return newClient(pl.host, prefix, pl.cfg.Users, seed+uint64(conn), tallies[conn])
 		},
 	})
 	if err != nil {
 		return round{}, err
 	}
 	end := time.Now()
-	cpu1, err := read(pl.meters)
-	if err != nil {
-		return round{}, err
-	}
 	n1, _, err := pl.ledger.actuals(ctx)
 	if err != nil {
 		return round{}, err
@@ -262,11 +268,15 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		r.t.add(t)
 	}
 	pl.total.add(r.t)
+	if r.catchUp, err = pl.ledger.waitActuals(ctx, pl.p.Accounter.Ops, pl.total.reported, end, pl.cfg.Settle); err != nil {
+		return r, err
+	}
+	cpu1, err := read(pl.meters)
+	if err != nil {
+		return round{}, err
+	}
 	for i := range cpu1 {
 		r.cpu = append(r.cpu, cpu1[i]-cpu0[i])
-	}
-	if r.catchUp, err = pl.ledger.waitActuals(ctx, pl.total.reported, end, pl.cfg.Settle); err != nil {
-		return r, err
 	}
 	return r, nil
 }
