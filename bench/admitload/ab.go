@@ -28,6 +28,9 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		rcpu, redis []float64 // Redis CPU µs per request (/proc), µs in its engine commands per request
 		p99, local  []float64 // ms, decisions made without Redis
 		rss         []float64 // MiB after the round
+		published   pubRounds // the outbox's publish rounds before the first round
+		depth       []float64 // the outbox's mean queue depth while loaded, per round
+		failures    float64   // publish rounds that failed, over all rounds
 	}
 	var ts []*target
 	for _, src := range []struct{ name, dir string }{{"before", base}, {"after", "."}} {
@@ -44,6 +47,9 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 	for _, t := range ts { // warm both: connections, the engine in Redis, the Go runtime
 		admits(t.addr, users, "/x", conc, 2*time.Second)
 	}
+	for _, t := range ts {
+		t.published = publishRounds(t.ops, "outbox")
+	}
 	fmt.Printf("before = %s, after = this checkout; %d users, concurrency %d, %s per run\n\n", base, users, conc, dur)
 	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | RSS | failopen | statuses |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -55,7 +61,11 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		for _, t := range order {
 			_, u0 := commandStats(ctx, b.rdb)
 			c0, r0, f0 := cpuTime(t.p), cpuTime(b.redis.Cmd), failopens(t.ops)
+			pf0 := metricSum(t.ops, "quotaflow_admission_outbox_publish_failures_total", "")
+			depth := sampleDepth(t.ops)
 			res := admits(t.addr, users, "/x", conc, dur)
+			t.depth = append(t.depth, depth())
+			t.failures += metricSum(t.ops, "quotaflow_admission_outbox_publish_failures_total", "") - pf0
 			cpu, rcpu := cpuTime(t.p)-c0, cpuTime(b.redis.Cmd)-r0
 			_, u1 := commandStats(ctx, b.rdb)
 			n := float64(max(1, res.Requests))
@@ -79,6 +89,11 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 	}
 	fmt.Printf("\nafter / before, req/s: %.3f (median of the per-round ratios %.3f)\n",
 		median(ts[1].rps)/median(ts[0].rps), median(ratios(ts[1].rps, ts[0].rps)))
+	fmt.Printf("\nthe outbox's publish rounds over all rounds (- where the build does not report them):\n\n")
+	for _, t := range ts {
+		fmt.Printf("- %s: %s; queue depth under load, median of the rounds' means %.0f events; %.0f failed rounds\n",
+			t.name, publishRounds(t.ops, "outbox").since(t.published), median(t.depth), t.failures)
+	}
 	return nil
 }
 

@@ -184,10 +184,12 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 			pct(r, 50), pct(r, 99), (cpu / time.Duration(max(1, r.Requests))).Round(100*time.Nanosecond), rssMiB(p),
 			ratio(calls, n), ratio(usec, n), ratio(perBatch, 1), failopen, r.Statuses())
 	}
+	var published []string // the outbox's publish rounds of each admission run
 	measure := func(name, addr string, p *exec.Cmd, conc int, endpoint string, d time.Duration) *load.Result {
 		c0, u0 := commandStats(ctx, rdb)
 		f0 := failopens(ops)
 		rc0, b0 := batches(ops)
+		pr0 := publishRounds(ops, "outbox")
 		t0 := cpuTime(p)
 		var prof sync.WaitGroup
 		if p == adm && profile != "" {
@@ -213,6 +215,9 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 			}
 		}
 		row(name, conc, r, p, cpu, calls, usec, perBatch, failopens(ops)-f0)
+		if p == adm {
+			published = append(published, fmt.Sprintf("- %s, concurrency %d: %s", name, conc, publishRounds(ops, "outbox").since(pr0)))
+		}
 		return r
 	}
 	for _, conc := range levels {
@@ -224,6 +229,8 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	b.redis.Kill()
 	r := measure("admission, Redis down", api, adm, levels[0], "/x", down)
 	fmt.Printf("\nRedis down: p99 %s over %d requests, %s\n", pct(r, 99), r.Requests, r.Statuses())
+	fmt.Printf("\nadmission's outbox, publish rounds (quotaflow_admission_publish_batch_events, ..._wait_seconds):\n\n%s\n",
+		strings.Join(published, "\n"))
 	return nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -346,5 +347,47 @@ func TestBatcherOutage(t *testing.T) {
 				t.Errorf("event r-%d-%d missing", g, i)
 			}
 		}
+	}
+}
+
+// BenchmarkReport is POST /v1/usage's publishing: callers that each wait
+// for one event to be stored, 16 at a time, each with a PublishBatch of its
+// own (direct) or sharing rounds through a Batcher. It reports the events
+// per round beside ns/op.
+func BenchmarkReport(b *testing.B) {
+	_, js := natstest.Connect(b, natstest.URL())
+	cfg := natstest.Streams(b, js, "bench", stream.Config{})
+	p := stream.NewPublisher(js, cfg)
+	var seq atomic.Int64
+	next := func() []events.Event {
+		i := int(seq.Add(1))
+		return []events.Event{actual(i%16, i)}
+	}
+	b.Run("direct", func(b *testing.B) {
+		b.SetParallelism(16 / max(1, runtime.GOMAXPROCS(0)))
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				if err := p.PublishBatch(context.Background(), next()); err != nil {
+					b.Error(err)
+				}
+			}
+		})
+		b.ReportMetric(1, "events/round")
+	})
+	for _, wait := range []time.Duration{-1, time.Millisecond} {
+		b.Run("batcher/wait="+max(wait, 0).String(), func(b *testing.B) {
+			var obs rounds
+			bt := stream.NewBatcher(p, stream.BatcherOptions{MaxWait: wait, Observe: obs.observe})
+			b.SetParallelism(16 / max(1, runtime.GOMAXPROCS(0)))
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					if err := bt.Publish(context.Background(), next()); err != nil {
+						b.Error(err)
+					}
+				}
+			})
+			bt.Close(context.Background())
+			b.ReportMetric(float64(obs.waits)/float64(max(1, len(obs.sizes))), "events/round")
+		})
 	}
 }
