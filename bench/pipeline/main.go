@@ -13,7 +13,9 @@
 // the ledger holds every report once with its tokens and no reservation is
 // left open. In the same run, in interleaved rounds, it loads the pinned
 // envoyproxy/ratelimit (a per-user counter on a Redis of its own) with the
-// same load generator and prints the ratio of the two rates.
+// same load generator and prints the ratio of the two rates. With -ab DIR
+// it also runs a second pipeline, its services built from DIR (a checkout
+// of an earlier commit), in the same rounds: before and after, interleaved.
 //
 //	go run ./bench/pipeline -duration 15s -concurrency 16 -rounds 3
 package main
@@ -36,6 +38,7 @@ func main() {
 	flag.IntVar(&cfg.Users, "users", 100_000, "distinct users")
 	flag.IntVar(&cfg.Rounds, "rounds", 3, "measured rounds")
 	flag.DurationVar(&cfg.Settle, "settle", time.Minute, "how long to wait for the ledger after a round")
+	flag.StringVar(&cfg.Base, "ab", "", "also run the services built from this checkout of an earlier commit, as \"before\", in the same interleaved rounds")
 	flag.BoolVar(&cfg.Envoy, "envoy", true, "measure envoyproxy/ratelimit in the same rounds")
 	flag.StringVar(&cfg.EnvoyBin, "envoy-bin", "", "ratelimit's service_cmd binary (default: the pinned version, built into the user cache dir once)")
 	flag.Parse()

@@ -13,9 +13,10 @@ import (
 // report prints every round and the medians as Markdown tables: rates,
 // keep-up, catch-up and each process's CPU per accounted request; then
 // the end state's check.
-func report(out io.Writer, cfg Config, ms []meter, rounds []round, total *tally, failopen float64, bad []string) {
-	fmt.Fprintf(out, "\n%d connections (closed loop), %d users, %v per round, %d rounds; admit (5 limits) then one actual event in its own POST /v1/usage\n\n",
-		cfg.Conns, cfg.Users, cfg.Duration, len(rounds))
+func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []string) {
+	ms, rounds, total := pl.meters, pl.done, pl.total
+	fmt.Fprintf(out, "\n%s: %d connections (closed loop), %d users, %v per round, %d rounds; admit (5 limits) then one actual event in its own POST /v1/usage\n\n",
+		pl.name, cfg.Conns, cfg.Users, cfg.Duration, len(rounds))
 	head := []string{"round", "admitted/s", "accounted/s", "keep-up", "catch-up"}
 	for _, m := range ms {
 		head = append(head, m.name)
@@ -99,16 +100,20 @@ func median(v []float64) float64 {
 // reportPeer prints envoy's rounds, CPU per check, and the ratio of the
 // pipeline's accounted requests per second to envoy's checks per second,
 // round by round (the rounds ran interleaved).
-func reportPeer(out io.Writer, ms []meter, checks []peerRound, rounds []round) {
+func reportPeer(out io.Writer, ms []meter, checks []peerRound, pls []*pipeline) {
 	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections, REDIS_POOL_SIZE = connections; CPU per check, µs:\n\n", envoy.Version)
 	head := []string{"round", "checks/s", "p99"}
 	for _, m := range ms {
 		head = append(head, m.name)
 	}
-	head = append(head, "all", "pipeline accounted/s ÷ checks/s")
+	head = append(head, "all")
+	for _, pl := range pls {
+		head = append(head, "pipeline ("+pl.name+") accounted/s ÷ checks/s")
+	}
 	row(out, head...)
 	row(out, slices.Repeat([]string{"---"}, len(head))...)
-	var rates, ratios []float64
+	var rates []float64
+	ratios := make([][]float64, len(pls))
 	for i, c := range checks {
 		cells := []string{fmt.Sprint(i + 1), format(c.rate()), c.res.Latency.Quantile(0.99).Round(10 * time.Microsecond).String()}
 		var sum time.Duration
@@ -116,12 +121,20 @@ func reportPeer(out io.Writer, ms []meter, checks []peerRound, rounds []round) {
 			cells = append(cells, format(µs(c.perCheck(j))))
 			sum += c.perCheck(j)
 		}
-		ratio := rounds[i].accountedRate() / c.rate()
-		rates, ratios = append(rates, c.rate()), append(ratios, ratio)
-		row(out, append(cells, format(µs(sum)), fmt.Sprintf("%.3f", ratio))...)
+		cells = append(cells, format(µs(sum)))
+		rates = append(rates, c.rate())
+		for j, pl := range pls {
+			ratio := pl.done[i].accountedRate() / c.rate()
+			ratios[j] = append(ratios[j], ratio)
+			cells = append(cells, fmt.Sprintf("%.3f", ratio))
+		}
+		row(out, cells...)
 	}
-	fmt.Fprintf(out, "\nmedian: ratelimit %s checks/s; pipeline / ratelimit %.3f (median of the rounds' ratios)\n",
-		format(median(rates)), median(ratios))
+	fmt.Fprintf(out, "\nmedian: ratelimit %s checks/s", format(median(rates)))
+	for j, pl := range pls {
+		fmt.Fprintf(out, "; pipeline (%s) ÷ ratelimit %.3f", pl.name, median(ratios[j]))
+	}
+	fmt.Fprintln(out, " (medians of the rounds' ratios)")
 	for _, c := range checks {
 		if len(c.res.Status) != 1 || c.res.Errors > 0 {
 			fmt.Fprintf(out, "ratelimit answers: %s\n", c.res.Statuses())

@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/url"
 	"os"
+	"strings"
 	"time"
 
 	"quotaflow/bench/internal/envoy"
@@ -40,6 +42,7 @@ type Config struct {
 	Users    int           // distinct users, drawn at random per request
 	Rounds   int           // measured rounds of each target, interleaved
 	Settle   time.Duration // bound on the wait for the ledger after a round
+	Base     string        // a checkout of an earlier commit: its services run too, as "before"
 	Envoy    bool          // measure envoyproxy/ratelimit in the same rounds
 	EnvoyBin string        // its service_cmd binary; "" builds the pinned one
 }
@@ -92,6 +95,8 @@ func (r round) perAccounted(i int) time.Duration {
 // pipeline is the started pipeline and what the rounds so far did.
 type pipeline struct {
 	cfg    Config
+	name   string  // "this checkout", or "before" and "after"
+	done   []round // the measured rounds
 	p      *e2e.Private
 	host   string // admission's host:port
 	ledger *ledger
@@ -101,41 +106,21 @@ type pipeline struct {
 }
 
 func run(ctx context.Context, cfg Config, out io.Writer) error {
-	p, err := e2e.StartPrivate(ctx, e2e.PrivateConfig{
-		Name: "pipeline", Policy: policy, Out: out,
-		Env: []string{"QF_LOG_LEVEL=warn"},
-		// Consuming, with no webhook: a quota never reaches a threshold.
-		AlerterEnv: []string{"QF_CONSUMER=alerter"},
-		// A busy two-core machine answers in more than the default 10 ms
-		// at times; a decision made without Redis then is cheaper and not
-		// the pipeline's, so the run waits for Redis instead (and counts
-		// the failopens it still sees).
-		AdmissionEnv: []string{"QF_REDIS_TIMEOUT=1s"},
-	})
-	if p != nil {
-		defer p.Close()
+	srcs := []struct{ name, root string }{{"this checkout", ""}}
+	if cfg.Base != "" {
+		srcs = []struct{ name, root string }{{"before", cfg.Base}, {"after", ""}}
 	}
-	if err != nil {
-		return err
-	}
-	u, err := url.Parse(p.API)
-	if err != nil {
-		return err
-	}
-	pl := &pipeline{cfg: cfg, p: p, host: u.Host, total: newTally()}
-	if pl.ledger, err = openLedger(ctx, p.DBURL); err != nil {
-		return err
-	}
-	defer pl.ledger.close()
-	pl.meters = []meter{
-		pidMeter("admission", p.Admission.Cmd.Process.Pid),
-		pidMeter("accounter", p.Accounter.Cmd.Process.Pid),
-		pidMeter("alerter", p.Alerter.Cmd.Process.Pid),
-		pidMeter("redis-server", p.Redis.Cmd.Process.Pid),
-		pidMeter("nats-server", p.NATS.Cmd.Process.Pid),
-		// The postmaster and its backends, those that exit included.
-		{"postgres", func() (time.Duration, error) { return proc.TreeCPU(p.Postgres.Cmd.Process.Pid) }},
-		pidMeter("load generator", os.Getpid()),
+	var pls []*pipeline
+	for _, src := range srcs {
+		fmt.Fprintf(out, "%s: ", src.name)
+		pl, err := startPipeline(ctx, cfg, src.name, src.root, out)
+		if pl != nil {
+			defer pl.close()
+		}
+		if err != nil {
+			return err
+		}
+		pls = append(pls, pl)
 	}
 
 	var rl *peer
@@ -144,11 +129,13 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 		fmt.Fprintln(out, "starting envoyproxy/ratelimit "+envoy.Version+" ...")
 		bin := cfg.EnvoyBin
 		if bin == "" {
+			var err error
 			if bin, err = envoy.Binary(); err != nil {
 				return err
 			}
 		}
-		rl, err = startEnvoy(ctx, p.Dir, bin, cfg.Conns)
+		var err error
+		rl, err = startEnvoy(ctx, pls[0].p.Dir, bin, cfg.Conns)
 		if rl != nil {
 			defer rl.close()
 		}
@@ -162,58 +149,109 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 		}
 	}
 
-	fmt.Fprintf(out, "warm-up: %v of each load ...\n", cfg.Warmup)
-	if _, err := pl.round(ctx, "w", cfg.Warmup); err != nil {
-		return fmt.Errorf("warm-up: %w", err)
+	// One step per target and round; each round starts one target later,
+	// so that a machine getting busier or quieter weighs on all alike.
+	var steps []func(round int, d time.Duration) error
+	for _, pl := range pls {
+		steps = append(steps, func(i int, d time.Duration) error {
+			fmt.Fprintf(out, "round %d: %v of pipeline load (%s) ...\n", i, d, pl.name)
+			r, err := pl.round(ctx, fmt.Sprintf("r%d", i), d)
+			if i > 0 {
+				pl.done = append(pl.done, r)
+			}
+			return err
+		})
 	}
-	if rl != nil {
-		if _, err := rl.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Warmup); err != nil {
-			return fmt.Errorf("warm-up of ratelimit: %w", err)
-		}
-	}
-	// Rounds alternate which target goes first, so that a machine getting
-	// busier or quieter weighs on both alike.
-	var rounds []round
 	var checks []peerRound
-	for i := range cfg.Rounds {
-		steps := []func() error{
-			func() error {
-				fmt.Fprintf(out, "round %d: %v of pipeline load ...\n", i+1, cfg.Duration)
-				r, err := pl.round(ctx, fmt.Sprintf("r%d", i+1), cfg.Duration)
-				rounds = append(rounds, r)
-				return err
-			},
-		}
-		if rl != nil {
-			steps = append(steps, func() error {
-				fmt.Fprintf(out, "round %d: %v of ratelimit load ...\n", i+1, cfg.Duration)
-				c, err := rl.round(ctx, peerMeters, cfg.Conns, cfg.Users, cfg.Duration)
-				checks = append(checks, c)
-				return err
-			})
-			if i%2 == 1 {
-				steps[0], steps[1] = steps[1], steps[0]
-			}
-		}
-		for _, step := range steps {
-			if err := step(); err != nil {
-				return fmt.Errorf("round %d: %w", i+1, err)
-			}
-		}
-	}
-	bad := check(ctx, pl.ledger, p.NATS.URL, "QUOTAFLOW_DLQ", pl.total, cfg.Settle)
-	failopen := failopens(ctx, p.Admission)
-	report(out, cfg, pl.meters, rounds, pl.total, failopen, bad)
 	if rl != nil {
-		reportPeer(out, peerMeters, checks, rounds)
+		steps = append(steps, func(i int, d time.Duration) error {
+			fmt.Fprintf(out, "round %d: %v of ratelimit load ...\n", i, d)
+			c, err := rl.round(ctx, peerMeters, cfg.Conns, cfg.Users, d)
+			if i > 0 {
+				checks = append(checks, c)
+			}
+			return err
+		})
 	}
-	switch {
-	case len(bad) > 0:
-		return fmt.Errorf("the end state is not exact")
-	case failopen != 0:
-		return fmt.Errorf("%.0f admits were decided without Redis: the figures are not the pipeline's", failopen)
+	for _, step := range steps { // round 0: the warm-up
+		if err := step(0, cfg.Warmup); err != nil {
+			return fmt.Errorf("warm-up: %w", err)
+		}
+	}
+	for i := 1; i <= cfg.Rounds; i++ {
+		for j := range steps {
+			if err := steps[(i+j)%len(steps)](i, cfg.Duration); err != nil {
+				return fmt.Errorf("round %d: %w", i, err)
+			}
+		}
+	}
+	var failed []string
+	for _, pl := range pls {
+		bad := check(ctx, pl.ledger, pl.p.NATS.URL, "QUOTAFLOW_DLQ", pl.total, cfg.Settle)
+		failopen := failopens(ctx, pl.p.Admission)
+		report(out, cfg, pl, failopen, bad)
+		if len(bad) > 0 {
+			failed = append(failed, pl.name+": the end state is not exact")
+		}
+		if failopen != 0 {
+			failed = append(failed, fmt.Sprintf("%s: %.0f admits were decided without Redis: the figures are not the pipeline's", pl.name, failopen))
+		}
+	}
+	if rl != nil {
+		reportPeer(out, peerMeters, checks, pls)
+	}
+	if len(failed) > 0 {
+		return errors.New(strings.Join(failed, "; "))
 	}
 	return nil
+}
+
+// startPipeline starts the pipeline with the services built from the
+// checkout root ("" for this one) and what the rounds need of it.
+func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Writer) (*pipeline, error) {
+	p, err := e2e.StartPrivate(ctx, e2e.PrivateConfig{
+		Name: "pipeline", Root: root, Policy: policy, Out: out,
+		Env: []string{"QF_LOG_LEVEL=warn"},
+		// Consuming, with no webhook: a quota never reaches a threshold.
+		AlerterEnv: []string{"QF_CONSUMER=alerter"},
+		// A busy two-core machine answers in more than the default 10 ms
+		// at times; a decision made without Redis then is cheaper and not
+		// the pipeline's, so the run waits for Redis instead (and counts
+		// the failopens it still sees).
+		AdmissionEnv: []string{"QF_REDIS_TIMEOUT=1s"},
+	})
+	pl := &pipeline{cfg: cfg, name: name, p: p, total: newTally()}
+	if err != nil {
+		return pl, err
+	}
+	u, err := url.Parse(p.API)
+	if err != nil {
+		return pl, err
+	}
+	pl.host = u.Host
+	if pl.ledger, err = openLedger(ctx, p.DBURL); err != nil {
+		return pl, err
+	}
+	pl.meters = []meter{
+		pidMeter("admission", p.Admission.Cmd.Process.Pid),
+		pidMeter("accounter", p.Accounter.Cmd.Process.Pid),
+		pidMeter("alerter", p.Alerter.Cmd.Process.Pid),
+		pidMeter("redis-server", p.Redis.Cmd.Process.Pid),
+		pidMeter("nats-server", p.NATS.Cmd.Process.Pid),
+		// The postmaster and its backends, those that exit included.
+		{"postgres", func() (time.Duration, error) { return proc.TreeCPU(p.Postgres.Cmd.Process.Pid) }},
+		pidMeter("load generator", os.Getpid()),
+	}
+	return pl, nil
+}
+
+func (pl *pipeline) close() {
+	if pl.ledger != nil {
+		pl.ledger.close()
+	}
+	if pl.p != nil {
+		pl.p.Close()
+	}
 }
 
 // failopens is how many decisions admission made without Redis (after

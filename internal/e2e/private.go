@@ -17,6 +17,7 @@ import (
 // checkout with a policy, on servers of their own.
 type PrivateConfig struct {
 	Name     string // names the run's temporary directory (quotaflow-<Name>-)
+	Root     string // the checkout the services are built from; "" for this module's
 	Policy   string // the policy YAML
 	Webhooks string // the alerter's webhooks YAML; "" for none (alerts counted, not sent)
 	Token    string // admission's API token; "" for no authentication
@@ -59,9 +60,11 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		return nil, err
 	}
 	p := &Private{Dir: dir}
-	root, err := ModuleRoot(ctx)
-	if err != nil {
-		return p, err
+	root := cfg.Root
+	if root == "" {
+		if root, err = ModuleRoot(ctx); err != nil {
+			return p, err
+		}
 	}
 	fmt.Fprintln(out, "building the services ...")
 	binDir := filepath.Join(dir, "bin")
