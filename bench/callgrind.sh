@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Counts the instructions redis-server spends per 5-limit reserve (steady:
 # subjects whose blobs exist; first touch: a new subject each), per 1-limit
-# reserve, per 5-limit settle (a correction) and per INCR by running it
+# reserve, per 5-limit settle (a correction), per reserve in batches of 16 and 64,
+# per empty FCALL and per INCR by running it
 # under callgrind (valgrind): figures that repeat within a few percent on a
 # noisy machine, unlike timings. Usage: bench/callgrind.sh
 # (QF_CALLGRIND_USERS=n spreads the steady reserves over n subjects;
@@ -22,4 +23,4 @@ server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
 QF_CALLGRIND_ADDR=127.0.0.1:$port QF_CALLGRIND_DIR=$dir \
-  go test -count=1 -run TestCallgrindInstructions -v ./pkg/limits/ | grep -E 'callgrind|FAIL|ok|_test.go'
+  go test -count=1 -timeout 60m -run TestCallgrindInstructions -v ./pkg/limits/ | grep -E 'callgrind|FAIL|ok|_test.go'

@@ -2,6 +2,8 @@ package limits
 
 import (
 	"context"
+	"errors"
+	"fmt"
 
 	"quotaflow/pkg/limits/internal/script"
 	"quotaflow/pkg/limits/internal/wire"
@@ -14,29 +16,84 @@ type Reserved struct {
 	Err      error
 }
 
-// ReserveBatch makes the Reserve calls of rs in one pipelined round trip
-// (one per Cluster node holding their subjects) and returns their outcomes
-// in order. Each call is its own script run, so each is as atomic and exact
-// as a lone Reserve; batching only saves the client's and Redis's per-call
-// network work. A failing connection fails every call of the batch. A
-// client that cannot pipeline gets the calls one after another.
+// ReserveBatch makes the Reserve calls of rs and returns their outcomes in
+// order: each is what Reserve would have returned for it, had the calls
+// been made one after another in rs's order (with one Redis time for all).
+// They go out as one script call (reserve.lua decides each in turn,
+// all-or-nothing, atomically) per wire.MaxBatch reserves, and on a Redis
+// Cluster or Ring per hash slot too, since a call's keys must share one;
+// the calls in one pipelined round trip. So Redis pays a call's fixed cost
+// (its dispatch, TIME, reading the keys, writing a blob several reserves
+// changed, the reply) once per batch instead of once per reserve. An
+// invalid request fails alone; a failing connection fails every request of
+// its call.
 func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
+	return l.reserve(ctx, rs, wire.ModeReserve)
+}
+
+// reserve makes the reserve calls of rs in mode (Fresh requests reserve in
+// ModeFresh), batched as ReserveBatch says.
+func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserved {
 	out := make([]Reserved, len(rs))
-	if len(rs) == 1 {
-		out[0].Decision, out[0].Err = l.Reserve(ctx, rs[0])
-		return out
+	type group struct {
+		slot  uint16
+		batch *wire.ReserveBatch
+		which []int // the index in rs of each of batch's reserves
 	}
-	calls := make([]wire.Call, len(rs))
+	var groups []group
+	bySlot := l.run.SlotBound()
 	for i := range rs {
-		calls[i] = l.reserveCall(&rs[i], wire.ModeReserve)
-	}
-	cmds := l.run.RunAll(ctx, script.Reserve, calls)
-	for i := range calls {
-		if calls[i].Err != nil {
-			out[i].Err = calls[i].Err
+		r := &rs[i]
+		var slot uint16
+		if bySlot {
+			slot = wire.TenantSlot(r.Tenant)
+		}
+		g := -1
+		for k := len(groups) - 1; k >= 0; k-- {
+			if groups[k].slot == slot {
+				g = k
+				break
+			}
+		}
+		if g < 0 || groups[g].batch.Len() == wire.MaxBatch {
+			g = len(groups)
+			groups = append(groups, group{slot: slot, batch: l.p.NewReserveBatch()})
+		}
+		m := mode
+		if m == wire.ModeReserve && r.Fresh {
+			m = wire.ModeFresh
+		}
+		if err := groups[g].batch.Add(r.Tenant, r.User, r.RequestID, r.Cost, m, r.Fingerprint, r.Nonce, r.Rules); err != nil {
+			out[i].Err = err
 			continue
 		}
-		out[i].Decision, out[i].Err = decodeDecision(cmds[i], &calls[i], &rs[i])
+		groups[g].which = append(groups[g].which, i)
+	}
+	calls := make([]wire.Call, len(groups))
+	for k := range groups {
+		if groups[k].batch.Len() == 0 {
+			calls[k].Err = ErrInvalid // nothing to send: its requests hold their errors
+			continue
+		}
+		calls[k] = groups[k].batch.Call()
+	}
+	cmds := l.run.RunAll(ctx, script.Reserve, calls)
+	for k := range calls {
+		if calls[k].Err != nil {
+			continue
+		}
+		which := groups[k].which
+		wire.DecodeReserves(cmds[k], &calls[k], func(j int, v wire.ReserveReply, err error) {
+			r, o := &rs[which[j]], &out[which[j]]
+			if err != nil {
+				if !errors.Is(err, ErrNoEpoch) {
+					err = fmt.Errorf("reserve %s/%s: %w", r.Tenant, r.User, err)
+				}
+				o.Err = err
+				return
+			}
+			o.Decision = decision(v, r.Rules)
+		})
 	}
 	return out
 }

@@ -20,7 +20,11 @@ import (
 // 5-limit reserve figures: steady (the subjects' blobs exist, as for active
 // users) and first touch (every reserve meets a new subject, as most of
 // admission's load test does); the 1-limit reserves are steady; the settles
-// correct the steady 5-limit reserves.
+// correct the steady 5-limit reserves. Then the steady reserves again in
+// ReserveBatch batches of 16 and 64 (distinct users each, as admission's
+// batches of concurrent requests), per reserve; and an empty FCALL (a
+// function that returns at once) with a lone reserve's shape, 4 keys and
+// one 70-byte argument: what Redis spends on a call before any script work.
 // bench/callgrind.sh starts the server and runs this test; without
 // QF_CALLGRIND_ADDR it is skipped.
 func TestCallgrindInstructions(t *testing.T) {
@@ -33,7 +37,7 @@ func TestCallgrindInstructions(t *testing.T) {
 	ctx := context.Background()
 	l := New(c, Options{NoEpochGuard: true})
 	rules := benchRules()
-	users, calls := 50, 2000
+	users, calls := 50, 2048 // calls: whole batches of 16 and 64
 	if n, err := strconv.Atoi(os.Getenv("QF_CALLGRIND_USERS")); err == nil && n > 0 {
 		users = n
 	}
@@ -66,6 +70,42 @@ func TestCallgrindInstructions(t *testing.T) {
 		one(-i - 1)
 		incr(i)
 	}
+	// batchOf reserves calls requests of rules in batches of n, over
+	// batchUsers subjects whose blobs exist, distinct within a batch.
+	const batchUsers = 256
+	batchOf := func(rules []policy.Rule, prefix string, n int) func(i int) {
+		return func(i int) {
+			if i%n != 0 {
+				return
+			}
+			rs := make([]Request, n)
+			for k := range rs {
+				rs[k] = Request{Tenant: "acme", User: "b" + strconv.Itoa((i+k)%batchUsers),
+					RequestID: prefix + run + "-" + strconv.Itoa(i+k), Cost: 1, Rules: rules}
+			}
+			for _, o := range l.ReserveBatch(ctx, rs) {
+				if o.Err != nil {
+					t.Fatal(o.Err)
+				}
+			}
+		}
+	}
+	const emptyLib = "#!lua name=qfcallgrind\nredis.register_function('qfcallgrind_empty', function(k, a) return 1 end)"
+	if err := c.FunctionLoad(ctx, emptyLib).Err(); err != nil && !strings.Contains(err.Error(), "already exists") {
+		t.Fatal(err)
+	}
+	emptyKeys := []string{"qe{x}", "q{acme}r:u1:x", "q{acme}u:u1", "q{acme}t"}
+	emptyArg := strings.Repeat("x", 70) // a 1-limit reserve's argument: 21 + 14 + 32 bytes
+	empty := func(int) {
+		if err := c.FCall(ctx, "qfcallgrind_empty", emptyKeys, emptyArg).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range batchUsers { // the batched subjects' blobs
+		batchOf(rules, "warm-", 1)(i)
+		batchOf(rules[1:2], "warm1-", 1)(i)
+	}
+	empty(0)
 	measure := func(op func(int)) float64 {
 		control(t, "-z")
 		for i := range calls {
@@ -76,6 +116,11 @@ func TestCallgrindInstructions(t *testing.T) {
 	r, f, o, s, b := measure(steady), measure(first), measure(one), measure(settle), measure(incr)
 	t.Logf("callgrind: reserve over 5 limits, %d users: %.0f instructions/call; first touch (a new subject each): %.0f; over 1 limit: %.0f; settle (correct) over 5 limits: %.0f; INCR %.0f; ratios %.1f and %.1f",
 		users, r, f, o, s, b, r/b, f/b)
+	b16, b64 := measure(batchOf(rules, "b16-", 16)), measure(batchOf(rules, "b64-", 64))
+	o16, o64 := measure(batchOf(rules[1:2], "o16-", 16)), measure(batchOf(rules[1:2], "o64-", 64))
+	e := measure(empty)
+	t.Logf("callgrind: per reserve in ReserveBatch batches of 16 and 64: over 5 limits %.0f and %.0f, over 1 limit %.0f and %.0f; empty FCALL (4 keys, 1 argument) %.0f",
+		b16, b64, o16, o64, e)
 }
 
 func control(t *testing.T, arg string) {
@@ -85,7 +130,8 @@ func control(t *testing.T, arg string) {
 }
 
 // keeps counts the dumps kept in QF_CALLGRIND_KEEP: 1 steady, 2 first touch,
-// 3 one limit, 4 settle, 5 INCR.
+// 3 one limit, 4 settle, 5 INCR, 6 and 7 5-limit batches of 16 and 64, 8
+// and 9 1-limit batches of 16 and 64, 10 the empty FCALL.
 var keeps int
 
 // dump writes a callgrind dump and returns its instruction total.

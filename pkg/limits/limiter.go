@@ -64,8 +64,8 @@ type Options struct {
 }
 
 // Limiter checks and reserves limits in Redis. Every method is one script
-// call (one round trip; ReserveBatch, SettleMany and VoidMany pipeline
-// many) and is safe for concurrent use; all state lives in Redis, so any
+// call (one round trip; ReserveBatch decides many reserves in one call,
+// SettleMany and VoidMany pipeline many) and is safe for concurrent use; all state lives in Redis, so any
 // number of Limiters on any number of hosts agree.
 //
 // Most callers want Reserve before a request and Correct or Release after.
@@ -197,29 +197,8 @@ func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
 }
 
 func (l *Limiter) subjectCall(ctx context.Context, r *Request, mode int) (Decision, error) {
-	c := l.reserveCall(r, mode)
-	if c.Err != nil {
-		return Decision{}, c.Err
-	}
-	return decodeDecision(l.run.Run(ctx, script.Reserve, &c), &c, r)
-}
-
-// reserveCall is the reserve call of r in mode (a Fresh reserve asks for
-// a new request id).
-func (l *Limiter) reserveCall(r *Request, mode int) wire.Call {
-	if mode == wire.ModeReserve && r.Fresh {
-		mode = wire.ModeFresh
-	}
-	return l.p.ReserveCall(r.Tenant, r.User, r.RequestID, r.Cost, mode, r.Fingerprint, r.Nonce, r.Rules)
-}
-
-// decodeDecision reads the reply of reserve call c of r.
-func decodeDecision(cmd *redis.Cmd, c *wire.Call, r *Request) (Decision, error) {
-	d, err := decodeReply(cmd, c)
-	if err != nil && !errors.Is(err, ErrNoEpoch) {
-		err = fmt.Errorf("reserve %s/%s: %w", r.Tenant, r.User, err)
-	}
-	return d, err
+	out := l.reserve(ctx, []Request{*r}, mode)
+	return out[0].Decision, out[0].Err
 }
 
 // ReserveShared checks and reserves cost in the shared limits of one
@@ -236,15 +215,23 @@ func (l *Limiter) PeekShared(ctx context.Context, scope policy.Scope, id string,
 }
 
 func (l *Limiter) sharedCall(ctx context.Context, scope policy.Scope, id string, cost int64, rules []policy.Rule, mode int) (Decision, error) {
-	c := l.p.SharedReserveCall(scope, id, cost, mode, rules)
-	if c.Err != nil {
-		return Decision{}, c.Err
+	b := l.p.NewReserveBatch()
+	if err := b.AddShared(scope, id, cost, mode, rules); err != nil {
+		return Decision{}, err
 	}
-	d, err := decodeReply(l.run.Run(ctx, script.Reserve, &c), &c)
-	if err != nil && !errors.Is(err, ErrNoEpoch) {
-		err = fmt.Errorf("reserve %s %s: %w", scope, id, err)
+	c := b.Call()
+	var d Decision
+	var err error
+	wire.DecodeReserves(l.run.Run(ctx, script.Reserve, &c), &c, func(_ int, v wire.ReserveReply, e error) {
+		d, err = decision(v, rules), e
+		if err != nil && !errors.Is(err, ErrNoEpoch) {
+			err = fmt.Errorf("reserve %s %s: %w", scope, id, err)
+		}
+	})
+	if err != nil {
+		return Decision{}, err
 	}
-	return d, err
+	return d, nil
 }
 
 // ChargeShared adds amount to the shared limits rules of scope's id, as
@@ -260,14 +247,8 @@ func (l *Limiter) ChargeShared(ctx context.Context, scope policy.Scope, id strin
 	return wire.DecodeCharge[State](l.run.Run(ctx, script.Charge, &c), &c)
 }
 
-// decodeReply reads the reply (or error) of reserve call c. Errors other
-// than ErrNoEpoch are the caller's to wrap with what it called, so the
-// success path formats nothing.
-func decodeReply(cmd *redis.Cmd, c *wire.Call) (Decision, error) {
-	v, err := wire.DecodeReserve(cmd, c)
-	if err != nil {
-		return Decision{}, err
-	}
+// decision is the Decision of reserve reply v of a reserve over rules.
+func decision(v wire.ReserveReply, rules []policy.Rule) Decision {
 	d := Decision{
 		Allowed:       v.Status == wire.StatusAllowed || v.Status == wire.StatusDuplicate,
 		Duplicate:     v.Status == wire.StatusDuplicate,
@@ -276,7 +257,7 @@ func decodeReply(cmd *redis.Cmd, c *wire.Call) (Decision, error) {
 		Now:           time.UnixMilli(v.NowMs),
 		Version:       v.Version,
 		TenantVersion: v.TenantVersion,
-		States:        wire.States[State](v.Limits, c.Rules),
+		States:        wire.States[State](v.Limits, rules),
 	}
 	if v.RetryMs > 0 {
 		d.RetryAfter = time.Duration(v.RetryMs) * time.Millisecond
@@ -287,7 +268,7 @@ func decodeReply(cmd *redis.Cmd, c *wire.Call) (Decision, error) {
 	case wire.ReasonInsufficientBalance:
 		d.Reason = ReasonInsufficientBalance
 	}
-	return d, nil
+	return d
 }
 
 // conflictOf maps a status of a reserve reply to a Decision's Conflict.

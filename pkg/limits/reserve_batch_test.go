@@ -3,9 +3,16 @@ package limits_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
@@ -102,5 +109,213 @@ func TestReserveBatchFailsEveryCallWhenRedisIsDown(t *testing.T) {
 		if o.Err == nil || !strings.Contains(o.Err.Error(), "reserve t/"+rs[i].User+": ") {
 			t.Errorf("ReserveBatch[%d] error = %v, want a connection error naming t/%s", i, o.Err, rs[i].User)
 		}
+	}
+}
+
+// fcalls counts the FCALLs a client sends, alone or pipelined.
+type fcalls struct{ n atomic.Int64 }
+
+func (f *fcalls) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (f *fcalls) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "fcall" {
+			f.n.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (f *fcalls) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if cmd.Name() == "fcall" {
+				f.n.Add(1)
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// sequenceRules are two plans of one tenant: a tenant-wide month, a fixed
+// request window, a rolling token window and a shadow limit; and a sliding
+// log, a concurrency slot and the same tenant-wide month.
+func sequenceRules() [2][]policy.Rule {
+	month := limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 30000})
+	return [2][]policy.Rule{{
+		month,
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "hourly", Kind: policy.Fixed, Unit: policy.Requests, Limit: 25, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 3000, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "soft", Kind: policy.Fixed, Limit: 150, Window: policy.Duration(time.Hour), Shadow: true}),
+	}, {
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 20, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "inflight", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 14}),
+		month,
+	}}
+}
+
+// sequence is n requests of tenant over a few users and both plans, with
+// request ids drawn from a small pool (so ids repeat: conflicts when the
+// cost differs), retries of earlier requests (duplicates), some Fresh, costs from 0 to past the
+// limits, and an invalid request (no user) now and then.
+func sequence(tenant string, n int, seed uint64) []limits.Request {
+	rnd := rand.New(rand.NewPCG(seed, 1))
+	plans := sequenceRules()
+	rs := make([]limits.Request, n)
+	for i := range rs {
+		p := rnd.IntN(2)
+		user := "u" + strconv.Itoa(rnd.IntN(4))
+		if rnd.IntN(40) == 0 {
+			user = ""
+		}
+		cost := int64(rnd.IntN(260))
+		if rnd.IntN(25) == 0 {
+			cost = 3500 // more than the 5h window holds
+		}
+		if i > 0 && rnd.IntN(6) == 0 { // a retry of an earlier request
+			rs[i] = rs[rnd.IntN(i)]
+			rs[i].Nonce = int64(i + 1)
+			continue
+		}
+		rs[i] = limits.Request{Tenant: tenant, User: user, RequestID: "r" + strconv.Itoa(rnd.IntN(n/2)),
+			Cost: cost, Rules: plans[p], Fingerprint: limits.Fingerprint("/e", strconv.Itoa(p), "", cost),
+			Nonce: int64(i + 1), Fresh: rnd.IntN(10) == 0}
+	}
+	return rs
+}
+
+// sameDecision reports how got differs from want, the Decision of the same
+// request made alone; Redis time differs between them, so a RetryAfter is
+// compared for being set, Reset for nothing, and versions not at all.
+func sameDecision(got, want limits.Decision) string {
+	if got.Allowed != want.Allowed || got.Duplicate != want.Duplicate || got.Conflict != want.Conflict ||
+		got.DeniedBy != want.DeniedBy || got.Reason != want.Reason || (got.RetryAfter > 0) != (want.RetryAfter > 0) {
+		return fmt.Sprintf("allowed %v duplicate %v conflict %v denied by %d reason %q retry %v; want %v %v %v %d %q %v",
+			got.Allowed, got.Duplicate, got.Conflict, got.DeniedBy, got.Reason, got.RetryAfter,
+			want.Allowed, want.Duplicate, want.Conflict, want.DeniedBy, want.Reason, want.RetryAfter)
+	}
+	if len(got.States) != len(want.States) {
+		return fmt.Sprintf("%d states, want %d", len(got.States), len(want.States))
+	}
+	for i, g := range got.States {
+		w := want.States[i]
+		if g.Rule.Name != w.Rule.Name || g.Limit != w.Limit || g.Used != w.Used || g.Remaining != w.Remaining || g.WouldDeny != w.WouldDeny {
+			return fmt.Sprintf("state %d = %+v, want %+v", i, g, w)
+		}
+	}
+	return ""
+}
+
+// TestReserveBatchDecidesLikeSequentialReserves: 300 requests in one
+// ReserveBatch (five calls of at most 64, one round trip) decide exactly
+// as the same requests of another tenant reserved one by one: ids repeated
+// within a call and across calls, denials between admissions, both plans,
+// tenant-wide and shadow limits, concurrency slots, Fresh and invalid
+// requests. Afterwards every subject's limits agree, and each subject's
+// version grew with each of its admissions.
+func TestReserveBatchDecidesLikeSequentialReserves(t *testing.T) {
+	c, rt := limitstest.CountedShared(t)
+	counter := &fcalls{}
+	c.AddHook(counter)
+	l := limitstest.At(c, 0)
+	ctx := context.Background()
+	base := redistest.UniqueName(t)
+	const n = 300
+	for _, seed := range []uint64{1, 2} {
+		one, many := base+"-one-"+strconv.Itoa(int(seed)), base+"-many-"+strconv.Itoa(int(seed))
+		seq, batch := sequence(one, n, seed), sequence(many, n, seed)
+		want := make([]limits.Reserved, n)
+		for i := range seq {
+			want[i].Decision, want[i].Err = l.Reserve(ctx, seq[i])
+		}
+		counter.n.Store(0)
+		rt.Reset()
+		got := l.ReserveBatch(ctx, batch)
+		valid, allowed, denied, dups, conflicts := 0, 0, 0, 0, 0
+		versions := map[string]int64{}
+		for i := range got {
+			if (got[i].Err == nil) != (want[i].Err == nil) || got[i].Err != nil && !errors.Is(got[i].Err, limits.ErrInvalid) {
+				t.Fatalf("seed %d: ReserveBatch[%d] error = %v, alone %v", seed, i, got[i].Err, want[i].Err)
+			}
+			if got[i].Err != nil {
+				continue
+			}
+			valid++
+			d := got[i].Decision
+			if diff := sameDecision(d, want[i].Decision); diff != "" {
+				t.Fatalf("seed %d: ReserveBatch[%d] (%s %s cost %d) = %s", seed, i, batch[i].User, batch[i].RequestID, batch[i].Cost, diff)
+			}
+			switch {
+			case d.Duplicate:
+				dups++
+			case d.Conflict != limits.NoConflict:
+				conflicts++
+			case d.Allowed:
+				allowed++
+				if v := versions[batch[i].User]; d.Version <= v {
+					t.Fatalf("seed %d: ReserveBatch[%d] version %d after %d", seed, i, d.Version, v)
+				}
+				versions[batch[i].User] = d.Version
+			default:
+				denied++
+			}
+		}
+		if allowed == 0 || denied == 0 || dups == 0 || conflicts == 0 {
+			t.Fatalf("seed %d: the sequence has %d admissions, %d denials, %d duplicates, %d conflicts; want each", seed, allowed, denied, dups, conflicts)
+		}
+		if calls, want := counter.n.Load(), int64((valid+63)/64); calls != want {
+			t.Errorf("seed %d: %d valid requests took %d FCALLs, want %d", seed, valid, calls, want)
+		}
+		if n := rt.Count(); n != 1 {
+			t.Errorf("seed %d: ReserveBatch took %d round trips, want 1", seed, n)
+		}
+		for u := range 4 {
+			for p, rules := range sequenceRules() {
+				a := limitstest.Peek(t, l, one, "u"+strconv.Itoa(u), rules)
+				b := limitstest.Peek(t, l, many, "u"+strconv.Itoa(u), rules)
+				if !slices.Equal(limitstest.Used(a.States), limitstest.Used(b.States)) {
+					t.Errorf("seed %d: user u%d plan %d used %v after the batch, %v after reserves one by one", seed, u, p, limitstest.Used(b.States), limitstest.Used(a.States))
+				}
+			}
+		}
+	}
+}
+
+// TestReserveBatchUnreadableStateFailsOnlyItsReserve: a subject whose blob
+// is not the engine's fails its reserve with an error; the reserves before
+// and after it in the batch are decided and stored.
+func TestReserveBatchUnreadableStateFailsOnlyItsReserve(t *testing.T) {
+	c := redistest.Shared(t)
+	l := limitstest.At(c, 0)
+	ctx := context.Background()
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * time.Hour)})}
+	bad := "q{" + tenant + "}u:bad"
+	if err := c.Set(ctx, bad, "xyz", time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Del(context.Background(), bad) })
+	req := func(user, id string) limits.Request {
+		return limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: 10, Rules: rules}
+	}
+	out := l.ReserveBatch(ctx, []limits.Request{req("a", "1"), req("bad", "1"), req("a", "2"), req("bad", "2")})
+	for _, i := range []int{1, 3} {
+		if out[i].Err == nil || !strings.Contains(out[i].Err.Error(), "reserve "+tenant+"/bad: ") {
+			t.Errorf("ReserveBatch[%d] (unreadable blob) error = %v, want one naming %s/bad", i, out[i].Err, tenant)
+		}
+	}
+	for k, i := range []int{0, 2} {
+		if out[i].Err != nil || !out[i].Decision.Allowed || out[i].Decision.States[0].Used != int64(10*(k+1)) {
+			t.Errorf("ReserveBatch[%d] = %+v, %v; want allowed, used %d", i, out[i].Decision, out[i].Err, 10*(k+1))
+		}
+	}
+	if d := limitstest.Peek(t, l, tenant, "a", rules); d.States[0].Used != 20 {
+		t.Errorf("user a used %d after the batch, want 20", d.States[0].Used)
+	}
+	if got, _ := c.Get(ctx, bad).Result(); got != "xyz" {
+		t.Errorf("the unreadable blob became %q", got)
+	}
+	if d := limitstest.Reserve(t, l, tenant, "a", "2", 10, rules); !d.Duplicate {
+		t.Errorf("Reserve of a's request 2 again = %+v, want a duplicate: the batch stored its record", d)
 	}
 }

@@ -33,6 +33,16 @@ func (r *Runner) Run(ctx context.Context, e *Entry, c *wire.Call) *redis.Cmd {
 	return r.RunAll(ctx, e, []wire.Call{*c})[0]
 }
 
+// SlotBound reports whether the keys of one call must share a hash slot:
+// on a Cluster (the server refuses others), on a Ring (which picks a
+// call's shard by its first key) and on any client it does not know. A
+// *redis.Client (one node, or Sentinel's failover client) takes the keys
+// of many tenants in one call.
+func (r *Runner) SlotBound() bool {
+	_, node := r.c.(*redis.Client)
+	return !node
+}
+
 // pipeliner is what RunAll needs to pipeline.
 type pipeliner interface {
 	Pipeline() redis.Pipeliner

@@ -37,8 +37,14 @@ func TestACallMissingTheLibraryAfterAnotherLoadLoadsIt(t *testing.T) {
 	r := NewRunner(c)
 	c.AddHook(&bumpOnFCall{r: r})
 	rules := []policy.Rule{{Limit: policy.Limit{Name: "5h", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1000, Window: policy.Duration(5 * time.Hour)}, Scope: policy.ScopeUser}}
-	call := wire.NewParams(0, true, 0).ReserveCall("acme", "u", "r1", 1, wire.ModeReserve, 0, 0, rules)
-	if _, err := wire.DecodeReserve(r.Run(context.Background(), Reserve, &call), &call); err != nil {
-		t.Fatalf("reserve after a load that did not reach this server: %v", err)
+	b := wire.NewParams(0, true, 0).NewReserveBatch()
+	if err := b.Add("acme", "u", "r1", 1, wire.ModeReserve, 0, 0, rules); err != nil {
+		t.Fatal(err)
 	}
+	call := b.Call()
+	wire.DecodeReserves(r.Run(context.Background(), Reserve, &call), &call, func(_ int, _ wire.ReserveReply, err error) {
+		if err != nil {
+			t.Fatalf("reserve after a load that did not reach this server: %v", err)
+		}
+	})
 }

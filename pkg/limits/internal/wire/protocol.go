@@ -20,9 +20,11 @@
 // "no epoch" is the reply -1, as a packed or plain integer or {-1}.
 //
 //	entry     ARGV                                              reply
-//	reserve   1 reserve argument; 2 concurrency member (subject  snapshot: status, denied_by,
-//	          calls with concurrency limits only)                retry_ms, reason, now_ms,
-//	                                                             version, tenant_version
+//	reserve   1 batch head; 2 record ttl ms; then one reserve    per reserve, in order: its
+//	          argument per reserve of the batch (KEYS: all      snapshot (status, denied_by,
+//	          the batch's keys, each once)                      retry_ms, reason, now_ms,
+//	                                                            version, tenant_version), the
+//	                                                            packed -1, or an error
 //	settle    offset, op, actual, guard, "", record ttl ms,      snapshot: status, delta,
 //	          member, fallback time ms, fallback estimate,       reserved_at_ms, now_ms, version,
 //	          specs (token and concurrency limits)               tenant_version, prior state, estimate
@@ -53,13 +55,20 @@
 // token bucket's period ms. One argument, where eight per limit cost Redis
 // about 1k instructions each.
 //
-// # The reserve argument
+// # Reserve calls
 //
-// '<i6i6BBBi6' offset, cost (weighted tokens; a requests limit charges 1),
-// mode (ModeReserve, ModePeek, ModeFresh: a request id no record may hold),
-// guard (1/0), meta (0 shared, 1 subject, 2 subject with tenant-wide
-// limits), record ttl ms; then, from byte 22, what the reservation record
-// holds after its state byte: the record tail.
+// One reserve call decides a batch of reserves in order (ReserveBatch; a
+// lone Reserve is a batch of one), so Redis pays a call's fixed cost once
+// per batch. KEYS are every key its reserves name, each once: the strings
+// first (epoch keys, records, blobs), which the script reads in one MGET,
+// then the concurrency sets. The batch head, '<i6BI2': offset, guard (1/0),
+// how many KEYS are strings. Each reserve's argument, '<i6BBI2I2I2I2': cost
+// (weighted tokens; a requests limit charges 1), mode (ModeReserve,
+// ModePeek, ModeFresh: a request id no record may hold), meta (0 shared, 1
+// subject, 2 subject with tenant-wide limits), the KEYS indexes of its
+// epoch key, record (0: shared), blob and tenant blob (0: none); then, from
+// byte 17, what the reservation record holds after its state byte: the
+// record tail; then, with concurrency limits, the concurrency member.
 //
 // # Snapshot replies
 //
@@ -149,6 +158,8 @@ type Call struct {
 	Keys  []string
 	Args  []any
 	Rules []policy.Rule
+	// Batch holds the rules of each reserve of a reserve call, in order.
+	Batch [][]policy.Rule
 	What  string
 	Err   error
 }
@@ -208,9 +219,16 @@ const tailHeadLen = 14
 // (exact in Lua's doubles).
 const mask48 = 1<<48 - 1
 
-// reserveHeadLen is the size of the reserve argument's scalars
-// ('<i6i6BBBi6').
-const reserveHeadLen = 21
+// reserveHeadLen is the size of a reserve's scalars ('<i6BBI2I2I2I2').
+const reserveHeadLen = 16
+
+// batchHeadLen is the size of a reserve call's first argument ('<i6BI2').
+const batchHeadLen = 9
+
+// MaxBatch is the most reserves one reserve call carries; ReserveBatch
+// callers start another call past it. A function runs atomically, so a
+// call holds the node for all its reserves: 64 of about 10-20 µs each.
+const MaxBatch = 64
 
 // specLen is the size in bytes of one packed spec.
 const specLen = 32
@@ -274,60 +292,185 @@ const tombTTL = time.Minute
 // retried top-up applies once. The ledger remembers it for ever.
 const topUpMarkerTTL = 400 * 24 * 3600 * 1000 // ms
 
-// ReserveCall is the reserve call of mode of a request of (tenant, user):
-// cost for requestID, under rules, with the request's fingerprint and the
-// call's nonce. It checks the identifiers and the cost.
-func (p Params) ReserveCall(tenant, user, requestID string, cost int64, mode int, fingerprint, nonce int64, rules []policy.Rule) Call {
+// ReserveBatch gathers reserves into one reserve call (reserve.lua): the
+// keys they name, each once (a key twice would let a reserve read what an
+// earlier one of the call replaced), and one argument per reserve. On a
+// Redis Cluster the keys of one call must share a slot, as every key of a
+// tenant or of a shared scope's id does: callers batch per slot there.
+// Build it with Params.NewReserveBatch.
+type ReserveBatch struct {
+	p     Params
+	strs  []string // string keys, read in one MGET
+	zsets []string // concurrency sets, after them
+	index map[string]int
+	args  []any // the head and the ttl, then one argument per reserve
+	rules [][]policy.Rule
+}
+
+// NewReserveBatch returns an empty batch.
+func (p Params) NewReserveBatch() *ReserveBatch {
+	return &ReserveBatch{p: p, args: make([]any, 2, 3)}
+}
+
+// Len is the number of reserves in b.
+func (b *ReserveBatch) Len() int { return len(b.rules) }
+
+// Add adds the reserve of mode of a request of (tenant, user): cost for
+// requestID, under rules, with the request's fingerprint and the call's
+// nonce. It checks the identifiers and the cost and adds nothing when they
+// fail.
+func (b *ReserveBatch) Add(tenant, user, requestID string, cost int64, mode int, fingerprint, nonce int64, rules []policy.Rule) error {
 	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("cost", cost)); err != nil {
-		return invalid(err)
+		return err
 	}
 	keys, meta := subjectCallKeys(NewSubjectKeys(tenant, user), requestID, rules)
-	arg := p.reserveArg(cost, mode, meta, fingerprint, nonce, rules, keys[4:])
-	if len(keys) == 4 {
-		return Call{Keys: keys, Args: []any{arg}, Rules: rules}
+	conc := keys[4:]
+	var tk int
+	if meta == 2 {
+		tk = b.key(keys[3])
 	}
-	return Call{Keys: keys, Args: []any{arg, member(keys)}, Rules: rules}
+	head := reserveHead(cost, mode, meta, b.key(keys[0]), b.key(keys[1]), b.key(keys[2]), tk)
+	n := reserveHeadLen + tailLen(rules, conc)
+	var mem string
+	if len(conc) > 0 {
+		mem = member(keys)
+		n += len(mem)
+		for _, k := range conc {
+			b.zset(k)
+		}
+	}
+	var w strings.Builder
+	w.Grow(n)
+	w.Write(head[:])
+	b.p.writeTail(&w, fingerprint, nonce, rules, conc)
+	w.WriteString(mem)
+	b.args = append(b.args, w.String())
+	b.rules = append(b.rules, rules)
+	return nil
 }
 
-// SharedReserveCall is the reserve call of mode of cost in the shared
-// limits rules of scope's id.
-func (p Params) SharedReserveCall(scope policy.Scope, id string, cost int64, mode int, rules []policy.Rule) Call {
+// AddShared adds the reserve of mode of cost in the shared limits rules of
+// scope's id.
+func (b *ReserveBatch) AddShared(scope policy.Scope, id string, cost int64, mode int, rules []policy.Rule) error {
 	if err := errors.Join(checkID(string(scope), id, true), checkCost("cost", cost), checkShared(rules)); err != nil {
-		return invalid(err)
+		return err
 	}
 	tag := sharedTag(scope, id)
-	arg := p.reserveArg(cost, mode, 0, 0, 0, rules, nil)
-	return Call{Keys: []string{epochKey(tag), sharedBlob(tag)}, Args: []any{arg}, Rules: rules}
+	head := reserveHead(cost, mode, 0, b.key(epochKey(tag)), 0, b.key(sharedBlob(tag)), 0)
+	var w strings.Builder
+	w.Grow(reserveHeadLen + tailLen(rules, nil))
+	w.Write(head[:])
+	b.p.writeTail(&w, 0, 0, rules, nil)
+	b.args = append(b.args, w.String())
+	b.rules = append(b.rules, rules)
+	return nil
 }
 
-// reserveArg is the reserve argument: the call's scalars, then the record
-// tail. One argument instead of eight: Redis spends about 1k instructions
-// per script argument, and the client one encoding each.
-func (p Params) reserveArg(cost int64, mode int, meta byte, fingerprint, nonce int64, rules []policy.Rule, conc []string) string {
-	var b strings.Builder
-	b.Grow(reserveHeadLen + tailLen(rules, conc))
-	var h [reserveHeadLen]byte
-	putInt48(h[0:], p.offset)
-	putInt48(h[6:], cost)
-	h[12], h[13], h[14] = byte(mode), p.guard[0]-'0', meta
-	putInt48(h[15:], p.resTTL)
-	b.Write(h[:])
-	p.writeTail(&b, fingerprint, nonce, rules, conc)
-	return b.String()
+// reserveHead packs a reserve's scalars: its cost, mode and meta byte and
+// the KEYS indexes of its epoch key, record, blob and tenant blob.
+func reserveHead(cost int64, mode int, meta byte, ek, rk, sk, tk int) (h [reserveHeadLen]byte) {
+	putInt48(h[0:], cost)
+	h[6], h[7] = byte(mode), meta
+	binary.LittleEndian.PutUint16(h[8:], uint16(ek))
+	binary.LittleEndian.PutUint16(h[10:], uint16(rk))
+	binary.LittleEndian.PutUint16(h[12:], uint16(sk))
+	binary.LittleEndian.PutUint16(h[14:], uint16(tk))
+	return h
 }
 
-// ReserveReply is a decoded reserve reply.
+// key returns the 1-based KEYS index of string key k, adding it once.
+// Lone calls name four keys: a scan costs less than a map until a batch
+// names a few dozen.
+func (b *ReserveBatch) key(k string) int {
+	if b.index != nil {
+		if i, ok := b.index[k]; ok {
+			return i
+		}
+	} else {
+		for i, s := range b.strs {
+			if s == k {
+				return i + 1
+			}
+		}
+		if len(b.strs) >= 16 {
+			b.index = make(map[string]int, 4*MaxBatch)
+			for i, s := range b.strs {
+				b.index[s] = i + 1
+			}
+		}
+	}
+	b.strs = append(b.strs, k)
+	if b.index != nil {
+		b.index[k] = len(b.strs)
+	}
+	return len(b.strs)
+}
+
+// zset adds concurrency set k to the keys once: reserve.lua names it by the
+// copy in the record tail, so it only needs declaring.
+func (b *ReserveBatch) zset(k string) {
+	for _, s := range b.zsets {
+		if s == k {
+			return
+		}
+	}
+	b.zsets = append(b.zsets, k)
+}
+
+// Call returns the reserve call of b's reserves, Batch their rules.
+func (b *ReserveBatch) Call() Call {
+	var h [batchHeadLen]byte
+	putInt48(h[0:], b.p.offset)
+	h[6] = b.p.guard[0] - '0'
+	binary.LittleEndian.PutUint16(h[7:], uint16(len(b.strs)))
+	b.args[0], b.args[1] = string(h[:]), strconv.FormatInt(b.p.resTTL, 10)
+	keys := b.strs
+	if len(b.zsets) > 0 {
+		keys = append(keys[:len(keys):len(keys)], b.zsets...)
+	}
+	return Call{Keys: keys, Args: b.args, Batch: b.rules}
+}
+
+// ReserveReply is one decoded reserve of a reserve reply.
 type ReserveReply struct {
 	Status, DeniedBy, RetryMs, Reason, NowMs, Version, TenantVersion int64
 	// Limits holds four values per limit; States decodes them.
 	Limits []int64
 }
 
-// DecodeReserve reads the reply of reserve call c. Errors other than
-// ErrNoEpoch are the caller's to wrap with what it called, so the success
-// path formats nothing.
-func DecodeReserve(cmd *redis.Cmd, c *Call) (ReserveReply, error) {
-	v, err := packedInts(cmd)
+// DecodeReserves reads the reply of reserve call c and passes f each
+// reserve's reply or error, in the order of c.Batch. An error of the whole
+// call (the connection, a script error) is every reserve's. Errors other
+// than ErrNoEpoch are the caller's to wrap with what it reserved, so the
+// success path formats nothing.
+func DecodeReserves(cmd *redis.Cmd, c *Call, f func(i int, v ReserveReply, err error)) {
+	all, err := cmd.Slice()
+	if err == nil && len(all) != len(c.Batch) {
+		err = fmt.Errorf("reply of %d reserves for %d", len(all), len(c.Batch))
+	}
+	for i := range c.Batch {
+		if err != nil {
+			f(i, ReserveReply{}, err)
+			continue
+		}
+		v, err := decodeReserve(all[i], len(c.Batch[i]))
+		f(i, v, err)
+	}
+}
+
+// decodeReserve reads one reserve's element of a reserve reply, of a
+// reserve over n limits.
+func decodeReserve(e any, n int) (ReserveReply, error) {
+	var s string
+	switch e := e.(type) {
+	case string:
+		s = e
+	case error:
+		return ReserveReply{}, e
+	default:
+		return ReserveReply{}, fmt.Errorf("reply element is %T", e)
+	}
+	v, err := unpackInts(s)
 	if err != nil {
 		return ReserveReply{}, err
 	}
@@ -335,8 +478,8 @@ func DecodeReserve(cmd *redis.Cmd, c *Call) (ReserveReply, error) {
 		return ReserveReply{}, ErrNoEpoch
 	}
 	const head = 7
-	if len(v) != head+4*len(c.Rules) {
-		return ReserveReply{}, fmt.Errorf("reply of %d values for %d limits", len(v), len(c.Rules))
+	if len(v) != head+4*n {
+		return ReserveReply{}, fmt.Errorf("reply of %d values for %d limits", len(v), n)
 	}
 	return ReserveReply{
 		Status: v[0], DeniedBy: v[1], RetryMs: v[2], Reason: v[3],
@@ -520,6 +663,11 @@ func packedInts(cmd *redis.Cmd) ([]int64, error) {
 	if err != nil {
 		return nil, err
 	}
+	return unpackInts(s)
+}
+
+// unpackInts reads 64-bit little-endian integers packed in s.
+func unpackInts(s string) ([]int64, error) {
 	if len(s)%8 != 0 {
 		return nil, fmt.Errorf("reply of %d bytes is not a list of 64-bit integers", len(s))
 	}

@@ -47,7 +47,7 @@
 -- 28 days: a time less than DAYS_28 before the end of a month lies in that
 -- month, and month() need not run.
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
-local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
+local spack, sunpack, srep, sformat = struct.pack, struct.unpack, string.rep, string.format
 local z6 = '\0\0\0\0\0\0' -- one empty rolling bucket
 -- S holds every limit's spec and state: limit j in the SLOTS slots after
 -- (j-1)*SLOTS, named in names.go. A constructor of STATE_SLOTS slots
@@ -113,11 +113,17 @@ local function open(raw, now)
   return bl
 end
 
--- save writes a changed blob and moves its version forward: to now in µs,
--- or one past the last version when that is later, so versions only grow,
--- even after the blob expired and came back.
-local function save(bl, key, now)
+-- bump moves a changed blob's version forward: to now in µs, or one past
+-- the last version when that is later, so versions only grow, even after
+-- the blob expired and came back.
+local function bump(bl, now)
   bl.ver = max(bl.ver + 1, now * 1000)
+end
+
+-- write writes a blob back: its live records, and its version. Its expiry
+-- goes out as text: Redis formats a Lua number with printf's %.17g, which
+-- costs ~2k instructions more (bench/results.md).
+local function write(bl, key)
   local parts, last, raw = { spack('<d', bl.ver) }, 0, bl.raw
   for i = 1, bl.n do
     local id = bl[i]
@@ -131,8 +137,14 @@ local function save(bl, key, now)
   elseif last >= NEVER then
     redis.call('SET', key, table.concat(parts))
   else
-    redis.call('SET', key, table.concat(parts), 'PXAT', last)
+    redis.call('SET', key, table.concat(parts), 'PXAT', sformat('%d', last))
   end
+end
+
+-- save writes a changed blob back with its version moved forward.
+local function save(bl, key, now)
+  bump(bl, now)
+  write(bl, key)
 end
 
 -- load decodes the spec at byte pos of string specs and its state into slot
@@ -150,9 +162,17 @@ local function load(specs, pos, j, sub, ten, now, zkey)
     S[o + CONC_USED], S[o + CONC_KEY], S[o + CONC_MEMBER] = redis.call('ZCARD', zkey), zkey, false
     return
   end
+  -- the record is at a position of the blob as read, or a string of its
+  -- own once an earlier reserve of the batch stored it
   local raw, at = bl.raw, bl[id]
-  if at then at = at + 14 else raw = nil end
-  S[o + PAYLOAD] = at or false
+  if type(at) == 'string' then
+    raw, at = at, 15
+  elseif at then
+    at = at + 14
+  else
+    raw = nil
+  end
+  S[o + PAYLOAD], S[o + SRC] = at or false, raw
   if kind == ROLLING then
     local cb = floor(now / a)
     local h, tl, t
@@ -228,7 +248,7 @@ local function expand(o)
   if full then return full end
   local b, at = S[o + SPEC_B], S[o + PAYLOAD]
   if at then
-    full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), S[o + BLOB].raw, at + 18) }
+    full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), S[o + SRC], at + 18) }
     full[b + 1] = nil
   else
     full = {}
@@ -323,7 +343,7 @@ local function add(j, delta, ts, now, member)
     if delta > 0 and t + delta > MAX_COUNT then delta = max(0, MAX_COUNT - t) end
     if k == cb and delta > 0 and not S[o + ROLL_BUCKETS] then
       -- hot path: only the current bucket and the header change
-      local cur = S[o + ROLL_NOW_USED] or sunpack('<i6', S[o + BLOB].raw, S[o + PAYLOAD] + 18 + 6 * (k % b))
+      local cur = S[o + ROLL_NOW_USED] or sunpack('<i6', S[o + SRC], S[o + PAYLOAD] + 18 + 6 * (k % b))
       if t == 0 then S[o + ROLL_TAIL] = k end
       S[o + ROLL_TOTAL], S[o + ROLL_NOW_USED] = t + delta, cur + delta
       return
@@ -392,9 +412,9 @@ local function store(j, now)
     elseif not at then
       rec = rec .. srep(z6, i) .. spack('<i6', S[o + ROLL_NOW_USED]) .. srep(z6, b - i - 1)
     elseif not S[o + ROLL_NOW_USED] then -- a correction outside the window: no bucket changed
-      rec = rec .. bl.raw:sub(at + 18, at + 17 + 6 * b)
+      rec = rec .. S[o + SRC]:sub(at + 18, at + 17 + 6 * b)
     else
-      local raw, off = bl.raw, at + 18 + 6 * i
+      local raw, off = S[o + SRC], at + 18 + 6 * i
       rec = rec .. raw:sub(at + 18, off - 1) .. spack('<i6', S[o + ROLL_NOW_USED]) .. raw:sub(off + 6, at + 17 + 6 * b)
     end
   elseif kind == FIXED or kind == CALENDAR then
@@ -529,6 +549,15 @@ local function holds(raw, p, n, sub, ten, now, all)
     end
   end
   return out, last
+end
+
+-- stage stores limits 1..n into their blobs and moves the version of each
+-- blob that changed forward, writing nothing: reserve.lua writes a blob
+-- once per batch (write), however many reserves changed it.
+local function stage(n, sub, ten, now)
+  for j = 1, n do store(j, now) end
+  if sub.dirty then sub.dirty, sub.changed = false, true; bump(sub, now) end
+  if ten and ten.dirty then ten.dirty, ten.changed = false, true; bump(ten, now) end
 end
 
 -- commit stores limits 1..n and writes the blobs that changed back.
