@@ -1,7 +1,9 @@
 package stream_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -30,7 +32,8 @@ func actual(g, i int) events.Event {
 	}, time.Now())
 }
 
-// storedIDs counts the events the stream holds by id.
+// storedIDs counts the events the stream holds by id, whether a message
+// holds one or a batch.
 func storedIDs(t *testing.T, js jetstream.JetStream, name string) map[string]int {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -47,11 +50,20 @@ func storedIDs(t *testing.T, js jetstream.JetStream, name string) map[string]int
 		}
 		got := 0
 		for m := range batch.Messages() {
-			ev, err := events.Decode(m.Data())
-			if err != nil {
-				t.Fatalf("stored message %q: %v", m.Data(), err)
+			// One event, or a CloudEvents batch (a JSON array) of them.
+			raws := []json.RawMessage{m.Data()}
+			if bytes.HasPrefix(bytes.TrimSpace(m.Data()), []byte("[")) {
+				if err := json.Unmarshal(m.Data(), &raws); err != nil {
+					t.Fatalf("stored batch %q: %v", m.Data(), err)
+				}
 			}
-			ids[ev.ID]++
+			for _, raw := range raws {
+				ev, err := events.Decode(raw)
+				if err != nil {
+					t.Fatalf("stored event %q: %v", raw, err)
+				}
+				ids[ev.ID]++
+			}
 			got++
 		}
 		if got == 0 {
