@@ -23,6 +23,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"quotaflow/bench/internal/envoy"
 )
 
 func main() {
@@ -37,7 +39,8 @@ func main() {
 	rounds := flag.Int("rounds", 5, "rounds of -ab and -peer")
 	peerMode := flag.Bool("peer", false, "compare with plain net/http and envoyproxy/ratelimit, admission with one and with five limits, in interleaved rounds")
 	targets := flag.String("targets", "", "-peer: only these of plain,envoy,one,five (comma-separated; default all)")
-	envoyPool := flag.Int("envoy-pool", 64, "-peer: envoy's REDIS_POOL_SIZE")
+	envoyPool := flag.Int("envoy-pool", envoy.DefaultPoolSize, "-peer: envoy's REDIS_POOL_SIZE")
+	envoyEnv := flag.String("envoy-env", "", "-peer: more envoy settings to try, NAME=value, comma-separated")
 	envoyWindow := flag.Duration("envoy-window", 0, "-peer: envoy's REDIS_PIPELINE_WINDOW (used by its cluster client only, at this version)")
 	open := flag.Float64("open", 0.7, "-peer: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (0: not)")
 	flag.Parse()
@@ -53,6 +56,9 @@ func main() {
 	if *peerMode {
 		o := peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds, targets: map[string]bool{},
 			envoyPool: *envoyPool, envoyWindow: *envoyWindow, openFrac: *open}
+		if *envoyEnv != "" {
+			o.envoyEnv = strings.Split(*envoyEnv, ",")
+		}
 		for _, t := range strings.Split(*targets, ",") {
 			switch t = strings.TrimSpace(t); t {
 			case "":

@@ -54,6 +54,7 @@ type peerOptions struct {
 	targets     map[string]bool // by short name; all when empty
 	envoyPool   int             // REDIS_POOL_SIZE
 	envoyWindow time.Duration   // REDIS_PIPELINE_WINDOW
+	envoyEnv    []string        // more of its settings, to try
 	openFrac    float64         // the open loop's rate, of the five-limit plan's closed-loop maximum
 }
 
@@ -76,6 +77,9 @@ type peerRun struct {
 	rss                      int64   // the server's VmRSS after the run, bytes
 	failopen                 float64
 }
+
+// all is the CPU per request of every process.
+func (r peerRun) all() float64 { return r.server + r.redis + r.nats + r.gen }
 
 // peer loads, in one run and interleaved rounds, a plain net/http handler,
 // envoyproxy/ratelimit and admission with one and with five limits, each
@@ -158,8 +162,12 @@ func peer(ctx context.Context, o peerOptions) error {
 	}
 
 	fmt.Printf("%d users, %s per run, %d rounds, targets in rotating order; load average %s at the start\n", o.users, o.dur, o.rounds, load0)
-	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s; plain answers %d bytes (admission's 5-limit answer)\n\n",
-		envoy.Package, envoy.Version, o.envoyPool, o.envoyWindow, size)
+	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s\n",
+		envoy.Package, envoy.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "))
+	if find(ts, "plain") != nil {
+		fmt.Printf("plain answers %d bytes (admission's 5-limit answer)\n", size)
+	}
+	fmt.Println()
 	for _, t := range ts { // warm: connections, Redis's functions, 100k users' keys, the Go runtimes
 		if _, err := measure(t, o.levels[len(o.levels)-1], 0); err != nil {
 			return err
@@ -203,9 +211,11 @@ func peer(ctx context.Context, o peerOptions) error {
 // summary prints the medians over the rounds and issue 13's goals.
 func summary(ts []*peerTarget, o peerOptions) {
 	plain, envoy := find(ts, "plain"), find(ts, "envoy")
-	fmt.Printf("\nmedians over %d rounds (ratios: median of the per-round ratios, each to the run of the same round):\n\n", o.rounds)
-	fmt.Println("| target | c | req/s | ÷ plain | ÷ envoy | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req | server RSS |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Printf("\nmedians over %d rounds (ratios: median of the per-round ratios, each to the run of the same round; "+
+		"÷ envoy by CPU: envoy's CPU per request, all its processes and the load generator's, over the target's, "+
+		"the throughput ratio on cores these processes had to themselves):\n\n", o.rounds)
+	fmt.Println("| target | c | req/s | ÷ plain | ÷ envoy | ÷ envoy by CPU | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req | server RSS |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, conc := range o.levels {
 		for _, t := range ts {
 			rs := t.runs[conc]
@@ -218,10 +228,10 @@ func summary(ts []*peerTarget, o peerOptions) {
 			}
 			server, redis, nats, gen := f(func(r peerRun) float64 { return r.server }), f(func(r peerRun) float64 { return r.redis }),
 				f(func(r peerRun) float64 { return r.nats }), f(func(r peerRun) float64 { return r.gen })
-			fmt.Printf("| %s | %d | %.0f | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f | %s |\n", t.name, conc,
-				median(rates(rs, nil)), ratioTo(t, plain, conc), ratioTo(t, envoy, conc),
+			fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f | %s |\n", t.name, conc,
+				median(rates(rs, nil)), ratioTo(t, plain, conc), ratioTo(t, envoy, conc), cpuRatioTo(t, envoy, conc),
 				f(func(r peerRun) float64 { return ms(pct(r.res, 50)) }), f(func(r peerRun) float64 { return ms(pct(r.res, 99)) }),
-				server, orDash(t.redis, redis), orDash(t.nats, nats), gen, f(func(r peerRun) float64 { return r.server + r.redis + r.nats + r.gen }),
+				server, orDash(t.redis, redis), orDash(t.nats, nats), gen, f(peerRun.all),
 				mib(int64(f(func(r peerRun) float64 { return float64(r.rss) }))))
 		}
 	}
@@ -242,8 +252,8 @@ func summary(ts []*peerTarget, o peerOptions) {
 		return strings.Join(parts, ", ")
 	}
 	fmt.Println("\nissue 13's goals (closed loop; the open-loop p99 follows below):\n\n| goal | this run |\n|---|---|")
-	fmt.Printf("| admission with 1 limit ≥ 1.5× envoy's throughput | %s |\n", ratiosAt(one, envoy, o.levels))
-	fmt.Printf("| admission with 5 limits ≥ 1.0× envoy's throughput | %s |\n", ratiosAt(five, envoy, o.levels))
+	fmt.Printf("| admission with 1 limit ≥ 1.5× envoy's throughput | %s; by CPU %s |\n", ratiosAt(one, envoy, o.levels, ratioTo), ratiosAt(one, envoy, o.levels, cpuRatioTo))
+	fmt.Printf("| admission with 5 limits ≥ 1.0× envoy's throughput | %s; by CPU %s |\n", ratiosAt(five, envoy, o.levels, ratioTo), ratiosAt(five, envoy, o.levels, cpuRatioTo))
 	fmt.Printf("| Redis CPU per 1-limit reserve ≤ 6 µs | %s |\n", at(one, func(r peerRun) float64 { return r.redis }))
 	fmt.Printf("| Redis CPU per 5-limit reserve ≤ 15 µs | %s |\n", at(five, func(r peerRun) float64 { return r.redis }))
 	rss := make([]float64, len(five.runs[top]))
@@ -282,10 +292,23 @@ func ratioTo(t, base *peerTarget, conc int) string {
 	return strconv.FormatFloat(median(rates(t.runs[conc], base.runs[conc])), 'f', 3, 64)
 }
 
-func ratiosAt(t, base *peerTarget, levels []int) string {
+// cpuRatioTo is the median over the rounds of base's CPU per request
+// over t's, all processes counted.
+func cpuRatioTo(t, base *peerTarget, conc int) string {
+	if base == nil {
+		return "-"
+	}
+	v := make([]float64, len(t.runs[conc]))
+	for i, r := range t.runs[conc] {
+		v[i] = base.runs[conc][i].all() / max(r.all(), 1e-9)
+	}
+	return strconv.FormatFloat(median(v), 'f', 3, 64)
+}
+
+func ratiosAt(t, base *peerTarget, levels []int, ratio func(t, base *peerTarget, conc int) string) string {
 	var parts []string
 	for _, conc := range levels {
-		parts = append(parts, ratioTo(t, base, conc)+"× (c="+strconv.Itoa(conc)+")")
+		parts = append(parts, ratio(t, base, conc)+"× (c="+strconv.Itoa(conc)+")")
 	}
 	return strings.Join(parts, ", ")
 }
@@ -364,7 +387,7 @@ func (b *bench) peerEnvoy(ctx context.Context, o peerOptions) (*peerTarget, erro
 	if err != nil {
 		return nil, err
 	}
-	env, addr, err := envoy.Setup(b.dir, rs.Addr, o.envoyPool, o.envoyWindow)
+	env, addr, err := envoy.Setup(b.dir, rs.Addr, o.envoyPool, o.envoyWindow, o.envoyEnv...)
 	if err != nil {
 		return nil, err
 	}

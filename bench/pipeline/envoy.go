@@ -21,8 +21,8 @@ type peer struct {
 }
 
 // startEnvoy runs bin, set up by envoy.Setup, on a TCP redis-server of
-// its own with a Redis pool as large as the load's connections.
-func startEnvoy(ctx context.Context, dir, bin string, conns int) (*peer, error) {
+// its own with the pool the peer is fastest with.
+func startEnvoy(ctx context.Context, dir, bin string) (*peer, error) {
 	dir = filepath.Join(dir, "envoy")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
@@ -32,7 +32,7 @@ func startEnvoy(ctx context.Context, dir, bin string, conns int) (*peer, error) 
 	if e.redis, err = e2e.StartRedis(ctx, dir); err != nil {
 		return e, err
 	}
-	env, addr, err := envoy.Setup(dir, e.redis.Addr, conns, 0)
+	env, addr, err := envoy.Setup(dir, e.redis.Addr, envoy.DefaultPoolSize, 0)
 	if err != nil {
 		return e, err
 	}

@@ -135,7 +135,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 			}
 		}
 		var err error
-		rl, err = startEnvoy(ctx, pls[0].p.Dir, bin, cfg.Conns)
+		rl, err = startEnvoy(ctx, pls[0].p.Dir, bin)
 		if rl != nil {
 			defer rl.close()
 		}

@@ -35,6 +35,13 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 1000000000}
 `
 
+// DefaultPoolSize is the peer's Redis pool for the benchmarks: its own
+// default, which in tries at 64 connections (bench/results.md, "The peer
+// and the targets") was as fast as 4 and well ahead of 64: its radix v4
+// client pipelines concurrent commands on a shared connection, so a pool
+// as large as the load spreads them thin.
+const DefaultPoolSize = 10
+
 // Binary builds the pinned service_cmd once into the user's cache
 // directory, keyed by its version (about 90 s the first time), and returns
 // its path.
@@ -59,12 +66,15 @@ func Binary() (string, error) {
 
 // Setup writes the peer's runtime config under dir and returns its
 // environment and the host:port of its HTTP API: on loopback, its three
-// ports free ones, statistics off (USE_STATSD=false), warnings only, the
-// config read once, and a TCP Redis at redisAddr with a pool of pool
-// connections (it blocks when all are busy) and window as
-// REDIS_PIPELINE_WINDOW (used by its cluster client only, at this
-// version).
-func Setup(dir, redisAddr string, pool int, window time.Duration) (env []string, addr string, err error) {
+// ports free ones, no statistics, warnings only, the config read once, and
+// a TCP Redis at redisAddr with a pool of pool connections (it blocks when
+// all are busy; 0 is DefaultPoolSize) and window as REDIS_PIPELINE_WINDOW
+// (used by its cluster client only, at this version; REDIS_PIPELINE_LIMIT
+// it ignores). extra are more of its settings, NAME=value, to try.
+func Setup(dir, redisAddr string, pool int, window time.Duration, extra ...string) (env []string, addr string, err error) {
+	if pool <= 0 {
+		pool = DefaultPoolSize
+	}
 	root := filepath.Join(dir, "envoy-runtime")
 	if err := os.MkdirAll(filepath.Join(root, "ratelimit", "config"), 0o755); err != nil {
 		return nil, "", err
@@ -80,13 +90,16 @@ func Setup(dir, redisAddr string, pool int, window time.Duration) (env []string,
 		}
 		ports[i] = strconv.Itoa(p)
 	}
-	return []string{
+	return append([]string{
 		"HOST=127.0.0.1", "PORT=" + ports[0], "GRPC_HOST=127.0.0.1", "GRPC_PORT=" + ports[1], "DEBUG_HOST=127.0.0.1", "DEBUG_PORT=" + ports[2],
-		"USE_STATSD=false", "LOG_LEVEL=warn",
+		// No statistics at all: with USE_STATSD=false alone it still counts
+		// every check into a stdout sink, ~10 % of its CPU per check in
+		// back-to-back tries (bench/results.md).
+		"USE_STATSD=false", "DISABLE_STATS=true", "LOG_LEVEL=warn",
 		"REDIS_SOCKET_TYPE=tcp", "REDIS_TYPE=SINGLE", "REDIS_URL=" + redisAddr, "REDIS_POOL_SIZE=" + strconv.Itoa(pool),
 		"REDIS_PIPELINE_WINDOW=" + window.String(),
 		"RUNTIME_ROOT=" + root, "RUNTIME_SUBDIRECTORY=ratelimit", "RUNTIME_WATCH_ROOT=false",
-	}, "127.0.0.1:" + ports[0], nil
+	}, extra...), "127.0.0.1:" + ports[0], nil
 }
 
 // Check asks the peer at addr for one check over POST /json and returns
