@@ -35,7 +35,7 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 		"ledger %d tokens in %d actual events, sent %d tokens in %d (%v)", l.ActualTotal, l.ActualCount, s.ActualSent.Load(), s.ActualEvents.Load(), err)
 	reserved, released := l.EventsByType[events.TypeReserved][0], l.EventsByType[events.TypeReleased][0]
 	add("no event counted twice", l.ActualCount == s.ActualEvents.Load() && reserved == s.Allowed.Load() && released == s.Releases.Load(),
-		"usage_events rows: actual %d (sent %d), reserved %d (allowed admits %d), released %d (releases %d)",
+		"ledger: actual events %d (sent %d), reservations %d (allowed admits %d), released events %d (releases %d)",
 		l.ActualCount, s.ActualEvents.Load(), reserved, s.Allowed.Load(), released, s.Releases.Load())
 
 	ok, detail := st.windowsMatchLedger(ctx)

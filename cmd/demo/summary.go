@@ -40,7 +40,7 @@ func printSummary(out io.Writer, rep *Report) {
 		fmt.Fprintf(out, "  actual / estimate of the settled ones   %9.2f\n", float64(st.ActualSent.Load())/float64(r))
 	}
 	fmt.Fprintln(out, "\nLedger (Postgres database "+rep.Database+"):")
-	fmt.Fprintf(out, "  %-26s %8s %12s\n", "usage_events type", "events", "tokens")
+	fmt.Fprintf(out, "  %-26s %8s %12s\n", "event type (reserved: reservations)", "events", "tokens")
 	for _, k := range sortedKeys(rep.Ledger.EventsByType) {
 		v := rep.Ledger.EventsByType[k]
 		fmt.Fprintf(out, "  %-26s %8d %12d\n", k, v[0], v[1])

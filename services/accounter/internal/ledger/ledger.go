@@ -1,8 +1,9 @@
 // Package ledger is the accounter's durable record in Postgres: every
-// consumed event once (usage_events), the durable copy of each reservation
-// (reservations) and hourly usage totals (usage_rollups). Its migrations are
-// embedded and applied at start under an advisory lock. Every write is
-// idempotent, so a redelivered batch changes nothing.
+// consumed event once (usage_events; a reserved event is recorded as its
+// reservation alone), the durable copy of each reservation (reservations)
+// and hourly usage totals (usage_rollups, a view of the actual events). Its
+// migrations are embedded and applied at start under an advisory lock.
+// Every write is idempotent, so a redelivered batch changes nothing.
 package ledger
 
 import (
@@ -61,11 +62,13 @@ type Record struct {
 	RequestID  string
 	Tokens     int64
 	OccurredAt time.Time // the CloudEvent time
-	Payload    []byte    // the event's JSON
-	Plan       string
-	Endpoint   string
-	Model      string
-	ExpiresAt  time.Time
+	// Payload is the event's JSON, stored with every event but a reserved
+	// one, whose reservation row holds what the ledger keeps of it.
+	Payload   []byte
+	Plan      string
+	Endpoint  string
+	Model     string
+	ExpiresAt time.Time
 	// Local marks a reserved event of a decision made without Redis
 	// (version 0): no Redis window holds its estimate.
 	Local bool
@@ -103,63 +106,50 @@ const (
 	kindReleased = "quotaflow.usage.released"
 )
 
-// createStaging makes the session's staging tables: ledger_in, which Begin
+// createStaging makes the session's staging table ledger_in, which Begin
 // copies a batch into (COPY is the cheapest way into Postgres; the
-// statements below merge the staged rows into the ledger), and ledger_new,
-// the events that were new, whose rollups Commit adds. They are temporary
+// statements below merge the staged rows into the ledger). It is temporary
 // (each pooled connection has its own) and emptied at each commit.
 const createStaging = `
 CREATE TEMP TABLE IF NOT EXISTS ledger_in (
     event_id text, type text, tenant text, user_id text, request_id text, tokens bigint,
     occurred_at timestamptz, payload jsonb, plan text, endpoint text, model text, expires_at timestamptz,
     local boolean
-) ON COMMIT DELETE ROWS;
-CREATE TEMP TABLE IF NOT EXISTS ledger_new (
-    type text, tenant text, user_id text, tokens bigint, occurred_at timestamptz
 ) ON COMMIT DELETE ROWS`
 
 // stagingColumns are ledger_in's columns in COPY order.
 var stagingColumns = []string{"event_id", "type", "tenant", "user_id", "request_id", "tokens",
 	"occurred_at", "payload", "plan", "endpoint", "model", "expires_at", "local"}
 
-// insertEvents stores the staged events that are new, keeps them in
-// ledger_new for the rollups, and returns how many were new: the rollups
-// see exactly the rows this statement inserted, so a redelivery adds
-// nothing.
+// insertEvents stores the staged events that are new, but reserved ones:
+// their reservation row is their record (upsertReservations), so the
+// ledger writes one row, not two, per reserved event, and no copy of its
+// payload.
 const insertEvents = `
-WITH input AS (
-    SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
-    FROM ledger_in
-    ORDER BY tenant, event_id
-), ins AS (
-    INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
-    SELECT event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload FROM input
-    ON CONFLICT (tenant, event_id) DO NOTHING
-    RETURNING type, tenant, user_id, tokens, occurred_at
-), kept AS (
-    INSERT INTO ledger_new SELECT * FROM ins
-)
-SELECT count(*) FROM ins`
-
-// addRollups adds the new actual events (ledger_new) to the hourly
-// rollups.
-const addRollups = `
-INSERT INTO usage_rollups AS r (tenant, user_id, bucket_start, tokens, requests)
-SELECT tenant, user_id, date_trunc('hour', occurred_at, 'UTC'), sum(tokens), count(*)
-FROM ledger_new WHERE type = 'quotaflow.usage.actual'
-GROUP BY 1, 2, 3
-ORDER BY 1, 2, 3
-ON CONFLICT (tenant, user_id, bucket_start)
-DO UPDATE SET tokens = r.tokens + excluded.tokens, requests = r.requests + excluded.requests`
+INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
+SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
+FROM ledger_in
+WHERE type <> 'quotaflow.usage.reserved'
+ORDER BY tenant, event_id
+ON CONFLICT (tenant, event_id) DO NOTHING`
 
 // upsertReservations merges the staged reserved, actual and released
 // events into their reservation rows (first value wins, so a redelivery
 // changes nothing) and returns every touched row. A row is local when its
 // estimate is in no Redis window: decided without Redis, or reserved in a
 // Redis that lost its data before a rebuild counted it.
+//
+// An open row that the batch gives an actual is written settled at once,
+// as the consumer will mark it once Redis took the correction, so that a
+// request's actual and settlement make one row version, not two; the row
+// keeps the status it had in prior_status, which is what the batch is told
+// (Reservation.Status) and what Commit puts back if Redis did not take it.
+// This is still the one statement, locking in key order, that writes a
+// batch's rows: concurrent batches cannot deadlock.
 const upsertReservations = `
 INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model,
-    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at, local)
+    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at, local,
+    status, settled_at, prior_status)
 SELECT tenant, user_id, request_id,
     coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), ''),
     coalesce(max(endpoint) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(endpoint), ''),
@@ -173,7 +163,10 @@ SELECT tenant, user_id, request_id,
     coalesce(bool_and(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
         -- reserved before the last rebuild, known only after it: the Redis
         -- that held it lost its data, the rebuilt one never counted it
-        OR coalesce(min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved') < (SELECT max(at) FROM rebuilds), false)
+        OR coalesce(min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved') < (SELECT max(at) FROM rebuilds), false),
+    CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN 'settled' ELSE 'open' END,
+    CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN now() END,
+    CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN 'open' END
 FROM (
     SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at, local
     FROM ledger_in
@@ -197,13 +190,20 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     actual_tokens = coalesce(r.actual_tokens, excluded.actual_tokens),
     actual_at = coalesce(r.actual_at, excluded.actual_at),
     released_at = coalesce(r.released_at, excluded.released_at),
+    -- excluded.status is settled when the batch has an actual
+    status = CASE WHEN r.status = 'open' THEN excluded.status ELSE r.status END,
+    settled_at = CASE WHEN r.status = 'open' THEN excluded.settled_at ELSE r.settled_at END,
+    prior_status = CASE WHEN r.status = 'open' THEN excluded.prior_status END,
     updated_at = now()
 RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
-    coalesce(actual_tokens, -1), reserved_at, coalesce(reserved_at, actual_at, released_at), status, local`
+    coalesce(actual_tokens, -1), reserved_at, coalesce(reserved_at, actual_at, released_at),
+    coalesce(prior_status, status), local, prior_status IS NOT NULL`
 
 // WriteResult is what a write did.
 type WriteResult struct {
-	// Inserted is how many events were new (the rest were redeliveries).
+	// Inserted is how many usage_events rows were new: the events but
+	// reserved ones (recorded as their reservation) that were not
+	// redeliveries.
 	Inserted int
 	// Reservations holds the row of every reservation the batch touched,
 	// after the write.
@@ -217,14 +217,16 @@ type WriteResult struct {
 //
 // It drives the transaction on a pooled connection itself, rather than
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
-// four exchanges a batch (BEGIN with the staging tables, COPY — two round
+// four exchanges a batch (BEGIN with the staging table, COPY — two round
 // trips, as the server answers the COPY before the data goes —, the
-// merge, the settlements with COMMIT) instead of six; one more when another
-// batch inserted one of its reservations meanwhile (see mergeQuery).
+// merge, the settlements with COMMIT) instead of six.
 type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
 	Result WriteResult
+	// settled holds the rows the write settled ahead of the consumer's
+	// marks (see upsertReservations).
+	settled map[Key]bool
 }
 
 // Begin writes a batch in a new transaction and leaves it open: the
@@ -236,7 +238,7 @@ func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
-	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}}
+	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}, settled: map[Key]bool{}}
 	if err := t.write(ctx, recs); err != nil {
 		t.Rollback(ctx)
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
@@ -256,7 +258,12 @@ func (t *Tx) write(ctx context.Context, recs []Record) error {
 		if !r.ExpiresAt.IsZero() {
 			exp = &r.ExpiresAt
 		}
-		return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, string(r.Payload),
+		var payload *string // a reserved event's is not stored: not parsed either
+		if r.Kind != kindReserved {
+			p := string(r.Payload)
+			payload = &p
+		}
+		return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, payload,
 			r.Plan, r.Endpoint, r.Model, exp, r.Local}, nil
 	}))
 	if err != nil {
@@ -264,21 +271,23 @@ func (t *Tx) write(ctx context.Context, recs []Record) error {
 	}
 	res := &t.Result
 	b := &pgx.Batch{}
-	b.Queue(insertEvents).QueryRow(func(row pgx.Row) error {
-		if err := row.Scan(&res.Inserted); err != nil {
-			return fmt.Errorf("insert events: %w", err)
-		}
+	b.Queue(insertEvents).Exec(func(ct pgconn.CommandTag) error {
+		res.Inserted = int(ct.RowsAffected())
 		return nil
 	})
 	b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
 		var v Reservation
 		var reservedAt *time.Time
-		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.At, &v.Status, &v.Local}, func() error {
+		var settled bool
+		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.At, &v.Status, &v.Local, &settled}, func() error {
 			v.ReservedAt = time.Time{}
 			if reservedAt != nil {
 				v.ReservedAt = *reservedAt
 			}
 			res.Reservations[v.Key] = v
+			if settled {
+				t.settled[v.Key] = true
+			}
 			return nil
 		})
 		if err != nil {
@@ -289,16 +298,34 @@ func (t *Tx) write(ctx context.Context, recs []Record) error {
 	return t.conn.SendBatch(ctx, b).Close()
 }
 
-// Commit records marks (see MarkSettled), adds the batch's rollups and
-// commits, in one round trip. The rollups come last: their rows are shared
-// by every batch of a subject, so their locks are held only until the
-// commit.
+// Commit records marks (see MarkSettled) and commits, in one round trip.
+// A row the write settled ahead (upsertReservations) is left as it is when
+// marks settle it, and else set to its mark's status, or back to open
+// without a mark: Redis did not take its correction.
 func (t *Tx) Commit(ctx context.Context, marks []Mark) error {
-	b := &pgx.Batch{}
-	if len(marks) > 0 {
-		b.Queue(markSettled, markArgs(marks)...)
+	var rest, undo []Mark
+	marked := make(map[Key]bool, len(t.settled))
+	for _, m := range marks {
+		switch {
+		case !t.settled[m.Key]:
+			rest = append(rest, m)
+		case m.Status != StatusSettled:
+			undo = append(undo, m)
+		}
+		marked[m.Key] = true
 	}
-	b.Queue(addRollups)
+	for k := range t.settled {
+		if !marked[k] {
+			undo = append(undo, Mark{Key: k, Status: StatusOpen})
+		}
+	}
+	b := &pgx.Batch{}
+	if len(rest) > 0 {
+		b.Queue(markSettled, markArgs(rest)...)
+	}
+	if len(undo) > 0 {
+		b.Queue(undoSettled, markArgs(undo)...)
+	}
 	b.Queue("COMMIT")
 	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
 		t.Rollback(ctx)
@@ -349,6 +376,15 @@ UPDATE reservations AS r SET status = m.status, settled_at = now(), updated_at =
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
 WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id
     AND (r.status = 'open' OR (r.status = 'released' AND m.status = 'settled'))`
+
+// undoSettled sets rows the batch's write settled ahead to the status
+// the consumer found for them: open (Redis did not take the correction) or
+// released. The batch holds their locks since its write.
+const undoSettled = `
+UPDATE reservations AS r SET status = m.status, prior_status = NULL, updated_at = now(),
+    settled_at = CASE WHEN m.status = 'open' THEN NULL ELSE r.settled_at END
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
+WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id`
 
 // MarkSettled records marks in one statement. Calling it again changes
 // nothing.

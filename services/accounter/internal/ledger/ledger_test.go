@@ -8,9 +8,10 @@ import (
 	"testing"
 	"time"
 
-	"quotaflow/internal/pgtest"
-
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"quotaflow/internal/pgtest"
 )
 
 // testPool creates a database of the test's own on the development
@@ -49,8 +50,8 @@ func TestWriteIsIdempotentAndMergesOutOfOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := res.Reservations[k]
-	if res.Inserted != 1 || got.Estimate != 100 || got.Actual != 40 || got.Plan != "pro" || got.Endpoint != "/gen" || !got.ReservedAt.Equal(at) {
-		t.Fatalf("Write(reserved, actual) = %d inserted, row %+v; want 1, estimate 100, actual 40, plan pro, /gen, reserved at %v", res.Inserted, got, at)
+	if res.Inserted != 0 || got.Estimate != 100 || got.Actual != 40 || got.Plan != "pro" || got.Endpoint != "/gen" || !got.ReservedAt.Equal(at) {
+		t.Fatalf("Write(reserved, actual) = %d inserted, row %+v; want 0 (a reserved event is its reservation row), estimate 100, actual 40, plan pro, /gen, reserved at %v", res.Inserted, got, at)
 	}
 	// Everything again: nothing changes.
 	res, err = s.Write(ctx, []Record{reserved, actual})
@@ -306,5 +307,211 @@ func TestConcurrentBatchesOfSharedReservationsCommit(t *testing.T) {
 		if want := finished[Key{Tenant: "t", User: "u", RequestID: req}]; want != (st != StatusOpen) {
 			t.Errorf("%s: status %s, finished by a committed batch: %v", req, st, want)
 		}
+	}
+}
+
+// A reserved event is recorded as its reservation row alone: no
+// usage_events row, and its redeliveries, alone, twice in one batch or in a
+// batch formed differently, change nothing. Another tenant's event with the
+// same id is its own reservation.
+func TestReservedEventIsItsReservation(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	reserved := func(tenant string) Record {
+		return Record{EventID: "v1", Kind: kindReserved, Tenant: tenant, User: "u", RequestID: "r1", Tokens: 100,
+			OccurredAt: at, Payload: []byte(`{"big":"snapshot"}`), Plan: "pro", Endpoint: "/gen", Model: "m", ExpiresAt: at.Add(time.Hour)}
+	}
+	other := Record{EventID: "a2", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r2", Tokens: 7, OccurredAt: at, Payload: []byte(`{}`)}
+	type row struct {
+		plan, endpoint, model, status string
+		estimate                      int64
+		reservedAt, expiresAt         time.Time
+	}
+	read := func(tenant string) (r row) {
+		t.Helper()
+		err := pool.QueryRow(ctx, `SELECT plan, endpoint, model, status, estimated_tokens, reserved_at, expires_at
+			FROM reservations WHERE tenant = $1 AND request_id = 'r1'`, tenant).
+			Scan(&r.plan, &r.endpoint, &r.model, &r.status, &r.estimate, &r.reservedAt, &r.expiresAt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.reservedAt, r.expiresAt = r.reservedAt.UTC(), r.expiresAt.UTC()
+		return r
+	}
+	want := row{plan: "pro", endpoint: "/gen", model: "m", status: StatusOpen, estimate: 100, reservedAt: at, expiresAt: at.Add(time.Hour)}
+	for i, batch := range [][]Record{{reserved("t")}, {reserved("t"), reserved("t")}, {other, reserved("t")}, {reserved("t"), reserved("t2")}} {
+		res, err := s.Write(ctx, batch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := res.Reservations[Key{Tenant: "t", User: "u", RequestID: "r1"}]; got.Estimate != 100 || got.Status != StatusOpen || !got.ReservedAt.Equal(at) {
+			t.Errorf("batch %d: reservation %+v, want estimate 100, open, reserved at %v", i, got, at)
+		}
+		if got := read("t"); got != want {
+			t.Errorf("batch %d: row %+v, want %+v", i, got, want)
+		}
+	}
+	if got := read("t2"); got != want {
+		t.Errorf("the other tenant's row %+v, want %+v", got, want)
+	}
+	var reservedRows, rows, reservations int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE type = 'quotaflow.usage.reserved'), count(*),
+		(SELECT count(*) FROM reservations) FROM usage_events`).Scan(&reservedRows, &rows, &reservations); err != nil {
+		t.Fatal(err)
+	}
+	if reservedRows != 0 || rows != 1 || reservations != 3 {
+		t.Errorf("usage_events: %d reserved rows of %d, %d reservations; want 0 of 1 (the actual), 3", reservedRows, rows, reservations)
+	}
+}
+
+// An open reservation's actual is written settled at once; Commit keeps
+// that when the consumer's marks settle it, sets the mark's status when it
+// is a release, and puts the row back to open, the actual recorded, when
+// no mark came (Redis did not take the correction): its redelivery settles
+// it then. A row settled or released before is never touched ahead.
+func TestWriteSettlesAheadAndCommitPutsBack(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	key := func(id string) Key { return Key{Tenant: "t", User: "u", RequestID: id} }
+	actual := func(id string) Record {
+		return Record{EventID: "a-" + id, Kind: kindActual, Tenant: "t", User: "u", RequestID: id, Tokens: 40, OccurredAt: at, Payload: []byte(`{}`)}
+	}
+	var recs []Record
+	for _, id := range []string{"marked", "released", "failed", "new", "was-released"} {
+		if id != "new" {
+			recs = append(recs, Record{EventID: "v-" + id, Kind: kindReserved, Tenant: "t", User: "u", RequestID: id, Tokens: 100, OccurredAt: at})
+		}
+	}
+	if _, err := s.Write(ctx, recs); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.MarkSettled(ctx, []Mark{{Key: key("was-released"), Status: StatusReleased}}); err != nil {
+		t.Fatal(err)
+	}
+	type row struct {
+		status  string
+		actual  *int64
+		settled bool
+	}
+	read := func() map[string]row {
+		t.Helper()
+		rows, err := pool.Query(ctx, "SELECT request_id, status, actual_tokens, settled_at IS NOT NULL FROM reservations")
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := map[string]row{}
+		var id string
+		var r row
+		if _, err := pgx.ForEachRow(rows, []any{&id, &r.status, &r.actual, &r.settled}, func() error { m[id] = r; r = row{}; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+
+	tx, err := s.Begin(ctx, []Record{actual("marked"), actual("released"), actual("failed"), actual("new"), actual("was-released")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for id, want := range map[string]string{"marked": StatusOpen, "released": StatusOpen, "failed": StatusOpen, "new": StatusOpen, "was-released": StatusReleased} {
+		if got := tx.Result.Reservations[key(id)].Status; got != want {
+			t.Errorf("Begin: %s status = %s, want %s (the status before the batch)", id, got, want)
+		}
+	}
+	err = tx.Commit(ctx, []Mark{{Key: key("marked"), Status: StatusSettled}, {Key: key("released"), Status: StatusReleased},
+		{Key: key("new"), Status: StatusSettled}, {Key: key("was-released"), Status: StatusSettled}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	forty := int64(40)
+	want := map[string]row{
+		"marked":       {StatusSettled, &forty, true},
+		"released":     {StatusReleased, &forty, true},
+		"failed":       {StatusOpen, &forty, false},
+		"new":          {StatusSettled, &forty, true},
+		"was-released": {StatusSettled, &forty, true},
+	}
+	check := func(when string) {
+		t.Helper()
+		got := read()
+		for id, w := range want {
+			g := got[id]
+			if g.status != w.status || g.settled != w.settled || g.actual == nil || *g.actual != *w.actual {
+				t.Errorf("%s: %s = {%s actual %v settled %v}, want {%s actual %d settled %v}", when, id, g.status, g.actual, g.settled, w.status, *w.actual, w.settled)
+			}
+		}
+	}
+	check("after the commit")
+
+	// Every actual again: the failed one is open and settles now; the
+	// others are left as they are, marks or not.
+	tx, err = s.Begin(ctx, []Record{actual("marked"), actual("released"), actual("failed"), actual("new")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := tx.Result.Reservations[key("failed")].Status; got != StatusOpen {
+		t.Errorf("redelivery: failed status = %s, want open", got)
+	}
+	if got := tx.Result.Reservations[key("marked")].Status; got != StatusSettled {
+		t.Errorf("redelivery: marked status = %s, want settled", got)
+	}
+	if err := tx.Commit(ctx, []Mark{{Key: key("failed"), Status: StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	want["failed"] = row{StatusSettled, &forty, true}
+	check("after the redelivery")
+}
+
+// A batch whose connection dies between its write and its commit (the
+// accounter crashed) leaves nothing: the reservation it settled ahead is
+// open again, without its actual, and the redelivered batch settles it.
+func TestCrashBetweenWriteAndCommitLeavesNothing(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	k := Key{Tenant: "t", User: "u", RequestID: "r1"}
+	if _, err := s.Write(ctx, []Record{{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100, OccurredAt: at}}); err != nil {
+		t.Fatal(err)
+	}
+	batch := []Record{{EventID: "a1", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r1", Tokens: 40, OccurredAt: at, Payload: []byte(`{}`)}}
+	tx, err := s.Begin(ctx, batch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.conn.Conn().Close(ctx); err != nil { // no ROLLBACK: the server sees the connection go
+		t.Fatal(err)
+	}
+	tx.conn.Release()
+	tx.conn = nil
+	var status string
+	var actual *int64
+	var events int64
+	read := func() {
+		t.Helper()
+		if err := pool.QueryRow(ctx, "SELECT status, actual_tokens, (SELECT count(*) FROM usage_events) FROM reservations").Scan(&status, &actual, &events); err != nil {
+			t.Fatal(err)
+		}
+	}
+	read()
+	if status != StatusOpen || actual != nil || events != 0 {
+		t.Fatalf("after the crash: %s, actual %v, %d events; want open, no actual, 0", status, actual, events)
+	}
+	tx, err = s.Begin(ctx, batch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := tx.Result.Reservations[k].Status; got != StatusOpen {
+		t.Fatalf("redelivered batch: status %s, want open", got)
+	}
+	if err := tx.Commit(ctx, []Mark{{Key: k, Status: StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	read()
+	if status != StatusSettled || actual == nil || *actual != 40 || events != 1 {
+		t.Errorf("after the redelivery: %s, actual %v, %d events; want settled, 40, 1", status, actual, events)
 	}
 }
