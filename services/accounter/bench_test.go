@@ -1,19 +1,26 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/internal/pgdb"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
+	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/repair"
 	"quotaflow/services/accounter/internal/ledger"
 )
@@ -31,6 +38,12 @@ import (
 // Run it with a fixed count, e.g.
 //
 //	go test -run '^$' -bench EndToEnd -benchtime 100000x ./services/accounter/
+//
+// With QF_BENCH_PIPELINE=1 each of the b.N requests is what the pipeline
+// gives the accounter: reserved in Redis, its reserved event, then its
+// actual event; and the accounter's CPU (this process, while it runs) and
+// Postgres's (every process of the server's postmaster, so run it on a
+// Postgres of its own: QF_POSTGRES_URL) are reported per request.
 func BenchmarkEndToEnd(b *testing.B) {
 	if b.N < 1000 {
 		return // the framework's probe run; use -benchtime Nx with N >= 1000
@@ -38,17 +51,26 @@ func BenchmarkEndToEnd(b *testing.B) {
 	e := newBenchEnv(b)
 	ctx := context.Background()
 	n := b.N
+	pipeline := envOr("QF_BENCH_PIPELINE", "") == "1"
 
-	evs := make([]events.Event, n)
+	evs := make([]events.Event, 0, 2*n)
 	now := time.Now()
 	for i := range n {
-		evs[i] = events.NewActual("bench", events.Actual{
-			RequestID: fmt.Sprintf("r%d", i), Tenant: "bench", User: fmt.Sprintf("u%d", i%1000),
-			InputTokens: int64(i%100 + 1), OutputTokens: 5,
-		}, now)
+		req, user := fmt.Sprintf("r%d", i), fmt.Sprintf("u%d", i%1000)
+		if pipeline {
+			d, err := e.lim.Reserve(ctx, limits.Request{Tenant: "bench", User: user, RequestID: req, Cost: 100, Rules: e.rules("bench")})
+			if err != nil || !d.Allowed {
+				b.Fatalf("Reserve = %+v, %v", d, err)
+			}
+			evs = append(evs, events.NewReserved("bench", events.Reserved{RequestID: req, Tenant: "bench", User: user,
+				Endpoint: "/api/v1/generate", EstimatedTokens: 100, ExpiresAt: now.Add(time.Hour), Version: d.Version}, now))
+		}
+		evs = append(evs, events.NewActual("bench", events.Actual{
+			RequestID: req, Tenant: "bench", User: user, InputTokens: int64(i%100 + 1), OutputTokens: 5,
+		}, now))
 	}
-	for start := 0; start < n; start += 1000 {
-		if err := e.pub.PublishBatch(ctx, evs[start:min(start+1000, n)]); err != nil {
+	for start := 0; start < len(evs); start += 1000 {
+		if err := e.pub.PublishBatch(ctx, evs[start:min(start+1000, len(evs))]); err != nil {
 			b.Fatalf("publish: %v", err)
 		}
 	}
@@ -59,14 +81,18 @@ func BenchmarkEndToEnd(b *testing.B) {
 		request_id text, tokens bigint, occurred_at timestamptz, payload jsonb)`); err != nil {
 		b.Fatal(err)
 	}
-	rows := make([][]any, n)
+	rows := make([][]any, len(evs))
 	for i, ev := range evs {
 		raw, err := events.Encode(ev)
 		if err != nil {
 			b.Fatal(err)
 		}
-		d := ev.Data.(events.Actual)
-		rows[i] = []any{ev.ID, ev.Type(), d.Tenant, d.User, d.RequestID, d.InputTokens + d.OutputTokens, ev.Time, string(raw)}
+		switch d := ev.Data.(type) {
+		case events.Actual:
+			rows[i] = []any{ev.ID, ev.Type(), d.Tenant, d.User, d.RequestID, d.InputTokens + d.OutputTokens, ev.Time, string(raw)}
+		case events.Reserved:
+			rows[i] = []any{ev.ID, ev.Type(), d.Tenant, d.User, d.RequestID, d.EstimatedTokens, ev.Time, string(raw)}
+		}
 	}
 	b.ResetTimer()
 	start := time.Now()
@@ -75,7 +101,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 		pgx.CopyFromRows(rows)); err != nil {
 		b.Fatal(err)
 	}
-	copyRate := float64(n) / time.Since(start).Seconds()
+	copyRate := float64(len(evs)) / time.Since(start).Seconds()
 
 	// Baseline 2: a bare pull consumer that only acks.
 	bare, err := e.js.CreateOrUpdateConsumer(ctx, e.cfg.Stream, jetstream.ConsumerConfig{
@@ -86,7 +112,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 		b.Fatal(err)
 	}
 	start = time.Now()
-	for got := 0; got < n; {
+	for got := 0; got < len(evs); {
 		batch, err := bare.Fetch(e.cfg.BatchSize, jetstream.FetchMaxWait(e.cfg.BatchWait))
 		if err != nil {
 			b.Fatal(err)
@@ -101,9 +127,11 @@ func BenchmarkEndToEnd(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	ackRate := float64(n) / time.Since(start).Seconds()
+	ackRate := float64(len(evs)) / time.Since(start).Seconds()
 
 	// The accounter.
+	pgCPU := postmasterCPU(b, pool)
+	ownCPU := processCPU()
 	start = time.Now()
 	e.start(nil)
 	reg := e.reg
@@ -122,7 +150,9 @@ func BenchmarkEndToEnd(b *testing.B) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	accRate := float64(n) / time.Since(start).Seconds()
+	accRate := float64(len(evs)) / time.Since(start).Seconds()
+	ownCPU = processCPU() - ownCPU
+	pgCPU = postmasterCPU(b, pool) - pgCPU
 	b.StopTimer()
 	db := e.pg
 	var settled int64
@@ -134,6 +164,10 @@ func BenchmarkEndToEnd(b *testing.B) {
 	b.ReportMetric(copyRate, "copyfrom_events/s")
 	b.ReportMetric(ackRate, "ackonly_events/s")
 	b.ReportMetric(accRate/min(copyRate, ackRate), "ratio")
+	if pipeline {
+		b.ReportMetric(float64(ownCPU.Microseconds())/float64(n), "accounter_cpu_us/req")
+		b.ReportMetric(float64(pgCPU.Microseconds())/float64(n), "postgres_cpu_us/req")
+	}
 	// Where the accounter's time goes: seconds per phase, summed over the
 	// batches of all workers.
 	mfs, err := reg.Gather()
@@ -149,9 +183,59 @@ func BenchmarkEndToEnd(b *testing.B) {
 		}
 	}
 	var events64 int64
-	if err := db.QueryRow(ctx, "SELECT count(*) FROM usage_events").Scan(&events64); err != nil || events64 != int64(n) {
-		b.Fatalf("usage_events = %d, %v; want %d", events64, err, n)
+	if err := db.QueryRow(ctx, "SELECT count(*) FROM usage_events WHERE type = $1", events.TypeActual).Scan(&events64); err != nil || events64 != int64(n) {
+		b.Fatalf("actual usage_events = %d, %v; want %d", events64, err, n)
 	}
+}
+
+// processCPU is the CPU time this process has used, user and system.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// postmasterCPU is the CPU time, user and system, of every process of the
+// Postgres server of pool (the children of its postmaster), from /proc.
+func postmasterCPU(b *testing.B, pool *pgxpool.Pool) time.Duration {
+	var backend int
+	if err := pool.QueryRow(context.Background(), "SELECT pg_backend_pid()").Scan(&backend); err != nil {
+		b.Fatal(err)
+	}
+	postmaster := procStat(b, backend)[1]
+	dirs, err := os.ReadDir("/proc")
+	if err != nil {
+		b.Fatal(err)
+	}
+	var ticks int64
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		if st := procStat(nil, pid); st != nil && st[1] == postmaster {
+			ticks += st[2] + st[3]
+		}
+	}
+	return time.Duration(ticks) * time.Second / 100 // USER_HZ
+}
+
+// procStat returns pid's pid, ppid, utime and stime from /proc/<pid>/stat,
+// or nil if it is gone (failing b, if given).
+func procStat(b *testing.B, pid int) []int64 {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		if b != nil {
+			b.Fatal(err)
+		}
+		return nil
+	}
+	// The command name may hold spaces: the fields after it follow ")".
+	f := strings.Fields(string(raw[bytes.LastIndexByte(raw, ')')+2:]))
+	ppid, _ := strconv.ParseInt(f[1], 10, 64)
+	utime, _ := strconv.ParseInt(f[11], 10, 64)
+	stime, _ := strconv.ParseInt(f[12], 10, 64)
+	return []int64{int64(pid), ppid, utime, stime}
 }
 
 // actualsOK reads how many actual events the accounter has handled
