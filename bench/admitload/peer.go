@@ -12,6 +12,7 @@ import (
 
 	"quotaflow/bench/internal/envoy"
 	"quotaflow/bench/internal/load"
+	"quotaflow/bench/internal/plans"
 	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/e2e"
 )
@@ -25,24 +26,6 @@ plans:
       - {name: hour, kind: fixed, window: 1h, limit: 1000000000}
 tenants:
   bench: {plan: one}
-`
-
-// fivePolicy is issue 13's five limits: three rolling token windows, a
-// token bucket and a per-user endpoint limit, sized never to deny.
-const fivePolicy = `default_plan: five
-plans:
-  five:
-    quotas:
-      - {name: 5h,  kind: rolling, window: 5h,   limit: 1000000000}
-      - {name: 7d,  kind: rolling, window: 168h, limit: 1000000000}
-      - {name: 30d, kind: rolling, window: 720h, limit: 1000000000}
-    rates:
-      - {name: rps, kind: token_bucket, rate: 1000000, per: 1s, burst: 1000000}
-tenants:
-  bench: {plan: five}
-endpoints:
-  /x:
-    user: [{name: daily, kind: fixed, window: 24h, limit: 1000000000}]
 `
 
 // peerOptions are the flags of -peer.
@@ -104,7 +87,7 @@ func peer(ctx context.Context, o peerOptions) error {
 			return err
 		}
 		for _, a := range []struct{ short, name, policy string }{
-			{"five", "admission, 5 limits", fivePolicy},
+			{"five", "admission, 5 limits", plans.Five},
 			{"one", "admission, 1 limit", onePolicy},
 		} {
 			if !want(a.short) && !(a.short == "five" && want("plain")) {

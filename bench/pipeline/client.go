@@ -11,7 +11,7 @@ import (
 
 const (
 	tenant   = "bench"
-	endpoint = "/v1/chat"
+	endpoint = "/x" // plans.Five's endpoint limit applies to it
 	// estimate is every admit's estimated tokens; the actual cost drawn
 	// for a request is never equal to it, so every report makes the
 	// accounter correct the windows.

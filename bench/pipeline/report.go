@@ -101,7 +101,7 @@ func median(v []float64) float64 {
 // pipeline's accounted requests per second to envoy's checks per second,
 // round by round (the rounds ran interleaved).
 func reportPeer(out io.Writer, ms []meter, checks []peerRound, pls []*pipeline) {
-	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections, REDIS_POOL_SIZE = connections; CPU per check, µs:\n\n", envoy.Version)
+	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections, REDIS_POOL_SIZE %d, no statistics; CPU per check, µs:\n\n", envoy.Version, envoy.DefaultPoolSize)
 	head := []string{"round", "checks/s", "p99"}
 	for _, m := range ms {
 		head = append(head, m.name)

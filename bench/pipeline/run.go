@@ -12,27 +12,10 @@ import (
 
 	"quotaflow/bench/internal/envoy"
 	"quotaflow/bench/internal/load"
+	"quotaflow/bench/internal/plans"
 	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/e2e"
 )
-
-// policy is a plan of five limits sized never to deny: three rolling
-// token windows, a request token bucket and a per-user endpoint limit,
-// the five-limit plan of the admission benchmarks.
-const policy = `# written by bench/pipeline
-default_plan: bench
-plans:
-  bench:
-    quotas:
-      - {name: 5h,  kind: rolling, window: 5h,   limit: 1000000000000}
-      - {name: 7d,  kind: rolling, window: 168h, limit: 1000000000000}
-      - {name: 30d, kind: rolling, window: 720h, limit: 1000000000000}
-    rates:
-      - {name: rps, kind: token_bucket, rate: 1000000, per: 1s, burst: 1000000}
-endpoints:
-  ` + endpoint + `:
-    user: [{name: daily, kind: fixed, window: 24h, limit: 1000000000}]
-`
 
 // Config is one benchmark run.
 type Config struct {
@@ -210,7 +193,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 // checkout root ("" for this one) and what the rounds need of it.
 func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Writer) (*pipeline, error) {
 	p, err := e2e.StartPrivate(ctx, e2e.PrivateConfig{
-		Name: "pipeline", Root: root, Policy: policy, Out: out,
+		Name: "pipeline", Root: root, Policy: plans.Five, Out: out,
 		Env: []string{"QF_LOG_LEVEL=warn"},
 		// Consuming, with no webhook: a quota never reaches a threshold.
 		AlerterEnv: []string{"QF_CONSUMER=alerter"},
