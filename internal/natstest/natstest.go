@@ -82,6 +82,20 @@ func StreamMsgs(t testing.TB, js jetstream.JetStream, name string) uint64 {
 	return info.State.Msgs
 }
 
+// StreamEvents is how many copies of each event id the stream name holds
+// now, batches expanded (stream.EventIDs); it fails the test when the
+// stream cannot be read. Tests count events with it, never messages.
+func StreamEvents(t testing.TB, js jetstream.JetStream, name string) map[string]int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ids, err := stream.EventIDs(ctx, js, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
 // Embedded starts a nats-server with JetStream storing in dir, on port
 // (-1: any free port; pass the first one's port to restart it in place),
 // and waits until it accepts connections. Stop it with Stop.

@@ -74,11 +74,13 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return err
 	}
 	ready.Watch("redis", rb.Degraded)
-	_, js, err := service.ConnectNATS(stack, "accounter", cfg.NATSURL)
+	nc, js, err := service.ConnectNATS(stack, "accounter", cfg.NATSURL)
 	if err != nil {
 		return err
 	}
-	pub := stream.NewPublisher(js, cfg.Config)
+	// Batches of corrections fit the server's max payload (0 until the
+	// first connection: the Publisher's default).
+	pub := stream.NewPublisher(js, cfg.Config, stream.WithMaxPayload(nc.MaxPayload()))
 	stack.Push("publisher", pub.Flush)
 	cons, ok := service.Retry(ctx, log, ready, readyStreams, ensureConsumer(js, cfg))
 	if !ok {

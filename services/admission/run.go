@@ -60,7 +60,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if err != nil {
 		return err
 	}
-	ob, err := outbox.New(stream.NewPublisher(js, cfg.Config, stream.WithOwnTime()), cfg.outboxOptions(log, reg))
+	ob, err := outbox.New(stream.NewPublisher(js, cfg.Config, stream.WithOwnTime(), stream.WithMaxPayload(nc.MaxPayload())), cfg.outboxOptions(log, reg))
 	if err != nil {
 		return err
 	}

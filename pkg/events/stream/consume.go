@@ -89,65 +89,40 @@ func (h *Handlers) Dispatch(ctx context.Context, ev events.Event) error {
 	return nil
 }
 
-// Process handles one message of a consumer made by EnsureConsumer, so a
-// bad event never stops the consumer:
+// Process handles one message of a consumer made by EnsureConsumer, a
+// single event or a batch, so a bad event never stops the consumer:
 //
-//   - an event DecodeMsg rejects (events.Decode's rules, and a time out of
-//     the bounds of its first storage) is dead-lettered (ReasonInvalid) and
-//     terminated;
-//   - otherwise handle runs; on success the message is acked;
-//   - when handle fails, the message is nak'ed with a backoff of 1 s
-//     doubling per delivery up to cfg.AckWait, and on its cfg.MaxDeliver-th
-//     delivery it is dead-lettered (ReasonMaxDeliver) instead; when ctx
-//     has ended (shutdown) it is nak'ed for immediate redelivery.
+//   - a message DecodeMsg rejects as a whole (a malformed batch, an invalid
+//     single event) is dead-lettered (ReasonInvalid) and terminated;
+//   - an invalid event of a batch is dead-lettered alone, and handle runs
+//     for each of the others, in order;
+//   - Delivery.Finish then acks, naks with a backoff, or dead-letters the
+//     events that failed MaxDeliver times.
 //
-// It returns nil when the message was acked, an error wrapping
-// ErrDeadLettered when it went to the dead-letter stream, and any other
-// error when it will be redelivered (handler failed, or the dead-letter
-// publish or the ack failed). The consumer loop logs and counts; Process
-// does not log.
+// It returns nil when the message was acked with every event handled, an
+// error wrapping ErrDeadLettered when events went to the dead-letter
+// stream (the message is done with), and any other error when it will be
+// redelivered. The consumer loop logs and counts; Process does not log.
 func Process(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, handle Handler) error {
-	ev, err := DecodeMsg(msg, cfg)
+	d, err := DecodeMsg(msg, cfg)
 	if err != nil {
 		return Reject(ctx, js, cfg, ReasonInvalid, msg, err)
 	}
-	return Finish(ctx, js, cfg, msg, ev, handle(ctx, ev))
+	herrs := make([]error, len(d.Events))
+	for i, ev := range d.Events {
+		if d.Errs[i] == nil {
+			herrs[i] = handle(ctx, ev)
+		}
+	}
+	_, err = d.Finish(ctx, js, cfg, herrs)
+	return err
 }
 
-// Finish ends the delivery of msg, whose event ev was handled with result
-// herr, as Process does after its handler: it acks on success, else naks
-// with the backoff or dead-letters at cfg.MaxDeliver. It is for consumers
-// that decode and handle a batch themselves, so a message is decoded once.
-func Finish(ctx context.Context, js jetstream.Publisher, cfg Config, msg jetstream.Msg, ev events.Event, herr error) error {
-	cfg = cfg.WithDefaults()
-	if herr != nil {
-		if ctx.Err() != nil {
-			// Shutting down: hand it to another worker now.
-			_ = msg.Nak()
-			return fmt.Errorf("handle %s %s: %w", ev.Type(), ev.ID, herr)
-		}
-		var delivered uint64 = 1
-		if md, err := msg.Metadata(); err == nil {
-			delivered = md.NumDelivered
-		}
-		if delivered >= uint64(cfg.MaxDeliver) {
-			cause := fmt.Errorf("%s %s: delivered %d times, last error: %w", ev.Type(), ev.ID, delivered, herr)
-			return Reject(ctx, js, cfg, ReasonMaxDeliver, msg, cause)
-		}
-		_ = msg.NakWithDelay(backoff(delivered, cfg.AckWait)) // if lost, AckWait redelivers
-		return fmt.Errorf("handle %s %s (delivery %d): %w", ev.Type(), ev.ID, delivered, herr)
-	}
-	if err := msg.Ack(); err != nil {
-		return fmt.Errorf("ack %s %s: %w", ev.Type(), ev.ID, err)
-	}
-	return nil
-}
-
-// Reject ends the delivery of msg for good, as Process does with an event
-// that can never succeed: it dead-letters msg under reason (DeadLetter) and
-// terminates it, returning an error wrapping ErrDeadLettered. If the dead
-// letter cannot be published, msg is nak'ed to come back a second later and
-// the error says why.
+// Reject ends the delivery of msg for good, as Process does with a message
+// that can never succeed as a whole: it dead-letters msg under reason
+// (DeadLetter) and terminates it, returning an error wrapping
+// ErrDeadLettered. If the dead letter cannot be published, msg is nak'ed
+// to come back a second later and the error says why.
 func Reject(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, msg jetstream.Msg, cause error) error {
 	if err := DeadLetter(ctx, js, cfg, reason, msg, cause); err != nil {
 		_ = msg.NakWithDelay(time.Second) // if lost, AckWait redelivers

@@ -124,27 +124,51 @@ func TestPublishDedup(t *testing.T) {
 	if err := p.PublishBatch(ctx, evs); err != nil {
 		t.Fatalf("PublishBatch = %v", err)
 	}
-	if n, want := natstest.StreamMsgs(t, js, cfg.Stream), uint64(7); n != want {
-		t.Errorf("stream holds %d events, want %d (6 examples + r-999)", n, want)
+	// JetStream dedups messages: an event in two messages is stored twice
+	// (consumers dedup by id).
+	if ids := natstest.StreamEvents(t, js, cfg.Stream); len(ids) != 7 || ids[act.ID] != 3 || ids[top.ID] != 2 {
+		t.Errorf("stream holds %v, want 7 event ids (6 examples + r-999), the actual 3 times, the top-up twice", ids)
 	}
 
-	// Each lands on its type's subject with its id as Nats-Msg-Id.
+	// Each subject got one message: the actual's three events and the
+	// top-up's two in a batch each, each other type's event alone, as
+	// Publish sends it.
+	batches := map[string][]string{
+		events.TypeActual: {otherEv.ID, act.ID, again.ID},
+		events.TypeTopUp:  {top.ID, topAgain.ID},
+	}
 	s, err := js.Stream(ctx, cfg.Stream)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != 1+6 {
+		t.Errorf("stream holds %d messages, want 7 (the first actual, then one per subject)", n)
+	}
 	for _, ev := range oneOfEach() {
-		if ev.Type() == events.TypeActual {
-			ev = otherEv // stored last on its subject
-		}
 		m, err := s.GetLastMsgForSubject(ctx, events.Subject(cfg.SubjectPrefix, ev.Type()))
 		if err != nil {
 			t.Fatalf("last msg on %s: %v", ev.Type(), err)
 		}
-		if id := m.Header.Get(jetstream.MsgIDHeader); id != ev.ID {
+		id, ct := m.Header.Get(jetstream.MsgIDHeader), m.Header.Get("Content-Type")
+		if want, ok := batches[ev.Type()]; ok {
+			got, errs, _, err := events.DecodeBatch(m.Data)
+			if err != nil || len(got) != len(want) {
+				t.Fatalf("%s batch = %v, %v; want ids %v", ev.Type(), got, err, want)
+			}
+			for i := range want {
+				if errs[i] != nil || got[i].ID != want[i] {
+					t.Errorf("%s batch[%d] = %s, %v; want %s", ev.Type(), i, got[i].ID, errs[i], want[i])
+				}
+			}
+			if id != events.BatchID(want) || ct != events.BatchContentType {
+				t.Errorf("%s batch stored with Nats-Msg-Id %q, Content-Type %q", ev.Type(), id, ct)
+			}
+			continue
+		}
+		if id != ev.ID {
 			t.Errorf("%s stored with Nats-Msg-Id %q, want %q", ev.Type(), id, ev.ID)
 		}
-		if ct := m.Header.Get("Content-Type"); ct != events.ContentType {
+		if ct != events.ContentType {
 			t.Errorf("%s stored with Content-Type %q", ev.Type(), ct)
 		}
 		got, err := events.Decode(m.Data)
@@ -185,8 +209,8 @@ func TestPublishBatchErrors(t *testing.T) {
 	if !errors.Is(err, events.ErrInvalid) {
 		t.Errorf("PublishBatch error %v does not wrap events.ErrInvalid", err)
 	}
-	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != uint64(len(evs)-1) {
-		t.Errorf("stream holds %d, want %d", n, len(evs)-1)
+	if ids := natstest.StreamEvents(t, js, cfg.Stream); len(ids) != len(evs)-1 || ids[bad.ID] != 0 {
+		t.Errorf("stream holds %v, want the %d valid events", ids, len(evs)-1)
 	}
 
 	// A publisher whose prefix belongs to no stream gets an error per

@@ -49,12 +49,15 @@ const maxHeaderError = 1024
 // to the event id, so a retried publish of the same event is stored once.
 // It validates every event first (events.Encode): consumers never see an
 // event the contract rejects. Publish is the call most callers want;
-// PublishBatch sends many at once. A Publisher is safe for concurrent use.
+// PublishBatch sends many at once, packed into batch messages. A Publisher
+// is safe for concurrent use.
 type Publisher struct {
 	js      jetstream.Publisher
 	prefix  string
 	stream  string
 	ownTime bool
+	// budget is the most bytes of events one message carries.
+	budget int
 }
 
 // PublisherOption configures a Publisher.
@@ -65,19 +68,60 @@ type PublisherOption func(*Publisher)
 // time against itself rather than against when the stream stored it: for a
 // publisher that stores events before the stream does and may publish them
 // long after (admission's outbox and spill) and has checked their times
-// itself.
+// itself. A single event's header holds its time; a batch's holds
+// FirstStoredOwn, which means the same for each of its events.
 func WithOwnTime() PublisherOption { return func(p *Publisher) { p.ownTime = true } }
+
+// WithMaxPayload sets the largest message the server accepts, headers
+// included: pass the connection's nats.Conn.MaxPayload(). PublishBatch
+// packs events into messages that fit it (and events.MaxBatchSize). Without
+// it a Publisher assumes DefaultMaxPayload, which every server configured
+// for single events accepts.
+func WithMaxPayload(n int64) PublisherOption {
+	return func(p *Publisher) {
+		if n > 0 {
+			p.budget = budget(n)
+		}
+	}
+}
+
+// DefaultMaxPayload is the message size a Publisher assumes without
+// WithMaxPayload: the largest valid event and its headers, which a usage
+// stream of any version of this package stores.
+const DefaultMaxPayload = events.MaxEventSize + headerRoom
+
+// headerRoom is what a message's headers may take beside its payload:
+// Nats-Msg-Id (a batch id is 38 bytes), Nats-Expected-Stream, Content-Type
+// and HeaderFirstStored are under 300 bytes together.
+const headerRoom = 4 << 10
+
+// budget is the payload of events that fits a message of maxPayload bytes.
+func budget(maxPayload int64) int {
+	return int(min(maxPayload-headerRoom, events.MaxBatchSize, 1<<30))
+}
 
 // NewPublisher returns a Publisher on js for the stream and subject prefix
 // of cfg (zero fields take their defaults). Every publish expects cfg's
 // stream, so a misrouted prefix fails instead of landing elsewhere.
 func NewPublisher(js jetstream.Publisher, cfg Config, opts ...PublisherOption) *Publisher {
 	cfg = cfg.WithDefaults()
-	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream}
+	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream, budget: budget(DefaultMaxPayload)}
 	for _, o := range opts {
 		o(p)
 	}
 	return p
+}
+
+// single is the message of one encoded event: a plain CloudEvent, as
+// consumers of every version read it.
+func (p *Publisher) single(ev events.Event, b []byte) *nats.Msg {
+	m := nats.NewMsg(events.Subject(p.prefix, ev.Type()))
+	m.Data = b
+	m.Header.Set("Content-Type", events.ContentType)
+	if p.ownTime {
+		m.Header.Set(HeaderFirstStored, ev.Time.UTC().Format(time.RFC3339Nano))
+	}
+	return m
 }
 
 func (p *Publisher) msg(ev events.Event) (*nats.Msg, error) {
@@ -85,17 +129,11 @@ func (p *Publisher) msg(ev events.Event) (*nats.Msg, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := nats.NewMsg(events.Subject(p.prefix, ev.Type()))
-	m.Data = b
-	m.Header.Set("Content-Type", events.ContentType)
-	if p.ownTime {
-		m.Header.Set(HeaderFirstStored, ev.Time.UTC().Format(time.RFC3339Nano))
-	}
-	return m, nil
+	return p.single(ev, b), nil
 }
 
-func (p *Publisher) opts(ev events.Event) []jetstream.PublishOpt {
-	return []jetstream.PublishOpt{jetstream.WithMsgID(ev.ID), jetstream.WithExpectStream(p.stream)}
+func (p *Publisher) opts(id string) []jetstream.PublishOpt {
+	return []jetstream.PublishOpt{jetstream.WithMsgID(id), jetstream.WithExpectStream(p.stream)}
 }
 
 // Publish sends ev and waits until the stream has stored it (or already
@@ -108,7 +146,7 @@ func (p *Publisher) Publish(ctx context.Context, ev events.Event) error {
 	}
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
-	if _, err := p.js.PublishMsg(ctx, m, p.opts(ev)...); err != nil {
+	if _, err := p.js.PublishMsg(ctx, m, p.opts(ev.ID)...); err != nil {
 		return fmt.Errorf("publish %s %s: %w", ev.Type(), ev.ID, err)
 	}
 	return nil
@@ -123,35 +161,64 @@ func (p *Publisher) PublishAsync(ev events.Event) (jetstream.PubAckFuture, error
 	if err != nil {
 		return nil, err
 	}
-	f, err := p.js.PublishMsgAsync(m, p.opts(ev)...)
+	f, err := p.js.PublishMsgAsync(m, p.opts(ev.ID)...)
 	if err != nil {
 		return nil, fmt.Errorf("publish %s %s: %w", ev.Type(), ev.ID, err)
 	}
 	return f, nil
 }
 
-// PublishBatch sends evs asynchronously and waits for every ack, until ctx
-// ends (5 s when ctx has no deadline). It returns nil when all were stored,
+// PublishBatch sends evs and waits for the stream's acks, until ctx ends
+// (5 s when ctx has no deadline). It returns nil when all were stored,
 // else a *BatchError saying which failed; retrying those (or the whole
-// batch: ids dedup) is safe.
+// batch, formed alike or not) is safe: consumers dedup by event id.
+//
+// It packs the events of each subject, in their order, into as few
+// messages as fit the server's max payload (WithMaxPayload) and
+// events.MaxBatchEvents: a message of several events is a batch
+// (events.BatchContentType, Nats-Msg-Id events.BatchID of its events' ids,
+// so the same batch sent again is stored once); a message of one event is
+// the plain CloudEvent Publish sends. The messages go out asynchronously,
+// and each one's ack or error is its events'.
 func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error {
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
 	errs := make([]error, len(evs))
-	futures := make([]jetstream.PubAckFuture, len(evs))
-	for i, ev := range evs {
-		futures[i], errs[i] = p.PublishAsync(ev)
+	type sent struct {
+		f   jetstream.PubAckFuture
+		idx []int // the events it carries
 	}
-	for i, f := range futures {
-		if f == nil {
+	var msgs []sent
+	for _, group := range p.pack(evs, errs) {
+		var m *nats.Msg
+		var id string
+		if len(group.idx) == 1 {
+			ev := evs[group.idx[0]]
+			m, id = p.single(ev, group.data[0]), ev.ID
+		} else {
+			m, id = p.batch(evs, group.idx, group.data)
+		}
+		f, err := p.js.PublishMsgAsync(m, p.opts(id)...)
+		if err != nil {
+			for _, i := range group.idx {
+				errs[i] = fmt.Errorf("publish %s %s: %w", evs[i].Type(), evs[i].ID, err)
+			}
 			continue
 		}
+		msgs = append(msgs, sent{f, group.idx})
+	}
+	for _, s := range msgs {
+		var err error
 		select {
-		case <-f.Ok():
-		case err := <-f.Err():
-			errs[i] = fmt.Errorf("publish %s %s: %w", evs[i].Type(), evs[i].ID, err)
+		case <-s.f.Ok():
+		case err = <-s.f.Err():
 		case <-ctx.Done():
-			errs[i] = fmt.Errorf("publish %s %s: %w", evs[i].Type(), evs[i].ID, ctx.Err())
+			err = ctx.Err()
+		}
+		if err != nil {
+			for _, i := range s.idx {
+				errs[i] = fmt.Errorf("publish %s %s: %w", evs[i].Type(), evs[i].ID, err)
+			}
 		}
 	}
 	for _, err := range errs {
@@ -160,6 +227,64 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 		}
 	}
 	return nil
+}
+
+// packed is the events of one message: their indexes and encodings.
+type packed struct {
+	idx  []int
+	data [][]byte
+}
+
+// pack encodes evs (an invalid one gets its error in errs and is left out)
+// and packs them by subject, in order, into messages of at most
+// events.MaxBatchEvents events and p.budget bytes (an event larger than
+// that alone goes out alone, for the server to judge).
+func (p *Publisher) pack(evs []events.Event, errs []error) []packed {
+	var out []packed
+	open := map[string]int{} // subject -> its last message in out
+	size := map[string]int{} // subject -> bytes of that message's events
+	for i, ev := range evs {
+		b, err := events.Encode(ev)
+		if err != nil {
+			errs[i] = err
+			continue
+		}
+		subj := ev.Type()
+		if j, ok := open[subj]; ok {
+			g := &out[j]
+			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size[subj]+len(b)) <= p.budget {
+				g.idx, g.data = append(g.idx, i), append(g.data, b)
+				size[subj] += len(b)
+				continue
+			}
+		}
+		open[subj], size[subj] = len(out), len(b)
+		out = append(out, packed{idx: []int{i}, data: [][]byte{b}})
+	}
+	return out
+}
+
+// batch is the message of the events idx of evs, encoded as data.
+func (p *Publisher) batch(evs []events.Event, idx []int, data [][]byte) (*nats.Msg, string) {
+	ids := make([]string, len(idx))
+	for k, i := range idx {
+		ids[k] = evs[i].ID
+	}
+	m := nats.NewMsg(events.Subject(p.prefix, evs[idx[0]].Type()))
+	m.Data = events.AppendBatch(make([]byte, 0, events.BatchSize(len(data), totalLen(data))), data)
+	m.Header.Set("Content-Type", events.BatchContentType)
+	if p.ownTime {
+		m.Header.Set(HeaderFirstStored, FirstStoredOwn)
+	}
+	return m, events.BatchID(ids)
+}
+
+func totalLen(bs [][]byte) int {
+	n := 0
+	for _, b := range bs {
+		n += len(b)
+	}
+	return n
 }
 
 // Flush waits until every asynchronous publish of the underlying jetstream
@@ -212,14 +337,33 @@ func (e *BatchError) Unwrap() []error {
 // HeaderSequence, HeaderMsgID, HeaderDelivered). Its Nats-Msg-Id derives
 // from the original stream and sequence, so dead-lettering the same message
 // twice (a crash before its Term) stores it once. Original headers other
-// than Nats-* ones are kept.
+// than Nats-* ones are kept. (Delivery.Finish dead-letters one event of a
+// batch alone.)
 func DeadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, msg jetstream.Msg, cause error) error {
+	return deadLetter(ctx, js, cfg, reason, msg, cause, nil)
+}
+
+// deadLetter is DeadLetter of msg, or of its event part when part is set:
+// that event's bytes as a single CloudEvent, with HeaderBatchIndex, its
+// own first-stored time, and the index in its Nats-Msg-Id.
+func deadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, msg jetstream.Msg, cause error, part *letterPart) error {
 	dl := nats.NewMsg(events.DLQSubject(cfg.WithDefaults().SubjectPrefix, reason))
 	dl.Data = msg.Data()
 	for k, v := range msg.Headers() {
 		if !strings.HasPrefix(strings.ToLower(k), "nats-") {
 			dl.Header[k] = v
 		}
+	}
+	suffix := ""
+	if part != nil {
+		dl.Data = part.data
+		dl.Header.Set("Content-Type", events.ContentType)
+		dl.Header.Set(HeaderBatchIndex, strconv.Itoa(part.index))
+		dl.Header.Del(HeaderFirstStored)
+		if part.stored && !part.time.IsZero() {
+			dl.Header.Set(HeaderFirstStored, part.time.UTC().Format(time.RFC3339Nano))
+		}
+		suffix = part.suffix()
 	}
 	errText := "unknown error"
 	if cause != nil {
@@ -240,12 +384,12 @@ func DeadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason 
 		dl.Header.Set(HeaderStream, md.Stream)
 		dl.Header.Set(HeaderSequence, seq)
 		dl.Header.Set(HeaderDelivered, strconv.FormatUint(md.NumDelivered, 10))
-		opts = append(opts, jetstream.WithMsgID("dlq."+md.Stream+"."+seq))
+		opts = append(opts, jetstream.WithMsgID("dlq."+md.Stream+"."+seq+suffix))
 	}
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
 	if _, err := js.PublishMsg(ctx, dl, opts...); err != nil {
-		return fmt.Errorf("dead-letter %s to %s: %w", msg.Subject(), dl.Subject, err)
+		return fmt.Errorf("dead-letter %s%s to %s: %w", msg.Subject(), suffix, dl.Subject, err)
 	}
 	return nil
 }

@@ -58,7 +58,7 @@ func Replay(ctx context.Context, js jetstream.JetStream, cfg Config, reason stri
 		out.Data = m.Data
 		for k, v := range m.Header {
 			switch k {
-			case HeaderError, HeaderSubject, HeaderStream, HeaderSequence, HeaderMsgID, HeaderDelivered:
+			case HeaderError, HeaderSubject, HeaderStream, HeaderSequence, HeaderMsgID, HeaderDelivered, HeaderBatchIndex:
 			default:
 				out.Header[k] = v
 			}

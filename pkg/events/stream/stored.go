@@ -4,8 +4,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-
-	"quotaflow/pkg/events"
 )
 
 // HeaderFirstStored holds when a message's event was first stored (RFC
@@ -15,6 +13,11 @@ import (
 // which keeps events in memory and on disk while NATS is away) stamps each
 // event with its own time.
 const HeaderFirstStored = "Quotaflow-First-Stored"
+
+// FirstStoredOwn, as the HeaderFirstStored of a batch, says that each of
+// its events was first stored at its own time (a Publisher made
+// WithOwnTime).
+const FirstStoredOwn = "own"
 
 // FirstStored is when msg's event was first stored: its HeaderFirstStored,
 // else when the stream stored msg; zero when neither is known.
@@ -28,21 +31,4 @@ func FirstStored(msg jetstream.Msg) time.Time {
 		return md.Timestamp
 	}
 	return time.Time{}
-}
-
-// DecodeMsg decodes msg's event (events.Decode) and checks its time
-// against its first storage (events.CheckTime, with cfg's MaxAge): what a
-// consumer of the usage stream accepts. Its errors wrap events.ErrInvalid:
-// dead-letter the message, retrying cannot help.
-func DecodeMsg(msg jetstream.Msg, cfg Config) (events.Event, error) {
-	ev, err := events.Decode(msg.Data())
-	if err != nil {
-		return events.Event{}, err
-	}
-	if stored := FirstStored(msg); !stored.IsZero() {
-		if err := events.CheckTime(ev.Time, stored, cfg.WithDefaults().MaxAge); err != nil {
-			return events.Event{}, err
-		}
-	}
-	return ev, nil
 }

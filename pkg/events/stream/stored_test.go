@@ -42,7 +42,9 @@ func TestConsumersJudgeTimeByFirstStorage(t *testing.T) {
 		handled = append(handled, d.RequestID)
 		return nil
 	}}
-	firstStored := map[string]time.Time{} // by event id
+	firstStored := map[string]time.Time{} // by event id, as first consumed
+	// consume processes want events, as Process does, and returns how many
+	// were dead-lettered.
 	consume := func(want int) (dead int) {
 		t.Helper()
 		for seen := 0; seen < want; {
@@ -53,21 +55,41 @@ func TestConsumersJudgeTimeByFirstStorage(t *testing.T) {
 			n := 0
 			for msg := range batch.Messages() {
 				n++
-				ev, _ := events.Decode(msg.Data())
-				if at, ok := firstStored[ev.ID]; ok && !stream.FirstStored(msg).Equal(at) {
-					t.Errorf("replayed %s first stored at %s, want the original's %s", ev.ID, stream.FirstStored(msg), at)
+				d, err := stream.DecodeMsg(msg, cfg)
+				if err != nil { // a single event, invalid as a whole
+					ev, _ := events.Decode(msg.Data())
+					checkStored(t, firstStored, ev.ID, stream.FirstStored(msg))
+					if err := stream.Reject(ctx, js, cfg, stream.ReasonInvalid, msg, err); !errors.Is(err, stream.ErrDeadLettered) {
+						t.Fatalf("stream.Reject = %v", err)
+					}
+					seen, dead = seen+1, dead+1
+					continue
 				}
-				firstStored[ev.ID] = stream.FirstStored(msg)
-				if err := stream.Process(ctx, js, cfg, msg, h.Dispatch); errors.Is(err, stream.ErrDeadLettered) {
-					dead++
-				} else if err != nil {
-					t.Fatalf("stream.Process = %v", err)
+				herrs := make([]error, len(d.Events))
+				for i, ev := range d.Events {
+					id := ev.ID
+					if d.Errs[i] != nil {
+						evs, _, _, _ := events.DecodeBatch(msg.Data())
+						id = evs[i].ID
+					} else {
+						herrs[i] = h.Dispatch(ctx, ev)
+					}
+					checkStored(t, firstStored, id, d.FirstStored(i))
 				}
+				st, err := d.Finish(ctx, js, cfg, herrs)
+				if err != nil && !errors.Is(err, stream.ErrDeadLettered) {
+					t.Fatalf("Finish = %v", err)
+				}
+				for _, s := range st {
+					if s == stream.DeadLettered {
+						dead++
+					}
+				}
+				seen += len(d.Events)
 			}
 			if n == 0 {
-				t.Fatalf("consumed %d of %d messages", seen, want)
+				t.Fatalf("consumed %d of %d events", seen, want)
 			}
-			seen += n
 		}
 		return dead
 	}
@@ -83,4 +105,14 @@ func TestConsumersJudgeTimeByFirstStorage(t *testing.T) {
 	if dead := consume(2); dead != 2 {
 		t.Fatalf("after the replay %d dead-lettered, want 2", dead)
 	}
+}
+
+// checkStored records when event id was first stored, and fails when a
+// replay says otherwise.
+func checkStored(t *testing.T, first map[string]time.Time, id string, at time.Time) {
+	t.Helper()
+	if was, ok := first[id]; ok && !at.Equal(was) {
+		t.Errorf("replayed %s first stored at %s, want the original's %s", id, at, was)
+	}
+	first[id] = at
 }

@@ -167,8 +167,8 @@ func Ensure(ctx context.Context, js jetstream.StreamManager, cfg Config) error {
 		MaxAge:      cfg.MaxAge,
 		Duplicates:  cfg.Duplicates,
 		Replicas:    cfg.Replicas,
-		// Room for the headers beside the largest valid event.
-		MaxMsgSize: events.MaxEventSize + 4<<10,
+		// Room for the headers beside the largest valid batch.
+		MaxMsgSize: events.MaxBatchSize + headerRoom,
 	}, {
 		Name:        cfg.DLQStream,
 		Description: "quotaflow dead letters: events consumers could not process",

@@ -1,14 +1,17 @@
 // Package consume is the accounter's pull-consumer loop: workers fetch
-// batches from one durable JetStream consumer and handle each in one ledger
-// transaction: write the batch, apply its Redis effects (one pipelined
-// round trip), publish the corrections, record the settlements, commit,
-// and only then acknowledge the messages. Any failure before the acks naks
-// the messages with a backoff (stream.Finish, or retry for an outage), so
-// an effect is never acknowledged before Postgres and Redis both hold it,
-// and every effect is idempotent under redelivery.
+// messages from one durable JetStream consumer, expand those that are
+// batches into their events, and handle the events in batches, each in one
+// ledger transaction: write the batch, apply its Redis effects (one
+// pipelined round trip), publish the corrections, record the settlements,
+// commit, and only then finish each message once (ack). Any failure before
+// the acks naks the messages with a backoff (stream.Delivery.Finish,
+// without end for an outage), so an effect is never acknowledged before
+// Postgres and Redis both hold it, and every effect is idempotent per
+// event id under redelivery, however the events were batched.
 package consume
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -46,7 +49,8 @@ type Options struct {
 	// Workers is how many batches are in flight at once (default
 	// DefaultWorkers).
 	Workers int
-	// BatchSize is the most messages per fetch (default DefaultBatchSize).
+	// BatchSize is the most messages per fetch, and the most events per
+	// ledger transaction (default DefaultBatchSize).
 	BatchSize int
 	// BatchWait is the longest a fetch waits to fill a batch (default
 	// DefaultBatchWait).
@@ -145,14 +149,13 @@ func (c *Consumer) worker(ctx context.Context) {
 	}
 }
 
-// item is one message of a batch and what became of it.
+// item is one event of a batch and what became of it.
 type item struct {
-	msg       jetstream.Msg
-	ev        events.Event
-	err       error // nil: every effect is in place, ack it
-	bad       bool  // Decode failed (decodeErr): dead-letter it
-	decodeErr error
-	skip      bool // our own corrected event
+	msg int // its message, an index of the batch's deliveries
+	idx int // its index in the message
+	ev  events.Event
+	err error // nil: every effect is in place
+	bad bool  // DecodeMsg found it invalid: Finish dead-letters it
 	// rejected is why Postgres refused the event itself: dead-letter it.
 	rejected error
 	// transient marks err as an outage (Postgres, Redis or NATS
@@ -162,77 +165,120 @@ type item struct {
 	transient bool
 }
 
-// Handle processes one batch: ledger, Redis, corrections, settlements,
-// then one ack, nak or dead letter per message.
+// Handle processes fetched messages: it expands batches into their events
+// and handles them in batches of at most opts.BatchSize events (a message's
+// events stay together), each one ledger transaction, Redis round trip and
+// publish of corrections; then each message is finished once, after all
+// its events (stream.Delivery.Finish: ack, nak, or dead letters).
 func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
-	start := time.Now()
-	c.m.batchSize.Observe(float64(len(msgs)))
-	items := make([]item, len(msgs))
-	recs := make([]ledger.Record, 0, len(msgs))
-	for i, msg := range msgs {
-		items[i].msg = msg
+	var ds []*stream.Delivery
+	for _, msg := range msgs {
 		// Our own corrected events, half of what the stream carries, are
 		// acked unread (docs/design.md §6: the accounter ignores them).
 		if msg.Subject() == c.corrected {
-			items[i].skip = true
+			c.count(events.TypeCorrected, "ignored", msg.Ack())
 			continue
 		}
-		ev, err := stream.DecodeMsg(msg, c.opts.Events)
+		d, err := stream.DecodeMsg(msg, c.opts.Events)
 		if err != nil {
-			items[i].bad, items[i].decodeErr = true, err
+			c.count("unknown", "", stream.Reject(ctx, c.js, c.opts.Events, stream.ReasonInvalid, msg, err))
 			continue
 		}
-		items[i].ev = ev
-		recs = append(recs, c.record(ev, msg.Data(), stream.FirstStored(msg)))
+		ds = append(ds, d)
 	}
+	for _, g := range stream.Group(ds, c.opts.BatchSize) {
+		c.handle(ctx, g)
+	}
+}
+
+// count counts an event's (or a whole message's) result: result when err
+// is nil, else what err says.
+func (c *Consumer) count(typ, result string, err error) {
+	switch {
+	case err == nil:
+		c.m.events.WithLabelValues(typ, cmp.Or(result, "ok")).Inc()
+	case errors.Is(err, stream.ErrDeadLettered):
+		c.m.events.WithLabelValues(typ, "dead_lettered").Inc()
+		c.m.published.WithLabelValues(publishedDLQ).Inc()
+		c.log.Warn("event dead-lettered", "err", err)
+	default:
+		c.m.events.WithLabelValues(typ, "retry").Inc()
+		c.log.Debug("event will be redelivered", "err", err)
+	}
+}
+
+// handle handles the events of ds in one transaction and finishes each
+// message.
+func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
+	start := time.Now()
+	var items []item
+	recs := make([]ledger.Record, 0, len(ds))
+	for m, d := range ds {
+		for i, ev := range d.Events {
+			it := item{msg: m, idx: i, ev: ev, bad: d.Errs[i] != nil}
+			if !it.bad {
+				recs = append(recs, c.record(ev, d.Raw(i), d.FirstStored(i)))
+			}
+			items = append(items, it)
+		}
+	}
+	c.m.batchSize.Observe(float64(len(items)))
 
 	err := c.apply(ctx, items, recs)
 	if err == nil && c.opts.BeforeAck != nil {
-		if err := c.opts.BeforeAck(len(msgs)); err != nil {
-			c.log.Warn("batch abandoned before its acks", "err", err, "size", len(msgs))
+		if err := c.opts.BeforeAck(len(items)); err != nil {
+			c.log.Warn("batch abandoned before its acks", "err", err, "size", len(items))
 			return
 		}
 	}
 	if err != nil {
-		c.log.Warn("batch failed; its events will be redelivered", "err", err, "size", len(msgs))
+		c.log.Warn("batch failed; its events will be redelivered", "err", err, "size", len(items))
 	}
 
 	var newest time.Time
 	t0 := time.Now()
 	defer func() { c.m.phase.WithLabelValues("ack").Observe(time.Since(t0).Seconds()) }()
-	for i := range items {
-		it := &items[i]
-		if err != nil && !it.bad && !it.skip {
-			it.err, it.transient = err, true
+	k := 0
+	for _, d := range ds {
+		herrs := make([]error, len(d.Events))
+		for i := range herrs {
+			it := &items[k+i]
+			switch {
+			case it.bad:
+			case it.rejected != nil:
+				herrs[i] = stream.Permanent(ReasonRejected, it.rejected)
+			case err != nil:
+				herrs[i] = stream.Outage(err)
+			case it.err != nil && it.transient:
+				herrs[i] = stream.Outage(it.err)
+			default:
+				herrs[i] = it.err
+			}
 		}
-		var typ string
-		var perr error
+		st, ferr := d.Finish(ctx, c.js, c.opts.Events, herrs)
+		for i, s := range st {
+			typ := items[k+i].ev.Type()
+			if typ == "" {
+				typ = "unknown"
+			}
+			switch s {
+			case stream.Acked:
+				c.m.events.WithLabelValues(typ, "ok").Inc()
+			case stream.DeadLettered:
+				c.m.events.WithLabelValues(typ, "dead_lettered").Inc()
+				c.m.published.WithLabelValues(publishedDLQ).Inc()
+			default:
+				c.m.events.WithLabelValues(typ, "retry").Inc()
+			}
+		}
 		switch {
-		case it.skip:
-			typ, perr = events.TypeCorrected, it.msg.Ack()
-		case it.bad:
-			typ, perr = "unknown", stream.Reject(ctx, c.js, c.opts.Events, stream.ReasonInvalid, it.msg, it.decodeErr)
-		case it.rejected != nil:
-			typ, perr = it.ev.Type(), stream.Reject(ctx, c.js, c.opts.Events, ReasonRejected, it.msg, it.rejected)
-		case it.err != nil && it.transient:
-			typ, perr = it.ev.Type(), c.retry(ctx, it.msg, it.err)
-		default:
-			typ, perr = it.ev.Type(), stream.Finish(ctx, c.js, c.opts.Events, it.msg, it.ev, it.err)
+		case errors.Is(ferr, stream.ErrDeadLettered):
+			c.log.Warn("events dead-lettered", "err", ferr)
+		case ferr != nil:
+			c.log.Debug("message will be redelivered", "err", ferr)
 		}
-		switch {
-		case perr == nil && it.skip:
-			c.m.events.WithLabelValues(typ, "ignored").Inc()
-		case perr == nil:
-			c.m.events.WithLabelValues(typ, "ok").Inc()
-		case errors.Is(perr, stream.ErrDeadLettered):
-			c.m.events.WithLabelValues(typ, "dead_lettered").Inc()
-			c.m.published.WithLabelValues(publishedDLQ).Inc()
-			c.log.Warn("event dead-lettered", "err", perr)
-		default:
-			c.m.events.WithLabelValues(typ, "retry").Inc()
-			c.log.Debug("event will be redelivered", "err", perr)
-		}
-		if md, err := it.msg.Metadata(); err == nil && md.Timestamp.After(newest) {
+		k += len(d.Events)
+		if md, err := d.Msg.Metadata(); err == nil && md.Timestamp.After(newest) {
 			newest = md.Timestamp
 		}
 	}
@@ -240,22 +286,6 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 		c.m.lag.Set(max(0, time.Since(newest).Seconds()))
 	}
 	c.m.batchSeconds.Observe(time.Since(start).Seconds())
-}
-
-// retry naks msg after an outage with a backoff of 1 s doubling per
-// delivery up to AckWait (at once when shutting down), without ever
-// dead-lettering it.
-func (c *Consumer) retry(ctx context.Context, msg jetstream.Msg, cause error) error {
-	if ctx.Err() != nil {
-		_ = msg.Nak()
-		return cause
-	}
-	delay := c.opts.Events.AckWait
-	if md, err := msg.Metadata(); err == nil && md.NumDelivered >= 1 && md.NumDelivered < 32 {
-		delay = min(delay, time.Second<<(md.NumDelivered-1))
-	}
-	_ = msg.NakWithDelay(delay) // if lost, AckWait redelivers
-	return cause
 }
 
 // transient reports whether a Redis effect failed because of Redis itself
@@ -353,7 +383,7 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 	done := map[effectKey]bool{}
 	for i := range items {
 		it := &items[i]
-		if it.bad || it.skip || it.rejected != nil {
+		if it.bad || it.rejected != nil {
 			continue
 		}
 		var t task
@@ -499,14 +529,13 @@ func finalMarks(marks []ledger.Mark) []ledger.Mark {
 // beginWithoutRejected finds the items whose record Postgres rejects
 // (ledger.IsRejected) by writing each alone and rolling it back, marks
 // them, and begins the batch's write without them; any other failure fails
-// the batch. recs are the records of items that are neither bad nor
-// skipped, in order.
+// the batch. recs are the records of items that are not bad, in order.
 func (c *Consumer) beginWithoutRejected(ctx context.Context, items []item, recs []ledger.Record) (*ledger.Tx, error) {
 	var good []ledger.Record
 	r := 0
 	for i := range items {
 		it := &items[i]
-		if it.bad || it.skip {
+		if it.bad {
 			continue
 		}
 		rec := recs[r]
@@ -563,7 +592,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		batchSize: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "quotaflow_accounter_batch_size",
-			Help:    "Messages per fetched batch.",
+			Help:    "Events per batch, each one ledger transaction (a message's events stay in one batch).",
 			Buckets: []float64{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000},
 		}),
 		batchSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{

@@ -1,8 +1,9 @@
 // Package consume feeds the alerter's detector from the usage stream: it
-// takes the events in batches of what has arrived, handles each batch in
-// one Postgres transaction and acks it, and falls back to event by event
-// when a batch fails, so one bad event is retried and dead-lettered alone
-// while the others go through.
+// takes the messages that have arrived, expands batch messages into their
+// events, handles the events in batches, each in one Postgres transaction,
+// and finishes each message once; it falls back to event by event when a
+// batch fails, so one bad event is retried and dead-lettered alone while
+// the others go through.
 package consume
 
 import (
@@ -18,7 +19,8 @@ import (
 	"quotaflow/pkg/events/stream"
 )
 
-// maxBatch is the most events handled in one Postgres transaction.
+// maxBatch is the most messages fetched at once, and the most events
+// handled in one Postgres transaction.
 const maxBatch = 256
 
 // Handler is what the events feed: *detect.Detector.
@@ -75,45 +77,65 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 	}
 }
 
-// processBatch handles msgs with batch (one transaction for all) and acks
-// them. Events that do not decode are dead-lettered; when batch fails,
-// each event is processed on its own by stream.Process.
+// processBatch expands msgs (single events and batches) into their events
+// and handles them in batches of at most maxBatch events, whole messages
+// each, with batch (one transaction per batch), then finishes each message
+// once (stream.Delivery.Finish acks it and dead-letters its invalid
+// events). A message that does not decode as a whole is dead-lettered;
+// when batch fails, each message's events are handled one by one and the
+// message finished with their results.
 func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, msgs []jetstream.Msg,
 	handle stream.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
-	evs := make([]events.Event, 0, len(msgs))
-	ok := make([]jetstream.Msg, 0, len(msgs))
+	ds := make([]*stream.Delivery, 0, len(msgs))
 	for _, m := range msgs {
-		ev, err := stream.DecodeMsg(m, cfg)
+		d, err := stream.DecodeMsg(m, cfg)
 		if err != nil {
-			// Process dead-letters what does not decode.
-			if err := stream.Process(ctx, js, cfg, m, handle); err != nil && ctx.Err() == nil {
-				log.Warn("event not processed", "subject", m.Subject(), "err", err)
+			if err := stream.Reject(ctx, js, cfg, stream.ReasonInvalid, m, err); err != nil && ctx.Err() == nil {
+				log.Warn("message not processed", "subject", m.Subject(), "err", err)
 			}
 			continue
 		}
-		evs, ok = append(evs, ev), append(ok, m)
+		ds = append(ds, d)
 	}
-	if len(evs) == 0 {
+	for _, g := range stream.Group(ds, maxBatch) {
+		handleGroup(ctx, js, cfg, g, handle, batch, log)
+	}
+}
+
+func handleGroup(ctx context.Context, js jetstream.JetStream, cfg stream.Config, ds []*stream.Delivery,
+	handle stream.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
+	var evs []events.Event
+	for _, d := range ds {
+		for i, ev := range d.Events {
+			if d.Errs[i] == nil {
+				evs = append(evs, ev)
+			}
+		}
+	}
+	var err error
+	if len(evs) > 0 {
+		err = batch(ctx, evs)
+	}
+	if err != nil && ctx.Err() != nil {
+		for _, d := range ds {
+			_ = d.Msg.Nak() // shutting down: hand them to another worker now
+		}
 		return
 	}
-	if err := batch(ctx, evs); err != nil {
-		if ctx.Err() != nil {
-			for _, m := range ok {
-				_ = m.Nak() // shutting down: hand them to another worker now
-			}
-			return
-		}
+	if err != nil {
 		log.Warn("event batch failed; processing its events one by one", "events", len(evs), "err", err)
-		for _, m := range ok {
-			if err := stream.Process(ctx, js, cfg, m, handle); err != nil && ctx.Err() == nil {
-				log.Warn("event not processed", "subject", m.Subject(), "err", err)
+	}
+	for _, d := range ds {
+		herrs := make([]error, len(d.Events))
+		if err != nil {
+			for i, ev := range d.Events {
+				if d.Errs[i] == nil {
+					herrs[i] = handle(ctx, ev)
+				}
 			}
 		}
-		return
-	}
-	for _, m := range ok {
-		if err := m.Ack(); err != nil {
-			log.Warn("ack event", "subject", m.Subject(), "err", err)
+		if _, err := d.Finish(ctx, js, cfg, herrs); err != nil && ctx.Err() == nil {
+			log.Warn("event not processed", "subject", d.Msg.Subject(), "err", err)
 		}
 	}
 }

@@ -1,0 +1,290 @@
+package stream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/pkg/events"
+)
+
+// HeaderBatchIndex, on the dead letter of one event of a batch, is the
+// event's index in the batch (from 0); the dead letter holds that event
+// alone, as a single CloudEvent.
+const HeaderBatchIndex = "Quotaflow-Batch-Index"
+
+// Delivery is a message of the usage stream and its events: one for a
+// single CloudEvent, one per element for a batch. Events[i] is valid when
+// Errs[i] is nil; an invalid one is dead-lettered alone by Finish. Make
+// one with DecodeMsg, handle its valid events, and end it with Finish.
+type Delivery struct {
+	Msg    jetstream.Msg
+	Events []events.Event
+	Errs   []error
+	// raw[i] is event i's bytes in a batch; nil for a single event.
+	raw    [][]byte
+	stored time.Time // HeaderFirstStored or the stream's time; zero if own
+}
+
+// Batch reports whether the message is a batch.
+func (d *Delivery) Batch() bool { return d.raw != nil }
+
+// Raw is event i's bytes: the message's payload for a single event, the
+// element for a batch.
+func (d *Delivery) Raw(i int) []byte {
+	if d.raw == nil {
+		return d.Msg.Data()
+	}
+	return d.raw[i]
+}
+
+// FirstStored is when event i was first stored: its own time for a batch
+// of a Publisher made WithOwnTime, else the message's (FirstStored).
+func (d *Delivery) FirstStored(i int) time.Time {
+	if d.stored.IsZero() {
+		return d.Events[i].Time
+	}
+	return d.stored
+}
+
+// DecodeMsg decodes msg's events (events.Decode, events.DecodeBatch when
+// its Content-Type is events.BatchContentType) and checks each one's time
+// against its first storage (events.CheckTime, with cfg's MaxAge): what a
+// consumer of the usage stream accepts. Its error, wrapping
+// events.ErrInvalid, is for a message that is bad as a whole (an invalid
+// single event, a malformed batch): dead-letter it (Reject), retrying
+// cannot help. An invalid event of a batch is in Errs.
+func DecodeMsg(msg jetstream.Msg, cfg Config) (*Delivery, error) {
+	d := &Delivery{Msg: msg}
+	own := msg.Headers().Get(HeaderFirstStored) == FirstStoredOwn
+	if !own {
+		d.stored = FirstStored(msg)
+	}
+	if events.IsBatch(msg.Headers().Get("Content-Type")) {
+		evs, errs, raw, err := events.DecodeBatch(msg.Data())
+		if err != nil {
+			return nil, err
+		}
+		d.Events, d.Errs, d.raw = evs, errs, raw
+	} else {
+		if own {
+			// Only a batch says "own"; a single event's header is a time.
+			d.stored = FirstStored(msg)
+		}
+		ev, err := events.Decode(msg.Data())
+		if err != nil {
+			return nil, err
+		}
+		d.Events, d.Errs = []events.Event{ev}, []error{nil}
+	}
+	maxAge := cfg.WithDefaults().MaxAge
+	for i, ev := range d.Events {
+		if d.Errs[i] != nil {
+			continue
+		}
+		if stored := d.FirstStored(i); !stored.IsZero() {
+			if err := events.CheckTime(ev.Time, stored, maxAge); err != nil {
+				d.Events[i], d.Errs[i] = events.Event{}, err
+			}
+		}
+	}
+	if !d.Batch() && d.Errs[0] != nil {
+		return nil, d.Errs[0]
+	}
+	return d, nil
+}
+
+// Group splits ds, in order, into runs of whole messages of at most max
+// events each (a message of more is a run alone): the batches a consumer
+// handles in one transaction each, whose size its messages' batches must
+// not blow up.
+func Group(ds []*Delivery, max int) [][]*Delivery {
+	var out [][]*Delivery
+	start, n := 0, 0
+	for i, d := range ds {
+		if i > start && n+len(d.Events) > max {
+			out = append(out, ds[start:i])
+			start, n = i, 0
+		}
+		n += len(d.Events)
+	}
+	if start < len(ds) {
+		out = append(out, ds[start:])
+	}
+	return out
+}
+
+// Status is what became of one event of a Delivery.
+type Status uint8
+
+const (
+	// Acked: handled, and the message acked.
+	Acked Status = iota
+	// Retried: the message comes back (nak'ed) and the event with it.
+	Retried
+	// DeadLettered: the event is in the dead-letter stream.
+	DeadLettered
+)
+
+// permanent marks a handler's error that no retry can fix.
+type permanent struct {
+	reason string
+	err    error
+}
+
+func (p *permanent) Error() string { return p.err.Error() }
+func (p *permanent) Unwrap() error { return p.err }
+
+// Permanent marks err, a handler's error, as the event's own fault that no
+// retry can fix (Postgres refused to store it): Finish dead-letters the
+// event under reason at once.
+func Permanent(reason string, err error) error { return &permanent{reason, err} }
+
+// outage marks a handler's error as a dependency's outage.
+type outage struct{ err error }
+
+func (o *outage) Error() string { return o.err.Error() }
+func (o *outage) Unwrap() error { return o.err }
+
+// Outage marks err, a handler's error, as an outage of a dependency
+// (Postgres, Redis or NATS unreachable) rather than a problem of the
+// event: Finish naks the message with the backoff without end, and never
+// dead-letters the event for it, so an outage never dead-letters good
+// events.
+func Outage(err error) error { return &outage{err} }
+
+// Finish ends the delivery of d's message, whose valid events were handled
+// with results herrs (herrs[i] for d.Events[i]; ignored where d.Errs[i] is
+// set), and says what became of each event:
+//
+//   - each invalid event, and each whose error is Permanent, is
+//     dead-lettered alone (ReasonInvalid, or Permanent's reason);
+//   - when every other event succeeded, the message is acked (terminated
+//     when none did);
+//   - else the whole message is nak'ed, the events that succeeded are
+//     handled again on redelivery (handlers are idempotent): at once when
+//     ctx has ended (shutdown), with the backoff (1 s doubling per delivery
+//     up to cfg.AckWait) otherwise; but on its cfg.MaxDeliver-th delivery,
+//     unless an error is an Outage, the failing events are dead-lettered
+//     (ReasonMaxDeliver) and the message acked;
+//   - when a dead letter cannot be published, the message is nak'ed to come
+//     back a second later (the dead letters already stored are stored once:
+//     their ids derive from the stream, sequence and index).
+//
+// It returns nil when the message was acked with every event handled, an
+// error wrapping ErrDeadLettered (and the causes) when events were
+// dead-lettered and the message is done with, and any other error when it
+// will be redelivered.
+func (d *Delivery) Finish(ctx context.Context, js jetstream.Publisher, cfg Config, herrs []error) ([]Status, error) {
+	cfg = cfg.WithDefaults()
+	st := make([]Status, len(d.Events))
+	var delivered uint64 = 1
+	if md, err := d.Msg.Metadata(); err == nil {
+		delivered = md.NumDelivered
+	}
+	var (
+		lettered []error // causes of the dead letters
+		dlqErr   error   // a dead letter that could not be published
+		failed   []int   // events to retry
+		out      bool    // an outage among the failures
+		handled  int
+	)
+	letter := func(i int, reason string, cause error) {
+		if err := d.deadLetter(ctx, js, cfg, reason, i, cause); err != nil {
+			dlqErr = errors.Join(dlqErr, err)
+			st[i] = Retried
+			return
+		}
+		st[i] = DeadLettered
+		lettered = append(lettered, fmt.Errorf("(%s) %w", reason, cause))
+	}
+	for i := range d.Events {
+		var p *permanent
+		var o *outage
+		switch herr := herrs[i]; {
+		case d.Errs[i] != nil:
+			letter(i, ReasonInvalid, d.Errs[i])
+		case herr == nil:
+			handled++
+		case errors.As(herr, &p):
+			letter(i, p.reason, p.err)
+		default:
+			out = out || errors.As(herr, &o)
+			failed = append(failed, i)
+		}
+	}
+	if len(failed) > 0 && !out && ctx.Err() == nil && delivered >= uint64(cfg.MaxDeliver) {
+		for _, i := range failed {
+			ev := d.Events[i]
+			letter(i, ReasonMaxDeliver, fmt.Errorf("%s %s: delivered %d times, last error: %w", ev.Type(), ev.ID, delivered, herrs[i]))
+		}
+		failed = nil
+	}
+	retry := func(delay time.Duration, cause error) ([]Status, error) {
+		for i := range st {
+			if st[i] != DeadLettered {
+				st[i] = Retried
+			}
+		}
+		if delay < 0 {
+			_ = d.Msg.Nak()
+		} else {
+			_ = d.Msg.NakWithDelay(delay) // if lost, AckWait redelivers
+		}
+		return st, cause
+	}
+	switch {
+	case dlqErr != nil:
+		return retry(time.Second, dlqErr)
+	case len(failed) > 0:
+		ev := d.Events[failed[0]]
+		cause := fmt.Errorf("handle %s %s (delivery %d, %d of %d events failed): %w",
+			ev.Type(), ev.ID, delivered, len(failed), len(d.Events), herrs[failed[0]])
+		if ctx.Err() != nil {
+			return retry(-1, cause) // shutting down: hand it to another worker now
+		}
+		return retry(backoff(delivered, cfg.AckWait), cause)
+	}
+	end := d.Msg.Ack
+	if handled == 0 {
+		end = d.Msg.Term
+	}
+	if err := end(); err != nil {
+		// A redelivery handles it again; the dead letters dedup.
+		return retry(-1, fmt.Errorf("ack %s: %w", d.Msg.Subject(), err))
+	}
+	if len(lettered) > 0 {
+		return st, fmt.Errorf("%w: %w", ErrDeadLettered, errors.Join(lettered...))
+	}
+	return st, nil
+}
+
+// deadLetter dead-letters event i: the whole message for a single event
+// (DeadLetter), the event alone for a batch (its bytes as a single
+// CloudEvent, HeaderBatchIndex i, Nats-Msg-Id from stream, sequence and
+// index).
+func (d *Delivery) deadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason string, i int, cause error) error {
+	if !d.Batch() {
+		return DeadLetter(ctx, js, cfg, reason, d.Msg, cause)
+	}
+	return deadLetter(ctx, js, cfg, reason, d.Msg, cause, &letterPart{
+		index:  i,
+		data:   d.raw[i],
+		stored: d.stored.IsZero(),
+		time:   d.Events[i].Time,
+	})
+}
+
+// letterPart is the one event of a batch that a dead letter holds.
+type letterPart struct {
+	index  int
+	data   []byte
+	stored bool      // first stored at its own time (FirstStoredOwn)...
+	time   time.Time // ...this one, zero when the event did not decode
+}
+
+func (p *letterPart) suffix() string { return "." + strconv.Itoa(p.index) }
