@@ -17,6 +17,7 @@ import (
 
 	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
+	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 )
 
@@ -94,6 +95,20 @@ func StreamEvents(t testing.TB, js jetstream.JetStream, name string) map[string]
 		t.Fatal(err)
 	}
 	return ids
+}
+
+// StoredEvents is every event the stream name holds now, in order,
+// batches expanded (stream.ReadEvents); it fails the test when the stream
+// cannot be read.
+func StoredEvents(t testing.TB, js jetstream.JetStream, name string) []events.Event {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var evs []events.Event
+	if err := stream.ReadEvents(ctx, js, name, func(ev events.Event) { evs = append(evs, ev) }); err != nil {
+		t.Fatal(err)
+	}
+	return evs
 }
 
 // Embedded starts a nats-server with JetStream storing in dir, on port

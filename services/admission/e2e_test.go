@@ -479,7 +479,9 @@ func TestReservedEventsReachTheStream(t *testing.T) {
 			t.Fatalf("admit %d = %d %v", i, a.code, a.body)
 		}
 	}
-	s.admit("u", "r-0", 10) // a repeat publishes a duplicate, dropped by the stream
+	// A repeat publishes the event again: dropped by the stream when sent
+	// in the same form, else deduped by id by every consumer.
+	s.admit("u", "r-0", 10)
 	for i := range 5 {
 		s.admit("u", fmt.Sprintf("big-%d", i), 990) // denied
 	}
@@ -488,26 +490,11 @@ func TestReservedEventsReachTheStream(t *testing.T) {
 		t.Errorf("the outbox lost %v events (see its log: events it could not encode)", lost)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	st, err := s.js.Stream(ctx, s.cfg.Stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := st.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
 	reservedIDs := map[string]int{}
 	var deniedCount int64
-	for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
-		m, err := st.GetMsg(ctx, seq)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ev, err := events.Decode(m.Data)
-		if err != nil {
-			t.Fatalf("message %d: %v", seq, err)
+	for _, ev := range natstest.StoredEvents(t, s.js, s.cfg.Stream) {
+		if ev.ID == "" {
+			t.Fatal("the stream holds an event that does not decode")
 		}
 		switch d := ev.Data.(type) {
 		case events.Reserved:
@@ -524,8 +511,8 @@ func TestReservedEventsReachTheStream(t *testing.T) {
 		}
 	}
 	for i := range n {
-		if id := events.ID(events.TypeReserved, s.tenant, "u", fmt.Sprintf("r-%d", i)); reservedIDs[id] != 1 {
-			t.Errorf("reserved event of r-%d stored %d times, want 1", i, reservedIDs[id])
+		if id := events.ID(events.TypeReserved, s.tenant, "u", fmt.Sprintf("r-%d", i)); reservedIDs[id] != 1 && (i != 0 || reservedIDs[id] != 2) {
+			t.Errorf("reserved event of r-%d stored %d times, want 1 (r-0: 1 or 2)", i, reservedIDs[id])
 		}
 	}
 	if len(reservedIDs) != n {

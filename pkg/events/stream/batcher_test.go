@@ -1,9 +1,7 @@
 package stream_test
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -14,7 +12,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
@@ -30,48 +27,6 @@ func actual(g, i int) events.Event {
 	return events.NewActual("svc", events.Actual{
 		RequestID: fmt.Sprintf("r-%d-%d", g, i), Tenant: "acme", User: fmt.Sprintf("u-%d", g), InputTokens: int64(i), OutputTokens: 1,
 	}, time.Now())
-}
-
-// storedIDs counts the events the stream holds by id, whether a message
-// holds one or a batch.
-func storedIDs(t *testing.T, js jetstream.JetStream, name string) map[string]int {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	c, err := js.OrderedConsumer(ctx, name, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		t.Fatalf("ordered consumer on %s: %v", name, err)
-	}
-	ids := map[string]int{}
-	for left := natstest.StreamMsgs(t, js, name); left > 0; {
-		batch, err := c.Fetch(int(min(left, 500)), jetstream.FetchMaxWait(5*time.Second))
-		if err != nil {
-			t.Fatalf("fetch from %s: %v", name, err)
-		}
-		got := 0
-		for m := range batch.Messages() {
-			// One event, or a CloudEvents batch (a JSON array) of them.
-			raws := []json.RawMessage{m.Data()}
-			if bytes.HasPrefix(bytes.TrimSpace(m.Data()), []byte("[")) {
-				if err := json.Unmarshal(m.Data(), &raws); err != nil {
-					t.Fatalf("stored batch %q: %v", m.Data(), err)
-				}
-			}
-			for _, raw := range raws {
-				ev, err := events.Decode(raw)
-				if err != nil {
-					t.Fatalf("stored event %q: %v", raw, err)
-				}
-				ids[ev.ID]++
-			}
-			got++
-		}
-		if got == 0 {
-			t.Fatalf("fetch from %s: nothing, %d messages left (%v)", name, left, batch.Error())
-		}
-		left -= uint64(got)
-	}
-	return ids
 }
 
 // rounds records what a Batcher's Observe reports.
@@ -117,7 +72,7 @@ func TestBatcherSharesRounds(t *testing.T) {
 	if err := b.Close(ctx); err != nil {
 		t.Errorf("Close = %v", err)
 	}
-	ids := storedIDs(t, js, cfg.Stream)
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
 	if len(ids) != n*m {
 		t.Errorf("stream holds %d distinct events, want %d", len(ids), n*m)
 	}
@@ -171,7 +126,7 @@ func TestBatcherPartialFailure(t *testing.T) {
 	if !errors.As(errs[1], &be) || len(be.Errs) != 2 || be.Errs[0] != nil || !errors.Is(be.Errs[1], events.ErrInvalid) {
 		t.Errorf("call 1 (second event invalid) = %v, want a BatchError of [nil, ErrInvalid]", errs[1])
 	}
-	ids := storedIDs(t, js, cfg.Stream)
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
 	for _, ev := range []events.Event{calls[0][0], calls[1][0], calls[2][0]} {
 		if ids[ev.ID] != 1 {
 			t.Errorf("event %s stored %d times, want 1", ev.ID, ids[ev.ID])
@@ -243,7 +198,7 @@ func TestBatcherCancelAndClose(t *testing.T) {
 	if err := <-eerr; err != nil {
 		t.Errorf("caller e, flushed by Close = %v, want nil", err)
 	}
-	ids := storedIDs(t, js, cfg.Stream)
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
 	if ids[actual(0, 0).ID] != 0 {
 		t.Error("the event of the caller gone before its round was published")
 	}
@@ -322,7 +277,7 @@ func TestBatcherOutage(t *testing.T) {
 	}
 
 	s = natstest.Embedded(t, dir, port)
-	ids := storedIDs(t, js, cfg.Stream)
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
 	for g := range n {
 		for i := range m {
 			if ok[g][i] && ids[actual(g, i).ID] == 0 {
@@ -349,7 +304,7 @@ func TestBatcherOutage(t *testing.T) {
 	if err := b.Close(ctx); err != nil {
 		t.Errorf("Close = %v", err)
 	}
-	ids = storedIDs(t, js, cfg.Stream)
+	ids = natstest.StreamEvents(t, js, cfg.Stream)
 	if len(ids) != n*m {
 		t.Errorf("stream holds %d distinct events, want %d", len(ids), n*m)
 	}

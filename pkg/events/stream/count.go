@@ -16,64 +16,71 @@ import (
 // stored in two messages (a batch re-formed on retry). Events that do not
 // decode count under the id "". For checks and tests, not hot paths.
 func EventIDs(ctx context.Context, js jetstream.JetStream, name string) (map[string]int, error) {
+	ids := map[string]int{}
+	err := ReadEvents(ctx, js, name, func(ev events.Event) { ids[ev.ID]++ })
+	return ids, err
+}
+
+// ReadEvents calls each with every event the stream name holds, from its
+// first message to its last, batches expanded, in order; an event that
+// does not decode is passed as the zero Event. For checks and tests, not
+// hot paths.
+func ReadEvents(ctx context.Context, js jetstream.JetStream, name string, each func(events.Event)) error {
 	s, err := js.Stream(ctx, name)
 	if err != nil {
-		return nil, fmt.Errorf("count events of %s: %w", name, err)
+		return fmt.Errorf("read events of %s: %w", name, err)
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("count events of %s: %w", name, err)
+		return fmt.Errorf("read events of %s: %w", name, err)
 	}
-	ids := map[string]int{}
 	if info.State.Msgs == 0 {
-		return ids, nil
+		return nil
 	}
 	c, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
 	if err != nil {
-		return nil, fmt.Errorf("count events of %s: %w", name, err)
+		return fmt.Errorf("read events of %s: %w", name, err)
 	}
 	for {
 		batch, err := c.Fetch(1000, jetstream.FetchMaxWait(time.Second))
 		if err != nil {
-			return nil, fmt.Errorf("count events of %s: %w", name, err)
+			return fmt.Errorf("read events of %s: %w", name, err)
 		}
 		n := 0
 		for msg := range batch.Messages() {
 			n++
-			countIDs(ids, msg)
+			msgEvents(msg, each)
 			md, err := msg.Metadata()
 			if err != nil {
-				return nil, fmt.Errorf("count events of %s: %w", name, err)
+				return fmt.Errorf("read events of %s: %w", name, err)
 			}
 			if md.Sequence.Stream >= info.State.LastSeq {
-				return ids, nil
+				return nil
 			}
 		}
 		if n == 0 {
-			return ids, nil // the last messages were deleted
+			return nil // the last messages were deleted
 		}
 		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("count events of %s: %w", name, err)
+			return fmt.Errorf("read events of %s: %w", name, err)
 		}
 	}
 }
 
-// countIDs adds the event ids of msg to ids.
-func countIDs(ids map[string]int, msg jetstream.Msg) {
+// msgEvents calls each with the events of msg (zero where one does not
+// decode; one zero Event for a batch that does not).
+func msgEvents(msg jetstream.Msg, each func(events.Event)) {
 	if !events.IsBatch(msg.Headers().Get("Content-Type")) {
 		ev, _ := events.Decode(msg.Data())
-		ids[ev.ID]++
+		each(ev)
 		return
 	}
-	evs, errs, _, err := events.DecodeBatch(msg.Data())
+	evs, _, _, err := events.DecodeBatch(msg.Data())
 	if err != nil {
-		ids[""]++
+		each(events.Event{})
 		return
 	}
-	for i, ev := range evs {
-		if errs[i] != nil {
-			ev.ID = ""
-		}
-		ids[ev.ID]++
+	for _, ev := range evs {
+		each(ev) // zero when it does not decode
 	}
 }

@@ -178,8 +178,9 @@ func (p *Publisher) PublishAsync(ev events.Event) (jetstream.PubAckFuture, error
 // events.MaxBatchEvents: a message of several events is a batch
 // (events.BatchContentType, Nats-Msg-Id events.BatchID of its events' ids,
 // so the same batch sent again is stored once); a message of one event is
-// the plain CloudEvent Publish sends. The messages go out asynchronously,
-// and each one's ack or error is its events'.
+// the plain CloudEvent Publish sends. An id given twice is sent once, as
+// JetStream would store it once. The messages go out asynchronously, and
+// each one's ack or error is its events'.
 func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error {
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
@@ -189,7 +190,8 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 		idx []int // the events it carries
 	}
 	var msgs []sent
-	for _, group := range p.pack(evs, errs) {
+	groups, dups := p.pack(evs, errs)
+	for _, group := range groups {
 		var m *nats.Msg
 		var id string
 		if len(group.idx) == 1 {
@@ -221,6 +223,9 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 			}
 		}
 	}
+	for i, j := range dups {
+		errs[i] = errs[j]
+	}
 	for _, err := range errs {
 		if err != nil {
 			return &BatchError{Errs: errs}
@@ -238,12 +243,22 @@ type packed struct {
 // pack encodes evs (an invalid one gets its error in errs and is left out)
 // and packs them by subject, in order, into messages of at most
 // events.MaxBatchEvents events and p.budget bytes (an event larger than
-// that alone goes out alone, for the server to judge).
-func (p *Publisher) pack(evs []events.Event, errs []error) []packed {
-	var out []packed
+// that alone goes out alone, for the server to judge). An event whose id
+// came earlier in evs is left out too, as JetStream would drop it: dups
+// maps its index to the first's, whose result it shares.
+func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups map[int]int) {
 	open := map[string]int{} // subject -> its last message in out
 	size := map[string]int{} // subject -> bytes of that message's events
+	first := make(map[string]int, len(evs))
 	for i, ev := range evs {
+		if j, ok := first[ev.ID]; ok {
+			if dups == nil {
+				dups = map[int]int{}
+			}
+			dups[i] = j
+			continue
+		}
+		first[ev.ID] = i
 		b, err := events.Encode(ev)
 		if err != nil {
 			errs[i] = err
@@ -261,7 +276,7 @@ func (p *Publisher) pack(evs []events.Event, errs []error) []packed {
 		open[subj], size[subj] = len(out), len(b)
 		out = append(out, packed{idx: []int{i}, data: [][]byte{b}})
 	}
-	return out
+	return out, dups
 }
 
 // batch is the message of the events idx of evs, encoded as data.

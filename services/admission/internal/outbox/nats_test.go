@@ -35,48 +35,6 @@ func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 	return nc, js
 }
 
-// storedEvents reads every message of the stream, checking that its
-// Nats-Msg-Id is the event id.
-func storedEvents(t *testing.T, js jetstream.JetStream, stream string) []events.Event {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s, err := js.Stream(ctx, stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var evs []events.Event
-	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
-		m, err := s.GetMsg(ctx, seq)
-		if err != nil {
-			t.Fatalf("GetMsg(%d) = %v", seq, err)
-		}
-		ev, err := events.Decode(m.Data)
-		if err != nil {
-			t.Fatalf("stored message %d does not decode: %v", seq, err)
-		}
-		if h := m.Header.Get(jetstream.MsgIDHeader); h != ev.ID {
-			t.Errorf("message %d: Nats-Msg-Id %q, event id %q", seq, h, ev.ID)
-		}
-		evs = append(evs, ev)
-	}
-	return evs
-}
-
-// storedIDs counts the stream's messages by event id.
-func storedIDs(t *testing.T, js jetstream.JetStream, stream string) map[string]int {
-	t.Helper()
-	ids := map[string]int{}
-	for _, ev := range storedEvents(t, js, stream) {
-		ids[ev.ID]++
-	}
-	return ids
-}
-
 func TestRealNATS(t *testing.T) {
 	_, js := connect(t, natstest.URL())
 	cfg := natstest.Streams(t, js, "outbox", stream.Config{})
@@ -103,7 +61,7 @@ func TestRealNATS(t *testing.T) {
 	want[actual.ID] = true
 	closeOutbox(t, o, 10*time.Second)
 
-	ids := storedIDs(t, js, cfg.Stream)
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
 	for id := range want {
 		if ids[id] != 1 {
 			t.Errorf("event %s stored %d times, want 1", id, ids[id])
@@ -146,7 +104,7 @@ func TestDeniedAcrossInstances(t *testing.T) {
 	}
 
 	got := map[string]int64{}
-	for _, ev := range storedEvents(t, js, cfg.Stream) {
+	for _, ev := range natstest.StoredEvents(t, js, cfg.Stream) {
 		got[ev.ID] += ev.Data.(events.Denied).Count
 	}
 	want := map[string]int64{
@@ -181,7 +139,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 	for i := range before {
 		o.Enqueue(reserved(i))
 	}
-	e2e.Eventually(t, "the first events stored", func() bool { return natstest.StreamMsgs(t, js, cfg.Stream) >= 50 })
+	e2e.Eventually(t, "the first events stored", func() bool { return len(natstest.StoredEvents(t, js, cfg.Stream)) >= 50 })
 
 	natstest.Stop(s)
 	for i := before; i < total; i++ {
@@ -196,11 +154,11 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 
 	s = natstest.Embedded(t, storeDir, port)
 	e2e.Eventually(t, "the client reconnected", nc.IsConnected)
-	e2e.Eventually(t, "every event stored", func() bool { return natstest.StreamMsgs(t, js, cfg.Stream) >= total })
+	e2e.Eventually(t, "every event stored", func() bool { return len(natstest.StoredEvents(t, js, cfg.Stream)) >= total })
 	e2e.Eventually(t, "the outbox drained", func() bool { m, b := o.Pending(); return m == 0 && b == 0 })
 	closeOutbox(t, o, 10*time.Second)
 
-	ids := storedIDs(t, js, cfg.Stream)
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
 	for i := range total {
 		if id := reserved(i).ID; ids[id] != 1 {
 			t.Errorf("reserved event %d stored %d times, want exactly 1", i, ids[id])

@@ -57,7 +57,7 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 	for _, ev := range evs {
 		switch r := ev.Data.(type) {
 		case events.Reserved:
-			d.count(ev.Time, r.Tenant, r.Endpoint, 1, 0)
+			d.count(ev, r.Tenant, r.Endpoint, 1, 0, nil)
 		case events.Denied:
 			_ = d.Denied(ctx, ev, r)
 		}

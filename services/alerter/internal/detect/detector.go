@@ -110,6 +110,7 @@ type Detector struct {
 	firing  map[[2]string]bool    // spikes firing, as last stored
 	abuse   map[abuseKey]*window  // -> (denied, 0)
 	abusing map[abuseKey]bool     // bursts alerted and not yet over
+	seen    seen                  // events counted in the windows
 }
 
 type abuseKey struct{ tenant, user, ip string }
@@ -123,7 +124,7 @@ func New(st Updater, route Router, opt Options, log *slog.Logger, reg prometheus
 		now: time.Now, notify: notify,
 		spikes: map[[2]string]*window{}, firing: map[[2]string]bool{},
 		abuse: map[abuseKey]*window{}, abusing: map[abuseKey]bool{},
-		levels: map[store.LimitKey]int{},
+		levels: map[store.LimitKey]int{}, seen: newSeen(),
 	}
 	d.alerts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_alerts_total",
@@ -158,7 +159,7 @@ func (d *Detector) Load(ctx context.Context) error {
 // alerts, and its limits snapshot for the thresholds unless admission
 // decided it without Redis.
 func (d *Detector) Reserved(ctx context.Context, ev events.Event, r events.Reserved) error {
-	d.count(ev.Time, r.Tenant, r.Endpoint, 1, 0)
+	d.count(ev, r.Tenant, r.Endpoint, 1, 0, nil)
 	if decidedLocally(r) {
 		return nil
 	}
@@ -179,24 +180,19 @@ func (d *Detector) Corrected(ctx context.Context, ev events.Event, c events.Corr
 
 // Denied counts a denied event's denials for the rate alerts.
 func (d *Detector) Denied(_ context.Context, ev events.Event, n events.Denied) error {
-	d.count(ev.Time, n.Tenant, n.Endpoint, 0, n.Count)
-	at := d.clamp(ev.Time)
-	if at.IsZero() {
-		return nil
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	for _, k := range []abuseKey{{tenant: n.Tenant, user: n.User}, {ip: n.IP}} {
-		if k == (abuseKey{}) {
-			continue // no IP
+	d.count(ev, n.Tenant, n.Endpoint, 0, n.Count, func(at time.Time) {
+		for _, k := range []abuseKey{{tenant: n.Tenant, user: n.User}, {ip: n.IP}} {
+			if k == (abuseKey{}) {
+				continue // no IP
+			}
+			w := d.abuse[k]
+			if w == nil {
+				w = &window{}
+				d.abuse[k] = w
+			}
+			w.add(at, n.Count, 0)
 		}
-		w := d.abuse[k]
-		if w == nil {
-			w = &window{}
-			d.abuse[k] = w
-		}
-		w.add(at, n.Count, 0)
-	}
+	})
 	return nil
 }
 
@@ -207,19 +203,28 @@ func (d *Detector) clamp(at time.Time) time.Time {
 	if at.After(now) {
 		return now
 	}
-	if now.Sub(at) > max(d.opt.SpikeWindow, d.opt.AbuseWindow) {
+	if now.Sub(at) > d.longestWindow() {
 		return time.Time{}
 	}
 	return at
 }
 
-func (d *Detector) count(at time.Time, tenant, endpoint string, allowed, denied int64) {
-	at = d.clamp(at)
+func (d *Detector) longestWindow() time.Duration { return max(d.opt.SpikeWindow, d.opt.AbuseWindow) }
+
+// count adds ev's allowed and denied requests to the spike windows of
+// tenant and endpoint, and calls also (under mu) with the time counted,
+// unless ev is too old to count or was counted before (seen: an event may
+// be stored in two messages).
+func (d *Detector) count(ev events.Event, tenant, endpoint string, allowed, denied int64, also func(at time.Time)) {
+	at := d.clamp(ev.Time)
 	if at.IsZero() {
 		return
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if !d.seen.first(ev.ID, ev.Time) {
+		return
+	}
 	for _, k := range [][2]string{{tenant, ""}, {"", endpoint}} {
 		w := d.spikes[k]
 		if w == nil {
@@ -227,6 +232,9 @@ func (d *Detector) count(at time.Time, tenant, endpoint string, allowed, denied 
 			d.spikes[k] = w
 		}
 		w.add(at, allowed, denied)
+	}
+	if also != nil {
+		also(at)
 	}
 }
 
@@ -451,6 +459,7 @@ func (d *Detector) Evaluate(ctx context.Context) error {
 			delete(d.abusing, k)
 		}
 	}
+	d.seen.prune(now.Add(-d.longestWindow() - time.Second))
 	d.mu.Unlock()
 
 	var errs []error

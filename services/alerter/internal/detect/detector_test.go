@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -76,12 +77,12 @@ func TestSpikeSurvivesRestart(t *testing.T) {
 	d := newDetector(t, st, c)
 	at := c.now()
 	for i := range 10 {
-		ev := events.Event{ID: "r", Time: at}
+		ev := events.Event{ID: "r-" + strconv.Itoa(i), Time: at}
 		if err := d.Reserved(ctx, ev, events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: int64(i)}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := d.Denied(ctx, events.Event{Time: at}, events.Denied{Tenant: "acme", User: "u", Endpoint: "/e", Count: 2}); err != nil {
+	if err := d.Denied(ctx, events.Event{ID: "d", Time: at}, events.Denied{Tenant: "acme", User: "u", Endpoint: "/e", Count: 2}); err != nil {
 		t.Fatal(err)
 	}
 	for range 3 {
@@ -121,9 +122,11 @@ func TestAbuseBurstOncePerBurst(t *testing.T) {
 	ctx := context.Background()
 	c := &clock{t: time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)}
 	d := newDetector(t, st, c)
+	ids := 0
 	deny := func(n int64) {
 		t.Helper()
-		err := d.Denied(ctx, events.Event{Time: c.now()}, events.Denied{Tenant: "acme", User: "u", IP: "203.0.113.7", Endpoint: "/e", Count: n})
+		ids++
+		err := d.Denied(ctx, events.Event{ID: "d-" + strconv.Itoa(ids), Time: c.now()}, events.Denied{Tenant: "acme", User: "u", IP: "203.0.113.7", Endpoint: "/e", Count: n})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -153,6 +156,50 @@ func TestAbuseBurstOncePerBurst(t *testing.T) {
 	deny(60) // a new one
 	if n := count(); n != 4 {
 		t.Fatalf("a second burst: %d abuse alerts, want 4", n)
+	}
+}
+
+// An event stored twice (a batch re-formed on retry) counts once in the
+// rate windows, whether it comes alone or in a batch; another event of the
+// same data counts again.
+func TestCountsOncePerEventID(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)}
+	d := newDetector(t, st, c)
+	at := c.now().Add(-time.Second)
+	res := events.Event{ID: "res-1", Time: at, Data: events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: 1}}
+	deny := events.Denied{Tenant: "acme", User: "u", IP: "203.0.113.7", Endpoint: "/e", Scope: "user", Name: "5h", Count: 7}
+	den := events.Event{ID: "den-1", Time: at, Data: deny}
+	other := events.Event{ID: "den-2", Time: at, Data: deny}
+	for range 2 {
+		if err := d.Reserved(ctx, res, res.Data.(events.Reserved)); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Denied(ctx, den, deny); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.HandleBatch(ctx, []events.Event{res, den, den, other}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	d.mu.Lock()
+	allowed, denied := d.spikes[[2]string{"acme", ""}].sum(c.now(), time.Minute)
+	abuse, _ := d.abuse[abuseKey{ip: "203.0.113.7"}].sum(c.now(), time.Minute)
+	d.mu.Unlock()
+	if allowed != 1 || denied != 14 || abuse != 14 {
+		t.Errorf("counted allowed %d, denied %d, abuse %d; want 1, 14, 14 (one reserved, two denied events of 7)", allowed, denied, abuse)
+	}
+	// Once its time has left every window, an id is forgotten.
+	c.add(10 * time.Minute)
+	if err := d.Evaluate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	d.mu.Lock()
+	n := len(d.seen.at)
+	d.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d ids remembered after the windows passed, want 0", n)
 	}
 }
 
