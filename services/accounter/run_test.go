@@ -700,6 +700,79 @@ func TestRedeliveredBatchCountsOnce(t *testing.T) {
 	}
 }
 
+// TestReformedBatchesCountOnce publishes the same events in two batches
+// formed differently (JetStream stores both: their batch ids differ) and
+// once more alone: the ledger, the Redis windows and the corrections count
+// each event id once.
+func TestReformedBatchesCountOnce(t *testing.T) {
+	e := newEnv(t)
+	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	ten := "reformed-" + e2e.RandomHex(4)
+	const n = 20
+	var reserved, actuals []events.Event
+	var want int64
+	for i := range n {
+		req := fmt.Sprintf("r%d", i)
+		d, err := e.lim.Reserve(ctx, limits.Request{Tenant: ten, User: "u1", RequestID: req, Cost: 100, Rules: e.rules(ten)})
+		if err != nil || !d.Allowed {
+			t.Fatalf("Reserve = %+v, %v", d, err)
+		}
+		reserved = append(reserved, events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: ten, User: "u1", Endpoint: "/api/v1/generate",
+			EstimatedTokens: 100, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
+		}, time.Now()))
+		actuals = append(actuals, e.actual(ten, "u1", req, "", int64(10+i), 0))
+		want += int64(10 + i)
+	}
+	for _, part := range [][]events.Event{reserved, reserved[:7], actuals[:12], actuals[5:], reserved[3:9]} {
+		if err := e.pub.PublishBatch(ctx, part); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.publish(actuals[8])
+	ids := natstest.StreamEvents(t, e.js, e.cfg.Stream)
+	if ids[actuals[8].ID] != 3 || ids[reserved[4].ID] != 3 {
+		t.Fatalf("the stream holds actual 8 %d times and reserved 4 %d times, want 3 each (the test needs the copies)",
+			ids[actuals[8].ID], ids[reserved[4].ID])
+	}
+
+	e.start(nil)
+	e2e.Eventually(t, "every actual settled", func() bool {
+		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n
+	})
+	e2e.Eventually(t, "the stream consumed", func() bool {
+		info, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
+		return err == nil && info.CachedInfo().NumPending == 0 && info.CachedInfo().NumAckPending == 0
+	})
+	if got := e.count("SELECT count(*) FROM reservations WHERE tenant=$1", ten); got != n {
+		t.Errorf("reservations rows = %d, want %d", got, n)
+	}
+	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten); got != n {
+		t.Errorf("usage_events rows = %d, want %d (one per actual)", got, n)
+	}
+	if got := e.used(ten, "u1", "5h"); got != want {
+		t.Errorf("5h used = %d, want %d (each actual once)", got, want)
+	}
+	if got := e.count("SELECT coalesce(sum(tokens), 0) FROM usage_rollups WHERE tenant=$1", ten); got != want {
+		t.Errorf("rollup tokens = %d, want %d", got, want)
+	}
+	corrected := map[string]bool{}
+	for _, ev := range natstest.StoredEvents(t, e.js, e.cfg.Stream) {
+		if c, ok := ev.Data.(events.Corrected); ok && c.Tenant == ten {
+			corrected[ev.ID] = true
+		}
+	}
+	if len(corrected) != n {
+		t.Errorf("%d corrected event ids, want %d (one per request)", len(corrected), n)
+	}
+	if ids := natstest.StreamEvents(t, e.js, e.cfg.DLQStream); len(ids) != 0 {
+		t.Errorf("dead letters: %v, want none", ids)
+	}
+}
+
 func TestRedisLossRebuildsWindows(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
