@@ -157,12 +157,12 @@ func (st *stack) deadLettersEmpty(ctx context.Context) (bool, string) {
 	if err != nil {
 		return false, err.Error()
 	}
-	s, err := js.Stream(ctx, stream.Defaults().DLQStream)
+	// Events, not messages: a message may be a batch.
+	ids, err := stream.EventIDs(ctx, js, stream.Defaults().DLQStream)
 	if err != nil {
 		return false, err.Error()
 	}
-	n := s.CachedInfo().State.Msgs
-	return n == 0, fmt.Sprintf("%s holds %d messages", stream.Defaults().DLQStream, n)
+	return len(ids) == 0, fmt.Sprintf("%s holds %d events", stream.Defaults().DLQStream, len(ids))
 }
 
 // alertsDeliveredOnce waits until the alerter's outbox has nothing

@@ -53,6 +53,21 @@
 // id, "/" and a sequence number. Consumers add the counts of every
 // aggregate.
 //
+// # Batches (optional)
+//
+// A publisher may send many events in one message, which costs the server
+// far less per event: a JSON array of events in the structured form below
+// (CloudEvents JSON batch mode), with Content-Type
+// application/cloudevents-batch+json (BatchContentType), 1 to 1024 events
+// (MaxBatchEvents) and at most 1 MiB (MaxBatchSize), sent on the subject of
+// its events' type. Its Nats-Msg-Id is "batch " and H of its event ids in
+// order (BatchID), so the same batch published again is stored once; the
+// space keeps it apart from every event id. An event published again in
+// another batch may be stored twice: every quotaflow consumer counts an
+// event id once. Consumers judge each event of a batch alone: one invalid
+// event is dead-lettered by itself. Sending events one by one stays valid.
+// In Go: EncodeBatch and DecodeBatch, or stream.Publisher.PublishBatch.
+//
 // # Envelope
 //
 // CloudEvents 1.0, structured JSON mode. Every attribute below is required

@@ -24,6 +24,11 @@
 // A Publisher validates each event, publishes it on its type's subject
 // with Nats-Msg-Id set to the event's id, so a retry is stored once, and
 // expects the usage stream to store it, so a misrouted prefix fails.
+// PublishBatch packs the events of each subject into batches (package
+// events: a JSON array, Nats-Msg-Id events.BatchID) under the server's max
+// payload (WithMaxPayload); a batch of one is a plain event. Batcher
+// gathers concurrent publishes into shared PublishBatch calls. Publishers in
+// other languages may send single events only.
 // A Batcher sits in front of it for services whose callers each wait for
 // a few events to be stored (admission's POST /v1/usage): concurrent
 // calls share one PublishBatch, a round closing at MaxEvents events or
@@ -33,10 +38,14 @@
 // # Consuming
 //
 // EnsureConsumer makes a durable pull consumer of every event from the
-// first; Process handles one of its messages: it decodes the event
-// (DecodeMsg), calls the handler (Handlers.Dispatch routes by type), and
-// acks, naks with a backoff, or dead-letters an event that is invalid or
-// has failed MaxDeliver times, so a bad event never stops a consumer.
-// Consumers that decode and handle a batch themselves end each message
-// with Finish, or Reject.
+// first; Process handles one of its messages, a single event or a batch:
+// it decodes its events (DecodeMsg), calls the handler for each valid one
+// (Handlers.Dispatch routes by type), and ends the message once
+// (Delivery.Finish): it acks, naks with a backoff, or dead-letters each
+// event that is invalid or has failed MaxDeliver times alone
+// (HeaderBatchIndex), so a bad event never stops a consumer nor holds up
+// its neighbours. Consumers that handle many messages' events at once
+// decode each with DecodeMsg and end it with Delivery.Finish, or Reject
+// when it is bad as a whole. Checks count events with EventIDs, never
+// messages.
 package stream
