@@ -25,7 +25,7 @@ func (d *Decider) Admit(ctx context.Context, in Input) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	a := admission{d: d, ctx: ctx, in: &in, remote: true}
+	a := admission{d: d, ctx: ctx, in: in, remote: true}
 	if deg, _, outage, noEpoch := d.br.status(); deg && !noEpoch && d.failOpen(outage) {
 		a.allowAll(rs.Plan)
 	} else if err := a.run(&rs); err != nil {
@@ -39,7 +39,7 @@ func (d *Decider) Admit(ctx context.Context, in Input) (Result, error) {
 type admission struct {
 	d   *Decider
 	ctx context.Context
-	in  *Input
+	in  Input // by value: a pointer to Admit's copy would move it to the heap
 
 	// remote is cleared once a Redis call of this admission failed or was
 	// refused by the breaker: the remaining layers are decided locally
@@ -82,7 +82,7 @@ type sharedRes struct {
 func (a *admission) allowAll(plan string) {
 	now := time.Now()
 	a.res = Result{Allowed: true, Local: true, Plan: plan, Now: now, ExpiresAt: now.Add(a.d.ttl)}
-	v := voidOf(a.in, plan)
+	v := voidOf(&a.in, plan)
 	v.Allowed = true
 	a.d.voids.add(v) // the request keeps its id (see subjectLayer)
 }
@@ -290,7 +290,7 @@ func (a *admission) subjectLayer(rules []policy.Rule) (bool, error) {
 	base := len(a.res.Limits)
 	a.res.Limits = a.res.Limits[:base+len(rules)]
 	states := a.res.Limits[base:]
-	in := a.in
+	in := &a.in
 	// Once a decision is taken without Redis, Redis is made to agree with
 	// it (voider): a request allowed locally keeps its id, so a retry is a
 	// duplicate there too; a Reserve that may have run though its reply
