@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os/exec"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -14,7 +15,7 @@ import (
 // times, the order swapped every round (A B, B A, ...) so that a machine
 // getting busier or quieter weighs on both alike. It prints every round and
 // the medians, with the CPU each admission and Redis spend per request.
-func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Duration) error {
+func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Duration, env []string) error {
 	b, err := newBench(ctx)
 	defer b.close()
 	if err != nil {
@@ -33,12 +34,15 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 		failures    float64   // publish rounds that failed, over all rounds
 	}
 	var ts []*target
-	for _, src := range []struct{ name, dir string }{{"before", base}, {"after", "."}} {
+	for _, src := range []struct {
+		name, dir string
+		env       []string
+	}{{"before", base, nil}, {"after", ".", env}} {
 		bin, err := build(b.dir, src.dir, "./services/admission")
 		if err != nil {
 			return err
 		}
-		p, api, ops, err := b.admission(src.name, bin)
+		p, api, ops, err := b.admission(src.name, bin, src.env...)
 		if err != nil {
 			return err
 		}
@@ -50,7 +54,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 	for _, t := range ts {
 		t.published = publishRounds(t.ops, "outbox")
 	}
-	fmt.Printf("before = %s, after = this checkout; %d users, concurrency %d, %s per run\n\n", base, users, conc, dur)
+	fmt.Printf("before = %s, after = this checkout %s; %d users, concurrency %d, %s per run\n\n", base, strings.Join(env, " "), users, conc, dur)
 	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | Redis CPU/req | in scripts/req | RSS | failopen | statuses |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
 	for r := range rounds {

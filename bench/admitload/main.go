@@ -36,6 +36,7 @@ func main() {
 	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
 	heap := flag.String("heapprofile", "", "write a heap profile of admission after the first admission run to this file")
 	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency)")
+	abEnv := flag.String("ab-env", "", "with -ab, extra environment of this checkout's admission, space-separated (e.g. GOMEMLIMIT=32MiB)")
 	rounds := flag.Int("rounds", 5, "rounds of -ab and -peer")
 	peerMode := flag.Bool("peer", false, "compare with plain net/http and envoyproxy/ratelimit, admission with one and with five limits, in interleaved rounds")
 	targets := flag.String("targets", "", "-peer: only these of plain,envoy,one,five (comma-separated; default all)")
@@ -76,7 +77,7 @@ func main() {
 		return
 	}
 	if *base != "" {
-		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration); err != nil {
+		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, strings.Fields(*abEnv)); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
 			os.Exit(1)
 		}
