@@ -44,14 +44,16 @@ func EncodeBatch(evs []Event) ([]byte, error) {
 		return nil, fmt.Errorf("%w: batch: %d events, want 1 to %d", ErrInvalid, len(evs), MaxBatchEvents)
 	}
 	encoded := make([][]byte, len(evs))
+	size := 0
 	for i, ev := range evs {
 		b, err := Encode(ev)
 		if err != nil {
 			return nil, fmt.Errorf("batch[%d]: %w", i, err)
 		}
 		encoded[i] = b
+		size += len(b)
 	}
-	b := AppendBatch(nil, encoded)
+	b := AppendBatch(make([]byte, 0, BatchSize(len(evs), size)), encoded)
 	if len(b) > MaxBatchSize {
 		return nil, fmt.Errorf("%w: batch: %d bytes, larger than %d", ErrInvalid, len(b), MaxBatchSize)
 	}

@@ -45,3 +45,63 @@ func BenchmarkEncode(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkBatch encodes and decodes 100 reserved events one by one and as
+// one batch, per event (ns/event).
+func BenchmarkBatch(b *testing.B) {
+	ev := examples()[0] // reserved, the largest
+	evs := make([]Event, 100)
+	for i := range evs {
+		evs[i] = ev
+		evs[i].ID = HashID("bench", string(rune('a'+i%26)), string(rune('a'+i/26)))
+	}
+	singles := make([][]byte, len(evs))
+	for i := range evs {
+		singles[i], _ = Encode(evs[i])
+	}
+	batch, err := EncodeBatch(evs)
+	if err != nil {
+		b.Fatal(err)
+	}
+	per := func(b *testing.B) { b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(evs)), "ns/event") }
+	b.Run("encode/single", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			for _, ev := range evs {
+				if _, err := Encode(ev); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		per(b)
+	})
+	b.Run("encode/batch", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := EncodeBatch(evs); err != nil {
+				b.Fatal(err)
+			}
+		}
+		per(b)
+	})
+	b.Run("decode/single", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			for _, s := range singles {
+				if _, err := Decode(s); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		per(b)
+	})
+	b.Run("decode/batch", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, _, _, err := DecodeBatch(batch); err != nil {
+				b.Fatal(err)
+			}
+		}
+		per(b)
+	})
+}
