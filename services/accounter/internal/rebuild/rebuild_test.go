@@ -7,6 +7,7 @@ import (
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/repair"
+	"quotaflow/services/accounter/internal/ledger"
 	"quotaflow/services/accounter/internal/ledgertest"
 )
 
@@ -92,6 +93,65 @@ func TestRebuildOnlyTheLostSlots(t *testing.T) {
 			if st.Rule.Name == "5h" && st.Used != tc.want {
 				t.Errorf("%s 5h used after a rebuild of acme's slot = %d, want %d", tc.tenant, st.Used, tc.want)
 			}
+		}
+	}
+}
+
+// The ledger as the accounter writes it now (a reserved event as its
+// reservation row alone, an actual and its settlement in one write, a
+// settlement put back when Redis did not take the correction) rebuilds the
+// windows Redis held: settled at the actual, open (its actual pending) at
+// the estimate.
+func TestRebuildGivesBackTheWindows(t *testing.T) {
+	w, rb := newRebuilder(t)
+	settled := w.Reserve("acme", "u1", "", 300, true)
+	failed := w.Reserve("acme", "u1", "", 200, true)
+	w.Reserve("acme", "u2", "", 100, true)
+	s := settled.Data.(events.Reserved)
+	if _, err := w.Lim.Correct(w.Ctx, limits.Settle{Tenant: s.Tenant, User: s.User, RequestID: s.RequestID, Actual: 120, Rules: w.Rules("acme", "")}); err != nil {
+		t.Fatal(err)
+	}
+	actual := func(ev events.Event, tokens int64) ledger.Record {
+		d := ev.Data.(events.Reserved)
+		return ledger.Record{EventID: "a-" + d.RequestID, Kind: events.TypeActual, Tenant: d.Tenant, User: d.User,
+			RequestID: d.RequestID, Tokens: tokens, OccurredAt: ev.Time, Payload: []byte(`{}`)}
+	}
+	// One batch with both actuals; Redis took the first correction only.
+	tx, err := w.Store.Begin(w.Ctx, []ledger.Record{actual(settled, 120), actual(failed, 50)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(w.Ctx, []ledger.Mark{{Key: ledger.Key{Tenant: "acme", User: "u1", RequestID: s.RequestID}, Status: ledger.StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	used := func() map[string]int64 {
+		t.Helper()
+		m := map[string]int64{}
+		for _, u := range []string{"u1", "u2"} {
+			d, err := w.Lim.Peek(w.Ctx, limits.Request{Tenant: "acme", User: u, Rules: w.Rules("acme", "")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, st := range d.States {
+				m[u+" "+st.Rule.Name] = st.Used
+			}
+		}
+		return m
+	}
+	before := used()
+	if before["u1 5h"] != 320 || before["u2 5h"] != 100 {
+		t.Fatalf("5h used before the loss = %d and %d, want 320 (120 settled + 200 open) and 100", before["u1 5h"], before["u2 5h"])
+	}
+	if err := w.RDB.FlushAll(w.Ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if rebuilt, _, err := rb.EnsureEpoch(w.Ctx); err != nil || !rebuilt {
+		t.Fatalf("EnsureEpoch = %v, %v; want a rebuild", rebuilt, err)
+	}
+	after := used()
+	for k, v := range before {
+		if after[k] != v {
+			t.Errorf("%s used after the rebuild = %d, want %d as before the loss", k, after[k], v)
 		}
 	}
 }
