@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 )
@@ -598,18 +599,14 @@ func testOverflow(t *testing.T, s *stack, gw caller) {
 		return st == "open", fmt.Sprintf("status %q", st)
 	})
 	e2e.EventuallyLast(t, "a corrected event published for every actual", func() (bool, string) {
-		n := 0
-		for _, m := range s.messages(t, s.streams.Stream, events.Subject(s.streams.SubjectPrefix, events.TypeCorrected)) {
-			var ev struct {
-				Data struct {
-					Tenant string `json:"tenant"`
-				} `json:"data"`
-			}
-			if json.Unmarshal(m.Data, &ev) == nil && ev.Data.Tenant == tenant {
-				n++
+		// Count event ids, not messages: the accounter publishes batches.
+		ids := map[string]bool{}
+		for _, ev := range natstest.StoredEvents(t, s.js, s.streams.Stream) {
+			if c, ok := ev.Data.(events.Corrected); ok && c.Tenant == tenant {
+				ids[ev.ID] = true
 			}
 		}
-		return n == unseen+1, fmt.Sprintf("%d corrected events", n)
+		return len(ids) == unseen+1, fmt.Sprintf("%d corrected events", len(ids))
 	})
 	if r := s.retries(t); r != retries0 {
 		t.Errorf("the consumer retried %v times, want 0", r-retries0)
