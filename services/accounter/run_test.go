@@ -688,15 +688,22 @@ func TestRedeliveredBatchCountsOnce(t *testing.T) {
 	e2e.Eventually(t, "every actual settled", func() bool {
 		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n
 	})
-	// One row per actual event: a reserved event is its reservation row.
-	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten); got != n {
-		t.Errorf("usage_events rows = %d, want %d", got, n)
+	e.countedOnce(ten, n, want)
+}
+
+// countedOnce checks that the n actual events of tenant's user u1, of
+// tokens in all, each counted once: one ledger row each (a reserved event
+// is its reservation row), the 5h window and the rollups hold tokens.
+func (e *env) countedOnce(tenant string, n, tokens int64) {
+	e.t.Helper()
+	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", tenant); got != n {
+		e.t.Errorf("usage_events rows = %d, want %d (one per actual)", got, n)
 	}
-	if got := e.used(ten, "u1", "5h"); got != want {
-		t.Errorf("5h used = %d, want %d (each actual once)", got, want)
+	if got := e.used(tenant, "u1", "5h"); got != tokens {
+		e.t.Errorf("5h used = %d, want %d (each actual once)", got, tokens)
 	}
-	if got := e.count("SELECT coalesce(sum(tokens), 0) FROM usage_rollups WHERE tenant=$1", ten); got != want {
-		t.Errorf("rollup tokens = %d, want %d", got, want)
+	if got := e.count("SELECT coalesce(sum(tokens), 0) FROM usage_rollups WHERE tenant=$1", tenant); got != tokens {
+		e.t.Errorf("rollup tokens = %d, want %d", got, tokens)
 	}
 }
 
@@ -750,15 +757,7 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 	if got := e.count("SELECT count(*) FROM reservations WHERE tenant=$1", ten); got != n {
 		t.Errorf("reservations rows = %d, want %d", got, n)
 	}
-	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten); got != n {
-		t.Errorf("usage_events rows = %d, want %d (one per actual)", got, n)
-	}
-	if got := e.used(ten, "u1", "5h"); got != want {
-		t.Errorf("5h used = %d, want %d (each actual once)", got, want)
-	}
-	if got := e.count("SELECT coalesce(sum(tokens), 0) FROM usage_rollups WHERE tenant=$1", ten); got != want {
-		t.Errorf("rollup tokens = %d, want %d", got, want)
-	}
+	e.countedOnce(ten, n, want)
 	corrected := map[string]bool{}
 	for _, ev := range natstest.StoredEvents(t, e.js, e.cfg.Stream) {
 		if c, ok := ev.Data.(events.Corrected); ok && c.Tenant == ten {
