@@ -109,7 +109,10 @@ func round(js jetstream.JetStream, pid int, name string, n, call int, opt stream
 	if err := stream.Ensure(ctx, js, cfg); err != nil {
 		return 0, 0, err
 	}
-	defer func() { _ = js.DeleteStream(context.Background(), cfg.Stream); _ = js.DeleteStream(context.Background(), cfg.DLQStream) }()
+	defer func() {
+		_ = js.DeleteStream(context.Background(), cfg.Stream)
+		_ = js.DeleteStream(context.Background(), cfg.DLQStream)
+	}()
 	cons, err := stream.EnsureConsumer(ctx, js, cfg, "bench")
 	if err != nil {
 		return 0, 0, err
