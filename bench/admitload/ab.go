@@ -4,9 +4,10 @@ import (
 	"context"
 	"fmt"
 	"os/exec"
-	"slices"
 	"strings"
 	"time"
+
+	"quotaflow/bench/internal/stats"
 )
 
 // ab measures admission as built from this checkout against admission as
@@ -88,28 +89,17 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur time.Dura
 	fmt.Println("| target | req/s | p99 | admission CPU/req | Redis CPU/req | in scripts/req | RSS |")
 	fmt.Println("|---|---|---|---|---|---|---|")
 	for _, t := range ts {
-		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f µs | %.1f µs | %.0f MiB |\n", t.name, median(t.rps), median(t.p99),
-			median(t.cpu), median(t.rcpu), median(t.redis), median(t.rss))
+		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f µs | %.1f µs | %.0f MiB |\n", t.name, stats.Median(t.rps), stats.Median(t.p99),
+			stats.Median(t.cpu), stats.Median(t.rcpu), stats.Median(t.redis), stats.Median(t.rss))
 	}
 	fmt.Printf("\nafter / before, req/s: %.3f (median of the per-round ratios %.3f)\n",
-		median(ts[1].rps)/median(ts[0].rps), median(ratios(ts[1].rps, ts[0].rps)))
+		stats.Median(ts[1].rps)/stats.Median(ts[0].rps), stats.Median(ratios(ts[1].rps, ts[0].rps)))
 	fmt.Printf("\nthe outbox's publish rounds over all rounds (- where the build does not report them):\n\n")
 	for _, t := range ts {
 		fmt.Printf("- %s: %s; queue depth under load, median of the rounds' means %.0f events; %.0f failed rounds\n",
-			t.name, publishRounds(t.ops, "outbox").since(t.published), median(t.depth), t.failures)
+			t.name, publishRounds(t.ops, "outbox").since(t.published), stats.Median(t.depth), t.failures)
 	}
 	return nil
-}
-
-func median(v []float64) float64 {
-	s := slices.Sorted(slices.Values(v))
-	if len(s) == 0 {
-		return 0
-	}
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 func ratios(a, b []float64) []float64 {

@@ -14,6 +14,7 @@ import (
 	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/plans"
 	"quotaflow/bench/internal/proc"
+	"quotaflow/bench/internal/stats"
 	"quotaflow/internal/e2e"
 )
 
@@ -177,7 +178,7 @@ func peer(ctx context.Context, o peerOptions) error {
 
 	if five := find(ts, "five"); five != nil && o.openFrac > 0 {
 		top := o.levels[len(o.levels)-1]
-		rate := o.openFrac * median(rates(five.runs[top], nil))
+		rate := o.openFrac * stats.Median(rates(five.runs[top], nil))
 		run, err := measure(five, top, rate)
 		if err != nil {
 			return err
@@ -207,12 +208,12 @@ func summary(ts []*peerTarget, o peerOptions) {
 				for i, r := range rs {
 					v[i] = get(r)
 				}
-				return median(v)
+				return stats.Median(v)
 			}
 			server, redis, nats, gen := f(func(r peerRun) float64 { return r.server }), f(func(r peerRun) float64 { return r.redis }),
 				f(func(r peerRun) float64 { return r.nats }), f(func(r peerRun) float64 { return r.gen })
 			fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f | %s |\n", t.name, conc,
-				median(rates(rs, nil)), ratioTo(t, plain, conc), ratioTo(t, envoy, conc), cpuRatioTo(t, envoy, conc),
+				stats.Median(rates(rs, nil)), ratioTo(t, plain, conc), ratioTo(t, envoy, conc), cpuRatioTo(t, envoy, conc),
 				f(func(r peerRun) float64 { return ms(pct(r.res, 50)) }), f(func(r peerRun) float64 { return ms(pct(r.res, 99)) }),
 				server, orDash(t.redis, redis), orDash(t.nats, nats), gen, f(peerRun.all),
 				mib(int64(f(func(r peerRun) float64 { return float64(r.rss) }))))
@@ -230,7 +231,7 @@ func summary(ts []*peerTarget, o peerOptions) {
 			for i, r := range t.runs[conc] {
 				v[i] = get(r)
 			}
-			parts = append(parts, fmt.Sprintf("%.1f µs (c=%d)", median(v), conc))
+			parts = append(parts, fmt.Sprintf("%.1f µs (c=%d)", stats.Median(v), conc))
 		}
 		return strings.Join(parts, ", ")
 	}
@@ -243,7 +244,7 @@ func summary(ts []*peerTarget, o peerOptions) {
 	for i, r := range five.runs[top] {
 		rss[i] = float64(r.rss)
 	}
-	fmt.Printf("| admission RSS at c=%d, 5-limit plan, %d users ≤ 40 MB | %s (VmRSS after each run, median) |\n", top, o.users, mib(int64(median(rss))))
+	fmt.Printf("| admission RSS at c=%d, 5-limit plan, %d users ≤ 40 MB | %s (VmRSS after each run, median) |\n", top, o.users, mib(int64(stats.Median(rss))))
 }
 
 func find(ts []*peerTarget, short string) *peerTarget {
@@ -272,7 +273,7 @@ func ratioTo(t, base *peerTarget, conc int) string {
 	if base == nil {
 		return "-"
 	}
-	return strconv.FormatFloat(median(rates(t.runs[conc], base.runs[conc])), 'f', 3, 64)
+	return strconv.FormatFloat(stats.Median(rates(t.runs[conc], base.runs[conc])), 'f', 3, 64)
 }
 
 // cpuRatioTo is the median over the rounds of base's CPU per request
@@ -285,7 +286,7 @@ func cpuRatioTo(t, base *peerTarget, conc int) string {
 	for i, r := range t.runs[conc] {
 		v[i] = base.runs[conc][i].all() / max(r.all(), 1e-9)
 	}
-	return strconv.FormatFloat(median(v), 'f', 3, 64)
+	return strconv.FormatFloat(stats.Median(v), 'f', 3, 64)
 }
 
 func ratiosAt(t, base *peerTarget, levels []int, ratio func(t, base *peerTarget, conc int) string) string {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"quotaflow/bench/internal/envoy"
+	"quotaflow/bench/internal/stats"
 )
 
 // report prints every round and the medians as Markdown tables: rates,
@@ -54,7 +55,7 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 	for i := range rounds {
 		row(out, cells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
 	}
-	row(out, cells("median", func(f func(r round) float64) string { return format(median(col(f))) })...)
+	row(out, cells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
 	fmt.Fprintf(out, "\nrequests (warm-up included): %d admitted, %d reported (%d tokens), %d reports resent after a 503; %.0f admits decided without Redis (failopen)\n",
 		total.admitted, total.reported, total.tokens, total.resent, failopen)
 	if len(bad) == 0 {
@@ -84,17 +85,6 @@ func format(v float64) string {
 	default:
 		return fmt.Sprintf("%.2f", v)
 	}
-}
-
-func median(v []float64) float64 {
-	s := slices.Sorted(slices.Values(v))
-	if len(s) == 0 {
-		return 0
-	}
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 // reportPeer prints envoy's rounds, CPU per check, and the ratio of the
@@ -130,9 +120,9 @@ func reportPeer(out io.Writer, ms []meter, checks []peerRound, pls []*pipeline) 
 		}
 		row(out, cells...)
 	}
-	fmt.Fprintf(out, "\nmedian: ratelimit %s checks/s", format(median(rates)))
+	fmt.Fprintf(out, "\nmedian: ratelimit %s checks/s", format(stats.Median(rates)))
 	for j, pl := range pls {
-		fmt.Fprintf(out, "; pipeline (%s) ÷ ratelimit %.3f", pl.name, median(ratios[j]))
+		fmt.Fprintf(out, "; pipeline (%s) ÷ ratelimit %.3f", pl.name, stats.Median(ratios[j]))
 	}
 	fmt.Fprintln(out, " (medians of the rounds' ratios)")
 	for _, c := range checks {
