@@ -28,6 +28,7 @@ type Config struct {
 	Base     string        // a checkout of an earlier commit: its services run too, as "before"
 	Envoy    bool          // measure envoyproxy/ratelimit in the same rounds
 	EnvoyBin string        // its service_cmd binary; "" builds the pinned one
+	Env      []string      // extra environment of this checkout's services only (with Base: a setting measured both ways)
 }
 
 // meter reads a process's CPU time so far.
@@ -192,9 +193,13 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 // startPipeline starts the pipeline with the services built from the
 // checkout root ("" for this one) and what the rounds need of it.
 func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Writer) (*pipeline, error) {
+	env := []string{"QF_LOG_LEVEL=warn"}
+	if root == "" {
+		env = append(env, cfg.Env...)
+	}
 	p, err := e2e.StartPrivate(ctx, e2e.PrivateConfig{
 		Name: "pipeline", Root: root, Policy: plans.Five, Out: out,
-		Env: []string{"QF_LOG_LEVEL=warn"},
+		Env: env,
 		// Consuming, with no webhook: a quota never reaches a threshold.
 		AlerterEnv: []string{"QF_CONSUMER=alerter"},
 		// A busy two-core machine answers in more than the default 10 ms
