@@ -707,6 +707,61 @@ func (e *env) countedOnce(tenant string, n, tokens int64) {
 	}
 }
 
+// TestConflictingCopiesKeepTheFirst publishes actual events twice under
+// the same ids with other figures, in batches formed differently (both
+// stored: their batch ids differ), so both copies reach one consumer
+// batch: the first copy stored counts, in the ledger and in Redis alike,
+// as JetStream's dedup kept the first of single events.
+func TestConflictingCopiesKeepTheFirst(t *testing.T) {
+	e := newEnv(t)
+	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	e.cfg.Workers = 1
+	e.cfg.BatchSize = 1000
+	e.cfg.BatchWait = 500 * time.Millisecond
+	ctx := context.Background()
+	ten := "conflict-" + e2e.RandomHex(4)
+	const n = 20
+	var first, second []events.Event
+	for i := range n {
+		req := fmt.Sprintf("r%d", i)
+		e.reserve(ten, "u1", req, 100, true)
+		first = append(first, e.actual(ten, "u1", req, "", int64(10+i), 0))
+		second = append(second, e.actual(ten, "u1", req, "", 999, 0))
+		if first[i].ID != second[i].ID {
+			t.Fatal("the copies need one id")
+		}
+	}
+	// r0..r11 first as first[i]; r12..r19 first as 999 (second[5:] is
+	// stored after first[:12]).
+	for _, part := range [][]events.Event{first[:12], second[5:]} {
+		if err := e.pub.PublishBatch(ctx, part); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var want int64
+	for i := range n {
+		if i < 12 {
+			want += int64(10 + i)
+		} else {
+			want += 999
+		}
+	}
+	e.start(nil)
+	e2e.Eventually(t, "every actual settled", func() bool {
+		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n
+	})
+	e2e.Eventually(t, "the stream consumed", func() bool {
+		info, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
+		return err == nil && info.CachedInfo().NumPending == 0 && info.CachedInfo().NumAckPending == 0
+	})
+	if got := e.count("SELECT coalesce(sum(actual_tokens), 0) FROM reservations WHERE tenant=$1", ten); got != want {
+		t.Errorf("reservations' actual tokens = %d, want %d (the first copy of each)", got, want)
+	}
+	e.countedOnce(ten, n, want)
+}
+
 // TestReformedBatchesCountOnce publishes the same events in two batches
 // formed differently (JetStream stores both: their batch ids differ) and
 // once more alone: the ledger, the Redis windows and the corrections count

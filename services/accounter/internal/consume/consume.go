@@ -156,6 +156,12 @@ type item struct {
 	ev  events.Event
 	err error // nil: every effect is in place
 	bad bool  // DecodeMsg found it invalid: Finish dead-letters it
+	// dup marks a later copy of an event id the batch already holds (a
+	// batch re-formed on retry is stored again under another batch id):
+	// only the first copy is written and applied, as JetStream's dedup
+	// kept the first of single events, so a re-report with other figures
+	// cannot split the ledger from Redis.
+	dup bool
 	// rejected is why Postgres refused the event itself: dead-letter it.
 	rejected error
 	// transient marks err as an outage (Postgres, Redis or NATS
@@ -213,10 +219,15 @@ func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
 	start := time.Now()
 	var items []item
 	recs := make([]ledger.Record, 0, len(ds))
+	seen := map[string]bool{}
 	for m, d := range ds {
 		for i, ev := range d.Events {
 			it := item{msg: m, idx: i, ev: ev, bad: d.Errs[i] != nil}
 			if !it.bad {
+				it.dup = seen[ev.ID]
+				seen[ev.ID] = true
+			}
+			if !it.bad && !it.dup {
 				recs = append(recs, c.record(ev, d.Raw(i), d.FirstStored(i)))
 			}
 			items = append(items, it)
@@ -383,7 +394,7 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 	done := map[effectKey]bool{}
 	for i := range items {
 		it := &items[i]
-		if it.bad || it.rejected != nil {
+		if it.bad || it.dup || it.rejected != nil {
 			continue
 		}
 		var t task
@@ -535,7 +546,7 @@ func (c *Consumer) beginWithoutRejected(ctx context.Context, items []item, recs 
 	r := 0
 	for i := range items {
 		it := &items[i]
-		if it.bad {
+		if it.bad || it.dup {
 			continue
 		}
 		rec := recs[r]
