@@ -42,12 +42,12 @@ func TestRealNATS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]bool{}
+	want, repeated := map[string]bool{}, map[string]bool{}
 	for i := range 100 {
 		ev := reserved(i)
-		want[ev.ID] = true
+		want[ev.ID], repeated[ev.ID] = true, true
 		o.Enqueue(ev)
-		o.Enqueue(ev) // a repeat is stored once
+		o.Enqueue(ev) // a repeat: once per round, at most twice in all
 	}
 	d := events.Denied{Tenant: "acme", User: "u", Endpoint: "/e", Scope: "user", Name: "5h"}
 	for range 50 {
@@ -61,10 +61,14 @@ func TestRealNATS(t *testing.T) {
 	want[actual.ID] = true
 	closeOutbox(t, o, 10*time.Second)
 
+	// A round sends an id once; a repeat that falls in the next round is
+	// stored again under another batch id (consumers dedup per event id,
+	// design.md §5), so a reserved event is stored once or twice, the
+	// others once.
 	ids := natstest.StreamEvents(t, js, cfg.Stream)
 	for id := range want {
-		if ids[id] != 1 {
-			t.Errorf("event %s stored %d times, want 1", id, ids[id])
+		if n := ids[id]; n < 1 || n > 2 || (n == 2 && !repeated[id]) {
+			t.Errorf("event %s stored %d times, want 1 (a repeated reserved event: 1 or 2)", id, n)
 		}
 	}
 	if len(ids) != len(want) {
