@@ -179,11 +179,10 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     endpoint = CASE WHEN (r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL) OR r.endpoint = ''
         THEN excluded.endpoint ELSE r.endpoint END,
     model = CASE WHEN r.model = '' THEN excluded.model ELSE r.model END,
-    -- local only while every reserved event of the request was decided
-    -- without Redis (a retry admitted through Redis holds the estimate)
-    local = CASE WHEN r.estimated_tokens IS NULL THEN excluded.local
-        WHEN excluded.estimated_tokens IS NOT NULL THEN r.local AND excluded.local
-        ELSE r.local END,
+    -- the first reserved event of a request id decides, as for every
+    -- other field: its id is the request's, and a later copy (stored again
+    -- in another batch, with another snapshot) must not change the row
+    local = CASE WHEN r.estimated_tokens IS NULL THEN excluded.local ELSE r.local END,
     estimated_tokens = coalesce(r.estimated_tokens, excluded.estimated_tokens),
     reserved_at = coalesce(r.reserved_at, excluded.reserved_at),
     expires_at = coalesce(r.expires_at, excluded.expires_at),
