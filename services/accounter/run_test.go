@@ -707,6 +707,19 @@ func (e *env) countedOnce(tenant string, n, tokens int64) {
 	}
 }
 
+// consumedAll waits until the n reservations of tenant are settled and
+// the consumer has nothing pending or unacknowledged.
+func (e *env) consumedAll(tenant string, n int64) {
+	e.t.Helper()
+	e2e.Eventually(e.t, "every actual settled", func() bool {
+		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", tenant) == n
+	})
+	e2e.Eventually(e.t, "the stream consumed", func() bool {
+		info, err := e.js.Consumer(context.Background(), e.cfg.Stream, e.cfg.Durable)
+		return err == nil && info.CachedInfo().NumPending == 0 && info.CachedInfo().NumAckPending == 0
+	})
+}
+
 // TestConflictingCopiesKeepTheFirst publishes actual events twice under
 // the same ids with other figures, in batches formed differently (both
 // stored: their batch ids differ), so both copies reach one consumer
@@ -749,13 +762,7 @@ func TestConflictingCopiesKeepTheFirst(t *testing.T) {
 		}
 	}
 	e.start(nil)
-	e2e.Eventually(t, "every actual settled", func() bool {
-		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n
-	})
-	e2e.Eventually(t, "the stream consumed", func() bool {
-		info, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
-		return err == nil && info.CachedInfo().NumPending == 0 && info.CachedInfo().NumAckPending == 0
-	})
+	e.consumedAll(ten, n)
 	if got := e.count("SELECT coalesce(sum(actual_tokens), 0) FROM reservations WHERE tenant=$1", ten); got != want {
 		t.Errorf("reservations' actual tokens = %d, want %d (the first copy of each)", got, want)
 	}
@@ -802,13 +809,7 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 	}
 
 	e.start(nil)
-	e2e.Eventually(t, "every actual settled", func() bool {
-		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n
-	})
-	e2e.Eventually(t, "the stream consumed", func() bool {
-		info, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
-		return err == nil && info.CachedInfo().NumPending == 0 && info.CachedInfo().NumAckPending == 0
-	})
+	e.consumedAll(ten, n)
 	if got := e.count("SELECT count(*) FROM reservations WHERE tenant=$1", ten); got != n {
 		t.Errorf("reservations rows = %d, want %d", got, n)
 	}
