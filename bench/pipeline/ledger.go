@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
 )
@@ -26,6 +27,42 @@ func openLedger(ctx context.Context, url string) (*ledger, error) {
 }
 
 func (l *ledger) close() { _ = l.conn.Close(context.Background()) }
+
+// The application_name (PGAPPNAME) of the services' Postgres sessions.
+const (
+	accounterApp = "quotaflow-accounter"
+	alerterApp   = "quotaflow-alerter"
+)
+
+// backendsCPU is the CPU time so far of the living backends whose
+// application_name is app. The services' pools keep their connections
+// for the whole run, so the difference of two readings is what their
+// sessions cost in between; a backend that exits in between is lost.
+func (l *ledger) backendsCPU(ctx context.Context, app string) (time.Duration, error) {
+	rows, err := l.conn.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, app)
+	if err != nil {
+		return 0, err
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		return 0, err
+	}
+	var sum time.Duration
+	for _, pid := range pids {
+		if d, err := proc.CPU(int(pid)); err == nil { // else it just exited
+			sum += d
+		}
+	}
+	return sum, nil
+}
+
+// wal is what the cluster wrote to its WAL so far (pg_stat_wal).
+type wal struct{ records, bytes int64 }
+
+func (l *ledger) wal(ctx context.Context) (w wal, err error) {
+	err = l.conn.QueryRow(ctx, `SELECT wal_records, wal_bytes::bigint FROM pg_stat_wal`).Scan(&w.records, &w.bytes)
+	return w, err
+}
 
 // actuals is the count of actual events in the ledger and their tokens.
 func (l *ledger) actuals(ctx context.Context) (n, tokens int64, err error) {

@@ -22,8 +22,8 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 	for _, m := range ms {
 		head = append(head, m.name)
 	}
-	head = append(head, "all")
-	fmt.Fprintln(out, "CPU per accounted request, µs, from the start of the load until the ledger held every report; catch-up in seconds:")
+	head = append(head, "all", "WAL records", "WAL bytes")
+	fmt.Fprintln(out, "CPU per accounted request, µs, from the start of the load until the ledger held every report (postgres: <service>'s = its sessions' backends, a part of postgres); catch-up in seconds; Postgres's WAL per accounted request:")
 	fmt.Fprintln(out)
 	row(out, head...)
 	row(out, slices.Repeat([]string{"---"}, len(head))...)
@@ -46,11 +46,13 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		}
 		return append(c, f(func(r round) float64 {
 			var sum time.Duration
-			for i := range ms {
-				sum += r.perAccounted(i)
+			for i, m := range ms {
+				if !m.part {
+					sum += r.perAccounted(i)
+				}
 			}
 			return µs(sum)
-		}))
+		}), f(func(r round) float64 { return r.perReport(r.wal.records) }), f(func(r round) float64 { return r.perReport(r.wal.bytes) }))
 	}
 	for i := range rounds {
 		row(out, cells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)

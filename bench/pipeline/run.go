@@ -35,10 +35,13 @@ type Config struct {
 type meter struct {
 	name string
 	cpu  func() (time.Duration, error)
+	// part marks a share of another meter's process (Postgres's backends
+	// of one service): shown, not added to the total.
+	part bool
 }
 
 func pidMeter(name string, pid int) meter {
-	return meter{name, func() (time.Duration, error) { return proc.CPU(pid) }}
+	return meter{name: name, cpu: func() (time.Duration, error) { return proc.CPU(pid) }}
 }
 
 // read returns every meter's CPU time, in the meters' order.
@@ -64,6 +67,7 @@ type round struct {
 	// every report: all the work of the round's requests, even when the
 	// accounter lags behind the load.
 	cpu []time.Duration
+	wal wal // Postgres's WAL over the same span
 }
 
 func (r round) admittedRate() float64  { return float64(r.t.admitted) / r.elapsed.Seconds() }
@@ -75,6 +79,9 @@ func (r round) keepUp() float64        { return float64(r.accounted) / max(1, fl
 func (r round) perAccounted(i int) time.Duration {
 	return r.cpu[i] / time.Duration(max(1, r.t.reported))
 }
+
+// perReport is n per request accounted.
+func (r round) perReport(n int64) float64 { return float64(n) / float64(max(1, r.t.reported)) }
 
 // pipeline is the started pipeline and what the rounds so far did.
 type pipeline struct {
@@ -200,8 +207,10 @@ func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Wr
 	p, err := e2e.StartPrivate(ctx, e2e.PrivateConfig{
 		Name: "pipeline", Root: root, Policy: plans.Five, Out: out,
 		Env: env,
+		// Named, so that Postgres's CPU splits by the service a backend serves.
+		AccounterEnv: []string{"PGAPPNAME=" + accounterApp},
 		// Consuming, with no webhook: a quota never reaches a threshold.
-		AlerterEnv: []string{"QF_CONSUMER=alerter"},
+		AlerterEnv: []string{"QF_CONSUMER=alerter", "PGAPPNAME=" + alerterApp},
 		// A busy two-core machine answers in more than the default 10 ms
 		// at times; a decision made without Redis then is cheaper and not
 		// the pipeline's, so the run waits for Redis instead (and counts
@@ -227,7 +236,9 @@ func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Wr
 		pidMeter("redis-server", p.Redis.Cmd.Process.Pid),
 		pidMeter("nats-server", p.NATS.Cmd.Process.Pid),
 		// The postmaster and its backends, those that exit included.
-		{"postgres", func() (time.Duration, error) { return proc.TreeCPU(p.Postgres.Cmd.Process.Pid) }},
+		{name: "postgres", cpu: func() (time.Duration, error) { return proc.TreeCPU(p.Postgres.Cmd.Process.Pid) }},
+		{name: "postgres: accounter's", cpu: func() (time.Duration, error) { return pl.ledger.backendsCPU(ctx, accounterApp) }, part: true},
+		{name: "postgres: alerter's", cpu: func() (time.Duration, error) { return pl.ledger.backendsCPU(ctx, alerterApp) }, part: true},
 		pidMeter("load generator", os.Getpid()),
 	}
 	return pl, nil
@@ -273,6 +284,10 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	if err != nil {
 		return round{}, err
 	}
+	wal0, err := pl.ledger.wal(ctx)
+	if err != nil {
+		return round{}, err
+	}
 	res, err := load.Run(ctx, load.Config{
 		Addr: pl.host, Conns: pl.cfg.Conns, Duration: d,
 		NewClient: func(conn int) load.Client {
@@ -304,5 +319,10 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	for i := range cpu1 {
 		r.cpu = append(r.cpu, cpu1[i]-cpu0[i])
 	}
+	wal1, err := pl.ledger.wal(ctx)
+	if err != nil {
+		return round{}, err
+	}
+	r.wal = wal{wal1.records - wal0.records, wal1.bytes - wal0.bytes}
 	return r, nil
 }
