@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
-	"sync"
 	"time"
 
 	"quotaflow/internal/obs"
@@ -50,17 +49,26 @@ func (s *Stack) Push(name string, stop func(context.Context) error) {
 }
 
 // Go runs f in a goroutine until its turn to stop comes: then the stack
-// cancels f's context and waits for f to return. f's context is not run's:
-// a background task keeps working during shutdown until everything started
-// after it has stopped.
+// cancels f's context and waits for f to return, up to the step's deadline
+// (a task that ignores its context must not hold the rest of the shutdown
+// past the pod's grace period). f's context is not run's: a background task
+// keeps working during shutdown until everything started after it has
+// stopped.
 func (s *Stack) Go(name string, f func(context.Context)) {
 	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() { f(ctx) })
-	s.Push(name, func(context.Context) error {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f(ctx)
+	}()
+	s.Push(name, func(stop context.Context) error {
 		cancel()
-		wg.Wait()
-		return nil
+		select {
+		case <-done:
+			return nil
+		case <-stop.Done():
+			return fmt.Errorf("%s still running: %w", name, stop.Err())
+		}
 	})
 }
 

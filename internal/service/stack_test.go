@@ -134,6 +134,23 @@ func TestStackGoStopsInItsTurn(t *testing.T) {
 	}
 }
 
+// A goroutine that ignores its context holds its step only until the
+// step's deadline: the stops after it still run, and the failure is logged.
+func TestStackGoGivesUpAtItsDeadline(t *testing.T) {
+	r := newRecorder(50 * time.Millisecond)
+	r.push("nats", nil)
+	stuck := make(chan struct{})
+	defer close(stuck)
+	r.Go("rebuild", func(context.Context) { <-stuck })
+	r.Close()
+	if want := []string{"nats"}; !slices.Equal(r.order, want) {
+		t.Errorf("Close ran %v, want %v", r.order, want)
+	}
+	if want := `step=rebuild err="rebuild still running: context deadline exceeded"`; !strings.Contains(r.logs.String(), want) {
+		t.Errorf("logs lack %s: %s", want, r.logs.String())
+	}
+}
+
 // A stop that panics does not skip the ones after it: the outbox is still
 // flushed and NATS still drained; Close panics afterwards with its value.
 func TestStackGoesOnAfterAPanickingStop(t *testing.T) {
