@@ -3,11 +3,18 @@ package main
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
+	"os"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
@@ -117,4 +124,162 @@ func alertLatency(b *testing.B, background int) {
 	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50-ms")
 	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99-ms")
 	b.ReportMetric(float64(sent.Load())/time.Since(start0).Seconds(), "background-events/s")
+}
+
+// BenchmarkPerRequest measures what the alerter costs per accounted
+// request of the whole pipeline (bench/pipeline): for each of b.N
+// requests, the three events the stream carries, as admission and the
+// accounter publish them in rounds of 16 — reserved with the five-limit
+// plan's snapshot (three rolling token windows, a token bucket, an
+// endpoint limit, all user-scope, far from full) of one of 100,000 users,
+// the actual report (the alerter ignores it) and the corrected snapshot —
+// are published up front; then an alerter starts on a Postgres server of
+// its own and consumes them. It reports per request the CPU of this
+// process while the alerter consumes (the alerter alone, and the polling
+// that waits for it), the CPU of the Postgres server (its processes,
+// those that exited included) and the WAL it wrote.
+//
+//	go test -run '^$' -bench PerRequest -benchtime 20000x ./services/alerter/
+func BenchmarkPerRequest(b *testing.B) {
+	pg, err := e2e.StartPostgres(context.Background(), b.TempDir())
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(pg.Close)
+	e := newEnv(b, opsHook)
+	e.cfg.PostgresURL = pg.URL
+	e.cfg.AckWait = time.Minute // a slow host must not see redeliveries
+	ctx := context.Background()
+	now := time.Now().UTC()
+	rng := rand.New(rand.NewPCG(1, 2))
+	const round = 16
+	version := map[int]int64{}
+	for i := 0; i < b.N; i += round {
+		var res, act, cor []events.Event
+		for j := i; j < min(i+round, b.N); j++ {
+			u := rng.IntN(100_000)
+			version[u]++
+			user, req := fmt.Sprintf("u%d", u), fmt.Sprintf("r%d", j)
+			used := int64(j)
+			res = append(res, events.NewReserved("bench", events.Reserved{
+				RequestID: req, Tenant: "bench", User: user, Endpoint: "/x", EstimatedTokens: 100,
+				ExpiresAt: now.Add(time.Hour), Version: version[u], Limits: fiveLimits(used),
+			}, now))
+			act = append(act, events.NewActual("bench", events.Actual{
+				RequestID: req, Tenant: "bench", User: user, Endpoint: "/x", InputTokens: 40, OutputTokens: 45,
+			}, now))
+			version[u]++
+			cor = append(cor, events.NewCorrected("bench", events.Corrected{
+				RequestID: req, Tenant: "bench", User: user, Delta: -15, Version: version[u], Limits: fiveLimits(used - 15),
+			}, now))
+		}
+		e.publish(res...)
+		e.publish(act...)
+		e.publish(cor...)
+	}
+	wal0 := walLSN(b, pg.URL)
+	pgCPU0 := treeCPU(b, pg.Cmd.Process.Pid)
+	b.ReportAllocs()
+	b.ResetTimer()
+	cpu0 := selfCPU()
+	stop := e.start(nil)
+	cons, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Consumer)
+	if err != nil {
+		b.Fatal(err)
+	}
+	e2e.Eventually(e.t, "all consumed", func() bool {
+		info, err := cons.Info(ctx)
+		return err == nil && info.NumPending == 0 && info.NumAckPending == 0
+	})
+	cpu := selfCPU() - cpu0
+	b.StopTimer()
+	stop()
+	e.pg.Close() // its backends exit: their CPU is the postmaster's children's
+	e2e.Eventually(e.t, "backends gone", func() bool { return backends(b, pg.URL) == 1 })
+	pgCPU := treeCPU(b, pg.Cmd.Process.Pid) - pgCPU0
+	wal := walLSN(b, pg.URL) - wal0
+	perReq := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(b.N) }
+	b.ReportMetric(perReq(cpu), "alerter-µs/req")
+	b.ReportMetric(perReq(pgCPU), "postgres-µs/req")
+	b.ReportMetric(float64(wal)/float64(b.N), "WAL-B/req")
+}
+
+// fiveLimits is the snapshot of bench/internal/plans.Five at used tokens.
+func fiveLimits(used int64) []events.LimitState {
+	tok := func(name string) events.LimitState {
+		return events.LimitState{Scope: "user", Name: name, Unit: "tokens", Limit: 1_000_000_000, Used: used, Remaining: 1_000_000_000 - used, ResetSeconds: 60}
+	}
+	return []events.LimitState{tok("5h"), tok("7d"), tok("30d"),
+		{Scope: "user", Name: "rps", Unit: "requests", Limit: 1_000_000, Used: 1, Remaining: 999_999},
+		{Scope: "user", Name: "daily", Endpoint: "/x", Unit: "tokens", Limit: 1_000_000_000, Used: used, Remaining: 1_000_000_000 - used, ResetSeconds: 3600}}
+}
+
+// selfCPU is this process's CPU time so far.
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// treeCPU is the CPU time of process pid, of its exited children it
+// waited for and of its living children (Postgres's backends and
+// workers), from /proc.
+func treeCPU(b *testing.B, pid int) time.Duration {
+	b.Helper()
+	d, err := procCPU(pid)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return d
+}
+
+func procCPU(pid int) (time.Duration, error) {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The fields after the command's closing parenthesis: utime, stime,
+	// cutime and cstime are the 12th to the 15th.
+	f := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
+	var ticks int64
+	for _, s := range f[11:15] {
+		n, _ := strconv.ParseInt(s, 10, 64)
+		ticks += n
+	}
+	const hz = 100 // USER_HZ on Linux
+	total := time.Duration(ticks) * time.Second / hz
+	children, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+	for _, c := range strings.Fields(string(children)) {
+		if n, err := strconv.Atoi(c); err == nil {
+			d, _ := procCPU(n) // a child that just exited is its parent's now
+			total += d
+		}
+	}
+	return total, nil
+}
+
+func walLSN(b *testing.B, url string) int64 {
+	b.Helper()
+	var n int64
+	queryOne(b, url, `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint`, &n)
+	return n
+}
+
+// backends counts the client sessions of the server (this one included).
+func backends(b *testing.B, url string) int {
+	b.Helper()
+	var n int
+	queryOne(b, url, `SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'`, &n)
+	return n
+}
+
+func queryOne(b *testing.B, url, q string, dst any) {
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if err := conn.QueryRow(context.Background(), q).Scan(dst); err != nil {
+		b.Fatal(err)
+	}
 }

@@ -36,19 +36,22 @@ func limitKey(tenant, user string, l events.LimitState) (store.LimitKey, bool) {
 // HandleBatch handles a batch of events as their methods would one by one
 // (Reserved, Corrected, Denied; other events are ignored), in order, with
 // the threshold state of all their snapshots read, moved and written in
-// one transaction together with the alerts it queues. When it fails,
-// nothing of the batch took effect (rate counters included), so the
-// caller may handle the events again, one at a time.
+// one transaction together with the alerts it queues, or only their
+// versions moved in one statement when every snapshot is quiet. When it
+// fails, nothing of the batch took effect (rate counters included), so
+// the caller may handle the events again, one at a time.
 func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 	snaps := make([]snap, 0, len(evs))
 	for _, ev := range evs {
 		switch r := ev.Data.(type) {
 		case events.Reserved:
-			if !decidedLocally(r) {
+			if !decidedLocally(r) && len(r.Limits) > 0 {
 				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
 			}
 		case events.Corrected:
-			snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+			if len(r.Limits) > 0 {
+				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+			}
 		}
 	}
 	if err := d.snapshots(ctx, snaps); err != nil {
@@ -65,61 +68,41 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 	return nil
 }
 
-// snapshots applies snapshots, in order, in one transaction: one query
-// reads (and locks) the versions of their subjects, one the states of the
-// limits that may change, one statement writes each back. A snapshot the
-// level cache shows can change nothing (see quiet) only moves versions,
-// unless a limit of it is moved by another snapshot of the batch.
+// snapshots applies snapshots (each with limits), in order. The busy ones
+// (see busy) are applied in one transaction: one query reads (and locks)
+// the versions of their subjects, one the states of the limits they
+// touch, one statement writes back the states that changed, one the
+// versions. The quiet ones only move their subjects' versions (never
+// back), which needs no read: when all are quiet, that one statement is
+// all.
 func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
-	// Which snapshots may change threshold state: those not quiet by the
-	// cache, and those sharing a limit with one of them (their state may
-	// change within the batch), to a fixed point.
-	busy := make([]bool, len(snaps))
-	touched := map[store.LimitKey]bool{}
-	for i, s := range snaps {
-		if len(s.limits) > 0 && !d.quiet(s.tenant, s.user, s.limits) {
-			busy[i] = true
-			for _, l := range s.limits {
-				if k, ok := limitKey(s.tenant, s.user, l); ok {
-					touched[k] = true
-				}
-			}
-		}
-	}
-	for changed := true; changed; {
-		changed = false
-		for i, s := range snaps {
-			if busy[i] {
-				continue
-			}
-			for _, l := range s.limits {
-				if k, ok := limitKey(s.tenant, s.user, l); ok && touched[k] {
-					busy[i], changed = true, true
-					break
-				}
-			}
-			if busy[i] {
-				for _, l := range s.limits {
-					if k, ok := limitKey(s.tenant, s.user, l); ok {
-						touched[k] = true
-					}
-				}
-			}
-		}
-	}
-
-	vkeys := map[store.VersionKey]bool{}
-	for _, s := range snaps {
-		if len(s.limits) == 0 {
-			continue
-		}
-		vkeys[store.VersionKey{Tenant: s.tenant, User: s.user, Scope: "user"}] = true
-		if s.tenantVersion > 0 {
-			vkeys[store.VersionKey{Tenant: s.tenant, Scope: "tenant"}] = true
-		}
-	}
-	if len(vkeys) == 0 {
+	if len(snaps) == 0 {
 		return nil
+	}
+	busy, touched := d.busy(snaps)
+	userKey := func(s snap) store.VersionKey { return store.VersionKey{Tenant: s.tenant, User: s.user, Scope: "user"} }
+	tenantKey := func(s snap) store.VersionKey { return store.VersionKey{Tenant: s.tenant, Scope: "tenant"} }
+	// newVersions is every subject's highest version in the batch, the
+	// last-seen versions read or not: written back, it moves none back.
+	newVersions := map[store.VersionKey]int64{}
+	raise := func(k store.VersionKey, v int64) {
+		if v > 0 && v > newVersions[k] {
+			newVersions[k] = v
+		}
+	}
+	var read []store.VersionKey // the versions busy snapshots are ordered by
+	for i, s := range snaps {
+		raise(userKey(s), s.version)
+		raise(tenantKey(s), s.tenantVersion)
+		if busy[i] {
+			read = append(read, userKey(s))
+			if s.tenantVersion > 0 {
+				read = append(read, tenantKey(s))
+			}
+		}
+	}
+	if len(touched) == 0 {
+		return d.st.SaveVersions(ctx, newVersions)
 	}
 	now := d.now()
 	var fired int
@@ -127,47 +110,40 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 	err := d.st.Update(ctx, func(tx *store.Tx) error {
 		fired = 0
 		levels = map[store.LimitKey]int{}
-		cur, err := tx.Versions(ctx, slices.Collect(maps.Keys(vkeys)))
+		cur, err := tx.Versions(ctx, read)
 		if err != nil {
 			return err
 		}
-		states, err := tx.Limits(ctx, slices.Collect(maps.Keys(touched)))
+		stored, err := tx.Limits(ctx, slices.Collect(maps.Keys(touched)))
 		if err != nil {
 			return err
 		}
-		newVersions := map[store.VersionKey]int64{}
-		newStates := map[store.LimitKey]store.LimitState{}
+		states := maps.Clone(stored)
 		// advance records v for k and reports whether the snapshot is
-		// fresh (v at least the last version), as Tx.Advance does.
+		// fresh (v at least the last version seen), in batch order.
 		advance := func(k store.VersionKey, v int64) bool {
 			last, ok := cur[k]
 			if ok && last > v {
 				return false
 			}
 			cur[k] = v
-			if !ok || last < v {
-				newVersions[k] = v
-			}
 			return true
 		}
 		for i, s := range snaps {
-			if len(s.limits) == 0 {
-				continue
-			}
 			if !busy[i] {
 				// Quiet: only the versions move (never back).
 				if s.version > 0 {
-					advance(store.VersionKey{Tenant: s.tenant, User: s.user, Scope: "user"}, s.version)
+					advance(userKey(s), s.version)
 				}
 				if s.tenantVersion > 0 {
-					advance(store.VersionKey{Tenant: s.tenant, Scope: "tenant"}, s.tenantVersion)
+					advance(tenantKey(s), s.tenantVersion)
 				}
 				continue
 			}
-			userFresh := advance(store.VersionKey{Tenant: s.tenant, User: s.user, Scope: "user"}, s.version)
+			userFresh := advance(userKey(s), s.version)
 			tenantFresh := true // unordered when the tenant's version is unknown
 			if s.tenantVersion > 0 {
-				tenantFresh = advance(store.VersionKey{Tenant: s.tenant, Scope: "tenant"}, s.tenantVersion)
+				tenantFresh = advance(tenantKey(s), s.tenantVersion)
 			}
 			for _, l := range s.limits {
 				k, ok := limitKey(s.tenant, s.user, l)
@@ -181,8 +157,7 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 				st := states[k]
 				prev := st.Fires
 				st, crossed := step(st, l.Used, l.Limit, s.at, resetAt, d.opt.Hysteresis)
-				states[k], newStates[k] = st, st
-				levels[k] = st.Level
+				states[k] = st
 				for j, t := range crossed {
 					data := ThresholdData{
 						Tenant: s.tenant, User: k.User, Scope: l.Scope, Endpoint: l.Endpoint, LimitName: l.Name,
@@ -196,7 +171,14 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 				}
 			}
 		}
-		if err := tx.SaveLimits(ctx, newStates); err != nil {
+		changed := map[store.LimitKey]store.LimitState{}
+		for k := range touched {
+			levels[k] = states[k].Level
+			if !equivalent(stored[k], states[k]) {
+				changed[k] = states[k]
+			}
+		}
+		if err := tx.SaveLimits(ctx, changed); err != nil {
 			return err
 		}
 		return tx.SaveVersions(ctx, newVersions)
@@ -204,5 +186,54 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 	if err != nil {
 		err = fmt.Errorf("thresholds of a batch of %d snapshots: %w", len(snaps), err)
 	}
-	return d.committed(err, levels, fired)
+	return d.committed(err, touched, levels, fired)
+}
+
+// busy returns which snapshots may change threshold state, and the limits
+// they touch: those not quiet, and those sharing a limit with one of them
+// (its state may change within the batch), to a fixed point.
+func (d *Detector) busy(snaps []snap) ([]bool, map[store.LimitKey]bool) {
+	busy := make([]bool, len(snaps))
+	touched := map[store.LimitKey]bool{}
+	touch := func(s snap) {
+		for _, l := range s.limits {
+			if k, ok := limitKey(s.tenant, s.user, l); ok {
+				touched[k] = true
+			}
+		}
+	}
+	for i, s := range snaps {
+		if !d.quiet(s.tenant, s.user, s.limits) {
+			busy[i] = true
+			touch(s)
+		}
+	}
+	for changed := len(touched) > 0; changed; {
+		changed = false
+		for i, s := range snaps {
+			if busy[i] {
+				continue
+			}
+			for _, l := range s.limits {
+				if k, ok := limitKey(s.tenant, s.user, l); ok && touched[k] {
+					busy[i], changed = true, true
+					touch(s)
+					break
+				}
+			}
+		}
+	}
+	return busy, touched
+}
+
+// equivalent reports whether two states of a limit behave alike: the same
+// level and firings, and at a level above 0 the same last usage and reset
+// time (step reads those only then). A state equivalent to the stored one
+// (absent: the zero state) is not written, so a limit that never fired
+// has no row.
+func equivalent(a, b store.LimitState) bool {
+	if a.Level != b.Level || a.Fires != b.Fires {
+		return false
+	}
+	return a.Level == 0 || a.LastUsed == b.LastUsed && a.ResetAt.Equal(b.ResetAt)
 }

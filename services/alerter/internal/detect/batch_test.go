@@ -3,20 +3,24 @@ package detect
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/store"
 )
 
-// countingStore counts the transactions and statements outside one.
+// countingStore counts the transactions and the statements outside one.
 type countingStore struct {
 	*store.Store
-	updates, advances atomic.Int64
+	updates, statements atomic.Int64
 }
 
 func (c *countingStore) Update(ctx context.Context, fn func(tx *store.Tx) error) error {
@@ -24,9 +28,9 @@ func (c *countingStore) Update(ctx context.Context, fn func(tx *store.Tx) error)
 	return c.Store.Update(ctx, fn)
 }
 
-func (c *countingStore) AdvanceVersions(ctx context.Context, tenant, user string, version, tenantVersion int64) error {
-	c.advances.Add(1)
-	return c.Store.AdvanceVersions(ctx, tenant, user, version, tenantVersion)
+func (c *countingStore) SaveVersions(ctx context.Context, versions map[store.VersionKey]int64) error {
+	c.statements.Add(1)
+	return c.Store.SaveVersions(ctx, versions)
 }
 
 func thresholdAlerts(t *testing.T, st *store.Store) []string {
@@ -46,10 +50,11 @@ func thresholdAlerts(t *testing.T, st *store.Store) []string {
 	return out
 }
 
-// HandleBatch costs one transaction per batch, whatever its size, and
-// gives the alerts event-by-event handling gives: in order, none for a
-// stale snapshot, none repeated, re-armed within the batch, and none
-// repeated by a new instance handling the same batch again.
+// HandleBatch costs one transaction per batch, whatever its size (one
+// statement when the batch changes no threshold state), and gives the
+// alerts event-by-event handling gives: in order, none for a stale
+// snapshot, none repeated, re-armed within the batch, and none repeated by
+// a new instance handling the same batch again.
 func TestHandleBatchOneTransaction(t *testing.T) {
 	st := newStore(t)
 	ctx := context.Background()
@@ -67,7 +72,7 @@ func TestHandleBatchOneTransaction(t *testing.T) {
 		return events.Event{Time: c.now(), Data: events.Reserved{Tenant: "acme", User: u, Endpoint: "/e", Version: v, TenantVersion: tv, Limits: ls}}
 	}
 
-	// A warm-up batch caches every level, then a big batch.
+	// New subjects under every threshold: only versions move.
 	var evs []events.Event
 	for i := range 200 {
 		evs = append(evs, res(fmt.Sprintf("q%d", i), 1, int64(i+1), user(10), tenant(int64(i))))
@@ -75,8 +80,8 @@ func TestHandleBatchOneTransaction(t *testing.T) {
 	if err := d.HandleBatch(ctx, evs); err != nil {
 		t.Fatal(err)
 	}
-	if n := cs.updates.Load(); n != 1 {
-		t.Fatalf("%d transactions for a batch of 200 new subjects, want 1", n)
+	if u, s := cs.updates.Load(), cs.statements.Load(); u != 0 || s != 1 {
+		t.Fatalf("%d transactions and %d statements for a quiet batch of 200 new subjects, want 0 and 1", u, s)
 	}
 
 	batch := []events.Event{
@@ -94,11 +99,8 @@ func TestHandleBatchOneTransaction(t *testing.T) {
 	if err := d.HandleBatch(ctx, batch); err != nil {
 		t.Fatal(err)
 	}
-	if n := cs.updates.Load(); n != 2 {
-		t.Errorf("%d transactions for two batches, want 2", n)
-	}
-	if n := cs.advances.Load(); n != 0 {
-		t.Errorf("%d statements outside the batch's transaction, want 0", n)
+	if u, s := cs.updates.Load(), cs.statements.Load(); u != 1 || s != 1 {
+		t.Errorf("%d transactions and %d statements for a quiet and a busy batch, want 1 and 1", u, s)
 	}
 	want := "acme/u1 5h 80|acme/u1 5h 90|acme/u1 5h 100|acme/ month 80|acme/ month 90|acme/u1 5h 80"
 	if got := strings.Join(thresholdAlerts(t, st), "|"); got != want {
@@ -120,5 +122,128 @@ func TestHandleBatchOneTransaction(t *testing.T) {
 	}
 	if got := strings.Join(thresholdAlerts(t, st), "|"); got != want {
 		t.Fatalf("after a stale snapshot alerts %q, want %q", got, want)
+	}
+}
+
+// limitRows counts the threshold states stored.
+func limitRows(t *testing.T, pool *pgxpool.Pool) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM alert_limits`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Only a limit that fired has a stored state: snapshots of new subjects
+// under the lowest threshold (79 % included) write none, a crossing
+// writes its limit's, and re-arming keeps it (its firings count on).
+func TestOnlyFiredLimitsStored(t *testing.T) {
+	pool := pgtest.Pool(t, "qf_alerter_detect_test", store.Migrate)
+	st := store.New(pool)
+	ctx := context.Background()
+	c := &clock{t: time.Now().UTC()}
+	d := newDetector(t, st, c)
+	lim := func(name string, used int64) events.LimitState {
+		return events.LimitState{Scope: "user", Name: name, Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}
+	}
+	res := func(u string, v int64, ls ...events.LimitState) events.Event {
+		return events.Event{Time: c.now(), Data: events.Reserved{Tenant: "acme", User: u, Endpoint: "/e", Version: v, Limits: ls}}
+	}
+	var evs []events.Event
+	for i := range 50 {
+		evs = append(evs, res(fmt.Sprintf("n%d", i), 1, lim("5h", 79), lim("7d", int64(i))))
+	}
+	if err := d.HandleBatch(ctx, evs); err != nil {
+		t.Fatal(err)
+	}
+	if n := limitRows(t, pool); n != 0 {
+		t.Fatalf("%d limit states stored for snapshots under every threshold, want 0", n)
+	}
+	for _, step := range []struct {
+		ev   events.Event
+		rows int
+	}{
+		{res("n1", 2, lim("5h", 80), lim("7d", 10)), 1}, // 5h fires: its state only
+		{res("n1", 3, lim("5h", 10), lim("7d", 10)), 1}, // re-armed: kept
+		{res("n1", 4, lim("5h", 85), lim("7d", 10)), 1},
+	} {
+		if err := d.HandleBatch(ctx, []events.Event{step.ev}); err != nil {
+			t.Fatal(err)
+		}
+		if n := limitRows(t, pool); n != step.rows {
+			t.Fatalf("after version %d: %d limit states stored, want %d", step.ev.Data.(events.Reserved).Version, n, step.rows)
+		}
+	}
+	if got := strings.Join(thresholdAlerts(t, st), "|"); got != "acme/n1 5h 80|acme/n1 5h 80" {
+		t.Errorf("alerts %q, want 80 twice for n1's 5h", got)
+	}
+}
+
+// A new instance knows which limits are raised: a snapshot under the
+// lowest threshold re-arms one (it is not quiet), so the next crossing
+// alerts again.
+func TestRaisedLimitsSurviveRestart(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Now().UTC()}
+	snap := func(d *Detector, v, used int64) {
+		t.Helper()
+		r := events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: v,
+			Limits: []events.LimitState{{Scope: "user", Name: "5h", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}}}
+		if err := d.Reserved(ctx, events.Event{Time: c.now()}, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap(newDetector(t, st, c), 1, 85)
+	d2 := newDetector(t, st, c)
+	snap(d2, 2, 10) // re-arms
+	snap(d2, 3, 85)
+	if got := strings.Join(thresholdAlerts(t, st), "|"); got != "acme/u 5h 80|acme/u 5h 80" {
+		t.Errorf("alerts %q, want 80 twice", got)
+	}
+}
+
+// failingCommit commits each transaction and then reports an error, as a
+// commit whose answer was lost does.
+type failingCommit struct {
+	*store.Store
+	fail atomic.Bool
+}
+
+func (f *failingCommit) Update(ctx context.Context, fn func(tx *store.Tx) error) error {
+	if err := f.Store.Update(ctx, fn); err != nil || !f.fail.Load() {
+		return err
+	}
+	return errors.New("commit: connection lost")
+}
+
+// After a transaction fails, the detector does not trust its memory of
+// the limits it touched: a commit that failed may have been applied, so
+// a later snapshot reads their state again.
+func TestFailedCommitRereadsLimits(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Now().UTC()}
+	d := newDetector(t, st, c)
+	fc := &failingCommit{Store: st}
+	d.st = fc
+	snap := func(v, used int64) error {
+		r := events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: v,
+			Limits: []events.LimitState{{Scope: "user", Name: "5h", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}}}
+		return d.Reserved(ctx, events.Event{Time: c.now()}, r)
+	}
+	fc.fail.Store(true)
+	if err := snap(1, 85); err == nil {
+		t.Fatal("snapshot with a failed commit: no error")
+	}
+	fc.fail.Store(false)
+	for _, s := range []struct{ v, used int64 }{{2, 10}, {3, 85}} { // re-arms, fires again
+		if err := snap(s.v, s.used); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := strings.Join(thresholdAlerts(t, st), "|"); got != "acme/u 5h 80|acme/u 5h 80" {
+		t.Errorf("alerts %q, want 80 twice (the failed commit's and the one after re-arming)", got)
 	}
 }

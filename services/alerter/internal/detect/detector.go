@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"strconv"
 	"sync"
 	"time"
@@ -69,16 +68,20 @@ func (o Options) withDefaults() Options {
 	return o
 }
 
-// Updater runs a function in one Postgres transaction (store.Store).
+// Updater is the detector's durable state (store.Store): transactions,
+// versions moved on their own, and what Load reads.
 type Updater interface {
 	Update(ctx context.Context, fn func(tx *store.Tx) error) error
-	AdvanceVersions(ctx context.Context, tenant, user string, version, tenantVersion int64) error
+	SaveVersions(ctx context.Context, versions map[store.VersionKey]int64) error
 	FiringSpikes(ctx context.Context) ([][2]string, error)
+	RaisedLimits(ctx context.Context, max int) (map[store.LimitKey]int, bool, error)
 }
 
-// maxCachedLevels bounds the level cache; past it the cache starts over
-// (a miss only costs a transaction).
-const maxCachedLevels = 200_000
+// maxRaised bounds the limits the detector keeps in memory as raised
+// (about 150 bytes each); past it, it stops trusting an absent limit to be
+// at level 0 and reads the state of every snapshot's limits until it
+// restarts (correct, but a read per batch).
+const maxRaised = 200_000
 
 // Router names the webhooks that want an alert of kind for tenant.
 type Router func(kind, tenant string) []string
@@ -87,13 +90,17 @@ type Router func(kind, tenant string) []string
 // stream.Handlers; Run evaluates the rate-based alerts periodically. It is
 // safe for concurrent use. Create it with New.
 //
-// Run one alerter per consumer: the rate windows and the cache of
-// threshold levels are per process. (Several instances on one durable
-// would each see part of the traffic.) Threshold state itself is in
-// Postgres; a snapshot that can change it costs one transaction, one that
-// cannot (every limit known to be armed and under 75%) one statement.
-// HandleBatch handles a whole batch of events in one transaction, which
-// is how the alerter consumes.
+// Run one alerter per consumer and database: the rate windows and the
+// set of raised limits are per process. (Several instances on one
+// durable would each see part of the traffic.) Threshold state itself is
+// in Postgres, and only the state of a limit that fired is stored: a
+// limit at level 0 reads as absent. The detector keeps every limit whose
+// level is above 0 in memory (loaded by Load, kept by its own commits), so
+// a snapshot whose limits are all absent from it and under the lowest
+// threshold can neither fire nor re-arm anything and reads and writes no
+// state (quiet). HandleBatch handles a whole batch of events in one
+// transaction, or, when every snapshot of it is quiet, in one statement
+// that moves versions.
 type Detector struct {
 	st     Updater
 	route  Router
@@ -103,14 +110,19 @@ type Detector struct {
 	alerts *prometheus.CounterVec
 	notify func() // told after alerts were queued
 
-	mu      sync.Mutex
-	levels  map[store.LimitKey]int // committed threshold levels, a cache
-	started time.Time
-	spikes  map[[2]string]*window // (tenant, endpoint) -> (allowed, denied)
-	firing  map[[2]string]bool    // spikes firing, as last stored
-	abuse   map[abuseKey]*window  // -> (denied, 0)
-	abusing map[abuseKey]bool     // bursts alerted and not yet over
-	seen    seen                  // events counted in the windows
+	mu sync.Mutex
+	// raised holds the committed level of every limit above level 0,
+	// unless raisedAll is false (past maxRaised); unknown the limits whose
+	// level a failed transaction left in doubt, read again before use.
+	raised    map[store.LimitKey]int
+	raisedAll bool
+	unknown   map[store.LimitKey]bool
+	started   time.Time
+	spikes    map[[2]string]*window // (tenant, endpoint) -> (allowed, denied)
+	firing    map[[2]string]bool    // spikes firing, as last stored
+	abuse     map[abuseKey]*window  // -> (denied, 0)
+	abusing   map[abuseKey]bool     // bursts alerted and not yet over
+	seen      seen                  // events counted in the windows
 }
 
 type abuseKey struct{ tenant, user, ip string }
@@ -124,7 +136,7 @@ func New(st Updater, route Router, opt Options, log *slog.Logger, reg prometheus
 		now: time.Now, notify: notify,
 		spikes: map[[2]string]*window{}, firing: map[[2]string]bool{},
 		abuse: map[abuseKey]*window{}, abusing: map[abuseKey]bool{},
-		levels: map[store.LimitKey]int{}, seen: newSeen(),
+		raised: map[store.LimitKey]int{}, unknown: map[store.LimitKey]bool{}, seen: newSeen(),
 	}
 	d.alerts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_alerts_total",
@@ -141,29 +153,38 @@ func New(st Updater, route Router, opt Options, log *slog.Logger, reg prometheus
 }
 
 // Load reads the spikes that were firing when the alerter last stopped,
-// so their resolution is still sent.
+// so their resolution is still sent, and the limits raised. Until it ran,
+// every snapshot reads its limits' state.
 func (d *Detector) Load(ctx context.Context) error {
 	keys, err := d.st.FiringSpikes(ctx)
 	if err != nil {
 		return err
+	}
+	raised, all, err := d.st.RaisedLimits(ctx, maxRaised)
+	if err != nil {
+		return err
+	}
+	if !all {
+		d.log.Warn("more limits raised than kept in memory: every snapshot reads its limits' state", "max", maxRaised)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, k := range keys {
 		d.firing[k] = true
 	}
+	d.raised, d.raisedAll = raised, all
+	if d.raised == nil {
+		d.raised = map[store.LimitKey]int{}
+	}
 	return nil
 }
 
-// Reserved handles a reserved event: one allowed request for the rate
-// alerts, and its limits snapshot for the thresholds unless admission
-// decided it without Redis.
+// Reserved handles a reserved event, as a batch of one: one allowed
+// request for the rate alerts, and its limits snapshot for the thresholds
+// unless admission decided it without Redis.
 func (d *Detector) Reserved(ctx context.Context, ev events.Event, r events.Reserved) error {
-	d.count(ev, r.Tenant, r.Endpoint, 1, 0, nil)
-	if decidedLocally(r) {
-		return nil
-	}
-	return d.snapshot(ctx, ev, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits)
+	ev.Data = r
+	return d.HandleBatch(ctx, []events.Event{ev})
 }
 
 // decidedLocally reports whether admission decided r without Redis
@@ -173,9 +194,11 @@ func (d *Detector) Reserved(ctx context.Context, ev events.Event, r events.Reser
 // having no version, none to order by either.
 func decidedLocally(r events.Reserved) bool { return r.Version == 0 }
 
-// Corrected handles a corrected event's limits snapshot.
+// Corrected handles a corrected event's limits snapshot, as a batch of
+// one.
 func (d *Detector) Corrected(ctx context.Context, ev events.Event, c events.Corrected) error {
-	return d.snapshot(ctx, ev, c.Tenant, c.User, c.Version, c.TenantVersion, c.Limits)
+	ev.Data = c
+	return d.HandleBatch(ctx, []events.Event{ev})
 }
 
 // Denied counts a denied event's denials for the rate alerts.
@@ -238,114 +261,57 @@ func (d *Detector) count(ev events.Event, tenant, endpoint string, allowed, deni
 	}
 }
 
-// snapshot applies a limits snapshot in one transaction: it drops it when
-// stale, moves each user- and tenant-scope limit's threshold state and
-// queues the alerts of the thresholds crossed.
-func (d *Detector) snapshot(ctx context.Context, ev events.Event, tenant, user string, version, tenantVersion int64, limits []events.LimitState) error {
-	if len(limits) == 0 {
-		return nil
-	}
-	if d.quiet(tenant, user, limits) {
-		// Nothing can fire or re-arm: only the versions move.
-		return d.st.AdvanceVersions(ctx, tenant, user, version, tenantVersion)
-	}
-	now := d.now()
-	fired := 0
-	var levels map[store.LimitKey]int
-	err := d.st.Update(ctx, func(tx *store.Tx) error {
-		fired = 0
-		levels = map[store.LimitKey]int{}
-		userFresh, err := tx.Advance(ctx, tenant, user, "user", version)
-		if err != nil {
-			return err
-		}
-		tenantFresh := true // unordered when the tenant's version is unknown
-		if tenantVersion > 0 {
-			if tenantFresh, err = tx.Advance(ctx, tenant, "", "tenant", tenantVersion); err != nil {
-				return err
-			}
-		}
-		for _, l := range limits {
-			k := store.LimitKey{Tenant: tenant, Scope: l.Scope, Endpoint: l.Endpoint, Name: l.Name}
-			switch {
-			case l.Scope == "user" && userFresh:
-				k.User = user
-			case l.Scope == "tenant" && tenantFresh:
-			default:
-				continue // stale, or a global or IP limit: not a tenant's quota
-			}
-			st, err := tx.Limit(ctx, k)
-			if err != nil {
-				return err
-			}
-			var resetAt time.Time
-			if l.ResetSeconds > 0 {
-				resetAt = ev.Time.Add(time.Duration(l.ResetSeconds) * time.Second)
-			}
-			prev := st.Fires
-			st, crossed := step(st, l.Used, l.Limit, ev.Time, resetAt, d.opt.Hysteresis)
-			if err := tx.SaveLimit(ctx, k, st); err != nil {
-				return err
-			}
-			levels[k] = st.Level
-			for i, t := range crossed {
-				data := ThresholdData{
-					Tenant: tenant, User: k.User, Scope: l.Scope, Endpoint: l.Endpoint, LimitName: l.Name,
-					Unit: l.Unit, Threshold: t, Used: l.Used, Limit: l.Limit,
-					Percent: min(percent(l.Used, l.Limit), 100), ResetSeconds: l.ResetSeconds, OccurredAt: ev.Time,
-				}
-				if err := d.enqueue(ctx, tx, thresholdAlert(k, t, prev+int64(i)+1), now, data); err != nil {
-					return err
-				}
-				fired++
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		err = fmt.Errorf("thresholds of %s/%s: %w", tenant, user, err)
-	}
-	return d.committed(err, levels, fired)
-}
-
-// committed brings the cache of threshold levels in line with the
-// transaction that computed levels: dropped when it failed (the cache may
-// not match what was rolled back), merged when it committed, when the fired
-// alerts are counted. It returns err.
-func (d *Detector) committed(err error, levels map[store.LimitKey]int, fired int) error {
+// committed brings the raised limits in line with the transaction that
+// read touched and left them at levels: merged when it committed, when the fired alerts are counted;
+// when it failed, the levels of touched are in doubt (a commit may fail
+// after Postgres applied it) until a transaction reads them again. It
+// returns err.
+func (d *Detector) committed(err error, touched map[store.LimitKey]bool, levels map[store.LimitKey]int, fired int) error {
 	d.mu.Lock()
 	if err != nil {
-		clear(d.levels)
+		for k := range touched {
+			d.unknown[k] = true
+		}
 		d.mu.Unlock()
 		return err
 	}
-	if len(d.levels)+len(levels) > maxCachedLevels {
-		clear(d.levels)
+	for k, lvl := range levels {
+		delete(d.unknown, k)
+		switch {
+		case !d.raisedAll: // not kept
+		case lvl > 0:
+			d.raised[k] = lvl
+		default:
+			delete(d.raised, k)
+		}
 	}
-	maps.Copy(d.levels, levels)
+	if d.raisedAll && len(d.raised) > maxRaised {
+		d.raisedAll = false
+		clear(d.raised)
+		d.log.Warn("more limits raised than kept in memory: every snapshot reads its limits' state", "max", maxRaised)
+	}
 	d.mu.Unlock()
-	d.raised(KindThreshold, fired)
+	d.alerted(KindThreshold, fired)
 	return nil
 }
 
 // quiet reports whether a snapshot leaves every threshold state as it is:
-// each user- and tenant-scope limit is known to have nothing fired and is
-// under the lowest threshold's re-arm band, so it can neither fire nor
-// re-arm anything. The level cache is this instance's: it assumes one
-// alerter works on the consumer (as the rate alerts do).
+// each user- and tenant-scope limit is known to be at level 0 (not
+// raised) and is under the lowest threshold, so it can neither fire nor
+// re-arm anything. (At level 0 a state's last usage and reset time are
+// never read, so they need no update.)
 func (d *Detector) quiet(tenant, user string, limits []events.LimitState) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if !d.raisedAll {
+		return false
+	}
 	for _, l := range limits {
-		k := store.LimitKey{Tenant: tenant, Scope: l.Scope, Endpoint: l.Endpoint, Name: l.Name}
-		switch l.Scope {
-		case "user":
-			k.User = user
-		case "tenant":
-		default:
+		k, ok := limitKey(tenant, user, l)
+		if !ok {
 			continue
 		}
-		if lvl, ok := d.levels[k]; !ok || lvl != 0 || percent(l.Used, l.Limit) >= float64(Thresholds[0])-d.opt.Hysteresis {
+		if d.raised[k] != 0 || d.unknown[k] || percent(l.Used, l.Limit) >= float64(Thresholds[0]) {
 			return false
 		}
 	}
@@ -376,7 +342,7 @@ func thresholdAlert(k store.LimitKey, t int, fire int64) store.Alert {
 	}
 }
 
-func (d *Detector) raised(kind string, n int) {
+func (d *Detector) alerted(kind string, n int) {
 	if n == 0 {
 		return
 	}
@@ -523,7 +489,7 @@ func (d *Detector) spike(ctx context.Context, now time.Time, c spikeChange) erro
 	}
 	d.mu.Unlock()
 	if sent {
-		d.raised(KindSpike, 1)
+		d.alerted(KindSpike, 1)
 	}
 	return nil
 }
@@ -552,6 +518,6 @@ func (d *Detector) burst(ctx context.Context, now time.Time, k abuseKey, n int64
 	d.mu.Lock()
 	d.abusing[k] = true
 	d.mu.Unlock()
-	d.raised(KindAbuse, 1)
+	d.alerted(KindAbuse, 1)
 	return nil
 }

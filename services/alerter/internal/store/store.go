@@ -1,6 +1,7 @@
 // Package store is the alerter's durable state in Postgres: the last
-// snapshot version per subject, the threshold level per limit, the
-// denial-spike state, and the webhook outbox, which is also the delivery
+// snapshot version per subject, the threshold state of each limit that
+// ever fired (one never fired has no row: its state is the zero
+// LimitState), the denial-spike state, and the webhook outbox, which is also the delivery
 // log. Its migrations are embedded and applied at start under an advisory
 // lock (tern, version table alerter_schema_version).
 //
@@ -19,6 +20,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"quotaflow/internal/pgdb"
@@ -58,44 +60,6 @@ type Tx struct {
 	tx pgx.Tx
 }
 
-const qVersion = `
-INSERT INTO alert_versions (tenant, user_id, scope, version) VALUES ($1, $2, $3, $4)
-ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
-WHERE alert_versions.version <= EXCLUDED.version
-RETURNING version`
-
-// Advance records version v for (tenant, user, scope) and reports whether
-// it is at least the last one recorded; false means the snapshot is stale.
-// The row stays locked until the transaction ends, which serializes
-// snapshots of one subject across alerter instances.
-func (t *Tx) Advance(ctx context.Context, tenant, user, scope string, v int64) (bool, error) {
-	var got int64
-	err := t.tx.QueryRow(ctx, qVersion, tenant, user, scope, v).Scan(&got)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
-	}
-	if err != nil {
-		return false, fmt.Errorf("advance version %s/%s: %w", tenant, user, err)
-	}
-	return true, nil
-}
-
-const qVersions = `
-INSERT INTO alert_versions (tenant, user_id, scope, version)
-SELECT $1, u, s, v FROM (VALUES ($2, 'user', $3::bigint), ('', 'tenant', $4::bigint)) AS x(u, s, v) WHERE v > 0
-ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
-WHERE alert_versions.version < EXCLUDED.version`
-
-// AdvanceVersions records the subject's version and (when above 0) the
-// tenant's version in one statement, outside any transaction: the fast
-// path of a snapshot that changes no threshold state.
-func (s *Store) AdvanceVersions(ctx context.Context, tenant, user string, version, tenantVersion int64) error {
-	if _, err := s.pool.Exec(ctx, qVersions, tenant, user, version, tenantVersion); err != nil {
-		return fmt.Errorf("advance versions %s/%s: %w", tenant, user, err)
-	}
-	return nil
-}
-
 // LimitKey identifies one limit of one subject; User is empty for
 // tenant-scope limits.
 type LimitKey struct {
@@ -118,49 +82,6 @@ type LimitState struct {
 	// ResetAt is when the window of the last snapshot resets; zero when
 	// unknown.
 	ResetAt time.Time
-}
-
-const qLimit = `
-SELECT level, fires, last_used, reset_at FROM alert_limits
-WHERE tenant = $1 AND user_id = $2 AND scope = $3 AND endpoint = $4 AND name = $5
-FOR UPDATE`
-
-// Limit returns k's state (zero when never seen), locking its row.
-func (t *Tx) Limit(ctx context.Context, k LimitKey) (LimitState, error) {
-	var st LimitState
-	var reset *time.Time
-	err := t.tx.QueryRow(ctx, qLimit, k.Tenant, k.User, k.Scope, k.Endpoint, k.Name).
-		Scan(&st.Level, &st.Fires, &st.LastUsed, &reset)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return LimitState{}, nil
-	}
-	if err != nil {
-		return st, fmt.Errorf("read limit %s/%s %s: %w", k.Tenant, k.Name, k.Scope, err)
-	}
-	if reset != nil {
-		st.ResetAt = *reset
-	}
-	return st, nil
-}
-
-const qSaveLimit = `
-INSERT INTO alert_limits (tenant, user_id, scope, endpoint, name, level, fires, last_used, reset_at, updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())
-ON CONFLICT (tenant, user_id, scope, endpoint, name) DO UPDATE SET
-  level = EXCLUDED.level, fires = EXCLUDED.fires, last_used = EXCLUDED.last_used,
-  reset_at = EXCLUDED.reset_at, updated_at = now()`
-
-// SaveLimit writes k's state.
-func (t *Tx) SaveLimit(ctx context.Context, k LimitKey, st LimitState) error {
-	var reset *time.Time
-	if !st.ResetAt.IsZero() {
-		reset = &st.ResetAt
-	}
-	_, err := t.tx.Exec(ctx, qSaveLimit, k.Tenant, k.User, k.Scope, k.Endpoint, k.Name, st.Level, st.Fires, st.LastUsed, reset)
-	if err != nil {
-		return fmt.Errorf("save limit %s/%s %s: %w", k.Tenant, k.Name, k.Scope, err)
-	}
-	return nil
 }
 
 const qSpike = `SELECT firing, episode FROM alert_spikes WHERE tenant = $1 AND endpoint = $2 FOR UPDATE`
@@ -404,9 +325,25 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
 ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
 WHERE alert_versions.version < EXCLUDED.version`
 
-// SaveVersions records versions in one statement; a recorded version is
-// only ever raised.
+// SaveVersions records versions in one statement of the transaction; a
+// recorded version is only ever raised.
 func (t *Tx) SaveVersions(ctx context.Context, versions map[VersionKey]int64) error {
+	return saveVersions(ctx, t.tx, versions)
+}
+
+// SaveVersions records versions in one statement, outside any
+// transaction: the batch whose snapshots change no threshold state moves
+// only versions, and a recorded version is only ever raised.
+func (s *Store) SaveVersions(ctx context.Context, versions map[VersionKey]int64) error {
+	return saveVersions(ctx, s.pool, versions)
+}
+
+// execer is what runs a statement: a transaction or the pool.
+type execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+func saveVersions(ctx context.Context, db execer, versions map[VersionKey]int64) error {
 	if len(versions) == 0 {
 		return nil
 	}
@@ -415,10 +352,40 @@ func (t *Tx) SaveVersions(ctx context.Context, versions map[VersionKey]int64) er
 	for k, v := range versions {
 		ts, us, ss, vs = append(ts, k.Tenant), append(us, k.User), append(ss, k.Scope), append(vs, v)
 	}
-	if _, err := t.tx.Exec(ctx, qSaveVersions, ts, us, ss, vs); err != nil {
+	if _, err := db.Exec(ctx, qSaveVersions, ts, us, ss, vs); err != nil {
 		return fmt.Errorf("save versions: %w", err)
 	}
 	return nil
+}
+
+const qRaised = `
+SELECT tenant, user_id, scope, endpoint, name, level FROM alert_limits WHERE level > 0 LIMIT $1`
+
+// RaisedLimits returns the level of every limit with a threshold fired and
+// not re-armed (level above 0), when there are at most max of them;
+// complete is false, and levels nil, when there are more.
+func (s *Store) RaisedLimits(ctx context.Context, max int) (levels map[LimitKey]int, complete bool, err error) {
+	rows, err := s.pool.Query(ctx, qRaised, max+1)
+	if err != nil {
+		return nil, false, fmt.Errorf("raised limits: %w", err)
+	}
+	defer rows.Close()
+	levels = map[LimitKey]int{}
+	for rows.Next() {
+		var k LimitKey
+		var lvl int
+		if err := rows.Scan(&k.Tenant, &k.User, &k.Scope, &k.Endpoint, &k.Name, &lvl); err != nil {
+			return nil, false, fmt.Errorf("raised limits: %w", err)
+		}
+		levels[k] = lvl
+	}
+	if err := rows.Err(); err != nil {
+		return nil, false, fmt.Errorf("raised limits: %w", err)
+	}
+	if len(levels) > max {
+		return nil, false, nil
+	}
+	return levels, true, nil
 }
 
 const qLimits = `

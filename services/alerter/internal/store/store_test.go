@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"maps"
 	"testing"
 	"time"
 
@@ -19,21 +20,45 @@ func newStore(t *testing.T) *Store {
 	return New(pool)
 }
 
-func TestAdvance(t *testing.T) {
+// Versions saved outside a transaction are only ever raised; the raised
+// limits are those above level 0, all of them or none past max.
+func TestSaveVersionsAndRaisedLimits(t *testing.T) {
 	s := newStore(t)
 	ctx := context.Background()
+	k := VersionKey{Tenant: "acme", User: "u1", Scope: "user"}
+	for _, v := range []int64{5, 5, 4, 7, 6} {
+		if err := s.SaveVersions(ctx, map[VersionKey]int64{k: v}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	err := s.Update(ctx, func(tx *Tx) error {
+		got, err := tx.Versions(ctx, []VersionKey{k})
+		if err == nil && got[k] != 7 {
+			t.Errorf("after saving 5, 5, 4, 7, 6: version %d, want 7", got[k])
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	a := LimitKey{Tenant: "acme", User: "u1", Scope: "user", Name: "5h"}
+	b := LimitKey{Tenant: "acme", Scope: "tenant", Name: "month"}
+	rearmed := LimitKey{Tenant: "acme", User: "u2", Scope: "user", Name: "5h"}
+	err = s.Update(ctx, func(tx *Tx) error {
+		return tx.SaveLimits(ctx, map[LimitKey]LimitState{a: {Level: 90, Fires: 2}, b: {Level: 80, Fires: 1}, rearmed: {Fires: 3}})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, tt := range []struct {
-		v    int64
-		want bool
-	}{{5, true}, {5, true}, {4, false}, {7, true}, {6, false}} {
-		var got bool
-		err := s.Update(ctx, func(tx *Tx) error {
-			var err error
-			got, err = tx.Advance(ctx, "acme", "u1", "user", tt.v)
-			return err
-		})
-		if err != nil || got != tt.want {
-			t.Fatalf("Advance(%d) = %v, %v; want %v", tt.v, got, err, tt.want)
+		max      int
+		want     map[LimitKey]int
+		complete bool
+	}{{2, map[LimitKey]int{a: 90, b: 80}, true}, {1, nil, false}} {
+		got, complete, err := s.RaisedLimits(ctx, tt.max)
+		if err != nil || complete != tt.complete || !maps.Equal(got, tt.want) {
+			t.Errorf("RaisedLimits(%d) = %v, %v, %v; want %v, %v", tt.max, got, complete, err, tt.want, tt.complete)
 		}
 	}
 }
