@@ -5,27 +5,25 @@ import (
 	"time"
 )
 
-// The two events published once per request — Reserved by admission for
-// every admit, Corrected by the accounter for every actual — are encoded
-// by hand: encoding/json's reflection was half of admission's cost of
-// publishing. The output is byte for byte what MarshalJSON's json.Encoder
+// The events published once per request — Reserved by admission for
+// every admit, Actual (or Released) by admission for every report of
+// POST /v1/usage, Corrected by the accounter for every actual — are
+// encoded by hand: encoding/json's reflection was half of admission's
+// cost of publishing. The output is byte for byte what MarshalJSON's json.Encoder
 // makes (TestFastJSONMatches and FuzzFastJSON hold it to that); anything
 // unusual (a string that needs escaping, a time MarshalJSON refuses) is
 // left to encoding/json.
 
-// appendFast appends the JSON envelope of e when its data is a Reserved or
-// a Corrected and every field takes the plain path; ok is false otherwise,
-// and dst is then to be discarded.
+// appendFast appends the JSON envelope of e when its data is a Reserved,
+// a Corrected, an Actual or a Released and every field takes the plain
+// path; ok is false otherwise, and dst is then to be discarded.
 func appendFast(dst []byte, e *Event) (_ []byte, ok bool) {
-	var tenant, user string
-	switch d := e.Data.(type) {
-	case Reserved:
-		tenant, user = d.Tenant, d.User
-	case Corrected:
-		tenant, user = d.Tenant, d.User
+	switch e.Data.(type) {
+	case Reserved, Corrected, Actual, Released:
 	default:
 		return dst, false
 	}
+	tenant, user := e.Data.tenantUser()
 	w := fastWriter{b: dst, ok: true}
 	w.strField(`{"specversion":"`+SpecVersion+`","id":`, e.ID)
 	w.strField(`,"source":`, e.Source)
@@ -40,6 +38,10 @@ func appendFast(dst []byte, e *Event) (_ []byte, ok bool) {
 		w.reserved(&d)
 	case Corrected:
 		w.corrected(&d)
+	case Actual:
+		w.actual(&d)
+	case Released:
+		w.released(&d)
 	}
 	w.raw("}")
 	return w.b, w.ok
@@ -153,6 +155,26 @@ func (w *fastWriter) corrected(d *Corrected) {
 	w.intField(`,"version":`, d.Version)
 	w.optInt(`,"tenant_version":`, d.TenantVersion)
 	w.limits(d.Limits)
+	w.raw("}")
+}
+
+func (w *fastWriter) actual(d *Actual) {
+	w.strField(`{"request_id":`, d.RequestID)
+	w.strField(`,"tenant":`, d.Tenant)
+	w.strField(`,"user":`, d.User)
+	w.optStr(`,"endpoint":`, d.Endpoint)
+	w.optStr(`,"model":`, d.Model)
+	w.intField(`,"input_tokens":`, d.InputTokens)
+	w.intField(`,"output_tokens":`, d.OutputTokens)
+	w.raw("}")
+}
+
+func (w *fastWriter) released(d *Released) {
+	w.strField(`{"request_id":`, d.RequestID)
+	w.strField(`,"tenant":`, d.Tenant)
+	w.strField(`,"user":`, d.User)
+	w.optStr(`,"status":`, d.Status)
+	w.optInt(`,"returned_tokens":`, d.ReturnedTokens)
 	w.raw("}")
 }
 
