@@ -26,22 +26,24 @@ const maxProblems = 10
 // data. Keys match exactly: "Tenant" is not "tenant". Unknown keys are
 // ignored, so producers may add CloudEvents extension attributes and
 // consumers tolerate fields added to data later.
-func Decode(b []byte) (Event, error) { return decode(b, false) }
+func Decode(b []byte) (Event, error) { return decode(b, false, false) }
 
 // DecodeReported is Decode for an event whose id its receiver derives
 // (admission's POST /v1/usage derives it from the event's type, tenant,
 // user and request id, so that no caller can claim another's id): an id
 // in b is ignored, whatever it holds, and the returned event has none.
-func DecodeReported(b []byte) (Event, error) { return decode(b, true) }
+func DecodeReported(b []byte) (Event, error) { return decode(b, true, false) }
 
-func decode(b []byte, noID bool) (Event, error) {
+// decode is Decode, or DecodeReported when noID; valid says b is known to
+// be valid UTF-8 and JSON (an element of a batch checked as a whole).
+func decode(b []byte, noID, valid bool) (Event, error) {
 	if len(b) > MaxEventSize {
 		return Event{}, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
 	}
-	if !utf8.Valid(b) {
+	if !valid && !utf8.Valid(b) {
 		return Event{}, fmt.Errorf("%w: event: not valid UTF-8", ErrInvalid)
 	}
-	if !json.Valid(b) {
+	if !valid && !json.Valid(b) {
 		// Only now pay for the parser's description of the mistake.
 		err := json.Unmarshal(b, new(json.RawMessage))
 		return Event{}, fmt.Errorf("%w: event: not valid JSON: %v", ErrInvalid, err)

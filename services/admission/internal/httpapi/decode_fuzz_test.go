@@ -80,7 +80,8 @@ func checkFieldError(t *testing.T, ferr *fieldError) {
 // events whose identifiers pass ident.Check, whose counts lie in 0 to
 // 10^12, whose times are not ahead of now and whose ids are derived, never
 // the caller's; and that list, written out again with events.Encode,
-// decodes to the same events. Seeds live in testdata/fuzz/FuzzDecodeUsage.
+// decodes to the same events; and that it decides as decoding each element
+// alone (decodeUsageSlow) does. Seeds live in testdata/fuzz/FuzzDecodeUsage.
 // The stream's age here is a century, so the seeds' fixed times pass.
 func FuzzDecodeUsage(f *testing.F) {
 	f.Add([]byte("[" + actualJSON("e1", "acme", 5) + "]"))
@@ -88,6 +89,15 @@ func FuzzDecodeUsage(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		now := time.Now()
 		evs, ferr := decodeUsage(body, now, century)
+		// The one pass over the whole array decides as decoding each
+		// element alone does.
+		wantEvs, wantErrs, wantFerr := decodeUsageSlow(body)
+		if wantFerr == nil {
+			wantEvs, wantFerr = reportedEvents(wantEvs, wantErrs, now, century)
+		}
+		if !reflect.DeepEqual(evs, wantEvs) || !reflect.DeepEqual(ferr, wantFerr) {
+			t.Fatalf("decodeUsage(%q) = %+v, %v; each element alone: %+v, %v", body, evs, ferr, wantEvs, wantFerr)
+		}
 		if ferr != nil {
 			checkFieldError(t, ferr)
 			return

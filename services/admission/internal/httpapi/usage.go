@@ -103,22 +103,24 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 // actual or released events, each with a time within the stream's maxAge
 // before now and events.MaxSkew after it; it derives their ids.
 func decodeUsage(body []byte, now time.Time, maxAge time.Duration) ([]events.Event, *fieldError) {
-	var raws []json.RawMessage
-	if ferr := decodeStrict(body, &raws); ferr != nil {
-		if ferr.field == "body" && ferr.problem == "must be a JSON object" {
-			ferr.problem = "must be a JSON array of CloudEvents"
+	evs, errs, err := events.DecodeReportedBatch(body)
+	if err != nil || checkSurrogates(body) != nil {
+		var ferr *fieldError
+		if evs, errs, ferr = decodeUsageSlow(body); ferr != nil {
+			return nil, ferr
 		}
-		return nil, ferr
 	}
-	if len(raws) == 0 {
-		return nil, bad("body", "no events; want a JSON array of CloudEvents")
-	}
-	evs := make([]events.Event, len(raws))
-	for i, raw := range raws {
-		ev, err := events.DecodeReported(raw)
-		if err != nil {
-			return nil, eventError(i, err)
+	return reportedEvents(evs, errs, now, maxAge)
+}
+
+// reportedEvents checks decoded reported events (evs[i] holds when errs[i]
+// is nil) in order: the first bad one is the error; it derives their ids.
+func reportedEvents(evs []events.Event, errs []error, now time.Time, maxAge time.Duration) ([]events.Event, *fieldError) {
+	for i := range evs {
+		if errs[i] != nil {
+			return nil, eventError(i, errs[i])
 		}
+		ev := &evs[i]
 		switch d := ev.Data.(type) {
 		case events.Actual:
 			ev.ID = events.ID(events.TypeActual, d.Tenant, d.User, d.RequestID)
@@ -131,9 +133,30 @@ func decodeUsage(body []byte, now time.Time, maxAge time.Duration) ([]events.Eve
 		if err := events.CheckTime(ev.Time, now, maxAge); err != nil {
 			return nil, eventError(i, err)
 		}
-		evs[i] = ev
 	}
 	return evs, nil
+}
+
+// decodeUsageSlow decodes a body that events.DecodeReportedBatch refused
+// as a whole: decodeStrict names what is wrong with it, and when it finds
+// nothing (an array beyond events.MaxBatchEvents), each element is decoded
+// alone.
+func decodeUsageSlow(body []byte) ([]events.Event, []error, *fieldError) {
+	var raws []json.RawMessage
+	if ferr := decodeStrict(body, &raws); ferr != nil {
+		if ferr.field == "body" && ferr.problem == "must be a JSON object" {
+			ferr.problem = "must be a JSON array of CloudEvents"
+		}
+		return nil, nil, ferr
+	}
+	if len(raws) == 0 {
+		return nil, nil, bad("body", "no events; want a JSON array of CloudEvents")
+	}
+	evs, errs := make([]events.Event, len(raws)), make([]error, len(raws))
+	for i, raw := range raws {
+		evs[i], errs[i] = events.DecodeReported(raw)
+	}
+	return evs, errs, nil
 }
 
 // eventError turns events.Decode's "invalid event: a: x; b: y" into
