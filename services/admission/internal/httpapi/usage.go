@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -47,9 +48,17 @@ func (h *Handler) serveUsageGet(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, "application/json", usageAnswer{Tenant: tenant, User: user, Plan: plan, Limits: limitsJSON(ls)})
 }
 
-// usageReportAnswer is the body of a 202 to POST /v1/usage.
-type usageReportAnswer struct {
-	Accepted int `json:"accepted"`
+// writeAccepted answers a stored report: 202 and {"accepted":n}, written
+// as writeJSON would write it but without reflection, since every report
+// is answered so.
+func writeAccepted(w http.ResponseWriter, n int) {
+	h := w.Header()
+	h[hdrContentType] = jsonType
+	h[hdrCacheControl] = noStore
+	w.WriteHeader(http.StatusAccepted)
+	var buf [32]byte
+	b := strconv.AppendInt(append(buf[:0], `{"accepted":`...), int64(n), 10)
+	_, _ = w.Write(append(b, "}\n"...))
 }
 
 // serveUsageReport publishes a JSON array of usage CloudEvents (actual or
@@ -96,7 +105,7 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 			fmt.Sprintf("events: %d of %d not stored by the stream; retry the whole report (event ids dedup)", n, len(evs)))
 		return
 	}
-	writeJSON(w, http.StatusAccepted, "application/json", usageReportAnswer{Accepted: len(evs)})
+	writeAccepted(w, len(evs))
 }
 
 // decodeUsage parses the body of POST /v1/usage: a non-empty JSON array of
