@@ -26,23 +26,32 @@ func BenchmarkDecode(b *testing.B) {
 	}
 }
 
-// BenchmarkEncode encodes the largest example, a reserved event, as
+// BenchmarkEncode encodes a reserved event (the largest example, published
+// per admit) and an actual one (published per report of POST /v1/usage) as
 // publishers do (validation included), and with encoding/json as the
 // baseline.
 func BenchmarkEncode(b *testing.B) {
-	ev := examples()[0] // reserved, the largest
-	for name, encode := range map[string]func() ([]byte, error){
-		"hand-written":  func() ([]byte, error) { return Encode(ev) },
-		"encoding-json": func() ([]byte, error) { _ = ev.Validate(); return ev.marshalSlow() },
-	} {
-		b.Run(name, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				if _, err := encode(); err != nil {
-					b.Fatal(err)
-				}
+	for _, typ := range []string{TypeReserved, TypeActual} {
+		var ev Event
+		for _, e := range examples() {
+			if e.Type() == typ {
+				ev = e
+				break
 			}
-		})
+		}
+		for name, encode := range map[string]func() ([]byte, error){
+			"hand-written":  func() ([]byte, error) { return Encode(ev) },
+			"encoding-json": func() ([]byte, error) { _ = ev.Validate(); return ev.marshalSlow() },
+		} {
+			b.Run(typ+"/"+name, func(b *testing.B) {
+				b.ReportAllocs()
+				for b.Loop() {
+					if _, err := encode(); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
 	}
 }
 
