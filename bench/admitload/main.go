@@ -32,7 +32,7 @@ func main() {
 	concurrency := flag.String("concurrency", "16,64", "client concurrencies, comma-separated")
 	users := flag.Int("users", 100_000, "distinct users")
 	down := flag.Duration("down", 5*time.Second, "load while Redis is down")
-	timeout := flag.Duration("redis-timeout", 0, "admission's QF_REDIS_TIMEOUT (0: its default)")
+	timeout := flag.Duration("redis-timeout", 0, "admission's QF_REDIS_TIMEOUT, of both builds with -ab (0: its default)")
 	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
 	heap := flag.String("heapprofile", "", "write a heap profile of admission after the first admission run to this file")
 	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency)")
@@ -77,7 +77,7 @@ func main() {
 		return
 	}
 	if *base != "" {
-		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, strings.Fields(*abEnv)); err != nil {
+		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, *timeout, strings.Fields(*abEnv)); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
 			os.Exit(1)
 		}
