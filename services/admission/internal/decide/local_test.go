@@ -114,7 +114,7 @@ func TestLocalAllOrNothingAndShadow(t *testing.T) {
 	if di, _, _, _ := check(d, e, rules, 1); di != 2 {
 		t.Fatalf("second denied by %d, want the request limit (2)", di)
 	}
-	if st := e.state(ruleID(&rules[1])); st.left != 2 {
+	if st := e.state(stateID(&rules[1])); st.left != 2 {
 		t.Fatalf("big left = %v after a denial, want 2 (nothing spent)", st.left)
 	}
 }

@@ -72,7 +72,7 @@ type Options struct {
 	// LocalEntries bounds how many subjects, tenants, IPs and endpoints the
 	// local state remembers (last remaining seen, local shares); the least
 	// recently used are forgotten first, a generation at a time (so between
-	// half of it and all of it are held). About 160 bytes each with three
+	// half of it and all of it are held). About 128 bytes each with three
 	// token quotas (BenchmarkRemember). Zero means 100000.
 	LocalEntries int
 }
