@@ -31,7 +31,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 		rcpu, redis []float64 // Redis CPU µs per request (/proc), µs in its engine commands per request
 		p99, local  []float64 // ms, decisions made without Redis
 		rss         []float64 // MiB after the round
-		allocs      []float64 // heap allocations per request (go_memstats_mallocs_total), the whole process
+		allocs, kib []float64 // heap allocations and KiB allocated per request (go_memstats_mallocs_total, ..._alloc_bytes_total), the whole process
 		published   pubRounds // the outbox's publish rounds before the first round
 		depth       []float64 // the outbox's mean queue depth while loaded, per round
 		failures    float64   // publish rounds that failed, over all rounds
@@ -62,8 +62,8 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 		t.published = publishRounds(t.ops, "outbox")
 	}
 	fmt.Printf("before = %s, after = this checkout %s; %d users, concurrency %d, %s per run\n\n", base, strings.Join(env, " "), users, conc, dur)
-	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | allocs/req | Redis CPU/req | in scripts/req | RSS | failopen | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | allocs/req | KiB/req | Redis CPU/req | in scripts/req | RSS | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for r := range rounds {
 		order := []*target{ts[0], ts[1]}
 		if r%2 == 1 {
@@ -73,7 +73,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 			_, u0 := commandStats(ctx, b.rdb)
 			c0, r0, f0 := cpuTime(t.p), cpuTime(b.redis.Cmd), failopens(t.ops)
 			pf0 := metricSum(t.ops, "quotaflow_admission_outbox_publish_failures_total", "")
-			m0 := metricSum(t.ops, "go_memstats_mallocs_total", "")
+			m0, k0 := metricSum(t.ops, "go_memstats_mallocs_total", ""), metricSum(t.ops, "go_memstats_alloc_bytes_total", "")
 			depth := sampleDepth(t.ops)
 			res := admits(t.addr, users, "/x", conc, dur)
 			t.depth = append(t.depth, depth())
@@ -89,16 +89,17 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 			t.local = append(t.local, failopens(t.ops)-f0)
 			t.rss = append(t.rss, float64(rssMiB(t.p)))
 			t.allocs = append(t.allocs, (metricSum(t.ops, "go_memstats_mallocs_total", "")-m0)/n)
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f | %.1f µs | %.1f µs | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
-				pct(res, 50), pct(res, 99), t.cpu[r], t.allocs[r], t.rcpu[r], t.redis[r], t.rss[r], t.local[r], res.Statuses())
+			t.kib = append(t.kib, (metricSum(t.ops, "go_memstats_alloc_bytes_total", "")-k0)/n/1024)
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f | %.2f | %.1f µs | %.1f µs | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
+				pct(res, 50), pct(res, 99), t.cpu[r], t.allocs[r], t.kib[r], t.rcpu[r], t.redis[r], t.rss[r], t.local[r], res.Statuses())
 		}
 	}
 	fmt.Printf("\nmedians over %d rounds:\n\n", rounds)
-	fmt.Println("| target | req/s | p99 | admission CPU/req | allocs/req | Redis CPU/req | in scripts/req | RSS |")
-	fmt.Println("|---|---|---|---|---|---|---|---|")
+	fmt.Println("| target | req/s | p99 | admission CPU/req | allocs/req | KiB/req | Redis CPU/req | in scripts/req | RSS |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	for _, t := range ts {
-		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f | %.1f µs | %.1f µs | %.0f MiB |\n", t.name, stats.Median(t.rps), stats.Median(t.p99),
-			stats.Median(t.cpu), stats.Median(t.allocs), stats.Median(t.rcpu), stats.Median(t.redis), stats.Median(t.rss))
+		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f | %.2f | %.1f µs | %.1f µs | %.0f MiB |\n", t.name, stats.Median(t.rps), stats.Median(t.p99),
+			stats.Median(t.cpu), stats.Median(t.allocs), stats.Median(t.kib), stats.Median(t.rcpu), stats.Median(t.redis), stats.Median(t.rss))
 	}
 	fmt.Printf("\nafter / before, req/s: %.3f (median of the per-round ratios %.3f)\n",
 		stats.Median(ts[1].rps)/stats.Median(ts[0].rps), stats.Median(ratios(ts[1].rps, ts[0].rps)))
