@@ -386,15 +386,27 @@ func (e *Event) UnmarshalJSON(b []byte) error {
 // Encode validates ev and returns its JSON, the exact bytes a Publisher
 // sends. Its errors wrap ErrInvalid.
 func Encode(ev Event) ([]byte, error) {
+	return AppendEncode(make([]byte, 0, 1024), ev) // a reserved event with a few limits fits
+}
+
+// AppendEncode appends Encode(ev) to dst, so that a caller encoding many
+// events reuses one buffer (stream.Publisher packs a batch so); on an error
+// dst is returned as it was.
+func AppendEncode(dst []byte, ev Event) ([]byte, error) {
 	if err := ev.Validate(); err != nil {
-		return nil, err
+		return dst, err
 	}
-	b, err := ev.MarshalJSON()
-	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+	n := len(dst)
+	b, ok := appendFast(dst, &ev)
+	if !ok {
+		s, err := ev.marshalSlow()
+		if err != nil {
+			return dst, fmt.Errorf("%w: %v", ErrInvalid, err)
+		}
+		b = append(b[:n], s...)
 	}
-	if len(b) > MaxEventSize {
-		return nil, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
+	if len(b)-n > MaxEventSize {
+		return dst, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b)-n, MaxEventSize)
 	}
 	return b, nil
 }

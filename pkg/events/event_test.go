@@ -2,6 +2,7 @@ package events
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"os"
@@ -270,5 +271,39 @@ func TestUnmarshalArray(t *testing.T) {
 	bad := `[` + parts[0] + `,{"specversion":"1.0"}]`
 	if err := json.Unmarshal([]byte(bad), &evs); !errors.Is(err, ErrInvalid) {
 		t.Errorf("json.Unmarshal(array with a bad event) = %v, want ErrInvalid", err)
+	}
+}
+
+// AppendEncode appends exactly what Encode returns, for every type and for
+// an event encoding/json writes (an escaped string), and leaves dst as it
+// was when the event is invalid or too large.
+func TestAppendEncode(t *testing.T) {
+	escaped := examples()[0]
+	r := escaped.Data.(Reserved)
+	r.User = "u\"1"
+	escaped.Data = r
+	prefix := []byte("[prefix,")
+	for _, ev := range append(examples(), escaped) {
+		want, err := Encode(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := AppendEncode(bytes.Clone(prefix), ev)
+		if err != nil || !bytes.Equal(got, append(bytes.Clone(prefix), want...)) {
+			t.Errorf("AppendEncode(prefix, %s) = %q, %v; want the prefix and %q", ev.Type(), got, err, want)
+		}
+	}
+	huge := examples()[0] // valid, but with 600 limits of long names
+	r = huge.Data.(Reserved)
+	r.Limits = make([]LimitState, 600)
+	for i := range r.Limits {
+		r.Limits[i] = LimitState{Scope: "user", Name: strings.Repeat("n", 100), Unit: "tokens", Limit: 1}
+	}
+	huge.Data = r
+	for name, ev := range map[string]Event{"invalid": {ID: "x"}, "too large": huge} {
+		got, err := AppendEncode(prefix, ev)
+		if !errors.Is(err, ErrInvalid) || !bytes.Equal(got, prefix) || name == "too large" && !strings.Contains(err.Error(), "larger than") {
+			t.Errorf("AppendEncode(prefix, %s) = %q, %v; want the prefix as it was and ErrInvalid", name, got, err)
+		}
 	}
 }

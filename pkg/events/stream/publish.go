@@ -1,10 +1,12 @@
 package stream
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -190,13 +192,15 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 		idx []int // the events it carries
 	}
 	var msgs []sent
-	groups, dups := p.pack(evs, errs)
+	bp := encodeBufs.Get().(*[]byte)
+	groups, dups, buf := p.pack(evs, errs, (*bp)[:0])
 	for _, group := range groups {
 		var m *nats.Msg
 		var id string
 		if len(group.idx) == 1 {
 			ev := evs[group.idx[0]]
-			m, id = p.single(ev, group.data[0]), ev.ID
+			// A copy: the message outlives buf (the async publisher may send it again).
+			m, id = p.single(ev, bytes.Clone(group.data[0])), ev.ID
 		} else {
 			m, id = p.batch(evs, group.idx, group.data)
 		}
@@ -208,6 +212,10 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 			continue
 		}
 		msgs = append(msgs, sent{f, group.idx})
+	}
+	if cap(buf) <= maxPooledEncoding {
+		*bp = buf
+		encodeBufs.Put(bp)
 	}
 	for _, s := range msgs {
 		var err error
@@ -238,15 +246,25 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 type packed struct {
 	idx  []int
 	data [][]byte
+	at   [][2]int // while packing: where each encoding is in the buffer
 }
+
+// encodeBufs holds the buffers PublishBatch encodes a round's events into
+// and copies them out of into its messages, so that an event costs no
+// allocation of its own (a reserved event's encoding is over a KiB).
+var encodeBufs = sync.Pool{New: func() any { return new([]byte) }}
+
+// maxPooledEncoding keeps the rare huge round's buffer out of the pool.
+const maxPooledEncoding = 1 << 20
 
 // pack encodes evs (an invalid one gets its error in errs and is left out)
 // and packs them by subject, in order, into messages of at most
 // events.MaxBatchEvents events and p.budget bytes (an event larger than
 // that alone goes out alone, for the server to judge). An event whose id
 // came earlier in evs is left out too, as JetStream would drop it: dups
-// maps its index to the first's, whose result it shares.
-func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups map[int]int) {
+// maps its index to the first's, whose result it shares. The encodings are
+// appended to buf and data slices it: they are good until buf is reused.
+func (p *Publisher) pack(evs []events.Event, errs []error, buf []byte) (out []packed, dups map[int]int, _ []byte) {
 	open := map[string]int{} // subject -> its last message in out
 	size := map[string]int{} // subject -> bytes of that message's events
 	first := make(map[string]int, len(evs))
@@ -259,24 +277,33 @@ func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups m
 			continue
 		}
 		first[ev.ID] = i
-		b, err := events.Encode(ev)
-		if err != nil {
+		start := len(buf)
+		var err error
+		if buf, err = events.AppendEncode(buf, ev); err != nil {
 			errs[i] = err
 			continue
 		}
+		at, n := [2]int{start, len(buf)}, len(buf)-start
 		subj := ev.Type()
 		if j, ok := open[subj]; ok {
 			g := &out[j]
-			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size[subj]+len(b)) <= p.budget {
-				g.idx, g.data = append(g.idx, i), append(g.data, b)
-				size[subj] += len(b)
+			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size[subj]+n) <= p.budget {
+				g.idx, g.at = append(g.idx, i), append(g.at, at)
+				size[subj] += n
 				continue
 			}
 		}
-		open[subj], size[subj] = len(out), len(b)
-		out = append(out, packed{idx: []int{i}, data: [][]byte{b}})
+		open[subj], size[subj] = len(out), n
+		out = append(out, packed{idx: []int{i}, at: [][2]int{at}})
 	}
-	return out, dups
+	for k := range out { // buf no longer moves
+		g := &out[k]
+		g.data = make([][]byte, len(g.at))
+		for j, at := range g.at {
+			g.data[j] = buf[at[0]:at[1]]
+		}
+	}
+	return out, dups, buf
 }
 
 // batch is the message of the events idx of evs, encoded as data.
