@@ -50,16 +50,24 @@ type decisionBody struct {
 }
 
 func limitsJSON(ls []decide.LimitState) []limitJSON {
-	out := make([]limitJSON, len(ls))
-	for i, l := range ls {
-		out[i] = limitJSON{
+	return appendLimitsJSON(make([]limitJSON, 0, len(ls)), ls)
+}
+
+// appendLimitsJSON appends the limits ls to dst.
+func appendLimitsJSON(dst []limitJSON, ls []decide.LimitState) []limitJSON {
+	for _, l := range ls {
+		dst = append(dst, limitJSON{
 			Scope: string(l.Scope), Name: l.Name, Endpoint: l.Endpoint, Unit: string(l.Unit),
 			Limit: l.Limit, Used: l.Used, Remaining: l.Remaining, ResetSeconds: ceilSeconds(l.Reset),
 			Shadow: l.Shadow,
-		}
+		})
 	}
-	return out
+	return dst
 }
+
+// answerLimits is how many limits an answer holds without a heap
+// allocation (its body is encoded before the handler returns).
+const answerLimits = 8
 
 func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
 	p, ok := h.authenticate(w, r, auth.Gateway)
@@ -125,7 +133,8 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 	}
 	retry := retryAfterSeconds(res)
 	setRateLimitHeaders(w.Header(), res, resolved, in.Cost, retry)
-	body := decisionBody{Allowed: res.Allowed, RequestID: in.RequestID, Limits: limitsJSON(res.Limits)}
+	var ls [answerLimits]limitJSON
+	body := decisionBody{Allowed: res.Allowed, RequestID: in.RequestID, Limits: appendLimitsJSON(ls[:0], res.Limits)}
 	if res.Allowed {
 		writeDecision(w, http.StatusOK, jsonType, &body)
 		return

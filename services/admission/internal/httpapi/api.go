@@ -341,7 +341,16 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
 		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("body: larger than %d bytes", MaxBodyBytes))
 		return nil, false
 	}
-	b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, MaxBodyBytes))
+	var b []byte
+	var err error
+	if r.ContentLength >= 0 {
+		// net/http ends the body at its Content-Length: one allocation of
+		// that size, not io.ReadAll's 512 bytes and more.
+		b = make([]byte, r.ContentLength)
+		_, err = io.ReadFull(r.Body, b)
+	} else {
+		b, err = io.ReadAll(http.MaxBytesReader(w, r.Body, MaxBodyBytes))
+	}
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 )
 
@@ -123,7 +124,9 @@ func (l *limitJSON) appendJSON(dst []byte) []byte {
 func appendString(dst []byte, s string) []byte {
 	for i := 0; i < len(s); i++ {
 		if c := s[i]; c < 0x20 || c >= 0x7f || c == '"' || c == '\\' || c == '<' || c == '>' || c == '&' {
-			q, _ := json.Marshal(s) // a string always encodes
+			// A copy, so that s does not escape: an answer's limits can
+			// then stay on the handler's stack.
+			q, _ := json.Marshal(strings.Clone(s)) // a string always encodes
 			return append(dst, q...)
 		}
 	}
