@@ -8,9 +8,9 @@
 //   - quota.abuse_suspected for a burst of denials from one subject or IP
 //     (Detector.Evaluate).
 //
-// Threshold and spike state lives in Postgres (package store) and changes
-// in the same transaction that queues the alert in the outbox, so a
-// restart neither repeats an alert nor forgets one. Rate counters are in
+// Threshold, spike and abuse-burst state lives in Postgres (package
+// store) and changes in the same transaction that queues the alert in the
+// outbox, so a restart neither repeats an alert nor forgets one. Rate counters are in
 // memory: after a restart they refill from new events.
 package detect
 

@@ -75,6 +75,8 @@ type Updater interface {
 	SaveVersions(ctx context.Context, versions map[store.VersionKey]int64) error
 	FiringSpikes(ctx context.Context) ([][2]string, error)
 	RaisedLimits(ctx context.Context, max int) (map[store.LimitKey]int, bool, error)
+	Abusing(ctx context.Context) ([]store.AbuseKey, error)
+	EndAbuse(ctx context.Context, k store.AbuseKey) error
 }
 
 // maxRaised bounds the limits the detector keeps in memory as raised
@@ -121,11 +123,15 @@ type Detector struct {
 	spikes    map[[2]string]*window // (tenant, endpoint) -> (allowed, denied)
 	firing    map[[2]string]bool    // spikes firing, as last stored
 	abuse     map[abuseKey]*window  // -> (denied, 0)
-	abusing   map[abuseKey]bool     // bursts alerted and not yet over
+	abusing   map[abuseKey]bool     // bursts alerted and not yet over, as stored
 	seen      seen                  // events counted in the windows
 }
 
 type abuseKey struct{ tenant, user, ip string }
+
+func (k abuseKey) stored() store.AbuseKey {
+	return store.AbuseKey{Tenant: k.tenant, User: k.user, IP: k.ip}
+}
 
 // New returns a Detector storing state in st, routing alerts with route
 // and counting them in quotaflow_alerts_total{kind} on reg. notify, when
@@ -153,10 +159,15 @@ func New(st Updater, route Router, opt Options, log *slog.Logger, reg prometheus
 }
 
 // Load reads the spikes that were firing when the alerter last stopped,
-// so their resolution is still sent, and the limits raised. Until it ran,
-// every snapshot reads its limits' state.
+// so their resolution is still sent, the denial bursts alerted and not
+// over, so they are not alerted again, and the limits raised. Until it
+// ran, every snapshot reads its limits' state.
 func (d *Detector) Load(ctx context.Context) error {
 	keys, err := d.st.FiringSpikes(ctx)
+	if err != nil {
+		return err
+	}
+	bursts, err := d.st.Abusing(ctx)
 	if err != nil {
 		return err
 	}
@@ -171,6 +182,9 @@ func (d *Detector) Load(ctx context.Context) error {
 	defer d.mu.Unlock()
 	for _, k := range keys {
 		d.firing[k] = true
+	}
+	for _, k := range bursts {
+		d.abusing[abuseKey{k.Tenant, k.User, k.IP}] = true
 	}
 	d.raised, d.raisedAll = raised, all
 	if d.raised == nil {
@@ -372,7 +386,10 @@ type spikeChange struct {
 // fires when the window holds at least SpikeMinRequests requests and the
 // denial rate exceeds SpikeRate; it resolves when the rate is back at or
 // under SpikeRate with enough requests, or when fewer requests than that
-// came in a whole window.
+// came in a whole window. A burst alerts once: it is over when its window
+// holds fewer than AbuseBurst denials, judged only once this process has
+// counted for a whole AbuseWindow (a burst alerted before a restart is
+// not over because the new process's counts start empty).
 func (d *Detector) Evaluate(ctx context.Context) error {
 	now := d.now()
 	var changes []spikeChange
@@ -408,21 +425,23 @@ func (d *Detector) Evaluate(ctx context.Context) error {
 			changes = append(changes, spikeChange{k, allowed, denied, false})
 		}
 	}
+	denials := make(map[abuseKey]int64, len(d.abuse))
 	for k, w := range d.abuse {
 		n, _ := w.sum(now, d.opt.AbuseWindow)
 		if w.empty() {
 			delete(d.abuse, k)
 		}
-		switch {
-		case n >= d.opt.AbuseBurst && !d.abusing[k]:
+		denials[k] = n
+		if n >= d.opt.AbuseBurst && !d.abusing[k] {
 			bursts = append(bursts, burst{k, n})
-		case n < d.opt.AbuseBurst && d.abusing[k]:
-			delete(d.abusing, k) // the burst is over: a new one alerts again
 		}
 	}
-	for k := range d.abusing {
-		if d.abuse[k] == nil {
-			delete(d.abusing, k)
+	var over []abuseKey // bursts over: a new one alerts again
+	if now.Sub(d.started) >= d.opt.AbuseWindow {
+		for k := range d.abusing {
+			if denials[k] < d.opt.AbuseBurst {
+				over = append(over, k)
+			}
 		}
 	}
 	d.seen.prune(now.Add(-d.longestWindow() - time.Second))
@@ -438,6 +457,15 @@ func (d *Detector) Evaluate(ctx context.Context) error {
 		if err := d.burst(ctx, now, b.k, b.n); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	for _, k := range over {
+		if err := d.st.EndAbuse(ctx, k.stored()); err != nil {
+			errs = append(errs, err) // still abusing: ended at the next evaluation
+			continue
+		}
+		d.mu.Lock()
+		delete(d.abusing, k)
+		d.mu.Unlock()
 	}
 	return errors.Join(errs...)
 }
@@ -510,6 +538,9 @@ func (d *Detector) burst(ctx context.Context, now time.Time, k abuseKey, n int64
 		Kind: KindAbuse, Tenant: k.tenant,
 	}
 	err := d.st.Update(ctx, func(tx *store.Tx) error {
+		if err := tx.SaveAbuse(ctx, k.stored()); err != nil {
+			return err
+		}
 		return d.enqueue(ctx, tx, a, now, data)
 	})
 	if err != nil {

@@ -159,6 +159,52 @@ func TestAbuseBurstOncePerBurst(t *testing.T) {
 	}
 }
 
+// A burst alerted before a restart is not alerted again when its denials
+// come again (the batch was redelivered: the crash came before its acks),
+// though the new process's counts start empty; once that process has
+// counted for a whole window, the burst is over and a new one alerts.
+func TestAbuseBurstNotRepeatedAfterRestart(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)}
+	burst := func(d *Detector, id string) {
+		t.Helper()
+		ev := events.Event{ID: id, Time: c.now(), Data: events.Denied{Tenant: "acme", User: "u", IP: "203.0.113.7", Endpoint: "/e", Count: 60}}
+		if err := d.HandleBatch(ctx, []events.Event{ev}); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Evaluate(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func() int {
+		t.Helper()
+		ds, err := st.Deliveries(ctx, KindAbuse)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ds)
+	}
+	burst(newDetector(t, st, c), "d-1")
+	if n := count(); n != 2 {
+		t.Fatalf("a burst: %d abuse alerts, want 2 (subject and IP)", n)
+	}
+	c.add(time.Second)
+	d2 := newDetector(t, st, c)
+	burst(d2, "d-1") // redelivered to the new process
+	if n := count(); n != 2 {
+		t.Fatalf("the burst's denials again after a restart: %d abuse alerts, want still 2", n)
+	}
+	c.add(2 * time.Minute) // a whole window without a burst
+	if err := d2.Evaluate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	burst(d2, "d-2")
+	if n := count(); n != 4 {
+		t.Fatalf("a new burst: %d abuse alerts, want 4", n)
+	}
+}
+
 // An event stored twice (a batch re-formed on retry) counts once in the
 // rate windows, whether it comes alone or in a batch; another event of the
 // same data counts again.

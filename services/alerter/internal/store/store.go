@@ -1,7 +1,7 @@
 // Package store is the alerter's durable state in Postgres: the last
 // snapshot version per subject, the threshold state of each limit that
 // ever fired (one never fired has no row: its state is the zero
-// LimitState), the denial-spike state, and the webhook outbox, which is also the delivery
+// LimitState), the denial-spike state, the denial bursts alerted, and the webhook outbox, which is also the delivery
 // log. Its migrations are embedded and applied at start under an advisory
 // lock (tern, version table alerter_schema_version).
 //
@@ -109,6 +109,48 @@ func (t *Tx) SaveSpike(ctx context.Context, tenant, endpoint string, firing bool
 		return fmt.Errorf("save spike %s %s: %w", tenant, endpoint, err)
 	}
 	return nil
+}
+
+// AbuseKey identifies a denial burst: of a subject (IP empty) or of an IP
+// (Tenant and User empty).
+type AbuseKey struct {
+	Tenant, User, IP string
+}
+
+// SaveAbuse records that the burst of k was alerted.
+func (t *Tx) SaveAbuse(ctx context.Context, k AbuseKey) error {
+	_, err := t.tx.Exec(ctx, `INSERT INTO alert_abuse (tenant, user_id, ip) VALUES ($1, $2, $3)
+ON CONFLICT (tenant, user_id, ip) DO UPDATE SET alerted_at = now()`, k.Tenant, k.User, k.IP)
+	if err != nil {
+		return fmt.Errorf("save abuse burst: %w", err)
+	}
+	return nil
+}
+
+// EndAbuse forgets the burst of k: it is over.
+func (s *Store) EndAbuse(ctx context.Context, k AbuseKey) error {
+	_, err := s.pool.Exec(ctx, `DELETE FROM alert_abuse WHERE tenant = $1 AND user_id = $2 AND ip = $3`, k.Tenant, k.User, k.IP)
+	if err != nil {
+		return fmt.Errorf("end abuse burst: %w", err)
+	}
+	return nil
+}
+
+// Abusing returns the bursts alerted and not yet over.
+func (s *Store) Abusing(ctx context.Context) ([]AbuseKey, error) {
+	rows, err := s.pool.Query(ctx, `SELECT tenant, user_id, ip FROM alert_abuse`)
+	if err != nil {
+		return nil, fmt.Errorf("abuse bursts: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (AbuseKey, error) {
+		var k AbuseKey
+		err := r.Scan(&k.Tenant, &k.User, &k.IP)
+		return k, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("abuse bursts: %w", err)
+	}
+	return out, nil
 }
 
 // FiringSpikes returns the (tenant, endpoint) pairs whose spike is firing.
