@@ -251,14 +251,16 @@ func (d *Detector) longestWindow() time.Duration { return max(d.opt.SpikeWindow,
 // count adds ev's allowed and denied requests to the spike windows of
 // tenant and endpoint, and calls also (under mu) with the time counted,
 // unless ev is too old to count or was counted before (seen: an event may
-// be stored in two messages).
+// be stored in two messages). It clamps under mu, so that no Evaluate
+// prunes seen between the clamp and the check: seen holds every id that
+// clamp would still count.
 func (d *Detector) count(ev events.Event, tenant, endpoint string, allowed, denied int64, also func(at time.Time)) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	at := d.clamp(ev.Time)
 	if at.IsZero() {
 		return
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
 	if !d.seen.first(ev.ID, ev.Time) {
 		return
 	}
