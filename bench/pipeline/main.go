@@ -7,9 +7,9 @@
 // event, which differs from the estimate). It prints, per round, the
 // requests admitted and accounted (actual events in the ledger) per
 // second, keep-up (their ratio), the time from the end of the load until
-// the ledger held every report, and the CPU per accounted request of each
-// process, read from /proc from the start of the load until the ledger
-// held every report; then it checks the end state:
+// the ledger held every report and until the alerter had consumed every
+// event, and the CPU per accounted request of each process, read from
+// /proc from the start of the load until both; then it checks the end state:
 // the ledger holds every report once with its tokens and no reservation is
 // left open. In the same run, in interleaved rounds, it loads the pinned
 // envoyproxy/ratelimit (a per-user counter on a Redis of its own) with the

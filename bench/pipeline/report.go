@@ -18,12 +18,12 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 	ms, rounds, total := pl.meters, pl.done, pl.total
 	fmt.Fprintf(out, "\n%s: %d connections (closed loop), %d users, %v per round, %d rounds; admit (5 limits) then one actual event in its own POST /v1/usage\n\n",
 		pl.name, cfg.Conns, cfg.Users, cfg.Duration, len(rounds))
-	head := []string{"round", "admitted/s", "accounted/s", "keep-up", "catch-up"}
+	head := []string{"round", "admitted/s", "accounted/s", "keep-up", "catch-up", "alerter catch-up"}
 	for _, m := range ms {
 		head = append(head, m.name)
 	}
 	head = append(head, "all", "WAL records", "WAL bytes")
-	fmt.Fprintln(out, "CPU per accounted request, µs, from the start of the load until the ledger held every report (postgres: <service>'s = its sessions' backends, a part of postgres); catch-up in seconds; Postgres's WAL per accounted request:")
+	fmt.Fprintln(out, "CPU per accounted request, µs, from the start of the load until the ledger held every report and the alerter had consumed every event (postgres: <service>'s = its sessions' backends, a part of postgres); catch-up (the ledger's, the alerter's) in seconds; Postgres's WAL per accounted request:")
 	fmt.Fprintln(out)
 	row(out, head...)
 	row(out, slices.Repeat([]string{"---"}, len(head))...)
@@ -40,6 +40,7 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 			f(func(r round) float64 { return r.accountedRate() }),
 			f(func(r round) float64 { return r.keepUp() }),
 			f(func(r round) float64 { return r.catchUp.Seconds() }),
+			f(func(r round) float64 { return r.alerterCatchUp.Seconds() }),
 		}
 		for i := range ms {
 			c = append(c, f(func(r round) float64 { return µs(r.perAccounted(i)) }))

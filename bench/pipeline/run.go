@@ -63,9 +63,13 @@ type round struct {
 	t         *tally        // the round's requests
 	accounted int64         // actual events the ledger gained during the load
 	catchUp   time.Duration // from the end of the load until the ledger held every report
+	// alerterCatchUp is from the end of the load until the alerter had
+	// consumed every event.
+	alerterCatchUp time.Duration
 	// cpu is per meter, from the start of the load until the ledger held
-	// every report: all the work of the round's requests, even when the
-	// accounter lags behind the load.
+	// every report and the alerter had consumed every event: all the work
+	// of the round's requests, even when the accounter or the alerter lags
+	// behind the load.
 	cpu []time.Duration
 	wal wal // Postgres's WAL over the same span
 }
@@ -210,7 +214,7 @@ func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Wr
 		// Named, so that Postgres's CPU splits by the service a backend serves.
 		AccounterEnv: []string{"PGAPPNAME=" + accounterApp},
 		// Consuming, with no webhook: a quota never reaches a threshold.
-		AlerterEnv: []string{"QF_CONSUMER=alerter", "PGAPPNAME=" + alerterApp},
+		AlerterEnv: []string{"QF_CONSUMER=" + alerterConsumer, "PGAPPNAME=" + alerterApp},
 		// A busy two-core machine answers in more than the default 10 ms
 		// at times; a decision made without Redis then is cheaper and not
 		// the pipeline's, so the run waits for Redis instead (and counts
@@ -310,6 +314,9 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	}
 	pl.total.add(r.t)
 	if r.catchUp, err = pl.ledger.waitActuals(ctx, pl.p.Accounter.Ops, pl.total.reported, end, pl.cfg.Settle); err != nil {
+		return r, err
+	}
+	if r.alerterCatchUp, err = waitAlerter(ctx, pl.p.NATS.URL, end, pl.cfg.Settle); err != nil {
 		return r, err
 	}
 	cpu1, err := read(pl.meters)
