@@ -20,13 +20,16 @@ type member struct {
 }
 
 // object returns the members of the JSON object b (valid JSON), in order,
-// rejecting a non-object and duplicate keys.
-func object(b []byte) ([]member, error) {
+// rejecting a non-object and duplicate keys. The objects of one event
+// share one arena (one allocation, not one each): *free is its unused
+// room, which object takes its members from (growing it when they do not
+// fit) and leaves past them.
+func object(b []byte, free *[]member) ([]member, error) {
 	i := skipSpace(b, 0)
 	if i == len(b) || b[i] != '{' {
 		return nil, errors.New("must be a JSON object")
 	}
-	ms := make([]member, 0, 16)
+	ms := (*free)[:0]
 	var seen map[string]bool // beyond a few members, instead of a linear search
 	i = skipSpace(b, i+1)
 	for b[i] != '}' {
@@ -66,7 +69,8 @@ func object(b []byte) ([]member, error) {
 			i = skipSpace(b, i+1)
 		}
 	}
-	return ms, nil
+	*free = ms[len(ms):]
+	return ms[:len(ms):len(ms)], nil
 }
 
 // elements returns the raw elements of the JSON array b (valid JSON), or
@@ -149,8 +153,9 @@ func skipValue(b []byte, i int) int {
 // reader takes typed fields out of a decoded JSON object, deferring type
 // errors to its checker. Absent and null fields read as zero values.
 type reader struct {
-	c checker
-	m []member
+	c    checker
+	m    []member
+	free *[]member // the event's arena (object)
 }
 
 // raw returns the field unless it is absent or null.
@@ -261,13 +266,13 @@ func (r *reader) array(name string, each func(*reader)) {
 		return
 	}
 	for i, it := range items {
-		m, err := object(it)
+		m, err := object(it, r.free)
 		if err != nil {
 			r.c.deferProblem(fmt.Sprintf("%s[%d]", name, i), err.Error())
 			each(nil)
 			continue
 		}
-		each(&reader{c: r.c.item(name, i), m: m})
+		each(&reader{c: r.c.item(name, i), m: m, free: r.free})
 	}
 }
 
