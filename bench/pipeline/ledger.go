@@ -108,6 +108,21 @@ func consumedActuals(ctx context.Context, ops string) float64 {
 	return n
 }
 
+// batches is the accounter's count of batches handled (each one ledger
+// transaction) and of the events in them.
+func batches(ctx context.Context, ops string) (n, evs float64) {
+	samples, _ := e2e.Scrape(ctx, ops)
+	for _, s := range samples {
+		switch s.Name {
+		case "quotaflow_accounter_batch_size_count":
+			n = s.Value
+		case "quotaflow_accounter_batch_size_sum":
+			evs = s.Value
+		}
+	}
+	return n, evs
+}
+
 // reservations counts the ledger's reservations: all, those still open,
 // those settled, and the actual tokens settled.
 type reservations struct{ all, open, settled, tokens int64 }

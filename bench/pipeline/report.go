@@ -22,8 +22,8 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 	for _, m := range ms {
 		head = append(head, m.name)
 	}
-	head = append(head, "all", "WAL records", "WAL bytes")
-	fmt.Fprintln(out, "CPU per accounted request, µs, from the start of the load until the ledger held every report and the alerter had consumed every event (postgres: <service>'s = its sessions' backends, a part of postgres); catch-up (the ledger's, the alerter's) in seconds; Postgres's WAL per accounted request:")
+	head = append(head, "all", "WAL records", "WAL bytes", "events/batch")
+	fmt.Fprintln(out, "CPU per accounted request, µs, from the start of the load until the ledger held every report and the alerter had consumed every event (postgres: <service>'s = its sessions' backends, a part of postgres); catch-up (the ledger's, the alerter's) in seconds; Postgres's WAL per accounted request; events per accounter batch (one ledger transaction):")
 	fmt.Fprintln(out)
 	row(out, head...)
 	row(out, slices.Repeat([]string{"---"}, len(head))...)
@@ -53,7 +53,8 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 				}
 			}
 			return µs(sum)
-		}), f(func(r round) float64 { return r.perReport(r.wal.records) }), f(func(r round) float64 { return r.perReport(r.wal.bytes) }))
+		}), f(func(r round) float64 { return r.perReport(r.wal.records) }), f(func(r round) float64 { return r.perReport(r.wal.bytes) }),
+			f(func(r round) float64 { return r.batchEvents / max(1, r.batches) }))
 	}
 	for i := range rounds {
 		row(out, cells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)

@@ -72,6 +72,9 @@ type round struct {
 	// behind the load.
 	cpu []time.Duration
 	wal wal // Postgres's WAL over the same span
+	// batches and batchEvents are the accounter's batches over the same
+	// span and the events in them.
+	batches, batchEvents float64
 }
 
 func (r round) admittedRate() float64  { return float64(r.t.admitted) / r.elapsed.Seconds() }
@@ -292,6 +295,7 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	if err != nil {
 		return round{}, err
 	}
+	b0, e0 := batches(ctx, pl.p.Accounter.Ops)
 	res, err := load.Run(ctx, load.Config{
 		Addr: pl.host, Conns: pl.cfg.Conns, Duration: d,
 		NewClient: func(conn int) load.Client {
@@ -331,5 +335,7 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		return round{}, err
 	}
 	r.wal = wal{wal1.records - wal0.records, wal1.bytes - wal0.bytes}
+	b1, e1 := batches(ctx, pl.p.Accounter.Ops)
+	r.batches, r.batchEvents = b1-b0, e1-e0
 	return r, nil
 }
