@@ -106,38 +106,25 @@ const (
 	kindReleased = "quotaflow.usage.released"
 )
 
-// createStaging makes the session's staging table ledger_in, which Begin
-// copies a batch into (COPY is the cheapest way into Postgres; the
-// statements below merge the staged rows into the ledger). It is temporary
-// (each pooled connection has its own) and emptied at each commit.
-const createStaging = `
-CREATE TEMP TABLE IF NOT EXISTS ledger_in (
-    event_id text, type text, tenant text, user_id text, request_id text, tokens bigint,
-    occurred_at timestamptz, payload jsonb, plan text, endpoint text, model text, expires_at timestamptz,
-    local boolean
-) ON COMMIT DELETE ROWS`
-
-// stagingColumns are ledger_in's columns in COPY order.
-var stagingColumns = []string{"event_id", "type", "tenant", "user_id", "request_id", "tokens",
-	"occurred_at", "payload", "plan", "endpoint", "model", "expires_at", "local"}
-
-// insertEvents stores the staged events that are new, but reserved ones:
-// their reservation row is their record (upsertReservations), so the
+// insertEvents stores the events of a batch that are new, but reserved
+// ones: their reservation row is their record (upsertReservations), so the
 // ledger writes one row, not two, per reserved event, and no copy of its
-// payload.
+// payload. The batch comes as one array per column (eventArgs), so that
+// its write is one exchange with its BEGIN: no COPY into a staging table
+// first.
 const insertEvents = `
 INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
-SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload
-FROM ledger_in
-WHERE type <> 'quotaflow.usage.reserved'
+SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload::jsonb
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::text[])
+    AS e(event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
 ORDER BY tenant, event_id
 ON CONFLICT (tenant, event_id) DO NOTHING`
 
-// upsertReservations merges the staged reserved, actual and released
-// events into their reservation rows (first value wins, so a redelivery
-// changes nothing) and returns every touched row. A row is local when its
-// estimate is in no Redis window: decided without Redis, or reserved in a
-// Redis that lost its data before a rebuild counted it.
+// upsertReservations merges the batch's reserved, actual and released
+// events (reservationArgs) into their reservation rows (first value wins,
+// so a redelivery changes nothing) and returns every touched row. A row is
+// local when its estimate is in no Redis window: decided without Redis, or
+// reserved in a Redis that lost its data before a rebuild counted it.
 //
 // An open row that the batch gives an actual is written settled at once,
 // as the consumer will mark it once Redis took the correction, so that a
@@ -167,11 +154,9 @@ SELECT tenant, user_id, request_id,
     CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN 'settled' ELSE 'open' END,
     CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN now() END,
     CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN 'open' END
-FROM (
-    SELECT tenant, user_id, request_id, type AS kind, plan, endpoint, model, tokens, occurred_at AS at, expires_at, local
-    FROM ledger_in
-    WHERE type IN ('quotaflow.usage.reserved', 'quotaflow.usage.actual', 'quotaflow.usage.released')
-) t
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
+    $9::timestamptz[], $10::timestamptz[], $11::boolean[])
+    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at, local)
 GROUP BY tenant, user_id, request_id
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
 ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
@@ -216,9 +201,8 @@ type WriteResult struct {
 //
 // It drives the transaction on a pooled connection itself, rather than
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
-// four exchanges a batch (BEGIN with the staging table, COPY — two round
-// trips, as the server answers the COPY before the data goes —, the
-// merge, the settlements with COMMIT) instead of six.
+// two exchanges a batch (BEGIN with the batch's two statements, the
+// settlements with COMMIT).
 type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
@@ -228,9 +212,9 @@ type Tx struct {
 	settled map[Key]bool
 }
 
-// Begin writes a batch in a new transaction and leaves it open: the
-// records are copied into the staging table, the new events stored and
-// the reservation rows merged (their rows returned in Result). A
+// Begin writes a batch in a new transaction and leaves it open: the new
+// events are stored and the reservation rows merged (their rows returned
+// in Result). A
 // redelivered record changes nothing.
 func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
 	conn, err := s.pool.Acquire(ctx)
@@ -246,55 +230,88 @@ func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
 }
 
 func (t *Tx) write(ctx context.Context, recs []Record) error {
-	// Without arguments Exec uses the simple protocol, which runs several
-	// statements in one round trip.
-	if _, err := t.conn.Exec(ctx, "BEGIN;"+createStaging); err != nil {
-		return fmt.Errorf("begin: %w", err)
+	res := &t.Result
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	if args, n := eventArgs(recs); n > 0 {
+		b.Queue(insertEvents, args...).Exec(func(ct pgconn.CommandTag) error {
+			res.Inserted = int(ct.RowsAffected())
+			return nil
+		})
 	}
-	_, err := t.conn.CopyFrom(ctx, pgx.Identifier{"ledger_in"}, stagingColumns, pgx.CopyFromSlice(len(recs), func(i int) ([]any, error) {
+	if args, n := reservationArgs(recs); n > 0 {
+		b.Queue(upsertReservations, args...).Query(t.readReservations)
+	}
+	return t.conn.SendBatch(ctx, b).Close()
+}
+
+// readReservations reads upsertReservations' rows into the Result.
+func (t *Tx) readReservations(rows pgx.Rows) error {
+	res := &t.Result
+	var v Reservation
+	var reservedAt *time.Time
+	var settled bool
+	_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.At, &v.Status, &v.Local, &settled}, func() error {
+		v.ReservedAt = time.Time{}
+		if reservedAt != nil {
+			v.ReservedAt = *reservedAt
+		}
+		res.Reservations[v.Key] = v
+		if settled {
+			t.settled[v.Key] = true
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("upsert reservations: %w", err)
+	}
+	return nil
+}
+
+// eventArgs are insertEvents' arguments: the records but reserved ones,
+// one array per column, and how many they are.
+func eventArgs(recs []Record) ([]any, int) {
+	var (
+		ids, kinds, tenants, users, reqs []string
+		payloads                         [][]byte
+		tokens                           []int64
+		at                               []time.Time
+	)
+	for i := range recs {
 		r := &recs[i]
+		if r.Kind == kindReserved {
+			continue
+		}
+		ids, kinds, tenants, users, reqs = append(ids, r.EventID), append(kinds, r.Kind), append(tenants, r.Tenant), append(users, r.User), append(reqs, r.RequestID)
+		tokens, at, payloads = append(tokens, r.Tokens), append(at, r.OccurredAt), append(payloads, r.Payload)
+	}
+	return []any{ids, kinds, tenants, users, reqs, tokens, at, payloads}, len(ids)
+}
+
+// reservationArgs are upsertReservations' arguments: the reserved, actual
+// and released records, one array per column, and how many they are.
+func reservationArgs(recs []Record) ([]any, int) {
+	var (
+		tenants, users, reqs, kinds, plans, endpoints, models []string
+		tokens                                                []int64
+		at                                                    []time.Time
+		expires                                               []*time.Time
+		local                                                 []bool
+	)
+	for i := range recs {
+		r := &recs[i]
+		if r.Kind != kindReserved && r.Kind != kindActual && r.Kind != kindReleased {
+			continue
+		}
 		var exp *time.Time
 		if !r.ExpiresAt.IsZero() {
 			exp = &r.ExpiresAt
 		}
-		var payload *string // a reserved event's is not stored: not parsed either
-		if r.Kind != kindReserved {
-			p := string(r.Payload)
-			payload = &p
-		}
-		return []any{r.EventID, r.Kind, r.Tenant, r.User, r.RequestID, r.Tokens, r.OccurredAt, payload,
-			r.Plan, r.Endpoint, r.Model, exp, r.Local}, nil
-	}))
-	if err != nil {
-		return fmt.Errorf("copy events: %w", err)
+		tenants, users, reqs, kinds = append(tenants, r.Tenant), append(users, r.User), append(reqs, r.RequestID), append(kinds, r.Kind)
+		plans, endpoints, models = append(plans, r.Plan), append(endpoints, r.Endpoint), append(models, r.Model)
+		tokens, at, expires, local = append(tokens, r.Tokens), append(at, r.OccurredAt), append(expires, exp), append(local, r.Local)
 	}
-	res := &t.Result
-	b := &pgx.Batch{}
-	b.Queue(insertEvents).Exec(func(ct pgconn.CommandTag) error {
-		res.Inserted = int(ct.RowsAffected())
-		return nil
-	})
-	b.Queue(upsertReservations).Query(func(rows pgx.Rows) error {
-		var v Reservation
-		var reservedAt *time.Time
-		var settled bool
-		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.At, &v.Status, &v.Local, &settled}, func() error {
-			v.ReservedAt = time.Time{}
-			if reservedAt != nil {
-				v.ReservedAt = *reservedAt
-			}
-			res.Reservations[v.Key] = v
-			if settled {
-				t.settled[v.Key] = true
-			}
-			return nil
-		})
-		if err != nil {
-			return fmt.Errorf("upsert reservations: %w", err)
-		}
-		return nil
-	})
-	return t.conn.SendBatch(ctx, b).Close()
+	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, expires, local}, len(tenants)
 }
 
 // Commit records marks (see MarkSettled) and commits, in one round trip.
