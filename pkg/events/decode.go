@@ -58,14 +58,14 @@ func decode(b []byte, noID, valid bool) (Event, error) {
 	}
 	c := newChecker()
 	r := &reader{c: c, m: top, free: &free}
-	spec := r.str("specversion")
+	spec := r.oneOf("specversion", specVersions)
 	ev := Event{Source: r.str("source"), Time: r.time("time").UTC()}
 	if !noID {
 		ev.ID = r.str("id")
 	}
-	typ := r.str("type")
+	typ := r.oneOf("type", types)
 	subject := r.str("subject")
-	contentType := r.str("datacontenttype")
+	contentType := r.oneOf("datacontenttype", contentTypes)
 
 	// Problems are reported in the order of the documentation: envelope,
 	// then data field by field.
@@ -188,7 +188,7 @@ func (d *Denied) read(r *reader) {
 	d.User = r.str("user")
 	d.IP = r.str("ip")
 	d.Endpoint = r.str("endpoint")
-	d.Scope = r.str("scope")
+	d.Scope = r.oneOf("scope", scopes)
 	d.Name = r.str("name")
 	d.Count = r.int("count", true)
 }
@@ -281,10 +281,10 @@ func readLimits(r *reader, name string) []LimitState {
 			return
 		}
 		out = append(out, LimitState{
-			Scope:        ir.str("scope"),
+			Scope:        ir.oneOf("scope", scopes),
 			Name:         ir.str("name"),
 			Endpoint:     ir.str("endpoint"),
-			Unit:         ir.str("unit"),
+			Unit:         ir.oneOf("unit", units),
 			Limit:        ir.int("limit", true),
 			Used:         ir.int("used", true),
 			Remaining:    ir.int("remaining", true),
@@ -301,7 +301,7 @@ func readRefs(r *reader, name string) []LimitRef {
 			out = append(out, LimitRef{})
 			return
 		}
-		out = append(out, LimitRef{Scope: ir.str("scope"), Name: ir.str("name"), Endpoint: ir.str("endpoint")})
+		out = append(out, LimitRef{Scope: ir.oneOf("scope", scopes), Name: ir.str("name"), Endpoint: ir.str("endpoint")})
 	})
 	return out
 }

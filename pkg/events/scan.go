@@ -188,6 +188,30 @@ func (r *reader) str(name string) string {
 	return s
 }
 
+// oneOf is str for a field whose values come from a small set: the value
+// is returned as the one of known it equals, without allocating (such
+// fields are most of the strings a reserved event holds), else as str
+// reads it.
+func (r *reader) oneOf(name string, known []string) string {
+	if v, ok := r.raw(name); ok && len(v) >= 2 && v[0] == '"' {
+		for _, k := range known {
+			if string(v[1:len(v)-1]) == k {
+				return k
+			}
+		}
+	}
+	return r.str(name)
+}
+
+// The small sets of values that oneOf reads without allocating.
+var (
+	specVersions = []string{SpecVersion}
+	types        = []string{TypeReserved, TypeActual, TypeDenied, TypeReleased, TypeCorrected, TypeTopUp}
+	contentTypes = []string{DataContentType}
+	scopes       = []string{"user", "tenant", "global", "ip"}
+	units        = []string{"tokens", "requests"}
+)
+
 // int reads an integer. A fraction, an exponent, more than 18 digits or a
 // non-number is a problem, and so is a missing required one: 0 must be
 // written out, so that a misspelt key is not read as zero.
