@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Counts the instructions redis-server spends per 5-limit reserve (steady:
 # subjects whose blobs exist; first touch: a new subject each), per 1-limit
-# reserve, per 5-limit settle (a correction), per reserve in batches of 16 and 64,
+# reserve, per 5-limit settle (a correction above the estimate, and one
+# below it), per reserve in batches of 16 and 64,
 # per empty FCALL and per INCR by running it
 # under callgrind (valgrind): figures that repeat within a few percent on a
 # noisy machine, unlike timings. Usage: bench/callgrind.sh
@@ -9,7 +10,9 @@
 # QF_CALLGRIND_KEEP=dir keeps the dumps there for callgrind_annotate;
 # QF_CALLGRIND_IN=call counts only inside Redis's call(), a command's
 # execution: without reading, parsing and replying, nor the timer's work,
-# which grows with the wall time a run takes on a loaded machine).
+# which grows with the wall time a run takes on a loaded machine;
+# QF_CALLGRIND_CALLS=n measures n calls per figure, a multiple of 64,
+# instead of 2048: quicker, for trying changes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }
@@ -22,5 +25,7 @@ valgrind --tool=callgrind "${only[@]}" --callgrind-out-file="$dir/out.%p" \
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
-QF_CALLGRIND_ADDR=127.0.0.1:$port QF_CALLGRIND_DIR=$dir \
+# the server's pid: callgrind_control without one would also zero and dump
+# any other callgrind on the machine
+QF_CALLGRIND_ADDR=127.0.0.1:$port QF_CALLGRIND_DIR=$dir QF_CALLGRIND_PID=$server \
   go test -count=1 -timeout 60m -run TestCallgrindInstructions -v ./pkg/limits/ | grep -E 'callgrind|FAIL|ok|_test.go'
