@@ -16,6 +16,7 @@ import (
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/internal/wire"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/pkg/limits/repair"
 )
@@ -393,6 +394,100 @@ func TestCorrectionLandsInTheReservationsBucket(t *testing.T) {
 	if err != nil || s2.Status != limits.Settled || s2.Delta != 30 {
 		t.Fatalf("Correct with fallback = %+v, %v; want settled, delta 30", s2, err)
 	}
+}
+
+// TestCorrectionsInOlderBucketsKeepTheWindowExact settles reservations in
+// buckets behind the current one, up and down, and checks the window's
+// total and its reset, which the oldest non-empty bucket sets: a correction
+// rewrites only its bucket's counter unless it empties the oldest bucket,
+// when the next non-empty one must be found.
+func TestCorrectionsInOlderBucketsKeepTheWindowExact(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10s", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(10 * time.Second), Buckets: 10})}
+	ctx := context.Background()
+	bucket := map[string]int64{} // each reservation's bucket (1 s each)
+	for i, r := range []struct {
+		id   string
+		cost int64
+	}{{"r1", 50}, {"rA", 5}, {"rB", 7}, {"r2", 30}, {"", 0}, {"r3", 20}} {
+		if r.id != "" {
+			d := limitstest.Reserve(t, limitstest.At(c, time.Duration(i)*time.Second), tenant, "u", r.id, r.cost, rules)
+			bucket[r.id] = d.Now.UnixMilli() / 1000
+		}
+	}
+	later := limitstest.At(c, 6*time.Second)
+	steps := []struct {
+		id      string
+		release bool
+		actual  int64
+		used    int64
+		oldest  string // the oldest non-empty bucket after the step
+	}{
+		{"rB", true, 0, 105, "r1"},  // a bucket behind the oldest empties
+		{"r1", false, 0, 55, "rA"},  // the oldest empties: the next is rA's
+		{"rA", false, 0, 50, "r2"},  // and again, past rB's empty bucket
+		{"rB", false, 4, 54, "rB"},  // an actual after a release: rB's bucket is the oldest again
+		{"r2", false, 40, 64, "rB"}, // up, in a bucket behind the current one
+		{"r3", false, 12, 56, "rB"}, // down, without emptying it
+	}
+	for _, st := range steps {
+		s := limits.Settle{Tenant: tenant, User: "u", RequestID: st.id, Actual: st.actual, Rules: rules}
+		var got limits.Settlement
+		var err error
+		if st.release {
+			got, err = later.Release(ctx, s)
+		} else {
+			got, err = later.Correct(ctx, s)
+		}
+		if err != nil || got.Status != limits.Settled {
+			t.Fatalf("settle %s = %+v, %v", st.id, got, err)
+		}
+		reset := time.Duration((bucket[st.oldest]+10)*1000-got.Now.UnixMilli()) * time.Millisecond
+		if got.States[0].Used != st.used || got.States[0].Reset != reset {
+			t.Fatalf("after settling %s: used %d, reset %v; want %d, %v", st.id, got.States[0].Used, got.States[0].Reset, st.used, reset)
+		}
+	}
+	// rB's 4 leave with its bucket, everything else later (half a bucket
+	// after rB's leaves, clear of the boundary)
+	leave := time.Duration((bucket["rB"]+10)*1000+500-time.Now().UnixMilli()) * time.Millisecond
+	wantUsed(t, limitstest.Peek(t, limitstest.At(c, leave), tenant, "u", rules), 0, 52)
+}
+
+// TestBlobExpiresWithItsLastRecord checks when a subject's blob expires:
+// when its last record does, a time that stays while the records' ends do
+// not move (its write keeps the key's expiry then) and moves with them.
+func TestBlobExpiresWithItsLastRecord(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := redistest.UniqueName(t)
+	ctx := context.Background()
+	rolling := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10s", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(10 * time.Second), Buckets: 10})
+	hourly := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})
+	blob := wire.NewSubjectKeys(tenant, "u").Blob()
+	check := func(what string, d limits.Decision, withHour bool) {
+		t.Helper()
+		want := (d.Now.UnixMilli()/1000 + 10) * 1000 // the rolling window's end: its head bucket's, plus the window
+		if withHour {
+			want = max(want, (d.Now.UnixMilli()/3600000+1)*3600000)
+		}
+		got, err := c.PExpireTime(ctx, blob).Result()
+		if err != nil || got.Milliseconds() != want {
+			t.Fatalf("%s: the blob expires at %v, %v; want %d", what, got.Milliseconds(), err, want)
+		}
+	}
+	rules := []policy.Rule{rolling}
+	check("first reserve", limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "r1", 1, rules), false)
+	check("the same bucket", limitstest.Reserve(t, limitstest.At(c, 0), tenant, "u", "r2", 1, rules), false)
+	check("a later bucket", limitstest.Reserve(t, limitstest.At(c, 3*time.Second), tenant, "u", "r3", 1, rules), false)
+	s, err := limitstest.At(c, 3*time.Second).Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "r1", Actual: 0, Rules: rules})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("a correction", limits.Decision{Now: s.Now}, false)
+	// the hour's record ends last: the rolling record's end moves, the blob's does not
+	rules = []policy.Rule{rolling, hourly}
+	check("a second limit", limitstest.Reserve(t, limitstest.At(c, 3*time.Second), tenant, "u", "r4", 1, rules), true)
+	check("a later bucket again", limitstest.Reserve(t, limitstest.At(c, 5*time.Second), tenant, "u", "r5", 1, rules), true)
 }
 
 func TestShadowLimitFillsButNeverDenies(t *testing.T) {

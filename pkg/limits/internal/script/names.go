@@ -27,7 +27,7 @@ import (
 var luaNames = map[string]int64{
 	// Limit j's slots in the state table S start after (j-1)*SLOTS: its
 	// spec, where it lives, and whether it changed...
-	"SLOTS": 17, "STATE_SLOTS": 102, // per limit; S's presized capacity (6 limits)
+	"SLOTS": 18, "STATE_SLOTS": 108, // per limit; S's presized capacity (6 limits)
 	"KIND": 1, "FLAGS": 2, "LIMIT": 3, "SPEC_A": 4, "SPEC_B": 5, "ID": 6,
 	"BLOB":       7, // the open blob (table) holding its record
 	"PAYLOAD":    8, // where its payload starts in SRC (false: none)
@@ -35,25 +35,26 @@ var luaNames = map[string]int64{
 	"WOULD_DENY": 16,
 	"SRC":        17, // the string holding its record: the blob as read, or the record an earlier reserve of a batch stored
 	// ...then its state from slot 10 on, by kind.
-	"ROLL_NOW":      10, // rolling: the current bucket's number
-	"ROLL_HEAD":     11, // the head bucket's number, as stored
-	"ROLL_TAIL":     12, // the oldest non-empty bucket's number
-	"ROLL_TOTAL":    13, // the window's total
-	"ROLL_NOW_USED": 14, // the current bucket's counter (false: not read)
-	"ROLL_BUCKETS":  15, // every counter as a table, bucket k at k % b + 1 (false: not unpacked)
-	"WIN_NUM":       10, // fixed: the window's number; calendar: the month's
-	"WIN_USED":      11,
-	"WIN_END":       12, // when the window ends, ms
-	"TB_LEVEL":      10, // token bucket: tokens left (refilling) or used (rate 0)
-	"TB_TIME":       11, // the last refill (refilling) or the period's start (rate 0), ms
-	"LOG_TIMES":     10, // sliding log: the entries' times, oldest first
-	"LOG_FIRST":     11, // the first entry still in the window
-	"BAL_CREDITED":  10,
-	"BAL_SPENT":     11,
-	"CONC_USED":     10, // concurrency: slots taken
-	"CONC_KEY":      11, // the sorted set
-	"CONC_MEMBER":   12, // the member add took or gave back (false: none)
-	"CONC_DELTA":    13, // +1 took it, -1 gave it back
+	"ROLL_NOW":     10, // rolling: the current bucket's number
+	"ROLL_HEAD":    11, // the head bucket's number, as stored
+	"ROLL_TAIL":    12, // the oldest non-empty bucket's number
+	"ROLL_TOTAL":   13, // the window's total
+	"ROLL_AT":      14, // the number of the one bucket whose counter changed (false: none)
+	"ROLL_AT_USED": 18, // that bucket's counter
+	"ROLL_BUCKETS": 15, // every counter as a table, bucket k at k % b + 1 (false: not unpacked)
+	"WIN_NUM":      10, // fixed: the window's number; calendar: the month's
+	"WIN_USED":     11,
+	"WIN_END":      12, // when the window ends, ms
+	"TB_LEVEL":     10, // token bucket: tokens left (refilling) or used (rate 0)
+	"TB_TIME":      11, // the last refill (refilling) or the period's start (rate 0), ms
+	"LOG_TIMES":    10, // sliding log: the entries' times, oldest first
+	"LOG_FIRST":    11, // the first entry still in the window
+	"BAL_CREDITED": 10,
+	"BAL_SPENT":    11,
+	"CONC_USED":    10, // concurrency: slots taken
+	"CONC_KEY":     11, // the sorted set
+	"CONC_MEMBER":  12, // the member add took or gave back (false: none)
+	"CONC_DELTA":   13, // +1 took it, -1 gave it back
 
 	"NEVER":   1<<47 - 1,     // a blob record's expiry that never comes
 	"DAYS_28": 28 * 86400000, // the shortest month, ms

@@ -94,22 +94,24 @@ local function month(ms)
   return y * 12 + m - 1, days * 86400000
 end
 
--- open reads a blob: {ver, raw, [i] = id of the i-th live record,
+-- open reads a blob: {ver, raw, expiry, [i] = id of the i-th live record,
 -- [id] = its position (number) or its new record (string), [-id] = expiry}.
+-- expiry is when the key expires, as write set it: its last record's.
 local function open(raw, now)
-  local bl = { ver = 0, raw = raw, n = 0 }
+  local bl = { ver = 0, raw = raw, n = 0, expiry = 0 }
   if not raw then return bl end
   bl.ver = sunpack('<d', raw)
-  local p, len, n = 9, #raw, 0
+  local p, len, n, last = 9, #raw, 0, 0
   while p <= len do
     local id, e, l = sunpack('<I6i6I2', raw, p)
     if e > now then
       n = n + 1
       bl[n], bl[id], bl[-id] = id, p, e
     end
+    if e > last then last = e end
     p = p + 14 + l
   end
-  bl.n = n
+  bl.n, bl.expiry = n, last
   return bl
 end
 
@@ -120,9 +122,11 @@ local function bump(bl, now)
   bl.ver = max(bl.ver + 1, now * 1000)
 end
 
--- write writes a blob back: its live records, and its version. Its expiry
--- goes out as text: Redis formats a Lua number with printf's %.17g, which
--- costs ~2k instructions more (bench/results.md).
+-- write writes a blob back: its live records, and its version. It expires
+-- with its last record: when that is when the key expires already, SET
+-- keeps the key's expiry (KEEPTTL: 6.6k instructions, where PXAT with the
+-- time costs 13k: bench/results.md); else the expiry goes out as text
+-- (Redis formats a Lua number with printf's %.17g, ~2k instructions more).
 local function write(bl, key)
   local parts, last, raw = { spack('<d', bl.ver) }, 0, bl.raw
   for i = 1, bl.n do
@@ -134,6 +138,8 @@ local function write(bl, key)
   end
   if last == 0 then
     redis.call('DEL', key) -- nothing left to keep
+  elseif last == bl.expiry then
+    redis.call('SET', key, table.concat(parts), 'KEEPTTL')
   elseif last >= NEVER then
     redis.call('SET', key, table.concat(parts))
   else
@@ -179,8 +185,8 @@ local function load(specs, pos, j, sub, ten, now, zkey)
     if raw then h, tl, t = sunpack('<i6i6i6', raw, at) end
     if not raw or cb - h >= b then
       -- a fresh window: every bucket is zero, and none is built until stored
-      S[o + PAYLOAD], S[o + ROLL_NOW], S[o + ROLL_HEAD], S[o + ROLL_TAIL], S[o + ROLL_TOTAL], S[o + ROLL_NOW_USED],
-        S[o + ROLL_BUCKETS] = false, cb, cb, cb, 0, 0, false
+      S[o + PAYLOAD], S[o + ROLL_NOW], S[o + ROLL_HEAD], S[o + ROLL_TAIL], S[o + ROLL_TOTAL], S[o + ROLL_AT],
+        S[o + ROLL_BUCKETS] = false, cb, cb, cb, 0, false, false
       return
     end
     local full = false
@@ -200,7 +206,7 @@ local function load(specs, pos, j, sub, ten, now, zkey)
       end
       h = cb
     end
-    S[o + ROLL_NOW], S[o + ROLL_HEAD], S[o + ROLL_TAIL], S[o + ROLL_TOTAL], S[o + ROLL_NOW_USED], S[o + ROLL_BUCKETS] =
+    S[o + ROLL_NOW], S[o + ROLL_HEAD], S[o + ROLL_TAIL], S[o + ROLL_TOTAL], S[o + ROLL_AT], S[o + ROLL_BUCKETS] =
       cb, h, tl, t, false, full
   elseif kind == FIXED or kind == CALENDAR then
     local w, wend, rw, rc
@@ -254,7 +260,7 @@ local function expand(o)
     full = {}
     for i = 1, b do full[i] = 0 end
   end
-  if S[o + ROLL_NOW_USED] then full[S[o + ROLL_NOW] % b + 1] = S[o + ROLL_NOW_USED] end
+  if S[o + ROLL_AT] then full[S[o + ROLL_AT] % b + 1] = S[o + ROLL_AT_USED] end
   S[o + ROLL_BUCKETS] = full
   return full
 end
@@ -341,12 +347,29 @@ local function add(j, delta, ts, now, member)
     if k <= cb - b or k > cb then return end
     local t = S[o + ROLL_TOTAL]
     if delta > 0 and t + delta > MAX_COUNT then delta = max(0, MAX_COUNT - t) end
-    if k == cb and delta > 0 and not S[o + ROLL_BUCKETS] then
-      -- hot path: only the current bucket and the header change
-      local cur = S[o + ROLL_NOW_USED] or sunpack('<i6', S[o + SRC], S[o + PAYLOAD] + 18 + 6 * (k % b))
-      if t == 0 then S[o + ROLL_TAIL] = k end
-      S[o + ROLL_TOTAL], S[o + ROLL_NOW_USED] = t + delta, cur + delta
-      return
+    local at = S[o + ROLL_AT]
+    if not S[o + ROLL_BUCKETS] and (not at or at == k) then
+      -- hot path: only bucket k's counter and the header change (a reserve
+      -- charges the current bucket, a correction its reservation's), unless
+      -- the oldest non-empty bucket empties and the next must be found
+      local cur, tl = 0, S[o + ROLL_TAIL]
+      if at then
+        cur = S[o + ROLL_AT_USED]
+      elseif S[o + PAYLOAD] then
+        cur = sunpack('<i6', S[o + SRC], S[o + PAYLOAD] + 18 + 6 * (k % b))
+      end
+      local d = delta
+      if cur + d < 0 then d = -cur end
+      local c = cur + d
+      if c > 0 or k ~= tl or t + d == 0 or cur == 0 then
+        if t + d == 0 then
+          tl = cb
+        elseif c > 0 and (t == 0 or k < tl) then
+          tl = k
+        end
+        S[o + ROLL_TOTAL], S[o + ROLL_TAIL], S[o + ROLL_AT], S[o + ROLL_AT_USED] = t + d, tl, k, c
+        return
+      end
     end
     local full = expand(o)
     local i = k % b + 1
@@ -406,16 +429,17 @@ local function store(j, now)
     local h = S[o + ROLL_HEAD]
     e = (h + b) * a
     rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, h, S[o + ROLL_TAIL], S[o + ROLL_TOTAL])
-    local full, at, i = S[o + ROLL_BUCKETS], S[o + PAYLOAD], S[o + ROLL_NOW] % b
+    local full, at, k = S[o + ROLL_BUCKETS], S[o + PAYLOAD], S[o + ROLL_AT]
     if full then
       rec = rec .. spack(i6s[b] or fmt(i6s, 'i6', b), unpack(full))
+    elseif not k then -- a correction outside the window: no counter changed
+      rec = rec .. (at and S[o + SRC]:sub(at + 18, at + 17 + 6 * b) or srep(z6, b))
     elseif not at then
-      rec = rec .. srep(z6, i) .. spack('<i6', S[o + ROLL_NOW_USED]) .. srep(z6, b - i - 1)
-    elseif not S[o + ROLL_NOW_USED] then -- a correction outside the window: no bucket changed
-      rec = rec .. S[o + SRC]:sub(at + 18, at + 17 + 6 * b)
-    else
-      local raw, off = S[o + SRC], at + 18 + 6 * i
-      rec = rec .. raw:sub(at + 18, off - 1) .. spack('<i6', S[o + ROLL_NOW_USED]) .. raw:sub(off + 6, at + 17 + 6 * b)
+      local i = k % b
+      rec = rec .. srep(z6, i) .. spack('<i6', S[o + ROLL_AT_USED]) .. srep(z6, b - i - 1)
+    else -- the counters as they were but bucket k's (concatenated: packing a string copies it byte by byte)
+      local raw, off = S[o + SRC], at + 18 + 6 * (k % b)
+      rec = rec .. raw:sub(at + 18, off - 1) .. spack('<i6', S[o + ROLL_AT_USED]) .. raw:sub(off + 6, at + 17 + 6 * b)
     end
   elseif kind == FIXED or kind == CALENDAR then
     e = S[o + WIN_END]
@@ -508,9 +532,10 @@ local function scope(meta, specs, at, n, now)
     sub, z = open(vals[3], now), 5
     if meta == 2 then ten = open(vals[4], now) end
   end
+  local conc = #KEYS >= z -- any sorted sets: else no spec's kind needs a look (a C call each)
   for j = 1, n do
     local zkey, pos = nil, at + (j - 1) * SPEC_LEN
-    if specs:byte(pos + 6) == CONCURRENCY then
+    if conc and specs:byte(pos + 6) == CONCURRENCY then
       zkey, z = KEYS[z], z + 1
     end
     load(specs, pos, j, sub, ten, now, zkey)
@@ -575,11 +600,15 @@ end
 -- followed by limit, used, reset ms and the would-deny flag of every limit,
 -- packed as little-endian 64-bit integers in one string: one bulk string
 -- costs the client one read and one allocation where a RESP array of 27
--- integers cost it one each. The table is presized for 5 limits by a
--- constructor of nils, as S is.
+-- integers cost it one each. The values gather in one table kept with
+-- the library, as S is: a new one per call cost ~2.9k instructions (its
+-- allocation, and collecting it).
+local snap = { NILS(28) }
 local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7, h8)
-  local out = { h1, h2, h3, h4, h5, h6, h7, h8, NILS(20) }
-  local i = #out
+  local out = snap
+  out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8] = h1, h2, h3, h4, h5, h6, h7, h8
+  local i = 8
+  while not out[i] do i = i - 1 end
   for j = 1, n do
     local l, u, r = report(j, now)
     out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, S[(j - 1) * SLOTS + WOULD_DENY]

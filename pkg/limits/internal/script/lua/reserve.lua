@@ -77,9 +77,10 @@ local function reserve(arg)
   if tk > 0 then ten = blob(tk) end
   local at = RESERVE_HEAD + TAIL_HEAD + 1
   local z = at + n * SPEC_LEN -- the concurrency sets' keys, then the member
+  local conc = z <= #arg -- any: else no spec's kind needs a look (a C call each)
   for j = 1, n do
     local zkey, pos = nil, at + (j - 1) * SPEC_LEN
-    if arg:byte(pos + 6) == CONCURRENCY then
+    if conc and arg:byte(pos + 6) == CONCURRENCY then
       local l = sunpack('<I2', arg, z)
       zkey, z = arg:sub(z + 2, z + 1 + l), z + 2 + l
     end
