@@ -65,42 +65,54 @@ func BenchmarkUsageHandler(b *testing.B) {
 // BenchmarkUsageReport is POST /v1/usage end to end in one process: 16
 // clients on keep-alive TCP connections each post one actual event (the
 // pipeline bench's body) and wait for its 202, through the handler, a
-// stream.Batcher with the default wait and a JetStream publisher on the
-// shared NATS, as admission's outbox wires them. cpu-ns/op is this
-// process's CPU per report: the handler, the group commit and the NATS
-// client, plus the clients, which cost the same in any build.
+// stream.Batcher and a JetStream publisher on the shared NATS, as
+// admission's outbox wires them, with no batch wait, the default
+// (QF_EVENT_BATCH_WAIT) and a longer one. cpu-ns/op is this process's CPU
+// per report: the handler, the group commit and the NATS client, plus the
+// clients, which cost the same in any build; events/round is what each
+// JetStream message carried.
 func BenchmarkUsageReport(b *testing.B) {
 	_, js := natstest.Connect(b, natstest.URL())
 	cfg := natstest.Streams(b, js, "usagebench", stream.Config{})
-	bt := stream.NewBatcher(stream.NewPublisher(js, cfg), stream.BatcherOptions{})
-	b.Cleanup(func() { _ = bt.Close(context.Background()) })
-	e := newEnv(b, func(o *Options) { o.Events = batcherEvents{bt} })
-	srv := httptest.NewServer(e.h)
-	b.Cleanup(srv.Close)
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+	pub := stream.NewPublisher(js, cfg)
 	var seq atomic.Int64
-	b.SetParallelism(16 / max(1, runtime.GOMAXPROCS(0)))
-	var ru0 syscall.Rusage
-	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru0)
-	b.RunParallel(func(pb *testing.PB) {
-		for pb.Next() {
-			body := "[" + actualJSON(strconv.FormatInt(seq.Add(1), 10), "bench", 40) + "]"
-			resp, err := client.Post(srv.URL+"/v1/usage", "application/json", strings.NewReader(body))
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusAccepted {
-				b.Errorf("status %d", resp.StatusCode)
-			}
-		}
-	})
-	var ru1 syscall.Rusage
-	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru1)
-	cpu := ru1.Utime.Nano() + ru1.Stime.Nano() - ru0.Utime.Nano() - ru0.Stime.Nano()
-	b.ReportMetric(float64(cpu)/float64(b.N), "cpu-ns/op")
+	for _, wait := range []time.Duration{-1, stream.DefaultBatchWait, 5 * time.Millisecond} {
+		b.Run("wait="+max(wait, 0).String(), func(b *testing.B) {
+			var rounds, reports atomic.Int64
+			bt := stream.NewBatcher(pub, stream.BatcherOptions{MaxWait: wait, Observe: func(n int, _ []time.Duration) {
+				rounds.Add(1)
+				reports.Add(int64(n))
+			}})
+			defer bt.Close(context.Background())
+			e := newEnv(b, func(o *Options) { o.Events = batcherEvents{bt} })
+			srv := httptest.NewServer(e.h)
+			defer srv.Close()
+			client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+			b.SetParallelism(16 / max(1, runtime.GOMAXPROCS(0)))
+			var ru0 syscall.Rusage
+			_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru0)
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					body := "[" + actualJSON(strconv.FormatInt(seq.Add(1), 10), "bench", 40) + "]"
+					resp, err := client.Post(srv.URL+"/v1/usage", "application/json", strings.NewReader(body))
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					if resp.StatusCode != http.StatusAccepted {
+						b.Errorf("status %d", resp.StatusCode)
+					}
+				}
+			})
+			var ru1 syscall.Rusage
+			_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru1)
+			cpu := ru1.Utime.Nano() + ru1.Stime.Nano() - ru0.Utime.Nano() - ru0.Stime.Nano()
+			b.ReportMetric(float64(cpu)/float64(b.N), "cpu-ns/op")
+			b.ReportMetric(float64(reports.Load())/float64(max(1, rounds.Load())), "events/round")
+		})
+	}
 }
 
 // batcherEvents publishes reports through a Batcher, as the outbox does.
