@@ -70,7 +70,7 @@ func BenchmarkUsageHandler(b *testing.B) {
 // (QF_EVENT_BATCH_WAIT) and a longer one. cpu-ns/op is this process's CPU
 // per report: the handler, the group commit and the NATS client, plus the
 // clients, which cost the same in any build; events/round is what each
-// JetStream message carried.
+// JetStream message carried; allocs/op counts the whole process's too.
 func BenchmarkUsageReport(b *testing.B) {
 	_, js := natstest.Connect(b, natstest.URL())
 	cfg := natstest.Streams(b, js, "usagebench", stream.Config{})
@@ -89,6 +89,7 @@ func BenchmarkUsageReport(b *testing.B) {
 			defer srv.Close()
 			client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
 			b.SetParallelism(16 / max(1, runtime.GOMAXPROCS(0)))
+			b.ReportAllocs()
 			var ru0 syscall.Rusage
 			_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru0)
 			b.RunParallel(func(pb *testing.PB) {
