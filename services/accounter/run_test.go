@@ -828,6 +828,57 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 	}
 }
 
+// TestLargeFetchIsNotRedelivered handles one fetch of three messages of
+// ten events each in three ledger batches that together take longer than
+// AckWait: the later batches' messages must not be redelivered while they
+// wait behind the earlier ones (stream.Groups marks them in progress), so
+// every event is handled exactly once.
+func TestLargeFetchIsNotRedelivered(t *testing.T) {
+	e := newEnv(t)
+	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
+		t.Fatal(err)
+	}
+	// One worker takes the whole fetch; the other's pulls would get any
+	// message the server redelivers meanwhile.
+	e.cfg.Workers = 2
+	e.cfg.BatchSize = 10 // messages per fetch, and events per batch: one message a batch
+	e.cfg.BatchWait = 500 * time.Millisecond
+	// Room for a batch's own work on a busy machine beside the hook's wait.
+	e.cfg.AckWait = 5 * time.Second
+	ten := "bigfetch-" + e2e.RandomHex(4)
+	const msgs, per = 3, 10
+	var want int64
+	for m := range msgs {
+		var evs []events.Event
+		for i := range per {
+			req := fmt.Sprintf("r%d-%d", m, i)
+			e.reserve(ten, "u1", req, 100, false)
+			evs = append(evs, e.actual(ten, "u1", req, "", int64(10+i), 0))
+			want += int64(10 + i)
+		}
+		if err := e.pub.PublishBatch(context.Background(), evs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := natstest.StreamMsgs(t, e.js, e.cfg.Stream); got != msgs {
+		t.Fatalf("the stream holds %d messages, want %d (the test needs one batch message per PublishBatch)", got, msgs)
+	}
+
+	// Each batch waits 45 % of AckWait before its acks: the last one's
+	// messages are acked more than AckWait after their delivery.
+	var handled atomic.Int64
+	e.start(&hooks{beforeAck: func(n int) error {
+		handled.Add(int64(n))
+		time.Sleep(e.cfg.AckWait * 45 / 100)
+		return nil
+	}})
+	e.consumedAll(ten, msgs*per)
+	if got := handled.Load(); got != msgs*per {
+		t.Errorf("%d events handled, want %d: messages were redelivered while they waited in their fetch", got, msgs*per)
+	}
+	e.countedOnce(ten, msgs*per, want)
+}
+
 func TestRedisLossRebuildsWindows(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()

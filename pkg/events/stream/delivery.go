@@ -98,24 +98,73 @@ func DecodeMsg(msg jetstream.Msg, cfg Config) (*Delivery, error) {
 	return d, nil
 }
 
-// Group splits ds, in order, into runs of whole messages of at most max
-// events each (a message of more is a run alone): the batches a consumer
-// handles in one transaction each, whose size its messages' batches must
-// not blow up.
-func Group(ds []*Delivery, max int) [][]*Delivery {
-	var out [][]*Delivery
+// FetchMaxBytes bounds the bytes one fetch of a usage stream consumer
+// takes (Fetch): about four of the largest messages the stream stores
+// (Ensure's MaxMsgSize) and room for their subjects and replies, so that a
+// fetch of many full batches holds a few MiB rather than its message count
+// times 1 MiB. It must never be less than one such message: the server
+// holds a message larger than a fetch's bytes back from every fetch.
+const FetchMaxBytes = 4 * (events.MaxBatchSize + headerRoom + 1<<10)
+
+// Fetched is what one Fetch took: the messages and when they were
+// requested, which is no later than any was delivered.
+type Fetched struct {
+	Msgs []jetstream.Msg
+	At   time.Time
+}
+
+// Fetch takes the next messages of cons, a consumer made by
+// EnsureConsumer: up to max messages and FetchMaxBytes, waiting at most
+// wait for them. Its error is the fetch's: no messages is no error; msgs
+// that arrived before a failure are returned with it. Handle them in
+// Groups.
+func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error) {
+	f := Fetched{At: time.Now()}
+	batch, err := cons.Fetch(max, jetstream.FetchMaxWait(wait), jetstream.FetchMaxBytes(FetchMaxBytes))
+	if err != nil {
+		return f, fmt.Errorf("fetch from %s: %w", cons.CachedInfo().Name, err)
+	}
+	for msg := range batch.Messages() {
+		f.Msgs = append(f.Msgs, msg)
+	}
+	if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, context.DeadlineExceeded) {
+		return f, fmt.Errorf("fetch from %s: %w", cons.CachedInfo().Name, err)
+	}
+	return f, nil
+}
+
+// Groups calls handle with ds, the decoded messages of f, split in order
+// into runs of whole messages of at most max events each (a message of
+// more is a run alone): the batches a consumer handles in one transaction
+// each, whose size its messages' batches must not blow up.
+//
+// Runs are handled one after the other, and the server's AckWait of each
+// message runs from its delivery: a run that starts more than a quarter of
+// cfg.AckWait after f.At is first marked in progress (Msg.InProgress), so
+// its messages get AckWait anew instead of being redelivered while they
+// wait behind the runs before it. A run must then be handled within
+// AckWait; promptly started runs cost the server nothing more.
+func Groups(f Fetched, ds []*Delivery, max int, cfg Config, handle func([]*Delivery)) {
+	late := cfg.WithDefaults().AckWait / 4
 	start, n := 0, 0
+	run := func(g []*Delivery) {
+		if time.Since(f.At) > late {
+			for _, d := range g {
+				_ = d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
+			}
+		}
+		handle(g)
+	}
 	for i, d := range ds {
 		if i > start && n+len(d.Events) > max {
-			out = append(out, ds[start:i])
+			run(ds[start:i])
 			start, n = i, 0
 		}
 		n += len(d.Events)
 	}
 	if start < len(ds) {
-		out = append(out, ds[start:])
+		run(ds[start:])
 	}
-	return out
 }
 
 // Status is what became of one event of a Delivery.

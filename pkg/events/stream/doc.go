@@ -44,7 +44,9 @@
 // event that is invalid or has failed MaxDeliver times alone
 // (HeaderBatchIndex), so a bad event never stops a consumer nor holds up
 // its neighbours. Consumers that handle many messages' events at once
-// decode each with DecodeMsg and end it with Delivery.Finish, or Reject
-// when it is bad as a whole. Checks count events with EventIDs, never
-// messages.
+// take them with Fetch (bounded in messages and bytes), decode each with
+// DecodeMsg, handle them in Groups (which keeps a large fetch's later
+// groups from being redelivered while they wait) and end each message
+// with Delivery.Finish, or Reject when it is bad as a whole. Checks count
+// events with EventIDs, never messages.
 package stream

@@ -49,8 +49,9 @@ type Options struct {
 	// Workers is how many batches are in flight at once (default
 	// DefaultWorkers).
 	Workers int
-	// BatchSize is the most messages per fetch, and the most events per
-	// ledger transaction (default DefaultBatchSize).
+	// BatchSize is the most messages per fetch (which also takes at most
+	// stream.FetchMaxBytes), and the most events per ledger transaction
+	// (default DefaultBatchSize).
 	BatchSize int
 	// BatchWait is the longest a fetch waits to fill a batch (default
 	// DefaultBatchWait).
@@ -126,26 +127,22 @@ func (c *Consumer) Run(ctx context.Context) {
 func (c *Consumer) worker(ctx context.Context) {
 	wait := 100 * time.Millisecond
 	for ctx.Err() == nil {
-		batch, err := c.cons.Fetch(c.opts.BatchSize, jetstream.FetchMaxWait(c.opts.BatchWait))
-		if err != nil {
+		f, err := stream.Fetch(c.cons, c.opts.BatchSize, c.opts.BatchWait)
+		if err != nil && len(f.Msgs) == 0 {
 			c.log.Warn("fetch failed; retrying", "err", err, "retry_in", wait.String())
 			service.Sleep(ctx, wait)
 			wait = min(2*wait, 5*time.Second)
 			continue
 		}
-		var msgs []jetstream.Msg
-		for msg := range batch.Messages() {
-			msgs = append(msgs, msg)
-		}
-		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, context.DeadlineExceeded) {
+		if err != nil {
 			c.log.Debug("fetch ended with an error", "err", err)
 		}
-		if len(msgs) == 0 {
+		if len(f.Msgs) == 0 {
 			c.m.lag.Set(0)
 			continue
 		}
 		wait = 100 * time.Millisecond
-		c.Handle(ctx, msgs)
+		c.Handle(ctx, f)
 	}
 }
 
@@ -173,12 +170,14 @@ type item struct {
 
 // Handle processes fetched messages: it expands batches into their events
 // and handles them in batches of at most opts.BatchSize events (a message's
-// events stay together), each one ledger transaction, Redis round trip and
-// publish of corrections; then each message is finished once, after all
-// its events (stream.Delivery.Finish: ack, nak, or dead letters).
-func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
+// events stay together; stream.Groups keeps the later batches of a large
+// fetch from being redelivered while they wait), each one ledger
+// transaction, Redis round trip and publish of corrections; then each
+// message is finished once, after all its events (stream.Delivery.Finish:
+// ack, nak, or dead letters).
+func (c *Consumer) Handle(ctx context.Context, f stream.Fetched) {
 	var ds []*stream.Delivery
-	for _, msg := range msgs {
+	for _, msg := range f.Msgs {
 		// Our own corrected events, half of what the stream carries, are
 		// acked unread (docs/design.md §6: the accounter ignores them).
 		if msg.Subject() == c.corrected {
@@ -192,9 +191,7 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) {
 		}
 		ds = append(ds, d)
 	}
-	for _, g := range stream.Group(ds, c.opts.BatchSize) {
-		c.handle(ctx, g)
-	}
+	stream.Groups(f, ds, c.opts.BatchSize, c.opts.Events, func(g []*stream.Delivery) { c.handle(ctx, g) })
 }
 
 // count counts an event's (or a whole message's) result: result when err

@@ -1,14 +1,13 @@
 // Package consume feeds the alerter's detector from the usage stream: it
-// takes the messages that have arrived, expands batch messages into their
-// events, handles the events in batches, each in one Postgres transaction,
-// and finishes each message once; it falls back to event by event when a
-// batch fails, so one bad event is retried and dead-lettered alone while
-// the others go through.
+// fetches the messages that arrive within a moment, expands batch messages
+// into their events, handles the events in batches, each in one Postgres
+// transaction, and finishes each message once; it falls back to event by
+// event when a batch fails, so one bad event is retried and dead-lettered
+// alone while the others go through.
 package consume
 
 import (
 	"context"
-	"errors"
 	"log/slog"
 	"time"
 
@@ -22,6 +21,11 @@ import (
 // maxBatch is the most messages fetched at once, and the most events
 // handled in one Postgres transaction.
 const maxBatch = 256
+
+// fetchWait is the longest a fetch waits for maxBatch messages: alerts
+// are not on any request's path, and a wait gathers more events into one
+// transaction and fewer fetches.
+const fetchWait = 200 * time.Millisecond
 
 // Handler is what the events feed: *detect.Detector.
 type Handler interface {
@@ -42,52 +46,30 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 	info := cons.CachedInfo()
 	log.Info("consuming", "stream", info.Stream, "consumer", info.Name)
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
-	one := hs.Dispatch
-	msgs := make([]jetstream.Msg, 0, maxBatch)
 	for ctx.Err() == nil {
-		it, err := cons.Messages(jetstream.PullMaxMessages(maxBatch))
-		if err != nil {
-			log.Warn("open message iterator; retrying", "err", err)
-			service.Sleep(ctx, time.Second)
-			continue
-		}
-		stop := context.AfterFunc(ctx, it.Stop)
-		for {
-			msg, err := it.Next()
-			if err != nil {
-				if !errors.Is(err, jetstream.ErrMsgIteratorClosed) {
-					log.Warn("fetch events", "err", err)
-				}
-				break
+		f, err := stream.Fetch(cons, maxBatch, fetchWait)
+		if err != nil && ctx.Err() == nil {
+			log.Warn("fetch events", "err", err)
+			if len(f.Msgs) == 0 {
+				service.Sleep(ctx, time.Second)
+				continue
 			}
-			// Take what else has arrived, up to maxBatch, without waiting
-			// for more than a moment.
-			msgs = append(msgs[:0], msg)
-			for len(msgs) < maxBatch {
-				m, err := it.Next(jetstream.NextMaxWait(time.Millisecond))
-				if err != nil {
-					break
-				}
-				msgs = append(msgs, m)
-			}
-			processBatch(ctx, js, cfg, msgs, one, h.HandleBatch, log)
 		}
-		stop()
-		it.Stop()
+		processBatch(ctx, js, cfg, f, hs.Dispatch, h.HandleBatch, log)
 	}
 }
 
-// processBatch expands msgs (single events and batches) into their events
-// and handles them in batches of at most maxBatch events, whole messages
-// each, with batch (one transaction per batch), then finishes each message
+// processBatch expands f's messages (single events and batches) into
+// their events and handles them in batches of at most maxBatch events,
+// whole messages each (stream.Groups), with batch (one transaction per batch), then finishes each message
 // once (stream.Delivery.Finish acks it and dead-letters its invalid
 // events). A message that does not decode as a whole is dead-lettered;
 // when batch fails, each message's events are handled one by one and the
 // message finished with their results.
-func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, msgs []jetstream.Msg,
+func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, f stream.Fetched,
 	handle stream.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
-	ds := make([]*stream.Delivery, 0, len(msgs))
-	for _, m := range msgs {
+	ds := make([]*stream.Delivery, 0, len(f.Msgs))
+	for _, m := range f.Msgs {
 		d, err := stream.DecodeMsg(m, cfg)
 		if err != nil {
 			if err := stream.Reject(ctx, js, cfg, stream.ReasonInvalid, m, err); err != nil && ctx.Err() == nil {
@@ -97,9 +79,7 @@ func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config
 		}
 		ds = append(ds, d)
 	}
-	for _, g := range stream.Group(ds, maxBatch) {
-		handleGroup(ctx, js, cfg, g, handle, batch, log)
-	}
+	stream.Groups(f, ds, maxBatch, cfg, func(g []*stream.Delivery) { handleGroup(ctx, js, cfg, g, handle, batch, log) })
 }
 
 func handleGroup(ctx context.Context, js jetstream.JetStream, cfg stream.Config, ds []*stream.Delivery,
