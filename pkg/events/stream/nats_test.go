@@ -228,6 +228,48 @@ func TestPublishBatchErrors(t *testing.T) {
 	}
 }
 
+// TestPublishBatchFitsTheStreamLimit plays an older service's Ensure,
+// which sets the stream's MaxMsgSize to DefaultMaxPayload, below the
+// server's max payload the Publisher packs for: PublishBatch learns the
+// stream's limit from its refusal and stores every event once, in batches
+// under it, then packs to it from the start.
+func TestPublishBatchFitsTheStreamLimit(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, cfg.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := s.CachedInfo().Config
+	sc.MaxMsgSize = stream.DefaultMaxPayload
+	if _, err := js.UpdateStream(ctx, sc); err != nil {
+		t.Fatal(err)
+	}
+	p := stream.NewPublisher(js, cfg, stream.WithMaxPayload(1<<20))
+
+	first := actuals(1000, "older") // ~200 KB of events: several messages of 68 KiB
+	if err := p.PublishBatch(ctx, first); err != nil {
+		t.Fatalf("PublishBatch under an older stream limit = %v, want nil", err)
+	}
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
+	for _, ev := range first {
+		if ids[ev.ID] != 1 {
+			t.Fatalf("event %s stored %d times, want once", ev.ID, ids[ev.ID])
+		}
+	}
+	msgs := natstest.StreamMsgs(t, js, cfg.Stream)
+	if msgs < 3 || msgs > 10 {
+		t.Errorf("%d events in %d messages, want batches of about 64 KiB", len(first), msgs)
+	}
+	if err := p.PublishBatch(ctx, actuals(1000, "again")); err != nil {
+		t.Fatalf("PublishBatch after learning the limit = %v, want nil", err)
+	}
+	if got := natstest.StreamMsgs(t, js, cfg.Stream) - msgs; got != msgs {
+		t.Errorf("the same events again took %d messages, want %d", got, msgs)
+	}
+}
+
 func TestConsumeAndDeadLetter(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

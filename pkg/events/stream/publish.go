@@ -3,10 +3,13 @@ package stream
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -58,8 +61,10 @@ type Publisher struct {
 	prefix  string
 	stream  string
 	ownTime bool
-	// budget is the most bytes of events one message carries.
-	budget int
+	// budget is the most bytes of events one message carries: what fits
+	// the server's max payload, lowered to the stream's MaxMsgSize once
+	// the stream refuses a message for its size (fitStream).
+	budget atomic.Int64
 }
 
 // PublisherOption configures a Publisher.
@@ -78,11 +83,13 @@ func WithOwnTime() PublisherOption { return func(p *Publisher) { p.ownTime = tru
 // included: pass the connection's nats.Conn.MaxPayload(). PublishBatch
 // packs events into messages that fit it (and events.MaxBatchSize). Without
 // it a Publisher assumes DefaultMaxPayload, which every server configured
-// for single events accepts.
+// for single events accepts. The stream may take less (an older service's
+// Ensure sets its MaxMsgSize to DefaultMaxPayload): PublishBatch then
+// learns the stream's limit from its refusal.
 func WithMaxPayload(n int64) PublisherOption {
 	return func(p *Publisher) {
 		if n > 0 {
-			p.budget = budget(n)
+			p.budget.Store(int64(budget(n)))
 		}
 	}
 }
@@ -107,7 +114,8 @@ func budget(maxPayload int64) int {
 // stream, so a misrouted prefix fails instead of landing elsewhere.
 func NewPublisher(js jetstream.Publisher, cfg Config, opts ...PublisherOption) *Publisher {
 	cfg = cfg.WithDefaults()
-	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream, budget: budget(DefaultMaxPayload)}
+	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream}
+	p.budget.Store(int64(budget(DefaultMaxPayload)))
 	for _, o := range opts {
 		o(p)
 	}
@@ -182,11 +190,42 @@ func (p *Publisher) PublishAsync(ev events.Event) (jetstream.PubAckFuture, error
 // so the same batch sent again is stored once); a message of one event is
 // the plain CloudEvent Publish sends. An id given twice is sent once, as
 // JetStream would store it once. The messages go out asynchronously, and
-// each one's ack or error is its events'.
+// each one's ack or error is its events'. When the stream refuses a batch
+// for its size, the Publisher reads the stream's MaxMsgSize (if its js can
+// read streams, as a jetstream.JetStream does), packs to it from then on,
+// and sends that batch's events again, once.
 func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error {
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
 	errs := make([]error, len(evs))
+	big, dups := p.send(ctx, evs, errs)
+	if len(big) > 0 && p.fitStream(ctx) {
+		again := make([]events.Event, len(big))
+		for k, i := range big {
+			again[k] = evs[i]
+		}
+		errsAgain := make([]error, len(again))
+		p.send(ctx, again, errsAgain)
+		for k, i := range big {
+			errs[i] = errsAgain[k]
+		}
+	}
+	for i, j := range dups {
+		errs[i] = errs[j]
+	}
+	for _, err := range errs {
+		if err != nil {
+			return &BatchError{Errs: errs}
+		}
+	}
+	return nil
+}
+
+// send packs evs (pack), publishes the messages and waits for their acks,
+// setting errs[i] for each event that was not stored. It returns the
+// events of batches the stream refused for their size, and the
+// duplicates, whose errors the caller copies from their first copies.
+func (p *Publisher) send(ctx context.Context, evs []events.Event, errs []error) (big []int, dups map[int]int) {
 	type sent struct {
 		f   jetstream.PubAckFuture
 		idx []int // the events it carries
@@ -225,21 +264,53 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 		case <-ctx.Done():
 			err = ctx.Err()
 		}
-		if err != nil {
-			for _, i := range s.idx {
-				errs[i] = fmt.Errorf("publish %s %s: %w", evs[i].Type(), evs[i].ID, err)
-			}
+		if err == nil {
+			continue
+		}
+		if len(s.idx) > 1 && errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum) {
+			big = append(big, s.idx...)
+		}
+		for _, i := range s.idx {
+			errs[i] = fmt.Errorf("publish %s %s: %w", evs[i].Type(), evs[i].ID, err)
 		}
 	}
-	for i, j := range dups {
-		errs[i] = errs[j]
+	slices.Sort(big) // in the events' order, so a subject's events stay in order
+	return big, dups
+}
+
+// streamReader is what a Publisher reads its stream's MaxMsgSize with: a
+// jetstream.JetStream is one.
+type streamReader interface {
+	Stream(ctx context.Context, name string) (jetstream.Stream, error)
+}
+
+// fitStream lowers p's budget to what the stream's MaxMsgSize takes, read
+// now, and reports whether it fell: an older service's Ensure may have set
+// a MaxMsgSize below the server's max payload. The budget never rises
+// again in this Publisher's life.
+func (p *Publisher) fitStream(ctx context.Context) bool {
+	sr, ok := p.js.(streamReader)
+	if !ok {
+		return false
 	}
-	for _, err := range errs {
-		if err != nil {
-			return &BatchError{Errs: errs}
+	s, err := sr.Stream(ctx, p.stream)
+	if err != nil {
+		return false // the events keep the refusal's error
+	}
+	limit := s.CachedInfo().Config.MaxMsgSize
+	if limit <= 0 {
+		return false
+	}
+	b := int64(budget(int64(limit)))
+	for {
+		old := p.budget.Load()
+		if b >= old {
+			return false
+		}
+		if p.budget.CompareAndSwap(old, b) {
+			return true
 		}
 	}
-	return nil
 }
 
 // packed is the events of one message: their indexes and encodings.
@@ -259,7 +330,7 @@ const maxPooledEncoding = 1 << 20
 
 // pack encodes evs (an invalid one gets its error in errs and is left out)
 // and packs them by subject, in order, into messages of at most
-// events.MaxBatchEvents events and p.budget bytes (an event larger than
+// events.MaxBatchEvents events and p's budget bytes (an event larger than
 // that alone goes out alone, for the server to judge). An event whose id
 // came earlier in evs is left out too, as JetStream would drop it: dups
 // maps its index to the first's, whose result it shares. The encodings are
@@ -268,6 +339,7 @@ func (p *Publisher) pack(evs []events.Event, errs []error, buf []byte) (out []pa
 	open := map[string]int{} // subject -> its last message in out
 	size := map[string]int{} // subject -> bytes of that message's events
 	first := make(map[string]int, len(evs))
+	limit := int(p.budget.Load())
 	for i, ev := range evs {
 		if j, ok := first[ev.ID]; ok {
 			if dups == nil {
@@ -287,7 +359,7 @@ func (p *Publisher) pack(evs []events.Event, errs []error, buf []byte) (out []pa
 		subj := ev.Type()
 		if j, ok := open[subj]; ok {
 			g := &out[j]
-			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size[subj]+n) <= p.budget {
+			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size[subj]+n) <= limit {
 				g.idx, g.at = append(g.idx, i), append(g.at, at)
 				size[subj] += n
 				continue
