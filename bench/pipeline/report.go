@@ -60,6 +60,21 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		row(out, cells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
 	}
 	row(out, cells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
+	fmt.Fprintln(out, "\nnats-server's messages per accounted request, over the same span: stored in its streams, in from clients (publishes, acks, pulls), out to clients (deliveries, publish acks, replies):")
+	fmt.Fprintln(out)
+	row(out, "round", "stored", "in", "out")
+	row(out, "---", "---", "---", "---")
+	ncells := func(label string, f func(func(r round) float64) string) []string {
+		return []string{label,
+			f(func(r round) float64 { return r.perReport(r.nats.Stored) }),
+			f(func(r round) float64 { return r.perReport(r.nats.In) }),
+			f(func(r round) float64 { return r.perReport(r.nats.Out) }),
+		}
+	}
+	for i := range rounds {
+		row(out, ncells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
+	}
+	row(out, ncells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
 	fmt.Fprintf(out, "\nrequests (warm-up included): %d admitted, %d reported (%d tokens), %d reports resent after a 503; %.0f admits decided without Redis (failopen)\n",
 		total.admitted, total.reported, total.tokens, total.resent, failopen)
 	if len(bad) == 0 {

@@ -75,6 +75,8 @@ type round struct {
 	// batches and batchEvents are the accounter's batches over the same
 	// span and the events in them.
 	batches, batchEvents float64
+	// nats is what nats-server counted over the same span.
+	nats natsCounts
 }
 
 func (r round) admittedRate() float64  { return float64(r.t.admitted) / r.elapsed.Seconds() }
@@ -296,6 +298,10 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		return round{}, err
 	}
 	b0, e0 := batches(ctx, pl.p.Accounter.Ops)
+	nats0, err := readNATS(ctx, pl.p.NATS.Monitor)
+	if err != nil {
+		return round{}, err
+	}
 	res, err := load.Run(ctx, load.Config{
 		Addr: pl.host, Conns: pl.cfg.Conns, Duration: d,
 		NewClient: func(conn int) load.Client {
@@ -327,6 +333,11 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	if err != nil {
 		return round{}, err
 	}
+	nats1, err := readNATS(ctx, pl.p.NATS.Monitor)
+	if err != nil {
+		return round{}, err
+	}
+	r.nats = nats1.sub(nats0)
 	for i := range cpu1 {
 		r.cpu = append(r.cpu, cpu1[i]-cpu0[i])
 	}

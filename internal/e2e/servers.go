@@ -23,7 +23,10 @@ type Server struct {
 	*Process
 	Addr string // host:port
 	URL  string // what the services are configured with
-	tmp  string // a directory of its own, removed by Close
+	// Monitor is a nats-server's monitoring endpoint (http://host:port),
+	// whose /varz and /jsz count its messages; "" for other servers.
+	Monitor string
+	tmp     string // a directory of its own, removed by Close
 }
 
 // Close kills the server and removes its own directory.
@@ -115,9 +118,14 @@ func redisPort() (int, error) {
 }
 
 // StartNATS runs a nats-server with JetStream storing in dir/nats, so that
-// its streams survive a Kill and restart.
+// its streams survive a Kill and restart, and its monitoring endpoint on
+// (Server.Monitor).
 func StartNATS(ctx context.Context, dir string) (*Server, error) {
 	port, err := FreePort()
+	if err != nil {
+		return nil, err
+	}
+	mport, err := FreePort()
 	if err != nil {
 		return nil, err
 	}
@@ -125,9 +133,14 @@ func StartNATS(ctx context.Context, dir string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := strconv.Itoa(port)
-	return startServer(ctx, nil, "nats", dir, bin, port, "nats://127.0.0.1:"+p,
-		"-js", "-sd", filepath.Join(dir, "nats"), "-a", "127.0.0.1", "-p", p)
+	p, m := strconv.Itoa(port), strconv.Itoa(mport)
+	s, err := startServer(ctx, nil, "nats", dir, bin, port, "nats://127.0.0.1:"+p,
+		"-js", "-sd", filepath.Join(dir, "nats"), "-a", "127.0.0.1", "-p", p, "-m", m)
+	if err != nil {
+		return nil, err
+	}
+	s.Monitor = "http://127.0.0.1:" + m
+	return s, nil
 }
 
 // StartPostgres initializes a cluster in a directory of its own (which
