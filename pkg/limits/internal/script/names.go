@@ -27,13 +27,14 @@ import (
 var luaNames = map[string]int64{
 	// Limit j's slots in the state table S start after (j-1)*SLOTS: its
 	// spec, where it lives, and whether it changed...
-	"SLOTS": 18, "STATE_SLOTS": 108, // per limit; S's presized capacity (6 limits)
+	"SLOTS": 19, "STATE_SLOTS": 114, // per limit; S's presized capacity (6 limits)
 	"KIND": 1, "FLAGS": 2, "LIMIT": 3, "SPEC_A": 4, "SPEC_B": 5, "ID": 6,
 	"BLOB":       7, // the open blob (table) holding its record
 	"PAYLOAD":    8, // where its payload starts in SRC (false: none)
 	"DIRTY":      9, // its state changed: store writes it
 	"WOULD_DENY": 16,
 	"SRC":        17, // the string holding its record: the blob as read, or the record an earlier reserve of a batch stored
+	"REC":        19, // its record's base index in the blob (false: none yet)
 	// ...then its state from slot 10 on, by kind.
 	"ROLL_NOW":     10, // rolling: the current bucket's number
 	"ROLL_HEAD":    11, // the head bucket's number, as stored

@@ -94,26 +94,30 @@ local function month(ms)
   return y * 12 + m - 1, days * 86400000
 end
 
--- open reads a blob: {ver, raw, expiry, [i] = id of the i-th live record,
--- [id] = its position (number) or its new record (string), [-id] = expiry}.
+-- open reads a blob: {ver, raw, expiry, n, dirty, changed, and for
+-- each of its n live records, at a base index r = 1, 4, 7...: [r] its id,
+-- [r+1] its position in raw (number) or its new record (string), [r+2]
+-- its expiry}.
 -- expiry is when the key expires, as write set it: its last record's. The
--- records' count is #bl: one more named field costs every blob a rehash
--- (~3k instructions, bench/luacost.sh); ids are 48-bit hashes, no count.
+-- records live in the array part, presized for four, and every field is
+-- named in the constructor: a table that grows rehashes, and keyed by ids
+-- a blob's table cost 5.4k (one record) to 13.7k (four) instructions
+-- (bench/luacost.sh), where load's scan for an id costs a few operations.
 local function open(raw, now)
-  local bl = { ver = 0, raw = raw, expiry = 0 }
+  local bl = { NILS(12), ver = 0, raw = raw, expiry = 0, n = 0, dirty = false, changed = false }
   if not raw then return bl end
   bl.ver = sunpack('<d', raw)
   local p, len, n, last = 9, #raw, 0, 0
   while p <= len do
     local id, e, l = sunpack('<I6i6I2', raw, p)
     if e > now then
-      n = n + 1
-      bl[n], bl[id], bl[-id] = id, p, e
+      bl[n + 1], bl[n + 2], bl[n + 3] = id, p, e
+      n = n + 3
     end
     if e > last then last = e end
     p = p + 14 + l
   end
-  bl.expiry = last
+  bl.n, bl.expiry = n / 3, last
   return bl
 end
 
@@ -131,12 +135,11 @@ end
 -- (Redis formats a Lua number with printf's %.17g, ~2k instructions more).
 local function write(bl, key)
   local parts, last, raw = { spack('<d', bl.ver) }, 0, bl.raw
-  for i = 1, #bl do
-    local id = bl[i]
-    local r = bl[id]
+  for i = 1, bl.n do
+    local r, e = bl[3 * i - 1], bl[3 * i]
     if type(r) == 'number' then r = raw:sub(r, r + 13 + sunpack('<I2', raw, r + 12)) end
     parts[i + 1] = r
-    if bl[-id] > last then last = bl[-id] end
+    if e > last then last = e end
   end
   if last == 0 then
     redis.call('DEL', key) -- nothing left to keep
@@ -172,7 +175,12 @@ local function load(specs, pos, j, sub, ten, now, zkey)
   end
   -- the record is at a position of the blob as read, or a string of its
   -- own once an earlier reserve of the batch stored it
-  local raw, at = bl.raw, bl[id]
+  local raw, at, r = bl.raw, nil, false
+  for i = 1, 3 * bl.n, 3 do
+    if bl[i] == id then r = i; break end
+  end
+  if r then at = bl[r + 1] end
+  S[o + REC] = r
   if type(at) == 'string' then
     raw, at = at, 15
   elseif at then
@@ -216,8 +224,8 @@ local function load(specs, pos, j, sub, ten, now, zkey)
     if kind == FIXED then
       w = floor(now / a)
       wend = (w + 1) * a
-    elseif raw and now >= bl[-id] - DAYS_28 then
-      w, wend = rw, bl[-id] -- the record's month, which ends at its expiry
+    elseif raw and now >= bl[r + 2] - DAYS_28 then
+      w, wend = rw, bl[r + 2] -- the record's month, which ends at its expiry
     else
       w, wend = month(now)
     end
@@ -475,10 +483,17 @@ local function store(j, now)
     end
     return
   end
-  if not bl[-id] then
-    bl[#bl + 1] = id
+  local r = S[o + REC]
+  if not r then -- a new record, unless another slot of the call stored it
+    for i = 1, 3 * bl.n, 3 do
+      if bl[i] == id then r = i; break end
+    end
+    if not r then
+      r = 3 * bl.n + 1
+      bl.n, bl[r] = bl.n + 1, id
+    end
   end
-  bl[id], bl[-id], bl.dirty = rec, e, true
+  bl[r + 1], bl[r + 2], bl.dirty = rec, e, true
 end
 
 -- Reservation record (KEYS[2] of a subject call), '<i6i6BI6I6': time ms,
