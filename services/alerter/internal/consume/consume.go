@@ -1,6 +1,6 @@
 // Package consume feeds the alerter's detector from the usage stream: it
-// fetches the messages that arrive within a moment, expands batch messages
-// into their events, handles the events in batches, each in one Postgres
+// fetches up to maxBatch messages, waiting at most fetchWait for them,
+// expands batch messages into their events, handles the events in batches, each in one Postgres
 // transaction, and finishes each message once; it falls back to event by
 // event when a batch fails, so one bad event is retried and dead-lettered
 // alone while the others go through.
