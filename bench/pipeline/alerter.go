@@ -20,15 +20,11 @@ const alerterConsumer = "alerter"
 // CPU is read after it, so an alerter that falls behind the load is
 // charged for the work it does late, as the accounter is.
 func waitAlerter(ctx context.Context, url string, since time.Time, timeout time.Duration) (time.Duration, error) {
-	nc, err := nats.Connect(url)
+	js, closeNATS, err := connectJS(url)
 	if err != nil {
 		return 0, err
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return 0, err
-	}
+	defer closeNATS()
 	cons, err := js.Consumer(ctx, stream.Defaults().Stream, alerterConsumer)
 	if err != nil {
 		return 0, err
@@ -46,4 +42,19 @@ func waitAlerter(ctx context.Context, url string, since time.Time, timeout time.
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// connectJS connects to NATS at url for a JetStream question; the caller
+// calls closeNATS when done.
+func connectJS(url string) (js jetstream.JetStream, closeNATS func(), err error) {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		return nil, nil, err
+	}
+	js, err = jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	return js, nc.Close, nil
 }

@@ -6,8 +6,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/e2e"
@@ -179,15 +177,11 @@ func check(ctx context.Context, l *ledger, natsURL, dlq string, t *tally, timeou
 
 // deadLetters counts the messages in the dead-letter stream.
 func deadLetters(ctx context.Context, url, name string) (uint64, error) {
-	nc, err := nats.Connect(url)
+	js, closeNATS, err := connectJS(url)
 	if err != nil {
 		return 0, err
 	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return 0, err
-	}
+	defer closeNATS()
 	s, err := js.Stream(ctx, name)
 	if err != nil {
 		return 0, err
