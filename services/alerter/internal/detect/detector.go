@@ -539,8 +539,10 @@ func (d *Detector) burst(ctx context.Context, now time.Time, k abuseKey, n int64
 		ID:   events.HashID(KindAbuse, key, k.tenant, k.user, k.ip, strconv.FormatInt(now.Unix(), 10)),
 		Kind: KindAbuse, Tenant: k.tenant,
 	}
-	err := d.st.Update(ctx, func(tx *store.Tx) error {
-		if err := tx.SaveAbuse(ctx, k.stored()); err != nil {
+	var fresh bool
+	err := d.st.Update(ctx, func(tx *store.Tx) (err error) {
+		fresh, err = tx.SaveAbuse(ctx, k.stored())
+		if err != nil || !fresh {
 			return err
 		}
 		return d.enqueue(ctx, tx, a, now, data)
@@ -551,6 +553,8 @@ func (d *Detector) burst(ctx context.Context, now time.Time, k abuseKey, n int64
 	d.mu.Lock()
 	d.abusing[k] = true
 	d.mu.Unlock()
-	d.alerted(KindAbuse, 1)
+	if fresh {
+		d.alerted(KindAbuse, 1)
+	}
 	return nil
 }

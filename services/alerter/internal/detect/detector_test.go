@@ -162,7 +162,8 @@ func TestAbuseBurstOncePerBurst(t *testing.T) {
 // A burst alerted before a restart is not alerted again when its denials
 // come again (the batch was redelivered: the crash came before its acks),
 // though the new process's counts start empty; once that process has
-// counted for a whole window, the burst is over and a new one alerts.
+// counted for a whole window, the burst is over and a new one alerts. Nor
+// is it alerted again by a process that did not see its commit succeed.
 func TestAbuseBurstNotRepeatedAfterRestart(t *testing.T) {
 	st := newStore(t)
 	ctx := context.Background()
@@ -185,11 +186,18 @@ func TestAbuseBurstNotRepeatedAfterRestart(t *testing.T) {
 		}
 		return len(ds)
 	}
+	// late loaded its bursts before the first alert's commit: it stands for
+	// a process whose commit landed though it saw an error.
+	late := newDetector(t, st, c)
 	burst(newDetector(t, st, c), "d-1")
 	if n := count(); n != 2 {
 		t.Fatalf("a burst: %d abuse alerts, want 2 (subject and IP)", n)
 	}
 	c.add(time.Second)
+	burst(late, "d-1b")
+	if n := count(); n != 2 {
+		t.Fatalf("the burst again where its commit's result was lost: %d abuse alerts, want still 2", n)
+	}
 	d2 := newDetector(t, st, c)
 	burst(d2, "d-1") // redelivered to the new process
 	if n := count(); n != 2 {

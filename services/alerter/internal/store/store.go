@@ -117,14 +117,19 @@ type AbuseKey struct {
 	Tenant, User, IP string
 }
 
-// SaveAbuse records that the burst of k was alerted.
-func (t *Tx) SaveAbuse(ctx context.Context, k AbuseKey) error {
-	_, err := t.tx.Exec(ctx, `INSERT INTO alert_abuse (tenant, user_id, ip) VALUES ($1, $2, $3)
-ON CONFLICT (tenant, user_id, ip) DO UPDATE SET alerted_at = now()`, k.Tenant, k.User, k.IP)
-	if err != nil {
-		return fmt.Errorf("save abuse burst: %w", err)
+// SaveAbuse records that the burst of k is alerted and reports whether it
+// is new: false when a commit whose result the alerter did not see has
+// recorded it already, so its alert is queued already too.
+func (t *Tx) SaveAbuse(ctx context.Context, k AbuseKey) (bool, error) {
+	err := t.tx.QueryRow(ctx, `INSERT INTO alert_abuse (tenant, user_id, ip) VALUES ($1, $2, $3)
+ON CONFLICT (tenant, user_id, ip) DO NOTHING RETURNING true`, k.Tenant, k.User, k.IP).Scan(new(bool))
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("save abuse burst: %w", err)
 	}
-	return nil
+	return true, nil
 }
 
 // EndAbuse forgets the burst of k: it is over.
