@@ -237,16 +237,7 @@ func TestPublishBatchFitsTheStreamLimit(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	s, err := js.Stream(ctx, cfg.Stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sc := s.CachedInfo().Config
-	sc.MaxMsgSize = stream.DefaultMaxPayload
-	if _, err := js.UpdateStream(ctx, sc); err != nil {
-		t.Fatal(err)
-	}
-	p := stream.NewPublisher(js, cfg, stream.WithMaxPayload(1<<20))
+	p := olderStreamLimit(ctx, t, js, cfg)
 
 	first := actuals(1000, "older") // ~200 KB of events: several messages of 68 KiB
 	if err := p.PublishBatch(ctx, first); err != nil {
@@ -267,6 +258,51 @@ func TestPublishBatchFitsTheStreamLimit(t *testing.T) {
 	}
 	if got := natstest.StreamMsgs(t, js, cfg.Stream) - msgs; got != msgs {
 		t.Errorf("the same events again took %d messages, want %d", got, msgs)
+	}
+}
+
+// olderStreamLimit sets the stream's MaxMsgSize to what an older service's
+// Ensure sets and returns a Publisher that packs to the server's 1 MiB.
+func olderStreamLimit(ctx context.Context, t *testing.T, js jetstream.JetStream, cfg stream.Config) *stream.Publisher {
+	t.Helper()
+	s, err := js.Stream(ctx, cfg.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := s.CachedInfo().Config
+	sc.MaxMsgSize = stream.DefaultMaxPayload
+	if _, err := js.UpdateStream(ctx, sc); err != nil {
+		t.Fatal(err)
+	}
+	return stream.NewPublisher(js, cfg, stream.WithMaxPayload(1<<20))
+}
+
+// Rounds refused at once for their size are each sent again, though only
+// one of them lowers the Publisher's budget (review finding: the others
+// returned the refusal, a report's 503).
+func TestPublishBatchFitsTheStreamLimitConcurrently(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	p := olderStreamLimit(ctx, t, js, cfg)
+	rounds := make([][]events.Event, 8)
+	errs := make([]error, len(rounds))
+	var wg sync.WaitGroup
+	for i := range rounds {
+		rounds[i] = actuals(1000, fmt.Sprintf("round%d", i))
+		wg.Go(func() { errs[i] = p.PublishBatch(ctx, rounds[i]) })
+	}
+	wg.Wait()
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
+	for i, round := range rounds {
+		if errs[i] != nil {
+			t.Errorf("round %d: PublishBatch = %v, want nil", i, errs[i])
+		}
+		for _, ev := range round {
+			if ids[ev.ID] != 1 {
+				t.Fatalf("event %s stored %d times, want once", ev.ID, ids[ev.ID])
+			}
+		}
 	}
 }
 

@@ -198,8 +198,12 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
 	errs := make([]error, len(evs))
+	packedTo := p.budget.Load()
 	big, dups := p.send(ctx, evs, errs)
-	if len(big) > 0 && p.fitStream(ctx) {
+	// Compared with the budget these events were packed to, not with the
+	// one fitStream found: a concurrent round refused alike may have
+	// lowered it first.
+	if len(big) > 0 && p.fitStream(ctx) < packedTo {
 		again := make([]events.Event, len(big))
 		for k, i := range big {
 			again[k] = evs[i]
@@ -274,7 +278,7 @@ func (p *Publisher) send(ctx context.Context, evs []events.Event, errs []error) 
 			errs[i] = fmt.Errorf("publish %s %s: %w", evs[i].Type(), evs[i].ID, err)
 		}
 	}
-	slices.Sort(big) // in the events' order, so a subject's events stay in order
+	slices.Sort(big) // sent again in the events' order
 	return big, dups
 }
 
@@ -285,30 +289,27 @@ type streamReader interface {
 }
 
 // fitStream lowers p's budget to what the stream's MaxMsgSize takes, read
-// now, and reports whether it fell: an older service's Ensure may have set
-// a MaxMsgSize below the server's max payload. The budget never rises
-// again in this Publisher's life.
-func (p *Publisher) fitStream(ctx context.Context) bool {
+// now, and returns the budget: an older service's Ensure may have set a
+// MaxMsgSize below the server's max payload. The budget never rises again
+// in this Publisher's life.
+func (p *Publisher) fitStream(ctx context.Context) int64 {
 	sr, ok := p.js.(streamReader)
 	if !ok {
-		return false
+		return p.budget.Load()
 	}
 	s, err := sr.Stream(ctx, p.stream)
 	if err != nil {
-		return false // the events keep the refusal's error
+		return p.budget.Load() // the events keep the refusal's error
 	}
 	limit := s.CachedInfo().Config.MaxMsgSize
 	if limit <= 0 {
-		return false
+		return p.budget.Load()
 	}
 	b := int64(budget(int64(limit)))
 	for {
 		old := p.budget.Load()
-		if b >= old {
-			return false
-		}
-		if p.budget.CompareAndSwap(old, b) {
-			return true
+		if b >= old || p.budget.CompareAndSwap(old, b) {
+			return min(b, old)
 		}
 	}
 }
