@@ -864,12 +864,13 @@ func TestLargeFetchIsNotRedelivered(t *testing.T) {
 		t.Fatalf("the stream holds %d messages, want %d (the test needs one batch message per PublishBatch)", got, msgs)
 	}
 
-	// Each batch waits 45 % of AckWait before its acks: the last one's
-	// messages are acked more than AckWait after their delivery.
+	// Each batch waits 60 % of AckWait before its acks: the last one
+	// starts more than AckWait after its delivery, so only a mark made
+	// while it waits behind the others keeps it from being redelivered.
 	var handled atomic.Int64
 	e.start(&hooks{beforeAck: func(n int) error {
 		handled.Add(int64(n))
-		time.Sleep(e.cfg.AckWait * 45 / 100)
+		time.Sleep(e.cfg.AckWait * 60 / 100)
 		return nil
 	}})
 	e.consumedAll(ten, msgs*per)

@@ -139,31 +139,35 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 // each, whose size its messages' batches must not blow up.
 //
 // Runs are handled one after the other, and the server's AckWait of each
-// message runs from its delivery: a run that starts more than a quarter of
-// cfg.AckWait after f.At is first marked in progress (Msg.InProgress), so
-// its messages get AckWait anew instead of being redelivered while they
-// wait behind the runs before it. A run must then be handled within
-// AckWait; promptly started runs cost the server nothing more.
+// message runs from its delivery: when a run starts more than a quarter of
+// cfg.AckWait after f.At or after the last such mark, every message not yet
+// handled (this run's and those after it) is first marked in progress
+// (Msg.InProgress), so that they get AckWait anew instead of being
+// redelivered while they wait behind the runs before them. A run must then
+// be handled within about three quarters of AckWait; promptly started runs
+// cost the server nothing more.
 func Groups(f Fetched, ds []*Delivery, max int, cfg Config, handle func([]*Delivery)) {
 	late := cfg.WithDefaults().AckWait / 4
+	marked := f.At
 	start, n := 0, 0
-	run := func(g []*Delivery) {
-		if time.Since(f.At) > late {
-			for _, d := range g {
+	run := func(from, to int) {
+		if time.Since(marked) > late {
+			marked = time.Now()
+			for _, d := range ds[from:] {
 				_ = d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
 			}
 		}
-		handle(g)
+		handle(ds[from:to])
 	}
 	for i, d := range ds {
 		if i > start && n+len(d.Events) > max {
-			run(ds[start:i])
+			run(start, i)
 			start, n = i, 0
 		}
 		n += len(d.Events)
 	}
 	if start < len(ds) {
-		run(ds[start:])
+		run(start, len(ds))
 	}
 }
 
