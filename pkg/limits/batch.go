@@ -35,48 +35,18 @@ func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
 // ModeFresh), batched as ReserveBatch says.
 func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserved {
 	out := make([]Reserved, len(rs))
-	type group struct {
-		slot  uint16
-		batch *wire.ReserveBatch
-		which []int // the index in rs of each of batch's reserves
-	}
-	var groups []group
-	bySlot := l.run.SlotBound()
-	for i := range rs {
-		r := &rs[i]
-		var slot uint16
-		if bySlot {
-			slot = wire.TenantSlot(r.Tenant)
-		}
-		g := -1
-		for k := len(groups) - 1; k >= 0; k-- {
-			if groups[k].slot == slot {
-				g = k
-				break
+	groups := batches(l, len(rs), func(i int) string { return rs[i].Tenant }, l.p.NewReserveBatch,
+		func(b *wire.ReserveBatch, i int) error {
+			r := &rs[i]
+			m := mode
+			if m == wire.ModeReserve && r.Fresh {
+				m = wire.ModeFresh
 			}
-		}
-		if g < 0 || groups[g].batch.Len() == wire.MaxBatch {
-			g = len(groups)
-			groups = append(groups, group{slot: slot, batch: l.p.NewReserveBatch()})
-		}
-		m := mode
-		if m == wire.ModeReserve && r.Fresh {
-			m = wire.ModeFresh
-		}
-		if err := groups[g].batch.Add(r.Tenant, r.User, r.RequestID, r.Cost, m, r.Fingerprint, r.Nonce, r.Rules); err != nil {
+			err := b.Add(r.Tenant, r.User, r.RequestID, r.Cost, m, r.Fingerprint, r.Nonce, r.Rules)
 			out[i].Err = err
-			continue
-		}
-		groups[g].which = append(groups[g].which, i)
-	}
-	calls := make([]wire.Call, len(groups))
-	for k := range groups {
-		if groups[k].batch.Len() == 0 {
-			calls[k].Err = ErrInvalid // nothing to send: its requests hold their errors
-			continue
-		}
-		calls[k] = groups[k].batch.Call()
-	}
+			return err
+		})
+	calls := groupCalls(groups)
 	cmds := l.run.RunAll(ctx, script.Reserve, calls)
 	for k := range calls {
 		if calls[k].Err != nil {
@@ -96,6 +66,65 @@ func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserve
 		})
 	}
 	return out
+}
+
+// group is one batch call: its batch, the hash slot its keys share (0
+// unless the client is slot bound) and the index of each of its entries
+// among the caller's.
+type group[B batch] struct {
+	slot  uint16
+	batch B
+	which []int
+}
+
+// batch is a wire.ReserveBatch or wire.SettleBatch.
+type batch interface {
+	Len() int
+	Call() wire.Call
+}
+
+// batches puts entries 0..n-1 into batches made by fresh, one per
+// wire.MaxBatch entries and, on a Redis Cluster or Ring, per hash slot of
+// the entry's tenant too, since a call's keys must share one. add adds
+// entry i to b; an entry it fails (the caller records why) is in no batch.
+func batches[B batch](l *Limiter, n int, tenant func(i int) string, fresh func() B, add func(b B, i int) error) []group[B] {
+	var groups []group[B]
+	bySlot := l.run.SlotBound()
+	for i := range n {
+		var slot uint16
+		if bySlot {
+			slot = wire.TenantSlot(tenant(i))
+		}
+		g := -1
+		for k := len(groups) - 1; k >= 0; k-- {
+			if groups[k].slot == slot {
+				g = k
+				break
+			}
+		}
+		if g < 0 || groups[g].batch.Len() == wire.MaxBatch {
+			g = len(groups)
+			groups = append(groups, group[B]{slot: slot, batch: fresh()})
+		}
+		if add(groups[g].batch, i) == nil {
+			groups[g].which = append(groups[g].which, i)
+		}
+	}
+	return groups
+}
+
+// groupCalls returns the call of each group; one whose entries all failed
+// is not sent (its entries hold their errors).
+func groupCalls[B batch](groups []group[B]) []wire.Call {
+	calls := make([]wire.Call, len(groups))
+	for k := range groups {
+		if groups[k].batch.Len() == 0 {
+			calls[k].Err = ErrInvalid
+			continue
+		}
+		calls[k] = groups[k].batch.Call()
+	}
+	return calls
 }
 
 // SettleOp is one settlement of SettleMany: a Correct, or a Release when
@@ -119,33 +148,40 @@ type SettleResult struct {
 
 // SettleMany corrects or releases every op as Correct and Release do, with
 // the same guarantees (each reservation settles once, the epoch is checked
-// per op) and the same result as calling them one by one in order: Redis
-// runs a pipeline's scripts in the order sent, so an op repeated within
-// ops finds the earlier one's effect (AlreadySettled). The calls go out in
-// one pipelined round trip (one per node of a Redis Cluster, since each
-// op's keys share one slot) when the client pipelines (*redis.Client,
-// *redis.ClusterClient, *redis.Ring), else one by one. An invalid op or a
-// failed call fails only its own result.
+// per op) and the same result as calling them one by one in order (with
+// one Redis time for all): an op repeated within ops finds the earlier
+// one's effect (AlreadySettled). They go out as one script call (settle.lua
+// settles each in turn, atomically) per wire.MaxBatch ops, and on a Redis
+// Cluster or Ring per hash slot too, as ReserveBatch's reserves; the calls
+// in one pipelined round trip. So Redis pays a call's fixed cost once per
+// batch instead of once per op. An invalid op fails alone; a failing
+// connection fails every op of its call.
 func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult {
-	calls := make([]wire.Call, len(ops))
-	for i := range ops {
-		op := wire.SettleCorrect
-		switch {
-		case ops[i].Release && ops[i].IfGone:
-			op = wire.SettleReleaseIfGone
-		case ops[i].Release:
-			op = wire.SettleRelease
-		}
-		calls[i] = l.settleCall(&ops[i].Settle, op)
-	}
-	cmds := l.run.RunAll(ctx, script.Settle, calls)
 	out := make([]SettleResult, len(ops))
-	for i := range calls {
-		if calls[i].Err != nil {
-			out[i].Err = calls[i].Err
+	groups := batches(l, len(ops), func(i int) string { return ops[i].Tenant }, l.p.NewSettleBatch,
+		func(b *wire.SettleBatch, i int) error {
+			err := l.addSettle(b, &ops[i])
+			out[i].Err = err
+			return err
+		})
+	calls := groupCalls(groups)
+	cmds := l.run.RunAll(ctx, script.Settle, calls)
+	for k := range calls {
+		if calls[k].Err != nil {
 			continue
 		}
-		out[i].Settlement, out[i].Err = decodeSettlement(cmds[i], &calls[i])
+		which := groups[k].which
+		wire.DecodeSettles(cmds[k], &calls[k], func(j int, v wire.SettleReply, err error) {
+			s, o := &ops[which[j]], &out[which[j]]
+			if err != nil {
+				if !errors.Is(err, ErrNoEpoch) {
+					err = fmt.Errorf("settle %s/%s: %w", s.Tenant, s.User, err)
+				}
+				o.Err = err
+				return
+			}
+			o.Settlement = settlement(v, calls[k].Batch[j])
+		})
 	}
 	return out
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/internal/wire"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/pkg/limits/repair"
 )
@@ -222,5 +224,125 @@ func TestSettleManyOnCluster(t *testing.T) {
 		if r.Err != nil || r.Status != want || r.States[0].Used != used || r.States[1].Used != used {
 			t.Errorf("op %d = %+v, %v; want %v at %d", i, r.Settlement, r.Err, want, used)
 		}
+	}
+}
+
+// TestSettleBatchEqualsSequentialCalls settles, in one settle call, three
+// users' reservations (each user's blobs and the tenant blob touched by
+// several settles) with repeats of one request id in every order (correct
+// twice, release then correct, correct then release, release twice): each
+// reply, and the end state (every limit of every user, every record's
+// state and estimate), is what lone calls in that order give. The batch
+// is one FCALL.
+func TestSettleBatchEqualsSequentialCalls(t *testing.T) {
+	c, rt := limitstest.CountedShared(t)
+	l := limitstest.At(c, 0)
+	ctx := context.Background()
+	rules := batchRules()
+	users, ids := []string{"a", "b", "c"}, []string{"1", "2", "3", "4"}
+	ops := func(tenant string) []limits.SettleOp {
+		op := func(user, id string, actual int64, release bool) limits.SettleOp {
+			return limits.SettleOp{Settle: limits.Settle{Tenant: tenant, User: user, RequestID: id, Actual: actual, Rules: rules}, Release: release}
+		}
+		return []limits.SettleOp{
+			op("a", "1", 70, false), op("b", "1", 5, false), op("a", "1", 90, false),
+			op("a", "2", 0, true), op("c", "1", 400, false), op("a", "2", 60, false), op("a", "2", 80, false),
+			op("b", "2", 30, false), op("b", "2", 0, true), op("c", "2", 0, true), op("c", "2", 0, true),
+			op("b", "3", 0, true), op("a", "3", 15, false), op("c", "3", 20, false), op("b", "3", 45, false),
+		}
+	}
+	seq, bat := redistest.UniqueName(t)+"-seq", redistest.UniqueName(t)+"-bat"
+	for _, tenant := range []string{seq, bat} {
+		for k, user := range users {
+			for n, id := range ids {
+				limitstest.Reserve(t, l, tenant, user, id, int64(10*(k+1)+n), rules)
+			}
+		}
+	}
+	var want []limits.SettleResult
+	for _, op := range ops(seq) {
+		var r limits.SettleResult
+		if op.Release {
+			r.Settlement, r.Err = l.Release(ctx, op.Settle)
+		} else {
+			r.Settlement, r.Err = l.Correct(ctx, op.Settle)
+		}
+		want = append(want, r)
+	}
+	batch := ops(bat)
+	rt.Reset()
+	fc := &fcalls{}
+	c.AddHook(fc)
+	got := l.SettleMany(ctx, batch)
+	if n, f := rt.Count(), fc.n.Load(); n != 1 || f != 1 {
+		t.Errorf("SettleMany of %d ops took %d round trips and %d FCALLs, want 1 and 1", len(batch), n, f)
+	}
+	same := func(what string, g, w limits.SettleResult) {
+		t.Helper()
+		if g.Err != nil || w.Err != nil {
+			t.Fatalf("%s errors = %v (batch) / %v (one by one)", what, g.Err, w.Err)
+		}
+		gs, ws := g.Settlement, w.Settlement
+		if gs.Status != ws.Status || gs.ByRelease != ws.ByRelease || gs.Estimate != ws.Estimate || gs.Delta != ws.Delta ||
+			fmt.Sprint(limitstest.Used(gs.States)) != fmt.Sprint(limitstest.Used(ws.States)) {
+			t.Errorf("%s = status %v by release %v estimate %d delta %d used %v (batch); one by one %v %v %d %d %v", what,
+				gs.Status, gs.ByRelease, gs.Estimate, gs.Delta, limitstest.Used(gs.States),
+				ws.Status, ws.ByRelease, ws.Estimate, ws.Delta, limitstest.Used(ws.States))
+		}
+	}
+	for i := range batch {
+		same(fmt.Sprintf("op %d (%s/%s)", i, batch[i].User, batch[i].RequestID), got[i], want[i])
+	}
+	if got[2].Status != limits.AlreadySettled || got[5].Status != limits.Settled || got[6].Status != limits.AlreadySettled ||
+		got[8].Status != limits.AlreadySettled || got[10].Status != limits.AlreadySettled || !got[10].ByRelease {
+		t.Errorf("repeats = %v %v %v %v %v; want already, settled (the actual after a release), already, already, already by release",
+			got[2].Status, got[5].Status, got[6].Status, got[8].Status, got[10].Status)
+	}
+	// the end state: every limit of every user, and what a release finds of
+	// every record (state and estimate; unsettled ones are released now)
+	for _, user := range users {
+		g, w := limitstest.Peek(t, l, bat, user, rules), limitstest.Peek(t, l, seq, user, rules)
+		if fmt.Sprint(limitstest.Used(g.States)) != fmt.Sprint(limitstest.Used(w.States)) {
+			t.Errorf("%s after the batch used = %v, one by one %v", user, limitstest.Used(g.States), limitstest.Used(w.States))
+		}
+		for _, id := range ids {
+			var g, w limits.SettleResult
+			g.Settlement, g.Err = l.Release(ctx, limits.Settle{Tenant: bat, User: user, RequestID: id, Rules: rules})
+			w.Settlement, w.Err = l.Release(ctx, limits.Settle{Tenant: seq, User: user, RequestID: id, Rules: rules})
+			same("record "+user+"/"+id, g, w)
+		}
+	}
+}
+
+// TestSettleBatchErrorFailsOnlyItsSettle: a settle whose state cannot be
+// read (its concurrency slot's key holds a string) fails alone; the
+// settles before and after it in the call, one a repeat of the first,
+// apply as they would without it.
+func TestSettleBatchErrorFailsOnlyItsSettle(t *testing.T) {
+	c := redistest.Shared(t)
+	l := limitstest.At(c, 0)
+	ctx := context.Background()
+	rules := batchRules()
+	tenant := redistest.UniqueName(t)
+	limitstest.Reserve(t, l, tenant, "a", "1", 100, rules)
+	limitstest.Reserve(t, l, tenant, "b", "1", 100, rules)
+	if err := c.Set(ctx, wire.NewSubjectKeys(tenant, "b").Concurrency(&rules[2]), "x", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	s := func(user string) limits.SettleOp {
+		return limits.SettleOp{Settle: limits.Settle{Tenant: tenant, User: user, RequestID: "1", Actual: 40, Rules: rules}}
+	}
+	got := l.SettleMany(ctx, []limits.SettleOp{s("a"), s("b"), s("a")})
+	if r := got[0]; r.Err != nil || r.Status != limits.Settled || r.Delta != -60 {
+		t.Errorf("a = %+v, %v; want settled, delta -60", r.Settlement, r.Err)
+	}
+	if r := got[1]; r.Err == nil || !strings.Contains(r.Err.Error(), "settle "+tenant+"/b: ") || !strings.Contains(r.Err.Error(), "WRONGTYPE") {
+		t.Errorf("b error = %v, want WRONGTYPE naming %s/b", r.Err, tenant)
+	}
+	if r := got[2]; r.Err != nil || r.Status != limits.AlreadySettled || r.Estimate != 100 {
+		t.Errorf("a again = %+v, %v; want already settled against 100", r.Settlement, r.Err)
+	}
+	if u := limitstest.Used(limitstest.Peek(t, l, tenant, "a", rules).States); fmt.Sprint(u) != "[140 40 0 1]" {
+		t.Errorf("a after the batch used = %v, want [140 40 0 1] (b's 100 still in the month)", u)
 	}
 }

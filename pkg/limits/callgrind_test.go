@@ -135,6 +135,24 @@ func TestCallgrindInstructions(t *testing.T) {
 	e := measure(empty)
 	t.Logf("callgrind: per reserve in ReserveBatch batches of 16 and 64: over 5 limits %.0f and %.0f, over 1 limit %.0f and %.0f; empty FCALL (4 keys, 1 argument) %.0f",
 		b16, b64, o16, o64, e)
+	// settles in SettleMany batches of 64: corrections of the b64- reserves
+	// (distinct subjects within a batch, as the accounter's batches)
+	s64 := measure(func(i int) {
+		if i%64 != 0 {
+			return
+		}
+		ops := make([]SettleOp, 64)
+		for k := range ops {
+			ops[k] = SettleOp{Settle: Settle{Tenant: "acme", User: "b" + strconv.Itoa((i+k)%batchUsers),
+				RequestID: "b64-" + run + "-" + strconv.Itoa(i+k), Actual: 2, Rules: rules}}
+		}
+		for _, o := range l.SettleMany(ctx, ops) {
+			if o.Err != nil {
+				t.Fatal(o.Err)
+			}
+		}
+	})
+	t.Logf("callgrind: per settle (correct) over 5 limits in SettleMany batches of 64: %.0f", s64)
 }
 
 // control sends callgrind_control's arg to the server under callgrind (its

@@ -4,9 +4,6 @@ import (
 	"context"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
-	"quotaflow/pkg/limits/internal/script"
 	"quotaflow/pkg/limits/internal/wire"
 	"quotaflow/pkg/limits/policy"
 )
@@ -95,32 +92,33 @@ func (l *Limiter) Release(ctx context.Context, s Settle) (Settlement, error) {
 	return l.settle(ctx, s, wire.SettleRelease)
 }
 
+// settle settles s alone: a batch of one.
 func (l *Limiter) settle(ctx context.Context, s Settle, op int) (Settlement, error) {
-	c := l.settleCall(&s, op)
-	if c.Err != nil {
-		return Settlement{}, c.Err
-	}
-	return decodeSettlement(l.run.Run(ctx, script.Settle, &c), &c)
+	r := l.SettleMany(ctx, []SettleOp{{Settle: s, Release: op == wire.SettleRelease}})[0]
+	return r.Settlement, r.Err
 }
 
-// settleCall is the settle call of op for s.
-func (l *Limiter) settleCall(s *Settle, op int) wire.Call {
+// addSettle adds the settle of op to b.
+func (l *Limiter) addSettle(b *wire.SettleBatch, op *SettleOp) error {
+	code := wire.SettleCorrect
+	switch {
+	case op.Release && op.IfGone:
+		code = wire.SettleReleaseIfGone
+	case op.Release:
+		code = wire.SettleRelease
+	}
 	fbAt, fbEst := int64(-1), int64(-1)
-	if fb := s.Fallback; fb != nil {
+	if fb := op.Fallback; fb != nil {
 		if !fb.ReservedAt.IsZero() {
 			fbAt = fb.ReservedAt.UnixMilli()
 		}
 		fbEst = max(fb.Estimate, NoEstimate)
 	}
-	return l.p.SettleCall(s.Tenant, s.User, s.RequestID, op, s.Actual, s.Rules, fbAt, fbEst)
+	return b.Add(op.Tenant, op.User, op.RequestID, code, op.Actual, op.Rules, fbAt, fbEst)
 }
 
-// decodeSettlement reads the reply of settle call c.
-func decodeSettlement(cmd *redis.Cmd, c *wire.Call) (Settlement, error) {
-	v, err := wire.DecodeSettle(cmd, c)
-	if err != nil {
-		return Settlement{}, err
-	}
+// settlement is the Settlement of settle reply v, over rules.
+func settlement(v wire.SettleReply, rules []policy.Rule) Settlement {
 	s := Settlement{
 		Status:        SettleStatus(v.Status),
 		Delta:         v.Delta,
@@ -129,10 +127,10 @@ func decodeSettlement(cmd *redis.Cmd, c *wire.Call) (Settlement, error) {
 		Version:       v.Version,
 		TenantVersion: v.TenantVersion,
 		Estimate:      v.Estimate,
-		States:        wire.States[State](v.Limits, c.Rules),
+		States:        wire.States[State](v.Limits, rules),
 	}
 	if s.Status == AlreadySettled {
 		s.ByRelease = v.Prior == wire.RecordReleased
 	}
-	return s, nil
+	return s
 }

@@ -222,12 +222,17 @@ const mask48 = 1<<48 - 1
 // reserveHeadLen is the size of a reserve's scalars ('<i6BBI2I2I2I2').
 const reserveHeadLen = 16
 
-// batchHeadLen is the size of a reserve call's first argument ('<i6BI2').
+// batchHeadLen is the size of a reserve or settle call's first argument
+// ('<i6BI2').
 const batchHeadLen = 9
 
-// MaxBatch is the most reserves one reserve call carries; ReserveBatch
-// callers start another call past it. A function runs atomically, so a
-// call holds the node for all its reserves: 64 of about 10-20 µs each.
+// settleHeadLen is the size of a settle's scalars ('<Bi6i6i6I2I2I2I2I2I2').
+const settleHeadLen = 31
+
+// MaxBatch is the most reserves one reserve call carries, or settles one
+// settle call; callers start another call past it. A function runs
+// atomically, so a call holds the node for all its entries: 64 of about
+// 10-20 µs each.
 const MaxBatch = 64
 
 // specLen is the size in bytes of one packed spec.
@@ -274,6 +279,7 @@ var LuaNames = map[string]int64{
 	"TOMB":                    recordTomb,
 	"SPEC_LEN":                specLen,
 	"RESERVE_HEAD":            reserveHeadLen,
+	"SETTLE_HEAD":             settleHeadLen,
 	"RECORD_HEAD":             recordHeadLen,
 	"TAIL_HEAD":               tailHeadLen,
 	"MAX_COUNT":               MaxCost,
@@ -299,21 +305,30 @@ const topUpMarkerTTL = 400 * 24 * 3600 * 1000 // ms
 // tenant or of a shared scope's id does: callers batch per slot there.
 // Build it with Params.NewReserveBatch.
 type ReserveBatch struct {
+	batch
+}
+
+// batch is what a reserve or a settle call gathers: the keys its entries
+// name, each once (a key twice would let an entry read what an earlier one
+// of the call replaced), and one argument per entry.
+type batch struct {
 	p     Params
 	strs  []string // string keys, read in one MGET
 	zsets []string // concurrency sets, after them
 	index map[string]int
-	args  []any // the head and the ttl, then one argument per reserve
+	args  []any // the head and the ttl, then one argument per entry
 	rules [][]policy.Rule
 }
 
 // NewReserveBatch returns an empty batch.
 func (p Params) NewReserveBatch() *ReserveBatch {
-	return &ReserveBatch{p: p, args: make([]any, 2, 3)}
+	return &ReserveBatch{p.newBatch()}
 }
 
-// Len is the number of reserves in b.
-func (b *ReserveBatch) Len() int { return len(b.rules) }
+func (p Params) newBatch() batch { return batch{p: p, args: make([]any, 2, 3)} }
+
+// Len is the number of entries in b.
+func (b *batch) Len() int { return len(b.rules) }
 
 // Add adds the reserve of mode of a request of (tenant, user): cost for
 // requestID, under rules, with the request's fingerprint and the call's
@@ -381,7 +396,7 @@ func reserveHead(cost int64, mode int, meta byte, ek, rk, sk, tk int) (h [reserv
 // key returns the 1-based KEYS index of string key k, adding it once.
 // Lone calls name four keys: a scan costs less than a map until a batch
 // names a few dozen.
-func (b *ReserveBatch) key(k string) int {
+func (b *batch) key(k string) int {
 	if b.index != nil {
 		if i, ok := b.index[k]; ok {
 			return i
@@ -406,9 +421,9 @@ func (b *ReserveBatch) key(k string) int {
 	return len(b.strs)
 }
 
-// zset adds concurrency set k to the keys once: reserve.lua names it by the
-// copy in the record tail, so it only needs declaring.
-func (b *ReserveBatch) zset(k string) {
+// zset adds concurrency set k to the keys once: the scripts name it by the
+// copy in their argument, so it only needs declaring.
+func (b *batch) zset(k string) {
 	for _, s := range b.zsets {
 		if s == k {
 			return
@@ -417,8 +432,8 @@ func (b *ReserveBatch) zset(k string) {
 	b.zsets = append(b.zsets, k)
 }
 
-// Call returns the reserve call of b's reserves, Batch their rules.
-func (b *ReserveBatch) Call() Call {
+// Call returns the call of b's entries, Batch their rules.
+func (b *batch) Call() Call {
 	var h [batchHeadLen]byte
 	putInt48(h[0:], b.p.offset)
 	h[6] = b.p.guard[0] - '0'
@@ -444,47 +459,59 @@ type ReserveReply struct {
 // than ErrNoEpoch are the caller's to wrap with what it reserved, so the
 // success path formats nothing.
 func DecodeReserves(cmd *redis.Cmd, c *Call, f func(i int, v ReserveReply, err error)) {
+	decodeBatch(cmd, c, func(i int, e any) {
+		v, err := packedElement(e, 7, len(c.Batch[i]))
+		if err != nil {
+			f(i, ReserveReply{}, err)
+			return
+		}
+		f(i, ReserveReply{
+			Status: v[0], DeniedBy: v[1], RetryMs: v[2], Reason: v[3],
+			NowMs: v[4], Version: v[5], TenantVersion: v[6], Limits: v[7:],
+		}, nil)
+	}, func(i int, err error) { f(i, ReserveReply{}, err) })
+}
+
+// decodeBatch reads the reply of batch call c: it passes each entry's
+// element of the reply to one, in the order of c.Batch, or, when the
+// whole call failed (the connection, a script error), the error to fail.
+func decodeBatch(cmd *redis.Cmd, c *Call, one func(i int, e any), fail func(i int, err error)) {
 	all, err := cmd.Slice()
 	if err == nil && len(all) != len(c.Batch) {
-		err = fmt.Errorf("reply of %d reserves for %d", len(all), len(c.Batch))
+		err = fmt.Errorf("reply of %d entries for %d", len(all), len(c.Batch))
 	}
 	for i := range c.Batch {
 		if err != nil {
-			f(i, ReserveReply{}, err)
+			fail(i, err)
 			continue
 		}
-		v, err := decodeReserve(all[i], len(c.Batch[i]))
-		f(i, v, err)
+		one(i, all[i])
 	}
 }
 
-// decodeReserve reads one reserve's element of a reserve reply, of a
-// reserve over n limits.
-func decodeReserve(e any, n int) (ReserveReply, error) {
+// packedElement reads one entry's element of a batch reply: a snapshot
+// with head values before those of n limits.
+func packedElement(e any, head, n int) ([]int64, error) {
 	var s string
 	switch e := e.(type) {
 	case string:
 		s = e
 	case error:
-		return ReserveReply{}, e
+		return nil, e
 	default:
-		return ReserveReply{}, fmt.Errorf("reply element is %T", e)
+		return nil, fmt.Errorf("reply element is %T", e)
 	}
 	v, err := unpackInts(s)
 	if err != nil {
-		return ReserveReply{}, err
+		return nil, err
 	}
 	if len(v) == 1 && v[0] == -1 {
-		return ReserveReply{}, ErrNoEpoch
+		return nil, ErrNoEpoch
 	}
-	const head = 7
 	if len(v) != head+4*n {
-		return ReserveReply{}, fmt.Errorf("reply of %d values for %d limits", len(v), n)
+		return nil, fmt.Errorf("reply of %d values for %d limits", len(v), n)
 	}
-	return ReserveReply{
-		Status: v[0], DeniedBy: v[1], RetryMs: v[2], Reason: v[3],
-		NowMs: v[4], Version: v[5], TenantVersion: v[6], Limits: v[head:],
-	}, nil
+	return v, nil
 }
 
 // state is the shape of limits.State, which States fills: this package
@@ -518,22 +545,53 @@ func States[S state](v []int64, rules []policy.Rule) []S {
 	return out
 }
 
-// SettleCall is the settle call of op for requestID of (tenant, user):
-// actual (SettleCorrect), the fallback's time and estimate (-1: none), and
-// rules, of which it sends the token limits and concurrency slots, what a
-// settlement touches.
-func (p Params) SettleCall(tenant, user, requestID string, op int, actual int64, rules []policy.Rule, fallbackAt, fallbackEstimate int64) Call {
+// SettleBatch gathers settles into one settle call (settle.lua), as
+// ReserveBatch does reserves. Build it with Params.NewSettleBatch.
+type SettleBatch struct {
+	batch
+}
+
+// NewSettleBatch returns an empty batch.
+func (p Params) NewSettleBatch() *SettleBatch {
+	return &SettleBatch{p.newBatch()}
+}
+
+// Add adds the settle of op for requestID of (tenant, user): actual
+// (SettleCorrect), the fallback's time and estimate (-1: none), and rules,
+// of which it sends the token limits and concurrency slots, what a
+// settlement touches. It checks the identifiers and the actual and adds
+// nothing when they fail.
+func (b *SettleBatch) Add(tenant, user, requestID string, op int, actual int64, rules []policy.Rule, fallbackAt, fallbackEstimate int64) error {
 	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("actual", actual)); err != nil {
-		return invalid(err)
+		return err
 	}
 	rules = settleRules(rules)
 	keys, _ := subjectCallKeys(NewSubjectKeys(tenant, user), requestID, rules)
-	return Call{
-		Keys:  keys,
-		Args:  []any{p.offset, op, actual, p.guard, "", p.resTTL, member(keys), fallbackAt, fallbackEstimate, packSpecs(rules, p.resTTL)},
-		Rules: rules,
-		What:  "settle " + tenant + "/" + user,
+	conc, mem := keys[4:], member(keys)
+	var h [settleHeadLen]byte
+	h[0] = byte(op)
+	putInt48(h[1:], actual)
+	putInt48(h[7:], fallbackAt)
+	putInt48(h[13:], fallbackEstimate)
+	for i, k := range keys[:4] {
+		binary.LittleEndian.PutUint16(h[19+2*i:], uint16(b.key(k)))
 	}
+	binary.LittleEndian.PutUint16(h[27:], uint16(len(rules)))
+	binary.LittleEndian.PutUint16(h[29:], uint16(len(mem)))
+	n := settleHeadLen + specLen*len(rules) + len(mem)
+	for _, k := range conc {
+		n += 2 + len(k)
+		b.zset(k)
+	}
+	var w strings.Builder
+	w.Grow(n)
+	w.Write(h[:])
+	writeSpecs(&w, rules, b.p.resTTL)
+	w.WriteString(mem)
+	writeKeys(&w, conc)
+	b.args = append(b.args, w.String())
+	b.rules = append(b.rules, rules)
+	return nil
 }
 
 // settleRules keeps the rules a settlement touches: token limits and
@@ -571,16 +629,20 @@ type SettleReply struct {
 	Limits []int64
 }
 
-// DecodeSettle reads the reply of settle call c.
-func DecodeSettle(cmd *redis.Cmd, c *Call) (SettleReply, error) {
-	v, err := snapshotOf(cmd, c, 8)
-	if err != nil {
-		return SettleReply{}, err
-	}
-	return SettleReply{
-		Status: v[0], Delta: v[1], ReservedAtMs: v[2], NowMs: v[3], Version: v[4], TenantVersion: v[5],
-		Prior: v[6], Estimate: v[7], Limits: v[8:],
-	}, nil
+// DecodeSettles reads the reply of settle call c and passes f each
+// settle's reply or error, in the order of c.Batch, as DecodeReserves does.
+func DecodeSettles(cmd *redis.Cmd, c *Call, f func(i int, v SettleReply, err error)) {
+	decodeBatch(cmd, c, func(i int, e any) {
+		v, err := packedElement(e, 8, len(c.Batch[i]))
+		if err != nil {
+			f(i, SettleReply{}, err)
+			return
+		}
+		f(i, SettleReply{
+			Status: v[0], Delta: v[1], ReservedAtMs: v[2], NowMs: v[3], Version: v[4], TenantVersion: v[5],
+			Prior: v[6], Estimate: v[7], Limits: v[8:],
+		}, nil)
+	}, func(i int, err error) { f(i, SettleReply{}, err) })
 }
 
 // ChargeCall is the charge call of amount (negative gives back) at time at
@@ -1122,7 +1184,13 @@ func (p Params) writeTail(b *strings.Builder, fingerprint, nonce int64, rules []
 	binary.LittleEndian.PutUint16(n[12:], uint16(len(rules)))
 	b.Write(n[:])
 	writeSpecs(b, rules, p.resTTL)
-	for _, k := range conc {
+	writeKeys(b, conc)
+}
+
+// writeKeys writes each of keys to b after its length (I2).
+func writeKeys(b *strings.Builder, keys []string) {
+	var n [2]byte
+	for _, k := range keys {
 		b.Write(binary.LittleEndian.AppendUint16(n[:0], uint16(len(k))))
 		b.WriteString(k)
 	}

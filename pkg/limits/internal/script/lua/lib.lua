@@ -593,12 +593,78 @@ local function holds(raw, p, n, sub, ten, now, all)
 end
 
 -- stage stores limits 1..n into their blobs and moves the version of each
--- blob that changed forward, writing nothing: reserve.lua writes a blob
--- once per batch (write), however many reserves changed it.
+-- blob that changed forward, writing nothing: a batch writes a blob once
+-- (finish), however many of its entries changed it.
 local function stage(n, sub, ten, now)
   for j = 1, n do store(j, now) end
   if sub.dirty then sub.dirty, sub.changed = false, true; bump(sub, now) end
   if ten and ten.dirty then ten.dirty, ten.changed = false, true; bump(ten, now) end
+end
+
+-- A batch (reserve.lua, settle.lua) decides its entries in order in one
+-- call, each seeing what the earlier ones did, as sequential calls would:
+-- begin reads its string keys, KEYS[1..nget], once into vals; blob opens
+-- KEYS[i] once and keeps it open (blobs[i]; opened: their indexes); an
+-- entry leaves the reservation record it sets in vals (recs: its index);
+-- finish writes the changed blobs and the records back once. Presized, as
+-- S: a table grown from empty reallocates at each doubling.
+-- An entry sets charging while it changes state: an error then fails the
+-- whole call (decide), since what it changed is partly staged.
+local vals, blobs, opened, recs, charging
+local function begin(nget)
+  vals = redis.call('MGET', unpack(KEYS, 1, nget))
+  blobs, opened, recs, charging = { NILS(8) }, { NILS(4) }, { NILS(4) }, false
+end
+
+-- decide runs f on each entry's argument, ARGV[3] on, and returns their
+-- replies in order. An entry that fails before it charges fails alone: its
+-- reply is the error, after what.
+local function decide(f, what)
+  local out = { NILS(4) }
+  for i = 3, #ARGV do
+    local ok, v = pcall(f, ARGV[i])
+    if not ok then
+      if charging then error(v, 0) end
+      -- redis.call raises a table with the command's error
+      v = { err = what .. (type(v) == 'table' and tostring(v.err) or tostring(v)) }
+    end
+    out[i - 2] = v
+  end
+  return out
+end
+
+local function blob(i, now)
+  local bl = blobs[i]
+  if not bl then
+    bl = open(vals[i], now)
+    blobs[i], opened[#opened + 1] = bl, i
+  end
+  return bl
+end
+
+local function finish(ttl)
+  for i = 1, #opened do
+    local k = opened[i]
+    if blobs[k].changed then write(blobs[k], KEYS[k]) end
+  end
+  for i = 1, #recs do redis.call('SET', KEYS[recs[i]], vals[recs[i]], 'PX', ttl) end
+end
+
+-- loadspecs loads the n specs packed in arg from byte at on into slots
+-- 1..n of S, taking the sorted set key of each concurrency spec, in spec
+-- order, from byte z on (I2 length, bytes); it returns the byte after the
+-- keys.
+local function loadspecs(arg, at, n, z, sub, ten, now)
+  local conc = z <= #arg -- any keys: else no spec's kind needs a look (a C call each)
+  for j = 1, n do
+    local zkey, pos = nil, at + (j - 1) * SPEC_LEN
+    if conc and arg:byte(pos + 6) == CONCURRENCY then
+      local l = sunpack('<I2', arg, z)
+      zkey, z = arg:sub(z + 2, z + 1 + l), z + 2 + l
+    end
+    load(arg, pos, j, sub, ten, now, zkey)
+  end
+  return z
 end
 
 -- commit stores limits 1..n and writes the blobs that changed back.

@@ -54,38 +54,15 @@
 local offset, guard, nget = sunpack('<i6BI2', ARGV[1])
 local ttl = ARGV[2]
 local now = now_ms(offset)
-local vals = redis.call('MGET', unpack(KEYS, 1, nget))
--- blobs[i]: KEYS[i] opened; opened: their indexes; recs: the indexes of
--- the records written. Presized, as lib.lua's S: a table grown from empty
--- reallocates at each doubling.
-local blobs, opened, recs, out = { NILS(8) }, { NILS(4) }, { NILS(4) }, { NILS(4) }
-local charging = false
-
-local function blob(i)
-  local bl = blobs[i]
-  if not bl then
-    bl = open(vals[i], now)
-    blobs[i], opened[#opened + 1] = bl, i
-  end
-  return bl
-end
+begin(nget)
 
 local function reserve(arg)
   local cost, mode, meta, ek, rk, sk, tk, myfp, mynonce, n = sunpack('<i6BBI2I2I2I2I6I6I2', arg)
   if guard == 1 and not vals[ek] then return spack('<i8', -1) end
-  local sub, ten = blob(sk), nil
-  if tk > 0 then ten = blob(tk) end
+  local sub, ten = blob(sk, now), nil
+  if tk > 0 then ten = blob(tk, now) end
   local at = RESERVE_HEAD + TAIL_HEAD + 1
-  local z = at + n * SPEC_LEN -- the concurrency sets' keys, then the member
-  local conc = z <= #arg -- any: else no spec's kind needs a look (a C call each)
-  for j = 1, n do
-    local zkey, pos = nil, at + (j - 1) * SPEC_LEN
-    if conc and arg:byte(pos + 6) == CONCURRENCY then
-      local l = sunpack('<I2', arg, z)
-      zkey, z = arg:sub(z + 2, z + 1 + l), z + 2 + l
-    end
-    load(arg, pos, j, sub, ten, now, zkey)
-  end
+  local z = loadspecs(arg, at, n, at + n * SPEC_LEN, sub, ten, now) -- then the member
 
   local raw = meta ~= 0 and mode ~= MODE_PEEK and vals[rk]
   if raw then
@@ -145,20 +122,8 @@ local function reserve(arg)
   return snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)
 end
 
-for i = 3, #ARGV do
-  local ok, v = pcall(reserve, ARGV[i])
-  if not ok then
-    if charging then error(v, 0) end
-    -- redis.call raises a table with the command's error
-    v = { err = 'reserve: ' .. (type(v) == 'table' and tostring(v.err) or tostring(v)) }
-  end
-  out[i - 2] = v
-end
-for i = 1, #opened do
-  local k = opened[i]
-  if blobs[k].changed then write(blobs[k], KEYS[k]) end
-end
+local out = decide(reserve, 'reserve: ')
 -- a record is written once: any later reserve of its id finds it and
 -- charges nothing
-for i = 1, #recs do redis.call('SET', KEYS[recs[i]], vals[recs[i]], 'PX', ttl) end
+finish(ttl)
 return out
