@@ -2,7 +2,7 @@
 # Counts the instructions redis-server spends per 5-limit reserve (steady:
 # subjects whose blobs exist; first touch: a new subject each), per 1-limit
 # reserve, per 5-limit settle (a correction above the estimate, and one
-# below it), per reserve in batches of 16 and 64,
+# below it), per reserve in batches of 16 and 64, per settle in batches of 64,
 # per empty FCALL and per INCR by running it
 # under callgrind (valgrind): figures that repeat within a few percent on a
 # noisy machine, unlike timings. Usage: bench/callgrind.sh

@@ -26,7 +26,9 @@ import (
 // ReserveBatch batches of 16 and 64 (distinct users each, as admission's
 // batches of concurrent requests), per reserve; and an empty FCALL (a
 // function that returns at once) with a lone reserve's shape, 4 keys and
-// one 70-byte argument: what Redis spends on a call before any script work.
+// one 70-byte argument: what Redis spends on a call before any script work;
+// then, per settle, SettleMany batches of 64 correcting the batched 5-limit
+// reserves.
 // bench/callgrind.sh starts the server and runs this test; without
 // QF_CALLGRIND_ADDR it is skipped.
 func TestCallgrindInstructions(t *testing.T) {
@@ -166,7 +168,7 @@ func control(t *testing.T, arg string) {
 // keeps counts the dumps kept in QF_CALLGRIND_KEEP: 1 steady, 2 first touch,
 // 3 one limit, 4 settle, 5 INCR, 6 settle below the estimate, 7 and 8
 // 5-limit batches of 16 and 64, 9 and 10 1-limit batches of 16 and 64, 11
-// the empty FCALL.
+// the empty FCALL, 12 settles in batches of 64.
 var keeps int
 
 // dump writes a callgrind dump and returns its instruction total.

@@ -5,7 +5,7 @@
 // A Limiter (New) takes the rules that a policy.Policy resolves for a
 // request. Reserve reserves its cost in every limit of its subject or in
 // none; a denial is a Decision, not an error. Correct and Release settle a
-// reservation exactly once (SettleMany: many in one round trip);
+// reservation exactly once (SettleMany: up to 64 in one script call);
 // ReserveShared, ChargeShared, Lease and ReturnLease serve the shared
 // global, endpoint and IP layers; TopUp credits a balance; VoidReserve
 // makes Redis agree with a decision taken without it. Time comes from
