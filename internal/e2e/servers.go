@@ -121,14 +121,11 @@ func redisPort() (int, error) {
 // its streams survive a Kill and restart, and its monitoring endpoint on
 // (Server.Monitor).
 func StartNATS(ctx context.Context, dir string) (*Server, error) {
-	port, err := FreePort()
+	ports, err := FreePorts(2) // the clients' and the monitoring port
 	if err != nil {
 		return nil, err
 	}
-	mport, err := FreePort()
-	if err != nil {
-		return nil, err
-	}
+	port, mport := ports[0], ports[1]
 	bin, err := lookPath("nats-server", "/usr/sbin/nats-server")
 	if err != nil {
 		return nil, err

@@ -19,12 +19,26 @@ import (
 
 // FreePort returns a loopback port nothing listens on right now.
 func FreePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	ps, err := FreePorts(1)
 	if err != nil {
 		return 0, err
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	return ps[0], nil
+}
+
+// FreePorts returns n distinct loopback ports nothing listens on right
+// now: each is held until all are chosen, so no two are the same.
+func FreePorts(n int) ([]int, error) {
+	ps := make([]int, n)
+	for i := range ps {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer l.Close()
+		ps[i] = l.Addr().(*net.TCPAddr).Port
+	}
+	return ps, nil
 }
 
 // FreeAddr is FreePort as host:port, for what a test or a service listens
