@@ -66,16 +66,7 @@ func TestSettleManyEqualsOneByOne(t *testing.T) {
 	}
 	now := time.Now()
 
-	var want []limits.SettleResult
-	for _, op := range batchOps(one, rules, now) {
-		var r limits.SettleResult
-		if op.Release {
-			r.Settlement, r.Err = l.Release(ctx, op.Settle)
-		} else {
-			r.Settlement, r.Err = l.Correct(ctx, op.Settle)
-		}
-		want = append(want, r)
-	}
+	want := settleOneByOne(ctx, l, batchOps(one, rules, now))
 	rt.Reset()
 	got := l.SettleMany(ctx, batchOps(many, rules, now))
 	if n := rt.Count(); n != 1 {
@@ -259,16 +250,7 @@ func TestSettleBatchEqualsSequentialCalls(t *testing.T) {
 			}
 		}
 	}
-	var want []limits.SettleResult
-	for _, op := range ops(seq) {
-		var r limits.SettleResult
-		if op.Release {
-			r.Settlement, r.Err = l.Release(ctx, op.Settle)
-		} else {
-			r.Settlement, r.Err = l.Correct(ctx, op.Settle)
-		}
-		want = append(want, r)
-	}
+	want := settleOneByOne(ctx, l, ops(seq))
 	batch := ops(bat)
 	rt.Reset()
 	fc := &fcalls{}
@@ -345,4 +327,18 @@ func TestSettleBatchErrorFailsOnlyItsSettle(t *testing.T) {
 	if u := limitstest.Used(limitstest.Peek(t, l, tenant, "a", rules).States); fmt.Sprint(u) != "[140 40 0 1]" {
 		t.Errorf("a after the batch used = %v, want [140 40 0 1] (b's 100 still in the month)", u)
 	}
+}
+
+// settleOneByOne settles ops with a lone Correct or Release each: what a
+// batch of them must equal.
+func settleOneByOne(ctx context.Context, l *limits.Limiter, ops []limits.SettleOp) []limits.SettleResult {
+	out := make([]limits.SettleResult, len(ops))
+	for i, op := range ops {
+		if op.Release {
+			out[i].Settlement, out[i].Err = l.Release(ctx, op.Settle)
+		} else {
+			out[i].Settlement, out[i].Err = l.Correct(ctx, op.Settle)
+		}
+	}
+	return out
 }
