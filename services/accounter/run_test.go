@@ -640,15 +640,26 @@ func TestAccounterEvents(t *testing.T) {
 	})
 }
 
-func TestRedeliveredBatchCountsOnce(t *testing.T) {
-	e := newEnv(t)
-	// Admission's view: a Redis the accounter initialised before.
+// initialised writes the epoch, as in a Redis the accounter initialised
+// before: admission's view.
+func (e *env) initialised(t *testing.T) {
+	t.Helper()
 	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// oneBatch makes one worker take everything published in one batch.
+func (e *env) oneBatch() {
 	e.cfg.Workers = 1
 	e.cfg.BatchSize = 1000
 	e.cfg.BatchWait = 500 * time.Millisecond
+}
+
+func TestRedeliveredBatchCountsOnce(t *testing.T) {
+	e := newEnv(t)
+	e.initialised(t)
+	e.oneBatch()
 	ten := "redeliver-" + e2e.RandomHex(4)
 	const n = 20
 	var want int64
@@ -727,12 +738,8 @@ func (e *env) consumedAll(tenant string, n int64) {
 // as JetStream's dedup kept the first of single events.
 func TestConflictingCopiesKeepTheFirst(t *testing.T) {
 	e := newEnv(t)
-	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
-		t.Fatal(err)
-	}
-	e.cfg.Workers = 1
-	e.cfg.BatchSize = 1000
-	e.cfg.BatchWait = 500 * time.Millisecond
+	e.initialised(t)
+	e.oneBatch()
 	ctx := context.Background()
 	ten := "conflict-" + e2e.RandomHex(4)
 	const n = 20
@@ -775,9 +782,7 @@ func TestConflictingCopiesKeepTheFirst(t *testing.T) {
 // each event id once.
 func TestReformedBatchesCountOnce(t *testing.T) {
 	e := newEnv(t)
-	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
-		t.Fatal(err)
-	}
+	e.initialised(t)
 	ctx := context.Background()
 	ten := "reformed-" + e2e.RandomHex(4)
 	const n = 20
@@ -835,9 +840,7 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 // every event is handled exactly once.
 func TestLargeFetchIsNotRedelivered(t *testing.T) {
 	e := newEnv(t)
-	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
-		t.Fatal(err)
-	}
+	e.initialised(t)
 	// One worker takes the whole fetch; the other's pulls would get any
 	// message the server redelivers meanwhile.
 	e.cfg.Workers = 2
@@ -1128,9 +1131,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 
 func TestExpiredReservationReleased(t *testing.T) {
 	e := newEnv(t)
-	if err := repair.WriteEpoch(context.Background(), e.redis.Client(), "test"); err != nil {
-		t.Fatal(err)
-	}
+	e.initialised(t)
 	e.cfg.ReservationTTL = 2 * time.Second
 	e.cfg.SettleExpiredAtEstimate = false
 	e.start(nil)
