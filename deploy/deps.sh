@@ -21,7 +21,9 @@
 # Also installed when missing, wherever the servers run: redis-server and
 # redis-cli (the tests start private Redis servers and a 3-node Redis Cluster),
 # the postgresql and nats-server packages (the chaos suite crashes private
-# ones) and gcc (`go test -race` needs cgo).
+# ones), gcc (`go test -race` needs cgo), and the nginx and caddy packages
+# (the gateway tests run them in front of admission; their system services
+# are kept from starting, see deploy/gateways/ensure.sh).
 set -euo pipefail
 set -E
 trap 'printf "deps: error: command failed (line %s): %s\n" "$LINENO" "$BASH_COMMAND" >&2' ERR
@@ -356,6 +358,19 @@ ensure_private_servers() {
 	fi
 }
 
+# --- Gateways the tests run ----------------------------------------------------
+
+# services/admission's gateway tests run nginx and Caddy on free loopback
+# ports; ensure.sh installs each when missing without starting (and, under
+# systemd, disables) the package's own service.
+ensure_gateways() {
+	local gw
+	for gw in nginx caddy; do
+		bash "$(dirname "${BASH_SOURCE[0]}")/gateways/ensure.sh" "$gw" >/dev/null 9>&- ||
+			die "could not install $gw (deploy/gateways/ensure.sh $gw)"
+	done
+}
+
 main() {
 	# Serialise concurrent runs (say `task test` and `task demo` started together).
 	if command -v flock >/dev/null 2>&1; then
@@ -367,6 +382,7 @@ main() {
 	ensure_postgres
 	ensure_nats
 	ensure_private_servers
+	ensure_gateways
 	if ((${#external[@]} == 0)); then
 		log "ready: Redis, PostgreSQL and NATS on loopback"
 	else

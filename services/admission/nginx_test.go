@@ -1,10 +1,8 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -13,22 +11,22 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"quotaflow/internal/e2e"
 	"quotaflow/services/admission/internal/httpapi"
 )
 
-// TestNginxAuthRequest runs real nginx with deploy/nginx/quotaflow.conf in
+// TestNginxAuthRequest runs real nginx with deploy/gateways/nginx/quotaflow.conf in
 // front of a tiny upstream and admission: a client gets 200s, then a 429
 // with Retry-After and the rate-limit headers, through nginx. nginx is
-// installed (Debian package) by deploy/nginx/ensure-nginx.sh when missing;
-// the test skips only when that is impossible here (no apt-get or no root).
+// installed (Debian package) by deploy/gateways/ensure.sh when missing;
+// the test skips only when that is impossible here (no apt-get or no root),
+// and never in CI.
 func TestNginxAuthRequest(t *testing.T) {
 	if testing.Short() {
 		t.Skip("needs nginx")
 	}
-	nginx := ensureNginx(t)
+	nginx := ensureGateway(t, "nginx")
 
 	policy := `
 default_plan: three
@@ -50,24 +48,14 @@ plans:
 	if err != nil {
 		t.Fatal(err)
 	}
-	conf, err := os.ReadFile(filepath.Join("..", "..", "deploy", "nginx", "quotaflow.conf"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	text := string(conf)
-	for old, repl := range map[string]string{
+	text := gatewayConfig(t, filepath.Join("nginx", "quotaflow.conf"), map[string]string{
 		"server 127.0.0.1:8080;":     "server " + strings.TrimPrefix(s.srv.URL, "http://") + ";",
 		"server 127.0.0.1:3000;":     "server " + strings.TrimPrefix(upstream.URL, "http://") + ";",
 		"listen 127.0.0.1:8000;":     "listen " + addr + ";",
 		"CHANGE-ME-admission-token":  "nginx-token",
 		`"key-acme-alice"   "acme";`: `"key-acme-alice"   "` + s.tenant + `";`,
 		`"key-acme-bob"     "acme";`: `"key-acme-bob"     "` + s.tenant + `";`,
-	} {
-		if !strings.Contains(text, old) {
-			t.Fatalf("deploy/nginx/quotaflow.conf no longer contains %q", old)
-		}
-		text = strings.ReplaceAll(text, old, repl)
-	}
+	})
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, "quotaflow.conf"), []byte(text), 0o644); err != nil {
 		t.Fatal(err)
@@ -188,35 +176,5 @@ http {
 	// Another user of the tenant is not affected.
 	if resp, body := get("key-acme-bob"); resp.StatusCode != 200 {
 		t.Errorf("bob: %d %q, want 200", resp.StatusCode, body)
-	}
-}
-
-// ensureNginx returns the nginx binary, installing it when missing.
-func ensureNginx(t *testing.T) string {
-	t.Helper()
-	out, err := exec.Command("bash", filepath.Join("..", "..", "deploy", "nginx", "ensure-nginx.sh")).Output()
-	var ee *exec.ExitError
-	if errors.As(err, &ee) && ee.ExitCode() == 3 {
-		t.Skipf("nginx is not installed and cannot be installed here: %s", ee.Stderr)
-	}
-	if err != nil {
-		t.Fatalf("deploy/nginx/ensure-nginx.sh: %v", err)
-	}
-	return strings.TrimSpace(string(out))
-}
-
-func waitListening(t *testing.T, addr string) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		c, err := net.DialTimeout("tcp", addr, time.Second)
-		if err == nil {
-			c.Close()
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("nginx did not listen on %s: %v", addr, err)
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }
