@@ -16,6 +16,7 @@ import (
 	"quotaflow/bench/internal/proc"
 	"quotaflow/bench/internal/stats"
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/envoypeer"
 )
 
 // onePolicy is admission's equivalent of envoy's counter: a per-user
@@ -147,7 +148,7 @@ func peer(ctx context.Context, o peerOptions) error {
 
 	fmt.Printf("%d users, %s per run, %d rounds, targets in rotating order; load average %s at the start\n", o.users, o.dur, o.rounds, load0)
 	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s\n",
-		envoy.Package, envoy.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "))
+		envoypeer.Package, envoypeer.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "))
 	if find(ts, "plain") != nil {
 		fmt.Printf("plain answers %d bytes (admission's 5-limit answer)\n", size)
 	}
@@ -363,7 +364,7 @@ func (b *bench) peerPlain(size int) (*peerTarget, error) {
 // peerEnvoy starts envoyproxy/ratelimit on a Redis of its own, set up by
 // envoy.Setup.
 func (b *bench) peerEnvoy(ctx context.Context, o peerOptions) (*peerTarget, error) {
-	bin, err := envoy.Binary()
+	bin, err := envoypeer.Binary()
 	if err != nil {
 		return nil, err
 	}

@@ -9,6 +9,7 @@ import (
 
 	"quotaflow/bench/internal/envoy"
 	"quotaflow/bench/internal/stats"
+	"quotaflow/internal/envoypeer"
 )
 
 // report prints every round and the medians as Markdown tables: rates,
@@ -110,7 +111,7 @@ func format(v float64) string {
 // pipeline's accounted requests per second to envoy's checks per second,
 // round by round (the rounds ran interleaved).
 func reportPeer(out io.Writer, ms []meter, checks []peerRound, pls []*pipeline) {
-	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections, REDIS_POOL_SIZE %d, no statistics; CPU per check, µs:\n\n", envoy.Version, envoy.DefaultPoolSize)
+	fmt.Fprintf(out, "\nenvoyproxy/ratelimit %s, one per-user counter, POST /json, same load generator and connections, REDIS_POOL_SIZE %d, no statistics; CPU per check, µs:\n\n", envoypeer.Version, envoy.DefaultPoolSize)
 	head := []string{"round", "checks/s", "p99"}
 	for _, m := range ms {
 		head = append(head, m.name)

@@ -10,11 +10,11 @@ import (
 	"strings"
 	"time"
 
-	"quotaflow/bench/internal/envoy"
 	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/plans"
 	"quotaflow/bench/internal/proc"
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/envoypeer"
 )
 
 // Config is one benchmark run.
@@ -126,11 +126,11 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 	var rl *peer
 	var peerMeters []meter
 	if cfg.Envoy {
-		fmt.Fprintln(out, "starting envoyproxy/ratelimit "+envoy.Version+" ...")
+		fmt.Fprintln(out, "starting envoyproxy/ratelimit "+envoypeer.Version+" ...")
 		bin := cfg.EnvoyBin
 		if bin == "" {
 			var err error
-			if bin, err = envoy.Binary(); err != nil {
+			if bin, err = envoypeer.Binary(); err != nil {
 				return err
 			}
 		}
