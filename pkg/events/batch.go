@@ -86,18 +86,23 @@ func BatchSize(n, size int) int { return size + max(n, 1) + 1 }
 // bad element fails only itself. raw[i] is element i's bytes, for a dead
 // letter of that one event.
 func DecodeBatch(b []byte) (evs []Event, errs []error, raw [][]byte, err error) {
-	return decodeBatch(b, false)
+	return Decoder{}.DecodeBatch(b)
+}
+
+// DecodeBatch is DecodeBatch, reading what d says.
+func (d Decoder) DecodeBatch(b []byte) (evs []Event, errs []error, raw [][]byte, err error) {
+	return decodeBatch(b, d, false)
 }
 
 // DecodeReportedBatch is DecodeBatch with each element decoded as
 // DecodeReported does (its id ignored): the body of admission's POST
 // /v1/usage, checked as a whole once rather than once more per event.
 func DecodeReportedBatch(b []byte) (evs []Event, errs []error, err error) {
-	evs, errs, _, err = decodeBatch(b, true)
+	evs, errs, _, err = decodeBatch(b, Decoder{}, true)
 	return evs, errs, err
 }
 
-func decodeBatch(b []byte, noID bool) (evs []Event, errs []error, raw [][]byte, err error) {
+func decodeBatch(b []byte, d Decoder, noID bool) (evs []Event, errs []error, raw [][]byte, err error) {
 	if len(b) > MaxBatchSize {
 		return nil, nil, nil, fmt.Errorf("%w: batch: %d bytes, larger than %d", ErrInvalid, len(b), MaxBatchSize)
 	}
@@ -118,7 +123,7 @@ func decodeBatch(b []byte, noID bool) (evs []Event, errs []error, raw [][]byte, 
 	evs, errs = make([]Event, len(raw)), make([]error, len(raw))
 	for i, e := range raw {
 		// An element of valid UTF-8 and JSON is valid UTF-8 and JSON.
-		evs[i], errs[i] = decode(e, noID, true)
+		evs[i], errs[i] = decode(e, d, noID, true)
 	}
 	return evs, errs, raw, nil
 }

@@ -26,17 +26,34 @@ const maxProblems = 10
 // data. Keys match exactly: "Tenant" is not "tenant". Unknown keys are
 // ignored, so producers may add CloudEvents extension attributes and
 // consumers tolerate fields added to data later.
-func Decode(b []byte) (Event, error) { return decode(b, false, false) }
+func Decode(b []byte) (Event, error) { return Decoder{}.Decode(b) }
+
+// Decoder decodes events as Decode and DecodeBatch do, reading less of
+// them for a consumer that needs less. The zero value reads everything.
+type Decoder struct {
+	// NoSnapshots leaves the limit snapshot of reserved and corrected
+	// events (limits, would_deny) unread and unchecked: Limits and
+	// WouldDeny stay nil, and a snapshot that breaks the rules does not
+	// make the event invalid. It is for a consumer that reads nothing of
+	// the snapshot (the accounter; the alerter reads and checks it): the
+	// snapshot is most of a reserved event's decoding. Everything else is
+	// checked as Decode checks it, and the whole input must still be
+	// valid UTF-8 and JSON.
+	NoSnapshots bool
+}
+
+// Decode is Decode, reading what d says.
+func (d Decoder) Decode(b []byte) (Event, error) { return decode(b, d, false, false) }
 
 // DecodeReported is Decode for an event whose id its receiver derives
 // (admission's POST /v1/usage derives it from the event's type, tenant,
 // user and request id, so that no caller can claim another's id): an id
 // in b is ignored, whatever it holds, and the returned event has none.
-func DecodeReported(b []byte) (Event, error) { return decode(b, true, false) }
+func DecodeReported(b []byte) (Event, error) { return decode(b, Decoder{}, true, false) }
 
-// decode is Decode, or DecodeReported when noID; valid says b is known to
-// be valid UTF-8 and JSON (an element of a batch checked as a whole).
-func decode(b []byte, noID, valid bool) (Event, error) {
+// decode is d.Decode, or DecodeReported when noID; valid says b is known
+// to be valid UTF-8 and JSON (an element of a batch checked as a whole).
+func decode(b []byte, d Decoder, noID, valid bool) (Event, error) {
 	if len(b) > MaxEventSize {
 		return Event{}, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
 	}
@@ -51,13 +68,18 @@ func decode(b []byte, noID, valid bool) (Event, error) {
 	// The members of every object of the event, from one arena (object),
 	// sized for about one member per 12 bytes: a reserved event with five
 	// limits has 61 members in ~820 bytes, an actual one 16 in ~350.
-	free := make([]member, 0, len(b)/12+8)
+	n := len(b)/12 + 8
+	if d.NoSnapshots {
+		// No snapshot's objects: a reserved event has 21 members then.
+		n = min(n, 24)
+	}
+	free := make([]member, 0, n)
 	top, err := object(b, &free)
 	if err != nil {
 		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
 	}
 	c := newChecker()
-	r := &reader{c: c, m: top, free: &free}
+	r := &reader{c: c, m: top, free: &free, noSnapshots: d.NoSnapshots}
 	spec := r.oneOf("specversion", specVersions)
 	ev := Event{Source: r.str("source"), Time: r.time("time").UTC()}
 	if !noID {
@@ -92,7 +114,7 @@ func decode(b []byte, noID, valid bool) (Event, error) {
 		c.add("data", err.Error())
 	}
 	if err == nil && ok {
-		dr := &reader{c: c.at("data."), m: data, free: &free}
+		dr := &reader{c: c.at("data."), m: data, free: &free, noSnapshots: d.NoSnapshots}
 		if read := readers[typ]; read != nil {
 			ev.Data = read(dr)
 		}
@@ -273,7 +295,11 @@ func (d TopUp) validate(c checker) {
 	c.ident("reference", d.Reference, true)
 }
 
+// readLimits reads a limit snapshot, unless the reader skips snapshots.
 func readLimits(r *reader, name string) []LimitState {
+	if r.noSnapshots {
+		return nil
+	}
 	var out []LimitState
 	r.array(name, func(ir *reader) {
 		if ir == nil {
@@ -294,7 +320,12 @@ func readLimits(r *reader, name string) []LimitState {
 	return out
 }
 
+// readRefs reads a snapshot's limit references, unless the reader skips
+// snapshots.
 func readRefs(r *reader, name string) []LimitRef {
+	if r.noSnapshots {
+		return nil
+	}
 	var out []LimitRef
 	r.array(name, func(ir *reader) {
 		if ir == nil {

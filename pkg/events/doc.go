@@ -230,4 +230,7 @@
 // errors wrap ErrInvalid: such an event can never succeed, so consumers
 // dead-letter it (stream.Process does) rather than retry. stream.Publisher
 // validates before sending, so what Go services publish always decodes.
+// A consumer that reads no limit snapshot decodes with
+// Decoder.NoSnapshots, which neither reads nor checks one: the accounter
+// does, leaving an event whose snapshot alone is wrong to the alerter.
 package events

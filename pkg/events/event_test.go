@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -85,6 +86,40 @@ func TestRoundTrip(t *testing.T) {
 				t.Errorf("type = %s, want %s", got, want)
 			}
 		})
+	}
+}
+
+// TestDecoderNoSnapshots decodes every example, alone and in a batch, as
+// the accounter does: the event Decode gives, without its snapshot.
+func TestDecoderNoSnapshots(t *testing.T) {
+	dec := Decoder{NoSnapshots: true}
+	var all []Event
+	for _, ev := range examples() {
+		want := ev
+		switch d := ev.Data.(type) {
+		case Reserved:
+			d.Limits, d.WouldDeny = nil, nil
+			want.Data = d
+		case Corrected:
+			d.Limits = nil
+			want.Data = d
+		}
+		all = append(all, want)
+		b, err := Encode(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := dec.Decode(b); err != nil || !reflect.DeepEqual(got, want) {
+			t.Errorf("Decode(%s) = %+v, %v, want %+v", b, got, err, want)
+		}
+	}
+	b, err := EncodeBatch(examples())
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, errs, _, err := dec.DecodeBatch(b)
+	if err != nil || !reflect.DeepEqual(got, all) || slices.ContainsFunc(errs, func(e error) bool { return e != nil }) {
+		t.Errorf("DecodeBatch = %+v, %v, %v, want %+v", got, errs, err, all)
 	}
 }
 

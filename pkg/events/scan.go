@@ -156,6 +156,8 @@ type reader struct {
 	c    checker
 	m    []member
 	free *[]member // the event's arena (object)
+	// noSnapshots skips limit snapshots (Decoder.NoSnapshots).
+	noSnapshots bool
 }
 
 // raw returns the field unless it is absent or null.

@@ -59,13 +59,19 @@ func (d *Delivery) FirstStored(i int) time.Time {
 // single event, a malformed batch): dead-letter it (Reject), retrying
 // cannot help. An invalid event of a batch is in Errs.
 func DecodeMsg(msg jetstream.Msg, cfg Config) (*Delivery, error) {
+	return DecodeMsgWith(msg, cfg, events.Decoder{})
+}
+
+// DecodeMsgWith is DecodeMsg, decoding the events with dec: a consumer
+// that reads less of them checks less (events.Decoder.NoSnapshots).
+func DecodeMsgWith(msg jetstream.Msg, cfg Config, dec events.Decoder) (*Delivery, error) {
 	d := &Delivery{Msg: msg}
 	own := msg.Headers().Get(HeaderFirstStored) == FirstStoredOwn
 	if !own {
 		d.stored = FirstStored(msg)
 	}
 	if events.IsBatch(msg.Headers().Get("Content-Type")) {
-		evs, errs, raw, err := events.DecodeBatch(msg.Data())
+		evs, errs, raw, err := dec.DecodeBatch(msg.Data())
 		if err != nil {
 			return nil, err
 		}
@@ -75,7 +81,7 @@ func DecodeMsg(msg jetstream.Msg, cfg Config) (*Delivery, error) {
 			// Only a batch says "own"; a single event's header is a time.
 			d.stored = FirstStored(msg)
 		}
-		ev, err := events.Decode(msg.Data())
+		ev, err := dec.Decode(msg.Data())
 		if err != nil {
 			return nil, err
 		}

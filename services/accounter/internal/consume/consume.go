@@ -184,7 +184,9 @@ func (c *Consumer) Handle(ctx context.Context, f stream.Fetched) {
 			c.count(events.TypeCorrected, "ignored", msg.Ack())
 			continue
 		}
-		d, err := stream.DecodeMsg(msg, c.opts.Events)
+		// The accounter reads no limit snapshot (the alerter's), so it
+		// neither decodes nor checks one: most of a reserved event's cost.
+		d, err := stream.DecodeMsgWith(msg, c.opts.Events, events.Decoder{NoSnapshots: true})
 		if err != nil {
 			c.count("unknown", "", stream.Reject(ctx, c.js, c.opts.Events, stream.ReasonInvalid, msg, err))
 			continue
