@@ -611,32 +611,64 @@ func TestAccounterEvents(t *testing.T) {
 		e2e.Eventually(t, "dead letter counted as published", func() bool { return e.metric(dlq) == before+1 })
 	})
 
-	t.Run("an event Postgres cannot store goes to the DLQ", func(t *testing.T) {
+	t.Run("an event is stored as it came", func(t *testing.T) {
 		e := base.with(t)
 		// A valid event (its tenant's unpaired surrogate escape reads as
-		// U+FFFD), but the ledger keeps the event's JSON as it came, and
-		// jsonb refuses the escape; it is published between good ones. (A
-		// NUL, which text cannot hold either, no longer gets this far:
-		// identifiers never hold control characters.)
-		ten := "bad-" + e2e.RandomHex(4)
-		e.publish(e.actual(ten, "u1", "before", "", 1, 1))
+		// U+FFFD) that jsonb refused when the ledger parsed events: its
+		// bytes are kept unparsed now, exactly.
+		ten := "raw-" + e2e.RandomHex(4)
 		raw, err := events.Encode(e.actual(ten+"-x", "u1", "r1", "", 1, 1))
 		if err != nil {
 			t.Fatal(err)
 		}
 		raw = bytes.ReplaceAll(raw, []byte(ten+"-x"), []byte(ten+`\ud800`))
 		if _, err := events.Decode(raw); err != nil {
-			t.Fatalf("the event Postgres cannot store is invalid: %v", err)
+			t.Fatalf("the event is invalid: %v", err)
 		}
 		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeActual), raw); err != nil {
 			t.Fatal(err)
 		}
+		e.waitStatus(ten+"\ufffd", "u1", "r1", "settled")
+		var stored []byte
+		if err := e.pg.QueryRow(ctx, `SELECT event FROM usage_events WHERE tenant = $1`, ten+"\ufffd").Scan(&stored); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(stored, raw) {
+			t.Errorf("stored event = %s, want %s", stored, raw)
+		}
+	})
+
+	t.Run("an event Postgres refuses goes to the DLQ", func(t *testing.T) {
+		e := base.with(t)
+		// Postgres refuses no event the accounter checked: a trigger of
+		// this test's database refuses one tenant's as a data exception
+		// (SQLSTATE 22023, as for a value Postgres cannot hold). It is
+		// published between good ones, which must not be held up.
+		ten := "bad-" + e2e.RandomHex(4)
+		for _, q := range []string{
+			`CREATE FUNCTION refuse_` + ten[4:] + `() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+				IF NEW.tenant = '` + ten + `-x' THEN RAISE EXCEPTION 'refused' USING ERRCODE = '22023'; END IF;
+				RETURN NEW; END $$`,
+			`CREATE TRIGGER refuse_` + ten[4:] + ` BEFORE INSERT ON usage_events FOR EACH ROW EXECUTE FUNCTION refuse_` + ten[4:] + `()`,
+		} {
+			if _, err := e.pg.Exec(ctx, q); err != nil {
+				t.Fatal(err)
+			}
+		}
+		t.Cleanup(func() {
+			_, _ = e.pg.Exec(context.Background(), `DROP TRIGGER refuse_`+ten[4:]+` ON usage_events`)
+		})
+		e.publish(e.actual(ten, "u1", "before", "", 1, 1))
+		e.publish(e.actual(ten+"-x", "u1", "r1", "", 1, 1))
 		e.publish(e.actual(ten, "u1", "after", "", 1, 1))
 		e.waitStatus(ten, "u1", "before", "settled")
 		e.waitStatus(ten, "u1", "after", "settled")
 		e2e.Eventually(t, "dead letter", func() bool {
 			return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(prefix, "ledger_rejected")) == 1
 		})
+		if n := e.count(`SELECT count(*) FROM reservations WHERE tenant = $1`, ten+"-x"); n != 0 {
+			t.Errorf("%d reservations of the refused event, want 0", n)
+		}
 	})
 }
 

@@ -63,7 +63,8 @@ type Record struct {
 	Tokens     int64
 	OccurredAt time.Time // the CloudEvent time
 	// Payload is the event's JSON, stored with every event but a reserved
-	// one, whose reservation row holds what the ledger keeps of it.
+	// one, whose reservation row holds what the ledger keeps of it. It is
+	// stored as it is (bytea, unparsed): the caller checked it.
 	Payload   []byte
 	Plan      string
 	Endpoint  string
@@ -109,14 +110,15 @@ const (
 // insertEvents stores the events of a batch that are new, but reserved
 // ones: their reservation row is their record (upsertReservations), so the
 // ledger writes one row, not two, per reserved event, and no copy of its
-// payload. The batch comes as one array per column (eventArgs), so that
-// its write is one exchange with its BEGIN: no COPY into a staging table
-// first.
+// payload. A payload goes to the column event as bytes, which Postgres
+// does not parse (jsonb's parse was most of an actual event's insert). The
+// batch comes as one array per column (eventArgs), so that its write is one
+// exchange with its BEGIN: no COPY into a staging table first.
 const insertEvents = `
-INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
-SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload::jsonb
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::text[])
-    AS e(event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload)
+INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, event)
+SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, event
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::bytea[])
+    AS e(event_id, type, tenant, user_id, request_id, tokens, occurred_at, event)
 ORDER BY tenant, event_id
 ON CONFLICT (tenant, event_id) DO NOTHING`
 
@@ -656,8 +658,8 @@ func (s *Store) TryLock(ctx context.Context, id int64) (unlock func(), ok bool, 
 }
 
 // IsRejected reports whether err means Postgres refused the data itself
-// (SQLSTATE class 22, data exception, e.g. a NUL character, which text and
-// jsonb cannot hold; or 54, program limit exceeded): writing the same record
+// (SQLSTATE class 22, data exception, e.g. a NUL character, which text
+// cannot hold; or 54, program limit exceeded): writing the same record
 // again can never succeed, unlike a lost connection.
 func IsRejected(err error) bool {
 	var pgErr *pgconn.PgError
