@@ -88,10 +88,14 @@ type Config struct {
 	// EventBatchMax is the most events one publish round carries, of the
 	// outbox and of POST /v1/usage alike.
 	EventBatchMax int `envconfig:"EVENT_BATCH_MAX"`
-	// EventBatchWait is the longest the first event of a publish round
-	// waits for others; 0 publishes at once (a round then takes what came
-	// while the one before it was publishing).
+	// EventBatchWait is the longest the first report of a POST /v1/usage
+	// round waits for others; 0 publishes at once (a round then takes what
+	// came while the one before it was publishing).
 	EventBatchWait time.Duration `envconfig:"EVENT_BATCH_WAIT"`
+	// OutboxMaxWait bounds how long an event of the outbox's queue waits
+	// for its round, a wait that grows with the load from none; 0
+	// publishes at once.
+	OutboxMaxWait time.Duration `envconfig:"OUTBOX_MAX_WAIT"`
 	// SpillDir holds events NATS could not take yet; one per instance.
 	SpillDir string `envconfig:"SPILL_DIR" default:"/var/tmp/quotaflow-admission-spill"`
 	// SpillMaxBytes bounds SpillDir; past it events are lost (and counted).
@@ -113,7 +117,7 @@ func defaults() Config {
 		Instances: decide.DefaultInstances, LeaseIdle: decide.DefaultLeaseIdle,
 		ReservationTTL:  limits.DefaultReservationTTL,
 		OutboxMaxEvents: outbox.DefaultMaxEvents, SpillMaxBytes: outbox.DefaultMaxSpillBytes,
-		EventBatchMax: stream.DefaultBatchMax, EventBatchWait: stream.DefaultBatchWait,
+		EventBatchMax: stream.DefaultBatchMax, EventBatchWait: stream.DefaultBatchWait, OutboxMaxWait: outbox.DefaultQueueWait,
 		ShutdownTimeout: config.DefaultShutdownTimeout,
 	}
 }
@@ -185,6 +189,9 @@ func (c *Config) Validate() error {
 	if c.EventBatchWait < 0 || c.EventBatchWait > maxEventBatchWait {
 		bad("EVENT_BATCH_WAIT", "%v: want 0 (publish at once) to %v (a few ms is typical): every POST /v1/usage may wait this long", c.EventBatchWait, maxEventBatchWait)
 	}
+	if c.OutboxMaxWait < 0 || c.OutboxMaxWait > maxEventBatchWait {
+		bad("OUTBOX_MAX_WAIT", "%v: want 0 (publish at once) to %v: consumers may see an event this much later", c.OutboxMaxWait, maxEventBatchWait)
+	}
 	if c.SpillDir == "" {
 		bad("SPILL_DIR", "required")
 	}
@@ -199,7 +206,7 @@ func (c *Config) Validate() error {
 
 // Bounds of the event batch settings: a round of more events than the
 // outbox's default queue gains nothing, and a wait near a second would make
-// every usage report that slow.
+// every usage report that slow, or every event that late for consumers.
 const (
 	maxEventBatch     = 10000
 	maxEventBatchWait = time.Second
@@ -233,7 +240,8 @@ func (c *Config) LogArgs() []any {
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.NATS.LogArgs(),
 		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
 			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir,
-			"event_batch_max", c.EventBatchMax, "event_batch_wait", c.EventBatchWait.String()})
+			"event_batch_max", c.EventBatchMax, "event_batch_wait", c.EventBatchWait.String(),
+			"outbox_max_wait", c.OutboxMaxWait.String()})
 }
 
 // decideOptions are the Decider's options; where a setting's 0 means none
@@ -263,10 +271,12 @@ func breakerWindow(w time.Duration) time.Duration {
 }
 
 func (c *Config) outboxOptions(log *slog.Logger, reg prometheus.Registerer) outbox.Options {
-	wait := c.EventBatchWait
-	if wait == 0 {
-		wait = -1 // none; the outbox's 0 is its default
+	none := func(w time.Duration) time.Duration {
+		if w == 0 {
+			return -1 // none; the outbox's 0 is its default
+		}
+		return w
 	}
 	return outbox.Options{SpillDir: c.SpillDir, MaxEvents: c.OutboxMaxEvents, MaxSpillBytes: c.SpillMaxBytes,
-		BatchSize: c.EventBatchMax, BatchWait: wait, Log: log, Registerer: reg}
+		BatchSize: c.EventBatchMax, BatchWait: none(c.EventBatchWait), QueueWait: none(c.OutboxMaxWait), Log: log, Registerer: reg}
 }

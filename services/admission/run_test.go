@@ -61,6 +61,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 		{"QF_OUTBOX_MAX_EVENTS", cfg.OutboxMaxEvents, 10000},
 		{"QF_EVENT_BATCH_MAX", cfg.EventBatchMax, 256},
 		{"QF_EVENT_BATCH_WAIT", cfg.EventBatchWait, time.Millisecond},
+		{"QF_OUTBOX_MAX_WAIT", cfg.OutboxMaxWait, 50 * time.Millisecond},
 		{"QF_PPROF", cfg.Pprof, false},
 	} {
 		if want.got != want.want {
@@ -94,12 +95,13 @@ func TestConfigValidateNamesVariables(t *testing.T) {
 	cfg.BreakerWindow = -time.Millisecond
 	cfg.EventBatchMax = 0
 	cfg.EventBatchWait = 2 * time.Second
+	cfg.OutboxMaxWait = -time.Millisecond
 	err := cfg.Validate()
 	if err == nil {
 		t.Fatal("Validate = nil")
 	}
 	for _, want := range []string{"QF_AUTHZ_DENY_STATUS", "QF_TRUSTED_PROXIES", "QF_API_TOKENS", "QF_REDIS_TIMEOUT",
-		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR", "QF_REDIS_BREAKER_WINDOW", "QF_EVENT_BATCH_MAX", "QF_EVENT_BATCH_WAIT"} {
+		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR", "QF_REDIS_BREAKER_WINDOW", "QF_EVENT_BATCH_MAX", "QF_EVENT_BATCH_WAIT", "QF_OUTBOX_MAX_WAIT"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Validate error lacks %s: %v", want, err)
 		}
@@ -134,21 +136,22 @@ func TestBreakerWindowZeroMeansNone(t *testing.T) {
 	}
 }
 
-// QF_EVENT_BATCH_WAIT=0 publishes at once: the outbox's zero means its
-// default, a negative wait none. QF_EVENT_BATCH_MAX reaches the outbox.
+// QF_EVENT_BATCH_WAIT=0 and QF_OUTBOX_MAX_WAIT=0 publish at once: the
+// outbox's zero means its default, a negative wait none.
+// QF_EVENT_BATCH_MAX reaches the outbox.
 func TestEventBatchSettings(t *testing.T) {
 	cfg := testConfig(t)
-	cfg.EventBatchWait, cfg.EventBatchMax = 0, 7
+	cfg.EventBatchWait, cfg.OutboxMaxWait, cfg.EventBatchMax = 0, 0, 7
 	if err := cfg.Validate(); err != nil {
-		t.Fatalf("Validate(QF_EVENT_BATCH_WAIT=0) = %v", err)
+		t.Fatalf("Validate(QF_EVENT_BATCH_WAIT=0, QF_OUTBOX_MAX_WAIT=0) = %v", err)
 	}
 	o := cfg.outboxOptions(nil, nil)
-	if o.BatchWait >= 0 || o.BatchSize != 7 {
-		t.Errorf("outbox options for wait 0, max 7: BatchWait %v, BatchSize %d; want negative and 7", o.BatchWait, o.BatchSize)
+	if o.BatchWait >= 0 || o.QueueWait >= 0 || o.BatchSize != 7 {
+		t.Errorf("outbox options for waits 0, max 7: BatchWait %v, QueueWait %v, BatchSize %d; want negative, negative and 7", o.BatchWait, o.QueueWait, o.BatchSize)
 	}
-	cfg.EventBatchWait = 3 * time.Millisecond
-	if o := cfg.outboxOptions(nil, nil); o.BatchWait != 3*time.Millisecond {
-		t.Errorf("BatchWait for 3ms = %v", o.BatchWait)
+	cfg.EventBatchWait, cfg.OutboxMaxWait = 3*time.Millisecond, 20*time.Millisecond
+	if o := cfg.outboxOptions(nil, nil); o.BatchWait != 3*time.Millisecond || o.QueueWait != 20*time.Millisecond {
+		t.Errorf("BatchWait for 3ms = %v, QueueWait for 20ms = %v", o.BatchWait, o.QueueWait)
 	}
 	cfg.EventBatchWait = -time.Millisecond
 	if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "QF_EVENT_BATCH_WAIT") {

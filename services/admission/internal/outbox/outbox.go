@@ -5,9 +5,20 @@
 // goroutine publishes the queue in batches through pkg/events (Nats-Msg-Id =
 // the event's deterministic id, so a batch retried after a timeout or a NATS
 // restart is stored once). A round takes up to Options.BatchSize events,
-// and when the queue holds fewer it waits up to Options.BatchWait after
-// the first of them for more, so that under moderate load a round carries
-// many events rather than one. While NATS is slow or down the publisher retries
+// and when the queue holds fewer it waits for more after the first of
+// them, for a time that follows the load, between none and
+// Options.QueueWait: a round's wait starts at none; after a round that
+// carried more than one event the next round's wait doubles (from 1 ms) up
+// to QueueWait, and after a round of one event, which nothing joined
+// within its wait, or when an event finds the publisher idle for longer
+// than the wait, it falls back to none, so an event that comes alone goes
+// at once. Under load rounds thus grow to about
+// the event rate times QueueWait, and NATS, whose cost is mostly per
+// message (bench/results.md, issue 13), handles a few large messages
+// instead of many small ones; no event waits longer than QueueWait for
+// its round (quotaflow_admission_publish_wait_seconds{publisher="outbox"}
+// reports each event's wait, quotaflow_admission_outbox_batch_wait_seconds
+// the current one). While NATS is slow or down the publisher retries
 // with backoff and the queue fills; past its bound (Options.MaxEvents) events
 // are appended to segment files in Options.SpillDir instead of being dropped.
 // When publishing works again and the queue is empty, the segments are
@@ -25,8 +36,8 @@
 //
 // PublishNow, for callers that must know their events are stored (POST
 // /v1/usage), goes through a stream.Batcher instead of the queue:
-// concurrent calls share a round, bounded by the same BatchSize and
-// BatchWait.
+// concurrent calls share a round, bounded by the same BatchSize and by
+// BatchWait, a fixed wait: each caller waits for it.
 //
 // Order is not preserved across a spill: consumers order snapshots by their
 // version, not by arrival.
@@ -71,11 +82,17 @@ type Options struct {
 	// BatchSize is the most events one publish round sends, of the queue
 	// and of PublishNow alike (default stream.DefaultBatchMax).
 	BatchSize int
-	// BatchWait is the longest a round waits for more events after its
-	// first, when fewer than BatchSize are at hand (default
-	// stream.DefaultBatchWait); negative: no wait. A round never waits when
-	// a full batch is queued, nor for a retry or a spill replay.
+	// BatchWait is the longest a round of PublishNow waits for more
+	// events after its first, when fewer than BatchSize are at hand
+	// (default stream.DefaultBatchWait); negative: no wait.
 	BatchWait time.Duration
+	// QueueWait bounds the wait of a round of the queue for more events
+	// after its first, which adapts to the load below it (see the package
+	// documentation; default DefaultQueueWait); negative: no wait, a round
+	// takes what was queued while the one before it was publishing. A
+	// round never waits when a full batch is queued, nor for a retry or a
+	// spill replay.
+	QueueWait time.Duration
 	// PublishTimeout bounds one publish round (default 5 s): a batch not
 	// acknowledged by then is retried.
 	PublishTimeout time.Duration
@@ -111,9 +128,17 @@ const (
 	DefaultMaxSpillBytes  = 1 << 30
 	DefaultPublishTimeout = 5 * time.Second
 	DefaultMaxBackoff     = 5 * time.Second
-	DefaultSource         = "quotaflow/admission"
-	defaultSegmentBytes   = 16 << 20
-	firstBackoff          = 50 * time.Millisecond
+	// DefaultQueueWait bounds how long a queued event waits for its round:
+	// long enough for rounds of tens of events at a thousand events a
+	// second (bench/results.md, "NATS per accounted request (session 3)"),
+	// far below the accounter's catch-up goal of a second.
+	DefaultQueueWait = 50 * time.Millisecond
+	// firstQueueWait is a round's wait after the first round that shared
+	// its message: the group commit's default, stream.DefaultBatchWait.
+	firstQueueWait      = stream.DefaultBatchWait
+	DefaultSource       = "quotaflow/admission"
+	defaultSegmentBytes = 16 << 20
+	firstBackoff        = 50 * time.Millisecond
 	// defaultMaxDenyKeys bounds the denial aggregation map. A denial of a
 	// key beyond it (more distinct denying keys than this within one
 	// second) is published on its own with count 1, under an id of its own
@@ -133,6 +158,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.BatchWait == 0 {
 		o.BatchWait = stream.DefaultBatchWait
+	}
+	if o.QueueWait == 0 {
+		o.QueueWait = DefaultQueueWait
 	}
 	if o.PublishTimeout <= 0 {
 		o.PublishTimeout = DefaultPublishTimeout
@@ -176,6 +204,7 @@ type Outbox struct {
 	m     *metrics
 
 	inflight atomic.Int64 // events of the batch being published
+	wait     atomic.Int64 // ns the queue's next round waits for more (adapt)
 	lastErr  atomic.Value // string: why publishing fails, "" when it works
 	spilling atomic.Bool  // logged spilling start, not yet replayed
 
@@ -459,8 +488,12 @@ func (o *Outbox) run() {
 				seg = nil
 				continue
 			}
+			idle := time.Now()
 			select {
 			case q := <-o.queue:
+				if q.at.Sub(idle) > time.Duration(o.wait.Load()) {
+					o.wait.Store(0) // idle longer than a round's wait: fewer events than one a wait
+				}
 				batch, arrived = o.fill(append(batch, q.ev), append(arrived[:0], q.at), closingSig)
 				fresh = true
 			case <-o.kick:
@@ -471,6 +504,9 @@ func (o *Outbox) run() {
 
 		if fresh {
 			o.m.outbox.observeSince(len(batch), arrived, time.Now())
+			if !fromSpill {
+				o.adapt(len(batch))
+			}
 			fresh = false
 		}
 		o.inflight.Store(int64(len(batch)))
@@ -533,11 +569,22 @@ func (o *Outbox) take(batch []events.Event, arrived []time.Time, mayWait bool) (
 	return batch, arrived
 }
 
-// fill waits for more queued events until batch holds BatchSize, BatchWait
-// has passed since its first event was queued, or stop is closed (Close:
-// publish at once).
+// adapt sets the wait of the queue's next round after a round of n
+// events: none after a lone event, else twice the last (at least
+// firstQueueWait), at most QueueWait.
+func (o *Outbox) adapt(n int) {
+	var w time.Duration
+	if n > 1 {
+		w = max(0, min(max(2*time.Duration(o.wait.Load()), firstQueueWait), o.opt.QueueWait))
+	}
+	o.wait.Store(int64(w))
+}
+
+// fill waits for more queued events until batch holds BatchSize, the
+// round's wait (adapt) has passed since its first event was queued, or
+// stop is closed (Close: publish at once).
 func (o *Outbox) fill(batch []events.Event, arrived []time.Time, stop <-chan struct{}) ([]events.Event, []time.Time) {
-	wait := time.Until(arrived[0].Add(o.opt.BatchWait))
+	wait := time.Until(arrived[0].Add(time.Duration(o.wait.Load())))
 	if wait <= 0 || len(batch) >= o.opt.BatchSize {
 		return batch, arrived
 	}
@@ -761,7 +808,7 @@ func newMetrics(reg prometheus.Registerer, o *Outbox) *metrics {
 	waits := prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "quotaflow_admission_publish_wait_seconds",
 		Help: "How long an event waited from its hand-over (enqueued, or POST /v1/usage publishing) to the start of its publish round, by publisher.",
-		// 50 µs to 1.6 s: a round's wait (QF_EVENT_BATCH_WAIT) is ms; longer is a backlog.
+		// 50 µs to 1.6 s: a round's wait (QF_EVENT_BATCH_WAIT, QF_OUTBOX_MAX_WAIT) is ms; longer is a backlog.
 		Buckets: prometheus.ExponentialBuckets(50e-6, 2, 16),
 	}, []string{"publisher"})
 	m.outbox = rounds{events: sizes.WithLabelValues("outbox"), wait: waits.WithLabelValues("outbox")}
@@ -772,6 +819,10 @@ func newMetrics(reg prometheus.Registerer, o *Outbox) *metrics {
 				Name: "quotaflow_admission_outbox_queue_depth",
 				Help: "Events waiting in memory to be published.",
 			}, func() float64 { n, _ := o.Pending(); return float64(n) }),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "quotaflow_admission_outbox_batch_wait_seconds",
+				Help: "How long the outbox's next round may wait for more events after its first: none when idle, growing with the load up to QF_OUTBOX_MAX_WAIT.",
+			}, func() float64 { return time.Duration(o.wait.Load()).Seconds() }),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "quotaflow_admission_outbox_spill_bytes",
 				Help: "Bytes of spilled events waiting on disk to be replayed.",

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -152,48 +153,133 @@ func histogram(t *testing.T, reg *prometheus.Registry, name, publisher string) (
 	return 0, 0
 }
 
-// Events that come one at a time while the publisher is idle share a
-// round: it waits up to BatchWait (here longer than the test, so rounds
-// close only when full) after its first event. Close publishes the last,
-// partial round at once. With a negative BatchWait each goes alone.
-func TestRoundsWaitForMore(t *testing.T) {
-	for _, tc := range []struct {
-		wait time.Duration
-		want []int
-	}{
-		{time.Minute, []int{5, 5, 2}},
-		{-1, []int{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}},
-	} {
-		t.Run(tc.wait.String(), func(t *testing.T) {
-			pub := newFakePublisher(false)
-			reg := prometheus.NewRegistry()
-			o, err := New(pub, Options{SpillDir: t.TempDir(), BatchSize: 5, BatchWait: tc.wait, Registerer: reg})
-			if err != nil {
-				t.Fatal(err)
-			}
-			for i := range 12 {
-				o.Enqueue(reserved(i))
-				// The publisher has taken it before the next comes.
-				e2e.Eventually(t, "queue empty", func() bool { return len(o.queue) == 0 })
-				if tc.wait < 0 {
-					e2e.Eventually(t, "event stored", func() bool { return pub.count() == i+1 })
-				}
-			}
-			closeOutbox(t, o, 5*time.Second)
-			if got := pub.batchSizes(); !slices.Equal(got, tc.want) {
-				t.Errorf("rounds carried %v events, want %v", got, tc.want)
-			}
-			if pub.count() != 12 || testutil.ToFloat64(o.m.spilled) != 0 {
-				t.Errorf("stored %d, spilled %v; want 12 and 0", pub.count(), testutil.ToFloat64(o.m.spilled))
-			}
-			if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "outbox"); n != uint64(len(tc.want)) || sum != 12 {
-				t.Errorf("batch_events{outbox} count %d sum %v, want %d and 12", n, sum, len(tc.want))
-			}
-			if n, _ := histogram(t, reg, "quotaflow_admission_publish_wait_seconds", "outbox"); n != 12 {
-				t.Errorf("wait_seconds{outbox} count %d, want 12 (one per event)", n)
-			}
-		})
+// A negative QueueWait never waits: events that come one at a time while
+// the publisher is idle each go alone.
+func TestRoundsWithoutWait(t *testing.T) {
+	pub := newFakePublisher(false)
+	reg := prometheus.NewRegistry()
+	o, err := New(pub, Options{SpillDir: t.TempDir(), BatchSize: 5, QueueWait: -1, Registerer: reg})
+	if err != nil {
+		t.Fatal(err)
 	}
+	for i := range 12 {
+		o.Enqueue(reserved(i))
+		e2e.Eventually(t, "event stored", func() bool { return pub.count() == i+1 })
+	}
+	closeOutbox(t, o, 5*time.Second)
+	if got, want := pub.batchSizes(), slices.Repeat([]int{1}, 12); !slices.Equal(got, want) {
+		t.Errorf("rounds carried %v events, want %v", got, want)
+	}
+	if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "outbox"); n != 12 || sum != 12 {
+		t.Errorf("batch_events{outbox} count %d sum %v, want 12 and 12", n, sum)
+	}
+	if n, _ := histogram(t, reg, "quotaflow_admission_publish_wait_seconds", "outbox"); n != 12 {
+		t.Errorf("wait_seconds{outbox} count %d, want 12 (one per event)", n)
+	}
+}
+
+// timedPublisher takes d of (fake) time per round and records how long
+// each event waited from its Enqueue (at[id]) to its round.
+type timedPublisher struct {
+	*fakePublisher
+	d     time.Duration
+	mu    sync.Mutex
+	at    map[string]time.Time
+	waits []time.Duration
+}
+
+func (p *timedPublisher) enqueue(o *Outbox, ev events.Event) {
+	p.mu.Lock()
+	p.at[ev.ID] = time.Now()
+	p.mu.Unlock()
+	o.Enqueue(ev)
+}
+
+func (p *timedPublisher) PublishBatch(ctx context.Context, evs []events.Event) error {
+	p.mu.Lock()
+	for _, ev := range evs {
+		p.waits = append(p.waits, time.Since(p.at[ev.ID]))
+	}
+	p.mu.Unlock()
+	time.Sleep(p.d)
+	return p.fakePublisher.PublishBatch(ctx, evs)
+}
+
+// The queue's rounds follow the load: an event that comes alone goes at
+// once; under a steady load the wait doubles up to QueueWait, so rounds
+// carry about the rate times QueueWait; no event waits longer than
+// QueueWait; once the load stops the next lone event goes at once again.
+// (Fake time: each round takes 2 ms, the load is an event every 1 ms.)
+func TestQueueWaitFollowsTheLoad(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const max = 20 * time.Millisecond
+		pub := &timedPublisher{fakePublisher: newFakePublisher(false), d: 2 * time.Millisecond, at: map[string]time.Time{}}
+		reg := prometheus.NewRegistry()
+		o, err := New(pub, Options{SpillDir: t.TempDir(), QueueWait: max, Registerer: reg})
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitGauge := func() time.Duration { return time.Duration(o.wait.Load()) }
+		next := 0
+		lone := func(phase string) {
+			t.Helper()
+			time.Sleep(time.Second) // idle
+			pub.enqueue(o, reserved(next))
+			next++
+			synctest.Wait()
+			if w := pub.waits[len(pub.waits)-1]; w != 0 {
+				t.Errorf("%s: a lone event waited %v for its round, want 0", phase, w)
+			}
+			time.Sleep(pub.d)
+			synctest.Wait()
+		}
+		lone("before the load")
+		lone("before the load")
+		if got := pub.batchSizes(); !slices.Equal(got, []int{1, 1}) || waitGauge() != 0 {
+			t.Fatalf("idle rounds %v, wait %v; want [1 1] and 0", got, waitGauge())
+		}
+
+		const load = 400
+		for range load {
+			pub.enqueue(o, reserved(next))
+			next++
+			time.Sleep(time.Millisecond)
+		}
+		if waitGauge() != max {
+			t.Errorf("wait under load = %v, want QueueWait %v", waitGauge(), max)
+		}
+		time.Sleep(2 * max)
+		synctest.Wait()
+		sizes := pub.batchSizes()[2:]
+		if n := slices.Max(pub.waits); n > max {
+			t.Errorf("an event waited %v for its round, want at most QueueWait %v", n, max)
+		}
+		// The wait reaches QueueWait within a dozen rounds (it doubles from
+		// 1 ms, and a round that nothing joined starts it again); from then
+		// on every round but the load's last carries QueueWait's worth of
+		// events: ~load/20 rounds instead of one per publish (2 ms).
+		full := int(max / time.Millisecond)
+		first := slices.IndexFunc(sizes, func(n int) bool { return n >= full })
+		if first < 0 || first > 12 {
+			t.Fatalf("rounds of the load %v: the first of %d events is round %d, want one within 12 rounds", sizes, full, first)
+		}
+		for i, n := range sizes[first : len(sizes)-1] {
+			if n < full {
+				t.Errorf("round %d of the load carried %d events, want at least %d (rounds %v)", first+i, n, full, sizes)
+				break
+			}
+		}
+		if len(sizes) > load/full+first+1 {
+			t.Errorf("%d events of the load went in %d rounds, want at most %d: %v", load, len(sizes), load/full+first+1, sizes)
+		}
+
+		lone("after the load")
+		lone("after the load")
+		closeOutbox(t, o, 5*time.Second)
+		if pub.count() != next {
+			t.Errorf("stored %d events, want %d", pub.count(), next)
+		}
+	})
 }
 
 // Concurrent PublishNow calls share rounds of at most BatchSize events,
