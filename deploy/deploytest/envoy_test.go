@@ -131,4 +131,3 @@ func (w envoyWalk) walk(t *testing.T, m protoreflect.Message, at string) {
 		return true
 	})
 }
-
