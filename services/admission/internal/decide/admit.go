@@ -247,11 +247,11 @@ func (a *admission) sharedLayer(scope policy.Scope, id string, rules []policy.Ru
 		sub[j] = rules[i]
 	}
 	out := make([]LimitState, len(sub))
-	e := d.local.get(ownerKey{scope: scope, a: id}, true)
+	o := d.local.owner(ownerKey{scope: scope, a: id})
 	n := len(a.spends)
-	e.mu.Lock()
-	di, retry, reason := d.localCheck([2]*entry{e, e}, sub, a.in.Cost, d.mono(), out, &a.spends)
-	e.mu.Unlock()
+	d.local.lock(o, owner{})
+	di, retry, reason := d.localCheck([2]owner{o, o}, sub, a.in.Cost, d.mono(), out, &a.spends)
+	d.local.unlock(o, owner{})
 	for k := n; k < len(a.spends); k++ {
 		a.spends[k].at = base + local[a.spends[k].at]
 	}
@@ -330,26 +330,20 @@ func (a *admission) subjectLayer(rules []policy.Rule) (bool, error) {
 		}
 		a.remote = false
 	}
-	var ue, te *entry
-	ue = d.local.get(ownerKey{scope: policy.ScopeUser, a: in.Tenant, b: in.User}, true)
+	var te owner // none unless a rule is tenant-wide
+	ue := d.local.owner(ownerKey{scope: policy.ScopeUser, a: in.Tenant, b: in.User})
 	for i := range rules {
 		if rules[i].Scope == policy.ScopeTenant {
-			te = d.local.get(ownerKey{scope: policy.ScopeTenant, a: in.Tenant}, true)
+			te = d.local.owner(ownerKey{scope: policy.ScopeTenant, a: in.Tenant})
 			break
 		}
 	}
-	if te != nil {
-		te.mu.Lock()
-	}
 	n := len(a.spends)
-	ue.mu.Lock()
-	di, retry, reason := d.localCheck([2]*entry{te, ue}, rules, in.Cost, d.mono(), states, &a.spends)
-	ue.mu.Unlock()
+	d.local.lock(ue, te)
+	di, retry, reason := d.localCheck([2]owner{te, ue}, rules, in.Cost, d.mono(), states, &a.spends)
+	d.local.unlock(ue, te)
 	for k := n; k < len(a.spends); k++ {
 		a.spends[k].at += base
-	}
-	if te != nil {
-		te.mu.Unlock()
 	}
 	a.res.Local = true
 	if lost.Allowed = di < 0; lost.Allowed || lost.Nonce != 0 {
@@ -375,9 +369,7 @@ func (a *admission) undo() {
 		a.givenBack(t.at, 1)
 	}
 	for _, s := range a.spends {
-		s.e.mu.Lock()
-		s.e.state(s.id).left += s.n
-		s.e.mu.Unlock()
+		a.d.giveBack(s)
 		a.givenBack(s.at, int64(s.n))
 	}
 	a.takes, a.spends = nil, nil

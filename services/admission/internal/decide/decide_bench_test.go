@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 
@@ -119,8 +120,9 @@ func BenchmarkAdmit(b *testing.B) {
 // BenchmarkRemember measures remember, the local fallback's bookkeeping
 // after every Redis decision, over 100k users of the benchmark plan (three
 // token quotas kept per user) plus a tenant-wide month, and reports the
-// owners the default bound kept once each user was seen and the heap they
-// hold (the user names excluded: they are allocated before).
+// owners the default bound kept once each user was seen, the heap they
+// hold (the user names excluded: they are allocated before) and the table's
+// size per owner kept (the table is off the heap where it can be mapped).
 func BenchmarkRemember(b *testing.B) {
 	pol := parsePolicy(b, benchPolicy+"tenants:\n  bench: {plan: pro, quotas: [{name: month, kind: calendar_month, limit: 1000000000000}]}\n", "")
 	rs, err := pol.Resolve("bench", "", "/any")
@@ -135,16 +137,16 @@ func BenchmarkRemember(b *testing.B) {
 	for i := range users {
 		users[i] = "u" + strconv.Itoa(i)
 	}
-	d := localDecider(b, Options{})
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
+	d := localDecider(b, Options{}) // its table, allocated at its cap, counts
 	for _, u := range users {
 		d.remember("bench", u, states, d.mono())
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
-	owners := d.local.len() // the default bound keeps 50k to 100k of them
+	owners := d.local.owners() // the default bound keeps about all of them
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
@@ -152,5 +154,6 @@ func BenchmarkRemember(b *testing.B) {
 		i++
 	}
 	b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(owners), "heapB/owner")
+	b.ReportMetric(float64(len(d.local.slots))*float64(unsafe.Sizeof(slot{}))/float64(owners), "tableB/owner")
 	b.ReportMetric(float64(owners), "owners")
 }

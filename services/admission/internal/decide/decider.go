@@ -44,7 +44,7 @@ type Decider struct {
 	log    *slog.Logger
 	m      *metrics
 	br     *breaker
-	local  *localCache
+	local  *localTable
 	batch  *batcher
 	voids  *voider
 	epoch  time.Time // base of the monotonic clock (mono)
@@ -88,7 +88,7 @@ func New(lim *limits.Limiter, policy func() *policy.Policy, opts Options, log *s
 	d := &Decider{
 		lim: lim, policy: policy, opt: o, ttl: lim.ReservationTTL(),
 		log:   log.With("component", "decide"),
-		local: newLocalCache(o.LocalEntries),
+		local: newLocalTable(o.LocalEntries),
 		epoch: time.Now(),
 		wake:  make(chan struct{}, 1),
 		ready: make(chan struct{}),

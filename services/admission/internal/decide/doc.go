@@ -73,8 +73,9 @@
 //     local token bucket of 1/Options.Instances of the limit (after live
 //     leases of a leased limit are spent);
 //   - token quotas and balances of a subject or tenant: the remaining this
-//     instance last saw in a Redis decision (kept for Options.LocalEntries
-//     owners, least recently used forgotten first), spent down locally and
+//     instance last saw in a Redis decision (in a table sized for
+//     Options.LocalEntries owners, least recently used forgotten first),
+//     spent down locally and
 //     back to the full limit once the window it was seen in has passed, or
 //     Options.UnseenAllowance (at most the limit) for an owner never seen;
 //   - concurrency limits: not enforced (nothing could release the slot).

@@ -4,7 +4,6 @@ import (
 	"hash/maphash"
 	"math"
 	"slices"
-	"sync"
 	"time"
 
 	"quotaflow/pkg/limits"
@@ -75,123 +74,9 @@ type ruleState struct {
 	// for a share, its last refill. Monotonic ns.
 	t    int64
 	id   uint32 // stateID
+	used uint16 // localTable: the hold of its bucket's lock that last used it
 	init bool
 	seen bool // quota: left came from a Redis decision
-}
-
-// inlineStates is how many limit states an entry holds in its own
-// allocation: a subject remembers its token quotas, usually this few (three
-// in the benchmarks' five-limit plan), so most owners cost one 96-byte
-// object (BenchmarkRemember).
-const inlineStates = 3
-
-// entry is the local state of one owner. Its mutex makes a local decision
-// over several limits all-or-nothing.
-type entry struct {
-	mu     sync.Mutex
-	n      int // states held: inline first, then more
-	inline [inlineStates]ruleState
-	more   *[]ruleState // the states past inlineStates, by value: adding one may move the others
-}
-
-// at returns state i; caller holds mu, and the pointer is good until the
-// next state is added.
-func (e *entry) at(i int) *ruleState {
-	if i < inlineStates {
-		return &e.inline[i]
-	}
-	return &(*e.more)[i-inlineStates]
-}
-
-// index returns the index of state id, adding it; caller holds mu. An
-// index stays valid as states are added, a pointer from at may not.
-func (e *entry) index(id uint32) int {
-	for i := range e.n {
-		if e.at(i).id == id {
-			return i
-		}
-	}
-	if e.n < inlineStates {
-		e.inline[e.n] = ruleState{id: id}
-	} else {
-		if e.more == nil {
-			e.more = new([]ruleState)
-		}
-		*e.more = append(*e.more, ruleState{id: id})
-	}
-	e.n++
-	return e.n - 1
-}
-
-// state returns the state of id, adding it; caller holds mu, and the
-// pointer is good until the next state is added.
-func (e *entry) state(id uint32) *ruleState { return e.at(e.index(id)) }
-
-// localShards spreads the owner map over this many mutexes.
-const localShards = 64
-
-// localCache maps owners to entries, bounded: each shard keeps a current and
-// a previous generation of at most max entries; when the current one fills
-// up it becomes the previous one and the old previous one is dropped. A hit
-// in the previous generation moves the entry forward. So the least recently
-// used entries go first, with O(1) work and no list.
-//
-// Owners are kept by a 64-bit hash of their key, not the key: the cache
-// holds no strings (a request's tenant and user do not outlive it) and a
-// slot is 16 bytes, which keeps 100k owners' state in about 13 MB. Two owners
-// whose hashes collide (odds about n²/2⁶⁵ for n entries) share their local
-// state, which only matters while Redis is unavailable.
-type localCache struct {
-	max    int
-	shards [localShards]localShard
-}
-
-type localShard struct {
-	mu       sync.Mutex
-	cur, old map[uint64]*entry
-}
-
-func newLocalCache(entries int) *localCache {
-	c := &localCache{max: max(1, entries/(2*localShards))}
-	for i := range c.shards {
-		c.shards[i].cur = make(map[uint64]*entry)
-	}
-	return c
-}
-
-// get returns the entry of k, creating it when create is set (else nil if
-// absent).
-func (c *localCache) get(k ownerKey, create bool) *entry {
-	h := maphash.Comparable(hashSeed, k)
-	s := &c.shards[h%localShards]
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if e := s.cur[h]; e != nil {
-		return e
-	}
-	e := s.old[h]
-	if e == nil && !create {
-		return nil
-	}
-	if e == nil {
-		e = &entry{}
-	}
-	if len(s.cur) >= c.max {
-		s.old, s.cur = s.cur, make(map[uint64]*entry, c.max)
-	}
-	s.cur[h] = e
-	return e
-}
-
-func (c *localCache) len() int {
-	n := 0
-	for i := range c.shards {
-		s := &c.shards[i]
-		s.mu.Lock()
-		n += len(s.cur) + len(s.old)
-		s.mu.Unlock()
-	}
-	return n
 }
 
 // capacity is what a limit admits when empty.
@@ -271,7 +156,7 @@ func (d *Decider) allowance(r *policy.Rule) float64 {
 }
 
 // bring moves a limit's local state forward to now (monotonic ns); caller
-// holds the entry's mutex.
+// holds its bucket.
 func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 	if quotaKind(r) {
 		if !st.init {
@@ -297,27 +182,30 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 // localCheck decides rules locally for one request of cost: all-or-nothing,
 // shadow limits never deny. owners[0] holds tenant-scope limits, owners[1]
 // every other one (a single owner for shared layers may be given as both).
-// Caller holds both owners' mutexes. It fills out (one state per rule) and
-// returns the index of the first denying rule (-1: allowed), the wait and
-// the reason. When allowed, the cost is spent and added to spends.
-func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, now int64, out []LimitState, spends *[]localSpend) (denied int, retry time.Duration, reason limits.Reason) {
+// Caller holds both owners' buckets (localTable.lock). It fills out (one
+// state per rule) and returns the index of the first denying rule (-1:
+// allowed), the wait and the reason. When allowed, the cost is spent and
+// added to spends.
+func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, now int64, out []LimitState, spends *[]localSpend) (denied int, retry time.Duration, reason limits.Reason) {
 	denied = -1
-	owner := func(r *policy.Rule) *entry {
+	ownerOf := func(r *policy.Rule) owner {
 		if r.Scope == policy.ScopeTenant {
 			return owners[0]
 		}
 		return owners[1]
 	}
-	// Each rule's index in its owner's states (-1: not enforced). Pointers
-	// are taken per use: a later rule's state may move the earlier ones.
-	var buf [8]int
-	idx := buf[:0]
+	// Each rule's state: a slot of the table, or, past what its bucket
+	// holds, a fresh one not kept (nil: not enforced). The slots stay put
+	// while the caller holds their buckets.
+	var buf [8]*ruleState
+	sts := buf[:0]
 	if len(rules) > len(buf) {
-		idx = make([]int, 0, len(rules))
+		sts = make([]*ruleState, 0, len(rules))
 	}
-	idx = idx[:len(rules)]
+	sts = sts[:len(rules)]
+	var fresh []bool // rules whose state is not kept: nothing to give back
 	for i := range rules {
-		idx[i] = -1
+		sts[i] = nil
 		r := &rules[i]
 		out[i] = LimitState{Scope: r.Scope, Name: r.Name, Endpoint: r.Endpoint, Unit: r.Unit, Limit: capacity(r), Shadow: r.Shadow}
 		if r.Kind == policy.Concurrency {
@@ -327,9 +215,16 @@ func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, 
 		if r.Kind == policy.Balance {
 			out[i].Limit = 0
 		}
-		e := owner(r)
-		idx[i] = e.index(stateID(r))
-		st := e.at(idx[i])
+		if j := d.local.index(ownerOf(r), stateID(r)); j >= 0 {
+			sts[i] = &d.local.slots[j].ruleState
+		} else {
+			sts[i] = &ruleState{id: stateID(r)}
+			if fresh == nil {
+				fresh = make([]bool, len(rules))
+			}
+			fresh[i] = true
+		}
+		st := sts[i]
 		d.bring(r, st, now)
 		need := float64(unitCost(r, cost))
 		if st.left >= need {
@@ -351,16 +246,17 @@ func (d *Decider) localCheck(owners [2]*entry, rules []policy.Rule, cost int64, 
 		retry = 0
 	}
 	for i := range rules {
-		if idx[i] < 0 {
+		st := sts[i]
+		if st == nil {
 			continue
 		}
 		r := &rules[i]
-		e := owner(r)
-		st := e.at(idx[i])
 		need := float64(unitCost(r, cost))
 		if denied < 0 && st.left >= need {
 			st.left -= need
-			*spends = append(*spends, localSpend{e: e, id: st.id, n: need, at: i})
+			if fresh == nil || !fresh[i] {
+				*spends = append(*spends, localSpend{o: ownerOf(r), id: st.id, n: need, at: i})
+			}
 		}
 		left := int64(math.Floor(max(0, st.left)))
 		out[i].Remaining = left
@@ -407,10 +303,20 @@ func (d *Decider) localWait(r *policy.Rule, st *ruleState, need float64, now int
 
 // localSpend is a local spending to give back when a later layer denies.
 type localSpend struct {
-	e  *entry
+	o  owner
 	id uint32
 	n  float64
 	at int // localCheck: the index of its rule; then its slot in Result.Limits
+}
+
+// giveBack returns a local spending to its state, unless the table has
+// forgotten it since (it then starts afresh anyway).
+func (d *Decider) giveBack(s localSpend) {
+	d.local.lock(s.o, owner{})
+	if j := d.local.find(s.o, s.id); j >= 0 {
+		d.local.slots[j].left += s.n
+	}
+	d.local.unlock(s.o, owner{})
 }
 
 // remember records the remaining of the token limits of a subject and its
@@ -421,15 +327,15 @@ func (d *Decider) remember(tenant, user string, states []limits.State, now int64
 }
 
 // rememberOf records the quotas of one owner among states (the
-// tenant-scope ones when tenant is set), under one lock of its entry.
+// tenant-scope ones when tenant is set), under one lock of its bucket.
 func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now int64) {
 	mine := func(r *policy.Rule) bool { return quotaKind(r) && (r.Scope == policy.ScopeTenant) == tenant }
 	if !slices.ContainsFunc(states, func(s limits.State) bool { return mine(s.Rule) }) {
 		return
 	}
-	e := d.local.get(k, true)
-	e.mu.Lock()
-	defer e.mu.Unlock()
+	o := d.local.owner(k)
+	d.local.lock(o, owner{})
+	defer d.local.unlock(o, owner{})
 	for i := range states {
 		s := &states[i]
 		r := s.Rule
@@ -444,7 +350,11 @@ func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now
 		default: // fixed, calendar_month, token_bucket: Reset is when it is empty again
 			reset = now + int64(s.Reset)
 		}
-		st := e.state(stateID(r))
+		j := d.local.index(o, stateID(r))
+		if j < 0 {
+			return // more quotas than a bucket holds: the rest stay unseen
+		}
+		st := &d.local.slots[j]
 		st.init, st.seen, st.left, st.t = true, true, float64(s.Remaining), reset
 	}
 }

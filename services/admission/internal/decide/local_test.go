@@ -2,6 +2,7 @@ package decide
 
 import (
 	"fmt"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -17,7 +18,7 @@ func localDecider(t testing.TB, o Options) *Decider {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Decider{opt: o, local: newLocalCache(o.LocalEntries), epoch: time.Now()}
+	return &Decider{opt: o, local: newLocalTable(o.LocalEntries), epoch: time.Now()}
 }
 
 func rule(scope policy.Scope, unit policy.Unit, l policy.Limit) policy.Rule {
@@ -25,21 +26,36 @@ func rule(scope policy.Scope, unit policy.Unit, l policy.Limit) policy.Rule {
 	return policy.Rule{Limit: l, Scope: scope}
 }
 
-// check decides rules locally for one owner entry.
-func check(d *Decider, e *entry, rules []policy.Rule, cost int64) (int, time.Duration, limits.Reason, []LimitState) {
+// check decides rules locally for one owner.
+func check(d *Decider, o owner, rules []policy.Rule, cost int64) (int, time.Duration, limits.Reason, []LimitState) {
 	out := make([]LimitState, len(rules))
 	var spends []localSpend
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	i, retry, reason := d.localCheck([2]*entry{e, e}, rules, cost, d.mono(), out, &spends)
+	d.local.lock(o, owner{})
+	defer d.local.unlock(o, owner{})
+	i, retry, reason := d.localCheck([2]owner{o, o}, rules, cost, d.mono(), out, &spends)
 	return i, retry, reason, out
+}
+
+// userOwner is the owner of a user's local state.
+func userOwner(d *Decider, user string) owner {
+	return d.local.owner(ownerKey{scope: policy.ScopeUser, a: "acme", b: user})
+}
+
+// left is what o's state of r holds, -1 when the table has none.
+func left(d *Decider, o owner, r *policy.Rule) float64 {
+	d.local.lock(o, owner{})
+	defer d.local.unlock(o, owner{})
+	if j := d.local.find(o, stateID(r)); j >= 0 {
+		return d.local.slots[j].left
+	}
+	return -1
 }
 
 func TestLocalShare(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{Instances: 4})
 		rules := []policy.Rule{rule(policy.ScopeGlobal, policy.Requests, policy.Limit{Name: "m", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Minute)})}
-		e := &entry{}
+		e := userOwner(d, "u")
 		for i := range 25 { // 100 / 4 instances
 			if di, _, _, _ := check(d, e, rules, 1); di >= 0 {
 				t.Fatalf("request %d denied, want the share of 25 allowed", i+1)
@@ -62,8 +78,8 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 		r := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})
 		rules := []policy.Rule{r}
 		d.remember("acme", "seen", []limits.State{{Rule: &rules[0], Limit: 100, Used: 70, Remaining: 30, Reset: 10 * time.Minute}}, d.mono())
-		seen := d.local.get(ownerKey{scope: policy.ScopeUser, a: "acme", b: "seen"}, false)
-		if seen == nil {
+		seen := userOwner(d, "seen")
+		if left(d, seen, &rules[0]) != 30 {
 			t.Fatal("remember kept nothing")
 		}
 		if di, _, _, out := check(d, seen, rules, 20); di >= 0 || out[0].Remaining != 10 || out[0].Used != 90 {
@@ -81,7 +97,7 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 		// Never seen: the allowance, which does not refill. Used is what
 		// this instance spent, not the limit minus the allowance: nobody
 		// knows the rest, and alerts must not read it as usage.
-		unseen := d.local.get(ownerKey{scope: policy.ScopeUser, a: "acme", b: "new"}, true)
+		unseen := userOwner(d, "new")
 		if di, _, _, out := check(d, unseen, rules, 10); di >= 0 || out[0].Used != 10 || out[0].Remaining != 40 {
 			t.Fatalf("cost 10 of an unseen subject's 50: denied %d, %+v; want allowed, 10 used, 40 left", di, out[0])
 		}
@@ -104,7 +120,7 @@ func TestLocalAllOrNothingAndShadow(t *testing.T) {
 	big := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "big", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})
 	rate := rule(policy.ScopeUser, policy.Requests, policy.Limit{Name: "r", Kind: policy.Fixed, Limit: 1, Window: policy.Duration(time.Hour)})
 	rules := []policy.Rule{shadow, big, rate}
-	e := &entry{}
+	e := userOwner(d, "u")
 
 	di, _, _, out := check(d, e, rules, 8)
 	if di >= 0 || !out[0].WouldDeny {
@@ -114,27 +130,130 @@ func TestLocalAllOrNothingAndShadow(t *testing.T) {
 	if di, _, _, _ := check(d, e, rules, 1); di != 2 {
 		t.Fatalf("second denied by %d, want the request limit (2)", di)
 	}
-	if st := e.state(stateID(&rules[1])); st.left != 2 {
-		t.Fatalf("big left = %v after a denial, want 2 (nothing spent)", st.left)
+	if l := left(d, e, &rules[1]); l != 2 {
+		t.Fatalf("big left = %v after a denial, want 2 (nothing spent)", l)
 	}
 }
 
-func TestLocalCacheIsBounded(t *testing.T) {
-	c := newLocalCache(1024)
-	hot := ownerKey{scope: policy.ScopeUser, a: "t", b: "hot"}
+// The table is allocated once at its cap: new owners take the least
+// recently used slots of their bucket, a recently used owner is kept.
+func TestLocalTableIsBounded(t *testing.T) {
+	d := localDecider(t, Options{LocalEntries: 1024, UnseenAllowance: 10})
+	r := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})
+	rules := []policy.Rule{r}
+	slots := len(d.local.slots)
+	hot := userOwner(d, "hot")
+	check(d, hot, rules, 4) // 6 of its 10 left
+	first := userOwner(d, "0")
+	check(d, first, rules, 4)
 	for i := range 100_000 {
-		c.get(ownerKey{scope: policy.ScopeUser, a: "t", b: fmt.Sprint(i)}, true)
-		if i%100 == 0 {
-			c.get(hot, true)
+		check(d, userOwner(d, fmt.Sprint(i+1)), rules, 1)
+		if i%8 == 0 {
+			check(d, hot, rules, 0)
 		}
 	}
-	if n := c.len(); n > 1024 {
-		t.Fatalf("cache holds %d entries, want at most 1024", n)
+	if len(d.local.slots) != slots || slots != 1024*slotsPerOwner {
+		t.Fatalf("table has %d slots, had %d; want %d throughout", len(d.local.slots), slots, 1024*slotsPerOwner)
 	}
-	if c.get(hot, false) == nil {
-		t.Fatal("a recently used entry was evicted")
+	if n := d.local.owners(); n > slots {
+		t.Fatalf("table holds %d owners, want at most %d", n, slots)
 	}
-	if c.get(ownerKey{scope: policy.ScopeUser, a: "t", b: "0"}, false) != nil {
-		t.Fatal("the oldest entry is still there")
+	if l := left(d, hot, &rules[0]); l != 6 {
+		t.Fatalf("the recently used owner has %v left, want 6 (kept)", l)
 	}
+	if l := left(d, first, &rules[0]); l != -1 {
+		t.Fatalf("the least recently used owner has %v left, want it forgotten", l)
+	}
+}
+
+// A decision over more limits than a bucket holds keeps the slots it took
+// and decides the rest afresh: all-or-nothing still, and nothing it spent
+// lands in another limit's slot.
+func TestLocalTableMoreLimitsThanABucket(t *testing.T) {
+	d := localDecider(t, Options{LocalEntries: 1, UnseenAllowance: 5}) // one bucket
+	var rules []policy.Rule
+	for i := range bucketSlots + 4 {
+		rules = append(rules, rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: fmt.Sprint("q", i), Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)}))
+	}
+	o := userOwner(d, "many")
+	if di, _, _, out := check(d, o, rules, 3); di >= 0 || out[len(out)-1].Remaining != 2 {
+		t.Fatalf("first = denied %d, %+v; want allowed, 2 of 5 left in each", di, out[len(out)-1])
+	}
+	for i := range rules {
+		want := float64(2)
+		if i >= bucketSlots {
+			want = -1 // not kept
+		}
+		if l := left(d, o, &rules[i]); l != want {
+			t.Fatalf("limit %d has %v left, want %v", i, l, want)
+		}
+	}
+	// The kept limits deny now; the others would allow: nothing is spent.
+	if di, _, _, _ := check(d, o, rules, 3); di != 0 {
+		t.Fatalf("second denied by %d, want the first limit", di)
+	}
+	if l := left(d, o, &rules[0]); l != 2 {
+		t.Fatalf("after a denial limit 0 has %v left, want 2", l)
+	}
+}
+
+// Concurrent local decisions on one owner admit exactly its share, and a
+// spending given back after the table forgot its owner lands nowhere.
+func TestLocalTableExactAndForgetting(t *testing.T) {
+	d := localDecider(t, Options{Instances: 2})
+	rules := []policy.Rule{rule(policy.ScopeUser, policy.Requests, policy.Limit{Name: "m", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})}
+	o := userOwner(d, "shared")
+	var mu sync.Mutex
+	allowed := 0
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 100 {
+				if di, _, _, _ := check(d, o, rules, 1); di < 0 {
+					mu.Lock()
+					allowed++
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if allowed != 500 {
+		t.Fatalf("%d of 800 allowed, want exactly 500 (1000 / 2 instances)", allowed)
+	}
+
+	small := localDecider(t, Options{LocalEntries: 1, UnseenAllowance: 10})
+	q := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})}
+	gone := userOwner(small, "gone")
+	out := make([]LimitState, 1)
+	var spends []localSpend
+	small.local.lock(gone, owner{})
+	small.localCheck([2]owner{gone, gone}, q, 4, small.mono(), out, &spends)
+	small.local.unlock(gone, owner{})
+	for i := range 100 { // a bucket's worth of others and more
+		check(small, userOwner(small, fmt.Sprint(i)), q, 1)
+	}
+	small.giveBack(spends[0])
+	if l := left(small, gone, &q[0]); l != -1 {
+		t.Fatalf("a forgotten owner has %v left after a give-back, want none kept", l)
+	}
+}
+
+// Two owners are locked in bucket order, whichever is named first.
+func TestLocalTableLockOrder(t *testing.T) {
+	d := localDecider(t, Options{LocalEntries: 1000})
+	a, b := userOwner(d, "a"), userOwner(d, "b")
+	for i := 0; a.b == b.b; i++ {
+		b = userOwner(d, fmt.Sprint("b", i))
+	}
+	var wg sync.WaitGroup
+	for _, p := range [][2]owner{{a, b}, {b, a}} {
+		wg.Go(func() {
+			for range 10_000 {
+				d.local.lock(p[0], p[1])
+				d.local.unlock(p[0], p[1])
+			}
+		})
+	}
+	wg.Wait()
 }

@@ -69,11 +69,12 @@ type Options struct {
 	// Redis round trip instead of a lease. Zero means 100000.
 	MaxLeasePools int
 
-	// LocalEntries bounds how many subjects, tenants, IPs and endpoints the
-	// local state remembers (last remaining seen, local shares); the least
-	// recently used are forgotten first, a generation at a time (so between
-	// half of it and all of it are held). About 128 bytes each with three
-	// token quotas (BenchmarkRemember). Zero means 100000.
+	// LocalEntries sizes the local state (last remaining seen, local
+	// shares) for this many subjects, tenants, IPs and endpoints with three
+	// limits each: a table of 32 bytes per limit, allocated once and off
+	// the Go heap, whose least recently used limits are forgotten first
+	// (see localTable; about 88 % of the owners are held when as many as it
+	// is sized for are active, BenchmarkRemember). Zero means 100000.
 	LocalEntries int
 }
 
