@@ -3,11 +3,16 @@ package main
 import (
 	"context"
 	"fmt"
+	"maps"
+	"math"
+	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
+	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/stats"
 )
 
@@ -17,7 +22,10 @@ import (
 // times, the order swapped every round (A B, B A, ...) so that a machine
 // getting busier or quieter weighs on both alike. It prints every round and
 // the medians, with the CPU each admission and Redis spend per request.
-func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTimeout time.Duration, env []string) error {
+// With open > 0 it then loads both in an open loop at that fraction of the
+// before build's median rate, the same rate for both, again in interleaved
+// rounds, and prints the tail and what it may come from.
+func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTimeout time.Duration, env []string, open float64) error {
 	b, err := newBench(ctx)
 	defer b.close()
 	if err != nil {
@@ -61,7 +69,9 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 	for _, t := range ts {
 		t.published = publishRounds(t.ops, "outbox")
 	}
-	fmt.Printf("before = %s, after = this checkout %s; %d users, concurrency %d, %s per run\n\n", base, strings.Join(env, " "), users, conc, dur)
+	load0 := loadavg()
+	fmt.Printf("before = %s, after = this checkout %s; %d users, concurrency %d, %s per run; load average %s at the start\n\n",
+		base, strings.Join(env, " "), users, conc, dur, load0)
 	fmt.Println("| round | target | req/s | p50 | p99 | admission CPU/req | allocs/req | KiB/req | Redis CPU/req | in scripts/req | RSS | failopen | statuses |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for r := range rounds {
@@ -108,7 +118,122 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 		fmt.Printf("- %s: %s; queue depth under load, median of the rounds' means %.0f events; %.0f failed rounds\n",
 			t.name, publishRounds(t.ops, "outbox").since(t.published), stats.Median(t.depth), t.failures)
 	}
+	fmt.Printf("\nwhere each admission's RSS is now (MiB; Go's own accounts, go_memstats_*):\n\n")
+	fmt.Println("| target | RSS | heap in use | heap kept, not in use | heap given back | stacks | runtime's other | the rest: binary, off-heap |")
+	fmt.Println("|---|---|---|---|---|---|---|---|")
+	for _, t := range ts {
+		m := func(name string) float64 { return metricSum(t.ops, "go_memstats_"+name+" ", "") / (1 << 20) }
+		rss := float64(rssMiB(t.p))
+		inuse, idle, released, stacks := m("heap_inuse_bytes"), m("heap_idle_bytes"), m("heap_released_bytes"), m("stack_inuse_bytes")
+		other := m("mspan_inuse_bytes") + m("mcache_inuse_bytes") + m("buck_hash_sys_bytes") + m("gc_sys_bytes") + m("other_sys_bytes")
+		fmt.Printf("| %s | %.0f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", t.name, rss, inuse, idle-released, released, stacks, other,
+			rss-inuse-(idle-released)-stacks-other)
+	}
+	if open > 0 {
+		abOpen(ts[0].rps, open, rounds, conc, users, dur, []abTarget{
+			{ts[0].name, ts[0].addr, ts[0].ops, ts[0].p}, {ts[1].name, ts[1].addr, ts[1].ops, ts[1].p}})
+	}
+	fmt.Printf("\nload average %s at the start, %s at the end\n", load0, loadavg())
 	return nil
+}
+
+// abTarget is one build under the open loop.
+type abTarget struct {
+	name, addr, ops string
+	p               *exec.Cmd
+}
+
+// abOpen loads each target in turn, rounds times in alternating order, in
+// an open loop of frac × the median of closed rates over conc connections,
+// and prints latency beside what may make its tail: Reserve calls per round
+// trip, garbage collections per second and their stop-the-world pauses.
+func abOpen(closed []float64, frac float64, rounds, conc, users int, dur time.Duration, ts []abTarget) {
+	rate := frac * stats.Median(closed)
+	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of the before build's median closed-loop rate) over %d connections\n\n", rate, 100*frac, conc)
+	fmt.Println("| round | target | req/s | p50 | p99 | p99.9 | max | in admission: p99 | admission CPU/req | Reserves/batch | GCs/s | GC pauses/s | RSS | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	p50, p99, p999 := make([][]float64, len(ts)), make([][]float64, len(ts)), make([][]float64, len(ts))
+	rss, gcs, inside := make([][]float64, len(ts)), make([][]float64, len(ts)), make([][]float64, len(ts))
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	for r := range rounds {
+		for k := range ts {
+			i := (k + r) % len(ts)
+			t := ts[i]
+			c0, f0 := cpuTime(t.p), failopens(t.ops)
+			calls0, batches0 := batches(t.ops)
+			n0, s0 := metricSum(t.ops, "go_gc_duration_seconds_count", ""), metricSum(t.ops, "go_gc_duration_seconds_sum", "")
+			h0 := buckets(t.ops, admitDuration)
+			res, err := load.Run(context.Background(), load.Config{Addr: t.addr, Conns: conc, Duration: dur, Rate: rate,
+				NewClient: load.Users(load.NewPost(t.addr, "/v1/admit"), users, admitBody("/x"))})
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "admitload:", err)
+				continue
+			}
+			calls1, batches1 := batches(t.ops)
+			n := float64(max(1, res.Requests))
+			secs := res.Elapsed.Seconds()
+			gc := (metricSum(t.ops, "go_gc_duration_seconds_count", "") - n0) / secs
+			pause := (metricSum(t.ops, "go_gc_duration_seconds_sum", "") - s0) / secs
+			p50[i], p99[i], p999[i] = append(p50[i], ms(pct(res, 50))), append(p99[i], ms(pct(res, 99))), append(p999[i], ms(pct(res, 99.9)))
+			rss[i], gcs[i] = append(rss[i], float64(rssMiB(t.p))), append(gcs[i], gc)
+			in99 := quantile(h0, buckets(t.ops, admitDuration), 0.99)
+			inside[i] = append(inside[i], ms(in99))
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | ≤ %s | %.1f µs | %s | %.1f | %.2f ms | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
+				pct(res, 50), pct(res, 99), pct(res, 99.9), res.Latency.Max().Round(10*time.Microsecond), in99,
+				float64((cpuTime(t.p)-c0).Microseconds())/n, ratio(calls1-calls0, batches1-batches0), gc, 1000*pause,
+				rss[i][len(rss[i])-1], failopens(t.ops)-f0, res.Statuses())
+		}
+	}
+	fmt.Printf("\nopen loop, medians over %d rounds (in admission: the bucket of its own request-duration histogram holding the p99, "+
+		"from the request read to the answer written):\n\n| target | p50 | p99 | p99.9 | in admission: p99 | GCs/s | RSS |\n|---|---|---|---|---|---|---|\n", rounds)
+	for i, t := range ts {
+		fmt.Printf("| %s | %.2f ms | %.2f ms | %.2f ms | ≤ %.2f ms | %.1f | %.0f MiB |\n", t.name, stats.Median(p50[i]), stats.Median(p99[i]),
+			stats.Median(p999[i]), stats.Median(inside[i]), stats.Median(gcs[i]), stats.Median(rss[i]))
+	}
+}
+
+// admitDuration is admission's histogram of its admits' durations.
+const admitDuration = `quotaflow_admission_request_duration_seconds_bucket{code="2xx",route="admit"`
+
+// buckets reads the cumulative counts of a histogram's buckets, by upper
+// bound, from the lines of admission's metrics that start with prefix.
+func buckets(ops, prefix string) map[float64]float64 {
+	out := map[float64]float64{}
+	for _, line := range metricLines(ops) {
+		if !strings.HasPrefix(line, prefix) {
+			continue
+		}
+		_, le, ok := strings.Cut(line, `le="`)
+		if !ok {
+			continue
+		}
+		le, _, _ = strings.Cut(le, `"`)
+		bound, err := strconv.ParseFloat(le, 64)
+		if err != nil {
+			continue
+		}
+		out[bound], _ = strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+	}
+	return out
+}
+
+// quantile is the upper bound of the bucket holding the q-th quantile of
+// what was observed between two readings of a histogram.
+func quantile(before, after map[float64]float64, q float64) time.Duration {
+	bounds := slices.Sorted(maps.Keys(after))
+	if len(bounds) == 0 {
+		return 0
+	}
+	total := after[bounds[len(bounds)-1]] - before[bounds[len(bounds)-1]]
+	for _, le := range bounds {
+		if after[le]-before[le] >= q*total {
+			if math.IsInf(le, 1) {
+				return time.Duration(math.MaxInt64)
+			}
+			return time.Duration(le * float64(time.Second))
+		}
+	}
+	return 0
 }
 
 func ratios(a, b []float64) []float64 {

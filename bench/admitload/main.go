@@ -43,7 +43,7 @@ func main() {
 	envoyPool := flag.Int("envoy-pool", envoy.DefaultPoolSize, "-peer: envoy's REDIS_POOL_SIZE")
 	envoyEnv := flag.String("envoy-env", "", "-peer: more envoy settings to try, NAME=value, comma-separated")
 	envoyWindow := flag.Duration("envoy-window", 0, "-peer: envoy's REDIS_PIPELINE_WINDOW (used by its cluster client only, at this version)")
-	open := flag.Float64("open", 0.7, "-peer: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (0: not)")
+	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both) (0: not)")
 	flag.Parse()
 	var levels []int
 	for _, s := range strings.Split(*concurrency, ",") {
@@ -77,7 +77,7 @@ func main() {
 		return
 	}
 	if *base != "" {
-		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, *timeout, strings.Fields(*abEnv)); err != nil {
+		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, *timeout, strings.Fields(*abEnv), *open); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
 			os.Exit(1)
 		}

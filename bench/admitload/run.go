@@ -329,20 +329,25 @@ func batches(ops string) (calls, batches float64) {
 // metricSum adds up the samples of admission's metrics whose line starts
 // with prefix and contains sub.
 func metricSum(ops, prefix, sub string) float64 {
-	resp, err := http.Get("http://" + ops + "/metrics")
-	if err != nil {
-		return 0
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
 	var sum float64
-	for _, line := range strings.Split(string(b), "\n") {
+	for _, line := range metricLines(ops) {
 		if strings.HasPrefix(line, prefix) && strings.Contains(line, sub) {
 			f, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
 			sum += f
 		}
 	}
 	return sum
+}
+
+// metricLines reads admission's metrics, a line each (none if it cannot).
+func metricLines(ops string) []string {
+	resp, err := http.Get("http://" + ops + "/metrics")
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return strings.Split(string(b), "\n")
 }
 
 // cpuTime reads the CPU time of a process (0 once it is gone).
