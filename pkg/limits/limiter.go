@@ -223,10 +223,14 @@ func (l *Limiter) sharedCall(ctx context.Context, scope policy.Scope, id string,
 	var d Decision
 	var err error
 	wire.DecodeReserves(l.run.Run(ctx, script.Reserve, &c), &c, func(_ int, v wire.ReserveReply, e error) {
-		d, err = decision(v, rules), e
-		if err != nil && !errors.Is(err, ErrNoEpoch) {
-			err = fmt.Errorf("reserve %s %s: %w", scope, id, err)
+		if err = e; err != nil {
+			// A failed call's reply holds no states to decode.
+			if !errors.Is(err, ErrNoEpoch) {
+				err = fmt.Errorf("reserve %s %s: %w", scope, id, err)
+			}
+			return
 		}
+		d = decision(v, rules)
 	})
 	if err != nil {
 		return Decision{}, err

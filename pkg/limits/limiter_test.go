@@ -660,6 +660,18 @@ func TestChargeSharedGivesBackASharedReservation(t *testing.T) {
 	}
 }
 
+// A shared call that fails returns its error: its reply holds no states
+// to decode (it panicked before).
+func TestReserveSharedFailureIsAnError(t *testing.T) {
+	l := limitstest.At(redistest.Shared(t), 0)
+	rules := []policy.Rule{{Limit: policy.Limit{Name: "r", Kind: policy.Fixed, Unit: policy.Requests, Limit: 5, Window: policy.Duration(time.Minute)}, Scope: policy.ScopeGlobal}}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if d, err := l.ReserveShared(ctx, policy.ScopeGlobal, redistest.UniqueName(t), 1, rules); err == nil {
+		t.Errorf("ReserveShared with a canceled context = %+v, nil error", d)
+	}
+}
+
 func TestValidation(t *testing.T) {
 	l := limits.New(redistest.Shared(t), limits.Options{NoEpochGuard: true})
 	ctx := context.Background()
