@@ -22,7 +22,7 @@ import (
 // before it), then after each change of the file at path, debounced: a
 // burst of events within debounce is one reload. It returns nil when ctx is
 // done, or an error when the directory cannot be watched. what names the
-// file in logs.
+// file in logs. When path is a directory, a change of any file in it counts.
 func Run(ctx context.Context, path string, debounce time.Duration, log *slog.Logger, what string, reload func()) error {
 	fw, err := fsnotify.NewWatcher()
 	if err != nil {
@@ -30,6 +30,9 @@ func Run(ctx context.Context, path string, debounce time.Duration, log *slog.Log
 	}
 	defer fw.Close()
 	dir, base := filepath.Split(path)
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		dir, base = path, ""
+	}
 	if err := fw.Add(dir); err != nil {
 		return fmt.Errorf("watch %s directory %s: %w", what, dir, err)
 	}
@@ -63,7 +66,7 @@ func Run(ctx context.Context, path string, debounce time.Duration, log *slog.Log
 }
 
 // relevant reports whether a change in the watched directory may have
-// changed the file: an event on the file itself, or on the "..data" style
+// changed the file (any change, for a watched directory, base ""): an event on the file itself, or on the "..data" style
 // entries through which a ConfigMap volume's files are linked. Attribute
 // changes alone are ignored: indexers and backup tools make many.
 func relevant(ev fsnotify.Event, base string) bool {
@@ -71,7 +74,7 @@ func relevant(ev fsnotify.Event, base string) bool {
 		return false
 	}
 	name := filepath.Base(ev.Name)
-	return name == base || strings.HasPrefix(name, "..")
+	return base == "" || name == base || strings.HasPrefix(name, "..")
 }
 
 // OnSIGHUP runs watch (a file watch such as Run) and calls reload on every

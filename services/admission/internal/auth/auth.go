@@ -13,7 +13,6 @@ package auth
 import (
 	"crypto/sha256"
 	"crypto/subtle"
-	"net/http"
 	"strings"
 )
 
@@ -23,7 +22,7 @@ type Roles uint8
 // The roles a token can hold.
 const (
 	// Gateway checks requests: POST /v1/admit, /v1/authz, POST
-	// /v1/release, GET /v1/usage (and, later, the gRPC checks).
+	// /v1/release, GET /v1/usage and the gRPC checks (ShouldRateLimit).
 	Gateway Roles = 1 << iota
 	// Report reports actual usage: POST /v1/usage.
 	Report
@@ -146,9 +145,10 @@ func (s *Set) lookup(tok string) ([]Grant, bool) {
 	return s.tokens[match].grants, true
 }
 
-// bearer returns the token of r's "Authorization: Bearer" header.
-func bearer(r *http.Request) (string, bool) {
-	scheme, tok, found := strings.Cut(r.Header.Get("Authorization"), " ")
+// bearer returns the token of an "Authorization: Bearer" header value (of
+// HTTP or of gRPC metadata).
+func bearer(header string) (string, bool) {
+	scheme, tok, found := strings.Cut(header, " ")
 	if !found || !strings.EqualFold(scheme, "Bearer") {
 		return "", false
 	}

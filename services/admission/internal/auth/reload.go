@@ -116,10 +116,16 @@ func (a *Auth) Len() int {
 // ok is false when the token is missing or unknown (401). The token is
 // compared with every token in force (Set).
 func (a *Auth) Authenticate(r *http.Request) (p Principal, ok bool) {
+	return a.AuthenticateHeader(r.Header.Get("Authorization"))
+}
+
+// AuthenticateHeader is Authenticate for the value of an authorization
+// header ("Bearer <token>"), as gRPC metadata carries it.
+func (a *Auth) AuthenticateHeader(header string) (p Principal, ok bool) {
 	if a == nil {
 		return Principal{grants: everyone}, true
 	}
-	tok, ok := bearer(r)
+	tok, ok := bearer(header)
 	if !ok {
 		return Principal{}, false
 	}

@@ -1,0 +1,222 @@
+// Package grpcapi is admission's gRPC server (QF_GRPC_ADDR, docs/design.md
+// §4): one listener that the gRPC services of admission register on, the
+// bearer-token authentication of every call (package auth, as on the HTTP
+// API) and the standard health service.
+//
+// A service registers before Serve with the role its callers need:
+//
+//	srv.Register(&rlspb.RateLimitService_ServiceDesc, handler, auth.Gateway)
+//
+// Every call of a registered service then needs "authorization: Bearer
+// <token>" metadata naming a token that holds the role for some tenant:
+// codes.Unauthenticated without one, codes.PermissionDenied without the
+// role. The handler finds the caller's principal, already acting in the
+// role, with Principal(ctx), and checks the tenant it acts for with
+// Principal.For, as the HTTP handlers do. grpc.health.v1.Health needs no
+// token, as /healthz needs none: it answers SERVING while /readyz would
+// answer 200.
+package grpcapi
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"quotaflow/internal/obs"
+	"quotaflow/services/admission/internal/auth"
+)
+
+// MaxMessageBytes is the largest request message accepted (64 KiB, as the
+// HTTP API's MaxBodyBytes): a ShouldRateLimit request is a few hundred bytes.
+const MaxMessageBytes = 64 << 10
+
+// Server is admission's gRPC server. Create it with New, Register the
+// services, then Serve; Stop ends it. Register must not be called after
+// Serve.
+type Server struct {
+	srv    *grpc.Server
+	tokens *auth.Auth
+	log    *slog.Logger
+	roles  map[string]auth.Roles // by full method name; read-only once serving
+	ln     net.Listener
+	done   chan error
+	once   sync.Once
+}
+
+// Options configure a Server.
+type Options struct {
+	// Auth checks the bearer tokens; nil accepts every call (no
+	// authentication, as on the HTTP API).
+	Auth *auth.Auth
+	// Ready answers the health service; nil answers SERVING.
+	Ready *obs.Readiness
+	// Log receives the serving loop's errors; nil discards them.
+	Log *slog.Logger
+}
+
+// New returns a server with the health service registered.
+func New(o Options) *Server {
+	if o.Log == nil {
+		o.Log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{tokens: o.Auth, log: o.Log.With("component", "grpcapi"), roles: map[string]auth.Roles{}}
+	s.srv = grpc.NewServer(
+		grpc.MaxRecvMsgSize(MaxMessageBytes),
+		grpc.ChainUnaryInterceptor(s.unary),
+		grpc.ChainStreamInterceptor(s.stream),
+	)
+	healthpb.RegisterHealthServer(s.srv, health{ready: o.Ready})
+	return s
+}
+
+// Register adds service sd, implemented by impl, whose every method needs
+// role (see the package documentation).
+func (s *Server) Register(sd *grpc.ServiceDesc, impl any, role auth.Roles) {
+	for _, m := range sd.Methods {
+		s.roles["/"+sd.ServiceName+"/"+m.MethodName] = role
+	}
+	for _, m := range sd.Streams {
+		s.roles["/"+sd.ServiceName+"/"+m.StreamName] = role
+	}
+	s.srv.RegisterService(sd, impl)
+}
+
+// Listen binds addr and serves from a goroutine that Stop waits for, so a
+// taken port fails start-up.
+func (s *Server) Listen(addr string) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("listen grpc on %s: %w", addr, err)
+	}
+	s.ln, s.done = ln, make(chan error, 1)
+	go func() {
+		err := s.srv.Serve(ln)
+		if err != nil {
+			s.log.Error("grpc server stopped", "err", err)
+		}
+		s.done <- err
+	}()
+	return nil
+}
+
+// Addr is the address the server listens on (useful with ":0").
+func (s *Server) Addr() string { return s.ln.Addr().String() }
+
+// Stop stops taking calls and waits for the calls in flight to finish, or
+// until ctx ends: then it cancels them. It waits for the serving goroutine.
+func (s *Server) Stop(ctx context.Context) error {
+	var err error
+	s.once.Do(func() {
+		stopped := make(chan struct{})
+		go func() {
+			s.srv.GracefulStop()
+			close(stopped)
+		}()
+		select {
+		case <-stopped:
+		case <-ctx.Done():
+			s.srv.Stop()
+			<-stopped
+			err = fmt.Errorf("grpc calls still in flight: %w", ctx.Err())
+		}
+		if s.done != nil {
+			if serr := <-s.done; err == nil {
+				err = serr
+			}
+		}
+	})
+	return err
+}
+
+// principalKey is the context key of the caller's principal.
+type principalKey struct{}
+
+// Principal returns the principal of the call ctx belongs to, acting in the
+// role its method needs. Outside a registered method it may do nothing.
+func Principal(ctx context.Context) auth.Principal {
+	p, _ := ctx.Value(principalKey{}).(auth.Principal)
+	return p
+}
+
+// errUnauthenticated and errForbidden are the answers of a refused call; one
+// message per code, so that a caller learns nothing about what its token
+// lacks.
+var (
+	errUnauthenticated = status.Error(codes.Unauthenticated, "authorization: missing or invalid bearer token")
+	errForbidden       = status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
+)
+
+// authenticate returns ctx with the caller's principal, or the error that
+// refuses the call. A method no service registered with a role (health)
+// needs no token.
+func (s *Server) authenticate(ctx context.Context, method string) (context.Context, error) {
+	role, ok := s.roles[method]
+	if !ok {
+		return ctx, nil
+	}
+	var header string
+	if md, ok := metadata.FromIncomingContext(ctx); ok {
+		if v := md.Get("authorization"); len(v) == 1 {
+			header = v[0]
+		}
+	}
+	p, ok := s.tokens.AuthenticateHeader(header)
+	if !ok {
+		return nil, errUnauthenticated
+	}
+	p = p.As(role)
+	if !p.Allowed() {
+		return nil, errForbidden
+	}
+	return context.WithValue(ctx, principalKey{}, p), nil
+}
+
+func (s *Server) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	ctx, err := s.authenticate(ctx, info.FullMethod)
+	if err != nil {
+		return nil, err
+	}
+	return h(ctx, req)
+}
+
+func (s *Server) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+	ctx, err := s.authenticate(ss.Context(), info.FullMethod)
+	if err != nil {
+		return err
+	}
+	return h(srv, &serverStream{ServerStream: ss, ctx: ctx})
+}
+
+// serverStream carries the principal's context into a stream handler.
+type serverStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *serverStream) Context() context.Context { return s.ctx }
+
+// health is grpc.health.v1.Health over the service's readiness: SERVING
+// when /readyz would answer 200, NOT_SERVING before start-up completes and
+// while draining. Every service name gets the whole service's status.
+type health struct {
+	healthpb.UnimplementedHealthServer
+	ready *obs.Readiness
+}
+
+func (h health) Check(context.Context, *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
+	st := healthpb.HealthCheckResponse_SERVING
+	if h.ready != nil {
+		if _, ok := h.ready.Check(); !ok {
+			st = healthpb.HealthCheckResponse_NOT_SERVING
+		}
+	}
+	return &healthpb.HealthCheckResponse{Status: st}, nil
+}
