@@ -19,6 +19,7 @@ import (
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/httpapi"
 	"quotaflow/services/admission/internal/outbox"
+	"quotaflow/services/admission/internal/rls"
 )
 
 // Config is admission's configuration, read from QF_* environment variables
@@ -34,6 +35,20 @@ type Config struct {
 	AdmissionAddr string `envconfig:"ADMISSION_ADDR" default:":8080"`
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9090"`
+	// GRPCAddr is where the gRPC services listen (ShouldRateLimit, health);
+	// empty means no gRPC server.
+	GRPCAddr string `envconfig:"GRPC_ADDR"`
+	// EnvoyRateLimitConfig is envoyproxy/ratelimit's YAML configuration, a
+	// file or a directory of *.yaml files (package rlsconf), reloaded on
+	// change and SIGHUP; with it, the gRPC server serves ShouldRateLimit.
+	EnvoyRateLimitConfig string `envconfig:"ENVOY_RATELIMIT_CONFIG"`
+	// EnvoyTenantKeys and EnvoyUserKeys are the descriptor keys whose values
+	// name a descriptor's tenant and user (package rls).
+	EnvoyTenantKeys []string `envconfig:"ENVOY_TENANT_KEYS"`
+	EnvoyUserKeys   []string `envconfig:"ENVOY_USER_KEYS"`
+	// EnvoyRateLimitHeaders adds RateLimit-Limit, -Remaining and -Reset to
+	// ShouldRateLimit's replies for Envoy to pass on.
+	EnvoyRateLimitHeaders bool `envconfig:"ENVOY_RATELIMIT_HEADERS"`
 	// Ops holds the ops port's other settings: QF_PPROF.
 	obs.Ops
 	// APITokens are token[@tenant][#role+role] entries (auth.ParseEntry).
@@ -139,6 +154,23 @@ func (c *Config) Validate() error {
 	if c.AdmissionAddr != "" && c.AdmissionAddr == c.OpsAddr && !strings.HasSuffix(c.OpsAddr, ":0") {
 		bad("OPS_ADDR", "must differ from QF_ADMISSION_ADDR")
 	}
+	if c.GRPCAddr != "" && (c.GRPCAddr == c.AdmissionAddr || c.GRPCAddr == c.OpsAddr) && !strings.HasSuffix(c.GRPCAddr, ":0") {
+		bad("GRPC_ADDR", "must differ from QF_ADMISSION_ADDR and QF_OPS_ADDR")
+	}
+	if c.EnvoyRateLimitConfig != "" && c.GRPCAddr == "" {
+		bad("ENVOY_RATELIMIT_CONFIG", "needs QF_GRPC_ADDR: ShouldRateLimit is served over gRPC")
+	}
+	for _, k := range c.EnvoyUserKeys {
+		if slices.Contains(c.EnvoyTenantKeys, k) {
+			bad("ENVOY_USER_KEYS", "%q is also a tenant key", k)
+		}
+	}
+	for _, k := range slices.Concat(c.EnvoyTenantKeys, c.EnvoyUserKeys) {
+		if k == "" || len(k) > rls.MaxIDBytes {
+			bad("ENVOY_TENANT_KEYS", "a key is empty or longer than %d bytes", rls.MaxIDBytes)
+			break
+		}
+	}
 	if _, err := auth.ParseEntries(c.APITokens); err != nil {
 		errs = append(errs, err)
 	}
@@ -236,7 +268,8 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c *Config) LogArgs() []any {
-	return slices.Concat([]any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "pprof", c.Pprof},
+	return slices.Concat([]any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "grpc_addr", c.GRPCAddr,
+		"envoy_ratelimit_config", c.EnvoyRateLimitConfig, "pprof", c.Pprof},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.NATS.LogArgs(),
 		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
 			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir,

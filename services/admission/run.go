@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 
+	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,8 +16,11 @@ import (
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/grpcapi"
 	"quotaflow/services/admission/internal/httpapi"
 	"quotaflow/services/admission/internal/outbox"
+	"quotaflow/services/admission/internal/rls"
+	"quotaflow/services/admission/internal/rlsconf"
 )
 
 // readyStreams is the readiness component that turns ready once the
@@ -26,10 +30,11 @@ const readyStreams = "nats_streams"
 // hooks lets tests observe run; main passes none.
 type hooks struct {
 	started func(api, ops string) // told the bound addresses (tests listen on port 0)
+	grpc    func(addr string)     // told the gRPC server's address, when there is one
 }
 
 // run wires admission and serves until ctx ends; then the stack stops what
-// it started in reverse: HTTP intake first, the Decider (returning its
+// it started in reverse: gRPC and HTTP intake first, the Decider (returning its
 // leases), the outbox (flushed, or spilled), NATS (drained), Redis, the
 // file watchers, the ops server.
 func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
@@ -83,6 +88,16 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if err != nil {
 		return err
 	}
+	if cfg.GRPCAddr != "" {
+		g, err := startGRPC(stack, cfg, dec, tokens, ready, log, m)
+		if err != nil {
+			return err
+		}
+		log.Info("grpc started", "grpc", g.Addr())
+		if h.grpc != nil {
+			h.grpc(g.Addr())
+		}
+	}
 	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest())
 	if h.started != nil {
 		h.started(srv.Addr(), ops.Addr())
@@ -91,10 +106,37 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	return nil
 }
 
+// startGRPC starts the gRPC server with ShouldRateLimit when
+// QF_ENVOY_RATELIMIT_CONFIG is set; the stack stops it in its turn, before
+// the Decider, letting the calls in flight finish.
+func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, tokens *auth.Auth, ready *obs.Readiness,
+	log *slog.Logger, m metrics) (*grpcapi.Server, error) {
+	g := grpcapi.New(grpcapi.Options{Auth: tokens, Ready: ready, Log: log})
+	if cfg.EnvoyRateLimitConfig != "" {
+		w, err := rlsconf.NewWatcher(cfg.EnvoyRateLimitConfig, log, m.envoyReloaded)
+		if err != nil {
+			return nil, err
+		}
+		stack.Go("envoy ratelimit config", w.Watch)
+		h, err := rls.New(rls.Options{Checker: dec, Config: w.Current, TenantKeys: cfg.EnvoyTenantKeys,
+			UserKeys: cfg.EnvoyUserKeys, Headers: cfg.EnvoyRateLimitHeaders, Log: log})
+		if err != nil {
+			return nil, err
+		}
+		g.Register(&rlspb.RateLimitService_ServiceDesc, h, auth.Gateway)
+	}
+	if err := g.Listen(cfg.GRPCAddr); err != nil {
+		return nil, err
+	}
+	stack.Push("grpc server", g.Stop)
+	return g, nil
+}
+
 // metrics are run's own: the reloads of the files it watches.
 type metrics struct {
 	tokensReloaded func(error)
 	policyReloaded func(*policy.Policy, error)
+	envoyReloaded  func(error)
 }
 
 func newMetrics(reg prometheus.Registerer) metrics {
@@ -108,6 +150,10 @@ func newMetrics(reg prometheus.Registerer) metrics {
 			Help: "Reloads of QF_API_TOKENS_FILE that found new content, by result (ok, rejected).",
 		}),
 		policyReloaded: func(_ *policy.Policy, err error) { policyCounted(err) },
+		envoyReloaded: reloadCounter(reg, prometheus.CounterOpts{
+			Name: "quotaflow_admission_envoy_config_reloads_total",
+			Help: "Reloads of QF_ENVOY_RATELIMIT_CONFIG that found new content, by result (ok, rejected).",
+		}),
 	}
 }
 

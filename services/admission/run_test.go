@@ -256,20 +256,35 @@ func TestRun(t *testing.T) {
 // URL, its ops address (host:port) and run's result.
 func startRun(t *testing.T, cfg Config, log *slog.Logger) (api, ops string, done <-chan error, cancel func()) {
 	t.Helper()
+	a, done, cancel := startRunAddrs(t, cfg, log)
+	return a.api, a.ops, done, cancel
+}
+
+// runAddrs are the addresses a started run listens on: the API's base URL,
+// the ops and the gRPC host:port (empty without QF_GRPC_ADDR).
+type runAddrs struct{ api, ops, grpc string }
+
+// startRunAddrs is startRun, with the gRPC server's address too.
+func startRunAddrs(t *testing.T, cfg Config, log *slog.Logger) (runAddrs, <-chan error, func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	addrs := make(chan [2]string, 1)
+	addrs := make(chan runAddrs, 1)
+	var grpcAddr string // written before started is called, on run's goroutine
 	res := make(chan error, 1)
 	go func() {
-		res <- run(ctx, cfg, log, hooks{started: func(api, ops string) { addrs <- [2]string{api, ops} }})
+		res <- run(ctx, cfg, log, hooks{
+			grpc:    func(addr string) { grpcAddr = addr },
+			started: func(api, ops string) { addrs <- runAddrs{"http://" + api, ops, grpcAddr} },
+		})
 	}()
 	select {
 	case a := <-addrs:
-		return "http://" + a[0], a[1], res, cancel
+		return a, res, cancel
 	case err := <-res:
 		cancel()
 		t.Fatalf("run = %v before starting", err)
 	}
-	return "", "", nil, nil
+	return runAddrs{}, nil, nil
 }
 
 func get(t *testing.T, url string) (int, string) {

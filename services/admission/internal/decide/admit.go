@@ -72,6 +72,7 @@ type leaseTake struct {
 type sharedRes struct {
 	scope policy.Scope
 	id    string
+	cost  int64
 	rules []policy.Rule
 	at    int
 	idx   []int
@@ -229,7 +230,7 @@ func (a *admission) sharedLayer(scope policy.Scope, id string, rules []policy.Ru
 				a.deny(base+rest[max(0, dec.DeniedBy)], dec.RetryAfter, dec.Reason)
 				return false, nil
 			}
-			a.shared = append(a.shared, sharedRes{scope: scope, id: id, rules: sub, at: base, idx: rest})
+			a.shared = append(a.shared, sharedRes{scope: scope, id: id, cost: a.in.Cost, rules: sub, at: base, idx: rest})
 			rest = nil
 		case errors.Is(err, limits.ErrInvalid):
 			return false, err
@@ -374,11 +375,11 @@ func (a *admission) undo() {
 	}
 	a.takes, a.spends = nil, nil
 	for _, s := range a.shared {
-		if !a.d.compensate(a.ctx, s, a.in.Cost) {
+		if !a.d.compensate(a.ctx, s, s.cost) {
 			continue
 		}
 		for j := range s.rules {
-			a.givenBack(s.at+s.idx[j], unitCost(&s.rules[j], a.in.Cost))
+			a.givenBack(s.at+s.idx[j], unitCost(&s.rules[j], s.cost))
 		}
 	}
 	a.shared = nil

@@ -1,0 +1,406 @@
+// Package rls is envoy's global rate limit service on admission's gRPC
+// server: envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit
+// (docs/design.md §4), over the limits of an envoyproxy/ratelimit
+// configuration (package rlsconf).
+//
+// # Decisions
+//
+// Each descriptor the configuration gives a limit becomes a quotaflow fixed
+// window of requests_per_unit per unit, counting hits (the descriptor's
+// hits_addend when set, zero included, else the request's, else 1). Its
+// counter is named by the domain and every entry of the descriptor, as
+// envoy's cache key is, and lives with the descriptor's subject: the value
+// of its first entry whose key is one of Options.TenantKeys and of its first
+// entry whose key is one of Options.UserKeys, or, without a tenant, the
+// domain. Each subject is its own Redis hash tag, so naming the tenant and
+// user keys spreads one domain over a cluster.
+//
+// A request is one all-or-nothing decision (decide.Decider.Check): the
+// descriptors of one subject and one hit count are charged in one Redis
+// round trip; when any descriptor is over its limit, no descriptor is
+// charged. Decisions are final: nothing is reserved and nothing is settled
+// later. When Redis is unavailable the Decider decides locally, as for
+// POST /v1/admit.
+//
+// # Replies
+//
+// Per descriptor: OK or OVER_LIMIT with current_limit, limit_remaining and
+// duration_until_reset, as envoy's; unlimited descriptors are OK with
+// limit_remaining 4294967295 and no limit, descriptors without a limit OK
+// with neither; shadow_mode limits count but are always OK. replaces drops
+// the limits a matched limit names. With Options.Headers, the reply asks
+// Envoy to add RateLimit-Limit, RateLimit-Remaining and RateLimit-Reset of
+// the descriptor with the fewest remaining (the over-limit one when denied),
+// as envoyproxy/ratelimit does with LIMIT_RESPONSE_HEADERS_ENABLED.
+package rls
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/grpcapi"
+	"quotaflow/services/admission/internal/rlsconf"
+)
+
+// Bounds of a request. Envoy sends a handful of descriptors of a few entries;
+// the bounds keep a hostile caller from making one call costly.
+const (
+	MaxDescriptors = 64  // descriptors of one request
+	MaxEntries     = 32  // entries of one descriptor
+	MaxIDBytes     = 256 // a domain, key or value
+)
+
+// Checker decides a request's charges: *decide.Decider.
+type Checker interface {
+	Check(ctx context.Context, charges []decide.Charge) (decide.Result, error)
+}
+
+// Options configure a Handler. Checker and Config are required.
+type Options struct {
+	Checker Checker
+	// Config returns the configuration in force (Watcher.Current).
+	Config func() *rlsconf.Config
+	// TenantKeys and UserKeys are the descriptor keys whose values name a
+	// descriptor's tenant and user (QF_ENVOY_TENANT_KEYS,
+	// QF_ENVOY_USER_KEYS); the first entry with one of them counts.
+	TenantKeys, UserKeys []string
+	// Headers adds RateLimit-Limit, -Remaining and -Reset to every reply
+	// that has a limit (QF_ENVOY_RATELIMIT_HEADERS).
+	Headers bool
+	// Log receives per-request debug lines and errors; nil discards them.
+	Log *slog.Logger
+}
+
+// Handler serves ShouldRateLimit. Create it with New.
+type Handler struct {
+	rlspb.UnimplementedRateLimitServiceServer
+	check   Checker
+	config  func() *rlsconf.Config
+	tenants map[string]bool
+	users   map[string]bool
+	headers bool
+	log     *slog.Logger
+}
+
+// New returns the handler.
+func New(o Options) (*Handler, error) {
+	if o.Checker == nil || o.Config == nil {
+		return nil, errors.New("rls: Checker and Config are required")
+	}
+	if o.Log == nil {
+		o.Log = slog.New(slog.DiscardHandler)
+	}
+	h := &Handler{check: o.Checker, config: o.Config, tenants: map[string]bool{}, users: map[string]bool{},
+		headers: o.Headers, log: o.Log.With("component", "rls")}
+	for _, k := range o.TenantKeys {
+		h.tenants[k] = true
+	}
+	for _, k := range o.UserKeys {
+		if h.tenants[k] {
+			return nil, fmt.Errorf("rls: key %q names both the tenant and the user", k)
+		}
+		h.users[k] = true
+	}
+	return h, nil
+}
+
+// ruleName is the name of every descriptor's rule: the counter's identity
+// is its Endpoint (the domain and the entries).
+const ruleName = "rls"
+
+// item is one descriptor of a request, as the handler decides it.
+type item struct {
+	limit  *rlsconf.Limit // nil: no limit applies
+	hits   int64
+	charge int // index in the charges, -1 when not charged
+	rule   int // index of its rule in the charge's rules
+}
+
+// ShouldRateLimit answers one request of Envoy's rate limit filter.
+func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitRequest) (*rlspb.RateLimitResponse, error) {
+	if err := validate(req); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	cfg := h.config()
+	domain := req.GetDomain()
+	ds := req.GetDescriptors()
+	items := make([]item, len(ds))
+	replaced := map[string]bool{}
+	for i, d := range ds {
+		items[i] = item{limit: cfg.Match(domain, d.GetEntries()), hits: hits(req, d), charge: -1}
+		if l := items[i].limit; l != nil {
+			for _, r := range l.Replaces {
+				replaced[r] = true
+			}
+		}
+	}
+	p := grpcapi.Principal(ctx)
+	var charges []decide.Charge
+	for i, d := range ds {
+		it := &items[i]
+		l := it.limit
+		if l == nil || l.Unlimited || l.Name != "" && replaced[l.Name] {
+			continue
+		}
+		tenant, user := h.subject(d.GetEntries())
+		if ok, _ := p.For(tenant); !ok {
+			return nil, status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
+		}
+		id := subjectID(domain, tenant, user)
+		rule, cost := ruleOf(domain, d.GetEntries(), l), it.hits
+		if l.RequestsPerUnit == 0 {
+			// Always over the limit (envoy's 0): a limit of 1 that a cost
+			// of 2 exceeds denies in Redis without counting anything.
+			rule.Limit.Limit, cost = 1, 2
+			rule.Endpoint += "\x00zero"
+		}
+		c := chargeFor(&charges, id, cost, &rule)
+		it.charge, it.rule = c, len(charges[c].Rules)
+		charges[c].Rules = append(charges[c].Rules, rule)
+	}
+	res, err := h.check.Check(ctx, charges)
+	if err != nil {
+		if errors.Is(err, limits.ErrInvalid) {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+		h.log.Error("should rate limit", "err", err)
+		return nil, status.Error(codes.Internal, "rate limit decision failed")
+	}
+	return h.reply(items, charges, &res), nil
+}
+
+// reply builds the response from the decision.
+func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Result) *rlspb.RateLimitResponse {
+	// Each charge's first state in res.Limits.
+	at := make([]int, len(charges))
+	n := 0
+	for i := range charges {
+		at[i] = n
+		n += len(charges[i].Rules)
+	}
+	out := &rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OK, Statuses: make([]*rlspb.RateLimitResponse_DescriptorStatus, len(items))}
+	var minimum *rlspb.RateLimitResponse_DescriptorStatus
+	for i := range items {
+		it := &items[i]
+		st := &rlspb.RateLimitResponse_DescriptorStatus{Code: rlspb.RateLimitResponse_OK}
+		out.Statuses[i] = st
+		switch {
+		case it.limit == nil:
+			continue
+		case it.limit.Unlimited:
+			st.LimitRemaining = math.MaxUint32
+			continue
+		case it.charge < 0: // replaced
+			continue
+		}
+		st.CurrentLimit = it.limit.Proto()
+		var ls *decide.LimitState
+		if k := at[it.charge] + it.rule; k < len(res.Limits) && res.Limits[k].Scope != "" {
+			ls = &res.Limits[k]
+		}
+		over := it.limit.RequestsPerUnit == 0
+		switch {
+		case ls != nil:
+			over = over || !res.Allowed && ls.Remaining < it.hits || ls.WouldDeny
+			st.LimitRemaining = uint32(min(max(ls.Remaining, 0), math.MaxUint32))
+			st.DurationUntilReset = resetOf(ls.Reset, it.limit.Window)
+		case len(res.Limits) == 0: // allowed unchecked (fail-open)
+			st.LimitRemaining = it.limit.RequestsPerUnit
+			st.DurationUntilReset = resetOf(0, it.limit.Window)
+		}
+		if over {
+			st.LimitRemaining = 0
+			if !it.limit.Shadow {
+				st.Code = rlspb.RateLimitResponse_OVER_LIMIT
+				out.OverallCode = rlspb.RateLimitResponse_OVER_LIMIT
+			}
+		}
+		if minimum == nil || st.LimitRemaining < minimum.LimitRemaining || st.Code == rlspb.RateLimitResponse_OVER_LIMIT && minimum.Code != st.Code {
+			minimum = st
+		}
+	}
+	if h.headers && minimum != nil {
+		out.ResponseHeadersToAdd = []*corev3.HeaderValue{
+			{Key: "RateLimit-Limit", Value: strconv.FormatUint(uint64(minimum.CurrentLimit.GetRequestsPerUnit()), 10)},
+			{Key: "RateLimit-Remaining", Value: strconv.FormatUint(uint64(minimum.LimitRemaining), 10)},
+			{Key: "RateLimit-Reset", Value: strconv.FormatInt(minimum.DurationUntilReset.GetSeconds(), 10)},
+		}
+	}
+	return out
+}
+
+// resetOf is a window's time until reset in whole seconds, rounded up as
+// envoy's (1 to the window's seconds); without a reset from Redis, the
+// window's length.
+func resetOf(reset, window time.Duration) *durationpb.Duration {
+	if reset <= 0 {
+		reset = window
+	}
+	return &durationpb.Duration{Seconds: int64((reset + time.Second - 1) / time.Second)}
+}
+
+// hits is the descriptor's hit count: its own hits_addend when set (zero
+// included: a check that counts nothing), else the request's, else 1.
+func hits(req *rlspb.RateLimitRequest, d *rlv3.RateLimitDescriptor) int64 {
+	if a := d.GetHitsAddend(); a != nil {
+		return int64(a.GetValue())
+	}
+	return int64(max(1, req.GetHitsAddend()))
+}
+
+// subject returns the tenant and user the entries name.
+func (h *Handler) subject(entries []*rlv3.RateLimitDescriptor_Entry) (tenant, user string) {
+	if len(h.tenants) == 0 {
+		return "", ""
+	}
+	for _, e := range entries {
+		switch {
+		case tenant == "" && h.tenants[e.GetKey()]:
+			tenant = e.GetValue()
+		case user == "" && h.users[e.GetKey()]:
+			user = e.GetValue()
+		}
+	}
+	if tenant == "" {
+		user = ""
+	}
+	return tenant, user
+}
+
+// subjectID is the shared scope id of a subject's counters, unambiguous
+// (length-prefixed) and at most limits.MaxID bytes: a longer one is its
+// SHA-256.
+func subjectID(domain, tenant, user string) string {
+	var id string
+	if tenant == "" {
+		id = "d" + strconv.Itoa(len(domain)) + ":" + domain
+	} else {
+		id = "t" + strconv.Itoa(len(tenant)) + ":" + tenant + "u" + strconv.Itoa(len(user)) + ":" + user
+	}
+	if len(id) > limits.MaxID {
+		id = "h:" + sha256Hex(id)
+	}
+	return id
+}
+
+// ruleOf is the rule of a descriptor: a fixed window of hits, named by the
+// domain and every entry (envoy's cache key, length-prefixed).
+func ruleOf(domain string, entries []*rlv3.RateLimitDescriptor_Entry, l *rlsconf.Limit) policy.Rule {
+	var b strings.Builder
+	b.WriteString(strconv.Itoa(len(domain)))
+	b.WriteByte(':')
+	b.WriteString(domain)
+	for _, e := range entries {
+		for _, s := range [2]string{e.GetKey(), e.GetValue()} {
+			b.WriteString(strconv.Itoa(len(s)))
+			b.WriteByte(':')
+			b.WriteString(s)
+		}
+	}
+	return policy.Rule{
+		Limit: policy.Limit{Name: ruleName, Kind: policy.Fixed, Unit: policy.Tokens,
+			Limit: int64(l.RequestsPerUnit), Window: policy.Duration(l.Window), Shadow: l.Shadow},
+		Scope:    policy.ScopeGlobal,
+		Endpoint: b.String(),
+	}
+}
+
+// chargeFor returns the index of a charge of id and cost that does not hold
+// rule yet, adding one when none does: a descriptor sent twice is charged
+// twice, as envoy does, and one call would count a rule once.
+func chargeFor(charges *[]decide.Charge, id string, cost int64, rule *policy.Rule) int {
+	for i, c := range *charges {
+		if c.ID == id && c.Cost == cost && !slices.ContainsFunc(c.Rules, func(r policy.Rule) bool {
+			return r.Endpoint == rule.Endpoint && r.Window == rule.Window
+		}) {
+			return i
+		}
+	}
+	*charges = append(*charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost})
+	return len(*charges) - 1
+}
+
+// validate checks a request as a hostile caller may send it.
+func validate(req *rlspb.RateLimitRequest) error {
+	if err := checkID("domain", req.GetDomain()); err != nil {
+		return err
+	}
+	ds := req.GetDescriptors()
+	switch {
+	case len(ds) == 0:
+		return errors.New("descriptors: empty")
+	case len(ds) > MaxDescriptors:
+		return fmt.Errorf("descriptors: %d, more than %d", len(ds), MaxDescriptors)
+	}
+	for i, d := range ds {
+		es := d.GetEntries()
+		switch {
+		case len(es) == 0:
+			return fmt.Errorf("descriptors[%d].entries: empty", i)
+		case len(es) > MaxEntries:
+			return fmt.Errorf("descriptors[%d].entries: %d, more than %d", i, len(es), MaxEntries)
+		}
+		for j, e := range es {
+			if err := checkID(fmt.Sprintf("descriptors[%d].entries[%d].key", i, j), e.GetKey()); err != nil {
+				return err
+			}
+			if err := checkValue(fmt.Sprintf("descriptors[%d].entries[%d].value", i, j), e.GetValue()); err != nil {
+				return err
+			}
+		}
+		if a := d.GetHitsAddend(); a != nil && a.GetValue() > limits.MaxCost {
+			return fmt.Errorf("descriptors[%d].hits_addend: more than %d", i, int64(limits.MaxCost))
+		}
+		if d.GetLimit() != nil {
+			return fmt.Errorf("descriptors[%d].limit: limit overrides are not supported", i)
+		}
+	}
+	return nil
+}
+
+// checkID checks a required domain or key.
+func checkID(field, s string) error {
+	if s == "" {
+		return fmt.Errorf("%s: empty", field)
+	}
+	return checkValue(field, s)
+}
+
+// checkValue checks a value (which may be empty): at most MaxIDBytes of
+// UTF-8 without control characters.
+func checkValue(field, s string) error {
+	switch {
+	case len(s) > MaxIDBytes:
+		return fmt.Errorf("%s: longer than %d bytes", field, MaxIDBytes)
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%s: not valid UTF-8", field)
+	case strings.ContainsFunc(s, func(r rune) bool { return r < 0x20 || r == 0x7f }):
+		return fmt.Errorf("%s: holds a control character", field)
+	}
+	return nil
+}
+
+func sha256Hex(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(sum[:])
+}

@@ -1,0 +1,324 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"quotaflow/internal/e2e"
+	"quotaflow/internal/natstest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/events/stream"
+)
+
+// rlsConfig is the envoy configuration of the gRPC tests; %s is the domain.
+// Limits are per year so that no test straddles a window (the windows are
+// aligned to the Unix epoch, as envoy's).
+const rlsConfig = `domain: %s
+descriptors:
+  - key: tenant
+    descriptors:
+      - key: user
+        rate_limit: {unit: year, requests_per_unit: 3}
+      - key: path
+        value: /burst
+        rate_limit: {unit: year, requests_per_unit: 25}
+  - key: generic_key
+    value: shadow
+    shadow_mode: true
+    rate_limit: {unit: year, requests_per_unit: 1}
+  - key: generic_key
+    value: free
+    rate_limit: {unlimited: true}
+  - key: path
+    value: /files*
+    rate_limit: {unit: year, requests_per_unit: 2, name: files}
+  - key: path
+    value: /files/special
+    rate_limit: {unit: year, requests_per_unit: 100, replaces: [{name: files}]}
+`
+
+// rlsRun starts admission with the gRPC server and the envoy configuration
+// above, and returns a ShouldRateLimit client, the domain and a function
+// that makes a context carrying a bearer token.
+type rlsRun struct {
+	client rlspb.RateLimitServiceClient
+	conn   *grpc.ClientConn
+	domain string
+}
+
+// Tokens of the gRPC tests.
+const (
+	gatewayToken = "rls-gateway-token"
+	acmeToken    = "rls-acme-token"
+	reportToken  = "rls-report-token"
+)
+
+func startRLS(t *testing.T, name string, tweak func(*Config)) rlsRun {
+	t.Helper()
+	domain := redistest.UniqueName(t)
+	path := filepath.Join(t.TempDir(), "rls.yaml")
+	if err := os.WriteFile(path, fmt.Appendf(nil, rlsConfig, domain), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(t)
+	_, js := natstest.Connect(t, natstest.URL())
+	cfg.Config = natstest.Streams(t, js, name, stream.Config{})
+	cfg.GRPCAddr, cfg.EnvoyRateLimitConfig = "127.0.0.1:0", path
+	cfg.EnvoyTenantKeys, cfg.EnvoyUserKeys = []string{"tenant"}, []string{"user"}
+	cfg.EnvoyRateLimitHeaders = true
+	cfg.RedisTimeout = 5 * time.Second // exact counts come from Redis; the local path has its own test
+	cfg.APITokens = []string{gatewayToken + "#gateway", acmeToken + "@acme-" + domain + "#gateway", reportToken + "#report"}
+	if tweak != nil {
+		tweak(&cfg)
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	a, done, cancel := startRunAddrs(t, cfg, slog.New(slog.DiscardHandler))
+	t.Cleanup(func() { cancel(); <-done })
+	conn, err := grpc.NewClient(a.grpc, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return rlsRun{client: rlspb.NewRateLimitServiceClient(conn), conn: conn, domain: domain}
+}
+
+func bearer(tok string) context.Context {
+	return metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+tok)
+}
+
+// desc builds a descriptor of key, value pairs.
+func desc(kv ...string) *rlv3.RateLimitDescriptor {
+	d := &rlv3.RateLimitDescriptor{}
+	for i := 0; i+1 < len(kv); i += 2 {
+		d.Entries = append(d.Entries, &rlv3.RateLimitDescriptor_Entry{Key: kv[i], Value: kv[i+1]})
+	}
+	return d
+}
+
+// code is a reply's overall code and each descriptor's code and remaining,
+// as one string for comparisons.
+func codes_(r *rlspb.RateLimitResponse) string {
+	s := r.GetOverallCode().String()
+	for _, st := range r.GetStatuses() {
+		s += fmt.Sprintf(" %s/%d", st.GetCode(), st.GetLimitRemaining())
+	}
+	return s
+}
+
+// A gateway's calls are OK until the limit, then OVER_LIMIT, with the
+// remaining counts, the limit and the time to reset envoy reports, and the
+// RateLimit headers; hits_addend is the cost, per request and per
+// descriptor.
+func TestShouldRateLimitCounts(t *testing.T) {
+	r := startRLS(t, "rlscount", nil)
+	ctx := bearer(gatewayToken)
+	call := func(hits uint32, ds ...*rlv3.RateLimitDescriptor) *rlspb.RateLimitResponse {
+		t.Helper()
+		resp, err := r.client.ShouldRateLimit(ctx, &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds, HitsAddend: hits})
+		if err != nil {
+			t.Fatalf("ShouldRateLimit = %v", err)
+		}
+		return resp
+	}
+	alice := desc("tenant", "t1", "user", "alice")
+	for i, want := range []string{"OK OK/2", "OK OK/1", "OK OK/0", "OVER_LIMIT OVER_LIMIT/0"} {
+		resp := call(0, alice)
+		if got := codes_(resp); got != want {
+			t.Errorf("call %d = %s, want %s", i+1, got, want)
+		}
+		st := resp.GetStatuses()[0]
+		if l := st.GetCurrentLimit(); l.GetRequestsPerUnit() != 3 || l.GetUnit() != rlspb.RateLimitResponse_RateLimit_YEAR {
+			t.Errorf("call %d current_limit = %v, want 3 per year", i+1, l)
+		}
+		if s := st.GetDurationUntilReset().GetSeconds(); s < 1 || s > 365*24*3600 {
+			t.Errorf("call %d duration_until_reset = %ds, want within the year", i+1, s)
+		}
+		if h := resp.GetResponseHeadersToAdd(); len(h) != 3 || h[0].GetKey() != "RateLimit-Limit" || h[0].GetValue() != "3" ||
+			h[1].GetKey() != "RateLimit-Remaining" || h[1].GetValue() != fmt.Sprint(st.GetLimitRemaining()) {
+			t.Errorf("call %d headers = %v", i+1, h)
+		}
+	}
+	// Another user of the same tenant has a counter of its own; a request
+	// hits_addend of 2 costs 2, and a descriptor's own (even 0) wins.
+	bob := desc("tenant", "t1", "user", "bob")
+	if got := codes_(call(2, bob)); got != "OK OK/1" {
+		t.Errorf("bob with hits_addend 2 = %s, want OK OK/1", got)
+	}
+	if got := codes_(call(2, bob)); got != "OVER_LIMIT OVER_LIMIT/0" {
+		t.Errorf("bob with hits_addend 2 again = %s, want OVER_LIMIT", got)
+	}
+	zero := desc("tenant", "t1", "user", "bob")
+	zero.HitsAddend = wrapperspb.UInt64(0)
+	if got := codes_(call(2, zero)); got != "OK OK/1" {
+		t.Errorf("bob with a descriptor hits_addend 0 = %s, want OK OK/1 (a check that counts nothing)", got)
+	}
+	one := desc("tenant", "t1", "user", "bob")
+	one.HitsAddend = wrapperspb.UInt64(1)
+	if got := codes_(call(5, one)); got != "OK OK/0" {
+		t.Errorf("bob with a descriptor hits_addend 1 = %s, want OK OK/0", got)
+	}
+}
+
+// A request's descriptors are one decision: when one is over its limit,
+// none is charged.
+func TestShouldRateLimitAllOrNothing(t *testing.T) {
+	r := startRLS(t, "rlsall", nil)
+	ctx := bearer(gatewayToken)
+	call := func(ds ...*rlv3.RateLimitDescriptor) string {
+		t.Helper()
+		resp, err := r.client.ShouldRateLimit(ctx, &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds})
+		if err != nil {
+			t.Fatalf("ShouldRateLimit = %v", err)
+		}
+		return codes_(resp)
+	}
+	files := desc("path", "/files/a")
+	if got := call(files, files); got != "OK OK/1 OK/0" {
+		// one counter, charged twice in one call, as envoy does
+		t.Errorf("the same descriptor twice = %s, want OK OK/1 OK/0", got)
+	}
+	carol := desc("tenant", "t2", "user", "carol")
+	if got := call(carol, files); got != "OVER_LIMIT OK/3 OVER_LIMIT/0" {
+		t.Errorf("carol with a full files limit = %s, want OVER_LIMIT OK/3 OVER_LIMIT/0", got)
+	}
+	if got := call(carol); got != "OK OK/2" {
+		t.Errorf("carol alone after the denial = %s, want OK OK/2: the denied call charged nothing", got)
+	}
+}
+
+// shadow_mode counts but is always OK; unlimited is OK with the largest
+// remaining; replaces drops the named limit; a wildcard value matches by
+// prefix; a descriptor without a limit is OK without one.
+func TestShouldRateLimitEnvoySemantics(t *testing.T) {
+	r := startRLS(t, "rlssem", nil)
+	ctx := bearer(gatewayToken)
+	call := func(ds ...*rlv3.RateLimitDescriptor) *rlspb.RateLimitResponse {
+		t.Helper()
+		resp, err := r.client.ShouldRateLimit(ctx, &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds})
+		if err != nil {
+			t.Fatalf("ShouldRateLimit = %v", err)
+		}
+		return resp
+	}
+	shadow := desc("generic_key", "shadow")
+	for i, want := range []string{"OK OK/0", "OK OK/0", "OK OK/0"} {
+		if got := codes_(call(shadow)); got != want {
+			t.Errorf("shadow call %d = %s, want %s", i+1, got, want)
+		}
+	}
+	if got := codes_(call(desc("generic_key", "free"))); got != "OK OK/4294967295" {
+		t.Errorf("unlimited = %s, want OK OK/4294967295", got)
+	}
+	if resp := call(desc("generic_key", "free")); resp.GetStatuses()[0].GetCurrentLimit() != nil {
+		t.Errorf("unlimited current_limit = %v, want none", resp.GetStatuses()[0].GetCurrentLimit())
+	}
+	if got := codes_(call(desc("nothing", "here"))); got != "OK OK/0" {
+		t.Errorf("no limit = %s, want OK OK/0", got)
+	}
+	// /files/x matches the wildcard (2 a year); with /files/special in the
+	// same request, whose limit replaces "files", only the latter counts.
+	x, special := desc("path", "/files/x"), desc("path", "/files/special")
+	for i, want := range []string{"OK OK/0 OK/99", "OK OK/0 OK/98"} {
+		resp := call(x, special)
+		if got := codes_(resp); got != want {
+			t.Errorf("replaced call %d = %s, want %s", i+1, got, want)
+		}
+		if l := resp.GetStatuses()[0].GetCurrentLimit(); l != nil {
+			t.Errorf("replaced limit reported as %v, want none", l)
+		}
+	}
+	for i, want := range []string{"OK OK/1", "OK OK/0", "OVER_LIMIT OVER_LIMIT/0"} {
+		if got := codes_(call(x)); got != want {
+			t.Errorf("wildcard call %d = %s, want %s", i+1, got, want)
+		}
+	}
+}
+
+// A call needs a gateway token: none or an unknown one is Unauthenticated,
+// one without the role PermissionDenied; a token bound to a tenant charges
+// that tenant's descriptors only. The health service needs no token.
+func TestShouldRateLimitAuth(t *testing.T) {
+	r := startRLS(t, "rlsauth", nil)
+	acme := "acme-" + r.domain
+	req := func(tenant string) *rlspb.RateLimitRequest {
+		return &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: []*rlv3.RateLimitDescriptor{desc("tenant", tenant, "user", "u")}}
+	}
+	for _, c := range []struct {
+		name string
+		ctx  context.Context
+		req  *rlspb.RateLimitRequest
+		want codes.Code
+	}{
+		{"no token", context.Background(), req(acme), codes.Unauthenticated},
+		{"unknown token", bearer("nope"), req(acme), codes.Unauthenticated},
+		{"not bearer", metadata.AppendToOutgoingContext(context.Background(), "authorization", "Basic "+gatewayToken), req(acme), codes.Unauthenticated},
+		{"report role", bearer(reportToken), req(acme), codes.PermissionDenied},
+		{"other tenant", bearer(acmeToken), req("other"), codes.PermissionDenied},
+		{"no tenant", bearer(acmeToken), &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: []*rlv3.RateLimitDescriptor{desc("path", "/files/a")}}, codes.PermissionDenied},
+		{"own tenant", bearer(acmeToken), req(acme), codes.OK},
+		{"gateway", bearer(gatewayToken), req("other"), codes.OK},
+		{"no domain", bearer(gatewayToken), &rlspb.RateLimitRequest{Descriptors: req(acme).Descriptors}, codes.InvalidArgument},
+		{"no descriptor", bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain}, codes.InvalidArgument},
+		{"control character", bearer(gatewayToken), req("a\x01b"), codes.InvalidArgument},
+	} {
+		_, err := r.client.ShouldRateLimit(c.ctx, c.req)
+		if got := status.Code(err); got != c.want {
+			t.Errorf("%s: ShouldRateLimit = %v, want %v", c.name, err, c.want)
+		}
+	}
+	// The refused "other tenant" call charged nothing: other's counter is
+	// where the gateway's single call left it.
+	resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), req("other"))
+	if err != nil || codes_(resp) != "OK OK/1" {
+		t.Errorf("other's second call = %v, %v; want OK OK/1", codes_(resp), err)
+	}
+	e2e.EventuallyLast(t, "health SERVING once the streams exist", func() (bool, string) {
+		h, err := healthpb.NewHealthClient(r.conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
+		return err == nil && h.GetStatus() == healthpb.HealthCheckResponse_SERVING, fmt.Sprint(h, err)
+	})
+}
+
+// N parallel calls against a limit of L: exactly L are OK.
+func TestShouldRateLimitConcurrent(t *testing.T) {
+	r := startRLS(t, "rlsconc", nil)
+	const n, limit = 60, 25
+	var ok, over atomic.Int64
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain,
+				Descriptors: []*rlv3.RateLimitDescriptor{desc("tenant", "t3", "path", "/burst")}})
+			switch {
+			case err != nil:
+				t.Errorf("ShouldRateLimit = %v", err)
+			case resp.GetOverallCode() == rlspb.RateLimitResponse_OK:
+				ok.Add(1)
+			default:
+				over.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	if ok.Load() != limit || over.Load() != n-limit {
+		t.Errorf("%d parallel calls: %d OK, %d OVER_LIMIT; want exactly %d OK", n, ok.Load(), over.Load(), limit)
+	}
+}
