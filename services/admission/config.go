@@ -84,6 +84,10 @@ type Config struct {
 	// UnseenAllowance is the tokens per token limit a subject never seen
 	// by this instance may spend while Redis is unreachable; 0 means none.
 	UnseenAllowance int64 `envconfig:"UNSEEN_ALLOWANCE"`
+	// LocalEntries sizes the table of what was last seen per subject,
+	// tenant, IP and endpoint, for local decisions while Redis is
+	// unreachable: 96 bytes each, resident once used (decide.Options).
+	LocalEntries int `envconfig:"LOCAL_ENTRIES"`
 	// Instances is how many admission instances share the Redis (each
 	// allows its share of shared limits while Redis is unreachable).
 	Instances int `envconfig:"INSTANCES"`
@@ -129,7 +133,7 @@ func defaults() Config {
 		RedisTimeout:    decide.DefaultRedisTimeout, BreakerFailures: decide.DefaultBreakerFailures,
 		BreakerWindow: decide.DefaultBreakerWindow, BreakerCooldown: decide.DefaultBreakerCooldown,
 		FailOpenAfter: decide.DefaultFailOpenAfter, UnseenAllowance: decide.DefaultUnseenAllowance,
-		Instances: decide.DefaultInstances, LeaseIdle: decide.DefaultLeaseIdle,
+		Instances: decide.DefaultInstances, LeaseIdle: decide.DefaultLeaseIdle, LocalEntries: decide.DefaultLocalEntries,
 		ReservationTTL:  limits.DefaultReservationTTL,
 		OutboxMaxEvents: outbox.DefaultMaxEvents, SpillMaxBytes: outbox.DefaultMaxSpillBytes,
 		EventBatchMax: stream.DefaultBatchMax, EventBatchWait: stream.DefaultBatchWait, OutboxMaxWait: outbox.DefaultQueueWait,
@@ -200,6 +204,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Instances < 1 {
 		bad("INSTANCES", "want at least 1")
+	}
+	if c.LocalEntries < 1 || c.LocalEntries > maxLocalEntries {
+		bad("LOCAL_ENTRIES", "%d: want at least 1 and at most %d", c.LocalEntries, maxLocalEntries)
 	}
 	if c.LeaseBatch < 0 {
 		bad("LEASE_BATCH", "must not be negative (0 means automatic)")
@@ -277,13 +284,16 @@ func (c *Config) LogArgs() []any {
 			"outbox_max_wait", c.OutboxMaxWait.String()})
 }
 
+// maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1 GB.
+const maxLocalEntries = 10_000_000
+
 // decideOptions are the Decider's options; where a setting's 0 means none
 // or never, decide's is negative (its 0 is its default).
 func (c *Config) decideOptions() decide.Options {
 	o := decide.Options{
 		RedisTimeout: c.RedisTimeout, BreakerFailures: c.BreakerFailures, BreakerCooldown: c.BreakerCooldown,
 		BreakerWindow: breakerWindow(c.BreakerWindow), UnseenAllowance: c.UnseenAllowance, FailOpenAfter: c.FailOpenAfter,
-		Instances: c.Instances, LeaseBatch: c.LeaseBatch, LeaseIdle: c.LeaseIdle,
+		Instances: c.Instances, LeaseBatch: c.LeaseBatch, LeaseIdle: c.LeaseIdle, LocalEntries: c.LocalEntries,
 	}
 	if c.UnseenAllowance == 0 {
 		o.UnseenAllowance = -1 // none

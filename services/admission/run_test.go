@@ -63,6 +63,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 		{"QF_EVENT_BATCH_WAIT", cfg.EventBatchWait, time.Millisecond},
 		{"QF_OUTBOX_MAX_WAIT", cfg.OutboxMaxWait, 50 * time.Millisecond},
 		{"QF_PPROF", cfg.Pprof, false},
+		{"QF_LOCAL_ENTRIES", cfg.decideOptions().LocalEntries, 100_000},
 	} {
 		if want.got != want.want {
 			t.Errorf("%s = %v, want %v", want.name, want.got, want.want)
@@ -96,12 +97,13 @@ func TestConfigValidateNamesVariables(t *testing.T) {
 	cfg.EventBatchMax = 0
 	cfg.EventBatchWait = 2 * time.Second
 	cfg.OutboxMaxWait = -time.Millisecond
+	cfg.LocalEntries = 0
 	err := cfg.Validate()
 	if err == nil {
 		t.Fatal("Validate = nil")
 	}
 	for _, want := range []string{"QF_AUTHZ_DENY_STATUS", "QF_TRUSTED_PROXIES", "QF_API_TOKENS", "QF_REDIS_TIMEOUT",
-		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR", "QF_REDIS_BREAKER_WINDOW", "QF_EVENT_BATCH_MAX", "QF_EVENT_BATCH_WAIT", "QF_OUTBOX_MAX_WAIT"} {
+		"QF_RESERVATION_TTL", "QF_LOG_LEVEL", "QF_SPILL_DIR", "QF_REDIS_BREAKER_WINDOW", "QF_EVENT_BATCH_MAX", "QF_EVENT_BATCH_WAIT", "QF_OUTBOX_MAX_WAIT", "QF_LOCAL_ENTRIES"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Validate error lacks %s: %v", want, err)
 		}
