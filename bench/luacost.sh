@@ -5,6 +5,7 @@
 # callgrind, and an empty loop after the same setup, and prints the
 # difference per run, counted inside Redis's call() only. For the engine's
 # unit costs (bench/results.md: what a string, a pack, a SET cost).
+# bench/luacost/*.lua are the ones bench/results.md cites.
 # Usage: N=1000 bench/luacost.sh FILE...
 set -euo pipefail
 command -v valgrind >/dev/null || { echo "luacost.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }
