@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -52,6 +53,12 @@ descriptors:
   - key: path
     value: /files/special
     rate_limit: {unit: year, requests_per_unit: 100, replaces: [{name: files}]}
+  - key: bucket
+    value: shared*
+    share_threshold: true
+    rate_limit: {unit: year, requests_per_unit: 2}
+  - key: banned
+    rate_limit: {unit: year, requests_per_unit: 0}
 `
 
 // rlsRun starts admission with the gRPC server and the envoy configuration
@@ -61,6 +68,7 @@ type rlsRun struct {
 	client rlspb.RateLimitServiceClient
 	conn   *grpc.ClientConn
 	domain string
+	ops    string // the ops server's host:port
 }
 
 // Tokens of the gRPC tests.
@@ -98,7 +106,7 @@ func startRLS(t *testing.T, name string, tweak func(*Config)) rlsRun {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return rlsRun{client: rlspb.NewRateLimitServiceClient(conn), conn: conn, domain: domain}
+	return rlsRun{client: rlspb.NewRateLimitServiceClient(conn), conn: conn, domain: domain, ops: a.ops}
 }
 
 func bearer(tok string) context.Context {
@@ -251,6 +259,22 @@ func TestShouldRateLimitEnvoySemantics(t *testing.T) {
 			t.Errorf("wildcard call %d = %s, want %s", i+1, got, want)
 		}
 	}
+	// share_threshold: every value the wildcard matches counts in one counter.
+	for i, v := range []string{"shared-a", "shared-b", "shared-c"} {
+		want := []string{"OK OK/1", "OK OK/0", "OVER_LIMIT OVER_LIMIT/0"}[i]
+		if got := codes_(call(desc("bucket", v))); got != want {
+			t.Errorf("share_threshold call %d (%s) = %s, want %s", i+1, v, got, want)
+		}
+	}
+	// requests_per_unit 0 is always over, and a request with it charges
+	// nothing else.
+	free := desc("tenant", "t5", "user", "erin")
+	if got := codes_(call(free, desc("banned", "x"))); got != "OVER_LIMIT OK/3 OVER_LIMIT/0" {
+		t.Errorf("with a banned descriptor = %s, want OVER_LIMIT OK/3 OVER_LIMIT/0", got)
+	}
+	if got := codes_(call(free)); got != "OK OK/2" {
+		t.Errorf("after the banned call = %s, want OK OK/2", got)
+	}
 }
 
 // A call needs a gateway token: none or an unknown one is Unauthenticated,
@@ -320,5 +344,75 @@ func TestShouldRateLimitConcurrent(t *testing.T) {
 	wg.Wait()
 	if ok.Load() != limit || over.Load() != n-limit {
 		t.Errorf("%d parallel calls: %d OK, %d OVER_LIMIT; want exactly %d OK", n, ok.Load(), over.Load(), limit)
+	}
+}
+
+// With Redis down, ShouldRateLimit still answers: decided locally from this
+// instance's share of each limit (all of it with one instance), so a limit
+// of 3 still denies the fourth call; no call fails.
+func TestShouldRateLimitRedisDown(t *testing.T) {
+	srv := redistest.Start(t)
+	r := startRLS(t, "rlsdown", func(c *Config) {
+		c.RedisURL = "redis://" + srv.Addr + "/0"
+		c.RedisTimeout = 200 * time.Millisecond
+	})
+	call := func() string {
+		t.Helper()
+		resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain,
+			Descriptors: []*rlv3.RateLimitDescriptor{desc("tenant", "t4", "user", "dave")}})
+		if err != nil {
+			t.Fatalf("ShouldRateLimit with Redis down = %v, want an answer", err)
+		}
+		return codes_(resp)
+	}
+	srv.Stop()
+	for i, want := range []string{"OK", "OK", "OK", "OVER_LIMIT"} {
+		if got := call(); !strings.HasPrefix(got, want+" ") {
+			t.Errorf("call %d with Redis down = %s, want %s", i+1, got, want)
+		}
+	}
+}
+
+// An edit of the configuration is in force without a restart; a broken
+// one leaves the last good configuration in force.
+func TestShouldRateLimitReload(t *testing.T) {
+	var path string
+	r := startRLS(t, "rlsreload", func(c *Config) { path = c.EnvoyRateLimitConfig })
+	limitOf := func() uint32 {
+		t.Helper()
+		resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain,
+			Descriptors: []*rlv3.RateLimitDescriptor{desc("tenant", "t6", "user", "fay")}})
+		if err != nil {
+			t.Fatalf("ShouldRateLimit = %v", err)
+		}
+		return resp.GetStatuses()[0].GetCurrentLimit().GetRequestsPerUnit()
+	}
+	if got := limitOf(); got != 3 {
+		t.Fatalf("limit = %d, want 3", got)
+	}
+	edit := func(s string) {
+		t.Helper()
+		tmp := path + ".tmp"
+		if err := os.WriteFile(tmp, []byte(s), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	edit(fmt.Sprintf(rlsConfig, r.domain) + "  - key: extra\n    rate_limit: {unit: year, requests_per_unit: 1}\n")
+	edit(strings.Replace(fmt.Sprintf(rlsConfig, r.domain), "requests_per_unit: 3}", "requests_per_unit: 7}", 1))
+	e2e.EventuallyLast(t, "the edited limit in force", func() (bool, string) {
+		got := limitOf()
+		return got == 7, fmt.Sprint(got)
+	})
+	edit("domain: " + r.domain + "\ndescriptors:\n  - key: tenant\n    bogus: 1\n")
+	e2e.EventuallyLast(t, "the broken edit rejected", func() (bool, string) {
+		samples, err := e2e.Scrape(context.Background(), "http://"+r.ops)
+		n := e2e.Sum(samples, "quotaflow_admission_envoy_config_reloads_total", "result", "rejected")
+		return err == nil && n >= 1, fmt.Sprint(n, err)
+	})
+	if got := limitOf(); got != 7 {
+		t.Errorf("limit after a broken edit = %d, want the last good 7", got)
 	}
 }

@@ -131,6 +131,7 @@ const ruleName = "rls"
 // item is one descriptor of a request, as the handler decides it.
 type item struct {
 	limit  *rlsconf.Limit // nil: no limit applies
+	shared []string       // share_threshold values (rlsconf.Config.Match)
 	hits   int64
 	charge int // index in the charges, -1 when not charged
 	rule   int // index of its rule in the charge's rules
@@ -147,7 +148,8 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 	items := make([]item, len(ds))
 	replaced := map[string]bool{}
 	for i, d := range ds {
-		items[i] = item{limit: cfg.Match(domain, d.GetEntries()), hits: hits(req, d), charge: -1}
+		l, shared := cfg.Match(domain, d.GetEntries())
+		items[i] = item{limit: l, shared: shared, hits: hits(req, d), charge: -1}
 		if l := items[i].limit; l != nil {
 			for _, r := range l.Replaces {
 				replaced[r] = true
@@ -167,7 +169,7 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 			return nil, status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
 		}
 		id := subjectID(domain, tenant, user)
-		rule, cost := ruleOf(domain, d.GetEntries(), l), it.hits
+		rule, cost := ruleOf(domain, d.GetEntries(), it.shared, l), it.hits
 		if l.RequestsPerUnit == 0 {
 			// Always over the limit (envoy's 0): a limit of 1 that a cost
 			// of 2 exceeds denies in Redis without counting anything.
@@ -304,14 +306,19 @@ func subjectID(domain, tenant, user string) string {
 }
 
 // ruleOf is the rule of a descriptor: a fixed window of hits, named by the
-// domain and every entry (envoy's cache key, length-prefixed).
-func ruleOf(domain string, entries []*rlv3.RateLimitDescriptor_Entry, l *rlsconf.Limit) policy.Rule {
+// domain and every entry (envoy's cache key, length-prefixed), with a
+// share_threshold wildcard in place of the value it matched.
+func ruleOf(domain string, entries []*rlv3.RateLimitDescriptor_Entry, shared []string, l *rlsconf.Limit) policy.Rule {
 	var b strings.Builder
 	b.WriteString(strconv.Itoa(len(domain)))
 	b.WriteByte(':')
 	b.WriteString(domain)
-	for _, e := range entries {
-		for _, s := range [2]string{e.GetKey(), e.GetValue()} {
+	for i, e := range entries {
+		v := e.GetValue()
+		if i < len(shared) && shared[i] != "" {
+			v = shared[i]
+		}
+		for _, s := range [2]string{e.GetKey(), v} {
 			b.WriteString(strconv.Itoa(len(s)))
 			b.WriteByte(':')
 			b.WriteString(s)

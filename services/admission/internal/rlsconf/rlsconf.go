@@ -8,6 +8,10 @@
 // of the node its last entry reaches, and none when the tree ends first or
 // the node has none.
 //
+// share_threshold makes every value its wildcard matches count in one
+// counter, as in envoy. The metrics-only keys (detailed_metric,
+// value_to_metric) are accepted and change nothing.
+//
 // Each limit is a quotaflow fixed window (policy.Fixed, aligned to the Unix
 // epoch as envoy's are) of requests_per_unit per unit: second, minute,
 // hour, day, week, month (30 days, as envoy's) or year (365 days). Parse
@@ -105,6 +109,9 @@ type node struct {
 	children  map[string]*node
 	wildcards []string
 	limit     *Limit
+	// share is the wildcard value ("files/*") of a share_threshold node:
+	// every value it matches counts in one counter.
+	share string
 }
 
 // Config is a loaded configuration: every domain's descriptor tree. It is
@@ -131,20 +138,27 @@ func (c *Config) HasDomain(domain string) bool {
 
 // Match returns the limit of a descriptor of domain, or nil when none
 // applies (unknown domain, no matching node, a match that ends before the
-// descriptor's last entry or on a node without a limit).
-func (c *Config) Match(domain string, entries []*rlv3.RateLimitDescriptor_Entry) *Limit {
+// descriptor's last entry or on a node without a limit). shared is nil
+// unless a share_threshold wildcard matched an entry: then it holds, per
+// entry, the wildcard value that names the counter in place of the entry's
+// value ("" where the value itself counts), as envoy's cache key does.
+func (c *Config) Match(domain string, entries []*rlv3.RateLimitDescriptor_Entry) (l *Limit, shared []string) {
 	n := c.domains[domain]
 	if n == nil {
-		return nil
+		return nil, nil
 	}
-	var found *Limit
 	for i, e := range entries {
 		key := e.GetKey() + "_" + e.GetValue()
 		next := n.children[key]
 		if next == nil {
 			for _, w := range n.wildcards {
 				if strings.HasPrefix(key, strings.TrimSuffix(w, "*")) {
-					next = n.children[w]
+					if next = n.children[w]; next.share != "" {
+						if shared == nil {
+							shared = make([]string, len(entries))
+						}
+						shared[i] = next.share
+					}
 					break
 				}
 			}
@@ -153,14 +167,17 @@ func (c *Config) Match(domain string, entries []*rlv3.RateLimitDescriptor_Entry)
 			next = n.children[e.GetKey()]
 		}
 		if next != nil && next.limit != nil && i == len(entries)-1 {
-			found = next.limit
+			l = next.limit
 		}
 		if next == nil || len(next.children) == 0 {
 			break
 		}
 		n = next
 	}
-	return found
+	if l == nil {
+		shared = nil
+	}
+	return l, shared
 }
 
 // yamlRoot, yamlDescriptor and yamlLimit are the file's shape (envoy's
@@ -183,13 +200,29 @@ type yamlDescriptor struct {
 }
 
 type yamlLimit struct {
-	RequestsPerUnit int64  `yaml:"requests_per_unit"`
+	RequestsPerUnit count  `yaml:"requests_per_unit"`
 	Unit            string `yaml:"unit"`
 	Unlimited       bool   `yaml:"unlimited"`
 	Name            string `yaml:"name"`
 	Replaces        []struct {
 		Name string `yaml:"name"`
 	} `yaml:"replaces"`
+}
+
+// count is a whole number in YAML: a fraction or a string is an error, not
+// a truncated count.
+type count int64
+
+func (c *count) UnmarshalYAML(n *yaml.Node) error {
+	var v int64
+	if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!int" {
+		return fmt.Errorf("line %d: %q is not a whole number", n.Line, n.Value)
+	}
+	if err := n.Decode(&v); err != nil {
+		return err
+	}
+	*c = count(v)
+	return nil
 }
 
 // File is one configuration file's name (for errors) and content.
@@ -314,6 +347,9 @@ func (l *loader) descriptors(n *node, path string, ds []yamlDescriptor, depth in
 			l.bad(at, "quota_mode: not supported by quotaflow (see the README's differences from envoy)")
 		}
 		child := &node{children: map[string]*node{}}
+		if d.ShareThreshold {
+			child.share = d.Value
+		}
 		if d.RateLimit != nil {
 			child.limit = l.limit(at, d)
 		}
