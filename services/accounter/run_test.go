@@ -611,6 +611,40 @@ func TestAccounterEvents(t *testing.T) {
 		e2e.Eventually(t, "dead letter counted as published", func() bool { return e.metric(dlq) == before+1 })
 	})
 
+	t.Run("a snapshot alone wrong is the alerter's to refuse", func(t *testing.T) {
+		e := base.with(t)
+		// The accounter reads no limit snapshot, so it records the
+		// reservation of a reserved event whose snapshot alone breaks the
+		// rules, and settles it; dead-lettering that event is the alerter's.
+		ten, usr, req := "snap-"+e2e.RandomHex(4), "u1", "r1"
+		const dlq = `quotaflow_events_published_total{type="dlq"}`
+		before := e.metric(dlq)
+		e.reserve(ten, usr, req, 100, false)
+		raw, err := events.Encode(events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: ten, User: usr, Endpoint: "/api/v1/generate", EstimatedTokens: 100,
+			ExpiresAt: time.Now().Add(time.Hour), Version: 1,
+			Limits: []events.LimitState{{Scope: "user", Name: "5h", Unit: "tokens", Limit: 1000, Used: 100, Remaining: 900}},
+		}, time.Now()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw = bytes.Replace(raw, []byte(`"scope":"user"`), []byte(`"scope":"planet"`), 1)
+		if _, err := events.Decode(raw); err == nil {
+			t.Fatal("the snapshot is valid")
+		}
+		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeReserved), raw); err != nil {
+			t.Fatal(err)
+		}
+		e.publish(e.actual(ten, usr, req, "", 30, 0))
+		e.waitStatus(ten, usr, req, "settled")
+		if n := e.count(`SELECT count(*) FROM reservations WHERE tenant = $1 AND estimated_tokens = 100 AND actual_tokens = 30`, ten); n != 1 {
+			t.Errorf("%d reservations with the estimate and the actual, want 1", n)
+		}
+		if got := e.metric(dlq); got != before {
+			t.Errorf("dead letters %v, want %v", got, before)
+		}
+	})
+
 	t.Run("an event is stored as it came", func(t *testing.T) {
 		e := base.with(t)
 		// A valid event (its tenant's unpaired surrogate escape reads as
