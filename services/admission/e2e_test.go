@@ -51,6 +51,8 @@ func cleanupTenant(t *testing.T, rdb *redis.Client, tenant string) {
 type stack struct {
 	t      *testing.T
 	srv    *httptest.Server
+	api    *httpapi.Handler
+	auth   *auth.Auth // the tokens' (nil without tokens: every request allowed)
 	ob     *outbox.Outbox
 	dec    *decide.Decider
 	js     jetstream.JetStream
@@ -102,19 +104,19 @@ func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string,
 	for i := range tokens {
 		tokens[i] = strings.ReplaceAll(tokens[i], "TENANT", s.tenant)
 	}
-	a, err := auth.New(auth.Options{Tokens: tokens})
+	s.auth, err = auth.New(auth.Options{Tokens: tokens})
 	if err != nil {
 		t.Fatal(err)
 	}
-	o := httpapi.Options{Decider: s.dec, Policy: w.Current, Events: s.ob, Auth: a, Registerer: s.reg}
+	o := httpapi.Options{Decider: s.dec, Policy: w.Current, Events: s.ob, Auth: s.auth, Registerer: s.reg}
 	for _, f := range opts {
 		f(&o)
 	}
-	api, err := httpapi.New(o)
+	s.api, err = httpapi.New(o)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.srv = httptest.NewServer(api)
+	s.srv = httptest.NewServer(s.api)
 	t.Cleanup(s.close)
 	return s
 }

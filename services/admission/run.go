@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 
+	authv3 "github.com/envoyproxy/go-control-plane/envoy/service/auth/v3"
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -16,6 +17,7 @@ import (
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/extauthz"
 	"quotaflow/services/admission/internal/grpcapi"
 	"quotaflow/services/admission/internal/httpapi"
 	"quotaflow/services/admission/internal/outbox"
@@ -89,7 +91,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return err
 	}
 	if cfg.GRPCAddr != "" {
-		g, err := startGRPC(stack, cfg, dec, tokens, ready, log, m)
+		g, err := startGRPC(stack, cfg, dec, api, tokens, ready, log, m)
 		if err != nil {
 			return err
 		}
@@ -106,12 +108,14 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	return nil
 }
 
-// startGRPC starts the gRPC server with ShouldRateLimit when
-// QF_ENVOY_RATELIMIT_CONFIG is set; the stack stops it in its turn, before
-// the Decider, letting the calls in flight finish.
-func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, tokens *auth.Auth, ready *obs.Readiness,
-	log *slog.Logger, m metrics) (*grpcapi.Server, error) {
+// startGRPC starts the gRPC server with ext_authz's Check, answered as
+// api answers /v1/authz, and ShouldRateLimit when QF_ENVOY_RATELIMIT_CONFIG
+// is set; the stack stops it in its turn, before the Decider, letting the
+// calls in flight finish.
+func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, api *httpapi.Handler, tokens *auth.Auth,
+	ready *obs.Readiness, log *slog.Logger, m metrics) (*grpcapi.Server, error) {
 	g := grpcapi.New(grpcapi.Options{Auth: tokens, Ready: ready, Log: log})
+	g.Register(&authv3.Authorization_ServiceDesc, extauthz.New(api), auth.Gateway)
 	if cfg.EnvoyRateLimitConfig != "" {
 		w, err := rlsconf.NewWatcher(cfg.EnvoyRateLimitConfig, log, m.envoyReloaded)
 		if err != nil {

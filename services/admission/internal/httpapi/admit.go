@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -87,40 +88,42 @@ func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
 	if !authorizePlan(w, p, pol, in.Tenant, in.Plan) {
 		return
 	}
-	h.decide(w, r, routeAdmit, pol, in, http.StatusTooManyRequests, false)
+	h.decide(r.Context(), w, routeAdmit, pol, in, http.StatusTooManyRequests, false)
 }
 
 // decide runs one admission and writes the answer: 200 when allowed,
-// denyStatus with a problem body when denied.
-func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, pol *policy.Policy,
-	in decide.Input, denyStatus int, authz bool) {
+// denyStatus with a problem body when denied. For an authz check it
+// returns what is wrong with a request that cannot be checked (a denial
+// too), "" otherwise.
+func (h *Handler) decide(ctx context.Context, w http.ResponseWriter, route string, pol *policy.Policy,
+	in decide.Input, denyStatus int, authz bool) (invalid string) {
 	in.CallerID = in.RequestID != ""
 	if !in.CallerID {
 		in.RequestID = newRequestID()
 	}
-	res, err := h.dec.Admit(r.Context(), in)
+	res, err := h.dec.Admit(ctx, in)
 	if err != nil {
 		if errors.Is(err, decide.ErrConflict) {
 			writeError(w, http.StatusConflict, err.Error())
-			return
+			return ""
 		}
 		if msg, ok := clientError(err, in.Plan); ok {
 			if authz {
-				h.denyInvalid(w, msg)
-			} else {
-				writeError(w, http.StatusBadRequest, msg)
+				denyInvalid(w, denyStatus, msg)
+				return msg
 			}
-			return
+			writeError(w, http.StatusBadRequest, msg)
+			return ""
 		}
-		if canceled(r, err) {
+		if canceled(ctx, err) {
 			writeError(w, 499, "client closed the request")
-			return
+			return ""
 		}
 		// Never fail the gateway's traffic on our own failure.
 		h.failopen.WithLabelValues(route).Inc()
 		h.log.Error("decider failed; allowing the request", "route", route, "request_id", in.RequestID, "err", err)
 		writeDecision(w, http.StatusOK, jsonType, &decisionBody{Allowed: true, RequestID: in.RequestID, Limits: []limitJSON{}})
-		return
+		return ""
 	}
 	if res.Now.IsZero() {
 		res.Now = time.Now()
@@ -137,7 +140,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 	body := decisionBody{Allowed: res.Allowed, RequestID: in.RequestID, Limits: appendLimitsJSON(ls[:0], res.Limits)}
 	if res.Allowed {
 		writeDecision(w, http.StatusOK, jsonType, &body)
-		return
+		return ""
 	}
 	body.Reason = string(res.Reason)
 	body.RetryAfterSeconds = retry
@@ -155,6 +158,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, route string, p
 		w.Header().Set("X-Quota-Denied", "1")
 	}
 	writeDecision(w, denyStatus, problemType, &body)
+	return ""
 }
 
 // denialDetail explains a denial in one sentence.

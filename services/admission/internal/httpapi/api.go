@@ -3,7 +3,9 @@
 // /v1/usage and POST /v1/balances/topup, with bearer-token authentication
 // and the tokens' roles, tenants and plans (package auth), strict request
 // validation, the IETF RateLimit headers and RFC 9457
-// problem bodies for denials.
+// problem bodies for denials. Handler.Check is /v1/authz's check for a
+// gateway that speaks another protocol (Envoy's ext_authz over gRPC,
+// package extauthz).
 //
 // It decides nothing itself: a Decider (package decide) does, and an Events
 // sink (package outbox) publishes what happened. A failure of the Decider's
@@ -383,7 +385,8 @@ func clientError(err error, plan string) (string, bool) {
 	return "", false
 }
 
-// canceled reports whether err is only the client going away.
-func canceled(r *http.Request, err error) bool {
-	return r.Context().Err() != nil && errors.Is(err, context.Canceled)
+// canceled reports whether err is only the client going away (ctx is
+// the request's).
+func canceled(ctx context.Context, err error) bool {
+	return ctx.Err() != nil && errors.Is(err, context.Canceled)
 }

@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"context"
 	"net/http"
 	"net/netip"
 	"net/url"
@@ -29,25 +30,53 @@ const (
 )
 
 // serveAuthz is the admission check for gateways that can only forward a
-// request: nginx auth_request, Envoy ext_authz (HTTP), Traefik forwardAuth.
+// request: nginx auth_request, Envoy ext_authz (HTTP), Traefik forwardAuth,
+// Caddy forward_auth.
 func (h *Handler) serveAuthz(w http.ResponseWriter, r *http.Request) {
 	p, ok := h.authenticate(w, r, auth.Gateway)
 	if !ok {
 		return
 	}
+	h.check(r.Context(), w, p, httpCheck{r: r, trusted: h.trusted}, h.deny)
+}
+
+// checkSource is a gateway's check request, whatever protocol carried it:
+// the original request's headers, its endpoint and its client's IP.
+type checkSource interface {
+	// header returns one of the original request's headers by the
+	// canonical name /v1/authz reads ("" when absent).
+	header(name string) string
+	endpoint() (string, *fieldError)
+	clientIP() (string, *fieldError)
+}
+
+// httpCheck is a /v1/authz request.
+type httpCheck struct {
+	r       *http.Request
+	trusted []netip.Prefix
+}
+
+func (c httpCheck) header(name string) string       { return c.r.Header.Get(name) }
+func (c httpCheck) endpoint() (string, *fieldError) { return authzEndpoint(c.r) }
+func (c httpCheck) clientIP() (string, *fieldError) { return clientIP(c.r, c.trusted) }
+
+// check is the admission check behind /v1/authz and Check: it writes the
+// answer to w, a denial with denyStatus, and returns what is wrong with a
+// request that cannot be checked ("" otherwise).
+func (h *Handler) check(ctx context.Context, w http.ResponseWriter, p auth.Principal, src checkSource, denyStatus int) (invalid string) {
 	pol := h.policy()
-	in, ferr := decodeAuthz(r, h.trusted, pol.Cost)
+	in, ferr := decodeCheck(src, pol.Cost)
 	if ferr != nil {
-		h.denyInvalid(w, ferr.Error())
-		return
+		denyInvalid(w, denyStatus, ferr.Error())
+		return ferr.Error()
 	}
 	if !authorizePlan(w, p, pol, in.Tenant, in.Plan) {
-		return
+		return ""
 	}
-	// Every authz call is a new upstream request: a request id any
+	// Every check is a new upstream request: a request id any
 	// reservation holds is a denial, never a replayed allow.
 	in.Fresh = true
-	h.decide(w, r, routeAuthz, pol, in, h.deny, true)
+	return h.decide(ctx, w, routeAuthz, pol, in, denyStatus, true)
 }
 
 // ProblemInvalidRequest is the RFC 9457 problem type of a /v1/authz
@@ -58,28 +87,29 @@ const ProblemInvalidRequest = "tag:quotaflow,2025:problem:invalid-request"
 // reasonInvalidRequest is the reason of such a denial.
 const reasonInvalidRequest = "invalid_request"
 
-// denyInvalid answers a /v1/authz request that cannot be checked with the
-// configured denial status, never a 400: nginx's auth_request turns every
-// status but 2xx, 401 and 403 into a 500, which would hide the caller's
-// mistake behind a server error. The problem body says what is wrong
-// (detail is "<field>: <what is wrong>"); there is no Retry-After, since
-// the same request never fits.
-func (h *Handler) denyInvalid(w http.ResponseWriter, detail string) {
+// denyInvalid answers a check that cannot be made with status (the
+// configured denial status on /v1/authz), never a 400: nginx's
+// auth_request turns every status but 2xx, 401 and 403 into a 500, which
+// would hide the caller's mistake behind a server error. The problem body
+// says what is wrong (detail is "<field>: <what is wrong>"); there is no
+// Retry-After, since the same request never fits.
+func denyInvalid(w http.ResponseWriter, status int, detail string) {
 	w.Header().Set("X-Quota-Denied", "1")
-	writeDecision(w, h.deny, problemType, &decisionBody{
-		Type: ProblemInvalidRequest, Title: "Request cannot be checked: invalid input", Status: h.deny,
+	writeDecision(w, status, problemType, &decisionBody{
+		Type: ProblemInvalidRequest, Title: "Request cannot be checked: invalid input", Status: status,
 		Detail: detail, Reason: reasonInvalidRequest, Limits: []limitJSON{},
 	})
 }
 
-// decodeAuthz reads an admission request from r's headers.
-func decodeAuthz(r *http.Request, trusted []netip.Prefix, cost costFunc) (decide.Input, *fieldError) {
+// decodeCheck reads an admission request from a gateway's check: identity
+// and estimate from its headers, then its endpoint and client IP.
+func decodeCheck(src checkSource, cost costFunc) (decide.Input, *fieldError) {
 	in := decide.Input{
-		Tenant:    r.Header.Get(hdrTenant),
-		User:      r.Header.Get(hdrUser),
-		Plan:      r.Header.Get(hdrPlan),
-		Model:     r.Header.Get(hdrModel),
-		RequestID: r.Header.Get(hdrRequestID),
+		Tenant:    src.header(hdrTenant),
+		User:      src.header(hdrUser),
+		Plan:      src.header(hdrPlan),
+		Model:     src.header(hdrModel),
+		RequestID: src.header(hdrRequestID),
 	}
 	for _, f := range []struct {
 		name, v  string
@@ -95,19 +125,19 @@ func decodeAuthz(r *http.Request, trusted []netip.Prefix, cost costFunc) (decide
 			return decide.Input{}, ferr
 		}
 	}
-	ep, ferr := authzEndpoint(r)
+	ep, ferr := src.endpoint()
 	if ferr != nil {
 		return decide.Input{}, ferr
 	}
 	in.Endpoint = ep
-	ip, ferr := clientIP(r, trusted)
+	ip, ferr := src.clientIP()
 	if ferr != nil {
 		return decide.Input{}, ferr
 	}
 	in.IP = ip
 	var nums [3]*int64
 	for i, name := range []string{hdrEstimated, hdrInputTokens, hdrMaxOutputTokens} {
-		v := r.Header.Get(name)
+		v := src.header(name)
 		if v == "" {
 			continue
 		}
@@ -142,6 +172,12 @@ func authzEndpoint(r *http.Request) (string, *fieldError) {
 			return "", bad("endpoint", "required: set X-Original-URI or X-Forwarded-Uri, or append the path to /v1/authz")
 		}
 	}
+	return endpointOf(field, raw)
+}
+
+// endpointOf is the endpoint of a request URI: the query string dropped
+// and percent-escapes decoded.
+func endpointOf(field, raw string) (string, *fieldError) {
 	if i := strings.IndexAny(raw, "?#"); i >= 0 {
 		raw = raw[:i]
 	}

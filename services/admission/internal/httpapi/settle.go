@@ -74,7 +74,7 @@ func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 	}
 	s, err := h.dec.Release(r.Context(), b.Tenant, b.User, b.RequestID)
 	if err != nil {
-		if _, bad := clientError(err, ""); bad || canceled(r, err) {
+		if _, bad := clientError(err, ""); bad || canceled(r.Context(), err) {
 			h.infraError(w, r, "release", "", err)
 			return
 		}
@@ -118,7 +118,7 @@ func (h *Handler) infraError(w http.ResponseWriter, r *http.Request, what, plan 
 		writeError(w, http.StatusBadRequest, msg)
 		return
 	}
-	if canceled(r, err) {
+	if canceled(r.Context(), err) {
 		writeError(w, 499, "client closed the request")
 		return
 	}

@@ -90,7 +90,7 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), h.usageTO)
 	defer cancel()
 	if err := h.ev.PublishNow(ctx, evs); err != nil {
-		if canceled(r, err) {
+		if canceled(r.Context(), err) {
 			writeError(w, 499, "client closed the request")
 			return
 		}
