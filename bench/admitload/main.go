@@ -13,6 +13,11 @@
 // With -peer it sets admission beside its peer, envoyproxy/ratelimit, and
 // a plain handler, in interleaved rounds, each server on Redis and NATS
 // servers of its own (peer.go): `go tool task bench-peer`.
+//
+// With -rls it loads envoy's ShouldRateLimit over gRPC, admission's
+// (QF_GRPC_ADDR, QF_ENVOY_RATELIMIT_CONFIG) beside envoyproxy/ratelimit's,
+// with the same Go gRPC client and configuration, one and five descriptors
+// a request, in interleaved rounds (rls.go): `go tool task bench-rls`.
 package main
 
 import (
@@ -43,6 +48,8 @@ func main() {
 	envoyPool := flag.Int("envoy-pool", envoy.DefaultPoolSize, "-peer: envoy's REDIS_POOL_SIZE")
 	envoyEnv := flag.String("envoy-env", "", "-peer: more envoy settings to try, NAME=value, comma-separated")
 	envoyWindow := flag.Duration("envoy-window", 0, "-peer: envoy's REDIS_PIPELINE_WINDOW (used by its cluster client only, at this version)")
+	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
+	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
 	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both) (0: not)")
 	flag.Parse()
 	var levels []int
@@ -54,7 +61,7 @@ func main() {
 		}
 		levels = append(levels, n)
 	}
-	if *peerMode {
+	if *peerMode || *rlsMode {
 		o := peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds, targets: map[string]bool{},
 			envoyPool: *envoyPool, envoyWindow: *envoyWindow, openFrac: *open}
 		if *envoyEnv != "" {
@@ -70,7 +77,11 @@ func main() {
 				os.Exit(2)
 			}
 		}
-		if err := peer(context.Background(), o); err != nil {
+		run := peer
+		if *rlsMode {
+			run = func(ctx context.Context, o peerOptions) error { return rls(ctx, o, *grpcConns) }
+		}
+		if err := run(context.Background(), o); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
 			os.Exit(1)
 		}

@@ -127,23 +127,11 @@ func peer(ctx context.Context, o peerOptions) error {
 		return fmt.Errorf("-targets: none of plain, envoy, one, five")
 	}
 
-	self := os.Getpid()
 	measure := func(t *peerTarget, conc int, rate float64) (peerRun, error) {
-		c0 := cpus(t, self)
-		f0 := failopens(t.ops)
-		res, err := load.Run(ctx, load.Config{Addr: t.addr, Conns: conc, Duration: o.dur, Rate: rate,
-			NewClient: load.Users(t.post, o.users, t.body)})
-		if err != nil {
-			return peerRun{}, fmt.Errorf("%s: %w", t.name, err)
-		}
-		c1 := cpus(t, self)
-		n := float64(max(1, res.Requests))
-		m, _ := proc.Memory(t.server.Process.Pid)
-		r := peerRun{res: res, rss: m.RSS, failopen: failopens(t.ops) - f0}
-		for i, p := range []*float64{&r.server, &r.redis, &r.nats, &r.gen} {
-			*p = float64((c1[i] - c0[i]).Microseconds()) / n
-		}
-		return r, nil
+		return measureRun(t, func() (*load.Result, error) {
+			return load.Run(ctx, load.Config{Addr: t.addr, Conns: conc, Duration: o.dur, Rate: rate,
+				NewClient: load.Users(t.post, o.users, t.body)})
+		})
 	}
 
 	fmt.Printf("%d users, %s per run, %d rounds, targets in rotating order; load average %s at the start\n", o.users, o.dur, o.rounds, load0)
@@ -193,6 +181,36 @@ func peer(ctx context.Context, o peerOptions) error {
 	return nil
 }
 
+// measureRun runs one load of t and reads around it the CPU of t's
+// processes and of this one (the load generator), t's server's RSS and
+// admission's failopen count.
+func measureRun(t *peerTarget, run func() (*load.Result, error)) (peerRun, error) {
+	self := os.Getpid()
+	c0 := cpus(t, self)
+	f0 := failopens(t.ops)
+	res, err := run()
+	if err != nil {
+		return peerRun{}, fmt.Errorf("%s: %w", t.name, err)
+	}
+	c1 := cpus(t, self)
+	n := float64(max(1, res.Requests))
+	m, _ := proc.Memory(t.server.Process.Pid)
+	r := peerRun{res: res, rss: m.RSS, failopen: failopens(t.ops) - f0}
+	for i, p := range []*float64{&r.server, &r.redis, &r.nats, &r.gen} {
+		*p = float64((c1[i] - c0[i]).Microseconds()) / n
+	}
+	return r, nil
+}
+
+// medianOf is the median of get over runs.
+func medianOf(runs []peerRun, get func(peerRun) float64) float64 {
+	v := make([]float64, len(runs))
+	for i, r := range runs {
+		v[i] = get(r)
+	}
+	return stats.Median(v)
+}
+
 // summary prints the medians over the rounds and issue 13's goals.
 func summary(ts []*peerTarget, o peerOptions) {
 	plain, envoy := find(ts, "plain"), find(ts, "envoy")
@@ -204,13 +222,7 @@ func summary(ts []*peerTarget, o peerOptions) {
 	for _, conc := range o.levels {
 		for _, t := range ts {
 			rs := t.runs[conc]
-			f := func(get func(peerRun) float64) float64 {
-				v := make([]float64, len(rs))
-				for i, r := range rs {
-					v[i] = get(r)
-				}
-				return stats.Median(v)
-			}
+			f := func(get func(peerRun) float64) float64 { return medianOf(rs, get) }
 			server, redis, nats, gen := f(func(r peerRun) float64 { return r.server }), f(func(r peerRun) float64 { return r.redis }),
 				f(func(r peerRun) float64 { return r.nats }), f(func(r peerRun) float64 { return r.gen })
 			fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f | %s |\n", t.name, conc,
@@ -312,7 +324,7 @@ func cpus(t *peerTarget, self int) [4]time.Duration {
 	return c
 }
 
-func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy string) (*peerTarget, error) {
+func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy string, extra ...string) (*peerTarget, error) {
 	rs, _, err := b.privateRedis(ctx)
 	if err != nil {
 		return nil, err
@@ -332,7 +344,7 @@ func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy stri
 	}
 	// A Redis deadline that the noisy machine never passes, so that every
 	// decision is Redis's (the failopen column counts those that were not).
-	p, api, ops, err := b.admissionOn(short, bin, rs.URL, ns.URL, file, "QF_REDIS_TIMEOUT=1s")
+	p, api, ops, err := b.admissionOn(short, bin, rs.URL, ns.URL, file, append([]string{"QF_REDIS_TIMEOUT=1s"}, extra...)...)
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,300 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	rlcommon "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
+	rlpb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+
+	"quotaflow/bench/internal/envoy"
+	"quotaflow/bench/internal/load"
+	"quotaflow/bench/internal/stats"
+	"quotaflow/internal/e2e"
+	"quotaflow/internal/envoypeer"
+)
+
+// rlsConfig is the envoyproxy/ratelimit configuration both servers load:
+// per tenant and user, an hourly limit, and four more windows of the same
+// subject, each named by a third entry; sized never to deny.
+const rlsConfig = `domain: bench
+descriptors:
+  - key: tenant
+    descriptors:
+      - key: user
+        rate_limit: {unit: hour, requests_per_unit: 1000000000}
+        descriptors:
+          - {key: window, value: second, rate_limit: {unit: second, requests_per_unit: 1000000000}}
+          - {key: window, value: minute, rate_limit: {unit: minute, requests_per_unit: 1000000000}}
+          - {key: window, value: day, rate_limit: {unit: day, requests_per_unit: 1000000000}}
+          - {key: window, value: month, rate_limit: {unit: month, requests_per_unit: 1000000000}}
+`
+
+// rlsWindows are the third entries of a five-descriptor request's last
+// four descriptors.
+var rlsWindows = []string{"second", "minute", "day", "month"}
+
+// rlsRequest is a ShouldRateLimit request of user with n (1 or 5)
+// descriptors of rlsConfig.
+func rlsRequest(user, n int) *rlpb.RateLimitRequest {
+	u := "u" + strconv.Itoa(user)
+	d := func(extra ...string) *rlcommon.RateLimitDescriptor {
+		es := []*rlcommon.RateLimitDescriptor_Entry{{Key: "tenant", Value: "bench"}, {Key: "user", Value: u}}
+		if len(extra) > 0 {
+			es = append(es, &rlcommon.RateLimitDescriptor_Entry{Key: "window", Value: extra[0]})
+		}
+		return &rlcommon.RateLimitDescriptor{Entries: es}
+	}
+	req := &rlpb.RateLimitRequest{Domain: "bench", Descriptors: []*rlcommon.RateLimitDescriptor{d()}}
+	for _, w := range rlsWindows[:n-1] {
+		req.Descriptors = append(req.Descriptors, d(w))
+	}
+	return req
+}
+
+// rlsTarget is one server's ShouldRateLimit with n descriptors a request.
+type rlsTarget struct {
+	*peerTarget
+	descriptors int
+}
+
+// rls loads, in one run and interleaved rounds, envoyproxy/ratelimit and
+// admission's ShouldRateLimit (QF_GRPC_ADDR, QF_ENVOY_RATELIMIT_CONFIG)
+// over gRPC with the same client, requests and configuration, one and five
+// descriptors a request, each server on a Redis (and admission on a
+// nats-server) of its own, and prints per target the rates, their ratios,
+// latencies and the CPU per request of every process: issue 14's goals.
+func rls(ctx context.Context, o peerOptions, conns int) error {
+	b, err := newDir()
+	defer b.close()
+	if err != nil {
+		return err
+	}
+	load0 := loadavg()
+	conf := filepath.Join(b.dir, "envoy-ratelimit.yaml")
+	if err := os.WriteFile(conf, []byte(rlsConfig), 0o644); err != nil {
+		return err
+	}
+
+	bin, err := build(b.dir, ".", "./services/admission")
+	if err != nil {
+		return err
+	}
+	grpcAddr, err := e2e.FreeAddr()
+	if err != nil {
+		return err
+	}
+	qf, err := b.peerAdmission(ctx, bin, "qf", "admission", onePolicy, "QF_GRPC_ADDR="+grpcAddr, "QF_ENVOY_RATELIMIT_CONFIG="+conf,
+		"QF_ENVOY_TENANT_KEYS=tenant", "QF_ENVOY_USER_KEYS=user", "QF_API_TOKENS="+rlsToken)
+	if err != nil {
+		return err
+	}
+	qf.addr = grpcAddr
+	peer, err := b.rlsPeer(ctx, o)
+	if err != nil {
+		return err
+	}
+	var ts []*rlsTarget
+	for _, n := range []int{1, 5} {
+		for _, s := range []*peerTarget{peer, qf} {
+			c := *s
+			c.short, c.name, c.runs = fmt.Sprintf("%s%d", s.short, n), fmt.Sprintf("%s, %d %s", s.name, n, descriptors(n)), map[int][]peerRun{}
+			ts = append(ts, &rlsTarget{peerTarget: &c, descriptors: n})
+		}
+	}
+
+	measure := func(t *rlsTarget, conc int) (peerRun, error) {
+		return measureRun(t.peerTarget, func() (*load.Result, error) {
+			res, over, err := rlsLoad(ctx, t.addr, conns, conc, o.users, t.descriptors, o.dur)
+			if err == nil && over > 0 {
+				err = fmt.Errorf("%d answers over the limit, want none", over)
+			}
+			return res, err
+		})
+	}
+
+	fmt.Printf("ShouldRateLimit over gRPC: %d users, %s per run, %d rounds, %d gRPC connections per load, targets in rotating order; load average %s at the start\n",
+		o.users, o.dur, o.rounds, conns, load0)
+	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s\n\n",
+		envoypeer.Package, envoypeer.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "))
+	for _, t := range ts { // warm: connections, Redis's functions, the users' keys, the Go runtimes
+		if _, err := measure(t, o.levels[len(o.levels)-1]); err != nil {
+			return err
+		}
+	}
+	fmt.Println("| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | errors | failopen |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
+	for r := range o.rounds {
+		for _, conc := range o.levels {
+			for i := range ts {
+				t := ts[(i+r)%len(ts)]
+				run, err := measure(t, conc)
+				if err != nil {
+					return err
+				}
+				t.runs[conc] = append(t.runs[conc], run)
+				fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %d | %s |\n", r+1, conc, t.name, run.res.Rate(),
+					pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
+					run.res.Errors, orDashF(t.ops, run.failopen))
+			}
+		}
+	}
+	rlsSummary(ts, o)
+	fmt.Printf("\nload average %s at the start, %s at the end\n", load0, loadavg())
+	return nil
+}
+
+// rlsSummary prints the medians over the rounds and issue 14's goals.
+func rlsSummary(ts []*rlsTarget, o peerOptions) {
+	fmt.Printf("\nmedians over %d rounds (÷ envoy: median of the per-round ratios to envoy's run with as many descriptors in the same round; "+
+		"by CPU: envoy's CPU per request, all its processes and the load generator's, over admission's):\n\n", o.rounds)
+	fmt.Println("| target | c | req/s | ÷ envoy | ÷ envoy by CPU | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
+	envoyOf := func(t *rlsTarget) *peerTarget {
+		for _, e := range ts {
+			if e.descriptors == t.descriptors && strings.HasPrefix(e.short, "envoy") {
+				return e.peerTarget
+			}
+		}
+		return nil
+	}
+	for _, conc := range o.levels {
+		for _, t := range ts {
+			rs := t.runs[conc]
+			f := func(get func(peerRun) float64) float64 { return medianOf(rs, get) }
+			e := envoyOf(t)
+			fmt.Printf("| %s | %d | %.0f | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f |\n", t.name, conc,
+				stats.Median(rates(rs, nil)), ratioTo(t.peerTarget, e, conc), cpuRatioTo(t.peerTarget, e, conc),
+				f(func(r peerRun) float64 { return ms(pct(r.res, 50)) }), f(func(r peerRun) float64 { return ms(pct(r.res, 99)) }),
+				f(func(r peerRun) float64 { return r.server }), orDash(t.redis, f(func(r peerRun) float64 { return r.redis })),
+				orDash(t.nats, f(func(r peerRun) float64 { return r.nats })), f(func(r peerRun) float64 { return r.gen }), f(peerRun.all))
+		}
+	}
+	fmt.Println("\nissue 14's goals (closed loop):\n\n| goal | this run |\n|---|---|")
+	for _, g := range []struct {
+		n    int
+		goal string
+	}{{1, "≥ 1.5×"}, {5, "≥ 1.0×"}} {
+		for _, t := range ts {
+			if t.descriptors == g.n && !strings.HasPrefix(t.short, "envoy") {
+				e := envoyOf(t)
+				fmt.Printf("| admission with %d %s %s envoy's throughput | %s; by CPU %s |\n", g.n, descriptors(g.n), g.goal,
+					ratiosAt(t.peerTarget, e, o.levels, ratioTo), ratiosAt(t.peerTarget, e, o.levels, cpuRatioTo))
+			}
+		}
+	}
+}
+
+func descriptors(n int) string {
+	if n == 1 {
+		return "descriptor"
+	}
+	return "descriptors"
+}
+
+// rlsPeer starts envoyproxy/ratelimit with rlsConfig on a Redis of its own.
+func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error) {
+	bin, err := envoypeer.Binary()
+	if err != nil {
+		return nil, err
+	}
+	rs, _, err := b.privateRedis(ctx)
+	if err != nil {
+		return nil, err
+	}
+	pool := o.envoyPool
+	if pool <= 0 {
+		pool = envoy.DefaultPoolSize
+	}
+	dir, err := os.MkdirTemp(b.dir, "envoy")
+	if err != nil {
+		return nil, err
+	}
+	env, addrs, err := envoypeer.Setup(dir, map[string][]byte{"bench.yaml": []byte(rlsConfig)},
+		envoypeer.Settings{RedisAddr: rs.Addr, PoolSize: pool, PipelineWindow: o.envoyWindow, Extra: o.envoyEnv})
+	if err != nil {
+		return nil, err
+	}
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	p, err := envoypeer.Start(sctx, bin, dir, env, addrs)
+	if err != nil {
+		return nil, err
+	}
+	b.stop = append(b.stop, p.Close)
+	return &peerTarget{short: "envoy", name: "envoyproxy/ratelimit", addr: addrs.GRPC, server: p.Cmd, redis: rs}, nil
+}
+
+// rlsLoad calls ShouldRateLimit at addr from conc goroutines over conns
+// gRPC connections in a closed loop for d, each request of a random one of
+// users with n descriptors, and returns the result and the answers over
+// the limit.
+func rlsLoad(ctx context.Context, addr string, conns, conc, users, n int, d time.Duration) (*load.Result, uint64, error) {
+	clients := make([]rlpb.RateLimitServiceClient, min(conns, conc))
+	for i := range clients {
+		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return nil, 0, err
+		}
+		defer cc.Close()
+		clients[i] = rlpb.NewRateLimitServiceClient(cc)
+	}
+	ctx = metadata.NewOutgoingContext(ctx, metadata.Pairs("authorization", "Bearer "+rlsToken))
+	var (
+		mu         sync.Mutex
+		res        = &load.Result{}
+		over, errs atomic.Uint64
+		wg         sync.WaitGroup
+		lastErr    atomic.Value
+	)
+	start := time.Now()
+	end := start.Add(d)
+	for g := range conc {
+		wg.Go(func() {
+			var h load.Histogram
+			var done uint64
+			c := clients[g%len(clients)]
+			user := g * 7919 // spread the goroutines over the users
+			for time.Now().Before(end) {
+				user = (user + 1) % users
+				t0 := time.Now()
+				resp, err := c.ShouldRateLimit(ctx, rlsRequest(user, n))
+				if err != nil {
+					errs.Add(1)
+					lastErr.Store(err)
+					continue
+				}
+				h.Record(time.Since(t0))
+				done++
+				if resp.GetOverallCode() != rlpb.RateLimitResponse_OK {
+					over.Add(1)
+				}
+			}
+			mu.Lock()
+			res.Latency.Merge(&h)
+			res.Requests += done
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	res.Elapsed = time.Since(start)
+	res.Errors = errs.Load()
+	if res.Requests == 0 {
+		return nil, 0, fmt.Errorf("no answer: %v", lastErr.Load())
+	}
+	return res, over.Load(), nil
+}
+
+// rlsToken is admission's API token in the RLS benchmark (Envoy's
+// initial metadata).
+const rlsToken = "rlsload-token"
