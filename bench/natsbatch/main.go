@@ -7,9 +7,10 @@
 // consumers, reading the server's CPU from /proc around each. Events are
 // actual events (-limits 0, ~300 bytes) or reserved events with that many
 // limit snapshots (5: ~1.2 kB, admission's), so that the server's cost
-// splits into a part per message and a part per byte.
+// splits into a part per message and a part per byte; batches go
+// compressed or not (-s2, stream.WithCompression).
 //
-//	go run ./bench/natsbatch -n 20000 -per 1,10,100 -limits 0,5 -rounds 3
+//	go run ./bench/natsbatch -n 20000 -per 1,10,100 -limits 0,5 -s2 false,true -rounds 3
 package main
 
 import (
@@ -44,6 +45,7 @@ func run() error {
 	n := flag.Int("n", 20000, "events per round and mode")
 	perList := flag.String("per", "1,100", "events per message (per PublishBatch call), comma-separated")
 	limitsList := flag.String("limits", "0", "limit snapshots per event, comma-separated: 0 = actual events, else reserved events")
+	s2List := flag.String("s2", "false,true", "compress batches (stream.WithCompression), comma-separated")
 	consumers := flag.Int("consumers", 1, "durable consumers, each consuming every event (the pipeline has 2)")
 	rounds := flag.Int("rounds", 3, "interleaved rounds")
 	bin := flag.String("nats", "nats-server", "the nats-server binary")
@@ -88,13 +90,26 @@ func run() error {
 	if err != nil {
 		return fmt.Errorf("-limits: %w", err)
 	}
+	var s2s []bool
+	for _, f := range strings.Split(*s2List, ",") {
+		b, err := strconv.ParseBool(strings.TrimSpace(f))
+		if err != nil {
+			return fmt.Errorf("-s2: %w", err)
+		}
+		s2s = append(s2s, b)
+	}
 	var modes []mode
 	for _, l := range lims {
 		for _, p := range pers {
 			if p < 1 || l < 0 {
 				return errors.New("-per must be positive, -limits not negative")
 			}
-			modes = append(modes, mode{per: p, limits: l})
+			for _, c := range s2s {
+				if p == 1 && c && len(s2s) > 1 {
+					continue // a single event is never compressed
+				}
+				modes = append(modes, mode{per: p, limits: l, s2: c})
+			}
 		}
 	}
 	fmt.Printf("nats-server %s, max payload %d, %d events a round, %d consumers\n", nc.ConnectedServerVersion(), nc.MaxPayload(), *n, *consumers)
@@ -134,9 +149,12 @@ func run() error {
 }
 
 // mode is how a round's events travel.
-type mode struct{ per, limits int }
+type mode struct {
+	per, limits int
+	s2          bool
+}
 
-func (m mode) String() string { return fmt.Sprintf("per %4d limits %d", m.per, m.limits) }
+func (m mode) String() string { return fmt.Sprintf("per %4d limits %d s2 %-5v", m.per, m.limits, m.s2) }
 
 // result is a round's server CPU and what its stream stored.
 type result struct {
@@ -181,7 +199,7 @@ func round(js jetstream.JetStream, pid int, name string, n, consumers int, m mod
 		}
 		conss = append(conss, cons)
 	}
-	pub := stream.NewPublisher(js, cfg, stream.WithMaxPayload(maxPayload))
+	pub := stream.NewPublisher(js, cfg, stream.WithMaxPayload(maxPayload), stream.WithCompression(m.s2))
 	evs := make([]events.Event, n)
 	now := time.Now()
 	for i := range evs {

@@ -3,12 +3,14 @@ package stream_test
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strconv"
 	"testing"
 	"time"
 
+	"github.com/klauspost/compress/s2"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -92,7 +94,17 @@ func TestPublishBatchPacks(t *testing.T) {
 			continue
 		}
 		batches++
-		got, errs, _, err := events.DecodeBatch(m.Data)
+		if enc := m.Header.Get(stream.HeaderContentEncoding); enc != stream.EncodingS2 {
+			t.Errorf("batch %d: Content-Encoding %q, want %q", m.Sequence, enc, stream.EncodingS2)
+		}
+		data, err := stream.Payload(m.Header, m.Data)
+		if err != nil {
+			t.Fatalf("batch %d: %v", m.Sequence, err)
+		}
+		if len(m.Data) >= len(data)/2 {
+			t.Errorf("batch %d: %d bytes compressed from %d, want less than half", m.Sequence, len(m.Data), len(data))
+		}
+		got, errs, _, err := events.DecodeBatch(data)
 		if err != nil {
 			t.Fatalf("batch %d: %v", m.Sequence, err)
 		}
@@ -153,12 +165,16 @@ func headerSize(h nats.Header) int {
 	return n
 }
 
-// publishRaw publishes data as one message with Content-Type ct.
-func publishRaw(t *testing.T, js jetstream.JetStream, cfg stream.Config, data []byte, ct, id string) {
+// publishRaw publishes data as one message with Content-Type ct, and
+// Content-Encoding enc unless it is empty.
+func publishRaw(t *testing.T, js jetstream.JetStream, cfg stream.Config, data []byte, ct, enc, id string) {
 	t.Helper()
 	m := nats.NewMsg(events.Subject(cfg.SubjectPrefix, events.TypeActual))
 	m.Data = data
 	m.Header.Set("Content-Type", ct)
+	if enc != "" {
+		m.Header.Set(stream.HeaderContentEncoding, enc)
+	}
 	if _, err := js.PublishMsg(context.Background(), m, jetstream.WithMsgID(id)); err != nil {
 		t.Fatal(err)
 	}
@@ -177,10 +193,17 @@ func fetchOne(t *testing.T, cons jetstream.Consumer, wait time.Duration) jetstre
 	return nil
 }
 
-// A bad event of a batch is dead-lettered alone, once, however often the
-// batch comes back; the others are handled; a handler failure naks the
-// whole batch, and at MaxDeliver only the failing event is dead-lettered.
+// A bad event of a batch, compressed or not, is dead-lettered alone, once,
+// however often the batch comes back, as a plain single CloudEvent; the
+// others are handled; a handler failure naks the whole batch, and at
+// MaxDeliver only the failing event is dead-lettered.
 func TestBatchDeadLettersPerEvent(t *testing.T) {
+	for _, enc := range []string{"", stream.EncodingS2} {
+		t.Run("encoding="+enc, func(t *testing.T) { batchDeadLettersPerEvent(t, enc) })
+	}
+}
+
+func batchDeadLettersPerEvent(t *testing.T, enc string) {
 	js, cfg := realNATS(t) // MaxDeliver 3
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -195,7 +218,11 @@ func TestBatchDeadLettersPerEvent(t *testing.T) {
 	}
 	bad := []byte(`{"specversion":"1.0","id":"bad-one","type":"quotaflow.usage.actual","data":{"input_tokens":-1}}`)
 	parts = append(parts[:2], append([][]byte{bad}, parts[2:]...)...) // index 2
-	publishRaw(t, js, cfg, events.AppendBatch(nil, parts), events.BatchContentType, "raw-batch")
+	data := events.AppendBatch(nil, parts)
+	if enc == stream.EncodingS2 {
+		data = s2.Encode(nil, data)
+	}
+	publishRaw(t, js, cfg, data, events.BatchContentType, enc, "raw-batch")
 	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
 	if err != nil {
 		t.Fatal(err)
@@ -248,7 +275,7 @@ func TestBatchDeadLettersPerEvent(t *testing.T) {
 	for i, w := range want {
 		m := letters[i]
 		if m.Subject != events.DLQSubject(cfg.SubjectPrefix, w.reason) || !bytes.Equal(m.Data, w.data) ||
-			m.Header.Get("Content-Type") != events.ContentType ||
+			m.Header.Get("Content-Type") != events.ContentType || m.Header.Get(stream.HeaderContentEncoding) != "" ||
 			m.Header.Get(stream.HeaderBatchIndex) != strconv.Itoa(w.index) ||
 			m.Header.Get(stream.HeaderMsgID) != "raw-batch" || m.Header.Get(stream.HeaderSequence) != "1" {
 			t.Errorf("dead letter %d = %s %q %v", i, m.Subject, m.Data, m.Header)
@@ -269,19 +296,37 @@ func TestBatchDeadLettersPerEvent(t *testing.T) {
 	}
 }
 
-// A batch that is not one as a whole is dead-lettered whole, once.
+// A batch that is not one as a whole is dead-lettered whole, once, as it
+// came: malformed JSON, and payloads that do not decompress as their
+// Content-Encoding says (an unknown encoding, corrupt S2, S2 that would
+// decompress past a batch's 1 MiB).
 func TestMalformedBatchDeadLetteredWhole(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	for i, data := range [][]byte{[]byte(`{"not":"an array"}`), []byte(`[`), []byte(`[]`)} {
-		publishRaw(t, js, cfg, data, events.BatchContentType, "m-"+strconv.Itoa(i))
+	bomb := s2.Encode(nil, make([]byte, events.MaxBatchSize+1))
+	malformed := []struct {
+		data []byte
+		enc  string
+	}{
+		{[]byte(`{"not":"an array"}`), ""},
+		{[]byte(`[`), ""},
+		{[]byte(`[]`), ""},
+		{s2.Encode(nil, []byte(`[]`)), stream.EncodingS2},
+		{[]byte(`[{"specversion":"1.0"}]`), "gzip"},
+		{[]byte(`[{"specversion":"1.0"}]`), stream.EncodingS2},
+		{bomb, stream.EncodingS2},
+		// A block that claims 1 TiB: decompressing must not trust the claim.
+		{binary.AppendUvarint(nil, 1<<40), stream.EncodingS2},
+	}
+	for i, m := range malformed {
+		publishRaw(t, js, cfg, m.data, events.BatchContentType, m.enc, "m-"+strconv.Itoa(i))
 	}
 	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
 	if err != nil {
 		t.Fatal(err)
 	}
-	for range 3 {
+	for range malformed {
 		msg := fetchOne(t, cons, 5*time.Second)
 		if msg == nil {
 			t.Fatal("message missing")
@@ -295,12 +340,13 @@ func TestMalformedBatchDeadLetteredWhole(t *testing.T) {
 		}
 	}
 	letters := storedMsgs(t, js, cfg.DLQStream)
-	if len(letters) != 3 {
-		t.Fatalf("DLQ holds %d, want 3", len(letters))
+	if len(letters) != len(malformed) {
+		t.Fatalf("DLQ holds %d, want %d", len(letters), len(malformed))
 	}
-	for _, m := range letters {
-		if m.Header.Get("Content-Type") != events.BatchContentType || m.Header.Get(stream.HeaderBatchIndex) != "" {
-			t.Errorf("dead letter of a malformed batch = %q %v, want it whole", m.Data, m.Header)
+	for i, m := range letters {
+		if m.Header.Get("Content-Type") != events.BatchContentType || m.Header.Get(stream.HeaderBatchIndex) != "" ||
+			!bytes.Equal(m.Data, malformed[i].data) || m.Header.Get(stream.HeaderContentEncoding) != malformed[i].enc {
+			t.Errorf("dead letter of malformed batch %d = %.80q %v, want it whole, as it came", i, m.Data, m.Header)
 		}
 	}
 }

@@ -70,12 +70,17 @@ func ReadEvents(ctx context.Context, js jetstream.JetStream, name string, each f
 // msgEvents calls each with the events of msg (zero where one does not
 // decode; one zero Event for a batch that does not).
 func msgEvents(msg jetstream.Msg, each func(events.Event)) {
+	data, err := Payload(msg.Headers(), msg.Data())
+	if err != nil {
+		each(events.Event{})
+		return
+	}
 	if !events.IsBatch(msg.Headers().Get("Content-Type")) {
-		ev, _ := events.Decode(msg.Data())
+		ev, _ := events.Decode(data)
 		each(ev)
 		return
 	}
-	evs, _, _, err := events.DecodeBatch(msg.Data())
+	evs, _, _, err := events.DecodeBatch(data)
 	if err != nil {
 		each(events.Event{})
 		return

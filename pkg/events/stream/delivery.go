@@ -27,17 +27,18 @@ type Delivery struct {
 	Errs   []error
 	// raw[i] is event i's bytes in a batch; nil for a single event.
 	raw    [][]byte
+	data   []byte    // the message's payload, decompressed (Payload)
 	stored time.Time // HeaderFirstStored or the stream's time; zero if own
 }
 
 // Batch reports whether the message is a batch.
 func (d *Delivery) Batch() bool { return d.raw != nil }
 
-// Raw is event i's bytes: the message's payload for a single event, the
-// element for a batch.
+// Raw is event i's bytes: the message's payload (decompressed) for a
+// single event, the element for a batch.
 func (d *Delivery) Raw(i int) []byte {
 	if d.raw == nil {
-		return d.Msg.Data()
+		return d.data
 	}
 	return d.raw[i]
 }
@@ -52,7 +53,8 @@ func (d *Delivery) FirstStored(i int) time.Time {
 }
 
 // DecodeMsg decodes msg's events (events.Decode, events.DecodeBatch when
-// its Content-Type is events.BatchContentType) and checks each one's time
+// its Content-Type is events.BatchContentType, of its payload decompressed
+// as its Content-Encoding says: Payload) and checks each one's time
 // against its first storage (events.CheckTime, with cfg's MaxAge): what a
 // consumer of the usage stream accepts. Its error, wrapping
 // events.ErrInvalid, is for a message that is bad as a whole (an invalid
@@ -70,8 +72,13 @@ func DecodeMsgWith(msg jetstream.Msg, cfg Config, dec events.Decoder) (*Delivery
 	if !own {
 		d.stored = FirstStored(msg)
 	}
+	data, err := Payload(msg.Headers(), msg.Data())
+	if err != nil {
+		return nil, err
+	}
+	d.data = data
 	if events.IsBatch(msg.Headers().Get("Content-Type")) {
-		evs, errs, raw, err := dec.DecodeBatch(msg.Data())
+		evs, errs, raw, err := dec.DecodeBatch(data)
 		if err != nil {
 			return nil, err
 		}
@@ -81,7 +88,7 @@ func DecodeMsgWith(msg jetstream.Msg, cfg Config, dec events.Decoder) (*Delivery
 			// Only a batch says "own"; a single event's header is a time.
 			d.stored = FirstStored(msg)
 		}
-		ev, err := dec.Decode(msg.Data())
+		ev, err := dec.Decode(data)
 		if err != nil {
 			return nil, err
 		}

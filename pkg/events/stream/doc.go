@@ -26,8 +26,10 @@
 // expects the usage stream to store it, so a misrouted prefix fails.
 // PublishBatch packs the events of each subject into batches (package
 // events: a JSON array, Nats-Msg-Id events.BatchID) under the server's max
-// payload (WithMaxPayload); a batch of one is a plain event. Publishers
-// in other languages may send single events only.
+// payload (WithMaxPayload), compressed with S2 (HeaderContentEncoding,
+// EncodingS2; WithCompression); a batch of one is a plain event.
+// Consumers take batches compressed or not (Payload). Publishers in other
+// languages may send single events only.
 // A Batcher sits in front of it for services whose callers each wait for
 // a few events to be stored (admission's POST /v1/usage): concurrent
 // calls share one PublishBatch, a round closing at MaxEvents events or

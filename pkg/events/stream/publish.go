@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/klauspost/compress/s2"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -61,6 +62,7 @@ type Publisher struct {
 	prefix  string
 	stream  string
 	ownTime bool
+	plain   bool // batches go uncompressed (WithCompression(false))
 	// budget is the most bytes of events one message carries: what fits
 	// the server's max payload, lowered to the stream's MaxMsgSize once
 	// the stream refuses a message for its size (fitStream).
@@ -78,6 +80,12 @@ type PublisherOption func(*Publisher)
 // itself. A single event's header holds its time; a batch's holds
 // FirstStoredOwn, which means the same for each of its events.
 func WithOwnTime() PublisherOption { return func(p *Publisher) { p.ownTime = true } }
+
+// WithCompression sets whether PublishBatch compresses its batch messages
+// (EncodingS2, HeaderContentEncoding; the default) or sends their JSON as
+// it is: for a stream whose consumers predate compression, which take a
+// compressed batch for invalid. A single event is never compressed.
+func WithCompression(on bool) PublisherOption { return func(p *Publisher) { p.plain = !on } }
 
 // WithMaxPayload sets the largest message the server accepts, headers
 // included: pass the connection's nats.Conn.MaxPayload(). PublishBatch
@@ -186,8 +194,9 @@ func (p *Publisher) PublishAsync(ev events.Event) (jetstream.PubAckFuture, error
 // It packs the events of each subject, in their order, into as few
 // messages as fit the server's max payload (WithMaxPayload) and
 // events.MaxBatchEvents: a message of several events is a batch
-// (events.BatchContentType, Nats-Msg-Id events.BatchID of its events' ids,
-// so the same batch sent again is stored once); a message of one event is
+// (events.BatchContentType, compressed (WithCompression), Nats-Msg-Id
+// events.BatchID of its events' ids, so the same batch sent again is
+// stored once, compressed or not); a message of one event is
 // the plain CloudEvent Publish sends. An id given twice is sent once, as
 // JetStream would store it once. The messages go out asynchronously, and
 // each one's ack or error is its events'. When the stream refuses a batch
@@ -386,7 +395,20 @@ func (p *Publisher) batch(evs []events.Event, idx []int, data [][]byte) (*nats.M
 		ids[k] = evs[i].ID
 	}
 	m := nats.NewMsg(events.Subject(p.prefix, evs[idx[0]].Type()))
-	m.Data = events.AppendBatch(make([]byte, 0, events.BatchSize(len(data), totalLen(data))), data)
+	size := events.BatchSize(len(data), totalLen(data))
+	if p.plain {
+		m.Data = events.AppendBatch(make([]byte, 0, size), data)
+	} else {
+		bp := encodeBufs.Get().(*[]byte)
+		joined := events.AppendBatch((*bp)[:0], data)
+		packed := s2.Encode(make([]byte, s2.MaxEncodedLen(size)), joined)
+		m.Data = packed[:len(packed):len(packed)]
+		if cap(joined) <= maxPooledEncoding {
+			*bp = joined
+			encodeBufs.Put(bp)
+		}
+		m.Header.Set(HeaderContentEncoding, EncodingS2)
+	}
 	m.Header.Set("Content-Type", events.BatchContentType)
 	if p.ownTime {
 		m.Header.Set(HeaderFirstStored, FirstStoredOwn)
@@ -472,6 +494,7 @@ func deadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason 
 	suffix := ""
 	if part != nil {
 		dl.Data = part.data
+		dl.Header.Del(HeaderContentEncoding) // the event alone, decompressed
 		dl.Header.Set("Content-Type", events.ContentType)
 		dl.Header.Set(HeaderBatchIndex, strconv.Itoa(part.index))
 		dl.Header.Del(HeaderFirstStored)

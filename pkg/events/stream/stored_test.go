@@ -69,7 +69,8 @@ func TestConsumersJudgeTimeByFirstStorage(t *testing.T) {
 				for i, ev := range d.Events {
 					id := ev.ID
 					if d.Errs[i] != nil {
-						evs, _, _, _ := events.DecodeBatch(msg.Data())
+						data, _ := stream.Payload(msg.Headers(), msg.Data())
+						evs, _, _, _ := events.DecodeBatch(data)
 						id = evs[i].ID
 					} else {
 						herrs[i] = h.Dispatch(ctx, ev)
