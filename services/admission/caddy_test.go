@@ -28,19 +28,9 @@ import (
 // is installed (Debian package) by deploy/gateways/ensure.sh when missing;
 // the test skips only when that is impossible here, and never in CI.
 func TestCaddyForwardAuth(t *testing.T) {
-	if testing.Short() {
-		t.Skip("needs caddy")
-	}
 	caddy := ensureGateway(t, "caddy")
 
-	policy := `
-default_plan: three
-plans:
-  three:
-    rates: [{name: allowance, kind: token_bucket, rate: 0, per: 24h, burst: 3}]
-    quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000}]
-`
-	s := newStack(t, policy, []string{"caddy-token"}, func(o *httpapi.Options) {
+	s := newStack(t, gatewayPolicy, []string{"caddy-token"}, func(o *httpapi.Options) {
 		o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}
 	})
 	type seen struct{ tenant, user, requestID, body string }
@@ -87,46 +77,13 @@ plans:
 	if out, err := validate.CombinedOutput(); err != nil {
 		t.Fatalf("caddy validate: %v\n%s", err, out)
 	}
-	logPath := filepath.Join(dir, "caddy.log")
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		t.Fatal(err)
-	}
 	cmd := exec.Command(caddy, "run", "--adapter", "caddyfile", "--config", path)
 	cmd.Env = env
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		_ = cmd.Wait()
-		logFile.Close()
-		if t.Failed() {
-			if b, err := os.ReadFile(logPath); err == nil {
-				t.Logf("caddy log:\n%s", b)
-			}
-		}
-	})
+	runGateway(t, dir, addr, cmd)
 	base := "http://" + addr
-	waitListening(t, addr)
-
 	do := func(key string, hdr ...string) (*http.Response, string) {
 		t.Helper()
-		req, _ := http.NewRequest("POST", base+"/api/v1/generate?stream=1", strings.NewReader(`{"prompt":"hi"}`))
-		if key != "" {
-			req.Header.Set("X-Api-Key", key)
-		}
-		for i := 0; i+1 < len(hdr); i += 2 {
-			req.Header.Set(hdr[i], hdr[i+1])
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp, string(b)
+		return gatewayPost(t, base, key, hdr...)
 	}
 
 	if resp, _ := do(""); resp.StatusCode != http.StatusUnauthorized {

@@ -91,13 +91,7 @@ func responseHeaders(t *testing.T, hs []*corev3.HeaderValueOption) map[string]st
 // check said (headers, path, source address); a reused request id is a
 // denial.
 func TestExtAuthzCheck(t *testing.T) {
-	s := newStack(t, `
-default_plan: three
-plans:
-  three:
-    rates: [{name: allowance, kind: token_bucket, rate: 0, per: 24h, burst: 3}]
-    quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000}]
-`, []string{"gw-token"})
+	s := newStack(t, gatewayPolicy, []string{"gw-token"})
 	c := extAuthzClient(t, s)
 	ctx := bearer("gw-token")
 	check := func(id string) *authv3.CheckResponse {

@@ -2,7 +2,9 @@ package main
 
 import (
 	"errors"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,12 +16,26 @@ import (
 // Helpers of the tests that run real gateways (nginx_test.go,
 // caddy_test.go) in front of admission.
 
+// gatewayPolicy allows each user three requests a day: the fourth is the
+// gateway tests' denial.
+const gatewayPolicy = `
+default_plan: three
+plans:
+  three:
+    rates: [{name: allowance, kind: token_bucket, rate: 0, per: 24h, burst: 3}]
+    quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000}]
+`
+
 // ensureGateway returns the binary of gateway (nginx or caddy), installing
 // its Debian package with deploy/gateways/ensure.sh when it is missing. It
 // skips the test only when that is impossible here (no apt-get, or no
-// root), and never in CI, where deps installs both gateways first.
+// root), and never in CI, where deps installs both gateways first; and
+// in -short mode.
 func ensureGateway(t *testing.T, gateway string) string {
 	t.Helper()
+	if testing.Short() {
+		t.Skipf("needs %s", gateway)
+	}
 	out, err := exec.Command("bash", filepath.Join("..", "..", "deploy", "gateways", "ensure.sh"), gateway).Output()
 	var ee *exec.ExitError
 	if errors.As(err, &ee) && ee.ExitCode() == 3 && os.Getenv("CI") == "" {
@@ -52,6 +68,56 @@ func gatewayConfig(t *testing.T, name string, repl map[string]string) string {
 		text = strings.ReplaceAll(text, old, new)
 	}
 	return text
+}
+
+// runGateway starts cmd, a gateway in the foreground writing its output
+// to dir/output.log, waits until it listens on addr, and stops it at
+// cleanup; when the test failed, it logs output.log and the files logs
+// names in dir.
+func runGateway(t *testing.T, dir, addr string, cmd *exec.Cmd, logs ...string) {
+	t.Helper()
+	out, err := os.Create(filepath.Join(dir, "output.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+		out.Close()
+		if t.Failed() {
+			for _, f := range append([]string{"output.log"}, logs...) {
+				if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+					t.Logf("%s %s:\n%s", filepath.Base(cmd.Path), f, b)
+				}
+			}
+		}
+	})
+	waitListening(t, addr)
+}
+
+// gatewayPost sends a client's POST /api/v1/generate?stream=1 to the
+// gateway at base with an API key (none when empty) and headers (name,
+// value, ...), and returns the answer and its body.
+func gatewayPost(t *testing.T, base, key string, hdr ...string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest("POST", base+"/api/v1/generate?stream=1", strings.NewReader(`{"prompt":"hi"}`))
+	if key != "" {
+		req.Header.Set("X-Api-Key", key)
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
 }
 
 // waitListening waits until something accepts connections on addr.

@@ -23,19 +23,9 @@ import (
 // the test skips only when that is impossible here (no apt-get or no root),
 // and never in CI.
 func TestNginxAuthRequest(t *testing.T) {
-	if testing.Short() {
-		t.Skip("needs nginx")
-	}
 	nginx := ensureGateway(t, "nginx")
 
-	policy := `
-default_plan: three
-plans:
-  three:
-    rates: [{name: allowance, kind: token_bucket, rate: 0, per: 24h, burst: 3}]
-    quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000}]
-`
-	s := newStack(t, policy, []string{"nginx-token"}, func(o *httpapi.Options) {
+	s := newStack(t, gatewayPolicy, []string{"nginx-token"}, func(o *httpapi.Options) {
 		o.AuthzDenyStatus = http.StatusForbidden
 		o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}
 	})
@@ -86,40 +76,12 @@ http {
 	if out, err := exec.Command(nginx, "-t", "-p", dir, "-c", filepath.Join(dir, "nginx.conf")).CombinedOutput(); err != nil {
 		t.Fatalf("nginx -t: %v\n%s", err, out)
 	}
-	cmd := exec.Command(nginx, "-p", dir, "-c", filepath.Join(dir, "nginx.conf"), "-g", "daemon off;")
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		_ = cmd.Wait()
-		if t.Failed() {
-			for _, f := range []string{"access.log", "error.log"} {
-				if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
-					t.Logf("nginx %s:\n%s", f, b)
-				}
-			}
-		}
-	})
+	runGateway(t, dir, addr, exec.Command(nginx, "-p", dir, "-c", filepath.Join(dir, "nginx.conf"), "-g", "daemon off;"),
+		"access.log", "error.log")
 	base := "http://" + addr
-	waitListening(t, addr)
-
 	get := func(key string, hdr ...string) (*http.Response, string) {
-		req, _ := http.NewRequest("POST", base+"/api/v1/generate?stream=1", strings.NewReader(`{"prompt":"hi"}`))
-		if key != "" {
-			req.Header.Set("X-Api-Key", key)
-		}
-		for i := 0; i+1 < len(hdr); i += 2 {
-			req.Header.Set(hdr[i], hdr[i+1])
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp, string(b)
+		t.Helper()
+		return gatewayPost(t, base, key, hdr...)
 	}
 
 	if resp, _ := get(""); resp.StatusCode != 401 {
