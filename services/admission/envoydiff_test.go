@@ -14,8 +14,10 @@ import (
 	rlpb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"quotaflow/internal/envoypeer"
 	"quotaflow/internal/natstest"
@@ -81,11 +83,11 @@ func startPeer(t *testing.T, confDir string) *rlsSide {
 	return &rlsSide{rls: dialRLS(t, addrs.GRPC), redis: rs.Client()}
 }
 
-// startAdmission runs admission with QF_ENVOY_RATELIMIT_CONFIG=confDir on
-// a private Redis, a generous Redis deadline (every decision Redis's, even
-// under -race on a busy machine) and no tenant keys: every domain is one
-// subject.
-func startAdmission(t *testing.T, confDir string) *rlsSide {
+// startAdmission runs admission with QF_ENVOY_RATELIMIT_CONFIG=confDir,
+// QF_ENVOY_TENANT_KEYS and QF_ENVOY_USER_KEYS on a private Redis, with a
+// generous Redis deadline (every decision Redis's, even under -race on a
+// busy machine).
+func startAdmission(t *testing.T, confDir string, tenantKeys, userKeys []string) *rlsSide {
 	t.Helper()
 	rs := redistest.Start(t)
 	cfg := testConfig(t)
@@ -96,6 +98,7 @@ func startAdmission(t *testing.T, confDir string) *rlsSide {
 	cfg.GRPCAddr, cfg.EnvoyRateLimitConfig = "127.0.0.1:0", confDir
 	cfg.APITokens = []string{"envoydiff-token#gateway"}
 	cfg.EnvoyRateLimitHeaders = true
+	cfg.EnvoyTenantKeys, cfg.EnvoyUserKeys = tenantKeys, userKeys
 	a, done, cancel := startRunAddrs(t, cfg, slog.New(slog.DiscardHandler))
 	t.Cleanup(func() { cancel(); <-done })
 	return &rlsSide{rls: dialRLS(t, a.grpc), md: metadata.Pairs("authorization", "Bearer envoydiff-token"), redis: rs.Client()}
@@ -175,6 +178,12 @@ func runOnce(t *testing.T, peer, qf *rlsSide, calls []call, problems *[]string) 
 		}
 		if p := headerProblem(pr); p != "" {
 			*problems = append(*problems, fmt.Sprintf("%s: the peer's %s", where, p))
+		}
+		if c.overrides() {
+			if status.Code(qerr) != codes.InvalidArgument {
+				*problems = append(*problems, fmt.Sprintf("%s: admission answers %v (%v), want InvalidArgument: it does not take a descriptor's own limit", where, brief(qr), qerr))
+			}
+			continue
 		}
 		if qerr != nil {
 			*problems = append(*problems, fmt.Sprintf("%s: admission fails (%v), the peer answers %v", where, qerr, brief(pr)))
@@ -346,6 +355,8 @@ var exampleSequences = []sequence{
 	{"mongo_cps per second", []string{
 		"mongo_cps h499 database=users", "mongo_cps database=users", "mongo_cps database=users", "mongo_cps h500 database=default",
 		"mongo_cps database=other"}},
+	{"a descriptor's own limit: envoy applies it, admission refuses the request", []string{
+		"rl foo=a@1/minute", "rl foo=a@1/minute unspec=x", "rl foo=a", "rl unspec=x", "rl h3 nothing=here@2/hour"}},
 	{"invalid requests", []string{
 		`"" foo=a`}},
 }
@@ -358,19 +369,22 @@ type configSet struct {
 	domain string   // of the random sequences
 	seqs   []sequence
 	random []string
+	// tenantKeys and userKeys are admission's QF_ENVOY_TENANT_KEYS and
+	// QF_ENVOY_USER_KEYS: none puts each domain on one subject, some
+	// spread a request's descriptors over several (one charge each,
+	// still all or nothing).
+	tenantKeys, userKeys []string
 }
 
 var configSets = []configSet{
 	{
 		name: "examples", files: []string{"examples/ratelimit/config/config.yaml", "examples/ratelimit/config/example.yaml"},
-		domain: "rl", seqs: exampleSequences,
-		random: []string{
-			"foo=a", "foo=b", "foo=a,bar=b", "foo=b,bar=c", "foo=a,bar=bkthomps", "foo=a,bar=banned",
-			"foo=a,baz=not-so-shady", "foo=a,baz=shady", "foo=a,bay=x", "unspec=x", "unspec=y", "qux=z",
-			"category=account", "source_cluster=proxy,destination_cluster=bkthomps", "source_cluster=proxy,destination_cluster=mock",
-			"source_cluster=proxy,destination_cluster=override", "source_cluster=proxy,destination_cluster=fake",
-			"nothing=here", "foo=a,bar=b,deeper=c",
-		},
+		domain: "rl", seqs: exampleSequences, random: exampleRandom,
+	},
+	{
+		name: "examples, tenant and user keys", files: []string{"examples/ratelimit/config/config.yaml", "examples/ratelimit/config/example.yaml"},
+		domain: "rl", seqs: exampleSequences, random: exampleRandom,
+		tenantKeys: []string{"foo", "source_cluster", "category"}, userKeys: []string{"bar", "baz", "destination_cluster"},
 	},
 	{
 		name: "the peer's tests", files: []string{"test/config/wildcard.yaml", "test/integration/runtime/current/ratelimit/config/basic.yaml",
@@ -385,6 +399,16 @@ var configSets = []configSet{
 		random: []string{"path=/api/v1/x", "path=/api/v2", "path=/api", "path=/other", "path=/api/v1/x,method=GET",
 			"path=/api/v1/x,method=POST", "path=/api/v1/y,method=GET", "user=alice", "user=bob", "user=alice,tier=free", "user=bob,tier=free"},
 	},
+}
+
+// exampleRandom are the descriptors random sequences draw from in
+// examples/ratelimit/config: every kind of match and a few misses.
+var exampleRandom = []string{
+	"foo=a", "foo=b", "foo=a,bar=b", "foo=b,bar=c", "foo=a,bar=bkthomps", "foo=a,bar=banned",
+	"foo=a,baz=not-so-shady", "foo=a,baz=shady", "foo=a,bay=x", "unspec=x", "unspec=y", "qux=z",
+	"category=account", "source_cluster=proxy,destination_cluster=bkthomps", "source_cluster=proxy,destination_cluster=mock",
+	"source_cluster=proxy,destination_cluster=override", "source_cluster=proxy,destination_cluster=fake",
+	"nothing=here", "foo=a,bar=b,deeper=c",
 }
 
 // peerTestSequences exercise configurations of the peer's own tests:
@@ -455,7 +479,7 @@ func TestShouldRateLimitMatchesEnvoy(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			peer, qf := startPeer(t, dir), startAdmission(t, dir)
+			peer, qf := startPeer(t, dir), startAdmission(t, dir, set.tenantKeys, set.userKeys)
 			for _, seq := range set.seqs {
 				runSequence(t, peer, qf, seq)
 			}

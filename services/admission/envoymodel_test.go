@@ -9,13 +9,15 @@ import (
 
 	rlcommon "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlpb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
 // call is one ShouldRateLimit request of a differential sequence, written
-// as "DOMAIN [hN] DESCRIPTOR..." where a descriptor is k=v,k=v entries
-// and an optional #N, its own hits_addend, and hN is the request's
-// hits_addend: "rl h2 foo=x,bar=y category=account#0".
+// as "DOMAIN [hN] DESCRIPTOR..." where a descriptor is k=v,k=v entries,
+// an optional @N/unit, its own limit (envoy's per-request override), and
+// an optional #N, its own hits_addend, and hN is the request's
+// hits_addend: "rl h2 foo=x,bar=y category=account#0 foo=y@5/minute".
 type call struct {
 	text   string
 	domain string
@@ -26,6 +28,7 @@ type call struct {
 type descriptor struct {
 	entries [][2]string // key, value
 	hits    *uint64     // its own hits_addend; nil: the request's
+	limit   *rlcommon.RateLimitDescriptor_RateLimitOverride
 }
 
 func parseCall(text string) (call, error) {
@@ -55,6 +58,16 @@ func parseCall(text string) (call, error) {
 			}
 			d.hits = &h
 		}
+		ents, lim, found := strings.Cut(ents, "@")
+		if found {
+			n, unit, _ := strings.Cut(lim, "/")
+			rpu, err := strconv.ParseUint(n, 10, 32)
+			u, ok := typev3.RateLimitUnit_value[strings.ToUpper(unit)]
+			if err != nil || !ok {
+				return call{}, fmt.Errorf("%q: limit %q is not N/unit", tok, lim)
+			}
+			d.limit = &rlcommon.RateLimitDescriptor_RateLimitOverride{RequestsPerUnit: uint32(rpu), Unit: typev3.RateLimitUnit(u)}
+		}
 		for _, kv := range strings.Split(ents, ",") {
 			k, v, ok := strings.Cut(kv, "=")
 			if !ok {
@@ -78,9 +91,21 @@ func (c call) request() *rlpb.RateLimitRequest {
 		if d.hits != nil {
 			pd.HitsAddend = wrapperspb.UInt64(*d.hits)
 		}
+		pd.Limit = d.limit
 		r.Descriptors = append(r.Descriptors, pd)
 	}
 	return r
+}
+
+// overrides reports whether a descriptor of c carries its own limit, which
+// admission refuses (README.md, "Envoy (RLS)": not supported).
+func (c call) overrides() bool {
+	for _, d := range c.descs {
+		if d.limit != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // cost is what the descriptor adds to its counter: its own hits_addend
