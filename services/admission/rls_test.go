@@ -416,3 +416,24 @@ func TestShouldRateLimitReload(t *testing.T) {
 		t.Errorf("limit after a broken edit = %d, want the last good 7", got)
 	}
 }
+
+// The gRPC settings are checked with the others, each error naming its
+// variable.
+func TestConfigValidatesGRPC(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		set  func(*Config)
+		want string
+	}{
+		{"config without grpc", func(c *Config) { c.EnvoyRateLimitConfig = "x.yaml" }, "QF_ENVOY_RATELIMIT_CONFIG: needs QF_GRPC_ADDR"},
+		{"grpc on the api's port", func(c *Config) { c.AdmissionAddr, c.GRPCAddr = ":8080", ":8080" }, "QF_GRPC_ADDR: must differ"},
+		{"a key twice", func(c *Config) { c.EnvoyTenantKeys, c.EnvoyUserKeys = []string{"t"}, []string{"t"} }, `QF_ENVOY_USER_KEYS: "t" is also a tenant key`},
+		{"empty key", func(c *Config) { c.EnvoyTenantKeys = []string{""} }, "QF_ENVOY_TENANT_KEYS: a key is empty"},
+	} {
+		cfg := testConfig(t)
+		c.set(&cfg)
+		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: Validate = %v, want %q", c.name, err, c.want)
+		}
+	}
+}

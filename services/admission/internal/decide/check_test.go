@@ -1,0 +1,74 @@
+package decide
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+)
+
+// checkRule is a fixed window of tokens named by path, as package rls
+// builds them.
+func checkRule(path string, limit int64) policy.Rule {
+	return policy.Rule{Limit: policy.Limit{Name: "rls", Kind: policy.Fixed, Unit: policy.Tokens, Limit: limit,
+		Window: policy.Duration(24 * time.Hour)}, Scope: policy.ScopeGlobal, Endpoint: path}
+}
+
+// One charge is one round trip, allowed or denied; a denial by a later
+// charge gives back what the earlier ones took, and every rule of every
+// charge is reported.
+func TestCheckIsAllOrNothing(t *testing.T) {
+	c := redistest.Shared(t)
+	rt := &redistest.RoundTrips{}
+	c.AddHook(rt)
+	pol := parsePolicy(t, userOnlyPolicy, "")
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(24 * time.Hour)})
+	a, b := newTenant(t)+"a", newTenant(t)+"b"
+	ra := []policy.Rule{checkRule("x", 10), checkRule("y", 5), checkRule("z", 100)}
+	rb := []policy.Rule{checkRule("w", 3)}
+	ctx := context.Background()
+
+	if _, err := d.Check(ctx, []Charge{{Scope: policy.ScopeGlobal, ID: a, Cost: 1, Rules: ra}}); err != nil { // loads the script
+		t.Fatal(err)
+	}
+	rt.Reset()
+	r, err := d.Check(ctx, []Charge{{Scope: policy.ScopeGlobal, ID: a, Cost: 2, Rules: ra}})
+	if err != nil || !r.Allowed || len(r.Limits) != 3 || r.Limits[1].Remaining != 2 || r.Local {
+		t.Fatalf("Check(one charge) = %+v, %v; want allowed, 3 limits, y remaining 2", r, err)
+	}
+	if got := rt.Count(); got != 1 {
+		t.Errorf("round trips of one charge = %d, want 1", got)
+	}
+
+	rt.Reset()
+	r, err = d.Check(ctx, []Charge{
+		{Scope: policy.ScopeGlobal, ID: a, Cost: 2, Rules: ra},
+		{Scope: policy.ScopeGlobal, ID: b, Cost: 4, Rules: rb},
+	})
+	if err != nil || r.Allowed || r.DeniedBy == nil || r.DeniedBy.Endpoint != "w" || len(r.Limits) != 4 {
+		t.Fatalf("Check(second charge over) = %+v, %v; want denied by w, 4 limits", r, err)
+	}
+	if r.Limits[1].Remaining != 2 {
+		t.Errorf("y after the denial reports remaining %d, want 2 (given back)", r.Limits[1].Remaining)
+	}
+	if got := rt.Count(); got != 3 {
+		t.Errorf("round trips of two charges, the second denied = %d, want 3 (two reserves, one give-back)", got)
+	}
+	if used := sharedUsed(t, c, policy.ScopeGlobal, a, ra); used[0] != 3 || used[1] != 3 || used[2] != 3 {
+		t.Errorf("a's limits after the denied check = %v, want 3 each (the first two checks only)", used)
+	}
+	if used := sharedUsed(t, c, policy.ScopeGlobal, b, rb); used[0] != 0 {
+		t.Errorf("b's limit after its denial = %v, want 0", used)
+	}
+
+	if _, err := d.Check(ctx, []Charge{{Scope: policy.ScopeUser, ID: a, Cost: 1, Rules: ra}}); !errors.Is(err, limits.ErrInvalid) {
+		t.Errorf("Check(user scope) = %v, want ErrInvalid", err)
+	}
+	if _, err := d.Check(ctx, []Charge{{Scope: policy.ScopeGlobal, ID: a, Cost: -1, Rules: ra}}); !errors.Is(err, limits.ErrInvalid) {
+		t.Errorf("Check(negative cost) = %v, want ErrInvalid", err)
+	}
+}
