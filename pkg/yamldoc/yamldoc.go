@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -37,4 +38,17 @@ func Decode(data []byte, what string) (*yaml.Node, error) {
 		return nil, fmt.Errorf("%s holds more than one YAML document (line %d)", what, next.Line)
 	}
 	return &doc, nil
+}
+
+// ReadFile reads the file at path, at most max+1 bytes: enough for the
+// caller to tell that it is larger than max without reading a wrong path (a
+// log, a device) into memory. Errors are the os package's, for the caller
+// to wrap with the setting that named the path.
+func ReadFile(path string, max int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return io.ReadAll(io.LimitReader(f, max+1))
 }

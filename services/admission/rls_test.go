@@ -109,6 +109,17 @@ func startRLS(t *testing.T, name string, tweak func(*Config)) rlsRun {
 	return rlsRun{client: rlspb.NewRateLimitServiceClient(conn), conn: conn, domain: domain, ops: a.ops}
 }
 
+// call sends descriptors of r's domain with the gateway token and hits (0:
+// none set), failing the test on an error.
+func (r rlsRun) call(t *testing.T, hits uint32, ds ...*rlv3.RateLimitDescriptor) *rlspb.RateLimitResponse {
+	t.Helper()
+	resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds, HitsAddend: hits})
+	if err != nil {
+		t.Fatalf("ShouldRateLimit = %v", err)
+	}
+	return resp
+}
+
 func bearer(tok string) context.Context {
 	return metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+tok)
 }
@@ -122,9 +133,9 @@ func desc(kv ...string) *rlv3.RateLimitDescriptor {
 	return d
 }
 
-// code is a reply's overall code and each descriptor's code and remaining,
+// codesOf is a reply's overall code and each descriptor's code and remaining,
 // as one string for comparisons.
-func codes_(r *rlspb.RateLimitResponse) string {
+func codesOf(r *rlspb.RateLimitResponse) string {
 	s := r.GetOverallCode().String()
 	for _, st := range r.GetStatuses() {
 		s += fmt.Sprintf(" %s/%d", st.GetCode(), st.GetLimitRemaining())
@@ -138,19 +149,14 @@ func codes_(r *rlspb.RateLimitResponse) string {
 // descriptor.
 func TestShouldRateLimitCounts(t *testing.T) {
 	r := startRLS(t, "rlscount", nil)
-	ctx := bearer(gatewayToken)
 	call := func(hits uint32, ds ...*rlv3.RateLimitDescriptor) *rlspb.RateLimitResponse {
 		t.Helper()
-		resp, err := r.client.ShouldRateLimit(ctx, &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds, HitsAddend: hits})
-		if err != nil {
-			t.Fatalf("ShouldRateLimit = %v", err)
-		}
-		return resp
+		return r.call(t, hits, ds...)
 	}
 	alice := desc("tenant", "t1", "user", "alice")
 	for i, want := range []string{"OK OK/2", "OK OK/1", "OK OK/0", "OVER_LIMIT OVER_LIMIT/0"} {
 		resp := call(0, alice)
-		if got := codes_(resp); got != want {
+		if got := codesOf(resp); got != want {
 			t.Errorf("call %d = %s, want %s", i+1, got, want)
 		}
 		st := resp.GetStatuses()[0]
@@ -168,20 +174,20 @@ func TestShouldRateLimitCounts(t *testing.T) {
 	// Another user of the same tenant has a counter of its own; a request
 	// hits_addend of 2 costs 2, and a descriptor's own (even 0) wins.
 	bob := desc("tenant", "t1", "user", "bob")
-	if got := codes_(call(2, bob)); got != "OK OK/1" {
+	if got := codesOf(call(2, bob)); got != "OK OK/1" {
 		t.Errorf("bob with hits_addend 2 = %s, want OK OK/1", got)
 	}
-	if got := codes_(call(2, bob)); got != "OVER_LIMIT OVER_LIMIT/0" {
+	if got := codesOf(call(2, bob)); got != "OVER_LIMIT OVER_LIMIT/0" {
 		t.Errorf("bob with hits_addend 2 again = %s, want OVER_LIMIT", got)
 	}
 	zero := desc("tenant", "t1", "user", "bob")
 	zero.HitsAddend = wrapperspb.UInt64(0)
-	if got := codes_(call(2, zero)); got != "OK OK/1" {
+	if got := codesOf(call(2, zero)); got != "OK OK/1" {
 		t.Errorf("bob with a descriptor hits_addend 0 = %s, want OK OK/1 (a check that counts nothing)", got)
 	}
 	one := desc("tenant", "t1", "user", "bob")
 	one.HitsAddend = wrapperspb.UInt64(1)
-	if got := codes_(call(5, one)); got != "OK OK/0" {
+	if got := codesOf(call(5, one)); got != "OK OK/0" {
 		t.Errorf("bob with a descriptor hits_addend 1 = %s, want OK OK/0", got)
 	}
 }
@@ -190,14 +196,9 @@ func TestShouldRateLimitCounts(t *testing.T) {
 // none is charged.
 func TestShouldRateLimitAllOrNothing(t *testing.T) {
 	r := startRLS(t, "rlsall", nil)
-	ctx := bearer(gatewayToken)
 	call := func(ds ...*rlv3.RateLimitDescriptor) string {
 		t.Helper()
-		resp, err := r.client.ShouldRateLimit(ctx, &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds})
-		if err != nil {
-			t.Fatalf("ShouldRateLimit = %v", err)
-		}
-		return codes_(resp)
+		return codesOf(r.call(t, 0, ds...))
 	}
 	files := desc("path", "/files/a")
 	if got := call(files, files); got != "OK OK/1 OK/0" {
@@ -218,28 +219,23 @@ func TestShouldRateLimitAllOrNothing(t *testing.T) {
 // prefix; a descriptor without a limit is OK without one.
 func TestShouldRateLimitEnvoySemantics(t *testing.T) {
 	r := startRLS(t, "rlssem", nil)
-	ctx := bearer(gatewayToken)
 	call := func(ds ...*rlv3.RateLimitDescriptor) *rlspb.RateLimitResponse {
 		t.Helper()
-		resp, err := r.client.ShouldRateLimit(ctx, &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds})
-		if err != nil {
-			t.Fatalf("ShouldRateLimit = %v", err)
-		}
-		return resp
+		return r.call(t, 0, ds...)
 	}
 	shadow := desc("generic_key", "shadow")
 	for i, want := range []string{"OK OK/0", "OK OK/0", "OK OK/0"} {
-		if got := codes_(call(shadow)); got != want {
+		if got := codesOf(call(shadow)); got != want {
 			t.Errorf("shadow call %d = %s, want %s", i+1, got, want)
 		}
 	}
-	if got := codes_(call(desc("generic_key", "free"))); got != "OK OK/4294967295" {
+	if got := codesOf(call(desc("generic_key", "free"))); got != "OK OK/4294967295" {
 		t.Errorf("unlimited = %s, want OK OK/4294967295", got)
 	}
 	if resp := call(desc("generic_key", "free")); resp.GetStatuses()[0].GetCurrentLimit() != nil {
 		t.Errorf("unlimited current_limit = %v, want none", resp.GetStatuses()[0].GetCurrentLimit())
 	}
-	if got := codes_(call(desc("nothing", "here"))); got != "OK OK/0" {
+	if got := codesOf(call(desc("nothing", "here"))); got != "OK OK/0" {
 		t.Errorf("no limit = %s, want OK OK/0", got)
 	}
 	// /files/x matches the wildcard (2 a year); with /files/special in the
@@ -247,7 +243,7 @@ func TestShouldRateLimitEnvoySemantics(t *testing.T) {
 	x, special := desc("path", "/files/x"), desc("path", "/files/special")
 	for i, want := range []string{"OK OK/0 OK/99", "OK OK/0 OK/98"} {
 		resp := call(x, special)
-		if got := codes_(resp); got != want {
+		if got := codesOf(resp); got != want {
 			t.Errorf("replaced call %d = %s, want %s", i+1, got, want)
 		}
 		if l := resp.GetStatuses()[0].GetCurrentLimit(); l != nil {
@@ -255,24 +251,24 @@ func TestShouldRateLimitEnvoySemantics(t *testing.T) {
 		}
 	}
 	for i, want := range []string{"OK OK/1", "OK OK/0", "OVER_LIMIT OVER_LIMIT/0"} {
-		if got := codes_(call(x)); got != want {
+		if got := codesOf(call(x)); got != want {
 			t.Errorf("wildcard call %d = %s, want %s", i+1, got, want)
 		}
 	}
 	// share_threshold: every value the wildcard matches counts in one counter.
 	for i, v := range []string{"shared-a", "shared-b", "shared-c"} {
 		want := []string{"OK OK/1", "OK OK/0", "OVER_LIMIT OVER_LIMIT/0"}[i]
-		if got := codes_(call(desc("bucket", v))); got != want {
+		if got := codesOf(call(desc("bucket", v))); got != want {
 			t.Errorf("share_threshold call %d (%s) = %s, want %s", i+1, v, got, want)
 		}
 	}
 	// requests_per_unit 0 is always over, and a request with it charges
 	// nothing else.
 	free := desc("tenant", "t5", "user", "erin")
-	if got := codes_(call(free, desc("banned", "x"))); got != "OVER_LIMIT OK/3 OVER_LIMIT/0" {
+	if got := codesOf(call(free, desc("banned", "x"))); got != "OVER_LIMIT OK/3 OVER_LIMIT/0" {
 		t.Errorf("with a banned descriptor = %s, want OVER_LIMIT OK/3 OVER_LIMIT/0", got)
 	}
-	if got := codes_(call(free)); got != "OK OK/2" {
+	if got := codesOf(call(free)); got != "OK OK/2" {
 		t.Errorf("after the banned call = %s, want OK OK/2", got)
 	}
 }
@@ -311,9 +307,8 @@ func TestShouldRateLimitAuth(t *testing.T) {
 	}
 	// The refused "other tenant" call charged nothing: other's counter is
 	// where the gateway's single call left it.
-	resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), req("other"))
-	if err != nil || codes_(resp) != "OK OK/1" {
-		t.Errorf("other's second call = %v, %v; want OK OK/1", codes_(resp), err)
+	if got := codesOf(r.call(t, 0, req("other").Descriptors...)); got != "OK OK/1" {
+		t.Errorf("other's second call = %v; want OK OK/1", got)
 	}
 	e2e.EventuallyLast(t, "health SERVING once the streams exist", func() (bool, string) {
 		h, err := healthpb.NewHealthClient(r.conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
@@ -356,18 +351,9 @@ func TestShouldRateLimitRedisDown(t *testing.T) {
 		c.RedisURL = "redis://" + srv.Addr + "/0"
 		c.RedisTimeout = 200 * time.Millisecond
 	})
-	call := func() string {
-		t.Helper()
-		resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain,
-			Descriptors: []*rlv3.RateLimitDescriptor{desc("tenant", "t4", "user", "dave")}})
-		if err != nil {
-			t.Fatalf("ShouldRateLimit with Redis down = %v, want an answer", err)
-		}
-		return codes_(resp)
-	}
 	srv.Stop()
 	for i, want := range []string{"OK", "OK", "OK", "OVER_LIMIT"} {
-		if got := call(); !strings.HasPrefix(got, want+" ") {
+		if got := codesOf(r.call(t, 0, desc("tenant", "t4", "user", "dave"))); !strings.HasPrefix(got, want+" ") {
 			t.Errorf("call %d with Redis down = %s, want %s", i+1, got, want)
 		}
 	}
@@ -380,12 +366,7 @@ func TestShouldRateLimitReload(t *testing.T) {
 	r := startRLS(t, "rlsreload", func(c *Config) { path = c.EnvoyRateLimitConfig })
 	limitOf := func() uint32 {
 		t.Helper()
-		resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain,
-			Descriptors: []*rlv3.RateLimitDescriptor{desc("tenant", "t6", "user", "fay")}})
-		if err != nil {
-			t.Fatalf("ShouldRateLimit = %v", err)
-		}
-		return resp.GetStatuses()[0].GetCurrentLimit().GetRequestsPerUnit()
+		return r.call(t, 0, desc("tenant", "t6", "user", "fay")).GetStatuses()[0].GetCurrentLimit().GetRequestsPerUnit()
 	}
 	if got := limitOf(); got != 3 {
 		t.Fatalf("limit = %d, want 3", got)

@@ -4,16 +4,15 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
-	"os"
 	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"quotaflow/internal/filewatch"
+	"quotaflow/pkg/yamldoc"
 )
 
 // Options configure an Auth.
@@ -174,14 +173,9 @@ func (a *Auth) Reload() error {
 // read reads the file, at most one byte past MaxFileSize so that ParseFile
 // can tell it is too large.
 func (a *Auth) read() ([]byte, error) {
-	f, err := os.Open(a.path)
+	data, err := yamldoc.ReadFile(a.path, MaxFileSize)
 	if err != nil {
 		return nil, fmt.Errorf("QF_API_TOKENS_FILE: %w", err)
-	}
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
-	if err != nil {
-		return nil, fmt.Errorf("QF_API_TOKENS_FILE %s: %w", a.path, err)
 	}
 	return data, nil
 }

@@ -39,6 +39,8 @@ import (
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"go.yaml.in/yaml/v3"
+
+	"quotaflow/pkg/yamldoc"
 )
 
 // Bounds of a configuration. A real one is a few kilobytes and a few levels
@@ -465,14 +467,9 @@ func Load(path string) (*Config, error) {
 // readFile reads at most one byte past MaxFileBytes, so that Parse can tell
 // the file is too large.
 func readFile(path string) ([]byte, error) {
-	f, err := os.Open(path)
+	data, err := yamldoc.ReadFile(path, MaxFileBytes)
 	if err != nil {
 		return nil, fmt.Errorf("QF_ENVOY_RATELIMIT_CONFIG: %w", err)
-	}
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, MaxFileBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("QF_ENVOY_RATELIMIT_CONFIG %s: %w", path, err)
 	}
 	return data, nil
 }
