@@ -38,7 +38,7 @@ import (
 // at cleanup), its streams and subject prefix.
 
 // cleanupTenant deletes every key of tenant (they share its hash tag).
-func cleanupTenant(t *testing.T, rdb *redis.Client, tenant string) {
+func cleanupTenant(t testing.TB, rdb *redis.Client, tenant string) {
 	t.Cleanup(func() {
 		ctx := context.Background()
 		iter := rdb.Scan(ctx, 0, "*{"+tenant+"}*", 1000).Iterator()
@@ -49,7 +49,7 @@ func cleanupTenant(t *testing.T, rdb *redis.Client, tenant string) {
 }
 
 type stack struct {
-	t      *testing.T
+	t      testing.TB
 	srv    *httptest.Server
 	api    *httpapi.Handler
 	auth   *auth.Auth // the tokens' (nil without tokens: every request allowed)
@@ -67,13 +67,13 @@ type stackOption func(*httpapi.Options)
 
 // newStack starts the API with policy (YAML; "TENANT" is replaced by the
 // test's tenant) and tokens (QF_API_TOKENS entries; "TENANT" replaced too).
-func newStack(t *testing.T, policy string, tokens []string, opts ...stackOption) *stack {
+func newStack(t testing.TB, policy string, tokens []string, opts ...stackOption) *stack {
 	t.Helper()
 	return newStackOn(t, redistest.Shared(t), policy, tokens, opts...)
 }
 
 // newStackOn is newStack on the Redis behind rdb.
-func newStackOn(t *testing.T, rdb *redis.Client, policy string, tokens []string, opts ...stackOption) *stack {
+func newStackOn(t testing.TB, rdb *redis.Client, policy string, tokens []string, opts ...stackOption) *stack {
 	t.Helper()
 	s := &stack{t: t, tenant: "e2e-" + e2e.RandomHex(6), reg: prometheus.NewRegistry()}
 	dir := t.TempDir()

@@ -30,7 +30,7 @@ import (
 
 // extAuthzClient serves Check for s on a gRPC server of its own and returns
 // a client of it.
-func extAuthzClient(t *testing.T, s *stack) authv3.AuthorizationClient {
+func extAuthzClient(t testing.TB, s *stack) authv3.AuthorizationClient {
 	t.Helper()
 	srv := grpcapi.New(grpcapi.Options{Auth: s.auth})
 	srv.Register(&authv3.Authorization_ServiceDesc, extauthz.New(s.api), auth.Gateway)
