@@ -32,7 +32,10 @@ import (
 // a client of it.
 func extAuthzClient(t testing.TB, s *stack) authv3.AuthorizationClient {
 	t.Helper()
-	srv := grpcapi.New(grpcapi.Options{Auth: s.auth})
+	srv, err := grpcapi.New(grpcapi.Options{Auth: s.auth})
+	if err != nil {
+		t.Fatal(err)
+	}
 	srv.Register(&authv3.Authorization_ServiceDesc, extauthz.New(s.api), auth.Gateway)
 	if err := srv.Listen("127.0.0.1:0"); err != nil {
 		t.Fatal(err)

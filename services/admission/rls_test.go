@@ -310,6 +310,16 @@ func TestShouldRateLimitAuth(t *testing.T) {
 	if got := codesOf(r.call(t, 0, req("other").Descriptors...)); got != "OK OK/1" {
 		t.Errorf("other's second call = %v; want OK OK/1", got)
 	}
+	samples, err := e2e.Scrape(context.Background(), "http://"+r.ops)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const name = "quotaflow_admission_grpc_request_duration_seconds_count"
+	for class, want := range map[string]float64{"ok": 3, "client": 9, "server": 0} {
+		if got := e2e.Sum(samples, name, "method", "ShouldRateLimit", "code", class); got != want {
+			t.Errorf("%s{code=%q} = %v, want %v", name, class, got, want)
+		}
+	}
 	e2e.EventuallyLast(t, "health SERVING once the streams exist", func() (bool, string) {
 		h, err := healthpb.NewHealthClient(r.conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
 		return err == nil && h.GetStatus() == healthpb.HealthCheckResponse_SERVING, fmt.Sprint(h, err)

@@ -91,7 +91,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return err
 	}
 	if cfg.GRPCAddr != "" {
-		g, err := startGRPC(stack, cfg, dec, api, tokens, ready, log, m)
+		g, err := startGRPC(stack, cfg, dec, api, tokens, ready, log, reg, m)
 		if err != nil {
 			return err
 		}
@@ -113,8 +113,11 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 // is set; the stack stops it in its turn, before the Decider, letting the
 // calls in flight finish.
 func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, api *httpapi.Handler, tokens *auth.Auth,
-	ready *obs.Readiness, log *slog.Logger, m metrics) (*grpcapi.Server, error) {
-	g := grpcapi.New(grpcapi.Options{Auth: tokens, Ready: ready, Log: log})
+	ready *obs.Readiness, log *slog.Logger, reg prometheus.Registerer, m metrics) (*grpcapi.Server, error) {
+	g, err := grpcapi.New(grpcapi.Options{Auth: tokens, Ready: ready, Log: log, Registerer: reg})
+	if err != nil {
+		return nil, err
+	}
 	g.Register(&authv3.Authorization_ServiceDesc, extauthz.New(api), auth.Gateway)
 	if cfg.EnvoyRateLimitConfig != "" {
 		w, err := rlsconf.NewWatcher(cfg.EnvoyRateLimitConfig, log, m.envoyReloaded)

@@ -47,7 +47,10 @@ func start(t *testing.T, svc *service, ready *obs.Readiness) (*Server, *grpc.Cli
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := New(Options{Auth: tokens, Ready: ready})
+	s, err := New(Options{Auth: tokens, Ready: ready})
+	if err != nil {
+		t.Fatal(err)
+	}
 	s.Register(&rlspb.RateLimitService_ServiceDesc, svc, auth.Gateway)
 	if err := s.Listen("127.0.0.1:0"); err != nil {
 		t.Fatal(err)
