@@ -141,27 +141,16 @@ func peer(ctx context.Context, o peerOptions) error {
 		fmt.Printf("plain answers %d bytes (admission's 5-limit answer)\n", size)
 	}
 	fmt.Println()
-	for _, t := range ts { // warm: connections, Redis's functions, 100k users' keys, the Go runtimes
-		if _, err := measure(t, o.levels[len(o.levels)-1], 0); err != nil {
-			return err
-		}
-	}
-	fmt.Println("| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | server RSS | statuses | failopen |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-	for r := range o.rounds {
-		for _, conc := range o.levels {
-			for i := range ts {
-				t := ts[(i+r)%len(ts)] // each round starts one target later
-				run, err := measure(t, conc, 0)
-				if err != nil {
-					return err
-				}
-				t.runs[conc] = append(t.runs[conc], run)
-				fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %s | %s | %s |\n", r+1, conc, t.name, run.res.Rate(),
-					pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
-					mib(run.rss), run.res.Statuses(), orDashF(t.ops, run.failopen))
-			}
-		}
+	err = interleave(o, ts, func(t *peerTarget, conc int) (peerRun, error) { return measure(t, conc, 0) },
+		"| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | server RSS | statuses | failopen |\n"+
+			"|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+		func(round, conc int, t *peerTarget, run peerRun) {
+			fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %s | %s | %s |\n", round, conc, t.name, run.res.Rate(),
+				pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
+				mib(run.rss), run.res.Statuses(), orDashF(t.ops, run.failopen))
+		})
+	if err != nil {
+		return err
 	}
 	summary(ts, o)
 
@@ -178,6 +167,35 @@ func peer(ctx context.Context, o peerOptions) error {
 			run.res.Statuses(), mib(run.rss))
 	}
 	fmt.Printf("\nload average %s at the start, %s at the end\n", load0, loadavg())
+	return nil
+}
+
+// interleave loads every target once at the highest level, to warm
+// connections, Redis's functions, the users' keys and the Go runtimes, then
+// prints header and measures each target at each level for o.rounds
+// rounds, each round starting one target later, keeping the runs in
+// t.runs and showing each to row.
+func interleave(o peerOptions, ts []*peerTarget, measure func(t *peerTarget, conc int) (peerRun, error), header string,
+	row func(round, conc int, t *peerTarget, run peerRun)) error {
+	for _, t := range ts {
+		if _, err := measure(t, o.levels[len(o.levels)-1]); err != nil {
+			return err
+		}
+	}
+	fmt.Println(header)
+	for r := range o.rounds {
+		for _, conc := range o.levels {
+			for i := range ts {
+				t := ts[(i+r)%len(ts)]
+				run, err := measure(t, conc)
+				if err != nil {
+					return err
+				}
+				t.runs[conc] = append(t.runs[conc], run)
+				row(r+1, conc, t, run)
+			}
+		}
+	}
 	return nil
 }
 

@@ -113,9 +113,14 @@ func rls(ctx context.Context, o peerOptions, conns int) error {
 		}
 	}
 
-	measure := func(t *rlsTarget, conc int) (peerRun, error) {
-		return measureRun(t.peerTarget, func() (*load.Result, error) {
-			res, over, err := rlsLoad(ctx, t.addr, conns, conc, o.users, t.descriptors, o.dur)
+	descriptors := map[*peerTarget]int{}
+	pts := make([]*peerTarget, len(ts))
+	for i, t := range ts {
+		pts[i], descriptors[t.peerTarget] = t.peerTarget, t.descriptors
+	}
+	measure := func(t *peerTarget, conc int) (peerRun, error) {
+		return measureRun(t, func() (*load.Result, error) {
+			res, over, err := rlsLoad(ctx, t.addr, conns, conc, o.users, descriptors[t], o.dur)
 			if err == nil && over > 0 {
 				err = fmt.Errorf("%d answers over the limit, want none", over)
 			}
@@ -127,27 +132,16 @@ func rls(ctx context.Context, o peerOptions, conns int) error {
 		o.users, o.dur, o.rounds, conns, load0)
 	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s\n\n",
 		envoypeer.Package, envoypeer.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "))
-	for _, t := range ts { // warm: connections, Redis's functions, the users' keys, the Go runtimes
-		if _, err := measure(t, o.levels[len(o.levels)-1]); err != nil {
-			return err
-		}
-	}
-	fmt.Println("| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | errors | failopen |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
-	for r := range o.rounds {
-		for _, conc := range o.levels {
-			for i := range ts {
-				t := ts[(i+r)%len(ts)]
-				run, err := measure(t, conc)
-				if err != nil {
-					return err
-				}
-				t.runs[conc] = append(t.runs[conc], run)
-				fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %d | %s |\n", r+1, conc, t.name, run.res.Rate(),
-					pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
-					run.res.Errors, orDashF(t.ops, run.failopen))
-			}
-		}
+	err = interleave(o, pts, measure,
+		"| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | errors | failopen |\n"+
+			"|---|---|---|---|---|---|---|---|---|---|---|---|",
+		func(round, conc int, t *peerTarget, run peerRun) {
+			fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %d | %s |\n", round, conc, t.name, run.res.Rate(),
+				pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
+				run.res.Errors, orDashF(t.ops, run.failopen))
+		})
+	if err != nil {
+		return err
 	}
 	rlsSummary(ts, o)
 	fmt.Printf("\nload average %s at the start, %s at the end\n", load0, loadavg())
