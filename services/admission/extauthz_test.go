@@ -222,6 +222,24 @@ func TestExtAuthzRefusals(t *testing.T) {
 		})
 	}
 
+	// Envoy's raw headers (encode_raw_headers: header_map, values as
+	// bytes) are read as its header map is.
+	for _, tc := range []struct {
+		tenant string
+		want   code.Code
+	}{
+		{s.tenant, code.Code_OK},
+		{s.tenant + "-other", code.Code_PERMISSION_DENIED},
+	} {
+		req := checkRequest("/api/x", "192.0.2.1")
+		req.Attributes.Request.Http.HeaderMap = &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
+			{Key: "x-quota-tenant", RawValue: []byte(tc.tenant)}, {Key: "x-quota-user", RawValue: []byte("u")},
+		}}
+		if resp, err := c.Check(bearer("scoped-token"), req); err != nil || resp.GetStatus().GetCode() != int32(tc.want) {
+			t.Errorf("raw headers of tenant %s: Check = %v, %v; want %v", tc.tenant, resp, err, tc.want)
+		}
+	}
+
 	// The caller's own token: refused by the gRPC server, before Check.
 	for _, tc := range []struct {
 		ctx  context.Context
