@@ -394,6 +394,17 @@ var configSets = []configSet{
 			"midWild=bar*b", "midWild=barxb", "nestedWild=val1,wild=goo", "nestedWild=val1,wild=goo1", "nestedWild=val1", "nestedWild=val2,wild=goo1"},
 	},
 	{
+		name: "the peer's basic config", files: []string{"test/config/basic_config.yaml"},
+		domain: "test-domain", seqs: basicSequences,
+		random: []string{"key1=value1,subkey1=x", "key1=value1,subkey1=subvalue1", "key1=value1", "key2=x", "key2=value2", "key2=value3",
+			"key3=a", "key4=a", "key5=value5", "key5=value5,subkey5=subvalue5", "key5=other", "key6=x", "key7=x"},
+	},
+	{
+		name: "the peer's shadow-mode config", files: []string{"test/config/shadowmode_config.yaml"},
+		domain: "test-domain", seqs: shadowSequences,
+		random: []string{"key1=value1,subkey1=x", "key1=value1,subkey1=subvalue1", "key2=x", "key2=y", "key2=value2"},
+	},
+	{
 		name: "testdata/envoy", files: []string{"testdata/envoy/overlap.yaml"},
 		domain: "overlap", seqs: overlapSequences,
 		random: []string{"path=/api/v1/x", "path=/api/v2", "path=/api", "path=/other", "path=/api/v1/x,method=GET",
@@ -427,6 +438,32 @@ var peerTestSequences = []sequence{
 	{"per second, hour and day", []string{
 		"basic h50 key1=a", "basic key1=a", "another h10 key3=b", "another key3=b", "another h19 key4=c", "another key4=c",
 		"another key4=c", "basic one_per_minute=x one_per_minute=y"}},
+}
+
+// basicSequences exercise the peer's test/config/basic_config.yaml: a
+// value beside its key's default, a value without a limit (an exemption
+// from the key's), a named limit, nested values, unlimited.
+var basicSequences = []sequence{
+	{"a key's default, a value's own limit and an exempt value", []string{
+		"test-domain h20 key2=other", "test-domain key2=other", "test-domain h30 key2=value2", "test-domain key2=value2",
+		"test-domain h100 key2=value3", "test-domain key2=value3 key2=other"}},
+	{"hour and day limits, named and nested", []string{
+		"test-domain key3=a", "test-domain key3=a", "test-domain key4=a key4=b", "test-domain key4=a",
+		"test-domain h15 key5=value5", "test-domain key5=value5,subkey5=subvalue5", "test-domain key5=value5", "test-domain key6=x"}},
+	{"per second under a value without a limit", []string{
+		"test-domain h5 key1=value1,subkey1=x", "test-domain key1=value1,subkey1=x", "test-domain h10 key1=value1,subkey1=subvalue1",
+		"test-domain key1=value1"}},
+}
+
+// shadowSequences exercise the peer's test/config/shadowmode_config.yaml:
+// limits in shadow mode beside others, nested and at the top.
+var shadowSequences = []sequence{
+	{"a nested limit in shadow mode beside its key's own", []string{
+		"test-domain h5 key1=value1,subkey1=x", "test-domain key1=value1,subkey1=x", "test-domain h10 key1=value1,subkey1=subvalue1",
+		"test-domain key1=value1,subkey1=subvalue1"}},
+	{"a shadow limit over does not deny the others", []string{
+		"test-domain h20 key2=x", "test-domain key2=x key2=value2", "test-domain h29 key2=value2", "test-domain key2=value2 key2=y",
+		"test-domain key2=y"}},
 }
 
 // overlapSequences exercise testdata/envoy/overlap.yaml: wildcards that
