@@ -120,6 +120,21 @@ func gatewayPost(t *testing.T, base, key string, hdr ...string) (*http.Response,
 	return resp, string(b)
 }
 
+// checkGatewayDenial checks what a client got for the request
+// gatewayPolicy denies: a 429 problem with Retry-After and the rate-limit
+// headers of the allowance.
+func checkGatewayDenial(t *testing.T, resp *http.Response, body string) {
+	t.Helper()
+	if ra := resp.Header.Get("Retry-After"); ra == "" || ra == "0" {
+		t.Errorf("429 without Retry-After: %v", resp.Header)
+	}
+	if !strings.HasPrefix(resp.Header.Get("RateLimit"), `"user:allowance";r=0;t=`) || resp.Header.Get("X-RateLimit-Remaining") != "0" ||
+		!strings.Contains(resp.Header.Get("RateLimit-Policy"), `"user:allowance";q=3`) ||
+		resp.Header.Get("Content-Type") != "application/problem+json" || !strings.Contains(body, "quota-exceeded") {
+		t.Errorf("429 headers %v body %q", resp.Header, body)
+	}
+}
+
 // waitListening waits until something accepts connections on addr.
 func waitListening(t *testing.T, addr string) {
 	t.Helper()
