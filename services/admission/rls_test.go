@@ -271,6 +271,12 @@ func TestShouldRateLimitEnvoySemantics(t *testing.T) {
 	if got := codesOf(call(free)); got != "OK OK/2" {
 		t.Errorf("after the banned call = %s, want OK OK/2", got)
 	}
+	// Two descriptors over their limits: the headers are the last one's,
+	// as envoy's.
+	resp := call(desc("banned", "y"), x)
+	if h := resp.GetResponseHeadersToAdd(); codesOf(resp) != "OVER_LIMIT OVER_LIMIT/0 OVER_LIMIT/0" || len(h) != 3 || h[0].GetValue() != "2" {
+		t.Errorf("two over = %s with headers %v, want RateLimit-Limit 2 (the last over-limit descriptor's)", codesOf(resp), h)
+	}
 }
 
 // A call needs a gateway token: none or an unknown one is Unauthenticated,

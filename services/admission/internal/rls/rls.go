@@ -30,7 +30,8 @@
 // with neither; shadow_mode limits count but are always OK. replaces drops
 // the limits a matched limit names. With Options.Headers, the reply asks
 // Envoy to add RateLimit-Limit, RateLimit-Remaining and RateLimit-Reset of
-// the descriptor with the fewest remaining (the over-limit one when denied),
+// the descriptor with the fewest remaining (the last over-limit one when
+// denied),
 // as envoyproxy/ratelimit does with LIMIT_RESPONSE_HEADERS_ENABLED.
 package rls
 
@@ -237,7 +238,9 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 				out.OverallCode = rlspb.RateLimitResponse_OVER_LIMIT
 			}
 		}
-		if minimum == nil || st.LimitRemaining < minimum.LimitRemaining || st.Code == rlspb.RateLimitResponse_OVER_LIMIT && minimum.Code != st.Code {
+		// As envoy: the last descriptor over its limit, else the first with
+		// the fewest remaining.
+		if minimum == nil || st.LimitRemaining < minimum.LimitRemaining || st.Code == rlspb.RateLimitResponse_OVER_LIMIT {
 			minimum = st
 		}
 	}
