@@ -10,9 +10,9 @@ import (
 	"quotaflow/pkg/events"
 )
 
-// Defaults of BatcherOptions. Admission's QF_EVENT_BATCH_MAX and
-// QF_EVENT_BATCH_WAIT start from them, for its outbox and for POST
-// /v1/usage alike.
+// Defaults of BatcherOptions. Admission's QF_EVENT_BATCH_MAX (its
+// outbox's and POST /v1/usage's) and QF_EVENT_BATCH_WAIT (POST /v1/usage's)
+// start from them.
 const (
 	// DefaultBatchMax is the most events one publish round carries: enough
 	// that a round's fixed costs (a JetStream message and its ack, a
