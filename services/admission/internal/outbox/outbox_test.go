@@ -212,10 +212,10 @@ func (p *timedPublisher) PublishBatch(ctx context.Context, evs []events.Event) e
 // (Fake time: each round takes 2 ms, the load is an event every 1 ms.)
 func TestQueueWaitFollowsTheLoad(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		const max = 20 * time.Millisecond
+		const bound = 20 * time.Millisecond
 		pub := &timedPublisher{fakePublisher: newFakePublisher(false), d: 2 * time.Millisecond, at: map[string]time.Time{}}
 		reg := prometheus.NewRegistry()
-		o, err := New(pub, Options{SpillDir: t.TempDir(), QueueWait: max, Registerer: reg})
+		o, err := New(pub, Options{SpillDir: t.TempDir(), QueueWait: bound, Registerer: reg})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -245,20 +245,20 @@ func TestQueueWaitFollowsTheLoad(t *testing.T) {
 			next++
 			time.Sleep(time.Millisecond)
 		}
-		if waitGauge() != max {
-			t.Errorf("wait under load = %v, want QueueWait %v", waitGauge(), max)
+		if waitGauge() != bound {
+			t.Errorf("wait under load = %v, want QueueWait %v", waitGauge(), bound)
 		}
-		time.Sleep(2 * max)
+		time.Sleep(2 * bound)
 		synctest.Wait()
 		sizes := pub.batchSizes()[2:]
-		if n := slices.Max(pub.waits); n > max {
-			t.Errorf("an event waited %v for its round, want at most QueueWait %v", n, max)
+		if n := slices.Max(pub.waits); n > bound {
+			t.Errorf("an event waited %v for its round, want at most QueueWait %v", n, bound)
 		}
 		// The wait reaches QueueWait within a dozen rounds (it doubles from
 		// 1 ms, and a round that nothing joined starts it again); from then
 		// on every round but the load's last carries QueueWait's worth of
 		// events: ~load/20 rounds instead of one per publish (2 ms).
-		full := int(max / time.Millisecond)
+		full := int(bound / time.Millisecond)
 		first := slices.IndexFunc(sizes, func(n int) bool { return n >= full })
 		if first < 0 || first > 12 {
 			t.Fatalf("rounds of the load %v: the first of %d events is round %d, want one within 12 rounds", sizes, full, first)
