@@ -62,10 +62,12 @@ trap cleanup EXIT
 
 # Concurrent runs (deps and a test, two test binaries) would fight over
 # dpkg's lock; the second waits and then finds the binary.
-exec 8>"${TMPDIR:-/tmp}/quotaflow-gateway-install.$EUID.lock"
-flock -w 600 8
-if find_gateway; then
-	exit 0
+if command -v flock >/dev/null 2>&1; then
+	exec 8>"${TMPDIR:-/tmp}/quotaflow-gateway-install.$EUID.lock"
+	flock -w 600 8
+	if find_gateway; then
+		exit 0
+	fi
 fi
 
 echo "ensure.sh: installing $gw with apt-get" >&2
