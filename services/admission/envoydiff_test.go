@@ -350,6 +350,8 @@ var exampleSequences = []sequence{
 	{"two descriptors, one over", []string{
 		"rl source_cluster=proxy,destination_cluster=mock foo=a", "rl source_cluster=proxy,destination_cluster=mock foo=a",
 		"rl foo=a", "rl foo=a"}},
+	{"the same descriptor twice in a request counts twice", []string{
+		"rl unspec=x unspec=x", "rl unspec=x", "rl h2 foo=a,bar=b foo=a,bar=b"}},
 	{"a hits_addend past the limit", []string{
 		"rl h3 foo=a", "rl foo=a"}},
 	{"mongo_cps per second", []string{
@@ -528,9 +530,12 @@ func TestShouldRateLimitMatchesEnvoy(t *testing.T) {
 }
 
 // randomSequence is 2 to 8 calls of 1 to 3 distinct descriptors drawn from
-// descs, now and then with a hits_addend of the request or a descriptor
-// (not 0: admission denies a check of no hits on a limit of 0, envoy allows
-// it, a difference not yet settled).
+// descs, now and then with a hits_addend of the request or of a descriptor
+// (not 0). Two differences not yet settled keep them so: admission denies
+// a check of no hits on a limit of 0, which envoy allows; and a descriptor
+// repeated in a denied request, or with another hits_addend, is not
+// counted there as envoy counts it, one INCRBY after the other (a repeat
+// in an allowed request with the same hits is, and is a hand-written case).
 func randomSequence(r *rand.Rand, domain string, descs []string, name string) sequence {
 	seq := sequence{name: name}
 	for range 2 + r.IntN(7) {

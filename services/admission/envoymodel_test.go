@@ -144,10 +144,11 @@ func (c call) key(i int) string {
 //
 // admission differs only where README.md ("Envoy (RLS)") says so: a
 // request is one all-or-nothing decision, and a denied hit counts nothing.
-// A descriptor is over when its counter plus its hits passes its limit;
-// when one not in shadow mode is over, nothing is counted and the others
-// report what they had left before the request; else every descriptor with
-// a limit is counted, as envoy does.
+// A descriptor is over when its counter plus its hits (and those of the
+// same descriptor earlier in the request) passes its limit; when one not in
+// shadow mode is over, nothing is counted and the others report what they
+// had left before the request; else every descriptor with a limit is
+// counted, in order, as envoy does.
 type model struct {
 	envoy, qf map[string]uint64
 	shadow    map[string]bool
@@ -211,10 +212,17 @@ func (m *model) envoyAnswer(c call, peer *rlpb.RateLimitResponse) *rlpb.RateLimi
 func (m *model) qfAnswer(c call, peer *rlpb.RateLimitResponse) *rlpb.RateLimitResponse {
 	out := answerOf(c, peer)
 	over := make([]bool, len(c.descs))
+	pending := map[string]uint64{} // a descriptor repeated in the request sees its earlier hits, as in envoy
 	for i, st := range out.Statuses {
-		if lim := st.GetCurrentLimit(); lim != nil && m.qf[c.key(i)]+c.cost(i) > uint64(lim.RequestsPerUnit) {
+		lim := st.GetCurrentLimit()
+		if lim == nil {
+			continue
+		}
+		k := c.key(i)
+		pending[k] += c.cost(i)
+		if m.qf[k]+pending[k] > uint64(lim.RequestsPerUnit) {
 			over[i] = true
-			m.over(out, st, c.key(i))
+			m.over(out, st, k)
 		}
 	}
 	allowed := out.OverallCode == rlpb.RateLimitResponse_OK
