@@ -257,22 +257,10 @@ func sameAnswer(a, b *rlpb.RateLimitResponse) bool {
 }
 
 // headerProblem reports rate-limit headers of r other than those its
-// statuses call for (wantHeaders), the reset within a second. Of two
-// descriptors over their limits envoy reports the last and admission the
-// first (a difference not yet settled): with more than one over, only the
-// remaining count is compared.
+// statuses call for (wantHeaders), the reset within a second.
 func headerProblem(r *rlpb.RateLimitResponse) string {
 	want, wok := wantHeaders(r)
 	got, gok := gotHeaders(r)
-	over := 0
-	for _, st := range r.GetStatuses() {
-		if st.GetCode() == rlpb.RateLimitResponse_OVER_LIMIT {
-			over++
-		}
-	}
-	if over > 1 {
-		want.limit, want.reset = got.limit, got.reset
-	}
 	d := want.reset - got.reset
 	if wok != gok || got.limit != want.limit || got.remaining != want.remaining || d > time.Second || d < -time.Second {
 		return fmt.Sprintf("headers are %+v (%v), want %+v (%v)", got, gok, want, wok)
