@@ -520,10 +520,11 @@ func TestShouldRateLimitMatchesEnvoy(t *testing.T) {
 // randomSequence is 2 to 8 calls of 1 to 3 distinct descriptors drawn from
 // descs, now and then with a hits_addend of the request or of a descriptor
 // (not 0). Two differences not yet settled keep them so: admission denies
-// a check of no hits on a limit of 0, which envoy allows; and a descriptor
-// repeated in a denied request, or with another hits_addend, is not
-// counted there as envoy counts it, one INCRBY after the other (a repeat
-// in an allowed request with the same hits is, and is a hand-written case).
+// a check of no hits on a limit of 0, which envoy allows; and in a denied
+// request a descriptor repeated after the one that denied is checked
+// without its earlier occurrence's hits, where envoy adds one INCRBY after
+// the other (a repeat in an allowed request is counted as envoy counts it,
+// a hand-written case).
 func randomSequence(r *rand.Rand, domain string, descs []string, name string) sequence {
 	seq := sequence{name: name}
 	for range 2 + r.IntN(7) {
