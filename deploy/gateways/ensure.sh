@@ -46,6 +46,18 @@ else
 	exit 3
 fi
 
+# Concurrent runs (deps and a test, two test binaries) would fight over
+# dpkg's lock; the second waits and then finds the binary. The lock comes
+# before policy-rc.d: a run that saw the first run's file would not create
+# its own, and would install after the first had removed it.
+if command -v flock >/dev/null 2>&1; then
+	exec 8>"${TMPDIR:-/tmp}/quotaflow-gateway-install.$EUID.lock"
+	flock -w 600 8
+	if find_gateway; then
+		exit 0
+	fi
+fi
+
 policy=/usr/sbin/policy-rc.d
 created_policy=false
 if [[ ! -e $policy ]]; then
@@ -59,16 +71,6 @@ cleanup() {
 	fi
 }
 trap cleanup EXIT
-
-# Concurrent runs (deps and a test, two test binaries) would fight over
-# dpkg's lock; the second waits and then finds the binary.
-if command -v flock >/dev/null 2>&1; then
-	exec 8>"${TMPDIR:-/tmp}/quotaflow-gateway-install.$EUID.lock"
-	flock -w 600 8
-	if find_gateway; then
-		exit 0
-	fi
-fi
 
 echo "ensure.sh: installing $gw with apt-get" >&2
 "${sudo[@]}" apt-get update -qq >&2
