@@ -282,6 +282,46 @@ func TestQueueWaitFollowsTheLoad(t *testing.T) {
 	})
 }
 
+// Close publishes a round that is waiting for more events at once: with
+// a QueueWait of 1 s reached under load, the round of an event that comes
+// just after the load waits; Close 100 ms into that wait publishes it then,
+// not at the end of the second.
+func TestCloseEndsTheQueueWait(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		pub := &timedPublisher{fakePublisher: newFakePublisher(false), d: 2 * time.Millisecond, at: map[string]time.Time{}}
+		o, err := New(pub, Options{SpillDir: t.TempDir(), QueueWait: time.Second, Registerer: prometheus.NewRegistry()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		next := 0
+		for ; time.Duration(o.wait.Load()) < time.Second && next < 10000; next++ {
+			pub.enqueue(o, reserved(next))
+			time.Sleep(time.Millisecond)
+		}
+		// The load's last round goes; the next event comes before the
+		// publisher has been idle for a wait (which would reset it).
+		for i := 0; pub.count() != next && i < 2000; i++ {
+			time.Sleep(time.Millisecond)
+			synctest.Wait()
+		}
+		if w := time.Duration(o.wait.Load()); w != time.Second || pub.count() != next {
+			t.Fatalf("after the load: wait %v, stored %d of %d; want 1s and all", w, pub.count(), next)
+		}
+
+		pub.enqueue(o, reserved(next))
+		next++
+		time.Sleep(100 * time.Millisecond)
+		synctest.Wait()
+		if pub.count() != next-1 {
+			t.Fatalf("the lone event went before its wait or Close")
+		}
+		closeOutbox(t, o, 5*time.Second)
+		if w := pub.waits[len(pub.waits)-1]; pub.count() != next || w != 100*time.Millisecond {
+			t.Errorf("stored %d of %d, the last event waited %v; want all, and 100ms (published at Close)", pub.count(), next, w)
+		}
+	})
+}
+
 // Concurrent PublishNow calls share rounds of at most BatchSize events,
 // reported under publisher="usage", and are counted as published.
 func TestPublishNowSharesRounds(t *testing.T) {
