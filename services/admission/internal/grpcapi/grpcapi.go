@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -37,9 +38,38 @@ import (
 	"quotaflow/services/admission/internal/auth"
 )
 
-// MaxMessageBytes is the largest request message accepted (64 KiB, as the
-// HTTP API's MaxBodyBytes): a ShouldRateLimit request is a few hundred bytes.
-const MaxMessageBytes = 64 << 10
+// Bounds of a connection and its calls. Metadata is read before the
+// interceptor authenticates a call, so these bound what a caller without a
+// token can make the server hold: grpc-go's defaults are 16 MiB of metadata
+// per call, unlimited concurrent streams, 120 s to send the HTTP/2 preface
+// and no limit on pings.
+const (
+	// MaxMessageBytes is the largest request message accepted (64 KiB, as
+	// the HTTP API's MaxBodyBytes): a ShouldRateLimit request is a few
+	// hundred bytes.
+	MaxMessageBytes = 64 << 10
+	// MaxHeaderBytes bounds a call's metadata (HTTP/2 header list size, as
+	// HPACK counts it): a bearer token and Envoy's headers are well under
+	// 1 KiB. A larger header list resets the stream.
+	MaxHeaderBytes = 16 << 10
+	// MaxConcurrentStreams bounds the calls in flight on one connection;
+	// past it, Envoy and grpc-go clients queue or open another connection.
+	MaxConcurrentStreams = 256
+	// ConnectionTimeout bounds the time a new connection has to send the
+	// HTTP/2 preface and settings.
+	ConnectionTimeout = 5 * time.Second
+	// MaxConnectionIdle closes (GOAWAY) a connection without a call for
+	// this long; clients reconnect when they next call.
+	MaxConnectionIdle = 5 * time.Minute
+	// KeepaliveTime and KeepaliveTimeout: the server pings a connection
+	// quiet for KeepaliveTime and closes it without an answer within
+	// KeepaliveTimeout, so dead peers do not hold streams.
+	KeepaliveTime    = time.Minute
+	KeepaliveTimeout = 20 * time.Second
+	// MinPingInterval is the shortest interval between a client's pings
+	// (grpc-go clients' own minimum); faster pings close the connection.
+	MinPingInterval = 10 * time.Second
+)
 
 // Server is admission's gRPC server. Create it with New, Register the
 // services, then Serve; Stop ends it. Register must not be called after
@@ -111,6 +141,12 @@ func New(o Options) (*Server, error) {
 	}
 	s.srv = grpc.NewServer(
 		grpc.MaxRecvMsgSize(MaxMessageBytes),
+		grpc.MaxHeaderListSize(MaxHeaderBytes),
+		grpc.MaxConcurrentStreams(MaxConcurrentStreams),
+		grpc.ConnectionTimeout(ConnectionTimeout),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: MaxConnectionIdle,
+			Time: KeepaliveTime, Timeout: KeepaliveTimeout}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: MinPingInterval, PermitWithoutStream: true}),
 		grpc.ChainUnaryInterceptor(s.unary),
 		grpc.ChainStreamInterceptor(s.stream),
 	)

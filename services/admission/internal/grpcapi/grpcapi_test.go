@@ -1,10 +1,19 @@
 package grpcapi
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/grpc"
@@ -24,9 +33,11 @@ type service struct {
 	rlspb.UnimplementedRateLimitServiceServer
 	arrived chan struct{}
 	release chan struct{}
+	calls   atomic.Int32
 }
 
 func (s *service) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitRequest) (*rlspb.RateLimitResponse, error) {
+	s.calls.Add(1)
 	if s.arrived != nil {
 		close(s.arrived)
 		select {
@@ -159,5 +170,155 @@ func TestStop(t *testing.T) {
 			t.Errorf("Stop = %v", err)
 		}
 		cancel()
+	}
+}
+
+// Metadata over MaxHeaderBytes never reaches the interceptor: a grpc-go
+// client refuses to send it (the server announced the bound), and a hostile
+// client that sends it anyway, without a token, has its stream reset. The
+// connection's settings announce the stream bound too.
+func TestHeaderBounds(t *testing.T) {
+	svc := &service{}
+	s, conn := start(t, svc, nil)
+	c := rlspb.NewRateLimitServiceClient(conn)
+	pad := func(n int) context.Context {
+		return metadata.AppendToOutgoingContext(withToken("Bearer gw"), "x-pad", strings.Repeat("a", n))
+	}
+	if _, err := c.ShouldRateLimit(pad(1<<10), &rlspb.RateLimitRequest{Domain: "x"}); err != nil {
+		t.Fatalf("ShouldRateLimit with 1 KiB of metadata = %v, want OK", err)
+	}
+	if _, err := c.ShouldRateLimit(pad(MaxHeaderBytes), &rlspb.RateLimitRequest{Domain: "x"}); status.Code(err) == codes.OK {
+		t.Errorf("ShouldRateLimit with %d bytes of metadata = OK, want an error", MaxHeaderBytes)
+	}
+	if n := svc.calls.Load(); n != 1 {
+		t.Errorf("handler calls = %d, want 1 (the oversized call must not reach it)", n)
+	}
+
+	// Just over the bound in one frame: the stream is reset. Far over it,
+	// in CONTINUATION frames: the connection is closed.
+	for _, c := range []struct {
+		pad  int
+		want string
+	}{{20 << 10, "RST_STREAM"}, {64 << 10, "closed"}} {
+		settings, got := rawCall(t, s.Addr(), c.pad)
+		for id, want := range map[http2.SettingID]uint32{
+			http2.SettingMaxHeaderListSize:    MaxHeaderBytes,
+			http2.SettingMaxConcurrentStreams: MaxConcurrentStreams,
+		} {
+			if v, ok := settings[id]; !ok || v != want {
+				t.Errorf("server setting %v = %d (sent: %v), want %d", id, v, ok, want)
+			}
+		}
+		if got != c.want {
+			t.Errorf("raw call with %d KiB of metadata: the server answered %s, want %s", c.pad>>10, got, c.want)
+		}
+	}
+	if n := svc.calls.Load(); n != 1 {
+		t.Errorf("handler calls = %d, want 1", n)
+	}
+}
+
+// rawCall sends one ShouldRateLimit call without a token and with pad bytes
+// of metadata over HTTP/2 frames of its own, as a client that ignores the
+// server's settings would (fields of 1 KiB). It returns the server's settings and how the
+// server answered: "HEADERS" (it took the call), "RST_STREAM" (it reset the
+// stream) or "closed" (it closed the connection).
+func rawCall(t *testing.T, addr string, pad int) (map[http2.SettingID]uint32, string) {
+	t.Helper()
+	nc, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	// A guard against a hung test, not a timing assertion.
+	nc.SetDeadline(time.Now().Add(30 * time.Second))
+	if _, err := io.WriteString(nc, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(nc, nc)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	var block bytes.Buffer
+	enc := hpack.NewEncoder(&block)
+	for _, f := range []hpack.HeaderField{
+		{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"},
+		{Name: ":path", Value: "/" + rlspb.RateLimitService_ServiceDesc.ServiceName + "/ShouldRateLimit"},
+		{Name: ":authority", Value: addr}, {Name: "content-type", Value: "application/grpc"},
+		{Name: "te", Value: "trailers"},
+	} {
+		if err := enc.WriteField(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Fields of 1 KiB: one field longer than the bound is an HPACK error
+	// that closes the whole connection.
+	for i := range pad >> 10 {
+		if err := enc.WriteField(hpack.HeaderField{Name: fmt.Sprintf("x-pad-%d", i), Value: strings.Repeat("a", 1<<10)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Frames of at most 16 KiB, the default SETTINGS_MAX_FRAME_SIZE.
+	const frame = 16 << 10
+	b := block.Bytes()
+	first := b[:min(frame, len(b))]
+	b = b[len(first):]
+	// Write errors are ignored: a server that closes the connection early
+	// breaks the pipe, and reading tells.
+	_ = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: first, EndHeaders: len(b) == 0})
+	for len(b) > 0 {
+		n := min(frame, len(b))
+		_ = fr.WriteContinuation(1, n == len(b), b[:n])
+		b = b[n:]
+	}
+	// An empty request message ends the call.
+	_ = fr.WriteData(1, true, []byte{0, 0, 0, 0, 0})
+	settings := map[http2.SettingID]uint32{}
+	for {
+		f, err := fr.ReadFrame()
+		var ne net.Error
+		switch {
+		case errors.As(err, &ne) && ne.Timeout():
+			t.Fatalf("reading the server's frames: %v", err)
+		case err != nil: // EOF or reset
+			return settings, "closed"
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if f.IsAck() {
+				continue
+			}
+			f.ForeachSetting(func(s http2.Setting) error { settings[s.ID] = s.Val; return nil })
+			if err := fr.WriteSettingsAck(); err != nil {
+				t.Fatal(err)
+			}
+		case *http2.RSTStreamFrame:
+			if f.StreamID == 1 {
+				return settings, "RST_STREAM"
+			}
+		case *http2.HeadersFrame:
+			if f.StreamID == 1 {
+				return settings, "HEADERS"
+			}
+		}
+	}
+}
+
+// A connection that never sends the HTTP/2 preface is closed after
+// ConnectionTimeout (grpc-go's default waits 120 s).
+func TestConnectionTimeout(t *testing.T) {
+	s, _ := start(t, &service{}, nil)
+	nc, err := net.Dial("tcp", s.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	// Well past ConnectionTimeout, well before grpc-go's 120 s: a guard
+	// telling the two apart, not a measurement.
+	nc.SetReadDeadline(time.Now().Add(ConnectionTimeout + 30*time.Second))
+	_, err = io.Copy(io.Discard, nc)
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		t.Errorf("a silent connection was still open %v after it was made, want it closed after %v", ConnectionTimeout+30*time.Second, ConnectionTimeout)
 	}
 }
