@@ -59,6 +59,8 @@ descriptors:
     rate_limit: {unit: year, requests_per_unit: 2}
   - key: banned
     rate_limit: {unit: year, requests_per_unit: 0}
+  - key: remote_address
+    rate_limit: {unit: year, requests_per_unit: 2}
 `
 
 // rlsRun starts admission with the gRPC server and the envoy configuration
@@ -371,6 +373,71 @@ func TestShouldRateLimitRedisDown(t *testing.T) {
 	for i, want := range []string{"OK", "OK", "OK", "OVER_LIMIT"} {
 		if got := codesOf(r.call(t, 0, desc("tenant", "t4", "user", "dave"))); !strings.HasPrefix(got, want+" ") {
 			t.Errorf("call %d with Redis down = %s, want %s", i+1, got, want)
+		}
+	}
+}
+
+// A descriptor whose value varies and names no tenant (a client address)
+// is a counter of its own per value: 10k addresses leave 10k small Redis
+// values, not one string growing with every address, and each is counted
+// exactly.
+func TestShouldRateLimitKeyPerValue(t *testing.T) {
+	srv := redistest.Start(t)
+	r := startRLS(t, "rlskeys", func(c *Config) { c.RedisURL = "redis://" + srv.Addr + "/0" })
+	const n, workers = 10_000, 16
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := w; i < n; i += workers {
+				ip := fmt.Sprintf("10.%d.%d.%d", i>>16, i>>8&0xff, i&0xff)
+				if got := codesOf(r.call(t, 0, desc("remote_address", ip))); got != "OK OK/1" {
+					t.Errorf("first call of %s = %s, want OK OK/1: a counter of its own", ip, got)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for i, want := range []string{"OK OK/0", "OVER_LIMIT OVER_LIMIT/0"} {
+		if got := codesOf(r.call(t, 0, desc("remote_address", "10.0.0.7"))); got != want {
+			t.Errorf("10.0.0.7 again, call %d = %s, want %s", i+2, got, want)
+		}
+	}
+	ctx, rdb := context.Background(), srv.Client()
+	keys, largest := 0, int64(0)
+	iter := rdb.Scan(ctx, 0, "q{%g*", 1000).Iterator()
+	for iter.Next(ctx) {
+		size, err := rdb.MemoryUsage(ctx, iter.Val()).Result()
+		if err != nil {
+			t.Fatalf("MEMORY USAGE %s: %v", iter.Val(), err)
+		}
+		keys, largest = keys+1, max(largest, size)
+	}
+	if err := iter.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if keys != n || largest > 256 {
+		t.Errorf("%d addresses left %d counter keys, the largest %d bytes; want %d keys of at most 256 bytes", n, keys, largest, n)
+	}
+}
+
+// With Redis down, a per-address limit holds for every address, not only
+// for as many as one local owner has slots (16): each counter is its own
+// owner.
+func TestShouldRateLimitRedisDownPerValue(t *testing.T) {
+	srv := redistest.Start(t)
+	r := startRLS(t, "rlsdownip", func(c *Config) {
+		c.RedisURL = "redis://" + srv.Addr + "/0"
+		c.RedisTimeout = 200 * time.Millisecond
+	})
+	srv.Stop()
+	const ips = 40
+	for round, want := range []string{"OK", "OK", "OVER_LIMIT"} {
+		for i := range ips {
+			ip := fmt.Sprintf("192.0.2.%d", i)
+			if got := codesOf(r.call(t, 0, desc("remote_address", ip))); !strings.HasPrefix(got, want+" ") {
+				t.Errorf("call %d of %s with Redis down = %s, want %s", round+1, ip, got, want)
+			}
 		}
 	}
 }

@@ -9,18 +9,18 @@
 // window of requests_per_unit per unit, counting hits (the descriptor's
 // hits_addend when set, zero included, else the request's, else 1). Its
 // counter is named by the domain and every entry of the descriptor, as
-// envoy's cache key is, and lives with the descriptor's subject: the value
-// of its first entry whose key is one of Options.TenantKeys and of its first
-// entry whose key is one of Options.UserKeys, or, without a tenant, the
-// domain. Each subject is its own Redis hash tag, so naming the tenant and
-// user keys spreads one domain over a cluster.
+// envoy's cache key is, under the descriptor's subject: the value of its
+// first entry whose key is one of Options.TenantKeys and of its first entry
+// whose key is one of Options.UserKeys, or, without a tenant, the domain.
+// Each counter is its own Redis key and hash tag (subject and a hash of the
+// name), so a Redis value stays one counter's size however many values a
+// descriptor takes, and a domain spreads over a cluster.
 //
-// A request is one all-or-nothing decision (decide.Decider.Check): the
-// descriptors of one subject and one hit count are charged in one Redis
-// round trip; when any descriptor is over its limit, no descriptor is
-// charged. Decisions are final: nothing is reserved and nothing is settled
-// later. When Redis is unavailable the Decider decides locally, as for
-// POST /v1/admit.
+// A request is one all-or-nothing decision (decide.Decider.Check): each
+// descriptor is one Redis round trip; when any descriptor is over its
+// limit, what the others took is given back. Decisions are final: nothing
+// is reserved and nothing is settled later. When Redis is unavailable the
+// Decider decides locally, as for POST /v1/admit.
 //
 // # Replies
 //
@@ -43,7 +43,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -134,8 +133,7 @@ type item struct {
 	limit  *rlsconf.Limit // nil: no limit applies
 	shared []string       // share_threshold values (rlsconf.Config.Match)
 	hits   int64
-	charge int // index in the charges, -1 when not charged
-	rule   int // index of its rule in the charge's rules
+	charge int // index in the charges (of one rule each), -1 when not charged
 }
 
 // ShouldRateLimit answers one request of Envoy's rate limit filter.
@@ -169,17 +167,16 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 		if ok, _ := p.For(tenant); !ok {
 			return nil, status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
 		}
-		id := subjectID(domain, tenant, user)
 		rule, cost := ruleOf(domain, d.GetEntries(), it.shared, l), it.hits
+		id := counterID(domain, tenant, user, rule.Endpoint)
 		if l.RequestsPerUnit == 0 {
 			// Always over the limit (envoy's 0): a limit of 1 that a cost
 			// of 2 exceeds denies in Redis without counting anything.
 			rule.Limit.Limit, cost = 1, 2
 			rule.Endpoint += "\x00zero"
 		}
-		c := chargeFor(&charges, id, cost, &rule)
-		it.charge, it.rule = c, len(charges[c].Rules)
-		charges[c].Rules = append(charges[c].Rules, rule)
+		it.charge = len(charges)
+		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: []policy.Rule{rule}})
 	}
 	res, err := h.check.Check(ctx, charges)
 	if err != nil {
@@ -189,18 +186,11 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 		h.log.Error("should rate limit", "err", err)
 		return nil, status.Error(codes.Internal, "rate limit decision failed")
 	}
-	return h.reply(items, charges, &res), nil
+	return h.reply(items, &res), nil
 }
 
 // reply builds the response from the decision.
-func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Result) *rlspb.RateLimitResponse {
-	// Each charge's first state in res.Limits.
-	at := make([]int, len(charges))
-	n := 0
-	for i := range charges {
-		at[i] = n
-		n += len(charges[i].Rules)
-	}
+func (h *Handler) reply(items []item, res *decide.Result) *rlspb.RateLimitResponse {
 	out := &rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OK, Statuses: make([]*rlspb.RateLimitResponse_DescriptorStatus, len(items))}
 	var minimum *rlspb.RateLimitResponse_DescriptorStatus
 	for i := range items {
@@ -218,8 +208,8 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 		}
 		st.CurrentLimit = it.limit.Proto()
 		var ls *decide.LimitState
-		if k := at[it.charge] + it.rule; k < len(res.Limits) && res.Limits[k].Scope != "" {
-			ls = &res.Limits[k]
+		if k := it.charge; k < len(res.Limits) && res.Limits[k].Scope != "" {
+			ls = &res.Limits[k] // one rule per charge: one state each
 		}
 		over := it.limit.RequestsPerUnit == 0
 		switch {
@@ -292,16 +282,21 @@ func (h *Handler) subject(entries []*rlv3.RateLimitDescriptor_Entry) (tenant, us
 	return tenant, user
 }
 
-// subjectID is the shared scope id of a subject's counters, unambiguous
-// (length-prefixed) and at most limits.MaxID bytes: a longer one is its
-// SHA-256.
-func subjectID(domain, tenant, user string) string {
+// counterID is the shared scope id of one descriptor counter: its subject
+// (tenant and user, or the domain), then a hash of its endpoint (the domain
+// and entries), unambiguous (length-prefixed) and at most limits.MaxID bytes
+// (a longer one is its SHA-256). Each counter is a Redis string and a local
+// owner of its own, so a value that varies (a client address) adds keys of
+// a few dozen bytes each, never records to one growing string.
+func counterID(domain, tenant, user, endpoint string) string {
 	var id string
 	if tenant == "" {
 		id = "d" + strconv.Itoa(len(domain)) + ":" + domain
 	} else {
 		id = "t" + strconv.Itoa(len(tenant)) + ":" + tenant + "u" + strconv.Itoa(len(user)) + ":" + user
 	}
+	sum := sha256.Sum256([]byte(endpoint))
+	id += "c" + hex.EncodeToString(sum[:16])
 	if len(id) > limits.MaxID {
 		id = "h:" + sha256Hex(id)
 	}
@@ -333,21 +328,6 @@ func ruleOf(domain string, entries []*rlv3.RateLimitDescriptor_Entry, shared []s
 		Scope:    policy.ScopeGlobal,
 		Endpoint: b.String(),
 	}
-}
-
-// chargeFor returns the index of a charge of id and cost that does not hold
-// rule yet, adding one when none does: a descriptor sent twice is charged
-// twice, as envoy does, and one call would count a rule once.
-func chargeFor(charges *[]decide.Charge, id string, cost int64, rule *policy.Rule) int {
-	for i, c := range *charges {
-		if c.ID == id && c.Cost == cost && !slices.ContainsFunc(c.Rules, func(r policy.Rule) bool {
-			return r.Endpoint == rule.Endpoint && r.Window == rule.Window
-		}) {
-			return i
-		}
-	}
-	*charges = append(*charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost})
-	return len(*charges) - 1
 }
 
 // validate checks a request as a hostile caller may send it.
