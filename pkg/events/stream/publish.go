@@ -265,10 +265,7 @@ func (p *Publisher) send(ctx context.Context, evs []events.Event, errs []error) 
 		}
 		msgs = append(msgs, sent{f, group.idx})
 	}
-	if cap(buf) <= maxPooledEncoding {
-		*bp = buf
-		encodeBufs.Put(bp)
-	}
+	putEncodeBuf(bp, buf)
 	for _, s := range msgs {
 		var err error
 		select {
@@ -338,6 +335,15 @@ var encodeBufs = sync.Pool{New: func() any { return new([]byte) }}
 // maxPooledEncoding keeps the rare huge round's buffer out of the pool.
 const maxPooledEncoding = 1 << 20
 
+// putEncodeBuf returns bp to encodeBufs holding buf, its buffer's last
+// growth, unless buf is huge.
+func putEncodeBuf(bp *[]byte, buf []byte) {
+	if cap(buf) <= maxPooledEncoding {
+		*bp = buf
+		encodeBufs.Put(bp)
+	}
+}
+
 // pack encodes evs (an invalid one gets its error in errs and is left out)
 // and packs them by subject, in order, into messages of at most
 // events.MaxBatchEvents events and p's budget bytes (an event larger than
@@ -399,14 +405,16 @@ func (p *Publisher) batch(evs []events.Event, idx []int, data [][]byte) (*nats.M
 	if p.plain {
 		m.Data = events.AppendBatch(make([]byte, 0, size), data)
 	} else {
-		bp := encodeBufs.Get().(*[]byte)
-		joined := events.AppendBatch((*bp)[:0], data)
-		packed := s2.Encode(make([]byte, s2.MaxEncodedLen(size)), joined)
-		m.Data = packed[:len(packed):len(packed)]
-		if cap(joined) <= maxPooledEncoding {
-			*bp = joined
-			encodeBufs.Put(bp)
+		jp, pp := encodeBufs.Get().(*[]byte), encodeBufs.Get().(*[]byte)
+		joined := events.AppendBatch((*jp)[:0], data)
+		if n := s2.MaxEncodedLen(len(joined)); cap(*pp) < n {
+			*pp = make([]byte, n)
 		}
+		// s2 wants room for incompressible data; the message keeps only a
+		// copy of its 4-6x smaller result (it lives until acknowledged).
+		m.Data = bytes.Clone(s2.Encode((*pp)[:cap(*pp)], joined))
+		putEncodeBuf(jp, joined)
+		putEncodeBuf(pp, *pp)
 		m.Header.Set(HeaderContentEncoding, EncodingS2)
 	}
 	m.Header.Set("Content-Type", events.BatchContentType)
