@@ -53,7 +53,8 @@ type NATS struct {
 	// Config names the streams and the consumers' redelivery: QF_STREAM,
 	// QF_SUBJECT_PREFIX, QF_DLQ_STREAM, QF_STREAM_MAX_AGE,
 	// QF_STREAM_DUPLICATES, QF_DLQ_MAX_AGE, QF_STREAM_REPLICAS,
-	// QF_MAX_DELIVER, QF_ACK_WAIT; their defaults are the stream package's.
+	// QF_MAX_DELIVER, QF_ACK_WAIT, and the publishers' QF_EVENT_COMPRESSION;
+	// their defaults are the stream package's.
 	stream.Config
 }
 
@@ -76,7 +77,7 @@ func (r Redis) LogArgs() []any { return []any{"redis_url", Redacted(r.RedisURL)}
 func (p Postgres) LogArgs() []any { return []any{"postgres_url", Redacted(p.PostgresURL)} }
 
 func (n NATS) LogArgs() []any {
-	return []any{"nats_url", Redacted(n.NATSURL), "stream", n.Stream, "subject_prefix", n.SubjectPrefix}
+	return []any{"nats_url", Redacted(n.NATSURL), "stream", n.Stream, "subject_prefix", n.SubjectPrefix, "event_compression", n.Compression}
 }
 
 func (p Policy) LogArgs() []any { return []any{"policy_file", p.PolicyFile} }

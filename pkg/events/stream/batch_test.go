@@ -193,6 +193,48 @@ func fetchOne(t *testing.T, cons jetstream.Consumer, wait time.Duration) jetstre
 	return nil
 }
 
+// Config.Compression (QF_EVENT_COMPRESSION) decides how a Publisher sends
+// batches: S2 by default, plain JSON with "none" (while an older consumer
+// reads the stream), which WithCompression overrides.
+func TestPublishBatchCompressionSetting(t *testing.T) {
+	for _, tc := range []struct {
+		compression string
+		opts        []stream.PublisherOption
+		want        string // Content-Encoding
+	}{
+		{"", nil, stream.EncodingS2},
+		{stream.EncodingS2, nil, stream.EncodingS2},
+		{stream.CompressionNone, nil, ""},
+		{stream.CompressionNone, []stream.PublisherOption{stream.WithCompression(true)}, stream.EncodingS2},
+	} {
+		t.Run(fmt.Sprintf("%q,%d options", tc.compression, len(tc.opts)), func(t *testing.T) {
+			js, cfg := realNATS(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			cfg.Compression = tc.compression
+			acts := actuals(20, "enc")
+			if err := stream.NewPublisher(js, cfg, tc.opts...).PublishBatch(ctx, acts); err != nil {
+				t.Fatalf("PublishBatch = %v", err)
+			}
+			msgs := storedMsgs(t, js, cfg.Stream)
+			if len(msgs) != 1 {
+				t.Fatalf("stored %d messages, want one batch", len(msgs))
+			}
+			m := msgs[0]
+			if enc := m.Header.Get(stream.HeaderContentEncoding); enc != tc.want {
+				t.Errorf("Content-Encoding %q, want %q", enc, tc.want)
+			}
+			data, err := stream.Payload(m.Header, m.Data)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, _, _, err := events.DecodeBatch(data); err != nil || len(got) != len(acts) {
+				t.Errorf("batch of %d events, %v; want %d", len(got), err, len(acts))
+			}
+		})
+	}
+}
+
 // A bad event of a batch, compressed or not, is dead-lettered alone, once,
 // however often the batch comes back, as a plain single CloudEvent; the
 // others are handled; a handler failure naks the whole batch, and at

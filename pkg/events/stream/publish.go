@@ -62,7 +62,7 @@ type Publisher struct {
 	prefix  string
 	stream  string
 	ownTime bool
-	plain   bool // batches go uncompressed (WithCompression(false))
+	plain   bool // batches go uncompressed (Config.Compression, WithCompression(false))
 	// budget is the most bytes of events one message carries: what fits
 	// the server's max payload, lowered to the stream's MaxMsgSize once
 	// the stream refuses a message for its size (fitStream).
@@ -82,9 +82,10 @@ type PublisherOption func(*Publisher)
 func WithOwnTime() PublisherOption { return func(p *Publisher) { p.ownTime = true } }
 
 // WithCompression sets whether PublishBatch compresses its batch messages
-// (EncodingS2, HeaderContentEncoding; the default) or sends their JSON as
-// it is: for a stream whose consumers predate compression, which take a
-// compressed batch for invalid. A single event is never compressed.
+// (EncodingS2, HeaderContentEncoding) or sends their JSON as it is: for a
+// stream whose consumers predate compression, which take a compressed
+// batch for invalid. It overrides Config.Compression (QF_EVENT_COMPRESSION,
+// which services set). A single event is never compressed.
 func WithCompression(on bool) PublisherOption { return func(p *Publisher) { p.plain = !on } }
 
 // WithMaxPayload sets the largest message the server accepts, headers
@@ -117,12 +118,13 @@ func budget(maxPayload int64) int {
 	return int(min(maxPayload-headerRoom, events.MaxBatchSize, 1<<30))
 }
 
-// NewPublisher returns a Publisher on js for the stream and subject prefix
-// of cfg (zero fields take their defaults). Every publish expects cfg's
-// stream, so a misrouted prefix fails instead of landing elsewhere.
+// NewPublisher returns a Publisher on js for the stream, subject prefix and
+// compression of cfg (zero fields take their defaults). Every publish
+// expects cfg's stream, so a misrouted prefix fails instead of landing
+// elsewhere.
 func NewPublisher(js jetstream.Publisher, cfg Config, opts ...PublisherOption) *Publisher {
 	cfg = cfg.WithDefaults()
-	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream}
+	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream, plain: cfg.Compression == CompressionNone}
 	p.budget.Store(int64(budget(DefaultMaxPayload)))
 	for _, o := range opts {
 		o(p)

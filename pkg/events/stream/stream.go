@@ -51,7 +51,15 @@ type Config struct {
 	MaxDeliver int `envconfig:"MAX_DELIVER" default:"20"`
 	// AckWait is how long the server waits for an ack before redelivering.
 	AckWait time.Duration `envconfig:"ACK_WAIT" default:"30s"`
+	// Compression is how a Publisher sends batch messages: EncodingS2, or
+	// CompressionNone while a consumer of the stream predates compression
+	// (it dead-letters a compressed batch whole), e.g. after rolling the
+	// accounter or the alerter back.
+	Compression string `envconfig:"EVENT_COMPRESSION" default:"s2"`
 }
+
+// CompressionNone is the Config.Compression of batches sent as plain JSON.
+const CompressionNone = "none"
 
 // defaults is the Config of the fields' default tags, which envconfig also
 // applies to a service's configuration: the tags are the one place each
@@ -95,11 +103,13 @@ func (c Config) WithDefaults() Config {
 	c.Replicas = cmp.Or(c.Replicas, d.Replicas)
 	c.MaxDeliver = cmp.Or(c.MaxDeliver, d.MaxDeliver)
 	c.AckWait = cmp.Or(c.AckWait, d.AckWait)
+	c.Compression = cmp.Or(c.Compression, d.Compression)
 	return c
 }
 
 // Validate checks c (zero fields taking their defaults): valid names, a
-// dedup window within both streams' max age, positive durations.
+// dedup window within both streams' max age, positive durations, a known
+// compression.
 func (c Config) Validate() error {
 	c = c.WithDefaults()
 	var errs []error
@@ -129,6 +139,9 @@ func (c Config) Validate() error {
 	}
 	if c.MaxDeliver < 1 {
 		bad("max_deliver %d: want at least 1", c.MaxDeliver)
+	}
+	if c.Compression != EncodingS2 && c.Compression != CompressionNone {
+		bad("event_compression %q: want %s or %s", c.Compression, EncodingS2, CompressionNone)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("stream config: %w", err)

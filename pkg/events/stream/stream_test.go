@@ -58,7 +58,7 @@ func TestDefaults(t *testing.T) {
 	want := stream.Config{
 		Stream: "QUOTAFLOW_USAGE", SubjectPrefix: "quotaflow", DLQStream: "QUOTAFLOW_DLQ",
 		MaxAge: 24 * time.Hour, Duplicates: 2 * time.Hour, DLQMaxAge: 30 * 24 * time.Hour,
-		Replicas: 1, MaxDeliver: 20, AckWait: 30 * time.Second,
+		Replicas: 1, MaxDeliver: 20, AckWait: 30 * time.Second, Compression: stream.EncodingS2,
 	}
 	if got := stream.Defaults(); got != want {
 		t.Errorf("Defaults() = %+v, want %+v", got, want)
@@ -94,6 +94,7 @@ func TestConfigValidate(t *testing.T) {
 		{"replicas", stream.Config{Replicas: 7}, "stream_replicas"},
 		{"negative max deliver", stream.Config{MaxDeliver: -1}, "max_deliver"},
 		{"negative duration", stream.Config{AckWait: -time.Second}, "positive"},
+		{"compression", stream.Config{Compression: "gzip"}, "event_compression"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.cfg.Validate()
