@@ -88,11 +88,11 @@ func New(lim *limits.Limiter, policy func() *policy.Policy, opts Options, log *s
 	d := &Decider{
 		lim: lim, policy: policy, opt: o, ttl: lim.ReservationTTL(),
 		log:   log.With("component", "decide"),
-		local: newLocalTable(o.LocalEntries),
 		epoch: time.Now(),
 		wake:  make(chan struct{}, 1),
 		ready: make(chan struct{}),
 	}
+	d.local = newLocalTable(o.LocalEntries, d.log)
 	d.m, err = newMetrics(reg, func() float64 { return float64(d.npools.Load()) })
 	if err != nil {
 		return nil, fmt.Errorf("decide: metrics: %w", err)

@@ -194,16 +194,17 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		}
 		return owners[1]
 	}
-	// Each rule's state: a slot of the table, or, past what its bucket
-	// holds, a fresh one not kept (nil: not enforced). The slots stay put
-	// while the caller holds their buckets.
+	// Each rule's state: a slot of the table (js: its index), or, past what
+	// its bucket holds, a fresh one not kept (js: -1, nothing to give back;
+	// nil: not enforced). The slots stay put while the caller holds their
+	// buckets.
 	var buf [8]*ruleState
-	sts := buf[:0]
+	var jbuf [8]int
+	sts, js := buf[:0], jbuf[:0]
 	if len(rules) > len(buf) {
-		sts = make([]*ruleState, 0, len(rules))
+		sts, js = make([]*ruleState, 0, len(rules)), make([]int, 0, len(rules))
 	}
-	sts = sts[:len(rules)]
-	var fresh []bool // rules whose state is not kept: nothing to give back
+	sts, js = sts[:len(rules)], js[:len(rules)]
 	for i := range rules {
 		sts[i] = nil
 		r := &rules[i]
@@ -215,14 +216,11 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		if r.Kind == policy.Balance {
 			out[i].Limit = 0
 		}
-		if j := d.local.index(ownerOf(r), stateID(r)); j >= 0 {
-			sts[i] = &d.local.slots[j].ruleState
+		js[i] = d.local.index(ownerOf(r), stateID(r))
+		if js[i] >= 0 {
+			sts[i] = &d.local.slots[js[i]].ruleState
 		} else {
 			sts[i] = &ruleState{id: stateID(r)}
-			if fresh == nil {
-				fresh = make([]bool, len(rules))
-			}
-			fresh[i] = true
 		}
 		st := sts[i]
 		d.bring(r, st, now)
@@ -254,8 +252,8 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		need := float64(unitCost(r, cost))
 		if denied < 0 && st.left >= need {
 			st.left -= need
-			if fresh == nil || !fresh[i] {
-				*spends = append(*spends, localSpend{o: ownerOf(r), id: st.id, n: need, at: i})
+			if j := js[i]; j >= 0 {
+				*spends = append(*spends, localSpend{o: ownerOf(r), slot: j, gen: d.local.gens[j], n: need, at: i})
 			}
 		}
 		left := int64(math.Floor(max(0, st.left)))
@@ -303,18 +301,20 @@ func (d *Decider) localWait(r *policy.Rule, st *ruleState, need float64, now int
 
 // localSpend is a local spending to give back when a later layer denies.
 type localSpend struct {
-	o  owner
-	id uint32
-	n  float64
-	at int // localCheck: the index of its rule; then its slot in Result.Limits
+	o    owner  // whose bucket holds the slot
+	slot int    // the slot of the state it was taken from
+	gen  uint32 // and that state's generation (localTable.gens)
+	n    float64
+	at   int // localCheck: the index of its rule; then its slot in Result.Limits
 }
 
-// giveBack returns a local spending to its state, unless the table has
-// forgotten it since (it then starts afresh anyway).
+// giveBack returns a local spending to the state it was taken from, unless
+// the table has forgotten that state since: a state of the same owner and
+// limit created since started afresh without it.
 func (d *Decider) giveBack(s localSpend) {
 	d.local.lock(s.o, owner{})
-	if j := d.local.find(s.o, s.id); j >= 0 {
-		d.local.slots[j].left += s.n
+	if d.local.gens[s.slot] == s.gen {
+		d.local.slots[s.slot].left += s.n
 	}
 	d.local.unlock(s.o, owner{})
 }

@@ -2,6 +2,8 @@ package decide
 
 import (
 	"fmt"
+	"log/slog"
+	"slices"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -18,7 +20,7 @@ func localDecider(t testing.TB, o Options) *Decider {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Decider{opt: o, local: newLocalTable(o.LocalEntries), epoch: time.Now()}
+	return &Decider{opt: o, local: newLocalTable(o.LocalEntries, slog.New(slog.DiscardHandler)), epoch: time.Now()}
 }
 
 func rule(scope policy.Scope, unit policy.Unit, l policy.Limit) policy.Rule {
@@ -45,8 +47,11 @@ func userOwner(d *Decider, user string) owner {
 func left(d *Decider, o owner, r *policy.Rule) float64 {
 	d.local.lock(o, owner{})
 	defer d.local.unlock(o, owner{})
-	if j := d.local.find(o, stateID(r)); j >= 0 {
-		return d.local.slots[j].left
+	base := o.b * bucketSlots
+	for _, s := range d.local.slots[base : base+bucketSlots] {
+		if s.owner == o.h && s.id == stateID(r) {
+			return s.left
+		}
 	}
 	return -1
 }
@@ -198,7 +203,8 @@ func TestLocalTableMoreLimitsThanABucket(t *testing.T) {
 }
 
 // Concurrent local decisions on one owner admit exactly its share, and a
-// spending given back after the table forgot its owner lands nowhere.
+// spending given back after the table forgot its owner lands nowhere, not
+// even in a state of the same owner created since.
 func TestLocalTableExactAndForgetting(t *testing.T) {
 	d := localDecider(t, Options{Instances: 2})
 	rules := []policy.Rule{rule(policy.ScopeUser, policy.Requests, policy.Limit{Name: "m", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})}
@@ -233,9 +239,22 @@ func TestLocalTableExactAndForgetting(t *testing.T) {
 	for i := range 100 { // a bucket's worth of others and more
 		check(small, userOwner(small, fmt.Sprint(i)), q, 1)
 	}
-	small.giveBack(spends[0])
+	giveBackNowhere := func() {
+		t.Helper()
+		before := slices.Clone(small.local.slots)
+		small.giveBack(spends[0])
+		if !slices.Equal(small.local.slots, before) {
+			t.Fatal("a spending of a forgotten state was given back to a state kept")
+		}
+	}
+	giveBackNowhere()
 	if l := left(small, gone, &q[0]); l != -1 {
 		t.Fatalf("a forgotten owner has %v left after a give-back, want none kept", l)
+	}
+	check(small, gone, q, 1) // seen again: a fresh allowance of 10, 9 left
+	giveBackNowhere()
+	if l := left(small, gone, &q[0]); l != 9 {
+		t.Fatalf("%v left after a give-back from a forgotten state, want 9 (10 allowed, 1 spent)", l)
 	}
 }
 

@@ -2,6 +2,7 @@ package decide
 
 import (
 	"hash/maphash"
+	"log/slog"
 	"sync"
 )
 
@@ -22,13 +23,19 @@ import (
 // the lock; past bucketSlots limits in one decision, the rest are decided
 // from a fresh state, as for an owner forgotten.
 //
+// gens[i] counts the states slots[i] has held, so that a spending is given
+// back only to the state it was taken from, not to one of the same owner
+// and limit created there since (a give-back would wrap it only after 2³²
+// new states in that slot within one request).
+//
 // Owners are kept by a 64-bit hash of their key, not the key: the table
 // holds no strings (a request's tenant and user do not outlive it). Two
 // owners whose hashes collide (odds about n²/2⁶⁵ for n owners) share their
 // local state, which only matters while Redis is unavailable.
 type localTable struct {
 	heads []bucketHead
-	slots []slot // bucket b is slots[b*bucketSlots:][:bucketSlots]
+	slots []slot   // bucket b is slots[b*bucketSlots:][:bucketSlots]
+	gens  []uint32 // gens[i]: the states slots[i] has held
 }
 
 // bucketSlots is the associativity: an owner remembers up to this many
@@ -57,9 +64,18 @@ type owner struct {
 	h uint64
 }
 
-func newLocalTable(entries int) *localTable {
+// newLocalTable returns a table for entries owners; log hears of a
+// fallback to the heap.
+func newLocalTable(entries int, log *slog.Logger) *localTable {
 	n := max(1, (entries*slotsPerOwner+bucketSlots-1)/bucketSlots)
-	return &localTable{heads: make([]bucketHead, n), slots: newSlots(n * bucketSlots)}
+	t := &localTable{heads: make([]bucketHead, n)}
+	t.alloc(n*bucketSlots, log)
+	return t
+}
+
+// onHeap allocates n slots and their generations on the heap.
+func (t *localTable) onHeap(n int) {
+	t.slots, t.gens = make([]slot, n), make([]uint32, n)
 }
 
 // owner returns the handle of k.
@@ -97,18 +113,6 @@ func (t *localTable) unlock(a, b owner) {
 	}
 }
 
-// find returns the index of o's slot of state id, -1 when it has none;
-// caller holds o's bucket.
-func (t *localTable) find(o owner, id uint32) int {
-	base := o.b * bucketSlots
-	for i := base; i < base+bucketSlots; i++ {
-		if s := &t.slots[i]; s.owner == o.h && s.id == id {
-			return i
-		}
-	}
-	return -1
-}
-
 // index returns the index of o's slot of state id, taking a free or the
 // least recently used slot of its bucket for a new one, or -1 when every
 // slot of the bucket was used within this hold of its lock; caller holds
@@ -137,6 +141,7 @@ func (t *localTable) index(o owner, id uint32) int {
 		return -1
 	}
 	t.slots[victim] = slot{owner: o.h, ruleState: ruleState{id: id, used: clock}}
+	t.gens[victim]++
 	return victim
 }
 
