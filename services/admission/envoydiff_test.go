@@ -325,8 +325,9 @@ var exampleSequences = []sequence{
 		"rl foo=a,baz=shady", "rl foo=a,baz=shady", "rl foo=a,baz=shady", "rl foo=a,baz=shady", "rl h5 foo=a,baz=shady"}},
 	{"unlimited and no limit at all", []string{
 		"rl qux=a", "rl h9 qux=a", "rl foo=a,bay=b", "rl nothing=here", "rl foo=a,bar=b,deeper=c", "nodomain foo=a"}},
-	{"a limit of zero is always over", []string{
-		"rl foo=a,bar=banned", "rl foo=a,bar=banned foo=a", "rl foo=a"}},
+	{"a limit of zero is over for any hit, not for a check of none", []string{
+		"rl foo=a,bar=banned", "rl foo=a,bar=banned foo=a", "rl foo=a", "rl foo=a,bar=banned#0", "rl foo=a,bar=banned#0 foo=a",
+		"rl foo=a,bar=banned foo=a,bar=banned#0", "rl foo=a,bar=banned#0 foo=a,bar=banned"}},
 	{"replaces drops the named limit", []string{
 		"rl foo=a,bar=bkthomps", "rl foo=a,bar=bkthomps category=account", "rl category=account foo=a,bar=bkthomps",
 		"rl foo=a,bar=bkthomps", "rl source_cluster=proxy,destination_cluster=bkthomps foo=b,bar=bkthomps"}},
@@ -340,6 +341,8 @@ var exampleSequences = []sequence{
 		"rl foo=a", "rl foo=a"}},
 	{"the same descriptor twice in a request counts twice", []string{
 		"rl unspec=x unspec=x", "rl unspec=x", "rl h2 foo=a,bar=b foo=a,bar=b"}},
+	{"a repeat with other hits sees its earlier occurrence's, allowed or denied", []string{
+		"rl foo=b#2 unspec=x foo=b#0 unspec=x#2", "rl unspec=x#0 unspec=y#3 unspec=x unspec=x", "rl unspec=z#0 foo=c foo=c#0"}},
 	{"a hits_addend past the limit", []string{
 		"rl h3 foo=a", "rl foo=a"}},
 	{"mongo_cps per second", []string{
@@ -437,6 +440,8 @@ var basicSequences = []sequence{
 	{"a key's default, a value's own limit and an exempt value", []string{
 		"test-domain h20 key2=other", "test-domain key2=other", "test-domain h30 key2=value2", "test-domain key2=value2",
 		"test-domain h100 key2=value3", "test-domain key2=value3 key2=other"}},
+	{"a repeat after the descriptor that denied sees its hits", []string{
+		"test-domain key4=a#2 key4=a", "test-domain key4=a key4=a", "test-domain key4=a#0 key4=a", "test-domain key4=a key4=a#0"}},
 	{"hour and day limits, named and nested", []string{
 		"test-domain key3=a", "test-domain key3=a", "test-domain key4=a key4=b", "test-domain key4=a",
 		"test-domain h15 key5=value5", "test-domain key5=value5,subkey5=subvalue5", "test-domain key5=value5", "test-domain key6=x"}},
@@ -465,6 +470,8 @@ var overlapSequences = []sequence{
 	{"nested under a wildcard", []string{
 		"overlap path=/api/v1/x,method=GET", "overlap path=/api/v1/x,method=GET", "overlap path=/api/v1/x,method=POST",
 		"overlap path=/api/v1/x,method=POST", "overlap path=/other,method=GET"}},
+	{"a repeat after another descriptor denied", []string{
+		"overlap user=bob", "overlap user=alice user=alice", "overlap user=bob user=alice user=bob", "overlap user=bob user=bob"}},
 	{"replaces across descriptors", []string{
 		"overlap user=alice user=bob,tier=free", "overlap user=alice,tier=free user=bob", "overlap user=alice", "overlap user=alice",
 		"overlap user=bob,tier=free path=/api/v1/x"}},
@@ -517,14 +524,9 @@ func TestShouldRateLimitMatchesEnvoy(t *testing.T) {
 	}
 }
 
-// randomSequence is 2 to 8 calls of 1 to 3 distinct descriptors drawn from
-// descs, now and then with a hits_addend of the request or of a descriptor
-// (not 0). Two differences not yet settled keep them so: admission denies
-// a check of no hits on a limit of 0, which envoy allows; and in a denied
-// request a descriptor repeated after the one that denied is checked
-// without its earlier occurrence's hits, where envoy adds one INCRBY after
-// the other (a repeat in an allowed request is counted as envoy counts it,
-// a hand-written case).
+// randomSequence is 2 to 8 calls of 1 to 3 descriptors drawn from descs,
+// now and then a repeat of the call's previous one, and now and then with
+// a hits_addend of the request or of a descriptor (0 included).
 func randomSequence(r *rand.Rand, domain string, descs []string, name string) sequence {
 	seq := sequence{name: name}
 	for range 2 + r.IntN(7) {
@@ -532,10 +534,14 @@ func randomSequence(r *rand.Rand, domain string, descs []string, name string) se
 		if r.IntN(4) == 0 {
 			c += fmt.Sprintf(" h%d", r.IntN(4))
 		}
-		for _, i := range r.Perm(len(descs))[:1+r.IntN(3)] {
-			c += " " + descs[i]
+		d := ""
+		for range 1 + r.IntN(3) {
+			if d == "" || r.IntN(3) != 0 {
+				d = descs[r.IntN(len(descs))]
+			}
+			c += " " + d
 			if r.IntN(5) == 0 {
-				c += fmt.Sprintf("#%d", 1+r.IntN(2))
+				c += fmt.Sprintf("#%d", r.IntN(3))
 			}
 		}
 		seq.calls = append(seq.calls, c)

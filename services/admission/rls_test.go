@@ -273,6 +273,12 @@ func TestShouldRateLimitEnvoySemantics(t *testing.T) {
 	if got := codesOf(call(free)); got != "OK OK/2" {
 		t.Errorf("after the banned call = %s, want OK OK/2", got)
 	}
+	// A check of no hits is not over it, as in envoy (0 is not above 0).
+	check := desc("banned", "x")
+	check.HitsAddend = wrapperspb.UInt64(0)
+	if got := codesOf(call(check, free)); got != "OK OK/0 OK/1" {
+		t.Errorf("a banned descriptor with hits_addend 0 = %s, want OK OK/0 OK/1", got)
+	}
 	// Two descriptors over their limits: the headers are the last one's,
 	// as envoy's.
 	resp := call(desc("banned", "y"), x)

@@ -27,12 +27,15 @@
 // Per descriptor: OK or OVER_LIMIT with current_limit, limit_remaining and
 // duration_until_reset, as envoy's; unlimited descriptors are OK with
 // limit_remaining 4294967295 and no limit, descriptors without a limit OK
-// with neither; shadow_mode limits count but are always OK. replaces drops
-// the limits a matched limit names. With Options.Headers, the reply asks
-// Envoy to add RateLimit-Limit, RateLimit-Remaining and RateLimit-Reset of
-// the descriptor with the fewest remaining (the last over-limit one when
-// denied),
-// as envoyproxy/ratelimit does with LIMIT_RESPONSE_HEADERS_ENABLED.
+// with neither; shadow_mode limits count but are always OK. As in envoy, a
+// descriptor is over its limit when the hits of its counter's descriptors
+// up to it (a repeated descriptor counts each time) pass what the counter
+// had left before the request: a limit of 0 is over for any hit and OK for
+// a check of none. replaces drops the limits a matched limit names. With
+// Options.Headers, the reply asks Envoy to add RateLimit-Limit,
+// RateLimit-Remaining and RateLimit-Reset of the descriptor with the
+// fewest remaining (the last over-limit one when denied), as
+// envoyproxy/ratelimit does with LIMIT_RESPONSE_HEADERS_ENABLED.
 package rls
 
 import (
@@ -170,9 +173,13 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 		rule, cost := ruleOf(domain, d.GetEntries(), it.shared, l), it.hits
 		id := counterID(domain, tenant, user, rule.Endpoint)
 		if l.RequestsPerUnit == 0 {
-			// Always over the limit (envoy's 0): a limit of 1 that a cost
-			// of 2 exceeds denies in Redis without counting anything.
-			rule.Limit.Limit, cost = 1, 2
+			// Nothing fits (envoy's 0): a limit of 1 that a cost of 2
+			// exceeds denies in Redis without counting anything, and a
+			// check of no hits fits, as envoy's counter of 0 is not above 0.
+			rule.Limit.Limit = 1
+			if cost > 0 {
+				cost = 2
+			}
 			rule.Endpoint += "\x00zero"
 		}
 		it.charge = len(charges)
@@ -186,11 +193,58 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 		h.log.Error("should rate limit", "err", err)
 		return nil, status.Error(codes.Internal, "rate limit decision failed")
 	}
-	return h.reply(items, &res), nil
+	return h.reply(items, charges, &res), nil
 }
 
-// reply builds the response from the decision.
-func (h *Handler) reply(items []item, res *decide.Result) *rlspb.RateLimitResponse {
+// counter is what the reply knows of one Redis counter of a request: the
+// remaining before the request, and the hits of its descriptors so far.
+type counter struct {
+	seen   bool // before is known
+	before int64
+	hits   int64
+}
+
+// reply builds the response from the decision. As envoy adds one
+// descriptor's hits after the other's, a descriptor is over when its
+// counter's remaining before the request is less than the hits of the
+// descriptors of that counter up to it; an allowed request reports the
+// remaining after those hits, a denied one (which charged nothing) the
+// remaining before the request.
+func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Result) *rlspb.RateLimitResponse {
+	states := make([]*decide.LimitState, len(items))
+	counters := make([]*counter, len(items))
+	hitsSoFar := make([]int64, len(items))
+	byID := map[string]*counter{}
+	for i := range items {
+		it := &items[i]
+		if it.charge < 0 {
+			continue
+		}
+		c := &charges[it.charge]
+		ct := byID[c.ID]
+		if ct == nil {
+			ct = &counter{before: int64(it.limit.RequestsPerUnit)}
+			byID[c.ID] = ct
+		}
+		ct.hits += it.hits
+		counters[i], hitsSoFar[i] = ct, ct.hits
+		k := it.charge // one rule per charge: one state each
+		if k >= len(res.Limits) || res.Limits[k].Scope == "" {
+			continue
+		}
+		ls := &res.Limits[k]
+		states[i] = ls
+		// The first charge of the counter (charges are checked in request
+		// order) saw it as it was before the request: after its own cost
+		// when allowed, as it was when denied or given back.
+		if !ct.seen {
+			ct.seen, ct.before = true, ls.Remaining
+			if res.Allowed {
+				ct.before += c.Cost
+			}
+			ct.before = min(max(ct.before, 0), ls.Limit, int64(it.limit.RequestsPerUnit))
+		}
+	}
 	out := &rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OK, Statuses: make([]*rlspb.RateLimitResponse_DescriptorStatus, len(items))}
 	var minimum *rlspb.RateLimitResponse_DescriptorStatus
 	for i := range items {
@@ -207,15 +261,16 @@ func (h *Handler) reply(items []item, res *decide.Result) *rlspb.RateLimitRespon
 			continue
 		}
 		st.CurrentLimit = it.limit.Proto()
-		var ls *decide.LimitState
-		if k := it.charge; k < len(res.Limits) && res.Limits[k].Scope != "" {
-			ls = &res.Limits[k] // one rule per charge: one state each
-		}
-		over := it.limit.RequestsPerUnit == 0
+		ct, ls := counters[i], states[i]
+		over := it.limit.RequestsPerUnit == 0 && hitsSoFar[i] > 0
 		switch {
 		case ls != nil:
-			over = over || !res.Allowed && ls.Remaining < it.hits || ls.WouldDeny
-			st.LimitRemaining = uint32(min(max(ls.Remaining, 0), math.MaxUint32))
+			left := ct.before - hitsSoFar[i]
+			over = over || (!res.Allowed || it.limit.Shadow) && left < 0
+			if !res.Allowed {
+				left = ct.before
+			}
+			st.LimitRemaining = uint32(min(max(left, 0), math.MaxUint32))
 			st.DurationUntilReset = resetOf(ls.Reset, it.limit.Window)
 		case len(res.Limits) == 0: // allowed unchecked (fail-open)
 			st.LimitRemaining = it.limit.RequestsPerUnit
