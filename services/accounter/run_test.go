@@ -645,33 +645,6 @@ func TestAccounterEvents(t *testing.T) {
 		}
 	})
 
-	t.Run("an event is stored as it came", func(t *testing.T) {
-		e := base.with(t)
-		// A valid event (its tenant's unpaired surrogate escape reads as
-		// U+FFFD) that jsonb refused when the ledger parsed events: its
-		// bytes are kept unparsed now, exactly.
-		ten := "raw-" + e2e.RandomHex(4)
-		raw, err := events.Encode(e.actual(ten+"-x", "u1", "r1", "", 1, 1))
-		if err != nil {
-			t.Fatal(err)
-		}
-		raw = bytes.ReplaceAll(raw, []byte(ten+"-x"), []byte(ten+`\ud800`))
-		if _, err := events.Decode(raw); err != nil {
-			t.Fatalf("the event is invalid: %v", err)
-		}
-		if _, err := e.js.Publish(ctx, events.Subject(prefix, events.TypeActual), raw); err != nil {
-			t.Fatal(err)
-		}
-		e.waitStatus(ten+"\ufffd", "u1", "r1", "settled")
-		var stored []byte
-		if err := e.pg.QueryRow(ctx, `SELECT event FROM usage_events WHERE tenant = $1`, ten+"\ufffd").Scan(&stored); err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(stored, raw) {
-			t.Errorf("stored event = %s, want %s", stored, raw)
-		}
-	})
-
 	t.Run("an event Postgres refuses goes to the DLQ", func(t *testing.T) {
 		e := base.with(t)
 		// Postgres refuses no event the accounter checked: a trigger of
@@ -702,6 +675,57 @@ func TestAccounterEvents(t *testing.T) {
 		})
 		if n := e.count(`SELECT count(*) FROM reservations WHERE tenant = $1`, ten+"-x"); n != 0 {
 			t.Errorf("%d reservations of the refused event, want 0", n)
+		}
+	})
+
+	t.Run("an event the audit read cannot parse goes to the DLQ", func(t *testing.T) {
+		e := base.with(t)
+		// Two valid events in one batch between good ones: one whose
+		// extension attribute holds \u0000, one whose tenant holds an
+		// unpaired surrogate escape (it reads as U+FFFD). jsonb refuses
+		// both, so the audit read of their rows would fail: each is
+		// dead-lettered once, the others recorded.
+		ten := "raw-" + e2e.RandomHex(4)
+		dlq := events.DLQSubject(prefix, "ledger_rejected")
+		before := e.subjectMsgs(e.cfg.DLQStream, dlq)
+		var elems [][]byte
+		for i, req := range []string{"before", "nul", "surrogate", "after"} {
+			tenant := ten
+			if i == 2 {
+				tenant = ten + "-x"
+			}
+			raw, err := events.Encode(e.actual(tenant, "u1", req, "", 1, 1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			switch i {
+			case 1:
+				raw = append([]byte(`{"qfext":"a\u0000b",`), raw[1:]...)
+			case 2:
+				raw = bytes.ReplaceAll(raw, []byte(ten+"-x"), []byte(ten+`\ud800`))
+			}
+			if _, err := events.Decode(raw); err != nil {
+				t.Fatalf("event %d is invalid: %v", i, err)
+			}
+			elems = append(elems, raw)
+		}
+		m := nats.NewMsg(events.Subject(prefix, events.TypeActual))
+		m.Data = append(append([]byte("["), bytes.Join(elems, []byte(","))...), ']')
+		m.Header.Set("Content-Type", events.BatchContentType)
+		if _, err := e.js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+		e.consumedAll(ten, 2)
+		e2e.Eventually(t, "dead letters", func() bool { return e.subjectMsgs(e.cfg.DLQStream, dlq) >= before+2 })
+		if n := e.subjectMsgs(e.cfg.DLQStream, dlq); n != before+2 {
+			t.Errorf("%d dead letters, want 2", n-before)
+		}
+		if n := e.count(`SELECT count(*) FROM reservations WHERE tenant = $1 OR tenant = $2`, ten, ten+"\ufffd"); n != 2 {
+			t.Errorf("%d reservations, want 2 (before, after)", n)
+		}
+		// The documented audit read works over every row stored.
+		if n := e.count(`SELECT count(*) FROM usage_events WHERE convert_from(event, 'UTF8')::jsonb IS NOT NULL`); n < 2 {
+			t.Errorf("the audit read found %d events, want at least 2", n)
 		}
 	})
 }

@@ -159,7 +159,8 @@ type item struct {
 	// kept the first of single events, so a re-report with other figures
 	// cannot split the ledger from Redis.
 	dup bool
-	// rejected is why Postgres refused the event itself: dead-letter it.
+	// rejected is why the event itself cannot be stored (Postgres refused
+	// it, or the audit read could not parse it): dead-letter it.
 	rejected error
 	// transient marks err as an outage (Postgres, Redis or NATS
 	// unreachable, Redis without its epoch) rather than a problem of the
@@ -227,7 +228,13 @@ func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
 				seen[ev.ID] = true
 			}
 			if !it.bad && !it.dup {
-				recs = append(recs, c.record(ev, d.Raw(i), d.FirstStored(i)))
+				// The ledger stores the event as it came: it must stay
+				// readable by the audit read.
+				if err := ledger.CheckAudit(d.Raw(i)); err != nil {
+					it.rejected = err
+				} else {
+					recs = append(recs, c.record(ev, d.Raw(i), d.FirstStored(i)))
+				}
 			}
 			items = append(items, it)
 		}
@@ -319,7 +326,8 @@ func transient(err error) bool {
 }
 
 // ReasonRejected is the dead-letter reason of an event Postgres refused
-// to store (see ledger.IsRejected).
+// to store (see ledger.IsRejected) or the audit read could not parse
+// (ledger.CheckAudit).
 const ReasonRejected = "ledger_rejected"
 
 // record turns an event, first stored at stored, into its ledger row. Its
@@ -539,13 +547,14 @@ func finalMarks(marks []ledger.Mark) []ledger.Mark {
 // beginWithoutRejected finds the items whose record Postgres rejects
 // (ledger.IsRejected) by writing each alone and rolling it back, marks
 // them, and begins the batch's write without them; any other failure fails
-// the batch. recs are the records of items that are not bad, in order.
+// the batch. recs are the records of the items that are not bad, dup or
+// rejected already, in order.
 func (c *Consumer) beginWithoutRejected(ctx context.Context, items []item, recs []ledger.Record) (*ledger.Tx, error) {
 	var good []ledger.Record
 	r := 0
 	for i := range items {
 		it := &items[i]
-		if it.bad || it.dup {
+		if it.bad || it.dup || it.rejected != nil {
 			continue
 		}
 		rec := recs[r]
