@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -69,7 +70,12 @@ func CreateDatabase(ctx context.Context, cc *pgx.ConnConfig) error {
 // that have not run yet, under tern's advisory lock, so instances starting
 // together apply each once. versionTable is the service's own, so several
 // services may share one database.
-func Migrate(ctx context.Context, pool *pgxpool.Pool, fsys fs.FS, versionTable string) error {
+//
+// A database a newer release has migrated further than fsys knows is
+// compatible (a migration only adds what older releases may ignore): Migrate
+// logs it and returns nil, so a rollback, or an older instance restarting
+// during a rolling deploy, keeps working.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, fsys fs.FS, versionTable string, log *slog.Logger) error {
 	fsys, err := fs.Sub(fsys, "migrations")
 	if err != nil {
 		return fmt.Errorf("migrate: %w", err)
@@ -86,7 +92,17 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, fsys fs.FS, versionTable s
 	if err := m.LoadMigrations(fsys); err != nil {
 		return fmt.Errorf("migrate: load: %w", err)
 	}
-	if err := m.Migrate(ctx); err != nil {
+	err = m.Migrate(ctx)
+	if _, ok := errors.AsType[migrate.BadVersionError](err); ok {
+		// tern refuses a current version past its migrations.
+		v, verr := m.GetCurrentVersion(ctx)
+		if known := int32(len(m.Migrations)); verr == nil && v > known {
+			log.Warn("the database's schema is newer than this release's; continuing",
+				"version_table", versionTable, "version", v, "known", known)
+			return nil
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("migrate: %w", err)
 	}
 	return nil

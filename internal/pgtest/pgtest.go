@@ -5,6 +5,7 @@ package pgtest
 
 import (
 	"context"
+	"log/slog"
 	"net/url"
 	"testing"
 
@@ -72,7 +73,7 @@ func NewDatabase(t testing.TB, prefix string) string {
 
 // Pool opens a pool on a new database of the test's own (NewDatabase),
 // applies migrate to it and closes the pool when the test ends.
-func Pool(t testing.TB, prefix string, migrate func(context.Context, *pgxpool.Pool) error) *pgxpool.Pool {
+func Pool(t testing.TB, prefix string, migrate func(context.Context, *pgxpool.Pool, *slog.Logger) error) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
 	pool, err := pgdb.Open(ctx, NewDatabase(t, prefix))
@@ -80,7 +81,7 @@ func Pool(t testing.TB, prefix string, migrate func(context.Context, *pgxpool.Po
 		t.Fatalf("open database: %v", err)
 	}
 	t.Cleanup(pool.Close)
-	if err := migrate(ctx, pool); err != nil {
+	if err := migrate(ctx, pool, slog.New(slog.DiscardHandler)); err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
 	return pool

@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -54,13 +55,13 @@ func OpenRedis(s *Stack, url string, hooks ...redis.Hook) (redis.UniversalClient
 // and why as the reason component is not ready; the stack closes the pool
 // in its turn. It returns false when ctx ends first.
 func OpenPostgres(ctx context.Context, s *Stack, component, url string,
-	migrate func(context.Context, *pgxpool.Pool) error, configure ...func(*pgxpool.Config)) (*pgxpool.Pool, bool) {
+	migrate func(context.Context, *pgxpool.Pool, *slog.Logger) error, configure ...func(*pgxpool.Config)) (*pgxpool.Pool, bool) {
 	pool, ok := Retry(ctx, s.log, s.ready, component, func(ctx context.Context) (*pgxpool.Pool, error) {
 		pool, err := pgdb.Open(ctx, url, configure...)
 		if err != nil {
 			return nil, fmt.Errorf("waiting for postgres: %w", err)
 		}
-		if err := migrate(ctx, pool); err != nil {
+		if err := migrate(ctx, pool, s.log); err != nil {
 			pool.Close()
 			return nil, fmt.Errorf("waiting for postgres: %w", err)
 		}

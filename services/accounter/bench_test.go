@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"strconv"
 	"strings"
@@ -290,7 +291,7 @@ func newBenchEnv(b *testing.B) *env {
 		b.Fatal(err)
 	}
 	defer pool.Close()
-	if err := ledger.Migrate(context.Background(), pool); err != nil {
+	if err := ledger.Migrate(context.Background(), pool, slog.New(slog.DiscardHandler)); err != nil {
 		b.Fatal(err)
 	}
 	return e

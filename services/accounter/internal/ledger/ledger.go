@@ -11,6 +11,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -30,8 +31,8 @@ const VersionTable = "accounter_schema_version"
 // Migrate applies the accounter's embedded migrations that have not run
 // yet (pgdb.Migrate: under an advisory lock, so instances starting together
 // apply each once).
-func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	return pgdb.Migrate(ctx, pool, migrations, VersionTable)
+func Migrate(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+	return pgdb.Migrate(ctx, pool, migrations, VersionTable, log)
 }
 
 // Statuses of a reservation row; see migrations/001_ledger.sql.

@@ -3,6 +3,7 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -19,7 +20,7 @@ import (
 // end.
 func testPool(t testing.TB) *pgxpool.Pool {
 	pool := pgtest.Pool(t, "qf_ledger_test", Migrate)
-	if err := Migrate(context.Background(), pool); err != nil {
+	if err := Migrate(context.Background(), pool, slog.New(slog.DiscardHandler)); err != nil {
 		t.Fatalf("Migrate again: %v", err)
 	}
 	return pool

@@ -16,6 +16,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"time"
 
@@ -34,8 +35,8 @@ var migrations embed.FS
 const VersionTable = "alerter_schema_version"
 
 // Migrate applies the alerter's embedded migrations that have not run yet.
-func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	return pgdb.Migrate(ctx, pool, migrations, VersionTable)
+func Migrate(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+	return pgdb.Migrate(ctx, pool, migrations, VersionTable, log)
 }
 
 // Store reads and writes the alerter's tables. It is safe for concurrent

@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"log/slog"
 	"maps"
 	"testing"
 	"time"
@@ -14,7 +15,7 @@ import (
 // show migrations are idempotent, dropped at the end.
 func newStore(t *testing.T) *Store {
 	pool := pgtest.Pool(t, "qf_alerter_store_test", Migrate)
-	if err := Migrate(context.Background(), pool); err != nil {
+	if err := Migrate(context.Background(), pool, slog.New(slog.DiscardHandler)); err != nil {
 		t.Fatal(err)
 	}
 	return New(pool)

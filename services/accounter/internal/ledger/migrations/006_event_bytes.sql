@@ -5,7 +5,11 @@
 -- convert_from(event, 'UTF8')::jsonb. Rows written before keep their jsonb
 -- payload; each row has one or the other. No statement here rewrites or
 -- scans the table: the check is for new rows (NOT VALID), which old ones
--- meet anyway.
+-- meet anyway. The ALTERs need an ACCESS EXCLUSIVE lock: waiting behind a
+-- long audit query they would queue every insert behind them, so they give
+-- up after lock_timeout; the migration fails whole and the accounter
+-- retries it (service.OpenPostgres), not ready meanwhile.
+SET LOCAL lock_timeout = '2s';
 ALTER TABLE usage_events ALTER COLUMN payload DROP NOT NULL;
 ALTER TABLE usage_events ADD COLUMN event bytea;
 ALTER TABLE usage_events ADD CONSTRAINT usage_events_one_payload
