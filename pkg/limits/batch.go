@@ -7,6 +7,7 @@ import (
 
 	"quotaflow/pkg/limits/internal/script"
 	"quotaflow/pkg/limits/internal/wire"
+	"quotaflow/pkg/limits/policy"
 )
 
 // Reserved is the outcome of one Request of ReserveBatch: what Reserve
@@ -35,7 +36,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
 // ModeFresh), batched as ReserveBatch says.
 func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserved {
 	out := make([]Reserved, len(rs))
-	groups := batches(l, len(rs), func(i int) string { return rs[i].Tenant }, l.p.NewReserveBatch,
+	groups := batches(l, len(rs), func(i int) uint16 { return wire.TenantSlot(rs[i].Tenant) }, l.p.NewReserveBatch,
 		func(b *wire.ReserveBatch, i int) error {
 			r := &rs[i]
 			m := mode
@@ -46,6 +47,15 @@ func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserve
 			out[i].Err = err
 			return err
 		})
+	l.runReserves(ctx, groups, out, func(i int) []policy.Rule { return rs[i].Rules },
+		func(i int) string { return rs[i].Tenant + "/" + rs[i].User })
+	return out
+}
+
+// runReserves sends the reserve calls of groups in one round trip and
+// records each entry's outcome in out: rules gives entry i's rules, name
+// names it in an error.
+func (l *Limiter) runReserves(ctx context.Context, groups []group[*wire.ReserveBatch], out []Reserved, rules func(i int) []policy.Rule, name func(i int) string) {
 	calls := groupCalls(groups)
 	cmds := l.run.RunAll(ctx, script.Reserve, calls)
 	for k := range calls {
@@ -54,17 +64,46 @@ func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserve
 		}
 		which := groups[k].which
 		wire.DecodeReserves(cmds[k], &calls[k], func(j int, v wire.ReserveReply, err error) {
-			r, o := &rs[which[j]], &out[which[j]]
+			i := which[j]
 			if err != nil {
 				if !errors.Is(err, ErrNoEpoch) {
-					err = fmt.Errorf("reserve %s/%s: %w", r.Tenant, r.User, err)
+					err = fmt.Errorf("reserve %s: %w", name(i), err)
 				}
-				o.Err = err
+				out[i].Err = err
 				return
 			}
-			o.Decision = decision(v, r.Rules)
+			out[i].Decision = decision(v, rules(i))
 		})
 	}
+}
+
+// SharedRequest is one entry of ReserveSharedBatch: what ReserveShared
+// takes.
+type SharedRequest struct {
+	Scope policy.Scope
+	ID    string
+	Cost  int64
+	Rules []policy.Rule
+}
+
+// ReserveSharedBatch makes the ReserveShared calls of rs and returns their
+// outcomes in order, each what ReserveShared would have returned for it had
+// the calls been made one after another (with one Redis time for all); they
+// go out batched as ReserveBatch's do: one script call per wire.MaxBatch
+// entries and hash slot, all in one round trip. Each entry is all or
+// nothing on its own: a caller that wants the entries together gives back
+// the allowed ones when one denies (ChargeShared).
+func (l *Limiter) ReserveSharedBatch(ctx context.Context, rs []SharedRequest) []Reserved {
+	out := make([]Reserved, len(rs))
+	groups := batches(l, len(rs), func(i int) uint16 { return wire.SharedSlot(rs[i].Scope, rs[i].ID) }, l.p.NewReserveBatch,
+		func(b *wire.ReserveBatch, i int) error {
+			r := &rs[i]
+			err := b.AddShared(r.Scope, r.ID, r.Cost, wire.ModeReserve, r.Rules)
+			out[i].Err = err
+			return err
+		})
+	l.runReserves(ctx, groups, out, func(i int) []policy.Rule { return rs[i].Rules },
+		func(i int) string { return string(rs[i].Scope) + " " + rs[i].ID })
 	return out
 }
 
@@ -85,15 +124,16 @@ type batch interface {
 
 // batches puts entries 0..n-1 into batches made by fresh, one per
 // wire.MaxBatch entries and, on a Redis Cluster or Ring, per hash slot of
-// the entry's tenant too, since a call's keys must share one. add adds
-// entry i to b; an entry it fails (the caller records why) is in no batch.
-func batches[B batch](l *Limiter, n int, tenant func(i int) string, fresh func() B, add func(b B, i int) error) []group[B] {
+// the entry's keys too (slotOf), since a call's keys must share one. add
+// adds entry i to b; an entry it fails (the caller records why) is in no
+// batch.
+func batches[B batch](l *Limiter, n int, slotOf func(i int) uint16, fresh func() B, add func(b B, i int) error) []group[B] {
 	var groups []group[B]
 	bySlot := l.run.SlotBound()
 	for i := range n {
 		var slot uint16
 		if bySlot {
-			slot = wire.TenantSlot(tenant(i))
+			slot = slotOf(i)
 		}
 		g := -1
 		for k := len(groups) - 1; k >= 0; k-- {
@@ -158,7 +198,7 @@ type SettleResult struct {
 // connection fails every op of its call.
 func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult {
 	out := make([]SettleResult, len(ops))
-	groups := batches(l, len(ops), func(i int) string { return ops[i].Tenant }, l.p.NewSettleBatch,
+	groups := batches(l, len(ops), func(i int) uint16 { return wire.TenantSlot(ops[i].Tenant) }, l.p.NewSettleBatch,
 		func(b *wire.SettleBatch, i int) error {
 			err := l.addSettle(b, &ops[i])
 			out[i].Err = err

@@ -319,3 +319,49 @@ func TestReserveBatchUnreadableStateFailsOnlyItsReserve(t *testing.T) {
 		t.Errorf("Reserve of a's request 2 again = %+v, want a duplicate: the batch stored its record", d)
 	}
 }
+
+// TestReserveSharedBatchDecidesInOrder sends shared reserves of two ids, one
+// past its limit, an invalid one and one with no limit left, in one batch:
+// each outcome is what lone ReserveShared calls in that order give, and a
+// denial charges nothing.
+func TestReserveSharedBatchDecidesInOrder(t *testing.T) {
+	l := limitstest.At(redistest.Start(t).Client(), 0)
+	id := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeGlobal, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Tokens, Limit: 5, Window: policy.Duration(3600e9)})}
+	req := func(id string, cost int64) limits.SharedRequest {
+		return limits.SharedRequest{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: rules}
+	}
+	rs := []limits.SharedRequest{req(id+"a", 3), req(id+"b", 2), req(id+"a", 3), req("", 1), req(id+"a", 2), req(id+"b", 4)}
+	type want struct {
+		allowed bool
+		used    int64
+	}
+	wants := []want{{true, 3}, {true, 2}, {false, 3}, {}, {true, 5}, {false, 2}}
+	out := l.ReserveSharedBatch(context.Background(), rs)
+	if len(out) != len(rs) {
+		t.Fatalf("ReserveSharedBatch returned %d outcomes for %d requests", len(out), len(rs))
+	}
+	for i, o := range out {
+		if rs[i].ID == "" {
+			if !errors.Is(o.Err, limits.ErrInvalid) {
+				t.Errorf("ReserveSharedBatch[%d] (no id) error = %v, want ErrInvalid", i, o.Err)
+			}
+			continue
+		}
+		if o.Err != nil {
+			t.Fatalf("ReserveSharedBatch[%d] error = %v", i, o.Err)
+		}
+		if w, d := wants[i], o.Decision; d.Allowed != w.allowed || d.States[0].Used != w.used {
+			t.Errorf("ReserveSharedBatch[%d] (%s, cost %d) = allowed %v, used %d; want %v, %d", i, rs[i].ID, rs[i].Cost, d.Allowed, d.States[0].Used, w.allowed, w.used)
+		}
+	}
+	for _, s := range []struct {
+		id   string
+		used int64
+	}{{id + "a", 5}, {id + "b", 2}} {
+		d, err := l.PeekShared(context.Background(), policy.ScopeGlobal, s.id, rules)
+		if err != nil || d.States[0].Used != s.used {
+			t.Errorf("PeekShared(%s) = %+v, %v; want used %d", s.id, d.States, err, s.used)
+		}
+	}
+}

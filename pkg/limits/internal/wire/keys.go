@@ -203,6 +203,9 @@ func Slot(tag string) uint16 { return crc16(tag) % NumSlots }
 // TenantSlot is the cluster slot of every key of tenant.
 func TenantSlot(tenant string) uint16 { return Slot(esc(tenant)) }
 
+// SharedSlot returns the hash slot of the shared limits of scope's id.
+func SharedSlot(scope policy.Scope, id string) uint16 { return Slot(sharedTag(scope, id)) }
+
 // epochKey returns the epoch key of the slot of hash tag content tag.
 func epochKey(tag string) string { return SlotEpochKey(Slot(tag)) }
 

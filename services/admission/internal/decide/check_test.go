@@ -18,9 +18,9 @@ func checkRule(path string, limit int64) policy.Rule {
 		Window: policy.Duration(24 * time.Hour)}, Scope: policy.ScopeGlobal, Endpoint: path}
 }
 
-// One charge is one round trip, allowed or denied; a denial by a later
-// charge gives back what the earlier ones took, and every rule of every
-// charge is reported.
+// A check is one round trip, allowed or denied, however many charges it
+// has; a denial by a later charge gives back what the earlier ones took
+// (one more), and every rule of every charge is reported.
 func TestCheckIsAllOrNothing(t *testing.T) {
 	c := redistest.Shared(t)
 	rt := &redistest.RoundTrips{}
@@ -46,23 +46,35 @@ func TestCheckIsAllOrNothing(t *testing.T) {
 
 	rt.Reset()
 	r, err = d.Check(ctx, []Charge{
-		{Scope: policy.ScopeGlobal, ID: a, Cost: 2, Rules: ra},
-		{Scope: policy.ScopeGlobal, ID: b, Cost: 4, Rules: rb},
+		{Scope: policy.ScopeGlobal, ID: a, Cost: 1, Rules: ra},
+		{Scope: policy.ScopeGlobal, ID: b, Cost: 1, Rules: rb},
+	})
+	if err != nil || !r.Allowed || len(r.Limits) != 4 || r.Limits[1].Remaining != 1 || r.Limits[3].Remaining != 2 {
+		t.Fatalf("Check(two charges) = %+v, %v; want allowed, 4 limits, y remaining 1, w 2", r, err)
+	}
+	if got := rt.Count(); got != 1 {
+		t.Errorf("round trips of two allowed charges = %d, want 1", got)
+	}
+
+	rt.Reset()
+	r, err = d.Check(ctx, []Charge{
+		{Scope: policy.ScopeGlobal, ID: a, Cost: 1, Rules: ra},
+		{Scope: policy.ScopeGlobal, ID: b, Cost: 3, Rules: rb},
 	})
 	if err != nil || r.Allowed || r.DeniedBy == nil || r.DeniedBy.Endpoint != "w" || len(r.Limits) != 4 {
 		t.Fatalf("Check(second charge over) = %+v, %v; want denied by w, 4 limits", r, err)
 	}
-	if r.Limits[1].Remaining != 2 {
-		t.Errorf("y after the denial reports remaining %d, want 2 (given back)", r.Limits[1].Remaining)
+	if r.Limits[1].Remaining != 1 {
+		t.Errorf("y after the denial reports remaining %d, want 1 (given back)", r.Limits[1].Remaining)
 	}
-	if got := rt.Count(); got != 3 {
-		t.Errorf("round trips of two charges, the second denied = %d, want 3 (two reserves, one give-back)", got)
+	if got := rt.Count(); got != 2 {
+		t.Errorf("round trips of two charges, the second denied = %d, want 2 (one batch, one give-back)", got)
 	}
-	if used := sharedUsed(t, c, policy.ScopeGlobal, a, ra); used[0] != 3 || used[1] != 3 || used[2] != 3 {
-		t.Errorf("a's limits after the denied check = %v, want 3 each (the first two checks only)", used)
+	if used := sharedUsed(t, c, policy.ScopeGlobal, a, ra); used[0] != 4 || used[1] != 4 || used[2] != 4 {
+		t.Errorf("a's limits after the denied check = %v, want 4 each (the first three checks only)", used)
 	}
-	if used := sharedUsed(t, c, policy.ScopeGlobal, b, rb); used[0] != 0 {
-		t.Errorf("b's limit after its denial = %v, want 0", used)
+	if used := sharedUsed(t, c, policy.ScopeGlobal, b, rb); used[0] != 1 {
+		t.Errorf("b's limit after its denial = %v, want 1 (the allowed check only)", used)
 	}
 
 	if _, err := d.Check(ctx, []Charge{{Scope: policy.ScopeUser, ID: a, Cost: 1, Rules: ra}}); !errors.Is(err, limits.ErrInvalid) {
