@@ -16,9 +16,9 @@
 // name), so a Redis value stays one counter's size however many values a
 // descriptor takes, and a domain spreads over a cluster.
 //
-// A request is one all-or-nothing decision (decide.Decider.Check): each
-// descriptor is one Redis round trip; when any descriptor is over its
-// limit, what the others took is given back. Decisions are final: nothing
+// A request is one all-or-nothing decision (decide.Decider.Check) in one
+// Redis round trip; when any descriptor is over its limit, what the others
+// took is given back. Decisions are final: nothing
 // is reserved and nothing is settled later. When Redis is unavailable the
 // Decider decides locally, as for POST /v1/admit.
 //
