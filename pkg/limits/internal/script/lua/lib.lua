@@ -132,15 +132,17 @@ end
 
 -- run gathers the pieces of one SETRANGE (kept with the library, as S is);
 -- offs[n] is n as text, made once: Redis formats a number argument with
--- printf (~2-4k instructions).
-local run, offs = { NILS(8) }, {}
+-- printf (~2-4k instructions). Only offsets below offsmax are kept, so the
+-- cache, which lives as long as the library, stays small whatever blobs
+-- come (a blob of the usual few limits is well under it).
+local run, offs, offsmax = { NILS(8) }, {}, 4096
 
 -- setrange writes run[1..k] at byte offset at of key.
 local function setrange(key, at, k)
   local o = offs[at]
   if not o then
     o = sformat('%d', at)
-    offs[at] = o
+    if at < offsmax then offs[at] = o end
   end
   redis.call('SETRANGE', key, o, k == 1 and run[1] or table.concat(run, '', 1, k))
 end
