@@ -394,11 +394,7 @@ func (b *bench) peerPlain(size int) (*peerTarget, error) {
 // peerEnvoy starts envoyproxy/ratelimit on a Redis of its own, set up by
 // envoy.Setup.
 func (b *bench) peerEnvoy(ctx context.Context, o peerOptions) (*peerTarget, error) {
-	bin, err := envoypeer.Binary()
-	if err != nil {
-		return nil, err
-	}
-	rs, _, err := b.privateRedis(ctx)
+	bin, rs, err := b.envoyAndRedis(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -417,6 +413,17 @@ func (b *bench) peerEnvoy(ctx context.Context, o peerOptions) (*peerTarget, erro
 		return nil, fmt.Errorf("envoy ratelimit not answering (log in %s): %w", b.dir, err)
 	}
 	return t, nil
+}
+
+// envoyAndRedis builds (once) the pinned envoyproxy/ratelimit and starts a
+// Redis of its own.
+func (b *bench) envoyAndRedis(ctx context.Context) (string, *e2e.Server, error) {
+	bin, err := envoypeer.Binary()
+	if err != nil {
+		return "", nil, err
+	}
+	rs, _, err := b.privateRedis(ctx)
+	return bin, rs, err
 }
 
 func admitBody(endpoint string) func(dst []byte, user int) []byte {

@@ -198,11 +198,7 @@ func descriptors(n int) string {
 
 // rlsPeer starts envoyproxy/ratelimit with rlsConfig on a Redis of its own.
 func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error) {
-	bin, err := envoypeer.Binary()
-	if err != nil {
-		return nil, err
-	}
-	rs, _, err := b.privateRedis(ctx)
+	bin, rs, err := b.envoyAndRedis(ctx)
 	if err != nil {
 		return nil, err
 	}
