@@ -265,6 +265,58 @@ func TestPublishBatchFitsTheStreamLimit(t *testing.T) {
 	}
 }
 
+// Once the rolling upgrade ends and a newer Ensure raised the stream's
+// limit again, the Publisher packs to the server's max payload again
+// within RefitAfter rounds, without a message refused on the way; before
+// that, rounds read the lowered limit and keep to it.
+func TestPublishBatchRecoversTheServerLimit(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	p := olderStreamLimit(ctx, t, js, cfg)
+	if err := p.PublishBatch(ctx, actuals(1000, "older")); err != nil {
+		t.Fatalf("PublishBatch under an older stream limit = %v, want nil", err)
+	}
+	// Rounds of one event under the older limit: the budget stays low
+	// (checked below by a large round's messages).
+	for i := range stream.RefitAfter {
+		if err := p.PublishBatch(ctx, actuals(1, fmt.Sprintf("still-%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	msgs := natstest.StreamMsgs(t, js, cfg.Stream)
+	if err := p.PublishBatch(ctx, actuals(1000, "lowered")); err != nil {
+		t.Fatal(err)
+	}
+	lowered := natstest.StreamMsgs(t, js, cfg.Stream) - msgs
+	if lowered < 3 {
+		t.Fatalf("1000 events under the older limit took %d messages, want batches of about 64 KiB", lowered)
+	}
+
+	if err := stream.Ensure(ctx, js, cfg); err != nil { // the newer service's
+		t.Fatal(err)
+	}
+	for i := range stream.RefitAfter {
+		if err := p.PublishBatch(ctx, actuals(1, fmt.Sprintf("raised-%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	msgs = natstest.StreamMsgs(t, js, cfg.Stream)
+	big := actuals(1000, "recovered") // ~200 KB: one message under 1 MiB
+	if err := p.PublishBatch(ctx, big); err != nil {
+		t.Fatalf("PublishBatch after the stream's limit rose = %v, want nil", err)
+	}
+	if got := natstest.StreamMsgs(t, js, cfg.Stream) - msgs; got != 1 {
+		t.Errorf("1000 events after the stream's limit rose took %d messages, want 1 (%d under the older limit)", got, lowered)
+	}
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
+	for _, ev := range big {
+		if ids[ev.ID] != 1 {
+			t.Fatalf("event %s stored %d times, want once", ev.ID, ids[ev.ID])
+		}
+	}
+}
+
 // olderStreamLimit sets the stream's MaxMsgSize to what an older service's
 // Ensure sets and returns a Publisher that packs to the server's 1 MiB
 // without compressing (compressed, these actual events would fit 68 KiB:

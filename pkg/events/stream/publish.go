@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -64,10 +65,22 @@ type Publisher struct {
 	ownTime bool
 	plain   bool // batches go uncompressed (Config.Compression, WithCompression(false))
 	// budget is the most bytes of events one message carries: what fits
-	// the server's max payload, lowered to the stream's MaxMsgSize once
-	// the stream refuses a message for its size (fitStream).
-	budget atomic.Int64
+	// the server's max payload (ceiling), lowered to the stream's
+	// MaxMsgSize once the stream refuses a message for its size, and
+	// raised again when the stream takes more (fitStream).
+	budget  atomic.Int64
+	ceiling int64
+	// fitted counts the rounds sent whole under a lowered budget: every
+	// refitAfter-th reads the stream's limit again.
+	fitted atomic.Int64
 }
+
+// refitAfter is how many rounds a Publisher sends whole under a lowered
+// budget before it reads the stream's MaxMsgSize again, to learn that a
+// newer service's Ensure raised it once a rolling upgrade ends: one small
+// JetStream API request per 1000 rounds, and no message is refused to
+// find out (a blind raise would be).
+const refitAfter = 1000
 
 // PublisherOption configures a Publisher.
 type PublisherOption func(*Publisher)
@@ -98,7 +111,7 @@ func WithCompression(on bool) PublisherOption { return func(p *Publisher) { p.pl
 func WithMaxPayload(n int64) PublisherOption {
 	return func(p *Publisher) {
 		if n > 0 {
-			p.budget.Store(int64(budget(n)))
+			p.ceiling = int64(budget(n))
 		}
 	}
 }
@@ -125,10 +138,11 @@ func budget(maxPayload int64) int {
 func NewPublisher(js jetstream.Publisher, cfg Config, opts ...PublisherOption) *Publisher {
 	cfg = cfg.WithDefaults()
 	p := &Publisher{js: js, prefix: cfg.SubjectPrefix, stream: cfg.Stream, plain: cfg.Compression == CompressionNone}
-	p.budget.Store(int64(budget(DefaultMaxPayload)))
+	p.ceiling = int64(budget(DefaultMaxPayload))
 	for _, o := range opts {
 		o(p)
 	}
+	p.budget.Store(p.ceiling)
 	return p
 }
 
@@ -204,7 +218,9 @@ func (p *Publisher) PublishAsync(ev events.Event) (jetstream.PubAckFuture, error
 // each one's ack or error is its events'. When the stream refuses a batch
 // for its size, the Publisher reads the stream's MaxMsgSize (if its js can
 // read streams, as a jetstream.JetStream does), packs to it from then on,
-// and sends that batch's events again, once.
+// and sends that batch's events again, once; every 1000 rounds sent whole
+// under that limit, it reads the stream's MaxMsgSize again and packs up to
+// what the stream takes now (never past the server's max payload).
 func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error {
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
@@ -232,6 +248,9 @@ func (p *Publisher) PublishBatch(ctx context.Context, evs []events.Event) error 
 		if err != nil {
 			return &BatchError{Errs: errs}
 		}
+	}
+	if p.budget.Load() < p.ceiling && p.fitted.Add(1)%refitAfter == 0 {
+		p.fitStream(ctx)
 	}
 	return nil
 }
@@ -296,10 +315,10 @@ type streamReader interface {
 	Stream(ctx context.Context, name string) (jetstream.Stream, error)
 }
 
-// fitStream lowers p's budget to what the stream's MaxMsgSize takes, read
-// now, and returns the budget: an older service's Ensure may have set a
-// MaxMsgSize below the server's max payload. The budget never rises again
-// in this Publisher's life.
+// fitStream sets p's budget to what the stream's MaxMsgSize takes, read
+// now, at most the ceiling, and returns it: an older service's Ensure may
+// have set a MaxMsgSize below the server's max payload, and a newer one
+// raises it again. When the limit cannot be read, the budget stays.
 func (p *Publisher) fitStream(ctx context.Context) int64 {
 	sr, ok := p.js.(streamReader)
 	if !ok {
@@ -311,15 +330,11 @@ func (p *Publisher) fitStream(ctx context.Context) int64 {
 	}
 	limit := s.CachedInfo().Config.MaxMsgSize
 	if limit <= 0 {
-		return p.budget.Load()
+		limit = math.MaxInt32 // no limit of the stream's own
 	}
-	b := int64(budget(int64(limit)))
-	for {
-		old := p.budget.Load()
-		if b >= old || p.budget.CompareAndSwap(old, b) {
-			return min(b, old)
-		}
-	}
+	b := min(int64(budget(int64(limit))), p.ceiling)
+	p.budget.Store(b)
+	return b
 }
 
 // packed is the events of one message: their indexes and encodings.
