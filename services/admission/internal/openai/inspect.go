@@ -1,0 +1,509 @@
+package openai
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"unicode/utf8"
+
+	"quotaflow/pkg/ident"
+)
+
+// Defaults of Options and bounds of a request.
+const (
+	// DefaultMaxBody holds a long conversation and a few inline images;
+	// the text of any model's context window is a fraction of it.
+	DefaultMaxBody = 8 << 20
+	// DefaultMaxTokens is the output maximum set on a chat or responses
+	// request that sets none, so the estimate bounds the actual.
+	DefaultMaxTokens = 4096
+	// MaxTokens is the largest maximum output a request may ask of one
+	// choice: above every model's output window (128k tokens today).
+	MaxTokens = 1 << 20
+	// MaxChoices bounds n and best_of, as OpenAI does.
+	MaxChoices = 128
+	// MaxItems bounds messages, prompts, inputs and input items, so that
+	// with MaxChoices and MaxTokens an estimate stays below the engine's
+	// largest cost (limits.MaxCost, 1e12).
+	MaxItems = 4096
+	// MediaTokens is counted for each image, audio or file part, in place
+	// of its bytes: what gpt-4o charges for a 1024×1024 image at high
+	// detail. It is an estimate, not a bound; the actual usage corrects it.
+	MediaTokens = 765
+	// completionsMaxTokens is the API's own default for /v1/completions,
+	// set explicitly when absent so the upstream cannot pick another.
+	completionsMaxTokens = 16
+	// maxDepth bounds the nesting this package walks in messages and items.
+	maxDepth = 32
+	// Chat counting per OpenAI's cookbook ("How to count tokens with
+	// tiktoken", gpt-4o and gpt-4 models): each message costs 3 tokens
+	// beyond its text, a name 1 more, and every reply is primed with 3.
+	tokensPerMessage = 3
+	tokensPerName    = 1
+	tokensPerReply   = 3
+)
+
+// Errors of Inspect: a *FieldError (a 400, naming the field) wraps
+// ErrInvalid; a body over Options.MaxBody wraps ErrTooLarge (a 413).
+var (
+	ErrInvalid  = errors.New("invalid request")
+	ErrTooLarge = errors.New("request body too large")
+)
+
+// FieldError is an invalid field of a request: Field is its JSON name
+// ("messages", "stream_options.include_usage"), or "body" for the body as a
+// whole. The message never repeats a value from the body.
+type FieldError struct {
+	Field, Problem string
+}
+
+func (e *FieldError) Error() string { return e.Field + ": " + e.Problem }
+
+// Unwrap makes every FieldError an ErrInvalid.
+func (e *FieldError) Unwrap() error { return ErrInvalid }
+
+func bad(field, format string, args ...any) *FieldError {
+	return &FieldError{Field: field, Problem: fmt.Sprintf(format, args...)}
+}
+
+// Options tune Inspect; the zero value takes the defaults.
+type Options struct {
+	MaxBody          int64   // bytes; default DefaultMaxBody
+	DefaultMaxTokens int64   // 1..MaxTokens; default DefaultMaxTokens
+	BytesPerToken    float64 // fallback for unknown models; default DefaultBytesPerToken
+}
+
+// Request is what Inspect learns of a request and the body to send
+// upstream.
+type Request struct {
+	Model  string
+	Stream bool
+	// IncludeUsage: the client itself asked for stream_options.include_usage
+	// (false when not streaming), so its usage chunk must reach it.
+	IncludeUsage bool
+	// InputTokens is the prompt's tokens counted with the model's encoding
+	// (bytes / BytesPerToken for a model without one), chat overhead and
+	// MediaTokens per media part included.
+	InputTokens int64
+	// OutputTokens is the most the upstream may generate: prompts × choices
+	// × the maximum per choice (the request's, else the default set in
+	// Body). 0 for embeddings.
+	OutputTokens int64
+	// Body is the request to send upstream: the client's bytes with only
+	// the maximum (when absent) and stream_options.include_usage (when
+	// streaming) set. It is the body passed to Inspect when nothing changes.
+	Body []byte
+}
+
+// Inspect validates a request body of endpoint k, estimates its tokens and
+// rewrites it for the upstream. It reads only the fields it needs; the
+// others pass through byte for byte. Errors wrap ErrInvalid (a *FieldError)
+// or ErrTooLarge.
+func Inspect(k Kind, body []byte, o Options) (Request, error) {
+	maxBody := o.MaxBody
+	if maxBody <= 0 {
+		maxBody = DefaultMaxBody
+	}
+	if int64(len(body)) > maxBody {
+		return Request{}, fmt.Errorf("%w: %d bytes, the limit is %d", ErrTooLarge, len(body), maxBody)
+	}
+	defMax := o.DefaultMaxTokens
+	if defMax == 0 {
+		defMax = DefaultMaxTokens
+	}
+	if defMax < 1 || defMax > MaxTokens {
+		return Request{}, fmt.Errorf("openai: Options.DefaultMaxTokens %d is outside 1..%d", defMax, MaxTokens)
+	}
+	if !utf8.Valid(body) {
+		return Request{}, bad("body", "is not valid UTF-8")
+	}
+	obj, err := parseObject(body)
+	if err != nil {
+		return Request{}, bad("body", "%v", err)
+	}
+	in := inspector{obj: obj}
+	r := Request{Body: body}
+	if r.Model, err = in.model(); err != nil {
+		return Request{}, err
+	}
+	in.c = newCounter(r.Model, o.BytesPerToken)
+	if k != Embeddings {
+		if r.Stream, err = in.boolean("stream"); err != nil {
+			return Request{}, err
+		}
+	}
+	prompts, choices := int64(1), int64(1)
+	switch k {
+	case Chat:
+		r.InputTokens, err = in.chatInput()
+		if err == nil {
+			choices, err = in.choices()
+		}
+		if err == nil {
+			err = in.maximum(&r, chatMaxField(r.Model), defMax, prompts*choices, "max_tokens", "max_completion_tokens")
+		}
+		if err == nil {
+			err = in.streamUsage(&r)
+		}
+	case Completions:
+		prompts, r.InputTokens, err = in.prompts("prompt", true)
+		if err == nil {
+			var suffix int64
+			if suffix, err = in.text("suffix"); err == nil {
+				r.InputTokens += prompts * suffix
+				choices, err = in.choices()
+			}
+		}
+		if err == nil {
+			err = in.maximum(&r, "max_tokens", completionsMaxTokens, prompts*choices, "max_tokens")
+		}
+		if err == nil {
+			err = in.streamUsage(&r)
+		}
+	case Embeddings:
+		_, r.InputTokens, err = in.prompts("input", false)
+	case Responses:
+		r.InputTokens, err = in.responsesInput()
+		if err == nil {
+			err = in.maximum(&r, "max_output_tokens", defMax, 1, "max_output_tokens")
+		}
+	default:
+		return Request{}, fmt.Errorf("openai: unknown endpoint kind %d", k)
+	}
+	if err != nil {
+		return Request{}, err
+	}
+	r.Body = apply(body, in.edits)
+	return r, nil
+}
+
+// inspector reads the fields of one request body.
+type inspector struct {
+	obj   object
+	c     *counter
+	edits []edit
+}
+
+func (in *inspector) model() (string, error) {
+	v := in.obj.value("model")
+	var m string
+	if v == nil || json.Unmarshal(v, &m) != nil || m == "" {
+		return "", bad("model", "must be a non-empty string")
+	}
+	if err := ident.Check(m); err != nil {
+		return "", bad("model", "%v", err)
+	}
+	return m, nil
+}
+
+func (in *inspector) boolean(key string) (bool, error) {
+	var b bool
+	if v := in.obj.value(key); v != nil && json.Unmarshal(v, &b) != nil {
+		return false, bad(key, "must be true or false")
+	}
+	return b, nil
+}
+
+// whole reads an optional integer field in lo..hi.
+func (in *inspector) whole(key string, lo, hi int64) (n int64, set bool, err error) {
+	v := in.obj.value(key)
+	if v == nil {
+		return 0, false, nil
+	}
+	if json.Unmarshal(v, &n) != nil || n < lo || n > hi {
+		return 0, false, bad(key, "must be a whole number from %d to %d", lo, hi)
+	}
+	return n, true, nil
+}
+
+// choices is the completions generated per prompt: n, or best_of when
+// larger (the upstream generates best_of and bills them all).
+func (in *inspector) choices() (int64, error) {
+	n, _, err := in.whole("n", 1, MaxChoices)
+	if err != nil {
+		return 0, err
+	}
+	best, _, err := in.whole("best_of", 1, MaxChoices)
+	if err != nil {
+		return 0, err
+	}
+	return max(n, best, 1), nil
+}
+
+// maximum sets r.OutputTokens from the largest of the maximum fields the
+// request sets (an upstream may honour either), else sets field to def in
+// the body.
+func (in *inspector) maximum(r *Request, field string, def, times int64, fields ...string) error {
+	per := int64(0)
+	for _, f := range fields {
+		n, _, err := in.whole(f, 1, MaxTokens)
+		if err != nil {
+			return err
+		}
+		per = max(per, n)
+	}
+	if per == 0 {
+		per = def
+		in.edits = append(in.edits, in.obj.set(field, strconv.FormatInt(def, 10)))
+	}
+	r.OutputTokens = times * per
+	return nil
+}
+
+// chatMaxField is the maximum to set on a chat request: OpenAI's reasoning
+// models refuse max_tokens, and other servers (TGI, older vLLM and
+// llama.cpp) know only max_tokens.
+func chatMaxField(model string) string {
+	for _, f := range []string{"o1", "o3", "o4", "gpt-5"} {
+		if inFamily(model, f) {
+			return "max_completion_tokens"
+		}
+	}
+	return "max_tokens"
+}
+
+// streamUsage asks a streaming chat or completions upstream for its usage
+// (stream_options.include_usage) and notes whether the client asked.
+func (in *inspector) streamUsage(r *Request) error {
+	const field = "stream_options"
+	raw := in.obj.value(field)
+	if raw == nil {
+		if r.Stream {
+			in.edits = append(in.edits, in.obj.set(field, `{"include_usage":true}`))
+		}
+		return nil
+	}
+	opts, err := parseObject(raw)
+	if err != nil {
+		return bad(field, "%v", err)
+	}
+	var asked bool
+	if v := opts.value("include_usage"); v != nil && json.Unmarshal(v, &asked) != nil {
+		return bad(field+".include_usage", "must be true or false")
+	}
+	if !r.Stream || asked {
+		r.IncludeUsage = r.Stream && asked
+		return nil
+	}
+	e := opts.set("include_usage", "true")
+	m, _ := in.obj.find(field)
+	e.start += m.start
+	e.end += m.start
+	in.edits = append(in.edits, e)
+	return nil
+}
+
+// decode reads an optional field into an any, nil when absent or null.
+func (in *inspector) decode(key string) (any, error) {
+	raw := in.obj.value(key)
+	if raw == nil {
+		return nil, nil
+	}
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return nil, bad(key, "%v", err)
+	}
+	return v, nil
+}
+
+// text counts an optional string field.
+func (in *inspector) text(key string) (int64, error) {
+	v, err := in.decode(key)
+	if err != nil || v == nil {
+		return 0, err
+	}
+	s, ok := v.(string)
+	if !ok {
+		return 0, bad(key, "must be a string")
+	}
+	return in.c.count(s), nil
+}
+
+// tools counts the function definitions a request offers, by their JSON
+// text: the model reads them rendered much like it.
+func (in *inspector) tools() int64 {
+	var n int64
+	for _, key := range []string{"tools", "functions"} {
+		if v := in.obj.value(key); v != nil {
+			n += in.c.count(string(v))
+		}
+	}
+	return n
+}
+
+func (in *inspector) chatInput() (int64, error) {
+	v, err := in.decode("messages")
+	if err != nil {
+		return 0, err
+	}
+	msgs, ok := v.([]any)
+	if !ok || len(msgs) == 0 || len(msgs) > MaxItems {
+		return 0, bad("messages", "must be an array of 1 to %d messages", MaxItems)
+	}
+	n := int64(tokensPerReply) + in.tools()
+	for i, m := range msgs {
+		t, err := in.message(m, "messages["+strconv.Itoa(i)+"]")
+		if err != nil {
+			return 0, err
+		}
+		n += t
+	}
+	return n, nil
+}
+
+// message counts a chat message or a responses input item: its overhead,
+// its name and every text in it (tally).
+func (in *inspector) message(v any, field string) (int64, error) {
+	m, ok := v.(map[string]any)
+	if !ok {
+		return 0, bad(field, "must be an object")
+	}
+	if r, has := m["role"]; has {
+		if s, ok := r.(string); !ok || s == "" || len(s) > ident.MaxLen {
+			return 0, bad(field+".role", "must be a non-empty string of at most %d bytes", ident.MaxLen)
+		}
+	}
+	n := int64(tokensPerMessage)
+	if _, has := m["name"]; has {
+		n += tokensPerName
+	}
+	t, err := in.tally(m, 0, field)
+	return n + t, err
+}
+
+// media are the part types counted as MediaTokens rather than by their
+// data (base64 or a URL, which the model does not read as text).
+var media = map[string]bool{
+	"image_url": true, "input_audio": true, "file": true, // chat
+	"input_image": true, "input_file": true, // responses
+}
+
+// tally counts every string in v but the values of "type" and "id" (tags
+// and references, not text the model reads), with MediaTokens for a media
+// part.
+func (in *inspector) tally(v any, depth int, field string) (int64, error) {
+	if depth > maxDepth {
+		return 0, bad(field, "nests deeper than %d levels", maxDepth)
+	}
+	var n int64
+	switch v := v.(type) {
+	case string:
+		return in.c.count(v), nil
+	case []any:
+		for _, e := range v {
+			t, err := in.tally(e, depth+1, field)
+			if err != nil {
+				return 0, err
+			}
+			n += t
+		}
+	case map[string]any:
+		if t, _ := v["type"].(string); media[t] {
+			return MediaTokens, nil
+		}
+		for k, e := range v {
+			if k == "type" || k == "id" {
+				continue
+			}
+			t, err := in.tally(e, depth+1, field)
+			if err != nil {
+				return 0, err
+			}
+			n += t
+		}
+	}
+	return n, nil
+}
+
+// prompts reads the prompt of a completion or the input of an embedding:
+// a string, an array of strings, an array of token ids or an array of
+// arrays of token ids. It returns how many prompts and their tokens.
+func (in *inspector) prompts(key string, optional bool) (count, tokens int64, err error) {
+	v, err := in.decode(key)
+	if err != nil {
+		return 0, 0, err
+	}
+	if v == nil && optional {
+		return 1, 0, nil // the API prompts with <|endoftext|> alone
+	}
+	invalid := bad(key, "must be a string, token ids, or an array of 1 to %d of either", MaxItems)
+	switch v := v.(type) {
+	case string:
+		return 1, in.c.count(v), nil
+	case []any:
+		if len(v) == 0 || len(v) > MaxItems {
+			return 0, 0, invalid
+		}
+		if _, ids := v[0].(float64); ids { // one prompt of token ids
+			if !tokenIDs(v) {
+				return 0, 0, invalid
+			}
+			return 1, int64(len(v)), nil
+		}
+		for _, e := range v {
+			switch e := e.(type) {
+			case string:
+				tokens += in.c.count(e)
+			case []any:
+				if len(e) == 0 || !tokenIDs(e) {
+					return 0, 0, invalid
+				}
+				tokens += int64(len(e))
+			default:
+				return 0, 0, invalid
+			}
+		}
+		return int64(len(v)), tokens, nil
+	}
+	return 0, 0, invalid
+}
+
+// tokenIDs: every element is a whole number from 0 to 2^31-1.
+func tokenIDs(v []any) bool {
+	for _, e := range v {
+		f, ok := e.(float64)
+		if !ok || f < 0 || f > 1<<31-1 || f != float64(int64(f)) {
+			return false
+		}
+	}
+	return true
+}
+
+// responsesInput counts instructions and input (a string, or an array of
+// items counted as chat messages) of a /v1/responses request. Context the
+// upstream stores (previous_response_id, conversation) is not in the body
+// and not counted.
+func (in *inspector) responsesInput() (int64, error) {
+	n := int64(tokensPerReply) + in.tools()
+	instr, err := in.text("instructions")
+	if err != nil {
+		return 0, err
+	}
+	if instr > 0 {
+		n += tokensPerMessage + instr
+	}
+	v, err := in.decode("input")
+	if err != nil {
+		return 0, err
+	}
+	switch v := v.(type) {
+	case nil:
+	case string:
+		n += tokensPerMessage + in.c.count("user") + in.c.count(v)
+	case []any:
+		if len(v) > MaxItems {
+			return 0, bad("input", "must have at most %d items", MaxItems)
+		}
+		for i, item := range v {
+			t, err := in.message(item, "input["+strconv.Itoa(i)+"]")
+			if err != nil {
+				return 0, err
+			}
+			n += t
+		}
+	default:
+		return 0, bad("input", "must be a string or an array of items")
+	}
+	return n, nil
+}

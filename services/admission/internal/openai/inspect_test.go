@@ -1,0 +1,361 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+
+	"quotaflow/pkg/limits"
+)
+
+// tok counts s with the library itself, on the whole text: the reference
+// the package's counts are checked against.
+func tok(t testing.TB, encoding, s string) int64 {
+	t.Helper()
+	tk, err := loadEncoding(encoding)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return int64(len(tk.EncodeOrdinary(s)))
+}
+
+func TestKindOf(t *testing.T) {
+	for path, want := range map[string]Kind{
+		"/v1/chat/completions": Chat, "/v1/completions": Completions,
+		"/v1/embeddings": Embeddings, "/v1/responses": Responses,
+	} {
+		if k, ok := KindOf(path); !ok || k != want || k.String() != path {
+			t.Errorf("KindOf(%q) = %v, %v, want %v", path, k, ok, want)
+		}
+	}
+	for _, path := range []string{"", "/v1/chat/completions/", "/v1/models", "/V1/completions", "/v1/completions?x=1", "v1/embeddings"} {
+		if k, ok := KindOf(path); ok {
+			t.Errorf("KindOf(%q) = %v, want none", path, k)
+		}
+	}
+}
+
+func TestEncodingOf(t *testing.T) {
+	for model, want := range map[string]string{
+		"gpt-4o": o200k, "gpt-4o-mini-2024-07-18": o200k, "openai/gpt-4.1-nano": o200k,
+		"o1": o200k, "o3-mini": o200k, "gpt-5.1": o200k, "gpt-oss-120b": o200k,
+		"gpt-4": cl100k, "gpt-4-0613": cl100k, "gpt-4-turbo": cl100k, "gpt-3.5-turbo-0125": cl100k,
+		"text-embedding-3-small": cl100k, "gpt-35-turbo": cl100k,
+		"o10": "", "gpt-4x": "", "llama-3.1-8b": "", "meta-llama/Llama-3.1-8B-Instruct": "", "": "",
+	} {
+		if got := encodingOf(model); got != want {
+			t.Errorf("encodingOf(%q) = %q, want %q", model, got, want)
+		}
+	}
+}
+
+// cookbook is the example of OpenAI's "How to count tokens with tiktoken",
+// whose prompt the API itself counts as 129 tokens on gpt-4 and
+// gpt-3.5-turbo and 124 on gpt-4o.
+const cookbook = `[
+ {"role": "system", "content": "You are a helpful, pattern-following assistant that translates corporate jargon into plain English."},
+ {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},
+ {"role": "system", "name": "example_assistant", "content": "Things working well together will increase revenue."},
+ {"role": "system", "name": "example_user", "content": "Let's circle back when we have more bandwidth to touch base on opportunities for increased leverage."},
+ {"role": "system", "name": "example_assistant", "content": "Let's talk later when we're less busy about how to do better."},
+ {"role": "user", "content": "This late pivot means we don't have time to boil the ocean for the client deliverable."}
+]`
+
+func TestInspectCookbook(t *testing.T) {
+	for model, want := range map[string]int64{"gpt-4o": 124, "gpt-4o-mini": 124, "gpt-4": 129, "gpt-3.5-turbo": 129} {
+		body := `{"model":"` + model + `","messages":` + cookbook + `,"max_tokens":10}`
+		r, err := Inspect(Chat, []byte(body), Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.InputTokens != want {
+			t.Errorf("Inspect(%s cookbook).InputTokens = %d, want %d (what the API counts)", model, r.InputTokens, want)
+		}
+	}
+}
+
+func TestInspect(t *testing.T) {
+	hello := func(enc string) int64 { return 3 + 3 + tok(t, enc, "user") + tok(t, enc, "Hello there") }
+	const msgs = `"messages":[{"role":"user","content":"Hello there"}]`
+	cases := []struct {
+		name   string
+		kind   Kind
+		body   string
+		want   Request // Body compared as a string; Model and counts too
+		sameIn bool    // Body is the very slice passed in
+	}{
+		{"chat sets the default maximum", Chat,
+			`{"model":"gpt-4o",` + msgs + `}`,
+			Request{Model: "gpt-4o", InputTokens: hello(o200k), OutputTokens: 4096,
+				Body: []byte(`{"model":"gpt-4o",` + msgs + `,"max_tokens":4096}`)}, false},
+		{"chat stream asks for usage", Chat,
+			`{"model":"gpt-4o",` + msgs + `,"stream":true}`,
+			Request{Model: "gpt-4o", Stream: true, InputTokens: hello(o200k), OutputTokens: 4096,
+				Body: []byte(`{"model":"gpt-4o",` + msgs + `,"stream":true,"max_tokens":4096,"stream_options":{"include_usage":true}}`)}, false},
+		{"chat stream the client asked for usage", Chat,
+			`{"model":"gpt-4", "stream": true, "stream_options": {"include_usage": true}, ` + msgs + `, "max_tokens": 7}`,
+			Request{Model: "gpt-4", Stream: true, IncludeUsage: true, InputTokens: hello(cl100k), OutputTokens: 7,
+				Body: []byte(`{"model":"gpt-4", "stream": true, "stream_options": {"include_usage": true}, ` + msgs + `, "max_tokens": 7}`)}, true},
+		{"chat stream options kept, usage added", Chat,
+			`{"model":"gpt-4o","stream":true,"stream_options":{"x":[1]},` + msgs + `,"max_completion_tokens":9}`,
+			Request{Model: "gpt-4o", Stream: true, InputTokens: hello(o200k), OutputTokens: 9,
+				Body: []byte(`{"model":"gpt-4o","stream":true,"stream_options":{"x":[1],"include_usage":true},` + msgs + `,"max_completion_tokens":9}`)}, false},
+		{"chat stream include_usage false turned true", Chat,
+			`{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":false,"y":2},` + msgs + `,"max_tokens":null}`,
+			Request{Model: "gpt-4o", Stream: true, InputTokens: hello(o200k), OutputTokens: 4096,
+				Body: []byte(`{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true,"y":2},` + msgs + `,"max_tokens":4096}`)}, false},
+		{"chat stream_options untouched without a stream", Chat,
+			`{"model":"gpt-4o","stream_options":{},` + msgs + `,"max_tokens":5}`,
+			Request{Model: "gpt-4o", InputTokens: hello(o200k), OutputTokens: 5,
+				Body: []byte(`{"model":"gpt-4o","stream_options":{},` + msgs + `,"max_tokens":5}`)}, true},
+		{"chat n times the larger maximum", Chat,
+			`{"model":"gpt-4o","n":3,"max_tokens":50,"max_completion_tokens":200,` + msgs + `}`,
+			Request{Model: "gpt-4o", InputTokens: hello(o200k), OutputTokens: 600,
+				Body: []byte(`{"model":"gpt-4o","n":3,"max_tokens":50,"max_completion_tokens":200,` + msgs + `}`)}, true},
+		{"reasoning model gets max_completion_tokens", Chat,
+			`{"model":"o3-mini",` + msgs + `,"n":2}`,
+			Request{Model: "o3-mini", InputTokens: hello(o200k), OutputTokens: 8192,
+				Body: []byte(`{"model":"o3-mini",` + msgs + `,"n":2,"max_completion_tokens":4096}`)}, false},
+		{"unknown model falls back to bytes", Chat,
+			`{"model":"llama-3.1-8b",` + msgs + `,"max_tokens":1}`,
+			Request{Model: "llama-3.1-8b", InputTokens: 3 + 3 + 2 + 4, OutputTokens: 1, // ⌈4/3⌉ + ⌈11/3⌉
+				Body: []byte(`{"model":"llama-3.1-8b",` + msgs + `,"max_tokens":1}`)}, true},
+		{"parts, media, tools, names and tool calls", Chat,
+			`{"model":"gpt-4o","max_tokens":1,"tools":[{"type":"function","function":{"name":"f"}}],"messages":[` +
+				`{"role":"user","name":"ann","content":[{"type":"text","text":"Look"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]},` +
+				`{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]}]}`,
+			Request{Model: "gpt-4o", OutputTokens: 1,
+				InputTokens: 3 + tok(t, o200k, `[{"type":"function","function":{"name":"f"}}]`) +
+					3 + 1 + tok(t, o200k, "user") + tok(t, o200k, "ann") + tok(t, o200k, "Look") + MediaTokens +
+					3 + tok(t, o200k, "assistant") + tok(t, o200k, "f") + tok(t, o200k, `{"a":1}`)}, true},
+		{"completions: prompts × best_of × the API's 16", Completions,
+			`{"model":"gpt-3.5-turbo-instruct","prompt":["Say this","Say that"],"n":2,"best_of":3,"stream":true}`,
+			Request{Model: "gpt-3.5-turbo-instruct", Stream: true, OutputTokens: 2 * 3 * 16,
+				InputTokens: tok(t, cl100k, "Say this") + tok(t, cl100k, "Say that"),
+				Body:        []byte(`{"model":"gpt-3.5-turbo-instruct","prompt":["Say this","Say that"],"n":2,"best_of":3,"stream":true,"max_tokens":16,"stream_options":{"include_usage":true}}`)}, false},
+		{"completions: token ids and a suffix", Completions,
+			`{"model":"davinci-002","prompt":[[1,2,3],[4]],"suffix":"end.","max_tokens":10}`,
+			Request{Model: "davinci-002", OutputTokens: 20, InputTokens: 4 + 2*tok(t, cl100k, "end.")}, true},
+		{"embeddings: inputs, no output", Embeddings,
+			`{"model":"text-embedding-3-small","input":["one fish","two fish"],"stream":"ignored"}`,
+			Request{Model: "text-embedding-3-small", InputTokens: tok(t, cl100k, "one fish") + tok(t, cl100k, "two fish")}, true},
+		{"embeddings: token ids", Embeddings,
+			`{"model":"text-embedding-3-small","input":[5,6,7]}`,
+			Request{Model: "text-embedding-3-small", InputTokens: 3}, true},
+		{"responses: instructions and a string input", Responses,
+			`{"model":"gpt-4.1","instructions":"Be brief.","input":"Hello there","stream":true}`,
+			Request{Model: "gpt-4.1", Stream: true, OutputTokens: 4096,
+				InputTokens: 3 + 3 + tok(t, o200k, "Be brief.") + hello(o200k) - 3,
+				Body:        []byte(`{"model":"gpt-4.1","instructions":"Be brief.","input":"Hello there","stream":true,"max_output_tokens":4096}`)}, false},
+		{"responses: items", Responses,
+			`{"model":"gpt-4o","max_output_tokens":64,"input":[{"role":"user","content":[{"type":"input_text","text":"Hi"},{"type":"input_image","image_url":"https://x/y.png"}]},{"type":"function_call_output","call_id":"c","output":"42"}]}`,
+			Request{Model: "gpt-4o", OutputTokens: 64,
+				InputTokens: 3 + 3 + tok(t, o200k, "user") + tok(t, o200k, "Hi") + MediaTokens + 3 + tok(t, o200k, "c") + tok(t, o200k, "42")}, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			in := []byte(c.body)
+			r, err := Inspect(c.kind, in, Options{})
+			if err != nil {
+				t.Fatalf("Inspect: %v", err)
+			}
+			if c.sameIn {
+				c.want.Body = in
+				if &r.Body[0] != &in[0] {
+					t.Errorf("Inspect copied a body it did not change")
+				}
+			}
+			if r.Model != c.want.Model || r.Stream != c.want.Stream || r.IncludeUsage != c.want.IncludeUsage ||
+				r.InputTokens != c.want.InputTokens || r.OutputTokens != c.want.OutputTokens {
+				t.Errorf("Inspect = %+v, want %+v", noBody(r), noBody(c.want))
+			}
+			if !bytes.Equal(r.Body, c.want.Body) {
+				t.Errorf("Inspect body\n got %s\nwant %s", r.Body, c.want.Body)
+			}
+		})
+	}
+}
+
+func noBody(r Request) Request { r.Body = nil; return r }
+
+// TestInspectKeepsUnknownFields: every field Inspect does not set reaches
+// the upstream as the client wrote it, spacing and escapes included.
+func TestInspectKeepsUnknownFields(t *testing.T) {
+	body := "{\n  \"model\" : \"gpt-4o\",\n  \"Model\": \"not read\",\n  \"temperature\": 0.70,\n" +
+		"  \"metadata\": {\"k\": [1, 2.50e3, {\"q\": null}], \"u\": \"\\u00e9\\ud83d\\ude00\"},\n" +
+		"  \"messages\": [{\"role\": \"user\", \"content\": \"hi\", \"extra\": true}],\n  \"stream\": true\n}\n"
+	r, err := Inspect(Chat, []byte(body), Options{DefaultMaxTokens: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := strings.Replace(body, "\"stream\": true\n}", "\"stream\": true,\"max_tokens\":100,\"stream_options\":{\"include_usage\":true}\n}", 1)
+	if string(r.Body) != want {
+		t.Fatalf("Inspect body\n got %s\nwant %s", r.Body, want)
+	}
+}
+
+func TestInspectErrors(t *testing.T) {
+	deep := `{"model":"gpt-4o","messages":[{"role":"user","content":` + strings.Repeat("[", 40) + strings.Repeat("]", 40) + `}]}`
+	cases := []struct {
+		name, body, field string
+		kind              Kind
+	}{
+		{"not utf-8", "{\"model\":\"gpt-4o\xff\",\"messages\":[]}", "body", Chat},
+		{"not an object", `["model"]`, "body", Chat},
+		{"not json", `{"model":`, "body", Chat},
+		{"trailing data", `{"model":"gpt-4o","messages":[{"role":"user","content":"x"}]} {}`, "body", Chat},
+		{"repeated field", `{"model":"gpt-4o","model":"gpt-4","messages":[{"role":"user","content":"x"}]}`, "body", Chat},
+		{"no model", `{"messages":[{"role":"user","content":"x"}]}`, "model", Chat},
+		{"empty model", `{"model":"","messages":[{"role":"user","content":"x"}]}`, "model", Chat},
+		{"model not a string", `{"model":4,"input":"x"}`, "model", Embeddings},
+		{"long model", `{"model":"` + strings.Repeat("m", 257) + `","input":"x"}`, "model", Embeddings},
+		{"control in model", `{"model":"gpt\n4o","input":"x"}`, "model", Embeddings},
+		{"n 0", `{"model":"gpt-4o","n":0,"messages":[{"role":"user","content":"x"}]}`, "n", Chat},
+		{"n 129", `{"model":"gpt-4o","n":129,"messages":[{"role":"user","content":"x"}]}`, "n", Chat},
+		{"n fraction", `{"model":"gpt-4o","n":1.5,"messages":[{"role":"user","content":"x"}]}`, "n", Chat},
+		{"n string", `{"model":"gpt-4o","n":"2","messages":[{"role":"user","content":"x"}]}`, "n", Chat},
+		{"best_of 0", `{"model":"davinci-002","best_of":0,"prompt":"x"}`, "best_of", Completions},
+		{"max_tokens 0", `{"model":"gpt-4o","max_tokens":0,"messages":[{"role":"user","content":"x"}]}`, "max_tokens", Chat},
+		{"max_completion_tokens huge", `{"model":"gpt-4o","max_completion_tokens":1048577,"messages":[{"role":"user","content":"x"}]}`, "max_completion_tokens", Chat},
+		{"max_output_tokens negative", `{"model":"gpt-4o","max_output_tokens":-1,"input":"x"}`, "max_output_tokens", Responses},
+		{"no messages", `{"model":"gpt-4o"}`, "messages", Chat},
+		{"empty messages", `{"model":"gpt-4o","messages":[]}`, "messages", Chat},
+		{"messages an object", `{"model":"gpt-4o","messages":{"role":"user"}}`, "messages", Chat},
+		{"message a string", `{"model":"gpt-4o","messages":["hi"]}`, "messages[0]", Chat},
+		{"role a number", `{"model":"gpt-4o","messages":[{"role":1,"content":"x"}]}`, "messages[0].role", Chat},
+		{"too deep", deep, "messages[0]", Chat},
+		{"stream a string", `{"model":"gpt-4o","stream":"yes","messages":[{"role":"user","content":"x"}]}`, "stream", Chat},
+		{"stream_options a list", `{"model":"gpt-4o","stream":true,"stream_options":[],"messages":[{"role":"user","content":"x"}]}`, "stream_options", Chat},
+		{"include_usage a string", `{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":"yes"},"messages":[{"role":"user","content":"x"}]}`, "stream_options.include_usage", Chat},
+		{"include_usage twice", `{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":false,"include_usage":true},"messages":[{"role":"user","content":"x"}]}`, "stream_options", Chat},
+		{"empty prompt list", `{"model":"davinci-002","prompt":[]}`, "prompt", Completions},
+		{"empty token list", `{"model":"davinci-002","prompt":[[]]}`, "prompt", Completions},
+		{"negative token id", `{"model":"davinci-002","prompt":[1,-1]}`, "prompt", Completions},
+		{"mixed prompt", `{"model":"davinci-002","prompt":[1,"x"]}`, "prompt", Completions},
+		{"prompt an object", `{"model":"davinci-002","prompt":{}}`, "prompt", Completions},
+		{"suffix a number", `{"model":"davinci-002","prompt":"x","suffix":1}`, "suffix", Completions},
+		{"no input", `{"model":"text-embedding-3-small"}`, "input", Embeddings},
+		{"too many inputs", `{"model":"text-embedding-3-small","input":[` + strings.Repeat(`"x",`, MaxItems) + `"x"]}`, "input", Embeddings},
+		{"responses input a number", `{"model":"gpt-4o","input":3}`, "input", Responses},
+		{"responses item a string", `{"model":"gpt-4o","input":["x"]}`, "input[0]", Responses},
+		{"instructions an object", `{"model":"gpt-4o","instructions":{},"input":"x"}`, "instructions", Responses},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Inspect(c.kind, []byte(c.body), Options{})
+			var fe *FieldError
+			if !errors.As(err, &fe) || !errors.Is(err, ErrInvalid) || fe.Field != c.field {
+				t.Fatalf("Inspect(%s) = %v, want a FieldError on %q", c.body, err, c.field)
+			}
+		})
+	}
+	big := `{"model":"gpt-4o","messages":[{"role":"user","content":"` + strings.Repeat("x", 100) + `"}]}`
+	if _, err := Inspect(Chat, []byte(big), Options{MaxBody: 100}); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("Inspect(%d bytes, MaxBody 100) = %v, want ErrTooLarge", len(big), err)
+	}
+	if _, err := Inspect(Chat, []byte(big), Options{DefaultMaxTokens: MaxTokens + 1}); err == nil || errors.Is(err, ErrInvalid) {
+		t.Errorf("Inspect with DefaultMaxTokens beyond MaxTokens = %v, want a configuration error", err)
+	}
+}
+
+// TestInspectBodyDecodes: the rewritten body decodes to the client's fields
+// plus exactly the ones Inspect set.
+func TestInspectBodyDecodes(t *testing.T) {
+	body := `{"model":"gpt-4o","a":{"b":[1,"2",null]},"stream":true,"stream_options":{"c":1},"messages":[{"role":"user","content":"x"}]}`
+	r, err := Inspect(Chat, []byte(body), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var before, after map[string]any
+	if err := json.Unmarshal([]byte(body), &before); err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(r.Body, &after); err != nil {
+		t.Fatalf("rewritten body %s: %v", r.Body, err)
+	}
+	before["max_tokens"] = float64(DefaultMaxTokens)
+	before["stream_options"].(map[string]any)["include_usage"] = true
+	if fmt.Sprint(before) != fmt.Sprint(after) {
+		t.Errorf("rewritten body decodes to %v, want %v", after, before)
+	}
+}
+
+func TestLimitsFitTheEngine(t *testing.T) {
+	if MaxItems*MaxChoices*MaxTokens > limits.MaxCost {
+		t.Errorf("MaxItems × MaxChoices × MaxTokens = %d exceeds limits.MaxCost %d", MaxItems*MaxChoices*MaxTokens, int64(limits.MaxCost))
+	}
+}
+
+// TestCountMatchesTheTokenizer: counting in segments gives the tokenizer's
+// count of the whole text for prose and code, and stays within a token per
+// cut for text with no cut a token cannot cross (Chinese, base64).
+func TestCountMatchesTheTokenizer(t *testing.T) {
+	corpus := readCorpus(t)
+	cjk := strings.Index(corpus, "配额流")
+	prose := corpus[:cjk]
+	for _, enc := range []string{o200k, cl100k} {
+		model := map[string]string{o200k: "gpt-4o", cl100k: "gpt-4"}[enc]
+		for start := 0; start < len(prose); start += 4000 {
+			s := prose[start:min(start+4000, len(prose))]
+			if got, want := newCounter(model, 0).count(s), tok(t, enc, s); got != want {
+				t.Errorf("%s count(corpus[%d:]) = %d, want %d", enc, start, got, want)
+			}
+		}
+		for _, s := range []string{corpus[cjk:], strings.Repeat("QUJDREVGR0g=", 100)} {
+			got, want := newCounter(model, 0).count(s), tok(t, enc, s)
+			if cuts := int64(len(s)/segment) + 1; got < want-cuts || got > want+cuts {
+				t.Errorf("%s count(%.20q...) = %d, want %d ± %d", enc, s, got, want, cuts)
+			}
+		}
+	}
+}
+
+// TestCountBeyondExactBytes: past exactBytes the rest is extrapolated at
+// the ratio measured, so a long text of one kind counts close to the
+// tokenizer.
+func TestCountBeyondExactBytes(t *testing.T) {
+	prose := readCorpus(t)
+	prose = prose[:strings.Index(prose, "配额流")]
+	long := strings.Repeat(prose, 1+2*exactBytes/len(prose))
+	got, want := newCounter("gpt-4o", 0).count(long), tok(t, o200k, long)
+	if d := float64(got-want) / float64(want); d < -0.05 || d > 0.05 {
+		t.Errorf("count(%d bytes) = %d, want %d ± 5%%", len(long), got, want)
+	}
+}
+
+func readCorpus(t testing.TB) string {
+	t.Helper()
+	b, err := os.ReadFile("testdata/corpus.txt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// TestInspectConcurrent: encodings load once under concurrent first use,
+// and every Inspect counts the same.
+func TestInspectConcurrent(t *testing.T) {
+	body := []byte(`{"model":"gpt-4o","messages":` + cookbook + `}`)
+	var wg sync.WaitGroup
+	got := make([]int64, 8)
+	for i := range got {
+		wg.Go(func() {
+			r, err := Inspect(Chat, body, Options{})
+			if err != nil {
+				t.Error(err)
+			}
+			got[i] = r.InputTokens
+		})
+	}
+	wg.Wait()
+	for i, n := range got {
+		if n != 124 {
+			t.Errorf("Inspect %d: InputTokens = %d, want 124", i, n)
+		}
+	}
+}
