@@ -58,10 +58,17 @@ type peerTarget struct {
 // peerRun is one load of one target.
 type peerRun struct {
 	res                      *load.Result
-	server, redis, nats, gen float64 // CPU µs per request
-	rss                      int64   // the server's VmRSS after the run, bytes
+	server, redis, nats, gen float64  // CPU µs per request
+	waits                    procs    // µs per request each process's threads waited for a CPU
+	mem                      proc.Mem // the server's after the run
 	failopen                 float64
+	gcs                      float64       // admission's garbage collections per second
+	inside                   time.Duration // admission's p99 from its own request-duration histogram (its bucket's bound)
 }
+
+// procs holds a figure of each process of a run: the server, its Redis,
+// its nats-server and the load generator.
+type procs [4]float64
 
 // all is the CPU per request of every process.
 func (r peerRun) all() float64 { return r.server + r.redis + r.nats + r.gen }
@@ -147,7 +154,7 @@ func peer(ctx context.Context, o peerOptions) error {
 		func(round, conc int, t *peerTarget, run peerRun) {
 			fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %s | %s | %s |\n", round, conc, t.name, run.res.Rate(),
 				pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
-				mib(run.rss), run.res.Statuses(), orDashF(t.ops, run.failopen))
+				mib(run.mem.RSS), run.res.Statuses(), orDashF(t.ops, run.failopen))
 		})
 	if err != nil {
 		return err
@@ -155,16 +162,9 @@ func peer(ctx context.Context, o peerOptions) error {
 	summary(ts, o)
 
 	if five := find(ts, "five"); five != nil && o.openFrac > 0 {
-		top := o.levels[len(o.levels)-1]
-		rate := o.openFrac * stats.Median(rates(five.runs[top], nil))
-		run, err := measure(five, top, rate)
-		if err != nil {
+		if err := openLoop(o, five, find(ts, "plain"), measure); err != nil {
 			return err
 		}
-		fmt.Printf("\nopen loop, %s: %.0f req/s due (%.0f %% of its median closed-loop rate at c=%d) over %d connections: "+
-			"%.0f req/s answered, p50 %s, p99 %s, p99.9 %s, max %s; %s; server RSS %s\n", five.name, rate, 100*o.openFrac, top, top,
-			run.res.Rate(), pct(run.res, 50), pct(run.res, 99), pct(run.res, 99.9), run.res.Latency.Max().Round(10*time.Microsecond),
-			run.res.Statuses(), mib(run.rss))
 	}
 	fmt.Printf("\nload average %s at the start, %s at the end\n", load0, loadavg())
 	return nil
@@ -200,24 +200,82 @@ func interleave(o peerOptions, ts []*peerTarget, measure func(t *peerTarget, con
 }
 
 // measureRun runs one load of t and reads around it the CPU of t's
-// processes and of this one (the load generator), t's server's RSS and
-// admission's failopen count.
+// processes and of this one (the load generator) and the time their
+// threads waited for a CPU, t's server's memory, and admission's failopen
+// count, garbage collections and own p99.
 func measureRun(t *peerTarget, run func() (*load.Result, error)) (peerRun, error) {
 	self := os.Getpid()
-	c0 := cpus(t, self)
-	f0 := failopens(t.ops)
+	c0, w0 := cpus(t, self), waits(t, self)
+	f0, g0, h0 := failopens(t.ops), metricSum(t.ops, "go_gc_duration_seconds_count", ""), buckets(t.ops, admitDuration)
 	res, err := run()
 	if err != nil {
 		return peerRun{}, fmt.Errorf("%s: %w", t.name, err)
 	}
-	c1 := cpus(t, self)
+	c1, w1 := cpus(t, self), waits(t, self)
 	n := float64(max(1, res.Requests))
 	m, _ := proc.Memory(t.server.Process.Pid)
-	r := peerRun{res: res, rss: m.RSS, failopen: failopens(t.ops) - f0}
+	r := peerRun{res: res, mem: m, failopen: failopens(t.ops) - f0,
+		gcs:    (metricSum(t.ops, "go_gc_duration_seconds_count", "") - g0) / max(res.Elapsed.Seconds(), 1e-9),
+		inside: quantile(h0, buckets(t.ops, admitDuration), 0.99)}
 	for i, p := range []*float64{&r.server, &r.redis, &r.nats, &r.gen} {
 		*p = float64((c1[i] - c0[i]).Microseconds()) / n
+		r.waits[i] = float64((w1[i] - w0[i]).Microseconds()) / n
 	}
 	return r, nil
+}
+
+// openLoop loads five, and plain when there is one, in an open loop at
+// o.openFrac of five's median closed-loop rate at the highest level, in
+// o.rounds interleaved rounds, and prints where the tail may come from
+// beside it: the plain handler at the same rate on the same host (what
+// the load generator and the host's scheduling cost any server), the time
+// each process's threads waited for a CPU, and admission's own p99 and
+// garbage collections.
+func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget, conc int, rate float64) (peerRun, error)) error {
+	top := o.levels[len(o.levels)-1]
+	rate := o.openFrac * stats.Median(rates(five.runs[top], nil))
+	ts := []*peerTarget{five}
+	if plain != nil {
+		ts = append(ts, plain)
+	}
+	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of %s's median closed-loop rate at c=%d) over %d connections, %d rounds in rotating order; "+
+		"wait: µs per request the process's threads were runnable but waited for a CPU (/proc/<pid>/task/*/schedstat)\n\n",
+		rate, 100*o.openFrac, five.name, top, top, o.rounds)
+	fmt.Println("| round | target | req/s | p50 | p99 | p99.9 | max | in admission: p99 | server CPU µs/req | wait: server | Redis | nats-server | load gen | GCs/s | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	open := map[*peerTarget][]peerRun{}
+	for r := range o.rounds {
+		for i := range ts {
+			t := ts[(i+r)%len(ts)]
+			run, err := measure(t, top, rate)
+			if err != nil {
+				return err
+			}
+			open[t] = append(open[t], run)
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | %s | %.1f | %.1f | %s | %s | %.1f | %s | %s |\n", r+1, t.name, run.res.Rate(),
+				pct(run.res, 50), pct(run.res, 99), pct(run.res, 99.9), run.res.Latency.Max().Round(10*time.Microsecond),
+				orDashD(t.ops, run.inside), run.server, run.waits[0], orDash(t.redis, run.waits[1]), orDash(t.nats, run.waits[2]), run.waits[3],
+				orDashF(t.ops, run.gcs), run.res.Statuses())
+		}
+	}
+	fmt.Printf("\nopen loop, medians over %d rounds:\n\n", o.rounds)
+	fmt.Println("| target | p50 | p99 | p99.9 | in admission: p99 | server CPU µs/req | wait: server | Redis | nats-server | load gen | GCs/s |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
+	for _, t := range ts {
+		rs := open[t]
+		f := func(get func(peerRun) float64) float64 { return medianOf(rs, get) }
+		d := func(get func(peerRun) time.Duration) float64 { return f(func(r peerRun) float64 { return ms(get(r)) }) }
+		fmt.Printf("| %s | %.2f ms | %.2f ms | %.2f ms | %s | %.1f | %.1f | %s | %s | %.1f | %s |\n", t.name,
+			d(func(r peerRun) time.Duration { return pct(r.res, 50) }), d(func(r peerRun) time.Duration { return pct(r.res, 99) }),
+			d(func(r peerRun) time.Duration { return pct(r.res, 99.9) }),
+			orDashD(t.ops, time.Duration(f(func(r peerRun) float64 { return float64(r.inside) }))),
+			f(func(r peerRun) float64 { return r.server }), f(func(r peerRun) float64 { return r.waits[0] }),
+			orDash(t.redis, f(func(r peerRun) float64 { return r.waits[1] })), orDash(t.nats, f(func(r peerRun) float64 { return r.waits[2] })),
+			f(func(r peerRun) float64 { return r.waits[3] }), orDashF(t.ops, f(func(r peerRun) float64 { return r.gcs })))
+	}
+	fmt.Printf("\n| p99 ≤ 2 ms, 5-limit plan, %d users, open loop at %.0f %% | %.2f ms (median of %d rounds) |\n", o.users, 100*o.openFrac,
+		medianOf(open[five], func(r peerRun) float64 { return ms(pct(r.res, 99)) }), o.rounds)
+	return nil
 }
 
 // medianOf is the median of get over runs.
@@ -247,35 +305,33 @@ func summary(ts []*peerTarget, o peerOptions) {
 				stats.Median(rates(rs, nil)), ratioTo(t, plain, conc), ratioTo(t, envoy, conc), cpuRatioTo(t, envoy, conc),
 				f(func(r peerRun) float64 { return ms(pct(r.res, 50)) }), f(func(r peerRun) float64 { return ms(pct(r.res, 99)) }),
 				server, orDash(t.redis, redis), orDash(t.nats, nats), gen, f(peerRun.all),
-				mib(int64(f(func(r peerRun) float64 { return float64(r.rss) }))))
+				mib(int64(f(func(r peerRun) float64 { return float64(r.mem.RSS) }))))
 		}
 	}
 	one, five := find(ts, "one"), find(ts, "five")
-	if one == nil || five == nil || envoy == nil {
+	if five == nil {
 		return
 	}
 	top := o.levels[len(o.levels)-1]
 	at := func(t *peerTarget, get func(peerRun) float64) string {
 		var parts []string
 		for _, conc := range o.levels {
-			v := make([]float64, len(t.runs[conc]))
-			for i, r := range t.runs[conc] {
-				v[i] = get(r)
-			}
-			parts = append(parts, fmt.Sprintf("%.1f µs (c=%d)", stats.Median(v), conc))
+			parts = append(parts, fmt.Sprintf("%.1f µs (c=%d)", medianOf(t.runs[conc], get), conc))
 		}
 		return strings.Join(parts, ", ")
 	}
 	fmt.Println("\nissue 13's goals (closed loop; the open-loop p99 follows below):\n\n| goal | this run |\n|---|---|")
-	fmt.Printf("| admission with 1 limit ≥ 1.5× envoy's throughput | %s; by CPU %s |\n", ratiosAt(one, envoy, o.levels, ratioTo), ratiosAt(one, envoy, o.levels, cpuRatioTo))
-	fmt.Printf("| admission with 5 limits ≥ 1.0× envoy's throughput | %s; by CPU %s |\n", ratiosAt(five, envoy, o.levels, ratioTo), ratiosAt(five, envoy, o.levels, cpuRatioTo))
-	fmt.Printf("| Redis CPU per 1-limit reserve ≤ 6 µs | %s |\n", at(one, func(r peerRun) float64 { return r.redis }))
-	fmt.Printf("| Redis CPU per 5-limit reserve ≤ 15 µs | %s |\n", at(five, func(r peerRun) float64 { return r.redis }))
-	rss := make([]float64, len(five.runs[top]))
-	for i, r := range five.runs[top] {
-		rss[i] = float64(r.rss)
+	if one != nil && envoy != nil {
+		fmt.Printf("| admission with 1 limit ≥ 1.5× envoy's throughput | %s; by CPU %s |\n", ratiosAt(one, envoy, o.levels, ratioTo), ratiosAt(one, envoy, o.levels, cpuRatioTo))
+		fmt.Printf("| admission with 5 limits ≥ 1.0× envoy's throughput | %s; by CPU %s |\n", ratiosAt(five, envoy, o.levels, ratioTo), ratiosAt(five, envoy, o.levels, cpuRatioTo))
+		fmt.Printf("| Redis CPU per 1-limit reserve ≤ 6 µs | %s |\n", at(one, func(r peerRun) float64 { return r.redis }))
 	}
-	fmt.Printf("| admission RSS at c=%d, 5-limit plan, %d users ≤ 40 MB | %s (VmRSS after each run, median) |\n", top, o.users, mib(int64(stats.Median(rss))))
+	fmt.Printf("| Redis CPU per 5-limit reserve ≤ 15 µs | %s |\n", at(five, func(r peerRun) float64 { return r.redis }))
+	mem := func(get func(proc.Mem) int64) string {
+		return mib(int64(medianOf(five.runs[top], func(r peerRun) float64 { return float64(get(r.mem)) })))
+	}
+	fmt.Printf("| admission RSS at c=%d, 5-limit plan, %d users ≤ 40 MB | %s (VmRSS after each run, median): %s anonymous, %s files' pages (the binary's) |\n",
+		top, o.users, mem(func(m proc.Mem) int64 { return m.RSS }), mem(func(m proc.Mem) int64 { return m.Anon }), mem(func(m proc.Mem) int64 { return m.File }))
 }
 
 func find(ts []*peerTarget, short string) *peerTarget {
@@ -340,6 +396,20 @@ func cpus(t *peerTarget, self int) [4]time.Duration {
 	c[0], _ = proc.CPU(t.server.Process.Pid)
 	c[3], _ = proc.CPU(self)
 	return c
+}
+
+// waits reads how long the threads of t's server, Redis and nats-server and
+// of this process have waited for a CPU.
+func waits(t *peerTarget, self int) [4]time.Duration {
+	var w [4]time.Duration
+	for i, s := range []*e2e.Server{t.redis, t.nats} {
+		if s != nil {
+			w[i+1], _ = proc.RunQueueWait(s.Cmd.Process.Pid)
+		}
+	}
+	w[0], _ = proc.RunQueueWait(t.server.Process.Pid)
+	w[3], _ = proc.RunQueueWait(self)
+	return w
 }
 
 func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy string, extra ...string) (*peerTarget, error) {
@@ -458,6 +528,13 @@ func orDashF(ops string, v float64) string {
 		return "-"
 	}
 	return strconv.FormatFloat(v, 'f', 0, 64)
+}
+
+func orDashD(ops string, d time.Duration) string {
+	if ops == "" {
+		return "-"
+	}
+	return "≤ " + d.String()
 }
 
 func mib(b int64) string { return strconv.FormatInt(b>>20, 10) + " MiB" }

@@ -1,7 +1,8 @@
 // Package proc reads what the benchmarks charge to each process from
 // Linux's /proc: CPU time (user + system, all threads) of a process, of a
 // process tree or of every process of a name (such as Postgres's
-// backends), and resident memory (VmRSS and its peak, VmHWM).
+// backends), the time its threads waited for a CPU, and resident memory
+// (VmRSS, its peak VmHWM, and its anonymous and file-backed parts).
 package proc
 
 import (
@@ -144,8 +145,11 @@ func scan() (map[int]stat, error) {
 }
 
 // Mem is a process's resident memory in bytes: now (VmRSS) and at its peak
-// (VmHWM).
-type Mem struct{ RSS, HWM int64 }
+// (VmHWM), and what VmRSS holds of anonymous memory (RssAnon: the heap,
+// stacks, mappings of its own) and of files' pages (RssFile: the binary's
+// text and read-only data, shared libraries), which the kernel can drop
+// and read again.
+type Mem struct{ RSS, HWM, Anon, File int64 }
 
 // Memory reads process pid's resident memory.
 func Memory(pid int) (Mem, error) {
@@ -154,10 +158,12 @@ func Memory(pid int) (Mem, error) {
 		return Mem{}, err
 	}
 	var m Mem
+	fields := map[string]*int64{"VmRSS": &m.RSS, "VmHWM": &m.HWM, "RssAnon": &m.Anon, "RssFile": &m.File}
 	var found int
 	for _, line := range strings.Split(string(b), "\n") {
 		name, v, ok := strings.Cut(line, ":")
-		if !ok || (name != "VmRSS" && name != "VmHWM") {
+		dst := fields[name]
+		if !ok || dst == nil {
 			continue
 		}
 		f := strings.Fields(v)
@@ -168,15 +174,43 @@ func Memory(pid int) (Mem, error) {
 		if err != nil {
 			return Mem{}, fmt.Errorf("proc: %d: bad %s line %q", pid, name, line)
 		}
-		if name == "VmRSS" {
-			m.RSS = kb << 10
-		} else {
-			m.HWM = kb << 10
-		}
+		*dst = kb << 10
 		found++
 	}
-	if found != 2 {
-		return Mem{}, fmt.Errorf("proc: %d: no VmRSS and VmHWM (a kernel thread or a zombie)", pid)
+	if found != len(fields) {
+		return Mem{}, fmt.Errorf("proc: %d: no VmRSS, VmHWM, RssAnon and RssFile (a kernel thread or a zombie)", pid)
 	}
 	return m, nil
+}
+
+// RunQueueWait is the time the threads of process pid now alive have
+// spent runnable but waiting for a CPU (the second field of each
+// /proc/<pid>/task/<tid>/schedstat, in ns): on a host with more runnable
+// threads than cores, the latency the kernel adds to whatever the process
+// was about to do.
+func RunQueueWait(pid int) (time.Duration, error) {
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/[0-9]*/schedstat", pid))
+	if err != nil {
+		return 0, err
+	}
+	if len(tasks) == 0 {
+		return 0, fmt.Errorf("proc: no process %d, or no schedstat (CONFIG_SCHEDSTATS)", pid)
+	}
+	var sum time.Duration
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue // the thread exited
+		}
+		f := strings.Fields(string(b))
+		if len(f) < 2 {
+			return 0, fmt.Errorf("proc: bad %s %q", t, b)
+		}
+		ns, err := strconv.ParseInt(f[1], 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("proc: bad %s %q", t, b)
+		}
+		sum += time.Duration(ns)
+	}
+	return sum, nil
 }

@@ -3,6 +3,7 @@ package proc
 import (
 	"os"
 	"os/exec"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -95,10 +96,49 @@ func TestMemory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.RSS <= 0 || m.HWM < m.RSS {
-		t.Errorf("Memory(self) = %+v, want 0 < RSS ≤ HWM", m)
+	if m.RSS <= 0 || m.HWM < m.RSS || m.Anon <= 0 || m.File <= 0 || m.Anon+m.File > m.RSS {
+		t.Errorf("Memory(self) = %+v, want 0 < RSS ≤ HWM, Anon and File > 0 and within RSS", m)
 	}
 	if _, err := Memory(1 << 30); err == nil {
 		t.Error("Memory(no such pid) = nil error, want one")
+	}
+}
+
+func TestRunQueueWait(t *testing.T) {
+	// One more busy process than CPUs: some must wait for a CPU, and none
+	// can have waited longer than it lived, less the CPU time it had (a
+	// wrong schedstat field, the time on a CPU, would make the two add up
+	// to more than its life on a quiet host).
+	n := runtime.NumCPU() + 1
+	busy := make([]*exec.Cmd, n)
+	start := time.Now()
+	for i := range busy {
+		busy[i] = exec.Command("sh", "-c", "while :; do :; done")
+		if err := busy[i].Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { busy[i].Process.Kill(); busy[i].Wait() })
+	}
+	time.Sleep(300 * time.Millisecond)
+	var total time.Duration
+	for _, c := range busy {
+		w, err := RunQueueWait(c.Process.Pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cpu, err := CPU(c.Process.Pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if life := time.Since(start); w+cpu > life+2*tick {
+			t.Errorf("RunQueueWait(busy) = %v with %v on a CPU, more than its %v of life", w, cpu, life)
+		}
+		total += w
+	}
+	if total <= 0 {
+		t.Errorf("RunQueueWait of %d busy processes on %d CPUs = %v in all, want some wait", n, n-1, total)
+	}
+	if _, err := RunQueueWait(1 << 30); err == nil {
+		t.Error("RunQueueWait(no such pid) = nil error, want one")
 	}
 }
