@@ -1,12 +1,8 @@
 package service
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
-	"path/filepath"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"quotaflow/internal/filewatch"
@@ -14,36 +10,13 @@ import (
 )
 
 // PolicyWatcher keeps the current policy of a file that operators may edit
-// while the service runs. Current is what request handlers call: one atomic
-// load.
-// Reload re-reads the file (call it on SIGHUP); Run reloads whenever the
-// file changes. A file that fails to load or validate leaves the last good
-// policy in force, and the failure comes back from Reload and reaches the
-// logger and the OnReload hook with its precise error.
-//
-// Run watches the file's directory rather than the file, so that it sees
-// editors that save by renaming a new file over the old one and Kubernetes
-// ConfigMap volumes, whose files are symlinks through a "..data" symlink
-// that the kubelet swaps. A policy path that is itself a symlink into
-// another directory is only seen to change through SIGHUP.
-//
-// Create one with NewPolicyWatcher (the zero PolicyWatcher is not usable);
-// its methods are safe for concurrent use.
-type PolicyWatcher struct {
-	path     string
-	log      *slog.Logger
-	onReload func(*policy.Policy, error)
-	debounce time.Duration
-
-	cur atomic.Pointer[policy.Policy]
-
-	mu      sync.Mutex // serializes reloads; guards the fields below
-	lastSum string     // digest of the last content tried, good or bad
-	lastErr error      // its error, nil when it loaded
-}
+// while the service runs (filewatch.Value): Current is one atomic load, a
+// file that fails to load or validate leaves the last good policy in force.
+// Create one with NewPolicyWatcher or WatchPolicy.
+type PolicyWatcher = filewatch.Value[policy.Policy]
 
 // PolicyWatcherOption configures a PolicyWatcher.
-type PolicyWatcherOption func(*PolicyWatcher)
+type PolicyWatcherOption func(*filewatch.ValueOptions[policy.Policy])
 
 // WithPolicyReloadHook sets a function called after every reload that found
 // new content in the file: with the new policy and a nil error when it is
@@ -53,19 +26,14 @@ type PolicyWatcherOption func(*PolicyWatcher)
 // reloading goroutine, under the watcher's reload lock: keep it short and do
 // not call Reload from it.
 func WithPolicyReloadHook(f func(p *policy.Policy, err error)) PolicyWatcherOption {
-	return func(w *PolicyWatcher) { w.onReload = f }
+	return func(o *filewatch.ValueOptions[policy.Policy]) { o.OnReload = f }
 }
 
 // WithPolicyReloadDebounce sets how long Run waits after the last change to
-// the directory before it reloads, so that a burst of events from one save (an
-// editor's write, rename and chmod; the kubelet's symlink swap) costs one
-// reload of the finished file. The default is 100 ms; d ≤ 0 keeps it.
+// the directory before it reloads (filewatch.ValueOptions.Debounce). The
+// default is 100 ms; d ≤ 0 keeps it.
 func WithPolicyReloadDebounce(d time.Duration) PolicyWatcherOption {
-	return func(w *PolicyWatcher) {
-		if d > 0 {
-			w.debounce = d
-		}
-	}
+	return func(o *filewatch.ValueOptions[policy.Policy]) { o.Debounce = d }
 }
 
 // NewPolicyWatcher loads the policy file at path and returns a watcher
@@ -73,91 +41,37 @@ func WithPolicyReloadDebounce(d time.Duration) PolicyWatcherOption {
 // valid policy. log receives reload results under component=policy; nil
 // discards them.
 func NewPolicyWatcher(path string, log *slog.Logger, opts ...PolicyWatcherOption) (*PolicyWatcher, error) {
-	abs, err := filepath.Abs(path)
-	if err != nil {
-		return nil, fmt.Errorf("policy path %s: %w", path, err)
-	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	w := &PolicyWatcher{
-		path:     abs,
-		log:      log.With("component", "policy", "path", abs),
-		debounce: 100 * time.Millisecond,
+	o := filewatch.ValueOptions[policy.Policy]{
+		What: "policy",
+		Read: readPolicy,
+		Describe: func(p *policy.Policy) []any {
+			return []any{"plans", len(p.Plans), "tenants", len(p.Tenants), "endpoints", len(p.Endpoints)}
+		},
+		Log: log.With("component", "policy"),
 	}
-	for _, o := range opts {
-		o(w)
+	for _, opt := range opts {
+		opt(&o)
 	}
-	p, err := policy.LoadFile(abs)
-	if err != nil {
-		return nil, err
-	}
-	w.cur.Store(p)
-	w.lastSum = p.Digest()
-	return w, nil
+	return filewatch.NewValue(path, o)
 }
 
-// Current returns the policy in force. It never returns nil and never
-// blocks; hold the result for the whole of one request so that a reload in
-// between does not mix two policies.
-func (w *PolicyWatcher) Current() *policy.Policy { return w.cur.Load() }
-
-// Reload re-reads the file and, if it loads, puts it in force and logs the
-// change. If it does not, the current policy stays and Reload returns the
-// error (it does not log it: the caller decides). Content identical to the
-// last content tried is not parsed again: Reload then returns that
-// attempt's result, so a SIGHUP on a file that is still broken reports the
-// same error.
-func (w *PolicyWatcher) Reload() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	data, err := policy.ReadFile(w.path)
+// readPolicy reads the policy file at path; its digest is the policy's
+// (policy.DigestOf).
+func readPolicy(path string) (filewatch.Content[policy.Policy], error) {
+	data, err := policy.ReadFile(path)
 	if err != nil {
-		// Not a verdict on any content (the file may be missing for a moment
-		// mid-rename): the next read is judged afresh.
-		w.lastSum, w.lastErr = "", nil
-		return err
+		return filewatch.Content[policy.Policy]{}, err
 	}
-	sum := policy.DigestOf(data)
-	if sum == w.lastSum {
-		return w.lastErr
-	}
-	p, err := policy.Parse(data)
-	if err != nil {
-		err = fmt.Errorf("load policy %s: %w", w.path, err)
-	}
-	w.lastSum, w.lastErr = sum, err
-	if err != nil {
-		w.hook(nil, err)
-		return err
-	}
-	old := w.cur.Swap(p)
-	w.log.Info("policy reloaded", "digest", p.Digest(), "previous_digest", old.Digest(),
-		"plans", len(p.Plans), "tenants", len(p.Tenants), "endpoints", len(p.Endpoints))
-	w.hook(p, nil)
-	return nil
-}
-
-func (w *PolicyWatcher) hook(p *policy.Policy, err error) {
-	if w.onReload != nil {
-		w.onReload(p, err)
-	}
-}
-
-// Run watches the policy file's directory and reloads the file after each
-// change (see PolicyWatcher), logging failures at Error; it also reloads
-// once when the watch is in place, to catch a change made before. It returns nil when
-// ctx is done, or an error if the directory cannot be watched. Call it once,
-// on a goroutine its owner waits for.
-func (w *PolicyWatcher) Run(ctx context.Context) error {
-	return filewatch.Run(ctx, w.path, w.debounce, w.log, "policy", w.reloadAndLog)
-}
-
-func (w *PolicyWatcher) reloadAndLog() {
-	if err := w.Reload(); err != nil {
-		w.log.Error("policy reload failed; the last good policy stays in force",
-			"err", err, "digest", w.Current().Digest())
-	}
+	return filewatch.Content[policy.Policy]{Digest: policy.DigestOf(data), Parse: func() (*policy.Policy, error) {
+		p, err := policy.Parse(data)
+		if err != nil {
+			return nil, fmt.Errorf("load policy %s: %w", path, err)
+		}
+		return p, nil
+	}}, nil
 }
 
 // WatchPolicy loads the policy file at path (NewPolicyWatcher) and keeps
@@ -169,12 +83,6 @@ func WatchPolicy(s *Stack, path string, log *slog.Logger, opts ...PolicyWatcherO
 	if err != nil {
 		return nil, err
 	}
-	s.Go("policy file", func(ctx context.Context) {
-		filewatch.OnSIGHUP(ctx, log, "policy file", w.Run, func() {
-			if err := w.Reload(); err != nil {
-				log.Error("policy reload on SIGHUP rejected; the last good policy stays in force", "err", err)
-			}
-		})
-	})
+	s.Go("policy file", w.Watch)
 	return w, nil
 }

@@ -170,7 +170,7 @@ func TestReloadOnFileChange(t *testing.T) {
 		t.Errorf("after a broken edit DefaultPlan = %q, want free (the last good policy)", got)
 	}
 	e2e.Eventually(t, "the failure in the log", func() bool {
-		return strings.Contains(logs.String(), `"msg":"policy reload failed; the last good policy stays in force"`)
+		return strings.Contains(logs.String(), `"msg":"policy rejected; the last good one stays in force"`)
 	})
 
 	// Saved by rename, good: picked up.

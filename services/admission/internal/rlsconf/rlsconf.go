@@ -238,13 +238,10 @@ type File struct {
 // path.
 func Parse(files ...File) (*Config, error) {
 	c := &Config{domains: map[string]*node{}, files: len(files)}
-	h := sha256.New()
 	var errs []error
 	total, count := 0, 0
 	for _, f := range files {
 		total += len(f.Data)
-		fmt.Fprintf(h, "%d:%s%d:", len(f.Name), f.Name, len(f.Data))
-		h.Write(f.Data)
 		if len(f.Data) > MaxFileBytes {
 			errs = append(errs, fmt.Errorf("%s: larger than %d bytes", f.Name, MaxFileBytes))
 			continue
@@ -262,8 +259,19 @@ func Parse(files ...File) (*Config, error) {
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
-	c.digest = hex.EncodeToString(h.Sum(nil))
+	c.digest = digest(files)
 	return c, nil
+}
+
+// digest is the hex SHA-256 of files: each one's name and content, in
+// order, each length-prefixed so that no two lists hash alike.
+func digest(files []File) string {
+	h := sha256.New()
+	for _, f := range files {
+		fmt.Fprintf(h, "%d:%s%d:", len(f.Name), f.Name, len(f.Data))
+		h.Write(f.Data)
+	}
+	return hex.EncodeToString(h.Sum(nil))
 }
 
 // load adds one file's domain.
@@ -426,6 +434,15 @@ func checkID(s string) string {
 // files (not hidden ones, not in subdirectories) each hold one domain, as
 // envoy's runtime directory does. Errors name the files.
 func Load(path string) (*Config, error) {
+	files, err := readFiles(path)
+	if err != nil {
+		return nil, err
+	}
+	return Parse(files...)
+}
+
+// readFiles reads the files Load parses.
+func readFiles(path string) ([]File, error) {
 	st, err := os.Stat(path)
 	if err != nil {
 		return nil, fmt.Errorf("QF_ENVOY_RATELIMIT_CONFIG: %w", err)
@@ -435,7 +452,7 @@ func Load(path string) (*Config, error) {
 		if err != nil {
 			return nil, err
 		}
-		return Parse(File{Name: path, Data: data})
+		return []File{{Name: path, Data: data}}, nil
 	}
 	ents, err := os.ReadDir(path)
 	if err != nil {
@@ -461,7 +478,7 @@ func Load(path string) (*Config, error) {
 		}
 		files = append(files, File{Name: full, Data: data})
 	}
-	return Parse(files...)
+	return files, nil
 }
 
 // readFile reads at most one byte past MaxFileBytes, so that Parse can tell
