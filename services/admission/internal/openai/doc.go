@@ -13,7 +13,11 @@
 // never exceed the estimate) and, for a stream, stream_options.include_usage
 // set (so the upstream reports its usage).
 //
-// After the call, UsageOf reads the usage of a JSON response.
+// After the call, UsageOf reads the usage of a JSON response, and a Meter
+// reads a server-sent-event stream as it passes: it forwards every byte at
+// once, removes the usage chunk the client did not ask for, finds the
+// usage, and counts the streamed text for when the usage never comes (the
+// upstream fails midway, the client leaves).
 //
 // How tokens are counted: text with the model's encoding (o200k_base for
 // gpt-4o, gpt-4.1, gpt-4.5, gpt-5, gpt-oss and the o-series; cl100k_base
@@ -27,5 +31,5 @@
 // (previous_response_id) is not in the body and not counted: the actual
 // usage corrects every estimate.
 //
-// All functions are safe for concurrent use.
+// All functions are safe for concurrent use; a Meter belongs to one stream.
 package openai

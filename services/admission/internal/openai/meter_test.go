@@ -1,0 +1,246 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// event is one server-sent event as an upstream writes it.
+func event(lines ...string) string { return strings.Join(lines, "\n") + "\n\n" }
+
+func data(v string) string { return event("data: " + v) }
+
+// Streams as OpenAI and OpenAI-compatible servers send them.
+var (
+	chatUsage = data(`{"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}`)
+	chatHead  = data(`{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}],"usage":null}`) +
+		data(`{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":null}],"usage":null}`) +
+		": keep-alive\n\n" +
+		data(`{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" world, ça va?"},"finish_reason":null}],"usage":null}`) +
+		data(`{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":null}`)
+	done = "data: [DONE]\n\n"
+
+	completionsUsage = data(`{"id":"x","object":"text_completion","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3,"total_tokens":7}}`)
+	completionsHead  = data(`{"id":"x","object":"text_completion","choices":[{"text":"Once","index":0,"finish_reason":null}]}`) +
+		data(`{"id":"x","object":"text_completion","choices":[{"text":" upon a","index":0,"finish_reason":"length"}]}`)
+
+	responses = event("event: response.created", `data: {"type":"response.created","response":{"id":"r1","status":"in_progress","usage":null}}`) +
+		event("event: response.output_text.delta", `data: {"type":"response.output_text.delta","output_index":0,"content_index":0,"delta":"Hi"}`) +
+		event("event: response.output_text.delta", `data: {"type":"response.output_text.delta","output_index":0,"content_index":0,"delta":" there"}`) +
+		event("event: response.output_text.done", `data: {"type":"response.output_text.done","output_index":0,"text":"Hi there"}`) +
+		event("event: response.completed", `data: {"type":"response.completed","response":{"id":"r1","status":"completed","usage":{"input_tokens":12,"output_tokens":2,"total_tokens":14}}}`)
+)
+
+type meterCase struct {
+	name   string
+	kind   Kind
+	strip  bool
+	stream string
+	want   string // forwarded
+	usage  Usage
+	report bool
+}
+
+func meterCases(t *testing.T) []meterCase {
+	text := func(s string) int64 { return tok(t, o200k, s) }
+	crlf := func(s string) string { return strings.ReplaceAll(s, "\n", "\r\n") }
+	cr := func(s string) string { return strings.ReplaceAll(s, "\n", "\r") }
+	return []meterCase{
+		{"chat, usage stripped", Chat, true, chatHead + chatUsage + done, chatHead + done, Usage{9, 2}, true},
+		{"chat, client asked for usage", Chat, false, chatHead + chatUsage + done, chatHead + chatUsage + done, Usage{9, 2}, true},
+		{"chat CRLF, usage stripped", Chat, true, crlf(chatHead + chatUsage + done), crlf(chatHead + done), Usage{9, 2}, true},
+		{"chat CR, usage stripped", Chat, true, cr(chatHead + chatUsage + done), cr(chatHead + done), Usage{9, 2}, true},
+		{"chat, no usage: counted", Chat, true, chatHead + done, chatHead + done, Usage{0, text("Hello world, ça va?")}, false},
+		{"chat cut midway: counted", Chat, true, chatHead[:len(chatHead)-40], chatHead[:len(chatHead)-40], Usage{0, text("Hello world, ça va?")}, false},
+		{"usage on a chunk with choices is kept", Chat, true,
+			data(`{"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1}}`) + done,
+			data(`{"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1}}`) + done,
+			Usage{5, 1}, true},
+		{"a null usage is not a usage chunk", Chat, true, data(`{"choices":[],"usage":null}`) + done, data(`{"choices":[],"usage":null}`) + done, Usage{}, false},
+		{"n=2 and tool calls counted per choice", Chat, true,
+			data(`{"choices":[{"index":0,"delta":{"content":"Hello"}},{"index":1,"delta":{"content":"Good"}}]}`) +
+				data(`{"choices":[{"index":1,"delta":{"content":"bye"}},{"index":0,"delta":{"content":" there"}}]}`) +
+				data(`{"choices":[{"index":2,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"get","arguments":"{\"a\":"}}]}}]}`) +
+				data(`{"choices":[{"index":2,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"1}"}}]}}]}`),
+			data(`{"choices":[{"index":0,"delta":{"content":"Hello"}},{"index":1,"delta":{"content":"Good"}}]}`) +
+				data(`{"choices":[{"index":1,"delta":{"content":"bye"}},{"index":0,"delta":{"content":" there"}}]}`) +
+				data(`{"choices":[{"index":2,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"get","arguments":"{\"a\":"}}]}}]}`) +
+				data(`{"choices":[{"index":2,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"1}"}}]}}]}`),
+			Usage{0, text("Hello there") + text("Goodbye") + text(`get{"a":1}`)}, false},
+		{"completions, usage stripped", Completions, true, completionsHead + completionsUsage + done, completionsHead + done, Usage{4, 3}, true},
+		{"completions, no usage: counted", Completions, false, completionsHead + done, completionsHead + done, Usage{0, text("Once upon a")}, false},
+		{"responses: usage in response.completed", Responses, true, responses, responses, Usage{12, 2}, true},
+		{"responses cut: counted", Responses, false, responses[:strings.Index(responses, "event: response.output_text.done")],
+			responses[:strings.Index(responses, "event: response.output_text.done")], Usage{0, text("Hi there")}, false},
+		{"responses CRLF", Responses, false, crlf(responses), crlf(responses), Usage{12, 2}, true},
+	}
+}
+
+// feed runs a stream through a new Meter in the given chunks and returns
+// what it forwarded, Flush included.
+func feed(c meterCase, chunks ...string) (string, *Meter) {
+	m := NewMeter(c.kind, "gpt-4o", c.strip)
+	var out bytes.Buffer
+	for _, ch := range chunks {
+		out.Write(m.Feed([]byte(ch)))
+	}
+	out.Write(m.Flush())
+	return out.String(), m
+}
+
+// TestMeter feeds each stream whole, split at every byte boundary and a
+// byte at a time: the client gets the same bytes and the usage is the same.
+func TestMeter(t *testing.T) {
+	for _, c := range meterCases(t) {
+		t.Run(c.name, func(t *testing.T) {
+			check := func(how string, chunks ...string) {
+				t.Helper()
+				got, m := feed(c, chunks...)
+				if got != c.want {
+					t.Fatalf("%s: forwarded\n%q\nwant\n%q", how, got, c.want)
+				}
+				if u, rep := m.Usage(); u != c.usage || rep != c.report {
+					t.Fatalf("%s: Usage() = %v, %v; want %v, %v", how, u, rep, c.usage, c.report)
+				}
+				if u, rep := m.Usage(); u != c.usage || rep != c.report {
+					t.Fatalf("%s: second Usage() = %v, %v; want %v, %v", how, u, rep, c.usage, c.report)
+				}
+			}
+			check("whole", c.stream)
+			for i := 1; i < len(c.stream); i++ {
+				check("split at "+strconv.Itoa(i), c.stream[:i], c.stream[i:])
+			}
+			check("byte by byte", strings.Split(c.stream, "")...)
+		})
+	}
+}
+
+// TestMeterForwardsAtOnce: without stripping, Feed returns its input
+// itself, and with stripping, a complete event is forwarded in the Feed that
+// completes its data line: nothing waits for a later chunk.
+func TestMeterForwardsAtOnce(t *testing.T) {
+	m := NewMeter(Chat, "gpt-4o", false)
+	p := []byte(chatHead[:10])
+	if got := m.Feed(p); &got[0] != &p[0] || len(got) != len(p) {
+		t.Errorf("Feed without stripping returned a copy")
+	}
+	m = NewMeter(Chat, "gpt-4o", true)
+	first := data(`{"choices":[{"index":0,"delta":{"content":"Hi"}}]}`)
+	if got := string(m.Feed([]byte(first[:len(first)-1]))); got != first[:len(first)-1] {
+		t.Errorf("Feed(an event less its blank line) = %q, want it all", got)
+	}
+	if got := string(m.Feed([]byte("\n: ping"))); got != "\n" {
+		t.Errorf("Feed(blank line, start of a comment) = %q, want the blank line", got)
+	}
+}
+
+// TestMeterBounded: a line longer than maxLine passes through unread and
+// the Meter's buffers stay bounded.
+func TestMeterBounded(t *testing.T) {
+	long := "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1},\"pad\":\"" + strings.Repeat("x", maxLine) + "\"}\n\n"
+	c := meterCase{kind: Chat, strip: true}
+	chunks := make([]string, 0, len(long)/4096+1)
+	for i := 0; i < len(long); i += 4096 {
+		chunks = append(chunks, long[i:min(i+4096, len(long))])
+	}
+	got, m := feed(c, chunks...)
+	if got != long {
+		t.Errorf("a %d-byte line was not forwarded whole (%d bytes)", len(long), len(got))
+	}
+	if u, rep := m.Usage(); rep {
+		t.Errorf("Usage() = %v read from a line past maxLine", u)
+	}
+	if cap(m.line) > 2*maxLine || cap(m.hold) > 2*maxLine {
+		t.Errorf("buffers grew to %d and %d bytes", cap(m.line), cap(m.hold))
+	}
+	var s strings.Builder
+	for range 3 * textBuffer / 20 {
+		s.WriteString(data(`{"choices":[{"index":0,"delta":{"content":"word word word word"}}]}`))
+	}
+	_, m = feed(meterCase{kind: Chat}, s.String())
+	if m.buffered > textBuffer {
+		t.Errorf("%d bytes of text kept, want at most %d", m.buffered, textBuffer)
+	}
+	if u, _ := m.Usage(); u.Output != 3*textBuffer/20*4 {
+		t.Errorf("Usage().Output = %d, want %d", u.Output, 3*textBuffer/20*4)
+	}
+}
+
+// FuzzMeter feeds arbitrary streams in arbitrary chunks: Feed never panics,
+// forwards the same bytes and finds the same usage however the stream is
+// split, and forwards exactly the stream less its usage chunks (events
+// whose first data line has "choices": [] and a usage) when stripping, the
+// stream itself otherwise. Seeds live in testdata/fuzz/FuzzMeter.
+func FuzzMeter(f *testing.F) {
+	f.Fuzz(func(t *testing.T, kind uint8, strip bool, stream []byte, cuts []byte) {
+		c := meterCase{kind: Kind(kind%4 + 1), strip: strip}
+		whole, m := feed(c, string(stream))
+		u, rep := m.Usage()
+		var chunks []string
+		rest := string(stream)
+		for _, n := range cuts {
+			n := int(n) % (len(rest) + 1)
+			chunks = append(chunks, rest[:n])
+			rest = rest[n:]
+		}
+		split, m2 := feed(c, append(chunks, rest)...)
+		if split != whole {
+			t.Fatalf("split %v: forwarded %q, whole %q", cuts, split, whole)
+		}
+		if u2, rep2 := m2.Usage(); u2 != u || rep2 != rep {
+			t.Fatalf("split %v: Usage() = %v, %v; whole %v, %v", cuts, u2, rep2, u, rep)
+		}
+		if want := withoutUsageChunks(string(stream), c.strip && (c.kind == Chat || c.kind == Completions)); whole != want {
+			t.Fatalf("forwarded %q, want %q", whole, want)
+		}
+		if u.Input < 0 || u.Output < 0 {
+			t.Fatalf("Usage() = %v", u)
+		}
+	})
+}
+
+// withoutUsageChunks is the reference for what a stripping Meter forwards:
+// the stream cut into lines (LF, CRLF or CR) and events (ended by a blank
+// line), less each event whose first data line is a usage chunk.
+func withoutUsageChunks(s string, strip bool) string {
+	if !strip {
+		return s
+	}
+	var out, ev strings.Builder
+	decided, dropped := false, false
+	for s != "" {
+		i := strings.IndexAny(s, "\r\n")
+		if i < 0 {
+			ev.WriteString(s) // an unterminated line: held, then flushed
+			break
+		}
+		n := 1
+		if s[i] == '\r' && i+1 < len(s) && s[i+1] == '\n' {
+			n = 2
+		}
+		line := s[:i]
+		ev.WriteString(s[:i+n])
+		s = s[i+n:]
+		if v, ok := strings.CutPrefix(line, "data:"); ok && !decided {
+			decided = true
+			var c streamChunk
+			if json.Unmarshal([]byte(strings.TrimPrefix(v, " ")), &c) == nil && c.Choices != nil && len(c.Choices) == 0 {
+				_, dropped = usageIn(Chat, c.Usage)
+			}
+		}
+		if line == "" {
+			if !dropped {
+				out.WriteString(ev.String())
+			}
+			ev.Reset()
+			decided, dropped = false, false
+		}
+	}
+	if !dropped {
+		out.WriteString(ev.String())
+	}
+	return out.String()
+}
