@@ -90,7 +90,7 @@ func (l *Limiter) ReservationTTL() time.Duration { return l.p.ReservationTTL() }
 //
 // RequestID is an idempotency key only while its reservation is open and
 // only for the same request, which Fingerprint identifies (see
-// Fingerprint): a Reserve of an open reservation's id with the same
+// Fingerprint), and never over rules that keep no record (KeepsRecord): a Reserve of an open reservation's id with the same
 // fingerprint is a Duplicate; with another, or of a settled one, a
 // Conflict. Fresh asks for a request id no record holds at all
 // (ConflictReused otherwise), for callers to whom every call is a new
@@ -181,13 +181,22 @@ func (d *Decision) ShadowDenied() bool {
 
 // Reserve checks every rule and, when all allow, reserves the cost in all of
 // them and stores a reservation record for RequestID, which names the limits
-// it holds (so a settlement gives back exactly those); when one denies,
-// nothing is reserved. A request id with a record charges nothing: it is a
-// Duplicate or a Conflict (see Request). It returns ErrNoEpoch when Redis
-// lost its data.
+// it holds (so a settlement gives back exactly those), unless the rules keep
+// none (KeepsRecord); when one denies, nothing is reserved. A request id with
+// a record charges nothing: it is a Duplicate or a Conflict (see Request).
+// It returns ErrNoEpoch when Redis lost its data.
 func (l *Limiter) Reserve(ctx context.Context, r Request) (Decision, error) {
 	return l.subjectCall(ctx, &r, wire.ModeReserve)
 }
+
+// KeepsRecord reports whether Reserve keeps a reservation record for a
+// request over rules: only when a settlement would touch one of them (a
+// token limit, a balance, a concurrency slot). A reserve over request
+// limits alone writes none, since nothing ever corrects, releases or frees
+// what it charged: every such Reserve is a new request, counted whatever
+// its RequestID, never a Duplicate or a Conflict, and Correct, Release and
+// VoidReserve find nothing of it to undo (docs/design.md §4).
+func KeepsRecord(rules []policy.Rule) bool { return wire.KeepsRecord(rules) }
 
 // Peek reports the subject's limits without changing anything. RequestID and
 // Cost are ignored.

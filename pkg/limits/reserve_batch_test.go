@@ -27,7 +27,11 @@ import (
 func TestReserveBatchDecidesLikeReserveInOrder(t *testing.T) {
 	l := limitstest.At(redistest.Start(t).Client(), 0)
 	tenant := redistest.UniqueName(t)
-	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 3, Window: policy.Duration(3600e9)})}
+	rules := []policy.Rule{
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 3, Window: policy.Duration(3600e9)}),
+		// a token limit, so the reserves keep records (a retry is a duplicate)
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "t", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(3600e9)}),
+	}
 	req := func(user, id string) limits.Request {
 		return limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: 1, Rules: rules}
 	}

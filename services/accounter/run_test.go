@@ -55,6 +55,9 @@ plans:
     quotas:
       - {name: 5h,      kind: rolling, window: 5h, limit: 100000}
       - {name: credits, kind: balance}
+  rates:
+    rates:
+      - {name: hour, kind: fixed, window: 1h, limit: 1000}
 tenants:
   prepaid: {plan: prepaid}
 models:
@@ -1216,6 +1219,88 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 	}
 	if got := e.count("SELECT coalesce(sum(tokens), 0) FROM usage_rollups WHERE tenant=$1", ten); got != want {
 		t.Errorf("rollup tokens = %d, want %d", got, want)
+	}
+}
+
+// TestRequestOnlyPlanSettles: a plan of request limits alone keeps no
+// reservation record in Redis, yet its requests' actuals, releases and
+// reservations that expire settle in the ledger as any other's, with
+// nothing dead-lettered and every admitted request (a retried id too)
+// still counted in Redis; after Redis loses its data, the rebuild finishes
+// (request limits start afresh) and a late actual still settles.
+func TestRequestOnlyPlanSettles(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.cfg.ReservationTTL = 3 * time.Second
+	e.start(nil)
+	e2e.Eventually(t, "epoch written at start", func() bool {
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	const dlq = `quotaflow_events_published_total{type="dlq"}`
+	dead := e.metric(dlq)
+	ten, usr := "ratesonly-"+e2e.RandomHex(4), "u"
+	rules := func() []policy.Rule {
+		r, err := e.policy.Resolve(ten, "rates", "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.Subject
+	}()
+	hour := func() int64 {
+		d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: usr, Rules: rules})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d.States[0].Used
+	}
+	reserve := func(req string) {
+		d, err := e.lim.Reserve(ctx, limits.Request{Tenant: ten, User: usr, RequestID: req, Cost: 100, Rules: rules})
+		if err != nil || !d.Allowed || d.Duplicate {
+			t.Fatalf("Reserve(%s) = %+v, %v; want a new request allowed", req, d, err)
+		}
+		e.publish(events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: ten, User: usr, Plan: "rates", Endpoint: "/api/v1/generate",
+			EstimatedTokens: 100, ExpiresAt: time.Now().Add(3 * time.Second), Version: d.Version,
+		}, time.Now()))
+	}
+	for _, req := range []string{"actual", "released", "expires", "actual"} { // the last a retry
+		reserve(req)
+	}
+	if n := e.redis.Client().Exists(ctx, reservationKey(ten, usr, "actual"), reservationKey(ten, usr, "expires")).Val(); n != 0 {
+		t.Fatalf("%d reservation records in Redis, want none", n)
+	}
+	e.publish(e.actual(ten, usr, "actual", "", 60, 70))
+	e.publish(events.NewReleased("test/service", events.Released{RequestID: "released", Tenant: ten, User: usr}, time.Now()))
+	e.publish(e.actual(ten, usr, "never-reserved", "", 5, 0))
+	e.waitStatus(ten, usr, "actual", "settled")
+	e.waitStatus(ten, usr, "released", "released")
+	e.waitStatus(ten, usr, "never-reserved", "settled")
+	e.waitStatus(ten, usr, "expires", "expired")
+	if got := e.count("SELECT actual_tokens FROM reservations WHERE tenant=$1 AND request_id='actual'", ten); got != 130 {
+		t.Errorf("actual_tokens = %d, want 130", got)
+	}
+	if got := hour(); got != 4 {
+		t.Errorf("hour used = %d after 4 admits and their settlements, want 4", got)
+	}
+
+	e.redis.Stop()
+	e.redis.Restart() // empty: no persistence
+	e2e.Eventually(t, "epoch rewritten", func() bool {
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	if got := hour(); got != 0 {
+		t.Errorf("hour used = %d after the rebuild, want 0 (request limits start afresh)", got)
+	}
+	reserve("late")
+	e.publish(e.actual(ten, usr, "late", "", 1, 1))
+	e.waitStatus(ten, usr, "late", "settled")
+	if got := hour(); got != 1 {
+		t.Errorf("hour used = %d after one admit since the rebuild, want 1", got)
+	}
+	if got := e.metric(dlq); got != dead {
+		t.Errorf("dead letters %v, want %v", got, dead)
 	}
 }
 

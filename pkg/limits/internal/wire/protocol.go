@@ -66,7 +66,9 @@
 // (weighted tokens; a requests limit charges 1), mode (ModeReserve,
 // ModePeek, ModeFresh: a request id no record may hold), meta (0 shared, 1
 // subject, 2 subject with tenant-wide limits), the KEYS indexes of its
-// epoch key, record (0: shared), blob and tenant blob (0: none); then, from
+// epoch key, record (0: none: a shared reserve, or a reserve over rules
+// that keep no record, KeepsRecord), blob and tenant blob (0: none);
+// then, from
 // byte 17, what the reservation record holds after its state byte: the
 // record tail; then, with concurrency limits, the concurrency member.
 //
@@ -338,13 +340,20 @@ func (b *ReserveBatch) Add(tenant, user, requestID string, cost int64, mode int,
 	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("cost", cost)); err != nil {
 		return err
 	}
-	keys, meta := subjectCallKeys(NewSubjectKeys(tenant, user), requestID, rules)
+	rid := requestID
+	if !KeepsRecord(rules) {
+		rid = ""
+	}
+	keys, meta := subjectCallKeys(NewSubjectKeys(tenant, user), rid, rules)
 	conc := keys[4:]
-	var tk int
+	var rk, tk int
+	if rid != "" {
+		rk = b.key(keys[1])
+	}
 	if meta == 2 {
 		tk = b.key(keys[3])
 	}
-	head := reserveHead(cost, mode, meta, b.key(keys[0]), b.key(keys[1]), b.key(keys[2]), tk)
+	head := reserveHead(cost, mode, meta, b.key(keys[0]), rk, b.key(keys[2]), tk)
 	n := reserveHeadLen + tailLen(rules, conc)
 	var mem string
 	if len(conc) > 0 {
@@ -613,6 +622,21 @@ func settleRules(rules []policy.Rule) []policy.Rule {
 		}
 	}
 	return out
+}
+
+// KeepsRecord reports whether a reserve over rules keeps a reservation
+// record: when a settlement would touch one of them. A reserve over request
+// limits alone (no token limit, balance or concurrency slot) keeps none:
+// nothing ever corrects, releases or frees what it charged, so the record
+// would only tell a repeat of the request id apart, at the cost of a write
+// per request (bench/results.md). Every such reserve is a new request.
+func KeepsRecord(rules []policy.Rule) bool {
+	for i := range rules {
+		if touchedBySettle(&rules[i]) {
+			return true
+		}
+	}
+	return false
 }
 
 func touchedBySettle(r *policy.Rule) bool {
@@ -1132,12 +1156,16 @@ func buckets(r *policy.Rule) int {
 }
 
 // subjectCallKeys returns the KEYS of a subject call: the epoch, the
-// reservation record, the subject and tenant blobs, then one sorted set
-// per concurrency limit; and the meta byte saying whether the tenant blob
-// is involved.
+// reservation record ("" for an empty requestID: a call that names none),
+// the subject and tenant blobs, then one sorted set per concurrency limit;
+// and the meta byte saying whether the tenant blob is involved.
 func subjectCallKeys(k SubjectKeys, requestID string, rules []policy.Rule) ([]string, byte) {
 	keys := make([]string, 0, 4+len(rules))
-	keys = append(keys, epochKey(k.Tag()), k.Reservation(requestID), k.Blob(), k.TenantBlob())
+	var rec string
+	if requestID != "" {
+		rec = k.Reservation(requestID)
+	}
+	keys = append(keys, epochKey(k.Tag()), rec, k.Blob(), k.TenantBlob())
 	meta := byte(1)
 	for i := range rules {
 		if rules[i].Scope == policy.ScopeTenant {

@@ -99,9 +99,11 @@ func (a *admission) run(rs *policy.Resolved) error {
 	if ok && err == nil && len(rs.Global) > 0 {
 		ok, err = a.sharedLayer(policy.ScopeGlobal, rs.Endpoint, rs.Global)
 	}
-	if !ok && err == nil && a.in.CallerID && !a.in.Fresh && a.retryOfAdmitted() {
+	if !ok && err == nil && a.in.CallerID && !a.in.Fresh && limits.KeepsRecord(rs.Subject) && a.retryOfAdmitted() {
 		// A retry of an admitted request gets its stored decision, not a
-		// denial by a layer it passed when it was admitted.
+		// denial by a layer it passed when it was admitted. A plan without
+		// records has no stored decision: any record of the id (a void's, a
+		// settled actual's) would let every repeat skip these layers.
 		a.undo()
 		a.denied, a.res.RetryAfter, a.res.Reason = -1, 0, limits.ReasonNone
 		a.res.Limits = a.res.Limits[:0]

@@ -635,3 +635,46 @@ func TestGivenBackUnitsAreNotReported(t *testing.T) {
 		}
 	}
 }
+
+const requestPlanRetryPolicy = `
+default_plan: free
+plans:
+  free:
+    rates: [{name: hour, kind: fixed, window: 1h, limit: 1000}]
+endpoints:
+  {E}:
+    global: [{name: once, kind: fixed, window: 1h, limit: 1}]
+`
+
+// TestRequestPlanRetryIsANewRequest: a plan of request limits alone keeps
+// no reservation record, so a retry of an admitted request id is a new
+// request, which the exhausted global layer denies, even when Redis holds
+// a record of the id (the accounter's settlement of its actual leaves one):
+// no record lets a repeat skip a layer or go uncounted.
+func TestRequestPlanRetryIsANewRequest(t *testing.T) {
+	c, d, pol, tenant, ep := onEndpoint(t, requestPlanRetryPolicy, "/retryreq/")
+	rs, err := pol.Resolve(tenant, "", ep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := limits.New(c, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	first := in(tenant, "u", ep, 10)
+	first.CallerID = true
+	wantAllowed(t, admit(t, d, first), true)
+	s := limits.Settle{Tenant: tenant, User: "u", RequestID: first.RequestID, Actual: 7, Rules: rs.Subject}
+	if _, err := lim.Correct(context.Background(), s); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if r := admit(t, d, first); r.Allowed || r.Duplicate || r.DeniedBy == nil || r.DeniedBy.Scope != policy.ScopeGlobal {
+			t.Fatalf("retry of %s = %+v, want denied by the global layer", first.RequestID, r)
+		}
+	}
+	p, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rs.Subject})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.States[0].Used != 1 {
+		t.Fatalf("hour used %d after one admitted request and three denied retries, want 1", p.States[0].Used)
+	}
+}

@@ -24,8 +24,9 @@
 --        requests limit charges 1), mode (0 reserve, 1 peek, 2 reserve a
 --        request id that must be new: any record of it denies), meta (0
 --        shared, 1 subject, 2 subject with tenant-wide limits), the KEYS
---        index of its epoch key, of its reservation record (0 shared), of
---        its blob, of its tenant blob (0 without tenant-wide limits); then
+--        index of its epoch key, of its reservation record (0: none, for
+--        a shared reserve and for one whose limits no settlement touches:
+--        request limits only, wire.KeepsRecord), of its blob, of its tenant blob (0 without tenant-wide limits); then
 --        from byte 17 on what the reservation record holds after its state
 --        byte (lib.lua): '<I6I6' the request's fingerprint and this call's
 --        nonce (0 for a shared call), I2 count and the packed specs, the
@@ -38,6 +39,8 @@
 --        reset_ms, would_deny; or the packed -1: no epoch (nothing decided);
 --        or an error, when its state could not be read (the others are
 --        decided all the same)
+--   A reserve without a record neither reads nor writes one: it is
+--   always a new request (allowed or denied), whatever its request id.
 --   status 1 allowed, 0 denied, 2 duplicate (this request was admitted
 --   before and is not settled: nothing charged), 3 the request id belongs
 --   to a different request (another fingerprint), 4 the request id is
@@ -64,7 +67,7 @@ local function reserve(arg)
   local at = RESERVE_HEAD + TAIL_HEAD + 1
   local z = loadspecs(arg, at, n, at + n * SPEC_LEN, sub, ten, now) -- then the member
 
-  local raw = meta ~= 0 and mode ~= MODE_PEEK and vals[rk]
+  local raw = rk > 0 and mode ~= MODE_PEEK and vals[rk]
   if raw then
     local _, _, state, fp, nonce = record(raw)
     local status
@@ -113,7 +116,7 @@ local function reserve(arg)
     local member = z <= #arg and arg:sub(z)
     for j = 1, n do add(j, IS_TOKENS(S[(j - 1) * SLOTS + FLAGS]) and cost or 1, now, now, member) end
     stage(n, sub, ten, now)
-    if meta ~= 0 then
+    if rk > 0 then
       vals[rk] = spack('<i6i6B', now, cost, OPEN) .. arg:sub(RESERVE_HEAD + 1, z - 1)
       recs[#recs + 1] = rk
     end
