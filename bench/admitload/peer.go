@@ -41,6 +41,7 @@ type peerOptions struct {
 	envoyWindow time.Duration   // REDIS_PIPELINE_WINDOW
 	envoyEnv    []string        // more of its settings, to try
 	openFrac    float64         // the open loop's rate, of the five-limit plan's closed-loop maximum
+	base        string          // a checkout whose admission also runs the one-limit plan ("one-base"), or ""
 }
 
 // peerTarget is one server under load and the processes its requests cost.
@@ -115,6 +116,17 @@ func peer(ctx context.Context, o peerOptions) error {
 				ts = append(ts, t)
 			}
 		}
+	}
+	if o.base != "" && want("one") {
+		bin, err := build(b.dir, o.base, "./services/admission")
+		if err != nil {
+			return err
+		}
+		t, err := b.peerAdmission(ctx, bin, "one-base", "admission, 1 limit, "+o.base, onePolicy)
+		if err != nil {
+			return err
+		}
+		ts = append(ts, t)
 	}
 	if want("plain") {
 		t, err := b.peerPlain(size)

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -28,7 +29,8 @@ import (
 // function that returns at once) with a lone reserve's shape, 4 keys and
 // one 70-byte argument: what Redis spends on a call before any script work;
 // then, per settle, SettleMany batches of 64 correcting the batched 5-limit
-// reserves.
+// reserves; last, a reserve over one fixed window of requests (the peer
+// benchmark's plan), lone and in batches of 64.
 // bench/callgrind.sh starts the server and runs this test; without
 // QF_CALLGRIND_ADDR it is skipped.
 func TestCallgrindInstructions(t *testing.T) {
@@ -62,6 +64,10 @@ func TestCallgrindInstructions(t *testing.T) {
 	steady := func(i int) { reserve("u"+strconv.Itoa(i%users), i) }
 	first := func(i int) { reserve("new-"+run+"-"+strconv.Itoa(i), -i-1) }
 	one := func(i int) { reserve1("u"+strconv.Itoa(i%users), i) }
+	// the peer benchmark's plan: one per-user fixed window of requests
+	hourly := []policy.Rule{{Limit: policy.Limit{Name: "hour", Kind: policy.Fixed, Unit: policy.Requests, Limit: 1e9, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeUser}}
+	reserveReq := reserveOf(hourly, "req-", 1)
+	req := func(i int) { reserveReq("q"+strconv.Itoa(i%users), i) }
 	ten := func(i int) { reserve10("u"+strconv.Itoa(i%users), i) }
 	settleOf := func(prefix string, actual int64) func(i int) {
 		return func(i int) {
@@ -80,6 +86,7 @@ func TestCallgrindInstructions(t *testing.T) {
 	for i := range min(users, 100) * 2 { // load the script, create the steady subjects' blobs
 		steady(-i - 1)
 		one(-i - 1)
+		req(-i - 1)
 		incr(i)
 	}
 	// batchOf reserves calls requests of rules in batches of n, over
@@ -116,6 +123,7 @@ func TestCallgrindInstructions(t *testing.T) {
 	for i := range batchUsers { // the batched subjects' blobs
 		batchOf(rules, "warm-", 1)(i)
 		batchOf(rules[1:2], "warm1-", 1)(i)
+		batchOf(hourly, "warmq-", 1)(i)
 	}
 	empty(0)
 	measure := func(op func(int)) float64 {
@@ -155,6 +163,8 @@ func TestCallgrindInstructions(t *testing.T) {
 		}
 	})
 	t.Logf("callgrind: per settle (correct) over 5 limits in SettleMany batches of 64: %.0f", s64)
+	q, q64 := measure(req), measure(batchOf(hourly, "q64-", 64))
+	t.Logf("callgrind: reserve over 1 request limit (a fixed window of requests, the peer benchmark's plan): lone %.0f, per reserve in batches of 64 %.0f", q, q64)
 }
 
 // control sends callgrind_control's arg to the server under callgrind (its
@@ -168,7 +178,8 @@ func control(t *testing.T, arg string) {
 // keeps counts the dumps kept in QF_CALLGRIND_KEEP: 1 steady, 2 first touch,
 // 3 one limit, 4 settle, 5 INCR, 6 settle below the estimate, 7 and 8
 // 5-limit batches of 16 and 64, 9 and 10 1-limit batches of 16 and 64, 11
-// the empty FCALL, 12 settles in batches of 64.
+// the empty FCALL, 12 settles in batches of 64, 13 and 14 the request
+// limit's reserves, lone and in batches of 64.
 var keeps int
 
 // dump writes a callgrind dump and returns its instruction total.
