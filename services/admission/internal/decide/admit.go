@@ -416,11 +416,7 @@ func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) bool 
 	if len(rules) == 0 {
 		return true
 	}
-	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
-		_, err := d.lim.ChargeShared(ctx, s.scope, s.id, rules, amount)
-		return err
-	})
-	if err != nil {
+	if _, err := d.chargeShared(ctx, s.scope, s.id, rules, amount); err != nil {
 		d.log.Debug("compensate shared reservation", "scope", string(s.scope), "err", err)
 		return false
 	}
