@@ -26,9 +26,10 @@ import (
 // envoyConfigs are the Envoy bootstrap files of the README's gateway
 // matrix, under deploy/gateways/envoy/, by the filter each must hold.
 var envoyConfigs = map[string]string{
-	"ext-authz-http.yaml": "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-	"ext-authz-grpc.yaml": "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-	"ratelimit.yaml":      "envoy.extensions.filters.http.ratelimit.v3.RateLimit",
+	"ext-authz-http.yaml":        "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+	"ext-authz-grpc.yaml":        "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+	"ratelimit.yaml":             "envoy.extensions.filters.http.ratelimit.v3.RateLimit",
+	"ratelimit-stream-done.yaml": "envoy.extensions.filters.http.ratelimit.v3.RateLimit",
 }
 
 // TestEnvoyConfigs parses each Envoy configuration into go-control-plane's

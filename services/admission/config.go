@@ -46,6 +46,10 @@ type Config struct {
 	// name a descriptor's tenant and user (package rls).
 	EnvoyTenantKeys []string `envconfig:"ENVOY_TENANT_KEYS"`
 	EnvoyUserKeys   []string `envconfig:"ENVOY_USER_KEYS"`
+	// EnvoyRequestIDKey is the descriptor key whose value names the
+	// request, so that a later call of the same request (apply_on_stream_done)
+	// corrects the first one's estimate (package rls); empty: none.
+	EnvoyRequestIDKey string `envconfig:"ENVOY_REQUEST_ID_KEY"`
 	// EnvoyRateLimitHeaders adds RateLimit-Limit, -Remaining and -Reset to
 	// ShouldRateLimit's replies for Envoy to pass on.
 	EnvoyRateLimitHeaders bool `envconfig:"ENVOY_RATELIMIT_HEADERS"`
@@ -175,6 +179,14 @@ func (c *Config) Validate() error {
 			break
 		}
 	}
+	if k := c.EnvoyRequestIDKey; k != "" {
+		switch {
+		case len(k) > rls.MaxIDBytes:
+			bad("ENVOY_REQUEST_ID_KEY", "longer than %d bytes", rls.MaxIDBytes)
+		case slices.Contains(c.EnvoyTenantKeys, k) || slices.Contains(c.EnvoyUserKeys, k):
+			bad("ENVOY_REQUEST_ID_KEY", "%q is also a tenant or user key", k)
+		}
+	}
 	if _, err := auth.ParseEntries(c.APITokens); err != nil {
 		errs = append(errs, err)
 	}
@@ -276,7 +288,7 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c *Config) LogArgs() []any {
 	return slices.Concat([]any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "grpc_addr", c.GRPCAddr,
-		"envoy_ratelimit_config", c.EnvoyRateLimitConfig, "pprof", c.Pprof},
+		"envoy_ratelimit_config", c.EnvoyRateLimitConfig, "envoy_request_id_key", c.EnvoyRequestIDKey, "pprof", c.Pprof},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.NATS.LogArgs(),
 		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
 			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir,

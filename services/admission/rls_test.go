@@ -488,6 +488,8 @@ func TestConfigValidatesGRPC(t *testing.T) {
 		{"grpc on the api's port", func(c *Config) { c.AdmissionAddr, c.GRPCAddr = ":8080", ":8080" }, "QF_GRPC_ADDR: must differ"},
 		{"a key twice", func(c *Config) { c.EnvoyTenantKeys, c.EnvoyUserKeys = []string{"t"}, []string{"t"} }, `QF_ENVOY_USER_KEYS: "t" is also a tenant key`},
 		{"empty key", func(c *Config) { c.EnvoyTenantKeys = []string{""} }, "QF_ENVOY_TENANT_KEYS: a key is empty"},
+		{"request id key of the tenant", func(c *Config) { c.EnvoyTenantKeys, c.EnvoyRequestIDKey = []string{"t"}, "t" }, `QF_ENVOY_REQUEST_ID_KEY: "t" is also a tenant or user key`},
+		{"request id key too long", func(c *Config) { c.EnvoyRequestIDKey = strings.Repeat("k", 257) }, "QF_ENVOY_REQUEST_ID_KEY: longer than 256 bytes"},
 	} {
 		cfg := testConfig(t)
 		c.set(&cfg)

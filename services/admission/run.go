@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/obs"
 	"quotaflow/internal/service"
@@ -91,7 +92,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return err
 	}
 	if cfg.GRPCAddr != "" {
-		g, err := startGRPC(stack, cfg, dec, api, tokens, ready, log, reg, m)
+		g, err := startGRPC(stack, cfg, dec, rdb, api, tokens, ready, log, reg, m)
 		if err != nil {
 			return err
 		}
@@ -112,7 +113,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 // api answers /v1/authz, and ShouldRateLimit when QF_ENVOY_RATELIMIT_CONFIG
 // is set; the stack stops it in its turn, before the Decider, letting the
 // calls in flight finish.
-func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, api *httpapi.Handler, tokens *auth.Auth,
+func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, rdb redis.UniversalClient, api *httpapi.Handler, tokens *auth.Auth,
 	ready *obs.Readiness, log *slog.Logger, reg prometheus.Registerer, m metrics) (*grpcapi.Server, error) {
 	g, err := grpcapi.New(grpcapi.Options{Auth: tokens, Ready: ready, Log: log, Registerer: reg})
 	if err != nil {
@@ -126,7 +127,8 @@ func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, api *httpa
 		}
 		stack.Go("envoy ratelimit config", w.Watch)
 		h, err := rls.New(rls.Options{Checker: dec, Config: w.Current, TenantKeys: cfg.EnvoyTenantKeys,
-			UserKeys: cfg.EnvoyUserKeys, Headers: cfg.EnvoyRateLimitHeaders, Log: log})
+			UserKeys: cfg.EnvoyUserKeys, Headers: cfg.EnvoyRateLimitHeaders, RequestIDKey: cfg.EnvoyRequestIDKey,
+			Corrector: dec, Records: rdb, RecordTimeout: cfg.RedisTimeout, RecordTTL: cfg.ReservationTTL, Log: log})
 		if err != nil {
 			return nil, err
 		}

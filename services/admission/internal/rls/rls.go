@@ -19,8 +19,10 @@
 // A request is one all-or-nothing decision (decide.Decider.Check) in one
 // Redis round trip; when any descriptor is over its limit, what the others
 // took is given back. Decisions are final: nothing
-// is reserved and nothing is settled later. When Redis is unavailable the
-// Decider decides locally, as for POST /v1/admit.
+// is reserved and nothing is settled later, except with Options.RequestIDKey,
+// whose second call of a request corrects the first's estimate
+// (correlate.go). When Redis is unavailable the Decider decides locally, as
+// for POST /v1/admit.
 //
 // # Replies
 //
@@ -31,7 +33,8 @@
 // descriptor is over its limit when the hits of its counter's descriptors
 // up to it (a repeated descriptor counts each time) pass what the counter
 // had left before the request: a limit of 0 is over for any hit and OK for
-// a check of none. replaces drops the limits a matched limit names. With
+// a check of none, and a counter above its limit (a response-time cost)
+// is over for any hits, none included. replaces drops the limits a matched limit names. With
 // Options.Headers, the reply asks Envoy to add RateLimit-Limit,
 // RateLimit-Remaining and RateLimit-Reset of the descriptor with the
 // fewest remaining (the last over-limit one when denied), as
@@ -90,6 +93,16 @@ type Options struct {
 	// Headers adds RateLimit-Limit, -Remaining and -Reset to every reply
 	// that has a limit (QF_ENVOY_RATELIMIT_HEADERS).
 	Headers bool
+	// RequestIDKey is the descriptor key whose value names the request
+	// (QF_ENVOY_REQUEST_ID_KEY); empty: none, every call is final. With it,
+	// Corrector and Records are required (correlate.go).
+	RequestIDKey string
+	Corrector    Corrector
+	Records      Records
+	// RecordTimeout bounds each Records call (QF_REDIS_TIMEOUT);
+	// RecordTTL is the longest a request's estimate waits for its
+	// response-time call (QF_RESERVATION_TTL).
+	RecordTimeout, RecordTTL time.Duration
 	// Log receives per-request debug lines and errors; nil discards them.
 	Log *slog.Logger
 }
@@ -103,6 +116,12 @@ type Handler struct {
 	users   map[string]bool
 	headers bool
 	log     *slog.Logger
+
+	idKey   string
+	correct Corrector
+	records Records
+	timeout time.Duration
+	ttl     time.Duration
 }
 
 // New returns the handler.
@@ -124,6 +143,17 @@ func New(o Options) (*Handler, error) {
 		}
 		h.users[k] = true
 	}
+	if k := o.RequestIDKey; k != "" {
+		switch {
+		case h.tenants[k] || h.users[k]:
+			return nil, fmt.Errorf("rls: key %q names both the request and its tenant or user", k)
+		case o.Corrector == nil || o.Records == nil:
+			return nil, errors.New("rls: a request id key needs Corrector and Records")
+		case o.RecordTimeout <= 0 || o.RecordTTL <= 0:
+			return nil, errors.New("rls: a request id key needs a positive RecordTimeout and RecordTTL")
+		}
+		h.idKey, h.correct, h.records, h.timeout, h.ttl = k, o.Corrector, o.Records, o.RecordTimeout, o.RecordTTL
+	}
 	return h, nil
 }
 
@@ -144,9 +174,31 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 	if err := validate(req); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
+	ds, id, err := h.requestID(req.GetDescriptors())
+	if err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	items, charges, tenant, err := h.charges(ctx, req, ds)
+	if err != nil {
+		return nil, err
+	}
+	if id != "" && len(charges) > 0 {
+		if tenant == nil {
+			return nil, status.Error(codes.InvalidArgument, "descriptors: a request with a request id names one tenant at most")
+		}
+		return h.correlated(ctx, recordKey(req.GetDomain(), *tenant, id), items, charges)
+	}
+	resp, _, err := h.decide(ctx, items, charges)
+	return resp, err
+}
+
+// charges matches descriptors ds of req against the configuration and
+// returns them as the handler decides them, the charges of those limited,
+// and the one tenant the charged descriptors name (the empty tenant: none),
+// nil when they name several.
+func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds []*rlv3.RateLimitDescriptor) ([]item, []decide.Charge, *string, error) {
 	cfg := h.config()
 	domain := req.GetDomain()
-	ds := req.GetDescriptors()
 	items := make([]item, len(ds))
 	replaced := map[string]bool{}
 	for i, d := range ds {
@@ -160,6 +212,7 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 	}
 	p := grpcapi.Principal(ctx)
 	var charges []decide.Charge
+	one, named := new(string), false
 	for i, d := range ds {
 		it := &items[i]
 		l := it.limit
@@ -168,7 +221,14 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 		}
 		tenant, user := h.subject(d.GetEntries())
 		if ok, _ := p.For(tenant); !ok {
-			return nil, status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
+			return nil, nil, nil, status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
+		}
+		switch {
+		case tenant == "" || one == nil:
+		case !named:
+			*one, named = tenant, true
+		case *one != tenant:
+			one = nil
 		}
 		rule, cost := ruleOf(domain, d.GetEntries(), it.shared, l), it.hits
 		id := counterID(domain, tenant, user, rule.Endpoint)
@@ -185,15 +245,20 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 		it.charge = len(charges)
 		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: []policy.Rule{rule}})
 	}
+	return items, charges, one, nil
+}
+
+// decide decides charges, all or nothing, and answers for items.
+func (h *Handler) decide(ctx context.Context, items []item, charges []decide.Charge) (*rlspb.RateLimitResponse, *decide.Result, error) {
 	res, err := h.check.Check(ctx, charges)
 	if err != nil {
 		if errors.Is(err, limits.ErrInvalid) {
-			return nil, status.Error(codes.InvalidArgument, err.Error())
+			return nil, nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 		h.log.Error("should rate limit", "err", err)
-		return nil, status.Error(codes.Internal, "rate limit decision failed")
+		return nil, nil, status.Error(codes.Internal, "rate limit decision failed")
 	}
-	return h.reply(items, charges, &res), nil
+	return h.reply(items, charges, &res), &res, nil
 }
 
 // counter is what the reply knows of one Redis counter of a request: the
@@ -243,6 +308,12 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 				ct.before += c.Cost
 			}
 			ct.before = min(max(ct.before, 0), ls.Limit, int64(it.limit.RequestsPerUnit))
+			// A counter that a response-time cost took past its limit
+			// (correlate.go) is over even for a check of no hits, as
+			// envoy's counter above its limit is.
+			if pre := ls.Limit - ls.Used + c.Cost*b2i(res.Allowed); !res.Local && pre < 0 {
+				ct.before = pre
+			}
 		}
 	}
 	out := &rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OK, Statuses: make([]*rlspb.RateLimitResponse_DescriptorStatus, len(items))}
@@ -443,6 +514,13 @@ func checkValue(field, s string) error {
 		return fmt.Errorf("%s: holds a control character", field)
 	}
 	return nil
+}
+
+func b2i(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func sha256Hex(s string) string {
