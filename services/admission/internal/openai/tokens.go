@@ -127,8 +127,8 @@ func newCounter(model string, bytesPerToken float64) *counter {
 const segment = 256
 
 // exactBytes bounds the text one counter tokenizes: the library runs at
-// about 1-2 MB/s (measured in bench/results.md), so 64 KiB costs some tens
-// of milliseconds. A longer text's rest is estimated at the ratio of tokens
+// 2.4-4.8 MB/s of CPU (bench/results.md, "The OpenAI codec"), so 64 KiB
+// costs about 25 ms. A longer text's rest is estimated at the ratio of tokens
 // to bytes of what was tokenized (the same conversation, so the same mix
 // of prose, code and scripts).
 const exactBytes = 64 << 10

@@ -24,9 +24,10 @@ func UsageOf(k Kind, body []byte) (u Usage, ok bool) {
 	return usageIn(k, o.value("usage"))
 }
 
-// usageIn reads a usage object of endpoint k.
+// usageIn reads a usage object of endpoint k (streams send "usage": null
+// on every chunk but the last).
 func usageIn(k Kind, raw []byte) (u Usage, ok bool) {
-	if raw == nil {
+	if raw == nil || string(raw) == "null" {
 		return Usage{}, false
 	}
 	o, err := parseObject(raw)
