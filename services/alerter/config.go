@@ -31,6 +31,11 @@ type Config struct {
 	// empty means none (alerts are detected and counted, not sent). It is
 	// reloaded when it changes and on SIGHUP.
 	WebhooksFile string `envconfig:"WEBHOOKS_FILE"`
+	// PolicyFile is the policy admission enforces (QF_POLICY_FILE). It is
+	// reloaded when it changes and on SIGHUP, and the raised thresholds of
+	// limits it no longer defines are re-armed and forgotten; empty means
+	// none is read and they are kept.
+	PolicyFile string `envconfig:"POLICY_FILE"`
 
 	// Hysteresis is how many percentage points usage must fall under a
 	// fired threshold to re-arm it.
@@ -127,7 +132,7 @@ func (c Config) Validate() error {
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
 	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof}, c.Postgres.LogArgs(), c.NATS.LogArgs(),
-		[]any{"consumer", c.Consumer, "webhooks_file", c.WebhooksFile})
+		[]any{"consumer", c.Consumer, "webhooks_file", c.WebhooksFile, "policy_file", c.PolicyFile})
 }
 
 func (c Config) deliverOptions() deliver.Options {

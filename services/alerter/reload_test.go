@@ -1,8 +1,10 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -74,4 +76,51 @@ func TestWebhooksReload(t *testing.T) {
 	if strings.Contains(logs.String(), strings.TrimPrefix(testSecret, "whsec_")) {
 		t.Errorf("logs contain the webhook secret")
 	}
+}
+
+// TestPolicyReloadReArmsRemovedLimits edits QF_POLICY_FILE under a running
+// alerter: the raised threshold of a limit the edit removed is re-armed,
+// the one of a limit it keeps stays fired.
+func TestPolicyReloadReArmsRemovedLimits(t *testing.T) {
+	e := newEnv(t, opsHook)
+	const policy = `default_plan: free
+plans:
+  free:
+    quotas: [{name: 5h, kind: rolling, window: 5h, limit: 1000}]
+`
+	e.cfg.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
+	if err := os.WriteFile(e.cfg.PolicyFile, []byte(strings.Replace(policy, "]\n", ", {name: old, kind: rolling, window: 1h, limit: 1000}]\n", 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e.start(nil)
+	old := userLimit(850, 0)
+	old.Name = "old"
+	e.publish(reserved("acme", "u", "r", 1, 0, time.Now().UTC(), userLimit(850, 0), old))
+	levels := func() string {
+		t.Helper()
+		rows, err := e.pg.Query(context.Background(), `SELECT name, level FROM alert_limits WHERE tenant = 'acme' ORDER BY name`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for rows.Next() {
+			var name string
+			var level int
+			if err := rows.Scan(&name, &level); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, fmt.Sprintf("%s %d", name, level))
+		}
+		return strings.Join(out, ", ")
+	}
+	e2e.EventuallyLast(t, "both limits raised", func() (bool, string) { l := levels(); return l == "5h 80, old 80", l })
+
+	tmp := e.cfg.PolicyFile + ".tmp"
+	if err := os.WriteFile(tmp, []byte(policy), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, e.cfg.PolicyFile); err != nil {
+		t.Fatal(err)
+	}
+	e2e.EventuallyLast(t, "old re-armed", func() (bool, string) { l := levels(); return l == "5h 80, old 0", l })
 }

@@ -9,6 +9,7 @@ import (
 	"quotaflow/internal/obs"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/alerter/internal/consume"
 	"quotaflow/services/alerter/internal/deliver"
 	"quotaflow/services/alerter/internal/detect"
@@ -62,6 +63,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if err := det.Load(ctx); err != nil {
 		return err
 	}
+	if err := watchPolicy(ctx, stack, cfg.PolicyFile, det, log); err != nil {
+		return err
+	}
 	_, js, err := service.ConnectNATS(stack, "alerter", cfg.NATSURL)
 	if err != nil {
 		return err
@@ -96,5 +100,44 @@ func watchWebhooks(stack *service.Stack, file string, dl *deliver.Deliverer, log
 		return err
 	}
 	stack.Go("webhooks file", w.Watch)
+	return nil
+}
+
+// watchPolicy, when file is set, prunes det's raised limits by the policy
+// in file (Detector.Prune) now and after every reload until the stack stops
+// it: the file is reloaded when it changes and on SIGHUP.
+func watchPolicy(ctx context.Context, stack *service.Stack, file string, det *detect.Detector, log *slog.Logger) error {
+	if file == "" {
+		return nil
+	}
+	reloaded := make(chan struct{}, 1)
+	w, err := service.WatchPolicy(stack, file, log, service.WithPolicyReloadHook(func(_ *policy.Policy, err error) {
+		if err != nil {
+			return
+		}
+		select { // the hook runs under the reload lock: the pruning waits elsewhere
+		case reloaded <- struct{}{}:
+		default: // one pending is enough: it prunes by the policy then current
+		}
+	}))
+	if err != nil {
+		return err
+	}
+	if err := det.Prune(ctx, w.Current()); err != nil {
+		return err
+	}
+	stack.Go("policy pruning", func(ctx context.Context) {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-reloaded:
+				if err := det.Prune(ctx, w.Current()); err != nil && ctx.Err() == nil {
+					// Kept raised until the next reload: correct, only larger.
+					log.Error("re-arm the limits a policy reload removed", "err", err)
+				}
+			}
+		}
+	})
 	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"quotaflow/internal/pgtest"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/alerter/internal/store"
 )
 
@@ -245,5 +247,75 @@ func TestFailedCommitRereadsLimits(t *testing.T) {
 	}
 	if got := strings.Join(thresholdAlerts(t, st), "|"); got != "acme/u 5h 80|acme/u 5h 80" {
 		t.Errorf("alerts %q, want 80 twice (the failed commit's and the one after re-arming)", got)
+	}
+}
+
+// A policy reload that removes limits re-arms and forgets their raised
+// states (otherwise kept for ever: no snapshot of them comes again), and
+// keeps those of every limit it still defines: a plan's, an endpoint's
+// per-user one, a tenant's own. A removed limit that comes back alerts
+// again from level 0.
+func TestPruneReArmsRemovedLimits(t *testing.T) {
+	st := newStore(t)
+	ctx := context.Background()
+	c := &clock{t: time.Now().UTC()}
+	d := newDetector(t, st, c)
+	ls := func(scope, endpoint, name string, used int64) events.LimitState {
+		return events.LimitState{Scope: scope, Endpoint: endpoint, Name: name, Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}
+	}
+	snap := func(v int64, limits ...events.LimitState) {
+		t.Helper()
+		r := events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: v, TenantVersion: v, Limits: limits}
+		if err := d.Reserved(ctx, events.Event{Time: c.now()}, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap(1, ls("user", "", "5h", 85), ls("user", "", "old", 85), ls("user", "/e", "ep", 85), ls("user", "/other", "ep", 85),
+		ls("tenant", "", "month", 85), ls("tenant", "", "gone", 85))
+	if n := len(thresholdAlerts(t, st)); n != 6 {
+		t.Fatalf("%d alerts, want 6 (80 %% of each limit)", n)
+	}
+
+	p, err := policy.Parse([]byte(`
+default_plan: free
+plans:
+  free: {quotas: [{name: 5h, kind: rolling, window: 5h, limit: 100}]}
+  pro: {rates: [{name: month, kind: fixed, window: 1h, limit: 100}]}
+endpoints:
+  /e: {user: [{name: ep, kind: fixed, window: 1h, limit: 100}]}
+tenants:
+  acme: {quotas: [{name: month, kind: calendar_month, limit: 100}]}
+  other: {quotas: [{name: gone, kind: calendar_month, limit: 100}]}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Prune(ctx, p); err != nil {
+		t.Fatalf("Prune = %v", err)
+	}
+	key := func(scope, endpoint, name string) store.LimitKey {
+		k := store.LimitKey{Tenant: "acme", Scope: scope, Endpoint: endpoint, Name: name}
+		if scope == "user" {
+			k.User = "u"
+		}
+		return k
+	}
+	want := map[store.LimitKey]int{key("user", "", "5h"): 80, key("user", "/e", "ep"): 80, key("tenant", "", "month"): 80}
+	stored, complete, err := st.RaisedLimits(ctx, 100)
+	if err != nil || !complete || !maps.Equal(stored, want) {
+		t.Errorf("raised in Postgres after the reload: %v, %v, %v; want %v", stored, complete, err, want)
+	}
+	d.mu.Lock()
+	inMemory := maps.Clone(d.raised)
+	d.mu.Unlock()
+	if !maps.Equal(inMemory, want) {
+		t.Errorf("raised in memory after the reload: %v, want %v", inMemory, want)
+	}
+
+	// Back in a later policy, "old" fires again; the others stay fired.
+	snap(2, ls("user", "", "5h", 86), ls("user", "", "old", 86), ls("tenant", "", "month", 86))
+	alerts := thresholdAlerts(t, st)
+	if len(alerts) != 7 || alerts[6] != "acme/u old 80" {
+		t.Errorf("alerts after the reload %q, want one more: old's 80 again", alerts)
 	}
 }

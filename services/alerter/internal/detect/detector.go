@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -13,6 +14,7 @@ import (
 
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/alerter/internal/store"
 )
 
@@ -75,6 +77,7 @@ type Updater interface {
 	SaveVersions(ctx context.Context, versions map[store.VersionKey]int64) error
 	FiringSpikes(ctx context.Context) ([][2]string, error)
 	RaisedLimits(ctx context.Context, max int) (map[store.LimitKey]int, bool, error)
+	ReArmUndefined(ctx context.Context, defined store.Defined) ([]store.LimitKey, error)
 	Abusing(ctx context.Context) ([]store.AbuseKey, error)
 	EndAbuse(ctx context.Context, k store.AbuseKey) error
 }
@@ -309,6 +312,60 @@ func (d *Detector) committed(err error, touched map[store.LimitKey]bool, levels 
 	d.mu.Unlock()
 	d.alerted(KindThreshold, fired)
 	return nil
+}
+
+// Prune re-arms the raised limits that p does not define (ReArmUndefined)
+// and forgets them: a policy reload removed them, so no snapshot would
+// ever lower them, and without it the raised set grows with every reload
+// that renames or drops limits until it passes maxRaised and every
+// snapshot reads its state. A limit counts as defined when any plan has
+// one of its name (a request may name its plan), when its endpoint's user
+// list has it, and, tenant-wide, when its tenant's entry has it. Call it
+// with each policy that comes in force, the first one included.
+func (d *Detector) Prune(ctx context.Context, p *policy.Policy) error {
+	defined := definedBy(p)
+	// Under mu across the update: a commit that raises one of these limits
+	// meanwhile then raises it in memory after the update forgot it, so the
+	// memory never holds less than Postgres (the snapshot after reads it).
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	keys, err := d.st.ReArmUndefined(ctx, defined)
+	if err != nil {
+		return err
+	}
+	for _, k := range keys {
+		delete(d.raised, k)
+	}
+	for k := range d.unknown {
+		if !defined.Has(k) { // now at level 0 in Postgres, whatever the failed commit did
+			delete(d.unknown, k)
+		}
+	}
+	if len(keys) > 0 {
+		d.log.Info("limits no longer in the policy re-armed", "limits", len(keys), "policy_digest", p.Digest())
+	}
+	return nil
+}
+
+// definedBy returns the tenant- and user-scope limits p defines.
+func definedBy(p *policy.Policy) store.Defined {
+	var d store.Defined
+	for _, pl := range p.Plans {
+		for _, l := range slices.Concat(pl.Quotas, pl.Rates) {
+			d.Define("user", "", l.Name)
+		}
+	}
+	for path, e := range p.Endpoints {
+		for _, l := range e.User {
+			d.Define("user", path, l.Name)
+		}
+	}
+	for id, t := range p.Tenants {
+		for _, l := range slices.Concat(t.Quotas, t.Rates) {
+			d.Define("tenant", id, l.Name)
+		}
+	}
+	return d
 }
 
 // quiet reports whether a snapshot leaves every threshold state as it is:

@@ -436,6 +436,70 @@ func (s *Store) RaisedLimits(ctx context.Context, max int) (levels map[LimitKey]
 	return levels, true, nil
 }
 
+// Defined is the limits a policy defines, as their states are keyed:
+// user-scope limits by (endpoint, name), a plan's with endpoint "";
+// tenant-scope limits by (tenant, name). Build it with Define and Has.
+type Defined struct {
+	user, tenant map[[2]string]bool
+}
+
+// Define adds a user-scope limit (endpoint "" for a plan's) or, with
+// scope "tenant", a tenant's own limit (key is then the tenant).
+func (d *Defined) Define(scope, key, name string) {
+	m := &d.user
+	if scope == "tenant" {
+		m = &d.tenant
+	}
+	if *m == nil {
+		*m = map[[2]string]bool{}
+	}
+	(*m)[[2]string{key, name}] = true
+}
+
+// Has reports whether k's limit is defined.
+func (d Defined) Has(k LimitKey) bool {
+	if k.Scope == "tenant" {
+		return d.tenant[[2]string{k.Tenant, k.Name}]
+	}
+	return d.user[[2]string{k.Endpoint, k.Name}]
+}
+
+func pairs(m map[[2]string]bool) (a, b []string) {
+	a, b = make([]string, 0, len(m)), make([]string, 0, len(m))
+	for k := range m {
+		a, b = append(a, k[0]), append(b, k[1])
+	}
+	return a, b
+}
+
+const qReArmUndefined = `
+UPDATE alert_limits l SET level = 0, updated_at = now()
+WHERE l.level > 0 AND (
+       l.scope = 'tenant' AND (l.tenant, l.name) NOT IN (SELECT * FROM unnest($3::text[], $4::text[]))
+    OR l.scope <> 'tenant' AND (l.endpoint, l.name) NOT IN (SELECT * FROM unnest($1::text[], $2::text[])))
+RETURNING l.tenant, l.user_id, l.scope, l.endpoint, l.name`
+
+// ReArmUndefined sets every raised limit that defined does not hold to
+// level 0 and returns their keys: a policy reload removed them, so no
+// snapshot will ever lower them, and should the limit come back it starts
+// armed. Its firings count stays, so the alerts it fires then have new ids.
+func (s *Store) ReArmUndefined(ctx context.Context, defined Defined) ([]LimitKey, error) {
+	ue, un := pairs(defined.user)
+	tt, tn := pairs(defined.tenant)
+	rows, err := s.pool.Query(ctx, qReArmUndefined, ue, un, tt, tn)
+	if err != nil {
+		return nil, fmt.Errorf("re-arm undefined limits: %w", err)
+	}
+	keys, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (k LimitKey, err error) {
+		err = r.Scan(&k.Tenant, &k.User, &k.Scope, &k.Endpoint, &k.Name)
+		return k, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("re-arm undefined limits: %w", err)
+	}
+	return keys, nil
+}
+
 const qLimits = `
 SELECT l.tenant, l.user_id, l.scope, l.endpoint, l.name, l.level, l.fires, l.last_used, l.reset_at
 FROM alert_limits l
