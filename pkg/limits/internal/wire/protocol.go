@@ -82,7 +82,9 @@
 //
 // # Reservation record
 //
-// KEYS[2] of a subject call, '<i6i6BI6I6': time ms, estimate, state
+// KEYS[2] of a subject call (a reserve over rules that keep none,
+// KeepsRecord, names no record: its argument's record index is 0),
+// '<i6i6BI6I6': time ms, estimate, state
 // (RecordOpen, RecordCorrected, RecordReleased, RecordVoid, and recordTomb:
 // the marker of a locally denied call whose Reserve was lost), the request's
 // fingerprint, the nonce of the Reserve that wrote it; then the tail: I2
