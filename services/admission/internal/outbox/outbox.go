@@ -74,7 +74,8 @@ type Options struct {
 	// instance: two processes cannot share one (a lock file enforces it).
 	SpillDir string
 	// MaxEvents bounds the in-memory queue (default 10000 events, a few
-	// MiB). Past it, events go to SpillDir.
+	// MiB when full; the queue takes memory as events come, not for its
+	// bound). Past it, events go to SpillDir.
 	MaxEvents int
 	// MaxSpillBytes bounds SpillDir (default 1 GiB, about a million
 	// events). Past it, events are lost and counted.
@@ -198,7 +199,7 @@ type Outbox struct {
 	now   *stream.Batcher
 	opt   Options
 	log   *slog.Logger
-	queue chan queued
+	queue *queue
 	spill *spillDir
 	kick  chan struct{} // wakes the publisher when something was spilled
 	m     *metrics
@@ -227,13 +228,6 @@ type Outbox struct {
 	loseSuppressed map[string]int       // losses not logged since
 }
 
-// queued is an event in the queue, with when it came, for the wait
-// metric.
-type queued struct {
-	ev events.Event
-	at time.Time
-}
-
 type denyKey struct {
 	d      events.Denied // Count zero
 	second int64
@@ -256,7 +250,7 @@ func New(pub Publisher, opt Options) (*Outbox, error) {
 	o := &Outbox{
 		opt:      opt,
 		log:      opt.Log.With("component", "outbox"),
-		queue:    make(chan queued, opt.MaxEvents),
+		queue:    newQueue(opt.MaxEvents),
 		spill:    sp,
 		kick:     make(chan struct{}, 1),
 		closing:  make(chan struct{}),
@@ -288,13 +282,9 @@ func New(pub Publisher, opt Options) (*Outbox, error) {
 // while there is room, else into the spill directory.
 func (o *Outbox) Enqueue(ev events.Event) {
 	o.closeMu.RLock()
-	if !o.closed {
-		select {
-		case o.queue <- queued{ev: ev, at: time.Now()}:
-			o.closeMu.RUnlock()
-			return
-		default:
-		}
+	if !o.closed && o.queue.push(ev, time.Now()) {
+		o.closeMu.RUnlock()
+		return
 	}
 	o.closeMu.RUnlock()
 	o.spillEvent(ev)
@@ -329,7 +319,7 @@ func (o *Outbox) PublishNow(ctx context.Context, evs []events.Event) error {
 // Pending returns the events waiting in memory and the bytes waiting in
 // the spill directory.
 func (o *Outbox) Pending() (events int, spilledBytes int64) {
-	return len(o.queue) + int(o.inflight.Load()), o.spill.bytes()
+	return o.queue.len() + int(o.inflight.Load()), o.spill.bytes()
 }
 
 // Degraded reports whether publishing currently fails or events wait on
@@ -373,16 +363,7 @@ func (o *Outbox) Close(ctx context.Context) error {
 	<-o.done
 	o.stopRun()
 
-	left := o.left
-	for {
-		select {
-		case q := <-o.queue:
-			left = append(left, q.ev)
-			continue
-		default:
-		}
-		break
-	}
+	left, _ := o.queue.take(o.left, nil, o.opt.MaxEvents+len(o.left))
 	for _, ev := range left {
 		o.spillEvent(ev)
 	}
@@ -489,15 +470,20 @@ func (o *Outbox) run() {
 				continue
 			}
 			idle := time.Now()
-			select {
-			case q := <-o.queue:
-				if q.at.Sub(idle) > time.Duration(o.wait.Load()) {
+			if !o.queue.arm(1) {
+				select {
+				case <-o.queue.ready:
+				case <-o.kick:
+				case <-closingSig:
+				}
+			}
+			batch, arrived = o.queue.take(batch, arrived[:0], o.opt.BatchSize)
+			if len(batch) > 0 {
+				if arrived[0].Sub(idle) > time.Duration(o.wait.Load()) {
 					o.wait.Store(0) // idle longer than a round's wait: fewer events than one a wait
 				}
-				batch, arrived = o.fill(append(batch, q.ev), append(arrived[:0], q.at), closingSig)
+				batch, arrived = o.fill(batch, arrived, closingSig)
 				fresh = true
-			case <-o.kick:
-			case <-closingSig:
 			}
 			continue
 		}
@@ -555,18 +541,11 @@ func (o *Outbox) run() {
 // times into arrived; when it found some but fewer than BatchSize and
 // mayWait, it waits for more as fill does.
 func (o *Outbox) take(batch []events.Event, arrived []time.Time, mayWait bool) ([]events.Event, []time.Time) {
-	for len(batch) < o.opt.BatchSize {
-		select {
-		case q := <-o.queue:
-			batch, arrived = append(batch, q.ev), append(arrived, q.at)
-		default:
-			if len(batch) == 0 || !mayWait {
-				return batch, arrived
-			}
-			return o.fill(batch, arrived, o.closing)
-		}
+	batch, arrived = o.queue.take(batch, arrived, o.opt.BatchSize)
+	if len(batch) == 0 || !mayWait {
+		return batch, arrived
 	}
-	return batch, arrived
+	return o.fill(batch, arrived, o.closing)
 }
 
 // adapt sets the wait of the queue's next round after a round of n
@@ -582,7 +561,8 @@ func (o *Outbox) adapt(n int) {
 
 // fill waits for more queued events until batch holds BatchSize, the
 // round's wait (adapt) has passed since its first event was queued, or
-// stop is closed (Close: publish at once).
+// stop is closed (Close: publish at once), then takes what is queued. It
+// sleeps meanwhile: the queue wakes it only once a full batch is there.
 func (o *Outbox) fill(batch []events.Event, arrived []time.Time, stop <-chan struct{}) ([]events.Event, []time.Time) {
 	wait := time.Until(arrived[0].Add(time.Duration(o.wait.Load())))
 	if wait <= 0 || len(batch) >= o.opt.BatchSize {
@@ -591,14 +571,16 @@ func (o *Outbox) fill(batch []events.Event, arrived []time.Time, stop <-chan str
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	for len(batch) < o.opt.BatchSize {
-		select {
-		case q := <-o.queue:
-			batch, arrived = append(batch, q.ev), append(arrived, q.at)
-		case <-t.C:
-			return batch, arrived
-		case <-stop:
-			return batch, arrived
+		if !o.queue.arm(o.opt.BatchSize - len(batch)) {
+			select {
+			case <-o.queue.ready:
+			case <-t.C:
+				return o.queue.take(batch, arrived, o.opt.BatchSize)
+			case <-stop:
+				return o.queue.take(batch, arrived, o.opt.BatchSize)
+			}
 		}
+		batch, arrived = o.queue.take(batch, arrived, o.opt.BatchSize)
 	}
 	return batch, arrived
 }
@@ -702,12 +684,9 @@ func (o *Outbox) flushDenied(final bool) {
 			// The queue no longer takes events once closed; the publisher
 			// still drains it, so put them there directly when there is
 			// room.
-			select {
-			case o.queue <- queued{ev: ev, at: time.Now()}:
-				continue
-			default:
+			if !o.queue.push(ev, time.Now()) {
+				o.spillEvent(ev)
 			}
-			o.spillEvent(ev)
 			continue
 		}
 		o.Enqueue(ev)

@@ -1,0 +1,105 @@
+package outbox
+
+import (
+	"sync"
+	"time"
+
+	"quotaflow/pkg/events"
+)
+
+// queue is the outbox's in-memory queue of events, bounded by a count. It
+// is a slice under a mutex rather than a channel of that capacity for two
+// reasons measured under load (bench/results.md, "Admission's tail and
+// memory (session 4)"): a channel holds its whole bound from the start
+// (10,000 events of 96 bytes with pointers: about a quarter of admission's
+// live heap, which every garbage collection scans), while the slice holds
+// what is queued; and a receiver waiting on a channel is woken for every
+// event sent, while the publisher only needs waking when it has work: the
+// first event after idling, or enough to fill its round (arm).
+type queue struct {
+	mu    sync.Mutex
+	evs   []queued
+	bound int
+	want  int           // wake the publisher once this many are queued; 0: it is not waiting
+	ready chan struct{} // a wake-up, buffered so that none is lost
+}
+
+// queued is an event in the queue, with when it came, for the wait
+// metric.
+type queued struct {
+	ev events.Event
+	at time.Time
+}
+
+// keepCap is the capacity an empty queue keeps for reuse; a backlog's
+// larger slice is given back once the queue empties.
+const keepCap = 1024
+
+func newQueue(bound int) *queue {
+	return &queue{bound: bound, ready: make(chan struct{}, 1)}
+}
+
+// push adds ev, queued at at, unless the queue holds bound events; it wakes
+// the publisher when it armed a wake-up for this many.
+func (q *queue) push(ev events.Event, at time.Time) bool {
+	q.mu.Lock()
+	if len(q.evs) >= q.bound {
+		q.mu.Unlock()
+		return false
+	}
+	q.evs = append(q.evs, queued{ev: ev, at: at})
+	wake := q.want > 0 && len(q.evs) >= q.want
+	if wake {
+		q.want = 0
+	}
+	q.mu.Unlock()
+	if wake {
+		select {
+		case q.ready <- struct{}{}:
+		default: // a wake-up is pending already
+		}
+	}
+	return true
+}
+
+// arm asks for a wake-up on ready once n events are queued (or the queue
+// is full, so that a round waiting for more takes them rather than letting
+// the next ones spill), and reports whether they already are (then none is
+// armed). A wake-up may come with fewer (one left from an earlier arm):
+// the publisher looks again.
+func (q *queue) arm(n int) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n = min(n, q.bound)
+	if len(q.evs) >= n {
+		q.want = 0
+		return true
+	}
+	q.want = n
+	return false
+}
+
+// take moves the oldest events into batch, and their arrival times into
+// arrived, until batch holds limit events or the queue is empty.
+func (q *queue) take(batch []events.Event, arrived []time.Time, limit int) ([]events.Event, []time.Time) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := min(max(limit-len(batch), 0), len(q.evs))
+	for _, x := range q.evs[:n] {
+		batch, arrived = append(batch, x.ev), append(arrived, x.at)
+	}
+	left := copy(q.evs, q.evs[n:])
+	clear(q.evs[left:]) // the taken events are the batch's now
+	q.evs = q.evs[:left]
+	if left == 0 && cap(q.evs) > keepCap {
+		q.evs = nil
+	}
+	return batch, arrived
+}
+
+// len is how many events are queued.
+func (q *queue) len() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.evs)
+}
