@@ -18,7 +18,8 @@ import (
 // first event after idling, or enough to fill its round (arm).
 type queue struct {
 	mu    sync.Mutex
-	evs   []queued
+	evs   []queued // evs[head:] are queued, oldest first
+	head  int
 	bound int
 	want  int           // wake the publisher once this many are queued; 0: it is not waiting
 	ready chan struct{} // a wake-up, buffered so that none is lost
@@ -43,12 +44,17 @@ func newQueue(bound int) *queue {
 // the publisher when it armed a wake-up for this many.
 func (q *queue) push(ev events.Event, at time.Time) bool {
 	q.mu.Lock()
-	if len(q.evs) >= q.bound {
+	if len(q.evs)-q.head >= q.bound {
 		q.mu.Unlock()
 		return false
 	}
+	if q.head > 0 && len(q.evs) == cap(q.evs) { // move the queued to the front rather than grow
+		n := copy(q.evs, q.evs[q.head:])
+		clear(q.evs[n:])
+		q.evs, q.head = q.evs[:n], 0
+	}
 	q.evs = append(q.evs, queued{ev: ev, at: at})
-	wake := q.want > 0 && len(q.evs) >= q.want
+	wake := q.want > 0 && len(q.evs)-q.head >= q.want
 	if wake {
 		q.want = 0
 	}
@@ -71,7 +77,7 @@ func (q *queue) arm(n int) bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	n = min(n, q.bound)
-	if len(q.evs) >= n {
+	if len(q.evs)-q.head >= n {
 		q.want = 0
 		return true
 	}
@@ -84,15 +90,17 @@ func (q *queue) arm(n int) bool {
 func (q *queue) take(batch []events.Event, arrived []time.Time, limit int) ([]events.Event, []time.Time) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	n := min(max(limit-len(batch), 0), len(q.evs))
-	for _, x := range q.evs[:n] {
+	taken := q.evs[q.head:][:min(max(limit-len(batch), 0), len(q.evs)-q.head)]
+	for _, x := range taken {
 		batch, arrived = append(batch, x.ev), append(arrived, x.at)
 	}
-	left := copy(q.evs, q.evs[n:])
-	clear(q.evs[left:]) // the taken events are the batch's now
-	q.evs = q.evs[:left]
-	if left == 0 && cap(q.evs) > keepCap {
-		q.evs = nil
+	clear(taken) // the batch holds them now
+	q.head += len(taken)
+	if q.head == len(q.evs) {
+		q.evs, q.head = q.evs[:0], 0
+		if cap(q.evs) > keepCap {
+			q.evs = nil
+		}
 	}
 	return batch, arrived
 }
@@ -101,5 +109,5 @@ func (q *queue) take(batch []events.Event, arrived []time.Time, limit int) ([]ev
 func (q *queue) len() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return len(q.evs)
+	return len(q.evs) - q.head
 }

@@ -86,6 +86,22 @@ func TestQueueArmTake(t *testing.T) {
 		}
 	}
 
+	// Room taken from the front is used again, in order.
+	for i := 5; i < 9; i++ {
+		if !q.push(reserved(i), testNow) {
+			t.Fatalf("push %d with %d queued of 5 refused", i, q.len())
+		}
+	}
+	rest, _ := q.take(nil, nil, 10)
+	for i, ev := range rest {
+		if want := reserved(4 + i).ID; ev.ID != want {
+			t.Fatalf("after reuse, event %d = %s, want %s", i, ev.ID, want)
+		}
+	}
+	if len(rest) != 5 || q.len() != 0 {
+		t.Fatalf("take of the rest = %d events, %d left; want 5, 0", len(rest), q.len())
+	}
+
 	big := newQueue(10 * keepCap)
 	for i := range 2 * keepCap {
 		big.push(reserved(i), testNow)
