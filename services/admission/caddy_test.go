@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
-	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,10 +11,8 @@ import (
 	"sync"
 	"testing"
 
-	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
-	"quotaflow/services/admission/internal/httpapi"
 )
 
 // TestCaddyForwardAuth runs real Caddy with deploy/gateways/caddy/Caddyfile
@@ -28,29 +24,19 @@ import (
 // is installed (Debian package) by deploy/gateways/ensure.sh when missing;
 // the test skips only when that is impossible here, and never in CI.
 func TestCaddyForwardAuth(t *testing.T) {
-	caddy := ensureGateway(t, "caddy")
-
-	s := newStack(t, gatewayPolicy, []string{"caddy-token"}, func(o *httpapi.Options) {
-		o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}
-	})
 	type seen struct{ tenant, user, requestID, body string }
 	var (
 		mu       sync.Mutex
 		upstream []seen
 	)
-	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	caddy, g := newGatewayRig(t, "caddy", func(w http.ResponseWriter, r *http.Request) {
 		b, _ := io.ReadAll(r.Body)
 		mu.Lock()
 		upstream = append(upstream, seen{r.Header.Get("X-Quota-Tenant"), r.Header.Get("X-Quota-User"), r.Header.Get("X-Request-Id"), string(b)})
 		mu.Unlock()
 		fmt.Fprintf(w, "hello %s/%s\n", r.Header.Get("X-Quota-Tenant"), r.Header.Get("X-Quota-User"))
-	}))
-	t.Cleanup(api.Close)
-
-	addr, err := e2e.FreeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
+	}, nil)
+	s, addr := g.s, g.addr
 	host, port, _ := strings.Cut(addr, ":")
 	if host != "127.0.0.1" {
 		t.Fatalf("FreeAddr = %s, want one on 127.0.0.1 (the Caddyfile binds there)", addr)
@@ -58,7 +44,7 @@ func TestCaddyForwardAuth(t *testing.T) {
 	conf := gatewayConfig(t, filepath.Join("caddy", "Caddyfile"), map[string]string{
 		"http://:8000 {":               "http://:" + port + " {",
 		"forward_auth 127.0.0.1:8080":  "forward_auth " + strings.TrimPrefix(s.srv.URL, "http://"),
-		"reverse_proxy 127.0.0.1:3000": "reverse_proxy " + strings.TrimPrefix(api.URL, "http://"),
+		"reverse_proxy 127.0.0.1:3000": "reverse_proxy " + strings.TrimPrefix(g.upstream.URL, "http://"),
 		"CHANGE-ME-admission-token":    "caddy-token",
 		"key-acme-alice acme alice":    "key-acme-alice " + s.tenant + " alice",
 		"key-acme-bob acme bob":        "key-acme-bob " + s.tenant + " bob",
@@ -80,13 +66,8 @@ func TestCaddyForwardAuth(t *testing.T) {
 	cmd := exec.Command(caddy, "run", "--adapter", "caddyfile", "--config", path)
 	cmd.Env = env
 	runGateway(t, dir, addr, cmd)
-	base := "http://" + addr
-	do := func(key string, hdr ...string) (*http.Response, string) {
-		t.Helper()
-		return gatewayPost(t, base, key, hdr...)
-	}
 
-	if resp, _ := do(""); resp.StatusCode != http.StatusUnauthorized {
+	if resp, _ := g.post(t, ""); resp.StatusCode != http.StatusUnauthorized {
 		t.Errorf("no API key: %d, want 401 from Caddy", resp.StatusCode)
 	}
 	// A client that names its own tenant, plan, cost, request id, endpoint
@@ -98,7 +79,7 @@ func TestCaddyForwardAuth(t *testing.T) {
 		"X-Real-IP", "not-an-ip", "RateLimit", "spoofed",
 	}
 	for i := range 3 {
-		resp, body := do("key-acme-alice", spoofed...)
+		resp, body := g.post(t, "key-acme-alice", spoofed...)
 		if resp.StatusCode != 200 || body != "hello "+s.tenant+"/alice\n" {
 			t.Fatalf("request %d: %d %q, want 200 from the upstream", i, resp.StatusCode, body)
 		}
@@ -109,11 +90,11 @@ func TestCaddyForwardAuth(t *testing.T) {
 			t.Errorf("request %d: headers %v", i, resp.Header)
 		}
 	}
-	if resp, body := do("key-acme-bob"); resp.StatusCode != 200 {
+	if resp, body := g.post(t, "key-acme-bob"); resp.StatusCode != 200 {
 		t.Fatalf("bob: %d %q, want 200", resp.StatusCode, body)
 	}
 
-	resp, body := do("key-acme-alice", spoofed...)
+	resp, body := g.post(t, "key-acme-alice", spoofed...)
 	if resp.StatusCode != http.StatusTooManyRequests {
 		t.Fatalf("4th request: %d %q, want 429", resp.StatusCode, body)
 	}
@@ -122,7 +103,7 @@ func TestCaddyForwardAuth(t *testing.T) {
 		t.Errorf("429 body %q, want admission's", body)
 	}
 	// Another user of the tenant is not affected.
-	if resp, body := do("key-acme-bob"); resp.StatusCode != 200 {
+	if resp, body := g.post(t, "key-acme-bob"); resp.StatusCode != 200 {
 		t.Errorf("bob: %d %q, want 200", resp.StatusCode, body)
 	}
 

@@ -5,12 +5,17 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"quotaflow/internal/e2e"
+	"quotaflow/services/admission/internal/httpapi"
 )
 
 // Helpers of the tests that run real gateways (nginx_test.go,
@@ -49,6 +54,37 @@ func ensureGateway(t *testing.T, gateway string) string {
 		t.Fatalf("deploy/gateways/ensure.sh %s: %v\n%s", gateway, err, stderr)
 	}
 	return strings.TrimSpace(string(out))
+}
+
+// gatewayRig is what a gateway test puts around its gateway: admission
+// (s), trusting the gateway's address 127.0.0.1 and taking the token
+// "<gateway>-token", the upstream the gateway forwards to, and the
+// address the gateway is to listen on.
+type gatewayRig struct {
+	s        *stack
+	upstream *httptest.Server
+	addr     string
+}
+
+// newGatewayRig returns the binary of gateway (ensureGateway) and a rig
+// whose upstream answers with handler; opt, when set, adjusts admission's
+// API options further.
+func newGatewayRig(t *testing.T, gateway string, handler http.HandlerFunc, opt func(*httpapi.Options)) (string, gatewayRig) {
+	t.Helper()
+	bin := ensureGateway(t, gateway)
+	s := newStack(t, gatewayPolicy, []string{gateway + "-token"}, func(o *httpapi.Options) {
+		o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}
+		if opt != nil {
+			opt(o)
+		}
+	})
+	upstream := httptest.NewServer(handler)
+	t.Cleanup(upstream.Close)
+	addr, err := e2e.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bin, gatewayRig{s: s, upstream: upstream, addr: addr}
 }
 
 // gatewayConfig is the file deploy/gateways/<name> with each key of repl
@@ -99,12 +135,12 @@ func runGateway(t *testing.T, dir, addr string, cmd *exec.Cmd, logs ...string) {
 	waitListening(t, addr)
 }
 
-// gatewayPost sends a client's POST /api/v1/generate?stream=1 to the
-// gateway at base with an API key (none when empty) and headers (name,
-// value, ...), and returns the answer and its body.
-func gatewayPost(t *testing.T, base, key string, hdr ...string) (*http.Response, string) {
+// post sends a client's POST /api/v1/generate?stream=1 to the rig's
+// gateway with an API key (none when empty) and headers (name, value, ...),
+// and returns the answer and its body.
+func (g gatewayRig) post(t *testing.T, key string, hdr ...string) (*http.Response, string) {
 	t.Helper()
-	req, _ := http.NewRequest("POST", base+"/api/v1/generate?stream=1", strings.NewReader(`{"prompt":"hi"}`))
+	req, _ := http.NewRequest("POST", "http://"+g.addr+"/api/v1/generate?stream=1", strings.NewReader(`{"prompt":"hi"}`))
 	if key != "" {
 		req.Header.Set("X-Api-Key", key)
 	}

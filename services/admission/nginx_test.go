@@ -4,15 +4,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
-	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 
-	"quotaflow/internal/e2e"
 	"quotaflow/services/admission/internal/httpapi"
 )
 
@@ -23,24 +20,13 @@ import (
 // the test skips only when that is impossible here (no apt-get or no root),
 // and never in CI.
 func TestNginxAuthRequest(t *testing.T) {
-	nginx := ensureGateway(t, "nginx")
-
-	s := newStack(t, gatewayPolicy, []string{"nginx-token"}, func(o *httpapi.Options) {
-		o.AuthzDenyStatus = http.StatusForbidden
-		o.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}
-	})
-	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	nginx, g := newGatewayRig(t, "nginx", func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, "hello %s/%s request %s\n", r.Header.Get("X-Quota-Tenant"), r.Header.Get("X-Quota-User"), r.Header.Get("X-Request-Id"))
-	}))
-	t.Cleanup(upstream.Close)
-
-	addr, err := e2e.FreeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
+	}, func(o *httpapi.Options) { o.AuthzDenyStatus = http.StatusForbidden })
+	s, addr := g.s, g.addr
 	text := gatewayConfig(t, filepath.Join("nginx", "quotaflow.conf"), map[string]string{
 		"server 127.0.0.1:8080;":     "server " + strings.TrimPrefix(s.srv.URL, "http://") + ";",
-		"server 127.0.0.1:3000;":     "server " + strings.TrimPrefix(upstream.URL, "http://") + ";",
+		"server 127.0.0.1:3000;":     "server " + strings.TrimPrefix(g.upstream.URL, "http://") + ";",
 		"listen 127.0.0.1:8000;":     "listen " + addr + ";",
 		"CHANGE-ME-admission-token":  "nginx-token",
 		`"key-acme-alice"   "acme";`: `"key-acme-alice"   "` + s.tenant + `";`,
@@ -79,12 +65,8 @@ http {
 	runGateway(t, dir, addr, exec.Command(nginx, "-p", dir, "-c", filepath.Join(dir, "nginx.conf"), "-g", "daemon off;"),
 		"access.log", "error.log")
 	base := "http://" + addr
-	get := func(key string, hdr ...string) (*http.Response, string) {
-		t.Helper()
-		return gatewayPost(t, base, key, hdr...)
-	}
 
-	if resp, _ := get(""); resp.StatusCode != 401 {
+	if resp, _ := g.post(t, ""); resp.StatusCode != 401 {
 		t.Errorf("no API key: %d, want 401 from nginx", resp.StatusCode)
 	}
 	// A URI admission cannot check (an escaped control character in the
@@ -104,7 +86,7 @@ http {
 	}
 	for i := range 3 {
 		// A client-sent X-Quota-* header is overwritten by nginx.
-		resp, body := get("key-acme-alice", "X-Quota-Tenant", "someone-else", "X-Quota-Estimated-Tokens", "0")
+		resp, body := g.post(t, "key-acme-alice", "X-Quota-Tenant", "someone-else", "X-Quota-Estimated-Tokens", "0")
 		if resp.StatusCode != 200 || !strings.HasPrefix(body, "hello "+s.tenant+"/alice") {
 			t.Fatalf("request %d: %d %q, want 200 from the upstream", i, resp.StatusCode, body)
 		}
@@ -115,7 +97,7 @@ http {
 	}
 	// The upstream saw the request id admission reserved under: it can
 	// release (or report) that reservation.
-	_, body := get("key-acme-bob")
+	_, body := g.post(t, "key-acme-bob")
 	id := body[strings.LastIndex(body, " ")+1 : len(body)-1]
 	rel := s.call("POST", "/v1/release", `{"tenant":"`+s.tenant+`","user":"bob","request_id":"`+id+`"}`,
 		"Authorization", "Bearer nginx-token")
@@ -123,13 +105,13 @@ http {
 		t.Errorf("release of the upstream's X-Request-Id %q = %d %v, want released", id, rel.code, rel.body)
 	}
 
-	resp, body := get("key-acme-alice")
+	resp, body := g.post(t, "key-acme-alice")
 	if resp.StatusCode != http.StatusTooManyRequests {
 		t.Fatalf("4th request: %d %q, want 429", resp.StatusCode, body)
 	}
 	checkGatewayDenial(t, resp, body)
 	// Another user of the tenant is not affected.
-	if resp, body := get("key-acme-bob"); resp.StatusCode != 200 {
+	if resp, body := g.post(t, "key-acme-bob"); resp.StatusCode != 200 {
 		t.Errorf("bob: %d %q, want 200", resp.StatusCode, body)
 	}
 }

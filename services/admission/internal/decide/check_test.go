@@ -32,43 +32,49 @@ func TestCheckIsAllOrNothing(t *testing.T) {
 	rb := []policy.Rule{checkRule("w", 3)}
 	ctx := context.Background()
 
-	if _, err := d.Check(ctx, []Charge{{Scope: policy.ScopeGlobal, ID: a, Cost: 1, Rules: ra}}); err != nil { // loads the script
+	// check is d.Check of charges of a and b (costs ca and cb; none for a
+	// cost of 0) and the round trips it took.
+	check := func(ca, cb int64) (Result, int64, error) {
+		t.Helper()
+		var charges []Charge
+		if ca > 0 {
+			charges = append(charges, Charge{Scope: policy.ScopeGlobal, ID: a, Cost: ca, Rules: ra})
+		}
+		if cb > 0 {
+			charges = append(charges, Charge{Scope: policy.ScopeGlobal, ID: b, Cost: cb, Rules: rb})
+		}
+		rt.Reset()
+		r, err := d.Check(ctx, charges)
+		return r, rt.Count(), err
+	}
+	if _, _, err := check(1, 0); err != nil { // loads the script
 		t.Fatal(err)
 	}
-	rt.Reset()
-	r, err := d.Check(ctx, []Charge{{Scope: policy.ScopeGlobal, ID: a, Cost: 2, Rules: ra}})
+	r, trips, err := check(2, 0)
 	if err != nil || !r.Allowed || len(r.Limits) != 3 || r.Limits[1].Remaining != 2 || r.Local {
 		t.Fatalf("Check(one charge) = %+v, %v; want allowed, 3 limits, y remaining 2", r, err)
 	}
-	if got := rt.Count(); got != 1 {
-		t.Errorf("round trips of one charge = %d, want 1", got)
+	if trips != 1 {
+		t.Errorf("round trips of one charge = %d, want 1", trips)
 	}
 
-	rt.Reset()
-	r, err = d.Check(ctx, []Charge{
-		{Scope: policy.ScopeGlobal, ID: a, Cost: 1, Rules: ra},
-		{Scope: policy.ScopeGlobal, ID: b, Cost: 1, Rules: rb},
-	})
+	r, trips, err = check(1, 1)
 	if err != nil || !r.Allowed || len(r.Limits) != 4 || r.Limits[1].Remaining != 1 || r.Limits[3].Remaining != 2 {
 		t.Fatalf("Check(two charges) = %+v, %v; want allowed, 4 limits, y remaining 1, w 2", r, err)
 	}
-	if got := rt.Count(); got != 1 {
-		t.Errorf("round trips of two allowed charges = %d, want 1", got)
+	if trips != 1 {
+		t.Errorf("round trips of two allowed charges = %d, want 1", trips)
 	}
 
-	rt.Reset()
-	r, err = d.Check(ctx, []Charge{
-		{Scope: policy.ScopeGlobal, ID: a, Cost: 1, Rules: ra},
-		{Scope: policy.ScopeGlobal, ID: b, Cost: 3, Rules: rb},
-	})
+	r, trips, err = check(1, 3)
 	if err != nil || r.Allowed || r.DeniedBy == nil || r.DeniedBy.Endpoint != "w" || len(r.Limits) != 4 {
 		t.Fatalf("Check(second charge over) = %+v, %v; want denied by w, 4 limits", r, err)
 	}
 	if r.Limits[1].Remaining != 1 {
 		t.Errorf("y after the denial reports remaining %d, want 1 (given back)", r.Limits[1].Remaining)
 	}
-	if got := rt.Count(); got != 2 {
-		t.Errorf("round trips of two charges, the second denied = %d, want 2 (one batch, one give-back)", got)
+	if trips != 2 {
+		t.Errorf("round trips of two charges, the second denied = %d, want 2 (one batch, one give-back)", trips)
 	}
 	if used := sharedUsed(t, c, policy.ScopeGlobal, a, ra); used[0] != 4 || used[1] != 4 || used[2] != 4 {
 		t.Errorf("a's limits after the denied check = %v, want 4 each (the first three checks only)", used)
