@@ -29,17 +29,7 @@ import (
 func TestEngineAgreesWithModel(t *testing.T) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
-	seed := uint64(time.Now().UnixNano())
-	if s := os.Getenv("QF_MODEL_SEED"); s != "" {
-		seed, _ = strconv.ParseUint(s, 10, 64)
-	}
-	t.Logf("QF_MODEL_SEED=%d", seed)
-	rng := rand.New(rand.NewPCG(seed, 7))
-
-	// Redis time pinned five minutes into the hour, so no fixed, calendar
-	// or allowance window turns over during the run.
-	offset := 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
-	l := limitstest.At(c, offset)
+	seed, rng, l, offset := modelRun(t, c, 7)
 	tenant := redistest.UniqueName(t)
 	rules := []policy.Rule{
 		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t5h", Kind: policy.Rolling, Limit: 7000, Window: policy.Duration(5 * time.Hour)}),
@@ -207,6 +197,20 @@ func TestEngineAgreesWithModel(t *testing.T) {
 			m.check(t, step, what, limitstest.Peek(t, l, tenant, v, rules), v)
 		}
 	}
+}
+
+// modelRun starts a model test: its seed (QF_MODEL_SEED replays a run),
+// the random source of it and stream, and a Limiter over c whose Redis
+// time is pinned five minutes into the hour by offset, so no fixed,
+// calendar or allowance window turns over during the run.
+func modelRun(t *testing.T, c limits.Client, stream uint64) (seed uint64, rng *rand.Rand, l *limits.Limiter, offset time.Duration) {
+	seed = uint64(time.Now().UnixNano())
+	if s := os.Getenv("QF_MODEL_SEED"); s != "" {
+		seed, _ = strconv.ParseUint(s, 10, 64)
+	}
+	t.Logf("QF_MODEL_SEED=%d", seed)
+	offset = 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
+	return seed, rand.New(rand.NewPCG(seed, stream)), limitstest.At(c, offset), offset
 }
 
 // Record states of the model, as lib.lua names them.

@@ -3,8 +3,6 @@ package limits_test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
-	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -161,15 +159,7 @@ func TestReusedRequestIDNeverPassesTheLimit(t *testing.T) {
 func TestRequestOnlyEngineAgreesWithModel(t *testing.T) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
-	seed := uint64(time.Now().UnixNano())
-	if s := os.Getenv("QF_MODEL_SEED"); s != "" {
-		seed, _ = strconv.ParseUint(s, 10, 64)
-	}
-	t.Logf("QF_MODEL_SEED=%d", seed)
-	rng := rand.New(rand.NewPCG(seed, 13))
-	// Redis time five minutes into the hour: no window turns over.
-	offset := 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
-	l := limitstest.At(c, offset)
+	seed, rng, l, offset := modelRun(t, c, 13)
 	tenant := redistest.UniqueName(t)
 	rules := requestRules()
 	rules[0].Limit.Limit = 60 // the tenant's room for both users
