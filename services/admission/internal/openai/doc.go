@@ -27,7 +27,9 @@
 // 3, as in OpenAI's cookbook (the package counts its example as the API
 // does: 124 tokens on gpt-4o, 129 on gpt-4); responses items count as chat
 // messages; an image, audio or file part counts MediaTokens; tool
-// definitions count as their JSON text. Context an upstream keeps
+// definitions count as their JSON text. A conversation sends its history
+// again each turn, so the counts of long texts are remembered (a fixed-size
+// cache per encoding). Context an upstream keeps
 // (previous_response_id) is not in the body and not counted: the actual
 // usage corrects every estimate.
 //

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"os"
 	"strings"
 	"sync"
@@ -17,11 +18,11 @@ import (
 // the package's counts are checked against.
 func tok(t testing.TB, encoding, s string) int64 {
 	t.Helper()
-	tk, err := loadEncoding(encoding)
+	e, err := loadEncoding(encoding)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return int64(len(tk.EncodeOrdinary(s)))
+	return int64(len(e.tk.EncodeOrdinary(s)))
 }
 
 func TestKindOf(t *testing.T) {
@@ -357,5 +358,34 @@ func TestInspectConcurrent(t *testing.T) {
 		if n != 124 {
 			t.Errorf("Inspect %d: InputTokens = %d, want 124", i, n)
 		}
+	}
+}
+
+// TestCountCache: a long text's count is remembered, the same as counted,
+// a text in the same slot evicts it, and a text past the budget is not
+// remembered (its count depends on what came before).
+func TestCountCache(t *testing.T) {
+	s := "The count cache keeps the token count of texts of at least sixty-four bytes."
+	first := newCounter("gpt-4o", 0)
+	if got, want := first.count(s), tok(t, o200k, s); got != want {
+		t.Fatalf("count(%q) = %d, want %d", s, got, want)
+	}
+	h := maphash.String(first.cache.seed, s)
+	if n, ok := first.cache.get(h); !ok || n != tok(t, o200k, s) {
+		t.Fatalf("cache.get after count = %d, %v; want %d", n, ok, tok(t, o200k, s))
+	}
+	if got := newCounter("gpt-4o", 0).count(s); got != tok(t, o200k, s) {
+		t.Errorf("count(%q) remembered = %d, want %d", s, got, tok(t, o200k, s))
+	}
+	first.cache.put(h+cacheSlots, 7)
+	if n, ok := first.cache.get(h); ok {
+		t.Errorf("cache.get after its slot was taken = %d, want none", n)
+	}
+	full := newCounter("gpt-4o", 0)
+	full.bytes = exactBytes
+	long := strings.Repeat("An extrapolated text is not remembered. ", 4)
+	full.count(long)
+	if n, ok := full.cache.get(maphash.String(full.cache.seed, long)); ok {
+		t.Errorf("a text counted past the budget was remembered as %d", n)
 	}
 }

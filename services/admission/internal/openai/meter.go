@@ -79,12 +79,14 @@ const (
 // usage chunk of a chat or completions stream: set it when the client did
 // not ask for include_usage (Request.IncludeUsage false).
 func NewMeter(k Kind, model string, stripUsage bool) *Meter {
-	return &Meter{
+	m := &Meter{
 		kind:    k,
 		strip:   stripUsage && (k == Chat || k == Completions),
 		text:    newCounter(model, 0),
 		choices: make(map[int][]byte),
 	}
+	m.text.cache = nil // an output is new text: remembering it would evict prompts
+	return m
 }
 
 // Feed reads the next chunk of the stream and returns what to forward to

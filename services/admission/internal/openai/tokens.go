@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"hash/maphash"
 	"math"
 	"strings"
 	"sync"
@@ -58,13 +59,14 @@ func inFamily(model, family string) bool {
 	return ok && (rest == "" || rest[0] == '-' || rest[0] == '.')
 }
 
-// lazyEncoding loads an encoding on first use, once: building o200k_base
-// takes a fraction of a second and tens of MB, which a process that never
-// sees such a model should not pay.
+// lazyEncoding loads an encoding and its count cache on first use, once:
+// building o200k_base takes a fraction of a second and tens of MB, which a
+// process that never sees such a model should not pay.
 type lazyEncoding struct {
-	once sync.Once
-	tk   *tiktoken.Tiktoken
-	err  error
+	once  sync.Once
+	tk    *tiktoken.Tiktoken
+	cache *countCache
+	err   error
 }
 
 var (
@@ -75,13 +77,14 @@ var (
 	offline sync.Once
 )
 
-func loadEncoding(name string) (*tiktoken.Tiktoken, error) {
+func loadEncoding(name string) (*lazyEncoding, error) {
 	e := encodings[name]
 	e.once.Do(func() {
 		offline.Do(func() { tiktoken.SetBpeLoader(loader.NewOfflineLoader()) })
 		e.tk, e.err = tiktoken.GetEncoding(name)
+		e.cache = newCountCache()
 	})
-	return e.tk, e.err
+	return e, e.err
 }
 
 // Warm loads every encoding now, so the first request of a model does not
@@ -101,6 +104,7 @@ func Warm() error {
 // is not safe for concurrent use (it keeps what it has tokenized so far).
 type counter struct {
 	tk       *tiktoken.Tiktoken // nil: fallback
+	cache    *countCache        // nil: counts are not remembered
 	perToken float64
 	bytes    int   // tokenized so far, at most exactBytes + segment
 	tokens   int64 // their tokens
@@ -114,7 +118,9 @@ func newCounter(model string, bytesPerToken float64) *counter {
 	if name := encodingOf(model); name != "" {
 		// An encoding that fails to load (it cannot here: the vocabulary is
 		// compiled in) degrades to the fallback rather than refusing work.
-		c.tk, _ = loadEncoding(name)
+		if e, err := loadEncoding(name); err == nil {
+			c.tk, c.cache = e.tk, e.cache
+		}
 	}
 	return c
 }
@@ -143,6 +149,25 @@ func (c *counter) count(s string) int64 {
 	if c.tk == nil {
 		return c.fallback(len(s))
 	}
+	if c.cache != nil && len(s) >= minCached && c.bytes+len(s) <= exactBytes {
+		// Counted whole, so the count is the same whether remembered or not.
+		h := maphash.String(c.cache.seed, s)
+		n, ok := c.cache.get(h)
+		if !ok {
+			n = c.segments(s)
+			c.cache.put(h, n)
+			return n
+		}
+		c.bytes += len(s)
+		c.tokens += n
+		return n
+	}
+	return c.segments(s)
+}
+
+// segments counts s segment by segment within the budget, the rest by
+// extrapolation.
+func (c *counter) segments(s string) int64 {
 	var n int64
 	for s != "" && c.bytes < exactBytes {
 		i := len(s)
