@@ -20,7 +20,7 @@ import (
 // idKey is the request id key of the response-time cost tests.
 const idKey = "request_id"
 
-func startRLSCost(t *testing.T, name string, tweak func(*Config)) rlsRun {
+func startRLSCost(t testing.TB, name string, tweak func(*Config)) rlsRun {
 	t.Helper()
 	return startRLS(t, name, func(c *Config) {
 		c.EnvoyRequestIDKey = idKey

@@ -80,7 +80,7 @@ const (
 	reportToken  = "rls-report-token"
 )
 
-func startRLS(t *testing.T, name string, tweak func(*Config)) rlsRun {
+func startRLS(t testing.TB, name string, tweak func(*Config)) rlsRun {
 	t.Helper()
 	domain := redistest.UniqueName(t)
 	path := filepath.Join(t.TempDir(), "rls.yaml")
@@ -113,7 +113,7 @@ func startRLS(t *testing.T, name string, tweak func(*Config)) rlsRun {
 
 // call sends descriptors of r's domain with the gateway token and hits (0:
 // none set), failing the test on an error.
-func (r rlsRun) call(t *testing.T, hits uint32, ds ...*rlv3.RateLimitDescriptor) *rlspb.RateLimitResponse {
+func (r rlsRun) call(t testing.TB, hits uint32, ds ...*rlv3.RateLimitDescriptor) *rlspb.RateLimitResponse {
 	t.Helper()
 	resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: ds, HitsAddend: hits})
 	if err != nil {

@@ -23,7 +23,7 @@ import (
 
 // testConfig is the configuration envconfig gives with no environment,
 // pointed at test-owned streams, ports and spill directory.
-func testConfig(t *testing.T) Config {
+func testConfig(t testing.TB) Config {
 	t.Helper()
 	for _, kv := range os.Environ() {
 		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "QF_") && k != "QF_REDIS_URL" && k != "QF_NATS_URL" {
@@ -267,7 +267,7 @@ func startRun(t *testing.T, cfg Config, log *slog.Logger) (api, ops string, done
 type runAddrs struct{ api, ops, grpc string }
 
 // startRunAddrs is startRun, with the gRPC server's address too.
-func startRunAddrs(t *testing.T, cfg Config, log *slog.Logger) (runAddrs, <-chan error, func()) {
+func startRunAddrs(t testing.TB, cfg Config, log *slog.Logger) (runAddrs, <-chan error, func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	addrs := make(chan runAddrs, 1)
