@@ -82,9 +82,16 @@ const (
 
 func startRLS(t testing.TB, name string, tweak func(*Config)) rlsRun {
 	t.Helper()
+	return startRLSWith(t, name, rlsConfig, tweak)
+}
+
+// startRLSWith is startRLS with the envoy configuration conf (%s is the
+// domain).
+func startRLSWith(t testing.TB, name, conf string, tweak func(*Config)) rlsRun {
+	t.Helper()
 	domain := redistest.UniqueName(t)
 	path := filepath.Join(t.TempDir(), "rls.yaml")
-	if err := os.WriteFile(path, fmt.Appendf(nil, rlsConfig, domain), 0o644); err != nil {
+	if err := os.WriteFile(path, fmt.Appendf(nil, conf, domain), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	cfg := testConfig(t)
