@@ -100,7 +100,9 @@ func TestShouldRateLimitBounds(t *testing.T) {
 		}
 	}
 	// Invalid UTF-8 never reaches validate: protobuf-go refuses it on both
-	// sides (Internal from grpc-go's decoding), so a raw client sends it.
+	// sides, so a raw client sends it; the server's decoding refuses it as
+	// the caller's fault (grpcapi turns grpc-go's Internal into
+	// InvalidArgument).
 	req, err := proto.Marshal(&rlspb.RateLimitRequest{Domain: r.domain, Descriptors: []*rlv3.RateLimitDescriptor{charged(), free("k", "a~b")}})
 	if err != nil {
 		t.Fatal(err)
@@ -108,8 +110,8 @@ func TestShouldRateLimitBounds(t *testing.T) {
 	raw := bytes.Replace(req, []byte("a~b"), []byte("a\xffb"), 1)
 	var resp []byte
 	err = r.conn.Invoke(bearer(gatewayToken), "/"+rlspb.RateLimitService_ServiceDesc.ServiceName+"/ShouldRateLimit", raw, &resp, grpc.ForceCodec(rawCodec{}))
-	if err == nil || !strings.Contains(err.Error(), "invalid UTF-8") {
-		t.Errorf("value not UTF-8: ShouldRateLimit = %v, want an error naming invalid UTF-8", err)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "invalid UTF-8") {
+		t.Errorf("value not UTF-8: ShouldRateLimit = %v, want InvalidArgument naming invalid UTF-8", err)
 	}
 	// Limit 3: the refused requests left the counter at zero.
 	if got := codesOf(r.call(t, 0, charged())); got != "OK OK/2" {

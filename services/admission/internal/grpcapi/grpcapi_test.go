@@ -22,6 +22,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"quotaflow/internal/obs"
 	"quotaflow/services/admission/internal/auth"
@@ -106,6 +107,37 @@ func TestAuth(t *testing.T) {
 	h, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
 	if err != nil || h.GetStatus() != healthpb.HealthCheckResponse_SERVING {
 		t.Errorf("health without readiness = %v, %v; want SERVING", h, err)
+	}
+}
+
+// A request message the server cannot read is the caller's fault,
+// InvalidArgument naming what is wrong, and never reaches the handler; a
+// message over MaxMessageBytes stays ResourceExhausted. The bytes are a
+// BytesValue's: field 1, the request's domain, not UTF-8.
+func TestUnreadableRequest(t *testing.T) {
+	svc := &service{}
+	_, conn := start(t, svc, nil)
+	method := "/" + rlspb.RateLimitService_ServiceDesc.ServiceName + "/ShouldRateLimit"
+	for _, c := range []struct {
+		name string
+		msg  []byte
+		want codes.Code
+		text string
+	}{
+		{"not UTF-8", []byte("a\xffb"), codes.InvalidArgument, "invalid UTF-8"},
+		{"too large", bytes.Repeat([]byte("a"), MaxMessageBytes+1), codes.ResourceExhausted, "larger than max"},
+	} {
+		err := conn.Invoke(withToken("Bearer gw"), method, wrapperspb.Bytes(c.msg), &rlspb.RateLimitResponse{})
+		if status.Code(err) != c.want || !strings.Contains(err.Error(), c.text) {
+			t.Errorf("%s: ShouldRateLimit = %v, want %v naming %q", c.name, err, c.want, c.text)
+		}
+	}
+	if n := svc.calls.Load(); n != 0 {
+		t.Errorf("handler calls = %d, want 0", n)
+	}
+	// The service still answers a readable request.
+	if _, err := rlspb.NewRateLimitServiceClient(conn).ShouldRateLimit(withToken("Bearer gw"), &rlspb.RateLimitRequest{Domain: "x"}); err != nil {
+		t.Errorf("ShouldRateLimit after them = %v, want OK", err)
 	}
 }
 
