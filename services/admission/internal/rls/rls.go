@@ -167,6 +167,11 @@ type item struct {
 	shared []string       // share_threshold values (rlsconf.Config.Match)
 	hits   int64
 	charge int // index in the charges (of one rule each), -1 when not charged
+	// Set by reply: the charge's limit after the decision (nil when not
+	// checked), its counter and the counter's hits up to this descriptor.
+	state     *decide.LimitState
+	counter   *counter
+	hitsSoFar int64
 }
 
 // ShouldRateLimit answers one request of Envoy's rate limit filter.
@@ -211,7 +216,10 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 		}
 	}
 	p := grpcapi.Principal(ctx)
-	var charges []decide.Charge
+	// One allocation each for all the charges and their rules.
+	charges := make([]decide.Charge, 0, len(ds))
+	rules := make([]policy.Rule, len(ds))
+	var buf [256]byte // the endpoint of a descriptor, on the stack when short
 	one, named := new(string), false
 	for i, d := range ds {
 		it := &items[i]
@@ -230,8 +238,10 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 		case *one != tenant:
 			one = nil
 		}
-		rule, cost := ruleOf(domain, d.GetEntries(), it.shared, l), it.hits
-		id := counterID(domain, tenant, user, rule.Endpoint)
+		endpoint := appendEndpoint(buf[:0], domain, d.GetEntries(), it.shared)
+		rule, cost := &rules[i], it.hits
+		*rule = ruleOf(string(endpoint), l)
+		id := counterID(domain, tenant, user, sha256.Sum256(endpoint))
 		if l.RequestsPerUnit == 0 {
 			// Nothing fits (envoy's 0): a limit of 1 that a cost of 2
 			// exceeds denies in Redis without counting anything, and a
@@ -243,7 +253,7 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 			rule.Endpoint += "\x00zero"
 		}
 		it.charge = len(charges)
-		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: []policy.Rule{rule}})
+		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: rules[i : i+1 : i+1]})
 	}
 	return items, charges, one, nil
 }
@@ -264,6 +274,7 @@ func (h *Handler) decide(ctx context.Context, items []item, charges []decide.Cha
 // counter is what the reply knows of one Redis counter of a request: the
 // remaining before the request, and the hits of its descriptors so far.
 type counter struct {
+	id     string
 	seen   bool // before is known
 	before int64
 	hits   int64
@@ -276,29 +287,34 @@ type counter struct {
 // remaining after those hits, a denied one (which charged nothing) the
 // remaining before the request.
 func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Result) *rlspb.RateLimitResponse {
-	states := make([]*decide.LimitState, len(items))
-	counters := make([]*counter, len(items))
-	hitsSoFar := make([]int64, len(items))
-	byID := map[string]*counter{}
+	// Few descriptors, mostly of distinct counters: a scan finds a counter
+	// for less than a map costs.
+	counters := make([]counter, 0, len(charges))
 	for i := range items {
 		it := &items[i]
 		if it.charge < 0 {
 			continue
 		}
 		c := &charges[it.charge]
-		ct := byID[c.ID]
+		var ct *counter
+		for j := range counters {
+			if counters[j].id == c.ID {
+				ct = &counters[j]
+				break
+			}
+		}
 		if ct == nil {
-			ct = &counter{before: int64(it.limit.RequestsPerUnit)}
-			byID[c.ID] = ct
+			counters = append(counters, counter{id: c.ID, before: int64(it.limit.RequestsPerUnit)})
+			ct = &counters[len(counters)-1]
 		}
 		ct.hits += it.hits
-		counters[i], hitsSoFar[i] = ct, ct.hits
+		it.counter, it.hitsSoFar = ct, ct.hits
 		k := it.charge // one rule per charge: one state each
 		if k >= len(res.Limits) || res.Limits[k].Scope == "" {
 			continue
 		}
 		ls := &res.Limits[k]
-		states[i] = ls
+		it.state = ls
 		// The first charge of the counter (charges are checked in request
 		// order) saw it as it was before the request: after its own cost
 		// when allowed, as it was when denied or given back.
@@ -317,10 +333,13 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 		}
 	}
 	out := &rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OK, Statuses: make([]*rlspb.RateLimitResponse_DescriptorStatus, len(items))}
+	// The messages of every descriptor in one allocation.
+	msgs := make([]statusMessages, len(items))
 	var minimum *rlspb.RateLimitResponse_DescriptorStatus
 	for i := range items {
-		it := &items[i]
-		st := &rlspb.RateLimitResponse_DescriptorStatus{Code: rlspb.RateLimitResponse_OK}
+		it, m := &items[i], &msgs[i]
+		st := &m.status
+		st.Code = rlspb.RateLimitResponse_OK
 		out.Statuses[i] = st
 		switch {
 		case it.limit == nil:
@@ -331,21 +350,24 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 		case it.charge < 0: // replaced
 			continue
 		}
-		st.CurrentLimit = it.limit.Proto()
-		ct, ls := counters[i], states[i]
-		over := it.limit.RequestsPerUnit == 0 && hitsSoFar[i] > 0
+		m.limit = rlspb.RateLimitResponse_RateLimit{Name: it.limit.Name, RequestsPerUnit: it.limit.RequestsPerUnit, Unit: it.limit.Unit}
+		st.CurrentLimit = &m.limit
+		ct, ls := it.counter, it.state
+		over := it.limit.RequestsPerUnit == 0 && it.hitsSoFar > 0
 		switch {
 		case ls != nil:
-			left := ct.before - hitsSoFar[i]
+			left := ct.before - it.hitsSoFar
 			over = over || (!res.Allowed || it.limit.Shadow) && left < 0
 			if !res.Allowed {
 				left = ct.before
 			}
 			st.LimitRemaining = uint32(min(max(left, 0), math.MaxUint32))
-			st.DurationUntilReset = resetOf(ls.Reset, it.limit.Window)
+			m.reset.Seconds = resetSeconds(ls.Reset, it.limit.Window)
+			st.DurationUntilReset = &m.reset
 		case len(res.Limits) == 0: // allowed unchecked (fail-open)
 			st.LimitRemaining = it.limit.RequestsPerUnit
-			st.DurationUntilReset = resetOf(0, it.limit.Window)
+			m.reset.Seconds = resetSeconds(0, it.limit.Window)
+			st.DurationUntilReset = &m.reset
 		}
 		if over {
 			st.LimitRemaining = 0
@@ -361,23 +383,30 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 		}
 	}
 	if h.headers && minimum != nil {
-		out.ResponseHeadersToAdd = []*corev3.HeaderValue{
-			{Key: "RateLimit-Limit", Value: strconv.FormatUint(uint64(minimum.CurrentLimit.GetRequestsPerUnit()), 10)},
-			{Key: "RateLimit-Remaining", Value: strconv.FormatUint(uint64(minimum.LimitRemaining), 10)},
-			{Key: "RateLimit-Reset", Value: strconv.FormatInt(minimum.DurationUntilReset.GetSeconds(), 10)},
-		}
+		hv := new([3]corev3.HeaderValue) // one allocation for the three
+		hv[0].Key, hv[0].Value = "RateLimit-Limit", strconv.FormatUint(uint64(minimum.CurrentLimit.GetRequestsPerUnit()), 10)
+		hv[1].Key, hv[1].Value = "RateLimit-Remaining", strconv.FormatUint(uint64(minimum.LimitRemaining), 10)
+		hv[2].Key, hv[2].Value = "RateLimit-Reset", strconv.FormatInt(minimum.DurationUntilReset.GetSeconds(), 10)
+		out.ResponseHeadersToAdd = []*corev3.HeaderValue{&hv[0], &hv[1], &hv[2]}
 	}
 	return out
 }
 
-// resetOf is a window's time until reset in whole seconds, rounded up as
-// envoy's (1 to the window's seconds); without a reset from Redis, the
+// statusMessages are the messages of one descriptor's status.
+type statusMessages struct {
+	status rlspb.RateLimitResponse_DescriptorStatus
+	limit  rlspb.RateLimitResponse_RateLimit
+	reset  durationpb.Duration
+}
+
+// resetSeconds is a window's time until reset in whole seconds, rounded up
+// as envoy's (1 to the window's seconds); without a reset from Redis, the
 // window's length.
-func resetOf(reset, window time.Duration) *durationpb.Duration {
+func resetSeconds(reset, window time.Duration) int64 {
 	if reset <= 0 {
 		reset = window
 	}
-	return &durationpb.Duration{Seconds: int64((reset + time.Second - 1) / time.Second)}
+	return int64((reset + time.Second - 1) / time.Second)
 }
 
 // hits is the descriptor's hit count: its own hits_addend when set (zero
@@ -414,52 +443,58 @@ func (h *Handler) subject(entries []*rlv3.RateLimitDescriptor_Entry) (tenant, us
 // (a longer one is its SHA-256). Each counter is a Redis string and a local
 // owner of its own, so a value that varies (a client address) adds keys of
 // a few dozen bytes each, never records to one growing string.
-func counterID(domain, tenant, user, endpoint string) string {
-	var id string
+// The caller hashes the endpoint: sum is its SHA-256.
+func counterID(domain, tenant, user string, sum [sha256.Size]byte) string {
+	var buf [2*MaxIDBytes + 64]byte // one allocation: the string
+	var id []byte
 	if tenant == "" {
-		id = "d" + strconv.Itoa(len(domain)) + ":" + domain
+		id = appendField(append(buf[:0], 'd'), domain)
 	} else {
-		id = "t" + strconv.Itoa(len(tenant)) + ":" + tenant + "u" + strconv.Itoa(len(user)) + ":" + user
+		id = appendField(append(appendField(append(buf[:0], 't'), tenant), 'u'), user)
 	}
-	sum := sha256.Sum256([]byte(endpoint))
-	id += "c" + hex.EncodeToString(sum[:16])
+	id = hex.AppendEncode(append(id, 'c'), sum[:16])
 	if len(id) > limits.MaxID {
-		id = "h:" + sha256Hex(id)
+		long := sha256.Sum256(id)
+		return "h:" + hex.EncodeToString(long[:])
 	}
-	return id
+	return string(id)
 }
 
-// ruleOf is the rule of a descriptor: a fixed window of hits, named by the
-// domain and every entry (envoy's cache key, length-prefixed), with a
-// share_threshold wildcard in place of the value it matched.
-func ruleOf(domain string, entries []*rlv3.RateLimitDescriptor_Entry, shared []string, l *rlsconf.Limit) policy.Rule {
-	var b strings.Builder
-	b.WriteString(strconv.Itoa(len(domain)))
-	b.WriteByte(':')
-	b.WriteString(domain)
+// appendField appends s length-prefixed: its length, ':' and s.
+func appendField(b []byte, s string) []byte {
+	return append(append(strconv.AppendInt(b, int64(len(s)), 10), ':'), s...)
+}
+
+// appendEndpoint appends a descriptor's endpoint: the domain and every
+// entry (envoy's cache key, length-prefixed), with a share_threshold
+// wildcard in place of the value it matched.
+func appendEndpoint(b []byte, domain string, entries []*rlv3.RateLimitDescriptor_Entry, shared []string) []byte {
+	b = appendField(b, domain)
 	for i, e := range entries {
 		v := e.GetValue()
 		if i < len(shared) && shared[i] != "" {
 			v = shared[i]
 		}
-		for _, s := range [2]string{e.GetKey(), v} {
-			b.WriteString(strconv.Itoa(len(s)))
-			b.WriteByte(':')
-			b.WriteString(s)
-		}
+		b = appendField(appendField(b, e.GetKey()), v)
 	}
+	return b
+}
+
+// ruleOf is the rule of a descriptor: a fixed window of hits, named by its
+// endpoint (appendEndpoint).
+func ruleOf(endpoint string, l *rlsconf.Limit) policy.Rule {
 	return policy.Rule{
 		Limit: policy.Limit{Name: ruleName, Kind: policy.Fixed, Unit: policy.Tokens,
 			Limit: int64(l.RequestsPerUnit), Window: policy.Duration(l.Window), Shadow: l.Shadow},
 		Scope:    policy.ScopeGlobal,
-		Endpoint: b.String(),
+		Endpoint: endpoint,
 	}
 }
 
 // validate checks a request as a hostile caller may send it.
 func validate(req *rlspb.RateLimitRequest) error {
-	if err := checkID("domain", req.GetDomain()); err != nil {
-		return err
+	if err := checkID(req.GetDomain()); err != nil {
+		return fmt.Errorf("domain: %w", err)
 	}
 	ds := req.GetDescriptors()
 	switch {
@@ -477,11 +512,12 @@ func validate(req *rlspb.RateLimitRequest) error {
 			return fmt.Errorf("descriptors[%d].entries: %d, more than %d", i, len(es), MaxEntries)
 		}
 		for j, e := range es {
-			if err := checkID(fmt.Sprintf("descriptors[%d].entries[%d].key", i, j), e.GetKey()); err != nil {
-				return err
+			// The field's name is formatted only for an error.
+			if err := checkID(e.GetKey()); err != nil {
+				return fmt.Errorf("descriptors[%d].entries[%d].key: %w", i, j, err)
 			}
-			if err := checkValue(fmt.Sprintf("descriptors[%d].entries[%d].value", i, j), e.GetValue()); err != nil {
-				return err
+			if err := checkValue(e.GetValue()); err != nil {
+				return fmt.Errorf("descriptors[%d].entries[%d].value: %w", i, j, err)
 			}
 		}
 		if a := d.GetHitsAddend(); a != nil && a.GetValue() > limits.MaxCost {
@@ -494,24 +530,32 @@ func validate(req *rlspb.RateLimitRequest) error {
 	return nil
 }
 
+// Why checkID and checkValue refuse a string.
+var (
+	errEmpty   = errors.New("empty")
+	errLong    = fmt.Errorf("longer than %d bytes", MaxIDBytes)
+	errUTF8    = errors.New("not valid UTF-8")
+	errControl = errors.New("holds a control character")
+)
+
 // checkID checks a required domain or key.
-func checkID(field, s string) error {
+func checkID(s string) error {
 	if s == "" {
-		return fmt.Errorf("%s: empty", field)
+		return errEmpty
 	}
-	return checkValue(field, s)
+	return checkValue(s)
 }
 
 // checkValue checks a value (which may be empty): at most MaxIDBytes of
 // UTF-8 without control characters.
-func checkValue(field, s string) error {
+func checkValue(s string) error {
 	switch {
 	case len(s) > MaxIDBytes:
-		return fmt.Errorf("%s: longer than %d bytes", field, MaxIDBytes)
+		return errLong
 	case !utf8.ValidString(s):
-		return fmt.Errorf("%s: not valid UTF-8", field)
+		return errUTF8
 	case strings.ContainsFunc(s, func(r rune) bool { return r < 0x20 || r == 0x7f }):
-		return fmt.Errorf("%s: holds a control character", field)
+		return errControl
 	}
 	return nil
 }
@@ -521,9 +565,4 @@ func b2i(b bool) int64 {
 		return 1
 	}
 	return 0
-}
-
-func sha256Hex(s string) string {
-	sum := sha256.Sum256([]byte(s))
-	return hex.EncodeToString(sum[:])
 }

@@ -77,11 +77,6 @@ type Limit struct {
 	Path string
 }
 
-// Proto is the limit as a reply's current_limit.
-func (l *Limit) Proto() *rlspb.RateLimitResponse_RateLimit {
-	return &rlspb.RateLimitResponse_RateLimit{Name: l.Name, RequestsPerUnit: l.RequestsPerUnit, Unit: l.Unit}
-}
-
 // UnitWindow is the window of unit as envoy counts it (UnitToDivider), and
 // false for UNKNOWN or a value outside the enum.
 func UnitWindow(u rlspb.RateLimitResponse_RateLimit_Unit) (time.Duration, bool) {
