@@ -128,14 +128,14 @@ func headerOf(h *authv3.AttributeContext_HttpRequest) func(string) string {
 	}
 }
 
-// lowerNames are the headers httpapi reads, in lower case, so that a
-// check does not lower them again.
+// lowerNames are the headers httpapi reads and the rate-limit headers of
+// an answer, in lower case, so that a check does not lower them again.
 var lowerNames = func() map[string]string {
 	m := map[string]string{}
-	for _, n := range []string{
+	for _, n := range append([]string{
 		"X-Quota-Tenant", "X-Quota-User", "X-Quota-Plan", "X-Quota-Model", "X-Request-Id",
 		"X-Quota-Estimated-Tokens", "X-Quota-Input-Tokens", "X-Quota-Max-Output-Tokens",
-	} {
+	}, rateLimitHeaders...) {
 		m[n] = strings.ToLower(n)
 	}
 	return m
@@ -153,25 +153,27 @@ var rateLimitHeaders = []string{"Ratelimit", "Ratelimit-Policy", "X-Ratelimit-Li
 
 // headers converts the answer's headers (only those named in only, when
 // it is not nil; else all, sorted), each replacing any header of the same
-// name.
+// name. The messages of all the headers take three allocations.
 func headers(h http.Header, only []string) []*corev3.HeaderValueOption {
-	var out []*corev3.HeaderValueOption
-	add := func(k string, vs []string) {
-		for _, v := range vs {
-			out = append(out, &corev3.HeaderValueOption{
-				Header:       &corev3.HeaderValue{Key: strings.ToLower(k), Value: v},
-				AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
-			})
-		}
-	}
 	if only == nil {
-		for _, k := range slices.Sorted(maps.Keys(h)) {
-			add(k, h[k])
-		}
-		return out
+		only = slices.Sorted(maps.Keys(h))
 	}
+	n := 0
 	for _, k := range only {
-		add(k, h[k])
+		n += len(h[k])
+	}
+	if n == 0 {
+		return nil
+	}
+	out := make([]*corev3.HeaderValueOption, 0, n)
+	opts, values := make([]corev3.HeaderValueOption, n), make([]corev3.HeaderValue, n)
+	for _, k := range only {
+		for _, v := range h[k] {
+			i := len(out)
+			values[i].Key, values[i].Value = lower(k), v
+			opts[i].Header, opts[i].AppendAction = &values[i], corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD
+			out = append(out, &opts[i])
+		}
 	}
 	return out
 }
