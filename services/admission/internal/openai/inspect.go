@@ -141,7 +141,7 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 			choices, err = in.choices()
 		}
 		if err == nil {
-			err = in.maximum(&r, chatMaxField(r.Model), defMax, prompts*choices, "max_tokens", "max_completion_tokens")
+			err = in.maximum(&r, chatMaxField(r.Model), defMax, prompts*choices, "max_tokens", "max_completion_tokens", "n_predict")
 		}
 		if err == nil {
 			err = in.streamUsage(&r)
@@ -156,7 +156,7 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 			}
 		}
 		if err == nil {
-			err = in.maximum(&r, "max_tokens", completionsMaxTokens, prompts*choices, "max_tokens")
+			err = in.maximum(&r, "max_tokens", completionsMaxTokens, prompts*choices, "max_tokens", "n_predict")
 		}
 		if err == nil {
 			err = in.streamUsage(&r)
@@ -232,8 +232,9 @@ func (in *inspector) choices() (int64, error) {
 }
 
 // maximum sets r.OutputTokens from the largest of the maximum fields the
-// request sets (an upstream may honour either), else sets field to def in
-// the body.
+// request sets (an upstream may honour any: vLLM prefers
+// max_completion_tokens, llama.cpp its own n_predict, whose -1 for "no
+// limit" is refused here), else sets field to def in the body.
 func (in *inspector) maximum(r *Request, field string, def, times int64, fields ...string) error {
 	per := int64(0)
 	for _, f := range fields {
