@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
 )
 
@@ -96,6 +98,23 @@ func TestShouldRateLimitResponseCost(t *testing.T) {
 	for _, id := range []string{"r7", "r7"} {
 		if got := codesOf(r.call(t, 0, withID(id, 0, burst...))); got != "OVER_LIMIT OVER_LIMIT/0" {
 			t.Errorf("%s's estimate of 0 at a counter past its limit = %s, want OVER_LIMIT OVER_LIMIT/0", id, got)
+		}
+	}
+	// Denied calls kept nothing: five estimates, five corrections, three
+	// repeats.
+	wantIDs(t, r, map[string]float64{"estimated": 5, "corrected": 5, "repeated": 3, "not_estimated": 0, "not_corrected": 0})
+}
+
+// wantIDs checks quotaflow_admission_rls_request_ids_total by result.
+func wantIDs(t *testing.T, r rlsRun, want map[string]float64) {
+	t.Helper()
+	samples, err := e2e.Scrape(context.Background(), "http://"+r.ops)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for result, n := range want {
+		if got := e2e.Sum(samples, "quotaflow_admission_rls_request_ids_total", "result", result); got != n {
+			t.Errorf("quotaflow_admission_rls_request_ids_total{result=%q} = %v, want %v", result, got, n)
 		}
 	}
 }
@@ -234,5 +253,17 @@ func TestShouldRateLimitResponseCostRedisDown(t *testing.T) {
 		if err != nil || resp.GetOverallCode() != rlspb.RateLimitResponse_OK {
 			t.Fatalf("call %d of the actual with Redis down = %v, %v; want OK, decided locally", i+1, codesOf(resp), err)
 		}
+	}
+	// Each call either failed to claim the record or found the breaker
+	// open: not corrected, or decided locally as any call and so not
+	// estimated either.
+	samples, err := e2e.Scrape(context.Background(), "http://"+r.ops)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const name = "quotaflow_admission_rls_request_ids_total"
+	if est, cor, missed := e2e.Sum(samples, name, "result", "estimated"), e2e.Sum(samples, name, "result", "corrected"),
+		e2e.Sum(samples, name, "result", "not_corrected")+e2e.Sum(samples, name, "result", "not_estimated"); est != 1 || cor != 0 || missed != 2 {
+		t.Errorf("%s: estimated %v, corrected %v, not corrected or estimated %v; want 1, 0, 2", name, est, cor, missed)
 	}
 }

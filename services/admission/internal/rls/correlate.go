@@ -47,6 +47,7 @@ import (
 
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/pkg/ident"
@@ -73,6 +74,34 @@ type Records interface {
 // the next window would give credit that was never taken. Clocks under
 // NTP agree to well within it.
 const windowGuard = time.Second
+
+// The result label values of quotaflow_admission_rls_request_ids_total:
+// what a call with a request id did.
+const (
+	idEstimated    = "estimated"     // a first call's estimate was kept
+	idNotEstimated = "not_estimated" // an allowed first call kept no record (Redis away or failed)
+	idCorrected    = "corrected"     // a second call corrected the estimate
+	idNotCorrected = "not_corrected" // a second call's claim, or a counter's correction, failed
+	idRepeated     = "repeated"      // a later call found the request corrected
+)
+
+var idResults = []string{idEstimated, idNotEstimated, idCorrected, idNotCorrected, idRepeated}
+
+// newIDCounter registers the counter of request id outcomes on reg (when
+// not nil), every result starting at zero.
+func newIDCounter(reg prometheus.Registerer) *prometheus.CounterVec {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "quotaflow_admission_rls_request_ids_total",
+		Help: "ShouldRateLimit calls with a request id (QF_ENVOY_REQUEST_ID_KEY), by what they did (estimated, not_estimated, corrected, not_corrected, repeated).",
+	}, []string{"result"})
+	for _, r := range idResults {
+		c.WithLabelValues(r)
+	}
+	if reg != nil {
+		reg.MustRegister(c)
+	}
+	return c
+}
 
 // claimedMark is a record's value once its response-time call claimed it.
 const claimedMark = "claimed"
@@ -138,8 +167,12 @@ func recordKey(domain, tenant, id string) string {
 // correlated answers a call that names a request (key: recordKey).
 func (h *Handler) correlated(ctx context.Context, key string, items []item, charges []decide.Charge) (*rlspb.RateLimitResponse, error) {
 	if deg, _ := h.correct.Degraded(); deg {
-		// Redis is away: decided locally as any call, and nothing is kept.
-		resp, _, err := h.decide(ctx, items, charges)
+		// Redis is away: decided locally as any call, and nothing is kept
+		// (nor corrected, if it was a second call).
+		resp, res, err := h.decide(ctx, items, charges)
+		if err == nil && res.Allowed {
+			h.ids.WithLabelValues(idNotEstimated).Inc()
+		}
 		return resp, err
 	}
 	cctx, cancel := context.WithTimeout(ctx, h.timeout)
@@ -148,8 +181,12 @@ func (h *Handler) correlated(ctx context.Context, key string, items []item, char
 	switch {
 	case errors.Is(err, redis.Nil): // the first call: an estimate
 		resp, res, err := h.decide(ctx, items, charges)
-		if err == nil && res.Allowed && !res.Local && len(res.Limits) > 0 {
-			h.keep(ctx, key, items, charges, res)
+		switch {
+		case err != nil || !res.Allowed:
+		case !res.Local && len(res.Limits) > 0 && h.keep(ctx, key, items, charges, res):
+			h.ids.WithLabelValues(idEstimated).Inc()
+		default:
+			h.ids.WithLabelValues(idNotEstimated).Inc()
 		}
 		return resp, err
 	case err != nil:
@@ -157,21 +194,27 @@ func (h *Handler) correlated(ctx context.Context, key string, items []item, char
 		// down), and the estimate stays (a claim that ran although its
 		// reply was lost leaves it too: corrections are at most once).
 		h.log.Debug("claim request record", "err", err)
+		h.ids.WithLabelValues(idNotCorrected).Inc()
 		resp, _, err := h.decide(ctx, items, charges)
 		return resp, err
-	case old != claimedMark:
+	case old == claimedMark:
+		h.ids.WithLabelValues(idRepeated).Inc()
+	default:
 		var rec record
+		result := idNotCorrected
 		if err := json.Unmarshal([]byte(old), &rec); err != nil {
 			h.log.Error("request record unreadable; not corrected", "err", err)
-		} else {
-			h.settle(ctx, &rec, items, charges)
+		} else if h.settle(ctx, &rec, items, charges) {
+			result = idCorrected
 		}
+		h.ids.WithLabelValues(result).Inc()
 	}
 	return h.current(ctx, items, charges)
 }
 
-// keep records what an allowed first call charged (res) as its estimate.
-func (h *Handler) keep(ctx context.Context, key string, items []item, charges []decide.Charge, res *decide.Result) {
+// keep records what an allowed first call charged (res) as its estimate,
+// and reports whether it did.
+func (h *Handler) keep(ctx context.Context, key string, items []item, charges []decide.Charge, res *decide.Result) bool {
 	rec := record{Counters: map[string][2]int64{}}
 	now := res.Now
 	last := now
@@ -190,12 +233,12 @@ func (h *Handler) keep(ctx context.Context, key string, items []item, charges []
 		last, longest = later(last, end), max(longest, it.limit.Window)
 	}
 	if len(rec.Counters) == 0 {
-		return
+		return false
 	}
 	b, err := json.Marshal(&rec)
 	if err != nil {
 		h.log.Error("encode request record", "err", err)
-		return
+		return false
 	}
 	// The record outlives its windows by one window, so that a late
 	// response-time call still finds it and charges its actual in full;
@@ -203,16 +246,20 @@ func (h *Handler) keep(ctx context.Context, key string, items []item, charges []
 	ttl := min(h.ttl, last.Sub(now)+longest)
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.timeout)
 	defer cancel()
-	if err := h.records.SetArgs(cctx, key, b, redis.SetArgs{Mode: "NX", TTL: ttl}).Err(); err != nil && !errors.Is(err, redis.Nil) {
-		// Without its record, this request's next call is charged as a
+	if err := h.records.SetArgs(cctx, key, b, redis.SetArgs{Mode: "NX", TTL: ttl}).Err(); err != nil {
+		// Without its record (redis.Nil: a concurrent first call of the
+		// same id kept its own), this request's next call is charged as a
 		// first call.
 		h.log.Debug("keep request record", "err", err)
+		return false
 	}
+	return true
 }
 
 // settle moves each counter of rec that the call names by the call's hits
-// minus the estimate (the hits in full when the estimate's window passed).
-func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges []decide.Charge) {
+// minus the estimate (the hits in full when the estimate's window passed),
+// and reports whether every move was made.
+func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges []decide.Charge) bool {
 	actual := map[string]int64{}
 	first := map[string]int{}
 	for i := range items {
@@ -229,7 +276,7 @@ func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges
 		}
 		actual[id] += it.hits
 	}
-	now := time.Now()
+	now, ok := time.Now(), true
 	for id, hits := range actual {
 		delta := correction(hits, rec.Counters[id], now)
 		if delta == 0 {
@@ -237,8 +284,10 @@ func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges
 		}
 		if _, err := h.correct.Adjust(ctx, charges[first[id]], delta); err != nil {
 			h.log.Warn("correct a counter by a response-time cost; its estimate stays", "err", err)
+			ok = false
 		}
 	}
+	return ok
 }
 
 // correction is what a counter moves by at now for an actual of hits,

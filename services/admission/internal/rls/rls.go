@@ -57,6 +57,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -103,6 +104,9 @@ type Options struct {
 	// RecordTTL is the longest a request's estimate waits for its
 	// response-time call (QF_RESERVATION_TTL).
 	RecordTimeout, RecordTTL time.Duration
+	// Registerer takes the request ids' counter
+	// (quotaflow_admission_rls_request_ids_total); nil: none registered.
+	Registerer prometheus.Registerer
 	// Log receives per-request debug lines and errors; nil discards them.
 	Log *slog.Logger
 }
@@ -122,6 +126,7 @@ type Handler struct {
 	records Records
 	timeout time.Duration
 	ttl     time.Duration
+	ids     *prometheus.CounterVec // by idResults
 }
 
 // New returns the handler.
@@ -153,6 +158,7 @@ func New(o Options) (*Handler, error) {
 			return nil, errors.New("rls: a request id key needs a positive RecordTimeout and RecordTTL")
 		}
 		h.idKey, h.correct, h.records, h.timeout, h.ttl = k, o.Corrector, o.Records, o.RecordTimeout, o.RecordTTL
+		h.ids = newIDCounter(o.Registerer)
 	}
 	return h, nil
 }
