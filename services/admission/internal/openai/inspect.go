@@ -53,7 +53,8 @@ var (
 
 // FieldError is an invalid field of a request: Field is its JSON name
 // ("messages", "stream_options.include_usage"), or "body" for the body as a
-// whole. The message never repeats a value from the body.
+// whole. The message never repeats a value from the body (a repeated key
+// of up to 64 bytes at most).
 type FieldError struct {
 	Field, Problem string
 }

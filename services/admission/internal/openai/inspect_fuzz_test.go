@@ -8,7 +8,8 @@ import (
 )
 
 // FuzzInspect checks Inspect on arbitrary bodies of every kind: it never
-// panics; it fails only with ErrInvalid (a FieldError) or ErrTooLarge; what
+// panics; it fails only with ErrInvalid (a FieldError) or ErrTooLarge, in
+// a short message; what
 // it accepts it returns as valid JSON whose fields are the client's plus
 // the ones it sets, with non-negative counts; and inspecting its own
 // output changes nothing more. Seeds live in testdata/fuzz/FuzzInspect.
@@ -20,6 +21,9 @@ func FuzzInspect(f *testing.F) {
 			var fe *FieldError
 			if !errors.Is(err, ErrTooLarge) && (!errors.As(err, &fe) || fe.Field == "") {
 				t.Fatalf("Inspect(%v, %q) = %v, want a FieldError or ErrTooLarge", k, body, err)
+			}
+			if len(err.Error()) > 200 {
+				t.Fatalf("Inspect(%v, %q) error is %d bytes long: %v", k, body, len(err.Error()), err)
 			}
 			return
 		}

@@ -260,6 +260,15 @@ func TestInspectErrors(t *testing.T) {
 			}
 		})
 	}
+	for _, body := range []string{`{"model":"gpt-4o","messages":[{"role":"user","content":"secret-value"}]} secret-tail`,
+		`{"model":"gpt-4o","messages":[{"role":"user","content":"secret-value" secret-tail}]}`,
+		`{"model":"gpt-4o","messages":[{"role":"user","content":"secret-value`,
+		`{"model":"gpt-4o","` + strings.Repeat("k", 100) + `":1,"` + strings.Repeat("k", 100) + `":2}`} {
+		_, err := Inspect(Chat, []byte(body), Options{})
+		if err == nil || strings.Contains(err.Error(), "secret") || strings.Contains(err.Error(), "kkk") {
+			t.Errorf("Inspect(%s) = %v, want an error that repeats nothing of the body", body, err)
+		}
+	}
 	big := `{"model":"gpt-4o","messages":[{"role":"user","content":"` + strings.Repeat("x", 100) + `"}]}`
 	if _, err := Inspect(Chat, []byte(big), Options{MaxBody: 100}); !errors.Is(err, ErrTooLarge) {
 		t.Errorf("Inspect(%d bytes, MaxBody 100) = %v, want ErrTooLarge", len(big), err)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"slices"
 	"strconv"
@@ -38,27 +39,43 @@ func parseObject(text []byte) (object, error) {
 	for d.More() {
 		t, err := d.Token()
 		if err != nil {
-			return o, err
+			return o, syntax(err)
 		}
 		key := t.(string) // the decoder gives a string in a key's place or an error
 		if _, dup := o.find(key); dup {
+			if len(key) > maxQuoted {
+				return o, errors.New("repeats a field")
+			}
 			return o, errors.New("repeats the field " + strconv.Quote(key))
 		}
 		var v json.RawMessage
 		if err := d.Decode(&v); err != nil {
-			return o, err
+			return o, syntax(err)
 		}
 		end := int(d.InputOffset())
 		o.members = append(o.members, member{key: key, start: end - len(v), end: end})
 	}
 	if _, err := d.Token(); err != nil {
-		return o, err
+		return o, syntax(err)
 	}
 	o.close = int(d.InputOffset()) - 1
 	if _, err := d.Token(); err != io.EOF {
 		return o, errors.New("has data after the JSON object")
 	}
 	return o, nil
+}
+
+// maxQuoted is the longest key an error repeats.
+const maxQuoted = 64
+
+// syntax is a decoder's error without the character it quotes, so that an
+// error never repeats the body.
+func syntax(err error) error {
+	var se *json.SyntaxError
+	if errors.As(err, &se) {
+		return fmt.Errorf("is not valid JSON at byte %d", se.Offset)
+	}
+	return errors.New("is not valid JSON: it ends early")
 }
 
 func (o object) find(key string) (member, bool) {
