@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"unicode/utf8"
 
@@ -115,6 +116,9 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 	}
 	if defMax < 1 || defMax > MaxTokens {
 		return Request{}, fmt.Errorf("openai: Options.DefaultMaxTokens %d is outside 1..%d", defMax, MaxTokens)
+	}
+	if bpt := o.BytesPerToken; bpt < 0 || math.IsNaN(bpt) || math.IsInf(bpt, 0) {
+		return Request{}, fmt.Errorf("openai: Options.BytesPerToken %v is not a positive number", bpt)
 	}
 	if !utf8.Valid(body) {
 		return Request{}, bad("body", "is not valid UTF-8")

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
+	"math"
 	"os"
 	"strings"
 	"sync"
@@ -273,8 +274,10 @@ func TestInspectErrors(t *testing.T) {
 	if _, err := Inspect(Chat, []byte(big), Options{MaxBody: 100}); !errors.Is(err, ErrTooLarge) {
 		t.Errorf("Inspect(%d bytes, MaxBody 100) = %v, want ErrTooLarge", len(big), err)
 	}
-	if _, err := Inspect(Chat, []byte(big), Options{DefaultMaxTokens: MaxTokens + 1}); err == nil || errors.Is(err, ErrInvalid) {
-		t.Errorf("Inspect with DefaultMaxTokens beyond MaxTokens = %v, want a configuration error", err)
+	for _, o := range []Options{{DefaultMaxTokens: MaxTokens + 1}, {DefaultMaxTokens: -1}, {BytesPerToken: -1}, {BytesPerToken: math.NaN()}, {BytesPerToken: math.Inf(1)}} {
+		if _, err := Inspect(Chat, []byte(big), o); err == nil || errors.Is(err, ErrInvalid) {
+			t.Errorf("Inspect with %+v = %v, want a configuration error", o, err)
+		}
 	}
 }
 

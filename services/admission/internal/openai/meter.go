@@ -37,7 +37,7 @@ const (
 // Flush return, joined, is the stream less that event.
 //
 // Lines end in LF, CRLF or CR; each data line is read as one JSON value
-// (the OpenAI-compatible servers send one a event); lines longer than 1 MiB
+// (the OpenAI-compatible servers send one an event); lines longer than 1 MiB
 // pass through unread. It holds at most the current event until its data
 // line is complete (only when stripping: otherwise Feed returns its input
 // at once), and at most 64 KiB of streamed text. A Meter is not safe for
@@ -75,9 +75,11 @@ const (
 	drop                        // the usage chunk, stripped
 )
 
-// NewMeter meters a stream of endpoint k for model. stripUsage removes the
-// usage chunk of a chat or completions stream: set it when the client did
-// not ask for include_usage (Request.IncludeUsage false).
+// NewMeter meters a stream of endpoint k for model (its text counted with
+// the model's encoding, or at DefaultBytesPerToken for a model without
+// one). stripUsage removes the usage chunk of a chat or completions stream:
+// set it when the client did not ask for include_usage
+// (Request.IncludeUsage false).
 func NewMeter(k Kind, model string, stripUsage bool) *Meter {
 	m := &Meter{
 		kind:    k,
