@@ -38,6 +38,9 @@ var luaAdmitted string
 //go:embed lua/void.lua
 var luaVoid string
 
+//go:embed lua/count.lua
+var luaCount string
+
 //go:embed lua/restore.lua
 var luaRestore string
 
@@ -82,6 +85,7 @@ var engineCode = [][2]string{
 	{"topup", luaTopUp},
 	{"void", luaVoid},
 	{"restore", luaRestore},
+	{"count", luaCount},
 }
 
 // engine is the function library of engineCode.
@@ -96,6 +100,7 @@ var (
 	TopUp   = engine.entries["topup"]
 	Void    = engine.entries["void"]
 	Restore = engine.entries["restore"]
+	Count   = engine.entries["count"]
 )
 
 // Entries that need none of lib.lua run as scripts only: the library

@@ -19,6 +19,9 @@ import (
 //	q{T}b:R       marker of the balance top-up with reference R
 //	q{%gE}        blob of endpoint E's global limits
 //	q{%iA}        blob of client IP A's limits
+//	q{%gE}cN      a CountBatch counter of endpoint E's fixed window N (ruleID
+//	              in base 36; q{%iA}cN of client IP A's): window number and
+//	              count, '<i6i6'
 //	qe{S}         epoch key of the cluster slot that tag S hashes to
 //
 // A blob holds the state of several limits, one record each, named by a

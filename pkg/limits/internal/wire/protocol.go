@@ -287,6 +287,7 @@ var LuaNames = map[string]int64{
 	"RECORD_HEAD":             recordHeadLen,
 	"TAIL_HEAD":               tailHeadLen,
 	"MAX_COUNT":               MaxCost,
+	"COUNTER_LEN":             counterLen,
 }
 
 // LuaFlags are the bits of a spec's flags byte that the Lua code tests as

@@ -1,0 +1,204 @@
+package limits
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"quotaflow/pkg/limits/internal/script"
+	"quotaflow/pkg/limits/internal/wire"
+	"quotaflow/pkg/limits/policy"
+)
+
+// CountBatch decides groups of fixed-window counters, each group all or
+// nothing, and returns one outcome per group, in order: what the groups
+// would have got one after another (with one Redis time for all). Each
+// SharedRequest of a group adds its Cost (1 to a requests rule) to one
+// counter per rule, which must be a policy.Fixed window; a counter is the
+// rule's window of the request's Scope (policy.ScopeGlobal or
+// policy.ScopeIP) and ID. The group is allowed when every counter that is
+// not shadow fits (its count plus cost within its limit), checked in order
+// after what the group's earlier counters would add; then every counter is
+// charged, shadow ones included, else none is.
+//
+// It is the final charge ShouldRateLimit wants, cheaper in Redis than
+// ReserveShared: each counter is a key of its own ('<i6i6' window number
+// and count, expiring with its window; count.lua), not a record in the
+// scope's blob, so the two never share a count. Nothing keeps a
+// reservation; a group's charge is not given back later.
+//
+// A Decision's States hold one state per rule of each request, in order,
+// as they are after the decision (a denied group's as they were); DeniedBy
+// indexes them. The groups go out in one script call per wire.MaxBatch
+// groups; on a Redis Cluster or Ring a group's counters of each hash slot
+// go in that slot's call, and when one slot's part is denied (or fails)
+// what the others took is given back in a second round trip, so the
+// groups after it in the batch may have seen that charge. An invalid
+// group fails alone with ErrInvalid; a group whose slot lost its epoch
+// gets ErrNoEpoch.
+func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Reserved {
+	out := make([]Reserved, len(groups))
+	var parts []countPart
+	bySlot := l.run.SlotBound()
+	for g, reqs := range groups {
+		var cs []wire.Counter
+		for i := range reqs {
+			r := &reqs[i]
+			for j := range r.Rules {
+				c := wire.Counter{Scope: r.Scope, ID: r.ID, Cost: r.Cost, Rule: &r.Rules[j]}
+				if r.Rules[j].Unit != policy.Tokens {
+					c.Cost = 1
+				}
+				if err := wire.CheckCounter(&c); err != nil {
+					out[g].Err = fmt.Errorf("count %s %s: %w", r.Scope, r.ID, err)
+					cs = nil
+					break
+				}
+				cs = append(cs, c)
+			}
+			if out[g].Err != nil {
+				break
+			}
+		}
+		if out[g].Err != nil {
+			continue
+		}
+		if len(cs) == 0 {
+			out[g].Decision = Decision{Allowed: true, DeniedBy: -1, States: []State{}}
+			continue
+		}
+		out[g].Decision.States = make([]State, len(cs))
+		if !bySlot {
+			parts = append(parts, countPart{group: g, counters: cs, at: seq(len(cs))})
+			continue
+		}
+		first := len(parts)
+		for i := range cs {
+			slot := wire.CounterSlot(cs[i].Scope, cs[i].ID)
+			k := first
+			for k < len(parts) && parts[k].slot != slot {
+				k++
+			}
+			if k == len(parts) {
+				parts = append(parts, countPart{group: g, slot: slot})
+			}
+			parts[k].counters = append(parts[k].counters, cs[i])
+			parts[k].at = append(parts[k].at, i)
+		}
+	}
+	done := l.runCounts(ctx, parts)
+	// A group is allowed when every part is; a part that took its charge
+	// while another part of its group did not gives it back.
+	failed := make([]error, len(groups))
+	denied := make([]bool, len(groups))
+	for k := range parts {
+		p := &parts[k]
+		if done[k].err != nil && failed[p.group] == nil {
+			failed[p.group] = done[k].err
+		}
+		if done[k].err == nil && done[k].Status != wire.StatusAllowed {
+			denied[p.group] = true
+		}
+	}
+	var back []countPart
+	for k := range parts {
+		p := &parts[k]
+		if (failed[p.group] != nil || denied[p.group]) && done[k].err == nil && done[k].Status == wire.StatusAllowed {
+			back = append(back, countPart{group: p.group, slot: p.slot, counters: p.counters, back: done[k].now.UnixMilli()})
+		}
+	}
+	if len(back) > 0 {
+		l.runCounts(ctx, back) // best effort: what a failed give back took stays counted until its window ends
+	}
+	for g := range groups {
+		if out[g].Err == nil && failed[g] != nil {
+			out[g].Err = failed[g]
+		}
+		if out[g].Err == nil {
+			out[g].Decision.Allowed, out[g].Decision.DeniedBy = !denied[g], -1
+		}
+	}
+	for k := range parts {
+		p := &parts[k]
+		d := &out[p.group].Decision
+		if out[p.group].Err != nil {
+			continue
+		}
+		now := done[k].now
+		if d.Now.IsZero() {
+			d.Now = now
+		}
+		for i, c := range p.counters {
+			s := &d.States[p.at[i]]
+			seen := done[k].Seen[i]
+			w := time.Duration(c.Rule.Window).Milliseconds()
+			reset := time.Duration((now.UnixMilli()/w+1)*w-now.UnixMilli()) * time.Millisecond
+			fits := seen+c.Cost <= c.Rule.Limit.Limit
+			used := seen
+			if d.Allowed {
+				used = min(seen+c.Cost, MaxCost)
+			}
+			*s = State{Rule: c.Rule, Limit: c.Rule.Limit.Limit, Used: used, Remaining: max(0, c.Rule.Limit.Limit-used),
+				Reset: reset, WouldDeny: !fits && c.Rule.Shadow}
+			if !fits && !c.Rule.Shadow && (d.DeniedBy < 0 || p.at[i] < d.DeniedBy) {
+				d.DeniedBy, d.RetryAfter, d.Reason = p.at[i], reset, ReasonNone
+				if c.Cost > c.Rule.Limit.Limit {
+					d.RetryAfter, d.Reason = 0, ReasonCostExceedsLimit
+				}
+			}
+		}
+	}
+	return out
+}
+
+// countPart is the counters of one group in one script call: all of them,
+// or on a slot-bound client those of one hash slot; at gives each one's
+// index among the group's. back, when set, gives back what a charge at
+// that time (Unix ms) took.
+type countPart struct {
+	group    int
+	slot     uint16
+	counters []wire.Counter
+	at       []int
+	back     int64
+}
+
+// counted is the outcome of one countPart: its reply or error, and the
+// Redis time of its call.
+type counted struct {
+	wire.CountReply
+	err error
+	now time.Time
+}
+
+// runCounts sends parts in one round trip, one script call per slot and
+// wire.MaxBatch parts, and returns each part's outcome.
+func (l *Limiter) runCounts(ctx context.Context, parts []countPart) []counted {
+	done := make([]counted, len(parts))
+	groups := batches(l, len(parts), func(i int) uint16 { return parts[i].slot }, l.p.NewCountBatch,
+		func(b *wire.CountBatch, i int) error {
+			b.Add(parts[i].back, parts[i].counters)
+			return nil
+		})
+	calls := groupCalls(groups)
+	cmds := l.run.RunAll(ctx, script.Count, calls)
+	for k := range calls {
+		which := groups[k].which
+		now := wire.DecodeCount(cmds[k], groups[k].batch, func(j int, v wire.CountReply, err error) {
+			done[which[j]] = counted{CountReply: v, err: err}
+		})
+		for _, j := range which {
+			done[j].now = now
+		}
+	}
+	return done
+}
+
+// seq returns 0, 1, ..., n-1.
+func seq(n int) []int {
+	s := make([]int, n)
+	for i := range s {
+		s[i] = i
+	}
+	return s
+}

@@ -1,0 +1,310 @@
+package limits_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/limitstest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
+)
+
+// countRules are the fixed windows the count tests draw from: token and
+// request units, a shadow one, and a limit of 0.
+func countRules() []policy.Rule {
+	fixed := func(name string, unit policy.Unit, limit int64, w time.Duration, shadow bool) policy.Rule {
+		return policy.Rule{Limit: policy.Limit{Name: name, Kind: policy.Fixed, Unit: unit, Limit: limit, Window: policy.Duration(w), Shadow: shadow},
+			Scope: policy.ScopeGlobal, Endpoint: "e"}
+	}
+	return []policy.Rule{
+		fixed("hour", policy.Tokens, 40, time.Hour, false),
+		fixed("day", policy.Tokens, 90, 24*time.Hour, false),
+		fixed("reqs", policy.Requests, 12, time.Hour, false),
+		fixed("shadow", policy.Tokens, 15, time.Hour, true),
+		fixed("zero", policy.Tokens, 0, time.Hour, false),
+	}
+}
+
+// countModel is what CountBatch promises, for counters that stay in one
+// window: a group charges each of its counters (cost, or 1 for requests)
+// when every non-shadow one fits after the group's earlier ones, else
+// nothing.
+type countModel map[string]int64
+
+func (m countModel) group(reqs []limits.SharedRequest) (allowed bool, seen []int64) {
+	tentative := map[string]int64{}
+	allowed = true
+	for _, r := range reqs {
+		for j := range r.Rules {
+			rule := &r.Rules[j]
+			k := string(r.Scope) + " " + r.ID + " " + rule.Name
+			cost := r.Cost
+			if rule.Unit != policy.Tokens {
+				cost = 1
+			}
+			used := m[k] + tentative[k]
+			seen = append(seen, used)
+			if used+cost > rule.Limit.Limit && !rule.Shadow {
+				allowed = false
+				continue
+			}
+			tentative[k] += cost
+		}
+	}
+	if allowed {
+		for k, v := range tentative {
+			m[k] += v
+		}
+	}
+	return allowed, seen
+}
+
+// TestCountBatchAgreesWithModel sends random batches of random groups
+// (repeated counters, shadow and zero limits, costs past the limits) and
+// checks every group's decision and states against countModel, and what
+// Redis holds at the end, on one node and on a cluster, where a group's
+// counters span slots and a denied slot's part makes the others give
+// back (there one group per call: the groups after it in a call would see
+// its charge before the give back). QF_MODEL_SEED replays a run.
+func TestCountBatchAgreesWithModel(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		client func(t *testing.T) limits.Client
+	}{
+		{"node", func(t *testing.T) limits.Client { return redistest.Shared(t) }},
+		{"cluster", func(t *testing.T) limits.Client {
+			cc := redistest.Cluster(t)
+			if err := repair.WriteEpoch(context.Background(), cc, "count"); err != nil {
+				t.Fatal(err)
+			}
+			return cc
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := tc.client(t)
+			ctx := context.Background()
+			seed := uint64(time.Now().UnixNano())
+			if s := os.Getenv("QF_MODEL_SEED"); s != "" {
+				seed, _ = strconv.ParseUint(s, 10, 64)
+			}
+			t.Logf("QF_MODEL_SEED=%d", seed)
+			rng := rand.New(rand.NewPCG(seed, 11))
+			// Five minutes into the hour: no window turns over during the run.
+			offset := 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
+			l := limits.New(c, limits.Options{NoEpochGuard: tc.name == "node", ClockOffset: offset})
+			rules := countRules()
+			ids := []string{redistest.UniqueName(t) + "a", redistest.UniqueName(t) + "b", redistest.UniqueName(t) + "c"}
+			m := countModel{}
+			allowed, denied := 0, 0
+			for range 300 {
+				groups := make([][]limits.SharedRequest, 1+rng.IntN(5))
+				if tc.name == "cluster" {
+					groups = groups[:1]
+				}
+				for g := range groups {
+					for range 1 + rng.IntN(4) {
+						r := rules[rng.IntN(len(rules))]
+						groups[g] = append(groups[g], limits.SharedRequest{Scope: policy.ScopeGlobal, ID: ids[rng.IntN(len(ids))],
+							Cost: int64(rng.IntN(9)), Rules: []policy.Rule{r}})
+					}
+				}
+				out := l.CountBatch(ctx, groups)
+				for g, reqs := range groups {
+					o := out[g]
+					if o.Err != nil {
+						t.Fatalf("CountBatch group %d error = %v", g, o.Err)
+					}
+					ok, seen := m.group(reqs)
+					if o.Decision.Allowed != ok {
+						t.Fatalf("CountBatch group %d %+v allowed = %v, want %v (seen %v)", g, reqs, o.Decision.Allowed, ok, seen)
+					}
+					if ok {
+						allowed++
+					} else {
+						denied++
+					}
+					if len(o.Decision.States) != len(seen) {
+						t.Fatalf("CountBatch group %d: %d states, want %d", g, len(o.Decision.States), len(seen))
+					}
+					firstDenied := -1
+					for i, s := range o.Decision.States {
+						r := &reqs[i]
+						cost := r.Cost
+						if r.Rules[0].Unit != policy.Tokens {
+							cost = 1
+						}
+						want := seen[i]
+						if ok {
+							want += cost
+						}
+						fits := seen[i]+cost <= r.Rules[0].Limit.Limit
+						if s.Used != want || s.Limit != r.Rules[0].Limit.Limit || s.Remaining != max(0, s.Limit-s.Used) || s.WouldDeny != (!fits && r.Rules[0].Shadow) {
+							t.Fatalf("CountBatch group %d state %d (%s cost %d, seen %d) = %+v, want used %d", g, i, r.Rules[0].Name, cost, seen[i], s, want)
+						}
+						if s.Reset <= 0 || s.Reset > time.Duration(r.Rules[0].Window) {
+							t.Fatalf("CountBatch group %d state %d reset = %v", g, i, s.Reset)
+						}
+						if !fits && !r.Rules[0].Shadow && firstDenied < 0 {
+							firstDenied = i
+						}
+					}
+					if o.Decision.DeniedBy != firstDenied {
+						t.Fatalf("CountBatch group %d DeniedBy = %d, want %d", g, o.Decision.DeniedBy, firstDenied)
+					}
+				}
+			}
+			// What Redis holds: a check of no cost sees each counter's count.
+			for _, id := range ids {
+				for _, r := range rules {
+					out := l.CountBatch(ctx, [][]limits.SharedRequest{{{Scope: policy.ScopeGlobal, ID: id, Rules: []policy.Rule{r}}}})
+					if out[0].Err != nil {
+						t.Fatal(out[0].Err)
+					}
+					if got, want := out[0].Decision.States[0].Used, m[string(policy.ScopeGlobal)+" "+id+" "+r.Name]; r.Unit == policy.Tokens && got != want {
+						t.Errorf("counter %s %s holds %d, want %d", id, r.Name, got, want)
+					}
+				}
+			}
+			t.Logf("%d groups allowed, %d denied", allowed, denied)
+			if allowed < 50 || denied < 50 {
+				t.Fatalf("%d groups allowed, %d denied: the run covered too little of either", allowed, denied)
+			}
+		})
+	}
+}
+
+// TestCountBatchIsExactUnderConcurrency races single-counter groups of many
+// goroutines, each its own CountBatch call, against one limit: exactly the
+// limit is allowed.
+func TestCountBatchIsExactUnderConcurrency(t *testing.T) {
+	c := redistest.Shared(t)
+	l := limitstest.At(c, 0)
+	r := policy.Rule{Limit: policy.Limit{Name: "day", Kind: policy.Fixed, Unit: policy.Tokens, Limit: 1000, Window: policy.Duration(24 * time.Hour)}, Scope: policy.ScopeGlobal}
+	// Not at a window's edge: a day's window turning over would reset it.
+	if time.Until(time.Now().Truncate(24*time.Hour).Add(24*time.Hour)) < time.Minute {
+		t.Skip("within a minute of the day's window end")
+	}
+	id := redistest.UniqueName(t)
+	var ok atomic.Int64
+	var wg sync.WaitGroup
+	for range 32 {
+		wg.Go(func() {
+			for range 100 {
+				out := l.CountBatch(context.Background(), [][]limits.SharedRequest{{{Scope: policy.ScopeGlobal, ID: id, Cost: 1, Rules: []policy.Rule{r}}}})
+				if out[0].Err != nil {
+					t.Error(out[0].Err)
+					return
+				}
+				if out[0].Decision.Allowed {
+					ok.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if ok.Load() != 1000 {
+		t.Fatalf("allowed %d of 3200 racing groups, want exactly 1000", ok.Load())
+	}
+}
+
+// TestCountBatchWindowsAndKeys moves through fixed windows (a new window
+// counts from zero), and checks that a counter is one small key that
+// expires with its window, apart from the scope's blob.
+func TestCountBatchWindowsAndKeys(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	base := -time.Duration(time.Now().UnixNano() % int64(time.Minute)) // Redis time at a minute's start
+	r := policy.Rule{Limit: policy.Limit{Name: "m", Kind: policy.Fixed, Unit: policy.Tokens, Limit: 10, Window: policy.Duration(time.Minute)}, Scope: policy.ScopeIP}
+	id := "10.0.0." + strconv.Itoa(rand.IntN(250)) + redistest.UniqueName(t)
+	group := func(cost int64) [][]limits.SharedRequest {
+		return [][]limits.SharedRequest{{{Scope: policy.ScopeIP, ID: id, Cost: cost, Rules: []policy.Rule{r}}}}
+	}
+	for _, step := range []struct {
+		at          time.Duration
+		cost        int64
+		allowed     bool
+		used, reset int64 // reset in seconds
+	}{
+		{at: 10 * time.Second, cost: 7, allowed: true, used: 7, reset: 50},
+		{at: 20 * time.Second, cost: 4, allowed: false, used: 7, reset: 40},
+		{at: 30 * time.Second, cost: 3, allowed: true, used: 10, reset: 30},
+		{at: 70 * time.Second, cost: 4, allowed: true, used: 4, reset: 50}, // the next window
+		{at: 80 * time.Second, cost: 11, allowed: false, used: 4, reset: 40},
+	} {
+		out := limitstest.At(c, base+step.at).CountBatch(ctx, group(step.cost))
+		d, err := out[0].Decision, out[0].Err
+		if err != nil || d.Allowed != step.allowed || d.States[0].Used != step.used || d.States[0].Reset.Round(time.Second) != time.Duration(step.reset)*time.Second {
+			t.Fatalf("CountBatch at %v cost %d = %+v, %v; want allowed %v, used %d, reset %ds", step.at, step.cost, d, err, step.allowed, step.used, step.reset)
+		}
+		if step.cost == 11 && (d.Reason != limits.ReasonCostExceedsLimit || d.RetryAfter != 0) {
+			t.Errorf("a cost past the limit: reason %q retry %v, want cost_exceeds_limit and 0", d.Reason, d.RetryAfter)
+		}
+		if step.cost == 4 && !step.allowed && d.RetryAfter.Round(time.Second) != 40*time.Second {
+			t.Errorf("retry after = %v, want 40s", d.RetryAfter)
+		}
+	}
+	keys, err := c.Keys(ctx, "q{%i"+id+"}*").Result()
+	if err != nil || len(keys) != 1 {
+		t.Fatalf("keys of the counter = %v, %v; want one", keys, err)
+	}
+	if n, _ := c.StrLen(ctx, keys[0]).Result(); n != 12 {
+		t.Errorf("counter %s holds %d bytes, want 12", keys[0], n)
+	}
+	if ttl, _ := c.PTTL(ctx, keys[0]).Result(); ttl <= 0 || ttl > time.Minute {
+		t.Errorf("counter %s ttl = %v, want within its window", keys[0], ttl)
+	}
+}
+
+// TestCountBatchEpochAndValidation: without the slot's epoch nothing is
+// decided or written (ErrNoEpoch); an invalid group fails alone.
+func TestCountBatchEpochAndValidation(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	ctx := context.Background()
+	l := limits.New(c, limits.Options{})
+	r := policy.Rule{Limit: policy.Limit{Name: "h", Kind: policy.Fixed, Unit: policy.Tokens, Limit: 10, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeGlobal}
+	ok := []limits.SharedRequest{{Scope: policy.ScopeGlobal, ID: "x", Cost: 1, Rules: []policy.Rule{r}}}
+	out := l.CountBatch(ctx, [][]limits.SharedRequest{ok})
+	if !errors.Is(out[0].Err, limits.ErrNoEpoch) {
+		t.Fatalf("CountBatch without the epoch error = %v, want ErrNoEpoch", out[0].Err)
+	}
+	if n, _ := c.DBSize(ctx).Result(); n != 0 {
+		t.Fatalf("CountBatch without the epoch left %d keys", n)
+	}
+	if err := repair.WriteEpoch(ctx, c, "e"); err != nil {
+		t.Fatal(err)
+	}
+	rolling := r
+	rolling.Kind = policy.Rolling
+	bad := [][]limits.SharedRequest{
+		{{Scope: policy.ScopeGlobal, ID: "", Cost: 1, Rules: []policy.Rule{r}}},
+		{{Scope: policy.ScopeGlobal, ID: "x", Cost: -1, Rules: []policy.Rule{r}}},
+		{{Scope: policy.ScopeUser, ID: "x", Cost: 1, Rules: []policy.Rule{r}}},
+		{{Scope: policy.ScopeGlobal, ID: "x", Cost: 1, Rules: []policy.Rule{rolling}}},
+		ok,
+	}
+	out = l.CountBatch(ctx, bad)
+	for i := range 4 {
+		if !errors.Is(out[i].Err, limits.ErrInvalid) {
+			t.Errorf("CountBatch group %d error = %v, want ErrInvalid", i, out[i].Err)
+		}
+	}
+	if out[4].Err != nil || !out[4].Decision.Allowed || out[4].Decision.States[0].Used != 1 {
+		t.Errorf("the valid group beside them = %+v, %v; want allowed, used 1", out[4].Decision, out[4].Err)
+	}
+	if e := l.CountBatch(ctx, [][]limits.SharedRequest{{}}); e[0].Err != nil || !e[0].Decision.Allowed {
+		t.Errorf("an empty group = %+v, %v; want allowed", e[0].Decision, e[0].Err)
+	}
+	var _ redis.Cmdable = c
+}

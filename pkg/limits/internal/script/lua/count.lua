@@ -1,0 +1,116 @@
+-- count.lua: decide groups of fixed-window counters in order, each group
+-- all or nothing (limits.Limiter.CountBatch: ShouldRateLimit's
+-- descriptors), or give back what a group took.
+--
+-- A counter is a key of its own holding '<i6i6' window number and count,
+-- so a check reads 12 bytes and a charge in the same window writes the 6
+-- of the count in place (SETRANGE keeps the ttl); in a new window it
+-- writes both with the window's end as ttl. No blob, no spec table, no
+-- reservation record: a reserve's fixed cost (bench/results.md, "The
+-- reserve script's cost") is what this entry leaves out.
+--
+-- KEYS   the call's epoch keys and counters, each once, read in one MGET
+-- ARGV   1 '<i6B' clock offset ms (0 outside tests), 1 = refuse to decide
+--        without the epoch; then one argument per group: '<i6' a give
+--        back's charge time ms (0: a charge), then per counter
+--        '<I2I2i6i6i6B': the KEYS index of its slot's epoch key and of the
+--        counter, cost, limit, window ms, 1 = shadow
+-- Reply  {now_ms, then per group: status, then per counter the count it
+--        found: the window's count plus what the group's earlier counters
+--        added (none after status -1)}
+--   status 1 allowed (charged), 0 denied (nothing charged), -1 no epoch
+--   (nothing decided).
+-- Guarantees: a group charges every counter or none: each counter is
+-- checked in order after what the group's earlier ones would add (a
+-- repeated counter sees its earlier hits); one whose count plus cost
+-- passes its limit denies the group unless it is shadow (a shadow counter
+-- is charged all the same). Groups see the ones before them; one Redis
+-- TIME serves the call. Counts saturate at MAX_COUNT. A give back
+-- subtracts each cost from its counter when the counter is still in the
+-- window of the charge time (never below 0), and answers status 1.
+local offset, guard = sunpack('<i6B', ARGV[1])
+local now = now_ms(offset)
+local vals = redis.call('MGET', unpack(KEYS))
+-- per KEYS index of a counter: the window and count as this call leaves
+-- them, the window as read (false: none), the window's ms once changed
+local win, cnt, read, span = {}, {}, {}, {}
+local dirty, isdirty = {}, {} -- the counters to write, in order; by index
+local out = { now }
+
+-- load caches counter k's key as read.
+local function load(k)
+  local raw = vals[k]
+  if raw then
+    local w, c = sunpack('<i6i6', raw)
+    win[k], cnt[k], read[k] = w, c, w
+  else
+    win[k], cnt[k], read[k] = -1, 0, false
+  end
+end
+
+for g = 2, #ARGV do
+  local arg = ARGV[g]
+  local at = sunpack('<i6', arg)
+  local ok = true
+  if guard == 1 then
+    for p = 7, #arg, COUNTER_LEN do
+      if not vals[sunpack('<I2', arg, p)] then ok = false; break end
+    end
+  end
+  if not ok then
+    out[#out + 1] = -1
+  elseif at > 0 then
+    for p = 7, #arg, COUNTER_LEN do
+      local _, k, cost, _, w = sunpack('<I2I2i6i6i6', arg, p)
+      if not win[k] then load(k) end
+      if win[k] == floor(at / w) then
+        local c = cnt[k] - cost
+        if c < 0 then c = 0 end
+        cnt[k] = c
+        if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
+        span[k] = w
+      end
+    end
+    out[#out + 1] = 1
+  else
+    local s = #out + 1
+    out[s] = 1
+    -- what the group changed, to undo: key, window, count as before
+    local undo, u = {}, 0
+    for p = 7, #arg, COUNTER_LEN do
+      local _, k, cost, lim, w, shadow = sunpack('<I2I2i6i6i6B', arg, p)
+      local wn = floor(now / w)
+      if not win[k] then load(k) end
+      local used = win[k] == wn and cnt[k] or 0
+      out[#out + 1] = used
+      local fits = used + cost <= lim
+      if not fits and shadow == 0 then
+        out[s] = 0
+      else
+        undo[u + 1], undo[u + 2], undo[u + 3], u = k, win[k], cnt[k], u + 3
+        local c = used + cost
+        if c > MAX_COUNT then c = MAX_COUNT end
+        win[k], cnt[k], span[k] = wn, c, w
+      end
+    end
+    if out[s] == 0 then
+      for i = u - 2, 1, -3 do win[undo[i]], cnt[undo[i]] = undo[i + 1], undo[i + 2] end
+    else
+      for i = 1, u, 3 do
+        local k = undo[i]
+        if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
+      end
+    end
+  end
+end
+
+for i = 1, #dirty do
+  local k = dirty[i]
+  if read[k] == win[k] then
+    redis.call('SETRANGE', KEYS[k], 6, spack('<i6', cnt[k]))
+  else
+    local w = span[k]
+    redis.call('SET', KEYS[k], spack('<i6i6', win[k], cnt[k]), 'PX', (win[k] + 1) * w - now)
+  end
+end
+return out

@@ -1,0 +1,146 @@
+package wire
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/pkg/limits/policy"
+)
+
+// counterLen is the size of one counter of a count call's group
+// ('<I2I2i6i6i6B').
+const counterLen = 23
+
+// Counter is one fixed-window counter of a count call: Cost added to the
+// counter of Rule (a fixed window) of scope's ID.
+type Counter struct {
+	Scope policy.Scope
+	ID    string
+	Cost  int64
+	Rule  *policy.Rule
+}
+
+// CheckCounter checks a counter's scope, id, cost and rule.
+func CheckCounter(c *Counter) error {
+	if c.Scope != policy.ScopeGlobal && c.Scope != policy.ScopeIP {
+		return fmt.Errorf("%w: counter scope %q: want global or ip", ErrInvalid, c.Scope)
+	}
+	r := c.Rule
+	if err := errors.Join(checkID(string(c.Scope), c.ID, true), checkCost("cost", c.Cost), checkCost("limit", r.Limit.Limit)); err != nil {
+		return err
+	}
+	if r.Kind != policy.Fixed || time.Duration(r.Window) < time.Millisecond {
+		return fmt.Errorf("%w: counter %s: want a fixed window of at least 1ms, not %s of %v", ErrInvalid, r.Name, r.Kind, time.Duration(r.Window))
+	}
+	return nil
+}
+
+// CounterKey is the key of the counter of fixed window r of scope's id:
+// the scope's hash tag, then the rule's identity (ruleID), so a counter
+// shares the cluster slot of the scope and never the key of its blob.
+func CounterKey(scope policy.Scope, id string, r *policy.Rule) string {
+	return "q{" + sharedTag(scope, id) + "}c" + strconv.FormatInt(ruleID(r), 36)
+}
+
+// CounterSlot is the cluster slot of every counter of scope's id.
+func CounterSlot(scope policy.Scope, id string) uint16 { return SharedSlot(scope, id) }
+
+// CountBatch gathers groups of counters into one count call (count.lua):
+// their keys, each once, and one argument per group. Build it with
+// Params.NewCountBatch.
+type CountBatch struct {
+	batch
+	groups []int // counters per group; a give back's, negated
+}
+
+// NewCountBatch returns an empty batch.
+func (p Params) NewCountBatch() *CountBatch {
+	b := &CountBatch{batch: p.newBatch()}
+	b.args = b.args[:1]
+	return b
+}
+
+// Len is the number of groups in b.
+func (b *CountBatch) Len() int { return len(b.groups) }
+
+// Add adds a group of counters, checked (CheckCounter) by the caller: to
+// charge all or none when at is zero, else to give back what a charge
+// at at (Unix ms) took.
+func (b *CountBatch) Add(at int64, cs []Counter) {
+	w := make([]byte, 6+counterLen*len(cs))
+	putInt48(w, at)
+	for i := range cs {
+		c := &cs[i]
+		tag := sharedTag(c.Scope, c.ID)
+		o := w[6+counterLen*i:]
+		binary.LittleEndian.PutUint16(o[0:], uint16(b.key(epochKey(tag))))
+		binary.LittleEndian.PutUint16(o[2:], uint16(b.key(CounterKey(c.Scope, c.ID, c.Rule))))
+		putInt48(o[4:], c.Cost)
+		putInt48(o[10:], c.Rule.Limit.Limit)
+		putInt48(o[16:], time.Duration(c.Rule.Window).Milliseconds())
+		if c.Rule.Shadow {
+			o[22] = 1
+		}
+	}
+	b.args = append(b.args, string(w))
+	if at != 0 {
+		b.groups = append(b.groups, -len(cs))
+		return
+	}
+	b.groups = append(b.groups, len(cs))
+}
+
+// Call returns the count call of b's groups.
+func (b *CountBatch) Call() Call {
+	var h [7]byte
+	putInt48(h[0:], b.p.offset)
+	h[6] = b.p.guard[0] - '0'
+	b.args[0] = string(h[:])
+	return Call{Keys: b.strs, Args: b.args, What: "count"}
+}
+
+// CountReply is one group of a count reply.
+type CountReply struct {
+	Status int64   // StatusAllowed, StatusDenied
+	Seen   []int64 // per counter, the count it found (count.lua)
+}
+
+// DecodeCount reads the reply of count call c of b and passes f each
+// group's reply or error, in order (a give back's has no Seen); it returns
+// the call's Redis time. An error of the whole call is every group's; a
+// group without its epoch gets ErrNoEpoch.
+func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err error)) time.Time {
+	v, err := cmd.Int64Slice()
+	if err == nil && len(v) == 0 {
+		err = errors.New("count: empty reply")
+	}
+	var now time.Time
+	if err == nil {
+		now = time.UnixMilli(v[0])
+		v = v[1:]
+	}
+	for i, k := range b.groups {
+		k = max(k, 0)
+		switch {
+		case err != nil:
+		case len(v) > 0 && v[0] == -1:
+			f(i, CountReply{}, ErrNoEpoch)
+			v = v[1:]
+			continue
+		case len(v) < 1+k || v[0] != StatusAllowed && v[0] != StatusDenied:
+			err = fmt.Errorf("count: malformed reply for group %d of %d counters", i, k)
+		}
+		if err != nil {
+			f(i, CountReply{}, err)
+			continue
+		}
+		f(i, CountReply{Status: v[0], Seen: v[1 : 1+k : 1+k]}, nil)
+		v = v[1+k:]
+	}
+	return now
+}
