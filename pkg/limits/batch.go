@@ -77,34 +77,13 @@ func (l *Limiter) runReserves(ctx context.Context, groups []group[*wire.ReserveB
 	}
 }
 
-// SharedRequest is one entry of ReserveSharedBatch: what ReserveShared
-// takes.
+// SharedRequest is one entry of a CountBatch group: Cost in the shared
+// limits Rules of Scope's ID, as ReserveShared takes them.
 type SharedRequest struct {
 	Scope policy.Scope
 	ID    string
 	Cost  int64
 	Rules []policy.Rule
-}
-
-// ReserveSharedBatch makes the ReserveShared calls of rs and returns their
-// outcomes in order, each what ReserveShared would have returned for it had
-// the calls been made one after another (with one Redis time for all); they
-// go out batched as ReserveBatch's do: one script call per wire.MaxBatch
-// entries and hash slot, all in one round trip. Each entry is all or
-// nothing on its own: a caller that wants the entries together gives back
-// the allowed ones when one denies (ChargeShared).
-func (l *Limiter) ReserveSharedBatch(ctx context.Context, rs []SharedRequest) []Reserved {
-	out := make([]Reserved, len(rs))
-	groups := batches(l, len(rs), func(i int) uint16 { return wire.SharedSlot(rs[i].Scope, rs[i].ID) }, l.p.NewReserveBatch,
-		func(b *wire.ReserveBatch, i int) error {
-			r := &rs[i]
-			err := b.AddShared(r.Scope, r.ID, r.Cost, wire.ModeReserve, r.Rules)
-			out[i].Err = err
-			return err
-		})
-	l.runReserves(ctx, groups, out, func(i int) []policy.Rule { return rs[i].Rules },
-		func(i int) string { return string(rs[i].Scope) + " " + rs[i].ID })
-	return out
 }
 
 // group is one batch call: its batch, the hash slot its keys share (0

@@ -10,12 +10,14 @@ import (
 	"quotaflow/pkg/limits"
 )
 
-// batcher sends the Reserve calls of concurrent admissions to Redis
-// together: a call made while none is in flight goes out at once; calls that
-// arrive while one is in flight wait for it and then go together in the
-// next one (limits.ReserveBatch), so under load a round trip — one write and
-// one read system call on each side — serves many requests instead of one.
-// Each call is still one script run with its own reply.
+// batcher sends the calls of concurrent requests to Redis together: a call
+// made while none is in flight goes out at once; calls that arrive while
+// one is in flight wait for it and then go together in the next one (run:
+// limits.ReserveBatch for the subject layer's Reserve calls, and
+// limits.CountBatch for Check's groups of counters), so under load a round
+// trip — one write and one read system call on each side, one script call
+// — serves many requests instead of one. Each call still gets the outcome
+// it would have got alone, in the order the calls were queued.
 //
 // There is no goroutine of its own: the first waiting caller of a batch
 // sends it and answers the others, and when its batch is done hands what
@@ -29,40 +31,39 @@ import (
 // deadline order (they share Options.RedisTimeout), so the batch in flight
 // when a call is queued ends before that call's deadline, and no caller
 // waits past its own: a caller needs no context and timer of its own.
-type batcher struct {
-	lim  *limits.Limiter
+type batcher[Q any] struct {
+	run  func(ctx context.Context, qs []Q) []limits.Reserved
 	size prometheus.Observer // calls per round trip
+	pool sync.Pool           // of *pending[Q]
 
 	mu    sync.Mutex
 	busy  bool // a call or batch is in flight
-	queue []*reservation
+	queue []*pending[Q]
 }
 
-// reservation is one queued Reserve call. done receives once dec and err are
-// set, or once the caller is to send lead (a batch it heads). Reservations
-// are reused.
-type reservation struct {
+// pending is one queued call. done receives once out is set, or once the
+// caller is to send lead (a batch it heads). Pendings are reused.
+type pending[Q any] struct {
 	deadline time.Time
-	req      limits.Request
+	req      Q
 	done     chan struct{}
-	lead     []*reservation
-	dec      limits.Decision
-	err      error
+	lead     []*pending[Q]
+	out      limits.Reserved
 	sent     bool // it went out in a batch
 }
 
-var reservations = sync.Pool{New: func() any { return &reservation{done: make(chan struct{}, 1)} }}
-
-func newBatcher(lim *limits.Limiter, size prometheus.Observer) *batcher {
-	return &batcher{lim: lim, size: size}
+func newBatcher[Q any](run func(ctx context.Context, qs []Q) []limits.Reserved, size prometheus.Observer) *batcher[Q] {
+	b := &batcher[Q]{run: run, size: size}
+	b.pool.New = func() any { return &pending[Q]{done: make(chan struct{}, 1)} }
+	return b
 }
 
-// reserve is limits.Limiter.Reserve, alone or in the next batch, within
-// timeout (context.DeadlineExceeded after it). A call sent alone also ends
-// with ctx; a queued one waits for its batch, which ends by its deadline.
-// sent says the call went out to Redis: one whose deadline passed in the
-// queue did not, and cannot have run.
-func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits.Request) (limits.Decision, bool, error) {
+// do makes call req, alone or in the next batch, within timeout
+// (context.DeadlineExceeded after it). A call sent alone also ends with
+// ctx; a queued one waits for its batch, which ends by its deadline. sent
+// says the call went out to Redis: one whose deadline passed in the queue
+// did not, and cannot have run.
+func (b *batcher[Q]) do(ctx context.Context, timeout time.Duration, req Q) (limits.Reserved, bool) {
 	b.mu.Lock()
 	deadline := time.Now().Add(timeout) // under mu: the queue is in deadline order
 	if !b.busy {
@@ -70,12 +71,12 @@ func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits
 		b.mu.Unlock()
 		b.size.Observe(1)
 		ctx, cancel := context.WithDeadline(ctx, deadline)
-		dec, err := b.lim.Reserve(ctx, req)
+		out := b.run(ctx, []Q{req})[0]
 		cancel()
 		b.handOff()
-		return dec, true, err
+		return out, true
 	}
-	r := reservations.Get().(*reservation)
+	r := b.pool.Get().(*pending[Q])
 	r.deadline, r.req = deadline, req
 	b.queue = append(b.queue, r)
 	b.mu.Unlock()
@@ -83,14 +84,14 @@ func (b *batcher) reserve(ctx context.Context, timeout time.Duration, req limits
 	if r.lead != nil {
 		b.lead(r)
 	}
-	dec, sent, err := r.dec, r.sent, r.err
-	*r = reservation{done: r.done}
-	reservations.Put(r)
-	return dec, sent, err
+	out, sent := r.out, r.sent
+	*r = pending[Q]{done: r.done}
+	b.pool.Put(r)
+	return out, sent
 }
 
 // lead handles the batch r heads (r.lead) and returns once r is answered.
-func (b *batcher) lead(r *reservation) {
+func (b *batcher[Q]) lead(r *pending[Q]) {
 	live := expire(r.lead, time.Now())
 	switch {
 	case len(live) == 0:
@@ -109,7 +110,7 @@ func (b *batcher) lead(r *reservation) {
 
 // handOff ends a round trip: what queued meanwhile becomes the next batch,
 // sent by its first caller.
-func (b *batcher) handOff() {
+func (b *batcher[Q]) handOff() {
 	b.mu.Lock()
 	batch := b.queue
 	b.queue = nil // the batch's callers own it now
@@ -121,26 +122,26 @@ func (b *batcher) handOff() {
 	}
 }
 
-// expire answers the reservations of batch whose deadlines have passed by
-// now with context.DeadlineExceeded and returns the others, in order.
-func expire(batch []*reservation, now time.Time) []*reservation {
-	live := make([]*reservation, 0, len(batch))
+// expire answers the calls of batch whose deadlines have passed by now
+// with context.DeadlineExceeded and returns the others, in order.
+func expire[Q any](batch []*pending[Q], now time.Time) []*pending[Q] {
+	live := make([]*pending[Q], 0, len(batch))
 	for _, r := range batch {
 		if r.deadline.After(now) {
 			live = append(live, r)
 			continue
 		}
 		r.lead = nil
-		r.err = context.DeadlineExceeded
+		r.out.Err = context.DeadlineExceeded
 		r.done <- struct{}{}
 	}
 	return live
 }
 
-// send makes one pipelined call for live, under the earliest of their
-// deadlines, and answers every reservation.
-func (b *batcher) send(live []*reservation) {
-	reqs := make([]limits.Request, len(live))
+// send makes one call of run for live, under the earliest of their
+// deadlines, and answers every one.
+func (b *batcher[Q]) send(live []*pending[Q]) {
+	reqs := make([]Q, len(live))
 	var deadline time.Time
 	for i, r := range live {
 		reqs[i] = r.req
@@ -150,10 +151,10 @@ func (b *batcher) send(live []*reservation) {
 	}
 	b.size.Observe(float64(len(reqs)))
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
-	out := b.lim.ReserveBatch(ctx, reqs)
+	out := b.run(ctx, reqs)
 	cancel()
 	for i, r := range live {
-		r.dec, r.err, r.sent = out[i].Decision, out[i].Err, true
+		r.out, r.sent = out[i], true
 		r.done <- struct{}{}
 	}
 }

@@ -73,13 +73,13 @@ plans:
 
 // queued returns a batcher and one queued reservation of a fresh user per
 // deadline, and a reader of how many of them Redis counted.
-func queued(t *testing.T, deadlines ...time.Time) (b *batcher, batch []*reservation, used func() int64) {
+func queued(t *testing.T, deadlines ...time.Time) (b *batcher[limits.Request], batch []*pending[limits.Request], used func() int64) {
 	lim := limits.New(redistest.Shared(t), limits.Options{NoEpochGuard: true})
-	b = newBatcher(lim, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
+	b = newBatcher(lim.ReserveBatch, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
 	tenant := newTenant(t)
 	rules := []policy.Rule{{Scope: policy.ScopeUser, Limit: policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 10, Window: policy.Duration(time.Hour)}}}
 	for i, dl := range deadlines {
-		batch = append(batch, &reservation{
+		batch = append(batch, &pending[limits.Request]{
 			deadline: dl, done: make(chan struct{}, 1),
 			req: limits.Request{Tenant: tenant, User: "u", RequestID: fmt.Sprint(i), Cost: 1, Rules: rules},
 		})
@@ -103,8 +103,8 @@ func TestBatchSkipsCallsPastTheirDeadline(t *testing.T) {
 	for i, r := range batch {
 		<-r.done
 		expired := i == 1
-		if expired != errors.Is(r.err, context.DeadlineExceeded) || !expired && (r.err != nil || !r.dec.Allowed) {
-			t.Errorf("call %d (expired %v): %+v, %v", i, expired, r.dec, r.err)
+		if expired != errors.Is(r.out.Err, context.DeadlineExceeded) || !expired && (r.out.Err != nil || !r.out.Decision.Allowed) {
+			t.Errorf("call %d (expired %v): %+v, %v", i, expired, r.out.Decision, r.out.Err)
 		}
 	}
 	if n := used(); n != 2 {
@@ -120,8 +120,8 @@ func TestExpiredLeadHandsItsBatchOn(t *testing.T) {
 	b.busy = true
 	batch[0].lead = batch
 	b.lead(batch[0]) // returns without sending
-	if !errors.Is(batch[0].err, context.DeadlineExceeded) {
-		t.Errorf("expired lead: %v, want DeadlineExceeded", batch[0].err)
+	if !errors.Is(batch[0].out.Err, context.DeadlineExceeded) {
+		t.Errorf("expired lead: %v, want DeadlineExceeded", batch[0].out.Err)
 	}
 	if n := used(); n != 0 {
 		t.Fatalf("redis used = %d after the expired lead returned, want 0 (nothing sent by it)", n)
@@ -133,8 +133,8 @@ func TestExpiredLeadHandsItsBatchOn(t *testing.T) {
 	b.lead(batch[1])
 	<-batch[2].done
 	for i, r := range batch[1:] {
-		if r.err != nil || !r.dec.Allowed {
-			t.Errorf("live call %d: %+v, %v", i+1, r.dec, r.err)
+		if r.out.Err != nil || !r.out.Decision.Allowed {
+			t.Errorf("live call %d: %+v, %v", i+1, r.out.Decision, r.out.Err)
 		}
 	}
 	if n := used(); n != 2 {

@@ -22,17 +22,22 @@ type Charge struct {
 
 // Check decides charges together, all or nothing, as final charges: nothing
 // keeps a reservation record and nothing is settled later (the gRPC
-// ShouldRateLimit path). The charges go to Redis in one round trip
-// (checkBatch; one each when a charge has a leased limit), or each is
-// decided locally as the shared layers of Admit are when Redis is
-// unavailable, or allowed unchecked past Options.FailOpenAfter. Every charge
-// is checked, even after one denied, so that Result.Limits reports every
-// rule: one state per rule of each charge, in order, a zero state (no
-// Scope) only where a leased limit's pool denied before the rest of its
-// charge was checked. When one denies, what the others took is given back
-// (a compensating ChargeShared, or local spending). The empty charge list
-// is allowed. Errors are the caller's (an invalid charge, matching
-// limits.ErrInvalid).
+// ShouldRateLimit path). When every rule is a fixed window that does not
+// lease (every rule package rls makes), the charges are one group of
+// counters (limits.Limiter.CountBatch: a Redis key per counter, not the
+// shared blob Admit's layers use), decided all or nothing in Redis in the
+// same script call as the concurrent Checks' groups (checkCounts), each
+// exactly as if the Checks had come one after another. Otherwise the
+// charges go one by one as Admit's shared layers (ReserveShared, leases),
+// and when one denies, what the others took is given back (a compensating
+// ChargeShared, or local spending). When Redis is unavailable each charge
+// is decided locally as the shared layers of Admit are, or allowed
+// unchecked past Options.FailOpenAfter. Every charge is checked, even
+// after one denied, so that Result.Limits reports every rule: one state per
+// rule of each charge, in order, a zero state (no Scope) only where a
+// leased limit's pool denied before the rest of its charge was checked. The
+// empty charge list is allowed. Errors are the caller's (an invalid
+// charge, matching limits.ErrInvalid).
 func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 	n := 0
 	for i := range charges {
@@ -58,7 +63,7 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 	a.denied = -1
 	a.res.Limits = make([]LimitState, 0, n)
 	first, retry, reason := -1, time.Duration(0), limits.ReasonNone
-	decided, err := a.checkBatch(charges, &first, &retry, &reason)
+	decided, err := a.checkCounts(charges, &first, &retry, &reason)
 	if err != nil {
 		return Result{}, err
 	}
@@ -99,70 +104,41 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 // checkEndpoint is the endpoint label of Check's decisions.
 const checkEndpoint = "rls"
 
-// checkBatch decides every charge in one round trip (Limiter.
-// ReserveSharedBatch) when Redis is in use and no charge has a leased limit,
-// setting first, retry and reason as Check's loop does. It reports false,
-// having given back what it took, when the charges are to go one by one:
-// leases, or a failed call (decided locally then, as on the admit path).
-func (a *admission) checkBatch(charges []Charge, first *int, retry *time.Duration, reason *limits.Reason) (bool, error) {
-	d := a.d
-	if !a.remote || len(charges) < 2 {
+// checkCounts decides every charge as one group of fixed-window counters
+// (limits.Limiter.CountBatch, through the Decider's batcher, so that
+// concurrent Checks share a round trip and a script call) when Redis is in
+// use and every rule is a fixed window that does not lease: all or nothing
+// in Redis, so nothing is given back. It sets first, retry and reason as
+// Check's loop does, and reports false when the charges are to go one by
+// one instead: other rules, or a failed call (decided locally then, as on
+// the admit path).
+func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Duration, reason *limits.Reason) (bool, error) {
+	if !a.remote {
 		return false, nil
 	}
-	reqs := make([]limits.SharedRequest, len(charges))
+	group := make([]limits.SharedRequest, len(charges))
 	for i := range charges {
 		c := &charges[i]
 		for j := range c.Rules {
-			if limits.Leasable(&c.Rules[j]) {
+			if r := &c.Rules[j]; r.Kind != policy.Fixed || limits.Leasable(r) {
 				return false, nil
 			}
 		}
-		reqs[i] = limits.SharedRequest{Scope: c.Scope, ID: c.ID, Cost: c.Cost, Rules: c.Rules}
+		group[i] = limits.SharedRequest{Scope: c.Scope, ID: c.ID, Cost: c.Cost, Rules: c.Rules}
 	}
-	var out []limits.Reserved
-	err := d.call(a.ctx, opReserveShared, func(ctx context.Context) error {
-		out = d.lim.ReserveSharedBatch(ctx, reqs)
-		for i := range out {
-			if out[i].Err != nil && !errors.Is(out[i].Err, limits.ErrInvalid) {
-				return out[i].Err
-			}
-		}
-		return nil
-	})
-	if out == nil { // the breaker refused the call
-		return false, nil
-	}
-	var invalid error
-	for i := range charges {
-		c, o := &charges[i], &out[i]
-		if o.Err != nil {
-			if invalid == nil && errors.Is(o.Err, limits.ErrInvalid) {
-				invalid = o.Err
-			}
-			continue
-		}
-		base := len(a.res.Limits)
-		a.res.Limits = a.res.Limits[:base+len(c.Rules)]
-		idx := make([]int, len(c.Rules))
-		for j := range c.Rules {
-			a.res.Limits[base+j] = stateOf(&o.Decision.States[j])
-			idx[j] = j
-		}
-		if o.Decision.Allowed {
-			a.shared = append(a.shared, sharedRes{scope: c.Scope, id: c.ID, cost: c.Cost, rules: c.Rules, at: base, idx: idx})
-		} else if *first < 0 {
-			*first, *retry, *reason = base+max(0, o.Decision.DeniedBy), o.Decision.RetryAfter, o.Decision.Reason
-		}
-	}
-	if invalid != nil || err != nil {
-		a.undo()
-		a.res.Limits = a.res.Limits[:0]
-		*first, *retry, *reason = -1, 0, limits.ReasonNone
-		if invalid != nil {
-			return false, invalid
-		}
+	dec, err := a.d.count(a.ctx, group)
+	switch {
+	case errors.Is(err, limits.ErrInvalid):
+		return false, err
+	case err != nil:
 		a.remote = false
 		return false, nil
+	}
+	for i := range dec.States {
+		a.res.Limits = append(a.res.Limits, stateOf(&dec.States[i]))
+	}
+	if !dec.Allowed {
+		*first, *retry, *reason = max(0, dec.DeniedBy), dec.RetryAfter, dec.Reason
 	}
 	return true, nil
 }

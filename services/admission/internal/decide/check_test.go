@@ -3,8 +3,13 @@ package decide
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	dto "github.com/prometheus/client_model/go"
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
@@ -18,15 +23,32 @@ func checkRule(path string, limit int64) policy.Rule {
 		Window: policy.Duration(24 * time.Hour)}, Scope: policy.ScopeGlobal, Endpoint: path}
 }
 
+// counterUsed reads the counters Check keeps for rules of scope's id (a
+// check of no cost), seeing Redis time shifted by offset.
+func counterUsed(t testing.TB, c limits.Client, offset time.Duration, scope policy.Scope, id string, rules []policy.Rule) []int64 {
+	t.Helper()
+	out := limits.New(c, limits.Options{NoEpochGuard: true, ClockOffset: offset}).CountBatch(context.Background(),
+		[][]limits.SharedRequest{{{Scope: scope, ID: id, Rules: rules}}})
+	if out[0].Err != nil {
+		t.Fatalf("CountBatch: %v", out[0].Err)
+	}
+	used := make([]int64, len(out[0].Decision.States))
+	for i := range used {
+		used[i] = out[0].Decision.States[i].Used
+	}
+	return used
+}
+
 // A check is one round trip, allowed or denied, however many charges it
-// has; a denial by a later charge gives back what the earlier ones took
-// (one more), and every rule of every charge is reported.
+// has; a denial by a later charge charges none (nothing to give back), and
+// every rule of every charge is reported.
 func TestCheckIsAllOrNothing(t *testing.T) {
 	c := redistest.Shared(t)
 	rt := &redistest.RoundTrips{}
 	c.AddHook(rt)
 	pol := parsePolicy(t, userOnlyPolicy, "")
-	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(24 * time.Hour)})
+	offset := midWindow(24 * time.Hour)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: offset})
 	a, b := newTenant(t)+"a", newTenant(t)+"b"
 	ra := []policy.Rule{checkRule("x", 10), checkRule("y", 5), checkRule("z", 100)}
 	rb := []policy.Rule{checkRule("w", 3)}
@@ -70,16 +92,16 @@ func TestCheckIsAllOrNothing(t *testing.T) {
 	if err != nil || r.Allowed || r.DeniedBy == nil || r.DeniedBy.Endpoint != "w" || len(r.Limits) != 4 {
 		t.Fatalf("Check(second charge over) = %+v, %v; want denied by w, 4 limits", r, err)
 	}
-	if r.Limits[1].Remaining != 1 {
-		t.Errorf("y after the denial reports remaining %d, want 1 (given back)", r.Limits[1].Remaining)
+	if r.Limits[1].Remaining != 1 || r.Limits[3].Remaining != 2 || r.RetryAfter <= 0 {
+		t.Errorf("after the denial y reports remaining %d, w %d, retry %v; want 1, 2 (as before the check), a retry", r.Limits[1].Remaining, r.Limits[3].Remaining, r.RetryAfter)
 	}
-	if trips != 2 {
-		t.Errorf("round trips of two charges, the second denied = %d, want 2 (one batch, one give-back)", trips)
+	if trips != 1 {
+		t.Errorf("round trips of two charges, the second denied = %d, want 1", trips)
 	}
-	if used := sharedUsed(t, c, policy.ScopeGlobal, a, ra); used[0] != 4 || used[1] != 4 || used[2] != 4 {
+	if used := counterUsed(t, c, offset, policy.ScopeGlobal, a, ra); used[0] != 4 || used[1] != 4 || used[2] != 4 {
 		t.Errorf("a's limits after the denied check = %v, want 4 each (the first three checks only)", used)
 	}
-	if used := sharedUsed(t, c, policy.ScopeGlobal, b, rb); used[0] != 1 {
+	if used := counterUsed(t, c, offset, policy.ScopeGlobal, b, rb); used[0] != 1 {
 		t.Errorf("b's limit after its denial = %v, want 1 (the allowed check only)", used)
 	}
 
@@ -88,5 +110,62 @@ func TestCheckIsAllOrNothing(t *testing.T) {
 	}
 	if _, err := d.Check(ctx, []Charge{{Scope: policy.ScopeGlobal, ID: a, Cost: -1, Rules: ra}}); !errors.Is(err, limits.ErrInvalid) {
 		t.Errorf("Check(negative cost) = %v, want ErrInvalid", err)
+	}
+}
+
+// Concurrent checks share round trips (the batcher) and stay exact and all
+// or nothing: of 640 racing checks, each charging a counter of its own
+// worker and one shared counter of limit 100, exactly 100 are allowed, the
+// shared counter holds 100, each worker's counter holds that worker's
+// allowed checks (denied ones charged nothing), and every check went
+// through a batch.
+func TestConcurrentChecksAreExactThroughBatches(t *testing.T) {
+	c := redistest.Shared(t)
+	pol := parsePolicy(t, userOnlyPolicy, "")
+	offset := midWindow(24 * time.Hour)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: offset})
+	shared, own := checkRule("shared", 100), checkRule("own", 1000)
+	id := newTenant(t)
+	const workers, each = 32, 20
+	var allowed [workers]atomic.Int64
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for range each {
+				r, err := d.Check(context.Background(), []Charge{
+					{Scope: policy.ScopeGlobal, ID: fmt.Sprint(id, "w", w), Cost: 1, Rules: []policy.Rule{own}},
+					{Scope: policy.ScopeGlobal, ID: id, Cost: 1, Rules: []policy.Rule{shared}},
+				})
+				if err != nil || r.Local {
+					t.Errorf("Check = %+v, %v; want a Redis decision", r, err)
+					return
+				}
+				if r.Allowed {
+					allowed[w].Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	var total int64
+	for w := range workers {
+		n := allowed[w].Load()
+		total += n
+		if used := counterUsed(t, c, offset, policy.ScopeGlobal, fmt.Sprint(id, "w", w), []policy.Rule{own}); used[0] != n {
+			t.Errorf("worker %d's counter holds %d, want its %d allowed checks", w, used[0], n)
+		}
+	}
+	if total != 100 {
+		t.Fatalf("allowed %d of %d racing checks, want exactly 100", total, workers*each)
+	}
+	if used := counterUsed(t, c, offset, policy.ScopeGlobal, id, []policy.Rule{shared}); used[0] != 100 {
+		t.Fatalf("the shared counter holds %d, want 100", used[0])
+	}
+	var m dto.Metric
+	if err := d.m.countBatchSize.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	if got := m.GetHistogram().GetSampleSum(); got != workers*each {
+		t.Fatalf("checks batched = %v, want %d", got, workers*each)
 	}
 }

@@ -45,7 +45,8 @@ type Decider struct {
 	m      *metrics
 	br     *breaker
 	local  *localTable
-	batch  *batcher
+	batch  *batcher[limits.Request]         // the subject layer's Reserve calls
+	counts *batcher[[]limits.SharedRequest] // Check's groups of counters
 	voids  *voider
 	epoch  time.Time // base of the monotonic clock (mono)
 
@@ -97,7 +98,8 @@ func New(lim *limits.Limiter, policy func() *policy.Policy, opts Options, log *s
 	if err != nil {
 		return nil, fmt.Errorf("decide: metrics: %w", err)
 	}
-	d.batch = newBatcher(lim, d.m.batchSize)
+	d.batch = newBatcher(lim.ReserveBatch, d.m.batchSize)
+	d.counts = newBatcher(lim.CountBatch, d.m.countBatchSize)
 	d.voids = newVoider(lim, o.ProbeTimeout, o.BreakerCooldown, d.m.voids)
 	d.br = newBreaker(o.BreakerFailures, o.BreakerWindow, o.BreakerCooldown, d.onBreaker)
 	d.notePolicy(policy())
@@ -186,10 +188,22 @@ func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decis
 	if !d.br.allow() {
 		return limits.Decision{}, false, errBreakerOpen
 	}
-	dec, sent, err := d.batch.reserve(ctx, d.opt.RedisTimeout, req)
-	o, why := d.outcome(ctx, opReserve, err)
+	out, sent := d.batch.do(ctx, d.opt.RedisTimeout, req)
+	o, why := d.outcome(ctx, opReserve, out.Err)
 	d.br.done(false, o, why)
-	return dec, sent, err
+	return out.Decision, sent, out.Err
+}
+
+// count is call for Check's group of counters, through its batcher as
+// reserve's calls go through theirs.
+func (d *Decider) count(ctx context.Context, group []limits.SharedRequest) (limits.Decision, error) {
+	if !d.br.allow() {
+		return limits.Decision{}, errBreakerOpen
+	}
+	out, _ := d.counts.do(ctx, d.opt.RedisTimeout, group)
+	o, why := d.outcome(ctx, opCount, out.Err)
+	d.br.done(false, o, why)
+	return out.Decision, out.Err
 }
 
 // outcome classifies the error of a call made under ctx.

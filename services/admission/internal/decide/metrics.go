@@ -48,6 +48,7 @@ func scopeIndex(s policy.Scope) int {
 const (
 	opReserve       = "reserve"
 	opReserveShared = "reserve_shared"
+	opCount         = "count"
 	opLease         = "lease"
 	opReturnLease   = "return_lease"
 	opCharge        = "charge"
@@ -57,7 +58,7 @@ const (
 	opProbe         = "probe"
 )
 
-var redisOps = [...]string{opReserve, opReserveShared, opLease, opReturnLease, opCharge, opRelease, opPeek, opTopUp, opProbe}
+var redisOps = [...]string{opReserve, opReserveShared, opCount, opLease, opReturnLease, opCharge, opRelease, opPeek, opTopUp, opProbe}
 
 // endpointCounters are the decision counters of one endpoint label.
 type endpointCounters [len(scopeLabels)][len(resultLabels)]prometheus.Counter
@@ -72,7 +73,9 @@ type metrics struct {
 	breaker     prometheus.Gauge
 	refills     *prometheus.CounterVec
 	batchSize   prometheus.Histogram
-	voids       *prometheus.CounterVec
+	// countBatchSize: Check's groups per round trip
+	countBatchSize prometheus.Histogram
+	voids          *prometheus.CounterVec
 
 	mu  sync.Mutex // serializes adding endpoints
 	eps atomic.Pointer[map[string]*endpointCounters]
@@ -101,6 +104,11 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 			Help:    "Reserve calls sent to Redis together in one pipelined round trip.",
 			Buckets: prometheus.ExponentialBuckets(1, 2, 8), // 1 … 128
 		}),
+		countBatchSize: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "quotaflow_admission_count_batch_size",
+			Help:    "ShouldRateLimit decisions (groups of fixed-window counters) sent to Redis together in one round trip.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 8), // 1 … 128
+		}),
 		voids: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "quotaflow_admission_reserve_voids_total",
 			Help: "Reserve calls whose reply was lost, made to agree with the local decision in Redis afterwards, by result: voided (a reservation given back), marked (it had not run), left (settled meanwhile), retry (Redis still away), dropped (queue full), invalid.",
@@ -125,7 +133,7 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 	m.eps.Store(&empty)
 	m.endpoint(otherEndpoint)
 	if reg != nil {
-		for _, c := range []prometheus.Collector{m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, m.voids, poolGauge} {
+		for _, c := range []prometheus.Collector{m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, m.countBatchSize, m.voids, poolGauge} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}

@@ -16,13 +16,13 @@
 // name), so a Redis value stays one counter's size however many values a
 // descriptor takes, and a domain spreads over a cluster.
 //
-// A request is one all-or-nothing decision (decide.Decider.Check) in one
-// Redis round trip; when any descriptor is over its limit, what the others
-// took is given back. Decisions are final: nothing
-// is reserved and nothing is settled later, except with Options.RequestIDKey,
-// whose second call of a request corrects the first's estimate
-// (correlate.go). When Redis is unavailable the Decider decides locally, as
-// for POST /v1/admit.
+// A request is one all-or-nothing decision (decide.Decider.Check) inside
+// Redis, in a round trip and script call it shares with concurrent
+// requests; when any descriptor is over its limit, none is charged.
+// Decisions are final: nothing is reserved and nothing is settled later,
+// except with Options.RequestIDKey, whose second call of a request corrects
+// the first's estimate (correlate.go). When Redis is unavailable the
+// Decider decides locally, as for POST /v1/admit.
 //
 // # Replies
 //
