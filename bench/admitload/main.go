@@ -40,7 +40,7 @@ func main() {
 	timeout := flag.Duration("redis-timeout", 0, "admission's QF_REDIS_TIMEOUT, of both builds with -ab (0: its default)")
 	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
 	heap := flag.String("heapprofile", "", "write a heap profile of admission after the first admission run to this file")
-	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency)")
+	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency; with -rls, every one, beside envoy)")
 	abEnv := flag.String("ab-env", "", "with -ab, extra environment of this checkout's admission, space-separated (e.g. GOMEMLIMIT=32MiB)")
 	rounds := flag.Int("rounds", 5, "rounds of -ab and -peer")
 	peerMode := flag.Bool("peer", false, "compare with plain net/http and envoyproxy/ratelimit, admission with one and with five limits, in interleaved rounds")
@@ -80,7 +80,7 @@ func main() {
 		}
 		run := peer
 		if *rlsMode {
-			run = func(ctx context.Context, o peerOptions) error { return rls(ctx, o, *grpcConns) }
+			run = func(ctx context.Context, o peerOptions) error { return rls(ctx, o, *grpcConns, *base) }
 		}
 		if err := run(context.Background(), o); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)

@@ -74,7 +74,9 @@ type rlsTarget struct {
 // descriptors a request, each server on a Redis (and admission on a
 // nats-server) of its own, and prints per target the rates, their ratios,
 // latencies and the CPU per request of every process: issue 14's goals.
-func rls(ctx context.Context, o peerOptions, conns int) error {
+// With base (a checkout of an earlier commit), admission built from it is
+// a target too, in the same rounds: before and after in one run.
+func rls(ctx context.Context, o peerOptions, conns int, base string) error {
 	b, err := newDir()
 	defer b.close()
 	if err != nil {
@@ -86,27 +88,25 @@ func rls(ctx context.Context, o peerOptions, conns int) error {
 		return err
 	}
 
-	bin, err := build(b.dir, ".", "./services/admission")
+	qf, err := b.rlsAdmission(ctx, ".", "qf", "admission", conf)
 	if err != nil {
 		return err
 	}
-	grpcAddr, err := e2e.FreeAddr()
-	if err != nil {
-		return err
+	servers := []*peerTarget{qf}
+	if base != "" {
+		before, err := b.rlsAdmission(ctx, base, "qfbase", "admission before", conf)
+		if err != nil {
+			return err
+		}
+		servers = append(servers, before)
 	}
-	qf, err := b.peerAdmission(ctx, bin, "qf", "admission", onePolicy, "QF_GRPC_ADDR="+grpcAddr, "QF_ENVOY_RATELIMIT_CONFIG="+conf,
-		"QF_ENVOY_TENANT_KEYS=tenant", "QF_ENVOY_USER_KEYS=user", "QF_API_TOKENS="+rlsToken)
-	if err != nil {
-		return err
-	}
-	qf.addr = grpcAddr
 	peer, err := b.rlsPeer(ctx, o)
 	if err != nil {
 		return err
 	}
 	var ts []*rlsTarget
 	for _, n := range []int{1, 5} {
-		for _, s := range []*peerTarget{peer, qf} {
+		for _, s := range append([]*peerTarget{peer}, servers...) {
 			c := *s
 			c.short, c.name, c.runs = fmt.Sprintf("%s%d", s.short, n), fmt.Sprintf("%s, %d %s", s.name, n, descriptors(n)), map[int][]peerRun{}
 			ts = append(ts, &rlsTarget{peerTarget: &c, descriptors: n})
@@ -194,6 +194,26 @@ func descriptors(n int) string {
 		return "descriptor"
 	}
 	return "descriptors"
+}
+
+// rlsAdmission builds admission from checkout src and starts it serving
+// ShouldRateLimit over conf.
+func (b *bench) rlsAdmission(ctx context.Context, src, short, name, conf string) (*peerTarget, error) {
+	bin, err := build(b.dir, src, "./services/admission")
+	if err != nil {
+		return nil, err
+	}
+	grpcAddr, err := e2e.FreeAddr()
+	if err != nil {
+		return nil, err
+	}
+	t, err := b.peerAdmission(ctx, bin, short, name, onePolicy, "QF_GRPC_ADDR="+grpcAddr, "QF_ENVOY_RATELIMIT_CONFIG="+conf,
+		"QF_ENVOY_TENANT_KEYS=tenant", "QF_ENVOY_USER_KEYS=user", "QF_API_TOKENS="+rlsToken)
+	if err != nil {
+		return nil, err
+	}
+	t.addr = grpcAddr
+	return t, nil
 }
 
 // rlsPeer starts envoyproxy/ratelimit with rlsConfig on a Redis of its own.
