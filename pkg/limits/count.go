@@ -2,6 +2,7 @@ package limits
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -104,7 +105,12 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 	for k := range parts {
 		p := &parts[k]
 		if (failed[p.group] != nil || denied[p.group]) && done[k].err == nil && done[k].Status == wire.StatusAllowed {
-			back = append(back, countPart{group: p.group, slot: p.slot, counters: p.counters, back: done[k].now.UnixMilli()})
+			neg := make([]wire.Counter, len(p.counters))
+			for i, c := range p.counters {
+				c.Cost = -c.Cost
+				neg[i] = c
+			}
+			back = append(back, countPart{group: p.group, slot: p.slot, counters: neg, back: done[k].now.UnixMilli()})
 		}
 	}
 	if len(back) > 0 {
@@ -131,15 +137,14 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 		for i, c := range p.counters {
 			s := &d.States[p.at[i]]
 			seen := done[k].Seen[i]
-			w := time.Duration(c.Rule.Window).Milliseconds()
-			reset := time.Duration((now.UnixMilli()/w+1)*w-now.UnixMilli()) * time.Millisecond
 			fits := seen+c.Cost <= c.Rule.Limit.Limit
 			used := seen
 			if d.Allowed {
 				used = min(seen+c.Cost, MaxCost)
 			}
-			*s = State{Rule: c.Rule, Limit: c.Rule.Limit.Limit, Used: used, Remaining: max(0, c.Rule.Limit.Limit-used),
-				Reset: reset, WouldDeny: !fits && c.Rule.Shadow}
+			*s = counterState(&c, used, now)
+			s.WouldDeny = !fits && c.Rule.Shadow
+			reset := s.Reset
 			if !fits && !c.Rule.Shadow && (d.DeniedBy < 0 || p.at[i] < d.DeniedBy) {
 				d.DeniedBy, d.RetryAfter, d.Reason = p.at[i], reset, ReasonNone
 				if c.Cost > c.Rule.Limit.Limit {
@@ -153,8 +158,8 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 
 // countPart is the counters of one group in one script call: all of them,
 // or on a slot-bound client those of one hash slot; at gives each one's
-// index among the group's. back, when set, gives back what a charge at
-// that time (Unix ms) took.
+// index among the group's. back, when set, makes it an adjustment by the
+// counters' (negative) costs dated then (Unix ms): a give back.
 type countPart struct {
 	group    int
 	slot     uint16
@@ -201,4 +206,62 @@ func seq(n int) []int {
 		s[i] = i
 	}
 	return s
+}
+
+// AdjustCount adds amount (negative: gives back) to the CountBatch counters
+// of rules (fixed windows) of scope's id in their current windows, as
+// ChargeShared does to the shared blob: never refused by a limit, held to
+// 0 to MaxCost; a requests rule moves by 1 in amount's direction. It is a
+// correction of what an earlier CountBatch charged, and returns the
+// counters after it. It returns ErrNoEpoch when Redis lost its data.
+func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64) ([]State, error) {
+	if amount < -MaxCost || amount > MaxCost {
+		return nil, fmt.Errorf("%w: adjust %s %s: amount %d: want -%d to %d", ErrInvalid, scope, id, amount, int64(MaxCost), int64(MaxCost))
+	}
+	cs := make([]wire.Counter, len(rules))
+	for i := range rules {
+		c := wire.Counter{Scope: scope, ID: id, Cost: max(amount, -amount), Rule: &rules[i]}
+		if rules[i].Unit != policy.Tokens {
+			c.Cost = 1
+		}
+		if err := wire.CheckCounter(&c); err != nil {
+			return nil, fmt.Errorf("adjust %s %s: %w", scope, id, err)
+		}
+		if amount < 0 {
+			c.Cost = -c.Cost
+		}
+		cs[i] = c
+	}
+	b := l.p.NewCountBatch()
+	b.Add(wire.AdjustNow, cs)
+	c := b.Call()
+	var after []int64
+	var err error
+	now := wire.DecodeCount(l.run.Run(ctx, script.Count, &c), b, func(_ int, v wire.CountReply, e error) {
+		after, err = v.Seen, e
+	})
+	if err != nil {
+		if !errors.Is(err, ErrNoEpoch) {
+			err = fmt.Errorf("adjust %s %s: %w", scope, id, err)
+		}
+		return nil, err
+	}
+	out := make([]State, len(cs))
+	for i := range cs {
+		out[i] = counterState(&cs[i], after[i], now)
+	}
+	return out, nil
+}
+
+// counterState is the State of counter c holding used at Redis time now.
+func counterState(c *wire.Counter, used int64, now time.Time) State {
+	lim := c.Rule.Limit.Limit
+	return State{Rule: c.Rule, Limit: lim, Used: used, Remaining: max(0, lim-used), Reset: windowLeft(c.Rule, now)}
+}
+
+// windowLeft is the time from now to the end of fixed window r's current
+// window.
+func windowLeft(r *policy.Rule, now time.Time) time.Duration {
+	w, ms := time.Duration(r.Window).Milliseconds(), now.UnixMilli()
+	return time.Duration((ms/w+1)*w-ms) * time.Millisecond
 }

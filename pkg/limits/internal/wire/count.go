@@ -55,7 +55,7 @@ func CounterSlot(scope policy.Scope, id string) uint16 { return SharedSlot(scope
 // Params.NewCountBatch.
 type CountBatch struct {
 	batch
-	groups []int // counters per group; a give back's, negated
+	groups []int // counters per group
 }
 
 // NewCountBatch returns an empty batch.
@@ -68,9 +68,12 @@ func (p Params) NewCountBatch() *CountBatch {
 // Len is the number of groups in b.
 func (b *CountBatch) Len() int { return len(b.groups) }
 
+// AdjustNow is the date of an adjustment made at Redis time.
+const AdjustNow = -1
+
 // Add adds a group of counters, checked (CheckCounter) by the caller: to
-// charge all or none when at is zero, else to give back what a charge
-// at at (Unix ms) took.
+// charge all or none when at is zero, else an adjustment by each (signed)
+// Cost dated at (Unix ms, or AdjustNow).
 func (b *CountBatch) Add(at int64, cs []Counter) {
 	w := make([]byte, 6+counterLen*len(cs))
 	putInt48(w, at)
@@ -88,10 +91,6 @@ func (b *CountBatch) Add(at int64, cs []Counter) {
 		}
 	}
 	b.args = append(b.args, string(w))
-	if at != 0 {
-		b.groups = append(b.groups, -len(cs))
-		return
-	}
 	b.groups = append(b.groups, len(cs))
 }
 
@@ -107,11 +106,11 @@ func (b *CountBatch) Call() Call {
 // CountReply is one group of a count reply.
 type CountReply struct {
 	Status int64   // StatusAllowed, StatusDenied
-	Seen   []int64 // per counter, the count it found (count.lua)
+	Seen   []int64 // per counter, the count it found (an adjustment's: after it)
 }
 
 // DecodeCount reads the reply of count call c of b and passes f each
-// group's reply or error, in order (a give back's has no Seen); it returns
+// group's reply or error, in order; it returns
 // the call's Redis time. An error of the whole call is every group's; a
 // group without its epoch gets ErrNoEpoch.
 func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err error)) time.Time {
@@ -125,7 +124,6 @@ func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err 
 		v = v[1:]
 	}
 	for i, k := range b.groups {
-		k = max(k, 0)
 		switch {
 		case err != nil:
 		case len(v) > 0 && v[0] == -1:

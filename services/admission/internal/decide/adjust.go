@@ -8,8 +8,9 @@ import (
 	"quotaflow/pkg/limits/policy"
 )
 
-// Adjust adds amount (negative: gives back) to the token limits of c, as
-// ChargeShared does, whatever they hold: a correction of what an earlier
+// Adjust adds amount (negative: gives back) to the token limits of c, where
+// Check keeps them (countable: AdjustCount on its counters, else as
+// ChargeShared does), whatever they hold: a correction of what an earlier
 // Check charged, never a decision, so a limit does not refuse it (actual
 // usage wins) and a give-back leaves a counter at zero at least. Request
 // limits and concurrency slots are not moved: a request once admitted stays
@@ -36,7 +37,7 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 	if len(rules) == 0 || amount == 0 {
 		return nil, nil
 	}
-	st, err := d.chargeShared(ctx, c.Scope, c.ID, rules, amount)
+	st, err := d.chargeShared(ctx, countable(&c), c.Scope, c.ID, rules, amount)
 	if err != nil {
 		return nil, fmt.Errorf("adjust %s %s: %w", c.Scope, c.ID, err)
 	}
@@ -47,14 +48,19 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 	return out, nil
 }
 
-// chargeShared is limits.Limiter.ChargeShared through the breaker, not
-// cancelled with ctx: a give-back or correction once decided is made even
-// when the caller has gone.
-func (d *Decider) chargeShared(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64) ([]limits.State, error) {
+// chargeShared is limits.Limiter.ChargeShared (AdjustCount for counted:
+// Check's counters) through the breaker, not cancelled with ctx: a
+// give-back or correction once decided is made even when the caller has
+// gone.
+func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.Scope, id string, rules []policy.Rule, amount int64) ([]limits.State, error) {
 	var st []limits.State
 	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
 		var err error
-		st, err = d.lim.ChargeShared(ctx, scope, id, rules, amount)
+		if counted {
+			st, err = d.lim.AdjustCount(ctx, scope, id, rules, amount)
+		} else {
+			st, err = d.lim.ChargeShared(ctx, scope, id, rules, amount)
+		}
 		return err
 	})
 	return st, err

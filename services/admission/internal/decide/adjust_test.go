@@ -58,3 +58,45 @@ func TestAdjust(t *testing.T) {
 		t.Error("Adjust with Redis down = nil error, want the failure")
 	}
 }
+
+// A countable charge (fixed windows of tokens, as package rls makes) is
+// adjusted in Check's counters; in a check that mixes it with a leased
+// limit, it is decided on its own and given back there when the leased
+// one denies.
+func TestAdjustAndGiveBackCountedCharges(t *testing.T) {
+	c := redistest.Shared(t)
+	pol := parsePolicy(t, userOnlyPolicy, "")
+	offset := midWindow(24 * time.Hour)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: offset})
+	id := newTenant(t)
+	rules := []policy.Rule{checkRule("x", 10)}
+	ch := Charge{Scope: policy.ScopeGlobal, ID: id, Cost: 4, Rules: rules}
+	ctx := context.Background()
+	if r, err := d.Check(ctx, []Charge{ch}); err != nil || !r.Allowed {
+		t.Fatalf("Check = %+v, %v", r, err)
+	}
+	for _, s := range []struct{ amount, want int64 }{{9, 13}, {-5, 8}, {-20, 0}} {
+		st, err := d.Adjust(ctx, ch, s.amount)
+		if err != nil || len(st) != 1 || st[0].Used != s.want {
+			t.Fatalf("Adjust(%d) = %+v, %v; want used %d", s.amount, st, err, s.want)
+		}
+		if used := counterUsed(t, c, offset, policy.ScopeGlobal, id, rules); used[0] != s.want {
+			t.Errorf("after Adjust(%d) the counter holds %d, want %d", s.amount, used[0], s.want)
+		}
+	}
+	leased := checkRule("n", 1)
+	leased.Unit = policy.Requests
+	other := newTenant(t) + "l"
+	mixed := []Charge{ch, {Scope: policy.ScopeGlobal, ID: other, Cost: 1, Rules: []policy.Rule{leased}}}
+	if r, err := d.Check(ctx, mixed); err != nil || !r.Allowed || len(r.Limits) != 2 {
+		t.Fatalf("mixed Check = %+v, %v; want allowed, 2 limits", r, err)
+	}
+	quiesce(t, d)
+	r, err := d.Check(ctx, mixed)
+	if err != nil || r.Allowed || r.DeniedBy == nil || r.DeniedBy.Endpoint != "n" {
+		t.Fatalf("mixed Check past the leased limit = %+v, %v; want denied by n", r, err)
+	}
+	if used := counterUsed(t, c, offset, policy.ScopeGlobal, id, rules); used[0] != 4 {
+		t.Errorf("the counted charge after the denied mixed check holds %d, want 4 (the allowed check's only)", used[0])
+	}
+}

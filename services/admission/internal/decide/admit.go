@@ -70,12 +70,13 @@ type leaseTake struct {
 // sharedRes is a shared reservation made in Redis; rules[j] is reported in
 // slot at+idx[j].
 type sharedRes struct {
-	scope policy.Scope
-	id    string
-	cost  int64
-	rules []policy.Rule
-	at    int
-	idx   []int
+	scope   policy.Scope
+	id      string
+	cost    int64
+	rules   []policy.Rule
+	at      int
+	idx     []int
+	counted bool // in CountBatch's counters (Check), not the shared blob
 }
 
 // allowAll is the decision past FailOpenAfter: everything is allowed and
@@ -416,7 +417,7 @@ func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) bool 
 	if len(rules) == 0 {
 		return true
 	}
-	if _, err := d.chargeShared(ctx, s.scope, s.id, rules, amount); err != nil {
+	if _, err := d.chargeShared(ctx, s.counted, s.scope, s.id, rules, amount); err != nil {
 		d.log.Debug("compensate shared reservation", "scope", string(s.scope), "err", err)
 		return false
 	}

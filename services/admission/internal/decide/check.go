@@ -22,15 +22,16 @@ type Charge struct {
 
 // Check decides charges together, all or nothing, as final charges: nothing
 // keeps a reservation record and nothing is settled later (the gRPC
-// ShouldRateLimit path). When every rule is a fixed window that does not
-// lease (every rule package rls makes), the charges are one group of
-// counters (limits.Limiter.CountBatch: a Redis key per counter, not the
-// shared blob Admit's layers use), decided all or nothing in Redis in the
-// same script call as the concurrent Checks' groups (checkCounts), each
-// exactly as if the Checks had come one after another. Otherwise the
-// charges go one by one as Admit's shared layers (ReserveShared, leases),
-// and when one denies, what the others took is given back (a compensating
-// ChargeShared, or local spending). When Redis is unavailable each charge
+// ShouldRateLimit path). A charge whose rules are all fixed windows that
+// do not lease (countable: every rule package rls makes) lives in
+// limits.Limiter.CountBatch's counters (a Redis key per counter, not the
+// shared blob Admit's layers use). When every charge is countable they are
+// one group, decided all or nothing in Redis in the same script call as
+// the concurrent Checks' groups (checkCounts), each exactly as if the
+// Checks had come one after another. Otherwise the charges go one by one
+// (a countable one as a group of its own, the others as Admit's shared
+// layers: ReserveShared, leases), and when one denies, what the others took
+// is given back (AdjustCount or ChargeShared, or local spending). When Redis is unavailable each charge
 // is decided locally as the shared layers of Admit are, or allowed
 // unchecked past Options.FailOpenAfter. Every charge is checked, even
 // after one denied, so that Result.Limits reports every rule: one state per
@@ -63,9 +64,16 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 	a.denied = -1
 	a.res.Limits = make([]LimitState, 0, n)
 	first, retry, reason := -1, time.Duration(0), limits.ReasonNone
-	decided, err := a.checkCounts(charges, &first, &retry, &reason)
-	if err != nil {
-		return Result{}, err
+	all := true
+	for i := range charges {
+		all = all && countable(&charges[i])
+	}
+	decided := false
+	if all {
+		var err error
+		if decided, err = a.checkCounts(charges, &first, &retry, &reason); err != nil {
+			return Result{}, err
+		}
 	}
 	for i := range charges {
 		if decided {
@@ -73,12 +81,19 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 		}
 		c := &charges[i]
 		a.in.Cost = c.Cost
-		ok, err := a.sharedLayer(c.Scope, c.ID, c.Rules)
+		ok, err := false, error(nil)
+		counted := false
+		if a.remote && countable(c) {
+			counted, err = a.checkCounts(charges[i:i+1], &first, &retry, &reason)
+		}
+		if !counted && err == nil {
+			ok, err = a.sharedLayer(c.Scope, c.ID, c.Rules)
+		}
 		if err != nil {
 			a.undo()
 			return Result{}, err
 		}
-		if !ok && first < 0 {
+		if !counted && !ok && first < 0 {
 			first, retry, reason = a.denied, a.res.RetryAfter, a.res.Reason
 		}
 	}
@@ -104,14 +119,25 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 // checkEndpoint is the endpoint label of Check's decisions.
 const checkEndpoint = "rls"
 
-// checkCounts decides every charge as one group of fixed-window counters
-// (limits.Limiter.CountBatch, through the Decider's batcher, so that
-// concurrent Checks share a round trip and a script call) when Redis is in
-// use and every rule is a fixed window that does not lease: all or nothing
-// in Redis, so nothing is given back. It sets first, retry and reason as
-// Check's loop does, and reports false when the charges are to go one by
-// one instead: other rules, or a failed call (decided locally then, as on
-// the admit path).
+// countable reports whether c's rules are all fixed windows that do not
+// lease: such a charge lives in limits.Limiter.CountBatch's counters, the
+// others in the shared blobs, whether Check or Adjust moves it.
+func countable(c *Charge) bool {
+	for j := range c.Rules {
+		if r := &c.Rules[j]; r.Kind != policy.Fixed || limits.Leasable(r) {
+			return false
+		}
+	}
+	return true
+}
+
+// checkCounts decides charges (countable) as one group of fixed-window
+// counters (limits.Limiter.CountBatch, through the Decider's batcher, so
+// that concurrent Checks share a round trip and a script call): all or
+// nothing in Redis. It appends their states, sets first, retry and reason
+// (when not set) as Check's loop does, keeps the allowed charges for undo
+// (a later charge may deny), and reports false when Redis is not to be
+// used (decided locally then, as on the admit path).
 func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Duration, reason *limits.Reason) (bool, error) {
 	if !a.remote {
 		return false, nil
@@ -119,11 +145,6 @@ func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Durati
 	group := make([]limits.SharedRequest, len(charges))
 	for i := range charges {
 		c := &charges[i]
-		for j := range c.Rules {
-			if r := &c.Rules[j]; r.Kind != policy.Fixed || limits.Leasable(r) {
-				return false, nil
-			}
-		}
 		group[i] = limits.SharedRequest{Scope: c.Scope, ID: c.ID, Cost: c.Cost, Rules: c.Rules}
 	}
 	dec, err := a.d.count(a.ctx, group)
@@ -134,11 +155,25 @@ func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Durati
 		a.remote = false
 		return false, nil
 	}
+	base := len(a.res.Limits)
 	for i := range dec.States {
 		a.res.Limits = append(a.res.Limits, stateOf(&dec.States[i]))
 	}
 	if !dec.Allowed {
-		*first, *retry, *reason = max(0, dec.DeniedBy), dec.RetryAfter, dec.Reason
+		if *first < 0 {
+			*first, *retry, *reason = base+max(0, dec.DeniedBy), dec.RetryAfter, dec.Reason
+		}
+		return true, nil
+	}
+	at := base
+	for i := range charges {
+		c := &charges[i]
+		idx := make([]int, len(c.Rules))
+		for j := range idx {
+			idx[j] = j
+		}
+		a.shared = append(a.shared, sharedRes{scope: c.Scope, id: c.ID, cost: c.Cost, rules: c.Rules, at: at, idx: idx, counted: true})
+		at += len(c.Rules)
 	}
 	return true, nil
 }

@@ -11,13 +11,15 @@
 --
 -- KEYS   the call's epoch keys and counters, each once, read in one MGET
 -- ARGV   1 '<i6B' clock offset ms (0 outside tests), 1 = refuse to decide
---        without the epoch; then one argument per group: '<i6' a give
---        back's charge time ms (0: a charge), then per counter
---        '<I2I2i6i6i6B': the KEYS index of its slot's epoch key and of the
---        counter, cost, limit, window ms, 1 = shadow
+--        without the epoch; then one argument per group: '<i6' 0 for a
+--        decision, else an adjustment dated then (ms; -1: now), then per
+--        counter '<I2I2i6i6i6B': the KEYS index of its slot's epoch key and
+--        of the counter, cost (an adjustment's signed), limit, window ms,
+--        1 = shadow
 -- Reply  {now_ms, then per group: status, then per counter the count it
 --        found: the window's count plus what the group's earlier counters
---        added (none after status -1)}
+--        added; an adjustment's, the count after it (none after status
+--        -1)}
 --   status 1 allowed (charged), 0 denied (nothing charged), -1 no epoch
 --   (nothing decided).
 -- Guarantees: a group charges every counter or none: each counter is
@@ -25,9 +27,10 @@
 -- repeated counter sees its earlier hits); one whose count plus cost
 -- passes its limit denies the group unless it is shadow (a shadow counter
 -- is charged all the same). Groups see the ones before them; one Redis
--- TIME serves the call. Counts saturate at MAX_COUNT. A give back
--- subtracts each cost from its counter when the counter is still in the
--- window of the charge time (never below 0), and answers status 1.
+-- TIME serves the call. Counts saturate at MAX_COUNT. An adjustment adds
+-- each signed cost to its counter, never refused by a limit, held to 0 to
+-- MAX_COUNT, and only when its date lies in the current window (a window
+-- that has passed is left alone); it answers status 1.
 local offset, guard = sunpack('<i6B', ARGV[1])
 local now = now_ms(offset)
 local vals = redis.call('MGET', unpack(KEYS))
@@ -59,19 +62,22 @@ for g = 2, #ARGV do
   end
   if not ok then
     out[#out + 1] = -1
-  elseif at > 0 then
+  elseif at ~= 0 then
+    -- an adjustment: dated at (a give back), or now (-1)
+    out[#out + 1] = 1
     for p = 7, #arg, COUNTER_LEN do
       local _, k, cost, _, w = sunpack('<I2I2i6i6i6', arg, p)
+      local wn = floor(now / w)
       if not win[k] then load(k) end
-      if win[k] == floor(at / w) then
-        local c = cnt[k] - cost
-        if c < 0 then c = 0 end
-        cnt[k] = c
+      local c = win[k] == wn and cnt[k] or 0
+      if at < 0 or floor(at / w) == wn then
+        c = c + cost
+        if c < 0 then c = 0 elseif c > MAX_COUNT then c = MAX_COUNT end
+        win[k], cnt[k], span[k] = wn, c, w
         if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
-        span[k] = w
       end
+      out[#out + 1] = c
     end
-    out[#out + 1] = 1
   else
     local s = #out + 1
     out[s] = 1
