@@ -181,6 +181,7 @@ func New(o Options) (*Handler, error) {
 	}
 	h.failopen.WithLabelValues(routeAdmit)
 	h.failopen.WithLabelValues(routeAuthz)
+	h.failopen.WithLabelValues(routeLLM)
 	if o.Registerer != nil {
 		if err := o.Registerer.Register(h.duration); err != nil {
 			return nil, fmt.Errorf("httpapi: %w", err)

@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"context"
 	"net/http"
 
 	"quotaflow/pkg/events"
@@ -54,13 +55,22 @@ type idField struct {
 // checkIDs checks identifiers (length, UTF-8, presence); when it returns
 // false it has answered with the first bad one.
 func checkIDs(w http.ResponseWriter, fields ...idField) bool {
-	for _, f := range fields {
-		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
-			writeFieldError(w, ferr)
-			return false
-		}
+	if ferr := firstBadID(fields...); ferr != nil {
+		writeFieldError(w, ferr)
+		return false
 	}
 	return true
+}
+
+// firstBadID checks identifiers as checkIDs does and returns the first bad
+// one's problem.
+func firstBadID(fields ...idField) *fieldError {
+	for _, f := range fields {
+		if ferr := checkID(f.name, f.v, f.required); ferr != nil {
+			return ferr
+		}
+	}
+	return nil
 }
 
 func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
@@ -72,23 +82,38 @@ func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 	if !authorize(w, p, b.Tenant) {
 		return
 	}
-	s, err := h.dec.Release(r.Context(), b.Tenant, b.User, b.RequestID)
-	if err != nil {
-		if _, bad := clientError(err, ""); bad || canceled(r.Context(), err) {
-			h.infraError(w, r, "release", "", err)
-			return
-		}
-		// Redis is out of reach: the released event alone is enough, since
-		// the accounter gives back the estimate of every reservation the
-		// ledger holds open when it consumes it. No caller is failed
-		// because Redis is down.
-		h.log.Warn("release queued for the accounter", "err", err)
-		h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User,
-			Status: events.ReleaseQueued}, nowUTC()))
-		writeJSON(w, http.StatusAccepted, "application/json", releaseAnswer{RequestID: b.RequestID, Status: events.ReleaseQueued})
-		return
+	a, err := h.release(r.Context(), b.Tenant, b.User, b.RequestID)
+	switch {
+	case err != nil:
+		h.infraError(w, r, "release", "", err)
+	case a.Status == events.ReleaseQueued:
+		writeJSON(w, http.StatusAccepted, "application/json", a)
+	default:
+		writeJSON(w, http.StatusOK, "application/json", a)
 	}
-	a := releaseAnswer{RequestID: b.RequestID}
+}
+
+// release gives back the reservation of requestID and publishes the
+// released event saying what it did. While Redis is out of reach it
+// publishes a queued release instead, for the accounter to give the
+// estimate back, and returns status queued with no error: no caller is
+// failed because Redis is down. Errors are the caller's mistakes or its
+// leaving (ctx).
+func (h *Handler) release(ctx context.Context, tenant, user, requestID string) (releaseAnswer, error) {
+	s, err := h.dec.Release(ctx, tenant, user, requestID)
+	if err != nil {
+		if _, bad := clientError(err, ""); bad || canceled(ctx, err) {
+			return releaseAnswer{}, err
+		}
+		// The released event alone is enough, since the accounter gives
+		// back the estimate of every reservation the ledger holds open
+		// when it consumes it.
+		h.log.Warn("release queued for the accounter", "err", err)
+		h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: requestID, Tenant: tenant, User: user,
+			Status: events.ReleaseQueued}, nowUTC()))
+		return releaseAnswer{RequestID: requestID, Status: events.ReleaseQueued}, nil
+	}
+	a := releaseAnswer{RequestID: requestID}
 	switch s.Status {
 	case limits.Settled:
 		a.Status, a.ReturnedTokens = events.ReleaseReleased, max(-s.Delta, 0)
@@ -104,9 +129,9 @@ func (h *Handler) serveRelease(w http.ResponseWriter, r *http.Request) {
 	if at.IsZero() {
 		at = nowUTC()
 	}
-	h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: b.RequestID, Tenant: b.Tenant, User: b.User,
+	h.ev.Enqueue(events.NewReleased(h.source, events.Released{RequestID: requestID, Tenant: tenant, User: user,
 		Status: a.Status, ReturnedTokens: a.ReturnedTokens}, at))
-	writeJSON(w, http.StatusOK, "application/json", a)
+	return a, nil
 }
 
 // infraError answers a failure of the decider outside the admission path

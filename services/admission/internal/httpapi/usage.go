@@ -87,9 +87,7 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), h.usageTO)
-	defer cancel()
-	if err := h.ev.PublishNow(ctx, evs); err != nil {
+	if err := h.publishReported(r.Context(), evs); err != nil {
 		if canceled(r.Context(), err) {
 			writeError(w, 499, "client closed the request")
 			return
@@ -106,6 +104,15 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeAccepted(w, len(evs))
+}
+
+// publishReported publishes reported events (checked by reportedEvents)
+// and returns once the stream stored every one, waiting at most the
+// usage timeout.
+func (h *Handler) publishReported(ctx context.Context, evs []events.Event) error {
+	ctx, cancel := context.WithTimeout(ctx, h.usageTO)
+	defer cancel()
+	return h.ev.PublishNow(ctx, evs)
 }
 
 // decodeUsage parses the body of POST /v1/usage: a non-empty JSON array of
