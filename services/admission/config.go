@@ -18,6 +18,7 @@ import (
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/httpapi"
+	"quotaflow/services/admission/internal/llmproxy"
 	"quotaflow/services/admission/internal/outbox"
 	"quotaflow/services/admission/internal/rls"
 )
@@ -55,6 +56,10 @@ type Config struct {
 	EnvoyRateLimitHeaders bool `envconfig:"ENVOY_RATELIMIT_HEADERS"`
 	// Ops holds the ops port's other settings: QF_PPROF.
 	obs.Ops
+	// Settings are the LLM gateway mode's (QF_GATEWAY_*): with
+	// QF_GATEWAY_ADDR set, admission also serves the OpenAI-compatible
+	// proxy there (package llmproxy).
+	llmproxy.Settings
 	// APITokens are token[@tenant][#role+role] entries (auth.ParseEntry).
 	// With APITokensFile empty too there is no authentication, and a
 	// warning at start.
@@ -141,7 +146,7 @@ func defaults() Config {
 		ReservationTTL:  limits.DefaultReservationTTL,
 		OutboxMaxEvents: outbox.DefaultMaxEvents, SpillMaxBytes: outbox.DefaultMaxSpillBytes,
 		EventBatchMax: stream.DefaultBatchMax, EventBatchWait: stream.DefaultBatchWait, OutboxMaxWait: outbox.DefaultQueueWait,
-		ShutdownTimeout: config.DefaultShutdownTimeout,
+		ShutdownTimeout: config.DefaultShutdownTimeout, Settings: llmproxy.DefaultSettings,
 	}
 }
 
@@ -165,6 +170,10 @@ func (c *Config) Validate() error {
 	if c.GRPCAddr != "" && (c.GRPCAddr == c.AdmissionAddr || c.GRPCAddr == c.OpsAddr) && !strings.HasSuffix(c.GRPCAddr, ":0") {
 		bad("GRPC_ADDR", "must differ from QF_ADMISSION_ADDR and QF_OPS_ADDR")
 	}
+	if c.GatewayAddr != "" && (c.GatewayAddr == c.AdmissionAddr || c.GatewayAddr == c.OpsAddr || c.GatewayAddr == c.GRPCAddr) && !strings.HasSuffix(c.GatewayAddr, ":0") {
+		bad("GATEWAY_ADDR", "must differ from QF_ADMISSION_ADDR, QF_OPS_ADDR and QF_GRPC_ADDR")
+	}
+	errs = append(errs, c.Settings.Validate())
 	if c.EnvoyRateLimitConfig != "" && c.GRPCAddr == "" {
 		bad("ENVOY_RATELIMIT_CONFIG", "needs QF_GRPC_ADDR: ShouldRateLimit is served over gRPC")
 	}
@@ -293,7 +302,8 @@ func (c *Config) LogArgs() []any {
 		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
 			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir,
 			"event_batch_max", c.EventBatchMax, "event_batch_wait", c.EventBatchWait.String(),
-			"outbox_max_wait", c.OutboxMaxWait.String()})
+			"outbox_max_wait", c.OutboxMaxWait.String(),
+			"gateway_addr", c.GatewayAddr, "gateway_upstream", c.GatewayUpstream, "gateway_file", c.GatewayFile})
 }
 
 // maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1 GB.

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"log/slog"
+	"os"
 
 	authv3 "github.com/envoyproxy/go-control-plane/envoy/service/auth/v3"
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
@@ -21,6 +22,8 @@ import (
 	"quotaflow/services/admission/internal/extauthz"
 	"quotaflow/services/admission/internal/grpcapi"
 	"quotaflow/services/admission/internal/httpapi"
+	"quotaflow/services/admission/internal/llmproxy"
+	"quotaflow/services/admission/internal/openai"
 	"quotaflow/services/admission/internal/outbox"
 	"quotaflow/services/admission/internal/rls"
 	"quotaflow/services/admission/internal/rlsconf"
@@ -34,6 +37,7 @@ const readyStreams = "nats_streams"
 type hooks struct {
 	started func(api, ops string) // told the bound addresses (tests listen on port 0)
 	grpc    func(addr string)     // told the gRPC server's address, when there is one
+	gateway func(addr string)     // told the LLM gateway's address, when there is one
 }
 
 // run wires admission and serves until ctx ends; then the stack stops what
@@ -101,6 +105,16 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 			h.grpc(g.Addr())
 		}
 	}
+	if cfg.GatewayAddr != "" {
+		addr, err := startGateway(stack, cfg, api, log, reg, m)
+		if err != nil {
+			return err
+		}
+		log.Info("llm gateway started", "gateway", addr)
+		if h.gateway != nil {
+			h.gateway(addr)
+		}
+	}
 	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest())
 	if h.started != nil {
 		h.started(srv.Addr(), ops.Addr())
@@ -141,11 +155,38 @@ func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, rdb redis.
 	return g, nil
 }
 
+// startGateway serves the LLM gateway mode (package llmproxy) on
+// QF_GATEWAY_ADDR, admitting, releasing and charging through api; the
+// stack stops it with the API, letting the requests in flight settle.
+func startGateway(stack *service.Stack, cfg Config, api *httpapi.Handler, log *slog.Logger,
+	reg prometheus.Registerer, m metrics) (string, error) {
+	// The tokenizer's vocabularies load now, not in the first request.
+	if err := openai.Warm(); err != nil {
+		return "", err
+	}
+	w, err := llmproxy.NewWatcher(cfg.Settings, os.Getenv, log, m.gatewayReloaded)
+	if err != nil {
+		return "", err
+	}
+	stack.Go("gateway file", w.Watch) // returns at once without a file
+	px, err := llmproxy.New(llmproxy.Options{Config: w.Current, Admitter: api,
+		DefaultMaxTokens: cfg.GatewayDefaultMaxTokens, Log: log, Registerer: reg})
+	if err != nil {
+		return "", err
+	}
+	srv, err := service.Listen(stack, "gateway", cfg.GatewayAddr, px)
+	if err != nil {
+		return "", err
+	}
+	return srv.Addr(), nil
+}
+
 // metrics are run's own: the reloads of the files it watches.
 type metrics struct {
-	tokensReloaded func(error)
-	policyReloaded func(*policy.Policy, error)
-	envoyReloaded  func(error)
+	tokensReloaded  func(error)
+	policyReloaded  func(*policy.Policy, error)
+	envoyReloaded   func(error)
+	gatewayReloaded func(error)
 }
 
 func newMetrics(reg prometheus.Registerer) metrics {
@@ -162,6 +203,10 @@ func newMetrics(reg prometheus.Registerer) metrics {
 		envoyReloaded: reloadCounter(reg, prometheus.CounterOpts{
 			Name: "quotaflow_admission_envoy_config_reloads_total",
 			Help: "Reloads of QF_ENVOY_RATELIMIT_CONFIG that found new content, by result (ok, rejected).",
+		}),
+		gatewayReloaded: reloadCounter(reg, prometheus.CounterOpts{
+			Name: "quotaflow_admission_gateway_file_reloads_total",
+			Help: "Reloads of QF_GATEWAY_FILE that found new content, by result (ok, rejected).",
 		}),
 	}
 }

@@ -263,20 +263,22 @@ func startRun(t *testing.T, cfg Config, log *slog.Logger) (api, ops string, done
 }
 
 // runAddrs are the addresses a started run listens on: the API's base URL,
-// the ops and the gRPC host:port (empty without QF_GRPC_ADDR).
-type runAddrs struct{ api, ops, grpc string }
+// the ops and the gRPC host:port (empty without QF_GRPC_ADDR), the LLM
+// gateway's base URL (empty without QF_GATEWAY_ADDR).
+type runAddrs struct{ api, ops, grpc, gateway string }
 
 // startRunAddrs is startRun, with the gRPC server's address too.
 func startRunAddrs(t testing.TB, cfg Config, log *slog.Logger) (runAddrs, <-chan error, func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	addrs := make(chan runAddrs, 1)
-	var grpcAddr string // written before started is called, on run's goroutine
+	var grpcAddr, gatewayURL string // written before started is called, on run's goroutine
 	res := make(chan error, 1)
 	go func() {
 		res <- run(ctx, cfg, log, hooks{
 			grpc:    func(addr string) { grpcAddr = addr },
-			started: func(api, ops string) { addrs <- runAddrs{"http://" + api, ops, grpcAddr} },
+			gateway: func(addr string) { gatewayURL = "http://" + addr },
+			started: func(api, ops string) { addrs <- runAddrs{"http://" + api, ops, grpcAddr, gatewayURL} },
 		})
 	}()
 	select {

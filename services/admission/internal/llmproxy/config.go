@@ -18,24 +18,24 @@ import (
 )
 
 // Settings are the gateway mode's environment variables; admission's
-// Config embeds them (prefix QF). With Addr empty there is no gateway.
+// Config embeds them (prefix QF). With GatewayAddr empty there is no gateway.
 type Settings struct {
-	// Addr is where the gateway listens (QF_GATEWAY_ADDR); empty: no gateway.
-	Addr string `envconfig:"GATEWAY_ADDR"`
-	// Upstream is the base URL of one OpenAI-compatible upstream, e.g.
+	// GatewayAddr is where the gateway listens (QF_GATEWAY_ADDR); empty: no gateway.
+	GatewayAddr string `envconfig:"GATEWAY_ADDR"`
+	// GatewayUpstream is the base URL of one OpenAI-compatible upstream, e.g.
 	// http://127.0.0.1:8000/v1 (QF_GATEWAY_UPSTREAM): every model goes there
 	// unless the file routes it elsewhere.
-	Upstream string `envconfig:"GATEWAY_UPSTREAM"`
-	// Keys are "apikey=tenant/user" entries (QF_GATEWAY_KEYS): the key ends
+	GatewayUpstream string `envconfig:"GATEWAY_UPSTREAM"`
+	// GatewayKeys are "apikey=tenant/user" entries (QF_GATEWAY_KEYS): the key ends
 	// at the last '=', the tenant at the first '/'.
-	Keys []string `envconfig:"GATEWAY_KEYS"`
-	// File is the YAML file of upstreams, routing, keys, passed paths and
-	// trusted headers (QF_GATEWAY_FILE; ParseFile), reloaded on change.
-	File string `envconfig:"GATEWAY_FILE"`
-	// DefaultMaxTokens is the output maximum set on a request that sets
+	GatewayKeys []string `envconfig:"GATEWAY_KEYS"`
+	// GatewayFile is the YAML file of upstreams, routing, keys, passed paths and
+	// trusted headers (QF_GATEWAY_FILE; Build), reloaded on change.
+	GatewayFile string `envconfig:"GATEWAY_FILE"`
+	// GatewayDefaultMaxTokens is the output maximum set on a request that sets
 	// none (QF_GATEWAY_DEFAULT_MAX_TOKENS), so that the actual can never
 	// exceed the estimate.
-	DefaultMaxTokens int64 `envconfig:"GATEWAY_DEFAULT_MAX_TOKENS"`
+	GatewayDefaultMaxTokens int64 `envconfig:"GATEWAY_DEFAULT_MAX_TOKENS"`
 }
 
 // DefaultMaxTokens is QF_GATEWAY_DEFAULT_MAX_TOKENS's default: 4096, the
@@ -48,17 +48,17 @@ const DefaultMaxTokens = 4096
 const maxDefaultMaxTokens = 1 << 20
 
 // DefaultSettings are the defaults this package owns.
-var DefaultSettings = Settings{DefaultMaxTokens: DefaultMaxTokens}
+var DefaultSettings = Settings{GatewayDefaultMaxTokens: DefaultMaxTokens}
 
 // Validate checks the settings without reading the file (run does), each
 // problem naming its variable; it never repeats a key.
 func (s *Settings) Validate() error {
-	if s.Addr == "" {
+	if s.GatewayAddr == "" {
 		var set []string
 		for _, v := range []struct {
 			name string
 			set  bool
-		}{{"QF_GATEWAY_UPSTREAM", s.Upstream != ""}, {"QF_GATEWAY_KEYS", len(s.Keys) > 0}, {"QF_GATEWAY_FILE", s.File != ""}} {
+		}{{"QF_GATEWAY_UPSTREAM", s.GatewayUpstream != ""}, {"QF_GATEWAY_KEYS", len(s.GatewayKeys) > 0}, {"QF_GATEWAY_FILE", s.GatewayFile != ""}} {
 			if v.set {
 				set = append(set, v.name)
 			}
@@ -69,19 +69,19 @@ func (s *Settings) Validate() error {
 		return nil
 	}
 	var errs []error
-	if s.Upstream == "" && s.File == "" {
+	if s.GatewayUpstream == "" && s.GatewayFile == "" {
 		errs = append(errs, errors.New("QF_GATEWAY_UPSTREAM: required with QF_GATEWAY_ADDR unless QF_GATEWAY_FILE names upstreams"))
 	}
-	if s.Upstream != "" {
-		if _, err := parseBaseURL(s.Upstream); err != nil {
+	if s.GatewayUpstream != "" {
+		if _, err := parseBaseURL(s.GatewayUpstream); err != nil {
 			errs = append(errs, fmt.Errorf("QF_GATEWAY_UPSTREAM: %w", err))
 		}
 	}
-	if _, err := ParseKeys(s.Keys); err != nil {
+	if _, err := ParseKeys(s.GatewayKeys); err != nil {
 		errs = append(errs, err)
 	}
-	if s.DefaultMaxTokens < 1 || s.DefaultMaxTokens > maxDefaultMaxTokens {
-		errs = append(errs, fmt.Errorf("QF_GATEWAY_DEFAULT_MAX_TOKENS: %d: want 1 to %d", s.DefaultMaxTokens, maxDefaultMaxTokens))
+	if s.GatewayDefaultMaxTokens < 1 || s.GatewayDefaultMaxTokens > maxDefaultMaxTokens {
+		errs = append(errs, fmt.Errorf("QF_GATEWAY_DEFAULT_MAX_TOKENS: %d: want 1 to %d", s.GatewayDefaultMaxTokens, maxDefaultMaxTokens))
 	}
 	return errors.Join(errs...)
 }
@@ -317,13 +317,13 @@ func Build(s Settings, data []byte, getenv func(string) string) (*Config, error)
 	c := &Config{}
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
-	keys, err := ParseKeys(s.Keys)
+	keys, err := ParseKeys(s.GatewayKeys)
 	if err != nil {
 		errs = append(errs, err)
 	}
 	c.keys = keys
-	if s.Upstream != "" {
-		base, err := parseBaseURL(s.Upstream)
+	if s.GatewayUpstream != "" {
+		base, err := parseBaseURL(s.GatewayUpstream)
 		if err != nil {
 			bad("QF_GATEWAY_UPSTREAM: %w", err)
 		}

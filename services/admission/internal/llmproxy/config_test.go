@@ -64,7 +64,7 @@ keys:
 pass: [/v1/models, "/v1/files*"]
 trusted_headers: {tenant: x-tenant, user: x-user, peers: [10.0.0.0/8]}
 `
-	c, err := Build(Settings{Upstream: "http://127.0.0.1:8000/v1", Keys: []string{"sk-env=acme/alice"}}, []byte(file),
+	c, err := Build(Settings{GatewayUpstream: "http://127.0.0.1:8000/v1", GatewayKeys: []string{"sk-env=acme/alice"}}, []byte(file),
 		func(k string) string { return env[k] })
 	if err != nil {
 		t.Fatal(err)
@@ -111,9 +111,9 @@ func TestBuildErrors(t *testing.T) {
 	}{
 		{name: "no upstream", file: "keys: []", want: []string{"no upstream"}},
 		{name: "unknown field, key not quoted", file: "kes:\n  - {key: sk-secret}\n",
-			s: Settings{Upstream: "http://u/v1"}, want: []string{"line 1: unknown field kes"}},
+			s: Settings{GatewayUpstream: "http://u/v1"}, want: []string{"line 1: unknown field kes"}},
 		{name: "wrong type, key not quoted", file: "keys: sk-secret\n",
-			s: Settings{Upstream: "http://u/v1"}, want: []string{"line 1: wrong type of value"}},
+			s: Settings{GatewayUpstream: "http://u/v1"}, want: []string{"line 1: wrong type of value"}},
 		{name: "upstream mistakes", file: `
 upstreams:
   - {name: a, base_url: "ftp://x"}
@@ -122,13 +122,13 @@ upstreams:
 `, want: []string{"upstreams[0].base_url: want an http or https URL", "upstreams[1].name: \"a\" names an earlier upstream too",
 			"upstreams[1].base_url: must not hold credentials", "upstreams[1].api_key_env: $NOPE is empty or unset",
 			"upstreams[1]: a second default upstream", "upstreams[2].name: required", "upstreams[2].models[0]"}},
-		{name: "key mistakes", s: Settings{Upstream: "http://u/v1"}, file: `
+		{name: "key mistakes", s: Settings{GatewayUpstream: "http://u/v1"}, file: `
 keys:
   - {key: sk-secret, sha256: abc, tenant: t, user: u}
   - {sha256: abc, tenant: t, user: u}
   - {key: sk-secret, user: u}
 `, want: []string{"keys[0]: give key or sha256, not both", "keys[1].sha256: want the 64 hex digits", "keys[2].tenant: required"}},
-		{name: "pass and trusted", s: Settings{Upstream: "http://u/v1"}, file: `
+		{name: "pass and trusted", s: Settings{GatewayUpstream: "http://u/v1"}, file: `
 pass: [/v1/chat/completions, /admin]
 trusted_headers: {tenant: x-t, user: x-t, peers: [nope]}
 `, want: []string{"pass[0]: /v1/chat/completions is metered", "pass[1]: want a path under /v1/",
@@ -156,13 +156,13 @@ func TestSettingsValidate(t *testing.T) {
 		s    Settings
 		want string
 	}{
-		{Settings{DefaultMaxTokens: 1}, ""},
-		{Settings{Keys: []string{"k=t/u"}, DefaultMaxTokens: 1}, "QF_GATEWAY_KEYS: set without QF_GATEWAY_ADDR"},
-		{Settings{Addr: ":8081", DefaultMaxTokens: 1}, "QF_GATEWAY_UPSTREAM: required"},
-		{Settings{Addr: ":8081", Upstream: "localhost:8000", DefaultMaxTokens: 1}, "QF_GATEWAY_UPSTREAM: want an http or https URL"},
-		{Settings{Addr: ":8081", Upstream: "http://u/v1", DefaultMaxTokens: 0}, "QF_GATEWAY_DEFAULT_MAX_TOKENS"},
-		{Settings{Addr: ":8081", Upstream: "http://u/v1", Keys: []string{"k=t"}, DefaultMaxTokens: 1}, "QF_GATEWAY_KEYS: entry 1"},
-		{Settings{Addr: ":8081", Upstream: "http://u/v1", Keys: []string{"k=t/u"}, DefaultMaxTokens: 1}, ""},
+		{Settings{GatewayDefaultMaxTokens: 1}, ""},
+		{Settings{GatewayKeys: []string{"k=t/u"}, GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_KEYS: set without QF_GATEWAY_ADDR"},
+		{Settings{GatewayAddr: ":8081", GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_UPSTREAM: required"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "localhost:8000", GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_UPSTREAM: want an http or https URL"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayDefaultMaxTokens: 0}, "QF_GATEWAY_DEFAULT_MAX_TOKENS"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayKeys: []string{"k=t"}, GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_KEYS: entry 1"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayKeys: []string{"k=t/u"}, GatewayDefaultMaxTokens: 1}, ""},
 	} {
 		err := tc.s.Validate()
 		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
@@ -188,7 +188,7 @@ func TestWatcherReload(t *testing.T) {
 	write("keys: [{key: old, tenant: t, user: u}]\n")
 	var mu sync.Mutex
 	var reloads []error
-	w, err := NewWatcher(Settings{Upstream: "http://u/v1", File: path}, os.Getenv, nil, func(err error) {
+	w, err := NewWatcher(Settings{GatewayUpstream: "http://u/v1", GatewayFile: path}, os.Getenv, nil, func(err error) {
 		mu.Lock()
 		defer mu.Unlock()
 		reloads = append(reloads, err)

@@ -1,0 +1,505 @@
+package llmproxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"mime"
+	"net"
+	"net/http"
+	"net/netip"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/limits"
+	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/httpapi"
+	"quotaflow/services/admission/internal/openai"
+)
+
+// Admitter decides, releases and charges for the proxy: *httpapi.Handler,
+// so a proxied request goes through the code of POST /v1/admit,
+// /v1/release and /v1/usage.
+type Admitter interface {
+	AdmitTokens(ctx context.Context, in decide.Input, input, output int64) httpapi.Admission
+	Release(ctx context.Context, tenant, user, requestID string) error
+	ReportActual(ctx context.Context, a events.Actual) error
+}
+
+// Options configure a Proxy. Config and Admitter are required.
+type Options struct {
+	// Config returns the configuration in force (Watcher.Current).
+	Config func() *Config
+	// Admitter decides and charges (*httpapi.Handler).
+	Admitter Admitter
+	// DefaultMaxTokens is set on a request without an output maximum
+	// (default DefaultMaxTokens).
+	DefaultMaxTokens int64
+	// Transport reaches the upstreams (default: a transport without
+	// compression, so that streams are read as they come).
+	Transport http.RoundTripper
+	// SettleTimeout bounds releasing or reporting a request after it
+	// ended, on a context detached from the client's (default 10 s).
+	SettleTimeout time.Duration
+	// Log receives failures and per-request debug lines (never a key); nil
+	// discards them.
+	Log *slog.Logger
+	// Registerer receives the proxy's metrics; nil registers nothing.
+	Registerer prometheus.Registerer
+}
+
+// Proxy is the OpenAI-compatible reverse proxy. Each request to a metered
+// endpoint (/v1/chat/completions, /v1/completions, /v1/embeddings,
+// /v1/responses) is
+//
+//  1. identified: by its bearer key, or by trusted headers from an outer
+//     gateway (401 otherwise);
+//  2. estimated (openai.Inspect): input tokens counted, output as n ×
+//     the maximum, the configured default maximum set when it has none,
+//     and stream_options.include_usage set on a stream;
+//  3. admitted through POST /v1/admit's decision (429 with its headers and
+//     an OpenAI-style error body when denied);
+//  4. forwarded to the model's upstream with the upstream's key, every
+//     chunk of a stream written and flushed as it comes, reading no more
+//     from the upstream than the client takes (back-pressure) and on the
+//     client's context (its leaving cancels the upstream request);
+//  5. settled on a context detached from the client's: the usage the
+//     upstream reported is charged (the actual event of POST /v1/usage);
+//     without one, the input and the output streamed so far; nothing
+//     produced (the upstream failed, or the client left, before any token)
+//     releases the reservation.
+//
+// Other paths are passed to the default upstream unmetered when the file
+// lists them (pass), and refused with 404 otherwise. Create a Proxy with
+// New; it is safe for concurrent use.
+type Proxy struct {
+	cfg       func() *Config
+	adm       Admitter
+	inspect   openai.Options
+	transport http.RoundTripper
+	settleTO  time.Duration
+	log       *slog.Logger
+	requests  *prometheus.CounterVec
+	settled   *prometheus.CounterVec
+}
+
+// Settlement outcomes, the labels of quotaflow_admission_gateway_settled_total.
+const (
+	settledUsage    = "usage"    // the upstream's usage charged
+	settledCounted  = "counted"  // no usage came: input and the streamed output charged
+	settledEstimate = "estimate" // a response without usage: the estimate charged
+	settledReleased = "released" // nothing produced: released
+)
+
+// New returns the proxy.
+func New(o Options) (*Proxy, error) {
+	if o.Config == nil || o.Admitter == nil {
+		return nil, errors.New("llmproxy: Config and Admitter are required")
+	}
+	if o.DefaultMaxTokens <= 0 {
+		o.DefaultMaxTokens = DefaultMaxTokens
+	}
+	if o.Transport == nil {
+		o.Transport = newTransport()
+	}
+	if o.SettleTimeout <= 0 {
+		o.SettleTimeout = 10 * time.Second
+	}
+	if o.Log == nil {
+		o.Log = slog.New(slog.DiscardHandler)
+	}
+	p := &Proxy{
+		cfg: o.Config, adm: o.Admitter, inspect: openai.Options{DefaultMaxTokens: o.DefaultMaxTokens},
+		transport: o.Transport, settleTO: o.SettleTimeout, log: o.Log.With("component", "gateway"),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_admission_gateway_requests_total",
+			Help: "Requests the LLM gateway answered, by status class (2xx, 4xx, 5xx).",
+		}, []string{"code"}),
+		settled: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "quotaflow_admission_gateway_settled_total",
+			Help: "Admitted gateway requests by how they were settled: usage (reported by the upstream), counted (input and streamed output), estimate (no usage in a response), released (nothing produced).",
+		}, []string{"result"}),
+	}
+	for _, c := range []string{"2xx", "4xx", "5xx"} {
+		p.requests.WithLabelValues(c)
+	}
+	for _, r := range []string{settledUsage, settledCounted, settledEstimate, settledReleased} {
+		p.settled.WithLabelValues(r)
+	}
+	if o.Registerer != nil {
+		for _, c := range []prometheus.Collector{p.requests, p.settled} {
+			if err := o.Registerer.Register(c); err != nil {
+				return nil, fmt.Errorf("llmproxy: %w", err)
+			}
+		}
+	}
+	return p, nil
+}
+
+// newTransport is the default Transport: no compression (a gzip reader
+// would hold stream chunks back), bounded connection set-up, and no
+// overall timeout, since a long answer may take minutes.
+func newTransport() *http.Transport {
+	return &http.Transport{
+		Proxy:                 http.ProxyFromEnvironment,
+		DialContext:           (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		TLSHandshakeTimeout:   10 * time.Second,
+		DisableCompression:    true,
+		MaxIdleConnsPerHost:   64,
+		IdleConnTimeout:       90 * time.Second,
+		ExpectContinueTimeout: time.Second,
+	}
+}
+
+// writeTimeout bounds each write to a client: one that takes nothing for
+// this long is dropped, and the upstream request with it. It replaces the
+// server's whole-response WriteTimeout, which would cut long streams.
+const writeTimeout = 30 * time.Second
+
+// ServeHTTP proxies one request (see Proxy).
+func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	// copy sets a deadline per write instead.
+	_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
+	cw := &countingWriter{ResponseWriter: w}
+	p.serve(cw, r)
+	p.requests.WithLabelValues(codeClass(cw.code)).Inc()
+}
+
+func (p *Proxy) serve(w *countingWriter, r *http.Request) {
+	cfg := p.cfg()
+	id, ok := cfg.identify(r)
+	if !ok {
+		writeError(w, http.StatusUnauthorized, "invalid_request_error", "invalid_api_key", "missing or unknown API key")
+		return
+	}
+	kind, metered := openai.KindOf(r.URL.Path)
+	switch {
+	case !metered && cfg.passes(r.URL.Path) && cfg.fallback != nil:
+		p.pass(w, r, cfg.fallback)
+		return
+	case !metered:
+		writeError(w, http.StatusNotFound, "invalid_request_error", "unknown_url", "unknown path: this gateway serves "+
+			"/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses")
+		return
+	case r.Method != http.MethodPost:
+		w.Header().Set("Allow", http.MethodPost)
+		writeError(w, http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", "use POST")
+		return
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, openai.DefaultMaxBody+1))
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_body", "body: could not be read")
+		return
+	}
+	req, err := openai.Inspect(kind, body, p.inspect)
+	switch {
+	case errors.Is(err, openai.ErrTooLarge):
+		writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", err.Error())
+		return
+	case err != nil:
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_request", err.Error())
+		return
+	}
+	up := cfg.route(req.Model)
+	if up == nil {
+		writeError(w, http.StatusNotFound, "invalid_request_error", "model_not_found", "model: no upstream serves it")
+		return
+	}
+	in := decide.Input{Tenant: id.Tenant, User: id.User, Endpoint: r.URL.Path, Model: req.Model}
+	if cfg.trusted == nil || !cfg.trusted.from(r.RemoteAddr) {
+		in.IP = peerIP(r.RemoteAddr) // an outer gateway's address is not its clients'
+	}
+	adm := p.adm.AdmitTokens(r.Context(), in, req.InputTokens, req.OutputTokens)
+	for k, v := range adm.Header {
+		w.Header()[k] = v
+	}
+	switch adm.Status {
+	case http.StatusOK:
+	case http.StatusTooManyRequests:
+		typ, code := "rate_limit_exceeded", "rate_limit_exceeded"
+		if r := limits.Reason(adm.Reason); r == limits.ReasonCostExceedsLimit || r == limits.ReasonInsufficientBalance {
+			// Waiting does not help: the SDKs must not retry.
+			w.Header().Set("X-Should-Retry", "false")
+			typ, code = "insufficient_quota", adm.Reason
+		}
+		writeError(w, http.StatusTooManyRequests, typ, code, adm.Message)
+		return
+	case 499:
+		return // the client left
+	case http.StatusBadRequest:
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_request", adm.Message)
+		return
+	default:
+		p.log.Error("admission answered unexpectedly", "status", adm.Status, "message", adm.Message)
+		writeError(w, http.StatusInternalServerError, "api_error", "internal_error", "admission failed")
+		return
+	}
+	x := exchange{p: p, id: id, req: req, kind: kind, path: r.URL.Path, requestID: adm.RequestID}
+	x.settle(p.forward(w, r, up, req.Body, &x))
+}
+
+// exchange is one admitted request on its way through the upstream.
+type exchange struct {
+	p         *Proxy
+	id        Identity
+	req       openai.Request
+	kind      openai.Kind
+	path      string
+	requestID string
+}
+
+// outcome is what an exchange produced.
+type outcome struct {
+	usage    openai.Usage
+	reported bool // usage is the upstream's
+	produced bool // the upstream answered 2xx and something was produced
+	estimate bool // a 2xx answer without usage: charge the estimate
+}
+
+// settle charges or releases the exchange on a context detached from the
+// client's, so that its leaving cannot lose the charge.
+func (x *exchange) settle(o outcome) {
+	ctx, cancel := context.WithTimeout(context.Background(), x.p.settleTO)
+	defer cancel()
+	log := x.p.log.With("request_id", x.requestID)
+	if !o.produced {
+		x.p.settled.WithLabelValues(settledReleased).Inc()
+		if err := x.p.adm.Release(ctx, x.id.Tenant, x.id.User, x.requestID); err != nil {
+			log.Warn("release failed; the reservation expires instead", "err", err)
+		}
+		return
+	}
+	a := events.Actual{RequestID: x.requestID, Tenant: x.id.Tenant, User: x.id.User, Endpoint: x.path, Model: x.req.Model}
+	result := settledUsage
+	switch {
+	case o.reported:
+		a.InputTokens, a.OutputTokens = o.usage.Input, o.usage.Output
+	case o.estimate:
+		a.InputTokens, a.OutputTokens, result = x.req.InputTokens, x.req.OutputTokens, settledEstimate
+	default:
+		a.InputTokens, a.OutputTokens, result = x.req.InputTokens, o.usage.Output, settledCounted
+	}
+	x.p.settled.WithLabelValues(result).Inc()
+	if err := x.p.adm.ReportActual(ctx, a); err != nil {
+		log.Warn("actual usage not stored by the stream yet; the outbox retries it", "err", err)
+	}
+}
+
+// maxResponse bounds the non-stream response read whole for its usage (64
+// MiB: an embeddings answer of 2048 inputs of 3072 dimensions is ~60 MB);
+// past it the rest is passed through and the estimate charged.
+const maxResponse = 64 << 20
+
+// forward sends body to up and copies the answer to w, metering it.
+func (p *Proxy) forward(w *countingWriter, r *http.Request, up *Upstream, body []byte, x *exchange) outcome {
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	resp, err := p.roundTrip(ctx, r, up, body)
+	if err != nil {
+		if r.Context().Err() == nil {
+			p.log.Warn("upstream unreachable", "upstream", up.Name, "err", err)
+			writeError(w, http.StatusBadGateway, "api_error", "upstream_error", "the upstream could not be reached")
+		}
+		return outcome{}
+	}
+	defer resp.Body.Close()
+	copyHeader(w.Header(), resp.Header)
+	if resp.StatusCode/100 != 2 {
+		// An error produces no tokens: release, and pass the answer on.
+		w.WriteHeader(resp.StatusCode)
+		p.copy(w, resp.Body, nil, cancel)
+		return outcome{}
+	}
+	if x.req.Stream && isEventStream(resp.Header) {
+		w.Header().Del("Content-Length") // the usage chunk may be stripped
+		w.WriteHeader(resp.StatusCode)
+		m := openai.NewMeter(x.kind, x.req.Model, !x.req.IncludeUsage)
+		if p.copy(w, resp.Body, m.Feed, cancel) {
+			w.write(m.Flush()) // an event the upstream left unfinished
+		}
+		u, reported := m.Usage()
+		return outcome{usage: u, reported: reported, produced: reported || u.Output > 0}
+	}
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxResponse))
+	w.WriteHeader(resp.StatusCode)
+	w.write(b)
+	if err != nil || len(b) == maxResponse {
+		p.copy(w, resp.Body, nil, cancel)
+		return outcome{produced: true, estimate: true}
+	}
+	u, ok := openai.UsageOf(x.kind, b)
+	return outcome{usage: u, reported: ok, produced: true, estimate: !ok}
+}
+
+// pass forwards a passed path to up unmetered.
+func (p *Proxy) pass(w *countingWriter, r *http.Request, up *Upstream) {
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	body, err := io.ReadAll(io.LimitReader(r.Body, openai.DefaultMaxBody+1))
+	if err != nil || len(body) > openai.DefaultMaxBody {
+		writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "body: too large or unreadable")
+		return
+	}
+	resp, err := p.roundTrip(ctx, r, up, body)
+	if err != nil {
+		if r.Context().Err() == nil {
+			writeError(w, http.StatusBadGateway, "api_error", "upstream_error", "the upstream could not be reached")
+		}
+		return
+	}
+	defer resp.Body.Close()
+	copyHeader(w.Header(), resp.Header)
+	w.WriteHeader(resp.StatusCode)
+	p.copy(w, resp.Body, nil, cancel)
+}
+
+// roundTrip sends r's method, query and end-to-end headers with body to
+// up: the path after /v1 appended to the upstream's base URL, the
+// upstream's key instead of the caller's, no hop-by-hop headers.
+func (p *Proxy) roundTrip(ctx context.Context, r *http.Request, up *Upstream, body []byte) (*http.Response, error) {
+	u := *up.base
+	u.Path += strings.TrimPrefix(r.URL.Path, "/v1")
+	u.RawQuery = r.URL.RawQuery
+	out, err := http.NewRequestWithContext(ctx, r.Method, u.String(), bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	copyHeader(out.Header, r.Header)
+	out.Header.Del("Authorization")
+	out.Header.Del("Accept-Encoding") // answers are read: no compression
+	if up.apiKey != "" {
+		out.Header.Set("Authorization", "Bearer "+up.apiKey)
+	}
+	if len(body) == 0 {
+		out.Body, out.ContentLength = http.NoBody, 0
+	}
+	return p.transport.RoundTrip(out)
+}
+
+// copy copies src to w, through feed when set, flushing after each read so
+// that every chunk reaches the client as it comes; a write waits for the
+// client (at most writeTimeout), so no more is read from the upstream than
+// the client takes. A failed write cancels the upstream request (cancel)
+// and returns false: the client is gone.
+func (p *Proxy) copy(w *countingWriter, src io.Reader, feed func([]byte) []byte, cancel context.CancelFunc) bool {
+	rc := http.NewResponseController(w.ResponseWriter)
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := src.Read(buf)
+		if n > 0 {
+			chunk := buf[:n]
+			if feed != nil {
+				chunk = feed(chunk)
+			}
+			if len(chunk) > 0 {
+				_ = rc.SetWriteDeadline(time.Now().Add(writeTimeout))
+				if !w.write(chunk) || rc.Flush() != nil {
+					cancel()
+					return false
+				}
+			}
+		}
+		if rerr != nil {
+			return true
+		}
+	}
+}
+
+// hopByHop are the headers of one connection (RFC 9110 §7.6.1), never
+// forwarded; so are the ones a Connection header names.
+var hopByHop = []string{"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
+	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
+
+// copyHeader adds src's end-to-end headers to dst.
+func copyHeader(dst, src http.Header) {
+	skip := map[string]bool{}
+	for _, h := range hopByHop {
+		skip[h] = true
+	}
+	for _, v := range src.Values("Connection") {
+		for _, f := range strings.Split(v, ",") {
+			skip[http.CanonicalHeaderKey(strings.TrimSpace(f))] = true
+		}
+	}
+	for k, vs := range src {
+		if !skip[k] {
+			dst[k] = append(dst[k], vs...)
+		}
+	}
+}
+
+func isEventStream(h http.Header) bool {
+	t, _, _ := mime.ParseMediaType(h.Get("Content-Type"))
+	return t == "text/event-stream"
+}
+
+// errorBody is an OpenAI-style error, which the SDKs parse.
+type errorBody struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    string  `json:"code"`
+	} `json:"error"`
+}
+
+// writeError writes an OpenAI-style error answer.
+func writeError(w *countingWriter, status int, typ, code, msg string) {
+	var e errorBody
+	e.Error.Message, e.Error.Type, e.Error.Code = msg, typ, code
+	b, _ := json.Marshal(e) // strings only: cannot fail
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(status)
+	w.write(append(b, '\n'))
+}
+
+// countingWriter records the status for the requests metric.
+type countingWriter struct {
+	http.ResponseWriter
+	code int
+}
+
+func (c *countingWriter) WriteHeader(code int) {
+	if c.code == 0 {
+		c.code = code
+	}
+	c.ResponseWriter.WriteHeader(code)
+}
+
+// write writes b and reports whether all of it went.
+func (c *countingWriter) write(b []byte) bool {
+	if c.code == 0 {
+		c.code = http.StatusOK
+	}
+	_, err := c.ResponseWriter.Write(b)
+	return err == nil
+}
+
+func (c *countingWriter) Unwrap() http.ResponseWriter { return c.ResponseWriter }
+
+func codeClass(code int) string {
+	switch {
+	case code >= 500:
+		return "5xx"
+	case code >= 400 || code == 0:
+		return "4xx"
+	}
+	return "2xx"
+}
+
+// peerIP is the client's address for the IP layer ("" when unknown).
+func peerIP(remoteAddr string) string {
+	ap, err := netip.ParseAddrPort(remoteAddr)
+	if err != nil {
+		return ""
+	}
+	return ap.Addr().Unmap().String()
+}

@@ -1,0 +1,472 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"quotaflow/internal/e2e"
+	"quotaflow/internal/natstest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
+	"quotaflow/services/admission/internal/llmproxy"
+	"quotaflow/services/admission/internal/llmproxy/llmtest"
+	"quotaflow/services/admission/internal/openai"
+)
+
+// The LLM gateway mode end to end: the proxy over the real API, Decider
+// (shared Redis) and outbox (shared NATS), in front of a stand-in LLM
+// (llmtest) that reports the usage the test sets.
+
+// gatewayStack is a stack with the proxy in front of a stand-in upstream.
+type gatewayStack struct {
+	*stack
+	up  *llmtest.Upstream
+	srv *httptest.Server
+}
+
+// llmPolicy: one token quota of 1000 per user.
+const llmPolicy = `
+default_plan: llm
+plans:
+  llm:
+    quotas: [{name: tokens, kind: rolling, window: 720h, limit: 1000}]
+`
+
+// Keys of the gateway tests: "key-alice" is alice of the test's tenant.
+const llmKey = "key-alice"
+
+func newGatewayStack(t testing.TB, policy string) *gatewayStack {
+	t.Helper()
+	s := newStack(t, policy, nil)
+	up := llmtest.Start(t)
+	t.Setenv("LLMTEST_KEY", "upstream-secret")
+	file := []byte("upstreams: [{name: stand-in, base_url: " + up.URL + ", api_key_env: LLMTEST_KEY}]\npass: [/v1/models]\n")
+	cfg, err := llmproxy.Build(llmproxy.Settings{GatewayKeys: []string{llmKey + "=" + s.tenant + "/alice"}}, file, os.Getenv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	px, err := llmproxy.New(llmproxy.Options{Config: func() *llmproxy.Config { return cfg }, Admitter: s.api})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &gatewayStack{stack: s, up: up, srv: httptest.NewServer(px)}
+	t.Cleanup(g.srv.Close)
+	return g
+}
+
+// chat is a chat request of maxTokens for gpt-4o.
+func chat(stream, includeUsage bool, maxTokens int) string {
+	b := map[string]any{"model": "gpt-4o", "max_tokens": maxTokens,
+		"messages": []map[string]string{{"role": "user", "content": "Say hello five times."}}}
+	if stream {
+		b["stream"] = true
+		if includeUsage {
+			b["stream_options"] = map[string]bool{"include_usage": true}
+		}
+	}
+	raw, _ := json.Marshal(b)
+	return string(raw)
+}
+
+// estimate is what the gateway reserves for a body (the codec's count).
+func estimate(t *testing.T, body string) (input, output int64) {
+	t.Helper()
+	r, err := openai.Inspect(openai.Chat, []byte(body), openai.Options{DefaultMaxTokens: llmproxy.DefaultMaxTokens})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r.InputTokens, r.OutputTokens
+}
+
+func (g *gatewayStack) post(key, path, body string) (*http.Response, string) {
+	g.t.Helper()
+	req, _ := http.NewRequest("POST", g.srv.URL+path, strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	return resp, string(raw)
+}
+
+// used is the user's quota use in Redis (GET /v1/usage).
+func (g *gatewayStack) used(user string) float64 {
+	g.t.Helper()
+	u := g.call("GET", "/v1/usage?tenant="+g.tenant+"&user="+user, "")
+	lims, _ := u.body["limits"].([]any)
+	if len(lims) != 1 {
+		g.t.Fatalf("usage = %v", u.body)
+	}
+	return lims[0].(map[string]any)["used"].(float64)
+}
+
+// finish closes the gateway, waiting for its requests to settle (a client
+// has its whole answer before the gateway charges it).
+func (g *gatewayStack) finish() { g.srv.Close() }
+
+// settled returns the actual and released events on the stream, by request
+// id, after the gateway's requests settled and the outbox flushed.
+func (g *gatewayStack) settled() (map[string]events.Actual, map[string]events.Released) {
+	g.t.Helper()
+	g.finish()
+	g.close()
+	actual, released := map[string]events.Actual{}, map[string]events.Released{}
+	for _, ev := range natstest.StoredEvents(g.t, g.js, g.cfg.Stream) {
+		switch d := ev.Data.(type) {
+		case events.Actual:
+			actual[d.RequestID] = d
+		case events.Released:
+			released[d.RequestID] = d
+		}
+	}
+	return actual, released
+}
+
+// TestGatewayChargesUsage: an admitted request reaches the upstream with the
+// upstream's key and the default maximum set; its usage is published as
+// the actual event, whether smaller or larger than the estimate; Redis
+// holds the estimate until the accounter corrects it.
+func TestGatewayChargesUsage(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	body := chat(false, false, 100)
+	in, out := estimate(t, body)
+	g.up.Set(llmtest.Behaviour{PromptTokens: in - 2, CompletionTokens: 40}) // less than estimated
+	resp, raw := g.post(llmKey, "/v1/chat/completions", body)
+	if resp.StatusCode != 200 || !strings.Contains(raw, `"content":" hello hello hello hello hello"`) {
+		t.Fatalf("proxied chat = %d %s", resp.StatusCode, raw)
+	}
+	if resp.Header.Get("X-RateLimit-Remaining") != fmt.Sprint(1000-in-out) || resp.Header.Get("RateLimit-Policy") == "" {
+		t.Errorf("rate-limit headers = %v, want remaining %d", resp.Header, 1000-in-out)
+	}
+	if got := g.used("alice"); got != float64(in+out) {
+		t.Errorf("Redis used = %v, want the estimate %d", got, in+out)
+	}
+	// No maximum: the default is set upstream and reserved.
+	noMax := `{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"x-unknown":{"kept":true}}`
+	_, out2 := estimate(t, noMax)
+	if out2 != llmproxy.DefaultMaxTokens {
+		t.Fatalf("estimate without max_tokens = %d, want the default %d", out2, llmproxy.DefaultMaxTokens)
+	}
+	if resp, raw := g.post(llmKey, "/v1/chat/completions", noMax); resp.StatusCode != 429 {
+		// 4096 > 1000: never fits
+		t.Fatalf("a request reserving the default maximum = %d %s, want 429", resp.StatusCode, raw)
+	}
+	reqs := g.up.Requests()
+	if len(reqs) != 1 || reqs[0].Authorization != "Bearer upstream-secret" || reqs[0].Body["max_tokens"] != float64(100) {
+		t.Fatalf("upstream saw %+v, want one request with its own key", reqs)
+	}
+	actual, _ := g.settled()
+	if len(actual) != 1 {
+		t.Fatalf("actual events = %v, want 1", actual)
+	}
+	for _, a := range actual {
+		if a.Tenant != g.tenant || a.User != "alice" || a.Model != "gpt-4o" || a.Endpoint != "/v1/chat/completions" ||
+			a.InputTokens != in-2 || a.OutputTokens != 40 {
+			t.Errorf("actual = %+v, want %d in, 40 out", a, in-2)
+		}
+	}
+}
+
+// TestGatewayDenies: past the quota the gateway answers 429 with
+// /v1/admit's headers and an OpenAI error body, and never calls the
+// upstream; a request that can never fit says so and must not be retried.
+func TestGatewayDenies(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	body := chat(false, false, 400)
+	in, out := estimate(t, body)
+	fits := 1000 / (in + out)
+	for i := range fits {
+		if resp, raw := g.post(llmKey, "/v1/chat/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("request %d = %d %s", i, resp.StatusCode, raw)
+		}
+	}
+	resp, raw := g.post(llmKey, "/v1/chat/completions", body)
+	var e struct {
+		Error struct{ Message, Type, Code string } `json:"error"`
+	}
+	if resp.StatusCode != 429 || json.Unmarshal([]byte(raw), &e) != nil || e.Error.Code != "rate_limit_exceeded" ||
+		e.Error.Type != "rate_limit_exceeded" || !strings.Contains(e.Error.Message, `user limit "tokens"`) {
+		t.Fatalf("past the quota = %d %s, want 429 with an OpenAI error", resp.StatusCode, raw)
+	}
+	if resp.Header.Get("Retry-After") == "" || resp.Header.Get("X-RateLimit-Remaining") != "0" ||
+		!strings.HasPrefix(resp.Header.Get("RateLimit"), `"user:tokens";r=0;`) || resp.Header.Get("X-Should-Retry") != "" {
+		t.Errorf("denial headers = %v", resp.Header)
+	}
+	resp, raw = g.post(llmKey, "/v1/chat/completions", chat(false, false, 2000))
+	if resp.StatusCode != 429 || resp.Header.Get("X-Should-Retry") != "false" || !strings.Contains(raw, `"code":"cost_exceeds_limit"`) {
+		t.Errorf("a request larger than the quota = %d %v %s, want 429, x-should-retry false", resp.StatusCode, resp.Header, raw)
+	}
+	if n := len(g.up.Requests()); int64(n) != fits {
+		t.Errorf("upstream called %d times, want %d", n, fits)
+	}
+	// Unknown key: 401 in OpenAI's form, nothing reaches the upstream.
+	resp, raw = g.post("key-mallory", "/v1/chat/completions", body)
+	if resp.StatusCode != 401 || !strings.Contains(raw, `"code":"invalid_api_key"`) || int64(len(g.up.Requests())) != fits {
+		t.Errorf("unknown key = %d %s", resp.StatusCode, raw)
+	}
+	// Other paths: passed when listed, else 404.
+	req, _ := http.NewRequest("GET", g.srv.URL+"/v1/models", nil)
+	req.Header.Set("Authorization", "Bearer "+llmKey)
+	if r, err := http.DefaultClient.Do(req); err != nil || r.StatusCode != 200 {
+		t.Errorf("GET /v1/models (passed) = %v, %v", r, err)
+	} else {
+		r.Body.Close()
+	}
+	if resp, raw := g.post(llmKey, "/v1/batches", "{}"); resp.StatusCode != 404 || !strings.Contains(raw, "unknown_url") {
+		t.Errorf("POST /v1/batches (not passed) = %d %s", resp.StatusCode, raw)
+	}
+}
+
+// sse reads a stream's data lines.
+func sse(t *testing.T, r io.Reader) []string {
+	t.Helper()
+	var out []string
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		if d, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// TestGatewayStreams: every chunk passes; the usage chunk the gateway asked
+// for reaches the client exactly when the client asked for it; the
+// upstream's usage is charged either way.
+func TestGatewayStreams(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	g.up.Set(llmtest.Behaviour{PromptTokens: 20, CompletionTokens: 5})
+	usage := llmtest.UsageChunk(`{"prompt_tokens":20,"completion_tokens":5,"total_tokens":25}`)
+	for _, asked := range []bool{false, true} {
+		resp, raw := g.post(llmKey, "/v1/chat/completions", chat(true, asked, 50))
+		data := sse(t, strings.NewReader(raw))
+		if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "text/event-stream" || len(data) < 3 || data[len(data)-1] != "[DONE]" {
+			t.Fatalf("stream (include_usage %v) = %d %v", asked, resp.StatusCode, data)
+		}
+		got := strings.Contains(raw, usage)
+		if got != asked {
+			t.Errorf("client asked include_usage %v; the usage chunk reached it: %v\n%s", asked, got, raw)
+		}
+		want := 1 + 5 + 1 + 1 // role, words, finish, [DONE]
+		if asked {
+			want++
+		}
+		if len(data) != want {
+			t.Errorf("client saw %d events, want %d: %v", len(data), want, data)
+		}
+	}
+	for _, r := range g.up.Requests() {
+		if so, _ := r.Body["stream_options"].(map[string]any); so["include_usage"] != true {
+			t.Errorf("upstream request without include_usage: %v", r.Body)
+		}
+	}
+	actual, _ := g.settled()
+	if len(actual) != 2 {
+		t.Fatalf("actual events = %v, want 2", actual)
+	}
+	for _, a := range actual {
+		if a.InputTokens != 20 || a.OutputTokens != 5 {
+			t.Errorf("actual = %+v, want the upstream's 20 in, 5 out", a)
+		}
+	}
+}
+
+// TestGatewayDisconnectAndFailure: a client leaving midway cancels the
+// upstream request and is charged the input and the output streamed so
+// far; an upstream cut midway likewise; an upstream failing before any
+// token releases the reservation.
+func TestGatewayDisconnectAndFailure(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	body := chat(true, false, 50)
+	in, out := estimate(t, body)
+
+	// The client leaves after three words.
+	g.up.Set(llmtest.Behaviour{StallAfter: 3})
+	req, _ := http.NewRequest("POST", g.srv.URL+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+llmKey)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for words := 0; words < 3 && sc.Scan(); {
+		if strings.Contains(sc.Text(), `"content":" hello"`) {
+			words++
+		}
+	}
+	resp.Body.Close() // leaves
+	<-g.up.Canceled   // the upstream request was canceled with it
+
+	// The upstream drops the connection after two words.
+	g.up.Set(llmtest.Behaviour{CutAfter: 2})
+	if resp, raw := g.post(llmKey, "/v1/chat/completions", body); resp.StatusCode != 200 || strings.Count(raw, `" hello"`) != 2 {
+		t.Errorf("cut stream = %d %s, want 200 with two words", resp.StatusCode, raw)
+	}
+
+	// The upstream fails before any token: released, the error passed on.
+	g.up.Set(llmtest.Behaviour{Status: http.StatusInternalServerError})
+	if resp, raw := g.post(llmKey, "/v1/chat/completions", body); resp.StatusCode != 500 || !strings.Contains(raw, "stand-in failure") {
+		t.Errorf("failing upstream = %d %s, want its 500", resp.StatusCode, raw)
+	}
+	// Redis holds the two charged reservations' estimates, not the released one.
+	g.finish()
+	if got := g.used("alice"); got != float64(2*(in+out)) {
+		t.Errorf("Redis used = %v, want two estimates (%d)", got, 2*(in+out))
+	}
+	actual, released := g.settled()
+	if len(actual) != 2 || len(released) != 1 {
+		t.Fatalf("actual %v, released %v; want 2 and 1", actual, released)
+	}
+	var outs []int64
+	for id, a := range actual {
+		if a.InputTokens != in {
+			t.Errorf("actual %s input = %d, want the counted %d", id, a.InputTokens, in)
+		}
+		outs = append(outs, a.OutputTokens)
+		if _, ok := released[id]; ok {
+			t.Errorf("request %s both charged and released", id)
+		}
+	}
+	if !(outs[0] == 3 && outs[1] == 2 || outs[0] == 2 && outs[1] == 3) {
+		t.Errorf("charged outputs = %v, want 3 (client left) and 2 (upstream cut): one token per word", outs)
+	}
+	for _, r := range released {
+		if r.Status != events.ReleaseReleased || r.ReturnedTokens != in+out {
+			t.Errorf("released = %+v, want %d returned", r, in+out)
+		}
+	}
+}
+
+// TestGatewayConcurrentNeverOvershoots: N parallel requests, the upstream
+// holding every answer until all are decided: exactly ⌊quota ÷ estimate⌋
+// are admitted and reach the upstream.
+func TestGatewayConcurrentNeverOvershoots(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	body := chat(false, false, 60)
+	in, out := estimate(t, body)
+	const n = 40
+	fits := int(1000 / (in + out))
+	if fits >= n {
+		t.Fatalf("estimate %d: %d fit, the test needs fewer than %d", in+out, fits, n)
+	}
+	hold, arrived := make(chan struct{}), make(chan struct{}, n)
+	g.up.Set(llmtest.Behaviour{PromptTokens: 11, CompletionTokens: 5, Hold: hold, Arrived: arrived})
+	codes := make(chan int, n)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			resp, _ := g.post(llmKey, "/v1/chat/completions", body)
+			codes <- resp.StatusCode
+		})
+	}
+	// Every request decided: the admitted ones at the upstream, the others answered.
+	denied := 0
+	for at := 0; at+denied < n; {
+		select {
+		case <-arrived:
+			at++
+		case c := <-codes:
+			if c != 429 {
+				t.Fatalf("a request answered %d before the upstream answered any", c)
+			}
+			denied++
+		}
+	}
+	close(hold)
+	wg.Wait()
+	close(codes)
+	count := map[int]int{429: denied}
+	for c := range codes {
+		count[c]++
+	}
+	if count[200] != fits || count[429] != n-fits || len(g.up.Requests()) != fits {
+		t.Errorf("answers %v, upstream calls %d; want exactly %d × 200", count, len(g.up.Requests()), fits)
+	}
+}
+
+// TestRunGateway starts admission as main does with QF_GATEWAY_*: the
+// gateway serves keys from the environment and from the file, follows the
+// file's edits (a broken one counted, the last good keys kept), and no key
+// reaches the logs.
+func TestRunGateway(t *testing.T) {
+	redistest.Shared(t)
+	cfg := testConfig(t)
+	_, js := natstest.Connect(t, natstest.URL())
+	cfg.Config = natstest.Streams(t, js, "llmrun", stream.Config{})
+	tenant := "llmrun-" + e2e.RandomHex(6)
+	cleanupTenant(t, redistest.Shared(t), tenant)
+	up := llmtest.Start(t)
+	cfg.GatewayAddr, cfg.GatewayUpstream = "127.0.0.1:0", up.URL
+	cfg.GatewayKeys = []string{"env-key-secret=" + tenant + "/alice"}
+	cfg.GatewayFile = filepath.Join(t.TempDir(), "gateway.yaml")
+	writeFile := func(content string) {
+		tmp := cfg.GatewayFile + ".tmp"
+		if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, cfg.GatewayFile); err != nil {
+			t.Fatal(err)
+		}
+	}
+	writeFile("keys: [{key: file-key-1-secret, tenant: " + tenant + ", user: bob}]\n")
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	var logs e2e.Buffer
+	a, done, cancel := startRunAddrs(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
+	defer cancel()
+	if a.gateway == "" {
+		t.Fatal("no gateway started")
+	}
+	status := func(key string) int {
+		req, _ := http.NewRequest("POST", a.gateway+"/v1/chat/completions", strings.NewReader(chat(false, false, 20)))
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for _, key := range []string{"env-key-secret", "file-key-1-secret"} {
+		if code := status(key); code != 200 {
+			t.Errorf("key %s = %d, want 200", key[:5], code)
+		}
+	}
+	writeFile("keys: [{key: file-key-2-secret, tenant: " + tenant + ", user: bob}]\n")
+	e2e.Eventually(t, "the new key in force, the old one out", func() bool {
+		return status("file-key-2-secret") == 200 && status("file-key-1-secret") == 401
+	})
+	writeFile("keys: [{key: file-key-3-secret, tenant: " + tenant + "}]\n") // no user: rejected
+	e2e.Eventually(t, "the rejected file counted", func() bool {
+		_, body := get(t, "http://"+a.ops+"/metrics")
+		return strings.Contains(body, `quotaflow_admission_gateway_file_reloads_total{result="rejected"} 1`)
+	})
+	if code := status("file-key-2-secret"); code != 200 {
+		t.Errorf("the last good key after a rejected file = %d, want 200", code)
+	}
+	if _, body := get(t, "http://"+a.ops+"/metrics"); !strings.Contains(body, `quotaflow_admission_gateway_settled_total{result="usage"} 4`) {
+		t.Errorf("/metrics lacks 4 requests settled by usage")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("run = %v after cancel", err)
+	}
+	if s := logs.String(); strings.Contains(s, "key-secret") || strings.Contains(s, "key-1-secret") {
+		t.Errorf("logs contain a gateway key: %s", s)
+	}
+}
