@@ -1,0 +1,95 @@
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"quotaflow/services/admission/internal/openai"
+)
+
+// BenchmarkLLMGateway is one streamed chat completion, sequential, to the
+// stand-in LLM directly and through the gateway (identify, count tokens,
+// admit on the real Redis, forward, meter, publish the actual event to the
+// real NATS), in one run so both see the machine's state, beside one POST
+// /v1/admit (the decision the gateway waits for before the first byte
+// goes upstream, on the same Redis). It reports:
+//
+//   - ttft-us: the median time from sending the request to reading the
+//     first content chunk (time to first token);
+//   - total-us: the median time to the stream's end;
+//   - cpu-us/op: this process's CPU (utime + stime, as /proc/self/stat
+//     counts it) per request: client and stand-in in both, plus the
+//     gateway through it, so the difference is the gateway's CPU.
+//
+// go test -run '^$' -bench LLMGateway -count 6 ./services/admission/
+func BenchmarkLLMGateway(b *testing.B) {
+	g := newGatewayStack(b, `
+default_plan: p
+plans:
+  p:
+    quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000000000}]
+`)
+	body := chat(true, false, 50)
+	if err := openai.Warm(); err != nil { // as run does: no vocabulary loads in a measured request
+		b.Fatal(err)
+	}
+	b.Run("admit", func(b *testing.B) {
+		i := 0
+		start := time.Now()
+		for b.Loop() {
+			i++
+			if a := g.admit("alice", fmt.Sprint("admit-", i), 100); a.code != 200 {
+				b.Fatalf("POST /v1/admit = %d", a.code)
+			}
+		}
+		b.ReportMetric(float64(time.Since(start).Microseconds())/float64(b.N), "admit-us")
+	})
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}
+	for _, target := range []struct{ name, url, key string }{
+		{"direct", g.up.URL, "upstream-secret"},
+		{"gateway", g.srv.URL + "/v1", llmKey},
+	} {
+		b.Run(target.name, func(b *testing.B) {
+			var ttft, total []time.Duration
+			cpu0 := processCPU(b)
+			for b.Loop() {
+				req, _ := http.NewRequest("POST", target.url+"/chat/completions", strings.NewReader(body))
+				req.Header.Set("Authorization", "Bearer "+target.key)
+				req.Header.Set("Content-Type", "application/json")
+				start := time.Now()
+				resp, err := client.Do(req)
+				if err != nil {
+					b.Fatal(err)
+				}
+				sc := bufio.NewScanner(resp.Body)
+				first := time.Duration(0)
+				for sc.Scan() {
+					if first == 0 && strings.Contains(sc.Text(), `"content":" hello"`) {
+						first = time.Since(start)
+					}
+				}
+				total = append(total, time.Since(start))
+				resp.Body.Close()
+				if resp.StatusCode != 200 || first == 0 {
+					b.Fatalf("%s: status %d, no content chunk", target.name, resp.StatusCode)
+				}
+				ttft = append(ttft, first)
+			}
+			cpu := processCPU(b) - cpu0
+			b.ReportMetric(float64(median(ttft).Microseconds()), "ttft-us")
+			b.ReportMetric(float64(median(total).Microseconds()), "total-us")
+			b.ReportMetric(cpu*1e6/float64(b.N), "cpu-us/op")
+		})
+	}
+}
+
+func median(ds []time.Duration) time.Duration {
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
