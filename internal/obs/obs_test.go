@@ -114,3 +114,11 @@ func TestOpsHandlerPprof(t *testing.T) {
 		}
 	}
 }
+
+func TestCodeClass(t *testing.T) {
+	for code, want := range map[int]string{200: "2xx", 204: "2xx", 304: "2xx", 400: "4xx", 429: "4xx", 499: "4xx", 500: "5xx", 503: "5xx"} {
+		if got := CodeClass(code); got != want {
+			t.Errorf("CodeClass(%d) = %s, want %s", code, got, want)
+		}
+	}
+}

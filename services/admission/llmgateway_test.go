@@ -169,14 +169,24 @@ func TestGatewayChargesUsage(t *testing.T) {
 	if len(reqs) != 1 || reqs[0].Authorization != "Bearer upstream-secret" || reqs[0].Body["max_tokens"] != float64(100) {
 		t.Fatalf("upstream saw %+v, want one request with its own key", reqs)
 	}
+	// Embeddings: input only, as the upstream counted it (more than estimated).
+	g.up.Set(llmtest.Behaviour{PromptTokens: 30})
+	if resp, raw := g.post(llmKey, "/v1/embeddings", `{"model":"text-embedding-3-small","input":"hello"}`); resp.StatusCode != 200 {
+		t.Fatalf("embeddings = %d %s", resp.StatusCode, raw)
+	}
 	actual, _ := g.settled()
-	if len(actual) != 1 {
-		t.Fatalf("actual events = %v, want 1", actual)
+	if len(actual) != 2 {
+		t.Fatalf("actual events = %v, want 2", actual)
 	}
 	for _, a := range actual {
-		if a.Tenant != g.tenant || a.User != "alice" || a.Model != "gpt-4o" || a.Endpoint != "/v1/chat/completions" ||
-			a.InputTokens != in-2 || a.OutputTokens != 40 {
-			t.Errorf("actual = %+v, want %d in, 40 out", a, in-2)
+		want := [2]int64{in - 2, 40}
+		if a.Endpoint == "/v1/embeddings" {
+			want = [2]int64{30, 0}
+		} else if a.Endpoint != "/v1/chat/completions" || a.Model != "gpt-4o" {
+			t.Errorf("actual = %+v", a)
+		}
+		if a.Tenant != g.tenant || a.User != "alice" || [2]int64{a.InputTokens, a.OutputTokens} != want {
+			t.Errorf("actual = %+v, want %v in and out", a, want)
 		}
 	}
 }
@@ -413,15 +423,7 @@ func TestRunGateway(t *testing.T) {
 	cfg.GatewayAddr, cfg.GatewayUpstream = "127.0.0.1:0", up.URL
 	cfg.GatewayKeys = []string{"env-key-secret=" + tenant + "/alice"}
 	cfg.GatewayFile = filepath.Join(t.TempDir(), "gateway.yaml")
-	writeFile := func(content string) {
-		tmp := cfg.GatewayFile + ".tmp"
-		if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, cfg.GatewayFile); err != nil {
-			t.Fatal(err)
-		}
-	}
+	writeFile := func(content string) { replaceFile(t, cfg.GatewayFile, content) }
 	writeFile("keys: [{key: file-key-1-secret, tenant: " + tenant + ", user: bob}]\n")
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)

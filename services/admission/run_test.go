@@ -173,15 +173,7 @@ func TestRun(t *testing.T) {
 	cfg.APITokens = []string{"run-token@" + tenant}
 	cfg.APITokensFile = filepath.Join(t.TempDir(), "tokens.yaml")
 	fileToken := "run-file-token-" + e2e.RandomHex(8)
-	writeTokens := func(content string) {
-		tmp := cfg.APITokensFile + ".tmp"
-		if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, cfg.APITokensFile); err != nil {
-			t.Fatal(err)
-		}
-	}
+	writeTokens := func(content string) { replaceFile(t, cfg.APITokensFile, content) }
 	writeTokens("- {sha256: " + authtest.SHA256Hex(fileToken) + ", tenant: " + tenant + ", roles: [gateway]}\n")
 
 	var logs e2e.Buffer
@@ -289,6 +281,19 @@ func startRunAddrs(t testing.TB, cfg Config, log *slog.Logger) (runAddrs, <-chan
 		t.Fatalf("run = %v before starting", err)
 	}
 	return runAddrs{}, nil, nil
+}
+
+// replaceFile replaces the file at path with content in one rename, as an
+// editor or a ConfigMap update does.
+func replaceFile(t *testing.T, path, content string) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func get(t *testing.T, url string) (int, string) {

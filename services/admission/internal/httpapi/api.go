@@ -29,6 +29,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/obs"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
@@ -175,7 +176,7 @@ func New(o Options) (*Handler, error) {
 	}
 	routes := []string{routeAdmit, routeAuthz, routeRelease, routeUsageReport, routeUsageGet, routeTopUp}
 	for _, r := range routes {
-		for _, c := range []string{"2xx", "4xx", "5xx"} {
+		for _, c := range obs.CodeClasses {
 			h.duration.WithLabelValues(r, c)
 		}
 	}
@@ -236,7 +237,7 @@ func (s *statusWriter) Write(b []byte) (int, error) {
 func (h *Handler) instrument(route string, f http.HandlerFunc) http.Handler {
 	// The route's series, looked up once rather than per request.
 	observers := map[string]prometheus.Observer{}
-	for _, c := range []string{"2xx", "4xx", "5xx"} {
+	for _, c := range obs.CodeClasses {
 		observers[c] = h.duration.WithLabelValues(route, c)
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -248,21 +249,11 @@ func (h *Handler) instrument(route string, f http.HandlerFunc) http.Handler {
 			code = http.StatusOK
 		}
 		took := time.Since(start)
-		observers[codeClass(code)].Observe(took.Seconds())
+		observers[obs.CodeClass(code)].Observe(took.Seconds())
 		if h.log.Enabled(r.Context(), slog.LevelDebug) { // no boxing of the arguments otherwise
 			h.log.Debug("request", "route", route, "method", r.Method, "code", code, "duration", took)
 		}
 	})
-}
-
-func codeClass(code int) string {
-	switch {
-	case code >= 500:
-		return "5xx"
-	case code >= 400:
-		return "4xx"
-	}
-	return "2xx"
 }
 
 // errorBody is every non-decision error response.

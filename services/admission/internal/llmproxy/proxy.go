@@ -17,6 +17,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/obs"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/decide"
@@ -127,7 +128,7 @@ func New(o Options) (*Proxy, error) {
 			Help: "Admitted gateway requests by how they were settled: usage (reported by the upstream), counted (input and streamed output), estimate (no usage in a response), released (nothing produced).",
 		}, []string{"result"}),
 	}
-	for _, c := range []string{"2xx", "4xx", "5xx"} {
+	for _, c := range obs.CodeClasses {
 		p.requests.WithLabelValues(c)
 	}
 	for _, r := range []string{settledUsage, settledCounted, settledEstimate, settledReleased} {
@@ -169,7 +170,11 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
 	cw := &countingWriter{ResponseWriter: w}
 	p.serve(cw, r)
-	p.requests.WithLabelValues(codeClass(cw.code)).Inc()
+	code := cw.code
+	if code == 0 {
+		code = 499 // nothing written: the client left
+	}
+	p.requests.WithLabelValues(obs.CodeClass(code)).Inc()
 }
 
 func (p *Proxy) serve(w *countingWriter, r *http.Request) {
@@ -484,16 +489,6 @@ func (c *countingWriter) write(b []byte) bool {
 }
 
 func (c *countingWriter) Unwrap() http.ResponseWriter { return c.ResponseWriter }
-
-func codeClass(code int) string {
-	switch {
-	case code >= 500:
-		return "5xx"
-	case code >= 400 || code == 0:
-		return "4xx"
-	}
-	return "2xx"
-}
 
 // peerIP is the client's address for the IP layer ("" when unknown).
 func peerIP(remoteAddr string) string {
