@@ -12,7 +12,9 @@
 # execution: without reading, parsing and replying, nor the timer's work,
 # which grows with the wall time a run takes on a loaded machine;
 # QF_CALLGRIND_CALLS=n measures n calls per figure, a multiple of 64,
-# instead of 2048: quicker, for trying changes).
+# instead of 2048: quicker, for trying changes;
+# QF_CALLGRIND_TEST=TestCallgrindCount measures ShouldRateLimit's counters
+# instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }
@@ -28,4 +30,4 @@ for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; slee
 # the server's pid: callgrind_control without one would also zero and dump
 # any other callgrind on the machine
 QF_CALLGRIND_ADDR=127.0.0.1:$port QF_CALLGRIND_DIR=$dir QF_CALLGRIND_PID=$server \
-  go test -count=1 -timeout 60m -run TestCallgrindInstructions -v ./pkg/limits/ | grep -E 'callgrind|FAIL|ok|_test.go'
+  go test -count=1 -timeout 60m -run "${QF_CALLGRIND_TEST:-TestCallgrindInstructions}" -v ./pkg/limits/ | grep -E 'callgrind|FAIL|ok|_test.go'

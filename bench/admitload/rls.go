@@ -182,7 +182,7 @@ func rlsSummary(ts []*rlsTarget, o peerOptions) {
 		for _, t := range ts {
 			if t.descriptors == g.n && !strings.HasPrefix(t.short, "envoy") {
 				e := envoyOf(t)
-				fmt.Printf("| admission with %d %s %s envoy's throughput | %s; by CPU %s |\n", g.n, descriptors(g.n), g.goal,
+				fmt.Printf("| %s with %d %s %s envoy's throughput | %s; by CPU %s |\n", strings.Split(t.name, ",")[0], g.n, descriptors(g.n), g.goal,
 					ratiosAt(t.peerTarget, e, o.levels, ratioTo), ratiosAt(t.peerTarget, e, o.levels, cpuRatioTo))
 			}
 		}

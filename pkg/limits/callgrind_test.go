@@ -167,6 +167,79 @@ func TestCallgrindInstructions(t *testing.T) {
 	t.Logf("callgrind: reserve over 1 request limit (a fixed window of requests, the peer benchmark's plan): lone %.0f, per reserve in batches of 64 %.0f", q, q64)
 }
 
+// TestCallgrindCount counts the instructions redis-server spends per
+// ShouldRateLimit decision of one and of five descriptors (fixed windows of
+// tokens, a counter of its own each, as package rls makes them): as
+// CountBatch groups, lone and per group in batches of 16 (what the
+// Decider's batcher sends under load), beside ReserveShared over the same
+// rule in the scope's blob (how a one-descriptor request was decided before
+// CountBatch). Run by QF_CALLGRIND_TEST=TestCallgrindCount
+// bench/callgrind.sh.
+func TestCallgrindCount(t *testing.T) {
+	addr, dir := os.Getenv("QF_CALLGRIND_ADDR"), os.Getenv("QF_CALLGRIND_DIR")
+	if addr == "" || dir == "" {
+		t.Skip("run by bench/callgrind.sh")
+	}
+	c := redis.NewClient(&redis.Options{Addr: addr, ReadTimeout: -1})
+	defer c.Close()
+	ctx := context.Background()
+	l := New(c, Options{NoEpochGuard: true})
+	calls, users := 512, 1000
+	if n, err := strconv.Atoi(os.Getenv("QF_CALLGRIND_CALLS")); err == nil && n > 0 {
+		calls = (n + 15) / 16 * 16
+	}
+	rule := func(window string, w time.Duration) policy.Rule {
+		return policy.Rule{Limit: policy.Limit{Name: "rls", Kind: policy.Fixed, Unit: policy.Tokens, Limit: 1e9, Window: policy.Duration(w)},
+			Scope: policy.ScopeGlobal, Endpoint: "5:bench6:tenant5:bench4:user" + window}
+	}
+	windows := []policy.Rule{rule("", time.Hour), rule("second", time.Second), rule("minute", time.Minute), rule("day", 24*time.Hour), rule("month", 30*24*time.Hour)}
+	group := func(u, n int) []SharedRequest {
+		g := make([]SharedRequest, n)
+		for k := range g {
+			g[k] = SharedRequest{Scope: policy.ScopeGlobal, ID: "t5:benchu" + strconv.Itoa(u) + "c" + strconv.Itoa(k), Cost: 1, Rules: windows[k : k+1]}
+		}
+		return g
+	}
+	countOf := func(n, per int) func(i int) {
+		return func(i int) {
+			if i%per != 0 {
+				return
+			}
+			gs := make([][]SharedRequest, per)
+			for k := range gs {
+				gs[k] = group((i+k)%users, n)
+			}
+			for _, o := range l.CountBatch(ctx, gs) {
+				if o.Err != nil || !o.Decision.Allowed {
+					t.Fatal(o.Err)
+				}
+			}
+		}
+	}
+	shared := func(i int) {
+		g := group(i%users, 1)[0]
+		if _, err := l.ReserveShared(ctx, g.Scope, g.ID, 1, g.Rules); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range users { // load the library, create every counter and blob
+		countOf(5, 1)(i)
+		shared(i)
+	}
+	measure := func(op func(int)) float64 {
+		control(t, "-z")
+		for i := range calls {
+			op(i)
+		}
+		return float64(dump(t, dir)) / float64(calls)
+	}
+	rs := measure(shared)
+	c1, c5 := measure(countOf(1, 1)), measure(countOf(5, 1))
+	b1, b5 := measure(countOf(1, 16)), measure(countOf(5, 16))
+	t.Logf("callgrind: one descriptor: ReserveShared in the blob %.0f, CountBatch lone %.0f, per group in batches of 16 %.0f; five descriptors: CountBatch lone %.0f, per group in batches of 16 %.0f instructions",
+		rs, c1, b1, c5, b5)
+}
+
 // control sends callgrind_control's arg to the server under callgrind (its
 // pid in QF_CALLGRIND_PID), not to every callgrind on the machine.
 func control(t *testing.T, arg string) {
