@@ -34,15 +34,8 @@ import (
 // bench/callgrind.sh starts the server and runs this test; without
 // QF_CALLGRIND_ADDR it is skipped.
 func TestCallgrindInstructions(t *testing.T) {
-	addr, dir := os.Getenv("QF_CALLGRIND_ADDR"), os.Getenv("QF_CALLGRIND_DIR")
-	if addr == "" || dir == "" {
-		t.Skip("run by bench/callgrind.sh")
-	}
-	// no read deadline: under callgrind a batch of 64 takes seconds
-	c := redis.NewClient(&redis.Options{Addr: addr, ReadTimeout: -1})
-	defer c.Close()
+	c, l, dir := underCallgrind(t)
 	ctx := context.Background()
-	l := New(c, Options{NoEpochGuard: true})
 	rules := benchRules()
 	users, calls := 50, 2048 // calls: whole batches of 16 and 64
 	if n, err := strconv.Atoi(os.Getenv("QF_CALLGRIND_USERS")); err == nil && n > 0 {
@@ -176,14 +169,8 @@ func TestCallgrindInstructions(t *testing.T) {
 // CountBatch). Run by QF_CALLGRIND_TEST=TestCallgrindCount
 // bench/callgrind.sh.
 func TestCallgrindCount(t *testing.T) {
-	addr, dir := os.Getenv("QF_CALLGRIND_ADDR"), os.Getenv("QF_CALLGRIND_DIR")
-	if addr == "" || dir == "" {
-		t.Skip("run by bench/callgrind.sh")
-	}
-	c := redis.NewClient(&redis.Options{Addr: addr, ReadTimeout: -1})
-	defer c.Close()
+	_, l, dir := underCallgrind(t)
 	ctx := context.Background()
-	l := New(c, Options{NoEpochGuard: true})
 	calls, users := 512, 1000
 	if n, err := strconv.Atoi(os.Getenv("QF_CALLGRIND_CALLS")); err == nil && n > 0 {
 		calls = (n + 15) / 16 * 16
@@ -238,6 +225,20 @@ func TestCallgrindCount(t *testing.T) {
 	b1, b5 := measure(countOf(1, 16)), measure(countOf(5, 16))
 	t.Logf("callgrind: one descriptor: ReserveShared in the blob %.0f, CountBatch lone %.0f, per group in batches of 16 %.0f; five descriptors: CountBatch lone %.0f, per group in batches of 16 %.0f instructions",
 		rs, c1, b1, c5, b5)
+}
+
+// underCallgrind returns a client of the server bench/callgrind.sh runs
+// under callgrind (closed at cleanup), a Limiter over it and the dumps'
+// directory; without QF_CALLGRIND_ADDR the test is skipped.
+func underCallgrind(t *testing.T) (*redis.Client, *Limiter, string) {
+	addr, dir := os.Getenv("QF_CALLGRIND_ADDR"), os.Getenv("QF_CALLGRIND_DIR")
+	if addr == "" || dir == "" {
+		t.Skip("run by bench/callgrind.sh")
+	}
+	// no read deadline: under callgrind a batch of 64 takes seconds
+	c := redis.NewClient(&redis.Options{Addr: addr, ReadTimeout: -1})
+	t.Cleanup(func() { c.Close() })
+	return c, New(c, Options{NoEpochGuard: true}), dir
 }
 
 // control sends callgrind_control's arg to the server under callgrind (its
