@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
@@ -32,6 +34,7 @@ import (
 type gatewayStack struct {
 	*stack
 	up  *llmtest.Upstream
+	px  *llmproxy.Proxy
 	srv *httptest.Server
 }
 
@@ -60,8 +63,8 @@ func newGatewayStack(t testing.TB, policy string) *gatewayStack {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := &gatewayStack{stack: s, up: up, srv: httptest.NewServer(px)}
-	t.Cleanup(g.srv.Close)
+	g := &gatewayStack{stack: s, up: up, px: px, srv: httptest.NewServer(px)}
+	t.Cleanup(g.finish)
 	return g
 }
 
@@ -114,9 +117,16 @@ func (g *gatewayStack) used(user string) float64 {
 	return lims[0].(map[string]any)["used"].(float64)
 }
 
-// finish closes the gateway, waiting for its requests to settle (a client
-// has its whole answer before the gateway charges it).
-func (g *gatewayStack) finish() { g.srv.Close() }
+// finish closes the gateway and waits for its requests to settle (a
+// client has its whole answer before the gateway charges it).
+func (g *gatewayStack) finish() {
+	g.srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := g.px.Close(ctx); err != nil {
+		g.t.Error(err)
+	}
+}
 
 // settled returns the actual and released events on the stream, by request
 // id, after the gateway's requests settled and the outbox flushed.
@@ -461,9 +471,10 @@ func TestRunGateway(t *testing.T) {
 	if code := status("file-key-2-secret"); code != 200 {
 		t.Errorf("the last good key after a rejected file = %d, want 200", code)
 	}
-	if _, body := get(t, "http://"+a.ops+"/metrics"); !strings.Contains(body, `quotaflow_admission_gateway_settled_total{result="usage"} 4`) {
-		t.Errorf("/metrics lacks 4 requests settled by usage")
-	}
+	e2e.Eventually(t, "4 requests settled by usage", func() bool {
+		_, body := get(t, "http://"+a.ops+"/metrics")
+		return strings.Contains(body, `quotaflow_admission_gateway_settled_total{result="usage"} 4`)
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Errorf("run = %v after cancel", err)

@@ -157,7 +157,7 @@ func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, rdb redis.
 
 // startGateway serves the LLM gateway mode (package llmproxy) on
 // QF_GATEWAY_ADDR, admitting, releasing and charging through api; the
-// stack stops it with the API, letting the requests in flight settle.
+// stack stops it before the API, then waits for its requests to settle.
 func startGateway(stack *service.Stack, cfg Config, api *httpapi.Handler, log *slog.Logger,
 	reg prometheus.Registerer, m metrics) (string, error) {
 	// The tokenizer's vocabularies load now, not in the first request.
@@ -174,6 +174,7 @@ func startGateway(stack *service.Stack, cfg Config, api *httpapi.Handler, log *s
 	if err != nil {
 		return "", err
 	}
+	stack.Push("gateway settling", px.Close) // after the server stopped, before the Decider and outbox
 	srv, err := service.Listen(stack, "gateway", cfg.GatewayAddr, px)
 	if err != nil {
 		return "", err

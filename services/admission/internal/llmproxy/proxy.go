@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/netip"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -71,7 +72,8 @@ type Options struct {
 //     chunk of a stream written and flushed as it comes, reading no more
 //     from the upstream than the client takes (back-pressure) and on the
 //     client's context (its leaving cancels the upstream request);
-//  5. settled on a context detached from the client's: the usage the
+//  5. settled once its answer is complete, on a context detached from the
+//     client's, by a goroutine the Proxy owns (Close waits for it): the usage the
 //     upstream reported is charged (the actual event of POST /v1/usage);
 //     without one, the input and the output streamed so far; nothing
 //     produced (the upstream failed, or the client left, before any token)
@@ -89,6 +91,7 @@ type Proxy struct {
 	log       *slog.Logger
 	requests  *prometheus.CounterVec
 	settled   *prometheus.CounterVec
+	settling  sync.WaitGroup // settle goroutines, waited for by Close
 }
 
 // Settlement outcomes, the labels of quotaflow_admission_gateway_settled_total.
@@ -247,7 +250,24 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		return
 	}
 	x := exchange{p: p, id: id, req: req, kind: kind, path: r.URL.Path, requestID: adm.RequestID}
-	x.settle(p.forward(w, r, up, req.Body, &x))
+	o := p.forward(w, r, up, req.Body, &x)
+	// After the handler: a stream's body ends when it returns, and the
+	// client need not wait for the stream's acknowledgement of the charge.
+	p.settling.Go(func() { x.settle(o) })
+}
+
+// Close waits until every request answered so far is settled (charged or
+// released), or ctx ends. Call it after the server stopped taking requests
+// and before the Admitter's Decider and outbox close.
+func (p *Proxy) Close(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { p.settling.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("llmproxy: settling requests: %w", ctx.Err())
+	}
 }
 
 // exchange is one admitted request on its way through the upstream.
