@@ -30,7 +30,7 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 	add("admission never failed a request", s.Status5xx.Load() == 0 && s.Failed.Load() == 0,
 		"%d 5xx %v, %d transport errors or reports given up", s.Status5xx.Load(), s.Unexpected(), s.Failed.Load())
 
-	l, err := e2e.WaitLedger(ctx, st.DBURL, s.ActualEvents.Load(), s.ActualSent.Load(), s.Allowed.Load(), s.Releases.Load(), cfg.Settle)
+	l, err := e2e.WaitLedger(ctx, st.Pipeline(), s, cfg.Settle)
 	add("ledger token total equals the actual usage sent", err == nil && l.ActualTotal == s.ActualSent.Load(),
 		"ledger %d tokens in %d actual events, sent %d tokens in %d (%v)", l.ActualTotal, l.ActualCount, s.ActualSent.Load(), s.ActualEvents.Load(), err)
 	reserved, released := l.EventsByType[events.TypeReserved][0], l.EventsByType[events.TypeReleased][0]

@@ -24,8 +24,9 @@ type Config struct {
 	// Cleanup, when set, is the id of a run left by --keep whose database,
 	// streams, Redis keys and files are to be removed (nothing else runs).
 	Cleanup string
-	// SettleTimeout bounds the wait for the accounter to catch up with
-	// every event sent and for the last alerts to arrive.
+	// SettleTimeout is how long the wait for the pipeline to drain into
+	// the ledger may go without the ledger's count rising (a safety net:
+	// e2e.WaitLedger), and bounds the wait for the last alerts.
 	SettleTimeout time.Duration
 	// RedisURL, PostgresURL and NATSURL are the shared local servers.
 	RedisURL, PostgresURL, NATSURL string
@@ -51,7 +52,7 @@ func parseFlags(args []string) (Config, error) {
 	fs.DurationVar(&cfg.Progress, "progress", cfg.Progress, "interval of the progress lines")
 	fs.BoolVar(&cfg.Keep, "keep", false, "leave the services running and print their URLs")
 	fs.StringVar(&cfg.Cleanup, "cleanup", "", "remove what the --keep run with this id left (after stopping its services)")
-	fs.DurationVar(&cfg.SettleTimeout, "settle", cfg.SettleTimeout, "how long to wait for the ledger and the alerts to catch up")
+	fs.DurationVar(&cfg.SettleTimeout, "settle", cfg.SettleTimeout, "how long the wait for the ledger may go without progress, and for the last alerts")
 	err := fs.Parse(args)
 	return cfg, err
 }

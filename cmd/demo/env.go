@@ -25,6 +25,7 @@ type names struct {
 	tenants   []string // Redis keys carry the tenant's hash tag
 	stream    string
 	dlq       string
+	durable   string // the accounter's consumer on stream
 	prefix    string
 	database  string
 	token     string // admission's bearer token
@@ -45,6 +46,7 @@ func namesFor(run string) names {
 		run:       run,
 		stream:    "QFDEMO_" + up,
 		dlq:       "QFDEMO_" + up + "_DLQ",
+		durable:   "accounter-" + run,
 		prefix:    "qfdemo_" + run,
 		database:  "qfdemo_" + run,
 		token:     "demo-" + e2e.RandomHex(16),

@@ -21,7 +21,8 @@ type Report struct {
 	Stats           *e2e.Stats
 	DeniedBy        map[string]int
 	Decisions       []e2e.Decision
-	Ledger          e2e.Ledger
+	Ledger          e2e.Ledger // the last successful read
+	LedgerErr       error      // unreadable, not drained, or events lost (e2e.WaitLedger)
 	LedgerMatches   bool
 	Alerts          map[string]int
 	Thresholds      map[int]int
@@ -102,7 +103,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}{
 		// The accounter first: with the epoch guard on, admission decides
 		// locally until an accounter has marked the Redis.
-		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=accounter-" + n.run}},
+		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=" + n.durable}},
 		{"alerter", []string{"QF_OPS_ADDR=" + addr["alerter"], "QF_WEBHOOKS_FILE=" + hooks,
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
 		{"admission", []string{"QF_OPS_ADDR=" + addr["admission"], "QF_ADMISSION_ADDR=" + addr["api"],
@@ -145,12 +146,13 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		fmt.Fprintln(out, "interrupted: summarizing what was sent, then stopping everything")
 	}
 
-	// Accounter and alerter are asynchronous: wait until the ledger holds
-	// every actual event sent, then give the last alerts a moment.
+	// Accounter and alerter are asynchronous: wait until the pipeline has
+	// delivered everything to the ledger, then give the last alerts a
+	// moment.
 	sctx := context.WithoutCancel(ctx)
-	l, lerr := e2e.WaitLedger(sctx, pgURL, st.ActualEvents.Load(), st.ActualSent.Load(), st.Allowed.Load(), st.Releases.Load(), cfg.SettleTimeout)
-	rep.Ledger = l
-	rep.LedgerMatches = lerr == nil && l.ActualTotal == st.ActualSent.Load()
+	pipe := e2e.Pipeline{AdmissionOps: svcs[2].Ops, NATSURL: cfg.NATSURL, Stream: n.stream, Durable: n.durable, DLQ: n.dlq, DBURL: pgURL}
+	rep.Ledger, rep.LedgerErr = e2e.WaitLedger(sctx, pipe, st, cfg.SettleTimeout)
+	rep.LedgerMatches = rep.LedgerErr == nil && rep.Ledger.ActualTotal == st.ActualSent.Load()
 	waitAlertsQuiet(recv, 2*time.Second, 15*time.Second)
 
 	rep.DeniedBy = st.DeniedBy()
@@ -166,8 +168,8 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		kept = true
 		printKept(out, n, api, pgURL, dir, svcs)
 	}
-	if lerr != nil {
-		return rep, fmt.Errorf("ledger: %w", lerr)
+	if rep.LedgerErr != nil {
+		return rep, rep.LedgerErr
 	}
 	if !rep.LedgerMatches {
 		return rep, errors.New("the ledger's actual total differs from what was sent")

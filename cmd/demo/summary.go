@@ -40,6 +40,9 @@ func printSummary(out io.Writer, rep *Report) {
 		fmt.Fprintf(out, "  actual / estimate of the settled ones   %9.2f\n", float64(st.ActualSent.Load())/float64(r))
 	}
 	fmt.Fprintln(out, "\nLedger (Postgres database "+rep.Database+"):")
+	if rep.LedgerErr != nil {
+		fmt.Fprintln(out, "  (the last successful read; see the check below)")
+	}
 	fmt.Fprintf(out, "  %-26s %8s %12s\n", "event type (reserved: reservations)", "events", "tokens")
 	for _, k := range sortedKeys(rep.Ledger.EventsByType) {
 		v := rep.Ledger.EventsByType[k]
@@ -62,6 +65,8 @@ func printSummary(out io.Writer, rep *Report) {
 		fmt.Fprintf(out, "  ! more usage than the traffic caused: %s\n", a)
 	}
 	switch {
+	case rep.LedgerErr != nil:
+		fmt.Fprintf(out, "\nCHECK FAILED: %v\n", rep.LedgerErr)
 	case !rep.LedgerMatches:
 		fmt.Fprintf(out, "\nCHECK FAILED: ledger actual total %d != actual sent %d\n", rep.Ledger.ActualTotal, st.ActualSent.Load())
 	case len(rep.Unfounded) > 0:

@@ -7,8 +7,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
 )
 
 // Decision is one series of quotaflow_admission_decisions_total.
@@ -95,25 +98,87 @@ func ReadLedger(ctx context.Context, url string) (Ledger, error) {
 	return l, rows.Err()
 }
 
-// WaitLedger polls the ledger until it holds every actual event sent and
-// the reserved and released events of every allowed admit and release (the
-// accounter consumes asynchronously, admission publishes from an outbox),
-// or until timeout.
-func WaitLedger(ctx context.Context, url string, wantCount, wantTokens, wantReserved, wantReleased int64, timeout time.Duration) (Ledger, error) {
+// settled is what WaitLedger compares: actual events and tokens, reserved
+// events (reservations) and released events.
+type settled struct{ actual, tokens, reserved, released int64 }
+
+func settledOf(l Ledger) settled {
+	return settled{l.ActualCount, l.ActualTotal, l.EventsByType[events.TypeReserved][0], l.EventsByType[events.TypeReleased][0]}
+}
+
+func (s settled) events() int64 { return s.actual + s.reserved + s.released }
+
+// WaitLedger waits until p holds nothing before the ledger (admission's
+// outbox and the accounter's consumer are empty), then checks that the
+// ledger holds every actual event and token st sent and a reservation and
+// a released event for every allowed admit and release, and that nothing
+// was dead-lettered: the pipeline is asynchronous, but once it is empty a
+// shortfall is a loss. timeout is a safety net, restarted whenever the
+// ledger's count rises; when it runs out the error says which stage holds
+// the events. Whatever happens, the Ledger returned is the last successful
+// read (zero if none was); a read failing to the end is reported as the
+// ledger being unreadable, never as a short ledger.
+func WaitLedger(ctx context.Context, p Pipeline, st *Stats, timeout time.Duration) (Ledger, error) {
+	want := settled{st.ActualEvents.Load(), st.ActualSent.Load(), st.Allowed.Load(), st.Releases.Load()}
+	nc, err := nats.Connect(p.NATSURL, nats.Name("quotaflow-e2e-ledger"), nats.Timeout(5*time.Second))
+	if err != nil {
+		return Ledger{}, fmt.Errorf("nats: %w", err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return Ledger{}, err
+	}
+	var last Ledger
+	var readErr, backlogErr error
+	var backlog Backlog
+	seen := int64(-1)
 	deadline := time.Now().Add(timeout)
 	for {
-		l, err := ReadLedger(ctx, url)
-		if err == nil && l.ActualCount >= wantCount && l.ActualTotal >= wantTokens &&
-			l.EventsByType[events.TypeReserved][0] >= wantReserved && l.EventsByType[events.TypeReleased][0] >= wantReleased {
-			return l, nil
+		// The backlog first: once it is empty, every event is committed
+		// before the ledger read that follows.
+		backlog, backlogErr = p.Backlog(ctx, js)
+		var l Ledger
+		if l, readErr = ReadLedger(ctx, p.DBURL); readErr == nil {
+			last = l
+			if n := settledOf(l).events(); n > seen {
+				seen, deadline = n, time.Now().Add(timeout)
+			}
+			if backlogErr == nil && backlog.Empty() {
+				return last, p.verify(ctx, js, last, want)
+			}
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			if err == nil {
-				err = fmt.Errorf("ledger has %d actual events / %d tokens, want %d / %d after %v",
-					l.ActualCount, l.ActualTotal, wantCount, wantTokens, timeout)
-			}
-			return l, err
+			break
 		}
 		time.Sleep(250 * time.Millisecond)
 	}
+	where := backlog.String()
+	if backlogErr != nil {
+		where = backlogErr.Error()
+	}
+	where += fmt.Sprintf(", ledger %d/%d events", settledOf(last).events(), want.events())
+	if readErr != nil {
+		return last, fmt.Errorf("ledger unreadable: %w (%s)", readErr, where)
+	}
+	return last, fmt.Errorf("the pipeline did not drain, no progress for %v: %s", timeout, where)
+}
+
+// verify checks a ledger read once the pipeline was empty.
+func (p Pipeline) verify(ctx context.Context, js jetstream.JetStream, l Ledger, want settled) error {
+	ids, err := stream.EventIDs(ctx, js, p.DLQ)
+	if err != nil {
+		return fmt.Errorf("dead letters: %w", err)
+	}
+	if len(ids) > 0 {
+		return fmt.Errorf("%d events dead-lettered on %s", len(ids), p.DLQ)
+	}
+	// More than sent is not a loss: a request the generator gave up on
+	// may still have been admitted; callers compare exactly where it
+	// matters.
+	if got := settledOf(l); got.actual < want.actual || got.tokens < want.tokens || got.reserved < want.reserved || got.released < want.released {
+		return fmt.Errorf("events lost: the pipeline is empty but the ledger has %d actual events / %d tokens, %d reservations, %d released events; sent %d / %d, %d allowed admits, %d releases",
+			got.actual, got.tokens, got.reserved, got.released, want.actual, want.tokens, want.reserved, want.released)
+	}
+	return nil
 }

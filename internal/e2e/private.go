@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"quotaflow/internal/pgdb"
+	"quotaflow/pkg/events/stream"
 )
 
 // PrivateConfig is what StartPrivate runs: the three services of this
@@ -45,6 +46,13 @@ type Private struct {
 // Services returns the three services, admission last.
 func (p *Private) Services() []*Service {
 	return []*Service{p.Accounter, p.Alerter, p.Admission}
+}
+
+// Pipeline is the stack's pipeline with the services' default stream,
+// dead-letter stream and accounter durable (StartPrivate sets none).
+func (p *Private) Pipeline() Pipeline {
+	d := stream.Defaults()
+	return Pipeline{AdmissionOps: p.Admission.Ops, NATSURL: p.NATS.URL, Stream: d.Stream, Durable: "accounter", DLQ: d.DLQStream, DBURL: p.DBURL}
 }
 
 // StartPrivate builds the services, starts the servers and the services
