@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -317,21 +318,85 @@ func TestPublishBatchRecoversTheServerLimit(t *testing.T) {
 	}
 }
 
-// olderStreamLimit sets the stream's MaxMsgSize to what an older service's
-// Ensure sets and returns a Publisher that packs to the server's 1 MiB
-// without compressing (compressed, these actual events would fit 68 KiB:
-// the stream's refusal of a batch too large is what the tests take on).
-func olderStreamLimit(ctx context.Context, t *testing.T, js jetstream.JetStream, cfg stream.Config) *stream.Publisher {
+// streamHook is a real jetstream.JetStream whose next Stream read, once
+// armed, runs after before returning its (by then stale) info.
+type streamHook struct {
+	jetstream.JetStream
+	after atomic.Pointer[func()]
+}
+
+func (h *streamHook) Stream(ctx context.Context, name string) (jetstream.Stream, error) {
+	s, err := h.JetStream.Stream(ctx, name)
+	if f := h.after.Swap(nil); f != nil {
+		(*f)()
+	}
+	return s, err
+}
+
+// A refit that read the raised limit just before a concurrent round was
+// refused under a limit lowered again (and lowered the budget to it) does
+// not raise the budget back: the next round would be refused again
+// (review finding). The hook runs the refusal between the refit's read
+// and its update.
+func TestPublishBatchRefitKeepsAConcurrentLowering(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	setStreamLimit(ctx, t, js, cfg, stream.DefaultMaxPayload) // an older service's
+	h := &streamHook{JetStream: js}
+	p := stream.NewPublisher(h, cfg, stream.WithMaxPayload(1<<20), stream.WithCompression(false))
+	if err := p.PublishBatch(ctx, actuals(1000, "older")); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := p.Budget(), stream.BudgetFor(stream.DefaultMaxPayload); got != want {
+		t.Fatalf("budget under the older limit %d, want %d", got, want)
+	}
+	if err := stream.Ensure(ctx, js, cfg); err != nil { // a newer service raises it
+		t.Fatal(err)
+	}
+	const lowest = stream.DefaultMaxPayload / 2
+	var refused error
+	fired := false
+	f := func() {
+		fired = true
+		setStreamLimit(ctx, t, js, cfg, lowest)
+		refused = p.PublishBatch(ctx, actuals(1000, "refused"))
+	}
+	h.after.Store(&f)
+	for i := 0; !fired && i <= stream.RefitAfter; i++ {
+		if err := p.PublishBatch(ctx, actuals(1, fmt.Sprintf("round-%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !fired || refused != nil {
+		t.Fatalf("refit read the stream: %v; the concurrent round = %v, want nil", fired, refused)
+	}
+	if got, want := p.Budget(), stream.BudgetFor(lowest); got != want {
+		t.Errorf("budget after the refit %d, want %d: the stale read of the raised limit undid the lowering", got, want)
+	}
+}
+
+// setStreamLimit sets the stream's MaxMsgSize.
+func setStreamLimit(ctx context.Context, t *testing.T, js jetstream.JetStream, cfg stream.Config, max int32) {
 	t.Helper()
 	s, err := js.Stream(ctx, cfg.Stream)
 	if err != nil {
 		t.Fatal(err)
 	}
 	sc := s.CachedInfo().Config
-	sc.MaxMsgSize = stream.DefaultMaxPayload
+	sc.MaxMsgSize = max
 	if _, err := js.UpdateStream(ctx, sc); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// olderStreamLimit sets the stream's MaxMsgSize to what an older service's
+// Ensure sets and returns a Publisher that packs to the server's 1 MiB
+// without compressing (compressed, these actual events would fit 68 KiB:
+// the stream's refusal of a batch too large is what the tests take on).
+func olderStreamLimit(ctx context.Context, t *testing.T, js jetstream.JetStream, cfg stream.Config) *stream.Publisher {
+	t.Helper()
+	setStreamLimit(ctx, t, js, cfg, stream.DefaultMaxPayload)
 	return stream.NewPublisher(js, cfg, stream.WithMaxPayload(1<<20), stream.WithCompression(false))
 }
 

@@ -316,13 +316,18 @@ type streamReader interface {
 }
 
 // fitStream sets p's budget to what the stream's MaxMsgSize takes, read
-// now, at most the ceiling, and returns it: an older service's Ensure may
-// have set a MaxMsgSize below the server's max payload, and a newer one
-// raises it again. When the limit cannot be read, the budget stays.
+// now, at most the ceiling, and returns the budget: an older service's
+// Ensure may have set a MaxMsgSize below the server's max payload, and a
+// newer one raises it again. When the limit cannot be read, the budget
+// stays. A read may be overtaken by a concurrent round's refusal that
+// lowered the budget after a newer read: so the budget is raised only from
+// the value loaded before this read (compare-and-swap: a refit's stale
+// read never undoes that refusal's lowering), and otherwise only lowered.
 func (p *Publisher) fitStream(ctx context.Context) int64 {
+	before := p.budget.Load()
 	sr, ok := p.js.(streamReader)
 	if !ok {
-		return p.budget.Load()
+		return before
 	}
 	s, err := sr.Stream(ctx, p.stream)
 	if err != nil {
@@ -333,8 +338,18 @@ func (p *Publisher) fitStream(ctx context.Context) int64 {
 		limit = math.MaxInt32 // no limit of the stream's own
 	}
 	b := min(int64(budget(int64(limit))), p.ceiling)
-	p.budget.Store(b)
-	return b
+	if b > before {
+		if p.budget.CompareAndSwap(before, b) {
+			return b
+		}
+		return p.budget.Load()
+	}
+	for {
+		cur := p.budget.Load()
+		if b >= cur || p.budget.CompareAndSwap(cur, b) {
+			return min(b, cur)
+		}
+	}
 }
 
 // packed is the events of one message: their indexes and encodings.
