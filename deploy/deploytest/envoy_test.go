@@ -2,12 +2,15 @@ package deploytest
 
 import (
 	"encoding/json"
+	"fmt"
+	"maps"
 	"path"
 	"slices"
 	"strings"
 	"testing"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/descriptorpb"
@@ -30,6 +33,13 @@ var envoyConfigs = map[string]string{
 	"ext-authz-grpc.yaml":        "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
 	"ratelimit.yaml":             "envoy.extensions.filters.http.ratelimit.v3.RateLimit",
 	"ratelimit-stream-done.yaml": "envoy.extensions.filters.http.ratelimit.v3.RateLimit",
+}
+
+// streamDoneIDs are, per configuration correlating a request's two rate
+// limit calls, the descriptor keys of x-request-id by action kind
+// ("apply_on_stream_done <bool>: <key>").
+var streamDoneIDs = map[string]map[string]bool{
+	"ratelimit-stream-done.yaml": {"apply_on_stream_done false: request_id": true, "apply_on_stream_done true: actual_id": true},
 }
 
 // TestEnvoyConfigs parses each Envoy configuration into go-control-plane's
@@ -66,13 +76,19 @@ func TestEnvoyConfigs(t *testing.T) {
 			if err := b.ValidateAll(); err != nil {
 				t.Fatalf("%s is not a valid Envoy bootstrap: %v", rel, err)
 			}
-			w := envoyWalk{clusters: map[string]bool{}, types: map[string]bool{}}
+			w := envoyWalk{clusters: map[string]bool{}, types: map[string]bool{}, requestIDs: map[string]bool{}}
 			for _, c := range b.GetStaticResources().GetClusters() {
 				w.clusters[c.GetName()] = true
 			}
 			w.walk(t, b.ProtoReflect(), "")
 			if want := envoyConfigs[name]; want != "" && !w.types[want] {
 				t.Errorf("%s has no %s filter", rel, want)
+			}
+			// The response-time call is marked by its own key for the
+			// request id (QF_ENVOY_ACTUAL_ID_KEY), which only the
+			// apply_on_stream_done action sets.
+			if want := streamDoneIDs[name]; want != nil && !maps.Equal(w.requestIDs, want) {
+				t.Errorf("%s: x-request-id's descriptor keys %v, want %v", rel, slices.Sorted(maps.Keys(w.requestIDs)), slices.Sorted(maps.Keys(want)))
 			}
 		})
 	}
@@ -83,11 +99,21 @@ func TestEnvoyConfigs(t *testing.T) {
 type envoyWalk struct {
 	clusters map[string]bool // defined
 	types    map[string]bool // message types seen
+	// requestIDs are the rate limit actions on x-request-id
+	// (streamDoneIDs).
+	requestIDs map[string]bool
 }
 
 func (w envoyWalk) walk(t *testing.T, m protoreflect.Message, at string) {
 	t.Helper()
 	w.types[string(m.Descriptor().FullName())] = true
+	if rl, ok := m.Interface().(*routev3.RateLimit); ok {
+		for _, a := range rl.GetActions() {
+			if h := a.GetRequestHeaders(); strings.EqualFold(h.GetHeaderName(), "x-request-id") {
+				w.requestIDs[fmt.Sprintf("apply_on_stream_done %v: %s", rl.GetApplyOnStreamDone(), h.GetDescriptorKey())] = true
+			}
+		}
+	}
 	if a, ok := m.Interface().(*anypb.Any); ok {
 		inner, err := a.UnmarshalNew()
 		if err != nil {

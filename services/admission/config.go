@@ -47,10 +47,12 @@ type Config struct {
 	// name a descriptor's tenant and user (package rls).
 	EnvoyTenantKeys []string `envconfig:"ENVOY_TENANT_KEYS"`
 	EnvoyUserKeys   []string `envconfig:"ENVOY_USER_KEYS"`
-	// EnvoyRequestIDKey is the descriptor key whose value names the
-	// request, so that a later call of the same request (apply_on_stream_done)
-	// corrects the first one's estimate (package rls); empty: none.
+	// EnvoyRequestIDKey and EnvoyActualIDKey are the descriptor keys whose
+	// value names the request at request time (its estimate) and in its
+	// response-time call (apply_on_stream_done), which corrects the
+	// estimate (package rls); both or neither.
 	EnvoyRequestIDKey string `envconfig:"ENVOY_REQUEST_ID_KEY"`
+	EnvoyActualIDKey  string `envconfig:"ENVOY_ACTUAL_ID_KEY"`
 	// EnvoyRateLimitHeaders adds RateLimit-Limit, -Remaining and -Reset to
 	// ShouldRateLimit's replies for Envoy to pass on.
 	EnvoyRateLimitHeaders bool `envconfig:"ENVOY_RATELIMIT_HEADERS"`
@@ -188,13 +190,20 @@ func (c *Config) Validate() error {
 			break
 		}
 	}
-	if k := c.EnvoyRequestIDKey; k != "" {
+	for _, v := range [2][2]string{{"ENVOY_REQUEST_ID_KEY", c.EnvoyRequestIDKey}, {"ENVOY_ACTUAL_ID_KEY", c.EnvoyActualIDKey}} {
+		name, k := v[0], v[1]
 		switch {
 		case len(k) > rls.MaxIDBytes:
-			bad("ENVOY_REQUEST_ID_KEY", "longer than %d bytes", rls.MaxIDBytes)
-		case slices.Contains(c.EnvoyTenantKeys, k) || slices.Contains(c.EnvoyUserKeys, k):
-			bad("ENVOY_REQUEST_ID_KEY", "%q is also a tenant or user key", k)
+			bad(name, "longer than %d bytes", rls.MaxIDBytes)
+		case k != "" && (slices.Contains(c.EnvoyTenantKeys, k) || slices.Contains(c.EnvoyUserKeys, k)):
+			bad(name, "%q is also a tenant or user key", k)
 		}
+	}
+	switch {
+	case (c.EnvoyRequestIDKey == "") != (c.EnvoyActualIDKey == ""):
+		bad("ENVOY_ACTUAL_ID_KEY", "set both or neither of it and QF_ENVOY_REQUEST_ID_KEY")
+	case c.EnvoyRequestIDKey != "" && c.EnvoyRequestIDKey == c.EnvoyActualIDKey:
+		bad("ENVOY_ACTUAL_ID_KEY", "must differ from QF_ENVOY_REQUEST_ID_KEY")
 	}
 	if _, err := auth.ParseEntries(c.APITokens); err != nil {
 		errs = append(errs, err)
@@ -297,7 +306,8 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c *Config) LogArgs() []any {
 	return slices.Concat([]any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "grpc_addr", c.GRPCAddr,
-		"envoy_ratelimit_config", c.EnvoyRateLimitConfig, "envoy_request_id_key", c.EnvoyRequestIDKey, "pprof", c.Pprof},
+		"envoy_ratelimit_config", c.EnvoyRateLimitConfig, "envoy_request_id_key", c.EnvoyRequestIDKey,
+		"envoy_actual_id_key", c.EnvoyActualIDKey, "pprof", c.Pprof},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.NATS.LogArgs(),
 		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
 			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir,

@@ -43,11 +43,11 @@ func BenchmarkShouldRateLimitRequestID(b *testing.B) {
 		}
 	})
 	var n atomic.Int64
-	send := func(b *testing.B, id string, user, hits int64) {
+	send := func(b *testing.B, with func(string, uint64, ...string) *rlv3.RateLimitDescriptor, id string, user, hits int64) {
 		kv := []string{"tenant", "bench", "user", "u" + strconv.FormatInt(user, 10)}
 		d := desc(kv...)
-		if id != "" {
-			d = withID(id, uint64(hits), kv...)
+		if with != nil {
+			d = with(id, uint64(hits), kv...)
 		}
 		resp, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: []*rlv3.RateLimitDescriptor{d}})
 		if err != nil || resp.GetOverallCode() != rlspb.RateLimitResponse_OK {
@@ -58,11 +58,11 @@ func BenchmarkShouldRateLimitRequestID(b *testing.B) {
 		name string
 		op   func(b *testing.B, i int64)
 	}{
-		{"final", func(b *testing.B, i int64) { send(b, "", i%10000, 1) }},
+		{"final", func(b *testing.B, i int64) { send(b, nil, "", i%10000, 1) }},
 		{"estimate_actual", func(b *testing.B, i int64) {
 			id := fmt.Sprint("b", i)
-			send(b, id, i%10000, 10)
-			send(b, id, i%10000, 7)
+			send(b, withID, id, i%10000, 10)
+			send(b, withActual, id, i%10000, 7)
 		}},
 	} {
 		b.Run(c.name, func(b *testing.B) {

@@ -495,8 +495,12 @@ func TestConfigValidatesGRPC(t *testing.T) {
 		{"grpc on the api's port", func(c *Config) { c.AdmissionAddr, c.GRPCAddr = ":8080", ":8080" }, "QF_GRPC_ADDR: must differ"},
 		{"a key twice", func(c *Config) { c.EnvoyTenantKeys, c.EnvoyUserKeys = []string{"t"}, []string{"t"} }, `QF_ENVOY_USER_KEYS: "t" is also a tenant key`},
 		{"empty key", func(c *Config) { c.EnvoyTenantKeys = []string{""} }, "QF_ENVOY_TENANT_KEYS: a key is empty"},
-		{"request id key of the tenant", func(c *Config) { c.EnvoyTenantKeys, c.EnvoyRequestIDKey = []string{"t"}, "t" }, `QF_ENVOY_REQUEST_ID_KEY: "t" is also a tenant or user key`},
-		{"request id key too long", func(c *Config) { c.EnvoyRequestIDKey = strings.Repeat("k", 257) }, "QF_ENVOY_REQUEST_ID_KEY: longer than 256 bytes"},
+		{"request id key of the tenant", func(c *Config) { c.EnvoyTenantKeys, c.EnvoyRequestIDKey, c.EnvoyActualIDKey = []string{"t"}, "t", "a" }, `QF_ENVOY_REQUEST_ID_KEY: "t" is also a tenant or user key`},
+		{"request id key too long", func(c *Config) { c.EnvoyRequestIDKey, c.EnvoyActualIDKey = strings.Repeat("k", 257), "a" }, "QF_ENVOY_REQUEST_ID_KEY: longer than 256 bytes"},
+		{"actual id key of the user", func(c *Config) { c.EnvoyUserKeys, c.EnvoyActualIDKey = []string{"u"}, "u" }, `QF_ENVOY_ACTUAL_ID_KEY: "u" is also a tenant or user key`},
+		{"request id key alone", func(c *Config) { c.EnvoyRequestIDKey = "r" }, "QF_ENVOY_ACTUAL_ID_KEY: set both or neither"},
+		{"actual id key alone", func(c *Config) { c.EnvoyActualIDKey = "a" }, "QF_ENVOY_ACTUAL_ID_KEY: set both or neither"},
+		{"one key for both", func(c *Config) { c.EnvoyRequestIDKey, c.EnvoyActualIDKey = "r", "r" }, "QF_ENVOY_ACTUAL_ID_KEY: must differ"},
 	} {
 		cfg := testConfig(t)
 		c.set(&cfg)

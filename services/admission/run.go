@@ -142,7 +142,7 @@ func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, rdb redis.
 		stack.Go("envoy ratelimit config", w.Watch)
 		h, err := rls.New(rls.Options{Checker: dec, Config: w.Current, TenantKeys: cfg.EnvoyTenantKeys,
 			UserKeys: cfg.EnvoyUserKeys, Headers: cfg.EnvoyRateLimitHeaders, RequestIDKey: cfg.EnvoyRequestIDKey,
-			Corrector: dec, Records: rdb, RecordTimeout: cfg.RedisTimeout, RecordTTL: cfg.ReservationTTL, Registerer: reg, Log: log})
+			ActualIDKey: cfg.EnvoyActualIDKey, Corrector: dec, Records: rdb, RecordTimeout: cfg.RedisTimeout, RecordTTL: cfg.ReservationTTL, Registerer: reg, Log: log})
 		if err != nil {
 			return nil, err
 		}

@@ -4,26 +4,33 @@ package rls
 // request's cost twice: at request time (an estimate, or hits_addend 0) and
 // when the response ends (the rate limit action's apply_on_stream_done, with
 // hits_addend from dynamic metadata such as the used tokens). With
-// Options.RequestIDKey, the descriptors' entries of that key name the
-// request, and the two calls are correlated through a record in Redis:
+// Options.RequestIDKey and ActualIDKey, the entries of those keys name the
+// request, and say which call it is: the request-time actions set the
+// first, only the apply_on_stream_done action sets the second, so a client,
+// who may choose the id (x-request-id) but not the actions, cannot make a
+// call pass for a response-time one. The two calls are correlated through
+// a record in Redis, keyed by (domain, tenant, user, request id):
 //
-//   - a call whose (domain, tenant, request id) has no record is decided as
-//     any call; when it is allowed by Redis, what it charged each counter
-//     is the request's estimate, kept in a record until the longest of
-//     those windows ends plus one window (at most Options.RecordTTL);
-//   - the next call of the id claims the record (SET XX KEEPTTL GET: one
+//   - a request-time call is decided as any call, whatever records exist;
+//     when Redis allows it, what it charged each counter is the request's
+//     estimate, kept in a record (SET NX: a reused id's call keeps none,
+//     and the first's stays) until the longest of those windows ends plus
+//     one window (at most Options.RecordTTL);
+//   - a response-time call claims the record (SET XX KEEPTTL GET: one
 //     claimant, and the record becomes a mark) and moves each counter the
-//     first call charged that it names by its own hits (the actual) minus
+//     estimate charged that it names by its own hits (the actual) minus
 //     the estimate, with decide's Adjust, never refused by a limit; a
 //     counter whose estimate window has passed (or is within windowGuard
-//     of its end) is charged the actual in full instead, in its current
-//     window. Counters it names that the first call did not charge, and
-//     counters the first charged that it does not name, do not move;
-//   - a call finding the mark changes nothing.
-//
-// Both later kinds answer OK with the counters' state (a check of no hits;
-// a counter past its limit has 0 remaining): Envoy ignores the answer of an
-// apply_on_stream_done call.
+//     of its end), or whose rule changed window since (a reload), is
+//     charged the actual in full instead, in its current window. Counters
+//     it names that the estimate did not charge, and counters the estimate
+//     charged that it does not name, do not move. It answers OK with the
+//     counters' state (a check of no hits; a counter past its limit has 0
+//     remaining): Envoy ignores the answer of an apply_on_stream_done call;
+//   - a response-time call that finds no record, or the mark (a duplicate,
+//     or the second of two requests that reused an id), charges its hits
+//     in full, never refused, and answers the counters' state as it is:
+//     usage is never free, and a reused id can only overcharge its subject.
 //
 // Why not the reserved and actual events of the HTTP path: the accounter
 // corrects a subject's reservation record in the subject's blob under
@@ -81,18 +88,18 @@ const (
 	idEstimated    = "estimated"     // a first call's estimate was kept
 	idNotEstimated = "not_estimated" // an allowed first call kept no record (Redis away or failed)
 	idCorrected    = "corrected"     // a second call corrected the estimate
-	idNotCorrected = "not_corrected" // a second call's claim, or a counter's correction, failed
-	idRepeated     = "repeated"      // a later call found the request corrected
+	idNotCorrected = "not_corrected" // a response-time call's claim, or a counter's move, failed
+	idUnmatched    = "unmatched"     // a response-time call found no estimate and charged its hits in full
 )
 
-var idResults = []string{idEstimated, idNotEstimated, idCorrected, idNotCorrected, idRepeated}
+var idResults = []string{idEstimated, idNotEstimated, idCorrected, idNotCorrected, idUnmatched}
 
 // newIDCounter registers the counter of request id outcomes on reg (when
 // not nil), every result starting at zero.
 func newIDCounter(reg prometheus.Registerer) *prometheus.CounterVec {
 	c := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_admission_rls_request_ids_total",
-		Help: "ShouldRateLimit calls with a request id (QF_ENVOY_REQUEST_ID_KEY), by what they did (estimated, not_estimated, corrected, not_corrected, repeated).",
+		Help: "ShouldRateLimit calls with a request id (QF_ENVOY_REQUEST_ID_KEY, QF_ENVOY_ACTUAL_ID_KEY), by what they did (estimated, not_estimated, corrected, not_corrected, unmatched).",
 	}, []string{"result"})
 	for _, r := range idResults {
 		c.WithLabelValues(r)
@@ -107,40 +114,48 @@ func newIDCounter(reg prometheus.Registerer) *prometheus.CounterVec {
 const claimedMark = "claimed"
 
 // record is the estimate of one request: per counter id (decide.Charge.ID),
-// its hits and the end of the window they were counted in (Unix ms).
+// its hits, the end of the window they were counted in (Unix ms) and the
+// window's length (ms): a reload that changes the window moves the counter
+// to another key, which the estimate never charged.
 type record struct {
-	Counters map[string][2]int64 `json:"c"`
+	Counters map[string][3]int64 `json:"c"`
 }
 
-// requestID takes the entries of the request id key out of ds and returns
-// the descriptors without them (ds itself when none has one) and the id.
-// Every entry of the key must carry the same valid id. A descriptor left
-// without entries matches no limit.
-func (h *Handler) requestID(ds []*rlv3.RateLimitDescriptor) ([]*rlv3.RateLimitDescriptor, string, error) {
+// requestID takes the entries of the request and actual id keys out of ds
+// and returns the descriptors without them (ds itself when none has one),
+// the id, and whether the call is the response-time one (the actual id
+// key's). Every such entry must be of the same key and carry the same
+// valid id. A descriptor left without entries matches no limit.
+func (h *Handler) requestID(ds []*rlv3.RateLimitDescriptor) (_ []*rlv3.RateLimitDescriptor, id string, actual bool, _ error) {
+	isID := func(e *rlv3.RateLimitDescriptor_Entry) bool {
+		return e.GetKey() == h.idKey || e.GetKey() == h.actualKey
+	}
 	if h.idKey == "" || !slices.ContainsFunc(ds, func(d *rlv3.RateLimitDescriptor) bool {
-		return slices.ContainsFunc(d.GetEntries(), func(e *rlv3.RateLimitDescriptor_Entry) bool { return e.GetKey() == h.idKey })
+		return slices.ContainsFunc(d.GetEntries(), isID)
 	}) {
-		return ds, "", nil
+		return ds, "", false, nil
 	}
 	out := make([]*rlv3.RateLimitDescriptor, len(ds))
-	id := ""
+	key := ""
 	for i, d := range ds {
 		var keep []*rlv3.RateLimitDescriptor_Entry
 		for j, e := range d.GetEntries() {
-			if e.GetKey() != h.idKey {
+			if !isID(e) {
 				keep = append(keep, e)
 				continue
 			}
-			field := fmt.Sprintf("descriptors[%d].entries[%d].value", i, j)
+			field := fmt.Sprintf("descriptors[%d].entries[%d]", i, j)
 			switch v := e.GetValue(); {
+			case key != "" && e.GetKey() != key:
+				return nil, "", false, fmt.Errorf("%s.key: %q and %q in one request: a call is either the request-time or the response-time one", field, key, e.GetKey())
 			case v == "":
-				return nil, "", fmt.Errorf("%s: request id: empty", field)
+				return nil, "", false, fmt.Errorf("%s.value: request id: empty", field)
 			case ident.Check(v) != nil:
-				return nil, "", fmt.Errorf("%s: request id: %w", field, ident.Check(v))
+				return nil, "", false, fmt.Errorf("%s.value: request id: %w", field, ident.Check(v))
 			case id == "":
-				id = v
+				id, key = v, e.GetKey()
 			case v != id:
-				return nil, "", fmt.Errorf("%s: request id %q differs from %q", field, v, id)
+				return nil, "", false, fmt.Errorf("%s.value: request id %q differs from %q", field, v, id)
 			}
 		}
 		out[i] = d
@@ -148,38 +163,40 @@ func (h *Handler) requestID(ds []*rlv3.RateLimitDescriptor) ([]*rlv3.RateLimitDe
 			out[i] = &rlv3.RateLimitDescriptor{Entries: keep, Limit: d.GetLimit(), HitsAddend: d.GetHitsAddend()}
 		}
 	}
-	return out, id, nil
+	return out, id, key == h.actualKey, nil
 }
 
 // recordKey is the key of a request's record: the request id, scoped by
-// the domain and the tenant its descriptors name, so that a token bound to
-// a tenant, which may only charge descriptors of that tenant, never reaches
-// another tenant's request. Hashed: the parts may hold any character, and
-// the key stays short; "qrls:" is outside the engine's key layout.
-func recordKey(domain, tenant, id string) string {
+// the domain and the subject (tenant and user) its descriptors name, so
+// that a token bound to a tenant, which may only charge descriptors of that
+// tenant, never reaches another tenant's request, and a user's request id
+// never another user's. Hashed: the parts may hold any character, and the
+// key stays short; "qrls:" is outside the engine's key layout.
+func recordKey(domain, tenant, user, id string) string {
 	h := sha256.New()
-	for _, s := range [3]string{domain, tenant, id} {
+	for _, s := range [4]string{domain, tenant, user, id} {
 		h.Write([]byte(strconv.Itoa(len(s)) + ":" + s))
 	}
 	return "qrls:" + hex.EncodeToString(h.Sum(nil)[:16])
 }
 
-// correlated answers a call that names a request (key: recordKey).
-func (h *Handler) correlated(ctx context.Context, key string, items []item, charges []decide.Charge) (*rlspb.RateLimitResponse, error) {
+// correlated answers a call that names a request (key: recordKey): its
+// request-time call, or its response-time call when actual.
+func (h *Handler) correlated(ctx context.Context, key string, actual bool, items []item, charges []decide.Charge) (*rlspb.RateLimitResponse, error) {
 	if deg, _ := h.correct.Degraded(); deg {
 		// Redis is away: decided locally as any call, and nothing is kept
-		// (nor corrected, if it was a second call).
+		// (nor corrected, for a response-time call).
 		resp, res, err := h.decide(ctx, items, charges)
-		if err == nil && res.Allowed {
+		switch {
+		case err != nil:
+		case actual:
+			h.ids.WithLabelValues(idNotCorrected).Inc()
+		case res.Allowed:
 			h.ids.WithLabelValues(idNotEstimated).Inc()
 		}
 		return resp, err
 	}
-	cctx, cancel := context.WithTimeout(ctx, h.timeout)
-	old, err := h.records.SetArgs(cctx, key, claimedMark, redis.SetArgs{Mode: "XX", KeepTTL: true, Get: true}).Result()
-	cancel()
-	switch {
-	case errors.Is(err, redis.Nil): // the first call: an estimate
+	if !actual {
 		resp, res, err := h.decide(ctx, items, charges)
 		switch {
 		case err != nil || !res.Allowed:
@@ -189,6 +206,20 @@ func (h *Handler) correlated(ctx context.Context, key string, items []item, char
 			h.ids.WithLabelValues(idNotEstimated).Inc()
 		}
 		return resp, err
+	}
+	cctx, cancel := context.WithTimeout(ctx, h.timeout)
+	old, err := h.records.SetArgs(cctx, key, claimedMark, redis.SetArgs{Mode: "XX", KeepTTL: true, Get: true}).Result()
+	cancel()
+	switch {
+	case errors.Is(err, redis.Nil) || err == nil && old == claimedMark:
+		// No estimate of this request left to correct: the actual is
+		// charged in full, as new usage.
+		result := idUnmatched
+		if !h.settle(ctx, nil, items, charges) {
+			result = idNotCorrected
+		}
+		h.ids.WithLabelValues(result).Inc()
+		return h.current(ctx, items, charges, false)
 	case err != nil:
 		// The claim failed: decided as any call (locally, if Redis is
 		// down), and the estimate stays (a claim that ran although its
@@ -197,25 +228,22 @@ func (h *Handler) correlated(ctx context.Context, key string, items []item, char
 		h.ids.WithLabelValues(idNotCorrected).Inc()
 		resp, _, err := h.decide(ctx, items, charges)
 		return resp, err
-	case old == claimedMark:
-		h.ids.WithLabelValues(idRepeated).Inc()
-	default:
-		var rec record
-		result := idNotCorrected
-		if err := json.Unmarshal([]byte(old), &rec); err != nil {
-			h.log.Error("request record unreadable; not corrected", "err", err)
-		} else if h.settle(ctx, &rec, items, charges) {
-			result = idCorrected
-		}
-		h.ids.WithLabelValues(result).Inc()
 	}
-	return h.current(ctx, items, charges)
+	var rec record
+	result := idNotCorrected
+	if err := json.Unmarshal([]byte(old), &rec); err != nil {
+		h.log.Error("request record unreadable; not corrected", "err", err)
+	} else if h.settle(ctx, &rec, items, charges) {
+		result = idCorrected
+	}
+	h.ids.WithLabelValues(result).Inc()
+	return h.current(ctx, items, charges, true)
 }
 
 // keep records what an allowed first call charged (res) as its estimate,
 // and reports whether it did.
 func (h *Handler) keep(ctx context.Context, key string, items []item, charges []decide.Charge, res *decide.Result) bool {
-	rec := record{Counters: map[string][2]int64{}}
+	rec := record{Counters: map[string][3]int64{}}
 	now := res.Now
 	last := now
 	var longest time.Duration
@@ -228,7 +256,7 @@ func (h *Handler) keep(ctx context.Context, key string, items []item, charges []
 		end := windowEnd(now, res.Limits[it.charge].Reset, it.limit.Window)
 		v := rec.Counters[c.ID]
 		v[0] += it.hits
-		v[1] = end.UnixMilli()
+		v[1], v[2] = end.UnixMilli(), it.limit.Window.Milliseconds()
 		rec.Counters[c.ID] = v
 		last, longest = later(last, end), max(longest, it.limit.Window)
 	}
@@ -247,9 +275,9 @@ func (h *Handler) keep(ctx context.Context, key string, items []item, charges []
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.timeout)
 	defer cancel()
 	if err := h.records.SetArgs(cctx, key, b, redis.SetArgs{Mode: "NX", TTL: ttl}).Err(); err != nil {
-		// Without its record (redis.Nil: a concurrent first call of the
-		// same id kept its own), this request's next call is charged as a
-		// first call.
+		// Without its record (redis.Nil: the id has a record already, a
+		// reused id's), this request's response-time call corrects that
+		// record, if it comes first, or is charged in full.
 		h.log.Debug("keep request record", "err", err)
 		return false
 	}
@@ -257,8 +285,9 @@ func (h *Handler) keep(ctx context.Context, key string, items []item, charges []
 }
 
 // settle moves each counter of rec that the call names by the call's hits
-// minus the estimate (the hits in full when the estimate's window passed),
-// and reports whether every move was made.
+// minus the estimate (the hits in full when the estimate's window passed or
+// its rule's window changed), or, without rec, each counter the call names
+// by its hits, and reports whether every move was made.
 func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges []decide.Charge) bool {
 	actual := map[string]int64{}
 	first := map[string]int{}
@@ -268,7 +297,7 @@ func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges
 			continue
 		}
 		id := charges[it.charge].ID
-		if _, ok := rec.Counters[id]; !ok {
+		if _, ok := rec.estimate(id); rec != nil && !ok {
 			continue
 		}
 		if _, ok := first[id]; !ok {
@@ -278,32 +307,45 @@ func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges
 	}
 	now, ok := time.Now(), true
 	for id, hits := range actual {
-		delta := correction(hits, rec.Counters[id], now)
+		c := &charges[first[id]]
+		delta := hits
+		if est, found := rec.estimate(id); found && est[2] == time.Duration(c.Rules[0].Window).Milliseconds() {
+			delta = correction(hits, est, now)
+		}
 		if delta == 0 {
 			continue
 		}
-		if _, err := h.correct.Adjust(ctx, charges[first[id]], delta); err != nil {
-			h.log.Warn("correct a counter by a response-time cost; its estimate stays", "err", err)
+		if _, err := h.correct.Adjust(ctx, *c, delta); err != nil {
+			h.log.Warn("charge a response-time cost; an estimate stays or the actual is not counted", "err", err)
 			ok = false
 		}
 	}
 	return ok
 }
 
+// estimate is rec's estimate of counter id; none when rec is nil.
+func (rec *record) estimate(id string) ([3]int64, bool) {
+	if rec == nil {
+		return [3]int64{}, false
+	}
+	est, ok := rec.Counters[id]
+	return est, ok
+}
+
 // correction is what a counter moves by at now for an actual of hits,
 // against est (the estimate's hits and its window's end, Unix ms): the
 // difference while the estimate's window is current, the actual in full
 // once it passed (or is about to: windowGuard).
-func correction(hits int64, est [2]int64, now time.Time) int64 {
+func correction(hits int64, est [3]int64, now time.Time) int64 {
 	if now.Before(time.UnixMilli(est[1]).Add(-windowGuard)) {
 		return hits - est[0]
 	}
 	return hits
 }
 
-// current answers a later call of a request: OK, with its counters as
-// they are (a check of no hits).
-func (h *Handler) current(ctx context.Context, items []item, charges []decide.Charge) (*rlspb.RateLimitResponse, error) {
+// current answers a response-time call: its counters as they are (a check
+// of no hits), OK when ok.
+func (h *Handler) current(ctx context.Context, items []item, charges []decide.Charge, ok bool) (*rlspb.RateLimitResponse, error) {
 	zi := make([]item, len(items))
 	for i := range items {
 		zi[i] = items[i]
@@ -315,8 +357,8 @@ func (h *Handler) current(ctx context.Context, items []item, charges []decide.Ch
 		zc[i].Cost = 0
 	}
 	resp, _, err := h.decide(ctx, zi, zc)
-	if err != nil {
-		return nil, err
+	if err != nil || !ok {
+		return resp, err
 	}
 	// The request has been let through already: a counter its cost took
 	// past the limit is reported with nothing remaining, not as a denial.

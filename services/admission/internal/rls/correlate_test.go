@@ -11,7 +11,7 @@ import (
 // said, or at the next multiple of the window since the Unix epoch.
 func TestCorrection(t *testing.T) {
 	end := time.Date(2026, 12, 4, 10, 1, 0, 0, time.UTC)
-	est := [2]int64{10, end.UnixMilli()}
+	est := [3]int64{10, end.UnixMilli(), time.Minute.Milliseconds()}
 	for _, c := range []struct {
 		name string
 		hits int64

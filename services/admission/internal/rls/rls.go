@@ -20,8 +20,8 @@
 // Redis, in a round trip and script call it shares with concurrent
 // requests; when any descriptor is over its limit, none is charged.
 // Decisions are final: nothing is reserved and nothing is settled later,
-// except with Options.RequestIDKey, whose second call of a request corrects
-// the first's estimate (correlate.go). When Redis is unavailable the
+// except with Options.RequestIDKey and ActualIDKey, whose response-time
+// call of a request corrects its request-time estimate (correlate.go). When Redis is unavailable the
 // Decider decides locally, as for POST /v1/admit.
 //
 // # Replies
@@ -94,12 +94,14 @@ type Options struct {
 	// Headers adds RateLimit-Limit, -Remaining and -Reset to every reply
 	// that has a limit (QF_ENVOY_RATELIMIT_HEADERS).
 	Headers bool
-	// RequestIDKey is the descriptor key whose value names the request
-	// (QF_ENVOY_REQUEST_ID_KEY); empty: none, every call is final. With it,
-	// Corrector and Records are required (correlate.go).
-	RequestIDKey string
-	Corrector    Corrector
-	Records      Records
+	// RequestIDKey and ActualIDKey are the descriptor keys whose value
+	// names the request in its request-time call (QF_ENVOY_REQUEST_ID_KEY)
+	// and in its response-time call (QF_ENVOY_ACTUAL_ID_KEY), both or
+	// neither; empty: every call is final. With them, Corrector and Records
+	// are required (correlate.go).
+	RequestIDKey, ActualIDKey string
+	Corrector                 Corrector
+	Records                   Records
 	// RecordTimeout bounds each Records call (QF_REDIS_TIMEOUT);
 	// RecordTTL is the longest a request's estimate waits for its
 	// response-time call (QF_RESERVATION_TTL).
@@ -121,12 +123,13 @@ type Handler struct {
 	headers bool
 	log     *slog.Logger
 
-	idKey   string
-	correct Corrector
-	records Records
-	timeout time.Duration
-	ttl     time.Duration
-	ids     *prometheus.CounterVec // by idResults
+	idKey     string
+	actualKey string
+	correct   Corrector
+	records   Records
+	timeout   time.Duration
+	ttl       time.Duration
+	ids       *prometheus.CounterVec // by idResults
 }
 
 // New returns the handler.
@@ -148,16 +151,18 @@ func New(o Options) (*Handler, error) {
 		}
 		h.users[k] = true
 	}
-	if k := o.RequestIDKey; k != "" {
+	if k, a := o.RequestIDKey, o.ActualIDKey; k != "" || a != "" {
 		switch {
-		case h.tenants[k] || h.users[k]:
-			return nil, fmt.Errorf("rls: key %q names both the request and its tenant or user", k)
+		case k == "" || a == "" || k == a:
+			return nil, errors.New("rls: RequestIDKey and ActualIDKey are two keys, both set or neither")
+		case h.tenants[k] || h.users[k] || h.tenants[a] || h.users[a]:
+			return nil, fmt.Errorf("rls: key %q or %q names both the request and its tenant or user", k, a)
 		case o.Corrector == nil || o.Records == nil:
 			return nil, errors.New("rls: a request id key needs Corrector and Records")
 		case o.RecordTimeout <= 0 || o.RecordTTL <= 0:
 			return nil, errors.New("rls: a request id key needs a positive RecordTimeout and RecordTTL")
 		}
-		h.idKey, h.correct, h.records, h.timeout, h.ttl = k, o.Corrector, o.Records, o.RecordTimeout, o.RecordTTL
+		h.idKey, h.actualKey, h.correct, h.records, h.timeout, h.ttl = k, a, o.Corrector, o.Records, o.RecordTimeout, o.RecordTTL
 		h.ids = newIDCounter(o.Registerer)
 	}
 	return h, nil
@@ -185,29 +190,55 @@ func (h *Handler) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 	if err := validate(req); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	ds, id, err := h.requestID(req.GetDescriptors())
+	ds, id, actual, err := h.requestID(req.GetDescriptors())
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	items, charges, tenant, err := h.charges(ctx, req, ds)
+	items, charges, subj, err := h.charges(ctx, req, ds)
 	if err != nil {
 		return nil, err
 	}
 	if id != "" && len(charges) > 0 {
-		if tenant == nil {
-			return nil, status.Error(codes.InvalidArgument, "descriptors: a request with a request id names one tenant at most")
+		if subj.several {
+			return nil, status.Error(codes.InvalidArgument, "descriptors: a request with a request id names one tenant and one user at most")
 		}
-		return h.correlated(ctx, recordKey(req.GetDomain(), *tenant, id), items, charges)
+		return h.correlated(ctx, recordKey(req.GetDomain(), subj.tenant, subj.user, id), actual, items, charges)
 	}
 	resp, _, err := h.decide(ctx, items, charges)
 	return resp, err
 }
 
+// requestSubject is the one tenant and user a request's charged
+// descriptors name (empty: none); several when they name two tenants or
+// two users.
+type requestSubject struct {
+	tenant, user string
+	several      bool
+}
+
+// add counts a descriptor's tenant and user (empty: none named).
+func (s *requestSubject) add(tenant, user string) {
+	if !agree(&s.tenant, tenant) || !agree(&s.user, user) {
+		s.several = true
+	}
+}
+
+// agree reports whether v is empty or *to, or *to empty (then set to v).
+func agree(to *string, v string) bool {
+	switch {
+	case v == "" || v == *to:
+		return true
+	case *to == "":
+		*to = v
+		return true
+	}
+	return false
+}
+
 // charges matches descriptors ds of req against the configuration and
 // returns them as the handler decides them, the charges of those limited,
-// and the one tenant the charged descriptors name (the empty tenant: none),
-// nil when they name several.
-func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds []*rlv3.RateLimitDescriptor) ([]item, []decide.Charge, *string, error) {
+// and the subject the charged descriptors name.
+func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds []*rlv3.RateLimitDescriptor) ([]item, []decide.Charge, requestSubject, error) {
 	cfg := h.config()
 	domain := req.GetDomain()
 	items := make([]item, len(ds))
@@ -226,7 +257,7 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 	charges := make([]decide.Charge, 0, len(ds))
 	rules := make([]policy.Rule, len(ds))
 	var buf [256]byte // the endpoint of a descriptor, on the stack when short
-	one, named := new(string), false
+	var subj requestSubject
 	for i, d := range ds {
 		it := &items[i]
 		l := it.limit
@@ -235,15 +266,9 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 		}
 		tenant, user := h.subject(d.GetEntries())
 		if ok, _ := p.For(tenant); !ok {
-			return nil, nil, nil, status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
+			return nil, nil, subj, status.Error(codes.PermissionDenied, "authorization: this token does not allow this request")
 		}
-		switch {
-		case tenant == "" || one == nil:
-		case !named:
-			*one, named = tenant, true
-		case *one != tenant:
-			one = nil
-		}
+		subj.add(tenant, user)
 		endpoint := appendEndpoint(buf[:0], domain, d.GetEntries(), it.shared)
 		rule, cost := &rules[i], it.hits
 		*rule = ruleOf(string(endpoint), l)
@@ -261,7 +286,7 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 		it.charge = len(charges)
 		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: rules[i : i+1 : i+1]})
 	}
-	return items, charges, one, nil
+	return items, charges, subj, nil
 }
 
 // decide decides charges, all or nothing, and answers for items.
