@@ -3,6 +3,7 @@ package rls
 import (
 	"context"
 	"fmt"
+	"os"
 	"testing"
 
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
@@ -34,18 +35,11 @@ func (a *allowAll) Check(_ context.Context, charges []decide.Charge) (decide.Res
 // descriptor: a guard against a regression on issue 14's path, not a
 // measurement (bench/results.md has those).
 func TestShouldRateLimitAllocations(t *testing.T) {
-	cfg, err := rlsconf.Parse(rlsconf.File{Name: "bench.yaml", Data: []byte(`domain: bench
-descriptors:
-  - key: tenant
-    descriptors:
-      - key: user
-        rate_limit: {unit: hour, requests_per_unit: 1000}
-        descriptors:
-          - {key: window, value: second, rate_limit: {unit: second, requests_per_unit: 1000}}
-          - {key: window, value: minute, rate_limit: {unit: minute, requests_per_unit: 1000}}
-          - {key: window, value: day, rate_limit: {unit: day, requests_per_unit: 1000}}
-          - {key: window, value: month, rate_limit: {unit: month, requests_per_unit: 1000}}
-`)})
+	data, err := os.ReadFile("testdata/windows.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := rlsconf.Parse(rlsconf.File{Name: "windows.yaml", Data: data})
 	if err != nil {
 		t.Fatal(err)
 	}
