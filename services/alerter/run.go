@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"log/slog"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -105,7 +106,7 @@ func watchWebhooks(stack *service.Stack, file string, dl *deliver.Deliverer, log
 
 // watchPolicy, when file is set, prunes det's raised limits by the policy
 // in file (Detector.Prune) now and after every reload until the stack stops
-// it: the file is reloaded when it changes and on SIGHUP.
+// it (prunePolicy): the file is reloaded when it changes and on SIGHUP.
 func watchPolicy(ctx context.Context, stack *service.Stack, file string, det *detect.Detector, log *slog.Logger) error {
 	if file == "" {
 		return nil
@@ -123,21 +124,51 @@ func watchPolicy(ctx context.Context, stack *service.Stack, file string, det *de
 	if err != nil {
 		return err
 	}
-	if err := det.Prune(ctx, w.Current()); err != nil {
+	if _, err := det.Prune(ctx, w.Current()); err != nil {
 		return err
 	}
 	stack.Go("policy pruning", func(ctx context.Context) {
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-reloaded:
-				if err := det.Prune(ctx, w.Current()); err != nil && ctx.Err() == nil {
-					// Kept raised until the next reload: correct, only larger.
-					log.Error("re-arm the limits a policy reload removed", "err", err)
-				}
-			}
-		}
+		prunePolicy(ctx, det, w.Current, reloaded, func() <-chan time.Time { return time.After(rePruneAfter) }, log)
 	})
 	return nil
+}
+
+// rePruneAfter is how long after a prune by a newly loaded policy the
+// alerter prunes once more: admission reloads the same file on its own
+// (within its debounce; a mounted ConfigMap reaches pods up to about a
+// minute apart), and until it has, and its snapshots made before have been
+// consumed, a snapshot can raise a limit the reload removed after the
+// prune, to stay raised until the next reload.
+const rePruneAfter = time.Minute
+
+// prunePolicy prunes det's raised limits by current() on every signal of
+// reloaded, and again when the channel again returns fires: after the
+// start's prune and each reload's, then for as long as the last one
+// re-armed a limit or failed (admission instances still on the older
+// policy keep raising removed limits). again is time.After(rePruneAfter)
+// but in tests.
+func prunePolicy(ctx context.Context, det *detect.Detector, current func() *policy.Policy, reloaded <-chan struct{}, again func() <-chan time.Time, log *slog.Logger) {
+	wait := again()
+	for {
+		reload := false
+		select {
+		case <-ctx.Done():
+			return
+		case <-reloaded:
+			reload = true
+		case <-wait:
+		}
+		n, err := det.Prune(ctx, current())
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			// Kept raised until the next prune: correct, only larger.
+			log.Error("re-arm the limits a policy reload removed", "err", err)
+		}
+		wait = nil
+		if reload || n > 0 || err != nil {
+			wait = again()
+		}
+	}
 }

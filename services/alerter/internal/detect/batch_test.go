@@ -290,8 +290,8 @@ tenants:
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := d.Prune(ctx, p); err != nil {
-		t.Fatalf("Prune = %v", err)
+	if n, err := d.Prune(ctx, p); n != 3 || err != nil {
+		t.Fatalf("Prune = %d, %v; want 3 re-armed (old, /other ep, gone)", n, err)
 	}
 	key := func(scope, endpoint, name string) store.LimitKey {
 		k := store.LimitKey{Tenant: "acme", Scope: scope, Endpoint: endpoint, Name: name}

@@ -321,8 +321,9 @@ func (d *Detector) committed(err error, touched map[store.LimitKey]bool, levels 
 // snapshot reads its state. A limit counts as defined when any plan has
 // one of its name (a request may name its plan), when its endpoint's user
 // list has it, and, tenant-wide, when its tenant's entry has it. Call it
-// with each policy that comes in force, the first one included.
-func (d *Detector) Prune(ctx context.Context, p *policy.Policy) error {
+// with each policy that comes in force, the first one included. It
+// returns how many raised limits it re-armed.
+func (d *Detector) Prune(ctx context.Context, p *policy.Policy) (int, error) {
 	defined := definedBy(p)
 	// Under mu across the update: a commit that raises one of these limits
 	// meanwhile then raises it in memory after the update forgot it, so the
@@ -331,7 +332,7 @@ func (d *Detector) Prune(ctx context.Context, p *policy.Policy) error {
 	defer d.mu.Unlock()
 	keys, err := d.st.ReArmUndefined(ctx, defined)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	for _, k := range keys {
 		delete(d.raised, k)
@@ -344,7 +345,7 @@ func (d *Detector) Prune(ctx context.Context, p *policy.Policy) error {
 	if len(keys) > 0 {
 		d.log.Info("limits no longer in the policy re-armed", "limits", len(keys), "policy_digest", p.Digest())
 	}
-	return nil
+	return len(keys), nil
 }
 
 // definedBy returns the tenant- and user-scope limits p defines.
