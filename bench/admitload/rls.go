@@ -11,7 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	rlcommon "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlpb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -24,43 +23,8 @@ import (
 	"quotaflow/internal/envoypeer"
 )
 
-// rlsConfig is the envoyproxy/ratelimit configuration both servers load:
-// per tenant and user, an hourly limit, and four more windows of the same
-// subject, each named by a third entry; sized never to deny.
-const rlsConfig = `domain: bench
-descriptors:
-  - key: tenant
-    descriptors:
-      - key: user
-        rate_limit: {unit: hour, requests_per_unit: 1000000000}
-        descriptors:
-          - {key: window, value: second, rate_limit: {unit: second, requests_per_unit: 1000000000}}
-          - {key: window, value: minute, rate_limit: {unit: minute, requests_per_unit: 1000000000}}
-          - {key: window, value: day, rate_limit: {unit: day, requests_per_unit: 1000000000}}
-          - {key: window, value: month, rate_limit: {unit: month, requests_per_unit: 1000000000}}
-`
-
-// rlsWindows are the third entries of a five-descriptor request's last
-// four descriptors.
-var rlsWindows = []string{"second", "minute", "day", "month"}
-
-// rlsRequest is a ShouldRateLimit request of user with n (1 or 5)
-// descriptors of rlsConfig.
-func rlsRequest(user, n int) *rlpb.RateLimitRequest {
-	u := "u" + strconv.Itoa(user)
-	d := func(extra ...string) *rlcommon.RateLimitDescriptor {
-		es := []*rlcommon.RateLimitDescriptor_Entry{{Key: "tenant", Value: "bench"}, {Key: "user", Value: u}}
-		if len(extra) > 0 {
-			es = append(es, &rlcommon.RateLimitDescriptor_Entry{Key: "window", Value: extra[0]})
-		}
-		return &rlcommon.RateLimitDescriptor{Entries: es}
-	}
-	req := &rlpb.RateLimitRequest{Domain: "bench", Descriptors: []*rlcommon.RateLimitDescriptor{d()}}
-	for _, w := range rlsWindows[:n-1] {
-		req.Descriptors = append(req.Descriptors, d(w))
-	}
-	return req
-}
+// rlsDomain is the domain of envoypeer.BenchConfig both servers load.
+const rlsDomain = "bench"
 
 // rlsTarget is one server's ShouldRateLimit with n descriptors a request.
 type rlsTarget struct {
@@ -84,7 +48,7 @@ func rls(ctx context.Context, o peerOptions, conns int, base string) error {
 	}
 	load0 := loadavg()
 	conf := filepath.Join(b.dir, "envoy-ratelimit.yaml")
-	if err := os.WriteFile(conf, []byte(rlsConfig), 0o644); err != nil {
+	if err := os.WriteFile(conf, []byte(envoypeer.BenchConfig(rlsDomain)), 0o644); err != nil {
 		return err
 	}
 
@@ -216,7 +180,7 @@ func (b *bench) rlsAdmission(ctx context.Context, src, short, name, conf string)
 	return t, nil
 }
 
-// rlsPeer starts envoyproxy/ratelimit with rlsConfig on a Redis of its own.
+// rlsPeer starts envoyproxy/ratelimit with envoypeer.BenchConfig on a Redis of its own.
 func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error) {
 	bin, rs, err := b.envoyAndRedis(ctx)
 	if err != nil {
@@ -230,7 +194,7 @@ func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error)
 	if err != nil {
 		return nil, err
 	}
-	env, addrs, err := envoypeer.Setup(dir, map[string][]byte{"bench.yaml": []byte(rlsConfig)},
+	env, addrs, err := envoypeer.Setup(dir, map[string][]byte{"bench.yaml": []byte(envoypeer.BenchConfig(rlsDomain))},
 		envoypeer.Settings{RedisAddr: rs.Addr, PoolSize: pool, PipelineWindow: o.envoyWindow, Extra: o.envoyEnv})
 	if err != nil {
 		return nil, err
@@ -278,7 +242,7 @@ func rlsLoad(ctx context.Context, addr string, conns, conc, users, n int, d time
 			for time.Now().Before(end) {
 				user = (user + 1) % users
 				t0 := time.Now()
-				resp, err := c.ShouldRateLimit(ctx, rlsRequest(user, n))
+				resp, err := c.ShouldRateLimit(ctx, envoypeer.BenchRequest(rlsDomain, "u"+strconv.Itoa(user), n))
 				if err != nil {
 					errs.Add(1)
 					lastErr.Store(err)

@@ -4,7 +4,8 @@
 // module source (examples/ included) through the module cache, writes its
 // runtime configuration and starts it on free loopback ports with a Redis
 // the caller gives. The differential test (services/admission) and the
-// benchmarks (bench/) use it.
+// benchmarks (bench/) use it; the RLS benchmarks' configuration and
+// requests, which both servers serve, are here too (BenchConfig).
 package envoypeer
 
 import (

@@ -3,12 +3,11 @@ package rls
 import (
 	"context"
 	"fmt"
-	"os"
 	"testing"
 
-	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 
+	"quotaflow/internal/envoypeer"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
@@ -35,11 +34,7 @@ func (a *allowAll) Check(_ context.Context, charges []decide.Charge) (decide.Res
 // descriptor: a guard against a regression on issue 14's path, not a
 // measurement (bench/results.md has those).
 func TestShouldRateLimitAllocations(t *testing.T) {
-	data, err := os.ReadFile("testdata/windows.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := rlsconf.Parse(rlsconf.File{Name: "windows.yaml", Data: data})
+	cfg, err := rlsconf.Parse(rlsconf.File{Name: "bench.yaml", Data: []byte(envoypeer.BenchConfig("bench"))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -54,29 +49,22 @@ func TestShouldRateLimitAllocations(t *testing.T) {
 	}
 	p, _ := tokens.AuthenticateHeader("Bearer gw")
 	ctx := grpcapi.NewContext(context.Background(), p.As(auth.Gateway))
-	entries := func(extra ...string) *rlv3.RateLimitDescriptor {
-		d := &rlv3.RateLimitDescriptor{Entries: []*rlv3.RateLimitDescriptor_Entry{{Key: "tenant", Value: "acme"}, {Key: "user", Value: "u1"}}}
-		if len(extra) > 0 {
-			d.Entries = append(d.Entries, &rlv3.RateLimitDescriptor_Entry{Key: "window", Value: extra[0]})
-		}
-		return d
-	}
 	for _, c := range []struct {
 		name string
-		ds   []*rlv3.RateLimitDescriptor
+		n    int
 		max  float64
 	}{
-		{"one", []*rlv3.RateLimitDescriptor{entries()}, 16},
-		{"five", []*rlv3.RateLimitDescriptor{entries(), entries("second"), entries("minute"), entries("day"), entries("month")}, 24},
+		{"one", 1, 16},
+		{"five", 5, 24},
 	} {
-		req := &rlspb.RateLimitRequest{Domain: "bench", Descriptors: c.ds}
+		req := envoypeer.BenchRequest("bench", "u1", c.n)
 		var resp *rlspb.RateLimitResponse
 		n := testing.AllocsPerRun(100, func() {
 			if resp, err = h.ShouldRateLimit(ctx, req); err != nil {
 				t.Fatal(err)
 			}
 		})
-		if got := fmt.Sprint(resp.GetOverallCode(), len(resp.GetStatuses())); got != fmt.Sprint(rlspb.RateLimitResponse_OK, len(c.ds)) {
+		if got := fmt.Sprint(resp.GetOverallCode(), len(resp.GetStatuses())); got != fmt.Sprint(rlspb.RateLimitResponse_OK, c.n) {
 			t.Fatalf("%s: ShouldRateLimit = %v", c.name, resp)
 		}
 		if n > c.max {
