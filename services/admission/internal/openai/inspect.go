@@ -93,8 +93,8 @@ type Request struct {
 	// Body). 0 for embeddings.
 	OutputTokens int64
 	// Body is the request to send upstream: the client's bytes with only
-	// the maximum (when absent) and stream_options.include_usage (when
-	// streaming) set. It is the body passed to Inspect when nothing changes.
+	// the maximum (written into every maximum field an upstream may read)
+	// and stream_options.include_usage (when streaming) set. It is the body passed to Inspect when nothing changes.
 	Body []byte
 }
 
@@ -237,21 +237,31 @@ func (in *inspector) choices() (int64, error) {
 }
 
 // maximum sets r.OutputTokens from the largest of the maximum fields the
-// request sets (an upstream may honour any: vLLM prefers
-// max_completion_tokens, llama.cpp its own n_predict, whose -1 for "no
-// limit" is refused here), else sets field to def in the body.
+// request sets, else def (n_predict's -1 for "no limit" is refused here).
+// Upstreams honour different fields (vLLM prefers max_completion_tokens,
+// TGI and llama.cpp read max_tokens, llama.cpp also n_predict) and ignore
+// the others, so the maximum is written into field and into every maximum
+// the request names: no upstream can generate past the estimate.
 func (in *inspector) maximum(r *Request, field string, def, times int64, fields ...string) error {
 	per := int64(0)
+	set := make(map[string]int64, len(fields))
 	for _, f := range fields {
-		n, _, err := in.whole(f, 1, MaxTokens)
+		n, ok, err := in.whole(f, 1, MaxTokens)
 		if err != nil {
 			return err
+		}
+		if ok {
+			set[f] = n
 		}
 		per = max(per, n)
 	}
 	if per == 0 {
 		per = def
-		in.edits = append(in.edits, in.obj.set(field, strconv.FormatInt(def, 10)))
+	}
+	for _, f := range fields {
+		if n, ok := set[f]; (ok || f == field) && n != per {
+			in.edits = append(in.edits, in.obj.set(f, strconv.FormatInt(per, 10)))
+		}
 	}
 	r.OutputTokens = times * per
 	return nil
