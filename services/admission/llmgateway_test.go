@@ -22,7 +22,7 @@ import (
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/services/admission/internal/llmproxy"
-	"quotaflow/services/admission/internal/llmproxy/llmtest"
+	"quotaflow/internal/llmtest"
 	"quotaflow/services/admission/internal/openai"
 )
 

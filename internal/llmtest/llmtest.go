@@ -1,4 +1,5 @@
-// Package llmtest is a stand-in LLM for the gateway's tests and benchmarks:
+// Package llmtest is a stand-in LLM for the gateway's tests, benchmarks and
+// the demo:
 // an HTTP server speaking the OpenAI wire format (chat completions,
 // streamed or not, and embeddings) whose answers and usage the test sets,
 // so that what the gateway charges can be compared with what the upstream
@@ -70,12 +71,21 @@ type Request struct {
 
 // Start starts the server until the test ends.
 func Start(t testing.TB) *Upstream {
+	u := New()
+	t.Cleanup(u.Close)
+	return u
+}
+
+// New starts the server on a loopback port (the demo's); Close stops it.
+func New() *Upstream {
 	u := &Upstream{b: Behaviour{PromptTokens: 11, CompletionTokens: 5}, Canceled: make(chan struct{})}
 	u.srv = httptest.NewServer(http.HandlerFunc(u.serve))
 	u.URL = u.srv.URL + "/v1"
-	t.Cleanup(u.srv.Close)
 	return u
 }
+
+// Close stops the server.
+func (u *Upstream) Close() { u.srv.Close() }
 
 // Requests returns what the upstream received so far.
 func (u *Upstream) Requests() []Request {
