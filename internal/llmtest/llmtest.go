@@ -1,9 +1,8 @@
 // Package llmtest is a stand-in LLM for the gateway's tests, benchmarks and
-// the demo:
-// an HTTP server speaking the OpenAI wire format (chat completions,
-// streamed or not, and embeddings) whose answers and usage the test sets,
-// so that what the gateway charges can be compared with what the upstream
-// reported. It is a fake model, not a mock of quotaflow's servers.
+// the demo: an HTTP server speaking the OpenAI wire format (chat
+// completions, streamed or not, and embeddings) whose answers and usage the
+// test sets, so that what the gateway charges can be compared with what the
+// upstream reported. It is a fake model, not a mock of quotaflow's servers.
 package llmtest
 
 import (
