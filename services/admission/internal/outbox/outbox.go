@@ -12,7 +12,9 @@
 // to QueueWait, and after a round of one event, which nothing joined
 // within its wait, or when an event finds the publisher idle for longer
 // than the wait, it falls back to none, so an event that comes alone goes
-// at once. Under load rounds thus grow to about
+// at once (a round of one event whose wait passed while the previous
+// round was published keeps it: nothing could join). Under load rounds
+// thus grow to about
 // the event rate times QueueWait, and NATS, whose cost is mostly per
 // message (bench/results.md, issue 13), handles a few large messages
 // instead of many small ones; no event waits longer than QueueWait for
@@ -430,6 +432,7 @@ func (o *Outbox) run() {
 		batch      []events.Event
 		arrived    []time.Time // when batch's events were queued, until its first publish
 		fresh      bool        // batch has not been published yet
+		waited     bool        // batch's round had some of its wait left (fill)
 		seg        *segmentReader
 		fromSpill  bool
 		backoff    time.Duration
@@ -452,7 +455,7 @@ func (o *Outbox) run() {
 		}
 		if len(batch) == 0 {
 			fromSpill = false
-			batch, arrived = o.take(batch, arrived[:0], !closing)
+			batch, arrived, waited = o.take(batch, arrived[:0], !closing)
 			if len(batch) == 0 && !closing {
 				batch, seg = o.replay(batch, seg)
 				fromSpill = len(batch) > 0
@@ -482,7 +485,7 @@ func (o *Outbox) run() {
 				if arrived[0].Sub(idle) > time.Duration(o.wait.Load()) {
 					o.wait.Store(0) // idle longer than a round's wait: fewer events than one a wait
 				}
-				batch, arrived = o.fill(batch, arrived, closingSig)
+				batch, arrived, waited = o.fill(batch, arrived, closingSig)
 				fresh = true
 			}
 			continue
@@ -491,7 +494,7 @@ func (o *Outbox) run() {
 		if fresh {
 			o.m.outbox.observeSince(len(batch), arrived, time.Now())
 			if !fromSpill {
-				o.adapt(len(batch))
+				o.adapt(len(batch), waited)
 			}
 			fresh = false
 		}
@@ -539,50 +542,59 @@ func (o *Outbox) run() {
 
 // take moves up to BatchSize queued events into batch, and their arrival
 // times into arrived; when it found some but fewer than BatchSize and
-// mayWait, it waits for more as fill does.
-func (o *Outbox) take(batch []events.Event, arrived []time.Time, mayWait bool) ([]events.Event, []time.Time) {
+// mayWait, it waits for more as fill does, and reports what fill does.
+func (o *Outbox) take(batch []events.Event, arrived []time.Time, mayWait bool) ([]events.Event, []time.Time, bool) {
 	batch, arrived = o.queue.take(batch, arrived, o.opt.BatchSize)
 	if len(batch) == 0 || !mayWait {
-		return batch, arrived
+		return batch, arrived, false
 	}
 	return o.fill(batch, arrived, o.closing)
 }
 
 // adapt sets the wait of the queue's next round after a round of n
-// events: none after a lone event, else twice the last (at least
-// firstQueueWait), at most QueueWait.
-func (o *Outbox) adapt(n int) {
-	var w time.Duration
-	if n > 1 {
-		w = max(0, min(max(2*time.Duration(o.wait.Load()), firstQueueWait), o.opt.QueueWait))
+// events: twice the last (at least firstQueueWait, at most QueueWait)
+// after a shared round; none after a lone event that waited (waited, as
+// fill reports) and that nothing joined; unchanged after a lone event
+// whose wait had passed before its round began, as nothing could join it.
+func (o *Outbox) adapt(n int, waited bool) {
+	switch {
+	case n > 1:
+		o.wait.Store(int64(max(0, min(max(2*time.Duration(o.wait.Load()), firstQueueWait), o.opt.QueueWait))))
+	case waited:
+		o.wait.Store(0)
 	}
-	o.wait.Store(int64(w))
 }
 
 // fill waits for more queued events until batch holds BatchSize, the
 // round's wait (adapt) has passed since its first event was queued, or
 // stop is closed (Close: publish at once), then takes what is queued. It
 // sleeps meanwhile: the queue wakes it only once a full batch is there.
-func (o *Outbox) fill(batch []events.Event, arrived []time.Time, stop <-chan struct{}) ([]events.Event, []time.Time) {
+// It reports whether the round had any of its wait left (its first event
+// may have used it all while the previous round was published).
+func (o *Outbox) fill(batch []events.Event, arrived []time.Time, stop <-chan struct{}) ([]events.Event, []time.Time, bool) {
 	wait := time.Until(arrived[0].Add(time.Duration(o.wait.Load())))
-	if wait <= 0 || len(batch) >= o.opt.BatchSize {
-		return batch, arrived
+	if wait <= 0 {
+		return batch, arrived, false
 	}
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	for len(batch) < o.opt.BatchSize {
+		more := true
 		if !o.queue.arm(o.opt.BatchSize - len(batch)) {
 			select {
 			case <-o.queue.ready:
 			case <-t.C:
-				return o.queue.take(batch, arrived, o.opt.BatchSize)
+				more = false
 			case <-stop:
-				return o.queue.take(batch, arrived, o.opt.BatchSize)
+				more = false
 			}
 		}
 		batch, arrived = o.queue.take(batch, arrived, o.opt.BatchSize)
+		if !more {
+			break
+		}
 	}
-	return batch, arrived
+	return batch, arrived, true
 }
 
 // replay reads the next events of the oldest spill segment into batch.

@@ -99,6 +99,18 @@ func closeOutbox(t *testing.T, o *Outbox, d time.Duration) {
 	}
 }
 
+// closeAtExit closes o unless the test has: deferred right after New in a
+// synctest test, it lets a failing test report its failure instead of
+// dying in a deadlock panic on the publisher goroutine.
+func closeAtExit(t *testing.T, o *Outbox) {
+	o.closeMu.Lock()
+	closed := o.closed
+	o.closeMu.Unlock()
+	if !closed {
+		closeOutbox(t, o, 5*time.Second)
+	}
+}
+
 func TestEnqueuePublishes(t *testing.T) {
 	pub := newFakePublisher(false)
 	reg := prometheus.NewRegistry()
@@ -219,6 +231,7 @@ func TestQueueWaitFollowsTheLoad(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		defer closeAtExit(t, o)
 		waitGauge := func() time.Duration { return time.Duration(o.wait.Load()) }
 		next := 0
 		lone := func(phase string) {
@@ -282,6 +295,74 @@ func TestQueueWaitFollowsTheLoad(t *testing.T) {
 	})
 }
 
+// gatedPublisher stores each round, then holds it until the test sends on
+// gate.
+type gatedPublisher struct {
+	*fakePublisher
+	gate chan struct{}
+}
+
+func (p *gatedPublisher) PublishBatch(ctx context.Context, evs []events.Event) error {
+	err := p.fakePublisher.PublishBatch(ctx, evs)
+	<-p.gate
+	return err
+}
+
+// A round of one event whose wait passed while the previous round was
+// published keeps the wait, as nothing could join it; a lone event that
+// waited and that nothing joined sets it back to none. (Fake time; each
+// round is held until the test lets it go.)
+func TestQueueWaitAfterALateLoneRound(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const bound = 20 * time.Millisecond
+		pub := &gatedPublisher{fakePublisher: newFakePublisher(false), gate: make(chan struct{})}
+		o, err := New(pub, Options{SpillDir: t.TempDir(), QueueWait: bound, Registerer: prometheus.NewRegistry()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer closeAtExit(t, o)
+		defer close(pub.gate) // before closing o
+		wait := func() time.Duration { return time.Duration(o.wait.Load()) }
+		next := 0
+		// queue queues n events while a round is held, lets that round go
+		// after hold, then gives the next round all its wait.
+		queue := func(n int, hold time.Duration) {
+			for range n {
+				o.Enqueue(reserved(next))
+				next++
+			}
+			time.Sleep(hold)
+			pub.gate <- struct{}{}
+			time.Sleep(bound)
+			synctest.Wait()
+		}
+		o.Enqueue(reserved(next))
+		next++
+		synctest.Wait()
+		// Rounds of two raise the wait to QueueWait: 1, 2, 4, 8, 16, 20 ms.
+		for i := 0; i < 6; i++ {
+			queue(2, 0)
+		}
+		if w := wait(); w != bound {
+			t.Fatalf("wait after rounds of two = %v, want %v (rounds %v)", w, bound, pub.batchSizes())
+		}
+
+		queue(1, bound+time.Millisecond) // its wait passes during the held round
+		if w, sizes := wait(), pub.batchSizes(); w != bound || sizes[len(sizes)-1] != 1 {
+			t.Errorf("after a round of one event whose wait had passed: wait %v, rounds %v; want %v and a last round of 1", w, sizes, bound)
+		}
+		queue(1, 0) // it waits its round's wait; nothing joins
+		if w, sizes := wait(), pub.batchSizes(); w != 0 || sizes[len(sizes)-1] != 1 {
+			t.Errorf("after a lone event that waited: wait %v, rounds %v; want 0 and a last round of 1", w, sizes)
+		}
+		pub.gate <- struct{}{}
+		synctest.Wait()
+		if pub.count() != next {
+			t.Errorf("stored %d events, want %d", pub.count(), next)
+		}
+	})
+}
+
 // Close publishes a round that is waiting for more events at once: with
 // a QueueWait of 1 s reached under load, the round of an event that comes
 // just after the load waits; Close 100 ms into that wait publishes it then,
@@ -293,6 +374,7 @@ func TestCloseEndsTheQueueWait(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		defer closeAtExit(t, o)
 		next := 0
 		for ; time.Duration(o.wait.Load()) < time.Second && next < 10000; next++ {
 			pub.enqueue(o, reserved(next))
