@@ -54,7 +54,7 @@ func newGatewayStack(t testing.TB, policy string) *gatewayStack {
 	s := newStack(t, policy, nil)
 	up := llmtest.Start(t)
 	t.Setenv("LLMTEST_KEY", "upstream-secret")
-	file := []byte("upstreams: [{name: stand-in, base_url: " + up.URL + ", api_key_env: LLMTEST_KEY}]\npass: [/v1/models]\n")
+	file := []byte("upstreams: [{name: stand-in, base_url: " + up.URL + ", api_key_env: LLMTEST_KEY}]\npass: [\"/v1/models*\"]\n")
 	cfg, err := llmproxy.Build(llmproxy.Settings{GatewayKeys: []string{llmKey + "=" + s.tenant + "/alice"}}, file, os.Getenv)
 	if err != nil {
 		t.Fatal(err)
@@ -248,6 +248,48 @@ func TestGatewayDenies(t *testing.T) {
 	}
 	if resp, raw := g.post(llmKey, "/v1/batches", "{}"); resp.StatusCode != 404 || !strings.Contains(raw, "unknown_url") {
 		t.Errorf("POST /v1/batches (not passed) = %d %s", resp.StatusCode, raw)
+	}
+}
+
+// TestGatewayRefusesUncleanPaths: no spelling of a path reaches a metered
+// endpoint, or any other, through a passed prefix (/v1/models*): dot
+// segments, escaped dots and slashes, '//' and a trailing '/' are refused
+// with 400 before anything is forwarded.
+func TestGatewayRefusesUncleanPaths(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	body := chat(false, false, 10)
+	for _, p := range []string{
+		"/v1/models/../chat/completions", "/v1/models/%2e%2e/chat/completions", "/v1/models/%2E%2E/chat/completions",
+		"/v1/models/..%2fchat/completions", "/v1/models/..%2Fchat%2Fcompletions", "/v1/models/./../chat/completions",
+		"/v1//chat/completions", "/v1/models//x", "/v1/chat/completions/", "/v1/models/", "/v1/./chat/completions",
+		"/v1/models%2fx", "/v1/models/%2e",
+	} {
+		resp, raw := g.post(llmKey, p, body)
+		if resp.StatusCode != 400 || !strings.Contains(raw, `"code":"invalid_path"`) {
+			t.Errorf("POST %s = %d %s, want 400 invalid_path", p, resp.StatusCode, raw)
+		}
+	}
+	if n := len(g.up.Requests()); n != 0 {
+		t.Errorf("the upstream got %d requests, want none: %v", n, g.up.Requests())
+	}
+	// The clean spellings still work, each on its way.
+	if resp, raw := g.post(llmKey, "/v1/chat/completions", body); resp.StatusCode != 200 {
+		t.Errorf("POST /v1/chat/completions = %d %s", resp.StatusCode, raw)
+	}
+	req, _ := http.NewRequest("GET", g.srv.URL+"/v1/models", nil)
+	req.Header.Set("Authorization", "Bearer "+llmKey)
+	if r, err := http.DefaultClient.Do(req); err != nil || r.StatusCode != 200 {
+		t.Errorf("GET /v1/models (passed) = %v, %v", r, err)
+	} else {
+		r.Body.Close()
+	}
+	seen := g.up.Requests()
+	if len(seen) != 2 || seen[0].Path != "/v1/chat/completions" || seen[1].Path != "/v1/models" {
+		t.Errorf("upstream saw %v, want the chat then the models", seen)
+	}
+	actual, _ := g.settled()
+	if len(actual) != 1 {
+		t.Errorf("actual events = %v, want the one chat", actual)
 	}
 }
 

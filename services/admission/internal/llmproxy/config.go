@@ -15,6 +15,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"quotaflow/pkg/ident"
+	"quotaflow/services/admission/internal/openai"
 )
 
 // Settings are the gateway mode's environment variables; admission's
@@ -408,8 +409,8 @@ func Build(s Settings, data []byte, getenv func(string) string) (*Config, error)
 		if !strings.HasPrefix(p, "/v1/") || ident.Check(p) != nil {
 			bad("QF_GATEWAY_FILE: pass[%d]: want a path under /v1/, or a prefix of one ending in '*'", i)
 		}
-		if metered(p) {
-			bad("QF_GATEWAY_FILE: pass[%d]: %s is metered; it cannot be passed through unmetered", i, p)
+		if covered := coversMetered(p); covered != "" {
+			bad("QF_GATEWAY_FILE: pass[%d]: %s covers %s, which is metered; it cannot be passed through unmetered", i, p, covered)
 		}
 	}
 	c.pass = f.Pass
@@ -458,13 +459,16 @@ func yamlProblem(err error) string {
 	return strings.Join(out, "; ")
 }
 
-// metered reports whether path is one of the endpoints the gateway meters.
-func metered(path string) bool {
-	switch path {
-	case "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses":
-		return true
+// coversMetered returns the metered endpoint a pass entry (exact, or a
+// prefix ending in '*') covers, "" when none.
+func coversMetered(pass string) string {
+	pre, prefix := strings.CutSuffix(pass, "*")
+	for k := openai.Chat; k <= openai.Responses; k++ {
+		if m := k.String(); m == pass || prefix && strings.HasPrefix(m, pre) {
+			return m
+		}
 	}
-	return false
+	return ""
 }
 
 // parseBaseURL checks an upstream's base URL: http or https, a host, no

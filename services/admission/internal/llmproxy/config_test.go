@@ -129,9 +129,11 @@ keys:
   - {key: sk-secret, user: u}
 `, want: []string{"keys[0]: give key or sha256, not both", "keys[1].sha256: want the 64 hex digits", "keys[2].tenant: required"}},
 		{name: "pass and trusted", s: Settings{GatewayUpstream: "http://u/v1"}, file: `
-pass: [/v1/chat/completions, /admin]
+pass: [/v1/chat/completions, /admin, "/v1/*", "/v1/chat*", "/v1/em*", "/v1/responses*"]
 trusted_headers: {tenant: x-t, user: x-t, peers: [nope]}
-`, want: []string{"pass[0]: /v1/chat/completions is metered", "pass[1]: want a path under /v1/",
+`, want: []string{"pass[0]: /v1/chat/completions covers /v1/chat/completions, which is metered", "pass[1]: want a path under /v1/",
+			"pass[2]: /v1/* covers /v1/", "pass[3]: /v1/chat* covers /v1/chat/completions", "pass[4]: /v1/em* covers /v1/embeddings",
+			"pass[5]: /v1/responses* covers /v1/responses",
 			"trusted_headers: tenant and user must name two headers", "trusted_headers.peers[0]"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

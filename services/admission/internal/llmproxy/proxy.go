@@ -12,6 +12,8 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"net/url"
+	"path"
 	"strings"
 	"sync"
 	"time"
@@ -181,6 +183,11 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func (p *Proxy) serve(w *countingWriter, r *http.Request) {
+	if !canonical(r.URL) {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_path",
+			"path: must be clean (no '.' or '..' segment, no '//', no trailing '/') and escape no '/' or '.'")
+		return
+	}
 	cfg := p.cfg()
 	id, ok := cfg.identify(r)
 	if !ok {
@@ -268,6 +275,16 @@ func (p *Proxy) Close(ctx context.Context) error {
 	case <-ctx.Done():
 		return fmt.Errorf("llmproxy: settling requests: %w", ctx.Err())
 	}
+}
+
+// canonical reports whether u's path is the one path it names: absolute,
+// clean, and without a non-default escape (%2F, %2e: url.URL keeps those in
+// RawPath). Anything else could name a metered endpoint through a passed
+// prefix (/v1/models/../chat/completions) or be read differently upstream,
+// and the gateway has no ServeMux to clean it.
+func canonical(u *url.URL) bool {
+	p := u.Path
+	return u.RawPath == "" && strings.HasPrefix(p, "/") && path.Clean(p) == p
 }
 
 // exchange is one admitted request on its way through the upstream.
