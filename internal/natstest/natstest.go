@@ -7,6 +7,7 @@ package natstest
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -102,13 +103,23 @@ func StreamEvents(t testing.TB, js jetstream.JetStream, name string) map[string]
 // cannot be read.
 func StoredEvents(t testing.TB, js jetstream.JetStream, name string) []events.Event {
 	t.Helper()
+	evs, err := ReadStoredEvents(js, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return evs
+}
+
+// ReadStoredEvents is StoredEvents returning the error, for a poll that
+// must retry a read that fails for a while (a server restarting).
+func ReadStoredEvents(js jetstream.JetStream, name string) ([]events.Event, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var evs []events.Event
 	if err := stream.ReadEvents(ctx, js, name, func(ev events.Event) { evs = append(evs, ev) }); err != nil {
-		t.Fatal(err)
+		return nil, fmt.Errorf("reading stream %s: %w", name, err)
 	}
-	return evs
+	return evs, nil
 }
 
 // Embedded starts a nats-server with JetStream storing in dir, on port

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"net"
 	"testing"
@@ -120,6 +121,18 @@ func TestDeniedAcrossInstances(t *testing.T) {
 	}
 }
 
+// storedAtLeast polls the stream name for at least n events; a read that
+// fails (NATS just restarted) is retried, and the last error reported.
+func storedAtLeast(js jetstream.JetStream, name string, n int) func() (bool, string) {
+	return func() (bool, string) {
+		evs, err := natstest.ReadStoredEvents(js, name)
+		if err != nil {
+			return false, err.Error()
+		}
+		return len(evs) >= n, fmt.Sprintf("%d events stored", len(evs))
+	}
+}
+
 // TestNATSRestartEveryEventOnce stops NATS in the middle of a run and
 // starts it again: events published before, queued and spilled during the
 // outage all end up in the stream exactly once.
@@ -143,7 +156,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 	for i := range before {
 		o.Enqueue(reserved(i))
 	}
-	e2e.Eventually(t, "the first events stored", func() bool { return len(natstest.StoredEvents(t, js, cfg.Stream)) >= 50 })
+	e2e.EventuallyLast(t, "the first events stored", storedAtLeast(js, cfg.Stream, 50))
 
 	natstest.Stop(s)
 	for i := before; i < total; i++ {
@@ -158,7 +171,7 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 
 	s = natstest.Embedded(t, storeDir, port)
 	e2e.Eventually(t, "the client reconnected", nc.IsConnected)
-	e2e.Eventually(t, "every event stored", func() bool { return len(natstest.StoredEvents(t, js, cfg.Stream)) >= total })
+	e2e.EventuallyLast(t, "every event stored", storedAtLeast(js, cfg.Stream, total))
 	e2e.Eventually(t, "the outbox drained", func() bool { m, b := o.Pending(); return m == 0 && b == 0 })
 	closeOutbox(t, o, 10*time.Second)
 
