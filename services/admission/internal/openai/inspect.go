@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
 	"strconv"
 	"unicode/utf8"
 
@@ -73,7 +72,7 @@ func bad(field, format string, args ...any) *FieldError {
 type Options struct {
 	MaxBody          int64   // bytes; default DefaultMaxBody
 	DefaultMaxTokens int64   // 1..MaxTokens; default DefaultMaxTokens
-	BytesPerToken    float64 // fallback for unknown models; default DefaultBytesPerToken
+	BytesPerToken    float64 // fallback for unknown models, MinBytesPerToken..MaxBytesPerToken; default DefaultBytesPerToken
 }
 
 // Request is what Inspect learns of a request and the body to send
@@ -117,8 +116,8 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 	if defMax < 1 || defMax > MaxTokens {
 		return Request{}, fmt.Errorf("openai: Options.DefaultMaxTokens %d is outside 1..%d", defMax, MaxTokens)
 	}
-	if bpt := o.BytesPerToken; bpt < 0 || math.IsNaN(bpt) || math.IsInf(bpt, 0) {
-		return Request{}, fmt.Errorf("openai: Options.BytesPerToken %v is not a positive number", bpt)
+	if bpt := o.BytesPerToken; bpt != 0 && !(bpt >= MinBytesPerToken && bpt <= MaxBytesPerToken) {
+		return Request{}, fmt.Errorf("openai: Options.BytesPerToken %v is outside %v..%v", bpt, MinBytesPerToken, MaxBytesPerToken)
 	}
 	if !utf8.Valid(body) {
 		return Request{}, bad("body", "is not valid UTF-8")

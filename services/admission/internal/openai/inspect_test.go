@@ -292,10 +292,27 @@ func TestInspectErrors(t *testing.T) {
 	if _, err := Inspect(Chat, []byte(big), Options{MaxBody: 100}); !errors.Is(err, ErrTooLarge) {
 		t.Errorf("Inspect(%d bytes, MaxBody 100) = %v, want ErrTooLarge", len(big), err)
 	}
-	for _, o := range []Options{{DefaultMaxTokens: MaxTokens + 1}, {DefaultMaxTokens: -1}, {BytesPerToken: -1}, {BytesPerToken: math.NaN()}, {BytesPerToken: math.Inf(1)}} {
+	for _, o := range []Options{{DefaultMaxTokens: MaxTokens + 1}, {DefaultMaxTokens: -1}, {BytesPerToken: -1}, {BytesPerToken: math.NaN()}, {BytesPerToken: math.Inf(1)}, {BytesPerToken: 1e-300}, {BytesPerToken: MinBytesPerToken / 2}, {BytesPerToken: 2 * MaxBytesPerToken}} {
 		if _, err := Inspect(Chat, []byte(big), o); err == nil || errors.Is(err, ErrInvalid) {
 			t.Errorf("Inspect with %+v = %v, want a configuration error", o, err)
 		}
+	}
+}
+
+// A model without an encoding counts a text at Options.BytesPerToken, at
+// most MaxTokens: 4 MiB at 1 byte a token counts MaxTokens, not 4 Mi.
+func TestInspectFallbackCountAtMostMaxTokens(t *testing.T) {
+	chat := func(content string) Request {
+		t.Helper()
+		r, err := Inspect(Chat, []byte(`{"model":"llama-3","messages":[{"role":"user","content":"`+content+`"}]}`), Options{BytesPerToken: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	small, big := chat("x"), chat(strings.Repeat("x", 4<<20))
+	if got := big.InputTokens - small.InputTokens; got != MaxTokens-1 {
+		t.Errorf("a 4 MiB text counts %d tokens more than a 1-byte one, want MaxTokens-1 = %d", got, MaxTokens-1)
 	}
 }
 

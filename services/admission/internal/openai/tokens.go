@@ -19,6 +19,15 @@ import (
 // fixed corpus are in bench/results.md ("The OpenAI codec").
 const DefaultBytesPerToken = 3.0
 
+// MinBytesPerToken and MaxBytesPerToken bound Options.BytesPerToken: a
+// token is never shorter than a byte nor, in any encoding this package
+// knows, near 64 bytes; a ratio outside says the option is wrong (and a
+// tiny one would overflow the counts).
+const (
+	MinBytesPerToken = 0.5
+	MaxBytesPerToken = 64.0
+)
+
 // The BPE encodings this package knows. Their vocabularies ship inside
 // github.com/pkoukk/tiktoken-go-loader, so nothing is downloaded.
 const (
@@ -186,8 +195,11 @@ func (c *counter) segments(s string) int64 {
 	return n
 }
 
+// fallback counts a text of the given bytes at perToken, at most
+// MaxTokens: no model reads more in one text, and the bound keeps the sum
+// of a request's counts in range whatever the option's ratio.
 func (c *counter) fallback(bytes int) int64 {
-	return int64(math.Ceil(float64(bytes) / c.perToken))
+	return int64(min(math.Ceil(float64(bytes)/c.perToken), MaxTokens))
 }
 
 // cut is where count splits s (len(s) > 1): the last offset i > 0 at which
