@@ -47,8 +47,11 @@ func TestDemo(t *testing.T) {
 	if st.ActualEvents.Load() == 0 {
 		t.Fatal("no actual usage sent")
 	}
-	if !rep.LedgerMatches || rep.Ledger.ActualTotal != st.ActualSent.Load() {
-		t.Errorf("ledger actual total %d, sent %d", rep.Ledger.ActualTotal, st.ActualSent.Load())
+	if !rep.LedgerMatches || rep.Ledger.ActualTotal != st.ActualSent.Load()+rep.Gateway.Used {
+		t.Errorf("ledger actual total %d, sent %d + the gateway's stand-in usage %d", rep.Ledger.ActualTotal, st.ActualSent.Load(), rep.Gateway.Used)
+	}
+	if g := rep.Gateway; !g.Matches() || g.OK != len(llmMix) || g.Reserved <= g.SettledUsage {
+		t.Errorf("LLM gateway: %s; reserved %d, used %d", g, g.Reserved, g.SettledUsage)
 	}
 	if rep.Alerts["quota.threshold"] == 0 {
 		t.Errorf("no quota.threshold alert received (alerts %v)", rep.Alerts)

@@ -23,6 +23,8 @@ import (
 type names struct {
 	run       string   // random hex, in every name below
 	tenants   []string // Redis keys carry the tenant's hash tag
+	llmTenant string   // the LLM gateway's caller (a tenant of its own)
+	llmKey    string   // its API key at the gateway
 	stream    string
 	dlq       string
 	durable   string // the accounter's consumer on stream
@@ -50,6 +52,8 @@ func namesFor(run string) names {
 		prefix:    "qfdemo_" + run,
 		database:  "qfdemo_" + run,
 		token:     "demo-" + e2e.RandomHex(16),
+		llmTenant: "demo-" + run + "-llm",
+		llmKey:    "demo-llm-" + e2e.RandomHex(16),
 		endpoint:  "/v1/chat",
 		planName:  "demo",
 		quota5h:   30000,
@@ -160,7 +164,7 @@ func deleteRedisKeys(ctx context.Context, redisURL string, n names) error {
 	}
 	rdb := redis.NewClient(opt)
 	defer rdb.Close()
-	for _, t := range n.tenants {
+	for _, t := range append([]string{n.llmTenant}, n.tenants...) {
 		iter := rdb.Scan(ctx, 0, "*{"+t+"}*", 1000).Iterator()
 		for iter.Next(ctx) {
 			if err := rdb.Del(ctx, iter.Val()).Err(); err != nil {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/llmtest"
 )
 
 // Report is what a run saw; the test asserts on it.
@@ -23,7 +24,8 @@ type Report struct {
 	Decisions       []e2e.Decision
 	Ledger          e2e.Ledger // the last successful read
 	LedgerErr       error      // unreadable, not drained, or events lost (e2e.WaitLedger)
-	LedgerMatches   bool
+	LedgerMatches   bool       // the ledger's actual total is the generator's and the gateway's
+	Gateway         *GatewayReport
 	Alerts          map[string]int
 	Thresholds      map[int]int
 	BadSignatures   int
@@ -72,6 +74,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		return nil, err
 	}
 
+	up := llmtest.New() // the LLM behind admission's gateway mode
 	var svcs []*e2e.Service
 	kept := false
 	// Cleanup runs however run ends: services first (they hold the
@@ -81,13 +84,14 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 			return
 		}
 		recv.Close()
+		up.Close()
 		cctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		cleanup(cctx, out, cfg, n, pgURL, dir, svcs)
 	}()
 
 	addr := map[string]string{}
-	for _, k := range []string{"api", "admission", "accounter", "alerter"} {
+	for _, k := range []string{"api", "gateway", "admission", "accounter", "alerter"} {
 		if addr[k], err = e2e.FreeAddr(); err != nil {
 			return nil, err
 		}
@@ -108,6 +112,8 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
 		{"admission", []string{"QF_OPS_ADDR=" + addr["admission"], "QF_ADMISSION_ADDR=" + addr["api"],
 			"QF_API_TOKENS=" + n.token, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),
+			"QF_GATEWAY_ADDR=" + addr["gateway"], "QF_GATEWAY_UPSTREAM=" + up.URL,
+			"QF_GATEWAY_KEYS=" + n.llmKey + "=" + n.llmTenant + "/app",
 			// A busy laptop answers Redis in more than the default 10 ms;
 			// the demo wants Redis's exact decisions, not local ones.
 			"QF_REDIS_TIMEOUT=250ms"}},
@@ -132,7 +138,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		fmt.Fprintf(out, "  admission still degraded, running anyway: %s\n", deg)
 	}
 	api := "http://" + addr["api"]
-	fmt.Fprintf(out, "admission API %s, webhook receiver %s\n", api, recv.URL)
+	fmt.Fprintf(out, "admission API %s, LLM gateway http://%s in front of a stand-in LLM %s, webhook receiver %s\n", api, addr["gateway"], up.URL, recv.URL)
 	fmt.Fprintf(out, "tenants %s; policy: 5h quota %d tokens, 10 req/s (burst 20), %s %d requests/day per user\n\n",
 		strings.Join(n.tenants, ", "), n.quota5h, n.endpoint, n.dailyReqs)
 
@@ -145,6 +151,8 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	if ctx.Err() != nil {
 		fmt.Fprintln(out, "interrupted: summarizing what was sent, then stopping everything")
 	}
+	fmt.Fprintf(out, "LLM gateway: %d chat completions (half streamed) as tenant %s, no quotaflow code in the caller ...\n", len(llmMix), n.llmTenant)
+	rep.Gateway = playGateway(ctx, up, "http://"+addr["gateway"], n.llmKey)
 
 	// Accounter and alerter are asynchronous: wait until the pipeline has
 	// delivered everything to the ledger, then give the last alerts a
@@ -152,7 +160,10 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	sctx := context.WithoutCancel(ctx)
 	pipe := e2e.Pipeline{AdmissionOps: svcs[2].Ops, NATSURL: cfg.NATSURL, Stream: n.stream, Durable: n.durable, DLQ: n.dlq, DBURL: pgURL}
 	rep.Ledger, rep.LedgerErr = e2e.WaitLedger(sctx, pipe, st, cfg.SettleTimeout)
-	rep.LedgerMatches = rep.LedgerErr == nil && rep.Ledger.ActualTotal == st.ActualSent.Load()
+	if rep.LedgerErr == nil {
+		readGatewayLedger(sctx, rep.Gateway, pgURL, n.llmTenant)
+	}
+	rep.LedgerMatches = rep.LedgerErr == nil && rep.Ledger.ActualTotal == st.ActualSent.Load()+rep.Gateway.Used
 	waitAlertsQuiet(recv, 2*time.Second, 15*time.Second)
 
 	rep.DeniedBy = st.DeniedBy()
@@ -173,6 +184,9 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}
 	if !rep.LedgerMatches {
 		return rep, errors.New("the ledger's actual total differs from what was sent")
+	}
+	if !rep.Gateway.Matches() {
+		return rep, fmt.Errorf("the LLM gateway's calls in the ledger differ from the stand-in's usage: %s", rep.Gateway)
 	}
 	if len(rep.Unfounded) > 0 {
 		return rep, fmt.Errorf("%d threshold alerts claim more usage than the traffic caused", len(rep.Unfounded))

@@ -52,6 +52,10 @@ func printSummary(out io.Writer, rep *Report) {
 	for _, k := range sortedKeys(rep.Ledger.ResByStatus) {
 		fmt.Fprintf(out, "    %-10s %8d\n", k, rep.Ledger.ResByStatus[k])
 	}
+	g := rep.Gateway
+	fmt.Fprintln(out, "\nLLM gateway (QF_GATEWAY_ADDR, in front of the stand-in LLM):")
+	fmt.Fprintf(out, "  %s\n", g)
+	fmt.Fprintf(out, "  reserved (estimates) %d, used %d: reserved ÷ used %.2f over the mix\n", g.Reserved, g.SettledUsage, g.Overreservation())
 	fmt.Fprintln(out, "\nAlerts received (signatures verified by the demo's receiver):")
 	for _, k := range sortedKeys(rep.Alerts) {
 		fmt.Fprintf(out, "  %-24s %4d\n", k, rep.Alerts[k])
@@ -68,12 +72,15 @@ func printSummary(out io.Writer, rep *Report) {
 	case rep.LedgerErr != nil:
 		fmt.Fprintf(out, "\nCHECK FAILED: %v\n", rep.LedgerErr)
 	case !rep.LedgerMatches:
-		fmt.Fprintf(out, "\nCHECK FAILED: ledger actual total %d != actual sent %d\n", rep.Ledger.ActualTotal, st.ActualSent.Load())
+		fmt.Fprintf(out, "\nCHECK FAILED: ledger actual total %d != actual sent %d + the gateway's stand-in usage %d\n",
+			rep.Ledger.ActualTotal, st.ActualSent.Load(), g.Used)
+	case !g.Matches():
+		fmt.Fprintf(out, "\nCHECK FAILED: LLM gateway: %s\n", g)
 	case len(rep.Unfounded) > 0:
 		fmt.Fprintf(out, "\nCHECK FAILED: %d threshold alerts claim more usage than the traffic caused\n", len(rep.Unfounded))
 	default:
-		fmt.Fprintf(out, "\nCHECK ok: ledger actual total %d == actual sent %d; every threshold alert within the usage sent\n",
-			rep.Ledger.ActualTotal, st.ActualSent.Load())
+		fmt.Fprintf(out, "\nCHECK ok: ledger actual total %d == actual sent %d + the gateway's stand-in usage %d; every gateway call in the ledger as the stand-in reported it; every threshold alert within the usage sent\n",
+			rep.Ledger.ActualTotal, st.ActualSent.Load(), g.Used)
 	}
 }
 
