@@ -53,6 +53,12 @@ func main() {
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
 	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate) (0: not)")
 	flag.Parse()
+	var set []string
+	flag.Visit(func(f *flag.Flag) { set = append(set, f.Name) })
+	if err := checkMode(set, *peerMode, *rlsMode); err != nil {
+		fmt.Fprintln(os.Stderr, "admitload:", err)
+		os.Exit(2)
+	}
 	var levels []int
 	for _, s := range strings.Split(*concurrency, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
@@ -99,4 +105,32 @@ func main() {
 		fmt.Fprintln(os.Stderr, "admitload:", err)
 		os.Exit(1)
 	}
+}
+
+// checkMode refuses the flags (set: the names given) that -peer or -rls
+// would ignore, rather than measure something else than was asked. Both
+// run admission with QF_REDIS_TIMEOUT=1s, so that every decision is
+// Redis's.
+func checkMode(set []string, peer, rls bool) error {
+	if !peer && !rls {
+		return nil
+	}
+	mode, why := "-peer", "its before build comes from -peer-base"
+	ignored := map[string]bool{"redis-timeout": true, "ab-env": true, "down": true, "profile": true, "heapprofile": true}
+	if rls {
+		mode, why = "-rls", "it loads both descriptor counts in a closed loop"
+		ignored["targets"], ignored["peer-base"], ignored["open"] = true, true, true
+	} else {
+		ignored["ab"], ignored["grpc-conns"] = true, true
+	}
+	var bad []string
+	for _, name := range set {
+		if ignored[name] {
+			bad = append(bad, "-"+name)
+		}
+	}
+	if len(bad) > 0 {
+		return fmt.Errorf("%s does not use %s (it runs admission with QF_REDIS_TIMEOUT=1s and no profile; %s)", mode, strings.Join(bad, ", "), why)
+	}
+	return nil
 }

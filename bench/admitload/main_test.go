@@ -1,0 +1,30 @@
+package main
+
+import (
+	"strings"
+	"testing"
+)
+
+// -peer and -rls refuse the flags they would ignore, naming them; the
+// flags they use pass.
+func TestCheckMode(t *testing.T) {
+	for _, c := range []struct {
+		set       []string
+		peer, rls bool
+		bad       string // "": accepted
+	}{
+		{set: []string{"redis-timeout", "ab-env", "down"}},
+		{set: []string{"rls", "ab", "redis-timeout"}, rls: true, bad: "-rls does not use -redis-timeout"},
+		{set: []string{"rls", "ab", "ab-env"}, rls: true, bad: "-rls does not use -ab-env"},
+		{set: []string{"rls", "ab", "grpc-conns", "rounds", "envoy-pool"}, rls: true},
+		{set: []string{"rls", "targets", "open"}, rls: true, bad: "-rls does not use -targets, -open"},
+		{set: []string{"peer", "ab"}, peer: true, bad: "-peer does not use -ab"},
+		{set: []string{"peer", "peer-base", "targets", "open"}, peer: true},
+		{set: []string{"peer", "profile", "heapprofile"}, peer: true, bad: "-peer does not use -profile, -heapprofile"},
+	} {
+		err := checkMode(c.set, c.peer, c.rls)
+		if c.bad == "" && err != nil || c.bad != "" && (err == nil || !strings.Contains(err.Error(), c.bad)) {
+			t.Errorf("checkMode(%v, peer %v, rls %v) = %v, want %q", c.set, c.peer, c.rls, err, c.bad)
+		}
+	}
+}
