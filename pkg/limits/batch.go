@@ -36,7 +36,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
 // ModeFresh), batched as ReserveBatch says.
 func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserved {
 	out := make([]Reserved, len(rs))
-	groups := batches(l, len(rs), func(i int) uint16 { return wire.TenantSlot(rs[i].Tenant) }, l.p.NewReserveBatch,
+	groups := batches(l, len(rs), func(i int) uint16 { return wire.TenantSlot(rs[i].Tenant) }, nil, l.p.NewReserveBatch,
 		func(b *wire.ReserveBatch, i int) error {
 			r := &rs[i]
 			m := mode
@@ -95,18 +95,21 @@ type group[B batch] struct {
 	which []int
 }
 
-// batch is a wire.ReserveBatch or wire.SettleBatch.
+// batch is a wire.ReserveBatch, wire.SettleBatch or wire.CountBatch.
 type batch interface {
 	Len() int
+	Keys() int
 	Call() wire.Call
 }
 
 // batches puts entries 0..n-1 into batches made by fresh, one per
 // wire.MaxBatch entries and, on a Redis Cluster or Ring, per hash slot of
-// the entry's keys too (slotOf), since a call's keys must share one. add
+// the entry's keys too (slotOf), since a call's keys must share one. keys,
+// when set, gives the most keys entry i adds, and a batch takes no entry
+// that could bring it past wire.MaxCountKeys (an empty one takes any). add
 // adds entry i to b; an entry it fails (the caller records why) is in no
 // batch.
-func batches[B batch](l *Limiter, n int, slotOf func(i int) uint16, fresh func() B, add func(b B, i int) error) []group[B] {
+func batches[B batch](l *Limiter, n int, slotOf func(i int) uint16, keys func(i int) int, fresh func() B, add func(b B, i int) error) []group[B] {
 	var groups []group[B]
 	bySlot := l.run.SlotBound()
 	for i := range n {
@@ -121,7 +124,8 @@ func batches[B batch](l *Limiter, n int, slotOf func(i int) uint16, fresh func()
 				break
 			}
 		}
-		if g < 0 || groups[g].batch.Len() == wire.MaxBatch {
+		if g < 0 || groups[g].batch.Len() == wire.MaxBatch ||
+			keys != nil && groups[g].batch.Len() > 0 && groups[g].batch.Keys()+keys(i) > wire.MaxCountKeys {
 			g = len(groups)
 			groups = append(groups, group[B]{slot: slot, batch: fresh()})
 		}
@@ -177,7 +181,7 @@ type SettleResult struct {
 // connection fails every op of its call.
 func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult {
 	out := make([]SettleResult, len(ops))
-	groups := batches(l, len(ops), func(i int) uint16 { return wire.TenantSlot(ops[i].Tenant) }, l.p.NewSettleBatch,
+	groups := batches(l, len(ops), func(i int) uint16 { return wire.TenantSlot(ops[i].Tenant) }, nil, l.p.NewSettleBatch,
 		func(b *wire.SettleBatch, i int) error {
 			err := l.addSettle(b, &ops[i])
 			out[i].Err = err

@@ -42,6 +42,10 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 	var parts []countPart
 	bySlot := l.run.SlotBound()
 	for g, reqs := range groups {
+		if n := countersOf(reqs); n > MaxCounters {
+			out[g].Err = fmt.Errorf("%w: count: %d counters in a group, more than %d", ErrInvalid, n, MaxCounters)
+			continue
+		}
 		var cs []wire.Counter
 		for i := range reqs {
 			r := &reqs[i]
@@ -156,6 +160,21 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 	return out
 }
 
+// MaxCounters is the most counters (a SharedRequest's rules, summed over
+// the group) one CountBatch group or AdjustCount call may have: a group
+// goes out in one script call, whose keys are bounded
+// (wire.MaxCountKeys), and ShouldRateLimit's 64 descriptors need far fewer.
+const MaxCounters = 1024
+
+// countersOf is the number of counters of group reqs.
+func countersOf(reqs []SharedRequest) int {
+	n := 0
+	for i := range reqs {
+		n += len(reqs[i].Rules)
+	}
+	return n
+}
+
 // countPart is the counters of one group in one script call: all of them,
 // or on a slot-bound client those of one hash slot; at gives each one's
 // index among the group's. back, when set, makes it an adjustment by the
@@ -180,7 +199,8 @@ type counted struct {
 // wire.MaxBatch parts, and returns each part's outcome.
 func (l *Limiter) runCounts(ctx context.Context, parts []countPart) []counted {
 	done := make([]counted, len(parts))
-	groups := batches(l, len(parts), func(i int) uint16 { return parts[i].slot }, l.p.NewCountBatch,
+	groups := batches(l, len(parts), func(i int) uint16 { return parts[i].slot },
+		func(i int) int { return 2 * len(parts[i].counters) }, l.p.NewCountBatch,
 		func(b *wire.CountBatch, i int) error {
 			b.Add(parts[i].back, parts[i].counters)
 			return nil
@@ -217,6 +237,9 @@ func seq(n int) []int {
 func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64) ([]State, error) {
 	if amount < -MaxCost || amount > MaxCost {
 		return nil, fmt.Errorf("%w: adjust %s %s: amount %d: want -%d to %d", ErrInvalid, scope, id, amount, int64(MaxCost), int64(MaxCost))
+	}
+	if len(rules) > MaxCounters {
+		return nil, fmt.Errorf("%w: adjust %s %s: %d rules, more than %d", ErrInvalid, scope, id, len(rules), MaxCounters)
 	}
 	cs := make([]wire.Counter, len(rules))
 	for i := range rules {

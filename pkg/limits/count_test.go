@@ -16,6 +16,7 @@ import (
 	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/internal/wire"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/pkg/limits/repair"
 )
@@ -307,4 +308,64 @@ func TestCountBatchEpochAndValidation(t *testing.T) {
 		t.Errorf("an empty group = %+v, %v; want allowed", e[0].Decision, e[0].Err)
 	}
 	var _ redis.Cmdable = c
+}
+
+// TestCountBatchManyKeysAreAllDecided sends a full batch of groups of the
+// most descriptors a ShouldRateLimit request has, each counter its own
+// scope id (so its own epoch key and slot): 64×64 counters and as many
+// epoch keys are more than Lua unpacks at once, so they must go out in
+// several calls, each group decided and charged. A group of more than
+// MaxCounters counters fails alone.
+func TestCountBatchManyKeysAreAllDecided(t *testing.T) {
+	c := redistest.Shared(t)
+	l := limitstest.At(c, 0)
+	ctx := context.Background()
+	r := policy.Rule{Limit: policy.Limit{Name: "day", Kind: policy.Fixed, Unit: policy.Tokens, Limit: 10, Window: policy.Duration(24 * time.Hour)}, Scope: policy.ScopeGlobal}
+	if time.Until(time.Now().Truncate(24*time.Hour).Add(24*time.Hour)) < time.Minute {
+		t.Skip("within a minute of the day's window end")
+	}
+	name := redistest.UniqueName(t)
+	slots := map[uint16]bool{}
+	groups := make([][]limits.SharedRequest, 64)
+	for g, n := 0, 0; g < len(groups); n++ {
+		id := name + strconv.Itoa(n)
+		if s := wire.CounterSlot(policy.ScopeGlobal, id); !slots[s] {
+			slots[s] = true
+			groups[g] = append(groups[g], limits.SharedRequest{Scope: policy.ScopeGlobal, ID: id, Cost: 3, Rules: []policy.Rule{r}})
+			if len(groups[g]) == 64 {
+				g++
+			}
+		}
+	}
+	big := make([]limits.SharedRequest, limits.MaxCounters+1)
+	for i := range big {
+		big[i] = limits.SharedRequest{Scope: policy.ScopeGlobal, ID: name + "big", Cost: 0, Rules: []policy.Rule{r}}
+	}
+	out := l.CountBatch(ctx, append(groups, big))
+	for g := range groups {
+		if out[g].Err != nil || !out[g].Decision.Allowed {
+			t.Fatalf("CountBatch group %d allowed = %v, error = %v; want allowed", g, out[g].Decision.Allowed, out[g].Err)
+		}
+	}
+	if !errors.Is(out[64].Err, limits.ErrInvalid) {
+		t.Errorf("a group of %d counters error = %v, want ErrInvalid", len(big), out[64].Err)
+	}
+	// Each counter holds its one charge.
+	check := make([][]limits.SharedRequest, len(groups))
+	for g := range groups {
+		check[g] = append([]limits.SharedRequest(nil), groups[g]...)
+		for i := range check[g] {
+			check[g][i].Cost = 0
+		}
+	}
+	for g, o := range l.CountBatch(ctx, check) {
+		if o.Err != nil {
+			t.Fatalf("check of group %d error = %v", g, o.Err)
+		}
+		for i, s := range o.Decision.States {
+			if s.Used != 3 {
+				t.Fatalf("counter %d of group %d holds %d, want 3", i, g, s.Used)
+			}
+		}
+	}
 }

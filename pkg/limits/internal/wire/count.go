@@ -16,6 +16,12 @@ import (
 // ('<I2I2i6i6i6B').
 const counterLen = 23
 
+// MaxCountKeys bounds the keys of one count call: count.lua reads them
+// with one MGET of unpack(KEYS), and Redis's Lua unpacks fewer than 8000
+// values (LUAI_MAXCSTACK). A group brings at most two keys per counter
+// (its key and its slot's epoch key).
+const MaxCountKeys = 4000
+
 // Counter is one fixed-window counter of a count call: Cost added to the
 // counter of Rule (a fixed window) of scope's ID.
 type Counter struct {

@@ -433,6 +433,9 @@ func (b *batch) key(k string) int {
 	return len(b.strs)
 }
 
+// Keys is the number of string keys b names.
+func (b *batch) Keys() int { return len(b.strs) }
+
 // zset adds concurrency set k to the keys once: the scripts name it by the
 // copy in their argument, so it only needs declaring.
 func (b *batch) zset(k string) {
