@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -34,6 +35,7 @@ import (
 type gatewayStack struct {
 	*stack
 	up  *llmtest.Upstream
+	gw  *llmproxy.Config
 	px  *llmproxy.Proxy
 	srv *httptest.Server
 }
@@ -63,7 +65,7 @@ func newGatewayStack(t testing.TB, policy string) *gatewayStack {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := &gatewayStack{stack: s, up: up, px: px, srv: httptest.NewServer(px)}
+	g := &gatewayStack{stack: s, up: up, gw: cfg, px: px, srv: httptest.NewServer(px)}
 	t.Cleanup(g.finish)
 	return g
 }
@@ -290,6 +292,53 @@ func TestGatewayRefusesUncleanPaths(t *testing.T) {
 	actual, _ := g.settled()
 	if len(actual) != 1 {
 		t.Errorf("actual events = %v, want the one chat", actual)
+	}
+}
+
+// TestGatewayClientNeverReads: a non-stream answer larger than the socket
+// buffers, to a client that never reads, gives up at the write timeout:
+// the handler returns and the request is settled (charged what the
+// upstream reported), instead of holding a goroutine and the answer forever.
+func TestGatewayClientNeverReads(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	px, err := llmproxy.New(llmproxy.Options{Config: func() *llmproxy.Config { return g.gw }, Admitter: g.api, WriteTimeout: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	returned := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		px.ServeHTTP(w, r)
+		close(returned)
+	}))
+	defer srv.Close()
+	g.up.Set(llmtest.Behaviour{PromptTokens: 9, CompletionTokens: 7, Words: []string{strings.Repeat("x", 8<<20)}})
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.(*net.TCPConn).SetReadBuffer(4096) // the answer cannot fit in what the kernel takes for it
+	body := chat(false, false, 10)
+	fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s",
+		llmKey, len(body), body)
+	select {
+	case <-returned:
+	case <-time.After(20 * time.Second): // a bound on a hang, not a timing assertion
+		t.Fatal("the handler still writes to a client that never reads")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := px.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	actual, released := g.settled()
+	if len(actual) != 1 || len(released) != 0 {
+		t.Fatalf("actual %v, released %v; want one actual", actual, released)
+	}
+	for _, a := range actual {
+		if a.InputTokens != 9 || a.OutputTokens != 7 {
+			t.Errorf("actual = %+v, want the upstream's 9 in, 7 out", a)
+		}
 	}
 }
 

@@ -52,6 +52,10 @@ type Options struct {
 	// SettleTimeout bounds releasing or reporting a request after it
 	// ended, on a context detached from the client's (default 10 s).
 	SettleTimeout time.Duration
+	// WriteTimeout bounds each write to a client (default 30 s): one that
+	// takes nothing for this long is dropped, and the upstream request
+	// with it.
+	WriteTimeout time.Duration
 	// Log receives failures and per-request debug lines (never a key); nil
 	// discards them.
 	Log *slog.Logger
@@ -90,6 +94,7 @@ type Proxy struct {
 	inspect   openai.Options
 	transport http.RoundTripper
 	settleTO  time.Duration
+	writeTO   time.Duration
 	log       *slog.Logger
 	requests  *prometheus.CounterVec
 	settled   *prometheus.CounterVec
@@ -118,12 +123,15 @@ func New(o Options) (*Proxy, error) {
 	if o.SettleTimeout <= 0 {
 		o.SettleTimeout = 10 * time.Second
 	}
+	if o.WriteTimeout <= 0 {
+		o.WriteTimeout = 30 * time.Second
+	}
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
 	p := &Proxy{
 		cfg: o.Config, adm: o.Admitter, inspect: openai.Options{DefaultMaxTokens: o.DefaultMaxTokens},
-		transport: o.Transport, settleTO: o.SettleTimeout, log: o.Log.With("component", "gateway"),
+		transport: o.Transport, settleTO: o.SettleTimeout, writeTO: o.WriteTimeout, log: o.Log.With("component", "gateway"),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "quotaflow_admission_gateway_requests_total",
 			Help: "Requests the LLM gateway answered, by status class (2xx, 4xx, 5xx).",
@@ -164,16 +172,13 @@ func newTransport() *http.Transport {
 	}
 }
 
-// writeTimeout bounds each write to a client: one that takes nothing for
-// this long is dropped, and the upstream request with it. It replaces the
-// server's whole-response WriteTimeout, which would cut long streams.
-const writeTimeout = 30 * time.Second
-
 // ServeHTTP proxies one request (see Proxy).
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	// copy sets a deadline per write instead.
-	_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
-	cw := &countingWriter{ResponseWriter: w}
+	// Every write sets its own deadline (Options.WriteTimeout) instead of
+	// the server's whole-response WriteTimeout, which would cut long streams.
+	rc := http.NewResponseController(w)
+	_ = rc.SetWriteDeadline(time.Time{})
+	cw := &countingWriter{ResponseWriter: w, rc: rc, timeout: p.writeTO}
 	p.serve(cw, r)
 	code := cw.code
 	if code == 0 {
@@ -427,11 +432,10 @@ func (p *Proxy) roundTrip(ctx context.Context, r *http.Request, up *Upstream, bo
 
 // copy copies src to w, through feed when set, flushing after each read so
 // that every chunk reaches the client as it comes; a write waits for the
-// client (at most writeTimeout), so no more is read from the upstream than
-// the client takes. A failed write cancels the upstream request (cancel)
-// and returns false: the client is gone.
+// client (at most Options.WriteTimeout), so no more is read from the
+// upstream than the client takes. A failed write cancels the upstream
+// request (cancel) and returns false: the client is gone.
 func (p *Proxy) copy(w *countingWriter, src io.Reader, feed func([]byte) []byte, cancel context.CancelFunc) bool {
-	rc := http.NewResponseController(w.ResponseWriter)
 	buf := make([]byte, 32<<10)
 	for {
 		n, rerr := src.Read(buf)
@@ -441,8 +445,7 @@ func (p *Proxy) copy(w *countingWriter, src io.Reader, feed func([]byte) []byte,
 				chunk = feed(chunk)
 			}
 			if len(chunk) > 0 {
-				_ = rc.SetWriteDeadline(time.Now().Add(writeTimeout))
-				if !w.write(chunk) || rc.Flush() != nil {
+				if !w.write(chunk) || w.rc.Flush() != nil {
 					cancel()
 					return false
 				}
@@ -503,10 +506,13 @@ func writeError(w *countingWriter, status int, typ, code, msg string) {
 	w.write(append(b, '\n'))
 }
 
-// countingWriter records the status for the requests metric.
+// countingWriter records the status for the requests metric and bounds
+// each write.
 type countingWriter struct {
 	http.ResponseWriter
-	code int
+	rc      *http.ResponseController
+	timeout time.Duration
+	code    int
 }
 
 func (c *countingWriter) WriteHeader(code int) {
@@ -516,11 +522,13 @@ func (c *countingWriter) WriteHeader(code int) {
 	c.ResponseWriter.WriteHeader(code)
 }
 
-// write writes b and reports whether all of it went.
+// write writes b, waiting at most the write timeout for a client that
+// does not read, and reports whether all of it went.
 func (c *countingWriter) write(b []byte) bool {
 	if c.code == 0 {
 		c.code = http.StatusOK
 	}
+	_ = c.rc.SetWriteDeadline(time.Now().Add(c.timeout))
 	_, err := c.ResponseWriter.Write(b)
 	return err == nil
 }
