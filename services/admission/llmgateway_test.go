@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log"
 	"log/slog"
 	"net"
 	"net/http"
@@ -18,12 +19,12 @@ import (
 	"time"
 
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/llmtest"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/services/admission/internal/llmproxy"
-	"quotaflow/internal/llmtest"
 	"quotaflow/services/admission/internal/openai"
 )
 
@@ -339,6 +340,58 @@ func TestGatewayClientNeverReads(t *testing.T) {
 		if a.InputTokens != 9 || a.OutputTokens != 7 {
 			t.Errorf("actual = %+v, want the upstream's 9 in, 7 out", a)
 		}
+	}
+}
+
+// panicTransport fails as a bug in forwarding would.
+type panicTransport struct{}
+
+func (panicTransport) RoundTrip(*http.Request) (*http.Response, error) { panic("forwarding failed") }
+
+// TestGatewaySettlesPanicsAndRefusesAfterClose: a request whose forwarding
+// panics is still settled (released: Redis holds nothing for it), and
+// Close waits for it; after Close no request is admitted (503, nothing
+// reserved, nothing forwarded).
+func TestGatewaySettlesPanicsAndRefusesAfterClose(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	px, err := llmproxy.New(llmproxy.Options{Config: func() *llmproxy.Config { return g.gw }, Admitter: g.api, Transport: panicTransport{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewUnstartedServer(px)
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the server's report of the panic
+	srv.Start()
+	defer srv.Close()
+	body := chat(false, false, 10)
+	req, _ := http.NewRequest("POST", srv.URL+"/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+llmKey)
+	if resp, err := http.DefaultClient.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("a panicking handler answered %d", resp.StatusCode)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := px.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := g.used("alice"); got != 0 {
+		t.Errorf("Redis used = %v after the panicking request, want 0 (released)", got)
+	}
+
+	// g's own proxy, closed: refuses.
+	if err := g.px.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	resp, raw := g.post(llmKey, "/v1/chat/completions", body)
+	if resp.StatusCode != 503 || !strings.Contains(raw, `"code":"shutting_down"`) {
+		t.Errorf("after Close = %d %s, want 503", resp.StatusCode, raw)
+	}
+	if got, n := g.used("alice"), len(g.up.Requests()); got != 0 || n != 0 {
+		t.Errorf("after Close: Redis used %v, upstream called %d times; want 0 and 0", got, n)
+	}
+	actual, released := g.settled()
+	if len(actual) != 0 || len(released) != 1 {
+		t.Errorf("actual %v, released %v; want only the panicking request released", actual, released)
 	}
 }
 

@@ -98,7 +98,9 @@ type Proxy struct {
 	log       *slog.Logger
 	requests  *prometheus.CounterVec
 	settled   *prometheus.CounterVec
-	settling  sync.WaitGroup // settle goroutines, waited for by Close
+	mu        sync.Mutex
+	closed    bool           // Close was called: no request is admitted
+	settling  sync.WaitGroup // admitted requests until settled, waited for by Close
 }
 
 // Settlement outcomes, the labels of quotaflow_admission_gateway_settled_total.
@@ -236,6 +238,24 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 	if cfg.trusted == nil || !cfg.trusted.from(r.RemoteAddr) {
 		in.IP = peerIP(r.RemoteAddr) // an outer gateway's address is not its clients'
 	}
+	if !p.enter() {
+		writeError(w, http.StatusServiceUnavailable, "api_error", "shutting_down", "the gateway is shutting down")
+		return
+	}
+	// Settled however the handler ends (a panic in forward included), after
+	// it returned: a stream's body ends without waiting for the charge.
+	var x *exchange
+	var o outcome
+	defer func() {
+		if x == nil {
+			p.settling.Done() // not admitted: nothing to settle
+			return
+		}
+		go func() {
+			defer p.settling.Done()
+			x.settle(o)
+		}()
+	}()
 	adm := p.adm.AdmitTokens(r.Context(), in, req.InputTokens, req.OutputTokens)
 	for k, v := range adm.Header {
 		w.Header()[k] = v
@@ -261,17 +281,30 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		writeError(w, http.StatusInternalServerError, "api_error", "internal_error", "admission failed")
 		return
 	}
-	x := exchange{p: p, id: id, req: req, kind: kind, path: r.URL.Path, requestID: adm.RequestID}
-	o := p.forward(w, r, up, req.Body, &x)
-	// After the handler: a stream's body ends when it returns, and the
-	// client need not wait for the stream's acknowledgement of the charge.
-	p.settling.Go(func() { x.settle(o) })
+	x = &exchange{p: p, id: id, req: req, kind: kind, path: r.URL.Path, requestID: adm.RequestID}
+	o = p.forward(w, r, up, req.Body, x)
 }
 
-// Close waits until every request answered so far is settled (charged or
-// released), or ctx ends. Call it after the server stopped taking requests
-// and before the Admitter's Decider and outbox close.
+// enter counts a request about to be admitted, so that Close waits for its
+// settlement; false once Close was called.
+func (p *Proxy) enter() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return false
+	}
+	p.settling.Add(1)
+	return true
+}
+
+// Close refuses to admit any more requests (503) and waits until every
+// request admitted so far is settled (charged or released), or ctx ends.
+// Call it after the server stopped taking requests and before the
+// Admitter's Decider and outbox close.
 func (p *Proxy) Close(ctx context.Context) error {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
 	done := make(chan struct{})
 	go func() { p.settling.Wait(); close(done) }()
 	select {
