@@ -234,11 +234,17 @@ func (c *Config) passes(path string) bool {
 
 // identify returns whom r is for: from the trusted headers when its peer is
 // trusted and sets them, else from its bearer key. It returns false when
-// neither identifies it (401).
+// neither identifies it (401), or when a trusted peer sent either header
+// more than once: an outer gateway that appended its value to the
+// client's instead of overwriting it, which only the client's could win.
 func (c *Config) identify(r *http.Request) (Identity, bool) {
 	if t := c.trusted; t != nil && t.from(r.RemoteAddr) {
-		if tenant := r.Header.Get(t.tenant); tenant != "" {
-			id, err := checkIdentity(tenant, r.Header.Get(t.user))
+		tenants, users := r.Header.Values(t.tenant), r.Header.Values(t.user)
+		if len(tenants) > 1 || len(users) > 1 {
+			return Identity{}, false
+		}
+		if len(tenants) == 1 && tenants[0] != "" {
+			id, err := checkIdentity(tenants[0], r.Header.Get(t.user))
 			return id, err == nil
 		}
 	}
@@ -310,7 +316,7 @@ type file struct {
 //	  - {key: sk-team-a, tenant: acme, user: alice}     # or sha256: <64 hex digits of the key>
 //	pass: [/v1/models, "/v1/files*"]  # other paths passed to the default upstream; the rest get 404
 //	trusted_headers:           # identity set by an outer gateway
-//	  {tenant: X-Quota-Tenant, user: X-Quota-User, peers: [10.0.0.0/8]}
+//	  {tenant: X-Quota-Tenant, user: X-Quota-User, peers: [10.0.3.7]}  # the gateways only; they overwrite both
 //
 // A model no upstream lists goes to the default one: QF_GATEWAY_UPSTREAM or
 // the file's upstream without models (at most one of the two).

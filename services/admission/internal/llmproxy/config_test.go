@@ -101,6 +101,20 @@ trusted_headers: {tenant: x-tenant, user: x-user, peers: [10.0.0.0/8]}
 	if got, ok := c.identify(r); ok {
 		t.Errorf("identify(untrusted peer with headers) = %v, want none", got)
 	}
+	// An outer gateway that appends instead of overwriting leaves the
+	// client's value first: two values of either header are refused, a
+	// valid key besides them included.
+	for _, h := range []string{"X-Tenant", "X-User"} {
+		r := httptest.NewRequest("POST", "/v1/chat/completions", nil)
+		r.Header.Set("Authorization", "Bearer sk-env")
+		r.Header.Set("X-Tenant", "outer")
+		r.Header.Set("X-User", "dave")
+		r.Header[h] = append([]string{"spoofed"}, r.Header[h]...)
+		r.RemoteAddr = "10.1.2.3:5555"
+		if got, ok := c.identify(r); ok {
+			t.Errorf("identify(two %s headers) = %v, want none", h, got)
+		}
+	}
 }
 
 func TestBuildErrors(t *testing.T) {
