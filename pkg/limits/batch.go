@@ -15,6 +15,10 @@ import (
 type Reserved struct {
 	Decision Decision
 	Err      error
+	// GiveBack is CountBatch's failure to give back what the other slots'
+	// parts of this denied or failed group took (Redis Cluster or Ring):
+	// that charge stays counted until its window ends.
+	GiveBack error
 }
 
 // ReserveBatch makes the Reserve calls of rs and returns their outcomes in

@@ -34,11 +34,15 @@ import (
 // groups; on a Redis Cluster or Ring a group's counters of each hash slot
 // go in that slot's call, and when one slot's part is denied (or fails)
 // what the others took is given back in a second round trip, so the
-// groups after it in the batch may have seen that charge. An invalid
+// groups after it in the batch may have seen that charge. The give back is
+// not cancelled with ctx and has as long as ctx had left when CountBatch
+// began; a group whose give back failed says so in GiveBack. An invalid
 // group fails alone with ErrInvalid; a group whose slot lost its epoch
 // gets ErrNoEpoch.
 func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Reserved {
 	out := make([]Reserved, len(groups))
+	end, timed := ctx.Deadline()
+	budget := time.Until(end)
 	var parts []countPart
 	bySlot := l.run.SlotBound()
 	for g, reqs := range groups {
@@ -118,7 +122,19 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 		}
 	}
 	if len(back) > 0 {
-		l.runCounts(ctx, back) // best effort: what a failed give back took stays counted until its window ends
+		// The decision is made: its give back must not die with a caller
+		// that left or a deadline the decision spent.
+		bctx := context.WithoutCancel(ctx)
+		if timed {
+			var cancel context.CancelFunc
+			bctx, cancel = context.WithTimeout(bctx, budget)
+			defer cancel()
+		}
+		for k, d := range l.runCounts(bctx, back) {
+			if g := back[k].group; d.err != nil && out[g].GiveBack == nil {
+				out[g].GiveBack = fmt.Errorf("count: give back: %w", d.err)
+			}
+		}
 	}
 	for g := range groups {
 		if out[g].Err == nil && failed[g] != nil {

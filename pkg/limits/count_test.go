@@ -369,3 +369,126 @@ func TestCountBatchManyKeysAreAllDecided(t *testing.T) {
 		}
 	}
 }
+
+// scriptHook is a Redis client hook that, once f is set, runs each script
+// call (alone or in a pipeline) through f, which calls next to send it.
+type scriptHook struct {
+	f atomic.Pointer[func(cmds []redis.Cmder, next func() error) error]
+}
+
+func (h *scriptHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *scriptHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		return h.run([]redis.Cmder{cmd}, func() error { return next(ctx, cmd) })
+	}
+}
+
+func (h *scriptHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		return h.run(cmds, func() error { return next(ctx, cmds) })
+	}
+}
+
+func (h *scriptHook) run(cmds []redis.Cmder, next func() error) error {
+	if f := h.f.Load(); f != nil {
+		for _, c := range cmds {
+			switch c.Name() {
+			case "fcall", "evalsha", "eval":
+				return (*f)(cmds, next)
+			}
+		}
+	}
+	return next()
+}
+
+// TestCountBatchGiveBackOutlivesTheCaller denies a group on a cluster in
+// one slot while its part in another slot took its charge, with a caller
+// that leaves (its context cancelled) once the decision is made: the give
+// back still lands. When the give back itself fails, the group says so.
+func TestCountBatchGiveBackOutlivesTheCaller(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	if err := repair.WriteEpoch(ctx, cc, "count"); err != nil {
+		t.Fatal(err)
+	}
+	hook := &scriptHook{}
+	cc.AddHook(hook)
+	l := limits.New(cc, limits.Options{})
+	rule := func(limit int64) policy.Rule {
+		return policy.Rule{Limit: policy.Limit{Name: "day" + strconv.FormatInt(limit, 10), Kind: policy.Fixed, Unit: policy.Tokens, Limit: limit, Window: policy.Duration(24 * time.Hour)}, Scope: policy.ScopeGlobal}
+	}
+	if time.Until(time.Now().Truncate(24*time.Hour).Add(24*time.Hour)) < time.Minute {
+		t.Skip("within a minute of the day's window end")
+	}
+	name := redistest.UniqueName(t)
+	a, b := name+"a", name+"b"
+	for n := 0; wire.CounterSlot(policy.ScopeGlobal, a) == wire.CounterSlot(policy.ScopeGlobal, b); n++ {
+		b = name + "b" + strconv.Itoa(n)
+	}
+	group := []limits.SharedRequest{
+		{Scope: policy.ScopeGlobal, ID: a, Cost: 5, Rules: []policy.Rule{rule(10)}},
+		{Scope: policy.ScopeGlobal, ID: b, Cost: 5, Rules: []policy.Rule{rule(0)}},
+	}
+	// used is what a's counter holds (a check of no cost, which also loads
+	// the script on both slots' nodes before the hook counts calls).
+	used := func() int64 {
+		t.Helper()
+		check := []limits.SharedRequest{group[0], group[1]}
+		check[0].Cost, check[1].Cost = 0, 0
+		out := l.CountBatch(ctx, [][]limits.SharedRequest{check})
+		if out[0].Err != nil {
+			t.Fatal(out[0].Err)
+		}
+		return out[0].Decision.States[0].Used
+	}
+	if u := used(); u != 0 {
+		t.Fatalf("a's counter holds %d before the test, want 0", u)
+	}
+
+	// The caller leaves as soon as the decision's round trip is back.
+	cctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	var calls atomic.Int32
+	leave := func(_ []redis.Cmder, next func() error) error {
+		err := next()
+		if calls.Add(1) == 1 {
+			cancel()
+		}
+		return err
+	}
+	hook.f.Store(&leave)
+	out := l.CountBatch(cctx, [][]limits.SharedRequest{group})
+	hook.f.Store(nil)
+	if out[0].Err != nil || out[0].Decision.Allowed || out[0].GiveBack != nil {
+		t.Fatalf("CountBatch = allowed %v, error %v, give back %v; want denied, no errors", out[0].Decision.Allowed, out[0].Err, out[0].GiveBack)
+	}
+	if calls.Load() != 2 {
+		t.Fatalf("%d script round trips, want the decision and the give back", calls.Load())
+	}
+	if u := used(); u != 0 {
+		t.Fatalf("a's counter holds %d after the caller left, want 0 (given back)", u)
+	}
+
+	// A give back that fails is reported, and its charge stays.
+	calls.Store(0)
+	fail := func(cmds []redis.Cmder, next func() error) error {
+		if calls.Add(1) == 1 {
+			return next()
+		}
+		err := errors.New("injected failure")
+		for _, c := range cmds {
+			c.SetErr(err)
+		}
+		return err
+	}
+	hook.f.Store(&fail)
+	out = l.CountBatch(ctx, [][]limits.SharedRequest{group})
+	hook.f.Store(nil)
+	if out[0].Err != nil || out[0].Decision.Allowed || out[0].GiveBack == nil {
+		t.Fatalf("CountBatch = allowed %v, error %v, give back %v; want denied, a give back error", out[0].Decision.Allowed, out[0].Err, out[0].GiveBack)
+	}
+	if u := used(); u != 5 {
+		t.Fatalf("a's counter holds %d after a failed give back, want 5", u)
+	}
+}

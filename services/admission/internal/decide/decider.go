@@ -201,6 +201,12 @@ func (d *Decider) count(ctx context.Context, group []limits.SharedRequest) (limi
 		return limits.Decision{}, errBreakerOpen
 	}
 	out, _ := d.counts.do(ctx, d.opt.RedisTimeout, group)
+	if out.GiveBack != nil {
+		// The decision stands; what the group's other slots took stays
+		// counted until its window ends.
+		d.m.redisErrors.WithLabelValues(opCountGiveBack).Inc()
+		d.log.Warn("count give back failed", "err", out.GiveBack)
+	}
 	o, why := d.outcome(ctx, opCount, out.Err)
 	d.br.done(false, o, why)
 	return out.Decision, out.Err

@@ -49,6 +49,7 @@ const (
 	opReserve       = "reserve"
 	opReserveShared = "reserve_shared"
 	opCount         = "count"
+	opCountGiveBack = "count_give_back" // a cluster count's give back (limits.Reserved.GiveBack)
 	opLease         = "lease"
 	opReturnLease   = "return_lease"
 	opCharge        = "charge"
@@ -58,7 +59,7 @@ const (
 	opProbe         = "probe"
 )
 
-var redisOps = [...]string{opReserve, opReserveShared, opCount, opLease, opReturnLease, opCharge, opRelease, opPeek, opTopUp, opProbe}
+var redisOps = [...]string{opReserve, opReserveShared, opCount, opCountGiveBack, opLease, opReturnLease, opCharge, opRelease, opPeek, opTopUp, opProbe}
 
 // endpointCounters are the decision counters of one endpoint label.
 type endpointCounters [len(scopeLabels)][len(resultLabels)]prometheus.Counter
