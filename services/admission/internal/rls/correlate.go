@@ -86,9 +86,9 @@ const windowGuard = time.Second
 // what a call with a request id did.
 const (
 	idEstimated    = "estimated"     // a first call's estimate was kept
-	idNotEstimated = "not_estimated" // an allowed first call kept no record (Redis away or failed)
+	idNotEstimated = "not_estimated" // an allowed first call with something to estimate kept no record (Redis away or failed)
 	idCorrected    = "corrected"     // a second call corrected the estimate
-	idNotCorrected = "not_corrected" // a response-time call's claim, or a counter's move, failed
+	idNotCorrected = "not_corrected" // a response-time call with Redis away, or its claim or a counter's move failed
 	idUnmatched    = "unmatched"     // a response-time call found no estimate and charged its hits in full
 )
 
@@ -191,7 +191,7 @@ func (h *Handler) correlated(ctx context.Context, key string, actual bool, items
 		case err != nil:
 		case actual:
 			h.ids.WithLabelValues(idNotCorrected).Inc()
-		case res.Allowed:
+		case res.Allowed && estimable(items):
 			h.ids.WithLabelValues(idNotEstimated).Inc()
 		}
 		return resp, err
@@ -199,7 +199,8 @@ func (h *Handler) correlated(ctx context.Context, key string, actual bool, items
 	if !actual {
 		resp, res, err := h.decide(ctx, items, charges)
 		switch {
-		case err != nil || !res.Allowed:
+		case err != nil || !res.Allowed || !estimable(items):
+			// Denied, or nothing to estimate: not counted.
 		case !res.Local && len(res.Limits) > 0 && h.keep(ctx, key, items, charges, res):
 			h.ids.WithLabelValues(idEstimated).Inc()
 		default:
@@ -240,6 +241,18 @@ func (h *Handler) correlated(ctx context.Context, key string, actual bool, items
 	return h.current(ctx, items, charges, true)
 }
 
+// estimable reports whether a call charges a counter whose hits an estimate
+// keeps: of a limit that lets hits through (requests_per_unit 0 passes
+// only a check of none; an unlimited descriptor is not charged).
+func estimable(items []item) bool {
+	for i := range items {
+		if items[i].charge >= 0 && items[i].limit.RequestsPerUnit != 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // keep records what an allowed first call charged (res) as its estimate,
 // and reports whether it did.
 func (h *Handler) keep(ctx context.Context, key string, items []item, charges []decide.Charge, res *decide.Result) bool {
@@ -249,7 +262,7 @@ func (h *Handler) keep(ctx context.Context, key string, items []item, charges []
 	var longest time.Duration
 	for i := range items {
 		it := &items[i]
-		if it.charge < 0 || it.limit.RequestsPerUnit == 0 || it.charge >= len(res.Limits) {
+		if !estimable(items[i:i+1]) || it.charge >= len(res.Limits) {
 			continue
 		}
 		c := &charges[it.charge]
@@ -293,7 +306,7 @@ func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges
 	first := map[string]int{}
 	for i := range items {
 		it := &items[i]
-		if it.charge < 0 || it.limit.RequestsPerUnit == 0 {
+		if !estimable(items[i : i+1]) {
 			continue
 		}
 		id := charges[it.charge].ID
