@@ -24,6 +24,8 @@ import (
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
+	"quotaflow/services/admission/internal/decide"
+	"quotaflow/services/admission/internal/httpapi"
 	"quotaflow/services/admission/internal/llmproxy"
 	"quotaflow/services/admission/internal/openai"
 )
@@ -392,6 +394,72 @@ func TestGatewaySettlesPanicsAndRefusesAfterClose(t *testing.T) {
 	actual, released := g.settled()
 	if len(actual) != 0 || len(released) != 1 {
 		t.Errorf("actual %v, released %v; want only the panicking request released", actual, released)
+	}
+}
+
+// leavingAdmitter is the API with the race of a client leaving forced:
+// Redis reserves, then the client leaves before the answer comes back,
+// which cuts the decision short (499, as the API answers a canceled
+// decision) when ctx is the client's.
+type leavingAdmitter struct {
+	*httpapi.Handler
+	leave func() // closes the client's connection, returns once the server saw it
+}
+
+func (a leavingAdmitter) AdmitTokens(ctx context.Context, in decide.Input, input, output int64) httpapi.Admission {
+	adm := a.Handler.AdmitTokens(context.WithoutCancel(ctx), in, input, output)
+	a.leave()
+	if ctx.Err() != nil {
+		return httpapi.Admission{Status: 499, Message: "client closed the request"}
+	}
+	return adm
+}
+
+// TestGatewayClientLeavesDuringAdmission: a client that leaves after Redis
+// reserved but before the decision's answer does not cut the decision
+// short (the reservation would stay held, released by no one): nothing is
+// forwarded and the reservation is released.
+func TestGatewayClientLeavesDuringAdmission(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	var conn net.Conn
+	seen := make(chan context.Context, 1)
+	adm := leavingAdmitter{Handler: g.api, leave: func() {
+		conn.Close()
+		select {
+		case <-(<-seen).Done():
+		case <-time.After(20 * time.Second): // a bound on a hang, not a timing assertion
+			t.Error("the server never saw the client leave")
+		}
+	}}
+	px, err := llmproxy.New(llmproxy.Options{Config: func() *llmproxy.Config { return g.gw }, Admitter: adm})
+	if err != nil {
+		t.Fatal(err)
+	}
+	returned := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen <- r.Context()
+		px.ServeHTTP(w, r)
+		close(returned)
+	}))
+	defer srv.Close()
+	if conn, err = net.Dial("tcp", srv.Listener.Addr().String()); err != nil {
+		t.Fatal(err)
+	}
+	body := chat(false, false, 10)
+	fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s",
+		llmKey, len(body), body)
+	<-returned
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := px.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got, n := g.used("alice"), len(g.up.Requests()); got != 0 || n != 0 {
+		t.Errorf("Redis used %v, upstream called %d times; want 0 and 0", got, n)
+	}
+	actual, released := g.settled()
+	if len(actual) != 0 || len(released) != 1 {
+		t.Errorf("actual %v, released %v; want the one decision released", actual, released)
 	}
 }
 

@@ -49,8 +49,9 @@ type Options struct {
 	// Transport reaches the upstreams (default: a transport without
 	// compression, so that streams are read as they come).
 	Transport http.RoundTripper
-	// SettleTimeout bounds releasing or reporting a request after it
-	// ended, on a context detached from the client's (default 10 s).
+	// SettleTimeout bounds admitting a request, and releasing or reporting
+	// it after it ended, each on a context detached from the client's
+	// (default 10 s).
 	SettleTimeout time.Duration
 	// WriteTimeout bounds each write to a client (default 30 s): one that
 	// takes nothing for this long is dropped, and the upstream request
@@ -256,7 +257,12 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 			x.settle(o)
 		}()
 	}()
-	adm := p.adm.AdmitTokens(r.Context(), in, req.InputTokens, req.OutputTokens)
+	// Detached from the client's context: a client leaving while Redis
+	// reserves would otherwise lose the answer and leave the reservation
+	// held; the decision completes and is released below instead.
+	actx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), p.settleTO)
+	adm := p.adm.AdmitTokens(actx, in, req.InputTokens, req.OutputTokens)
+	cancel()
 	for k, v := range adm.Header {
 		w.Header()[k] = v
 	}
@@ -271,8 +277,6 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		}
 		writeError(w, http.StatusTooManyRequests, typ, code, adm.Message)
 		return
-	case 499:
-		return // the client left
 	case http.StatusBadRequest:
 		writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_request", adm.Message)
 		return
@@ -282,6 +286,9 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		return
 	}
 	x = &exchange{p: p, id: id, req: req, kind: kind, path: r.URL.Path, requestID: adm.RequestID}
+	if r.Context().Err() != nil {
+		return // the client left while admission decided: released
+	}
 	o = p.forward(w, r, up, req.Body, x)
 }
 
