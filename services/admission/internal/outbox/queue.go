@@ -14,11 +14,11 @@ import (
 // garbage collection scans), while the slice holds what is queued
 // (measured under load in two runs: heap in use 13.0 → 8.8 and 10.8 →
 // 10.5 MB, RSS 0–2 MiB lower, for allocations per admit 7.96 → 8.41 and
-// 8.43 → 8.50 KiB; bench/results.md, "Admission's
-// tail and memory (session 4)"); and a receiver waiting on a channel is
-// woken for every event sent, while the publisher only needs waking when
-// it has work: the first event after idling, or enough to fill its round
-// (arm) (fewer wake-ups, not measured apart).
+// 8.43 → 8.50 KiB; bench/results.md, "Admission's tail and memory
+// (session 4)"); and a receiver waiting on a channel is woken for every
+// event sent, while the publisher only needs waking when it has work: the
+// first event after idling, or enough to fill its round (arm) (fewer
+// wake-ups, not measured apart).
 type queue struct {
 	mu    sync.Mutex
 	evs   []queued // evs[head:] are queued, oldest first
