@@ -248,9 +248,12 @@ func seq(n int) []int {
 // of rules (fixed windows) of scope's id in their current windows, as
 // ChargeShared does to the shared blob: never refused by a limit, held to
 // 0 to MaxCost; a requests rule moves by 1 in amount's direction. It is a
-// correction of what an earlier CountBatch charged, and returns the
-// counters after it. It returns ErrNoEpoch when Redis lost its data.
-func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64) ([]State, error) {
+// correction of what an earlier CountBatch charged: dated at (that
+// decision's Decision.Now), it leaves alone a counter whose window has
+// ended since, which no longer holds that charge; a zero at is Redis's
+// now. It returns the counters after it, and ErrNoEpoch when Redis lost
+// its data.
+func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64, at time.Time) ([]State, error) {
 	if amount < -MaxCost || amount > MaxCost {
 		return nil, fmt.Errorf("%w: adjust %s %s: amount %d: want -%d to %d", ErrInvalid, scope, id, amount, int64(MaxCost), int64(MaxCost))
 	}
@@ -271,8 +274,15 @@ func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, id string
 		}
 		cs[i] = c
 	}
+	date := int64(wire.AdjustNow)
+	if !at.IsZero() {
+		date = at.UnixMilli()
+		if date <= 0 {
+			return nil, fmt.Errorf("%w: adjust %s %s: date %v: want after 1970", ErrInvalid, scope, id, at)
+		}
+	}
 	b := l.p.NewCountBatch()
-	b.Add(wire.AdjustNow, cs)
+	b.Add(date, cs)
 	c := b.Call()
 	var after []int64
 	var err error

@@ -492,3 +492,65 @@ func TestCountBatchGiveBackOutlivesTheCaller(t *testing.T) {
 		t.Fatalf("a's counter holds %d after a failed give back, want 5", u)
 	}
 }
+
+// TestAdjustCount moves CountBatch counters: a token rule by the amount, a
+// requests rule by 1, held at 0, never refused by a limit; a give back
+// dated in a window that has ended since leaves the new window alone, one
+// dated in the current window or undated applies; bad input is refused.
+func TestAdjustCount(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	// Five minutes into an hour, and the next hour.
+	offset := 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
+	l, next := limitstest.At(c, offset), limitstest.At(c, offset+time.Hour)
+	fixed := func(name string, unit policy.Unit) policy.Rule {
+		return policy.Rule{Limit: policy.Limit{Name: name, Kind: policy.Fixed, Unit: unit, Limit: 10, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeGlobal}
+	}
+	rules := []policy.Rule{fixed("tokens", policy.Tokens), fixed("reqs", policy.Requests)}
+	id := redistest.UniqueName(t)
+	charge := func(l *limits.Limiter, cost int64) time.Time {
+		t.Helper()
+		out := l.CountBatch(ctx, [][]limits.SharedRequest{{{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: rules}}})
+		if out[0].Err != nil || !out[0].Decision.Allowed {
+			t.Fatalf("CountBatch = allowed %v, error %v; want allowed", out[0].Decision.Allowed, out[0].Err)
+		}
+		return out[0].Decision.Now
+	}
+	adjust := func(l *limits.Limiter, amount int64, at time.Time, want ...int64) {
+		t.Helper()
+		st, err := l.AdjustCount(ctx, policy.ScopeGlobal, id, rules, amount, at)
+		if err != nil {
+			t.Fatalf("AdjustCount(%d, %v) error = %v", amount, at, err)
+		}
+		for i, s := range st {
+			if s.Used != want[i] || s.Limit != 10 || s.Remaining != max(0, 10-want[i]) {
+				t.Fatalf("AdjustCount(%d, %v) state %d = %+v, want used %d", amount, at, i, s, want[i])
+			}
+		}
+	}
+	before := charge(l, 6)
+	adjust(l, 8, time.Time{}, 14, 2)  // past the limit: not refused
+	adjust(l, -3, before, 11, 1)      // dated in this window
+	adjust(l, -20, time.Time{}, 0, 0) // held at 0
+	charge(l, 4)
+	// The window turns over: a give back dated in the last one is no
+	// longer this window's to take.
+	charge(next, 7)
+	adjust(next, -4, before, 7, 1)
+	adjust(next, -4, time.Time{}, 3, 0)
+
+	for _, bad := range []struct {
+		amount int64
+		rules  []policy.Rule
+		at     time.Time
+	}{
+		{limits.MaxCost + 1, rules, time.Time{}},
+		{1, make([]policy.Rule, limits.MaxCounters+1), time.Time{}},
+		{1, []policy.Rule{{Limit: policy.Limit{Name: "r", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1, Window: policy.Duration(time.Hour)}}}, time.Time{}},
+		{1, rules, time.UnixMilli(-5)},
+	} {
+		if _, err := l.AdjustCount(ctx, policy.ScopeGlobal, id, bad.rules, bad.amount, bad.at); !errors.Is(err, limits.ErrInvalid) {
+			t.Errorf("AdjustCount(%d, %d rules, %v) error = %v, want ErrInvalid", bad.amount, len(bad.rules), bad.at, err)
+		}
+	}
+}

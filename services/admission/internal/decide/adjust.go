@@ -3,6 +3,7 @@ package decide
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
@@ -37,7 +38,7 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 	if len(rules) == 0 || amount == 0 {
 		return nil, nil
 	}
-	st, err := d.chargeShared(ctx, countable(&c), c.Scope, c.ID, rules, amount)
+	st, err := d.chargeShared(ctx, countable(&c), c.Scope, c.ID, rules, amount, time.Time{})
 	if err != nil {
 		return nil, fmt.Errorf("adjust %s %s: %w", c.Scope, c.ID, err)
 	}
@@ -49,15 +50,15 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 }
 
 // chargeShared is limits.Limiter.ChargeShared (AdjustCount for counted:
-// Check's counters) through the breaker, not cancelled with ctx: a
-// give-back or correction once decided is made even when the caller has
-// gone.
-func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.Scope, id string, rules []policy.Rule, amount int64) ([]limits.State, error) {
+// Check's counters, dated at, zero: now) through the breaker, not
+// cancelled with ctx: a give-back or correction once decided is made even
+// when the caller has gone.
+func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.Scope, id string, rules []policy.Rule, amount int64, at time.Time) ([]limits.State, error) {
 	var st []limits.State
 	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
 		var err error
 		if counted {
-			st, err = d.lim.AdjustCount(ctx, scope, id, rules, amount)
+			st, err = d.lim.AdjustCount(ctx, scope, id, rules, amount, at)
 		} else {
 			st, err = d.lim.ChargeShared(ctx, scope, id, rules, amount)
 		}

@@ -76,7 +76,8 @@ type sharedRes struct {
 	rules   []policy.Rule
 	at      int
 	idx     []int
-	counted bool // in CountBatch's counters (Check), not the shared blob
+	counted bool      // in CountBatch's counters (Check), not the shared blob
+	now     time.Time // counted: the decision's Redis time, which dates its give back
 }
 
 // allowAll is the decision past FailOpenAfter: everything is allowed and
@@ -417,7 +418,7 @@ func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) bool 
 	if len(rules) == 0 {
 		return true
 	}
-	if _, err := d.chargeShared(ctx, s.counted, s.scope, s.id, rules, amount); err != nil {
+	if _, err := d.chargeShared(ctx, s.counted, s.scope, s.id, rules, amount, s.now); err != nil {
 		d.log.Debug("compensate shared reservation", "scope", string(s.scope), "err", err)
 		return false
 	}

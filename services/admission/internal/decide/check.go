@@ -172,7 +172,7 @@ func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Durati
 		for j := range idx {
 			idx[j] = j
 		}
-		a.shared = append(a.shared, sharedRes{scope: c.Scope, id: c.ID, cost: c.Cost, rules: c.Rules, at: at, idx: idx, counted: true})
+		a.shared = append(a.shared, sharedRes{scope: c.Scope, id: c.ID, cost: c.Cost, rules: c.Rules, at: at, idx: idx, counted: true, now: dec.Now})
 		at += len(c.Rules)
 	}
 	return true, nil
