@@ -177,8 +177,11 @@ type Upstream struct {
 	// base is the base URL, e.g. http://127.0.0.1:8000/v1: a request's
 	// path after /v1 is appended to it.
 	base *url.URL
-	// apiKey replaces the caller's Authorization; "" sends none.
+	// apiKey replaces the caller's credentials; "" sends none.
 	apiKey string
+	// authHeader carries apiKey: Authorization as "Bearer <key>" (the
+	// default), any other header as the key alone (Azure's api-key).
+	authHeader string
 	// models are the models routed here: exact names, or prefixes ending
 	// in '*'. None: the default upstream.
 	models []string
@@ -280,10 +283,11 @@ const MaxFileSize = 1 << 20
 // file is QF_GATEWAY_FILE's content; see ParseFile.
 type file struct {
 	Upstreams []struct {
-		Name      string   `yaml:"name"`
-		BaseURL   string   `yaml:"base_url"`
-		APIKeyEnv string   `yaml:"api_key_env"`
-		Models    []string `yaml:"models"`
+		Name       string   `yaml:"name"`
+		BaseURL    string   `yaml:"base_url"`
+		APIKeyEnv  string   `yaml:"api_key_env"`
+		AuthHeader string   `yaml:"auth_header"`
+		Models     []string `yaml:"models"`
 	} `yaml:"upstreams"`
 	Keys []struct {
 		Key    string `yaml:"key"`
@@ -310,7 +314,8 @@ type file struct {
 //	upstreams:                 # besides QF_GATEWAY_UPSTREAM
 //	  - name: openai
 //	    base_url: https://api.openai.com/v1
-//	    api_key_env: OPENAI_API_KEY      # replaces the caller's Authorization
+//	    api_key_env: OPENAI_API_KEY      # replaces the caller's credentials
+//	    auth_header: api-key             # carries it (Azure); default Authorization: Bearer <key>
 //	    models: [gpt-4o, "gpt-4.1*"]     # exact, or a prefix ending in '*'; none: the default
 //	keys:                      # besides QF_GATEWAY_KEYS
 //	  - {key: sk-team-a, tenant: acme, user: alice}     # or sha256: <64 hex digits of the key>
@@ -334,7 +339,7 @@ func Build(s Settings, data []byte, getenv func(string) string) (*Config, error)
 		if err != nil {
 			bad("QF_GATEWAY_UPSTREAM: %w", err)
 		}
-		c.fallback = &Upstream{Name: "QF_GATEWAY_UPSTREAM", base: base}
+		c.fallback = &Upstream{Name: "QF_GATEWAY_UPSTREAM", base: base, authHeader: "Authorization"}
 	}
 	var f file
 	if data != nil {
@@ -351,7 +356,7 @@ func Build(s Settings, data []byte, getenv func(string) string) (*Config, error)
 	names := map[string]bool{}
 	for i, fu := range f.Upstreams {
 		at := fmt.Sprintf("QF_GATEWAY_FILE: upstreams[%d]", i)
-		u := &Upstream{Name: fu.Name, models: fu.Models}
+		u := &Upstream{Name: fu.Name, models: fu.Models, authHeader: "Authorization"}
 		switch {
 		case fu.Name == "":
 			bad("%s.name: required", at)
@@ -363,6 +368,12 @@ func Build(s Settings, data []byte, getenv func(string) string) (*Config, error)
 		names[fu.Name] = true
 		if u.base, err = parseBaseURL(fu.BaseURL); err != nil {
 			bad("%s.base_url: %w", at, err)
+		}
+		if fu.AuthHeader != "" {
+			if strings.IndexFunc(fu.AuthHeader, notHeaderChar) >= 0 {
+				bad("%s.auth_header: want a header name (letters, digits and '-')", at)
+			}
+			u.authHeader = http.CanonicalHeaderKey(fu.AuthHeader)
 		}
 		if fu.APIKeyEnv != "" {
 			if u.apiKey = getenv(fu.APIKeyEnv); u.apiKey == "" {
@@ -496,6 +507,12 @@ func parseBaseURL(s string) (*url.URL, error) {
 	u.Path = strings.TrimSuffix(u.Path, "/")
 	u.RawPath = ""
 	return u, nil
+}
+
+// notHeaderChar: r is not a letter, digit or '-', which header names are
+// made of in practice.
+func notHeaderChar(r rune) bool {
+	return r != '-' && (r < '0' || r > '9') && (r < 'a' || r > 'z') && (r < 'A' || r > 'Z')
 }
 
 // parsePrefix parses a CIDR or a single address.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -113,6 +114,51 @@ trusted_headers: {tenant: x-tenant, user: x-user, peers: [10.0.0.0/8]}
 		r.RemoteAddr = "10.1.2.3:5555"
 		if got, ok := c.identify(r); ok {
 			t.Errorf("identify(two %s headers) = %v, want none", h, got)
+		}
+	}
+}
+
+// TestRoundTripCredentials: the caller's credentials (bearer key, api-key,
+// x-api-key, cookies) never reach an upstream; the upstream's key goes in
+// its auth_header, Authorization: Bearer by default.
+func TestRoundTripCredentials(t *testing.T) {
+	got := make(chan http.Header, 1)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { got <- r.Header.Clone() }))
+	defer up.Close()
+	file := `
+upstreams:
+  - {name: azure, base_url: "` + up.URL + `/v1", api_key_env: AZ, auth_header: api-key, models: [gpt-4o]}
+  - {name: plain, base_url: "` + up.URL + `/v1", api_key_env: OAI}
+  - {name: open, base_url: "` + up.URL + `/v1", models: [llama]}
+`
+	c, err := Build(Settings{}, []byte(file), func(k string) string { return map[string]string{"AZ": "az-secret", "OAI": "oai-secret"}[k] })
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := &Proxy{transport: newTransport()}
+	for model, want := range map[string]http.Header{
+		"gpt-4o": {"Api-Key": {"az-secret"}},
+		"other":  {"Authorization": {"Bearer oai-secret"}},
+		"llama":  {},
+	} {
+		r := httptest.NewRequest("POST", "/v1/chat/completions", nil)
+		for _, h := range []string{"Authorization", "Api-Key", "X-Api-Key", "Cookie"} {
+			r.Header.Set(h, "caller-secret")
+		}
+		r.Header.Set("X-Trace", "kept")
+		resp, err := px.roundTrip(context.Background(), r, c.route(model), []byte("{}"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		h := <-got
+		for _, k := range []string{"Authorization", "Api-Key", "X-Api-Key", "Cookie"} {
+			if v := h.Values(k); strings.Join(v, ",") != strings.Join(want.Values(k), ",") {
+				t.Errorf("%s: upstream got %s: %q, want %q", model, k, v, want.Values(k))
+			}
+		}
+		if h.Get("X-Trace") != "kept" {
+			t.Errorf("%s: other headers dropped: %v", model, h)
 		}
 	}
 }

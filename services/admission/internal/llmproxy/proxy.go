@@ -447,9 +447,15 @@ func (p *Proxy) pass(w *countingWriter, r *http.Request, up *Upstream) {
 	p.copy(w, resp.Body, nil, cancel)
 }
 
+// callerCredentials are the caller's credentials, never sent upstream: the
+// gateway key (Bearer, or api-key / x-api-key as Azure and Anthropic
+// clients send it) and cookies.
+var callerCredentials = []string{"Authorization", "Api-Key", "X-Api-Key", "Cookie"}
+
 // roundTrip sends r's method, query and end-to-end headers with body to
 // up: the path after /v1 appended to the upstream's base URL, the
-// upstream's key instead of the caller's, no hop-by-hop headers.
+// upstream's key in its auth header instead of the caller's credentials,
+// no hop-by-hop headers.
 func (p *Proxy) roundTrip(ctx context.Context, r *http.Request, up *Upstream, body []byte) (*http.Response, error) {
 	u := *up.base
 	u.Path += strings.TrimPrefix(r.URL.Path, "/v1")
@@ -459,10 +465,16 @@ func (p *Proxy) roundTrip(ctx context.Context, r *http.Request, up *Upstream, bo
 		return nil, err
 	}
 	copyHeader(out.Header, r.Header)
-	out.Header.Del("Authorization")
+	for _, h := range append(callerCredentials, up.authHeader) {
+		out.Header.Del(h)
+	}
 	out.Header.Del("Accept-Encoding") // answers are read: no compression
-	if up.apiKey != "" {
+	switch {
+	case up.apiKey == "":
+	case up.authHeader == "Authorization":
 		out.Header.Set("Authorization", "Bearer "+up.apiKey)
+	default:
+		out.Header.Set(up.authHeader, up.apiKey)
 	}
 	if len(body) == 0 {
 		out.Body, out.ContentLength = http.NoBody, 0
