@@ -104,19 +104,34 @@ type Key struct {
 func ParseKeys(entries []string) ([]Key, error) {
 	var out []Key
 	var errs []error
+	seen := map[[sha256.Size]byte]string{}
 	for i, e := range entries {
 		e = strings.TrimSpace(e)
 		if e == "" {
 			continue
 		}
+		at := fmt.Sprintf("QF_GATEWAY_KEYS: entry %d", i+1)
 		k, err := parseKey(e)
+		if err == nil {
+			err = repeated(seen, k.digest, at)
+		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("QF_GATEWAY_KEYS: entry %d: %w", i+1, err))
+			errs = append(errs, fmt.Errorf("%s: %w", at, err))
 			continue
 		}
 		out = append(out, k)
 	}
 	return out, errors.Join(errs...)
+}
+
+// repeated records digest as at's key in seen and refuses one seen before:
+// the same key for two identities would count for whichever came first.
+func repeated(seen map[[sha256.Size]byte]string, digest [sha256.Size]byte, at string) error {
+	if first, ok := seen[digest]; ok {
+		return fmt.Errorf("the same key as %s", first)
+	}
+	seen[digest] = at
+	return nil
 }
 
 func parseKey(e string) (Key, error) {
@@ -334,6 +349,10 @@ func Build(s Settings, data []byte, getenv func(string) string) (*Config, error)
 		errs = append(errs, err)
 	}
 	c.keys = keys
+	seen := map[[sha256.Size]byte]string{} // the keys' digests, for repeats
+	for i, k := range keys {
+		seen[k.digest] = fmt.Sprintf("QF_GATEWAY_KEYS' key %d", i+1)
+	}
 	if s.GatewayUpstream != "" {
 		base, err := parseBaseURL(s.GatewayUpstream)
 		if err != nil {
@@ -419,6 +438,11 @@ func Build(s Settings, data []byte, getenv func(string) string) (*Config, error)
 		}
 		if k.Identity, err = checkIdentity(fk.Tenant, fk.User); err != nil {
 			bad("%s.%w", at, err)
+		}
+		if k.digest != ([sha256.Size]byte{}) {
+			if err := repeated(seen, k.digest, at); err != nil {
+				bad("%s: %w", at, err)
+			}
 		}
 		c.keys = append(c.keys, k)
 	}

@@ -164,6 +164,8 @@ upstreams:
 }
 
 func TestBuildErrors(t *testing.T) {
+	digest := sha256.Sum256([]byte("sk-twice"))
+	twice := hex.EncodeToString(digest[:])
 	for _, tc := range []struct {
 		name, file string
 		s          Settings
@@ -182,12 +184,19 @@ upstreams:
 `, want: []string{"upstreams[0].base_url: want an http or https URL", "upstreams[1].name: \"a\" names an earlier upstream too",
 			"upstreams[1].base_url: must not hold credentials", "upstreams[1].api_key_env: $NOPE is empty or unset",
 			"upstreams[1]: a second default upstream", "upstreams[2].name: required", "upstreams[2].models[0]"}},
-		{name: "key mistakes", s: Settings{GatewayUpstream: "http://u/v1"}, file: `
+		{name: "key mistakes", s: Settings{GatewayUpstream: "http://u/v1", GatewayKeys: []string{"sk-env=t/u"}}, file: `
 keys:
   - {key: sk-secret, sha256: abc, tenant: t, user: u}
   - {sha256: abc, tenant: t, user: u}
   - {key: sk-secret, user: u}
-`, want: []string{"keys[0]: give key or sha256, not both", "keys[1].sha256: want the 64 hex digits", "keys[2].tenant: required"}},
+  - {key: sk-env, tenant: t, user: v}
+  - {key: sk-twice, tenant: t, user: u}
+  - {sha256: ` + hex.EncodeToString(sha256.New().Sum([]byte(nil))) + `, tenant: t, user: u}
+  - {sha256: ` + twice + `, tenant: t, user: w}
+`, want: []string{"keys[0]: give key or sha256, not both", "keys[1].sha256: want the 64 hex digits", "keys[2].tenant: required",
+			"keys[3]: the same key as QF_GATEWAY_KEYS' key 1", "keys[6]: the same key as QF_GATEWAY_FILE: keys[4]"}},
+		{name: "a key twice in QF_GATEWAY_KEYS", s: Settings{GatewayUpstream: "http://u/v1", GatewayKeys: []string{"sk-secret=t/a", "sk-secret=t/b"}}, file: "{}",
+			want: []string{"QF_GATEWAY_KEYS: entry 2: the same key as QF_GATEWAY_KEYS: entry 1"}},
 		{name: "pass and trusted", s: Settings{GatewayUpstream: "http://u/v1"}, file: `
 pass: [/v1/chat/completions, /admin, "/v1/*", "/v1/chat*", "/v1/em*", "/v1/responses*"]
 trusted_headers: {tenant: x-t, user: x-t, peers: [nope]}
