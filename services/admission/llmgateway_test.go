@@ -463,6 +463,27 @@ func TestGatewayClientLeavesDuringAdmission(t *testing.T) {
 	}
 }
 
+// TestGatewayUpstreamRefusesKey: an upstream's 401 or 403 is about the
+// gateway's own key: the caller gets 502 in OpenAI's form without the
+// upstream's answer (which may quote the key), and the request is released.
+func TestGatewayUpstreamRefusesKey(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	for _, status := range []int{http.StatusUnauthorized, http.StatusForbidden} {
+		g.up.Set(llmtest.Behaviour{Status: status})
+		resp, raw := g.post(llmKey, "/v1/chat/completions", chat(false, false, 10))
+		if resp.StatusCode != 502 || !strings.Contains(raw, `"code":"upstream_auth"`) || strings.Contains(raw, "stand-in failure") {
+			t.Errorf("upstream %d = %d %s, want 502 upstream_auth without the upstream's body", status, resp.StatusCode, raw)
+		}
+	}
+	if got := g.used("alice"); got != 0 {
+		t.Errorf("Redis used = %v, want 0: both released", got)
+	}
+	actual, released := g.settled()
+	if len(actual) != 0 || len(released) != 2 {
+		t.Errorf("actual %v, released %v; want 2 released", actual, released)
+	}
+}
+
 // sse reads a stream's data lines.
 func sse(t *testing.T, r io.Reader) []string {
 	t.Helper()

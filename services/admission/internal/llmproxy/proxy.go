@@ -397,6 +397,9 @@ func (p *Proxy) forward(w *countingWriter, r *http.Request, up *Upstream, body [
 		return outcome{}
 	}
 	defer resp.Body.Close()
+	if p.refused(w, resp, up) {
+		return outcome{}
+	}
 	copyHeader(w.Header(), resp.Header)
 	if resp.StatusCode/100 != 2 {
 		// An error produces no tokens: release, and pass the answer on.
@@ -442,9 +445,24 @@ func (p *Proxy) pass(w *countingWriter, r *http.Request, up *Upstream) {
 		return
 	}
 	defer resp.Body.Close()
+	if p.refused(w, resp, up) {
+		return
+	}
 	copyHeader(w.Header(), resp.Header)
 	w.WriteHeader(resp.StatusCode)
 	p.copy(w, resp.Body, nil, cancel)
+}
+
+// refused answers 502 when the upstream refused the gateway's own key (401
+// or 403): the caller cannot fix it, and the upstream's answer may repeat
+// the key. It reports whether it answered.
+func (p *Proxy) refused(w *countingWriter, resp *http.Response, up *Upstream) bool {
+	if resp.StatusCode != http.StatusUnauthorized && resp.StatusCode != http.StatusForbidden {
+		return false
+	}
+	p.log.Error("the upstream refused the gateway's key", "upstream", up.Name, "status", resp.StatusCode)
+	writeError(w, http.StatusBadGateway, "api_error", "upstream_auth", "the upstream refused the gateway's credentials")
+	return true
 }
 
 // callerCredentials are the caller's credentials, never sent upstream: the
