@@ -46,3 +46,40 @@ func (c *RoundTrips) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 
 // Reset sets the count back to zero.
 func (c *RoundTrips) Reset() { c.n.Store(0) }
+
+// ScriptHook is a go-redis hook that, once F is set, runs each script call
+// (FCALL, EVALSHA or EVAL, alone or in a pipeline) through F, which calls
+// next to send it: a test's way to act between a client's round trips or
+// to fail one. Add it with client.AddHook.
+type ScriptHook struct {
+	F atomic.Pointer[func(cmds []redis.Cmder, next func() error) error]
+}
+
+// DialHook passes dials through.
+func (h *ScriptHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+// ProcessHook runs a script command through F.
+func (h *ScriptHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		return h.run([]redis.Cmder{cmd}, func() error { return next(ctx, cmd) })
+	}
+}
+
+// ProcessPipelineHook runs a pipeline holding a script command through F.
+func (h *ScriptHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		return h.run(cmds, func() error { return next(ctx, cmds) })
+	}
+}
+
+func (h *ScriptHook) run(cmds []redis.Cmder, next func() error) error {
+	if f := h.F.Load(); f != nil {
+		for _, c := range cmds {
+			switch c.Name() {
+			case "fcall", "evalsha", "eval":
+				return (*f)(cmds, next)
+			}
+		}
+	}
+	return next()
+}

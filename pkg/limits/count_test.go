@@ -370,38 +370,6 @@ func TestCountBatchManyKeysAreAllDecided(t *testing.T) {
 	}
 }
 
-// scriptHook is a Redis client hook that, once f is set, runs each script
-// call (alone or in a pipeline) through f, which calls next to send it.
-type scriptHook struct {
-	f atomic.Pointer[func(cmds []redis.Cmder, next func() error) error]
-}
-
-func (h *scriptHook) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h *scriptHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		return h.run([]redis.Cmder{cmd}, func() error { return next(ctx, cmd) })
-	}
-}
-
-func (h *scriptHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		return h.run(cmds, func() error { return next(ctx, cmds) })
-	}
-}
-
-func (h *scriptHook) run(cmds []redis.Cmder, next func() error) error {
-	if f := h.f.Load(); f != nil {
-		for _, c := range cmds {
-			switch c.Name() {
-			case "fcall", "evalsha", "eval":
-				return (*f)(cmds, next)
-			}
-		}
-	}
-	return next()
-}
-
 // TestCountBatchGiveBackOutlivesTheCaller denies a group on a cluster in
 // one slot while its part in another slot took its charge, with a caller
 // that leaves (its context cancelled) once the decision is made: the give
@@ -412,7 +380,7 @@ func TestCountBatchGiveBackOutlivesTheCaller(t *testing.T) {
 	if err := repair.WriteEpoch(ctx, cc, "count"); err != nil {
 		t.Fatal(err)
 	}
-	hook := &scriptHook{}
+	hook := &redistest.ScriptHook{}
 	cc.AddHook(hook)
 	l := limits.New(cc, limits.Options{})
 	rule := func(limit int64) policy.Rule {
@@ -457,9 +425,9 @@ func TestCountBatchGiveBackOutlivesTheCaller(t *testing.T) {
 		}
 		return err
 	}
-	hook.f.Store(&leave)
+	hook.F.Store(&leave)
 	out := l.CountBatch(cctx, [][]limits.SharedRequest{group})
-	hook.f.Store(nil)
+	hook.F.Store(nil)
 	if out[0].Err != nil || out[0].Decision.Allowed || out[0].GiveBack != nil {
 		t.Fatalf("CountBatch = allowed %v, error %v, give back %v; want denied, no errors", out[0].Decision.Allowed, out[0].Err, out[0].GiveBack)
 	}
@@ -482,9 +450,9 @@ func TestCountBatchGiveBackOutlivesTheCaller(t *testing.T) {
 		}
 		return err
 	}
-	hook.f.Store(&fail)
+	hook.F.Store(&fail)
 	out = l.CountBatch(ctx, [][]limits.SharedRequest{group})
-	hook.f.Store(nil)
+	hook.F.Store(nil)
 	if out[0].Err != nil || out[0].Decision.Allowed || out[0].GiveBack == nil {
 		t.Fatalf("CountBatch = allowed %v, error %v, give back %v; want denied, a give back error", out[0].Decision.Allowed, out[0].Err, out[0].GiveBack)
 	}

@@ -9,7 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
@@ -171,5 +173,64 @@ func TestConcurrentChecksAreExactThroughBatches(t *testing.T) {
 	// 32 racing workers: some round trips served more than one check.
 	if n := m.GetHistogram().GetSampleCount(); float64(n) >= m.GetHistogram().GetSampleSum() {
 		t.Fatalf("%d round trips for %v checks: none batched", n, m.GetHistogram().GetSampleSum())
+	}
+}
+
+// TestCheckCountsAFailedGiveBack denies a Check on a cluster in one slot
+// while its counter in another slot took its charge, and fails the give
+// back: the denial stands, the failure is counted, and the charge stays.
+func TestCheckCountsAFailedGiveBack(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	hook := &redistest.ScriptHook{}
+	cc.AddHook(hook)
+	d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{}, limits.Options{NoEpochGuard: true})
+	// A counter's slot is its scope's hash tag's.
+	slot := func(id string) int64 {
+		s, err := cc.ClusterKeySlot(ctx, "{%g"+id+"}").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	name := newTenant(t)
+	a, b := name+"a", name+"b"
+	for n := 0; slot(a) == slot(b); n++ {
+		b = fmt.Sprint(name, "b", n)
+	}
+	ok, zero := checkRule("ok", 10), checkRule("zero", 0)
+	charges := []Charge{
+		{Scope: policy.ScopeGlobal, ID: a, Cost: 5, Rules: []policy.Rule{ok}},
+		{Scope: policy.ScopeGlobal, ID: b, Cost: 5, Rules: []policy.Rule{zero}},
+	}
+	// Loads the script on both slots' nodes, and gives back.
+	if r, err := d.Check(ctx, charges); err != nil || r.Allowed || r.Local {
+		t.Fatalf("Check = %+v, %v; want denied by Redis", r, err)
+	}
+	if used := counterUsed(t, cc, 0, policy.ScopeGlobal, a, []policy.Rule{ok}); used[0] != 0 {
+		t.Fatalf("a's counter holds %d after its give back, want 0", used[0])
+	}
+	var calls atomic.Int32
+	fail := func(cmds []redis.Cmder, next func() error) error {
+		if calls.Add(1) == 1 {
+			return next()
+		}
+		err := errors.New("injected failure")
+		for _, c := range cmds {
+			c.SetErr(err)
+		}
+		return err
+	}
+	hook.F.Store(&fail)
+	r, err := d.Check(ctx, charges)
+	hook.F.Store(nil)
+	if err != nil || r.Allowed || r.Local {
+		t.Fatalf("Check with its give back failing = %+v, %v; want denied by Redis", r, err)
+	}
+	if got := testutil.ToFloat64(d.m.redisErrors.WithLabelValues(opCountGiveBack)); got != 1 {
+		t.Fatalf("give back failures counted = %v, want 1", got)
+	}
+	if used := counterUsed(t, cc, 0, policy.ScopeGlobal, a, []policy.Rule{ok}); used[0] != 5 {
+		t.Fatalf("a's counter holds %d after a failed give back, want 5", used[0])
 	}
 }
