@@ -484,6 +484,49 @@ func TestGatewayUpstreamRefusesKey(t *testing.T) {
 	}
 }
 
+// TestGatewayBufferBudget: non-stream answers are held whole for their
+// usage only within the proxy's budget: one that would pass it reaches the
+// client intact and is charged the estimate; the budget each answer took
+// is given back, so the answers after it are charged their usage.
+func TestGatewayBufferBudget(t *testing.T) {
+	g := newGatewayStack(t, llmPolicy)
+	px, err := llmproxy.New(llmproxy.Options{Config: func() *llmproxy.Config { return g.gw }, Admitter: g.api, BufferBudget: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.srv.Config.Handler = px
+	body := chat(false, false, 10)
+	_, out := estimate(t, body)
+	big := strings.Repeat("y", 8<<10)
+	g.up.Set(llmtest.Behaviour{PromptTokens: 9, CompletionTokens: 7, Words: []string{big}})
+	if resp, raw := g.post(llmKey, "/v1/chat/completions", body); resp.StatusCode != 200 || !strings.Contains(raw, `"content":"`+big+`"`) ||
+		!strings.HasSuffix(raw, `"usage":{"prompt_tokens":9,"completion_tokens":7,"total_tokens":16}}`) {
+		t.Fatalf("answer over the budget = %d, %d bytes, want 200 and all of it", resp.StatusCode, len(raw))
+	}
+	g.up.Set(llmtest.Behaviour{PromptTokens: 9, CompletionTokens: 7, Words: []string{strings.Repeat("z", 200)}})
+	for range 3 { // each fits the budget, together they would not
+		if resp, raw := g.post(llmKey, "/v1/chat/completions", body); resp.StatusCode != 200 || len(raw) > 1000 || 3*len(raw) <= 1000 {
+			t.Fatalf("small answer = %d %s, want 200 and 334 to 1000 bytes", resp.StatusCode, raw)
+		}
+	}
+	if err := px.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	actual, _ := g.settled()
+	var estimated, reported int
+	for _, a := range actual {
+		switch {
+		case a.OutputTokens == out:
+			estimated++
+		case a.InputTokens == 9 && a.OutputTokens == 7:
+			reported++
+		}
+	}
+	if len(actual) != 4 || estimated != 1 || reported != 3 {
+		t.Errorf("actual %v: want the large answer charged the estimate (%d out), the 3 others their usage", actual, out)
+	}
+}
+
 // sse reads a stream's data lines.
 func sse(t *testing.T, r io.Reader) []string {
 	t.Helper()

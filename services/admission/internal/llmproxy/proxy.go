@@ -16,6 +16,7 @@ import (
 	"path"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -53,6 +54,10 @@ type Options struct {
 	// it after it ended, each on a context detached from the client's
 	// (default 10 s).
 	SettleTimeout time.Duration
+	// BufferBudget bounds the bytes of all the non-stream answers held at
+	// once to read their usage (default DefaultBufferBudget); an answer
+	// that would pass it is passed through and charged the estimate.
+	BufferBudget int64
 	// WriteTimeout bounds each write to a client (default 30 s): one that
 	// takes nothing for this long is dropped, and the upstream request
 	// with it.
@@ -96,6 +101,7 @@ type Proxy struct {
 	transport http.RoundTripper
 	settleTO  time.Duration
 	writeTO   time.Duration
+	buffered  atomic.Int64 // BufferBudget left
 	log       *slog.Logger
 	requests  *prometheus.CounterVec
 	settled   *prometheus.CounterVec
@@ -126,6 +132,9 @@ func New(o Options) (*Proxy, error) {
 	if o.SettleTimeout <= 0 {
 		o.SettleTimeout = 10 * time.Second
 	}
+	if o.BufferBudget <= 0 {
+		o.BufferBudget = DefaultBufferBudget
+	}
 	if o.WriteTimeout <= 0 {
 		o.WriteTimeout = 30 * time.Second
 	}
@@ -144,6 +153,7 @@ func New(o Options) (*Proxy, error) {
 			Help: "Admitted gateway requests by how they were settled: usage (reported by the upstream), counted (input and streamed output), estimate (no usage in a response), released (nothing produced).",
 		}, []string{"result"}),
 	}
+	p.buffered.Store(o.BufferBudget)
 	for _, c := range obs.CodeClasses {
 		p.requests.WithLabelValues(c)
 	}
@@ -159,6 +169,10 @@ func New(o Options) (*Proxy, error) {
 	}
 	return p, nil
 }
+
+// DefaultBufferBudget is Options.BufferBudget's default: four answers of
+// maxResponse, or thousands of ordinary ones.
+const DefaultBufferBudget = 256 << 20
 
 // newTransport is the default Transport: no compression (a gzip reader
 // would hold stream chunks back), bounded connection set-up, and no
@@ -379,7 +393,7 @@ func (x *exchange) settle(o outcome) {
 	}
 }
 
-// maxResponse bounds the non-stream response read whole for its usage (64
+// maxResponse bounds each non-stream response read whole for its usage (64
 // MiB: an embeddings answer of 2048 inputs of 3072 dimensions is ~60 MB);
 // past it the rest is passed through and the estimate charged.
 const maxResponse = 64 << 20
@@ -417,15 +431,44 @@ func (p *Proxy) forward(w *countingWriter, r *http.Request, up *Upstream, body [
 		u, reported := m.Usage()
 		return outcome{usage: u, reported: reported, produced: reported || u.Output > 0}
 	}
-	b, err := io.ReadAll(io.LimitReader(resp.Body, maxResponse))
+	b, taken, whole := p.buffer(resp.Body)
+	defer p.buffered.Add(taken)
 	w.WriteHeader(resp.StatusCode)
 	w.write(b)
-	if err != nil || len(b) == maxResponse {
+	if !whole {
 		p.copy(w, resp.Body, nil, cancel)
 		return outcome{produced: true, estimate: true}
 	}
 	u, ok := openai.UsageOf(x.kind, b)
 	return outcome{usage: u, reported: ok, produced: true, estimate: !ok}
+}
+
+// buffer reads a non-stream answer whole for its usage while it stays under
+// maxResponse and the proxy's budget for buffered answers lasts (at most
+// one more read each). It returns what it read, the budget it took (to
+// give back once written) and whether that is the whole answer; when not,
+// the caller passes the rest through and charges the estimate.
+func (p *Proxy) buffer(src io.Reader) (b []byte, taken int64, whole bool) {
+	chunk := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(chunk)
+		if n > 0 {
+			b = append(b, chunk[:n]...)
+			if len(b) > maxResponse || p.buffered.Add(-int64(n)) < 0 {
+				if len(b) <= maxResponse {
+					p.buffered.Add(int64(n)) // not taken after all
+				}
+				return b, taken, false
+			}
+			taken += int64(n)
+		}
+		if err == io.EOF {
+			return b, taken, true
+		}
+		if err != nil {
+			return b, taken, false
+		}
+	}
 }
 
 // pass forwards a passed path to up unmetered.
