@@ -2,6 +2,7 @@ package redistest
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -70,6 +71,23 @@ func (h *ScriptHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		return h.run(cmds, func() error { return next(ctx, cmds) })
 	}
+}
+
+// FailAfter sets F to send the next n script calls and fail every one
+// after them, as a dropped connection would.
+func (h *ScriptHook) FailAfter(n int32) {
+	var calls atomic.Int32
+	f := func(cmds []redis.Cmder, next func() error) error {
+		if calls.Add(1) <= n {
+			return next()
+		}
+		err := errors.New("redistest: injected failure")
+		for _, c := range cmds {
+			c.SetErr(err)
+		}
+		return err
+	}
+	h.F.Store(&f)
 }
 
 func (h *ScriptHook) run(cmds []redis.Cmder, next func() error) error {

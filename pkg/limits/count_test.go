@@ -439,18 +439,7 @@ func TestCountBatchGiveBackOutlivesTheCaller(t *testing.T) {
 	}
 
 	// A give back that fails is reported, and its charge stays.
-	calls.Store(0)
-	fail := func(cmds []redis.Cmder, next func() error) error {
-		if calls.Add(1) == 1 {
-			return next()
-		}
-		err := errors.New("injected failure")
-		for _, c := range cmds {
-			c.SetErr(err)
-		}
-		return err
-	}
-	hook.F.Store(&fail)
+	hook.FailAfter(1)
 	out = l.CountBatch(ctx, [][]limits.SharedRequest{group})
 	hook.F.Store(nil)
 	if out[0].Err != nil || out[0].Decision.Allowed || out[0].GiveBack == nil {

@@ -11,7 +11,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
-	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
@@ -210,18 +209,7 @@ func TestCheckCountsAFailedGiveBack(t *testing.T) {
 	if used := counterUsed(t, cc, 0, policy.ScopeGlobal, a, []policy.Rule{ok}); used[0] != 0 {
 		t.Fatalf("a's counter holds %d after its give back, want 0", used[0])
 	}
-	var calls atomic.Int32
-	fail := func(cmds []redis.Cmder, next func() error) error {
-		if calls.Add(1) == 1 {
-			return next()
-		}
-		err := errors.New("injected failure")
-		for _, c := range cmds {
-			c.SetErr(err)
-		}
-		return err
-	}
-	hook.F.Store(&fail)
+	hook.FailAfter(1)
 	r, err := d.Check(ctx, charges)
 	hook.F.Store(nil)
 	if err != nil || r.Allowed || r.Local {
