@@ -170,7 +170,7 @@ func startGateway(stack *service.Stack, cfg Config, api *httpapi.Handler, log *s
 	}
 	stack.Go("gateway file", w.Watch) // returns at once without a file
 	px, err := llmproxy.New(llmproxy.Options{Config: w.Current, Admitter: api,
-		DefaultMaxTokens: cfg.GatewayDefaultMaxTokens, Log: log, Registerer: reg})
+		DefaultMaxTokens: cfg.GatewayDefaultMaxTokens, ReferenceTokens: cfg.GatewayReferenceTokens, Log: log, Registerer: reg})
 	if err != nil {
 		return "", err
 	}

@@ -37,6 +37,11 @@ type Settings struct {
 	// none (QF_GATEWAY_DEFAULT_MAX_TOKENS), so that the actual can never
 	// exceed the estimate.
 	GatewayDefaultMaxTokens int64 `envconfig:"GATEWAY_DEFAULT_MAX_TOKENS"`
+	// GatewayReferenceTokens are the input tokens reserved for each file
+	// part and each stored context (previous_response_id, conversation) a
+	// request points to (QF_GATEWAY_REFERENCE_TOKENS): the body holds none
+	// of their text.
+	GatewayReferenceTokens int64 `envconfig:"GATEWAY_REFERENCE_TOKENS"`
 }
 
 // DefaultMaxTokens is QF_GATEWAY_DEFAULT_MAX_TOKENS's default: 4096, the
@@ -49,7 +54,7 @@ const DefaultMaxTokens = 4096
 const maxDefaultMaxTokens = 1 << 20
 
 // DefaultSettings are the defaults this package owns.
-var DefaultSettings = Settings{GatewayDefaultMaxTokens: DefaultMaxTokens}
+var DefaultSettings = Settings{GatewayDefaultMaxTokens: DefaultMaxTokens, GatewayReferenceTokens: openai.DefaultReferenceTokens}
 
 // Validate checks the settings without reading the file (run does), each
 // problem naming its variable; it never repeats a key.
@@ -83,6 +88,9 @@ func (s *Settings) Validate() error {
 	}
 	if s.GatewayDefaultMaxTokens < 1 || s.GatewayDefaultMaxTokens > maxDefaultMaxTokens {
 		errs = append(errs, fmt.Errorf("QF_GATEWAY_DEFAULT_MAX_TOKENS: %d: want 1 to %d", s.GatewayDefaultMaxTokens, maxDefaultMaxTokens))
+	}
+	if s.GatewayReferenceTokens < 1 || s.GatewayReferenceTokens > openai.MaxTokens {
+		errs = append(errs, fmt.Errorf("QF_GATEWAY_REFERENCE_TOKENS: %d: want 1 to %d", s.GatewayReferenceTokens, openai.MaxTokens))
 	}
 	return errors.Join(errs...)
 }

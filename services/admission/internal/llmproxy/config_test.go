@@ -227,13 +227,14 @@ func TestSettingsValidate(t *testing.T) {
 		s    Settings
 		want string
 	}{
-		{Settings{GatewayDefaultMaxTokens: 1}, ""},
-		{Settings{GatewayKeys: []string{"k=t/u"}, GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_KEYS: set without QF_GATEWAY_ADDR"},
-		{Settings{GatewayAddr: ":8081", GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_UPSTREAM: required"},
-		{Settings{GatewayAddr: ":8081", GatewayUpstream: "localhost:8000", GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_UPSTREAM: want an http or https URL"},
-		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayDefaultMaxTokens: 0}, "QF_GATEWAY_DEFAULT_MAX_TOKENS"},
-		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayKeys: []string{"k=t"}, GatewayDefaultMaxTokens: 1}, "QF_GATEWAY_KEYS: entry 1"},
-		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayKeys: []string{"k=t/u"}, GatewayDefaultMaxTokens: 1}, ""},
+		{Settings{GatewayDefaultMaxTokens: 1, GatewayReferenceTokens: 1}, ""},
+		{Settings{GatewayKeys: []string{"k=t/u"}, GatewayDefaultMaxTokens: 1, GatewayReferenceTokens: 1}, "QF_GATEWAY_KEYS: set without QF_GATEWAY_ADDR"},
+		{Settings{GatewayAddr: ":8081", GatewayDefaultMaxTokens: 1, GatewayReferenceTokens: 1}, "QF_GATEWAY_UPSTREAM: required"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "localhost:8000", GatewayDefaultMaxTokens: 1, GatewayReferenceTokens: 1}, "QF_GATEWAY_UPSTREAM: want an http or https URL"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayDefaultMaxTokens: 0, GatewayReferenceTokens: 1}, "QF_GATEWAY_DEFAULT_MAX_TOKENS"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayDefaultMaxTokens: 1, GatewayReferenceTokens: 1<<20 + 1}, "QF_GATEWAY_REFERENCE_TOKENS: 1048577: want 1 to 1048576"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayKeys: []string{"k=t"}, GatewayDefaultMaxTokens: 1, GatewayReferenceTokens: 1}, "QF_GATEWAY_KEYS: entry 1"},
+		{Settings{GatewayAddr: ":8081", GatewayUpstream: "http://u/v1", GatewayKeys: []string{"k=t/u"}, GatewayDefaultMaxTokens: 1, GatewayReferenceTokens: 1}, ""},
 	} {
 		err := tc.s.Validate()
 		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {

@@ -47,6 +47,10 @@ type Options struct {
 	// DefaultMaxTokens is set on a request without an output maximum
 	// (default DefaultMaxTokens).
 	DefaultMaxTokens int64
+	// ReferenceTokens are counted for each file part and stored context a
+	// request points to (openai.Options.ReferenceTokens; default
+	// openai.DefaultReferenceTokens).
+	ReferenceTokens int64
 	// Transport reaches the upstreams (default: a transport without
 	// compression, so that streams are read as they come).
 	Transport http.RoundTripper
@@ -142,7 +146,7 @@ func New(o Options) (*Proxy, error) {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
 	p := &Proxy{
-		cfg: o.Config, adm: o.Admitter, inspect: openai.Options{DefaultMaxTokens: o.DefaultMaxTokens},
+		cfg: o.Config, adm: o.Admitter, inspect: openai.Options{DefaultMaxTokens: o.DefaultMaxTokens, ReferenceTokens: o.ReferenceTokens},
 		transport: o.Transport, settleTO: o.SettleTimeout, writeTO: o.WriteTimeout, log: o.Log.With("component", "gateway"),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "quotaflow_admission_gateway_requests_total",

@@ -26,12 +26,12 @@
 // message costs 3 tokens beyond its text and a name 1 more, and each reply
 // 3, as in OpenAI's cookbook (the package counts its example as the API
 // does: 124 tokens on gpt-4o, 129 on gpt-4); responses items count as chat
-// messages; an image, audio or file part counts MediaTokens; tool
+// messages; an image or audio part counts MediaTokens; a file part, and
+// each context an upstream keeps (previous_response_id, conversation),
+// Options.ReferenceTokens, since the body holds none of their text; tool
 // definitions count as their JSON text. A conversation sends its history
 // again each turn, so the counts of long texts are remembered (a fixed-size
-// cache per encoding). Context an upstream keeps
-// (previous_response_id) is not in the body and not counted: the actual
-// usage corrects every estimate.
+// cache per encoding). The actual usage corrects every estimate.
 //
 // All functions are safe for concurrent use; a Meter belongs to one stream.
 package openai

@@ -31,6 +31,9 @@ const (
 	// of its bytes: what gpt-4o charges for a 1024×1024 image at high
 	// detail. It is an estimate, not a bound; the actual usage corrects it.
 	MediaTokens = 765
+	// DefaultReferenceTokens is Options.ReferenceTokens's default: a
+	// document of a few pages, or a short conversation kept upstream.
+	DefaultReferenceTokens = 8192
 	// completionsMaxTokens is the API's own default for /v1/completions,
 	// set explicitly when absent so the upstream cannot pick another.
 	completionsMaxTokens = 16
@@ -73,6 +76,12 @@ type Options struct {
 	MaxBody          int64   // bytes; default DefaultMaxBody
 	DefaultMaxTokens int64   // 1..MaxTokens; default DefaultMaxTokens
 	BytesPerToken    float64 // fallback for unknown models, MinBytesPerToken..MaxBytesPerToken; default DefaultBytesPerToken
+	// ReferenceTokens are counted for each input the body only points to,
+	// whose tokens it cannot count: a file part (chat's file, responses'
+	// input_file: a file_id or a document's bytes) and a responses
+	// request's previous_response_id and conversation. 1..MaxTokens;
+	// default DefaultReferenceTokens.
+	ReferenceTokens int64
 }
 
 // Request is what Inspect learns of a request and the body to send
@@ -116,6 +125,13 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 	if defMax < 1 || defMax > MaxTokens {
 		return Request{}, fmt.Errorf("openai: Options.DefaultMaxTokens %d is outside 1..%d", defMax, MaxTokens)
 	}
+	refs := o.ReferenceTokens
+	if refs == 0 {
+		refs = DefaultReferenceTokens
+	}
+	if refs < 1 || refs > MaxTokens {
+		return Request{}, fmt.Errorf("openai: Options.ReferenceTokens %d is outside 1..%d", refs, MaxTokens)
+	}
 	if bpt := o.BytesPerToken; bpt != 0 && !(bpt >= MinBytesPerToken && bpt <= MaxBytesPerToken) {
 		return Request{}, fmt.Errorf("openai: Options.BytesPerToken %v is outside %v..%v", bpt, MinBytesPerToken, MaxBytesPerToken)
 	}
@@ -126,7 +142,7 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 	if err != nil {
 		return Request{}, bad("body", "%v", err)
 	}
-	in := inspector{obj: obj}
+	in := inspector{obj: obj, refs: refs}
 	r := Request{Body: body}
 	if r.Model, err = in.model(); err != nil {
 		return Request{}, err
@@ -186,6 +202,7 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 type inspector struct {
 	obj   object
 	c     *counter
+	refs  int64 // Options.ReferenceTokens
 	edits []edit
 }
 
@@ -390,9 +407,13 @@ func (in *inspector) message(v any, field string) (int64, error) {
 // media are the part types counted as MediaTokens rather than by their
 // data (base64 or a URL, which the model does not read as text).
 var media = map[string]bool{
-	"image_url": true, "input_audio": true, "file": true, // chat
-	"input_image": true, "input_file": true, // responses
+	"image_url": true, "input_audio": true, // chat
+	"input_image": true, // responses
 }
+
+// files are the part types counted as Options.ReferenceTokens: a document
+// (a file_id, or a PDF's bytes) whose text only the upstream extracts.
+var files = map[string]bool{"file": true, "input_file": true}
 
 // tally counts every string in v but the values of "type" and "id" (tags
 // and references, not text the model reads), with MediaTokens for a media
@@ -414,8 +435,12 @@ func (in *inspector) tally(v any, depth int, field string) (int64, error) {
 			n += t
 		}
 	case map[string]any:
-		if t, _ := v["type"].(string); media[t] {
+		t, _ := v["type"].(string)
+		switch {
+		case media[t]:
 			return MediaTokens, nil
+		case files[t]:
+			return in.refs, nil
 		}
 		for k, e := range v {
 			if k == "type" || k == "id" {
@@ -486,11 +511,16 @@ func tokenIDs(v []any) bool {
 }
 
 // responsesInput counts instructions and input (a string, or an array of
-// items counted as chat messages) of a /v1/responses request. Context the
-// upstream stores (previous_response_id, conversation) is not in the body
-// and not counted.
+// items counted as chat messages) of a /v1/responses request, and
+// Options.ReferenceTokens for each context the upstream stores
+// (previous_response_id, conversation), which is not in the body.
 func (in *inspector) responsesInput() (int64, error) {
 	n := int64(tokensPerReply) + in.tools()
+	for _, key := range []string{"previous_response_id", "conversation"} {
+		if in.obj.value(key) != nil {
+			n += in.refs
+		}
+	}
 	instr, err := in.text("instructions")
 	if err != nil {
 		return 0, err

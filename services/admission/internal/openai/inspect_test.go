@@ -180,6 +180,14 @@ func TestInspect(t *testing.T) {
 			`{"model":"gpt-4o","max_output_tokens":64,"input":[{"role":"user","content":[{"type":"input_text","text":"Hi"},{"type":"input_image","image_url":"https://x/y.png"}]},{"type":"function_call_output","call_id":"c","output":"42"}]}`,
 			Request{Model: "gpt-4o", OutputTokens: 64,
 				InputTokens: 3 + 3 + tok(t, o200k, "user") + tok(t, o200k, "Hi") + MediaTokens + 3 + tok(t, o200k, "c") + tok(t, o200k, "42")}, true},
+		// The body holds no text of a file or of the context kept upstream:
+		// each counts Options.ReferenceTokens.
+		{"chat file parts count the reference floor", Chat,
+			`{"model":"gpt-4o","max_tokens":1,"messages":[{"role":"user","content":[{"type":"file","file":{"file_id":"file-abc"}},{"type":"file","file":{"file_data":"data:application/pdf;base64,AAAA"}}]}]}`,
+			Request{Model: "gpt-4o", OutputTokens: 1, InputTokens: 3 + 3 + tok(t, o200k, "user") + 2*DefaultReferenceTokens}, true},
+		{"responses: stored context and an input file count the reference floor", Responses,
+			`{"model":"gpt-4o","max_output_tokens":8,"previous_response_id":"resp_1","conversation":"conv_1","input":[{"role":"user","content":[{"type":"input_file","file_id":"file-abc"}]}]}`,
+			Request{Model: "gpt-4o", OutputTokens: 8, InputTokens: 3 + 2*DefaultReferenceTokens + 3 + tok(t, o200k, "user") + DefaultReferenceTokens}, true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
