@@ -111,6 +111,18 @@ func (g *gatewayStack) post(key, path, body string) (*http.Response, string) {
 	return resp, string(raw)
 }
 
+// getModels checks that GET /v1/models, a passed path, is answered.
+func (g *gatewayStack) getModels() {
+	g.t.Helper()
+	req, _ := http.NewRequest("GET", g.srv.URL+"/v1/models", nil)
+	req.Header.Set("Authorization", "Bearer "+llmKey)
+	if r, err := http.DefaultClient.Do(req); err != nil || r.StatusCode != 200 {
+		g.t.Errorf("GET /v1/models (passed) = %v, %v", r, err)
+	} else {
+		r.Body.Close()
+	}
+}
+
 // used is the user's quota use in Redis (GET /v1/usage).
 func (g *gatewayStack) used(user string) float64 {
 	g.t.Helper()
@@ -244,13 +256,7 @@ func TestGatewayDenies(t *testing.T) {
 		t.Errorf("unknown key = %d %s", resp.StatusCode, raw)
 	}
 	// Other paths: passed when listed, else 404.
-	req, _ := http.NewRequest("GET", g.srv.URL+"/v1/models", nil)
-	req.Header.Set("Authorization", "Bearer "+llmKey)
-	if r, err := http.DefaultClient.Do(req); err != nil || r.StatusCode != 200 {
-		t.Errorf("GET /v1/models (passed) = %v, %v", r, err)
-	} else {
-		r.Body.Close()
-	}
+	g.getModels()
 	if resp, raw := g.post(llmKey, "/v1/batches", "{}"); resp.StatusCode != 404 || !strings.Contains(raw, "unknown_url") {
 		t.Errorf("POST /v1/batches (not passed) = %d %s", resp.StatusCode, raw)
 	}
@@ -281,13 +287,7 @@ func TestGatewayRefusesUncleanPaths(t *testing.T) {
 	if resp, raw := g.post(llmKey, "/v1/chat/completions", body); resp.StatusCode != 200 {
 		t.Errorf("POST /v1/chat/completions = %d %s", resp.StatusCode, raw)
 	}
-	req, _ := http.NewRequest("GET", g.srv.URL+"/v1/models", nil)
-	req.Header.Set("Authorization", "Bearer "+llmKey)
-	if r, err := http.DefaultClient.Do(req); err != nil || r.StatusCode != 200 {
-		t.Errorf("GET /v1/models (passed) = %v, %v", r, err)
-	} else {
-		r.Body.Close()
-	}
+	g.getModels()
 	seen := g.up.Requests()
 	if len(seen) != 2 || seen[0].Path != "/v1/chat/completions" || seen[1].Path != "/v1/models" {
 		t.Errorf("upstream saw %v, want the chat then the models", seen)
