@@ -1,10 +1,8 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
 	"net/http"
-	"strings"
 	"testing"
 	"time"
 
@@ -57,27 +55,11 @@ plans:
 			var ttft, total []time.Duration
 			cpu0 := processCPU(b)
 			for b.Loop() {
-				req, _ := http.NewRequest("POST", target.url+"/chat/completions", strings.NewReader(body))
-				req.Header.Set("Authorization", "Bearer "+target.key)
-				req.Header.Set("Content-Type", "application/json")
-				start := time.Now()
-				resp, err := client.Do(req)
+				first, end, err := streamOnce(client, target.url, target.key, body, time.Now())
 				if err != nil {
 					b.Fatal(err)
 				}
-				sc := bufio.NewScanner(resp.Body)
-				first := time.Duration(0)
-				for sc.Scan() {
-					if first == 0 && strings.Contains(sc.Text(), `"content":" hello"`) {
-						first = time.Since(start)
-					}
-				}
-				total = append(total, time.Since(start))
-				resp.Body.Close()
-				if resp.StatusCode != 200 || first == 0 {
-					b.Fatalf("%s: status %d, no content chunk", target.name, resp.StatusCode)
-				}
-				ttft = append(ttft, first)
+				ttft, total = append(ttft, first), append(total, end)
 			}
 			cpu := processCPU(b) - cpu0
 			b.ReportMetric(float64(median(ttft).Microseconds()), "ttft-us")
