@@ -398,30 +398,26 @@ func ratiosAt(t, base *peerTarget, levels []int, ratio func(t, base *peerTarget,
 
 // cpus reads the CPU time of t's server, Redis and nats-server and of this
 // process, the load generator (its other goroutines idle during a load).
-func cpus(t *peerTarget, self int) [4]time.Duration {
-	var c [4]time.Duration
-	for i, s := range []*e2e.Server{t.redis, t.nats} {
-		if s != nil {
-			c[i+1], _ = proc.CPU(s.Cmd.Process.Pid)
-		}
-	}
-	c[0], _ = proc.CPU(t.server.Process.Pid)
-	c[3], _ = proc.CPU(self)
-	return c
-}
+func cpus(t *peerTarget, self int) [4]time.Duration { return perProcess(t, self, proc.CPU) }
 
 // waits reads how long the threads of t's server, Redis and nats-server and
 // of this process have waited for a CPU.
 func waits(t *peerTarget, self int) [4]time.Duration {
-	var w [4]time.Duration
+	return perProcess(t, self, proc.RunQueueWait)
+}
+
+// perProcess reads one figure of t's server, Redis and nats-server and of
+// this process, in that order; a process that is not there reads zero.
+func perProcess(t *peerTarget, self int, read func(pid int) (time.Duration, error)) [4]time.Duration {
+	var v [4]time.Duration
 	for i, s := range []*e2e.Server{t.redis, t.nats} {
 		if s != nil {
-			w[i+1], _ = proc.RunQueueWait(s.Cmd.Process.Pid)
+			v[i+1], _ = read(s.Cmd.Process.Pid)
 		}
 	}
-	w[0], _ = proc.RunQueueWait(t.server.Process.Pid)
-	w[3], _ = proc.RunQueueWait(self)
-	return w
+	v[0], _ = read(t.server.Process.Pid)
+	v[3], _ = read(self)
+	return v
 }
 
 func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy string, extra ...string) (*peerTarget, error) {
