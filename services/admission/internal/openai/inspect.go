@@ -161,7 +161,7 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 			choices, err = in.choices()
 		}
 		if err == nil {
-			err = in.maximum(&r, chatMaxField(r.Model), defMax, prompts*choices, "max_tokens", "max_completion_tokens", "n_predict")
+			err = in.maximum(&r, chatMaxField(r.Model), defMax, prompts*choices)
 		}
 		if err == nil {
 			err = in.streamUsage(&r)
@@ -176,7 +176,7 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 			}
 		}
 		if err == nil {
-			err = in.maximum(&r, "max_tokens", completionsMaxTokens, prompts*choices, "max_tokens", "n_predict")
+			err = in.maximum(&r, "max_tokens", completionsMaxTokens, prompts*choices)
 		}
 		if err == nil {
 			err = in.streamUsage(&r)
@@ -186,7 +186,7 @@ func Inspect(k Kind, body []byte, o Options) (Request, error) {
 	case Responses:
 		r.InputTokens, err = in.responsesInput()
 		if err == nil {
-			err = in.maximum(&r, "max_output_tokens", defMax, 1, "max_output_tokens")
+			err = in.maximum(&r, "max_output_tokens", defMax, 1)
 		}
 	default:
 		return Request{}, fmt.Errorf("openai: unknown endpoint kind %d", k)
@@ -252,16 +252,20 @@ func (in *inspector) choices() (int64, error) {
 	return max(n, best, 1), nil
 }
 
-// maximum sets r.OutputTokens from the largest of the maximum fields the
-// request sets, else def (n_predict's -1 for "no limit" is refused here).
-// Upstreams honour different fields (vLLM prefers max_completion_tokens,
-// TGI and llama.cpp read max_tokens, llama.cpp also n_predict) and ignore
-// the others, so the maximum is written into field and into every maximum
-// the request names: no upstream can generate past the estimate.
-func (in *inspector) maximum(r *Request, field string, def, times int64, fields ...string) error {
+// maxFields are the output maximums an upstream may read on any generating
+// endpoint: vLLM prefers max_completion_tokens, TGI and llama.cpp read
+// max_tokens, llama.cpp also n_predict (overriding the others) and copies
+// a responses body's max_output_tokens into a chat body beside them.
+var maxFields = []string{"max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict"}
+
+// maximum sets r.OutputTokens from the largest of the maxFields the request
+// sets, else def (n_predict's -1 for "no limit" is refused here), and
+// writes it into the endpoint's field and every maximum the request names:
+// no upstream can generate past the estimate.
+func (in *inspector) maximum(r *Request, field string, def, times int64) error {
 	per := int64(0)
-	set := make(map[string]int64, len(fields))
-	for _, f := range fields {
+	set := make(map[string]int64, len(maxFields))
+	for _, f := range maxFields {
 		n, ok, err := in.whole(f, 1, MaxTokens)
 		if err != nil {
 			return err
@@ -274,7 +278,7 @@ func (in *inspector) maximum(r *Request, field string, def, times int64, fields 
 	if per == 0 {
 		per = def
 	}
-	for _, f := range fields {
+	for _, f := range maxFields {
 		if n, ok := set[f]; (ok || f == field) && n != per {
 			in.edits = append(in.edits, in.obj.set(f, strconv.FormatInt(per, 10)))
 		}

@@ -11,7 +11,7 @@ import (
 // panics; it fails only with ErrInvalid (a FieldError) or ErrTooLarge, in
 // a short message; what
 // it accepts it returns as valid JSON whose fields are the client's plus
-// the ones it sets, with non-negative counts; and inspecting its own
+// the ones it sets, with non-negative counts and one value in every maximum field; and inspecting its own
 // output changes nothing more. Seeds live in testdata/fuzz/FuzzInspect.
 func FuzzInspect(f *testing.F) {
 	f.Fuzz(func(t *testing.T, kind uint8, body []byte) {
@@ -39,11 +39,21 @@ func FuzzInspect(f *testing.F) {
 		}
 		for key, v := range before {
 			switch key {
-			case "max_tokens", "max_completion_tokens", "max_output_tokens", "stream_options":
+			case "max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict", "stream_options":
 				continue
 			}
 			if !bytes.Equal(after[key], v) {
 				t.Fatalf("Inspect(%q) changed %s to %s", body, key, after[key])
+			}
+		}
+		// Every maximum field the upstream may read carries the one maximum.
+		var cap json.RawMessage
+		for _, key := range maxFields {
+			if v, ok := after[key]; ok && k != Embeddings {
+				if cap != nil && !bytes.Equal(v, cap) {
+					t.Fatalf("Inspect(%q) body %q sets the maximum fields apart", body, r.Body)
+				}
+				cap = v
 			}
 		}
 		again, err := Inspect(k, r.Body, Options{MaxBody: 1 << 17})

@@ -449,3 +449,53 @@ func TestCountCache(t *testing.T) {
 		t.Errorf("a text counted past the budget was remembered as %d", n)
 	}
 }
+
+// TestInspectCapsEveryMaximum: whatever maximum field a body uses, on any
+// generating endpoint, the largest is the estimate and every maximum field
+// the upstream receives carries it: llama.cpp copies a responses body into
+// a chat body where n_predict wins, vLLM prefers max_completion_tokens.
+func TestInspectCapsEveryMaximum(t *testing.T) {
+	cases := []struct {
+		name string
+		kind Kind
+		body string
+		out  int64
+		want string
+	}{
+		{"responses n_predict", Responses,
+			`{"model":"m","input":"hi","max_output_tokens":16,"n_predict":1000000}`, 1000000,
+			`{"model":"m","input":"hi","max_output_tokens":1000000,"n_predict":1000000}`},
+		{"responses n_predict alone", Responses,
+			`{"model":"m","input":"hi","n_predict":5}`, 5,
+			`{"model":"m","input":"hi","n_predict":5,"max_output_tokens":5}`},
+		{"responses max_tokens", Responses,
+			`{"model":"m","input":"hi","max_tokens":900,"max_output_tokens":16}`, 900,
+			`{"model":"m","input":"hi","max_tokens":900,"max_output_tokens":900}`},
+		{"responses max_completion_tokens", Responses,
+			`{"model":"m","input":"hi","max_completion_tokens":700}`, 700,
+			`{"model":"m","input":"hi","max_completion_tokens":700,"max_output_tokens":700}`},
+		{"completions max_completion_tokens", Completions,
+			`{"model":"m","prompt":"x","max_completion_tokens":300,"max_tokens":2}`, 300,
+			`{"model":"m","prompt":"x","max_completion_tokens":300,"max_tokens":300}`},
+		{"completions max_output_tokens", Completions,
+			`{"model":"m","prompt":"x","max_output_tokens":40}`, 40,
+			`{"model":"m","prompt":"x","max_output_tokens":40,"max_tokens":40}`},
+		{"chat max_output_tokens", Chat,
+			`{"model":"m","messages":[{"role":"user","content":"x"}],"max_output_tokens":50,"n_predict":3}`, 50,
+			`{"model":"m","messages":[{"role":"user","content":"x"}],"max_output_tokens":50,"n_predict":50,"max_tokens":50}`},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r, err := Inspect(c.kind, []byte(c.body), Options{})
+			if err != nil {
+				t.Fatalf("Inspect: %v", err)
+			}
+			if r.OutputTokens != c.out {
+				t.Errorf("OutputTokens = %d, want %d", r.OutputTokens, c.out)
+			}
+			if string(r.Body) != c.want {
+				t.Errorf("Inspect body\n got %s\nwant %s", r.Body, c.want)
+			}
+		})
+	}
+}
