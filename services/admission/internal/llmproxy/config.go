@@ -261,12 +261,13 @@ func (c *Config) passes(path string) bool {
 // identify returns whom r is for: from the trusted headers when its peer is
 // trusted and sets them, else from its bearer key. It returns false when
 // neither identifies it (401), or when a trusted peer sent either header
-// more than once: an outer gateway that appended its value to the
-// client's instead of overwriting it, which only the client's could win.
+// more than once or with a comma in its value: an outer gateway that
+// appended its value to the client's (as a second header or joined into
+// one) instead of overwriting it, which only the client's could win.
 func (c *Config) identify(r *http.Request) (Identity, bool) {
 	if t := c.trusted; t != nil && t.from(r.RemoteAddr) {
 		tenants, users := r.Header.Values(t.tenant), r.Header.Values(t.user)
-		if len(tenants) > 1 || len(users) > 1 {
+		if len(tenants) > 1 || len(users) > 1 || joined(tenants) || joined(users) {
 			return Identity{}, false
 		}
 		if len(tenants) == 1 && tenants[0] != "" {
@@ -283,6 +284,12 @@ func (c *Config) identify(r *http.Request) (Identity, bool) {
 		return Identity{}, false
 	}
 	return lookupKey(c.keys, key)
+}
+
+// joined reports whether a header's single value holds a comma: values an
+// appending gateway joined into one.
+func joined(values []string) bool {
+	return len(values) == 1 && strings.Contains(values[0], ",")
 }
 
 // from reports whether the peer at addr (host:port) is trusted.

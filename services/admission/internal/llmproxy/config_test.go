@@ -115,6 +115,14 @@ trusted_headers: {tenant: x-tenant, user: x-user, peers: [10.0.0.0/8]}
 		if got, ok := c.identify(r); ok {
 			t.Errorf("identify(two %s headers) = %v, want none", h, got)
 		}
+		// An appending gateway may join the values into one, comma-separated.
+		own := r.Header[h][1]
+		for _, joined := range []string{"spoofed, " + own, "spoofed," + own} {
+			r.Header.Set(h, joined)
+			if got, ok := c.identify(r); ok {
+				t.Errorf("identify(%s: %q) = %v, want none", h, joined, got)
+			}
+		}
 	}
 }
 
