@@ -9,8 +9,6 @@ import (
 	"sync"
 	"testing"
 	"time"
-
-	"quotaflow/services/admission/internal/openai"
 )
 
 // BenchmarkLLMGatewayLoad is BenchmarkLLMGateway's streamed chat completion
@@ -29,16 +27,7 @@ import (
 //
 // go test -run '^$' -bench LLMGatewayLoad -benchtime 2000x -count 1 ./services/admission/
 func BenchmarkLLMGatewayLoad(b *testing.B) {
-	g := newGatewayStack(b, `
-default_plan: p
-plans:
-  p:
-    quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000000000}]
-`)
-	body := chat(true, false, 50)
-	if err := openai.Warm(); err != nil {
-		b.Fatal(err)
-	}
+	g, body := newGatewayBench(b)
 	for _, load := range []struct {
 		name        string
 		conns, rate int // rate 0: closed loop of conns clients
