@@ -16,10 +16,10 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
-	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/extauthz"
 	"quotaflow/services/admission/internal/grpcapi"
 )

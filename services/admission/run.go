@@ -12,12 +12,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
-	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/extauthz"
 	"quotaflow/services/admission/internal/grpcapi"

@@ -14,11 +14,11 @@ import (
 
 	"github.com/kelseyhightower/envconfig"
 
+	"quotaflow/internal/auth/authtest"
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events/stream"
-	"quotaflow/services/admission/internal/auth/authtest"
 )
 
 // testConfig is the configuration envconfig gives with no environment,

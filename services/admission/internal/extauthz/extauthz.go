@@ -42,7 +42,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"quotaflow/services/admission/internal/auth"
+	"quotaflow/internal/auth"
 	"quotaflow/services/admission/internal/grpcapi"
 	"quotaflow/services/admission/internal/httpapi"
 )

@@ -43,8 +43,8 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/obs"
-	"quotaflow/services/admission/internal/auth"
 )
 
 // Bounds of a connection and its calls. Metadata is read before the

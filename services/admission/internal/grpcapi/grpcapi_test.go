@@ -24,8 +24,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/obs"
-	"quotaflow/services/admission/internal/auth"
 )
 
 // service is a ShouldRateLimit that reports its caller's tenant grant and

@@ -7,10 +7,10 @@ import (
 	"net/http"
 	"time"
 
+	"quotaflow/internal/auth"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
-	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
 

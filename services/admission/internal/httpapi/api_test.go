@@ -19,13 +19,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
 
+	"quotaflow/internal/auth"
+	"quotaflow/internal/auth/authtest"
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
-	"quotaflow/services/admission/internal/auth"
-	"quotaflow/services/admission/internal/auth/authtest"
 	"quotaflow/services/admission/internal/decide"
 )
 

@@ -11,10 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/auth"
+	"quotaflow/internal/auth/authtest"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
-	"quotaflow/services/admission/internal/auth"
-	"quotaflow/services/admission/internal/auth/authtest"
 	"quotaflow/services/admission/internal/decide"
 )
 

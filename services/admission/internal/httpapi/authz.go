@@ -8,7 +8,7 @@ import (
 	"strconv"
 	"strings"
 
-	"quotaflow/services/admission/internal/auth"
+	"quotaflow/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 )
 

@@ -4,7 +4,7 @@ import (
 	"context"
 	"net/http"
 
-	"quotaflow/services/admission/internal/auth"
+	"quotaflow/internal/auth"
 )
 
 // GatewayCheck is a gateway's check request that arrives by another

@@ -4,9 +4,9 @@ import (
 	"context"
 	"net/http"
 
+	"quotaflow/internal/auth"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/limits"
-	"quotaflow/services/admission/internal/auth"
 )
 
 // releaseBody is the body of POST /v1/release.

@@ -10,9 +10,9 @@ import (
 	"strings"
 	"time"
 
+	"quotaflow/internal/auth"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
-	"quotaflow/services/admission/internal/auth"
 )
 
 func nowUTC() time.Time { return time.Now().UTC() }

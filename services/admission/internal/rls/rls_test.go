@@ -7,9 +7,9 @@ import (
 
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/envoypeer"
 	"quotaflow/pkg/limits/policy"
-	"quotaflow/services/admission/internal/auth"
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/grpcapi"
 	"quotaflow/services/admission/internal/rlsconf"

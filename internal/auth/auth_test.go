@@ -123,3 +123,45 @@ func TestNewSetUnion(t *testing.T) {
 		t.Error("the empty set knows a token")
 	}
 }
+
+func TestReads(t *testing.T) {
+	a, err := New(Options{Tokens: []string{"tok-admin#admin", "tok-any", "tok-acme@acme#report", "tok-acme@beta#billing"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		tok      string
+		tenant   string
+		reads    bool
+		readsAll bool
+	}{
+		{"tok-admin", "acme", true, true},
+		{"tok-any", "acme", false, false}, // for every tenant, but not admin
+		{"tok-acme", "acme", true, false},
+		{"tok-acme", "beta", true, false}, // a second entry of the same token
+		{"tok-acme", "gamma", false, false},
+		{"tok-acme", "", false, false},
+	} {
+		p, ok := a.AuthenticateToken(tc.tok)
+		if !ok {
+			t.Fatalf("AuthenticateToken(%q) refused", tc.tok)
+		}
+		if p.Reads(tc.tenant) != tc.reads || p.ReadsAll() != tc.readsAll {
+			t.Errorf("%s: Reads(%q), ReadsAll() = %v, %v; want %v, %v", tc.tok, tc.tenant, p.Reads(tc.tenant), p.ReadsAll(), tc.reads, tc.readsAll)
+		}
+	}
+	p, _ := a.AuthenticateToken("tok-acme")
+	if got := p.Tenants(); len(got) != 2 || got[0] != "acme" || got[1] != "beta" {
+		t.Errorf("Tenants() = %v, want [acme beta]", got)
+	}
+	if _, ok := a.AuthenticateToken(""); ok {
+		t.Error("the empty token authenticates")
+	}
+	if _, ok := a.AuthenticateToken("tok-acme@acme"); ok {
+		t.Error("an entry's text authenticates as a token")
+	}
+	var none *Auth
+	if p, ok := none.AuthenticateToken(""); !ok || !p.ReadsAll() {
+		t.Error("without authentication, a request does not read every tenant")
+	}
+}

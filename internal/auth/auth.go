@@ -1,7 +1,7 @@
-// Package auth is admission's bearer-token authentication (docs/design.md §4): the
-// token entries of QF_API_TOKENS and QF_API_TOKENS_FILE, the roles they
-// grant, the tenant they may be bound to, and the reload of the file while
-// the service runs.
+// Package auth is the bearer-token authentication of admission's API and of
+// the accounter's console (docs/design.md §4): the token entries of
+// QF_API_TOKENS and QF_API_TOKENS_FILE, the roles they grant, the tenant
+// they may be bound to, and the reload of the file while the service runs.
 //
 // Tokens are kept only as SHA-256 digests. Neither a token nor its digest
 // is ever logged or put in an error; errors name an entry by its position
@@ -13,6 +13,7 @@ package auth
 import (
 	"crypto/sha256"
 	"crypto/subtle"
+	"slices"
 	"strings"
 )
 
@@ -205,4 +206,40 @@ func (p Principal) For(tenant string) (ok, anyPlan bool) {
 		}
 	}
 	return ok, false
+}
+
+// Reads reports whether p may read tenant's usage (the console): an admin
+// grant reads every tenant, a grant bound to tenant reads it whatever its
+// roles. A grant for every tenant that is not admin (the platform's
+// gateway) reads none: it may act for any tenant, not look at them all.
+func (p Principal) Reads(tenant string) bool {
+	for _, g := range p.grants {
+		if g.Roles.Has(Admin) || (g.Tenant != "" && g.Tenant == tenant) {
+			return true
+		}
+	}
+	return false
+}
+
+// ReadsAll reports whether p may read every tenant's usage: it has an
+// admin grant.
+func (p Principal) ReadsAll() bool {
+	for _, g := range p.grants {
+		if g.Roles.Has(Admin) {
+			return true
+		}
+	}
+	return false
+}
+
+// Tenants returns the tenants p's grants are bound to, each once, in the
+// order of its entries: what a token that does not read all may read.
+func (p Principal) Tenants() []string {
+	var ts []string
+	for _, g := range p.grants {
+		if g.Tenant != "" && !slices.Contains(ts, g.Tenant) {
+			ts = append(ts, g.Tenant)
+		}
+	}
+	return ts
 }

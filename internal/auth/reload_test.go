@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"quotaflow/services/admission/internal/auth/authtest"
+	"quotaflow/internal/auth/authtest"
 )
 
 // save writes content to path the way editors and kubelet do: a new file

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"quotaflow/services/admission/internal/auth/authtest"
+	"quotaflow/internal/auth/authtest"
 )
 
 func TestParseFile(t *testing.T) {
