@@ -48,7 +48,7 @@ func main() {
 	envoyPool := flag.Int("envoy-pool", envoy.DefaultPoolSize, "-peer: envoy's REDIS_POOL_SIZE")
 	envoyEnv := flag.String("envoy-env", "", "-peer: more envoy settings to try, NAME=value, comma-separated")
 	envoyWindow := flag.Duration("envoy-window", 0, "-peer: envoy's REDIS_PIPELINE_WINDOW (used by its cluster client only, at this version)")
-	peerBase := flag.String("peer-base", "", "-peer: also load admission with one limit built from this checkout of an earlier commit, interleaved with the others (its before)")
+	peerBase := flag.String("peer-base", "", "-peer: also load admission built from this checkout of an earlier commit, with each admission plan of -targets (one, five), interleaved with the others (its before)")
 	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
 	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate) (0: not)")

@@ -41,7 +41,7 @@ type peerOptions struct {
 	envoyWindow time.Duration   // REDIS_PIPELINE_WINDOW
 	envoyEnv    []string        // more of its settings, to try
 	openFrac    float64         // the open loop's rate, of the five-limit plan's closed-loop maximum
-	base        string          // a checkout whose admission also runs the one-limit plan ("one-base"), or ""
+	base        string          // a checkout whose admission also runs each admission plan of the targets ("one-base", "five-base"), or ""
 }
 
 // peerTarget is one server under load and the processes its requests cost.
@@ -91,15 +91,16 @@ func peer(ctx context.Context, o peerOptions) error {
 
 	// Admission first: plain answers with a body the size of its answer.
 	size := 0
+	admissions := []struct{ short, name, policy string }{
+		{"five", "admission, 5 limits", plans.Five},
+		{"one", "admission, 1 limit", onePolicy},
+	}
 	if want("one") || want("five") || want("plain") {
 		bin, err := build(b.dir, ".", "./services/admission")
 		if err != nil {
 			return err
 		}
-		for _, a := range []struct{ short, name, policy string }{
-			{"five", "admission, 5 limits", plans.Five},
-			{"one", "admission, 1 limit", onePolicy},
-		} {
+		for _, a := range admissions {
 			if !want(a.short) && !(a.short == "five" && want("plain")) {
 				continue
 			}
@@ -117,16 +118,21 @@ func peer(ctx context.Context, o peerOptions) error {
 			}
 		}
 	}
-	if o.base != "" && want("one") {
+	if o.base != "" && (want("one") || want("five")) {
 		bin, err := build(b.dir, o.base, "./services/admission")
 		if err != nil {
 			return err
 		}
-		t, err := b.peerAdmission(ctx, bin, "one-base", "admission, 1 limit, "+o.base, onePolicy)
-		if err != nil {
-			return err
+		for _, a := range admissions {
+			if !want(a.short) {
+				continue
+			}
+			t, err := b.peerAdmission(ctx, bin, a.short+"-base", a.name+", "+o.base, a.policy)
+			if err != nil {
+				return err
+			}
+			ts = append(ts, t)
 		}
-		ts = append(ts, t)
 	}
 	if want("plain") {
 		t, err := b.peerPlain(size)

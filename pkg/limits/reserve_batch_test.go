@@ -323,3 +323,24 @@ func TestReserveBatchUnreadableStateFailsOnlyItsReserve(t *testing.T) {
 		t.Errorf("Reserve of a's request 2 again = %+v, want a duplicate: the batch stored its record", d)
 	}
 }
+
+// TestBlobTablesOfEarlierCallsLeaveNoRecordBehind: the engine reuses the
+// tables of blobs an earlier call opened (lib.lua blob). User u1's reserve
+// stores a record of limit a in the table that u2's next reserve, over
+// limit b alone, opens u2's blob in: u2's record of a must stay as u2 left
+// it, not become u1's. A private server, so no other test's call opens a
+// blob in between.
+func TestBlobTablesOfEarlierCallsLeaveNoRecordBehind(t *testing.T) {
+	l := limitstest.At(redistest.Start(t).Client(), 0)
+	tenant := redistest.UniqueName(t)
+	a := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "a", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(3600e9)})
+	b := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "b", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(3600e9)})
+	both := []policy.Rule{a, b}
+	limitstest.Reserve(t, l, tenant, "u2", "1", 5, both)
+	limitstest.Reserve(t, l, tenant, "u1", "2", 100, []policy.Rule{a})
+	limitstest.Reserve(t, l, tenant, "u2", "3", 1, []policy.Rule{b})
+	d := limitstest.Peek(t, l, tenant, "u2", both)
+	if d.States[0].Used != 5 || d.States[1].Used != 6 {
+		t.Fatalf("u2 used a %d, b %d; want 5 and 6", d.States[0].Used, d.States[1].Used)
+	}
+}
