@@ -23,8 +23,9 @@
 # the postgresql and nats-server packages (the chaos suite crashes private
 # ones), gcc (`go test -race` needs cgo), the nginx and caddy packages
 # (the gateway tests run them in front of admission; their system services
-# are kept from starting, see deploy/gateways/ensure.sh), and Node 20 with
-# npm (the SDK tests run the official openai Node SDK).
+# are kept from starting, see deploy/gateways/ensure.sh), Node 20 with
+# npm (the SDK tests run the official openai Node SDK) and chromium (the
+# console's browser test drives it headless).
 set -euo pipefail
 set -E
 trap 'printf "deps: error: command failed (line %s): %s\n" "$LINENO" "$BASH_COMMAND" >&2' ERR
@@ -398,6 +399,18 @@ ensure_node() {
 	fi
 }
 
+# --- Chromium, for the console's browser test ---------------------------------
+
+# services/accounter/internal/console's browser test drives Debian's chromium
+# headless through chromedp (browser downloads are unreachable in CI); the
+# recommended packages (fonts, desktop integration) are not needed.
+ensure_chromium() {
+	if command -v chromium >/dev/null 2>&1; then
+		return
+	fi
+	apt_install --no-install-recommends chromium
+}
+
 main() {
 	# Serialise concurrent runs (say `task test` and `task demo` started together).
 	if command -v flock >/dev/null 2>&1; then
@@ -411,6 +424,7 @@ main() {
 	ensure_private_servers
 	ensure_gateways
 	ensure_node
+	ensure_chromium
 	if ((${#external[@]} == 0)); then
 		log "ready: Redis, PostgreSQL and NATS on loopback"
 	else

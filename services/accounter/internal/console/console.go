@@ -1,0 +1,183 @@
+// Package console is the accounter's web console: server-rendered pages
+// (html/template) and their assets, embedded in the binary, served at / on
+// the console listener beside the usage history API (docs/design.md §16).
+//
+// A browser signs in by posting a token once to /signin; the console keeps
+// it in an HttpOnly, SameSite=Strict cookie (Secure when the request came
+// over TLS) that the pages and the history API both accept. /signout
+// clears it. Every page asks Auth which tenants the cookie's token may see
+// and shows nothing else: an admin token starts at the list of tenants, a
+// tenant-bound token at its tenant's users, and a tenant in the URL that
+// the token may not see answers 404, the same as one that does not exist.
+//
+// The pages make no request to another origin: the Content-Security-Policy
+// allows only the console's own scripts, styles and images, and the chart
+// (uPlot 1.6.32, MIT, vendored under static/) reads its points from a JSON
+// block in the page rather than from a script or a request.
+package console
+
+import (
+	"context"
+	"embed"
+	"html/template"
+	"io/fs"
+	"log/slog"
+	"net/http"
+	"time"
+)
+
+// CookieName is the cookie that carries the signed-in token.
+const CookieName = "qf_console"
+
+// Scope is what a token may see: every tenant, or Tenants only.
+type Scope struct {
+	All     bool
+	Tenants []string
+}
+
+// Sees reports whether s may see tenant.
+func (s Scope) Sees(tenant string) bool {
+	if s.All {
+		return true
+	}
+	for _, t := range s.Tenants {
+		if t == tenant {
+			return true
+		}
+	}
+	return false
+}
+
+// Auth checks a token and says what it may see; ok is false for a token
+// no configured entry holds.
+type Auth interface {
+	Scope(token string) (s Scope, ok bool)
+}
+
+// Source reads what the pages show. Each call is for one tenant the
+// caller has checked the token may see; lists are bounded by the source.
+type Source interface {
+	Tenants(ctx context.Context) ([]string, error)
+	Users(ctx context.Context, tenant string) ([]User, error)
+	History(ctx context.Context, tenant, user string, from, to time.Time, step Step) ([]Point, error)
+	TopUsers(ctx context.Context, tenant string, from, to time.Time, limit int) ([]UserTotal, error)
+	Denials(ctx context.Context, tenant string, from, to time.Time) ([]Denial, error)
+	Alerts(ctx context.Context, tenant string, limit int) ([]Alert, error)
+}
+
+// Step is the width of a history point.
+type Step string
+
+// The steps History takes.
+const (
+	Hour Step = "hour"
+	Day  Step = "day" // a UTC day
+)
+
+// User is one user of a tenant and the windows of the limits that count
+// its usage.
+type User struct {
+	User    string
+	Windows []Window
+}
+
+// Window is one limit's current window for a subject.
+type Window struct {
+	Limit     string
+	Used      int64
+	Remaining int64
+	Reset     time.Time // when the window next frees capacity; zero: unknown
+}
+
+// Point is the usage of one step starting at Start.
+type Point struct {
+	Start    time.Time
+	Tokens   int64
+	Requests int64
+}
+
+// UserTotal is one user's usage over a range.
+type UserTotal struct {
+	User     string
+	Tokens   int64
+	Requests int64
+}
+
+// Denial counts the requests one limit denied over a range.
+type Denial struct {
+	Limit string
+	Count int64
+}
+
+// Alert is one alert the alerter raised.
+type Alert struct {
+	At        time.Time
+	User      string
+	Kind      string
+	Limit     string
+	Threshold int // percent; 0 when the alert is not a threshold's
+}
+
+// Options configure a Handler.
+type Options struct {
+	Auth   Auth
+	Source Source
+	Log    *slog.Logger
+	// Now returns the time the pages' ranges end at; default time.Now.
+	Now func() time.Time
+}
+
+//go:embed templates/*.html
+var templateFS embed.FS
+
+//go:embed static
+var staticFS embed.FS
+
+// pages holds every page's template, each with the shared layout.
+var pages = template.Must(template.New("").Funcs(funcs).ParseFS(templateFS, "templates/*.html"))
+
+// Handler serves the console's pages and assets.
+type Handler struct {
+	auth Auth
+	src  Source
+	log  *slog.Logger
+	now  func() time.Time
+	mux  *http.ServeMux
+}
+
+// New returns the console's handler, to be mounted at / of the console
+// listener.
+func New(o Options) *Handler {
+	h := &Handler{auth: o.Auth, src: o.Source, log: o.Log, now: o.Now}
+	if h.now == nil {
+		h.now = time.Now
+	}
+	static, _ := fs.Sub(staticFS, "static") // a constant path: cannot fail
+	h.mux = http.NewServeMux()
+	h.mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
+	h.mux.HandleFunc("GET /signin", h.signinForm)
+	h.mux.HandleFunc("POST /signin", h.signin)
+	h.mux.HandleFunc("POST /signout", h.signout)
+	h.mux.HandleFunc("GET /{$}", h.signedIn(h.home))
+	h.mux.HandleFunc("GET /tenants/{tenant}", h.tenantPage(h.users))
+	h.mux.HandleFunc("GET /tenants/{tenant}/usage", h.tenantPage(h.usage))
+	h.mux.HandleFunc("GET /tenants/{tenant}/top", h.tenantPage(h.top))
+	h.mux.HandleFunc("GET /tenants/{tenant}/denials", h.tenantPage(h.denials))
+	h.mux.HandleFunc("GET /tenants/{tenant}/alerts", h.tenantPage(h.alerts))
+	return h
+}
+
+// csp allows the console's own scripts, styles and images and nothing
+// else: no inline script or style, no other origin, no framing.
+const csp = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; " +
+	"connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+
+// ServeHTTP sets the security headers every answer carries and routes r.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	hd := w.Header()
+	hd.Set("Content-Security-Policy", csp)
+	hd.Set("X-Content-Type-Options", "nosniff")
+	hd.Set("Referrer-Policy", "no-referrer")
+	hd.Set("X-Frame-Options", "DENY")
+	h.mux.ServeHTTP(w, r)
+}

@@ -1,0 +1,184 @@
+package console
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+)
+
+// tokens is a fake Auth: an admin token and one bound to tenant "a".
+type tokens map[string]Scope
+
+func (t tokens) Scope(tok string) (Scope, bool) { s, ok := t[tok]; return s, ok }
+
+var testAuth = tokens{"admin-tok": {All: true}, "a-tok": {Tenants: []string{"a"}}}
+
+// ledger is a fake Source recording the tenants it was asked about.
+type ledger struct{ asked []string }
+
+func (l *ledger) Tenants(context.Context) ([]string, error) { return []string{"a", "b"}, nil }
+func (l *ledger) Users(_ context.Context, t string) ([]User, error) {
+	l.asked = append(l.asked, t)
+	return []User{{User: t + "-user", Windows: []Window{{Limit: "quota", Used: 7, Remaining: 3}, {Limit: "requests-per-day-of-v1-chat-completions", Used: 1, Remaining: 99, Reset: time.Unix(86400, 0)}}}}, nil
+}
+func (l *ledger) History(_ context.Context, t, _ string, _, _ time.Time, _ Step) ([]Point, error) {
+	l.asked = append(l.asked, t)
+	return []Point{{Start: time.Unix(3600, 0), Tokens: 11, Requests: 2}}, nil
+}
+func (l *ledger) TopUsers(_ context.Context, t string, _, _ time.Time, _ int) ([]UserTotal, error) {
+	l.asked = append(l.asked, t)
+	return nil, nil
+}
+func (l *ledger) Denials(_ context.Context, t string, _, _ time.Time) ([]Denial, error) {
+	l.asked = append(l.asked, t)
+	return nil, nil
+}
+func (l *ledger) Alerts(_ context.Context, t string, _ int) ([]Alert, error) {
+	l.asked = append(l.asked, t)
+	return nil, nil
+}
+
+func newTestServer(t *testing.T) (*httptest.Server, *ledger) {
+	t.Helper()
+	src := &ledger{}
+	h := New(Options{Auth: testAuth, Source: src, Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return srv, src
+}
+
+// noRedirect is a client that shows redirects instead of following them.
+var noRedirect = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+
+func signin(t *testing.T, srv *httptest.Server, tok string, hdr map[string]string) *http.Response {
+	t.Helper()
+	req, _ := http.NewRequest("POST", srv.URL+"/signin", strings.NewReader(url.Values{"token": {tok}}.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := noRedirect.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp
+}
+
+func TestSignin(t *testing.T) {
+	srv, _ := newTestServer(t)
+	resp := signin(t, srv, "a-tok", map[string]string{"Sec-Fetch-Site": "same-origin"})
+	if resp.StatusCode != http.StatusSeeOther {
+		t.Fatalf("POST /signin = %d, want 303", resp.StatusCode)
+	}
+	cs := resp.Cookies()
+	if len(cs) != 1 {
+		t.Fatalf("cookies = %v, want one", cs)
+	}
+	c := cs[0]
+	if c.Name != CookieName || c.Value != "a-tok" || !c.HttpOnly || c.SameSite != http.SameSiteStrictMode || c.Path != "/" || c.Secure {
+		t.Errorf("cookie = %+v, want %s=a-tok HttpOnly SameSite=Strict Path=/ (not Secure over plain HTTP)", c, CookieName)
+	}
+
+	for _, tc := range []struct {
+		name string
+		tok  string
+		hdr  map[string]string
+		want int
+	}{
+		{"unknown token", "nope", nil, http.StatusUnauthorized},
+		{"empty token", "  ", nil, http.StatusBadRequest},
+		{"cross-site post", "a-tok", map[string]string{"Sec-Fetch-Site": "cross-site"}, http.StatusForbidden},
+		{"other origin", "a-tok", map[string]string{"Origin": "http://evil.example"}, http.StatusForbidden},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			resp := signin(t, srv, tc.tok, tc.hdr)
+			if resp.StatusCode != tc.want || len(resp.Cookies()) != 0 {
+				t.Errorf("POST /signin = %d with cookies %v, want %d and none", resp.StatusCode, resp.Cookies(), tc.want)
+			}
+		})
+	}
+}
+
+func get(t *testing.T, srv *httptest.Server, path, tok string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest("GET", srv.URL+path, nil)
+	if tok != "" {
+		req.AddCookie(&http.Cookie{Name: CookieName, Value: tok})
+	}
+	resp, err := noRedirect.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
+// TestTenantScope checks that a tenant's token reaches its own pages and
+// no other tenant's, whatever the URL says, and that the source is never
+// asked about a tenant the token may not see.
+func TestTenantScope(t *testing.T) {
+	srv, src := newTestServer(t)
+	pages := []string{"", "/usage", "/top", "/denials", "/alerts"}
+	for _, p := range pages {
+		if resp, body := get(t, srv, "/tenants/a"+p, "a-tok"); resp.StatusCode != 200 {
+			t.Errorf("GET /tenants/a%s as a = %d %s, want 200", p, resp.StatusCode, body)
+		}
+		for _, other := range []string{"b", "%2e%2e", "a%00", "A"} {
+			resp, body := get(t, srv, "/tenants/"+other+p, "a-tok")
+			if resp.StatusCode != http.StatusNotFound || strings.Contains(body, "b-user") {
+				t.Errorf("GET /tenants/%s%s as a = %d, want 404 and nothing of it", other, p, resp.StatusCode)
+			}
+		}
+		if resp, _ := get(t, srv, "/tenants/b"+p, "admin-tok"); resp.StatusCode != 200 {
+			t.Errorf("GET /tenants/b%s as admin = %d, want 200", p, resp.StatusCode)
+		}
+		if resp, _ := get(t, srv, "/tenants/a"+p, ""); resp.StatusCode != http.StatusSeeOther || resp.Header.Get("Location") != "/signin" {
+			t.Errorf("GET /tenants/a%s signed out = %d to %q, want 303 to /signin", p, resp.StatusCode, resp.Header.Get("Location"))
+		}
+	}
+	for _, asked := range src.asked {
+		if asked != "a" && asked != "b" {
+			t.Errorf("source asked about tenant %q", asked)
+		}
+	}
+	// A tenant's token lands on its tenant; the admin's on the list.
+	if resp, _ := get(t, srv, "/", "a-tok"); resp.Header.Get("Location") != "/tenants/a" {
+		t.Errorf("GET / as a: Location %q, want /tenants/a", resp.Header.Get("Location"))
+	}
+	if resp, body := get(t, srv, "/", "admin-tok"); resp.StatusCode != 200 || !strings.Contains(body, `href="/tenants/b"`) {
+		t.Errorf("GET / as admin = %d, want 200 listing tenant b", resp.StatusCode)
+	}
+	if resp, _ := get(t, srv, "/tenants/a/usage?range=1y", "a-tok"); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("GET ?range=1y = %d, want 400", resp.StatusCode)
+	}
+}
+
+// TestHeaders checks the policy every answer carries: no script, style or
+// connection to another origin, no framing.
+func TestHeaders(t *testing.T) {
+	srv, _ := newTestServer(t)
+	for _, p := range []string{"/signin", "/tenants/a/usage", "/static/chart.js", "/static/uplot-1.6.32/uPlot.iife.min.js"} {
+		resp, _ := get(t, srv, p, "a-tok")
+		if resp.StatusCode != 200 {
+			t.Errorf("GET %s = %d, want 200", p, resp.StatusCode)
+		}
+		if got := resp.Header.Get("Content-Security-Policy"); got != csp {
+			t.Errorf("GET %s: Content-Security-Policy %q, want %q", p, got, csp)
+		}
+		if got := resp.Header.Get("X-Content-Type-Options"); got != "nosniff" {
+			t.Errorf("GET %s: X-Content-Type-Options %q", p, got)
+		}
+	}
+	_, body := get(t, srv, "/tenants/a/usage", "a-tok")
+	if !strings.Contains(body, `data-points="[[3600],[11],[2]]"`) {
+		t.Errorf("usage page lacks the chart's points:\n%s", body)
+	}
+}

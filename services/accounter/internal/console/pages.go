@@ -1,0 +1,224 @@
+package console
+
+import (
+	"bytes"
+	"encoding/json"
+	"html/template"
+	"net/http"
+	"time"
+
+	"quotaflow/pkg/ident"
+)
+
+// page is what every template gets: the layout's fields and one page's
+// data.
+type page struct {
+	Title  string
+	Tenant string // the tenant the page is about; empty above tenants
+	Nav    string // the tenant page shown, for aria-current
+	Scope  Scope
+	Error  string
+	Range  span
+	Ranges []span
+	User   string
+
+	Tenants []string
+	Users   []User
+	Points  []Point
+	Chart   string // the chart's points, as JSON for uPlot
+	From    int64  // the chart's range, in seconds since the epoch
+	To      int64
+	Top     []UserTotal
+	Denials []Denial
+	Alerts  []Alert
+}
+
+// span is a range a tenant page can show: the last Length, in steps of
+// Step.
+type span struct {
+	Name   string
+	Length time.Duration
+	Step   Step
+}
+
+// spans are the ranges the pages offer; the first is the default. A fixed
+// set keeps every query bounded.
+var spans = []span{
+	{"24h", 24 * time.Hour, Hour},
+	{"7d", 7 * 24 * time.Hour, Day},
+	{"30d", 30 * 24 * time.Hour, Day},
+}
+
+// topLimit and alertLimit bound the top users and recent alerts shown.
+const (
+	topLimit   = 20
+	alertLimit = 50
+)
+
+var funcs = template.FuncMap{
+	"rank": func(i int) int { return i + 1 },
+	"utc": func(t time.Time) string {
+		if t.IsZero() {
+			return "—"
+		}
+		return t.UTC().Format("2006-01-02 15:04:05Z")
+	},
+}
+
+// render writes the named page, or a plain 500 when it fails, so a half
+// page is never sent.
+func (h *Handler) render(w http.ResponseWriter, r *http.Request, code int, name string, p page) {
+	var b bytes.Buffer
+	if err := pages.ExecuteTemplate(&b, name, p); err != nil {
+		h.log.Error("console: render", "page", name, "err", err)
+		http.Error(w, "internal error", http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(code)
+	w.Write(b.Bytes())
+}
+
+// fail answers a request whose source call failed.
+func (h *Handler) fail(w http.ResponseWriter, r *http.Request, p page, err error) {
+	h.log.Error("console: read", "path", r.URL.Path, "err", err)
+	p.Error = "The ledger could not be read; try again."
+	h.render(w, r, http.StatusServiceUnavailable, "error", p)
+}
+
+// home lists the tenants an admin may see; a token bound to one tenant
+// goes straight to its users.
+func (h *Handler) home(w http.ResponseWriter, r *http.Request, s Scope) {
+	p := page{Title: "Tenants", Scope: s}
+	if !s.All {
+		if len(s.Tenants) == 1 {
+			http.Redirect(w, r, "/tenants/"+s.Tenants[0], http.StatusSeeOther)
+			return
+		}
+		p.Tenants = s.Tenants
+		h.render(w, r, http.StatusOK, "tenants", p)
+		return
+	}
+	ts, err := h.src.Tenants(r.Context())
+	if err != nil {
+		h.fail(w, r, p, err)
+		return
+	}
+	p.Tenants = ts
+	h.render(w, r, http.StatusOK, "tenants", p)
+}
+
+// users shows a tenant's users with each limit's window.
+func (h *Handler) users(w http.ResponseWriter, r *http.Request, p page) {
+	p.Nav = "users"
+	us, err := h.src.Users(r.Context(), p.Tenant)
+	if err != nil {
+		h.fail(w, r, p, err)
+		return
+	}
+	p.Users = us
+	h.render(w, r, http.StatusOK, "users", p)
+}
+
+// withRange reads the page's ?range (and ?user for usage), answering 400
+// itself when one is invalid.
+func (h *Handler) withRange(w http.ResponseWriter, r *http.Request, p *page) (from, to time.Time, ok bool) {
+	p.Ranges = spans
+	p.Range = spans[0]
+	if q := r.URL.Query().Get("range"); q != "" {
+		found := false
+		for _, s := range spans {
+			if s.Name == q {
+				p.Range, found = s, true
+			}
+		}
+		if !found {
+			p.Error = "Unknown range: choose one of the list."
+			h.render(w, r, http.StatusBadRequest, "error", *p)
+			return from, to, false
+		}
+	}
+	p.User = r.URL.Query().Get("user")
+	if ident.Check(p.User) != nil {
+		p.Error = "Invalid user."
+		h.render(w, r, http.StatusBadRequest, "error", *p)
+		return from, to, false
+	}
+	to = h.now().UTC()
+	if p.Range.Step == Day {
+		to = to.Truncate(24 * time.Hour).Add(24 * time.Hour)
+	} else {
+		to = to.Truncate(time.Hour).Add(time.Hour)
+	}
+	return to.Add(-p.Range.Length), to, true
+}
+
+// usage charts a tenant's (or one user's) tokens and requests over time.
+func (h *Handler) usage(w http.ResponseWriter, r *http.Request, p page) {
+	p.Nav = "usage"
+	from, to, ok := h.withRange(w, r, &p)
+	if !ok {
+		return
+	}
+	pts, err := h.src.History(r.Context(), p.Tenant, p.User, from, to, p.Range.Step)
+	if err != nil {
+		h.fail(w, r, p, err)
+		return
+	}
+	p.Points = pts
+	// uPlot takes columns: seconds since the epoch, then each series.
+	cols := [3][]int64{{}, {}, {}}
+	for _, pt := range pts {
+		cols[0] = append(cols[0], pt.Start.Unix())
+		cols[1] = append(cols[1], pt.Tokens)
+		cols[2] = append(cols[2], pt.Requests)
+	}
+	js, _ := json.Marshal(cols) // integers only: cannot fail
+	p.Chart, p.From, p.To = string(js), from.Unix(), to.Unix()
+	h.render(w, r, http.StatusOK, "usage", p)
+}
+
+// top lists a tenant's heaviest users over the range.
+func (h *Handler) top(w http.ResponseWriter, r *http.Request, p page) {
+	p.Nav = "top"
+	from, to, ok := h.withRange(w, r, &p)
+	if !ok {
+		return
+	}
+	top, err := h.src.TopUsers(r.Context(), p.Tenant, from, to, topLimit)
+	if err != nil {
+		h.fail(w, r, p, err)
+		return
+	}
+	p.Top = top
+	h.render(w, r, http.StatusOK, "top", p)
+}
+
+// denials counts a tenant's denied requests by limit over the range.
+func (h *Handler) denials(w http.ResponseWriter, r *http.Request, p page) {
+	p.Nav = "denials"
+	from, to, ok := h.withRange(w, r, &p)
+	if !ok {
+		return
+	}
+	ds, err := h.src.Denials(r.Context(), p.Tenant, from, to)
+	if err != nil {
+		h.fail(w, r, p, err)
+		return
+	}
+	p.Denials = ds
+	h.render(w, r, http.StatusOK, "denials", p)
+}
+
+// alerts lists a tenant's most recent alerts.
+func (h *Handler) alerts(w http.ResponseWriter, r *http.Request, p page) {
+	p.Nav = "alerts"
+	as, err := h.src.Alerts(r.Context(), p.Tenant, alertLimit)
+	if err != nil {
+		h.fail(w, r, p, err)
+		return
+	}
+	p.Alerts = as
+	h.render(w, r, http.StatusOK, "alerts", p)
+}

@@ -1,0 +1,108 @@
+package console
+
+import (
+	"net/http"
+	"net/url"
+	"strings"
+
+	"quotaflow/pkg/ident"
+)
+
+// maxTokenLen bounds a posted token; no configured token is longer.
+const maxTokenLen = 4096
+
+// signinForm shows the sign-in form.
+func (h *Handler) signinForm(w http.ResponseWriter, r *http.Request) {
+	h.render(w, r, http.StatusOK, "signin", page{Title: "Sign in"})
+}
+
+// signin checks the posted token and, when some entry holds it, keeps it
+// in the cookie and goes to the first page. A refused token is told apart
+// from nothing else: the form says only that it was not accepted.
+func (h *Handler) signin(w http.ResponseWriter, r *http.Request) {
+	if !sameOrigin(r) {
+		http.Error(w, "cross-site sign-in refused", http.StatusForbidden)
+		return
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, maxTokenLen+64)
+	tok := strings.TrimSpace(r.PostFormValue("token"))
+	if tok == "" || len(tok) > maxTokenLen {
+		h.render(w, r, http.StatusBadRequest, "signin", page{Title: "Sign in", Error: "Enter a token."})
+		return
+	}
+	if _, ok := h.auth.Scope(tok); !ok {
+		h.render(w, r, http.StatusUnauthorized, "signin", page{Title: "Sign in", Error: "That token was not accepted."})
+		return
+	}
+	http.SetCookie(w, &http.Cookie{
+		Name: CookieName, Value: tok, Path: "/",
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil,
+	})
+	http.Redirect(w, r, "/", http.StatusSeeOther)
+}
+
+// signout clears the cookie.
+func (h *Handler) signout(w http.ResponseWriter, r *http.Request) {
+	if !sameOrigin(r) {
+		http.Error(w, "cross-site sign-out refused", http.StatusForbidden)
+		return
+	}
+	http.SetCookie(w, &http.Cookie{
+		Name: CookieName, Value: "", Path: "/", MaxAge: -1,
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil,
+	})
+	http.Redirect(w, r, "/signin", http.StatusSeeOther)
+}
+
+// sameOrigin reports whether a form post came from the console's own
+// pages. SameSite=Strict keeps the cookie off other sites' posts, but not
+// a post that signs a victim in with the attacker's token; browsers send
+// Sec-Fetch-Site or Origin with every post.
+func sameOrigin(r *http.Request) bool {
+	if s := r.Header.Get("Sec-Fetch-Site"); s != "" {
+		return s == "same-origin"
+	}
+	o := r.Header.Get("Origin")
+	if o == "" {
+		return true // not a browser: no cookie of a victim to ride
+	}
+	u, err := url.Parse(o)
+	return err == nil && u.Host == r.Host
+}
+
+// scope returns what the request's cookie may see.
+func (h *Handler) scope(r *http.Request) (Scope, bool) {
+	c, err := r.Cookie(CookieName)
+	if err != nil || c.Value == "" || len(c.Value) > maxTokenLen {
+		return Scope{}, false
+	}
+	return h.auth.Scope(c.Value)
+}
+
+// signedIn runs next for a request whose cookie holds an accepted token
+// and sends any other to the sign-in form.
+func (h *Handler) signedIn(next func(http.ResponseWriter, *http.Request, Scope)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		s, ok := h.scope(r)
+		if !ok {
+			http.Redirect(w, r, "/signin", http.StatusSeeOther)
+			return
+		}
+		next(w, r, s)
+	}
+}
+
+// tenantPage runs next for the URL's tenant when the cookie's token may
+// see it. A tenant it may not see is not found, as one that does not
+// exist, so a token learns nothing of other tenants.
+func (h *Handler) tenantPage(next func(http.ResponseWriter, *http.Request, page)) http.HandlerFunc {
+	return h.signedIn(func(w http.ResponseWriter, r *http.Request, s Scope) {
+		t := r.PathValue("tenant")
+		if t == "" || ident.Check(t) != nil || !s.Sees(t) {
+			h.render(w, r, http.StatusNotFound, "error", page{Title: "Not found", Scope: s,
+				Error: "No such tenant, or not one this token may see."})
+			return
+		}
+		next(w, r, page{Title: t, Tenant: t, Scope: s})
+	})
+}
