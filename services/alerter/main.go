@@ -1,5 +1,5 @@
 // Command alerter is quotaflow's alerter (docs/design.md §7): it consumes usage
-// events and raises quota.threshold (80/90/100% of a limit),
+// events and raises quota.threshold (the percentages of a limit its policy sets),
 // quota.denial_spike and quota.abuse_suspected alerts, delivered to signed
 // webhooks from a durable Postgres outbox. It is configured by QF_*
 // environment variables (see Config), serves /metrics, /healthz and

@@ -27,7 +27,7 @@ func TestPrunePolicyAfterAReload(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	st := store.New(pgtest.Pool(t, "qf_alerter_prune_test", store.Migrate))
-	det, err := detect.New(st, func(string, string) []string { return []string{"ops"} }, defaults().detectOptions(),
+	det, err := detect.New(st, func(string, string, int) []string { return []string{"ops"} }, defaults().detectOptions(),
 		slog.New(slog.DiscardHandler), prometheus.NewRegistry(), nil)
 	if err != nil {
 		t.Fatal(err)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"quotaflow/internal/e2e"
+	"quotaflow/pkg/events"
 	"quotaflow/services/alerter/internal/detect"
 )
 
@@ -123,4 +124,76 @@ plans:
 		t.Fatal(err)
 	}
 	e2e.EventuallyLast(t, "old re-armed", func() (bool, string) { l := levels(); return l == "5h 80, old 0", l })
+}
+
+// TestPolicyAlertsAndMinThreshold runs the alerter with QF_POLICY_FILE and
+// a webhook with min_threshold: each limit alerts at its policy's
+// percentages (a token bucket refilling at none), the webhook body's
+// threshold is the percentage crossed, a jump sends them in order once,
+// the webhook drops those under its min_threshold, and a policy edit
+// changes the thresholds without restart.
+func TestPolicyAlertsAndMinThreshold(t *testing.T) {
+	e := newEnv(t, opsHook+"    min_threshold: 50\n")
+	const policyFmt = `default_plan: free
+plans:
+  free:
+    quotas: [{name: 5h, kind: rolling, window: 5h, limit: 1000, alerts: %s}]
+    rates: [{name: rps, kind: token_bucket, rate: 10, per: 1s, burst: 10}]
+`
+	e.cfg.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
+	if err := os.WriteFile(e.cfg.PolicyFile, fmt.Appendf(nil, policyFmt, "[40, 60, 100]"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e.start(nil)
+	rps := func(used int64) events.LimitState {
+		return events.LimitState{Scope: "user", Name: "rps", Unit: "requests", Limit: 10, Used: used, Remaining: 10 - used}
+	}
+	at := time.Now().UTC()
+	var v int64
+	for _, used := range []int64{10, 0, 10, 0, 10} { // the bucket empties and refills
+		v++
+		e.publish(reserved("acme", "u", fmt.Sprintf("r%d", v), v, 0, at, rps(used), userLimit(0, 0)))
+	}
+	v++
+	e.publish(reserved("acme", "u", "jump", v, 0, at, rps(10), userLimit(1000, 0))) // 0 -> 100 %
+	e2e.EventuallyLast(t, "the jump's alerts", func() (bool, string) {
+		got := strings.Join(thresholds(t, e.recv.of(detect.KindThreshold)), ", ")
+		return got == "acme/u 5h 60, acme/u 5h 100", got
+	})
+
+	// The edit: 5h alerts at 70 only. New users at 75 % alert 60 until
+	// the reload is in force, then 70.
+	tmp := e.cfg.PolicyFile + ".tmp"
+	if err := os.WriteFile(tmp, fmt.Appendf(nil, policyFmt, "[70]"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, e.cfg.PolicyFile); err != nil {
+		t.Fatal(err)
+	}
+	users, next := 0, time.Now()
+	e2e.Eventually(t, "70 % alert after the reload", func() bool {
+		if time.Now().After(next) {
+			users++
+			e.publish(reserved("acme", fmt.Sprintf("n%d", users), "r", 1, 0, time.Now().UTC(), userLimit(750, 0)))
+			next = time.Now().Add(100 * time.Millisecond)
+		}
+		for _, a := range thresholds(t, e.recv.of(detect.KindThreshold)) {
+			if strings.HasSuffix(a, " 5h 70") {
+				return true
+			}
+		}
+		return false
+	})
+	for _, a := range thresholds(t, e.recv.of(detect.KindThreshold)) {
+		if !strings.HasSuffix(a, " 60") && !strings.HasSuffix(a, " 70") && !strings.HasSuffix(a, " 100") {
+			t.Errorf("alert %q: want only 60, 70 and 100 (40 is under min_threshold, rps alerts at nothing)", a)
+		}
+	}
+	// Every alert queued is in the outbox, the 40 % ones included: the
+	// webhook's filter drops them at routing, so none is queued for it.
+	for _, d := range e.deliveries(detect.KindThreshold) {
+		if strings.Contains(string(d.Payload), `"threshold":40`) {
+			t.Errorf("a 40 %% alert was queued for ops: %s", d.Payload)
+		}
+	}
 }

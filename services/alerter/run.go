@@ -104,18 +104,21 @@ func watchWebhooks(stack *service.Stack, file string, dl *deliver.Deliverer, log
 	return nil
 }
 
-// watchPolicy, when file is set, prunes det's raised limits by the policy
-// in file (Detector.Prune) now and after every reload until the stack stops
-// it (prunePolicy): the file is reloaded when it changes and on SIGHUP.
+// watchPolicy, when file is set, gives det the alert thresholds of the
+// policy in file (Detector.SetPolicy) and prunes det's raised limits by it
+// (Detector.Prune), now and after every reload until the stack stops it
+// (prunePolicy): the file is reloaded when it changes and on SIGHUP.
+// Without a file every limit alerts at 80, 90 and 100 %.
 func watchPolicy(ctx context.Context, stack *service.Stack, file string, det *detect.Detector, log *slog.Logger) error {
 	if file == "" {
 		return nil
 	}
 	reloaded := make(chan struct{}, 1)
-	w, err := service.WatchPolicy(stack, file, log, service.WithPolicyReloadHook(func(_ *policy.Policy, err error) {
+	w, err := service.WatchPolicy(stack, file, log, service.WithPolicyReloadHook(func(p *policy.Policy, err error) {
 		if err != nil {
 			return
 		}
+		det.SetPolicy(p)
 		select { // the hook runs under the reload lock: the pruning waits elsewhere
 		case reloaded <- struct{}{}:
 		default: // one pending is enough: it prunes by the policy then current
@@ -124,6 +127,7 @@ func watchPolicy(ctx context.Context, stack *service.Stack, file string, det *de
 	if err != nil {
 		return err
 	}
+	det.SetPolicy(w.Current())
 	if _, err := det.Prune(ctx, w.Current()); err != nil {
 		return err
 	}

@@ -1,6 +1,9 @@
 package policy
 
-import "time"
+import (
+	"reflect"
+	"time"
+)
 
 // Kind names a limiting algorithm. See the package documentation for what
 // each one guarantees, its error bound and its memory per key.
@@ -85,7 +88,16 @@ type Limit struct {
 	// the Rule when the limit's plan or tenant entry, or the whole policy,
 	// is shadow.
 	Shadow bool `yaml:"shadow,omitempty"`
+	// Alerts are the percentages of the limit at which the alerter raises
+	// quota.threshold: integers 1 to 100, ascending, no repeats. Left out
+	// (nil), the kind's default applies (DefaultAlerts); an empty list
+	// means none.
+	Alerts []int `yaml:"alerts,omitempty"`
 }
+
+// Equal reports whether l and o are the same limit, field by field (Alerts
+// makes Limit incomparable with ==).
+func (l *Limit) Equal(o *Limit) bool { return reflect.DeepEqual(*l, *o) }
 
 // DefaultBuckets is the number of time buckets of a rolling window when the
 // policy does not say. 24 keeps a 5 h window exact to 12.5 minutes and a

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -509,5 +510,40 @@ func TestPolicyDeployFile(t *testing.T) {
 	}
 	if got := p.Cost("big-model", 10, 10); got != 40 {
 		t.Errorf("deploy Cost(big-model, 10, 10) = %d, want 40", got)
+	}
+}
+
+func TestLimitAlertThresholds(t *testing.T) {
+	p, err := Parse([]byte(`default_plan: free
+plans:
+  free:
+    quotas:
+      - {name: tokens5h, kind: rolling, window: 5h, limit: 1000}
+      - {name: tokbucket, kind: token_bucket, rate: 10, per: 1s, burst: 100}
+      - {name: credits, kind: balance}
+      - {name: quiet, kind: rolling, window: 5h, limit: 1000, alerts: []}
+    rates:
+      - {name: rps, kind: token_bucket, rate: 10, per: 1s, burst: 10}
+      - {name: inflight, kind: concurrency, limit: 4}
+      - {name: minute, kind: fixed, window: 1m, limit: 60}
+      - {name: hour, kind: fixed, window: 1h, limit: 600}
+      - {name: day, kind: sliding_log, window: 24h, limit: 1000}
+      - {name: month, kind: calendar_month, limit: 10000}
+      - {name: custom, kind: token_bucket, rate: 1, per: 1s, burst: 10, alerts: [50, 100]}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][]int{
+		"tokens5h": {80, 90, 100}, "tokbucket": nil, "credits": {80, 90, 100}, "quiet": {},
+		"rps": nil, "inflight": nil, "minute": nil, "hour": {80, 90, 100}, "day": {80, 90, 100},
+		"month": {80, 90, 100}, "custom": {50, 100},
+	}
+	pl := p.Plans["free"]
+	for _, l := range slices.Concat(pl.Quotas, pl.Rates) {
+		got := l.AlertThresholds()
+		if !slices.Equal(got, want[l.Name]) {
+			t.Errorf("%s: AlertThresholds() = %v, want %v", l.Name, got, want[l.Name])
+		}
 	}
 }

@@ -64,6 +64,7 @@ type limitList struct {
 	what        string // for messages: "ip limits"
 	defaultUnit Unit
 	kinds       []Kind // nil: every kind
+	noAlerts    bool   // shared counters: the alerter raises no thresholds of them
 }
 
 // The lists of a policy. IP and endpoint global limits guard capacity over
@@ -79,9 +80,9 @@ var (
 	planRates       = limitList{what: "plan rates", defaultUnit: Requests}
 	tenantQuotas    = limitList{what: "tenant quotas", defaultUnit: Tokens, kinds: allButBalance}
 	tenantRates     = limitList{what: "tenant rates", defaultUnit: Requests, kinds: allButBalance}
-	endpointGlobals = limitList{what: "endpoint global limits", defaultUnit: Requests, kinds: edgeKinds}
+	endpointGlobals = limitList{what: "endpoint global limits", defaultUnit: Requests, kinds: edgeKinds, noAlerts: true}
 	endpointUsers   = limitList{what: "endpoint user limits", defaultUnit: Requests, kinds: allButBalance}
-	ipLimits        = limitList{what: "ip limits", defaultUnit: Requests, kinds: edgeKinds}
+	ipLimits        = limitList{what: "ip limits", defaultUnit: Requests, kinds: edgeKinds, noAlerts: true}
 )
 
 // Validate checks a policy and returns every problem it finds, as
@@ -111,6 +112,8 @@ var (
 //   - every amount (limit, burst, rate) is at most 1e12, every duration a
 //     whole number of milliseconds of at most 400 days, and fields the kind
 //     does not use are left out.
+//   - alerts, when set, are integers 1 to 100, ascending, each once, and
+//     only on user- and tenant-scope limits (not ip or endpoint global).
 //   - a list holds at most 100 limits.
 //
 // And for the policy: plans non-empty, with names like limit names; a limit
@@ -361,6 +364,11 @@ func (c *policyChecker) limit(path string, l Limit, ll limitList) {
 		c.add(path+".unit", "unknown unit %q (want tokens or requests)", l.Unit)
 	} else if u := unitOf(l.Kind); u != "" && l.Unit != "" && l.Unit != u {
 		c.add(path+".unit", "kind %s counts %s", l.Kind, u)
+	}
+	if ll.noAlerts && l.Alerts != nil {
+		c.add(path+".alerts", "not used in %s: only user- and tenant-scope limits alert", ll.what)
+	} else {
+		c.alerts(path+".alerts", l.Alerts)
 	}
 	if !known {
 		return // its fields mean nothing yet

@@ -99,7 +99,7 @@ func (d *Decider) poolFor(scope policy.Scope, id string, r *policy.Rule) *pool {
 	k := poolKey{scope: scope, id: id, rule: ruleID(r)}
 	if v, ok := d.pools.Load(k); ok {
 		p := v.(*pool)
-		if c := p.cfg.Load(); c.rule.Limit != r.Limit {
+		if c := p.cfg.Load(); !c.rule.Limit.Equal(&r.Limit) {
 			// The policy changed the limit's size (its identity is the
 			// same): lease the new size, and ask Redis again if it was
 			// exhausted.

@@ -181,13 +181,14 @@ func (d *Deliverer) Webhooks() []Webhook {
 }
 
 // Route names the webhooks in force that want an alert of kind for
-// tenant; it fits detect.Router and follows SetWebhooks.
-func (d *Deliverer) Route(kind, tenant string) []string {
+// tenant, of threshold (0 but for thresholds); it fits detect.Router and
+// follows SetWebhooks.
+func (d *Deliverer) Route(kind, tenant string, threshold int) []string {
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	var names []string
 	for _, w := range d.list {
-		if w.Wants(kind, tenant) {
+		if w.Wants(kind, tenant, threshold) {
 			names = append(names, w.Name)
 		}
 	}

@@ -208,13 +208,15 @@ func TestParse(t *testing.T) {
     secret: ` + testSecret + `
     kinds: [quota.threshold]
     tenants: [acme]
+    min_threshold: 90
 `
 	hooks, err := Parse([]byte(good), kinds)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(hooks) != 1 || !hooks[0].Wants("quota.threshold", "acme") || hooks[0].Wants("quota.threshold", "other") ||
-		hooks[0].Wants("quota.denial_spike", "acme") {
+	if len(hooks) != 1 || !hooks[0].Wants("quota.threshold", "acme", 90) || !hooks[0].Wants("quota.threshold", "acme", 100) ||
+		hooks[0].Wants("quota.threshold", "acme", 89) || hooks[0].Wants("quota.threshold", "other", 90) ||
+		hooks[0].Wants("quota.denial_spike", "acme", 0) {
 		t.Errorf("Parse = %+v: wrong routing", hooks)
 	}
 	if hooks, err := Parse(nil, kinds); err != nil || len(hooks) != 0 {
@@ -225,6 +227,8 @@ func TestParse(t *testing.T) {
 		{"bad secret", "webhooks: [{name: a, url: 'https://x.example', secret: 'whsec_!!topsecret!!'}]", "webhooks[0].secret"},
 		{"bad url", "webhooks: [{name: a, url: 'ftp://x.example', secret: " + testSecret + "}]", "webhooks[0].url"},
 		{"bad kind", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + ", kinds: [nope]}]", "webhooks[0].kinds[0]"},
+		{"min_threshold too high", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + ", min_threshold: 101}]", "webhooks[0].min_threshold: 101 is not a percentage from 0 to 100"},
+		{"min_threshold negative", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + ", min_threshold: -1}]", "webhooks[0].min_threshold: -1"},
 		{"duplicate", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + "}, {name: a, url: 'https://x.example', secret: " + testSecret + "}]", "appears twice"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {

@@ -39,7 +39,7 @@ func TestWatcherReload(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.SetDebounce(10 * time.Millisecond)
-	route := func() string { return strings.Join(d.Route("quota.threshold", "acme"), ",") }
+	route := func() string { return strings.Join(d.Route("quota.threshold", "acme", 80), ",") }
 
 	// SIGHUP path: Reload.
 	write("webhooks:\n" + hook("a", "") + hook("b", "    tenants: [acme]\n"))
@@ -76,7 +76,7 @@ func TestWatcherReload(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if !slices.Equal(d.Route("quota.denial_spike", ""), []string{"c"}) {
-		t.Errorf("route of a tenantless spike = %v, want c", d.Route("quota.denial_spike", ""))
+	if !slices.Equal(d.Route("quota.denial_spike", "", 0), []string{"c"}) {
+		t.Errorf("route of a tenantless spike = %v, want c", d.Route("quota.denial_spike", "", 0))
 	}
 }

@@ -38,6 +38,10 @@ type Webhook struct {
 	// Alerts without a tenant (an endpoint's spike, an IP's burst) go only
 	// to endpoints without a tenant filter.
 	Tenants []string `yaml:"tenants"`
+	// MinThreshold drops the quota.threshold alerts of a lower percentage
+	// (1 to 100; 0 sends every one): min_threshold: 90 sends 90 and 100,
+	// not 80.
+	MinThreshold int `yaml:"min_threshold"`
 	// AllowPrivate permits loopback, private and link-local destinations
 	// (tests, on-premises receivers).
 	AllowPrivate bool `yaml:"allow_private"`
@@ -46,9 +50,13 @@ type Webhook struct {
 // String describes w without its secret.
 func (w Webhook) String() string { return fmt.Sprintf("webhook %s", w.Name) }
 
-// Wants reports whether w takes alerts of kind for tenant.
-func (w Webhook) Wants(kind, tenant string) bool {
+// Wants reports whether w takes alerts of kind for tenant; threshold is
+// the percentage a threshold alert crossed, 0 for other kinds.
+func (w Webhook) Wants(kind, tenant string, threshold int) bool {
 	if len(w.Kinds) > 0 && !slices.Contains(w.Kinds, kind) {
+		return false
+	}
+	if threshold > 0 && threshold < w.MinThreshold {
 		return false
 	}
 	return len(w.Tenants) == 0 || slices.Contains(w.Tenants, tenant)
@@ -98,6 +106,9 @@ func Parse(b []byte, kinds []string) ([]Webhook, error) {
 		}
 		if _, err := DecodeSecret(w.Secret); err != nil {
 			errs = append(errs, fmt.Errorf("%s.secret: %w", at, err))
+		}
+		if w.MinThreshold < 0 || w.MinThreshold > 100 {
+			errs = append(errs, fmt.Errorf("%s.min_threshold: %d is not a percentage from 0 to 100", at, w.MinThreshold))
 		}
 		for j, k := range w.Kinds {
 			if !slices.Contains(kinds, k) {

@@ -1,7 +1,9 @@
 // Package detect turns usage events into alerts (docs/design.md §7):
 //
-//   - quota.threshold when a user- or tenant-scope limit reaches 80, 90
-//     and 100% of its limit (Detector.Reserved, Detector.Corrected);
+//   - quota.threshold when a user- or tenant-scope limit reaches one of
+//     the percentages its policy sets (Detector.SetPolicy; by default 80,
+//     90 and 100 for quotas, none for token buckets and concurrency)
+//     (Detector.Reserved, Detector.Corrected);
 //   - quota.denial_spike, firing and resolved, when the denial rate of a
 //     tenant or of an endpoint over a sliding window passes a rate with
 //     enough requests (Detector.Evaluate);
@@ -51,7 +53,7 @@ type ThresholdData struct {
 	Endpoint     string    `json:"endpoint,omitempty"` // set for an endpoint's per-user limit
 	LimitName    string    `json:"limit_name"`         // the limit's name in the policy
 	Unit         string    `json:"unit"`               // "tokens" or "requests"
-	Threshold    int       `json:"threshold"`          // 80, 90 or 100
+	Threshold    int       `json:"threshold"`          // the percentage crossed, 1 to 100
 	Used         int64     `json:"used"`               // used in the window, in Unit
 	Limit        int64     `json:"limit"`              // the limit, in Unit
 	Percent      float64   `json:"percent"`            // used/limit in percent, 0 to 100

@@ -14,7 +14,7 @@ import (
 // snap is one limits snapshot of a reserved or corrected event.
 type snap struct {
 	at                     time.Time
-	tenant, user           string
+	tenant, user, plan     string // plan: "" when the event names none
 	version, tenantVersion int64
 	limits                 []events.LimitState
 }
@@ -46,11 +46,11 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 		switch r := ev.Data.(type) {
 		case events.Reserved:
 			if !decidedLocally(r) && len(r.Limits) > 0 {
-				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Plan, r.Version, r.TenantVersion, r.Limits})
 			}
 		case events.Corrected:
 			if len(r.Limits) > 0 {
-				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Version, r.TenantVersion, r.Limits})
+				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, "", r.Version, r.TenantVersion, r.Limits})
 			}
 		}
 	}
@@ -156,7 +156,7 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 				}
 				st := states[k]
 				prev := st.Fires
-				st, crossed := step(st, l.Used, l.Limit, s.at, resetAt, d.opt.Hysteresis)
+				st, crossed := step(st, l.Used, l.Limit, s.at, resetAt, d.thresholds(s.tenant, s.plan, l), d.opt.Hysteresis)
 				states[k] = st
 				for j, t := range crossed {
 					data := ThresholdData{
@@ -164,7 +164,7 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 						Unit: l.Unit, Threshold: t, Used: l.Used, Limit: l.Limit,
 						Percent: min(percent(l.Used, l.Limit), 100), ResetSeconds: l.ResetSeconds, OccurredAt: s.at,
 					}
-					if err := d.enqueue(ctx, tx, thresholdAlert(k, t, prev+int64(j)+1), now, data); err != nil {
+					if err := d.enqueue(ctx, tx, thresholdAlert(k, t, prev+int64(j)+1), t, now, data); err != nil {
 						return err
 					}
 					fired++
@@ -203,7 +203,7 @@ func (d *Detector) busy(snaps []snap) ([]bool, map[store.LimitKey]bool) {
 		}
 	}
 	for i, s := range snaps {
-		if !d.quiet(s.tenant, s.user, s.limits) {
+		if !d.quiet(s) {
 			busy[i] = true
 			touch(s)
 		}

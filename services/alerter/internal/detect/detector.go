@@ -5,9 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -88,8 +88,10 @@ type Updater interface {
 // restarts (correct, but a read per batch).
 const maxRaised = 200_000
 
-// Router names the webhooks that want an alert of kind for tenant.
-type Router func(kind, tenant string) []string
+// Router names the webhooks that want an alert of kind for tenant;
+// threshold is the percentage a quota.threshold alert crossed, 0 for
+// other kinds.
+type Router func(kind, tenant string, threshold int) []string
 
 // Detector raises alerts from events. Its event methods fit
 // stream.Handlers; Run evaluates the rate-based alerts periodically. It is
@@ -114,6 +116,9 @@ type Detector struct {
 	now    func() time.Time
 	alerts *prometheus.CounterVec
 	notify func() // told after alerts were queued
+	// policy holds the thresholds of the policy in force (SetPolicy); nil
+	// until one is set: every limit then alerts at legacyThresholds.
+	policy atomic.Pointer[alertPolicy]
 
 	mu sync.Mutex
 	// raised holds the committed level of every limit above level 0,
@@ -314,6 +319,21 @@ func (d *Detector) committed(err error, touched map[store.LimitKey]bool, levels 
 	return nil
 }
 
+// SetPolicy makes p's alert thresholds those of the limits of the
+// snapshots handled from now on (docs/design.md §7: each limit's alerts,
+// or its kind's default). Call it with each policy that comes in force.
+// Threshold state needs no migration: a limit's level is a percentage,
+// which step reads under any list of thresholds.
+func (d *Detector) SetPolicy(p *policy.Policy) {
+	d.policy.Store(newAlertPolicy(p))
+}
+
+// thresholds returns the thresholds of limit l in a snapshot of tenant's
+// decided under plan ("" when unknown), by the policy in force.
+func (d *Detector) thresholds(tenant, plan string, l events.LimitState) []int {
+	return d.policy.Load().thresholds(tenant, plan, l.Scope, l.Endpoint, l.Name)
+}
+
 // Prune re-arms the raised limits that p does not define (ReArmUndefined)
 // and forgets them: a policy reload removed them, so no snapshot would
 // ever lower them, and without it the raised set grows with every reload
@@ -324,7 +344,7 @@ func (d *Detector) committed(err error, touched map[store.LimitKey]bool, levels 
 // with each policy that comes in force, the first one included. It
 // returns how many raised limits it re-armed.
 func (d *Detector) Prune(ctx context.Context, p *policy.Policy) (int, error) {
-	defined := definedBy(p)
+	defined := newAlertPolicy(p).defined()
 	// Under mu across the update: a commit that raises one of these limits
 	// meanwhile then raises it in memory after the update forgot it, so the
 	// memory never holds less than Postgres (the snapshot after reads it).
@@ -348,44 +368,26 @@ func (d *Detector) Prune(ctx context.Context, p *policy.Policy) (int, error) {
 	return len(keys), nil
 }
 
-// definedBy returns the tenant- and user-scope limits p defines.
-func definedBy(p *policy.Policy) store.Defined {
-	var d store.Defined
-	for _, pl := range p.Plans {
-		for _, l := range slices.Concat(pl.Quotas, pl.Rates) {
-			d.Define("user", "", l.Name)
-		}
-	}
-	for path, e := range p.Endpoints {
-		for _, l := range e.User {
-			d.Define("user", path, l.Name)
-		}
-	}
-	for id, t := range p.Tenants {
-		for _, l := range slices.Concat(t.Quotas, t.Rates) {
-			d.Define("tenant", id, l.Name)
-		}
-	}
-	return d
-}
-
 // quiet reports whether a snapshot leaves every threshold state as it is:
 // each user- and tenant-scope limit is known to be at level 0 (not
-// raised) and is under the lowest threshold, so it can neither fire nor
-// re-arm anything. (At level 0 a state's last usage and reset time are
-// never read, so they need no update.)
-func (d *Detector) quiet(tenant, user string, limits []events.LimitState) bool {
+// raised) and is under its lowest threshold (or has none), so it can
+// neither fire nor re-arm anything. (At level 0 a state's last usage and
+// reset time are never read, so they need no update.)
+func (d *Detector) quiet(s snap) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if !d.raisedAll {
 		return false
 	}
-	for _, l := range limits {
-		k, ok := limitKey(tenant, user, l)
+	for _, l := range s.limits {
+		k, ok := limitKey(s.tenant, s.user, l)
 		if !ok {
 			continue
 		}
-		if d.raised[k] != 0 || d.unknown[k] || percent(l.Used, l.Limit) >= float64(Thresholds[0]) {
+		if d.raised[k] != 0 || d.unknown[k] {
+			return false
+		}
+		if ts := d.thresholds(s.tenant, s.plan, l); len(ts) > 0 && percent(l.Used, l.Limit) >= float64(ts[0]) {
 			return false
 		}
 	}
@@ -393,14 +395,14 @@ func (d *Detector) quiet(tenant, user string, limits []events.LimitState) bool {
 }
 
 // enqueue queues alert a, its payload the body of data, for the webhooks
-// that want it.
-func (d *Detector) enqueue(ctx context.Context, tx *store.Tx, a store.Alert, now time.Time, data any) error {
+// that want it (threshold: the percentage crossed, 0 but for thresholds).
+func (d *Detector) enqueue(ctx context.Context, tx *store.Tx, a store.Alert, threshold int, now time.Time, data any) error {
 	b, err := body(a.Kind, now, data)
 	if err != nil {
 		return fmt.Errorf("encode %s alert: %w", a.Kind, err)
 	}
 	a.Payload = b
-	return tx.Enqueue(ctx, a, d.route(a.Kind, a.Tenant))
+	return tx.Enqueue(ctx, a, d.route(a.Kind, a.Tenant, threshold))
 }
 
 // thresholdAlert is the alert of threshold t of limit k at its fire-th
@@ -565,7 +567,7 @@ func (d *Detector) spike(ctx context.Context, now time.Time, c spikeChange) erro
 			Kind: KindSpike, Tenant: tenant, Order: events.HashID(KindSpike, tenant, endpoint),
 		}
 		sent = true
-		return d.enqueue(ctx, tx, a, now, data)
+		return d.enqueue(ctx, tx, a, 0, now, data)
 	})
 	if err != nil {
 		return fmt.Errorf("denial spike %q %q: %w", tenant, endpoint, err)
@@ -603,7 +605,7 @@ func (d *Detector) burst(ctx context.Context, now time.Time, k abuseKey, n int64
 		if err != nil || !fresh {
 			return err
 		}
-		return d.enqueue(ctx, tx, a, now, data)
+		return d.enqueue(ctx, tx, a, 0, now, data)
 	})
 	if err != nil {
 		return fmt.Errorf("abuse alert: %w", err)

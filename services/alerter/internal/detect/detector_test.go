@@ -38,7 +38,7 @@ func (c *clock) add(d time.Duration) {
 
 func newDetector(t *testing.T, st *store.Store, c *clock) *Detector {
 	t.Helper()
-	d, err := New(st, func(string, string) []string { return []string{"ops"} }, Options{SpikeMinRequests: 10},
+	d, err := New(st, func(string, string, int) []string { return []string{"ops"} }, Options{SpikeMinRequests: 10},
 		slog.New(slog.DiscardHandler), prometheus.NewRegistry(), nil)
 	if err != nil {
 		t.Fatal(err)

@@ -6,42 +6,45 @@ import (
 	"quotaflow/services/alerter/internal/store"
 )
 
-// Thresholds are the percentages of a limit that raise quota.threshold,
-// ascending.
-var Thresholds = []int{80, 90, 100}
-
 // step applies one snapshot of a limit (used of limit at time at, window
-// resetting at resetAt, zero when unknown) to its state and returns the
-// new state and the thresholds it crossed, ascending.
+// resetting at resetAt, zero when unknown) to its state, under the limit's
+// thresholds (percentages 1 to 100, ascending, possibly none), and returns
+// the new state and the thresholds it crossed, ascending.
 //
-// Every threshold at or below st.Level is fired, every one above armed. A
-// fired threshold t re-arms when the usage falls under t - hysteresis
-// (percentage points), or when the window has reset. Snapshots carry no
-// window start, so a reset is inferred: the snapshot comes at or after the
-// reset time of the previous one and usage dropped by at least the
-// hysteresis (at least 1 point). The drop requirement keeps a rolling
+// The state's Level is the highest threshold fired and not re-armed: every
+// threshold at or below it counts as fired, every one above it armed. It
+// is a percentage, not an index, so it keeps its meaning when a policy
+// reload changes the thresholds between two snapshots: usage was at least
+// Level, so a new threshold under it is no news and one above it is armed.
+// A fired threshold t re-arms when the usage falls under t - h, or when the
+// window has reset, where h is the hysteresis in percentage points, at
+// most half the level (a 4 % threshold could never re-arm under 4 - 5).
+// Snapshots carry no window start, so a reset is inferred: the snapshot
+// comes at or after the reset time of the previous one and usage dropped by
+// at least h (at least 1 point). The drop requirement keeps a rolling
 // window, whose reset time passes every time a bucket slides out, from
 // re-firing on every trickle; a fixed window that reset and refilled past
-// a threshold between two snapshots alerts again. Then
-// each armed threshold the usage has reached fires, in order, so a jump
-// from 70% to 100% fires 80, 90 and 100.
-func step(st store.LimitState, used, limit int64, at, resetAt time.Time, hysteresis float64) (store.LimitState, []int) {
+// a threshold between two snapshots alerts again. Then each armed
+// threshold the usage has reached fires, in order, so a jump from 70% to
+// 100% under 80, 90 and 100 fires all three.
+func step(st store.LimitState, used, limit int64, at, resetAt time.Time, thresholds []int, hysteresis float64) (store.LimitState, []int) {
 	pct := percent(used, limit)
+	h := min(hysteresis, float64(st.Level)/2)
 	if st.Level > 0 && !st.ResetAt.IsZero() && !at.Before(st.ResetAt) &&
-		percent(st.LastUsed, limit)-pct >= max(hysteresis, 1) {
+		percent(st.LastUsed, limit)-pct >= max(h, 1) {
 		st.Level = 0 // the window reset
 	}
-	if st.Level > 0 && pct < float64(st.Level)-hysteresis {
+	if st.Level > 0 && pct < float64(st.Level)-h {
 		lvl := 0
-		for _, t := range Thresholds {
-			if t < st.Level && pct >= float64(t)-hysteresis {
+		for _, t := range thresholds {
+			if t < st.Level && pct >= float64(t)-min(hysteresis, float64(t)/2) {
 				lvl = t
 			}
 		}
 		st.Level = lvl
 	}
 	var fired []int
-	for _, t := range Thresholds {
+	for _, t := range thresholds {
 		if t > st.Level && pct >= float64(t) {
 			fired = append(fired, t)
 			st.Level = t

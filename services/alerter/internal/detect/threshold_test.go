@@ -51,14 +51,14 @@ func TestStep(t *testing.T) {
 					resetAt = at.Add(s.reset)
 				}
 				var got []int
-				st, got = step(st, s.used, 1000, at, resetAt, 5)
+				st, got = step(st, s.used, 1000, at, resetAt, legacyThresholds, 5)
 				if !slices.Equal(got, s.want) {
 					t.Fatalf("snapshot %d: step(used %d) fired %v, want %v", i, s.used, got, s.want)
 				}
 			}
 		})
 	}
-	if _, got := step(store.LimitState{}, 10, 0, t0, time.Time{}, 5); got != nil {
+	if _, got := step(store.LimitState{}, 10, 0, t0, time.Time{}, legacyThresholds, 5); got != nil {
 		t.Errorf("step(limit 0) fired %v, want none", got)
 	}
 }
