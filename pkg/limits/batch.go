@@ -36,9 +36,10 @@ func (l *Limiter) ReserveBatch(ctx context.Context, rs []Request) []Reserved {
 	return l.reserve(ctx, rs, wire.ModeReserve)
 }
 
-// reserve makes the reserve calls of rs in mode (Fresh requests reserve in
-// ModeFresh), batched as ReserveBatch says.
-func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserved {
+// reserveBlobs makes the reserve calls of rs in mode (Fresh requests
+// reserve in ModeFresh) in the subjects' blobs, batched as ReserveBatch
+// says.
+func (l *Limiter) reserveBlobs(ctx context.Context, rs []Request, mode int) []Reserved {
 	out := make([]Reserved, len(rs))
 	groups := batches(l, len(rs), func(i int) uint16 { return wire.TenantSlot(rs[i].Tenant) }, nil, l.p.NewReserveBatch,
 		func(b *wire.ReserveBatch, i int) error {

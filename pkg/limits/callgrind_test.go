@@ -30,7 +30,7 @@ import (
 // one 70-byte argument: what Redis spends on a call before any script work;
 // then, per settle, SettleMany batches of 64 correcting the batched 5-limit
 // reserves; last, a reserve over one fixed window of requests (the peer
-// benchmark's plan), lone and in batches of 64.
+// benchmark's plan), lone and in batches of 16 and 64.
 // bench/callgrind.sh starts the server and runs this test; without
 // QF_CALLGRIND_ADDR it is skipped.
 func TestCallgrindInstructions(t *testing.T) {
@@ -156,8 +156,8 @@ func TestCallgrindInstructions(t *testing.T) {
 		}
 	})
 	t.Logf("callgrind: per settle (correct) over 5 limits in SettleMany batches of 64: %.0f", s64)
-	q, q64 := measure(req), measure(batchOf(hourly, "q64-", 64))
-	t.Logf("callgrind: reserve over 1 request limit (a fixed window of requests, the peer benchmark's plan): lone %.0f, per reserve in batches of 64 %.0f", q, q64)
+	q, q16, q64 := measure(req), measure(batchOf(hourly, "q16-", 16)), measure(batchOf(hourly, "q64-", 64))
+	t.Logf("callgrind: reserve over 1 request limit (a fixed window of requests, the peer benchmark's plan): lone %.0f, per reserve in batches of 16 %.0f and 64 %.0f", q, q16, q64)
 }
 
 // TestCallgrindCount counts the instructions redis-server spends per

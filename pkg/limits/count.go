@@ -83,7 +83,7 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 		}
 		first := len(parts)
 		for i := range cs {
-			slot := wire.CounterSlot(cs[i].Scope, cs[i].ID)
+			slot := cs[i].Slot()
 			k := first
 			for k < len(parts) && parts[k].slot != slot {
 				k++
@@ -145,35 +145,36 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 		}
 	}
 	for k := range parts {
-		p := &parts[k]
-		d := &out[p.group].Decision
-		if out[p.group].Err != nil {
-			continue
-		}
-		now := done[k].now
-		if d.Now.IsZero() {
-			d.Now = now
-		}
-		for i, c := range p.counters {
-			s := &d.States[p.at[i]]
-			seen := done[k].Seen[i]
-			fits := seen+c.Cost <= c.Rule.Limit.Limit
-			used := seen
-			if d.Allowed {
-				used = min(seen+c.Cost, MaxCost)
-			}
-			*s = counterState(&c, used, now)
-			s.WouldDeny = !fits && c.Rule.Shadow
-			reset := s.Reset
-			if !fits && !c.Rule.Shadow && (d.DeniedBy < 0 || p.at[i] < d.DeniedBy) {
-				d.DeniedBy, d.RetryAfter, d.Reason = p.at[i], reset, ReasonNone
-				if c.Cost > c.Rule.Limit.Limit {
-					d.RetryAfter, d.Reason = 0, ReasonCostExceedsLimit
-				}
-			}
+		if p := &parts[k]; out[p.group].Err == nil {
+			out[p.group].Decision.count(p, &done[k])
 		}
 	}
 	return out
+}
+
+// count fills the states of part p's counters from its outcome r, and the
+// denial they make, in d (Allowed set, DeniedBy -1 or an earlier part's).
+func (d *Decision) count(p *countPart, r *counted) {
+	if d.Now.IsZero() {
+		d.Now = r.now
+	}
+	for i, c := range p.counters {
+		s := &d.States[p.at[i]]
+		seen := r.Seen[i]
+		fits := seen+c.Cost <= c.Rule.Limit.Limit
+		used := seen
+		if d.Allowed {
+			used = min(seen+c.Cost, MaxCost)
+		}
+		*s = counterState(&c, used, r.now)
+		s.WouldDeny = !fits && c.Rule.Shadow
+		if !fits && !c.Rule.Shadow && (d.DeniedBy < 0 || p.at[i] < d.DeniedBy) {
+			d.DeniedBy, d.RetryAfter, d.Reason = p.at[i], s.Reset, ReasonNone
+			if c.Cost > c.Rule.Limit.Limit {
+				d.RetryAfter, d.Reason = 0, ReasonCostExceedsLimit
+			}
+		}
+	}
 }
 
 // MaxCounters is the most counters (a SharedRequest's rules, summed over

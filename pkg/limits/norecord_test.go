@@ -155,13 +155,29 @@ func TestReusedRequestIDNeverPassesTheLimit(t *testing.T) {
 // that were allowed, and that a reserve is allowed exactly when every limit
 // has room: nothing but a reserve moves a request limit (a denied lost call
 // that ran stays counted: the void has no record to give it back by).
-// QF_MODEL_SEED replays a run.
+// It runs over requestRules, kept in blobs, and over fixed windows alone,
+// kept in counters (limits.Counted). QF_MODEL_SEED replays a run.
 func TestRequestOnlyEngineAgreesWithModel(t *testing.T) {
+	counters := requestRules()
+	counters[2].Limit = policy.Limit{Name: "2h", Kind: policy.Fixed, Unit: policy.Requests, Window: policy.Duration(2 * time.Hour)}
+	counters[3].Limit = policy.Limit{Name: "hour", Kind: policy.Fixed, Unit: policy.Requests, Window: policy.Duration(time.Hour)}
+	counters[3].Endpoint = "/v1/x" // a per-user endpoint limit of the same name and window
+	for _, tc := range []struct {
+		name  string
+		rules []policy.Rule
+	}{{"blobs", requestRules()}, {"counters", counters}} {
+		if limits.Counted(tc.rules) != (tc.name == "counters") {
+			t.Fatalf("Counted(%s) = %v, want %v", tc.name, !(tc.name == "counters"), tc.name == "counters")
+		}
+		t.Run(tc.name, func(t *testing.T) { requestOnlyModel(t, tc.rules) })
+	}
+}
+
+func requestOnlyModel(t *testing.T, rules []policy.Rule) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
 	seed, rng, l, offset := modelRun(t, c, 13)
 	tenant := redistest.UniqueName(t)
-	rules := requestRules()
 	rules[0].Limit.Limit = 60 // the tenant's room for both users
 	for i := 1; i < 4; i++ {
 		rules[i].Limit.Limit, rules[i].Limit.Burst = 40+int64(i), 40+int64(i)

@@ -23,21 +23,37 @@ const counterLen = 23
 const MaxCountKeys = 4000
 
 // Counter is one fixed-window counter of a count call: Cost added to the
-// counter of Rule (a fixed window) of scope's ID.
+// counter of Rule (a fixed window) of Scope's ID. A shared counter's Scope
+// is policy.ScopeGlobal or policy.ScopeIP; a subject's is its rule's,
+// policy.ScopeTenant or policy.ScopeUser, of Tenant's user ID (a
+// tenant-wide counter is the tenant's, whatever the user).
 type Counter struct {
-	Scope policy.Scope
-	ID    string
-	Cost  int64
-	Rule  *policy.Rule
+	Scope  policy.Scope
+	Tenant string // a subject counter's tenant; empty for a shared one
+	ID     string
+	Cost   int64
+	Rule   *policy.Rule
 }
 
-// CheckCounter checks a counter's scope, id, cost and rule.
+// CheckCounter checks a counter's scope, identifiers, cost and rule.
 func CheckCounter(c *Counter) error {
-	if c.Scope != policy.ScopeGlobal && c.Scope != policy.ScopeIP {
-		return fmt.Errorf("%w: counter scope %q: want global or ip", ErrInvalid, c.Scope)
+	var ids error
+	switch c.Scope {
+	case policy.ScopeGlobal, policy.ScopeIP:
+		ids = checkID(string(c.Scope), c.ID, true)
+		if c.Tenant != "" {
+			ids = fmt.Errorf("%w: counter scope %q: a shared counter has no tenant", ErrInvalid, c.Scope)
+		}
+	case policy.ScopeTenant, policy.ScopeUser:
+		ids = checkSubject(c.Tenant, c.ID)
+		if c.Rule.Scope != c.Scope {
+			ids = fmt.Errorf("%w: counter scope %q: rule %s is of scope %q", ErrInvalid, c.Scope, c.Rule.Name, c.Rule.Scope)
+		}
+	default:
+		return fmt.Errorf("%w: counter scope %q: want global, ip, tenant or user", ErrInvalid, c.Scope)
 	}
 	r := c.Rule
-	if err := errors.Join(checkID(string(c.Scope), c.ID, true), checkCost("cost", c.Cost), checkCost("limit", r.Limit.Limit)); err != nil {
+	if err := errors.Join(ids, checkCost("cost", c.Cost), checkCost("limit", r.Limit.Limit)); err != nil {
 		return err
 	}
 	if r.Kind != policy.Fixed || time.Duration(r.Window) < time.Millisecond {
@@ -46,15 +62,39 @@ func CheckCounter(c *Counter) error {
 	return nil
 }
 
-// CounterKey is the key of the counter of fixed window r of scope's id:
-// the scope's hash tag, then the rule's identity (ruleID), so a counter
-// shares the cluster slot of the scope and never the key of its blob.
-func CounterKey(scope policy.Scope, id string, r *policy.Rule) string {
-	return "q{" + sharedTag(scope, id) + "}c" + strconv.FormatInt(ruleID(r), 36)
+// tag is the hash tag of c's key: its tenant's (so a subject's counters
+// share the slot of its blobs and records) or its shared scope's.
+func (c *Counter) tag() string {
+	if c.Tenant != "" {
+		return esc(c.Tenant)
+	}
+	return sharedTag(c.Scope, c.ID)
 }
 
-// CounterSlot is the cluster slot of every counter of scope's id.
+// Key is c's key: the tag, then the rule's identity (ruleID), so a counter
+// never shares the key of a blob, a record or another rule's counter.
+func (c *Counter) Key() string {
+	id := strconv.FormatInt(ruleID(c.Rule), 36)
+	switch c.Scope {
+	case policy.ScopeTenant:
+		return "q{" + c.tag() + "}C:" + id
+	case policy.ScopeUser:
+		return "q{" + c.tag() + "}c:" + esc(c.ID) + ":" + id
+	}
+	return "q{" + c.tag() + "}c" + id
+}
+
+// Slot is the cluster slot of c's key.
+func (c *Counter) Slot() uint16 { return Slot(c.tag()) }
+
+// CounterSlot is the cluster slot of every counter of shared scope's id.
 func CounterSlot(scope policy.Scope, id string) uint16 { return SharedSlot(scope, id) }
+
+// CheckSubjectCall checks the identifiers and cost of a subject's reserve
+// or peek, whichever store holds its limits.
+func CheckSubjectCall(tenant, user, requestID string, cost int64) error {
+	return errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("cost", cost))
+}
 
 // CountBatch gathers groups of counters into one count call (count.lua):
 // their keys, each once, and one argument per group. Build it with
@@ -85,10 +125,9 @@ func (b *CountBatch) Add(at int64, cs []Counter) {
 	putInt48(w, at)
 	for i := range cs {
 		c := &cs[i]
-		tag := sharedTag(c.Scope, c.ID)
 		o := w[6+counterLen*i:]
-		binary.LittleEndian.PutUint16(o[0:], uint16(b.key(epochKey(tag))))
-		binary.LittleEndian.PutUint16(o[2:], uint16(b.key(CounterKey(c.Scope, c.ID, c.Rule))))
+		binary.LittleEndian.PutUint16(o[0:], uint16(b.key(epochKey(c.tag()))))
+		binary.LittleEndian.PutUint16(o[2:], uint16(b.key(c.Key())))
 		putInt48(o[4:], c.Cost)
 		putInt48(o[10:], c.Rule.Limit.Limit)
 		putInt48(o[16:], time.Duration(c.Rule.Window).Milliseconds())

@@ -22,6 +22,9 @@ import (
 //	q{%gE}cN      a CountBatch counter of endpoint E's fixed window N (ruleID
 //	              in base 36; q{%iA}cN of client IP A's): window number and
 //	              count, '<i6i6'
+//	q{T}c:U:N     the counter of user U's fixed window of requests N, when
+//	              every limit of U's plan is one (limits.Reserve); q{T}C:N
+//	              of the tenant's tenant-wide one; laid out as the above
 //	qe{S}         epoch key of the cluster slot that tag S hashes to
 //
 // A blob holds the state of several limits, one record each, named by a

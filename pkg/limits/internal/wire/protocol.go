@@ -340,7 +340,7 @@ func (b *batch) Len() int { return len(b.rules) }
 // nonce. It checks the identifiers and the cost and adds nothing when they
 // fail.
 func (b *ReserveBatch) Add(tenant, user, requestID string, cost int64, mode int, fingerprint, nonce int64, rules []policy.Rule) error {
-	if err := errors.Join(checkSubject(tenant, user), checkID("request_id", requestID, true), checkCost("cost", cost)); err != nil {
+	if err := CheckSubjectCall(tenant, user, requestID, cost); err != nil {
 		return err
 	}
 	rid := requestID

@@ -30,7 +30,8 @@
 -- TIME serves the call. Counts saturate at MAX_COUNT. An adjustment adds
 -- each signed cost to its counter, never refused by a limit, held to 0 to
 -- MAX_COUNT, and only when its date lies in the current window (a window
--- that has passed is left alone); it answers status 1.
+-- that has passed is left alone); it answers status 1. A counter of cost 0
+-- is read, never written (limits.Peek).
 local offset, guard = sunpack('<i6B', ARGV[1])
 local now = now_ms(offset)
 local vals = redis.call('MGET', unpack(KEYS))
@@ -70,7 +71,7 @@ for g = 2, #ARGV do
       local wn = floor(now / w)
       if not win[k] then load(k) end
       local c = win[k] == wn and cnt[k] or 0
-      if at < 0 or floor(at / w) == wn then
+      if cost ~= 0 and (at < 0 or floor(at / w) == wn) then
         c = c + cost
         if c < 0 then c = 0 elseif c > MAX_COUNT then c = MAX_COUNT end
         win[k], cnt[k], span[k] = wn, c, w
@@ -92,7 +93,7 @@ for g = 2, #ARGV do
       local fits = used + cost <= lim
       if not fits and shadow == 0 then
         out[s] = 0
-      else
+      elseif cost ~= 0 then
         undo[u + 1], undo[u + 2], undo[u + 3], u = k, win[k], cnt[k], u + 3
         local c = used + cost
         if c > MAX_COUNT then c = MAX_COUNT end
