@@ -204,12 +204,13 @@ type countPart struct {
 	back     int64
 }
 
-// counted is the outcome of one countPart: its reply or error, and the
-// Redis time of its call.
+// counted is the outcome of one countPart: its reply or error, the Redis
+// time of its call (µs) and its place among the call's groups.
 type counted struct {
 	wire.CountReply
-	err error
-	now time.Time
+	err   error
+	now   time.Time
+	place int
 }
 
 // runCounts sends parts in one round trip, one script call per slot and
@@ -227,7 +228,7 @@ func (l *Limiter) runCounts(ctx context.Context, parts []countPart) []counted {
 	for k := range calls {
 		which := groups[k].which
 		now := wire.DecodeCount(cmds[k], groups[k].batch, func(j int, v wire.CountReply, err error) {
-			done[which[j]] = counted{CountReply: v, err: err}
+			done[which[j]] = counted{CountReply: v, err: err, place: j}
 		})
 		for _, j := range which {
 			done[j].now = now

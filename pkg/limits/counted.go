@@ -16,9 +16,13 @@ import (
 // subject is then a key of its own, as CountBatch's counters are ('<i6i6'
 // window number and count, count.lua; the user's q{T}c:U:N, the tenant's
 // q{T}C:N, on the tenant's hash tag), which a reserve checks and charges
-// at a fraction of the blob engine's cost in Redis. Such a Decision's
-// Version (and TenantVersion, with a tenant-wide rule) is its Redis time in
-// µs, at ms precision: reserves in one call share it. The two stores never
+// at a fraction of the blob engine's cost in Redis. No version is stored:
+// such a Decision's Version (and TenantVersion, with a tenant-wide rule)
+// is its call's Redis time in µs plus its place among the call's reserves,
+// which grows from one decision of a subject to the next as long as
+// Redis's clock does not step back and a call spends at least 1 µs per
+// reserve (it spends several); in µs, as the blobs' versions, so a plan
+// that changes shape keeps its snapshots in order. The two stores never
 // share a count: a plan that changes shape (a token limit added, or the
 // last one removed) moves its request windows to the other store, where
 // they go on from what that store holds in the current window, mostly
@@ -118,7 +122,7 @@ func (l *Limiter) reserveCounts(ctx context.Context, rs []Request, peek bool) []
 		d := &o.Decision
 		d.Allowed, d.DeniedBy, d.States = done[k].Status == wire.StatusAllowed, -1, make([]State, len(p.counters))
 		d.count(p, &done[k])
-		d.Version = d.Now.UnixMicro()
+		d.Version = d.Now.UnixMicro() + int64(done[k].place)
 		for _, c := range p.counters {
 			if c.Scope == policy.ScopeTenant {
 				d.TenantVersion = d.Version

@@ -44,6 +44,7 @@ func TestCountedPlanLivesInCounters(t *testing.T) {
 		t.Fatal("Counted: want true for fixed request windows alone, false for none and for other kinds")
 	}
 	tenant := redistest.UniqueName(t)
+	var last int64 // version
 	for i, want := range []struct {
 		allowed   bool
 		used      []int64
@@ -58,9 +59,10 @@ func TestCountedPlanLivesInCounters(t *testing.T) {
 		if d.Allowed != want.allowed || fmt.Sprint(limitstest.Used(d.States)) != fmt.Sprint(want.used) || d.States[2].WouldDeny != want.wouldDeny {
 			t.Fatalf("Reserve %d = allowed %v used %v would deny %v; want %v %v %v", i+1, d.Allowed, limitstest.Used(d.States), d.States[2].WouldDeny, want.allowed, want.used, want.wouldDeny)
 		}
-		if d.Version != d.Now.UnixMicro() || d.TenantVersion != d.Version || d.Version == 0 {
-			t.Fatalf("Reserve %d: version %d, tenant version %d; want both the decision's Redis time in µs, %d", i+1, d.Version, d.TenantVersion, d.Now.UnixMicro())
+		if d.Version != d.Now.UnixMicro() || d.TenantVersion != d.Version || d.Version <= last {
+			t.Fatalf("Reserve %d: version %d, tenant version %d; want both the decision's Redis time in µs, %d, past the last %d", i+1, d.Version, d.TenantVersion, d.Now.UnixMicro(), last)
 		}
+		last = d.Version
 		if !want.allowed && (d.DeniedBy != 1 || d.RetryAfter <= 0 || d.RetryAfter > time.Hour) {
 			t.Fatalf("Reserve %d: denied by %d, retry after %v; want 1 (hour), within the hour", i+1, d.DeniedBy, d.RetryAfter)
 		}
@@ -170,5 +172,23 @@ func TestCountedPlanOnClusterSpansNodes(t *testing.T) {
 				t.Fatalf("round %d: ReserveBatch[%d] = %+v, %v; want allowed %v", round, i, o.Decision, o.Err, want)
 			}
 		}
+	}
+}
+
+// TestCountedVersionsGrowWithinACall: the reserves of one subject in one
+// call, which share its Redis time, get versions in their order.
+func TestCountedVersionsGrowWithinACall(t *testing.T) {
+	l := limitstest.At(redistest.Shared(t), 0)
+	tenant := redistest.UniqueName(t)
+	rs := make([]limits.Request, 5)
+	for i := range rs {
+		rs[i] = limits.Request{Tenant: tenant, User: "u", RequestID: "r", Rules: countedRules()}
+	}
+	var last int64
+	for i, o := range l.ReserveBatch(context.Background(), rs) {
+		if o.Err != nil || o.Decision.Version <= last || o.Decision.States[1].Used != int64(min(i+1, 3)) {
+			t.Fatalf("ReserveBatch[%d] = version %d (last %d), used %v, %v; want a later version", i, o.Decision.Version, last, limitstest.Used(o.Decision.States), o.Err)
+		}
+		last = o.Decision.Version
 	}
 }

@@ -156,7 +156,7 @@ type CountReply struct {
 
 // DecodeCount reads the reply of count call c of b and passes f each
 // group's reply or error, in order; it returns
-// the call's Redis time. An error of the whole call is every group's; a
+// the call's Redis time (µs). An error of the whole call is every group's; a
 // group without its epoch gets ErrNoEpoch.
 func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err error)) time.Time {
 	v, err := cmd.Int64Slice()
@@ -165,7 +165,7 @@ func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err 
 	}
 	var now time.Time
 	if err == nil {
-		now = time.UnixMilli(v[0])
+		now = time.UnixMicro(v[0])
 		v = v[1:]
 	}
 	for i, k := range b.groups {

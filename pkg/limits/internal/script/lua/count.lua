@@ -16,7 +16,7 @@
 --        counter '<I2I2i6i6i6B': the KEYS index of its slot's epoch key and
 --        of the counter, cost (an adjustment's signed), limit, window ms,
 --        1 = shadow
--- Reply  {now_ms, then per group: status, then per counter the count it
+-- Reply  {now_us (Redis time in µs), then per group: status, then per counter the count it
 --        found: the window's count plus what the group's earlier counters
 --        added; an adjustment's, the count after it (none after status
 --        -1)}
@@ -33,13 +33,14 @@
 -- that has passed is left alone); it answers status 1. A counter of cost 0
 -- is read, never written (limits.Peek).
 local offset, guard = sunpack('<i6B', ARGV[1])
-local now = now_ms(offset)
+local t = redis.call('TIME')
+local now = t[1] * 1000 + floor(t[2] / 1000) + offset -- ms, as windows count
 local vals = redis.call('MGET', unpack(KEYS))
 -- per KEYS index of a counter: the window and count as this call leaves
 -- them, the window as read (false: none), the window's ms once changed
 local win, cnt, read, span = {}, {}, {}, {}
 local dirty, isdirty = {}, {} -- the counters to write, in order; by index
-local out = { now }
+local out = { now * 1000 + t[2] % 1000 }
 
 -- load caches counter k's key as read.
 local function load(k)
