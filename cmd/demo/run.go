@@ -91,7 +91,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}()
 
 	addr := map[string]string{}
-	for _, k := range []string{"api", "gateway", "admission", "accounter", "alerter"} {
+	for _, k := range []string{"api", "gateway", "admission", "accounter", "alerter", "console"} {
 		if addr[k], err = e2e.FreeAddr(); err != nil {
 			return nil, err
 		}
@@ -107,7 +107,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}{
 		// The accounter first: with the epoch guard on, admission decides
 		// locally until an accounter has marked the Redis.
-		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=" + n.durable}},
+		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=" + n.durable, "QF_CONSOLE_ADDR=" + addr["console"]}},
 		{"alerter", []string{"QF_OPS_ADDR=" + addr["alerter"], "QF_WEBHOOKS_FILE=" + hooks,
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
 		{"admission", []string{"QF_OPS_ADDR=" + addr["admission"], "QF_ADMISSION_ADDR=" + addr["api"],

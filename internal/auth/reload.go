@@ -212,3 +212,27 @@ func (a *Auth) reloadAndLog() {
 		a.log.Error("tokens file rejected; the last good tokens stay in force", "err", err, "tokens", a.Len())
 	}
 }
+
+// Tokens are the tokens' environment variables, which admission's and the
+// accounter's Config embed: both services accept the same tokens.
+type Tokens struct {
+	// APITokens are token[@tenant][#role+role] entries (ParseEntry). With
+	// APITokensFile empty too there is no authentication, and a warning at
+	// start.
+	APITokens []string `envconfig:"API_TOKENS"`
+	// APITokensFile is a YAML list of token entries (ParseFile), reloaded
+	// on change and SIGHUP; its tokens add to APITokens. It is read at
+	// start, not by Validate.
+	APITokensFile string `envconfig:"API_TOKENS_FILE"`
+}
+
+// Validate checks the QF_API_TOKENS entries.
+func (t Tokens) Validate() error {
+	_, err := ParseEntries(t.APITokens)
+	return err
+}
+
+// Options are New's options for these tokens.
+func (t Tokens) Options(log *slog.Logger, onReload func(error)) Options {
+	return Options{Tokens: t.APITokens, File: t.APITokensFile, Log: log, OnReload: onReload}
+}

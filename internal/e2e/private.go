@@ -114,7 +114,11 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		env = append(append(append([]string{}, common...), env...), "QF_OPS_ADDR="+ops)
 		return Start(name, filepath.Join(binDir, name), dir, ops, env)
 	}
-	if p.Accounter, err = start("accounter", cfg.AccounterEnv...); err != nil {
+	console, err := FreeAddr()
+	if err != nil {
+		return p, err
+	}
+	if p.Accounter, err = start("accounter", append([]string{"QF_CONSOLE_ADDR=" + console}, cfg.AccounterEnv...)...); err != nil {
 		return p, err
 	}
 	alerterEnv := cfg.AlerterEnv

@@ -164,7 +164,11 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 	}
 	// The accounter first: it writes the epoch that lets admission decide
 	// from a brand-new Redis.
-	s.accounter = start("accounter", append([]string{"QF_POSTGRES_URL=" + dbURL,
+	console, err := e2e.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.accounter = start("accounter", append([]string{"QF_POSTGRES_URL=" + dbURL, "QF_CONSOLE_ADDR=" + console,
 		"QF_BATCH_WAIT=20ms", "QF_EPOCH_INTERVAL=1s"}, cfg.accounter...))
 	apiAddr, err := e2e.FreeAddr()
 	if err != nil {

@@ -3,11 +3,14 @@ package main
 import (
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
 	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
 	"quotaflow/pkg/limits"
@@ -29,6 +32,12 @@ type Config struct {
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9091"`
 	// Ops holds the ops port's other settings: QF_PPROF.
 	obs.Ops
+	// ConsoleAddr is where the console and its usage API listen (package
+	// history). Without a token configured it listens on loopback only: its
+	// host is replaced by 127.0.0.1, with a warning.
+	ConsoleAddr string `envconfig:"CONSOLE_ADDR" default:":8081"`
+	// Tokens are QF_API_TOKENS and QF_API_TOKENS_FILE, admission's tokens.
+	auth.Tokens
 
 	// Durable is the consumer's durable name; every accounter instance
 	// shares it to split the stream.
@@ -86,6 +95,12 @@ func (c *Config) Validate() error {
 	if c.OpsAddr == "" {
 		bad("OPS_ADDR", "required")
 	}
+	if _, _, err := net.SplitHostPort(c.ConsoleAddr); err != nil {
+		bad("CONSOLE_ADDR", "want host:port or :port")
+	} else if c.ConsoleAddr == c.OpsAddr {
+		bad("CONSOLE_ADDR", "must differ from QF_OPS_ADDR")
+	}
+	errs = append(errs, c.Tokens.Validate())
 	if c.Durable == "" {
 		bad("DURABLE", "required")
 	}
@@ -117,11 +132,25 @@ func (c *Config) Validate() error {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
-	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof},
+	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "console_addr", c.ConsoleAddr, "api_tokens_file", c.APITokensFile},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.Postgres.LogArgs(), c.NATS.LogArgs(), []any{
 			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
 			"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
 			"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair})
+}
+
+// consoleAddr is where the console listens: ConsoleAddr, on loopback only
+// when nothing authenticates its requests (authenticated false), since
+// every request would then read every tenant.
+func (c Config) consoleAddr(authenticated bool) string {
+	host, port, err := net.SplitHostPort(c.ConsoleAddr)
+	if authenticated || err != nil {
+		return c.ConsoleAddr
+	}
+	if ip, err := netip.ParseAddr(host); err == nil && ip.IsLoopback() || host == "localhost" {
+		return c.ConsoleAddr
+	}
+	return net.JoinHostPort("127.0.0.1", port)
 }
 
 // poolSize lets each worker hold a connection for its batch's

@@ -38,6 +38,9 @@ func TestConfigValidate(t *testing.T) {
 	}{
 		{"postgres url", func(c *Config) { c.PostgresURL = "postgres://user:s3cret@" }, "QF_POSTGRES_URL"},
 		{"batch size", func(c *Config) { c.BatchSize = 0 }, "QF_BATCH_SIZE"},
+		{"console addr", func(c *Config) { c.ConsoleAddr = "8081" }, "QF_CONSOLE_ADDR: want host:port"},
+		{"console on ops", func(c *Config) { c.ConsoleAddr = c.OpsAddr }, "QF_CONSOLE_ADDR: must differ"},
+		{"tokens", func(c *Config) { c.APITokens = []string{"tok@"} }, "QF_API_TOKENS"},
 		{"workers", func(c *Config) { c.Workers = 0 }, "QF_WORKERS"},
 		{"ttl", func(c *Config) { c.ReservationTTL = 0 }, "QF_RESERVATION_TTL"},
 		{"durable", func(c *Config) { c.Durable = "" }, "QF_DURABLE"},
@@ -54,5 +57,28 @@ func TestConfigValidate(t *testing.T) {
 				t.Errorf("Validate() = %v: the error repeats a password", err)
 			}
 		})
+	}
+}
+
+func TestConsoleAddr(t *testing.T) {
+	for _, tc := range []struct {
+		addr          string
+		authenticated bool
+		want          string
+	}{
+		{":8081", true, ":8081"},
+		{":8081", false, "127.0.0.1:8081"},
+		{"0.0.0.0:8081", false, "127.0.0.1:8081"},
+		{"[::]:8081", false, "127.0.0.1:8081"},
+		{"192.0.2.7:8081", false, "127.0.0.1:8081"},
+		{"127.0.0.1:8081", false, "127.0.0.1:8081"},
+		{"[::1]:8081", false, "[::1]:8081"},
+		{"localhost:8081", false, "localhost:8081"},
+		{"192.0.2.7:8081", true, "192.0.2.7:8081"},
+	} {
+		c := Config{ConsoleAddr: tc.addr}
+		if got := c.consoleAddr(tc.authenticated); got != tc.want {
+			t.Errorf("consoleAddr(%q, authenticated %v) = %q, want %q", tc.addr, tc.authenticated, got, tc.want)
+		}
 	}
 }

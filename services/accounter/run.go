@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
@@ -17,6 +19,7 @@ import (
 	"quotaflow/services/accounter/internal/consume"
 	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/expire"
+	"quotaflow/services/accounter/internal/history"
 	"quotaflow/services/accounter/internal/ledger"
 	"quotaflow/services/accounter/internal/rebuild"
 	"quotaflow/services/accounter/internal/reconcile"
@@ -35,6 +38,8 @@ const (
 // hooks lets tests observe and steer run; main passes none.
 type hooks struct {
 	started   func(ops string, reg *prometheus.Registry) // told the bound ops address (tests listen on port 0) and the metrics
+	console   func(addr string)                          // told the console's bound address
+	pages     http.Handler                               // the console's pages (history.Options.Pages)
 	beforeAck func(n int) error                          // consume.Options.BeforeAck
 }
 
@@ -63,6 +68,13 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return nil
 	}
 	store := ledger.New(pool)
+	console, err := startConsole(stack, cfg, log, history.NewReader(pool), h.pages)
+	if err != nil {
+		return err
+	}
+	if h.console != nil {
+		h.console(console)
+	}
 	rdb, err := service.OpenRedis(stack, cfg.RedisURL, newRedisErrors(reg))
 	if err != nil {
 		return err
@@ -104,6 +116,26 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	}
 	consumer.Run(withRedisOp(ctx, opConsume)) // until ctx ends; waits for the batches in flight
 	return nil
+}
+
+// startConsole authenticates with admission's tokens and serves the
+// console on cfg.ConsoleAddr, on loopback only when no token is configured
+// (a warning says so). It returns the bound address.
+func startConsole(stack *service.Stack, cfg Config, log *slog.Logger, rd *history.Reader, pages http.Handler) (string, error) {
+	tokens, err := auth.New(cfg.Tokens.Options(log, nil))
+	if err != nil {
+		return "", err
+	}
+	stack.Go("tokens file", tokens.Watch)
+	addr := cfg.consoleAddr(tokens != nil)
+	if addr != cfg.ConsoleAddr {
+		log.Warn("no API token is configured (QF_API_TOKENS, QF_API_TOKENS_FILE): the console reads every tenant and listens on loopback only", "console_addr", addr)
+	}
+	srv, err := service.Listen(stack, "console", addr, history.NewHandler(history.Options{Reader: rd, Auth: tokens, Pages: pages, Log: log}))
+	if err != nil {
+		return "", err
+	}
+	return srv.Addr(), nil
 }
 
 // every returns a job for Stack.Go that calls f every d (never when d is

@@ -111,7 +111,7 @@ func newEnv(t testing.TB) *env {
 		cfg: Config{
 			Redis: config.Redis{RedisURL: "redis://" + rs.Addr + "/0"}, Postgres: config.Postgres{PostgresURL: pgURL},
 			NATS: config.NATS{NATSURL: nc.ConnectedUrl(), Config: ec}, Policy: config.Policy{PolicyFile: policyFile},
-			Log: config.Log{LogLevel: "info"}, OpsAddr: "127.0.0.1:0",
+			Log: config.Log{LogLevel: "info"}, OpsAddr: "127.0.0.1:0", ConsoleAddr: "127.0.0.1:0",
 			Durable: "accounter", Workers: 2, BatchSize: 100, BatchWait: 50 * time.Millisecond,
 			ReservationTTL: time.Hour, SettleExpiredAtEstimate: true,
 			ExpiryInterval: 200 * time.Millisecond, EpochInterval: 200 * time.Millisecond,

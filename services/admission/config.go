@@ -62,14 +62,8 @@ type Config struct {
 	// QF_GATEWAY_ADDR set, admission also serves the OpenAI-compatible
 	// proxy there (package llmproxy).
 	llmproxy.Settings
-	// APITokens are token[@tenant][#role+role] entries (auth.ParseEntry).
-	// With APITokensFile empty too there is no authentication, and a
-	// warning at start.
-	APITokens []string `envconfig:"API_TOKENS"`
-	// APITokensFile is a YAML list of token entries (auth.ParseFile),
-	// reloaded on change and SIGHUP; its tokens add to APITokens. It is
-	// read at start, not by Validate.
-	APITokensFile string `envconfig:"API_TOKENS_FILE"`
+	// Tokens are QF_API_TOKENS and QF_API_TOKENS_FILE.
+	auth.Tokens
 	// RedisEpochGuard keeps admission local while Redis has lost its data
 	// until the accounter's rebuild; turn it off only without an accounter.
 	RedisEpochGuard bool `envconfig:"REDIS_EPOCH_GUARD" default:"true"`
@@ -175,7 +169,7 @@ func (c *Config) Validate() error {
 	if c.GatewayAddr != "" && (c.GatewayAddr == c.AdmissionAddr || c.GatewayAddr == c.OpsAddr || c.GatewayAddr == c.GRPCAddr) && !strings.HasSuffix(c.GatewayAddr, ":0") {
 		bad("GATEWAY_ADDR", "must differ from QF_ADMISSION_ADDR, QF_OPS_ADDR and QF_GRPC_ADDR")
 	}
-	errs = append(errs, c.Settings.Validate())
+	errs = append(errs, c.Tokens.Validate())
 	if c.EnvoyRateLimitConfig != "" && c.GRPCAddr == "" {
 		bad("ENVOY_RATELIMIT_CONFIG", "needs QF_GRPC_ADDR: ShouldRateLimit is served over gRPC")
 	}
@@ -205,9 +199,7 @@ func (c *Config) Validate() error {
 	case c.EnvoyRequestIDKey != "" && c.EnvoyRequestIDKey == c.EnvoyActualIDKey:
 		bad("ENVOY_ACTUAL_ID_KEY", "must differ from QF_ENVOY_REQUEST_ID_KEY")
 	}
-	if _, err := auth.ParseEntries(c.APITokens); err != nil {
-		errs = append(errs, err)
-	}
+	errs = append(errs, c.Tokens.Validate())
 	if c.AuthzDenyStatus != 429 && c.AuthzDenyStatus != 403 {
 		bad("AUTHZ_DENY_STATUS", "%d: want 429 or 403", c.AuthzDenyStatus)
 	}

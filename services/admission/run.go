@@ -49,7 +49,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	stack := service.NewStack(log, cfg.ShutdownTimeout, ready)
 	defer stack.Close()
 	m := newMetrics(reg)
-	tokens, err := auth.New(auth.Options{Tokens: cfg.APITokens, File: cfg.APITokensFile, Log: log, OnReload: m.tokensReloaded})
+	tokens, err := auth.New(cfg.Tokens.Options(log, m.tokensReloaded))
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,27 @@
+// Package history is the accounter's console server and its read-only usage
+// API (docs/design.md §6a): who may read what, the queries over the ledger
+// that the console's pages call server-side, and the JSON handlers over
+// them, served on QF_CONSOLE_ADDR.
+//
+// # Who reads what
+//
+// A request is authenticated by the tokens admission accepts (package auth),
+// carried in "Authorization: Bearer" or, for a browser, in the cookie
+// CookieName (set by the console's sign-in: HttpOnly, SameSite=Strict).
+// Authenticate turns it into a Viewer. An admin token reads every tenant; a
+// token bound to a tenant reads that tenant only, whatever its roles; a
+// token for every tenant that is not admin (a platform gateway's) reads
+// none. Every query takes a Tenant, which only Viewer.Tenant makes, after
+// that check: tenant scoping lives in that one method, and no query can be
+// called for a tenant its caller may not read.
+//
+// # The seam with the console's pages
+//
+// NewHandler serves the JSON API under /v1/ and passes every other path to
+// Options.Pages (the console: its pages at / and its static assets), which
+// handles its own sign-in and calls Authenticate and the Reader's methods
+// itself. The API answers a missing or unknown token with 401, a tenant
+// the token may not read with 403 (whether or not the tenant exists, so it
+// reveals nothing), bad parameters with 400; every error body is an RFC
+// 9457 problem.
+package history

@@ -1,0 +1,67 @@
+package history
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Reader runs the console's queries on the ledger. Create it with
+// NewReader; it is safe for concurrent use.
+type Reader struct {
+	pool *pgxpool.Pool
+}
+
+// NewReader returns a Reader of the ledger in pool (migrated).
+func NewReader(pool *pgxpool.Pool) *Reader { return &Reader{pool: pool} }
+
+// Point is one bucket of a history: Tokens is the actual cost of the
+// requests of the bucket, Requests how many of them admission admitted (a
+// reserved event reached the ledger). A request counts at its time in the
+// windows: its reservation's, else its first actual's, else its release's.
+type Point struct {
+	Start    time.Time `json:"start"`
+	Tokens   int64     `json:"tokens"`
+	Requests int64     `json:"requests"`
+}
+
+// selectHistory sums a tenant's (or one user's: $2 not empty) reservation
+// rows by bucket ($5: 'hour' or 'day', in UTC). The range reads the index
+// reservations_tenant_at.
+const selectHistory = `
+SELECT date_trunc($5, coalesce(reserved_at, actual_at, released_at), 'UTC'),
+    coalesce(sum(actual_tokens), 0)::bigint, count(*) FILTER (WHERE estimated_tokens IS NOT NULL)
+FROM reservations
+WHERE tenant = $1 AND coalesce(reserved_at, actual_at, released_at) >= $3
+    AND coalesce(reserved_at, actual_at, released_at) < $4 AND ($2 = '' OR user_id = $2)
+GROUP BY 1`
+
+// History returns t's usage (one user's when user is not empty) in every
+// bucket of r, in order, zero where nothing happened.
+func (rd *Reader) History(ctx context.Context, t Tenant, user string, r Range) ([]Point, error) {
+	if err := checkID("user", user, false); err != nil {
+		return nil, err
+	}
+	rows, err := rd.pool.Query(ctx, selectHistory, t.name, user, r.From, r.To, string(r.Step))
+	if err != nil {
+		return nil, fmt.Errorf("history of %s: %w", t.name, err)
+	}
+	got := map[time.Time]Point{}
+	var p Point
+	if _, err := pgx.ForEachRow(rows, []any{&p.Start, &p.Tokens, &p.Requests}, func() error {
+		got[p.Start.UTC()] = p
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("history of %s: %w", t.name, err)
+	}
+	starts := r.buckets()
+	points := make([]Point, len(starts))
+	for i, s := range starts {
+		points[i] = got[s]
+		points[i].Start = s
+	}
+	return points, nil
+}

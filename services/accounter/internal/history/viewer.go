@@ -1,0 +1,89 @@
+package history
+
+import (
+	"errors"
+	"net/http"
+
+	"quotaflow/internal/auth"
+	"quotaflow/pkg/ident"
+)
+
+// CookieName is the cookie that carries a browser's token: the console's
+// sign-in sets it, Authenticate reads it.
+const CookieName = "qf_console_token"
+
+// ErrForbidden is Viewer.Tenant's answer for a tenant the viewer may not
+// read.
+var ErrForbidden = errors.New("this token may not read that tenant")
+
+// Viewer is who asks: what an authenticated request's token may read.
+type Viewer struct {
+	p auth.Principal
+}
+
+// Authenticate returns the viewer of r's token, from its Authorization
+// header or else from its CookieName cookie; ok is false without a known
+// token (401). A nil a is no authentication: the viewer reads everything
+// (the console then listens on loopback only).
+func Authenticate(a *auth.Auth, r *http.Request) (v Viewer, ok bool) {
+	var p auth.Principal
+	if h := r.Header.Get("Authorization"); h != "" {
+		p, ok = a.AuthenticateHeader(h)
+	} else if c, err := r.Cookie(CookieName); err == nil {
+		p, ok = a.AuthenticateToken(c.Value)
+	} else {
+		p, ok = a.AuthenticateHeader("")
+	}
+	return Viewer{p: p}, ok
+}
+
+// ReadsAll reports whether v reads every tenant (an admin).
+func (v Viewer) ReadsAll() bool { return v.p.ReadsAll() }
+
+// Tenants lists the tenants v's token is bound to: what a viewer that does
+// not read all may read.
+func (v Viewer) Tenants() []string { return v.p.Tenants() }
+
+// Tenant returns tenant as one v may read: an error naming the problem for
+// an identifier admission would refuse (*ParamError), ErrForbidden for a
+// tenant v may not read. This is the one check of tenant scoping.
+func (v Viewer) Tenant(tenant string) (Tenant, error) {
+	if err := checkID("tenant", tenant, true); err != nil {
+		return Tenant{}, err
+	}
+	if !v.p.Reads(tenant) {
+		return Tenant{}, ErrForbidden
+	}
+	return Tenant{name: tenant}, nil
+}
+
+// Tenant is a tenant its viewer may read; make one with Viewer.Tenant.
+type Tenant struct {
+	name string
+}
+
+// Name is the tenant's identifier.
+func (t Tenant) Name() string { return t.name }
+
+// ParamError is a bad query parameter: Param names it, Problem says what
+// is wrong. Handlers answer it with 400.
+type ParamError struct {
+	Param, Problem string
+}
+
+func (e *ParamError) Error() string { return e.Param + ": " + e.Problem }
+
+// checkID validates an identifier as admission does (package ident),
+// non-empty when required.
+func checkID(param, v string, required bool) error {
+	if v == "" {
+		if required {
+			return &ParamError{param, "required"}
+		}
+		return nil
+	}
+	if err := ident.Check(v); err != nil {
+		return &ParamError{param, err.Error()}
+	}
+	return nil
+}
