@@ -1,14 +1,16 @@
 // Package console is the accounter's web console: server-rendered pages
 // (html/template) and their assets, embedded in the binary, served at / on
-// the console listener beside the usage history API (docs/design.md §16).
+// the console listener beside the usage history API.
 //
 // A browser signs in by posting a token once to /signin; the console keeps
 // it in an HttpOnly, SameSite=Strict cookie (Secure when the request came
 // over TLS) that the pages and the history API both accept. /signout
-// clears it. Every page asks Auth which tenants the cookie's token may see
-// and shows nothing else: an admin token starts at the list of tenants, a
-// tenant-bound token at its tenant's users, and a tenant in the URL that
-// the token may not see answers 404, the same as one that does not exist.
+// clears it. Every page asks the token's auth.Principal which tenants it
+// reads (auth.Principal.Reads) and shows nothing else: an admin token
+// starts at the list of tenants, a tenant-bound token at its tenant's
+// users, and a tenant in the URL that the token may not read answers 404,
+// the same as one that does not exist. A token that reads no tenant (a
+// platform gateway's, for every tenant but not admin) cannot sign in.
 //
 // The pages make no request to another origin: the Content-Security-Policy
 // allows only the console's own scripts, styles and images, and the chart
@@ -24,34 +26,19 @@ import (
 	"log/slog"
 	"net/http"
 	"time"
+
+	"quotaflow/internal/auth"
 )
 
-// CookieName is the cookie that carries the signed-in token.
-const CookieName = "qf_console"
+// CookieName is the cookie that carries the signed-in token; the usage
+// history API on the same listener accepts it too.
+const CookieName = "qf_console_token"
 
-// Scope is what a token may see: every tenant, or Tenants only.
-type Scope struct {
-	All     bool
-	Tenants []string
-}
-
-// Sees reports whether s may see tenant.
-func (s Scope) Sees(tenant string) bool {
-	if s.All {
-		return true
-	}
-	for _, t := range s.Tenants {
-		if t == tenant {
-			return true
-		}
-	}
-	return false
-}
-
-// Auth checks a token and says what it may see; ok is false for a token
-// no configured entry holds.
-type Auth interface {
-	Scope(token string) (s Scope, ok bool)
+// Tokens authenticates a bare token, as the cookie carries it
+// (*auth.Auth; nil there is no authentication: the console then listens on
+// loopback only).
+type Tokens interface {
+	AuthenticateToken(tok string) (auth.Principal, bool)
 }
 
 // Source reads what the pages show. Each call is for one tenant the
@@ -120,7 +107,7 @@ type Alert struct {
 
 // Options configure a Handler.
 type Options struct {
-	Auth   Auth
+	Auth   Tokens
 	Source Source
 	Log    *slog.Logger
 	// Now returns the time the pages' ranges end at; default time.Now.
@@ -138,7 +125,7 @@ var pages = template.Must(template.New("").Funcs(funcs).ParseFS(templateFS, "tem
 
 // Handler serves the console's pages and assets.
 type Handler struct {
-	auth Auth
+	auth Tokens
 	src  Source
 	log  *slog.Logger
 	now  func() time.Time

@@ -10,14 +10,13 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"quotaflow/internal/auth"
 )
 
-// tokens is a fake Auth: an admin token and one bound to tenant "a".
-type tokens map[string]Scope
-
-func (t tokens) Scope(tok string) (Scope, bool) { s, ok := t[tok]; return s, ok }
-
-var testAuth = tokens{"admin-tok": {All: true}, "a-tok": {Tenants: []string{"a"}}}
+// testTokens are an admin's, one bound to tenant "a" and a platform
+// gateway's, which reads no tenant.
+var testTokens = []string{"admin-tok#admin", "a-tok@a", "gw-tok"}
 
 // ledger is a fake Source recording the tenants it was asked about.
 type ledger struct{ asked []string }
@@ -47,7 +46,11 @@ func (l *ledger) Alerts(_ context.Context, t string, _ int) ([]Alert, error) {
 func newTestServer(t *testing.T) (*httptest.Server, *ledger) {
 	t.Helper()
 	src := &ledger{}
-	h := New(Options{Auth: testAuth, Source: src, Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	a, err := auth.New(auth.Options{Tokens: testTokens})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := New(Options{Auth: a, Source: src, Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 	return srv, src
@@ -93,6 +96,7 @@ func TestSignin(t *testing.T) {
 		want int
 	}{
 		{"unknown token", "nope", nil, http.StatusUnauthorized},
+		{"token reading no tenant", "gw-tok", nil, http.StatusUnauthorized},
 		{"empty token", "  ", nil, http.StatusBadRequest},
 		{"cross-site post", "a-tok", map[string]string{"Sec-Fetch-Site": "cross-site"}, http.StatusForbidden},
 		{"other origin", "a-tok", map[string]string{"Origin": "http://evil.example"}, http.StatusForbidden},

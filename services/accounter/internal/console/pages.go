@@ -5,22 +5,24 @@ import (
 	"encoding/json"
 	"html/template"
 	"net/http"
+	"net/url"
 	"time"
 
+	"quotaflow/internal/auth"
 	"quotaflow/pkg/ident"
 )
 
 // page is what every template gets: the layout's fields and one page's
 // data.
 type page struct {
-	Title  string
-	Tenant string // the tenant the page is about; empty above tenants
-	Nav    string // the tenant page shown, for aria-current
-	Scope  Scope
-	Error  string
-	Range  span
-	Ranges []span
-	User   string
+	Title    string
+	Tenant   string // the tenant the page is about; empty above tenants
+	Nav      string // the tenant page shown, for aria-current
+	SignedIn bool
+	Error    string
+	Range    span
+	Ranges   []span
+	User     string
 
 	Tenants []string
 	Users   []User
@@ -89,14 +91,14 @@ func (h *Handler) fail(w http.ResponseWriter, r *http.Request, p page, err error
 
 // home lists the tenants an admin may see; a token bound to one tenant
 // goes straight to its users.
-func (h *Handler) home(w http.ResponseWriter, r *http.Request, s Scope) {
-	p := page{Title: "Tenants", Scope: s}
-	if !s.All {
-		if len(s.Tenants) == 1 {
-			http.Redirect(w, r, "/tenants/"+s.Tenants[0], http.StatusSeeOther)
+func (h *Handler) home(w http.ResponseWriter, r *http.Request, pr auth.Principal) {
+	p := page{Title: "Tenants", SignedIn: true}
+	if !pr.ReadsAll() {
+		if ts := pr.Tenants(); len(ts) == 1 {
+			http.Redirect(w, r, "/tenants/"+url.PathEscape(ts[0]), http.StatusSeeOther)
 			return
 		}
-		p.Tenants = s.Tenants
+		p.Tenants = pr.Tenants()
 		h.render(w, r, http.StatusOK, "tenants", p)
 		return
 	}

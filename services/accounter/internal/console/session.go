@@ -5,6 +5,7 @@ import (
 	"net/url"
 	"strings"
 
+	"quotaflow/internal/auth"
 	"quotaflow/pkg/ident"
 )
 
@@ -30,7 +31,7 @@ func (h *Handler) signin(w http.ResponseWriter, r *http.Request) {
 		h.render(w, r, http.StatusBadRequest, "signin", page{Title: "Sign in", Error: "Enter a token."})
 		return
 	}
-	if _, ok := h.auth.Scope(tok); !ok {
+	if _, ok := h.principal(tok); !ok {
 		h.render(w, r, http.StatusUnauthorized, "signin", page{Title: "Sign in", Error: "That token was not accepted."})
 		return
 	}
@@ -70,25 +71,32 @@ func sameOrigin(r *http.Request) bool {
 	return err == nil && u.Host == r.Host
 }
 
-// scope returns what the request's cookie may see.
-func (h *Handler) scope(r *http.Request) (Scope, bool) {
+// principal returns what tok may do; ok is false for a token no entry
+// holds and for one that reads no tenant.
+func (h *Handler) principal(tok string) (auth.Principal, bool) {
+	p, ok := h.auth.AuthenticateToken(tok)
+	return p, ok && (p.ReadsAll() || len(p.Tenants()) > 0)
+}
+
+// signedInAs returns what the request's cookie may do.
+func (h *Handler) signedInAs(r *http.Request) (auth.Principal, bool) {
 	c, err := r.Cookie(CookieName)
 	if err != nil || c.Value == "" || len(c.Value) > maxTokenLen {
-		return Scope{}, false
+		return auth.Principal{}, false
 	}
-	return h.auth.Scope(c.Value)
+	return h.principal(c.Value)
 }
 
 // signedIn runs next for a request whose cookie holds an accepted token
 // and sends any other to the sign-in form.
-func (h *Handler) signedIn(next func(http.ResponseWriter, *http.Request, Scope)) http.HandlerFunc {
+func (h *Handler) signedIn(next func(http.ResponseWriter, *http.Request, auth.Principal)) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		s, ok := h.scope(r)
+		p, ok := h.signedInAs(r)
 		if !ok {
 			http.Redirect(w, r, "/signin", http.StatusSeeOther)
 			return
 		}
-		next(w, r, s)
+		next(w, r, p)
 	}
 }
 
@@ -96,13 +104,13 @@ func (h *Handler) signedIn(next func(http.ResponseWriter, *http.Request, Scope))
 // see it. A tenant it may not see is not found, as one that does not
 // exist, so a token learns nothing of other tenants.
 func (h *Handler) tenantPage(next func(http.ResponseWriter, *http.Request, page)) http.HandlerFunc {
-	return h.signedIn(func(w http.ResponseWriter, r *http.Request, s Scope) {
+	return h.signedIn(func(w http.ResponseWriter, r *http.Request, p auth.Principal) {
 		t := r.PathValue("tenant")
-		if t == "" || ident.Check(t) != nil || !s.Sees(t) {
-			h.render(w, r, http.StatusNotFound, "error", page{Title: "Not found", Scope: s,
+		if t == "" || ident.Check(t) != nil || !p.Reads(t) {
+			h.render(w, r, http.StatusNotFound, "error", page{Title: "Not found", SignedIn: true,
 				Error: "No such tenant, or not one this token may see."})
 			return
 		}
-		next(w, r, page{Title: t, Tenant: t, Scope: s})
+		next(w, r, page{Title: t, Tenant: t, SignedIn: true})
 	})
 }
