@@ -64,8 +64,9 @@ func (l *ledger) wal(ctx context.Context) (w wal, err error) {
 
 // actuals is the count of actual events in the ledger and their tokens.
 func (l *ledger) actuals(ctx context.Context) (n, tokens int64, err error) {
-	err = l.conn.QueryRow(ctx, `SELECT count(*), coalesce(sum(tokens), 0)::bigint FROM usage_events WHERE type = $1`,
-		events.TypeActual).Scan(&n, &tokens)
+	// An actual is recorded in its reservation row (docs/design.md §6).
+	err = l.conn.QueryRow(ctx, `SELECT count(actual_tokens), coalesce(sum(actual_tokens), 0)::bigint FROM reservations`).
+		Scan(&n, &tokens)
 	return n, tokens, err
 }
 

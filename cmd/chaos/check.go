@@ -131,7 +131,7 @@ func actualBySubject(ctx context.Context, dbURL string) (map[[2]string]int64, in
 	if err := conn.QueryRow(ctx, `SELECT count(*) FROM reservations WHERE status = 'open'`).Scan(&open); err != nil {
 		return nil, 0, err
 	}
-	rows, err := conn.Query(ctx, `SELECT tenant, user_id, sum(tokens)::bigint FROM usage_events WHERE type = $1 GROUP BY 1, 2`, events.TypeActual)
+	rows, err := conn.Query(ctx, `SELECT tenant, user_id, sum(actual_tokens)::bigint FROM reservations WHERE actual_tokens IS NOT NULL GROUP BY 1, 2`)
 	if err != nil {
 		return nil, 0, err
 	}

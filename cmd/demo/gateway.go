@@ -134,8 +134,8 @@ func readGatewayLedger(ctx context.Context, rep *GatewayReport, dbURL, tenant st
 		return
 	}
 	defer conn.Close(ctx)
-	if err := conn.QueryRow(ctx, `SELECT count(*), coalesce(sum(tokens), 0)::bigint FROM usage_events
-WHERE tenant = $1 AND type = 'quotaflow.usage.actual'`, tenant).Scan(&rep.Ledger[0], &rep.Ledger[1]); err != nil {
+	if err := conn.QueryRow(ctx, `SELECT count(actual_tokens), coalesce(sum(actual_tokens), 0)::bigint FROM reservations
+WHERE tenant = $1`, tenant).Scan(&rep.Ledger[0], &rep.Ledger[1]); err != nil {
 		rep.Err = fmt.Errorf("ledger: %w", err)
 		return
 	}

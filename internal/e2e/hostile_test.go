@@ -424,7 +424,8 @@ func testControlCharacters(t *testing.T, s *stack, gw caller) {
 		return n == 1 && tokens == 7, fmt.Sprintf("%d actual events of u2, %d tokens", n, tokens)
 	})
 	s.deadLetteredOnce(t, "evt-nul", stream.ReasonInvalid)
-	if n := s.count(t, `SELECT count(*) FROM usage_events WHERE tenant = $1 AND user_id <> 'u2'`, tenant); n != 0 {
+	if n := s.count(t, `SELECT (SELECT count(*) FROM usage_events WHERE tenant = $1 AND user_id <> 'u2') +
+		(SELECT count(*) FROM reservations WHERE tenant = $1 AND user_id <> 'u2')`, tenant); n != 0 {
 		t.Errorf("the ledger holds %d events of the NUL subject, want 0", n)
 	}
 	if r := s.retries(t); r != retries0 {

@@ -40,9 +40,10 @@ func Decisions(ctx context.Context, opsURL string) ([]Decision, error) {
 
 // Ledger is what the accounter wrote to Postgres.
 type Ledger struct {
-	// EventsByType is type → count, sum of tokens; reserved events are
-	// counted as the reservations they recorded (docs/design.md §6: a
-	// reserved event has no usage_events row), with their estimates.
+	// EventsByType is type → count, sum of tokens; reserved and actual
+	// events are counted as the reservations that recorded them
+	// (docs/design.md §6: neither has a usage_events row), with their
+	// estimates and actual costs.
 	EventsByType map[string][2]int64
 	ResByStatus  map[string]int64
 	ActualTotal  int64
@@ -72,13 +73,17 @@ func ReadLedger(ctx context.Context, url string) (Ledger, error) {
 	if err := rows.Err(); err != nil {
 		return l, err
 	}
-	var reserved [2]int64
-	if err := conn.QueryRow(ctx, `SELECT count(estimated_tokens), coalesce(sum(estimated_tokens), 0)::bigint FROM reservations`).
-		Scan(&reserved[0], &reserved[1]); err != nil {
+	var reserved, actual [2]int64
+	if err := conn.QueryRow(ctx, `SELECT count(estimated_tokens), coalesce(sum(estimated_tokens), 0)::bigint,
+		count(actual_tokens), coalesce(sum(actual_tokens), 0)::bigint FROM reservations`).
+		Scan(&reserved[0], &reserved[1], &actual[0], &actual[1]); err != nil {
 		return l, err
 	}
 	if reserved[0] > 0 {
 		l.EventsByType[events.TypeReserved] = reserved
+	}
+	if actual[0] > 0 {
+		l.EventsByType[events.TypeActual] = actual
 	}
 	if a, ok := l.EventsByType[events.TypeActual]; ok {
 		l.ActualCount, l.ActualTotal = a[0], a[1]

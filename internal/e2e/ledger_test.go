@@ -17,7 +17,6 @@ import (
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/pgtest"
-	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 )
 
@@ -53,10 +52,10 @@ func createLedger(t *testing.T, url string, tokens int64) {
 	}
 	defer conn.Close(ctx)
 	if _, err := conn.Exec(ctx, `CREATE TABLE usage_events (type text NOT NULL, tokens bigint);
-		CREATE TABLE reservations (estimated_tokens bigint, status text NOT NULL)`); err != nil {
+		CREATE TABLE reservations (estimated_tokens bigint, actual_tokens bigint, status text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := conn.Exec(ctx, `INSERT INTO usage_events VALUES ($1, $2)`, events.TypeActual, tokens); err != nil {
+	if _, err := conn.Exec(ctx, `INSERT INTO reservations VALUES (NULL, $1, 'settled')`, tokens); err != nil {
 		t.Fatal(err)
 	}
 }

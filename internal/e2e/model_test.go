@@ -334,7 +334,7 @@ func (p *pipeline) check(t *testing.T, m *pmodel, seq int) {
 			t.Errorf("sequence %d: %s credited = %d, model %d", seq, u, l.Limit, m.user(u).credited)
 		}
 	}
-	actuals := p.count(t, `SELECT count(*) FROM usage_events WHERE tenant = $1 AND type = 'quotaflow.usage.actual'`, p.tenant)
+	actuals := p.count(t, `SELECT count(actual_tokens) FROM reservations WHERE tenant = $1`, p.tenant)
 	rolled := p.count(t, `SELECT coalesce(sum(tokens), 0)::bigint FROM usage_rollups WHERE tenant = $1`, p.tenant)
 	requests := p.count(t, `SELECT coalesce(sum(requests), 0)::bigint FROM usage_rollups WHERE tenant = $1`, p.tenant)
 	if tokens, n := m.actuals(); actuals != n || rolled != tokens || requests != n {

@@ -477,8 +477,8 @@ func (s *stack) count(t *testing.T, query string, args ...any) int64 {
 // and their tokens.
 func (s *stack) actuals(t *testing.T, tenant, user string) (n, tokens int64) {
 	t.Helper()
-	const q = `SELECT count(*), coalesce(sum(tokens), 0)::bigint FROM usage_events
-WHERE tenant = $1 AND user_id = $2 AND type = 'quotaflow.usage.actual'`
+	const q = `SELECT count(actual_tokens), coalesce(sum(actual_tokens), 0)::bigint FROM reservations
+WHERE tenant = $1 AND user_id = $2`
 	if err := s.db.QueryRow(context.Background(), q, tenant, user).Scan(&n, &tokens); err != nil {
 		t.Fatalf("ledger: %v", err)
 	}

@@ -184,8 +184,8 @@ func BenchmarkEndToEnd(b *testing.B) {
 		}
 	}
 	var events64 int64
-	if err := db.QueryRow(ctx, "SELECT count(*) FROM usage_events WHERE type = $1", events.TypeActual).Scan(&events64); err != nil || events64 != int64(n) {
-		b.Fatalf("actual usage_events = %d, %v; want %d", events64, err, n)
+	if err := db.QueryRow(ctx, "SELECT count(actual_event) FROM reservations").Scan(&events64); err != nil || events64 != int64(n) {
+		b.Fatalf("actual events recorded = %d, %v; want %d", events64, err, n)
 	}
 }
 

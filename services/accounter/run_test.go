@@ -348,8 +348,8 @@ func TestAccounterEvents(t *testing.T) {
 			i, err := c.Info(ctx)
 			return err == nil && i.NumPending == 0 && i.NumAckPending == 0
 		})
-		if n := e.count("SELECT count(*) FROM usage_events WHERE event_id=$1", ev.ID); n != 1 {
-			t.Errorf("usage_events rows of the actual = %d, want 1", n)
+		if n := e.count("SELECT count(*) FROM reservations WHERE convert_from(actual_event, 'UTF8')::jsonb->>'id' = $1", ev.ID); n != 1 {
+			t.Errorf("reservations recording the actual = %d, want 1", n)
 		}
 		if got := e.used(ten, usr, "5h"); got != 60 {
 			t.Errorf("5h used = %d, want 60 (corrected once)", got)
@@ -559,7 +559,7 @@ func TestAccounterEvents(t *testing.T) {
 		late := e.actual(ten, usr, req, "", 10, 0)
 		e.publish(late)
 		e2e.Eventually(t, "late actual recorded", func() bool {
-			return e.count("SELECT count(*) FROM usage_events WHERE event_id=$1", late.ID) == 1
+			return e.count("SELECT count(*) FROM reservations WHERE convert_from(actual_event, 'UTF8')::jsonb->>'id' = $1", late.ID) == 1
 		})
 		time.Sleep(200 * time.Millisecond)
 		if got, st := e.used(ten, usr, "5h"), e.status(ten, usr, req); got != 100 || st != "expired" {
@@ -659,14 +659,14 @@ func TestAccounterEvents(t *testing.T) {
 			`CREATE FUNCTION refuse_` + ten[4:] + `() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
 				IF NEW.tenant = '` + ten + `-x' THEN RAISE EXCEPTION 'refused' USING ERRCODE = '22023'; END IF;
 				RETURN NEW; END $$`,
-			`CREATE TRIGGER refuse_` + ten[4:] + ` BEFORE INSERT ON usage_events FOR EACH ROW EXECUTE FUNCTION refuse_` + ten[4:] + `()`,
+			`CREATE TRIGGER refuse_` + ten[4:] + ` BEFORE INSERT ON reservations FOR EACH ROW EXECUTE FUNCTION refuse_` + ten[4:] + `()`,
 		} {
 			if _, err := e.pg.Exec(ctx, q); err != nil {
 				t.Fatal(err)
 			}
 		}
 		t.Cleanup(func() {
-			_, _ = e.pg.Exec(context.Background(), `DROP TRIGGER refuse_`+ten[4:]+` ON usage_events`)
+			_, _ = e.pg.Exec(context.Background(), `DROP TRIGGER refuse_`+ten[4:]+` ON reservations`)
 		})
 		e.publish(e.actual(ten, "u1", "before", "", 1, 1))
 		e.publish(e.actual(ten+"-x", "u1", "r1", "", 1, 1))
@@ -727,7 +727,7 @@ func TestAccounterEvents(t *testing.T) {
 			t.Errorf("%d reservations, want 2 (before, after)", n)
 		}
 		// The documented audit read works over every row stored.
-		if n := e.count(`SELECT count(*) FROM usage_events WHERE convert_from(event, 'UTF8')::jsonb IS NOT NULL`); n < 2 {
+		if n := e.count(`SELECT count(*) FROM reservations WHERE convert_from(actual_event, 'UTF8')::jsonb IS NOT NULL`); n < 2 {
 			t.Errorf("the audit read found %d events, want at least 2", n)
 		}
 	})
@@ -796,12 +796,16 @@ func TestRedeliveredBatchCountsOnce(t *testing.T) {
 }
 
 // countedOnce checks that the n actual events of tenant's user u1, of
-// tokens in all, each counted once: one ledger row each (a reserved event
-// is its reservation row), the 5h window and the rollups hold tokens.
+// tokens in all, each counted once: one ledger row each (a reserved or
+// actual event is its reservation row), the 5h window and the rollups hold
+// tokens.
 func (e *env) countedOnce(tenant string, n, tokens int64) {
 	e.t.Helper()
-	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", tenant); got != n {
-		e.t.Errorf("usage_events rows = %d, want %d (one per actual)", got, n)
+	if got := e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", tenant); got != 0 {
+		e.t.Errorf("usage_events rows = %d, want 0 (an actual is its reservation row)", got)
+	}
+	if got := e.count("SELECT count(actual_event) FROM reservations WHERE tenant=$1", tenant); got != n {
+		e.t.Errorf("reservations recording an actual = %d, want %d", got, n)
 	}
 	if got := e.used(tenant, "u1", "5h"); got != tokens {
 		e.t.Errorf("5h used = %d, want %d (each actual once)", got, tokens)
@@ -1208,7 +1212,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 	}()
 	e2e.Eventually(t, "every event in the ledger and every actual settled", func() bool {
 		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND status='settled'", ten) == n &&
-			e.count("SELECT count(*) FROM usage_events WHERE tenant=$1", ten) == n
+			e.count("SELECT count(actual_event) FROM reservations WHERE tenant=$1", ten) == n
 	})
 	var used int64
 	for u := range 3 {

@@ -6,9 +6,10 @@ import (
 )
 
 // ErrUnreadable marks an event whose JSON the documented audit read,
-// convert_from(event, 'UTF8')::jsonb, would refuse (docs/design.md §6):
-// one such row would fail every audit query over its range, so the
-// accounter dead-letters the event instead of storing it.
+// convert_from(event, 'UTF8')::jsonb (an actual's: actual_event), would
+// refuse (docs/design.md §6): one such row would fail every audit query
+// over its range, so the accounter dead-letters the event instead of
+// storing it.
 var ErrUnreadable = errors.New("the audit read (jsonb) cannot parse the event")
 
 // Postgres's numeric, which holds a jsonb number, has at most this many

@@ -1,7 +1,8 @@
 // Package ledger is the accounter's durable record in Postgres: every
-// consumed event once (usage_events; a reserved event is recorded as its
-// reservation alone), the durable copy of each reservation (reservations)
-// and hourly usage totals (usage_rollups, a view of the actual events). Its
+// consumed event once (usage_events; a reserved or actual event is
+// recorded in its reservation row alone), the durable copy of each
+// reservation (reservations) and hourly usage totals (usage_rollups, a
+// view of the reservations' actuals). Its
 // migrations are embedded and applied at start under an advisory lock.
 // Every write is idempotent, so a redelivered batch changes nothing.
 package ledger
@@ -64,8 +65,9 @@ type Record struct {
 	Tokens     int64
 	OccurredAt time.Time // the CloudEvent time
 	// Payload is the event's JSON, stored with every event but a reserved
-	// one, whose reservation row holds what the ledger keeps of it. It is
-	// stored as it is (bytea, unparsed): the caller checked it.
+	// one, whose reservation row holds what the ledger keeps of it: an
+	// actual's in its reservation row. It is stored as it is (bytea,
+	// unparsed): the caller checked it.
 	Payload   []byte
 	Plan      string
 	Endpoint  string
@@ -109,9 +111,9 @@ const (
 )
 
 // insertEvents stores the events of a batch that are new, but reserved
-// ones: their reservation row is their record (upsertReservations), so the
-// ledger writes one row, not two, per reserved event, and no copy of its
-// payload. A payload goes to the column event as bytes, which Postgres
+// and actual ones: their reservation row is their record
+// (upsertReservations), so the ledger writes one row per request, not
+// three, and one index entry per index. A payload goes to the column event as bytes, which Postgres
 // does not parse (jsonb's parse was most of an actual event's insert). The
 // batch comes as one array per column (eventArgs), so that its write is one
 // exchange with its BEGIN: no COPY into a staging table first.
@@ -124,8 +126,11 @@ ORDER BY tenant, event_id
 ON CONFLICT (tenant, event_id) DO NOTHING`
 
 // upsertReservations merges the batch's reserved, actual and released
-// events (reservationArgs) into their reservation rows (first value wins,
-// so a redelivery changes nothing) and returns every touched row. A row is
+// events (reservationArgs: the first of each kind of a request) into their
+// reservation rows (first value wins, so a redelivery changes nothing) and
+// returns every touched row. An actual's cost and JSON (actual_event) are
+// taken together, so the row records the actual Redis was corrected by:
+// the first of its request, in the batch as across batches. A row is
 // local when its estimate is in no Redis window: decided without Redis, or
 // reserved in a Redis that lost its data before a rebuild counted it.
 //
@@ -138,7 +143,7 @@ ON CONFLICT (tenant, event_id) DO NOTHING`
 // batch's rows: concurrent batches cannot deadlock.
 const upsertReservations = `
 INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model,
-    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_at, released_at, local,
+    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_event, actual_at, released_at, local,
     status, settled_at, prior_status)
 SELECT tenant, user_id, request_id,
     coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), ''),
@@ -148,6 +153,7 @@ SELECT tenant, user_id, request_id,
     min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
     max(expires_at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
     max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual'),
+    (array_agg(event) FILTER (WHERE kind = 'quotaflow.usage.actual'))[1],
     min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.released'),
     coalesce(bool_and(local) FILTER (WHERE kind = 'quotaflow.usage.reserved'), false)
@@ -158,8 +164,8 @@ SELECT tenant, user_id, request_id,
     CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN now() END,
     CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN 'open' END
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
-    $9::timestamptz[], $10::timestamptz[], $11::boolean[])
-    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at, local)
+    $9::timestamptz[], $10::timestamptz[], $11::boolean[], $12::bytea[])
+    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at, local, event)
 GROUP BY tenant, user_id, request_id
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
 ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
@@ -175,6 +181,7 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     reserved_at = coalesce(r.reserved_at, excluded.reserved_at),
     expires_at = coalesce(r.expires_at, excluded.expires_at),
     actual_tokens = coalesce(r.actual_tokens, excluded.actual_tokens),
+    actual_event = CASE WHEN r.actual_tokens IS NULL THEN excluded.actual_event ELSE r.actual_event END,
     actual_at = coalesce(r.actual_at, excluded.actual_at),
     released_at = coalesce(r.released_at, excluded.released_at),
     -- excluded.status is settled when the batch has an actual
@@ -189,8 +196,8 @@ RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens
 // WriteResult is what a write did.
 type WriteResult struct {
 	// Inserted is how many usage_events rows were new: the events but
-	// reserved ones (recorded as their reservation) that were not
-	// redeliveries.
+	// reserved and actual ones (recorded in their reservation row) that
+	// were not redeliveries.
 	Inserted int
 	// Reservations holds the row of every reservation the batch touched,
 	// after the write.
@@ -271,8 +278,8 @@ func (t *Tx) readReservations(rows pgx.Rows) error {
 	return nil
 }
 
-// eventArgs are insertEvents' arguments: the records but reserved ones,
-// one array per column, and how many they are.
+// eventArgs are insertEvents' arguments: the records but reserved and
+// actual ones, one array per column, and how many they are.
 func eventArgs(recs []Record) ([]any, int) {
 	var (
 		ids, kinds, tenants, users, reqs []string
@@ -282,7 +289,7 @@ func eventArgs(recs []Record) ([]any, int) {
 	)
 	for i := range recs {
 		r := &recs[i]
-		if r.Kind == kindReserved {
+		if r.Kind == kindReserved || r.Kind == kindActual {
 			continue
 		}
 		ids, kinds, tenants, users, reqs = append(ids, r.EventID), append(kinds, r.Kind), append(tenants, r.Tenant), append(users, r.User), append(reqs, r.RequestID)
@@ -291,20 +298,38 @@ func eventArgs(recs []Record) ([]any, int) {
 	return []any{ids, kinds, tenants, users, reqs, tokens, at, payloads}, len(ids)
 }
 
-// reservationArgs are upsertReservations' arguments: the reserved, actual
-// and released records, one array per column, and how many they are.
+// reservationArgs are upsertReservations' arguments: the first reserved,
+// actual and released record of each request, one array per column (an
+// actual's JSON beside it, nil for the others), and how many they are.
+// Later ones of a kind are left out as the consumer's effects leave them
+// (one per request and kind): the row must record what Redis applied.
 func reservationArgs(recs []Record) ([]any, int) {
+	type kindKey struct {
+		Key
+		kind string
+	}
 	var (
 		tenants, users, reqs, kinds, plans, endpoints, models []string
 		tokens                                                []int64
 		at                                                    []time.Time
 		expires                                               []*time.Time
 		local                                                 []bool
+		payloads                                              [][]byte
+		seen                                                  = make(map[kindKey]bool, len(recs))
 	)
 	for i := range recs {
 		r := &recs[i]
 		if r.Kind != kindReserved && r.Kind != kindActual && r.Kind != kindReleased {
 			continue
+		}
+		k := kindKey{Key{r.Tenant, r.User, r.RequestID}, r.Kind}
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		var payload []byte
+		if r.Kind == kindActual {
+			payload = r.Payload
 		}
 		var exp *time.Time
 		if !r.ExpiresAt.IsZero() {
@@ -313,8 +338,9 @@ func reservationArgs(recs []Record) ([]any, int) {
 		tenants, users, reqs, kinds = append(tenants, r.Tenant), append(users, r.User), append(reqs, r.RequestID), append(kinds, r.Kind)
 		plans, endpoints, models = append(plans, r.Plan), append(endpoints, r.Endpoint), append(models, r.Model)
 		tokens, at, expires, local = append(tokens, r.Tokens), append(at, r.OccurredAt), append(expires, exp), append(local, r.Local)
+		payloads = append(payloads, payload)
 	}
-	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, expires, local}, len(tenants)
+	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, expires, local, payloads}, len(tenants)
 }
 
 // Commit records marks (see MarkSettled) and commits, in one round trip.

@@ -42,8 +42,8 @@ func TestWriteIsIdempotentAndMergesOutOfOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	k := Key{Tenant: "t", User: "u", RequestID: "r1"}
-	if got := res.Reservations[k]; res.Inserted != 1 || got.Estimate != -1 || got.Actual != 40 || got.Status != StatusOpen {
-		t.Fatalf("Write(actual, actual) = %d inserted, row %+v; want 1, no estimate, actual 40, open", res.Inserted, got)
+	if got := res.Reservations[k]; res.Inserted != 0 || got.Estimate != -1 || got.Actual != 40 || got.Status != StatusOpen {
+		t.Fatalf("Write(actual, actual) = %d inserted, row %+v; want 0 (an actual is its reservation row), no estimate, actual 40, open", res.Inserted, got)
 	}
 	// Then the reserved event, with the actual redelivered beside it.
 	res, err = s.Write(ctx, []Record{reserved, actual})
@@ -179,8 +179,8 @@ func TestTxCommitsOrLeavesNothing(t *testing.T) {
 	}
 
 	tx, err := s.Begin(ctx, recs)
-	if err != nil || tx.Result.Inserted != 1 || tx.Result.Reservations[k].Status != StatusOpen {
-		t.Fatalf("Begin = %+v, %v; want 1 inserted, open", tx, err)
+	if err != nil || tx.Result.Reservations[k].Actual != 40 || tx.Result.Reservations[k].Status != StatusOpen {
+		t.Fatalf("Begin = %+v, %v; want actual 40, open", tx, err)
 	}
 	tx.Rollback(ctx)
 	if n := count("SELECT count(*) FROM usage_events") + count("SELECT count(*) FROM reservations"); n != 0 {
@@ -188,8 +188,8 @@ func TestTxCommitsOrLeavesNothing(t *testing.T) {
 	}
 
 	tx, err = s.Begin(ctx, recs)
-	if err != nil || tx.Result.Inserted != 1 {
-		t.Fatalf("Begin again = %+v, %v; want 1 inserted", tx, err)
+	if err != nil || tx.Result.Reservations[k].Actual != 40 {
+		t.Fatalf("Begin again = %+v, %v; want actual 40", tx, err)
 	}
 	if err := tx.Commit(ctx, []Mark{{Key: k, Status: StatusSettled}}); err != nil {
 		t.Fatal(err)
@@ -362,8 +362,8 @@ func TestReservedEventIsItsReservation(t *testing.T) {
 		(SELECT count(*) FROM reservations) FROM usage_events`).Scan(&reservedRows, &rows, &reservations); err != nil {
 		t.Fatal(err)
 	}
-	if reservedRows != 0 || rows != 1 || reservations != 3 {
-		t.Errorf("usage_events: %d reserved rows of %d, %d reservations; want 0 of 1 (the actual), 3", reservedRows, rows, reservations)
+	if reservedRows != 0 || rows != 0 || reservations != 3 {
+		t.Errorf("usage_events: %d reserved rows of %d, %d reservations; want 0 of 0 (an actual is its reservation too), 3", reservedRows, rows, reservations)
 	}
 }
 
@@ -493,7 +493,7 @@ func TestCrashBetweenWriteAndCommitLeavesNothing(t *testing.T) {
 	var events int64
 	read := func() {
 		t.Helper()
-		if err := pool.QueryRow(ctx, "SELECT status, actual_tokens, (SELECT count(*) FROM usage_events) FROM reservations").Scan(&status, &actual, &events); err != nil {
+		if err := pool.QueryRow(ctx, "SELECT status, actual_tokens, count(actual_event) OVER () FROM reservations").Scan(&status, &actual, &events); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -514,5 +514,54 @@ func TestCrashBetweenWriteAndCommitLeavesNothing(t *testing.T) {
 	read()
 	if status != StatusSettled || actual == nil || *actual != 40 || events != 1 {
 		t.Errorf("after the redelivery: %s, actual %v, %d events; want settled, 40, 1", status, actual, events)
+	}
+}
+
+// An actual event is recorded in its reservation row alone: its cost and
+// its JSON (actual_event), no usage_events row. The first actual of a
+// request decides, in a batch as across batches, as the consumer's Redis
+// correction does: another actual of the request under another event id
+// (a re-report with other figures) and redeliveries change nothing. The
+// audit read parses the stored JSON; the rollups count the request once.
+func TestActualIsItsReservation(t *testing.T) {
+	pool := testPool(t)
+	s := New(pool)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	actual := func(tenant, id string, tokens int64) Record {
+		return Record{EventID: id, Kind: kindActual, Tenant: tenant, User: "u", RequestID: "r1", Tokens: tokens,
+			OccurredAt: at, Payload: []byte(fmt.Sprintf(`{"id":%q,"tokens":%d}`, id, tokens)), Endpoint: "/e"}
+	}
+	first, other := actual("t", "a1", 40), actual("t", "a2", 90)
+	for i, batch := range [][]Record{{first, other}, {other}, {first}, {other, first}, {actual("t2", "a1", 7)}} {
+		res, err := s.Write(ctx, batch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Inserted != 0 {
+			t.Errorf("batch %d: %d usage_events rows inserted, want 0", i, res.Inserted)
+		}
+		if got := res.Reservations[Key{Tenant: "t", User: "u", RequestID: "r1"}]; i < 4 && got.Actual != 40 {
+			t.Errorf("batch %d: actual %d, want 40 (the first)", i, got.Actual)
+		}
+	}
+	var id string
+	var tokens, events int64
+	if err := pool.QueryRow(ctx, `SELECT convert_from(actual_event, 'UTF8')::jsonb->>'id', actual_tokens,
+		(SELECT count(*) FROM usage_events) FROM reservations WHERE tenant = 't'`).Scan(&id, &tokens, &events); err != nil {
+		t.Fatal(err)
+	}
+	if id != "a1" || tokens != 40 || events != 0 {
+		t.Errorf("row: actual_event of %q, %d tokens, %d usage_events rows; want a1, 40, 0", id, tokens, events)
+	}
+	var requests int64
+	if err := pool.QueryRow(ctx, "SELECT tokens, requests FROM usage_rollups WHERE tenant = 't'").Scan(&tokens, &requests); err != nil {
+		t.Fatal(err)
+	}
+	if tokens != 40 || requests != 1 {
+		t.Errorf("rollup = %d tokens, %d requests; want 40, 1", tokens, requests)
+	}
+	if err := pool.QueryRow(ctx, "SELECT actual_tokens FROM reservations WHERE tenant = 't2'").Scan(&tokens); err != nil || tokens != 7 {
+		t.Errorf("the other tenant's actual = %d, %v; want 7 (its own row)", tokens, err)
 	}
 }
