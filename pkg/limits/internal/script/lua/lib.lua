@@ -55,7 +55,8 @@ local z6 = '\0\0\0\0\0\0' -- one empty rolling bucket
 -- compiler loads in one VM operation, where each false costs one
 -- (callgrind: 7.6k instructions against 10.8k).
 -- The functions that use S most take it as a local: read as an upvalue it
--- costs a VM operation per use (callgrind: -4 % of a 5-limit reserve).
+-- costs a VM operation per use (six reads and two writes: 1.66k against
+-- 1.46k instructions, bench/luacost/state-*.lua).
 local S = { NILS(STATE_SLOTS) }
 
 -- i6s[n] and i8s[n] are the struct formats of n 48-bit and n 64-bit
@@ -105,8 +106,9 @@ end
 -- named in the constructor: a table that grows rehashes, and keyed by ids
 -- a blob's table cost 5.4k (one record) to 13.7k (four) instructions
 -- (bench/luacost.sh), where load's scan for an id costs a few operations.
--- open fills bl when given one (a table an earlier call opened: making a
--- new one costs ~4.6k instructions, its allocation and collection), else a
+-- open fills bl when given one (a table an earlier call opened: setting
+-- its fields costs 1.3k instructions where a new one costs 4.2k and its
+-- collection, bench/luacost/table-reuse.lua, table.lua), else a
 -- new table; a record's slots past 4n are never read, so only the fields
 -- and each live record's four slots are set.
 local function open(raw, now, bl)
