@@ -146,11 +146,11 @@ func New(o Options) *Handler {
 	h.mux.HandleFunc("POST /signin", h.signin)
 	h.mux.HandleFunc("POST /signout", h.signout)
 	h.mux.HandleFunc("GET /{$}", h.signedIn(h.home))
-	h.mux.HandleFunc("GET /tenants/{tenant}", h.tenantPage(h.users))
-	h.mux.HandleFunc("GET /tenants/{tenant}/usage", h.tenantPage(h.usage))
-	h.mux.HandleFunc("GET /tenants/{tenant}/top", h.tenantPage(h.top))
-	h.mux.HandleFunc("GET /tenants/{tenant}/denials", h.tenantPage(h.denials))
-	h.mux.HandleFunc("GET /tenants/{tenant}/alerts", h.tenantPage(h.alerts))
+	h.mux.HandleFunc("GET /tenants/{tenant}", h.tenantPage(h.show("users", false, h.readUsers)))
+	h.mux.HandleFunc("GET /tenants/{tenant}/usage", h.tenantPage(h.show("usage", true, h.readUsage)))
+	h.mux.HandleFunc("GET /tenants/{tenant}/top", h.tenantPage(h.show("top", true, h.readTop)))
+	h.mux.HandleFunc("GET /tenants/{tenant}/denials", h.tenantPage(h.show("denials", true, h.readDenials)))
+	h.mux.HandleFunc("GET /tenants/{tenant}/alerts", h.tenantPage(h.show("alerts", false, h.readAlerts)))
 	return h
 }
 

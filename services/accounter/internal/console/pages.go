@@ -2,6 +2,7 @@ package console
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"html/template"
 	"net/http"
@@ -111,16 +112,31 @@ func (h *Handler) home(w http.ResponseWriter, r *http.Request, pr auth.Principal
 	h.render(w, r, http.StatusOK, "tenants", p)
 }
 
-// users shows a tenant's users with each limit's window.
-func (h *Handler) users(w http.ResponseWriter, r *http.Request, p page) {
-	p.Nav = "users"
-	us, err := h.src.Users(r.Context(), p.Tenant)
-	if err != nil {
-		h.fail(w, r, p, err)
-		return
+// show returns the tenant page name (its template and tab): read fills
+// its data; a ranged page first reads its ?range (and the usage page its
+// ?user), answering 400 itself when one is invalid.
+func (h *Handler) show(name string, ranged bool, read func(ctx context.Context, p *page, from, to time.Time) error) func(http.ResponseWriter, *http.Request, page) {
+	return func(w http.ResponseWriter, r *http.Request, p page) {
+		p.Nav = name
+		var from, to time.Time
+		if ranged {
+			var ok bool
+			if from, to, ok = h.withRange(w, r, &p); !ok {
+				return
+			}
+		}
+		if err := read(r.Context(), &p, from, to); err != nil {
+			h.fail(w, r, p, err)
+			return
+		}
+		h.render(w, r, http.StatusOK, name, p)
 	}
-	p.Users = us
-	h.render(w, r, http.StatusOK, "users", p)
+}
+
+// readUsers reads a tenant's users with each limit's window.
+func (h *Handler) readUsers(ctx context.Context, p *page, _, _ time.Time) (err error) {
+	p.Users, err = h.src.Users(ctx, p.Tenant)
+	return err
 }
 
 // withRange reads the page's ?range (and ?user for usage), answering 400
@@ -156,17 +172,12 @@ func (h *Handler) withRange(w http.ResponseWriter, r *http.Request, p *page) (fr
 	return to.Add(-p.Range.Length), to, true
 }
 
-// usage charts a tenant's (or one user's) tokens and requests over time.
-func (h *Handler) usage(w http.ResponseWriter, r *http.Request, p page) {
-	p.Nav = "usage"
-	from, to, ok := h.withRange(w, r, &p)
-	if !ok {
-		return
-	}
-	pts, err := h.src.History(r.Context(), p.Tenant, p.User, from, to, p.Range.Step)
+// readUsage reads a tenant's (or one user's) tokens and requests over
+// time, for the chart and its table.
+func (h *Handler) readUsage(ctx context.Context, p *page, from, to time.Time) error {
+	pts, err := h.src.History(ctx, p.Tenant, p.User, from, to, p.Range.Step)
 	if err != nil {
-		h.fail(w, r, p, err)
-		return
+		return err
 	}
 	p.Points = pts
 	// uPlot takes columns: seconds since the epoch, then each series.
@@ -178,49 +189,23 @@ func (h *Handler) usage(w http.ResponseWriter, r *http.Request, p page) {
 	}
 	js, _ := json.Marshal(cols) // integers only: cannot fail
 	p.Chart, p.From, p.To = string(js), from.Unix(), to.Unix()
-	h.render(w, r, http.StatusOK, "usage", p)
+	return nil
 }
 
-// top lists a tenant's heaviest users over the range.
-func (h *Handler) top(w http.ResponseWriter, r *http.Request, p page) {
-	p.Nav = "top"
-	from, to, ok := h.withRange(w, r, &p)
-	if !ok {
-		return
-	}
-	top, err := h.src.TopUsers(r.Context(), p.Tenant, from, to, topLimit)
-	if err != nil {
-		h.fail(w, r, p, err)
-		return
-	}
-	p.Top = top
-	h.render(w, r, http.StatusOK, "top", p)
+// readTop reads a tenant's heaviest users over the range.
+func (h *Handler) readTop(ctx context.Context, p *page, from, to time.Time) (err error) {
+	p.Top, err = h.src.TopUsers(ctx, p.Tenant, from, to, topLimit)
+	return err
 }
 
-// denials counts a tenant's denied requests by limit over the range.
-func (h *Handler) denials(w http.ResponseWriter, r *http.Request, p page) {
-	p.Nav = "denials"
-	from, to, ok := h.withRange(w, r, &p)
-	if !ok {
-		return
-	}
-	ds, err := h.src.Denials(r.Context(), p.Tenant, from, to)
-	if err != nil {
-		h.fail(w, r, p, err)
-		return
-	}
-	p.Denials = ds
-	h.render(w, r, http.StatusOK, "denials", p)
+// readDenials counts a tenant's denied requests by limit over the range.
+func (h *Handler) readDenials(ctx context.Context, p *page, from, to time.Time) (err error) {
+	p.Denials, err = h.src.Denials(ctx, p.Tenant, from, to)
+	return err
 }
 
-// alerts lists a tenant's most recent alerts.
-func (h *Handler) alerts(w http.ResponseWriter, r *http.Request, p page) {
-	p.Nav = "alerts"
-	as, err := h.src.Alerts(r.Context(), p.Tenant, alertLimit)
-	if err != nil {
-		h.fail(w, r, p, err)
-		return
-	}
-	p.Alerts = as
-	h.render(w, r, http.StatusOK, "alerts", p)
+// readAlerts reads a tenant's most recent alerts.
+func (h *Handler) readAlerts(ctx context.Context, p *page, _, _ time.Time) (err error) {
+	p.Alerts, err = h.src.Alerts(ctx, p.Tenant, alertLimit)
+	return err
 }
