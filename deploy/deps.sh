@@ -363,11 +363,14 @@ ensure_private_servers() {
 # --- Gateways the tests run ----------------------------------------------------
 
 # services/admission's gateway tests run nginx and Caddy on free loopback
-# ports; ensure.sh installs each when missing without starting (and, under
-# systemd, disables) the package's own service.
+# ports, and the alerter's and deploy's tests run promtool (Debian package
+# prometheus) on the alerting rules and prometheus.yml; ensure.sh installs
+# each when missing without starting (and, under systemd, disables) the
+# package's own service: prometheus.service would take :9090, admission's
+# ops port.
 ensure_gateways() {
 	local gw
-	for gw in nginx caddy; do
+	for gw in nginx caddy promtool; do
 		bash "$(dirname "${BASH_SOURCE[0]}")/gateways/ensure.sh" "$gw" >/dev/null 9>&- ||
 			die "could not install $gw (deploy/gateways/ensure.sh $gw)"
 	done

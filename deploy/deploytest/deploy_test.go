@@ -22,6 +22,8 @@ import (
 	"testing"
 
 	"go.yaml.in/yaml/v3"
+
+	"quotaflow/internal/e2e"
 )
 
 const (
@@ -533,11 +535,10 @@ func TestDockerfileEnv(t *testing.T) {
 	}
 }
 
+// TestPromtoolCheckConfig checks deploy/prometheus/prometheus.yml with
+// Prometheus's own promtool, installed when missing (e2e.EnsureTool).
 func TestPromtoolCheckConfig(t *testing.T) {
-	promtool, err := exec.LookPath("promtool")
-	if err != nil {
-		t.Skip("promtool is not on PATH: deploy/prometheus/prometheus.yml not checked by Prometheus itself (YAML and metric names are, by the other tests)")
-	}
+	promtool := e2e.EnsureTool(t, "promtool")
 	// rule_files are relative to the config's directory.
 	cmd := exec.Command(promtool, "check", "config", "prometheus.yml")
 	cmd.Dir = filepath.Join(deployDir, "prometheus")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# ensure.sh GATEWAY prints the path of the gateway's binary (nginx or caddy),
-# installing Debian's package of that name with apt-get when it is missing.
-# deploy/deps.sh runs it for both, and the gateway tests run it again, so a
-# plain `go test` works too. The package never starts a system gateway: a
-# temporary policy-rc.d refuses service starts while it installs, and where
-# systemd runs its service is disabled as well (it would start at the next
-# boot and hold port 80). The tests run their own gateways on free loopback
-# ports.
+# ensure.sh TOOL prints the path of a binary the tests run: a gateway (nginx or
+# caddy), or promtool, installing its Debian package (nginx, caddy, prometheus)
+# with apt-get, without recommends, when it is missing. deploy/deps.sh runs it
+# for all three, and the tests run it again, so a plain `go test` works too. The
+# package never starts its system service: a temporary policy-rc.d refuses
+# service starts while it installs, and where systemd runs the service is
+# disabled as well (it would start at the next boot and hold port 80, or for
+# prometheus :9090, admission's ops port). The tests run their own gateways on
+# free loopback ports; promtool only checks files.
 #
 # Exit status: 0 with the path on stdout; 3 when the gateway is missing and
 # cannot be installed here (no apt-get, or neither root nor sudo), so callers
@@ -15,9 +16,10 @@ set -euo pipefail
 
 gw=${1:-}
 case $gw in
-nginx | caddy) ;;
+nginx | caddy) pkg=$gw ;;
+promtool) pkg=prometheus ;;
 *)
-	echo "usage: ensure.sh nginx|caddy" >&2
+	echo "usage: ensure.sh nginx|caddy|promtool" >&2
 	exit 2
 	;;
 esac
@@ -72,11 +74,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "ensure.sh: installing $gw with apt-get" >&2
+echo "ensure.sh: installing $pkg with apt-get" >&2
 "${sudo[@]}" apt-get update -qq >&2
-"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$gw" >&2 8>&-
+"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$pkg" >&2 8>&-
 if [[ -d /run/systemd/system ]]; then
-	echo "ensure.sh: disabling the packaged $gw.service (the tests run their own $gw)" >&2
-	"${sudo[@]}" systemctl disable --now "$gw.service" >&2 8>&- || true
+	echo "ensure.sh: disabling the packaged $pkg.service (the tests run their own)" >&2
+	"${sudo[@]}" systemctl disable --now "$pkg.service" >&2 8>&- || true
 fi
 find_gateway

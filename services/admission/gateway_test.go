@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -31,29 +30,14 @@ plans:
     quotas: [{name: tokens, kind: rolling, window: 24h, limit: 1000000}]
 `
 
-// ensureGateway returns the binary of gateway (nginx or caddy), installing
-// its Debian package with deploy/gateways/ensure.sh when it is missing. It
-// skips the test only when that is impossible here (no apt-get, or no
-// root), and never in CI, where deps installs both gateways first; and
-// in -short mode.
+// ensureGateway returns the binary of gateway (nginx or caddy), installed
+// when missing (e2e.EnsureTool); skipped in -short mode.
 func ensureGateway(t *testing.T, gateway string) string {
 	t.Helper()
 	if testing.Short() {
 		t.Skipf("needs %s", gateway)
 	}
-	out, err := exec.Command("bash", filepath.Join("..", "..", "deploy", "gateways", "ensure.sh"), gateway).Output()
-	var ee *exec.ExitError
-	if errors.As(err, &ee) && ee.ExitCode() == 3 && os.Getenv("CI") == "" {
-		t.Skipf("%s is not installed and cannot be installed here: %s", gateway, ee.Stderr)
-	}
-	if err != nil {
-		stderr := ""
-		if ee != nil {
-			stderr = string(ee.Stderr)
-		}
-		t.Fatalf("deploy/gateways/ensure.sh %s: %v\n%s", gateway, err, stderr)
-	}
-	return strings.TrimSpace(string(out))
+	return e2e.EnsureTool(t, gateway)
 }
 
 // gatewayRig is what a gateway test puts around its gateway: admission

@@ -3,17 +3,17 @@ package main
 import (
 	"os/exec"
 	"testing"
+
+	"quotaflow/internal/e2e"
 )
 
 // TestPrometheusRules checks deploy/prometheus/rules.yml with promtool
 // (Debian package prometheus) and runs its unit tests (rules_test.yml:
-// the denial-rate rule fires above 5% and only with enough traffic); it is
-// skipped where promtool is absent.
+// the denial-rate rule fires above 5% and only with enough traffic),
+// installing promtool when missing (e2e.EnsureTool: skipped only outside CI
+// where it cannot be installed).
 func TestPrometheusRules(t *testing.T) {
-	promtool, err := exec.LookPath("promtool")
-	if err != nil {
-		t.Skip("promtool not on PATH (install the Debian package prometheus): rules.yml not checked")
-	}
+	promtool := e2e.EnsureTool(t, "promtool")
 	out, err := exec.Command(promtool, "check", "rules", "../../deploy/prometheus/rules.yml").CombinedOutput()
 	if err != nil {
 		t.Fatalf("promtool check rules: %v\n%s", err, out)
