@@ -56,6 +56,11 @@ func TestDemo(t *testing.T) {
 	if rep.Alerts["quota.threshold"] == 0 {
 		t.Errorf("no quota.threshold alert received (alerts %v)", rep.Alerts)
 	}
+	// The rps token bucket, emptied and refilled all run, alerts at nothing
+	// by default (docs/design.md §7).
+	if n := rep.ByLimit["rps"]; n != 0 {
+		t.Errorf("%d threshold alerts of the rps token bucket, want none (alerts by limit %v)", n, rep.ByLimit)
+	}
 	if rep.BadSignatures != 0 {
 		t.Errorf("%d deliveries with a bad signature", rep.BadSignatures)
 	}

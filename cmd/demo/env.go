@@ -68,8 +68,8 @@ func namesFor(run string) names {
 
 // policy is the demo plan: a 5 h token quota small enough that the heavier
 // users cross 80/90/100 % within the run, a request token bucket the
-// hammering users run dry, and a per-user daily request limit on the
-// endpoint. No global or IP limits: their counters would be shared with
+// hammering users run dry (alerting at nothing by default: it refills all
+// day), and a per-user daily request limit on the endpoint. No global or IP limits: their counters would be shared with
 // every other run on the same Redis.
 func (n names) policy() string {
 	return fmt.Sprintf(`# written by cmd/demo for run %s

@@ -28,9 +28,10 @@ type Report struct {
 	Gateway         *GatewayReport
 	Alerts          map[string]int
 	Thresholds      map[int]int
+	ByLimit         map[string]int // threshold alerts by limit name ("<endpoint> <name>" for an endpoint's)
 	BadSignatures   int
 	DuplicateAlerts int
-	Refires         int // threshold alerts fired again after re-arming (not printed)
+	Refires         int // threshold alerts fired again after re-arming: a window reset or usage fell back (not printed)
 	// Unfounded are threshold alerts claiming more usage than the traffic
 	// caused (e2e.Stats.Unfounded).
 	Unfounded []e2e.ThresholdAlert
@@ -172,7 +173,12 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		fmt.Fprintf(out, "cannot read admission metrics: %v\n", err)
 	}
 	rep.Alerts, rep.Thresholds, rep.BadSignatures, rep.DuplicateAlerts, rep.Refires = recv.Counts()
-	rep.Unfounded = st.Unfounded(recv.ThresholdAlerts())
+	thresholds := recv.ThresholdAlerts()
+	rep.Unfounded = st.Unfounded(thresholds)
+	rep.ByLimit = map[string]int{}
+	for _, a := range thresholds {
+		rep.ByLimit[strings.TrimSpace(a.Endpoint+" "+a.LimitName)]++
+	}
 	printSummary(out, rep)
 
 	if cfg.Keep {

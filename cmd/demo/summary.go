@@ -63,7 +63,12 @@ func printSummary(out io.Writer, rep *Report) {
 	for _, k := range sortedKeys(rep.Thresholds) {
 		fmt.Fprintf(out, "    threshold %3d%%        %4d\n", k, rep.Thresholds[k])
 	}
-	fmt.Fprintf(out, "  of these, fired again after re-arming (not printed above: mostly the refilling rps bucket) %d\n", rep.Refires)
+	for _, k := range sortedKeys(rep.ByLimit) {
+		fmt.Fprintf(out, "    limit %-18s %4d\n", k, rep.ByLimit[k])
+	}
+	fmt.Fprintln(out, "  each a real crossing of a limit's policy percentages (80/90/100 % by default); the rps token")
+	fmt.Fprintln(out, "  bucket alerts at none by default (its refills would re-fire all day)")
+	fmt.Fprintf(out, "  of these, fired again after a window reset or usage falling back (not printed above) %d\n", rep.Refires)
 	fmt.Fprintf(out, "  refused (bad signature) %4d, redeliveries dropped by webhook-id %d\n", rep.BadSignatures, rep.DuplicateAlerts)
 	for _, a := range rep.Unfounded {
 		fmt.Fprintf(out, "  ! more usage than the traffic caused: %s\n", a)

@@ -33,9 +33,9 @@ type Receiver struct {
 	thresh map[int]int // threshold alerts by threshold
 	bad    int         // deliveries with a missing or wrong signature
 	dups   int
-	// fired counts threshold alerts per limit and threshold. A request
-	// rate's token bucket refills within a second, so the alerter re-arms
-	// and fires it again and again: only its first firing is printed.
+	// fired counts threshold alerts per limit and threshold. A limit whose
+	// usage fell back or whose window reset fires again: only its first
+	// firing is printed.
 	fired      map[string]int
 	refires    int
 	thresholds []ThresholdAlert // every distinct one, in arrival order
