@@ -282,6 +282,8 @@ func TestDashboard(t *testing.T) {
 		"by (result) (increase(quotaflow_webhook_deliveries_total",
 		"quotaflow_admission_outbox_queue_depth",
 		"quotaflow_admission_breaker_state",
+		"max by (tenant, limit) (quotaflow_alerter_top_tenant_tokens_used)",
+		"min by (tenant, limit) (quotaflow_alerter_top_tenant_tokens_remaining)",
 	} {
 		if !strings.Contains(exprs.String(), want) {
 			t.Errorf("no dashboard query contains %s", want)

@@ -53,6 +53,10 @@ type Config struct {
 	AbuseBurst int64 `envconfig:"ABUSE_BURST"`
 	// AbuseWindow is the span of an abuse burst.
 	AbuseWindow time.Duration `envconfig:"ABUSE_WINDOW"`
+	// TopTenants is how many tenants (those nearest a tenant-scope token
+	// limit) the top-tenant gauges show: a label per tenant, so keep it
+	// small.
+	TopTenants int `envconfig:"TOP_TENANTS"`
 
 	// DeliveryTimeout bounds one webhook attempt.
 	DeliveryTimeout time.Duration `envconfig:"DELIVERY_TIMEOUT"`
@@ -78,7 +82,7 @@ func defaults() Config {
 		NATS: config.DefaultNATS, Postgres: config.DefaultPostgres, Log: config.DefaultLog,
 		Hysteresis: detect.DefaultHysteresis, SpikeRate: detect.DefaultSpikeRate,
 		SpikeMinRequests: detect.DefaultSpikeMinRequests, SpikeWindow: detect.DefaultSpikeWindow,
-		AbuseBurst: detect.DefaultAbuseBurst, AbuseWindow: detect.DefaultAbuseWindow,
+		AbuseBurst: detect.DefaultAbuseBurst, AbuseWindow: detect.DefaultAbuseWindow, TopTenants: detect.DefaultTopTenants,
 		DeliveryTimeout: deliver.DefaultAttemptTimeout, DeliveryMinBackoff: deliver.DefaultMinBackoff,
 		DeliveryMaxBackoff: deliver.DefaultMaxBackoff, DeliveryMaxAge: deliver.DefaultMaxAge,
 		DeliveryPoll: deliver.DefaultPoll,
@@ -103,6 +107,9 @@ func (c Config) Validate() error {
 	}
 	if c.AbuseBurst < 1 {
 		bad("QF_ABUSE_BURST %d: want at least 1", c.AbuseBurst)
+	}
+	if c.TopTenants < 1 || c.TopTenants > 100 {
+		bad("QF_TOP_TENANTS %d: want 1 to 100", c.TopTenants)
 	}
 	for _, d := range []struct {
 		name string
@@ -146,5 +153,6 @@ func (c Config) detectOptions() detect.Options {
 	return detect.Options{
 		Hysteresis: c.Hysteresis, SpikeWindow: c.SpikeWindow, SpikeRate: c.SpikeRate,
 		SpikeMinRequests: c.SpikeMinRequests, AbuseWindow: c.AbuseWindow, AbuseBurst: c.AbuseBurst,
+		TopTenants: c.TopTenants,
 	}
 }

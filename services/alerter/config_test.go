@@ -18,14 +18,16 @@ func TestConfigDefaults(t *testing.T) {
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("defaults: %v", err)
 	}
-	if cfg.OpsAddr != ":9092" || cfg.Pprof || cfg.SpikeRate != 0.05 || cfg.SpikeMinRequests != 100 || cfg.AbuseBurst != 50 {
+	if cfg.OpsAddr != ":9092" || cfg.Pprof || cfg.SpikeRate != 0.05 || cfg.SpikeMinRequests != 100 || cfg.AbuseBurst != 50 || cfg.TopTenants != 10 {
 		t.Errorf("defaults = %+v", cfg)
 	}
 	cfg.SpikeRate = 2
 	cfg.DeliveryMinBackoff = cfg.DeliveryMaxBackoff * 2
+	cfg.TopTenants = 101
 	err := cfg.Validate()
-	if err == nil || !strings.Contains(err.Error(), "QF_SPIKE_RATE") || !strings.Contains(err.Error(), "QF_DELIVERY_MIN_BACKOFF") {
-		t.Errorf("Validate = %v, want both mistakes named", err)
+	if err == nil || !strings.Contains(err.Error(), "QF_SPIKE_RATE") || !strings.Contains(err.Error(), "QF_DELIVERY_MIN_BACKOFF") ||
+		!strings.Contains(err.Error(), "QF_TOP_TENANTS 101: want 1 to 100") {
+		t.Errorf("Validate = %v, want every mistake named", err)
 	}
 }
 

@@ -155,7 +155,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 		NATS: config.NATS{NATSURL: natstest.URL(), Config: ec}, Postgres: config.Postgres{PostgresURL: pgURL},
 		Consumer: "alerter", Log: config.Log{LogLevel: "debug"}, OpsAddr: "127.0.0.1:0", WebhooksFile: file,
 		Hysteresis: 5, SpikeRate: 0.05, SpikeMinRequests: 10, SpikeWindow: 5 * time.Minute,
-		EvalInterval: 50 * time.Millisecond, AbuseBurst: 50, AbuseWindow: time.Minute,
+		EvalInterval: 50 * time.Millisecond, AbuseBurst: 50, AbuseWindow: time.Minute, TopTenants: 10,
 		DeliveryTimeout: 2 * time.Second, DeliveryMinBackoff: 20 * time.Millisecond,
 		DeliveryMaxBackoff: 100 * time.Millisecond, DeliveryMaxAge: time.Hour, DeliveryPoll: 50 * time.Millisecond,
 		ShutdownTimeout: 5 * time.Second,

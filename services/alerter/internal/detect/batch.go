@@ -57,6 +57,9 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 	if err := d.snapshots(ctx, snaps); err != nil {
 		return err
 	}
+	for _, s := range snaps {
+		d.top.add(s.tenant, s.tenantVersion, s.limits)
+	}
 	for _, ev := range evs {
 		switch r := ev.Data.(type) {
 		case events.Reserved:

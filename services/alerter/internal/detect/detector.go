@@ -35,6 +35,8 @@ type Options struct {
 	// AbuseBurst is how many denials of one subject or IP within
 	// AbuseWindow raise quota.abuse_suspected.
 	AbuseBurst int64
+	// TopTenants is how many tenants the top-tenant gauges show.
+	TopTenants int
 }
 
 // Defaults of Options: a spike is a denial rate above 5 % over 5 minutes
@@ -66,6 +68,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.AbuseBurst == 0 {
 		o.AbuseBurst = DefaultAbuseBurst
+	}
+	if o.TopTenants == 0 {
+		o.TopTenants = DefaultTopTenants
 	}
 	return o
 }
@@ -116,6 +121,7 @@ type Detector struct {
 	now    func() time.Time
 	alerts *prometheus.CounterVec
 	notify func() // told after alerts were queued
+	top    *topTenants
 	// policy holds the thresholds of the policy in force (SetPolicy); nil
 	// until one is set: every limit then alerts at legacyThresholds.
 	policy atomic.Pointer[alertPolicy]
@@ -161,6 +167,10 @@ func New(st Updater, route Router, opt Options, log *slog.Logger, reg prometheus
 	}
 	if err := reg.Register(d.alerts); err != nil {
 		return nil, fmt.Errorf("register alert metrics: %w", err)
+	}
+	var err error
+	if d.top, err = newTopTenants(d.opt.TopTenants, reg); err != nil {
+		return nil, err
 	}
 	d.started = d.now()
 	return d, nil
@@ -350,6 +360,9 @@ func (d *Detector) Prune(ctx context.Context, p *policy.Policy) (int, error) {
 	// memory never holds less than Postgres (the snapshot after reads it).
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.top.forget(func(tenant, name string) bool {
+		return defined.Has(store.LimitKey{Tenant: tenant, Scope: "tenant", Name: name})
+	})
 	keys, err := d.st.ReArmUndefined(ctx, defined)
 	if err != nil {
 		return 0, err
@@ -444,7 +457,8 @@ type spikeChange struct {
 }
 
 // Evaluate checks the denial rates and denial bursts at the current time
-// and raises the spike (firing or resolved) and abuse alerts due. A spike
+// and raises the spike (firing or resolved) and abuse alerts due, and
+// publishes the top tenants' gauges. A spike
 // fires when the window holds at least SpikeMinRequests requests and the
 // denial rate exceeds SpikeRate; it resolves when the rate is back at or
 // under SpikeRate with enough requests, or when fewer requests than that
@@ -453,6 +467,7 @@ type spikeChange struct {
 // counted for a whole AbuseWindow (a burst alerted before a restart is
 // not over because the new process's counts start empty).
 func (d *Detector) Evaluate(ctx context.Context) error {
+	d.top.publish()
 	now := d.now()
 	var changes []spikeChange
 	type burst struct {
