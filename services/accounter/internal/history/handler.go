@@ -39,6 +39,10 @@ func NewHandler(o Options) *Handler {
 	}
 	h := &Handler{o: o, mux: http.NewServeMux()}
 	h.mux.HandleFunc("GET /v1/usage/history", h.history)
+	h.mux.HandleFunc("GET /v1/usage/top", h.top)
+	h.mux.HandleFunc("GET /v1/usage/denials", h.denials)
+	h.mux.HandleFunc("GET /v1/alerts", h.alerts)
+	h.mux.HandleFunc("GET /v1/tenants", h.tenants)
 	h.mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
 		problem(w, http.StatusNotFound, "no such API path")
 	})
@@ -48,13 +52,21 @@ func NewHandler(o Options) *Handler {
 
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) { h.mux.ServeHTTP(w, r) }
 
-// tenant authenticates r and returns the tenant its "tenant" parameter
-// names, or answers the request (401, 400, 403) and returns false.
-func (h *Handler) tenant(w http.ResponseWriter, r *http.Request) (Tenant, bool) {
+// viewer authenticates r, or answers it 401 and returns false.
+func (h *Handler) viewer(w http.ResponseWriter, r *http.Request) (Viewer, bool) {
 	v, ok := Authenticate(h.o.Auth, r)
 	if !ok {
 		w.Header().Set("WWW-Authenticate", `Bearer realm="quotaflow console"`)
 		problem(w, http.StatusUnauthorized, "a known token is required (Authorization: Bearer, or the console's cookie)")
+	}
+	return v, ok
+}
+
+// tenant authenticates r and returns the tenant its "tenant" parameter
+// names, or answers the request (401, 400, 403) and returns false.
+func (h *Handler) tenant(w http.ResponseWriter, r *http.Request) (Tenant, bool) {
+	v, ok := h.viewer(w, r)
+	if !ok {
 		return Tenant{}, false
 	}
 	t, err := v.Tenant(r.URL.Query().Get("tenant"))
@@ -88,7 +100,7 @@ func (h *Handler) history(w http.ResponseWriter, r *http.Request) {
 }
 
 // fail answers err: 400 for a bad parameter, 403 for a tenant the token
-// may not read, else 500 (logged; its text stays in the log).
+// may not read, 503 for alerts kept elsewhere, else 500 (logged; its text stays in the log).
 func (h *Handler) fail(w http.ResponseWriter, err error) {
 	var pe *ParamError
 	switch {
@@ -96,6 +108,8 @@ func (h *Handler) fail(w http.ResponseWriter, err error) {
 		problem(w, http.StatusBadRequest, pe.Error())
 	case errors.Is(err, ErrForbidden):
 		problem(w, http.StatusForbidden, err.Error())
+	case errors.Is(err, ErrNoAlerts):
+		problem(w, http.StatusServiceUnavailable, err.Error())
 	default:
 		h.o.Log.Error("console query failed", "err", err)
 		problem(w, http.StatusInternalServerError, "the query failed; see the accounter's log")

@@ -23,7 +23,7 @@ func (s Step) duration() time.Duration {
 	return time.Hour
 }
 
-// The bounds of a query (docs/design.md §6a): a range holds at most
+// The bounds of a query (docs/design.md §6): a range holds at most
 // MaxPoints buckets of its step, and a list at most MaxLimit rows a page.
 const (
 	MaxPoints    = 744 // 31 days of hours; 744 days of days

@@ -2,7 +2,7 @@
 // consumed event once (usage_events; a reserved or actual event is
 // recorded in its reservation row alone), the durable copy of each
 // reservation (reservations) and hourly usage totals (usage_rollups, a
-// view of the reservations' actuals). Its
+// view of the reservations). Its
 // migrations are embedded and applied at start under an advisory lock.
 // Every write is idempotent, so a redelivered batch changes nothing.
 package ledger
