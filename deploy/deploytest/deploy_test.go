@@ -8,12 +8,18 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"go/types"
 	"io"
 	"io/fs"
 	"maps"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"sort"
@@ -291,73 +297,105 @@ func TestDashboard(t *testing.T) {
 	}
 }
 
-// readVars returns the QF_ variables a service reads: the envconfig tags
-// of services/<svc>/config.go, of the parts of internal/config it embeds
-// (config.NATS embeds pkg/events/stream's stream.Config) and of
-// internal/obs (obs.Ops).
+// readVars returns the QF_ variables each service reads, as envconfig
+// does: the envconfig tags of services/<svc>/config.go's Config and, in
+// turn, of every struct it embeds (config.NATS embeds stream.Config;
+// obs.Ops, auth.Tokens, llmproxy.Settings, ...), found by parsing the Go
+// source of the embedded type's package.
 func readVars(t *testing.T) map[string]map[string]bool {
 	t.Helper()
-	tag := regexp.MustCompile("envconfig:\"([A-Z0-9_]+)\"")
-	scan := func(vars map[string]bool, src string) {
-		for _, m := range tag.FindAllStringSubmatch(src, -1) {
-			vars["QF_"+m[1]] = true
-		}
-	}
-	read := func(pattern string) string {
-		paths, err := filepath.Glob(filepath.Join(repoRoot, pattern))
-		if err != nil || len(paths) == 0 {
-			t.Fatalf("%s: %v", pattern, err)
-		}
-		var b strings.Builder
-		for _, p := range paths {
-			if strings.HasSuffix(p, "_test.go") {
-				continue
-			}
-			src, err := os.ReadFile(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			b.Write(src)
-		}
-		return b.String()
-	}
-	// The variables of each part of internal/config, by type name.
-	parts := map[string]map[string]bool{}
-	for _, m := range regexp.MustCompile(`(?s)\ntype (\w+) struct \{(.*?)\n\}`).FindAllStringSubmatch(read("internal/config/*.go"), -1) {
-		parts[m[1]] = map[string]bool{}
-		scan(parts[m[1]], m[2])
-		if strings.Contains(m[2], "stream.Config") {
-			scan(parts[m[1]], read("pkg/events/stream/*.go"))
-		}
-	}
-	ops := read("internal/obs/*.go")
-	embeds := regexp.MustCompile(`(?m)^\tconfig\.(\w+)\b`)
 	out := map[string]map[string]bool{"any": {}}
 	for _, svc := range services {
-		src := read(filepath.Join("services", svc, "config.go"))
-		if !strings.Contains(src, "config.NATS") || !strings.Contains(src, "obs.Ops") {
-			t.Fatalf("services/%s/config.go no longer embeds config.NATS and obs.Ops: update this test", svc)
-		}
 		out[svc] = map[string]bool{}
-		scan(out[svc], src)
-		scan(out[svc], ops)
-		for _, m := range embeds.FindAllStringSubmatch(src, -1) {
-			if parts[m[1]] == nil {
-				t.Fatalf("services/%s/config.go embeds config.%s, which internal/config does not declare", svc, m[1])
-			}
-			maps.Copy(out[svc], parts[m[1]])
-		}
+		structVars(t, out[svc], filepath.Join(repoRoot, "services", svc), "Config")
 		maps.Copy(out["any"], out[svc])
 	}
-	for _, want := range []string{"QF_REDIS_URL", "QF_STREAM", "QF_PPROF", "QF_ADMISSION_ADDR"} {
-		if !out["admission"][want] {
-			t.Fatalf("admission reads %d variables, not %s: the scanner is broken", len(out["admission"]), want)
+	for svc, wants := range map[string][]string{
+		"admission": {"QF_REDIS_URL", "QF_STREAM", "QF_PPROF", "QF_ADMISSION_ADDR", "QF_API_TOKENS", "QF_GATEWAY_ADDR"},
+		"accounter": {"QF_POSTGRES_URL", "QF_ACK_WAIT", "QF_CONSOLE_ADDR", "QF_API_TOKENS_FILE"},
+		"alerter":   {"QF_WEBHOOKS_FILE", "QF_LOG_LEVEL"},
+	} {
+		for _, want := range wants {
+			if !out[svc][want] {
+				t.Fatalf("%s reads %d variables, not %s: the scanner is broken", svc, len(out[svc]), want)
+			}
 		}
 	}
-	if out["alerter"]["QF_REDIS_URL"] {
-		t.Fatal("the alerter reads QF_REDIS_URL: the scanner is broken")
+	if out["alerter"]["QF_REDIS_URL"] || out["alerter"]["QF_API_TOKENS"] {
+		t.Fatal("the alerter reads QF_REDIS_URL or QF_API_TOKENS: the scanner is broken")
 	}
 	return out
+}
+
+// structVars adds to vars the QF_ variables of struct typ, declared in the
+// non-test Go files of dir, and of the structs it embeds.
+func structVars(t *testing.T, vars map[string]bool, dir, typ string) {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range files {
+		if strings.HasSuffix(p, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), p, nil, parser.SkipObjectResolution)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			gd, ok := d.(*ast.GenDecl)
+			if !ok || gd.Tok != token.TYPE {
+				continue
+			}
+			for _, s := range gd.Specs {
+				ts := s.(*ast.TypeSpec)
+				st, ok := ts.Type.(*ast.StructType)
+				if !ok || ts.Name.Name != typ {
+					continue
+				}
+				for _, fld := range st.Fields.List {
+					if fld.Tag != nil {
+						tag, _ := strconv.Unquote(fld.Tag.Value)
+						if name := reflect.StructTag(tag).Get("envconfig"); name != "" {
+							vars["QF_"+name] = true
+						}
+					}
+					if len(fld.Names) == 0 {
+						embedDir, embedTyp := embedded(t, f, dir, fld.Type)
+						structVars(t, vars, embedDir, embedTyp)
+					}
+				}
+				return
+			}
+		}
+	}
+	t.Fatalf("%s declares no struct %s: update this test", dir, typ)
+}
+
+// embedded returns the directory and name of an embedded struct type: one
+// of dir's package or of a quotaflow package that file f imports.
+func embedded(t *testing.T, f *ast.File, dir string, typ ast.Expr) (string, string) {
+	t.Helper()
+	switch e := typ.(type) {
+	case *ast.Ident:
+		return dir, e.Name
+	case *ast.SelectorExpr:
+		if pkg, ok := e.X.(*ast.Ident); ok {
+			for _, imp := range f.Imports {
+				p, _ := strconv.Unquote(imp.Path.Value)
+				if imp.Name != nil && imp.Name.Name == pkg.Name || imp.Name == nil && path.Base(p) == pkg.Name {
+					rel, ok := strings.CutPrefix(p, "quotaflow/")
+					if !ok {
+						t.Fatalf("%s embeds %s.%s from outside quotaflow: update this test", dir, pkg.Name, e.Sel.Name)
+					}
+					return filepath.Join(repoRoot, rel), e.Sel.Name
+				}
+			}
+		}
+	}
+	t.Fatalf("%s embeds %s, which this test cannot follow: update it", dir, types.ExprString(typ))
+	return "", ""
 }
 
 func checkVars(t *testing.T, where string, reads map[string]bool, env map[string]string) {
