@@ -445,6 +445,11 @@ func TestComposeEnv(t *testing.T) {
 			t.Errorf("compose %s: depends_on should be a map with conditions", svc)
 		}
 	}
+	// Without a token the console listens on the container's loopback, out
+	// of reach of its published port.
+	if a, b := c.Services["accounter"].Environment["QF_API_TOKENS"], c.Services["admission"].Environment["QF_API_TOKENS"]; a != b {
+		t.Errorf("compose accounter: QF_API_TOKENS %q, not admission's %q (its console authenticates with them)", a, b)
+	}
 }
 
 // TestK8sEnv checks the Deployments (service, env, probes, resources,
