@@ -60,28 +60,35 @@ func TestTreeAndNamed(t *testing.T) {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	})
-	var pids []int
-	for range 500 { // until sh has started both
+	// Until sh has forked both children and each has exec'd sleep (a
+	// child is named sh between its fork and its exec), or 30 s: a loaded
+	// host may take long, a wrong Tree or Named never gets there.
+	var pids, sleeps []int
+	named := func() bool {
+		for _, p := range pids[1:] {
+			if !slices.Contains(sleeps, p) {
+				return false
+			}
+		}
+		return true
+	}
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		var err error
 		if pids, err = Tree(cmd.Process.Pid); err != nil {
 			t.Fatal(err)
 		}
-		if len(pids) == 3 {
+		if sleeps, err = Named("sleep"); err != nil {
+			t.Fatal(err)
+		}
+		if len(pids) == 3 && named() {
 			break
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	if len(pids) != 3 || pids[0] != cmd.Process.Pid {
 		t.Fatalf("Tree(sh) = %v, want sh (%d) and its two sleeps", pids, cmd.Process.Pid)
 	}
-	sleeps, err := Named("sleep")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range pids[1:] {
-		if !slices.Contains(sleeps, p) {
-			t.Errorf("Named(sleep) = %v, want it to hold %d", sleeps, p)
-		}
+	if !named() {
+		t.Errorf("Named(sleep) = %v, want it to hold %v", sleeps, pids[1:])
 	}
 	if _, err := TreeCPU(cmd.Process.Pid); err != nil {
 		t.Errorf("TreeCPU(sh) = %v", err)
