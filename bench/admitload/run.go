@@ -113,12 +113,11 @@ func (b *bench) admissionOn(name, bin, redisURL, natsURL, policy string, extra .
 	suffix := strconv.Itoa(os.Getpid()) + "_" + name
 	stream, dlq := "ADMITLOAD_"+suffix, "ADMITLOAD_DLQ_"+suffix
 	b.stop = append(b.stop, func() { deleteStreams(natsURL, stream, dlq) })
-	if api, err = e2e.FreeAddr(); err != nil {
+	addrs, err := e2e.FreeAddrs(2)
+	if err != nil {
 		return nil, "", "", err
 	}
-	if ops, err = e2e.FreeAddr(); err != nil {
-		return nil, "", "", err
-	}
+	api, ops = addrs[0], addrs[1]
 	env := append([]string{
 		"QF_REDIS_URL=" + redisURL, "QF_NATS_URL=" + natsURL, "QF_POLICY_FILE=" + policy,
 		"QF_STREAM=" + stream, "QF_DLQ_STREAM=" + dlq, "QF_SUBJECT_PREFIX=admitload" + suffix,

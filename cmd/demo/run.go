@@ -91,11 +91,14 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		cleanup(cctx, out, cfg, n, pgURL, dir, svcs)
 	}()
 
+	names := []string{"api", "gateway", "admission", "accounter", "alerter", "console"}
+	addrs, err := e2e.FreeAddrs(len(names))
+	if err != nil {
+		return nil, err
+	}
 	addr := map[string]string{}
-	for _, k := range []string{"api", "gateway", "admission", "accounter", "alerter", "console"} {
-		if addr[k], err = e2e.FreeAddr(); err != nil {
-			return nil, err
-		}
+	for i, k := range names {
+		addr[k] = addrs[i]
 	}
 	common := []string{
 		"QF_REDIS_URL=" + cfg.RedisURL, "QF_NATS_URL=" + cfg.NATSURL, "QF_POSTGRES_URL=" + pgURL,

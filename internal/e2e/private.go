@@ -106,19 +106,17 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		"QF_POLICY_FILE=" + policy,
 	}
 	common = append(common, cfg.Env...)
-	start := func(name string, env ...string) (*Service, error) {
-		ops, err := FreeAddr()
-		if err != nil {
-			return nil, err
-		}
-		env = append(append(append([]string{}, common...), env...), "QF_OPS_ADDR="+ops)
-		return Start(name, filepath.Join(binDir, name), dir, ops, env)
-	}
-	console, err := FreeAddr()
+	// Every service's ops port, the console's and the API's, chosen at once.
+	addrs, err := FreeAddrs(5)
 	if err != nil {
 		return p, err
 	}
-	if p.Accounter, err = start("accounter", append([]string{"QF_CONSOLE_ADDR=" + console}, cfg.AccounterEnv...)...); err != nil {
+	console, apiAddr := addrs[3], addrs[4]
+	start := func(name, ops string, env ...string) (*Service, error) {
+		env = append(append(append([]string{}, common...), env...), "QF_OPS_ADDR="+ops)
+		return Start(name, filepath.Join(binDir, name), dir, ops, env)
+	}
+	if p.Accounter, err = start("accounter", addrs[0], append([]string{"QF_CONSOLE_ADDR=" + console}, cfg.AccounterEnv...)...); err != nil {
 		return p, err
 	}
 	alerterEnv := cfg.AlerterEnv
@@ -129,11 +127,7 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		}
 		alerterEnv = append([]string{"QF_WEBHOOKS_FILE=" + hooks}, alerterEnv...)
 	}
-	if p.Alerter, err = start("alerter", alerterEnv...); err != nil {
-		return p, err
-	}
-	apiAddr, err := FreeAddr()
-	if err != nil {
+	if p.Alerter, err = start("alerter", addrs[1], alerterEnv...); err != nil {
 		return p, err
 	}
 	p.API = "http://" + apiAddr
@@ -141,7 +135,7 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 	if cfg.Token != "" {
 		admissionEnv = append(admissionEnv, "QF_API_TOKENS="+cfg.Token)
 	}
-	if p.Admission, err = start("admission", append(admissionEnv, cfg.AdmissionEnv...)...); err != nil {
+	if p.Admission, err = start("admission", addrs[2], append(admissionEnv, cfg.AdmissionEnv...)...); err != nil {
 		return p, err
 	}
 	rctx, cancel := context.WithTimeout(ctx, time.Minute)

@@ -27,28 +27,54 @@ func FreePort() (int, error) {
 }
 
 // FreePorts returns n distinct loopback ports nothing listens on right
-// now: each is held until all are chosen, so no two are the same.
+// now: each is held until all are chosen, so no two are the same, and none
+// is one this process was given before, which its owner may not have bound
+// yet (an address chosen before a stack's is not chosen again for it).
 func FreePorts(n int) ([]int, error) {
-	ps := make([]int, n)
-	for i := range ps {
+	given.Lock()
+	defer given.Unlock()
+	ps := make([]int, 0, n)
+	for len(ps) < n {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			return nil, err
 		}
 		defer l.Close()
-		ps[i] = l.Addr().(*net.TCPAddr).Port
+		if p := l.Addr().(*net.TCPAddr).Port; !given.ports[p] {
+			given.ports[p] = true
+			ps = append(ps, p)
+		}
 	}
 	return ps, nil
 }
 
-// FreeAddr is FreePort as host:port, for what a test or a service listens
-// on.
+// given holds the ports FreePorts returned: a process uses few.
+var given = struct {
+	sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
+// FreeAddrs is FreePorts as host:port, for what a test or a service
+// listens on: all the addresses a stack needs, chosen at once.
+func FreeAddrs(n int) ([]string, error) {
+	ps, err := FreePorts(n)
+	if err != nil {
+		return nil, err
+	}
+	addrs := make([]string, n)
+	for i, p := range ps {
+		addrs[i] = "127.0.0.1:" + strconv.Itoa(p)
+	}
+	return addrs, nil
+}
+
+// FreeAddr is one of FreeAddrs.
 func FreeAddr() (string, error) {
-	p, err := FreePort()
+	addrs, err := FreeAddrs(1)
 	if err != nil {
 		return "", err
 	}
-	return "127.0.0.1:" + strconv.Itoa(p), nil
+	return addrs[0], nil
 }
 
 // RandomHex returns n random bytes in hex: the suffix that makes a run's

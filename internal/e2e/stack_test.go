@@ -142,11 +142,13 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 		"QF_STREAM_MAX_AGE=" + sc.MaxAge.String(), "QF_STREAM_DUPLICATES=" + sc.Duplicates.String(),
 		"QF_DLQ_MAX_AGE=" + sc.DLQMaxAge.String(), "QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
 	}
-	start := func(name string, env []string) *e2e.Service {
-		ops, err := e2e.FreeAddr()
-		if err != nil {
-			t.Fatal(err)
-		}
+	// Both ops ports, the console's and the API's, chosen at once.
+	addrs, err := e2e.FreeAddrs(4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	console, apiAddr := addrs[2], addrs[3]
+	start := func(name, ops string, env []string) *e2e.Service {
 		env = append(append(append([]string{}, common...), "QF_OPS_ADDR="+ops), env...)
 		svc, err := e2e.Start(name, filepath.Join(bin, name), dir, ops, env)
 		if err != nil {
@@ -164,18 +166,10 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 	}
 	// The accounter first: it writes the epoch that lets admission decide
 	// from a brand-new Redis.
-	console, err := e2e.FreeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.accounter = start("accounter", append([]string{"QF_POSTGRES_URL=" + dbURL, "QF_CONSOLE_ADDR=" + console,
+	s.accounter = start("accounter", addrs[0], append([]string{"QF_POSTGRES_URL=" + dbURL, "QF_CONSOLE_ADDR=" + console,
 		"QF_BATCH_WAIT=20ms", "QF_EPOCH_INTERVAL=1s"}, cfg.accounter...))
-	apiAddr, err := e2e.FreeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
 	s.api = "http://" + apiAddr
-	s.admission = start("admission", append([]string{"QF_ADMISSION_ADDR=" + apiAddr,
+	s.admission = start("admission", addrs[1], append([]string{"QF_ADMISSION_ADDR=" + apiAddr,
 		"QF_API_TOKENS=" + strings.Join(cfg.tokens, ","), "QF_SPILL_DIR=" + filepath.Join(dir, "spill")}, cfg.admission...))
 	for _, svc := range []*e2e.Service{s.accounter, s.admission} {
 		if err := svc.WaitReady(ctx); err != nil {
