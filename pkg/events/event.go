@@ -239,7 +239,11 @@ type Corrected struct {
 	RequestID string `json:"request_id"` // the corrected reservation
 	Tenant    string `json:"tenant"`     // the tenant, as given to admission
 	User      string `json:"user"`       // the user within the tenant
-	Delta     int64  `json:"delta"`      // weighted tokens added (negative: given back)
+	// Plan is the plan the reservation's decision used (its reserved
+	// event's); empty when no plan applied, and from accounters older
+	// than the field.
+	Plan  string `json:"plan,omitempty"`
+	Delta int64  `json:"delta"` // weighted tokens added (negative: given back)
 	// Version is the subject's version after the correction.
 	Version int64 `json:"version"`
 	// TenantVersion is the tenant's version; 0 when not known.

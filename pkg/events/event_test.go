@@ -41,7 +41,7 @@ func examples() []Event {
 		}, testNow),
 		NewReleased("quotaflow/admission", Released{RequestID: "r-124", Tenant: "acme", User: "u-42"}, testNow),
 		NewCorrected("quotaflow/accounter", Corrected{
-			RequestID: "r-123", Tenant: "acme", User: "u-42", Delta: -650, Version: 18, TenantVersion: 231, Limits: ls[:1],
+			RequestID: "r-123", Tenant: "acme", User: "u-42", Plan: "pro", Delta: -650, Version: 18, TenantVersion: 231, Limits: ls[:1],
 		}, testNow),
 		NewTopUp("quotaflow/admission", TopUp{Tenant: "acme", User: "u-42", Amount: 50000, Reference: "pay_8Hq2"}, testNow),
 	}

@@ -151,6 +151,7 @@ func (w *fastWriter) corrected(d *Corrected) {
 	w.strField(`{"request_id":`, d.RequestID)
 	w.strField(`,"tenant":`, d.Tenant)
 	w.strField(`,"user":`, d.User)
+	w.optStr(`,"plan":`, d.Plan)
 	w.intField(`,"delta":`, d.Delta)
 	w.intField(`,"version":`, d.Version)
 	w.optInt(`,"tenant_version":`, d.TenantVersion)

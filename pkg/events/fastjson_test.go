@@ -35,7 +35,7 @@ func TestFastJSONMatches(t *testing.T) {
 		"reserved, every field": NewReserved("quotaflow/admission", full, at),
 		"reserved, bare":        NewReserved("quotaflow/admission", Reserved{RequestID: "r", Tenant: "t", User: "u", Endpoint: "/"}, at),
 		"local decision":        NewReserved("quotaflow/admission", Reserved{RequestID: "r", Tenant: "t", User: "u", Endpoint: "/x", Limits: []LimitState{}}, at.Truncate(time.Second)),
-		"corrected":             NewCorrected("quotaflow/accounter", Corrected{RequestID: "r", Tenant: "t/with/slash", User: "u", Delta: -350, Version: 3, Limits: limits}, at),
+		"corrected":             NewCorrected("quotaflow/accounter", Corrected{RequestID: "r", Tenant: "t/with/slash", User: "u", Plan: "pro", Delta: -350, Version: 3, Limits: limits}, at),
 		"corrected, bare":       NewCorrected("quotaflow/accounter", Corrected{RequestID: "r", Tenant: "t", User: "u"}, at),
 		"html characters":       NewReserved("a<b>&c", Reserved{RequestID: "<r>", Tenant: "t&", User: "u", Endpoint: "/a?b=1&c=<2>"}, at),
 		"actual":                NewActual("svc", Actual{RequestID: "r", Tenant: "t", User: "u", Endpoint: "/v1/chat", Model: "gpt-x", InputTokens: 40, OutputTokens: 1_000_000_000_000}, at),

@@ -130,6 +130,9 @@ func TestDecodeValidation(t *testing.T) {
 		{TypeReserved, "data.endpoint", del, "data.endpoint: required"},
 		{TypeReserved, "data.plan", del, ok},
 		{TypeReserved, "data.plan", long, "data.plan: longer than 256 bytes"},
+		{TypeCorrected, "data.plan", del, ok}, // from an accounter older than the field
+		{TypeCorrected, "data.plan", "p\u009f", "data.plan: contains a control character"},
+		{TypeCorrected, "data.plan", long, "data.plan: longer than 256 bytes"},
 		{TypeReserved, "data.model", del, ok},
 		{TypeReserved, "data.model", long, "data.model: longer"},
 		{TypeReserved, "data.ip", del, ok},

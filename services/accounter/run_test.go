@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1282,6 +1283,17 @@ func TestRequestOnlyPlanSettles(t *testing.T) {
 	e.waitStatus(ten, usr, "expires", "expired")
 	if got := e.count("SELECT actual_tokens FROM reservations WHERE tenant=$1 AND request_id='actual'", ten); got != 130 {
 		t.Errorf("actual_tokens = %d, want 130", got)
+	}
+	// The correction names the plan its reservation was decided under, so
+	// the alerter judges its limits by that plan's thresholds.
+	plans := map[string][]string{}
+	for _, ev := range natstest.StoredEvents(t, e.js, e.cfg.Stream) {
+		if c, ok := ev.Data.(events.Corrected); ok && c.Tenant == ten {
+			plans[c.RequestID] = append(plans[c.RequestID], c.Plan)
+		}
+	}
+	if got := plans["actual"]; !slices.Equal(got, []string{"rates"}) {
+		t.Errorf("corrected events of request actual name plans %q, want [rates]", got)
 	}
 	if got := hour(); got != 4 {
 		t.Errorf("hour used = %d after 4 admits and their settlements, want 4", got)

@@ -480,7 +480,7 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 		default:
 			continue
 		}
-		fixes = append(fixes, effects.CorrectedEvent(c.opts.Source, k.Tenant, k.User, k.RequestID, s, delta, now))
+		fixes = append(fixes, effects.CorrectedEvent(c.opts.Source, t.Row, s, delta, now))
 		fixOwners = append(fixOwners, j)
 		marks = append(marks, ledger.Mark{Key: k, Status: ledger.StatusSettled})
 	}

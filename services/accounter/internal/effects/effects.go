@@ -130,9 +130,10 @@ func fallback(res ledger.Reservation) *limits.Fallback {
 	return &limits.Fallback{ReservedAt: res.ReservedAt, Estimate: res.Estimate}
 }
 
-// CorrectedEvent is the corrected event of settlement s of request
-// requestID of (tenant, user), with the touched limits after it.
-func CorrectedEvent(source, tenant, user, requestID string, s limits.Settlement, delta int64, now time.Time) events.Event {
+// CorrectedEvent is the corrected event of settlement s of reservation
+// res, with the touched limits after it. It names res's plan, so the
+// alerter judges the limits by the rules the reservation used.
+func CorrectedEvent(source string, res ledger.Reservation, s limits.Settlement, delta int64, now time.Time) events.Event {
 	ls := make([]events.LimitState, 0, len(s.States))
 	for _, st := range s.States {
 		if st.Rule == nil {
@@ -145,7 +146,7 @@ func CorrectedEvent(source, tenant, user, requestID string, s limits.Settlement,
 		})
 	}
 	return events.NewCorrected(source, events.Corrected{
-		RequestID: requestID, Tenant: tenant, User: user, Delta: delta,
+		RequestID: res.RequestID, Tenant: res.Tenant, User: res.User, Plan: res.Plan, Delta: delta,
 		Version: s.Version, TenantVersion: s.TenantVersion, Limits: ls,
 	}, now)
 }

@@ -50,7 +50,7 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 			}
 		case events.Corrected:
 			if len(r.Limits) > 0 {
-				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, "", r.Version, r.TenantVersion, r.Limits})
+				snaps = append(snaps, snap{ev.Time, r.Tenant, r.User, r.Plan, r.Version, r.TenantVersion, r.Limits})
 			}
 		}
 	}

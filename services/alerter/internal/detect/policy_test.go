@@ -43,12 +43,13 @@ func (f *thresholdFeed) reserved(plan string, limits ...events.LimitState) {
 	}
 }
 
-// corrected sends a corrected event, which names no plan.
-func (f *thresholdFeed) corrected(limits ...events.LimitState) {
+// corrected sends a corrected event of a reservation decided under plan
+// ("": from an accounter that names none).
+func (f *thresholdFeed) corrected(plan string, limits ...events.LimitState) {
 	f.t.Helper()
 	f.v++
 	f.c.add(time.Second)
-	r := events.Corrected{Tenant: "acme", User: "u", RequestID: "r", Version: f.v, TenantVersion: f.v, Limits: limits}
+	r := events.Corrected{Tenant: "acme", User: "u", Plan: plan, RequestID: "r", Version: f.v, TenantVersion: f.v, Limits: limits}
 	if err := f.d.Corrected(context.Background(), events.Event{Time: f.c.now()}, r); err != nil {
 		f.t.Fatal(err)
 	}
@@ -78,8 +79,8 @@ endpoints:
 // the defaults by kind (a quota at 80, 90, 100; a token bucket and a
 // one-minute window, refilling and emptying all day, at nothing), a
 // tenant's and an endpoint's own lists; a plan's limit by the plan of
-// the event, else the tenant's (a corrected event names none). A jump
-// sends every threshold it crossed, in order, once.
+// the event (a corrected event's too), else the tenant's. A jump sends
+// every threshold it crossed, in order, once.
 func TestThresholdsPerLimit(t *testing.T) {
 	st := newStore(t)
 	c := &clock{t: time.Now().UTC()}
@@ -98,9 +99,14 @@ func TestThresholdsPerLimit(t *testing.T) {
 	// Under pro, 5h alerts at 95 only: re-armed first, then filled again.
 	f.reserved("pro", lim("user", "", "5h", 0))
 	f.reserved("pro", lim("user", "", "5h", 96))
-	// A corrected event names no plan: acme's plan is free's default.
-	f.corrected(lim("user", "", "5h", 0))
-	f.corrected(lim("user", "", "5h", 85))
+	// A correction of a pro request is judged by pro's 5h: 85 % crosses
+	// nothing.
+	f.corrected("pro", lim("user", "", "5h", 0))
+	f.corrected("pro", lim("user", "", "5h", 85))
+	// One from an older accounter names no plan: acme's own (the default,
+	// free) applies.
+	f.corrected("", lim("user", "", "5h", 0))
+	f.corrected("", lim("user", "", "5h", 85))
 
 	want := []string{
 		"acme/u custom 50", "acme/u custom 75", "acme/ month 30",
@@ -110,6 +116,35 @@ func TestThresholdsPerLimit(t *testing.T) {
 	}
 	if got := thresholdAlerts(t, st); !slices.Equal(got, want) {
 		t.Errorf("alerts\n%q\nwant\n%q", got, want)
+	}
+}
+
+// A user sends requests under a plan granted to its tenant (pro), not
+// the tenant's own (free): the corrections of those requests are judged
+// by pro's thresholds, which alert where free's never do, and not by
+// free's.
+func TestThresholdsCorrectedGrantedPlan(t *testing.T) {
+	st := newStore(t)
+	c := &clock{t: time.Now().UTC()}
+	d := newDetector(t, st, c)
+	d.SetPolicy(mustPolicy(t, `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: 5h, kind: rolling, window: 5h, limit: 100}]
+  pro:
+    quotas: [{name: 5h, kind: rolling, window: 5h, limit: 100, alerts: [50, 95]}]
+tenants:
+  acme: {plan: free, plans: [pro]}
+`))
+	f := &thresholdFeed{t: t, d: d, c: c}
+	f.reserved("pro", lim("user", "", "5h", 40))
+	f.corrected("pro", lim("user", "", "5h", 60))
+	f.corrected("pro", lim("user", "", "5h", 92)) // free would alert at 80 and 90
+	f.corrected("pro", lim("user", "", "5h", 96))
+	want := []string{"acme/u 5h 50", "acme/u 5h 95"}
+	if got := thresholdAlerts(t, st); !slices.Equal(got, want) {
+		t.Errorf("alerts %q, want %q", got, want)
 	}
 }
 
