@@ -875,6 +875,57 @@ func TestConflictingCopiesKeepTheFirst(t *testing.T) {
 	e.countedOnce(ten, n, want)
 }
 
+// TestLaterActualSettlesWithTheFirst: a request's first actual is
+// recorded but its Redis correction fails (Redis lost its epoch: the event
+// goes back, the row stays open with that actual); another actual of the
+// request, under another id, comes before it again. Redis must be
+// corrected by the actual the ledger kept, the first, not by the event at
+// hand: the windows and the ledger then hold the same cost.
+func TestLaterActualSettlesWithTheFirst(t *testing.T) {
+	e := newEnv(t)
+	e.initialised(t)
+	// Neither the epoch check nor reconciliation repairs Redis meanwhile.
+	e.cfg.EpochInterval, e.cfg.ReconcileRepair = time.Hour, false
+	ctx := context.Background()
+	ten, usr, req := "second-"+e2e.RandomHex(4), "u1", "r1"
+	stop := e.start(nil)
+	e.reserve(ten, usr, req, 100, true)
+	e.waitStatus(ten, usr, req, "open")
+
+	rdb := e.redis.Client()
+	for it := rdb.Scan(ctx, 0, "qe{*", 1000).Iterator(); it.Next(ctx); {
+		if err := rdb.Del(ctx, it.Val()).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.publish(e.actual(ten, usr, req, "", 40, 0))
+	e2e.Eventually(t, "the first actual recorded, its correction not", func() bool {
+		return e.count("SELECT count(*) FROM reservations WHERE tenant=$1 AND actual_tokens=40 AND status='open'", ten) == 1
+	})
+	stop()
+	// The second actual comes first: the first's redelivery would find the
+	// row settled and change nothing.
+	s, err := e.js.Stream(ctx, e.cfg.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Purge(ctx, jetstream.WithPurgeSubject(events.Subject(e.cfg.SubjectPrefix, events.TypeActual))); err != nil {
+		t.Fatal(err)
+	}
+	e.initialised(t)
+	second := e.actual(ten, usr, req, "", 90, 0)
+	second.ID = e2e.RandomHex(16) // not the first's: past the dedup window, or another sender's
+	e.publish(second)
+	e.start(nil)
+	e.waitStatus(ten, usr, req, "settled")
+	if got := e.count("SELECT actual_tokens FROM reservations WHERE tenant=$1", ten); got != 40 {
+		t.Errorf("ledger actual = %d, want 40 (the first)", got)
+	}
+	if got := e.used(ten, usr, "5h"); got != 40 {
+		t.Errorf("5h used = %d, want 40 (the ledger's actual)", got)
+	}
+}
+
 // TestReformedBatchesCountOnce publishes the same events in two batches
 // formed differently (JetStream stores both: their batch ids differ) and
 // once more alone: the ledger, the Redis windows and the corrections count

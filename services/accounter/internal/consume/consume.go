@@ -408,7 +408,7 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 		switch d := it.ev.Data.(type) {
 		case events.Actual:
 			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
-			t.Cost, t.Endpoint = c.app.Cost(d), d.Endpoint
+			t.Endpoint = d.Endpoint
 		case events.Released:
 			if d.Status == events.ReleaseAlreadySettled {
 				continue // admission's release changed nothing in Redis
@@ -427,6 +427,12 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 		}
 		done[ek] = true
 		t.Row = row
+		if !t.Release {
+			// Redis takes the actual the ledger kept, the request's first
+			// (an earlier batch's may have failed in Redis), not this
+			// event's: both then hold the same cost.
+			t.Cost = row.Actual
+		}
 		tasks = append(tasks, t)
 	}
 	t0 = time.Now()
