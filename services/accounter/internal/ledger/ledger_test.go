@@ -367,6 +367,37 @@ func TestReservedEventIsItsReservation(t *testing.T) {
 	}
 }
 
+// Of a request's reserved and released events in one batch, only the
+// first of each kind is written (design §6), as across batches: a second
+// under another id merges nothing in.
+func TestBatchKeepsTheFirstOfEachKind(t *testing.T) {
+	pool := testPool(t)
+	ctx := context.Background()
+	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
+	rec := func(id, kind string, d time.Duration, plan string, local bool) Record {
+		return Record{EventID: id, Kind: kind, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100, OccurredAt: at.Add(d),
+			Payload: []byte(`{}`), Plan: plan, ExpiresAt: at.Add(time.Hour + d), Local: local}
+	}
+	batch := []Record{
+		rec("v1", kindReserved, 0, "pro", false), rec("v2", kindReserved, -time.Minute, "zz", true),
+		rec("x1", kindReleased, 2*time.Minute, "", false), rec("x2", kindReleased, time.Minute, "", false),
+	}
+	if _, err := New(pool).Write(ctx, batch); err != nil {
+		t.Fatal(err)
+	}
+	var plan string
+	var local bool
+	var reservedAt, expiresAt, releasedAt time.Time
+	if err := pool.QueryRow(ctx, `SELECT plan, local, reserved_at, expires_at, released_at FROM reservations`).
+		Scan(&plan, &local, &reservedAt, &expiresAt, &releasedAt); err != nil {
+		t.Fatal(err)
+	}
+	if plan != "pro" || local || !reservedAt.Equal(at) || !expiresAt.Equal(at.Add(time.Hour)) || !releasedAt.Equal(at.Add(2*time.Minute)) {
+		t.Errorf("row: plan %q, local %v, reserved %v, expires %v, released %v; want the first events': pro, false, %v, %v, %v",
+			plan, local, reservedAt, expiresAt, releasedAt, at, at.Add(time.Hour), at.Add(2*time.Minute))
+	}
+}
+
 // An open reservation's actual is written settled at once; Commit keeps
 // that when the consumer's marks settle it, sets the mark's status when it
 // is a release, and puts the row back to open, the actual recorded, when
