@@ -37,6 +37,9 @@ func TestDemo(t *testing.T) {
 	if err != nil {
 		t.Fatalf("run = %v", err)
 	}
+	if rep.Console == "" || !strings.Contains(out.String(), "web console "+rep.Console+"  (sign in with the admin token demo-console-") {
+		t.Errorf("the demo does not end by printing the console's URL %q and its token", rep.Console)
+	}
 	st := rep.Stats
 	if n := st.Status5xx.Load(); n != 0 {
 		t.Errorf("admission answered 5xx %d times: %v", n, st.Unexpected())

@@ -31,6 +31,7 @@ type names struct {
 	prefix    string
 	database  string
 	token     string // admission's bearer token
+	console   string // the console's admin token (the accounter's only token)
 	whSecret  string // "whsec_" + base64 key
 	endpoint  string
 	planName  string
@@ -52,6 +53,7 @@ func namesFor(run string) names {
 		prefix:    "qfdemo_" + run,
 		database:  "qfdemo_" + run,
 		token:     "demo-" + e2e.RandomHex(16),
+		console:   "demo-console-" + e2e.RandomHex(16),
 		llmTenant: "demo-" + run + "-llm",
 		llmKey:    "demo-llm-" + e2e.RandomHex(16),
 		endpoint:  "/v1/chat",

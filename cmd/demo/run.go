@@ -19,6 +19,7 @@ import (
 // Report is what a run saw; the test asserts on it.
 type Report struct {
 	Run, Database   string
+	Console         string // the web console's URL (the accounter's QF_CONSOLE_ADDR)
 	Stats           *e2e.Stats
 	DeniedBy        map[string]int
 	Decisions       []e2e.Decision
@@ -111,7 +112,8 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	}{
 		// The accounter first: with the epoch guard on, admission decides
 		// locally until an accounter has marked the Redis.
-		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=" + n.durable, "QF_CONSOLE_ADDR=" + addr["console"]}},
+		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=" + n.durable, "QF_CONSOLE_ADDR=" + addr["console"],
+			"QF_API_TOKENS=" + n.console + "#admin"}},
 		{"alerter", []string{"QF_OPS_ADDR=" + addr["alerter"], "QF_WEBHOOKS_FILE=" + hooks,
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
 		{"admission", []string{"QF_OPS_ADDR=" + addr["admission"], "QF_ADMISSION_ADDR=" + addr["api"],
@@ -183,6 +185,11 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		rep.ByLimit[strings.TrimSpace(a.Endpoint+" "+a.LimitName)]++
 	}
 	printSummary(out, rep)
+	rep.Console = "http://" + addr["console"] + "/"
+	fmt.Fprintf(out, "web console %s  (sign in with the admin token %s)\n", rep.Console, n.console)
+	if !cfg.Keep {
+		fmt.Fprintln(out, "  it stops with the demo now: -keep leaves it up")
+	}
 
 	if cfg.Keep {
 		kept = true

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net/http"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -16,6 +15,7 @@ import (
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/repair"
+	"quotaflow/services/accounter/internal/console"
 	"quotaflow/services/accounter/internal/consume"
 	"quotaflow/services/accounter/internal/effects"
 	"quotaflow/services/accounter/internal/expire"
@@ -39,7 +39,6 @@ const (
 type hooks struct {
 	started   func(ops string, reg *prometheus.Registry) // told the bound ops address (tests listen on port 0) and the metrics
 	console   func(addr string)                          // told the console's bound address
-	pages     http.Handler                               // the console's pages (history.Options.Pages)
 	beforeAck func(n int) error                          // consume.Options.BeforeAck
 }
 
@@ -68,7 +67,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return nil
 	}
 	store := ledger.New(pool)
-	console, err := startConsole(stack, cfg, log, history.NewReader(pool), h.pages)
+	console, err := startConsole(stack, cfg, log, history.NewReader(pool))
 	if err != nil {
 		return err
 	}
@@ -121,7 +120,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 // startConsole authenticates with admission's tokens and serves the
 // console on cfg.ConsoleAddr, on loopback only when no token is configured
 // (a warning says so). It returns the bound address.
-func startConsole(stack *service.Stack, cfg Config, log *slog.Logger, rd *history.Reader, pages http.Handler) (string, error) {
+func startConsole(stack *service.Stack, cfg Config, log *slog.Logger, rd *history.Reader) (string, error) {
 	tokens, err := auth.New(cfg.Tokens.Options(log, nil))
 	if err != nil {
 		return "", err
@@ -131,7 +130,10 @@ func startConsole(stack *service.Stack, cfg Config, log *slog.Logger, rd *histor
 	if addr != cfg.ConsoleAddr {
 		log.Warn("no API token is configured (QF_API_TOKENS, QF_API_TOKENS_FILE): the console reads every tenant and listens on loopback only", "console_addr", addr)
 	}
-	srv, err := service.Listen(stack, "console", addr, history.NewHandler(history.Options{Reader: rd, Auth: tokens, Pages: pages, Log: log}))
+	srv, err := service.Listen(stack, "console", addr, history.NewHandler(history.Options{
+		Reader: rd, Auth: tokens, Log: log,
+		Pages: console.New(console.Options{Auth: tokens, Source: consoleSource{rd}, Log: log}),
+	}))
 	if err != nil {
 		return "", err
 	}

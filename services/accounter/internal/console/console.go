@@ -21,6 +21,7 @@ package console
 import (
 	"context"
 	"embed"
+	"errors"
 	"html/template"
 	"io/fs"
 	"log/slog"
@@ -28,11 +29,27 @@ import (
 	"time"
 
 	"quotaflow/internal/auth"
+	"quotaflow/services/accounter/internal/history"
 )
 
-// CookieName is the cookie that carries the signed-in token; the usage
-// history API on the same listener accepts it too.
-const CookieName = "qf_console_token"
+// CookieName is the cookie that carries the signed-in token: the usage
+// history API's, which accepts it too.
+const CookieName = history.CookieName
+
+// ErrNotAvailable is a Source's answer for data it has no source of yet;
+// the page says so rather than show numbers.
+var ErrNotAvailable = errors.New("not available")
+
+// principalKey keys the signed-in token's auth.Principal in a request's
+// context.
+type principalKey struct{}
+
+// Principal returns the signed-in token's principal that the page calling
+// a Source runs for, so the Source can check its tenant again.
+func Principal(ctx context.Context) (auth.Principal, bool) {
+	p, ok := ctx.Value(principalKey{}).(auth.Principal)
+	return p, ok
+}
 
 // Tokens authenticates a bare token, as the cookie carries it
 // (*auth.Auth; nil there is no authentication: the console then listens on
@@ -42,7 +59,8 @@ type Tokens interface {
 }
 
 // Source reads what the pages show. Each call is for one tenant the
-// caller has checked the token may see; lists are bounded by the source.
+// caller has checked the token may see (its context holds the token's
+// Principal); lists are bounded by the source.
 type Source interface {
 	Tenants(ctx context.Context) ([]string, error)
 	Users(ctx context.Context, tenant string) ([]User, error)

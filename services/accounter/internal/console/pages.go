@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"html/template"
 	"net/http"
 	"net/url"
@@ -21,6 +22,7 @@ type page struct {
 	Nav      string // the tenant page shown, for aria-current
 	SignedIn bool
 	Error    string
+	NotAvail bool // the page's data has no source yet (ErrNotAvailable)
 	Range    span
 	Ranges   []span
 	User     string
@@ -125,7 +127,11 @@ func (h *Handler) show(name string, ranged bool, read func(ctx context.Context, 
 				return
 			}
 		}
-		if err := read(r.Context(), &p, from, to); err != nil {
+		err := read(r.Context(), &p, from, to)
+		if errors.Is(err, ErrNotAvailable) {
+			p.NotAvail, err = true, nil
+		}
+		if err != nil {
 			h.fail(w, r, p, err)
 			return
 		}

@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"net/http"
 	"net/url"
 	"strings"
@@ -96,7 +97,7 @@ func (h *Handler) signedIn(next func(http.ResponseWriter, *http.Request, auth.Pr
 			http.Redirect(w, r, "/signin", http.StatusSeeOther)
 			return
 		}
-		next(w, r, p)
+		next(w, r.WithContext(context.WithValue(r.Context(), principalKey{}, p)), p)
 	}
 }
 

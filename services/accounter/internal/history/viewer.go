@@ -37,6 +37,10 @@ func Authenticate(a *auth.Auth, r *http.Request) (v Viewer, ok bool) {
 	return Viewer{p: p}, ok
 }
 
+// ViewerOf returns the viewer of a principal already authenticated (the
+// console's signed-in cookie).
+func ViewerOf(p auth.Principal) Viewer { return Viewer{p: p} }
+
 // ReadsAll reports whether v reads every tenant (an admin).
 func (v Viewer) ReadsAll() bool { return v.p.ReadsAll() }
 

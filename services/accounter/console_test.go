@@ -1,0 +1,103 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"net/url"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// TestConsole signs in on the accounter's real console listener and reads
+// its pages: the top users' numbers are the ledger's, users' windows say
+// they are not available (no reader of Redis windows yet), and a tenant's
+// token neither sees nor reaches another tenant's pages.
+func TestConsole(t *testing.T) {
+	e := newEnv(t)
+	e.initialised(t)
+	e.cfg.Tokens.APITokens = []string{"console-admin#admin", "console-acme@acme"}
+	var consoleAddr string
+	e.start(&hooks{console: func(addr string) { consoleAddr = addr }})
+	for i, sub := range []struct{ tenant, user string }{{"acme", "alice"}, {"acme", "alice"}, {"acme", "bob"}, {"globex", "gina"}} {
+		req := fmt.Sprintf("req-%d", i)
+		e.reserve(sub.tenant, sub.user, req, 50, true)
+		e.publish(e.actual(sub.tenant, sub.user, req, "big-model", 10, int64(10*(i+1))))
+	}
+	e.consumedAll("acme", 3)
+	e.consumedAll("globex", 1)
+
+	base := "http://" + consoleAddr
+	acme := signIn(t, base, "console-acme")
+	admin := signIn(t, base, "console-admin")
+
+	code, body := get(t, acme, base+"/tenants/acme/top")
+	if code != 200 {
+		t.Fatalf("acme's top = %d", code)
+	}
+	for _, u := range []string{"alice", "bob"} {
+		want := e.count("SELECT sum(tokens) FROM usage_rollups WHERE tenant='acme' AND user_id=$1", u)
+		row := regexp.MustCompile(`data-user="` + u + `".*?class="num tokens">(\d+)<`).FindStringSubmatch(body)
+		if row == nil || row[1] != fmt.Sprint(want) {
+			t.Errorf("top's tokens of %s = %v, want %d (the ledger's)", u, row, want)
+		}
+	}
+	if strings.Contains(body, "gina") {
+		t.Error("acme's top shows globex's user")
+	}
+	if code, body := get(t, acme, base+"/tenants/acme"); code != 200 || !strings.Contains(body, `id="no-windows"`) {
+		t.Errorf("acme's users = %d, want 200 saying the windows are not available:\n%s", code, body)
+	}
+	for _, path := range []string{"/tenants/globex", "/tenants/globex/top", "/tenants/globex/usage", "/tenants/globex/denials", "/tenants/globex/alerts"} {
+		if code, body := get(t, acme, base+path); code != 404 || strings.Contains(body, "gina") {
+			t.Errorf("acme's token GET %s = %d, want 404 without globex's data", path, code)
+		}
+	}
+	if code, body := get(t, acme, base+"/"); code != 200 || strings.Contains(body, "globex") {
+		t.Errorf("acme's home = %d, want its own tenant only:\n%s", code, body)
+	}
+	code, body = get(t, admin, base+"/")
+	if code != 200 || !strings.Contains(body, "acme") || !strings.Contains(body, "globex") {
+		t.Errorf("admin's home = %d, want both tenants:\n%s", code, body)
+	}
+	if code, body := get(t, admin, base+"/tenants/globex/top"); code != 200 || !strings.Contains(body, "gina") {
+		t.Errorf("admin's globex top = %d, want gina:\n%s", code, body)
+	}
+}
+
+// signIn posts tok to the console's sign-in form and returns a client
+// holding its cookie.
+func signIn(t *testing.T, base, tok string) *http.Client {
+	t.Helper()
+	jar, err := cookiejar.New(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &http.Client{Jar: jar}
+	resp, err := c.PostForm(base+"/signin", url.Values{"token": {tok}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	u, _ := url.Parse(base)
+	if resp.StatusCode != 200 || len(jar.Cookies(u)) != 1 {
+		t.Fatalf("sign in with %s = %d, cookies %v", tok, resp.StatusCode, jar.Cookies(u))
+	}
+	return c
+}
+
+func get(t *testing.T, c *http.Client, u string) (int, string) {
+	t.Helper()
+	resp, err := c.Get(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
+}

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"quotaflow/services/accounter/internal/console"
+	"quotaflow/services/accounter/internal/history"
+)
+
+// consoleSource reads the console's pages from the ledger through the
+// history package: every call checks its tenant again against the
+// signed-in principal the console puts in ctx (history's one scoping
+// check), so a page cannot read a tenant its token may not.
+type consoleSource struct {
+	rd *history.Reader
+}
+
+// errNoPrincipal is a call outside a signed-in page: the console's bug.
+var errNoPrincipal = errors.New("console: no signed-in principal in the request")
+
+// tenant returns tenant as the signed-in viewer may read it.
+func (s consoleSource) tenant(ctx context.Context, tenant string) (history.Tenant, error) {
+	p, ok := console.Principal(ctx)
+	if !ok {
+		return history.Tenant{}, errNoPrincipal
+	}
+	return history.ViewerOf(p).Tenant(tenant)
+}
+
+func (s consoleSource) Tenants(ctx context.Context) ([]string, error) {
+	p, ok := console.Principal(ctx)
+	if !ok {
+		return nil, errNoPrincipal
+	}
+	return s.rd.Tenants(ctx, history.ViewerOf(p), "", history.MaxLimit)
+}
+
+// Users has no source yet: the users' windows live in Redis and the
+// history package reads only the ledger.
+func (s consoleSource) Users(ctx context.Context, tenant string) ([]console.User, error) {
+	if _, err := s.tenant(ctx, tenant); err != nil {
+		return nil, err
+	}
+	return nil, console.ErrNotAvailable
+}
+
+func (s consoleSource) History(ctx context.Context, tenant, user string, from, to time.Time, step console.Step) ([]console.Point, error) {
+	t, err := s.tenant(ctx, tenant)
+	if err != nil {
+		return nil, err
+	}
+	pts, err := s.rd.History(ctx, t, user, history.Range{From: from, To: to, Step: history.Step(step)})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]console.Point, len(pts))
+	for i, pt := range pts {
+		out[i] = console.Point{Start: pt.Start, Tokens: pt.Tokens, Requests: pt.Requests}
+	}
+	return out, nil
+}
+
+func (s consoleSource) TopUsers(ctx context.Context, tenant string, from, to time.Time, limit int) ([]console.UserTotal, error) {
+	t, err := s.tenant(ctx, tenant)
+	if err != nil {
+		return nil, err
+	}
+	top, err := s.rd.TopUsers(ctx, t, from, to, history.Page{Limit: limit})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]console.UserTotal, len(top))
+	for i, u := range top {
+		out[i] = console.UserTotal{User: u.User, Tokens: u.Tokens, Requests: u.Requests}
+	}
+	return out, nil
+}
+
+func (s consoleSource) Denials(ctx context.Context, tenant string, from, to time.Time) ([]console.Denial, error) {
+	t, err := s.tenant(ctx, tenant)
+	if err != nil {
+		return nil, err
+	}
+	ds, err := s.rd.Denials(ctx, t, from, to, history.Page{Limit: history.MaxLimit})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]console.Denial, len(ds))
+	for i, d := range ds {
+		out[i] = console.Denial{Limit: d.Scope + " " + d.Limit, Count: d.Denied}
+	}
+	return out, nil
+}
+
+func (s consoleSource) Alerts(ctx context.Context, tenant string, limit int) ([]console.Alert, error) {
+	t, err := s.tenant(ctx, tenant)
+	if err != nil {
+		return nil, err
+	}
+	as, err := s.rd.Alerts(ctx, t, history.Page{Limit: limit})
+	if errors.Is(err, history.ErrNoAlerts) {
+		return nil, console.ErrNotAvailable
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := make([]console.Alert, len(as))
+	for i, a := range as {
+		out[i] = console.Alert{At: a.At, User: a.User, Kind: a.Kind, Limit: a.Limit, Threshold: a.Threshold}
+	}
+	return out, nil
+}
