@@ -10,9 +10,10 @@ import (
 	"quotaflow/pkg/limits/policy"
 )
 
-// Counted reports whether Reserve and Peek keep rules in counters rather
-// than in the subject's blob: when every rule is a fixed window of
-// requests (so none keeps a record, KeepsRecord). Each such limit of a
+// Counted reports whether Reserve and Peek may keep rules in counters
+// rather than in the subject's blob, which they do for a Request that sets
+// Counted: when every rule is a fixed window of requests (so none keeps a
+// record, KeepsRecord). Each such limit of a
 // subject is then a key of its own, as CountBatch's counters are ('<i6i6'
 // window number and count, count.lua; the user's q{T}c:U:N, the tenant's
 // q{T}C:N, on the tenant's hash tag), which a reserve checks and charges
@@ -23,10 +24,12 @@ import (
 // Redis's clock does not step back and a call spends at least 1 µs per
 // reserve (it spends several); in µs, as the blobs' versions, so a plan
 // that changes shape keeps its snapshots in order. The two stores never
-// share a count: a plan that changes shape (a token limit added, or the
-// last one removed) moves its request windows to the other store, where
-// they go on from what that store holds in the current window, mostly
-// nothing (docs/design.md §4).
+// share a count: a window stays in one store as long as the policy does,
+// since every request over it sets Counted alike (policy.Resolved.Counted);
+// a policy that changes shape (a token limit added anywhere a tenant's
+// requests can reach, or the last one removed) moves the tenant's request
+// windows to the other store, where they go on from what that store holds
+// in the current window, mostly nothing (docs/design.md §4).
 func Counted(rules []policy.Rule) bool {
 	for i := range rules {
 		if r := &rules[i]; r.Kind != policy.Fixed || r.Unit != policy.Requests {
@@ -36,13 +39,16 @@ func Counted(rules []policy.Rule) bool {
 	return len(rules) > 0
 }
 
+// counted reports whether r is kept in counters.
+func (r *Request) counted() bool { return r.Counted && Counted(r.Rules) }
+
 // reserve makes the reserve (or peek) calls of rs in mode, batched as
-// ReserveBatch says: those over Counted rules as count calls, the others
-// in the subjects' blobs, in one round trip each, at the same time.
+// ReserveBatch says: the counted ones as count calls, the others in the
+// subjects' blobs, in one round trip each, at the same time.
 func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserved {
 	n := 0
 	for i := range rs {
-		if Counted(rs[i].Rules) {
+		if rs[i].counted() {
 			n++
 		}
 	}
@@ -55,7 +61,7 @@ func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserve
 	var counts, blobs []Request
 	var at []bool // whether rs[i] is counted
 	for i := range rs {
-		c := Counted(rs[i].Rules)
+		c := rs[i].counted()
 		at = append(at, c)
 		if c {
 			counts = append(counts, rs[i])
@@ -79,7 +85,7 @@ func (l *Limiter) reserve(ctx context.Context, rs []Request, mode int) []Reserve
 	return out
 }
 
-// reserveCounts reserves (or, peek, reads) rs, whose rules are Counted,
+// reserveCounts reserves (or, peek, reads) rs, which are counted,
 // each request one CountBatch group of its subject's counters: charged 1
 // each, all or none.
 func (l *Limiter) reserveCounts(ctx context.Context, rs []Request, peek bool) []Reserved {

@@ -55,7 +55,7 @@ func TestCountedPlanLivesInCounters(t *testing.T) {
 		{true, []int64{3, 3, 3}, true},
 		{false, []int64{3, 3, 3}, true},
 	} {
-		d := limitstest.Reserve(t, l, tenant, "u", "same-id", 50, rules)
+		d := reserveCounted(t, l, tenant, "u", "same-id", 50, rules)
 		if d.Allowed != want.allowed || fmt.Sprint(limitstest.Used(d.States)) != fmt.Sprint(want.used) || d.States[2].WouldDeny != want.wouldDeny {
 			t.Fatalf("Reserve %d = allowed %v used %v would deny %v; want %v %v %v", i+1, d.Allowed, limitstest.Used(d.States), d.States[2].WouldDeny, want.allowed, want.used, want.wouldDeny)
 		}
@@ -82,7 +82,7 @@ func TestCountedPlanLivesInCounters(t *testing.T) {
 	if n := c.Exists(ctx, keys.Blob(), keys.TenantBlob(), keys.Reservation("same-id")).Val(); n != 0 {
 		t.Fatalf("%d of the subject's blob, the tenant's blob and a record exist, want none", n)
 	}
-	if d := limitstest.Peek(t, l, tenant, "v", rules); fmt.Sprint(limitstest.Used(d.States)) != "[3 0 0]" {
+	if d := peekCounted(t, l, tenant, "v", rules); fmt.Sprint(limitstest.Used(d.States)) != "[3 0 0]" {
 		t.Fatalf("Peek of a new user = used %v, want [3 0 0]", limitstest.Used(d.States))
 	}
 	if n := c.Exists(ctx, counter("v", &rules[1]), counter("v", &rules[2])).Val(); n != 0 {
@@ -103,12 +103,12 @@ func TestCountedPlanChangingShape(t *testing.T) {
 		rules []policy.Rule
 		used  int64 // the hour's, after it
 	}{{counted, 1}, {counted, 2}, {mixed, 1}, {mixed, 2}, {counted, 3}} {
-		d := limitstest.Reserve(t, l, tenant, "u", "r"+strconv.Itoa(i), 10, step.rules)
+		d := reserveCounted(t, l, tenant, "u", "r"+strconv.Itoa(i), 10, step.rules)
 		if !d.Allowed || d.States[0].Used != step.used {
 			t.Fatalf("step %d (%d rules) = allowed %v, hour used %d; want allowed, %d", i, len(step.rules), d.Allowed, d.States[0].Used, step.used)
 		}
 	}
-	if d := limitstest.Reserve(t, l, tenant, "u", "last", 10, counted); d.Allowed {
+	if d := reserveCounted(t, l, tenant, "u", "last", 10, counted); d.Allowed {
 		t.Fatal("a fourth request in the counter's window was allowed")
 	}
 }
@@ -127,9 +127,9 @@ func TestCountedReservesMixWithBlobsInABatch(t *testing.T) {
 		wg.Go(func() {
 			for i := range 4 {
 				rs := []limits.Request{
-					{Tenant: tenant, User: "c", RequestID: fmt.Sprint(w, i), Rules: counted},
+					{Tenant: tenant, User: "c", RequestID: fmt.Sprint(w, i), Rules: counted, Counted: true},
 					{Tenant: tenant, User: "b", RequestID: fmt.Sprint(w, i), Rules: blob},
-					{Tenant: tenant, User: "c", RequestID: fmt.Sprint(w, i, "again"), Rules: counted},
+					{Tenant: tenant, User: "c", RequestID: fmt.Sprint(w, i, "again"), Rules: counted, Counted: true},
 				}
 				for k, o := range l.ReserveBatch(context.Background(), rs) {
 					if o.Err != nil {
@@ -163,7 +163,7 @@ func TestCountedPlanOnClusterSpansNodes(t *testing.T) {
 	base := redistest.UniqueName(t)
 	var rs []limits.Request
 	for i := range 30 {
-		rs = append(rs, limits.Request{Tenant: base + strconv.Itoa(i), User: "u", RequestID: "r", Rules: rules})
+		rs = append(rs, limits.Request{Tenant: base + strconv.Itoa(i), User: "u", RequestID: "r", Rules: rules, Counted: true})
 	}
 	for round := range 4 {
 		for i, o := range l.ReserveBatch(context.Background(), rs) {
@@ -182,7 +182,7 @@ func TestCountedVersionsGrowWithinACall(t *testing.T) {
 	tenant := redistest.UniqueName(t)
 	rs := make([]limits.Request, 5)
 	for i := range rs {
-		rs[i] = limits.Request{Tenant: tenant, User: "u", RequestID: "r", Rules: countedRules()}
+		rs[i] = limits.Request{Tenant: tenant, User: "u", RequestID: "r", Rules: countedRules(), Counted: true}
 	}
 	var last int64
 	for i, o := range l.ReserveBatch(context.Background(), rs) {
@@ -191,4 +191,21 @@ func TestCountedVersionsGrowWithinACall(t *testing.T) {
 		}
 		last = o.Decision.Version
 	}
+}
+
+// reserveCounted is limitstest.Reserve of a Request that may be counted
+// (Request.Counted).
+func reserveCounted(t *testing.T, l *limits.Limiter, tenant, user, id string, cost int64, rules []policy.Rule) limits.Decision {
+	t.Helper()
+	return limitstest.ReserveRequest(t, l, limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: cost, Rules: rules, Counted: true})
+}
+
+// peekCounted is limitstest.Peek of a Request that may be counted.
+func peekCounted(t *testing.T, l *limits.Limiter, tenant, user string, rules []policy.Rule) limits.Decision {
+	t.Helper()
+	d, err := l.Peek(context.Background(), limits.Request{Tenant: tenant, User: user, Rules: rules, Counted: true})
+	if err != nil {
+		t.Fatalf("Peek error = %v", err)
+	}
+	return d
 }

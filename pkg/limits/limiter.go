@@ -97,6 +97,11 @@ func (l *Limiter) ReservationTTL() time.Duration { return l.p.ReservationTTL() }
 // request. Nonce tells this call apart from every other Reserve of the id,
 // so that VoidReserve can undo exactly this call if its reply is lost;
 // zero is fine when the caller never voids.
+//
+// Counted keeps Rules in counters when they are Counted; the caller sets it
+// only when every request over any of these windows sets it too (the
+// policy's Resolved.Counted), since a window kept in counters by some
+// requests and in the blob by others would admit its limit in each.
 type Request struct {
 	Tenant      string
 	User        string
@@ -106,6 +111,7 @@ type Request struct {
 	Fingerprint int64
 	Nonce       int64
 	Fresh       bool
+	Counted     bool
 }
 
 // State is one limit after a decision, correction or peek.

@@ -36,6 +36,14 @@ type Resolved struct {
 	// (ScopeTenant), then the plan's quotas, its rates and the endpoint's
 	// per-user limits (ScopeUser; Endpoint set on the last).
 	Subject []Rule
+	// Counted reports that every Subject list any request of this tenant
+	// can resolve to (every plan, since a caller not bound to the tenant may
+	// name any, with every endpoint and none) is fixed windows of requests
+	// alone, so all of them may keep their windows in counters
+	// (limits.Request.Counted): a limit is then never in counters for some
+	// requests and in a blob for others. A reload that changes it moves the
+	// tenant's windows (a plan changing shape, docs/design.md §4).
+	Counted bool
 }
 
 // maxPrecomputed bounds how many rules, over all Subject lists, Parse builds
@@ -52,9 +60,10 @@ const maxPrecomputed = 1 << 15
 type subjectKey struct{ tenant, plan, endpoint string }
 
 type tenantEntry struct {
-	plan  string   // the tenant's plan, or "" for default_plan
-	plans []string // the other plans it grants (Grants)
-	rules []Rule   // tenant-wide rules
+	plan    string   // the tenant's plan, or "" for default_plan
+	plans   []string // the other plans it grants (Grants)
+	rules   []Rule   // tenant-wide rules
+	counted bool     // Resolved.Counted
 }
 
 type endpointEntry struct {
@@ -70,6 +79,7 @@ type policyIndex struct {
 	endpoints map[string]endpointEntry
 	subjects  map[subjectKey][]Rule
 	longest   time.Duration
+	counted   bool // Resolved.Counted of a tenant without an entry
 }
 
 // Resolve returns the rules that apply to a request of tenant to endpoint,
@@ -87,7 +97,7 @@ func (p *Policy) Resolve(tenant, plan, endpoint string) (Resolved, error) {
 	if ix == nil {
 		return p.resolveSlow(tenant, plan, endpoint)
 	}
-	te := ix.tenants[tenant]
+	te, listed := ix.tenants[tenant]
 	if plan == "" {
 		plan = p.DefaultPlan
 		if te.plan != "" {
@@ -98,10 +108,13 @@ func (p *Policy) Resolve(tenant, plan, endpoint string) (Resolved, error) {
 	if !ok {
 		return Resolved{}, fmt.Errorf("%w %q", ErrUnknownPlan, plan)
 	}
-	r := Resolved{Plan: plan, IP: ix.ip}
+	r := Resolved{Plan: plan, IP: ix.ip, Counted: ix.counted}
 	key := subjectKey{plan: plan}
 	if len(te.rules) > 0 {
 		key.tenant = tenant
+	}
+	if listed {
+		r.Counted = te.counted
 	}
 	ee, declared := ix.endpoints[endpoint]
 	if declared {
@@ -163,8 +176,37 @@ func (p *Policy) resolveSlow(tenant, plan, endpoint string) (Resolved, error) {
 		r.Endpoint = endpoint
 		r.Global = p.globalRules(endpoint, e)
 	}
-	r.Subject = p.subjectRules(p.tenantRules(t), pl, r.Endpoint, e)
+	tr := p.tenantRules(t)
+	r.Subject = p.subjectRules(tr, pl, r.Endpoint, e)
+	r.Counted = p.planWindowsCounted() && requestWindows(tr)
 	return r, nil
+}
+
+// planWindowsCounted reports whether every plan's limits and every
+// endpoint's per-user limits are fixed windows of requests: then any
+// tenant whose own limits are too is Resolved.Counted.
+func (p *Policy) planWindowsCounted() bool {
+	for _, pl := range p.Plans {
+		if !requestWindows(p.subjectRules(nil, pl, "", nil)) {
+			return false
+		}
+	}
+	for name, e := range p.Endpoints {
+		if !requestWindows(p.subjectRules(nil, nil, name, e)) {
+			return false
+		}
+	}
+	return true
+}
+
+// requestWindows reports whether every rule is a fixed window of requests.
+func requestWindows(rules []Rule) bool {
+	for i := range rules {
+		if r := &rules[i]; r.Kind != Fixed || r.Unit != Requests {
+			return false
+		}
+	}
+	return true
 }
 
 // makeRule binds a limit to its scope, with defaults and inherited shadow.
@@ -293,6 +335,7 @@ func buildIndex(p *Policy, digest string) *policyIndex {
 		endpoints: make(map[string]endpointEntry, len(p.Endpoints)),
 		subjects:  map[subjectKey][]Rule{},
 		longest:   p.longestTokenWindow(),
+		counted:   p.planWindowsCounted(),
 	}
 	userEndpoints := []string{""}
 	for _, name := range slices.Sorted(maps.Keys(p.Endpoints)) {
@@ -307,7 +350,8 @@ func buildIndex(p *Policy, digest string) *policyIndex {
 		t := p.Tenants[name]
 		rules := p.tenantRules(t)
 		if t.Plan != "" || len(t.Plans) > 0 || len(rules) > 0 {
-			ix.tenants[name] = tenantEntry{plan: t.Plan, plans: slices.Clip(t.Plans), rules: rules}
+			ix.tenants[name] = tenantEntry{plan: t.Plan, plans: slices.Clip(t.Plans), rules: rules,
+				counted: ix.counted && requestWindows(rules)}
 		}
 		if len(rules) > 0 {
 			ruled = append(ruled, name)

@@ -112,7 +112,7 @@ func (a *admission) run(rs *policy.Resolved) error {
 		ok = true
 	}
 	if ok && err == nil {
-		ok, err = a.subjectLayer(rs.Subject)
+		ok, err = a.subjectLayer(rs.Subject, rs.Counted)
 	}
 	if err != nil {
 		a.undo()
@@ -289,8 +289,9 @@ func compact(ls []LimitState, denied *int) []LimitState {
 }
 
 // subjectLayer checks the tenant-wide and user limits: one Reserve call, or
-// locally when Redis is unavailable.
-func (a *admission) subjectLayer(rules []policy.Rule) (bool, error) {
+// locally when Redis is unavailable; in counters when counted
+// (policy.Resolved.Counted).
+func (a *admission) subjectLayer(rules []policy.Rule, counted bool) (bool, error) {
 	d := a.d
 	base := len(a.res.Limits)
 	a.res.Limits = a.res.Limits[:base+len(rules)]
@@ -303,7 +304,7 @@ func (a *admission) subjectLayer(rules []policy.Rule) (bool, error) {
 	lost := voidOf(in, a.res.Plan)
 	if a.remote {
 		req := limits.Request{Tenant: in.Tenant, User: in.User, RequestID: in.RequestID, Cost: in.Cost, Rules: rules,
-			Fingerprint: lost.Fingerprint, Nonce: newNonce(), Fresh: in.Fresh}
+			Fingerprint: lost.Fingerprint, Nonce: newNonce(), Fresh: in.Fresh, Counted: counted}
 		dec, sent, err := d.reserve(a.ctx, req)
 		switch {
 		case err == nil:

@@ -52,7 +52,7 @@ func (d *Decider) Usage(ctx context.Context, tenant, user, plan string) ([]Limit
 	var dec limits.Decision
 	err = d.call(ctx, opPeek, func(ctx context.Context) error {
 		var err error
-		dec, err = d.lim.Peek(ctx, limits.Request{Tenant: tenant, User: user, Rules: rs.Subject})
+		dec, err = d.lim.Peek(ctx, limits.Request{Tenant: tenant, User: user, Rules: rs.Subject, Counted: rs.Counted})
 		return err
 	})
 	if err != nil {
