@@ -55,7 +55,7 @@ plans:
 		t.Fatalf("admitted %d of %d racing requests, want exactly 100", allowed.Load(), workers*each)
 	}
 	rs, _ := p.Resolve(tenant, "", "/e")
-	dec, err := d.lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rs.Subject})
+	dec, err := d.lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rs.Subject, Counted: rs.Counted})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -670,7 +670,7 @@ func TestRequestPlanRetryIsANewRequest(t *testing.T) {
 			t.Fatalf("retry of %s = %+v, want denied by the global layer", first.RequestID, r)
 		}
 	}
-	p, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rs.Subject})
+	p, err := lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: "u", Rules: rs.Subject, Counted: rs.Counted})
 	if err != nil {
 		t.Fatal(err)
 	}
