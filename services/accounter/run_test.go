@@ -1325,6 +1325,10 @@ func TestRequestOnlyPlanSettles(t *testing.T) {
 	if n := e.redis.Client().Exists(ctx, reservationKey(ten, usr, "actual"), reservationKey(ten, usr, "expires")).Val(); n != 0 {
 		t.Fatalf("%d reservation records in Redis, want none", n)
 	}
+	// The ledger holds the reservation (and its plan) before its actual
+	// comes: two workers may otherwise take the actual first, and its
+	// correction then knows no plan.
+	e.waitStatus(ten, usr, "actual", "open")
 	e.publish(e.actual(ten, usr, "actual", "", 60, 70))
 	e.publish(events.NewReleased("test/service", events.Released{RequestID: "released", Tenant: ten, User: usr}, time.Now()))
 	e.publish(e.actual(ten, usr, "never-reserved", "", 5, 0))
