@@ -60,9 +60,7 @@
 // (CloudEvents JSON batch mode), with Content-Type
 // application/cloudevents-batch+json (BatchContentType), 1 to 1024 events
 // (MaxBatchEvents) and at most 1 MiB (MaxBatchSize), sent on the subject of
-// its events' type, or on "<prefix>.usage.mixed" (MixedSubject) when they
-// are of several types: consumers dispatch each event by its type, never
-// by the message's subject. Its Nats-Msg-Id is "batch " and H of its event ids in
+// its events' type. Its Nats-Msg-Id is "batch " and H of its event ids in
 // order (BatchID), so the same batch published again is stored once; the
 // space keeps it apart from every event id. An event published again in
 // another batch may be stored twice: every quotaflow consumer counts an

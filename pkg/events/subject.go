@@ -36,12 +36,6 @@ func Subject(prefix, typ string) string {
 	return prefix + ".usage." + s
 }
 
-// MixedSubject returns "<prefix>.usage.mixed", the subject of a batch
-// whose events are of several types; a batch of one type travels on its
-// type's subject, so that a consumer may still pass over a subject's
-// messages unread (the accounter its own corrected events).
-func MixedSubject(prefix string) string { return prefix + ".usage.mixed" }
-
 // UsageSubjects returns the filter of every usage event under prefix,
 // "<prefix>.usage.>".
 func UsageSubjects(prefix string) string { return prefix + ".usage.>" }

@@ -14,6 +14,7 @@ import (
 	"quotaflow/internal/auth"
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/admission/internal/decide"
 	"quotaflow/services/admission/internal/httpapi"
@@ -111,10 +112,9 @@ type Config struct {
 	// EventBatchMax is the most events one publish round carries, of the
 	// outbox and of POST /v1/usage alike.
 	EventBatchMax int `envconfig:"EVENT_BATCH_MAX"`
-	// EventBatchWait is the longest a publish round holding a report of
-	// POST /v1/usage waits for more events after that report; 0 publishes
-	// at once (a round then takes what came while the one before it was
-	// publishing).
+	// EventBatchWait is the longest the first report of a POST /v1/usage
+	// round waits for others; 0 publishes at once (a round then takes what
+	// came while the one before it was publishing).
 	EventBatchWait time.Duration `envconfig:"EVENT_BATCH_WAIT"`
 	// OutboxMaxWait bounds how long an event of the outbox's queue waits
 	// for its round, a wait that grows with the load from none; 0
@@ -141,7 +141,7 @@ func defaults() Config {
 		Instances: decide.DefaultInstances, LeaseIdle: decide.DefaultLeaseIdle, LocalEntries: decide.DefaultLocalEntries,
 		ReservationTTL:  limits.DefaultReservationTTL,
 		OutboxMaxEvents: outbox.DefaultMaxEvents, SpillMaxBytes: outbox.DefaultMaxSpillBytes,
-		EventBatchMax: outbox.DefaultBatchSize, EventBatchWait: outbox.DefaultBatchWait, OutboxMaxWait: outbox.DefaultQueueWait,
+		EventBatchMax: stream.DefaultBatchMax, EventBatchWait: stream.DefaultBatchWait, OutboxMaxWait: outbox.DefaultQueueWait,
 		ShutdownTimeout: config.DefaultShutdownTimeout, Settings: llmproxy.DefaultSettings,
 	}
 }

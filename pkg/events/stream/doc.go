@@ -24,14 +24,17 @@
 // A Publisher validates each event, publishes it on its type's subject
 // with Nats-Msg-Id set to the event's id, so a retry is stored once, and
 // expects the usage stream to store it, so a misrouted prefix fails.
-// PublishBatch packs the events of a call, in order and whatever their
-// types, into batches (package events: a JSON array, Nats-Msg-Id
-// events.BatchID, on their type's subject or events.MixedSubject) under
-// the server's max payload (WithMaxPayload), compressed with S2
-// (HeaderContentEncoding, EncodingS2; WithCompression); a batch of one is
-// a plain event. Consumers take batches compressed or not (Payload), of
-// one type or several. Publishers in other languages may send single
-// events only.
+// PublishBatch packs the events of each subject into batches (package
+// events: a JSON array, Nats-Msg-Id events.BatchID) under the server's max
+// payload (WithMaxPayload), compressed with S2 (HeaderContentEncoding,
+// EncodingS2; WithCompression); a batch of one is a plain event.
+// Consumers take batches compressed or not (Payload). Publishers in other
+// languages may send single events only.
+// A Batcher sits in front of it for services whose callers each wait for
+// a few events to be stored (admission's POST /v1/usage): concurrent
+// calls share one PublishBatch, a round closing at MaxEvents events or
+// MaxWait after its first call, and each caller gets its own events'
+// result.
 //
 // # Consuming
 //

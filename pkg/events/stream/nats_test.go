@@ -132,37 +132,53 @@ func TestPublishDedup(t *testing.T) {
 		t.Errorf("stream holds %v, want 7 event ids (6 examples + r-999), the actual twice (alone, then in a batch)", ids)
 	}
 
-	// The batch is one message of every distinct id, in order, on the mixed
-	// subject; the first actual stays alone, as Publish sent it.
+	// Each subject got one message: the actual's two events in a batch,
+	// each other type's event alone, as Publish sends it.
+	batches := map[string][]string{events.TypeActual: {otherEv.ID, act.ID}}
 	s, err := js.Stream(ctx, cfg.Stream)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != 1+1 {
-		t.Errorf("stream holds %d messages, want 2 (the first actual, then one mixed batch)", n)
+	if n := natstest.StreamMsgs(t, js, cfg.Stream); n != 1+6 {
+		t.Errorf("stream holds %d messages, want 7 (the first actual, then one per subject)", n)
 	}
-	m, err := s.GetLastMsgForSubject(ctx, events.MixedSubject(cfg.SubjectPrefix))
-	if err != nil {
-		t.Fatalf("last msg on %s: %v", events.MixedSubject(cfg.SubjectPrefix), err)
-	}
-	data, err := stream.Payload(m.Header, m.Data)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, errs, _, err := events.DecodeBatch(data)
-	want := evs[:len(evs)-2] // again and topAgain are sent once, as their first copies
-	if err != nil || len(got) != len(want) {
-		t.Fatalf("batch = %v, %v; want %d events", got, err, len(want))
-	}
-	ids := make([]string, len(want))
-	for i := range want {
-		ids[i] = want[i].ID
-		if errs[i] != nil || got[i].ID != want[i].ID {
-			t.Errorf("batch[%d] = %s, %v; want %s", i, got[i].ID, errs[i], want[i].ID)
+	for _, ev := range oneOfEach() {
+		m, err := s.GetLastMsgForSubject(ctx, events.Subject(cfg.SubjectPrefix, ev.Type()))
+		if err != nil {
+			t.Fatalf("last msg on %s: %v", ev.Type(), err)
 		}
-	}
-	if id, ct := m.Header.Get(jetstream.MsgIDHeader), m.Header.Get("Content-Type"); id != events.BatchID(ids) || ct != events.BatchContentType {
-		t.Errorf("batch stored with Nats-Msg-Id %q, Content-Type %q", id, ct)
+		id, ct := m.Header.Get(jetstream.MsgIDHeader), m.Header.Get("Content-Type")
+		if want, ok := batches[ev.Type()]; ok {
+			data, err := stream.Payload(m.Header, m.Data)
+			if err != nil {
+				t.Fatalf("%s batch: %v", ev.Type(), err)
+			}
+			got, errs, _, err := events.DecodeBatch(data)
+			if err != nil || len(got) != len(want) {
+				t.Fatalf("%s batch = %v, %v; want ids %v", ev.Type(), got, err, want)
+			}
+			for i := range want {
+				if errs[i] != nil || got[i].ID != want[i] {
+					t.Errorf("%s batch[%d] = %s, %v; want %s", ev.Type(), i, got[i].ID, errs[i], want[i])
+				}
+			}
+			if id != events.BatchID(want) || ct != events.BatchContentType {
+				t.Errorf("%s batch stored with Nats-Msg-Id %q, Content-Type %q", ev.Type(), id, ct)
+			}
+			continue
+		}
+		if id != ev.ID {
+			t.Errorf("%s stored with Nats-Msg-Id %q, want %q", ev.Type(), id, ev.ID)
+		}
+		if ct != events.ContentType {
+			t.Errorf("%s stored with Content-Type %q", ev.Type(), ct)
+		}
+		got, err := events.Decode(m.Data)
+		if err != nil {
+			t.Errorf("Decode(stored %s) = %v", ev.Type(), err)
+		} else if got.ID != ev.ID {
+			t.Errorf("stored %s has id %s, want %s", ev.Type(), got.ID, ev.ID)
+		}
 	}
 }
 
@@ -633,11 +649,9 @@ func TestReplayEveryReason(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	p := stream.NewPublisher(js, cfg)
-	for _, ev := range oneOfEach()[2:4] { // an actual and a released, a message each
-		if err := p.Publish(ctx, ev); err != nil {
-			t.Fatal(err)
-		}
+	evs := oneOfEach()[2:4] // an actual and a released
+	if err := stream.NewPublisher(js, cfg).PublishBatch(ctx, evs); err != nil {
+		t.Fatal(err)
 	}
 	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
 	if err != nil {

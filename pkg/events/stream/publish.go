@@ -207,14 +207,13 @@ func (p *Publisher) PublishAsync(ev events.Event) (jetstream.PubAckFuture, error
 // else a *BatchError saying which failed; retrying those (or the whole
 // batch, formed alike or not) is safe: consumers dedup by event id.
 //
-// It packs the events, in their order and whatever their types, into as
-// few messages as fit the server's max payload (WithMaxPayload) and
+// It packs the events of each subject, in their order, into as few
+// messages as fit the server's max payload (WithMaxPayload) and
 // events.MaxBatchEvents: a message of several events is a batch
 // (events.BatchContentType, compressed (WithCompression), Nats-Msg-Id
 // events.BatchID of its events' ids, so the same batch sent again is
-// stored once, compressed or not; on its events' type's subject when they
-// share one, else on events.MixedSubject); a message of one event is the
-// plain CloudEvent Publish sends. An id given twice is sent once, as
+// stored once, compressed or not); a message of one event is
+// the plain CloudEvent Publish sends. An id given twice is sent once, as
 // JetStream would store it once. The messages go out asynchronously, and
 // each one's ack or error is its events'. When the stream refuses a batch
 // for its size, the Publisher reads the stream's MaxMsgSize (if its js can
@@ -378,14 +377,15 @@ func putEncodeBuf(bp *[]byte, buf []byte) {
 }
 
 // pack encodes evs (an invalid one gets its error in errs and is left out)
-// and packs them, in order and whatever their types, into messages of at
-// most events.MaxBatchEvents events and p's budget bytes (an event larger
-// than that alone goes out alone, for the server to judge). An event whose
-// id came earlier in evs is left out too, as JetStream would drop it: dups
+// and packs them by subject, in order, into messages of at most
+// events.MaxBatchEvents events and p's budget bytes (an event larger than
+// that alone goes out alone, for the server to judge). An event whose id
+// came earlier in evs is left out too, as JetStream would drop it: dups
 // maps its index to the first's, whose result it shares. The encodings are
 // appended to buf and data slices it: they are good until buf is reused.
 func (p *Publisher) pack(evs []events.Event, errs []error, buf []byte) (out []packed, dups map[int]int, _ []byte) {
-	size := 0 // bytes of the last message's events
+	open := map[string]int{} // subject -> its last message in out
+	size := map[string]int{} // subject -> bytes of that message's events
 	first := make(map[string]int, len(evs))
 	limit := int(p.budget.Load())
 	for i, ev := range evs {
@@ -404,15 +404,16 @@ func (p *Publisher) pack(evs []events.Event, errs []error, buf []byte) (out []pa
 			continue
 		}
 		at, n := [2]int{start, len(buf)}, len(buf)-start
-		if len(out) > 0 {
-			g := &out[len(out)-1]
-			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size+n) <= limit {
+		subj := ev.Type()
+		if j, ok := open[subj]; ok {
+			g := &out[j]
+			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size[subj]+n) <= limit {
 				g.idx, g.at = append(g.idx, i), append(g.at, at)
-				size += n
+				size[subj] += n
 				continue
 			}
 		}
-		size = n
+		open[subj], size[subj] = len(out), n
 		out = append(out, packed{idx: []int{i}, at: [][2]int{at}})
 	}
 	for k := range out { // buf no longer moves
@@ -431,7 +432,7 @@ func (p *Publisher) batch(evs []events.Event, idx []int, data [][]byte) (*nats.M
 	for k, i := range idx {
 		ids[k] = evs[i].ID
 	}
-	m := nats.NewMsg(batchSubject(p.prefix, evs, idx))
+	m := nats.NewMsg(events.Subject(p.prefix, evs[idx[0]].Type()))
 	size := events.BatchSize(len(data), totalLen(data))
 	if p.plain {
 		m.Data = events.AppendBatch(make([]byte, 0, size), data)
@@ -453,18 +454,6 @@ func (p *Publisher) batch(evs []events.Event, idx []int, data [][]byte) (*nats.M
 		m.Header.Set(HeaderFirstStored, FirstStoredOwn)
 	}
 	return m, events.BatchID(ids)
-}
-
-// batchSubject is the subject of a batch of the events idx of evs: their
-// type's when they share one, else events.MixedSubject.
-func batchSubject(prefix string, evs []events.Event, idx []int) string {
-	typ := evs[idx[0]].Type()
-	for _, i := range idx[1:] {
-		if evs[i].Type() != typ {
-			return events.MixedSubject(prefix)
-		}
-	}
-	return events.Subject(prefix, typ)
 }
 
 func totalLen(bs [][]byte) int {

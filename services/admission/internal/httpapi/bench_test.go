@@ -16,7 +16,6 @@ import (
 	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
-	"quotaflow/services/admission/internal/outbox"
 )
 
 // BenchmarkAdmitHandler measures the HTTP layer alone (decode, validate,
@@ -66,27 +65,26 @@ func BenchmarkUsageHandler(b *testing.B) {
 // BenchmarkUsageReport is POST /v1/usage end to end in one process: 16
 // clients on keep-alive TCP connections each post one actual event (the
 // pipeline bench's body) and wait for its 202, through the handler, a
-// admission's outbox and a JetStream publisher on the shared NATS, with no
-// batch wait, the default (QF_EVENT_BATCH_WAIT) and a longer one, and no
-// admits (their reserved events would share the reports' rounds).
-// cpu-ns/op is this process's CPU per report: the handler, the outbox and
-// the NATS client, plus the clients, which cost the same in any build;
-// events/round is what each publish round carried; allocs/op counts the
-// whole process's too.
+// stream.Batcher and a JetStream publisher on the shared NATS, as
+// admission's outbox wires them, with no batch wait, the default
+// (QF_EVENT_BATCH_WAIT) and a longer one. cpu-ns/op is this process's CPU
+// per report: the handler, the group commit and the NATS client, plus the
+// clients, which cost the same in any build; events/round is what each
+// JetStream message carried; allocs/op counts the whole process's too.
 func BenchmarkUsageReport(b *testing.B) {
 	_, js := natstest.Connect(b, natstest.URL())
 	cfg := natstest.Streams(b, js, "usagebench", stream.Config{})
 	pub := stream.NewPublisher(js, cfg)
 	var seq atomic.Int64
-	for _, wait := range []time.Duration{-1, outbox.DefaultBatchWait, 5 * time.Millisecond} {
+	for _, wait := range []time.Duration{-1, stream.DefaultBatchWait, 5 * time.Millisecond} {
 		b.Run("wait="+max(wait, 0).String(), func(b *testing.B) {
-			rc := &roundCounter{pub: pub}
-			ob, err := outbox.New(rc, outbox.Options{SpillDir: b.TempDir(), BatchWait: wait})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer ob.Close(context.Background())
-			e := newEnv(b, func(o *Options) { o.Events = ob })
+			var rounds, reports atomic.Int64
+			bt := stream.NewBatcher(pub, stream.BatcherOptions{MaxWait: wait, Observe: func(n int, _ []time.Duration) {
+				rounds.Add(1)
+				reports.Add(int64(n))
+			}})
+			defer bt.Close(context.Background())
+			e := newEnv(b, func(o *Options) { o.Events = batcherEvents{bt} })
 			srv := httptest.NewServer(e.h)
 			defer srv.Close()
 			client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
@@ -113,19 +111,16 @@ func BenchmarkUsageReport(b *testing.B) {
 			_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru1)
 			cpu := ru1.Utime.Nano() + ru1.Stime.Nano() - ru0.Utime.Nano() - ru0.Stime.Nano()
 			b.ReportMetric(float64(cpu)/float64(b.N), "cpu-ns/op")
-			b.ReportMetric(float64(rc.events.Load())/float64(max(1, rc.rounds.Load())), "events/round")
+			b.ReportMetric(float64(reports.Load())/float64(max(1, rounds.Load())), "events/round")
 		})
 	}
 }
 
-// roundCounter counts the publish rounds through it and their events.
-type roundCounter struct {
-	pub            outbox.Publisher
-	rounds, events atomic.Int64
-}
+// batcherEvents publishes reports through a Batcher, as the outbox does.
+type batcherEvents struct{ bt *stream.Batcher }
 
-func (c *roundCounter) PublishBatch(ctx context.Context, evs []events.Event) error {
-	c.rounds.Add(1)
-	c.events.Add(int64(len(evs)))
-	return c.pub.PublishBatch(ctx, evs)
+func (batcherEvents) Enqueue(events.Event)            {}
+func (batcherEvents) Denied(events.Denied, time.Time) {}
+func (e batcherEvents) PublishNow(ctx context.Context, evs []events.Event) error {
+	return e.bt.Publish(ctx, evs)
 }

@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"net"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -25,13 +23,12 @@ import (
 // an embedded nats-server. Each test owns its streams and subject prefix
 // and deletes them.
 
-// connect is natstest.Connect reconnecting at once and forever (and with
-// opts), with a JetStream whose async publishes time out as the outbox's
-// tests expect.
-func connect(t *testing.T, url string, opts ...nats.Option) (*nats.Conn, jetstream.JetStream) {
+// connect is natstest.Connect reconnecting at once and forever, with a
+// JetStream whose async publishes time out as the outbox's tests expect.
+func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	nc, _ := natstest.Connect(t, url, append([]nats.Option{nats.Name(t.Name()), nats.Timeout(2 * time.Second),
-		nats.MaxReconnects(-1), nats.ReconnectWait(20 * time.Millisecond), nats.ReconnectJitter(0, 0)}, opts...)...)
+	nc, _ := natstest.Connect(t, url, nats.Name(t.Name()), nats.Timeout(2*time.Second),
+		nats.MaxReconnects(-1), nats.ReconnectWait(20*time.Millisecond), nats.ReconnectJitter(0, 0))
 	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(2*time.Second))
 	if err != nil {
 		t.Fatal(err)
@@ -195,89 +192,4 @@ func TestNATSRestartEveryEventOnce(t *testing.T) {
 			t.Errorf("lost{%s} = %v, want 0", r, n)
 		}
 	}
-}
-
-// TestReportAnsweredOnlyOnceStored stops NATS while clients admit (their
-// reserved events queued) and report (PublishNow, the same rounds) in a
-// closed loop, then starts it again: every report answered nil is in the
-// stream, once (a report answers only after its event is stored, and is
-// never retried by the outbox), reports fail while NATS is down, and
-// every queued event is stored in the end.
-func TestReportAnsweredOnlyOnceStored(t *testing.T) {
-	storeDir := t.TempDir()
-	s := natstest.Embedded(t, storeDir, -1)
-	port := s.Addr().(*net.TCPAddr).Port
-	t.Cleanup(func() { natstest.Stop(s) })
-	// Without a reconnect buffer, what is published while NATS is down is
-	// never stored, so a report answered before its event is stored shows.
-	nc, js := connect(t, s.ClientURL(), nats.ReconnectBufSize(-1))
-	cfg := natstest.Streams(t, js, "outbox", stream.Config{})
-	o, err := New(stream.NewPublisher(js, cfg), Options{
-		SpillDir: t.TempDir(), PublishTimeout: 500 * time.Millisecond, MaxBackoff: 100 * time.Millisecond,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-
-	var (
-		mu       sync.Mutex
-		answered = map[string]bool{} // reports answered nil
-		failed   int
-		seq      atomic.Int64
-		stop     = make(chan struct{})
-		wg       sync.WaitGroup
-	)
-	progress := func() (int, int) { mu.Lock(); defer mu.Unlock(); return len(answered), failed }
-	for range 8 {
-		wg.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				i := int(seq.Add(1))
-				o.Enqueue(reserved(i))
-				act := events.NewActual("svc", events.Actual{RequestID: fmt.Sprintf("r-%d", i), Tenant: "acme", User: "u-42", InputTokens: 1}, time.Now().UTC())
-				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-				err := o.PublishNow(ctx, []events.Event{act})
-				cancel()
-				mu.Lock()
-				if err == nil {
-					answered[act.ID] = true
-				} else {
-					failed++
-				}
-				mu.Unlock()
-				if err != nil {
-					time.Sleep(20 * time.Millisecond)
-				}
-			}
-		})
-	}
-	e2e.Eventually(t, "reports answered", func() bool { n, _ := progress(); return n >= 50 })
-	natstest.Stop(s)
-	e2e.Eventually(t, "reports failing during the outage", func() bool { _, f := progress(); return f >= 8 })
-	before, _ := progress()
-	s = natstest.Embedded(t, storeDir, port)
-	e2e.Eventually(t, "the client reconnected", nc.IsConnected)
-	e2e.Eventually(t, "reports answered again", func() bool { n, _ := progress(); return n >= before+50 })
-	close(stop)
-	wg.Wait()
-	closeOutbox(t, o, 10*time.Second)
-
-	ids := natstest.StreamEvents(t, js, cfg.Stream)
-	mu.Lock()
-	defer mu.Unlock()
-	for id := range answered {
-		if ids[id] != 1 {
-			t.Errorf("report %s answered as stored, stored %d times; want 1", id, ids[id])
-		}
-	}
-	for i := 1; i <= int(seq.Load()); i++ {
-		if id := reserved(i).ID; ids[id] == 0 {
-			t.Errorf("queued event %d not stored", i)
-		}
-	}
-	t.Logf("%d reports answered, %d failed, %d admits", len(answered), failed, seq.Load())
 }

@@ -37,17 +37,9 @@
 // instances are all stored, and a retried one still dedups.
 //
 // PublishNow, for callers that must know their events are stored (POST
-// /v1/usage), queues its events too, past the bound, and waits for their
-// round's result: a report rides in the same rounds, and so the same
-// messages, as the queued events (the stream's batches mix types), so
-// that a closed loop of reporting clients, whose reports a round can only
-// gather as many as there are clients, still costs NATS a message per
-// round of admits and reports together rather than one each. A round that
-// holds a report goes at most BatchWait after that report came (sooner
-// when the queue's own wait is shorter: a report that finds the outbox
-// idle goes at once); a report is answered with its round's result and
-// never retried by the outbox (its caller retries: event ids dedup), and
-// one whose caller has gone before its round is left out.
+// /v1/usage), goes through a stream.Batcher instead of the queue:
+// concurrent calls share a round, bounded by the same BatchSize and by
+// BatchWait, a fixed wait: each caller waits for it.
 //
 // Order is not preserved across a spill: consumers order snapshots by their
 // version, not by arrival.
@@ -91,11 +83,11 @@ type Options struct {
 	// events). Past it, events are lost and counted.
 	MaxSpillBytes int64
 	// BatchSize is the most events one publish round sends, of the queue
-	// and of PublishNow alike (default DefaultBatchSize).
+	// and of PublishNow alike (default stream.DefaultBatchMax).
 	BatchSize int
-	// BatchWait is the longest a round holding a report (PublishNow)
-	// waits for more events after that report came, when fewer than
-	// BatchSize are at hand (default DefaultBatchWait); negative: no wait.
+	// BatchWait is the longest a round of PublishNow waits for more
+	// events after its first, when fewer than BatchSize are at hand
+	// (default stream.DefaultBatchWait); negative: no wait.
 	BatchWait time.Duration
 	// QueueWait bounds the wait of a round of the queue for more events
 	// after its first, which adapts to the load below it (see the package
@@ -135,16 +127,6 @@ type Options struct {
 
 // Defaults of Options.
 const (
-	// DefaultBatchSize is the most events one publish round carries:
-	// enough that a round's fixed costs (a JetStream message and its ack,
-	// a goroutine wake-up) spread thin, few enough that a round's payload
-	// stays a few hundred KiB.
-	DefaultBatchSize = 256
-	// DefaultBatchWait is the longest a round waits for more after a
-	// report: about the time a round takes on a local server under load
-	// (bench/results.md, "Publishing in batches"), so the wait at most
-	// doubles a report's publish latency while several callers share it.
-	DefaultBatchWait      = time.Millisecond
 	DefaultMaxEvents      = 10000
 	DefaultMaxSpillBytes  = 1 << 30
 	DefaultPublishTimeout = 5 * time.Second
@@ -155,8 +137,8 @@ const (
 	// far below the accounter's catch-up goal of a second.
 	DefaultQueueWait = 50 * time.Millisecond
 	// firstQueueWait is a round's wait after the first round that shared
-	// its message: a report's, DefaultBatchWait.
-	firstQueueWait      = DefaultBatchWait
+	// its message: the group commit's default, stream.DefaultBatchWait.
+	firstQueueWait      = stream.DefaultBatchWait
 	DefaultSource       = "quotaflow/admission"
 	defaultSegmentBytes = 16 << 20
 	firstBackoff        = 50 * time.Millisecond
@@ -175,10 +157,10 @@ func (o Options) withDefaults() Options {
 		o.MaxSpillBytes = DefaultMaxSpillBytes
 	}
 	if o.BatchSize <= 0 {
-		o.BatchSize = DefaultBatchSize
+		o.BatchSize = stream.DefaultBatchMax
 	}
 	if o.BatchWait == 0 {
-		o.BatchWait = DefaultBatchWait
+		o.BatchWait = stream.DefaultBatchWait
 	}
 	if o.QueueWait == 0 {
 		o.QueueWait = DefaultQueueWait
@@ -216,6 +198,7 @@ func (o Options) withDefaults() Options {
 // Enqueue and Denied never block on NATS.
 type Outbox struct {
 	pub   Publisher // counts what the stream acknowledged
+	now   *stream.Batcher
 	opt   Options
 	log   *slog.Logger
 	queue *queue
@@ -234,8 +217,7 @@ type Outbox struct {
 	runCtx   context.Context
 	stopRun  context.CancelFunc
 	done     chan struct{} // the publisher goroutine exited
-	left     []queued
-	evs      []events.Event // the round being published (the publisher's, reused)
+	left     []events.Event
 	denyStop chan struct{}
 	denyDone chan struct{}
 
@@ -286,6 +268,9 @@ func New(pub Publisher, opt Options) (*Outbox, error) {
 	o.runCtx, o.stopRun = context.WithCancel(context.Background())
 	o.m = newMetrics(opt.Registerer, o)
 	o.pub = counted{pub: pub, m: o.m}
+	o.now = stream.NewBatcher(o.pub, stream.BatcherOptions{
+		MaxEvents: opt.BatchSize, MaxWait: opt.BatchWait, Timeout: opt.PublishTimeout, Observe: o.m.usage.observe,
+	})
 	if n := sp.bytes(); n > 0 {
 		o.log.Info("spilled events from an earlier run will be replayed", "bytes", n, "dir", opt.SpillDir)
 		o.spilling.Store(true)
@@ -325,59 +310,12 @@ func (o *Outbox) Denied(d events.Denied, at time.Time) {
 	o.Enqueue(events.NewDenied(o.opt.Source, d, at, origin))
 }
 
-// ErrClosed is PublishNow's error once Close has begun, and that of a
-// report still queued when Close ended.
-var ErrClosed = errors.New("outbox: closed")
-
 // PublishNow publishes evs synchronously (POST /v1/usage) and returns
 // nil once the stream has stored every one, else a *stream.BatchError
-// saying which failed, ctx's error, or ErrClosed. Its events join the
-// queue's rounds (see the package documentation); retrying the same
-// events is safe.
+// saying which failed, or ctx's error. It does not use the queue:
+// concurrent calls share a round of the outbox's stream.Batcher.
 func (o *Outbox) PublishNow(ctx context.Context, evs []events.Event) error {
-	if len(evs) == 0 {
-		return nil
-	}
-	r := &report{ctx: ctx, evs: evs, errs: make([]error, len(evs)), left: len(evs), done: make(chan struct{})}
-	o.closeMu.RLock()
-	if o.closed {
-		o.closeMu.RUnlock()
-		return ErrClosed
-	}
-	o.queue.pushReport(r, time.Now())
-	o.closeMu.RUnlock()
-	select {
-	case <-r.done:
-		return r.err()
-	case <-ctx.Done():
-		return fmt.Errorf("publish %d events: %w", len(evs), ctx.Err())
-	}
-}
-
-// report is a PublishNow call waiting for its events' results.
-type report struct {
-	ctx  context.Context
-	evs  []events.Event
-	errs []error       // errs[i] is evs[i]'s result, set by the publisher
-	left int           // events without a result (the publisher's)
-	done chan struct{} // closed when left reaches 0
-}
-
-// settle sets event i's result.
-func (r *report) settle(i int, err error) {
-	r.errs[i] = err
-	if r.left--; r.left == 0 {
-		close(r.done)
-	}
-}
-
-func (r *report) err() error {
-	for _, err := range r.errs {
-		if err != nil {
-			return &stream.BatchError{Errs: r.errs}
-		}
-	}
-	return nil
+	return o.now.Publish(ctx, evs)
 }
 
 // Pending returns the events waiting in memory and the bytes waiting in
@@ -413,6 +351,9 @@ func (o *Outbox) Close(ctx context.Context) error {
 	}
 	o.closed = true
 	o.closeMu.Unlock()
+	// The API has stopped: nothing calls PublishNow any more, and its
+	// callers have their answers.
+	o.now.Close(ctx)
 
 	close(o.denyStop)
 	<-o.denyDone
@@ -424,13 +365,9 @@ func (o *Outbox) Close(ctx context.Context) error {
 	<-o.done
 	o.stopRun()
 
-	left := o.queue.take(o.left, len(o.left)+o.queue.len())
-	for _, q := range left {
-		if q.rep != nil {
-			q.rep.settle(q.idx, ErrClosed) // not stored: its caller retries elsewhere
-			continue
-		}
-		o.spillEvent(q.ev)
+	left, _ := o.queue.take(o.left, nil, o.opt.MaxEvents+len(o.left))
+	for _, ev := range left {
+		o.spillEvent(ev)
 	}
 	if len(left) > 0 {
 		o.log.Warn("events not published before the shutdown deadline were spilled for the next start",
@@ -492,9 +429,10 @@ func (o *Outbox) lose(reason string, n int, err error) {
 func (o *Outbox) run() {
 	defer close(o.done)
 	var (
-		round      []queued
-		fresh      bool // round has not been published yet
-		waited     bool // round had some of its wait left (fill)
+		batch      []events.Event
+		arrived    []time.Time // when batch's events were queued, until its first publish
+		fresh      bool        // batch has not been published yet
+		waited     bool        // batch's round had some of its wait left (fill)
 		seg        *segmentReader
 		fromSpill  bool
 		backoff    time.Duration
@@ -510,21 +448,21 @@ func (o *Outbox) run() {
 				seg.close()
 				seg = nil
 				if fromSpill {
-					round = round[:0] // it stays on disk
+					batch = batch[:0] // it stays on disk
 				}
 			default:
 			}
 		}
-		if len(round) == 0 {
+		if len(batch) == 0 {
 			fromSpill = false
-			round, waited = o.take(round, !closing)
-			if len(round) == 0 && !closing {
-				round, seg = o.replay(round, seg)
-				fromSpill = len(round) > 0
+			batch, arrived, waited = o.take(batch, arrived[:0], !closing)
+			if len(batch) == 0 && !closing {
+				batch, seg = o.replay(batch, seg)
+				fromSpill = len(batch) > 0
 			}
 			fresh = true
 		}
-		if len(round) == 0 {
+		if len(batch) == 0 {
 			if closing {
 				return
 			}
@@ -542,31 +480,31 @@ func (o *Outbox) run() {
 				case <-closingSig:
 				}
 			}
-			round = o.queue.take(round, o.opt.BatchSize)
-			if len(round) > 0 {
-				if round[0].at.Sub(idle) > time.Duration(o.wait.Load()) {
+			batch, arrived = o.queue.take(batch, arrived[:0], o.opt.BatchSize)
+			if len(batch) > 0 {
+				if arrived[0].Sub(idle) > time.Duration(o.wait.Load()) {
 					o.wait.Store(0) // idle longer than a round's wait: fewer events than one a wait
 				}
-				round, waited = o.fill(round, closingSig)
+				batch, arrived, waited = o.fill(batch, arrived, closingSig)
 				fresh = true
 			}
 			continue
 		}
 
 		if fresh {
-			o.m.observe(round, time.Now())
+			o.m.outbox.observeSince(len(batch), arrived, time.Now())
 			if !fromSpill {
-				o.adapt(len(round), waited)
+				o.adapt(len(batch), waited)
 			}
 			fresh = false
 		}
-		o.inflight.Store(int64(len(round)))
+		o.inflight.Store(int64(len(batch)))
 		ctx, cancel := context.WithTimeout(o.runCtx, o.opt.PublishTimeout)
-		retry, err := o.publish(ctx, round)
+		retry, err := o.publish(ctx, batch)
 		cancel()
 		if len(retry) == 0 {
 			o.inflight.Store(0)
-			round = round[:0]
+			batch = batch[:0]
 			if backoff > 0 {
 				o.log.Info("publishing works again")
 				backoff = 0
@@ -574,8 +512,8 @@ func (o *Outbox) run() {
 			o.lastErr.Store("")
 			continue
 		}
-		round = retry
-		o.inflight.Store(int64(len(round)))
+		batch = retry
+		o.inflight.Store(int64(len(batch)))
 		o.m.failures.Inc()
 		o.lastErr.Store(err.Error())
 		if backoff == 0 {
@@ -585,9 +523,9 @@ func (o *Outbox) run() {
 			backoff = min(2*backoff, o.opt.MaxBackoff)
 		}
 		if o.runCtx.Err() != nil {
-			// Close's deadline passed: hand the round to Close.
+			// Close's deadline passed: hand the batch to Close.
 			if !fromSpill {
-				o.left = round
+				o.left = batch
 			}
 			o.inflight.Store(0)
 			return
@@ -602,15 +540,15 @@ func (o *Outbox) run() {
 	}
 }
 
-// take moves up to BatchSize queued events into round; when it found some
-// but fewer than BatchSize and mayWait, it waits for more as fill does,
-// and reports what fill does.
-func (o *Outbox) take(round []queued, mayWait bool) ([]queued, bool) {
-	round = o.queue.take(round, o.opt.BatchSize)
-	if len(round) == 0 || !mayWait {
-		return round, false
+// take moves up to BatchSize queued events into batch, and their arrival
+// times into arrived; when it found some but fewer than BatchSize and
+// mayWait, it waits for more as fill does, and reports what fill does.
+func (o *Outbox) take(batch []events.Event, arrived []time.Time, mayWait bool) ([]events.Event, []time.Time, bool) {
+	batch, arrived = o.queue.take(batch, arrived, o.opt.BatchSize)
+	if len(batch) == 0 || !mayWait {
+		return batch, arrived, false
 	}
-	return o.fill(round, o.closing)
+	return o.fill(batch, arrived, o.closing)
 }
 
 // adapt sets the wait of the queue's next round after a round of n
@@ -627,23 +565,22 @@ func (o *Outbox) adapt(n int, waited bool) {
 	}
 }
 
-// fill waits for more queued events until round holds BatchSize, it is
-// due (due), or stop is closed (Close: publish at once), then takes what
-// is queued. It sleeps meanwhile: the queue wakes it only once a full
-// round is there, or when a report comes, which may make it due sooner.
+// fill waits for more queued events until batch holds BatchSize, the
+// round's wait (adapt) has passed since its first event was queued, or
+// stop is closed (Close: publish at once), then takes what is queued. It
+// sleeps meanwhile: the queue wakes it only once a full batch is there.
 // It reports whether the round had any of its wait left (its first event
 // may have used it all while the previous round was published).
-func (o *Outbox) fill(round []queued, stop <-chan struct{}) ([]queued, bool) {
-	due := o.due(round[0].at.Add(time.Duration(o.wait.Load())), round)
-	wait := time.Until(due)
+func (o *Outbox) fill(batch []events.Event, arrived []time.Time, stop <-chan struct{}) ([]events.Event, []time.Time, bool) {
+	wait := time.Until(arrived[0].Add(time.Duration(o.wait.Load())))
 	if wait <= 0 {
-		return round, false
+		return batch, arrived, false
 	}
 	t := time.NewTimer(wait)
 	defer t.Stop()
-	for len(round) < o.opt.BatchSize {
+	for len(batch) < o.opt.BatchSize {
 		more := true
-		if !o.queue.arm(o.opt.BatchSize - len(round)) {
+		if !o.queue.arm(o.opt.BatchSize - len(batch)) {
 			select {
 			case <-o.queue.ready:
 			case <-t.C:
@@ -652,49 +589,29 @@ func (o *Outbox) fill(round []queued, stop <-chan struct{}) ([]queued, bool) {
 				more = false
 			}
 		}
-		n := len(round)
-		round = o.queue.take(round, o.opt.BatchSize)
+		batch, arrived = o.queue.take(batch, arrived, o.opt.BatchSize)
 		if !more {
 			break
 		}
-		if d := o.due(due, round[n:]); d.Before(due) {
-			due = d
-			t.Reset(time.Until(due))
-		}
 	}
-	return round, true
-}
-
-// due is when a round due at due (its first event's arrival and the
-// queue's wait) must go, given that it holds qs as well: no later than
-// BatchWait after the first report among them, whose caller is waiting.
-func (o *Outbox) due(due time.Time, qs []queued) time.Time {
-	for _, q := range qs {
-		if q.rep != nil {
-			if d := q.at.Add(max(o.opt.BatchWait, 0)); d.Before(due) {
-				return d
-			}
-			break
-		}
-	}
-	return due
+	return batch, arrived, true
 }
 
 // replay reads the next events of the oldest spill segment into batch.
-func (o *Outbox) replay(round []queued, seg *segmentReader) ([]queued, *segmentReader) {
+func (o *Outbox) replay(batch []events.Event, seg *segmentReader) ([]events.Event, *segmentReader) {
 	if seg == nil {
 		name, ok := o.spill.oldest()
 		if !ok {
 			if o.spilling.Swap(false) {
 				o.log.Info("spilled events replayed; the spill directory is empty")
 			}
-			return round, nil
+			return batch, nil
 		}
 		var err error
 		seg, err = o.spill.openSegment(name)
 		if err != nil {
 			o.log.Error("cannot read spill segment; leaving it", "segment", name, "err", err)
-			return round, nil
+			return batch, nil
 		}
 	}
 	evs, corrupt, err := seg.next(o.opt.BatchSize)
@@ -704,12 +621,9 @@ func (o *Outbox) replay(round []queued, seg *segmentReader) ([]queued, *segmentR
 	if err != nil {
 		o.log.Error("reading spill segment failed; retrying later", "segment", seg.name, "err", err)
 		seg.close()
-		return round, nil
+		return batch, nil
 	}
-	for _, ev := range evs {
-		round = append(round, queued{ev: ev})
-	}
-	return round, seg
+	return append(batch, evs...), seg
 }
 
 func (o *Outbox) finishSegment(seg *segmentReader) {
@@ -719,46 +633,29 @@ func (o *Outbox) finishSegment(seg *segmentReader) {
 	}
 }
 
-// publish sends round and returns what to retry (Enqueue's events that
-// failed but may succeed later) with the first error; invalid events are
-// dropped and counted. Each report gets its events' results, and never a
-// retry: its caller retries. A report whose caller has gone is left out.
-func (o *Outbox) publish(ctx context.Context, round []queued) ([]queued, error) {
-	sent, evs := round[:0], o.evs[:0]
-	for _, q := range round {
-		if q.rep != nil && q.rep.ctx.Err() != nil {
-			continue // its caller has returned: nobody to tell
-		}
-		sent, evs = append(sent, q), append(evs, q.ev)
-	}
-	defer func() {
-		clear(evs) // drop the references to the events until the next round
-		o.evs = evs[:0]
-	}()
-	if len(evs) == 0 {
+// publish sends batch and returns the events to retry (transient errors)
+// with the first error; invalid events are dropped and counted.
+func (o *Outbox) publish(ctx context.Context, batch []events.Event) ([]events.Event, error) {
+	err := o.pub.PublishBatch(ctx, batch)
+	if err == nil {
 		return nil, nil
 	}
-	err := o.pub.PublishBatch(ctx, evs)
 	var be *stream.BatchError
-	perEvent := errors.As(err, &be) && len(be.Errs) == len(evs)
-	var retry []queued
+	if !errors.As(err, &be) || len(be.Errs) != len(batch) {
+		return batch, err
+	}
+	var retry []events.Event
 	var first error
-	for i, q := range sent {
-		e := err
-		if perEvent {
-			e = be.Errs[i]
-		}
+	for i, e := range be.Errs {
 		switch {
-		case q.rep != nil:
-			q.rep.settle(q.idx, e)
 		case e == nil:
-		case perEvent && errors.Is(e, events.ErrInvalid):
+		case errors.Is(e, events.ErrInvalid):
 			o.lose("invalid", 1, e)
 		default:
 			if first == nil {
 				first = e
 			}
-			retry = append(retry, q)
+			retry = append(retry, batch[i])
 		}
 	}
 	return retry, first
@@ -838,8 +735,8 @@ type metrics struct {
 	lost      *prometheus.CounterVec
 	spilled   prometheus.Counter
 	failures  prometheus.Counter
-	outbox    rounds // every publish round; Enqueue's events' waits
-	usage     rounds // the reports (PublishNow) among them
+	outbox    rounds // the queue's publish rounds
+	usage     rounds // PublishNow's
 }
 
 // rounds reports one publisher's rounds: how many events each carried and
@@ -849,25 +746,21 @@ type rounds struct {
 	wait   prometheus.Observer
 }
 
-// observe reports a round starting at now: its events (outbox), the
-// reports' events among them (usage), and how long each event waited
-// since it was queued, by publisher (events replayed from the spill
-// directory have no wait of their own: theirs is the outage's).
-func (m *metrics) observe(round []queued, now time.Time) {
-	m.outbox.events.Observe(float64(len(round)))
-	reports := 0
-	for _, q := range round {
-		switch {
-		case q.at.IsZero():
-		case q.rep != nil:
-			reports++
-			m.usage.wait.Observe(now.Sub(q.at).Seconds())
-		default:
-			m.outbox.wait.Observe(now.Sub(q.at).Seconds())
-		}
+// observe is a stream.BatcherOptions.Observe.
+func (r rounds) observe(n int, waits []time.Duration) {
+	r.events.Observe(float64(n))
+	for _, w := range waits {
+		r.wait.Observe(w.Seconds())
 	}
-	if reports > 0 {
-		m.usage.events.Observe(float64(reports))
+}
+
+// observeSince reports a round of n events starting at now, of which those
+// queued at arrived waited since then (events replayed from the spill
+// directory have none: their wait is the outage's).
+func (r rounds) observeSince(n int, arrived []time.Time, now time.Time) {
+	r.events.Observe(float64(n))
+	for _, at := range arrived {
+		r.wait.Observe(now.Sub(at).Seconds())
 	}
 }
 
@@ -899,13 +792,13 @@ func newMetrics(reg prometheus.Registerer, o *Outbox) *metrics {
 	}
 	sizes := prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "quotaflow_admission_publish_batch_events",
-		Help: "Events per publish round, by publisher (outbox: every round, of reserved, denied, released and top-up events and reports alike; usage: the reported events of a round that carried some).",
+		Help: "Events per publish round, by publisher (outbox: the queue of reserved, denied, released and top-up events; usage: POST /v1/usage).",
 		// Up to the largest QF_EVENT_BATCH_MAX.
 		Buckets: prometheus.ExponentialBuckets(1, 2, 14),
 	}, []string{"publisher"})
 	waits := prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "quotaflow_admission_publish_wait_seconds",
-		Help: "How long an event waited from its hand-over to the start of its publish round, by publisher (outbox: enqueued; usage: reported through POST /v1/usage).",
+		Help: "How long an event waited from its hand-over (enqueued, or POST /v1/usage publishing) to the start of its publish round, by publisher.",
 		// 50 µs to 1.6 s: a round's wait (QF_EVENT_BATCH_WAIT, QF_OUTBOX_MAX_WAIT) is ms; longer is a backlog.
 		Buckets: prometheus.ExponentialBuckets(50e-6, 2, 16),
 	}, []string{"publisher"})

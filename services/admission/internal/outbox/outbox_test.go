@@ -405,161 +405,42 @@ func TestCloseEndsTheQueueWait(t *testing.T) {
 }
 
 // Concurrent PublishNow calls share rounds of at most BatchSize events,
-// reported under publisher="usage", and are counted as published: a
-// report that finds the outbox idle goes at once, the seven that come
-// while its round is held go in the next rounds, 4 and 3. (Fake time.)
+// reported under publisher="usage", and are counted as published.
 func TestPublishNowSharesRounds(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		pub := &gatedPublisher{fakePublisher: newFakePublisher(false), gate: make(chan struct{})}
-		reg := prometheus.NewRegistry()
-		o, err := New(pub, Options{SpillDir: t.TempDir(), BatchSize: 4, BatchWait: time.Minute, Registerer: reg})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer closeAtExit(t, o)
-		ctx := context.Background()
-		errs := make([]error, 8)
-		var wg sync.WaitGroup
-		wg.Go(func() { errs[0] = o.PublishNow(ctx, []events.Event{reserved(0)}) })
-		synctest.Wait() // its round is held
-		for i := 1; i < len(errs); i++ {
-			wg.Go(func() { errs[i] = o.PublishNow(ctx, []events.Event{reserved(i)}) })
-		}
-		synctest.Wait()
-		for range 3 {
-			pub.gate <- struct{}{}
-			synctest.Wait()
-		}
-		wg.Wait()
-		close(pub.gate)
-		for i, err := range errs {
-			if err != nil {
-				t.Errorf("PublishNow #%d = %v", i, err)
-			}
-		}
-		closeOutbox(t, o, 5*time.Second)
-		if got := pub.batchSizes(); !slices.Equal(got, []int{1, 4, 3}) {
-			t.Errorf("rounds carried %v events, want [1 4 3]", got)
-		}
-		if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "usage"); n != 3 || sum != 8 {
-			t.Errorf("batch_events{usage} count %d sum %v, want 3 and 8", n, sum)
-		}
-		if n, _ := histogram(t, reg, "quotaflow_admission_publish_wait_seconds", "usage"); n != 8 {
-			t.Errorf("wait_seconds{usage} count %d, want 8", n)
-		}
-		if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeReserved)); got != 8 {
-			t.Errorf("published{reserved} = %v, want 8", got)
-		}
-		if err := o.PublishNow(ctx, []events.Event{reserved(9)}); !errors.Is(err, ErrClosed) {
-			t.Errorf("PublishNow after Close = %v, want ErrClosed", err)
-		}
-	})
-}
-
-// report publishes ev through o.PublishNow and says whether ev was stored
-// by the time it returned.
-func (p *timedPublisher) report(o *Outbox, ev events.Event) (stored bool, err error) {
-	p.mu.Lock()
-	p.at[ev.ID] = time.Now()
-	p.mu.Unlock()
-	err = o.PublishNow(context.Background(), []events.Event{ev})
-	p.fakePublisher.mu.Lock()
-	defer p.fakePublisher.mu.Unlock()
-	return p.fakePublisher.stored[ev.ID] == 1, err
-}
-
-// Reports ride in the queue's rounds: a round holding queued events and
-// reports goes BatchWait after its first report, not at the end of the
-// queue's longer wait, carries both kinds in one PublishBatch, and each
-// report is answered only once its round is stored. (Fake time: QueueWait
-// 20 ms, reached under a load; BatchWait 2 ms; a round takes 2 ms.)
-func TestReportsJoinTheQueuesRounds(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		const bound, batchWait = 20 * time.Millisecond, 2 * time.Millisecond
-		pub := &timedPublisher{fakePublisher: newFakePublisher(false), d: 2 * time.Millisecond, at: map[string]time.Time{}}
-		reg := prometheus.NewRegistry()
-		o, err := New(pub, Options{SpillDir: t.TempDir(), QueueWait: bound, BatchWait: batchWait, Registerer: reg})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer closeAtExit(t, o)
-		next := 0
-		for ; time.Duration(o.wait.Load()) < bound && next < 1000; next++ { // the load raises the wait
-			pub.enqueue(o, reserved(next))
-			time.Sleep(time.Millisecond)
-		}
-		// The load's last round goes; the next events come before the
-		// publisher has been idle for a wait (which would reset it).
-		for i := 0; pub.count() != next && i < 100; i++ {
-			time.Sleep(time.Millisecond)
-			synctest.Wait()
-		}
-		if w := time.Duration(o.wait.Load()); w != bound || pub.count() != next {
-			t.Fatalf("after the load: wait %v, stored %d of %d; want %v and all", w, pub.count(), next, bound)
-		}
-		rounds := len(pub.batchSizes())
-
-		for range 3 {
-			pub.enqueue(o, reserved(next))
-			next++
-		}
-		time.Sleep(5 * time.Millisecond)
-		start := time.Now()
-		type answer struct {
-			err    error
-			stored bool
-		}
-		answers := make([]answer, 2)
-		var wg sync.WaitGroup
-		for i := range answers {
-			act := events.NewActual("svc", events.Actual{RequestID: fmt.Sprintf("r-%d", i), Tenant: "acme", User: "u-42", InputTokens: 1}, testNow)
-			wg.Go(func() { answers[i].stored, answers[i].err = pub.report(o, act) })
-		}
-		wg.Wait()
-		if took := time.Since(start); took != batchWait+pub.d {
-			t.Errorf("reports answered after %v, want %v (BatchWait, then the round)", took, batchWait+pub.d)
-		}
-		for i, a := range answers {
-			if a.err != nil || !a.stored {
-				t.Errorf("report %d: PublishNow = %v, stored when answered: %v; want nil and true", i, a.err, a.stored)
-			}
-		}
-		if got := pub.batchSizes()[rounds:]; !slices.Equal(got, []int{5}) {
-			t.Errorf("rounds after the load carried %v events, want [5] (3 queued and 2 reports together)", got)
-		}
-		if w := pub.waits[len(pub.waits)-5]; w != 5*time.Millisecond+batchWait {
-			t.Errorf("the first queued event waited %v for its round, want %v (the reports' wait, not the queue's %v)", w, 5*time.Millisecond+batchWait, bound)
-		}
-	})
-}
-
-// A report is answered with its round's result and never retried by the
-// outbox, whose queued events of the same round are: its caller gets the
-// error (and retries, ids dedup), while the queued event is stored once
-// publishing works again.
-func TestReportFailsToItsCaller(t *testing.T) {
-	pub := newFakePublisher(true)
-	o, err := New(pub, Options{SpillDir: t.TempDir(), MaxBackoff: 10 * time.Millisecond, Registerer: prometheus.NewRegistry()})
+	pub := newFakePublisher(false)
+	reg := prometheus.NewRegistry()
+	o, err := New(pub, Options{SpillDir: t.TempDir(), BatchSize: 4, BatchWait: time.Minute, Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer closeAtExit(t, o)
-	o.Enqueue(reserved(0))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	rep := reserved(1)
-	err = o.PublishNow(ctx, []events.Event{rep})
-	var be *stream.BatchError
-	if !errors.As(err, &be) || len(be.Errs) != 1 || be.Errs[0] == nil {
-		t.Fatalf("PublishNow while NATS is down = %v, want a *stream.BatchError for its event", err)
+	var wg sync.WaitGroup
+	errs := make([]error, 8)
+	for i := range errs {
+		wg.Go(func() { errs[i] = o.PublishNow(ctx, []events.Event{reserved(i)}) })
 	}
-	pub.setDown(false)
-	e2e.Eventually(t, "the queued event stored", func() bool { return pub.count() == 1 })
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("PublishNow #%d = %v", i, err)
+		}
+	}
 	closeOutbox(t, o, 5*time.Second)
-	pub.mu.Lock()
-	defer pub.mu.Unlock()
-	if pub.stored[reserved(0).ID] != 1 || pub.stored[rep.ID] != 0 {
-		t.Errorf("stored %v; want the queued event once and the failed report not at all", pub.stored)
+	if got := pub.batchSizes(); !slices.Equal(got, []int{4, 4}) {
+		t.Errorf("rounds carried %v events, want [4 4]", got)
+	}
+	if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "usage"); n != 2 || sum != 8 {
+		t.Errorf("batch_events{usage} count %d sum %v, want 2 and 8", n, sum)
+	}
+	if n, _ := histogram(t, reg, "quotaflow_admission_publish_wait_seconds", "usage"); n != 8 {
+		t.Errorf("wait_seconds{usage} count %d, want 8", n)
+	}
+	if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeReserved)); got != 8 {
+		t.Errorf("published{reserved} = %v, want 8", got)
+	}
+	if err := o.PublishNow(ctx, []events.Event{reserved(9)}); !errors.Is(err, stream.ErrBatcherClosed) {
+		t.Errorf("PublishNow after Close = %v, want stream.ErrBatcherClosed", err)
 	}
 }
 

@@ -29,12 +29,10 @@ type queue struct {
 }
 
 // queued is an event in the queue, with when it came, for the wait
-// metric and the round's wait, and the report waiting for it, if any.
+// metric.
 type queued struct {
-	ev  events.Event
-	at  time.Time // zero for an event replayed from the spill directory
-	rep *report   // the PublishNow call of ev (its event idx); nil for Enqueue's
-	idx int
+	ev events.Event
+	at time.Time
 }
 
 // keepCap is the capacity an empty queue keeps for reuse; a backlog's
@@ -53,37 +51,13 @@ func (q *queue) push(ev events.Event, at time.Time) bool {
 		q.mu.Unlock()
 		return false
 	}
-	q.add(queued{ev: ev, at: at})
-	q.unlockWaking(false)
-	return true
-}
-
-// pushReport adds r's events, queued at at, one after the other: past the
-// bound too, since each report has a caller waiting for it (so they are as
-// many as the requests in flight), and it wakes the publisher whatever it
-// armed for, since a report may shorten its round's wait (Outbox.due).
-func (q *queue) pushReport(r *report, at time.Time) {
-	q.mu.Lock()
-	for i, ev := range r.evs {
-		q.add(queued{ev: ev, at: at, rep: r, idx: i})
-	}
-	q.unlockWaking(true)
-}
-
-// add appends x; q.mu is held.
-func (q *queue) add(x queued) {
 	if q.head > 0 && len(q.evs) == cap(q.evs) { // move the queued to the front rather than grow
 		n := copy(q.evs, q.evs[q.head:])
 		clear(q.evs[n:])
 		q.evs, q.head = q.evs[:n], 0
 	}
-	q.evs = append(q.evs, x)
-}
-
-// unlockWaking releases q.mu and wakes the publisher when it armed a
-// wake-up for as many events as are queued now, or for any when always.
-func (q *queue) unlockWaking(always bool) {
-	wake := q.want > 0 && (always || len(q.evs)-q.head >= q.want)
+	q.evs = append(q.evs, queued{ev: ev, at: at})
+	wake := q.want > 0 && len(q.evs)-q.head >= q.want
 	if wake {
 		q.want = 0
 	}
@@ -94,6 +68,7 @@ func (q *queue) unlockWaking(always bool) {
 		default: // a wake-up is pending already
 		}
 	}
+	return true
 }
 
 // arm asks for a wake-up on ready once n events are queued (or the queue
@@ -113,14 +88,16 @@ func (q *queue) arm(n int) bool {
 	return false
 }
 
-// take moves the oldest queued events into round, until it holds limit
-// events or the queue is empty.
-func (q *queue) take(round []queued, limit int) []queued {
+// take moves the oldest events into batch, and their arrival times into
+// arrived, until batch holds limit events or the queue is empty.
+func (q *queue) take(batch []events.Event, arrived []time.Time, limit int) ([]events.Event, []time.Time) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	taken := q.evs[q.head:][:min(max(limit-len(round), 0), len(q.evs)-q.head)]
-	round = append(round, taken...)
-	clear(taken) // the round holds them now
+	taken := q.evs[q.head:][:min(max(limit-len(batch), 0), len(q.evs)-q.head)]
+	for _, x := range taken {
+		batch, arrived = append(batch, x.ev), append(arrived, x.at)
+	}
+	clear(taken) // the batch holds them now
 	q.head += len(taken)
 	if q.head == len(q.evs) {
 		q.evs, q.head = q.evs[:0], 0
@@ -128,7 +105,7 @@ func (q *queue) take(round []queued, limit int) []queued {
 			q.evs = nil
 		}
 	}
-	return round
+	return batch, arrived
 }
 
 // len is how many events are queued.

@@ -75,14 +75,14 @@ func TestQueueArmTake(t *testing.T) {
 		t.Fatal("push past the bound of 5 accepted")
 	}
 
-	round := q.take(nil, 2)
-	round = q.take(round, 4) // up to 4 in all: 2 more
-	if len(round) != 4 || q.len() != 1 {
-		t.Fatalf("take(2), take(to 4) = %d events, %d left; want 4, 1", len(round), q.len())
+	batch, arrived := q.take(nil, nil, 2)
+	batch, arrived = q.take(batch, arrived, 4) // up to 4 in all: 2 more
+	if len(batch) != 4 || len(arrived) != 4 || q.len() != 1 {
+		t.Fatalf("take(2), take(to 4) = %d events, %d times, %d left; want 4, 4, 1", len(batch), len(arrived), q.len())
 	}
-	for i, x := range round {
-		if x.ev.ID != reserved(i).ID || !x.at.Equal(testNow) {
-			t.Fatalf("round[%d] = %s at %v, want %s at %v (queue order)", i, x.ev.ID, x.at, reserved(i).ID, testNow)
+	for i, ev := range batch {
+		if ev.ID != reserved(i).ID {
+			t.Fatalf("batch[%d] = %s, want %s (queue order)", i, ev.ID, reserved(i).ID)
 		}
 	}
 
@@ -92,10 +92,10 @@ func TestQueueArmTake(t *testing.T) {
 			t.Fatalf("push %d with %d queued of 5 refused", i, q.len())
 		}
 	}
-	rest := q.take(nil, 10)
-	for i, x := range rest {
-		if want := reserved(4 + i).ID; x.ev.ID != want {
-			t.Fatalf("after reuse, event %d = %s, want %s", i, x.ev.ID, want)
+	rest, _ := q.take(nil, nil, 10)
+	for i, ev := range rest {
+		if want := reserved(4 + i).ID; ev.ID != want {
+			t.Fatalf("after reuse, event %d = %s, want %s", i, ev.ID, want)
 		}
 	}
 	if len(rest) != 5 || q.len() != 0 {
@@ -106,7 +106,7 @@ func TestQueueArmTake(t *testing.T) {
 	for i := range 2 * keepCap {
 		big.push(reserved(i), testNow)
 	}
-	if round := big.take(nil, 4*keepCap); len(round) != 2*keepCap || big.len() != 0 || big.evs != nil {
-		t.Errorf("take of a %d-event backlog = %d events, %d left, room for %d kept; want all, 0, none", 2*keepCap, len(round), big.len(), cap(big.evs))
+	if batch, _ := big.take(nil, nil, 4*keepCap); len(batch) != 2*keepCap || big.len() != 0 || big.evs != nil {
+		t.Errorf("take of a %d-event backlog = %d events, %d left, room for %d kept; want all, 0, none", 2*keepCap, len(batch), big.len(), cap(big.evs))
 	}
 }
