@@ -7,6 +7,7 @@ import (
 
 	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
 )
 
@@ -19,16 +20,7 @@ func TestCountedTenantWindowInOneStore(t *testing.T) {
 	tw := limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "tenant", Kind: policy.Fixed, Unit: policy.Requests, Limit: 3, Window: hour})
 	counted := []policy.Rule{tw}
 	mixed := []policy.Rule{tw, limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tokens", Kind: policy.Rolling, Limit: 1000, Window: hour})}
-	n := 0
-	for i := range 10 {
-		if limitstest.Reserve(t, l, tenant, "a", "a"+strconv.Itoa(i), 1, counted).Allowed {
-			n++
-		}
-		if limitstest.Reserve(t, l, tenant, "b", "b"+strconv.Itoa(i), 1, mixed).Allowed {
-			n++
-		}
-	}
-	if n != 3 {
+	if n := alternate(t, l, tenant, side{"a", "a", counted}, side{"b", "b", mixed}); n != 3 {
 		t.Fatalf("tenant window of 3 admitted %d", n)
 	}
 }
@@ -44,16 +36,28 @@ func TestCountedUserWindowInOneStore(t *testing.T) {
 	ep.Endpoint = "chat"
 	plain := []policy.Rule{pw}
 	chat := []policy.Rule{pw, ep}
-	n := 0
-	for i := range 10 {
-		if limitstest.Reserve(t, l, tenant, "u", "p"+strconv.Itoa(i), 1, plain).Allowed {
-			n++
-		}
-		if limitstest.Reserve(t, l, tenant, "u", "c"+strconv.Itoa(i), 1, chat).Allowed {
-			n++
-		}
-	}
-	if n != 3 {
+	if n := alternate(t, l, tenant, side{"u", "p", plain}, side{"u", "c", chat}); n != 3 {
 		t.Fatalf("user window of 3 admitted %d", n)
 	}
+}
+
+// side is one of the two kinds of request alternate sends: its user, its
+// request ids' prefix and its rules.
+type side struct {
+	user, prefix string
+	rules        []policy.Rule
+}
+
+// alternate reserves 1 ten times on each side in turn and returns how many
+// were allowed.
+func alternate(t *testing.T, l *limits.Limiter, tenant string, x, y side) int {
+	n := 0
+	for i := range 10 {
+		for _, s := range [2]side{x, y} {
+			if limitstest.Reserve(t, l, tenant, s.user, s.prefix+strconv.Itoa(i), 1, s.rules).Allowed {
+				n++
+			}
+		}
+	}
+	return n
 }
