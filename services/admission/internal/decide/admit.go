@@ -352,7 +352,10 @@ func (a *admission) subjectLayer(rules []policy.Rule, counted bool) (bool, error
 		a.spends[k].at += base
 	}
 	a.res.Local = true
-	if lost.Allowed = di < 0; lost.Allowed || lost.Nonce != 0 {
+	// A plan without records has nothing for a void to mark or undo:
+	// reserve.lua and count.lua read no record for it, so a void would
+	// only leave an unread key for a day.
+	if lost.Allowed = di < 0; (lost.Allowed || lost.Nonce != 0) && limits.KeepsRecord(rules) {
 		d.voids.add(lost)
 	}
 	if di >= 0 {

@@ -261,3 +261,33 @@ ip: [{name: ipr, kind: fixed, window: 24h, limit: 100}]
 		}
 	}
 }
+
+// A plan that keeps no record (fixed request windows alone) has nothing a
+// void could mark or undo, so a local decision queues none: each would only
+// leave an unread key in Redis for a day once it came back.
+func TestRecordlessPlanQueuesNoVoid(t *testing.T) {
+	s := redistest.Start(t)
+	c := faultClient(t, s)
+	if err := repair.WriteEpoch(context.Background(), c, "1"); err != nil {
+		t.Fatal(err)
+	}
+	pol := parsePolicy(t, `
+default_plan: free
+plans:
+  free:
+    rates: [{name: hour, kind: fixed, window: 1h, limit: 1000}]
+`, "")
+	d := newDecider(t, c, pol, faultOptions(), limits.Options{ClockOffset: midWindow(time.Hour)})
+	if r := admit(t, d, in("acme", "u", "/gen", 1)); !r.Allowed || r.Local {
+		t.Fatalf("Admit with Redis up = %+v, want allowed by Redis", r)
+	}
+	s.Stop()
+	for i := range 5 {
+		if r := admit(t, d, in("acme", "u", "/gen", 1)); !r.Local || !r.Allowed {
+			t.Fatalf("Admit %d with Redis down = %+v, want allowed locally", i, r)
+		}
+	}
+	if n := d.voids.pending(); n != 0 {
+		t.Fatalf("%d voids queued for a plan without records, want 0", n)
+	}
+}
