@@ -207,8 +207,22 @@ func KeepsRecord(rules []policy.Rule) bool { return wire.KeepsRecord(rules) }
 // Peek reports the subject's limits without changing anything. RequestID and
 // Cost are ignored.
 func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
-	r.RequestID = "-"
-	return l.subjectCall(ctx, &r, wire.ModePeek)
+	out := l.PeekBatch(ctx, []Request{r})
+	return out[0].Decision, out[0].Err
+}
+
+// PeekBatch reports the limits of every subject of rs as Peek does, in
+// the pipelined round trip and batched script calls of ReserveBatch,
+// without changing anything; the outcomes are in rs's order, and an
+// invalid request fails alone. RequestID and Cost are ignored. A reader of
+// many subjects' windows (the accounter's usage API) wants it.
+func (l *Limiter) PeekBatch(ctx context.Context, rs []Request) []Reserved {
+	ps := make([]Request, len(rs))
+	for i, r := range rs {
+		r.RequestID = "-"
+		ps[i] = r
+	}
+	return l.reserve(ctx, ps, wire.ModePeek)
 }
 
 func (l *Limiter) subjectCall(ctx context.Context, r *Request, mode int) (Decision, error) {

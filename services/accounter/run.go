@@ -67,19 +67,20 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return nil
 	}
 	store := ledger.New(pool)
-	console, err := startConsole(stack, cfg, log, history.NewReader(pool))
+	rdb, err := service.OpenRedis(stack, cfg.RedisURL, newRedisErrors(reg))
+	if err != nil {
+		return err
+	}
+	lim := limits.New(rdb, cfg.limitsOptions())
+	console, err := startConsole(stack, cfg, log, history.NewReader(pool, history.WindowsSource{Limiter: lim, Policy: watcher.Current}))
 	if err != nil {
 		return err
 	}
 	if h.console != nil {
 		h.console(console)
 	}
-	rdb, err := service.OpenRedis(stack, cfg.RedisURL, newRedisErrors(reg))
-	if err != nil {
-		return err
-	}
 	rep := repair.New(rdb, cfg.limitsOptions())
-	app := effects.New(limits.New(rdb, cfg.limitsOptions()), watcher.Current)
+	app := effects.New(lim, watcher.Current)
 	rb, err := rebuild.New(rep, rdb, watcher.Current, store, log, reg)
 	if err != nil {
 		return err

@@ -19,5 +19,7 @@ func Queries(from, to time.Time) []Query {
 		{"top", selectTopUsers, []any{"t7", from, to, DefaultLimit, 0}},
 		{"denials", selectDenials, []any{"t7", from, to, DefaultLimit, 0}},
 		{"tenants", selectTenants, []any{"", DefaultLimit}},
+		{"users", selectSubjects, []any{"t7", "", MaxLimit}},
+		{"users/after", selectSubjects, []any{"t7", "u1500", MaxLimit}},
 	}
 }

@@ -41,6 +41,8 @@ func NewHandler(o Options) *Handler {
 	h.mux.HandleFunc("GET /v1/usage/history", h.history)
 	h.mux.HandleFunc("GET /v1/usage/top", h.top)
 	h.mux.HandleFunc("GET /v1/usage/denials", h.denials)
+	h.mux.HandleFunc("GET /v1/usage/windows", h.windows)
+	h.mux.HandleFunc("GET /v1/usage/near", h.near)
 	h.mux.HandleFunc("GET /v1/alerts", h.alerts)
 	h.mux.HandleFunc("GET /v1/tenants", h.tenants)
 	h.mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
@@ -100,7 +102,8 @@ func (h *Handler) history(w http.ResponseWriter, r *http.Request) {
 }
 
 // fail answers err: 400 for a bad parameter, 403 for a tenant the token
-// may not read, 503 for alerts kept elsewhere, else 500 (logged; its text stays in the log).
+// may not read, 503 for alerts kept elsewhere or Redis unread (logged),
+// else 500 (logged; its text stays in the log).
 func (h *Handler) fail(w http.ResponseWriter, err error) {
 	var pe *ParamError
 	switch {
@@ -110,6 +113,9 @@ func (h *Handler) fail(w http.ResponseWriter, err error) {
 		problem(w, http.StatusForbidden, err.Error())
 	case errors.Is(err, ErrNoAlerts):
 		problem(w, http.StatusServiceUnavailable, err.Error())
+	case errors.Is(err, ErrRedis):
+		h.o.Log.Error("console read of Redis failed", "err", err)
+		problem(w, http.StatusServiceUnavailable, ErrRedis.Error()+"; try again")
 	default:
 		h.o.Log.Error("console query failed", "err", err)
 		problem(w, http.StatusInternalServerError, "the query failed; see the accounter's log")

@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +15,9 @@ import (
 
 	"quotaflow/internal/auth"
 	"quotaflow/internal/pgtest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/accounter/internal/history"
 	"quotaflow/services/accounter/internal/ledger"
 )
@@ -21,12 +25,15 @@ import (
 // day0 is the start of the tests' ledger: a UTC midnight.
 var day0 = time.Date(2026, 11, 2, 0, 0, 0, 0, time.UTC)
 
-// world is a ledger of its own behind the console's handler.
+// world is a ledger of its own behind the console's handler, and the
+// shared Redis under policy pol.
 type world struct {
 	t     *testing.T
 	pool  *pgxpool.Pool
 	store *ledger.Store
 	srv   *httptest.Server
+	lim   *limits.Limiter
+	pol   atomic.Pointer[policy.Policy]
 }
 
 // The tokens of the tests.
@@ -36,16 +43,23 @@ const (
 	gatewayToken = "tok-gateway" // every tenant, not admin: reads none
 )
 
-func newWorld(t *testing.T) *world {
+func newWorld(t *testing.T, tokens ...string) *world {
 	t.Helper()
 	pool := pgtest.Pool(t, "history", ledger.Migrate)
-	a, err := auth.New(auth.Options{Tokens: []string{adminToken + "#admin", acmeToken + "@acme#gateway", gatewayToken}})
+	a, err := auth.New(auth.Options{Tokens: append([]string{adminToken + "#admin", acmeToken + "@acme#gateway", gatewayToken}, tokens...)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(history.NewHandler(history.Options{Reader: history.NewReader(pool), Auth: a}))
-	t.Cleanup(srv.Close)
-	return &world{t: t, pool: pool, store: ledger.New(pool), srv: srv}
+	pol, err := policy.Parse([]byte("default_plan: free\nplans: {free: {}}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &world{t: t, pool: pool, store: ledger.New(pool), lim: limits.New(redistest.Shared(t), limits.Options{NoEpochGuard: true})}
+	w.pol.Store(pol)
+	rd := history.NewReader(pool, history.WindowsSource{Limiter: w.lim, Policy: w.pol.Load})
+	w.srv = httptest.NewServer(history.NewHandler(history.Options{Reader: rd, Auth: a}))
+	t.Cleanup(w.srv.Close)
+	return w
 }
 
 // request writes one request to the ledger as the accounter would: its

@@ -2,6 +2,7 @@ package history
 
 import (
 	"net/http"
+	"net/url"
 )
 
 // rangedPage authenticates r, and reads its tenant, range (rounded to
@@ -88,10 +89,7 @@ func (h *Handler) tenants(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	q := r.URL.Query()
-	p, err := ParsePage(q)
-	if err == nil && p.Offset != 0 {
-		err = &ParamError{"offset", "not a parameter of this list: page with after"}
-	}
+	p, err := afterPage(q)
 	if err != nil {
 		h.fail(w, err)
 		return
@@ -106,10 +104,58 @@ func (h *Handler) tenants(w http.ResponseWriter, r *http.Request) {
 	}{nonNil(ts)})
 }
 
+// afterPage reads the limit of a list paged by after, which takes no
+// offset.
+func afterPage(q url.Values) (Page, error) {
+	p, err := ParsePage(q)
+	if err == nil && p.Offset != 0 {
+		err = &ParamError{"offset", "not a parameter of this list: page with after"}
+	}
+	return p, err
+}
+
 // nonNil makes an empty list encode as [], not null.
 func nonNil[T any](s []T) []T {
 	if s == nil {
 		return []T{}
 	}
 	return s
+}
+
+// windows answers GET /v1/usage/windows?tenant=&user=.
+func (h *Handler) windows(w http.ResponseWriter, r *http.Request) {
+	t, ok := h.tenant(w, r)
+	if !ok {
+		return
+	}
+	sw, err := h.o.Reader.Windows(r.Context(), t, r.URL.Query().Get("user"))
+	if err != nil {
+		h.fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, sw)
+}
+
+// near answers GET /v1/usage/near?tenant=&threshold=&limit=&after=.
+func (h *Handler) near(w http.ResponseWriter, r *http.Request) {
+	t, ok := h.tenant(w, r)
+	if !ok {
+		return
+	}
+	q := r.URL.Query()
+	threshold, err := ParseThreshold(q)
+	var p Page
+	if err == nil {
+		p, err = afterPage(q)
+	}
+	if err != nil {
+		h.fail(w, err)
+		return
+	}
+	page, err := h.o.Reader.Near(r.Context(), t, threshold, q.Get("after"), p.Limit)
+	if err != nil {
+		h.fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, page)
 }

@@ -121,3 +121,12 @@ func ParsePage(q url.Values) (Page, error) {
 	}
 	return p, nil
 }
+
+// ParseThreshold reads threshold from q: a required percentage, 1 to 100.
+func ParseThreshold(q url.Values) (int, error) {
+	v, err := strconv.Atoi(q.Get("threshold"))
+	if err != nil || v < 1 || v > 100 {
+		return 0, &ParamError{"threshold", "want a percentage, 1 to 100"}
+	}
+	return v, nil
+}

@@ -12,11 +12,13 @@ import (
 // Reader runs the console's queries on the ledger. Create it with
 // NewReader; it is safe for concurrent use.
 type Reader struct {
-	pool *pgxpool.Pool
+	pool    *pgxpool.Pool
+	windows WindowsSource
 }
 
-// NewReader returns a Reader of the ledger in pool (migrated).
-func NewReader(pool *pgxpool.Pool) *Reader { return &Reader{pool: pool} }
+// NewReader returns a Reader of the ledger in pool (migrated) and of the
+// windows in w's Redis.
+func NewReader(pool *pgxpool.Pool, w WindowsSource) *Reader { return &Reader{pool: pool, windows: w} }
 
 // Point is one bucket of a history: Tokens is the actual cost of the
 // requests of the bucket, Requests how many of them admission admitted (a
