@@ -30,6 +30,9 @@ type Config struct {
 	SettleTimeout time.Duration
 	// RedisURL, PostgresURL and NATSURL are the shared local servers.
 	RedisURL, PostgresURL, NATSURL string
+	// visit, when set, runs once the summary is printed, while the
+	// services still run: TestDemo reads the console in a browser there.
+	visit func(*Report)
 }
 
 func defaultConfig() Config {

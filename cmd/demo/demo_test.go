@@ -16,7 +16,9 @@ import (
 
 // TestDemo runs the whole demo, shortened, against the real servers (run
 // `go tool task deps` first): the three services built and started as
-// processes, traffic, ledger and alerts checked, everything stopped.
+// processes, traffic, ledger and alerts checked, the web console's pages
+// checked in chromium against the ledger (checkConsole), everything
+// stopped.
 func TestDemo(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs the three services")
@@ -25,6 +27,10 @@ func TestDemo(t *testing.T) {
 	cfg.Duration = 8 * time.Second
 	cfg.Progress = 2 * time.Second
 	cfg.SettleTimeout = 30 * time.Second
+	// The console is read in chromium while the run's services are up.
+	cfg.visit = func(rep *Report) {
+		t.Run("console", func(t *testing.T) { checkConsole(t, cfg, rep) })
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	var out e2e.Buffer

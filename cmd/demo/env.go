@@ -31,7 +31,8 @@ type names struct {
 	prefix    string
 	database  string
 	token     string // admission's bearer token
-	console   string // the console's admin token (the accounter's only token)
+	console   string // the console's admin token
+	tenantC   string // a console token bound to tenants[0]: what a tenant sees
 	whSecret  string // "whsec_" + base64 key
 	endpoint  string
 	planName  string
@@ -54,6 +55,7 @@ func namesFor(run string) names {
 		database:  "qfdemo_" + run,
 		token:     "demo-" + e2e.RandomHex(16),
 		console:   "demo-console-" + e2e.RandomHex(16),
+		tenantC:   "demo-tenant-" + e2e.RandomHex(16),
 		llmTenant: "demo-" + run + "-llm",
 		llmKey:    "demo-llm-" + e2e.RandomHex(16),
 		endpoint:  "/v1/chat",
@@ -66,6 +68,12 @@ func namesFor(run string) names {
 		n.tenants = append(n.tenants, "demo-"+run+"-"+t)
 	}
 	return n
+}
+
+// consoleTokens is the accounter's QF_API_TOKENS: the admin's token and
+// the one bound to tenants[0].
+func (n names) consoleTokens() string {
+	return n.console + "#admin," + n.tenantC + "@" + n.tenants[0]
 }
 
 // policy is the demo plan: a 5 h token quota small enough that the heavier

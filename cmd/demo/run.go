@@ -20,6 +20,9 @@ import (
 type Report struct {
 	Run, Database   string
 	Console         string // the web console's URL (the accounter's QF_CONSOLE_ADDR)
+	ConsoleAdmin    string // the console's admin token
+	ConsoleTenant   string // a console token bound to Tenants[0]
+	Tenants         []string
 	Stats           *e2e.Stats
 	DeniedBy        map[string]int
 	Decisions       []e2e.Decision
@@ -43,7 +46,7 @@ type Report struct {
 // prints from its handler goroutines.
 func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	n := newNames()
-	rep := &Report{Run: n.run, Database: n.database}
+	rep := &Report{Run: n.run, Database: n.database, ConsoleAdmin: n.console, ConsoleTenant: n.tenantC, Tenants: n.tenants}
 	fmt.Fprintf(out, "quotaflow full demo, run %s\n", n.run)
 
 	root, err := e2e.ModuleRoot(ctx)
@@ -113,7 +116,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		// The accounter first: with the epoch guard on, admission decides
 		// locally until an accounter has marked the Redis.
 		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=" + n.durable, "QF_CONSOLE_ADDR=" + addr["console"],
-			"QF_API_TOKENS=" + n.console + "#admin"}},
+			"QF_API_TOKENS=" + n.consoleTokens()}},
 		{"alerter", []string{"QF_OPS_ADDR=" + addr["alerter"], "QF_WEBHOOKS_FILE=" + hooks,
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
 		{"admission", []string{"QF_OPS_ADDR=" + addr["admission"], "QF_ADMISSION_ADDR=" + addr["api"],
@@ -187,8 +190,12 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	printSummary(out, rep)
 	rep.Console = "http://" + addr["console"] + "/"
 	fmt.Fprintf(out, "web console %s  (sign in with the admin token %s)\n", rep.Console, n.console)
+	fmt.Fprintf(out, "  or with %s to see what tenant %s alone sees\n", n.tenantC, n.tenants[0])
 	if !cfg.Keep {
 		fmt.Fprintln(out, "  it stops with the demo now: -keep leaves it up")
+	}
+	if cfg.visit != nil {
+		cfg.visit(rep)
 	}
 
 	if cfg.Keep {

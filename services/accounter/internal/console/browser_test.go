@@ -13,7 +13,7 @@ import (
 // keyboard alone, every page drawn without a script error or a policy
 // violation, no request to another host, and the tables still there on a
 // phone-sized screen. What the pages show of real data is checked against
-// the ledger by cmd/demo's TestConsole.
+// the ledger by cmd/demo's TestDemo, on the demo's traffic.
 func TestBrowser(t *testing.T) {
 	srv, _ := newTestServer(t)
 	b := browser.Start(t)

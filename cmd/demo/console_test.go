@@ -1,0 +1,423 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/page"
+	"github.com/chromedp/chromedp"
+	"github.com/jackc/pgx/v5"
+
+	"quotaflow/internal/browser"
+	"quotaflow/internal/e2e"
+)
+
+// updateShots, set to 1, also writes the screenshots into docs/console,
+// where the README shows them; otherwise they go to the test's artifact
+// directory only (kept by `go test -artifacts`), and CI writes nothing
+// into the tree.
+const updateShots = "QF_UPDATE_SCREENSHOTS"
+
+// Screen sizes of the screenshots: a desktop's and a phone's.
+const (
+	desktopW, desktopH = 1280, 900
+	narrowW, narrowH   = 360, 740
+)
+
+// console drives the demo's console in chromium while its services run.
+type console struct {
+	t     *testing.T
+	ctx   context.Context // the browser's
+	b     *browser.Browser
+	base  string
+	db    *pgx.Conn // the run's ledger, read with this file's own SQL
+	shots []string  // directories the screenshots go to
+}
+
+// checkConsole signs in to the run's console with the admin token and
+// checks every page of two tenants against the ledger, read here with SQL
+// of its own (the rollups, the events, the alerter's outbox) rather than
+// the console's queries; then it signs in with the token bound to the
+// first tenant, which reaches no page and no API call of another tenant.
+// It saves a screenshot of each page (docs/console with QF_UPDATE_SCREENSHOTS=1).
+func checkConsole(t *testing.T, cfg Config, rep *Report) {
+	b := browser.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pgURL, err := databaseURL(cfg.PostgresURL, rep.Database)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := pgx.Connect(ctx, pgURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close(context.Background()) })
+	c := &console{t: t, ctx: b.Ctx, b: b, base: strings.TrimSuffix(rep.Console, "/"), db: db, shots: []string{t.ArtifactDir()}}
+	if os.Getenv(updateShots) == "1" {
+		root, err := e2e.ModuleRoot(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.shots = append(c.shots, filepath.Join(root, "docs", "console"))
+	}
+	c.do(chromedp.EmulateViewport(desktopW, desktopH))
+
+	c.signIn(rep.ConsoleAdmin, "#tenants")
+	shown := c.texts("#tenants a")
+	if want := c.column(`SELECT DISTINCT tenant FROM usage_rollups ORDER BY tenant`); !slices.Equal(shown, want) {
+		t.Errorf("the tenants page lists %q, want the ledger's tenants %q", shown, want)
+	}
+	c.shot("tenants")
+
+	tenants := rep.Tenants[:2] // both have a hammering script, so denials
+	for i, tn := range tenants {
+		c.checkUsers(tn)
+		c.checkUsage(tn, "")
+		c.checkUsage(tn, "heavy")
+		c.checkTop(tn)
+		c.checkDenials(tn)
+		c.checkAlerts(tn)
+		if i == 0 {
+			for _, p := range []string{"users", "usage", "top", "denials", "alerts"} {
+				c.open(pagePath(tn, p), "main h1")
+				c.shot(p)
+			}
+		}
+	}
+	// A phone's width: the top users' table scrolls inside its region.
+	c.do(chromedp.EmulateViewport(narrowW, narrowH))
+	c.open(pagePath(tenants[0], "top"), "#top")
+	c.shot("top-narrow")
+	c.do(chromedp.EmulateViewport(desktopW, desktopH))
+
+	if errs := b.Errors(); len(errs) > 0 {
+		t.Errorf("the pages logged errors: %q", errs)
+	}
+	if f := b.Foreign(); len(f) > 0 {
+		t.Errorf("requests left the loopback: %q", f)
+	}
+
+	c.checkTenantToken(rep.ConsoleTenant, tenants[0], rep.Tenants[1:])
+}
+
+// pagePath is the path of a tenant's page (users, usage, top, denials,
+// alerts).
+func pagePath(tenant, p string) string {
+	if p == "users" {
+		return "/tenants/" + tenant
+	}
+	return "/tenants/" + tenant + "/" + p
+}
+
+func (c *console) do(as ...chromedp.Action[chromedp.Void]) {
+	c.t.Helper()
+	if err := chromedp.Do(c.ctx, as...); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// open loads path and waits until sel is visible.
+func (c *console) open(path, sel string) {
+	c.t.Helper()
+	if err := chromedp.Do(c.ctx, chromedp.Navigate(c.base+path), chromedp.WaitVisible(sel)); err != nil {
+		c.t.Fatalf("%s: waiting for %s: %v", path, sel, err)
+	}
+}
+
+// signIn enters tok in the sign-in form and waits for sel on the page the
+// console then shows.
+func (c *console) signIn(tok, sel string) {
+	c.t.Helper()
+	c.open("/signin", "#token")
+	if err := chromedp.Do(c.ctx, chromedp.SendKeys("#token", tok), chromedp.Submit("#token"), chromedp.WaitVisible(sel)); err != nil {
+		c.t.Fatalf("sign in: waiting for %s: %v", sel, err)
+	}
+}
+
+// eval evaluates a JavaScript expression in the page.
+func eval[T any](c *console, js string, opts ...chromedp.EvaluateOption) T {
+	c.t.Helper()
+	v, err := chromedp.Run(c.ctx, chromedp.Evaluate[T](js, opts...))
+	if err != nil {
+		c.t.Fatalf("%s: %v", js, err)
+	}
+	return v
+}
+
+// texts returns the text of every element sel matches.
+func (c *console) texts(sel string) []string {
+	c.t.Helper()
+	return eval[[]string](c, fmt.Sprintf(`Array.from(document.querySelectorAll(%q), e => e.textContent.trim())`, sel))
+}
+
+// cells returns the text of the cells of every row sel matches.
+func (c *console) cells(sel string) [][]string {
+	c.t.Helper()
+	return eval[[][]string](c, fmt.Sprintf(`Array.from(document.querySelectorAll(%q), tr => Array.from(tr.querySelectorAll("th, td"), e => e.textContent.trim()))`, sel))
+}
+
+// num parses a number a page shows.
+func (c *console) num(s string) int64 {
+	c.t.Helper()
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		c.t.Fatalf("a page shows %q where a number belongs", s)
+	}
+	return n
+}
+
+// column reads the first column of a query's rows as text.
+func (c *console) column(sql string, args ...any) []string {
+	c.t.Helper()
+	rows, err := c.db.Query(context.Background(), sql, args...)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return out
+}
+
+// totals is tokens and requests.
+type totals [2]int64
+
+// usersInLedger returns each user's tokens and admitted requests in the
+// tenant's rollups.
+func (c *console) usersInLedger(tenant string) map[string]totals {
+	c.t.Helper()
+	rows, err := c.db.Query(context.Background(),
+		`SELECT user_id, sum(tokens)::bigint, sum(requests)::bigint FROM usage_rollups WHERE tenant = $1 GROUP BY user_id`, tenant)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	out := map[string]totals{}
+	var u string
+	var tot totals
+	if _, err := pgx.ForEachRow(rows, []any{&u, &tot[0], &tot[1]}, func() error {
+		out[u] = tot
+		return nil
+	}); err != nil {
+		c.t.Fatal(err)
+	}
+	return out
+}
+
+// checkUsers: the users page says the windows are not available (the
+// console reads no Redis windows yet).
+func (c *console) checkUsers(tenant string) {
+	c.t.Helper()
+	c.open(pagePath(tenant, "users"), "#no-windows")
+}
+
+// checkUsage compares the usage page's table (24 hours) and its chart's
+// points with the ledger's rollups of the tenant, or of one user.
+func (c *console) checkUsage(tenant, user string) {
+	c.t.Helper()
+	path := pagePath(tenant, "usage")
+	if user != "" {
+		path += "?user=" + user
+	}
+	c.open(path, "#chart canvas")
+	var shown totals
+	rows := c.cells("#usage tbody tr")
+	if len(rows) != 24 {
+		c.t.Fatalf("%s: %d rows, want one per hour of the last 24 hours: %q", path, len(rows), rows)
+	}
+	var table [][3]int64
+	for _, r := range rows {
+		tok, req := c.num(r[1]), c.num(r[2])
+		shown[0] += tok
+		shown[1] += req
+		table = append(table, [3]int64{0, tok, req})
+	}
+	chart := eval[[][]int64](c, `JSON.parse(document.getElementById("chart").dataset.points)`)
+	if len(chart) != 3 || len(chart[0]) != len(table) {
+		c.t.Fatalf("%s: the chart's points %v, want the table's %d rows", path, chart, len(table))
+	}
+	for i, r := range table {
+		if chart[1][i] != r[1] || chart[2][i] != r[2] {
+			c.t.Errorf("%s: the chart's point %d is %d tokens, %d requests; the table's %d, %d", path, i, chart[1][i], chart[2][i], r[1], r[2])
+		}
+	}
+	var want totals
+	for u, tot := range c.usersInLedger(tenant) {
+		if user == "" || u == user {
+			want[0] += tot[0]
+			want[1] += tot[1]
+		}
+	}
+	if want[0] == 0 {
+		c.t.Fatalf("%s: the ledger holds no tokens: nothing to compare", path)
+	}
+	if shown != want {
+		c.t.Errorf("%s: the last 24 hours add up to %d tokens, %d requests; the ledger's rollups %d, %d", path, shown[0], shown[1], want[0], want[1])
+	}
+}
+
+// checkTop compares the top users page with each user's rollups.
+func (c *console) checkTop(tenant string) {
+	c.t.Helper()
+	path := pagePath(tenant, "top")
+	c.open(path, "#top")
+	shown := map[string]totals{}
+	var order []int64
+	for _, r := range c.cells("#top tbody tr[data-user]") {
+		shown[r[1]] = totals{c.num(r[2]), c.num(r[3])}
+		order = append(order, c.num(r[2]))
+	}
+	if want := c.usersInLedger(tenant); fmt.Sprint(shown) != fmt.Sprint(want) {
+		c.t.Errorf("%s shows %v, the ledger's rollups %v (user: tokens, requests)", path, shown, want)
+	}
+	if !slices.IsSortedFunc(order, func(a, b int64) int { return int(b - a) }) {
+		c.t.Errorf("%s: tokens %v, want the most first", path, order)
+	}
+}
+
+// checkDenials compares the denials page with the denied events in the
+// ledger, by the limit (scope and name) that denied them.
+func (c *console) checkDenials(tenant string) {
+	c.t.Helper()
+	path := pagePath(tenant, "denials")
+	c.open(path, "#denials")
+	shown := map[string]int64{}
+	for _, r := range c.cells("#denials tbody tr[data-limit]") {
+		shown[r[0]] = c.num(r[1])
+	}
+	rows, err := c.db.Query(context.Background(), `
+SELECT e->'data'->>'scope', e->'data'->>'name', (e->'data'->>'count')::bigint
+FROM (SELECT convert_from(event, 'UTF8')::jsonb AS e FROM usage_events
+    WHERE tenant = $1 AND type = 'quotaflow.usage.denied') d`, tenant)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	want := map[string]int64{}
+	var scope, name string
+	var n int64
+	if _, err := pgx.ForEachRow(rows, []any{&scope, &name, &n}, func() error {
+		want[scope+" "+name] += n
+		return nil
+	}); err != nil {
+		c.t.Fatal(err)
+	}
+	if len(want) == 0 {
+		c.t.Errorf("%s: no denied event in the ledger: the hammering script should be denied", path)
+	}
+	if fmt.Sprint(shown) != fmt.Sprint(want) {
+		c.t.Errorf("%s shows %v, the ledger's denied events %v", path, shown, want)
+	}
+}
+
+// checkAlerts compares the recent alerts page with the alerter's outbox
+// (each alert once, whatever the webhooks it went to). The alerter may
+// still raise one (a spike's end), so the outbox is read before and after
+// the page, which must show one of the two.
+func (c *console) checkAlerts(tenant string) {
+	c.t.Helper()
+	path := pagePath(tenant, "alerts")
+	before := c.outbox(tenant)
+	c.open(path, "#alerts")
+	var shown []string
+	for _, r := range c.cells("#alerts tbody tr") {
+		if len(r) == 5 { // not the "No alerts yet." row
+			shown = append(shown, strings.Join(r[1:], " | "))
+		}
+	}
+	slices.Sort(shown)
+	after := c.outbox(tenant)
+	if len(after) > alertsShown {
+		c.t.Fatalf("%s: the outbox has %d alerts, more than the page shows: the demo should raise fewer", path, len(after))
+	}
+	if !slices.Equal(shown, before) && !slices.Equal(shown, after) {
+		c.t.Errorf("%s shows\n%q\nthe alerter's outbox holds\n%q", path, shown, after)
+	}
+}
+
+// outbox returns the tenant's alerts in the alerter's outbox, sorted, each
+// as "user | kind | limit | threshold" (the page's columns after At).
+func (c *console) outbox(tenant string) []string {
+	c.t.Helper()
+	as := c.column(`
+SELECT concat(a->'data'->>'user', ' | ', kind, ' | ', a->'data'->>'limit_name', ' | ', (a->'data'->>'threshold') || '%')
+FROM (SELECT DISTINCT ON (alert_id) kind, convert_from(payload, 'UTF8')::jsonb AS a
+    FROM webhook_outbox WHERE tenant = $1 ORDER BY alert_id) o`, tenant)
+	slices.Sort(as)
+	return as
+}
+
+// alertsShown is how many alerts the alerts page lists at most.
+const alertsShown = 50
+
+// checkTenantToken signs out, signs in with tok (bound to own) and checks
+// that it lands on own's users, that every page of the others answers 404
+// without their data, and that the history API refuses them (403) while
+// answering for own.
+func (c *console) checkTenantToken(tok, own string, others []string) {
+	c.t.Helper()
+	if err := chromedp.Do(c.ctx, chromedp.Click(".signout button"), chromedp.WaitVisible("#token")); err != nil {
+		c.t.Fatalf("sign out: %v", err)
+	}
+	c.signIn(tok, "nav.tabs") // a tenant page: not the sign-in form still
+	if loc, err := chromedp.Run(c.ctx, chromedp.Location()); err != nil || loc != c.base+pagePath(own, "users") {
+		c.t.Errorf("the tenant's token lands on %q (%v), want its users page", loc, err)
+	}
+	for _, other := range others {
+		for _, p := range []string{"users", "usage", "top", "denials", "alerts"} {
+			path := pagePath(other, p)
+			resp, err := chromedp.Run(c.ctx, chromedp.NavigateResponse(c.base+path))
+			if err != nil {
+				c.t.Fatal(err)
+			}
+			body := eval[string](c, `document.body.innerText`)
+			if resp.Status != 404 || strings.Contains(body, other) || eval[bool](c, `document.querySelector("table") !== null`) {
+				c.t.Errorf("%s as %s's token = %d, want 404 without its data:\n%s", path, own, resp.Status, body)
+			}
+		}
+	}
+	to := time.Now().UTC().Add(time.Hour).Format(time.RFC3339)
+	from := time.Now().UTC().Add(-time.Hour).Format(time.RFC3339)
+	api := func(tenant string) int {
+		c.t.Helper()
+		return eval[int](c, fmt.Sprintf(`fetch("/v1/usage/top?tenant=%s&from=%s&to=%s").then(r => r.status)`, tenant, from, to), chromedp.EvalAwaitPromise)
+	}
+	if code := api(own); code != 200 {
+		c.t.Errorf("GET /v1/usage/top?tenant=%s with its own token's cookie = %d, want 200", own, code)
+	}
+	for _, other := range others {
+		if code := api(other); code != 403 {
+			c.t.Errorf("GET /v1/usage/top?tenant=%s with %s's token's cookie = %d, want 403", other, own, code)
+		}
+	}
+}
+
+// shot saves a PNG of the page, cropped to its content (down to the end
+// of main), in every directory of c.shots.
+func (c *console) shot(name string) {
+	c.t.Helper()
+	box := eval[[]float64](c, `[document.documentElement.clientWidth, Math.ceil(document.querySelector("main").getBoundingClientRect().bottom + window.scrollY)]`)
+	t := true
+	shot, err := chromedp.Call(c.ctx, page.CaptureScreenshot, page.CaptureScreenshotParams{
+		Clip:                  &page.Viewport{Width: box[0], Height: box[1], Scale: 1},
+		CaptureBeyondViewport: &t, FromSurface: &t,
+	})
+	if err != nil {
+		c.t.Fatalf("screenshot of %s: %v", name, err)
+	}
+	for _, dir := range c.shots {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			c.t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, name+".png"), shot.Data, 0o644); err != nil {
+			c.t.Fatal(err)
+		}
+	}
+}
