@@ -12,9 +12,9 @@ import (
 )
 
 // TestConsole signs in on the accounter's real console listener and reads
-// its pages: the top users' numbers are the ledger's, users' windows say
-// they are not available (no reader of Redis windows yet), and a tenant's
-// token neither sees nor reaches another tenant's pages.
+// its pages: the top users' numbers are the ledger's, the users' windows
+// Redis's, the near page holds the one window over its threshold, and a
+// tenant's token neither sees nor reaches another tenant's pages.
 func TestConsole(t *testing.T) {
 	e := newEnv(t)
 	e.initialised(t)
@@ -47,10 +47,29 @@ func TestConsole(t *testing.T) {
 	if strings.Contains(body, "gina") {
 		t.Error("acme's top shows globex's user")
 	}
-	if code, body := get(t, acme, base+"/tenants/acme"); code != 200 || !strings.Contains(body, `id="no-windows"`) {
-		t.Errorf("acme's users = %d, want 200 saying the windows are not available:\n%s", code, body)
+	// The users page shows each user's windows as Redis holds them.
+	e.reserve("acme", "bob", "big", 95000, false) // bob's 5h at 95 %: near 90
+	code, body = get(t, acme, base+"/tenants/acme")
+	if code != 200 {
+		t.Fatalf("acme's users = %d", code)
 	}
-	for _, path := range []string{"/tenants/globex", "/tenants/globex/top", "/tenants/globex/usage", "/tenants/globex/denials", "/tenants/globex/alerts"} {
+	for _, u := range []string{"alice", "bob"} {
+		for _, l := range []string{"5h", "30d"} {
+			used := e.used("acme", u, l)
+			row := regexp.MustCompile(`(?s)data-user="` + u + `" data-limit="user ` + l + `">.*?class="num used">(\d+)<.*?class="num remaining">(\d+)<`).FindStringSubmatch(body)
+			if row == nil || row[1] != fmt.Sprint(used) || row[2] != fmt.Sprint(limitOf(t, e, l)-used) {
+				t.Errorf("users page: %s's %s = %v, want used %d (Redis's), remaining %d", u, l, row, used, limitOf(t, e, l)-used)
+			}
+		}
+	}
+	if strings.Contains(body, "gina") {
+		t.Error("acme's users show globex's user")
+	}
+	code, body = get(t, acme, base+"/tenants/acme/near?threshold=90")
+	if code != 200 || !strings.Contains(body, `data-user="bob" data-limit="user 5h"`) || strings.Contains(body, `data-user="alice"`) || strings.Contains(body, `data-limit="user 30d"`) {
+		t.Errorf("acme's users near 90 %% = %d, want bob's 5h alone:\n%s", code, body)
+	}
+	for _, path := range []string{"/tenants/globex", "/tenants/globex/near", "/tenants/globex/top", "/tenants/globex/usage", "/tenants/globex/denials", "/tenants/globex/alerts"} {
 		if code, body := get(t, acme, base+path); code != 404 || strings.Contains(body, "gina") {
 			t.Errorf("acme's token GET %s = %d, want 404 without globex's data", path, code)
 		}
@@ -65,6 +84,18 @@ func TestConsole(t *testing.T) {
 	if code, body := get(t, admin, base+"/tenants/globex/top"); code != 200 || !strings.Contains(body, "gina") {
 		t.Errorf("admin's globex top = %d, want gina:\n%s", code, body)
 	}
+}
+
+// limitOf is the limit of the policy's free plan named name.
+func limitOf(t *testing.T, e *env, name string) int64 {
+	t.Helper()
+	for _, r := range e.rules("acme") {
+		if r.Name == name {
+			return r.Limit.Limit
+		}
+	}
+	t.Fatalf("no limit %s", name)
+	return 0
 }
 
 // signIn posts tok to the console's sign-in form and returns a client

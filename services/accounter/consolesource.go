@@ -9,8 +9,8 @@ import (
 	"quotaflow/services/accounter/internal/history"
 )
 
-// consoleSource reads the console's pages from the ledger through the
-// history package: every call checks its tenant again against the
+// consoleSource reads the console's pages from the ledger and the users'
+// windows from Redis through the history package: every call checks its tenant again against the
 // signed-in principal the console puts in ctx (history's one scoping
 // check), so a page cannot read a tenant its token may not.
 type consoleSource struct {
@@ -37,13 +37,45 @@ func (s consoleSource) Tenants(ctx context.Context) ([]string, error) {
 	return s.rd.Tenants(ctx, history.ViewerOf(p), "", history.MaxLimit)
 }
 
-// Users has no source yet: the users' windows live in Redis and the
-// history package reads only the ledger.
-func (s consoleSource) Users(ctx context.Context, tenant string) ([]console.User, error) {
-	if _, err := s.tenant(ctx, tenant); err != nil {
-		return nil, err
+// usersPerPage is how many users a page of the console reads: their
+// windows are one pipelined Redis round trip.
+const usersPerPage = history.DefaultLimit
+
+func (s consoleSource) Users(ctx context.Context, tenant, after string) (console.Subjects, error) {
+	t, err := s.tenant(ctx, tenant)
+	if err != nil {
+		return console.Subjects{}, err
 	}
-	return nil, console.ErrNotAvailable
+	page, err := s.rd.Users(ctx, t, after, usersPerPage)
+	return subjectsOf(page), err
+}
+
+func (s consoleSource) Near(ctx context.Context, tenant string, threshold int, after string) (console.Subjects, error) {
+	t, err := s.tenant(ctx, tenant)
+	if err != nil {
+		return console.Subjects{}, err
+	}
+	page, err := s.rd.Near(ctx, t, threshold, after, usersPerPage)
+	return subjectsOf(page), err
+}
+
+func subjectsOf(p history.SubjectsPage) console.Subjects {
+	out := console.Subjects{Tenant: windowsOf(p.Tenant), Next: p.Next}
+	for _, u := range p.Users {
+		out.Users = append(out.Users, console.User{User: u.User, Windows: windowsOf(u.Windows)})
+	}
+	return out
+}
+
+func windowsOf(ws []history.Window) []console.Window {
+	out := make([]console.Window, len(ws))
+	for i, w := range ws {
+		out[i] = console.Window{Name: string(w.Scope) + " " + w.Name, Limit: w.Limit, Used: w.Used, Remaining: w.Remaining}
+		if w.Reset != nil {
+			out[i].Reset = *w.Reset
+		}
+	}
+	return out
 }
 
 func (s consoleSource) History(ctx context.Context, tenant, user string, from, to time.Time, step console.Step) ([]console.Point, error) {

@@ -1,10 +1,12 @@
 package console
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/chromedp/chromedp"
+	"github.com/chromedp/chromedp/kb"
 
 	"quotaflow/internal/browser"
 )
@@ -62,16 +64,32 @@ func TestBrowser(t *testing.T) {
 		}
 		links = append(links, h)
 	}
-	for _, p := range []string{"/tenants/a", "/tenants/a/usage", "/tenants/a/top", "/tenants/a/denials", "/tenants/a/alerts"} {
+	for _, p := range []string{"/tenants/a", "/tenants/a/near", "/tenants/a/usage", "/tenants/a/top", "/tenants/a/denials", "/tenants/a/alerts"} {
 		if !strings.Contains(strings.Join(links, " ")+" ", p+" ") {
 			t.Errorf("tabbing from the users page reached %v, not %s", links, p)
 		}
 	}
 
-	for _, p := range []string{"/tenants/a", "/tenants/a/usage", "/tenants/a/top", "/tenants/a/denials", "/tenants/a/alerts"} {
+	for _, p := range []string{"/tenants/a", "/tenants/a/near", "/tenants/a/usage", "/tenants/a/top", "/tenants/a/denials", "/tenants/a/alerts"} {
 		if err := chromedp.Do(ctx, chromedp.Navigate(srv.URL+p), chromedp.WaitVisible("table")); err != nil {
 			t.Fatalf("%s: %v", p, err)
 		}
+	}
+	// The windows as drawn: the source's numbers, each in its column.
+	if err := chromedp.Do(ctx, chromedp.Navigate(srv.URL+"/tenants/a"), chromedp.WaitVisible("#users")); err != nil {
+		t.Fatal(err)
+	}
+	cells, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("#tenant-windows td, #users td")].map(td => td.innerText)`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "[900 1000 100 1970-01-03 00:00:00Z user quota 7 10 3 — user requests-per-day-of-v1-chat-completions 1 100 99 1970-01-02 00:00:00Z]"; fmt.Sprint(cells) != want {
+		t.Errorf("the users page shows %q, want %s", cells, want)
+	}
+	// The near page's threshold, typed and submitted by keyboard.
+	if err := chromedp.Do(ctx, chromedp.Navigate(srv.URL+"/tenants/a/near"), chromedp.WaitVisible("#threshold"), chromedp.Focus("#threshold"),
+		chromedp.KeyEvent(kb.End+"\b\b95\r"), chromedp.WaitVisible(`tr[data-user="a-user-near95"]`)); err != nil {
+		t.Fatalf("near page by keyboard: %v", err)
 	}
 	if err := chromedp.Do(ctx, chromedp.Navigate(srv.URL+"/tenants/a/usage"), chromedp.WaitVisible("#chart canvas")); err != nil {
 		t.Fatalf("usage chart: %v", err)

@@ -63,7 +63,8 @@ type Tokens interface {
 // Principal); lists are bounded by the source.
 type Source interface {
 	Tenants(ctx context.Context) ([]string, error)
-	Users(ctx context.Context, tenant string) ([]User, error)
+	Users(ctx context.Context, tenant, after string) (Subjects, error)
+	Near(ctx context.Context, tenant string, threshold int, after string) (Subjects, error)
 	History(ctx context.Context, tenant, user string, from, to time.Time, step Step) ([]Point, error)
 	TopUsers(ctx context.Context, tenant string, from, to time.Time, limit int) ([]UserTotal, error)
 	Denials(ctx context.Context, tenant string, from, to time.Time) ([]Denial, error)
@@ -79,8 +80,16 @@ const (
 	Day  Step = "day" // a UTC day
 )
 
-// User is one user of a tenant and the windows of the limits that count
-// its usage.
+// Subjects is one page of a tenant's subjects, in order of user: Tenant
+// holds the tenant-wide limits (on the first page), Users each user's own.
+// Next is the user the next page starts after, "" on the last page.
+type Subjects struct {
+	Tenant []Window
+	Users  []User
+	Next   string
+}
+
+// User is one user of a tenant and the windows of its own limits.
 type User struct {
 	User    string
 	Windows []Window
@@ -88,10 +97,11 @@ type User struct {
 
 // Window is one limit's current window for a subject.
 type Window struct {
-	Limit     string
+	Name      string // the limit's scope and name: "user daily"
+	Limit     int64
 	Used      int64
 	Remaining int64
-	Reset     time.Time // when the window next frees capacity; zero: unknown
+	Reset     time.Time // when the window next frees capacity or resets; zero: never, or nothing used
 }
 
 // Point is the usage of one step starting at Start.
@@ -165,6 +175,7 @@ func New(o Options) *Handler {
 	h.mux.HandleFunc("POST /signout", h.signout)
 	h.mux.HandleFunc("GET /{$}", h.signedIn(h.home))
 	h.mux.HandleFunc("GET /tenants/{tenant}", h.tenantPage(h.show("users", false, h.readUsers)))
+	h.mux.HandleFunc("GET /tenants/{tenant}/near", h.tenantPage(h.show("near", false, h.readNear)))
 	h.mux.HandleFunc("GET /tenants/{tenant}/usage", h.tenantPage(h.show("usage", true, h.readUsage)))
 	h.mux.HandleFunc("GET /tenants/{tenant}/top", h.tenantPage(h.show("top", true, h.readTop)))
 	h.mux.HandleFunc("GET /tenants/{tenant}/denials", h.tenantPage(h.show("denials", true, h.readDenials)))

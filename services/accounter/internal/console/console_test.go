@@ -2,6 +2,7 @@ package console
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -22,9 +23,21 @@ var testTokens = []string{"admin-tok#admin", "a-tok@a", "gw-tok"}
 type ledger struct{ asked []string }
 
 func (l *ledger) Tenants(context.Context) ([]string, error) { return []string{"a", "b"}, nil }
-func (l *ledger) Users(_ context.Context, t string) ([]User, error) {
+func (l *ledger) Users(_ context.Context, t, after string) (Subjects, error) {
 	l.asked = append(l.asked, t)
-	return []User{{User: t + "-user", Windows: []Window{{Limit: "quota", Used: 7, Remaining: 3}, {Limit: "requests-per-day-of-v1-chat-completions", Used: 1, Remaining: 99, Reset: time.Unix(86400, 0)}}}}, nil
+	s := Subjects{Users: []User{{User: t + "-user" + after, Windows: []Window{{Name: "user quota", Limit: 10, Used: 7, Remaining: 3},
+		{Name: "user requests-per-day-of-v1-chat-completions", Limit: 100, Used: 1, Remaining: 99, Reset: time.Unix(86400, 0)}}}}}
+	if after == "" {
+		s.Tenant = []Window{{Name: "tenant monthly", Limit: 1000, Used: 900, Remaining: 100, Reset: time.Unix(2*86400, 0)}}
+		s.Next = t + "-user"
+	}
+	return s, nil
+}
+func (l *ledger) Near(ctx context.Context, t string, threshold int, after string) (Subjects, error) {
+	s, _ := l.Users(ctx, t, after)
+	s.Users[0].Windows = s.Users[0].Windows[:1]
+	s.Users[0].User += fmt.Sprint("-near", threshold)
+	return s, nil
 }
 func (l *ledger) History(_ context.Context, t, _ string, _, _ time.Time, _ Step) ([]Point, error) {
 	l.asked = append(l.asked, t)
@@ -130,7 +143,7 @@ func get(t *testing.T, srv *httptest.Server, path, tok string) (*http.Response, 
 // asked about a tenant the token may not see.
 func TestTenantScope(t *testing.T) {
 	srv, src := newTestServer(t)
-	pages := []string{"", "/usage", "/top", "/denials", "/alerts"}
+	pages := []string{"", "/near", "/usage", "/top", "/denials", "/alerts"}
 	for _, p := range pages {
 		if resp, body := get(t, srv, "/tenants/a"+p, "a-tok"); resp.StatusCode != 200 {
 			t.Errorf("GET /tenants/a%s as a = %d %s, want 200", p, resp.StatusCode, body)
@@ -184,5 +197,45 @@ func TestHeaders(t *testing.T) {
 	_, body := get(t, srv, "/tenants/a/usage", "a-tok")
 	if !strings.Contains(body, `data-points="[[3600],[11],[2]]"`) {
 		t.Errorf("usage page lacks the chart's points:\n%s", body)
+	}
+}
+
+// TestSubjects checks the users and near pages: every window the source
+// gives, in its table, the tenant's own limits on the first page only, a
+// link to the next page that keeps the threshold, and 400 for a bad
+// threshold or page.
+func TestSubjects(t *testing.T) {
+	srv, _ := newTestServer(t)
+	for _, tc := range []struct {
+		path string
+		want []string
+		not  []string
+	}{
+		{"/tenants/a", []string{`id="tenant-windows"`, `<tr data-limit="tenant monthly"><th scope="row">tenant monthly</th><td class="num used">900</td><td class="num limit">1000</td><td class="num remaining">100</td><td class="reset">1970-01-03 00:00:00Z</td>`,
+			`data-user="a-user" data-limit="user quota"`, `<td class="num used">7</td><td class="num limit">10</td><td class="num remaining">3</td><td class="reset">—</td>`,
+			`data-user="a-user" data-limit="user requests-per-day-of-v1-chat-completions"`, `href="/tenants/a?after=a-user"`}, nil},
+		{"/tenants/a?after=a-user", []string{`data-user="a-usera-user"`}, []string{`id="tenant-windows"`, `id="next"`}},
+		{"/tenants/a/near", []string{`data-user="a-user-near80"`, `value="80"`, `href="/tenants/a/near?after=a-user&amp;threshold=80"`}, []string{"requests-per-day"}},
+		{"/tenants/a/near?threshold=95&after=x", []string{`data-user="a-userx-near95"`}, []string{`id="next"`}},
+	} {
+		resp, body := get(t, srv, tc.path, "a-tok")
+		if resp.StatusCode != 200 {
+			t.Errorf("GET %s = %d, want 200", tc.path, resp.StatusCode)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(body, w) {
+				t.Errorf("GET %s lacks %s:\n%s", tc.path, w, body)
+			}
+		}
+		for _, n := range tc.not {
+			if strings.Contains(body, n) {
+				t.Errorf("GET %s shows %s:\n%s", tc.path, n, body)
+			}
+		}
+	}
+	for _, p := range []string{"/tenants/a/near?threshold=0", "/tenants/a/near?threshold=101", "/tenants/a/near?threshold=8o", "/tenants/a/near?after=%01", "/tenants/a?after=%ff"} {
+		if resp, _ := get(t, srv, p, "a-tok"); resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("GET %s = %d, want 400", p, resp.StatusCode)
+		}
 	}
 }

@@ -2,12 +2,12 @@ package console
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"html/template"
 	"net/http"
 	"net/url"
+	"strconv"
 	"time"
 
 	"quotaflow/internal/auth"
@@ -27,15 +27,17 @@ type page struct {
 	Ranges   []span
 	User     string
 
-	Tenants []string
-	Users   []User
-	Points  []Point
-	Chart   string // the chart's points, as JSON for uPlot
-	From    int64  // the chart's range, in seconds since the epoch
-	To      int64
-	Top     []UserTotal
-	Denials []Denial
-	Alerts  []Alert
+	Tenants   []string
+	Subjects  Subjects
+	Threshold int    // the near page's percentage
+	NextPage  string // the URL of the users' next page; empty on the last
+	Points    []Point
+	Chart     string // the chart's points, as JSON for uPlot
+	From      int64  // the chart's range, in seconds since the epoch
+	To        int64
+	Top       []UserTotal
+	Denials   []Denial
+	Alerts    []Alert
 }
 
 // span is a range a tenant page can show: the last Length, in steps of
@@ -59,6 +61,16 @@ const (
 	topLimit   = 20
 	alertLimit = 50
 )
+
+// defaultThreshold is the near page's percentage when the URL names none:
+// the alerter's first default threshold.
+const defaultThreshold = 80
+
+// badParam is a page's invalid query parameter, answered 400 with its
+// text.
+type badParam string
+
+func (e badParam) Error() string { return string(e) }
 
 var funcs = template.FuncMap{
 	"rank": func(i int) int { return i + 1 },
@@ -85,10 +97,16 @@ func (h *Handler) render(w http.ResponseWriter, r *http.Request, code int, name 
 	w.Write(b.Bytes())
 }
 
-// fail answers a request whose source call failed.
+// fail answers a request whose source call failed: 400 for a bad
+// parameter, else 503.
 func (h *Handler) fail(w http.ResponseWriter, r *http.Request, p page, err error) {
+	if bp, ok := errors.AsType[badParam](err); ok {
+		p.Error = string(bp)
+		h.render(w, r, http.StatusBadRequest, "error", p)
+		return
+	}
 	h.log.Error("console: read", "path", r.URL.Path, "err", err)
-	p.Error = "The ledger could not be read; try again."
+	p.Error = "The ledger or Redis could not be read; try again."
 	h.render(w, r, http.StatusServiceUnavailable, "error", p)
 }
 
@@ -117,7 +135,7 @@ func (h *Handler) home(w http.ResponseWriter, r *http.Request, pr auth.Principal
 // show returns the tenant page name (its template and tab): read fills
 // its data; a ranged page first reads its ?range (and the usage page its
 // ?user), answering 400 itself when one is invalid.
-func (h *Handler) show(name string, ranged bool, read func(ctx context.Context, p *page, from, to time.Time) error) func(http.ResponseWriter, *http.Request, page) {
+func (h *Handler) show(name string, ranged bool, read func(r *http.Request, p *page, from, to time.Time) error) func(http.ResponseWriter, *http.Request, page) {
 	return func(w http.ResponseWriter, r *http.Request, p page) {
 		p.Nav = name
 		var from, to time.Time
@@ -127,7 +145,7 @@ func (h *Handler) show(name string, ranged bool, read func(ctx context.Context, 
 				return
 			}
 		}
-		err := read(r.Context(), &p, from, to)
+		err := read(r, &p, from, to)
 		if errors.Is(err, ErrNotAvailable) {
 			p.NotAvail, err = true, nil
 		}
@@ -139,10 +157,46 @@ func (h *Handler) show(name string, ranged bool, read func(ctx context.Context, 
 	}
 }
 
-// readUsers reads a tenant's users with each limit's window.
-func (h *Handler) readUsers(ctx context.Context, p *page, _, _ time.Time) (err error) {
-	p.Users, err = h.src.Users(ctx, p.Tenant)
+// readUsers reads a page of a tenant's users (after ?after) with each
+// limit's window.
+func (h *Handler) readUsers(r *http.Request, p *page, _, _ time.Time) error {
+	after := r.URL.Query().Get("after")
+	if ident.Check(after) != nil {
+		return badParam("Invalid page.")
+	}
+	s, err := h.src.Users(r.Context(), p.Tenant, after)
+	p.setSubjects(s, "", url.Values{})
 	return err
+}
+
+// readNear reads a page of a tenant's subjects at ?threshold percent of a
+// limit or more.
+func (h *Handler) readNear(r *http.Request, p *page, _, _ time.Time) error {
+	q := r.URL.Query()
+	p.Threshold = defaultThreshold
+	if v := q.Get("threshold"); v != "" {
+		var err error
+		if p.Threshold, err = strconv.Atoi(v); err != nil || p.Threshold < 1 || p.Threshold > 100 {
+			return badParam("The threshold is a percentage, 1 to 100.")
+		}
+	}
+	after := q.Get("after")
+	if ident.Check(after) != nil {
+		return badParam("Invalid page.")
+	}
+	s, err := h.src.Near(r.Context(), p.Tenant, p.Threshold, after)
+	p.setSubjects(s, "/near", url.Values{"threshold": {strconv.Itoa(p.Threshold)}})
+	return err
+}
+
+// setSubjects shows s, with a link to its next page: the tenant's page
+// sub, with query next and s.Next.
+func (p *page) setSubjects(s Subjects, sub string, next url.Values) {
+	p.Subjects = s
+	if s.Next != "" {
+		next.Set("after", s.Next)
+		p.NextPage = "/tenants/" + url.PathEscape(p.Tenant) + sub + "?" + next.Encode()
+	}
 }
 
 // withRange reads the page's ?range (and ?user for usage), answering 400
@@ -180,8 +234,8 @@ func (h *Handler) withRange(w http.ResponseWriter, r *http.Request, p *page) (fr
 
 // readUsage reads a tenant's (or one user's) tokens and requests over
 // time, for the chart and its table.
-func (h *Handler) readUsage(ctx context.Context, p *page, from, to time.Time) error {
-	pts, err := h.src.History(ctx, p.Tenant, p.User, from, to, p.Range.Step)
+func (h *Handler) readUsage(r *http.Request, p *page, from, to time.Time) error {
+	pts, err := h.src.History(r.Context(), p.Tenant, p.User, from, to, p.Range.Step)
 	if err != nil {
 		return err
 	}
@@ -199,19 +253,19 @@ func (h *Handler) readUsage(ctx context.Context, p *page, from, to time.Time) er
 }
 
 // readTop reads a tenant's heaviest users over the range.
-func (h *Handler) readTop(ctx context.Context, p *page, from, to time.Time) (err error) {
-	p.Top, err = h.src.TopUsers(ctx, p.Tenant, from, to, topLimit)
+func (h *Handler) readTop(r *http.Request, p *page, from, to time.Time) (err error) {
+	p.Top, err = h.src.TopUsers(r.Context(), p.Tenant, from, to, topLimit)
 	return err
 }
 
 // readDenials counts a tenant's denied requests by limit over the range.
-func (h *Handler) readDenials(ctx context.Context, p *page, from, to time.Time) (err error) {
-	p.Denials, err = h.src.Denials(ctx, p.Tenant, from, to)
+func (h *Handler) readDenials(r *http.Request, p *page, from, to time.Time) (err error) {
+	p.Denials, err = h.src.Denials(r.Context(), p.Tenant, from, to)
 	return err
 }
 
 // readAlerts reads a tenant's most recent alerts.
-func (h *Handler) readAlerts(ctx context.Context, p *page, _, _ time.Time) (err error) {
-	p.Alerts, err = h.src.Alerts(ctx, p.Tenant, alertLimit)
+func (h *Handler) readAlerts(r *http.Request, p *page, _, _ time.Time) (err error) {
+	p.Alerts, err = h.src.Alerts(r.Context(), p.Tenant, alertLimit)
 	return err
 }
