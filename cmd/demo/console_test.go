@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -38,7 +41,8 @@ type console struct {
 	b     *browser.Browser
 	base  string
 	db    *pgx.Conn // the run's ledger, read with this file's own SQL
-	shots []string  // directories the screenshots go to
+	rep   *Report
+	shots []string // directories the screenshots go to
 }
 
 // checkConsole signs in to the run's console with the admin token and
@@ -60,7 +64,7 @@ func checkConsole(t *testing.T, cfg Config, rep *Report) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close(context.Background()) })
-	c := &console{t: t, ctx: b.Ctx, b: b, base: strings.TrimSuffix(rep.Console, "/"), db: db, shots: []string{t.ArtifactDir()}}
+	c := &console{t: t, ctx: b.Ctx, b: b, base: strings.TrimSuffix(rep.Console, "/"), db: db, rep: rep, shots: []string{t.ArtifactDir()}}
 	if os.Getenv(updateShots) == "1" {
 		root, err := e2e.ModuleRoot(ctx)
 		if err != nil {
@@ -212,11 +216,74 @@ func (c *console) usersInLedger(tenant string) map[string]totals {
 	return out
 }
 
-// checkUsers: the users page says the windows are not available (the
-// console reads no Redis windows yet).
+// checkUsers compares the users page with the ledger's users and their
+// token quotas' windows with what admission's GET /v1/usage reads of Redis
+// (the traffic is over: rolling windows hold still; the token bucket
+// refills, so it is not compared).
 func (c *console) checkUsers(tenant string) {
 	c.t.Helper()
-	c.open(pagePath(tenant, "users"), "#no-windows")
+	path := pagePath(tenant, "users")
+	c.open(path, "#users")
+	rows := eval[[][]string](c, `Array.from(document.querySelectorAll("#users tr[data-user]"), tr => [tr.dataset.user, tr.dataset.limit,
+		...Array.from(tr.querySelectorAll("td.used, td.limit, td.remaining"), e => e.textContent.trim())])`)
+	shown := map[string]string{}
+	var users []string
+	for _, r := range rows {
+		if !slices.Contains(users, r[0]) {
+			users = append(users, r[0])
+		}
+		shown[r[0]+" "+r[1]] = strings.Join(r[2:], " ")
+	}
+	if want := c.column(`SELECT DISTINCT user_id FROM reservations WHERE tenant = $1 ORDER BY user_id LIMIT 50`, tenant); !slices.Equal(users, want) {
+		c.t.Errorf("%s lists users %q, want the ledger's %q", path, users, want)
+	}
+	compared := 0
+	for _, u := range users {
+		var got struct {
+			Limits []struct {
+				Scope, Name            string
+				Limit, Used, Remaining int64
+			}
+		}
+		if code := c.admission("/v1/usage?"+url.Values{"tenant": {tenant}, "user": {u}}.Encode(), &got); code != 200 {
+			c.t.Fatalf("admission's GET /v1/usage of %s/%s = %d", tenant, u, code)
+		}
+		for _, l := range got.Limits {
+			if l.Name != "5h" && l.Name != "7d" {
+				continue
+			}
+			compared++
+			key := u + " " + l.Scope + " " + l.Name
+			if want := fmt.Sprintf("%d %d %d", l.Used, l.Limit, l.Remaining); shown[key] != want {
+				c.t.Errorf("%s: %s shows used, of, remaining %q; admission reads %q in Redis", path, key, shown[key], want)
+			}
+		}
+	}
+	if compared != 2*len(users) || len(users) == 0 {
+		c.t.Errorf("%s: compared %d windows of %d users, want the 5h and 7d of each", path, compared, len(users))
+	}
+}
+
+// admission GETs path of admission's API with the run's token, decodes a
+// 200's JSON into v, and returns the status.
+func (c *console) admission(path string, v any) int {
+	c.t.Helper()
+	req, err := http.NewRequest("GET", c.rep.API+path, nil)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+c.rep.APIToken)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode == 200 {
+		if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+			c.t.Fatal(err)
+		}
+	}
+	return resp.StatusCode
 }
 
 // checkUsage compares the usage page's table (24 hours) and its chart's
@@ -371,7 +438,7 @@ func (c *console) checkTenantToken(tok, own string, others []string) {
 		c.t.Errorf("the tenant's token lands on %q (%v), want its users page", loc, err)
 	}
 	for _, other := range others {
-		for _, p := range []string{"users", "usage", "top", "denials", "alerts"} {
+		for _, p := range []string{"users", "near", "usage", "top", "denials", "alerts"} {
 			path := pagePath(other, p)
 			resp, err := chromedp.Run(c.ctx, chromedp.NavigateResponse(c.base+path))
 			if err != nil {

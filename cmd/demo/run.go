@@ -19,6 +19,7 @@ import (
 // Report is what a run saw; the test asserts on it.
 type Report struct {
 	Run, Database   string
+	API, APIToken   string // admission's API URL and a token of it
 	Console         string // the web console's URL (the accounter's QF_CONSOLE_ADDR)
 	ConsoleAdmin    string // the console's admin token
 	ConsoleTenant   string // a console token bound to Tenants[0]
@@ -147,6 +148,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		fmt.Fprintf(out, "  admission still degraded, running anyway: %s\n", deg)
 	}
 	api := "http://" + addr["api"]
+	rep.API, rep.APIToken = api, n.token
 	fmt.Fprintf(out, "admission API %s, LLM gateway http://%s in front of a stand-in LLM %s, webhook receiver %s\n", api, addr["gateway"], up.URL, recv.URL)
 	fmt.Fprintf(out, "tenants %s; policy: 5h quota %d tokens, 10 req/s (burst 20), %s %d requests/day per user\n\n",
 		strings.Join(n.tenants, ", "), n.quota5h, n.endpoint, n.dailyReqs)

@@ -1,7 +1,8 @@
 // Package history is the accounter's console server and its read-only usage
 // API (docs/design.md §6, Usage history API): who may read what, the queries over the ledger
-// that the console's pages call server-side, and the JSON handlers over
-// them, served on QF_CONSOLE_ADDR.
+// and the reads of subjects' windows in Redis (through limits.Limiter, as
+// admission peeks them) that the console's pages call server-side, and the
+// JSON handlers over them, served on QF_CONSOLE_ADDR.
 //
 // # Who reads what
 //
