@@ -18,6 +18,11 @@
 // (QF_GRPC_ADDR, QF_ENVOY_RATELIMIT_CONFIG) beside envoyproxy/ratelimit's,
 // with the same Go gRPC client and configuration, one and five descriptors
 // a request, in interleaved rounds (rls.go): `go tool task bench-rls`.
+//
+// With -scale it loads admission with five limits in four shapes, 1 and 2
+// instances on 1 Redis and on a 3-master Redis Cluster, in interleaved
+// rounds, and prints the CPU per request of each kind of process
+// (scale.go): `go tool task bench-scale`.
 package main
 
 import (
@@ -49,13 +54,14 @@ func main() {
 	envoyEnv := flag.String("envoy-env", "", "-peer: more envoy settings to try, NAME=value, comma-separated")
 	envoyWindow := flag.Duration("envoy-window", 0, "-peer: envoy's REDIS_PIPELINE_WINDOW (used by its cluster client only, at this version)")
 	peerBase := flag.String("peer-base", "", "-peer: also load admission built from this checkout of an earlier commit, with each admission plan of -targets (one, five), interleaved with the others (its before)")
+	scaleMode := flag.Bool("scale", false, "load 1 and 2 admission instances on 1 Redis and on a 3-master Redis Cluster, users over many tenants, in interleaved rounds")
 	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
 	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate) (0: not)")
 	flag.Parse()
 	var set []string
 	flag.Visit(func(f *flag.Flag) { set = append(set, f.Name) })
-	if err := checkMode(set, *peerMode, *rlsMode); err != nil {
+	if err := checkMode(set, *peerMode, *rlsMode, *scaleMode); err != nil {
 		fmt.Fprintln(os.Stderr, "admitload:", err)
 		os.Exit(2)
 	}
@@ -67,6 +73,13 @@ func main() {
 			os.Exit(2)
 		}
 		levels = append(levels, n)
+	}
+	if *scaleMode {
+		if err := scale(context.Background(), peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds}); err != nil {
+			fmt.Fprintln(os.Stderr, "admitload:", err)
+			os.Exit(1)
+		}
+		return
 	}
 	if *peerMode || *rlsMode {
 		o := peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds, targets: map[string]bool{},
@@ -107,11 +120,23 @@ func main() {
 	}
 }
 
-// checkMode refuses the flags (set: the names given) that -peer or -rls
-// would ignore, rather than measure something else than was asked. Both
-// run admission with QF_REDIS_TIMEOUT=1s, so that every decision is
-// Redis's.
-func checkMode(set []string, peer, rls bool) error {
+// checkMode refuses the flags (set: the names given) that -peer, -rls or
+// -scale would ignore, rather than measure something else than was asked.
+// -peer and -rls run admission with QF_REDIS_TIMEOUT=1s, so that every
+// decision is Redis's; -scale too, and it takes only the load's flags.
+func checkMode(set []string, peer, rls, scale bool) error {
+	if scale {
+		var bad []string
+		for _, name := range set {
+			if !map[string]bool{"scale": true, "duration": true, "concurrency": true, "users": true, "rounds": true}[name] {
+				bad = append(bad, "-"+name)
+			}
+		}
+		if len(bad) > 0 {
+			return fmt.Errorf("-scale does not use %s (it takes -duration, -concurrency, -users and -rounds)", strings.Join(bad, ", "))
+		}
+		return nil
+	}
 	if !peer && !rls {
 		return nil
 	}

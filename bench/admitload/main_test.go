@@ -5,12 +5,13 @@ import (
 	"testing"
 )
 
-// -peer and -rls refuse the flags they would ignore, naming them; the
+// -peer, -rls and -scale refuse the flags they would ignore, naming them; the
 // flags they use pass.
 func TestCheckMode(t *testing.T) {
 	for _, c := range []struct {
 		set       []string
 		peer, rls bool
+		scale     bool
 		bad       string // "": accepted
 	}{
 		{set: []string{"redis-timeout", "ab-env", "down"}},
@@ -21,10 +22,12 @@ func TestCheckMode(t *testing.T) {
 		{set: []string{"peer", "ab"}, peer: true, bad: "-peer does not use -ab"},
 		{set: []string{"peer", "peer-base", "targets", "open"}, peer: true},
 		{set: []string{"peer", "profile", "heapprofile"}, peer: true, bad: "-peer does not use -profile, -heapprofile"},
+		{set: []string{"scale", "duration", "concurrency", "users", "rounds"}, scale: true},
+		{set: []string{"scale", "rounds", "peer", "open"}, scale: true, bad: "-scale does not use -peer, -open"},
 	} {
-		err := checkMode(c.set, c.peer, c.rls)
+		err := checkMode(c.set, c.peer, c.rls, c.scale)
 		if c.bad == "" && err != nil || c.bad != "" && (err == nil || !strings.Contains(err.Error(), c.bad)) {
-			t.Errorf("checkMode(%v, peer %v, rls %v) = %v, want %q", c.set, c.peer, c.rls, err, c.bad)
+			t.Errorf("checkMode(%v, peer %v, rls %v, scale %v) = %v, want %q", c.set, c.peer, c.rls, c.scale, err, c.bad)
 		}
 	}
 }

@@ -8,8 +8,6 @@ package redistest
 
 import (
 	"context"
-	"os/exec"
-	"strings"
 	"testing"
 	"time"
 
@@ -84,32 +82,25 @@ func (s *Server) Client() *redis.Client {
 	return c
 }
 
-// Cluster starts a three-master Redis Cluster on free ports and returns a
-// cluster client of it once every slot is served.
+// Cluster starts a three-master Redis Cluster on free ports
+// (e2e.StartRedisCluster) and returns a cluster client of it once every
+// slot is served.
 func Cluster(t testing.TB) *redis.ClusterClient {
 	t.Helper()
-	addrs := make([]string, 3)
-	for i := range addrs {
-		s := Start(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-			"--cluster-node-timeout", "2000")
-		addrs[i] = s.Addr
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	nodes, err := e2e.StartRedisCluster(ctx, t.TempDir(), 3)
+	if err != nil {
+		t.Fatalf("start redis cluster: %v", err)
 	}
-	args := append([]string{"--cluster", "create"}, addrs...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
-		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
-	}
-	for _, a := range addrs {
-		c := redis.NewClient(&redis.Options{Addr: a})
-		t.Cleanup(func() { c.Close() })
-		e2e.Eventually(t, "cluster_state:ok at "+a, func() bool {
-			info, err := c.ClusterInfo(context.Background()).Result()
-			return err == nil && strings.Contains(info, "cluster_state:ok")
-		})
+	addrs := make([]string, len(nodes))
+	for i, n := range nodes {
+		t.Cleanup(n.Close)
+		addrs[i] = n.Addr
 	}
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs})
 	t.Cleanup(func() { cc.Close() })
-	if err := cc.ForEachShard(context.Background(), func(ctx context.Context, c *redis.Client) error {
+	if err := cc.ForEachShard(ctx, func(ctx context.Context, c *redis.Client) error {
 		return c.Ping(ctx).Err()
 	}); err != nil {
 		t.Fatalf("cluster shards: %v", err)
