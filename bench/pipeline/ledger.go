@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -188,4 +190,51 @@ func deadLetters(ctx context.Context, url, name string) (uint64, error) {
 		return 0, err
 	}
 	return s.CachedInfo().State.Msgs, nil
+}
+
+// tableSize is one ledger table's bytes on disk: heap (with TOAST) and
+// indexes.
+type tableSize struct {
+	name          string
+	heap, indexes int64
+}
+
+// tableSizes lists the ledger's tables in the connection's schema, largest
+// first: what a day of traffic at some rate leaves on disk, scaled.
+func (l *ledger) tableSizes(ctx context.Context) ([]tableSize, error) {
+	rows, err := l.conn.Query(ctx, `SELECT c.relname::text, pg_table_size(c.oid), pg_indexes_size(c.oid)
+		FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p')
+		ORDER BY pg_total_relation_size(c.oid) DESC`)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (t tableSize, err error) {
+		return t, r.Scan(&t.name, &t.heap, &t.indexes)
+	})
+}
+
+// diskReport prints the ledger's tables on disk after the run, per
+// reservation (one per admitted request, each settled by its actual).
+func diskReport(ctx context.Context, out io.Writer, l *ledger) {
+	r, err := l.reservations(ctx)
+	if err != nil || r.all == 0 {
+		fmt.Fprintf(out, "ledger on disk: no reservations read (%v)\n", err)
+		return
+	}
+	ts, err := l.tableSizes(ctx)
+	if err != nil {
+		fmt.Fprintf(out, "ledger on disk: %v\n", err)
+		return
+	}
+	var parts []string
+	var total int64
+	for _, t := range ts {
+		total += t.heap + t.indexes
+		if t.heap+t.indexes >= 1<<20 {
+			parts = append(parts, fmt.Sprintf("%s %.0f + %.0f", t.name, float64(t.heap)/float64(r.all), float64(t.indexes)/float64(r.all)))
+		}
+	}
+	fmt.Fprintf(out, "ledger on disk after the run, bytes per reservation (%d, warm-up included; heap + indexes; tables of 1 MiB or more): %s; all tables %.0f\n",
+		r.all, strings.Join(parts, ", "), float64(total)/float64(r.all))
 }

@@ -190,6 +190,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 		bad := check(ctx, pl.ledger, pl.p.NATS.URL, "QUOTAFLOW_DLQ", pl.total, cfg.Settle)
 		failopen := failopens(ctx, pl.p.Admission)
 		report(out, cfg, pl, failopen, bad)
+		diskReport(ctx, out, pl.ledger)
 		if len(bad) > 0 {
 			failed = append(failed, pl.name+": the end state is not exact")
 		}
