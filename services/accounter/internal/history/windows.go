@@ -33,8 +33,9 @@ type WindowsSource struct {
 
 // Window is one limit of a subject as Redis holds it now: Used of Limit
 // (for a balance, the credits topped up so far), Remaining, and Reset, when
-// it next frees capacity or resets (nil when nothing is used, or it never
-// resets: balance, concurrency).
+// it next frees capacity or resets: nil where the engine gives none (a
+// balance, a concurrency limit, a rolling, sliding-log or token-bucket
+// limit holding nothing).
 type Window struct {
 	Scope     policy.Scope `json:"scope"`
 	Name      string       `json:"name"`
