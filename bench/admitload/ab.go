@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"quotaflow/bench/internal/load"
+	"quotaflow/bench/internal/proc"
 	"quotaflow/bench/internal/stats"
 )
 
@@ -118,16 +119,18 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 		fmt.Printf("- %s: %s; queue depth under load, median of the rounds' means %.0f events; %.0f failed rounds\n",
 			t.name, publishRounds(t.ops, "outbox").since(t.published), stats.Median(t.depth), t.failures)
 	}
-	fmt.Printf("\nwhere each admission's RSS is now (MiB; Go's own accounts, go_memstats_*):\n\n")
-	fmt.Println("| target | RSS | heap in use | heap kept, not in use | heap given back | stacks | runtime's other | the rest: binary, off-heap |")
-	fmt.Println("|---|---|---|---|---|---|---|---|")
+	fmt.Printf("\nwhere each admission's RSS is now (MiB; VmRSS split into RssFile, the binary's and libraries' pages, and RssAnon;\n" +
+		"RssAnon split by Go's own accounts, go_memstats_*, the rest being memory mapped outside them: the local table):\n\n")
+	fmt.Println("| target | RSS | files' pages | anonymous | heap in use | heap kept, not in use | heap given back | stacks | runtime's other | anonymous, the rest: off-heap |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|")
 	for _, t := range ts {
 		m := func(name string) float64 { return metricSum(t.ops, "go_memstats_"+name+" ", "") / (1 << 20) }
-		rss := float64(rssMiB(t.p))
+		mem, _ := proc.Memory(t.p.Process.Pid)
+		rss, file, anon := float64(mem.RSS)/(1<<20), float64(mem.File)/(1<<20), float64(mem.Anon)/(1<<20)
 		inuse, idle, released, stacks := m("heap_inuse_bytes"), m("heap_idle_bytes"), m("heap_released_bytes"), m("stack_inuse_bytes")
 		other := m("mspan_inuse_bytes") + m("mcache_inuse_bytes") + m("buck_hash_sys_bytes") + m("gc_sys_bytes") + m("other_sys_bytes")
-		fmt.Printf("| %s | %.0f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", t.name, rss, inuse, idle-released, released, stacks, other,
-			rss-inuse-(idle-released)-stacks-other)
+		fmt.Printf("| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", t.name, rss, file, anon, inuse, idle-released, released, stacks, other,
+			anon-inuse-(idle-released)-stacks-other)
 	}
 	if open > 0 {
 		abOpen(ts[0].rps, open, rounds, conc, users, dur, []abTarget{
