@@ -2,15 +2,11 @@ package service
 
 import (
 	"context"
-	"fmt"
-	"log/slog"
 	"net/http"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/eviction"
-	"quotaflow/internal/pgdb"
 	"quotaflow/internal/redisconn"
 	"quotaflow/internal/server"
 )
@@ -49,26 +45,14 @@ func OpenRedis(s *Stack, url string, hooks ...redis.Hook) (redis.UniversalClient
 	return rdb, nil
 }
 
-// OpenPostgres opens the database of url, creating it when absent
-// (pgdb.Open, adjusted by configure), and applies migrate. It retries
-// both until they succeed (Retry), /readyz saying "waiting for postgres"
-// and why as the reason component is not ready; the stack closes the pool
-// in its turn. It returns false when ctx ends first.
-func OpenPostgres(ctx context.Context, s *Stack, component, url string,
-	migrate func(context.Context, *pgxpool.Pool, *slog.Logger) error, configure ...func(*pgxpool.Config)) (*pgxpool.Pool, bool) {
-	pool, ok := Retry(ctx, s.log, s.ready, component, func(ctx context.Context) (*pgxpool.Pool, error) {
-		pool, err := pgdb.Open(ctx, url, configure...)
-		if err != nil {
-			return nil, fmt.Errorf("waiting for postgres: %w", err)
-		}
-		if err := migrate(ctx, pool, s.log); err != nil {
-			pool.Close()
-			return nil, fmt.Errorf("waiting for postgres: %w", err)
-		}
-		return pool, nil
-	})
+// Open calls open until it succeeds (Retry, with component's readiness
+// on the stack's), for a start-up step that waits for a server, such as
+// pgdb.Connect; the stack closes what it opened, named name, in its turn.
+// It returns false when ctx ends first.
+func Open[T any](ctx context.Context, s *Stack, component, name string, open func(context.Context) (T, error), close func(T)) (T, bool) {
+	v, ok := Retry(ctx, s.log, s.ready, component, open)
 	if ok {
-		s.Push("postgres", func(context.Context) error { pool.Close(); return nil })
+		s.Push(name, func(context.Context) error { close(v); return nil })
 	}
-	return pool, ok
+	return v, ok
 }

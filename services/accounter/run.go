@@ -6,11 +6,13 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"quotaflow/internal/auth"
 	"quotaflow/internal/obs"
+	"quotaflow/internal/pgdb"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
@@ -62,7 +64,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if err != nil {
 		return err
 	}
-	pool, ok := service.OpenPostgres(ctx, stack, readyMigrations, cfg.PostgresURL, ledger.Migrate, cfg.poolSize)
+	pool, ok := service.Open(ctx, stack, readyMigrations, "postgres", pgdb.Connect(cfg.PostgresURL, ledger.Migrate, log, cfg.poolSize), (*pgxpool.Pool).Close)
 	if !ok {
 		return nil
 	}

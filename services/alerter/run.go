@@ -5,9 +5,11 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/obs"
+	"quotaflow/internal/pgdb"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits/policy"
@@ -48,7 +50,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		h.started(ops.Addr())
 	}
 
-	pool, ok := service.OpenPostgres(ctx, stack, readyPostgres, cfg.PostgresURL, store.Migrate)
+	pool, ok := service.Open(ctx, stack, readyPostgres, "postgres", pgdb.Connect(cfg.PostgresURL, store.Migrate, log), (*pgxpool.Pool).Close)
 	if !ok {
 		return nil
 	}
