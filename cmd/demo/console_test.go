@@ -48,7 +48,7 @@ type console struct {
 // checkConsole signs in to the run's console with the admin token and
 // checks every page of two tenants against the ledger, read here with SQL
 // of its own (the rollups, the events, the alerter's outbox) rather than
-// the console's queries; then it signs in with the token bound to the
+// the console's queries, the users' windows in Redis included; then it signs in with the token bound to the
 // first tenant, which reaches no page and no API call of another tenant.
 // It saves a screenshot of each page (docs/console with QF_UPDATE_SCREENSHOTS=1).
 func checkConsole(t *testing.T, cfg Config, rep *Report) {
@@ -84,22 +84,23 @@ func checkConsole(t *testing.T, cfg Config, rep *Report) {
 	tenants := rep.Tenants[:2] // both have a hammering script, so denials
 	for i, tn := range tenants {
 		c.checkUsers(tn)
+		c.checkNear(tn, namesFor(rep.Run).quota5h)
 		c.checkUsage(tn, "")
 		c.checkUsage(tn, "heavy")
 		c.checkTop(tn)
 		c.checkDenials(tn)
 		c.checkAlerts(tn)
 		if i == 0 {
-			for _, p := range []string{"users", "usage", "top", "denials", "alerts"} {
+			for _, p := range pages {
 				c.open(pagePath(tn, p), "main h1")
 				c.shot(p)
 			}
 		}
 	}
-	// A phone's width: the top users' table scrolls inside its region.
+	// A phone's width: the users' table scrolls inside its region.
 	c.do(chromedp.EmulateViewport(narrowW, narrowH))
-	c.open(pagePath(tenants[0], "top"), "#top")
-	c.shot("top-narrow")
+	c.open(pagePath(tenants[0], "users"), "#users")
+	c.shot("users-narrow")
 	c.do(chromedp.EmulateViewport(desktopW, desktopH))
 
 	if errs := b.Errors(); len(errs) > 0 {
@@ -112,8 +113,10 @@ func checkConsole(t *testing.T, cfg Config, rep *Report) {
 	c.checkTenantToken(rep.ConsoleTenant, tenants[0], rep.Tenants[1:])
 }
 
-// pagePath is the path of a tenant's page (users, usage, top, denials,
-// alerts).
+// pages are a tenant's pages.
+var pages = []string{"users", "near", "usage", "top", "denials", "alerts"}
+
+// pagePath is the path of a tenant's page (one of pages).
 func pagePath(tenant, p string) string {
 	if p == "users" {
 		return "/tenants/" + tenant
@@ -216,27 +219,66 @@ func (c *console) usersInLedger(tenant string) map[string]totals {
 	return out
 }
 
-// checkUsers compares the users page with the ledger's users and their
-// token quotas' windows with what admission's GET /v1/usage reads of Redis
-// (the traffic is over: rolling windows hold still; the token bucket
-// refills, so it is not compared).
+// window is one row of the users or near page: a user's limit.
+type window struct {
+	User, Limit         string
+	Used, Of, Remaining int64
+	Reset               time.Time // zero when the page shows none
+}
+
+// windows reads the users' rows of the users or near page shown.
+func (c *console) windows() []window {
+	c.t.Helper()
+	var out []window
+	for _, r := range eval[[][]string](c, `Array.from(document.querySelectorAll("#users tbody tr[data-user]"), tr =>
+		[tr.dataset.user, tr.dataset.limit].concat([".used", ".limit", ".remaining", ".reset"].map(s => tr.querySelector(s).textContent.trim())))`) {
+		w := window{User: r[0], Limit: r[1], Used: c.num(r[2]), Of: c.num(r[3]), Remaining: c.num(r[4])}
+		if r[5] != "—" {
+			var err error
+			if w.Reset, err = time.Parse("2006-01-02 15:04:05Z", r[5]); err != nil {
+				c.t.Fatalf("%s's %s resets at %q: %v", w.User, w.Limit, r[5], err)
+			}
+		}
+		out = append(out, w)
+	}
+	return out
+}
+
+// tokenWindows are the demo plan's token quotas by name, with their
+// lengths: the run is shorter than both and its tenants are its own, so a
+// user's used tokens in either are its tokens in the ledger. The traffic
+// is over, so they hold still (the request rate's bucket refills).
+var tokenWindows = map[string]time.Duration{"5h": 5 * time.Hour, "7d": 7 * 24 * time.Hour}
+
+// checkUsers compares the users page with the ledger and Redis: its users
+// are the ledger's; each user's 5h and 7d windows are what admission's GET
+// /v1/usage reads of Redis, and their used is the user's tokens in the
+// ledger; every window's remaining is what its limit leaves, and one in
+// use frees capacity within its length.
 func (c *console) checkUsers(tenant string) {
 	c.t.Helper()
 	path := pagePath(tenant, "users")
 	c.open(path, "#users")
-	rows := eval[[][]string](c, `Array.from(document.querySelectorAll("#users tr[data-user]"), tr => [tr.dataset.user, tr.dataset.limit,
-		...Array.from(tr.querySelectorAll("td.used, td.limit, td.remaining"), e => e.textContent.trim())])`)
-	shown := map[string]string{}
+	shown := map[string]window{}
 	var users []string
-	for _, r := range rows {
-		if !slices.Contains(users, r[0]) {
-			users = append(users, r[0])
+	now := time.Now()
+	for _, w := range c.windows() {
+		if !slices.Contains(users, w.User) {
+			users = append(users, w.User)
 		}
-		shown[r[0]+" "+r[1]] = strings.Join(r[2:], " ")
+		shown[w.User+" "+w.Limit] = w
+		if w.Remaining != max(0, w.Of-w.Used) {
+			c.t.Errorf("%s: %s's %s: used %d of %d, remaining %d", path, w.User, w.Limit, w.Used, w.Of, w.Remaining)
+		}
+		d, ok := tokenWindows[strings.TrimPrefix(w.Limit, "user ")]
+		if ok && w.Used > 0 && (!w.Reset.After(now.Add(-time.Minute)) || w.Reset.After(now.Add(d))) {
+			c.t.Errorf("%s: %s's %s frees capacity at %v, want within %v", path, w.User, w.Limit, w.Reset, d)
+		}
 	}
 	if want := c.column(`SELECT DISTINCT user_id FROM reservations WHERE tenant = $1 ORDER BY user_id LIMIT 50`, tenant); !slices.Equal(users, want) {
 		c.t.Errorf("%s lists users %q, want the ledger's %q", path, users, want)
 	}
+	ledger := c.usersInLedger(tenant)
 	compared := 0
 	for _, u := range users {
 		var got struct {
@@ -249,17 +291,21 @@ func (c *console) checkUsers(tenant string) {
 			c.t.Fatalf("admission's GET /v1/usage of %s/%s = %d", tenant, u, code)
 		}
 		for _, l := range got.Limits {
-			if l.Name != "5h" && l.Name != "7d" {
+			if _, ok := tokenWindows[l.Name]; !ok {
 				continue
 			}
 			compared++
 			key := u + " " + l.Scope + " " + l.Name
-			if want := fmt.Sprintf("%d %d %d", l.Used, l.Limit, l.Remaining); shown[key] != want {
-				c.t.Errorf("%s: %s shows used, of, remaining %q; admission reads %q in Redis", path, key, shown[key], want)
+			w := shown[key]
+			if [3]int64{w.Used, w.Of, w.Remaining} != [3]int64{l.Used, l.Limit, l.Remaining} {
+				c.t.Errorf("%s: %s shows used, of, remaining %d, %d, %d; admission reads %d, %d, %d in Redis", path, key, w.Used, w.Of, w.Remaining, l.Used, l.Limit, l.Remaining)
+			}
+			if w.Used != ledger[u][0] {
+				c.t.Errorf("%s: %s used %d, the user's tokens in the ledger %d", path, key, w.Used, ledger[u][0])
 			}
 		}
 	}
-	if compared != 2*len(users) || len(users) == 0 {
+	if compared != len(tokenWindows)*len(users) || len(users) == 0 {
 		c.t.Errorf("%s: compared %d windows of %d users, want the 5h and 7d of each", path, compared, len(users))
 	}
 }
@@ -284,6 +330,33 @@ func (c *console) admission(path string, v any) int {
 		}
 	}
 	return resp.StatusCode
+}
+
+// checkNear compares the near page (at 80 %, its default) with the
+// ledger: the users whose tokens reach 80 % of the 5 h quota (the 7 d one
+// is 20 times larger; the request rate's bucket has refilled), each with
+// that window alone.
+func (c *console) checkNear(tenant string, quota int64) {
+	c.t.Helper()
+	path := pagePath(tenant, "near")
+	c.open(path, "#threshold")
+	var shown, want []string
+	for _, w := range c.windows() {
+		shown = append(shown, w.User+" "+w.Limit)
+	}
+	for u, tot := range c.usersInLedger(tenant) {
+		if tot[0]*100 >= 80*quota {
+			want = append(want, u+" user 5h")
+		}
+	}
+	slices.Sort(shown)
+	slices.Sort(want)
+	if len(want) == 0 {
+		c.t.Errorf("%s: no user of the ledger at 80 %% of the 5 h quota: the heavy user should be", path)
+	}
+	if !slices.Equal(shown, want) {
+		c.t.Errorf("%s shows %q, want %q (from the ledger)", path, shown, want)
+	}
 }
 
 // checkUsage compares the usage page's table (24 hours) and its chart's
@@ -438,7 +511,7 @@ func (c *console) checkTenantToken(tok, own string, others []string) {
 		c.t.Errorf("the tenant's token lands on %q (%v), want its users page", loc, err)
 	}
 	for _, other := range others {
-		for _, p := range []string{"users", "near", "usage", "top", "denials", "alerts"} {
+		for _, p := range pages {
 			path := pagePath(other, p)
 			resp, err := chromedp.Run(c.ctx, chromedp.NavigateResponse(c.base+path))
 			if err != nil {
