@@ -14,7 +14,8 @@
 # QF_CALLGRIND_CALLS=n measures n calls per figure, a multiple of 64,
 # instead of 2048: quicker, for trying changes;
 # QF_CALLGRIND_TEST=TestCallgrindCount measures ShouldRateLimit's counters
-# instead).
+# instead, QF_CALLGRIND_TEST=TestCallgrindShapes a one-limit counter of the
+# HTTP admit beside ShouldRateLimit's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }

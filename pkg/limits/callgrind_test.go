@@ -12,6 +12,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/pkg/limits/internal/wire"
 	"quotaflow/pkg/limits/policy"
 )
 
@@ -225,6 +226,78 @@ func TestCallgrindCount(t *testing.T) {
 	b1, b5 := measure(countOf(1, 16)), measure(countOf(5, 16))
 	t.Logf("callgrind: one descriptor: ReserveShared in the blob %.0f, CountBatch lone %.0f, per group in batches of 16 %.0f; five descriptors: CountBatch lone %.0f, per group in batches of 16 %.0f instructions",
 		rs, c1, b1, c5, b5)
+}
+
+// TestCallgrindShapes counts the instructions redis-server spends per
+// decision of a one-limit counter in the two shapes admission makes, in
+// batches of 6 (what its batcher sends at 16 calls in flight): the HTTP
+// admit's (a user's counter on its tenant's hash tag: one epoch key per
+// batch) and ShouldRateLimit's for bench-rls's descriptor (a global counter
+// whose long id is a hash tag of its own: its own slot's epoch key), over
+// counters that exist (steady) and new ones (first touch), every slot's
+// epoch key set. Run by QF_CALLGRIND_TEST=TestCallgrindShapes
+// bench/callgrind.sh.
+func TestCallgrindShapes(t *testing.T) {
+	c, l, dir := underCallgrind(t)
+	ctx := context.Background()
+	p := c.Pipeline()
+	for s := range wire.NumSlots {
+		p.Set(ctx, wire.SlotEpochKey(uint16(s)), "callgrind", 0)
+	}
+	if _, err := p.Exec(ctx); err != nil {
+		t.Fatal(err)
+	}
+	const users, calls, batch = 2000, 480, 6
+	window := policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 1e9, Window: policy.Duration(time.Hour)}
+	user := []policy.Rule{{Scope: policy.ScopeUser, Limit: window}}
+	global := []policy.Rule{{Scope: policy.ScopeGlobal, Endpoint: "4:bench6:tenant5:bench4:user", Limit: window}}
+	// rlsID is package rls's id of bench-rls's descriptor of user u.
+	rlsID := func(u int) string {
+		name := "u" + strconv.Itoa(u)
+		return "t5:benchu" + strconv.Itoa(len(name)) + ":" + name + "c" + strconv.FormatUint(uint64(u)*0x9e3779b97f4a7c15, 16) + "0123456789abcdef"
+	}
+	reserve := func(next func(int) int) func(i int) {
+		return func(i int) {
+			rs := make([]Request, batch)
+			for k := range rs {
+				rs[k] = Request{Tenant: "bench", User: "u" + strconv.Itoa(next(i*batch+k)), RequestID: "r", Cost: 1, Counted: true, Rules: user}
+			}
+			for _, o := range l.ReserveBatch(ctx, rs) {
+				if o.Err != nil || !o.Decision.Allowed {
+					t.Fatal(o.Err)
+				}
+			}
+		}
+	}
+	count := func(next func(int) int) func(i int) {
+		return func(i int) {
+			gs := make([][]SharedRequest, batch)
+			for k := range gs {
+				gs[k] = []SharedRequest{{Scope: policy.ScopeGlobal, ID: rlsID(next(i*batch + k)), Cost: 1, Rules: global}}
+			}
+			for _, o := range l.CountBatch(ctx, gs) {
+				if o.Err != nil || !o.Decision.Allowed {
+					t.Fatal(o.Err)
+				}
+			}
+		}
+	}
+	steady := func(i int) int { return i % users }
+	fresh := users
+	first := func(int) int { fresh++; return fresh }
+	for i := range users / batch { // load the library, create the steady counters
+		reserve(steady)(i)
+		count(steady)(i)
+	}
+	measure := func(op func(int)) float64 {
+		control(t, "-z")
+		for i := range calls / batch {
+			op(i)
+		}
+		return float64(dump(t, dir)) / float64(calls)
+	}
+	t.Logf("callgrind: per decision in batches of %d: steady: user counter (HTTP admit) %.0f, global counter (ShouldRateLimit) %.0f; first touch: %.0f, %.0f instructions",
+		batch, measure(reserve(steady)), measure(count(steady)), measure(reserve(first)), measure(count(first)))
 }
 
 // underCallgrind returns a client of the server bench/callgrind.sh runs
