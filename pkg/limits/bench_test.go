@@ -161,3 +161,57 @@ func BenchmarkSubjectMemory(b *testing.B) {
 	b.ReportMetric(float64(recordBytes)/subjects, "bytes/reservation")
 	b.ReportMetric(float64(correctedBytes)/subjects, "bytes/corrected")
 }
+
+// BenchmarkPeekPage reads the limits of a page of 500 subjects whose blobs
+// exist, as the accounter's GET /v1/usage/near does: by PeekBatch (one
+// pipelined round trip of wire.MaxBatch subjects a script call) and, its
+// baseline, by 500 Peek calls one after another. An op is one page.
+func BenchmarkPeekPage(b *testing.B) {
+	srv := redistest.Start(b)
+	c := srv.Client()
+	ctx := context.Background()
+	if err := c.Set(ctx, wire.SlotEpochKey(wire.TenantSlot("acme")), "bench", 0).Err(); err != nil {
+		b.Fatal(err)
+	}
+	rules := benchRules()
+	l := New(c, Options{})
+	const page = 500
+	reqs := make([]Request, page)
+	for i := range reqs {
+		reqs[i] = Request{Tenant: "acme", User: "user-" + strconv.Itoa(i), Rules: rules}
+		r := reqs[i]
+		r.RequestID, r.Cost = "warm-"+strconv.Itoa(i), 100
+		if d, err := l.Reserve(ctx, r); err != nil || !d.Allowed {
+			b.Fatalf("Reserve = %+v, %v", d, err)
+		}
+	}
+	hook := &redistest.RoundTrips{}
+	c.AddHook(hook)
+	run := func(name string, read func(b *testing.B)) {
+		b.Run(name, func(b *testing.B) {
+			c.ConfigResetStat(ctx)
+			sent := hook.Count()
+			b.ReportAllocs()
+			for b.Loop() {
+				read(b)
+			}
+			usec, _ := commandUsec(b, c, "fcall")
+			b.ReportMetric(usec/float64(b.N), "redis-us/op")
+			b.ReportMetric(float64(hook.Count()-sent-2)/float64(b.N), "roundtrips/op") // -2: CONFIG RESETSTAT, INFO
+		})
+	}
+	run("peekbatch=500", func(b *testing.B) {
+		for _, r := range l.PeekBatch(ctx, reqs) {
+			if r.Err != nil || r.Decision.States[1].Used != 100 {
+				b.Fatalf("PeekBatch = %+v, %v", r.Decision, r.Err)
+			}
+		}
+	})
+	run("peek=500", func(b *testing.B) {
+		for _, r := range reqs {
+			if d, err := l.Peek(ctx, r); err != nil || d.States[1].Used != 100 {
+				b.Fatalf("Peek = %+v, %v", d, err)
+			}
+		}
+	})
+}
