@@ -9,9 +9,9 @@
 //
 // It imports the other internal/ plumbing (obs, server, redisconn,
 // eviction, filewatch) and pkg/ packages, but not pgdb: admission keeps no
-// table, and Postgres's driver and migrations would be ~0.5 MB of its
-// resident memory (pages touched by their initialisers). Only the
-// services' commands and their components import it.
+// table, and Postgres's driver and migrations would add their
+// initialisers' pages to its resident memory (0.3 MiB). Only the services'
+// commands and their components import it.
 package service
 
 import (
