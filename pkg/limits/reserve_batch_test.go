@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -342,5 +343,76 @@ func TestBlobTablesOfEarlierCallsLeaveNoRecordBehind(t *testing.T) {
 	d := limitstest.Peek(t, l, tenant, "u2", both)
 	if d.States[0].Used != 5 || d.States[1].Used != 6 {
 		t.Fatalf("u2 used a %d, b %d; want 5 and 6", d.States[0].Used, d.States[1].Used)
+	}
+}
+
+// TestConcurrentBatchesOfOneSubjectAreExact: the reserves of a few users,
+// 25 each of 62 tokens against a 1000-token rolling window (16 fit), go to
+// one private server in concurrent ReserveBatch calls of 1 to 16 reserves,
+// mixed across users and two plans (a user's blob holds one or two
+// records), with retries of earlier ids, while the engine reuses the
+// tables of blobs earlier calls opened: each user is admitted exactly 16
+// times and Redis holds exactly 16 × 62 of its tokens.
+func TestConcurrentBatchesOfOneSubjectAreExact(t *testing.T) {
+	l := limitstest.At(redistest.Start(t).Client(), 0)
+	month := limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 1 << 40})
+	window := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "30d", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(720 * time.Hour)})
+	hourly := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "hourly", Kind: policy.Fixed, Unit: policy.Requests, Limit: 1000, Window: policy.Duration(time.Hour)})
+	plans := [2][]policy.Rule{{month, window}, {month, window, hourly}}
+	const users, each, cost, workers = 4, 25, 62, 8
+	const fits = 1000 / cost
+	for round := range 5 {
+		tenant := redistest.UniqueName(t) + strconv.Itoa(round)
+		rnd := rand.New(rand.NewPCG(uint64(round), 2))
+		var rs []limits.Request
+		for u := range users {
+			for i := range each {
+				p := rnd.IntN(2)
+				rs = append(rs, limits.Request{Tenant: tenant, User: "u" + strconv.Itoa(u), RequestID: strconv.Itoa(i),
+					Cost: cost, Rules: plans[p], Fingerprint: limits.Fingerprint("/e", strconv.Itoa(p), "", cost), Nonce: int64(len(rs) + 1)})
+			}
+		}
+		for range 20 { // retries: a duplicate once admitted, else decided again
+			r := rs[rnd.IntN(len(rs))]
+			r.Nonce = int64(len(rs) + 1)
+			rs = append(rs, r)
+		}
+		rnd.Shuffle(len(rs), func(i, j int) { rs[i], rs[j] = rs[j], rs[i] })
+
+		var next atomic.Int64 // rs[:next] are taken
+		admitted := make([]atomic.Int64, users)
+		var wg sync.WaitGroup
+		for w := range workers {
+			wg.Go(func() {
+				for size := 1 + w; ; size = size%16 + 1 {
+					end := next.Add(int64(size))
+					start := end - int64(size)
+					if start >= int64(len(rs)) {
+						return
+					}
+					batch := rs[start:min(end, int64(len(rs)))]
+					for i, o := range l.ReserveBatch(context.Background(), batch) {
+						if o.Err != nil {
+							t.Errorf("ReserveBatch[%d] (%s/%s) error = %v", i, batch[i].User, batch[i].RequestID, o.Err)
+							return
+						}
+						if o.Decision.Allowed && !o.Decision.Duplicate {
+							u, _ := strconv.Atoi(strings.TrimPrefix(batch[i].User, "u"))
+							admitted[u].Add(1)
+						}
+					}
+				}
+			})
+		}
+		wg.Wait()
+		for u := range users {
+			user := "u" + strconv.Itoa(u)
+			if n := admitted[u].Load(); n != fits {
+				t.Errorf("round %d: %s admitted %d times, want %d", round, user, n, fits)
+			}
+			if d := limitstest.Peek(t, l, tenant, user, plans[0]); d.States[1].Used != fits*cost {
+				t.Errorf("round %d: %s holds %d tokens, want %d", round, user, d.States[1].Used, fits*cost)
+			}
+		}
 	}
 }
