@@ -21,6 +21,7 @@ import (
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/llmtest"
 	"quotaflow/internal/natstest"
+	"quotaflow/internal/obs"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
@@ -691,6 +692,62 @@ func TestGatewayConcurrentNeverOvershoots(t *testing.T) {
 	}
 	if count[200] != fits || count[429] != n-fits || len(g.up.Requests()) != fits {
 		t.Errorf("answers %v, upstream calls %d; want exactly %d × 200", count, len(g.up.Requests()), fits)
+	}
+}
+
+// TestRunNotReadyBeforeTheGateway: /readyz answers 503 until the LLM
+// gateway, which starts last, takes connections (the hook runs once it
+// listens, before run reports itself started), though the streams were
+// ready long before.
+func TestRunNotReadyBeforeTheGateway(t *testing.T) {
+	redistest.Shared(t)
+	cfg := testConfig(t)
+	_, js := natstest.Connect(t, natstest.URL())
+	cfg.Config = natstest.Streams(t, js, "llmready", stream.Config{})
+	ops, err := e2e.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.OpsAddr = ops
+	cfg.GatewayAddr, cfg.GatewayUpstream = "127.0.0.1:0", llmtest.Start(t).URL
+	cfg.GatewayKeys = []string{"key=t/u"}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// The hook holds run until the test has read /readyz.
+	listening, resume := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, cfg, slog.New(slog.DiscardHandler), hooks{gateway: func(string) {
+			close(listening)
+			<-resume
+		}})
+	}()
+	select {
+	case <-listening:
+	case err := <-done:
+		t.Fatalf("run = %v before the gateway started", err)
+	}
+	var code int
+	var st obs.Status
+	e2e.EventuallyLast(t, "the streams ready", func() (bool, string) {
+		var body string
+		code, body = e2e.Readyz(ops)
+		st = obs.Status{}
+		_ = json.Unmarshal([]byte(body), &st)
+		_, waiting := st.Waiting[readyStreams]
+		return code != 0 && !waiting, fmt.Sprint(code, " ", body)
+	})
+	close(resume)
+	if _, waiting := st.Waiting[readyListening]; code != http.StatusServiceUnavailable || !waiting {
+		t.Errorf("/readyz before admission started = %d %+v, want 503 waiting for %s", code, st, readyListening)
+	}
+	e2e.Eventually(t, "/readyz 200 once started", func() bool {
+		code, _ := e2e.Readyz(ops)
+		return code == http.StatusOK
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("run = %v after cancel", err)
 	}
 }
 

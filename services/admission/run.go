@@ -29,9 +29,15 @@ import (
 	"quotaflow/services/admission/internal/rlsconf"
 )
 
-// readyStreams is the readiness component that turns ready once the
-// streams exist.
-const readyStreams = "nats_streams"
+// The readiness components: readyStreams turns ready once the streams
+// exist, readyListening once every listener (API, gRPC, LLM gateway) takes
+// connections. The gateway starts last, after loading the tokenizer's
+// vocabularies (seconds on a loaded host): a load balancer told ready
+// sooner sends requests to a port nobody listens on.
+const (
+	readyStreams   = "nats_streams"
+	readyListening = "listeners"
+)
 
 // hooks lets tests observe run; main passes none.
 type hooks struct {
@@ -45,7 +51,7 @@ type hooks struct {
 // leases), the outbox (flushed, or spilled), NATS (drained), Redis, the
 // file watchers, the ops server.
 func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
-	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyStreams)
+	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyStreams, readyListening)
 	stack := service.NewStack(log, cfg.ShutdownTimeout, ready)
 	defer stack.Close()
 	m := newMetrics(reg)
@@ -115,6 +121,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 			h.gateway(addr)
 		}
 	}
+	ready.Ready(readyListening)
 	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest())
 	if h.started != nil {
 		h.started(srv.Addr(), ops.Addr())
