@@ -2,9 +2,11 @@ package e2e_test
 
 import (
 	"bufio"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -108,6 +110,10 @@ func TestOpenAINodeSDK(t *testing.T) {
 	s := startStack(t, stackConfig{policy: sdkPolicy, admission: []string{
 		"QF_GATEWAY_ADDR=" + gw, "QF_GATEWAY_UPSTREAM=" + up.URL,
 		"QF_GATEWAY_KEYS=key-alice=sdk/alice,key-dave=sdk/dave,key-erin=sdk/erin",
+		// The default 10 ms sent 20 of the parallel step's 21 reserves to
+		// the local limiter on a loaded host; the step checks Redis's
+		// exact decisions.
+		"QF_REDIS_TIMEOUT=2s",
 	}})
 	run := func(args ...string) *exec.Cmd {
 		cmd := exec.Command(nodeBin, append([]string{"sdk.mjs"}, args...)...)
@@ -161,6 +167,7 @@ func TestOpenAINodeSDK(t *testing.T) {
 	hold, arrived := make(chan struct{}), make(chan struct{}, n)
 	up.Set(llmtest.Behaviour{PromptTokens: input, CompletionTokens: 50, Hold: hold, Arrived: arrived})
 	before := len(up.Requests())
+	m0 := scrape(t, s.admission)
 	cmd := run("parallel", "key-erin", strconv.FormatInt(n, 10))
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -206,11 +213,29 @@ func TestOpenAINodeSDK(t *testing.T) {
 		OK, Denied int64
 		Other      []string
 	}
-	if err := json.Unmarshal([]byte(last), &par); err != nil || par.OK != fits || par.Denied != n-fits || len(par.Other) != 0 {
-		t.Errorf("parallel = %s (%v), want %d admitted and %d denied", last, err, fits, n-fits)
+	if err := json.Unmarshal([]byte(last), &par); err != nil || par.OK+par.Denied != n || len(par.Other) != 0 {
+		t.Fatalf("parallel = %s (%v), want %d calls admitted or denied", last, err, n)
 	}
-	if got := len(up.Requests()) - before; int64(got) != fits {
-		t.Errorf("the stand-in received %d of the parallel calls, want %d", got, fits)
+	// What admission's metrics say of the step's n decisions: all of them
+	// from Redis make the count exact; a call Redis did not answer within
+	// QF_REDIS_TIMEOUT is decided locally (README, When something fails),
+	// and one allowed so holds nothing in Redis until its actual is
+	// charged, so Redis admits up to its limit beside it.
+	dec := decisionsBetween(m0, scrape(t, s.admission))
+	if dec.total() != n || dec.allowed() != par.OK {
+		t.Errorf("parallel = %s; admission's metrics: %v; want %d decisions, as many allowed", last, dec, n)
+	}
+	if dec.localAllowed+dec.localDenied == 0 && par.OK != fits {
+		t.Errorf("parallel = %s, want %d admitted and %d denied; admission's metrics: %v", last, fits, n-fits, dec)
+	}
+	if dec.redisAllowed > fits {
+		t.Errorf("parallel = %s, Redis admitted %d, want at most %d; admission's metrics: %v", last, dec.redisAllowed, fits, dec)
+	}
+	if dec.localAllowed+dec.localDenied > 0 {
+		t.Logf("parallel = %s with local decisions; admission's metrics: %v", last, dec)
+	}
+	if got := len(up.Requests()) - before; int64(got) != par.OK {
+		t.Errorf("the stand-in received %d of the parallel calls, want the %d admitted", got, par.OK)
 	}
 
 	// A 429 is the SDK's RateLimitError, with retry-after.
@@ -226,7 +251,7 @@ func TestOpenAINodeSDK(t *testing.T) {
 	want := map[string][2]int64{ // user: actual events, tokens
 		"alice": {2, 2 * (prompt + completion)},
 		"dave":  {1, input + 2},
-		"erin":  {fits, fits * estimate},
+		"erin":  {par.OK, par.OK * estimate},
 	}
 	for user, w := range want {
 		e2e.EventuallyLast(t, user+"'s actual events in the ledger", func() (bool, string) {
@@ -237,4 +262,71 @@ func TestOpenAINodeSDK(t *testing.T) {
 			t.Errorf("ledger of %s: %d actual events, %d tokens; want %d, %d", user, n, tokens, w[0], w[1])
 		}
 	}
+	// Redis agrees once the lost reserves of local decisions are voided:
+	// each admitted call holds its actual, once.
+	e2e.EventuallyLast(t, "erin's tokens in Redis", func() (bool, string) {
+		used := s.as(t, "").used(tenant, "erin", "", "tokens")
+		return used == par.OK*estimate, fmt.Sprintf("%d used, want %d", used, par.OK*estimate)
+	})
+}
+
+// scrape reads every series of svc's /metrics.
+func scrape(t *testing.T, svc *e2e.Service) []e2e.Sample {
+	t.Helper()
+	samples, err := e2e.Scrape(context.Background(), svc.Ops)
+	if err != nil {
+		t.Fatalf("%s metrics: %v", svc.Name, err)
+	}
+	return samples
+}
+
+// decisions is what admission's metrics counted between two scrapes: its
+// decisions by Redis and without it (result="failopen", scope "none" when
+// allowed), and what sends decisions to the local limiter.
+type decisions struct {
+	redisAllowed, redisDenied, localAllowed, localDenied int64
+	// reserveErrors are Reserve calls that failed or timed out
+	// (quotaflow_redis_errors_total); voids, by result, the lost ones made
+	// to agree with a local decision; breaker its state at the second
+	// scrape (0 closed, 2 open); calls went to Redis in batches round trips.
+	reserveErrors, calls, batches int64
+	voids                         string
+	breaker                       float64
+}
+
+func decisionsBetween(before, after []e2e.Sample) decisions {
+	delta := func(name string, labels ...string) int64 {
+		return int64(e2e.Sum(after, name, labels...) - e2e.Sum(before, name, labels...))
+	}
+	const made = "quotaflow_admission_decisions_total"
+	d := decisions{
+		redisAllowed:  delta(made, "result", "allowed") + delta(made, "result", "shadow_denied"),
+		redisDenied:   delta(made, "result", "denied"),
+		localAllowed:  delta(made, "result", "failopen", "scope", "none"),
+		reserveErrors: delta("quotaflow_redis_errors_total", "op", "reserve"),
+		breaker:       e2e.Sum(after, "quotaflow_admission_breaker_state"),
+		batches:       delta("quotaflow_admission_reserve_batch_size_count"),
+		calls:         delta("quotaflow_admission_reserve_batch_size_sum"),
+	}
+	d.localDenied = delta(made, "result", "failopen") - d.localAllowed
+	for _, r := range []string{"voided", "marked", "left", "retry", "dropped", "invalid"} {
+		if n := delta("quotaflow_admission_reserve_voids_total", "result", r); n != 0 {
+			d.voids += fmt.Sprintf(" %s=%d", r, n)
+		}
+	}
+	if d.voids == "" {
+		d.voids = " none"
+	}
+	return d
+}
+
+func (d decisions) total() int64 {
+	return d.redisAllowed + d.redisDenied + d.localAllowed + d.localDenied
+}
+
+func (d decisions) allowed() int64 { return d.redisAllowed + d.localAllowed }
+
+func (d decisions) String() string {
+	return fmt.Sprintf("by Redis %d allowed, %d denied; locally %d allowed, %d denied; %d reserve errors; voids:%s; breaker %v; %d calls in %d reserve round trips",
+		d.redisAllowed, d.redisDenied, d.localAllowed, d.localDenied, d.reserveErrors, d.voids, d.breaker, d.calls, d.batches)
 }
