@@ -118,7 +118,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 		// locally until an accounter has marked the Redis.
 		{"accounter", []string{"QF_OPS_ADDR=" + addr["accounter"], "QF_DURABLE=" + n.durable, "QF_CONSOLE_ADDR=" + addr["console"],
 			"QF_API_TOKENS=" + n.consoleTokens()}},
-		{"alerter", []string{"QF_OPS_ADDR=" + addr["alerter"], "QF_WEBHOOKS_FILE=" + hooks,
+		{"alerter", []string{"QF_OPS_ADDR=" + addr["alerter"], "QF_ALERTS_ADDR=127.0.0.1:0", "QF_WEBHOOKS_FILE=" + hooks,
 			"QF_CONSUMER=alerter-" + n.run, "QF_DELIVERY_POLL=500ms"}},
 		{"admission", []string{"QF_OPS_ADDR=" + addr["admission"], "QF_ADMISSION_ADDR=" + addr["api"],
 			"QF_API_TOKENS=" + n.token, "QF_SPILL_DIR=" + filepath.Join(dir, "spill"),

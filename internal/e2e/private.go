@@ -119,7 +119,9 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 	if p.Accounter, err = start("accounter", addrs[0], append([]string{"QF_CONSOLE_ADDR=" + console}, cfg.AccounterEnv...)...); err != nil {
 		return p, err
 	}
-	alerterEnv := cfg.AlerterEnv
+	// The alerter's alerts API on a free port of its own: the default
+	// (:8082) would clash between stacks.
+	alerterEnv := append([]string{"QF_ALERTS_ADDR=127.0.0.1:0"}, cfg.AlerterEnv...)
 	if cfg.Webhooks != "" {
 		hooks := filepath.Join(dir, "webhooks.yaml")
 		if err := os.WriteFile(hooks, []byte(cfg.Webhooks), 0o600); err != nil {

@@ -4,12 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/netip"
 	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"quotaflow/internal/alertlog"
 	"quotaflow/internal/auth"
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
@@ -38,6 +38,13 @@ type Config struct {
 	ConsoleAddr string `envconfig:"CONSOLE_ADDR" default:":8081"`
 	// Tokens are QF_API_TOKENS and QF_API_TOKENS_FILE, admission's tokens.
 	auth.Tokens
+	// AlerterURL is the alerter's alerts API (its QF_ALERTS_ADDR), which
+	// the console's alerts and GET /v1/alerts read, with the viewer's own
+	// token, when set; empty reads the alerter's outbox in the ledger's
+	// database (503 when it is elsewhere).
+	AlerterURL string `envconfig:"ALERTER_URL"`
+	// AlerterTimeout bounds one request to AlerterURL.
+	AlerterTimeout time.Duration `envconfig:"ALERTER_TIMEOUT"`
 
 	// Durable is the consumer's durable name; every accounter instance
 	// shares it to split the stream.
@@ -80,7 +87,7 @@ func defaults() Config {
 		Policy: config.DefaultPolicy, Log: config.DefaultLog,
 		Workers: consume.DefaultWorkers, BatchSize: consume.DefaultBatchSize, BatchWait: consume.DefaultBatchWait,
 		ReservationTTL:  limits.DefaultReservationTTL,
-		ShutdownTimeout: config.DefaultShutdownTimeout,
+		ShutdownTimeout: config.DefaultShutdownTimeout, AlerterTimeout: alertlog.DefaultTimeout,
 	}
 }
 
@@ -101,6 +108,11 @@ func (c *Config) Validate() error {
 		bad("CONSOLE_ADDR", "must differ from QF_OPS_ADDR")
 	}
 	errs = append(errs, c.Tokens.Validate())
+	if c.AlerterURL != "" {
+		if err := alertlog.CheckURL(c.AlerterURL); err != nil {
+			bad("ALERTER_URL", "%v", err)
+		}
+	}
 	if c.Durable == "" {
 		bad("DURABLE", "required")
 	}
@@ -119,7 +131,8 @@ func (c *Config) Validate() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
-	}{{"EXPIRY_INTERVAL", c.ExpiryInterval}, {"EPOCH_INTERVAL", c.EpochInterval}, {"SHUTDOWN_TIMEOUT", c.ShutdownTimeout}} {
+	}{{"EXPIRY_INTERVAL", c.ExpiryInterval}, {"EPOCH_INTERVAL", c.EpochInterval}, {"SHUTDOWN_TIMEOUT", c.ShutdownTimeout},
+		{"ALERTER_TIMEOUT", c.AlerterTimeout}} {
 		if d.v <= 0 {
 			bad(d.name, "must be positive")
 		}
@@ -132,25 +145,12 @@ func (c *Config) Validate() error {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
-	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "console_addr", c.ConsoleAddr, "api_tokens_file", c.APITokensFile},
+	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "console_addr", c.ConsoleAddr, "api_tokens_file", c.APITokensFile,
+		"alerter_url", c.AlerterURL},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.Postgres.LogArgs(), c.NATS.LogArgs(), []any{
 			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
 			"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
 			"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair})
-}
-
-// consoleAddr is where the console listens: ConsoleAddr, on loopback only
-// when nothing authenticates its requests (authenticated false), since
-// every request would then read every tenant.
-func (c Config) consoleAddr(authenticated bool) string {
-	host, port, err := net.SplitHostPort(c.ConsoleAddr)
-	if authenticated || err != nil {
-		return c.ConsoleAddr
-	}
-	if ip, err := netip.ParseAddr(host); err == nil && ip.IsLoopback() || host == "localhost" {
-		return c.ConsoleAddr
-	}
-	return net.JoinHostPort("127.0.0.1", port)
 }
 
 // poolSize lets each worker hold a connection for its batch's

@@ -59,26 +59,3 @@ func TestConfigValidate(t *testing.T) {
 		})
 	}
 }
-
-func TestConsoleAddr(t *testing.T) {
-	for _, tc := range []struct {
-		addr          string
-		authenticated bool
-		want          string
-	}{
-		{":8081", true, ":8081"},
-		{":8081", false, "127.0.0.1:8081"},
-		{"0.0.0.0:8081", false, "127.0.0.1:8081"},
-		{"[::]:8081", false, "127.0.0.1:8081"},
-		{"192.0.2.7:8081", false, "127.0.0.1:8081"},
-		{"127.0.0.1:8081", false, "127.0.0.1:8081"},
-		{"[::1]:8081", false, "[::1]:8081"},
-		{"localhost:8081", false, "localhost:8081"},
-		{"192.0.2.7:8081", true, "192.0.2.7:8081"},
-	} {
-		c := Config{ConsoleAddr: tc.addr}
-		if got := c.consoleAddr(tc.authenticated); got != tc.want {
-			t.Errorf("consoleAddr(%q, authenticated %v) = %q, want %q", tc.addr, tc.authenticated, got, tc.want)
-		}
-	}
-}

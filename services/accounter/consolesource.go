@@ -5,6 +5,7 @@ import (
 	"errors"
 	"time"
 
+	"quotaflow/internal/alertlog"
 	"quotaflow/services/accounter/internal/console"
 	"quotaflow/services/accounter/internal/history"
 )
@@ -14,7 +15,8 @@ import (
 // signed-in principal the console puts in ctx (history's one scoping
 // check), so a page cannot read a tenant its token may not.
 type consoleSource struct {
-	rd *history.Reader
+	rd     *history.Reader
+	alerts history.AlertSource // rd, or the alerter's API
 }
 
 // errNoPrincipal is a call outside a signed-in page: the console's bug.
@@ -126,16 +128,22 @@ func (s consoleSource) Denials(ctx context.Context, tenant string, from, to time
 	return out, nil
 }
 
+// Alerts reads from s.alerts with the viewer's own token; an alerter that
+// does not answer, or refuses, is said on the page.
 func (s consoleSource) Alerts(ctx context.Context, tenant string, limit int) ([]console.Alert, error) {
 	t, err := s.tenant(ctx, tenant)
 	if err != nil {
 		return nil, err
 	}
-	as, err := s.rd.Alerts(ctx, t, history.Page{Limit: limit})
-	if errors.Is(err, history.ErrNoAlerts) {
+	as, err := s.alerts.Alerts(ctx, console.Authorization(ctx), t, history.Page{Limit: limit})
+	switch {
+	case errors.Is(err, alertlog.ErrNoOutbox):
 		return nil, console.ErrNotAvailable
-	}
-	if err != nil {
+	case errors.Is(err, alertlog.ErrUnreachable):
+		return nil, &console.SourceDown{Why: "The alerter (QF_ALERTER_URL) cannot be reached; try again.", Err: err}
+	case errors.Is(err, alertlog.ErrBadAnswer):
+		return nil, &console.SourceDown{Why: "Alerts are not available: " + err.Error() + ".", Err: err}
+	case err != nil:
 		return nil, err
 	}
 	out := make([]console.Alert, len(as))

@@ -10,7 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"quotaflow/internal/auth"
+	"quotaflow/internal/alertlog"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
 	"quotaflow/internal/service"
@@ -122,20 +122,24 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 
 // startConsole authenticates with admission's tokens and serves the
 // console on cfg.ConsoleAddr, on loopback only when no token is configured
-// (a warning says so). It returns the bound address.
+// (a warning says so). Its alerts come from the alerter's API when
+// QF_ALERTER_URL is set. It returns the bound address.
 func startConsole(stack *service.Stack, cfg Config, log *slog.Logger, rd *history.Reader) (string, error) {
-	tokens, err := auth.New(cfg.Tokens.Options(log, nil))
+	tokens, err := service.OpenTokens(stack, cfg.Tokens, log)
 	if err != nil {
 		return "", err
 	}
-	stack.Go("tokens file", tokens.Watch)
-	addr := cfg.consoleAddr(tokens != nil)
-	if addr != cfg.ConsoleAddr {
-		log.Warn("no API token is configured (QF_API_TOKENS, QF_API_TOKENS_FILE): the console reads every tenant and listens on loopback only", "console_addr", addr)
+	var alerts history.AlertSource = rd
+	if cfg.AlerterURL != "" {
+		c, err := alertlog.NewClient(cfg.AlerterURL, cfg.AlerterTimeout)
+		if err != nil {
+			return "", fmt.Errorf("QF_ALERTER_URL: %w", err)
+		}
+		alerts = history.Alerter{Client: c}
 	}
-	srv, err := service.Listen(stack, "console", addr, history.NewHandler(history.Options{
-		Reader: rd, Auth: tokens, Log: log,
-		Pages: console.New(console.Options{Auth: tokens, Source: consoleSource{rd}, Log: log}),
+	srv, err := service.ListenAPI(stack, "console", "console_addr", cfg.ConsoleAddr, tokens, history.NewHandler(history.Options{
+		Reader: rd, Alerts: alerts, Auth: tokens, Log: log,
+		Pages: console.New(console.Options{Auth: tokens, Source: consoleSource{rd, alerts}, Log: log}),
 	}))
 	if err != nil {
 		return "", err

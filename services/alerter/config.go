@@ -3,9 +3,11 @@ package main
 import (
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"time"
 
+	"quotaflow/internal/auth"
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
 	"quotaflow/services/alerter/internal/deliver"
@@ -27,6 +29,14 @@ type Config struct {
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9092"`
 	// Ops holds the ops port's other settings: QF_PPROF.
 	obs.Ops
+	// AlertsAddr is where GET /v1/alerts serves tenants' recent alerts
+	// (package alertlog), for the accounter's console when the outbox is
+	// not in its database. Without a token configured it listens on
+	// loopback only: its host is replaced by 127.0.0.1, with a warning.
+	AlertsAddr string `envconfig:"ALERTS_ADDR" default:":8082"`
+	// Tokens are QF_API_TOKENS and QF_API_TOKENS_FILE, admission's tokens,
+	// which scope AlertsAddr as they scope the accounter's console.
+	auth.Tokens
 	// WebhooksFile is the YAML list of webhook endpoints (docs/design.md §7);
 	// empty means none (alerts are detected and counted, not sent). It is
 	// reloaded when it changes and on SIGHUP.
@@ -93,6 +103,12 @@ func defaults() Config {
 func (c Config) Validate() error {
 	errs := []error{c.NATS.Validate(), c.Postgres.Validate(), c.Log.Validate()}
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if _, port, err := net.SplitHostPort(c.AlertsAddr); err != nil {
+		bad("QF_ALERTS_ADDR %q: want host:port or :port", c.AlertsAddr)
+	} else if c.AlertsAddr == c.OpsAddr && port != "0" { // port 0: each its own free port
+		bad("QF_ALERTS_ADDR: must differ from QF_OPS_ADDR")
+	}
+	errs = append(errs, c.Tokens.Validate())
 	if c.Consumer == "" {
 		bad("QF_CONSUMER: required")
 	}
@@ -138,7 +154,7 @@ func (c Config) Validate() error {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
-	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof}, c.Postgres.LogArgs(), c.NATS.LogArgs(),
+	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "alerts_addr", c.AlertsAddr, "api_tokens_file", c.APITokensFile}, c.Postgres.LogArgs(), c.NATS.LogArgs(),
 		[]any{"consumer", c.Consumer, "webhooks_file", c.WebhooksFile, "policy_file", c.PolicyFile})
 }
 

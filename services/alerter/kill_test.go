@@ -41,7 +41,7 @@ func TestKilledMidDelivery(t *testing.T) {
 		cmd.Env = append(os.Environ(),
 			"QF_NATS_URL="+c.NATSURL, "QF_POSTGRES_URL="+c.PostgresURL, "QF_STREAM="+c.Stream,
 			"QF_DLQ_STREAM="+c.DLQStream, "QF_SUBJECT_PREFIX="+c.SubjectPrefix, "QF_CONSUMER="+c.Consumer,
-			"QF_OPS_ADDR="+ops, "QF_WEBHOOKS_FILE="+c.WebhooksFile, "QF_LOG_LEVEL=warn",
+			"QF_OPS_ADDR="+ops, "QF_ALERTS_ADDR=127.0.0.1:0", "QF_WEBHOOKS_FILE="+c.WebhooksFile, "QF_LOG_LEVEL=warn",
 			"QF_ACK_WAIT=2s", "QF_MAX_DELIVER=5", "QF_DELIVERY_TIMEOUT=1s",
 			"QF_DELIVERY_MIN_BACKOFF=20ms", "QF_DELIVERY_MAX_BACKOFF=100ms", "QF_DELIVERY_POLL=50ms")
 		if err := cmd.Start(); err != nil {

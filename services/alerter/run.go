@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/internal/alertlog"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/pgdb"
 	"quotaflow/internal/service"
@@ -27,12 +28,14 @@ const (
 
 // hooks lets tests observe run; main passes none.
 type hooks struct {
-	started func(ops string) // told the bound ops address (tests listen on port 0)
+	started func(ops string)  // told the bound ops address (tests listen on port 0)
+	alerts  func(addr string) // told the alerts API's bound address
 }
 
 // run wires the alerter and consumes until ctx ends; then the stack stops
 // what it started in reverse: detection and delivery (attempts in flight
-// are retried after their lease), NATS drained, Postgres, the ops server.
+// are retried after their lease), NATS drained, the alerts API, Postgres,
+// the ops server.
 // Stopped while it waits for Postgres or NATS, it returns nil.
 func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyPostgres, readyConsumer)
@@ -55,6 +58,17 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return nil
 	}
 	st := store.New(pool)
+	tokens, err := service.OpenTokens(stack, cfg.Tokens, log)
+	if err != nil {
+		return err
+	}
+	api, err := service.ListenAPI(stack, "alerts API", "alerts_addr", cfg.AlertsAddr, tokens, alertlog.NewHandler(pool, tokens, log))
+	if err != nil {
+		return err
+	}
+	if h.alerts != nil {
+		h.alerts(api.Addr())
+	}
 	dl, err := deliver.New(st, webhooks, cfg.deliverOptions(), log, reg)
 	if err != nil {
 		return err

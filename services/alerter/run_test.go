@@ -133,6 +133,8 @@ type env struct {
 	js   jetstream.JetStream
 	pub  *stream.Publisher
 	recv *receiver
+	// alerts is the alerts API's address of the last start.
+	alerts string
 }
 
 func newEnv(t testing.TB, webhooks string) *env {
@@ -153,7 +155,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 
 	cfg := Config{
 		NATS: config.NATS{NATSURL: natstest.URL(), Config: ec}, Postgres: config.Postgres{PostgresURL: pgURL},
-		Consumer: "alerter", Log: config.Log{LogLevel: "debug"}, OpsAddr: "127.0.0.1:0", WebhooksFile: file,
+		Consumer: "alerter", Log: config.Log{LogLevel: "debug"}, OpsAddr: "127.0.0.1:0", AlertsAddr: "127.0.0.1:0", WebhooksFile: file,
 		Hysteresis: 5, SpikeRate: 0.05, SpikeMinRequests: 10, SpikeWindow: 5 * time.Minute,
 		EvalInterval: 50 * time.Millisecond, AbuseBurst: 50, AbuseWindow: time.Minute, TopTenants: 10,
 		DeliveryTimeout: 2 * time.Second, DeliveryMinBackoff: 20 * time.Millisecond,
@@ -178,7 +180,10 @@ func (e *env) start(logs io.Writer) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	opsc := make(chan string, 1)
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, e.cfg, log, hooks{started: func(ops string) { opsc <- ops }}) }()
+	alertsc := make(chan string, 1)
+	go func() {
+		done <- run(ctx, e.cfg, log, hooks{started: func(ops string) { opsc <- ops }, alerts: func(a string) { alertsc <- a }})
+	}()
 	var ops string
 	select {
 	case ops = <-opsc:
@@ -200,6 +205,7 @@ func (e *env) start(logs io.Writer) (stop func()) {
 		code, _ := e2e.Readyz(ops)
 		return code == http.StatusOK
 	})
+	e.alerts = <-alertsc // listening before the consumer, so before ready
 	if e.pg == nil {
 		pool, err := pgxpool.New(context.Background(), e.cfg.PostgresURL)
 		if err != nil {

@@ -40,9 +40,12 @@ const CookieName = history.CookieName
 // the page says so rather than show numbers.
 var ErrNotAvailable = errors.New("not available")
 
-// principalKey keys the signed-in token's auth.Principal in a request's
-// context.
-type principalKey struct{}
+// principalKey and authorizationKey key the signed-in token's
+// auth.Principal and the token itself in a request's context.
+type (
+	principalKey     struct{}
+	authorizationKey struct{}
+)
 
 // Principal returns the signed-in token's principal that the page calling
 // a Source runs for, so the Source can check its tenant again.
@@ -50,6 +53,24 @@ func Principal(ctx context.Context) (auth.Principal, bool) {
 	p, ok := ctx.Value(principalKey{}).(auth.Principal)
 	return p, ok
 }
+
+// Authorization returns the signed-in token as an Authorization header's
+// value, for a Source that reads from another service with the viewer's
+// own token (the alerter's API).
+func Authorization(ctx context.Context) string {
+	a, _ := ctx.Value(authorizationKey{}).(string)
+	return a
+}
+
+// SourceDown is a Source's error when the service it reads from does not
+// answer: the page says Why (no secret, no internal detail), with a 503.
+type SourceDown struct {
+	Why string
+	Err error // logged
+}
+
+func (e *SourceDown) Error() string { return e.Why + ": " + e.Err.Error() }
+func (e *SourceDown) Unwrap() error { return e.Err }
 
 // Tokens authenticates a bare token, as the cookie carries it
 // (*auth.Auth; nil there is no authentication: the console then listens on

@@ -98,7 +98,8 @@ func (h *Handler) render(w http.ResponseWriter, r *http.Request, code int, name 
 }
 
 // fail answers a request whose source call failed: 400 for a bad
-// parameter, else 503.
+// parameter, else 503, the error page saying why when the source said
+// (SourceDown).
 func (h *Handler) fail(w http.ResponseWriter, r *http.Request, p page, err error) {
 	if bp, ok := errors.AsType[badParam](err); ok {
 		p.Error = string(bp)
@@ -107,6 +108,9 @@ func (h *Handler) fail(w http.ResponseWriter, r *http.Request, p page, err error
 	}
 	h.log.Error("console: read", "path", r.URL.Path, "err", err)
 	p.Error = "The ledger or Redis could not be read; try again."
+	if sd, ok := errors.AsType[*SourceDown](err); ok {
+		p.Error = sd.Why
+	}
 	h.render(w, r, http.StatusServiceUnavailable, "error", p)
 }
 

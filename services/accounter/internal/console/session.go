@@ -97,7 +97,10 @@ func (h *Handler) signedIn(next func(http.ResponseWriter, *http.Request, auth.Pr
 			http.Redirect(w, r, "/signin", http.StatusSeeOther)
 			return
 		}
-		next(w, r.WithContext(context.WithValue(r.Context(), principalKey{}, p)), p)
+		c, _ := r.Cookie(CookieName) // signedInAs found it
+		ctx := context.WithValue(r.Context(), principalKey{}, p)
+		ctx = context.WithValue(ctx, authorizationKey{}, "Bearer "+c.Value)
+		next(w, r.WithContext(ctx), p)
 	}
 }
 

@@ -2,14 +2,21 @@ package history_test
 
 import (
 	"context"
-	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"net/url"
-	"os"
-	"path/filepath"
-	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"quotaflow/internal/alertlog"
+	"quotaflow/internal/alertlog/alertlogtest"
+	"quotaflow/internal/auth"
+	"quotaflow/internal/pgtest"
 	"quotaflow/services/accounter/internal/history"
 )
 
@@ -18,43 +25,17 @@ import (
 // webhooks it went to, newest first, and never another tenant's.
 func TestAlertsShared(t *testing.T) {
 	w := newWorld(t)
-	ctx := context.Background()
-	// The alerter's own schema, from its migrations (the accounter cannot
-	// import the alerter's store).
-	files, err := filepath.Glob("../../../alerter/internal/store/migrations/*.sql")
-	if err != nil || len(files) == 0 {
-		t.Fatalf("the alerter's migrations: %v, %v", files, err)
-	}
-	slices.Sort(files)
-	for _, f := range files {
-		sql, err := os.ReadFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := w.pool.Exec(ctx, string(sql)); err != nil {
-			t.Fatalf("%s: %v", f, err)
-		}
-	}
-	enqueue := func(id, tenant, user string, threshold int, at time.Time, webhooks ...string) {
-		body := fmt.Sprintf(`{"id":%q,"type":"quota.threshold","timestamp":%q,"data":{"tenant":%q,"user":%q,"limit_name":"daily","threshold":%d}}`,
-			id, at.Format(time.RFC3339), tenant, user, threshold)
-		for _, wh := range webhooks {
-			if _, err := w.pool.Exec(ctx, `INSERT INTO webhook_outbox (alert_id, webhook, kind, tenant, payload, created_at)
-				VALUES ($1, $2, 'quota.threshold', $3, $4, $5)`, id, wh, tenant, []byte(body), at); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	enqueue("a1", "acme", "u1", 80, day0, "ops", "pager")
-	enqueue("a2", "acme", "u1", 90, day0.Add(time.Minute), "ops", "pager")
-	enqueue("a3", "acme", "u2", 100, day0.Add(2*time.Minute), "ops")
-	enqueue("b1", "beta", "u1", 80, day0.Add(3*time.Minute), "ops")
+	alertlogtest.Migrate(t, w.pool)
+	alertlogtest.Threshold(t, w.pool, "a1", "acme", "u1", 80, day0, "ops", "pager")
+	alertlogtest.Threshold(t, w.pool, "a2", "acme", "u1", 90, day0.Add(time.Minute), "ops", "pager")
+	alertlogtest.Threshold(t, w.pool, "a3", "acme", "u2", 100, day0.Add(2*time.Minute), "ops")
+	alertlogtest.Threshold(t, w.pool, "b1", "beta", "u1", 80, day0.Add(3*time.Minute), "ops")
 
-	var got struct{ Alerts []history.Alert }
+	var got struct{ Alerts []alertlog.Alert }
 	if code := w.get(acmeToken, "/v1/alerts", url.Values{"tenant": {"acme"}, "limit": {"2"}}, &got); code != 200 {
 		t.Fatalf("status %d", code)
 	}
-	want := []history.Alert{{ID: "a3", At: day0.Add(2 * time.Minute), Kind: "quota.threshold", User: "u2", Limit: "daily", Threshold: 100},
+	want := []alertlog.Alert{{ID: "a3", At: day0.Add(2 * time.Minute), Kind: "quota.threshold", User: "u2", Limit: "daily", Threshold: 100},
 		{ID: "a2", At: day0.Add(time.Minute), Kind: "quota.threshold", User: "u1", Limit: "daily", Threshold: 90}}
 	if len(got.Alerts) != 2 {
 		t.Fatalf("alerts = %v, want %v", got.Alerts, want)
@@ -72,5 +53,61 @@ func TestAlertsShared(t *testing.T) {
 	}
 	if code := w.get(acmeToken, "/v1/alerts", url.Values{"tenant": {"beta"}}, nil); code != 403 {
 		t.Errorf("acme's token for beta's alerts = %d, want 403", code)
+	}
+}
+
+// TestAlertsForwarded: with the alerts read from the alerter's API, the
+// accounter presents the viewer's own token (its header, or its console
+// cookie's): an alerter that knows only the admin's token serves the admin
+// and refuses acme's, which the accounter answers 502 with the alerter's
+// reason.
+func TestAlertsForwarded(t *testing.T) {
+	adb := pgtest.Pool(t, "alerterdb", func(context.Context, *pgxpool.Pool, *slog.Logger) error { return nil })
+	alertlogtest.Migrate(t, adb)
+	alertlogtest.Threshold(t, adb, "a1", "acme", "u1", 80, day0, "ops")
+	onlyAdmin, err := auth.New(auth.Options{Tokens: []string{adminToken + "#admin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	alerter := httptest.NewServer(alertlog.NewHandler(adb, onlyAdmin, nil))
+	t.Cleanup(alerter.Close)
+	c, err := alertlog.NewClient(alerter.URL, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := newWorld(t)
+	a, err := auth.New(auth.Options{Tokens: []string{adminToken + "#admin", acmeToken + "@acme#gateway"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.srv = httptest.NewServer(history.NewHandler(history.Options{Reader: history.NewReader(w.pool, history.WindowsSource{Limiter: w.lim, Policy: w.pol.Load}), Alerts: history.Alerter{Client: c}, Auth: a}))
+	t.Cleanup(w.srv.Close)
+
+	var got alertlog.List
+	if code := w.get(adminToken, "/v1/alerts", url.Values{"tenant": {"acme"}}, &got); code != 200 || len(got.Alerts) != 1 || got.Alerts[0].ID != "a1" {
+		t.Errorf("admin's alerts = %d %v, want 200 [a1]", code, got.Alerts)
+	}
+	for _, tc := range []struct {
+		name string
+		set  func(*http.Request)
+		code int
+		says string
+	}{
+		{"acme's token, one the alerter does not know", func(r *http.Request) { r.Header.Set("Authorization", "Bearer "+acmeToken) },
+			502, "401 Unauthorized: a known token is required"},
+		{"the admin's console cookie", func(r *http.Request) { r.AddCookie(&http.Cookie{Name: history.CookieName, Value: adminToken}) },
+			200, `"id":"a1"`},
+	} {
+		req, _ := http.NewRequest("GET", w.srv.URL+"/v1/alerts?tenant=acme", nil)
+		tc.set(req)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tc.code || !strings.Contains(string(body), tc.says) {
+			t.Errorf("%s: GET /v1/alerts = %d %s, want %d saying %q", tc.name, resp.StatusCode, body, tc.code, tc.says)
+		}
 	}
 }

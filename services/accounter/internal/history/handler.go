@@ -1,18 +1,22 @@
 package history
 
 import (
-	"encoding/json"
 	"errors"
 	"log/slog"
 	"net/http"
 
+	"quotaflow/internal/alertlog"
 	"quotaflow/internal/auth"
+	"quotaflow/internal/server"
 )
 
 // Options configure a Handler.
 type Options struct {
 	// Reader runs the queries.
 	Reader *Reader
+	// Alerts reads the recent alerts; nil is Reader (the alerter's outbox
+	// in the ledger's database).
+	Alerts AlertSource
 	// Auth checks the tokens; nil is no authentication (every request reads
 	// every tenant: listen on loopback only).
 	Auth *auth.Auth
@@ -37,6 +41,9 @@ func NewHandler(o Options) *Handler {
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
+	if o.Alerts == nil {
+		o.Alerts = o.Reader
+	}
 	h := &Handler{o: o, mux: http.NewServeMux()}
 	h.mux.HandleFunc("GET /v1/usage/history", h.history)
 	h.mux.HandleFunc("GET /v1/usage/top", h.top)
@@ -46,7 +53,7 @@ func NewHandler(o Options) *Handler {
 	h.mux.HandleFunc("GET /v1/alerts", h.alerts)
 	h.mux.HandleFunc("GET /v1/tenants", h.tenants)
 	h.mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) {
-		problem(w, http.StatusNotFound, "no such API path")
+		server.Problem(w, http.StatusNotFound, "no such API path")
 	})
 	h.mux.Handle("/", o.Pages)
 	return h
@@ -59,7 +66,7 @@ func (h *Handler) viewer(w http.ResponseWriter, r *http.Request) (Viewer, bool) 
 	v, ok := Authenticate(h.o.Auth, r)
 	if !ok {
 		w.Header().Set("WWW-Authenticate", `Bearer realm="quotaflow console"`)
-		problem(w, http.StatusUnauthorized, "a known token is required (Authorization: Bearer, or the console's cookie)")
+		server.Problem(w, http.StatusUnauthorized, "a known token is required (Authorization: Bearer, or the console's cookie)")
 	}
 	return v, ok
 }
@@ -96,47 +103,34 @@ func (h *Handler) history(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, struct {
+	server.JSON(w, http.StatusOK, struct {
 		Points []Point `json:"points"`
 	}{points})
 }
 
 // fail answers err: 400 for a bad parameter, 403 for a tenant the token
-// may not read, 503 for alerts kept elsewhere or Redis unread (logged),
-// else 500 (logged; its text stays in the log).
+// may not read, 503 for alerts kept elsewhere, an alerter that does not
+// answer or Redis unread (logged), 502 for the alerter's refusal or a bad
+// answer (its reason said), else 500 (logged; its text stays in the log).
 func (h *Handler) fail(w http.ResponseWriter, err error) {
 	var pe *ParamError
 	switch {
 	case errors.As(err, &pe):
-		problem(w, http.StatusBadRequest, pe.Error())
+		server.Problem(w, http.StatusBadRequest, pe.Error())
 	case errors.Is(err, ErrForbidden):
-		problem(w, http.StatusForbidden, err.Error())
-	case errors.Is(err, ErrNoAlerts):
-		problem(w, http.StatusServiceUnavailable, err.Error())
+		server.Problem(w, http.StatusForbidden, err.Error())
+	case errors.Is(err, alertlog.ErrNoOutbox):
+		server.Problem(w, http.StatusServiceUnavailable, "the alerter's outbox is not in the accounter's database and QF_ALERTER_URL is not set")
+	case errors.Is(err, alertlog.ErrUnreachable):
+		h.o.Log.Error("alerter not reachable", "err", err)
+		server.Problem(w, http.StatusServiceUnavailable, "the alerter (QF_ALERTER_URL) cannot be reached; see the accounter's log")
+	case errors.Is(err, alertlog.ErrBadAnswer):
+		server.Problem(w, http.StatusBadGateway, err.Error())
 	case errors.Is(err, ErrRedis):
 		h.o.Log.Error("console read of Redis failed", "err", err)
-		problem(w, http.StatusServiceUnavailable, ErrRedis.Error()+"; try again")
+		server.Problem(w, http.StatusServiceUnavailable, ErrRedis.Error()+"; try again")
 	default:
 		h.o.Log.Error("console query failed", "err", err)
-		problem(w, http.StatusInternalServerError, "the query failed; see the accounter's log")
+		server.Problem(w, http.StatusInternalServerError, "the query failed; see the accounter's log")
 	}
-}
-
-func writeJSON(w http.ResponseWriter, status int, body any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Cache-Control", "no-store")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(body)
-}
-
-// problem writes an RFC 9457 problem.
-func problem(w http.ResponseWriter, status int, detail string) {
-	w.Header().Set("Content-Type", "application/problem+json")
-	w.Header().Set("Cache-Control", "no-store")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(struct {
-		Title  string `json:"title"`
-		Status int    `json:"status"`
-		Detail string `json:"detail"`
-	}{http.StatusText(status), status, detail})
 }

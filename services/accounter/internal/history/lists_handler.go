@@ -3,6 +3,9 @@ package history
 import (
 	"net/http"
 	"net/url"
+
+	"quotaflow/internal/alertlog"
+	"quotaflow/internal/server"
 )
 
 // rangedPage authenticates r, and reads its tenant, range (rounded to
@@ -39,7 +42,7 @@ func (h *Handler) top(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, struct {
+	server.JSON(w, http.StatusOK, struct {
 		Users []UserTotal `json:"users"`
 	}{nonNil(users)})
 }
@@ -55,7 +58,7 @@ func (h *Handler) denials(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, struct {
+	server.JSON(w, http.StatusOK, struct {
 		Denials []Denial `json:"denials"`
 	}{nonNil(ds)})
 }
@@ -71,14 +74,12 @@ func (h *Handler) alerts(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	as, err := h.o.Reader.Alerts(r.Context(), t, p)
+	as, err := h.o.Alerts.Alerts(r.Context(), Authorization(r), t, p)
 	if err != nil {
 		h.fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, struct {
-		Alerts []Alert `json:"alerts"`
-	}{nonNil(as)})
+	server.JSON(w, http.StatusOK, alertlog.List{Alerts: nonNil(as)})
 }
 
 // tenants answers GET /v1/tenants?after=&limit=: every tenant of the
@@ -99,7 +100,7 @@ func (h *Handler) tenants(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, struct {
+	server.JSON(w, http.StatusOK, struct {
 		Tenants []string `json:"tenants"`
 	}{nonNil(ts)})
 }
@@ -133,7 +134,7 @@ func (h *Handler) windows(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, sw)
+	server.JSON(w, http.StatusOK, sw)
 }
 
 // near answers GET /v1/usage/near?tenant=&threshold=&limit=&after=.
@@ -157,5 +158,5 @@ func (h *Handler) near(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, page)
+	server.JSON(w, http.StatusOK, page)
 }

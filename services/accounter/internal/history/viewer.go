@@ -37,6 +37,20 @@ func Authenticate(a *auth.Auth, r *http.Request) (v Viewer, ok bool) {
 	return Viewer{p: p}, ok
 }
 
+// Authorization returns what authenticated r, as an Authorization header's
+// value: its own header, else its CookieName cookie's token as a bearer
+// token; empty without either. The alerter's API is called with it, so the
+// viewer reads its alerts with its own token.
+func Authorization(r *http.Request) string {
+	if h := r.Header.Get("Authorization"); h != "" {
+		return h
+	}
+	if c, err := r.Cookie(CookieName); err == nil && c.Value != "" {
+		return "Bearer " + c.Value
+	}
+	return ""
+}
+
 // ViewerOf returns the viewer of a principal already authenticated (the
 // console's signed-in cookie).
 func ViewerOf(p auth.Principal) Viewer { return Viewer{p: p} }
