@@ -58,7 +58,7 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 		return err
 	}
 	for _, s := range snaps {
-		d.top.add(s.tenant, s.tenantVersion, s.limits)
+		d.top.add(s.tenant, s.at, s.tenantVersion, s.limits)
 	}
 	for _, ev := range evs {
 		switch r := ev.Data.(type) {

@@ -467,8 +467,8 @@ type spikeChange struct {
 // counted for a whole AbuseWindow (a burst alerted before a restart is
 // not over because the new process's counts start empty).
 func (d *Detector) Evaluate(ctx context.Context) error {
-	d.top.publish()
 	now := d.now()
+	d.top.publish(now)
 	var changes []spikeChange
 	type burst struct {
 		k abuseKey

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -22,7 +23,11 @@ const DefaultTopTenants = 10
 // ledger's actual tokens, not what is left of each limit). What it keeps
 // is bounded by the policy: only tenants listed in it have tenant-scope
 // limits. A tenant leaving the top n has its series deleted, so the
-// gauges hold at most n tenants' series.
+// gauges hold at most n tenants' series. A snapshot past its limit's reset
+// time counts no more: the window has reset, or freed usage the alerter
+// cannot measure, so its series go (and the tenant leaves the top when no
+// other limit keeps it there) until the tenant's next snapshot says where
+// the window stands.
 type topTenants struct {
 	n               int
 	used, remaining *prometheus.GaugeVec
@@ -36,7 +41,11 @@ type topTenants struct {
 type topSnap struct {
 	version           int64 // the tenant's version: an older snapshot is ignored
 	used, remain, lim int64
+	resets            time.Time // when the window frees capacity or resets; zero: never
 }
+
+// current reports whether s still describes its window at now.
+func (s topSnap) current(now time.Time) bool { return s.resets.IsZero() || now.Before(s.resets) }
 
 func newTopTenants(n int, reg prometheus.Registerer) (*topTenants, error) {
 	t := &topTenants{
@@ -58,9 +67,9 @@ func newTopTenants(n int, reg prometheus.Registerer) (*topTenants, error) {
 	return t, nil
 }
 
-// add records the tenant-scope token limits of a snapshot of tenant at
-// tenantVersion (0: unordered, always taken).
-func (t *topTenants) add(tenant string, tenantVersion int64, limits []events.LimitState) {
+// add records the tenant-scope token limits of a snapshot of tenant taken
+// at at, at tenantVersion (0: unordered, always taken).
+func (t *topTenants) add(tenant string, at time.Time, tenantVersion int64, limits []events.LimitState) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, l := range limits {
@@ -71,7 +80,11 @@ func (t *topTenants) add(tenant string, tenantVersion int64, limits []events.Lim
 		if old, ok := t.last[k]; ok && tenantVersion > 0 && old.version > tenantVersion {
 			continue
 		}
-		t.last[k] = topSnap{version: tenantVersion, used: l.Used, remain: l.Remaining, lim: l.Limit}
+		sn := topSnap{version: tenantVersion, used: l.Used, remain: l.Remaining, lim: l.Limit}
+		if l.ResetSeconds > 0 {
+			sn.resets = at.Add(time.Duration(l.ResetSeconds) * time.Second)
+		}
+		t.last[k] = sn
 	}
 }
 
@@ -90,12 +103,16 @@ func (t *topTenants) forget(defined func(tenant, name string) bool) {
 }
 
 // publish sets the gauges to the n tenants whose most used limit is the
-// fullest (ties by tenant), deleting the series of the others.
-func (t *topTenants) publish() {
+// fullest at now (ties by tenant), deleting the series of the others and
+// of the limits past their reset.
+func (t *topTenants) publish(now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	fullest := map[string]float64{}
 	for k, s := range t.last {
+		if !s.current(now) {
+			continue
+		}
 		if p := percent(s.used, s.lim); p >= fullest[k[0]] {
 			fullest[k[0]] = p
 		}
@@ -119,7 +136,12 @@ func (t *topTenants) publish() {
 		}
 	}
 	for k, s := range t.last {
-		if top[k[0]] {
+		switch {
+		case !top[k[0]]:
+		case !s.current(now):
+			t.used.DeleteLabelValues(k[0], k[1])
+			t.remaining.DeleteLabelValues(k[0], k[1])
+		default:
 			t.used.WithLabelValues(k[0], k[1]).Set(float64(s.used))
 			t.remaining.WithLabelValues(k[0], k[1]).Set(float64(s.remain))
 			t.shown[k[0]] = true

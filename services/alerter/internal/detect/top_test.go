@@ -118,3 +118,46 @@ tenants:
 		t.Errorf("after the reload: series\n%q\nwant\n%q", got, want)
 	}
 }
+
+// The top-tenant gauges follow the window: past a limit's reset time its
+// last snapshot no longer says where the window stands, so its series go
+// and it ranks no more, until the tenant's next snapshot brings it back.
+func TestTopTenantsFollowTheWindow(t *testing.T) {
+	ctx := context.Background()
+	reg := prometheus.NewRegistry()
+	d, err := New(newStore(t), func(string, string, int) []string { return nil }, Options{TopTenants: 2},
+		slog.New(slog.DiscardHandler), reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &clock{t: time.Date(2026, 12, 5, 10, 0, 0, 0, time.UTC)}
+	d.now = c.now
+	if err := d.Load(ctx); err != nil {
+		t.Fatal(err)
+	}
+	send := func(tenant string, version, used, resetSeconds int64) {
+		t.Helper()
+		l := events.LimitState{Scope: "tenant", Name: "day", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used, ResetSeconds: resetSeconds}
+		r := events.Reserved{Tenant: tenant, User: "u", Endpoint: "/e", Version: version, TenantVersion: version, Limits: []events.LimitState{l}}
+		if err := d.Reserved(ctx, events.Event{ID: fmt.Sprint(tenant, version), Time: c.now()}, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	evaluate := func(step string, want ...string) {
+		t.Helper()
+		if err := d.Evaluate(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := topSeries(t, reg); !slices.Equal(got, want) {
+			t.Errorf("%s: series\n%q\nwant\n%q", step, got, want)
+		}
+	}
+	send("a", 1, 90, 60)   // resets in a minute
+	send("b", 1, 50, 3600) // in an hour
+	c.add(59 * time.Second)
+	evaluate("before a's reset", "remaining a day 10", "remaining b day 50", "used a day 90", "used b day 50")
+	c.add(time.Second)
+	evaluate("at a's reset", "remaining b day 50", "used b day 50")
+	send("a", 2, 5, 86400)
+	evaluate("a's next snapshot", "remaining a day 95", "remaining b day 50", "used a day 5", "used b day 50")
+}
