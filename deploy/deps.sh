@@ -367,7 +367,8 @@ ensure_private_servers() {
 # prometheus) on the alerting rules and prometheus.yml; ensure.sh installs
 # each when missing without starting (and, under systemd, disables) the
 # package's own service: prometheus.service would take :9090, admission's
-# ops port.
+# ops port. A prometheus.service installed before is left alone, with a
+# warning (ensure.sh prints it on stderr).
 ensure_gateways() {
 	local gw
 	for gw in nginx caddy promtool; do

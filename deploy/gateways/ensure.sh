@@ -31,7 +31,20 @@ find_gateway() {
 	return 1
 }
 
+# warn_prometheus warns, for promtool, when the packaged prometheus.service
+# runs: installed before ensure.sh ran (it disables only the service of a
+# package it installs itself), it holds :9090, admission's default ops port,
+# and admission then fails to start.
+warn_prometheus() {
+	[[ $gw == promtool ]] && command -v systemctl >/dev/null 2>&1 || return 0
+	if systemctl is-active --quiet prometheus.service 2>/dev/null; then
+		echo "ensure.sh: WARNING: prometheus.service is running and holds :9090, admission's default ops port (QF_OPS_ADDR):" \
+			"stop it (sudo systemctl disable --now prometheus.service) or give admission another QF_OPS_ADDR" >&2
+	fi
+}
+
 if find_gateway; then
+	warn_prometheus
 	exit 0
 fi
 
@@ -56,6 +69,7 @@ if command -v flock >/dev/null 2>&1; then
 	exec 8>"${TMPDIR:-/tmp}/quotaflow-gateway-install.$EUID.lock"
 	flock -w 600 8
 	if find_gateway; then
+		warn_prometheus
 		exit 0
 	fi
 fi
