@@ -25,4 +25,12 @@
 // the token may not read with 403 (whether or not the tenant exists, so it
 // reveals nothing), bad parameters with 400; every error body is an RFC
 // 9457 problem.
+//
+// # Recent alerts
+//
+// The alerts are the alerter's, read through an AlertSource: the Reader
+// (the alerter's outbox in the ledger's database) or Alerter (the
+// alerter's own API, package alertlog, called with the viewer's token,
+// which the alerter checks again). An alerter that cannot be reached is
+// 503, its refusal 502.
 package history
