@@ -152,7 +152,7 @@ func (b *bench) scaleTarget(ctx context.Context, bin string, instances, masters 
 		}
 		t.redis, redisURL = []*e2e.Server{rs}, rs.URL
 	} else {
-		nodes, err := e2e.StartRedisCluster(ctx, b.dir, masters)
+		nodes, err := e2e.StartRedisCluster(ctx, b.dir, masters, 0)
 		if err != nil {
 			return nil, err
 		}

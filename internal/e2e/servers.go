@@ -125,14 +125,19 @@ func StartNATS(ctx context.Context, dir string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	port, mport := ports[0], ports[1]
+	return startNATS(ctx, dir, "nats", ports[0], ports[1])
+}
+
+// startNATS runs a nats-server called name (its log dir/name.log, its
+// store dir/name) with extra arguments (a cluster node's).
+func startNATS(ctx context.Context, dir, name string, port, mport int, extra ...string) (*Server, error) {
 	bin, err := lookPath("nats-server", "/usr/sbin/nats-server")
 	if err != nil {
 		return nil, err
 	}
 	p, m := strconv.Itoa(port), strconv.Itoa(mport)
-	s, err := startServer(ctx, nil, "nats", dir, bin, port, "nats://127.0.0.1:"+p,
-		"-js", "-sd", filepath.Join(dir, "nats"), "-a", "127.0.0.1", "-p", p, "-m", m)
+	args := append([]string{"-js", "-sd", filepath.Join(dir, name), "-a", "127.0.0.1", "-p", p, "-m", m}, extra...)
+	s, err := startServer(ctx, nil, name, dir, bin, port, "nats://127.0.0.1:"+p, args...)
 	if err != nil {
 		return nil, err
 	}

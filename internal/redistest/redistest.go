@@ -89,7 +89,7 @@ func Cluster(t testing.TB) *redis.ClusterClient {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	nodes, err := e2e.StartRedisCluster(ctx, t.TempDir(), 3)
+	nodes, err := e2e.StartRedisCluster(ctx, t.TempDir(), 3, 0)
 	if err != nil {
 		t.Fatalf("start redis cluster: %v", err)
 	}
