@@ -73,7 +73,8 @@ type badParam string
 func (e badParam) Error() string { return string(e) }
 
 var funcs = template.FuncMap{
-	"rank": func(i int) int { return i + 1 },
+	"rank":   func(i int) int { return i + 1 },
+	"tenant": tenantPath,
 	"utc": func(t time.Time) string {
 		if t.IsZero() {
 			return "—"
@@ -120,7 +121,7 @@ func (h *Handler) home(w http.ResponseWriter, r *http.Request, pr auth.Principal
 	p := page{Title: "Tenants", SignedIn: true}
 	if !pr.ReadsAll() {
 		if ts := pr.Tenants(); len(ts) == 1 {
-			http.Redirect(w, r, "/tenants/"+url.PathEscape(ts[0]), http.StatusSeeOther)
+			http.Redirect(w, r, tenantPath(ts[0], ""), http.StatusSeeOther)
 			return
 		}
 		p.Tenants = pr.Tenants()
@@ -199,7 +200,7 @@ func (p *page) setSubjects(s Subjects, sub string, next url.Values) {
 	p.Subjects = s
 	if s.Next != "" {
 		next.Set("after", s.Next)
-		p.NextPage = "/tenants/" + url.PathEscape(p.Tenant) + sub + "?" + next.Encode()
+		p.NextPage = tenantPath(p.Tenant, sub) + "?" + next.Encode()
 	}
 }
 

@@ -109,7 +109,7 @@ func (h *Handler) signedIn(next func(http.ResponseWriter, *http.Request, auth.Pr
 // exist, so a token learns nothing of other tenants.
 func (h *Handler) tenantPage(next func(http.ResponseWriter, *http.Request, page)) http.HandlerFunc {
 	return h.signedIn(func(w http.ResponseWriter, r *http.Request, p auth.Principal) {
-		t := r.PathValue("tenant")
+		t := tenantOf(r.PathValue("tenant"))
 		if t == "" || ident.Check(t) != nil || !p.Reads(t) {
 			h.render(w, r, http.StatusNotFound, "error", page{Title: "Not found", SignedIn: true,
 				Error: "No such tenant, or not one this token may see."})
