@@ -34,10 +34,14 @@ const (
 	narrowW, narrowH   = 360, 740
 )
 
+// stepTimeout bounds each browser step, so that a missing element fails
+// the test in seconds, naming it, rather than at the browser's deadline.
+const stepTimeout = 20 * time.Second
+
 // console drives the demo's console in chromium while its services run.
 type console struct {
 	t     *testing.T
-	ctx   context.Context // the browser's
+	ctx   context.Context // the browser's: each step runs in step()
 	b     *browser.Browser
 	base  string
 	db    *pgx.Conn // the run's ledger, read with this file's own SQL
@@ -83,8 +87,7 @@ func checkConsole(t *testing.T, cfg Config, rep *Report) {
 
 	tenants := rep.Tenants[:2] // both have a hammering script, so denials
 	for i, tn := range tenants {
-		c.checkUsers(tn)
-		c.checkNear(tn, namesFor(rep.Run).quota5h)
+		c.checkNear(tn, namesFor(rep.Run).quota5h, c.checkUsers(tn))
 		c.checkUsage(tn, "")
 		c.checkUsage(tn, "heavy")
 		c.checkTop(tn)
@@ -124,9 +127,17 @@ func pagePath(tenant, p string) string {
 	return "/tenants/" + tenant + "/" + p
 }
 
+// step returns the browser's context for one step, bounded by
+// stepTimeout.
+func (c *console) step() context.Context {
+	ctx, cancel := context.WithTimeout(c.ctx, stepTimeout)
+	c.t.Cleanup(cancel)
+	return ctx
+}
+
 func (c *console) do(as ...chromedp.Action[chromedp.Void]) {
 	c.t.Helper()
-	if err := chromedp.Do(c.ctx, as...); err != nil {
+	if err := chromedp.Do(c.step(), as...); err != nil {
 		c.t.Fatal(err)
 	}
 }
@@ -134,7 +145,7 @@ func (c *console) do(as ...chromedp.Action[chromedp.Void]) {
 // open loads path and waits until sel is visible.
 func (c *console) open(path, sel string) {
 	c.t.Helper()
-	if err := chromedp.Do(c.ctx, chromedp.Navigate(c.base+path), chromedp.WaitVisible(sel)); err != nil {
+	if err := chromedp.Do(c.step(), chromedp.Navigate(c.base+path), chromedp.WaitVisible(sel)); err != nil {
 		c.t.Fatalf("%s: waiting for %s: %v", path, sel, err)
 	}
 }
@@ -144,7 +155,7 @@ func (c *console) open(path, sel string) {
 func (c *console) signIn(tok, sel string) {
 	c.t.Helper()
 	c.open("/signin", "#token")
-	if err := chromedp.Do(c.ctx, chromedp.SendKeys("#token", tok), chromedp.Submit("#token"), chromedp.WaitVisible(sel)); err != nil {
+	if err := chromedp.Do(c.step(), chromedp.SendKeys("#token", tok), chromedp.Submit("#token"), chromedp.WaitVisible(sel)); err != nil {
 		c.t.Fatalf("sign in: waiting for %s: %v", sel, err)
 	}
 }
@@ -152,7 +163,7 @@ func (c *console) signIn(tok, sel string) {
 // eval evaluates a JavaScript expression in the page.
 func eval[T any](c *console, js string, opts ...chromedp.EvaluateOption) T {
 	c.t.Helper()
-	v, err := chromedp.Run(c.ctx, chromedp.Evaluate[T](js, opts...))
+	v, err := chromedp.Run(c.step(), chromedp.Evaluate[T](js, opts...))
 	if err != nil {
 		c.t.Fatalf("%s: %v", js, err)
 	}
@@ -252,10 +263,12 @@ var tokenWindows = map[string]time.Duration{"5h": 5 * time.Hour, "7d": 7 * 24 * 
 
 // checkUsers compares the users page with the ledger and Redis: its users
 // are the ledger's; each user's 5h and 7d windows are what admission's GET
-// /v1/usage reads of Redis, and their used is the user's tokens in the
+// /v1/usage reads of Redis (used, of, remaining, and the reset its
+// reset_seconds count to), and their used is the user's tokens in the
 // ledger; every window's remaining is what its limit leaves, and one in
-// use frees capacity within its length.
-func (c *console) checkUsers(tenant string) {
+// use frees capacity within its length. It returns the windows shown, by
+// user and limit.
+func (c *console) checkUsers(tenant string) map[string]window {
 	c.t.Helper()
 	path := pagePath(tenant, "users")
 	c.open(path, "#users")
@@ -285,8 +298,10 @@ func (c *console) checkUsers(tenant string) {
 			Limits []struct {
 				Scope, Name            string
 				Limit, Used, Remaining int64
+				ResetSeconds           int64 `json:"reset_seconds"`
 			}
 		}
+		asked := time.Now().Truncate(time.Second)
 		if code := c.admission("/v1/usage?"+url.Values{"tenant": {tenant}, "user": {u}}.Encode(), &got); code != 200 {
 			c.t.Fatalf("admission's GET /v1/usage of %s/%s = %d", tenant, u, code)
 		}
@@ -303,11 +318,18 @@ func (c *console) checkUsers(tenant string) {
 			if w.Used != ledger[u][0] {
 				c.t.Errorf("%s: %s used %d, the user's tokens in the ledger %d", path, key, w.Used, ledger[u][0])
 			}
+			// Admission counts reset_seconds (rounded up) from its call: the
+			// page's reset, in whole seconds, is that many seconds after it.
+			lo, hi := asked.Add(time.Duration(l.ResetSeconds-1)*time.Second), time.Now().Add(time.Duration(l.ResetSeconds)*time.Second)
+			if l.ResetSeconds == 0 && !w.Reset.IsZero() || l.ResetSeconds > 0 && (w.Reset.Before(lo) || w.Reset.After(hi)) {
+				c.t.Errorf("%s: %s resets at %v; admission's reset_seconds %d from %v", path, key, w.Reset, l.ResetSeconds, asked)
+			}
 		}
 	}
 	if compared != len(tokenWindows)*len(users) || len(users) == 0 {
 		c.t.Errorf("%s: compared %d windows of %d users, want the 5h and 7d of each", path, compared, len(users))
 	}
+	return shown
 }
 
 // admission GETs path of admission's API with the run's token, decodes a
@@ -335,14 +357,17 @@ func (c *console) admission(path string, v any) int {
 // checkNear compares the near page (at 80 %, its default) with the
 // ledger: the users whose tokens reach 80 % of the 5 h quota (the 7 d one
 // is 20 times larger; the request rate's bucket has refilled), each with
-// that window alone.
-func (c *console) checkNear(tenant string, quota int64) {
+// that window alone, as the users page showed it (users).
+func (c *console) checkNear(tenant string, quota int64, users map[string]window) {
 	c.t.Helper()
 	path := pagePath(tenant, "near")
 	c.open(path, "#threshold")
 	var shown, want []string
 	for _, w := range c.windows() {
 		shown = append(shown, w.User+" "+w.Limit)
+		if u := users[w.User+" "+w.Limit]; w != u {
+			c.t.Errorf("%s shows %+v, the users page %+v", path, w, u)
+		}
 	}
 	for u, tot := range c.usersInLedger(tenant) {
 		if tot[0]*100 >= 80*quota {
@@ -360,7 +385,8 @@ func (c *console) checkNear(tenant string, quota int64) {
 }
 
 // checkUsage compares the usage page's table (24 hours) and its chart's
-// points with the ledger's rollups of the tenant, or of one user.
+// points with the ledger's rollups of the tenant, or of one user, hour by
+// hour.
 func (c *console) checkUsage(tenant, user string) {
 	c.t.Helper()
 	path := pagePath(tenant, "usage")
@@ -368,17 +394,25 @@ func (c *console) checkUsage(tenant, user string) {
 		path += "?user=" + user
 	}
 	c.open(path, "#chart canvas")
-	var shown totals
 	rows := c.cells("#usage tbody tr")
 	if len(rows) != 24 {
 		c.t.Fatalf("%s: %d rows, want one per hour of the last 24 hours: %q", path, len(rows), rows)
 	}
+	hours := c.hoursInLedger(tenant, user)
+	if len(hours) == 0 {
+		c.t.Fatalf("%s: the ledger holds no usage: nothing to compare", path)
+	}
 	var table [][3]int64
 	for _, r := range rows {
 		tok, req := c.num(r[1]), c.num(r[2])
-		shown[0] += tok
-		shown[1] += req
+		if want := hours[r[0]]; (totals{tok, req}) != want {
+			c.t.Errorf("%s: the hour of %s shows %d tokens, %d requests; the ledger's rollups %d, %d", path, r[0], tok, req, want[0], want[1])
+		}
+		delete(hours, r[0])
 		table = append(table, [3]int64{0, tok, req})
+	}
+	if len(hours) > 0 {
+		c.t.Errorf("%s: the ledger's hours %v are not on the page", path, hours)
 	}
 	chart := eval[[][]int64](c, `JSON.parse(document.getElementById("chart").dataset.points)`)
 	if len(chart) != 3 || len(chart[0]) != len(table) {
@@ -389,19 +423,29 @@ func (c *console) checkUsage(tenant, user string) {
 			c.t.Errorf("%s: the chart's point %d is %d tokens, %d requests; the table's %d, %d", path, i, chart[1][i], chart[2][i], r[1], r[2])
 		}
 	}
-	var want totals
-	for u, tot := range c.usersInLedger(tenant) {
-		if user == "" || u == user {
-			want[0] += tot[0]
-			want[1] += tot[1]
-		}
+}
+
+// hoursInLedger returns the tenant's (or user's, unless "") tokens and
+// requests in the rollups by hour, keyed by the hour's start as the pages
+// show it. The run is shorter than the usage page's 24 hours.
+func (c *console) hoursInLedger(tenant, user string) map[string]totals {
+	c.t.Helper()
+	rows, err := c.db.Query(context.Background(), `
+SELECT to_char(bucket_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS"Z"'), sum(tokens)::bigint, sum(requests)::bigint
+FROM usage_rollups WHERE tenant = $1 AND ($2 = '' OR user_id = $2) GROUP BY bucket_start`, tenant, user)
+	if err != nil {
+		c.t.Fatal(err)
 	}
-	if want[0] == 0 {
-		c.t.Fatalf("%s: the ledger holds no tokens: nothing to compare", path)
+	out := map[string]totals{}
+	var h string
+	var tot totals
+	if _, err := pgx.ForEachRow(rows, []any{&h, &tot[0], &tot[1]}, func() error {
+		out[h] = tot
+		return nil
+	}); err != nil {
+		c.t.Fatal(err)
 	}
-	if shown != want {
-		c.t.Errorf("%s: the last 24 hours add up to %d tokens, %d requests; the ledger's rollups %d, %d", path, shown[0], shown[1], want[0], want[1])
-	}
+	return out
 }
 
 // checkTop compares the top users page with each user's rollups.
@@ -469,7 +513,7 @@ func (c *console) checkAlerts(tenant string) {
 	var shown []string
 	for _, r := range c.cells("#alerts tbody tr") {
 		if len(r) == 5 { // not the "No alerts yet." row
-			shown = append(shown, strings.Join(r[1:], " | "))
+			shown = append(shown, strings.Join(r, " | "))
 		}
 	}
 	slices.Sort(shown)
@@ -483,13 +527,16 @@ func (c *console) checkAlerts(tenant string) {
 }
 
 // outbox returns the tenant's alerts in the alerter's outbox, sorted, each
-// as "user | kind | limit | threshold" (the page's columns after At).
+// as "at | user | kind | limit | threshold" (the page's columns): an alert
+// is one row per webhook, all with its body, raised when its first row
+// was written.
 func (c *console) outbox(tenant string) []string {
 	c.t.Helper()
 	as := c.column(`
-SELECT concat(a->'data'->>'user', ' | ', kind, ' | ', a->'data'->>'limit_name', ' | ', (a->'data'->>'threshold') || '%')
-FROM (SELECT DISTINCT ON (alert_id) kind, convert_from(payload, 'UTF8')::jsonb AS a
-    FROM webhook_outbox WHERE tenant = $1 ORDER BY alert_id) o`, tenant)
+SELECT concat(to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS"Z"'), ' | ', a->'data'->>'user', ' | ', kind, ' | ',
+    a->'data'->>'limit_name', ' | ', (a->'data'->>'threshold') || '%')
+FROM (SELECT min(created_at) AS at, min(kind) AS kind, min(convert_from(payload, 'UTF8'))::jsonb AS a
+    FROM webhook_outbox WHERE tenant = $1 GROUP BY alert_id) o`, tenant)
 	slices.Sort(as)
 	return as
 }
@@ -499,21 +546,21 @@ const alertsShown = 50
 
 // checkTenantToken signs out, signs in with tok (bound to own) and checks
 // that it lands on own's users, that every page of the others answers 404
-// without their data, and that the history API refuses them (403) while
-// answering for own.
+// without their data, and that every endpoint of the history API refuses
+// them (403) while answering for own.
 func (c *console) checkTenantToken(tok, own string, others []string) {
 	c.t.Helper()
-	if err := chromedp.Do(c.ctx, chromedp.Click(".signout button"), chromedp.WaitVisible("#token")); err != nil {
+	if err := chromedp.Do(c.step(), chromedp.Click(".signout button"), chromedp.WaitVisible("#token")); err != nil {
 		c.t.Fatalf("sign out: %v", err)
 	}
 	c.signIn(tok, "nav.tabs") // a tenant page: not the sign-in form still
-	if loc, err := chromedp.Run(c.ctx, chromedp.Location()); err != nil || loc != c.base+pagePath(own, "users") {
+	if loc, err := chromedp.Run(c.step(), chromedp.Location()); err != nil || loc != c.base+pagePath(own, "users") {
 		c.t.Errorf("the tenant's token lands on %q (%v), want its users page", loc, err)
 	}
 	for _, other := range others {
 		for _, p := range pages {
 			path := pagePath(other, p)
-			resp, err := chromedp.Run(c.ctx, chromedp.NavigateResponse(c.base+path))
+			resp, err := chromedp.Run(c.step(), chromedp.NavigateResponse(c.base+path))
 			if err != nil {
 				c.t.Fatal(err)
 			}
@@ -523,19 +570,34 @@ func (c *console) checkTenantToken(tok, own string, others []string) {
 			}
 		}
 	}
-	to := time.Now().UTC().Add(time.Hour).Format(time.RFC3339)
-	from := time.Now().UTC().Add(-time.Hour).Format(time.RFC3339)
-	api := func(tenant string) int {
-		c.t.Helper()
-		return eval[int](c, fmt.Sprintf(`fetch("/v1/usage/top?tenant=%s&from=%s&to=%s").then(r => r.status)`, tenant, from, to), chromedp.EvalAwaitPromise)
-	}
-	if code := api(own); code != 200 {
-		c.t.Errorf("GET /v1/usage/top?tenant=%s with its own token's cookie = %d, want 200", own, code)
-	}
-	for _, other := range others {
-		if code := api(other); code != 403 {
-			c.t.Errorf("GET /v1/usage/top?tenant=%s with %s's token's cookie = %d, want 403", other, own, code)
+	from, to := time.Now().UTC().Add(-time.Hour).Format(time.RFC3339), time.Now().UTC().Add(time.Hour).Format(time.RFC3339)
+	// Every endpoint of the history API that names a tenant, with the
+	// cookie the console set.
+	for _, e := range []struct {
+		path string
+		q    url.Values
+	}{
+		{"/v1/usage/history", url.Values{"from": {from}, "to": {to}}},
+		{"/v1/usage/history", url.Values{"from": {from}, "to": {to}, "user": {"heavy"}}},
+		{"/v1/usage/top", url.Values{"from": {from}, "to": {to}}},
+		{"/v1/usage/denials", url.Values{"from": {from}, "to": {to}}},
+		{"/v1/usage/windows", url.Values{"user": {"heavy"}}},
+		{"/v1/usage/near", url.Values{"threshold": {"1"}}},
+		{"/v1/alerts", url.Values{}},
+	} {
+		for _, tn := range append([]string{own}, others...) {
+			e.q.Set("tenant", tn)
+			u := e.path + "?" + e.q.Encode()
+			code := eval[int](c, fmt.Sprintf(`fetch(%q).then(r => r.status)`, u), chromedp.EvalAwaitPromise)
+			if want := map[bool]int{true: 200, false: 403}[tn == own]; code != want {
+				c.t.Errorf("GET %s with %s's token's cookie = %d, want %d", u, own, code, want)
+			}
 		}
+	}
+	listed := eval[string](c, `fetch("/v1/tenants").then(r => r.text())`, chromedp.EvalAwaitPromise)
+	var got struct{ Tenants []string }
+	if err := json.Unmarshal([]byte(listed), &got); err != nil || !slices.Equal(got.Tenants, []string{own}) {
+		c.t.Errorf("GET /v1/tenants with %s's token's cookie = %s, want its tenant alone", own, listed)
 	}
 }
 
@@ -545,7 +607,7 @@ func (c *console) shot(name string) {
 	c.t.Helper()
 	box := eval[[]float64](c, `[document.documentElement.clientWidth, Math.ceil(document.querySelector("main").getBoundingClientRect().bottom + window.scrollY)]`)
 	t := true
-	shot, err := chromedp.Call(c.ctx, page.CaptureScreenshot, page.CaptureScreenshotParams{
+	shot, err := chromedp.Call(c.step(), page.CaptureScreenshot, page.CaptureScreenshotParams{
 		Clip:                  &page.Viewport{Width: box[0], Height: box[1], Scale: 1},
 		CaptureBeyondViewport: &t, FromSurface: &t,
 	})
