@@ -14,7 +14,20 @@ func TestChaos(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the services and runs private Redis, NATS and Postgres servers")
 	}
-	cfg := Config{Down: 2 * time.Second, Gap: 3 * time.Second, Rate: 3, Settle: 60 * time.Second}
+	runChaos(t, Config{Down: 2 * time.Second, Gap: 3 * time.Second, Rate: 3, Settle: 60 * time.Second}, 7)
+}
+
+// TestChaosCluster is `go tool task chaos -- -cluster` shortened: the
+// clustered shape, a Redis master, a NATS node, an admission and an
+// accounter instance killed once each, and every check of the full run.
+func TestChaosCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the services and runs a private Redis Cluster, JetStream cluster and Postgres")
+	}
+	runChaos(t, Config{Down: 3 * time.Second, Gap: 3 * time.Second, Rate: 1, Settle: 60 * time.Second, Cluster: true}, 8)
+}
+
+func runChaos(t *testing.T, cfg Config, checks int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
 	var out e2e.Buffer
@@ -27,8 +40,8 @@ func TestChaos(t *testing.T) {
 	if err != nil {
 		t.Fatalf("run = %v", err)
 	}
-	if len(rep.Checks) != 7 {
-		t.Fatalf("%d checks made, want 7", len(rep.Checks))
+	if len(rep.Checks) != checks {
+		t.Fatalf("%d checks made, want %d", len(rep.Checks), checks)
 	}
 	for _, c := range rep.failed() {
 		t.Errorf("check %q failed: %s", c.name, c.detail)
@@ -42,7 +55,7 @@ func TestChaos(t *testing.T) {
 			faultPhases++
 		}
 	}
-	if faultPhases != len(faults) {
-		t.Errorf("%d faults recovered from, want %d", faultPhases, len(faults))
+	if faultPhases != len(cfg.faults()) {
+		t.Errorf("%d faults recovered from, want %d", faultPhases, len(cfg.faults()))
 	}
 }

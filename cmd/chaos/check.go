@@ -38,8 +38,12 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 		"ledger: actual events %d (sent %d), reservations %d (allowed admits %d), released events %d (releases %d)",
 		l.ActualCount, s.ActualEvents.Load(), reserved, s.Allowed.Load(), released, s.Releases.Load())
 
-	ok, detail := st.windowsMatchLedger(ctx)
+	ok, detail := st.windowsMatchLedger(ctx, cfg)
 	add("Redis windows equal the ledger", ok, "%s", detail)
+	if cfg.Cluster {
+		ok, detail = st.tenantKeysOneSlot(ctx)
+		add("every tenant's keys in one slot", ok, "%s", detail)
+	}
 	ok, detail = st.deadLettersEmpty(ctx)
 	add("nothing dead-lettered", ok, "%s", detail)
 	ok, detail = st.alertsDeliveredOnce(ctx, cfg.Settle)
@@ -61,14 +65,14 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 // the actual tokens in the ledger. Every reservation is settled by now and
 // the whole run lies in the newest buckets of each window, so they must
 // be equal.
-func (st *stack) windowsMatchLedger(ctx context.Context) (bool, string) {
+func (st *stack) windowsMatchLedger(ctx context.Context, cfg Config) (bool, string) {
 	ledger, open, err := actualBySubject(ctx, st.DBURL)
 	if err != nil {
 		return false, err.Error()
 	}
 	compared, mismatches, off := 0, 0, int64(0)
 	first := ""
-	for _, u := range chaosUsers() {
+	for _, u := range cfg.users() {
 		lims, err := st.usage(ctx, u.Tenant, u.Name)
 		if err != nil {
 			return false, err.Error()
@@ -92,7 +96,7 @@ func (st *stack) windowsMatchLedger(ctx context.Context) (bool, string) {
 		return false, "no token limit reported"
 	}
 	return mismatches == 0, fmt.Sprintf("%d token windows of %d users compared, %d differ (Redis − ledger %+d tokens in all%s); %d reservations still open",
-		compared, len(chaosUsers()), mismatches, off, first, open)
+		compared, len(cfg.users()), mismatches, off, first, open)
 }
 
 type usageLimit struct {
@@ -148,7 +152,7 @@ func actualBySubject(ctx context.Context, dbURL string) (map[[2]string]int64, in
 // deadLettersEmpty checks that no event went to the dead-letter stream:
 // an outage must delay events, never poison them.
 func (st *stack) deadLettersEmpty(ctx context.Context) (bool, string) {
-	nc, err := nats.Connect(st.NATS.URL)
+	nc, err := nats.Connect(st.NATSURL)
 	if err != nil {
 		return false, err.Error()
 	}

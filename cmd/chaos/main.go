@@ -25,6 +25,7 @@ func main() {
 	fs.DurationVar(&cfg.Down, "down", cfg.Down, "how long each killed server or service stays down")
 	fs.DurationVar(&cfg.Gap, "gap", cfg.Gap, "steady load before the first fault and after each recovery")
 	fs.Float64Var(&cfg.Rate, "rate", cfg.Rate, "requests per second of each of the 12 simulated users")
+	fs.BoolVar(&cfg.Cluster, "cluster", cfg.Cluster, "run the clustered shape: a Redis Cluster of 3 masters and 3 replicas, 3 JetStream nodes with R3 streams, 2 admission and 2 accounter instances; its faults kill one of each")
 	fs.DurationVar(&cfg.Settle, "settle", cfg.Settle, "how long to wait for the ledger and the alerts to catch up")
 	_ = fs.Parse(os.Args[1:])
 

@@ -9,14 +9,22 @@ import (
 
 const endpoint = "/v1/chat"
 
-var tenants = []string{"acme", "globex", "initech"}
+// tenants of a run; a cluster run has more, so that their hash tags
+// spread over every master's slots (checked before the load starts).
+func (cfg Config) tenants() []string {
+	ts := []string{"acme", "globex", "initech"}
+	if cfg.Cluster {
+		ts = append(ts, "hooli", "umbrella", "stark", "wayne", "tyrell", "wonka")
+	}
+	return ts
+}
 
 // chaosUsers: per tenant a light user, a medium one that crosses 80 % of
 // the 5 h quota late in the run, a heavy one that crosses 100 % and gets
 // 429s, and one in between; so alerts fire while faults are injected.
-func chaosUsers() []e2e.User {
+func (cfg Config) users() []e2e.User {
 	var us []e2e.User
-	for _, t := range tenants {
+	for _, t := range cfg.tenants() {
 		us = append(us,
 			e2e.User{Tenant: t, Name: "light", Estimate: 300, Burst: 1},
 			e2e.User{Tenant: t, Name: "steady", Estimate: 600, Burst: 1},
@@ -32,7 +40,7 @@ func chaosUsers() []e2e.User {
 // three quarters of the run and the medium ones (~935) cross 80 % near
 // its end.
 func quota5h(cfg Config) int64 {
-	n := len(faults)
+	n := len(cfg.faults())
 	expected := time.Duration(n+1)*cfg.Gap + time.Duration(n)*(cfg.Down+time.Second)
 	return int64(1000 * cfg.Rate * expected.Seconds())
 }

@@ -48,7 +48,7 @@ type phase struct {
 	mu     sync.Mutex
 	lat    []time.Duration
 	status map[int]int
-	fo0    float64
+	fo0    []float64
 }
 
 // recorder files each admit's latency and status under the current phase.
@@ -57,18 +57,25 @@ type recorder struct {
 	phases []*phase
 }
 
-func (r *recorder) begin(name string, failopen float64) *phase {
+func (r *recorder) begin(name string, failopen []float64) *phase {
 	p := &phase{name: name, start: time.Now(), status: map[int]int{}, fo0: failopen}
 	r.phases = append(r.phases, p)
 	r.cur.Store(p)
 	return p
 }
 
-func (r *recorder) end(p *phase, failopen float64) {
+// end closes p; failopen is each admission instance's count, as begin's.
+func (r *recorder) end(p *phase, failopen []float64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.end = time.Now()
-	p.failopen = failopen - p.fo0
+	for i, n := range failopen {
+		// An instance restarted in the phase counts from zero again.
+		if i < len(p.fo0) && n >= p.fo0[i] {
+			n -= p.fo0[i]
+		}
+		p.failopen += n
+	}
 }
 
 // observe is the generator's latency hook.

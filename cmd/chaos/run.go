@@ -28,14 +28,23 @@ type Config struct {
 	// Settle bounds the wait for the ledger and the alerts at the end,
 	// and for the pipeline's recovery after each fault.
 	Settle time.Duration
+	// Cluster runs the clustered shape (e2e.PrivateConfig.Cluster) and
+	// its faults.
+	Cluster bool
 }
 
 func defaultConfig() Config {
 	return Config{Down: 5 * time.Second, Gap: 10 * time.Second, Rate: 5, Settle: 90 * time.Second}
 }
 
-// faults in the order they are injected.
-var faults = []string{"redis", "nats", "postgres", "accounter", "alerter"}
+// faults of the run, in the order they are injected: a cluster run kills
+// one node or instance of each clustered kind, the others keep serving.
+func (cfg Config) faults() []string {
+	if cfg.Cluster {
+		return []string{"redis master", "nats node", "admission", "accounter"}
+	}
+	return []string{"redis", "nats", "postgres", "accounter", "alerter"}
+}
 
 // stack is what one run started: the private pipeline and the webhook
 // receiver.
@@ -44,6 +53,11 @@ type stack struct {
 	recv  *e2e.Receiver
 	token string
 	stats *e2e.Stats // the traffic's, once it runs
+	cfg   Config
+	out   io.Writer
+	// failoverTook is how long the killed Redis master's slots went
+	// unserved (a cluster run).
+	failoverTook time.Duration
 }
 
 // close stops the pipeline, then the receiver.
@@ -69,7 +83,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	// The LLM service publishes its actual usage to JetStream itself, as
 	// services do (admission's POST /v1/usage is for those that cannot,
 	// and answers 503 while NATS is down, by contract).
-	nc, err := nats.Connect(st.NATS.URL, nats.Name("quotaflow-chaos-llm"),
+	nc, err := nats.Connect(st.NATSURL, nats.Name("quotaflow-chaos-llm"),
 		nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		return nil, err
@@ -84,7 +98,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	st.stats = rep.Stats
 	rec := &recorder{}
 	gen := &e2e.Generator{
-		Base: st.API, Token: st.token, Endpoint: endpoint, Run: "chaos", St: rep.Stats,
+		Base: st.API, Peers: st.APIs[1:], Token: st.token, Endpoint: endpoint, Run: "chaos", St: rep.Stats,
 		Client:   &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 64}},
 		Patience: 2 * cfg.Settle, // a report outlives any outage of the run
 		Latency:  rec.observe,
@@ -97,7 +111,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	loadCtx, stopLoad := context.WithCancel(ctx)
 	defer stopLoad()
 	played := make(chan struct{})
-	us := chaosUsers()
+	us := cfg.users()
 	// Play paces rounds over a duration; the faults end the load, so it is
 	// given far more rounds than it will play.
 	go func() {
@@ -110,7 +124,14 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	if err := st.phase(ctx, out, rec, "steady", cfg.Gap, nil); err != nil {
 		return rep, err
 	}
-	for _, f := range faults {
+	if cfg.Cluster {
+		detail, err := st.tenantsSpread(ctx, cfg)
+		if err != nil {
+			return rep, err
+		}
+		fmt.Fprintln(out, detail)
+	}
+	for _, f := range cfg.faults() {
 		if err := st.phase(ctx, out, rec, f, cfg.Settle, st.inject(f, cfg.Down)); err != nil {
 			return rep, err
 		}
@@ -130,14 +151,14 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 // startStack starts the receiver and the private pipeline, waiting until
 // admission decides from Redis.
 func startStack(ctx context.Context, cfg Config, out io.Writer) (*stack, error) {
-	st := &stack{token: "chaos-" + e2e.RandomHex(16)}
+	st := &stack{token: "chaos-" + e2e.RandomHex(16), cfg: cfg, out: out}
 	secret := e2e.NewWebhookSecret()
 	var err error
 	if st.recv, err = e2e.NewReceiver(secret, io.Discard); err != nil {
 		return st, err
 	}
 	st.Private, err = e2e.StartPrivate(ctx, e2e.PrivateConfig{
-		Name: "chaos", Policy: chaosPolicy(cfg), Token: st.token, Out: out,
+		Name: "chaos", Policy: chaosPolicy(cfg), Token: st.token, Out: out, Cluster: cfg.Cluster,
 		Webhooks: e2e.Webhooks("chaos-receiver", st.recv.URL, secret),
 		Env: []string{"QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
 			// A killed consumer's unacknowledged batch comes back after this.
@@ -183,8 +204,14 @@ func (st *stack) inject(name string, down time.Duration) func(context.Context) e
 		return server(st.Postgres, func() { _ = st.Postgres.Signal(syscall.SIGQUIT, 10*time.Second) })
 	case "accounter":
 		return service(st.Accounter)
-	default:
+	case "alerter":
 		return service(st.Alerter)
+	case "redis master": // its replica takes over; it comes back as a replica
+		return func(ctx context.Context) error { return st.failover(ctx, down) }
+	case "nats node": // the R3 streams go on on the other two
+		return server(st.NATSNodes[0], st.NATSNodes[0].Kill)
+	default: // one admission instance: the gateway sends to the other
+		return service(st.Admission)
 	}
 }
 
@@ -231,17 +258,20 @@ func (st *stack) phase(ctx context.Context, out io.Writer, rec *recorder, name s
 	return nil
 }
 
-// failopen is admission's count of decisions made without Redis so far.
-func (st *stack) failopen(ctx context.Context) float64 {
-	ds, err := e2e.Decisions(ctx, st.Admission.Ops)
-	if err != nil {
-		return 0
-	}
-	var n float64
-	for _, d := range ds {
-		if d.Result == "failopen" {
-			n += d.Count
+// failopen is each admission instance's count of decisions made without
+// Redis since it started (0 while it is down).
+func (st *stack) failopen(ctx context.Context) []float64 {
+	ns := make([]float64, len(st.Admissions))
+	for i, a := range st.Admissions {
+		ds, err := e2e.Decisions(ctx, a.Ops)
+		if err != nil {
+			continue
+		}
+		for _, d := range ds {
+			if d.Result == "failopen" {
+				ns[i] += d.Count
+			}
 		}
 	}
-	return n
+	return ns
 }

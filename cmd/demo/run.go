@@ -169,7 +169,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 	// delivered everything to the ledger, then give the last alerts a
 	// moment.
 	sctx := context.WithoutCancel(ctx)
-	pipe := e2e.Pipeline{AdmissionOps: svcs[2].Ops, NATSURL: cfg.NATSURL, Stream: n.stream, Durable: n.durable, DLQ: n.dlq, DBURL: pgURL}
+	pipe := e2e.Pipeline{AdmissionOps: []string{svcs[2].Ops}, NATSURL: cfg.NATSURL, Stream: n.stream, Durable: n.durable, DLQ: n.dlq, DBURL: pgURL}
 	rep.Ledger, rep.LedgerErr = e2e.WaitLedger(sctx, pipe, st, cfg.SettleTimeout)
 	if rep.LedgerErr == nil {
 		readGatewayLedger(sctx, rep.Gateway, pgURL, n.llmTenant)

@@ -37,7 +37,7 @@ func ledgerPipeline(t *testing.T) (e2e.Pipeline, jetstream.JetStream) {
 		fmt.Fprint(w, "quotaflow_admission_outbox_queue_depth 0\nquotaflow_admission_outbox_spill_bytes 0\n")
 	}))
 	t.Cleanup(ops.Close)
-	return e2e.Pipeline{AdmissionOps: ops.URL, NATSURL: natstest.URL(), Stream: cfg.Stream, Durable: "accounter",
+	return e2e.Pipeline{AdmissionOps: []string{ops.URL}, NATSURL: natstest.URL(), Stream: cfg.Stream, Durable: "accounter",
 		DLQ: cfg.DLQStream, DBURL: pgtest.NewDatabase(t, "qf_e2e_ledger")}, js
 }
 

@@ -11,7 +11,7 @@ import (
 // admission's outbox, the stream the accounter's durable consumer reads,
 // the dead-letter stream of the events it gave up on, and the ledger.
 type Pipeline struct {
-	AdmissionOps string // admission's ops base URL (its /metrics)
+	AdmissionOps []string // every admission instance's ops base URL (its /metrics)
 	NATSURL      string
 	Stream       string
 	Durable      string // the accounter's durable consumer on Stream
@@ -21,8 +21,8 @@ type Pipeline struct {
 
 // Backlog is what a Pipeline still holds before the ledger.
 type Backlog struct {
-	Outbox     int64  // events in admission's outbox (queued or in flight)
-	Spilled    int64  // bytes of events in admission's spill directory
+	Outbox     int64  // events in the admission instances' outboxes (queued or in flight)
+	Spilled    int64  // bytes of events in their spill directories
 	Unconsumed uint64 // messages on Stream not yet delivered to the accounter
 	AckPending int    // messages delivered to the accounter, not yet acknowledged
 }
@@ -38,24 +38,26 @@ func (b Backlog) String() string {
 		b.Outbox, b.Spilled, b.Unconsumed, b.AckPending)
 }
 
-// Backlog reads admission's outbox gauges and the accounter's consumer.
+// Backlog reads the admission instances' outbox gauges and the accounter's consumer.
 func (p Pipeline) Backlog(ctx context.Context, js jetstream.JetStream) (Backlog, error) {
 	var b Backlog
-	samples, err := Scrape(ctx, p.AdmissionOps)
-	if err != nil {
-		return b, fmt.Errorf("admission metrics: %w", err)
-	}
-	found := 0
-	for _, s := range samples {
-		switch s.Name {
-		case "quotaflow_admission_outbox_queue_depth":
-			b.Outbox, found = int64(s.Value), found+1
-		case "quotaflow_admission_outbox_spill_bytes":
-			b.Spilled, found = int64(s.Value), found+1
+	for _, ops := range p.AdmissionOps {
+		samples, err := Scrape(ctx, ops)
+		if err != nil {
+			return b, fmt.Errorf("admission metrics: %w", err)
 		}
-	}
-	if found != 2 {
-		return b, fmt.Errorf("admission metrics at %s lack the outbox's queue depth or spill bytes", p.AdmissionOps)
+		found := 0
+		for _, s := range samples {
+			switch s.Name {
+			case "quotaflow_admission_outbox_queue_depth":
+				b.Outbox, found = b.Outbox+int64(s.Value), found+1
+			case "quotaflow_admission_outbox_spill_bytes":
+				b.Spilled, found = b.Spilled+int64(s.Value), found+1
+			}
+		}
+		if found != 2 {
+			return b, fmt.Errorf("admission metrics at %s lack the outbox's queue depth or spill bytes", ops)
+		}
 	}
 	c, err := js.Consumer(ctx, p.Stream, p.Durable)
 	if err != nil {

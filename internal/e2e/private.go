@@ -6,6 +6,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -28,6 +30,12 @@ type PrivateConfig struct {
 	Env                                    []string
 	AdmissionEnv, AccounterEnv, AlerterEnv []string
 	Out                                    io.Writer // progress lines; nil for none
+	// Cluster runs the clustered shape (docs/design.md §9) instead of one
+	// server and one instance of each: a Redis Cluster of 3 masters with a
+	// replica each, a 3-node JetStream cluster with R3 streams, two
+	// admission instances (QF_INSTANCES=2) and two accounters on one
+	// durable consumer.
+	Cluster bool
 }
 
 // Private is the whole pipeline on private servers: redis-server,
@@ -36,23 +44,34 @@ type PrivateConfig struct {
 // every process's CPU is the run's alone (the pipeline benchmark); and
 // admission, the accounter and the alerter built from this checkout.
 type Private struct {
-	Dir                           string // the run's files: logs, binaries, policy, data
-	Redis, NATS, Postgres         *Server
+	Dir string // the run's files: logs, binaries, policy, data
+	// Redis and NATS are the only server of each kind, nil in a Cluster
+	// run, whose nodes are in RedisNodes (masters first) and NATSNodes.
+	Redis, NATS, Postgres *Server
+	RedisNodes, NATSNodes []*Server
+	RedisURL, NATSURL     string // what the services are configured with
+	// Admission and Accounter are the first of Admissions and Accounters.
 	Admission, Accounter, Alerter *Service
-	API                           string // admission's base URL
-	DBURL                         string // the ledger's database
+	Admissions, Accounters        []*Service
+	API                           string   // the first admission's base URL
+	APIs                          []string // every admission instance's, in the order of Admissions
+	DBURL                         string   // the ledger's database
 }
 
-// Services returns the three services, admission last.
+// Services returns every service, the admission instances last.
 func (p *Private) Services() []*Service {
-	return []*Service{p.Accounter, p.Alerter, p.Admission}
+	return append(append(slices.Clone(p.Accounters), p.Alerter), p.Admissions...)
 }
 
 // Pipeline is the stack's pipeline with the services' default stream,
 // dead-letter stream and accounter durable (StartPrivate sets none).
 func (p *Private) Pipeline() Pipeline {
 	d := stream.Defaults()
-	return Pipeline{AdmissionOps: p.Admission.Ops, NATSURL: p.NATS.URL, Stream: d.Stream, Durable: "accounter", DLQ: d.DLQStream, DBURL: p.DBURL}
+	ops := make([]string, len(p.Admissions))
+	for i, a := range p.Admissions {
+		ops[i] = a.Ops
+	}
+	return Pipeline{AdmissionOps: ops, NATSURL: p.NATSURL, Stream: d.Stream, Durable: "accounter", DLQ: d.DLQStream, DBURL: p.DBURL}
 }
 
 // StartPrivate builds the services, starts the servers and the services
@@ -80,11 +99,27 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		return p, err
 	}
 	fmt.Fprintln(out, "starting private redis-server, nats-server and postgres ...")
-	if p.Redis, err = StartRedis(ctx, dir); err != nil {
-		return p, err
-	}
-	if p.NATS, err = StartNATS(ctx, dir); err != nil {
-		return p, err
+	instances := 1
+	common := []string{}
+	if cfg.Cluster {
+		instances = 2
+		if p.RedisNodes, err = StartRedisCluster(ctx, dir, 3, 1); err != nil {
+			return p, err
+		}
+		if p.NATSNodes, err = StartNATSCluster(ctx, dir, 3); err != nil {
+			return p, err
+		}
+		p.RedisURL, p.NATSURL = ClusterURL(p.RedisNodes), NATSClusterURL(p.NATSNodes)
+		common = append(common, "QF_STREAM_REPLICAS=3")
+	} else {
+		if p.Redis, err = StartRedis(ctx, dir); err != nil {
+			return p, err
+		}
+		if p.NATS, err = StartNATS(ctx, dir); err != nil {
+			return p, err
+		}
+		p.RedisNodes, p.NATSNodes = []*Server{p.Redis}, []*Server{p.NATS}
+		p.RedisURL, p.NATSURL = p.Redis.URL, p.NATS.URL
 	}
 	if p.Postgres, err = StartPostgres(ctx, dir); err != nil {
 		return p, err
@@ -101,27 +136,36 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 	if err := os.WriteFile(policy, []byte(cfg.Policy), 0o600); err != nil {
 		return p, err
 	}
-	common := []string{
-		"QF_REDIS_URL=" + p.Redis.URL, "QF_NATS_URL=" + p.NATS.URL, "QF_POSTGRES_URL=" + p.DBURL,
-		"QF_POLICY_FILE=" + policy,
-	}
+	common = append(common,
+		"QF_REDIS_URL="+p.RedisURL, "QF_NATS_URL="+p.NATSURL, "QF_POSTGRES_URL="+p.DBURL,
+		"QF_POLICY_FILE="+policy)
 	common = append(common, cfg.Env...)
-	// Every service's ops port, the console's and the API's, chosen at once.
-	addrs, err := FreeAddrs(5)
+	// Every service's ops port, each accounter's console's and each
+	// admission's API's, chosen at once.
+	addrs, err := FreeAddrs(1 + 4*instances)
 	if err != nil {
 		return p, err
 	}
-	console, apiAddr := addrs[3], addrs[4]
-	start := func(name, ops string, env ...string) (*Service, error) {
+	// An instance of a service is named after it, its log too: accounter,
+	// accounter-2, ...
+	start := func(service string, i int, ops string, env ...string) (*Service, error) {
+		name := service
+		if i > 0 {
+			name = fmt.Sprintf("%s-%d", service, i+1)
+		}
 		env = append(append(append([]string{}, common...), env...), "QF_OPS_ADDR="+ops)
-		return Start(name, filepath.Join(binDir, name), dir, ops, env)
+		return Start(name, filepath.Join(binDir, service), dir, ops, env)
 	}
-	if p.Accounter, err = start("accounter", addrs[0], append([]string{"QF_CONSOLE_ADDR=" + console}, cfg.AccounterEnv...)...); err != nil {
-		return p, err
+	for i := range instances {
+		ops, console := addrs[1+4*i], addrs[2+4*i]
+		a, err := start("accounter", i, ops, append([]string{"QF_CONSOLE_ADDR=" + console}, cfg.AccounterEnv...)...)
+		if err != nil {
+			return p, err
+		}
+		p.Accounters = append(p.Accounters, a)
 	}
-	// The alerter's alerts API on a free port of its own: the default
-	// (:8082) would clash between stacks.
-	alerterEnv := append([]string{"QF_ALERTS_ADDR=127.0.0.1:0"}, cfg.AlerterEnv...)
+	p.Accounter = p.Accounters[0]
+	alerterEnv := cfg.AlerterEnv
 	if cfg.Webhooks != "" {
 		hooks := filepath.Join(dir, "webhooks.yaml")
 		if err := os.WriteFile(hooks, []byte(cfg.Webhooks), 0o600); err != nil {
@@ -129,17 +173,23 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		}
 		alerterEnv = append([]string{"QF_WEBHOOKS_FILE=" + hooks}, alerterEnv...)
 	}
-	if p.Alerter, err = start("alerter", addrs[1], alerterEnv...); err != nil {
+	if p.Alerter, err = start("alerter", 0, addrs[0], alerterEnv...); err != nil {
 		return p, err
 	}
-	p.API = "http://" + apiAddr
-	admissionEnv := []string{"QF_ADMISSION_ADDR=" + apiAddr, "QF_SPILL_DIR=" + filepath.Join(dir, "spill")}
-	if cfg.Token != "" {
-		admissionEnv = append(admissionEnv, "QF_API_TOKENS="+cfg.Token)
+	for i := range instances {
+		ops, apiAddr := addrs[3+4*i], addrs[4+4*i]
+		env := []string{"QF_ADMISSION_ADDR=" + apiAddr, "QF_SPILL_DIR=" + filepath.Join(dir, "spill", strconv.Itoa(i+1)),
+			"QF_INSTANCES=" + strconv.Itoa(instances)}
+		if cfg.Token != "" {
+			env = append(env, "QF_API_TOKENS="+cfg.Token)
+		}
+		a, err := start("admission", i, ops, append(env, cfg.AdmissionEnv...)...)
+		if err != nil {
+			return p, err
+		}
+		p.Admissions, p.APIs = append(p.Admissions, a), append(p.APIs, "http://"+apiAddr)
 	}
-	if p.Admission, err = start("admission", addrs[2], append(admissionEnv, cfg.AdmissionEnv...)...); err != nil {
-		return p, err
-	}
+	p.Admission, p.API = p.Admissions[0], p.APIs[0]
 	rctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	for _, s := range p.Services() {
@@ -147,8 +197,10 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 			return p, err
 		}
 	}
-	if deg := p.Admission.WaitSteady(ctx, 30*time.Second); deg != "" {
-		return p, fmt.Errorf("admission still degraded: %s", deg)
+	for _, a := range p.Admissions {
+		if deg := a.WaitSteady(ctx, 30*time.Second); deg != "" {
+			return p, fmt.Errorf("%s still degraded: %s", a.Name, deg)
+		}
 	}
 	return p, nil
 }
@@ -156,15 +208,18 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 // Close stops the services (admission first, so nothing is left to
 // publish), then the servers, and removes the run's files.
 func (p *Private) Close() {
-	for _, svc := range []*Service{p.Admission, p.Alerter, p.Accounter} {
-		if svc != nil {
-			_ = svc.Stop(20 * time.Second)
-		}
+	svcs := slices.Clone(p.Admissions)
+	if p.Alerter != nil {
+		svcs = append(svcs, p.Alerter)
 	}
-	for _, srv := range []*Server{p.Postgres, p.NATS, p.Redis} {
-		if srv != nil {
-			srv.Close()
-		}
+	for _, svc := range append(svcs, p.Accounters...) {
+		_ = svc.Stop(20 * time.Second)
+	}
+	if p.Postgres != nil {
+		p.Postgres.Close()
+	}
+	for _, srv := range append(slices.Clone(p.NATSNodes), p.RedisNodes...) {
+		srv.Close()
 	}
 	_ = os.RemoveAll(p.Dir)
 }

@@ -123,12 +123,19 @@ func (s *Stats) DeniedBy() map[string]int {
 
 // Generator plays a gateway (admits) and an LLM service (reports the
 // actual usage, or a release) against admission. It only talks to the
-// admission URL it is given, which is on 127.0.0.1.
+// admission URLs it is given, which are on 127.0.0.1.
 type Generator struct {
 	Base, Token, Endpoint string // admission's URL, bearer token, the endpoint admitted
-	Run                   string // prefix of the request ids
-	Client                *http.Client
-	St                    *Stats
+	// Peers are more admission instances' URLs. Requests are spread over
+	// Base and Peers, and one that fails in transport (the instance is
+	// down, or died with it in flight) goes to the next at once, as a
+	// gateway's load balancer does: every request the generator sends is
+	// idempotent (an admit by its request id while its reservation is
+	// open, a release, a usage event by its id).
+	Peers  []string
+	Run    string // prefix of the request ids
+	Client *http.Client
+	St     *Stats
 	// Patience is how long a usage report or a release is resent after a
 	// 503 or a transport error before it counts as failed.
 	Patience time.Duration
@@ -139,7 +146,8 @@ type Generator struct {
 	// otherwise it goes through admission's POST /v1/usage.
 	Publish func(ctx context.Context, ev events.Event) error
 
-	seq atomic.Int64
+	seq  atomic.Int64
+	next atomic.Uint64 // round robin over Base and Peers
 }
 
 // Play runs rounds spread over d, every user concurrently, then returns.
@@ -284,13 +292,22 @@ func (g *Generator) persist(ctx context.Context, try func() (ok, again bool)) bo
 }
 
 func (g *Generator) post(ctx context.Context, path string, body []byte) (int, []byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.Base+path, bytes.NewReader(body))
-	if err != nil {
-		return 0, nil, err
+	bases := append([]string{g.Base}, g.Peers...)
+	first := int(g.next.Add(1) % uint64(len(bases)))
+	var resp *http.Response
+	var err error
+	for i := range bases {
+		var req *http.Request
+		req, err = http.NewRequestWithContext(ctx, http.MethodPost, bases[(first+i)%len(bases)]+path, bytes.NewReader(body))
+		if err != nil {
+			return 0, nil, err
+		}
+		req.Header.Set("Authorization", "Bearer "+g.Token)
+		req.Header.Set("Content-Type", "application/json")
+		if resp, err = g.Client.Do(req); err == nil || ctx.Err() != nil {
+			break
+		}
 	}
-	req.Header.Set("Authorization", "Bearer "+g.Token)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := g.Client.Do(req)
 	if err != nil {
 		return 0, nil, err
 	}

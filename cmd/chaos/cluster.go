@@ -1,0 +1,189 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"quotaflow/internal/e2e"
+)
+
+// slotMasters maps every slot range's master address, as the node at
+// addr sees it, to the ranges it serves.
+func slotMasters(ctx context.Context, addr string) ([]redis.ClusterSlot, error) {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	return c.ClusterSlots(ctx).Result()
+}
+
+// masterOf is the address of the master serving slot; "" if none.
+func masterOf(slots []redis.ClusterSlot, slot int64) string {
+	for _, s := range slots {
+		if int64(s.Start) <= slot && slot <= int64(s.End) && len(s.Nodes) > 0 {
+			return s.Nodes[0].Addr
+		}
+	}
+	return ""
+}
+
+// keySlot is the cluster slot of key, as the node at addr computes it.
+func keySlot(ctx context.Context, addr, key string) (int64, error) {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	return c.ClusterKeySlot(ctx, key).Result()
+}
+
+// tenantKey is a key carrying tenant's hash tag (pkg/limits keys are
+// q{T}...; the run's tenant names need no escaping).
+func tenantKey(tenant string) string { return "q{" + tenant + "}t" }
+
+// tenantsSpread checks, before the load starts, that the run's tenants'
+// hash tags land on every master, so that a master killed is some
+// tenants' and the traffic crosses every shard.
+func (st *stack) tenantsSpread(ctx context.Context, cfg Config) (string, error) {
+	seed := st.RedisNodes[0].Addr
+	slots, err := slotMasters(ctx, seed)
+	if err != nil {
+		return "", err
+	}
+	per := map[string][]string{}
+	for _, t := range cfg.tenants() {
+		slot, err := keySlot(ctx, seed, tenantKey(t))
+		if err != nil {
+			return "", err
+		}
+		m := masterOf(slots, slot)
+		per[m] = append(per[m], t)
+	}
+	masters := map[string]bool{}
+	for _, s := range slots {
+		masters[s.Nodes[0].Addr] = true
+	}
+	var parts []string
+	for m := range masters {
+		parts = append(parts, fmt.Sprintf("%s: %s", m, strings.Join(per[m], " ")))
+	}
+	detail := fmt.Sprintf("%d tenants over %d masters (%s)", len(cfg.tenants()), len(masters), strings.Join(parts, "; "))
+	for m := range masters {
+		if len(per[m]) == 0 {
+			return "", fmt.Errorf("no tenant on master %s: %s", m, detail)
+		}
+	}
+	return detail, nil
+}
+
+// failover kills the master of the first tenant's slot, waits until a
+// replica serves that slot and every node says cluster_state:ok, keeps
+// the old master down for the rest of down and starts it again (it
+// rejoins as the new master's replica).
+func (st *stack) failover(ctx context.Context, down time.Duration) error {
+	tenant := tenantKey(st.cfg.tenants()[0])
+	seed := st.RedisNodes[0]
+	slot, err := keySlot(ctx, seed.Addr, tenant)
+	if err != nil {
+		return err
+	}
+	slots, err := slotMasters(ctx, seed.Addr)
+	if err != nil {
+		return err
+	}
+	var killed, other *e2e.Server
+	for _, n := range st.RedisNodes {
+		if n.Addr == masterOf(slots, slot) {
+			killed = n
+		} else if other == nil {
+			other = n
+		}
+	}
+	if killed == nil {
+		return fmt.Errorf("no node masters slot %d", slot)
+	}
+	t0 := time.Now()
+	killed.Kill()
+	for {
+		s, err := slotMasters(ctx, other.Addr)
+		if m := masterOf(s, slot); err == nil && m != "" && m != killed.Addr {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("no replica took over slot %d: %w", slot, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	c := redis.NewClient(&redis.Options{Addr: other.Addr})
+	err = e2e.WaitClusterOK(ctx, c)
+	c.Close()
+	if err != nil {
+		return err
+	}
+	st.failoverTook = time.Since(t0)
+	fmt.Fprintf(st.out, "[%s] redis master %s: a replica serves its slots after %.1fs\n",
+		time.Now().Format("15:04:05"), killed.Addr, st.failoverTook.Seconds())
+	select {
+	case <-ctx.Done():
+	case <-time.After(down - time.Since(t0)):
+	}
+	return killed.Up(ctx)
+}
+
+// tenantKeysOneSlot checks what the run left on the masters: every
+// tenant's keys lie in one slot (so every script of a tenant runs on one
+// shard), and the tenants' keys are on every master.
+func (st *stack) tenantKeysOneSlot(ctx context.Context) (bool, string) {
+	slotsOf := map[string]map[int64]bool{}
+	keys, masters, holding := 0, 0, 0
+	for _, n := range st.RedisNodes {
+		c := redis.NewClient(&redis.Options{Addr: n.Addr})
+		role, err := c.Do(ctx, "ROLE").Slice()
+		if err != nil || fmt.Sprint(role[0]) != "master" {
+			c.Close()
+			continue
+		}
+		masters++
+		var ks []string
+		iter := c.Scan(ctx, 0, "q{*", 1000).Iterator()
+		for iter.Next(ctx) {
+			if k := iter.Val(); !strings.HasPrefix(k, "q{%") { // not a shared scope's
+				ks = append(ks, k)
+			}
+		}
+		if err := iter.Err(); err != nil {
+			c.Close()
+			return false, err.Error()
+		}
+		cmds, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, k := range ks {
+				p.ClusterKeySlot(ctx, k)
+			}
+			return nil
+		})
+		c.Close()
+		if err != nil {
+			return false, err.Error()
+		}
+		if len(ks) > 0 {
+			holding++
+		}
+		for i, k := range ks {
+			tenant := k[2:strings.IndexByte(k, '}')]
+			if slotsOf[tenant] == nil {
+				slotsOf[tenant] = map[int64]bool{}
+			}
+			slotsOf[tenant][cmds[i].(*redis.IntCmd).Val()] = true
+			keys++
+		}
+	}
+	var spread []string
+	for t, ss := range slotsOf {
+		if len(ss) != 1 {
+			spread = append(spread, fmt.Sprintf("%s over %d slots", t, len(ss)))
+		}
+	}
+	ok := len(spread) == 0 && masters == 3 && holding == masters && len(slotsOf) == len(st.cfg.tenants())
+	return ok, fmt.Sprintf("%d keys of %d tenants on %d of %d masters; tenants over more than one slot: %v",
+		keys, len(slotsOf), holding, masters, spread)
+}
