@@ -241,7 +241,7 @@ type window struct {
 func (c *console) windows() []window {
 	c.t.Helper()
 	var out []window
-	for _, r := range eval[[][]string](c, `Array.from(document.querySelectorAll("#users tbody tr[data-user]"), tr =>
+	for _, r := range eval[[][]string](c, `Array.from(document.querySelectorAll("#users tbody tr[data-user][data-limit]"), tr =>
 		[tr.dataset.user, tr.dataset.limit].concat([".used", ".limit", ".remaining", ".reset"].map(s => tr.querySelector(s).textContent.trim())))`) {
 		w := window{User: r[0], Limit: r[1], Used: c.num(r[2]), Of: c.num(r[3]), Remaining: c.num(r[4])}
 		if r[5] != "—" {

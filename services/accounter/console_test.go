@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -83,6 +84,30 @@ func TestConsole(t *testing.T) {
 	}
 	if code, body := get(t, admin, base+"/tenants/globex/top"); code != 200 || !strings.Contains(body, "gina") {
 		t.Errorf("admin's globex top = %d, want gina:\n%s", code, body)
+	}
+
+	// Past a page of tenants, the home links the next page.
+	if _, err := e.pgPool(t).Exec(context.Background(), `INSERT INTO reservations (tenant, user_id, request_id)
+SELECT 'many-' || lpad(i::text, 3, '0'), 'u', 'r' FROM generate_series(1, $1::int) i`, tenantsPerPage); err != nil {
+		t.Fatal(err)
+	}
+	// acme, globex, then many-001 to many-500: the first page ends at many-498.
+	link := regexp.MustCompile(`<a href="/tenants/([^"]*)">`)
+	for _, pg := range []struct {
+		path, first, last, next string
+	}{
+		{"/", "acme", "many-498", "/?after=many-498"},
+		{"/?after=many-498", "many-499", "many-500", ""},
+	} {
+		code, body := get(t, admin, base+pg.path)
+		ts := link.FindAllStringSubmatch(body, -1)
+		next := regexp.MustCompile(`id="next" href="([^"]*)"`).FindStringSubmatch(body)
+		switch {
+		case code != 200 || len(ts) == 0:
+			t.Errorf("admin's GET %s = %d with %d tenants", pg.path, code, len(ts))
+		case ts[0][1] != pg.first || ts[len(ts)-1][1] != pg.last || pg.next == "" && next != nil || pg.next != "" && (next == nil || next[1] != pg.next):
+			t.Errorf("admin's GET %s lists %d tenants, %s to %s, next %v; want %s to %s, next %q", pg.path, len(ts), ts[0][1], ts[len(ts)-1][1], next, pg.first, pg.last, pg.next)
+		}
 	}
 }
 

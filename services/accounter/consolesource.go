@@ -31,12 +31,22 @@ func (s consoleSource) tenant(ctx context.Context, tenant string) (history.Tenan
 	return history.ViewerOf(p).Tenant(tenant)
 }
 
-func (s consoleSource) Tenants(ctx context.Context) ([]string, error) {
+// tenantsPerPage is how many tenants a page of the console lists.
+const tenantsPerPage = history.MaxLimit
+
+// Tenants reads one more tenant than a page holds, to know whether there
+// is a next page.
+func (s consoleSource) Tenants(ctx context.Context, after string) (console.Tenants, error) {
 	p, ok := console.Principal(ctx)
 	if !ok {
-		return nil, errNoPrincipal
+		return console.Tenants{}, errNoPrincipal
 	}
-	return s.rd.Tenants(ctx, history.ViewerOf(p), "", history.MaxLimit)
+	ts, err := s.rd.Tenants(ctx, history.ViewerOf(p), after, tenantsPerPage+1)
+	if err != nil || len(ts) <= tenantsPerPage {
+		return console.Tenants{Tenants: ts}, err
+	}
+	ts = ts[:tenantsPerPage]
+	return console.Tenants{Tenants: ts, Next: ts[len(ts)-1]}, nil
 }
 
 // usersPerPage is how many users a page of the console reads: their

@@ -83,13 +83,20 @@ type Tokens interface {
 // caller has checked the token may see (its context holds the token's
 // Principal); lists are bounded by the source.
 type Source interface {
-	Tenants(ctx context.Context) ([]string, error)
+	Tenants(ctx context.Context, after string) (Tenants, error)
 	Users(ctx context.Context, tenant, after string) (Subjects, error)
 	Near(ctx context.Context, tenant string, threshold int, after string) (Subjects, error)
 	History(ctx context.Context, tenant, user string, from, to time.Time, step Step) ([]Point, error)
 	TopUsers(ctx context.Context, tenant string, from, to time.Time, limit int) ([]UserTotal, error)
 	Denials(ctx context.Context, tenant string, from, to time.Time) ([]Denial, error)
 	Alerts(ctx context.Context, tenant string, limit int) ([]Alert, error)
+}
+
+// Tenants is one page of the tenants an admin reads, in order. Next is the
+// tenant the next page starts after, "" on the last page.
+type Tenants struct {
+	Tenants []string
+	Next    string
 }
 
 // Step is the width of a history point.

@@ -22,9 +22,18 @@ var testTokens = []string{"admin-tok#admin", "a-tok@a", "gw-tok"}
 // ledger is a fake Source recording the tenants it was asked about.
 type ledger struct{ asked []string }
 
-func (l *ledger) Tenants(context.Context) ([]string, error) { return []string{"a", "b"}, nil }
+// Tenants gives a first page of a and b, then c.
+func (l *ledger) Tenants(_ context.Context, after string) (Tenants, error) {
+	if after == "" {
+		return Tenants{Tenants: []string{"a", "b"}, Next: "b"}, nil
+	}
+	return Tenants{Tenants: []string{"c"}}, nil
+}
 func (l *ledger) Users(_ context.Context, t, after string) (Subjects, error) {
 	l.asked = append(l.asked, t)
+	if after == "bare" { // a user whose plan has no user limits
+		return Subjects{Users: []User{{User: "bare-user"}}}, nil
+	}
 	s := Subjects{Users: []User{{User: t + "-user" + after, Windows: []Window{{Name: "user quota", Limit: 10, Used: 7, Remaining: 3},
 		{Name: "user requests-per-day-of-v1-chat-completions", Limit: 100, Used: 1, Remaining: 99, Reset: time.Unix(86400, 0)}}}}}
 	if after == "" {
@@ -173,6 +182,16 @@ func TestTenantScope(t *testing.T) {
 	if resp, body := get(t, srv, "/", "admin-tok"); resp.StatusCode != 200 || !strings.Contains(body, `href="/tenants/b"`) {
 		t.Errorf("GET / as admin = %d, want 200 listing tenant b", resp.StatusCode)
 	}
+	// The admin's tenants come a page at a time.
+	if resp, body := get(t, srv, "/", "admin-tok"); resp.StatusCode != 200 || !strings.Contains(body, `<a id="next" href="/?after=b">`) {
+		t.Errorf("GET / as admin = %d, want a link to the tenants after b:\n%s", resp.StatusCode, body)
+	}
+	if resp, body := get(t, srv, "/?after=b", "admin-tok"); resp.StatusCode != 200 || !strings.Contains(body, `href="/tenants/c"`) || strings.Contains(body, `id="next"`) {
+		t.Errorf("GET /?after=b as admin = %d, want tenant c and no next page:\n%s", resp.StatusCode, body)
+	}
+	if resp, _ := get(t, srv, "/?after=%01", "admin-tok"); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("GET /?after=%%01 = %d, want 400", resp.StatusCode)
+	}
 	if resp, _ := get(t, srv, "/tenants/a/usage?range=1y", "a-tok"); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("GET ?range=1y = %d, want 400", resp.StatusCode)
 	}
@@ -215,6 +234,7 @@ func TestSubjects(t *testing.T) {
 			`data-user="a-user" data-limit="user quota"`, `<td class="num used">7</td><td class="num limit">10</td><td class="num remaining">3</td><td class="reset">—</td>`,
 			`data-user="a-user" data-limit="user requests-per-day-of-v1-chat-completions"`, `href="/tenants/a?after=a-user"`}, nil},
 		{"/tenants/a?after=a-user", []string{`data-user="a-usera-user"`}, []string{`id="tenant-windows"`, `id="next"`}},
+		{"/tenants/a?after=bare", []string{`<tr data-user="bare-user" class="no-limits"><th scope="row">bare-user</th><td colspan="5">no user limits</td></tr>`}, []string{`id="no-users"`}},
 		{"/tenants/a/near", []string{`data-user="a-user-near80"`, `value="80"`, `href="/tenants/a/near?after=a-user&amp;threshold=80"`}, []string{"requests-per-day"}},
 		{"/tenants/a/near?threshold=95&after=x", []string{`data-user="a-userx-near95"`}, []string{`id="next"`}},
 	} {

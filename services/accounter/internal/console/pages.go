@@ -30,7 +30,7 @@ type page struct {
 	Tenants   []string
 	Subjects  Subjects
 	Threshold int    // the near page's percentage
-	NextPage  string // the URL of the users' next page; empty on the last
+	NextPage  string // the URL of the tenants' or users' next page; empty on the last
 	Points    []Point
 	Chart     string // the chart's points, as JSON for uPlot
 	From      int64  // the chart's range, in seconds since the epoch
@@ -115,8 +115,8 @@ func (h *Handler) fail(w http.ResponseWriter, r *http.Request, p page, err error
 	h.render(w, r, http.StatusServiceUnavailable, "error", p)
 }
 
-// home lists the tenants an admin may see; a token bound to one tenant
-// goes straight to its users.
+// home lists the tenants an admin may see, a page at a time (after
+// ?after); a token bound to one tenant goes straight to its users.
 func (h *Handler) home(w http.ResponseWriter, r *http.Request, pr auth.Principal) {
 	p := page{Title: "Tenants", SignedIn: true}
 	if !pr.ReadsAll() {
@@ -128,12 +128,20 @@ func (h *Handler) home(w http.ResponseWriter, r *http.Request, pr auth.Principal
 		h.render(w, r, http.StatusOK, "tenants", p)
 		return
 	}
-	ts, err := h.src.Tenants(r.Context())
+	after := r.URL.Query().Get("after")
+	if ident.Check(after) != nil {
+		h.fail(w, r, p, badParam("Invalid page."))
+		return
+	}
+	ts, err := h.src.Tenants(r.Context(), after)
 	if err != nil {
 		h.fail(w, r, p, err)
 		return
 	}
-	p.Tenants = ts
+	p.Tenants = ts.Tenants
+	if ts.Next != "" {
+		p.NextPage = "/?" + url.Values{"after": {ts.Next}}.Encode()
+	}
 	h.render(w, r, http.StatusOK, "tenants", p)
 }
 

@@ -20,7 +20,9 @@ var oddTenants = []string{"acme/usage", "b?x", "c#d", "e%2Fz", ".", "..", "~..",
 
 type oddLedger struct{ ledger }
 
-func (oddLedger) Tenants(context.Context) ([]string, error) { return oddTenants, nil }
+func (oddLedger) Tenants(context.Context, string) (Tenants, error) {
+	return Tenants{Tenants: oddTenants}, nil
+}
 
 var (
 	tenantLink = regexp.MustCompile(`<li><a href="([^"]*)">([^<]*)</a>`)
