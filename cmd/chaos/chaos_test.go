@@ -24,7 +24,7 @@ func TestChaosCluster(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the services and runs a private Redis Cluster, JetStream cluster and Postgres")
 	}
-	runChaos(t, Config{Down: 3 * time.Second, Gap: 3 * time.Second, Rate: 1, Settle: 60 * time.Second, Cluster: true}, 8)
+	runChaos(t, Config{Down: 3 * time.Second, Gap: 3 * time.Second, Rate: 1, Settle: 60 * time.Second, Cluster: true}, 9)
 }
 
 func runChaos(t *testing.T, cfg Config, checks int) {

@@ -43,6 +43,10 @@ func (st *stack) check(ctx context.Context, cfg Config, s *e2e.Stats) []check {
 	if cfg.Cluster {
 		ok, detail = st.tenantKeysOneSlot(ctx)
 		add("every tenant's keys in one slot", ok, "%s", detail)
+		l := st.loss
+		add("the failover lost only reserves of its last second", l.checked > 0 && l.oldest <= replicationWindow,
+			"the promoted replica lacks %d of the %d reserves its master acknowledged (%d tokens; the oldest answered %v before the kill, bound %v)",
+			l.lost, l.checked, l.lostTokens, l.oldest.Round(time.Millisecond), replicationWindow)
 	}
 	ok, detail = st.deadLettersEmpty(ctx)
 	add("nothing dead-lettered", ok, "%s", detail)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -101,11 +102,20 @@ func (st *stack) failover(ctx context.Context, down time.Duration) error {
 	if killed == nil {
 		return fmt.Errorf("no node masters slot %d", slot)
 	}
+	// The tenants whose keys the killed master holds.
+	tenants := map[string]bool{}
+	for _, t := range st.cfg.tenants() {
+		if s, err := keySlot(ctx, seed.Addr, tenantKey(t)); err == nil && masterOf(slots, s) == killed.Addr {
+			tenants[t] = true
+		}
+	}
 	t0 := time.Now()
 	killed.Kill()
+	promoted := ""
 	for {
 		s, err := slotMasters(ctx, other.Addr)
 		if m := masterOf(s, slot); err == nil && m != "" && m != killed.Addr {
+			promoted = m
 			break
 		}
 		select {
@@ -121,8 +131,11 @@ func (st *stack) failover(ctx context.Context, down time.Duration) error {
 		return err
 	}
 	st.failoverTook = time.Since(t0)
-	fmt.Fprintf(st.out, "[%s] redis master %s: a replica serves its slots after %.1fs\n",
-		time.Now().Format("15:04:05"), killed.Addr, st.failoverTook.Seconds())
+	if st.loss, err = st.allows.lostReserves(ctx, promoted, tenants, t0); err != nil {
+		return fmt.Errorf("reserves on the promoted replica: %w", err)
+	}
+	fmt.Fprintf(st.out, "[%s] redis master %s: replica %s serves its slots after %.1fs; it lacks %d of the %d reserves acknowledged before the kill\n",
+		time.Now().Format("15:04:05"), killed.Addr, promoted, st.failoverTook.Seconds(), st.loss.lost, st.loss.checked)
 	select {
 	case <-ctx.Done():
 	case <-time.After(down - time.Since(t0)):
@@ -186,4 +199,73 @@ func (st *stack) tenantKeysOneSlot(ctx context.Context) (bool, string) {
 	ok := len(spread) == 0 && masters == 3 && holding == masters && len(slotsOf) == len(st.cfg.tenants())
 	return ok, fmt.Sprintf("%d keys of %d tenants on %d of %d masters; tenants over more than one slot: %v",
 		keys, len(slotsOf), holding, masters, spread)
+}
+
+// allowLog is every allowed admit of a cluster run, with when its answer
+// came, to find the reserves a failover lost.
+type allowLog struct {
+	mu     sync.Mutex
+	allows []allowed
+}
+
+type allowed struct {
+	tenant, user, id string
+	estimate         int64
+	at               time.Time
+}
+
+func (l *allowLog) add(u e2e.User, id string, estimate int64) {
+	l.mu.Lock()
+	l.allows = append(l.allows, allowed{u.Tenant, u.Name, id, estimate, time.Now()})
+	l.mu.Unlock()
+}
+
+// replicationWindow bounds how long before a master's death a reserve it
+// acknowledged can be missing on the replica that takes over: Redis
+// streams every write to its replicas as it applies it, asynchronously,
+// so only what was still in the master's output buffer is lost (README,
+// "When something fails"; docs/design.md §9).
+const replicationWindow = time.Second
+
+// replicationLoss is what the failover lost: reserves the killed master
+// had acknowledged (their admits answered 200 before the kill) that the
+// promoted replica does not hold.
+type replicationLoss struct {
+	checked, lost int
+	lostTokens    int64
+	oldest        time.Duration // the earliest lost reserve's answer, before the kill
+}
+
+// lostReserves looks up, on the promoted master at addr, the reservation
+// record (q{T}r:U:R, pkg/limits keys) of every admit of tenants answered
+// before killedAt.
+func (l *allowLog) lostReserves(ctx context.Context, addr string, tenants map[string]bool, killedAt time.Time) (replicationLoss, error) {
+	l.mu.Lock()
+	var before []allowed
+	for _, a := range l.allows {
+		if tenants[a.tenant] && a.at.Before(killedAt) {
+			before = append(before, a)
+		}
+	}
+	l.mu.Unlock()
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	cmds, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for _, a := range before {
+			p.Exists(ctx, "q{"+a.tenant+"}r:"+a.user+":"+a.id)
+		}
+		return nil
+	})
+	if err != nil {
+		return replicationLoss{}, err
+	}
+	loss := replicationLoss{checked: len(before)}
+	for i, a := range before {
+		if cmds[i].(*redis.IntCmd).Val() == 0 {
+			loss.lost++
+			loss.lostTokens += a.estimate
+			loss.oldest = max(loss.oldest, killedAt.Sub(a.at))
+		}
+	}
+	return loss, nil
 }

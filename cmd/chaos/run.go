@@ -58,6 +58,8 @@ type stack struct {
 	// failoverTook is how long the killed Redis master's slots went
 	// unserved (a cluster run).
 	failoverTook time.Duration
+	allows       allowLog        // a cluster run's allowed admits
+	loss         replicationLoss // what the failover lost of them
 }
 
 // close stops the pipeline, then the receiver.
@@ -107,6 +109,9 @@ func run(ctx context.Context, cfg Config, out io.Writer) (*Report, error) {
 			defer cancel()
 			return pub.Publish(ctx, ev)
 		},
+	}
+	if cfg.Cluster {
+		gen.OnAllow = st.allows.add
 	}
 	loadCtx, stopLoad := context.WithCancel(ctx)
 	defer stopLoad()

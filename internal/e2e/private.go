@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/pgdb"
 	"quotaflow/pkg/events/stream"
@@ -111,6 +113,12 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		}
 		p.RedisURL, p.NATSURL = ClusterURL(p.RedisNodes), NATSClusterURL(p.NATSNodes)
 		common = append(common, "QF_STREAM_REPLICAS=3")
+		// Created once before the services start: nats-server 2.9 leaves
+		// some of several concurrent creates of one R3 stream unanswered
+		// (a service's start-up step then waits out its 30 s attempt).
+		if err := ensureStreams(ctx, p.NATSURL, 3); err != nil {
+			return p, err
+		}
 	} else {
 		if p.Redis, err = StartRedis(ctx, dir); err != nil {
 			return p, err
@@ -222,4 +230,20 @@ func (p *Private) Close() {
 		srv.Close()
 	}
 	_ = os.RemoveAll(p.Dir)
+}
+
+// ensureStreams creates the services' default streams with replicas.
+func ensureStreams(ctx context.Context, url string, replicas int) error {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	cfg := stream.Defaults()
+	cfg.Replicas = replicas
+	return stream.Ensure(ctx, js, cfg)
 }

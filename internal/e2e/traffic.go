@@ -141,6 +141,9 @@ type Generator struct {
 	Patience time.Duration
 	// Latency, when set, is told every admit's latency and status.
 	Latency func(d time.Duration, status int)
+	// OnAllow, when set, is told every allowed admit once its answer came:
+	// the user, the request id and the estimate reserved.
+	OnAllow func(u User, requestID string, estimate int64)
 	// Publish, when set, reports actual usage as a service that publishes
 	// to NATS itself does (resent after an error for up to Patience);
 	// otherwise it goes through admission's POST /v1/usage.
@@ -202,6 +205,9 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 		g.St.Allowed.Add(1)
 		g.St.Reserved.Add(est)
 		g.St.cause(u, est, 1)
+		if g.OnAllow != nil {
+			g.OnAllow(u, id, est)
+		}
 	case code == http.StatusTooManyRequests:
 		g.St.Denied.Add(1)
 		var p struct {
