@@ -78,6 +78,10 @@
 //     spent down locally and
 //     back to the full limit once the window it was seen in has passed, or
 //     Options.UnseenAllowance (at most the limit) for an owner never seen;
+//     what is allowed locally is owed (Redis holds none of it until its
+//     actual usage is charged) and taken from every later Redis answer, so
+//     the local allows owed never exceed the remaining Redis last reported
+//     (see local.go);
 //   - concurrency limits: not enforced (nothing could release the slot).
 //
 // Past Options.FailOpenAfter of continuous unreachability every request is

@@ -16,7 +16,15 @@ import (
 //   - Token limits of a subject or tenant (quotas, balances): the remaining
 //     last seen in a Redis decision, spent down locally during an outage,
 //     and back to the full limit once the window it was seen in has passed.
-//     An owner never seen gets UnseenAllowance.
+//     An owner never seen gets UnseenAllowance. What was allowed locally is
+//     owed: Redis holds nothing of it until its actual usage is charged, so
+//     each later Redis decision sets the remaining to Redis's less what is
+//     owed (else every Redis answer between local decisions would give the
+//     local allowance back). A spend stays owed for the reservation TTL (by
+//     which its actual must have come) or the limit's period (past which no
+//     window counts it), whichever is shorter, or until the window seen
+//     passes: an instance's local allows while they are owed never exceed
+//     the last remaining Redis reported (or the allowance).
 //   - Every other limit (request limits of any scope, token limits of shared
 //     scopes): this instance's share, a token bucket of capacity
 //     ceil(capacity / Instances) that refills that much per window (for a
@@ -57,7 +65,7 @@ func ruleID(r *policy.Rule) uint64 {
 }
 
 // stateID tells an owner's limit states apart: ruleID folded to 32 bits, so
-// that a state takes 24 bytes rather than 32. Two limits of one owner
+// that a state takes 32 bytes rather than 40. Two limits of one owner
 // collide with odds about n²/2³³ for its n limits (10⁻⁸ for ten); they
 // would then share local state, which only matters while Redis is
 // unavailable.
@@ -66,17 +74,39 @@ func stateID(r *policy.Rule) uint32 {
 	return uint32(h ^ h>>32)
 }
 
-// ruleState is the local state of one limit of one owner, 24 bytes without
+// ruleState is the local state of one limit of one owner, 32 bytes without
 // a pointer.
 type ruleState struct {
 	left float64 // units still allowed locally
 	// t is, for a quota, when the window seen frees everything (0: never);
 	// for a share, its last refill. Monotonic ns.
-	t    int64
-	id   uint32 // stateID
-	used uint16 // localTable: the hold of its bucket's lock that last used it
-	init bool
-	seen bool // quota: left came from a Redis decision
+	t  int64
+	id uint32 // stateID
+	// owed is what a quota allowed locally that Redis may not hold yet,
+	// until owedUntil (monotonic s, rounded up; float32 is exact to 2²⁴
+	// units).
+	owed      float32
+	owedUntil uint32
+	used      uint16 // localTable: the hold of its bucket's lock that last used it
+	init      bool
+	seen      bool // quota: left came from a Redis decision
+}
+
+// owe records a local spend of n that Redis may not hold until until
+// (monotonic ns).
+func (st *ruleState) owe(n float64, until int64) {
+	st.owed += float32(n)
+	st.owedUntil = max(st.owedUntil, uint32((until+int64(time.Second)-1)/int64(time.Second)))
+}
+
+// owedFor is how long a local spend of r may go unheld by Redis: until its
+// actual usage is charged, which is within the reservation TTL, and never
+// past r's period, after which no window counts it.
+func (d *Decider) owedFor(r *policy.Rule) time.Duration {
+	if p := period(r); p > 0 && p < d.ttl {
+		return p
+	}
+	return d.ttl
 }
 
 // capacity is what a limit admits when empty.
@@ -165,6 +195,10 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 		if st.t != 0 && now >= st.t {
 			st.left = float64(capacity(r))
 			st.t = now + int64(period(r))
+			st.owed = 0
+		}
+		if now >= int64(st.owedUntil)*int64(time.Second) {
+			st.owed = 0
 		}
 		return
 	}
@@ -252,6 +286,9 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		need := float64(unitCost(r, cost))
 		if denied < 0 && st.left >= need {
 			st.left -= need
+			if quotaKind(r) {
+				st.owe(need, now+int64(d.owedFor(r)))
+			}
 			if j := js[i]; j >= 0 {
 				*spends = append(*spends, localSpend{o: ownerOf(r), slot: j, gen: d.local.gens[j], n: need, at: i})
 			}
@@ -310,11 +347,14 @@ type localSpend struct {
 
 // giveBack returns a local spending to the state it was taken from, unless
 // the table has forgotten that state since: a state of the same owner and
-// limit created since started afresh without it.
+// limit created since started afresh without it. A spending given back is
+// owed no more.
 func (d *Decider) giveBack(s localSpend) {
 	d.local.lock(s.o, owner{})
 	if d.local.gens[s.slot] == s.gen {
-		d.local.slots[s.slot].left += s.n
+		st := &d.local.slots[s.slot]
+		st.left += s.n
+		st.owed = max(0, st.owed-float32(s.n))
 	}
 	d.local.unlock(s.o, owner{})
 }
@@ -327,7 +367,8 @@ func (d *Decider) remember(tenant, user string, states []limits.State, now int64
 }
 
 // rememberOf records the quotas of one owner among states (the
-// tenant-scope ones when tenant is set), under one lock of its bucket.
+// tenant-scope ones when tenant is set), under one lock of its bucket, less
+// what they owe (Redis does not hold it).
 func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now int64) {
 	mine := func(r *policy.Rule) bool { return quotaKind(r) && (r.Scope == policy.ScopeTenant) == tenant }
 	if !slices.ContainsFunc(states, func(s limits.State) bool { return mine(s.Rule) }) {
@@ -354,7 +395,8 @@ func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now
 		if j < 0 {
 			return // more quotas than a bucket holds: the rest stay unseen
 		}
-		st := &d.local.slots[j]
-		st.init, st.seen, st.left, st.t = true, true, float64(s.Remaining), reset
+		st := &d.local.slots[j].ruleState
+		d.bring(r, st, now) // drops what is owed no more
+		st.init, st.seen, st.left, st.t = true, true, float64(s.Remaining)-float64(st.owed), reset
 	}
 }

@@ -20,7 +20,7 @@ func localDecider(t testing.TB, o Options) *Decider {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Decider{opt: o, local: newLocalTable(o.LocalEntries, slog.New(slog.DiscardHandler)), epoch: time.Now()}
+	return &Decider{opt: o, local: newLocalTable(o.LocalEntries, slog.New(slog.DiscardHandler)), epoch: time.Now(), ttl: limits.DefaultReservationTTL}
 }
 
 func rule(scope policy.Scope, unit policy.Unit, l policy.Limit) policy.Rule {
@@ -115,6 +115,48 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 		// A cost above the limit itself can never fit.
 		if _, retry, reason, _ := check(d, unseen, rules, 101); reason != limits.ReasonCostExceedsLimit || retry != 0 {
 			t.Fatalf("cost 101 of a limit of 100: reason %q retry %v, want cost_exceeds_limit", reason, retry)
+		}
+	})
+}
+
+// A local spend is owed, Redis not holding it, until the limit's period
+// has passed since (shorter than the reservation TTL here): a Redis answer
+// meanwhile sets the remaining to Redis's less it, one after it to Redis's.
+// A spending given back is owed no more.
+func TestLocalOwedUntilRedisHoldsIt(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(time.Hour)})}
+		o := userOwner(d, "u")
+		seen := func(remaining int64) {
+			d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 100, Used: 100 - remaining, Remaining: remaining}}, d.mono())
+		}
+		seen(100)
+		if di, _, _, _ := check(d, o, rules, 30); di >= 0 {
+			t.Fatal("cost 30 of 100 denied")
+		}
+		seen(90) // Redis allowed 10 beside, and holds nothing of the 30
+		if l := left(d, o, &rules[0]); l != 60 {
+			t.Fatalf("left %v after Redis reported 90, want 60 (30 owed)", l)
+		}
+		if di, _, _, out := check(d, o, rules, 61); di != 0 || out[0].Used != 40 {
+			t.Fatalf("cost 61 of 60 left: denied %d, %+v; want denied, 40 used (10 by Redis, 30 owed)", di, out[0])
+		}
+		out := make([]LimitState, 1)
+		var spends []localSpend
+		d.local.lock(o, owner{})
+		d.localCheck([2]owner{o, o}, rules, 20, d.mono(), out, &spends)
+		d.local.unlock(o, owner{})
+		d.giveBack(spends[0])
+		time.Sleep(59 * time.Minute)
+		seen(80)
+		if l := left(d, o, &rules[0]); l != 50 {
+			t.Fatalf("left %v after Redis reported 80 within the hour, want 50 (30 owed, 20 given back)", l)
+		}
+		time.Sleep(time.Minute + time.Second) // the hour's window counts the 30 no more
+		seen(80)
+		if l := left(d, o, &rules[0]); l != 80 {
+			t.Fatalf("left %v after Redis reported 80 past the hour, want 80 (nothing owed)", l)
 		}
 	})
 }
