@@ -50,17 +50,24 @@ type Querier interface {
 }
 
 // selectRecent reads a tenant's most recent alerts from the alerter's
-// webhook outbox (one row per alert and webhook: each alert once), newest
-// first: by time, then by the order the alerter enqueued them (alerts of
-// one batch share its transaction's time). The webhook body is the alert
-// (detect.Alert).
+// webhook outbox (one row per alert and webhook: each alert once, by its
+// first row), newest first: by time, then by the order the alerter
+// enqueued them (alerts of one batch share its transaction's time). It
+// walks webhook_outbox_tenant_recent backwards and stops at the page, so
+// its cost follows offset+limit, not the tenant's outbox; a DISTINCT ON
+// would read and sort every row of the tenant. The webhook body is the
+// alert (detect.Alert), parsed for the page's rows alone.
 const selectRecent = `
-SELECT alert_id, at, kind, coalesce(b->'data'->>'user', ''), coalesce(b->'data'->>'limit_name', ''),
-    coalesce((b->'data'->>'threshold')::int, 0)
-FROM (SELECT DISTINCT ON (alert_id) alert_id, created_at AS at, id, kind, convert_from(payload, 'UTF8')::jsonb AS b
-    FROM webhook_outbox WHERE tenant = $1 ORDER BY alert_id, created_at, id) a
-ORDER BY at DESC, id DESC
-LIMIT $2 OFFSET $3`
+SELECT a.alert_id, a.created_at, a.kind, coalesce(d."user", ''), coalesce(d.limit_name, ''), coalesce(d.threshold, 0)
+FROM (SELECT o.alert_id, o.created_at, o.id, o.kind, o.payload
+    FROM webhook_outbox o
+    WHERE o.tenant = $1 AND NOT EXISTS (SELECT 1 FROM webhook_outbox e
+        WHERE e.alert_id = o.alert_id AND e.tenant = o.tenant AND (e.created_at, e.id) < (o.created_at, o.id))
+    ORDER BY o.created_at DESC, o.id DESC
+    LIMIT $2 OFFSET $3) a
+LEFT JOIN LATERAL jsonb_to_record(convert_from(a.payload, 'UTF8')::jsonb -> 'data')
+    AS d("user" text, limit_name text, threshold int) ON true
+ORDER BY a.created_at DESC, a.id DESC`
 
 // Recent returns tenant's most recent alerts in db, newest first: limit of
 // them after the first offset. The caller has checked that its caller may

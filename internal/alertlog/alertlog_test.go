@@ -27,15 +27,23 @@ var t0 = time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 // outbox with acme's alerts a1 (then a2, to two webhooks) and globex's g1.
 func outbox(t *testing.T) *pgxpool.Pool {
 	t.Helper()
+	pool := outboxOnly(t)
+	alertlogtest.Threshold(t, pool, "a1", "acme", "u1", 80, t0, "ops")
+	alertlogtest.Threshold(t, pool, "a2", "acme", "u2", 90, t0.Add(time.Minute), "ops", "pager")
+	alertlogtest.Threshold(t, pool, "g1", "globex", "u1", 100, t0.Add(2*time.Minute), "ops")
+	return pool
+}
+
+// outboxOnly returns a database of the test's own holding the alerter's
+// empty outbox.
+func outboxOnly(t *testing.T) *pgxpool.Pool {
+	t.Helper()
 	pool, err := pgdb.Open(context.Background(), pgtest.NewDatabase(t, "alertlog"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
 	alertlogtest.Migrate(t, pool)
-	alertlogtest.Threshold(t, pool, "a1", "acme", "u1", 80, t0, "ops")
-	alertlogtest.Threshold(t, pool, "a2", "acme", "u2", 90, t0.Add(time.Minute), "ops", "pager")
-	alertlogtest.Threshold(t, pool, "g1", "globex", "u1", 100, t0.Add(2*time.Minute), "ops")
 	return pool
 }
 

@@ -2,12 +2,9 @@ package history_test
 
 import (
 	"context"
-	"encoding/json"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"quotaflow/internal/pgtest"
 	"quotaflow/services/accounter/internal/history"
@@ -46,34 +43,19 @@ func TestPlans(t *testing.T) {
 	from := time.Date(2026, 6, 1, 0, 0, 0, 0, time.UTC)
 	to := from.Add(24 * time.Hour)
 	for _, q := range history.Queries(from, to) {
-		plan := explain(t, pool, q.SQL, q.Args)
-		var top []struct {
-			Plan          map[string]any `json:"Plan"`
-			ExecutionTime float64        `json:"Execution Time"`
-		}
-		if err := json.Unmarshal(plan, &top); err != nil || len(top) != 1 {
-			t.Fatalf("%s: plan %s: %v", q.Name, plan, err)
-		}
-		var seq []string
-		var removed float64
-		walk(top[0].Plan, func(node map[string]any) {
-			if node["Node Type"] == "Seq Scan" {
-				seq = append(seq, node["Relation Name"].(string))
-			}
-			r, _ := node["Rows Removed by Filter"].(float64)
-			removed += r
-		})
+		plan := pgtest.Explain(t, pool, q.SQL, q.Args...)
+		removed := plan.RowsRemoved()
 		// A range of an index reads the day's rows at most; an index of
 		// the tenant alone would read its whole year to keep a day.
 		if removed > maxRemoved {
 			t.Errorf("%s reads %.0f rows it throws away, more than %d: not a range of an index", q.Name, removed, maxRemoved)
 		}
-		for _, rel := range seq {
+		for _, rel := range plan.SeqScans() {
 			if rel == "reservations" || rel == "usage_events" {
-				t.Errorf("%s scans %s whole: %s", q.Name, rel, plan)
+				t.Errorf("%s scans %s whole: %s", q.Name, rel, plan.JSON)
 			}
 		}
-		t.Logf("%-10s cost %8.0f, %7.1f ms, %6.0f rows read and dropped, root %s", q.Name, top[0].Plan["Total Cost"], top[0].ExecutionTime, removed, top[0].Plan["Node Type"])
+		t.Logf("%-10s cost %8.0f, %7.1f ms, %6.0f rows read and dropped, root %s", q.Name, plan.Root["Total Cost"], plan.ExecutionTime, removed, plan.Root["Node Type"])
 	}
 }
 
@@ -82,24 +64,4 @@ func argsOf(sql string, n int) []any {
 		return []any{n}
 	}
 	return nil
-}
-
-func explain(t *testing.T, pool *pgxpool.Pool, sql string, args []any) []byte {
-	t.Helper()
-	var plan []byte
-	if err := pool.QueryRow(context.Background(), "EXPLAIN (ANALYZE, FORMAT JSON) "+sql, args...).Scan(&plan); err != nil {
-		t.Fatalf("explain %s: %v", sql, err)
-	}
-	return plan
-}
-
-// walk calls f on node and every node under it.
-func walk(node map[string]any, f func(map[string]any)) {
-	f(node)
-	kids, _ := node["Plans"].([]any)
-	for _, k := range kids {
-		if m, ok := k.(map[string]any); ok {
-			walk(m, f)
-		}
-	}
 }

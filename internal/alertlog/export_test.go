@@ -1,0 +1,4 @@
+package alertlog
+
+// SelectRecent is Recent's query, for its plan test.
+const SelectRecent = selectRecent
