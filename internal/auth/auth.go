@@ -191,8 +191,8 @@ func (p Principal) Allowed() bool {
 // For reports whether p may act in its role for tenant and, when it may,
 // whether it may name any plan. A grant for every tenant (the platform's
 // own gateway, or an admin) may name any plan; a grant bound to the tenant
-// only the plans the policy grants that tenant (policy.Policy.Grants),
-// which the caller checks.
+// only the plans the policy grants that tenant (policy.Policy.Grants):
+// NamesPlan checks both.
 func (p Principal) For(tenant string) (ok, anyPlan bool) {
 	for _, g := range p.grants {
 		if !g.Roles.Has(p.role) {
@@ -206,6 +206,22 @@ func (p Principal) For(tenant string) (ok, anyPlan bool) {
 		}
 	}
 	return ok, false
+}
+
+// Granter says which plans a tenant's own token may name
+// (*policy.Policy).
+type Granter interface {
+	Grants(tenant, plan string) bool
+}
+
+// NamesPlan reports whether p may name plan for tenant in its role: it may
+// act for tenant (For), and a grant for every tenant names any plan, a
+// grant bound to tenant only the plans g grants it (an empty plan is the
+// tenant's own). Admission asks it of every plan a request names, the
+// console of every plan a viewer reads (in no role: every grant counts).
+func (p Principal) NamesPlan(g Granter, tenant, plan string) bool {
+	ok, anyPlan := p.For(tenant)
+	return ok && (anyPlan || g.Grants(tenant, plan))
 }
 
 // Reads reports whether p may read tenant's usage (the console): an admin

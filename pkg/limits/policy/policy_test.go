@@ -242,6 +242,15 @@ func TestPolicyGrants(t *testing.T) {
 	if allocs := testing.AllocsPerRun(100, func() { parsed.Grants("acme", "enterprise") }); allocs != 0 {
 		t.Errorf("Grants allocates %v times, want 0", allocs)
 	}
+	for tenant, want := range map[string][]string{
+		"acme": {"pro", "enterprise"}, "beta": {"free", "pro"}, "gamma": {"free"}, "unlisted": {"free"},
+	} {
+		for name, p := range map[string]*Policy{"parsed": parsed, "built in code": inCode} {
+			if got := p.TenantPlans(tenant); !slices.Equal(got, want) {
+				t.Errorf("%s: TenantPlans(%q) = %q, want %q", name, tenant, got, want)
+			}
+		}
+	}
 }
 
 func TestResolveShadowInheritance(t *testing.T) {

@@ -143,8 +143,26 @@ func (p *Policy) Grants(tenant, plan string) bool {
 	if plan == "" {
 		return true
 	}
-	var own string
-	var others []string
+	own, others := p.grantsOf(tenant)
+	return plan == own || slices.Contains(others, plan)
+}
+
+// TenantPlans lists the plans Grants grants tenant, each once: its own
+// first, then the others in the order its plans list names them.
+func (p *Policy) TenantPlans(tenant string) []string {
+	own, others := p.grantsOf(tenant)
+	out := []string{own}
+	for _, pl := range others {
+		if !slices.Contains(out, pl) {
+			out = append(out, pl)
+		}
+	}
+	return out
+}
+
+// grantsOf returns tenant's own plan (its plan, else default_plan) and the
+// others its plans list names.
+func (p *Policy) grantsOf(tenant string) (own string, others []string) {
 	if ix := p.idx; ix != nil {
 		te := ix.tenants[tenant]
 		own, others = te.plan, te.plans
@@ -154,7 +172,7 @@ func (p *Policy) Grants(tenant, plan string) bool {
 	if own == "" {
 		own = p.DefaultPlan
 	}
-	return plan == own || slices.Contains(others, plan)
+	return own, others
 }
 
 // resolveSlow is Resolve for a Policy built in code, without an index.

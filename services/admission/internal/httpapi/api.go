@@ -317,11 +317,9 @@ func authorize(w http.ResponseWriter, p auth.Principal, tenant string) bool {
 }
 
 // authorizePlan answers 403 and returns false unless p may act for tenant
-// on plan: a token bound to the tenant may name only the plans pol grants
-// it (an empty plan is the tenant's own), any other token any plan.
+// on plan (auth.Principal.NamesPlan).
 func authorizePlan(w http.ResponseWriter, p auth.Principal, pol *policy.Policy, tenant, plan string) bool {
-	ok, anyPlan := p.For(tenant)
-	if !ok || !anyPlan && !pol.Grants(tenant, plan) {
+	if !p.NamesPlan(pol, tenant, plan) {
 		forbidden(w)
 		return false
 	}
