@@ -342,3 +342,36 @@ func settleOneByOne(ctx context.Context, l *limits.Limiter, ops []limits.SettleO
 	}
 	return out
 }
+
+// TestPeekBatchWritesNothing: a peek counts a concurrency limit's live
+// slots and leaves its expired ones in place (it writes no key); the
+// outcomes are in the requests' order, and an invalid request fails alone.
+func TestPeekBatchWritesNothing(t *testing.T) {
+	c := redistest.Shared(t)
+	l := limitstest.At(c, 0)
+	ctx := context.Background()
+	rules := batchRules()
+	tenant := redistest.UniqueName(t)
+	limitstest.Reserve(t, l, tenant, "a", "1", 100, rules)
+	zkey := wire.NewSubjectKeys(tenant, "a").Concurrency(&rules[2])
+	if err := c.ZAdd(ctx, zkey, redis.Z{Score: 1, Member: "expired"}).Err(); err != nil {
+		t.Fatal(err)
+	}
+	got := l.PeekBatch(ctx, []limits.Request{
+		{Tenant: tenant, User: "a", Rules: rules},
+		{Tenant: tenant, Rules: rules}, // no user
+		{Tenant: tenant, User: "b", Rules: rules},
+	})
+	if u := limitstest.Used(got[0].Decision.States); got[0].Err != nil || fmt.Sprint(u) != "[100 100 1 1]" {
+		t.Errorf("a = %v, %v; want used [100 100 1 1] (its live slot only)", u, got[0].Err)
+	}
+	if !errors.Is(got[1].Err, limits.ErrInvalid) {
+		t.Errorf("a request without a user = %v, want ErrInvalid", got[1].Err)
+	}
+	if u := limitstest.Used(got[2].Decision.States); got[2].Err != nil || fmt.Sprint(u) != "[100 0 0 0]" {
+		t.Errorf("b = %v, %v; want used [100 0 0 0]", u, got[2].Err)
+	}
+	if n := c.ZCard(ctx, zkey).Val(); n != 2 {
+		t.Errorf("%s holds %d members after the peek, want 2 (the live slot and the expired one)", zkey, n)
+	}
+}

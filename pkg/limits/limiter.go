@@ -204,8 +204,9 @@ func (l *Limiter) Reserve(ctx context.Context, r Request) (Decision, error) {
 // VoidReserve find nothing of it to undo (docs/design.md §4).
 func KeepsRecord(rules []policy.Rule) bool { return wire.KeepsRecord(rules) }
 
-// Peek reports the subject's limits without changing anything. RequestID and
-// Cost are ignored.
+// Peek reports the subject's limits without changing anything: it writes
+// no key (a concurrency limit's expired slots are left for the next
+// reserve to remove). RequestID and Cost are ignored.
 func (l *Limiter) Peek(ctx context.Context, r Request) (Decision, error) {
 	out := l.PeekBatch(ctx, []Request{r})
 	return out[0].Decision, out[0].Err

@@ -232,10 +232,16 @@ local function save(bl, key, now)
   write(bl, key)
 end
 
+-- peeking is set while a peek loads its limits: a peek writes nothing, so
+-- it counts a concurrency limit's live slots and leaves the expired ones
+-- to the next call that charges. begin clears it.
+local peeking = false
+
 -- load decodes the spec at byte pos of string specs and its state into slot
 -- j of S, brought forward to now: expired buckets, windows and log entries
--- dropped, token buckets refilled. sub and ten are the open blobs; zkey is
--- the sorted set of a concurrency limit.
+-- dropped (in S only), token buckets refilled. sub and ten are the open
+-- blobs; zkey is the sorted set of a concurrency limit, whose expired slots
+-- are removed unless peeking.
 local function load(specs, pos, j, sub, ten, now, zkey)
   local S = S
   local o = (j - 1) * SLOTS
@@ -244,8 +250,13 @@ local function load(specs, pos, j, sub, ten, now, zkey)
   S[o + KIND], S[o + FLAGS], S[o + LIMIT], S[o + SPEC_A], S[o + SPEC_B], S[o + ID], S[o + BLOB], S[o + DIRTY],
     S[o + WOULD_DENY] = kind, fl, lim, a, b, id, bl, false, 0
   if kind == CONCURRENCY then
-    redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
-    S[o + CONC_USED], S[o + CONC_KEY], S[o + CONC_MEMBER] = redis.call('ZCARD', zkey), zkey, false
+    if peeking then
+      S[o + CONC_USED] = redis.call('ZCOUNT', zkey, '(' .. now, '+inf')
+    else
+      redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
+      S[o + CONC_USED] = redis.call('ZCARD', zkey)
+    end
+    S[o + CONC_KEY], S[o + CONC_MEMBER] = zkey, false
     return
   end
   -- the record is at a position of the blob as read, or a string of its
@@ -701,7 +712,7 @@ local function begin(nget)
   end
   for i = 1, #recs do recs[i] = nil end
   for i = 1, #out do out[i] = nil end
-  charging = false
+  charging, peeking = false, false
 end
 
 -- decide runs f on each entry's argument, ARGV[3] on, and returns their

@@ -65,7 +65,9 @@ local function reserve(arg)
   local sub, ten = blob(sk, now), nil
   if tk > 0 then ten = blob(tk, now) end
   local at = RESERVE_HEAD + TAIL_HEAD + 1
+  peeking = mode == MODE_PEEK
   local z = loadspecs(arg, at, n, at + n * SPEC_LEN, sub, ten, now) -- then the member
+  peeking = false
 
   local raw = rk > 0 and mode ~= MODE_PEEK and vals[rk]
   if raw then
