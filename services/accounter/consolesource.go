@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 
 	"quotaflow/internal/alertlog"
@@ -53,36 +54,55 @@ func (s consoleSource) Tenants(ctx context.Context, after string) (console.Tenan
 // windows are one pipelined Redis round trip.
 const usersPerPage = history.DefaultLimit
 
-func (s consoleSource) Users(ctx context.Context, tenant, after string) (console.Subjects, error) {
+func (s consoleSource) Users(ctx context.Context, tenant, plan, after string) (console.Subjects, error) {
 	t, err := s.tenant(ctx, tenant)
 	if err != nil {
 		return console.Subjects{}, err
 	}
-	page, err := s.rd.Users(ctx, t, after, usersPerPage)
-	return subjectsOf(page), err
+	page, err := s.rd.Users(ctx, t, plan, after, usersPerPage)
+	return s.subjectsOf(t, page, err)
 }
 
-func (s consoleSource) Near(ctx context.Context, tenant string, threshold int, after string) (console.Subjects, error) {
+func (s consoleSource) Near(ctx context.Context, tenant, plan string, threshold int, after string) (console.Subjects, error) {
 	t, err := s.tenant(ctx, tenant)
 	if err != nil {
 		return console.Subjects{}, err
 	}
-	page, err := s.rd.Near(ctx, t, threshold, after, usersPerPage)
-	return subjectsOf(page), err
+	page, err := s.rd.Near(ctx, t, plan, threshold, after, usersPerPage)
+	return s.subjectsOf(t, page, err)
 }
 
-func subjectsOf(p history.SubjectsPage) console.Subjects {
-	out := console.Subjects{Tenant: windowsOf(p.Tenant), Next: p.Next}
+// subjectsOf is the page of t's subjects p, or the page's answer to err:
+// a plan the viewer may not read, or none of the policy, is
+// console.ErrUnknownPlan, and Redis too busy is said.
+func (s consoleSource) subjectsOf(t history.Tenant, p history.SubjectsPage, err error) (console.Subjects, error) {
+	var pe *history.ParamError
+	switch {
+	case errors.Is(err, history.ErrForbidden), errors.As(err, &pe) && pe.Param == "plan":
+		return console.Subjects{}, console.ErrUnknownPlan
+	case errors.Is(err, history.ErrBusy):
+		return console.Subjects{}, &console.SourceDown{Why: "Redis is being read for too many pages at once; try again in a second.", Err: err}
+	case err != nil:
+		return console.Subjects{}, err
+	}
+	out := console.Subjects{Plan: p.Plan, Plans: s.rd.Plans(t), Tenant: windowsOf(p.Tenant), Next: p.Next}
+	if !slices.Contains(out.Plans, p.Plan) { // an admin may read any plan
+		out.Plans = append(out.Plans, p.Plan)
+	}
 	for _, u := range p.Users {
-		out.Users = append(out.Users, console.User{User: u.User, Windows: windowsOf(u.Windows)})
+		out.Users = append(out.Users, console.User{User: u.User, Windows: windowsOf(u.Windows), Error: u.Error})
 	}
-	return out
+	return out, nil
 }
 
 func windowsOf(ws []history.Window) []console.Window {
 	out := make([]console.Window, len(ws))
 	for i, w := range ws {
-		out[i] = console.Window{Name: string(w.Scope) + " " + w.Name, Limit: w.Limit, Used: w.Used, Remaining: w.Remaining}
+		name := string(w.Scope) + " " + w.Name
+		if w.Endpoint != "" {
+			name = "endpoint " + w.Endpoint + " " + w.Name // a user's limit on requests to that endpoint
+		}
+		out[i] = console.Window{Name: name, Limit: w.Limit, Used: w.Used, Remaining: w.Remaining}
 		if w.Reset != nil {
 			out[i].Reset = *w.Reset
 		}

@@ -83,7 +83,7 @@ func TestBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := "[900 1000 100 1970-01-03 00:00:00Z user quota 7 10 3 — user requests-per-day-of-v1-chat-completions 1 100 99 1970-01-02 00:00:00Z]"; fmt.Sprint(cells) != want {
+	if want := "[900 1000 100 1970-01-03 00:00:00Z user quota 7 10 3 — user requests-per-day-of-v1-chat-completions 1 100 99 1970-01-02 00:00:00Z cannot be read: too long]"; fmt.Sprint(cells) != want {
 		t.Errorf("the users page shows %q, want %s", cells, want)
 	}
 	// The near page's threshold, typed and submitted by keyboard.

@@ -40,6 +40,10 @@ const CookieName = history.CookieName
 // the page says so rather than show numbers.
 var ErrNotAvailable = errors.New("not available")
 
+// ErrUnknownPlan is a Source's answer for a plan the policy does not
+// define, or the viewer may not read: the page answers 400.
+var ErrUnknownPlan = errors.New("unknown plan")
+
 // principalKey and authorizationKey key the signed-in token's
 // auth.Principal and the token itself in a request's context.
 type (
@@ -84,8 +88,8 @@ type Tokens interface {
 // Principal); lists are bounded by the source.
 type Source interface {
 	Tenants(ctx context.Context, after string) (Tenants, error)
-	Users(ctx context.Context, tenant, after string) (Subjects, error)
-	Near(ctx context.Context, tenant string, threshold int, after string) (Subjects, error)
+	Users(ctx context.Context, tenant, plan, after string) (Subjects, error)
+	Near(ctx context.Context, tenant, plan string, threshold int, after string) (Subjects, error)
 	History(ctx context.Context, tenant, user string, from, to time.Time, step Step) ([]Point, error)
 	TopUsers(ctx context.Context, tenant string, from, to time.Time, limit int) ([]UserTotal, error)
 	Denials(ctx context.Context, tenant string, from, to time.Time) ([]Denial, error)
@@ -108,19 +112,24 @@ const (
 	Day  Step = "day" // a UTC day
 )
 
-// Subjects is one page of a tenant's subjects, in order of user: Tenant
-// holds the tenant-wide limits (on the first page), Users each user's own.
-// Next is the user the next page starts after, "" on the last page.
+// Subjects is one page of a tenant's subjects on Plan, in order of user:
+// Tenant holds the tenant-wide limits (on the first page), Users each
+// user's own. Plans are the plans the tenant's requests can name, its own
+// first. Next is the user the next page starts after, "" on the last page.
 type Subjects struct {
+	Plan   string
+	Plans  []string
 	Tenant []Window
 	Users  []User
 	Next   string
 }
 
-// User is one user of a tenant and the windows of its own limits.
+// User is one user of a tenant and the windows of its own limits, or
+// Error, why they could not be read.
 type User struct {
 	User    string
 	Windows []Window
+	Error   string
 }
 
 // Window is one limit's current window for a subject.
@@ -129,7 +138,7 @@ type Window struct {
 	Limit     int64
 	Used      int64
 	Remaining int64
-	Reset     time.Time // when the window next frees capacity or resets; zero: never, or nothing used
+	Reset     time.Time // when the window next frees capacity or resets; zero where none is given (history.Window.Reset)
 }
 
 // Point is the usage of one step starting at Start.

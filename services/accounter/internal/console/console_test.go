@@ -29,21 +29,38 @@ func (l *ledger) Tenants(_ context.Context, after string) (Tenants, error) {
 	}
 	return Tenants{Tenants: []string{"c"}}, nil
 }
-func (l *ledger) Users(_ context.Context, t, after string) (Subjects, error) {
+
+// Users gives tenant a two plans, free (its own) and pro, and every other
+// tenant free only; plan gold is none of the policy's.
+func (l *ledger) Users(_ context.Context, t, plan, after string) (Subjects, error) {
 	l.asked = append(l.asked, t)
-	if after == "bare" { // a user whose plan has no user limits
-		return Subjects{Users: []User{{User: "bare-user"}}}, nil
+	plans := []string{"free"}
+	if t == "a" {
+		plans = append(plans, "pro")
 	}
-	s := Subjects{Users: []User{{User: t + "-user" + after, Windows: []Window{{Name: "user quota", Limit: 10, Used: 7, Remaining: 3},
-		{Name: "user requests-per-day-of-v1-chat-completions", Limit: 100, Used: 1, Remaining: 99, Reset: time.Unix(86400, 0)}}}}}
+	switch plan {
+	case "":
+		plan = "free"
+	case "gold":
+		return Subjects{}, ErrUnknownPlan
+	}
+	if after == "bare" { // a user whose plan has no user limits
+		return Subjects{Plan: plan, Plans: plans, Users: []User{{User: "bare-user"}}}, nil
+	}
+	s := Subjects{Plan: plan, Plans: plans, Users: []User{{User: t + "-user" + after, Windows: []Window{{Name: "user quota", Limit: 10, Used: 7, Remaining: 3},
+		{Name: "user requests-per-day-of-v1-chat-completions", Limit: 100, Used: 1, Remaining: 99, Reset: time.Unix(86400, 0)}}},
+		{User: t + "-odd", Error: "cannot be read: too long"}}}
 	if after == "" {
 		s.Tenant = []Window{{Name: "tenant monthly", Limit: 1000, Used: 900, Remaining: 100, Reset: time.Unix(2*86400, 0)}}
 		s.Next = t + "-user"
 	}
 	return s, nil
 }
-func (l *ledger) Near(ctx context.Context, t string, threshold int, after string) (Subjects, error) {
-	s, _ := l.Users(ctx, t, after)
+func (l *ledger) Near(ctx context.Context, t, plan string, threshold int, after string) (Subjects, error) {
+	s, err := l.Users(ctx, t, plan, after)
+	if err != nil {
+		return s, err
+	}
 	s.Users[0].Windows = s.Users[0].Windows[:1]
 	s.Users[0].User += fmt.Sprint("-near", threshold)
 	return s, nil
@@ -237,6 +254,13 @@ func TestSubjects(t *testing.T) {
 		{"/tenants/a?after=bare", []string{`<tr data-user="bare-user" class="no-limits"><th scope="row">bare-user</th><td colspan="5">no user limits</td></tr>`}, []string{`id="no-users"`}},
 		{"/tenants/a/near", []string{`data-user="a-user-near80"`, `value="80"`, `href="/tenants/a/near?after=a-user&amp;threshold=80"`}, []string{"requests-per-day"}},
 		{"/tenants/a/near?threshold=95&after=x", []string{`data-user="a-userx-near95"`}, []string{`id="next"`}},
+		// A tenant with two plans gets a choice of them, the shown one
+		// selected, and its next page keeps the plan.
+		{"/tenants/a", []string{`Limits of plan <strong>free</strong>, one of the tenant's 2 plans`, `<option value="free" selected>free</option><option value="pro">pro</option>`}, nil},
+		{"/tenants/a?plan=pro", []string{`Limits of plan <strong>pro</strong>`, `<option value="pro" selected>pro</option>`, `href="/tenants/a?after=a-user&amp;plan=pro"`}, nil},
+		{"/tenants/a/near?plan=pro", []string{`<option value="pro" selected>pro</option>`, `href="/tenants/a/near?after=a-user&amp;plan=pro&amp;threshold=80"`}, nil},
+		// A user whose windows could not be read is listed with why.
+		{"/tenants/a", []string{`<tr data-user="a-odd"><th scope="row">a-odd</th><td colspan="5" class="error">cannot be read: too long</td></tr>`}, nil},
 	} {
 		resp, body := get(t, srv, tc.path, "a-tok")
 		if resp.StatusCode != 200 {
@@ -253,7 +277,8 @@ func TestSubjects(t *testing.T) {
 			}
 		}
 	}
-	for _, p := range []string{"/tenants/a/near?threshold=0", "/tenants/a/near?threshold=101", "/tenants/a/near?threshold=8o", "/tenants/a/near?after=%01", "/tenants/a?after=%ff"} {
+	for _, p := range []string{"/tenants/a/near?threshold=0", "/tenants/a/near?threshold=101", "/tenants/a/near?threshold=8o", "/tenants/a/near?after=%01", "/tenants/a?after=%ff",
+		"/tenants/a?plan=gold", "/tenants/a/near?plan=gold", "/tenants/a?plan=%01"} {
 		if resp, _ := get(t, srv, p, "a-tok"); resp.StatusCode != http.StatusBadRequest {
 			t.Errorf("GET %s = %d, want 400", p, resp.StatusCode)
 		}

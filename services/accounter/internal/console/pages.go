@@ -102,6 +102,9 @@ func (h *Handler) render(w http.ResponseWriter, r *http.Request, code int, name 
 // parameter, else 503, the error page saying why when the source said
 // (SourceDown).
 func (h *Handler) fail(w http.ResponseWriter, r *http.Request, p page, err error) {
+	if errors.Is(err, ErrUnknownPlan) {
+		err = badParam("Unknown plan: choose one of the list.")
+	}
 	if bp, ok := errors.AsType[badParam](err); ok {
 		p.Error = string(bp)
 		h.render(w, r, http.StatusBadRequest, "error", p)
@@ -177,9 +180,22 @@ func (h *Handler) readUsers(r *http.Request, p *page, _, _ time.Time) error {
 	if ident.Check(after) != nil {
 		return badParam("Invalid page.")
 	}
-	s, err := h.src.Users(r.Context(), p.Tenant, after)
-	p.setSubjects(s, "", url.Values{})
+	plan, err := pagePlan(r)
+	if err != nil {
+		return err
+	}
+	s, err := h.src.Users(r.Context(), p.Tenant, plan, after)
+	p.setSubjects(s, "", url.Values{"plan": {plan}})
 	return err
+}
+
+// pagePlan reads a subjects page's ?plan: empty is the tenant's own.
+func pagePlan(r *http.Request) (string, error) {
+	plan := r.URL.Query().Get("plan")
+	if ident.Check(plan) != nil {
+		return "", badParam("Invalid plan.")
+	}
+	return plan, nil
 }
 
 // readNear reads a page of a tenant's subjects at ?threshold percent of a
@@ -197,15 +213,22 @@ func (h *Handler) readNear(r *http.Request, p *page, _, _ time.Time) error {
 	if ident.Check(after) != nil {
 		return badParam("Invalid page.")
 	}
-	s, err := h.src.Near(r.Context(), p.Tenant, p.Threshold, after)
-	p.setSubjects(s, "/near", url.Values{"threshold": {strconv.Itoa(p.Threshold)}})
+	plan, err := pagePlan(r)
+	if err != nil {
+		return err
+	}
+	s, err := h.src.Near(r.Context(), p.Tenant, plan, p.Threshold, after)
+	p.setSubjects(s, "/near", url.Values{"plan": {plan}, "threshold": {strconv.Itoa(p.Threshold)}})
 	return err
 }
 
 // setSubjects shows s, with a link to its next page: the tenant's page
-// sub, with query next and s.Next.
+// sub, with query next (an empty plan left out) and s.Next.
 func (p *page) setSubjects(s Subjects, sub string, next url.Values) {
 	p.Subjects = s
+	if next.Get("plan") == "" {
+		next.Del("plan")
+	}
 	if s.Next != "" {
 		next.Set("after", s.Next)
 		p.NextPage = tenantPath(p.Tenant, sub) + "?" + next.Encode()

@@ -14,7 +14,16 @@
 // token for every tenant that is not admin (a platform gateway's) reads
 // none. Every query takes a Tenant, which only Viewer.Tenant makes, after
 // that check: tenant scoping lives in that one method, and no query can be
-// called for a tenant its caller may not read.
+// called for a tenant its caller may not read. A Tenant carries its
+// viewer, so that a plan the windows are read on is checked as admission
+// checks a request's (auth.Principal.NamesPlan).
+//
+// # Windows and Redis
+//
+// Windows and Near read subjects' limits on one plan from the Redis
+// admission decides on, by the same script calls: at most MaxPeeks reads
+// run at once, and one more is ErrBusy (503, Retry-After), so that a
+// token asking for pages in a loop cannot take Redis from admission.
 //
 // # The seam with the console's pages
 //

@@ -123,13 +123,14 @@ func nonNil[T any](s []T) []T {
 	return s
 }
 
-// windows answers GET /v1/usage/windows?tenant=&user=.
+// windows answers GET /v1/usage/windows?tenant=&user=&plan=.
 func (h *Handler) windows(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.tenant(w, r)
 	if !ok {
 		return
 	}
-	sw, err := h.o.Reader.Windows(r.Context(), t, r.URL.Query().Get("user"))
+	q := r.URL.Query()
+	sw, err := h.o.Reader.Windows(r.Context(), t, q.Get("user"), q.Get("plan"))
 	if err != nil {
 		h.fail(w, err)
 		return
@@ -137,7 +138,7 @@ func (h *Handler) windows(w http.ResponseWriter, r *http.Request) {
 	server.JSON(w, http.StatusOK, sw)
 }
 
-// near answers GET /v1/usage/near?tenant=&threshold=&limit=&after=.
+// near answers GET /v1/usage/near?tenant=&plan=&threshold=&limit=&after=.
 func (h *Handler) near(w http.ResponseWriter, r *http.Request) {
 	t, ok := h.tenant(w, r)
 	if !ok {
@@ -153,7 +154,7 @@ func (h *Handler) near(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, err)
 		return
 	}
-	page, err := h.o.Reader.Near(r.Context(), t, threshold, q.Get("after"), p.Limit)
+	page, err := h.o.Reader.Near(r.Context(), t, q.Get("plan"), threshold, q.Get("after"), p.Limit)
 	if err != nil {
 		h.fail(w, err)
 		return

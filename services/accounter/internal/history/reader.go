@@ -14,11 +14,17 @@ import (
 type Reader struct {
 	pool    *pgxpool.Pool
 	windows WindowsSource
+	peeks   chan struct{} // a slot per read of Redis under way (MaxPeeks)
 }
 
 // NewReader returns a Reader of the ledger in pool (migrated) and of the
 // windows in w's Redis.
-func NewReader(pool *pgxpool.Pool, w WindowsSource) *Reader { return &Reader{pool: pool, windows: w} }
+func NewReader(pool *pgxpool.Pool, w WindowsSource) *Reader {
+	if w.MaxPeeks <= 0 {
+		w.MaxPeeks = DefaultMaxPeeks
+	}
+	return &Reader{pool: pool, windows: w, peeks: make(chan struct{}, w.MaxPeeks)}
+}
 
 // Point is one bucket of a history: Tokens is the actual cost of the
 // requests of the bucket, Requests how many of them admission admitted (a

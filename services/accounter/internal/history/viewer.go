@@ -3,6 +3,8 @@ package history
 import (
 	"errors"
 	"net/http"
+	"strings"
+	"unicode/utf8"
 
 	"quotaflow/internal/auth"
 	"quotaflow/pkg/ident"
@@ -72,12 +74,13 @@ func (v Viewer) Tenant(tenant string) (Tenant, error) {
 	if !v.p.Reads(tenant) {
 		return Tenant{}, ErrForbidden
 	}
-	return Tenant{name: tenant}, nil
+	return Tenant{name: tenant, p: v.p}, nil
 }
 
 // Tenant is a tenant its viewer may read; make one with Viewer.Tenant.
 type Tenant struct {
 	name string
+	p    auth.Principal // the viewer: which plans it may read (auth.Principal.NamesPlan)
 }
 
 // Name is the tenant's identifier.
@@ -102,6 +105,20 @@ func checkID(param, v string, required bool) error {
 	}
 	if err := ident.Check(v); err != nil {
 		return &ParamError{param, err.Error()}
+	}
+	return nil
+}
+
+// maxCursor bounds an after of the subject lists: a user id as the ledger
+// holds it, which checkID may refuse (a rule changed since it was written),
+// so that paging can still pass it.
+const maxCursor = 4096
+
+// checkCursor checks an after of the subject lists as checkID would,
+// but up to maxCursor bytes.
+func checkCursor(v string) error {
+	if len(v) > maxCursor || !utf8.ValidString(v) || strings.ContainsFunc(v, ident.IsControl) {
+		return &ParamError{"after", "want a user a page's next named"}
 	}
 	return nil
 }
