@@ -164,8 +164,9 @@ func BenchmarkSubjectMemory(b *testing.B) {
 
 // BenchmarkPeekPage reads the limits of a page of 500 subjects whose blobs
 // exist, as the accounter's GET /v1/usage/near does: by PeekBatch (one
-// pipelined round trip of wire.MaxBatch subjects a script call) and, its
-// baseline, by 500 Peek calls one after another. An op is one page.
+// pipelined round trip of wire.MaxBatch subjects a script call), a page of
+// 50 (its default) so, and, its baseline, by 500 Peek calls one after
+// another. An op is one page.
 func BenchmarkPeekPage(b *testing.B) {
 	srv := redistest.Start(b)
 	c := srv.Client()
@@ -202,6 +203,13 @@ func BenchmarkPeekPage(b *testing.B) {
 	}
 	run("peekbatch=500", func(b *testing.B) {
 		for _, r := range l.PeekBatch(ctx, reqs) {
+			if r.Err != nil || r.Decision.States[1].Used != 100 {
+				b.Fatalf("PeekBatch = %+v, %v", r.Decision, r.Err)
+			}
+		}
+	})
+	run("peekbatch=50", func(b *testing.B) { // the accounter's default page
+		for _, r := range l.PeekBatch(ctx, reqs[:50]) {
 			if r.Err != nil || r.Decision.States[1].Used != 100 {
 				b.Fatalf("PeekBatch = %+v, %v", r.Decision, r.Err)
 			}
