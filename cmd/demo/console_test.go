@@ -357,7 +357,8 @@ func (c *console) admission(path string, v any) int {
 // checkNear compares the near page (at 80 %, its default) with the
 // ledger: the users whose tokens reach 80 % of the 5 h quota (the 7 d one
 // is 20 times larger; the request rate's bucket has refilled), each with
-// that window alone, as the users page showed it (users).
+// that window alone, and each user whose /v1/chat limit of 100 requests a
+// day is at 80 % on the users page, as that page showed them (users).
 func (c *console) checkNear(tenant string, quota int64, users map[string]window) {
 	c.t.Helper()
 	path := pagePath(tenant, "near")
@@ -372,6 +373,13 @@ func (c *console) checkNear(tenant string, quota int64, users map[string]window)
 	for u, tot := range c.usersInLedger(tenant) {
 		if tot[0]*100 >= 80*quota {
 			want = append(want, u+" user 5h")
+		}
+	}
+	// The per-user limit of /v1/chat (100 requests a day), which admission
+	// enforces on requests to it, is near as the users page shows it.
+	for key, w := range users {
+		if strings.HasPrefix(w.Limit, "endpoint ") && w.Used*100 >= 80*w.Of {
+			want = append(want, key)
 		}
 	}
 	slices.Sort(shown)
