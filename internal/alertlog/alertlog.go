@@ -36,8 +36,9 @@ type List struct {
 	Alerts []Alert `json:"alerts"`
 }
 
-// The bounds of a page of alerts: those of the usage API's lists, so the
-// alerter accepts every page the accounter forwards.
+// The bounds of a page of alerts, and of every list of the accounter's
+// usage API (its history package takes them from here), so the alerter
+// accepts every page the accounter forwards.
 const (
 	DefaultLimit = 50
 	MaxLimit     = 500

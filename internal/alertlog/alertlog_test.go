@@ -3,9 +3,12 @@ package alertlog_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -199,5 +202,72 @@ func TestCheckURL(t *testing.T) {
 		if err := alertlog.CheckURL(tc.url); (err == nil) != tc.ok {
 			t.Errorf("CheckURL(%q) = %v, want ok %v", tc.url, err, tc.ok)
 		}
+	}
+}
+
+// TestHandlerFailures: a failed query is a 500 whether or not the alerter
+// was given a logger, logged at Error without the token; a query its
+// caller hung up on is not an Error.
+func TestHandlerFailures(t *testing.T) {
+	empty, err := pgdb.Open(context.Background(), pgtest.NewDatabase(t, "alertlog_empty"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(empty.Close)
+	tokens, err := auth.New(auth.Options{Tokens: []string{"tok-admin#admin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	get := func(h http.Handler, ctx context.Context) int {
+		req := httptest.NewRequestWithContext(ctx, "GET", "/v1/alerts?tenant=acme", nil)
+		req.Header.Set("Authorization", "Bearer tok-admin")
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, req)
+		return w.Code
+	}
+	if code := get(alertlog.NewHandler(empty, tokens, nil), context.Background()); code != 500 {
+		t.Errorf("GET on a database without the outbox, no logger = %d, want 500", code)
+	}
+
+	var logs strings.Builder
+	log := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	get(alertlog.NewHandler(empty, tokens, log), context.Background())
+	if n := strings.Count(logs.String(), `"level":"ERROR"`); n != 1 || strings.Contains(logs.String(), "tok-admin") {
+		t.Errorf("a failed query logged %d errors, want 1 without the token: %s", n, logs.String())
+	}
+	logs.Reset()
+	gone, cancel := context.WithCancel(context.Background())
+	cancel()
+	get(alertlog.NewHandler(outbox(t), tokens, log), gone)
+	if strings.Contains(logs.String(), `"level":"ERROR"`) || !strings.Contains(logs.String(), "given up by its caller") {
+		t.Errorf("a query whose caller hung up logged %s, want one Debug record", logs.String())
+	}
+}
+
+// TestClientIgnoresProxy: HTTP_PROXY does not receive the caller's token.
+// The proxy setting is read once a process, so a child process of the
+// test binary makes the call.
+func TestClientIgnoresProxy(t *testing.T) {
+	if os.Getenv("QF_ALERTLOG_PROXY_CHILD") != "" {
+		c, err := alertlog.NewClient("http://alerter.invalid:8082", 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Recent(context.Background(), "Bearer tok-admin", "acme", 10, 0)
+		return
+	}
+	var proxied atomic.Int32
+	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		proxied.Add(1)
+		w.Write([]byte(`{"alerts":[]}`))
+	}))
+	t.Cleanup(proxy.Close)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestClientIgnoresProxy$")
+	cmd.Env = append(os.Environ(), "QF_ALERTLOG_PROXY_CHILD=1", "HTTP_PROXY="+proxy.URL, "HTTPS_PROXY="+proxy.URL, "NO_PROXY=")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("child: %v: %s", err, out)
+	}
+	if n := proxied.Load(); n != 0 {
+		t.Errorf("the proxy received %d requests with the token, want none", n)
 	}
 }

@@ -32,8 +32,9 @@ var (
 
 // Client reads a tenant's recent alerts from the alerter's GET /v1/alerts,
 // presenting its caller's own token so that the alerter decides what it
-// may read. It follows no redirect (the token would go with it). It is
-// safe for concurrent use.
+// may read. It follows no redirect and goes through no proxy
+// (HTTP_PROXY): the token would go with them. It is safe for concurrent
+// use.
 type Client struct {
 	base string // the alerter's URL, without a trailing slash
 	hc   *http.Client
@@ -46,7 +47,10 @@ func NewClient(base string, timeout time.Duration) (*Client, error) {
 	if err := CheckURL(base); err != nil {
 		return nil, err
 	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.Proxy = nil
 	return &Client{base: strings.TrimSuffix(base, "/"), hc: &http.Client{
+		Transport:     tr,
 		Timeout:       timeout,
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 	}}, nil

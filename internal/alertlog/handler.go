@@ -17,8 +17,12 @@ import (
 // every tenant, a token bound to tenant reads it, any other is refused
 // (403, whether or not the tenant has alerts). A nil tokens is no
 // authentication: serve it on loopback only. Failed queries are logged to
-// log, never a token.
+// log (nil: discarded), never a token; a query its caller gave up on
+// (the accounter's QF_ALERTER_TIMEOUT) at Debug.
 func NewHandler(db Querier, tokens *auth.Auth, log *slog.Logger) http.Handler {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/alerts", func(w http.ResponseWriter, r *http.Request) {
 		p, ok := tokens.Authenticate(r)
@@ -50,6 +54,10 @@ func NewHandler(db Querier, tokens *auth.Auth, log *slog.Logger) http.Handler {
 			return
 		}
 		as, err := Recent(r.Context(), db, tenant, limit, offset)
+		if err != nil && r.Context().Err() != nil {
+			log.Debug("alerts query given up by its caller", "err", err)
+			return
+		}
 		if err != nil {
 			log.Error("alerts query failed", "err", err)
 			server.Problem(w, http.StatusInternalServerError, "the query failed; see the alerter's log")

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -86,6 +87,12 @@ func TestAlertsForwarded(t *testing.T) {
 	var got alertlog.List
 	if code := w.get(adminToken, "/v1/alerts", url.Values{"tenant": {"acme"}}, &got); code != 200 || len(got.Alerts) != 1 || got.Alerts[0].ID != "a1" {
 		t.Errorf("admin's alerts = %d %v, want 200 [a1]", code, got.Alerts)
+	}
+	// The alerter takes every page the accounter does: the largest, deepest.
+	deepest := url.Values{"tenant": {"acme"}, "limit": {strconv.Itoa(history.MaxLimit)}, "offset": {strconv.Itoa(history.MaxOffset)}}
+	var deep alertlog.List
+	if code := w.get(adminToken, "/v1/alerts", deepest, &deep); code != 200 || deep.Alerts == nil || len(deep.Alerts) != 0 {
+		t.Errorf("admin's deepest page of alerts = %d %v, want 200 []", code, deep.Alerts)
 	}
 	for _, tc := range []struct {
 		name string

@@ -4,6 +4,8 @@ import (
 	"net/url"
 	"strconv"
 	"time"
+
+	"quotaflow/internal/alertlog"
 )
 
 // Step is a history's bucket: a UTC hour or a UTC day.
@@ -25,10 +27,12 @@ func (s Step) duration() time.Duration {
 
 // The bounds of a query (docs/design.md §6): a range holds at most
 // MaxPoints buckets of its step, and a list at most MaxLimit rows a page.
+// A page's bounds are the alerter's (alertlog), so that it accepts every
+// page of alerts the accounter forwards.
 const (
 	MaxPoints    = 744 // 31 days of hours; 744 days of days
-	DefaultLimit = 50
-	MaxLimit     = 500
+	DefaultLimit = alertlog.DefaultLimit
+	MaxLimit     = alertlog.MaxLimit
 )
 
 // Range is a time range [From, To) cut into buckets of Step. From is
@@ -102,7 +106,7 @@ type Page struct {
 
 // MaxOffset bounds a page's offset: deeper pages would make Postgres count
 // through rows it throws away.
-const MaxOffset = 10000
+const MaxOffset = alertlog.MaxOffset
 
 // ParsePage reads limit (default DefaultLimit, at most MaxLimit) and offset
 // (at most MaxOffset) from q.
