@@ -481,13 +481,24 @@ func TestK8sEnv(t *testing.T) {
 							SecurityContext struct {
 								RunAsNonRoot bool `yaml:"runAsNonRoot"`
 							} `yaml:"securityContext"`
+							Volumes []struct {
+								Name   string
+								Secret struct {
+									SecretName string `yaml:"secretName"`
+									Items      []struct{ Key, Path string }
+								}
+							}
 							Containers []struct {
 								Args    []string
 								Command []string
 								Env     []struct{ Name, Value string }
-								Probe   map[string]any `yaml:"readinessProbe"`
-								Live    map[string]any `yaml:"livenessProbe"`
-								Res     struct {
+								Mounts  []struct {
+									Name      string
+									MountPath string `yaml:"mountPath"`
+								} `yaml:"volumeMounts"`
+								Probe map[string]any `yaml:"readinessProbe"`
+								Live  map[string]any `yaml:"livenessProbe"`
+								Res   struct {
 									Requests, Limits map[string]string
 								} `yaml:"resources"`
 							}
@@ -534,6 +545,23 @@ func TestK8sEnv(t *testing.T) {
 					}
 					if len(c.Res.Requests) == 0 || len(c.Res.Limits) == 0 {
 						t.Errorf("Deployment %s: resource requests or limits missing", o.Metadata.Name)
+					}
+					// A service that takes QF_API_TOKENS takes the file too:
+					// the Secret's rotated and tenant-bound tokens are there.
+					if _, ok := env["QF_API_TOKENS"]; ok {
+						file := env["QF_API_TOKENS_FILE"]
+						var mounted bool
+						for _, m := range c.Mounts {
+							for _, v := range ts.Volumes {
+								if v.Name == m.Name && path.Dir(file) == m.MountPath && v.Secret.SecretName == "quotaflow-secrets" &&
+									slices.Contains(v.Secret.Items, struct{ Key, Path string }{"api-tokens.yaml", path.Base(file)}) {
+									mounted = true
+								}
+							}
+						}
+						if !mounted {
+							t.Errorf("Deployment %s: QF_API_TOKENS without QF_API_TOKENS_FILE %q mounted from the Secret's api-tokens.yaml", o.Metadata.Name, file)
+						}
 					}
 					if svc == "admission" && env["QF_INSTANCES"] != strconv.Itoa(o.Spec.Replicas) {
 						t.Errorf("Deployment admission: QF_INSTANCES %q but replicas %d", env["QF_INSTANCES"], o.Spec.Replicas)
