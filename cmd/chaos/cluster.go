@@ -12,8 +12,8 @@ import (
 	"quotaflow/internal/e2e"
 )
 
-// slotMasters maps every slot range's master address, as the node at
-// addr sees it, to the ranges it serves.
+// slotMasters is CLUSTER SLOTS as the node at addr sees it: each slot
+// range with its master first.
 func slotMasters(ctx context.Context, addr string) ([]redis.ClusterSlot, error) {
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()

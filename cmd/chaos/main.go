@@ -6,8 +6,10 @@
 // that the ledger holds every actual event sent exactly once, that Redis's
 // windows agree with the ledger and that every alert reached the webhook
 // receiver; it prints a table of each phase's latency and recovery.
+// With -cluster it runs the clustered shape (docs/design.md §9) and kills
+// a Redis master, a NATS node, an admission instance and an accounter.
 //
-//	go run ./cmd/chaos [-down 5s] [-gap 10s] [-rate 5]
+//	go run ./cmd/chaos [-cluster] [-down 5s] [-gap 10s] [-rate 5]
 package main
 
 import (
