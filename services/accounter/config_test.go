@@ -24,6 +24,10 @@ func TestConfigDefaultsAreValid(t *testing.T) {
 	if c.Pprof {
 		t.Error("defaults: QF_PPROF is on")
 	}
+	c.AlerterURL = "https://alerter.internal:8082/"
+	if err := c.Validate(); err != nil {
+		t.Errorf("Validate(QF_ALERTER_URL %s) = %v", c.AlerterURL, err)
+	}
 }
 
 func TestConfigValidate(t *testing.T) {
@@ -45,6 +49,9 @@ func TestConfigValidate(t *testing.T) {
 		{"ttl", func(c *Config) { c.ReservationTTL = 0 }, "QF_RESERVATION_TTL"},
 		{"durable", func(c *Config) { c.Durable = "" }, "QF_DURABLE"},
 		{"level", func(c *Config) { c.LogLevel = "loud" }, "QF_LOG_LEVEL"},
+		{"alerter url scheme", func(c *Config) { c.AlerterURL = "ftp://alerter:8082" }, "QF_ALERTER_URL: want an http or https URL"},
+		{"alerter url credentials", func(c *Config) { c.AlerterURL = "http://qf:s3cret@alerter:8082" }, "QF_ALERTER_URL: want no credentials"},
+		{"alerter timeout", func(c *Config) { c.AlerterTimeout = 0 }, "QF_ALERTER_TIMEOUT: must be positive"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := base
