@@ -11,28 +11,41 @@ import (
 
 // TestEnsureWarnsOfPrometheus: where promtool is already installed and the
 // packaged prometheus.service runs (holding :9090, admission's default ops
-// port), gateways/ensure.sh still prints promtool's path, and warns clearly
-// on stderr; with the service stopped it says nothing. systemctl and
-// promtool are stand-ins on PATH: the test changes nothing on the machine.
+// port) or is enabled (it will at the next boot), gateways/ensure.sh still
+// prints promtool's path, and warns clearly on stderr; with the service
+// stopped and disabled it says nothing. systemctl and promtool are
+// stand-ins on PATH: the test changes nothing on the machine.
 func TestEnsureWarnsOfPrometheus(t *testing.T) {
 	bash, err := exec.LookPath("bash")
 	if err != nil {
 		t.Skip("no bash")
 	}
+	const running = "WARNING: prometheus.service is running and holds :9090, admission's default ops port"
+	const enabled = "WARNING: prometheus.service is stopped but enabled, and at the next boot will hold :9090"
 	for _, tc := range []struct {
-		name   string
-		active bool
-	}{{"running", true}, {"stopped", false}} {
+		name            string
+		active, enabled bool
+		want            string // "": no warning
+	}{
+		{"running", true, true, running},
+		{"stopped, enabled", false, true, enabled},
+		{"stopped, disabled", false, false, ""},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
 			bin := t.TempDir()
-			status := "3" // systemctl is-active: inactive
+			// systemctl's answers: 0 yes; 3 inactive, 1 disabled.
+			active, enabledStatus := "3", "1"
 			if tc.active {
-				status = "0"
+				active = "0"
+			}
+			if tc.enabled {
+				enabledStatus = "0"
 			}
 			for name, script := range map[string]string{
 				"promtool": "#!/bin/sh\nexit 0\n",
-				// Active only when asked about prometheus.service.
-				"systemctl": "#!/bin/sh\n[ \"$1 $2 $3\" = \"is-active --quiet prometheus.service\" ] && exit " + status + "\nexit 1\n",
+				// Answers only about prometheus.service.
+				"systemctl": "#!/bin/sh\n[ \"$1 $2 $3\" = \"is-active --quiet prometheus.service\" ] && exit " + active +
+					"\n[ \"$1 $2 $3\" = \"is-enabled --quiet prometheus.service\" ] && exit " + enabledStatus + "\nexit 1\n",
 			} {
 				if err := os.WriteFile(filepath.Join(bin, name), []byte(script), 0o755); err != nil {
 					t.Fatal(err)
@@ -48,9 +61,9 @@ func TestEnsureWarnsOfPrometheus(t *testing.T) {
 			if got, want := strings.TrimSpace(stdout.String()), filepath.Join(bin, "promtool"); got != want {
 				t.Errorf("stdout = %q, want promtool's path %q", got, want)
 			}
-			warned := strings.Contains(stderr.String(), "WARNING: prometheus.service is running and holds :9090, admission's default ops port")
-			if warned != tc.active {
-				t.Errorf("prometheus.service active %v: stderr = %q, want a warning %v", tc.active, stderr.String(), tc.active)
+			got := strings.TrimSpace(stderr.String())
+			if tc.want == "" && got != "" || tc.want != "" && (!strings.Contains(got, tc.want) || strings.Count(got, "WARNING") != 1) {
+				t.Errorf("prometheus.service active %v, enabled %v: stderr = %q, want one warning %q", tc.active, tc.enabled, got, tc.want)
 			}
 		})
 	}

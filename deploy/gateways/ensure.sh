@@ -32,14 +32,18 @@ find_gateway() {
 }
 
 # warn_prometheus warns, for promtool, when the packaged prometheus.service
-# runs: installed before ensure.sh ran (it disables only the service of a
-# package it installs itself), it holds :9090, admission's default ops port,
-# and admission then fails to start.
+# runs, or is enabled and so will run at the next boot: installed before
+# ensure.sh ran (it disables only the service of a package it installs
+# itself), it holds :9090, admission's default ops port, and admission then
+# fails to start.
 warn_prometheus() {
 	[[ $gw == promtool ]] && command -v systemctl >/dev/null 2>&1 || return 0
 	if systemctl is-active --quiet prometheus.service 2>/dev/null; then
 		echo "ensure.sh: WARNING: prometheus.service is running and holds :9090, admission's default ops port (QF_OPS_ADDR):" \
 			"stop it (sudo systemctl disable --now prometheus.service) or give admission another QF_OPS_ADDR" >&2
+	elif systemctl is-enabled --quiet prometheus.service 2>/dev/null; then
+		echo "ensure.sh: WARNING: prometheus.service is stopped but enabled, and at the next boot will hold :9090, admission's default ops port (QF_OPS_ADDR):" \
+			"disable it (sudo systemctl disable prometheus.service) or give admission another QF_OPS_ADDR" >&2
 	fi
 }
 
