@@ -19,6 +19,15 @@ type snap struct {
 	limits                 []events.LimitState
 }
 
+// resetAt is when l, in a snapshot taken at at, frees capacity or resets;
+// zero when the snapshot does not say.
+func resetAt(at time.Time, l events.LimitState) time.Time {
+	if l.ResetSeconds <= 0 {
+		return time.Time{}
+	}
+	return at.Add(time.Duration(l.ResetSeconds) * time.Second)
+}
+
 // limitKey returns the state key of l in a snapshot of (tenant, user), and
 // false for a limit that is not a tenant's quota (global, IP).
 func limitKey(tenant, user string, l events.LimitState) (store.LimitKey, bool) {
@@ -153,13 +162,9 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 				if !ok || (l.Scope == "user" && !userFresh) || (l.Scope == "tenant" && !tenantFresh) {
 					continue // stale, or a global or IP limit: not a tenant's quota
 				}
-				var resetAt time.Time
-				if l.ResetSeconds > 0 {
-					resetAt = s.at.Add(time.Duration(l.ResetSeconds) * time.Second)
-				}
 				st := states[k]
 				prev := st.Fires
-				st, crossed := step(st, l.Used, l.Limit, s.at, resetAt, d.thresholds(s.tenant, s.plan, l), d.opt.Hysteresis)
+				st, crossed := step(st, l.Used, l.Limit, s.at, resetAt(s.at, l), d.thresholds(s.tenant, s.plan, l), d.opt.Hysteresis)
 				states[k] = st
 				for j, t := range crossed {
 					data := ThresholdData{

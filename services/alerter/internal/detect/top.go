@@ -80,11 +80,7 @@ func (t *topTenants) add(tenant string, at time.Time, tenantVersion int64, limit
 		if old, ok := t.last[k]; ok && tenantVersion > 0 && old.version > tenantVersion {
 			continue
 		}
-		sn := topSnap{version: tenantVersion, used: l.Used, remain: l.Remaining, lim: l.Limit}
-		if l.ResetSeconds > 0 {
-			sn.resets = at.Add(time.Duration(l.ResetSeconds) * time.Second)
-		}
-		t.last[k] = sn
+		t.last[k] = topSnap{version: tenantVersion, used: l.Used, remain: l.Remaining, lim: l.Limit, resets: resetAt(at, l)}
 	}
 }
 
