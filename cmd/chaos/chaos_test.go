@@ -14,7 +14,7 @@ func TestChaos(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the services and runs private Redis, NATS and Postgres servers")
 	}
-	runChaos(t, Config{Down: 2 * time.Second, Gap: 3 * time.Second, Rate: 3, Settle: 60 * time.Second}, 7)
+	runChaos(t, Config{Down: 2 * time.Second, Gap: 3 * time.Second, Rate: 3, Settle: 60 * time.Second}, 8)
 }
 
 // TestChaosCluster is `go tool task chaos -- -cluster` shortened: the
@@ -24,7 +24,7 @@ func TestChaosCluster(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the services and runs a private Redis Cluster, JetStream cluster and Postgres")
 	}
-	runChaos(t, Config{Down: 3 * time.Second, Gap: 3 * time.Second, Rate: 1, Settle: 60 * time.Second, Cluster: true}, 9)
+	runChaos(t, Config{Down: 3 * time.Second, Gap: 3 * time.Second, Rate: 1, Settle: 60 * time.Second, Cluster: true}, 10)
 }
 
 func runChaos(t *testing.T, cfg Config, checks int) {

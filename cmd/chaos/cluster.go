@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/e2e"
@@ -211,13 +212,66 @@ type allowLog struct {
 type allowed struct {
 	tenant, user, id string
 	estimate         int64
+	by               string // the admission URL that answered
 	at               time.Time
 }
 
-func (l *allowLog) add(u e2e.User, id string, estimate int64) {
+func (l *allowLog) add(u e2e.User, id string, estimate int64, by string) {
 	l.mu.Lock()
-	l.allows = append(l.allows, allowed{u.Tenant, u.Name, id, estimate, time.Now()})
+	l.allows = append(l.allows, allowed{u.Tenant, u.Name, id, estimate, by, time.Now()})
 	l.mu.Unlock()
+}
+
+// outboxWindow bounds how long before an admission instance's SIGKILL an
+// admit it answered can have its reserved event still in the instance's
+// memory queue, lost with it (README, "When something fails"): a batch
+// wait and a JetStream round trip, on a loaded host.
+const outboxWindow = time.Second
+
+// queuedAtKill returns the request ids of the admits the admission
+// instance at api answered within outboxWindow before killed.
+func (l *allowLog) queuedAtKill(api string, killed time.Time) map[string]bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ids := map[string]bool{}
+	for _, a := range l.allows {
+		if a.by == api && !a.at.After(killed) && killed.Sub(a.at) <= outboxWindow {
+			ids[a.id] = true
+		}
+	}
+	return ids
+}
+
+// reservedMissing returns the allowed admits whose reserved event the
+// ledger lacks.
+func (l *allowLog) reservedMissing(ctx context.Context, dbURL string) ([]string, error) {
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(ctx)
+	// A reserved event is the reservation's estimate (e2e.ReadLedger).
+	rows, err := conn.Query(ctx, `SELECT request_id FROM reservations WHERE estimated_tokens IS NOT NULL`)
+	if err != nil {
+		return nil, err
+	}
+	have := map[string]bool{}
+	var id string
+	if _, err := pgx.ForEachRow(rows, []any{&id}, func() error {
+		have[id] = true
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var missing []string
+	for _, a := range l.allows {
+		if !have[a.id] {
+			missing = append(missing, a.id)
+		}
+	}
+	return missing, nil
 }
 
 // replicationWindow bounds how long before a master's death a reserve it

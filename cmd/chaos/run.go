@@ -60,6 +60,9 @@ type stack struct {
 	failoverTook time.Duration
 	allows       allowLog        // a cluster run's allowed admits
 	loss         replicationLoss // what the failover lost of them
+	// admissionKilled is when the first admission instance (st.API) was
+	// gone, in a cluster run.
+	admissionKilled time.Time
 }
 
 // close stops the pipeline, then the receiver.
@@ -216,7 +219,13 @@ func (st *stack) inject(name string, down time.Duration) func(context.Context) e
 	case "nats node": // the R3 streams go on on the other two
 		return server(st.NATSNodes[0], st.NATSNodes[0].Kill)
 	default: // one admission instance: the gateway sends to the other
-		return service(st.Admission)
+		return func(ctx context.Context) error {
+			st.Admission.Kill()
+			// Every answer it gave came before this.
+			st.admissionKilled = time.Now()
+			pause(ctx)
+			return st.Admission.Restart()
+		}
 	}
 }
 

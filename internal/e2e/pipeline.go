@@ -17,6 +17,11 @@ type Pipeline struct {
 	Durable      string // the accounter's durable consumer on Stream
 	DLQ          string
 	DBURL        string
+	// MayLoseReserved is how many reserved events may be missing from the
+	// ledger without counting as a loss: those an admission instance
+	// killed with SIGKILL may have held in its memory queue (the chaos
+	// run's cluster mode bounds and checks them itself).
+	MayLoseReserved int64
 }
 
 // Backlog is what a Pipeline still holds before the ledger.

@@ -142,8 +142,9 @@ type Generator struct {
 	// Latency, when set, is told every admit's latency and status.
 	Latency func(d time.Duration, status int)
 	// OnAllow, when set, is told every allowed admit once its answer came:
-	// the user, the request id and the estimate reserved.
-	OnAllow func(u User, requestID string, estimate int64)
+	// the user, the request id, the estimate reserved and the admission
+	// URL (Base or a peer) that answered.
+	OnAllow func(u User, requestID string, estimate int64, by string)
 	// Publish, when set, reports actual usage as a service that publishes
 	// to NATS itself does (resent after an error for up to Patience);
 	// otherwise it goes through admission's POST /v1/usage.
@@ -193,7 +194,7 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 	t0 := time.Now()
 	// An admit in flight when the traffic stops is finished: cut short, it
 	// could leave a reservation no report ever settles.
-	code, resp, err := g.post(context.WithoutCancel(ctx), "/v1/admit", body)
+	code, resp, by, err := g.post(context.WithoutCancel(ctx), "/v1/admit", body)
 	if g.Latency != nil && err == nil {
 		g.Latency(time.Since(t0), code)
 	}
@@ -206,7 +207,7 @@ func (g *Generator) request(ctx context.Context, rng *rand.Rand, u User) {
 		g.St.Reserved.Add(est)
 		g.St.cause(u, est, 1)
 		if g.OnAllow != nil {
-			g.OnAllow(u, id, est)
+			g.OnAllow(u, id, est, by)
 		}
 	case code == http.StatusTooManyRequests:
 		g.St.Denied.Add(1)
@@ -275,7 +276,7 @@ func (g *Generator) report(ctx context.Context, ev events.Event) bool {
 // makes JetStream drop a copy it already stored.
 func (g *Generator) retry(ctx context.Context, path string, body []byte, want ...int) bool {
 	return g.persist(ctx, func() (ok, again bool) {
-		code, _, err := g.post(ctx, path, body)
+		code, _, _, err := g.post(ctx, path, body)
 		return err == nil && slices.Contains(want, code), err != nil || code == http.StatusServiceUnavailable
 	})
 }
@@ -297,16 +298,20 @@ func (g *Generator) persist(ctx context.Context, try func() (ok, again bool)) bo
 	}
 }
 
-func (g *Generator) post(ctx context.Context, path string, body []byte) (int, []byte, error) {
+// post sends body to path on an admission instance and returns the
+// status, the body and the instance's base URL.
+func (g *Generator) post(ctx context.Context, path string, body []byte) (int, []byte, string, error) {
 	bases := append([]string{g.Base}, g.Peers...)
 	first := int(g.next.Add(1) % uint64(len(bases)))
 	var resp *http.Response
 	var err error
+	var base string
 	for i := range bases {
+		base = bases[(first+i)%len(bases)]
 		var req *http.Request
-		req, err = http.NewRequestWithContext(ctx, http.MethodPost, bases[(first+i)%len(bases)]+path, bytes.NewReader(body))
+		req, err = http.NewRequestWithContext(ctx, http.MethodPost, base+path, bytes.NewReader(body))
 		if err != nil {
-			return 0, nil, err
+			return 0, nil, "", err
 		}
 		req.Header.Set("Authorization", "Bearer "+g.Token)
 		req.Header.Set("Content-Type", "application/json")
@@ -315,7 +320,7 @@ func (g *Generator) post(ctx context.Context, path string, body []byte) (int, []
 		}
 	}
 	if err != nil {
-		return 0, nil, err
+		return 0, nil, "", err
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
@@ -327,7 +332,7 @@ func (g *Generator) post(ctx context.Context, path string, body []byte) (int, []
 		g.St.OtherStatus.Add(1)
 		g.St.unexpected(path, resp.StatusCode)
 	}
-	return resp.StatusCode, b, nil
+	return resp.StatusCode, b, base, nil
 }
 
 // NewStats returns empty Stats.
