@@ -79,6 +79,9 @@ type Config struct {
 	DeliveryMaxAge time.Duration `envconfig:"DELIVERY_MAX_AGE"`
 	// DeliveryPoll is how often the outbox is polled for due retries.
 	DeliveryPoll time.Duration `envconfig:"DELIVERY_POLL"`
+	// OutboxRetention is how long delivered and dead deliveries, the log
+	// of recent alerts, stay in the outbox.
+	OutboxRetention time.Duration `envconfig:"OUTBOX_RETENTION"`
 
 	// ShutdownTimeout bounds each step of the graceful shutdown.
 	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
@@ -95,7 +98,7 @@ func defaults() Config {
 		AbuseBurst: detect.DefaultAbuseBurst, AbuseWindow: detect.DefaultAbuseWindow, TopTenants: detect.DefaultTopTenants,
 		DeliveryTimeout: deliver.DefaultAttemptTimeout, DeliveryMinBackoff: deliver.DefaultMinBackoff,
 		DeliveryMaxBackoff: deliver.DefaultMaxBackoff, DeliveryMaxAge: deliver.DefaultMaxAge,
-		DeliveryPoll: deliver.DefaultPoll,
+		DeliveryPoll: deliver.DefaultPoll, OutboxRetention: deliver.DefaultRetention,
 	}
 }
 
@@ -140,6 +143,9 @@ func (c Config) Validate() error {
 			bad("%s %v: want a positive duration", d.name, d.v)
 		}
 	}
+	if c.OutboxRetention <= c.DeliveryMaxAge { // an alert's rows go together, once none is pending
+		bad("QF_OUTBOX_RETENTION %v: want longer than QF_DELIVERY_MAX_AGE %v", c.OutboxRetention, c.DeliveryMaxAge)
+	}
 	if c.DeliveryMinBackoff > c.DeliveryMaxBackoff {
 		bad("QF_DELIVERY_MIN_BACKOFF %v is longer than QF_DELIVERY_MAX_BACKOFF %v", c.DeliveryMinBackoff, c.DeliveryMaxBackoff)
 	}
@@ -161,7 +167,7 @@ func (c Config) LogArgs() []any {
 func (c Config) deliverOptions() deliver.Options {
 	return deliver.Options{
 		AttemptTimeout: c.DeliveryTimeout, MinBackoff: c.DeliveryMinBackoff, MaxBackoff: c.DeliveryMaxBackoff,
-		MaxAge: c.DeliveryMaxAge, Poll: c.DeliveryPoll,
+		MaxAge: c.DeliveryMaxAge, Poll: c.DeliveryPoll, Retention: c.OutboxRetention,
 	}
 }
 

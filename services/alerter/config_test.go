@@ -25,9 +25,11 @@ func TestConfigDefaults(t *testing.T) {
 	cfg.DeliveryMinBackoff = cfg.DeliveryMaxBackoff * 2
 	cfg.TopTenants = 101
 	cfg.AlertsAddr = cfg.OpsAddr
+	cfg.OutboxRetention = cfg.DeliveryMaxAge
 	err := cfg.Validate()
 	if err == nil || !strings.Contains(err.Error(), "QF_SPIKE_RATE") || !strings.Contains(err.Error(), "QF_DELIVERY_MIN_BACKOFF") ||
-		!strings.Contains(err.Error(), "QF_TOP_TENANTS 101: want 1 to 100") || !strings.Contains(err.Error(), "QF_ALERTS_ADDR: must differ from QF_OPS_ADDR") {
+		!strings.Contains(err.Error(), "QF_TOP_TENANTS 101: want 1 to 100") || !strings.Contains(err.Error(), "QF_ALERTS_ADDR: must differ from QF_OPS_ADDR") ||
+		!strings.Contains(err.Error(), "QF_OUTBOX_RETENTION 24h0m0s: want longer than QF_DELIVERY_MAX_AGE") {
 		t.Errorf("Validate = %v, want every mistake named", err)
 	}
 }

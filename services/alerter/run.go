@@ -88,6 +88,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return err
 	}
 	stack.Go("delivery", dl.Run)
+	stack.Go("outbox retention", dl.Retain)
 	stack.Go("detection", func(ctx context.Context) { det.Run(ctx, cfg.EvalInterval) })
 	if err := watchWebhooks(stack, cfg.WebhooksFile, dl, log); err != nil {
 		return err

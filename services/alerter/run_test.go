@@ -159,7 +159,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 		Hysteresis: 5, SpikeRate: 0.05, SpikeMinRequests: 10, SpikeWindow: 5 * time.Minute,
 		EvalInterval: 50 * time.Millisecond, AbuseBurst: 50, AbuseWindow: time.Minute, TopTenants: 10,
 		DeliveryTimeout: 2 * time.Second, DeliveryMinBackoff: 20 * time.Millisecond,
-		DeliveryMaxBackoff: 100 * time.Millisecond, DeliveryMaxAge: time.Hour, DeliveryPoll: 50 * time.Millisecond,
+		DeliveryMaxBackoff: 100 * time.Millisecond, DeliveryMaxAge: time.Hour, DeliveryPoll: 50 * time.Millisecond, OutboxRetention: 48 * time.Hour,
 		ShutdownTimeout: 5 * time.Second,
 	}
 	if err := cfg.Validate(); err != nil {

@@ -40,6 +40,9 @@ type Options struct {
 	Poll time.Duration
 	// Batch is how many deliveries one pass claims and sends in parallel.
 	Batch int
+	// Retention is how long delivered and dead deliveries stay in the
+	// outbox, which is also the log of a tenant's recent alerts.
+	Retention time.Duration
 }
 
 // Defaults of Options: an attempt gets 10 s; retries wait 1 s doubling up
@@ -51,6 +54,7 @@ const (
 	DefaultMaxAge         = 24 * time.Hour
 	DefaultPoll           = time.Second
 	DefaultBatch          = 16
+	DefaultRetention      = 30 * 24 * time.Hour
 )
 
 func (o Options) withDefaults() Options {
@@ -72,6 +76,9 @@ func (o Options) withDefaults() Options {
 	if o.Batch == 0 {
 		o.Batch = DefaultBatch
 	}
+	if o.Retention == 0 {
+		o.Retention = DefaultRetention
+	}
 	return o
 }
 
@@ -80,6 +87,7 @@ type Outbox interface {
 	Claim(ctx context.Context, n int, lease time.Duration) ([]store.Delivery, error)
 	Delivered(ctx context.Context, id int64, status int) error
 	Failed(ctx context.Context, id int64, cause string, status int, backoff, maxAge time.Duration, permanent bool) (string, error)
+	PruneOutbox(ctx context.Context, before time.Time) (int64, error)
 }
 
 type endpoint struct {
@@ -222,6 +230,30 @@ func (d *Deliverer) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-d.wake:
+		case <-t.C:
+		}
+	}
+}
+
+// pruneEvery is how often Retain prunes the outbox.
+const pruneEvery = time.Hour
+
+// Retain deletes the delivered and dead deliveries older than Retention,
+// at once and then every pruneEvery, until ctx ends.
+func (d *Deliverer) Retain(ctx context.Context) {
+	t := time.NewTicker(pruneEvery)
+	defer t.Stop()
+	for {
+		n, err := d.ob.PruneOutbox(ctx, time.Now().Add(-d.opt.Retention))
+		switch {
+		case err != nil && ctx.Err() == nil:
+			d.log.Error("prune the outbox", "err", err)
+		case n > 0:
+			d.log.Info("pruned the outbox", "deleted", n, "retention", d.opt.Retention.String())
+		}
+		select {
+		case <-ctx.Done():
+			return
 		case <-t.C:
 		}
 	}

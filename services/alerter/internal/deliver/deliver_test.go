@@ -12,9 +12,11 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -51,6 +53,7 @@ type fakeOutbox struct {
 	done   map[int64]int
 	failed map[int64]string
 	dead   map[int64]bool
+	pruned []time.Time // the before of each PruneOutbox
 }
 
 func (f *fakeOutbox) Claim(_ context.Context, n int, _ time.Duration) ([]store.Delivery, error) {
@@ -78,6 +81,13 @@ func (f *fakeOutbox) Failed(_ context.Context, id int64, cause string, _ int, _,
 		return store.StatusDead, nil
 	}
 	return store.StatusPending, nil
+}
+
+func (f *fakeOutbox) PruneOutbox(_ context.Context, before time.Time) (int64, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.pruned = append(f.pruned, before)
+	return 0, nil
 }
 
 func newFake(ds ...store.Delivery) *fakeOutbox {
@@ -241,4 +251,28 @@ func TestParse(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRetain: the outbox is pruned of what is older than Retention at
+// start, then every hour, until the deliverer stops.
+func TestRetain(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ob := newFake()
+		d, err := New(ob, nil, Options{Retention: 48 * time.Hour}, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { d.Retain(ctx); close(done) }()
+		time.Sleep(150 * time.Minute)
+		synctest.Wait()
+		cancel()
+		<-done
+		want := []time.Time{start.Add(-48 * time.Hour), start.Add(-47 * time.Hour), start.Add(-46 * time.Hour)}
+		if !slices.EqualFunc(ob.pruned, want, time.Time.Equal) {
+			t.Errorf("pruned before %v, want %v", ob.pruned, want)
+		}
+	})
 }

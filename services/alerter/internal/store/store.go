@@ -294,6 +294,31 @@ func (s *Store) Failed(ctx context.Context, id int64, cause string, httpStatus i
 	return st, nil
 }
 
+// pruneBatch bounds the rows one DELETE of PruneOutbox removes, so the
+// first prune of a large outbox holds no long transaction.
+const pruneBatch = 10000
+
+const qPruneOutbox = `
+DELETE FROM webhook_outbox WHERE id IN (
+    SELECT id FROM webhook_outbox WHERE status <> 'pending' AND created_at < $1 LIMIT $2)`
+
+// PruneOutbox deletes the delivered and dead deliveries created before
+// before, and returns how many it deleted. Pending ones stay, whatever
+// their age.
+func (s *Store) PruneOutbox(ctx context.Context, before time.Time) (int64, error) {
+	var total int64
+	for {
+		tag, err := s.pool.Exec(ctx, qPruneOutbox, before, pruneBatch)
+		if err != nil {
+			return total, fmt.Errorf("prune the outbox: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < pruneBatch {
+			return total, nil
+		}
+	}
+}
+
 const qDeliveries = `
 SELECT id, alert_id, webhook, kind, tenant, payload, attempts, status, last_error, last_status, created_at, delivered_at
 FROM webhook_outbox WHERE ($1 = '' OR kind = $1) ORDER BY id`

@@ -4,8 +4,11 @@ import (
 	"context"
 	"log/slog"
 	"maps"
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"quotaflow/internal/pgtest"
 )
@@ -158,5 +161,40 @@ func TestClaimKeepsOrder(t *testing.T) {
 	}
 	if got := claim(); len(got) != 2 || got["ops k80"] == nil || got["audit k90"] == nil {
 		t.Fatalf("Claim after ops's k80 failed and audit's was delivered = %v, want ops k80 and audit k90", got)
+	}
+}
+
+// TestPruneOutbox: the delivered and dead deliveries created before the
+// cutoff go; pending ones, and every newer one, stay.
+func TestPruneOutbox(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	cutoff := time.Date(2026, 11, 1, 0, 0, 0, 0, time.UTC)
+	for _, r := range []struct {
+		alert, status string
+		at            time.Time
+	}{
+		{"old-delivered", StatusDelivered, cutoff.Add(-time.Hour)},
+		{"old-dead", StatusDead, cutoff.Add(-time.Hour)},
+		{"old-pending", StatusPending, cutoff.Add(-time.Hour)},
+		{"new-delivered", StatusDelivered, cutoff.Add(time.Hour)},
+		{"at-cutoff", StatusDead, cutoff},
+	} {
+		if _, err := s.pool.Exec(ctx, `INSERT INTO webhook_outbox (alert_id, webhook, kind, tenant, payload, status, created_at)
+			VALUES ($1, 'ops', 'quota.threshold', 'acme', '{}', $2, $3)`, r.alert, r.status, r.at); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n, err := s.PruneOutbox(ctx, cutoff)
+	if err != nil || n != 2 {
+		t.Fatalf("PruneOutbox = %d, %v; want 2", n, err)
+	}
+	rows, err := s.pool.Query(ctx, `SELECT alert_id FROM webhook_outbox ORDER BY alert_id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	left, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if want := []string{"at-cutoff", "new-delivered", "old-pending"}; err != nil || !slices.Equal(left, want) {
+		t.Errorf("left %v, %v; want %v", left, err, want)
 	}
 }
