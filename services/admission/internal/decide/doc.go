@@ -81,7 +81,7 @@
 //     what is allowed locally is owed (Redis holds none of it until its
 //     actual usage is charged) and taken from every later Redis answer, so
 //     the local allows owed never exceed the remaining Redis last reported
-//     (see local.go);
+//     (a spend stays owed between owedFor and twice that; see local.go);
 //   - concurrency limits: not enforced (nothing could release the slot).
 //
 // Past Options.FailOpenAfter of continuous unreachability every request is

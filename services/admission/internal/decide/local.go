@@ -20,11 +20,13 @@ import (
 //     owed: Redis holds nothing of it until its actual usage is charged, so
 //     each later Redis decision sets the remaining to Redis's less what is
 //     owed (else every Redis answer between local decisions would give the
-//     local allowance back). A spend stays owed for the reservation TTL (by
-//     which its actual must have come) or the limit's period (past which no
-//     window counts it), whichever is shorter, or until the window seen
-//     passes: an instance's local allows while they are owed never exceed
-//     the last remaining Redis reported (or the allowance).
+//     local allowance back). Owed spends are kept in two groups, the
+//     current owedFor period's and the previous one's, and a group is
+//     dropped when it falls out of both, so a spend stays owed at least
+//     owedFor and at most twice that, never extended by later spends. A
+//     fixed or calendar window seen passing drops what is owed (Redis's new
+//     window starts empty); other kinds start again at capacity less it.
+//     The table forgetting a state forgets what it owes too.
 //   - Every other limit (request limits of any scope, token limits of shared
 //     scopes): this instance's share, a token bucket of capacity
 //     ceil(capacity / Instances) that refills that much per window (for a
@@ -64,17 +66,17 @@ func ruleID(r *policy.Rule) uint64 {
 	return maphash.Comparable(hashSeed, ruleKey{r.Scope, r.Endpoint, r.Name, r.Kind, r.Unit, r.Window})
 }
 
-// stateID tells an owner's limit states apart: ruleID folded to 32 bits, so
-// that a state takes 32 bytes rather than 40. Two limits of one owner
-// collide with odds about n²/2³³ for its n limits (10⁻⁸ for ten); they
-// would then share local state, which only matters while Redis is
-// unavailable.
+// stateID tells an owner's limit states apart: ruleID folded to 32 bits
+// (since owed grew a state takes 40 bytes either way, 4 of them padding).
+// Two limits of one owner collide with odds about n²/2³³ for its n limits
+// (10⁻⁸ for ten); they would then share local state, which only matters
+// while Redis is unavailable.
 func stateID(r *policy.Rule) uint32 {
 	h := ruleID(r)
 	return uint32(h ^ h>>32)
 }
 
-// ruleState is the local state of one limit of one owner, 32 bytes without
+// ruleState is the local state of one limit of one owner, 40 bytes without
 // a pointer.
 type ruleState struct {
 	left float64 // units still allowed locally
@@ -82,21 +84,31 @@ type ruleState struct {
 	// for a share, its last refill. Monotonic ns.
 	t  int64
 	id uint32 // stateID
-	// owed is what a quota allowed locally that Redis may not hold yet,
-	// until owedUntil (monotonic s, rounded up; float32 is exact to 2²⁴
-	// units).
-	owed      float32
-	owedUntil uint32
-	used      uint16 // localTable: the hold of its bucket's lock that last used it
-	init      bool
-	seen      bool // quota: left came from a Redis decision
+	// owed is what a quota allowed locally that Redis may not hold yet:
+	// owed[0] in owedFor period owedAt (now / owedFor), owed[1] in the one
+	// before. float32 rounds: it is exact to 2²⁴ units a group.
+	owed   [2]float32
+	owedAt uint32
+	used   uint16 // localTable: the hold of its bucket's lock that last used it
+	init   bool
+	seen   bool // quota: left came from a Redis decision
 }
 
-// owe records a local spend of n that Redis may not hold until until
-// (monotonic ns).
-func (st *ruleState) owe(n float64, until int64) {
-	st.owed += float32(n)
-	st.owedUntil = max(st.owedUntil, uint32((until+int64(time.Second)-1)/int64(time.Second)))
+// owing returns what st owes in all.
+func (st *ruleState) owing() float64 { return float64(st.owed[0]) + float64(st.owed[1]) }
+
+// rotateOwed moves st's owed groups to the owedFor period of now
+// (monotonic ns): a group two periods old is owed no more.
+func (st *ruleState) rotateOwed(owedFor time.Duration, now int64) {
+	at := uint32(now / int64(owedFor))
+	switch {
+	case at == st.owedAt:
+	case at == st.owedAt+1:
+		st.owed = [2]float32{0, st.owed[0]}
+	default:
+		st.owed = [2]float32{}
+	}
+	st.owedAt = at
 }
 
 // owedFor is how long a local spend of r may go unheld by Redis: until its
@@ -192,13 +204,16 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 		if !st.init {
 			st.init, st.left = true, d.allowance(r)
 		}
+		st.rotateOwed(d.owedFor(r), now)
 		if st.t != 0 && now >= st.t {
-			st.left = float64(capacity(r))
+			// Only a fixed or calendar window starts empty in Redis, the
+			// owed actuals charged to the one that passed; a rolling or
+			// sliding window, or a bucket, still counts what is owed.
+			if r.Kind == policy.Fixed || r.Kind == policy.CalendarMonth {
+				st.owed = [2]float32{}
+			}
+			st.left = float64(capacity(r)) - st.owing()
 			st.t = now + int64(period(r))
-			st.owed = 0
-		}
-		if now >= int64(st.owedUntil)*int64(time.Second) {
-			st.owed = 0
 		}
 		return
 	}
@@ -287,10 +302,10 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		if denied < 0 && st.left >= need {
 			st.left -= need
 			if quotaKind(r) {
-				st.owe(need, now+int64(d.owedFor(r)))
+				st.owed[0] += float32(need) // bring rotated it to now
 			}
 			if j := js[i]; j >= 0 {
-				*spends = append(*spends, localSpend{o: ownerOf(r), slot: j, gen: d.local.gens[j], n: need, at: i})
+				*spends = append(*spends, localSpend{o: ownerOf(r), slot: j, gen: d.local.gens[j], n: need, at: i, owedAt: st.owedAt})
 			}
 		}
 		left := int64(math.Floor(max(0, st.left)))
@@ -343,6 +358,8 @@ type localSpend struct {
 	gen  uint32 // and that state's generation (localTable.gens)
 	n    float64
 	at   int // localCheck: the index of its rule; then its slot in Result.Limits
+	// owedAt is the owed group a quota's spend went to (ruleState.owedAt).
+	owedAt uint32
 }
 
 // giveBack returns a local spending to the state it was taken from, unless
@@ -354,7 +371,11 @@ func (d *Decider) giveBack(s localSpend) {
 	if d.local.gens[s.slot] == s.gen {
 		st := &d.local.slots[s.slot]
 		st.left += s.n
-		st.owed = max(0, st.owed-float32(s.n))
+		// In the current group, or the previous one if a period began
+		// since; older, it is owed no more already.
+		if g := st.owedAt - s.owedAt; g < 2 {
+			st.owed[g] = max(0, st.owed[g]-float32(s.n))
+		}
 	}
 	d.local.unlock(s.o, owner{})
 }
@@ -397,6 +418,6 @@ func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now
 		}
 		st := &d.local.slots[j].ruleState
 		d.bring(r, st, now) // drops what is owed no more
-		st.init, st.seen, st.left, st.t = true, true, float64(s.Remaining)-float64(st.owed), reset
+		st.init, st.seen, st.left, st.t = true, true, float64(s.Remaining)-st.owing(), reset
 	}
 }

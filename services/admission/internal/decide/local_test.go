@@ -8,6 +8,7 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+	"unsafe"
 
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
@@ -119,9 +120,10 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 	})
 }
 
-// A local spend is owed, Redis not holding it, until the limit's period
-// has passed since (shorter than the reservation TTL here): a Redis answer
-// meanwhile sets the remaining to Redis's less it, one after it to Redis's.
+// A local spend is owed, Redis not holding it, for at least the limit's
+// period (shorter than the reservation TTL here) and at most twice that: a
+// Redis answer meanwhile sets the remaining to Redis's less it, one after
+// it to Redis's.
 // A spending given back is owed no more.
 func TestLocalOwedUntilRedisHoldsIt(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
@@ -153,10 +155,10 @@ func TestLocalOwedUntilRedisHoldsIt(t *testing.T) {
 		if l := left(d, o, &rules[0]); l != 50 {
 			t.Fatalf("left %v after Redis reported 80 within the hour, want 50 (30 owed, 20 given back)", l)
 		}
-		time.Sleep(time.Minute + time.Second) // the hour's window counts the 30 no more
+		time.Sleep(61*time.Minute + time.Second) // two periods: owed no more, whatever the group's start
 		seen(80)
 		if l := left(d, o, &rules[0]); l != 80 {
-			t.Fatalf("left %v after Redis reported 80 past the hour, want 80 (nothing owed)", l)
+			t.Fatalf("left %v after Redis reported 80 two hours on, want 80 (nothing owed)", l)
 		}
 	})
 }
@@ -317,4 +319,119 @@ func TestLocalTableLockOrder(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+// Rolling hour, limit 1000. Redis last seen at 0 (st.t = 1h). A local spend
+// of 600 at 0:59 (Redis holds none of it: actual not arrived). At 1:01 Redis
+// reports 1000 (the 600 is in flight): the 600 is still owed (its owedUntil
+// is 1:59) and in the rolling window until 1:59, so the window seen passing
+// starts again at 1000 less it.
+func TestLocalOwedOutlivesRollingReset(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(time.Hour)})}
+		o := userOwner(d, "u")
+		seen := func(remaining int64) {
+			d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Used: 1000 - remaining, Remaining: remaining}}, d.mono())
+		}
+		seen(1000)
+		time.Sleep(59 * time.Minute)
+		if di, _, _, _ := check(d, o, rules, 600); di >= 0 {
+			t.Fatal("600 denied")
+		}
+		time.Sleep(2 * time.Minute)
+		seen(1000)
+		if l := left(d, o, &rules[0]); l != 400 {
+			t.Errorf("left %v after Redis reported 1000 at 1:01, want 400 (600 owed until 1:59, in the window)", l)
+		}
+	})
+}
+
+// Token bucket burst 1000 refilling 1000/h. Redis reports 938 (Reset: full
+// again in 3m43s). A local spend of 900 right after; Redis, not holding it,
+// reports 938 again: left 38, owed 900. 4 minutes later the bucket (once the
+// 900 is charged) holds about 1000-62-900+66 = 104: the state refilled
+// locally still counts the 900 owed, and a local 500 is denied.
+func TestLocalOwedOutlivesBucketRefill(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "b", Kind: policy.TokenBucket, Burst: 1000, Rate: 1000, Per: policy.Duration(time.Hour)})}
+		o := userOwner(d, "u")
+		seen := func(remaining int64, reset time.Duration) {
+			d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Used: 1000 - remaining, Remaining: remaining, Reset: reset}}, d.mono())
+		}
+		seen(938, 223*time.Second)
+		time.Sleep(time.Second)
+		if di, _, _, _ := check(d, o, rules, 900); di >= 0 {
+			t.Fatal("900 denied")
+		}
+		time.Sleep(time.Second)
+		seen(938, 223*time.Second)
+		if l := left(d, o, &rules[0]); l != 38 {
+			t.Fatalf("left %v, want 38", l)
+		}
+		time.Sleep(4 * time.Minute)
+		if di, _, _, _ := check(d, o, rules, 500); di < 0 {
+			t.Errorf("a local 500 allowed 4 min after 900 owed (bucket holds ~104)")
+		}
+	})
+}
+
+// One bucket of 16 slots (LocalEntries 1): u's owed slot is evicted by 16
+// other subjects seen from Redis; the next Redis answer for u recreates it
+// with nothing owed although Redis holds none of u's 600. This pins what
+// README and design state (a forgotten state forgets its debt), so that a
+// change of it is a decision.
+func TestLocalEvictionForgetsOwed(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{LocalEntries: 1})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(time.Hour)})}
+		seen := func(user string, remaining int64) {
+			d.remember("acme", user, []limits.State{{Rule: &rules[0], Limit: 1000, Used: 1000 - remaining, Remaining: remaining}}, d.mono())
+		}
+		o := userOwner(d, "u")
+		seen("u", 1000)
+		if di, _, _, _ := check(d, o, rules, 600); di >= 0 {
+			t.Fatal("600 denied")
+		}
+		for i := range 16 {
+			seen(string(rune('a'+i)), 1000)
+		}
+		seen("u", 1000)
+		if l := left(d, o, &rules[0]); l != 1000 {
+			t.Errorf("left %v after eviction and a Redis answer of 1000, want 1000 (the debt forgotten with the state)", l)
+		}
+	})
+}
+
+// Each spend stays owed at most twice owedFor, whatever spends follow: a
+// subject decided locally once every 1h50m on a 2-hour rolling quota of
+// 1000 (Redis charging each actual within minutes, so Redis reports 900:
+// one 100 in its window) owes at most two spends at a time and is never
+// denied (one owedUntil extended by every spend denied the 10th).
+func TestLocalOwedExpiresSpendBySpend(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(2 * time.Hour)})}
+		o := userOwner(d, "u")
+		seen := func(remaining int64) {
+			d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Used: 1000 - remaining, Remaining: remaining}}, d.mono())
+		}
+		seen(1000)
+		for k := range 20 {
+			if di, _, _, _ := check(d, o, rules, 100); di >= 0 {
+				t.Fatalf("round %d: a local 100 denied though Redis reports at most 100 of 1000 used (left %v)", k, left(d, o, &rules[0]))
+			}
+			time.Sleep(110 * time.Minute)
+			seen(900) // the last 100 charged; earlier ones slid out of the window
+		}
+	})
+}
+
+// The table's figures (table.go's cache lines, options.go's and README's
+// bytes a limit) rest on these sizes.
+func TestLocalSlotSize(t *testing.T) {
+	if s, r := unsafe.Sizeof(slot{}), unsafe.Sizeof(ruleState{}); s != 48 || r != 40 {
+		t.Errorf("slot %d bytes, ruleState %d; the docs say 48 and 40", s, r)
+	}
 }

@@ -71,7 +71,7 @@ type Options struct {
 
 	// LocalEntries sizes the local state (last remaining seen, local
 	// shares) for this many subjects, tenants, IPs and endpoints with three
-	// limits each: a table of 44 bytes per limit, allocated once and off
+	// limits each: a table of 52 bytes per limit, allocated once and off
 	// the Go heap, whose least recently used limits are forgotten first
 	// (see localTable; about 88 % of the owners are held when as many as it
 	// is sized for are active, BenchmarkRemember). Zero means 100000.

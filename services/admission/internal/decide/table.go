@@ -39,7 +39,7 @@ type localTable struct {
 }
 
 // bucketSlots is the associativity: an owner remembers up to this many
-// limits, and a bucket's lookup reads this many 40-byte slots (10 cache
+// limits, and a bucket's lookup reads this many 48-byte slots (12 cache
 // lines) at most.
 const bucketSlots = 16
 
@@ -52,7 +52,7 @@ type bucketHead struct {
 	clock uint16 // the current hold of mu, stamped on the slots it uses
 }
 
-// slot is one owner's state of one limit, 40 bytes without a pointer.
+// slot is one owner's state of one limit, 48 bytes without a pointer.
 type slot struct {
 	owner uint64 // the owner's hash; 0: free
 	ruleState
