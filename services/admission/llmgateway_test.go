@@ -476,6 +476,7 @@ func TestGatewayUpstreamRefusesKey(t *testing.T) {
 			t.Errorf("upstream %d = %d %s, want 502 upstream_auth without the upstream's body", status, resp.StatusCode, raw)
 		}
 	}
+	g.finish() // a release runs after the handler returned: wait for both
 	if got := g.used("alice"); got != 0 {
 		t.Errorf("Redis used = %v, want 0: both released", got)
 	}
