@@ -271,10 +271,13 @@ func (l *Limiter) sharedCall(ctx context.Context, scope policy.Scope, id string,
 // ChargeShared adds amount to the shared limits rules of scope's id, as
 // ReserveShared names them: token limits move by amount, request limits
 // by 1 in its direction. With a negative amount, admission gives back what
-// an earlier layer reserved when a later layer denies. It returns the
-// limits after the change.
-func (l *Limiter) ChargeShared(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64) ([]State, error) {
-	c := l.p.ChargeCall("", "", scope, id, rules, amount, time.Time{}, false)
+// an earlier layer reserved when a later layer denies. at dates the change
+// (zero: Redis's now): a give-back dated at its reservation's
+// Decision.Now lands in the rolling bucket that holds it, where one dated
+// now, past a bucket's edge, would find nothing to take back. It returns
+// the limits after the change.
+func (l *Limiter) ChargeShared(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64, at time.Time) ([]State, error) {
+	c := l.p.ChargeCall("", "", scope, id, rules, amount, at, false)
 	if c.Err != nil {
 		return nil, c.Err
 	}

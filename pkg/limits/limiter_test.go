@@ -654,7 +654,7 @@ func TestChargeSharedGivesBackASharedReservation(t *testing.T) {
 	if d, err := l.ReserveShared(ctx, policy.ScopeIP, ip, 100, rules); err != nil || !d.Allowed {
 		t.Fatalf("ReserveShared = %+v, %v", d, err)
 	}
-	st, err := l.ChargeShared(ctx, policy.ScopeIP, ip, rules, -100)
+	st, err := l.ChargeShared(ctx, policy.ScopeIP, ip, rules, -100, time.Time{})
 	if err != nil || st[0].Used != 0 || st[1].Used != 0 {
 		t.Fatalf("ChargeShared(-100) = %+v, %v; want both back at 0", st, err)
 	}
@@ -878,5 +878,26 @@ func TestFirstTouchWindowsSlideExactly(t *testing.T) {
 		wantUsed(t, d, 0, month)
 		wantUsed(t, d, 1, used(d.Now.UnixMilli(), 10))
 		wantUsed(t, d, 2, used(d.Now.UnixMilli(), 4))
+	}
+}
+
+// A give-back dated at its reservation's Redis time lands in the rolling
+// bucket that holds the reservation, though Redis's clock has passed that
+// bucket's edge since; dated now it found nothing in the next bucket to
+// take back, and the reservation stayed counted until it aged out.
+func TestChargeSharedGivesBackAcrossABucketEdge(t *testing.T) {
+	c := redistest.Shared(t)
+	ip := "198.51.100." + redistest.UniqueName(t)
+	rules := []policy.Rule{{Limit: policy.Limit{Name: "tokens", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 500, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeIP}}
+	width := (time.Hour / policy.DefaultBuckets).Milliseconds()
+	edge := time.UnixMilli((time.Now().UnixMilli()/width + 2) * width) // buckets start at multiples of their width
+	ctx := context.Background()
+	d, err := limitstest.At(c, time.Until(edge.Add(-2*time.Second))).ReserveShared(ctx, policy.ScopeIP, ip, 100, rules)
+	if err != nil || !d.Allowed {
+		t.Fatalf("ReserveShared = %+v, %v", d, err)
+	}
+	st, err := limitstest.At(c, time.Until(edge.Add(2*time.Second))).ChargeShared(ctx, policy.ScopeIP, ip, rules, -100, d.Now)
+	if err != nil || st[0].Used != 0 {
+		t.Fatalf("ChargeShared(-100) past the bucket's edge = %+v, %v; want it given back (0 used)", st, err)
 	}
 }

@@ -50,7 +50,7 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 }
 
 // chargeShared is limits.Limiter.ChargeShared (AdjustCount for counted:
-// Check's counters, dated at, zero: now) through the breaker, not
+// Check's counters), dated at (zero: now), through the breaker, not
 // cancelled with ctx: a give-back or correction once decided is made even
 // when the caller has gone.
 func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.Scope, id string, rules []policy.Rule, amount int64, at time.Time) ([]limits.State, error) {
@@ -60,7 +60,7 @@ func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.S
 		if counted {
 			st, err = d.lim.AdjustCount(ctx, scope, id, rules, amount, at)
 		} else {
-			st, err = d.lim.ChargeShared(ctx, scope, id, rules, amount)
+			st, err = d.lim.ChargeShared(ctx, scope, id, rules, amount, at)
 		}
 		return err
 	})

@@ -77,7 +77,7 @@ type sharedRes struct {
 	at      int
 	idx     []int
 	counted bool      // in CountBatch's counters (Check), not the shared blob
-	now     time.Time // counted: the decision's Redis time, which dates its give back
+	now     time.Time // the decision's Redis time, which dates its give back
 }
 
 // allowAll is the decision past FailOpenAfter: everything is allowed and
@@ -234,7 +234,7 @@ func (a *admission) sharedLayer(scope policy.Scope, id string, rules []policy.Ru
 				a.deny(base+rest[max(0, dec.DeniedBy)], dec.RetryAfter, dec.Reason)
 				return false, nil
 			}
-			a.shared = append(a.shared, sharedRes{scope: scope, id: id, cost: a.in.Cost, rules: sub, at: base, idx: rest})
+			a.shared = append(a.shared, sharedRes{scope: scope, id: id, cost: a.in.Cost, rules: sub, at: base, idx: rest, now: dec.Now})
 			rest = nil
 		case errors.Is(err, limits.ErrInvalid):
 			return false, err
