@@ -8,6 +8,7 @@ import (
 
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 )
 
 // Local state: what the Decider knows without Redis, per owner (a subject, a
@@ -213,7 +214,7 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 				st.owed = [2]float32{}
 			}
 			st.left = float64(capacity(r)) - st.owing()
-			st.t = now + int64(period(r))
+			st.t = d.nextReset(r, st.t, now)
 		}
 		return
 	}
@@ -226,6 +227,22 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 		st.left = min(c, st.left+float64(now-st.t)*d.shareRate(r))
 		st.t = now
 	}
+}
+
+// nextReset is when a quota's local window, which ended at t, ends again
+// after now. A fixed or calendar window keeps Redis's boundaries (t is one):
+// a window counted from the first local touch would end inside Redis's, and
+// clearing what is owed there would forget spends Redis still counts.
+func (d *Decider) nextReset(r *policy.Rule, t, now int64) int64 {
+	switch r.Kind {
+	case policy.Fixed:
+		p := int64(period(r))
+		return t + ((now-t)/p+1)*p
+	case policy.CalendarMonth:
+		wall := d.epoch.Add(time.Duration(now))
+		return int64(repair.BucketStart(r, repair.BucketOf(r, wall)+1).Sub(d.epoch))
+	}
+	return now + int64(period(r))
 }
 
 // localCheck decides rules locally for one request of cost: all-or-nothing,

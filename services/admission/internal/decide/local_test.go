@@ -347,6 +347,67 @@ func TestLocalOwedOutlivesRollingReset(t *testing.T) {
 	})
 }
 
+// Fixed hour, limit 1000, Redis's windows [0,1h), [1h,2h), [2h,3h). Seen at 0
+// (Reset 1h), then Redis away: the first local touch at 1h30m starts the
+// local window at Redis's boundary 1h (it ends at 2h, not 2h30m). 600 spent
+// at 2h10m, in Redis's window [2h,3h): at 2h35m a local 900 is denied, and a
+// Redis answer of 1000 (the 600 in flight) leaves 400.
+func TestLocalFixedResetKeepsRedisBoundary(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "f", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})}
+		o := userOwner(d, "u")
+		d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: time.Hour}}, d.mono())
+		time.Sleep(90 * time.Minute)
+		if _, _, _, out := check(d, o, rules, 1); out[0].Reset != 30*time.Minute {
+			t.Errorf("1h30m: local window ends in %v, want 30m (Redis's boundary 2h)", out[0].Reset)
+		}
+		time.Sleep(40 * time.Minute)
+		if di, _, _, _ := check(d, o, rules, 600); di >= 0 { // 2h10m
+			t.Fatal("600 denied")
+		}
+		time.Sleep(25 * time.Minute) // 2h35m
+		if di, _, _, _ := check(d, o, rules, 900); di < 0 {
+			t.Error("2h35m: a local 900 allowed with 600 already spent in Redis's window [2h,3h)")
+		}
+		d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: 25 * time.Minute}}, d.mono())
+		if l := left(d, o, &rules[0]); l != 400 {
+			t.Errorf("left %v after Redis reported 1000 at 2h35m (600 in flight), want 400", l)
+		}
+	})
+}
+
+// Calendar month, limit 1000 (the bubble starts 2000-01-01 UTC, a leap year).
+// Seen then (Reset 31 days: 1 Feb), Redis away: the local touch on 10 Feb
+// starts a window ending 1 Mar (not 31 days on, 12 Mar). 600 spent at noon
+// on 11 Mar is in Redis's March: at noon on 12 Mar a local 900 is denied,
+// and a Redis answer of 1000 (the 600 in flight) leaves 400.
+func TestLocalCalendarResetKeepsMonthBoundary(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const day = 24 * time.Hour
+		d := localDecider(t, Options{})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "m", Kind: policy.CalendarMonth, Limit: 1000})}
+		o := userOwner(d, "u")
+		d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: 31 * day}}, d.mono())
+		time.Sleep(40 * day) // 10 Feb
+		if _, _, _, out := check(d, o, rules, 1); out[0].Reset != 20*day {
+			t.Errorf("10 Feb: local window ends in %v, want 20 days (1 Mar)", out[0].Reset)
+		}
+		time.Sleep(30*day + 12*time.Hour) // 11 Mar, noon
+		if di, _, _, _ := check(d, o, rules, 600); di >= 0 {
+			t.Fatal("600 denied")
+		}
+		time.Sleep(day) // 12 Mar, noon
+		if di, _, _, _ := check(d, o, rules, 900); di < 0 {
+			t.Error("12 Mar: a local 900 allowed with 600 already spent in Redis's March")
+		}
+		d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: 19*day + 12*time.Hour}}, d.mono())
+		if l := left(d, o, &rules[0]); l != 400 {
+			t.Errorf("left %v after Redis reported 1000 on 12 Mar (600 in flight), want 400", l)
+		}
+	})
+}
+
 // Token bucket burst 1000 refilling 1000/h. Redis reports 938 (Reset: full
 // again in 3m43s). A local spend of 900 right after; Redis, not holding it,
 // reports 938 again: left 38, owed 900. 4 minutes later the bucket (once the
