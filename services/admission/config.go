@@ -308,7 +308,8 @@ func (c *Config) LogArgs() []any {
 			"gateway_addr", c.GatewayAddr, "gateway_upstream", c.GatewayUpstream, "gateway_file", c.GatewayFile})
 }
 
-// maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1 GB.
+// maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1.6 GB (156 bytes
+// an entry: three limits of 52).
 const maxLocalEntries = 10_000_000
 
 // decideOptions are the Decider's options; where a setting's 0 means none
