@@ -22,7 +22,11 @@
 // With -scale it loads admission with five limits in four shapes, 1 and 2
 // instances on 1 Redis and on a 3-master Redis Cluster, in interleaved
 // rounds, and prints the CPU per request of each kind of process
-// (scale.go): `go tool task bench-scale`.
+// (scale.go): `go tool task bench-scale`. With -scale -hot it loads one
+// admission instance a plan (one limit, five limits) on a 3-master Redis
+// Cluster with the users in one tenant, whose keys all lie in one slot,
+// against the same users over many tenants, and prints each master's CPU
+// per request (hot.go): `go tool task bench-scale -- -hot`.
 package main
 
 import (
@@ -30,6 +34,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -55,6 +60,7 @@ func main() {
 	envoyWindow := flag.Duration("envoy-window", 0, "-peer: envoy's REDIS_PIPELINE_WINDOW (used by its cluster client only, at this version)")
 	peerBase := flag.String("peer-base", "", "-peer: also load admission built from this checkout of an earlier commit, with each admission plan of -targets (one, five), interleaved with the others (its before)")
 	scaleMode := flag.Bool("scale", false, "load 1 and 2 admission instances on 1 Redis and on a 3-master Redis Cluster, users over many tenants, in interleaved rounds")
+	hotMode := flag.Bool("hot", false, "-scale: one admission instance a plan (one limit, five limits) on a 3-master Redis Cluster, the users in one tenant against over many, and each master's CPU per request")
 	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
 	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate) (0: not)")
@@ -75,7 +81,11 @@ func main() {
 		levels = append(levels, n)
 	}
 	if *scaleMode {
-		if err := scale(context.Background(), peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds}); err != nil {
+		run := scale
+		if *hotMode {
+			run = hot
+		}
+		if err := run(context.Background(), peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds}); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
 			os.Exit(1)
 		}
@@ -125,15 +135,18 @@ func main() {
 // -peer and -rls run admission with QF_REDIS_TIMEOUT=1s, so that every
 // decision is Redis's; -scale too, and it takes only the load's flags.
 func checkMode(set []string, peer, rls, scale bool) error {
+	if !scale && slices.Contains(set, "hot") {
+		return fmt.Errorf("-hot is a shape of -scale (-scale -hot)")
+	}
 	if scale {
 		var bad []string
 		for _, name := range set {
-			if !map[string]bool{"scale": true, "duration": true, "concurrency": true, "users": true, "rounds": true}[name] {
+			if !map[string]bool{"scale": true, "duration": true, "concurrency": true, "users": true, "rounds": true, "hot": true}[name] {
 				bad = append(bad, "-"+name)
 			}
 		}
 		if len(bad) > 0 {
-			return fmt.Errorf("-scale does not use %s (it takes -duration, -concurrency, -users and -rounds)", strings.Join(bad, ", "))
+			return fmt.Errorf("-scale does not use %s (it takes -hot, -duration, -concurrency, -users and -rounds)", strings.Join(bad, ", "))
 		}
 		return nil
 	}

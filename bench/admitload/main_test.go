@@ -24,6 +24,8 @@ func TestCheckMode(t *testing.T) {
 		{set: []string{"peer", "profile", "heapprofile"}, peer: true, bad: "-peer does not use -profile, -heapprofile"},
 		{set: []string{"scale", "duration", "concurrency", "users", "rounds"}, scale: true},
 		{set: []string{"scale", "rounds", "peer", "open"}, scale: true, bad: "-scale does not use -peer, -open"},
+		{set: []string{"scale", "hot", "rounds"}, scale: true},
+		{set: []string{"hot", "duration"}, bad: "-hot is a shape of -scale"},
 	} {
 		err := checkMode(c.set, c.peer, c.rls, c.scale)
 		if c.bad == "" && err != nil || c.bad != "" && (err == nil || !strings.Contains(err.Error(), c.bad)) {
