@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -185,4 +186,94 @@ func NATSClusterURL(nodes []*Server) string {
 		urls[i] = n.URL
 	}
 	return strings.Join(urls, ",")
+}
+
+// MigrateSlot moves slot from the master from to the master to as
+// redis-cli --cluster reshard does: to imports it, from migrates it, its
+// keys go over batch at a time (MIGRATE ... KEYS), waiting pause between
+// batches so that traffic meets the slot half moved (ASK and TRYAGAIN
+// answers), and then every master of masters (from and to among them)
+// learns that to serves it. It returns how many keys went over.
+func MigrateSlot(ctx context.Context, slot int, from, to *redis.Client, masters []*redis.Client, batch int, pause time.Duration) (int, error) {
+	fromID, err := from.ClusterMyID(ctx).Result()
+	if err != nil {
+		return 0, err
+	}
+	toID, err := to.ClusterMyID(ctx).Result()
+	if err != nil {
+		return 0, err
+	}
+	if err := to.Do(ctx, "cluster", "setslot", slot, "importing", fromID).Err(); err != nil {
+		return 0, fmt.Errorf("setslot importing: %w", err)
+	}
+	if err := from.Do(ctx, "cluster", "setslot", slot, "migrating", toID).Err(); err != nil {
+		return 0, fmt.Errorf("setslot migrating: %w", err)
+	}
+	host, port, ok := strings.Cut(to.Options().Addr, ":")
+	if !ok {
+		return 0, fmt.Errorf("migrate: target address %q has no port", to.Options().Addr)
+	}
+	moved := 0
+	for {
+		keys, err := from.ClusterGetKeysInSlot(ctx, slot, batch).Result()
+		if err != nil {
+			return moved, fmt.Errorf("getkeysinslot: %w", err)
+		}
+		if len(keys) == 0 {
+			break
+		}
+		args := []any{"migrate", host, port, "", 0, 5000, "keys"}
+		for _, k := range keys {
+			args = append(args, k)
+		}
+		// NOKEY: the keys expired or were deleted meanwhile.
+		if err := from.Do(ctx, args...).Err(); err != nil && !strings.HasPrefix(err.Error(), "NOKEY") {
+			return moved, fmt.Errorf("migrate: %w", err)
+		}
+		moved += len(keys)
+		select {
+		case <-ctx.Done():
+			return moved, ctx.Err()
+		case <-time.After(pause):
+		}
+	}
+	// The new owner first, then the old one, then the others, as redis-cli
+	// does: the old owner then answers MOVED to the new one.
+	order := []*redis.Client{to, from}
+	for _, m := range masters {
+		if m != to && m != from {
+			order = append(order, m)
+		}
+	}
+	for _, m := range order {
+		if err := m.Do(ctx, "cluster", "setslot", slot, "node", toID).Err(); err != nil {
+			return moved, fmt.Errorf("setslot node on %s: %w", m.Options().Addr, err)
+		}
+	}
+	return moved, nil
+}
+
+// ErrorStats sums, over nodes, the errors each has answered whose code is
+// among codes (INFO errorstats, e.g. "ASK", "MOVED", "TRYAGAIN").
+func ErrorStats(ctx context.Context, nodes []*redis.Client, codes ...string) (map[string]int64, error) {
+	out := map[string]int64{}
+	for _, n := range nodes {
+		info, err := n.Info(ctx, "errorstats").Result()
+		if err != nil {
+			return nil, err
+		}
+		for _, line := range strings.Split(info, "\n") {
+			name, rest, ok := strings.Cut(strings.TrimSpace(line), ":count=")
+			code := strings.TrimPrefix(name, "errorstat_")
+			if !ok || !slices.Contains(codes, code) {
+				continue
+			}
+			v, err := strconv.ParseInt(rest, 10, 64)
+			if err != nil {
+				return nil, fmt.Errorf("errorstats %q: %w", line, err)
+			}
+			out[code] += v
+		}
+	}
+	return out, nil
 }

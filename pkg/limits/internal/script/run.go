@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -56,8 +57,72 @@ type pipeliner interface {
 // client pipelines, a lone call as a plain command. A node misses the
 // library or the script for all the calls it gets, so retried calls keep
 // their order among themselves.
+//
+// A call that a Cluster refused because its slot is being moved (TRYAGAIN:
+// its keys are split between the two masters, or it adds keys beside
+// existing ones; a MOVED or ASK go-redis gave up following) did not run,
+// so it is sent again after a pause, up to movingTries times while ctx
+// lasts: go-redis retries a lone command a few times and a pipelined one
+// never, and a slot's move lasts as long as its keys take to MIGRATE.
 func (r *Runner) RunAll(ctx context.Context, e *Entry, calls []wire.Call) []*redis.Cmd {
 	cmds := make([]*redis.Cmd, len(calls))
+	valid := make([]int, 0, len(calls))
+	for i := range calls {
+		if calls[i].Err == nil {
+			valid = append(valid, i)
+		}
+	}
+	r.runOnce(ctx, e, calls, cmds, valid)
+	for try := range movingTries {
+		moving := failed(cmds, valid, slotMoving)
+		if len(moving) == 0 || sleep(ctx, movingPause(try)) != nil {
+			break
+		}
+		r.runOnce(ctx, e, calls, cmds, moving)
+	}
+	return cmds
+}
+
+// movingTries and movingPause bound the retries of calls refused while
+// their slot moves: pauses of 2 ms doubling to 128 ms, about 1.3 s in all,
+// longer than redis-cli takes to move a slot of a few thousand keys.
+const movingTries = 15
+
+func movingPause(try int) time.Duration { return min(2*time.Millisecond<<try, 128*time.Millisecond) }
+
+// slotMoving reports whether err is a Cluster's refusal of a call whose
+// slot is being moved; the call did not run.
+func slotMoving(err error) bool {
+	return err != nil && (redis.HasErrorPrefix(err, "TRYAGAIN") || redis.HasErrorPrefix(err, "ASK") || redis.HasErrorPrefix(err, "MOVED"))
+}
+
+// sleep waits d or until ctx ends, whichever comes first.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// failed returns the calls of which whose command failed as match says.
+func failed(cmds []*redis.Cmd, which []int, match func(error) bool) []int {
+	var out []int
+	for _, i := range which {
+		if match(cmds[i].Err()) {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// runOnce sends the calls of which, setting their commands, as RunAll
+// describes: FCALL (loading the library where it is missing) or
+// EVALSHA/EVAL.
+func (r *Runner) runOnce(ctx context.Context, e *Entry, calls []wire.Call, cmds []*redis.Cmd, valid []int) {
 	p, pipelines := r.c.(pipeliner)
 	const (
 		fcall = iota
@@ -86,29 +151,13 @@ func (r *Runner) RunAll(ctx context.Context, e *Entry, calls []wire.Call) []*red
 			_, _ = pipe.Exec(ctx) // each command holds its own error
 		}
 	}
-	// failed returns the calls of which whose command failed as match says.
-	failed := func(which []int, match func(error) bool) []int {
-		var out []int
-		for _, i := range which {
-			if match(cmds[i].Err()) {
-				out = append(out, i)
-			}
-		}
-		return out
-	}
-	valid := make([]int, 0, len(calls))
-	for i := range calls {
-		if calls[i].Err == nil {
-			valid = append(valid, i)
-		}
-	}
 	if len(valid) == 0 {
-		return cmds
+		return
 	}
 	if r.usesFunctions(e) {
 		seen := r.loads.Load()
 		send(fcall, valid)
-		missing := failed(valid, isNoFunction)
+		missing := failed(cmds, valid, isNoFunction)
 		for try := 0; len(missing) > 0 && try < loadTries; try++ {
 			if err := r.loadEngine(ctx, seen); err != nil {
 				for _, i := range missing {
@@ -118,19 +167,18 @@ func (r *Runner) RunAll(ctx context.Context, e *Entry, calls []wire.Call) []*red
 			}
 			seen = r.loads.Load()
 			send(fcall, missing)
-			missing = failed(missing, isNoFunction)
+			missing = failed(cmds, missing, isNoFunction)
 		}
-		valid = failed(valid, functionsUnavailable)
+		valid = failed(cmds, valid, functionsUnavailable)
 		if len(valid) == 0 {
-			return cmds
+			return
 		}
 		r.scriptsOnly.Store(true)
 	}
 	send(evalsha, valid)
-	if missing := failed(valid, isNoScript); len(missing) > 0 {
+	if missing := failed(cmds, valid, isNoScript); len(missing) > 0 {
 		send(eval, missing)
 	}
-	return cmds
 }
 
 // isNoScript reports whether err says the node has not cached the script,
