@@ -91,7 +91,7 @@ type Config struct {
 	UnseenAllowance int64 `envconfig:"UNSEEN_ALLOWANCE"`
 	// LocalEntries sizes the table of what was last seen per subject,
 	// tenant, IP and endpoint, for local decisions while Redis is
-	// unreachable: 96 bytes each, resident once used (decide.Options).
+	// unreachable: 99 bytes each, resident once used (decide.Options).
 	LocalEntries int `envconfig:"LOCAL_ENTRIES"`
 	// Instances is how many admission instances share the Redis (each
 	// allows its share of shared limits while Redis is unreachable).
@@ -308,8 +308,8 @@ func (c *Config) LogArgs() []any {
 			"gateway_addr", c.GatewayAddr, "gateway_upstream", c.GatewayUpstream, "gateway_file", c.GatewayFile})
 }
 
-// maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1.6 GB (156 bytes
-// an entry: three limits of 52).
+// maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1 GB (99 bytes an
+// entry: three limits of 33).
 const maxLocalEntries = 10_000_000
 
 // decideOptions are the Decider's options; where a setting's 0 means none

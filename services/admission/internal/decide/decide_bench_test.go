@@ -154,6 +154,6 @@ func BenchmarkRemember(b *testing.B) {
 		i++
 	}
 	b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(owners), "heapB/owner")
-	b.ReportMetric(float64(len(d.local.slots))*float64(unsafe.Sizeof(slot{})+unsafe.Sizeof(uint32(0)))/float64(owners), "tableB/owner")
+	b.ReportMetric(float64(len(d.local.buckets))*float64(unsafe.Sizeof(bucket{}))/float64(owners), "tableB/owner")
 	b.ReportMetric(float64(owners), "owners")
 }

@@ -67,30 +67,28 @@ func ruleID(r *policy.Rule) uint64 {
 	return maphash.Comparable(hashSeed, ruleKey{r.Scope, r.Endpoint, r.Name, r.Kind, r.Unit, r.Window})
 }
 
-// stateID tells an owner's limit states apart: ruleID folded to 32 bits
-// (since owed grew a state takes 40 bytes either way, 4 of them padding).
-// Two limits of one owner collide with odds about n²/2³³ for its n limits
-// (10⁻⁸ for ten); they would then share local state, which only matters
-// while Redis is unavailable.
+// stateID tells an owner's limit states apart: ruleID folded to 32 bits,
+// never 0 (a free slot in localTable). Two limits of one owner collide with
+// odds about n²/2³³ for its n limits (10⁻⁸ for ten); they would then share
+// local state, which only matters while Redis is unavailable.
 func stateID(r *policy.Rule) uint32 {
 	h := ruleID(r)
-	return uint32(h ^ h>>32)
+	return max(1, uint32(h^h>>32))
 }
 
-// ruleState is the local state of one limit of one owner, 40 bytes without
-// a pointer.
+// ruleState is the local state of one limit of one owner while it is
+// decided; localTable keeps it packed (packedState).
 type ruleState struct {
 	left float64 // units still allowed locally
-	// t is, for a quota, when the window seen frees everything (0: never);
-	// for a share, its last refill. Monotonic ns.
-	t  int64
-	id uint32 // stateID
+	// t is, for a quota, when the window seen frees everything (0: never;
+	// kept in whole seconds, rounded up); for a share, its last refill.
+	// Monotonic ns.
+	t int64
 	// owed is what a quota allowed locally that Redis may not hold yet:
 	// owed[0] in owedFor period owedAt (now / owedFor), owed[1] in the one
 	// before. float32 rounds: it is exact to 2²⁴ units a group.
 	owed   [2]float32
 	owedAt uint32
-	used   uint16 // localTable: the hold of its bucket's lock that last used it
 	init   bool
 	seen   bool // quota: left came from a Redis decision
 }
@@ -260,19 +258,21 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		}
 		return owners[1]
 	}
-	// Each rule's state: a slot of the table (js: its index), or, past what
-	// its bucket holds, a fresh one not kept (js: -1, nothing to give back;
-	// nil: not enforced). The slots stay put while the caller holds their
-	// buckets.
-	var buf [8]*ruleState
+	// Each rule's state, loaded from a slot of the table (js: its index,
+	// stored back below), or, past what its bucket holds, a fresh one not
+	// kept (js: -1, nothing to give back; nil: not enforced). The slots stay
+	// this decision's while the caller holds their buckets; two rules of one
+	// slot (a stateID collision) share one state, as they share the slot.
+	var buf [8]ruleState
+	var pbuf [8]*ruleState
 	var jbuf [8]int
-	sts, js := buf[:0], jbuf[:0]
+	vals, sts, js := buf[:], pbuf[:0], jbuf[:0]
 	if len(rules) > len(buf) {
-		sts, js = make([]*ruleState, 0, len(rules)), make([]int, 0, len(rules))
+		vals, sts, js = make([]ruleState, len(rules)), make([]*ruleState, 0, len(rules)), make([]int, 0, len(rules))
 	}
 	sts, js = sts[:len(rules)], js[:len(rules)]
 	for i := range rules {
-		sts[i] = nil
+		sts[i], js[i] = nil, -1
 		r := &rules[i]
 		out[i] = LimitState{Scope: r.Scope, Name: r.Name, Endpoint: r.Endpoint, Unit: r.Unit, Limit: capacity(r), Shadow: r.Shadow}
 		if r.Kind == policy.Concurrency {
@@ -282,11 +282,12 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		if r.Kind == policy.Balance {
 			out[i].Limit = 0
 		}
-		js[i] = d.local.index(ownerOf(r), stateID(r))
-		if js[i] >= 0 {
-			sts[i] = &d.local.slots[js[i]].ruleState
-		} else {
-			sts[i] = &ruleState{id: stateID(r)}
+		j, fresh := d.local.index(ownerOf(r), stateID(r))
+		js[i], sts[i] = j, &vals[i]
+		if k := slices.Index(js[:i], j); j >= 0 && k >= 0 {
+			sts[i] = sts[k]
+		} else if !fresh && j >= 0 {
+			vals[i] = d.local.load(j, quotaKind(r))
 		}
 		st := sts[i]
 		d.bring(r, st, now)
@@ -322,8 +323,11 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 				st.owed[0] += float32(need) // bring rotated it to now
 			}
 			if j := js[i]; j >= 0 {
-				*spends = append(*spends, localSpend{o: ownerOf(r), slot: j, gen: d.local.gens[j], n: need, at: i, owedAt: st.owedAt})
+				*spends = append(*spends, localSpend{o: ownerOf(r), slot: j, gen: d.local.gen(j), n: need, at: i, owedAt: st.owedAt, quota: quotaKind(r)})
 			}
+		}
+		if js[i] >= 0 {
+			d.local.store(js[i], quotaKind(r), st)
 		}
 		left := int64(math.Floor(max(0, st.left)))
 		out[i].Remaining = left
@@ -372,11 +376,12 @@ func (d *Decider) localWait(r *policy.Rule, st *ruleState, need float64, now int
 type localSpend struct {
 	o    owner  // whose bucket holds the slot
 	slot int    // the slot of the state it was taken from
-	gen  uint32 // and that state's generation (localTable.gens)
+	gen  uint32 // and its record's generation (localTable.gen)
 	n    float64
 	at   int // localCheck: the index of its rule; then its slot in Result.Limits
 	// owedAt is the owed group a quota's spend went to (ruleState.owedAt).
 	owedAt uint32
+	quota  bool // the state is a quota's (quotaKind)
 }
 
 // giveBack returns a local spending to the state it was taken from, unless
@@ -385,14 +390,15 @@ type localSpend struct {
 // owed no more.
 func (d *Decider) giveBack(s localSpend) {
 	d.local.lock(s.o, owner{})
-	if d.local.gens[s.slot] == s.gen {
-		st := &d.local.slots[s.slot]
+	if d.local.gen(s.slot) == s.gen {
+		st := d.local.load(s.slot, s.quota)
 		st.left += s.n
 		// In the current group, or the previous one if a period began
 		// since; older, it is owed no more already.
-		if g := st.owedAt - s.owedAt; g < 2 {
+		if g := st.owedAt - s.owedAt; s.quota && g < 2 {
 			st.owed[g] = max(0, st.owed[g]-float32(s.n))
 		}
+		d.local.store(s.slot, s.quota, &st)
 	}
 	d.local.unlock(s.o, owner{})
 }
@@ -429,12 +435,16 @@ func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now
 		default: // fixed, calendar_month, token_bucket: Reset is when it is empty again
 			reset = now + int64(s.Reset)
 		}
-		j := d.local.index(o, stateID(r))
+		j, fresh := d.local.index(o, stateID(r))
 		if j < 0 {
 			return // more quotas than a bucket holds: the rest stay unseen
 		}
-		st := &d.local.slots[j].ruleState
-		d.bring(r, st, now) // drops what is owed no more
+		var st ruleState
+		if !fresh {
+			st = d.local.load(j, true)
+		}
+		d.bring(r, &st, now) // drops what is owed no more
 		st.init, st.seen, st.left, st.t = true, true, float64(s.Remaining)-st.owing(), reset
+		d.local.store(j, true, &st)
 	}
 }

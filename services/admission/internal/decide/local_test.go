@@ -48,10 +48,10 @@ func userOwner(d *Decider, user string) owner {
 func left(d *Decider, o owner, r *policy.Rule) float64 {
 	d.local.lock(o, owner{})
 	defer d.local.unlock(o, owner{})
-	base := o.b * bucketSlots
-	for _, s := range d.local.slots[base : base+bucketSlots] {
-		if s.owner == o.h && s.id == stateID(r) {
-			return s.left
+	bk := &d.local.buckets[o.b]
+	for rec, h := range bk.owner {
+		if l := slices.Index(bk.id[rec][:], stateID(r)); h == o.h && l >= 0 {
+			return d.local.load(o.b*bucketSlots+rec*recLimits+l, quotaKind(r)).left
 		}
 	}
 	return -1
@@ -190,7 +190,7 @@ func TestLocalTableIsBounded(t *testing.T) {
 	d := localDecider(t, Options{LocalEntries: 1024, UnseenAllowance: 10})
 	r := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "h", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})
 	rules := []policy.Rule{r}
-	slots := len(d.local.slots)
+	slots := len(d.local.buckets) * bucketSlots
 	hot := userOwner(d, "hot")
 	check(d, hot, rules, 4) // 6 of its 10 left
 	first := userOwner(d, "0")
@@ -201,8 +201,8 @@ func TestLocalTableIsBounded(t *testing.T) {
 			check(d, hot, rules, 0)
 		}
 	}
-	if len(d.local.slots) != slots || slots != 1024*slotsPerOwner {
-		t.Fatalf("table has %d slots, had %d; want %d throughout", len(d.local.slots), slots, 1024*slotsPerOwner)
+	if n := len(d.local.buckets) * bucketSlots; n != slots || slots != 1024*recLimits {
+		t.Fatalf("table has %d slots, had %d; want %d throughout", n, slots, 1024*recLimits)
 	}
 	if n := d.local.owners(); n > slots {
 		t.Fatalf("table holds %d owners, want at most %d", n, slots)
@@ -285,9 +285,9 @@ func TestLocalTableExactAndForgetting(t *testing.T) {
 	}
 	giveBackNowhere := func() {
 		t.Helper()
-		before := slices.Clone(small.local.slots)
+		before := slices.Clone(small.local.buckets)
 		small.giveBack(spends[0])
-		if !slices.Equal(small.local.slots, before) {
+		if !slices.Equal(small.local.buckets, before) {
 			t.Fatal("a spending of a forgotten state was given back to a state kept")
 		}
 	}
@@ -438,8 +438,8 @@ func TestLocalOwedOutlivesBucketRefill(t *testing.T) {
 	})
 }
 
-// One bucket of 16 slots (LocalEntries 1): u's owed slot is evicted by 16
-// other subjects seen from Redis; the next Redis answer for u recreates it
+// One bucket of 16 records (LocalEntries 1): u's owed record is evicted by
+// 16 other subjects seen from Redis; the next Redis answer for u recreates it
 // with nothing owed although Redis holds none of u's 600. This pins what
 // README and design state (a forgotten state forgets its debt), so that a
 // change of it is a decision.
@@ -489,10 +489,45 @@ func TestLocalOwedExpiresSpendBySpend(t *testing.T) {
 	})
 }
 
-// The table's figures (table.go's cache lines, options.go's and README's
-// bytes a limit) rest on these sizes.
-func TestLocalSlotSize(t *testing.T) {
-	if s, r := unsafe.Sizeof(slot{}), unsafe.Sizeof(ruleState{}); s != 48 || r != 40 {
-		t.Errorf("slot %d bytes, ruleState %d; the docs say 48 and 40", s, r)
+// The table's figures (table.go's, options.go's and README's bytes a
+// limit) rest on these sizes.
+func TestLocalTableSize(t *testing.T) {
+	if b, p := unsafe.Sizeof(bucket{}), unsafe.Sizeof(packedState{}); b != 1584 || p != 24 {
+		t.Errorf("bucket %d bytes, packedState %d; the docs say 1584 and 24", b, p)
 	}
+}
+
+// A quota's reset is kept in whole seconds, rounded up: Redis's window
+// ending 10m0.3s on, the local one ends 10m1s on, never before Redis's (it
+// would clear what is owed while Redis still counts it). A share's refill
+// keeps its nanoseconds.
+func TestLocalResetRoundsUp(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{Instances: 1})
+		quota := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "f", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})}
+		o := userOwner(d, "u")
+		time.Sleep(time.Millisecond) // now is not a whole second either
+		d.remember("acme", "u", []limits.State{{Rule: &quota[0], Limit: 100, Remaining: 10, Reset: 10*time.Minute + 300*time.Millisecond}}, d.mono())
+		if _, retry, _, out := check(d, o, quota, 20); retry != 10*time.Minute+time.Second-time.Millisecond || out[0].Reset != retry {
+			t.Fatalf("cost 20 of 10 left: retry %v, reset %v; want 10m0.999s (Redis's 10m0.3s rounded up to a second)", retry, out[0].Reset)
+		}
+		time.Sleep(10*time.Minute + 300*time.Millisecond)
+		if di, _, _, _ := check(d, o, quota, 20); di != 0 {
+			t.Fatal("allowed at Redis's reset, a fraction of a second before the local one")
+		}
+		time.Sleep(700 * time.Millisecond)
+		if di, _, _, out := check(d, o, quota, 20); di >= 0 || out[0].Remaining != 80 {
+			t.Fatalf("at the local reset: denied %d, %+v; want allowed, 80 left", di, out[0])
+		}
+
+		share := []policy.Rule{rule(policy.ScopeGlobal, policy.Requests, policy.Limit{Name: "s", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Second)})}
+		check(d, o, share, 1)
+		time.Sleep(500 * time.Microsecond) // half a unit
+		if l := left(d, o, &share[0]); l != 999 {
+			t.Fatalf("share left %v, want 999", l)
+		}
+		if _, _, _, out := check(d, o, share, 1); out[0].Remaining != 998 || out[0].Reset != 2*time.Millisecond-500*time.Microsecond {
+			t.Fatalf("share after 0.5ms: %+v; want 998 left (998.5), full again in 1.5ms", out[0])
+		}
+	})
 }

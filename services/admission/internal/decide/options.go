@@ -71,10 +71,11 @@ type Options struct {
 
 	// LocalEntries sizes the local state (last remaining seen, local
 	// shares) for this many subjects, tenants, IPs and endpoints with three
-	// limits each: a table of 52 bytes per limit, allocated once and off
-	// the Go heap, whose least recently used limits are forgotten first
-	// (see localTable; about 88 % of the owners are held when as many as it
-	// is sized for are active, BenchmarkRemember). Zero means 100000.
+	// limits each: a table of 99 bytes per owner (33 a limit), allocated
+	// once and off the Go heap, whose least recently used owners are
+	// forgotten first (see localTable; about 90 % of the owners are held
+	// when as many as it is sized for are active, BenchmarkRemember). Zero
+	// means 100000.
 	LocalEntries int
 }
 

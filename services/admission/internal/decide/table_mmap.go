@@ -9,26 +9,24 @@ import (
 	"unsafe"
 )
 
-// alloc maps t's n slots and their generations in anonymous memory outside
-// the Go heap: the collector neither scans them (they hold no pointer) nor
-// counts them in its heap goal, which would let the heap grow by their size
-// again before collecting (GOGC=100), and the kernel makes a page resident
-// only once it is used. The mapping is released once t is unreachable, not
-// on Close: Admit keeps deciding locally after Close. A refused mapping is
-// logged, and the table then lives on the heap.
+// alloc maps t's n buckets in anonymous memory outside the Go heap: the
+// collector neither scans them (they hold no pointer) nor counts them in its
+// heap goal, which would let the heap grow by their size again before
+// collecting (GOGC=100), and the kernel makes a page resident only once it
+// is used. The mapping is released once t is unreachable, not on Close:
+// Admit keeps deciding locally after Close. A refused mapping is logged, and
+// the table then lives on the heap.
 //
 // Race builds use table_heap.go: the race detector does not watch mapped
 // memory, and the tests must see the table's races.
 func (t *localTable) alloc(n int, log *slog.Logger) {
-	size := n * int(unsafe.Sizeof(slot{})+unsafe.Sizeof(uint32(0)))
+	size := n * int(unsafe.Sizeof(bucket{}))
 	mem, err := syscall.Mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
 	if err != nil {
 		log.Warn("local state kept on the heap: mmap refused", "bytes", size, "err", err)
 		t.onHeap(n)
 		return
 	}
-	p := unsafe.Pointer(unsafe.SliceData(mem))
-	t.slots = unsafe.Slice((*slot)(p), n)
-	t.gens = unsafe.Slice((*uint32)(unsafe.Add(p, n*int(unsafe.Sizeof(slot{})))), n)
+	t.buckets = unsafe.Slice((*bucket)(unsafe.Pointer(unsafe.SliceData(mem))), n)
 	runtime.AddCleanup(t, func(mem []byte) { _ = syscall.Munmap(mem) }, mem)
 }

@@ -15,14 +15,14 @@ import (
 // Decider a test creates maps megabytes).
 func TestLocalTableUnmapped(t *testing.T) {
 	tb := newLocalTable(1000, slog.New(slog.DiscardHandler))
-	addr := uintptr(unsafe.Pointer(unsafe.SliceData(tb.slots)))
-	size := uintptr(len(tb.slots))*unsafe.Sizeof(slot{}) + uintptr(len(tb.gens))*4
+	addr := uintptr(unsafe.Pointer(unsafe.SliceData(tb.buckets)))
+	size := uintptr(len(tb.buckets)) * unsafe.Sizeof(bucket{})
 	mapped := func() bool { // msync fails with ENOMEM on memory not mapped
 		_, _, errno := syscall.Syscall(syscall.SYS_MSYNC, addr, size, syscall.MS_ASYNC)
 		return errno != syscall.ENOMEM
 	}
 	if !mapped() {
-		t.Fatal("a new table's slots are not mapped memory")
+		t.Fatal("a new table's buckets are not mapped memory")
 	}
 	tb = nil
 	for i := 0; mapped(); i++ {
