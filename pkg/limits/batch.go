@@ -86,9 +86,15 @@ func (l *Limiter) runReserves(ctx context.Context, groups []group[*wire.ReserveB
 // limits Rules of Scope's ID, as ReserveShared takes them.
 type SharedRequest struct {
 	Scope policy.Scope
-	ID    string
-	Cost  int64
-	Rules []policy.Rule
+	// Tenant, when set, keeps the counters in that tenant's hash slot,
+	// beside its other keys and under its epoch key, instead of the slot
+	// of ID's own tag: a group of one tenant's counters is then one script
+	// call on a Redis Cluster, and reads one epoch key. ID names the
+	// counter all the same (one ID is one counter only with one Tenant).
+	Tenant string
+	ID     string
+	Cost   int64
+	Rules  []policy.Rule
 }
 
 // group is one batch call: its batch, the hash slot its keys share (0

@@ -54,7 +54,7 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 		for i := range reqs {
 			r := &reqs[i]
 			for j := range r.Rules {
-				c := wire.Counter{Scope: r.Scope, ID: r.ID, Cost: r.Cost, Rule: &r.Rules[j]}
+				c := wire.Counter{Scope: r.Scope, Tenant: r.Tenant, ID: r.ID, Cost: r.Cost, Rule: &r.Rules[j]}
 				if r.Rules[j].Unit != policy.Tokens {
 					c.Cost = 1
 				}
@@ -247,7 +247,8 @@ func seq(n int) []int {
 }
 
 // AdjustCount adds amount (negative: gives back) to the CountBatch counters
-// of rules (fixed windows) of scope's id in their current windows, as
+// of rules (fixed windows) of scope's id, kept in tenant's slot when tenant
+// is set (SharedRequest.Tenant), in their current windows, as
 // ChargeShared does to the shared blob: never refused by a limit, held to
 // 0 to MaxCost; a requests rule moves by 1 in amount's direction. It is a
 // correction of what an earlier CountBatch charged: dated at (that
@@ -255,7 +256,7 @@ func seq(n int) []int {
 // ended since, which no longer holds that charge; a zero at is Redis's
 // now. It returns the counters after it, and ErrNoEpoch when Redis lost
 // its data.
-func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, id string, rules []policy.Rule, amount int64, at time.Time) ([]State, error) {
+func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, tenant, id string, rules []policy.Rule, amount int64, at time.Time) ([]State, error) {
 	if amount < -MaxCost || amount > MaxCost {
 		return nil, fmt.Errorf("%w: adjust %s %s: amount %d: want -%d to %d", ErrInvalid, scope, id, amount, int64(MaxCost), int64(MaxCost))
 	}
@@ -264,7 +265,7 @@ func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, id string
 	}
 	cs := make([]wire.Counter, len(rules))
 	for i := range rules {
-		c := wire.Counter{Scope: scope, ID: id, Cost: max(amount, -amount), Rule: &rules[i]}
+		c := wire.Counter{Scope: scope, Tenant: tenant, ID: id, Cost: max(amount, -amount), Rule: &rules[i]}
 		if rules[i].Unit != policy.Tokens {
 			c.Cost = 1
 		}

@@ -450,6 +450,99 @@ func TestCountBatchGiveBackOutlivesTheCaller(t *testing.T) {
 	}
 }
 
+// TestCountBatchTenantCountersShareItsSlot keeps a group's counters of
+// several ids with one Tenant in that tenant's slot, on a cluster: the
+// group is one script call (the same ids without the tenant, each of its
+// own slot, are two, and other counters), its keys lie in the tenant's
+// slot beside its blobs, and AdjustCount with the tenant moves them.
+func TestCountBatchTenantCountersShareItsSlot(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	if err := repair.WriteEpoch(ctx, cc, "count"); err != nil {
+		t.Fatal(err)
+	}
+	if time.Until(time.Now().Truncate(24*time.Hour).Add(24*time.Hour)) < time.Minute {
+		t.Skip("within a minute of the day's window end")
+	}
+	hook := &redistest.ScriptHook{}
+	cc.AddHook(hook)
+	var scripts atomic.Int32
+	count := func(cmds []redis.Cmder, next func() error) error {
+		for _, c := range cmds {
+			if c.Name() == "fcall" || c.Name() == "evalsha" || c.Name() == "eval" {
+				scripts.Add(1)
+			}
+		}
+		return next()
+	}
+	hook.F.Store(&count)
+	l := limits.New(cc, limits.Options{})
+	day := policy.Rule{Limit: policy.Limit{Name: "day", Kind: policy.Fixed, Unit: policy.Tokens, Limit: 10, Window: policy.Duration(24 * time.Hour)}, Scope: policy.ScopeGlobal}
+	ipDay := day
+	ipDay.Scope = policy.ScopeIP
+	name := redistest.UniqueName(t)
+	tenant, a, b := name+"-t", name+"a", name+"b"
+	for n := 0; wire.CounterSlot(policy.ScopeGlobal, a) == wire.CounterSlot(policy.ScopeGlobal, b); n++ {
+		b = name + "b" + strconv.Itoa(n)
+	}
+	group := func(tenant string, cost int64) [][]limits.SharedRequest {
+		return [][]limits.SharedRequest{{
+			{Scope: policy.ScopeGlobal, Tenant: tenant, ID: a, Cost: cost, Rules: []policy.Rule{day}},
+			{Scope: policy.ScopeIP, Tenant: tenant, ID: b, Cost: cost, Rules: []policy.Rule{ipDay}},
+		}}
+	}
+	// Checks of no cost load the script on every node the groups reach
+	// before the hook counts calls.
+	for _, tenant := range []string{tenant, ""} {
+		if out := l.CountBatch(ctx, group(tenant, 0)); out[0].Err != nil {
+			t.Fatal(out[0].Err)
+		}
+	}
+	for _, tc := range []struct {
+		tenant  string
+		scripts int32
+		used    int64
+	}{{tenant, 1, 4}, {"", 2, 6}} {
+		scripts.Store(0)
+		out := l.CountBatch(ctx, group(tc.tenant, tc.used))
+		if out[0].Err != nil || !out[0].Decision.Allowed {
+			t.Fatalf("CountBatch(tenant %q) = allowed %v, error %v; want allowed", tc.tenant, out[0].Decision.Allowed, out[0].Err)
+		}
+		if got := scripts.Load(); got != tc.scripts {
+			t.Errorf("CountBatch(tenant %q) made %d script calls, want %d", tc.tenant, got, tc.scripts)
+		}
+		for i, s := range out[0].Decision.States {
+			if s.Used != tc.used {
+				t.Errorf("CountBatch(tenant %q) counter %d used = %d, want %d (counters of their own)", tc.tenant, i, s.Used, tc.used)
+			}
+		}
+	}
+	tenantSlot := cc.ClusterKeySlot(ctx, "q{"+tenant+"}t").Val()
+	var keys []string
+	var mu sync.Mutex
+	if err := cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		ks, err := c.Keys(ctx, "q{"+tenant+"}*").Result()
+		mu.Lock()
+		keys = append(keys, ks...)
+		mu.Unlock()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if len(keys) != 2 {
+		t.Fatalf("keys of the tenant = %v, want its two counters", keys)
+	}
+	for _, k := range keys {
+		if slot := cc.ClusterKeySlot(ctx, k).Val(); slot != tenantSlot {
+			t.Errorf("counter %s is in slot %d, want the tenant's %d", k, slot, tenantSlot)
+		}
+	}
+	st, err := l.AdjustCount(ctx, policy.ScopeGlobal, tenant, a, []policy.Rule{day}, -3, time.Time{})
+	if err != nil || len(st) != 1 || st[0].Used != 1 {
+		t.Fatalf("AdjustCount(tenant) = %+v, %v; want used 1", st, err)
+	}
+}
+
 // TestAdjustCount moves CountBatch counters: a token rule by the amount, a
 // requests rule by 1, held at 0, never refused by a limit; a give back
 // dated in a window that has ended since leaves the new window alone, one
@@ -475,7 +568,7 @@ func TestAdjustCount(t *testing.T) {
 	}
 	adjust := func(l *limits.Limiter, amount int64, at time.Time, want ...int64) {
 		t.Helper()
-		st, err := l.AdjustCount(ctx, policy.ScopeGlobal, id, rules, amount, at)
+		st, err := l.AdjustCount(ctx, policy.ScopeGlobal, "", id, rules, amount, at)
 		if err != nil {
 			t.Fatalf("AdjustCount(%d, %v) error = %v", amount, at, err)
 		}
@@ -506,7 +599,7 @@ func TestAdjustCount(t *testing.T) {
 		{1, []policy.Rule{{Limit: policy.Limit{Name: "r", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1, Window: policy.Duration(time.Hour)}}}, time.Time{}},
 		{1, rules, time.UnixMilli(-5)},
 	} {
-		if _, err := l.AdjustCount(ctx, policy.ScopeGlobal, id, bad.rules, bad.amount, bad.at); !errors.Is(err, limits.ErrInvalid) {
+		if _, err := l.AdjustCount(ctx, policy.ScopeGlobal, "", id, bad.rules, bad.amount, bad.at); !errors.Is(err, limits.ErrInvalid) {
 			t.Errorf("AdjustCount(%d, %d rules, %v) error = %v, want ErrInvalid", bad.amount, len(bad.rules), bad.at, err)
 		}
 	}

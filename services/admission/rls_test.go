@@ -14,6 +14,7 @@ import (
 
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
 	rlspb "github.com/envoyproxy/go-control-plane/envoy/service/ratelimit/v3"
+	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -26,6 +27,7 @@ import (
 	"quotaflow/internal/natstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/events/stream"
+	"quotaflow/pkg/limits/repair"
 )
 
 // rlsConfig is the envoy configuration of the gRPC tests; %s is the domain.
@@ -441,6 +443,68 @@ func TestShouldRateLimitKeyPerValue(t *testing.T) {
 	}
 	if keys != n || largest > 256 {
 		t.Errorf("%d addresses left %d counter keys, the largest %d bytes; want %d keys of at most 256 bytes", n, keys, largest, n)
+	}
+}
+
+// On a Redis Cluster, the counters of a request's descriptors that name a
+// tenant lie in the tenant's slot (one script call, one epoch key, beside
+// the tenant's other keys), whatever else they name; descriptors without a
+// tenant keep a slot of their own each, so a domain spreads.
+func TestShouldRateLimitKeySlots(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	if err := repair.WriteEpoch(ctx, cc, "rlsslots"); err != nil {
+		t.Fatal(err)
+	}
+	r := startRLS(t, "rlsslots", func(c *Config) { c.RedisURL = "redis://" + cc.Options().Addrs[0] + "?cluster=true" })
+	// keys returns the counter keys the cluster holds whose tag starts with
+	// tag, and their slots.
+	keys := func(tag string) map[string]int64 {
+		t.Helper()
+		var mu sync.Mutex
+		out := map[string]int64{}
+		if err := cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+			ks, err := c.Keys(ctx, "q{"+tag+"*").Result()
+			for _, k := range ks {
+				slot := c.ClusterKeySlot(ctx, k).Val()
+				mu.Lock()
+				out[k] = slot
+				mu.Unlock()
+			}
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+
+	tenant := "slots-" + r.domain
+	if got := codesOf(r.call(t, 0, desc("tenant", tenant, "user", "ann"), desc("tenant", tenant, "path", "/burst"))); got != "OK OK/2 OK/24" {
+		t.Fatalf("tenant's call = %s, want OK OK/2 OK/24", got)
+	}
+	tenantSlot := cc.ClusterKeySlot(ctx, "q{"+tenant+"}t").Val()
+	tagged := keys(tenant + "}")
+	if len(tagged) != 2 {
+		t.Fatalf("the tenant's call left keys %v, want its two counters under the tenant's tag", tagged)
+	}
+	for k, slot := range tagged {
+		if slot != int64(tenantSlot) {
+			t.Errorf("counter %s is in slot %d, want the tenant's %d", k, slot, tenantSlot)
+		}
+	}
+
+	before := keys("%g")
+	if got := codesOf(r.call(t, 0, desc("path", "/files/"+r.domain), desc("remote_address", "10.9.9.9-"+r.domain))); got != "OK OK/1 OK/1" {
+		t.Fatalf("untagged call = %s, want OK OK/1 OK/1", got)
+	}
+	tags := map[string]bool{}
+	for k := range keys("%g") {
+		if _, ok := before[k]; !ok {
+			tags[k[:strings.IndexByte(k, '}')]] = true
+		}
+	}
+	if len(tags) != 2 {
+		t.Errorf("the untagged call's counters have tags %v, want two of their own", tags)
 	}
 }
 

@@ -28,8 +28,10 @@ const MaxCountKeys = 4000
 // policy.ScopeTenant or policy.ScopeUser, of Tenant's user ID (a
 // tenant-wide counter is the tenant's, whatever the user).
 type Counter struct {
-	Scope  policy.Scope
-	Tenant string // a subject counter's tenant; empty for a shared one
+	Scope policy.Scope
+	// Tenant is a subject counter's tenant, or the tenant whose hash slot
+	// a shared counter is kept in (empty: the slot of its own id's tag).
+	Tenant string
 	ID     string
 	Cost   int64
 	Rule   *policy.Rule
@@ -40,10 +42,7 @@ func CheckCounter(c *Counter) error {
 	var ids error
 	switch c.Scope {
 	case policy.ScopeGlobal, policy.ScopeIP:
-		ids = checkID(string(c.Scope), c.ID, true)
-		if c.Tenant != "" {
-			ids = fmt.Errorf("%w: counter scope %q: a shared counter has no tenant", ErrInvalid, c.Scope)
-		}
+		ids = errors.Join(checkID(string(c.Scope), c.ID, true), checkID("tenant", c.Tenant, false))
 	case policy.ScopeTenant, policy.ScopeUser:
 		ids = checkSubject(c.Tenant, c.ID)
 		if c.Rule.Scope != c.Scope {
@@ -63,7 +62,8 @@ func CheckCounter(c *Counter) error {
 }
 
 // tag is the hash tag of c's key: its tenant's (so a subject's counters
-// share the slot of its blobs and records) or its shared scope's.
+// share the slot of its blobs and records, and a shared counter kept with
+// a tenant that slot and its epoch key) or its shared scope's.
 func (c *Counter) tag() string {
 	if c.Tenant != "" {
 		return esc(c.Tenant)
@@ -80,6 +80,13 @@ func (c *Counter) Key() string {
 		return "q{" + c.tag() + "}C:" + id
 	case policy.ScopeUser:
 		return "q{" + c.tag() + "}c:" + esc(c.ID) + ":" + id
+	}
+	if c.Tenant != "" {
+		kind := "}g:"
+		if c.Scope == policy.ScopeIP {
+			kind = "}i:"
+		}
+		return "q{" + c.tag() + kind + esc(c.ID) + ":" + id
 	}
 	return "q{" + c.tag() + "}c" + id
 }

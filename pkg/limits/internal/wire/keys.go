@@ -25,6 +25,9 @@ import (
 //	q{T}c:U:N     the counter of user U's fixed window of requests N, when
 //	              every limit of U's plan is one (limits.Reserve); q{T}C:N
 //	              of the tenant's tenant-wide one; laid out as the above
+//	q{T}g:E:N     a CountBatch counter of endpoint E's fixed window N kept in
+//	              tenant T's slot (limits.SharedRequest.Tenant; q{T}i:A:N
+//	              of client IP A's); laid out as the above
 //	qe{S}         epoch key of the cluster slot that tag S hashes to
 //
 // A blob holds the state of several limits, one record each, named by a

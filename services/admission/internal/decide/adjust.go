@@ -26,6 +26,9 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 	if err := checkID("id", c.ID, true); err != nil {
 		return nil, err
 	}
+	if err := checkID("tenant", c.Tenant, false); err != nil {
+		return nil, err
+	}
 	if amount < -limits.MaxCost || amount > limits.MaxCost {
 		return nil, fmt.Errorf("%w: amount %d: want -%d to %d", limits.ErrInvalid, amount, int64(limits.MaxCost), int64(limits.MaxCost))
 	}
@@ -38,7 +41,7 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 	if len(rules) == 0 || amount == 0 {
 		return nil, nil
 	}
-	st, err := d.chargeShared(ctx, countable(&c), c.Scope, c.ID, rules, amount, time.Time{})
+	st, err := d.chargeShared(ctx, countable(&c), c.Scope, c.Tenant, c.ID, rules, amount, time.Time{})
 	if err != nil {
 		return nil, fmt.Errorf("adjust %s %s: %w", c.Scope, c.ID, err)
 	}
@@ -50,15 +53,15 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 }
 
 // chargeShared is limits.Limiter.ChargeShared (AdjustCount for counted:
-// Check's counters), dated at (zero: now), through the breaker, not
+// Check's counters, kept in tenant's slot when set), dated at (zero: now), through the breaker, not
 // cancelled with ctx: a give-back or correction once decided is made even
 // when the caller has gone.
-func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.Scope, id string, rules []policy.Rule, amount int64, at time.Time) ([]limits.State, error) {
+func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.Scope, tenant, id string, rules []policy.Rule, amount int64, at time.Time) ([]limits.State, error) {
 	var st []limits.State
 	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
 		var err error
 		if counted {
-			st, err = d.lim.AdjustCount(ctx, scope, id, rules, amount, at)
+			st, err = d.lim.AdjustCount(ctx, scope, tenant, id, rules, amount, at)
 		} else {
 			st, err = d.lim.ChargeShared(ctx, scope, id, rules, amount, at)
 		}

@@ -71,6 +71,7 @@ type leaseTake struct {
 // slot at+idx[j].
 type sharedRes struct {
 	scope   policy.Scope
+	tenant  string // the counters' slot (Charge.Tenant)
 	id      string
 	cost    int64
 	rules   []policy.Rule
@@ -422,7 +423,7 @@ func (d *Decider) compensate(ctx context.Context, s sharedRes, cost int64) bool 
 	if len(rules) == 0 {
 		return true
 	}
-	if _, err := d.chargeShared(ctx, s.counted, s.scope, s.id, rules, amount, s.now); err != nil {
+	if _, err := d.chargeShared(ctx, s.counted, s.scope, s.tenant, s.id, rules, amount, s.now); err != nil {
 		d.log.Debug("compensate shared reservation", "scope", string(s.scope), "err", err)
 		return false
 	}

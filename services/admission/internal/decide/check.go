@@ -15,9 +15,13 @@ import (
 // limits.Limiter.ReserveShared takes them.
 type Charge struct {
 	Scope policy.Scope
-	ID    string
-	Cost  int64
-	Rules []policy.Rule
+	// Tenant, when set, keeps a countable charge's counters in the
+	// tenant's Redis hash slot (limits.SharedRequest.Tenant); the shared
+	// blobs of the other charges keep their own slot.
+	Tenant string
+	ID     string
+	Cost   int64
+	Rules  []policy.Rule
 }
 
 // Check decides charges together, all or nothing, as final charges: nothing
@@ -47,6 +51,9 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 			return Result{}, fmt.Errorf("%w: charge %d: scope %q: want global or ip", limits.ErrInvalid, i, c.Scope)
 		}
 		if err := checkID("id", c.ID, true); err != nil {
+			return Result{}, err
+		}
+		if err := checkID("tenant", c.Tenant, false); err != nil {
 			return Result{}, err
 		}
 		if c.Cost < 0 || c.Cost > limits.MaxCost {
@@ -145,7 +152,7 @@ func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Durati
 	group := make([]limits.SharedRequest, len(charges))
 	for i := range charges {
 		c := &charges[i]
-		group[i] = limits.SharedRequest{Scope: c.Scope, ID: c.ID, Cost: c.Cost, Rules: c.Rules}
+		group[i] = limits.SharedRequest{Scope: c.Scope, Tenant: c.Tenant, ID: c.ID, Cost: c.Cost, Rules: c.Rules}
 	}
 	dec, err := a.d.count(a.ctx, group)
 	switch {
@@ -172,7 +179,7 @@ func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Durati
 		for j := range idx {
 			idx[j] = j
 		}
-		a.shared = append(a.shared, sharedRes{scope: c.Scope, id: c.ID, cost: c.Cost, rules: c.Rules, at: at, idx: idx, counted: true, now: dec.Now})
+		a.shared = append(a.shared, sharedRes{scope: c.Scope, tenant: c.Tenant, id: c.ID, cost: c.Cost, rules: c.Rules, at: at, idx: idx, counted: true, now: dec.Now})
 		at += len(c.Rules)
 	}
 	return true, nil

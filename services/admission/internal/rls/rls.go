@@ -12,9 +12,12 @@
 // envoy's cache key is, under the descriptor's subject: the value of its
 // first entry whose key is one of Options.TenantKeys and of its first entry
 // whose key is one of Options.UserKeys, or, without a tenant, the domain.
-// Each counter is its own Redis key and hash tag (subject and a hash of the
-// name), so a Redis value stays one counter's size however many values a
-// descriptor takes, and a domain spreads over a cluster.
+// Each counter is its own Redis key (subject and a hash of the name), so a
+// Redis value stays one counter's size however many values a descriptor
+// takes. A tenant's counters are kept in the tenant's hash slot, so a
+// request's are one script call and one epoch key, as an admit's; those
+// without a tenant each have a tag of their own, so a domain spreads over
+// a cluster.
 //
 // A request is one all-or-nothing decision (decide.Decider.Check) inside
 // Redis, in a round trip and script call it shares with concurrent
@@ -284,7 +287,7 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 			rule.Endpoint += "\x00zero"
 		}
 		it.charge = len(charges)
-		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, ID: id, Cost: cost, Rules: rules[i : i+1 : i+1]})
+		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, Tenant: tenant, ID: id, Cost: cost, Rules: rules[i : i+1 : i+1]})
 	}
 	return items, charges, subj, nil
 }
