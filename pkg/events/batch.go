@@ -109,7 +109,7 @@ func decodeBatch(b []byte, d Decoder, noID bool) (evs []Event, errs []error, raw
 	if !utf8.Valid(b) {
 		return nil, nil, nil, fmt.Errorf("%w: batch: not valid UTF-8", ErrInvalid)
 	}
-	if !json.Valid(b) {
+	if !validJSON(b) {
 		err := json.Unmarshal(b, new(json.RawMessage))
 		return nil, nil, nil, fmt.Errorf("%w: batch: not valid JSON: %v", ErrInvalid, err)
 	}

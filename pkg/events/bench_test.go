@@ -1,6 +1,9 @@
 package events
 
-import "testing"
+import (
+	"encoding/json"
+	"testing"
+)
 
 // BenchmarkDecode decodes a reserved and an actual event, whole and as
 // the accounter does (Decoder.NoSnapshots).
@@ -119,4 +122,28 @@ func BenchmarkBatch(b *testing.B) {
 		}
 		per(b)
 	})
+}
+
+// BenchmarkValidJSON checks a batch of 100 reserved events with validJSON
+// and with json.Valid, which it replaces.
+func BenchmarkValidJSON(b *testing.B) {
+	evs := make([]Event, 100)
+	for i := range evs {
+		evs[i] = examples()[0]
+		evs[i].ID = HashID("bench", string(rune('a'+i%26)), string(rune('a'+i/26)))
+	}
+	batch, err := EncodeBatch(evs)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for name, valid := range map[string]func([]byte) bool{"validJSON": validJSON, "json.Valid": json.Valid} {
+		b.Run(name, func(b *testing.B) {
+			b.SetBytes(int64(len(batch)))
+			for b.Loop() {
+				if !valid(batch) {
+					b.Fatal("invalid")
+				}
+			}
+		})
+	}
 }

@@ -60,7 +60,7 @@ func decode(b []byte, d Decoder, noID, valid bool) (Event, error) {
 	if !valid && !utf8.Valid(b) {
 		return Event{}, fmt.Errorf("%w: event: not valid UTF-8", ErrInvalid)
 	}
-	if !valid && !json.Valid(b) {
+	if !valid && !validJSON(b) {
 		// Only now pay for the parser's description of the mistake.
 		err := json.Unmarshal(b, new(json.RawMessage))
 		return Event{}, fmt.Errorf("%w: event: not valid JSON: %v", ErrInvalid, err)

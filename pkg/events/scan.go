@@ -8,7 +8,7 @@ import (
 	"unicode/utf8"
 )
 
-// Decode checks the whole input with json.Valid first; the scanner below
+// Decode checks the whole input with validJSON first; the scanner below
 // then only walks JSON known to be valid, which keeps it short and lets
 // Decode run without reflection or a tokenizer (it sits on every
 // consumer's hot path).

@@ -1,0 +1,60 @@
+package events
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+// validCases are inputs on both sides of every rule of the JSON grammar.
+var validCases = []string{
+	``, ` `, `{}`, `[]`, ` { } `, `[ ]`, `{"a":1}`, `{"a" : [1, 2.5, -0, 1e3, 1E+3, 1e-3, true, false, null, "x"]}`,
+	`[[[]]]`, `[{}]`, `{"a":{"b":{}}}`, `"x"`, `0`, `-1`, `1.25`, `true`, `null`,
+	`{`, `}`, `[`, `]`, `{"a"}`, `{"a":}`, `{"a":1,}`, `[1,]`, `[,1]`, `{,"a":1}`, `{"a":1 "b":2}`, `[1 2]`,
+	`{1:2}`, `{"a":1]`, `[1}`, `[]]`, `{}}`, `[] []`, `1 2`, `{} x`,
+	`01`, `-`, `-01`, `1.`, `.5`, `1e`, `1e+`, `+1`, `1.5e3.2`, `-0.0e-0`, `1x`,
+	`tru`, `truex`, `nul`, `nulll`, `fals`, `True`,
+	`"\"\\\/\b\f\n\r\t\u00e9\uD83D\uDE00"`, `"\x"`, `"\u12"`, `"\u12g4"`, `"\`, `"abc`, "\"a\x01\"", "\"a\x7f\"",
+	"\"\xff\xfe\"", "[\"\xc3\"]", "\t\n\r[1]\r\n\t", "\v[1]", "[1]\x00",
+	strings.Repeat("[", 10000) + strings.Repeat("]", 10000),
+	strings.Repeat("[", 10001) + strings.Repeat("]", 10001),
+	strings.Repeat(`{"a":`, 10000) + "1" + strings.Repeat("}", 10000),
+	strings.Repeat(`{"a":`, 10001) + "1" + strings.Repeat("}", 10001),
+}
+
+func TestValidJSON(t *testing.T) {
+	for _, c := range validCases {
+		if got, want := validJSON([]byte(c)), json.Valid([]byte(c)); got != want {
+			t.Errorf("validJSON(%.40q) = %v, want %v (json.Valid)", c, got, want)
+		}
+	}
+	for _, ev := range examples() {
+		b, err := Encode(ev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !validJSON(b) {
+			t.Errorf("validJSON(%s) = false", b)
+		}
+	}
+}
+
+// FuzzValidJSON holds validJSON to json.Valid's answer. Seeds:
+// testdata/fuzz/FuzzValidJSON, validCases and the examples.
+func FuzzValidJSON(f *testing.F) {
+	for _, c := range validCases {
+		f.Add([]byte(c))
+	}
+	for _, ev := range examples() {
+		b, err := Encode(ev)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if got, want := validJSON(b), json.Valid(b); got != want {
+			t.Fatalf("validJSON(%q) = %v, want %v (json.Valid)", b, got, want)
+		}
+	})
+}
