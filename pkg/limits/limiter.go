@@ -80,6 +80,12 @@ func New(c Client, o Options) *Limiter {
 	return &Limiter{run: script.NewRunner(c), p: wire.NewParams(o.ReservationTTL, o.NoEpochGuard, o.ClockOffset)}
 }
 
+// SlotBound reports whether the Redis behind l keeps each tenant in one
+// hash slot of several that lose their data apart (a Redis Cluster's
+// masters, a Ring's shards), so that one tenant's ErrNoEpoch says nothing of
+// the others; on one node (or Sentinel's) every tenant loses it together.
+func (l *Limiter) SlotBound() bool { return l.run.SlotBound() }
+
 // ReservationTTL is how long a reservation record lives unless it is
 // settled (Options.ReservationTTL).
 func (l *Limiter) ReservationTTL() time.Duration { return l.p.ReservationTTL() }

@@ -147,7 +147,7 @@ func (a *admission) retryOfAdmitted() bool {
 		return false
 	}
 	var admitted bool
-	err := a.d.call(a.ctx, opReserve, func(ctx context.Context) error {
+	err := a.d.callFor(a.ctx, a.in.Tenant, opReserve, func(ctx context.Context) error {
 		var err error
 		admitted, err = a.d.lim.Admitted(ctx, a.in.Tenant, a.in.User, a.in.RequestID)
 		return err

@@ -48,6 +48,7 @@ type Decider struct {
 	batch  *batcher[limits.Request]         // the subject layer's Reserve calls
 	counts *batcher[[]limits.SharedRequest] // Check's groups of counters
 	voids  *voider
+	lost   lostSlots // of a Redis Cluster, whose tenants are decided locally
 	epoch  time.Time // base of the monotonic clock (mono)
 
 	pools  sync.Map // poolKey → *pool
@@ -107,6 +108,7 @@ func New(lim *limits.Limiter, policy func() *policy.Policy, opts Options, log *s
 	d.stop = stop
 	d.spawn(func() { d.janitor(ctx) })
 	d.spawn(func() { d.prober(ctx) })
+	d.spawn(func() { service.Every(ctx, o.BreakerCooldown, d.probeSlots) })
 	d.spawn(func() { d.voids.run(ctx) })
 	return d, nil
 }
@@ -169,28 +171,49 @@ func (d *Decider) janitor(ctx context.Context) {
 // returns errBreakerOpen without calling when the breaker is not closed; a
 // limits.ErrInvalid error is the caller's and passes through untouched.
 func (d *Decider) call(ctx context.Context, op string, fn func(context.Context) error) error {
+	return d.callFor(ctx, "", op, fn)
+}
+
+// callFor is call for an operation on tenant's keys: it returns errSlotLost
+// without calling while the tenant's slot is lost, and its slot's missing
+// epoch marks that slot lost (lostSlots) rather than opening the breaker.
+func (d *Decider) callFor(ctx context.Context, tenant, op string, fn func(context.Context) error) error {
+	if d.lost.has(tenant) {
+		return errSlotLost
+	}
 	if !d.br.allow() {
 		return errBreakerOpen
 	}
 	cctx, cancel := context.WithTimeout(ctx, d.opt.RedisTimeout)
 	err := fn(cctx)
 	cancel()
-	o, why := d.outcome(ctx, op, err)
-	d.br.done(false, o, why)
+	d.done(ctx, tenant, op, err)
 	return err
 }
 
-// reserve is call for the subject layer's Reserve, which goes through the
+// done reports the outcome of a request's call on tenant's keys (none:
+// "") to the breaker.
+func (d *Decider) done(ctx context.Context, tenant, op string, err error) {
+	if d.slotLost(tenant, err) {
+		return
+	}
+	o, why := d.outcome(ctx, op, err)
+	d.br.done(false, o, why)
+}
+
+// reserve is callFor for the subject layer's Reserve, which goes through the
 // batcher: it enforces RedisTimeout itself, without a context and timer per
 // call. sent says the call went out to Redis (with an error, it may have
 // run there).
 func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decision, bool, error) {
+	if d.lost.has(req.Tenant) {
+		return limits.Decision{}, false, errSlotLost
+	}
 	if !d.br.allow() {
 		return limits.Decision{}, false, errBreakerOpen
 	}
 	out, sent := d.batch.do(ctx, d.opt.RedisTimeout, req)
-	o, why := d.outcome(ctx, opReserve, out.Err)
-	d.br.done(false, o, why)
+	d.done(ctx, req.Tenant, opReserve, out.Err)
 	return out.Decision, sent, out.Err
 }
 

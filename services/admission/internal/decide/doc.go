@@ -84,6 +84,11 @@
 //     (a spend stays owed between owedFor and twice that; see local.go);
 //   - concurrency limits: not enforced (nothing could release the slot).
 //
+// On a Redis Cluster a tenant's call answered without its slot's epoch
+// marks only that slot lost (lostSlots): its tenants are decided locally,
+// the breaker stays closed for every other tenant, and the prober peeks
+// the lost slots every Options.BreakerCooldown.
+//
 // Past Options.FailOpenAfter of continuous unreachability every request is
 // allowed unchecked (still Local). A missing epoch is not an outage but a
 // rebuild in progress: local limits stay in force until the accounter writes

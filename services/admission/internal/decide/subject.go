@@ -30,7 +30,7 @@ func (d *Decider) Release(ctx context.Context, tenant, user, requestID string) (
 		return limits.Settlement{}, err
 	}
 	var s limits.Settlement
-	err = d.call(ctx, opRelease, func(ctx context.Context) error {
+	err = d.callFor(ctx, tenant, opRelease, func(ctx context.Context) error {
 		var err error
 		s, err = d.lim.Release(ctx, limits.Settle{Tenant: tenant, User: user, RequestID: requestID, Rules: rs.Subject})
 		return err
@@ -50,7 +50,7 @@ func (d *Decider) Usage(ctx context.Context, tenant, user, plan string) ([]Limit
 		return nil, err
 	}
 	var dec limits.Decision
-	err = d.call(ctx, opPeek, func(ctx context.Context) error {
+	err = d.callFor(ctx, tenant, opPeek, func(ctx context.Context) error {
 		var err error
 		dec, err = d.lim.Peek(ctx, limits.Request{Tenant: tenant, User: user, Rules: rs.Subject, Counted: rs.Counted})
 		return err
@@ -86,7 +86,7 @@ func (d *Decider) TopUp(ctx context.Context, tenant, user string, amount int64, 
 		return limits.TopUpResult{}, &invalidError{field: "tenant", msg: fmt.Sprintf("plan %q has no balance limit to top up", rs.Plan), also: ErrNoBalance}
 	}
 	var res limits.TopUpResult
-	err = d.call(ctx, opTopUp, func(ctx context.Context) error {
+	err = d.callFor(ctx, tenant, opTopUp, func(ctx context.Context) error {
 		var err error
 		res, err = d.lim.TopUp(ctx, tenant, user, bal, amount, reference)
 		return err

@@ -1,0 +1,85 @@
+package decide
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"quotaflow/internal/e2e"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/repair"
+)
+
+// TestLostSlotIsDecidedLocallyAlone: on a Redis Cluster one master loses
+// its data (FLUSHALL) while the others keep theirs. A tenant on its slots
+// is decided locally, without opening the breaker; a tenant on another
+// master is still decided by Redis, admit after admit. Once the epoch is
+// written again (the accounter's rebuild) the lost tenant is decided by
+// Redis again, and a retry of the request allowed locally meanwhile is a
+// duplicate there (its void went first), not a second reservation.
+func TestLostSlotIsDecidedLocallyAlone(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	if err := repair.WriteEpoch(ctx, cc, "start"); err != nil {
+		t.Fatal(err)
+	}
+	d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{BreakerCooldown: 20 * time.Millisecond}, limits.Options{})
+	name := newTenant(t)
+	lost, kept := name+"-lost", name+"-kept"
+	master, err := cc.MasterForKey(ctx, repair.TenantEpochKey(lost))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n := 0; ; n++ {
+		m, err := cc.MasterForKey(ctx, repair.TenantEpochKey(kept))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Options().Addr != master.Options().Addr {
+			break
+		}
+		kept = name + "-kept" + string(rune('a'+n))
+	}
+	for _, tenant := range []string{lost, kept} {
+		if r := admit(t, d, in(tenant, "u", "/any", 5)); !r.Allowed || r.Local {
+			t.Fatalf("%s before the loss: allowed %v, local %v; want allowed by Redis", tenant, r.Allowed, r.Local)
+		}
+	}
+
+	if err := master.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	local := in(lost, "u", "/any", 5)
+	if r := admit(t, d, local); !r.Allowed || !r.Local {
+		t.Fatalf("the lost tenant: allowed %v, local %v; want allowed locally", r.Allowed, r.Local)
+	}
+	for i := range 20 {
+		if r := admit(t, d, in(kept, "u", "/any", 5)); !r.Allowed || r.Local {
+			t.Fatalf("the kept tenant, admit %d after another master lost its data: allowed %v, local %v; want allowed by Redis", i, r.Allowed, r.Local)
+		}
+		if r := admit(t, d, in(lost, "u", "/any", 5)); !r.Allowed || !r.Local {
+			t.Fatalf("the lost tenant, admit %d: allowed %v, local %v; want allowed locally", i, r.Allowed, r.Local)
+		}
+	}
+	if deg, why := d.Degraded(); deg {
+		t.Errorf("Degraded = %q with one slot lost; want Redis serving the others", why)
+	}
+	if _, err := d.Usage(ctx, lost, "u", ""); !errors.Is(err, ErrUnavailable) || !errors.Is(err, limits.ErrNoEpoch) {
+		t.Errorf("the lost tenant's Usage error = %v; want ErrUnavailable with ErrNoEpoch", err)
+	}
+	if _, err := d.Usage(ctx, kept, "u", ""); err != nil {
+		t.Errorf("the kept tenant's Usage error = %v", err)
+	}
+
+	if err := repair.WriteEpoch(ctx, cc, "rebuilt"); err != nil {
+		t.Fatal(err)
+	}
+	e2e.Eventually(t, "the lost tenant decided by Redis after the rebuild", func() bool {
+		return !admit(t, d, in(lost, "u", "/any", 5)).Local
+	})
+	if r := admit(t, d, local); !r.Allowed || r.Local || !r.Duplicate {
+		t.Errorf("a retry of the request allowed locally: allowed %v, local %v, duplicate %v; want a duplicate in Redis", r.Allowed, r.Local, r.Duplicate)
+	}
+}
