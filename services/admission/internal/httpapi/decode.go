@@ -50,14 +50,16 @@ type costFunc func(model string, input, output int64) int64
 
 // decodeAdmit parses and validates a POST /v1/admit body. The Input it
 // returns has every rule of docs/design.md §4 checked; RequestID may be empty (the
-// caller generates one).
+// caller generates one). Its strings may share body's memory: the caller
+// must not modify body afterwards (readBody's is the request's own).
 func decodeAdmit(body []byte, cost costFunc) (decide.Input, *fieldError) {
 	b, ok := decodeAdmitFast(body)
 	if !ok {
-		b = admitBody{}
-		if ferr := decodeStrict(body, &b); ferr != nil {
+		var strict admitBody // on the heap (decodeStrict takes any): only here
+		if ferr := decodeStrict(body, &strict); ferr != nil {
 			return decide.Input{}, ferr
 		}
+		b = strict
 	}
 	in := decide.Input{
 		RequestID: b.RequestID, Tenant: b.Tenant, User: b.User, Plan: b.Plan,
@@ -150,7 +152,11 @@ func parseIP(field, v string) (string, *fieldError) {
 	if err != nil || a.Zone() != "" {
 		return "", bad(field, "not an IP address")
 	}
-	return a.Unmap().String(), nil
+	var buf [64]byte // an IPv6 address's longest form is 45 bytes
+	if c := a.Unmap().AppendTo(buf[:0]); string(c) != v {
+		return string(c), nil
+	}
+	return v, nil // already canonical: no copy
 }
 
 // decodeStrict decodes one JSON object into v: unknown fields, trailing

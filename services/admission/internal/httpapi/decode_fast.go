@@ -1,6 +1,9 @@
 package httpapi
 
-import "unicode/utf8"
+import (
+	"unicode/utf8"
+	"unsafe"
+)
 
 // decodeAdmitFast decodes the body every gateway sends — one flat object of
 // admitBody's exact keys, string values without escapes, whole numbers for
@@ -9,12 +12,13 @@ import "unicode/utf8"
 // other key spellings, unknown keys, any syntax error, invalid UTF-8):
 // decodeStrict then decides, with its error messages. What this accepts,
 // decodeStrict accepts with the same result (FuzzDecodeAdmitFast). Its
-// strings share one copy of body (one allocation, not one per field).
+// strings share body's memory (no copy, no allocation per field), so the
+// caller must not modify body afterwards.
 func decodeAdmitFast(body []byte) (b admitBody, ok bool) {
 	if !utf8.Valid(body) {
 		return b, false
 	}
-	p := fastParser{b: string(body)}
+	p := fastParser{b: unsafe.String(unsafe.SliceData(body), len(body))}
 	if !p.byte('{') {
 		return b, false
 	}
