@@ -61,38 +61,40 @@ func CheckCounter(c *Counter) error {
 	return nil
 }
 
-// tag is the hash tag of c's key: its tenant's (so a subject's counters
-// share the slot of its blobs and records, and a shared counter kept with
-// a tenant that slot and its epoch key) or its shared scope's.
-func (c *Counter) tag() string {
+// appendTag appends the hash tag of c's key: its tenant's (so a subject's
+// counters share the slot of its blobs and records, and a shared counter
+// kept with a tenant that slot and its epoch key) or its shared scope's.
+func (c *Counter) appendTag(b []byte) []byte {
 	if c.Tenant != "" {
-		return esc(c.Tenant)
+		return appendEsc(b, c.Tenant)
 	}
-	return sharedTag(c.Scope, c.ID)
+	return appendSharedTag(b, c.Scope, c.ID)
 }
 
 // Key is c's key: the tag, then the rule's identity (ruleID), so a counter
-// never shares the key of a blob, a record or another rule's counter.
+// never shares the key of a blob, a record or another rule's counter. It
+// is built on the stack: one allocation, the string.
 func (c *Counter) Key() string {
-	id := strconv.FormatInt(ruleID(c.Rule), 36)
-	switch c.Scope {
-	case policy.ScopeTenant:
-		return "q{" + c.tag() + "}C:" + id
-	case policy.ScopeUser:
-		return "q{" + c.tag() + "}c:" + esc(c.ID) + ":" + id
+	var buf [160]byte
+	b := c.appendTag(append(buf[:0], "q{"...))
+	switch {
+	case c.Scope == policy.ScopeTenant:
+		b = append(b, "}C:"...)
+	case c.Scope == policy.ScopeUser:
+		b = append(appendEsc(append(b, "}c:"...), c.ID), ':')
+	case c.Tenant != "":
+		b = append(appendEsc(append(b, '}', sharedKind(c.Scope), ':'), c.ID), ':')
+	default:
+		b = append(b, "}c"...)
 	}
-	if c.Tenant != "" {
-		kind := "}g:"
-		if c.Scope == policy.ScopeIP {
-			kind = "}i:"
-		}
-		return "q{" + c.tag() + kind + esc(c.ID) + ":" + id
-	}
-	return "q{" + c.tag() + "}c" + id
+	return string(strconv.AppendInt(b, ruleID(c.Rule), 36))
 }
 
 // Slot is the cluster slot of c's key.
-func (c *Counter) Slot() uint16 { return Slot(c.tag()) }
+func (c *Counter) Slot() uint16 {
+	var buf [160]byte
+	return crc16(c.appendTag(buf[:0])) % NumSlots
+}
 
 // CounterSlot is the cluster slot of every counter of shared scope's id.
 func CounterSlot(scope policy.Scope, id string) uint16 { return SharedSlot(scope, id) }
@@ -133,7 +135,7 @@ func (b *CountBatch) Add(at int64, cs []Counter) {
 	for i := range cs {
 		c := &cs[i]
 		o := w[6+counterLen*i:]
-		binary.LittleEndian.PutUint16(o[0:], uint16(b.key(epochKey(c.tag()))))
+		binary.LittleEndian.PutUint16(o[0:], uint16(b.key(SlotEpochKey(c.Slot()))))
 		binary.LittleEndian.PutUint16(o[2:], uint16(b.key(c.Key())))
 		putInt48(o[4:], c.Cost)
 		putInt48(o[10:], c.Rule.Limit.Limit)

@@ -45,23 +45,27 @@ func esc(s string) string {
 	if !strings.ContainsAny(s, "%{}:") {
 		return s
 	}
-	var b strings.Builder
-	b.Grow(len(s) + 8)
+	var buf [64]byte // one allocation, the string, when short
+	return string(appendEsc(buf[:0], s))
+}
+
+// appendEsc appends s escaped as esc does.
+func appendEsc(b []byte, s string) []byte {
 	for i := 0; i < len(s); i++ {
 		switch c := s[i]; c {
 		case '%':
-			b.WriteString("%25")
+			b = append(b, "%25"...)
 		case '{':
-			b.WriteString("%7B")
+			b = append(b, "%7B"...)
 		case '}':
-			b.WriteString("%7D")
+			b = append(b, "%7D"...)
 		case ':':
-			b.WriteString("%3A")
+			b = append(b, "%3A"...)
 		default:
-			b.WriteByte(c)
+			b = append(b, c)
 		}
 	}
-	return b.String()
+	return b
 }
 
 // unesc reverses esc.
@@ -123,10 +127,22 @@ func limitPath(r *policy.Rule) string {
 // sharedTag returns the hash tag content of a shared (global or IP) scope.
 // Each endpoint and each IP has its own tag, so a cluster spreads them.
 func sharedTag(scope policy.Scope, id string) string {
+	var buf [64]byte
+	return string(appendSharedTag(buf[:0], scope, id))
+}
+
+// appendSharedTag appends sharedTag(scope, id).
+func appendSharedTag(b []byte, scope policy.Scope, id string) []byte {
+	return appendEsc(append(b, '%', sharedKind(scope)), id)
+}
+
+// sharedKind is the letter of a shared scope in its keys: i for an IP's,
+// g for an endpoint's.
+func sharedKind(scope policy.Scope) byte {
 	if scope == policy.ScopeIP {
-		return "%i" + esc(id)
+		return 'i'
 	}
-	return "%g" + esc(id)
+	return 'g'
 }
 
 // sharedBlob is the blob of the shared scope with tag.
@@ -185,25 +201,27 @@ func tagOf(key string) (tag, rest string, ok bool) {
 const NumSlots = 16384
 
 var (
-	slotTagsOnce sync.Once
-	slotTags     [NumSlots]string
+	epochKeysOnce sync.Once
+	epochKeys     [NumSlots]string
 )
 
-// slotTag returns a short string whose hash slot is slot; the table is built
-// once by trying base-36 strings, which covers every slot within 4 characters.
-func slotTag(slot uint16) string {
-	slotTagsOnce.Do(func() {
+// SlotEpochKey returns the epoch key of slot: "qe{", a short string whose
+// hash slot is slot, and "}". The table is built once by trying base-36
+// strings, which covers every slot within 4 characters, and keeps the keys
+// themselves: every counter and reserve of a script call names one.
+func SlotEpochKey(slot uint16) string {
+	epochKeysOnce.Do(func() {
 		left := NumSlots
 		for i := 0; left > 0; i++ {
 			s := strconv.FormatInt(int64(i), 36)
 			h := crc16(s) % NumSlots
-			if slotTags[h] == "" {
-				slotTags[h] = s
+			if epochKeys[h] == "" {
+				epochKeys[h] = "qe{" + s + "}"
 				left--
 			}
 		}
 	})
-	return slotTags[slot]
+	return epochKeys[slot]
 }
 
 // Slot is the cluster slot of hash tag content tag.
@@ -218,11 +236,8 @@ func SharedSlot(scope policy.Scope, id string) uint16 { return Slot(sharedTag(sc
 // epochKey returns the epoch key of the slot of hash tag content tag.
 func epochKey(tag string) string { return SlotEpochKey(Slot(tag)) }
 
-// SlotEpochKey returns the epoch key of slot.
-func SlotEpochKey(slot uint16) string { return "qe{" + slotTag(slot) + "}" }
-
 // crc16 is the CRC16-CCITT (XMODEM) that Redis Cluster hashes keys with.
-func crc16(s string) uint16 {
+func crc16[T string | []byte](s T) uint16 {
 	var crc uint16
 	for i := 0; i < len(s); i++ {
 		crc = crc<<8 ^ crcTable[byte(crc>>8)^s[i]]

@@ -1,6 +1,7 @@
 package wire
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -61,4 +62,43 @@ func hashTag(key string) string {
 		return key
 	}
 	return key[i+1 : i+1+j]
+}
+
+// TestCounterKeys pins the counters' key layout (keys.go), checks that a
+// counter's slot and epoch key are its key's, and that a key costs one
+// allocation, the string (a script call names a key per counter).
+func TestCounterKeys(t *testing.T) {
+	rule := func(scope policy.Scope) *policy.Rule {
+		return &policy.Rule{Limit: policy.Limit{Name: "day", Kind: policy.Fixed, Limit: 5, Window: policy.Duration(24 * time.Hour)}, Scope: scope, Endpoint: "e"}
+	}
+	n := func(r *policy.Rule) string { return strconv.FormatInt(ruleID(r), 36) }
+	user, tenantWide, global, ip := rule(policy.ScopeUser), rule(policy.ScopeTenant), rule(policy.ScopeGlobal), rule(policy.ScopeIP)
+	for _, c := range []struct {
+		c    Counter
+		want string
+	}{
+		{Counter{Scope: policy.ScopeUser, Tenant: "a:b", ID: "u{1}", Rule: user}, "q{a%3Ab}c:u%7B1%7D:" + n(user)},
+		{Counter{Scope: policy.ScopeTenant, Tenant: "acme", ID: "u", Rule: tenantWide}, "q{acme}C:" + n(tenantWide)},
+		{Counter{Scope: policy.ScopeGlobal, ID: "t4:acmeu3:bobc0f", Rule: global}, "q{%gt4%3Aacmeu3%3Abobc0f}c" + n(global)},
+		{Counter{Scope: policy.ScopeIP, ID: "10.0.0.1", Rule: ip}, "q{%i10.0.0.1}c" + n(ip)},
+		{Counter{Scope: policy.ScopeGlobal, Tenant: "acme", ID: "t4:acmeu3:bobc0f", Rule: global}, "q{acme}g:t4%3Aacmeu3%3Abobc0f:" + n(global)},
+		{Counter{Scope: policy.ScopeIP, Tenant: "acme", ID: "10.0.0.1", Rule: ip}, "q{acme}i:10.0.0.1:" + n(ip)},
+	} {
+		if err := CheckCounter(&c.c); err != nil {
+			t.Fatalf("CheckCounter(%+v) = %v", c.c, err)
+		}
+		key := c.c.Key()
+		if key != c.want {
+			t.Errorf("Key(%+v) = %q, want %q", c.c, key, c.want)
+		}
+		if slot := Slot(hashTag(key)); c.c.Slot() != slot || Slot(hashTag(SlotEpochKey(slot))) != slot {
+			t.Errorf("%s: Slot() = %d, its key's %d, its epoch key's %d", key, c.c.Slot(), slot, Slot(hashTag(SlotEpochKey(slot))))
+		}
+		if a := testing.AllocsPerRun(100, func() { _ = c.c.Key() }); a != 1 {
+			t.Errorf("Key(%+v) makes %v allocations, want 1", c.c, a)
+		}
+		if a := testing.AllocsPerRun(100, func() { _ = SlotEpochKey(c.c.Slot()) }); a != 0 {
+			t.Errorf("its epoch key makes %v allocations, want 0", a)
+		}
+	}
 }

@@ -52,6 +52,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -184,7 +185,7 @@ type item struct {
 	// Set by reply: the charge's limit after the decision (nil when not
 	// checked), its counter and the counter's hits up to this descriptor.
 	state     *decide.LimitState
-	counter   *counter
+	counter   int // its counter's index in reply's
 	hitsSoFar int64
 }
 
@@ -322,27 +323,22 @@ type counter struct {
 // remaining before the request.
 func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Result) *rlspb.RateLimitResponse {
 	// Few descriptors, mostly of distinct counters: a scan finds a counter
-	// for less than a map costs.
-	counters := make([]counter, 0, len(charges))
+	// for less than a map costs, and up to 8 stay on the stack.
+	counters := make([]counter, 0, 8)
 	for i := range items {
 		it := &items[i]
 		if it.charge < 0 {
 			continue
 		}
 		c := &charges[it.charge]
-		var ct *counter
-		for j := range counters {
-			if counters[j].id == c.ID {
-				ct = &counters[j]
-				break
-			}
-		}
-		if ct == nil {
+		it.counter = slices.IndexFunc(counters, func(ct counter) bool { return ct.id == c.ID })
+		if it.counter < 0 {
+			it.counter = len(counters)
 			counters = append(counters, counter{id: c.ID, before: int64(it.limit.RequestsPerUnit)})
-			ct = &counters[len(counters)-1]
 		}
+		ct := &counters[it.counter]
 		ct.hits += it.hits
-		it.counter, it.hitsSoFar = ct, ct.hits
+		it.hitsSoFar = ct.hits
 		k := it.charge // one rule per charge: one state each
 		if k >= len(res.Limits) || res.Limits[k].Scope == "" {
 			continue
@@ -386,14 +382,15 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 		}
 		m.limit = rlspb.RateLimitResponse_RateLimit{Name: it.limit.Name, RequestsPerUnit: it.limit.RequestsPerUnit, Unit: it.limit.Unit}
 		st.CurrentLimit = &m.limit
-		ct, ls := it.counter, it.state
+		ls := it.state
 		over := it.limit.RequestsPerUnit == 0 && it.hitsSoFar > 0
 		switch {
 		case ls != nil:
-			left := ct.before - it.hitsSoFar
+			before := counters[it.counter].before
+			left := before - it.hitsSoFar
 			over = over || (!res.Allowed || it.limit.Shadow) && left < 0
 			if !res.Allowed {
-				left = ct.before
+				left = before
 			}
 			st.LimitRemaining = uint32(min(max(left, 0), math.MaxUint32))
 			m.reset.Seconds = resetSeconds(ls.Reset, it.limit.Window)
