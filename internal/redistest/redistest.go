@@ -87,9 +87,17 @@ func (s *Server) Client() *redis.Client {
 // slot is served.
 func Cluster(t testing.TB) *redis.ClusterClient {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	cc, _ := ClusterNodes(t, 0)
+	return cc
+}
+
+// ClusterNodes is Cluster with replicas replicas of each master, and
+// returns the nodes too (the masters first), which a test may kill.
+func ClusterNodes(t testing.TB, replicas int) (*redis.ClusterClient, []*e2e.Server) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	nodes, err := e2e.StartRedisCluster(ctx, t.TempDir(), 3, 0)
+	nodes, err := e2e.StartRedisCluster(ctx, t.TempDir(), 3, replicas)
 	if err != nil {
 		t.Fatalf("start redis cluster: %v", err)
 	}
@@ -105,5 +113,5 @@ func Cluster(t testing.TB) *redis.ClusterClient {
 	}); err != nil {
 		t.Fatalf("cluster shards: %v", err)
 	}
-	return cc
+	return cc, nodes
 }
