@@ -173,7 +173,9 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		p.Accounters = append(p.Accounters, a)
 	}
 	p.Accounter = p.Accounters[0]
-	alerterEnv := cfg.AlerterEnv
+	// Its alerts API on a port of its own: the default :8082 is one per
+	// machine, and two stacks run side by side (bench/pipeline -ab).
+	alerterEnv := append([]string{"QF_ALERTS_ADDR=127.0.0.1:0"}, cfg.AlerterEnv...)
 	if cfg.Webhooks != "" {
 		hooks := filepath.Join(dir, "webhooks.yaml")
 		if err := os.WriteFile(hooks, []byte(cfg.Webhooks), 0o600); err != nil {
