@@ -1,0 +1,70 @@
+package consume
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"quotaflow/pkg/events"
+	"quotaflow/pkg/events/stream"
+)
+
+// msg is a delivered message that records how it was ended.
+type msg struct {
+	data       []byte
+	inProgress int
+	acked      bool
+}
+
+func (m *msg) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{NumDelivered: 1, Timestamp: time.Now()}, nil
+}
+func (m *msg) Data() []byte                     { return m.data }
+func (m *msg) Headers() nats.Header             { return nats.Header{} }
+func (m *msg) Subject() string                  { return "test.usage.reserved" }
+func (m *msg) Reply() string                    { return "" }
+func (m *msg) Ack() error                       { m.acked = true; return nil }
+func (m *msg) DoubleAck(context.Context) error  { return m.Ack() }
+func (m *msg) Nak() error                       { return nil }
+func (m *msg) NakWithDelay(time.Duration) error { return nil }
+func (m *msg) InProgress() error                { m.inProgress++; return nil }
+func (m *msg) Term() error                      { return errors.New("unexpected term") }
+func (m *msg) TermWithReason(string) error      { return m.Term() }
+
+// A fetch whose turn comes late because another durable's groups held the
+// handling lock is marked in progress before it is handled, so the server
+// does not redeliver it meanwhile (stream.Groups judges from the fetch).
+func TestLateFetchMarkedInProgress(t *testing.T) {
+	cfg := stream.Config{AckWait: 4 * time.Second} // late after 1 s
+	ev := events.NewReserved("test", events.Reserved{RequestID: "r", Tenant: "acme", User: "u", Endpoint: "/v1/chat",
+		EstimatedTokens: 1, ExpiresAt: time.Now().Add(time.Hour), Version: 1}, time.Now().UTC())
+	b, err := events.Encode(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &msg{data: b}
+	var handling sync.Mutex
+	handling.Lock() // another durable's groups
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f := stream.Fetched{Msgs: []jetstream.Msg{m}, At: time.Now()}
+		processBatch(context.Background(), nil, cfg, f, &handling, func(context.Context, events.Event) error { return nil },
+			func(context.Context, []events.Event) error { return nil }, slog.New(slog.DiscardHandler))
+	}()
+	// The other groups take 1.5 s: past a quarter of AckWait. (The
+	// fetch's own check, before the lock, comes microseconds after
+	// f.At.)
+	time.Sleep(1500 * time.Millisecond)
+	handling.Unlock()
+	<-done
+	if m.inProgress != 1 || !m.acked {
+		t.Errorf("message marked in progress %d times, acked %v; want 1, true", m.inProgress, m.acked)
+	}
+}
