@@ -112,3 +112,50 @@ func TestBlobWritesKeepOnlyLiveRecords(t *testing.T) {
 		t.Fatalf("used after the whole write = %v, want %v", got, want)
 	}
 }
+
+// TestBlobWritesAnExpiredRecordStoredAgainInPlace checks that a record
+// which had expired when read and which the call stores again at its old
+// length (a 1 s window an idle subject comes back to, a token bucket that
+// refilled) is written in place, at its old position, beside the records
+// that did not change: the write of a subject back after a pause is not a
+// whole one (it was: the record moved to the blob's end).
+func TestBlobWritesAnExpiredRecordStoredAgainInPlace(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := redistest.UniqueName(t)
+	second := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1s", Kind: policy.Fixed, Unit: policy.Requests, Limit: 100, Window: policy.Duration(time.Second)})
+	hour := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})
+	window := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(5 * time.Hour)})
+	key := wire.NewSubjectKeys(tenant, "u").Blob()
+	base := 500*time.Millisecond - time.Duration(time.Now().UnixNano()%int64(time.Hour))
+	at := func(d time.Duration) time.Duration { return base + d }
+
+	all := []policy.Rule{second, hour, window}
+	limitstest.Reserve(t, limitstest.At(c, at(0)), tenant, "u", "r1", 3, all)
+	v1, before := blobOf(t, key)
+	if len(before) != 3 {
+		t.Fatalf("after a reserve over 3 limits the blob holds %d records, want 3", len(before))
+	}
+
+	// two seconds on, the 1 s window's record (the first) expired; this
+	// reserve stores it again, and the hour's
+	now := limitstest.Reserve(t, limitstest.At(c, at(2*time.Second)), tenant, "u", "r2", 4, []policy.Rule{second, hour}).Now.UnixMilli()
+	v2, after := blobOf(t, key)
+	if len(after) != 3 || v2 == v1 {
+		t.Fatalf("after the expired record was stored again: %d records, version changed %v; want 3, true", len(after), v2 != v1)
+	}
+	for i, r := range after {
+		if r.bytes[:6] != before[i].bytes[:6] {
+			t.Errorf("record %d is another limit's: the records moved (a whole write)", i)
+		}
+		if changed := r.bytes != before[i].bytes; changed != (i < 2) {
+			t.Errorf("record %d changed = %v, want %v", i, changed, i < 2)
+		}
+		if r.expires <= now {
+			t.Errorf("record %d expires at %d, before the write at %d", i, r.expires, now)
+		}
+	}
+	d := limitstest.Peek(t, limitstest.At(c, at(2*time.Second)), tenant, "u", all)
+	if got, want := limitstest.Used(d.States), []int64{1, 7, 3}; !slices.Equal(got, want) {
+		t.Fatalf("used after the in-place write = %v, want %v", got, want)
+	}
+}

@@ -98,9 +98,14 @@ local function month(ms)
 end
 
 -- open reads a blob: {ver, raw, expiry, n, dirty, changed, and for
--- each of its n live records, at a base index r = 1, 5, 9...: [r] its id,
+-- each of its n records, at a base index r = 1, 5, 9...: [r] its id,
 -- [r+1] its position in raw (false: a record this call added), [r+2] its
--- expiry, [r+3] the record as this call stored it (nil: unchanged)}.
+-- expiry (0: it had expired when read, and this call has not stored it
+-- again), [r+3] the record as this call stored it (nil: unchanged)}.
+-- An expired record keeps its place in the list, so that storing it again
+-- at its old length (a token bucket that refilled, a window that an idle
+-- subject left) is still a write in place; one left expired makes the
+-- write a whole one, which drops it.
 -- expiry is when the key expires, as write set it: its last record's. The
 -- records live in the array part, presized for four, and every field is
 -- named in the constructor: a table that grows rehashes, and keyed by ids
@@ -110,28 +115,25 @@ end
 -- its fields costs 1.3k instructions where a new one costs 4.2k and its
 -- collection, bench/luacost/table-reuse.lua, table.lua), else a
 -- new table; a record's slots past 4n are never read, so only the fields
--- and each live record's four slots are set.
+-- and each record's four slots are set.
 local function open(raw, now, bl)
   if bl then
-    bl.ver, bl.raw, bl.expiry, bl.n, bl.dirty, bl.changed, bl.whole = 0, raw, 0, 0, false, false, false
+    bl.ver, bl.raw, bl.expiry, bl.n, bl.dirty, bl.changed = 0, raw, 0, 0, false, false
   else
-    bl = { NILS(16), ver = 0, raw = raw, expiry = 0, n = 0, dirty = false, changed = false, whole = false }
+    bl = { NILS(16), ver = 0, raw = raw, expiry = 0, n = 0, dirty = false, changed = false }
   end
   if not raw then return bl end
   bl.ver = sunpack('<d', raw)
-  local p, len, n, last, whole = 9, #raw, 0, 0, true
+  local p, len, n, last = 9, #raw, 0, 0
   while p <= len do
     local id, e, l = sunpack('<I6i6I2', raw, p)
-    if e > now then
-      bl[n + 1], bl[n + 2], bl[n + 3], bl[n + 4] = id, p, e, nil
-      n = n + 4
-    else
-      whole = false
-    end
     if e > last then last = e end
+    if e <= now then e = 0 end
+    bl[n + 1], bl[n + 2], bl[n + 3], bl[n + 4] = id, p, e, nil
+    n = n + 4
     p = p + 14 + l
   end
-  bl.n, bl.expiry, bl.whole = n / 4, last, whole
+  bl.n, bl.expiry = n / 4, last
   return bl
 end
 
@@ -164,8 +166,9 @@ end
 -- expiry is kept (SET KEEPTTL: 6.6k instructions, where PXAT with the time
 -- costs 13k: bench/results.md); else the expiry goes out as text (Redis
 -- formats a Lua number with printf's %.17g, ~2k instructions more).
--- When every record of the blob as read is live and each one this call
--- stored kept its length (every kind but a sliding log, once it exists),
+-- When every record of the blob as read is live or stored again by this
+-- call, and each one this call stored kept its length (every kind but a
+-- sliding log, once it exists),
 -- the blob is written in place: the version and the stored records, each
 -- run of adjacent ones in one SETRANGE, the same bytes a SET would write.
 -- Rebuilding it instead cuts every unchanged record out of the blob as
@@ -173,11 +176,13 @@ end
 -- user with four records: ~45k of 137k instructions).
 local function write(bl, key)
   local raw, n, last = bl.raw, bl.n, 0
-  local inplace = bl.whole and n > 0
+  local inplace = raw and n > 0
   for r = 1, 4 * n, 4 do
     local e, rec = bl[r + 2], bl[r + 3]
     if e > last then last = e end
-    if rec and inplace then
+    if e == 0 then
+      inplace = false
+    elseif rec and inplace then
       local pos, nxt = bl[r + 1], #raw + 1 -- its place: up to the next record's
       if r < 4 * n - 3 then nxt = bl[r + 5] end
       inplace = pos and nxt and #rec == nxt - pos
@@ -209,11 +214,11 @@ local function write(bl, key)
   local parts = { spack('<d', bl.ver) }
   for i = 1, n do
     local r = bl[4 * i]
-    if not r then
+    if not r and bl[4 * i - 1] > 0 then
       r = bl[4 * i - 2]
       r = raw:sub(r, r + 13 + sunpack('<I2', raw, r + 12))
     end
-    parts[i + 1] = r
+    parts[#parts + 1] = r
   end
   if last == 0 then
     redis.call('DEL', key) -- nothing left to keep
@@ -267,7 +272,7 @@ local function load(specs, pos, j, sub, ten, now, zkey)
   end
   if r and bl[r + 3] then
     raw, at = bl[r + 3], 15
-  elseif r then
+  elseif r and bl[r + 2] > 0 then
     at = bl[r + 1] + 14
   else
     raw = nil
