@@ -75,10 +75,11 @@
 // # Snapshot replies
 //
 // reserve, settle and charge answer with 64-bit integers packed in one
-// string (lib.lua snapshot): the head values above, then four per limit of
-// the call: limit, used, reset ms, would deny (1: a shadow limit that did
-// not fit). One bulk string costs the client one read where an array costs
-// one per value.
+// string (lib.lua snapshot): the head values above, then per limit of the
+// call its used and reset ms, then a balance's credited, then a shadow
+// limit's would deny (1: it did not fit); every other limit is the spec's,
+// which Go sent (limitValues). One bulk string costs the client one read
+// where an array costs one per value.
 //
 // # Reservation record
 //
@@ -464,7 +465,7 @@ func (b *batch) Call() Call {
 // ReserveReply is one decoded reserve of a reserve reply.
 type ReserveReply struct {
 	Status, DeniedBy, RetryMs, Reason, NowMs, Version, TenantVersion int64
-	// Limits holds four values per limit; States decodes them.
+	// Limits holds the values of its limits; States decodes them.
 	Limits []int64
 }
 
@@ -475,7 +476,7 @@ type ReserveReply struct {
 // success path formats nothing.
 func DecodeReserves(cmd *redis.Cmd, c *Call, f func(i int, v ReserveReply, err error)) {
 	decodeBatch(cmd, c, func(i int, e any) {
-		v, err := packedElement(e, 7, len(c.Batch[i]))
+		v, err := packedElement(e, 7, c.Batch[i])
 		if err != nil {
 			f(i, ReserveReply{}, err)
 			return
@@ -505,8 +506,8 @@ func decodeBatch(cmd *redis.Cmd, c *Call, one func(i int, e any), fail func(i in
 }
 
 // packedElement reads one entry's element of a batch reply: a snapshot
-// with head values before those of n limits.
-func packedElement(e any, head, n int) ([]int64, error) {
+// with head values before those of rules.
+func packedElement(e any, head int, rules []policy.Rule) ([]int64, error) {
 	var s string
 	switch e := e.(type) {
 	case string:
@@ -523,8 +524,8 @@ func packedElement(e any, head, n int) ([]int64, error) {
 	if len(v) == 1 && v[0] == -1 {
 		return nil, ErrNoEpoch
 	}
-	if len(v) != head+4*n {
-		return nil, fmt.Errorf("reply of %d values for %d limits", len(v), n)
+	if len(v) != head+limitValues(rules) {
+		return nil, fmt.Errorf("reply of %d values for %d limits", len(v), len(rules))
 	}
 	return v, nil
 }
@@ -543,18 +544,51 @@ type state interface {
 	}
 }
 
-// States decodes the four values per limit of a snapshot (limit, used,
-// reset ms, would deny), one S per rule. Counts are held to [0, MaxCost],
-// as the scripts saturate them, so that no snapshot of state an older
-// release left can break the event contract.
+// limitValues is how many values a snapshot holds for rules: used and
+// reset ms per limit, then a balance's credited and a shadow limit's
+// would-deny flag (1: it did not fit). The limit of every other kind is its
+// spec's, which Go knows: packing it for every limit cost Redis ~500
+// instructions a value (bench/results.md).
+func limitValues(rules []policy.Rule) int {
+	n := 2 * len(rules)
+	for i := range rules {
+		if rules[i].Kind == policy.Balance {
+			n++
+		}
+		if rules[i].Shadow {
+			n++
+		}
+	}
+	return n
+}
+
+// States decodes the values of a snapshot's limits (limitValues), one S per
+// rule. Counts are held to [0, MaxCost], as the scripts saturate them, so
+// that no snapshot of state an older release left can break the event
+// contract.
 func States[S state](v []int64, rules []policy.Rule) []S {
 	out := make([]S, len(rules))
+	k := 0
 	for i := range out {
-		w := v[4*i : 4*i+4]
-		lim, used := min(max(w[0], 0), MaxCost), min(max(w[1], 0), MaxCost)
+		r := &rules[i]
+		lim, used, reset := r.Limit.Limit, v[k], v[k+1]
+		k += 2
+		switch r.Kind {
+		case policy.TokenBucket:
+			lim = r.Burst
+		case policy.Balance:
+			lim = v[k]
+			k++
+		}
+		would := false
+		if r.Shadow {
+			would = v[k] == 1
+			k++
+		}
+		lim, used = min(max(lim, 0), MaxCost), min(max(used, 0), MaxCost)
 		out[i] = S{
-			Rule: &rules[i], Limit: lim, Used: used, Remaining: max(0, lim-used),
-			Reset: time.Duration(w[2]) * time.Millisecond, WouldDeny: w[3] == 1,
+			Rule: r, Limit: lim, Used: used, Remaining: max(0, lim-used),
+			Reset: time.Duration(reset) * time.Millisecond, WouldDeny: would,
 		}
 	}
 	return out
@@ -655,7 +689,7 @@ type SettleReply struct {
 	// Prior is the record's state before the call, -1 for none.
 	Prior    int64
 	Estimate int64
-	// Limits holds four values per limit; States decodes them.
+	// Limits holds the values of its limits; States decodes them.
 	Limits []int64
 }
 
@@ -663,7 +697,7 @@ type SettleReply struct {
 // settle's reply or error, in the order of c.Batch, as DecodeReserves does.
 func DecodeSettles(cmd *redis.Cmd, c *Call, f func(i int, v SettleReply, err error)) {
 	decodeBatch(cmd, c, func(i int, e any) {
-		v, err := packedElement(e, 8, len(c.Batch[i]))
+		v, err := packedElement(e, 8, c.Batch[i])
 		if err != nil {
 			f(i, SettleReply{}, err)
 			return
@@ -741,7 +775,7 @@ func snapshotOf(cmd *redis.Cmd, c *Call, head int) ([]int64, error) {
 	if len(v) == 1 && v[0] == -1 {
 		return nil, ErrNoEpoch
 	}
-	if len(v) != head+4*len(c.Rules) {
+	if len(v) != head+limitValues(c.Rules) {
 		return nil, fmt.Errorf("%s: reply of %d values for %d limits", c.What, len(v), len(c.Rules))
 	}
 	return v, nil

@@ -11,7 +11,8 @@
 --        epoch (a rebuild passes '0'); 5 meta as reserve.lua; 6 packed specs
 --
 -- Reply (packed 64-bit integers, lib.lua snapshot): status, now_ms, then
---        per limit: limit, used, reset_ms, 0
+--        per limit: used, reset_ms (a balance's credited, a shadow
+--        limit's 0 after them: lib.lua snapshot)
 --   status 1 applied, -1 no epoch.
 local amount, at, meta, specs = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5]), ARGV[6]
 local now = now_ms(tonumber(ARGV[1]))

@@ -789,22 +789,32 @@ local function commit(meta, n, sub, ten, now)
 end
 
 -- snapshot returns the head values h1..h8 (fewer when the last are nil)
--- followed by limit, used, reset ms and the would-deny flag of every limit,
--- packed as little-endian 64-bit integers in one string: one bulk string
--- costs the client one read and one allocation where a RESP array of 27
--- integers cost it one each. The values gather in one table kept with
--- the library, as S is: a new one per call cost ~2.9k instructions (its
--- allocation, and collecting it).
+-- followed by used and reset ms of every limit, then a balance's credited
+-- and a shadow limit's would-deny flag (wire.limitValues: every other
+-- limit is its spec's, which Go knows), packed as little-endian 64-bit
+-- integers in one string: one bulk string costs the client one read and
+-- one allocation where a RESP array of 27 integers cost it one each. The
+-- values gather in one table kept with the library, as S is: a new one per
+-- call cost ~2.9k instructions (its allocation, and collecting it).
 local snap = { NILS(28) }
 local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7, h8)
-  local out = snap
+  local S, out = S, snap
   out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8] = h1, h2, h3, h4, h5, h6, h7, h8
   local i = 8
   while not out[i] do i = i - 1 end
   for j = 1, n do
+    local o = (j - 1) * SLOTS
     local l, u, r = report(j, now)
-    out[i + 1], out[i + 2], out[i + 3], out[i + 4] = l, u, r, S[(j - 1) * SLOTS + WOULD_DENY]
-    i = i + 4
+    out[i + 1], out[i + 2] = u, r
+    i = i + 2
+    if S[o + KIND] == BALANCE then
+      i = i + 1
+      out[i] = l
+    end
+    if IS_SHADOW(S[o + FLAGS]) then
+      i = i + 1
+      out[i] = S[o + WOULD_DENY]
+    end
   end
   return spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i))
 end

@@ -35,8 +35,9 @@
 --
 -- Reply: one element per reserve, in order: its snapshot (packed 64-bit
 --        integers, lib.lua snapshot): status, denied_by, retry_ms, reason,
---        now_ms, version, tenant_version, then per limit: limit, used,
---        reset_ms, would_deny; or the packed -1: no epoch (nothing decided);
+--        now_ms, version, tenant_version, then per limit: used, reset_ms,
+--        then a balance's credited and a shadow limit's would_deny; or the
+--        packed -1: no epoch (nothing decided);
 --        or an error, when its state could not be read (the others are
 --        decided all the same)
 --   A reserve without a record neither reads nor writes one: it is

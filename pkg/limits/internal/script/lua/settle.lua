@@ -34,7 +34,8 @@
 -- Reply: one element per settle, in order: its snapshot (packed 64-bit
 --        integers, lib.lua snapshot): status, delta, reserved_at_ms,
 --        now_ms, version, tenant_version, prior state (-1: no record),
---        estimate, then per spec: limit, used, reset_ms, 0; or the packed
+--        estimate, then per spec: used, reset_ms (a balance's credited, a
+--        shadow limit's 0 after them); or the packed
 --        -1: no epoch (nothing settled); or an error, when its state could
 --        not be read (the others are settled all the same)
 --   status 1 applied, 2 nothing to do (settled before, or op 3 found a
