@@ -25,6 +25,7 @@ import (
 	"net/http"
 	"net/netip"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -215,6 +216,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // statusWriter records the status code for the duration metric.
+// statusWriters recycles them: a handler is done with its writer once it
+// returns (none hands it to a goroutine), and a wrapper passed as an
+// interface would be an allocation a request.
 type statusWriter struct {
 	http.ResponseWriter
 	code int
@@ -234,6 +238,8 @@ func (s *statusWriter) Write(b []byte) (int, error) {
 	return s.ResponseWriter.Write(b)
 }
 
+var statusWriters = sync.Pool{New: func() any { return new(statusWriter) }}
+
 func (h *Handler) instrument(route string, f http.HandlerFunc) http.Handler {
 	// The route's series, looked up once rather than per request.
 	observers := map[string]prometheus.Observer{}
@@ -242,9 +248,12 @@ func (h *Handler) instrument(route string, f http.HandlerFunc) http.Handler {
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
-		sw := &statusWriter{ResponseWriter: w}
+		sw := statusWriters.Get().(*statusWriter)
+		*sw = statusWriter{ResponseWriter: w}
 		f(sw, r)
 		code := sw.code
+		*sw = statusWriter{}
+		statusWriters.Put(sw)
 		if code == 0 {
 			code = http.StatusOK
 		}
