@@ -53,12 +53,16 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 }
 
 // chargeShared is limits.Limiter.ChargeShared (AdjustCount for counted:
-// Check's counters, kept in tenant's slot when set), dated at (zero: now), through the breaker, not
+// Check's counters, kept in tenant's slot when set, so that call is the
+// tenant's: callFor), dated at (zero: now), through the breaker, not
 // cancelled with ctx: a give-back or correction once decided is made even
 // when the caller has gone.
 func (d *Decider) chargeShared(ctx context.Context, counted bool, scope policy.Scope, tenant, id string, rules []policy.Rule, amount int64, at time.Time) ([]limits.State, error) {
 	var st []limits.State
-	err := d.call(context.WithoutCancel(ctx), opCharge, func(ctx context.Context) error {
+	if !counted {
+		tenant = "" // the blobs are in id's own slot
+	}
+	err := d.callFor(context.WithoutCancel(ctx), tenant, opCharge, func(ctx context.Context) error {
 		var err error
 		if counted {
 			st, err = d.lim.AdjustCount(ctx, scope, tenant, id, rules, amount, at)

@@ -217,9 +217,22 @@ func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decis
 	return out.Decision, sent, out.Err
 }
 
-// count is call for Check's group of counters, through its batcher as
-// reserve's calls go through theirs.
+// count is callFor for Check's group of counters, through its batcher as
+// reserve's calls go through theirs. A group whose counters all name one
+// tenant is in that tenant's slot (limits.SharedRequest.Tenant): its
+// missing epoch marks the slot lost, as the tenant's admit does. A group
+// that spans slots cannot tell whose epoch is missing and opens the breaker,
+// but is not sent while any of its tenants' slots is lost.
 func (d *Decider) count(ctx context.Context, group []limits.SharedRequest) (limits.Decision, error) {
+	tenant := group[0].Tenant
+	for i := range group {
+		if d.lost.has(group[i].Tenant) {
+			return limits.Decision{}, errSlotLost
+		}
+		if group[i].Tenant != tenant {
+			tenant = ""
+		}
+	}
 	if !d.br.allow() {
 		return limits.Decision{}, errBreakerOpen
 	}
@@ -230,8 +243,7 @@ func (d *Decider) count(ctx context.Context, group []limits.SharedRequest) (limi
 		d.m.redisErrors.WithLabelValues(opCountGiveBack).Inc()
 		d.log.Warn("count give back failed", "err", out.GiveBack)
 	}
-	o, why := d.outcome(ctx, opCount, out.Err)
-	d.br.done(false, o, why)
+	d.done(ctx, tenant, opCount, out.Err)
 	return out.Decision, out.Err
 }
 

@@ -6,9 +6,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 	"quotaflow/pkg/limits/repair"
 )
 
@@ -26,22 +29,7 @@ func TestLostSlotIsDecidedLocallyAlone(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{BreakerCooldown: 20 * time.Millisecond}, limits.Options{})
-	name := newTenant(t)
-	lost, kept := name+"-lost", name+"-kept"
-	master, err := cc.MasterForKey(ctx, repair.TenantEpochKey(lost))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for n := 0; ; n++ {
-		m, err := cc.MasterForKey(ctx, repair.TenantEpochKey(kept))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if m.Options().Addr != master.Options().Addr {
-			break
-		}
-		kept = name + "-kept" + string(rune('a'+n))
-	}
+	lost, kept, master := tenantsApart(t, cc)
 	for _, tenant := range []string{lost, kept} {
 		if r := admit(t, d, in(tenant, "u", "/any", 5)); !r.Allowed || r.Local {
 			t.Fatalf("%s before the loss: allowed %v, local %v; want allowed by Redis", tenant, r.Allowed, r.Local)
@@ -81,5 +69,90 @@ func TestLostSlotIsDecidedLocallyAlone(t *testing.T) {
 	})
 	if r := admit(t, d, local); !r.Allowed || r.Local || !r.Duplicate {
 		t.Errorf("a retry of the request allowed locally: allowed %v, local %v, duplicate %v; want a duplicate in Redis", r.Allowed, r.Local, r.Duplicate)
+	}
+}
+
+// tenantsApart returns two tenants whose slots are on different masters of
+// cc, and the master of the first.
+func tenantsApart(t *testing.T, cc *redis.ClusterClient) (lost, kept string, master *redis.Client) {
+	t.Helper()
+	ctx := context.Background()
+	name := newTenant(t)
+	lost, kept = name+"-lost", name+"-kept"
+	master, err := cc.MasterForKey(ctx, repair.TenantEpochKey(lost))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n := 0; ; n++ {
+		m, err := cc.MasterForKey(ctx, repair.TenantEpochKey(kept))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Options().Addr != master.Options().Addr {
+			return lost, kept, master
+		}
+		kept = name + "-kept" + string(rune('a'+n))
+	}
+}
+
+// TestLostSlotRLSCountsAreTheTenants: a tenant's RLS counters are in its
+// slot, so the first call of a tenant whose master lost its data being a
+// Check of its counters, or a response-time correction of them (Adjust),
+// marks that slot lost as its admit does: the tenant's Checks are then
+// decided locally, while another master's tenant is still decided by Redis,
+// Check and admit, and the breaker stays closed.
+func TestLostSlotRLSCountsAreTheTenants(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	rules := []policy.Rule{checkRule("x", 10)}
+	charge := func(tenant string) Charge {
+		return Charge{Scope: policy.ScopeGlobal, Tenant: tenant, ID: "t-" + tenant, Cost: 1, Rules: rules}
+	}
+	for _, first := range []string{"check", "adjust"} {
+		t.Run(first, func(t *testing.T) {
+			if err := repair.WriteEpoch(ctx, cc, "start"); err != nil { // the other case flushed a master
+				t.Fatal(err)
+			}
+			d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{BreakerCooldown: time.Hour}, limits.Options{})
+			lost, kept, master := tenantsApart(t, cc)
+			check := func(tenant string) Result {
+				t.Helper()
+				r, err := d.Check(ctx, []Charge{charge(tenant)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return r
+			}
+			for _, tenant := range []string{lost, kept} {
+				if r := check(tenant); !r.Allowed || r.Local {
+					t.Fatalf("%s before the loss: allowed %v, local %v; want allowed by Redis", tenant, r.Allowed, r.Local)
+				}
+			}
+			if err := master.FlushAll(ctx).Err(); err != nil {
+				t.Fatal(err)
+			}
+			switch first {
+			case "check":
+				if r := check(lost); !r.Allowed || !r.Local {
+					t.Fatalf("the lost tenant's Check: allowed %v, local %v; want allowed locally", r.Allowed, r.Local)
+				}
+			case "adjust":
+				if _, err := d.Adjust(ctx, charge(lost), 3); !errors.Is(err, limits.ErrNoEpoch) {
+					t.Fatalf("the lost tenant's Adjust error = %v; want ErrNoEpoch", err)
+				}
+				if r := check(lost); !r.Allowed || !r.Local {
+					t.Fatalf("the lost tenant's Check after its Adjust: allowed %v, local %v; want allowed locally", r.Allowed, r.Local)
+				}
+			}
+			if deg, why := d.Degraded(); deg {
+				t.Errorf("Degraded = %q after the lost tenant's %s; want Redis serving the others", why, first)
+			}
+			if r := check(kept); !r.Allowed || r.Local {
+				t.Errorf("the kept tenant's Check: allowed %v, local %v; want allowed by Redis", r.Allowed, r.Local)
+			}
+			if r := admit(t, d, in(kept, "u", "/any", 5)); !r.Allowed || r.Local {
+				t.Errorf("the kept tenant's admit: allowed %v, local %v; want allowed by Redis", r.Allowed, r.Local)
+			}
+		})
 	}
 }
