@@ -81,12 +81,13 @@ func stateID(r *policy.Rule) uint32 {
 type ruleState struct {
 	left float64 // units still allowed locally
 	// t is, for a quota, when the window seen frees everything (0: never;
-	// kept in whole seconds, rounded up); for a share, its last refill.
+	// kept in ms, Redis's own grain); for a share, its last refill.
 	// Monotonic ns.
 	t int64
 	// owed is what a quota allowed locally that Redis may not hold yet:
-	// owed[0] in owedFor period owedAt (now / owedFor), owed[1] in the one
-	// before. float32 rounds: it is exact to 2²⁴ units a group.
+	// owed[0] in owedFor period owedAt (now / owedFor modulo 2^owedBits),
+	// owed[1] in the one before. float32 rounds: it is exact to 2²⁴ units a
+	// group.
 	owed   [2]float32
 	owedAt uint32
 	init   bool
@@ -96,13 +97,23 @@ type ruleState struct {
 // owing returns what st owes in all.
 func (st *ruleState) owing() float64 { return float64(st.owed[0]) + float64(st.owed[1]) }
 
+// owedBits is how many low bits of an owedFor period's number a state
+// keeps (the table packs them beside a quota's reset in ms): periods are
+// compared modulo 2^owedBits, so a state untouched for a multiple of that
+// many periods (48 days of 1 s periods) keeps its debt once more, longer
+// than needed, never shorter.
+const (
+	owedBits = 22
+	owedMask = 1<<owedBits - 1
+)
+
 // rotateOwed moves st's owed groups to the owedFor period of now
 // (monotonic ns): a group two periods old is owed no more.
 func (st *ruleState) rotateOwed(owedFor time.Duration, now int64) {
-	at := uint32(now / int64(owedFor))
-	switch {
-	case at == st.owedAt:
-	case at == st.owedAt+1:
+	at := uint32(now/int64(owedFor)) & owedMask
+	switch (at - st.owedAt) & owedMask {
+	case 0:
+	case 1:
 		st.owed = [2]float32{0, st.owed[0]}
 	default:
 		st.owed = [2]float32{}
@@ -395,7 +406,7 @@ func (d *Decider) giveBack(s localSpend) {
 		st.left += s.n
 		// In the current group, or the previous one if a period began
 		// since; older, it is owed no more already.
-		if g := st.owedAt - s.owedAt; s.quota && g < 2 {
+		if g := (st.owedAt - s.owedAt) & owedMask; s.quota && g < 2 {
 			st.owed[g] = max(0, st.owed[g]-float32(s.n))
 		}
 		d.local.store(s.slot, s.quota, &st)

@@ -497,27 +497,27 @@ func TestLocalTableSize(t *testing.T) {
 	}
 }
 
-// A quota's reset is kept in whole seconds, rounded up: Redis's window
-// ending 10m0.3s on, the local one ends 10m1s on, never before Redis's (it
-// would clear what is owed while Redis still counts it). A share's refill
-// keeps its nanoseconds.
-func TestLocalResetRoundsUp(t *testing.T) {
+// A quota's local window ends at Redis's, to the ms Redis reports it in: a
+// later local end would spend from the old window's remaining after Redis's
+// new window began and then clear those spends as old debt. A share's
+// refill keeps its nanoseconds.
+func TestLocalResetIsRedis(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{Instances: 1})
 		quota := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "f", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})}
 		o := userOwner(d, "u")
-		time.Sleep(time.Millisecond) // now is not a whole second either
+		time.Sleep(time.Millisecond) // now is not a whole second
 		d.remember("acme", "u", []limits.State{{Rule: &quota[0], Limit: 100, Remaining: 10, Reset: 10*time.Minute + 300*time.Millisecond}}, d.mono())
-		if _, retry, _, out := check(d, o, quota, 20); retry != 10*time.Minute+time.Second-time.Millisecond || out[0].Reset != retry {
-			t.Fatalf("cost 20 of 10 left: retry %v, reset %v; want 10m0.999s (Redis's 10m0.3s rounded up to a second)", retry, out[0].Reset)
+		if _, retry, _, out := check(d, o, quota, 20); retry != 10*time.Minute+300*time.Millisecond || out[0].Reset != retry {
+			t.Fatalf("cost 20 of 10 left: retry %v, reset %v; want Redis's 10m0.3s", retry, out[0].Reset)
 		}
-		time.Sleep(10*time.Minute + 300*time.Millisecond)
+		time.Sleep(10*time.Minute + 300*time.Millisecond - time.Nanosecond)
 		if di, _, _, _ := check(d, o, quota, 20); di != 0 {
-			t.Fatal("allowed at Redis's reset, a fraction of a second before the local one")
+			t.Fatal("allowed before Redis's reset")
 		}
-		time.Sleep(700 * time.Millisecond)
+		time.Sleep(time.Nanosecond)
 		if di, _, _, out := check(d, o, quota, 20); di >= 0 || out[0].Remaining != 80 {
-			t.Fatalf("at the local reset: denied %d, %+v; want allowed, 80 left", di, out[0])
+			t.Fatalf("at Redis's reset: denied %d, %+v; want allowed, 80 left", di, out[0])
 		}
 
 		share := []policy.Rule{rule(policy.ScopeGlobal, policy.Requests, policy.Limit{Name: "s", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Second)})}
@@ -528,6 +528,36 @@ func TestLocalResetRoundsUp(t *testing.T) {
 		}
 		if _, _, _, out := check(d, o, share, 1); out[0].Remaining != 998 || out[0].Reset != 2*time.Millisecond-500*time.Microsecond {
 			t.Fatalf("share after 0.5ms: %+v; want 998 left (998.5), full again in 1.5ms", out[0])
+		}
+	})
+}
+
+// Spends made locally after Redis's fixed window passed are in Redis's new
+// window and stay owed there: the instance allows no more in that window
+// than the remaining Redis reported (the review's probe: with the local
+// window ending at the next whole second, 300 ms after Redis's, 1000 spent
+// in between was cleared as the old window's debt and 2000 allowed).
+func TestLocalSpendsAfterRedisResetStayOwed(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		d := localDecider(t, Options{})
+		rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "f", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})}
+		o := userOwner(d, "u")
+		time.Sleep(time.Millisecond)
+		d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: 300 * time.Millisecond}}, d.mono())
+		allowed := 0
+		for _, at := range []time.Duration{400 * time.Millisecond, 700 * time.Millisecond} { // 401 ms, 1.101 s: Redis's new window
+			time.Sleep(at)
+			if di, _, _, _ := check(d, o, rules, 1000); di < 0 {
+				allowed += 1000
+			}
+		}
+		if allowed != 1000 {
+			t.Errorf("allowed %d locally in Redis's window from 301 ms, want 1000 (its limit)", allowed)
+		}
+		// Redis back, holding none of it yet: 1000 left, window ends at 1h301ms.
+		d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: time.Hour - 800*time.Millisecond}}, d.mono())
+		if l := left(d, o, &rules[0]); l != 0 {
+			t.Errorf("left %v after Redis reported 1000, want 0 (the 1000 spent is owed)", l)
 		}
 	})
 }

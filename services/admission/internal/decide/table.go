@@ -76,9 +76,9 @@ type bucket struct {
 // packedState is a ruleState as the table keeps it, 24 bytes.
 type packedState struct {
 	left float64
-	// t is, for a share, ruleState.t; for a quota, ruleState.t in whole
-	// seconds (rounded up: a window seen never ends early locally, and 32
-	// bits hold 136 years) << 32 | ruleState.owedAt.
+	// t is, for a share, ruleState.t; for a quota, ruleState.t in ms
+	// (rounded up, though Redis reports its resets in whole ms; 42 bits hold
+	// 139 years) << owedBits | ruleState.owedAt.
 	t    uint64
 	owed [2]float32
 }
@@ -203,7 +203,7 @@ func (t *localTable) load(s int, quota bool) ruleState {
 		st.t = int64(p.t)
 		return st
 	}
-	st.t, st.owedAt = int64(p.t>>32)*int64(time.Second), uint32(p.t)
+	st.t, st.owedAt = int64(p.t>>owedBits)*int64(time.Millisecond), uint32(p.t&owedMask)
 	st.seen = bk.seen[r]&(1<<l) != 0
 	return st
 }
@@ -218,11 +218,11 @@ func (t *localTable) store(s int, quota bool, st *ruleState) {
 		p.t = uint64(st.t)
 		return
 	}
-	sec := uint64(0)
+	ms := uint64(0)
 	if st.t > 0 {
-		sec = min(math.MaxUint32, uint64((st.t+int64(time.Second)-1)/int64(time.Second)))
+		ms = min(math.MaxUint64>>owedBits, uint64((st.t+int64(time.Millisecond)-1)/int64(time.Millisecond)))
 	}
-	p.t = sec<<32 | uint64(st.owedAt)
+	p.t = ms<<owedBits | uint64(st.owedAt)
 	if st.seen {
 		bk.seen[r] |= 1 << l
 	} else {
