@@ -91,7 +91,8 @@ type Config struct {
 	UnseenAllowance int64 `envconfig:"UNSEEN_ALLOWANCE"`
 	// LocalEntries sizes the table of what was last seen per subject,
 	// tenant, IP and endpoint, for local decisions while Redis is
-	// unreachable: 99 bytes each, resident once used (decide.Options).
+	// unreachable: 119 bytes each (three limits and two owners, pooled),
+	// resident once used (decide.Options).
 	LocalEntries int `envconfig:"LOCAL_ENTRIES"`
 	// Instances is how many admission instances share the Redis (each
 	// allows its share of shared limits while Redis is unreachable).
@@ -308,8 +309,8 @@ func (c *Config) LogArgs() []any {
 			"gateway_addr", c.GatewayAddr, "gateway_upstream", c.GatewayUpstream, "gateway_file", c.GatewayFile})
 }
 
-// maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1 GB (99 bytes an
-// entry: three limits of 33).
+// maxLocalEntries bounds QF_LOCAL_ENTRIES: a table of ~1.2 GB (119 bytes
+// an entry: three limits of 33 and two owners of 10).
 const maxLocalEntries = 10_000_000
 
 // decideOptions are the Decider's options; where a setting's 0 means none

@@ -3,6 +3,7 @@ package decide
 import (
 	"context"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -13,6 +14,7 @@ import (
 
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
 )
 
 // A plan of 5 limits, large enough that nothing denies during a benchmark.
@@ -121,8 +123,10 @@ func BenchmarkAdmit(b *testing.B) {
 // after every Redis decision, over 100k users of the benchmark plan (three
 // token quotas kept per user) plus a tenant-wide month, and reports the
 // owners the default bound kept once each user was seen, the heap they
-// hold (the user names excluded: they are allocated before) and the table's
-// size per owner kept (the table is off the heap where it can be mapped).
+// hold (the user names excluded: they are allocated before), the table's
+// size per owner kept (the table is off the heap where it can be mapped),
+// and the users still deciding from Redis's remaining after two passes of
+// an outage (outageOwners: each user's request rate then needs a state too).
 func BenchmarkRemember(b *testing.B) {
 	pol := parsePolicy(b, benchPolicy+"tenants:\n  bench: {plan: pro, quotas: [{name: month, kind: calendar_month, limit: 1000000000000}]}\n", "")
 	rs, err := pol.Resolve("bench", "", "/any")
@@ -156,4 +160,22 @@ func BenchmarkRemember(b *testing.B) {
 	b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(owners), "heapB/owner")
 	b.ReportMetric(float64(len(d.local.buckets))*float64(unsafe.Sizeof(bucket{}))/float64(owners), "tableB/owner")
 	b.ReportMetric(float64(owners), "owners")
+	b.ReportMetric(float64(outageKept(d, rs.Subject, users[benchUsers/2:])), "outageOwners")
+}
+
+// outageKept decides each user locally over rules (an outage: its request
+// rate is kept beside its quotas) in two passes, and returns how many still
+// decide their first quota from what Redis reported, not the allowance.
+func outageKept(d *Decider, rules []policy.Rule, users []string) int {
+	rules = slices.DeleteFunc(slices.Clone(rules), func(r policy.Rule) bool { return r.Scope != policy.ScopeUser })
+	kept := 0
+	for pass := range 2 {
+		for _, u := range users {
+			_, _, _, out := check(d, d.local.owner(ownerKey{scope: policy.ScopeUser, a: "bench", b: u}), rules, 1)
+			if pass == 1 && out[0].Remaining > d.opt.UnseenAllowance {
+				kept++
+			}
+		}
+	}
+	return kept
 }

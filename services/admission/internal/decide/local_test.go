@@ -49,9 +49,10 @@ func left(d *Decider, o owner, r *policy.Rule) float64 {
 	d.local.lock(o, owner{})
 	defer d.local.unlock(o, owner{})
 	bk := &d.local.buckets[o.b]
-	for rec, h := range bk.owner {
-		if l := slices.Index(bk.id[rec][:], stateID(r)); h == o.h && l >= 0 {
-			return d.local.load(o.b*bucketSlots+rec*recLimits+l, quotaKind(r)).left
+	me := slices.Index(bk.owner[:], o.h)
+	for i, g := range bk.tag {
+		if me >= 0 && int(g&tagOwner) == me+1 && bk.id[i] == stateID(r) {
+			return d.local.load(o.b*bucketSlots+i, quotaKind(r)).left
 		}
 	}
 	return -1
@@ -201,8 +202,8 @@ func TestLocalTableIsBounded(t *testing.T) {
 			check(d, hot, rules, 0)
 		}
 	}
-	if n := len(d.local.buckets) * bucketSlots; n != slots || slots != 1024*recLimits {
-		t.Fatalf("table has %d slots, had %d; want %d throughout", n, slots, 1024*recLimits)
+	if n := len(d.local.buckets) * bucketSlots; n != slots || slots != 1024*bucketSlots/bucketEntries {
+		t.Fatalf("table has %d slots, had %d; want %d throughout", n, slots, 1024*bucketSlots/bucketEntries)
 	}
 	if n := d.local.owners(); n > slots {
 		t.Fatalf("table holds %d owners, want at most %d", n, slots)
@@ -243,6 +244,35 @@ func TestLocalTableMoreLimitsThanABucket(t *testing.T) {
 	}
 	if l := left(d, o, &rules[0]); l != 2 {
 		t.Fatalf("after a denial limit 0 has %v left, want 2", l)
+	}
+}
+
+// An owner found by a decision is kept while the decision takes more slots:
+// in a full bucket where it is the least recently used, its new limit
+// takes a neighbour's slot, not its own older limit's.
+func TestLocalTableKeepsTheDecisionsOwner(t *testing.T) {
+	d := localDecider(t, Options{LocalEntries: 1, UnseenAllowance: 10}) // one bucket
+	q := func(name string) policy.Rule {
+		return rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: name, Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})
+	}
+	a, b, c := q("a"), q("b"), q("c")
+	o := userOwner(d, "o")
+	check(d, o, []policy.Rule{a}, 3) // 7 of its 10 left
+	for i := range bucketSlots / 2 { // the bucket's other 47 slots, used since
+		rules := []policy.Rule{b, c}
+		if i == bucketSlots/2-1 {
+			rules = rules[:1]
+		}
+		check(d, userOwner(d, fmt.Sprint(i)), rules, 1)
+	}
+	if di, _, _, out := check(d, o, []policy.Rule{b, a}, 1); di >= 0 || out[1].Remaining != 6 {
+		t.Fatalf("o over b and a: denied %d, %+v; want allowed, 6 of a's 7 left (kept)", di, out[1])
+	}
+	if l := left(d, o, &a); l != 6 {
+		t.Fatalf("o's a has %v left, want 6", l)
+	}
+	if l := left(d, userOwner(d, "0"), &c); l != -1 {
+		t.Fatalf("the least recently used neighbour's c has %v left, want it taken", l)
 	}
 }
 
@@ -438,8 +468,8 @@ func TestLocalOwedOutlivesBucketRefill(t *testing.T) {
 	})
 }
 
-// One bucket of 16 records (LocalEntries 1): u's owed record is evicted by
-// 16 other subjects seen from Redis; the next Redis answer for u recreates it
+// One bucket (LocalEntries 1): u's owed state is evicted by bucketOwners
+// other subjects seen from Redis; the next Redis answer for u recreates it
 // with nothing owed although Redis holds none of u's 600. This pins what
 // README and design state (a forgotten state forgets its debt), so that a
 // change of it is a decision.
@@ -455,8 +485,8 @@ func TestLocalEvictionForgetsOwed(t *testing.T) {
 		if di, _, _, _ := check(d, o, rules, 600); di >= 0 {
 			t.Fatal("600 denied")
 		}
-		for i := range 16 {
-			seen(string(rune('a'+i)), 1000)
+		for i := range bucketOwners {
+			seen(fmt.Sprint("s", i), 1000)
 		}
 		seen("u", 1000)
 		if l := left(d, o, &rules[0]); l != 1000 {
@@ -492,8 +522,8 @@ func TestLocalOwedExpiresSpendBySpend(t *testing.T) {
 // The table's figures (table.go's, options.go's and README's bytes a
 // limit) rest on these sizes.
 func TestLocalTableSize(t *testing.T) {
-	if b, p := unsafe.Sizeof(bucket{}), unsafe.Sizeof(packedState{}); b != 1584 || p != 24 {
-		t.Errorf("bucket %d bytes, packedState %d; the docs say 1584 and 24", b, p)
+	if b, p := unsafe.Sizeof(bucket{}), unsafe.Sizeof(packedState{}); b != 1904 || p != 24 {
+		t.Errorf("bucket %d bytes, packedState %d; the docs say 1904 and 24", b, p)
 	}
 }
 

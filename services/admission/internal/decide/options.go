@@ -71,8 +71,10 @@ type Options struct {
 
 	// LocalEntries sizes the local state (last remaining seen, local
 	// shares) for this many subjects, tenants, IPs and endpoints with three
-	// limits each: a table of 99 bytes per owner (33 a limit), allocated
-	// once and off the Go heap, whose least recently used owners are
+	// limits each: a table of 119 bytes an entry, allocated once and off
+	// the Go heap, where an owner takes 10 bytes and 33 a limit (an IP's
+	// one limit 43, a subject's three quotas and request rate 142) from its
+	// bucket's pool of 16 entries, whose least recently used owners are
 	// forgotten first (see localTable; about 90 % of the owners are held
 	// when as many as it is sized for are active, BenchmarkRemember). Zero
 	// means 100000.

@@ -4,33 +4,36 @@ import (
 	"hash/maphash"
 	"log/slog"
 	"math"
+	"slices"
 	"sync"
 	"time"
 )
 
-// localTable holds the local state: records of an owner's limits, in a
-// fixed array allocated once at its cap, without a pointer, so that the
-// garbage collector never scans it (with 100k subjects remembered it is most
-// of admission's live memory, and scanning it was most of the collector's
+// localTable holds the local state: limit states of owners, in a fixed
+// array allocated once at its cap, without a pointer, so that the garbage
+// collector never scans it (with 100k subjects remembered it is most of
+// admission's live memory, and scanning it was most of the collector's
 // work) and it never grows.
 //
-// It is set-associative: an owner's records all live in one bucket of
-// bucketRecs, chosen by the owner's hash, under that bucket's mutex, which
-// makes a local decision over an owner's limits all-or-nothing. A record
-// holds the owner's hash once and recLimits limits' states; an owner with
-// more limits takes more records of its bucket. A record needed when its
-// bucket is full takes the least recently used one, whichever owner it
-// belongs to: the table forgets the least recently used records of an
-// owner's neighbours first, with O(bucketRecs) work and no list. A record
-// used within the current hold of its bucket's lock is never taken, so the
-// slots of one decision stay its own while it holds the lock; past
-// bucketSlots limits in one decision, the rest are decided from a fresh
-// state, as for an owner forgotten.
+// It is set-associative: an owner's states all live in one bucket, chosen
+// by the owner's hash, under that bucket's mutex, which makes a local
+// decision over an owner's limits all-or-nothing. A bucket holds up to
+// bucketOwners owners' hashes once each and bucketSlots limit states, each
+// state tagged with its owner's place: an owner takes as many states as it
+// has limits, one for an IP's, four for a user of the benchmarks' plan. A
+// state or owner needed when its bucket has none free takes those of the
+// least recently used owner, whichever it is: the table forgets the least
+// recently used of an owner's neighbours first, with O(bucketOwners +
+// bucketSlots) work and no list. An owner used within the current hold of
+// its bucket's lock is never forgotten, so the states of one decision stay
+// its own while it holds the lock; past bucketSlots limits in one
+// decision, the rest are decided from a fresh state, as for an owner
+// forgotten.
 //
-// A record's generation counts the owners it has held, so that a spending
-// is given back only to the state it was taken from, not to one of the same
-// owner and limit created there since (a give-back would wrap it only after
-// 2³² new owners of that record within one request).
+// A state's generation counts the states its slot has held, so that a
+// spending is given back only to the state it was taken from, not to one of
+// the same owner and limit created there since (a give-back would wrap it
+// only after 2³² new states of that slot within one request).
 //
 // Owners are kept by a 64-bit hash of their key, not the key: the table
 // holds no strings (a request's tenant and user do not outlive it). Two
@@ -42,35 +45,38 @@ type localTable struct {
 }
 
 const (
-	// recLimits is the limits a record holds: a subject's token quotas in
-	// the benchmarks' five-limit plan, which sizes the table
-	// (Options.LocalEntries owners of one record each).
-	recLimits = 3
-	// bucketRecs is the associativity: a lookup compares this many owner
-	// hashes (two cache lines) and a full bucket takes the least recently
-	// used of as many records. 16 keeps 90 % of the owners when as many as
-	// the table is sized for are active, 8 kept 86 % (BenchmarkRemember).
-	bucketRecs = 16
-	// bucketSlots is the most limits one owner keeps.
-	bucketSlots = bucketRecs * recLimits
+	// bucketEntries is how many of Options.LocalEntries a bucket stands
+	// for: an entry is three limits' states (a subject's token quotas in
+	// the benchmarks' five-limit plan) and two owners.
+	bucketEntries = 16
+	// bucketSlots is the limit states of a bucket, and the most one owner
+	// keeps; bucketOwners the owners it holds at once. A lookup compares
+	// bucketOwners hashes (four cache lines) and the states' tags (one).
+	bucketSlots  = bucketEntries * 3
+	bucketOwners = bucketEntries * 2
+	// tagOwner is the bits of a state's tag naming its owner's place + 1
+	// (0: free); tagSeen is ruleState.seen.
+	tagOwner = 0x3f
+	tagSeen  = 0x80
 )
 
 type bucketHead struct {
 	mu    sync.Mutex
-	clock uint16 // the current hold of mu, stamped on the records it uses
+	clock uint16 // the current hold of mu, stamped on the owners it uses
 }
 
-// bucket is bucketRecs records, field by field so that a lookup reads the
-// owners' hashes together: 1,584 bytes, 99 a record, 33 a limit.
-// Slot s of the table (a limit's state) is in bucket s/bucketSlots, its
-// record s%bucketSlots/recLimits, its limit s%recLimits.
+// bucket is bucketOwners owners and bucketSlots states, field by field so
+// that a lookup reads the owners' hashes together: 1,904 bytes, 119 an
+// entry (bucketEntries), 33 a state and 10 an owner.
+// Slot s of the table (a limit's state) is in bucket s/bucketSlots, place
+// s%bucketSlots.
 type bucket struct {
-	owner [bucketRecs]uint64 // the record's owner's hash; 0: free
-	st    [bucketRecs][recLimits]packedState
-	id    [bucketRecs][recLimits]uint32 // the limit's stateID; 0: free
-	gen   [bucketRecs]uint32            // the owners the record has held
-	used  [bucketRecs]uint16            // the hold of the bucket's lock that last used it
-	seen  [bucketRecs]uint8             // bit l: limit l's left came from Redis (ruleState.seen)
+	owner [bucketOwners]uint64 // the owner's hash; 0: free
+	used  [bucketOwners]uint16 // the hold of the bucket's lock that last used it
+	st    [bucketSlots]packedState
+	id    [bucketSlots]uint32 // the limit's stateID
+	gen   [bucketSlots]uint32 // the states the slot has held
+	tag   [bucketSlots]uint8  // its owner's place + 1 (0: free) | tagSeen
 }
 
 // packedState is a ruleState as the table keeps it, 24 bytes.
@@ -92,7 +98,7 @@ type owner struct {
 // newLocalTable returns a table for entries owners; log hears of a
 // fallback to the heap.
 func newLocalTable(entries int, log *slog.Logger) *localTable {
-	n := max(1, (entries+bucketRecs-1)/bucketRecs)
+	n := max(1, (entries+bucketEntries-1)/bucketEntries)
 	t := &localTable{heads: make([]bucketHead, n)}
 	t.alloc(n, log)
 	return t
@@ -137,82 +143,112 @@ func (t *localTable) unlock(a, b owner) {
 }
 
 // index returns the slot of o's state id, and whether it is fresh (its
-// state the zero ruleState): a free slot of one of o's records, else the
-// first of a free or the least recently used record of its bucket, or -1
-// when every record of the bucket was used within this hold of its lock;
-// caller holds o's bucket. A slot stays o's until the lock is released.
+// state the zero ruleState): o's state, else a free slot, taking o a free
+// place if it has none, after forgetting the least recently used owners
+// while either is missing; -1 when every owner left in the bucket was used
+// within this hold of its lock; caller holds o's bucket. A slot stays o's
+// until the lock is released.
 func (t *localTable) index(o owner, id uint32) (slot int, fresh bool) {
 	clock := t.heads[o.b].clock
 	bk := &t.buckets[o.b]
 	base := o.b * bucketSlots
-	free, victim, age := -1, -1, uint16(0)
-	for r := range bucketRecs {
-		if bk.owner[r] == o.h {
-			for l, x := range bk.id[r] {
-				if x == id {
-					bk.used[r] = clock
-					return base + r*recLimits + l, false
-				}
-				if x == 0 && free < 0 {
-					free = r*recLimits + l
-				}
+	me, place := -1, -1
+	for p, h := range bk.owner {
+		if h == o.h {
+			me = p
+			break
+		}
+		if h == 0 && place < 0 {
+			place = p
+		}
+	}
+	if me >= 0 {
+		bk.used[me] = clock // kept while this decision takes more slots
+		for i, g := range bk.tag {
+			if int(g&tagOwner) == me+1 && bk.id[i] == id {
+				return base + i, false
 			}
 		}
-		// Ages count holds of the lock modulo 2¹⁶: a record unused for
+	}
+	free := slices.Index(bk.tag[:], 0)
+	for free < 0 || (me < 0 && place < 0) {
+		v := t.victim(o.b)
+		if v < 0 {
+			return -1, false
+		}
+		// Missing a slot, take one state of the victim, and its place once
+		// it has none left; missing only a place, take all its states.
+		one, kept := free < 0, 0
+		for i := len(bk.tag) - 1; i >= 0; i-- {
+			if int(bk.tag[i]&tagOwner) != v+1 {
+				continue
+			}
+			if !one || free < 0 {
+				bk.tag[i], free = 0, max(free, i)
+			} else {
+				kept++
+			}
+		}
+		if kept == 0 {
+			bk.owner[v] = 0
+			place = max(place, v)
+		}
+	}
+	if me < 0 {
+		me = place
+		bk.owner[me], bk.used[me] = o.h, clock
+	}
+	bk.st[free], bk.id[free], bk.gen[free], bk.tag[free] = packedState{}, id, bk.gen[free]+1, uint8(me+1)
+	return base + free, true
+}
+
+// victim returns the place of bucket b's least recently used owner, or -1
+// when each was used within the current hold of its lock.
+func (t *localTable) victim(b int) int {
+	clock := t.heads[b].clock
+	bk := &t.buckets[b]
+	v, age := -1, uint16(0)
+	for p, h := range bk.owner {
+		// Ages count holds of the lock modulo 2¹⁶: an owner unused for
 		// longer may look recent, which only makes it a later victim.
-		a := clock - bk.used[r]
-		if bk.owner[r] == 0 {
-			a = ^uint16(0)
-		}
-		if a > age || (victim < 0 && a > 0) {
-			victim, age = r, a
+		if a := clock - bk.used[p]; h != 0 && a > age {
+			v, age = p, a
 		}
 	}
-	if free >= 0 { // a record's free slots hold the zero state
-		r := free / recLimits
-		bk.id[r][free%recLimits], bk.used[r] = id, clock
-		return base + free, true
-	}
-	if victim < 0 {
-		return -1, false
-	}
-	bk.owner[victim], bk.gen[victim], bk.used[victim] = o.h, bk.gen[victim]+1, clock
-	bk.id[victim], bk.st[victim], bk.seen[victim] = [recLimits]uint32{id}, [recLimits]packedState{}, 0
-	return base + victim*recLimits, true
+	return v
 }
 
-// at returns the bucket, record and limit of slot s.
-func (t *localTable) at(s int) (*bucket, int, int) {
-	r := s % bucketSlots
-	return &t.buckets[s/bucketSlots], r / recLimits, r % recLimits
+// at returns the bucket and place of slot s.
+func (t *localTable) at(s int) (*bucket, int) {
+	return &t.buckets[s/bucketSlots], s % bucketSlots
 }
 
-// gen returns the generation of slot s's record.
+// gen returns the generation of slot s.
 func (t *localTable) gen(s int) uint32 {
-	bk, r, _ := t.at(s)
-	return bk.gen[r]
+	bk, i := t.at(s)
+	return bk.gen[i]
 }
 
 // load returns the state kept in slot s, a quota's or a share's; caller
 // holds its bucket.
 func (t *localTable) load(s int, quota bool) ruleState {
-	bk, r, l := t.at(s)
-	p := &bk.st[r][l]
+	bk, i := t.at(s)
+	p := &bk.st[i]
 	st := ruleState{left: p.left, owed: p.owed, init: true}
 	if !quota {
 		st.t = int64(p.t)
 		return st
 	}
 	st.t, st.owedAt = int64(p.t>>owedBits)*int64(time.Millisecond), uint32(p.t&owedMask)
-	st.seen = bk.seen[r]&(1<<l) != 0
+	st.seen = bk.tag[i]&tagSeen != 0
 	return st
 }
 
 // store keeps st in slot s (see packedState for what it rounds); caller
 // holds its bucket.
 func (t *localTable) store(s int, quota bool, st *ruleState) {
-	bk, r, l := t.at(s)
-	p := &bk.st[r][l]
+	bk, i := t.at(s)
+	p := &bk.st[i]
 	p.left, p.owed = st.left, st.owed
 	if !quota {
 		p.t = uint64(st.t)
@@ -224,9 +260,9 @@ func (t *localTable) store(s int, quota bool, st *ruleState) {
 	}
 	p.t = ms<<owedBits | uint64(st.owedAt)
 	if st.seen {
-		bk.seen[r] |= 1 << l
+		bk.tag[i] |= tagSeen
 	} else {
-		bk.seen[r] &^= 1 << l
+		bk.tag[i] &^= tagSeen
 	}
 }
 

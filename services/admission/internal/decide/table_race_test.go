@@ -18,7 +18,7 @@ func TestLocalTableRaceVisible(t *testing.T) {
 		d := localDecider(t, Options{})
 		var wg sync.WaitGroup
 		for range 2 {
-			wg.Go(func() { d.local.buckets[0].st[0][0].left++ }) // deliberately unlocked
+			wg.Go(func() { d.local.buckets[0].st[0].left++ }) // deliberately unlocked
 		}
 		wg.Wait()
 		return
