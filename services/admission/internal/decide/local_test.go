@@ -591,3 +591,23 @@ func TestLocalSpendsAfterRedisResetStayOwed(t *testing.T) {
 		}
 	})
 }
+
+// The table keeps the owed period modulo 2^owedBits: a state stored in a
+// period past 2^owedBits and loaded in the next still moves its spends to
+// the previous group rather than forgetting them.
+func TestLocalOwedPeriodWraps(t *testing.T) {
+	d := localDecider(t, Options{})
+	o := userOwner(d, "u")
+	d.local.lock(o, owner{})
+	defer d.local.unlock(o, owner{})
+	j, _ := d.local.index(o, 1)
+	var st ruleState
+	st.rotateOwed(time.Second, (owedMask+6)*int64(time.Second))
+	st.owed[0] = 5
+	d.local.store(j, true, &st)
+	st = d.local.load(j, true)
+	st.rotateOwed(time.Second, (owedMask+7)*int64(time.Second))
+	if st.owed != [2]float32{0, 5} {
+		t.Fatalf("owed %v in the next period, want [0 5]", st.owed)
+	}
+}
