@@ -30,10 +30,10 @@ import (
 // decision, the rest are decided from a fresh state, as for an owner
 // forgotten.
 //
-// A state's generation counts the states its slot has held, so that a
-// spending is given back only to the state it was taken from, not to one of
-// the same owner and limit created there since (a give-back would wrap it
-// only after 2³² new states of that slot within one request).
+// A slot's generation counts the states it has let go, so that a spending
+// is given back only to the state it was taken from, not to a free slot or
+// to a state created there since (a give-back would wrap it only after 2³²
+// states of that slot forgotten within one request).
 //
 // Owners are kept by a 64-bit hash of their key, not the key: the table
 // holds no strings (a request's tenant and user do not outlive it). Two
@@ -75,7 +75,7 @@ type bucket struct {
 	used  [bucketOwners]uint16 // the hold of the bucket's lock that last used it
 	st    [bucketSlots]packedState
 	id    [bucketSlots]uint32 // the limit's stateID
-	gen   [bucketSlots]uint32 // the states the slot has held
+	gen   [bucketSlots]uint32 // the states the slot has let go
 	tag   [bucketSlots]uint8  // its owner's place + 1 (0: free) | tagSeen
 }
 
@@ -184,7 +184,7 @@ func (t *localTable) index(o owner, id uint32) (slot int, fresh bool) {
 				continue
 			}
 			if !one || free < 0 {
-				bk.tag[i], free = 0, max(free, i)
+				bk.tag[i], bk.gen[i], free = 0, bk.gen[i]+1, max(free, i)
 			} else {
 				kept++
 			}
@@ -198,7 +198,7 @@ func (t *localTable) index(o owner, id uint32) (slot int, fresh bool) {
 		me = place
 		bk.owner[me], bk.used[me] = o.h, clock
 	}
-	bk.st[free], bk.id[free], bk.gen[free], bk.tag[free] = packedState{}, id, bk.gen[free]+1, uint8(me+1)
+	bk.st[free], bk.id[free], bk.tag[free] = packedState{}, id, uint8(me+1)
 	return base + free, true
 }
 
