@@ -16,6 +16,8 @@ import (
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/consume"
 	"quotaflow/services/accounter/internal/expire"
+	"quotaflow/services/accounter/internal/ledger"
+	"quotaflow/services/accounter/internal/retention"
 )
 
 // Config is the accounter's configuration, read from QF_* environment
@@ -77,6 +79,15 @@ type Config struct {
 	ReconcileRepair bool `envconfig:"RECONCILE_REPAIR" default:"true"`
 	// ShutdownTimeout bounds the graceful shutdown on SIGTERM.
 	ShutdownTimeout time.Duration `envconfig:"SHUTDOWN_TIMEOUT"`
+	// LedgerPartitionDays is the width, in days, of the ledger's time
+	// partitions created from now on. Default ledger.DefaultPartitionDays.
+	LedgerPartitionDays int `envconfig:"LEDGER_PARTITION_DAYS"`
+	// LedgerRetentionDays is how many days of the ledger the retention
+	// keeps (whole partitions older are dropped); 0 keeps everything. At
+	// least retention.Floor of a calendar month and the reservation TTL;
+	// the retention task refuses it while the policy in force holds a
+	// longer window. Default retention.DefaultDays.
+	LedgerRetentionDays int `envconfig:"LEDGER_RETENTION_DAYS"`
 }
 
 // defaults is Config before the environment is read: the defaults other
@@ -88,6 +99,7 @@ func defaults() Config {
 		Workers: consume.DefaultWorkers, BatchSize: consume.DefaultBatchSize, BatchWait: consume.DefaultBatchWait,
 		ReservationTTL:  limits.DefaultReservationTTL,
 		ShutdownTimeout: config.DefaultShutdownTimeout, AlerterTimeout: alertlog.DefaultTimeout,
+		LedgerPartitionDays: ledger.DefaultPartitionDays, LedgerRetentionDays: retention.DefaultDays,
 	}
 }
 
@@ -137,6 +149,12 @@ func (c *Config) Validate() error {
 			bad(d.name, "must be positive")
 		}
 	}
+	if c.LedgerPartitionDays < 1 || c.LedgerPartitionDays > 366 {
+		bad("LEDGER_PARTITION_DAYS", "%d: want 1 to 366", c.LedgerPartitionDays)
+	}
+	if floor := retention.Floor(0, c.ReservationTTL) / retention.Day; c.LedgerRetentionDays != 0 && c.LedgerRetentionDays < int(floor) {
+		bad("LEDGER_RETENTION_DAYS", "%d: want 0 (keep everything) or at least %d (a calendar month and two QF_RESERVATION_TTL)", c.LedgerRetentionDays, floor)
+	}
 	if c.ReconcileInterval < 0 {
 		bad("RECONCILE_INTERVAL", "must not be negative (0 turns it off)")
 	}
@@ -150,7 +168,8 @@ func (c Config) LogArgs() []any {
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.Postgres.LogArgs(), c.NATS.LogArgs(), []any{
 			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
 			"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
-			"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair})
+			"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair,
+			"ledger_partition_days", c.LedgerPartitionDays, "ledger_retention_days", c.LedgerRetentionDays})
 }
 
 // poolSize lets each worker hold a connection for its batch's
@@ -164,6 +183,10 @@ func (c Config) poolSize(pc *pgxpool.Config) {
 // reservation TTL for both.
 func (c Config) limitsOptions() limits.Options {
 	return limits.Options{ReservationTTL: c.ReservationTTL}
+}
+
+func (c Config) retentionOptions() retention.Options {
+	return retention.Options{PartitionDays: c.LedgerPartitionDays, RetentionDays: c.LedgerRetentionDays, TTL: c.ReservationTTL}
 }
 
 func (c Config) expireOptions() expire.Options {

@@ -3,6 +3,7 @@ package main
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kelseyhightower/envconfig"
 )
@@ -52,6 +53,9 @@ func TestConfigValidate(t *testing.T) {
 		{"alerter url scheme", func(c *Config) { c.AlerterURL = "ftp://alerter:8082" }, "QF_ALERTER_URL: want an http or https URL"},
 		{"alerter url credentials", func(c *Config) { c.AlerterURL = "http://qf:s3cret@alerter:8082" }, "QF_ALERTER_URL: want no credentials"},
 		{"alerter timeout", func(c *Config) { c.AlerterTimeout = 0 }, "QF_ALERTER_TIMEOUT: must be positive"},
+		{"partition days", func(c *Config) { c.LedgerPartitionDays = 0 }, "QF_LEDGER_PARTITION_DAYS: 0: want 1 to 366"},
+		{"retention under a month", func(c *Config) { c.LedgerRetentionDays = 30 }, "QF_LEDGER_RETENTION_DAYS: 30: want 0 (keep everything) or at least 33"},
+		{"retention under the ttl's floor", func(c *Config) { c.LedgerRetentionDays, c.ReservationTTL = 38, 96*time.Hour }, "at least 39"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := base

@@ -25,10 +25,16 @@ import (
 	"quotaflow/services/accounter/internal/ledger"
 	"quotaflow/services/accounter/internal/rebuild"
 	"quotaflow/services/accounter/internal/reconcile"
+	"quotaflow/services/accounter/internal/retention"
 )
 
 // source is the CloudEvents source of the corrected events.
 const source = "quotaflow/accounter"
+
+// partitionInterval is how often the ledger's partitions are created
+// ahead and dropped past the retention: well inside ledger.AheadDays, and
+// a drop is at most an hour late.
+const partitionInterval = time.Hour
 
 // Readiness components: /readyz turns 200 once the streams and consumer
 // exist and the migrations ran.
@@ -108,6 +114,12 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if err != nil {
 		return err
 	}
+	keeper, err := retention.New(store, watcher.Current, cfg.retentionOptions(), log, reg)
+	if err != nil {
+		return err
+	}
+	keeper.Keep(ctx) // before consuming: today's partition, whatever the last run left
+	stack.Go("partitions", func(ctx context.Context) { service.Every(ctx, partitionInterval, keeper.Keep) })
 	rb.Check(withRedisOp(ctx, opEpoch)) // before consuming: without its epoch Redis refuses every event
 	stack.Go("epoch check", every(cfg.EpochInterval, opEpoch, rb.Check))
 	stack.Go("expiry", every(cfg.ExpiryInterval, opExpiry, expiry.Expire))

@@ -13,6 +13,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -98,10 +100,17 @@ type Reservation struct {
 // it with New.
 type Store struct {
 	pool *pgxpool.Pool
+	now  func() time.Time // the day of new rows; tests set it
 }
 
 // New returns a Store over pool (already migrated).
-func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
+func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool, now: time.Now} }
+
+// Day is the partition day of a row written at t: its UTC date.
+func Day(t time.Time) time.Time {
+	y, m, d := t.UTC().Date()
+	return time.Date(y, m, d, 0, 0, 0, 0, time.UTC)
+}
 
 // Kinds of reservation event, as the CloudEvent type strings.
 const (
@@ -117,13 +126,37 @@ const (
 // does not parse (jsonb's parse was most of an actual event's insert). The
 // batch comes as one array per column (eventArgs), so that its write is one
 // exchange with its BEGIN: no COPY into a staging table first.
+//
+// An event id is once per tenant across partitions: usage_events' own key
+// holds the partition day ($9, today), so event_ids holds every stored id,
+// and only the ids it takes are inserted. A concurrent batch with the same id waits
+// on the id's insert and, once it committed, takes nothing.
 const insertEvents = `
-INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, event)
-SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, event
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::bytea[])
-    AS e(event_id, type, tenant, user_id, request_id, tokens, occurred_at, event)
-ORDER BY tenant, event_id
-ON CONFLICT (tenant, event_id) DO NOTHING`
+WITH e AS (
+    SELECT DISTINCT ON (tenant, event_id) event_id, type, tenant, user_id, request_id, tokens, occurred_at, event
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[], $8::bytea[])
+        AS e(event_id, type, tenant, user_id, request_id, tokens, occurred_at, event)
+    ORDER BY tenant, event_id
+), ids AS (
+    INSERT INTO event_ids (tenant, event_id, day, topup)
+    SELECT tenant, event_id, $9::date, type = 'quotaflow.balance.topup' FROM e
+    ON CONFLICT (tenant, event_id) DO NOTHING
+    RETURNING tenant, event_id
+)
+INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, event, day)
+SELECT e.event_id, e.type, e.tenant, e.user_id, e.request_id, e.tokens, e.occurred_at, e.event, $9::date
+FROM e JOIN ids USING (tenant, event_id)`
+
+// insertKeys gives each request of the batch that has none a key in
+// reservation_keys, on day $4 (today, UTC): its row's partition. Keys are
+// inserted in key order, as rows are locked, so concurrent batches cannot
+// deadlock; a batch that meets another's new key waits for its commit.
+const insertKeys = `
+INSERT INTO reservation_keys (tenant, user_id, request_id, day)
+SELECT DISTINCT tenant, user_id, request_id, $4::date
+FROM unnest($1::text[], $2::text[], $3::text[]) AS k(tenant, user_id, request_id)
+ORDER BY tenant, user_id, request_id
+ON CONFLICT (tenant, user_id, request_id) DO NOTHING`
 
 // upsertReservations merges the batch's reserved, actual and released
 // events (reservationArgs: the first of each kind of a request) into their
@@ -141,11 +174,17 @@ ON CONFLICT (tenant, event_id) DO NOTHING`
 // (Reservation.Status) and what Commit puts back if Redis did not take it.
 // This is still the one statement, locking in key order, that writes a
 // batch's rows: concurrent batches cannot deadlock.
+//
+// The row lives in the partition of its key's day (reservation_keys, which
+// insertKeys wrote or found before, in the statement ahead of this one, so
+// that this statement's snapshot sees a key another batch committed
+// meanwhile): a request has one row whichever of its events came first
+// and on whichever day.
 const upsertReservations = `
-INSERT INTO reservations AS r (tenant, user_id, request_id, plan, endpoint, model,
+INSERT INTO reservations AS r (tenant, user_id, request_id, day, plan, endpoint, model,
     estimated_tokens, reserved_at, expires_at, actual_tokens, actual_event, actual_at, released_at, local,
     status, settled_at, prior_status)
-SELECT tenant, user_id, request_id,
+SELECT tenant, user_id, request_id, k.day,
     coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), ''),
     coalesce(max(endpoint) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(endpoint), ''),
     coalesce(max(model) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(model), ''),
@@ -166,9 +205,10 @@ SELECT tenant, user_id, request_id,
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
     $9::timestamptz[], $10::timestamptz[], $11::boolean[], $12::bytea[])
     AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at, local, event)
-GROUP BY tenant, user_id, request_id
+    JOIN reservation_keys k USING (tenant, user_id, request_id)
+GROUP BY tenant, user_id, request_id, k.day
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
-ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
+ON CONFLICT (tenant, user_id, request_id, day) DO UPDATE SET
     plan = CASE WHEN r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL THEN excluded.plan ELSE r.plan END,
     endpoint = CASE WHEN (r.estimated_tokens IS NULL AND excluded.estimated_tokens IS NOT NULL) OR r.endpoint = ''
         THEN excluded.endpoint ELSE r.endpoint END,
@@ -191,7 +231,7 @@ ON CONFLICT (tenant, user_id, request_id) DO UPDATE SET
     updated_at = now()
 RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
     coalesce(actual_tokens, -1), reserved_at, coalesce(reserved_at, actual_at, released_at),
-    coalesce(prior_status, status), local, prior_status IS NOT NULL`
+    coalesce(prior_status, status), local, prior_status IS NOT NULL, day`
 
 // WriteResult is what a write did.
 type WriteResult struct {
@@ -220,6 +260,8 @@ type Tx struct {
 	// settled holds the rows the write settled ahead of the consumer's
 	// marks (see upsertReservations).
 	settled map[Key]bool
+	// days holds the partition day of every row the write touched.
+	days map[Key]time.Time
 }
 
 // Begin writes a batch in a new transaction and leaves it open: the new
@@ -231,29 +273,44 @@ func (s *Store) Begin(ctx context.Context, recs []Record) (*Tx, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
-	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}, settled: map[Key]bool{}}
-	if err := t.write(ctx, recs); err != nil {
+	t := &Tx{conn: conn, Result: WriteResult{Reservations: make(map[Key]Reservation, len(recs))}, settled: map[Key]bool{},
+		days: make(map[Key]time.Time, len(recs))}
+	if err := t.write(ctx, recs, Day(s.now())); err != nil {
 		t.Rollback(ctx)
 		return nil, fmt.Errorf("ledger write of %d events: %w", len(recs), err)
 	}
 	return t, nil
 }
 
-func (t *Tx) write(ctx context.Context, recs []Record) error {
+func (t *Tx) write(ctx context.Context, recs []Record, day time.Time) error {
 	res := &t.Result
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
 	if args, n := eventArgs(recs); n > 0 {
-		b.Queue(insertEvents, args...).Exec(func(ct pgconn.CommandTag) error {
+		b.Queue(insertEvents, append(args, day)...).Exec(func(ct pgconn.CommandTag) error {
 			res.Inserted = int(ct.RowsAffected())
 			return nil
 		})
 	}
-	if args, n := reservationArgs(recs); n > 0 {
+	args, n, keys := reservationArgs(recs)
+	if n > 0 {
+		b.Queue(insertKeys, args[0], args[1], args[2], day)
 		b.Queue(upsertReservations, args...).Query(t.readReservations)
 	}
-	return t.conn.SendBatch(ctx, b).Close()
+	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
+		return err
+	}
+	if len(res.Reservations) != keys {
+		// A key the retention deleted between the two statements, with
+		// its partition: the batch's next try gives the request a new one.
+		return fmt.Errorf("%w: %d of %d reservations written", ErrKeyGone, len(res.Reservations), keys)
+	}
+	return nil
 }
+
+// ErrKeyGone is returned by Begin when a request's key was pruned by the
+// retention while the batch wrote: writing the batch again succeeds.
+var ErrKeyGone = errors.New("a reservation's key was pruned during the write")
 
 // readReservations reads upsertReservations' rows into the Result.
 func (t *Tx) readReservations(rows pgx.Rows) error {
@@ -261,12 +318,14 @@ func (t *Tx) readReservations(rows pgx.Rows) error {
 	var v Reservation
 	var reservedAt *time.Time
 	var settled bool
-	_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.At, &v.Status, &v.Local, &settled}, func() error {
+	var day time.Time
+	_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &reservedAt, &v.At, &v.Status, &v.Local, &settled, &day}, func() error {
 		v.ReservedAt = time.Time{}
 		if reservedAt != nil {
 			v.ReservedAt = *reservedAt
 		}
 		res.Reservations[v.Key] = v
+		t.days[v.Key] = day
 		if settled {
 			t.settled[v.Key] = true
 		}
@@ -300,10 +359,11 @@ func eventArgs(recs []Record) ([]any, int) {
 
 // reservationArgs are upsertReservations' arguments: the first reserved,
 // actual and released record of each request, one array per column (an
-// actual's JSON beside it, nil for the others), and how many they are.
+// actual's JSON beside it, nil for the others), how many they are and
+// how many requests.
 // Later ones of a kind are left out as the consumer's effects leave them
 // (one per request and kind): the row must record what Redis applied.
-func reservationArgs(recs []Record) ([]any, int) {
+func reservationArgs(recs []Record) ([]any, int, int) {
 	type kindKey struct {
 		Key
 		kind string
@@ -316,6 +376,7 @@ func reservationArgs(recs []Record) ([]any, int) {
 		local                                                 []bool
 		payloads                                              [][]byte
 		seen                                                  = make(map[kindKey]bool, len(recs))
+		keys                                                  = make(map[Key]bool, len(recs))
 	)
 	for i := range recs {
 		r := &recs[i]
@@ -326,7 +387,7 @@ func reservationArgs(recs []Record) ([]any, int) {
 		if seen[k] {
 			continue
 		}
-		seen[k] = true
+		seen[k], keys[k.Key] = true, true
 		var payload []byte
 		if r.Kind == kindActual {
 			payload = r.Payload
@@ -340,7 +401,7 @@ func reservationArgs(recs []Record) ([]any, int) {
 		tokens, at, expires, local = append(tokens, r.Tokens), append(at, r.OccurredAt), append(expires, exp), append(local, r.Local)
 		payloads = append(payloads, payload)
 	}
-	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, expires, local, payloads}, len(tenants)
+	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, expires, local, payloads}, len(tenants), len(keys)
 }
 
 // Commit records marks (see MarkSettled) and commits, in one round trip.
@@ -365,12 +426,8 @@ func (t *Tx) Commit(ctx context.Context, marks []Mark) error {
 		}
 	}
 	b := &pgx.Batch{}
-	if len(rest) > 0 {
-		b.Queue(markSettled, markArgs(rest)...)
-	}
-	if len(undo) > 0 {
-		b.Queue(undoSettled, markArgs(undo)...)
-	}
+	queueMarks(b, markSettled, rest, t.days)
+	queueMarks(b, undoSettled, undo, t.days)
 	b.Queue("COMMIT")
 	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
 		t.Rollback(ctx)
@@ -415,11 +472,13 @@ type Mark struct {
 
 // markSettled moves open rows to their settled status, and released ones
 // to settled (actual usage always wins over a release); other rows keep
-// theirs. A key appears once in the marks (see Tx.Commit).
+// theirs. A key appears once in the marks (see Tx.Commit). It updates the
+// rows of one partition day, $5, so that Postgres plans and locks that
+// partition alone, not every partition of the retention (queueMarks).
 const markSettled = `
 UPDATE reservations AS r SET status = m.status, settled_at = now(), updated_at = now()
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
-WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id
+WHERE r.day = $5::date AND r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id
     AND (r.status = 'open' OR (r.status = 'released' AND m.status = 'settled'))`
 
 // undoSettled sets rows the batch's write settled ahead to the status
@@ -429,21 +488,59 @@ const undoSettled = `
 UPDATE reservations AS r SET status = m.status, prior_status = NULL, updated_at = now(),
     settled_at = CASE WHEN m.status = 'open' THEN NULL ELSE r.settled_at END
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
-WHERE r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id`
+WHERE r.day = $5::date AND r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id`
 
-// MarkSettled records marks in one statement. Calling it again changes
-// nothing.
+// selectDays reads the partition day of each key.
+const selectDays = `
+SELECT k.tenant, k.user_id, k.request_id, k.day
+FROM unnest($1::text[], $2::text[], $3::text[]) AS m(tenant, user_id, request_id)
+    JOIN reservation_keys k USING (tenant, user_id, request_id)`
+
+// MarkSettled records marks, in one statement per partition day of their
+// rows, in one transaction. Calling it again changes nothing.
 func (s *Store) MarkSettled(ctx context.Context, marks []Mark) error {
 	if len(marks) == 0 {
 		return nil
 	}
-	if _, err := s.pool.Exec(ctx, markSettled, markArgs(marks)...); err != nil {
+	args := markArgs(marks)
+	rows, err := s.pool.Query(ctx, selectDays, args[:3]...)
+	if err != nil {
+		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
+	}
+	days := make(map[Key]time.Time, len(marks))
+	var k Key
+	var day time.Time
+	if _, err := pgx.ForEachRow(rows, []any{&k.Tenant, &k.User, &k.RequestID, &day}, func() error {
+		days[k] = day
+		return nil
+	}); err != nil {
+		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
+	}
+	b := &pgx.Batch{}
+	queueMarks(b, markSettled, marks, days)
+	if err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return tx.SendBatch(ctx, b).Close() }); err != nil {
 		return fmt.Errorf("mark %d reservations settled: %w", len(marks), err)
 	}
 	return nil
 }
 
-// markArgs are markSettled's arguments for marks.
+// queueMarks queues query (markSettled or undoSettled) once for each
+// partition day of the marks' rows (days; a mark of no row is left out:
+// there is nothing to mark).
+func queueMarks(b *pgx.Batch, query string, marks []Mark, days map[Key]time.Time) {
+	byDay := map[time.Time][]Mark{}
+	for _, m := range marks {
+		if d, ok := days[m.Key]; ok {
+			byDay[d] = append(byDay[d], m)
+		}
+	}
+	// In day order, as every batch locks rows, so that two cannot deadlock.
+	for _, d := range slices.SortedFunc(maps.Keys(byDay), time.Time.Compare) {
+		b.Queue(query, append(markArgs(byDay[d]), d)...)
+	}
+}
+
+// markArgs are markSettled's arguments for marks, but the day.
 func markArgs(marks []Mark) []any {
 	t, u, r, st := make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks)), make([]string, len(marks))
 	for i, m := range marks {
@@ -629,13 +726,20 @@ const heldTokens = `CASE
         END`
 
 // selectBalances sums the top-ups of every subject that received one, and
-// what its reservations hold given their status.
+// what its reservations hold given their status: the rows kept, and what
+// the dropped partitions held (balance_carry).
 const selectBalances = `
-SELECT t.tenant, t.user_id, t.credited, coalesce(r.spent, 0)
+SELECT t.tenant, t.user_id, t.credited, coalesce(r.spent, 0) + t.carried
 FROM (
-    SELECT tenant, user_id, sum(tokens)::bigint AS credited
-    FROM usage_events WHERE type = 'quotaflow.balance.topup'
+    SELECT tenant, user_id, sum(credited)::bigint AS credited, sum(spent)::bigint AS carried
+    FROM (
+        SELECT tenant, user_id, tokens AS credited, 0 AS spent
+        FROM usage_events WHERE type = 'quotaflow.balance.topup'
+        UNION ALL
+        SELECT tenant, user_id, credited, spent FROM balance_carry
+    ) c
     GROUP BY tenant, user_id
+    HAVING sum(credited) > 0
 ) t
 LEFT JOIN LATERAL (
     SELECT sum(` + heldTokens + `)::bigint AS spent

@@ -4,6 +4,7 @@ import (
 	"context"
 	"io/fs"
 	"log/slog"
+	"reflect"
 	"slices"
 	"testing"
 	"testing/fstest"
@@ -142,5 +143,94 @@ func TestMigration007OverOldRows(t *testing.T) {
 		VALUES ('a-new', 'quotaflow.usage.actual', 't', 'u', 'new', 5, $1, '{"id":"a-new"}')`, at)
 	if got, want := audit(), []string{"a-alone", "a-late", "a-new", "a-one", "a-two", "a-two-b"}; !slices.Equal(got, want) {
 		t.Errorf("audit with a new actual = %v, want %v", got, want)
+	}
+}
+
+// TestMigration009OverOldRows applies migration 009 to an unpartitioned
+// ledger: its rows move into the first partition with their keys and ids,
+// the rollups and balances read the same, a late actual of an old
+// reservation, written on a later partition's day, settles the old row
+// (one row, one correction), and an old top-up replayed credits nothing.
+func TestMigration009OverOldRows(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t, "qf_ledger_test", func(ctx context.Context, p *pgxpool.Pool, log *slog.Logger) error {
+		return pgdb.Migrate(ctx, p, migrationsUpTo(t, "008"), VersionTable, log)
+	})
+	if _, err := pool.Exec(ctx, `INSERT INTO reservations (tenant, user_id, request_id, estimated_tokens, actual_tokens, status, reserved_at, actual_at, actual_event) VALUES
+		('t', 'u', 'done', 100, 40, 'settled', '2026-11-30 10:10Z', '2026-11-30 10:12Z', '{"id":"a-done"}'),
+		('t', 'u', 'open', 100, NULL, 'open', '2026-11-30 10:20Z', NULL, NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, payload, event) VALUES
+		('pay-1', 'quotaflow.balance.topup', 't', 'u', 'order-1', 500, '2026-11-30 09:00Z', '{"id":"pay-1"}', NULL),
+		('x-1', 'quotaflow.usage.released', 't', 'u', 'gone', 0, '2026-11-30 10:30Z', NULL, '{"id":"x-1"}')`); err != nil {
+		t.Fatal(err)
+	}
+	type state struct {
+		rollupTokens, rollupRequests int64
+		usage                        []Usage
+	}
+	read := func() state {
+		t.Helper()
+		var st state
+		if err := pool.QueryRow(ctx, `SELECT tokens, requests FROM usage_rollups WHERE bucket_start = '2026-11-30 10:00Z'`).
+			Scan(&st.rollupTokens, &st.rollupRequests); err != nil {
+			t.Fatal(err)
+		}
+		s := New(pool)
+		if err := s.UsageSince(ctx, time.Date(2026, 11, 1, 0, 0, 0, 0, time.UTC), func(u Usage) error { st.usage = append(st.usage, u); return nil }); err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	before := read()
+	if err := Migrate(ctx, pool, slog.New(slog.DiscardHandler)); err != nil {
+		t.Fatal(err)
+	}
+	if after := read(); !reflect.DeepEqual(after, before) {
+		t.Errorf("after 009 = %+v, want as before: %+v", after, before)
+	}
+	var bs []Balance
+	if err := New(pool).Balances(ctx, func(b Balance) error { bs = append(bs, b); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if want := []Balance{{Tenant: "t", User: "u", Credited: 500, Spent: 140}}; !reflect.DeepEqual(bs, want) {
+		t.Errorf("balances after 009 = %+v, want %+v", bs, want)
+	}
+	var keys, ids, topups int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM reservation_keys), (SELECT count(*) FROM event_ids),
+		(SELECT count(*) FROM event_ids WHERE topup)`).Scan(&keys, &ids, &topups); err != nil {
+		t.Fatal(err)
+	}
+	if keys != 2 || ids != 2 || topups != 1 {
+		t.Errorf("%d keys, %d ids (%d top-ups); want 2, 2 (1)", keys, ids, topups)
+	}
+
+	s := New(pool)
+	if _, err := s.EnsurePartitions(ctx, time.Now(), 1); err != nil {
+		t.Fatal(err)
+	}
+	s.now = func() time.Time { return time.Now().AddDate(0, 0, 2) } // past the first partition
+	corrected, err := settle(ctx, s, []Record{
+		{EventID: "a-open", Kind: kindActual, Tenant: "t", User: "u", RequestID: "open", Tokens: 70, OccurredAt: time.Now(), Payload: []byte(`{}`)},
+		{EventID: "pay-1", Kind: "quotaflow.balance.topup", Tenant: "t", User: "u", RequestID: "order-1", Tokens: 500, OccurredAt: time.Now(), Payload: []byte(`{}`)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(corrected) != 1 {
+		t.Errorf("corrected %v, want the old open reservation", corrected)
+	}
+	var rows int
+	var actual int64
+	if err := pool.QueryRow(ctx, `SELECT count(*), max(actual_tokens) FROM reservations WHERE request_id = 'open'`).Scan(&rows, &actual); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 1 || actual != 70 {
+		t.Errorf("old reservation: %d rows, actual %d; want 1 row, 70", rows, actual)
+	}
+	var credited int64
+	if err := s.Balances(ctx, func(b Balance) error { credited = b.Credited; return nil }); err != nil || credited != 500 {
+		t.Errorf("credited after the old top-up's replay = %d (%v), want 500", credited, err)
 	}
 }
