@@ -224,12 +224,14 @@ func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decis
 // that spans slots cannot tell whose epoch is missing and opens the breaker,
 // but is not sent while any of its tenants' slots is lost.
 func (d *Decider) count(ctx context.Context, group []limits.SharedRequest) (limits.Decision, error) {
-	tenant := group[0].Tenant
+	var tenant string
 	for i := range group {
 		if d.lost.has(group[i].Tenant) {
 			return limits.Decision{}, errSlotLost
 		}
-		if group[i].Tenant != tenant {
+		if i == 0 {
+			tenant = group[i].Tenant
+		} else if group[i].Tenant != tenant {
 			tenant = ""
 		}
 	}
