@@ -54,9 +54,7 @@ import (
 	"math"
 	"slices"
 	"strconv"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	rlv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/common/ratelimit/v3"
@@ -66,6 +64,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"quotaflow/pkg/ident"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/admission/internal/decide"
@@ -76,9 +75,9 @@ import (
 // Bounds of a request. Envoy sends a handful of descriptors of a few entries;
 // the bounds keep a hostile caller from making one call costly.
 const (
-	MaxDescriptors = 64  // descriptors of one request
-	MaxEntries     = 32  // entries of one descriptor
-	MaxIDBytes     = 256 // a domain, key or value
+	MaxDescriptors = 64           // descriptors of one request
+	MaxEntries     = 32           // entries of one descriptor
+	MaxIDBytes     = ident.MaxLen // a domain, key or value
 )
 
 // Checker decides a request's charges: *decide.Decider.
@@ -561,13 +560,8 @@ func validate(req *rlspb.RateLimitRequest) error {
 	return nil
 }
 
-// Why checkID and checkValue refuse a string.
-var (
-	errEmpty   = errors.New("empty")
-	errLong    = fmt.Errorf("longer than %d bytes", MaxIDBytes)
-	errUTF8    = errors.New("not valid UTF-8")
-	errControl = errors.New("holds a control character")
-)
+// errEmpty is a required domain or key that is empty.
+var errEmpty = errors.New("empty")
 
 // checkID checks a required domain or key.
 func checkID(s string) error {
@@ -577,18 +571,12 @@ func checkID(s string) error {
 	return checkValue(s)
 }
 
-// checkValue checks a value (which may be empty): at most MaxIDBytes of
-// UTF-8 without control characters.
+// checkValue checks a value (which may be empty) as the decider checks a
+// tenant, user or id (ident.Check: at most MaxIDBytes of UTF-8 without
+// control characters, C1 included), so that a value naming a tenant is
+// refused here, naming its field, rather than by the decider.
 func checkValue(s string) error {
-	switch {
-	case len(s) > MaxIDBytes:
-		return errLong
-	case !utf8.ValidString(s):
-		return errUTF8
-	case strings.ContainsFunc(s, func(r rune) bool { return r < 0x20 || r == 0x7f }):
-		return errControl
-	}
-	return nil
+	return ident.Check(s)
 }
 
 func b2i(b bool) int64 {
