@@ -97,11 +97,11 @@ func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config
 		}
 		ds = append(ds, d)
 	}
-	// Locked before Groups, which marks the messages in progress when
-	// their turn comes late: a wait for another durable's groups counts.
-	handling.Lock()
-	defer handling.Unlock()
-	stream.Groups(f, ds, maxBatch, cfg, func(g []*stream.Delivery) { handleGroup(ctx, js, cfg, g, handle, batch, log) })
+	stream.Groups(f, ds, maxBatch, cfg, func(g []*stream.Delivery) {
+		handling.Lock()
+		defer handling.Unlock()
+		handleGroup(ctx, js, cfg, g, handle, batch, log)
+	})
 }
 
 func handleGroup(ctx context.Context, js jetstream.JetStream, cfg stream.Config, ds []*stream.Delivery,
