@@ -1,18 +1,14 @@
-// Package consume feeds the alerter's detector from the usage stream,
-// through one durable per type it reads (Types; stream.EnsureTypeConsumers),
-// so that it is never handed the actual, released and top-up events it
-// ignores: from each it fetches up to maxBatch messages, waiting at most
-// fetchWait for them, expands batch messages into their events, handles
-// the events in batches, each in one Postgres transaction, and finishes
-// each message once; it falls back to event by event when a batch fails,
-// so one bad event is retried and dead-lettered alone while the others go
-// through.
+// Package consume feeds the alerter's detector from the usage stream: it
+// fetches up to maxBatch messages, waiting at most fetchWait for them,
+// expands batch messages into their events, handles the events in batches, each in one Postgres
+// transaction, and finishes each message once; it falls back to event by
+// event when a batch fails, so one bad event is retried and dead-lettered
+// alone while the others go through.
 package consume
 
 import (
 	"context"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -31,10 +27,6 @@ const maxBatch = 256
 // transaction and fewer fetches.
 const fetchWait = 200 * time.Millisecond
 
-// Types are the event types the alerter reads: the snapshots of reserved
-// and corrected events (thresholds) and denied events (spikes, abuse).
-var Types = []string{events.TypeReserved, events.TypeCorrected, events.TypeDenied}
-
 // Handler is what the events feed: *detect.Detector.
 type Handler interface {
 	// HandleBatch handles events in one transaction; on an error none of
@@ -47,44 +39,34 @@ type Handler interface {
 	Denied(ctx context.Context, ev events.Event, d events.Denied) error
 }
 
-// Run processes the events of conss (the durables of Types) with h until
-// ctx ends, fetching from each in a goroutine of its own and handling one
-// group of events at a time, as one consumer of every type did (h's
-// transactions never contend with each other). cfg names the streams
-// (for dead letters); js publishes the dead letters.
-func Run(ctx context.Context, conss []jetstream.Consumer, js jetstream.JetStream, cfg stream.Config, h Handler, log *slog.Logger) {
+// Run processes cons's events with h until ctx ends. cfg names the
+// streams (for dead letters); js publishes the dead letters.
+func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, cfg stream.Config, h Handler, log *slog.Logger) {
 	log = log.With("component", "consume")
+	info := cons.CachedInfo()
+	log.Info("consuming", "stream", info.Stream, "consumer", info.Name)
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
-	var handling sync.Mutex // one group at a time
-	var wg sync.WaitGroup
-	for _, cons := range conss {
-		info := cons.CachedInfo()
-		log.Info("consuming", "stream", info.Stream, "consumer", info.Name)
-		wg.Go(func() {
-			for ctx.Err() == nil {
-				f, err := stream.Fetch(cons, maxBatch, fetchWait)
-				if err != nil && ctx.Err() == nil {
-					log.Warn("fetch events", "err", err)
-					if len(f.Msgs) == 0 {
-						service.Sleep(ctx, time.Second)
-						continue
-					}
-				}
-				processBatch(ctx, js, cfg, f, &handling, hs.Dispatch, h.HandleBatch, log)
+	for ctx.Err() == nil {
+		f, err := stream.Fetch(cons, maxBatch, fetchWait)
+		if err != nil && ctx.Err() == nil {
+			log.Warn("fetch events", "err", err)
+			if len(f.Msgs) == 0 {
+				service.Sleep(ctx, time.Second)
+				continue
 			}
-		})
+		}
+		processBatch(ctx, js, cfg, f, hs.Dispatch, h.HandleBatch, log)
 	}
-	wg.Wait()
 }
 
 // processBatch expands f's messages (single events and batches) into
 // their events and handles them in batches of at most maxBatch events,
-// whole messages each (stream.Groups), under handling, with batch (one transaction per batch), then finishes each message
+// whole messages each (stream.Groups), with batch (one transaction per batch), then finishes each message
 // once (stream.Delivery.Finish acks it and dead-letters its invalid
 // events). A message that does not decode as a whole is dead-lettered;
 // when batch fails, each message's events are handled one by one and the
 // message finished with their results.
-func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, f stream.Fetched, handling *sync.Mutex,
+func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, f stream.Fetched,
 	handle stream.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
 	ds := make([]*stream.Delivery, 0, len(f.Msgs))
 	for _, m := range f.Msgs {
@@ -97,11 +79,7 @@ func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config
 		}
 		ds = append(ds, d)
 	}
-	stream.Groups(f, ds, maxBatch, cfg, func(g []*stream.Delivery) {
-		handling.Lock()
-		defer handling.Unlock()
-		handleGroup(ctx, js, cfg, g, handle, batch, log)
-	})
+	stream.Groups(f, ds, maxBatch, cfg, func(g []*stream.Delivery) { handleGroup(ctx, js, cfg, g, handle, batch, log) })
 }
 
 func handleGroup(ctx context.Context, js jetstream.JetStream, cfg stream.Config, ds []*stream.Delivery,
