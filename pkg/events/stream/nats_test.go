@@ -431,6 +431,11 @@ func TestPublishBatchFitsTheStreamLimitConcurrently(t *testing.T) {
 
 func TestConsumeAndDeadLetter(t *testing.T) {
 	js, cfg := realNATS(t)
+	// Redeliveries come from the handler's naks alone: with the suite's
+	// 300 ms AckWait a loaded host let a delivery's ack wait pass, and the
+	// poison came a fourth time (dead-lettered 3, attempts 4). Naks back off
+	// 1 s, then 2 s.
+	cfg.AckWait = 3 * time.Second
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	p := stream.NewPublisher(js, cfg)
