@@ -25,9 +25,10 @@ import (
 //     current owedFor period's and the previous one's, and a group is
 //     dropped when it falls out of both, so a spend stays owed at least
 //     owedFor and at most twice that, never extended by later spends. A
-//     fixed or calendar window seen passing drops what is owed (Redis's new
-//     window starts empty); other kinds start again at capacity less it.
-//     The table forgetting a state forgets what it owes too.
+//     window seen passing, of any kind, starts again at capacity less what
+//     is owed: a fixed or calendar window's local end may come after
+//     Redis's, so spends of the old window cannot be told from those of the
+//     new. The table forgetting a state forgets what it owes too.
 //   - Every other limit (request limits of any scope, token limits of shared
 //     scopes): this instance's share, a token bucket of capacity
 //     ceil(capacity / Instances) that refills that much per window (for a
@@ -216,12 +217,11 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 		}
 		st.rotateOwed(d.owedFor(r), now)
 		if st.t != 0 && now >= st.t {
-			// Only a fixed or calendar window starts empty in Redis, the
-			// owed actuals charged to the one that passed; a rolling or
-			// sliding window, or a bucket, still counts what is owed.
-			if r.Kind == policy.Fixed || r.Kind == policy.CalendarMonth {
-				st.owed = [2]float32{}
-			}
+			// What is owed stays owed, whatever the kind: a fixed or
+			// calendar boundary passes here up to a reply's latency (and a
+			// ms) after Redis's, and spends in between are in Redis's new
+			// window. Debts of the old window cost at most what they were,
+			// until their group expires.
 			st.left = float64(capacity(r)) - st.owing()
 			st.t = d.nextReset(r, st.t, now)
 		}
@@ -241,7 +241,7 @@ func (d *Decider) bring(r *policy.Rule, st *ruleState, now int64) {
 // nextReset is when a quota's local window, which ended at t, ends again
 // after now. A fixed or calendar window keeps Redis's boundaries (t is one):
 // a window counted from the first local touch would end inside Redis's, and
-// clearing what is owed there would forget spends Redis still counts.
+// starting again at capacity there would forget what Redis counted before.
 func (d *Decider) nextReset(r *policy.Rule, t, now int64) int64 {
 	switch r.Kind {
 	case policy.Fixed:

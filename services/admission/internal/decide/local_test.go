@@ -97,8 +97,8 @@ func TestLocalQuotaFromLastSeen(t *testing.T) {
 			t.Fatalf("cost 20 of 10 left: denied %d, retry %v; want denied until the window resets", di, retry)
 		}
 		time.Sleep(10 * time.Minute)
-		if di, _, _, out := check(d, seen, rules, 20); di >= 0 || out[0].Remaining != 80 {
-			t.Fatalf("after the reset: denied %d, %+v; want the full limit back", di, out[0])
+		if di, _, _, out := check(d, seen, rules, 20); di >= 0 || out[0].Remaining != 60 || out[0].Used != 40 {
+			t.Fatalf("after the reset: denied %d, %+v; want the full limit back less the 20 still owed, 20 spent", di, out[0])
 		}
 
 		// Never seen: the allowance, which does not refill. Used is what
@@ -381,7 +381,8 @@ func TestLocalOwedOutlivesRollingReset(t *testing.T) {
 // (Reset 1h), then Redis away: the first local touch at 1h30m starts the
 // local window at Redis's boundary 1h (it ends at 2h, not 2h30m). 600 spent
 // at 2h10m, in Redis's window [2h,3h): at 2h35m a local 900 is denied, and a
-// Redis answer of 1000 (the 600 in flight) leaves 400.
+// Redis answer of 1000 (the 600 in flight) leaves 399: the 1 spent at 1h30m
+// is still owed (owedFor 1h), the under-admission design §4 states.
 func TestLocalFixedResetKeepsRedisBoundary(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{})
@@ -401,8 +402,8 @@ func TestLocalFixedResetKeepsRedisBoundary(t *testing.T) {
 			t.Error("2h35m: a local 900 allowed with 600 already spent in Redis's window [2h,3h)")
 		}
 		d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: 25 * time.Minute}}, d.mono())
-		if l := left(d, o, &rules[0]); l != 400 {
-			t.Errorf("left %v after Redis reported 1000 at 2h35m (600 in flight), want 400", l)
+		if l := left(d, o, &rules[0]); l != 399 {
+			t.Errorf("left %v after Redis reported 1000 at 2h35m (600 in flight, 1 of the last window owed), want 399", l)
 		}
 	})
 }
@@ -527,10 +528,9 @@ func TestLocalTableSize(t *testing.T) {
 	}
 }
 
-// A quota's local window ends at Redis's, to the ms Redis reports it in: a
-// later local end would spend from the old window's remaining after Redis's
-// new window began and then clear those spends as old debt. A share's
-// refill keeps its nanoseconds.
+// A quota's local window ends at the reset Redis reported (rounded up to
+// the ms), not at the next whole second. A share's refill keeps its
+// nanoseconds.
 func TestLocalResetIsRedis(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{Instances: 1})
@@ -564,9 +564,9 @@ func TestLocalResetIsRedis(t *testing.T) {
 
 // Spends made locally after Redis's fixed window passed are in Redis's new
 // window and stay owed there: the instance allows no more in that window
-// than the remaining Redis reported (the review's probe: with the local
-// window ending at the next whole second, 300 ms after Redis's, 1000 spent
-// in between was cleared as the old window's debt and 2000 allowed).
+// than the remaining Redis reported (the first review's probe: with the
+// local window ending at the next whole second, 300 ms after Redis's, 1000
+// spent in between was cleared as the old window's debt and 2000 allowed).
 func TestLocalSpendsAfterRedisResetStayOwed(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{})
@@ -593,21 +593,62 @@ func TestLocalSpendsAfterRedisResetStayOwed(t *testing.T) {
 }
 
 // The table keeps the owed period modulo 2^owedBits: a state stored in a
-// period past 2^owedBits and loaded in the next still moves its spends to
-// the previous group rather than forgetting them.
+// period past 2^owedBits, or in the last period before the low bits wrap
+// to 0, and loaded in the next still moves its spends to the previous group
+// rather than forgetting them.
 func TestLocalOwedPeriodWraps(t *testing.T) {
 	d := localDecider(t, Options{})
 	o := userOwner(d, "u")
 	d.local.lock(o, owner{})
 	defer d.local.unlock(o, owner{})
 	j, _ := d.local.index(o, 1)
-	var st ruleState
-	st.rotateOwed(time.Second, (owedMask+6)*int64(time.Second))
-	st.owed[0] = 5
-	d.local.store(j, true, &st)
-	st = d.local.load(j, true)
-	st.rotateOwed(time.Second, (owedMask+7)*int64(time.Second))
-	if st.owed != [2]float32{0, 5} {
-		t.Fatalf("owed %v in the next period, want [0 5]", st.owed)
+	for _, p := range []int64{owedMask + 6, owedMask} {
+		var st ruleState
+		st.rotateOwed(time.Second, p*int64(time.Second))
+		st.owed[0] = 5
+		d.local.store(j, true, &st)
+		st = d.local.load(j, true)
+		st.rotateOwed(time.Second, (p+1)*int64(time.Second))
+		if st.owed != [2]float32{0, 5} {
+			t.Fatalf("owed %v in period %d after %d, want [0 5]", st.owed, p+1, p)
+		}
+	}
+}
+
+// Redis's fixed window ends before the local one: by the sub-ms part of the
+// local clock when Redis's reset is rounded up to a ms, or by the reply's
+// latency when remember's now is taken after the reply. Spends in that gap
+// are in Redis's new window: the local boundary keeps them owed, so the
+// instance allows no more than the limit in that window (the second
+// review's probes: 2000 allowed when the boundary cleared them).
+func TestLocalSpendsBeforeLocalResetStayOwed(t *testing.T) {
+	for _, c := range []struct {
+		name         string
+		redis, reply time.Duration // when Redis ran the reserve, and the reply's latency
+		spends       [2]time.Duration
+	}{
+		{"sub-ms", 1100 * time.Microsecond, 0, [2]time.Duration{301300 * time.Microsecond, 302300 * time.Microsecond}},
+		{"latency", time.Millisecond, 3 * time.Millisecond, [2]time.Duration{302 * time.Millisecond, 306 * time.Millisecond}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				d := localDecider(t, Options{})
+				rules := []policy.Rule{rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "f", Kind: policy.Fixed, Limit: 1000, Window: policy.Duration(time.Hour)})}
+				o := userOwner(d, "u")
+				time.Sleep(c.redis + c.reply)
+				d.remember("acme", "u", []limits.State{{Rule: &rules[0], Limit: 1000, Remaining: 1000, Reset: 300 * time.Millisecond}}, d.mono())
+				// Redis's window ends at c.redis + 300 ms, before either spend.
+				allowed := 0
+				for _, at := range c.spends {
+					time.Sleep(at - time.Duration(d.mono()))
+					if di, _, _, _ := check(d, o, rules, 1000); di < 0 {
+						allowed += 1000
+					}
+				}
+				if allowed != 1000 {
+					t.Errorf("allowed %d locally in Redis's window from %v, want 1000 (its limit)", allowed, c.redis+300*time.Millisecond)
+				}
+			})
+		})
 	}
 }

@@ -82,9 +82,10 @@ type bucket struct {
 // packedState is a ruleState as the table keeps it, 24 bytes.
 type packedState struct {
 	left float64
-	// t is, for a share, ruleState.t; for a quota, ruleState.t in ms
-	// (rounded up, though Redis reports its resets in whole ms; 42 bits hold
-	// 139 years) << owedBits | ruleState.owedAt.
+	// t is, for a quota, ruleState.t in ms of the monotonic clock, rounded
+	// up (up to 1 ms after Redis's boundary, which the reply's latency
+	// already delays: bring keeps what is owed across it; 42 bits hold 139
+	// years) << owedBits | ruleState.owedAt; for a share, ruleState.t.
 	t    uint64
 	owed [2]float32
 }
