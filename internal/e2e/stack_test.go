@@ -82,6 +82,7 @@ type stackConfig struct {
 	admission []string // more environment of admission
 	accounter []string // more environment of the accounter
 	redisArgs []string // more redis-server arguments
+	instances int      // admission processes on the one Redis; 0 means 1
 }
 
 // stack is admission and the accounter run as processes, on a redis-server
@@ -95,12 +96,16 @@ type stackConfig struct {
 type stack struct {
 	api       string // admission's base URL
 	admission *e2e.Service
-	accounter *e2e.Service
-	redis     *e2e.Server   // the private Redis, which a test may crash
-	rdb       *redis.Client // a client of it
-	db        *pgxpool.Pool // the accounter's ledger
-	js        jetstream.JetStream
-	streams   stream.Config
+	// apis and admissions are every admission instance's, the first
+	// being api and admission.
+	apis       []string
+	admissions []*e2e.Service
+	accounter  *e2e.Service
+	redis      *e2e.Server   // the private Redis, which a test may crash
+	rdb        *redis.Client // a client of it
+	db         *pgxpool.Pool // the accounter's ledger
+	js         jetstream.JetStream
+	streams    stream.Config
 }
 
 // startStack starts a stack for the test and stops it at cleanup, logging
@@ -142,15 +147,15 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 		"QF_STREAM_MAX_AGE=" + sc.MaxAge.String(), "QF_STREAM_DUPLICATES=" + sc.Duplicates.String(),
 		"QF_DLQ_MAX_AGE=" + sc.DLQMaxAge.String(), "QF_LOG_LEVEL=info", "QF_SHUTDOWN_TIMEOUT=5s",
 	}
-	// Both ops ports, the console's and the API's, chosen at once.
-	addrs, err := e2e.FreeAddrs(4)
+	// Every ops port, the console's and each admission's API, chosen at once.
+	instances := max(1, cfg.instances)
+	addrs, err := e2e.FreeAddrs(2 + 2*instances)
 	if err != nil {
 		t.Fatal(err)
 	}
-	console, apiAddr := addrs[2], addrs[3]
-	start := func(name, ops string, env []string) *e2e.Service {
+	start := func(name, binary, ops string, env []string) *e2e.Service {
 		env = append(append(append([]string{}, common...), "QF_OPS_ADDR="+ops), env...)
-		svc, err := e2e.Start(name, filepath.Join(bin, name), dir, ops, env)
+		svc, err := e2e.Start(name, filepath.Join(bin, binary), dir, ops, env)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -166,18 +171,27 @@ func startStack(t *testing.T, cfg stackConfig) *stack {
 	}
 	// The accounter first: it writes the epoch that lets admission decide
 	// from a brand-new Redis.
-	s.accounter = start("accounter", addrs[0], append([]string{"QF_POSTGRES_URL=" + dbURL, "QF_CONSOLE_ADDR=" + console,
+	s.accounter = start("accounter", "accounter", addrs[0], append([]string{"QF_POSTGRES_URL=" + dbURL, "QF_CONSOLE_ADDR=" + addrs[1],
 		"QF_BATCH_WAIT=20ms", "QF_EPOCH_INTERVAL=1s"}, cfg.accounter...))
-	s.api = "http://" + apiAddr
-	s.admission = start("admission", addrs[1], append([]string{"QF_ADMISSION_ADDR=" + apiAddr,
-		"QF_API_TOKENS=" + strings.Join(cfg.tokens, ","), "QF_SPILL_DIR=" + filepath.Join(dir, "spill")}, cfg.admission...))
-	for _, svc := range []*e2e.Service{s.accounter, s.admission} {
+	for i := range instances {
+		name, ops, apiAddr := "admission", addrs[2+2*i], addrs[3+2*i]
+		if i > 0 {
+			name = fmt.Sprintf("admission-%d", i+1)
+		}
+		s.apis = append(s.apis, "http://"+apiAddr)
+		s.admissions = append(s.admissions, start(name, "admission", ops, append([]string{"QF_ADMISSION_ADDR=" + apiAddr,
+			"QF_API_TOKENS=" + strings.Join(cfg.tokens, ","), "QF_SPILL_DIR=" + filepath.Join(dir, "spill", name)}, cfg.admission...)))
+	}
+	s.api, s.admission = s.apis[0], s.admissions[0]
+	for _, svc := range append([]*e2e.Service{s.accounter}, s.admissions...) {
 		if err := svc.WaitReady(ctx); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if deg := s.admission.WaitSteady(ctx, 30*time.Second); deg != "" {
-		t.Fatalf("admission still degraded: %s", deg)
+	for _, a := range s.admissions {
+		if deg := a.WaitSteady(ctx, 30*time.Second); deg != "" {
+			t.Fatalf("%s still degraded: %s", a.Name, deg)
+		}
 	}
 	return s
 }
