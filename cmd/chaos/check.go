@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -106,8 +107,9 @@ func (st *stack) windowsMatchLedger(ctx context.Context, cfg Config) (bool, stri
 	}
 	compared, mismatches, off := 0, 0, int64(0)
 	first := ""
+	deadline := time.Now().Add(cfg.Settle)
 	for _, u := range cfg.users() {
-		lims, err := st.usage(ctx, u.Tenant, u.Name)
+		lims, err := st.usage(ctx, u.Tenant, u.Name, deadline)
 		if err != nil {
 			return false, err.Error()
 		}
@@ -139,22 +141,49 @@ type usageLimit struct {
 	Used int64  `json:"used"`
 }
 
-func (st *stack) usage(ctx context.Context, tenant, user string) ([]usageLimit, error) {
+// usage asks admission for a subject's limits. A 503 means its Redis read
+// failed (a timeout on a loaded host, say) and is safe to retry: usage asks
+// again after the Retry-After it names, until deadline.
+func (st *stack) usage(ctx context.Context, tenant, user string, deadline time.Time) ([]usageLimit, error) {
+	for {
+		lims, wait, err := st.usageOnce(ctx, tenant, user)
+		if wait == 0 || time.Now().Add(wait).After(deadline) {
+			return lims, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w (%w)", err, ctx.Err())
+		case <-time.After(wait):
+		}
+	}
+}
+
+// usageOnce makes one GET /v1/usage; on a 503 it returns the error with
+// the wait admission asked for (1 s unless its Retry-After names seconds).
+func (st *stack) usageOnce(ctx context.Context, tenant, user string) ([]usageLimit, time.Duration, error) {
 	q := url.Values{"tenant": {tenant}, "user": {user}}
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, st.API+"/v1/usage?"+q.Encode(), nil)
 	req.Header.Set("Authorization", "Bearer "+st.token)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET /v1/usage: %s", resp.Status)
+		err := fmt.Errorf("GET /v1/usage: %s", resp.Status)
+		if resp.StatusCode != http.StatusServiceUnavailable {
+			return nil, 0, err
+		}
+		wait := time.Second
+		if n, perr := strconv.Atoi(resp.Header.Get("Retry-After")); perr == nil && n > 0 {
+			wait = time.Duration(n) * time.Second
+		}
+		return nil, wait, err
 	}
 	var body struct {
 		Limits []usageLimit `json:"limits"`
 	}
-	return body.Limits, json.NewDecoder(resp.Body).Decode(&body)
+	return body.Limits, 0, json.NewDecoder(resp.Body).Decode(&body)
 }
 
 // actualBySubject sums the ledger's actual tokens by (tenant, user) and
