@@ -300,19 +300,21 @@ func (p *pipeline) settle(t *testing.T, m *pmodel) {
 }
 
 // reservations reads every reservation row of the tenant as "status
-// actual local".
+// actual local reserved", reserved telling whether its reserved event is
+// in: a row the actual event made alone already reads settled, and the
+// rollups count it as a request only once its estimate is in.
 func (p *pipeline) reservations(t *testing.T) map[string]string {
 	t.Helper()
-	rows, err := p.db.Query(context.Background(), `SELECT user_id, request_id, status, coalesce(actual_tokens, -1), local FROM reservations WHERE tenant = $1`, p.tenant)
+	rows, err := p.db.Query(context.Background(), `SELECT user_id, request_id, status, coalesce(actual_tokens, -1), local, estimated_tokens IS NOT NULL FROM reservations WHERE tenant = $1`, p.tenant)
 	if err != nil {
 		t.Fatal(err)
 	}
 	out := map[string]string{}
 	var u, id, st string
 	var actual int64
-	var local bool
-	if _, err := pgx.ForEachRow(rows, []any{&u, &id, &st, &actual, &local}, func() error {
-		out[u+"/"+id] = fmt.Sprintf("%s %d local=%v", st, actual, local)
+	var local, reserved bool
+	if _, err := pgx.ForEachRow(rows, []any{&u, &id, &st, &actual, &local, &reserved}, func() error {
+		out[u+"/"+id] = fmt.Sprintf("%s %d local=%v reserved=%v", st, actual, local, reserved)
 		return nil
 	}); err != nil {
 		t.Fatal(err)
@@ -499,7 +501,9 @@ func (m *pmodel) used(u string) map[string]int64 {
 	}
 }
 
-// ledger is every reservation row, as reservations reads them.
+// ledger is every reservation row, as reservations reads them. Every
+// request of the model was admitted, through Redis or locally, so its
+// reserved event is in the ledger once it has settled.
 func (m *pmodel) ledger() map[string]string {
 	out := map[string]string{}
 	for u, mu := range m.users {
@@ -511,7 +515,7 @@ func (m *pmodel) ledger() map[string]string {
 			case r.released:
 				st = "released"
 			}
-			out[u+"/"+r.id] = fmt.Sprintf("%s %d local=%v", st, r.actual, r.local)
+			out[u+"/"+r.id] = fmt.Sprintf("%s %d local=%v reserved=true", st, r.actual, r.local)
 		}
 	}
 	return out
