@@ -23,7 +23,8 @@ import (
 // (dial_timeout=3s, pool_size=20, ...). Every client has
 // ContextTimeoutEnabled set, so a context deadline (admission's few
 // milliseconds per call) bounds the socket wait too, not only go-redis's own
-// read timeout. Errors never contain the URL, since it may hold a password.
+// read timeout. A Cluster client is NewCluster's. Errors never contain the
+// URL, since it may hold a password.
 func Open(rawURL string) (redis.UniversalClient, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
@@ -52,8 +53,7 @@ func Open(rawURL string) (redis.UniversalClient, error) {
 		if err != nil {
 			return nil, fmt.Errorf("redis url (cluster): %w", redact(err, u))
 		}
-		o.ContextTimeoutEnabled = true
-		return redis.NewClusterClient(o), nil
+		return NewCluster(o), nil
 	default:
 		o, err := redis.ParseURL(u.String())
 		if err != nil {
@@ -72,4 +72,17 @@ func redact(err error, u *url.URL) error {
 		}
 	}
 	return err
+}
+
+// NewCluster returns a Cluster client of o with ContextTimeoutEnabled set
+// and go-redis's retries off (MaxRedirects -1): it sends a command once and
+// follows no MOVED or ASK. go-redis retries a pipeline whose first reply is
+// a refusal (TRYAGAIN while a slot moves), and when ctx ends in its pause
+// it overwrites every reply with ctx's error, so a reserve that ran on a
+// healthy master read as failed. The limits engine's runner sends refused calls again
+// itself, each command keeping its own reply.
+func NewCluster(o *redis.ClusterOptions) *redis.ClusterClient {
+	o.ContextTimeoutEnabled = true
+	o.MaxRedirects = -1
+	return redis.NewClusterClient(o)
 }

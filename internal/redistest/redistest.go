@@ -15,6 +15,7 @@ import (
 
 	"quotaflow/internal/config"
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/redisconn"
 )
 
 // SharedURL is the Redis every integration test may use (each test owns its
@@ -84,7 +85,7 @@ func (s *Server) Client() *redis.Client {
 
 // Cluster starts a three-master Redis Cluster on free ports
 // (e2e.StartRedisCluster) and returns a cluster client of it once every
-// slot is served.
+// slot is served; the client is the one admission builds (redisconn.NewCluster).
 func Cluster(t testing.TB) *redis.ClusterClient {
 	t.Helper()
 	cc, _ := ClusterNodes(t, 0)
@@ -106,7 +107,7 @@ func ClusterNodes(t testing.TB, replicas int) (*redis.ClusterClient, []*e2e.Serv
 		t.Cleanup(n.Close)
 		addrs[i] = n.Addr
 	}
-	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs})
+	cc := redisconn.NewCluster(&redis.ClusterOptions{Addrs: addrs})
 	t.Cleanup(func() { cc.Close() })
 	if err := cc.ForEachShard(ctx, func(ctx context.Context, c *redis.Client) error {
 		return c.Ping(ctx).Err()

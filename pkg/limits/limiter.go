@@ -24,6 +24,12 @@ var (
 	ErrInvalid = wire.ErrInvalid
 )
 
+// SlotMoving reports whether err is a Cluster's refusal of a call whose
+// tenant's slot is being moved (TRYAGAIN, or a MOVED or ASK the client did
+// not follow), still there when ctx ended or the retries gave up: the call
+// did not run, and says nothing of the other tenants' masters.
+func SlotMoving(err error) bool { return script.SlotMoving(err) }
+
 // MaxID is the longest tenant, user, endpoint, IP, request id or reference,
 // in bytes: ident.MaxLen, the one rule every boundary applies.
 const MaxID = wire.MaxID

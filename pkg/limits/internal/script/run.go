@@ -61,9 +61,13 @@ type pipeliner interface {
 // A call that a Cluster refused because its slot is being moved (TRYAGAIN:
 // its keys are split between the two masters, or it adds keys beside
 // existing ones; a MOVED or ASK go-redis gave up following) did not run,
-// so it is sent again after a pause, up to movingTries times while ctx
-// lasts: go-redis retries a lone command a few times and a pipelined one
-// never, and a slot's move lasts as long as its keys take to MIGRATE.
+// so it is sent again after a pause, up to movingTries times, while ctx
+// lasts twice the pause (else the refusal is returned at once): a slot's
+// move lasts as long as its keys take to MIGRATE. The calls of other slots
+// in the pipeline wait for those retries. A Cluster client
+// made by redisconn.NewCluster retries nothing itself; one that retries
+// (go-redis's default MaxRedirects) may overwrite the replies of a
+// pipeline's other calls with ctx's error.
 func (r *Runner) RunAll(ctx context.Context, e *Entry, calls []wire.Call) []*redis.Cmd {
 	cmds := make([]*redis.Cmd, len(calls))
 	valid := make([]int, 0, len(calls))
@@ -74,8 +78,8 @@ func (r *Runner) RunAll(ctx context.Context, e *Entry, calls []wire.Call) []*red
 	}
 	r.runOnce(ctx, e, calls, cmds, valid)
 	for try := range movingTries {
-		moving := failed(cmds, valid, slotMoving)
-		if len(moving) == 0 || sleep(ctx, movingPause(try)) != nil {
+		moving := failed(cmds, valid, SlotMoving)
+		if len(moving) == 0 || !outlasts(ctx, movingPause(try)) || sleep(ctx, movingPause(try)) != nil {
 			break
 		}
 		r.runOnce(ctx, e, calls, cmds, moving)
@@ -91,9 +95,18 @@ const movingTries = 15
 
 func movingPause(try int) time.Duration { return min(2*time.Millisecond<<try, 128*time.Millisecond) }
 
-// slotMoving reports whether err is a Cluster's refusal of a call whose
+// outlasts reports whether ctx lasts for a pause of d and as long again
+// for the call after it: one that ends in that call, after the refusal,
+// would leave a timeout (which may have run) where a refusal (which did
+// not) was known.
+func outlasts(ctx context.Context, d time.Duration) bool {
+	end, ok := ctx.Deadline()
+	return !ok || time.Until(end) > 2*d
+}
+
+// SlotMoving reports whether err is a Cluster's refusal of a call whose
 // slot is being moved; the call did not run.
-func slotMoving(err error) bool {
+func SlotMoving(err error) bool {
 	return err != nil && (redis.HasErrorPrefix(err, "TRYAGAIN") || redis.HasErrorPrefix(err, "ASK") || redis.HasErrorPrefix(err, "MOVED"))
 }
 

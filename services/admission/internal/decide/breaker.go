@@ -92,7 +92,7 @@ type outcome int
 
 const (
 	outcomeSuccess outcome = iota // Redis answered
-	outcomeNeutral                // the call says nothing about Redis (caller gave up, bad argument)
+	outcomeNeutral                // the call says nothing about Redis (caller gave up, bad argument, its slot moving)
 	outcomeFailure                // error or timeout
 	outcomeNoEpoch                // Redis answered without its epoch: lost its data
 )

@@ -260,6 +260,11 @@ func (d *Decider) outcome(ctx context.Context, op string, err error) (outcome, s
 		return outcomeNoEpoch, "redis has no epoch"
 	case ctx.Err() != nil: // the caller gave up; says nothing about Redis
 		return outcomeNeutral, ""
+	case limits.SlotMoving(err):
+		// One slot's move refused the call (it did not run); the tenant is
+		// decided locally, the other slots' tenants by Redis.
+		d.m.redisErrors.WithLabelValues(op).Inc()
+		return outcomeNeutral, ""
 	}
 	d.m.redisErrors.WithLabelValues(op).Inc()
 	return outcomeFailure, err.Error()
