@@ -270,10 +270,12 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		return owners[1]
 	}
 	// Each rule's state, loaded from a slot of the table (js: its index,
-	// stored back below), or, past what its bucket holds, a fresh one not
-	// kept (js: -1, nothing to give back; nil: not enforced). The slots stay
-	// this decision's while the caller holds their buckets; two rules of one
-	// slot (a stateID collision) share one state, as they share the slot.
+	// stored back below), or, past what its bucket holds, one not kept that
+	// has nothing left (js: -1; nil: not enforced): a fresh state each
+	// request would admit without limit, so such a limit denies locally.
+	// The slots stay this decision's while the caller holds their buckets;
+	// two rules of one slot (a stateID collision) share one state, as they
+	// share the slot.
 	var buf [8]ruleState
 	var pbuf [8]*ruleState
 	var jbuf [8]int
@@ -299,6 +301,11 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 			sts[i] = sts[k]
 		} else if !fresh && j >= 0 {
 			vals[i] = d.local.load(j, quotaKind(r))
+		} else if j < 0 {
+			vals[i] = ruleState{init: true}
+			if !quotaKind(r) {
+				vals[i].t = now // a share refills from now, by the time localWait gives
+			}
 		}
 		st := sts[i]
 		d.bring(r, st, now)
@@ -344,7 +351,7 @@ func (d *Decider) localCheck(owners [2]owner, rules []policy.Rule, cost int64, n
 		out[i].Remaining = left
 		if r.Kind == policy.Balance {
 			out[i].Limit = left // credits unknown locally: report what is left
-		} else {
+		} else if js[i] >= 0 { // a state not kept has used nothing
 			out[i].Used = max(0, int64(d.unspent(r, st))-left)
 		}
 		if quotaKind(r) && st.t > now {
@@ -448,7 +455,7 @@ func (d *Decider) rememberOf(k ownerKey, tenant bool, states []limits.State, now
 		}
 		j, fresh := d.local.index(o, stateID(r))
 		if j < 0 {
-			return // more quotas than a bucket holds: the rest stay unseen
+			return // more limits than a bucket holds: the rest are not kept, and deny locally
 		}
 		var st ruleState
 		if !fresh {

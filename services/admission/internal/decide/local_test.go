@@ -217,8 +217,9 @@ func TestLocalTableIsBounded(t *testing.T) {
 }
 
 // A decision over more limits than a bucket holds keeps the slots it took
-// and decides the rest afresh: all-or-nothing still, and nothing it spent
-// lands in another limit's slot.
+// and denies by the rest, which are not kept (decided afresh, the 49th
+// limit admitted every request: 500 of 10 in the second review's probe):
+// all-or-nothing still, nothing spent, and no usage reported for them.
 func TestLocalTableMoreLimitsThanABucket(t *testing.T) {
 	d := localDecider(t, Options{LocalEntries: 1, UnseenAllowance: 5}) // one bucket
 	var rules []policy.Rule
@@ -226,11 +227,13 @@ func TestLocalTableMoreLimitsThanABucket(t *testing.T) {
 		rules = append(rules, rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: fmt.Sprint("q", i), Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)}))
 	}
 	o := userOwner(d, "many")
-	if di, _, _, out := check(d, o, rules, 3); di >= 0 || out[len(out)-1].Remaining != 2 {
-		t.Fatalf("first = denied %d, %+v; want allowed, 2 of 5 left in each", di, out[len(out)-1])
+	for range 2 {
+		if di, retry, _, out := check(d, o, rules, 3); di != bucketSlots || retry < time.Second || out[di].Used != 0 || out[0].Remaining != 5 {
+			t.Fatalf("denied %d, retry %v, %+v, %+v; want denied by limit %d (not kept, nothing used), 5 left in limit 0", di, retry, out[0], out[bucketSlots], bucketSlots)
+		}
 	}
 	for i := range rules {
-		want := float64(2)
+		want := float64(5)
 		if i >= bucketSlots {
 			want = -1 // not kept
 		}
@@ -238,12 +241,36 @@ func TestLocalTableMoreLimitsThanABucket(t *testing.T) {
 			t.Fatalf("limit %d has %v left, want %v", i, l, want)
 		}
 	}
-	// The kept limits deny now; the others would allow: nothing is spent.
-	if di, _, _, _ := check(d, o, rules, 3); di != 0 {
-		t.Fatalf("second denied by %d, want the first limit", di)
+	if di, _, _, out := check(d, o, rules[:bucketSlots], 3); di >= 0 || out[0].Remaining != 2 {
+		t.Fatalf("the kept limits alone: denied %d, %+v; want allowed, 2 left", di, out[0])
 	}
-	if l := left(d, o, &rules[0]); l != 2 {
-		t.Fatalf("after a denial limit 0 has %v left, want 2", l)
+}
+
+// An owner's limits decided one at a time (a user limit on each of 49
+// endpoints) fill its bucket's 48 states; the 49th is not kept and denies
+// locally, quota or share, rather than admitting its allowance anew every
+// request (the second review's probe: 100 of a limit of 10 a day in 20
+// passes).
+func TestLocalOwnerPastABucketDenies(t *testing.T) {
+	d := localDecider(t, Options{UnseenAllowance: 1000})
+	lim := func(ep int, unit policy.Unit) []policy.Rule {
+		r := rule(policy.ScopeUser, unit, policy.Limit{Name: "daily", Kind: policy.Fixed, Limit: 10, Window: policy.Duration(24 * time.Hour)})
+		r.Endpoint = fmt.Sprint("/api/v1/e", ep)
+		return []policy.Rule{r}
+	}
+	for _, unit := range []policy.Unit{policy.Tokens, policy.Requests} {
+		o := userOwner(d, string(unit))
+		allowed := 0
+		for range 20 {
+			for ep := range bucketSlots + 1 {
+				if di, _, _, _ := check(d, o, lim(ep, unit), 1); di < 0 && ep == bucketSlots {
+					allowed++
+				}
+			}
+		}
+		if allowed != 0 {
+			t.Errorf("%s: endpoint %d's user limit (10 a day), past the owner's %d kept, allowed %d locally in 20 passes, want 0", unit, bucketSlots, bucketSlots, allowed)
+		}
 	}
 }
 

@@ -26,9 +26,9 @@ import (
 // recently used of an owner's neighbours first, with O(bucketOwners +
 // bucketSlots) work and no list. An owner used within the current hold of
 // its bucket's lock is never forgotten, so the states of one decision stay
-// its own while it holds the lock; past bucketSlots limits in one
-// decision, the rest are decided from a fresh state, as for an owner
-// forgotten.
+// its own while it holds the lock, and its own states are never taken
+// for another of its limits: an owner's limits past bucketSlots are not
+// kept (localCheck denies by them).
 //
 // A slot's generation counts the states it has let go, so that a spending
 // is given back only to the state it was taken from, not to a free slot or
