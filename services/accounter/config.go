@@ -155,6 +155,12 @@ func (c *Config) Validate() error {
 	if floor := retention.Floor(0, c.ReservationTTL) / retention.Day; c.LedgerRetentionDays != 0 && c.LedgerRetentionDays < int(floor) {
 		bad("LEDGER_RETENTION_DAYS", "%d: want 0 (keep everything) or at least %d (a calendar month and two QF_RESERVATION_TTL)", c.LedgerRetentionDays, floor)
 	}
+	// A late event of a request whose key the retention pruned makes a new
+	// row, charging a prepaid balance again: every event must come before
+	// then, from the stream or replayed from the dead letters.
+	if late := c.MaxAge + c.DLQMaxAge + retention.Day; c.LedgerRetentionDays != 0 && time.Duration(c.LedgerRetentionDays)*retention.Day < late {
+		bad("DLQ_MAX_AGE", "%v: with QF_STREAM_MAX_AGE %v, a dead letter replayed at the end of its age is %d days or more after its request was first written: want QF_LEDGER_RETENTION_DAYS (%d) at least that, or 0", c.DLQMaxAge, c.MaxAge, int((late+retention.Day-1)/retention.Day), c.LedgerRetentionDays)
+	}
 	if c.ReconcileInterval < 0 {
 		bad("RECONCILE_INTERVAL", "must not be negative (0 turns it off)")
 	}

@@ -55,6 +55,7 @@ func TestConfigValidate(t *testing.T) {
 		{"alerter timeout", func(c *Config) { c.AlerterTimeout = 0 }, "QF_ALERTER_TIMEOUT: must be positive"},
 		{"partition days", func(c *Config) { c.LedgerPartitionDays = 0 }, "QF_LEDGER_PARTITION_DAYS: 0: want 1 to 366"},
 		{"retention under a month", func(c *Config) { c.LedgerRetentionDays = 30 }, "QF_LEDGER_RETENTION_DAYS: 30: want 0 (keep everything) or at least 33"},
+		{"dead letters outliving the retention", func(c *Config) { c.LedgerRetentionDays, c.DLQMaxAge = 40, 40*24*time.Hour }, "QF_DLQ_MAX_AGE: 960h0m0s: with QF_STREAM_MAX_AGE 24h0m0s, a dead letter replayed at the end of its age is 42 days"},
 		{"retention under the ttl's floor", func(c *Config) { c.LedgerRetentionDays, c.ReservationTTL = 38, 96*time.Hour }, "at least 39"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -33,8 +33,12 @@ const source = "quotaflow/accounter"
 
 // partitionInterval is how often the ledger's partitions are created
 // ahead and dropped past the retention: well inside ledger.AheadDays, and
-// a drop is at most an hour late.
-const partitionInterval = time.Hour
+// a drop is at most an hour late. A failed run is tried again after
+// partitionRetry.
+const (
+	partitionInterval = time.Hour
+	partitionRetry    = 2 * time.Minute
+)
 
 // Readiness components: /readyz turns 200 once the streams and consumer
 // exist and the migrations ran.
@@ -118,8 +122,8 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if err != nil {
 		return err
 	}
-	keeper.Keep(ctx) // before consuming: today's partition, whatever the last run left
-	stack.Go("partitions", func(ctx context.Context) { service.Every(ctx, partitionInterval, keeper.Keep) })
+	failed := keeper.Keep(ctx) // before consuming: today's partition, whatever the last run left
+	stack.Go("partitions", func(ctx context.Context) { keeper.Run(ctx, failed, partitionInterval, partitionRetry) })
 	rb.Check(withRedisOp(ctx, opEpoch)) // before consuming: without its epoch Redis refuses every event
 	stack.Go("epoch check", every(cfg.EpochInterval, opEpoch, rb.Check))
 	stack.Go("expiry", every(cfg.ExpiryInterval, opExpiry, expiry.Expire))

@@ -12,8 +12,10 @@ import (
 
 // Partitioned are the ledger's tables partitioned by day (migration 009):
 // each partition covers whole UTC days [from, to) of the day its rows were
-// first written.
-var Partitioned = []string{"reservations", "usage_events"}
+// first written. They are in the order a batch locks them (usage_events,
+// then reservation_keys, then reservations), which the partition task
+// keeps so that it cannot deadlock with one.
+var Partitioned = []string{"usage_events", "reservations"}
 
 // DefaultPartitionDays is the width of a partition created ahead
 // (QF_LEDGER_PARTITION_DAYS).
@@ -84,6 +86,10 @@ func partitions(ctx context.Context, q querier, table string) ([]Partition, erro
 // a multiple of width days since 1970-01-01, so that instances agree. It
 // runs under an advisory lock; running it again creates nothing. It returns
 // the partitions it created.
+//
+// Each is created as a table of its own, then attached: ATTACH PARTITION
+// takes SHARE UPDATE EXCLUSIVE on the parent, which writes do not wait
+// for, where CREATE TABLE ... PARTITION OF takes ACCESS EXCLUSIVE.
 func (s *Store) EnsurePartitions(ctx context.Context, now time.Time, width int) ([]Partition, error) {
 	if width < 1 {
 		return nil, fmt.Errorf("partition width %d days: want at least 1", width)
@@ -107,10 +113,15 @@ func (s *Store) EnsurePartitions(ctx context.Context, now time.Time, width int) 
 			}
 			for from.Before(until) {
 				p := Partition{Table: table, Name: table + "_" + from.Format("20060102"), From: from, To: alignDown(from, width).AddDate(0, 0, width)}
-				q := fmt.Sprintf(`CREATE TABLE %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')`,
-					pgx.Identifier{p.Name}.Sanitize(), pgx.Identifier{table}.Sanitize(), p.From.Format(time.DateOnly), p.To.Format(time.DateOnly))
-				if _, err := tx.Exec(ctx, q); err != nil {
-					return fmt.Errorf("create partition %s: %w", p.Name, err)
+				name, parent := pgx.Identifier{p.Name}.Sanitize(), pgx.Identifier{table}.Sanitize()
+				for _, q := range []string{
+					fmt.Sprintf(`CREATE TABLE %s (LIKE %s INCLUDING DEFAULTS INCLUDING CONSTRAINTS)`, name, parent),
+					fmt.Sprintf(`ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM ('%s') TO ('%s')`,
+						parent, name, p.From.Format(time.DateOnly), p.To.Format(time.DateOnly)),
+				} {
+					if _, err := tx.Exec(ctx, q); err != nil {
+						return fmt.Errorf("create partition %s: %w", p.Name, err)
+					}
 				}
 				created = append(created, p)
 				from = p.To
@@ -156,6 +167,11 @@ ON CONFLICT (tenant, user_id) DO UPDATE SET credited = b.credited + excluded.cre
 // balance_carry first and their dedup rows pruned (a later event of one of
 // their requests makes a new row). It refuses (ErrRetentionTooShort) a
 // retention shorter than floor. It returns the dropped partitions.
+//
+// Each partition is locked IN SHARE MODE before its fold, so that a write
+// to it committing before the DROP cannot be left out of the fold. The
+// DROPs, which lock their parents ACCESS EXCLUSIVE until the commit, come
+// last, after every fold, so that writes of today's rows wait for them only.
 func (s *Store) DropPartitions(ctx context.Context, now time.Time, retention, floor time.Duration) ([]Partition, error) {
 	if retention < floor {
 		return nil, fmt.Errorf("%w: %v < %v", ErrRetentionTooShort, retention, floor)
@@ -163,6 +179,7 @@ func (s *Store) DropPartitions(ctx context.Context, now time.Time, retention, fl
 	cutoff := Day(now.Add(-retention))
 	var dropped []Partition
 	err := s.maintain(ctx, func(tx pgx.Tx) error {
+		var old []Partition
 		for _, table := range Partitioned {
 			parts, err := partitions(ctx, tx, table)
 			if err != nil {
@@ -177,21 +194,30 @@ func (s *Store) DropPartitions(ctx context.Context, now time.Time, retention, fl
 				if table == "usage_events" {
 					fold, prune = foldCredited, pruneIDs
 				}
+				if _, err := tx.Exec(ctx, "LOCK TABLE "+name+" IN SHARE MODE"); err != nil {
+					return fmt.Errorf("lock partition %s: %w", p.Name, err)
+				}
 				if _, err := tx.Exec(ctx, fmt.Sprintf(fold, name)); err != nil {
 					return fmt.Errorf("fold partition %s into balance_carry: %w", p.Name, err)
 				}
 				if _, err := tx.Exec(ctx, prune, p.From, p.To); err != nil {
 					return fmt.Errorf("prune the keys of partition %s: %w", p.Name, err)
 				}
-				if _, err := tx.Exec(ctx, "DROP TABLE "+name); err != nil {
-					return fmt.Errorf("drop partition %s: %w", p.Name, err)
-				}
-				dropped = append(dropped, p)
+				old = append(old, p)
 			}
 		}
+		for _, p := range old {
+			if _, err := tx.Exec(ctx, "DROP TABLE "+pgx.Identifier{p.Name}.Sanitize()); err != nil {
+				return fmt.Errorf("drop partition %s: %w", p.Name, err)
+			}
+		}
+		dropped = old
 		return nil
 	})
-	return dropped, err
+	if err != nil {
+		return nil, err
+	}
+	return dropped, nil
 }
 
 // maintain runs f in a transaction holding the partition lock. Its DDL

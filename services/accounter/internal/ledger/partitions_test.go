@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"quotaflow/internal/e2e"
 )
 
 // partitionedPool is a migrated test database with daily partitions up to
@@ -345,5 +347,104 @@ func TestEnsurePartitions(t *testing.T) {
 	}
 	if again, err := s.EnsurePartitions(ctx, now, 7); err != nil || len(again) != 0 {
 		t.Errorf("EnsurePartitions again = %v, %v; want nothing", again, err)
+	}
+}
+
+// TestDropFoldsWriteCommittedBeforeIt: a batch holding a write to a
+// partition past the retention (an actual of its request, as the consumer
+// holds one open around Redis) commits while DropPartitions waits for it:
+// the fold counts the write, spent 30 (without the partition's SHARE lock
+// before the fold, the fold ran first and balance_carry kept the reserved
+// 100).
+func TestDropFoldsWriteCommittedBeforeIt(t *testing.T) {
+	pool, d := partitionedPool(t)
+	ctx := context.Background()
+	if _, err := storeAt(pool, d).Write(ctx, []Record{
+		{EventID: "pay", Kind: "quotaflow.balance.topup", Tenant: "t", User: "u", RequestID: "o", Tokens: 500, OccurredAt: d, Payload: []byte(`{}`)},
+		{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100, OccurredAt: d, ExpiresAt: d.Add(time.Hour)},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	const retention, floor = 40 * 24 * time.Hour, 33 * 24 * time.Hour
+	// The first partition alone, so that D's is the first one folded below.
+	if _, err := New(pool).DropPartitions(ctx, d.AddDate(0, 0, 40), retention, floor); err != nil {
+		t.Fatal(err)
+	}
+	now := d.AddDate(0, 0, 42)
+	tx, err := storeAt(pool, now).Begin(ctx, []Record{{EventID: "a1", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r1", Tokens: 30, OccurredAt: d, Payload: []byte(`{}`)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := New(pool).DropPartitions(ctx, now, retention, floor)
+		done <- err
+	}()
+	e2e.Eventually(t, "the retention waiting for the batch's lock", func() bool {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND (query LIKE 'DROP TABLE%' OR query LIKE 'LOCK TABLE%')`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	})
+	if err := tx.Commit(ctx, []Mark{{Key: Key{"t", "u", "r1"}, Status: StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	var bs []Balance
+	if err := New(pool).Balances(ctx, func(b Balance) error { bs = append(bs, b); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if len(bs) != 1 || bs[0].Credited != 500 || bs[0].Spent != 30 {
+		t.Errorf("balances after the drop = %+v, want credited 500, spent 30", bs)
+	}
+}
+
+// TestEnsurePartitionsBesideWriters: four writers of ordinary batches
+// (reserved and released of today's requests) while EnsurePartitions runs
+// 20 times, a day further each: no run fails and no batch does (with the
+// partitions created reservations first, CREATE TABLE ... PARTITION OF
+// locking each parent ACCESS EXCLUSIVE, batches aborted "deadlock
+// detected" and runs failed).
+func TestEnsurePartitionsBesideWriters(t *testing.T) {
+	pool, _ := partitionedPool(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	now := time.Now()
+	s := New(pool)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var writerErrs []error
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ctx.Err() == nil; i++ {
+				req := fmt.Sprint("w", w, "-", i)
+				_, err := settle(ctx, s, []Record{
+					{EventID: "v" + req, Kind: kindReserved, Tenant: "t", User: "w", RequestID: req, Tokens: 10, OccurredAt: now},
+					{EventID: "x" + req, Kind: kindReleased, Tenant: "t", User: "w", RequestID: req, OccurredAt: now, Payload: []byte(`{}`)},
+				})
+				if err != nil && ctx.Err() == nil {
+					mu.Lock()
+					writerErrs = append(writerErrs, err)
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	var runErrs []error
+	for i := range 20 {
+		if _, err := s.EnsurePartitions(ctx, now.AddDate(0, 0, 3+i), 1); err != nil {
+			runErrs = append(runErrs, err)
+			break // the days would no longer be contiguous
+		}
+	}
+	cancel()
+	wg.Wait()
+	if len(runErrs) > 0 || len(writerErrs) > 0 {
+		t.Errorf("EnsurePartitions failed %d times: %v; batches failed %d times: %v", len(runErrs), runErrs, len(writerErrs), writerErrs[:min(3, len(writerErrs))])
 	}
 }

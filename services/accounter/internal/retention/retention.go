@@ -14,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/service"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/accounter/internal/ledger"
 )
@@ -98,9 +99,10 @@ func New(store Store, pol func() *policy.Policy, opt Options, log *slog.Logger, 
 
 // Keep creates the partitions up to ledger.AheadDays ahead of now and,
 // with a retention set, drops those past it; a failure is logged and
-// counted, and the next call tries again. The accounter calls it at start
-// and every hour.
-func (k *Keeper) Keep(ctx context.Context) {
+// counted. It reports whether the run failed (a refusal is no failure:
+// trying again soon changes nothing). The accounter calls it at start,
+// then through Run.
+func (k *Keeper) Keep(ctx context.Context) (failed bool) {
 	result := "ok"
 	if err := k.keep(ctx, time.Now()); errors.Is(err, ledger.ErrRetentionTooShort) {
 		result = "refused"
@@ -110,6 +112,23 @@ func (k *Keeper) Keep(ctx context.Context) {
 		k.log.Error("keeping the ledger's partitions failed; retrying", "err", err)
 	}
 	k.runs.WithLabelValues(result).Inc()
+	return result == "error"
+}
+
+// Run calls Keep every interval until ctx ends, or retry after a failed
+// run (failed: the run before), so that a run which lost to a lock
+// (lock_timeout) or a deadlock does not wait an hour.
+func (k *Keeper) Run(ctx context.Context, failed bool, interval, retry time.Duration) {
+	for {
+		wait := interval
+		if failed {
+			wait = retry
+		}
+		if !service.Sleep(ctx, wait) {
+			return
+		}
+		failed = k.Keep(ctx)
+	}
 }
 
 func (k *Keeper) keep(ctx context.Context, now time.Time) error {

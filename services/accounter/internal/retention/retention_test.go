@@ -2,13 +2,16 @@ package retention
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"quotaflow/internal/e2e"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/accounter/internal/ledger"
 )
@@ -89,5 +92,45 @@ default_plan: p
 		if got, want := testutil.ToFloat64(k.dropped), map[string]float64{"ok": 1, "refused": 0}[c.result]; got != want {
 			t.Errorf("window %s: dropped %v, want %v", c.window, got, want)
 		}
+	}
+}
+
+// failingStore fails its first fails runs of EnsurePartitions.
+type failingStore struct {
+	fakeStore
+	fails int
+	runs  atomic.Int32
+}
+
+func (f *failingStore) EnsurePartitions(context.Context, time.Time, int) ([]ledger.Partition, error) {
+	if int(f.runs.Add(1)) <= f.fails {
+		return nil, errors.New("deadlock detected")
+	}
+	return nil, nil
+}
+
+// TestRunRetriesAFailedRun: after a failed run Run tries again after the
+// retry, not the hour's interval: two failures then a success take three
+// runs (with the interval alone, the first failure waited an hour).
+func TestRunRetriesAFailedRun(t *testing.T) {
+	st := &failingStore{fails: 2}
+	k, err := New(st, func() *policy.Policy { return nil }, Options{PartitionDays: 1}, slog.New(slog.DiscardHandler), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		k.Run(ctx, k.Keep(ctx), time.Hour, time.Millisecond)
+		close(done)
+	}()
+	e2e.Eventually(t, "three runs", func() bool { return st.runs.Load() == 3 })
+	cancel()
+	<-done
+	if got := testutil.ToFloat64(k.runs.WithLabelValues("error")); got != 2 {
+		t.Errorf("runs failed %v, want 2", got)
+	}
+	if got := testutil.ToFloat64(k.runs.WithLabelValues("ok")); got != 1 {
+		t.Errorf("runs ok %v, want 1", got)
 	}
 }
