@@ -101,7 +101,7 @@ func New(lim *limits.Limiter, policy func() *policy.Policy, opts Options, log *s
 	}
 	d.batch = newBatcher(lim.ReserveBatch, d.m.batchSize)
 	d.counts = newBatcher(lim.CountBatch, d.m.countBatchSize)
-	d.voids = newVoider(lim, o.ProbeTimeout, o.BreakerCooldown, d.m.voids)
+	d.voids = newVoider(lim, o.ProbeTimeout, o.BreakerCooldown, d.m.voids, &d.lost, d.slotLost)
 	d.br = newBreaker(o.BreakerFailures, o.BreakerWindow, o.BreakerCooldown, d.onBreaker)
 	d.notePolicy(policy())
 	ctx, stop := context.WithCancel(context.Background())
@@ -312,7 +312,7 @@ func (d *Decider) probeCall(ctx context.Context, probe bool) {
 	cctx, cancel := context.WithTimeout(ctx, d.opt.ProbeTimeout)
 	_, err := d.lim.PeekShared(cctx, policy.ScopeGlobal, probeID, nil)
 	cancel()
-	if err == nil && probe && !d.voids.drain(ctx) {
+	if err == nil && probe && !d.voids.drain(ctx, nil) {
 		err = errVoidsPending
 	}
 	o, why := d.outcome(ctx, opProbe, err)

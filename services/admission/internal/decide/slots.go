@@ -113,7 +113,14 @@ func (d *Decider) probeSlots(ctx context.Context) {
 			back = append(back, tenants[i])
 		}
 	}
-	if len(back) == 0 || !d.voids.drain(ctx) {
+	if len(back) == 0 {
+		return
+	}
+	keys := make(map[string]bool, len(back))
+	for _, t := range back {
+		keys[repair.TenantEpochKey(t)] = true
+	}
+	if !d.voids.drain(ctx, func(tenant string) bool { return keys[repair.TenantEpochKey(tenant)] }) {
 		return
 	}
 	d.lost.remove(back)

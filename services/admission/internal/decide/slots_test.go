@@ -156,3 +156,45 @@ func TestLostSlotRLSCountsAreTheTenants(t *testing.T) {
 		})
 	}
 }
+
+// TestLostSlotVoidsHoldUpNoOtherTenant: while one master has lost its data,
+// the voids of its tenants' local decisions fail (no epoch) and are set
+// aside, so a void of a tenant on another master queued behind them is
+// applied (a retry of its request is a duplicate in Redis); once the epoch
+// is back, the set-aside voids are applied too. Before, the drain stopped at
+// the first failing void and held up every later one until the rebuild.
+func TestLostSlotVoidsHoldUpNoOtherTenant(t *testing.T) {
+	cc := redistest.Cluster(t)
+	ctx := context.Background()
+	if err := repair.WriteEpoch(ctx, cc, "start"); err != nil {
+		t.Fatal(err)
+	}
+	d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{BreakerCooldown: 20 * time.Millisecond}, limits.Options{})
+	lost, kept, master := tenantsApart(t, cc)
+	admit(t, d, in(lost, "u", "/any", 5))
+	plan := admit(t, d, in(kept, "u", "/any", 5)).Plan
+	if err := master.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if r := admit(t, d, in(lost, "u", "/any", 5)); !r.Local {
+		t.Fatal("the lost tenant was decided by Redis; want locally (its void queued)")
+	}
+	retry := in(kept, "u", "/any", 5)
+	v := voidOf(&retry, plan)
+	v.Allowed = true
+	d.voids.add(v) // as a decision taken while the breaker was open
+	e2e.Eventually(t, "the kept tenant's void applied behind the lost tenant's", func() bool {
+		d.voids.mu.Lock()
+		defer d.voids.mu.Unlock()
+		return len(d.voids.queue) == 0 && len(d.voids.aside) > 0
+	})
+	if r := admit(t, d, retry); r.Local || !r.Duplicate {
+		t.Errorf("a retry of the kept tenant's request allowed without Redis: local %v, duplicate %v; want a duplicate in Redis", r.Local, r.Duplicate)
+	}
+	if err := repair.WriteEpoch(ctx, cc, "rebuilt"); err != nil {
+		t.Fatal(err)
+	}
+	e2e.Eventually(t, "the lost tenant's voids applied and its slot served again", func() bool {
+		return d.voids.pending() == 0 && !d.lost.has(lost)
+	})
+}

@@ -72,16 +72,23 @@ func mayHaveRun(err error) bool {
 // either. Voids wait in a bounded queue; one that does not fit is dropped
 // and counted (a retry of its request may then be reserved again, and a
 // lost call that ran stays counted until its window passes: an
-// over-count, never an over-admission).
+// over-count, never an over-admission). The voids of tenants whose Cluster
+// slot lost its data are set aside until it is back (lostSlots), so that
+// they hold up no other tenant's.
 type voider struct {
 	lim     *limits.Limiter
 	timeout time.Duration
 	retry   time.Duration
 	max     int
 	results *prometheus.CounterVec
+	lost    *lostSlots
+	// slotLost is Decider.slotLost: whether a void's error is its slot's
+	// missing epoch (marking the slot lost).
+	slotLost func(tenant string, err error) bool
 
 	mu       sync.Mutex
 	queue    []limits.Void
+	aside    []limits.Void // of tenants whose slot is lost, in order
 	wake     chan struct{}
 	draining sync.Mutex // one drain at a time
 }
@@ -91,14 +98,14 @@ type voider struct {
 // out after being sent.
 const maxVoids = 100_000
 
-func newVoider(lim *limits.Limiter, timeout, retry time.Duration, results *prometheus.CounterVec) *voider {
-	return &voider{lim: lim, timeout: timeout, retry: retry, max: maxVoids, results: results, wake: make(chan struct{}, 1)}
+func newVoider(lim *limits.Limiter, timeout, retry time.Duration, results *prometheus.CounterVec, lost *lostSlots, slotLost func(string, error) bool) *voider {
+	return &voider{lim: lim, timeout: timeout, retry: retry, max: maxVoids, results: results, lost: lost, slotLost: slotLost, wake: make(chan struct{}, 1)}
 }
 
 // add queues v and returns at once.
 func (v *voider) add(x limits.Void) {
 	v.mu.Lock()
-	full := len(v.queue) >= v.max
+	full := len(v.queue)+len(v.aside) >= v.max
 	if !full {
 		v.queue = append(v.queue, x)
 	}
@@ -121,7 +128,7 @@ func (v *voider) run(ctx context.Context) {
 			return
 		case <-v.wake:
 		}
-		for !v.drain(ctx) {
+		for !v.drain(ctx, nil) {
 			t := time.NewTimer(v.retry)
 			select {
 			case <-ctx.Done():
@@ -135,13 +142,37 @@ func (v *voider) run(ctx context.Context) {
 
 // drain voids the queue in order, voidChunk at a time in one round trip,
 // and reports whether it emptied; it stops at the first void Redis failed,
-// keeping it and the rest. Drains take turns: the prober's, before it
-// closes the breaker, and the voider's own.
-func (v *voider) drain(ctx context.Context) bool {
+// keeping it and the rest. It sets aside, without stopping, the voids of
+// tenants whose slot is lost, unless back says the tenant's slot is back
+// (back nil: none is): those are voided first. Drains take turns: the
+// prober's, before it closes the breaker, probeSlots', flush's and the
+// voider's own.
+func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool {
 	v.draining.Lock()
 	defer v.draining.Unlock()
+	isBack := func(tenant string) bool { return back != nil && back(tenant) }
+	v.mu.Lock()
+	if back != nil {
+		var keep, now []limits.Void
+		for _, x := range v.aside {
+			if back(x.Tenant) {
+				now = append(now, x)
+			} else {
+				keep = append(keep, x)
+			}
+		}
+		v.aside, v.queue = keep, append(now, v.queue...)
+	}
+	v.mu.Unlock()
 	for {
 		v.mu.Lock()
+		v.queue = slices.DeleteFunc(v.queue, func(x limits.Void) bool {
+			aside := v.lost.has(x.Tenant) && !isBack(x.Tenant)
+			if aside {
+				v.aside = append(v.aside, x)
+			}
+			return aside
+		})
 		chunk := slices.Clone(v.queue[:min(len(v.queue), voidChunk)])
 		v.mu.Unlock()
 		if len(chunk) == 0 {
@@ -150,18 +181,24 @@ func (v *voider) drain(ctx context.Context) bool {
 		cctx, cancel := context.WithTimeout(ctx, v.timeout)
 		res := v.lim.VoidMany(cctx, chunk)
 		cancel()
-		done := 0
-		for _, r := range res {
+		stop := len(chunk)
+		var aside []limits.Void
+		for i, r := range res {
 			if r.Err != nil && !errors.Is(r.Err, limits.ErrInvalid) {
+				if !isBack(chunk[i].Tenant) && v.slotLost(chunk[i].Tenant, r.Err) {
+					aside = append(aside, chunk[i])
+					continue
+				}
+				stop = i
 				break
 			}
 			v.results.WithLabelValues(voidLabel(r.Status, r.Err)).Inc()
-			done++
 		}
 		v.mu.Lock()
-		v.queue = v.queue[done:]
+		v.aside = append(v.aside, aside...)
+		v.queue = v.queue[stop:] // only add changed it since, at its end
 		v.mu.Unlock()
-		if done < len(chunk) {
+		if stop < len(chunk) {
 			v.results.WithLabelValues("retry").Inc()
 			return false
 		}
@@ -171,11 +208,11 @@ func (v *voider) drain(ctx context.Context) bool {
 // voidChunk is how many voids go to Redis in one pipelined round trip.
 const voidChunk = 500
 
-// pending is how many voids wait.
+// pending is how many voids wait, set aside ones included.
 func (v *voider) pending() int {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return len(v.queue)
+	return len(v.queue) + len(v.aside)
 }
 
 // flush makes a last attempt at what is queued: once, or until ctx's
@@ -183,7 +220,8 @@ func (v *voider) pending() int {
 // the error.
 func (v *voider) flush(ctx context.Context) error {
 	_, bounded := ctx.Deadline()
-	for !v.drain(ctx) && bounded && ctx.Err() == nil {
+	all := func(string) bool { return true }
+	for !v.drain(ctx, all) && bounded && ctx.Err() == nil {
 		time.Sleep(min(v.retry, 50*time.Millisecond))
 	}
 	if n := v.pending(); n > 0 {
