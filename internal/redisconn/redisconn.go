@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -79,10 +80,18 @@ func redact(err error, u *url.URL) error {
 // follows no MOVED or ASK. go-redis retries a pipeline whose first reply is
 // a refusal (TRYAGAIN while a slot moves), and when ctx ends in its pause
 // it overwrites every reply with ctx's error, so a reserve that ran on a
-// healthy master read as failed. The limits engine's runner sends refused calls again
-// itself, each command keeping its own reply.
+// healthy master read as failed. The limits engine's runner sends refused
+// calls again itself, each command keeping its own reply.
+//
+// It reloads the cluster's layout every second unless o sets an interval:
+// a master that died answers no MOVED, so at go-redis's default of 60 s its
+// slots went on being sent to it, and failing, for up to a minute after its
+// replica took over.
 func NewCluster(o *redis.ClusterOptions) *redis.ClusterClient {
 	o.ContextTimeoutEnabled = true
 	o.MaxRedirects = -1
+	if o.ClusterStateReloadInterval == 0 {
+		o.ClusterStateReloadInterval = time.Second
+	}
 	return redis.NewClusterClient(o)
 }
