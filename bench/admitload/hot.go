@@ -122,28 +122,17 @@ func hot(ctx context.Context, o peerOptions) error {
 	fmt.Printf("%d users, 1 admission instance a plan on one 3-master Redis Cluster (no replicas), %s per run, %d rounds, targets in rotating order; "+
 		"admission QF_REDIS_TIMEOUT=1s; load average %s at the start\n\n", o.users, o.dur, o.rounds, load0)
 
-	measure := func(t *hotTarget, conc int) (hotRun, error) { return t.measure(ctx, conc, o) }
-	for _, t := range ts { // warm connections, functions, keys and runtimes
-		if _, err := measure(t, o.levels[len(o.levels)-1]); err != nil {
-			return err
-		}
-	}
-	fmt.Println("| round | c | target | req/s | admission µs/req | Redis µs/req (masters) | hottest master busy | reserves per batch | statuses | failopen |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|")
-	for r := range o.rounds {
-		for _, conc := range o.levels {
-			for i := range ts {
-				t := ts[(i+r)%len(ts)]
-				run, err := measure(t, conc)
-				if err != nil {
-					return err
-				}
-				t.runs[conc] = append(t.runs[conc], run)
-				_, _, busy := run.hottest()
-				fmt.Printf("| %d | %d | %s | %.0f | %.1f | %.1f (%s) | %.0f %% | %.1f | %s | %.0f |\n", r+1, conc, t.name(), run.res.Rate(),
-					run.admission, run.redis(), perMaster(run.masters), 100*busy, run.batch, run.res.Statuses(), run.failopen)
-			}
-		}
+	err = interleave(o.levels, o.rounds, ts, func(t *hotTarget) map[int][]hotRun { return t.runs },
+		func(t *hotTarget, conc int) (hotRun, error) { return t.measure(ctx, conc, o) },
+		"| round | c | target | req/s | admission µs/req | Redis µs/req (masters) | hottest master busy | reserves per batch | statuses | failopen |\n"+
+			"|---|---|---|---|---|---|---|---|---|---|",
+		func(round, conc int, t *hotTarget, run hotRun) {
+			_, _, busy := run.hottest()
+			fmt.Printf("| %d | %d | %s | %.0f | %.1f | %.1f (%s) | %.0f %% | %.1f | %s | %.0f |\n", round, conc, t.name(), run.res.Rate(),
+				run.admission, run.redis(), perMaster(run.masters), 100*busy, run.batch, run.res.Statuses(), run.failopen)
+		})
+	if err != nil {
+		return err
 	}
 
 	fmt.Printf("\nmedians over %d rounds; Redis µs/req is the CPU of every master per reserve, so what a master spends per "+

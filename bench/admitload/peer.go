@@ -166,7 +166,7 @@ func peer(ctx context.Context, o peerOptions) error {
 		fmt.Printf("plain answers %d bytes (admission's 5-limit answer)\n", size)
 	}
 	fmt.Println()
-	err = interleave(o, ts, func(t *peerTarget, conc int) (peerRun, error) { return measure(t, conc, 0) },
+	err = interleave(o.levels, o.rounds, ts, peerRuns, func(t *peerTarget, conc int) (peerRun, error) { return measure(t, conc, 0) },
 		"| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | server RSS | statuses | failopen |\n"+
 			"|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 		func(round, conc int, t *peerTarget, run peerRun) {
@@ -188,34 +188,37 @@ func peer(ctx context.Context, o peerOptions) error {
 	return nil
 }
 
-// interleave loads every target once at the highest level, to warm
+// interleave loads every target once at the highest of levels, to warm
 // connections, Redis's functions, the users' keys and the Go runtimes, then
-// prints header and measures each target at each level for o.rounds
-// rounds, each round starting one target later, keeping the runs in
-// t.runs and showing each to row.
-func interleave(o peerOptions, ts []*peerTarget, measure func(t *peerTarget, conc int) (peerRun, error), header string,
-	row func(round, conc int, t *peerTarget, run peerRun)) error {
+// prints header and measures each target at each level for rounds rounds,
+// each round starting one target later, keeping the runs in runs(t) by
+// level and showing each to row.
+func interleave[T, R any](levels []int, rounds int, ts []T, runs func(T) map[int][]R, measure func(t T, conc int) (R, error),
+	header string, row func(round, conc int, t T, run R)) error {
 	for _, t := range ts {
-		if _, err := measure(t, o.levels[len(o.levels)-1]); err != nil {
+		if _, err := measure(t, levels[len(levels)-1]); err != nil {
 			return err
 		}
 	}
 	fmt.Println(header)
-	for r := range o.rounds {
-		for _, conc := range o.levels {
+	for r := range rounds {
+		for _, conc := range levels {
 			for i := range ts {
 				t := ts[(i+r)%len(ts)]
 				run, err := measure(t, conc)
 				if err != nil {
 					return err
 				}
-				t.runs[conc] = append(t.runs[conc], run)
+				runs(t)[conc] = append(runs(t)[conc], run)
 				row(r+1, conc, t, run)
 			}
 		}
 	}
 	return nil
 }
+
+// peerRuns are a peer or rls target's closed-loop runs, for interleave.
+func peerRuns(t *peerTarget) map[int][]peerRun { return t.runs }
 
 // measureRun runs one load of t and reads around it the CPU of t's
 // processes and of this one (the load generator) and the time their

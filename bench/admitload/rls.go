@@ -96,7 +96,7 @@ func rls(ctx context.Context, o peerOptions, conns int, base string) error {
 		o.users, o.dur, o.rounds, conns, load0)
 	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s\n\n",
 		envoypeer.Package, envoypeer.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "))
-	err = interleave(o, pts, measure,
+	err = interleave(o.levels, o.rounds, pts, peerRuns, measure,
 		"| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | errors | failopen |\n"+
 			"|---|---|---|---|---|---|---|---|---|---|---|---|",
 		func(round, conc int, t *peerTarget, run peerRun) {

@@ -81,27 +81,16 @@ func scale(ctx context.Context, o peerOptions) error {
 	fmt.Printf("%d users over %d tenants, %s per run, %d rounds, targets in rotating order, connections split evenly over the instances; "+
 		"5-limit plan; admission QF_REDIS_TIMEOUT=1s; load average %s at the start\n\n", o.users, scaleTenants, o.dur, o.rounds, load0)
 
-	measure := func(t *scaleTarget, conc int) (scaleRun, error) { return t.measure(ctx, conc, o) }
-	for _, t := range ts { // warm connections, functions, keys and runtimes
-		if _, err := measure(t, o.levels[len(o.levels)-1]); err != nil {
-			return err
-		}
-	}
-	fmt.Println("| round | c | target | req/s | admission µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req | statuses | failopen |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
-	for r := range o.rounds {
-		for _, conc := range o.levels {
-			for i := range ts {
-				t := ts[(i+r)%len(ts)]
-				run, err := measure(t, conc)
-				if err != nil {
-					return err
-				}
-				t.runs[conc] = append(t.runs[conc], run)
-				fmt.Printf("| %d | %d | %s | %.0f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.0f |\n", r+1, conc, t.name(), run.res.Rate(),
-					run.admission, run.redis, run.nats, run.gen, run.all(), run.res.Statuses(), run.failopen)
-			}
-		}
+	err = interleave(o.levels, o.rounds, ts, func(t *scaleTarget) map[int][]scaleRun { return t.runs },
+		func(t *scaleTarget, conc int) (scaleRun, error) { return t.measure(ctx, conc, o) },
+		"| round | c | target | req/s | admission µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req | statuses | failopen |\n"+
+			"|---|---|---|---|---|---|---|---|---|---|---|",
+		func(round, conc int, t *scaleTarget, run scaleRun) {
+			fmt.Printf("| %d | %d | %s | %.0f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.0f |\n", round, conc, t.name(), run.res.Rate(),
+				run.admission, run.redis, run.nats, run.gen, run.all(), run.res.Statuses(), run.failopen)
+		})
+	if err != nil {
+		return err
 	}
 
 	fmt.Printf("\nmedians over %d rounds (÷ 1×1: the median of per-round ratios to the 1 admission × 1 Redis run of the same round):\n\n", o.rounds)
