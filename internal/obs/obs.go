@@ -43,6 +43,20 @@ func NewLogger(w io.Writer, level, service string) (*slog.Logger, error) {
 	return slog.New(h).With("service", service), nil
 }
 
+// Register registers cs on reg, in order, stopping at the first error;
+// with reg nil it registers nothing (a component used without metrics).
+func Register(reg prometheus.Registerer, cs ...prometheus.Collector) error {
+	if reg == nil {
+		return nil
+	}
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // NewRegistry returns a Prometheus registry holding the Go runtime and
 // process collectors. Services create one in run and hand it to each
 // component as a prometheus.Registerer; nothing registers globally.

@@ -122,3 +122,20 @@ func TestCodeClass(t *testing.T) {
 		}
 	}
 }
+
+// TestRegister: nil registers nothing; a collector registered twice is the
+// error, and the ones before it stay registered.
+func TestRegister(t *testing.T) {
+	a := prometheus.NewCounter(prometheus.CounterOpts{Name: "a_total", Help: "a"})
+	b := prometheus.NewCounter(prometheus.CounterOpts{Name: "b_total", Help: "b"})
+	if err := Register(nil, a, b); err != nil {
+		t.Fatalf("Register(nil) = %v", err)
+	}
+	reg := prometheus.NewRegistry()
+	if err := Register(reg, a, a, b); err == nil {
+		t.Fatal("a registered twice: no error")
+	}
+	if reg.Unregister(a) != true || reg.Unregister(b) != false {
+		t.Error("want a registered and b not")
+	}
+}

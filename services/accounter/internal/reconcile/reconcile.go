@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/internal/obs"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/pkg/limits/repair"
@@ -173,12 +174,8 @@ func newMetrics(reg prometheus.Registerer) (metrics, error) {
 	m.passes.WithLabelValues("error")
 	m.repaired.WithLabelValues("raised")
 	m.repaired.WithLabelValues("lowered")
-	if reg != nil {
-		for _, c := range []prometheus.Collector{m.driftTokens, m.driftSubjects, m.passes, m.repaired} {
-			if err := reg.Register(c); err != nil {
-				return m, fmt.Errorf("reconcile: register metrics: %w", err)
-			}
-		}
+	if err := obs.Register(reg, m.driftTokens, m.driftSubjects, m.passes, m.repaired); err != nil {
+		return m, fmt.Errorf("reconcile: register metrics: %w", err)
 	}
 	return m, nil
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/obs"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/services/accounter/internal/ledger"
@@ -87,12 +88,8 @@ func New(store Store, pol func() *policy.Policy, opt Options, log *slog.Logger, 
 	for _, r := range []string{"ok", "error", "refused"} {
 		k.runs.WithLabelValues(r)
 	}
-	if reg != nil {
-		for _, c := range []prometheus.Collector{k.runs, k.dropped} {
-			if err := reg.Register(c); err != nil {
-				return nil, fmt.Errorf("retention: register metrics: %w", err)
-			}
-		}
+	if err := obs.Register(reg, k.runs, k.dropped); err != nil {
+		return nil, fmt.Errorf("retention: register metrics: %w", err)
 	}
 	return k, nil
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/obs"
 	"quotaflow/pkg/limits/policy"
 )
 
@@ -133,12 +134,8 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 	empty := map[string]*endpointCounters{}
 	m.eps.Store(&empty)
 	m.endpoint(otherEndpoint)
-	if reg != nil {
-		for _, c := range []prometheus.Collector{m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, m.countBatchSize, m.voids, poolGauge} {
-			if err := reg.Register(c); err != nil {
-				return nil, err
-			}
-		}
+	if err := obs.Register(reg, m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, m.countBatchSize, m.voids, poolGauge); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"quotaflow/internal/obs"
 	"quotaflow/pkg/events"
 )
 
@@ -59,10 +60,8 @@ func newTopTenants(n int, reg prometheus.Registerer) (*topTenants, error) {
 			Help: "Tokens remaining in each tenant-scope token limit of the top tenants (those nearest a limit; QF_TOP_TENANTS).",
 		}, []string{"tenant", "limit"}),
 	}
-	for _, c := range []prometheus.Collector{t.used, t.remaining} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("register top tenant metrics: %w", err)
-		}
+	if err := obs.Register(reg, t.used, t.remaining); err != nil {
+		return nil, fmt.Errorf("register top tenant metrics: %w", err)
 	}
 	return t, nil
 }
