@@ -191,6 +191,7 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 		failopen := failopens(ctx, pl.p.Admission)
 		report(out, cfg, pl, failopen, bad)
 		diskReport(ctx, out, pl.ledger)
+		statementReport(ctx, out, pl.ledger, pl.total.reported)
 		if len(bad) > 0 {
 			failed = append(failed, pl.name+": the end state is not exact")
 		}
@@ -226,6 +227,8 @@ func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Wr
 		// the pipeline's, so the run waits for Redis instead (and counts
 		// the failopens it still sees).
 		AdmissionEnv: []string{"QF_REDIS_TIMEOUT=1s"},
+		// What each statement costs (statementReport).
+		PostgresArgs: []string{"-c", "shared_preload_libraries=pg_stat_statements"},
 	})
 	pl := &pipeline{cfg: cfg, name: name, p: p, total: newTally()}
 	if err != nil {

@@ -32,6 +32,9 @@ type PrivateConfig struct {
 	Env                                    []string
 	AdmissionEnv, AccounterEnv, AlerterEnv []string
 	Out                                    io.Writer // progress lines; nil for none
+	// PostgresArgs are further settings of the Postgres server
+	// (StartPostgres).
+	PostgresArgs []string
 	// Cluster runs the clustered shape (docs/design.md §9) instead of one
 	// server and one instance of each: a Redis Cluster of 3 masters with a
 	// replica each, a 3-node JetStream cluster with R3 streams, two
@@ -129,7 +132,7 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		p.RedisNodes, p.NATSNodes = []*Server{p.Redis}, []*Server{p.NATS}
 		p.RedisURL, p.NATSURL = p.Redis.URL, p.NATS.URL
 	}
-	if p.Postgres, err = StartPostgres(ctx, dir); err != nil {
+	if p.Postgres, err = StartPostgres(ctx, dir, cfg.PostgresArgs...); err != nil {
 		return p, err
 	}
 	p.DBURL = "postgres://postgres@" + p.Postgres.Addr + "/quotaflow?sslmode=disable"

@@ -149,8 +149,9 @@ func startNATS(ctx context.Context, dir, name string, port, mport int, extra ...
 // the postgres user can reach) and runs it, logging into dir; as the
 // postgres user when this process is root, since Postgres refuses to run
 // as root. Crash it with Signal(syscall.SIGQUIT, …): an immediate
-// shutdown, recovered from the WAL at the next start.
-func StartPostgres(ctx context.Context, dir string) (*Server, error) {
+// shutdown, recovered from the WAL at the next start. args are further
+// server settings (e.g. "-c", "shared_preload_libraries=pg_stat_statements").
+func StartPostgres(ctx context.Context, dir string, args ...string) (*Server, error) {
 	bins, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
 	sort.Strings(bins)
 	if len(bins) == 0 {
@@ -182,7 +183,7 @@ func StartPostgres(ctx context.Context, dir string) (*Server, error) {
 	p := strconv.Itoa(port)
 	s, err := startServer(ctx, cred, "postgres", dir, filepath.Join(bin, "postgres"), port,
 		"postgres://postgres@127.0.0.1:"+p+"/postgres?sslmode=disable",
-		"-D", data, "-p", p, "-k", pgDir, "-c", "listen_addresses=127.0.0.1")
+		append([]string{"-D", data, "-p", p, "-k", pgDir, "-c", "listen_addresses=127.0.0.1"}, args...)...)
 	if err == nil {
 		s.tmp = pgDir
 		// It listens before it accepts sessions ("the database system is
