@@ -5,7 +5,7 @@
 // way: a Stack that stops what was started in reverse order; Listen,
 // OpenRedis, ConnectNATS, WatchPolicy and Open (for pgdb.Connect), which
 // start a piece and push its stop; Retry for the steps that wait for a
-// server.
+// server; ReleaseStartupPages once start-up is done.
 //
 // It imports the other internal/ plumbing (obs, server, redisconn,
 // eviction, filewatch) and pkg/ packages, but not pgdb: admission keeps no

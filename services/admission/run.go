@@ -122,7 +122,13 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		}
 	}
 	ready.Ready(readyListening)
-	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest())
+	// Start-up is done: what only it ran need not stay resident.
+	released, err := service.ReleaseStartupPages()
+	if err != nil {
+		log.Warn("start-up pages kept", "err", err)
+	}
+	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest(),
+		"startup_pages_released", released)
 	if h.started != nil {
 		h.started(srv.Addr(), ops.Addr())
 	}
