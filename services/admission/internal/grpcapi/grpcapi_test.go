@@ -22,6 +22,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"quotaflow/internal/auth"
@@ -138,6 +139,56 @@ func TestUnreadableRequest(t *testing.T) {
 	// The service still answers a readable request.
 	if _, err := rlspb.NewRateLimitServiceClient(conn).ShouldRateLimit(withToken("Bearer gw"), &rlspb.RateLimitRequest{Domain: "x"}); err != nil {
 		t.Errorf("ShouldRateLimit after them = %v, want OK", err)
+	}
+}
+
+// decoding is a service that decodes its requests itself, into the
+// domain "acme" whatever they hold, except those that name "skip".
+type decoding struct{ *service }
+
+func (decoding) DecodeRequest(b []byte, msg any) bool {
+	if bytes.Contains(b, []byte("skip")) {
+		return false
+	}
+	msg.(*rlspb.RateLimitRequest).Domain = "acme"
+	return true
+}
+
+// A service that is a Decoder decodes its methods' requests; the ones it
+// leaves go to protobuf, whose refusal stays InvalidArgument.
+func TestDecoder(t *testing.T) {
+	tokens, err := auth.New(auth.Options{Tokens: []string{"acme@acme#gateway"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Options{Auth: tokens})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Register(&rlspb.RateLimitService_ServiceDesc, decoding{&service{}}, auth.Gateway)
+	if err := s.Listen("127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Stop(context.Background()) })
+	conn, err := grpc.NewClient(s.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	method := "/" + rlspb.RateLimitService_ServiceDesc.ServiceName + "/ShouldRateLimit"
+	for _, c := range []struct {
+		name string
+		msg  proto.Message
+		want codes.Code
+	}{
+		{"decoded as acme's", &rlspb.RateLimitRequest{Domain: "other"}, codes.OK},
+		{"left to protobuf", &rlspb.RateLimitRequest{Domain: "skip"}, codes.PermissionDenied},
+		{"left to protobuf, not UTF-8", wrapperspb.Bytes([]byte("skip\xff")), codes.InvalidArgument},
+	} {
+		err := conn.Invoke(withToken("Bearer acme"), method, c.msg, &rlspb.RateLimitResponse{})
+		if status.Code(err) != c.want {
+			t.Errorf("%s: ShouldRateLimit = %v, want %v", c.name, err, c.want)
+		}
 	}
 }
 
