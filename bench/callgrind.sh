@@ -8,6 +8,9 @@
 # noisy machine, unlike timings. Usage: bench/callgrind.sh
 # (QF_CALLGRIND_USERS=n spreads the steady reserves over n subjects;
 # QF_CALLGRIND_KEEP=dir keeps the dumps there for callgrind_annotate;
+# QF_REDIS_SERVER=path runs that redis-server instead of the one on PATH:
+# one built with symbols lets callgrind_annotate name Redis's and Lua's
+# functions, which the packaged binary's stripped ones do not;
 # QF_CALLGRIND_IN=call counts only inside Redis's call(), a command's
 # execution: without reading, parsing and replying, nor the timer's work,
 # which grows with the wall time a run takes on a loaded machine;
@@ -24,7 +27,7 @@ port=$(( 20000 + RANDOM % 20000 ))
 only=()
 [ -n "${QF_CALLGRIND_IN:-}" ] && only=(--collect-atstart=no "--toggle-collect=$QF_CALLGRIND_IN")
 valgrind --tool=callgrind "${only[@]}" --callgrind-out-file="$dir/out.%p" \
-  redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >"$dir/valgrind.log" 2>&1 &
+  "${QF_REDIS_SERVER:-redis-server}" --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >"$dir/valgrind.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done

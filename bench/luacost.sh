@@ -6,13 +6,14 @@
 # difference per run, counted inside Redis's call() only. For the engine's
 # unit costs (bench/results.md: what a string, a pack, a SET cost).
 # bench/luacost/*.lua are the ones bench/results.md cites.
-# Usage: N=1000 bench/luacost.sh FILE...
+# Usage: N=1000 bench/luacost.sh FILE... (QF_REDIS_SERVER=path: that
+# redis-server, as bench/callgrind.sh takes it)
 set -euo pipefail
 command -v valgrind >/dev/null || { echo "luacost.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 1; }
 dir=$(mktemp -d)
 port=$(( 20000 + RANDOM % 20000 ))
 valgrind --tool=callgrind --collect-atstart=no --toggle-collect=call --callgrind-out-file="$dir/out.%p" \
-  redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >"$dir/valgrind.log" 2>&1 &
+  "${QF_REDIS_SERVER:-redis-server}" --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" >"$dir/valgrind.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
