@@ -71,6 +71,49 @@ func TestReserveBatchDecidesLikeReserveInOrder(t *testing.T) {
 	}
 }
 
+// TestReserveBatchEntriesOfTwoPlansAlike interleaves, in one batch, the
+// reserves of one user under two plans with as many limits, sharing one
+// (same name, so the same record, but another limit): each is decided as
+// lone reserves in that order decide it. The engine keeps an entry's spec
+// slots when its specs are the entry before's; had it kept them for specs of
+// the same length, a plan-B reserve after a plan-A one would be decided by
+// A's limit of 3 (denied at the 4th where B allows 5).
+func TestReserveBatchEntriesOfTwoPlansAlike(t *testing.T) {
+	l := limitstest.At(redistest.Shared(t), 0)
+	ctx := context.Background()
+	base := redistest.UniqueName(t)
+	n := func(limit int64) policy.Rule {
+		return limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: limit, Window: policy.Duration(time.Hour)})
+	}
+	a := []policy.Rule{n(3), limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "t", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})}
+	b := []policy.Rule{n(5), limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * time.Hour)})}
+	plans := [][]policy.Rule{a, a, b, b, a, b, b, b, a, b}
+	reqs := func(tenant string) []limits.Request {
+		rs := make([]limits.Request, len(plans))
+		for i, rules := range plans {
+			rs[i] = limits.Request{Tenant: tenant, User: "u", RequestID: "r" + strconv.Itoa(i), Cost: 1, Rules: rules}
+		}
+		return rs
+	}
+	seq, batch := reqs(base+"-one"), reqs(base+"-many")
+	got, allowed := l.ReserveBatch(ctx, batch), 0
+	for i := range seq {
+		want, err := l.Reserve(ctx, seq[i])
+		if err != nil || got[i].Err != nil {
+			t.Fatalf("reserve %d: alone error %v, in the batch %v", i, err, got[i].Err)
+		}
+		if diff := sameDecision(got[i].Decision, want); diff != "" {
+			t.Errorf("ReserveBatch[%d] (plan of limit %d) = %s", i, plans[i][0].Limit.Limit, diff)
+		}
+		if want.Allowed {
+			allowed++
+		}
+	}
+	if allowed != 5 { // requests 1-4 and 6: the 5th (A) finds 4 of its 3, the 7th (B) 5 of its 5
+		t.Errorf("lone reserves allowed %d of %d, want 5", allowed, len(seq))
+	}
+}
+
 // TestReserveBatchOnClusterSpansNodes batches subjects of many tenants,
 // which live on different nodes of a fresh cluster (each with an empty
 // script cache); every call is decided, twice.
