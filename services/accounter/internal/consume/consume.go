@@ -343,7 +343,7 @@ func (c *Consumer) record(ev events.Event, payload []byte, stored time.Time) led
 	switch d := ev.Data.(type) {
 	case events.Reserved:
 		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID
-		r.Tokens, r.Plan, r.Endpoint, r.Model, r.ExpiresAt = d.EstimatedTokens, d.Plan, d.Endpoint, d.Model, d.ExpiresAt
+		r.Tokens, r.Plan, r.Endpoint, r.Model = d.EstimatedTokens, d.Plan, d.Endpoint, d.Model
 		r.Local = d.Version == 0 // admission decided without Redis
 	case events.Actual:
 		r.Tenant, r.User, r.RequestID = d.Tenant, d.User, d.RequestID

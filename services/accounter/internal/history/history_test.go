@@ -70,7 +70,7 @@ func (w *world) request(tenant, user, id string, at time.Time, estimate, actual 
 	var recs []ledger.Record
 	if estimate >= 0 {
 		recs = append(recs, ledger.Record{EventID: "res-" + id, Kind: "quotaflow.usage.reserved", Tenant: tenant, User: user,
-			RequestID: id, Tokens: estimate, OccurredAt: at, Plan: "free", Endpoint: "/gen", ExpiresAt: at.Add(time.Hour)})
+			RequestID: id, Tokens: estimate, OccurredAt: at, Plan: "free", Endpoint: "/gen"})
 	}
 	if actual >= 0 {
 		recs = append(recs, ledger.Record{EventID: "act-" + id, Kind: "quotaflow.usage.actual", Tenant: tenant, User: user,

@@ -84,7 +84,7 @@ func benchReserved(b *testing.B, n int, now time.Time) Record {
 	ev := events.NewReserved("quotaflow/admission", d, now)
 	return Record{EventID: ev.ID, Kind: kindReserved, Tenant: d.Tenant, User: d.User, RequestID: d.RequestID,
 		Tokens: d.EstimatedTokens, OccurredAt: now, Payload: benchEncode(b, ev), Plan: d.Plan, Endpoint: d.Endpoint,
-		Model: d.Model, ExpiresAt: d.ExpiresAt}
+		Model: d.Model}
 }
 
 // benchActual is the ledger record of the actual event of reservation r.

@@ -56,8 +56,8 @@ type Key struct {
 // top-up's reference and is empty for a denial). Kind is the
 // CloudEvent type; Tokens the weighted cost (reserved: the estimate; actual:
 // the actual cost; released and denied: 0; topup: the amount). Plan,
-// Endpoint, Model and ExpiresAt feed the reservation row of reserved,
-// actual and released events.
+// Endpoint and Model feed the reservation row of reserved, actual and
+// released events.
 type Record struct {
 	EventID    string
 	Kind       string
@@ -70,11 +70,10 @@ type Record struct {
 	// one, whose reservation row holds what the ledger keeps of it: an
 	// actual's in its reservation row. It is stored as it is (bytea,
 	// unparsed): the caller checked it.
-	Payload   []byte
-	Plan      string
-	Endpoint  string
-	Model     string
-	ExpiresAt time.Time
+	Payload  []byte
+	Plan     string
+	Endpoint string
+	Model    string
 	// Local marks a reserved event of a decision made without Redis
 	// (version 0): no Redis window holds its estimate.
 	Local bool
@@ -182,7 +181,7 @@ ON CONFLICT (tenant, user_id, request_id) DO NOTHING`
 // and on whichever day.
 const upsertReservations = `
 INSERT INTO reservations AS r (tenant, user_id, request_id, day, plan, endpoint, model,
-    estimated_tokens, reserved_at, expires_at, actual_tokens, actual_event, actual_at, released_at, local,
+    estimated_tokens, reserved_at, actual_tokens, actual_event, actual_at, released_at, local,
     status, settled_at, prior_status)
 SELECT tenant, user_id, request_id, k.day,
     coalesce(max(plan) FILTER (WHERE kind = 'quotaflow.usage.reserved'), ''),
@@ -190,7 +189,6 @@ SELECT tenant, user_id, request_id, k.day,
     coalesce(max(model) FILTER (WHERE kind = 'quotaflow.usage.reserved'), max(model), ''),
     max(tokens) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
     min(at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
-    max(expires_at) FILTER (WHERE kind = 'quotaflow.usage.reserved'),
     max(tokens) FILTER (WHERE kind = 'quotaflow.usage.actual'),
     (array_agg(event) FILTER (WHERE kind = 'quotaflow.usage.actual'))[1],
     min(at) FILTER (WHERE kind = 'quotaflow.usage.actual'),
@@ -203,8 +201,8 @@ SELECT tenant, user_id, request_id, k.day,
     CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN now() END,
     CASE WHEN bool_or(kind = 'quotaflow.usage.actual') THEN 'open' END
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
-    $9::timestamptz[], $10::timestamptz[], $11::boolean[], $12::bytea[])
-    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, expires_at, local, event)
+    $9::timestamptz[], $10::boolean[], $11::bytea[])
+    AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, local, event)
     JOIN reservation_keys k USING (tenant, user_id, request_id)
 GROUP BY tenant, user_id, request_id, k.day
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
@@ -219,7 +217,6 @@ ON CONFLICT (tenant, user_id, request_id, day) DO UPDATE SET
     local = CASE WHEN r.estimated_tokens IS NULL THEN excluded.local ELSE r.local END,
     estimated_tokens = coalesce(r.estimated_tokens, excluded.estimated_tokens),
     reserved_at = coalesce(r.reserved_at, excluded.reserved_at),
-    expires_at = coalesce(r.expires_at, excluded.expires_at),
     actual_tokens = coalesce(r.actual_tokens, excluded.actual_tokens),
     actual_event = CASE WHEN r.actual_tokens IS NULL THEN excluded.actual_event ELSE r.actual_event END,
     actual_at = coalesce(r.actual_at, excluded.actual_at),
@@ -227,8 +224,7 @@ ON CONFLICT (tenant, user_id, request_id, day) DO UPDATE SET
     -- excluded.status is settled when the batch has an actual
     status = CASE WHEN r.status = 'open' THEN excluded.status ELSE r.status END,
     settled_at = CASE WHEN r.status = 'open' THEN excluded.settled_at ELSE r.settled_at END,
-    prior_status = CASE WHEN r.status = 'open' THEN excluded.prior_status END,
-    updated_at = now()
+    prior_status = CASE WHEN r.status = 'open' THEN excluded.prior_status END
 RETURNING tenant, user_id, request_id, plan, endpoint, coalesce(estimated_tokens, -1),
     coalesce(actual_tokens, -1), reserved_at, coalesce(reserved_at, actual_at, released_at),
     coalesce(prior_status, status), local, prior_status IS NOT NULL, day`
@@ -372,7 +368,6 @@ func reservationArgs(recs []Record) ([]any, int, int) {
 		tenants, users, reqs, kinds, plans, endpoints, models []string
 		tokens                                                []int64
 		at                                                    []time.Time
-		expires                                               []*time.Time
 		local                                                 []bool
 		payloads                                              [][]byte
 		seen                                                  = make(map[kindKey]bool, len(recs))
@@ -392,16 +387,12 @@ func reservationArgs(recs []Record) ([]any, int, int) {
 		if r.Kind == kindActual {
 			payload = r.Payload
 		}
-		var exp *time.Time
-		if !r.ExpiresAt.IsZero() {
-			exp = &r.ExpiresAt
-		}
 		tenants, users, reqs, kinds = append(tenants, r.Tenant), append(users, r.User), append(reqs, r.RequestID), append(kinds, r.Kind)
 		plans, endpoints, models = append(plans, r.Plan), append(endpoints, r.Endpoint), append(models, r.Model)
-		tokens, at, expires, local = append(tokens, r.Tokens), append(at, r.OccurredAt), append(expires, exp), append(local, r.Local)
+		tokens, at, local = append(tokens, r.Tokens), append(at, r.OccurredAt), append(local, r.Local)
 		payloads = append(payloads, payload)
 	}
-	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, expires, local, payloads}, len(tenants), len(keys)
+	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, local, payloads}, len(tenants), len(keys)
 }
 
 // Commit records marks (see MarkSettled) and commits, in one round trip.
@@ -476,7 +467,7 @@ type Mark struct {
 // rows of one partition day, $5, so that Postgres plans and locks that
 // partition alone, not every partition of the retention (queueMarks).
 const markSettled = `
-UPDATE reservations AS r SET status = m.status, settled_at = now(), updated_at = now()
+UPDATE reservations AS r SET status = m.status, settled_at = now()
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
 WHERE r.day = $5::date AND r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id
     AND (r.status = 'open' OR (r.status = 'released' AND m.status = 'settled'))`
@@ -485,7 +476,7 @@ WHERE r.day = $5::date AND r.tenant = m.tenant AND r.user_id = m.user_id AND r.r
 // the consumer found for them: open (Redis did not take the correction) or
 // released. The batch holds their locks since its write.
 const undoSettled = `
-UPDATE reservations AS r SET status = m.status, prior_status = NULL, updated_at = now(),
+UPDATE reservations AS r SET status = m.status, prior_status = NULL,
     settled_at = CASE WHEN m.status = 'open' THEN NULL ELSE r.settled_at END
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS m(tenant, user_id, request_id, status)
 WHERE r.day = $5::date AND r.tenant = m.tenant AND r.user_id = m.user_id AND r.request_id = m.request_id`
@@ -554,7 +545,7 @@ func markArgs(marks []Mark) []any {
 // their estimate, which is now final. Local ones are left to the caller,
 // which charges their estimate first.
 const expireAtEstimate = `
-UPDATE reservations SET status = 'expired', settled_at = now(), updated_at = now()
+UPDATE reservations SET status = 'expired', settled_at = now()
 WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1 AND NOT local`
 
 // ExpireAtEstimate settles every reservation reserved before cutoff that

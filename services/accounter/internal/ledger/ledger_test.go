@@ -34,7 +34,7 @@ func TestWriteIsIdempotentAndMergesOutOfOrder(t *testing.T) {
 	actual := Record{EventID: "a1", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r1", Tokens: 40,
 		OccurredAt: at.Add(time.Minute), Payload: []byte(`{"x":1}`), Endpoint: "/e"}
 	reserved := Record{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100,
-		OccurredAt: at, Payload: []byte(`{}`), Plan: "pro", Endpoint: "/gen", ExpiresAt: at.Add(time.Hour)}
+		OccurredAt: at, Payload: []byte(`{}`), Plan: "pro", Endpoint: "/gen"}
 
 	// The actual first, twice in one batch (one event under two message ids).
 	res, err := s.Write(ctx, []Record{actual, actual})
@@ -322,26 +322,26 @@ func TestReservedEventIsItsReservation(t *testing.T) {
 	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
 	reserved := func(tenant string) Record {
 		return Record{EventID: "v1", Kind: kindReserved, Tenant: tenant, User: "u", RequestID: "r1", Tokens: 100,
-			OccurredAt: at, Payload: []byte(`{"big":"snapshot"}`), Plan: "pro", Endpoint: "/gen", Model: "m", ExpiresAt: at.Add(time.Hour)}
+			OccurredAt: at, Payload: []byte(`{"big":"snapshot"}`), Plan: "pro", Endpoint: "/gen", Model: "m"}
 	}
 	other := Record{EventID: "a2", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r2", Tokens: 7, OccurredAt: at, Payload: []byte(`{}`)}
 	type row struct {
 		plan, endpoint, model, status string
 		estimate                      int64
-		reservedAt, expiresAt         time.Time
+		reservedAt                    time.Time
 	}
 	read := func(tenant string) (r row) {
 		t.Helper()
-		err := pool.QueryRow(ctx, `SELECT plan, endpoint, model, status, estimated_tokens, reserved_at, expires_at
+		err := pool.QueryRow(ctx, `SELECT plan, endpoint, model, status, estimated_tokens, reserved_at
 			FROM reservations WHERE tenant = $1 AND request_id = 'r1'`, tenant).
-			Scan(&r.plan, &r.endpoint, &r.model, &r.status, &r.estimate, &r.reservedAt, &r.expiresAt)
+			Scan(&r.plan, &r.endpoint, &r.model, &r.status, &r.estimate, &r.reservedAt)
 		if err != nil {
 			t.Fatal(err)
 		}
-		r.reservedAt, r.expiresAt = r.reservedAt.UTC(), r.expiresAt.UTC()
+		r.reservedAt = r.reservedAt.UTC()
 		return r
 	}
-	want := row{plan: "pro", endpoint: "/gen", model: "m", status: StatusOpen, estimate: 100, reservedAt: at, expiresAt: at.Add(time.Hour)}
+	want := row{plan: "pro", endpoint: "/gen", model: "m", status: StatusOpen, estimate: 100, reservedAt: at}
 	for i, batch := range [][]Record{{reserved("t")}, {reserved("t"), reserved("t")}, {other, reserved("t")}, {reserved("t"), reserved("t2")}} {
 		res, err := s.Write(ctx, batch)
 		if err != nil {
@@ -376,7 +376,7 @@ func TestBatchKeepsTheFirstOfEachKind(t *testing.T) {
 	at := time.Date(2026, 11, 30, 10, 15, 0, 0, time.UTC)
 	rec := func(id, kind string, d time.Duration, plan string, local bool) Record {
 		return Record{EventID: id, Kind: kind, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100, OccurredAt: at.Add(d),
-			Payload: []byte(`{}`), Plan: plan, ExpiresAt: at.Add(time.Hour + d), Local: local}
+			Payload: []byte(`{}`), Plan: plan, Local: local}
 	}
 	batch := []Record{
 		rec("v1", kindReserved, 0, "pro", false), rec("v2", kindReserved, -time.Minute, "zz", true),
@@ -387,14 +387,14 @@ func TestBatchKeepsTheFirstOfEachKind(t *testing.T) {
 	}
 	var plan string
 	var local bool
-	var reservedAt, expiresAt, releasedAt time.Time
-	if err := pool.QueryRow(ctx, `SELECT plan, local, reserved_at, expires_at, released_at FROM reservations`).
-		Scan(&plan, &local, &reservedAt, &expiresAt, &releasedAt); err != nil {
+	var reservedAt, releasedAt time.Time
+	if err := pool.QueryRow(ctx, `SELECT plan, local, reserved_at, released_at FROM reservations`).
+		Scan(&plan, &local, &reservedAt, &releasedAt); err != nil {
 		t.Fatal(err)
 	}
-	if plan != "pro" || local || !reservedAt.Equal(at) || !expiresAt.Equal(at.Add(time.Hour)) || !releasedAt.Equal(at.Add(2*time.Minute)) {
-		t.Errorf("row: plan %q, local %v, reserved %v, expires %v, released %v; want the first events': pro, false, %v, %v, %v",
-			plan, local, reservedAt, expiresAt, releasedAt, at, at.Add(time.Hour), at.Add(2*time.Minute))
+	if plan != "pro" || local || !reservedAt.Equal(at) || !releasedAt.Equal(at.Add(2*time.Minute)) {
+		t.Errorf("row: plan %q, local %v, reserved %v, released %v; want the first events': pro, false, %v, %v",
+			plan, local, reservedAt, releasedAt, at, at.Add(2*time.Minute))
 	}
 }
 

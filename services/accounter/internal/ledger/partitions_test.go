@@ -69,7 +69,7 @@ func TestRequestAcrossMidnight(t *testing.T) {
 		t.Run(order, func(t *testing.T) {
 			req := "r-" + order
 			reserved := Record{EventID: "v-" + req, Kind: kindReserved, Tenant: "t", User: "u", RequestID: req, Tokens: 100,
-				OccurredAt: late, Plan: "pro", Endpoint: "/gen", ExpiresAt: late.Add(time.Hour)}
+				OccurredAt: late, Plan: "pro", Endpoint: "/gen"}
 			actual := Record{EventID: "a-" + req, Kind: kindActual, Tenant: "t", User: "u", RequestID: req, Tokens: 40,
 				OccurredAt: early, Payload: []byte(`{"id":"a"}`)}
 			first, second := reserved, actual
@@ -361,7 +361,7 @@ func TestDropFoldsWriteCommittedBeforeIt(t *testing.T) {
 	ctx := context.Background()
 	if _, err := storeAt(pool, d).Write(ctx, []Record{
 		{EventID: "pay", Kind: "quotaflow.balance.topup", Tenant: "t", User: "u", RequestID: "o", Tokens: 500, OccurredAt: d, Payload: []byte(`{}`)},
-		{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100, OccurredAt: d, ExpiresAt: d.Add(time.Hour)},
+		{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Tokens: 100, OccurredAt: d},
 	}); err != nil {
 		t.Fatal(err)
 	}
