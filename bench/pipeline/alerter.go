@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -14,31 +15,48 @@ import (
 // alerterConsumer is the alerter's durable consumer in the pipeline.
 const alerterConsumer = "alerter"
 
-// waitAlerter waits until the alerter's consumer has acked every message
-// of the usage stream, or fails once timeout has passed since since, and
-// returns how long after since that was: the alerter's catch-up. A round's
-// CPU is read after it, so an alerter that falls behind the load is
-// charged for the work it does late, as the accounter is.
+// waitAlerter waits until the alerter's consumers (the durable
+// alerterConsumer of an earlier build, or those named from it, one per
+// type it reads) have acked every message they are handed, or fails once
+// timeout has passed since since, and returns how long after since that
+// was: the alerter's catch-up. A round's CPU is read after it, so an
+// alerter that falls behind the load is charged for the work it does
+// late, as the accounter is.
 func waitAlerter(ctx context.Context, url string, since time.Time, timeout time.Duration) (time.Duration, error) {
 	js, closeNATS, err := connectJS(url)
 	if err != nil {
 		return 0, err
 	}
 	defer closeNATS()
-	cons, err := js.Consumer(ctx, stream.Defaults().Stream, alerterConsumer)
+	str, err := js.Stream(ctx, stream.Defaults().Stream)
 	if err != nil {
 		return 0, err
 	}
 	for {
-		info, err := cons.Info(ctx)
-		if err == nil && info.NumPending == 0 && info.NumAckPending == 0 {
+		pending, acks, n := uint64(0), 0, 0
+		names := str.ConsumerNames(ctx)
+		for name := range names.Name() {
+			if name != alerterConsumer && !strings.HasPrefix(name, alerterConsumer+"-") {
+				continue
+			}
+			c, err := str.Consumer(ctx, name)
+			if err != nil {
+				return 0, err
+			}
+			info, err := c.Info(ctx)
+			if err != nil {
+				return 0, err
+			}
+			pending, acks, n = pending+info.NumPending, acks+info.NumAckPending, n+1
+		}
+		if err := names.Err(); err != nil {
+			return 0, err
+		}
+		if n > 0 && pending == 0 && acks == 0 {
 			return time.Since(since), nil
 		}
 		if time.Since(since) > timeout {
-			if err == nil {
-				err = fmt.Errorf("the alerter has %d messages pending and %d unacked after %v", info.NumPending, info.NumAckPending, timeout)
-			}
-			return 0, err
+			return 0, fmt.Errorf("the alerter's %d consumers have %d messages pending and %d unacked after %v", n, pending, acks, timeout)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
