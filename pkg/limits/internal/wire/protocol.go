@@ -408,7 +408,9 @@ func reserveHead(cost int64, mode int, meta byte, ek, rk, sk, tk int) (h [reserv
 
 // key returns the 1-based KEYS index of string key k, adding it once.
 // Lone calls name four keys: a scan costs less than a map until a batch
-// names a few dozen.
+// names a few dozen. The map starts at twice the keys so far and grows
+// with the batch: sized for the largest batch (4 × MaxBatch keys), it
+// was some 6 KiB for each batch of a few requests.
 func (b *batch) key(k string) int {
 	if b.index != nil {
 		if i, ok := b.index[k]; ok {
@@ -421,7 +423,7 @@ func (b *batch) key(k string) int {
 			}
 		}
 		if len(b.strs) >= 16 {
-			b.index = make(map[string]int, 4*MaxBatch)
+			b.index = make(map[string]int, 2*len(b.strs))
 			for i, s := range b.strs {
 				b.index[s] = i + 1
 			}
