@@ -45,6 +45,7 @@ type Client interface {
 	redis.Scripter
 	FCall(ctx context.Context, function string, keys []string, args ...any) *redis.Cmd
 	FunctionLoad(ctx context.Context, code string) *redis.StringCmd
+	Process(ctx context.Context, cmd redis.Cmder) error
 }
 
 // DefaultReservationTTL is how long a reservation lives when nobody settles

@@ -55,6 +55,7 @@ type Client interface {
 	redis.Scripter
 	FCall(ctx context.Context, function string, keys []string, args ...any) *redis.Cmd
 	FunctionLoad(ctx context.Context, code string) *redis.StringCmd
+	Process(ctx context.Context, cmd redis.Cmder) error
 }
 
 // Entry is one entry point of the Lua engine (lib.lua followed by the
