@@ -2,7 +2,9 @@ package httpapi
 
 import (
 	"encoding/json"
+	"net/http"
 	"testing"
+	"time"
 )
 
 func decisionCases() map[string]decisionBody {
@@ -58,4 +60,17 @@ func FuzzDecisionJSON(f *testing.F) {
 			t.Fatalf("appendJSON = %s\nwant           %s", got, want)
 		}
 	})
+}
+
+// TestDateOf: the Date an answer gets is the one net/http would have
+// written at that moment, in another second too (it is formatted again,
+// not kept), and in another zone.
+func TestDateOf(t *testing.T) {
+	t0 := time.Date(2026, 12, 6, 3, 59, 59, 900e6, time.FixedZone("X", 5*3600))
+	for _, now := range []time.Time{t0, t0.Add(50 * time.Millisecond), t0.Add(100 * time.Millisecond), t0.Add(26 * time.Hour)} {
+		want := now.UTC().Format(http.TimeFormat)
+		if got := dateOf(now); len(got) != 1 || got[0] != want || cap(got) != 1 {
+			t.Fatalf("dateOf(%v) = %q (cap %d), want [%q] (cap 1)", now, got, cap(got), want)
+		}
+	}
 }

@@ -179,6 +179,7 @@ var (
 	hdrRetryAfter   = http.CanonicalHeaderKey("Retry-After")
 	hdrContentType  = http.CanonicalHeaderKey("Content-Type")
 	hdrCacheControl = http.CanonicalHeaderKey("Cache-Control")
+	hdrDate         = http.CanonicalHeaderKey("Date")
 )
 
 // setRateLimitHeaders writes RateLimit-Policy, RateLimit and the
