@@ -42,12 +42,19 @@ func main() {
 	flag.StringVar(&cfg.Base, "ab", "", "also run the services built from this checkout of an earlier commit, as \"before\", in the same interleaved rounds")
 	flag.BoolVar(&cfg.Envoy, "envoy", true, "measure envoyproxy/ratelimit in the same rounds")
 	flag.StringVar(&cfg.EnvoyBin, "envoy-bin", "", "ratelimit's service_cmd binary (default: the pinned version, built into the user cache dir once)")
+	flag.StringVar(&cfg.NATSProfile, "nats-pprof", "", "write a CPU profile of this checkout's nats-server over each measured round's load into this directory (nats-r<round>.pprof; read it with go tool pprof -top); the profiling slows the server, so such a run's figures do not compare with others")
 	env := flag.String("env", "", "extra environment of this checkout's services only, space-separated (e.g. QF_EVENT_BATCH_WAIT=5ms; with -ab, a setting measured both ways)")
 	flag.Parse()
 	cfg.Env = strings.Fields(*env)
 	if cfg.Duration <= 0 || cfg.Warmup <= 0 || cfg.Conns < 1 || cfg.Users < 1 || cfg.Rounds < 1 || cfg.Settle <= 0 {
 		fmt.Fprintln(os.Stderr, "pipeline: -duration, -warmup, -concurrency, -users, -rounds and -settle must be positive")
 		os.Exit(2)
+	}
+	if cfg.NATSProfile != "" {
+		if err := os.MkdirAll(cfg.NATSProfile, 0o755); err != nil {
+			fmt.Fprintln(os.Stderr, "pipeline:", err)
+			os.Exit(2)
+		}
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

@@ -4,7 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
+	"os"
+	"strconv"
 	"time"
 )
 
@@ -55,4 +58,35 @@ func getJSON(ctx context.Context, url string, v any) error {
 		return fmt.Errorf("GET %s: %w", url, err)
 	}
 	return nil
+}
+
+// saveProfile writes to file a CPU profile of d (whole seconds, at least
+// one) from a pprof profile endpoint: nats-server's, opened by its
+// -profile flag, which also turns on its block profiling, so a profiled
+// round's CPU figures run slower than an unprofiled one's.
+func saveProfile(ctx context.Context, endpoint string, d time.Duration, file string) error {
+	secs := max(1, int(d/time.Second))
+	ctx, cancel := context.WithTimeout(ctx, time.Duration(secs)*time.Second+30*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint+"?seconds="+strconv.Itoa(secs), nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("nats-server profile: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("nats-server profile: %s", resp.Status)
+	}
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return fmt.Errorf("nats-server profile: %w", err)
+	}
+	return f.Close()
 }

@@ -7,6 +7,8 @@ import (
 	"io"
 	"net/url"
 	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -29,6 +31,9 @@ type Config struct {
 	Envoy    bool          // measure envoyproxy/ratelimit in the same rounds
 	EnvoyBin string        // its service_cmd binary; "" builds the pinned one
 	Env      []string      // extra environment of this checkout's services only (with Base: a setting measured both ways)
+	// NATSProfile, when set, is a directory for a CPU profile of this
+	// checkout's nats-server over each measured round's load.
+	NATSProfile string
 }
 
 // meter reads a process's CPU time so far.
@@ -101,6 +106,7 @@ type pipeline struct {
 	host   string // admission's host:port
 	ledger *ledger
 	meters []meter
+	pprof  string // nats-server's pprof endpoint (Config.NATSProfile), or ""
 	total  *tally // every round's, the warm-up's included
 	rounds int    // rounds begun, the warm-up's included: seeds the users
 }
@@ -212,12 +218,22 @@ func run(ctx context.Context, cfg Config, out io.Writer) error {
 // checkout root ("" for this one) and what the rounds need of it.
 func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Writer) (*pipeline, error) {
 	env := []string{"QF_LOG_LEVEL=warn"}
+	var natsArgs []string
+	pprof := ""
 	if root == "" {
 		env = append(env, cfg.Env...)
+		if cfg.NATSProfile != "" {
+			port, err := e2e.FreePort()
+			if err != nil {
+				return nil, err
+			}
+			natsArgs = []string{"-profile", strconv.Itoa(port)}
+			pprof = "http://127.0.0.1:" + strconv.Itoa(port) + "/debug/pprof/profile"
+		}
 	}
 	p, err := e2e.StartPrivate(ctx, e2e.PrivateConfig{
 		Name: "pipeline", Root: root, Policy: plans.Five, Out: out,
-		Env: env,
+		Env: env, NATSArgs: natsArgs,
 		// Named, so that Postgres's CPU splits by the service a backend serves.
 		AccounterEnv: []string{"PGAPPNAME=" + accounterApp},
 		// Consuming, with no webhook: a quota never reaches a threshold.
@@ -230,7 +246,7 @@ func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Wr
 		// What each statement costs (statementReport).
 		PostgresArgs: []string{"-c", "shared_preload_libraries=pg_stat_statements"},
 	})
-	pl := &pipeline{cfg: cfg, name: name, p: p, total: newTally()}
+	pl := &pipeline{cfg: cfg, name: name, p: p, total: newTally(), pprof: pprof}
 	if err != nil {
 		return pl, err
 	}
@@ -306,6 +322,14 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	if err != nil {
 		return round{}, err
 	}
+	profiled := make(chan error, 1)
+	if pl.pprof != "" && name != "r0" {
+		go func() {
+			profiled <- saveProfile(ctx, pl.pprof, d, filepath.Join(pl.cfg.NATSProfile, "nats-"+name+".pprof"))
+		}()
+	} else {
+		profiled <- nil
+	}
 	res, err := load.Run(ctx, load.Config{
 		Addr: pl.host, Conns: pl.cfg.Conns, Duration: d,
 		NewClient: func(conn int) load.Client {
@@ -318,6 +342,9 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		return round{}, err
 	}
 	end := time.Now()
+	if err := <-profiled; err != nil {
+		return round{}, err
+	}
 	n1, _, err := pl.ledger.actuals(ctx)
 	if err != nil {
 		return round{}, err

@@ -35,6 +35,9 @@ type PrivateConfig struct {
 	// PostgresArgs are further settings of the Postgres server
 	// (StartPostgres).
 	PostgresArgs []string
+	// NATSArgs are more arguments of the one nats-server (not of a
+	// Cluster's nodes), e.g. "-profile", a port.
+	NATSArgs []string
 	// Cluster runs the clustered shape (docs/design.md §9) instead of one
 	// server and one instance of each: a Redis Cluster of 3 masters with a
 	// replica each, a 3-node JetStream cluster with R3 streams, two
@@ -126,7 +129,7 @@ func StartPrivate(ctx context.Context, cfg PrivateConfig) (*Private, error) {
 		if p.Redis, err = StartRedis(ctx, dir); err != nil {
 			return p, err
 		}
-		if p.NATS, err = StartNATS(ctx, dir); err != nil {
+		if p.NATS, err = StartNATS(ctx, dir, cfg.NATSArgs...); err != nil {
 			return p, err
 		}
 		p.RedisNodes, p.NATSNodes = []*Server{p.Redis}, []*Server{p.NATS}

@@ -119,13 +119,14 @@ func redisPort() (int, error) {
 
 // StartNATS runs a nats-server with JetStream storing in dir/nats, so that
 // its streams survive a Kill and restart, and its monitoring endpoint on
-// (Server.Monitor).
-func StartNATS(ctx context.Context, dir string) (*Server, error) {
+// (Server.Monitor); extra are more nats-server arguments (e.g. "-profile",
+// a port, for its pprof endpoint).
+func StartNATS(ctx context.Context, dir string, extra ...string) (*Server, error) {
 	ports, err := FreePorts(2) // the clients' and the monitoring port
 	if err != nil {
 		return nil, err
 	}
-	return startNATS(ctx, dir, "nats", ports[0], ports[1])
+	return startNATS(ctx, dir, "nats", ports[0], ports[1], extra...)
 }
 
 // startNATS runs a nats-server called name (its log dir/name.log, its
