@@ -33,23 +33,17 @@ func waitAlerter(ctx context.Context, url string, since time.Time, timeout time.
 		return 0, err
 	}
 	for {
+		// One request for every consumer's info: asking for the names,
+		// then each consumer and its info, took seven.
 		pending, acks, n := uint64(0), 0, 0
-		names := str.ConsumerNames(ctx)
-		for name := range names.Name() {
-			if name != alerterConsumer && !strings.HasPrefix(name, alerterConsumer+"-") {
+		list := str.ListConsumers(ctx)
+		for info := range list.Info() {
+			if name := info.Name; name != alerterConsumer && !strings.HasPrefix(name, alerterConsumer+"-") {
 				continue
-			}
-			c, err := str.Consumer(ctx, name)
-			if err != nil {
-				return 0, err
-			}
-			info, err := c.Info(ctx)
-			if err != nil {
-				return 0, err
 			}
 			pending, acks, n = pending+info.NumPending, acks+info.NumAckPending, n+1
 		}
-		if err := names.Err(); err != nil {
+		if err := list.Err(); err != nil {
 			return 0, err
 		}
 		if n > 0 && pending == 0 && acks == 0 {
@@ -63,11 +57,11 @@ func waitAlerter(ctx context.Context, url string, since time.Time, timeout time.
 }
 
 // alerterPoll is how often waitAlerter asks nats-server for the alerter's
-// consumer info: each answer costs the server ~250 µs of CPU on a loaded
-// host, inside the round's measured span, so asking every 5 ms through a
-// catch-up of seconds charged nats-server several µs per accounted request
-// of the bench's own work (bench/results.md, "NATS per accounted request
-// (session 8)"). The catch-up is measured to this step.
+// consumers' info: a consumer's info costs the server ~250 µs of CPU on a
+// loaded host, inside the round's measured span, so asking every 5 ms
+// through a catch-up of seconds charged nats-server for the bench's own
+// work (bench/results.md, "NATS per accounted request (session 8)"). The
+// catch-up is measured to this step.
 const alerterPoll = 50 * time.Millisecond
 
 // connectJS connects to NATS at url for a JetStream question; the caller
