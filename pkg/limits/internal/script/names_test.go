@@ -44,7 +44,7 @@ func TestLuaNamesAreUsedAndExpanded(t *testing.T) {
 	lib := mustExpand("lib", luaLib)
 	for _, c := range engineCode {
 		src := lib + mustExpand(c[0], c[1])
-		if !strings.Contains(engine.code, src[len(lib):]) || engine.entries[c[0]].script.Hash() != redis.NewScript(src).Hash() {
+		if !strings.Contains(engine.code, src[len(lib):]) || engine.entries[c[0]].script().Hash() != redis.NewScript(src).Hash() {
 			t.Errorf("%s: the script is not the library's expanded code", c[0])
 		}
 	}

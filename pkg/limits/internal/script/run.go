@@ -156,9 +156,9 @@ func (r *Runner) runOnce(ctx context.Context, e *Entry, calls []wire.Call, cmds 
 			case fcall:
 				cmds[i] = fcallCmd(ctx, to, e.fn, c)
 			case evalsha:
-				cmds[i] = e.script.EvalSha(ctx, to, c.Keys, c.Args...)
+				cmds[i] = e.script().EvalSha(ctx, to, c.Keys, c.Args...)
 			default:
-				cmds[i] = e.script.Eval(ctx, to, c.Keys, c.Args...)
+				cmds[i] = e.script().Eval(ctx, to, c.Keys, c.Args...)
 			}
 		}
 		if pipe != nil {

@@ -10,6 +10,7 @@ import (
 	_ "embed"
 	"encoding/hex"
 	"strings"
+	"sync"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -72,8 +73,16 @@ type Client interface {
 // instances of different releases, each calling the code it was built with,
 // share a Redis during a rolling upgrade.
 type Entry struct {
-	fn     string        // the function's name in the library; "" runs only as a script
-	script *redis.Script // the same code as a script
+	fn string // the function's name in the library; "" runs only as a script
+	// script is the same code as a script, built on first use: only a
+	// server without functions runs it, and each entry's copy of lib.lua
+	// would keep ~40 KB on the heap, doubled by the collector's headroom.
+	script func() *redis.Script
+}
+
+// newEntry returns the entry of function fn (none: "") and script code src.
+func newEntry(fn string, src func() string) *Entry {
+	return &Entry{fn: fn, script: sync.OnceValue(func() *redis.Script { return redis.NewScript(src()) })}
 }
 
 // engineCode is every entry that shares lib.lua: its name (that of its
@@ -108,8 +117,8 @@ var (
 // spares the rebuild of lib.lua's state on every call, which they do not
 // make.
 var (
-	Windows  = &Entry{script: redis.NewScript(luaWindows)}
-	Admitted = &Entry{script: redis.NewScript(luaAdmitted)}
+	Windows  = newEntry("", func() string { return luaWindows })
+	Admitted = newEntry("", func() string { return luaAdmitted })
 )
 
 // library is the engine's code as one Redis function library.
@@ -143,7 +152,7 @@ func newLibrary(lib string, entries [][2]string) *library {
 	l := &library{entries: make(map[string]*Entry, len(codes))}
 	for _, c := range codes {
 		fn := prefix + "_" + c[0]
-		l.entries[c[0]] = &Entry{fn: fn, script: redis.NewScript(lib + c[1])}
+		l.entries[c[0]] = newEntry(fn, func() string { return lib + c[1] })
 		body.WriteString("redis.register_function('" + fn + "', function(k, a)\n" +
 			"  KEYS, ARGV = k, a\n  run = run or init()\n  return run." + c[0] + "()\nend)\n")
 	}
