@@ -78,7 +78,7 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 	decided := false
 	if all {
 		var err error
-		if decided, err = a.checkCounts(charges, &first, &retry, &reason); err != nil {
+		if decided, err = a.checkCounts(charges, false, &first, &retry, &reason); err != nil {
 			return Result{}, err
 		}
 	}
@@ -91,7 +91,7 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 		ok, err := false, error(nil)
 		counted := false
 		if a.remote && countable(c) {
-			counted, err = a.checkCounts(charges[i:i+1], &first, &retry, &reason)
+			counted, err = a.checkCounts(charges[i:i+1], true, &first, &retry, &reason)
 		}
 		if !counted && err == nil {
 			ok, err = a.sharedLayer(c.Scope, c.ID, c.Rules)
@@ -143,9 +143,10 @@ func countable(c *Charge) bool {
 // that concurrent Checks share a round trip and a script call): all or
 // nothing in Redis. It appends their states, sets first, retry and reason
 // (when not set) as Check's loop does, keeps the allowed charges for undo
-// (a later charge may deny), and reports false when Redis is not to be
-// used (decided locally then, as on the admit path).
-func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Duration, reason *limits.Reason) (bool, error) {
+// when keep is set (a later charge may deny; not when the group is the
+// whole decision), and reports false when Redis is not to be used (decided
+// locally then, as on the admit path).
+func (a *admission) checkCounts(charges []Charge, keep bool, first *int, retry *time.Duration, reason *limits.Reason) (bool, error) {
 	if !a.remote {
 		return false, nil
 	}
@@ -170,6 +171,9 @@ func (a *admission) checkCounts(charges []Charge, first *int, retry *time.Durati
 		if *first < 0 {
 			*first, *retry, *reason = base+max(0, dec.DeniedBy), dec.RetryAfter, dec.Reason
 		}
+		return true, nil
+	}
+	if !keep {
 		return true, nil
 	}
 	at := base

@@ -114,6 +114,35 @@ func TestCheckIsAllOrNothing(t *testing.T) {
 	}
 }
 
+// A check whose charges are not all counters goes charge by charge: when a
+// later charge (a rolling window, in the shared blobs) denies, what an
+// earlier counter took is given back.
+func TestCheckMixedGivesBackCounted(t *testing.T) {
+	c := redistest.Shared(t)
+	pol := parsePolicy(t, userOnlyPolicy, "")
+	offset := midWindow(24 * time.Hour)
+	d := newDecider(t, c, pol, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: offset})
+	a, b := newTenant(t)+"a", newTenant(t)+"b"
+	counted := []policy.Rule{checkRule("x", 10)}
+	rolling := checkRule("y", 1)
+	rolling.Kind = policy.Rolling
+	check := func(cost int64) (Result, error) {
+		return d.Check(context.Background(), []Charge{
+			{Scope: policy.ScopeGlobal, ID: a, Cost: 1, Rules: counted},
+			{Scope: policy.ScopeGlobal, ID: b, Cost: cost, Rules: []policy.Rule{rolling}},
+		})
+	}
+	if r, err := check(1); err != nil || !r.Allowed {
+		t.Fatalf("Check(within both) = %+v, %v; want allowed", r, err)
+	}
+	if r, err := check(1); err != nil || r.Allowed || r.DeniedBy == nil || r.DeniedBy.Endpoint != "y" {
+		t.Fatalf("Check(the rolling window over) = %+v, %v; want denied by y", r, err)
+	}
+	if used := counterUsed(t, c, offset, policy.ScopeGlobal, a, counted); used[0] != 1 {
+		t.Errorf("the counter after the denied check = %v, want 1 (the allowed check only: the denied one's given back)", used)
+	}
+}
+
 // Concurrent checks share round trips (the batcher) and stay exact and all
 // or nothing: of 640 racing checks, each charging a counter of its own
 // worker and one shared counter of limit 100, exactly 100 are allowed, the
