@@ -123,6 +123,46 @@ func TestShouldRateLimitBounds(t *testing.T) {
 	}
 }
 
+// A refill (is_negative_hits) is InvalidArgument and gives nothing back,
+// whatever its hits_addend, and charges nothing for the request's other
+// descriptors; is_negative_hits false is an ordinary charge.
+func TestShouldRateLimitRefusesRefill(t *testing.T) {
+	r := startRLS(t, "rlsrefill", nil)
+	alice := func() *rlv3.RateLimitDescriptor { return desc("tenant", "tr", "user", "alice") }
+	bob := func() *rlv3.RateLimitDescriptor { return desc("tenant", "tr", "user", "bob") }
+	if got := codesOf(r.call(t, 0, alice())); got != "OK OK/2" {
+		t.Fatalf("first call = %s, want OK OK/2", got)
+	}
+	refill := func(hits *wrapperspb.UInt64Value) *rlv3.RateLimitDescriptor {
+		d := alice()
+		d.HitsAddend, d.IsNegativeHits = hits, true
+		return d
+	}
+	for _, c := range []struct {
+		name string
+		ds   []*rlv3.RateLimitDescriptor
+		want string
+	}{
+		{"refill of 2", []*rlv3.RateLimitDescriptor{refill(wrapperspb.UInt64(2))}, "descriptors[0].is_negative_hits: refills are not supported"},
+		{"refill of the request's hits", []*rlv3.RateLimitDescriptor{refill(nil)}, "descriptors[0].is_negative_hits"},
+		{"refill beside a charge", []*rlv3.RateLimitDescriptor{bob(), refill(wrapperspb.UInt64(1))}, "descriptors[1].is_negative_hits"},
+	} {
+		_, err := r.client.ShouldRateLimit(bearer(gatewayToken), &rlspb.RateLimitRequest{Domain: r.domain, Descriptors: c.ds, HitsAddend: 2})
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(status.Convert(err).Message(), c.want) {
+			t.Errorf("%s: ShouldRateLimit = %v, want InvalidArgument %q", c.name, err, c.want)
+		}
+	}
+	// Alice's counter kept its one hit, bob's has none.
+	if got := codesOf(r.call(t, 0, alice(), bob())); got != "OK OK/1 OK/2" {
+		t.Errorf("alice and bob after the refused refills = %s, want OK OK/1 OK/2", got)
+	}
+	notRefill := alice()
+	notRefill.HitsAddend, notRefill.IsNegativeHits = wrapperspb.UInt64(1), false
+	if got := codesOf(r.call(t, 0, notRefill)); got != "OK OK/0" {
+		t.Errorf("is_negative_hits false, hits_addend 1 = %s, want OK OK/0 (charged)", got)
+	}
+}
+
 // rawCodec sends and receives messages as they are: bytes a proto codec
 // would refuse to marshal.
 type rawCodec struct{}

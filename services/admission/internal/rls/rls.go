@@ -556,6 +556,10 @@ func validate(req *rlspb.RateLimitRequest) error {
 		if d.GetLimit() != nil {
 			return fmt.Errorf("descriptors[%d].limit: limit overrides are not supported", i)
 		}
+		// A refill would let a caller erase usage it was charged.
+		if d.GetIsNegativeHits() {
+			return fmt.Errorf("descriptors[%d].is_negative_hits: refills are not supported: a caller cannot give back hits", i)
+		}
 	}
 	return nil
 }
