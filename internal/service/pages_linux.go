@@ -19,8 +19,9 @@ import (
 // shared and reclaimable, so a cgroup's memory charge for them is unchanged.
 //
 // A mapping holding a private copy of any page (Anonymous in smaps: a
-// relocation written before it was made read-only) is left alone, since
-// unmapping it would lose the write.
+// relocation written before it was made read-only), in memory or swapped
+// out (Swap, SwapPss), is left alone, since unmapping it would lose the
+// write.
 func ReleaseStartupPages() (int64, error) {
 	exe, err := os.Readlink("/proc/self/exe")
 	if err != nil {
@@ -47,13 +48,14 @@ type mapping struct {
 }
 
 // readOnlyMappings returns the mappings of file path in smaps that are
-// neither writable nor hold a private (anonymous) copy of any page.
+// neither writable nor hold a private (anonymous) copy of any page, resident
+// or swapped out.
 func readOnlyMappings(smaps []byte, path string) []mapping {
 	var out []mapping
 	var cur mapping
-	take, anon := false, false
+	take, private := false, false
 	flush := func() {
-		if take && !anon {
+		if take && !private {
 			out = append(out, cur)
 		}
 	}
@@ -69,15 +71,15 @@ func readOnlyMappings(smaps []byte, path string) []mapping {
 			e, err2 := strconv.ParseUint(string(hi), 16, 64)
 			take = err1 == nil && err2 == nil && len(f) >= 6 && string(bytes.Join(f[5:], []byte(" "))) == path &&
 				len(f[1]) == 4 && f[1][0] == 'r' && f[1][1] != 'w'
-			cur, anon = mapping{start: uintptr(s), end: uintptr(e)}, false
+			cur, private = mapping{start: uintptr(s), end: uintptr(e)}, false
 			continue
 		}
 		switch string(f[0]) {
 		case "Rss:":
 			kb, _ := strconv.ParseInt(string(f[1]), 10, 64)
 			cur.rss = kb << 10
-		case "Anonymous:":
-			anon = string(f[1]) != "0"
+		case "Anonymous:", "Swap:", "SwapPss:":
+			private = private || string(f[1]) != "0"
 		}
 	}
 	flush()

@@ -37,13 +37,15 @@ func TestReleaseStartupPages(t *testing.T) {
 }
 
 // TestReadOnlyMappings: only the named file's mappings that are neither
-// writable nor hold a private copy of a page are released; unmapping one
-// of the others would lose what was written to it.
+// writable nor hold a private copy of a page, resident or swapped out, are
+// released; unmapping one of the others would lose what was written to it.
 func TestReadOnlyMappings(t *testing.T) {
 	smaps := []byte(`00400000-01186000 r-xp 00000000 08:01 123 /srv/admission bin
 Size:              14104 kB
 Rss:                9496 kB
 Anonymous:             0 kB
+Swap:                  0 kB
+SwapPss:               0 kB
 VmFlags: rd ex mr mw me dw
 01186000-0269b000 r--p 00d86000 08:01 123 /srv/admission bin
 Rss:               11348 kB
@@ -57,6 +59,16 @@ Anonymous:             8 kB
 02730000-047b1000 rw-p 00000000 00:00 0 
 Rss:                 388 kB
 Anonymous:           388 kB
+047b1000-0483f000 r--p 0232c000 08:01 123 /srv/admission bin
+Rss:                 116 kB
+Anonymous:             0 kB
+Swap:                824 kB
+Locked:                0 kB
+0483f000-04840000 r--p 023ba000 08:01 123 /srv/admission bin
+Rss:                   0 kB
+Anonymous:             0 kB
+Swap:                  0 kB
+SwapPss:               4 kB
 7f3ad410c000-7f3ad4262000 r-xp 00028000 08:01 77 /usr/lib/x86_64-linux-gnu/libc.so.6
 Rss:                 912 kB
 Anonymous:             0 kB
