@@ -51,7 +51,7 @@ func main() {
 	profile := flag.String("profile", "", "write a CPU profile of admission during the first admission run to this file")
 	heap := flag.String("heapprofile", "", "write a heap profile of admission after the first admission run to this file")
 	base := flag.String("ab", "", "compare with admission built from this checkout of an earlier commit, in interleaved rounds (uses the first -concurrency; with -rls, every one, beside envoy)")
-	abEnv := flag.String("ab-env", "", "with -ab, extra environment of this checkout's admission, space-separated (e.g. GOMEMLIMIT=32MiB)")
+	abEnv := flag.String("ab-env", "", "with -ab (plain or -rls), extra environment of this checkout's admission, space-separated (e.g. GOMEMLIMIT=32MiB)")
 	rounds := flag.Int("rounds", 5, "rounds of -ab and -peer")
 	peerMode := flag.Bool("peer", false, "compare with plain net/http and envoyproxy/ratelimit, admission with one and with five limits, in interleaved rounds")
 	targets := flag.String("targets", "", "-peer: only these of plain,envoy,one,five (comma-separated; default all)")
@@ -109,7 +109,9 @@ func main() {
 		}
 		run := peer
 		if *rlsMode {
-			run = func(ctx context.Context, o peerOptions) error { return rls(ctx, o, *grpcConns, *base) }
+			run = func(ctx context.Context, o peerOptions) error {
+				return rls(ctx, o, *grpcConns, *base, strings.Fields(*abEnv))
+			}
 		}
 		if err := run(context.Background(), o); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
@@ -157,7 +159,7 @@ func checkMode(set []string, peer, rls, scale bool) error {
 	ignored := map[string]bool{"redis-timeout": true, "ab-env": true, "down": true, "profile": true, "heapprofile": true}
 	if rls {
 		mode, why = "-rls", "it loads both descriptor counts in a closed loop"
-		ignored["targets"], ignored["peer-base"], ignored["open"] = true, true, true
+		ignored["targets"], ignored["peer-base"], ignored["open"], ignored["ab-env"] = true, true, true, false
 	} else {
 		ignored["ab"], ignored["grpc-conns"] = true, true
 	}

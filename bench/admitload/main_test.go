@@ -16,7 +16,8 @@ func TestCheckMode(t *testing.T) {
 	}{
 		{set: []string{"redis-timeout", "ab-env", "down"}},
 		{set: []string{"rls", "ab", "redis-timeout"}, rls: true, bad: "-rls does not use -redis-timeout"},
-		{set: []string{"rls", "ab", "ab-env"}, rls: true, bad: "-rls does not use -ab-env"},
+		{set: []string{"rls", "ab", "ab-env"}, rls: true},
+		{set: []string{"peer", "ab-env"}, peer: true, bad: "-peer does not use -ab-env"},
 		{set: []string{"rls", "ab", "grpc-conns", "rounds", "envoy-pool"}, rls: true},
 		{set: []string{"rls", "targets", "open"}, rls: true, bad: "-rls does not use -targets, -open"},
 		{set: []string{"peer", "ab"}, peer: true, bad: "-peer does not use -ab"},

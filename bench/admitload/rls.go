@@ -39,8 +39,10 @@ type rlsTarget struct {
 // nats-server) of its own, and prints per target the rates, their ratios,
 // latencies and the CPU per request of every process: issue 14's goals.
 // With base (a checkout of an earlier commit), admission built from it is
-// a target too, in the same rounds: before and after in one run.
-func rls(ctx context.Context, o peerOptions, conns int, base string) error {
+// a target too, in the same rounds: before and after in one run. env is
+// extra environment of this checkout's admission (GOGC=400: the same build
+// twice, one tuned).
+func rls(ctx context.Context, o peerOptions, conns int, base string, env []string) error {
 	b, err := newDir()
 	defer b.close()
 	if err != nil {
@@ -52,7 +54,7 @@ func rls(ctx context.Context, o peerOptions, conns int, base string) error {
 		return err
 	}
 
-	qf, err := b.rlsAdmission(ctx, ".", "qf", "admission", conf)
+	qf, err := b.rlsAdmission(ctx, ".", "qf", "admission", conf, env...)
 	if err != nil {
 		return err
 	}
@@ -94,8 +96,8 @@ func rls(ctx context.Context, o peerOptions, conns int, base string) error {
 
 	fmt.Printf("ShouldRateLimit over gRPC: %d users, %s per run, %d rounds, %d gRPC connections per load, targets in rotating order; load average %s at the start\n",
 		o.users, o.dur, o.rounds, conns, load0)
-	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s\n\n",
-		envoypeer.Package, envoypeer.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "))
+	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s %s\n\n",
+		envoypeer.Package, envoypeer.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "), strings.Join(env, " "))
 	err = interleave(o.levels, o.rounds, pts, peerRuns, measure,
 		"| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | errors | failopen |\n"+
 			"|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -161,8 +163,8 @@ func descriptors(n int) string {
 }
 
 // rlsAdmission builds admission from checkout src and starts it serving
-// ShouldRateLimit over conf.
-func (b *bench) rlsAdmission(ctx context.Context, src, short, name, conf string) (*peerTarget, error) {
+// ShouldRateLimit over conf, with env in its environment besides.
+func (b *bench) rlsAdmission(ctx context.Context, src, short, name, conf string, env ...string) (*peerTarget, error) {
 	bin, err := build(b.dir, src, "./services/admission")
 	if err != nil {
 		return nil, err
@@ -171,8 +173,8 @@ func (b *bench) rlsAdmission(ctx context.Context, src, short, name, conf string)
 	if err != nil {
 		return nil, err
 	}
-	t, err := b.peerAdmission(ctx, bin, short, name, onePolicy, "QF_GRPC_ADDR="+grpcAddr, "QF_ENVOY_RATELIMIT_CONFIG="+conf,
-		"QF_ENVOY_TENANT_KEYS=tenant", "QF_ENVOY_USER_KEYS=user", "QF_API_TOKENS="+rlsToken)
+	t, err := b.peerAdmission(ctx, bin, short, name, onePolicy, append([]string{"QF_GRPC_ADDR=" + grpcAddr, "QF_ENVOY_RATELIMIT_CONFIG=" + conf,
+		"QF_ENVOY_TENANT_KEYS=tenant", "QF_ENVOY_USER_KEYS=user", "QF_API_TOKENS=" + rlsToken}, env...)...)
 	if err != nil {
 		return nil, err
 	}
