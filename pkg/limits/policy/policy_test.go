@@ -556,3 +556,45 @@ plans:
 		}
 	}
 }
+
+// Every rule Resolve returns keeps its ID, the hash of its own fields (a
+// kept id of another rule would charge that rule's record in Redis), and a
+// reload that changes what identifies a limit gives it a new one.
+func TestResolvedRulesKeepTheirID(t *testing.T) {
+	ids := func(src string) map[string]int64 {
+		r, err := mustParse(t, src).Resolve("acme", "", "/api/v1/generate")
+		if err != nil {
+			t.Fatalf("Resolve error = %v", err)
+		}
+		out := map[string]int64{}
+		for _, layer := range [][]Rule{r.IP, r.Global, r.Subject} {
+			for _, rule := range layer {
+				built := rule
+				built.id = 0
+				if rule.id == 0 || rule.ID() != built.ID() {
+					t.Errorf("%s: kept id %#x, its fields hash to %#x", ruleString(rule), rule.id, built.ID())
+				}
+				out[ruleString(rule)] = rule.ID()
+			}
+		}
+		return out
+	}
+	before := ids(designPolicy)
+	if len(before) < 4 {
+		t.Fatalf("resolved %d rules, want at least 4", len(before))
+	}
+	burst, ok := before["ip:burst fixed requests limit=100 window=5s"]
+	if !ok {
+		t.Fatalf("no ip limit burst among %v", before)
+	}
+	after := ids(strings.Replace(designPolicy, "window: 5s", "window: 6s", 1))
+	for s, id := range after {
+		if strings.HasPrefix(s, "ip:burst") {
+			if id == burst {
+				t.Errorf("%s kept the id of its 5s window %#x", s, id)
+			}
+		} else if before[s] != id {
+			t.Errorf("%s: id %#x after the reload, %#x before", s, id, before[s])
+		}
+	}
+}

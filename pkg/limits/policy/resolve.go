@@ -234,7 +234,9 @@ func makeRule(l Limit, ll limitList, scope Scope, endpoint string, shadow bool) 
 		l.Buckets = DefaultBuckets
 	}
 	l.Shadow = l.Shadow || shadow
-	return Rule{Limit: l, Scope: scope, Endpoint: endpoint}
+	r := Rule{Limit: l, Scope: scope, Endpoint: endpoint}
+	r.id = r.hashID()
+	return r
 }
 
 func (p *Policy) ipRules() []Rule {

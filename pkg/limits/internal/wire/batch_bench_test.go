@@ -10,16 +10,29 @@ import (
 
 // BenchmarkReserveBatch builds the reserve call of a batch of n requests
 // of one tenant's users under a plan of five limits, as admission's batcher
-// sends one under load (about 7 a batch at 16 connections, 25 at 64).
+// sends one under load (about 7 a batch at 16 connections, 25 at 64). The
+// rules are resolved from a policy, as admission's are.
 func BenchmarkReserveBatch(b *testing.B) {
-	hour := policy.Duration(time.Hour)
-	rules := []policy.Rule{
-		{Scope: policy.ScopeUser, Limit: policy.Limit{Name: "5m", Kind: policy.Rolling, Limit: 1e9, Window: policy.Duration(5 * time.Minute)}},
-		{Scope: policy.ScopeUser, Limit: policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 1e9, Window: hour}},
-		{Scope: policy.ScopeUser, Limit: policy.Limit{Name: "hour", Kind: policy.Fixed, Limit: 1e9, Window: hour}},
-		{Scope: policy.ScopeUser, Limit: policy.Limit{Name: "rps", Kind: policy.TokenBucket, Rate: 1e6, Per: policy.Duration(time.Second), Burst: 1e6}},
-		{Scope: policy.ScopeTenant, Limit: policy.Limit{Name: "month", Kind: policy.Fixed, Limit: 1e12, Window: policy.Duration(24 * time.Hour)}},
+	pol, err := policy.Parse([]byte(`
+default_plan: five
+plans:
+  five:
+    quotas:
+      - {name: 5m, kind: rolling, window: 5m, limit: 1000000000}
+      - {name: 1h, kind: rolling, window: 1h, limit: 1000000000}
+      - {name: hour, kind: fixed, window: 1h, limit: 1000000000}
+    rates: [{name: rps, kind: token_bucket, rate: 1000000, per: 1s, burst: 1000000}]
+tenants:
+  bench: {quotas: [{name: month, kind: fixed, window: 24h, limit: 1000000000000}]}
+`))
+	if err != nil {
+		b.Fatal(err)
 	}
+	res, err := pol.Resolve("bench", "", "")
+	if err != nil {
+		b.Fatal(err)
+	}
+	rules := res.Subject
 	p := NewParams(time.Minute, false, 0)
 	for _, n := range []int{1, 7, 25} {
 		b.Run(strconv.Itoa(n), func(b *testing.B) {

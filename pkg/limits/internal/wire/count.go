@@ -87,7 +87,7 @@ func (c *Counter) Key() string {
 	default:
 		b = append(b, "}c"...)
 	}
-	return string(strconv.AppendInt(b, ruleID(c.Rule), 36))
+	return string(strconv.AppendInt(b, c.Rule.ID(), 36))
 }
 
 // Slot is the cluster slot of c's key.

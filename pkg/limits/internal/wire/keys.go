@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync"
 
+	"quotaflow/pkg/limits/internal/hash48"
 	"quotaflow/pkg/limits/policy"
 )
 
@@ -260,59 +261,13 @@ var crcTable = func() (t [256]uint16) {
 	return t
 }()
 
-// ruleID names a limit's record inside its blob: a 48-bit FNV-1a hash of
-// what identifies the limit and the layout of its state (scope, endpoint,
-// name, kind, window and buckets), but not of its size, so raising a limit
-// or moving a user to another plan with a limit of the same name keeps the
-// usage. 48 bits keep it exact in Lua's doubles; a blob holds a handful of
-// records, so a collision (odds about n^2/2^49) is not a practical concern.
-func ruleID(r *policy.Rule) int64 {
-	h := newHash48()
-	h.mix(string(r.Scope))
-	h.mix(r.Endpoint)
-	h.mix(r.Name)
-	h.mix(string(r.Kind))
-	if r.Kind == policy.Rolling || r.Kind == policy.Fixed || r.Kind == policy.SlidingLog {
-		h.mixInt(int64(r.Window))
-	}
-	if r.Kind == policy.Rolling {
-		h.mixInt(int64(buckets(r)))
-	}
-	return h.sum()
-}
-
 // Fingerprint is limits.Fingerprint: a 48-bit hash of a request's
 // endpoint, plan, model and cost.
 func Fingerprint(endpoint, plan, model string, cost int64) int64 {
-	h := newHash48()
-	h.mix(endpoint)
-	h.mix(plan)
-	h.mix(model)
-	h.mixInt(cost)
-	return h.sum()
+	h := hash48.New()
+	h.Mix(endpoint)
+	h.Mix(plan)
+	h.Mix(model)
+	h.MixInt(cost)
+	return h.Sum()
 }
-
-// hash48 is FNV-1a over separated fields, cut to 48 bits so that it stays
-// exact in Lua's doubles.
-type hash48 uint64
-
-func newHash48() hash48 { return 14695981039346656037 }
-
-func (h *hash48) mix(s string) {
-	v := uint64(*h)
-	for i := 0; i < len(s); i++ {
-		v ^= uint64(s[i])
-		v *= 1099511628211
-	}
-	v ^= 0xff // separator: ("ab","c") and ("a","bc") differ
-	*h = hash48(v * 1099511628211)
-}
-
-// mixInt mixes n as its decimal text, formatted on the stack: a Reserve
-// hashes every limit it checks.
-func (h *hash48) mixInt(n int64) {
-	var num [20]byte
-	h.mix(string(strconv.AppendInt(num[:0], n, 10)))
-}
-
-func (h hash48) sum() int64 { return int64(uint64(h) >> 16) }

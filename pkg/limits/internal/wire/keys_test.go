@@ -23,8 +23,8 @@ func TestRuleIDsAreStableAcrossReleases(t *testing.T) {
 		{policy.Rule{Limit: policy.Limit{Name: "burst", Kind: policy.TokenBucket}, Scope: policy.ScopeUser}, 0xae987ce68de6},
 		{policy.Rule{Limit: policy.Limit{Name: "log", Kind: policy.SlidingLog, Window: policy.Duration(time.Second)}, Scope: policy.ScopeIP}, 0xbb0f996e7b97},
 	} {
-		if got := ruleID(&c.rule); got != c.want {
-			t.Errorf("ruleID(%s) = %#x, want %#x", c.rule.Name, got, c.want)
+		if got := c.rule.ID(); got != c.want {
+			t.Errorf("ID of %s = %#x, want %#x", c.rule.Name, got, c.want)
 		}
 	}
 }
@@ -71,7 +71,7 @@ func TestCounterKeys(t *testing.T) {
 	rule := func(scope policy.Scope) *policy.Rule {
 		return &policy.Rule{Limit: policy.Limit{Name: "day", Kind: policy.Fixed, Limit: 5, Window: policy.Duration(24 * time.Hour)}, Scope: scope, Endpoint: "e"}
 	}
-	n := func(r *policy.Rule) string { return strconv.FormatInt(ruleID(r), 36) }
+	n := func(r *policy.Rule) string { return strconv.FormatInt(r.ID(), 36) }
 	user, tenantWide, global, ip := rule(policy.ScopeUser), rule(policy.ScopeTenant), rule(policy.ScopeGlobal), rule(policy.ScopeIP)
 	for _, c := range []struct {
 		c    Counter

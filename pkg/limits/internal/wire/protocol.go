@@ -1061,7 +1061,7 @@ func DecodeWindows[B bucket](cmd *redis.Cmd, c *Call, f func(i int, buckets []B)
 			recs = tenRecs
 		}
 		start := len(all)
-		all = appendWindow(all, r, payloadOf(recs, ruleID(r)), now)
+		all = appendWindow(all, r, payloadOf(recs, r.ID()), now)
 		f(i, all[start:len(all):len(all)])
 	}
 	return now, nil
@@ -1304,7 +1304,7 @@ func writeSpecs(b *strings.Builder, rules []policy.Rule, slotTTL int64) {
 		case policy.Concurrency:
 			a = float64(slotTTL)
 		}
-		id := uint64(ruleID(r))
+		id := uint64(r.ID())
 		for k := range 6 {
 			w[k] = byte(id >> (8 * k))
 		}
