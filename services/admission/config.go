@@ -67,6 +67,9 @@ type Config struct {
 	// RedisEpochGuard keeps admission local while Redis has lost its data
 	// until the accounter's rebuild; turn it off only without an accounter.
 	RedisEpochGuard bool `envconfig:"REDIS_EPOCH_GUARD" default:"true"`
+	// ReleaseStartupPages unmaps the binary's read-only pages once started
+	// (service.ReleaseStartupPages); false keeps them mapped.
+	ReleaseStartupPages bool `envconfig:"RELEASE_STARTUP_PAGES" default:"true"`
 	// AuthzDenyStatus is the status of a /v1/authz denial: 429 or 403.
 	AuthzDenyStatus int `envconfig:"AUTHZ_DENY_STATUS"`
 	// TrustedProxies are CIDRs (or addresses) whose X-Real-IP and

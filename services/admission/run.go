@@ -123,9 +123,11 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	}
 	ready.Ready(readyListening)
 	// Start-up is done: what only it ran need not stay resident.
-	released, err := service.ReleaseStartupPages()
-	if err != nil {
-		log.Warn("start-up pages kept", "err", err)
+	var released int64
+	if cfg.ReleaseStartupPages {
+		if released, err = service.ReleaseStartupPages(); err != nil {
+			log.Warn("start-up pages kept", "err", err)
+		}
 	}
 	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest(),
 		"startup_pages_released", released)

@@ -2,12 +2,14 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -73,7 +75,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 	if err := envconfig.Process("QF", &fresh); err != nil {
 		t.Fatal(err)
 	}
-	if !fresh.RedisEpochGuard || fresh.AdmissionAddr != ":8080" || fresh.OpsAddr != ":9090" ||
+	if !fresh.RedisEpochGuard || !fresh.ReleaseStartupPages || fresh.AdmissionAddr != ":8080" || fresh.OpsAddr != ":9090" ||
 		fresh.PolicyFile != "deploy/policy.yaml" || len(fresh.TrustedProxies) != 2 {
 		t.Errorf("defaults = %+v", fresh)
 	}
@@ -281,6 +283,44 @@ func startRunAddrs(t testing.TB, cfg Config, log *slog.Logger) (runAddrs, <-chan
 		t.Fatalf("run = %v before starting", err)
 	}
 	return runAddrs{}, nil, nil
+}
+
+// With QF_RELEASE_STARTUP_PAGES (the default) a started admission has
+// given back the binary's resident read-only pages, as its log says; false
+// leaves them mapped.
+func TestRunReleasesStartupPages(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("ReleaseStartupPages does nothing outside Linux")
+	}
+	redistest.Shared(t)
+	_, js := natstest.Connect(t, natstest.URL())
+	for _, release := range []bool{false, true} {
+		cfg := testConfig(t)
+		cfg.Config = natstest.Streams(t, js, fmt.Sprint("pages", release), stream.Config{})
+		cfg.ReleaseStartupPages = release
+		var logs e2e.Buffer
+		_, _, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
+		cancel()
+		<-done
+		var started struct {
+			Released *int64 `json:"startup_pages_released"`
+		}
+		for line := range strings.Lines(logs.String()) {
+			if strings.Contains(line, `"msg":"admission started"`) {
+				if err := json.Unmarshal([]byte(line), &started); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		switch {
+		case started.Released == nil:
+			t.Errorf("QF_RELEASE_STARTUP_PAGES=%v: no startup_pages_released in the start line; log:\n%s", release, logs.String())
+		case release && *started.Released <= 0:
+			t.Errorf("QF_RELEASE_STARTUP_PAGES=true: startup_pages_released = %d, want the resident pages released", *started.Released)
+		case !release && *started.Released != 0:
+			t.Errorf("QF_RELEASE_STARTUP_PAGES=false: startup_pages_released = %d, want 0", *started.Released)
+		}
+	}
 }
 
 // replaceFile replaces the file at path with content in one rename, as an
