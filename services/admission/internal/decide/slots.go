@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -54,7 +55,9 @@ func (l *lostSlots) add(tenant string) bool {
 	if l.of == nil {
 		l.of = map[string]string{}
 	}
-	l.of[k] = tenant
+	// Kept until the rebuild: a copy, so that it does not hold the request
+	// the tenant was read from (an RLS request's one string).
+	l.of[k] = strings.Clone(tenant)
 	l.n.Store(int32(len(l.of)))
 	return true
 }

@@ -3,8 +3,10 @@ package decide
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 
@@ -197,4 +199,20 @@ func TestLostSlotVoidsHoldUpNoOtherTenant(t *testing.T) {
 	e2e.Eventually(t, "the lost tenant's voids applied and its slot served again", func() bool {
 		return d.voids.pending() == 0 && !d.lost.has(lost)
 	})
+}
+
+// A lost slot keeps a tenant of its own, not a piece of the string it was
+// read from (all of an RLS request's strings are one).
+func TestLostSlotKeepsACopyOfTheTenant(t *testing.T) {
+	request := strings.Repeat("x", 1<<16) + "tenant-a"
+	tenant := request[len(request)-len("tenant-a"):]
+	var l lostSlots
+	l.add(tenant)
+	kept := l.tenants()
+	if len(kept) != 1 || kept[0] != tenant {
+		t.Fatalf("tenants() = %q, want [%q]", kept, tenant)
+	}
+	if unsafe.StringData(kept[0]) == unsafe.StringData(tenant) {
+		t.Error("the lost slot keeps the request's string, holding all of it until the rebuild")
+	}
 }
