@@ -32,6 +32,7 @@ func (d *Decider) Admit(ctx context.Context, in Input) (Result, error) {
 		return Result{}, err
 	}
 	d.m.decision(rs.Endpoint, &a.res)
+	a.res.Rules = rs
 	return a.res, nil
 }
 

@@ -44,9 +44,14 @@ type Result struct {
 	Limits []LimitState
 	// Local is set when the decision was made without Redis ("failopen" in
 	// metrics): from the local limiter, or allowing all past the outage limit.
-	Local         bool
-	ShadowDenied  bool // a shadow limit would have denied
-	Plan          string
+	Local        bool
+	ShadowDenied bool // a shadow limit would have denied
+	Plan         string
+	// Rules are the rules the decision applied, as Policy.Resolve gave
+	// them under the policy the decider used (read them, never modify
+	// them): the answer's headers take each limit's window from them
+	// without resolving again.
+	Rules         policy.Resolved
 	Version       int64 // the subject's version (0 when decided locally)
 	TenantVersion int64
 	ExpiresAt     time.Time // when the reservation lapses unless settled; set when Allowed

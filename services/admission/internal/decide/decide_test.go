@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -50,6 +51,9 @@ func TestLayerOrderAndShortCircuit(t *testing.T) {
 		wantAllowed(t, r, true)
 		if got, want := scopes(r), "ip:burst global:g user:q"; got != want {
 			t.Fatalf("admit %d: Limits = %s, want %s", i, got, want)
+		}
+		if !reflect.DeepEqual(r.Rules, rs) { // the answer's headers read them
+			t.Fatalf("admit %d: Rules = %+v, want %+v", i, r.Rules, rs)
 		}
 	}
 

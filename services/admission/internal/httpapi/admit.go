@@ -88,14 +88,14 @@ func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
 	if !authorizePlan(w, p, pol, in.Tenant, in.Plan) {
 		return
 	}
-	h.decide(r.Context(), w, routeAdmit, pol, in, http.StatusTooManyRequests, false)
+	h.decide(r.Context(), w, routeAdmit, in, http.StatusTooManyRequests, false)
 }
 
 // decide runs one admission and writes the answer: 200 when allowed,
 // denyStatus with a problem body when denied. For an authz check it
 // returns what is wrong with a request that cannot be checked (a denial
 // too), "" otherwise.
-func (h *Handler) decide(ctx context.Context, w http.ResponseWriter, route string, pol *policy.Policy,
+func (h *Handler) decide(ctx context.Context, w http.ResponseWriter, route string,
 	in decide.Input, denyStatus int, authz bool) (invalid string) {
 	in.CallerID = in.RequestID != ""
 	if !in.CallerID {
@@ -130,12 +130,8 @@ func (h *Handler) decide(ctx context.Context, w http.ResponseWriter, route strin
 	}
 	h.publishDecision(in, res)
 
-	var resolved *policy.Resolved
-	if rs, err := pol.Resolve(in.Tenant, res.Plan, in.Endpoint); err == nil {
-		resolved = &rs
-	}
 	retry := retryAfterSeconds(res)
-	setRateLimitHeaders(w.Header(), res, resolved, in.Cost, retry)
+	setRateLimitHeaders(w.Header(), &res, in.Cost, retry)
 	var ls [answerLimits]limitJSON
 	body := decisionBody{Allowed: res.Allowed, RequestID: in.RequestID, Limits: appendLimitsJSON(ls[:0], res.Limits)}
 	if res.Allowed {

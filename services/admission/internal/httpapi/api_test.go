@@ -62,8 +62,10 @@ func mustPolicy(t testing.TB) *policy.Policy {
 	return p
 }
 
-// fakeDecider answers from functions the test sets; unset ones fail.
+// fakeDecider answers from functions the test sets; unset ones fail. As
+// the decider does, it gives an answer the rules of its plan under pol.
 type fakeDecider struct {
+	pol     *policy.Policy
 	mu      sync.Mutex
 	inputs  []decide.Input
 	admit   func(decide.Input) (decide.Result, error)
@@ -79,7 +81,11 @@ func (f *fakeDecider) Admit(_ context.Context, in decide.Input) (decide.Result, 
 	if f.admit == nil {
 		return decide.Result{}, errors.New("fake: no admit")
 	}
-	return f.admit(in)
+	res, err := f.admit(in)
+	if err == nil {
+		res.Rules, _ = f.pol.Resolve(in.Tenant, res.Plan, in.Endpoint)
+	}
+	return res, err
 }
 
 func (f *fakeDecider) Release(_ context.Context, tenant, user, id string) (limits.Settlement, error) {
@@ -160,8 +166,8 @@ type env struct {
 
 func newEnv(t testing.TB, mod func(*Options)) *env {
 	t.Helper()
-	e := &env{dec: &fakeDecider{}, ev: &fakeEvents{}, reg: prometheus.NewRegistry(), logs: &e2e.Buffer{}}
 	pol := mustPolicy(t)
+	e := &env{dec: &fakeDecider{pol: pol}, ev: &fakeEvents{}, reg: prometheus.NewRegistry(), logs: &e2e.Buffer{}}
 	o := Options{
 		Decider:    e.dec,
 		Policy:     func() *policy.Policy { return pol },
@@ -1150,7 +1156,7 @@ func TestRateLimitHeaders(t *testing.T) {
 		{Scope: policy.ScopeUser, Name: "daily", Endpoint: "/api/v1/generate", Unit: policy.Requests, Limit: 15, Remaining: 14, Reset: 1200 * time.Millisecond},
 	}
 	h := http.Header{}
-	setRateLimitHeaders(h, decide.Result{Allowed: true, Limits: ls}, &res, 100, 0)
+	setRateLimitHeaders(h, &decide.Result{Allowed: true, Limits: ls, Rules: res}, 100, 0)
 	wantPolicy := `"ip:burst";q=100;w=5;qu="requests", "global:daily";q=500;w=86400;qu="requests", ` +
 		`"user:5h";q=1000;w=18000;qf-unit="tokens", "user:credits";q=5000;qf-unit="tokens", ` +
 		`"user:rps";q=10;w=2;qu="requests", "user:inflight";q=4;qu="concurrent-requests", ` +
@@ -1165,13 +1171,13 @@ func TestRateLimitHeaders(t *testing.T) {
 	}
 	// At cost 0 token limits never constrain.
 	h = http.Header{}
-	setRateLimitHeaders(h, decide.Result{Allowed: true, Limits: ls}, &res, 0, 0)
+	setRateLimitHeaders(h, &decide.Result{Allowed: true, Limits: ls, Rules: res}, 0, 0)
 	if got, want := h.Get("RateLimit"), `"user:rps";r=3;t=1;qu="requests"`; got != strings.TrimSuffix(want, `;qu="requests"`) {
 		t.Errorf("RateLimit at cost 0 = %s, want %s", got, strings.TrimSuffix(want, `;qu="requests"`))
 	}
 	// No limits: no headers.
 	h = http.Header{}
-	setRateLimitHeaders(h, decide.Result{Allowed: true}, &res, 5, 0)
+	setRateLimitHeaders(h, &decide.Result{Allowed: true, Rules: res}, 5, 0)
 	if len(h) != 0 {
 		t.Errorf("headers without limits: %v", h)
 	}

@@ -76,7 +76,7 @@ func (h *Handler) check(ctx context.Context, w http.ResponseWriter, p auth.Princ
 	// Every check is a new upstream request: a request id any
 	// reservation holds is a denial, never a replayed allow.
 	in.Fresh = true
-	return h.decide(ctx, w, routeAuthz, pol, in, denyStatus, true)
+	return h.decide(ctx, w, routeAuthz, in, denyStatus, true)
 }
 
 // ProblemInvalidRequest is the RFC 9457 problem type of a /v1/authz

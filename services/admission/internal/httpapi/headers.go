@@ -102,11 +102,9 @@ func windowSeconds(r *policy.Rule) int64 {
 }
 
 // ruleOf finds the policy rule behind a limit state (for its window and
-// kind); nil when the policy changed in between.
+// kind); nil when none (res is empty after a decision allowed without
+// checking).
 func ruleOf(res *policy.Resolved, l decide.LimitState) *policy.Rule {
-	if res == nil {
-		return nil
-	}
 	var list []policy.Rule
 	switch l.Scope {
 	case policy.ScopeIP:
@@ -187,7 +185,7 @@ var (
 // > 0, i.e. on a denial that waiting cures). The values are cut from one
 // string and the headers' value slices from one array: two allocations,
 // not one or two per header.
-func setRateLimitHeaders(h http.Header, res decide.Result, resolved *policy.Resolved, cost, retryAfter int64) {
+func setRateLimitHeaders(h http.Header, res *decide.Result, cost, retryAfter int64) {
 	var arr [512]byte
 	b := arr[:0]
 	var ends [6]int // where each header's value ends in b
@@ -202,7 +200,7 @@ func setRateLimitHeaders(h http.Header, res decide.Result, resolved *policy.Reso
 		if l.Shadow {
 			continue
 		}
-		r := ruleOf(resolved, *l)
+		r := ruleOf(&res.Rules, *l)
 		if len(b) > 0 {
 			b = append(b, ", "...)
 		}
@@ -216,7 +214,7 @@ func setRateLimitHeaders(h http.Header, res decide.Result, resolved *policy.Reso
 	if len(b) > 0 {
 		cut(hdrPolicy)
 	}
-	if i := constraining(res, cost); i >= 0 {
+	if i := constraining(*res, cost); i >= 0 {
 		l := &res.Limits[i]
 		remaining := max(l.Remaining, 0)
 		reset := ceilSeconds(l.Reset)

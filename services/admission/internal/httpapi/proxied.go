@@ -51,7 +51,7 @@ func (h *Handler) AdmitTokens(ctx context.Context, in decide.Input, input, outpu
 	if ferr != nil {
 		return Admission{Status: http.StatusBadRequest, Message: ferr.Error()}
 	}
-	h.decide(ctx, w, routeLLM, pol, in, http.StatusTooManyRequests, false)
+	h.decide(ctx, w, routeLLM, in, http.StatusTooManyRequests, false)
 	// The answer's body is small; decoding it keeps one writer of answers.
 	var b struct {
 		RequestID string `json:"request_id"`
