@@ -22,9 +22,8 @@ type Config struct {
 	config.NATS     // QF_NATS_URL, the streams and the consumer's redelivery
 	config.Postgres // QF_POSTGRES_URL: the alert state and the webhook outbox
 	config.Log      // QF_LOG_LEVEL
-	// Consumer names the durable consumers, one per type the alerter
-	// reads (stream.TypeDurables: "<Consumer>-reserved" and so on);
-	// alerter instances sharing it split the events.
+	// Consumer is the durable consumer's name; alerter instances sharing
+	// it split the events.
 	Consumer string `envconfig:"CONSUMER" default:"quotaflow-alerter"`
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9092"`

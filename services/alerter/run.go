@@ -94,16 +94,16 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return err
 	}
 
-	conss, ok := service.Retry(ctx, log, ready, readyConsumer, func(ctx context.Context) ([]jetstream.Consumer, error) {
+	cons, ok := service.Retry(ctx, log, ready, readyConsumer, func(ctx context.Context) (jetstream.Consumer, error) {
 		if err := stream.Ensure(ctx, js, cfg.Config); err != nil {
 			return nil, err
 		}
-		return stream.EnsureTypeConsumers(ctx, js, cfg.Config, cfg.Consumer, consume.Types...)
+		return stream.EnsureConsumer(ctx, js, cfg.Config, cfg.Consumer)
 	})
 	if !ok {
 		return nil
 	}
-	consume.Run(ctx, conss, js, cfg.Config, det, log) // until ctx ends
+	consume.Run(ctx, cons, js, cfg.Config, det, log) // until ctx ends
 	return nil
 }
 

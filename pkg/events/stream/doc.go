@@ -39,10 +39,7 @@
 // # Consuming
 //
 // EnsureConsumer makes a durable pull consumer of every event from the
-// first; EnsureTypeConsumers one per type, for a consumer that reads a
-// few types only and should not be handed the others (each type then
-// comes in an order of its own). Process handles one of its messages, a
-// single event or a batch:
+// first; Process handles one of its messages, a single event or a batch:
 // it decodes its events (DecodeMsg), calls the handler for each valid one
 // (Handlers.Dispatch routes by type), and ends the message once
 // (Delivery.Finish): it acks, naks with a backoff, or dead-letters each

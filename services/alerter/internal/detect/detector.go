@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -113,9 +112,7 @@ type Router func(kind, tenant string, threshold int) []string
 // threshold can neither fire nor re-arm anything and reads and writes no
 // state (quiet). HandleBatch handles a whole batch of events in one
 // transaction, or, when every snapshot of it is quiet, in one statement
-// that moves versions. The rate windows are judged at now, or, when
-// reserved and denied events come through consumers of their own, at the
-// watermark of their Progress.
+// that moves versions.
 type Detector struct {
 	st     Updater
 	route  Router
@@ -142,22 +139,7 @@ type Detector struct {
 	abuse     map[abuseKey]*window  // -> (denied, 0)
 	abusing   map[abuseKey]bool     // bursts alerted and not yet over, as stored
 	seen      seen                  // events counted in the windows
-	// marks holds how far the consumer of each rate type has come, when
-	// they come apart (Progress); low the watermark last judged at, which
-	// never moves back.
-	marks map[string]*mark
-	low   time.Time
 }
-
-// mark is how far the consumer of one event type has handled its events.
-type mark struct {
-	at       time.Time // the latest event time handled
-	caughtUp bool      // nothing of its was pending after them
-}
-
-// rateTypes are the event types counted in the spike windows: reserved
-// (allowed) and denied.
-var rateTypes = []string{events.TypeReserved, events.TypeDenied}
 
 type abuseKey struct{ tenant, user, ip string }
 
@@ -175,7 +157,6 @@ func New(st Updater, route Router, opt Options, log *slog.Logger, reg prometheus
 		spikes: map[[2]string]*window{}, firing: map[[2]string]bool{},
 		abuse: map[abuseKey]*window{}, abusing: map[abuseKey]bool{},
 		raised: map[store.LimitKey]int{}, unknown: map[store.LimitKey]bool{}, seen: newSeen(),
-		marks: map[string]*mark{},
 	}
 	d.alerts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_alerts_total",
@@ -271,82 +252,16 @@ func (d *Detector) Denied(_ context.Context, ev events.Event, n events.Denied) e
 }
 
 // clamp returns at, or now when at is in the future; zero when at is
-// older than every window ending at the watermark or later (nothing to
-// count: the windows are never judged before it again). Under mu.
+// older than every window (nothing to count).
 func (d *Detector) clamp(at time.Time) time.Time {
 	now := d.now()
 	if at.After(now) {
 		return now
 	}
-	if low, _ := d.watermark(now); low.Sub(at) > d.longestWindow() {
+	if now.Sub(at) > d.longestWindow() {
 		return time.Time{}
 	}
 	return at
-}
-
-// Progress tells the detector how far the consumer of typ's events has
-// come, when each type comes through a consumer of its own, in an order of
-// its own (the alerter's durables): it has handled its events up to at
-// (the latest event time it handled; zero before any), and caughtUp says
-// that nothing of its was pending after them, as the consumer's
-// num_pending says (an empty fetch says nothing of what waits). Call it
-// for each type before any of its events is handled, and after each
-// fetch. The spike windows are then judged at the watermark, the least
-// time of the rate types' consumers, one caught up counting as now
-// (Evaluate): a consumer that catches up faster than another (a few
-// denied events against many reserved ones, after a backlog) would
-// otherwise show a denial rate that never was. Without a call the
-// events are taken to come in one order, and the windows are judged at
-// now.
-func (d *Detector) Progress(typ string, at time.Time, caughtUp bool) {
-	if !slices.Contains(rateTypes, typ) {
-		return
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	m := d.marks[typ]
-	if m == nil {
-		m = &mark{}
-		d.marks[typ] = m
-	}
-	if at.After(m.at) {
-		m.at = at
-	}
-	m.caughtUp = caughtUp
-}
-
-// Ahead reports whether the consumer of typ has handled events further
-// past the watermark than the longest window: it should wait, leaving its
-// events in the stream, until the others catch up, so that the windows
-// hold no more than about two of them while one type lags.
-func (d *Detector) Ahead(typ string) bool {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	m := d.marks[typ]
-	if m == nil {
-		return false
-	}
-	low, _ := d.watermark(d.now())
-	return m.at.Sub(low) > d.longestWindow()
-}
-
-// watermark returns the time up to which the spike windows have counted
-// every event (Progress): now, or the least mark of a rate type's
-// consumer that is behind (behind true); zero while one has reported
-// nothing yet. It never returns a time before one it returned, since
-// clamp has dropped events older than a window before that. Under mu.
-func (d *Detector) watermark(now time.Time) (low time.Time, behind bool) {
-	low = now
-	for _, m := range d.marks {
-		if !m.caughtUp && m.at.Before(low) {
-			low = m.at
-		}
-	}
-	if low.Before(d.low) {
-		low = d.low
-	}
-	d.low = low
-	return low, low.Before(now)
 }
 
 func (d *Detector) longestWindow() time.Duration { return max(d.opt.SpikeWindow, d.opt.AbuseWindow) }
@@ -541,8 +456,8 @@ type spikeChange struct {
 	firing          bool
 }
 
-// Evaluate checks the denial rates at the watermark (Progress; now
-// without one) and the denial bursts at the current time, and raises the spike (firing or resolved) and abuse alerts due, and
+// Evaluate checks the denial rates and denial bursts at the current time
+// and raises the spike (firing or resolved) and abuse alerts due, and
 // publishes the top tenants' gauges. A spike
 // fires when the window holds at least SpikeMinRequests requests and the
 // denial rate exceeds SpikeRate; it resolves when the rate is back at or
@@ -561,15 +476,7 @@ func (d *Detector) Evaluate(ctx context.Context) error {
 	}
 	var bursts []burst
 	d.mu.Lock()
-	low, behind := d.watermark(now)
-	// The windows end at the watermark: its second whole when the
-	// watermark is now, else only the seconds before it (the consumer
-	// behind has handled part of it).
-	to := low
-	if behind {
-		to = time.Unix(low.Unix()-1, 0)
-	}
-	fullWindow := to.Sub(d.started) >= d.opt.SpikeWindow
+	fullWindow := now.Sub(d.started) >= d.opt.SpikeWindow
 	keys := make(map[[2]string]bool, len(d.spikes)+len(d.firing))
 	for k := range d.spikes {
 		keys[k] = true
@@ -578,12 +485,9 @@ func (d *Detector) Evaluate(ctx context.Context) error {
 		keys[k] = true
 	}
 	for k := range keys {
-		if low.IsZero() {
-			break // a rate type's consumer has not reported yet
-		}
 		var allowed, denied int64
 		if w := d.spikes[k]; w != nil {
-			allowed, denied = w.sum(to, d.opt.SpikeWindow)
+			allowed, denied = w.sum(now, d.opt.SpikeWindow)
 			if w.empty() {
 				delete(d.spikes, k)
 			}
@@ -617,9 +521,7 @@ func (d *Detector) Evaluate(ctx context.Context) error {
 			}
 		}
 	}
-	if !low.IsZero() {
-		d.seen.prune(low.Add(-d.longestWindow() - time.Second))
-	}
+	d.seen.prune(now.Add(-d.longestWindow() - time.Second))
 	d.mu.Unlock()
 
 	var errs []error

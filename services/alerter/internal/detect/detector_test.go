@@ -3,7 +3,6 @@ package detect
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"log/slog"
 	"strconv"
 	"strings"
@@ -331,66 +330,5 @@ func TestLocalDecisionRaisesNoThreshold(t *testing.T) {
 				t.Fatalf("the snapshot from Redis raised %q, want %q", got, want)
 			}
 		})
-	}
-}
-
-// Reserved and denied events that come through consumers of their own
-// are judged at the watermark (Progress): the denied consumer of a long
-// backlog catches up at once while the reserved one takes minutes, and no
-// window ever shows a denial rate the events never had (10 of every 310,
-// 3.2 %). Both failures of judging at now show here: the windows would
-// hold the denials ahead of their requests, and the requests handled
-// minutes late would be too old to count beside denials counted early. A
-// real spike, once caught up, still fires.
-func TestSpikeJudgedAtWatermark(t *testing.T) {
-	st := newStore(t)
-	ctx := context.Background()
-	t0 := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
-	c := &clock{t: t0}
-	d := newDetector(t, st, c)
-	d.Progress(events.TypeReserved, time.Time{}, false)
-	d.Progress(events.TypeDenied, time.Time{}, false)
-	evaluate := func(step string) {
-		t.Helper()
-		if err := d.Evaluate(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if got := spikeStates(t, st); len(got) > 0 {
-			t.Fatalf("%s: spike alerts %q, want none", step, got)
-		}
-	}
-	deny := func(id string, at time.Time, n int64) {
-		t.Helper()
-		if err := d.Denied(ctx, events.Event{ID: id, Time: at}, events.Denied{Tenant: "acme", User: "u", Endpoint: "/e", Count: n}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// The backlog: a request a second for 10 minutes, a denial every 30 s.
-	for i := range 20 {
-		deny("d"+strconv.Itoa(i), t0.Add(-600*time.Second+time.Duration(i)*30*time.Second), 1)
-	}
-	d.Progress(events.TypeDenied, t0.Add(-30*time.Second), true)
-	evaluate("the denials handled")
-	for k := range 10 { // 60 requests a fetch, a fetch every 20 s
-		c.add(20 * time.Second)
-		var evs []events.Event
-		for j := range 60 {
-			at := t0.Add(-600*time.Second + time.Duration(60*k+j)*time.Second)
-			evs = append(evs, events.Event{ID: "r" + strconv.Itoa(60*k+j), Time: at,
-				Data: events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: int64(60*k + j + 1)}})
-		}
-		if err := d.HandleBatch(ctx, evs); err != nil {
-			t.Fatal(err)
-		}
-		d.Progress(events.TypeReserved, evs[len(evs)-1].Time, k == 9)
-		evaluate(fmt.Sprintf("fetch %d of the requests", k))
-	}
-	// Caught up: 25 denials of the last 300 requests in their second.
-	deny("spike", c.now(), 25)
-	if err := d.Evaluate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if got := spikeStates(t, st); len(got) != 2 {
-		t.Errorf("after a real spike: %q, want it firing for the tenant and the endpoint", got)
 	}
 }

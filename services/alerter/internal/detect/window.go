@@ -20,17 +20,14 @@ func (w *window) add(at time.Time, a, b int64) {
 	w.sec[s] = c
 }
 
-// sum returns the totals of the seconds in (to - span, to] and drops
+// sum returns the totals of the seconds in (now - span, now] and drops
 // older ones.
-func (w *window) sum(to time.Time, span time.Duration) (a, b int64) {
-	from, last := to.Add(-span).Unix(), to.Unix()
+func (w *window) sum(now time.Time, span time.Duration) (a, b int64) {
+	from := now.Add(-span).Unix()
 	for s, c := range w.sec {
 		if s <= from {
 			delete(w.sec, s)
 			continue
-		}
-		if s > last {
-			continue // judged later
 		}
 		a += c[0]
 		b += c[1]
