@@ -18,7 +18,9 @@ import (
 	"quotaflow/internal/limitstest"
 	"quotaflow/internal/redistest"
 	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/internal/wire"
 	"quotaflow/pkg/limits/policy"
+	"quotaflow/pkg/limits/repair"
 )
 
 // TestReserveBatchDecidesLikeReserveInOrder sends, in one batch to a fresh
@@ -82,11 +84,7 @@ func TestReserveBatchEntriesOfTwoPlansAlike(t *testing.T) {
 	l := limitstest.At(redistest.Shared(t), 0)
 	ctx := context.Background()
 	base := redistest.UniqueName(t)
-	n := func(limit int64) policy.Rule {
-		return limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: limit, Window: policy.Duration(time.Hour)})
-	}
-	a := []policy.Rule{n(3), limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "t", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})}
-	b := []policy.Rule{n(5), limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * time.Hour)})}
+	a, b := twoPlans()
 	plans := [][]policy.Rule{a, a, b, b, a, b, b, b, a, b}
 	reqs := func(tenant string) []limits.Request {
 		rs := make([]limits.Request, len(plans))
@@ -111,6 +109,134 @@ func TestReserveBatchEntriesOfTwoPlansAlike(t *testing.T) {
 	}
 	if allowed != 5 { // requests 1-4 and 6: the 5th (A) finds 4 of its 3, the 7th (B) 5 of its 5
 		t.Errorf("lone reserves allowed %d of %d, want 5", allowed, len(seq))
+	}
+}
+
+// twoPlans returns two plans of two limits each that share the first's name
+// (so a user's record) but not its limit: A allows 3 requests an hour, B 5.
+func twoPlans() (a, b []policy.Rule) {
+	n := func(limit int64) policy.Rule {
+		return limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: limit, Window: policy.Duration(time.Hour)})
+	}
+	a = []policy.Rule{n(3), limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "t", Kind: policy.Fixed, Limit: 100, Window: policy.Duration(time.Hour)})}
+	b = []policy.Rule{n(5), limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 100, Window: policy.Duration(5 * time.Hour)})}
+	return a, b
+}
+
+// checkPlanA checks out, the outcomes of one user's reserves of plan A in
+// order: the first 3 allowed, the rest denied, all by A's limit of 3.
+func checkPlanA(t *testing.T, out []limits.Reserved) {
+	t.Helper()
+	for i, o := range out {
+		if o.Err != nil {
+			t.Fatalf("reserve %d of plan A: %v", i, o.Err)
+		}
+		if want := i < 3; o.Decision.Allowed != want || o.Decision.States[0].Limit != 3 {
+			t.Errorf("reserve %d of plan A: allowed %v (want %v), limit %d (want 3)", i, o.Decision.Allowed, want, o.Decision.States[0].Limit)
+		}
+	}
+}
+
+// TestReserveBatchAfterAChargeOfAnotherPlan: the function library keeps
+// its spec slots, and which specs they hold (held), between calls. A batch
+// of plan A, then a lone charge of plan B (as many limits: it loads B's
+// specs into the same slots, without loadspecs), then a batch of plan A:
+// the last batch is decided by A's limits only because each call forgets
+// held (lib.lua begin). A private server, so no other call comes between.
+func TestReserveBatchAfterAChargeOfAnotherPlan(t *testing.T) {
+	ctx := context.Background()
+	c := redistest.Start(t).Client()
+	l := limitstest.At(c, 0)
+	a, b := twoPlans()
+	tenant := redistest.UniqueName(t)
+	batch := func(user string, k int) []limits.Reserved {
+		rs := make([]limits.Request, k)
+		for i := range rs {
+			rs[i] = limits.Request{Tenant: tenant, User: user, RequestID: fmt.Sprint(user, i), Cost: 1, Rules: a}
+		}
+		return l.ReserveBatch(ctx, rs)
+	}
+	batch("x", 2)
+	if _, err := limitstest.RepairAt(c, 0).Charge(ctx, repair.ChargeRequest{Tenant: tenant, User: "y", Rules: b, Amount: 1}); err != nil {
+		t.Fatal(err)
+	}
+	checkPlanA(t, batch("z", 4))
+}
+
+// TestReserveBatchEntryFailingMidLoadKeepsNoSpecs: an entry of plan B
+// whose second limit's record is unreadable fails after loading its first
+// spec into slot 1; the entries of plan A after it are decided by A's
+// limits only because loadspecs forgets held before loading (lib.lua).
+func TestReserveBatchEntryFailingMidLoadKeepsNoSpecs(t *testing.T) {
+	ctx := context.Background()
+	c := redistest.Start(t).Client()
+	l := limitstest.At(c, 0)
+	a, b := twoPlans()
+	tenant := redistest.UniqueName(t)
+	limitstest.Reserve(t, l, tenant, "w", "w0", 1, b)
+	key := wire.NewSubjectKeys(tenant, "w").Blob()
+	raw, err := c.Get(ctx, key).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(ctx, key, raw[:8+26+14+5], time.Hour).Err(); err != nil { // cuts the 5h record's payload
+		t.Fatal(err)
+	}
+	rs := []limits.Request{{Tenant: tenant, User: "x", RequestID: "x0", Cost: 1, Rules: a}, {Tenant: tenant, User: "w", RequestID: "w1", Cost: 1, Rules: b}}
+	for i := range 4 {
+		rs = append(rs, limits.Request{Tenant: tenant, User: "z", RequestID: fmt.Sprint("z", i), Cost: 1, Rules: a})
+	}
+	out := l.ReserveBatch(ctx, rs)
+	if out[1].Err == nil {
+		t.Fatalf("w's reserve over a cut record did not fail: %+v", out[1].Decision)
+	}
+	checkPlanA(t, out[2:])
+}
+
+// TestReserveOnRingRoutesByKeyString: reserves, lone and batched, through
+// a Ring of three servers put each key on the shard the Ring routes that
+// key's string to (EXISTS through the Ring finds it), and a user's second
+// reserve sees its first (the same shard).
+func TestReserveOnRingRoutesByKeyString(t *testing.T) {
+	ctx := context.Background()
+	shards := []*redistest.Server{redistest.Start(t), redistest.Start(t), redistest.Start(t)}
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": shards[0].Addr, "b": shards[1].Addr, "c": shards[2].Addr}})
+	defer ring.Close()
+	l := limitstest.At(ring, 0)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "n", Kind: policy.Fixed, Unit: policy.Requests, Limit: 1000, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "t", Kind: policy.Fixed, Limit: 100000, Window: policy.Duration(time.Hour)})}
+	tenant := redistest.UniqueName(t)
+	for round := int64(1); round <= 2; round++ {
+		var reqs []limits.Request
+		for u := range 60 {
+			reqs = append(reqs, limits.Request{Tenant: fmt.Sprint(tenant, "-", u), User: fmt.Sprint("u", u), RequestID: fmt.Sprint("r", round, "-", u), Cost: 1, Rules: rules})
+		}
+		for i, r := range reqs[:30] {
+			if d, err := l.Reserve(ctx, r); err != nil || !d.Allowed || d.States[0].Used != round {
+				t.Fatalf("round %d: lone reserve %d = %+v, %v; want allowed, used %d", round, i, d, err, round)
+			}
+		}
+		for i, o := range l.ReserveBatch(ctx, reqs[30:]) {
+			if o.Err != nil || !o.Decision.Allowed || o.Decision.States[0].Used != round {
+				t.Fatalf("round %d: ReserveBatch[%d] = %+v, %v; want allowed, used %d", round, i, o.Decision, o.Err, round)
+			}
+		}
+	}
+	n := 0
+	for _, s := range shards {
+		keys, err := s.Client().Keys(ctx, "*").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += len(keys)
+		for _, k := range keys {
+			if ring.Exists(ctx, k).Val() != 1 {
+				t.Errorf("key %q is on shard %s, but the Ring routes its string elsewhere", k, s.Addr)
+			}
+		}
+	}
+	if n == 0 {
+		t.Fatal("the reserves stored no key")
 	}
 }
 
