@@ -43,7 +43,6 @@ const MaxCost = wire.MaxCost
 // Sentinel failover), *redis.ClusterClient and *redis.Ring satisfy it.
 type Client interface {
 	redis.Scripter
-	FCall(ctx context.Context, function string, keys []string, args ...any) *redis.Cmd
 	FunctionLoad(ctx context.Context, code string) *redis.StringCmd
 	Process(ctx context.Context, cmd redis.Cmder) error
 }

@@ -195,7 +195,7 @@ func (r *Runner) runOnce(ctx context.Context, e *Entry, calls []wire.Call, cmds 
 	}
 }
 
-// fcallCmd is to.FCall(ctx, fn, c.Keys, c.Args...) with each key passed
+// fcallCmd is go-redis's FCall(ctx, fn, c.Keys, c.Args...) with each key passed
 // as a *string, which go-redis writes (and routes a Cluster call by) as the
 // string: boxing each key string in an interface value was an allocation
 // per key, about 2 per reserve, 50 a call of 25 (the call keeps c.Keys

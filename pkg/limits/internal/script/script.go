@@ -54,7 +54,6 @@ var luaWindows string
 // limits.Client spells the same methods out, so that its users see them.
 type Client interface {
 	redis.Scripter
-	FCall(ctx context.Context, function string, keys []string, args ...any) *redis.Cmd
 	FunctionLoad(ctx context.Context, code string) *redis.StringCmd
 	Process(ctx context.Context, cmd redis.Cmder) error
 }
