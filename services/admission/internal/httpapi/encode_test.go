@@ -64,13 +64,20 @@ func FuzzDecisionJSON(f *testing.F) {
 
 // TestDateOf: the Date an answer gets is the one net/http would have
 // written at that moment, in another second too (it is formatted again,
-// not kept), and in another zone.
+// not kept), and in another zone; within a second it is the value made
+// for the second's first answer (the same slice), formatted once.
 func TestDateOf(t *testing.T) {
 	t0 := time.Date(2026, 12, 6, 3, 59, 59, 900e6, time.FixedZone("X", 5*3600))
-	for _, now := range []time.Time{t0, t0.Add(50 * time.Millisecond), t0.Add(100 * time.Millisecond), t0.Add(26 * time.Hour)} {
+	var prev []string
+	for i, now := range []time.Time{t0, t0.Add(50 * time.Millisecond), t0.Add(100 * time.Millisecond), t0.Add(26 * time.Hour), t0.Add(26*time.Hour + 1)} {
 		want := now.UTC().Format(http.TimeFormat)
-		if got := dateOf(now); len(got) != 1 || got[0] != want || cap(got) != 1 {
+		got := dateOf(now)
+		if len(got) != 1 || got[0] != want || cap(got) != 1 {
 			t.Fatalf("dateOf(%v) = %q (cap %d), want [%q] (cap 1)", now, got, cap(got), want)
 		}
+		if sameSecond := i == 1 || i == 4; (prev != nil && &got[0] == &prev[0]) != sameSecond {
+			t.Errorf("dateOf(%v) reused the value of the answer before: %v, want %v", now, !sameSecond, sameSecond)
+		}
+		prev = got
 	}
 }
