@@ -54,7 +54,8 @@ func (s *service) ShouldRateLimit(ctx context.Context, req *rlspb.RateLimitReque
 	return &rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OK}, nil
 }
 
-func start(t *testing.T, svc *service, ready *obs.Readiness) (*Server, *grpc.ClientConn) {
+// start serves svc (a RateLimitServiceServer) for a test and connects to it.
+func start(t *testing.T, svc any, ready *obs.Readiness) (*Server, *grpc.ClientConn) {
 	t.Helper()
 	tokens, err := auth.New(auth.Options{Tokens: []string{"gw#gateway", "acme@acme#gateway", "rep#report"}})
 	if err != nil {
@@ -157,24 +158,7 @@ func (decoding) DecodeRequest(b []byte, msg any) bool {
 // A service that is a Decoder decodes its methods' requests; the ones it
 // leaves go to protobuf, whose refusal stays InvalidArgument.
 func TestDecoder(t *testing.T) {
-	tokens, err := auth.New(auth.Options{Tokens: []string{"acme@acme#gateway"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := New(Options{Auth: tokens})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Register(&rlspb.RateLimitService_ServiceDesc, decoding{&service{}}, auth.Gateway)
-	if err := s.Listen("127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = s.Stop(context.Background()) })
-	conn, err := grpc.NewClient(s.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
+	_, conn := start(t, decoding{&service{}}, nil)
 	method := "/" + rlspb.RateLimitService_ServiceDesc.ServiceName + "/ShouldRateLimit"
 	for _, c := range []struct {
 		name string
