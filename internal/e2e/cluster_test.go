@@ -96,16 +96,21 @@ func TestRedisClusterFailover(t *testing.T) {
 	if roles["master"] != 3 || roles["slave"] != 3 {
 		t.Fatalf("roles %v, want 3 masters and 3 replicas", roles)
 	}
-	if err := cc.Set(ctx, "{t}:k", "v", 0).Err(); err != nil {
-		t.Fatal(err)
-	}
-	// The replica has it once WAIT says so.
-	if err := cc.Do(ctx, "WAIT", 1, 5000).Err(); err != nil {
-		t.Fatal(err)
-	}
 	master, err := cc.MasterForKey(ctx, "{t}:k")
 	if err != nil {
 		t.Fatal(err)
+	}
+	// The replica has it once WAIT says so. WAIT counts the writes of its
+	// own connection, so both go to the key's master in one pipeline (the
+	// cluster client would send a keyless WAIT to any node).
+	pipe := master.Pipeline()
+	pipe.Set(ctx, "{t}:k", "v", 0)
+	acked := pipe.Do(ctx, "WAIT", 1, 5000)
+	if _, err := pipe.Exec(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := acked.Int(); n < 1 || err != nil {
+		t.Fatalf("WAIT = %d, %v; want the replica's ack", n, err)
 	}
 	var killed *Server
 	var other *redis.Client
