@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"quotaflow/internal/redistest"
-	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/repair"
 )
 
@@ -23,13 +21,8 @@ import (
 // (the reviewer's probe: 94,614 of 94,618 admits local). Nor do the moving
 // tenant's refusals alone open the breaker: they are its own.
 func TestSlotMovingDecidesOnlyItsTenantLocally(t *testing.T) {
-	cc := redistest.Cluster(t)
 	ctx := context.Background()
-	if err := repair.WriteEpoch(ctx, cc, "start"); err != nil {
-		t.Fatal(err)
-	}
-	d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{RedisTimeout: 50 * time.Millisecond, BreakerWindow: 100 * time.Millisecond}, limits.Options{})
-	moving, other, owner := tenantsApart(t, cc)
+	cc, d, moving, other, owner := splitCluster(t, Options{RedisTimeout: 50 * time.Millisecond, BreakerWindow: 100 * time.Millisecond})
 	for _, tn := range []string{moving, other} {
 		admit(t, d, in(tn, "u", "/any", 1))
 	}

@@ -25,13 +25,8 @@ import (
 // Redis again, and a retry of the request allowed locally meanwhile is a
 // duplicate there (its void went first), not a second reservation.
 func TestLostSlotIsDecidedLocallyAlone(t *testing.T) {
-	cc := redistest.Cluster(t)
 	ctx := context.Background()
-	if err := repair.WriteEpoch(ctx, cc, "start"); err != nil {
-		t.Fatal(err)
-	}
-	d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{BreakerCooldown: 20 * time.Millisecond}, limits.Options{})
-	lost, kept, master := tenantsApart(t, cc)
+	cc, d, lost, kept, master := splitCluster(t, Options{BreakerCooldown: 20 * time.Millisecond})
 	for _, tenant := range []string{lost, kept} {
 		if r := admit(t, d, in(tenant, "u", "/any", 5)); !r.Allowed || r.Local {
 			t.Fatalf("%s before the loss: allowed %v, local %v; want allowed by Redis", tenant, r.Allowed, r.Local)
@@ -72,6 +67,20 @@ func TestLostSlotIsDecidedLocallyAlone(t *testing.T) {
 	if r := admit(t, d, local); !r.Allowed || r.Local || !r.Duplicate {
 		t.Errorf("a retry of the request allowed locally: allowed %v, local %v, duplicate %v; want a duplicate in Redis", r.Allowed, r.Local, r.Duplicate)
 	}
+}
+
+// splitCluster starts a Redis Cluster with its epoch written, a Decider
+// with options o over the user-only policy, and two tenants on different
+// masters (tenantsApart).
+func splitCluster(t *testing.T, o Options) (cc *redis.ClusterClient, d *Decider, a, b string, master *redis.Client) {
+	t.Helper()
+	cc = redistest.Cluster(t)
+	if err := repair.WriteEpoch(context.Background(), cc, "start"); err != nil {
+		t.Fatal(err)
+	}
+	d = newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), o, limits.Options{})
+	a, b, master = tenantsApart(t, cc)
+	return cc, d, a, b, master
 }
 
 // tenantsApart returns two tenants whose slots are on different masters of
@@ -166,13 +175,8 @@ func TestLostSlotRLSCountsAreTheTenants(t *testing.T) {
 // is back, the set-aside voids are applied too. Before, the drain stopped at
 // the first failing void and held up every later one until the rebuild.
 func TestLostSlotVoidsHoldUpNoOtherTenant(t *testing.T) {
-	cc := redistest.Cluster(t)
 	ctx := context.Background()
-	if err := repair.WriteEpoch(ctx, cc, "start"); err != nil {
-		t.Fatal(err)
-	}
-	d := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""), Options{BreakerCooldown: 20 * time.Millisecond}, limits.Options{})
-	lost, kept, master := tenantsApart(t, cc)
+	cc, d, lost, kept, master := splitCluster(t, Options{BreakerCooldown: 20 * time.Millisecond})
 	admit(t, d, in(lost, "u", "/any", 5))
 	plan := admit(t, d, in(kept, "u", "/any", 5)).Plan
 	if err := master.FlushAll(ctx).Err(); err != nil {
