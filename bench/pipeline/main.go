@@ -43,6 +43,7 @@ func main() {
 	flag.BoolVar(&cfg.Envoy, "envoy", true, "measure envoyproxy/ratelimit in the same rounds")
 	flag.StringVar(&cfg.EnvoyBin, "envoy-bin", "", "ratelimit's service_cmd binary (default: the pinned version, built into the user cache dir once)")
 	flag.StringVar(&cfg.NATSProfile, "nats-pprof", "", "write a CPU profile of this checkout's nats-server over each measured round's load into this directory (nats-r<round>.pprof; read it with go tool pprof -top); the profiling slows the server, so such a run's figures do not compare with others")
+	flag.BoolVar(&cfg.RedisCalls, "redis-calls", false, "split each round's Redis calls by FCALL function (reserve, settle, ...) through Redis's slowlog, which then logs every call; the logging slows Redis a little, so such a run's figures compare only with each other")
 	env := flag.String("env", "", "extra environment of this checkout's services only, space-separated (e.g. QF_EVENT_BATCH_WAIT=5ms; with -ab, a setting measured both ways)")
 	flag.Parse()
 	cfg.Env = strings.Fields(*env)

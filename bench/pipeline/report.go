@@ -76,6 +76,8 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		row(out, ncells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
 	}
 	row(out, ncells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
+	redisReport(out, "Redis's commands per accounted request over the same span (INFO commandstats; a script's redis.call commands counted apart and inside its µs)", rounds, func(r round) redisCalls { return r.redis })
+	redisReport(out, "Redis's calls by FCALL function (its slowlog)", rounds, func(r round) redisCalls { return r.slow })
 	fmt.Fprintf(out, "\nrequests (warm-up included): %d admitted, %d reported (%d tokens), %d reports resent after a 503; %.0f admits decided without Redis (failopen)\n",
 		total.admitted, total.reported, total.tokens, total.resent, failopen)
 	if len(bad) == 0 {

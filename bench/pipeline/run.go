@@ -12,6 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/plans"
 	"quotaflow/bench/internal/proc"
@@ -34,6 +36,9 @@ type Config struct {
 	// NATSProfile, when set, is a directory for a CPU profile of this
 	// checkout's nats-server over each measured round's load.
 	NATSProfile string
+	// RedisCalls splits each round's Redis calls by FCALL function
+	// through the slowlog, which then logs every call.
+	RedisCalls bool
 }
 
 // meter reads a process's CPU time so far.
@@ -82,6 +87,9 @@ type round struct {
 	batches, batchEvents float64
 	// nats is what nats-server counted over the same span.
 	nats natsCounts
+	// redis is INFO commandstats over the same span; slow the slowlog's
+	// calls by function (Config.RedisCalls).
+	redis, slow redisCalls
 }
 
 func (r round) admittedRate() float64  { return float64(r.t.admitted) / r.elapsed.Seconds() }
@@ -105,6 +113,7 @@ type pipeline struct {
 	p      *e2e.Private
 	host   string // admission's host:port
 	ledger *ledger
+	redis  *redis.Client // its redis-server, for commandstats
 	meters []meter
 	pprof  string // nats-server's pprof endpoint (Config.NATSProfile), or ""
 	total  *tally // every round's, the warm-up's included
@@ -258,6 +267,12 @@ func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Wr
 	if pl.ledger, err = openLedger(ctx, p.DBURL); err != nil {
 		return pl, err
 	}
+	pl.redis = redis.NewClient(&redis.Options{Addr: p.Redis.Addr})
+	if cfg.RedisCalls {
+		if err := logEveryCall(ctx, pl.redis); err != nil {
+			return pl, err
+		}
+	}
 	pl.meters = []meter{
 		pidMeter("admission", p.Admission.Cmd.Process.Pid),
 		pidMeter("accounter", p.Accounter.Cmd.Process.Pid),
@@ -276,6 +291,9 @@ func startPipeline(ctx context.Context, cfg Config, name, root string, out io.Wr
 func (pl *pipeline) close() {
 	if pl.ledger != nil {
 		pl.ledger.close()
+	}
+	if pl.redis != nil {
+		pl.redis.Close()
 	}
 	if pl.p != nil {
 		pl.p.Close()
@@ -321,6 +339,15 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	nats0, err := readNATS(ctx, pl.p.NATS.Monitor)
 	if err != nil {
 		return round{}, err
+	}
+	redis0, err := commandStats(ctx, pl.redis)
+	if err != nil {
+		return round{}, err
+	}
+	if pl.cfg.RedisCalls {
+		if _, err := slowCalls(ctx, pl.redis); err != nil {
+			return round{}, err
+		}
 	}
 	profiled := make(chan error, 1)
 	if pl.pprof != "" && name != "r0" {
@@ -369,6 +396,16 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		return round{}, err
 	}
 	r.nats = nats1.sub(nats0)
+	redis1, err := commandStats(ctx, pl.redis)
+	if err != nil {
+		return round{}, err
+	}
+	r.redis = redis1.sub(redis0)
+	if pl.cfg.RedisCalls {
+		if r.slow, err = slowCalls(ctx, pl.redis); err != nil {
+			return round{}, err
+		}
+	}
 	for i := range cpu1 {
 		r.cpu = append(r.cpu, cpu1[i]-cpu0[i])
 	}
