@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"unicode/utf8"
 )
 
@@ -73,7 +74,9 @@ func decode(b []byte, d Decoder, noID, valid bool) (Event, error) {
 		// No snapshot's objects: a reserved event has 21 members then.
 		n = min(n, 24)
 	}
-	free := make([]member, 0, n)
+	arena := getArena(n)
+	defer putArena(arena)
+	free := (*arena)[:0]
 	top, err := object(b, &free)
 	if err != nil {
 		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
@@ -129,6 +132,36 @@ func decode(b []byte, d Decoder, noID, valid bool) (Event, error) {
 		return Event{}, err
 	}
 	return ev, nil
+}
+
+// arenas recycles decode's member arenas. Nothing decode returns points
+// into one (its strings are copies), and a new arena per event, sized for
+// the worst case, was the largest allocation of admission's POST /v1/usage
+// (bench/results.md, "Admission's CPU per call (session 9)").
+var arenas = sync.Pool{New: func() any { return new([]member) }}
+
+// maxPooledArena is the most members an arena keeps when it goes back to
+// the pool (48 bytes each): a rare huge event's stays out.
+const maxPooledArena = 1024
+
+// getArena returns an arena with room for n members.
+func getArena(n int) *[]member {
+	a := arenas.Get().(*[]member)
+	if cap(*a) < n {
+		*a = make([]member, 0, n)
+	}
+	return a
+}
+
+// putArena clears a (its members point into the decoded input, which it
+// must not keep alive) and returns it to the pool. Members that outgrew it
+// went to a new array, which is left to the collector.
+func putArena(a *[]member) {
+	if cap(*a) > maxPooledArena {
+		return
+	}
+	clear((*a)[:cap(*a)])
+	arenas.Put(a)
 }
 
 // isSubject reports whether s is d's "<tenant>/<user>", without building it.
