@@ -3,6 +3,7 @@ package repair
 import (
 	"context"
 	"fmt"
+	"sync"
 
 	"github.com/redis/go-redis/v9"
 
@@ -62,9 +63,22 @@ func (l *Lost) Tenant(tenant string) bool { return l.has(wire.TenantSlot(tenant)
 func (l *Lost) has(slot uint16) bool { return l.bits[slot/64]&(1<<(slot%64)) != 0 }
 
 // LostSlots reads every slot's epoch key and returns the slots that lost
-// theirs.
+// theirs. On one Redis (not a Cluster or Ring) one EXISTS counts them all
+// first, and only a count short of every slot reads them one by one: the
+// accounter checks every QF_EPOCH_INTERVAL, and 16384 commands each time
+// were about one Redis command per accounted request in the pipeline
+// benchmark (bench/results.md, "Redis per accounted request (session 9)").
 func LostSlots(ctx context.Context, c redis.UniversalClient) (Lost, error) {
 	var lost Lost
+	if one, ok := c.(*redis.Client); ok {
+		n, err := one.Exists(ctx, allEpochKeys()...).Result()
+		if err != nil {
+			return Lost{}, fmt.Errorf("read epoch: %w", err)
+		}
+		if n == wire.NumSlots {
+			return lost, nil
+		}
+	}
 	const batch = 1024
 	for start := 0; start < wire.NumSlots; start += batch {
 		p := c.Pipeline()
@@ -121,3 +135,12 @@ func ClearLost(ctx context.Context, c redis.UniversalClient, lost *Lost) error {
 	}
 	return nil
 }
+
+// allEpochKeys is every slot's epoch key, built once.
+var allEpochKeys = sync.OnceValue(func() []string {
+	keys := make([]string, wire.NumSlots)
+	for s := range keys {
+		keys[s] = wire.SlotEpochKey(uint16(s))
+	}
+	return keys
+})

@@ -50,3 +50,38 @@ func TestLostSlotsOfOneShard(t *testing.T) {
 		t.Errorf("b's window after clearing another slot = %d, want its 5", d.States[0].Used)
 	}
 }
+
+// On one Redis, LostSlots counts the epoch keys in one command and reads
+// them one by one only when some are missing: a slot whose key alone was
+// lost is found, and so is every slot after a flush.
+func TestLostSlotsOfOneRedis(t *testing.T) {
+	c := redistest.Start(t).Client()
+	ctx := context.Background()
+	a, b := "a", "b" // tenants in different slots
+	for wire.TenantSlot(a) == wire.TenantSlot(b) {
+		b += "x"
+	}
+	check := func(what string, any, all, lostA, lostB bool) {
+		t.Helper()
+		lost, err := repair.LostSlots(ctx, c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if lost.Any() != any || lost.All() != all || lost.Tenant(a) != lostA || lost.Tenant(b) != lostB {
+			t.Fatalf("%s: LostSlots = any %v, all %v, a's %v, b's %v; want %v, %v, %v, %v",
+				what, lost.Any(), lost.All(), lost.Tenant(a), lost.Tenant(b), any, all, lostA, lostB)
+		}
+	}
+	if err := repair.WriteEpoch(ctx, c, "one"); err != nil {
+		t.Fatal(err)
+	}
+	check("every epoch key", false, false, false, false)
+	if err := c.Del(ctx, repair.TenantEpochKey(a)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	check("a's key deleted", true, false, true, false)
+	if err := c.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	check("after a flush", true, true, true, true)
+}
