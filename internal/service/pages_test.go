@@ -4,11 +4,16 @@ import (
 	"os"
 	"slices"
 	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestReleaseStartupPages: most of the executable's read-only pages resident
 // before the call are unmapped by it (the test binary goes on running,
-// mapping back what it uses).
+// mapping back what it uses), and most of its pages cached before it are
+// no longer in the page cache after it (which keeps the kernel's
+// fault-around from mapping them back beside the pages used).
 func TestReleaseStartupPages(t *testing.T) {
 	exe, err := os.Readlink("/proc/self/exe")
 	if err != nil {
@@ -24,16 +29,49 @@ func TestReleaseStartupPages(t *testing.T) {
 		}
 		return n
 	}
-	before := resident()
+	before, cachedBefore := resident(), cached(t, exe)
 	released, err := ReleaseStartupPages()
-	after := resident()
+	after, cachedAfter := resident(), cached(t, exe)
 	if err != nil {
 		t.Fatalf("ReleaseStartupPages() = %v", err)
 	}
-	t.Logf("read-only pages resident: %d KiB before, %d KiB after; released %d KiB", before>>10, after>>10, released>>10)
+	t.Logf("read-only pages resident: %d KiB before, %d KiB after; released %d KiB; cached: %d KiB before, %d KiB after",
+		before>>10, after>>10, released>>10, cachedBefore>>10, cachedAfter>>10)
 	if released < before/2 || after >= before/2 {
 		t.Errorf("ReleaseStartupPages() released %d of %d resident bytes, %d resident after; want most of them released", released, before, after)
 	}
+	if cachedAfter >= cachedBefore/2 {
+		t.Errorf("ReleaseStartupPages() left %d of %d cached bytes of %s in the page cache; want most of them dropped", cachedAfter, cachedBefore, exe)
+	}
+}
+
+// cached returns the bytes of file path in the page cache (mincore over a
+// mapping of it, which does not fault pages in).
+func cached(t *testing.T, path string) int64 {
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	page := os.Getpagesize()
+	vec := make([]byte, (len(mem)+page-1)/page)
+	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(unsafe.SliceData(mem))), uintptr(len(mem)), uintptr(unsafe.Pointer(unsafe.SliceData(vec)))); errno != 0 {
+		t.Fatal("mincore:", errno)
+	}
+	var n int64
+	for _, v := range vec {
+		n += int64(v & 1)
+	}
+	return n * int64(page)
 }
 
 // TestReadOnlyMappings: only the named file's mappings that are neither

@@ -126,7 +126,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	var released int64
 	if cfg.ReleaseStartupPages {
 		if released, err = service.ReleaseStartupPages(); err != nil {
-			log.Warn("start-up pages kept", "err", err)
+			log.Warn("start-up pages not all released", "err", err)
 		}
 	}
 	log.Info("admission started", "api", srv.Addr(), "ops", ops.Addr(), "policy_digest", watcher.Current().Digest(),
