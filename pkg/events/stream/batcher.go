@@ -96,11 +96,18 @@ type Batcher struct {
 
 // call is one Publish waiting for its round.
 type call struct {
-	ctx  context.Context
-	evs  []events.Event
-	at   time.Time
-	err  error
-	done chan struct{}
+	ctx      context.Context
+	evs      []events.Event
+	at       time.Time
+	deadline time.Time // PublishWithin's; zero: none
+	err      error
+	done     chan struct{}
+}
+
+// gone reports whether the call's caller has returned (or is about to) by
+// now: its context ended or its deadline passed.
+func (c *call) gone(now time.Time) bool {
+	return c.ctx.Err() != nil || !c.deadline.IsZero() && !now.Before(c.deadline)
 }
 
 // NewBatcher returns a Batcher publishing through pub and starts its
@@ -131,10 +138,23 @@ func NewBatcher(pub BatchPublisher, opt BatcherOptions) *Batcher {
 // ended first, or ErrBatcherClosed after Close. Retrying the same events
 // is safe.
 func (b *Batcher) Publish(ctx context.Context, evs []events.Event) error {
+	return b.PublishWithin(ctx, evs, 0)
+}
+
+// PublishWithin is Publish giving up after timeout (> 0) as it gives up
+// when ctx ends, with an error wrapping context.DeadlineExceeded. It is
+// Publish under context.WithTimeout without that context's timer, its
+// registration with ctx and its channel per call, which were a third of
+// what POST /v1/usage allocated beyond decoding (bench/results.md,
+// "Admission's CPU per call (session 9)"): a pooled timer instead.
+func (b *Batcher) PublishWithin(ctx context.Context, evs []events.Event, timeout time.Duration) error {
 	if len(evs) == 0 {
 		return nil
 	}
 	c := &call{ctx: ctx, evs: evs, at: time.Now(), done: make(chan struct{})}
+	if timeout > 0 {
+		c.deadline = c.at.Add(timeout)
+	}
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
@@ -150,13 +170,32 @@ func (b *Batcher) Publish(ctx context.Context, evs []events.Event) error {
 	if full {
 		signal(b.full)
 	}
+	var expired <-chan time.Time // nil: never
+	if timeout > 0 {
+		t := timers.Get().(*time.Timer)
+		t.Reset(timeout)
+		defer func() {
+			t.Stop() // since Go 1.23 no stale expiry is left for the next user
+			timers.Put(t)
+		}()
+		expired = t.C
+	}
 	select {
 	case <-c.done:
 		return c.err
 	case <-ctx.Done():
 		return fmt.Errorf("publish %d events: %w", len(evs), ctx.Err())
+	case <-expired:
+		return fmt.Errorf("publish %d events: %w", len(evs), context.DeadlineExceeded)
 	}
 }
+
+// timers are PublishWithin's, stopped.
+var timers = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return t
+}}
 
 // Pending is the number of events waiting for a round.
 func (b *Batcher) Pending() int {
@@ -253,13 +292,13 @@ func (b *Batcher) take() []*call {
 }
 
 // round publishes the events of calls in one PublishBatch and gives each
-// call its own result. Calls whose context has ended are left out.
+// call its own result. Calls whose caller is gone are left out.
 func (b *Batcher) round(calls []*call) {
 	evs, waits := b.evs[:0], b.waits[:0]
 	now := time.Now()
 	live := calls[:0]
 	for _, c := range calls {
-		if c.ctx.Err() != nil {
+		if c.gone(now) {
 			continue // its caller has returned: nobody to tell
 		}
 		live = append(live, c)

@@ -213,6 +213,47 @@ func TestBatcherCancelAndClose(t *testing.T) {
 	}
 }
 
+// PublishWithin's timeout is a context's deadline: a caller whose time is
+// up before its round returns context.DeadlineExceeded and is left out of
+// the round, which goes on for the others.
+func TestBatcherPublishWithin(t *testing.T) {
+	js, cfg := realNATS(t)
+	g := &gate{pub: stream.NewPublisher(js, cfg), open: make(chan struct{}), sizes: make(chan int, 10)}
+	b := stream.NewBatcher(g, stream.BatcherOptions{MaxEvents: 3, MaxWait: neverByTime})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	// a waits alone, far from a full round, until its time is up.
+	if err := b.PublishWithin(ctx, []events.Event{actual(0, 0)}, time.Millisecond); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("caller a, out of time = %v, want context.DeadlineExceeded", err)
+	}
+	// c and d fill the round with a's call; a is left out when it starts.
+	cerr, derr := make(chan error, 1), make(chan error, 1)
+	go func() { cerr <- b.PublishWithin(ctx, []events.Event{actual(1, 0)}, time.Minute) }()
+	go func() { derr <- b.PublishWithin(ctx, []events.Event{actual(2, 0)}, time.Minute) }()
+	if n := <-g.sizes; n != 2 {
+		t.Fatalf("round carried %d events, want 2 (a's call left out)", n)
+	}
+	close(g.open)
+	for name, errc := range map[string]chan error{"c": cerr, "d": derr} {
+		if err := <-errc; err != nil {
+			t.Errorf("caller %s = %v, want nil", name, err)
+		}
+	}
+	if err := b.Close(ctx); err != nil {
+		t.Errorf("Close = %v", err)
+	}
+	ids := natstest.StreamEvents(t, js, cfg.Stream)
+	if ids[actual(0, 0).ID] != 0 {
+		t.Error("the event of the caller out of time before its round was published")
+	}
+	for _, ev := range []events.Event{actual(1, 0), actual(2, 0)} {
+		if ids[ev.ID] != 1 {
+			t.Errorf("event %s stored %d times, want 1", ev.ID, ids[ev.ID])
+		}
+	}
+}
+
 // waitPending waits until b holds n events waiting for a round.
 func waitPending(t *testing.T, b *stream.Batcher, n int) {
 	t.Helper()

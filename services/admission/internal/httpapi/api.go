@@ -59,11 +59,13 @@ type Decider interface {
 }
 
 // Events receives what the API did: *outbox.Outbox. Enqueue and Denied
-// must not block; PublishNow returns once the stream stored every event.
+// must not block; PublishNow returns once the stream stored every event,
+// or when ctx ends or timeout has passed (an error wrapping
+// context.DeadlineExceeded).
 type Events interface {
 	Enqueue(ev events.Event)
 	Denied(d events.Denied, at time.Time)
-	PublishNow(ctx context.Context, evs []events.Event) error
+	PublishNow(ctx context.Context, evs []events.Event, timeout time.Duration) error
 }
 
 // Options configure the API. Decider, Policy and Events are required.

@@ -132,6 +132,7 @@ type fakeEvents struct {
 	denied   []events.Denied
 	now      []events.Event
 	nowErr   error
+	timeout  time.Duration // PublishNow's last
 }
 
 func (f *fakeEvents) Enqueue(ev events.Event) {
@@ -146,9 +147,10 @@ func (f *fakeEvents) Denied(d events.Denied, _ time.Time) {
 	f.mu.Unlock()
 }
 
-func (f *fakeEvents) PublishNow(_ context.Context, evs []events.Event) error {
+func (f *fakeEvents) PublishNow(_ context.Context, evs []events.Event, timeout time.Duration) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.timeout = timeout
 	if f.nowErr != nil {
 		return f.nowErr
 	}
@@ -1092,6 +1094,9 @@ func TestUsageReport(t *testing.T) {
 	// caller can claim the id of another's event.
 	if len(e.ev.now) != 2 || e.ev.now[1].ID != events.ID(events.TypeActual, "acme", "u", "r-e2") {
 		t.Errorf("published %+v", e.ev.now)
+	}
+	if e.ev.timeout != 5*time.Second {
+		t.Errorf("published with a timeout of %v, want the default UsageTimeout, 5s", e.ev.timeout)
 	}
 	noID := strings.Replace(actualJSON("e4", "acme", 5), `"id":"e4",`, "", 1)
 	badID := strings.Replace(actualJSON("e5", "acme", 5), `"id":"e5"`, `"id":"not an id \u0000"`, 1)

@@ -121,6 +121,6 @@ type batcherEvents struct{ bt *stream.Batcher }
 
 func (batcherEvents) Enqueue(events.Event)            {}
 func (batcherEvents) Denied(events.Denied, time.Time) {}
-func (e batcherEvents) PublishNow(ctx context.Context, evs []events.Event) error {
-	return e.bt.Publish(ctx, evs)
+func (e batcherEvents) PublishNow(ctx context.Context, evs []events.Event, timeout time.Duration) error {
+	return e.bt.PublishWithin(ctx, evs, timeout)
 }

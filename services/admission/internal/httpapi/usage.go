@@ -110,9 +110,7 @@ func (h *Handler) serveUsageReport(w http.ResponseWriter, r *http.Request) {
 // and returns once the stream stored every one, waiting at most the
 // usage timeout.
 func (h *Handler) publishReported(ctx context.Context, evs []events.Event) error {
-	ctx, cancel := context.WithTimeout(ctx, h.usageTO)
-	defer cancel()
-	return h.ev.PublishNow(ctx, evs)
+	return h.ev.PublishNow(ctx, evs, h.usageTO)
 }
 
 // decodeUsage parses the body of POST /v1/usage: a non-empty JSON array of

@@ -56,7 +56,7 @@ func TestRealNATS(t *testing.T) {
 	}
 	want[events.DeniedID(d, testNow, o.opt.Instance)] = true
 	actual := events.NewActual("svc", events.Actual{RequestID: "r-1", Tenant: "acme", User: "u", InputTokens: 5, OutputTokens: 6}, testNow)
-	if err := o.PublishNow(context.Background(), []events.Event{actual}); err != nil {
+	if err := o.PublishNow(context.Background(), []events.Event{actual}, 0); err != nil {
 		t.Fatalf("PublishNow = %v", err)
 	}
 	want[actual.ID] = true

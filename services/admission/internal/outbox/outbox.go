@@ -312,10 +312,11 @@ func (o *Outbox) Denied(d events.Denied, at time.Time) {
 
 // PublishNow publishes evs synchronously (POST /v1/usage) and returns
 // nil once the stream has stored every one, else a *stream.BatchError
-// saying which failed, or ctx's error. It does not use the queue:
+// saying which failed, ctx's error, or one wrapping
+// context.DeadlineExceeded once timeout (> 0) has passed. It does not use the queue:
 // concurrent calls share a round of the outbox's stream.Batcher.
-func (o *Outbox) PublishNow(ctx context.Context, evs []events.Event) error {
-	return o.now.Publish(ctx, evs)
+func (o *Outbox) PublishNow(ctx context.Context, evs []events.Event, timeout time.Duration) error {
+	return o.now.PublishWithin(ctx, evs, timeout)
 }
 
 // Pending returns the events waiting in memory and the bytes waiting in

@@ -418,7 +418,7 @@ func TestPublishNowSharesRounds(t *testing.T) {
 	var wg sync.WaitGroup
 	errs := make([]error, 8)
 	for i := range errs {
-		wg.Go(func() { errs[i] = o.PublishNow(ctx, []events.Event{reserved(i)}) })
+		wg.Go(func() { errs[i] = o.PublishNow(ctx, []events.Event{reserved(i)}, 0) })
 	}
 	wg.Wait()
 	for i, err := range errs {
@@ -439,7 +439,7 @@ func TestPublishNowSharesRounds(t *testing.T) {
 	if got := testutil.ToFloat64(o.m.published.WithLabelValues(events.TypeReserved)); got != 8 {
 		t.Errorf("published{reserved} = %v, want 8", got)
 	}
-	if err := o.PublishNow(ctx, []events.Event{reserved(9)}); !errors.Is(err, stream.ErrBatcherClosed) {
+	if err := o.PublishNow(ctx, []events.Event{reserved(9)}, 0); !errors.Is(err, stream.ErrBatcherClosed) {
 		t.Errorf("PublishNow after Close = %v, want stream.ErrBatcherClosed", err)
 	}
 }
