@@ -16,15 +16,17 @@ import (
 // shard a rebuild is waiting on).
 func TenantEpochKey(tenant string) string { return wire.SlotEpochKey(wire.TenantSlot(tenant)) }
 
+// epochBatch is how many epoch keys one pipeline, or one EXISTS, names.
+const epochBatch = 1024
+
 // WriteEpoch marks every slot of the Redis behind c as initialised with
 // value (any identifier of the rebuild, e.g. its time). The accounter calls
 // it after rebuilding the windows; on a brand-new Redis its first start calls
 // it at once. It is idempotent.
 func WriteEpoch(ctx context.Context, c redis.UniversalClient, value string) error {
-	const batch = 1024
-	for start := 0; start < wire.NumSlots; start += batch {
+	for start := 0; start < wire.NumSlots; start += epochBatch {
 		p := c.Pipeline()
-		for s := start; s < start+batch; s++ {
+		for s := start; s < start+epochBatch; s++ {
 			p.Set(ctx, wire.SlotEpochKey(uint16(s)), value, 0)
 		}
 		if _, err := p.Exec(ctx); err != nil {
@@ -63,15 +65,17 @@ func (l *Lost) Tenant(tenant string) bool { return l.has(wire.TenantSlot(tenant)
 func (l *Lost) has(slot uint16) bool { return l.bits[slot/64]&(1<<(slot%64)) != 0 }
 
 // LostSlots reads every slot's epoch key and returns the slots that lost
-// theirs. On one Redis (not a Cluster or Ring) one EXISTS counts them all
-// first, and only a count short of every slot reads them one by one: the
-// accounter checks every QF_EPOCH_INTERVAL, and 16384 commands each time
-// were about one Redis command per accounted request in the pipeline
-// benchmark (bench/results.md, "Redis per accounted request (session 9)").
+// theirs. On one Redis (not a Cluster or Ring) it first counts them, 1024
+// keys per EXISTS in one pipeline (a command of all 16384 would stall
+// Redis for milliseconds), and reads them one by one only when some are
+// missing: the accounter checks every QF_EPOCH_INTERVAL, and 16384
+// commands each time were about one Redis command per accounted request in
+// the pipeline benchmark (bench/results.md, "Redis per accounted request
+// (session 9)").
 func LostSlots(ctx context.Context, c redis.UniversalClient) (Lost, error) {
 	var lost Lost
 	if one, ok := c.(*redis.Client); ok {
-		n, err := one.Exists(ctx, allEpochKeys()...).Result()
+		n, err := countEpochKeys(ctx, one)
 		if err != nil {
 			return Lost{}, fmt.Errorf("read epoch: %w", err)
 		}
@@ -79,11 +83,10 @@ func LostSlots(ctx context.Context, c redis.UniversalClient) (Lost, error) {
 			return lost, nil
 		}
 	}
-	const batch = 1024
-	for start := 0; start < wire.NumSlots; start += batch {
+	for start := 0; start < wire.NumSlots; start += epochBatch {
 		p := c.Pipeline()
-		cmds := make([]*redis.IntCmd, 0, batch)
-		for s := start; s < start+batch; s++ {
+		cmds := make([]*redis.IntCmd, 0, epochBatch)
+		for s := start; s < start+epochBatch; s++ {
 			cmds = append(cmds, p.Exists(ctx, wire.SlotEpochKey(uint16(s))))
 		}
 		if _, err := p.Exec(ctx); err != nil {
@@ -134,6 +137,24 @@ func ClearLost(ctx context.Context, c redis.UniversalClient, lost *Lost) error {
 		return fmt.Errorf("clear lost slots: %w", err)
 	}
 	return nil
+}
+
+// countEpochKeys counts the epoch keys c holds.
+func countEpochKeys(ctx context.Context, c *redis.Client) (int64, error) {
+	p := c.Pipeline()
+	cmds := make([]*redis.IntCmd, 0, wire.NumSlots/epochBatch)
+	keys := allEpochKeys()
+	for start := 0; start < wire.NumSlots; start += epochBatch {
+		cmds = append(cmds, p.Exists(ctx, keys[start:start+epochBatch]...))
+	}
+	if _, err := p.Exec(ctx); err != nil {
+		return 0, err
+	}
+	var n int64
+	for _, cmd := range cmds {
+		n += cmd.Val()
+	}
+	return n, nil
 }
 
 // allEpochKeys is every slot's epoch key, built once.
