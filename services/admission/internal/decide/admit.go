@@ -94,7 +94,12 @@ func (a *admission) allowAll(plan string) {
 
 func (a *admission) run(rs *policy.Resolved) error {
 	a.denied = -1
-	a.res = Result{Plan: rs.Plan, Limits: make([]LimitState, 0, len(rs.IP)+len(rs.Global)+len(rs.Subject))}
+	a.res = Result{Plan: rs.Plan}
+	if n := len(rs.IP) + len(rs.Global) + len(rs.Subject); a.in.Room != nil && n <= RoomLimits {
+		a.res.Limits = a.in.Room[:0]
+	} else {
+		a.res.Limits = make([]LimitState, 0, n)
+	}
 	ok := true
 	var err error
 	if a.in.IP != "" && len(rs.IP) > 0 {

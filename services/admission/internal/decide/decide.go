@@ -25,7 +25,14 @@ type Input struct {
 	Endpoint string
 	Model    string
 	Cost     int64 // weighted tokens
+	// Room, when not nil, is where Admit puts the Result's Limits if they
+	// fit, instead of a new array: a caller done with each Result before it
+	// uses Room again saves that allocation (the HTTP API pools rooms).
+	Room *[RoomLimits]LimitState
 }
+
+// RoomLimits is how many limits an Input's Room holds.
+const RoomLimits = 8
 
 // Result is the decision on one Input.
 type Result struct {

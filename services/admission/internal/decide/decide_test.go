@@ -115,6 +115,24 @@ endpoints:
 ip: [{name: ipr, kind: fixed, window: 1h, limit: 1000}]
 `
 
+// An Input's Room holds the Result's limits: the limits an array of their
+// own would hold, in the room's memory.
+func TestAdmitFillsRoom(t *testing.T) {
+	_, d, _, tenant, ep := onEndpoint(t, layeredPolicy, "/t/")
+	x := in(tenant, "u", ep, 1)
+	x.IP = tenant + "-a"
+	var room [RoomLimits]LimitState
+	x.Room = &room
+	r := admit(t, d, x)
+	wantAllowed(t, r, true)
+	if got, want := scopes(r), "ip:burst global:g user:q"; got != want {
+		t.Fatalf("Limits = %s, want %s", got, want)
+	}
+	if &r.Limits[0] != &room[0] {
+		t.Error("the limits are not in the Input's Room")
+	}
+}
+
 func TestLaterDenialCompensatesEarlierLayers(t *testing.T) {
 	c, d, pol, tenant, ep := onEndpoint(t, compensatePolicy, "/t/")
 	ip := tenant + "-ip"

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync"
 	"time"
 
 	"quotaflow/internal/auth"
@@ -70,6 +71,13 @@ func appendLimitsJSON(dst []limitJSON, ls []decide.LimitState) []limitJSON {
 // allocation (its body is encoded before the handler returns).
 const answerLimits = 8
 
+// limitRooms hold the limits of decisions (decide.Input.Room): the
+// handler reads them into the answer and the event (which copies them)
+// and lets go before it returns, and a new array per admit was the
+// largest of admission's allocations (bench/results.md, "Admission's CPU
+// per call (session 9)").
+var limitRooms = sync.Pool{New: func() any { return new([decide.RoomLimits]decide.LimitState) }}
+
 func (h *Handler) serveAdmit(w http.ResponseWriter, r *http.Request) {
 	p, ok := h.authenticate(w, r, auth.Gateway)
 	if !ok {
@@ -101,6 +109,11 @@ func (h *Handler) decide(ctx context.Context, w http.ResponseWriter, route strin
 	if !in.CallerID {
 		in.RequestID = newRequestID()
 	}
+	in.Room = limitRooms.Get().(*[decide.RoomLimits]decide.LimitState)
+	defer func(room *[decide.RoomLimits]decide.LimitState) {
+		*room = [decide.RoomLimits]decide.LimitState{} // no strings kept alive
+		limitRooms.Put(room)
+	}(in.Room)
 	res, err := h.dec.Admit(ctx, in)
 	if err != nil {
 		if errors.Is(err, decide.ErrConflict) {

@@ -75,6 +75,10 @@ type fakeDecider struct {
 }
 
 func (f *fakeDecider) Admit(_ context.Context, in decide.Input) (decide.Result, error) {
+	if in.Room == nil {
+		return decide.Result{}, errors.New("fake: no Input.Room (the handler's pooled room for the limits)")
+	}
+	in.Room = nil // the handler's, reused after its answer
 	f.mu.Lock()
 	f.inputs = append(f.inputs, in)
 	f.mu.Unlock()
