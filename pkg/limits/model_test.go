@@ -23,8 +23,10 @@ import (
 // request; a denial, a duplicate and a conflict charge nothing; a
 // settlement moves token limits by actual - estimate and frees slots;
 // actual usage wins over a release; a release after an actual changes
-// nothing; a voided lost call leaves what the local decision implies; and
-// every decision allows exactly when every limit has room. QF_MODEL_SEED
+// nothing; a voided lost call leaves what the local decision implies; a
+// batch of settlements (SettleMany, both users' in one call, an id
+// repeated within it) does what they do one after another; and every
+// decision allows exactly when every limit has room. QF_MODEL_SEED
 // replays a run.
 func TestEngineAgreesWithModel(t *testing.T) {
 	c := redistest.Shared(t)
@@ -125,6 +127,41 @@ func TestEngineAgreesWithModel(t *testing.T) {
 				seen["denied by "+d.States[d.DeniedBy].Rule.Name]++
 			}
 			m.check(t, step, what, d, u)
+		case op < 47: // the accounter's batch: settlements of both users in one SettleMany, in order, repeats among them
+			what = fmt.Sprintf("settle batch %d:", step)
+			var ops []limits.SettleOp
+			for k := range 2 + rng.IntN(6) {
+				bu := users[rng.IntN(len(users))]
+				bid := fmt.Sprintf("orphan-%d-%d", step, k)
+				if open := m.user(bu).open(); len(open) > 0 && rng.IntN(3) > 0 {
+					bid = open[rng.IntN(len(open))]
+				}
+				if len(ops) > 0 && rng.IntN(3) == 0 { // a repeat of an earlier settlement's id in the batch
+					prev := ops[rng.IntN(len(ops))]
+					bu, bid = prev.User, prev.RequestID
+				}
+				if r := m.user(bu).recs[bid]; r != nil && r.gone {
+					continue // settled with the ledger's copy: the lone case above
+				}
+				o := limits.SettleOp{Settle: limits.Settle{Tenant: tenant, User: bu, RequestID: bid, Rules: rules}, Release: rng.IntN(3) == 0}
+				if !o.Release {
+					o.Actual = int64(rng.IntN(260))
+				}
+				what += fmt.Sprintf(" %s/%s release %v actual %d;", bu, bid, o.Release, o.Actual)
+				ops = append(ops, o)
+			}
+			for i, r := range l.SettleMany(ctx, ops) {
+				if r.Err != nil {
+					t.Fatalf("step %d %s: op %d: %v", step, what, i, r.Err)
+				}
+			}
+			for _, o := range ops {
+				if o.Release {
+					m.release(o.User, o.RequestID)
+				} else {
+					m.correct(o.User, o.RequestID, o.Actual)
+				}
+			}
 		case op < 55:
 			actual := int64(rng.IntN(260))
 			if r := mu.recs[id]; r != nil {
