@@ -183,6 +183,7 @@ type pending struct {
 	// dropped: a batch of its events was abandoned (Options.BeforeAck),
 	// so it is never finished, as after a crash.
 	dropped bool
+	stored  time.Time // when the stream stored it (zero if unknown): the lag
 }
 
 // ref is one event of a pending message.
@@ -242,6 +243,9 @@ func (c *Consumer) route(ctx context.Context, f stream.Fetched, ins []chan []ref
 			continue
 		}
 		p := &pending{d: d, herrs: make([]error, len(d.Events)), marked: f.At}
+		if md, err := msg.Metadata(); err == nil {
+			p.stored = md.Timestamp
+		}
 		for i, ev := range d.Events {
 			if d.Errs[i] == nil {
 				p.left++
@@ -476,8 +480,8 @@ func (c *Consumer) handle(ctx context.Context, batch []ref) {
 			}
 		}
 		items = append(items, it)
-		if md, err := d.Msg.Metadata(); err == nil && md.Timestamp.After(newest) {
-			newest = md.Timestamp
+		if r.p.stored.After(newest) {
+			newest = r.p.stored
 		}
 	}
 	c.m.batchSize.Observe(float64(len(items)))
