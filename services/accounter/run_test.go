@@ -926,6 +926,27 @@ func TestLaterActualSettlesWithTheFirst(t *testing.T) {
 	}
 }
 
+// requests reserves n requests r0... of tenant's user u1 (estimate 100
+// each) in Redis and returns their reserved events, their actual events
+// (10, 11... tokens) and the actuals' tokens in all, unpublished.
+func (e *env) requests(tenant string, n int) (reserved, actuals []events.Event, tokens int64) {
+	e.t.Helper()
+	for i := range n {
+		req := fmt.Sprintf("r%d", i)
+		d, err := e.lim.Reserve(context.Background(), limits.Request{Tenant: tenant, User: "u1", RequestID: req, Cost: 100, Rules: e.rules(tenant)})
+		if err != nil || !d.Allowed {
+			e.t.Fatalf("Reserve = %+v, %v", d, err)
+		}
+		reserved = append(reserved, events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: tenant, User: "u1", Endpoint: "/api/v1/generate",
+			EstimatedTokens: 100, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
+		}, time.Now()))
+		actuals = append(actuals, e.actual(tenant, "u1", req, "", int64(10+i), 0))
+		tokens += int64(10 + i)
+	}
+	return reserved, actuals, tokens
+}
+
 // TestReformedBatchesCountOnce publishes the same events in two batches
 // formed differently (JetStream stores both: their batch ids differ) and
 // once more alone: the ledger, the Redis windows and the corrections count
@@ -936,21 +957,7 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 	ctx := context.Background()
 	ten := "reformed-" + e2e.RandomHex(4)
 	const n = 20
-	var reserved, actuals []events.Event
-	var want int64
-	for i := range n {
-		req := fmt.Sprintf("r%d", i)
-		d, err := e.lim.Reserve(ctx, limits.Request{Tenant: ten, User: "u1", RequestID: req, Cost: 100, Rules: e.rules(ten)})
-		if err != nil || !d.Allowed {
-			t.Fatalf("Reserve = %+v, %v", d, err)
-		}
-		reserved = append(reserved, events.NewReserved("test/admission", events.Reserved{
-			RequestID: req, Tenant: ten, User: "u1", Endpoint: "/api/v1/generate",
-			EstimatedTokens: 100, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
-		}, time.Now()))
-		actuals = append(actuals, e.actual(ten, "u1", req, "", int64(10+i), 0))
-		want += int64(10 + i)
-	}
+	reserved, actuals, want := e.requests(ten, n)
 	for _, part := range [][]events.Event{reserved, reserved[:7], actuals[:12], actuals[5:], reserved[3:9]} {
 		if err := e.pub.PublishBatch(ctx, part); err != nil {
 			t.Fatal(err)
@@ -998,21 +1005,7 @@ func TestReservationWrittenOnce(t *testing.T) {
 	ctx := context.Background()
 	ten := "once-" + e2e.RandomHex(4)
 	const n = 10
-	var reserved, actuals []events.Event
-	var want int64
-	for i := range n {
-		req := fmt.Sprintf("r%d", i)
-		d, err := e.lim.Reserve(ctx, limits.Request{Tenant: ten, User: "u1", RequestID: req, Cost: 100, Rules: e.rules(ten)})
-		if err != nil || !d.Allowed {
-			t.Fatalf("Reserve = %+v, %v", d, err)
-		}
-		reserved = append(reserved, events.NewReserved("test/admission", events.Reserved{
-			RequestID: req, Tenant: ten, User: "u1", Endpoint: "/api/v1/generate",
-			EstimatedTokens: 100, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
-		}, time.Now()))
-		actuals = append(actuals, e.actual(ten, "u1", req, "", int64(10+i), 0))
-		want += int64(10 + i)
-	}
+	reserved, actuals, want := e.requests(ten, n)
 	for _, part := range [][]events.Event{reserved, actuals} {
 		if err := e.pub.PublishBatch(ctx, part); err != nil {
 			t.Fatal(err)

@@ -155,7 +155,7 @@ func (c *Consumer) Run(ctx context.Context) {
 		wg.Go(func() { c.worker(ctx, ins[w]) })
 	}
 	marks := make(chan struct{})
-	go func() { c.markInProgress(ctx); close(marks) }()
+	go func() { service.Every(ctx, c.opts.Events.AckWait/4, c.markInProgress); close(marks) }()
 	c.fetch(ctx, ins)
 	wg.Wait()
 	<-marks
@@ -390,33 +390,24 @@ func hold(batch []ref, old int) (now, held []ref) {
 	return now, held
 }
 
-// markInProgress restarts, every quarter of AckWait, the server's AckWait
-// of each message that has waited that long since its fetch or last mark
-// (Msg.InProgress): a message whose events wait behind other batches, or
-// are held, is not redelivered meanwhile.
-func (c *Consumer) markInProgress(ctx context.Context) {
+// markInProgress restarts the server's AckWait of each message that has
+// waited a quarter of it since its fetch or last mark (Msg.InProgress): a
+// message whose events wait behind other batches, or are held, is not
+// redelivered meanwhile. Run calls it every quarter of AckWait.
+func (c *Consumer) markInProgress(context.Context) {
 	late := c.opts.Events.AckWait / 4
-	t := time.NewTicker(late)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
+	var due []*pending
+	now := time.Now()
+	c.mu.Lock()
+	for p := range c.open {
+		if now.Sub(p.marked) > late {
+			p.marked = now
+			due = append(due, p)
 		}
-		var due []*pending
-		now := time.Now()
-		c.mu.Lock()
-		for p := range c.open {
-			if now.Sub(p.marked) > late {
-				p.marked = now
-				due = append(due, p)
-			}
-		}
-		c.mu.Unlock()
-		for _, p := range due {
-			_ = p.d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
-		}
+	}
+	c.mu.Unlock()
+	for _, p := range due {
+		_ = p.d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
 	}
 }
 
