@@ -27,6 +27,19 @@ const maxBatch = 256
 // transaction and fewer fetches.
 const fetchWait = 200 * time.Millisecond
 
+// maxHold is the longest a handled message waits for its ack (at most a
+// quarter of AckWait): long enough for the corrected snapshot of a request
+// to come after its reserved one, so that one statement writes the
+// subject's version once for both.
+const maxHold = time.Second
+
+// maxHeld bounds the messages waiting for their ack, under the server's
+// default MaxAckPending (1,000), which would stop the fetches.
+const maxHeld = 512
+
+// shutdownFlush bounds the last flush, once the consumer is stopping.
+const shutdownFlush = 5 * time.Second
+
 // Handler is what the events feed: *detect.Detector.
 type Handler interface {
 	// HandleBatch handles events in one transaction; on an error none of
@@ -37,6 +50,9 @@ type Handler interface {
 	Reserved(ctx context.Context, ev events.Event, d events.Reserved) error
 	Corrected(ctx context.Context, ev events.Event, d events.Corrected) error
 	Denied(ctx context.Context, ev events.Event, d events.Denied) error
+	// Flush makes durable what the events handled so far left in memory;
+	// a message is acked only after it.
+	Flush(ctx context.Context) error
 }
 
 // Run processes cons's events with h until ctx ends. cfg names the
@@ -46,28 +62,99 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 	info := cons.CachedInfo()
 	log.Info("consuming", "stream", info.Stream, "consumer", info.Name)
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
+	w := &waiting{js: js, cfg: cfg, flush: h.Flush, log: log, hold: min(maxHold, cfg.WithDefaults().AckWait/4)}
 	for ctx.Err() == nil {
 		f, err := stream.Fetch(cons, maxBatch, fetchWait)
 		if err != nil && ctx.Err() == nil {
 			log.Warn("fetch events", "err", err)
 			if len(f.Msgs) == 0 {
+				w.finish(ctx)
 				service.Sleep(ctx, time.Second)
 				continue
 			}
 		}
-		processBatch(ctx, js, cfg, f, hs.Dispatch, h.HandleBatch, log)
+		processBatch(ctx, js, cfg, f, hs.Dispatch, h.HandleBatch, w, log)
+		if len(f.Msgs) == 0 || w.due() {
+			w.finish(ctx)
+		}
 	}
+	w.finish(ctx)
+}
+
+// handled is a message whose valid events were handled, with their
+// results, waiting to be finished.
+type handled struct {
+	d     *stream.Delivery
+	herrs []error
+}
+
+// waiting holds the handled messages until a Flush makes their effects
+// durable; then it finishes (acks) them.
+type waiting struct {
+	js    jetstream.JetStream
+	cfg   stream.Config
+	flush func(context.Context) error
+	log   *slog.Logger
+	hold  time.Duration
+	msgs  []handled
+	since time.Time // when the first of msgs was added
+}
+
+func (w *waiting) add(d *stream.Delivery, herrs []error) {
+	if len(w.msgs) == 0 {
+		w.since = time.Now()
+	}
+	w.msgs = append(w.msgs, handled{d, herrs})
+}
+
+// due reports whether the held messages should be finished now.
+func (w *waiting) due() bool {
+	return len(w.msgs) >= maxHeld || len(w.msgs) > 0 && time.Since(w.since) >= w.hold
+}
+
+// finish flushes and finishes every held message; when the flush fails,
+// their handled events are retried as in an outage (nak'ed with backoff,
+// never dead-lettered for it).
+func (w *waiting) finish(ctx context.Context) {
+	if len(w.msgs) == 0 {
+		return
+	}
+	fctx := ctx
+	if ctx.Err() != nil { // shutting down: what was handled is still made durable, within a bound
+		var cancel context.CancelFunc
+		fctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), shutdownFlush)
+		defer cancel()
+	}
+	err := w.flush(fctx)
+	if err != nil && ctx.Err() == nil {
+		w.log.Warn("flush handled events; they come again", "messages", len(w.msgs), "err", err)
+	}
+	for _, m := range w.msgs {
+		if err != nil {
+			for i := range m.herrs {
+				if m.d.Errs[i] == nil && m.herrs[i] == nil {
+					m.herrs[i] = stream.Outage(err)
+				}
+			}
+		}
+		if _, err := m.d.Finish(ctx, w.js, w.cfg, m.herrs); err != nil && ctx.Err() == nil {
+			w.log.Warn("event not processed", "subject", m.d.Msg.Subject(), "err", err)
+		}
+	}
+	clear(w.msgs)
+	w.msgs = w.msgs[:0]
 }
 
 // processBatch expands f's messages (single events and batches) into
 // their events and handles them in batches of at most maxBatch events,
-// whole messages each (stream.Groups), with batch (one transaction per batch), then finishes each message
-// once (stream.Delivery.Finish acks it and dead-letters its invalid
-// events). A message that does not decode as a whole is dead-lettered;
-// when batch fails, each message's events are handled one by one and the
-// message finished with their results.
+// whole messages each (stream.Groups), with batch (one transaction per
+// batch), then hands each message to w, to be finished once (acked, its
+// invalid events dead-lettered: stream.Delivery.Finish) after a flush. A
+// message that does not decode as a whole is dead-lettered; when batch
+// fails, each message's events are handled one by one and the message
+// finished with their results.
 func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, f stream.Fetched,
-	handle stream.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
+	handle stream.Handler, batch func(context.Context, []events.Event) error, w *waiting, log *slog.Logger) {
 	ds := make([]*stream.Delivery, 0, len(f.Msgs))
 	for _, m := range f.Msgs {
 		d, err := stream.DecodeMsg(m, cfg)
@@ -79,11 +166,11 @@ func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config
 		}
 		ds = append(ds, d)
 	}
-	stream.Groups(f, ds, maxBatch, cfg, func(g []*stream.Delivery) { handleGroup(ctx, js, cfg, g, handle, batch, log) })
+	stream.Groups(f, ds, maxBatch, cfg, func(g []*stream.Delivery) { handleGroup(ctx, g, handle, batch, w, log) })
 }
 
-func handleGroup(ctx context.Context, js jetstream.JetStream, cfg stream.Config, ds []*stream.Delivery,
-	handle stream.Handler, batch func(context.Context, []events.Event) error, log *slog.Logger) {
+func handleGroup(ctx context.Context, ds []*stream.Delivery, handle stream.Handler,
+	batch func(context.Context, []events.Event) error, w *waiting, log *slog.Logger) {
 	var evs []events.Event
 	for _, d := range ds {
 		for i, ev := range d.Events {
@@ -114,8 +201,6 @@ func handleGroup(ctx context.Context, js jetstream.JetStream, cfg stream.Config,
 				}
 			}
 		}
-		if _, err := d.Finish(ctx, js, cfg, herrs); err != nil && ctx.Err() == nil {
-			log.Warn("event not processed", "subject", d.Msg.Subject(), "err", err)
-		}
+		w.add(d, herrs)
 	}
 }

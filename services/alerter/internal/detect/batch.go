@@ -45,10 +45,11 @@ func limitKey(tenant, user string, l events.LimitState) (store.LimitKey, bool) {
 // HandleBatch handles a batch of events as their methods would one by one
 // (Reserved, Corrected, Denied; other events are ignored), in order, with
 // the threshold state of all their snapshots read, moved and written in
-// one transaction together with the alerts it queues, or only their
-// versions moved in one statement when every snapshot is quiet. When it
-// fails, nothing of the batch took effect (rate counters included), so
-// the caller may handle the events again, one at a time.
+// one transaction together with the alerts it queues; when every snapshot
+// is quiet, their versions are only held in memory, for Flush (or the next
+// transaction) to write. When it fails, nothing of the batch took effect
+// (rate counters included), so the caller may handle the events again, one
+// at a time.
 func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 	snaps := make([]snap, 0, len(evs))
 	for _, ev := range evs {
@@ -84,9 +85,9 @@ func (d *Detector) HandleBatch(ctx context.Context, evs []events.Event) error {
 // (see busy) are applied in one transaction: one query reads (and locks)
 // the versions of their subjects, one the states of the limits they
 // touch, one statement writes back the states that changed, one the
-// versions. The quiet ones only move their subjects' versions (never
-// back), which needs no read: when all are quiet, that one statement is
-// all.
+// versions, the held ones included. The quiet ones only move their
+// subjects' versions (never back), which needs no read: when all are
+// quiet, they are held for Flush.
 func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 	if len(snaps) == 0 {
 		return nil
@@ -114,7 +115,16 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 		}
 	}
 	if len(touched) == 0 {
-		return d.st.SaveVersions(ctx, newVersions)
+		d.hold(newVersions)
+		return nil
+	}
+	// The transaction writes the held versions too: one statement, and
+	// busy snapshots are ordered against every version seen.
+	held := d.heldVersions()
+	for k, v := range held {
+		if v > newVersions[k] {
+			newVersions[k] = v
+		}
 	}
 	now := d.now()
 	var fired int
@@ -125,6 +135,11 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 		cur, err := tx.Versions(ctx, read)
 		if err != nil {
 			return err
+		}
+		for _, k := range read {
+			if v, ok := held[k]; ok && v > cur[k] {
+				cur[k] = v
+			}
 		}
 		stored, err := tx.Limits(ctx, slices.Collect(maps.Keys(touched)))
 		if err != nil {
@@ -193,6 +208,8 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 	})
 	if err != nil {
 		err = fmt.Errorf("thresholds of a batch of %d snapshots: %w", len(snaps), err)
+	} else {
+		d.written(newVersions)
 	}
 	return d.committed(err, touched, levels, fired)
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -111,8 +112,12 @@ type Router func(kind, tenant string, threshold int) []string
 // a snapshot whose limits are all absent from it and under the lowest
 // threshold can neither fire nor re-arm anything and reads and writes no
 // state (quiet). HandleBatch handles a whole batch of events in one
-// transaction, or, when every snapshot of it is quiet, in one statement
-// that moves versions.
+// transaction, or, when every snapshot of it is quiet, holds their
+// versions in memory until Flush, or the next transaction, writes them:
+// a consumer acks a message only after a Flush that followed its
+// handling, so a version is durable before its message is done with,
+// and the two snapshots of a request (reserved, then corrected) mostly
+// share one row write.
 type Detector struct {
 	st     Updater
 	route  Router
@@ -139,6 +144,9 @@ type Detector struct {
 	abuse     map[abuseKey]*window  // -> (denied, 0)
 	abusing   map[abuseKey]bool     // bursts alerted and not yet over, as stored
 	seen      seen                  // events counted in the windows
+	// held is the highest version of each subject that quiet snapshots
+	// moved and no commit has written yet (Flush writes them).
+	held map[store.VersionKey]int64
 }
 
 type abuseKey struct{ tenant, user, ip string }
@@ -157,6 +165,7 @@ func New(st Updater, route Router, opt Options, log *slog.Logger, reg prometheus
 		spikes: map[[2]string]*window{}, firing: map[[2]string]bool{},
 		abuse: map[abuseKey]*window{}, abusing: map[abuseKey]bool{},
 		raised: map[store.LimitKey]int{}, unknown: map[store.LimitKey]bool{}, seen: newSeen(),
+		held: map[store.VersionKey]int64{},
 	}
 	d.alerts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "quotaflow_alerts_total",
@@ -326,6 +335,52 @@ func (d *Detector) committed(err error, touched map[store.LimitKey]bool, levels 
 	}
 	d.mu.Unlock()
 	d.alerted(KindThreshold, fired)
+	return nil
+}
+
+// hold keeps versions (the highest of each subject) for Flush.
+func (d *Detector) hold(versions map[store.VersionKey]int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for k, v := range versions {
+		if v > d.held[k] {
+			d.held[k] = v
+		}
+	}
+}
+
+// heldVersions returns a copy of the versions held.
+func (d *Detector) heldVersions() map[store.VersionKey]int64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return maps.Clone(d.held)
+}
+
+// written forgets the held versions that a commit of versions wrote (or
+// passed).
+func (d *Detector) written(versions map[store.VersionKey]int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for k, v := range versions {
+		if d.held[k] <= v {
+			delete(d.held, k)
+		}
+	}
+}
+
+// Flush writes the versions that quiet snapshots moved since the last
+// commit, in one statement. A consumer calls it before it acks the
+// messages it handled: until then a crash loses those versions together
+// with the acks, so the messages come again.
+func (d *Detector) Flush(ctx context.Context) error {
+	versions := d.heldVersions()
+	if len(versions) == 0 {
+		return nil
+	}
+	if err := d.st.SaveVersions(ctx, versions); err != nil {
+		return err
+	}
+	d.written(versions)
 	return nil
 }
 

@@ -258,8 +258,10 @@ func TestCountsOncePerEventID(t *testing.T) {
 }
 
 // Snapshots that take the fast path (nothing to fire or re-arm) still
-// advance the durable version, so an older snapshot arriving later is
-// ignored, even by a new instance with an empty cache.
+// advance the version: at once for the detector itself, which holds it,
+// and durably at Flush, so an older snapshot arriving later is ignored,
+// even by a new instance with an empty cache; a version not flushed is
+// not durable (its message is not acked yet, so it comes again).
 func TestQuietSnapshotsAdvanceVersion(t *testing.T) {
 	st := newStore(t)
 	ctx := context.Background()
@@ -267,24 +269,35 @@ func TestQuietSnapshotsAdvanceVersion(t *testing.T) {
 	lim := func(used int64) []events.LimitState {
 		return []events.LimitState{{Scope: "user", Name: "5h", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}}
 	}
-	snap := func(d *Detector, v, used int64) {
+	snap := func(d *Detector, user string, v, used int64) {
 		t.Helper()
-		if err := d.Reserved(ctx, events.Event{Time: c.now()}, events.Reserved{Tenant: "acme", User: "u", Endpoint: "/e", Version: v, Limits: lim(used)}); err != nil {
+		if err := d.Reserved(ctx, events.Event{Time: c.now()}, events.Reserved{Tenant: "acme", User: user, Endpoint: "/e", Version: v, Limits: lim(used)}); err != nil {
 			t.Fatal(err)
 		}
 	}
+	deliveries := func(step string, want int) {
+		t.Helper()
+		if ds, err := st.Deliveries(ctx, ""); err != nil || len(ds) != want {
+			t.Fatalf("%s: %d deliveries, %v; want %d", step, len(ds), err, want)
+		}
+	}
 	d := newDetector(t, st, c)
-	snap(d, 1, 10) // a transaction: the level is now cached
-	snap(d, 5, 20) // the fast path
+	snap(d, "u", 1, 10) // a transaction: the level is now cached
+	snap(d, "u", 5, 20) // the fast path: held
+	snap(d, "u", 4, 95) // stale against the held version 5
+	deliveries("stale against a held version", 0)
+	snap(d, "w", 5, 20) // held
+	if err := d.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	snap(d, "w", 9, 20) // held, not flushed: as if its message were not acked
 	d2 := newDetector(t, st, c)
-	snap(d2, 4, 95) // stale: version 4 < 5
-	if ds, err := st.Deliveries(ctx, ""); err != nil || len(ds) != 0 {
-		t.Fatalf("deliveries = %+v, %v; want none for a stale snapshot", ds, err)
-	}
-	snap(d2, 6, 95)
-	if ds, err := st.Deliveries(ctx, ""); err != nil || len(ds) != 2 {
-		t.Fatalf("deliveries = %d, %v; want 80 and 90", len(ds), err)
-	}
+	snap(d2, "u", 4, 95) // stale: version 4 < 5, flushed
+	deliveries("stale against a flushed version", 0)
+	snap(d2, "w", 6, 95) // version 9 was not flushed: 6 is the newest durable
+	deliveries("after a version not flushed", 2)
+	snap(d2, "u", 6, 95)
+	deliveries("fresh", 4)
 }
 
 // A reserved event of a decision admission made without Redis (version 0)

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"quotaflow/internal/e2e"
+)
+
+// A message whose snapshots only moved versions (held in memory, docs/design.md
+// §7) is acked only once the versions are in Postgres: while the write waits
+// on a lock the message stays unacked (a crash then brings it again), and
+// once written, a stale snapshot coming later is ignored.
+func TestAckedOnlyOnceVersionsDurable(t *testing.T) {
+	e := newEnv(t, opsHook)
+	e.start(nil)
+	ctx := context.Background()
+	cons, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Consumer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lock, err := e.pg.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback(ctx) }()
+	if _, err := lock.Exec(ctx, `LOCK TABLE alert_versions IN SHARE MODE`); err != nil { // reads go on, writes wait
+		t.Fatal(err)
+	}
+	now := time.Now().UTC()
+	e.publish(reserved("acme", "u1", "r1", 5, 0, now, userLimit(100, 0))) // 10 %: quiet, its version held
+	e2e.Eventually(e.t, "the version's write waiting on the lock", func() bool {
+		var n int
+		err := e.pg.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'alert_versions'::regclass`).Scan(&n)
+		return err == nil && n > 0
+	})
+	info, err := cons.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.NumAckPending != 1 || info.AckFloor.Stream != 0 {
+		t.Fatalf("while its version is not written: %d unacked, ack floor %d; want the message unacked", info.NumAckPending, info.AckFloor.Stream)
+	}
+	if err := lock.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	acked := func(seq uint64) bool {
+		info, err := cons.Info(ctx)
+		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream >= seq
+	}
+	e2e.Eventually(e.t, "acked once written", func() bool { return acked(1) })
+	var v int64
+	if err := e.pg.QueryRow(ctx, `SELECT version FROM alert_versions WHERE tenant = 'acme' AND user_id = 'u1'`).Scan(&v); err != nil || v != 5 {
+		t.Fatalf("version = %d, %v; want 5", v, err)
+	}
+	e.publish(reserved("acme", "u1", "r0", 4, 0, now, userLimit(950, 0))) // stale: 80 and 90 if it were not
+	e2e.Eventually(e.t, "the stale snapshot acked", func() bool { return acked(2) })
+	if ds := e.deliveries(""); len(ds) != 0 {
+		t.Errorf("%d alerts for a stale snapshot, want none", len(ds))
+	}
+}
