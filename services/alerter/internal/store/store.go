@@ -392,9 +392,18 @@ func (t *Tx) Versions(ctx context.Context, keys []VersionKey) (map[VersionKey]in
 	return out, nil
 }
 
+// qSaveVersions updates the rows that exist and inserts the others: an
+// upsert (INSERT ... ON CONFLICT DO UPDATE) locks each row it finds before
+// its WHERE, a WAL record of its own per row, even for a version it then
+// leaves. The insert's conflict clause is for a row inserted meanwhile.
 const qSaveVersions = `
+WITH k AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[]) AS k(tenant, user_id, scope, version)),
+u AS (
+  UPDATE alert_versions v SET version = k.version FROM k
+  WHERE v.tenant = k.tenant AND v.user_id = k.user_id AND v.scope = k.scope AND v.version < k.version)
 INSERT INTO alert_versions (tenant, user_id, scope, version)
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
+SELECT * FROM k WHERE NOT EXISTS (
+  SELECT FROM alert_versions v WHERE v.tenant = k.tenant AND v.user_id = k.user_id AND v.scope = k.scope)
 ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
 WHERE alert_versions.version < EXCLUDED.version`
 
