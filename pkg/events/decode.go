@@ -44,17 +44,19 @@ type Decoder struct {
 }
 
 // Decode is Decode, reading what d says.
-func (d Decoder) Decode(b []byte) (Event, error) { return decode(b, d, false, false) }
+func (d Decoder) Decode(b []byte) (Event, error) { return decode(b, d, false, false, nil) }
 
 // DecodeReported is Decode for an event whose id its receiver derives
 // (admission's POST /v1/usage derives it from the event's type, tenant,
 // user and request id, so that no caller can claim another's id): an id
 // in b is ignored, whatever it holds, and the returned event has none.
-func DecodeReported(b []byte) (Event, error) { return decode(b, Decoder{}, true, false) }
+func DecodeReported(b []byte) (Event, error) { return decode(b, Decoder{}, true, false, nil) }
 
 // decode is d.Decode, or DecodeReported when noID; valid says b is known
 // to be valid UTF-8 and JSON (an element of a batch checked as a whole).
-func decode(b []byte, d Decoder, noID, valid bool) (Event, error) {
+// names, when not nil, holds the limits' names and endpoints that the
+// earlier events of a batch met, to share one copy (reader.name).
+func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Event, error) {
 	if len(b) > MaxEventSize {
 		return Event{}, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
 	}
@@ -82,7 +84,7 @@ func decode(b []byte, d Decoder, noID, valid bool) (Event, error) {
 		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
 	}
 	c := newChecker()
-	r := &reader{c: c, m: top, free: &free, noSnapshots: d.NoSnapshots}
+	r := &reader{c: c, m: top, free: &free, names: names, noSnapshots: d.NoSnapshots}
 	spec := r.oneOf("specversion", specVersions)
 	ev := Event{Source: r.str("source"), Time: r.time("time").UTC()}
 	if !noID {
@@ -117,7 +119,7 @@ func decode(b []byte, d Decoder, noID, valid bool) (Event, error) {
 		c.add("data", err.Error())
 	}
 	if err == nil && ok {
-		dr := &reader{c: c.at("data."), m: data, free: &free, noSnapshots: d.NoSnapshots}
+		dr := &reader{c: c.at("data."), m: data, free: &free, names: names, noSnapshots: d.NoSnapshots}
 		if read := readers[typ]; read != nil {
 			ev.Data = read(dr)
 		}
@@ -336,15 +338,15 @@ func readLimits(r *reader, name string) []LimitState {
 		return nil
 	}
 	var out []LimitState
-	r.array(name, func(ir *reader) {
+	r.array(name, func(n int) { out = make([]LimitState, 0, n) }, func(ir *reader) {
 		if ir == nil {
 			out = append(out, LimitState{})
 			return
 		}
 		out = append(out, LimitState{
 			Scope:        ir.oneOf("scope", scopes),
-			Name:         ir.str("name"),
-			Endpoint:     ir.str("endpoint"),
+			Name:         ir.name("name"),
+			Endpoint:     ir.name("endpoint"),
 			Unit:         ir.oneOf("unit", units),
 			Limit:        ir.int("limit", true),
 			Used:         ir.int("used", true),
@@ -362,12 +364,12 @@ func readRefs(r *reader, name string) []LimitRef {
 		return nil
 	}
 	var out []LimitRef
-	r.array(name, func(ir *reader) {
+	r.array(name, func(n int) { out = make([]LimitRef, 0, n) }, func(ir *reader) {
 		if ir == nil {
 			out = append(out, LimitRef{})
 			return
 		}
-		out = append(out, LimitRef{Scope: ir.oneOf("scope", scopes), Name: ir.str("name"), Endpoint: ir.str("endpoint")})
+		out = append(out, LimitRef{Scope: ir.oneOf("scope", scopes), Name: ir.name("name"), Endpoint: ir.name("endpoint")})
 	})
 	return out
 }

@@ -156,6 +156,9 @@ type reader struct {
 	c    checker
 	m    []member
 	free *[]member // the event's arena (object)
+	// names, when not nil, holds the strings that name met before (in the
+	// earlier events of a batch), to share them.
+	names map[string]string
 	// noSnapshots skips limit snapshots (Decoder.NoSnapshots).
 	noSnapshots bool
 }
@@ -278,10 +281,34 @@ func (r *reader) time(name string) time.Time {
 	return t
 }
 
-// array calls each with a reader for every element of the array name,
-// which must hold objects; with nil for an element that is not one, so
-// later elements keep their indexes.
-func (r *reader) array(name string, each func(*reader)) {
+// maxNames bounds the strings one batch's readers share (reader.name).
+const maxNames = 256
+
+// name reads a string field that repeats from one event of a batch to
+// the next (a limit's name or endpoint): one copy serves them all.
+func (r *reader) name(field string) string {
+	v, ok := r.raw(field)
+	if !ok || r.names == nil || v[0] != '"' {
+		return r.str(field)
+	}
+	if _, escaped := scanString(v, 0); escaped {
+		return r.str(field)
+	}
+	if s, ok := r.names[string(v[1:len(v)-1])]; ok {
+		return s
+	}
+	s := string(v[1 : len(v)-1])
+	if len(r.names) < maxNames {
+		r.names[s] = s
+	}
+	return s
+}
+
+// array calls size with the number of elements of the array name, then
+// each with a reader for every element, which must be an object; with
+// nil for an element that is not one, so later elements keep their
+// indexes.
+func (r *reader) array(name string, size func(n int), each func(*reader)) {
 	v, ok := r.raw(name)
 	if !ok {
 		return
@@ -291,6 +318,7 @@ func (r *reader) array(name string, each func(*reader)) {
 		r.c.deferProblem(name, "must be an array")
 		return
 	}
+	size(len(items))
 	for i, it := range items {
 		m, err := object(it, r.free)
 		if err != nil {
@@ -298,7 +326,7 @@ func (r *reader) array(name string, each func(*reader)) {
 			each(nil)
 			continue
 		}
-		each(&reader{c: r.c.item(name, i), m: m, free: r.free})
+		each(&reader{c: r.c.item(name, i), m: m, free: r.free, names: r.names})
 	}
 }
 
