@@ -34,7 +34,9 @@ const fetchWait = 200 * time.Millisecond
 const maxHold = time.Second
 
 // maxHeld bounds the messages waiting for their ack, under the server's
-// default MaxAckPending (1,000), which would stop the fetches.
+// default MaxAckPending (1,000), which would stop the fetches; their bytes
+// are bounded as a fetch's are (stream.FetchMaxBytes), so holding them at
+// most doubles the memory of the messages in hand.
 const maxHeld = 512
 
 // shutdownFlush bounds the last flush, once the consumer is stopping.
@@ -97,6 +99,7 @@ type waiting struct {
 	log   *slog.Logger
 	hold  time.Duration
 	msgs  []handled
+	bytes int       // the payloads of msgs
 	since time.Time // when the first of msgs was added
 }
 
@@ -105,11 +108,12 @@ func (w *waiting) add(d *stream.Delivery, herrs []error) {
 		w.since = time.Now()
 	}
 	w.msgs = append(w.msgs, handled{d, herrs})
+	w.bytes += len(d.Msg.Data())
 }
 
 // due reports whether the held messages should be finished now.
 func (w *waiting) due() bool {
-	return len(w.msgs) >= maxHeld || len(w.msgs) > 0 && time.Since(w.since) >= w.hold
+	return len(w.msgs) >= maxHeld || w.bytes >= stream.FetchMaxBytes || len(w.msgs) > 0 && time.Since(w.since) >= w.hold
 }
 
 // finish flushes and finishes every held message; when the flush fails,
@@ -142,7 +146,7 @@ func (w *waiting) finish(ctx context.Context) {
 		}
 	}
 	clear(w.msgs)
-	w.msgs = w.msgs[:0]
+	w.msgs, w.bytes = w.msgs[:0], 0
 }
 
 // processBatch expands f's messages (single events and batches) into
