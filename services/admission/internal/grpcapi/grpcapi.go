@@ -95,6 +95,7 @@ type Server struct {
 	log      *slog.Logger
 	methods  map[string]method // by full method name; read-only once serving
 	duration *prometheus.HistogramVec
+	codec    *codec
 	ln       net.Listener
 	done     chan error
 	once     sync.Once
@@ -142,6 +143,7 @@ func New(o Options) (*Server, error) {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{tokens: o.Auth, log: o.Log.With("component", "grpcapi"), methods: map[string]method{},
+		codec: &codec{CodecV2: encoding.GetCodecV2(protocodec.Name)},
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "quotaflow_admission_grpc_request_duration_seconds",
 			Help: "Time to answer a call of a registered gRPC method, by method and code class (ok, client, server).",
@@ -163,7 +165,7 @@ func New(o Options) (*Server, error) {
 			Time: KeepaliveTime, Timeout: KeepaliveTimeout}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: MinPingInterval, PermitWithoutStream: true}),
 		grpc.NumStreamWorkers(StreamWorkers),
-		grpc.ForceServerCodecV2(codec{encoding.GetCodecV2(protocodec.Name)}),
+		grpc.ForceServerCodecV2(s.codec),
 		grpc.ChainUnaryInterceptor(s.unary),
 		grpc.ChainStreamInterceptor(s.stream),
 	)
@@ -181,11 +183,23 @@ type Decoder interface {
 	DecodeRequest(b []byte, msg any) bool
 }
 
+// Encoder is a service that writes its response messages' wire form
+// itself, more cheaply than protobuf's reflection. EncodeResponse returns
+// msg's wire form as proto.Marshal would, or reports false for protobuf to
+// encode it: a message it does not write. The codec asks it about every
+// message the server sends.
+type Encoder interface {
+	EncodeResponse(msg any) ([]byte, bool)
+}
+
 // Register adds service sd, implemented by impl, whose every method needs
 // role (see the package documentation). An impl that is a Decoder decodes
-// its methods' requests.
+// its methods' requests; one that is an Encoder encodes its responses.
 func (s *Server) Register(sd *grpc.ServiceDesc, impl any, role auth.Roles) {
 	decoder, _ := impl.(Decoder)
+	if e, ok := impl.(Encoder); ok {
+		s.codec.encoders = append(s.codec.encoders, e)
+	}
 	names := make([]string, 0, len(sd.Methods)+len(sd.Streams))
 	for _, m := range sd.Methods {
 		names = append(names, m.MethodName)
@@ -231,10 +245,24 @@ type request struct {
 
 // codec is the proto codec, except that it decodes a request without
 // failing and leaves the error in it: grpc-go would send Internal for a
-// failure of its own before the handler could answer.
-type codec struct{ encoding.CodecV2 }
+// failure of its own before the handler could answer; and that the
+// registered Encoders write the messages they know. encoders is read-only
+// once serving.
+type codec struct {
+	encoding.CodecV2
+	encoders []Encoder
+}
 
-func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
+func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
+	for _, e := range c.encoders {
+		if b, ok := e.EncodeResponse(v); ok {
+			return mem.BufferSlice{mem.SliceBuffer(b)}, nil
+		}
+	}
+	return c.CodecV2.Marshal(v)
+}
+
+func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if r, ok := v.(*request); ok {
 		if r.dec != nil && r.dec.DecodeRequest(contiguous(data), r.msg) {
 			return nil

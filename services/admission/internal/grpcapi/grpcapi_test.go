@@ -176,6 +176,32 @@ func TestDecoder(t *testing.T) {
 	}
 }
 
+// encoder is a service that encodes its responses itself, as over the
+// limit whatever they hold, and leaves other messages to protobuf.
+type encoder struct{ *service }
+
+func (encoder) EncodeResponse(msg any) ([]byte, bool) {
+	if _, ok := msg.(*rlspb.RateLimitResponse); !ok {
+		return nil, false
+	}
+	b, err := proto.Marshal(&rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OVER_LIMIT})
+	return b, err == nil
+}
+
+// A service that is an Encoder encodes its methods' responses; the
+// messages it leaves (the health service's) go to protobuf.
+func TestEncoder(t *testing.T) {
+	_, conn := start(t, encoder{&service{}}, nil)
+	resp, err := rlspb.NewRateLimitServiceClient(conn).ShouldRateLimit(withToken("Bearer gw"), &rlspb.RateLimitRequest{Domain: "x"})
+	if err != nil || resp.GetOverallCode() != rlspb.RateLimitResponse_OVER_LIMIT {
+		t.Errorf("ShouldRateLimit = %v, %v; want the encoder's OVER_LIMIT", resp, err)
+	}
+	h, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
+	if err != nil || h.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Errorf("health = %v, %v; want SERVING, encoded by protobuf", h, err)
+	}
+}
+
 // Health follows the readiness: NOT_SERVING until ready and once draining.
 func TestHealthFollowsReadiness(t *testing.T) {
 	ready := obs.NewReadiness("streams")
