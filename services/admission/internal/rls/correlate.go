@@ -201,7 +201,7 @@ func (h *Handler) correlated(ctx context.Context, key string, actual bool, items
 		switch {
 		case err != nil || !res.Allowed || !estimable(items):
 			// Denied, or nothing to estimate: not counted.
-		case !res.Local && len(res.Limits) > 0 && h.keep(ctx, key, items, charges, res):
+		case !res.Local && len(res.Limits) > 0 && h.keep(ctx, key, items, charges, &res):
 			h.ids.WithLabelValues(idEstimated).Inc()
 		default:
 			h.ids.WithLabelValues(idNotEstimated).Inc()

@@ -292,17 +292,19 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 	return items, charges, subj, nil
 }
 
-// decide decides charges, all or nothing, and answers for items.
-func (h *Handler) decide(ctx context.Context, items []item, charges []decide.Charge) (*rlspb.RateLimitResponse, *decide.Result, error) {
+// decide decides charges, all or nothing, and answers for items. The
+// decision is returned by value: a pointer would move it to the heap on
+// every call.
+func (h *Handler) decide(ctx context.Context, items []item, charges []decide.Charge) (*rlspb.RateLimitResponse, decide.Result, error) {
 	res, err := h.check.Check(ctx, charges)
 	if err != nil {
 		if errors.Is(err, limits.ErrInvalid) {
-			return nil, nil, status.Error(codes.InvalidArgument, err.Error())
+			return nil, res, status.Error(codes.InvalidArgument, err.Error())
 		}
 		h.log.Error("should rate limit", "err", err)
-		return nil, nil, status.Error(codes.Internal, "rate limit decision failed")
+		return nil, res, status.Error(codes.Internal, "rate limit decision failed")
 	}
-	return h.reply(items, charges, &res), &res, nil
+	return h.reply(items, charges, &res), res, nil
 }
 
 // counter is what the reply knows of one Redis counter of a request: the
