@@ -244,7 +244,7 @@ func agree(to *string, v string) bool {
 func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds []*rlv3.RateLimitDescriptor) ([]item, []decide.Charge, requestSubject, error) {
 	cfg := h.config()
 	domain := req.GetDomain()
-	items := make([]item, len(ds))
+	items, charges, rules := newCharges(len(ds))
 	replaced := map[string]bool{}
 	for i, d := range ds {
 		l, shared := cfg.Match(domain, d.GetEntries())
@@ -256,9 +256,6 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 		}
 	}
 	p := grpcapi.Principal(ctx)
-	// One allocation each for all the charges and their rules.
-	charges := make([]decide.Charge, 0, len(ds))
-	rules := make([]policy.Rule, len(ds))
 	var buf [256]byte // the endpoint of a descriptor, on the stack when short
 	var subj requestSubject
 	for i, d := range ds {
@@ -290,6 +287,21 @@ func (h *Handler) charges(ctx context.Context, req *rlspb.RateLimitRequest, ds [
 		charges = append(charges, decide.Charge{Scope: policy.ScopeGlobal, Tenant: tenant, ID: id, Cost: cost, Rules: rules[i : i+1 : i+1]})
 	}
 	return items, charges, subj, nil
+}
+
+// newCharges returns n items, room for n charges and n rules (one per
+// charge): one allocation each, and for a request of one descriptor
+// (Envoy's usual) one for the three.
+func newCharges(n int) ([]item, []decide.Charge, []policy.Rule) {
+	if n == 1 {
+		one := new(struct {
+			items   [1]item
+			charges [1]decide.Charge
+			rules   [1]policy.Rule
+		})
+		return one.items[:], one.charges[:0], one.rules[:]
+	}
+	return make([]item, n), make([]decide.Charge, 0, n), make([]policy.Rule, n)
 }
 
 // decide decides charges, all or nothing, and answers for items. The
@@ -363,9 +375,8 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 			}
 		}
 	}
-	out := &rlspb.RateLimitResponse{OverallCode: rlspb.RateLimitResponse_OK, Statuses: make([]*rlspb.RateLimitResponse_DescriptorStatus, len(items))}
-	// The messages of every descriptor in one allocation.
-	msgs := make([]statusMessages, len(items))
+	out, msgs := newResponse(len(items))
+	out.OverallCode = rlspb.RateLimitResponse_OK
 	var minimum *rlspb.RateLimitResponse_DescriptorStatus
 	for i := range items {
 		it, m := &items[i], &msgs[i]
@@ -422,6 +433,23 @@ func (h *Handler) reply(items []item, charges []decide.Charge, res *decide.Resul
 		out.ResponseHeadersToAdd = []*corev3.HeaderValue{&hv[0], &hv[1], &hv[2]}
 	}
 	return out
+}
+
+// newResponse returns a response with n statuses, each to be pointed at
+// its descriptor's messages, also returned: the messages of every
+// descriptor in one allocation, and a request of one descriptor (Envoy's
+// usual) all of it in one.
+func newResponse(n int) (*rlspb.RateLimitResponse, []statusMessages) {
+	if n == 1 {
+		one := new(struct {
+			out      rlspb.RateLimitResponse
+			statuses [1]*rlspb.RateLimitResponse_DescriptorStatus
+			msgs     [1]statusMessages
+		})
+		one.out.Statuses = one.statuses[:]
+		return &one.out, one.msgs[:]
+	}
+	return &rlspb.RateLimitResponse{Statuses: make([]*rlspb.RateLimitResponse_DescriptorStatus, n)}, make([]statusMessages, n)
 }
 
 // statusMessages are the messages of one descriptor's status.

@@ -54,8 +54,8 @@ func TestShouldRateLimitAllocations(t *testing.T) {
 		n    int
 		max  float64
 	}{
-		{"one", 1, 13},
-		{"five", 5, 21},
+		{"one", 1, 8},
+		{"five", 5, 20},
 	} {
 		req := envoypeer.BenchRequest("bench", "u1", c.n)
 		var resp *rlspb.RateLimitResponse
