@@ -43,14 +43,16 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 	out := make([]Reserved, len(groups))
 	end, timed := ctx.Deadline()
 	budget := time.Until(end)
-	var parts []countPart
+	// One part per group unless slot bound: sized once, as are counters.
+	parts := make([]countPart, 0, len(groups))
 	bySlot := l.run.SlotBound()
 	for g, reqs := range groups {
-		if n := countersOf(reqs); n > MaxCounters {
+		n := countersOf(reqs)
+		if n > MaxCounters {
 			out[g].Err = fmt.Errorf("%w: count: %d counters in a group, more than %d", ErrInvalid, n, MaxCounters)
 			continue
 		}
-		var cs []wire.Counter
+		cs := make([]wire.Counter, 0, n)
 		for i := range reqs {
 			r := &reqs[i]
 			for j := range r.Rules {
@@ -78,7 +80,7 @@ func (l *Limiter) CountBatch(ctx context.Context, groups [][]SharedRequest) []Re
 		}
 		out[g].Decision.States = make([]State, len(cs))
 		if !bySlot {
-			parts = append(parts, countPart{group: g, counters: cs, at: seq(len(cs))})
+			parts = append(parts, countPart{group: g, counters: cs})
 			continue
 		}
 		first := len(parts)
@@ -159,7 +161,8 @@ func (d *Decision) count(p *countPart, r *counted) {
 		d.Now = r.now
 	}
 	for i, c := range p.counters {
-		s := &d.States[p.at[i]]
+		at := p.index(i)
+		s := &d.States[at]
 		seen := r.Seen[i]
 		fits := seen+c.Cost <= c.Rule.Limit.Limit
 		used := seen
@@ -168,8 +171,8 @@ func (d *Decision) count(p *countPart, r *counted) {
 		}
 		*s = counterState(&c, used, r.now)
 		s.WouldDeny = !fits && c.Rule.Shadow
-		if !fits && !c.Rule.Shadow && (d.DeniedBy < 0 || p.at[i] < d.DeniedBy) {
-			d.DeniedBy, d.RetryAfter, d.Reason = p.at[i], s.Reset, ReasonNone
+		if !fits && !c.Rule.Shadow && (d.DeniedBy < 0 || at < d.DeniedBy) {
+			d.DeniedBy, d.RetryAfter, d.Reason = at, s.Reset, ReasonNone
 			if c.Cost > c.Rule.Limit.Limit {
 				d.RetryAfter, d.Reason = 0, ReasonCostExceedsLimit
 			}
@@ -194,7 +197,7 @@ func countersOf(reqs []SharedRequest) int {
 
 // countPart is the counters of one group in one script call: all of them,
 // or on a slot-bound client those of one hash slot; at gives each one's
-// index among the group's. back, when set, makes it an adjustment by the
+// index among the group's (nil: all of them, in order). back, when set, makes it an adjustment by the
 // counters' (negative) costs dated then (Unix ms): a give back.
 type countPart struct {
 	group    int
@@ -237,13 +240,12 @@ func (l *Limiter) runCounts(ctx context.Context, parts []countPart) []counted {
 	return done
 }
 
-// seq returns 0, 1, ..., n-1.
-func seq(n int) []int {
-	s := make([]int, n)
-	for i := range s {
-		s[i] = i
+// index is the index of p's counter i among its group's.
+func (p *countPart) index(i int) int {
+	if p.at == nil {
+		return i
 	}
-	return s
+	return p.at[i]
 }
 
 // AdjustCount adds amount (negative: gives back) to the CountBatch counters

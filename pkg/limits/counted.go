@@ -110,7 +110,7 @@ func (l *Limiter) reserveCounts(ctx context.Context, rs []Request, peek bool) []
 			}
 		}
 		if out[i].Err == nil {
-			parts = append(parts, countPart{group: i, slot: wire.TenantSlot(r.Tenant), counters: cs, at: seq(len(cs))})
+			parts = append(parts, countPart{group: i, slot: wire.TenantSlot(r.Tenant), counters: cs})
 		}
 	}
 	done := l.runCounts(ctx, parts)
