@@ -57,10 +57,6 @@ type Config struct {
 	// waiting at most BatchWait for them.
 	BatchSize int           `envconfig:"BATCH_SIZE"`
 	BatchWait time.Duration `envconfig:"BATCH_WAIT"`
-	// HoldWait is the longest a worker holds a reserved event back for
-	// its actual to join it in its next batch (consume.Options.HoldWait);
-	// 0 holds nothing.
-	HoldWait time.Duration `envconfig:"HOLD_WAIT"`
 	// ReservationTTL is how long a reservation waits for its actual event
 	// before the expiry task settles it; the same value as admission's
 	// QF_RESERVATION_TTL, and at least QF_STREAM_MAX_AGE. Default
@@ -101,7 +97,6 @@ func defaults() Config {
 		Redis: config.DefaultRedis, Postgres: config.DefaultPostgres, NATS: config.DefaultNATS,
 		Policy: config.DefaultPolicy, Log: config.DefaultLog,
 		Workers: consume.DefaultWorkers, BatchSize: consume.DefaultBatchSize, BatchWait: consume.DefaultBatchWait,
-		HoldWait:        consume.DefaultHoldWait,
 		ReservationTTL:  limits.DefaultReservationTTL,
 		ShutdownTimeout: config.DefaultShutdownTimeout, AlerterTimeout: alertlog.DefaultTimeout,
 		LedgerPartitionDays: ledger.DefaultPartitionDays, LedgerRetentionDays: retention.DefaultDays,
@@ -142,9 +137,6 @@ func (c *Config) Validate() error {
 	if c.BatchWait <= 0 {
 		bad("BATCH_WAIT", "must be positive")
 	}
-	if c.HoldWait < 0 || c.HoldWait > maxHoldWait {
-		bad("HOLD_WAIT", "%v: want 0 (hold nothing) to %v: a held event's message stays unacknowledged that much longer", c.HoldWait, maxHoldWait)
-	}
 	if c.ReservationTTL <= 0 {
 		bad("RESERVATION_TTL", "must be positive")
 	}
@@ -180,7 +172,7 @@ func (c Config) LogArgs() []any {
 	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "console_addr", c.ConsoleAddr, "api_tokens_file", c.APITokensFile,
 		"alerter_url", c.AlerterURL},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.Postgres.LogArgs(), c.NATS.LogArgs(), []any{
-			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(), "hold_wait", c.HoldWait.String(),
+			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
 			"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
 			"reconcile_interval", c.ReconcileInterval.String(), "reconcile_repair", c.ReconcileRepair,
 			"ledger_partition_days", c.LedgerPartitionDays, "ledger_retention_days", c.LedgerRetentionDays})
@@ -209,9 +201,5 @@ func (c Config) expireOptions() expire.Options {
 
 func (c Config) consumeOptions(beforeAck func(int) error) consume.Options {
 	return consume.Options{Events: c.Config, Workers: c.Workers, BatchSize: c.BatchSize, BatchWait: c.BatchWait,
-		HoldWait: c.HoldWait, Source: source, BeforeAck: beforeAck}
+		Source: source, BeforeAck: beforeAck}
 }
-
-// maxHoldWait bounds QF_HOLD_WAIT: far below the consumer's AckWait, and
-// within the ledger's goal of being done a second after the load.
-const maxHoldWait = time.Second

@@ -47,8 +47,6 @@ func TestConfigValidate(t *testing.T) {
 		{"console on ops", func(c *Config) { c.ConsoleAddr = c.OpsAddr }, "QF_CONSOLE_ADDR: must differ"},
 		{"tokens", func(c *Config) { c.APITokens = []string{"tok@"} }, "QF_API_TOKENS"},
 		{"workers", func(c *Config) { c.Workers = 0 }, "QF_WORKERS"},
-		{"hold wait negative", func(c *Config) { c.HoldWait = -time.Millisecond }, "QF_HOLD_WAIT: -1ms: want 0 (hold nothing) to 1s"},
-		{"hold wait", func(c *Config) { c.HoldWait = 2 * time.Second }, "QF_HOLD_WAIT: 2s"},
 		{"ttl", func(c *Config) { c.ReservationTTL = 0 }, "QF_RESERVATION_TTL"},
 		{"durable", func(c *Config) { c.Durable = "" }, "QF_DURABLE"},
 		{"level", func(c *Config) { c.LogLevel = "loud" }, "QF_LOG_LEVEL"},

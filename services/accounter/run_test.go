@@ -113,7 +113,7 @@ func newEnv(t testing.TB) *env {
 			Redis: config.Redis{RedisURL: "redis://" + rs.Addr + "/0"}, Postgres: config.Postgres{PostgresURL: pgURL},
 			NATS: config.NATS{NATSURL: nc.ConnectedUrl(), Config: ec}, Policy: config.Policy{PolicyFile: policyFile},
 			Log: config.Log{LogLevel: "info"}, OpsAddr: "127.0.0.1:0", ConsoleAddr: "127.0.0.1:0",
-			Durable: "accounter", Workers: 2, BatchSize: 100, BatchWait: 50 * time.Millisecond, HoldWait: 50 * time.Millisecond,
+			Durable: "accounter", Workers: 2, BatchSize: 100, BatchWait: 50 * time.Millisecond,
 			ReservationTTL: time.Hour, SettleExpiredAtEstimate: true,
 			ExpiryInterval: 200 * time.Millisecond, EpochInterval: 200 * time.Millisecond,
 			ReconcileInterval: 300 * time.Millisecond, ReconcileRepair: true,
@@ -926,27 +926,6 @@ func TestLaterActualSettlesWithTheFirst(t *testing.T) {
 	}
 }
 
-// requests reserves n requests r0... of tenant's user u1 (estimate 100
-// each) in Redis and returns their reserved events, their actual events
-// (10, 11... tokens) and the actuals' tokens in all, unpublished.
-func (e *env) requests(tenant string, n int) (reserved, actuals []events.Event, tokens int64) {
-	e.t.Helper()
-	for i := range n {
-		req := fmt.Sprintf("r%d", i)
-		d, err := e.lim.Reserve(context.Background(), limits.Request{Tenant: tenant, User: "u1", RequestID: req, Cost: 100, Rules: e.rules(tenant)})
-		if err != nil || !d.Allowed {
-			e.t.Fatalf("Reserve = %+v, %v", d, err)
-		}
-		reserved = append(reserved, events.NewReserved("test/admission", events.Reserved{
-			RequestID: req, Tenant: tenant, User: "u1", Endpoint: "/api/v1/generate",
-			EstimatedTokens: 100, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
-		}, time.Now()))
-		actuals = append(actuals, e.actual(tenant, "u1", req, "", int64(10+i), 0))
-		tokens += int64(10 + i)
-	}
-	return reserved, actuals, tokens
-}
-
 // TestReformedBatchesCountOnce publishes the same events in two batches
 // formed differently (JetStream stores both: their batch ids differ) and
 // once more alone: the ledger, the Redis windows and the corrections count
@@ -957,7 +936,21 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 	ctx := context.Background()
 	ten := "reformed-" + e2e.RandomHex(4)
 	const n = 20
-	reserved, actuals, want := e.requests(ten, n)
+	var reserved, actuals []events.Event
+	var want int64
+	for i := range n {
+		req := fmt.Sprintf("r%d", i)
+		d, err := e.lim.Reserve(ctx, limits.Request{Tenant: ten, User: "u1", RequestID: req, Cost: 100, Rules: e.rules(ten)})
+		if err != nil || !d.Allowed {
+			t.Fatalf("Reserve = %+v, %v", d, err)
+		}
+		reserved = append(reserved, events.NewReserved("test/admission", events.Reserved{
+			RequestID: req, Tenant: ten, User: "u1", Endpoint: "/api/v1/generate",
+			EstimatedTokens: 100, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
+		}, time.Now()))
+		actuals = append(actuals, e.actual(ten, "u1", req, "", int64(10+i), 0))
+		want += int64(10 + i)
+	}
 	for _, part := range [][]events.Event{reserved, reserved[:7], actuals[:12], actuals[5:], reserved[3:9]} {
 		if err := e.pub.PublishBatch(ctx, part); err != nil {
 			t.Fatal(err)
@@ -987,37 +980,6 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 	}
 	if ids := natstest.StreamEvents(t, e.js, e.cfg.DLQStream); len(ids) != 0 {
 		t.Errorf("dead letters: %v, want none", ids)
-	}
-}
-
-// TestReservationWrittenOnce publishes ten requests' reserved events in
-// one message and their actuals in the next, consumed in batches of ten
-// events: the reserved events, alone in the first batch, are held back
-// (QF_HOLD_WAIT) and written with their actuals in the second, so each
-// reservation row is written by one transaction, that of its key row
-// (reservation_keys), rather than inserted and then updated by another.
-func TestReservationWrittenOnce(t *testing.T) {
-	e := newEnv(t)
-	e.initialised(t)
-	e.cfg.Workers = 1
-	e.cfg.BatchSize = 10 // events per batch: one message's
-	e.cfg.BatchWait = 500 * time.Millisecond
-	ctx := context.Background()
-	ten := "once-" + e2e.RandomHex(4)
-	const n = 10
-	reserved, actuals, want := e.requests(ten, n)
-	for _, part := range [][]events.Event{reserved, actuals} {
-		if err := e.pub.PublishBatch(ctx, part); err != nil {
-			t.Fatal(err)
-		}
-	}
-
-	e.start(nil)
-	e.consumedAll(ten, n)
-	e.countedOnce(ten, n, want)
-	if got := e.count(`SELECT count(*) FROM reservations r JOIN reservation_keys k USING (tenant, user_id, request_id)
-		WHERE r.tenant=$1 AND r.xmin = k.xmin`, ten); got != n {
-		t.Errorf("reservations written by their key's transaction = %d, want %d", got, n)
 	}
 }
 

@@ -1,11 +1,9 @@
-// Package consume is the accounter's pull-consumer loop: a fetcher takes
-// messages from one durable JetStream consumer, expands those that are
-// batches into their events and routes each event to a worker by its
-// request, and the workers handle their events in batches, each in one
+// Package consume is the accounter's pull-consumer loop: workers fetch
+// messages from one durable JetStream consumer, expand those that are
+// batches into their events, and handle the events in batches, each in one
 // ledger transaction: write the batch, apply its Redis effects (one
 // pipelined round trip), publish the corrections, record the settlements,
-// commit, and only then finish each message once (ack), after all its
-// events. Any failure before
+// commit, and only then finish each message once (ack). Any failure before
 // the acks naks the messages with a backoff (stream.Delivery.Finish,
 // without end for an outage), so an effect is never acknowledged before
 // Postgres and Redis both hold it, and every effect is idempotent per
@@ -17,7 +15,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/maphash"
 	"log/slog"
 	"sync"
 	"time"
@@ -54,20 +51,11 @@ type Options struct {
 	Workers int
 	// BatchSize is the most messages per fetch (which also takes at most
 	// stream.FetchMaxBytes), and the most events per ledger transaction
-	// besides those held back from the one before (HoldWait; default
-	// DefaultBatchSize).
+	// (default DefaultBatchSize).
 	BatchSize int
 	// BatchWait is the longest a fetch waits to fill a batch (default
 	// DefaultBatchWait).
 	BatchWait time.Duration
-	// HoldWait is the longest a worker holds a reserved event whose
-	// request has no other event in its batch, unwritten and unacked, for
-	// its actual to join it in the next batch (which starts at the latest
-	// HoldWait later): the reservation row is then written once instead of
-	// inserted and updated. Each event is held at most once, so at most one
-	// batch of events per worker is held. 0 (or less) holds nothing; the
-	// accounter's default is DefaultHoldWait.
-	HoldWait time.Duration
 	// Source is the CloudEvents source of corrected events.
 	Source string
 	// BeforeAck, when set, runs after a batch's effects and before its
@@ -83,9 +71,6 @@ const (
 	DefaultWorkers   = 4
 	DefaultBatchSize = 500
 	DefaultBatchWait = 200 * time.Millisecond
-	// DefaultHoldWait is one fetch's wait: a reserved event's actual,
-	// stored a moment after it, is in the next fetch.
-	DefaultHoldWait = DefaultBatchWait
 )
 
 // Consumer runs the consume loop. Create it with New; Run it once.
@@ -101,12 +86,6 @@ type Consumer struct {
 	// corrected is the subject of the corrected events, skipped unread.
 	corrected string
 	m         *metrics
-	seed      maphash.Seed // of the routing of events to workers
-
-	mu sync.Mutex
-	// open holds every fetched message not finished yet, and guards
-	// their results.
-	open map[*pending]struct{}
 }
 
 // New returns a Consumer of cons writing to store, applying effects in
@@ -129,77 +108,23 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, app *eff
 	opts.Events = opts.Events.WithDefaults()
 	corrected := events.Subject(opts.Events.SubjectPrefix, events.TypeCorrected)
 	return &Consumer{cons: cons, js: js, store: store, app: app, gate: gate, pub: pub, opts: opts, corrected: corrected,
-		log: log.With("component", "consume"), m: m, seed: maphash.MakeSeed(), open: map[*pending]struct{}{}}, nil
+		log: log.With("component", "consume"), m: m}, nil
 }
 
-// Run fetches messages with one fetcher and handles their events with
-// opts.Workers workers until ctx ends, then waits for the batches in flight
-// and naks every message not finished (for immediate redelivery).
-//
-// The fetcher routes each event to a worker by its reservation (tenant,
-// user, request id), so a request's events are written by one worker, in
-// order, and never wait on each other's row locks; a worker holds back a
-// reserved event whose actual is not in its batch until its next batch
-// (docs/design.md §6: HoldWait), so that the reservation row is written
-// once, with its actual, rather than inserted and then updated.
+// Run fetches and handles batches with opts.Workers workers until ctx
+// ends, then waits for the batches in flight (their messages are nak'ed
+// for immediate redelivery if cut short).
 func (c *Consumer) Run(ctx context.Context) {
 	info := c.cons.CachedInfo()
-	c.log.Info("consuming", "stream", info.Stream, "durable", info.Name, "workers", c.opts.Workers,
-		"hold_wait", c.opts.HoldWait.String())
-	ins := make([]chan []ref, c.opts.Workers)
+	c.log.Info("consuming", "stream", info.Stream, "durable", info.Name, "workers", c.opts.Workers)
 	var wg sync.WaitGroup
-	for w := range ins {
-		// One chunk waiting per worker: the fetcher pulls no more while
-		// a worker is that far behind.
-		ins[w] = make(chan []ref, 1)
-		wg.Go(func() { c.worker(ctx, ins[w]) })
+	for range c.opts.Workers {
+		wg.Go(func() { c.worker(ctx) })
 	}
-	marks := make(chan struct{})
-	go func() { service.Every(ctx, c.opts.Events.AckWait/4, c.markInProgress); close(marks) }()
-	c.fetch(ctx, ins)
 	wg.Wait()
-	<-marks
-	c.mu.Lock()
-	left := c.open
-	c.open = map[*pending]struct{}{}
-	c.mu.Unlock()
-	for p := range left {
-		_ = p.d.Msg.Nak() // if lost, AckWait redelivers
-		for _, ev := range p.d.Events {
-			c.m.events.WithLabelValues(cmp.Or(ev.Type(), "unknown"), "retry").Inc()
-		}
-	}
 }
 
-// pending is a fetched message whose events are being handled, by one or
-// more workers; the last of its events to get a result finishes it.
-type pending struct {
-	d     *stream.Delivery
-	herrs []error // each event's result, for Finish
-	left  int     // events without a result yet
-	// marked is when the server's AckWait of the message last started:
-	// its fetch or its last InProgress.
-	marked time.Time
-	// dropped: a batch of its events was abandoned (Options.BeforeAck),
-	// so it is never finished, as after a crash.
-	dropped bool
-	stored  time.Time // when the stream stored it (zero if unknown): the lag
-}
-
-// ref is one event of a pending message.
-type ref struct {
-	p *pending
-	i int
-}
-
-// fetch fetches messages until ctx ends and routes their events to the
-// workers' inputs ins, which it closes when done.
-func (c *Consumer) fetch(ctx context.Context, ins []chan []ref) {
-	defer func() {
-		for _, in := range ins {
-			close(in)
-		}
-	}()
+func (c *Consumer) worker(ctx context.Context) {
 	wait := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		f, err := stream.Fetch(c.cons, c.opts.BatchSize, c.opts.BatchWait)
@@ -217,205 +142,17 @@ func (c *Consumer) fetch(ctx context.Context, ins []chan []ref) {
 			continue
 		}
 		wait = 100 * time.Millisecond
-		c.route(ctx, f, ins)
-	}
-}
-
-// route decodes fetched messages and hands each valid event to the worker
-// of its reservation. An undecodable message is dead-lettered here, our
-// own corrected events acked unread; a message without a valid event is
-// finished at once.
-func (c *Consumer) route(ctx context.Context, f stream.Fetched, ins []chan []ref) {
-	chunks := make([][]ref, len(ins))
-	var done []*pending
-	for _, msg := range f.Msgs {
-		// Our own corrected events, half of what the stream carries, are
-		// acked unread (docs/design.md §6: the accounter ignores them).
-		if msg.Subject() == c.corrected {
-			c.count(events.TypeCorrected, "ignored", msg.Ack())
-			continue
-		}
-		// The accounter reads no limit snapshot (the alerter's), so it
-		// neither decodes nor checks one: most of a reserved event's cost.
-		d, err := stream.DecodeMsgWith(msg, c.opts.Events, events.Decoder{NoSnapshots: true})
-		if err != nil {
-			c.count("unknown", "", stream.Reject(ctx, c.js, c.opts.Events, stream.ReasonInvalid, msg, err))
-			continue
-		}
-		p := &pending{d: d, herrs: make([]error, len(d.Events)), marked: f.At}
-		if md, err := msg.Metadata(); err == nil {
-			p.stored = md.Timestamp
-		}
-		for i, ev := range d.Events {
-			if d.Errs[i] == nil {
-				p.left++
-				w := c.workerOf(ev)
-				chunks[w] = append(chunks[w], ref{p, i})
-			}
-		}
-		c.mu.Lock()
-		c.open[p] = struct{}{}
-		c.mu.Unlock()
-		if p.left == 0 {
-			done = append(done, p)
-		}
-	}
-	c.finish(ctx, done)
-	for w, ch := range chunks {
-		if len(ch) == 0 {
-			continue
-		}
-		select {
-		case ins[w] <- ch:
-		case <-ctx.Done():
-			return // Run naks what is left
-		}
-	}
-}
-
-// workerOf is the worker of ev: by its reservation, so a request's events
-// meet in one worker; an event of no request by its id.
-func (c *Consumer) workerOf(ev events.Event) int {
-	var h maphash.Hash
-	h.SetSeed(c.seed)
-	if k, ok := keyOf(ev); ok {
-		h.WriteString(k.Tenant)
-		h.WriteByte(0)
-		h.WriteString(k.User)
-		h.WriteByte(0)
-		h.WriteString(k.RequestID)
-	} else {
-		h.WriteString(ev.ID)
-	}
-	return int(h.Sum64() % uint64(c.opts.Workers))
-}
-
-// keyOf is the reservation an event writes, if any.
-func keyOf(ev events.Event) (ledger.Key, bool) {
-	switch d := ev.Data.(type) {
-	case events.Reserved:
-		return ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}, true
-	case events.Actual:
-		return ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}, true
-	case events.Released:
-		return ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}, true
-	}
-	return ledger.Key{}, false
-}
-
-// worker handles the events routed to it in batches of at most
-// opts.BatchSize, until its input closes or ctx ends. It takes what has
-// arrived (waiting for the first event), holds back the batch's reserved
-// events whose request has no other event in it, and handles the rest;
-// the held ones join its next batch, which starts when more events arrive
-// or HoldWait after, and are never held twice.
-func (c *Consumer) worker(ctx context.Context, in <-chan []ref) {
-	var buf, held []ref
-	var heldAt time.Time
-	closed := false
-	take := func(ch []ref, ok bool) {
-		buf = append(buf, ch...)
-		closed = closed || !ok
-	}
-	for ctx.Err() == nil {
-		if len(buf) == 0 && !closed {
-			var timeout <-chan time.Time
-			var t *time.Timer
-			if len(held) > 0 {
-				t = time.NewTimer(c.opts.HoldWait - time.Since(heldAt))
-				timeout = t.C
-			}
-			select {
-			case ch, ok := <-in:
-				take(ch, ok)
-			case <-timeout:
-			case <-ctx.Done():
-			}
-			if t != nil {
-				t.Stop()
-			}
-			if ctx.Err() != nil {
-				return
-			}
-		}
-	drain:
-		for len(buf) < c.opts.BatchSize && !closed {
-			select {
-			case ch, ok := <-in:
-				take(ch, ok)
-			default:
-				break drain
-			}
-		}
-		// The held events come on top: a batch of BatchSize events may
-		// hold the requests of as many held reserved events.
-		n := min(len(buf), c.opts.BatchSize)
-		batch := append(held, buf[:n]...)
-		buf = append(buf[:0:0], buf[n:]...)
-		held = nil
-		if c.opts.HoldWait > 0 && !closed {
-			batch, held = hold(batch, len(batch)-n)
-			heldAt = time.Now()
-		}
-		if len(batch) > 0 {
-			c.handle(ctx, batch)
-		}
-		if closed && len(buf) == 0 && len(held) == 0 {
-			return
-		}
-	}
-}
-
-// hold splits batch into the events to handle now and the reserved events
-// to hold for the next batch: those after the first old ones (held
-// before), whose reservation no other event of the batch writes.
-func hold(batch []ref, old int) (now, held []ref) {
-	keys := make(map[ledger.Key]int, len(batch))
-	for _, r := range batch {
-		if k, ok := keyOf(r.p.d.Events[r.i]); ok {
-			keys[k]++
-		}
-	}
-	now = batch[:0:0]
-	for j, r := range batch {
-		ev := r.p.d.Events[r.i]
-		if _, ok := ev.Data.(events.Reserved); ok && j >= old {
-			if k, _ := keyOf(ev); keys[k] == 1 {
-				held = append(held, r)
-				continue
-			}
-		}
-		now = append(now, r)
-	}
-	return now, held
-}
-
-// markInProgress restarts the server's AckWait of each message that has
-// waited a quarter of it since its fetch or last mark (Msg.InProgress): a
-// message whose events wait behind other batches, or are held, is not
-// redelivered meanwhile. Run calls it every quarter of AckWait.
-func (c *Consumer) markInProgress(context.Context) {
-	late := c.opts.Events.AckWait / 4
-	var due []*pending
-	now := time.Now()
-	c.mu.Lock()
-	for p := range c.open {
-		if now.Sub(p.marked) > late {
-			p.marked = now
-			due = append(due, p)
-		}
-	}
-	c.mu.Unlock()
-	for _, p := range due {
-		_ = p.d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
+		c.Handle(ctx, f)
 	}
 }
 
 // item is one event of a batch and what became of it.
 type item struct {
-	ref
+	msg int // its message, an index of the batch's deliveries
+	idx int // its index in the message
 	ev  events.Event
 	err error // nil: every effect is in place
+	bad bool  // DecodeMsg found it invalid: Finish dead-letters it
 	// dup marks a later copy of an event id the batch already holds (a
 	// batch re-formed on retry is stored again under another batch id):
 	// only the first copy is written and applied, as JetStream's dedup
@@ -430,6 +167,34 @@ type item struct {
 	// event: it is retried without end instead of counting towards
 	// MaxDeliver, so an outage never dead-letters good events.
 	transient bool
+}
+
+// Handle processes fetched messages: it expands batches into their events
+// and handles them in batches of at most opts.BatchSize events (a message's
+// events stay together; stream.Groups keeps the later batches of a large
+// fetch from being redelivered while they wait), each one ledger
+// transaction, Redis round trip and publish of corrections; then each
+// message is finished once, after all its events (stream.Delivery.Finish:
+// ack, nak, or dead letters).
+func (c *Consumer) Handle(ctx context.Context, f stream.Fetched) {
+	var ds []*stream.Delivery
+	for _, msg := range f.Msgs {
+		// Our own corrected events, half of what the stream carries, are
+		// acked unread (docs/design.md §6: the accounter ignores them).
+		if msg.Subject() == c.corrected {
+			c.count(events.TypeCorrected, "ignored", msg.Ack())
+			continue
+		}
+		// The accounter reads no limit snapshot (the alerter's), so it
+		// neither decodes nor checks one: most of a reserved event's cost.
+		d, err := stream.DecodeMsgWith(msg, c.opts.Events, events.Decoder{NoSnapshots: true})
+		if err != nil {
+			c.count("unknown", "", stream.Reject(ctx, c.js, c.opts.Events, stream.ReasonInvalid, msg, err))
+			continue
+		}
+		ds = append(ds, d)
+	}
+	stream.Groups(f, ds, c.opts.BatchSize, c.opts.Events, func(g []*stream.Delivery) { c.handle(ctx, g) })
 }
 
 // count counts an event's (or a whole message's) result: result when err
@@ -448,31 +213,30 @@ func (c *Consumer) count(typ, result string, err error) {
 	}
 }
 
-// handle handles a batch of events in one transaction and records each
-// one's result in its message, finishing those that have all of theirs.
-func (c *Consumer) handle(ctx context.Context, batch []ref) {
+// handle handles the events of ds in one transaction and finishes each
+// message.
+func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
 	start := time.Now()
-	items := make([]item, 0, len(batch))
-	recs := make([]ledger.Record, 0, len(batch))
-	seen := make(map[string]bool, len(batch))
-	var newest time.Time
-	for _, r := range batch {
-		d := r.p.d
-		ev := d.Events[r.i]
-		it := item{ref: r, ev: ev, dup: seen[ev.ID]}
-		seen[ev.ID] = true
-		if !it.dup {
-			// The ledger stores the event as it came: it must stay
-			// readable by the audit read.
-			if err := ledger.CheckAudit(d.Raw(r.i)); err != nil {
-				it.rejected = err
-			} else {
-				recs = append(recs, c.record(ev, d.Raw(r.i), d.FirstStored(r.i)))
+	var items []item
+	recs := make([]ledger.Record, 0, len(ds))
+	seen := map[string]bool{}
+	for m, d := range ds {
+		for i, ev := range d.Events {
+			it := item{msg: m, idx: i, ev: ev, bad: d.Errs[i] != nil}
+			if !it.bad {
+				it.dup = seen[ev.ID]
+				seen[ev.ID] = true
 			}
-		}
-		items = append(items, it)
-		if r.p.stored.After(newest) {
-			newest = r.p.stored
+			if !it.bad && !it.dup {
+				// The ledger stores the event as it came: it must stay
+				// readable by the audit read.
+				if err := ledger.CheckAudit(d.Raw(i)); err != nil {
+					it.rejected = err
+				} else {
+					recs = append(recs, c.record(ev, d.Raw(i), d.FirstStored(i)))
+				}
+			}
+			items = append(items, it)
 		}
 	}
 	c.m.batchSize.Observe(float64(len(items)))
@@ -480,15 +244,7 @@ func (c *Consumer) handle(ctx context.Context, batch []ref) {
 	err := c.apply(ctx, items, recs)
 	if err == nil && c.opts.BeforeAck != nil {
 		if err := c.opts.BeforeAck(len(items)); err != nil {
-			// As a crash would: its messages are forgotten unfinished,
-			// for AckWait to redeliver.
 			c.log.Warn("batch abandoned before its acks", "err", err, "size", len(items))
-			c.mu.Lock()
-			for _, it := range items {
-				it.p.dropped = true
-				delete(c.open, it.p)
-			}
-			c.mu.Unlock()
 			return
 		}
 	}
@@ -496,53 +252,32 @@ func (c *Consumer) handle(ctx context.Context, batch []ref) {
 		c.log.Warn("batch failed; its events will be redelivered", "err", err, "size", len(items))
 	}
 
+	var newest time.Time
 	t0 := time.Now()
-	var done []*pending
-	c.mu.Lock()
-	for i := range items {
-		it := &items[i]
-		var herr error
-		switch {
-		case it.rejected != nil:
-			herr = stream.Permanent(ReasonRejected, it.rejected)
-		case err != nil:
-			herr = stream.Outage(err)
-		case it.err != nil && it.transient:
-			herr = stream.Outage(it.err)
-		default:
-			herr = it.err
+	defer func() { c.m.phase.WithLabelValues("ack").Observe(time.Since(t0).Seconds()) }()
+	k := 0
+	for _, d := range ds {
+		herrs := make([]error, len(d.Events))
+		for i := range herrs {
+			it := &items[k+i]
+			switch {
+			case it.bad:
+			case it.rejected != nil:
+				herrs[i] = stream.Permanent(ReasonRejected, it.rejected)
+			case err != nil:
+				herrs[i] = stream.Outage(err)
+			case it.err != nil && it.transient:
+				herrs[i] = stream.Outage(it.err)
+			default:
+				herrs[i] = it.err
+			}
 		}
-		p := it.p
-		p.herrs[it.i] = herr
-		if p.left--; p.left == 0 && !p.dropped {
-			done = append(done, p)
-		}
-	}
-	c.mu.Unlock()
-	c.finish(ctx, done)
-	c.m.phase.WithLabelValues("ack").Observe(time.Since(t0).Seconds())
-	if !newest.IsZero() {
-		c.m.lag.Set(max(0, time.Since(newest).Seconds()))
-	}
-	c.m.batchSeconds.Observe(time.Since(start).Seconds())
-}
-
-// finish finishes messages whose every event has its result
-// (stream.Delivery.Finish: ack, nak, or dead letters) and counts them.
-func (c *Consumer) finish(ctx context.Context, ps []*pending) {
-	if len(ps) == 0 {
-		return
-	}
-	c.mu.Lock()
-	for _, p := range ps {
-		delete(c.open, p)
-	}
-	c.mu.Unlock()
-	for _, p := range ps {
-		d := p.d
-		st, ferr := d.Finish(ctx, c.js, c.opts.Events, p.herrs)
+		st, ferr := d.Finish(ctx, c.js, c.opts.Events, herrs)
 		for i, s := range st {
-			typ := cmp.Or(d.Events[i].Type(), "unknown")
+			typ := items[k+i].ev.Type()
+			if typ == "" {
+				typ = "unknown"
+			}
 			switch s {
 			case stream.Acked:
 				c.m.events.WithLabelValues(typ, "ok").Inc()
@@ -559,7 +294,15 @@ func (c *Consumer) finish(ctx context.Context, ps []*pending) {
 		case ferr != nil:
 			c.log.Debug("message will be redelivered", "err", ferr)
 		}
+		k += len(d.Events)
+		if md, err := d.Msg.Metadata(); err == nil && md.Timestamp.After(newest) {
+			newest = md.Timestamp
+		}
 	}
+	if !newest.IsZero() {
+		c.m.lag.Set(max(0, time.Since(newest).Seconds()))
+	}
+	c.m.batchSeconds.Observe(time.Since(start).Seconds())
 }
 
 // transient reports whether a Redis effect failed because of Redis itself
@@ -658,7 +401,7 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 	done := map[effectKey]bool{}
 	for i := range items {
 		it := &items[i]
-		if it.dup || it.rejected != nil {
+		if it.bad || it.dup || it.rejected != nil {
 			continue
 		}
 		var t task
@@ -817,7 +560,7 @@ func (c *Consumer) beginWithoutRejected(ctx context.Context, items []item, recs 
 	r := 0
 	for i := range items {
 		it := &items[i]
-		if it.dup || it.rejected != nil {
+		if it.bad || it.dup || it.rejected != nil {
 			continue
 		}
 		rec := recs[r]
