@@ -27,18 +27,6 @@ const maxBatch = 256
 // transaction and fewer fetches.
 const fetchWait = 200 * time.Millisecond
 
-// maxHold is the longest a handled message waits for its ack (at most a
-// quarter of AckWait): long enough for the corrected snapshot of a request
-// to come after its reserved one, so that one statement writes the
-// subject's version once for both.
-const maxHold = time.Second
-
-// maxHeld bounds the messages waiting for their ack, under the server's
-// default MaxAckPending (1,000), which would stop the fetches; their bytes
-// are bounded as a fetch's are (stream.FetchMaxBytes), so holding them at
-// most doubles the memory of the messages in hand.
-const maxHeld = 512
-
 // shutdownFlush bounds the last flush, once the consumer is stopping.
 const shutdownFlush = 5 * time.Second
 
@@ -64,7 +52,7 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 	info := cons.CachedInfo()
 	log.Info("consuming", "stream", info.Stream, "consumer", info.Name)
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
-	w := &waiting{js: js, cfg: cfg, flush: h.Flush, log: log, hold: min(maxHold, cfg.WithDefaults().AckWait/4)}
+	w := &waiting{js: js, cfg: cfg, flush: h.Flush, log: log}
 	for ctx.Err() == nil {
 		f, err := stream.Fetch(cons, maxBatch, fetchWait)
 		if err != nil && ctx.Err() == nil {
@@ -76,9 +64,12 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 			}
 		}
 		processBatch(ctx, js, cfg, f, hs.Dispatch, h.HandleBatch, w, log)
-		if len(f.Msgs) == 0 || w.due() {
-			w.finish(ctx)
-		}
+		// Each fetch's versions are made durable before the next fetch: a
+		// crash then loses at most one fetch's, as before they were held;
+		// held longer, an older snapshot arriving while the message waits
+		// out AckWait after a crash is judged against a version never
+		// written (a false alert).
+		w.finish(ctx)
 	}
 	w.finish(ctx)
 }
@@ -97,23 +88,11 @@ type waiting struct {
 	cfg   stream.Config
 	flush func(context.Context) error
 	log   *slog.Logger
-	hold  time.Duration
 	msgs  []handled
-	bytes int       // the payloads of msgs
-	since time.Time // when the first of msgs was added
 }
 
 func (w *waiting) add(d *stream.Delivery, herrs []error) {
-	if len(w.msgs) == 0 {
-		w.since = time.Now()
-	}
 	w.msgs = append(w.msgs, handled{d, herrs})
-	w.bytes += len(d.Msg.Data())
-}
-
-// due reports whether the held messages should be finished now.
-func (w *waiting) due() bool {
-	return len(w.msgs) >= maxHeld || w.bytes >= stream.FetchMaxBytes || len(w.msgs) > 0 && time.Since(w.since) >= w.hold
 }
 
 // finish flushes and finishes every held message; when the flush fails,
@@ -146,7 +125,7 @@ func (w *waiting) finish(ctx context.Context) {
 		}
 	}
 	clear(w.msgs)
-	w.msgs, w.bytes = w.msgs[:0], 0
+	w.msgs = w.msgs[:0]
 }
 
 // processBatch expands f's messages (single events and batches) into
