@@ -41,10 +41,13 @@ const (
 )
 
 // Readiness components: /readyz turns 200 once the streams and consumer
-// exist and the migrations ran.
+// exist, the migrations ran and the first epoch check is done (admission
+// decides locally until Redis holds the epoch; a failed check shows as
+// Redis degraded).
 const (
 	readyStreams    = "nats_streams"
 	readyMigrations = "postgres_migrations"
+	readyEpoch      = "redis_epoch"
 )
 
 // hooks lets tests observe and steer run; main passes none.
@@ -60,7 +63,7 @@ type hooks struct {
 // the ops server. Stopped while it waits for Postgres or NATS, it returns
 // nil.
 func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
-	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyStreams, readyMigrations)
+	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyStreams, readyMigrations, readyEpoch)
 	stack := service.NewStack(log, cfg.ShutdownTimeout, ready)
 	defer stack.Close()
 	ops, err := service.Listen(stack, "ops", cfg.OpsAddr, obs.OpsHandler(reg, ready, cfg.Ops))
@@ -125,6 +128,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	failed := keeper.Keep(ctx) // before consuming: today's partition, whatever the last run left
 	stack.Go("partitions", func(ctx context.Context) { keeper.Run(ctx, failed, partitionInterval, partitionRetry) })
 	rb.Check(withRedisOp(ctx, opEpoch)) // before consuming: without its epoch Redis refuses every event
+	ready.Ready(readyEpoch)
 	stack.Go("epoch check", every(cfg.EpochInterval, opEpoch, rb.Check))
 	stack.Go("expiry", every(cfg.ExpiryInterval, opExpiry, expiry.Expire))
 	stack.Go("reconciliation", every(cfg.ReconcileInterval, opReconcile, rec.Check))
