@@ -77,8 +77,8 @@ func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Eve
 		n = min(n, 24)
 	}
 	arena := getArena(n)
-	defer putArena(arena)
 	free := (*arena)[:0]
+	defer func() { putArena(arena, free) }()
 	top, err := object(b, &free)
 	if err != nil {
 		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
@@ -155,14 +155,22 @@ func getArena(n int) *[]member {
 	return a
 }
 
-// putArena clears a (its members point into the decoded input, which it
-// must not keep alive) and returns it to the pool. Members that outgrew it
-// went to a new array, which is left to the collector.
-func putArena(a *[]member) {
+// putArena clears what a decode used of a (its members point into the
+// decoded input, which it must not keep alive) and returns it to the pool.
+// free is the decode's unused tail: while it is a's, the members before it
+// are the used ones (the rest are clear already, so a large arena does not
+// cost each small decode a clear of it all); members that outgrew a went to
+// a new array, left to the collector, and a is cleared whole.
+func putArena(a *[]member, free []member) {
 	if cap(*a) > maxPooledArena {
 		return
 	}
-	clear((*a)[:cap(*a)])
+	all := (*a)[:cap(*a)]
+	used := len(all)
+	if c := cap(free); c > 0 && c <= len(all) && &free[:c][c-1] == &all[len(all)-1] {
+		used -= c
+	}
+	clear(all[:used])
 	arenas.Put(a)
 }
 
