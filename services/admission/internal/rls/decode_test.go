@@ -118,13 +118,7 @@ func TestDecodeRequestAllocations(t *testing.T) {
 // testdata/fuzz/FuzzDecodeRequest the shapes TestDecodeRequest leaves to
 // protobuf, so the fuzzer starts from both sides of the line.
 func FuzzDecodeRequest(f *testing.F) {
-	for _, m := range decodable() {
-		b, err := proto.Marshal(m)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
+	addMarshalled(f, decodable())
 	h := &Handler{}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		got := &rlspb.RateLimitRequest{}
@@ -142,4 +136,15 @@ func FuzzDecodeRequest(f *testing.F) {
 			t.Fatalf("DecodeRequest(%x) = %v, want %v", b, got, want)
 		}
 	})
+}
+
+// addMarshalled seeds f with the wire form of each of ms.
+func addMarshalled[M proto.Message](f *testing.F, ms map[string]M) {
+	for _, m := range ms {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
 }

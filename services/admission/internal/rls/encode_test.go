@@ -93,13 +93,7 @@ func TestEncodeResponse(t *testing.T) {
 // either writes it as proto.Marshal does or leaves it to protobuf. Seeds:
 // the encodable responses.
 func FuzzEncodeResponse(f *testing.F) {
-	for _, m := range encodable() {
-		b, err := proto.Marshal(m)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
+	addMarshalled(f, encodable())
 	h := &Handler{}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m := &rlspb.RateLimitResponse{}
