@@ -84,6 +84,15 @@ const (
 	// call that finds every worker busy gets a goroutine of its own, as
 	// without workers; 64 cover bench-rls's concurrency.
 	StreamWorkers = 64
+	// StreamWindow and ConnWindow are fixed HTTP/2 flow-control windows.
+	// grpc-go's default measures the bandwidth-delay product instead, with
+	// a PING and a WINDOW_UPDATE each round trip on every connection that
+	// receives data: frames, flushes and wake-ups that calls of a few
+	// hundred bytes pay for and never need. A stream's window holds the
+	// largest message; a connection's bounds what its callers can have
+	// sent unread (the estimate's own bound is 16 MiB).
+	StreamWindow = MaxMessageBytes
+	ConnWindow   = 1 << 20
 )
 
 // Server is admission's gRPC server. Create it with New, Register the
@@ -165,6 +174,8 @@ func New(o Options) (*Server, error) {
 			Time: KeepaliveTime, Timeout: KeepaliveTimeout}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: MinPingInterval, PermitWithoutStream: true}),
 		grpc.NumStreamWorkers(StreamWorkers),
+		grpc.StaticStreamWindowSize(StreamWindow),
+		grpc.StaticConnWindowSize(ConnWindow),
 		grpc.ForceServerCodecV2(s.codec),
 		grpc.ChainUnaryInterceptor(s.unary),
 		grpc.ChainStreamInterceptor(s.stream),
