@@ -211,6 +211,11 @@ func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error)
 	return &peerTarget{short: "envoy", name: "envoyproxy/ratelimit", addr: addrs.GRPC, server: p.Cmd, redis: rs}, nil
 }
 
+// envoyWindow is Envoy's default HTTP/2 stream and connection window
+// (http2_protocol_options initial_stream_window_size and
+// initial_connection_window_size).
+const envoyWindow = 256 << 20
+
 // rlsLoad calls ShouldRateLimit at addr from conc goroutines over conns
 // gRPC connections in a closed loop for d, each request of a random one of
 // users with n descriptors, and returns the result and the answers over
@@ -218,7 +223,10 @@ func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error)
 func rlsLoad(ctx context.Context, addr string, conns, conc, users, n int, d time.Duration) (*load.Result, uint64, error) {
 	clients := make([]rlpb.RateLimitServiceClient, min(conns, conc))
 	for i := range clients {
-		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+			// Envoy's HTTP/2 windows are fixed (256 MiB by default): it sends
+			// none of grpc-go's bandwidth-delay pings, nor should its stand-in.
+			grpc.WithStaticStreamWindowSize(envoyWindow), grpc.WithStaticConnWindowSize(envoyWindow))
 		if err != nil {
 			return nil, 0, err
 		}

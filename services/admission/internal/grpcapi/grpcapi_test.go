@@ -293,17 +293,17 @@ func TestHeaderBounds(t *testing.T) {
 		pad  int
 		want string
 	}{{20 << 10, "RST_STREAM"}, {64 << 10, "closed"}} {
-		settings, got := rawCall(t, s.Addr(), c.pad)
+		a := rawCall(t, s.Addr(), c.pad)
 		for id, want := range map[http2.SettingID]uint32{
 			http2.SettingMaxHeaderListSize:    MaxHeaderBytes,
 			http2.SettingMaxConcurrentStreams: MaxConcurrentStreams,
 		} {
-			if v, ok := settings[id]; !ok || v != want {
+			if v, ok := a.settings[id]; !ok || v != want {
 				t.Errorf("server setting %v = %d (sent: %v), want %d", id, v, ok, want)
 			}
 		}
-		if got != c.want {
-			t.Errorf("raw call with %d KiB of metadata: the server answered %s, want %s", c.pad>>10, got, c.want)
+		if a.answer != c.want {
+			t.Errorf("raw call with %d KiB of metadata: the server answered %s, want %s", c.pad>>10, a.answer, c.want)
 		}
 	}
 	if n := svc.calls.Load(); n != 1 {
@@ -311,12 +311,20 @@ func TestHeaderBounds(t *testing.T) {
 	}
 }
 
+// rawAnswer is what a server sent to rawCall: its settings, how it answered
+// the call ("HEADERS": it took the call, "RST_STREAM": it reset the stream,
+// "closed": it closed the connection) and the PINGs it sent of its own
+// before answering rawCall's PING, sent once the call was answered.
+type rawAnswer struct {
+	settings map[http2.SettingID]uint32
+	answer   string
+	pings    int
+}
+
 // rawCall sends one ShouldRateLimit call without a token and with pad bytes
 // of metadata over HTTP/2 frames of its own, as a client that ignores the
-// server's settings would (fields of 1 KiB). It returns the server's settings and how the
-// server answered: "HEADERS" (it took the call), "RST_STREAM" (it reset the
-// stream) or "closed" (it closed the connection).
-func rawCall(t *testing.T, addr string, pad int) (map[http2.SettingID]uint32, string) {
+// server's settings would (fields of 1 KiB).
+func rawCall(t *testing.T, addr string, pad int) rawAnswer {
 	t.Helper()
 	nc, err := net.Dial("tcp", addr)
 	if err != nil {
@@ -366,7 +374,10 @@ func rawCall(t *testing.T, addr string, pad int) (map[http2.SettingID]uint32, st
 	}
 	// An empty request message ends the call.
 	_ = fr.WriteData(1, true, []byte{0, 0, 0, 0, 0})
-	settings := map[http2.SettingID]uint32{}
+	a := rawAnswer{settings: map[http2.SettingID]uint32{}}
+	// The server writes its frames in order, so its answer to our PING
+	// follows every PING it queued before.
+	barrier := [8]byte{'b', 'a', 'r', 'r', 'i', 'e', 'r'}
 	for {
 		f, err := fr.ReadFrame()
 		var ne net.Error
@@ -374,26 +385,55 @@ func rawCall(t *testing.T, addr string, pad int) (map[http2.SettingID]uint32, st
 		case errors.As(err, &ne) && ne.Timeout():
 			t.Fatalf("reading the server's frames: %v", err)
 		case err != nil: // EOF or reset
-			return settings, "closed"
+			if a.answer == "" {
+				a.answer = "closed"
+			}
+			return a
 		}
 		switch f := f.(type) {
 		case *http2.SettingsFrame:
 			if f.IsAck() {
 				continue
 			}
-			f.ForeachSetting(func(s http2.Setting) error { settings[s.ID] = s.Val; return nil })
+			f.ForeachSetting(func(s http2.Setting) error { a.settings[s.ID] = s.Val; return nil })
 			if err := fr.WriteSettingsAck(); err != nil {
 				t.Fatal(err)
 			}
+		case *http2.PingFrame:
+			if f.IsAck() && f.Data == barrier {
+				return a
+			}
+			if !f.IsAck() {
+				a.pings++
+			}
 		case *http2.RSTStreamFrame:
-			if f.StreamID == 1 {
-				return settings, "RST_STREAM"
+			if f.StreamID == 1 && a.answer == "" {
+				a.answer = "RST_STREAM"
+				_ = fr.WritePing(false, barrier)
 			}
 		case *http2.HeadersFrame:
-			if f.StreamID == 1 {
-				return settings, "HEADERS"
+			if f.StreamID == 1 && a.answer == "" {
+				a.answer = "HEADERS"
+				_ = fr.WritePing(false, barrier)
 			}
 		}
+	}
+}
+
+// The server's flow-control windows are fixed: a call's DATA draws no
+// bandwidth-delay PING (grpc-go's default sends one, with a WINDOW_UPDATE,
+// each round trip of every connection that receives data).
+func TestFixedWindows(t *testing.T) {
+	s, _ := start(t, &service{}, nil)
+	a := rawCall(t, s.Addr(), 0)
+	if a.answer != "HEADERS" {
+		t.Fatalf("raw call: the server answered %s, want HEADERS", a.answer)
+	}
+	if v := a.settings[http2.SettingInitialWindowSize]; v != StreamWindow {
+		t.Errorf("server's initial window = %d, want %d", v, StreamWindow)
+	}
+	if a.pings != 0 {
+		t.Errorf("the server sent %d PINGs of its own during a call, want 0", a.pings)
 	}
 }
 
