@@ -2,6 +2,7 @@ package decide
 
 import (
 	"context"
+	"runtime"
 	"sync"
 	"time"
 
@@ -69,6 +70,20 @@ func (b *batcher[Q]) do(ctx context.Context, timeout time.Duration, req Q) (limi
 	if !b.busy {
 		b.busy = true
 		b.mu.Unlock()
+		// Callers already runnable (their requests read, not yet here)
+		// join this round trip rather than wait for the next.
+		runtime.Gosched()
+		b.mu.Lock()
+		joined := b.queue
+		b.queue = nil
+		b.mu.Unlock()
+		if len(joined) > 0 {
+			r := b.pool.Get().(*pending[Q])
+			r.deadline, r.req = deadline, req
+			r.lead = append(make([]*pending[Q], 0, 1+len(joined)), r)
+			r.lead = append(r.lead, joined...)
+			return b.finish(r)
+		}
 		b.size.Observe(1)
 		ctx, cancel := context.WithDeadline(ctx, deadline)
 		out := b.run(ctx, []Q{req})[0]
@@ -81,6 +96,12 @@ func (b *batcher[Q]) do(ctx context.Context, timeout time.Duration, req Q) (limi
 	b.queue = append(b.queue, r)
 	b.mu.Unlock()
 	<-r.done
+	return b.finish(r)
+}
+
+// finish waits for r's answer, sending the batch r heads first, and
+// returns r to the pool.
+func (b *batcher[Q]) finish(r *pending[Q]) (limits.Reserved, bool) {
 	if r.lead != nil {
 		b.lead(r)
 	}
