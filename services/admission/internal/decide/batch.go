@@ -12,8 +12,10 @@ import (
 )
 
 // batcher sends the calls of concurrent requests to Redis together: a call
-// made while none is in flight goes out at once; calls that arrive while
-// one is in flight wait for it and then go together in the next one (run:
+// made while none is in flight goes out at once, with the calls that arrive
+// while its caller yields the processor once (those of requests already
+// read and runnable); calls that arrive while one is in flight wait for it
+// and then go together in the next one (run:
 // limits.ReserveBatch for the subject layer's Reserve calls, and
 // limits.CountBatch for Check's groups of counters), so under load a round
 // trip — one write and one read system call on each side, one script call
