@@ -9,10 +9,14 @@
 // are refused: no target sends them) and records the latency in a
 // fixed-bucket Histogram. Run drives the connections in a closed loop (each
 // sends its next request when the answer to the last one is in) or, with a
-// Rate, in an open loop: requests are due on a fixed schedule and latency
-// counts from when a request was due, not when it could be sent, so a
-// stalled server shows in the percentiles instead of slowing the load
-// (coordinated omission).
+// Rate, in an open loop: requests are due on one fixed schedule that the
+// connections share, each taking the next request due when its last answer
+// is in, as a gateway's pool of connections would; latency counts from
+// when a request was due, not when it could be sent, so a stalled server
+// shows in the percentiles instead of slowing the load (coordinated
+// omission). A slow answer delays only its own connection: requests wait in
+// the generator only while every connection is busy (by Little's law, once
+// Conns / Rate is less than the latency), and Result.Lag shows that wait.
 package load
 
 import (
@@ -29,6 +33,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -79,7 +84,10 @@ type Result struct {
 	Elapsed  time.Duration // from the start to the last answer
 	Status   map[int]uint64
 	Latency  Histogram
-	LastErr  error // the last of Errors, for the log
+	// Lag counts, in an open loop, how late each request was written after
+	// it was due: the load generator's own share of Latency.
+	Lag     Histogram
+	LastErr error // the last of Errors, for the log
 }
 
 // Rate is the answers per second.
@@ -108,14 +116,14 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		cfg.Timeout = 10 * time.Second
 	}
 	start := time.Now()
+	var sched *schedule
+	if cfg.Rate > 0 {
+		sched = &schedule{start: start, every: 1e9 / cfg.Rate}
+	}
 	ws := make([]*worker, cfg.Conns)
 	var wg sync.WaitGroup
 	for i := range ws {
-		w := &worker{cfg: &cfg, client: cfg.NewClient(i), start: start, end: start.Add(cfg.Duration)}
-		if cfg.Rate > 0 {
-			w.every = time.Duration(float64(cfg.Conns) / cfg.Rate * 1e9)
-			w.offset = w.every * time.Duration(i) / time.Duration(cfg.Conns) // spread the connections' schedules
-		}
+		w := &worker{cfg: &cfg, client: cfg.NewClient(i), sched: sched, end: start.Add(cfg.Duration)}
 		ws[i] = w
 		wg.Go(func() { w.run(ctx) })
 	}
@@ -125,6 +133,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		res.Requests += w.requests
 		res.Errors += w.errors
 		res.Latency.Merge(&w.hist)
+		res.Lag.Merge(&w.lag)
 		for code, n := range w.status {
 			if n > 0 {
 				res.Status[code] += n
@@ -140,21 +149,35 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	return res, nil
 }
 
+// schedule is an open loop's: request k is due every × k nanoseconds after
+// start, and the connections take the next one in turn.
+type schedule struct {
+	start time.Time
+	every float64 // ns
+	next  atomic.Int64
+}
+
+// take returns when the next request not yet taken is due.
+func (s *schedule) take() time.Time {
+	k := s.next.Add(1) - 1
+	return s.start.Add(time.Duration(float64(k) * s.every))
+}
+
 // worker is one connection's loop and its counts, merged by Run at the end.
 type worker struct {
-	cfg           *Config
-	client        Client
-	start, end    time.Time
-	every, offset time.Duration // open loop: the schedule
-	timer         *time.Timer   // open loop: the wait until a request is due
-	conn          net.Conn
-	rd            *bufio.Reader
-	buf, body     []byte
-	hist          Histogram
-	status        [600]uint64
-	requests      uint64
-	errors        uint64
-	lastErr       error
+	cfg       *Config
+	client    Client
+	sched     *schedule // open loop; nil in a closed one
+	end       time.Time
+	timer     *time.Timer // open loop: the wait until a request is due
+	conn      net.Conn
+	rd        *bufio.Reader
+	buf, body []byte
+	hist, lag Histogram
+	status    [600]uint64
+	requests  uint64
+	errors    uint64
+	lastErr   error
 }
 
 func (w *worker) run(ctx context.Context) {
@@ -163,13 +186,13 @@ func (w *worker) run(ctx context.Context) {
 			w.conn.Close()
 		}
 	}()
-	for k := 0; ctx.Err() == nil; k++ {
+	for ctx.Err() == nil {
 		// The closed loop ends with the clock; the open loop with its
 		// schedule, so that it sends exactly the requests due before the
 		// end even when it runs late.
 		var due time.Time
-		if w.every > 0 {
-			due = w.start.Add(w.offset + time.Duration(k)*w.every)
+		if w.sched != nil {
+			due = w.sched.take()
 			if !due.Before(w.end) {
 				return
 			}
@@ -180,7 +203,7 @@ func (w *worker) run(ctx context.Context) {
 			continue
 		}
 		sent := time.Now()
-		if w.every > 0 {
+		if w.sched != nil {
 			if wait := due.Sub(sent); wait > 0 {
 				if w.timer == nil {
 					w.timer = time.NewTimer(wait)
@@ -193,9 +216,12 @@ func (w *worker) run(ctx context.Context) {
 					return
 				}
 			}
-			sent = due // latency counts from when the request was due
 		}
 		w.buf = w.client.Next(w.buf[:0])
+		if w.sched != nil {
+			w.lag.Record(time.Since(due))
+			sent = due // latency counts from when the request was due
+		}
 		if _, err := w.conn.Write(w.buf); err != nil {
 			w.fail(err)
 			continue

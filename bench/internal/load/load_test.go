@@ -79,8 +79,7 @@ func TestRun(t *testing.T) {
 		want uint64 // requests; 0: whatever the closed loop managed
 	}{
 		{"closed loop", 0, 0},
-		// 3 connections due every 30 ms, starting 0, 10 and 20 ms in,
-		// before 600 ms: 20 requests each, however late they run.
+		// Due every 10 ms before 600 ms, however late they run.
 		{"open loop", 100, 60},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -117,6 +116,9 @@ func TestRun(t *testing.T) {
 			if res.Requests < 14 || int(res.Requests) != srv.requests || res.Latency.Count() != res.Requests {
 				t.Fatalf("Run = %d requests, %d latencies; server answered %d", res.Requests, res.Latency.Count(), srv.requests)
 			}
+			if wantLags := tc.want; res.Lag.Count() != wantLags {
+				t.Errorf("Run(rate %v) = %d lags, want %d (one per request in an open loop)", tc.rate, res.Lag.Count(), wantLags)
+			}
 			seen := map[int]int{}
 			for _, r := range recs {
 				if r.wrong != 0 {
@@ -135,6 +137,53 @@ func TestRun(t *testing.T) {
 				t.Errorf("Status = %v, want 200s and 429s only", res.Status)
 			}
 		})
+	}
+}
+
+// In an open loop a stalled answer holds only its own connection: the
+// server holds the first request until it has answered every other one,
+// which the other connection can send only if it takes the requests due
+// on the first one's turn too (with a schedule of its own per connection,
+// the run ends with the held request's deadline and half the requests).
+func TestOpenLoopStallHoldsOneConnection(t *testing.T) {
+	const due = 40 // every 2 ms before 80 ms
+	var (
+		mu       sync.Mutex
+		answered int
+		held     bool
+		release  = make(chan struct{})
+	)
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body) // so that the context ends when the client hangs up
+		mu.Lock()
+		first := !held
+		held = true
+		mu.Unlock()
+		if first {
+			select {
+			case <-release:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		w.Write([]byte("{}"))
+		mu.Lock()
+		defer mu.Unlock()
+		if answered++; answered == due-1 {
+			close(release)
+		}
+	}))
+	defer ts.Close()
+	addr := strings.TrimPrefix(ts.URL, "http://")
+	res, err := Run(context.Background(), Config{
+		Addr: addr, Conns: 2, Duration: 80 * time.Millisecond, Rate: 500, Timeout: time.Second,
+		NewClient: Users(NewPost(addr, "/"), 1, func(dst []byte, _ int) []byte { return append(dst, "{}"...) }),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Requests != due || res.Errors != 0 {
+		t.Errorf("Run with one answer held = %d requests, %d errors (last %v); want %d, none", res.Requests, res.Errors, res.LastErr, due)
 	}
 }
 
