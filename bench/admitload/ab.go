@@ -26,7 +26,7 @@ import (
 // With open > 0 it then loads both in an open loop at that fraction of the
 // before build's median rate, the same rate for both, again in interleaved
 // rounds, and prints the tail and what it may come from.
-func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTimeout time.Duration, env []string, open float64) error {
+func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTimeout time.Duration, env []string, open float64, openConns int) error {
 	b, err := newBench(ctx)
 	defer b.close()
 	if err != nil {
@@ -133,7 +133,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 			anon-inuse-(idle-released)-stacks-other)
 	}
 	if open > 0 {
-		abOpen(ts[0].rps, open, rounds, conc, users, dur, []abTarget{
+		abOpen(ts[0].rps, open, rounds, openConns, users, dur, []abTarget{
 			{ts[0].name, ts[0].addr, ts[0].ops, ts[0].p}, {ts[1].name, ts[1].addr, ts[1].ops, ts[1].p}})
 	}
 	fmt.Printf("\nload average %s at the start, %s at the end\n", load0, loadavg())
@@ -148,13 +148,14 @@ type abTarget struct {
 
 // abOpen loads each target in turn, rounds times in alternating order, in
 // an open loop of frac × the median of closed rates over conc connections,
-// and prints latency beside what may make its tail: Reserve calls per round
-// trip, garbage collections per second and their stop-the-world pauses.
+// and prints latency beside what may make its tail: the load generator's
+// lag, Reserve calls per round trip, garbage collections per second and
+// their stop-the-world pauses.
 func abOpen(closed []float64, frac float64, rounds, conc, users int, dur time.Duration, ts []abTarget) {
 	rate := frac * stats.Median(closed)
 	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of the before build's median closed-loop rate) over %d connections\n\n", rate, 100*frac, conc)
-	fmt.Println("| round | target | req/s | p50 | p99 | p99.9 | max | in admission: p99 | admission CPU/req | Reserves/batch | GCs/s | GC pauses/s | RSS | failopen | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| round | target | req/s | p50 | p99 | p99.9 | max | lag p99 | in admission: p99 | admission CPU/req | Reserves/batch | GCs/s | GC pauses/s | RSS | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	p50, p99, p999 := make([][]float64, len(ts)), make([][]float64, len(ts)), make([][]float64, len(ts))
 	rss, gcs, inside := make([][]float64, len(ts)), make([][]float64, len(ts)), make([][]float64, len(ts))
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
@@ -181,8 +182,8 @@ func abOpen(closed []float64, frac float64, rounds, conc, users int, dur time.Du
 			rss[i], gcs[i] = append(rss[i], float64(rssMiB(t.p))), append(gcs[i], gc)
 			in99 := quantile(h0, buckets(t.ops, admitDuration), 0.99)
 			inside[i] = append(inside[i], ms(in99))
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | ≤ %s | %.1f µs | %s | %.1f | %.2f ms | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
-				pct(res, 50), pct(res, 99), pct(res, 99.9), res.Latency.Max().Round(10*time.Microsecond), in99,
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | %s | ≤ %s | %.1f µs | %s | %.1f | %.2f ms | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
+				pct(res, 50), pct(res, 99), pct(res, 99.9), res.Latency.Max().Round(10*time.Microsecond), res.Lag.Quantile(0.99).Round(time.Microsecond), in99,
 				float64((cpuTime(t.p)-c0).Microseconds())/n, ratio(calls1-calls0, batches1-batches0), gc, 1000*pause,
 				rss[i][len(rss[i])-1], failopens(t.ops)-f0, res.Statuses())
 		}
@@ -221,8 +222,19 @@ func buckets(ops, prefix string) map[float64]float64 {
 }
 
 // quantile is the upper bound of the bucket holding the q-th quantile of
-// what was observed between two readings of a histogram.
+// what was observed between two readings of a histogram of seconds.
 func quantile(before, after map[float64]float64, q float64) time.Duration {
+	le := bound(before, after, q)
+	if math.IsInf(le, 1) {
+		return time.Duration(math.MaxInt64)
+	}
+	return time.Duration(le * float64(time.Second))
+}
+
+// bound is the upper bound of the bucket holding the q-th quantile of what
+// was observed between two readings of a histogram (cumulative counts by
+// upper bound), +Inf past the last finite bucket, 0 when nothing was.
+func bound(before, after map[float64]float64, q float64) float64 {
 	bounds := slices.Sorted(maps.Keys(after))
 	if len(bounds) == 0 {
 		return 0
@@ -230,10 +242,7 @@ func quantile(before, after map[float64]float64, q float64) time.Duration {
 	total := after[bounds[len(bounds)-1]] - before[bounds[len(bounds)-1]]
 	for _, le := range bounds {
 		if after[le]-before[le] >= q*total {
-			if math.IsInf(le, 1) {
-				return time.Duration(math.MaxInt64)
-			}
-			return time.Duration(le * float64(time.Second))
+			return le
 		}
 	}
 	return 0

@@ -64,6 +64,7 @@ func main() {
 	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
 	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate) (0: not)")
+	openConns := flag.Int("open-conns", 256, "-peer and -ab: the open loop's connections, sharing its schedule (Little's law: enough that requests wait in the generator only when latency passes open-conns / rate)")
 	flag.Parse()
 	var set []string
 	flag.Visit(func(f *flag.Flag) { set = append(set, f.Name) })
@@ -93,7 +94,7 @@ func main() {
 	}
 	if *peerMode || *rlsMode {
 		o := peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds, targets: map[string]bool{},
-			envoyPool: *envoyPool, envoyWindow: *envoyWindow, openFrac: *open, base: *peerBase}
+			envoyPool: *envoyPool, envoyWindow: *envoyWindow, openFrac: *open, openConns: *openConns, base: *peerBase}
 		if *envoyEnv != "" {
 			o.envoyEnv = strings.Split(*envoyEnv, ",")
 		}
@@ -120,7 +121,7 @@ func main() {
 		return
 	}
 	if *base != "" {
-		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, *timeout, strings.Fields(*abEnv), *open); err != nil {
+		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, *timeout, strings.Fields(*abEnv), *open, *openConns); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
 			os.Exit(1)
 		}
@@ -159,7 +160,7 @@ func checkMode(set []string, peer, rls, scale bool) error {
 	ignored := map[string]bool{"redis-timeout": true, "ab-env": true, "down": true, "profile": true, "heapprofile": true}
 	if rls {
 		mode, why = "-rls", "it loads both descriptor counts in a closed loop"
-		ignored["targets"], ignored["peer-base"], ignored["open"], ignored["ab-env"] = true, true, true, false
+		ignored["targets"], ignored["peer-base"], ignored["open"], ignored["open-conns"], ignored["ab-env"] = true, true, true, true, false
 	} else {
 		ignored["ab"], ignored["grpc-conns"] = true, true
 	}

@@ -20,6 +20,8 @@ func TestCheckMode(t *testing.T) {
 		{set: []string{"peer", "ab-env"}, peer: true, bad: "-peer does not use -ab-env"},
 		{set: []string{"rls", "ab", "grpc-conns", "rounds", "envoy-pool"}, rls: true},
 		{set: []string{"rls", "targets", "open"}, rls: true, bad: "-rls does not use -targets, -open"},
+		{set: []string{"rls", "open-conns"}, rls: true, bad: "-rls does not use -open-conns"},
+		{set: []string{"peer", "open", "open-conns"}, peer: true},
 		{set: []string{"peer", "ab"}, peer: true, bad: "-peer does not use -ab"},
 		{set: []string{"peer", "peer-base", "targets", "open"}, peer: true},
 		{set: []string{"peer", "profile", "heapprofile"}, peer: true, bad: "-peer does not use -profile, -heapprofile"},

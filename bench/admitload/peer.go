@@ -10,6 +10,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"quotaflow/bench/internal/envoy"
 	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/plans"
@@ -41,6 +43,7 @@ type peerOptions struct {
 	envoyWindow time.Duration   // REDIS_PIPELINE_WINDOW
 	envoyEnv    []string        // more of its settings, to try
 	openFrac    float64         // the open loop's rate, of the five-limit plan's closed-loop maximum
+	openConns   int             // the open loop's connections
 	base        string          // a checkout whose admission also runs each admission plan of the targets ("one-base", "five-base"), or ""
 }
 
@@ -51,8 +54,9 @@ type peerTarget struct {
 	post        load.Post
 	body        func(dst []byte, user int) []byte
 	server      *exec.Cmd
-	redis, nats *e2e.Server // nil when it has none
-	ops         string      // admission's ops address, for its failopen count
+	redis, nats *e2e.Server   // nil when it has none
+	rdb         *redis.Client // a client of redis, or nil
+	ops         string        // admission's ops address, for its failopen count
 	runs        map[int][]peerRun
 }
 
@@ -65,6 +69,8 @@ type peerRun struct {
 	failopen                 float64
 	gcs                      float64       // admission's garbage collections per second
 	inside                   time.Duration // admission's p99 from its own request-duration histogram (its bucket's bound)
+	batchMean, batchP99      float64       // admission's Reserve calls per round trip: mean, the bucket of the p99 batch
+	script                   scriptCalls   // its Redis's script calls (one per batch)
 }
 
 // procs holds a figure of each process of a run: the server, its Redis,
@@ -153,7 +159,7 @@ func peer(ctx context.Context, o peerOptions) error {
 	}
 
 	measure := func(t *peerTarget, conc int, rate float64) (peerRun, error) {
-		return measureRun(t, func() (*load.Result, error) {
+		return measureRun(ctx, t, func() (*load.Result, error) {
 			return load.Run(ctx, load.Config{Addr: t.addr, Conns: conc, Duration: o.dur, Rate: rate,
 				NewClient: load.Users(t.post, o.users, t.body)})
 		})
@@ -180,7 +186,7 @@ func peer(ctx context.Context, o peerOptions) error {
 	summary(ts, o)
 
 	if five := find(ts, "five"); five != nil && o.openFrac > 0 {
-		if err := openLoop(o, five, find(ts, "plain"), measure); err != nil {
+		if err := openLoop(o, five, find(ts, "plain"), func(t *peerTarget, rate float64) (peerRun, error) { return measure(t, o.openConns, rate) }); err != nil {
 			return err
 		}
 	}
@@ -222,12 +228,16 @@ func peerRuns(t *peerTarget) map[int][]peerRun { return t.runs }
 
 // measureRun runs one load of t and reads around it the CPU of t's
 // processes and of this one (the load generator) and the time their
-// threads waited for a CPU, t's server's memory, and admission's failopen
-// count, garbage collections and own p99.
-func measureRun(t *peerTarget, run func() (*load.Result, error)) (peerRun, error) {
+// threads waited for a CPU, t's server's memory, admission's failopen
+// count, garbage collections, own p99 and Reserve batches, and its Redis's
+// script calls.
+func measureRun(ctx context.Context, t *peerTarget, run func() (*load.Result, error)) (peerRun, error) {
 	self := os.Getpid()
 	c0, w0 := cpus(t, self), waits(t, self)
 	f0, g0, h0 := failopens(t.ops), metricSum(t.ops, "go_gc_duration_seconds_count", ""), buckets(t.ops, admitDuration)
+	calls0, batches0 := batches(t.ops)
+	b0 := buckets(t.ops, reserveBatch)
+	readScriptCalls(ctx, t.rdb) // resets them
 	res, err := run()
 	if err != nil {
 		return peerRun{}, fmt.Errorf("%s: %w", t.name, err)
@@ -237,66 +247,16 @@ func measureRun(t *peerTarget, run func() (*load.Result, error)) (peerRun, error
 	m, _ := proc.Memory(t.server.Process.Pid)
 	r := peerRun{res: res, mem: m, failopen: failopens(t.ops) - f0,
 		gcs:    (metricSum(t.ops, "go_gc_duration_seconds_count", "") - g0) / max(res.Elapsed.Seconds(), 1e-9),
-		inside: quantile(h0, buckets(t.ops, admitDuration), 0.99)}
+		inside: quantile(h0, buckets(t.ops, admitDuration), 0.99), batchP99: bound(b0, buckets(t.ops, reserveBatch), 0.99),
+		script: readScriptCalls(ctx, t.rdb)}
+	if calls1, batches1 := batches(t.ops); batches1 > batches0 {
+		r.batchMean = (calls1 - calls0) / (batches1 - batches0)
+	}
 	for i, p := range []*float64{&r.server, &r.redis, &r.nats, &r.gen} {
 		*p = float64((c1[i] - c0[i]).Microseconds()) / n
 		r.waits[i] = float64((w1[i] - w0[i]).Microseconds()) / n
 	}
 	return r, nil
-}
-
-// openLoop loads five, and plain when there is one, in an open loop at
-// o.openFrac of five's median closed-loop rate at the highest level, in
-// o.rounds interleaved rounds, and prints where the tail may come from
-// beside it: the plain handler at the same rate on the same host (what
-// the load generator and the host's scheduling cost any server), the time
-// each process's threads waited for a CPU, and admission's own p99 and
-// garbage collections.
-func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget, conc int, rate float64) (peerRun, error)) error {
-	top := o.levels[len(o.levels)-1]
-	rate := o.openFrac * stats.Median(rates(five.runs[top], nil))
-	ts := []*peerTarget{five}
-	if plain != nil {
-		ts = append(ts, plain)
-	}
-	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of %s's median closed-loop rate at c=%d) over %d connections, %d rounds in rotating order; "+
-		"wait: µs per request the process's threads were runnable but waited for a CPU (/proc/<pid>/task/*/schedstat)\n\n",
-		rate, 100*o.openFrac, five.name, top, top, o.rounds)
-	fmt.Println("| round | target | req/s | p50 | p99 | p99.9 | max | in admission: p99 | server CPU µs/req | wait: server | Redis | nats-server | load gen | GCs/s | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-	open := map[*peerTarget][]peerRun{}
-	for r := range o.rounds {
-		for i := range ts {
-			t := ts[(i+r)%len(ts)]
-			run, err := measure(t, top, rate)
-			if err != nil {
-				return err
-			}
-			open[t] = append(open[t], run)
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | %s | %.1f | %.1f | %s | %s | %.1f | %s | %s |\n", r+1, t.name, run.res.Rate(),
-				pct(run.res, 50), pct(run.res, 99), pct(run.res, 99.9), run.res.Latency.Max().Round(10*time.Microsecond),
-				orDashD(t.ops, run.inside), run.server, run.waits[0], orDash(t.redis, run.waits[1]), orDash(t.nats, run.waits[2]), run.waits[3],
-				orDashF(t.ops, run.gcs), run.res.Statuses())
-		}
-	}
-	fmt.Printf("\nopen loop, medians over %d rounds:\n\n", o.rounds)
-	fmt.Println("| target | p50 | p99 | p99.9 | in admission: p99 | server CPU µs/req | wait: server | Redis | nats-server | load gen | GCs/s |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
-	for _, t := range ts {
-		rs := open[t]
-		f := func(get func(peerRun) float64) float64 { return medianOf(rs, get) }
-		d := func(get func(peerRun) time.Duration) float64 { return f(func(r peerRun) float64 { return ms(get(r)) }) }
-		fmt.Printf("| %s | %.2f ms | %.2f ms | %.2f ms | %s | %.1f | %.1f | %s | %s | %.1f | %s |\n", t.name,
-			d(func(r peerRun) time.Duration { return pct(r.res, 50) }), d(func(r peerRun) time.Duration { return pct(r.res, 99) }),
-			d(func(r peerRun) time.Duration { return pct(r.res, 99.9) }),
-			orDashD(t.ops, time.Duration(f(func(r peerRun) float64 { return float64(r.inside) }))),
-			f(func(r peerRun) float64 { return r.server }), f(func(r peerRun) float64 { return r.waits[0] }),
-			orDash(t.redis, f(func(r peerRun) float64 { return r.waits[1] })), orDash(t.nats, f(func(r peerRun) float64 { return r.waits[2] })),
-			f(func(r peerRun) float64 { return r.waits[3] }), orDashF(t.ops, f(func(r peerRun) float64 { return r.gcs })))
-	}
-	fmt.Printf("\n| p99 ≤ 2 ms, 5-limit plan, %d users, open loop at %.0f %% | %.2f ms (median of %d rounds) |\n", o.users, 100*o.openFrac,
-		medianOf(open[five], func(r peerRun) float64 { return ms(pct(r.res, 99)) }), o.rounds)
-	return nil
 }
 
 // medianOf is the median of get over runs.
@@ -430,7 +390,7 @@ func perProcess(t *peerTarget, self int, read func(pid int) (time.Duration, erro
 }
 
 func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy string, extra ...string) (*peerTarget, error) {
-	rs, _, err := b.privateRedis(ctx)
+	rs, rdb, err := b.privateRedis(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -454,7 +414,7 @@ func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy stri
 		return nil, err
 	}
 	return &peerTarget{short: short, name: name, addr: api, post: load.NewPost(api, "/v1/admit"), body: admitBody("/x"),
-		server: p, redis: rs, nats: ns, ops: ops, runs: map[int][]peerRun{}}, nil
+		server: p, redis: rs, rdb: rdb, nats: ns, ops: ops, runs: map[int][]peerRun{}}, nil
 }
 
 func (b *bench) peerPlain(size int) (*peerTarget, error) {

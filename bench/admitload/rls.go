@@ -85,7 +85,7 @@ func rls(ctx context.Context, o peerOptions, conns int, base string, env []strin
 		pts[i], descriptors[t.peerTarget] = t.peerTarget, t.descriptors
 	}
 	measure := func(t *peerTarget, conc int) (peerRun, error) {
-		return measureRun(t, func() (*load.Result, error) {
+		return measureRun(ctx, t, func() (*load.Result, error) {
 			res, over, err := rlsLoad(ctx, t.addr, conns, conc, o.users, descriptors[t], o.dur)
 			if err == nil && over > 0 {
 				err = fmt.Errorf("%d answers over the limit, want none", over)
