@@ -121,7 +121,10 @@ func decodeBatch(b []byte, d Decoder, noID bool) (evs []Event, errs []error, raw
 		return nil, nil, nil, fmt.Errorf("%w: batch: %d events, want 1 to %d", ErrInvalid, len(raw), MaxBatchEvents)
 	}
 	evs, errs = make([]Event, len(raw)), make([]error, len(raw))
-	names := map[string]string{} // shared by the batch's events
+	var names map[string]string // shared by the batch's events: a lone one has none to share
+	if len(raw) > 1 {
+		names = map[string]string{}
+	}
 	for i, e := range raw {
 		// An element of valid UTF-8 and JSON is valid UTF-8 and JSON.
 		evs[i], errs[i] = decode(e, d, noID, true, names)

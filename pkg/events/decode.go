@@ -76,15 +76,15 @@ func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Eve
 		// No snapshot's objects: a reserved event has 21 members then.
 		n = min(n, 24)
 	}
-	arena := getArena(n)
-	free := (*arena)[:0]
-	defer func() { putArena(arena, free) }()
-	top, err := object(b, &free)
+	s := getScratch(n)
+	defer putScratch(s)
+	free := &s.free
+	top, err := object(b, free)
 	if err != nil {
 		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
 	}
-	c := newChecker()
-	r := &reader{c: c, m: top, free: &free, names: names, noSnapshots: d.NoSnapshots}
+	c := checker{st: &s.check}
+	r := &reader{c: c, m: top, free: free, names: names, noSnapshots: d.NoSnapshots}
 	spec := r.oneOf("specversion", specVersions)
 	ev := Event{Source: r.str("source"), Time: r.time("time").UTC()}
 	if !noID {
@@ -115,11 +115,12 @@ func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Eve
 	var data []member
 	if !ok {
 		c.add("data", "required")
-	} else if data, err = object(raw, &free); err != nil {
+	} else if data, err = object(raw, free); err != nil {
 		c.add("data", err.Error())
 	}
 	if err == nil && ok {
-		dr := &reader{c: c.at("data."), m: data, free: &free, names: names, noSnapshots: d.NoSnapshots}
+		dr := &s.data
+		*dr = reader{c: c.at("data."), m: data, free: free, names: names, noSnapshots: d.NoSnapshots}
 		if read := readers[typ]; read != nil {
 			ev.Data = read(dr)
 		}
@@ -136,42 +137,61 @@ func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Eve
 	return ev, nil
 }
 
-// arenas recycles decode's member arenas. Nothing decode returns points
-// into one (its strings are copies), and a new arena per event, sized for
+// scratch is what one decode works in, recycled through scratches:
+// the member arena of its objects, the arena's unused tail, its checker's
+// state and the data's reader. Pooled together, none of them is an
+// allocation of its own per event. Nothing decode returns points into a
+// scratch (its strings are copies), and a new arena per event, sized for
 // the worst case, was the largest allocation of admission's POST /v1/usage
 // (bench/results.md, "Admission's CPU per call (session 9)").
-var arenas = sync.Pool{New: func() any { return new([]member) }}
+type scratch struct {
+	arena []member
+	free  []member // while decoding: the arena's unused room (object)
+	check checkState
+	data  reader // read through a func value, so it would escape
+}
+
+var scratches = sync.Pool{New: func() any { return new(scratch) }}
 
 // maxPooledArena is the most members an arena keeps when it goes back to
 // the pool (48 bytes each): a rare huge event's stays out.
 const maxPooledArena = 1024
 
-// getArena returns an arena with room for n members.
-func getArena(n int) *[]member {
-	a := arenas.Get().(*[]member)
-	if cap(*a) < n {
-		*a = make([]member, 0, n)
+// getScratch returns a clear scratch whose arena has room for n members.
+func getScratch(n int) *scratch {
+	s := scratches.Get().(*scratch)
+	if cap(s.arena) < n {
+		s.arena = make([]member, 0, n)
 	}
-	return a
+	s.free = s.arena[:0]
+	return s
 }
 
-// putArena clears what a decode used of a (its members point into the
-// decoded input, which it must not keep alive) and returns it to the pool.
-// free is the decode's unused tail: while it is a's, the members before it
-// are the used ones (the rest are clear already, so a large arena does not
-// cost each small decode a clear of it all); members that outgrew a went to
-// a new array, left to the collector, and a is cleared whole.
-func putArena(a *[]member, free []member) {
-	if cap(*a) > maxPooledArena {
+// putScratch clears s (its members and reader point into the decoded
+// input, which it must not keep alive) and returns it to the pool, unless
+// its arena is huge.
+func putScratch(s *scratch) {
+	if cap(s.arena) > maxPooledArena {
 		return
 	}
-	all := (*a)[:cap(*a)]
+	clearArena(s.arena, s.free)
+	s.free, s.check, s.data = nil, checkState{}, reader{}
+	scratches.Put(s)
+}
+
+// clearArena clears what a decode used of arena. free is the decode's
+// unused tail: while it is arena's, the members before it are the used
+// ones (the rest are clear already, so a large arena does not cost each
+// small decode a clear of it all); when the members outgrew the arena they
+// went to a new array, left to the collector, and the arena is cleared
+// whole.
+func clearArena(arena, free []member) {
+	all := arena[:cap(arena)]
 	used := len(all)
 	if c := cap(free); c > 0 && c <= len(all) && &free[:c][c-1] == &all[len(all)-1] {
 		used -= c
 	}
 	clear(all[:used])
-	arenas.Put(a)
 }
 
 // isSubject reports whether s is d's "<tenant>/<user>", without building it.
