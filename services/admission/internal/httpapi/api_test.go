@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"net/netip"
 	"strings"
 	"sync"
@@ -1094,6 +1095,11 @@ func TestUsageReport(t *testing.T) {
 	if w.Body.String() != `{"accepted":2}`+"\n" || w.Header().Get("Content-Type") != "application/json" || w.Header().Get("Cache-Control") != "no-store" {
 		t.Errorf("answer = %q, headers %v; want {\"accepted\":2}, JSON, no-store", w.Body, w.Header())
 	}
+	// The answer carries its own Date (dateOf), as a decision does, so
+	// that net/http formats none (a recorder shows only what the handler set).
+	if _, err := http.ParseTime(w.Header().Get("Date")); err != nil {
+		t.Errorf("answer's Date = %q: %v", w.Header().Get("Date"), err)
+	}
 	// Admission derives every event id, whatever the caller sent: no
 	// caller can claim the id of another's event.
 	if len(e.ev.now) != 2 || e.ev.now[1].ID != events.ID(events.TypeActual, "acme", "u", "r-e2") {
@@ -1227,5 +1233,45 @@ func TestDurationMetric(t *testing.T) {
 		if n != tc.want {
 			t.Errorf("requests{route=%s,code=%s} = %d, want %d", tc.route, tc.code, n, tc.want)
 		}
+	}
+}
+
+// readBody closes a body it read to its end, so that net/http does not
+// try to drain it after the handler; the connection stays open for the
+// next request.
+func TestReadBodyClosesTheBody(t *testing.T) {
+	afterClose := make(chan error, 2)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, ok := readBody(w, r)
+		if !ok || string(b) != "[1]" {
+			t.Errorf("readBody = %q, %v; want [1], true", b, ok)
+		}
+		_, err := r.Body.Read(make([]byte, 1))
+		afterClose <- err
+	}))
+	defer srv.Close()
+	reused := 0
+	for range 2 {
+		trace := &httptrace.ClientTrace{GotConn: func(ci httptrace.GotConnInfo) {
+			if ci.Reused {
+				reused++
+			}
+		}}
+		req, err := http.NewRequestWithContext(httptrace.WithClientTrace(context.Background(), trace), "POST", srv.URL, strings.NewReader("[1]"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if err := <-afterClose; !errors.Is(err, http.ErrBodyReadAfterClose) {
+			t.Errorf("a read after readBody = %v, want %v", err, http.ErrBodyReadAfterClose)
+		}
+	}
+	if reused != 1 {
+		t.Errorf("the second request reused a connection %d times, want 1", reused)
 	}
 }

@@ -50,15 +50,18 @@ func (h *Handler) serveUsageGet(w http.ResponseWriter, r *http.Request) {
 
 // writeAccepted answers a stored report: 202 and {"accepted":n}, written
 // as writeJSON would write it but without reflection, since every report
-// is answered so.
+// is answered so, and with a decision's Date (dateOf).
 func writeAccepted(w http.ResponseWriter, n int) {
 	h := w.Header()
 	h[hdrContentType] = jsonType
 	h[hdrCacheControl] = noStore
+	h[hdrDate] = dateOf(time.Now())
 	w.WriteHeader(http.StatusAccepted)
-	var buf [32]byte
-	b := strconv.AppendInt(append(buf[:0], `{"accepted":`...), int64(n), 10)
+	bp := bufPool.Get().(*[]byte)
+	b := strconv.AppendInt(append((*bp)[:0], `{"accepted":`...), int64(n), 10)
 	_, _ = w.Write(append(b, "}\n"...))
+	*bp = b
+	bufPool.Put(bp)
 }
 
 // serveUsageReport publishes a JSON array of usage CloudEvents (actual or
