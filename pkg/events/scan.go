@@ -307,7 +307,7 @@ func (r *reader) name(field string) string {
 // array calls size with the number of elements of the array name, then
 // each with a reader for every element, which must be an object; with
 // nil for an element that is not one, so later elements keep their
-// indexes.
+// indexes. An empty array reads as an absent one: neither is called.
 func (r *reader) array(name string, size func(n int), each func(*reader)) {
 	v, ok := r.raw(name)
 	if !ok {
@@ -317,6 +317,9 @@ func (r *reader) array(name string, size func(n int), each func(*reader)) {
 	if !ok {
 		r.c.deferProblem(name, "must be an array")
 		return
+	}
+	if len(items) == 0 {
+		return // as absent: Encode omits an empty list, so a round trip keeps nil
 	}
 	size(len(items))
 	for i, it := range items {
