@@ -101,7 +101,20 @@ type call struct {
 	at       time.Time
 	deadline time.Time // PublishWithin's; zero: none
 	err      error
-	done     chan struct{}
+	done     chan struct{} // buffered: the round's answer, sent once
+}
+
+// callPool recycles the calls their callers took an answer from: once its
+// round has answered, the Batcher holds a call no more, and a report
+// saves its call and channel (two allocations, ~200 bytes). A caller that
+// gave up first (its context, its deadline) leaves its call to the
+// collector: a round may still hold it.
+var callPool = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1)} }}
+
+// recycle returns c, answered and received, to callPool.
+func recycle(c *call) {
+	*c = call{done: c.done}
+	callPool.Put(c)
 }
 
 // gone reports whether the call's caller has returned (or is about to) by
@@ -151,13 +164,15 @@ func (b *Batcher) PublishWithin(ctx context.Context, evs []events.Event, timeout
 	if len(evs) == 0 {
 		return nil
 	}
-	c := &call{ctx: ctx, evs: evs, at: time.Now(), done: make(chan struct{})}
+	c := callPool.Get().(*call)
+	c.ctx, c.evs, c.at = ctx, evs, time.Now()
 	if timeout > 0 {
 		c.deadline = c.at.Add(timeout)
 	}
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
+		recycle(c)
 		return ErrBatcherClosed
 	}
 	b.pending = append(b.pending, c)
@@ -182,7 +197,9 @@ func (b *Batcher) PublishWithin(ctx context.Context, evs []events.Event, timeout
 	}
 	select {
 	case <-c.done:
-		return c.err
+		err := c.err
+		recycle(c)
+		return err
 	case <-ctx.Done():
 		return fmt.Errorf("publish %d events: %w", len(evs), ctx.Err())
 	case <-expired:
@@ -317,9 +334,10 @@ func (b *Batcher) round(calls []*call) {
 		}
 		off := 0
 		for _, c := range live {
-			c.err = callError(err, be, off, len(c.evs))
-			off += len(c.evs)
-			close(c.done)
+			n := len(c.evs)
+			c.err = callError(err, be, off, n)
+			off += n
+			c.done <- struct{}{} // the last use of c here: its caller may recycle it
 		}
 		if b.opt.Observe != nil {
 			b.opt.Observe(len(evs), waits)
