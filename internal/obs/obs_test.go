@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -111,6 +112,23 @@ func TestOpsHandlerPprof(t *testing.T) {
 		}
 		if code, _, _ := get(t, h, "/metrics"); code != 200 {
 			t.Errorf("Pprof %v: /metrics = %d", tc.o.Pprof, code)
+		}
+	}
+}
+
+// Without the profiler the runtime samples no allocation for it; with it,
+// the rate stays.
+func TestSampleHeap(t *testing.T) {
+	defer func(r int) { runtime.MemProfileRate = r }(runtime.MemProfileRate)
+	const rate = 4096
+	for _, tc := range []struct {
+		o    Ops
+		want int
+	}{{Ops{Pprof: true}, rate}, {Ops{}, 0}} {
+		runtime.MemProfileRate = rate
+		tc.o.SampleHeap()
+		if runtime.MemProfileRate != tc.want {
+			t.Errorf("Ops{Pprof: %v}.SampleHeap(): MemProfileRate = %d, want %d", tc.o.Pprof, runtime.MemProfileRate, tc.want)
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/pprof"
+	"runtime"
 	"slices"
 	"sync"
 
@@ -153,6 +154,18 @@ type Ops struct {
 	// so profiling is something an operator turns on, not a standing
 	// endpoint on every instance.
 	Pprof bool `envconfig:"PPROF" default:"false"`
+}
+
+// SampleHeap turns the runtime's sampling of allocations for the heap
+// profile off (runtime.MemProfileRate = 0) unless o serves the profiler:
+// nothing else reads the samples, and their records and hash table held
+// ~0.3 MiB of admission's resident memory under load (bench/results.md,
+// issue 13, session 9). service.Main calls it before run; the start-up's initialisers
+// are sampled before it.
+func (o Ops) SampleHeap() {
+	if !o.Pprof {
+		runtime.MemProfileRate = 0
+	}
 }
 
 // OpsHandler serves /metrics from g, /healthz (200 while the process
