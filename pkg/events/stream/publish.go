@@ -265,18 +265,20 @@ func (p *Publisher) send(ctx context.Context, evs []events.Event, errs []error) 
 		idx []int // the events it carries
 	}
 	var msgs []sent
-	bp := encodeBufs.Get().(*[]byte)
-	groups, dups, buf := p.pack(evs, errs, (*bp)[:0])
+	groups, dups := p.pack(evs, errs)
 	for _, group := range groups {
 		var m *nats.Msg
 		var id string
+		b := *group.buf
 		if len(group.idx) == 1 {
 			ev := evs[group.idx[0]]
-			// A copy: the message outlives buf (the async publisher may send it again).
-			m, id = p.single(ev, bytes.Clone(group.data[0])), ev.ID
+			// A copy: the message outlives b (the async publisher may send it again).
+			m, id = p.single(ev, bytes.Clone(b[1:])), ev.ID
 		} else {
-			m, id = p.batch(evs, group.idx, group.data)
+			b = append(b, ']')
+			m, id = p.batch(evs, group.idx, b)
 		}
+		putBuf(&encodeBufs, group.buf, b)
 		f, err := p.js.PublishMsgAsync(m, p.opts(id)...)
 		if err != nil {
 			for _, i := range group.idx {
@@ -286,7 +288,6 @@ func (p *Publisher) send(ctx context.Context, evs []events.Event, errs []error) 
 		}
 		msgs = append(msgs, sent{f, group.idx})
 	}
-	putEncodeBuf(bp, buf)
 	for _, s := range msgs {
 		var err error
 		select {
@@ -352,27 +353,40 @@ func (p *Publisher) fitStream(ctx context.Context) int64 {
 	}
 }
 
-// packed is the events of one message: their indexes and encodings.
+// packed is the events of one message: their indexes, the bytes of their
+// encodings, and buf, from encodeBufs, holding them as a batch without its
+// closing ']' (events.AppendBatch's form: '[', then the encodings joined by
+// ','), so that a batch message is built in place, not copied from a
+// round's encodings.
 type packed struct {
 	idx  []int
-	data [][]byte
-	at   [][2]int // while packing: where each encoding is in the buffer
+	size int
+	buf  *[]byte
 }
 
-// encodeBufs holds the buffers PublishBatch encodes a round's events into
-// and copies them out of into its messages, so that an event costs no
-// allocation of its own (a reserved event's encoding is over a KiB).
-var encodeBufs = sync.Pool{New: func() any { return new([]byte) }}
+// encodeBufs holds the buffers PublishBatch builds its messages' events in
+// and compressBufs the compression's destinations (s2 wants room for
+// incompressible data, s2.MaxEncodedLen of the batch), so that a round
+// costs no allocation besides its messages' data: a reserved event's
+// encoding is over a KiB, a round's few hundred events a few hundred KiB.
+// Two pools, so that neither takes a buffer of the other's, too small for
+// it, and grows one more.
+var (
+	encodeBufs   = sync.Pool{New: newBuf}
+	compressBufs = sync.Pool{New: newBuf}
+)
 
-// maxPooledEncoding keeps the rare huge round's buffer out of the pool.
+func newBuf() any { return new([]byte) }
+
+// maxPooledEncoding keeps the rare huge round's buffer out of the pools.
 const maxPooledEncoding = 1 << 20
 
-// putEncodeBuf returns bp to encodeBufs holding buf, its buffer's last
-// growth, unless buf is huge.
-func putEncodeBuf(bp *[]byte, buf []byte) {
+// putBuf returns bp to pool holding buf, its buffer's last growth, unless
+// buf is huge.
+func putBuf(pool *sync.Pool, bp *[]byte, buf []byte) {
 	if cap(buf) <= maxPooledEncoding {
 		*bp = buf
-		encodeBufs.Put(bp)
+		pool.Put(bp)
 	}
 }
 
@@ -381,13 +395,13 @@ func putEncodeBuf(bp *[]byte, buf []byte) {
 // events.MaxBatchEvents events and p's budget bytes (an event larger than
 // that alone goes out alone, for the server to judge). An event whose id
 // came earlier in evs is left out too, as JetStream would drop it: dups
-// maps its index to the first's, whose result it shares. The encodings are
-// appended to buf and data slices it: they are good until buf is reused.
-func (p *Publisher) pack(evs []events.Event, errs []error, buf []byte) (out []packed, dups map[int]int, _ []byte) {
+// maps its index to the first's, whose result it shares. The caller puts
+// each message's buf back into encodeBufs.
+func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups map[int]int) {
 	open := map[string]int{} // subject -> its last message in out
-	size := map[string]int{} // subject -> bytes of that message's events
 	first := make(map[string]int, len(evs))
 	limit := int(p.budget.Load())
+	e := make([]byte, 0, 2<<10) // one event's encoding, before it goes to its message (most fit)
 	for i, ev := range evs {
 		if j, ok := first[ev.ID]; ok {
 			if dups == nil {
@@ -397,56 +411,46 @@ func (p *Publisher) pack(evs []events.Event, errs []error, buf []byte) (out []pa
 			continue
 		}
 		first[ev.ID] = i
-		start := len(buf)
 		var err error
-		if buf, err = events.AppendEncode(buf, ev); err != nil {
+		if e, err = events.AppendEncode(e[:0], ev); err != nil {
 			errs[i] = err
 			continue
 		}
-		at, n := [2]int{start, len(buf)}, len(buf)-start
 		subj := ev.Type()
 		if j, ok := open[subj]; ok {
 			g := &out[j]
-			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, size[subj]+n) <= limit {
-				g.idx, g.at = append(g.idx, i), append(g.at, at)
-				size[subj] += n
+			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, g.size+len(e)) <= limit {
+				g.idx, g.size = append(g.idx, i), g.size+len(e)
+				*g.buf = append(append(*g.buf, ','), e...)
 				continue
 			}
 		}
-		open[subj], size[subj] = len(out), n
-		out = append(out, packed{idx: []int{i}, at: [][2]int{at}})
+		bp := encodeBufs.Get().(*[]byte)
+		*bp = append(append((*bp)[:0], '['), e...)
+		open[subj] = len(out)
+		out = append(out, packed{idx: []int{i}, size: len(e), buf: bp})
 	}
-	for k := range out { // buf no longer moves
-		g := &out[k]
-		g.data = make([][]byte, len(g.at))
-		for j, at := range g.at {
-			g.data[j] = buf[at[0]:at[1]]
-		}
-	}
-	return out, dups, buf
+	return out, dups
 }
 
-// batch is the message of the events idx of evs, encoded as data.
-func (p *Publisher) batch(evs []events.Event, idx []int, data [][]byte) (*nats.Msg, string) {
+// batch is the message of the events idx of evs, whose batch is joined.
+func (p *Publisher) batch(evs []events.Event, idx []int, joined []byte) (*nats.Msg, string) {
 	ids := make([]string, len(idx))
 	for k, i := range idx {
 		ids[k] = evs[i].ID
 	}
 	m := nats.NewMsg(events.Subject(p.prefix, evs[idx[0]].Type()))
-	size := events.BatchSize(len(data), totalLen(data))
 	if p.plain {
-		m.Data = events.AppendBatch(make([]byte, 0, size), data)
+		m.Data = bytes.Clone(joined)
 	} else {
-		jp, pp := encodeBufs.Get().(*[]byte), encodeBufs.Get().(*[]byte)
-		joined := events.AppendBatch((*jp)[:0], data)
+		pp := compressBufs.Get().(*[]byte)
 		if n := s2.MaxEncodedLen(len(joined)); cap(*pp) < n {
 			*pp = make([]byte, n)
 		}
 		// s2 wants room for incompressible data; the message keeps only a
 		// copy of its 4-6x smaller result (it lives until acknowledged).
 		m.Data = bytes.Clone(s2.Encode((*pp)[:cap(*pp)], joined))
-		putEncodeBuf(jp, joined)
-		putEncodeBuf(pp, *pp)
+		putBuf(&compressBufs, pp, *pp)
 		m.Header.Set(HeaderContentEncoding, EncodingS2)
 	}
 	m.Header.Set("Content-Type", events.BatchContentType)
@@ -454,14 +458,6 @@ func (p *Publisher) batch(evs []events.Event, idx []int, data [][]byte) (*nats.M
 		m.Header.Set(HeaderFirstStored, FirstStoredOwn)
 	}
 	return m, events.BatchID(ids)
-}
-
-func totalLen(bs [][]byte) int {
-	n := 0
-	for _, b := range bs {
-		n += len(b)
-	}
-	return n
 }
 
 // Flush waits until every asynchronous publish of the underlying jetstream

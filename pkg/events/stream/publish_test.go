@@ -39,7 +39,8 @@ func TestCompressedBatchKeepsItsSize(t *testing.T) {
 		idx[i], data[i] = i, b
 	}
 	p := &Publisher{prefix: "quotaflow"}
-	joined := events.BatchSize(len(data), totalLen(data))
+	batch := events.AppendBatch(nil, data)
+	joined := len(batch)
 	live := func() uint64 {
 		runtime.GC()
 		runtime.GC() // the second empties the encoder's pool: only the messages stay
@@ -51,7 +52,7 @@ func TestCompressedBatchKeepsItsSize(t *testing.T) {
 	before := live()
 	msgs := make([]*nats.Msg, held)
 	for i := range msgs {
-		msgs[i], _ = p.batch(evs, idx, data)
+		msgs[i], _ = p.batch(evs, idx, batch)
 	}
 	per := int(live()-before) / held
 	size := len(msgs[0].Data)
