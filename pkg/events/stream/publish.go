@@ -73,6 +73,9 @@ type Publisher struct {
 	// fitted counts the rounds sent whole under a lowered budget: every
 	// refitAfter-th reads the stream's limit again.
 	fitted atomic.Int64
+	// encoded keeps a buffer that PublishBatch builds a message's events
+	// in between rounds, compressed one the compression writes into.
+	encoded, compressed spare
 }
 
 // refitAfter is how many rounds a Publisher sends whole under a lowered
@@ -267,18 +270,7 @@ func (p *Publisher) send(ctx context.Context, evs []events.Event, errs []error) 
 	var msgs []sent
 	groups, dups := p.pack(evs, errs)
 	for _, group := range groups {
-		var m *nats.Msg
-		var id string
-		b := *group.buf
-		if len(group.idx) == 1 {
-			ev := evs[group.idx[0]]
-			// A copy: the message outlives b (the async publisher may send it again).
-			m, id = p.single(ev, bytes.Clone(b[1:])), ev.ID
-		} else {
-			b = append(b, ']')
-			m, id = p.batch(evs, group.idx, b)
-		}
-		putBuf(&encodeBufs, group.buf, b)
+		m, id := p.message(evs, group)
 		f, err := p.js.PublishMsgAsync(m, p.opts(id)...)
 		if err != nil {
 			for _, i := range group.idx {
@@ -354,39 +346,52 @@ func (p *Publisher) fitStream(ctx context.Context) int64 {
 }
 
 // packed is the events of one message: their indexes, the bytes of their
-// encodings, and buf, from encodeBufs, holding them as a batch without its
-// closing ']' (events.AppendBatch's form: '[', then the encodings joined by
-// ','), so that a batch message is built in place, not copied from a
-// round's encodings.
+// encodings, and buf holding them as a batch without its closing ']'
+// (events.AppendBatch's form: '[', then the encodings joined by ','), so
+// that a batch message is built in place, not copied from a round's
+// encodings.
 type packed struct {
 	idx  []int
 	size int
-	buf  *[]byte
+	buf  []byte
 }
 
-// encodeBufs holds the buffers PublishBatch builds its messages' events in
-// and compressBufs the compression's destinations (s2 wants room for
-// incompressible data, s2.MaxEncodedLen of the batch), so that a round
-// costs no allocation besides its messages' data: a reserved event's
-// encoding is over a KiB, a round's few hundred events a few hundred KiB.
-// Two pools, so that neither takes a buffer of the other's, too small for
-// it, and grows one more.
-var (
-	encodeBufs   = sync.Pool{New: newBuf}
-	compressBufs = sync.Pool{New: newBuf}
-)
+// spare keeps one buffer between a Publisher's rounds: the largest given
+// back, up to maxSpare bytes, so that a round costs no allocation besides
+// its messages' data (a reserved event's encoding is over a KiB, a round
+// of a few hundred events a few hundred KiB, and S2 wants room for
+// incompressible data, s2.MaxEncodedLen of the batch). Not a sync.Pool:
+// a Publisher's rounds come one at a time (admission's outbox), and a
+// pool keeps the buffer put back in its processor's private slot, which
+// the next round, resumed on another processor, cannot take: it grew a new
+// one (~1 KiB more allocated per admit, bench/results.md, issue 13,
+// session 10). The buffers stay while the Publisher does.
+type spare struct {
+	mu  sync.Mutex
+	buf []byte
+}
 
-func newBuf() any { return new([]byte) }
+// maxSpare keeps the rare huge round's buffer from staying.
+const maxSpare = 1 << 20
 
-// maxPooledEncoding keeps the rare huge round's buffer out of the pools.
-const maxPooledEncoding = 1 << 20
+// take returns the buffer kept, empty, or nil.
+func (s *spare) take() []byte {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.buf
+	s.buf = nil
+	return b[:0]
+}
 
-// putBuf returns bp to pool holding buf, its buffer's last growth, unless
-// buf is huge.
-func putBuf(pool *sync.Pool, bp *[]byte, buf []byte) {
-	if cap(buf) <= maxPooledEncoding {
-		*bp = buf
-		pool.Put(bp)
+// give keeps b if it is larger than the buffer kept and not huge.
+func (s *spare) give(b []byte) {
+	if cap(b) > maxSpare {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if cap(b) > cap(s.buf) {
+		s.buf = b
 	}
 }
 
@@ -395,8 +400,8 @@ func putBuf(pool *sync.Pool, bp *[]byte, buf []byte) {
 // events.MaxBatchEvents events and p's budget bytes (an event larger than
 // that alone goes out alone, for the server to judge). An event whose id
 // came earlier in evs is left out too, as JetStream would drop it: dups
-// maps its index to the first's, whose result it shares. The caller puts
-// each message's buf back into encodeBufs.
+// maps its index to the first's, whose result it shares. The first
+// message's buf is p.encoded's: the caller gives the bufs back.
 func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups map[int]int) {
 	open := map[string]int{} // subject -> its last message in out
 	first := make(map[string]int, len(evs))
@@ -421,16 +426,31 @@ func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups m
 			g := &out[j]
 			if len(g.idx) < events.MaxBatchEvents && events.BatchSize(len(g.idx)+1, g.size+len(e)) <= limit {
 				g.idx, g.size = append(g.idx, i), g.size+len(e)
-				*g.buf = append(append(*g.buf, ','), e...)
+				g.buf = append(append(g.buf, ','), e...)
 				continue
 			}
 		}
-		bp := encodeBufs.Get().(*[]byte)
-		*bp = append(append((*bp)[:0], '['), e...)
+		var b []byte
+		if len(out) == 0 {
+			b = p.encoded.take()
+		}
 		open[subj] = len(out)
-		out = append(out, packed{idx: []int{i}, size: len(e), buf: bp})
+		out = append(out, packed{idx: []int{i}, size: len(e), buf: append(append(b, '['), e...)})
 	}
 	return out, dups
+}
+
+// message returns the message of the events of g and its Nats-Msg-Id, and
+// gives g's buffer back to p.encoded.
+func (p *Publisher) message(evs []events.Event, g packed) (*nats.Msg, string) {
+	defer func() { p.encoded.give(g.buf) }()
+	if len(g.idx) == 1 {
+		ev := evs[g.idx[0]]
+		// A copy: the message outlives g.buf (the async publisher may send it again).
+		return p.single(ev, bytes.Clone(g.buf[1:])), ev.ID
+	}
+	g.buf = append(g.buf, ']')
+	return p.batch(evs, g.idx, g.buf)
 }
 
 // batch is the message of the events idx of evs, whose batch is joined.
@@ -443,14 +463,14 @@ func (p *Publisher) batch(evs []events.Event, idx []int, joined []byte) (*nats.M
 	if p.plain {
 		m.Data = bytes.Clone(joined)
 	} else {
-		pp := compressBufs.Get().(*[]byte)
-		if n := s2.MaxEncodedLen(len(joined)); cap(*pp) < n {
-			*pp = make([]byte, n)
+		dst := p.compressed.take()
+		if n := s2.MaxEncodedLen(len(joined)); cap(dst) < n {
+			dst = make([]byte, n)
 		}
 		// s2 wants room for incompressible data; the message keeps only a
 		// copy of its 4-6x smaller result (it lives until acknowledged).
-		m.Data = bytes.Clone(s2.Encode((*pp)[:cap(*pp)], joined))
-		putBuf(&compressBufs, pp, *pp)
+		m.Data = bytes.Clone(s2.Encode(dst[:cap(dst)], joined))
+		p.compressed.give(dst)
 		m.Header.Set(HeaderContentEncoding, EncodingS2)
 	}
 	m.Header.Set("Content-Type", events.BatchContentType)

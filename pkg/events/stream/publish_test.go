@@ -3,6 +3,7 @@ package stream
 import (
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -43,7 +44,6 @@ func TestCompressedBatchKeepsItsSize(t *testing.T) {
 	joined := len(batch)
 	live := func() uint64 {
 		runtime.GC()
-		runtime.GC() // the second empties the encoder's pool: only the messages stay
 		var ms runtime.MemStats
 		runtime.ReadMemStats(&ms)
 		return ms.HeapAlloc
@@ -63,5 +63,85 @@ func TestCompressedBatchKeepsItsSize(t *testing.T) {
 	// Beside its data a message holds its ids, headers and batch id: a few KiB.
 	if per > size+joined/4 {
 		t.Errorf("a batch message of %d bytes (%d uncompressed) keeps %d bytes, want at most %d", size, joined, per, size+joined/4)
+	}
+}
+
+// pack builds each message's batch in its own buffer, less the closing
+// ']', in the events' order by subject; an invalid event and a repeated id
+// are left out.
+func TestPackBuildsBatchesInPlace(t *testing.T) {
+	now := time.Now().UTC()
+	act := func(i int) events.Event {
+		return events.NewActual("svc", events.Actual{RequestID: fmt.Sprintf("r-%d", i), Tenant: "acme", User: "u-1", InputTokens: 1}, now)
+	}
+	rel := events.NewReleased("svc", events.Released{RequestID: "r-rel", Tenant: "acme", User: "u-1"}, now)
+	bad := act(9)
+	bad.ID = ""
+	evs := []events.Event{act(0), rel, act(1), bad, act(0), act(2)}
+	enc := func(is ...int) []byte {
+		var parts [][]byte
+		for _, i := range is {
+			b, err := events.Encode(evs[i])
+			if err != nil {
+				t.Fatal(err)
+			}
+			parts = append(parts, b)
+		}
+		return events.AppendBatch(nil, parts)
+	}
+	p := NewPublisher(nil, Config{})
+	errs := make([]error, len(evs))
+	out, dups := p.pack(evs, errs)
+	want := []struct {
+		idx   []int
+		batch []byte
+	}{{[]int{0, 2, 5}, enc(0, 2, 5)}, {[]int{1}, enc(1)}}
+	if len(out) != len(want) {
+		t.Fatalf("pack made %d messages, want %d", len(out), len(want))
+	}
+	for k, w := range want {
+		got := append(out[k].buf, ']')
+		if !slices.Equal(out[k].idx, w.idx) || string(got) != string(w.batch) {
+			t.Errorf("message %d: events %v, batch %.60s…; want %v, %.60s…", k, out[k].idx, got, w.idx, w.batch)
+		}
+	}
+	if errs[3] == nil || len(dups) != 1 || dups[4] != 0 {
+		t.Errorf("pack: invalid event's error %v, dups %v; want an error and map[4:0]", errs[3], dups)
+	}
+}
+
+// A round's buffers are kept for the next, whichever goroutine runs it: a
+// round allocates its messages' data and its bookkeeping (under its
+// batch's size), not its batch and the compression's room again (about 7
+// times its size). The bound leaves room for what the package's other
+// tests' goroutines allocate meanwhile.
+func TestRoundsKeepTheirBuffers(t *testing.T) {
+	const n = events.MaxBatchEvents
+	evs := make([]events.Event, n)
+	for i := range evs {
+		evs[i] = events.NewActual("svc", events.Actual{RequestID: fmt.Sprintf("r-%d", i), Tenant: "acme", User: "u-1", InputTokens: int64(i)}, time.Now().UTC())
+	}
+	p := NewPublisher(nil, Config{}, WithMaxPayload(2*events.MaxBatchSize)) // one message
+	size := 0
+	round := func() { // on a goroutine of its own, as a round resumed on another processor
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			out, _ := p.pack(evs, make([]error, n))
+			size = len(out[0].buf)
+			p.message(evs, out[0])
+		}()
+		<-done
+	}
+	round()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	const rounds = 10
+	for range rounds {
+		round()
+	}
+	runtime.ReadMemStats(&after)
+	if per := int(after.TotalAlloc-before.TotalAlloc) / rounds; per > 2*size {
+		t.Errorf("a round of a %d-byte batch allocated %d bytes, want at most %d", size, per, 2*size)
 	}
 }
