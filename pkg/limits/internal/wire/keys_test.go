@@ -102,3 +102,20 @@ func TestCounterKeys(t *testing.T) {
 		}
 	}
 }
+
+// Every slot's epoch key names that slot, and the keys stay those of
+// earlier releases (Redis holds them).
+func TestSlotEpochKeys(t *testing.T) {
+	for slot := range uint16(NumSlots) {
+		k := SlotEpochKey(slot)
+		tag, ok := strings.CutSuffix(strings.TrimPrefix(k, "qe{"), "}")
+		if !ok || len(tag) == 0 || len(tag) > 4 || tag != hashTag(k) || Slot(tag) != slot {
+			t.Fatalf("SlotEpochKey(%d) = %q, want qe{tag} of a 1-4 character tag of slot %d", slot, k, slot)
+		}
+	}
+	for slot, want := range map[uint16]string{0: "qe{1bz}", 1: "qe{emj}", 12539: "qe{6f1}", NumSlots - 1: "qe{hia}"} {
+		if got := SlotEpochKey(slot); got != want {
+			t.Errorf("SlotEpochKey(%d) = %q, want %q", slot, got, want)
+		}
+	}
+}
