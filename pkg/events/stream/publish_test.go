@@ -23,9 +23,10 @@ func TestHeaderValue(t *testing.T) {
 	}
 }
 
-// A compressed batch message keeps about its compressed size in memory,
-// not the encoder's room for incompressible data (more than the batch's
-// JSON): the async publisher holds each message until it is acknowledged.
+// A compressed batch message is the batch, and keeps about its compressed
+// size in memory, not the encoder's room for incompressible data (more
+// than the batch's JSON): the async publisher holds each message until it
+// is acknowledged.
 func TestCompressedBatchKeepsItsSize(t *testing.T) {
 	const n = 500
 	evs, idx, data := make([]events.Event, n), make([]int, n), make([][]byte, n)
@@ -52,11 +53,18 @@ func TestCompressedBatchKeepsItsSize(t *testing.T) {
 	before := live()
 	msgs := make([]*nats.Msg, held)
 	for i := range msgs {
-		msgs[i], _ = p.batch(evs, idx, batch)
+		var err error
+		if msgs[i], _, err = p.batch(evs, idx, batch); err != nil {
+			t.Fatal(err)
+		}
 	}
 	per := int(live()-before) / held
 	size := len(msgs[0].Data)
 	runtime.KeepAlive(msgs)
+	// Compressed in chunks (compressChunk), it is still one S2 block of the batch.
+	if got, err := Payload(msgs[0].Header, msgs[0].Data); err != nil || string(got) != string(batch) {
+		t.Fatalf("Payload of a batch of %d bytes (%d chunks) = %d bytes, %v; want the batch", joined, (joined+compressChunk-1)/compressChunk, len(got), err)
+	}
 	if size > joined/4 {
 		t.Fatalf("compressed %d bytes into %d, want a quarter at most", joined, size)
 	}
