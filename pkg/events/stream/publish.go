@@ -362,8 +362,8 @@ type packed struct {
 // spare keeps one buffer between a Publisher's rounds: the largest given
 // back, up to maxSpare bytes, so that a round costs no allocation besides
 // its messages' data (a reserved event's encoding is over a KiB, a round
-// of a few hundred events a few hundred KiB, and S2 wants room for
-// incompressible data, s2.MaxEncodedLen of the batch). Not a sync.Pool:
+// of a few hundred events a few hundred KiB; compress adds its chunks'
+// room for incompressible data). Not a sync.Pool:
 // a Publisher's rounds come one at a time (admission's outbox), and a
 // pool keeps the buffer put back in its processor's private slot, which
 // the next round, resumed on another processor, cannot take: it grew a new
