@@ -148,14 +148,15 @@ type abTarget struct {
 
 // abOpen loads each target in turn, rounds times in alternating order, in
 // an open loop of frac × the median of closed rates over conc connections,
-// and prints latency beside what may make its tail: the load generator's
-// lag, Reserve calls per round trip, garbage collections per second and
-// their stop-the-world pauses.
+// and prints latency beside what may make its tail: the wait for a free
+// connection, the load generator's own lag, Reserve calls per round trip,
+// garbage collections per second and their stop-the-world pauses.
 func abOpen(closed []float64, frac float64, rounds, conc, users int, dur time.Duration, ts []abTarget) {
 	rate := frac * stats.Median(closed)
-	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of the before build's median closed-loop rate) over %d connections\n\n", rate, 100*frac, conc)
-	fmt.Println("| round | target | req/s | p50 | p99 | p99.9 | max | lag p99 | in admission: p99 | admission CPU/req | Reserves/batch | GCs/s | GC pauses/s | RSS | failopen | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of the before build's median closed-loop rate) over %d connections; "+
+		"conn wait: from due to taken by a free connection; lag: the load generator's own lateness, from due or taken to written\n\n", rate, 100*frac, conc)
+	fmt.Println("| round | target | req/s | p50 | p99 | p99.9 | max | conn wait p99 | lag p99 | in admission: p99 | admission CPU/req | Reserves/batch | GCs/s | GC pauses/s | RSS | failopen | statuses |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	p50, p99, p999 := make([][]float64, len(ts)), make([][]float64, len(ts)), make([][]float64, len(ts))
 	rss, gcs, inside := make([][]float64, len(ts)), make([][]float64, len(ts)), make([][]float64, len(ts))
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
@@ -182,8 +183,8 @@ func abOpen(closed []float64, frac float64, rounds, conc, users int, dur time.Du
 			rss[i], gcs[i] = append(rss[i], float64(rssMiB(t.p))), append(gcs[i], gc)
 			in99 := quantile(h0, buckets(t.ops, admitDuration), 0.99)
 			inside[i] = append(inside[i], ms(in99))
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | %s | ≤ %s | %.1f µs | %s | %.1f | %.2f ms | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
-				pct(res, 50), pct(res, 99), pct(res, 99.9), res.Latency.Max().Round(10*time.Microsecond), res.Lag.Quantile(0.99).Round(time.Microsecond), in99,
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | %s | %s | ≤ %s | %.1f µs | %s | %.1f | %.2f ms | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
+				pct(res, 50), pct(res, 99), pct(res, 99.9), res.Latency.Max().Round(10*time.Microsecond), us(&res.ConnWait, 0.99), us(&res.Lag, 0.99), in99,
 				float64((cpuTime(t.p)-c0).Microseconds())/n, ratio(calls1-calls0, batches1-batches0), gc, 1000*pause,
 				rss[i][len(rss[i])-1], failopens(t.ops)-f0, res.Statuses())
 		}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/stats"
 )
 
@@ -79,8 +80,9 @@ type openCase struct {
 // the same rate and at o.openFrac of its own median closed-loop rate (what
 // the load generator and the host's scheduling cost a server that is as
 // busy as five), in o.rounds interleaved rounds, over o.openConns
-// connections. It prints where the tail may come from beside it: the load
-// generator's lag (how late it wrote requests after they were due), the
+// connections. It prints where the tail may come from beside it: the wait
+// for a free connection (slow answers hold them all), the load generator's
+// own lag (how late it wrote requests after they were due or taken), the
 // time each process's threads waited for a CPU, admission's own p99,
 // garbage collections, Reserve batches and the time each batch held Redis.
 func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget, rate float64) (peerRun, error)) error {
@@ -94,14 +96,15 @@ func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget
 	}
 	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of %s's median closed-loop rate at c=%d), the plain handler also at %.0f %% of its own; "+
 		"%d connections sharing one schedule (a connection takes the next request due once its answer is in); %d rounds in rotating order; "+
-		"lag: how late the load generator wrote a request after it was due (counted in the latency); "+
+		"conn wait: how long a request waited for a free connection after it was due (slow answers hold every connection; counted in the latency); "+
+		"lag: how late the load generator wrote a request after it was due or taken by a connection, whichever came last (its own lateness; counted in the latency); "+
 		"wait: µs per request the process's threads were runnable but waited for a CPU (/proc/<pid>/task/*/schedstat); "+
 		"batch: Reserve calls per round trip to Redis (mean, and the bucket holding the p99 batch); "+
 		"script: µs Redis spent in one batch's script call (mean, p50, p99; INFO commandstats, latencystats)\n\n",
 		rate, 100*o.openFrac, five.name, top, 100*o.openFrac, o.openConns, o.rounds)
-	fmt.Println("| round | target | due req/s | req/s | p50 | p99 | p99.9 | max | lag p50 | lag p99 | in admission: p99 | server CPU µs/req | load gen CPU µs/req | " +
+	fmt.Println("| round | target | due req/s | req/s | p50 | p99 | p99.9 | max | conn wait p50 | conn wait p99 | lag p50 | lag p99 | in admission: p99 | server CPU µs/req | load gen CPU µs/req | " +
 		"wait: server | Redis | nats-server | load gen | GCs/s | batch mean | batch p99 | script mean | script p50 | script p99 | statuses |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for r := range o.rounds {
 		for i := range cs {
 			c := cs[(i+r)%len(cs)]
@@ -111,24 +114,25 @@ func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget
 			}
 			c.runs = append(c.runs, run)
 			t := c.t
-			fmt.Printf("| %d | %s | %.0f | %.0f | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %.1f | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s |\n",
+			fmt.Printf("| %d | %s | %.0f | %.0f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f | %.1f | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s |\n",
 				r+1, c.name, c.rate, run.res.Rate(), pct(run.res, 50), pct(run.res, 99), pct(run.res, 99.9), run.res.Latency.Max().Round(10*time.Microsecond),
-				lag(run, 0.5), lag(run, 0.99), orDashD(t.ops, run.inside), run.server, run.gen, run.waits[0],
+				us(&run.res.ConnWait, 0.5), us(&run.res.ConnWait, 0.99), us(&run.res.Lag, 0.5), us(&run.res.Lag, 0.99), orDashD(t.ops, run.inside), run.server, run.gen, run.waits[0],
 				orDash(t.redis, run.waits[1]), orDash(t.nats, run.waits[2]), run.waits[3], orDashF(t.ops, run.gcs),
 				orDashN(t.ops, run.batchMean, 1), orDashN(t.ops, run.batchP99, 0), orDashN(t.ops, run.script.mean, 0),
 				orDashN(t.ops, run.script.p50, 0), orDashN(t.ops, run.script.p99, 0), run.res.Statuses())
 		}
 	}
 	fmt.Printf("\nopen loop, medians over %d rounds:\n\n", o.rounds)
-	fmt.Println("| target | due req/s | p50 | p99 | p99.9 | lag p99 | in admission: p99 | server CPU µs/req | load gen CPU µs/req | wait: server | Redis | nats-server | load gen | GCs/s | batch mean | script mean | script p99 |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| target | due req/s | p50 | p99 | p99.9 | conn wait p99 | lag p99 | in admission: p99 | server CPU µs/req | load gen CPU µs/req | wait: server | Redis | nats-server | load gen | GCs/s | batch mean | script mean | script p99 |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, c := range cs {
 		t := c.t
 		f := func(get func(peerRun) float64) float64 { return medianOf(c.runs, get) }
 		d := func(get func(peerRun) time.Duration) float64 { return f(func(r peerRun) float64 { return ms(get(r)) }) }
-		fmt.Printf("| %s | %.0f | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %s | %.1f | %.1f | %.1f | %s | %s | %.1f | %s | %s | %s | %s |\n", c.name, c.rate,
+		fmt.Printf("| %s | %.0f | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %.2f ms | %s | %.1f | %.1f | %.1f | %s | %s | %.1f | %s | %s | %s | %s |\n", c.name, c.rate,
 			d(func(r peerRun) time.Duration { return pct(r.res, 50) }), d(func(r peerRun) time.Duration { return pct(r.res, 99) }),
-			d(func(r peerRun) time.Duration { return pct(r.res, 99.9) }), d(func(r peerRun) time.Duration { return r.res.Lag.Quantile(0.99) }),
+			d(func(r peerRun) time.Duration { return pct(r.res, 99.9) }), d(func(r peerRun) time.Duration { return r.res.ConnWait.Quantile(0.99) }),
+			d(func(r peerRun) time.Duration { return r.res.Lag.Quantile(0.99) }),
 			orDashD(t.ops, time.Duration(f(func(r peerRun) float64 { return float64(r.inside) }))),
 			f(func(r peerRun) float64 { return r.server }), f(func(r peerRun) float64 { return r.gen }), f(func(r peerRun) float64 { return r.waits[0] }),
 			orDash(t.redis, f(func(r peerRun) float64 { return r.waits[1] })), orDash(t.nats, f(func(r peerRun) float64 { return r.waits[2] })),
@@ -141,10 +145,9 @@ func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget
 	return nil
 }
 
-// lag is the q-th quantile of how late run's load generator wrote its
-// requests after they were due.
-func lag(run peerRun, q float64) string {
-	return run.res.Lag.Quantile(q).Round(time.Microsecond).String()
+// us is h's q-th quantile, to the µs.
+func us(h *load.Histogram, q float64) string {
+	return h.Quantile(q).Round(time.Microsecond).String()
 }
 
 func orDashN(ops string, v float64, prec int) string {

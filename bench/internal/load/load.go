@@ -16,7 +16,8 @@
 // shows in the percentiles instead of slowing the load (coordinated
 // omission). A slow answer delays only its own connection: requests wait in
 // the generator only while every connection is busy (by Little's law, once
-// Conns / Rate is less than the latency), and Result.Lag shows that wait.
+// Conns / Rate is less than the latency): Result.ConnWait shows that wait,
+// Result.Lag the generator's own lateness beside it.
 package load
 
 import (
@@ -73,19 +74,28 @@ type Config struct {
 	// NewClient returns the Client of connection conn (0 ≤ conn < Conns).
 	NewClient func(conn int) Client
 	// Timeout bounds the wait for one answer after Duration ends (default
-	// 10 s), so a stalled server cannot hang the run.
+	// 10 s), so a stalled server cannot hang the run: it is every
+	// connection's deadline, and an open loop counts the requests it has
+	// not sent by then as errors.
 	Timeout time.Duration
 }
 
 // Result is what a Run measured.
 type Result struct {
 	Requests uint64        // answers read
-	Errors   uint64        // failed connections (each dialled again) and unreadable answers
+	Errors   uint64        // failed connections (each dialled again), unreadable answers and, in an open loop, requests left when the Timeout after Duration ran out
 	Elapsed  time.Duration // from the start to the last answer
 	Status   map[int]uint64
 	Latency  Histogram
-	// Lag counts, in an open loop, how late each request was written after
-	// it was due: the load generator's own share of Latency.
+	// ConnWait counts, in an open loop, how long each answered request
+	// waited for a free connection: from when it was due to when a
+	// connection, its last answer read, took it (0 if taken before it was
+	// due). It grows when slow answers hold every connection, so it is
+	// the server's doing as much as the generator's.
+	ConnWait Histogram
+	// Lag counts, in an open loop, how late each answered request was
+	// written after it was due or taken, whichever came last: the load
+	// generator's own lateness (its timer, dial and scheduling).
 	Lag     Histogram
 	LastErr error // the last of Errors, for the log
 }
@@ -133,6 +143,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		res.Requests += w.requests
 		res.Errors += w.errors
 		res.Latency.Merge(&w.hist)
+		res.ConnWait.Merge(&w.connWait)
 		res.Lag.Merge(&w.lag)
 		for code, n := range w.status {
 			if n > 0 {
@@ -173,7 +184,9 @@ type worker struct {
 	conn      net.Conn
 	rd        *bufio.Reader
 	buf, body []byte
-	hist, lag Histogram
+	hist      Histogram
+	connWait  Histogram // open loop
+	lag       Histogram // open loop
 	status    [600]uint64
 	requests  uint64
 	errors    uint64
@@ -190,11 +203,17 @@ func (w *worker) run(ctx context.Context) {
 		// The closed loop ends with the clock; the open loop with its
 		// schedule, so that it sends exactly the requests due before the
 		// end even when it runs late.
-		var due time.Time
+		var due, taken time.Time
 		if w.sched != nil {
-			due = w.sched.take()
+			due, taken = w.sched.take(), time.Now()
 			if !due.Before(w.end) {
 				return
+			}
+			// Past the connections' deadline a request can only fail:
+			// count it without dialling a connection for it.
+			if !taken.Before(w.end.Add(w.cfg.Timeout)) {
+				w.fail(errPastDeadline)
+				continue
 			}
 		} else if now := time.Now(); !now.Before(w.end) && (!w.inSequence() || now.After(w.end.Add(w.cfg.Timeout))) {
 			return
@@ -218,9 +237,11 @@ func (w *worker) run(ctx context.Context) {
 			}
 		}
 		w.buf = w.client.Next(w.buf[:0])
+		var connWait, lag time.Duration
 		if w.sched != nil {
-			w.lag.Record(time.Since(due))
-			sent = due // latency counts from when the request was due
+			connWait = max(0, taken.Sub(due))
+			lag = time.Since(due.Add(connWait)) // from max(due, taken)
+			sent = due                          // latency counts from when the request was due
 		}
 		if _, err := w.conn.Write(w.buf); err != nil {
 			w.fail(err)
@@ -233,6 +254,10 @@ func (w *worker) run(ctx context.Context) {
 		}
 		lat := time.Since(sent)
 		w.hist.Record(lat)
+		if w.sched != nil {
+			w.connWait.Record(connWait)
+			w.lag.Record(lag)
+		}
 		w.status[status]++
 		w.requests++
 		w.client.Response(status, body, lat)
@@ -277,8 +302,9 @@ func (w *worker) fail(err error) {
 }
 
 var (
-	errChunked = errors.New("chunked answer: not supported")
-	errLength  = errors.New("answer without Content-Length")
+	errPastDeadline = errors.New("due after the connections' deadline (end + Timeout)")
+	errChunked      = errors.New("chunked answer: not supported")
+	errLength       = errors.New("answer without Content-Length")
 )
 
 // read reads one answer: the status line, the headers (for Content-Length

@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -184,6 +186,116 @@ func TestOpenLoopStallHoldsOneConnection(t *testing.T) {
 	}
 	if res.Requests != due || res.Errors != 0 {
 		t.Errorf("Run with one answer held = %d requests, %d errors (last %v); want %d, none", res.Requests, res.Errors, res.LastErr, due)
+	}
+}
+
+// latencies is a Client that keeps the latency of each answer, in the
+// order of its requests (with one connection, the schedule's).
+type latencies struct {
+	Client
+	got []time.Duration
+}
+
+func (l *latencies) Response(_ int, _ []byte, lat time.Duration) { l.got = append(l.got, lat) }
+
+// With one connection whose first answer the server holds, the requests
+// due during the hold wait for the connection: each one's latency, counted
+// from when it was due, is at least the hold less its due offset, and the
+// first after the held one waited at least the hold less one interval for
+// the connection. The bounds follow from the order of events, not from the
+// host's speed.
+func TestOpenLoopCountsTheWaitForAConnection(t *testing.T) {
+	const (
+		every = 2 * time.Millisecond // 500/s
+		due   = 20                   // before 40 ms
+		hold  = 30 * time.Millisecond
+	)
+	var (
+		mu    sync.Mutex
+		first = true
+	)
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		mu.Lock()
+		held := first
+		first = false
+		mu.Unlock()
+		if held {
+			time.Sleep(hold)
+		}
+		w.Write([]byte("{}"))
+	}))
+	defer ts.Close()
+	addr := strings.TrimPrefix(ts.URL, "http://")
+	c := &latencies{Client: Users(NewPost(addr, "/"), 1, func(dst []byte, _ int) []byte { return append(dst, "{}"...) })(0)}
+	res, err := Run(context.Background(), Config{
+		Addr: addr, Conns: 1, Duration: due * every, Rate: float64(time.Second / every), Timeout: 10 * time.Second,
+		NewClient: func(int) Client { return c },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Requests != due || res.Errors != 0 || len(c.got) != due {
+		t.Fatalf("Run = %d requests (%d seen), %d errors (last %v); want %d, none", res.Requests, len(c.got), res.Errors, res.LastErr, due)
+	}
+	for k, lat := range c.got {
+		if offset := time.Duration(k) * every; offset < hold && lat < hold-offset {
+			t.Errorf("request %d (due at +%v) latency %v, want ≥ %v: counted from its due time, it includes the hold", k, offset, lat, hold-offset)
+		}
+	}
+	if w := res.ConnWait.Max(); w < hold-every {
+		t.Errorf("ConnWait.Max() = %v, want ≥ %v (request 1 waited for the held connection)", w, hold-every)
+	}
+	if res.ConnWait.Count() != res.Requests || res.Lag.Count() != res.Requests {
+		t.Errorf("ConnWait, Lag count %d, %d; want one per request, %d", res.ConnWait.Count(), res.Lag.Count(), res.Requests)
+	}
+	if res.Lag.Max() <= 0 {
+		t.Errorf("Lag.Max() = %v, want > 0 (a request is written after it is due or taken)", res.Lag.Max())
+	}
+}
+
+// Once the connections' deadline (Duration + Timeout) has passed, an open
+// loop counts the requests still due as errors without dialling for them:
+// the server holds one answer past the deadline, and sees one connection.
+func TestOpenLoopPastTheDeadline(t *testing.T) {
+	const due = 20 // every 5 ms before 100 ms
+	var (
+		mu       sync.Mutex
+		requests int
+		conns    atomic.Int64
+	)
+	ts := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body) // so that the context ends when the client hangs up
+		mu.Lock()
+		requests++
+		held := requests == 5
+		mu.Unlock()
+		if held {
+			<-r.Context().Done()
+			return
+		}
+		w.Write([]byte("{}"))
+	}))
+	ts.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	ts.Start()
+	defer ts.Close()
+	addr := strings.TrimPrefix(ts.URL, "http://")
+	res, _ := Run(context.Background(), Config{ // no answer at all is an error, on a host slow enough
+		Addr: addr, Conns: 1, Duration: 100 * time.Millisecond, Rate: 200, Timeout: 100 * time.Millisecond,
+		NewClient: Users(NewPost(addr, "/"), 1, func(dst []byte, _ int) []byte { return append(dst, "{}"...) }),
+	})
+	if res.Requests+res.Errors != due || res.Requests >= due {
+		t.Errorf("Run = %d requests, %d errors; want %d in all, some failed", res.Requests, res.Errors, due)
+	}
+	if n := conns.Load(); n != 1 {
+		t.Errorf("server saw %d connections, want 1", n)
+	}
+	if res.Lag.Count() != res.Requests || res.ConnWait.Count() != res.Requests {
+		t.Errorf("Lag, ConnWait count %d, %d; want one per answered request, %d", res.Lag.Count(), res.ConnWait.Count(), res.Requests)
 	}
 }
 
