@@ -16,10 +16,10 @@ import (
 // reserveBatch is admission's histogram of Reserve calls per round trip.
 const reserveBatch = "quotaflow_admission_reserve_batch_size_bucket"
 
-// scriptCalls is what a Redis spent in script calls (one per Reserve
-// batch) since its statistics were last reset: calls, mean and
-// percentiles of their time in µs (INFO commandstats and latencystats,
-// the engine's time, not the round trip).
+// scriptCalls is what a Redis spent in script calls (one per up to 64
+// Reserves of a batch, wire.MaxBatch) since its statistics were last
+// reset: calls, mean and percentiles of their time in µs (INFO
+// commandstats and latencystats, the engine's time, not the round trip).
 type scriptCalls struct {
 	calls, mean, p50, p99 float64
 }
@@ -84,7 +84,8 @@ type openCase struct {
 // for a free connection (slow answers hold them all), the load generator's
 // own lag (how late it wrote requests after they were due or taken), the
 // time each process's threads waited for a CPU, admission's own p99,
-// garbage collections, Reserve batches and the time each batch held Redis.
+// garbage collections, Reserve batches and the time each script call (up to
+// 64 Reserves) held Redis.
 func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget, rate float64) (peerRun, error)) error {
 	top := o.levels[len(o.levels)-1]
 	rate := o.openFrac * stats.Median(rates(five.runs[top], nil))
@@ -100,7 +101,7 @@ func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget
 		"lag: how late the load generator wrote a request after it was due or taken by a connection, whichever came last (its own lateness; counted in the latency); "+
 		"wait: µs per request the process's threads were runnable but waited for a CPU (/proc/<pid>/task/*/schedstat); "+
 		"batch: Reserve calls per round trip to Redis (mean, and the bucket holding the p99 batch); "+
-		"script: µs Redis spent in one batch's script call (mean, p50, p99; INFO commandstats, latencystats)\n\n",
+		"script: µs Redis spent in one script call of up to 64 Reserves, a batch's or part of one (mean, p50, p99; INFO commandstats, latencystats)\n\n",
 		rate, 100*o.openFrac, five.name, top, 100*o.openFrac, o.openConns, o.rounds)
 	fmt.Println("| round | target | due req/s | req/s | p50 | p99 | p99.9 | max | conn wait p50 | conn wait p99 | lag p50 | lag p99 | in admission: p99 | server CPU µs/req | load gen CPU µs/req | " +
 		"wait: server | Redis | nats-server | load gen | GCs/s | batch mean | batch p99 | script mean | script p50 | script p99 | statuses |")

@@ -70,7 +70,7 @@ type peerRun struct {
 	gcs                      float64       // admission's garbage collections per second
 	inside                   time.Duration // admission's p99 from its own request-duration histogram (its bucket's bound)
 	batchMean, batchP99      float64       // admission's Reserve calls per round trip: mean, the bucket of the p99 batch
-	script                   scriptCalls   // its Redis's script calls (one per batch)
+	script                   scriptCalls   // its Redis's script calls (one per ≤ 64 Reserves of a batch)
 }
 
 // procs holds a figure of each process of a run: the server, its Redis,
