@@ -63,7 +63,7 @@ func main() {
 	hotMode := flag.Bool("hot", false, "-scale: one admission instance a plan (one limit, five limits) on a 3-master Redis Cluster, the users in one tenant against over many, and each master's CPU per request")
 	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
-	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate) (0: not)")
+	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate and at this fraction of its own closed-loop rate) (0: not)")
 	openConns := flag.Int("open-conns", 256, "-peer and -ab: the open loop's connections, sharing its schedule (Little's law: enough that requests wait in the generator only when latency passes open-conns / rate)")
 	flag.Parse()
 	var set []string
