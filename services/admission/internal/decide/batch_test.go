@@ -170,3 +170,26 @@ func TestIdleCallerTakesRunnableCallersAlong(t *testing.T) {
 	}
 	t.Fatal("no try sent the four calls in one round trip")
 }
+
+// A caller whose yield brought no other call along spares the next
+// idleSkips idle callers theirs: alone, as at low concurrency, the yield is
+// paid once in idleSkips+1 calls. Then the next idle caller yields again.
+func TestLoneCallersSkipTheYield(t *testing.T) {
+	b := newBatcher(func(_ context.Context, qs []int) []limits.Reserved {
+		return make([]limits.Reserved, len(qs))
+	}, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
+	b.do(context.Background(), time.Minute, 0)
+	if b.skip != idleSkips {
+		t.Fatalf("after a lone yield: skip = %d, want %d", b.skip, idleSkips)
+	}
+	for i := range idleSkips {
+		b.do(context.Background(), time.Minute, i)
+	}
+	if b.skip != 0 {
+		t.Fatalf("after %d lone calls: skip = %d, want 0 (the next yields)", idleSkips, b.skip)
+	}
+	b.do(context.Background(), time.Minute, 0)
+	if b.skip != idleSkips {
+		t.Fatalf("after the next lone yield: skip = %d, want %d", b.skip, idleSkips)
+	}
+}

@@ -89,8 +89,10 @@ const (
 	// a PING and a WINDOW_UPDATE each round trip on every connection that
 	// receives data: frames, flushes and wake-ups that calls of a few
 	// hundred bytes pay for and never need. A stream's window holds the
-	// largest message; a connection's bounds what its callers can have
-	// sent unread (the estimate's own bound is 16 MiB).
+	// largest message. grpc-go refills a connection's window as data
+	// arrives, not as it is read, so it bounds nothing held: a connection
+	// can make the server hold MaxConcurrentStreams × MaxMessageBytes
+	// (16 MiB) of unread requests, as with the default windows.
 	StreamWindow = MaxMessageBytes
 	ConnWindow   = 1 << 20
 )
