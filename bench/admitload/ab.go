@@ -98,10 +98,10 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 			t.redis = append(t.redis, (u1-u0)/n)
 			t.p99 = append(t.p99, float64(pct(res, 99).Microseconds())/1000)
 			t.local = append(t.local, failopens(t.ops)-f0)
-			t.rss = append(t.rss, float64(rssMiB(t.p)))
+			t.rss = append(t.rss, rssMiB(t.p))
 			t.allocs = append(t.allocs, (metricSum(t.ops, "go_memstats_mallocs_total", "")-m0)/n)
 			t.kib = append(t.kib, (metricSum(t.ops, "go_memstats_alloc_bytes_total", "")-k0)/n/1024)
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f | %.2f | %.1f µs | %.1f µs | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %.1f µs | %.1f | %.2f | %.1f µs | %.1f µs | %.1f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
 				pct(res, 50), pct(res, 99), t.cpu[r], t.allocs[r], t.kib[r], t.rcpu[r], t.redis[r], t.rss[r], t.local[r], res.Statuses())
 		}
 	}
@@ -109,7 +109,7 @@ func ab(ctx context.Context, base string, rounds, conc, users int, dur, redisTim
 	fmt.Println("| target | req/s | p99 | admission CPU/req | allocs/req | KiB/req | Redis CPU/req | in scripts/req | RSS |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	for _, t := range ts {
-		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f | %.2f | %.1f µs | %.1f µs | %.0f MiB |\n", t.name, stats.Median(t.rps), stats.Median(t.p99),
+		fmt.Printf("| %s | %.0f | %.2f ms | %.1f µs | %.1f | %.2f | %.1f µs | %.1f µs | %.1f MiB |\n", t.name, stats.Median(t.rps), stats.Median(t.p99),
 			stats.Median(t.cpu), stats.Median(t.allocs), stats.Median(t.kib), stats.Median(t.rcpu), stats.Median(t.redis), stats.Median(t.rss))
 	}
 	fmt.Printf("\nafter / before, req/s: %.3f (median of the per-round ratios %.3f)\n",
@@ -180,10 +180,10 @@ func abOpen(closed []float64, frac float64, rounds, conc, users int, dur time.Du
 			gc := (metricSum(t.ops, "go_gc_duration_seconds_count", "") - n0) / secs
 			pause := (metricSum(t.ops, "go_gc_duration_seconds_sum", "") - s0) / secs
 			p50[i], p99[i], p999[i] = append(p50[i], ms(pct(res, 50))), append(p99[i], ms(pct(res, 99))), append(p999[i], ms(pct(res, 99.9)))
-			rss[i], gcs[i] = append(rss[i], float64(rssMiB(t.p))), append(gcs[i], gc)
+			rss[i], gcs[i] = append(rss[i], rssMiB(t.p)), append(gcs[i], gc)
 			in99 := quantile(h0, buckets(t.ops, admitDuration), 0.99)
 			inside[i] = append(inside[i], ms(in99))
-			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | %s | %s | ≤ %s | %.1f µs | %s | %.1f | %.2f ms | %.0f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
+			fmt.Printf("| %d | %s | %.0f | %s | %s | %s | %s | %s | %s | ≤ %s | %.1f µs | %s | %.1f | %.2f ms | %.1f MiB | %.0f | %s |\n", r+1, t.name, res.Rate(),
 				pct(res, 50), pct(res, 99), pct(res, 99.9), res.Latency.Max().Round(10*time.Microsecond), us(&res.ConnWait, 0.99), us(&res.Lag, 0.99), in99,
 				float64((cpuTime(t.p)-c0).Microseconds())/n, ratio(calls1-calls0, batches1-batches0), gc, 1000*pause,
 				rss[i][len(rss[i])-1], failopens(t.ops)-f0, res.Statuses())
@@ -192,7 +192,7 @@ func abOpen(closed []float64, frac float64, rounds, conc, users int, dur time.Du
 	fmt.Printf("\nopen loop, medians over %d rounds (in admission: the bucket of its own request-duration histogram holding the p99, "+
 		"from the request read to the answer written):\n\n| target | p50 | p99 | p99.9 | in admission: p99 | GCs/s | RSS |\n|---|---|---|---|---|---|---|\n", rounds)
 	for i, t := range ts {
-		fmt.Printf("| %s | %.2f ms | %.2f ms | %.2f ms | ≤ %.2f ms | %.1f | %.0f MiB |\n", t.name, stats.Median(p50[i]), stats.Median(p99[i]),
+		fmt.Printf("| %s | %.2f ms | %.2f ms | %.2f ms | ≤ %.2f ms | %.1f | %.1f MiB |\n", t.name, stats.Median(p50[i]), stats.Median(p99[i]),
 			stats.Median(p999[i]), stats.Median(inside[i]), stats.Median(gcs[i]), stats.Median(rss[i]))
 	}
 }

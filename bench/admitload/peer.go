@@ -514,6 +514,8 @@ func orDashD(ops string, d time.Duration) string {
 	return "≤ " + d.String()
 }
 
-func mib(b int64) string { return strconv.FormatInt(b>>20, 10) + " MiB" }
+// mib is b in MiB to a tenth: the RSS goal (40 MB = 38.1 MiB) sits within
+// a MiB of the readings.
+func mib(b int64) string { return strconv.FormatFloat(float64(b)/(1<<20), 'f', 1, 64) + " MiB" }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

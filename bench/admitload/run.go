@@ -179,7 +179,7 @@ func run(ctx context.Context, levels []int, users int, dur, down, redisTimeout t
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	row := func(name string, conc int, r *load.Result, p *exec.Cmd, cpu time.Duration, calls, usec, perBatch, failopen float64) {
 		n := float64(r.Requests)
-		fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %d MiB | %s | %s | %s | %.0f | %s |\n", name, conc, r.Rate(),
+		fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %.1f MiB | %s | %s | %s | %.0f | %s |\n", name, conc, r.Rate(),
 			pct(r, 50), pct(r, 99), (cpu / time.Duration(max(1, r.Requests))).Round(100*time.Nanosecond), rssMiB(p),
 			ratio(calls, n), ratio(usec, n), ratio(perBatch, 1), failopen, r.Statuses())
 	}
@@ -355,9 +355,9 @@ func cpuTime(p *exec.Cmd) time.Duration {
 	return t
 }
 
-func rssMiB(p *exec.Cmd) int64 {
+func rssMiB(p *exec.Cmd) float64 {
 	m, _ := proc.Memory(p.Process.Pid)
-	return m.RSS >> 20
+	return float64(m.RSS) / (1 << 20)
 }
 
 // build compiles package pkg of the module checked out in src into dir,

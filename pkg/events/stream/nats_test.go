@@ -433,9 +433,10 @@ func TestConsumeAndDeadLetter(t *testing.T) {
 	js, cfg := realNATS(t)
 	// Redeliveries come from the handler's naks alone: with the suite's
 	// 300 ms AckWait a loaded host let a delivery's ack wait pass, and the
-	// poison came a fourth time (dead-lettered 3, attempts 4). Naks back off
-	// 1 s, then 2 s.
-	cfg.AckWait = 3 * time.Second
+	// poison came a fourth time (dead-lettered 3, attempts 4), and at load
+	// 15 so did 3 s (session 10: delivered 4 times; dead-lettered 2,
+	// attempts 2). Naks back off 1 s, then 2 s.
+	cfg.AckWait = 10 * time.Second
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	p := stream.NewPublisher(js, cfg)

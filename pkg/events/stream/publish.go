@@ -359,42 +359,63 @@ type packed struct {
 	buf  []byte
 }
 
-// spare keeps one buffer between a Publisher's rounds: the largest given
-// back, up to maxSpare bytes, so that a round costs no allocation besides
-// its messages' data (a reserved event's encoding is over a KiB, a round
-// of a few hundred events a few hundred KiB; compress adds its chunks'
-// room for incompressible data). Not a sync.Pool:
-// a Publisher's rounds come one at a time (admission's outbox), and a
-// pool keeps the buffer put back in its processor's private slot, which
+// spare keeps buffers between a Publisher's rounds: up to spareBufs, their
+// capacities at most maxSpare together, so that a round costs no allocation
+// besides its messages' data (a reserved event's encoding is over a KiB, a
+// round of a few hundred events a few hundred KiB, one message a type;
+// compress adds its chunks' room for incompressible data). Not a sync.Pool:
+// a pool keeps the buffer put back in its processor's private slot, which
 // the next round, resumed on another processor, cannot take: it grew a new
 // one (~1 KiB more allocated per admit, bench/results.md, issue 13,
-// session 10). The buffers stay while the Publisher does.
+// session 10). Two rounds may overlap (admission's outbox and its
+// PublishNow batcher share a Publisher): then one grows what it lacks. The
+// buffers stay while the Publisher does.
 type spare struct {
-	mu  sync.Mutex
-	buf []byte
+	mu   sync.Mutex
+	bufs [][]byte
 }
 
-// maxSpare keeps the rare huge round's buffer from staying.
-const maxSpare = 1 << 20
+// spareBufs and maxSpare bound the buffers kept: a round's messages (one a
+// type, mostly one or two), and the rare huge round's kept from staying.
+const (
+	spareBufs = 4
+	maxSpare  = 1 << 20
+)
 
-// take returns the buffer kept, empty, or nil.
+// take returns a buffer kept, empty, or nil.
 func (s *spare) take() []byte {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	b := s.buf
-	s.buf = nil
+	n := len(s.bufs)
+	if n == 0 {
+		return nil
+	}
+	b := s.bufs[n-1]
+	s.bufs[n-1] = nil
+	s.bufs = s.bufs[:n-1]
 	return b[:0]
 }
 
-// give keeps b if it is larger than the buffer kept and not huge.
+// give keeps b while the bounds allow, in place of the smallest kept
+// buffer when that is smaller.
 func (s *spare) give(b []byte) {
-	if cap(b) > maxSpare {
+	if cap(b) == 0 || cap(b) > maxSpare {
 		return
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if cap(b) > cap(s.buf) {
-		s.buf = b
+	total, small := cap(b), -1
+	for i, k := range s.bufs {
+		total += cap(k)
+		if small < 0 || cap(k) < cap(s.bufs[small]) {
+			small = i
+		}
+	}
+	switch {
+	case len(s.bufs) < spareBufs && total <= maxSpare:
+		s.bufs = append(s.bufs, b)
+	case small >= 0 && cap(b) > cap(s.bufs[small]) && total-cap(s.bufs[small]) <= maxSpare:
+		s.bufs[small] = b
 	}
 }
 
@@ -403,8 +424,8 @@ func (s *spare) give(b []byte) {
 // events.MaxBatchEvents events and p's budget bytes (an event larger than
 // that alone goes out alone, for the server to judge). An event whose id
 // came earlier in evs is left out too, as JetStream would drop it: dups
-// maps its index to the first's, whose result it shares. The first
-// message's buf is p.encoded's: the caller gives the bufs back.
+// maps its index to the first's, whose result it shares. The messages'
+// bufs are p.encoded's: the caller gives them back.
 func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups map[int]int) {
 	open := map[string]int{} // subject -> its last message in out
 	first := make(map[string]int, len(evs))
@@ -433,12 +454,8 @@ func (p *Publisher) pack(evs []events.Event, errs []error) (out []packed, dups m
 				continue
 			}
 		}
-		var b []byte
-		if len(out) == 0 {
-			b = p.encoded.take()
-		}
 		open[subj] = len(out)
-		out = append(out, packed{idx: []int{i}, size: len(e), buf: append(append(b, '['), e...)})
+		out = append(out, packed{idx: []int{i}, size: len(e), buf: append(append(p.encoded.take(), '['), e...)})
 	}
 	return out, dups
 }

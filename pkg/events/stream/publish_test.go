@@ -126,18 +126,29 @@ func TestPackBuildsBatchesInPlace(t *testing.T) {
 func TestRoundsKeepTheirBuffers(t *testing.T) {
 	const n = events.MaxBatchEvents
 	evs := make([]events.Event, n)
-	for i := range evs {
-		evs[i] = events.NewActual("svc", events.Actual{RequestID: fmt.Sprintf("r-%d", i), Tenant: "acme", User: "u-1", InputTokens: int64(i)}, time.Now().UTC())
+	for i := range evs { // two types: a message each
+		id := fmt.Sprintf("r-%d", i)
+		if i%2 == 0 {
+			evs[i] = events.NewActual("svc", events.Actual{RequestID: id, Tenant: "acme", User: "u-1", InputTokens: int64(i)}, time.Now().UTC())
+		} else {
+			evs[i] = events.NewReleased("svc", events.Released{RequestID: id, Tenant: "acme", User: "u-1"}, time.Now().UTC())
+		}
 	}
-	p := NewPublisher(nil, Config{}, WithMaxPayload(2*events.MaxBatchSize)) // one message
+	p := NewPublisher(nil, Config{}, WithMaxPayload(2*events.MaxBatchSize)) // one message a type
 	size := 0
 	round := func() { // on a goroutine of its own, as a round resumed on another processor
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
 			out, _ := p.pack(evs, make([]error, n))
-			size = len(out[0].buf)
-			p.message(evs, out[0])
+			if len(out) != 2 {
+				t.Errorf("a round of two types packed %d messages, want 2", len(out))
+			}
+			size = 0
+			for _, g := range out {
+				size += len(g.buf)
+				p.message(evs, g)
+			}
 		}()
 		<-done
 	}

@@ -205,7 +205,7 @@ var (
 	epochKeysOnce sync.Once
 	// epochKeys holds every slot's epoch key, in slot order, and
 	// epochKeyEnd[slot] where the key of slot ends in it: one allocation
-	// without pointers (82 kB) beside 64 kB of ends, not 16,384 strings
+	// without pointers (114 kB) beside 64 kB of ends, not 16,384 strings
 	// (256 kB of headers beside 215 kB of allocations, all resident, each
 	// an object the collector marks on every cycle).
 	epochKeys   string
