@@ -2,7 +2,6 @@ package decide
 
 import (
 	"context"
-	"runtime"
 	"sync"
 	"time"
 
@@ -12,11 +11,8 @@ import (
 )
 
 // batcher sends the calls of concurrent requests to Redis together: a call
-// made while none is in flight goes out at once, with the calls that arrive
-// while its caller yields the processor once (those of requests already
-// read and runnable; after a yield that found none, the next idleSkips go
-// without); calls that arrive while one is in flight wait for it
-// and then go together in the next one (run:
+// made while none is in flight goes out at once; calls that arrive while
+// one is in flight wait for it and then go together in the next one (run:
 // limits.ReserveBatch for the subject layer's Reserve calls, and
 // limits.CountBatch for Check's groups of counters), so under load a round
 // trip — one write and one read system call on each side, one script call
@@ -35,11 +31,6 @@ import (
 // deadline order (they share Options.RedisTimeout), so the batch in flight
 // when a call is queued ends before that call's deadline, and no caller
 // waits past its own: a caller needs no context and timer of its own.
-// idleSkips is how many round trips that find the batcher idle go without
-// yielding after one whose yield brought no other call along: a caller
-// alone (low concurrency) pays the yield once in idleSkips+1.
-const idleSkips = 8
-
 type batcher[Q any] struct {
 	run  func(ctx context.Context, qs []Q) []limits.Reserved
 	size prometheus.Observer // calls per round trip
@@ -47,7 +38,6 @@ type batcher[Q any] struct {
 
 	mu    sync.Mutex
 	busy  bool // a call or batch is in flight
-	skip  int  // idle starts left that go without yielding
 	queue []*pending[Q]
 }
 
@@ -78,32 +68,7 @@ func (b *batcher[Q]) do(ctx context.Context, timeout time.Duration, req Q) (limi
 	deadline := time.Now().Add(timeout) // under mu: the queue is in deadline order
 	if !b.busy {
 		b.busy = true
-		yield := b.skip == 0
-		if !yield {
-			b.skip--
-		}
 		b.mu.Unlock()
-		if yield {
-			// Callers already runnable (their requests read, not yet
-			// here) join this round trip rather than wait for the next.
-			runtime.Gosched()
-			b.mu.Lock()
-			joined := b.queue
-			b.queue = nil
-			if len(joined) == 0 {
-				// Alone: the yield was a wake-up for nothing, and
-				// under a saturated CPU a wait in the global run queue.
-				b.skip = idleSkips
-			}
-			b.mu.Unlock()
-			if len(joined) > 0 {
-				r := b.pool.Get().(*pending[Q])
-				r.deadline, r.req = deadline, req
-				r.lead = append(make([]*pending[Q], 0, 1+len(joined)), r)
-				r.lead = append(r.lead, joined...)
-				return b.finish(r)
-			}
-		}
 		b.size.Observe(1)
 		ctx, cancel := context.WithDeadline(ctx, deadline)
 		out := b.run(ctx, []Q{req})[0]
@@ -116,12 +81,6 @@ func (b *batcher[Q]) do(ctx context.Context, timeout time.Duration, req Q) (limi
 	b.queue = append(b.queue, r)
 	b.mu.Unlock()
 	<-r.done
-	return b.finish(r)
-}
-
-// finish waits for r's answer, sending the batch r heads first, and
-// returns r to the pool.
-func (b *batcher[Q]) finish(r *pending[Q]) (limits.Reserved, bool) {
 	if r.lead != nil {
 		b.lead(r)
 	}

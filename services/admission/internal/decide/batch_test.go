@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -141,55 +139,5 @@ func TestExpiredLeadHandsItsBatchOn(t *testing.T) {
 	}
 	if n := used(); n != 2 {
 		t.Errorf("redis used = %d, want 2", n)
-	}
-}
-
-// A caller that finds no round trip in flight yields once before sending,
-// so callers already runnable go with it rather than in the next one: on one
-// P, three callers started just before the first all join its round trip.
-// The scheduler takes its global queue first on one tick in 61, where the
-// yielding caller waits: the first of five tries must show it.
-func TestIdleCallerTakesRunnableCallersAlong(t *testing.T) {
-	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
-	for try := range 5 {
-		var sizes []int // run is called by one caller at a time
-		b := newBatcher(func(_ context.Context, qs []int) []limits.Reserved {
-			sizes = append(sizes, len(qs))
-			return make([]limits.Reserved, len(qs))
-		}, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
-		var wg sync.WaitGroup
-		for i := range 3 {
-			wg.Go(func() { b.do(context.Background(), time.Minute, i+1) })
-		}
-		b.do(context.Background(), time.Minute, 0)
-		wg.Wait()
-		if slices.Equal(sizes, []int{4}) {
-			return
-		}
-		t.Logf("try %d: round trips of %v calls", try, sizes)
-	}
-	t.Fatal("no try sent the four calls in one round trip")
-}
-
-// A caller whose yield brought no other call along spares the next
-// idleSkips idle callers theirs: alone, as at low concurrency, the yield is
-// paid once in idleSkips+1 calls. Then the next idle caller yields again.
-func TestLoneCallersSkipTheYield(t *testing.T) {
-	b := newBatcher(func(_ context.Context, qs []int) []limits.Reserved {
-		return make([]limits.Reserved, len(qs))
-	}, prometheus.NewHistogram(prometheus.HistogramOpts{Name: "x"}))
-	b.do(context.Background(), time.Minute, 0)
-	if b.skip != idleSkips {
-		t.Fatalf("after a lone yield: skip = %d, want %d", b.skip, idleSkips)
-	}
-	for i := range idleSkips {
-		b.do(context.Background(), time.Minute, i)
-	}
-	if b.skip != 0 {
-		t.Fatalf("after %d lone calls: skip = %d, want 0 (the next yields)", idleSkips, b.skip)
-	}
-	b.do(context.Background(), time.Minute, 0)
-	if b.skip != idleSkips {
-		t.Fatalf("after the next lone yield: skip = %d, want %d", b.skip, idleSkips)
 	}
 }
