@@ -118,7 +118,7 @@ func TestOpsHandlerPprof(t *testing.T) {
 
 // Without the profiler the runtime samples no allocation for it; with it,
 // the rate stays.
-func TestSampleHeap(t *testing.T) {
+func TestTuneRuntime(t *testing.T) {
 	defer func(r int) { runtime.MemProfileRate = r }(runtime.MemProfileRate)
 	const rate = 4096
 	for _, tc := range []struct {
@@ -126,9 +126,9 @@ func TestSampleHeap(t *testing.T) {
 		want int
 	}{{Ops{Pprof: true}, rate}, {Ops{}, 0}} {
 		runtime.MemProfileRate = rate
-		tc.o.SampleHeap()
+		tc.o.TuneRuntime()
 		if runtime.MemProfileRate != tc.want {
-			t.Errorf("Ops{Pprof: %v}.SampleHeap(): MemProfileRate = %d, want %d", tc.o.Pprof, runtime.MemProfileRate, tc.want)
+			t.Errorf("Ops{Pprof: %v}.TuneRuntime(): MemProfileRate = %d, want %d", tc.o.Pprof, runtime.MemProfileRate, tc.want)
 		}
 	}
 }

@@ -10,6 +10,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"quotaflow/internal/heapfloor"
 )
 
 // Readiness tracks what a service needs before it may take traffic and
@@ -154,18 +156,26 @@ type Ops struct {
 	// so profiling is something an operator turns on, not a standing
 	// endpoint on every instance.
 	Pprof bool `envconfig:"PPROF" default:"false"`
+	// HeapFloorBytes (QF_HEAP_FLOOR_BYTES) is the heap the collector lets
+	// grow before it runs, when GOGC alone would run it sooner
+	// (internal/heapfloor); 0 leaves the collector to GOGC. The default
+	// spends up to 16 MiB of heap where little is live to collect a
+	// fraction as often (bench/results.md, issue 14, session 11).
+	HeapFloorBytes uint64 `envconfig:"HEAP_FLOOR_BYTES" default:"16777216"`
 }
 
-// SampleHeap turns the runtime's sampling of allocations for the heap
+// TuneRuntime sets the runtime's memory settings from o. It keeps the heap
+// floor, and turns the runtime's sampling of allocations for the heap
 // profile off (runtime.MemProfileRate = 0) unless o serves the profiler:
 // nothing else reads the samples, and their records and hash table held
 // ~0.3 MiB of admission's resident memory under load (bench/results.md,
-// issue 13, session 9). service.Main calls it before run; the start-up's initialisers
-// are sampled before it.
-func (o Ops) SampleHeap() {
+// issue 13, session 9). service.Main calls it before run; the start-up's
+// initialisers are sampled before it.
+func (o Ops) TuneRuntime() {
 	if !o.Pprof {
 		runtime.MemProfileRate = 0
 	}
+	heapfloor.Keep(o.HeapFloorBytes)
 }
 
 // OpsHandler serves /metrics from g, /healthz (200 while the process

@@ -30,17 +30,17 @@ import (
 // Config is a service's configuration: envconfig fields with the QF prefix,
 // cross-field rules in Validate, the log level, and the settings worth a
 // line at start as slog key-value pairs, without secrets (URLs through
-// config.Redacted), and SampleHeap (obs.Ops, which every Config embeds).
+// config.Redacted), and TuneRuntime (obs.Ops, which every Config embeds).
 type Config interface {
 	Validate() error
 	Level() string
 	LogArgs() []any
-	SampleHeap()
+	TuneRuntime()
 }
 
 // Main runs service name: it fills cfg from the environment, validates it,
-// logs its LogArgs, stops the heap profile's sampling unless QF_PPROF
-// serves it (obs.Ops.SampleHeap), and calls run with a context cancelled by SIGINT or SIGTERM. It exits 2
+// logs its LogArgs, sets the runtime's heap floor and stops the heap
+// profile's sampling unless QF_PPROF serves it (obs.Ops.TuneRuntime), and calls run with a context cancelled by SIGINT or SIGTERM. It exits 2
 // on a configuration error and 1 when run fails; it returns when run
 // returns nil.
 func Main[C Config](name string, cfg C, run func(ctx context.Context, cfg C, log *slog.Logger) error) {
@@ -58,7 +58,7 @@ func Main[C Config](name string, cfg C, run func(ctx context.Context, cfg C, log
 		os.Exit(2)
 	}
 	log.Info("starting", cfg.LogArgs()...)
-	cfg.SampleHeap()
+	cfg.TuneRuntime()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	err = run(ctx, cfg, log)
 	stop()

@@ -169,7 +169,7 @@ func (c *Config) Validate() error {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
-	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "console_addr", c.ConsoleAddr, "api_tokens_file", c.APITokensFile,
+	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "heap_floor_bytes", c.HeapFloorBytes, "console_addr", c.ConsoleAddr, "api_tokens_file", c.APITokensFile,
 		"alerter_url", c.AlerterURL},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.Postgres.LogArgs(), c.NATS.LogArgs(), []any{
 			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),

@@ -303,7 +303,7 @@ func (c *Config) Proxies() ([]netip.Prefix, error) {
 func (c *Config) LogArgs() []any {
 	return slices.Concat([]any{"admission_addr", c.AdmissionAddr, "ops_addr", c.OpsAddr, "grpc_addr", c.GRPCAddr,
 		"envoy_ratelimit_config", c.EnvoyRateLimitConfig, "envoy_request_id_key", c.EnvoyRequestIDKey,
-		"envoy_actual_id_key", c.EnvoyActualIDKey, "pprof", c.Pprof},
+		"envoy_actual_id_key", c.EnvoyActualIDKey, "pprof", c.Pprof, "heap_floor_bytes", c.HeapFloorBytes},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.NATS.LogArgs(),
 		[]any{"api_tokens_file", c.APITokensFile, "redis_epoch_guard", c.RedisEpochGuard,
 			"authz_deny_status", c.AuthzDenyStatus, "spill_dir", c.SpillDir,

@@ -160,7 +160,7 @@ func (c Config) Validate() error {
 
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
-	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "alerts_addr", c.AlertsAddr, "api_tokens_file", c.APITokensFile}, c.Postgres.LogArgs(), c.NATS.LogArgs(),
+	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "heap_floor_bytes", c.HeapFloorBytes, "alerts_addr", c.AlertsAddr, "api_tokens_file", c.APITokensFile}, c.Postgres.LogArgs(), c.NATS.LogArgs(),
 		[]any{"consumer", c.Consumer, "webhooks_file", c.WebhooksFile, "policy_file", c.PolicyFile})
 }
 
