@@ -14,6 +14,12 @@
 // floor, or what the configured GOGC gives when that is more. The heap then
 // stays within the larger of the two, and the collector never runs more
 // often than GOGC alone would make it.
+//
+// Memory the process holds outside the heap on purpose (admission's local
+// table, mapped and ~11 MiB resident once full) is counted against the
+// floor (Count): the floor bounds the two together, so a service whose
+// table is full collects as GOGC says, and the floor spends on the heap
+// only the memory the table does not use.
 package heapfloor
 
 import (
@@ -29,6 +35,15 @@ const minHeap = 4 << 20
 // names are the runtime metrics a goal is made of, read after each
 // collection: the live heap, then the stacks and globals it scans.
 var names = [...]string{"/gc/heap/live:bytes", "/gc/scan/stack:bytes", "/gc/scan/globals:bytes"}
+
+// outside reports the bytes Count counts; nil: none.
+var outside atomic.Pointer[func() uint64]
+
+// Count counts the bytes f reports, memory held outside the Go heap,
+// against the floor from the next collection on: the heap's floor is the
+// floor less f(). f is called once after each collection, on the
+// finalizer goroutine. A later Count replaces an earlier one.
+func Count(f func() uint64) { outside.Store(&f) }
 
 // Keep holds the heap goal at floor bytes or more from the next collection
 // on, for as long as the process runs, and returns at once. Above the floor
@@ -77,7 +92,11 @@ func (k *keeper) arm() {
 		metrics.Read(k.samples[:])
 		live := k.samples[0].Value.Uint64()
 		roots := k.samples[1].Value.Uint64() + k.samples[2].Value.Uint64()
-		debug.SetGCPercent(Percent(k.floor, k.base, live, roots))
+		floor := k.floor
+		if f := outside.Load(); f != nil {
+			floor -= min(floor, (*f)())
+		}
+		debug.SetGCPercent(Percent(floor, k.base, live, roots))
 		k.arm()
 	})
 }

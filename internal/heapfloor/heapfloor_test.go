@@ -72,6 +72,15 @@ func TestKeep(t *testing.T) {
 		t.Errorf("heap past the floor (%d bytes live): goal %d, want about twice what is live", live, goal)
 	}
 	runtime.KeepAlive(big)
+	big = nil
+
+	// memory outside the heap takes its share of the floor: with all of it
+	// counted, the heap's goal is GOGC's again
+	Count(func() uint64 { return floor })
+	defer Count(func() uint64 { return 0 })
+	if goal, live = settle(func(gogc uint64) bool { return gogc == 100 }); goal >= floor {
+		t.Errorf("the floor all counted outside the heap (%d bytes live): goal %d, want GOGC's, under the floor %d", live, goal, uint64(floor))
+	}
 }
 
 func TestKeepLeavesGCOff(t *testing.T) {

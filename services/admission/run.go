@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/auth"
+	"quotaflow/internal/heapfloor"
 	"quotaflow/internal/obs"
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events/stream"
@@ -91,6 +92,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 		return err
 	}
 	stack.Push("decider", dec.Close)
+	heapfloor.Count(dec.LocalBytes)
 	ready.Watch("redis", dec.Degraded)
 	// The API last: everything it needs is in place.
 	api, err := newAPI(cfg, dec, watcher.Current, ob, tokens, log, reg)

@@ -323,6 +323,10 @@ func (d *Decider) probeCall(ctx context.Context, probe bool) {
 // decisions taken without it.
 var errVoidsPending = errors.New("decide: redis refused the voids of local decisions")
 
+// LocalBytes is how much memory outside the Go heap the local state holds
+// resident: its table's pages once used (0 where the table is on the heap).
+func (d *Decider) LocalBytes() uint64 { return d.local.resident() }
+
 // Degraded reports whether decisions are being made without Redis, and
 // why, for /readyz.
 func (d *Decider) Degraded() (bool, string) {

@@ -42,6 +42,7 @@ import (
 type localTable struct {
 	heads   []bucketHead
 	buckets []bucket
+	mapped  []byte // buckets' memory when mapped outside the heap (table_mmap.go)
 }
 
 const (

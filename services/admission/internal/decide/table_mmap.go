@@ -4,6 +4,7 @@ package decide
 
 import (
 	"log/slog"
+	"os"
 	"runtime"
 	"syscall"
 	"unsafe"
@@ -28,5 +29,28 @@ func (t *localTable) alloc(n int, log *slog.Logger) {
 		return
 	}
 	t.buckets = unsafe.Slice((*bucket)(unsafe.Pointer(unsafe.SliceData(mem))), n)
+	t.mapped = mem
 	runtime.AddCleanup(t, func(mem []byte) { _ = syscall.Munmap(mem) }, mem)
+}
+
+// resident is how many bytes of t's mapping the kernel holds in memory
+// (mincore), 0 for buckets on the heap, whose bytes the runtime counts.
+// Its pages become resident as owners are remembered, in no order, and
+// stay: all of them once about a tenth of its entries have been used.
+func (t *localTable) resident() uint64 {
+	if len(t.mapped) == 0 {
+		return 0
+	}
+	page := os.Getpagesize()
+	vec := make([]byte, (len(t.mapped)+page-1)/page)
+	_, _, errno := syscall.Syscall(syscall.SYS_MINCORE, uintptr(unsafe.Pointer(unsafe.SliceData(t.mapped))),
+		uintptr(len(t.mapped)), uintptr(unsafe.Pointer(unsafe.SliceData(vec))))
+	if errno != 0 {
+		return uint64(len(t.mapped)) // as if all resident: the floor errs low
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return uint64(n * page)
 }
