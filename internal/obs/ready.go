@@ -156,11 +156,12 @@ type Ops struct {
 	// so profiling is something an operator turns on, not a standing
 	// endpoint on every instance.
 	Pprof bool `envconfig:"PPROF" default:"false"`
-	// HeapFloorBytes (QF_HEAP_FLOOR_BYTES) is the heap the collector lets
-	// grow before it runs, when GOGC alone would run it sooner
+	// HeapFloorBytes (QF_HEAP_FLOOR_BYTES) is the memory the heap, with
+	// what a service counts outside it (admission's local table), may fill
+	// before the collector runs, when GOGC alone would run it sooner
 	// (internal/heapfloor); 0 leaves the collector to GOGC. The default
-	// spends up to 16 MiB of heap where little is live to collect a
-	// fraction as often (bench/results.md, issue 14, session 11).
+	// spends up to 16 MiB where little is live, to collect about half as
+	// often (bench/results.md, issue 14, session 11).
 	HeapFloorBytes uint64 `envconfig:"HEAP_FLOOR_BYTES" default:"16777216"`
 }
 
