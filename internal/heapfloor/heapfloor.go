@@ -29,6 +29,10 @@ import (
 	"sync/atomic"
 )
 
+// maxFloor is the largest floor kept (1 TiB), so that no product of a
+// floor overflows.
+const maxFloor = 1 << 40
+
 // minHeap is the runtime's least heap goal at GOGC=100; it scales with GOGC.
 const minHeap = 4 << 20
 
@@ -48,7 +52,8 @@ func Count(f func() uint64) { outside.Store(&f) }
 // Keep holds the heap goal at floor bytes or more from the next collection
 // on, for as long as the process runs, and returns at once. Above the floor
 // the goal is what the GOGC in force when Keep is called gives. With
-// GOGC=off, or a floor of 0, it does nothing. Call it once.
+// GOGC=off, or a floor of 0, it does nothing; a floor past maxFloor is
+// maxFloor. Call it once.
 func Keep(floor uint64) { keep(floor) }
 
 // keep is Keep, returning its keeper (nil when it keeps nothing) for tests
@@ -62,7 +67,7 @@ func keep(floor uint64) *keeper {
 	if base < 0 {
 		return nil
 	}
-	k := &keeper{floor: floor, base: base}
+	k := &keeper{floor: min(floor, maxFloor), base: base}
 	for i, n := range names {
 		k.samples[i].Name = n
 	}
