@@ -11,9 +11,10 @@
 // Raising GOGC raises every goal, the large ones too: GOGC=400 put ~25 MiB
 // on the five-limit admit's resident memory. A floor raises only the small
 // goals: after each collection Keep sets GOGC so that the next goal is the
-// floor, or what the configured GOGC gives when that is more. The heap then
-// stays within the larger of the two, and the collector never runs more
-// often than GOGC alone would make it.
+// floor, or what the configured GOGC gives when that is more. Each goal is
+// then the larger of the two as of the collection before it (a heap that
+// grows fast past the floor keeps the higher GOGC for one more cycle), and
+// the collector never runs more often than GOGC alone would make it.
 //
 // Memory the process holds outside the heap on purpose (admission's local
 // table, mapped and ~11 MiB resident once full) is counted against the
@@ -30,7 +31,7 @@ import (
 )
 
 // maxFloor is the largest floor kept (1 TiB), so that no product of a
-// floor overflows.
+// floor overflows and every GOGC fits the runtime's int32.
 const maxFloor = 1 << 40
 
 // minHeap is the runtime's least heap goal at GOGC=100; it scales with GOGC.
@@ -52,8 +53,7 @@ func Count(f func() uint64) { outside.Store(&f) }
 // Keep holds the heap goal at floor bytes or more from the next collection
 // on, for as long as the process runs, and returns at once. Above the floor
 // the goal is what the GOGC in force when Keep is called gives. With
-// GOGC=off, or a floor of 0, it does nothing; a floor past maxFloor is
-// maxFloor. Call it once.
+// GOGC=off (or 0), or a floor of 0, it does nothing. Call it once.
 func Keep(floor uint64) { keep(floor) }
 
 // keep is Keep, returning its keeper (nil when it keeps nothing) for tests
@@ -62,12 +62,13 @@ func keep(floor uint64) *keeper {
 	if floor == 0 {
 		return nil
 	}
-	base := debug.SetGCPercent(100)
-	debug.SetGCPercent(base)
-	if base < 0 {
+	gogc := []metrics.Sample{{Name: "/gc/gogc:percent"}}
+	metrics.Read(gogc)
+	base := int(int64(gogc[0].Value.Uint64())) // off: -1, sign-extended
+	if base <= 0 {
 		return nil
 	}
-	k := &keeper{floor: min(floor, maxFloor), base: base}
+	k := &keeper{floor: floor, base: base}
 	for i, n := range names {
 		k.samples[i].Name = n
 	}
@@ -112,6 +113,7 @@ func (k *keeper) arm() {
 // minHeap×GOGC/100, which alone would put it over floor past
 // floor×100/minHeap.
 func Percent(floor uint64, base int, live, roots uint64) int {
+	floor = min(floor, maxFloor)
 	if live >= floor {
 		return base
 	}

@@ -7,8 +7,11 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"runtime/debug"
+	"runtime/metrics"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -129,6 +132,24 @@ func TestTuneRuntime(t *testing.T) {
 		tc.o.TuneRuntime()
 		if runtime.MemProfileRate != tc.want {
 			t.Errorf("Ops{Pprof: %v}.TuneRuntime(): MemProfileRate = %d, want %d", tc.o.Pprof, runtime.MemProfileRate, tc.want)
+		}
+	}
+}
+
+// A floor raises GOGC once the collector has run over a small heap
+// (internal/heapfloor; its tests check the goals).
+func TestTuneRuntimeKeepsTheFloor(t *testing.T) {
+	defer debug.SetGCPercent(debug.SetGCPercent(100))
+	Ops{Pprof: true, HeapFloorBytes: 64 << 20}.TuneRuntime()
+	gogc := []metrics.Sample{{Name: "/gc/gogc:percent"}}
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond) // the finalizer goroutine runs
+		if metrics.Read(gogc); gogc[0].Value.Uint64() > 100 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a 64 MiB floor over a small heap: GOGC stayed %d", gogc[0].Value.Uint64())
 		}
 	}
 }
