@@ -35,9 +35,25 @@ func unknown(m proto.Message) bool {
 	return len(m.ProtoReflect().GetUnknown()) > 0
 }
 
-// Sizes, in bytes, of a tag (field numbers up to 15) and of the fields.
-func varintField(v uint64) int { return 1 + protowire.SizeVarint(v) }
-func bytesField(n int) int     { return 1 + protowire.SizeBytes(n) }
+// Sizes, in bytes, of a tag (field numbers up to 15) and a field's value;
+// a zero value (0, or an empty string or bytes) is left out, as proto3
+// writes it.
+func varintField(v uint64) int {
+	if v == 0 {
+		return 0
+	}
+	return 1 + protowire.SizeVarint(v)
+}
+
+func bytesField(n int) int {
+	if n == 0 {
+		return 0
+	}
+	return 1 + protowire.SizeBytes(n)
+}
+
+// messageField is the size of a message field: written even when empty.
+func messageField(n int) int { return 1 + protowire.SizeBytes(n) }
 
 // enum is an enum's varint, as protobuf writes an int32.
 func enum(v int32) uint64 { return uint64(int64(v)) }
@@ -46,22 +62,19 @@ func responseSize(r *rlspb.RateLimitResponse) (int, bool) {
 	if len(r.RequestHeadersToAdd) > 0 || len(r.RawBody) > 0 || r.DynamicMetadata != nil || r.Quota != nil || unknown(r) {
 		return 0, false
 	}
-	n := 0
-	if r.OverallCode != 0 {
-		n += varintField(enum(int32(r.OverallCode)))
-	}
+	n := varintField(enum(int32(r.OverallCode)))
 	for _, s := range r.Statuses {
 		m, ok := statusSize(s)
 		if !ok {
 			return 0, false
 		}
-		n += bytesField(m)
+		n += messageField(m)
 	}
 	for _, hv := range r.ResponseHeadersToAdd {
 		if hv == nil || unknown(hv) || !validUTF8(hv.Key, hv.Value) {
 			return 0, false
 		}
-		n += bytesField(headerSize(hv))
+		n += messageField(headerSize(hv))
 	}
 	return n, true
 }
@@ -70,40 +83,25 @@ func statusSize(s *rlspb.RateLimitResponse_DescriptorStatus) (int, bool) {
 	if s == nil || s.Quota != nil || unknown(s) {
 		return 0, false
 	}
-	n := 0
-	if s.Code != 0 {
-		n += varintField(enum(int32(s.Code)))
-	}
+	n := varintField(enum(int32(s.Code)))
 	if l := s.CurrentLimit; l != nil {
 		if l.UnitMultiplier != nil || unknown(l) || !validUTF8(l.Name) {
 			return 0, false
 		}
-		n += bytesField(limitSize(l))
+		n += messageField(limitSize(l))
 	}
-	if s.LimitRemaining != 0 {
-		n += varintField(uint64(s.LimitRemaining))
-	}
+	n += varintField(uint64(s.LimitRemaining))
 	if d := s.DurationUntilReset; d != nil {
 		if unknown(d) {
 			return 0, false
 		}
-		n += bytesField(durationSize(d))
+		n += messageField(durationSize(d))
 	}
 	return n, true
 }
 
 func limitSize(l *rlspb.RateLimitResponse_RateLimit) int {
-	n := 0
-	if l.RequestsPerUnit != 0 {
-		n += varintField(uint64(l.RequestsPerUnit))
-	}
-	if l.Unit != 0 {
-		n += varintField(enum(int32(l.Unit)))
-	}
-	if l.Name != "" {
-		n += bytesField(len(l.Name))
-	}
-	return n
+	return varintField(uint64(l.RequestsPerUnit)) + varintField(enum(int32(l.Unit))) + bytesField(len(l.Name))
 }
 
 // validUTF8 reports whether strings are UTF-8, as protobuf requires of a
@@ -118,35 +116,16 @@ func validUTF8(ss ...string) bool {
 }
 
 func durationSize(d *durationpb.Duration) int {
-	n := 0
-	if d.Seconds != 0 {
-		n += varintField(uint64(d.Seconds))
-	}
-	if d.Nanos != 0 {
-		n += varintField(uint64(int64(d.Nanos)))
-	}
-	return n
+	return varintField(uint64(d.Seconds)) + varintField(uint64(int64(d.Nanos)))
 }
 
 func headerSize(hv *corev3.HeaderValue) int {
-	n := 0
-	if hv.Key != "" {
-		n += bytesField(len(hv.Key))
-	}
-	if hv.Value != "" {
-		n += bytesField(len(hv.Value))
-	}
-	if len(hv.RawValue) > 0 {
-		n += bytesField(len(hv.RawValue))
-	}
-	return n
+	return bytesField(len(hv.Key)) + bytesField(len(hv.Value)) + bytesField(len(hv.RawValue))
 }
 
 // appendResponse appends r, checked by responseSize.
 func appendResponse(b []byte, r *rlspb.RateLimitResponse) []byte {
-	if r.OverallCode != 0 {
-		b = appendVarint(b, 1, enum(int32(r.OverallCode)))
-	}
+	b = appendVarint(b, 1, enum(int32(r.OverallCode)))
 	for _, s := range r.Statuses {
 		n, _ := statusSize(s)
 		b = protowire.AppendVarint(protowire.AppendTag(b, 2, protowire.BytesType), uint64(n))
@@ -164,35 +143,27 @@ func appendResponse(b []byte, r *rlspb.RateLimitResponse) []byte {
 }
 
 func appendStatus(b []byte, s *rlspb.RateLimitResponse_DescriptorStatus) []byte {
-	if s.Code != 0 {
-		b = appendVarint(b, 1, enum(int32(s.Code)))
-	}
+	b = appendVarint(b, 1, enum(int32(s.Code)))
 	if l := s.CurrentLimit; l != nil {
 		b = protowire.AppendVarint(protowire.AppendTag(b, 2, protowire.BytesType), uint64(limitSize(l)))
-		if l.RequestsPerUnit != 0 {
-			b = appendVarint(b, 1, uint64(l.RequestsPerUnit))
-		}
-		if l.Unit != 0 {
-			b = appendVarint(b, 2, enum(int32(l.Unit)))
-		}
+		b = appendVarint(b, 1, uint64(l.RequestsPerUnit))
+		b = appendVarint(b, 2, enum(int32(l.Unit)))
 		b = appendString(b, 3, l.Name)
 	}
-	if s.LimitRemaining != 0 {
-		b = appendVarint(b, 3, uint64(s.LimitRemaining))
-	}
+	b = appendVarint(b, 3, uint64(s.LimitRemaining))
 	if d := s.DurationUntilReset; d != nil {
 		b = protowire.AppendVarint(protowire.AppendTag(b, 4, protowire.BytesType), uint64(durationSize(d)))
-		if d.Seconds != 0 {
-			b = appendVarint(b, 1, uint64(d.Seconds))
-		}
-		if d.Nanos != 0 {
-			b = appendVarint(b, 2, uint64(int64(d.Nanos)))
-		}
+		b = appendVarint(b, 1, uint64(d.Seconds))
+		b = appendVarint(b, 2, uint64(int64(d.Nanos)))
 	}
 	return b
 }
 
+// appendVarint appends a varint field unless v is 0.
 func appendVarint(b []byte, num protowire.Number, v uint64) []byte {
+	if v == 0 {
+		return b
+	}
 	return protowire.AppendVarint(protowire.AppendTag(b, num, protowire.VarintType), v)
 }
 
