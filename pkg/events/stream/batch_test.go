@@ -246,7 +246,10 @@ func TestBatchDeadLettersPerEvent(t *testing.T) {
 }
 
 func batchDeadLettersPerEvent(t *testing.T, enc string) {
-	js, cfg := realNATS(t) // MaxDeliver 3
+	// AckWait bounds a delivery's Process: one that outlasts it is sent
+	// again by right, which read as the batch coming back after its dead
+	// letters when realNATS's 300 ms ran out on a loaded host.
+	js, cfg := realNATSWith(t, 2*time.Second) // MaxDeliver 3
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	evs := actuals(4, "dl")

@@ -23,10 +23,19 @@ import (
 // they stop it. Each test owns a stream pair and subject prefix and deletes
 // them; none touches the default QUOTAFLOW_USAGE stream.
 
-// testStreams are streams of the test's own on js, redelivering fast.
+// testStreams are streams of the test's own on js, redelivering fast
+// (AckWait fastAckWait).
 func testStreams(t *testing.T, js jetstream.JetStream) stream.Config {
 	t.Helper()
-	return natstest.Streams(t, js, "stream", stream.Config{MaxDeliver: 3, AckWait: 300 * time.Millisecond})
+	return streamsWith(t, js, fastAckWait)
+}
+
+const fastAckWait = 300 * time.Millisecond
+
+// streamsWith is testStreams with the given AckWait.
+func streamsWith(t *testing.T, js jetstream.JetStream, ackWait time.Duration) stream.Config {
+	t.Helper()
+	return natstest.Streams(t, js, "stream", stream.Config{MaxDeliver: 3, AckWait: ackWait})
 }
 
 // connect connects to url as the test.
@@ -39,11 +48,17 @@ func connect(t *testing.T, url string, opts ...nats.Option) (*nats.Conn, jetstre
 // and a prefix no other test uses.
 func realNATS(t *testing.T) (jetstream.JetStream, stream.Config) {
 	t.Helper()
+	return realNATSWith(t, fastAckWait)
+}
+
+// realNATSWith is realNATS with the given AckWait.
+func realNATSWith(t *testing.T, ackWait time.Duration) (jetstream.JetStream, stream.Config) {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("needs NATS")
 	}
 	_, js := connect(t, natstest.URL())
-	return js, testStreams(t, js)
+	return js, streamsWith(t, js, ackWait)
 }
 
 func TestEnsure(t *testing.T) {
