@@ -1,12 +1,14 @@
 package stream
 
 import (
+	"bytes"
 	"fmt"
 	"runtime"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/nats-io/nats.go"
 
@@ -163,4 +165,74 @@ func TestRoundsKeepTheirBuffers(t *testing.T) {
 	if per := int(after.TotalAlloc-before.TotalAlloc) / rounds; per > 2*size {
 		t.Errorf("a round of a %d-byte batch allocated %d bytes, want at most %d", size, per, 2*size)
 	}
+}
+
+// TestMessagesOwnTheirData: a message's data, as handed to NATS (which may
+// send it again until it is acknowledged), shares no buffer the Publisher
+// keeps for later rounds: none of it lies in a kept buffer, and once later
+// rounds are built in those buffers (the batch first, then the single
+// event first, so each buffer serves each kind) each message of the first
+// round holds the bytes it was built with. A batch and a single event,
+// plain and compressed.
+func TestMessagesOwnTheirData(t *testing.T) {
+	round := func(user string, singleFirst bool) []events.Event {
+		var evs []events.Event
+		for i := range 4 { // a batch
+			evs = append(evs, events.NewActual("svc", events.Actual{RequestID: fmt.Sprint(user, i), Tenant: "acme", User: user, InputTokens: int64(i)}, time.Now().UTC()))
+		}
+		single := events.NewReleased("svc", events.Released{RequestID: user, Tenant: "acme", User: user}, time.Now().UTC())
+		if singleFirst {
+			return append([]events.Event{single}, evs...)
+		}
+		return append(evs, single)
+	}
+	for _, compressed := range []bool{false, true} {
+		t.Run(fmt.Sprint("compressed=", compressed), func(t *testing.T) {
+			p := NewPublisher(nil, Config{}, WithCompression(compressed))
+			build := func(evs []events.Event) []*nats.Msg {
+				t.Helper()
+				out, _ := p.pack(evs, make([]error, len(evs)))
+				msgs := make([]*nats.Msg, len(out))
+				for i, g := range out {
+					m, _, err := p.message(evs, g)
+					if err != nil {
+						t.Fatal(err)
+					}
+					msgs[i] = m
+				}
+				return msgs
+			}
+			first := build(round("one", false))
+			if len(first) != 2 {
+				t.Fatalf("a round of a batch and a single event built %d messages, want 2", len(first))
+			}
+			want := make([][]byte, len(first))
+			for i, m := range first {
+				want[i] = bytes.Clone(m.Data)
+				for _, k := range slices.Concat(p.encoded.bufs, p.compressed.bufs) {
+					if overlaps(m.Data, k) {
+						t.Errorf("message %d's data lies in a buffer the Publisher keeps", i)
+					}
+				}
+			}
+			for _, singleFirst := range []bool{true, false} {
+				build(round("two", singleFirst))
+				for i, m := range first {
+					if !bytes.Equal(m.Data, want[i]) {
+						t.Errorf("message %d of the first round changed when a later one was built:\n got %q\nwant %q", i, m.Data, want[i])
+					}
+				}
+			}
+		})
+	}
+}
+
+// overlaps reports whether a and b share memory, as far as their
+// capacities reach.
+func overlaps(a, b []byte) bool {
+	if cap(a) == 0 || cap(b) == 0 {
+		return false
+	}
+	pa, pb := uintptr(unsafe.Pointer(unsafe.SliceData(a))), uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	return pa < pb+uintptr(cap(b)) && pb < pa+uintptr(cap(a))
 }
