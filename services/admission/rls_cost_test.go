@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -336,13 +335,7 @@ func TestShouldRateLimitResponseCostReload(t *testing.T) {
 	burst := []string{"tenant", "t8", "path", "/burst"}
 	reload := func(from, to string, limit uint32) {
 		t.Helper()
-		conf := strings.Replace(fmt.Sprintf(rlsConfig, r.domain), "{unit: year, requests_per_unit: 25}", to, 1)
-		if err := os.WriteFile(path+".tmp", []byte(conf), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(path+".tmp", path); err != nil {
-			t.Fatal(err)
-		}
+		replaceFile(t, path, strings.Replace(fmt.Sprintf(rlsConfig, r.domain), "{unit: year, requests_per_unit: 25}", to, 1))
 		e2e.EventuallyLast(t, "the reload from "+from, func() (bool, string) {
 			d := desc(burst...)
 			d.HitsAddend = wrapperspb.UInt64(0)

@@ -520,23 +520,13 @@ func TestShouldRateLimitReload(t *testing.T) {
 	if got := limitOf(); got != 3 {
 		t.Fatalf("limit = %d, want 3", got)
 	}
-	edit := func(s string) {
-		t.Helper()
-		tmp := path + ".tmp"
-		if err := os.WriteFile(tmp, []byte(s), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, path); err != nil {
-			t.Fatal(err)
-		}
-	}
-	edit(fmt.Sprintf(rlsConfig, r.domain) + "  - key: extra\n    rate_limit: {unit: year, requests_per_unit: 1}\n")
-	edit(strings.Replace(fmt.Sprintf(rlsConfig, r.domain), "requests_per_unit: 3}", "requests_per_unit: 7}", 1))
+	replaceFile(t, path, fmt.Sprintf(rlsConfig, r.domain)+"  - key: extra\n    rate_limit: {unit: year, requests_per_unit: 1}\n")
+	replaceFile(t, path, strings.Replace(fmt.Sprintf(rlsConfig, r.domain), "requests_per_unit: 3}", "requests_per_unit: 7}", 1))
 	e2e.EventuallyLast(t, "the edited limit in force", func() (bool, string) {
 		got := limitOf()
 		return got == 7, fmt.Sprint(got)
 	})
-	edit("domain: " + r.domain + "\ndescriptors:\n  - key: tenant\n    bogus: 1\n")
+	replaceFile(t, path, "domain: "+r.domain+"\ndescriptors:\n  - key: tenant\n    bogus: 1\n")
 	e2e.EventuallyLast(t, "the broken edit rejected", func() (bool, string) {
 		samples, err := e2e.Scrape(context.Background(), "http://"+r.ops)
 		n := e2e.Sum(samples, "quotaflow_admission_envoy_config_reloads_total", "result", "rejected")
