@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -31,11 +30,7 @@ func TestWebhooksReload(t *testing.T) {
 	e.start(logs)
 	write := func(content string) {
 		t.Helper()
-		content = strings.ReplaceAll(content, "$URL", e.recv.srv.URL)
-		content = strings.ReplaceAll(content, "$SECRET", testSecret)
-		if err := os.WriteFile(e.cfg.WebhooksFile, []byte(content), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		writeWebhooks(t, e.cfg.WebhooksFile, content, e.recv.srv.URL)
 	}
 	// crossing publishes a threshold crossing of a new acme user every
 	// 100 ms until an alert arrives (bounded by eventually).
@@ -89,10 +84,7 @@ plans:
   free:
     quotas: [{name: 5h, kind: rolling, window: 5h, limit: 1000}]
 `
-	e.cfg.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
-	if err := os.WriteFile(e.cfg.PolicyFile, []byte(strings.Replace(policy, "]\n", ", {name: old, kind: rolling, window: 1h, limit: 1000}]\n", 1)), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	e.writePolicy([]byte(strings.Replace(policy, "]\n", ", {name: old, kind: rolling, window: 1h, limit: 1000}]\n", 1)))
 	e.start(nil)
 	old := userLimit(850, 0)
 	old.Name = "old"
@@ -116,13 +108,7 @@ plans:
 	}
 	e2e.EventuallyLast(t, "both limits raised", func() (bool, string) { l := levels(); return l == "5h 80, old 80", l })
 
-	tmp := e.cfg.PolicyFile + ".tmp"
-	if err := os.WriteFile(tmp, []byte(policy), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, e.cfg.PolicyFile); err != nil {
-		t.Fatal(err)
-	}
+	e.writePolicy([]byte(policy))
 	e2e.EventuallyLast(t, "old re-armed", func() (bool, string) { l := levels(); return l == "5h 80, old 0", l })
 }
 
@@ -140,10 +126,7 @@ plans:
     quotas: [{name: 5h, kind: rolling, window: 5h, limit: 1000, alerts: %s}]
     rates: [{name: rps, kind: token_bucket, rate: 10, per: 1s, burst: 10}]
 `
-	e.cfg.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
-	if err := os.WriteFile(e.cfg.PolicyFile, fmt.Appendf(nil, policyFmt, "[40, 60, 100]"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	e.writePolicy(fmt.Appendf(nil, policyFmt, "[40, 60, 100]"))
 	e.start(nil)
 	rps := func(used int64) events.LimitState {
 		return events.LimitState{Scope: "user", Name: "rps", Unit: "requests", Limit: 10, Used: used, Remaining: 10 - used}
@@ -163,13 +146,7 @@ plans:
 
 	// The edit: 5h alerts at 70 only. New users at 75 % alert 60 until
 	// the reload is in force, then 70.
-	tmp := e.cfg.PolicyFile + ".tmp"
-	if err := os.WriteFile(tmp, fmt.Appendf(nil, policyFmt, "[70]"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, e.cfg.PolicyFile); err != nil {
-		t.Fatal(err)
-	}
+	e.writePolicy(fmt.Appendf(nil, policyFmt, "[70]"))
 	users, next := 0, time.Now()
 	e2e.Eventually(t, "70 % alert after the reload", func() bool {
 		if time.Now().After(next) {

@@ -147,11 +147,7 @@ func newEnv(t testing.TB, webhooks string) *env {
 
 	recv := newReceiver(t)
 	file := filepath.Join(t.TempDir(), "webhooks.yaml")
-	content := strings.ReplaceAll(webhooks, "$URL", recv.srv.URL)
-	content = strings.ReplaceAll(content, "$SECRET", testSecret)
-	if err := os.WriteFile(file, []byte(content), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	writeWebhooks(t, file, webhooks, recv.srv.URL)
 
 	cfg := Config{
 		NATS: config.NATS{NATSURL: natstest.URL(), Config: ec}, Postgres: config.Postgres{PostgresURL: pgURL},
@@ -167,6 +163,34 @@ func newEnv(t testing.TB, webhooks string) *env {
 	}
 	e := &env{t: t, cfg: cfg, js: js, pub: stream.NewPublisher(js, ec), recv: recv}
 	return e
+}
+
+// writeWebhooks writes the webhooks file, its $URL and $SECRET replaced by
+// the receiver's URL and testSecret.
+func writeWebhooks(t testing.TB, file, webhooks, url string) {
+	t.Helper()
+	content := strings.ReplaceAll(webhooks, "$URL", url)
+	content = strings.ReplaceAll(content, "$SECRET", testSecret)
+	if err := os.WriteFile(file, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// writePolicy points e at a policy file of its own (QF_POLICY_FILE) on the
+// first call, and writes content there in one rename, so that a running
+// alerter reads one whole edit.
+func (e *env) writePolicy(content []byte) {
+	e.t.Helper()
+	if e.cfg.PolicyFile == "" {
+		e.cfg.PolicyFile = filepath.Join(e.t.TempDir(), "policy.yaml")
+	}
+	tmp := e.cfg.PolicyFile + ".tmp"
+	if err := os.WriteFile(tmp, content, 0o644); err != nil {
+		e.t.Fatal(err)
+	}
+	if err := os.Rename(tmp, e.cfg.PolicyFile); err != nil {
+		e.t.Fatal(err)
+	}
 }
 
 // start runs an alerter on e until the returned stop is called (or the
