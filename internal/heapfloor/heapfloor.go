@@ -102,17 +102,17 @@ func (k *keeper) arm() {
 		if f := outside.Load(); f != nil {
 			floor -= min(floor, (*f)())
 		}
-		debug.SetGCPercent(Percent(floor, k.base, live, roots))
+		debug.SetGCPercent(percent(floor, k.base, live, roots))
 		k.arm()
 	})
 }
 
-// Percent is the GOGC whose goal is floor after a collection that left live
+// percent is the GOGC whose goal is floor after a collection that left live
 // bytes of heap and roots bytes of stacks and globals, or base when base
 // gives more. The goal is live + (live+roots)×GOGC/100, and at least
 // minHeap×GOGC/100, which alone would put it over floor past
 // floor×100/minHeap.
-func Percent(floor uint64, base int, live, roots uint64) int {
+func percent(floor uint64, base int, live, roots uint64) int {
 	floor = min(floor, maxFloor)
 	if live >= floor {
 		return base

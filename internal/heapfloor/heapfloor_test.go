@@ -28,8 +28,8 @@ func TestPercent(t *testing.T) {
 		{"nothing live", 16 * mib, 100, 0, 0, 400},
 		{"a floor past 1 TiB is 1 TiB", math.MaxUint64, 100, mib, 0, (1 << 40) * 100 / (4 * mib)},
 	} {
-		if got := Percent(tc.floor, tc.base, tc.live, tc.roots); got != int(tc.want) {
-			t.Errorf("%s: Percent(%d MiB, %d, %d, %d) = %d, want %d", tc.name, tc.floor/mib, tc.base, tc.live, tc.roots, got, tc.want)
+		if got := percent(tc.floor, tc.base, tc.live, tc.roots); got != int(tc.want) {
+			t.Errorf("%s: percent(%d MiB, %d, %d, %d) = %d, want %d", tc.name, tc.floor/mib, tc.base, tc.live, tc.roots, got, tc.want)
 		}
 	}
 }
