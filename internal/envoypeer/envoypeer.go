@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/gotool"
 )
 
 // The pinned peer (the repository has no tags: this is the pseudo-version
@@ -32,48 +33,9 @@ const (
 )
 
 // Binary builds the pinned service_cmd once into the user's cache
-// directory, keyed by its version (about 90 s the first time), and returns
-// its path.
+// directory (about 90 s the first time) and returns its path.
 func Binary() (string, error) {
-	cache, err := os.UserCacheDir()
-	if err != nil {
-		return "", err
-	}
-	dir := filepath.Join(cache, "quotaflow-bench", "envoy-ratelimit@"+Version)
-	return installed(filepath.Join(dir, filepath.Base(Package)), func(gobin string) error {
-		fmt.Fprintf(os.Stderr, "building %s@%s into %s (about 90 s the first time)\n", Package, Version, dir)
-		cmd := exec.Command("go", "install", Package+"@"+Version)
-		cmd.Env = append(os.Environ(), "GOBIN="+gobin)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("go install %s@%s: %v\n%s", Package, Version, err, out)
-		}
-		return nil
-	})
-}
-
-// installed returns bin, first installing it when absent: install writes
-// it into an empty temporary directory beside bin, and the whole file is
-// renamed into place, so a concurrent caller (the differential test and a
-// benchmark) never execs a half-written binary.
-func installed(bin string, install func(gobin string) error) (string, error) {
-	if _, err := os.Stat(bin); err == nil {
-		return bin, nil
-	}
-	if err := os.MkdirAll(filepath.Dir(bin), 0o755); err != nil {
-		return "", err
-	}
-	tmp, err := os.MkdirTemp(filepath.Dir(bin), ".install-")
-	if err != nil {
-		return "", err
-	}
-	defer os.RemoveAll(tmp)
-	if err := install(tmp); err != nil {
-		return "", err
-	}
-	if err := os.Rename(filepath.Join(tmp, filepath.Base(bin)), bin); err != nil {
-		return "", err
-	}
-	return bin, nil
+	return gotool.Binary("envoy-ratelimit", Package, Version, "about 90 s")
 }
 
 // Source downloads the pinned module into the module cache (once) and

@@ -1,4 +1,4 @@
-package envoypeer
+package gotool
 
 import (
 	"os"
