@@ -34,6 +34,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -62,22 +63,43 @@ func main() {
 	scaleMode := flag.Bool("scale", false, "load 1 and 2 admission instances on 1 Redis and on a 3-master Redis Cluster, users over many tenants, in interleaved rounds")
 	hotMode := flag.Bool("hot", false, "-scale: one admission instance a plan (one limit, five limits) on a 3-master Redis Cluster, the users in one tenant against over many, and each master's CPU per request")
 	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
+	rlsClient := flag.String("rls-client", rlsClients[0], "-rls: the load's gRPC clients, comma-separated, each loading every target: lean (bench/internal/grpcload: frames written by the caller, one reader goroutine a connection), grpc-go or ghz (pinned, built once into the user cache directory)")
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
 	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate and at this fraction of its own closed-loop rate) (0: not)")
 	openConns := flag.Int("open-conns", 256, "-peer and -ab: the open loop's connections, sharing its schedule (Little's law: enough that requests wait in the generator only when latency passes open-conns / rate)")
+	loadProfile := flag.String("loadprofile", "", "write a CPU profile of the load generator itself (this process) to this file")
 	flag.Parse()
+	if *loadProfile != "" {
+		f, err := os.Create(*loadProfile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "admitload:", err)
+			os.Exit(2)
+		}
+		defer pprof.StopCPUProfile()
+		stopProfile = pprof.StopCPUProfile
+	}
 	var set []string
 	flag.Visit(func(f *flag.Flag) { set = append(set, f.Name) })
 	if err := checkMode(set, *peerMode, *rlsMode, *scaleMode); err != nil {
 		fmt.Fprintln(os.Stderr, "admitload:", err)
-		os.Exit(2)
+		exit(2)
+	}
+	clients := strings.Split(*rlsClient, ",")
+	for i, c := range clients {
+		if !slices.Contains(rlsClients, c) || slices.Contains(clients[:i], c) {
+			fmt.Fprintf(os.Stderr, "admitload: -rls-client %q: want %s, comma-separated, each once\n", *rlsClient, strings.Join(rlsClients, " or "))
+			exit(2)
+		}
 	}
 	var levels []int
 	for _, s := range strings.Split(*concurrency, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
 		if err != nil || n < 1 {
 			fmt.Fprintf(os.Stderr, "admitload: -concurrency %q: want positive integers\n", *concurrency)
-			os.Exit(2)
+			exit(2)
 		}
 		levels = append(levels, n)
 	}
@@ -88,7 +110,7 @@ func main() {
 		}
 		if err := run(context.Background(), peerOptions{levels: levels, users: *users, dur: *duration, rounds: *rounds}); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
-			os.Exit(1)
+			exit(1)
 		}
 		return
 	}
@@ -105,31 +127,31 @@ func main() {
 				o.targets[t] = true
 			default:
 				fmt.Fprintf(os.Stderr, "admitload: -targets %q: want plain, envoy, one or five\n", t)
-				os.Exit(2)
+				exit(2)
 			}
 		}
 		run := peer
 		if *rlsMode {
 			run = func(ctx context.Context, o peerOptions) error {
-				return rls(ctx, o, *grpcConns, *base, strings.Fields(*abEnv))
+				return rls(ctx, o, clients, *grpcConns, *base, strings.Fields(*abEnv))
 			}
 		}
 		if err := run(context.Background(), o); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
-			os.Exit(1)
+			exit(1)
 		}
 		return
 	}
 	if *base != "" {
 		if err := ab(context.Background(), *base, *rounds, levels[0], *users, *duration, *timeout, strings.Fields(*abEnv), *open, *openConns); err != nil {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
-			os.Exit(1)
+			exit(1)
 		}
 		return
 	}
 	if err := run(context.Background(), levels, *users, *duration, *down, *timeout, *profile, *heap); err != nil {
 		fmt.Fprintln(os.Stderr, "admitload:", err)
-		os.Exit(1)
+		exit(1)
 	}
 }
 
@@ -144,7 +166,7 @@ func checkMode(set []string, peer, rls, scale bool) error {
 	if scale {
 		var bad []string
 		for _, name := range set {
-			if !map[string]bool{"scale": true, "duration": true, "concurrency": true, "users": true, "rounds": true, "hot": true}[name] {
+			if !map[string]bool{"scale": true, "duration": true, "concurrency": true, "users": true, "rounds": true, "hot": true, "loadprofile": true}[name] {
 				bad = append(bad, "-"+name)
 			}
 		}
@@ -162,7 +184,7 @@ func checkMode(set []string, peer, rls, scale bool) error {
 		mode, why = "-rls", "it loads both descriptor counts in a closed loop"
 		ignored["targets"], ignored["peer-base"], ignored["open"], ignored["open-conns"], ignored["ab-env"] = true, true, true, true, false
 	} else {
-		ignored["ab"], ignored["grpc-conns"] = true, true
+		ignored["ab"], ignored["grpc-conns"], ignored["rls-client"] = true, true, true
 	}
 	var bad []string
 	for _, name := range set {
@@ -174,4 +196,14 @@ func checkMode(set []string, peer, rls, scale bool) error {
 		return fmt.Errorf("%s does not use %s (it runs admission with QF_REDIS_TIMEOUT=1s and no profile; %s)", mode, strings.Join(bad, ", "), why)
 	}
 	return nil
+}
+
+// stopProfile ends -loadprofile's profile, if one runs.
+var stopProfile = func() {}
+
+// exit ends the process with code, the load generator's profile written
+// first (os.Exit skips the deferred stop).
+func exit(code int) {
+	stopProfile()
+	os.Exit(code)
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,8 +16,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/proto"
 
 	"quotaflow/bench/internal/envoy"
+	"quotaflow/bench/internal/grpcload"
 	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/stats"
 	"quotaflow/internal/e2e"
@@ -26,10 +29,12 @@ import (
 // rlsDomain is the domain of envoypeer.BenchConfig both servers load.
 const rlsDomain = "bench"
 
-// rlsTarget is one server's ShouldRateLimit with n descriptors a request.
+// rlsTarget is one server's ShouldRateLimit with n descriptors a request,
+// loaded by client (one of rlsClients).
 type rlsTarget struct {
 	*peerTarget
 	descriptors int
+	client      string
 }
 
 // rls loads, in one run and interleaved rounds, envoyproxy/ratelimit and
@@ -41,8 +46,9 @@ type rlsTarget struct {
 // With base (a checkout of an earlier commit), admission built from it is
 // a target too, in the same rounds: before and after in one run. env is
 // extra environment of this checkout's admission (GOGC=400: the same build
-// twice, one tuned).
-func rls(ctx context.Context, o peerOptions, conns int, base string, env []string) error {
+// twice, one tuned). Each of clients loads every target, its ratios taken
+// to envoy's under the same client.
+func rls(ctx context.Context, o peerOptions, clients []string, conns int, base string, env []string) error {
 	b, err := newDir()
 	defer b.close()
 	if err != nil {
@@ -71,22 +77,36 @@ func rls(ctx context.Context, o peerOptions, conns int, base string, env []strin
 		return err
 	}
 	var ts []*rlsTarget
-	for _, n := range []int{1, 5} {
-		for _, s := range append([]*peerTarget{peer}, servers...) {
-			c := *s
-			c.short, c.name, c.runs = fmt.Sprintf("%s%d", s.short, n), fmt.Sprintf("%s, %d %s", s.name, n, descriptors(n)), map[int][]peerRun{}
-			ts = append(ts, &rlsTarget{peerTarget: &c, descriptors: n})
+	for _, client := range clients {
+		for _, n := range []int{1, 5} {
+			for _, s := range append([]*peerTarget{peer}, servers...) {
+				c := *s
+				c.short, c.name, c.runs = fmt.Sprintf("%s%d%s", s.short, n, client), fmt.Sprintf("%s, %d %s", s.name, n, descriptors(n)), map[int][]peerRun{}
+				if len(clients) > 1 {
+					c.name += ", " + client
+				}
+				ts = append(ts, &rlsTarget{peerTarget: &c, descriptors: n, client: client})
+			}
 		}
 	}
 
-	descriptors := map[*peerTarget]int{}
+	of := map[*peerTarget]*rlsTarget{}
 	pts := make([]*peerTarget, len(ts))
 	for i, t := range ts {
-		pts[i], descriptors[t.peerTarget] = t.peerTarget, t.descriptors
+		pts[i], of[t.peerTarget] = t.peerTarget, t
+	}
+	var g *ghz
+	if slices.Contains(clients, "ghz") {
+		if g, err = newGHZ(b.dir); err != nil {
+			return err
+		}
 	}
 	measure := func(t *peerTarget, conc int) (peerRun, error) {
 		return measureRun(ctx, t, func() (*load.Result, error) {
-			res, over, err := rlsLoad(ctx, t.addr, conns, conc, o.users, descriptors[t], o.dur)
+			if of[t].client == "ghz" {
+				return g.load(ctx, t.addr, conns, conc, o.users, of[t].descriptors, o.dur)
+			}
+			res, over, err := rlsLoad(ctx, of[t].client, t.addr, conns, conc, o.users, of[t].descriptors, o.dur)
 			if err == nil && over > 0 {
 				err = fmt.Errorf("%d answers over the limit, want none", over)
 			}
@@ -94,8 +114,8 @@ func rls(ctx context.Context, o peerOptions, conns int, base string, env []strin
 		})
 	}
 
-	fmt.Printf("ShouldRateLimit over gRPC: %d users, %s per run, %d rounds, %d gRPC connections per load, targets in rotating order; load average %s at the start\n",
-		o.users, o.dur, o.rounds, conns, load0)
+	fmt.Printf("ShouldRateLimit over gRPC: %d users, %s per run, %d rounds, %d gRPC connections per load (client %s), targets in rotating order; load average %s at the start\n",
+		o.users, o.dur, o.rounds, conns, strings.Join(clients, ", "), load0)
 	fmt.Printf("envoy %s@%s: REDIS_POOL_SIZE=%d REDIS_PIPELINE_WINDOW=%s DISABLE_STATS=true %s; admission QF_REDIS_TIMEOUT=1s %s\n\n",
 		envoypeer.Package, envoypeer.Version, o.envoyPool, o.envoyWindow, strings.Join(o.envoyEnv, " "), strings.Join(env, " "))
 	err = interleave(o.levels, o.rounds, pts, peerRuns, measure,
@@ -116,13 +136,13 @@ func rls(ctx context.Context, o peerOptions, conns int, base string, env []strin
 
 // rlsSummary prints the medians over the rounds and issue 14's goals.
 func rlsSummary(ts []*rlsTarget, o peerOptions) {
-	fmt.Printf("\nmedians over %d rounds (÷ envoy: median of the per-round ratios to envoy's run with as many descriptors in the same round; "+
+	fmt.Printf("\nmedians over %d rounds (÷ envoy: median of the per-round ratios to envoy's run with as many descriptors and the same client in the same round; "+
 		"by CPU: envoy's CPU per request, all its processes and the load generator's, over admission's):\n\n", o.rounds)
 	fmt.Println("| target | c | req/s | ÷ envoy | ÷ envoy by CPU | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	envoyOf := func(t *rlsTarget) *peerTarget {
 		for _, e := range ts {
-			if e.descriptors == t.descriptors && strings.HasPrefix(e.short, "envoy") {
+			if e.descriptors == t.descriptors && e.client == t.client && strings.HasPrefix(e.short, "envoy") {
 				return e.peerTarget
 			}
 		}
@@ -148,7 +168,7 @@ func rlsSummary(ts []*rlsTarget, o peerOptions) {
 		for _, t := range ts {
 			if t.descriptors == g.n && !strings.HasPrefix(t.short, "envoy") {
 				e := envoyOf(t)
-				fmt.Printf("| %s with %d %s %s envoy's throughput | %s; by CPU %s |\n", strings.Split(t.name, ",")[0], g.n, descriptors(g.n), g.goal,
+				fmt.Printf("| %s with %d %s %s envoy's throughput (%s client) | %s; by CPU %s |\n", strings.Split(t.name, ",")[0], g.n, descriptors(g.n), g.goal, t.client,
 					ratiosAt(t.peerTarget, e, o.levels, ratioTo), ratiosAt(t.peerTarget, e, o.levels, cpuRatioTo))
 			}
 		}
@@ -216,24 +236,96 @@ func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error)
 // initial_connection_window_size).
 const envoyWindow = 256 << 20
 
-// rlsLoad calls ShouldRateLimit at addr from conc goroutines over conns
-// gRPC connections in a closed loop for d, each request of a random one of
-// users with n descriptors, and returns the result and the answers over
-// the limit.
-func rlsLoad(ctx context.Context, addr string, conns, conc, users, n int, d time.Duration) (*load.Result, uint64, error) {
-	clients := make([]rlpb.RateLimitServiceClient, min(conns, conc))
-	for i := range clients {
-		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-			// Envoy's HTTP/2 windows are fixed (256 MiB by default): it sends
-			// none of grpc-go's bandwidth-delay pings, nor should its stand-in.
-			grpc.WithStaticStreamWindowSize(envoyWindow), grpc.WithStaticConnWindowSize(envoyWindow))
-		if err != nil {
-			return nil, 0, err
+// rlsClients are the -rls-client values: the lean client (grpcload,
+// as cheap per call as the servers), grpc-go's and ghz (ghz.go).
+var rlsClients = []string{"lean", "grpc-go", "ghz"}
+
+// rlsCall makes one ShouldRateLimit call and returns its overall code.
+type rlsCall func(req *rlpb.RateLimitRequest) (rlpb.RateLimitResponse_Code, error)
+
+// rlsCallers dials min(conns, conc) connections to addr with client (one
+// of rlsClients) and returns one caller for each of conc goroutines
+// (goroutine g on connection g % conns) and what closes the connections.
+func rlsCallers(ctx context.Context, client, addr string, conns, conc int) ([]rlsCall, func(), error) {
+	var closers []func() error
+	closeAll := func() {
+		for _, c := range closers {
+			c()
 		}
-		defer cc.Close()
-		clients[i] = rlpb.NewRateLimitServiceClient(cc)
 	}
-	ctx = metadata.NewOutgoingContext(ctx, metadata.Pairs("authorization", "Bearer "+rlsToken))
+	callers := make([]rlsCall, conc)
+	n := min(conns, conc)
+	switch client {
+	case "grpc-go":
+		ctx = metadata.NewOutgoingContext(ctx, metadata.Pairs("authorization", "Bearer "+rlsToken))
+		clients := make([]rlpb.RateLimitServiceClient, n)
+		for i := range clients {
+			cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+				// Envoy's HTTP/2 windows are fixed (256 MiB by default): it sends
+				// none of grpc-go's bandwidth-delay pings, nor should its stand-in.
+				grpc.WithStaticStreamWindowSize(envoyWindow), grpc.WithStaticConnWindowSize(envoyWindow))
+			if err != nil {
+				closeAll()
+				return nil, nil, err
+			}
+			closers = append(closers, cc.Close)
+			clients[i] = rlpb.NewRateLimitServiceClient(cc)
+		}
+		for g := range callers {
+			c := clients[g%n]
+			callers[g] = func(req *rlpb.RateLimitRequest) (rlpb.RateLimitResponse_Code, error) {
+				resp, err := c.ShouldRateLimit(ctx, req)
+				return resp.GetOverallCode(), err
+			}
+		}
+	case "lean":
+		cs := make([]*grpcload.Conn, n)
+		for i := range cs {
+			c, err := grpcload.Dial(addr, "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit", "authorization", "Bearer "+rlsToken)
+			if err != nil {
+				closeAll()
+				return nil, nil, err
+			}
+			closers = append(closers, c.Close)
+			cs[i] = c
+		}
+		for g := range callers {
+			c := cs[g%n]
+			// The goroutine's own buffers and answer, reused: the
+			// request is marshalled and the answer unmarshalled whole,
+			// as grpc-go's client does.
+			var msg, raw []byte
+			var resp rlpb.RateLimitResponse
+			callers[g] = func(req *rlpb.RateLimitRequest) (rlpb.RateLimitResponse_Code, error) {
+				var err error
+				if msg, err = (proto.MarshalOptions{}).MarshalAppend(msg[:0], req); err != nil {
+					return 0, err
+				}
+				if raw, err = c.Call(msg, raw); err != nil {
+					return 0, err
+				}
+				if err := proto.Unmarshal(raw, &resp); err != nil {
+					return 0, err
+				}
+				return resp.GetOverallCode(), nil
+			}
+		}
+	default:
+		return nil, nil, fmt.Errorf("-rls-client %q: want one of %s", client, strings.Join(rlsClients, ", "))
+	}
+	return callers, closeAll, nil
+}
+
+// rlsLoad calls ShouldRateLimit at addr from conc goroutines over conns
+// connections of client in a closed loop for d, each request of a random
+// one of users with n descriptors, and returns the result and the answers
+// over the limit.
+func rlsLoad(ctx context.Context, client, addr string, conns, conc, users, n int, d time.Duration) (*load.Result, uint64, error) {
+	callers, closeAll, err := rlsCallers(ctx, client, addr, conns, conc)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer closeAll()
 	var (
 		mu         sync.Mutex
 		res        = &load.Result{}
@@ -247,20 +339,23 @@ func rlsLoad(ctx context.Context, addr string, conns, conc, users, n int, d time
 		wg.Go(func() {
 			var h load.Histogram
 			var done uint64
-			c := clients[g%len(clients)]
+			call := callers[g]
 			user := g * 7919 // spread the goroutines over the users
 			for time.Now().Before(end) {
 				user = (user + 1) % users
 				t0 := time.Now()
-				resp, err := c.ShouldRateLimit(ctx, envoypeer.BenchRequest(rlsDomain, "u"+strconv.Itoa(user), n))
+				code, err := call(envoypeer.BenchRequest(rlsDomain, "u"+strconv.Itoa(user), n))
 				if err != nil {
+					// The goroutine ends: a client whose connection
+					// failed (the lean one does not dial again) would
+					// spin on errors, taking the servers' CPU.
 					errs.Add(1)
 					lastErr.Store(err)
-					continue
+					break
 				}
 				h.Record(time.Since(t0))
 				done++
-				if resp.GetOverallCode() != rlpb.RateLimitResponse_OK {
+				if code != rlpb.RateLimitResponse_OK {
 					over.Add(1)
 				}
 			}

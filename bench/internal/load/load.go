@@ -85,6 +85,7 @@ type Result struct {
 	Requests uint64        // answers read
 	Errors   uint64        // failed connections (each dialled again), unreadable answers and, in an open loop, requests left when the Timeout after Duration ran out
 	Elapsed  time.Duration // from the start to the last answer
+	ChildCPU time.Duration // the CPU of a load generator that ran as a process of its own (ghz), beside this one's
 	Status   map[int]uint64
 	Latency  Histogram
 	// ConnWait counts, in an open loop, how long each answered request
