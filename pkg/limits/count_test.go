@@ -604,3 +604,56 @@ func TestAdjustCount(t *testing.T) {
 		}
 	}
 }
+
+// TestCountBatchGroupLosesOneEpoch: a group whose second counter's slot
+// lost its epoch is decided nowhere (ErrNoEpoch), though its first counter
+// fitted and was counted in the script: the groups after it in the same
+// call see that counter as it was, and nothing of the group is written.
+func TestCountBatchGroupLosesOneEpoch(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client()
+	ctx := context.Background()
+	l := limits.New(c, limits.Options{})
+	if err := repair.WriteEpoch(ctx, c, "e"); err != nil {
+		t.Fatal(err)
+	}
+	r := policy.Rule{Limit: policy.Limit{Name: "h", Kind: policy.Fixed, Unit: policy.Requests, Limit: 10, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeGlobal}
+	a := limits.SharedRequest{Scope: policy.ScopeGlobal, ID: "a", Cost: 1, Rules: []policy.Rule{r}}
+	b := limits.SharedRequest{Scope: policy.ScopeGlobal, ID: "b", Cost: 1, Rules: []policy.Rule{r}}
+	sa, sb := wire.CounterSlot(policy.ScopeGlobal, "a"), wire.CounterSlot(policy.ScopeGlobal, "b")
+	if sa == sb {
+		t.Fatal("a and b share a slot: pick other ids")
+	}
+	if err := c.Del(ctx, wire.SlotEpochKey(sb)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	out := l.CountBatch(ctx, [][]limits.SharedRequest{{a, b}, {a}, {a, a}})
+	if !errors.Is(out[0].Err, limits.ErrNoEpoch) {
+		t.Fatalf("the group with b: %+v, %v; want ErrNoEpoch", out[0].Decision, out[0].Err)
+	}
+	if out[1].Err != nil || !out[1].Decision.Allowed || out[1].Decision.States[0].Used != 1 {
+		t.Errorf("a alone after it: %+v, %v; want allowed, used 1 (the lost group's charge undone)", out[1].Decision, out[1].Err)
+	}
+	if out[2].Err != nil || !out[2].Decision.Allowed || out[2].Decision.States[1].Used != 3 {
+		t.Errorf("a twice after that: %+v, %v; want allowed, used 3", out[2].Decision, out[2].Err)
+	}
+	// Lost last in its call: nothing of it is left in the reply either.
+	out = l.CountBatch(ctx, [][]limits.SharedRequest{{a}, {a, b}})
+	if out[0].Err != nil || !out[0].Decision.Allowed || out[0].Decision.States[0].Used != 4 {
+		t.Errorf("a before a lost group: %+v, %v; want allowed, used 4", out[0].Decision, out[0].Err)
+	}
+	if !errors.Is(out[1].Err, limits.ErrNoEpoch) {
+		t.Errorf("a lost group last: %+v, %v; want ErrNoEpoch", out[1].Decision, out[1].Err)
+	}
+	key := func(id string) string {
+		return (&wire.Counter{Scope: policy.ScopeGlobal, ID: id, Rule: &r}).Key()
+	}
+	if n, _ := c.Exists(ctx, key("b")).Result(); n != 0 {
+		t.Errorf("b's counter written by the group that lost its epoch")
+	}
+	if v, _ := c.Get(ctx, key("a")).Result(); len(v) != 12 {
+		t.Errorf("a's counter %q, want window and count", v)
+	} else if n := int64(v[6]) | int64(v[7])<<8; n != 4 {
+		t.Errorf("a's count %d, want 4", n)
+	}
+}

@@ -165,8 +165,9 @@ type CountReply struct {
 
 // DecodeCount reads the reply of count call c of b and passes f each
 // group's reply or error, in order; it returns
-// the call's Redis time (µs). An error of the whole call is every group's; a
-// group without its epoch gets ErrNoEpoch.
+// the call's Redis time (µs). An error of the whole call, or a reply that
+// is not exactly b's groups' (one value too few or too many), is every
+// group's; a group without its epoch gets ErrNoEpoch.
 func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err error)) time.Time {
 	v, err := cmd.Int64Slice()
 	if err == nil && len(v) == 0 {
@@ -176,23 +177,35 @@ func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err 
 	if err == nil {
 		now = time.UnixMicro(v[0])
 		v = v[1:]
+		rest := v
+		for i, k := range b.groups {
+			switch {
+			case len(rest) > 0 && rest[0] == -1:
+				rest = rest[1:]
+				continue
+			case len(rest) < 1+k || rest[0] != StatusAllowed && rest[0] != StatusDenied:
+				err = fmt.Errorf("count: malformed reply for group %d of %d counters", i, k)
+			}
+			if err != nil {
+				break
+			}
+			rest = rest[1+k:]
+		}
+		if err == nil && len(rest) > 0 {
+			err = fmt.Errorf("count: %d values past the reply's last group", len(rest))
+		}
 	}
 	for i, k := range b.groups {
 		switch {
 		case err != nil:
-		case len(v) > 0 && v[0] == -1:
+			f(i, CountReply{}, err)
+		case v[0] == -1:
 			f(i, CountReply{}, ErrNoEpoch)
 			v = v[1:]
-			continue
-		case len(v) < 1+k || v[0] != StatusAllowed && v[0] != StatusDenied:
-			err = fmt.Errorf("count: malformed reply for group %d of %d counters", i, k)
+		default:
+			f(i, CountReply{Status: v[0], Seen: v[1 : 1+k : 1+k]}, nil)
+			v = v[1+k:]
 		}
-		if err != nil {
-			f(i, CountReply{}, err)
-			continue
-		}
-		f(i, CountReply{Status: v[0], Seen: v[1 : 1+k : 1+k]}, nil)
-		v = v[1+k:]
 	}
 	return now
 }

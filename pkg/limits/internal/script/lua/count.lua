@@ -41,6 +41,11 @@ local vals = redis.call('MGET', unpack(KEYS))
 local win, cnt, read, span = {}, {}, {}, {}
 local dirty, isdirty = {}, {} -- the counters to write, in order; by index
 local out = { now * 1000 + t[2] % 1000 }
+local no = 1 -- #out, kept rather than counted
+-- what a group changed, to undo: key, window, count as before (one table
+-- for every group: a table per group and its growth cost more than the
+-- rest of a one-counter decision's bookkeeping)
+local undo = {}
 
 -- load caches counter k's key as read.
 local function load(k)
@@ -56,58 +61,81 @@ end
 for g = 2, #ARGV do
   local arg = ARGV[g]
   local at = sunpack('<i6', arg)
-  local ok = true
-  if guard == 1 then
-    for p = 7, #arg, COUNTER_LEN do
-      if not vals[sunpack('<I2', arg, p)] then ok = false; break end
-    end
-  end
-  if not ok then
-    out[#out + 1] = -1
-  elseif at ~= 0 then
+  if at ~= 0 then
     -- an adjustment: dated at (a give back), or now (-1)
-    out[#out + 1] = 1
-    for p = 7, #arg, COUNTER_LEN do
-      local _, k, cost, _, w = sunpack('<I2I2i6i6i6', arg, p)
-      local wn = floor(now / w)
-      if not win[k] then load(k) end
-      local c = win[k] == wn and cnt[k] or 0
-      if cost ~= 0 and (at < 0 or floor(at / w) == wn) then
-        c = c + cost
-        if c < 0 then c = 0 elseif c > MAX_COUNT then c = MAX_COUNT end
-        win[k], cnt[k], span[k] = wn, c, w
-        if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
+    local ok = true
+    if guard == 1 then
+      for p = 7, #arg, COUNTER_LEN do
+        if not vals[sunpack('<I2', arg, p)] then ok = false; break end
       end
-      out[#out + 1] = c
+    end
+    no = no + 1
+    if not ok then
+      out[no] = -1
+    else
+      out[no] = 1
+      for p = 7, #arg, COUNTER_LEN do
+        local _, k, cost, _, w = sunpack('<I2I2i6i6i6', arg, p)
+        local wn = floor(now / w)
+        if not win[k] then load(k) end
+        local c = win[k] == wn and cnt[k] or 0
+        if cost ~= 0 and (at < 0 or floor(at / w) == wn) then
+          c = c + cost
+          if c < 0 then c = 0 elseif c > MAX_COUNT then c = MAX_COUNT end
+          win[k], cnt[k], span[k] = wn, c, w
+          if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
+        end
+        no = no + 1
+        out[no] = c
+      end
     end
   else
-    local s = #out + 1
+    -- a decision; a counter whose slot lost its epoch (guard) makes it
+    -- -1 with nothing changed, wherever it lies in the group
+    no = no + 1
+    local s = no
     out[s] = 1
-    -- what the group changed, to undo: key, window, count as before
-    local undo, u = {}, 0
+    local u, lost = 0, false
     for p = 7, #arg, COUNTER_LEN do
-      local _, k, cost, lim, w, shadow = sunpack('<I2I2i6i6i6B', arg, p)
+      local e, k, cost, lim, w, shadow = sunpack('<I2I2i6i6i6B', arg, p)
+      if guard == 1 and not vals[e] then lost = true; break end
       local wn = floor(now / w)
-      if not win[k] then load(k) end
-      local used = win[k] == wn and cnt[k] or 0
-      out[#out + 1] = used
-      local fits = used + cost <= lim
-      if not fits and shadow == 0 then
+      local wk = win[k]
+      if not wk then
+        local raw = vals[k]
+        if raw then
+          local c
+          wk, c = sunpack('<i6i6', raw)
+          win[k], cnt[k], read[k] = wk, c, wk
+        else
+          wk = -1
+          win[k], cnt[k], read[k] = -1, 0, false
+        end
+      end
+      local used = wk == wn and cnt[k] or 0
+      no = no + 1
+      out[no] = used
+      if used + cost > lim and shadow == 0 then
         out[s] = 0
       elseif cost ~= 0 then
-        undo[u + 1], undo[u + 2], undo[u + 3], u = k, win[k], cnt[k], u + 3
+        undo[u + 1], undo[u + 2], undo[u + 3], u = k, wk, cnt[k], u + 3
         local c = used + cost
         if c > MAX_COUNT then c = MAX_COUNT end
         win[k], cnt[k], span[k] = wn, c, w
       end
     end
-    if out[s] == 0 then
+    if lost or out[s] == 0 then
       for i = u - 2, 1, -3 do win[undo[i]], cnt[undo[i]] = undo[i + 1], undo[i + 2] end
     else
       for i = 1, u, 3 do
         local k = undo[i]
         if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
       end
+    end
+    if lost then
+      for i = no, s + 1, -1 do out[i] = nil end
+      no = s
+      out[s] = -1
     end
   end
 end
