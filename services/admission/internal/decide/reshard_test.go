@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"quotaflow/internal/e2e"
+	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/repair"
 )
 
@@ -30,7 +32,8 @@ import (
 // ms leaves the most the 128 ms cap allows, just under 256 ms (after pauses
 // of 2-64 ms, 126 ms). BreakerWindow is how long a streak of failures must
 // last to open the breaker: at 100 ms a loaded host's stall opened it; at
-// 1 s a stall is a spike, and the refusals alone run past it.
+// 1 s a stall is a spike, and the refusals alone run past it (through a
+// decider of their own, whose RedisTimeout outlasts the runner's tries).
 func TestSlotMovingDecidesOnlyItsTenantLocally(t *testing.T) {
 	ctx := context.Background()
 	const window = time.Second
@@ -81,12 +84,26 @@ func TestSlotMovingDecidesOnlyItsTenantLocally(t *testing.T) {
 	}
 	// The moving tenant's refusals alone, more than BreakerFailures of them
 	// and for longer than BreakerWindow: its slot's move, not Redis failing.
+	// At 380 ms a refused call's last try has 128-256 ms (the runner's
+	// outlasts), which a loaded host's round trip overran: a timeout, which
+	// the breaker rightly counts. Here RedisTimeout outlasts all the tries
+	// (~1.3 s of pauses), so each call ends in the refusal it got.
+	alone := newDecider(t, cc, parsePolicy(t, userOnlyPolicy, ""),
+		Options{RedisTimeout: 5 * time.Second, BreakerWindow: window}, limits.Options{})
 	for i, start := 0, time.Now(); i < 2*DefaultBreakerFailures || time.Since(start) <= 2*window; i++ {
-		admit(t, d, in(moving, fmt.Sprint("alone-", i), "/any", 1))
+		if r := admit(t, alone, in(moving, fmt.Sprint("alone-", i), "/any", 1)); !r.Local {
+			t.Fatalf("alone-%d decided by Redis; want refused (its slot moving), decided locally", i)
+		}
 	}
-	if deg, why := d.Degraded(); deg {
+	if deg, why := alone.Degraded(); deg {
 		t.Errorf("the breaker opened on one moving slot's refusals: %q", why)
 	}
+	// Nor does the move keep d's breaker open, should a loaded host's
+	// timeouts have opened it: its probe closes it while the slot moves.
+	e2e.EventuallyLast(t, "the first decider's breaker closed while the slot moves", func() (bool, string) {
+		deg, why := d.Degraded()
+		return !deg, why
+	})
 	if movingLocal.Load() == 0 {
 		t.Errorf("no admit of the moving tenant's new users was local: the slot's refusal did not happen, the test shows nothing")
 	}
