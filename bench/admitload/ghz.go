@@ -66,6 +66,10 @@ func newGHZ(dir string) (*ghz, error) {
 	return g, os.WriteFile(g.protoset, b, 0o644)
 }
 
+// ghzMaxDetails is the most calls ghz keeps a record of
+// (runner.maxResult): its percentiles come from those.
+const ghzMaxDetails = 1_000_000
+
 // userMark stands for the user in the request template until it becomes
 // ghz's template call.
 const userMark = "USER-MARK"
@@ -73,8 +77,9 @@ const userMark = "USER-MARK"
 // load calls ShouldRateLimit at addr for d from conc ghz workers over
 // conns connections, each request of a random one of users with n
 // descriptors. ghz reports percentiles, not each latency to this process:
-// the result's histogram holds its 10th to 99th percentiles, weighted so
-// that the same quantiles read back. Its answers are not read (each
+// the result's histogram holds its 10th to 99th percentiles and its
+// slowest call (as the last 1 %), weighted so that the same quantiles
+// read back. Its answers are not read (each
 // limit is far above a run's calls); its CPU (its whole process: start,
 // a template rendered per call, its report of every call) is ChildCPU.
 func (g *ghz) load(ctx context.Context, addr string, conns, conc, users, n int, d time.Duration) (*load.Result, error) {
@@ -119,6 +124,9 @@ func (g *ghz) load(ctx context.Context, addr string, conns, conc, users, n int, 
 	}
 	if err := json.Unmarshal(b, &rep); err != nil {
 		return nil, fmt.Errorf("ghz's report: %w", err)
+	}
+	if rep.Count > ghzMaxDetails {
+		return nil, fmt.Errorf("ghz: %d calls, more than the %d its percentiles are taken from: shorten -duration", rep.Count, ghzMaxDetails)
 	}
 	res := &load.Result{Requests: rep.StatusCodeDist["OK"], Elapsed: rep.Total, ChildCPU: cpu}
 	res.Errors = rep.Count - res.Requests

@@ -107,8 +107,14 @@ func rls(ctx context.Context, o peerOptions, clients []string, conns int, base s
 				return g.load(ctx, t.addr, conns, conc, o.users, of[t].descriptors, o.dur)
 			}
 			res, over, err := rlsLoad(ctx, of[t].client, t.addr, conns, conc, o.users, of[t].descriptors, o.dur)
-			if err == nil && over > 0 {
+			switch {
+			case err != nil:
+			case over > 0:
 				err = fmt.Errorf("%d answers over the limit, want none", over)
+			case res.Errors > 0:
+				// A failed call ends its goroutine: the run had less
+				// than its concurrency.
+				err = fmt.Errorf("%d failed calls, want none", res.Errors)
 			}
 			return res, err
 		})
@@ -326,6 +332,9 @@ func rlsLoad(ctx context.Context, client, addr string, conns, conc, users, n int
 		return nil, 0, err
 	}
 	defer closeAll()
+	// A server that stops answering fails the run rather than hanging it.
+	stalled := time.AfterFunc(d+rlsStall, closeAll)
+	defer stalled.Stop()
 	var (
 		mu         sync.Mutex
 		res        = &load.Result{}
@@ -373,6 +382,10 @@ func rlsLoad(ctx context.Context, client, addr string, conns, conc, users, n int
 	}
 	return res, over.Load(), nil
 }
+
+// rlsStall is how long past its duration a load waits for its calls'
+// answers before closing its connections.
+const rlsStall = 30 * time.Second
 
 // rlsToken is admission's API token in the RLS benchmark (Envoy's
 // initial metadata).

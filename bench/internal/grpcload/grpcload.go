@@ -75,18 +75,19 @@ type Conn struct {
 	flushing bool       // a caller is writing out
 	first    []byte     // the header block of the first call (fields to index)
 	block    []byte     // the header block of every later call
+	literal  []byte     // every call's block when the server's table is too small
 	nextID   uint32
 	sendWin  int64  // connection window for our DATA
 	maxFrame uint32 // the server's SETTINGS_MAX_FRAME_SIZE
 	maxData  uint32 // the largest DATA payload a call may send: frame size, initial stream window
 	streams  uint32 // calls in flight
 	maxConc  uint32 // the server's SETTINGS_MAX_CONCURRENT_STREAMS
-	tableMin uint32 // the bytes of the server's header table the fields take (0: sent as literals)
+	tableMin uint32 // the bytes of the server's header table the fields take
+	indexed  bool   // calls after the first refer to the server's table
 
 	mu    sync.Mutex
 	calls map[uint32]*call
-	err   error  // why the connection ended, or no new call may start
-	last  uint32 // a GOAWAY's last stream id: calls above it were not processed
+	err   error // why the connection ended, or no new call may start
 }
 
 // call is one call in flight; the reader fills it and signals done.
@@ -144,12 +145,21 @@ func Dial(addr, path string, md ...string) (*Conn, error) {
 		enc.WriteField(f)
 	}
 	lit := hpack.NewEncoder(byteWriter{&literal})
+	// Each literal block starts with a table size update to 0, as a
+	// server whose table is smaller than HPACK's initial one needs.
+	lit.SetMaxDynamicTableSizeLimit(0)
 	for _, f := range fields {
 		f.Sensitive = true // never indexed: the block can be sent again as it is
 		lit.WriteField(f)
 	}
 
-	ready := make(chan uint32, 1) // the server's header table size, from its first SETTINGS
+	if len(first) > 16384 || len(literal) > 16384 {
+		nc.Close()
+		return nil, errors.New("grpcload: request headers over one frame")
+	}
+	c.first, c.block, c.literal = first, block, literal
+
+	ready := make(chan struct{}) // closed once the server's first SETTINGS is taken
 	c.out = append(c.out, http2.ClientPreface...)
 	var settings [12]byte
 	binary.BigEndian.PutUint16(settings[0:], uint16(http2.SettingInitialWindowSize))
@@ -166,16 +176,11 @@ func Dial(addr, path string, md ...string) (*Conn, error) {
 	}
 	go c.read(ready)
 	select {
-	case size := <-ready:
-		c.wmu.Lock()
-		// The encoder's table is HPACK's initial 4096 bytes: a server
-		// allowing less would want a size update first.
-		if size >= 4096 && c.tableMin <= 4096 {
-			c.first, c.block = first, block
-		} else {
-			c.first, c.block, c.tableMin = literal, literal, 0
+	case <-ready:
+		if err := c.failed(); err != nil {
+			c.Close()
+			return nil, err
 		}
-		c.wmu.Unlock()
 		return c, nil
 	case <-c.closed:
 		return nil, fmt.Errorf("grpcload: no SETTINGS from %s: %w", addr, c.failed())
@@ -193,12 +198,12 @@ func (c *Conn) Call(msg, resp []byte) ([]byte, error) {
 	binary.BigEndian.PutUint32(prefix[1:], uint32(len(msg)))
 	n := int64(len(prefix) + len(msg))
 	c.wmu.Lock()
-	if n > int64(c.maxData) {
+	for (c.sendWin < n || c.streams >= c.maxConc) && n <= int64(c.maxData) && c.failed() == nil {
+		c.wcond.Wait()
+	}
+	if n > int64(c.maxData) { // checked after the wait too: a SETTINGS may lower it
 		c.wmu.Unlock()
 		return resp, fmt.Errorf("grpcload: a request of %d bytes, more than one frame or the initial stream window (%d)", n, c.maxData)
-	}
-	for (c.sendWin < n || c.streams >= c.maxConc) && c.failed() == nil {
-		c.wcond.Wait()
 	}
 	if c.nextID > 1<<31-1 {
 		c.wmu.Unlock()
@@ -257,6 +262,12 @@ func (c *Conn) flush() error {
 		c.wmu.Lock()
 		c.spare = buf[:0]
 		if err != nil {
+			// No call may queue frames after the lost ones.
+			c.mu.Lock()
+			if c.err == nil {
+				c.err = err
+			}
+			c.mu.Unlock()
 			c.out = c.out[:0]
 			c.flushing = false
 			c.wmu.Unlock()
@@ -325,8 +336,9 @@ func (c *Conn) Close() error {
 
 // read is the connection's reader: it answers calls until the connection
 // fails, and then answers the calls left with why. Only the reader answers
-// calls. Its first SETTINGS's header table size goes to ready.
-func (c *Conn) read(ready chan<- uint32) {
+// calls. It closes ready once the server's first SETTINGS is taken (and
+// the header blocks chosen for its table).
+func (c *Conn) read(ready chan struct{}) {
 	defer close(c.closed)
 	defer func() {
 		c.mu.Lock()
@@ -366,7 +378,7 @@ func (c *Conn) read(ready chan<- uint32) {
 	var unacked uint32    // received DATA not yet given back to the connection window
 	var headersOf uint32  // the stream of the header block being read
 	var headersEnd bool   // that block's HEADERS ended the stream
-	table := uint32(4096) // the server's header table size
+	table := uint32(4096) // the server's header table size (HPACK's initial one)
 	for {
 		f, err := c.fr.ReadFrame()
 		if err != nil {
@@ -390,7 +402,7 @@ func (c *Conn) read(ready chan<- uint32) {
 				case http2.SettingMaxConcurrentStreams:
 					c.maxConc = s.Val
 				case http2.SettingHeaderTableSize:
-					if ready == nil && c.tableMin > 0 && s.Val < 4096 {
+					if ready == nil && c.indexed && s.Val < 4096 {
 						return fmt.Errorf("grpcload: the server shrank its header table to %d after its first SETTINGS", s.Val)
 					}
 					table = s.Val
@@ -398,13 +410,20 @@ func (c *Conn) read(ready chan<- uint32) {
 				return nil
 			})
 			c.maxData = min(c.maxFrame, 65535)
+			if ready != nil && err == nil {
+				// The encoder's table is HPACK's initial 4096 bytes:
+				// a server allowing less gets literals.
+				if c.indexed = table >= 4096 && c.tableMin <= 4096; !c.indexed {
+					c.first, c.block = c.literal, c.literal
+				}
+			}
 			c.wcond.Broadcast()
 			c.wmu.Unlock()
 			if err == nil {
 				err = c.control(func(b []byte) []byte { return frame(b, http2.FrameSettings, byte(http2.FlagSettingsAck), 0) })
 			}
-			if ready != nil {
-				ready <- table
+			if ready != nil && err == nil {
+				close(ready)
 				ready = nil
 			}
 		case *http2.PingFrame:

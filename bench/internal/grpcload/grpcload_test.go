@@ -358,7 +358,9 @@ func TestSendWindowKept(t *testing.T) {
 				p.WriteWindowUpdate(0, 1<<20)
 			}
 		}
-		if granted > 65535 {
+		// Answered once every call is in: a call waiting for window
+		// must be woken by the grant itself, not by an answer.
+		if received == calls*size {
 			for _, id := range held {
 				p.answer(id, "grpc-status", "0")
 			}
@@ -476,7 +478,11 @@ func TestStreamEnds(t *testing.T) {
 		first <- err
 	}()
 	for c.pending() == 0 {
-		time.Sleep(time.Millisecond)
+		select {
+		case err := <-first:
+			t.Fatalf("the held call ended early: %v", err)
+		case <-time.After(time.Millisecond):
+		}
 	}
 	if _, err := c.Call([]byte("goaway"), nil); err == nil || !strings.Contains(err.Error(), "GOAWAY") {
 		t.Errorf("a call above the GOAWAY's last stream: %v, want failed by it", err)
@@ -494,4 +500,74 @@ func (c *Conn) pending() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return len(c.calls)
+}
+
+// TestRequestSize: a request is one DATA frame: over the peer's frame size
+// (or HTTP/2's initial stream window when frames may be larger) it fails
+// at once, without going out.
+func TestRequestSize(t *testing.T) {
+	for _, c := range []struct {
+		frame      uint32 // the peer's SETTINGS_MAX_FRAME_SIZE, 0: the default 16,384
+		fits, over int    // message bytes (the frame adds gRPC's 5)
+	}{{0, 16379, 16380}, {1 << 20, 65530, 65531}} {
+		var settings []http2.Setting
+		if c.frame != 0 {
+			settings = append(settings, http2.Setting{ID: http2.SettingMaxFrameSize, Val: c.frame})
+		}
+		addr := rawPeer(t, settings, func(p *peer, f http2.Frame) bool {
+			if d, ok := f.(*http2.DataFrame); ok && d.StreamEnded() {
+				p.answer(d.StreamID, "grpc-status", "0")
+			}
+			return true
+		})
+		conn := dialT(t, addr)
+		if _, err := conn.Call(make([]byte, c.fits), nil); err != nil {
+			t.Errorf("frame size %d: a message of %d bytes: %v", c.frame, c.fits, err)
+		}
+		if _, err := conn.Call(make([]byte, c.over), nil); err == nil || !strings.Contains(err.Error(), "more than one frame") {
+			t.Errorf("frame size %d: a message of %d bytes: %v, want refused", c.frame, c.over, err)
+		}
+	}
+}
+
+// TestSmallHeaderTable: a peer whose HPACK table is 0 bytes gets every
+// call's header fields as literals, each block opening with the table
+// size update to 0 that such a decoder expects.
+func TestSmallHeaderTable(t *testing.T) {
+	var (
+		mu    sync.Mutex // paths: written by the peer, read by the test
+		paths []string
+	)
+	dec := hpack.NewDecoder(0, func(f hpack.HeaderField) {
+		if f.Name == ":path" {
+			mu.Lock()
+			paths = append(paths, f.Value)
+			mu.Unlock()
+		}
+	})
+	addr := rawPeer(t, []http2.Setting{{ID: http2.SettingHeaderTableSize, Val: 0}}, func(p *peer, f http2.Frame) bool {
+		switch f := f.(type) {
+		case *http2.HeadersFrame:
+			if b := f.HeaderBlockFragment(); len(b) == 0 || b[0] != 0x20 {
+				t.Errorf("a header block opening %x, want a size update to 0 (20)", b[:min(len(b), 1)])
+			}
+			if _, err := dec.Write(f.HeaderBlockFragment()); err != nil {
+				t.Error(err)
+			}
+		case *http2.DataFrame:
+			p.answer(f.StreamID, "grpc-status", "0")
+		}
+		return true
+	})
+	c := dialT(t, addr)
+	for range 3 {
+		if _, err := c.Call([]byte("x"), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(paths) != 3 || paths[2] != "/x.Y/Z" {
+		t.Errorf("paths decoded: %q, want /x.Y/Z three times", paths)
+	}
 }
