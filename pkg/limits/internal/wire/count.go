@@ -166,7 +166,7 @@ type CountReply struct {
 // DecodeCount reads the reply of count call c of b and passes f each
 // group's reply or error, in order; it returns
 // the call's Redis time (µs). An error of the whole call, or a reply that
-// is not exactly b's groups' (one value too few or too many), is every
+// is not exactly b's groups' (values missing or left over), is every
 // group's; a group without its epoch gets ErrNoEpoch.
 func DecodeCount(cmd *redis.Cmd, b *CountBatch, f func(i int, v CountReply, err error)) time.Time {
 	v, err := cmd.Int64Slice()

@@ -47,7 +47,8 @@ local no = 1 -- #out, kept rather than counted
 -- rest of a one-counter decision's bookkeeping)
 local undo = {}
 
--- load caches counter k's key as read.
+-- load caches counter k's key as read (a decision does the same inline:
+-- keep the two alike; read[k] decides SETRANGE against SET below).
 local function load(k)
   local raw = vals[k]
   if raw then
@@ -101,7 +102,7 @@ for g = 2, #ARGV do
       if guard == 1 and not vals[e] then lost = true; break end
       local wn = floor(now / w)
       local wk = win[k]
-      if not wk then
+      if not wk then -- load(k), inline
         local raw = vals[k]
         if raw then
           local c
