@@ -605,15 +605,15 @@ func TestAdjustCount(t *testing.T) {
 	}
 }
 
-// TestCountBatchGroupLosesOneEpoch: a group whose second counter's slot
-// lost its epoch is decided nowhere (ErrNoEpoch), though its first counter
-// fitted and was counted in the script: the groups after it in the same
-// call see that counter as it was, and nothing of the group is written.
-func TestCountBatchGroupLosesOneEpoch(t *testing.T) {
+// lostSlot starts a Redis with every slot's epoch but counter b's, and
+// returns a limiter on it (5 minutes into an hour, so that no window ends
+// within a test), an hourly requests rule and the requests of counters a
+// and b under it.
+func lostSlot(t *testing.T) (*redis.Client, *limits.Limiter, policy.Rule, limits.SharedRequest, limits.SharedRequest) {
+	t.Helper()
 	srv := redistest.Start(t)
 	c := srv.Client()
 	ctx := context.Background()
-	// 5 minutes into an hour, so that no window ends between the calls
 	offset := 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
 	l := limits.New(c, limits.Options{ClockOffset: offset})
 	if err := repair.WriteEpoch(ctx, c, "e"); err != nil {
@@ -622,13 +622,22 @@ func TestCountBatchGroupLosesOneEpoch(t *testing.T) {
 	r := policy.Rule{Limit: policy.Limit{Name: "h", Kind: policy.Fixed, Unit: policy.Requests, Limit: 10, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeGlobal}
 	a := limits.SharedRequest{Scope: policy.ScopeGlobal, ID: "a", Cost: 1, Rules: []policy.Rule{r}}
 	b := limits.SharedRequest{Scope: policy.ScopeGlobal, ID: "b", Cost: 1, Rules: []policy.Rule{r}}
-	sa, sb := wire.CounterSlot(policy.ScopeGlobal, "a"), wire.CounterSlot(policy.ScopeGlobal, "b")
-	if sa == sb {
+	if wire.CounterSlot(policy.ScopeGlobal, "a") == wire.CounterSlot(policy.ScopeGlobal, "b") {
 		t.Fatal("a and b share a slot: pick other ids")
 	}
-	if err := c.Del(ctx, wire.SlotEpochKey(sb)).Err(); err != nil {
+	if err := c.Del(ctx, wire.SlotEpochKey(wire.CounterSlot(policy.ScopeGlobal, "b"))).Err(); err != nil {
 		t.Fatal(err)
 	}
+	return c, l, r, a, b
+}
+
+// TestCountBatchGroupLosesOneEpoch: a group whose second counter's slot
+// lost its epoch is decided nowhere (ErrNoEpoch), though its first counter
+// fitted and was counted in the script: the groups after it in the same
+// call see that counter as it was, and nothing of the group is written.
+func TestCountBatchGroupLosesOneEpoch(t *testing.T) {
+	c, l, r, a, b := lostSlot(t)
+	ctx := context.Background()
 	out := l.CountBatch(ctx, [][]limits.SharedRequest{{a, b}, {a}, {a, a}})
 	if !errors.Is(out[0].Err, limits.ErrNoEpoch) {
 		t.Fatalf("the group with b: %+v, %v; want ErrNoEpoch", out[0].Decision, out[0].Err)
@@ -660,24 +669,12 @@ func TestCountBatchGroupLosesOneEpoch(t *testing.T) {
 	}
 }
 
-// TestCountBatchLostMidGroupMidCall: a group losing its epoch in the middle of the call, on a middle counter
-// after a repeated one: the groups on either side see only each other; an
+// TestCountBatchLostMidGroupMidCall: a group losing its epoch in the
+// middle of the call, on a middle counter after a repeated one: the groups on either side see only each other; an
 // adjustment of the lost slot is refused and writes nothing.
 func TestCountBatchLostMidGroupMidCall(t *testing.T) {
-	srv := redistest.Start(t)
-	c := srv.Client()
+	c, l, r, a, b := lostSlot(t)
 	ctx := context.Background()
-	offset := 5*time.Minute - time.Duration(time.Now().UnixNano()%int64(time.Hour))
-	l := limits.New(c, limits.Options{ClockOffset: offset})
-	if err := repair.WriteEpoch(ctx, c, "e"); err != nil {
-		t.Fatal(err)
-	}
-	r := policy.Rule{Limit: policy.Limit{Name: "h", Kind: policy.Fixed, Unit: policy.Requests, Limit: 10, Window: policy.Duration(time.Hour)}, Scope: policy.ScopeGlobal}
-	a := limits.SharedRequest{Scope: policy.ScopeGlobal, ID: "a", Cost: 1, Rules: []policy.Rule{r}}
-	b := limits.SharedRequest{Scope: policy.ScopeGlobal, ID: "b", Cost: 1, Rules: []policy.Rule{r}}
-	if err := c.Del(ctx, wire.SlotEpochKey(wire.CounterSlot(policy.ScopeGlobal, "b"))).Err(); err != nil {
-		t.Fatal(err)
-	}
 	out := l.CountBatch(ctx, [][]limits.SharedRequest{{a}, {a, a, b, a}, {a}})
 	if out[0].Err != nil || out[0].Decision.States[0].Used != 1 {
 		t.Fatalf("first: %+v %v", out[0].Decision, out[0].Err)
