@@ -327,6 +327,21 @@ func dialT(t *testing.T, addr string) *Conn {
 	return c
 }
 
+// callAll makes n calls of msg on c at once and waits for them; each must
+// succeed.
+func callAll(t *testing.T, c *Conn, n int, msg []byte) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			if _, err := c.Call(msg, nil); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+}
+
 // TestSendWindowKept: a peer that grants no connection window beyond
 // HTTP/2's initial 65,535 bytes until the client has acknowledged a PING
 // it sends after 4 calls of 16,000 bytes (so whatever the client sent
@@ -368,16 +383,7 @@ func TestSendWindowKept(t *testing.T) {
 		}
 		return true
 	})
-	c := dialT(t, addr)
-	var wg sync.WaitGroup
-	for range calls {
-		wg.Go(func() {
-			if _, err := c.Call(make([]byte, size-5), nil); err != nil {
-				t.Error(err)
-			}
-		})
-	}
-	wg.Wait()
+	callAll(t, dialT(t, addr), calls, make([]byte, size-5))
 }
 
 // TestConcurrentStreamsKept: calls beyond the peer's
@@ -406,16 +412,7 @@ func TestConcurrentStreamsKept(t *testing.T) {
 		}
 		return true
 	})
-	c := dialT(t, addr)
-	var wg sync.WaitGroup
-	for range 10 {
-		wg.Go(func() {
-			if _, err := c.Call([]byte("x"), nil); err != nil {
-				t.Error(err)
-			}
-		})
-	}
-	wg.Wait()
+	callAll(t, dialT(t, addr), 10, []byte("x"))
 }
 
 // TestStreamEnds: how each way a stream can end reaches its call: a reset
