@@ -60,8 +60,9 @@ func (s *server) ShouldRateLimit(ctx context.Context, req *rlpb.RateLimitRequest
 }
 
 // serve starts a grpc-go server (default settings: a 64 KiB connection
-// window it replenishes as it reads) and returns its address.
-func serve(t *testing.T, s *server) string {
+// window it replenishes as it reads), stopped when the test ends, and
+// returns its address and the server.
+func serve(t *testing.T, s *server) (string, *grpc.Server) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -71,7 +72,7 @@ func serve(t *testing.T, s *server) string {
 	rlpb.RegisterRateLimitServiceServer(g, s)
 	go g.Serve(ln)
 	t.Cleanup(g.Stop)
-	return ln.Addr().String()
+	return ln.Addr().String(), g
 }
 
 func request(t *testing.T, domain string, n int) []byte {
@@ -102,7 +103,7 @@ func answer(t *testing.T, b []byte) *rlpb.RateLimitResponse {
 // split over CONTINUATION frames, each answered with its own request's
 // domain and descriptor count.
 func TestConcurrentCallsGetTheirOwnAnswers(t *testing.T) {
-	addr := serve(t, &server{})
+	addr, _ := serve(t, &server{})
 	c, err := Dial(addr, method, "authorization", "Bearer t")
 	if err != nil {
 		t.Fatal(err)
@@ -154,7 +155,7 @@ func TestConcurrentCallsGetTheirOwnAnswers(t *testing.T) {
 func TestLargeAnswers(t *testing.T) {
 	defer func(w uint32) { window = w }(window)
 	window = 256 << 10
-	addr := serve(t, &server{body: 100 << 10})
+	addr, _ := serve(t, &server{body: 100 << 10})
 	c, err := Dial(addr, method, "authorization", "Bearer t")
 	if err != nil {
 		t.Fatal(err)
@@ -174,7 +175,7 @@ func TestLargeAnswers(t *testing.T) {
 // TestStatusError: a refused call is a *StatusError with the server's code
 // and message, and the connection goes on serving.
 func TestStatusError(t *testing.T) {
-	addr := serve(t, &server{})
+	addr, _ := serve(t, &server{})
 	bad, err := Dial(addr, method, "authorization", "Bearer wrong")
 	if err != nil {
 		t.Fatal(err)
@@ -203,7 +204,7 @@ func TestStatusError(t *testing.T) {
 func TestCloseAnswersCallsInFlight(t *testing.T) {
 	s := &server{block: make(chan struct{})}
 	defer close(s.block)
-	addr := serve(t, s)
+	addr, _ := serve(t, s)
 	c, err := Dial(addr, method, "authorization", "Bearer t")
 	if err != nil {
 		t.Fatal(err)
@@ -230,14 +231,8 @@ func TestCloseAnswersCallsInFlight(t *testing.T) {
 // TestServerGone: a server that stops fails the calls in flight.
 func TestServerGone(t *testing.T) {
 	s := &server{block: make(chan struct{})}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := grpc.NewServer()
-	rlpb.RegisterRateLimitServiceServer(g, s)
-	go g.Serve(ln)
-	c, err := Dial(ln.Addr().String(), method, "authorization", "Bearer t")
+	addr, g := serve(t, s)
+	c, err := Dial(addr, method, "authorization", "Bearer t")
 	if err != nil {
 		t.Fatal(err)
 	}
