@@ -32,10 +32,6 @@ var ErrNoBalance = errors.New("decide: no balance limit")
 // errBreakerOpen is a call not attempted because the breaker is open.
 var errBreakerOpen = errors.New("decide: circuit breaker open")
 
-// errVoidsHeld is a call of a tenant not made because voids of decisions
-// taken without Redis wait for its slot's move to end (voider.holds).
-var errVoidsHeld = errors.New("decide: the tenant's voids of local decisions wait for its redis slot's move")
-
 // Decider is admission's decision pipeline; see the package documentation
 // for the order of checks, leasing and degradation. Create it with New and
 // call Close on shutdown; Admit is what request handlers call. All methods
@@ -185,9 +181,6 @@ func (d *Decider) callFor(ctx context.Context, tenant, op string, fn func(contex
 	if d.lost.has(tenant) {
 		return errSlotLost
 	}
-	if d.voids.holds(tenant) {
-		return errVoidsHeld
-	}
 	if !d.br.allow() {
 		return errBreakerOpen
 	}
@@ -216,9 +209,6 @@ func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decis
 	if d.lost.has(req.Tenant) {
 		return limits.Decision{}, false, errSlotLost
 	}
-	if d.voids.holds(req.Tenant) {
-		return limits.Decision{}, false, errVoidsHeld
-	}
 	if !d.br.allow() {
 		return limits.Decision{}, false, errBreakerOpen
 	}
@@ -238,9 +228,6 @@ func (d *Decider) count(ctx context.Context, group []limits.SharedRequest) (limi
 	for i := range group {
 		if d.lost.has(group[i].Tenant) {
 			return limits.Decision{}, errSlotLost
-		}
-		if d.voids.holds(group[i].Tenant) {
-			return limits.Decision{}, errVoidsHeld
 		}
 		if i == 0 {
 			tenant = group[i].Tenant

@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"quotaflow/internal/e2e"
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/repair"
@@ -47,7 +45,18 @@ func TestSlotMovingDecidesOnlyItsTenantLocally(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer moveSlot(t, owner, to, int(cc.ClusterKeySlot(ctx, repair.TenantEpochKey(moving)).Val()))()
+	slot := int(cc.ClusterKeySlot(ctx, repair.TenantEpochKey(moving)).Val())
+	fromID, toID := owner.ClusterMyID(ctx).Val(), to.ClusterMyID(ctx).Val()
+	if err := to.Do(ctx, "cluster", "setslot", slot, "importing", fromID).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := owner.Do(ctx, "cluster", "setslot", slot, "migrating", toID).Err(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		owner.Do(ctx, "cluster", "setslot", slot, "stable")
+		to.Do(ctx, "cluster", "setslot", slot, "stable")
+	}()
 
 	const workers, each = 8, 25 // a round with a refused call lasts ~130 ms
 	var otherLocal, movingLocal atomic.Int64
@@ -97,80 +106,5 @@ func TestSlotMovingDecidesOnlyItsTenantLocally(t *testing.T) {
 	})
 	if movingLocal.Load() == 0 {
 		t.Errorf("no admit of the moving tenant's new users was local: the slot's refusal did not happen, the test shows nothing")
-	}
-}
-
-// moveSlot half moves slot from owner to master to (IMPORTING/MIGRATING, as
-// for the whole of a reshard) and returns what ends the move, the slot
-// left with owner.
-func moveSlot(t *testing.T, owner, to *redis.Client, slot int) (end func()) {
-	t.Helper()
-	ctx := context.Background()
-	fromID, toID := owner.ClusterMyID(ctx).Val(), to.ClusterMyID(ctx).Val()
-	if err := to.Do(ctx, "cluster", "setslot", slot, "importing", fromID).Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := owner.Do(ctx, "cluster", "setslot", slot, "migrating", toID).Err(); err != nil {
-		t.Fatal(err)
-	}
-	return func() {
-		owner.Do(ctx, "cluster", "setslot", slot, "stable")
-		to.Do(ctx, "cluster", "setslot", slot, "stable")
-	}
-}
-
-// TestSlotMovingHoldsOnlyItsTenantsVoids: the voids of a tenant whose slot
-// is moving are refused (TRYAGAIN) for as long as the move lasts. They are
-// held: the other tenants' voids behind them land, the drain a probe makes
-// before closing the breaker succeeds (so the move does not keep the
-// breaker open), and the moving tenant is decided locally until they land,
-// which they do once the move ends; then Redis decides it again.
-func TestSlotMovingHoldsOnlyItsTenantsVoids(t *testing.T) {
-	ctx := context.Background()
-	cc, d, moving, other, owner := splitCluster(t, Options{})
-	for _, tn := range []string{moving, other} {
-		if r := admit(t, d, in(tn, "u", "/any", 1)); r.Local {
-			t.Fatalf("%s: decided locally before the move", tn)
-		}
-	}
-	to, err := cc.MasterForKey(ctx, repair.TenantEpochKey(other))
-	if err != nil {
-		t.Fatal(err)
-	}
-	end := moveSlot(t, owner, to, int(cc.ClusterKeySlot(ctx, repair.TenantEpochKey(moving)).Val()))
-	defer end()
-
-	// Requests allowed without Redis, one of each tenant, the moving one's
-	// first in the queue.
-	d.voids.add(limits.Void{Tenant: moving, User: "held", RequestID: "r-moving", Allowed: true})
-	d.voids.add(limits.Void{Tenant: other, User: "behind", RequestID: "r-other", Allowed: true})
-	if !d.voids.drain(ctx, nil) {
-		t.Fatal("drain stopped at the moving slot's refusal: a probe could not close the breaker")
-	}
-	if n := d.voids.pending(); n != 1 || !d.voids.holds(moving) || d.voids.holds(other) {
-		t.Fatalf("after the drain: %d pending, moving held %v, other held %v; want 1, the moving tenant's alone",
-			n, d.voids.holds(moving), d.voids.holds(other))
-	}
-	if r := admit(t, d, in(moving, "u", "/any", 1)); !r.Local {
-		t.Error("the moving tenant decided by Redis while its void is held")
-	}
-	if r := admit(t, d, in(other, "u", "/any", 1)); r.Local {
-		t.Error("the other tenant decided locally while the moving tenant's void is held")
-	}
-
-	// The move ends; until a drain lands the voids (none runs while the
-	// test holds the drains' turn), the tenant is still decided locally.
-	d.voids.draining.Lock()
-	end()
-	r := admit(t, d, in(moving, "u", "/any", 1))
-	d.voids.draining.Unlock()
-	if !r.Local {
-		t.Error("the moving tenant decided by Redis after its move, before its held void landed")
-	}
-	e2e.EventuallyLast(t, "the held void landed once the move ended", func() (bool, string) {
-		return d.voids.pending() == 0 && !d.voids.holds(moving), fmt.Sprintf("%d pending", d.voids.pending())
-	})
-	if r := admit(t, d, in(moving, "u", "/any", 1)); r.Local {
-		t.Error("the moving tenant still decided locally after its void landed")
 	}
 }

@@ -8,7 +8,6 @@ import (
 	"net"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -74,10 +73,8 @@ func mayHaveRun(err error) bool {
 // and counted (a retry of its request may then be reserved again, and a
 // lost call that ran stays counted until its window passes: an
 // over-count, never an over-admission). The voids of tenants whose Cluster
-// slot lost its data are set aside until it is back (lostSlots), and those
-// a slot's move refused (limits.SlotMoving) are held and tried again each
-// drain, their tenant decided locally until they land (holds), so that
-// neither holds up another tenant's voids nor the breaker's closing.
+// slot lost its data are set aside until it is back (lostSlots), so that
+// they hold up no other tenant's.
 type voider struct {
 	lim     *limits.Limiter
 	timeout time.Duration
@@ -91,10 +88,7 @@ type voider struct {
 
 	mu       sync.Mutex
 	queue    []limits.Void
-	aside    []limits.Void  // of tenants whose slot is lost, in order
-	held     []limits.Void  // refused by their slot's move, in order (changed by drains alone)
-	heldBy   map[string]int // tenant → its voids in held
-	nheld    atomic.Int32   // len(heldBy): the hot path reads it alone while none is held
+	aside    []limits.Void // of tenants whose slot is lost, in order
 	wake     chan struct{}
 	draining sync.Mutex // one drain at a time
 }
@@ -126,20 +120,7 @@ func (v *voider) add(x limits.Void) {
 	}
 }
 
-// holds reports whether tenant has voids its slot's move refused: it is
-// decided locally until they land, so that no retry of a request it
-// allowed locally is reserved in Redis before the void marks its id.
-func (v *voider) holds(tenant string) bool {
-	if v.nheld.Load() == 0 {
-		return false
-	}
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	return v.heldBy[tenant] > 0
-}
-
-// run voids what is queued until ctx ends, waiting retry after a failure
-// and while voids are held.
+// run voids what is queued until ctx ends, waiting retry after a failure.
 func (v *voider) run(ctx context.Context) {
 	for {
 		select {
@@ -147,7 +128,7 @@ func (v *voider) run(ctx context.Context) {
 			return
 		case <-v.wake:
 		}
-		for !v.drain(ctx, nil) || v.heldCount() > 0 {
+		for !v.drain(ctx, nil) {
 			t := time.NewTimer(v.retry)
 			select {
 			case <-ctx.Done():
@@ -163,17 +144,12 @@ func (v *voider) run(ctx context.Context) {
 // and reports whether it emptied; it stops at the first void Redis failed,
 // keeping it and the rest. It sets aside, without stopping, the voids of
 // tenants whose slot is lost, unless back says the tenant's slot is back
-// (back nil: none is): those are voided first. Held voids are tried first
-// again; one its slot's move refuses is held again, without stopping. Drains take turns: the
+// (back nil: none is): those are voided first. Drains take turns: the
 // prober's, before it closes the breaker, probeSlots', flush's and the
 // voider's own.
 func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool {
 	v.draining.Lock()
 	defer v.draining.Unlock()
-	defer v.recountHeld()
-	if !v.drainHeld(ctx) {
-		return false
-	}
 	isBack := func(tenant string) bool { return back != nil && back(tenant) }
 	v.mu.Lock()
 	if back != nil {
@@ -202,12 +178,24 @@ func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool 
 		if len(chunk) == 0 {
 			return true
 		}
-		stop, aside, held := v.void(ctx, chunk, func(tenant string, err error) bool {
-			return !isBack(tenant) && v.slotLost(tenant, err)
-		})
+		cctx, cancel := context.WithTimeout(ctx, v.timeout)
+		res := v.lim.VoidMany(cctx, chunk)
+		cancel()
+		stop := len(chunk)
+		var aside []limits.Void
+		for i, r := range res {
+			if r.Err != nil && !errors.Is(r.Err, limits.ErrInvalid) {
+				if !isBack(chunk[i].Tenant) && v.slotLost(chunk[i].Tenant, r.Err) {
+					aside = append(aside, chunk[i])
+					continue
+				}
+				stop = i
+				break
+			}
+			v.results.WithLabelValues(voidLabel(r.Status, r.Err)).Inc()
+		}
 		v.mu.Lock()
 		v.aside = append(v.aside, aside...)
-		v.held = append(v.held, held...)
 		v.queue = v.queue[stop:] // only add changed it since, at its end
 		v.mu.Unlock()
 		if stop < len(chunk) {
@@ -217,91 +205,14 @@ func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool 
 	}
 }
 
-// drainHeld tries the held voids again, in order, and reports whether
-// none failed but by its slot's move: those stay held, and so does every
-// void left when another failure stops it, so that no tenant is freed
-// before its voids land.
-func (v *voider) drainHeld(ctx context.Context) bool {
-	// Only drains change held, one at a time: it stays whole (pending
-	// counts it) until this one's outcome replaces it.
-	v.mu.Lock()
-	retry := slices.Clone(v.held)
-	v.mu.Unlock()
-	var keep []limits.Void
-	ok := true
-	for len(retry) > 0 {
-		chunk := retry[:min(len(retry), voidChunk)]
-		retry = retry[len(chunk):]
-		stop, _, held := v.void(ctx, chunk, func(string, error) bool { return false })
-		keep = append(keep, held...)
-		if stop < len(chunk) {
-			keep = append(append(keep, chunk[stop:]...), retry...)
-			retry, ok = nil, false
-		}
-	}
-	v.mu.Lock()
-	v.held = keep
-	v.mu.Unlock()
-	if !ok {
-		v.results.WithLabelValues("retry").Inc()
-	}
-	return ok
-}
-
-// void makes one round trip of chunk and sorts the failures: the voids
-// lost says to set aside (their slot lost), those held (their slot's
-// move refused them), and stop, the first void that failed otherwise
-// (len(chunk): none), where the caller stops. The others are counted.
-func (v *voider) void(ctx context.Context, chunk []limits.Void, lost func(tenant string, err error) bool) (stop int, aside, held []limits.Void) {
-	cctx, cancel := context.WithTimeout(ctx, v.timeout)
-	res := v.lim.VoidMany(cctx, chunk)
-	cancel()
-	for i, r := range res {
-		if r.Err != nil && !errors.Is(r.Err, limits.ErrInvalid) {
-			switch {
-			case lost(chunk[i].Tenant, r.Err):
-				aside = append(aside, chunk[i])
-				continue
-			case limits.SlotMoving(r.Err):
-				held = append(held, chunk[i])
-				continue
-			}
-			return i, aside, held
-		}
-		v.results.WithLabelValues(voidLabel(r.Status, r.Err)).Inc()
-	}
-	return len(chunk), aside, held
-}
-
 // voidChunk is how many voids go to Redis in one pipelined round trip.
 const voidChunk = 500
 
-// recountHeld makes heldBy the tenants of held.
-func (v *voider) recountHeld() {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	clear(v.heldBy)
-	for _, x := range v.held {
-		if v.heldBy == nil {
-			v.heldBy = map[string]int{}
-		}
-		v.heldBy[x.Tenant]++
-	}
-	v.nheld.Store(int32(len(v.heldBy)))
-}
-
-// heldCount is how many voids are held.
-func (v *voider) heldCount() int {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	return len(v.held)
-}
-
-// pending is how many voids wait, set aside and held ones included.
+// pending is how many voids wait, set aside ones included.
 func (v *voider) pending() int {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return len(v.queue) + len(v.aside) + len(v.held)
+	return len(v.queue) + len(v.aside)
 }
 
 // flush makes a last attempt at what is queued: once, or until ctx's
@@ -310,7 +221,7 @@ func (v *voider) pending() int {
 func (v *voider) flush(ctx context.Context) error {
 	_, bounded := ctx.Deadline()
 	all := func(string) bool { return true }
-	for (!v.drain(ctx, all) || v.heldCount() > 0) && bounded && ctx.Err() == nil {
+	for !v.drain(ctx, all) && bounded && ctx.Err() == nil {
 		time.Sleep(min(v.retry, 50*time.Millisecond))
 	}
 	if n := v.pending(); n > 0 {
