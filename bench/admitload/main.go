@@ -78,8 +78,11 @@ func main() {
 			fmt.Fprintln(os.Stderr, "admitload:", err)
 			os.Exit(2)
 		}
-		defer pprof.StopCPUProfile()
-		stopProfile = pprof.StopCPUProfile
+		stopProfile = func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}
+		defer stopProfile()
 	}
 	var set []string
 	flag.Visit(func(f *flag.Flag) { set = append(set, f.Name) })

@@ -237,11 +237,6 @@ func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error)
 	return &peerTarget{short: "envoy", name: "envoyproxy/ratelimit", addr: addrs.GRPC, server: p.Cmd, redis: rs}, nil
 }
 
-// envoyWindow is Envoy's default HTTP/2 stream and connection window
-// (http2_protocol_options initial_stream_window_size and
-// initial_connection_window_size).
-const envoyWindow = 256 << 20
-
 // rlsClients are the -rls-client values: the lean client (grpcload,
 // as cheap per call as the servers), grpc-go's and ghz (ghz.go).
 var rlsClients = []string{"lean", "grpc-go", "ghz"}
@@ -269,7 +264,7 @@ func rlsCallers(ctx context.Context, client, addr string, conns, conc int) ([]rl
 			cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 				// Envoy's HTTP/2 windows are fixed (256 MiB by default): it sends
 				// none of grpc-go's bandwidth-delay pings, nor should its stand-in.
-				grpc.WithStaticStreamWindowSize(envoyWindow), grpc.WithStaticConnWindowSize(envoyWindow))
+				grpc.WithStaticStreamWindowSize(grpcload.EnvoyWindow), grpc.WithStaticConnWindowSize(grpcload.EnvoyWindow))
 			if err != nil {
 				closeAll()
 				return nil, nil, err

@@ -41,11 +41,16 @@ import (
 	"golang.org/x/net/http2/hpack"
 )
 
+// EnvoyWindow is Envoy's default HTTP/2 stream and connection window
+// (http2_protocol_options initial_stream_window_size and
+// initial_connection_window_size): fixed, no bandwidth-delay pings.
+const EnvoyWindow = 256 << 20
+
 // window is the receive window this client advertises, per stream and for
-// the connection: Envoy's default (256 MiB, http2_protocol_options), so
-// the server never waits for a window update, as it would not with Envoy.
-// A variable for the test of its replenishing (at least 65535).
-var window uint32 = 256 << 20
+// the connection: Envoy's, so the server never waits for a window update,
+// as it would not with Envoy. A variable for the test of its replenishing
+// (at least 65535).
+var window uint32 = EnvoyWindow
 
 // maxMessage caps an answer's gRPC message.
 const maxMessage = 4 << 20
