@@ -32,6 +32,11 @@ var ErrNoBalance = errors.New("decide: no balance limit")
 // errBreakerOpen is a call not attempted because the breaker is open.
 var errBreakerOpen = errors.New("decide: circuit breaker open")
 
+// errVoidsHeld is a reserve not made because voids of decisions taken
+// without Redis, its tenant's or its own, wait for its slot's move to end
+// (voider.waits).
+var errVoidsHeld = errors.New("decide: the tenant's voids of local decisions wait for its redis slot's move")
+
 // Decider is admission's decision pipeline; see the package documentation
 // for the order of checks, leasing and degradation. Create it with New and
 // call Close on shutdown; Admit is what request handlers call. All methods
@@ -101,7 +106,7 @@ func New(lim *limits.Limiter, policy func() *policy.Policy, opts Options, log *s
 	}
 	d.batch = newBatcher(lim.ReserveBatch, d.m.batchSize)
 	d.counts = newBatcher(lim.CountBatch, d.m.countBatchSize)
-	d.voids = newVoider(lim, o.ProbeTimeout, o.BreakerCooldown, d.m.voids, &d.lost, d.slotLost)
+	d.voids = newVoider(lim, o.ProbeTimeout, o.BreakerCooldown, d.m.voids, d.m.voidsHeld, &d.lost, d.slotLost)
 	d.br = newBreaker(o.BreakerFailures, o.BreakerWindow, o.BreakerCooldown, d.onBreaker)
 	d.notePolicy(policy())
 	ctx, stop := context.WithCancel(context.Background())
@@ -209,6 +214,9 @@ func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decis
 	if d.lost.has(req.Tenant) {
 		return limits.Decision{}, false, errSlotLost
 	}
+	if d.voids.waits(req.Tenant, req.User, req.RequestID) {
+		return limits.Decision{}, false, errVoidsHeld
+	}
 	if !d.br.allow() {
 		return limits.Decision{}, false, errBreakerOpen
 	}
@@ -307,7 +315,9 @@ func (d *Decider) prober(ctx context.Context) {
 // outcome to the breaker. Before a probe closes the breaker it makes Redis
 // agree with every decision taken without it (the voider), so that no
 // retry of a request allowed locally is reserved a second time once
-// decisions come from Redis again.
+// decisions come from Redis again; the voids a slot's move refuses are
+// held instead, the reserves they concern not sent until they land
+// (voider.waits).
 func (d *Decider) probeCall(ctx context.Context, probe bool) {
 	cctx, cancel := context.WithTimeout(ctx, d.opt.ProbeTimeout)
 	_, err := d.lim.PeekShared(cctx, policy.ScopeGlobal, probeID, nil)

@@ -78,6 +78,7 @@ type metrics struct {
 	// countBatchSize: Check's groups per round trip
 	countBatchSize prometheus.Histogram
 	voids          *prometheus.CounterVec
+	voidsHeld      prometheus.Gauge
 
 	mu  sync.Mutex // serializes adding endpoints
 	eps atomic.Pointer[map[string]*endpointCounters]
@@ -113,8 +114,12 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 		}),
 		voids: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "quotaflow_admission_reserve_voids_total",
-			Help: "Reserve calls whose reply was lost, made to agree with the local decision in Redis afterwards, by result: voided (a reservation given back), marked (it had not run), left (settled meanwhile), retry (Redis still away), dropped (queue full), invalid.",
+			Help: "Reserve calls whose reply was lost, made to agree with the local decision in Redis afterwards, by result: voided (a reservation given back), marked (it had not run), left (settled meanwhile), held (refused by its Redis Cluster slot's move, tried again), retry (Redis still away), dropped (queue full), invalid.",
 		}, []string{"result"}),
+		voidsHeld: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "quotaflow_admission_reserve_voids_held",
+			Help: "Voids of decisions taken without Redis held because a Redis Cluster slot's move refused one of their tenant's; those tenants are decided locally while the move lasts, and their requests until they land.",
+		}),
 	}
 	poolGauge := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "quotaflow_admission_lease_pools",
@@ -134,7 +139,7 @@ func newMetrics(reg prometheus.Registerer, pools func() float64) (*metrics, erro
 	empty := map[string]*endpointCounters{}
 	m.eps.Store(&empty)
 	m.endpoint(otherEndpoint)
-	if err := obs.Register(reg, m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, m.countBatchSize, m.voids, poolGauge); err != nil {
+	if err := obs.Register(reg, m.decisions, m.redisErrors, m.breaker, m.refills, m.batchSize, m.countBatchSize, m.voids, m.voidsHeld, poolGauge); err != nil {
 		return nil, err
 	}
 	return m, nil

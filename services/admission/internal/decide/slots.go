@@ -123,7 +123,12 @@ func (d *Decider) probeSlots(ctx context.Context) {
 	for _, t := range back {
 		keys[repair.TenantEpochKey(t)] = true
 	}
-	if !d.voids.drain(ctx, func(tenant string) bool { return keys[repair.TenantEpochKey(tenant)] }) {
+	// The slots are served again within the drains' turn: a drain between
+	// would set aside their tenants' new voids, and none would take them
+	// back once the slots are no longer lost.
+	d.voids.draining.Lock()
+	defer d.voids.draining.Unlock()
+	if !d.voids.drainLocked(ctx, func(tenant string) bool { return keys[repair.TenantEpochKey(tenant)] }) {
 		return
 	}
 	d.lost.remove(back)

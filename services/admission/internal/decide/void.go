@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"math"
 	"math/rand/v2"
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -72,87 +75,260 @@ func mayHaveRun(err error) bool {
 // either. Voids wait in a bounded queue; one that does not fit is dropped
 // and counted (a retry of its request may then be reserved again, and a
 // lost call that ran stays counted until its window passes: an
-// over-count, never an over-admission). The voids of tenants whose Cluster
-// slot lost its data are set aside until it is back (lostSlots), so that
-// they hold up no other tenant's.
+// over-count, never an over-admission). So that no void holds up another
+// tenant's, nor the breaker's closing, two kinds wait apart, within the
+// same bound: the voids of tenants whose Cluster slot lost its data are
+// set aside until it is back (lostSlots), and a tenant one of whose voids
+// its slot's move refused (limits.SlotMoving) has all its voids held, those
+// queued and those added later included, until every one has landed
+// (waits says which of its reserves are decided locally meanwhile).
 type voider struct {
 	lim     *limits.Limiter
 	timeout time.Duration
 	retry   time.Duration
 	max     int
 	results *prometheus.CounterVec
+	gauge   prometheus.Gauge // voids held
 	lost    *lostSlots
 	// slotLost is Decider.slotLost: whether a void's error is its slot's
 	// missing epoch (marking the slot lost).
 	slotLost func(tenant string, err error) bool
 
-	mu       sync.Mutex
-	queue    []limits.Void
-	aside    []limits.Void // of tenants whose slot is lost, in order
+	mu    sync.Mutex
+	queue []limits.Void
+	aside []limits.Void // of tenants whose slot is lost, in order
+	// held are the voids of each held tenant, in order; no queued void is
+	// of a held tenant. add only appends to them, drains alone take from
+	// them.
+	held map[string][]limits.Void
+	ids  map[heldID]int // how many voids of each request are held
+	// tenants are held's tenants, each true once its move is over (one of
+	// its held voids landed since one was last refused), for the hot path
+	// to read without mu (waits): a snapshot replaced, never changed, under
+	// mu; nil while none is held.
+	tenants  atomic.Pointer[map[string]bool]
+	nheld    atomic.Int64 // the voids in held, changed under mu; run and flush read it alone
 	wake     chan struct{}
 	draining sync.Mutex // one drain at a time
 }
 
-// maxVoids bounds the queue of voids waiting for Redis (about 200 bytes
-// each): one per request allowed without Redis, and per call that timed
-// out after being sent.
+// heldID names the request of a void held.
+type heldID struct{ tenant, user, id string }
+
+// maxVoids bounds the voids waiting for Redis (about 200 bytes each),
+// queued, set aside and held together: one per request allowed without
+// Redis, and per call that timed out after being sent.
 const maxVoids = 100_000
 
-func newVoider(lim *limits.Limiter, timeout, retry time.Duration, results *prometheus.CounterVec, lost *lostSlots, slotLost func(string, error) bool) *voider {
-	return &voider{lim: lim, timeout: timeout, retry: retry, max: maxVoids, results: results, lost: lost, slotLost: slotLost, wake: make(chan struct{}, 1)}
+func newVoider(lim *limits.Limiter, timeout, retry time.Duration, results *prometheus.CounterVec, gauge prometheus.Gauge, lost *lostSlots, slotLost func(string, error) bool) *voider {
+	return &voider{lim: lim, timeout: timeout, retry: retry, max: maxVoids, results: results, gauge: gauge,
+		lost: lost, slotLost: slotLost, held: map[string][]limits.Void{}, ids: map[heldID]int{}, wake: make(chan struct{}, 1)}
 }
 
-// add queues v and returns at once.
+// add queues v (holds it when its tenant's are held) and returns at once.
 func (v *voider) add(x limits.Void) {
 	v.mu.Lock()
-	full := len(v.queue)+len(v.aside) >= v.max
+	full := len(v.queue)+len(v.aside)+int(v.nheld.Load()) >= v.max
 	if !full {
-		v.queue = append(v.queue, x)
+		if h, ok := v.held[x.Tenant]; ok {
+			v.held[x.Tenant] = append(h, x)
+			v.heldChanged(1, x)
+		} else {
+			v.queue = append(v.queue, x)
+		}
 	}
 	v.mu.Unlock()
 	if full {
 		v.results.WithLabelValues("dropped").Inc()
 		return
 	}
+	v.signal()
+}
+
+// signal wakes run.
+func (v *voider) signal() {
 	select {
 	case v.wake <- struct{}{}:
 	default:
 	}
 }
 
-// run voids what is queued until ctx ends, waiting retry after a failure.
+// waits reports whether the reserve of request id of (tenant, user), and
+// the Admitted check of a retry, are not to be sent, so that no request
+// allowed locally is reserved again in Redis before its void marks the id:
+// all of a held tenant's while its slot's move lasts (the void of a request
+// allowed meanwhile is held and may not have landed), and after it only
+// those of requests with a void held, so that its other requests are
+// decided by Redis, add no void, and its held voids run out. A void
+// refused again (another move) holds the whole tenant again. Its other
+// calls (usage, release, top-up, corrections) are sent: no void changes
+// what they do. Lock-free unless the tenant is held and its move over.
+func (v *voider) waits(tenant, user, id string) bool {
+	over, held := v.heldTenants()[tenant]
+	if !held || !over {
+		return held
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.ids[heldID{tenant, user, id}] > 0
+}
+
+// heldTenants is the snapshot of the held tenants (v.tenants).
+func (v *voider) heldTenants() map[string]bool {
+	if p := v.tenants.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// setHeld records tenant held, its move over or not, or with !held no
+// longer held, in a new snapshot of the held tenants; under mu.
+func (v *voider) setHeld(tenant string, held, over bool) {
+	old := v.heldTenants()
+	if was, ok := old[tenant]; ok == held && (!held || was == over) {
+		return
+	}
+	m := maps.Clone(old)
+	if held {
+		if m == nil {
+			m = map[string]bool{}
+		}
+		m[tenant] = over
+	} else {
+		delete(m, tenant)
+	}
+	if len(m) == 0 {
+		v.tenants.Store(nil)
+		return
+	}
+	v.tenants.Store(&m)
+}
+
+// heldChanged counts xs held (d = 1) or no longer held (d = -1); under mu.
+func (v *voider) heldChanged(d int, xs ...limits.Void) {
+	for _, x := range xs {
+		k := heldID{x.Tenant, x.User, x.RequestID}
+		if v.ids[k] += d; v.ids[k] <= 0 {
+			delete(v.ids, k)
+		}
+	}
+	v.gauge.Set(float64(v.nheld.Add(int64(d * len(xs)))))
+}
+
+// hold holds xs, refused by their slots' move, in order, with the queued
+// voids of their tenants, each tenant's move not over; under mu. A
+// tenant's first void held wakes run, which tries held voids again every
+// retry: the drain that held it may be another's (the prober's,
+// probeSlots'), and nothing else would.
+func (v *voider) hold(xs []limits.Void) {
+	fresh := false
+	for _, x := range xs {
+		h, ok := v.held[x.Tenant]
+		v.held[x.Tenant], fresh = append(h, x), fresh || !ok
+		v.setHeld(x.Tenant, true, false)
+	}
+	v.heldChanged(1, xs...)
+	if fresh {
+		// Only the new tenants' voids are queued.
+		v.queue = slices.DeleteFunc(v.queue, func(q limits.Void) bool {
+			h, ok := v.held[q.Tenant]
+			if ok {
+				v.held[q.Tenant] = append(h, q)
+				v.heldChanged(1, q)
+			}
+			return ok
+		})
+		v.signal()
+	}
+}
+
+// setAside sets aside the held voids of tenant, whose slot is lost; under
+// mu.
+func (v *voider) setAside(tenant string) {
+	h := v.held[tenant]
+	v.aside = append(v.aside, h...)
+	v.release(tenant)
+	v.heldChanged(-1, h...)
+}
+
+// release frees tenant, none of whose voids is held any more; under mu.
+func (v *voider) release(tenant string) {
+	delete(v.held, tenant)
+	v.setHeld(tenant, false, false)
+}
+
+// run voids what is queued as soon as it is woken, waiting retry after a
+// failure, and tries the held voids again every retry while any is held,
+// until ctx ends. Neither waits for the other: a wake does not put off the
+// held voids' retry, nor do they delay other tenants' voids.
 func (v *voider) run(ctx context.Context) {
+	var failed, held <-chan time.Time // the queue's retry after a failure, the held voids'
 	for {
+		if held == nil && v.nheld.Load() > 0 {
+			held = time.After(v.retry)
+		}
+		queue := false
 		select {
 		case <-ctx.Done():
 			return
 		case <-v.wake:
+			queue = failed == nil // after a failure, the queue waits for its retry
+		case <-failed:
+			failed, queue = nil, true
+		case <-held:
+			held = nil
+			v.draining.Lock()
+			v.drainHeld(ctx, noneBack)
+			v.draining.Unlock()
 		}
-		for !v.drain(ctx, nil) {
-			t := time.NewTimer(v.retry)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return
-			case <-t.C:
+		if queue {
+			v.draining.Lock()
+			ok := v.drainQueue(ctx, nil)
+			v.draining.Unlock()
+			if !ok {
+				failed = time.After(v.retry)
 			}
 		}
 	}
 }
 
-// drain voids the queue in order, voidChunk at a time in one round trip,
-// and reports whether it emptied; it stops at the first void Redis failed,
-// keeping it and the rest. It sets aside, without stopping, the voids of
-// tenants whose slot is lost, unless back says the tenant's slot is back
-// (back nil: none is): those are voided first. Drains take turns: the
+// drain tries the held voids again (drainHeld), then voids the queue
+// (drainQueue), and reports whether none failed but by its slot's move
+// (which holds it) or loss (which sets it aside). It sets aside the voids
+// of tenants whose slot is lost, unless back says the tenant's slot is
+// back (back nil: none is): those are voided first. Drains take turns: the
 // prober's, before it closes the breaker, probeSlots', flush's and the
 // voider's own.
 func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool {
 	v.draining.Lock()
 	defer v.draining.Unlock()
-	isBack := func(tenant string) bool { return back != nil && back(tenant) }
+	return v.drainLocked(ctx, back)
+}
+
+// drainLocked is drain for a caller that has the drains' turn.
+func (v *voider) drainLocked(ctx context.Context, back func(tenant string) bool) bool {
+	isBack := noneBack
+	if back != nil {
+		isBack = back
+	}
+	// Held voids do not wait behind the queue's failures, nor it behind
+	// theirs.
+	ok := v.drainHeld(ctx, isBack)
+	return v.drainQueue(ctx, back) && ok
+}
+
+// noneBack is a drain's back when no lost slot is back.
+func noneBack(string) bool { return false }
+
+// drainQueue voids the queue in order, voidChunk at a time in one round
+// trip, as drain (whose turn it has) says, and reports whether none failed
+// but by its slot's move or loss. It stops at the first void Redis failed
+// otherwise, keeping it and the rest.
+func (v *voider) drainQueue(ctx context.Context, back func(tenant string) bool) bool {
+	isBack := noneBack
 	v.mu.Lock()
 	if back != nil {
+		isBack = back
 		var keep, now []limits.Void
 		for _, x := range v.aside {
 			if back(x.Tenant) {
@@ -178,25 +354,23 @@ func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool 
 		if len(chunk) == 0 {
 			return true
 		}
-		cctx, cancel := context.WithTimeout(ctx, v.timeout)
-		res := v.lim.VoidMany(cctx, chunk)
-		cancel()
-		stop := len(chunk)
-		var aside []limits.Void
-		for i, r := range res {
-			if r.Err != nil && !errors.Is(r.Err, limits.ErrInvalid) {
-				if !isBack(chunk[i].Tenant) && v.slotLost(chunk[i].Tenant, r.Err) {
-					aside = append(aside, chunk[i])
-					continue
-				}
-				stop = i
-				break
-			}
-			v.results.WithLabelValues(voidLabel(r.Status, r.Err)).Inc()
+		out := v.send(ctx, chunk, isBack)
+		stop := slices.Index(out, voidKept)
+		if stop < 0 {
+			stop = len(chunk)
 		}
+		var moving []limits.Void
 		v.mu.Lock()
-		v.aside = append(v.aside, aside...)
 		v.queue = v.queue[stop:] // only add changed it since, at its end
+		for i, o := range out[:stop] {
+			switch o {
+			case voidLost:
+				v.aside = append(v.aside, chunk[i])
+			case voidMoving:
+				moving = append(moving, chunk[i])
+			}
+		}
+		v.hold(moving)
 		v.mu.Unlock()
 		if stop < len(chunk) {
 			v.results.WithLabelValues("retry").Inc()
@@ -205,23 +379,154 @@ func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool 
 	}
 }
 
+// drainHeld tries the held voids again: the oldest of each tenant, and the
+// rest of a tenant's once its oldest lands (its slot's move is over), so
+// that a long move costs a round trip of one void per tenant a drain. A
+// tenant whose voids have all landed is no longer held. The held voids of
+// a tenant whose slot is lost are set aside, as the queue's are (isBack
+// says as drain's back). It reports whether none failed but by its slot's
+// move or loss; the others stay held. Caller has the drains' turn.
+func (v *voider) drainHeld(ctx context.Context, isBack func(string) bool) bool {
+	v.mu.Lock()
+	tenants := make([]string, 0, len(v.held))
+	for t := range v.held {
+		if v.lost.has(t) && !isBack(t) {
+			v.setAside(t)
+		} else {
+			tenants = append(tenants, t)
+		}
+	}
+	v.mu.Unlock()
+	landed, ok := v.retryHeld(ctx, tenants, 1, isBack)
+	if len(landed) > 0 {
+		_, rest := v.retryHeld(ctx, landed, math.MaxInt, isBack)
+		ok = ok && rest
+	}
+	if !ok {
+		v.results.WithLabelValues("retry").Inc()
+	}
+	return ok
+}
+
+// retryHeld sends the n oldest held voids of each of tenants, and reports
+// the tenants whose voids sent all landed and who still have voids held,
+// and whether none failed but by its slot's move or loss. A tenant one of
+// whose voids landed has its move over, one refused has it not (waits). A
+// tenant one of whose voids found its slot lost has its held voids set
+// aside.
+func (v *voider) retryHeld(ctx context.Context, tenants []string, n int, isBack func(string) bool) (landed []string, ok bool) {
+	v.mu.Lock()
+	sent := make([]int, len(tenants)) // of each tenant's voids: its first ones
+	var batch []limits.Void
+	for i, t := range tenants {
+		h := v.held[t]
+		sent[i] = min(n, len(h))
+		batch = append(batch, h[:sent[i]]...)
+	}
+	v.mu.Unlock()
+	out := make([]voidOutcome, 0, len(batch))
+	for chunk := range slices.Chunk(batch, voidChunk) {
+		if slices.Contains(out, voidKept) {
+			out = append(out, make([]voidOutcome, len(chunk))...) // not sent: kept
+			continue
+		}
+		out = append(out, v.send(ctx, chunk, isBack)...)
+	}
+	ok = !slices.Contains(out, voidKept)
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for i, t := range tenants {
+		// Held voids are taken by this drain alone and added at the end:
+		// h[:sent[i]] are those sent.
+		h := v.held[t]
+		res := out[:sent[i]]
+		out = out[sent[i]:]
+		var keep []limits.Void
+		for j, o := range res {
+			if o == voidLanded {
+				v.heldChanged(-1, h[j])
+			} else {
+				keep = append(keep, h[j])
+			}
+		}
+		v.held[t] = append(keep, h[sent[i]:]...)
+		switch {
+		case slices.Contains(res, voidLost):
+			v.setAside(t)
+		case len(v.held[t]) == 0:
+			v.release(t)
+		default:
+			if slices.Contains(res, voidMoving) {
+				v.setHeld(t, true, false)
+			} else if slices.Contains(res, voidLanded) {
+				v.setHeld(t, true, true)
+			}
+			if len(keep) == 0 {
+				landed = append(landed, t)
+			}
+		}
+	}
+	return landed, ok
+}
+
+// voidOutcome is what became of a void sent.
+type voidOutcome uint8
+
+const (
+	voidKept   voidOutcome = iota // failed, or not looked at after a failure: kept to send again
+	voidLanded                    // applied (or invalid): counted and done
+	voidMoving                    // refused by its slot's move: held
+	voidLost                      // its slot lost its epoch (slotLost): set aside
+)
+
+// send makes one round trip of chunk and reports each void's outcome; those
+// after the first void kept are kept too. isBack says a tenant's missing
+// epoch is not its slot's loss (the slot was found back).
+func (v *voider) send(ctx context.Context, chunk []limits.Void, isBack func(string) bool) []voidOutcome {
+	cctx, cancel := context.WithTimeout(ctx, v.timeout)
+	res := v.lim.VoidMany(cctx, chunk)
+	cancel()
+	out := make([]voidOutcome, len(chunk))
+	for i, r := range res {
+		if out[i] = v.outcome(chunk[i].Tenant, r, isBack); out[i] == voidKept {
+			break
+		}
+	}
+	return out
+}
+
+// outcome classifies and counts r, the result of a void of tenant.
+func (v *voider) outcome(tenant string, r limits.VoidResult, isBack func(string) bool) voidOutcome {
+	switch {
+	case r.Err == nil || errors.Is(r.Err, limits.ErrInvalid):
+		v.results.WithLabelValues(voidLabel(r.Status, r.Err)).Inc()
+		return voidLanded
+	case !isBack(tenant) && v.slotLost(tenant, r.Err):
+		return voidLost
+	case limits.SlotMoving(r.Err):
+		v.results.WithLabelValues("held").Inc()
+		return voidMoving
+	}
+	return voidKept
+}
+
 // voidChunk is how many voids go to Redis in one pipelined round trip.
 const voidChunk = 500
 
-// pending is how many voids wait, set aside ones included.
+// pending is how many voids wait, set aside and held ones included.
 func (v *voider) pending() int {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return len(v.queue) + len(v.aside)
+	return len(v.queue) + len(v.aside) + int(v.nheld.Load())
 }
 
-// flush makes a last attempt at what is queued: once, or until ctx's
-// deadline when it has one; what is left is lost with the process and is
-// the error.
+// flush makes a last attempt at what is queued and held: once, or until
+// ctx's deadline when it has one; what is left is lost with the process
+// and is the error.
 func (v *voider) flush(ctx context.Context) error {
 	_, bounded := ctx.Deadline()
 	all := func(string) bool { return true }
-	for !v.drain(ctx, all) && bounded && ctx.Err() == nil {
+	for (!v.drain(ctx, all) || v.nheld.Load() > 0) && bounded && ctx.Err() == nil {
 		time.Sleep(min(v.retry, 50*time.Millisecond))
 	}
 	if n := v.pending(); n > 0 {
@@ -230,7 +535,8 @@ func (v *voider) flush(ctx context.Context) error {
 	return nil
 }
 
-// voidLabel is the result label of quotaflow_admission_reserve_voids_total.
+// voidLabel is the result label of quotaflow_admission_reserve_voids_total
+// for a void applied.
 func voidLabel(st limits.VoidStatus, err error) string {
 	switch {
 	case err != nil:
@@ -244,4 +550,4 @@ func voidLabel(st limits.VoidStatus, err error) string {
 }
 
 // voidResults are its label values.
-var voidResults = []string{"voided", "marked", "left", "retry", "dropped", "invalid"}
+var voidResults = []string{"voided", "marked", "left", "held", "retry", "dropped", "invalid"}
