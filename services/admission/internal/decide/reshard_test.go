@@ -579,3 +579,44 @@ func TestHeldTenantsRetryOfAdmittedNotLookedUp(t *testing.T) {
 		t.Errorf("a retry of a request admitted by Redis, its tenant held after the move: allowed again (local %v), admitted twice", again.Local)
 	}
 }
+
+// TestHeldVoidsOfOneTenantDoNotStopAnothers: a held void kept for a
+// failure of its own (its master out of memory) does not keep another
+// held tenant's void, sent after it in the same round trip, from landing.
+// Before, the held voids' retry stopped at the first one kept, like the
+// queue's, so one tenant's sick master held every tenant after it in the
+// held voids' (random) order.
+func TestHeldVoidsOfOneTenantDoNotStopAnothers(t *testing.T) {
+	ctx := context.Background()
+	m := startMove(t, Options{BreakerCooldown: time.Hour}) // no drain but the test's
+	d := m.d
+	void := func(tenant string) (Input, limits.Void) {
+		x := in(tenant, "u", "/any", 1)
+		v := voidOf(&x, m.plan)
+		v.Allowed = true
+		return x, v
+	}
+	_, vo := void(m.other)
+	x, vt := void(m.tenant)
+	d.voids.mu.Lock()
+	d.voids.hold([]limits.Void{vo, vt}) // both held, as if a move had refused each
+	d.voids.mu.Unlock()
+	m.end()
+	if err := m.to.ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.to.ConfigSet(ctx, "maxmemory", "0") })
+	d.voids.draining.Lock()
+	_, ok := d.voids.retryHeld(ctx, []string{m.other, m.tenant}, 1, func(string) bool { return false })
+	d.voids.draining.Unlock()
+	if ok {
+		t.Error("retryHeld reports no void kept; want the other tenant's kept (out of memory)")
+	}
+	if d.voids.holds(m.tenant) {
+		t.Fatalf("the tenant whose move ended is still held behind the other's failing void (%d held)", heldVoids(d))
+	}
+	if !d.voids.holds(m.other) {
+		t.Errorf("the tenant whose master is out of memory is not held")
+	}
+	wantDuplicate(t, d, x, "the request whose void landed")
+}
