@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -76,10 +77,14 @@ func rls(ctx context.Context, o peerOptions, clients []string, conns int, base s
 	if err != nil {
 		return err
 	}
+	plain, err := b.rlsPlain()
+	if err != nil {
+		return err
+	}
 	var ts []*rlsTarget
 	for _, client := range clients {
 		for _, n := range []int{1, 5} {
-			for _, s := range append([]*peerTarget{peer}, servers...) {
+			for _, s := range append([]*peerTarget{plain, peer}, servers...) {
 				c := *s
 				c.short, c.name, c.runs = fmt.Sprintf("%s%d%s", s.short, n, client), fmt.Sprintf("%s, %d %s", s.name, n, descriptors(n)), map[int][]peerRun{}
 				if len(clients) > 1 {
@@ -142,25 +147,28 @@ func rls(ctx context.Context, o peerOptions, clients []string, conns int, base s
 
 // rlsSummary prints the medians over the rounds and issue 14's goals.
 func rlsSummary(ts []*rlsTarget, o peerOptions) {
-	fmt.Printf("\nmedians over %d rounds (÷ envoy: median of the per-round ratios to envoy's run with as many descriptors and the same client in the same round; "+
+	fmt.Printf("\nmedians over %d rounds (÷ plain, ÷ envoy: median of the per-round ratios to the plain gRPC server's or envoy's run with as many descriptors and the same client in the same round; "+
 		"by CPU: envoy's CPU per request, all its processes and the load generator's, over admission's):\n\n", o.rounds)
-	fmt.Println("| target | c | req/s | ÷ envoy | ÷ envoy by CPU | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
-	envoyOf := func(t *rlsTarget) *peerTarget {
+	fmt.Println("| target | c | req/s | ÷ plain | ÷ envoy | ÷ envoy by CPU | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | all µs/req |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	// like is the target of server (a short name's prefix) under t's
+	// client with as many descriptors.
+	like := func(t *rlsTarget, server string) *peerTarget {
 		for _, e := range ts {
-			if e.descriptors == t.descriptors && e.client == t.client && strings.HasPrefix(e.short, "envoy") {
+			if e.descriptors == t.descriptors && e.client == t.client && strings.HasPrefix(e.short, server) {
 				return e.peerTarget
 			}
 		}
 		return nil
 	}
+	envoyOf := func(t *rlsTarget) *peerTarget { return like(t, "envoy") }
 	for _, conc := range o.levels {
 		for _, t := range ts {
 			rs := t.runs[conc]
 			f := func(get func(peerRun) float64) float64 { return medianOf(rs, get) }
 			e := envoyOf(t)
-			fmt.Printf("| %s | %d | %.0f | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f |\n", t.name, conc,
-				stats.Median(rates(rs, nil)), ratioTo(t.peerTarget, e, conc), cpuRatioTo(t.peerTarget, e, conc),
+			fmt.Printf("| %s | %d | %.0f | %s | %s | %s | %.2f ms | %.2f ms | %.1f | %s | %s | %.1f | %.1f |\n", t.name, conc,
+				stats.Median(rates(rs, nil)), ratioTo(t.peerTarget, like(t, "plain"), conc), ratioTo(t.peerTarget, e, conc), cpuRatioTo(t.peerTarget, e, conc),
 				f(func(r peerRun) float64 { return ms(pct(r.res, 50)) }), f(func(r peerRun) float64 { return ms(pct(r.res, 99)) }),
 				f(func(r peerRun) float64 { return r.server }), orDash(t.redis, f(func(r peerRun) float64 { return r.redis })),
 				orDash(t.nats, f(func(r peerRun) float64 { return r.nats })), f(func(r peerRun) float64 { return r.gen }), f(peerRun.all))
@@ -172,7 +180,7 @@ func rlsSummary(ts []*rlsTarget, o peerOptions) {
 		goal string
 	}{{1, "≥ 1.5×"}, {5, "≥ 1.0×"}} {
 		for _, t := range ts {
-			if t.descriptors == g.n && !strings.HasPrefix(t.short, "envoy") {
+			if t.descriptors == g.n && !strings.HasPrefix(t.short, "envoy") && !strings.HasPrefix(t.short, "plain") {
 				e := envoyOf(t)
 				fmt.Printf("| %s with %d %s %s envoy's throughput (%s client) | %s; by CPU %s |\n", strings.Split(t.name, ",")[0], g.n, descriptors(g.n), g.goal, t.client,
 					ratiosAt(t.peerTarget, e, o.levels, ratioTo), ratiosAt(t.peerTarget, e, o.levels, cpuRatioTo))
@@ -235,6 +243,34 @@ func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error)
 	}
 	b.stop = append(b.stop, p.Close)
 	return &peerTarget{short: "envoy", name: "envoyproxy/ratelimit", addr: addrs.GRPC, server: p.Cmd, redis: rs}, nil
+}
+
+// rlsPlain starts the plain gRPC server (plaingrpc): the rate a gRPC
+// server doing no work reaches under the same load.
+func (b *bench) rlsPlain() (*peerTarget, error) {
+	bin, err := build(b.dir, ".", "./bench/admitload/plaingrpc")
+	if err != nil {
+		return nil, err
+	}
+	addr, err := e2e.FreeAddr()
+	if err != nil {
+		return nil, err
+	}
+	p, err := start(b.dir, "plaingrpc", nil, bin, "-addr", addr)
+	if err != nil {
+		return nil, err
+	}
+	b.stop = append(b.stop, func() { kill(p) })
+	if err := waitFor(func() error {
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			c.Close()
+		}
+		return err
+	}); err != nil {
+		return nil, err
+	}
+	return &peerTarget{short: "plain", name: "plain gRPC server", addr: addr, server: p}, nil
 }
 
 // rlsClients are the -rls-client values: the lean client (grpcload,

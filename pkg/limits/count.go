@@ -282,8 +282,8 @@ func (l *Limiter) AdjustCount(ctx context.Context, scope policy.Scope, tenant, i
 	date := int64(wire.AdjustNow)
 	if !at.IsZero() {
 		date = at.UnixMilli()
-		if date <= 0 {
-			return nil, fmt.Errorf("%w: adjust %s %s: date %v: want after 1970", ErrInvalid, scope, id, at)
+		if date <= 0 || date >= 1<<47 { // an i6 on the wire: beyond, it would wrap negative, which count.lua takes for now
+			return nil, fmt.Errorf("%w: adjust %s %s: date %v: want after 1970 and before 2^47 ms", ErrInvalid, scope, id, at)
 		}
 	}
 	b := l.p.NewCountBatch()

@@ -598,6 +598,7 @@ func TestAdjustCount(t *testing.T) {
 		{1, make([]policy.Rule, limits.MaxCounters+1), time.Time{}},
 		{1, []policy.Rule{{Limit: policy.Limit{Name: "r", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1, Window: policy.Duration(time.Hour)}}}, time.Time{}},
 		{1, rules, time.UnixMilli(-5)},
+		{-1, rules, time.UnixMilli(1 << 47)}, // past '<i6': it would wrap negative, which count.lua reads as now
 	} {
 		if _, err := l.AdjustCount(ctx, policy.ScopeGlobal, "", id, bad.rules, bad.amount, bad.at); !errors.Is(err, limits.ErrInvalid) {
 			t.Errorf("AdjustCount(%d, %d rules, %v) error = %v, want ErrInvalid", bad.amount, len(bad.rules), bad.at, err)

@@ -18,8 +18,13 @@ import (
 // counted (docs/design.md §3). c.Cost is ignored. It reports the token
 // limits after the change (none when c has no token limit), or the error
 // when Redis could not be told (the breaker is open, the call failed):
-// the local limiter is not adjusted.
-func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitState, error) {
+// the local limiter is not adjusted. at dates the change (zero: Redis's
+// now): a give-back dated at its Check's Result.Now takes from the window
+// that Check charged, or from none, and leaves a window begun since alone,
+// however late it reaches Redis (on a Cluster, Result.Now is the first
+// slot's node's time: a counter on another node whose clock is on the
+// other side of a window's end gets nothing back).
+func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64, at time.Time) ([]LimitState, error) {
 	if c.Scope != policy.ScopeGlobal && c.Scope != policy.ScopeIP {
 		return nil, fmt.Errorf("%w: scope %q: want global or ip", limits.ErrInvalid, c.Scope)
 	}
@@ -41,7 +46,7 @@ func (d *Decider) Adjust(ctx context.Context, c Charge, amount int64) ([]LimitSt
 	if len(rules) == 0 || amount == 0 {
 		return nil, nil
 	}
-	st, err := d.chargeShared(ctx, countable(&c), c.Scope, c.Tenant, c.ID, rules, amount, time.Time{})
+	st, err := d.chargeShared(ctx, countable(&c), c.Scope, c.Tenant, c.ID, rules, amount, at)
 	if err != nil {
 		return nil, fmt.Errorf("adjust %s %s: %w", c.Scope, c.ID, err)
 	}

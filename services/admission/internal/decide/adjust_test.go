@@ -39,7 +39,7 @@ func TestAdjust(t *testing.T) {
 		{-20, 0, 1}, // no lower than zero
 		{0, 0, 0},   // nothing to do
 	} {
-		st, err := d.Adjust(ctx, ch, s.amount)
+		st, err := d.Adjust(ctx, ch, s.amount, time.Time{})
 		if err != nil || len(st) != s.wantLen {
 			t.Fatalf("Adjust(%d) = %+v, %v; want %d states", s.amount, st, err, s.wantLen)
 		}
@@ -47,14 +47,14 @@ func TestAdjust(t *testing.T) {
 			t.Errorf("after Adjust(%d): used %v, want [%d 1] (the request limit as the check left it)", s.amount, used, s.wantX)
 		}
 	}
-	if _, err := d.Adjust(ctx, Charge{Scope: policy.ScopeUser, ID: id, Rules: rules}, 1); !errors.Is(err, limits.ErrInvalid) {
+	if _, err := d.Adjust(ctx, Charge{Scope: policy.ScopeUser, ID: id, Rules: rules}, 1, time.Time{}); !errors.Is(err, limits.ErrInvalid) {
 		t.Errorf("Adjust(user scope) = %v, want ErrInvalid", err)
 	}
-	if _, err := d.Adjust(ctx, ch, limits.MaxCost+1); !errors.Is(err, limits.ErrInvalid) {
+	if _, err := d.Adjust(ctx, ch, limits.MaxCost+1, time.Time{}); !errors.Is(err, limits.ErrInvalid) {
 		t.Errorf("Adjust(past MaxCost) = %v, want ErrInvalid", err)
 	}
 	srv.Stop()
-	if _, err := d.Adjust(ctx, ch, 3); err == nil {
+	if _, err := d.Adjust(ctx, ch, 3, time.Time{}); err == nil {
 		t.Error("Adjust with Redis down = nil error, want the failure")
 	}
 }
@@ -76,7 +76,7 @@ func TestAdjustAndGiveBackCountedCharges(t *testing.T) {
 		t.Fatalf("Check = %+v, %v", r, err)
 	}
 	for _, s := range []struct{ amount, want int64 }{{9, 13}, {-5, 8}, {-20, 0}} {
-		st, err := d.Adjust(ctx, ch, s.amount)
+		st, err := d.Adjust(ctx, ch, s.amount, time.Time{})
 		if err != nil || len(st) != 1 || st[0].Used != s.want {
 			t.Fatalf("Adjust(%d) = %+v, %v; want used %d", s.amount, st, err, s.want)
 		}
@@ -98,5 +98,39 @@ func TestAdjustAndGiveBackCountedCharges(t *testing.T) {
 	}
 	if used := counterUsed(t, c, offset, policy.ScopeGlobal, id, rules); used[0] != 4 {
 		t.Errorf("the counted charge after the denied mixed check holds %d, want 4 (the allowed check's only)", used[0])
+	}
+}
+
+// A give-back dated at its Check's Result.Now, Redis's time of the
+// decision (here days ahead of this host's), takes from the window that
+// Check charged; dated in a window before the counter's current one (the
+// decision's window ended before the give-back reached Redis), it leaves
+// the counter alone.
+func TestAdjustDated(t *testing.T) {
+	c := redistest.Shared(t)
+	offset := midWindow(24*time.Hour) + 72*time.Hour
+	d := newDecider(t, c, parsePolicy(t, userOnlyPolicy, ""), Options{}, limits.Options{NoEpochGuard: true, ClockOffset: offset})
+	id := newTenant(t)
+	rules := []policy.Rule{checkRule("x", 10)}
+	ch := Charge{Scope: policy.ScopeGlobal, ID: id, Cost: 4, Rules: rules}
+	ctx := context.Background()
+	r, err := d.Check(ctx, []Charge{ch})
+	if err != nil || !r.Allowed {
+		t.Fatalf("Check = %+v, %v", r, err)
+	}
+	for _, s := range []struct {
+		name string
+		at   time.Time
+		want int64
+	}{
+		{"a window before", r.Now.Add(-24 * time.Hour), 4},
+		{"at the check", r.Now, 1},
+	} {
+		if _, err := d.Adjust(ctx, ch, -3, s.at); err != nil {
+			t.Fatalf("Adjust(-3, %s) = %v", s.name, err)
+		}
+		if used := counterUsed(t, c, offset, policy.ScopeGlobal, id, rules); used[0] != s.want {
+			t.Errorf("after Adjust(-3, %s) the counter holds %d, want %d", s.name, used[0], s.want)
+		}
 	}
 }

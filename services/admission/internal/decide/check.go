@@ -103,7 +103,9 @@ func (d *Decider) Check(ctx context.Context, charges []Charge) (Result, error) {
 		a.undo()
 	}
 	a.denied, a.res.RetryAfter, a.res.Reason = first, retry, reason
-	a.res.Now = time.Now()
+	if a.res.Now.IsZero() {
+		a.res.Now = time.Now()
+	}
 	a.res.Allowed = first < 0
 	if first >= 0 {
 		a.res.DeniedBy = &a.res.Limits[first]
@@ -152,6 +154,9 @@ func (a *admission) checkCounts(charges []Charge, keep bool, first *int, retry *
 	case err != nil:
 		a.remote = false
 		return false, nil
+	}
+	if a.res.Now.IsZero() {
+		a.res.Now = dec.Now
 	}
 	base := len(a.res.Limits)
 	for i := range dec.States {

@@ -62,7 +62,11 @@ type Result struct {
 	Version       int64 // the subject's version (0 when decided locally)
 	TenantVersion int64
 	ExpiresAt     time.Time // when the reservation lapses unless settled; set when Allowed
-	Now           time.Time
+	// Now is the Redis time of the decision (of Admit's subject layer, of
+	// Check's first group of counters), which dates a later give-back of
+	// what it charged (Adjust's at); this host's time when Redis did not
+	// decide that part (decided locally; a Check without countable charges).
+	Now time.Time
 }
 
 // LimitState is one limit after a decision, as the API and events show it.

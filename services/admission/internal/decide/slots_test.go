@@ -148,7 +148,7 @@ func TestLostSlotRLSCountsAreTheTenants(t *testing.T) {
 					t.Fatalf("the lost tenant's Check: allowed %v, local %v; want allowed locally", r.Allowed, r.Local)
 				}
 			case "adjust":
-				if _, err := d.Adjust(ctx, charge(lost), 3); !errors.Is(err, limits.ErrNoEpoch) {
+				if _, err := d.Adjust(ctx, charge(lost), 3, time.Time{}); !errors.Is(err, limits.ErrNoEpoch) {
 					t.Fatalf("the lost tenant's Adjust error = %v; want ErrNoEpoch", err)
 				}
 				if r := check(lost); !r.Allowed || !r.Local {

@@ -22,7 +22,10 @@ package rls
 //     the estimate, with decide's Adjust, never refused by a limit; a
 //     counter whose estimate window has passed (or is within windowGuard
 //     of its end), or whose rule changed window since (a reload), is
-//     charged the actual in full instead, in its current window. Counters
+//     charged the actual in full instead, in its current window. A
+//     give-back is dated at the first call's Redis time, so Redis makes it
+//     only in the window the estimate was charged in: one that reaches
+//     Redis after that window ended leaves the estimate counted. Counters
 //     it names that the estimate did not charge, and counters the estimate
 //     charged that it does not name, do not move. It answers OK with the
 //     counters' state (a check of no hits; a counter past its limit has 0
@@ -64,7 +67,7 @@ import (
 // Corrector moves counters a Check charged, and says whether Redis is in
 // use: *decide.Decider.
 type Corrector interface {
-	Adjust(ctx context.Context, c decide.Charge, amount int64) ([]decide.LimitState, error)
+	Adjust(ctx context.Context, c decide.Charge, amount int64, at time.Time) ([]decide.LimitState, error)
 	Degraded() (bool, string)
 }
 
@@ -77,9 +80,10 @@ type Records interface {
 // windowGuard is how close to its window's end an estimate is no longer
 // corrected but left in its window, with the actual charged in full: the
 // window's end is judged by this instance's clock from the first call's
-// Redis reset (possibly another instance's), and a give-back landing in
-// the next window would give credit that was never taken. Clocks under
-// NTP agree to well within it.
+// Redis reset (possibly another instance's). Since give-backs are dated
+// (settle), a late one gives no credit either way; the guard is a margin
+// that errs towards counting: within it a correction counts the estimate
+// beside the actual.
 const windowGuard = time.Second
 
 // The result label values of quotaflow_admission_rls_request_ids_total:
@@ -114,11 +118,33 @@ func newIDCounter(reg prometheus.Registerer) *prometheus.CounterVec {
 const claimedMark = "claimed"
 
 // record is the estimate of one request: per counter id (decide.Charge.ID),
-// its hits, the end of the window they were counted in (Unix ms) and the
-// window's length (ms): a reload that changes the window moves the counter
-// to another key, which the estimate never charged.
+// its hits, the end of the window they were counted in (Unix ms, by this
+// host's clock) and the window's length (ms): a reload that changes the
+// window moves the counter to another key, which the estimate never
+// charged. At is the Redis time of its decision (Unix ms), which dates the
+// give-backs; zero in a record an earlier version wrote, whose estimate is
+// then never given back.
 type record struct {
 	Counters map[string][3]int64 `json:"c"`
+	At       int64               `json:"t,omitempty"`
+}
+
+// readRecord decodes a claimed record: Redis's, written by any instance
+// and version of admission.
+func readRecord(b string) (*record, error) {
+	var rec record
+	if err := json.Unmarshal([]byte(b), &rec); err != nil {
+		return nil, err
+	}
+	if rec.At < 0 || rec.At >= 1<<47 {
+		return nil, fmt.Errorf("decision time %d: want 0 to 2^47 ms", rec.At)
+	}
+	for _, est := range rec.Counters {
+		if est[0] < 0 || est[1] <= 0 || est[2] <= 0 {
+			return nil, fmt.Errorf("estimate %v: want hits, a window end and a window length", est)
+		}
+	}
+	return &rec, nil
 }
 
 // requestID takes the entries of the request and actual id keys out of ds
@@ -230,11 +256,10 @@ func (h *Handler) correlated(ctx context.Context, key string, actual bool, items
 		resp, _, err := h.decide(ctx, items, charges)
 		return resp, err
 	}
-	var rec record
 	result := idNotCorrected
-	if err := json.Unmarshal([]byte(old), &rec); err != nil {
+	if rec, err := readRecord(old); err != nil {
 		h.log.Error("request record unreadable; not corrected", "err", err)
-	} else if h.settle(ctx, &rec, items, charges) {
+	} else if h.settle(ctx, rec, items, charges) {
 		result = idCorrected
 	}
 	h.ids.WithLabelValues(result).Inc()
@@ -256,8 +281,10 @@ func estimable(items []item) bool {
 // keep records what an allowed first call charged (res) as its estimate,
 // and reports whether it did.
 func (h *Handler) keep(ctx context.Context, key string, items []item, charges []decide.Charge, res *decide.Result) bool {
-	rec := record{Counters: map[string][3]int64{}}
-	now := res.Now
+	// The windows' ends are judged by this host's clock (correction); the
+	// give-backs are dated by Redis's (res.Now).
+	rec := record{Counters: map[string][3]int64{}, At: res.Now.UnixMilli()}
+	now := time.Now()
 	last := now
 	var longest time.Duration
 	for i := range items {
@@ -299,8 +326,9 @@ func (h *Handler) keep(ctx context.Context, key string, items []item, charges []
 
 // settle moves each counter of rec that the call names by the call's hits
 // minus the estimate (the hits in full when the estimate's window passed or
-// its rule's window changed), or, without rec, each counter the call names
-// by its hits, and reports whether every move was made.
+// its rule's window changed; a give-back dated at rec.At, none when rec
+// has no date), or, without rec, each counter the call names by its hits,
+// and reports whether every move was made.
 func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges []decide.Charge) bool {
 	actual := map[string]int64{}
 	first := map[string]int{}
@@ -321,14 +349,25 @@ func (h *Handler) settle(ctx context.Context, rec *record, items []item, charges
 	now, ok := time.Now(), true
 	for id, hits := range actual {
 		c := &charges[first[id]]
-		delta := hits
+		delta, at := hits, time.Time{}
 		if est, found := rec.estimate(id); found && est[2] == time.Duration(c.Rules[0].Window).Milliseconds() {
 			delta = correction(hits, est, now)
 		}
-		if delta == 0 {
+		switch {
+		case delta < 0 && rec.At == 0:
+			// An earlier version's record: a give-back it cannot date
+			// is not made, and the estimate stays counted.
+			continue
+		case delta < 0:
+			// Dated in the estimate's decision: this host's clock cannot
+			// vouch for the window Redis is in when the move runs (a
+			// stall, a move that timed out here and ran there), and Redis
+			// takes nothing from a later window's usage.
+			at = time.UnixMilli(rec.At)
+		case delta == 0:
 			continue
 		}
-		if _, err := h.correct.Adjust(ctx, *c, delta); err != nil {
+		if _, err := h.correct.Adjust(ctx, *c, delta, at); err != nil {
 			h.log.Warn("charge a response-time cost; an estimate stays or the actual is not counted", "err", err)
 			ok = false
 		}
