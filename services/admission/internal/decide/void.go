@@ -354,7 +354,7 @@ func (v *voider) drainQueue(ctx context.Context, back func(tenant string) bool) 
 		if len(chunk) == 0 {
 			return true
 		}
-		out := v.send(ctx, chunk, isBack, true)
+		out := v.send(ctx, chunk, isBack)
 		stop := slices.Index(out, voidKept)
 		if stop < 0 {
 			stop = len(chunk)
@@ -424,11 +424,13 @@ func (v *voider) retryHeld(ctx context.Context, tenants []string, n int, isBack 
 		batch = append(batch, h[:sent[i]]...)
 	}
 	v.mu.Unlock()
-	// Held voids keep no order among themselves: one kept (its own
-	// master failing) does not keep the others from landing.
 	out := make([]voidOutcome, 0, len(batch))
 	for chunk := range slices.Chunk(batch, voidChunk) {
-		out = append(out, v.send(ctx, chunk, isBack, false)...)
+		if slices.Contains(out, voidKept) {
+			out = append(out, make([]voidOutcome, len(chunk))...) // not sent: kept
+			continue
+		}
+		out = append(out, v.send(ctx, chunk, isBack)...)
 	}
 	ok = !slices.Contains(out, voidKept)
 	v.mu.Lock()
@@ -477,17 +479,16 @@ const (
 	voidLost                      // its slot lost its epoch (slotLost): set aside
 )
 
-// send makes one round trip of chunk and reports each void's outcome; in
-// order (the queue's), those after the first void kept are kept too.
-// isBack says a tenant's missing epoch is not its slot's loss (the slot
-// was found back).
-func (v *voider) send(ctx context.Context, chunk []limits.Void, isBack func(string) bool, inOrder bool) []voidOutcome {
+// send makes one round trip of chunk and reports each void's outcome; those
+// after the first void kept are kept too. isBack says a tenant's missing
+// epoch is not its slot's loss (the slot was found back).
+func (v *voider) send(ctx context.Context, chunk []limits.Void, isBack func(string) bool) []voidOutcome {
 	cctx, cancel := context.WithTimeout(ctx, v.timeout)
 	res := v.lim.VoidMany(cctx, chunk)
 	cancel()
 	out := make([]voidOutcome, len(chunk))
 	for i, r := range res {
-		if out[i] = v.outcome(chunk[i].Tenant, r, isBack); out[i] == voidKept && inOrder {
+		if out[i] = v.outcome(chunk[i].Tenant, r, isBack); out[i] == voidKept {
 			break
 		}
 	}
