@@ -42,7 +42,8 @@ type rlsTarget struct {
 // admission's ShouldRateLimit (QF_GRPC_ADDR, QF_ENVOY_RATELIMIT_CONFIG)
 // over gRPC with the same client, requests and configuration, one and five
 // descriptors a request, each server on a Redis (and admission on a
-// nats-server) of its own, and prints per target the rates, their ratios,
+// nats-server) of its own, beside a plain gRPC server that does no work
+// (rlsPlain), and prints per target the rates, their ratios,
 // latencies and the CPU per request of every process: issue 14's goals.
 // With base (a checkout of an earlier commit), admission built from it is
 // a target too, in the same rounds: before and after in one run. env is
