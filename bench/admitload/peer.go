@@ -419,24 +419,38 @@ func (b *bench) peerAdmission(ctx context.Context, bin, short, name, policy stri
 }
 
 func (b *bench) peerPlain(size int) (*peerTarget, error) {
-	bin, err := build(b.dir, ".", "./bench/admitload/plain")
+	addr, p, err := b.baseline("./bench/admitload/plain", func(addr string) error {
+		_, err := answerSize("http://" + addr + "/v1/admit")
+		return err
+	}, "-size", strconv.Itoa(max(size, 100)))
 	if err != nil {
-		return nil, err
-	}
-	addr, err := e2e.FreeAddr()
-	if err != nil {
-		return nil, err
-	}
-	p, err := start(b.dir, "plain", nil, bin, "-addr", addr, "-size", strconv.Itoa(max(size, 100)))
-	if err != nil {
-		return nil, err
-	}
-	b.stop = append(b.stop, func() { kill(p) })
-	if err := waitFor(func() error { _, err := answerSize("http://" + addr + "/v1/admit"); return err }); err != nil {
 		return nil, err
 	}
 	return &peerTarget{short: "plain", name: "plain net/http", addr: addr, post: load.NewPost(addr, "/v1/admit"), body: admitBody("/x"),
 		server: p, runs: map[int][]peerRun{}}, nil
+}
+
+// baseline builds the baseline server of package pkg (a server doing no
+// work), starts it on a free address with args, and waits until ready
+// says it answers there.
+func (b *bench) baseline(pkg string, ready func(addr string) error, args ...string) (string, *exec.Cmd, error) {
+	bin, err := build(b.dir, ".", pkg)
+	if err != nil {
+		return "", nil, err
+	}
+	addr, err := e2e.FreeAddr()
+	if err != nil {
+		return "", nil, err
+	}
+	p, err := start(b.dir, filepath.Base(pkg), nil, bin, append([]string{"-addr", addr}, args...)...)
+	if err != nil {
+		return "", nil, err
+	}
+	b.stop = append(b.stop, func() { kill(p) })
+	if err := waitFor(func() error { return ready(addr) }); err != nil {
+		return "", nil, err
+	}
+	return addr, p, nil
 }
 
 // peerEnvoy starts envoyproxy/ratelimit on a Redis of its own, set up by

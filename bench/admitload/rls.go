@@ -249,26 +249,14 @@ func (b *bench) rlsPeer(ctx context.Context, o peerOptions) (*peerTarget, error)
 // rlsPlain starts the plain gRPC server (plaingrpc): the rate a gRPC
 // server doing no work reaches under the same load.
 func (b *bench) rlsPlain() (*peerTarget, error) {
-	bin, err := build(b.dir, ".", "./bench/admitload/plaingrpc")
-	if err != nil {
-		return nil, err
-	}
-	addr, err := e2e.FreeAddr()
-	if err != nil {
-		return nil, err
-	}
-	p, err := start(b.dir, "plaingrpc", nil, bin, "-addr", addr)
-	if err != nil {
-		return nil, err
-	}
-	b.stop = append(b.stop, func() { kill(p) })
-	if err := waitFor(func() error {
+	addr, p, err := b.baseline("./bench/admitload/plaingrpc", func(addr string) error {
 		c, err := net.Dial("tcp", addr)
 		if err == nil {
 			c.Close()
 		}
 		return err
-	}); err != nil {
+	})
+	if err != nil {
 		return nil, err
 	}
 	return &peerTarget{short: "plain", name: "plain gRPC server", addr: addr, server: p}, nil
