@@ -307,28 +307,31 @@ func (v *voider) drain(ctx context.Context, back func(tenant string) bool) bool 
 
 // drainLocked is drain for a caller that has the drains' turn.
 func (v *voider) drainLocked(ctx context.Context, back func(tenant string) bool) bool {
-	isBack := noneBack
-	if back != nil {
-		isBack = back
-	}
 	// Held voids do not wait behind the queue's failures, nor it behind
 	// theirs.
-	ok := v.drainHeld(ctx, isBack)
+	ok := v.drainHeld(ctx, orNone(back))
 	return v.drainQueue(ctx, back) && ok
 }
 
 // noneBack is a drain's back when no lost slot is back.
 func noneBack(string) bool { return false }
 
+// orNone is back, or noneBack when back is nil.
+func orNone(back func(string) bool) func(string) bool {
+	if back == nil {
+		return noneBack
+	}
+	return back
+}
+
 // drainQueue voids the queue in order, voidChunk at a time in one round
 // trip, as drain (whose turn it has) says, and reports whether none failed
 // but by its slot's move or loss. It stops at the first void Redis failed
 // otherwise, keeping it and the rest.
 func (v *voider) drainQueue(ctx context.Context, back func(tenant string) bool) bool {
-	isBack := noneBack
+	isBack := orNone(back)
 	v.mu.Lock()
 	if back != nil {
-		isBack = back
 		var keep, now []limits.Void
 		for _, x := range v.aside {
 			if back(x.Tenant) {
