@@ -148,10 +148,10 @@ func (a *admission) run(rs *policy.Resolved) error {
 
 // retryOfAdmitted reports whether the request id already has a reservation
 // in Redis; false when Redis cannot say, or while the id's reserve is not
-// sent (voider.waits): once the move is over Admitted answers true for a
-// request admitted before, the shared layers' denial would be skipped,
-// and the retry, its reserve not sent, allowed locally: admitted a second
-// time.
+// sent (voider.waits): Admitted may answer true (for a request admitted
+// before its tenant's slot moved, or a lost call that ran), the shared
+// layers' denial would be skipped, and the retry, its reserve not sent,
+// allowed locally: admitted a second time.
 func (a *admission) retryOfAdmitted() bool {
 	if !a.remote || a.d.voids.waits(a.in.Tenant, a.in.User, a.in.RequestID) {
 		return false

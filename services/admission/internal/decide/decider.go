@@ -33,9 +33,9 @@ var ErrNoBalance = errors.New("decide: no balance limit")
 var errBreakerOpen = errors.New("decide: circuit breaker open")
 
 // errVoidsHeld is a reserve not made because voids of decisions taken
-// without Redis, its tenant's or its own, wait for its slot's move to end
-// (voider.waits).
-var errVoidsHeld = errors.New("decide: the tenant's voids of local decisions wait for its redis slot's move")
+// without Redis have not landed: its own request's, or its tenant's while
+// its slot's move lasts (voider.waits).
+var errVoidsHeld = errors.New("decide: voids of local decisions of the request, or of its tenant during its redis slot's move, have not landed")
 
 // Decider is admission's decision pipeline; see the package documentation
 // for the order of checks, leasing and degradation. Create it with New and
@@ -214,11 +214,13 @@ func (d *Decider) reserve(ctx context.Context, req limits.Request) (limits.Decis
 	if d.lost.has(req.Tenant) {
 		return limits.Decision{}, false, errSlotLost
 	}
-	if d.voids.waits(req.Tenant, req.User, req.RequestID) {
-		return limits.Decision{}, false, errVoidsHeld
-	}
+	// The breaker first: while it is open voids pile up, and waits would
+	// take their lock for a call not sent anyway.
 	if !d.br.allow() {
 		return limits.Decision{}, false, errBreakerOpen
+	}
+	if d.voids.waits(req.Tenant, req.User, req.RequestID) {
+		return limits.Decision{}, false, errVoidsHeld
 	}
 	out, sent := d.batch.do(ctx, d.opt.RedisTimeout, req)
 	d.done(ctx, req.Tenant, opReserve, out.Err)

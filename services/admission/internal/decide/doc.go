@@ -89,6 +89,11 @@
 // the breaker stays closed for every other tenant, and the prober peeks
 // the lost slots every Options.BreakerCooldown.
 //
+// Redis is made to agree with each local decision afterwards (voider);
+// until it does, a retry of the request id is decided locally too, even
+// with the breaker closed (a call that failed before it was sent), so that
+// Redis does not admit it a second time.
+//
 // Past Options.FailOpenAfter of continuous unreachability every request is
 // allowed unchecked (still Local). A missing epoch is not an outage but a
 // rebuild in progress: local limits stay in force until the accounter writes

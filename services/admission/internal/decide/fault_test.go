@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
@@ -340,5 +341,149 @@ func TestLocalSpendsOutliveRedisAnswers(t *testing.T) {
 	// Forgetting what is owed allowed 42.
 	if byRedis != limit/estimate || local != 12 {
 		t.Fatalf("allowed %d by Redis and %d locally, want %d (the limit) and 12", byRedis, local, limit/estimate)
+	}
+}
+
+// voidPolicy keeps a record per request (a token quota), beside a request
+// limit and a concurrency limit, so that what a void does shows in each.
+const voidPolicy = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: tok, kind: fixed, window: 1h, limit: 1000}]
+    rates:
+      - {name: req, kind: fixed, window: 1h, limit: 100}
+      - {name: conc, kind: concurrency, limit: 5}
+`
+
+// poolOfOne returns a Decider on the shared Redis whose client has a pool
+// of one connection (taken by holdPool), a breaker that stays closed, and
+// room to allow a subject it has not seen locally.
+func poolOfOne(t *testing.T) (*Decider, *redis.Client, string) {
+	t.Helper()
+	opt, err := redis.ParseURL(redistest.SharedURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt.PoolSize, opt.PoolTimeout, opt.MaxRetries, opt.ContextTimeoutEnabled = 1, 50*time.Millisecond, -1, true
+	c := redis.NewClient(opt)
+	t.Cleanup(func() { c.Close() })
+	o := Options{BreakerFailures: 1000, BreakerCooldown: time.Hour, UnseenAllowance: 500}
+	d := newDecider(t, c, parsePolicy(t, voidPolicy, ""), o, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	return d, c, newTenant(t)
+}
+
+// holdPool takes c's one connection: a call made until release fails with
+// redis.ErrPoolTimeout, before it is sent.
+func holdPool(t *testing.T, c *redis.Client) (release func()) {
+	t.Helper()
+	conn := c.Conn()
+	if err := conn.Ping(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	return func() { conn.Close() }
+}
+
+// subjectUsage is "name=used" of each limit of (tenant, u), as Redis has it.
+func subjectUsage(t *testing.T, d *Decider, tenant string) string {
+	t.Helper()
+	ls, err := d.Usage(context.Background(), tenant, "u", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for i, l := range ls {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		fmt.Fprintf(&b, "%s=%d", l.Name, l.Used)
+	}
+	return b.String()
+}
+
+// TestRetryBeforeItsVoidLandsIsDecidedLocally: a reserve that fails before
+// it is sent (the pool's timeout), the breaker closed, is decided locally
+// and its void queued. A retry of its request id before the void lands is
+// decided locally too. Before, it was sent: Redis found no record of the
+// id and admitted it a second time, and the void, landing on that open
+// reservation of the same request, gave back its tokens and concurrency
+// slot and left the id VOID: two admissions, one of them counted in the
+// request limit alone, and one actual charged for both. Once the voids
+// have landed a retry is a duplicate in Redis, where the id holds nothing
+// until its actual is charged in full.
+func TestRetryBeforeItsVoidLandsIsDecidedLocally(t *testing.T) {
+	ctx := context.Background()
+	d, c, tenant := poolOfOne(t)
+	x := in(tenant, "u", "/gen", 10)
+
+	d.voids.draining.Lock() // no void lands until the test says
+	release := holdPool(t, c)
+	r := admit(t, d, x)
+	release()
+	if !r.Allowed || !r.Local || d.voids.pending() != 1 {
+		t.Fatalf("Admit whose reserve found no connection: allowed %v, local %v, %d voids; want allowed locally, 1 void", r.Allowed, r.Local, d.voids.pending())
+	}
+	if deg, why := d.Degraded(); deg {
+		t.Fatalf("Degraded() = true, %q; want the breaker closed", why)
+	}
+	r = admit(t, d, x)
+	if !r.Allowed || !r.Local {
+		t.Errorf("a retry before its void landed: allowed %v, local %v, duplicate %v, version %d; want allowed locally, not sent to Redis (else admitted there a second time)",
+			r.Allowed, r.Local, r.Duplicate, r.Version)
+	}
+	d.voids.draining.Unlock()
+	if !d.voids.drain(ctx, nil) || d.voids.pending() != 0 {
+		t.Fatalf("the voids did not land: %d pending", d.voids.pending())
+	}
+	// Both admissions were local: Redis counts neither.
+	if got := subjectUsage(t, d, tenant); got != "tok=0 req=0 conc=0" {
+		t.Errorf("after the voids landed Redis has %s, want tok=0 req=0 conc=0", got)
+	}
+	if r := admit(t, d, x); r.Local || !r.Duplicate {
+		t.Errorf("a retry after the voids landed: local %v, duplicate %v; want a duplicate in Redis", r.Local, r.Duplicate)
+	}
+	// The id holds nothing (VOID): its actual is charged in full, once.
+	rs, err := d.resolve(tenant, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := d.lim.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: x.RequestID, Actual: 7, Rules: rs.Subject})
+	if err != nil || s.Status != limits.Settled || s.Estimate != 0 || s.Delta != 7 {
+		t.Errorf("Correct(actual 7) = %+v, %v; want settled from an estimate of 0, delta 7", s, err)
+	}
+	if got := subjectUsage(t, d, tenant); got != "tok=7 req=0 conc=0" {
+		t.Errorf("after the actual Redis has %s, want tok=7 req=0 conc=0", got)
+	}
+}
+
+// TestRetryWaitsForTheLastVoidOfItsRequest: a request's retries are
+// decided locally until its last void queued lands; one dropped (the queue
+// full) is not waited for.
+func TestRetryWaitsForTheLastVoidOfItsRequest(t *testing.T) {
+	d, _, tenant := poolOfOne(t)
+	x := in(tenant, "u", "/gen", 10)
+	v := voidOf(&x, "free")
+	v.Allowed = true
+	waits := func() bool { return d.voids.waits(x.Tenant, x.User, x.RequestID) }
+
+	d.voids.draining.Lock()
+	d.voids.mu.Lock()
+	d.voids.max = 2
+	d.voids.mu.Unlock()
+	d.voids.add(v)
+	d.voids.add(v)
+	d.voids.add(v) // dropped
+	d.voids.mu.Lock()
+	n := d.voids.ids[voidID{x.Tenant, x.User, x.RequestID}]
+	d.voids.mu.Unlock()
+	if !waits() || n != 2 {
+		t.Fatalf("two voids of the request queued, one dropped: waits %v, %d counted; want true, 2", waits(), n)
+	}
+	d.voids.draining.Unlock()
+	if !d.voids.drain(context.Background(), nil) || waits() {
+		t.Fatalf("both voids landed: waits %v, want false (%d pending, %d counted)", waits(), d.voids.pending(), d.voids.nids.Load())
+	}
+	if r := admit(t, d, x); r.Local || !r.Duplicate {
+		t.Errorf("a retry after its voids landed: local %v, duplicate %v; want a duplicate in Redis", r.Local, r.Duplicate)
 	}
 }

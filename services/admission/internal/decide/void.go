@@ -72,10 +72,13 @@ func mayHaveRun(err error) bool {
 // (version 0) tells the accounter, nothing, its actual to be charged in
 // full, and its id is kept, so that a retry is a duplicate; a Reserve whose
 // reply was lost is undone, so that a request denied locally holds nothing
-// either. Voids wait in a bounded queue; one that does not fit is dropped
-// and counted (a retry of its request may then be reserved again, and a
-// lost call that ran stays counted until its window passes: an
-// over-count, never an over-admission). So that no void holds up another
+// either. Until a request's voids have landed its retries are decided
+// locally (waits): one reserved in Redis meanwhile would be admitted a
+// second time, and the void would then give back that reservation. Voids
+// wait in a bounded queue; one that does not fit is dropped and counted (a
+// retry of its request may then be reserved again, and a lost call that
+// ran stays counted until its window passes: an over-count, never an
+// over-admission). So that no void holds up another
 // tenant's, nor the breaker's closing, two kinds wait apart, within the
 // same bound: the voids of tenants whose Cluster slot lost its data are
 // set aside until it is back (lostSlots), and a tenant one of whose voids
@@ -101,7 +104,11 @@ type voider struct {
 	// of a held tenant. add only appends to them, drains alone take from
 	// them.
 	held map[string][]limits.Void
-	ids  map[heldID]int // how many voids of each request are held
+	// ids counts the voids of each request queued or held (not those set
+	// aside: their tenants' reserves are not sent anyway), for waits; nids
+	// is their sum, changed under mu, for waits to read alone.
+	ids  map[voidID]int
+	nids atomic.Int64
 	// tenants are held's tenants, each true once its move is over (one of
 	// its held voids landed since one was last refused), for the hot path
 	// to read without mu (waits): a snapshot replaced, never changed, under
@@ -112,8 +119,8 @@ type voider struct {
 	draining sync.Mutex // one drain at a time
 }
 
-// heldID names the request of a void held.
-type heldID struct{ tenant, user, id string }
+// voidID names the request of a void.
+type voidID struct{ tenant, user, id string }
 
 // maxVoids bounds the voids waiting for Redis (about 200 bytes each),
 // queued, set aside and held together: one per request allowed without
@@ -122,7 +129,7 @@ const maxVoids = 100_000
 
 func newVoider(lim *limits.Limiter, timeout, retry time.Duration, results *prometheus.CounterVec, gauge prometheus.Gauge, lost *lostSlots, slotLost func(string, error) bool) *voider {
 	return &voider{lim: lim, timeout: timeout, retry: retry, max: maxVoids, results: results, gauge: gauge,
-		lost: lost, slotLost: slotLost, held: map[string][]limits.Void{}, ids: map[heldID]int{}, wake: make(chan struct{}, 1)}
+		lost: lost, slotLost: slotLost, held: map[string][]limits.Void{}, ids: map[voidID]int{}, wake: make(chan struct{}, 1)}
 }
 
 // add queues v (holds it when its tenant's are held) and returns at once.
@@ -136,6 +143,7 @@ func (v *voider) add(x limits.Void) {
 		} else {
 			v.queue = append(v.queue, x)
 		}
+		v.count(1, x)
 	}
 	v.mu.Unlock()
 	if full {
@@ -156,21 +164,25 @@ func (v *voider) signal() {
 // waits reports whether the reserve of request id of (tenant, user), and
 // the Admitted check of a retry, are not to be sent, so that no request
 // allowed locally is reserved again in Redis before its void marks the id:
-// all of a held tenant's while its slot's move lasts (the void of a request
-// allowed meanwhile is held and may not have landed), and after it only
-// those of requests with a void held, so that its other requests are
-// decided by Redis, add no void, and its held voids run out. A void
-// refused again (another move) holds the whole tenant again. Its other
-// calls (usage, release, top-up, corrections) are sent: no void changes
-// what they do. Lock-free unless the tenant is held and its move over.
+// those of requests with a void queued or held (a retry right after a call
+// that failed before it was sent, the breaker closed, comes before its
+// void lands), and all of a held tenant's while its slot's move lasts (the
+// void of a request allowed meanwhile is held and may not have landed);
+// after the move its other requests are decided by Redis, add no void, and
+// its held voids run out. A void refused again (another move) holds the
+// whole tenant again. Its other calls (usage, release, top-up,
+// corrections) are sent: no void changes what they do. Lock-free while no
+// void is queued or held.
 func (v *voider) waits(tenant, user, id string) bool {
-	over, held := v.heldTenants()[tenant]
-	if !held || !over {
-		return held
+	if over, held := v.heldTenants()[tenant]; held && !over {
+		return true
+	}
+	if v.nids.Load() == 0 {
+		return false
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return v.ids[heldID{tenant, user, id}] > 0
+	return v.ids[voidID{tenant, user, id}] > 0
 }
 
 // heldTenants is the snapshot of the held tenants (v.tenants).
@@ -204,15 +216,27 @@ func (v *voider) setHeld(tenant string, held, over bool) {
 	v.tenants.Store(&m)
 }
 
-// heldChanged counts xs held (d = 1) or no longer held (d = -1); under mu.
-func (v *voider) heldChanged(d int, xs ...limits.Void) {
+// count counts xs among the voids queued or held (d = 1) or no longer
+// (d = -1: landed or set aside); under mu.
+func (v *voider) count(d int, xs ...limits.Void) {
 	for _, x := range xs {
-		k := heldID{x.Tenant, x.User, x.RequestID}
+		k := voidID{x.Tenant, x.User, x.RequestID}
 		if v.ids[k] += d; v.ids[k] <= 0 {
 			delete(v.ids, k)
 		}
 	}
+	v.nids.Add(int64(d * len(xs)))
+}
+
+// heldChanged counts xs held (d = 1) or no longer held (d = -1); under mu.
+func (v *voider) heldChanged(d int, xs ...limits.Void) {
 	v.gauge.Set(float64(v.nheld.Add(int64(d * len(xs)))))
+}
+
+// toAside sets xs aside, no longer queued or held; under mu.
+func (v *voider) toAside(xs ...limits.Void) {
+	v.aside = append(v.aside, xs...)
+	v.count(-1, xs...)
 }
 
 // hold holds xs, refused by their slots' move, in order, with the queued
@@ -246,7 +270,7 @@ func (v *voider) hold(xs []limits.Void) {
 // mu.
 func (v *voider) setAside(tenant string) {
 	h := v.held[tenant]
-	v.aside = append(v.aside, h...)
+	v.toAside(h...)
 	v.release(tenant)
 	v.heldChanged(-1, h...)
 }
@@ -341,6 +365,7 @@ func (v *voider) drainQueue(ctx context.Context, back func(tenant string) bool) 
 			}
 		}
 		v.aside, v.queue = keep, append(now, v.queue...)
+		v.count(1, now...)
 	}
 	v.mu.Unlock()
 	for {
@@ -348,7 +373,7 @@ func (v *voider) drainQueue(ctx context.Context, back func(tenant string) bool) 
 		v.queue = slices.DeleteFunc(v.queue, func(x limits.Void) bool {
 			aside := v.lost.has(x.Tenant) && !isBack(x.Tenant)
 			if aside {
-				v.aside = append(v.aside, x)
+				v.toAside(x)
 			}
 			return aside
 		})
@@ -367,8 +392,10 @@ func (v *voider) drainQueue(ctx context.Context, back func(tenant string) bool) 
 		v.queue = v.queue[stop:] // only add changed it since, at its end
 		for i, o := range out[:stop] {
 			switch o {
+			case voidLanded:
+				v.count(-1, chunk[i])
 			case voidLost:
-				v.aside = append(v.aside, chunk[i])
+				v.toAside(chunk[i])
 			case voidMoving:
 				moving = append(moving, chunk[i])
 			}
@@ -448,6 +475,7 @@ func (v *voider) retryHeld(ctx context.Context, tenants []string, n int, isBack 
 		for j, o := range res {
 			if o == voidLanded {
 				v.heldChanged(-1, h[j])
+				v.count(-1, h[j])
 			} else {
 				keep = append(keep, h[j])
 			}
