@@ -108,7 +108,7 @@ func TestOpsHandlerPprof(t *testing.T) {
 		want int
 	}{{Ops{}, 404}, {Ops{Pprof: true}, 200}} {
 		h := OpsHandler(NewRegistry(), NewReadiness(), tc.o)
-		for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap", "/debug/pprof/goroutine?debug=1"} {
+		for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap", "/debug/pprof/goroutine?debug=1", "/debug/pprof/trace?seconds=0.01"} {
 			if code, _, _ := get(t, h, path); code != tc.want {
 				t.Errorf("Pprof %v: GET %s = %d, want %d", tc.o.Pprof, path, code, tc.want)
 			}
