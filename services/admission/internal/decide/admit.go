@@ -151,9 +151,12 @@ func (a *admission) run(rs *policy.Resolved) error {
 // sent (voider.waits): Admitted may answer true (for a request admitted
 // before its tenant's slot moved, or a lost call that ran), the shared
 // layers' denial would be skipped, and the retry, its reserve not sent,
-// allowed locally: admitted a second time.
+// allowed locally: admitted a second time. The breaker first, as in
+// reserve: while it is open voids pile up, and waits would take their lock
+// for a call not sent anyway (a denial by a lease known exhausted leaves
+// remote set).
 func (a *admission) retryOfAdmitted() bool {
-	if !a.remote || a.d.voids.waits(a.in.Tenant, a.in.User, a.in.RequestID) {
+	if !a.remote || !a.d.br.allow() || a.d.voids.waits(a.in.Tenant, a.in.User, a.in.RequestID) {
 		return false
 	}
 	var admitted bool

@@ -487,3 +487,41 @@ func TestRetryWaitsForTheLastVoidOfItsRequest(t *testing.T) {
 		t.Errorf("a retry after its voids landed: local %v, duplicate %v; want a duplicate in Redis", r.Local, r.Duplicate)
 	}
 }
+
+// TestOpenBreakerRetryOfAdmittedTakesNoVoidLock: while the breaker is open
+// (voids piling up), the retry of a request denied by a leased limit known
+// exhausted, which makes no Redis call and leaves the admission remote, is
+// not looked up (Admitted), and asks waits nothing: its lock, taken by
+// every void added meanwhile, would be on the denials' path. Before, waits
+// came before the breaker.
+func TestOpenBreakerRetryOfAdmittedTakesNoVoidLock(t *testing.T) {
+	_, d, _, tenant, ep := onEndpoint(t, retryPolicy, "/retry/")
+	wantAllowed(t, admit(t, d, in(tenant, "u", ep, 10)), true) // the global limit's one unit, leased
+	x := in(tenant, "u", ep, 10)
+	x.CallerID = true
+	wantAllowed(t, admit(t, d, x), false) // the lease found exhausted until the window ends
+	d.br.mu.Lock()
+	d.br.open()
+	d.br.mu.Unlock()
+	d.voids.draining.Lock() // the voids stay queued (nor does a probe close the breaker)
+	defer d.voids.draining.Unlock()
+	v := voidOf(&x, "free")
+	v.Allowed = true
+	d.voids.add(v)
+
+	d.voids.mu.Lock()
+	done := make(chan Result, 1)
+	go func() {
+		r, _ := d.Admit(context.Background(), x)
+		done <- r
+	}()
+	select {
+	case r := <-done:
+		d.voids.mu.Unlock()
+		wantAllowed(t, r, false)
+	case <-time.After(5 * time.Second):
+		d.voids.mu.Unlock()
+		<-done
+		t.Error("a retry denied by an exhausted lease, the breaker open, waited for the voider's lock")
+	}
+}
