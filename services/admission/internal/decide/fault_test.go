@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -401,6 +402,17 @@ func subjectUsage(t *testing.T, d *Decider, tenant string) string {
 	return b.String()
 }
 
+// stopDrains keeps the voids from landing (it takes the drains' turn) until
+// resume, or the test's end: a Fatal meanwhile must not leave the
+// Decider's Close waiting for the voider, blocked on the turn, until the
+// package's timeout.
+func stopDrains(t *testing.T, d *Decider) (resume func()) {
+	d.voids.draining.Lock()
+	resume = sync.OnceFunc(d.voids.draining.Unlock)
+	t.Cleanup(resume) // before Close: cleanups run last added first
+	return resume
+}
+
 // TestRetryBeforeItsVoidLandsIsDecidedLocally: a reserve that fails before
 // it is sent (the pool's timeout), the breaker closed, is decided locally
 // and its void queued. A retry of its request id before the void lands is
@@ -416,7 +428,7 @@ func TestRetryBeforeItsVoidLandsIsDecidedLocally(t *testing.T) {
 	d, c, tenant := poolOfOne(t)
 	x := in(tenant, "u", "/gen", 10)
 
-	d.voids.draining.Lock() // no void lands until the test says
+	resume := stopDrains(t, d) // no void lands until the test says
 	release := holdPool(t, c)
 	r := admit(t, d, x)
 	release()
@@ -431,7 +443,7 @@ func TestRetryBeforeItsVoidLandsIsDecidedLocally(t *testing.T) {
 		t.Errorf("a retry before its void landed: allowed %v, local %v, duplicate %v, version %d; want allowed locally, not sent to Redis (else admitted there a second time)",
 			r.Allowed, r.Local, r.Duplicate, r.Version)
 	}
-	d.voids.draining.Unlock()
+	resume()
 	if !d.voids.drain(ctx, nil) || d.voids.pending() != 0 {
 		t.Fatalf("the voids did not land: %d pending", d.voids.pending())
 	}
@@ -466,7 +478,7 @@ func TestRetryWaitsForTheLastVoidOfItsRequest(t *testing.T) {
 	v.Allowed = true
 	waits := func() bool { return d.voids.waits(x.Tenant, x.User, x.RequestID) }
 
-	d.voids.draining.Lock()
+	resume := stopDrains(t, d)
 	d.voids.mu.Lock()
 	d.voids.max = 2
 	d.voids.mu.Unlock()
@@ -479,7 +491,7 @@ func TestRetryWaitsForTheLastVoidOfItsRequest(t *testing.T) {
 	if !waits() || n != 2 {
 		t.Fatalf("two voids of the request queued, one dropped: waits %v, %d counted; want true, 2", waits(), n)
 	}
-	d.voids.draining.Unlock()
+	resume()
 	if !d.voids.drain(context.Background(), nil) || waits() {
 		t.Fatalf("both voids landed: waits %v, want false (%d pending, %d counted)", waits(), d.voids.pending(), d.voids.nids.Load())
 	}
@@ -503,8 +515,7 @@ func TestOpenBreakerRetryOfAdmittedTakesNoVoidLock(t *testing.T) {
 	d.br.mu.Lock()
 	d.br.open()
 	d.br.mu.Unlock()
-	d.voids.draining.Lock() // the voids stay queued (nor does a probe close the breaker)
-	defer d.voids.draining.Unlock()
+	stopDrains(t, d) // the voids stay queued (nor does a probe close the breaker)
 	v := voidOf(&x, "free")
 	v.Allowed = true
 	d.voids.add(v)
