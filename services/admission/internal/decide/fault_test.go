@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -497,6 +498,42 @@ func TestRetryWaitsForTheLastVoidOfItsRequest(t *testing.T) {
 	}
 	if r := admit(t, d, x); r.Local || !r.Duplicate {
 		t.Errorf("a retry after its voids landed: local %v, duplicate %v; want a duplicate in Redis", r.Local, r.Duplicate)
+	}
+}
+
+// TestWaitsTakesNoLockForOtherIDs: while a void waits, waits answers for a
+// request id whose mark no waiting void shares without the voider's lock
+// (every admit of every tenant asks it, for as long as a slot's move
+// lasts), and still finds the waiting void's own id under it.
+func TestWaitsTakesNoLockForOtherIDs(t *testing.T) {
+	d, _, tenant := poolOfOne(t)
+	x := in(tenant, "u", "/gen", 10)
+	v := voidOf(&x, "free")
+	v.Allowed = true
+	stopDrains(t, d)
+	d.voids.add(v)
+	mark := voidMark(voidID{x.Tenant, x.User, x.RequestID})
+	other := "r0"
+	for i := 1; voidMark(voidID{x.Tenant, x.User, other}) == mark; i++ {
+		other = "r" + strconv.Itoa(i)
+	}
+
+	d.voids.mu.Lock()
+	done := make(chan bool, 1)
+	go func() { done <- d.voids.waits(x.Tenant, x.User, other) }()
+	select {
+	case w := <-done:
+		d.voids.mu.Unlock()
+		if w {
+			t.Errorf("waits(%q) = true with only %q's void queued", other, x.RequestID)
+		}
+	case <-time.After(5 * time.Second):
+		d.voids.mu.Unlock()
+		<-done
+		t.Errorf("waits for an id without a void waited for the voider's lock")
+	}
+	if !d.voids.waits(x.Tenant, x.User, x.RequestID) {
+		t.Errorf("waits(%q) = false with its void queued", x.RequestID)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"maps"
 	"math"
 	"math/rand/v2"
@@ -106,9 +107,13 @@ type voider struct {
 	held map[string][]limits.Void
 	// ids counts the voids of each request queued or held (not those set
 	// aside: their tenants' reserves are not sent anyway), for waits; nids
-	// is their sum, changed under mu, for waits to read alone.
-	ids  map[voidID]int
-	nids atomic.Int64
+	// is their sum and marks[voidMark(id)] the ids' counts by a hash of the
+	// id, both changed under mu, for waits to read alone: while some voids
+	// wait (a slot's move can last minutes) only an admit whose id shares a
+	// mark with one of theirs takes mu.
+	ids   map[voidID]int
+	nids  atomic.Int64
+	marks [voidMarks]atomic.Int32
 	// tenants are held's tenants, each true once its move is over (one of
 	// its held voids landed since one was last refused), for the hot path
 	// to read without mu (waits): a snapshot replaced, never changed, under
@@ -121,6 +126,15 @@ type voider struct {
 
 // voidID names the request of a void.
 type voidID struct{ tenant, user, id string }
+
+// voidMarks is how many marks the ids' counts are spread over.
+const voidMarks = 1024
+
+// markSeed seeds voidMark's hash, once per process.
+var markSeed = maphash.MakeSeed()
+
+// voidMark is the index of k's mark.
+func voidMark(k voidID) int { return int(maphash.Comparable(markSeed, k) % voidMarks) }
 
 // maxVoids bounds the voids waiting for Redis (about 200 bytes each),
 // queued, set aside and held together: one per request allowed without
@@ -171,18 +185,19 @@ func (v *voider) signal() {
 // after the move its other requests are decided by Redis, add no void, and
 // its held voids run out. A void refused again (another move) holds the
 // whole tenant again. Its other calls (usage, release, top-up,
-// corrections) are sent: no void changes what they do. Lock-free while no
-// void is queued or held.
+// corrections) are sent: no void changes what they do. Lock-free unless a
+// void queued or held shares the id's mark.
 func (v *voider) waits(tenant, user, id string) bool {
 	if over, held := v.heldTenants()[tenant]; held && !over {
 		return true
 	}
-	if v.nids.Load() == 0 {
+	k := voidID{tenant, user, id}
+	if v.nids.Load() == 0 || v.marks[voidMark(k)].Load() == 0 {
 		return false
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return v.ids[voidID{tenant, user, id}] > 0
+	return v.ids[k] > 0
 }
 
 // heldTenants is the snapshot of the held tenants (v.tenants).
@@ -224,6 +239,7 @@ func (v *voider) count(d int, xs ...limits.Void) {
 		if v.ids[k] += d; v.ids[k] <= 0 {
 			delete(v.ids, k)
 		}
+		v.marks[voidMark(k)].Add(int32(d))
 	}
 	v.nids.Add(int64(d * len(xs)))
 }
