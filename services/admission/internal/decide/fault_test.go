@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -534,6 +535,35 @@ func TestWaitsTakesNoLockForOtherIDs(t *testing.T) {
 	}
 	if !d.voids.waits(x.Tenant, x.User, x.RequestID) {
 		t.Errorf("waits(%q) = false with its void queued", x.RequestID)
+	}
+}
+
+// TestIdsMapMadeAnewOnceEmpty: the voids' ids, once an outage's pile of
+// them has landed, no longer hold the room they grew to (a map never
+// shrinks): past idsKept ids, an empty map is made anew.
+func TestIdsMapMadeAnewOnceEmpty(t *testing.T) {
+	d, _, tenant := poolOfOne(t)
+	resume := stopDrains(t, d)
+	d.voids.mu.Lock()
+	before := reflect.ValueOf(d.voids.ids).UnsafePointer()
+	d.voids.mu.Unlock()
+	for i := range idsKept + 1 {
+		x := in(tenant, "u", "/gen", 10)
+		x.RequestID = "pile-" + strconv.Itoa(i)
+		v := voidOf(&x, "free")
+		v.Allowed = true
+		d.voids.add(v)
+	}
+	resume()
+	if !d.voids.drain(context.Background(), nil) {
+		t.Fatalf("the pile did not land: %d pending", d.voids.pending())
+	}
+	d.voids.mu.Lock()
+	after, n, peak := reflect.ValueOf(d.voids.ids).UnsafePointer(), len(d.voids.ids), d.voids.idsPeak
+	d.voids.mu.Unlock()
+	if n != 0 || after == before || peak != 0 || d.voids.nids.Load() != 0 {
+		t.Errorf("after %d voids landed: %d ids, map made anew %v, peak %d, %d counted; want 0, true, 0, 0",
+			idsKept+1, n, after != before, peak, d.voids.nids.Load())
 	}
 }
 

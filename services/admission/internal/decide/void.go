@@ -114,6 +114,10 @@ type voider struct {
 	ids   map[voidID]int
 	nids  atomic.Int64
 	marks [voidMarks]atomic.Int32
+	// idsPeak is the most ids counted at once since ids was made: a map
+	// keeps the room it grew to, so once empty after an outage's pile of
+	// voids (up to maxVoids ids, a few MB) it is made anew.
+	idsPeak int
 	// tenants are held's tenants, each true once its move is over (one of
 	// its held voids landed since one was last refused), for the hot path
 	// to read without mu (waits): a snapshot replaced, never changed, under
@@ -242,7 +246,15 @@ func (v *voider) count(d int, xs ...limits.Void) {
 		v.marks[voidMark(k)].Add(int32(d))
 	}
 	v.nids.Add(int64(d * len(xs)))
+	if n := len(v.ids); n > v.idsPeak {
+		v.idsPeak = n
+	} else if n == 0 && v.idsPeak > idsKept {
+		v.ids, v.idsPeak = map[voidID]int{}, 0
+	}
 }
+
+// idsKept is the most ids whose room an empty ids keeps.
+const idsKept = 1024
 
 // heldChanged counts xs held (d = 1) or no longer held (d = -1); under mu.
 func (v *voider) heldChanged(d int, xs ...limits.Void) {
