@@ -567,6 +567,33 @@ func TestIdsMapMadeAnewOnceEmpty(t *testing.T) {
 	}
 }
 
+// TestVoidCountsPerID: an id with two voids waiting still waits once one
+// of them is gone, and no longer once both are; another id's void does not
+// make it wait.
+func TestVoidCountsPerID(t *testing.T) {
+	d, _, tenant := poolOfOne(t)
+	stopDrains(t, d)
+	x := in(tenant, "u", "/gen", 10)
+	v := voidOf(&x, "free")
+	y := in(tenant, "u", "/gen", 10)
+	w := voidOf(&y, "free")
+	waits := func() bool { return d.voids.waits(x.Tenant, x.User, x.RequestID) }
+	d.voids.add(v)
+	d.voids.add(v)
+	d.voids.add(w)
+	for i, want := range []bool{true, false} {
+		d.voids.mu.Lock()
+		d.voids.count(-1, v) // one of x's voids gone (landed or set aside)
+		d.voids.mu.Unlock()
+		if waits() != want {
+			t.Errorf("after %d of x's 2 voids gone: waits %v, want %v", i+1, !want, want)
+		}
+	}
+	if !d.voids.waits(y.Tenant, y.User, y.RequestID) || d.voids.nids.Load() != 1 {
+		t.Errorf("y's void: waits %v, %d counted; want true, 1", d.voids.waits(y.Tenant, y.User, y.RequestID), d.voids.nids.Load())
+	}
+}
+
 // TestOpenBreakerRetryOfAdmittedTakesNoVoidLock: while the breaker is open
 // (voids piling up), the retry of a request denied by a leased limit known
 // exhausted, which makes no Redis call and leaves the admission remote, is
