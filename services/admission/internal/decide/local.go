@@ -1,7 +1,6 @@
 package decide
 
 import (
-	"hash/maphash"
 	"math"
 	"slices"
 	"time"
@@ -49,23 +48,19 @@ type ownerKey struct {
 	a, b  string // ip: address; global: endpoint; tenant: tenant; user: tenant, user
 }
 
-// ruleKey identifies a limit across policy reloads, like the engine's record
-// id: a limit whose size changes keeps its state, one whose kind or window
-// changes starts afresh.
-type ruleKey struct {
-	scope          policy.Scope
-	endpoint, name string
-	kind           policy.Kind
-	unit           policy.Unit
-	window         policy.Duration
-}
-
-var hashSeed = maphash.MakeSeed()
-
-// ruleID hashes a rule's identity; collisions among an owner's handful of
-// limits (odds about n²/2⁶⁵) are not a practical concern.
+// ruleID identifies a limit across policy reloads as the engine's record
+// does, by policy.Rule.ID (a limit whose size changes keeps its state, one
+// whose kind, window or buckets change starts afresh, in Redis and here),
+// and by its unit (above the ID's 48 bits), which the record's id leaves
+// out. A rule Resolve returned keeps its ID, so a decision hashes nothing:
+// hashing each rule's strings here was a third of remember's work
+// (bench/results.md, "Admission's CPU per five-limit admit (session 15)").
 func ruleID(r *policy.Rule) uint64 {
-	return maphash.Comparable(hashSeed, ruleKey{r.Scope, r.Endpoint, r.Name, r.Kind, r.Unit, r.Window})
+	var unit uint64
+	if r.Unit == policy.Tokens {
+		unit = 1
+	}
+	return uint64(r.ID()) | unit<<48
 }
 
 // stateID tells an owner's limit states apart: ruleID folded to 32 bits,

@@ -58,6 +58,40 @@ func left(d *Decider, o owner, r *policy.Rule) float64 {
 	return -1
 }
 
+// TestRuleIDFollowsTheEngine checks that a limit keeps its local state
+// (and its lease pool) across a reload exactly when the engine keeps its
+// record, and apart from that when its unit changes.
+func TestRuleIDFollowsTheEngine(t *testing.T) {
+	base := rule(policy.ScopeUser, policy.Tokens, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 1000, Window: policy.Duration(5 * time.Hour), Buckets: policy.DefaultBuckets})
+	for _, tc := range []struct {
+		name string
+		edit func(r *policy.Rule)
+		same bool
+	}{
+		{"limit", func(r *policy.Rule) { r.Limit.Limit = 2000 }, true},
+		{"shadow", func(r *policy.Rule) { r.Shadow = true }, true},
+		{"default buckets", func(r *policy.Rule) { r.Buckets = 0 }, true},
+		{"buckets", func(r *policy.Rule) { r.Buckets = policy.DefaultBuckets / 2 }, false},
+		{"window", func(r *policy.Rule) { r.Window = policy.Duration(time.Hour) }, false},
+		{"name", func(r *policy.Rule) { r.Name = "5h2" }, false},
+		{"scope", func(r *policy.Rule) { r.Scope = policy.ScopeTenant }, false},
+		{"endpoint", func(r *policy.Rule) { r.Endpoint = "/x" }, false},
+		{"kind", func(r *policy.Rule) { r.Kind, r.Buckets = policy.Fixed, 0 }, false},
+		{"unit", func(r *policy.Rule) { r.Unit = policy.Requests }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := base
+			tc.edit(&r)
+			if got := ruleID(&r) == ruleID(&base) && stateID(&r) == stateID(&base); got != tc.same {
+				t.Errorf("ruleID and stateID equal after a change of %s = %v, want %v", tc.name, got, tc.same)
+			}
+			if (r.ID() == base.ID()) != tc.same && tc.name != "unit" {
+				t.Errorf("the engine's record id equal after a change of %s = %v, want %v", tc.name, !tc.same, tc.same)
+			}
+		})
+	}
+}
+
 func TestLocalShare(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		d := localDecider(t, Options{Instances: 4})

@@ -109,6 +109,9 @@ func newLocalTable(entries int, log *slog.Logger) *localTable {
 // onHeap allocates n buckets on the heap.
 func (t *localTable) onHeap(n int) { t.buckets = make([]bucket, n) }
 
+// hashSeed hashes owners' keys.
+var hashSeed = maphash.MakeSeed()
+
 // owner returns the handle of k.
 func (t *localTable) owner(k ownerKey) owner {
 	h := maphash.Comparable(hashSeed, k)
