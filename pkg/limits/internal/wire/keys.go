@@ -93,14 +93,29 @@ func NewSubjectKeys(tenant, user string) SubjectKeys {
 func (k SubjectKeys) Tag() string { return k.prefix[2 : len(k.prefix)-1] }
 
 // Blob is the subject's blob.
-func (k SubjectKeys) Blob() string { return k.prefix + "u:" + k.user }
+func (k SubjectKeys) Blob() string {
+	var buf [128]byte
+	return string(k.appendBlob(buf[:0]))
+}
+
+func (k SubjectKeys) appendBlob(b []byte) []byte {
+	return append(append(append(b, k.prefix...), "u:"...), k.user...)
+}
 
 // TenantBlob is the blob of the tenant's tenant-wide limits.
 func (k SubjectKeys) TenantBlob() string { return k.prefix + "t" }
 
+func (k SubjectKeys) appendTenantBlob(b []byte) []byte { return append(append(b, k.prefix...), 't') }
+
 // Reservation is the reservation record of requestID.
 func (k SubjectKeys) Reservation(requestID string) string {
-	return k.prefix + "r:" + k.user + ":" + esc(requestID)
+	var buf [192]byte
+	return string(k.appendReservation(buf[:0], requestID))
+}
+
+func (k SubjectKeys) appendReservation(b []byte, requestID string) []byte {
+	b = append(append(append(append(b, k.prefix...), "r:"...), k.user...), ':')
+	return appendEsc(b, requestID)
 }
 
 // Concurrency returns the sorted set of a concurrency limit.

@@ -50,6 +50,30 @@ func TestKeysOfATenantShareItsHashTag(t *testing.T) {
 	}
 }
 
+// TestSubjectCallKeys checks the keys a subject call names, which it cuts
+// from one string, against the key layout, escaped identifiers included.
+func TestSubjectCallKeys(t *testing.T) {
+	for _, c := range []struct {
+		tenant, user, requestID string
+		want                    [4]string
+	}{
+		{"acme", "u1", "r1", [4]string{"", "q{acme}r:u1:r1", "q{acme}u:u1", "q{acme}t"}},
+		{"a}b", "u:{1}", "r:%2", [4]string{"", "q{a%7Db}r:u%3A%7B1%7D:r%3A%252", "q{a%7Db}u:u%3A%7B1%7D", "q{a%7Db}t"}},
+		{"acme", "u1", "", [4]string{"", "", "q{acme}u:u1", "q{acme}t"}},
+	} {
+		k := NewSubjectKeys(c.tenant, c.user)
+		keys, _ := subjectCallKeys(k, c.requestID, nil)
+		c.want[0] = epochKey(k.Tag())
+		if len(keys) != 4 || [4]string(keys) != c.want {
+			t.Errorf("subjectCallKeys(%q, %q, %q) = %q, want %q", c.tenant, c.user, c.requestID, keys, c.want)
+		}
+		if c.requestID != "" && k.Reservation(c.requestID) != c.want[1] || k.Blob() != c.want[2] || k.TenantBlob() != c.want[3] {
+			t.Errorf("keys of (%q, %q, %q) = %q, %q, %q, want %q", c.tenant, c.user, c.requestID,
+				k.Reservation(c.requestID), k.Blob(), k.TenantBlob(), c.want[1:])
+		}
+	}
+}
+
 // hashTag applies Redis Cluster's rule: the bytes between the first '{' and
 // the next '}', when not empty.
 func hashTag(key string) string {

@@ -1203,11 +1203,18 @@ func buckets(r *policy.Rule) int {
 // and the meta byte saying whether the tenant blob is involved.
 func subjectCallKeys(k SubjectKeys, requestID string, rules []policy.Rule) ([]string, byte) {
 	keys := make([]string, 0, 4+len(rules))
-	var rec string
+	// The blobs and the record are cut from one string: one allocation
+	// of every reserve, not three.
+	var buf [256]byte
+	b := k.appendBlob(buf[:0])
+	blob := len(b)
+	b = k.appendTenantBlob(b)
+	tenant := len(b)
 	if requestID != "" {
-		rec = k.Reservation(requestID)
+		b = k.appendReservation(b, requestID)
 	}
-	keys = append(keys, epochKey(k.Tag()), rec, k.Blob(), k.TenantBlob())
+	all := string(b)
+	keys = append(keys, epochKey(k.Tag()), all[tenant:], all[:blob], all[blob:tenant])
 	meta := byte(1)
 	for i := range rules {
 		if rules[i].Scope == policy.ScopeTenant {
