@@ -67,6 +67,8 @@ type Options struct {
 	// ClockOffset shifts Redis time as the scripts see it. It exists for
 	// tests and demos that need to move through windows; leave it zero.
 	ClockOffset time.Duration
+	// checkFast makes reserves check their fast path (export_test.go).
+	checkFast bool
 }
 
 // Limiter checks and reserves limits in Redis. Every method is one script
@@ -83,7 +85,11 @@ type Limiter struct {
 // New returns a Limiter over c, which may be a single node, a Sentinel
 // failover client or a Redis Cluster client.
 func New(c Client, o Options) *Limiter {
-	return &Limiter{run: script.NewRunner(c), p: wire.NewParams(o.ReservationTTL, o.NoEpochGuard, o.ClockOffset)}
+	p := wire.NewParams(o.ReservationTTL, o.NoEpochGuard, o.ClockOffset)
+	if o.checkFast {
+		p = p.CheckingFast()
+	}
+	return &Limiter{run: script.NewRunner(c), p: p}
 }
 
 // SlotBound reports whether the Redis behind l keeps each tenant in one

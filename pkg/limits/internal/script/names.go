@@ -57,8 +57,9 @@ var luaNames = map[string]int64{
 	"CONC_MEMBER":  12, // the member add took or gave back (false: none)
 	"CONC_DELTA":   13, // +1 took it, -1 gave it back
 
-	"NEVER":   1<<47 - 1,     // a blob record's expiry that never comes
-	"DAYS_28": 28 * 86400000, // the shortest month, ms
+	"NEVER":     1<<47 - 1,     // a blob record's expiry that never comes
+	"DAYS_28":   28 * 86400000, // the shortest month, ms
+	"PLANS_MAX": 64,            // the most plans fast keeps unpacked
 }
 
 // luaCapitals are the capitals of the Lua code that are no names: Redis's

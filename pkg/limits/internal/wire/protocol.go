@@ -61,8 +61,10 @@
 // lone Reserve is a batch of one), so Redis pays a call's fixed cost once
 // per batch. KEYS are every key its reserves name, each once: the strings
 // first (epoch keys, records, blobs), which the script reads in one MGET,
-// then the concurrency sets. The batch head, '<i6BI2': offset, guard (1/0),
-// how many KEYS are strings. Each reserve's argument, '<i6BBI2I2I2I2': cost
+// then the concurrency sets. The batch head, '<i6BI2': offset, flags (1:
+// guard; 2: decide each reserve the fast path takes on the general path
+// too and fail on any difference, for tests: lib.lua's fast), how many KEYS
+// are strings. Each reserve's argument, '<i6BBI2I2I2I2': cost
 // (weighted tokens; a requests limit charges 1), mode (ModeReserve,
 // ModePeek, ModeFresh: a request id no record may hold), meta (0 shared, 1
 // subject, 2 subject with tenant-wide limits), the KEYS indexes of its
@@ -135,6 +137,7 @@ type Params struct {
 	offset int64  // ms added to Redis time
 	guard  string // "1" when the scripts check the epoch
 	resTTL int64  // ms a reservation record and a concurrency slot live
+	check  byte   // 2 when reserve calls check their fast path (tests)
 }
 
 // DefaultReservationTTL is limits.DefaultReservationTTL: a day.
@@ -151,6 +154,14 @@ func NewParams(reservationTTL time.Duration, noEpochGuard bool, clockOffset time
 		guard = "0"
 	}
 	return Params{offset: clockOffset.Milliseconds(), guard: guard, resTTL: reservationTTL.Milliseconds()}
+}
+
+// CheckingFast returns p with reserve calls that decide every reserve their
+// fast path takes on the general path too, and fail on any difference: for
+// tests, which so compare the two within one call, at one Redis time.
+func (p Params) CheckingFast() Params {
+	p.check = 2
+	return p
 }
 
 // ReservationTTL is how long a reservation record lives unless settled.
@@ -451,10 +462,16 @@ func (b *batch) zset(k string) {
 }
 
 // Call returns the call of b's entries, Batch their rules.
-func (b *batch) Call() Call {
+func (b *batch) Call() Call { return b.call(0) }
+
+// Call returns the call of b's reserves, Batch their rules.
+func (b *ReserveBatch) Call() Call { return b.call(b.p.check) }
+
+// call returns the call of b's entries with flags added to the head's.
+func (b *batch) call(flags byte) Call {
 	var h [batchHeadLen]byte
 	putInt48(h[0:], b.p.offset)
-	h[6] = b.p.guard[0] - '0'
+	h[6] = b.p.guard[0] - '0' | flags
 	binary.LittleEndian.PutUint16(h[7:], uint16(len(b.strs)))
 	b.args[0], b.args[1] = string(h[:]), strconv.FormatInt(b.p.resTTL, 10)
 	keys := b.strs

@@ -840,3 +840,167 @@ local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7, h8)
   end
   return spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i))
 end
+
+-- The common reserve, decided without the state table: every limit a
+-- rolling window whose head is the current bucket, a fixed window, a
+-- calendar month within 28 days of its end or a refilling token bucket,
+-- none a shadow, each with a record in its blob (live, or expired: a window
+-- then starts afresh, a bucket is full), no concurrency, no reservation
+-- record yet, and room in every limit. fast decides it as the general path
+-- would, to the byte (records, versions, reply), reading the few fields a
+-- limit needs straight from its record, where the general path fills and
+-- reads 19 slots of S per limit through four functions: most of a batched
+-- 5-limit reserve's instructions (bench/results.md). Anything else returns
+-- nil before it changes anything, and the general path decides.
+-- plans keeps each specs string's limits unpacked (false: not all fast's);
+-- strings are interned, so a batch's plan costs one lookup. It is emptied
+-- once it holds PLANS_MAX, so it stays small whatever comes.
+local plans, nplans = {}, 0
+local function plan(specs, n)
+  local p = { NILS(36) }
+  for j = 0, n - 1 do
+    local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, 1 + j * SPEC_LEN)
+    if IS_SHADOW(fl) or not (kind == ROLLING or kind == FIXED or kind == CALENDAR
+        or kind == TOKEN_BUCKET and a > 0) then
+      p = false
+      break
+    end
+    local q = 6 * j
+    p[q + 1], p[q + 2], p[q + 3], p[q + 4], p[q + 5], p[q + 6] = id, kind, fl, lim, a, b
+  end
+  if nplans >= PLANS_MAX then plans, nplans = {}, 0 end
+  plans[specs], nplans = p, nplans + 1
+  return p
+end
+
+-- staged holds, per limit, the blob, record index, expiry and record that
+-- fast stores once every limit has room; fast's reply, and the
+-- reservation record it wrote (false: none), follow them.
+local staged = { NILS(26) }
+
+-- fast returns the reply of reserve arg (at: its specs, n of them), or nil
+-- when it is not fast's. With dry it changes nothing (check).
+local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
+  local specs = arg:sub(at)
+  local p = plans[specs]
+  if p == nil then p = plan(specs, n) end
+  if not p then return nil end
+  local out, st, insub, inten = snap, staged, false, false
+  for j = 0, n - 1 do
+    local q = 6 * j
+    local id, kind, fl, lim, a, b = p[q + 1], p[q + 2], p[q + 3], p[q + 4], p[q + 5], p[q + 6]
+    local bl = sub
+    if IS_TENANT(fl) then
+      bl, inten = ten, true
+      if not bl then return nil end
+    else
+      insub = true
+    end
+    local r
+    for i = 1, 4 * bl.n, 4 do
+      if bl[i] == id then r = i; break end
+    end
+    if not r then return nil end
+    local src, pos = bl[r + 3], 15
+    if not src and bl[r + 2] > 0 then src, pos = bl.raw, bl[r + 1] + 14 end
+    local c = IS_TOKENS(fl) and cost or 1
+    local e, rec, used, reset
+    if kind == ROLLING then
+      local cb = floor(now / a)
+      local tl, t, off, cur = cb, 0, nil, 0
+      if src then
+        local h
+        h, tl, t = sunpack('<i6i6i6', src, pos)
+        if h ~= cb then return nil end
+        off = pos + 18 + 6 * (cb % b)
+        cur = sunpack('<i6', src, off)
+      end
+      t, cur = t + c, cur + c
+      if t > lim or t > MAX_COUNT then return nil end
+      if t == 0 or cur > 0 and (t == c or cb < tl) then tl = cb end
+      e = (cb + b) * a
+      rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t)
+      if off then
+        rec = rec .. src:sub(pos + 18, off - 1) .. spack('<i6', cur) .. src:sub(off + 6, pos + 17 + 6 * b)
+      else
+        local i = cb % b
+        rec = rec .. srep(z6, i) .. spack('<i6', cur) .. srep(z6, b - i - 1)
+      end
+      if t > 0 then used, reset = t, (tl + b) * a - now else used, reset = 0, 0 end
+    elseif kind == TOKEN_BUCKET then
+      local x = lim
+      if src then
+        local y
+        x, y = sunpack('<dd', src, pos)
+        x = min(lim, x + (now - y) * a)
+      end
+      if x < c then return nil end
+      x = x - c
+      if x < lim - MAX_COUNT then return nil end
+      e = now + ceil((lim - x) / a) + 1000
+      rec = spack('<I6i6I2dd', id, e, 16, x, now)
+      used = lim - x
+      used, reset = ceil(used), ceil(used / a)
+    else
+      local w, u
+      if kind == FIXED then
+        w, u = floor(now / a), 0
+        if src then
+          local rw, rc = sunpack('<i6i6', src, pos)
+          if rw == w then u = rc end
+        end
+        e = (w + 1) * a
+      else -- within 28 days of its month's end: the record's month
+        e = bl[r + 2]
+        if not src or now >= e or now < e - DAYS_28 then return nil end
+        w, u = sunpack('<i6i6', src, pos)
+      end
+      u = u + c
+      if u > lim or u > MAX_COUNT then return nil end
+      rec = spack('<I6i6I2i6i6', id, e, 12, w, u)
+      used, reset = u, e - now
+    end
+    local s = 4 * j
+    st[s + 1], st[s + 2], st[s + 3], st[s + 4] = bl, r, e, rec
+    out[8 + 2 * j], out[9 + 2 * j] = used, reset
+  end
+  -- the versions as stage moves them
+  local sv, tv = sub.ver, ten and ten.ver or 0
+  if insub then sv = max(sv + 1, now * 1000) end
+  if inten then tv = max(tv + 1, now * 1000) end
+  out[1], out[2], out[3], out[4], out[5], out[6], out[7] = STATUS_ALLOWED, 0, 0, 0, now, sv, tv
+  local i = 7 + 2 * n
+  local reply, record = spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i)), false
+  if rk > 0 then record = spack('<i6i6B', now, cost, OPEN) .. arg:sub(RESERVE_HEAD + 1) end
+  st[4 * n + 1], st[4 * n + 2] = reply, record
+  if dry then return reply end
+  charging = true
+  for s = 1, 4 * n, 4 do
+    local bl, r = st[s], st[s + 1]
+    bl[r + 2], bl[r + 3] = st[s + 2], st[s + 3]
+  end
+  if insub then sub.ver, sub.changed = sv, true end
+  if inten then ten.ver, ten.changed = tv, true end
+  if record then
+    vals[rk] = record
+    recs[#recs + 1] = rk
+  end
+  charging = false
+  return reply
+end
+
+-- verify fails the call unless the general path, having decided the n-limit
+-- reserve that fast decided dry, replied reply and stored what fast would
+-- have (record: the reservation record's KEYS index, 0: none).
+local function verify(n, reply, rk)
+  local st, ok = staged, reply == staged[4 * n + 1]
+  for s = 1, 4 * n, 4 do
+    local bl, r = st[s], st[s + 1]
+    ok = ok and bl[r + 2] == st[s + 2] and bl[r + 3] == st[s + 3]
+  end
+  if rk > 0 then ok = ok and vals[rk] == st[4 * n + 2] end
+  if not ok then
+    charging = true -- fails the whole call
+    error('reserve: the fast path differs from the general path', 0)
+  end
+end

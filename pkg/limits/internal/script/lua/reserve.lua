@@ -17,8 +17,10 @@
 --        epoch key, its reservation record, the subject blob and the tenant
 --        blob, a shared one the epoch key and the scope's blob
 --        (wire/keys.go). An epoch key is missing when Redis lost its data.
--- ARGV   1 '<i6BI2' clock offset ms (0 outside tests), 1 = refuse to
---        decide without the epoch, how many KEYS are strings; 2 record ttl
+-- ARGV   1 '<i6BI2' clock offset ms (0 outside tests), flags (1: refuse
+--        to decide without the epoch; 2: decide what fast decides on the
+--        general path too and fail on any difference, for tests), how many
+--        KEYS are strings; 2 record ttl
 --        ms as text; then one argument per reserve, packed in Go
 --        (wire/protocol.go): '<i6BBI2I2I2I2' cost in weighted tokens (a
 --        requests limit charges 1), mode (0 reserve, 1 peek, 2 reserve a
@@ -55,7 +57,8 @@
 -- report would_deny but never deny. Every reserve of a batch sees one Redis
 -- TIME. An error after a reserve began to charge fails the whole batch
 -- (nothing but its concurrency slots is written then).
-local offset, guard, nget = sunpack('<i6BI2', ARGV[1])
+local offset, flags, nget = sunpack('<i6BI2', ARGV[1])
+local guard, dry = flags % 2, flags >= 2
 local ttl = ARGV[2]
 local now = now_ms(offset)
 begin(nget)
@@ -66,6 +69,13 @@ local function reserve(arg)
   local sub, ten = blob(sk, now), nil
   if tk > 0 then ten = blob(tk, now) end
   local at = RESERVE_HEAD + TAIL_HEAD + 1
+  -- the common reserve: no peek, a subject known, no concurrency, no
+  -- record yet (lib.lua)
+  local fastreply
+  if mode ~= MODE_PEEK and cost >= 0 and sub.n > 0 and #arg == at - 1 + n * SPEC_LEN and not (rk > 0 and vals[rk]) then
+    fastreply = fast(arg, at, n, cost, rk, sub, ten, now, dry)
+    if fastreply and not dry then return fastreply end
+  end
   peeking = mode == MODE_PEEK
   local z = loadspecs(arg, at, n, at + n * SPEC_LEN, sub, ten, now) -- then the member
   peeking = false
@@ -125,7 +135,9 @@ local function reserve(arg)
     end
     charging = false
   end
-  return snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)
+  local reply = snapshot(n, now, status, denied, retry, reason, now, sub.ver, ten and ten.ver or 0)
+  if fastreply then verify(n, reply, rk) end
+  return reply
 end
 
 local out = decide(reserve, 'reserve: ')

@@ -1,0 +1,136 @@
+package limits_test
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"time"
+
+	"quotaflow/internal/limitstest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+)
+
+// TestFastReserveDecidesAsTheGeneralPath plays random batches of reserves,
+// with corrections and releases between them, through time that moves by
+// minutes to weeks (buckets turning, windows ending, a month ending) and
+// back by minutes (instances whose clocks differ), under
+// limits that the engine's fast path decides and limits it leaves to the
+// general path, mixed. Every reserve the fast path takes is decided on the
+// general path too, in the same call and at the same Redis time
+// (limits.CheckFast), and the call fails unless both give the same reply
+// and store the same records and versions, byte for byte. Costs run up to
+// past the limits, so that denials, exhausted buckets and windows full to
+// the last token come. QF_MODEL_SEED replays a run.
+func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	_, rng, _, offset := modelRun(t, c, 11)
+	tenant := redistest.UniqueName(t)
+	fastRules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 40000}),
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t1h", Kind: policy.Rolling, Limit: 9000, Window: policy.Duration(time.Hour), Buckets: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 900, Window: policy.Duration(time.Hour), Buckets: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 2500, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10m", Kind: policy.Fixed, Unit: policy.Requests, Limit: 12, Window: policy.Duration(10 * time.Minute)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "day", Kind: policy.Fixed, Limit: 6000, Window: policy.Duration(24 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 10, Per: policy.Duration(time.Hour), Burst: 9}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tps", Kind: policy.TokenBucket, Rate: 3000, Per: policy.Duration(time.Hour), Burst: 700}),
+	}
+	otherRules := []policy.Rule{
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 15, Window: policy.Duration(time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "shadow", Kind: policy.Rolling, Limit: 300, Window: policy.Duration(time.Hour), Shadow: true}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "allowance", Kind: policy.TokenBucket, Unit: policy.Requests, Burst: 30, Per: policy.Duration(time.Hour)}),
+		{Limit: policy.Limit{Name: "slots", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 5}, Scope: policy.ScopeUser},
+	}
+	pick := func() []policy.Rule {
+		var rules []policy.Rule
+		for _, i := range rng.Perm(len(fastRules))[:1+rng.IntN(len(fastRules))] {
+			rules = append(rules, fastRules[i])
+		}
+		if rng.IntN(5) == 0 { // most plans are the fast path's alone
+			rules = append(rules, otherRules[rng.IntN(len(otherRules))])
+		}
+		rng.Shuffle(len(rules), func(i, j int) { rules[i], rules[j] = rules[j], rules[i] })
+		return rules
+	}
+	users := []string{"u1", "u2", "u3"}
+	type held struct {
+		user, id string
+		rules    []policy.Rule
+	}
+	var open []held
+	at := func(off time.Duration) *limits.Limiter {
+		return limits.New(c, limits.CheckFast(limits.Options{NoEpochGuard: true, ClockOffset: off}))
+	}
+	l, reserves, allowed, denied := at(offset), 0, 0, 0
+	lag := false // the next step moves back: across the month's start, after a jump to it
+	for step := range 1500 {
+		r := rng.IntN(20)
+		if lag {
+			r, lag = 4, false
+		}
+		switch {
+		case r == 0 && rng.IntN(2) == 0: // to just past the next month's start: the month ends
+			now := time.Now().Add(offset).UTC()
+			next := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, time.UTC)
+			offset += next.Sub(now) + time.Duration(rng.IntN(20))*time.Minute
+			l, lag = at(offset), true
+		case r == 0: // days: every window of the plans ends
+			offset += time.Duration(1+rng.IntN(6)) * 24 * time.Hour
+			l = at(offset)
+		case r < 4: // minutes to hours: buckets turn, windows end, buckets refill
+			offset += time.Duration(1+rng.IntN(90)) * time.Minute
+			l = at(offset)
+		case r == 4: // back, as an instance whose clock lags sees it
+			offset -= time.Duration(1+rng.IntN(40)) * time.Minute
+			l = at(offset)
+		}
+		if len(open) > 0 && rng.IntN(4) == 0 {
+			i := rng.IntN(len(open))
+			h := open[i]
+			open = append(open[:i], open[i+1:]...)
+			s := limits.Settle{Tenant: tenant, User: h.user, RequestID: h.id, Rules: h.rules, Actual: rng.Int64N(400)}
+			var err error
+			if rng.IntN(3) == 0 {
+				_, err = l.Release(ctx, s)
+			} else {
+				_, err = l.Correct(ctx, s)
+			}
+			if err != nil {
+				t.Fatalf("step %d: settle: %v", step, err)
+			}
+		}
+		rs := make([]limits.Request, 1+rng.IntN(8))
+		for k := range rs {
+			id := "s" + strconv.Itoa(step) + "-" + strconv.Itoa(k)
+			if len(open) > 0 && rng.IntN(10) == 0 { // a repeat: its record exists
+				id = open[rng.IntN(len(open))].id
+			}
+			cost := rng.Int64N(300)
+			if rng.IntN(10) == 0 {
+				cost = 0
+			}
+			rs[k] = limits.Request{Tenant: tenant, User: users[rng.IntN(len(users))], RequestID: id,
+				Cost: cost, Rules: pick(), Fingerprint: cost + 1}
+		}
+		for k, o := range l.ReserveBatch(ctx, rs) {
+			if o.Err != nil {
+				t.Fatalf("step %d, reserve %d of %d: %v", step, k, len(rs), o.Err)
+			}
+			reserves++
+			switch d := o.Decision; {
+			case d.Allowed && !d.Duplicate:
+				allowed++
+				open = append(open, held{rs[k].User, rs[k].RequestID, rs[k].Rules})
+			case !d.Allowed && d.Conflict == limits.NoConflict:
+				denied++
+			}
+		}
+	}
+	t.Logf("%d reserves: %d allowed, %d denied", reserves, allowed, denied)
+	if allowed < reserves/4 || denied < reserves/20 {
+		t.Fatalf("%d allowed and %d denied of %d: the run should see both often", allowed, denied, reserves)
+	}
+}
