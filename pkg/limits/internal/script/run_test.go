@@ -48,3 +48,20 @@ func TestACallMissingTheLibraryAfterAnotherLoadLoadsIt(t *testing.T) {
 		}
 	})
 }
+
+// TestErrorChecksOfASuccessAllocateNothing checks that asking what a
+// successful call's nil error means costs no allocation: each round trip
+// asks it of every call (redis.HasErrorPrefix allocates for any error, nil
+// included).
+func TestErrorChecksOfASuccessAllocateNothing(t *testing.T) {
+	for name, f := range map[string]func(error) bool{
+		"functionsUnavailable": functionsUnavailable, "isNoFunction": isNoFunction, "isNoScript": isNoScript,
+	} {
+		if n := testing.AllocsPerRun(100, func() { f(nil) }); n != 0 {
+			t.Errorf("%s(nil): %v allocations, want 0", name, n)
+		}
+		if f(redis.ErrClosed) {
+			t.Errorf("%s(%v) = true, want false", name, redis.ErrClosed)
+		}
+	}
+}

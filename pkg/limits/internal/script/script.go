@@ -161,16 +161,18 @@ func newLibrary(lib string, entries [][2]string) *library {
 
 // functionsUnavailable reports whether err says the server cannot serve the
 // engine as functions: it has no FCALL or FUNCTION (before Redis 7), or the
-// ACL forbids them.
+// ACL forbids them. A nil err is checked first: HasErrorPrefix allocates
+// for any err, and every call's outcome is asked (three allocations a round
+// trip).
 func functionsUnavailable(err error) bool {
-	return redis.HasErrorPrefix(err, "unknown command") || redis.HasErrorPrefix(err, "NOPERM")
+	return err != nil && (redis.HasErrorPrefix(err, "unknown command") || redis.HasErrorPrefix(err, "NOPERM"))
 }
 
 // isNoFunction reports whether err says the node lacks the library: it
 // restarted without persistence, failed over to an empty replica, or had
 // its functions flushed.
 func isNoFunction(err error) bool {
-	return redis.HasErrorPrefix(err, "Function not found")
+	return err != nil && redis.HasErrorPrefix(err, "Function not found")
 }
 
 // functionLoader is a client that can load a library.
