@@ -15,6 +15,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -1150,6 +1151,40 @@ func TestUsageReport(t *testing.T) {
 	w = e.do("POST", "/v1/usage", body, auth...)
 	if w.Code != 503 || w.Header().Get("Retry-After") != "1" || !strings.Contains(decodeMap(t, w)["message"].(string), "1 of 2") {
 		t.Errorf("POST /v1/usage with NATS failing = %d %s", w.Code, w.Body)
+	}
+}
+
+// TestRateLimitPolicyShared checks that answers with the same
+// RateLimit-Policy share its string, and that one naming a balance, whose
+// size is the user's, does not.
+func TestRateLimitPolicyShared(t *testing.T) {
+	pol := mustPolicy(t)
+	res, err := pol.Resolve("acme", "", "/api/v1/generate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	state := func(name string, limit int64) decide.LimitState {
+		r := ruleOf(&res, decide.LimitState{Scope: policy.ScopeUser, Name: name})
+		if r == nil {
+			t.Fatalf("no user limit %q in the test policy", name)
+		}
+		return decide.LimitState{Scope: policy.ScopeUser, Name: name, Unit: r.Unit, Limit: limit, Remaining: limit / 2}
+	}
+	policyOf := func(ls ...decide.LimitState) string {
+		h := http.Header{}
+		setRateLimitHeaders(h, &decide.Result{Allowed: true, Limits: ls, Rules: res}, 1, 0)
+		return h.Get("RateLimit-Policy")
+	}
+	a, b := policyOf(state("5h", 1000), state("rps", 10)), policyOf(state("5h", 1000), state("rps", 10))
+	if a != b || unsafe.StringData(a) != unsafe.StringData(b) {
+		t.Errorf("RateLimit-Policy of two like answers: %q at %p and %q at %p, want one string", a, unsafe.StringData(a), b, unsafe.StringData(b))
+	}
+	if c := policyOf(state("5h", 2000), state("rps", 10)); c == a || !strings.Contains(c, "q=2000") {
+		t.Errorf("RateLimit-Policy after a size changed = %q, want q=2000 (was %q)", c, a)
+	}
+	a, b = policyOf(state("credits", 5000)), policyOf(state("credits", 5000))
+	if a != b || unsafe.StringData(a) == unsafe.StringData(b) {
+		t.Errorf("RateLimit-Policy of two answers naming a balance: %q, %q at the same %p, want each its own", a, b, unsafe.StringData(a))
 	}
 }
 

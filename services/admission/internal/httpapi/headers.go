@@ -1,9 +1,11 @@
 package httpapi
 
 import (
+	"hash/maphash"
 	"math"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"quotaflow/pkg/limits"
@@ -180,11 +182,36 @@ var (
 	hdrDate         = http.CanonicalHeaderKey("Date")
 )
 
+// policyValues holds recent RateLimit-Policy values, each in the slot its
+// bytes hash to (the latest one there). The header lists the limits that
+// applied with their sizes, windows and units, the policy's but for a
+// balance's size, so answers repeat the values of a few plans: one found
+// here is shared, not copied into a new string (~60 bytes a limit, a third
+// of the bytes a five-limit answer's headers allocated).
+var (
+	policyValues [64]atomic.Pointer[[]string]
+	policySeed   = maphash.MakeSeed()
+)
+
+// sharedPolicyValue returns b as a header value: the one policyValues
+// holds when it is b, else a new one it holds from now on.
+func sharedPolicyValue(b []byte) []string {
+	slot := &policyValues[maphash.Bytes(policySeed, b)%uint64(len(policyValues))]
+	if v := slot.Load(); v != nil && (*v)[0] == string(b) {
+		return *v
+	}
+	v := []string{string(b)} // full: an Add to the header copies it
+	slot.Store(&v)
+	return v
+}
+
 // setRateLimitHeaders writes RateLimit-Policy, RateLimit and the
 // X-RateLimit-* headers for a decision, and Retry-After (with retryAfter
-// > 0, i.e. on a denial that waiting cures). The values are cut from one
-// string and the headers' value slices from one array: two allocations,
-// not one or two per header.
+// > 0, i.e. on a denial that waiting cures). RateLimit-Policy is shared
+// with earlier answers (sharedPolicyValue) unless a balance's size, the
+// user's own, is in it; the other values are cut from one string and the
+// headers' value slices from one array: two allocations, not one or two
+// per header.
 func setRateLimitHeaders(h http.Header, res *decide.Result, cost, retryAfter int64) {
 	var arr [512]byte
 	b := arr[:0]
@@ -195,12 +222,16 @@ func setRateLimitHeaders(h http.Header, res *decide.Result, cost, retryAfter int
 		keys[n], ends[n] = key, len(b)
 		n++
 	}
+	shared := true
 	for i := range res.Limits {
 		l := &res.Limits[i]
 		if l.Shadow {
 			continue
 		}
 		r := ruleOf(&res.Rules, *l)
+		if r == nil || r.Kind == policy.Balance {
+			shared = false
+		}
 		if len(b) > 0 {
 			b = append(b, ", "...)
 		}
@@ -211,7 +242,11 @@ func setRateLimitHeaders(h http.Header, res *decide.Result, cost, retryAfter int
 		}
 		b = append(b, unitParam(*l, r)...)
 	}
-	if len(b) > 0 {
+	switch {
+	case len(b) > 0 && shared:
+		h[hdrPolicy] = sharedPolicyValue(b)
+		b = b[:0]
+	case len(b) > 0:
 		cut(hdrPolicy)
 	}
 	if i := constraining(*res, cost); i >= 0 {
