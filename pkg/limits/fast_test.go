@@ -112,7 +112,11 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 			if rng.IntN(10) == 0 {
 				cost = 0
 			}
-			rs[k] = limits.Request{Tenant: tenant, User: users[rng.IntN(len(users))], RequestID: id,
+			user := users[rng.IntN(len(users))]
+			if rng.IntN(30) == 0 { // a first touch: no blob yet
+				user = "new" + strconv.Itoa(step)
+			}
+			rs[k] = limits.Request{Tenant: tenant, User: user, RequestID: id,
 				Cost: cost, Rules: pick(), Fingerprint: cost + 1}
 		}
 		for k, o := range l.ReserveBatch(ctx, rs) {

@@ -844,14 +844,15 @@ end
 -- The common reserve, decided without the state table: every limit a
 -- rolling window whose head is the current bucket, a fixed window, a
 -- calendar month within 28 days of its end or a refilling token bucket,
--- none a shadow, each with a record in its blob (live, or expired: a window
--- then starts afresh, a bucket is full), no concurrency, no reservation
--- record yet, and room in every limit. fast decides it as the general path
--- would, to the byte (records, versions, reply), reading the few fields a
--- limit needs straight from its record, where the general path fills and
--- reads 19 slots of S per limit through four functions: most of a batched
--- 5-limit reserve's instructions (bench/results.md). Anything else returns
--- nil before it changes anything, and the general path decides.
+-- none a shadow, no concurrency, no reservation record yet, and room in
+-- every limit. A limit whose record is missing or expired starts afresh (a
+-- window empty, a bucket full; a month needs its record). fast decides it
+-- as the general path would, to the byte (records, versions, reply),
+-- reading the few fields a limit needs straight from its record, where the
+-- general path fills and reads 19 slots of S per limit through four
+-- functions: most of a batched 5-limit reserve's instructions
+-- (bench/results.md). Anything else returns nil before it changes
+-- anything, and the general path decides.
 -- plans keeps each specs string's limits unpacked (false: not all fast's);
 -- strings are interned, so a batch's plan costs one lookup. It is emptied
 -- once it holds PLANS_MAX, so it stays small whatever comes.
@@ -873,10 +874,11 @@ local function plan(specs, n)
   return p
 end
 
--- staged holds, per limit, the blob, record index, expiry and record that
--- fast stores once every limit has room; fast's reply, and the
--- reservation record it wrote (false: none), follow them.
-local staged = { NILS(26) }
+-- staged holds, per limit, the blob, record index (false: a record to
+-- add), expiry, record and id that fast stores once every limit has room;
+-- fast's reply, and the reservation record it wrote (false: none), follow
+-- them.
+local staged = { NILS(32) }
 
 -- fast returns the reply of reserve arg (at: its specs, n of them), or nil
 -- when it is not fast's. With dry it changes nothing (check).
@@ -896,13 +898,14 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
     else
       insub = true
     end
-    local r
+    local r, src, pos = false, nil, 15
     for i = 1, 4 * bl.n, 4 do
       if bl[i] == id then r = i; break end
     end
-    if not r then return nil end
-    local src, pos = bl[r + 3], 15
-    if not src and bl[r + 2] > 0 then src, pos = bl.raw, bl[r + 1] + 14 end
+    if r then
+      src = bl[r + 3]
+      if not src and bl[r + 2] > 0 then src, pos = bl.raw, bl[r + 1] + 14 end
+    end
     local c = IS_TOKENS(fl) and cost or 1
     local e, rec, used, reset
     if kind == ROLLING then
@@ -951,8 +954,9 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
         end
         e = (w + 1) * a
       else -- within 28 days of its month's end: the record's month
+        if not src then return nil end
         e = bl[r + 2]
-        if not src or now >= e or now < e - DAYS_28 then return nil end
+        if now >= e or now < e - DAYS_28 then return nil end
         w, u = sunpack('<i6i6', src, pos)
       end
       u = u + c
@@ -960,8 +964,8 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
       rec = spack('<I6i6I2i6i6', id, e, 12, w, u)
       used, reset = u, e - now
     end
-    local s = 4 * j
-    st[s + 1], st[s + 2], st[s + 3], st[s + 4] = bl, r, e, rec
+    local s = 5 * j
+    st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5] = bl, r, e, rec, id
     out[8 + 2 * j], out[9 + 2 * j] = used, reset
   end
   -- the versions as stage moves them
@@ -972,11 +976,20 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
   local i = 7 + 2 * n
   local reply, record = spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i)), false
   if rk > 0 then record = spack('<i6i6B', now, cost, OPEN) .. arg:sub(RESERVE_HEAD + 1) end
-  st[4 * n + 1], st[4 * n + 2] = reply, record
+  st[5 * n + 1], st[5 * n + 2] = reply, record
   if dry then return reply end
   charging = true
-  for s = 1, 4 * n, 4 do
-    local bl, r = st[s], st[s + 1]
+  for s = 1, 5 * n, 5 do
+    local bl, r, id = st[s], st[s + 1], st[s + 4]
+    if not r then -- a new record, unless an earlier limit added it (store)
+      for i = 1, 4 * bl.n, 4 do
+        if bl[i] == id then r = i; break end
+      end
+      if not r then
+        r = 4 * bl.n + 1
+        bl.n, bl[r], bl[r + 1] = bl.n + 1, id, false
+      end
+    end
     bl[r + 2], bl[r + 3] = st[s + 2], st[s + 3]
   end
   if insub then sub.ver, sub.changed = sv, true end
@@ -993,12 +1006,15 @@ end
 -- reserve that fast decided dry, replied reply and stored what fast would
 -- have (record: the reservation record's KEYS index, 0: none).
 local function verify(n, reply, rk)
-  local st, ok = staged, reply == staged[4 * n + 1]
-  for s = 1, 4 * n, 4 do
-    local bl, r = st[s], st[s + 1]
-    ok = ok and bl[r + 2] == st[s + 2] and bl[r + 3] == st[s + 3]
+  local st, ok = staged, reply == staged[5 * n + 1]
+  for s = 1, 5 * n, 5 do
+    local bl, r = st[s], false
+    for i = 1, 4 * bl.n, 4 do
+      if bl[i] == st[s + 4] then r = i; break end
+    end
+    ok = ok and r and bl[r + 2] == st[s + 2] and bl[r + 3] == st[s + 3]
   end
-  if rk > 0 then ok = ok and vals[rk] == st[4 * n + 2] end
+  if rk > 0 then ok = ok and vals[rk] == st[5 * n + 2] end
   if not ok then
     charging = true -- fails the whole call
     error('reserve: the fast path differs from the general path', 0)

@@ -69,10 +69,9 @@ local function reserve(arg)
   local sub, ten = blob(sk, now), nil
   if tk > 0 then ten = blob(tk, now) end
   local at = RESERVE_HEAD + TAIL_HEAD + 1
-  -- the common reserve: no peek, a subject known, no concurrency, no
-  -- record yet (lib.lua)
+  -- the common reserve: no peek, no concurrency, no record yet (lib.lua)
   local fastreply
-  if mode ~= MODE_PEEK and cost >= 0 and sub.n > 0 and #arg == at - 1 + n * SPEC_LEN and not (rk > 0 and vals[rk]) then
+  if mode ~= MODE_PEEK and cost >= 0 and #arg == at - 1 + n * SPEC_LEN and not (rk > 0 and vals[rk]) then
     fastreply = fast(arg, at, n, cost, rk, sub, ten, now, dry)
     if fastreply and not dry then return fastreply end
   end
