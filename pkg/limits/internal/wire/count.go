@@ -144,7 +144,7 @@ func (b *CountBatch) Add(at int64, cs []Counter) {
 			o[22] = 1
 		}
 	}
-	b.args = append(b.args, string(w))
+	b.add(string(w))
 	b.groups = append(b.groups, len(cs))
 }
 
