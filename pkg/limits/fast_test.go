@@ -12,15 +12,16 @@ import (
 	"quotaflow/pkg/limits/policy"
 )
 
-// TestFastReserveDecidesAsTheGeneralPath plays random batches of reserves,
-// with corrections and releases between them, through time that moves by
+// TestFastReserveDecidesAsTheGeneralPath plays random batches of reserves
+// and of corrections and releases, through time that moves by
 // minutes to weeks (buckets turning, windows ending, a month ending) and
 // back by minutes (instances whose clocks differ), under
 // limits that the engine's fast path decides and limits it leaves to the
 // general path, mixed. Every reserve the fast path takes is decided on the
-// general path too, in the same call and at the same Redis time
-// (limits.CheckFast), and the call fails unless both give the same reply
-// and store the same records and versions, byte for byte. Costs run up to
+// general path too, and so is every correction the fast path takes, in the
+// same call and at the same Redis time (limits.CheckFast), and the call
+// fails unless both give the same reply and store the same records and
+// versions, byte for byte. Costs run up to
 // past the limits, so that denials, exhausted buckets and windows full to
 // the last token come. QF_MODEL_SEED replays a run.
 func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
@@ -87,19 +88,23 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 			offset -= time.Duration(1+rng.IntN(40)) * time.Minute
 			l = at(offset)
 		}
-		if len(open) > 0 && rng.IntN(4) == 0 {
-			i := rng.IntN(len(open))
-			h := open[i]
-			open = append(open[:i], open[i+1:]...)
-			s := limits.Settle{Tenant: tenant, User: h.user, RequestID: h.id, Rules: h.rules, Actual: rng.Int64N(400)}
-			var err error
-			if rng.IntN(3) == 0 {
-				_, err = l.Release(ctx, s)
-			} else {
-				_, err = l.Correct(ctx, s)
+		if len(open) > 0 && rng.IntN(2) == 0 { // settle some open requests, in one batch
+			ops := make([]limits.SettleOp, 1+rng.IntN(min(len(open), 6)))
+			for k := range ops {
+				i := rng.IntN(len(open))
+				h := open[i]
+				open = append(open[:i], open[i+1:]...)
+				actual := rng.Int64N(400)
+				if rng.IntN(8) == 0 {
+					actual = 0
+				}
+				ops[k] = limits.SettleOp{Settle: limits.Settle{Tenant: tenant, User: h.user, RequestID: h.id,
+					Rules: h.rules, Actual: actual}, Release: rng.IntN(5) == 0}
 			}
-			if err != nil {
-				t.Fatalf("step %d: settle: %v", step, err)
+			for k, r := range l.SettleMany(ctx, ops) {
+				if r.Err != nil {
+					t.Fatalf("step %d, settle %d of %d: %v", step, k, len(ops), r.Err)
+				}
 			}
 		}
 		rs := make([]limits.Request, 1+rng.IntN(8))
@@ -137,4 +142,50 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 	if allowed < reserves/4 || denied < reserves/20 {
 		t.Fatalf("%d allowed and %d denied of %d: the run should see both often", allowed, denied, reserves)
 	}
+}
+
+// TestFastSettleAtAWindowsEdges takes the corrections the random run meets
+// seldom, each decided both ways in one call (limits.CheckFast): one that
+// empties the window's oldest non-empty bucket while later ones hold
+// tokens (its oldest bucket moves on: the general path's), one that
+// empties the whole window from an older bucket than the head, and one
+// whose bucket the window has left.
+func TestFastSettleAtAWindowsEdges(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	tenant := redistest.UniqueName(t)
+	rules := []policy.Rule{limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 1000,
+		Window: policy.Duration(time.Hour), Buckets: 4})}
+	// the start of a bucket, as Redis's clock sees it with this offset
+	now := time.Now()
+	offset := now.Truncate(15 * time.Minute).Add(15*time.Minute + time.Minute).Sub(now)
+	at := func(d time.Duration) *limits.Limiter {
+		return limits.New(c, limits.CheckFast(limits.Options{NoEpochGuard: true, ClockOffset: offset + d}))
+	}
+	reserve := func(l *limits.Limiter, user, id string, cost int64) {
+		t.Helper()
+		if d, err := l.Reserve(ctx, limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: cost, Rules: rules}); err != nil || !d.Allowed {
+			t.Fatalf("reserve %s: %+v, %v", id, d, err)
+		}
+	}
+	correct := func(l *limits.Limiter, user, id string, actual, used int64) {
+		t.Helper()
+		s, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: user, RequestID: id, Actual: actual, Rules: rules})
+		if err != nil {
+			t.Fatalf("correct %s: %v", id, err)
+		}
+		if got := s.States[0].Used; got != used {
+			t.Fatalf("correct %s: used %d, want %d", id, got, used)
+		}
+	}
+	l0, l1, l5 := at(0), at(15*time.Minute), at(75*time.Minute)
+	reserve(l0, "u1", "a", 100)
+	reserve(l1, "u1", "b", 50)
+	correct(l1, "u1", "a", 0, 50) // a's bucket, the oldest, empties: b's is the oldest now
+	reserve(l0, "u2", "c", 70)
+	reserve(l1, "u2", "c0", 0)   // the head moves on, nothing in it
+	correct(l1, "u2", "c", 0, 0) // the window empties from an older bucket: the head's is its oldest
+	reserve(l1, "u3", "d", 40)
+	reserve(l5, "u3", "e", 30)
+	correct(l5, "u3", "d", 90, 30) // d's bucket has left the window
 }

@@ -62,9 +62,9 @@
 // per batch. KEYS are every key its reserves name, each once: the strings
 // first (epoch keys, records, blobs), which the script reads in one MGET,
 // then the concurrency sets. The batch head, '<i6BI2': offset, flags (1:
-// guard; 2: decide each reserve the fast path takes on the general path
-// too and fail on any difference, for tests: lib.lua's fast), how many KEYS
-// are strings. Each reserve's argument, '<i6BBI2I2I2I2': cost
+// guard; 2: decide each reserve or settle the fast path takes on the
+// general path too and fail on any difference, for tests: lib.lua's fast),
+// how many KEYS are strings. Each reserve's argument, '<i6BBI2I2I2I2': cost
 // (weighted tokens; a requests limit charges 1), mode (ModeReserve,
 // ModePeek, ModeFresh: a request id no record may hold), meta (0 shared, 1
 // subject, 2 subject with tenant-wide limits), the KEYS indexes of its
@@ -137,7 +137,7 @@ type Params struct {
 	offset int64  // ms added to Redis time
 	guard  string // "1" when the scripts check the epoch
 	resTTL int64  // ms a reservation record and a concurrency slot live
-	check  byte   // 2 when reserve calls check their fast path (tests)
+	check  byte   // 2 when reserve and settle calls check their fast path (tests)
 }
 
 // DefaultReservationTTL is limits.DefaultReservationTTL: a day.
@@ -156,9 +156,10 @@ func NewParams(reservationTTL time.Duration, noEpochGuard bool, clockOffset time
 	return Params{offset: clockOffset.Milliseconds(), guard: guard, resTTL: reservationTTL.Milliseconds()}
 }
 
-// CheckingFast returns p with reserve calls that decide every reserve their
-// fast path takes on the general path too, and fail on any difference: for
-// tests, which so compare the two within one call, at one Redis time.
+// CheckingFast returns p with reserve and settle calls that decide every
+// entry their fast path takes on the general path too, and fail on any
+// difference: for tests, which so compare the two within one call, at one
+// Redis time.
 func (p Params) CheckingFast() Params {
 	p.check = 2
 	return p
@@ -485,6 +486,9 @@ func (b *batch) Call() Call { return b.call(0) }
 
 // Call returns the call of b's reserves, Batch their rules.
 func (b *ReserveBatch) Call() Call { return b.call(b.p.check) }
+
+// Call returns the call of b's settles, Batch their rules.
+func (b *SettleBatch) Call() Call { return b.call(b.p.check) }
 
 // call returns the call of b's entries with flags added to the head's.
 func (b *batch) call(flags byte) Call {

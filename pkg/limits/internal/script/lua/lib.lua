@@ -875,10 +875,40 @@ local function plan(specs, n)
 end
 
 -- staged holds, per limit, the blob, record index (false: a record to
--- add), expiry, record and id that fast stores once every limit has room;
--- fast's reply, and the reservation record it wrote (false: none), follow
--- them.
-local staged = { NILS(32) }
+-- add), expiry, record (false: unchanged), id and the record as it was
+-- (false: none stored by this call) that fast or fastsettle stores; the
+-- reply, and the reservation record (false: none), follow them.
+local staged = { NILS(38) }
+
+-- apply stores what fast or fastsettle staged for n limits (a limit
+-- without a record changed nothing), moves the versions of the blobs that
+-- changed to sv and tv (false: unchanged) and sets the reservation record
+-- (KEYS index rk), as the general path's stage and entry do.
+local function apply(n, sub, ten, sv, tv, rk)
+  local st = staged
+  charging = true
+  for s = 1, 6 * n, 6 do
+    local bl, r, id, rec = st[s], st[s + 1], st[s + 4], st[s + 3]
+    if rec and not r then -- a new record, unless an earlier limit added it (store)
+      for i = 1, 4 * bl.n, 4 do
+        if bl[i] == id then r = i; break end
+      end
+      if not r then
+        r = 4 * bl.n + 1
+        bl.n, bl[r], bl[r + 1] = bl.n + 1, id, false
+      end
+    end
+    if rec then bl[r + 2], bl[r + 3] = st[s + 2], rec end
+  end
+  if sv then sub.ver, sub.changed = sv, true end
+  if tv then ten.ver, ten.changed = tv, true end
+  local record = st[6 * n + 2]
+  if record then
+    vals[rk] = record
+    recs[#recs + 1] = rk
+  end
+  charging = false
+end
 
 -- fast returns the reply of reserve arg (at: its specs, n of them), or nil
 -- when it is not fast's. With dry it changes nothing (check).
@@ -964,8 +994,8 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
       rec = spack('<I6i6I2i6i6', id, e, 12, w, u)
       used, reset = u, e - now
     end
-    local s = 5 * j
-    st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5] = bl, r, e, rec, id
+    local s = 6 * j
+    st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5], st[s + 6] = bl, r, e, rec, id, r and bl[r + 3] or false
     out[8 + 2 * j], out[9 + 2 * j] = used, reset
   end
   -- the versions as stage moves them
@@ -976,47 +1006,155 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
   local i = 7 + 2 * n
   local reply, record = spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i)), false
   if rk > 0 then record = spack('<i6i6B', now, cost, OPEN) .. arg:sub(RESERVE_HEAD + 1) end
-  st[5 * n + 1], st[5 * n + 2] = reply, record
-  if dry then return reply end
-  charging = true
-  for s = 1, 5 * n, 5 do
-    local bl, r, id = st[s], st[s + 1], st[s + 4]
-    if not r then -- a new record, unless an earlier limit added it (store)
-      for i = 1, 4 * bl.n, 4 do
-        if bl[i] == id then r = i; break end
-      end
-      if not r then
-        r = 4 * bl.n + 1
-        bl.n, bl[r], bl[r + 1] = bl.n + 1, id, false
-      end
+  st[6 * n + 1], st[6 * n + 2] = reply, record
+  if not dry then apply(n, sub, ten, insub and sv, inten and tv, rk) end
+  return reply
+end
+
+-- fastsettle is fast for the common settle: the correction (op 1) of an
+-- open reservation whose record names exactly the call's limits, in order,
+-- as its token limits and no concurrency slot, every one a fast path kind;
+-- each rolling window's head the current bucket and a correction that
+-- leaves its oldest bucket non-empty or empty alone, each month's record
+-- there and the reservation in its last 28 days. It returns the reply of
+-- settle arg, or nil before it changes anything; with dry it changes
+-- nothing (verify).
+local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
+  local ts, est, state, fp, nonce, p = record(raw)
+  if state ~= OPEN or not p then return nil end
+  local specs = arg:sub(SETTLE_HEAD + 1, SETTLE_HEAD + n * SPEC_LEN)
+  local pl = plans[specs]
+  if pl == nil then pl = plan(specs, n) end
+  if not pl then return nil end
+  local j = 0
+  for i = 0, sunpack('<I2', raw, p) - 1 do
+    local id, kind, fl = sunpack('<I6BB', raw, p + 2 + i * SPEC_LEN)
+    if kind == CONCURRENCY then return nil end
+    if IS_TOKENS(fl) then
+      if j >= n or pl[6 * j + 1] ~= id then return nil end
+      j = j + 1
     end
-    bl[r + 2], bl[r + 3] = st[s + 2], st[s + 3]
   end
-  if insub then sub.ver, sub.changed = sv, true end
-  if inten then ten.ver, ten.changed = tv, true end
-  if record then
-    vals[rk] = record
-    recs[#recs + 1] = rk
+  if j ~= n then return nil end
+  local at, delta = min(ts, now), actual - est
+  local out, st, insub, inten = snap, staged, false, false
+  for j = 0, n - 1 do
+    local q = 6 * j
+    local id, kind, fl, lim, a, b = pl[q + 1], pl[q + 2], pl[q + 3], pl[q + 4], pl[q + 5], pl[q + 6]
+    local bl = sub
+    if IS_TENANT(fl) then
+      bl, inten = ten, delta ~= 0
+    else
+      insub = delta ~= 0
+    end
+    local r, src, pos = false, nil, 15
+    for i = 1, 4 * bl.n, 4 do
+      if bl[i] == id then r = i; break end
+    end
+    if r then
+      src = bl[r + 3]
+      if not src and bl[r + 2] > 0 then src, pos = bl.raw, bl[r + 1] + 14 end
+    end
+    local d, e, rec, used, reset = delta, nil, false, nil, nil
+    if kind == ROLLING then
+      if not src then return nil end
+      local cb = floor(now / a)
+      local h, tl, t = sunpack('<i6i6i6', src, pos)
+      if h ~= cb then return nil end
+      local k = floor(at / a)
+      e = (cb + b) * a
+      if d ~= 0 then
+        if k > cb - b and k <= cb then
+          if d > 0 and t + d > MAX_COUNT then d = max(0, MAX_COUNT - t) end
+          local off = pos + 18 + 6 * (k % b)
+          local cur = sunpack('<i6', src, off)
+          if cur + d < 0 then d = -cur end
+          local c = cur + d
+          if c == 0 and k == tl and t + d ~= 0 and cur ~= 0 then return nil end -- the tail moves on
+          if t + d == 0 then tl = cb elseif c > 0 and (t == 0 or k < tl) then tl = k end
+          t = t + d
+          rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. src:sub(pos + 18, off - 1)
+            .. spack('<i6', c) .. src:sub(off + 6, pos + 17 + 6 * b)
+        else -- the window slid past the reservation: stored as it was
+          rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. src:sub(pos + 18, pos + 17 + 6 * b)
+        end
+      end
+      if t > 0 then used, reset = t, (tl + b) * a - now else used, reset = 0, 0 end
+    elseif kind == TOKEN_BUCKET then
+      local x = lim
+      if src then
+        local y
+        x, y = sunpack('<dd', src, pos)
+        x = min(lim, x + (now - y) * a)
+      end
+      if d ~= 0 then
+        x = x - d
+        if x > lim then x = lim elseif x < lim - MAX_COUNT then x = lim - MAX_COUNT end
+        e = now + ceil((lim - x) / a) + 1000
+        rec = spack('<I6i6I2dd', id, e, 16, x, now)
+      end
+      used = lim - x
+      used, reset = ceil(used), ceil(used / a)
+    else
+      local w, u
+      if kind == FIXED then
+        w, u = floor(now / a), 0
+        if src then
+          local rw, rc = sunpack('<i6i6', src, pos)
+          if rw == w then u = rc end
+        end
+        e = (w + 1) * a
+        if d ~= 0 and floor(at / a) ~= w then d = 0 end
+      else -- within 28 days of its month's end: the record's month
+        if not src then return nil end
+        e = bl[r + 2]
+        if now >= e or now < e - DAYS_28 then return nil end
+        w, u = sunpack('<i6i6', src, pos)
+        if d ~= 0 and (at >= e or at < e - DAYS_28) then return nil end
+      end
+      if delta ~= 0 then
+        u = u + d
+        if u > MAX_COUNT then u = MAX_COUNT elseif u < 0 then u = 0 end
+        rec = spack('<I6i6I2i6i6', id, e, 12, w, u)
+      end
+      used, reset = u, e - now
+    end
+    local s = 6 * j
+    st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5], st[s + 6] = bl, r, e, rec, id, r and bl[r + 3] or false
+    out[9 + 2 * j], out[10 + 2 * j] = used, reset
   end
-  charging = false
+  local sv, tv = sub.ver, ten.ver
+  if insub then sv = max(sv + 1, now * 1000) end
+  if inten then tv = max(tv + 1, now * 1000) end
+  out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8] = 1, delta, at, now, sv, tv, OPEN, est
+  local i = 8 + 2 * n
+  local reply = spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i))
+  st[6 * n + 1], st[6 * n + 2] = reply, spack('<i6i6BI6I6', at, est, CORRECTED, fp, nonce)
+  if not dry then apply(n, sub, ten, insub and sv, inten and tv, rk) end
   return reply
 end
 
 -- verify fails the call unless the general path, having decided the n-limit
--- reserve that fast decided dry, replied reply and stored what fast would
--- have (record: the reservation record's KEYS index, 0: none).
+-- reserve or settle that fast or fastsettle decided dry, replied reply and
+-- stored what the fast path would have (rk: the reservation record's KEYS
+-- index, 0: none).
 local function verify(n, reply, rk)
-  local st, ok = staged, reply == staged[5 * n + 1]
-  for s = 1, 5 * n, 5 do
+  local st, ok = staged, reply == staged[6 * n + 1]
+  for s = 1, 6 * n, 6 do
     local bl, r = st[s], false
     for i = 1, 4 * bl.n, 4 do
       if bl[i] == st[s + 4] then r = i; break end
     end
-    ok = ok and r and bl[r + 2] == st[s + 2] and bl[r + 3] == st[s + 3]
+    local rec = r and bl[r + 3] or false
+    if st[s + 3] then
+      ok = ok and rec == st[s + 3] and bl[r + 2] == st[s + 2]
+    else -- left as it was
+      ok = ok and rec == st[s + 5]
+    end
   end
-  if rk > 0 then ok = ok and vals[rk] == st[5 * n + 2] end
+  if rk > 0 then ok = ok and vals[rk] == st[6 * n + 2] end
   if not ok then
     charging = true -- fails the whole call
-    error('reserve: the fast path differs from the general path', 0)
+    error('the fast path differs from the general path', 0)
   end
 end

@@ -14,8 +14,10 @@
 -- KEYS   every key the batch's settles name, each once: first the strings
 --        (epoch keys, reservation records, subject and tenant blobs), read
 --        in one MGET, then the concurrency sorted sets (wire/keys.go)
--- ARGV   1 '<i6BI2' clock offset ms (0 outside tests), 1 = refuse to settle
---        without the epoch, how many KEYS are strings; 2 record ttl ms as
+-- ARGV   1 '<i6BI2' clock offset ms (0 outside tests), flags (1: refuse
+--        to settle without the epoch; 2: settle what fastsettle settles on
+--        the general path too and fail on any difference, for tests), how
+--        many KEYS are strings; 2 record ttl ms as
 --        text; then one argument per settle, packed in Go
 --        (wire/protocol.go): '<Bi6i6i6I2I2I2I2I2I2' op: 1 correct to the
 --        actual cost, 2 release (give the estimate back), 3 release only if
@@ -50,7 +52,8 @@
 -- the reservation time is left alone. Every settle of a batch sees one
 -- Redis TIME. An error after a settle began to change state fails the whole
 -- batch (nothing but its concurrency slots is written then).
-local offset, guard, nget = sunpack('<i6BI2', ARGV[1])
+local offset, flags, nget = sunpack('<i6BI2', ARGV[1])
+local guard, dry = flags % 2, flags >= 2
 local ttl = ARGV[2]
 local now = now_ms(offset)
 begin(nget)
@@ -59,6 +62,13 @@ local function settle(arg)
   local op, actual, fbt, fbe, ek, rk, sk, tk, n, ml = sunpack('<Bi6i6i6I2I2I2I2I2I2', arg)
   if guard == 1 and not vals[ek] then return spack('<i8', -1) end
   local sub, ten = blob(sk, now), blob(tk, now)
+  -- the common correction: of an open reservation, no concurrency set
+  -- after the member (lib.lua)
+  local fastreply
+  if op == 1 and vals[rk] and #arg == SETTLE_HEAD + n * SPEC_LEN + ml then
+    fastreply = fastsettle(arg, n, actual, vals[rk], rk, sub, ten, now, dry)
+    if fastreply and not dry then return fastreply end
+  end
   local m = SETTLE_HEAD + 1 + n * SPEC_LEN -- the member, then the sets' keys
   loadspecs(arg, SETTLE_HEAD + 1, n, m + ml, sub, ten, now)
 
@@ -112,7 +122,9 @@ local function settle(arg)
   -- release of the same id in the batch
   recs[#recs + 1] = rk
   charging = false
-  return snapshot(n, now, status, delta, at, now, sub.ver, ten.ver, state, hold)
+  local reply = snapshot(n, now, status, delta, at, now, sub.ver, ten.ver, state, hold)
+  if fastreply then verify(n, reply, rk) end
+  return reply
 end
 
 local out = decide(settle, 'settle: ')
