@@ -122,6 +122,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -515,10 +516,14 @@ type ReserveReply struct {
 // reserve's reply or error, in the order of c.Batch. An error of the whole
 // call (the connection, a script error) is every reserve's. Errors other
 // than ErrNoEpoch are the caller's to wrap with what it reserved, so the
-// success path formats nothing.
+// success path formats nothing. v.Limits is f's to read until it returns:
+// one array holds each reserve's values in turn (an allocation a reserve
+// fewer).
 func DecodeReserves(cmd *redis.Cmd, c *Call, f func(i int, v ReserveReply, err error)) {
+	var buf []int64
 	decodeBatch(cmd, c, func(i int, e any) {
-		v, err := packedElement(e, 7, c.Batch[i])
+		v, err := packedElement(buf[:0], e, 7, c.Batch[i])
+		buf = v[:0]
 		if err != nil {
 			f(i, ReserveReply{}, err)
 			return
@@ -547,9 +552,10 @@ func decodeBatch(cmd *redis.Cmd, c *Call, one func(i int, e any), fail func(i in
 	}
 }
 
-// packedElement reads one entry's element of a batch reply: a snapshot
-// with head values before those of rules.
-func packedElement(e any, head int, rules []policy.Rule) ([]int64, error) {
+// packedElement reads one entry's element of a batch reply, a snapshot
+// with head values before those of rules, into dst's array when it has
+// room.
+func packedElement(dst []int64, e any, head int, rules []policy.Rule) ([]int64, error) {
 	var s string
 	switch e := e.(type) {
 	case string:
@@ -559,7 +565,7 @@ func packedElement(e any, head int, rules []policy.Rule) ([]int64, error) {
 	default:
 		return nil, fmt.Errorf("reply element is %T", e)
 	}
-	v, err := unpackInts(s)
+	v, err := unpackInts(dst, s)
 	if err != nil {
 		return nil, err
 	}
@@ -739,7 +745,7 @@ type SettleReply struct {
 // settle's reply or error, in the order of c.Batch, as DecodeReserves does.
 func DecodeSettles(cmd *redis.Cmd, c *Call, f func(i int, v SettleReply, err error)) {
 	decodeBatch(cmd, c, func(i int, e any) {
-		v, err := packedElement(e, 8, c.Batch[i])
+		v, err := packedElement(nil, e, 8, c.Batch[i])
 		if err != nil {
 			f(i, SettleReply{}, err)
 			return
@@ -831,15 +837,16 @@ func packedInts(cmd *redis.Cmd) ([]int64, error) {
 	if err != nil {
 		return nil, err
 	}
-	return unpackInts(s)
+	return unpackInts(nil, s)
 }
 
-// unpackInts reads 64-bit little-endian integers packed in s.
-func unpackInts(s string) ([]int64, error) {
+// unpackInts reads 64-bit little-endian integers packed in s, into dst's
+// array when it has room.
+func unpackInts(dst []int64, s string) ([]int64, error) {
 	if len(s)%8 != 0 {
 		return nil, fmt.Errorf("reply of %d bytes is not a list of 64-bit integers", len(s))
 	}
-	v := make([]int64, len(s)/8)
+	v := slices.Grow(dst[:0], len(s)/8)[:len(s)/8]
 	for i := range v {
 		v[i] = int64(binary.LittleEndian.Uint64([]byte(s[8*i : 8*i+8])))
 	}
