@@ -7,3 +7,11 @@ func CheckFast(o Options) Options {
 	o.checkFast = true
 	return o
 }
+
+// GeneralFor returns o with tenant's reserves and settles decided on the
+// engine's general path alone: a twin of another tenant in the same calls
+// shows what the fast path stores against what the general path does.
+func GeneralFor(o Options, tenant string) Options {
+	o.general = tenant
+	return o
+}

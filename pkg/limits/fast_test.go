@@ -189,3 +189,23 @@ func TestFastSettleAtAWindowsEdges(t *testing.T) {
 	reserve(l5, "u3", "e", 30)
 	correct(l5, "u3", "d", 90, 30) // d's bucket has left the window
 }
+
+// TestFastPathLeavesALimitNamedTwice: rules naming one limit twice (the
+// engine's ids hash a rule's scope, endpoint, name, kind and window, and
+// Request.Rules is not deduplicated) are the general path's, for a reserve
+// and for its correction, which the general path maps to one slot.
+func TestFastPathLeavesALimitNamedTwice(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	tenant := redistest.UniqueName(t)
+	r := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 1000,
+		Window: policy.Duration(time.Hour), Buckets: 4})
+	rules := []policy.Rule{r, r}
+	l := limits.New(c, limits.CheckFast(limits.Options{NoEpochGuard: true}))
+	if d, err := l.Reserve(ctx, limits.Request{Tenant: tenant, User: "u", RequestID: "a", Cost: 100, Rules: rules}); err != nil || !d.Allowed {
+		t.Fatalf("reserve: %+v, %v", d, err)
+	}
+	if _, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "a", Actual: 10, Rules: rules}); err != nil {
+		t.Fatalf("correct: %v", err)
+	}
+}

@@ -67,8 +67,11 @@ type Options struct {
 	// ClockOffset shifts Redis time as the scripts see it. It exists for
 	// tests and demos that need to move through windows; leave it zero.
 	ClockOffset time.Duration
-	// checkFast makes reserves check their fast path (export_test.go).
+	// checkFast makes reserves and settles check their fast path, and
+	// general's reserves and settles take the general path alone
+	// (export_test.go).
 	checkFast bool
+	general   string
 }
 
 // Limiter checks and reserves limits in Redis. Every method is one script
@@ -78,8 +81,9 @@ type Options struct {
 //
 // Most callers want Reserve before a request and Correct or Release after.
 type Limiter struct {
-	run *script.Runner
-	p   wire.Params
+	run     *script.Runner
+	p       wire.Params
+	general string // a tenant whose calls take the engine's general path alone (tests)
 }
 
 // New returns a Limiter over c, which may be a single node, a Sentinel
@@ -89,7 +93,7 @@ func New(c Client, o Options) *Limiter {
 	if o.checkFast {
 		p = p.CheckingFast()
 	}
-	return &Limiter{run: script.NewRunner(c), p: p}
+	return &Limiter{run: script.NewRunner(c), p: p, general: o.general}
 }
 
 // SlotBound reports whether the Redis behind l keeps each tenant in one

@@ -107,6 +107,9 @@ func (l *Limiter) addSettle(b *wire.SettleBatch, op *SettleOp) error {
 	case op.Release:
 		code = wire.SettleRelease
 	}
+	if op.Tenant == l.general {
+		code += wire.General
+	}
 	fbAt, fbEst := int64(-1), int64(-1)
 	if fb := op.Fallback; fb != nil {
 		if !fb.ReservedAt.IsZero() {

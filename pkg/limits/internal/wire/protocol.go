@@ -192,6 +192,11 @@ const (
 	ModeFresh   = 2 // reserve a request id that no record holds
 )
 
+// General, added to a reserve's mode or a settle's op, decides the entry on
+// the engine's general path even where its fast path would take it: for
+// tests that compare the two (lib.lua's fast).
+const General = 4
+
 // The statuses of a reserve reply.
 const (
 	StatusDenied          = 0
@@ -282,6 +287,7 @@ var LuaNames = map[string]int64{
 	"CONCURRENCY":             int64(kindCode[policy.Concurrency]),
 	"MODE_PEEK":               ModePeek,
 	"MODE_FRESH":              ModeFresh,
+	"GENERAL":                 General,
 	"STATUS_DENIED":           StatusDenied,
 	"STATUS_ALLOWED":          StatusAllowed,
 	"STATUS_DUPLICATE":        StatusDuplicate,

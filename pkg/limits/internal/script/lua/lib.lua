@@ -853,7 +853,8 @@ end
 -- functions: most of a batched 5-limit reserve's instructions
 -- (bench/results.md). Anything else returns nil before it changes
 -- anything, and the general path decides.
--- plans keeps each specs string's limits unpacked (false: not all fast's);
+-- plans keeps each specs string's limits unpacked (false: not all fast's,
+-- or one named twice);
 -- strings are interned, so a batch's plan costs one lookup. It is emptied
 -- once it holds PLANS_MAX, so it stays small whatever comes.
 local plans, nplans = {}, 0
@@ -866,12 +867,78 @@ local function plan(specs, n)
       p = false
       break
     end
+    for q = 1, 6 * j, 6 do -- a limit named twice: the general path's (holds maps both to one slot)
+      if p[q] == id then p = false; break end
+    end
+    if not p then break end
     local q = 6 * j
     p[q + 1], p[q + 2], p[q + 3], p[q + 4], p[q + 5], p[q + 6] = id, kind, fl, lim, a, b
   end
   if nplans >= PLANS_MAX then plans, nplans = {}, 0 end
   plans[specs], nplans = p, nplans + 1
   return p
+end
+
+-- The fast paths' pieces, each reading or writing a record as load and
+-- store do.
+-- find returns the index of id's record in blob bl (false: none) and the
+-- string and position its payload lies at (nil: none, or expired).
+local function find(bl, id)
+  for i = 1, 4 * bl.n, 4 do
+    if bl[i] == id then
+      if bl[i + 3] then return i, bl[i + 3], 15 end
+      if bl[i + 2] > 0 then return i, bl.raw, bl[i + 1] + 14 end
+      return i
+    end
+  end
+  return false
+end
+
+-- ring returns a rolling window's record whose head is bucket cb: its
+-- counters those of the payload at pos of src but bucket k's, which is c
+-- (k nil: all as they are; src nil: all zero but bucket k's).
+local function ring(id, a, b, cb, tl, t, src, pos, k, c)
+  local rec = spack('<I6i6I2i6i6i6', id, (cb + b) * a, 18 + 6 * b, cb, tl, t)
+  if not src then
+    local i = k % b
+    return rec .. srep(z6, i) .. spack('<i6', c) .. srep(z6, b - i - 1)
+  elseif not k then
+    return rec .. src:sub(pos + 18, pos + 17 + 6 * b)
+  end
+  local off = pos + 18 + 6 * (k % b)
+  return rec .. src:sub(pos + 18, off - 1) .. spack('<i6', c) .. src:sub(off + 6, pos + 17 + 6 * b)
+end
+
+-- level returns a refilling token bucket's tokens at now (full without a
+-- record).
+local function level(src, pos, lim, a, now)
+  if not src then return lim end
+  local x, y = sunpack('<dd', src, pos)
+  return min(lim, x + (now - y) * a)
+end
+
+-- bucket returns the expiry and record of a refilling token bucket left
+-- with x tokens at now, and its used and reset as report gives them.
+local function bucket(id, x, lim, a, now)
+  local e, used = now + ceil((lim - x) / a) + 1000, lim - x
+  return e, spack('<I6i6I2dd', id, e, 16, x, now), ceil(used), ceil(used / a)
+end
+
+-- window returns the number, count and end at now of a fixed window or of
+-- a month, whose record ends at e (nil: a month the fast paths leave to
+-- load: no record, or not within 28 days of its end).
+local function window(kind, src, pos, a, e, now)
+  if kind == FIXED then
+    local w, u = floor(now / a), 0
+    if src then
+      local rw, rc = sunpack('<i6i6', src, pos)
+      if rw == w then u = rc end
+    end
+    return w, u, (w + 1) * a
+  end
+  if not src or now >= e or now < e - DAYS_28 then return nil end
+  local w, u = sunpack('<i6i6', src, pos)
+  return w, u, e
 end
 
 -- staged holds, per limit, the blob, record index (false: a record to
@@ -928,71 +995,36 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
     else
       insub = true
     end
-    local r, src, pos = false, nil, 15
-    for i = 1, 4 * bl.n, 4 do
-      if bl[i] == id then r = i; break end
-    end
-    if r then
-      src = bl[r + 3]
-      if not src and bl[r + 2] > 0 then src, pos = bl.raw, bl[r + 1] + 14 end
-    end
+    local r, src, pos = find(bl, id)
     local c = IS_TOKENS(fl) and cost or 1
     local e, rec, used, reset
     if kind == ROLLING then
       local cb = floor(now / a)
-      local tl, t, off, cur = cb, 0, nil, 0
+      local tl, t, cur = cb, 0, 0
       if src then
         local h
         h, tl, t = sunpack('<i6i6i6', src, pos)
         if h ~= cb then return nil end
-        off = pos + 18 + 6 * (cb % b)
-        cur = sunpack('<i6', src, off)
+        cur = sunpack('<i6', src, pos + 18 + 6 * (cb % b))
       end
       t, cur = t + c, cur + c
       if t > lim or t > MAX_COUNT then return nil end
       if t == 0 or cur > 0 and (t == c or cb < tl) then tl = cb end
-      e = (cb + b) * a
-      rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t)
-      if off then
-        rec = rec .. src:sub(pos + 18, off - 1) .. spack('<i6', cur) .. src:sub(off + 6, pos + 17 + 6 * b)
-      else
-        local i = cb % b
-        rec = rec .. srep(z6, i) .. spack('<i6', cur) .. srep(z6, b - i - 1)
-      end
+      e, rec = (cb + b) * a, ring(id, a, b, cb, tl, t, src, pos, cb, cur)
       if t > 0 then used, reset = t, (tl + b) * a - now else used, reset = 0, 0 end
     elseif kind == TOKEN_BUCKET then
-      local x = lim
-      if src then
-        local y
-        x, y = sunpack('<dd', src, pos)
-        x = min(lim, x + (now - y) * a)
-      end
+      local x = level(src, pos, lim, a, now)
       if x < c then return nil end
       x = x - c
       if x < lim - MAX_COUNT then return nil end
-      e = now + ceil((lim - x) / a) + 1000
-      rec = spack('<I6i6I2dd', id, e, 16, x, now)
-      used = lim - x
-      used, reset = ceil(used), ceil(used / a)
+      e, rec, used, reset = bucket(id, x, lim, a, now)
     else
       local w, u
-      if kind == FIXED then
-        w, u = floor(now / a), 0
-        if src then
-          local rw, rc = sunpack('<i6i6', src, pos)
-          if rw == w then u = rc end
-        end
-        e = (w + 1) * a
-      else -- within 28 days of its month's end: the record's month
-        if not src then return nil end
-        e = bl[r + 2]
-        if now >= e or now < e - DAYS_28 then return nil end
-        w, u = sunpack('<i6i6', src, pos)
-      end
+      w, u, e = window(kind, src, pos, a, r and bl[r + 2], now)
+      if not w then return nil end
       u = u + c
       if u > lim or u > MAX_COUNT then return nil end
-      rec = spack('<I6i6I2i6i6', id, e, 12, w, u)
-      used, reset = u, e - now
+      rec, used, reset = spack('<I6i6I2i6i6', id, e, 12, w, u), u, e - now
     end
     local s = 6 * j
     st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5], st[s + 6] = bl, r, e, rec, id, r and bl[r + 3] or false
@@ -1047,14 +1079,7 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
     else
       insub = delta ~= 0
     end
-    local r, src, pos = false, nil, 15
-    for i = 1, 4 * bl.n, 4 do
-      if bl[i] == id then r = i; break end
-    end
-    if r then
-      src = bl[r + 3]
-      if not src and bl[r + 2] > 0 then src, pos = bl.raw, bl[r + 1] + 14 end
-    end
+    local r, src, pos = find(bl, id)
     local d, e, rec, used, reset = delta, nil, false, nil, nil
     if kind == ROLLING then
       if not src then return nil end
@@ -1063,56 +1088,39 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
       if h ~= cb then return nil end
       local k = floor(at / a)
       e = (cb + b) * a
-      if d ~= 0 then
-        if k > cb - b and k <= cb then
-          if d > 0 and t + d > MAX_COUNT then d = max(0, MAX_COUNT - t) end
-          local off = pos + 18 + 6 * (k % b)
-          local cur = sunpack('<i6', src, off)
-          if cur + d < 0 then d = -cur end
-          local c = cur + d
-          if c == 0 and k == tl and t + d ~= 0 and cur ~= 0 then return nil end -- the tail moves on
-          if t + d == 0 then tl = cb elseif c > 0 and (t == 0 or k < tl) then tl = k end
-          t = t + d
-          rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. src:sub(pos + 18, off - 1)
-            .. spack('<i6', c) .. src:sub(off + 6, pos + 17 + 6 * b)
-        else -- the window slid past the reservation: stored as it was
-          rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. src:sub(pos + 18, pos + 17 + 6 * b)
-        end
+      if d ~= 0 and k > cb - b and k <= cb then
+        if d > 0 and t + d > MAX_COUNT then d = max(0, MAX_COUNT - t) end
+        local cur = sunpack('<i6', src, pos + 18 + 6 * (k % b))
+        if cur + d < 0 then d = -cur end
+        local c = cur + d
+        if c == 0 and k == tl and t + d ~= 0 and cur ~= 0 then return nil end -- the tail moves on
+        if t + d == 0 then tl = cb elseif c > 0 and (t == 0 or k < tl) then tl = k end
+        t = t + d
+        rec = ring(id, a, b, cb, tl, t, src, pos, k, c)
+      elseif d ~= 0 then -- the window slid past the reservation: stored as it was
+        rec = ring(id, a, b, cb, tl, t, src, pos)
       end
       if t > 0 then used, reset = t, (tl + b) * a - now else used, reset = 0, 0 end
     elseif kind == TOKEN_BUCKET then
-      local x = lim
-      if src then
-        local y
-        x, y = sunpack('<dd', src, pos)
-        x = min(lim, x + (now - y) * a)
-      end
+      local x = level(src, pos, lim, a, now)
       if d ~= 0 then
         x = x - d
         if x > lim then x = lim elseif x < lim - MAX_COUNT then x = lim - MAX_COUNT end
-        e = now + ceil((lim - x) / a) + 1000
-        rec = spack('<I6i6I2dd', id, e, 16, x, now)
+        e, rec, used, reset = bucket(id, x, lim, a, now)
+      else
+        used = lim - x
+        used, reset = ceil(used), ceil(used / a)
       end
-      used = lim - x
-      used, reset = ceil(used), ceil(used / a)
     else
       local w, u
-      if kind == FIXED then
-        w, u = floor(now / a), 0
-        if src then
-          local rw, rc = sunpack('<i6i6', src, pos)
-          if rw == w then u = rc end
+      w, u, e = window(kind, src, pos, a, r and bl[r + 2], now)
+      if not w then return nil end
+      if d ~= 0 then
+        if kind == FIXED and floor(at / a) ~= w then
+          d = 0
+        elseif kind == CALENDAR and (at >= e or at < e - DAYS_28) then
+          return nil -- the month of the reservation is load's to find
         end
-        e = (w + 1) * a
-        if d ~= 0 and floor(at / a) ~= w then d = 0 end
-      else -- within 28 days of its month's end: the record's month
-        if not src then return nil end
-        e = bl[r + 2]
-        if now >= e or now < e - DAYS_28 then return nil end
-        w, u = sunpack('<i6i6', src, pos)
-        if d ~= 0 and (at >= e or at < e - DAYS_28) then return nil end
-      end
-      if delta ~= 0 then
         u = u + d
         if u > MAX_COUNT then u = MAX_COUNT elseif u < 0 then u = 0 end
         rec = spack('<I6i6I2i6i6', id, e, 12, w, u)

@@ -24,7 +24,8 @@
 --        ms as text; then one argument per reserve, packed in Go
 --        (wire/protocol.go): '<i6BBI2I2I2I2' cost in weighted tokens (a
 --        requests limit charges 1), mode (0 reserve, 1 peek, 2 reserve a
---        request id that must be new: any record of it denies), meta (0
+--        request id that must be new: any record of it denies; plus
+--        GENERAL: decided on the general path alone, for tests), meta (0
 --        shared, 1 subject, 2 subject with tenant-wide limits), the KEYS
 --        index of its epoch key, of its reservation record (0: none, for
 --        a shared reserve and for one whose limits no settlement touches:
@@ -58,20 +59,22 @@
 -- TIME. An error after a reserve began to charge fails the whole batch
 -- (nothing but its concurrency slots is written then).
 local offset, flags, nget = sunpack('<i6BI2', ARGV[1])
-local guard, dry = flags % 2, flags >= 2
+local guard, dry = flags % 2, flags % 4 >= 2
 local ttl = ARGV[2]
 local now = now_ms(offset)
 begin(nget)
 
 local function reserve(arg)
   local cost, mode, meta, ek, rk, sk, tk, myfp, mynonce, n = sunpack('<i6BBI2I2I2I2I6I6I2', arg)
+  local general = mode >= GENERAL -- tests: the general path alone
+  if general then mode = mode - GENERAL end
   if guard == 1 and not vals[ek] then return spack('<i8', -1) end
   local sub, ten = blob(sk, now), nil
   if tk > 0 then ten = blob(tk, now) end
   local at = RESERVE_HEAD + TAIL_HEAD + 1
   -- the common reserve: no peek, no concurrency, no record yet (lib.lua)
   local fastreply
-  if mode ~= MODE_PEEK and cost >= 0 and #arg == at - 1 + n * SPEC_LEN and not (rk > 0 and vals[rk]) then
+  if not general and mode ~= MODE_PEEK and cost >= 0 and #arg == at - 1 + n * SPEC_LEN and not (rk > 0 and vals[rk]) then
     fastreply = fast(arg, at, n, cost, rk, sub, ten, now, dry)
     if fastreply and not dry then return fastreply end
   end

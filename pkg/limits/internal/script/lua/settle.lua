@@ -22,7 +22,8 @@
 --        (wire/protocol.go): '<Bi6i6i6I2I2I2I2I2I2' op: 1 correct to the
 --        actual cost, 2 release (give the estimate back), 3 release only if
 --        there is no record (a release that found none when it was made
---        must not undo a later reservation of the id); the actual cost in
+--        must not undo a later reservation of the id); plus GENERAL:
+--        settled on the general path alone, for tests; the actual cost in
 --        weighted tokens; the fallback time ms and estimate: the ledger's
 --        copy of the reservation, for when the record is gone (-1 = none;
 --        the time alone also dates a void record's charge); the KEYS index
@@ -53,19 +54,21 @@
 -- Redis TIME. An error after a settle began to change state fails the whole
 -- batch (nothing but its concurrency slots is written then).
 local offset, flags, nget = sunpack('<i6BI2', ARGV[1])
-local guard, dry = flags % 2, flags >= 2
+local guard, dry = flags % 2, flags % 4 >= 2
 local ttl = ARGV[2]
 local now = now_ms(offset)
 begin(nget)
 
 local function settle(arg)
   local op, actual, fbt, fbe, ek, rk, sk, tk, n, ml = sunpack('<Bi6i6i6I2I2I2I2I2I2', arg)
+  local general = op >= GENERAL -- tests: the general path alone
+  if general then op = op - GENERAL end
   if guard == 1 and not vals[ek] then return spack('<i8', -1) end
   local sub, ten = blob(sk, now), blob(tk, now)
   -- the common correction: of an open reservation, no concurrency set
   -- after the member (lib.lua)
   local fastreply
-  if op == 1 and vals[rk] and #arg == SETTLE_HEAD + n * SPEC_LEN + ml then
+  if not general and op == 1 and vals[rk] and #arg == SETTLE_HEAD + n * SPEC_LEN + ml then
     fastreply = fastsettle(arg, n, actual, vals[rk], rk, sub, ten, now, dry)
     if fastreply and not dry then return fastreply end
   end

@@ -1,0 +1,175 @@
+package limits_test
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"quotaflow/internal/limitstest"
+	"quotaflow/internal/redistest"
+	"quotaflow/pkg/limits"
+	"quotaflow/pkg/limits/policy"
+)
+
+// TestFastPathStoresAsTheGeneralPath runs what the fast paths store, where
+// limits.CheckFast runs only their decisions: every random reserve and
+// settle goes to two tenants in one call (one Redis time), one on the fast
+// paths, its twin on the general path alone (limits.GeneralFor), and after
+// each step the replies, every blob's and record's bytes and every key's
+// expiry must agree (a record's to 100 ms: its PX is set at call time).
+// Windows of seconds and refills by the second make the fast paths meet
+// every case often. QF_MODEL_SEED replays a run.
+func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	_, rng, _, offset := modelRun(t, c, 23)
+	base := redistest.UniqueName(t)
+	ta, tb := base+"-fast", base+"-general"
+	fastRules := []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 40000}),
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t1h", Kind: policy.Rolling, Limit: 9000, Window: policy.Duration(time.Hour), Buckets: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 900, Window: policy.Duration(time.Hour), Buckets: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "r4", Kind: policy.Rolling, Limit: 300, Window: policy.Duration(4 * time.Second), Buckets: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10m", Kind: policy.Fixed, Unit: policy.Requests, Limit: 12, Window: policy.Duration(10 * time.Minute)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "f2", Kind: policy.Fixed, Limit: 250, Window: policy.Duration(2 * time.Second)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 10, Per: policy.Duration(time.Hour), Burst: 9}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tps", Kind: policy.TokenBucket, Rate: 77, Per: policy.Duration(time.Second), Burst: 150}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 15, Window: policy.Duration(time.Hour)}),
+	}
+	pick := func() []policy.Rule {
+		var rules []policy.Rule
+		for _, i := range rng.Perm(len(fastRules))[:1+rng.IntN(len(fastRules))] {
+			rules = append(rules, fastRules[i])
+		}
+		return rules
+	}
+	users := []string{"u1", "u2", "u3"}
+	type held struct {
+		user, id string
+		rules    []policy.Rule
+	}
+	var open []held
+	at := func(off time.Duration) *limits.Limiter {
+		return limits.New(c, limits.GeneralFor(limits.Options{NoEpochGuard: true, ClockOffset: off}, tb))
+	}
+	l := at(offset)
+	type uid struct{ user, id string }
+	var touched []uid
+	type stored struct {
+		val    string
+		expiry time.Duration
+	}
+	dump := func(tenant string) map[string]stored {
+		keys := []string{"q{" + tenant + "}t"}
+		for _, u := range users {
+			keys = append(keys, "q{"+tenant+"}u:"+u)
+		}
+		for _, x := range touched {
+			keys = append(keys, "q{"+tenant+"}r:"+x.user+":"+x.id)
+		}
+		m := map[string]stored{}
+		for _, k := range keys {
+			v, _ := c.Get(ctx, k).Result()
+			e, _ := c.PExpireTime(ctx, k).Result()
+			m[strings.Replace(k, tenant, "T", 1)] = stored{fmt.Sprintf("%x", v), e}
+		}
+		return m
+	}
+	compare := func(step int) {
+		a, b := dump(ta), dump(tb)
+		for k := range a {
+			// a record's PX is counted from when its SET runs: the twins' may be ms apart
+			d, slack := a[k].expiry-b[k].expiry, time.Duration(0)
+			if strings.HasPrefix(k, "q{T}r:") {
+				slack = 100 * time.Millisecond
+			}
+			if a[k].val != b[k].val || d > slack || d < -slack {
+				t.Fatalf("step %d: key %s differs:\nfast:    %+v\ngeneral: %+v", step, k, a[k], b[k])
+			}
+		}
+		touched = touched[:0]
+	}
+	for step := range 1500 {
+		switch r := rng.IntN(12); {
+		case r == 0:
+			offset += time.Duration(1+rng.IntN(6)) * 24 * time.Hour
+		case r < 3:
+			offset += time.Duration(1+rng.IntN(90)) * time.Minute
+		case r < 6:
+			offset += time.Duration(rng.IntN(1500)) * time.Millisecond
+		case r == 6:
+			offset -= time.Duration(1+rng.IntN(40)) * time.Minute
+		}
+		l = at(offset)
+		if len(open) > 0 && rng.IntN(2) == 0 {
+			var ops []limits.SettleOp
+			for range 1 + rng.IntN(min(len(open), 5)) {
+				i := rng.IntN(len(open))
+				h := open[i]
+				open = append(open[:i], open[i+1:]...)
+				actual := rng.Int64N(400)
+				if rng.IntN(6) == 0 {
+					actual = 0
+				}
+				rel := rng.IntN(6) == 0
+				touched = append(touched, uid{h.user, h.id})
+				for _, tn := range []string{ta, tb} {
+					ops = append(ops, limits.SettleOp{Settle: limits.Settle{Tenant: tn, User: h.user, RequestID: h.id,
+						Rules: h.rules, Actual: actual}, Release: rel})
+				}
+			}
+			out := l.SettleMany(ctx, ops)
+			for k := 0; k < len(out); k += 2 {
+				sa, sb := out[k].Settlement, out[k+1].Settlement
+				sa.States, sb.States = noRules(sa.States), noRules(sb.States)
+				fa, fb := fmt.Sprintf("%+v %v", sa, out[k].Err), fmt.Sprintf("%+v %v", sb, out[k+1].Err)
+				if fa != fb {
+					t.Fatalf("step %d settle %d:\nfast:    %s\ngeneral: %s", step, k, fa, fb)
+				}
+			}
+		}
+		var rs []limits.Request
+		for k := range 1 + rng.IntN(6) {
+			id := "s" + strconv.Itoa(step) + "-" + strconv.Itoa(k)
+			if len(open) > 0 && rng.IntN(10) == 0 {
+				id = open[rng.IntN(len(open))].id
+			}
+			cost := rng.Int64N(300)
+			if rng.IntN(10) == 0 {
+				cost = 0
+			}
+			user, rules := users[rng.IntN(len(users))], pick()
+			touched = append(touched, uid{user, id})
+			for _, tn := range []string{ta, tb} {
+				rs = append(rs, limits.Request{Tenant: tn, User: user, RequestID: id, Cost: cost, Rules: rules, Fingerprint: cost + 1, Nonce: int64(step)})
+			}
+		}
+		out := l.ReserveBatch(ctx, rs)
+		for k := 0; k < len(out); k += 2 {
+			da, db := out[k].Decision, out[k+1].Decision
+			da.States, db.States = noRules(da.States), noRules(db.States)
+			fa, fb := fmt.Sprintf("%+v %v", da, out[k].Err), fmt.Sprintf("%+v %v", db, out[k+1].Err)
+			if fa != fb {
+				t.Fatalf("step %d reserve %d:\nfast:    %s\ngeneral: %s", step, k, fa, fb)
+			}
+			if d := out[k].Decision; d.Allowed && !d.Duplicate {
+				open = append(open, held{rs[k].User, rs[k].RequestID, rs[k].Rules})
+			}
+		}
+		compare(step)
+	}
+}
+
+// noRules returns ss without their rules (pointers, which differ between
+// twins).
+func noRules(ss []limits.State) []limits.State {
+	out := make([]limits.State, len(ss))
+	for i, s := range ss {
+		s.Rule = nil
+		out[i] = s
+	}
+	return out
+}
