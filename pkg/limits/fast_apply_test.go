@@ -28,30 +28,17 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 	_, rng, _, offset := modelRun(t, c, 23)
 	base := redistest.UniqueName(t)
 	ta, tb := base+"-fast", base+"-general"
-	fastRules := []policy.Rule{
-		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 40000}),
-		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t1h", Kind: policy.Rolling, Limit: 9000, Window: policy.Duration(time.Hour), Buckets: 4}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 900, Window: policy.Duration(time.Hour), Buckets: 4}),
+	// the fast path's limits, and windows of seconds and refills by the second
+	fastRules := append(fastPathRules(),
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "r4", Kind: policy.Rolling, Limit: 300, Window: policy.Duration(4 * time.Second), Buckets: 4}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10m", Kind: policy.Fixed, Unit: policy.Requests, Limit: 12, Window: policy.Duration(10 * time.Minute)}),
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "f2", Kind: policy.Fixed, Limit: 250, Window: policy.Duration(2 * time.Second)}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 10, Per: policy.Duration(time.Hour), Burst: 9}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tps", Kind: policy.TokenBucket, Rate: 77, Per: policy.Duration(time.Second), Burst: 150}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tps2", Kind: policy.TokenBucket, Rate: 77, Per: policy.Duration(time.Second), Burst: 150}))
+	otherRules := []policy.Rule{
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 15, Window: policy.Duration(time.Hour)}),
 	}
-	pick := func() []policy.Rule {
-		var rules []policy.Rule
-		for _, i := range rng.Perm(len(fastRules))[:1+rng.IntN(len(fastRules))] {
-			rules = append(rules, fastRules[i])
-		}
-		return rules
-	}
+	pick := func() []policy.Rule { return pickRules(rng, fastRules, otherRules) }
 	users := []string{"u1", "u2", "u3"}
-	type held struct {
-		user, id string
-		rules    []policy.Rule
-	}
-	var open []held
+	var open []openRequest
 	at := func(off time.Duration) *limits.Limiter {
 		return limits.New(c, limits.GeneralFor(limits.Options{NoEpochGuard: true, ClockOffset: off}, tb))
 	}
@@ -125,10 +112,7 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 			for k := 0; k < len(out); k += 2 {
 				sa, sb := out[k].Settlement, out[k+1].Settlement
 				sa.States, sb.States = noRules(sa.States), noRules(sb.States)
-				fa, fb := fmt.Sprintf("%+v %v", sa, out[k].Err), fmt.Sprintf("%+v %v", sb, out[k+1].Err)
-				if fa != fb {
-					t.Fatalf("step %d settle %d:\nfast:    %s\ngeneral: %s", step, k, fa, fb)
-				}
+				sameTwins(t, step, "settle", k, sa, sb, out[k].Err, out[k+1].Err)
 			}
 		}
 		var rs []limits.Request
@@ -151,12 +135,9 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 		for k := 0; k < len(out); k += 2 {
 			da, db := out[k].Decision, out[k+1].Decision
 			da.States, db.States = noRules(da.States), noRules(db.States)
-			fa, fb := fmt.Sprintf("%+v %v", da, out[k].Err), fmt.Sprintf("%+v %v", db, out[k+1].Err)
-			if fa != fb {
-				t.Fatalf("step %d reserve %d:\nfast:    %s\ngeneral: %s", step, k, fa, fb)
-			}
+			sameTwins(t, step, "reserve", k, da, db, out[k].Err, out[k+1].Err)
 			if d := out[k].Decision; d.Allowed && !d.Duplicate {
-				open = append(open, held{rs[k].User, rs[k].RequestID, rs[k].Rules})
+				open = append(open, openRequest{rs[k].User, rs[k].RequestID, rs[k].Rules})
 			}
 		}
 		compare(step)
@@ -172,4 +153,13 @@ func noRules(ss []limits.State) []limits.State {
 		out[i] = s
 	}
 	return out
+}
+
+// sameTwins fails the test unless twin outcomes a and b (the fast path's
+// and the general path's) and their errors agree.
+func sameTwins(t *testing.T, step int, what string, k int, a, b any, ea, eb error) {
+	t.Helper()
+	if fa, fb := fmt.Sprintf("%+v %v", a, ea), fmt.Sprintf("%+v %v", b, eb); fa != fb {
+		t.Fatalf("step %d %s %d:\nfast:    %s\ngeneral: %s", step, what, k, fa, fb)
+	}
 }

@@ -2,6 +2,7 @@ package limits_test
 
 import (
 	"context"
+	"math/rand/v2"
 	"strconv"
 	"testing"
 	"time"
@@ -29,39 +30,16 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 	ctx := context.Background()
 	_, rng, _, offset := modelRun(t, c, 11)
 	tenant := redistest.UniqueName(t)
-	fastRules := []policy.Rule{
-		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 40000}),
-		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t1h", Kind: policy.Rolling, Limit: 9000, Window: policy.Duration(time.Hour), Buckets: 4}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 900, Window: policy.Duration(time.Hour), Buckets: 4}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 2500, Window: policy.Duration(5 * time.Hour)}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10m", Kind: policy.Fixed, Unit: policy.Requests, Limit: 12, Window: policy.Duration(10 * time.Minute)}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "day", Kind: policy.Fixed, Limit: 6000, Window: policy.Duration(24 * time.Hour)}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 10, Per: policy.Duration(time.Hour), Burst: 9}),
-		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tps", Kind: policy.TokenBucket, Rate: 3000, Per: policy.Duration(time.Hour), Burst: 700}),
-	}
 	otherRules := []policy.Rule{
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "log", Kind: policy.SlidingLog, Unit: policy.Requests, Limit: 15, Window: policy.Duration(time.Hour)}),
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "shadow", Kind: policy.Rolling, Limit: 300, Window: policy.Duration(time.Hour), Shadow: true}),
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "allowance", Kind: policy.TokenBucket, Unit: policy.Requests, Burst: 30, Per: policy.Duration(time.Hour)}),
 		{Limit: policy.Limit{Name: "slots", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 5}, Scope: policy.ScopeUser},
 	}
-	pick := func() []policy.Rule {
-		var rules []policy.Rule
-		for _, i := range rng.Perm(len(fastRules))[:1+rng.IntN(len(fastRules))] {
-			rules = append(rules, fastRules[i])
-		}
-		if rng.IntN(5) == 0 { // most plans are the fast path's alone
-			rules = append(rules, otherRules[rng.IntN(len(otherRules))])
-		}
-		rng.Shuffle(len(rules), func(i, j int) { rules[i], rules[j] = rules[j], rules[i] })
-		return rules
-	}
+	fastRules := fastPathRules()
+	pick := func() []policy.Rule { return pickRules(rng, fastRules, otherRules) }
 	users := []string{"u1", "u2", "u3"}
-	type held struct {
-		user, id string
-		rules    []policy.Rule
-	}
-	var open []held
+	var open []openRequest
 	at := func(off time.Duration) *limits.Limiter {
 		return limits.New(c, limits.CheckFast(limits.Options{NoEpochGuard: true, ClockOffset: off}))
 	}
@@ -132,7 +110,7 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 			switch d := o.Decision; {
 			case d.Allowed && !d.Duplicate:
 				allowed++
-				open = append(open, held{rs[k].User, rs[k].RequestID, rs[k].Rules})
+				open = append(open, openRequest{rs[k].User, rs[k].RequestID, rs[k].Rules})
 			case !d.Allowed && d.Conflict == limits.NoConflict:
 				denied++
 			}
@@ -208,4 +186,39 @@ func TestFastPathLeavesALimitNamedTwice(t *testing.T) {
 	if _, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "a", Actual: 10, Rules: rules}); err != nil {
 		t.Fatalf("correct: %v", err)
 	}
+}
+
+// fastPathRules are limits of every kind the fast paths take, user and
+// tenant, sized so that random costs fill them.
+func fastPathRules() []policy.Rule {
+	return []policy.Rule{
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "month", Kind: policy.CalendarMonth, Limit: 40000}),
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "t1h", Kind: policy.Rolling, Limit: 9000, Window: policy.Duration(time.Hour), Buckets: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "1h", Kind: policy.Rolling, Limit: 900, Window: policy.Duration(time.Hour), Buckets: 4}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "5h", Kind: policy.Rolling, Limit: 2500, Window: policy.Duration(5 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "10m", Kind: policy.Fixed, Unit: policy.Requests, Limit: 12, Window: policy.Duration(10 * time.Minute)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "day", Kind: policy.Fixed, Limit: 6000, Window: policy.Duration(24 * time.Hour)}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "rps", Kind: policy.TokenBucket, Unit: policy.Requests, Rate: 10, Per: policy.Duration(time.Hour), Burst: 9}),
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tps", Kind: policy.TokenBucket, Rate: 3000, Per: policy.Duration(time.Hour), Burst: 700}),
+	}
+}
+
+// pickRules returns some of pool in a random order, and in a fifth of the
+// plans one of other too.
+func pickRules(rng *rand.Rand, pool, other []policy.Rule) []policy.Rule {
+	var rules []policy.Rule
+	for _, i := range rng.Perm(len(pool))[:1+rng.IntN(len(pool))] {
+		rules = append(rules, pool[i])
+	}
+	if len(other) > 0 && rng.IntN(5) == 0 {
+		rules = append(rules, other[rng.IntN(len(other))])
+	}
+	rng.Shuffle(len(rules), func(i, j int) { rules[i], rules[j] = rules[j], rules[i] })
+	return rules
+}
+
+// openRequest is a request the run reserved and has not settled yet.
+type openRequest struct {
+	user, id string
+	rules    []policy.Rule
 }

@@ -528,6 +528,18 @@ local function add(j, delta, ts, now, member)
   end
 end
 
+-- place returns the index of record id in blob bl: r when known, else that
+-- of the record another limit of the call stored, else a new record's.
+local function place(bl, r, id)
+  if r then return r end
+  for i = 1, 4 * bl.n, 4 do
+    if bl[i] == id then return i end
+  end
+  r = 4 * bl.n + 1
+  bl.n, bl[r], bl[r + 1] = bl.n + 1, id, false
+  return r
+end
+
 -- store puts the changed state of limit j back into its blob (a sorted set
 -- is written directly) and marks the blob dirty.
 local function store(j, now)
@@ -584,16 +596,7 @@ local function store(j, now)
     end
     return
   end
-  local r = S[o + REC]
-  if not r then -- a new record, unless another slot of the call stored it
-    for i = 1, 4 * bl.n, 4 do
-      if bl[i] == id then r = i; break end
-    end
-    if not r then
-      r = 4 * bl.n + 1
-      bl.n, bl[r], bl[r + 1] = bl.n + 1, id, false
-    end
-  end
+  local r = place(bl, S[o + REC], id)
   bl[r + 2], bl[r + 3], bl.dirty = e, rec, true
 end
 
@@ -955,17 +958,11 @@ local function apply(n, sub, ten, sv, tv, rk)
   local st = staged
   charging = true
   for s = 1, 6 * n, 6 do
-    local bl, r, id, rec = st[s], st[s + 1], st[s + 4], st[s + 3]
-    if rec and not r then -- a new record, unless an earlier limit added it (store)
-      for i = 1, 4 * bl.n, 4 do
-        if bl[i] == id then r = i; break end
-      end
-      if not r then
-        r = 4 * bl.n + 1
-        bl.n, bl[r], bl[r + 1] = bl.n + 1, id, false
-      end
+    local bl, rec = st[s], st[s + 3]
+    if rec then
+      local r = place(bl, st[s + 1], st[s + 4])
+      bl[r + 2], bl[r + 3] = st[s + 2], rec
     end
-    if rec then bl[r + 2], bl[r + 3] = st[s + 2], rec end
   end
   if sv then sub.ver, sub.changed = sv, true end
   if tv then ten.ver, ten.changed = tv, true end
