@@ -857,9 +857,9 @@ end
 -- (bench/results.md). Anything else returns nil before it changes
 -- anything, and the general path decides.
 -- plans keeps each specs string's limits unpacked (false: not all fast's,
--- or one named twice);
--- strings are interned, so a batch's plan costs one lookup. It is emptied
--- once it holds PLANS_MAX, so it stays small whatever comes.
+-- or one named twice); strings are interned, so a batch's plan costs one
+-- lookup. It is emptied once it holds PLANS_MAX, so it stays small
+-- whatever comes.
 local plans, nplans = {}, 0
 local function plan(specs, n)
   local p = { NILS(36) }
@@ -975,7 +975,7 @@ local function apply(n, sub, ten, sv, tv, rk)
 end
 
 -- fast returns the reply of reserve arg (at: its specs, n of them), or nil
--- when it is not fast's. With dry it changes nothing (check).
+-- when it is not fast's. With dry it changes nothing (verify).
 local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
   local specs = arg:sub(at)
   local p = plans[specs]
