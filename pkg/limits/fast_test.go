@@ -168,11 +168,15 @@ func TestFastSettleAtAWindowsEdges(t *testing.T) {
 	correct(l5, "u3", "d", 90, 30) // d's bucket has left the window
 }
 
-// TestFastPathLeavesALimitNamedTwice: rules naming one limit twice (the
+// TestALimitNamedTwiceCountsOnce: rules naming one limit twice (the
 // engine's ids hash a rule's scope, endpoint, name, kind and window, and
-// Request.Rules is not deduplicated) are the general path's, for a reserve
-// and for its correction, which the general path maps to one slot.
-func TestFastPathLeavesALimitNamedTwice(t *testing.T) {
+// Request.Rules is not deduplicated) charge it once, and its correction
+// moves it once: each name takes a slot of its own, loaded from the same
+// record, and the last one stored stands. Such specs are the general
+// path's (checked both ways with limits.CheckFast: the fast paths leave
+// them alone). A correction that took one slot for both moved the window
+// by twice the difference.
+func TestALimitNamedTwiceCountsOnce(t *testing.T) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
 	tenant := redistest.UniqueName(t)
@@ -180,11 +184,16 @@ func TestFastPathLeavesALimitNamedTwice(t *testing.T) {
 		Window: policy.Duration(time.Hour), Buckets: 4})
 	rules := []policy.Rule{r, r}
 	l := limits.New(c, limits.CheckFast(limits.Options{NoEpochGuard: true}))
-	if d, err := l.Reserve(ctx, limits.Request{Tenant: tenant, User: "u", RequestID: "a", Cost: 100, Rules: rules}); err != nil || !d.Allowed {
+	d, err := l.Reserve(ctx, limits.Request{Tenant: tenant, User: "u", RequestID: "a", Cost: 100, Rules: rules})
+	if err != nil || !d.Allowed || d.States[0].Used != 100 || d.States[1].Used != 100 {
 		t.Fatalf("reserve: %+v, %v", d, err)
 	}
-	if _, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "a", Actual: 10, Rules: rules}); err != nil {
+	s, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "a", Actual: 10, Rules: rules})
+	if err != nil {
 		t.Fatalf("correct: %v", err)
+	}
+	if s.States[0].Used != 10 || s.States[1].Used != 10 {
+		t.Fatalf("correct to 10: used %d and %d", s.States[0].Used, s.States[1].Used)
 	}
 }
 

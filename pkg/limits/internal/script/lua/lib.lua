@@ -683,7 +683,13 @@ local function holds(raw, p, n, sub, ten, now, all)
     if all or kind == CONCURRENCY or IS_TOKENS(fl) then
       local j
       for q = 1, n do
-        if S[(q - 1) * SLOTS + ID] == id then j = q; break end
+        if S[(q - 1) * SLOTS + ID] == id then
+          j = q
+          for k = 1, #out do -- named twice, as by the call: a slot each
+            if out[k] == q then j = nil; break end
+          end
+          if j then break end
+        end
       end
       if not j then
         last = last + 1
@@ -870,7 +876,7 @@ local function plan(specs, n)
       p = false
       break
     end
-    for q = 1, 6 * j, 6 do -- a limit named twice: the general path's (holds maps both to one slot)
+    for q = 1, 6 * j, 6 do -- a limit named twice: the general path's
       if p[q] == id then p = false; break end
     end
     if not p then break end
