@@ -48,7 +48,7 @@ func (l *Limiter) reserveBlobs(ctx context.Context, rs []Request, mode int) []Re
 			if m == wire.ModeReserve && r.Fresh {
 				m = wire.ModeFresh
 			}
-			if r.Tenant == l.general {
+			if l.general != "" && r.Tenant == l.general {
 				m += wire.General
 			}
 			err := b.Add(r.Tenant, r.User, r.RequestID, r.Cost, m, r.Fingerprint, r.Nonce, r.Rules)

@@ -1,8 +1,8 @@
 package limits
 
-// CheckFast returns o with reserves that decide every reserve the engine's
-// fast path takes on its general path too, in the same call, and fail the
-// call on any difference in the reply or in what they store.
+// CheckFast returns o with reserve and settle calls that decide every entry
+// the engine's fast paths take on its general path too, in the same call,
+// and fail the call on any difference in the reply or in what they store.
 func CheckFast(o Options) Options {
 	o.checkFast = true
 	return o

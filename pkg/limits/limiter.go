@@ -67,8 +67,8 @@ type Options struct {
 	// ClockOffset shifts Redis time as the scripts see it. It exists for
 	// tests and demos that need to move through windows; leave it zero.
 	ClockOffset time.Duration
-	// checkFast makes reserves and settles check their fast path, and
-	// general's reserves and settles take the general path alone
+	// checkFast makes reserves and settles check their fast paths, and the
+	// tenant general's (none: "") take the general path alone
 	// (export_test.go).
 	checkFast bool
 	general   string

@@ -107,7 +107,7 @@ func (l *Limiter) addSettle(b *wire.SettleBatch, op *SettleOp) error {
 	case op.Release:
 		code = wire.SettleRelease
 	}
-	if op.Tenant == l.general {
+	if l.general != "" && op.Tenant == l.general {
 		code += wire.General
 	}
 	fbAt, fbEst := int64(-1), int64(-1)
