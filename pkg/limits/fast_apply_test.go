@@ -20,6 +20,7 @@ import (
 // paths, its twin on the general path alone (limits.GeneralFor), and after
 // each step the replies, every blob's and record's bytes and every key's
 // expiry must agree (a record's to 100 ms: its PX is set at call time).
+// On one node a batch is one call, whatever tenants its entries name.
 // Windows of seconds and refills by the second make the fast paths meet
 // every case often. QF_MODEL_SEED replays a run.
 func TestFastPathStoresAsTheGeneralPath(t *testing.T) {

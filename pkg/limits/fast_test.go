@@ -172,10 +172,9 @@ func TestFastSettleAtAWindowsEdges(t *testing.T) {
 // engine's ids hash a rule's scope, endpoint, name, kind and window, and
 // Request.Rules is not deduplicated) charge it once, and its correction
 // moves it once: each name takes a slot of its own, loaded from the same
-// record, and the last one stored stands. Such specs are the general
-// path's (checked both ways with limits.CheckFast: the fast paths leave
-// them alone). A correction that took one slot for both moved the window
-// by twice the difference.
+// record, and the last one stored stands, on the fast paths as on the
+// general path (both ways with limits.CheckFast). A correction that took
+// one slot for both moved the window by twice the difference.
 func TestALimitNamedTwiceCountsOnce(t *testing.T) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
@@ -187,6 +186,11 @@ func TestALimitNamedTwiceCountsOnce(t *testing.T) {
 	d, err := l.Reserve(ctx, limits.Request{Tenant: tenant, User: "u", RequestID: "a", Cost: 100, Rules: rules})
 	if err != nil || !d.Allowed || d.States[0].Used != 100 || d.States[1].Used != 100 {
 		t.Fatalf("reserve: %+v, %v", d, err)
+	}
+	// the blob holds the limit's record once: a version, a record's head
+	// (14 bytes), the window's (18) and its 4 buckets
+	if blob := c.Get(ctx, "q{"+tenant+"}u:u").Val(); len(blob) != 8+14+18+6*4 {
+		t.Fatalf("the blob is %d bytes, want one record's", len(blob))
 	}
 	s, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: "u", RequestID: "a", Actual: 10, Rules: rules})
 	if err != nil {
@@ -212,8 +216,8 @@ func fastPathRules() []policy.Rule {
 	}
 }
 
-// pickRules returns some of pool in a random order, and in a fifth of the
-// plans one of other too.
+// pickRules returns some of pool in a random order, in a fifth of the
+// plans one of other too, and in a tenth one of its limits twice.
 func pickRules(rng *rand.Rand, pool, other []policy.Rule) []policy.Rule {
 	var rules []policy.Rule
 	for _, i := range rng.Perm(len(pool))[:1+rng.IntN(len(pool))] {
@@ -221,6 +225,9 @@ func pickRules(rng *rand.Rand, pool, other []policy.Rule) []policy.Rule {
 	}
 	if len(other) > 0 && rng.IntN(5) == 0 {
 		rules = append(rules, other[rng.IntN(len(other))])
+	}
+	if rng.IntN(10) == 0 {
+		rules = append(rules, rules[0])
 	}
 	rng.Shuffle(len(rules), func(i, j int) { rules[i], rules[j] = rules[j], rules[i] })
 	return rules

@@ -862,10 +862,11 @@ end
 -- functions: most of a batched 5-limit reserve's instructions
 -- (bench/results.md). Anything else returns nil before it changes
 -- anything, and the general path decides.
--- plans keeps each specs string's limits unpacked (false: not all fast's,
--- or one named twice); strings are interned, so a batch's plan costs one
--- lookup. It is emptied once it holds PLANS_MAX, so it stays small
--- whatever comes.
+-- plans keeps each specs string's limits unpacked (false: not all fast's);
+-- strings are interned, so a batch's plan costs one lookup. It is emptied
+-- once it holds PLANS_MAX, so it stays small whatever comes. A limit named
+-- twice takes a slot per name, as on the general path (holds), and the
+-- last one stored stands: both were made from the same record.
 local plans, nplans = {}, 0
 local function plan(specs, n)
   local p = { NILS(36) }
@@ -876,10 +877,6 @@ local function plan(specs, n)
       p = false
       break
     end
-    for q = 1, 6 * j, 6 do -- a limit named twice: the general path's
-      if p[q] == id then p = false; break end
-    end
-    if not p then break end
     local q = 6 * j
     p[q + 1], p[q + 2], p[q + 3], p[q + 4], p[q + 5], p[q + 6] = id, kind, fl, lim, a, b
   end
