@@ -65,7 +65,7 @@ func main() {
 	rlsMode := flag.Bool("rls", false, "compare admission's ShouldRateLimit over gRPC with envoyproxy/ratelimit's, one and five descriptors, in interleaved rounds")
 	rlsClient := flag.String("rls-client", rlsClients[0], "-rls: the load's gRPC clients, comma-separated, each loading every target: lean (bench/internal/grpcload: frames written by the caller, one reader goroutine a connection), grpc-go or ghz (pinned, built once into the user cache directory)")
 	grpcConns := flag.Int("grpc-conns", 4, "-rls: gRPC connections the load shares (Envoy multiplexes its calls on a few)")
-	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler at the same rate and at this fraction of its own closed-loop rate) (0: not)")
+	open := flag.Float64("open", 0.7, "-peer and -ab: then load the five-limit plan in an open loop at this fraction of its closed-loop rate (with -ab: the before build's, for both; with -peer: -rounds rounds, beside the plain handler and envoy, each at the same rate and at this fraction of its own closed-loop rate) (0: not)")
 	openConns := flag.Int("open-conns", 256, "-peer and -ab: the open loop's connections, sharing its schedule (Little's law: enough that requests wait in the generator only when latency passes open-conns / rate)")
 	loadProfile := flag.String("loadprofile", "", "write a CPU profile of the load generator itself (this process) to this file")
 	flag.Parse()

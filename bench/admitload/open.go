@@ -76,26 +76,27 @@ type openCase struct {
 }
 
 // openLoop loads five in an open loop at o.openFrac of its median
-// closed-loop rate at the highest level and, when there is plain, plain at
-// the same rate and at o.openFrac of its own median closed-loop rate (what
-// the load generator and the host's scheduling cost a server that is as
-// busy as five), in o.rounds interleaved rounds, over o.openConns
+// closed-loop rate at the highest level and each of others (the plain
+// handler, envoy's service) at the same rate and at o.openFrac of its own
+// median closed-loop rate (what the load generator and the host's
+// scheduling cost a server that is as busy as five, and what the peer's
+// tail is on this host), in o.rounds interleaved rounds, over o.openConns
 // connections. It prints where the tail may come from beside it: the wait
 // for a free connection (slow answers hold them all), the load generator's
 // own lag (how late it wrote requests after they were due or taken), the
 // time each process's threads waited for a CPU, admission's own p99,
 // garbage collections, Reserve batches and the time each script call (up to
 // 64 Reserves) held Redis.
-func openLoop(o peerOptions, five, plain *peerTarget, measure func(t *peerTarget, rate float64) (peerRun, error)) error {
+func openLoop(o peerOptions, five *peerTarget, others []*peerTarget, measure func(t *peerTarget, rate float64) (peerRun, error)) error {
 	top := o.levels[len(o.levels)-1]
 	rate := o.openFrac * stats.Median(rates(five.runs[top], nil))
 	cs := []*openCase{{t: five, name: five.name, rate: rate}}
-	if plain != nil {
-		own := o.openFrac * stats.Median(rates(plain.runs[top], nil))
-		cs = append(cs, &openCase{t: plain, name: plain.name + ", same rate", rate: rate},
-			&openCase{t: plain, name: fmt.Sprintf("plain net/http, %.0f %% of its own", 100*o.openFrac), rate: own})
+	for _, t := range others {
+		own := o.openFrac * stats.Median(rates(t.runs[top], nil))
+		cs = append(cs, &openCase{t: t, name: t.name + ", same rate", rate: rate},
+			&openCase{t: t, name: fmt.Sprintf("%s, %.0f %% of its own", t.name, 100*o.openFrac), rate: own})
 	}
-	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of %s's median closed-loop rate at c=%d), the plain handler also at %.0f %% of its own; "+
+	fmt.Printf("\nopen loop: %.0f req/s due (%.0f %% of %s's median closed-loop rate at c=%d), the plain handler and envoy each also at %.0f %% of its own; "+
 		"%d connections sharing one schedule (a connection takes the next request due once its answer is in); %d rounds in rotating order; "+
 		"conn wait: how long a request waited for a free connection after it was due (slow answers hold every connection; counted in the latency); "+
 		"lag: how late the load generator wrote a request after it was due or taken by a connection, whichever came last (its own lateness; counted in the latency); "+

@@ -186,7 +186,7 @@ func peer(ctx context.Context, o peerOptions) error {
 	summary(ts, o)
 
 	if five := find(ts, "five"); five != nil && o.openFrac > 0 {
-		if err := openLoop(o, five, find(ts, "plain"), func(t *peerTarget, rate float64) (peerRun, error) { return measure(t, o.openConns, rate) }); err != nil {
+		if err := openLoop(o, five, others(ts, "plain", "envoy"), func(t *peerTarget, rate float64) (peerRun, error) { return measure(t, o.openConns, rate) }); err != nil {
 			return err
 		}
 	}
@@ -534,3 +534,14 @@ func orDashD(ops string, d time.Duration) string {
 func mib(b int64) string { return strconv.FormatFloat(float64(b)/(1<<20), 'f', 1, 64) + " MiB" }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// others lists the targets of ts with the given short names that are there.
+func others(ts []*peerTarget, shorts ...string) []*peerTarget {
+	var out []*peerTarget
+	for _, s := range shorts {
+		if t := find(ts, s); t != nil {
+			out = append(out, t)
+		}
+	}
+	return out
+}
