@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -159,6 +160,60 @@ func TestCallgrindInstructions(t *testing.T) {
 	t.Logf("callgrind: per settle (correct) over 5 limits in SettleMany batches of 64: %.0f", s64)
 	q, q16, q64 := measure(req), measure(batchOf(hourly, "q16-", 16)), measure(batchOf(hourly, "q64-", 64))
 	t.Logf("callgrind: reserve over 1 request limit (a fixed window of requests, the peer benchmark's plan): lone %.0f, per reserve in batches of 16 %.0f and 64 %.0f", q, q16, q64)
+	// many plans: the reserves of a batch of 64 in turn take one of n plans
+	// (the 5h window's size differs, so each plan's specs string does): up
+	// to PLANS_MAX (64) the fast path's plans cache keeps them all; past it
+	// every lookup misses and the cache is emptied every 64 plans made.
+	plansOf := func(prefix string, n int) func(i int) {
+		ps := make([][]policy.Rule, n)
+		for p := range ps {
+			ps[p] = slices.Clone(rules)
+			ps[p][1].Limit.Limit += int64(p)
+		}
+		return func(i int) {
+			if i%64 != 0 {
+				return
+			}
+			rs := make([]Request, 64)
+			for k := range rs {
+				rs[k] = Request{Tenant: "acme", User: "b" + strconv.Itoa((i+k)%batchUsers),
+					RequestID: prefix + run + "-" + strconv.Itoa(i+k), Cost: 1, Rules: ps[(i+k)%n]}
+			}
+			for _, o := range l.ReserveBatch(ctx, rs) {
+				if o.Err != nil {
+					t.Fatal(o.Err)
+				}
+			}
+		}
+	}
+	m16, m256 := measure(plansOf("m16-", 16)), measure(plansOf("m256-", 256))
+	t.Logf("callgrind: per reserve over 5 limits in batches of 64, each reserve one of 16 plans (all kept unpacked) %.0f, one of 256 (none kept: the cache holds 64) %.0f", m16, m256)
+	// turned: subjects seen last 13 minutes ago, so each reserve finds its
+	// 5 h window a bucket (12.5 minutes) behind, as a subject that calls
+	// less often than a bucket's length does
+	past := New(c, Options{NoEpochGuard: true, ClockOffset: -13 * time.Minute})
+	for i := range calls {
+		if _, err := past.Reserve(ctx, Request{Tenant: "acme", User: "t" + run + "-" + strconv.Itoa(i),
+			RequestID: "tp-" + run + "-" + strconv.Itoa(i), Cost: 1, Rules: rules}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	turned := measure(func(i int) {
+		if i%64 != 0 {
+			return
+		}
+		rs := make([]Request, 64)
+		for k := range rs {
+			rs[k] = Request{Tenant: "acme", User: "t" + run + "-" + strconv.Itoa(i+k),
+				RequestID: "tn-" + run + "-" + strconv.Itoa(i+k), Cost: 1, Rules: rules}
+		}
+		for _, o := range l.ReserveBatch(ctx, rs) {
+			if o.Err != nil {
+				t.Fatal(o.Err)
+			}
+		}
+	})
+	t.Logf("callgrind: per reserve over 5 limits in batches of 64, each subject's 5 h window a bucket behind: %.0f", turned)
 }
 
 // TestCallgrindCount counts the instructions redis-server spends per
@@ -325,8 +380,9 @@ func control(t *testing.T, arg string) {
 // keeps counts the dumps kept in QF_CALLGRIND_KEEP: 1 steady, 2 first touch,
 // 3 one limit, 4 settle, 5 INCR, 6 settle below the estimate, 7 and 8
 // 5-limit batches of 16 and 64, 9 and 10 1-limit batches of 16 and 64, 11
-// the empty FCALL, 12 settles in batches of 64, 13 and 14 the request
-// limit's reserves, lone and in batches of 64.
+// the empty FCALL, 12 settles in batches of 64, 13 to 15 the request
+// limit's reserves, lone and in batches of 16 and 64, 16 and 17 batches of 16
+// and 256 plans, 18 batches whose 5 h windows turn.
 var keeps int
 
 // dump writes a callgrind dump and returns its instruction total.
