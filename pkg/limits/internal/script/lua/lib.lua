@@ -851,8 +851,8 @@ local function snapshot(n, now, h1, h2, h3, h4, h5, h6, h7, h8)
 end
 
 -- The common reserve, decided without the state table: every limit a
--- rolling window whose head is the current bucket, a fixed window, a
--- calendar month within 28 days of its end or a refilling token bucket,
+-- rolling window (whose head, if it is behind the current bucket, moves
+-- to it), a fixed window, a calendar month within 28 days of its end or a refilling token bucket,
 -- none a shadow, no concurrency, no reservation record yet, and room in
 -- every limit. A limit whose record is missing or expired starts afresh (a
 -- window empty, a bucket full; a month needs its record). fast decides it
@@ -1000,17 +1000,39 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
     local e, rec, used, reset
     if kind == ROLLING then
       local cb = floor(now / a)
-      local tl, t, cur = cb, 0, 0
+      local tl, t, cur, h = cb, 0, 0, cb
       if src then
-        local h
         h, tl, t = sunpack('<i6i6i6', src, pos)
-        if h ~= cb then return nil end
-        cur = sunpack('<i6', src, pos + 18 + 6 * (cb % b))
+        if h > cb then return nil end
+        if h == cb then cur = sunpack('<i6', src, pos + 18 + 6 * (cb % b)) end
       end
-      t, cur = t + c, cur + c
-      if t > lim or t > MAX_COUNT then return nil end
-      if t == 0 or cur > 0 and (t == c or cb < tl) then tl = cb end
-      e, rec = (cb + b) * a, ring(id, a, b, cb, tl, t, src, pos, cb, cur)
+      if h < cb then
+        -- the window turned since its record was stored (a live record's
+        -- head is less than b buckets back): the buckets it passed are
+        -- dropped, the current one charged and the tail found again, as
+        -- load and add do, and every counter is packed anew
+        local full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), src, pos + 18) }
+        full[b + 1] = nil
+        for k = h + 1, cb do
+          local i = k % b + 1
+          t = t - full[i]
+          full[i] = 0
+        end
+        t = t + c
+        if t > lim or t > MAX_COUNT then return nil end
+        full[cb % b + 1] = c
+        tl = cb
+        for q = cb - b + 1, cb do
+          if full[q % b + 1] ~= 0 then tl = q; break end
+        end
+        e = (cb + b) * a
+        rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. spack(i6s[b], unpack(full))
+      else
+        t, cur = t + c, cur + c
+        if t > lim or t > MAX_COUNT then return nil end
+        if t == 0 or cur > 0 and (t == c or cb < tl) then tl = cb end
+        e, rec = (cb + b) * a, ring(id, a, b, cb, tl, t, src, pos, cb, cur)
+      end
       if t > 0 then used, reset = t, (tl + b) * a - now else used, reset = 0, 0 end
     elseif kind == TOKEN_BUCKET then
       local x = level(src, pos, lim, a, now)
