@@ -162,8 +162,8 @@ func TestCallgrindInstructions(t *testing.T) {
 	t.Logf("callgrind: reserve over 1 request limit (a fixed window of requests, the peer benchmark's plan): lone %.0f, per reserve in batches of 16 %.0f and 64 %.0f", q, q16, q64)
 	// many plans: the reserves of a batch of 64 in turn take one of n plans
 	// (the 5h window's size differs, so each plan's specs string does): up
-	// to PLANS_MAX (64) the fast path's plans cache keeps them all; past it
-	// every lookup misses and the cache is emptied every 64 plans made.
+	// to PLANS_MAX (512) the fast path's plans cache keeps them all; past it
+	// every lookup misses and the cache is emptied every 512 plans made.
 	plansOf := func(prefix string, n int) func(i int) {
 		ps := make([][]policy.Rule, n)
 		for p := range ps {
@@ -186,8 +186,12 @@ func TestCallgrindInstructions(t *testing.T) {
 			}
 		}
 	}
-	m16, m256 := measure(plansOf("m16-", 16)), measure(plansOf("m256-", 256))
-	t.Logf("callgrind: per reserve over 5 limits in batches of 64, each reserve one of 16 plans (all kept unpacked) %.0f, one of 256 (none kept: the cache holds 64) %.0f", m16, m256)
+	warm := plansOf("w256-", 256) // the same 256 specs strings as m256's
+	for i := range 256 {
+		warm(i)
+	}
+	m16, m256, m1024 := measure(plansOf("m16-", 16)), measure(plansOf("m256-", 256)), measure(plansOf("m1024-", 1024))
+	t.Logf("callgrind: per reserve over 5 limits in batches of 64, each reserve one of 16 plans %.0f, one of 256 (met before) %.0f, one of 1,024 (never kept: the cache holds PLANS_MAX, 512) %.0f", m16, m256, m1024)
 	// turned: subjects seen last 13 minutes ago, so each reserve finds its
 	// 5 h window a bucket (12.5 minutes) behind, as a subject that calls
 	// less often than a bucket's length does
@@ -381,8 +385,8 @@ func control(t *testing.T, arg string) {
 // 3 one limit, 4 settle, 5 INCR, 6 settle below the estimate, 7 and 8
 // 5-limit batches of 16 and 64, 9 and 10 1-limit batches of 16 and 64, 11
 // the empty FCALL, 12 settles in batches of 64, 13 to 15 the request
-// limit's reserves, lone and in batches of 16 and 64, 16 and 17 batches of 16
-// and 256 plans, 18 batches whose 5 h windows turn.
+// limit's reserves, lone and in batches of 16 and 64, 16 to 18 batches of 16,
+// 256 and 1,024 plans, 19 batches whose 5 h windows turn.
 var keeps int
 
 // dump writes a callgrind dump and returns its instruction total.

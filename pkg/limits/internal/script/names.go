@@ -59,7 +59,7 @@ var luaNames = map[string]int64{
 
 	"NEVER":     1<<47 - 1,     // a blob record's expiry that never comes
 	"DAYS_28":   28 * 86400000, // the shortest month, ms
-	"PLANS_MAX": 64,            // the most plans fast keeps unpacked
+	"PLANS_MAX": 512,           // the most plans fast keeps unpacked (~0.85 kB each at five limits)
 }
 
 // luaCapitals are the capitals of the Lua code that are no names: Redis's

@@ -864,7 +864,9 @@ end
 -- anything, and the general path decides.
 -- plans keeps each specs string's limits unpacked (false: not all fast's);
 -- strings are interned, so a batch's plan costs one lookup. It is emptied
--- once it holds PLANS_MAX, so it stays small whatever comes. A limit named
+-- once it holds PLANS_MAX (512, ~0.4 MB at five limits a plan), so it stays
+-- small whatever comes; a miss costs a batched reserve ~12k instructions
+-- (bench/results.md). A limit named
 -- twice takes a slot per name, as on the general path (holds), and the
 -- last one stored stands: both were made from the same record.
 local plans, nplans = {}, 0
