@@ -36,7 +36,13 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "allowance", Kind: policy.TokenBucket, Unit: policy.Requests, Burst: 30, Per: policy.Duration(time.Hour)}),
 		{Limit: policy.Limit{Name: "slots", Kind: policy.Concurrency, Unit: policy.Requests, Limit: 5}, Scope: policy.ScopeUser},
 	}
-	fastRules := fastPathRules()
+	// prepaid balances, user and tenant, which top-ups below keep in credit
+	// about as often as not
+	credits := []policy.Rule{
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "credits", Kind: policy.Balance}),
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "tcredits", Kind: policy.Balance}),
+	}
+	fastRules := append(fastPathRules(), credits...)
 	pick := func() []policy.Rule { return pickRules(rng, fastRules, otherRules) }
 	users := []string{"u1", "u2", "u3"}
 	var open []openRequest
@@ -65,6 +71,12 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 		case r == 4: // back, as an instance whose clock lags sees it
 			offset -= time.Duration(1+rng.IntN(40)) * time.Minute
 			l = at(offset)
+		}
+		if rng.IntN(4) == 0 { // a top-up of a user's or the tenant's balance
+			r := &credits[rng.IntN(len(credits))]
+			if _, err := l.TopUp(ctx, tenant, users[rng.IntN(len(users))], r, 1+rng.Int64N(1500), "top-"+strconv.Itoa(step)); err != nil {
+				t.Fatalf("step %d, top-up: %v", step, err)
+			}
 		}
 		if len(open) > 0 && rng.IntN(2) == 0 { // settle some open requests, in one batch
 			ops := make([]limits.SettleOp, 1+rng.IntN(min(len(open), 6)))

@@ -852,10 +852,11 @@ end
 
 -- The common reserve, decided without the state table: every limit a
 -- rolling window (whose head, if it is behind the current bucket, moves
--- to it), a fixed window, a calendar month within 28 days of its end or a refilling token bucket,
--- none a shadow, no concurrency, no reservation record yet, and room in
--- every limit. A limit whose record is missing or expired starts afresh (a
--- window empty, a bucket full; a month needs its record). fast decides it
+-- to it), a fixed window, a calendar month within 28 days of its end, a
+-- refilling token bucket or a prepaid balance, none a shadow, no
+-- concurrency, no reservation record yet, and room in every limit. A
+-- limit whose record is missing or expired starts afresh (a window empty,
+-- a bucket full, a balance of nothing; a month needs its record). fast decides it
 -- as the general path would, to the byte (records, versions, reply),
 -- reading the few fields a limit needs straight from its record, where the
 -- general path fills and reads 19 slots of S per limit through four
@@ -875,7 +876,7 @@ local function plan(specs, n)
   for j = 0, n - 1 do
     local id, kind, fl, lim, a, b = sunpack('<I6BBddd', specs, 1 + j * SPEC_LEN)
     if IS_SHADOW(fl) or not (kind == ROLLING or kind == FIXED or kind == CALENDAR
-        or kind == TOKEN_BUCKET and a > 0) then
+        or kind == TOKEN_BUCKET and a > 0 or kind == BALANCE) then
       p = false
       break
     end
@@ -986,7 +987,7 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
   local p = plans[specs]
   if p == nil then p = plan(specs, n) end
   if not p then return nil end
-  local out, st, insub, inten = snap, staged, false, false
+  local out, st, insub, inten, i = snap, staged, false, false, 7
   for j = 0, n - 1 do
     local q = 6 * j
     local id, kind, fl, lim, a, b = p[q + 1], p[q + 2], p[q + 3], p[q + 4], p[q + 5], p[q + 6]
@@ -999,7 +1000,7 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
     end
     local r, src, pos = find(bl, id)
     local c = IS_TOKENS(fl) and cost or 1
-    local e, rec, used, reset
+    local e, rec, used, reset, credited
     if kind == ROLLING then
       local cb = floor(now / a)
       local tl, t, cur, h = cb, 0, 0, cb
@@ -1042,6 +1043,12 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
       x = x - c
       if x < lim - MAX_COUNT then return nil end
       e, rec, used, reset = bucket(id, x, lim, a, now)
+    elseif kind == BALANCE then
+      local cr, sp = 0, 0
+      if src then cr, sp = sunpack('<i6i6', src, pos) end
+      sp = sp + c
+      if sp > cr or sp > MAX_COUNT then return nil end
+      e, rec, used, reset, credited = NEVER, spack('<I6i6I2i6i6', id, NEVER, 12, cr, sp), sp, 0, cr
     else
       local w, u
       w, u, e = window(kind, src, pos, a, r and bl[r + 2], now)
@@ -1052,14 +1059,18 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
     end
     local s = 6 * j
     st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5], st[s + 6] = bl, r, e, rec, id, r and bl[r + 3] or false
-    out[8 + 2 * j], out[9 + 2 * j] = used, reset
+    out[i + 1], out[i + 2] = used, reset
+    i = i + 2
+    if credited then
+      i = i + 1
+      out[i] = credited
+    end
   end
   -- the versions as stage moves them
   local sv, tv = sub.ver, ten and ten.ver or 0
   if insub then sv = max(sv + 1, now * 1000) end
   if inten then tv = max(tv + 1, now * 1000) end
   out[1], out[2], out[3], out[4], out[5], out[6], out[7] = STATUS_ALLOWED, 0, 0, 0, now, sv, tv
-  local i = 7 + 2 * n
   local reply, record = spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i)), false
   if rk > 0 then record = spack('<i6i6B', now, cost, OPEN) .. arg:sub(RESERVE_HEAD + 1) end
   st[6 * n + 1], st[6 * n + 2] = reply, record
@@ -1093,7 +1104,7 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
   end
   if j ~= n then return nil end
   local at, delta = min(ts, now), actual - est
-  local out, st, insub, inten = snap, staged, false, false
+  local out, st, insub, inten, i = snap, staged, false, false, 8
   for j = 0, n - 1 do
     local q = 6 * j
     local id, kind, fl, lim, a, b = pl[q + 1], pl[q + 2], pl[q + 3], pl[q + 4], pl[q + 5], pl[q + 6]
@@ -1104,7 +1115,7 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
       insub = delta ~= 0
     end
     local r, src, pos = find(bl, id)
-    local d, e, rec, used, reset = delta, nil, false, nil, nil
+    local d, e, rec, used, reset, credited = delta, nil, false, nil, nil, nil
     if kind == ROLLING then
       if not src then return nil end
       local cb = floor(now / a)
@@ -1135,6 +1146,15 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
         used = lim - x
         used, reset = ceil(used), ceil(used / a)
       end
+    elseif kind == BALANCE then
+      if not src then return nil end
+      local cr, sp = sunpack('<i6i6', src, pos)
+      if d ~= 0 then
+        sp = sp + d
+        if sp > MAX_COUNT then sp = MAX_COUNT elseif sp < 0 then sp = 0 end
+        e, rec = NEVER, spack('<I6i6I2i6i6', id, NEVER, 12, cr, sp)
+      end
+      used, reset, credited = sp, 0, cr
     else
       local w, u
       w, u, e = window(kind, src, pos, a, r and bl[r + 2], now)
@@ -1153,13 +1173,17 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
     end
     local s = 6 * j
     st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5], st[s + 6] = bl, r, e, rec, id, r and bl[r + 3] or false
-    out[9 + 2 * j], out[10 + 2 * j] = used, reset
+    out[i + 1], out[i + 2] = used, reset
+    i = i + 2
+    if credited then
+      i = i + 1
+      out[i] = credited
+    end
   end
   local sv, tv = sub.ver, ten.ver
   if insub then sv = max(sv + 1, now * 1000) end
   if inten then tv = max(tv + 1, now * 1000) end
   out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8] = 1, delta, at, now, sv, tv, OPEN, est
-  local i = 8 + 2 * n
   local reply = spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i))
   st[6 * n + 1], st[6 * n + 2] = reply, spack('<i6i6BI6I6', at, est, CORRECTED, fp, nonce)
   if not dry then apply(n, sub, ten, insub and sv, inten and tv, rk) end
