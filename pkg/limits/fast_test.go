@@ -138,8 +138,9 @@ func TestFastReserveDecidesAsTheGeneralPath(t *testing.T) {
 // seldom, each decided both ways in one call (limits.CheckFast): one that
 // empties the window's oldest non-empty bucket while later ones hold
 // tokens (its oldest bucket moves on: the general path's), one that
-// empties the whole window from an older bucket than the head, and one
-// whose bucket the window has left.
+// empties the whole window from an older bucket than the head, one whose
+// bucket the window has left, and two of windows that turned since their
+// head: one emptied, one whose reservation's bucket the turn dropped.
 func TestFastSettleAtAWindowsEdges(t *testing.T) {
 	c := redistest.Shared(t)
 	ctx := context.Background()
@@ -168,7 +169,7 @@ func TestFastSettleAtAWindowsEdges(t *testing.T) {
 			t.Fatalf("correct %s: used %d, want %d", id, got, used)
 		}
 	}
-	l0, l1, l5 := at(0), at(15*time.Minute), at(75*time.Minute)
+	l0, l1, l4, l5 := at(0), at(15*time.Minute), at(60*time.Minute), at(75*time.Minute)
 	reserve(l0, "u1", "a", 100)
 	reserve(l1, "u1", "b", 50)
 	correct(l1, "u1", "a", 0, 50) // a's bucket, the oldest, empties: b's is the oldest now
@@ -178,6 +179,12 @@ func TestFastSettleAtAWindowsEdges(t *testing.T) {
 	reserve(l1, "u3", "d", 40)
 	reserve(l5, "u3", "e", 30)
 	correct(l5, "u3", "d", 90, 30) // d's bucket has left the window
+	// windows that turned since their head: the correction turns them first
+	reserve(l0, "u4", "f", 70)
+	correct(l1, "u4", "f", 0, 0) // the window empties: its tail is the current bucket
+	reserve(l0, "u5", "g", 40)
+	reserve(l1, "u5", "h", 10)
+	correct(l4, "u5", "g", 90, 10) // g's bucket left the window as it turned: h's alone is left
 }
 
 // TestALimitNamedTwiceCountsOnce: rules naming one limit twice (the

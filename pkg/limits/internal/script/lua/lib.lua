@@ -1081,9 +1081,10 @@ end
 -- fastsettle is fast for the common settle: the correction (op 1) of an
 -- open reservation whose record names exactly the call's limits, in order,
 -- as its token limits and no concurrency slot, every one a fast path kind;
--- each rolling window's head the current bucket and a correction that
--- leaves its oldest bucket non-empty or empty alone, each month's record
--- there and the reservation in its last 28 days. It returns the reply of
+-- each rolling window's record there, its head not past the current bucket
+-- and, unless the window turned, a correction that leaves its oldest bucket
+-- non-empty or empty alone; each month's record there and the reservation
+-- in its last 28 days. It returns the reply of
 -- settle arg, or nil before it changes anything; with dry it changes
 -- nothing (verify).
 local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
@@ -1120,10 +1121,41 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
       if not src then return nil end
       local cb = floor(now / a)
       local h, tl, t = sunpack('<i6i6i6', src, pos)
-      if h ~= cb then return nil end
+      if h > cb then return nil end
       local k = floor(at / a)
       e = (cb + b) * a
-      if d ~= 0 and k > cb - b and k <= cb then
+      if h < cb then
+        -- the window turned since its record was stored: the buckets it
+        -- passed dropped and the tail found again as load does, then the
+        -- correction as add makes it, every counter packed anew (stored
+        -- only with a correction to make, as the general path stores)
+        local full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), src, pos + 18) }
+        full[b + 1] = nil
+        for q = h + 1, cb do
+          local i = q % b + 1
+          t = t - full[i]
+          full[i] = 0
+        end
+        if tl <= cb - b then
+          tl = cb
+          for q = cb - b + 1, cb do
+            if full[q % b + 1] ~= 0 then tl = q; break end
+          end
+        end
+        if d ~= 0 then
+          if k > cb - b and k <= cb then
+            if d > 0 and t + d > MAX_COUNT then d = max(0, MAX_COUNT - t) end
+            local i = k % b + 1
+            if full[i] + d < 0 then d = -full[i] end
+            full[i], t = full[i] + d, t + d
+            tl = cb
+            for q = cb - b + 1, cb do
+              if full[q % b + 1] ~= 0 then tl = q; break end
+            end
+          end
+          rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. spack(i6s[b], unpack(full))
+        end
+      elseif d ~= 0 and k > cb - b and k <= cb then
         if d > 0 and t + d > MAX_COUNT then d = max(0, MAX_COUNT - t) end
         local cur = sunpack('<i6', src, pos + 18 + 6 * (k % b))
         if cur + d < 0 then d = -cur end
