@@ -218,6 +218,25 @@ func TestCallgrindInstructions(t *testing.T) {
 		}
 	})
 	t.Logf("callgrind: per reserve over 5 limits in batches of 64, each subject's 5 h window a bucket behind: %.0f", turned)
+	// prepaid: the five limits and a user's balance, in credit; then a
+	// balance of its own, never topped up, which denies every reserve (the
+	// plan's last limit: the fast path has built the others' records by
+	// then, and the general path decides the denial)
+	credits := policy.Rule{Limit: policy.Limit{Name: "credits", Kind: policy.Balance, Unit: policy.Tokens}, Scope: policy.ScopeUser}
+	prepaid := append(slices.Clone(rules), credits)
+	for u := range batchUsers {
+		// a top-up's reference is the tenant's: one per user
+		r, err := l.TopUp(ctx, "acme", "b"+strconv.Itoa(u), &credits, 1e9, "cg-"+run+"-"+strconv.Itoa(u))
+		if err != nil || !r.Applied {
+			t.Fatal(r, err)
+		}
+	}
+	broke := append(slices.Clone(rules), policy.Rule{Limit: policy.Limit{Name: "broke", Kind: policy.Balance, Unit: policy.Tokens}, Scope: policy.ScopeUser})
+	if d, err := l.Reserve(ctx, Request{Tenant: "acme", User: "b0", RequestID: "broke-" + run, Cost: 1, Rules: broke}); err != nil || d.Allowed {
+		t.Fatal("a balance never topped up allowed", d, err)
+	}
+	p64, d64 := measure(batchOf(prepaid, "p64-", 64)), measure(batchOf(broke, "d64-", 64))
+	t.Logf("callgrind: per reserve over 5 limits and a balance in batches of 64: in credit %.0f, out of credit (denied) %.0f", p64, d64)
 }
 
 // TestCallgrindCount counts the instructions redis-server spends per
@@ -386,7 +405,8 @@ func control(t *testing.T, arg string) {
 // 5-limit batches of 16 and 64, 9 and 10 1-limit batches of 16 and 64, 11
 // the empty FCALL, 12 settles in batches of 64, 13 to 15 the request
 // limit's reserves, lone and in batches of 16 and 64, 16 to 18 batches of 16,
-// 256 and 1,024 plans, 19 batches whose 5 h windows turn.
+// 256 and 1,024 plans, 19 batches whose 5 h windows turn, 20 and 21 batches
+// with a balance, in credit and denied.
 var keeps int
 
 // dump writes a callgrind dump and returns its instruction total.
