@@ -883,6 +883,38 @@ local function plan(specs, n)
     local q = 6 * j
     p[q + 1], p[q + 2], p[q + 3], p[q + 4], p[q + 5], p[q + 6] = id, kind, fl, lim, a, b
   end
+  if p then
+    -- the order fast reads them in: those a caller runs out of first
+    -- (balances, rates, then windows, shortest first), so that a reserve
+    -- one of them denies leaves fast before it packs the other limits'
+    -- records; at[j] is limit j's first value in a reply after the head,
+    -- values how many the limits have
+    local ord, at, rank, k = {}, {}, {}, 0
+    for j = 0, n - 1 do
+      local q = 6 * j
+      local kind, a, b = p[q + 2], p[q + 5], p[q + 6]
+      at[j] = k
+      k = k + (kind == BALANCE and 3 or 2)
+      local rk = 2 + 31 * 86400000 -- a month
+      if kind == BALANCE then
+        rk = 0
+      elseif kind == TOKEN_BUCKET then
+        rk = 1
+      elseif kind == ROLLING then
+        rk = 2 + a * b
+      elseif kind == FIXED then
+        rk = 2 + a
+      end
+      -- insertion sort: a few limits, no closure to make and call
+      local i = j
+      while i > 0 and rank[ord[i]] > rk do
+        ord[i + 1] = ord[i]
+        i = i - 1
+      end
+      ord[i + 1], rank[j] = j, rk
+    end
+    p.ord, p.at, p.values = ord, at, k
+  end
   if nplans >= PLANS_MAX then plans, nplans = {}, 0 end
   plans[specs], nplans = p, nplans + 1
   return p
@@ -987,8 +1019,9 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
   local p = plans[specs]
   if p == nil then p = plan(specs, n) end
   if not p then return nil end
-  local out, st, insub, inten, i = snap, staged, false, false, 7
-  for j = 0, n - 1 do
+  local out, st, insub, inten, ord, first = snap, staged, false, false, p.ord, p.at
+  for t = 1, n do
+    local j = ord[t]
     local q = 6 * j
     local id, kind, fl, lim, a, b = p[q + 1], p[q + 2], p[q + 3], p[q + 4], p[q + 5], p[q + 6]
     local bl = sub
@@ -1059,13 +1092,11 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
     end
     local s = 6 * j
     st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5], st[s + 6] = bl, r, e, rec, id, r and bl[r + 3] or false
+    local i = 7 + first[j]
     out[i + 1], out[i + 2] = used, reset
-    i = i + 2
-    if credited then
-      i = i + 1
-      out[i] = credited
-    end
+    if credited then out[i + 3] = credited end
   end
+  local i = 7 + p.values
   -- the versions as stage moves them
   local sv, tv = sub.ver, ten and ten.ver or 0
   if insub then sv = max(sv + 1, now * 1000) end
