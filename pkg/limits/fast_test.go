@@ -257,3 +257,64 @@ type openRequest struct {
 	user, id string
 	rules    []policy.Rule
 }
+
+// TestFastPathsAtTheirLimits takes the fast paths to the exact edges the
+// random run seldom lands on, each call decided both ways
+// (limits.CheckFast), with a clock at a bucket's start: a turned window
+// filled to its last token and one past it, a turned window that counts
+// requests, and corrections that saturate counters at MAX_COUNT (1e12)
+// after a turn and in a balance.
+func TestFastPathsAtTheirLimits(t *testing.T) {
+	c := redistest.Shared(t)
+	ctx := context.Background()
+	tenant := redistest.UniqueName(t)
+	now := time.Now()
+	offset := now.Truncate(15 * time.Minute).Add(15*time.Minute + time.Minute).Sub(now)
+	m := time.Minute
+	reserve := func(d time.Duration, user, id string, cost int64, rules []policy.Rule, allowed bool) {
+		t.Helper()
+		l := limits.New(c, limits.CheckFast(limits.Options{NoEpochGuard: true, ClockOffset: offset + d}))
+		dec, err := l.Reserve(ctx, limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: cost, Rules: rules})
+		if err != nil || dec.Allowed != allowed {
+			t.Fatalf("reserve %s: allowed %v, want %v (%v)", id, dec.Allowed, allowed, err)
+		}
+	}
+	correct := func(d time.Duration, user, id string, actual int64, rules []policy.Rule) {
+		t.Helper()
+		l := limits.New(c, limits.CheckFast(limits.Options{NoEpochGuard: true, ClockOffset: offset + d}))
+		if _, err := l.Correct(ctx, limits.Settle{Tenant: tenant, User: user, RequestID: id, Actual: actual, Rules: rules}); err != nil {
+			t.Fatalf("correct %s: %v", id, err)
+		}
+	}
+	window := func(name string, unit policy.Unit, limit int64) policy.Rule {
+		return limitstest.Rule(policy.ScopeUser, policy.Limit{Name: name, Kind: policy.Rolling, Unit: unit, Limit: limit,
+			Window: policy.Duration(time.Hour), Buckets: 4})
+	}
+
+	tokens := []policy.Rule{window("1h", policy.Tokens, 100)}
+	reserve(0, "u", "a", 30, tokens, true)
+	reserve(15*m, "u", "b", 20, tokens, true)
+	reserve(45*m, "u", "c", 50, tokens, true)   // turned: 100, the limit
+	reserve(60*m, "u", "d1", 31, tokens, false) // turned: a's 30 dropped, 70 + 31 is over
+	reserve(60*m, "u", "d", 30, tokens, true)   // the limit again
+
+	requests := []policy.Rule{window("1hq", policy.Requests, 3)}
+	reserve(0, "r", "a", 50, requests, true)
+	reserve(15*m, "r", "b", 50, requests, true)
+	reserve(45*m, "r", "c", 50, requests, true) // turned: three requests, whatever their cost
+	reserve(45*m, "r", "c1", 50, requests, false)
+	reserve(60*m, "r", "d", 50, requests, true) // turned: a's dropped
+
+	const most = 1_000_000_000_000
+	credits := limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "credits", Kind: policy.Balance})
+	full := []policy.Rule{window("1hx", policy.Tokens, most), credits}
+	l := limits.New(c, limits.Options{NoEpochGuard: true, ClockOffset: offset})
+	if _, err := l.TopUp(ctx, tenant, "x", &credits, most, "x1"); err != nil {
+		t.Fatal(err)
+	}
+	reserve(0, "x", "a", 600_000_000_000, full, true)
+	reserve(15*m, "x", "b", 300_000_000_000, full, true)
+	correct(15*m, "x", "a", most, full) // saturates the window and the balance
+	reserve(30*m, "x", "c", 0, full, true)
+	correct(45*m, "x", "b", most, full) // turned, saturates
+}
