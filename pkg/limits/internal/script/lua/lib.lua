@@ -242,6 +242,29 @@ end
 -- to the next call that charges. begin clears it.
 local peeking = false
 
+-- turn returns a rolling window's counters (the payload at pos of src) as
+-- a table, and its total t, once it turned from head bucket h to cb: the
+-- buckets it passed dropped, as load turns it.
+local function turn(src, pos, b, h, cb, t)
+  local full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), src, pos + 18) }
+  full[b + 1] = nil
+  for k = h + 1, cb do
+    local i = k % b + 1
+    t = t - full[i]
+    full[i] = 0
+  end
+  return full, t
+end
+
+-- oldest returns the oldest bucket of the window at cb whose counter in
+-- full is not zero (cb: none is).
+local function oldest(full, b, cb)
+  for k = cb - b + 1, cb do
+    if full[k % b + 1] ~= 0 then return k end
+  end
+  return cb
+end
+
 -- load decodes the spec at byte pos of string specs and its state into slot
 -- j of S, brought forward to now: expired buckets, windows and log entries
 -- dropped (in S only), token buckets refilled. sub and ten are the open
@@ -297,19 +320,8 @@ local function load(specs, pos, j, sub, ten, now, zkey, kept)
     end
     local full = false
     if cb > h then
-      full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), raw, at + 18) }
-      full[b + 1] = nil
-      for k = h + 1, cb do
-        local i = k % b + 1
-        t = t - full[i]
-        full[i] = 0
-      end
-      if tl <= cb - b then
-        tl = cb
-        for k = cb - b + 1, cb do
-          if full[k % b + 1] ~= 0 then tl = k; break end
-        end
-      end
+      full, t = turn(raw, at, b, h, cb, t)
+      if tl <= cb - b then tl = oldest(full, b, cb) end
       h = cb
     end
     S[o + ROLL_NOW], S[o + ROLL_HEAD], S[o + ROLL_TAIL], S[o + ROLL_TOTAL], S[o + ROLL_AT], S[o + ROLL_BUCKETS] =
@@ -485,10 +497,7 @@ local function add(j, delta, ts, now, member)
     local i = k % b + 1
     if full[i] + delta < 0 then delta = -full[i] end
     full[i], t = full[i] + delta, t + delta
-    S[o + ROLL_TOTAL], S[o + ROLL_TAIL] = t, cb
-    for q = cb - b + 1, cb do
-      if full[q % b + 1] ~= 0 then S[o + ROLL_TAIL] = q; break end
-    end
+    S[o + ROLL_TOTAL], S[o + ROLL_TAIL] = t, oldest(full, b, cb)
   elseif kind == FIXED or kind == CALENDAR then
     local w
     if kind == FIXED then
@@ -950,6 +959,12 @@ local function ring(id, a, b, cb, tl, t, src, pos, k, c)
   return rec .. src:sub(pos + 18, off - 1) .. spack('<i6', c) .. src:sub(off + 6, pos + 17 + 6 * b)
 end
 
+-- packed returns the record, its head cb, of a rolling window whose every
+-- counter is in full.
+local function packed(id, a, b, cb, tl, t, full)
+  return spack('<I6i6I2i6i6i6', id, (cb + b) * a, 18 + 6 * b, cb, tl, t) .. spack(i6s[b] or fmt(i6s, 'i6', b), unpack(full))
+end
+
 -- level returns a refilling token bucket's tokens at now (full without a
 -- record).
 local function level(src, pos, lim, a, now)
@@ -1047,22 +1062,13 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
         -- head is less than b buckets back): the buckets it passed are
         -- dropped, the current one charged and the tail found again, as
         -- load and add do, and every counter is packed anew
-        local full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), src, pos + 18) }
-        full[b + 1] = nil
-        for k = h + 1, cb do
-          local i = k % b + 1
-          t = t - full[i]
-          full[i] = 0
-        end
+        local full
+        full, t = turn(src, pos, b, h, cb, t)
         t = t + c
         if t > lim or t > MAX_COUNT then return nil end
         full[cb % b + 1] = c
-        tl = cb
-        for q = cb - b + 1, cb do
-          if full[q % b + 1] ~= 0 then tl = q; break end
-        end
-        e = (cb + b) * a
-        rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. spack(i6s[b], unpack(full))
+        tl = oldest(full, b, cb)
+        e, rec = (cb + b) * a, packed(id, a, b, cb, tl, t, full)
       else
         t, cur = t + c, cur + c
         if t > lim or t > MAX_COUNT then return nil end
@@ -1160,31 +1166,18 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
         -- passed dropped and the tail found again as load does, then the
         -- correction as add makes it, every counter packed anew (stored
         -- only with a correction to make, as the general path stores)
-        local full = { sunpack(i6s[b] or fmt(i6s, 'i6', b), src, pos + 18) }
-        full[b + 1] = nil
-        for q = h + 1, cb do
-          local i = q % b + 1
-          t = t - full[i]
-          full[i] = 0
-        end
-        if tl <= cb - b then
-          tl = cb
-          for q = cb - b + 1, cb do
-            if full[q % b + 1] ~= 0 then tl = q; break end
-          end
-        end
+        local full
+        full, t = turn(src, pos, b, h, cb, t)
+        if tl <= cb - b then tl = oldest(full, b, cb) end
         if d ~= 0 then
           if k > cb - b and k <= cb then
             if d > 0 and t + d > MAX_COUNT then d = max(0, MAX_COUNT - t) end
             local i = k % b + 1
             if full[i] + d < 0 then d = -full[i] end
             full[i], t = full[i] + d, t + d
-            tl = cb
-            for q = cb - b + 1, cb do
-              if full[q % b + 1] ~= 0 then tl = q; break end
-            end
+            tl = oldest(full, b, cb)
           end
-          rec = spack('<I6i6I2i6i6i6', id, e, 18 + 6 * b, cb, tl, t) .. spack(i6s[b], unpack(full))
+          rec = packed(id, a, b, cb, tl, t, full)
         end
       elseif d ~= 0 and k > cb - b and k <= cb then
         if d > 0 and t + d > MAX_COUNT then d = max(0, MAX_COUNT - t) end
