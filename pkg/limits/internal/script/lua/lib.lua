@@ -735,7 +735,14 @@ end
 -- call's last loadspecs (nil: none, or the call has one entry).
 local vals, charging, held
 local blobs, opened, recs, out = { NILS(8) }, { NILS(4) }, { NILS(4) }, { NILS(4) }
-local function begin(nget)
+-- begin reads a batch's head (ARGV 1: '<i6BI2' clock offset, flags, how
+-- many KEYS are strings; ARGV 2: the record ttl) and starts the call: it
+-- returns the guard flag (1: refuse to decide without the epoch), the dry
+-- flag (2: the fast paths' decisions checked on the general path too), the
+-- ttl and now.
+local function begin()
+  local offset, flags, nget = sunpack('<i6BI2', ARGV[1])
+  local now = now_ms(offset)
   vals = redis.call('MGET', unpack(KEYS, 1, nget))
   for i = 1, #opened do
     blobs[opened[i]] = nil
@@ -744,6 +751,7 @@ local function begin(nget)
   for i = 1, #recs do recs[i] = nil end
   for i = 1, #out do out[i] = nil end
   charging, peeking, held = false, false, nil
+  return flags % 2, flags % 4 >= 2, ARGV[2], now
 end
 
 -- decide runs f on each entry's argument, ARGV[3] on, and returns their

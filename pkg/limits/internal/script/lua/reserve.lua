@@ -58,11 +58,7 @@
 -- report would_deny but never deny. Every reserve of a batch sees one Redis
 -- TIME. An error after a reserve began to charge fails the whole batch
 -- (nothing but its concurrency slots is written then).
-local offset, flags, nget = sunpack('<i6BI2', ARGV[1])
-local guard, dry = flags % 2, flags % 4 >= 2
-local ttl = ARGV[2]
-local now = now_ms(offset)
-begin(nget)
+local guard, dry, ttl, now = begin()
 
 local function reserve(arg)
   local cost, mode, meta, ek, rk, sk, tk, myfp, mynonce, n = sunpack('<i6BBI2I2I2I2I6I6I2', arg)

@@ -53,11 +53,7 @@
 -- the reservation time is left alone. Every settle of a batch sees one
 -- Redis TIME. An error after a settle began to change state fails the whole
 -- batch (nothing but its concurrency slots is written then).
-local offset, flags, nget = sunpack('<i6BI2', ARGV[1])
-local guard, dry = flags % 2, flags % 4 >= 2
-local ttl = ARGV[2]
-local now = now_ms(offset)
-begin(nget)
+local guard, dry, ttl, now = begin()
 
 local function settle(arg)
   local op, actual, fbt, fbe, ek, rk, sk, tk, n, ml = sunpack('<Bi6i6i6I2I2I2I2I2I2', arg)
