@@ -873,8 +873,8 @@ end
 -- refilling token bucket or a prepaid balance, none a shadow, no
 -- concurrency, no reservation record yet, and room in every limit. A
 -- limit whose record is missing or expired starts afresh (a window empty,
--- a bucket full, a balance of nothing; a month needs its record). fast decides it
--- as the general path would, to the byte (records, versions, reply),
+-- a bucket full, a balance of nothing; a month needs its record). fast
+-- decides it as the general path would, to the byte (records, versions, reply),
 -- reading the few fields a limit needs straight from its record, where the
 -- general path fills and reads 19 slots of S per limit through four
 -- functions: most of a batched 5-limit reserve's instructions
@@ -883,10 +883,10 @@ end
 -- plans keeps each specs string's limits unpacked (false: not all fast's);
 -- strings are interned, so a batch's plan costs one lookup. It is emptied
 -- once it holds PLANS_MAX (512, ~0.4 MB at five limits a plan), so it stays
--- small whatever comes; a miss costs a batched reserve ~12k instructions
--- (bench/results.md). A limit named
--- twice takes a slot per name, as on the general path (holds), and the
--- last one stored stands: both were made from the same record.
+-- small whatever comes; a miss costs a batched reserve ~31k instructions
+-- (bench/results.md). A limit named twice takes a slot per name, as on the
+-- general path (holds), and the last one stored stands: both were made
+-- from the same record.
 local plans, nplans = {}, 0
 local function plan(specs, n)
   local p = { NILS(36) }
@@ -1150,7 +1150,7 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
   end
   if j ~= n then return nil end
   local at, delta = min(ts, now), actual - est
-  local out, st, insub, inten, i = snap, staged, false, false, 8
+  local out, st, insub, inten, first = snap, staged, false, false, pl.at
   for j = 0, n - 1 do
     local q = 6 * j
     local id, kind, fl, lim, a, b = pl[q + 1], pl[q + 2], pl[q + 3], pl[q + 4], pl[q + 5], pl[q + 6]
@@ -1237,13 +1237,11 @@ local function fastsettle(arg, n, actual, raw, rk, sub, ten, now, dry)
     end
     local s = 6 * j
     st[s + 1], st[s + 2], st[s + 3], st[s + 4], st[s + 5], st[s + 6] = bl, r, e, rec, id, r and bl[r + 3] or false
+    local i = 8 + first[j]
     out[i + 1], out[i + 2] = used, reset
-    i = i + 2
-    if credited then
-      i = i + 1
-      out[i] = credited
-    end
+    if credited then out[i + 3] = credited end
   end
+  local i = 8 + pl.values
   local sv, tv = sub.ver, ten.ver
   if insub then sv = max(sv + 1, now * 1000) end
   if inten then tv = max(tv + 1, now * 1000) end
