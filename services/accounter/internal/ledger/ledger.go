@@ -178,7 +178,9 @@ ON CONFLICT (tenant, user_id, request_id) DO NOTHING`
 // insertKeys wrote or found before, in the statement ahead of this one, so
 // that this statement's snapshot sees a key another batch committed
 // meanwhile): a request has one row whichever of its events came first
-// and on whichever day.
+// and on whichever day. Each event finds its key by one probe of the key
+// index (the LATERAL, and write's setting): a join of the batch with the
+// table, as Postgres may plan it, reads the whole table.
 const upsertReservations = `
 INSERT INTO reservations AS r (tenant, user_id, request_id, day, plan, endpoint, model,
     estimated_tokens, reserved_at, actual_tokens, actual_event, actual_at, released_at, local,
@@ -203,7 +205,8 @@ SELECT tenant, user_id, request_id, k.day,
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bigint[],
     $9::timestamptz[], $10::boolean[], $11::bytea[])
     AS t(tenant, user_id, request_id, kind, plan, endpoint, model, tokens, at, local, event)
-    JOIN reservation_keys k USING (tenant, user_id, request_id)
+    CROSS JOIN LATERAL (SELECT day FROM reservation_keys k
+        WHERE k.tenant = t.tenant AND k.user_id = t.user_id AND k.request_id = t.request_id LIMIT 1) k
 GROUP BY tenant, user_id, request_id, k.day
 ORDER BY tenant, user_id, request_id -- one lock order for concurrent batches
 ON CONFLICT (tenant, user_id, request_id, day) DO UPDATE SET
@@ -282,6 +285,11 @@ func (t *Tx) write(ctx context.Context, recs []Record, day time.Time) error {
 	res := &t.Result
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
+	// A batch is small beside the tables it writes: its statements find
+	// rows by their keys' indexes. A plan made while a table was small
+	// (a prepared statement keeps it until the table is analyzed again)
+	// would read the whole table per batch, or per event, as it grows.
+	b.Queue("SET LOCAL enable_seqscan = off")
 	if args, n := eventArgs(recs); n > 0 {
 		b.Queue(insertEvents, append(args, day)...).Exec(func(ct pgconn.CommandTag) error {
 			res.Inserted = int(ct.RowsAffected())
