@@ -2,10 +2,14 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"quotaflow/internal/e2e"
+	"quotaflow/pkg/events"
 )
 
 // A message whose snapshots only moved versions (held in memory, docs/design.md
@@ -58,5 +62,44 @@ func TestAckedOnlyOnceVersionsDurable(t *testing.T) {
 	e2e.Eventually(e.t, "the stale snapshot acked", func() bool { return acked(2) })
 	if ds := e.deliveries(""); len(ds) != 0 {
 		t.Errorf("%d alerts for a stale snapshot, want none", len(ds))
+	}
+}
+
+// Messages of the events the alerter does not read (actual, released,
+// top-up) are acked unread: not decoded, so not dead-lettered by it either
+// (the accounter, which reads them, does that). A reserved event after
+// them is handled as ever.
+func TestUnreadEventsAcked(t *testing.T) {
+	e := newEnv(t, opsHook)
+	e.start(nil)
+	ctx := context.Background()
+	cons, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Consumer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefix := e.cfg.SubjectPrefix
+	for i, typ := range []string{events.TypeActual, events.TypeReleased, events.TypeTopUp} {
+		// Not an event at all: read, it would be dead-lettered.
+		if _, err := e.js.Publish(ctx, events.Subject(prefix, typ), []byte(`not json`), jetstream.WithMsgID(fmt.Sprint("garbage-", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now := time.Now().UTC()
+	e.publish(reserved("acme", "u1", "r1", 5, 0, now, userLimit(850, 0))) // 85 %: the 80 % alert
+	e2e.Eventually(e.t, "every message acked", func() bool {
+		info, err := cons.Info(ctx)
+		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream >= 4
+	})
+	e2e.Eventually(e.t, "the reserved event's alert", func() bool { return len(e.deliveries("")) == 1 })
+	dlq, err := e.js.Stream(ctx, e.cfg.DLQStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := dlq.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != 0 {
+		t.Errorf("%d dead letters, want none: the alerter reads no actual, released or top-up event", info.State.Msgs)
 	}
 }

@@ -52,6 +52,7 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 	info := cons.CachedInfo()
 	log.Info("consuming", "stream", info.Stream, "consumer", info.Name)
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
+	unread := unreadSubjects(cfg.WithDefaults().SubjectPrefix)
 	w := &waiting{js: js, cfg: cfg, flush: h.Flush, log: log}
 	for ctx.Err() == nil {
 		f, err := stream.Fetch(cons, maxBatch, fetchWait)
@@ -63,7 +64,7 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 				continue
 			}
 		}
-		processBatch(ctx, js, cfg, f, hs.Dispatch, h.HandleBatch, w, log)
+		processBatch(ctx, js, cfg, f, unread, hs.Dispatch, h.HandleBatch, w, log)
 		// Each fetch's versions are made durable before the next fetch: a
 		// crash then loses at most one fetch's, as before they were held;
 		// held longer, an older snapshot arriving while the message waits
@@ -128,6 +129,19 @@ func (w *waiting) finish(ctx context.Context) {
 	w.msgs = w.msgs[:0]
 }
 
+// unreadSubjects are the subjects of the events the alerter does not read
+// (actual, released, top-up: most of the stream's messages, the reports'
+// rounds). Their messages are acked unread, as the accounter acks its own
+// corrected ones: a publisher sends a batch on its events' type's subject
+// (pkg/events), and the accounter, which reads them, dead-letters the bad.
+func unreadSubjects(prefix string) map[string]bool {
+	return map[string]bool{
+		events.Subject(prefix, events.TypeActual):   true,
+		events.Subject(prefix, events.TypeReleased): true,
+		events.Subject(prefix, events.TypeTopUp):    true,
+	}
+}
+
 // processBatch expands f's messages (single events and batches) into
 // their events and handles them in batches of at most maxBatch events,
 // whole messages each (stream.Groups), with batch (one transaction per
@@ -136,10 +150,16 @@ func (w *waiting) finish(ctx context.Context) {
 // message that does not decode as a whole is dead-lettered; when batch
 // fails, each message's events are handled one by one and the message
 // finished with their results.
-func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, f stream.Fetched,
+func processBatch(ctx context.Context, js jetstream.JetStream, cfg stream.Config, f stream.Fetched, unread map[string]bool,
 	handle stream.Handler, batch func(context.Context, []events.Event) error, w *waiting, log *slog.Logger) {
 	ds := make([]*stream.Delivery, 0, len(f.Msgs))
 	for _, m := range f.Msgs {
+		if unread[m.Subject()] {
+			if err := m.Ack(); err != nil && ctx.Err() == nil {
+				log.Warn("ack of an unread message", "subject", m.Subject(), "err", err)
+			}
+			continue
+		}
 		d, err := stream.DecodeMsg(m, cfg)
 		if err != nil {
 			if err := stream.Reject(ctx, js, cfg, stream.ReasonInvalid, m, err); err != nil && ctx.Err() == nil {
