@@ -17,13 +17,8 @@ import (
 // on a lock the message stays unacked (a crash then brings it again), and
 // once written, a stale snapshot coming later is ignored.
 func TestAckedOnlyOnceVersionsDurable(t *testing.T) {
-	e := newEnv(t, opsHook)
-	e.start(nil)
+	e, cons := startConsumer(t)
 	ctx := context.Background()
-	cons, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Consumer)
-	if err != nil {
-		t.Fatal(err)
-	}
 	lock, err := e.pg.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -49,17 +44,13 @@ func TestAckedOnlyOnceVersionsDurable(t *testing.T) {
 	if err := lock.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
-	acked := func(seq uint64) bool {
-		info, err := cons.Info(ctx)
-		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream >= seq
-	}
-	e2e.Eventually(e.t, "acked once written", func() bool { return acked(1) })
+	e2e.Eventually(e.t, "acked once written", func() bool { return acked(cons, 1) })
 	var v int64
 	if err := e.pg.QueryRow(ctx, `SELECT version FROM alert_versions WHERE tenant = 'acme' AND user_id = 'u1'`).Scan(&v); err != nil || v != 5 {
 		t.Fatalf("version = %d, %v; want 5", v, err)
 	}
 	e.publish(reserved("acme", "u1", "r0", 4, 0, now, userLimit(950, 0))) // stale: 80 and 90 if it were not
-	e2e.Eventually(e.t, "the stale snapshot acked", func() bool { return acked(2) })
+	e2e.Eventually(e.t, "the stale snapshot acked", func() bool { return acked(cons, 2) })
 	if ds := e.deliveries(""); len(ds) != 0 {
 		t.Errorf("%d alerts for a stale snapshot, want none", len(ds))
 	}
@@ -70,13 +61,8 @@ func TestAckedOnlyOnceVersionsDurable(t *testing.T) {
 // (the accounter, which reads them, does that). A reserved event after
 // them is handled as ever.
 func TestUnreadEventsAcked(t *testing.T) {
-	e := newEnv(t, opsHook)
-	e.start(nil)
+	e, cons := startConsumer(t)
 	ctx := context.Background()
-	cons, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Consumer)
-	if err != nil {
-		t.Fatal(err)
-	}
 	prefix := e.cfg.SubjectPrefix
 	for i, typ := range []string{events.TypeActual, events.TypeReleased, events.TypeTopUp} {
 		// Not an event at all: read, it would be dead-lettered.
@@ -86,10 +72,7 @@ func TestUnreadEventsAcked(t *testing.T) {
 	}
 	now := time.Now().UTC()
 	e.publish(reserved("acme", "u1", "r1", 5, 0, now, userLimit(850, 0))) // 85 %: the 80 % alert
-	e2e.Eventually(e.t, "every message acked", func() bool {
-		info, err := cons.Info(ctx)
-		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream >= 4
-	})
+	e2e.Eventually(e.t, "every message acked", func() bool { return acked(cons, 4) })
 	e2e.Eventually(e.t, "the reserved event's alert", func() bool { return len(e.deliveries("")) == 1 })
 	dlq, err := e.js.Stream(ctx, e.cfg.DLQStream)
 	if err != nil {
@@ -102,4 +85,23 @@ func TestUnreadEventsAcked(t *testing.T) {
 	if info.State.Msgs != 0 {
 		t.Errorf("%d dead letters, want none: the alerter reads no actual, released or top-up event", info.State.Msgs)
 	}
+}
+
+// startConsumer starts the alerter and returns its durable consumer, whose
+// acks the tests read.
+func startConsumer(t *testing.T) (*env, jetstream.Consumer) {
+	e := newEnv(t, opsHook)
+	e.start(nil)
+	cons, err := e.js.Consumer(context.Background(), e.cfg.Stream, e.cfg.Consumer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, cons
+}
+
+// acked reports whether cons acked every message up to the stream's
+// sequence seq and holds none.
+func acked(cons jetstream.Consumer, seq uint64) bool {
+	info, err := cons.Info(context.Background())
+	return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream >= seq
 }
