@@ -159,11 +159,22 @@ type Ops struct {
 	// HeapFloorBytes (QF_HEAP_FLOOR_BYTES) is the memory the heap, with
 	// what a service counts outside it (admission's local table), may fill
 	// before the collector runs, when GOGC alone would run it sooner
-	// (internal/heapfloor); 0 leaves the collector to GOGC. The default
-	// spends up to 16 MiB where little is live, to collect about half as
-	// often (bench/results.md, issue 14, session 11).
-	HeapFloorBytes uint64 `envconfig:"HEAP_FLOOR_BYTES" default:"16777216"`
+	// (internal/heapfloor); 0 leaves the collector to GOGC. Each service
+	// sets its default: admission HeapFloorAdmission, whose memory is a
+	// goal, the consumers HeapFloorConsumers.
+	HeapFloorBytes uint64 `envconfig:"HEAP_FLOOR_BYTES"`
 }
+
+// Default heap floors (Ops.HeapFloorBytes). Admission's spends up to 16
+// MiB where little is live, to collect about half as often (bench/results.md,
+// issue 14, session 11). The accounter and the alerter, whose batches leave
+// much garbage and whose memory is no goal, spend 64 MiB: a fifth less CPU
+// for the accounter per accounted request, about a tenth for the alerter,
+// for ~40 MiB more RSS each (issue 13, session 17).
+const (
+	HeapFloorAdmission = 16 << 20
+	HeapFloorConsumers = 64 << 20
+)
 
 // TuneRuntime sets the runtime's memory settings from o. It keeps the heap
 // floor, and turns the runtime's sampling of allocations for the heap

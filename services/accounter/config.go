@@ -100,6 +100,7 @@ func defaults() Config {
 		ReservationTTL:  limits.DefaultReservationTTL,
 		ShutdownTimeout: config.DefaultShutdownTimeout, AlerterTimeout: alertlog.DefaultTimeout,
 		LedgerPartitionDays: ledger.DefaultPartitionDays, LedgerRetentionDays: retention.DefaultDays,
+		Ops: obs.Ops{HeapFloorBytes: obs.HeapFloorConsumers},
 	}
 }
 

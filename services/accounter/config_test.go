@@ -25,6 +25,9 @@ func TestConfigDefaultsAreValid(t *testing.T) {
 	if c.Pprof {
 		t.Error("defaults: QF_PPROF is on")
 	}
+	if c.HeapFloorBytes != 64<<20 {
+		t.Errorf("defaults: QF_HEAP_FLOOR_BYTES %d, want 64 MiB", c.HeapFloorBytes)
+	}
 	c.AlerterURL = "https://alerter.internal:8082/"
 	if err := c.Validate(); err != nil {
 		t.Errorf("Validate(QF_ALERTER_URL %s) = %v", c.AlerterURL, err)

@@ -147,6 +147,7 @@ func defaults() Config {
 		OutboxMaxEvents: outbox.DefaultMaxEvents, SpillMaxBytes: outbox.DefaultMaxSpillBytes,
 		EventBatchMax: stream.DefaultBatchMax, EventBatchWait: stream.DefaultBatchWait, OutboxMaxWait: outbox.DefaultQueueWait,
 		ShutdownTimeout: config.DefaultShutdownTimeout, Settings: llmproxy.DefaultSettings,
+		Ops: obs.Ops{HeapFloorBytes: obs.HeapFloorAdmission},
 	}
 }
 

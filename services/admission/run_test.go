@@ -65,6 +65,7 @@ func TestConfigDefaultsValidate(t *testing.T) {
 		{"QF_EVENT_BATCH_WAIT", cfg.EventBatchWait, time.Millisecond},
 		{"QF_OUTBOX_MAX_WAIT", cfg.OutboxMaxWait, 50 * time.Millisecond},
 		{"QF_PPROF", cfg.Pprof, false},
+		{"QF_HEAP_FLOOR_BYTES", cfg.HeapFloorBytes, uint64(16 << 20)},
 		{"QF_LOCAL_ENTRIES", cfg.decideOptions().LocalEntries, 100_000},
 	} {
 		if want.got != want.want {

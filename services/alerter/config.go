@@ -99,6 +99,7 @@ func defaults() Config {
 		DeliveryTimeout: deliver.DefaultAttemptTimeout, DeliveryMinBackoff: deliver.DefaultMinBackoff,
 		DeliveryMaxBackoff: deliver.DefaultMaxBackoff, DeliveryMaxAge: deliver.DefaultMaxAge,
 		DeliveryPoll: deliver.DefaultPoll, OutboxRetention: deliver.DefaultRetention,
+		Ops: obs.Ops{HeapFloorBytes: obs.HeapFloorConsumers},
 	}
 }
 

@@ -18,7 +18,8 @@ func TestConfigDefaults(t *testing.T) {
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("defaults: %v", err)
 	}
-	if cfg.OpsAddr != ":9092" || cfg.Pprof || cfg.SpikeRate != 0.05 || cfg.SpikeMinRequests != 100 || cfg.AbuseBurst != 50 || cfg.TopTenants != 10 {
+	if cfg.OpsAddr != ":9092" || cfg.Pprof || cfg.SpikeRate != 0.05 || cfg.SpikeMinRequests != 100 || cfg.AbuseBurst != 50 || cfg.TopTenants != 10 ||
+		cfg.HeapFloorBytes != 64<<20 {
 		t.Errorf("defaults = %+v", cfg)
 	}
 	cfg.SpikeRate = 2
