@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"quotaflow/internal/e2e"
+	"quotaflow/internal/natstest"
 	"quotaflow/pkg/events"
 )
 
@@ -74,16 +75,8 @@ func TestUnreadEventsAcked(t *testing.T) {
 	e.publish(reserved("acme", "u1", "r1", 5, 0, now, userLimit(850, 0))) // 85 %: the 80 % alert
 	e2e.Eventually(e.t, "every message acked", func() bool { return acked(cons, 4) })
 	e2e.Eventually(e.t, "the reserved event's alert", func() bool { return len(e.deliveries("")) == 1 })
-	dlq, err := e.js.Stream(ctx, e.cfg.DLQStream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := dlq.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if info.State.Msgs != 0 {
-		t.Errorf("%d dead letters, want none: the alerter reads no actual, released or top-up event", info.State.Msgs)
+	if n := natstest.StreamMsgs(t, e.js, e.cfg.DLQStream); n != 0 {
+		t.Errorf("%d dead letters, want none: the alerter reads no actual, released or top-up event", n)
 	}
 }
 
