@@ -168,9 +168,9 @@ type Ops struct {
 // Default heap floors (Ops.HeapFloorBytes). Admission's spends up to 16
 // MiB where little is live, to collect about half as often (bench/results.md,
 // issue 14, session 11). The accounter and the alerter, whose batches leave
-// much garbage and whose memory is no goal, spend 64 MiB: a fifth less CPU
-// for the accounter per accounted request, about a tenth for the alerter,
-// for ~40 MiB more RSS each (issue 13, session 17).
+// much garbage and whose memory is no goal, spend 64 MiB: a fifth to a quarter
+// less CPU for the accounter per accounted request, a tenth to a fifth for
+// the alerter, for ~40 MiB more RSS each (issue 13, session 17).
 const (
 	HeapFloorAdmission = 16 << 20
 	HeapFloorConsumers = 64 << 20
