@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strings"
+	"sync"
 	"unicode/utf8"
 )
 
@@ -109,11 +110,13 @@ func decodeBatch(b []byte, d Decoder, noID bool) (evs []Event, errs []error, raw
 	if !utf8.Valid(b) {
 		return nil, nil, nil, fmt.Errorf("%w: batch: not valid UTF-8", ErrInvalid)
 	}
-	if !validJSON(b) {
+	sp := batchSpans.Get().(*spans)
+	defer putSpans(sp)
+	if !validate(b, sp) {
 		err := json.Unmarshal(b, new(json.RawMessage))
 		return nil, nil, nil, fmt.Errorf("%w: batch: not valid JSON: %v", ErrInvalid, err)
 	}
-	raw, ok := elements(b)
+	raw, ok := elements(b, 0, sp)
 	switch {
 	case !ok:
 		return nil, nil, nil, fmt.Errorf("%w: batch: not a JSON array", ErrInvalid)
@@ -127,9 +130,21 @@ func decodeBatch(b []byte, d Decoder, noID bool) (evs []Event, errs []error, raw
 	}
 	for i, e := range raw {
 		// An element of valid UTF-8 and JSON is valid UTF-8 and JSON.
-		evs[i], errs[i] = decode(e, d, noID, true, names)
+		evs[i], errs[i] = decode(e, offset(b, e), sp, d, noID, names)
 	}
 	return evs, errs, raw, nil
+}
+
+// batchSpans recycles the spans of batches: a batch of 1024 reserved
+// events has about 8,000 containers.
+var batchSpans = sync.Pool{New: func() any { return new(spans) }}
+
+// putSpans returns s to batchSpans unless it is huge (a batch of deeply
+// nested JSON, which only a broken or hostile publisher sends).
+func putSpans(s *spans) {
+	if cap(s.open) <= 16*MaxBatchEvents {
+		batchSpans.Put(s)
+	}
 }
 
 // IsBatch reports whether contentType (a message's Content-Type header,

@@ -44,29 +44,25 @@ type Decoder struct {
 }
 
 // Decode is Decode, reading what d says.
-func (d Decoder) Decode(b []byte) (Event, error) { return decode(b, d, false, false, nil) }
+func (d Decoder) Decode(b []byte) (Event, error) { return decode(b, 0, nil, d, false, nil) }
 
 // DecodeReported is Decode for an event whose id its receiver derives
 // (admission's POST /v1/usage derives it from the event's type, tenant,
 // user and request id, so that no caller can claim another's id): an id
 // in b is ignored, whatever it holds, and the returned event has none.
-func DecodeReported(b []byte) (Event, error) { return decode(b, Decoder{}, true, false, nil) }
+func DecodeReported(b []byte) (Event, error) { return decode(b, 0, nil, Decoder{}, true, nil) }
 
-// decode is d.Decode, or DecodeReported when noID; valid says b is known
-// to be valid UTF-8 and JSON (an element of a batch checked as a whole).
-// names, when not nil, holds the limits' names and endpoints that the
-// earlier events of a batch met, to share one copy (reader.name).
-func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Event, error) {
+// decode is d.Decode, or DecodeReported when noID. When sp is not nil, b
+// is known to be valid UTF-8 and JSON: it lies at offset at of a text
+// checked as a whole (a batch), whose containers sp holds. names, when not
+// nil, holds the limits' names and endpoints that the earlier events of a
+// batch met, to share one copy (reader.name).
+func decode(b []byte, at int, sp *spans, d Decoder, noID bool, names map[string]string) (Event, error) {
 	if len(b) > MaxEventSize {
 		return Event{}, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
 	}
-	if !valid && !utf8.Valid(b) {
+	if sp == nil && !utf8.Valid(b) {
 		return Event{}, fmt.Errorf("%w: event: not valid UTF-8", ErrInvalid)
-	}
-	if !valid && !validJSON(b) {
-		// Only now pay for the parser's description of the mistake.
-		err := json.Unmarshal(b, new(json.RawMessage))
-		return Event{}, fmt.Errorf("%w: event: not valid JSON: %v", ErrInvalid, err)
 	}
 	// The members of every object of the event, from one arena (object),
 	// sized for about one member per 12 bytes: a reserved event with five
@@ -78,13 +74,21 @@ func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Eve
 	}
 	s := getScratch(n)
 	defer putScratch(s)
+	if sp == nil {
+		if !validate(b, &s.spans) {
+			// Only now pay for the parser's description of the mistake.
+			err := json.Unmarshal(b, new(json.RawMessage))
+			return Event{}, fmt.Errorf("%w: event: not valid JSON: %v", ErrInvalid, err)
+		}
+		sp, at = &s.spans, 0
+	}
 	free := &s.free
-	top, err := object(b, free)
+	top, err := object(b, at, sp, free)
 	if err != nil {
 		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
 	}
 	c := checker{st: &s.check}
-	r := &reader{c: c, m: top, free: free, names: names, noSnapshots: d.NoSnapshots}
+	r := &reader{c: c, m: top, free: free, spans: sp, names: names, noSnapshots: d.NoSnapshots}
 	spec := r.oneOf("specversion", specVersions)
 	ev := Event{Source: r.str("source"), Time: r.time("time").UTC()}
 	if !noID {
@@ -111,16 +115,16 @@ func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Eve
 	c.time("time", ev.Time)
 	c.equal("datacontenttype", contentType, DataContentType)
 
-	raw, ok := r.raw("data")
+	raw, ok := r.member("data")
 	var data []member
 	if !ok {
 		c.add("data", "required")
-	} else if data, err = object(raw, free); err != nil {
+	} else if data, err = object(raw.val, raw.at, sp, free); err != nil {
 		c.add("data", err.Error())
 	}
 	if err == nil && ok {
 		dr := &s.data
-		*dr = reader{c: c.at("data."), m: data, free: free, names: names, noSnapshots: d.NoSnapshots}
+		*dr = reader{c: c.at("data."), m: data, free: free, spans: sp, names: names, noSnapshots: d.NoSnapshots}
 		if read := readers[typ]; read != nil {
 			ev.Data = read(dr)
 		}
@@ -139,7 +143,7 @@ func decode(b []byte, d Decoder, noID, valid bool, names map[string]string) (Eve
 
 // scratch is what one decode works in, recycled through scratches:
 // the member arena of its objects, the arena's unused tail, its checker's
-// state and the data's reader. Pooled together, none of them is an
+// state, the data's reader and the spans of a lone event. Pooled together, none of them is an
 // allocation of its own per event. Nothing decode returns points into a
 // scratch (its strings are copies), and a new arena per event, sized for
 // the worst case, was the largest allocation of admission's POST /v1/usage
@@ -149,6 +153,7 @@ type scratch struct {
 	free  []member // while decoding: the arena's unused room (object)
 	check checkState
 	data  reader // read through a func value, so it would escape
+	spans spans
 }
 
 var scratches = sync.Pool{New: func() any { return new(scratch) }}
@@ -171,7 +176,7 @@ func getScratch(n int) *scratch {
 // input, which it must not keep alive) and returns it to the pool, unless
 // its arena is huge.
 func putScratch(s *scratch) {
-	if cap(s.arena) > maxPooledArena {
+	if cap(s.arena) > maxPooledArena || cap(s.spans.open) > maxPooledArena {
 		return
 	}
 	clearArena(s.arena, s.free)

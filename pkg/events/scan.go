@@ -1,9 +1,11 @@
 package events
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/bits"
 	"time"
 	"unicode/utf8"
 )
@@ -17,28 +19,31 @@ import (
 type member struct {
 	key []byte // unescaped; a slice of the input when it had no escapes
 	val []byte
+	at  int // val's offset in the text the decode validated (spans)
 }
 
 // object returns the members of the JSON object b (valid JSON), in order,
 // rejecting a non-object and duplicate keys. The objects of one event
 // share one arena (one allocation, not one each): *free is its unused
 // room, which object takes its members from (growing it when they do not
-// fit) and leaves past them.
-func object(b []byte, free *[]member) ([]member, error) {
+// fit) and leaves past them. at is b's offset in the validated text
+// whose containers s holds (nil: none recorded).
+func object(b []byte, at int, s *spans, free *[]member) ([]member, error) {
 	i := skipSpace(b, 0)
 	if i == len(b) || b[i] != '{' {
 		return nil, errors.New("must be a JSON object")
 	}
 	ms := (*free)[:0]
 	var seen map[string]bool // beyond a few members, instead of a linear search
+	var met uint64           // the keyBit of every key so far
 	i = skipSpace(b, i+1)
 	for b[i] != '}' {
 		end, escaped := scanString(b, i)
 		key := b[i+1 : end-1]
 		if escaped {
-			var s string
-			_ = json.Unmarshal(b[i:end], &s) // valid JSON: cannot fail
-			key = []byte(s)
+			var u string
+			_ = json.Unmarshal(b[i:end], &u) // valid JSON: cannot fail
+			key = []byte(u)
 		}
 		if seen == nil && len(ms) == 16 {
 			seen = make(map[string]bool, 64)
@@ -50,6 +55,8 @@ func object(b []byte, free *[]member) ([]member, error) {
 		if seen != nil {
 			dup = seen[string(key)]
 			seen[string(key)] = true
+		} else if bit := keyBit(key); met&bit == 0 {
+			met |= bit // no key before had its bit: no need to compare
 		} else {
 			for _, m := range ms {
 				if string(m.key) == string(key) {
@@ -62,8 +69,8 @@ func object(b []byte, free *[]member) ([]member, error) {
 			return nil, fmt.Errorf("duplicate key %q", short(string(key)))
 		}
 		i = skipSpace(b, skipSpace(b, end)+1) // past ':'
-		vend := skipValue(b, i)
-		ms = append(ms, member{key: key, val: b[i:vend]})
+		vend := skipAt(b, i, at, s)
+		ms = append(ms, member{key: key, val: b[i:vend], at: at + i})
 		i = skipSpace(b, vend)
 		if b[i] == ',' {
 			i = skipSpace(b, i+1)
@@ -73,9 +80,21 @@ func object(b []byte, free *[]member) ([]member, error) {
 	return ms[:len(ms):len(ms)], nil
 }
 
+// keyBit returns one of 64 bits for key, by its length and its first
+// and last bytes, so that object compares a key only with earlier ones
+// when another key had its bit.
+func keyBit(key []byte) uint64 {
+	h := len(key)
+	if h > 0 {
+		h = h*7 + int(key[0]) + int(key[h-1])
+	}
+	return 1 << (h & 63)
+}
+
 // elements returns the raw elements of the JSON array b (valid JSON), or
-// false when b is not an array.
-func elements(b []byte) ([][]byte, bool) {
+// false when b is not an array; at and s as for object. Each element is a
+// slice of b: its offset is at + offset(b, element).
+func elements(b []byte, at int, s *spans) ([][]byte, bool) {
 	i := skipSpace(b, 0)
 	if i == len(b) || b[i] != '[' {
 		return nil, false
@@ -83,7 +102,7 @@ func elements(b []byte) ([][]byte, bool) {
 	var out [][]byte
 	i = skipSpace(b, i+1)
 	for b[i] != ']' {
-		end := skipValue(b, i)
+		end := skipAt(b, i, at, s)
 		out = append(out, b[i:end])
 		i = skipSpace(b, end)
 		if b[i] == ',' {
@@ -103,7 +122,8 @@ func skipSpace(b []byte, i int) int {
 // scanString returns the index just past the string that starts at b[i]
 // (a quote), and whether it holds escapes.
 func scanString(b []byte, i int) (end int, escaped bool) {
-	for i++; i < len(b); i++ {
+	i = plain(b, i+1)
+	for ; i < len(b); i++ {
 		switch b[i] {
 		case '\\':
 			escaped = true
@@ -113,6 +133,44 @@ func scanString(b []byte, i int) (end int, escaped bool) {
 		}
 	}
 	return i, escaped
+}
+
+// offset returns where sub, a slice b[i:j] of b, starts in b: i.
+func offset(b, sub []byte) int { return cap(b) - cap(sub) }
+
+// skipAt is skipValue for b at offset at of a validated text: a
+// container's end is looked up in s, when s recorded it.
+func skipAt(b []byte, i, at int, s *spans) int {
+	if b[i] == '{' || b[i] == '[' {
+		if end := s.after(at+i) - at; end > i && end <= len(b) {
+			return end
+		}
+	}
+	return skipValue(b, i)
+}
+
+// Scanning strings a byte at a time led the consumers' decoding, so the
+// scanners step over the plain part of a string eight bytes at a time.
+const (
+	ones  = 0x0101010101010101
+	highs = 0x8080808080808080
+)
+
+// plain returns the index of the first byte from b[i] on that is '"', '\\'
+// or a control character (under 0x20), or of one of the last 7 bytes, from
+// which the caller goes on a byte at a time.
+func plain(b []byte, i int) int {
+	for ; i+8 <= len(b); i += 8 {
+		x := binary.LittleEndian.Uint64(b[i:])
+		q, e := x^(ones*'"'), x^(ones*'\\')
+		// The high bit of the first byte that is zero in q or e, or under
+		// 0x20 in x, is the lowest bit set here (Bit Twiddling Hacks:
+		// haszero, hasless; a borrow only sets bits above such a byte).
+		if m := ((q-ones)&^q | (e-ones)&^e | (x-ones*0x20)&^x) & highs; m != 0 {
+			return i + bits.TrailingZeros64(m)/8
+		}
+	}
+	return i
 }
 
 // skipValue returns the index just past the value that starts at b[i].
@@ -156,6 +214,8 @@ type reader struct {
 	c    checker
 	m    []member
 	free *[]member // the event's arena (object)
+	// spans holds the containers of the validated text m points into.
+	spans *spans
 	// names, when not nil, holds the strings that name met before (in the
 	// earlier events of a batch), to share them.
 	names map[string]string
@@ -165,15 +225,21 @@ type reader struct {
 
 // raw returns the field unless it is absent or null.
 func (r *reader) raw(name string) ([]byte, bool) {
+	m, ok := r.member(name)
+	return m.val, ok
+}
+
+// member returns the field's member unless it is absent or null.
+func (r *reader) member(name string) (member, bool) {
 	for _, m := range r.m {
 		if string(m.key) == name {
 			if string(m.val) == "null" {
-				return nil, false
+				return member{}, false
 			}
-			return m.val, true
+			return m, true
 		}
 	}
-	return nil, false
+	return member{}, false
 }
 
 func (r *reader) str(name string) string {
@@ -309,11 +375,11 @@ func (r *reader) name(field string) string {
 // nil for an element that is not one, so later elements keep their
 // indexes. An empty array reads as an absent one: neither is called.
 func (r *reader) array(name string, size func(n int), each func(*reader)) {
-	v, ok := r.raw(name)
+	v, ok := r.member(name)
 	if !ok {
 		return
 	}
-	items, ok := elements(v)
+	items, ok := elements(v.val, v.at, r.spans)
 	if !ok {
 		r.c.deferProblem(name, "must be an array")
 		return
@@ -323,13 +389,13 @@ func (r *reader) array(name string, size func(n int), each func(*reader)) {
 	}
 	size(len(items))
 	for i, it := range items {
-		m, err := object(it, r.free)
+		m, err := object(it, v.at+offset(v.val, it), r.spans, r.free)
 		if err != nil {
 			r.c.deferProblem(fmt.Sprintf("%s[%d]", name, i), err.Error())
 			each(nil)
 			continue
 		}
-		each(&reader{c: r.c.item(name, i), m: m, free: r.free, names: r.names})
+		each(&reader{c: r.c.item(name, i), m: m, free: r.free, spans: r.spans, names: r.names})
 	}
 }
 

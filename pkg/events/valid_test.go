@@ -2,6 +2,7 @@ package events
 
 import (
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -39,8 +40,10 @@ func TestValidJSON(t *testing.T) {
 	}
 }
 
-// FuzzValidJSON holds validJSON to json.Valid's answer. Seeds:
-// testdata/fuzz/FuzzValidJSON, validCases and the examples.
+// FuzzValidJSON holds validJSON to json.Valid's answer, and the spans
+// validate records of a valid text to the containers skipValue walks:
+// every '{' and '[' outside strings, each ending where skipValue ends it.
+// Seeds: testdata/fuzz/FuzzValidJSON, validCases and the examples.
 func FuzzValidJSON(f *testing.F) {
 	for _, c := range validCases {
 		f.Add([]byte(c))
@@ -55,6 +58,28 @@ func FuzzValidJSON(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if got, want := validJSON(b), json.Valid(b); got != want {
 			t.Fatalf("validJSON(%q) = %v, want %v (json.Valid)", b, got, want)
+		}
+		var s spans
+		if !validate(b, &s) {
+			return
+		}
+		var open []int32
+		for i := 0; i < len(b); i++ {
+			switch b[i] {
+			case '"':
+				end, _ := scanString(b, i)
+				i = end - 1
+			case '{', '[':
+				open = append(open, int32(i))
+			}
+		}
+		if !slices.Equal(s.open, open) {
+			t.Fatalf("validate(%q) recorded containers at %v, they open at %v", b, s.open, open)
+		}
+		for k, at := range s.open {
+			if want := skipValue(b, int(at)); int(s.end[k]) != want {
+				t.Fatalf("validate(%q): the container at %d ends at %d, skipValue says %d", b, at, s.end[k], want)
+			}
 		}
 	})
 }
