@@ -7,9 +7,11 @@ import (
 	"context"
 	"log/slog"
 	"net/url"
+	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"quotaflow/internal/config"
@@ -85,4 +87,47 @@ func Pool(t testing.TB, prefix string, migrate func(context.Context, *pgxpool.Po
 		t.Fatalf("migrate: %v", err)
 	}
 	return pool
+}
+
+// Plans is a migrated database of its own behind a pool of one session
+// whose statements each come back with their plan as a notice (Postgres's
+// auto_explain), generic plans forced: a prepared statement's first
+// execution makes the plan every later one uses, as a plan cached while a
+// table was small is used after it grew. Take returns the plans noticed
+// since the last call. The test is skipped where auto_explain cannot be
+// loaded (it needs a superuser and Postgres's contrib modules).
+func Plans(t testing.TB, prefix string, migrate func(context.Context, *pgxpool.Pool, *slog.Logger) error) (pool *pgxpool.Pool, take func() []string) {
+	t.Helper()
+	ctx := context.Background()
+	var mu sync.Mutex
+	var plans []string
+	pool, err := pgdb.Open(ctx, NewDatabase(t, prefix), func(c *pgxpool.Config) {
+		c.MaxConns = 1 // one session: one plan cache
+		c.ConnConfig.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+			mu.Lock()
+			defer mu.Unlock()
+			plans = append(plans, n.Message)
+		}
+	})
+	if err != nil {
+		t.Fatalf("open database: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	if err := migrate(ctx, pool, slog.New(slog.DiscardHandler)); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	if _, err := pool.Exec(ctx, `LOAD 'auto_explain'`); err != nil {
+		t.Skipf("auto_explain is not loadable on this server (superuser and contrib needed): %v", err)
+	}
+	if _, err := pool.Exec(ctx, `SET auto_explain.log_min_duration = 0; SET auto_explain.log_level = notice;
+		SET plan_cache_mode = force_generic_plan`); err != nil {
+		t.Fatal(err)
+	}
+	return pool, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		p := plans
+		plans = nil
+		return p
+	}
 }

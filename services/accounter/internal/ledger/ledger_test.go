@@ -11,10 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"quotaflow/internal/pgdb"
 	"quotaflow/internal/pgtest"
 )
 
@@ -609,31 +607,8 @@ func TestActualIsItsReservation(t *testing.T) {
 // writes took 7 ms with the index, 82 ms with such a plan at 77k keys).
 func TestWriteFindsKeysByIndex(t *testing.T) {
 	ctx := context.Background()
-	var mu sync.Mutex
-	var plans []string
-	pool, err := pgdb.Open(ctx, pgtest.NewDatabase(t, "qf_ledger_plan"), func(c *pgxpool.Config) {
-		c.MaxConns = 1 // one session: one plan cache
-		c.ConnConfig.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
-			mu.Lock()
-			defer mu.Unlock()
-			plans = append(plans, n.Message)
-		}
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	if err := Migrate(ctx, pool, slog.New(slog.DiscardHandler)); err != nil {
-		t.Fatal(err)
-	}
-	// Each statement's plan comes back as a notice; the first execution's
-	// plan is the one every later execution uses.
-	if _, err := pool.Exec(ctx, `LOAD 'auto_explain'`); err != nil {
-		t.Skipf("auto_explain is not loadable on this server (superuser and contrib needed): %v", err)
-	}
-	if _, err := pool.Exec(ctx, `SET auto_explain.log_min_duration = 0; SET auto_explain.log_level = notice;
-		SET plan_cache_mode = force_generic_plan;
-		ALTER TABLE reservation_keys SET (autovacuum_enabled = off)`); err != nil {
+	pool, plans := pgtest.Plans(t, "qf_ledger_plan", Migrate)
+	if _, err := pool.Exec(ctx, `ALTER TABLE reservation_keys SET (autovacuum_enabled = off)`); err != nil {
 		t.Fatal(err)
 	}
 	s := New(pool)
@@ -660,23 +635,20 @@ func TestWriteFindsKeysByIndex(t *testing.T) {
 		SELECT 't', 'u', 'bulk' || i, current_date FROM generate_series(1, 20000) i`); err != nil {
 		t.Fatal(err)
 	}
-	mu.Lock()
-	plans = nil
-	mu.Unlock()
+	plans()
 	res, err := s.Write(ctx, batch(20))
 	if err != nil || len(res.Reservations) != 20 {
 		t.Fatalf("Write = %d reservations, %v; want 20", len(res.Reservations), err)
 	}
-	mu.Lock()
-	defer mu.Unlock()
 	var upsert string
-	for _, p := range plans {
+	noticed := plans()
+	for _, p := range noticed {
 		if _, plan, ok := strings.Cut(p, "\nInsert on reservations"); ok {
 			upsert = plan
 		}
 	}
 	if upsert == "" {
-		t.Fatalf("no plan of the reservations' write among %d notices", len(plans))
+		t.Fatalf("no plan of the reservations' write among %d notices", len(noticed))
 	}
 	// One probe of the index per event, by the event's values (not the
 	// whole index read once, then joined).

@@ -17,7 +17,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -58,7 +60,24 @@ func (s *Store) Update(ctx context.Context, fn func(tx *Tx) error) error {
 
 // Tx is one transaction of Update. It must not be used after fn returns.
 type Tx struct {
-	tx pgx.Tx
+	tx      pgx.Tx
+	probing bool // probes ran
+}
+
+// probes turns sequential scans off for the rest of the transaction, once,
+// so that each key of a read finds its row by the index whatever plan
+// Postgres cached: a plan made while the table held a page reads it once
+// per key (with a join instead, a plan made by the statistics of a
+// smaller table read all of it).
+func (t *Tx) probes(ctx context.Context) error {
+	if t.probing {
+		return nil
+	}
+	if _, err := t.tx.Exec(ctx, `SET LOCAL enable_seqscan = off`); err != nil {
+		return err
+	}
+	t.probing = true
+	return nil
 }
 
 // LimitKey identifies one limit of one subject; User is empty for
@@ -354,13 +373,14 @@ type VersionKey struct {
 	Scope  string // "user" or "tenant"
 }
 
+// qVersionsFor reads and locks the keys' rows, each by a probe of the
+// key index (probes), in the order of the keys.
 const qVersionsFor = `
 SELECT v.tenant, v.user_id, v.scope, v.version
-FROM alert_versions v
-JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(tenant, user_id, scope)
-  ON v.tenant = k.tenant AND v.user_id = k.user_id AND v.scope = k.scope
-ORDER BY v.tenant, v.user_id, v.scope
-FOR UPDATE OF v`
+FROM unnest($1::text[], $2::text[], $3::text[]) AS k(tenant, user_id, scope)
+CROSS JOIN LATERAL (
+  SELECT * FROM alert_versions v WHERE v.tenant = k.tenant AND v.user_id = k.user_id AND v.scope = k.scope
+  FOR UPDATE) v`
 
 // Versions returns the recorded versions of keys in one query (keys never
 // seen are absent), locking their rows until the transaction ends.
@@ -369,9 +389,13 @@ func (t *Tx) Versions(ctx context.Context, keys []VersionKey) (map[VersionKey]in
 	if len(keys) == 0 {
 		return out, nil
 	}
+	keys = slices.SortedFunc(slices.Values(keys), compareVersionKeys)
 	ts, us, ss := make([]string, len(keys)), make([]string, len(keys)), make([]string, len(keys))
 	for i, k := range keys {
 		ts[i], us[i], ss[i] = k.Tenant, k.User, k.Scope
+	}
+	if err := t.probes(ctx); err != nil {
+		return nil, fmt.Errorf("read versions: %w", err)
 	}
 	rows, err := t.tx.Query(ctx, qVersionsFor, ts, us, ss)
 	if err != nil {
@@ -392,18 +416,16 @@ func (t *Tx) Versions(ctx context.Context, keys []VersionKey) (map[VersionKey]in
 	return out, nil
 }
 
-// qSaveVersions updates the rows that exist and inserts the others: an
-// upsert (INSERT ... ON CONFLICT DO UPDATE) locks each row it finds before
-// its WHERE, a WAL record of its own per row, even for a version it then
-// leaves. The insert's conflict clause is for a row inserted meanwhile.
+// qSaveVersions raises the rows that exist and inserts the others, each
+// found by a probe of the key index (the upsert's arbiter): a join of the
+// keys with the table, planned by the statistics of the moment a prepared
+// statement's plan was cached, read the whole table while it grew (an
+// anti-join with it read the table once per key). An upsert locks each row
+// it finds before its WHERE, a WAL record of its own even for a version it
+// then leaves; the rows come sorted, so two alerters lock in one order.
 const qSaveVersions = `
-WITH k AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[]) AS k(tenant, user_id, scope, version)),
-u AS (
-  UPDATE alert_versions v SET version = k.version FROM k
-  WHERE v.tenant = k.tenant AND v.user_id = k.user_id AND v.scope = k.scope AND v.version < k.version)
 INSERT INTO alert_versions (tenant, user_id, scope, version)
-SELECT * FROM k WHERE NOT EXISTS (
-  SELECT FROM alert_versions v WHERE v.tenant = k.tenant AND v.user_id = k.user_id AND v.scope = k.scope)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
 ON CONFLICT (tenant, user_id, scope) DO UPDATE SET version = EXCLUDED.version
 WHERE alert_versions.version < EXCLUDED.version`
 
@@ -420,6 +442,11 @@ func (s *Store) SaveVersions(ctx context.Context, versions map[VersionKey]int64)
 	return saveVersions(ctx, s.pool, versions)
 }
 
+// compareVersionKeys orders keys as every alerter locks their rows.
+func compareVersionKeys(a, b VersionKey) int {
+	return cmp.Or(strings.Compare(a.Tenant, b.Tenant), strings.Compare(a.User, b.User), strings.Compare(a.Scope, b.Scope))
+}
+
 // execer is what runs a statement: a transaction or the pool.
 type execer interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
@@ -429,10 +456,11 @@ func saveVersions(ctx context.Context, db execer, versions map[VersionKey]int64)
 	if len(versions) == 0 {
 		return nil
 	}
-	n := len(versions)
+	keys := slices.SortedFunc(maps.Keys(versions), compareVersionKeys)
+	n := len(keys)
 	ts, us, ss, vs := make([]string, 0, n), make([]string, 0, n), make([]string, 0, n), make([]int64, 0, n)
-	for k, v := range versions {
-		ts, us, ss, vs = append(ts, k.Tenant), append(us, k.User), append(ss, k.Scope), append(vs, v)
+	for _, k := range keys {
+		ts, us, ss, vs = append(ts, k.Tenant), append(us, k.User), append(ss, k.Scope), append(vs, versions[k])
 	}
 	if _, err := db.Exec(ctx, qSaveVersions, ts, us, ss, vs); err != nil {
 		return fmt.Errorf("save versions: %w", err)
@@ -534,13 +562,14 @@ func (s *Store) ReArmUndefined(ctx context.Context, defined Defined) ([]LimitKey
 	return keys, nil
 }
 
+// qLimits reads and locks the keys' rows as qVersionsFor does.
 const qLimits = `
 SELECT l.tenant, l.user_id, l.scope, l.endpoint, l.name, l.level, l.fires, l.last_used, l.reset_at
-FROM alert_limits l
-JOIN unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[]) AS k(tenant, user_id, scope, endpoint, name)
-  ON l.tenant = k.tenant AND l.user_id = k.user_id AND l.scope = k.scope AND l.endpoint = k.endpoint AND l.name = k.name
-ORDER BY l.tenant, l.user_id, l.scope, l.endpoint, l.name
-FOR UPDATE OF l`
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[]) AS k(tenant, user_id, scope, endpoint, name)
+CROSS JOIN LATERAL (
+  SELECT * FROM alert_limits l
+  WHERE l.tenant = k.tenant AND l.user_id = k.user_id AND l.scope = k.scope AND l.endpoint = k.endpoint AND l.name = k.name
+  FOR UPDATE) l`
 
 // Limits returns the states of keys in one query (limits never seen are
 // absent: their state is the zero LimitState), locking their rows until
@@ -550,10 +579,17 @@ func (t *Tx) Limits(ctx context.Context, keys []LimitKey) (map[LimitKey]LimitSta
 	if len(keys) == 0 {
 		return out, nil
 	}
+	keys = slices.SortedFunc(slices.Values(keys), func(a, b LimitKey) int {
+		return cmp.Or(strings.Compare(a.Tenant, b.Tenant), strings.Compare(a.User, b.User), strings.Compare(a.Scope, b.Scope),
+			strings.Compare(a.Endpoint, b.Endpoint), strings.Compare(a.Name, b.Name))
+	})
 	n := len(keys)
 	ts, us, ss, es, ns := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	for i, k := range keys {
 		ts[i], us[i], ss[i], es[i], ns[i] = k.Tenant, k.User, k.Scope, k.Endpoint, k.Name
+	}
+	if err := t.probes(ctx); err != nil {
+		return nil, fmt.Errorf("read limits: %w", err)
 	}
 	rows, err := t.tx.Query(ctx, qLimits, ts, us, ss, es, ns)
 	if err != nil {
