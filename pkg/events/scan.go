@@ -213,6 +213,7 @@ func skipValue(b []byte, i int) int {
 type reader struct {
 	c    checker
 	m    []member
+	next int       // where member's next search starts
 	free *[]member // the event's arena (object)
 	// spans holds the containers of the validated text m points into.
 	spans *spans
@@ -229,10 +230,17 @@ func (r *reader) raw(name string) ([]byte, bool) {
 	return m.val, ok
 }
 
-// member returns the field's member unless it is absent or null.
+// member returns the field's member unless it is absent or null. The
+// search starts past the member found last: readers ask for the fields
+// in the order the encoder writes them, so a present field is most often
+// the next one.
 func (r *reader) member(name string) (member, bool) {
-	for _, m := range r.m {
-		if string(m.key) == name {
+	for i, j := 0, r.next; i < len(r.m); i, j = i+1, j+1 {
+		if j == len(r.m) {
+			j = 0
+		}
+		if m := r.m[j]; string(m.key) == name {
+			r.next = j + 1
 			if string(m.val) == "null" {
 				return member{}, false
 			}

@@ -17,20 +17,27 @@ func validJSON(b []byte) bool { return validate(b, nil) }
 type spans struct {
 	open []int32 // the offset of each container's '{' or '[', in order
 	end  []int32 // just past its '}' or ']'
+	last int     // the container after found last
 }
 
-func (s *spans) reset() { s.open, s.end = s.open[:0], s.end[:0] }
+func (s *spans) reset() { s.open, s.end, s.last = s.open[:0], s.end[:0], 0 }
 
 // after returns the offset just past the container that opens at off, or
-// -1 when none opens there (or s is nil).
+// -1 when none opens there (or s is nil). The decoder mostly asks for the
+// container that follows the one it asked for last (the next in the
+// text), which after tries before searching.
 func (s *spans) after(off int) int {
 	if s == nil {
 		return -1
 	}
-	k, ok := slices.BinarySearch(s.open, int32(off))
-	if !ok {
-		return -1
+	k := s.last + 1
+	if k >= len(s.open) || int(s.open[k]) != off {
+		var ok bool
+		if k, ok = slices.BinarySearch(s.open, int32(off)); !ok {
+			return -1
+		}
 	}
+	s.last = k
 	return int(s.end[k])
 }
 
