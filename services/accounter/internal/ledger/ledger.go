@@ -160,7 +160,7 @@ ON CONFLICT (tenant, user_id, request_id) DO NOTHING
 RETURNING tenant, user_id, request_id`
 
 // upsertReservations merges the batch's reserved, actual and released
-// events (reservationArgs: the first of each kind of a request) into their
+// events (reservationRecords: the first of each kind of a request) into their
 // reservation rows (first value wins, so a redelivery changes nothing) and
 // returns every touched row. An actual's cost and JSON (actual_event) are
 // taken together, so the row records the actual Redis was corrected by:
@@ -217,7 +217,7 @@ var insertReservations = fmt.Sprintf(reservationRows, "$12::date", "") + reserva
 
 // reservationRows is the insert of a batch's reservation rows, their day
 // %[1]s, found by %[2]s: the events' fields merged per request, the first of
-// each kind deciding (reservationArgs), in key order.
+// each kind deciding (reservationRecords), in key order.
 const reservationRows = `
 INSERT INTO reservations AS r (tenant, user_id, request_id, day, plan, endpoint, model,
     estimated_tokens, reserved_at, actual_tokens, actual_event, actual_at, released_at, local,
@@ -316,32 +316,41 @@ func (t *Tx) write(ctx context.Context, recs []Record, day time.Time) error {
 			return nil
 		})
 	}
-	args, n, keys := reservationArgs(recs, nil)
-	fresh := make(map[Key]bool, keys)
-	if n > 0 {
-		b.Queue(insertKeys, args[0], args[1], args[2], day).Query(func(rows pgx.Rows) error {
-			var k Key
-			_, err := pgx.ForEachRow(rows, []any{&k.Tenant, &k.User, &k.RequestID}, func() error {
-				fresh[k] = true
-				return nil
-			})
-			return err
+	rs, keys := reservationRecords(recs)
+	fresh := make(map[string]bool, keys) // packKey of each key insertKeys inserted
+	if len(rs) > 0 {
+		tenants, users, reqs := keyArgs(rs)
+		b.Queue(insertKeys, tenants, users, reqs, day).Query(func(rows pgx.Rows) error {
+			for rows.Next() {
+				v := rows.RawValues()
+				fresh[string(packKey(nil, v[0], v[1], v[2]))] = true
+			}
+			return rows.Err()
 		})
 	}
 	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
 		return err
 	}
-	if n == 0 {
+	if len(rs) == 0 {
 		return nil
 	}
 	// The rows of the keys just inserted, then the others': in a second
 	// exchange, since which keys are new is known only now.
-	b = &pgx.Batch{}
-	if args, n, _ := reservationArgs(recs, func(k Key) bool { return fresh[k] }); n > 0 {
-		b.Queue(insertReservations, append(args, day)...).Query(t.readReservations)
+	var newRows, oldRows []*Record
+	var key []byte
+	for _, r := range rs {
+		if key = packKey(key[:0], r.Tenant, r.User, r.RequestID); fresh[string(key)] {
+			newRows = append(newRows, r)
+		} else {
+			oldRows = append(oldRows, r)
+		}
 	}
-	if args, n, _ := reservationArgs(recs, func(k Key) bool { return !fresh[k] }); n > 0 {
-		b.Queue(upsertReservations, args...).Query(t.readReservations)
+	b = &pgx.Batch{}
+	if len(newRows) > 0 {
+		b.Queue(insertReservations, append(rowArgs(newRows), day)...).Query(t.readReservations)
+	}
+	if len(oldRows) > 0 {
+		b.Queue(upsertReservations, rowArgs(oldRows)...).Query(t.readReservations)
 	}
 	if err := t.conn.SendBatch(ctx, b).Close(); err != nil {
 		return err
@@ -404,47 +413,67 @@ func eventArgs(recs []Record) ([]any, int) {
 	return []any{ids, kinds, tenants, users, reqs, tokens, at, payloads}, len(ids)
 }
 
-// reservationArgs are insertReservations' and upsertReservations'
-// arguments: the first reserved, actual and released record of each
-// request (of each that only, when not nil, takes), one array per column
-// (an actual's JSON beside it, nil for the others), how many they are and
-// how many requests.
-// Later ones of a kind are left out as the consumer's effects leave them
-// (one per request and kind): the row must record what Redis applied.
-func reservationArgs(recs []Record, only func(Key) bool) ([]any, int, int) {
+// reservationRecords are the records of the batch's reservation rows: the
+// first reserved, actual and released record of each request, and how many
+// requests. Later ones of a kind are left out as the consumer's effects
+// leave them (one per request and kind): the row must record what Redis
+// applied.
+func reservationRecords(recs []Record) ([]*Record, int) {
 	type kindKey struct {
 		Key
 		kind string
 	}
-	var (
-		tenants, users, reqs, kinds, plans, endpoints, models []string
-		tokens                                                []int64
-		at                                                    []time.Time
-		local                                                 []bool
-		payloads                                              [][]byte
-		seen                                                  = make(map[kindKey]bool, len(recs))
-		keys                                                  = make(map[Key]bool, len(recs))
-	)
+	var out []*Record
+	seen := make(map[kindKey]bool, len(recs))
+	keys := make(map[Key]bool, len(recs))
 	for i := range recs {
 		r := &recs[i]
 		if r.Kind != kindReserved && r.Kind != kindActual && r.Kind != kindReleased {
 			continue
 		}
 		k := kindKey{Key{r.Tenant, r.User, r.RequestID}, r.Kind}
-		if seen[k] || only != nil && !only(k.Key) {
+		if seen[k] {
 			continue
 		}
 		seen[k], keys[k.Key] = true, true
-		var payload []byte
-		if r.Kind == kindActual {
-			payload = r.Payload
-		}
-		tenants, users, reqs, kinds = append(tenants, r.Tenant), append(users, r.User), append(reqs, r.RequestID), append(kinds, r.Kind)
-		plans, endpoints, models = append(plans, r.Plan), append(endpoints, r.Endpoint), append(models, r.Model)
-		tokens, at, local = append(tokens, r.Tokens), append(at, r.OccurredAt), append(local, r.Local)
-		payloads = append(payloads, payload)
+		out = append(out, r)
 	}
-	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, local, payloads}, len(tenants), len(keys)
+	return out, len(keys)
+}
+
+// keyArgs are insertKeys' arrays of rs's keys (repeats allowed).
+func keyArgs(rs []*Record) (tenants, users, reqs []string) {
+	tenants, users, reqs = make([]string, len(rs)), make([]string, len(rs)), make([]string, len(rs))
+	for i, r := range rs {
+		tenants[i], users[i], reqs[i] = r.Tenant, r.User, r.RequestID
+	}
+	return tenants, users, reqs
+}
+
+// rowArgs are insertReservations' and upsertReservations' arguments for
+// rs: one array per column, an actual's JSON beside it (nil for the
+// others).
+func rowArgs(rs []*Record) []any {
+	n := len(rs)
+	tenants, users, reqs := keyArgs(rs)
+	kinds, plans, endpoints, models := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	tokens, at, local, payloads := make([]int64, n), make([]time.Time, n), make([]bool, n), make([][]byte, n)
+	for i, r := range rs {
+		kinds[i], plans[i], endpoints[i], models[i] = r.Kind, r.Plan, r.Endpoint, r.Model
+		tokens[i], at[i], local[i] = r.Tokens, r.OccurredAt, r.Local
+		if r.Kind == kindActual {
+			payloads[i] = r.Payload
+		}
+	}
+	return []any{tenants, users, reqs, kinds, plans, endpoints, models, tokens, at, local, payloads}
+}
+
+// packKey appends a request's key to dst as one string's bytes: its parts
+// joined by NUL, which text never holds.
+func packKey[T string | []byte](dst []byte, tenant, user, requestID T) []byte {
+	dst = append(append(dst, tenant...), 0)
+	dst = append(append(dst, user...), 0)
+	return append(dst, requestID...)
 }
 
 // Commit records marks (see MarkSettled) and commits, in one round trip.
