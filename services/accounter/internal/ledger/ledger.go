@@ -270,8 +270,8 @@ type WriteResult struct {
 //
 // It drives the transaction on a pooled connection itself, rather than
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
-// two exchanges a batch (BEGIN with the batch's two statements, the
-// settlements with COMMIT).
+// three exchanges a batch (BEGIN with the events and the keys, the
+// reservation rows, the settlements with COMMIT).
 type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
 	// Result is what the write did, as the transaction sees it.
