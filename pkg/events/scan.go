@@ -10,7 +10,7 @@ import (
 	"unicode/utf8"
 )
 
-// Decode checks the whole input with validJSON first; the scanner below
+// Decode checks the whole input with validate first; the scanner below
 // then only walks JSON known to be valid, which keeps it short and lets
 // Decode run without reflection or a tokenizer (it sits on every
 // consumer's hot path).
@@ -157,8 +157,8 @@ const (
 )
 
 // plain returns the index of the first byte from b[i] on that is '"', '\\'
-// or a control character (under 0x20), or of one of the last 7 bytes, from
-// which the caller goes on a byte at a time.
+// or a control character (under 0x20), or one among the last 7 bytes (or
+// len(b)) from which the caller goes on a byte at a time.
 func plain(b []byte, i int) int {
 	for ; i+8 <= len(b); i += 8 {
 		x := binary.LittleEndian.Uint64(b[i:])

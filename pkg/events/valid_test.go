@@ -2,6 +2,7 @@ package events
 
 import (
 	"encoding/json"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -25,8 +26,8 @@ var validCases = []string{
 
 func TestValidJSON(t *testing.T) {
 	for _, c := range validCases {
-		if got, want := validJSON([]byte(c)), json.Valid([]byte(c)); got != want {
-			t.Errorf("validJSON(%.40q) = %v, want %v (json.Valid)", c, got, want)
+		if got, want := validate([]byte(c), nil), json.Valid([]byte(c)); got != want {
+			t.Errorf("validate(%.40q) = %v, want %v (json.Valid)", c, got, want)
 		}
 	}
 	for _, ev := range examples() {
@@ -34,13 +35,13 @@ func TestValidJSON(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !validJSON(b) {
-			t.Errorf("validJSON(%s) = false", b)
+		if !validate(b, nil) {
+			t.Errorf("validate(%s) = false", b)
 		}
 	}
 }
 
-// FuzzValidJSON holds validJSON to json.Valid's answer, and the spans
+// FuzzValidJSON holds validate to json.Valid's answer, and the spans
 // validate records of a valid text to the containers skipValue walks:
 // every '{' and '[' outside strings, each ending where skipValue ends it.
 // Seeds: testdata/fuzz/FuzzValidJSON, validCases and the examples.
@@ -56,8 +57,8 @@ func FuzzValidJSON(f *testing.F) {
 		f.Add(b)
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		if got, want := validJSON(b), json.Valid(b); got != want {
-			t.Fatalf("validJSON(%q) = %v, want %v (json.Valid)", b, got, want)
+		if got, want := validate(b, nil), json.Valid(b); got != want {
+			t.Fatalf("validate(%q) = %v, want %v (json.Valid)", b, got, want)
 		}
 		var s spans
 		if !validate(b, &s) {
@@ -82,4 +83,30 @@ func FuzzValidJSON(f *testing.F) {
 			}
 		}
 	})
+}
+
+// plain stops where a byte-at-a-time scan would: at the first '"', '\\'
+// or control byte from i on, or within the last 7 bytes before it.
+func TestPlain(t *testing.T) {
+	alphabet := []byte{'"', '\\', 0, 0x1f, 0x20, 'a', '~', 0x7f, 0x80, 0xc3, 0xff}
+	rng := rand.New(rand.NewPCG(1, 2))
+	for range 20000 {
+		b := make([]byte, rng.IntN(40))
+		for j := range b {
+			b[j] = 'a'
+			if rng.IntN(8) == 0 {
+				b[j] = alphabet[rng.IntN(len(alphabet))]
+			}
+		}
+		for i := 0; i <= len(b); i++ {
+			want := i
+			for want < len(b) && b[want] != '"' && b[want] != '\\' && b[want] >= 0x20 {
+				want++
+			}
+			got := plain(b, i)
+			if got > want || got < i || got < want && got < len(b)-7 {
+				t.Fatalf("plain(%q, %d) = %d, the first such byte is at %d", b, i, got, want)
+			}
+		}
+	}
 }

@@ -270,7 +270,7 @@ type WriteResult struct {
 //
 // It drives the transaction on a pooled connection itself, rather than
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
-// three exchanges a batch (BEGIN with the events and the keys, the
+// up to three exchanges a batch (BEGIN with the events and the keys, the
 // reservation rows, the settlements with COMMIT).
 type Tx struct {
 	conn *pgxpool.Conn // nil once committed or rolled back
@@ -388,7 +388,7 @@ func (t *Tx) readReservations(rows pgx.Rows) error {
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("upsert reservations: %w", err)
+		return fmt.Errorf("write reservations: %w", err)
 	}
 	return nil
 }

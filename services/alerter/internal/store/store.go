@@ -422,7 +422,8 @@ func (t *Tx) Versions(ctx context.Context, keys []VersionKey) (map[VersionKey]in
 // statement's plan was cached, read the whole table while it grew (an
 // anti-join with it read the table once per key). An upsert locks each row
 // it finds before its WHERE, a WAL record of its own even for a version it
-// then leaves; the rows come sorted, so two alerters lock in one order.
+// then leaves. The rows come sorted, so one statement locks in one order
+// (see compareVersionKeys).
 const qSaveVersions = `
 INSERT INTO alert_versions (tenant, user_id, scope, version)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
@@ -442,7 +443,10 @@ func (s *Store) SaveVersions(ctx context.Context, versions map[VersionKey]int64)
 	return saveVersions(ctx, s.pool, versions)
 }
 
-// compareVersionKeys orders keys as every alerter locks their rows.
+// compareVersionKeys orders keys as every statement here locks their rows.
+// A transaction that locks in two statements (a batch's reads, then its
+// save) can still meet another's in the other order: Postgres ends one
+// (deadlock_detected), and the alerter handles that fetch event by event.
 func compareVersionKeys(a, b VersionKey) int {
 	return cmp.Or(strings.Compare(a.Tenant, b.Tenant), strings.Compare(a.User, b.User), strings.Compare(a.Scope, b.Scope))
 }
@@ -579,10 +583,7 @@ func (t *Tx) Limits(ctx context.Context, keys []LimitKey) (map[LimitKey]LimitSta
 	if len(keys) == 0 {
 		return out, nil
 	}
-	keys = slices.SortedFunc(slices.Values(keys), func(a, b LimitKey) int {
-		return cmp.Or(strings.Compare(a.Tenant, b.Tenant), strings.Compare(a.User, b.User), strings.Compare(a.Scope, b.Scope),
-			strings.Compare(a.Endpoint, b.Endpoint), strings.Compare(a.Name, b.Name))
-	})
+	keys = slices.SortedFunc(slices.Values(keys), compareLimitKeys)
 	n := len(keys)
 	ts, us, ss, es, ns := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	for i, k := range keys {
@@ -614,6 +615,12 @@ func (t *Tx) Limits(ctx context.Context, keys []LimitKey) (map[LimitKey]LimitSta
 	return out, nil
 }
 
+// compareLimitKeys orders limit keys as compareVersionKeys does versions.
+func compareLimitKeys(a, b LimitKey) int {
+	return cmp.Or(strings.Compare(a.Tenant, b.Tenant), strings.Compare(a.User, b.User), strings.Compare(a.Scope, b.Scope),
+		strings.Compare(a.Endpoint, b.Endpoint), strings.Compare(a.Name, b.Name))
+}
+
 const qSaveLimits = `
 INSERT INTO alert_limits (tenant, user_id, scope, endpoint, name, level, fires, last_used, reset_at, updated_at)
 SELECT tenant, user_id, scope, endpoint, name, level, fires, last_used, reset_at, now()
@@ -632,7 +639,8 @@ func (t *Tx) SaveLimits(ctx context.Context, states map[LimitKey]LimitState) err
 	ts, us, ss, es, ns := make([]string, 0, n), make([]string, 0, n), make([]string, 0, n), make([]string, 0, n), make([]string, 0, n)
 	lv, fs, lu := make([]int32, 0, n), make([]int64, 0, n), make([]int64, 0, n)
 	rs := make([]*time.Time, 0, n)
-	for k, st := range states {
+	for _, k := range slices.SortedFunc(maps.Keys(states), compareLimitKeys) {
+		st := states[k]
 		ts, us, ss, es, ns = append(ts, k.Tenant), append(us, k.User), append(ss, k.Scope), append(es, k.Endpoint), append(ns, k.Name)
 		lv, fs, lu = append(lv, int32(st.Level)), append(fs, st.Fires), append(lu, st.LastUsed)
 		var reset *time.Time
