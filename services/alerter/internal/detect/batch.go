@@ -129,10 +129,15 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 	now := d.now()
 	var fired int
 	var levels map[store.LimitKey]int
+	// The first statement locks every version the transaction writes, not
+	// only those it orders busy snapshots by: locking the others at the
+	// save, after the limits, two alerters (a subject busy in one's batch
+	// and quiet in the other's) waited on each other.
+	lock := slices.AppendSeq(slices.Clip(read), maps.Keys(newVersions))
 	err := d.st.Update(ctx, func(tx *store.Tx) error {
 		fired = 0
 		levels = map[store.LimitKey]int{}
-		cur, err := tx.Versions(ctx, read)
+		cur, err := tx.Versions(ctx, lock)
 		if err != nil {
 			return err
 		}

@@ -329,3 +329,73 @@ tenants:
 		t.Errorf("alerts after the reload %q, want one more: old's 80 again", alerts)
 	}
 }
+
+// Two alerters' state transactions over the same subjects do not deadlock:
+// each locks every version it writes in its first statement. Alerter A has
+// X busy (over a threshold) and Y quiet, B the reverse, both with their
+// tenant's limit, whose row the test holds locked until A and B wait: A
+// (locked X) and B (locked Y, if each locked only its busy subject first)
+// then both need the tenant's row, the one that gets it next needs the
+// other's version at its save, and Postgres ends one (deadlock_detected).
+func TestStateTransactionsLockVersionsFirst(t *testing.T) {
+	pool := pgtest.Pool(t, "qf_alerter_lockorder", store.Migrate)
+	st := store.New(pool)
+	ctx := context.Background()
+	c := &clock{t: time.Now().UTC()}
+	a, b := newDetector(t, st, c), newDetector(t, st, c)
+	tenantLimit := store.LimitKey{Tenant: "acme", Scope: "tenant", Name: "month"}
+	if err := st.Update(ctx, func(tx *store.Tx) error {
+		return tx.SaveLimits(ctx, map[store.LimitKey]store.LimitState{tenantLimit: {LastUsed: 1}})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.SaveVersions(ctx, map[store.VersionKey]int64{
+		{Tenant: "acme", User: "x", Scope: "user"}: 1, {Tenant: "acme", User: "y", Scope: "user"}: 1}); err != nil {
+		t.Fatal(err)
+	}
+	// A busy snapshot holds the tenant's limit too; a quiet one its user's
+	// limit alone, so it shares no limit with the other's busy one.
+	snapshot := func(user string, used, v int64) events.Event {
+		ls := []events.LimitState{{Scope: "user", Name: "5h", Unit: "tokens", Limit: 100, Used: used, Remaining: 100 - used}}
+		if used >= 80 {
+			ls = append(ls, events.LimitState{Scope: "tenant", Name: "month", Unit: "tokens", Limit: 10000, Used: 10, Remaining: 9990})
+		}
+		return events.Event{Time: c.now(), Data: events.Reserved{Tenant: "acme", User: user, Endpoint: "/e", Version: v, Limits: ls}}
+	}
+	hold, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hold.Rollback(ctx)
+	if _, err := hold.Exec(ctx, `SELECT 1 FROM alert_limits WHERE tenant = 'acme' AND scope = 'tenant' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- a.HandleBatch(ctx, []events.Event{snapshot("x", 85, 2), snapshot("y", 1, 2)}) }()
+	go func() { errs <- b.HandleBatch(ctx, []events.Event{snapshot("y", 85, 3), snapshot("x", 1, 3)}) }()
+	// Both transactions wait for a lock (the tenant's row, or the other's
+	// first statement) before the row is let go.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiting int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d transactions waiting for a lock, want 2", waiting)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := hold.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := <-errs; err != nil {
+			t.Errorf("HandleBatch = %v", err)
+		}
+	}
+}

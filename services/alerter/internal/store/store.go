@@ -443,10 +443,9 @@ func (s *Store) SaveVersions(ctx context.Context, versions map[VersionKey]int64)
 	return saveVersions(ctx, s.pool, versions)
 }
 
-// compareVersionKeys orders keys as every statement here locks their rows.
-// A transaction that locks in two statements (a batch's reads, then its
-// save) can still meet another's in the other order: Postgres ends one
-// (deadlock_detected), and the alerter handles that fetch event by event.
+// compareVersionKeys orders keys as every statement here locks their rows
+// (a batch's transaction locks every version it writes in its first
+// statement, then its limits: detect.Detector.snapshots).
 func compareVersionKeys(a, b VersionKey) int {
 	return cmp.Or(strings.Compare(a.Tenant, b.Tenant), strings.Compare(a.User, b.User), strings.Compare(a.Scope, b.Scope))
 }
