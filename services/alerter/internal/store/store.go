@@ -389,7 +389,7 @@ func (t *Tx) Versions(ctx context.Context, keys []VersionKey) (map[VersionKey]in
 	if len(keys) == 0 {
 		return out, nil
 	}
-	keys = slices.SortedFunc(slices.Values(keys), compareVersionKeys)
+	keys = slices.Compact(slices.SortedFunc(slices.Values(keys), compareVersionKeys))
 	ts, us, ss := make([]string, len(keys)), make([]string, len(keys)), make([]string, len(keys))
 	for i, k := range keys {
 		ts[i], us[i], ss[i] = k.Tenant, k.User, k.Scope
