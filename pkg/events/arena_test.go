@@ -10,7 +10,7 @@ func TestPutScratchLeavesItClear(t *testing.T) {
 	for _, size := range []int{64, 2} { // room to spare; too small, so object moves to a new array
 		s := &scratch{arena: make([]member, 0, size)}
 		s.free = s.arena[:0]
-		if _, err := object(obj, 0, nil, &s.free); err != nil {
+		if _, err := object(obj, nil, &s.free); err != nil {
 			t.Fatal(err)
 		}
 		if size == 64 && cap(s.free) == size {

@@ -116,7 +116,7 @@ func decodeBatch(b []byte, d Decoder, noID bool) (evs []Event, errs []error, raw
 		err := json.Unmarshal(b, new(json.RawMessage))
 		return nil, nil, nil, fmt.Errorf("%w: batch: not valid JSON: %v", ErrInvalid, err)
 	}
-	raw, ok := elements(b, 0, sp)
+	raw, ok := elements(b, sp)
 	switch {
 	case !ok:
 		return nil, nil, nil, fmt.Errorf("%w: batch: not a JSON array", ErrInvalid)
@@ -130,7 +130,7 @@ func decodeBatch(b []byte, d Decoder, noID bool) (evs []Event, errs []error, raw
 	}
 	for i, e := range raw {
 		// An element of valid UTF-8 and JSON is valid UTF-8 and JSON.
-		evs[i], errs[i] = decode(e, offset(b, e), sp, d, noID, names)
+		evs[i], errs[i] = decode(e, sp, d, noID, names)
 	}
 	return evs, errs, raw, nil
 }

@@ -44,20 +44,20 @@ type Decoder struct {
 }
 
 // Decode is Decode, reading what d says.
-func (d Decoder) Decode(b []byte) (Event, error) { return decode(b, 0, nil, d, false, nil) }
+func (d Decoder) Decode(b []byte) (Event, error) { return decode(b, nil, d, false, nil) }
 
 // DecodeReported is Decode for an event whose id its receiver derives
 // (admission's POST /v1/usage derives it from the event's type, tenant,
 // user and request id, so that no caller can claim another's id): an id
 // in b is ignored, whatever it holds, and the returned event has none.
-func DecodeReported(b []byte) (Event, error) { return decode(b, 0, nil, Decoder{}, true, nil) }
+func DecodeReported(b []byte) (Event, error) { return decode(b, nil, Decoder{}, true, nil) }
 
 // decode is d.Decode, or DecodeReported when noID. When sp is not nil, b
-// is known to be valid UTF-8 and JSON: it lies at offset at of a text
-// checked as a whole (a batch), whose containers sp holds. names, when not
+// is known to be valid UTF-8 and JSON: a slice of a text checked as a
+// whole (a batch), whose containers sp holds. names, when not
 // nil, holds the limits' names and endpoints that the earlier events of a
 // batch met, to share one copy (reader.name).
-func decode(b []byte, at int, sp *spans, d Decoder, noID bool, names map[string]string) (Event, error) {
+func decode(b []byte, sp *spans, d Decoder, noID bool, names map[string]string) (Event, error) {
 	if len(b) > MaxEventSize {
 		return Event{}, fmt.Errorf("%w: event: %d bytes, larger than %d", ErrInvalid, len(b), MaxEventSize)
 	}
@@ -80,10 +80,10 @@ func decode(b []byte, at int, sp *spans, d Decoder, noID bool, names map[string]
 			err := json.Unmarshal(b, new(json.RawMessage))
 			return Event{}, fmt.Errorf("%w: event: not valid JSON: %v", ErrInvalid, err)
 		}
-		sp, at = &s.spans, 0
+		sp = &s.spans
 	}
 	free := &s.free
-	top, err := object(b, at, sp, free)
+	top, err := object(b, sp, free)
 	if err != nil {
 		return Event{}, fmt.Errorf("%w: event: %v", ErrInvalid, err)
 	}
@@ -115,11 +115,11 @@ func decode(b []byte, at int, sp *spans, d Decoder, noID bool, names map[string]
 	c.time("time", ev.Time)
 	c.equal("datacontenttype", contentType, DataContentType)
 
-	raw, ok := r.member("data")
+	raw, ok := r.raw("data")
 	var data []member
 	if !ok {
 		c.add("data", "required")
-	} else if data, err = object(raw.val, raw.at, sp, free); err != nil {
+	} else if data, err = object(raw, sp, free); err != nil {
 		c.add("data", err.Error())
 	}
 	if err == nil && ok {

@@ -19,16 +19,15 @@ import (
 type member struct {
 	key []byte // unescaped; a slice of the input when it had no escapes
 	val []byte
-	at  int // val's offset in the text the decode validated (spans)
 }
 
 // object returns the members of the JSON object b (valid JSON), in order,
 // rejecting a non-object and duplicate keys. The objects of one event
 // share one arena (one allocation, not one each): *free is its unused
 // room, which object takes its members from (growing it when they do not
-// fit) and leaves past them. at is b's offset in the validated text
-// whose containers s holds (nil: none recorded).
-func object(b []byte, at int, s *spans, free *[]member) ([]member, error) {
+// fit) and leaves past them. b is a slice of the validated text whose
+// containers s holds (nil: none recorded).
+func object(b []byte, s *spans, free *[]member) ([]member, error) {
 	i := skipSpace(b, 0)
 	if i == len(b) || b[i] != '{' {
 		return nil, errors.New("must be a JSON object")
@@ -69,8 +68,8 @@ func object(b []byte, at int, s *spans, free *[]member) ([]member, error) {
 			return nil, fmt.Errorf("duplicate key %q", short(string(key)))
 		}
 		i = skipSpace(b, skipSpace(b, end)+1) // past ':'
-		vend := skipAt(b, i, at, s)
-		ms = append(ms, member{key: key, val: b[i:vend], at: at + i})
+		vend := skipAt(b, i, s)
+		ms = append(ms, member{key: key, val: b[i:vend]})
 		i = skipSpace(b, vend)
 		if b[i] == ',' {
 			i = skipSpace(b, i+1)
@@ -92,9 +91,8 @@ func keyBit(key []byte) uint64 {
 }
 
 // elements returns the raw elements of the JSON array b (valid JSON), or
-// false when b is not an array; at and s as for object. Each element is a
-// slice of b: its offset is at + offset(b, element).
-func elements(b []byte, at int, s *spans) ([][]byte, bool) {
+// false when b is not an array; s as for object.
+func elements(b []byte, s *spans) ([][]byte, bool) {
 	i := skipSpace(b, 0)
 	if i == len(b) || b[i] != '[' {
 		return nil, false
@@ -102,7 +100,7 @@ func elements(b []byte, at int, s *spans) ([][]byte, bool) {
 	var out [][]byte
 	i = skipSpace(b, i+1)
 	for b[i] != ']' {
-		end := skipAt(b, i, at, s)
+		end := skipAt(b, i, s)
 		out = append(out, b[i:end])
 		i = skipSpace(b, end)
 		if b[i] == ',' {
@@ -135,13 +133,11 @@ func scanString(b []byte, i int) (end int, escaped bool) {
 	return i, escaped
 }
 
-// offset returns where sub, a slice b[i:j] of b, starts in b: i.
-func offset(b, sub []byte) int { return cap(b) - cap(sub) }
-
-// skipAt is skipValue for b at offset at of a validated text: a
-// container's end is looked up in s, when s recorded it.
-func skipAt(b []byte, i, at int, s *spans) int {
-	if b[i] == '{' || b[i] == '[' {
+// skipAt is skipValue for b, a slice of a validated text: a container's
+// end is looked up in s, when s recorded it.
+func skipAt(b []byte, i int, s *spans) int {
+	if s != nil && (b[i] == '{' || b[i] == '[') {
+		at := s.offset(b)
 		if end := s.after(at+i) - at; end > i && end <= len(b) {
 			return end
 		}
@@ -213,7 +209,7 @@ func skipValue(b []byte, i int) int {
 type reader struct {
 	c    checker
 	m    []member
-	next int       // where member's next search starts
+	next int       // where raw's next search starts
 	free *[]member // the event's arena (object)
 	// spans holds the containers of the validated text m points into.
 	spans *spans
@@ -224,17 +220,10 @@ type reader struct {
 	noSnapshots bool
 }
 
-// raw returns the field unless it is absent or null.
+// raw returns the field unless it is absent or null. The search starts
+// past the field found last: readers ask for the fields in the order the
+// encoder writes them, so a present field is most often the next one.
 func (r *reader) raw(name string) ([]byte, bool) {
-	m, ok := r.member(name)
-	return m.val, ok
-}
-
-// member returns the field's member unless it is absent or null. The
-// search starts past the member found last: readers ask for the fields
-// in the order the encoder writes them, so a present field is most often
-// the next one.
-func (r *reader) member(name string) (member, bool) {
 	for i, j := 0, r.next; i < len(r.m); i, j = i+1, j+1 {
 		if j == len(r.m) {
 			j = 0
@@ -242,12 +231,12 @@ func (r *reader) member(name string) (member, bool) {
 		if m := r.m[j]; string(m.key) == name {
 			r.next = j + 1
 			if string(m.val) == "null" {
-				return member{}, false
+				return nil, false
 			}
-			return m, true
+			return m.val, true
 		}
 	}
-	return member{}, false
+	return nil, false
 }
 
 func (r *reader) str(name string) string {
@@ -383,11 +372,11 @@ func (r *reader) name(field string) string {
 // nil for an element that is not one, so later elements keep their
 // indexes. An empty array reads as an absent one: neither is called.
 func (r *reader) array(name string, size func(n int), each func(*reader)) {
-	v, ok := r.member(name)
+	v, ok := r.raw(name)
 	if !ok {
 		return
 	}
-	items, ok := elements(v.val, v.at, r.spans)
+	items, ok := elements(v, r.spans)
 	if !ok {
 		r.c.deferProblem(name, "must be an array")
 		return
@@ -397,7 +386,7 @@ func (r *reader) array(name string, size func(n int), each func(*reader)) {
 	}
 	size(len(items))
 	for i, it := range items {
-		m, err := object(it, v.at+offset(v.val, it), r.spans, r.free)
+		m, err := object(it, r.spans, r.free)
 		if err != nil {
 			r.c.deferProblem(fmt.Sprintf("%s[%d]", name, i), err.Error())
 			each(nil)

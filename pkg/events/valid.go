@@ -10,9 +10,14 @@ type spans struct {
 	open []int32 // the offset of each container's '{' or '[', in order
 	end  []int32 // just past its '}' or ']'
 	last int     // the container found last
+	size int     // the text's cap
 }
 
 func (s *spans) reset() { s.open, s.end, s.last = s.open[:0], s.end[:0], 0 }
+
+// offset returns where v starts in the text s recorded, v being a slice
+// of it (text[i:j], as every slice the decoder takes is): i.
+func (s *spans) offset(v []byte) int { return s.size - cap(v) }
 
 // after returns the offset just past the container that opens at off, or
 // -1 when none opens there (or s is nil). The decoder mostly asks for the
@@ -44,6 +49,7 @@ func (s *spans) after(off int) int {
 func validate(b []byte, s *spans) bool {
 	if s != nil {
 		s.reset()
+		s.size = cap(b)
 	}
 	// open holds the containers around the current position, '{' or '[',
 	// innermost last; most events nest three deep. at holds their indexes
