@@ -219,19 +219,23 @@ func (e *env) rules(tenant string) []policy.Rule {
 
 // reserve does what admission does for an admitted request: reserve in
 // Redis and publish the reserved event (unless publish is false).
-func (e *env) reserve(tenant, user, req string, est int64, publish bool) {
+// reserve reserves est tokens for the request in Redis, as admission
+// does, and returns its reserved event, published when publish is set.
+func (e *env) reserve(tenant, user, req string, est int64, publish bool) events.Event {
 	e.t.Helper()
 	ctx := context.Background()
 	d, err := e.lim.Reserve(ctx, limits.Request{Tenant: tenant, User: user, RequestID: req, Cost: est, Rules: e.rules(tenant)})
 	if err != nil || !d.Allowed {
 		e.t.Fatalf("Reserve(%s/%s %s) = %+v, %v", tenant, user, req, d, err)
 	}
+	ev := events.NewReserved("test/admission", events.Reserved{
+		RequestID: req, Tenant: tenant, User: user, Endpoint: "/api/v1/generate",
+		EstimatedTokens: est, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
+	}, time.Now())
 	if publish {
-		e.publish(events.NewReserved("test/admission", events.Reserved{
-			RequestID: req, Tenant: tenant, User: user, Endpoint: "/api/v1/generate",
-			EstimatedTokens: est, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version,
-		}, time.Now()))
+		e.publish(ev)
 	}
+	return ev
 }
 
 func (e *env) actual(tenant, user, req, model string, in, out int64) events.Event {
@@ -1031,6 +1035,40 @@ func TestLargeFetchIsNotRedelivered(t *testing.T) {
 		t.Errorf("%d events handled, want %d: messages were redelivered while they waited in their fetch", got, msgs*per)
 	}
 	e.countedOnce(ten, msgs*per, want)
+}
+
+// TestRequestsEventsShareABatch publishes, before the accounter starts,
+// messages of two requests' reserved events, then of their actuals, and
+// so on, six messages a fetch (BatchSize): runs of at most six events cut
+// after three messages would part every other pair of requests, so the
+// fetch's runs end where none is parted (stream.RunsBy). Each request's
+// row is then written once, by the transaction that inserted its key.
+func TestRequestsEventsShareABatch(t *testing.T) {
+	e := newEnv(t)
+	e.initialised(t)
+	e.cfg.BatchSize = 6
+	ten := "together-" + e2e.RandomHex(4)
+	const n = 12
+	for i := 0; i < n; i += 2 {
+		var reserved, actuals []events.Event
+		for _, req := range []string{fmt.Sprint("r", i), fmt.Sprint("r", i+1)} {
+			reserved = append(reserved, e.reserve(ten, "u1", req, 100, false))
+			actuals = append(actuals, e.actual(ten, "u1", req, "", 10, 0))
+		}
+		for _, evs := range [][]events.Event{reserved, actuals} {
+			if err := e.pub.PublishBatch(context.Background(), evs); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	e.start(nil)
+	e.consumedAll(ten, n)
+	e.countedOnce(ten, n, 10*n)
+	// A row updated by a later batch has that batch's xmin, not its key's.
+	if got := e.count(`SELECT count(*) FROM reservations r JOIN reservation_keys k USING (tenant, user_id, request_id)
+		WHERE r.tenant = $1 AND NOT r.xmin = k.xmin`, ten); got != 0 {
+		t.Errorf("%d of %d requests' rows written again by a later batch, want 0", got, n)
+	}
 }
 
 func TestRedisLossRebuildsWindows(t *testing.T) {

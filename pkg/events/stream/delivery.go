@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -119,6 +120,9 @@ func DecodeMsgWith(msg jetstream.Msg, cfg Config, dec events.Decoder) (*Delivery
 // holds a message larger than a fetch's bytes back from every fetch.
 const FetchMaxBytes = 4 * (events.MaxBatchSize + headerRoom + 1<<10)
 
+// fetchGrace is how long after its wait Fetch waits for a pull's end.
+const fetchGrace = 100 * time.Millisecond
+
 // Fetched is what one Fetch took: the messages and when they were
 // requested, which is no later than any was delivered.
 type Fetched struct {
@@ -137,8 +141,25 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 	if err != nil {
 		return f, fmt.Errorf("fetch from %s: %w", cons.CachedInfo().Name, err)
 	}
-	for msg := range batch.Messages() {
-		f.Msgs = append(f.Msgs, msg)
+	// The server ends a pull at its wait with a status the client waits
+	// for; now and then it ends one without (nats-server 2.9 under load:
+	// ~1 fetch in 10), and the client gives up a second after the last
+	// message. The fetch stops a little after the wait instead: a message
+	// the server sent later, if any, comes back after AckWait.
+	stop := time.NewTimer(wait + fetchGrace)
+	defer stop.Stop()
+	msgs := batch.Messages()
+	for {
+		select {
+		case msg, ok := <-msgs:
+			if ok {
+				f.Msgs = append(f.Msgs, msg)
+				continue
+			}
+		case <-stop.C:
+			return f, nil
+		}
+		break
 	}
 	if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, context.DeadlineExceeded) {
 		return f, fmt.Errorf("fetch from %s: %w", cons.CachedInfo().Name, err)
@@ -146,42 +167,136 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 	return f, nil
 }
 
-// Groups calls handle with ds, the decoded messages of f, split in order
-// into runs of whole messages of at most max events each (a message of
-// more is a run alone): the batches a consumer handles in one transaction
-// each, whose size its messages' batches must not blow up.
-//
-// Runs are handled one after the other, and the server's AckWait of each
-// message runs from its delivery: when a run starts more than a quarter of
-// cfg.AckWait after f.At or after the last such mark, every message not yet
-// handled (this run's and those after it) is first marked in progress
-// (Msg.InProgress), so that they get AckWait anew instead of being
-// redelivered while they wait behind the runs before them. A run must then
-// be handled within about three quarters of AckWait; promptly started runs
-// cost the server nothing more.
+// Groups calls handle with ds, the decoded messages of f, split by Runs,
+// one run after the other (a Pending of f's runs).
 func Groups(f Fetched, ds []*Delivery, max int, cfg Config, handle func([]*Delivery)) {
-	late := cfg.WithDefaults().AckWait / 4
-	marked := f.At
-	start, n := 0, 0
-	run := func(from, to int) {
-		if time.Since(marked) > late {
-			marked = time.Now()
-			for _, d := range ds[from:] {
+	p := NewPending(cfg)
+	p.Add(f, Runs(ds, max))
+	for run, ok := p.Next(); ok; run, ok = p.Next() {
+		handle(run)
+	}
+}
+
+// Runs splits ds, in order, into runs of whole messages of at most max
+// events each (a message of more is a run alone): the batches a consumer
+// handles in one transaction each, whose size its messages' batches must
+// not blow up.
+func Runs(ds []*Delivery, max int) [][]*Delivery { return runs(ds, max, nil) }
+
+// RunsBy is Runs ending each run that ds does not end where the fewest of
+// key's groups have events on both sides, among the cuts that leave the
+// run at least half of max events (the latest of equals). A consumer keys
+// a request's events by the request, which writes its ledger row once when
+// they share a batch; events key reports false for belong to no group.
+func RunsBy[K comparable](ds []*Delivery, max int, key func(events.Event) (K, bool)) [][]*Delivery {
+	// span is the first and last message holding a group's events.
+	type span struct{ first, last int }
+	spans := make(map[K]span)
+	for i, d := range ds {
+		for _, ev := range d.Events {
+			k, ok := key(ev)
+			if !ok {
+				continue
+			}
+			if s, seen := spans[k]; seen {
+				spans[k] = span{s.first, i}
+			} else {
+				spans[k] = span{i, i}
+			}
+		}
+	}
+	// split[i] is how many groups a cut after message i parts: those with
+	// first <= i < last, summed from +1 at first and -1 at last.
+	split := make([]int, len(ds)+1)
+	for _, s := range spans {
+		if s.first < s.last {
+			split[s.first]++
+			split[s.last]--
+		}
+	}
+	for i := 1; i < len(ds); i++ {
+		split[i] += split[i-1]
+	}
+	return runs(ds, max, split[:len(ds)])
+}
+
+func runs(ds []*Delivery, max int, split []int) [][]*Delivery {
+	var out [][]*Delivery
+	for start := 0; start < len(ds); {
+		end, n := start, 0
+		best := -1 // the cut RunsBy prefers: after message best-1
+		for end < len(ds) && (end == start || n+len(ds[end].Events) <= max) {
+			n += len(ds[end].Events)
+			end++
+			if split != nil && end < len(ds) && 2*n >= max && (best < 0 || split[end-1] <= split[best-1]) {
+				best = end
+			}
+		}
+		if end < len(ds) && best > 0 {
+			end = best
+		}
+		out = append(out, ds[start:end])
+		start = end
+	}
+	return out
+}
+
+// Pending holds runs of fetched messages until workers take them, and
+// keeps their messages from being redelivered meanwhile: the server's
+// AckWait of each message runs from its delivery, so when a run is taken
+// more than a quarter of AckWait after its fetch or after the last such
+// mark, every message still pending (this run's and the others) is first
+// marked in progress (Msg.InProgress) and gets AckWait anew. A run must
+// then be handled within about three quarters of AckWait; promptly taken
+// runs cost the server nothing more. It is safe for concurrent use.
+type Pending struct {
+	mu     sync.Mutex
+	runs   [][]*Delivery
+	late   time.Duration
+	marked time.Time
+}
+
+// NewPending returns an empty Pending for the consumers of cfg.
+func NewPending(cfg Config) *Pending {
+	return &Pending{late: cfg.WithDefaults().AckWait / 4}
+}
+
+// Add queues runs, the messages of f, after those pending.
+func (p *Pending) Add(f Fetched, runs [][]*Delivery) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.runs) == 0 {
+		p.marked = f.At
+	}
+	p.runs = append(p.runs, runs...)
+}
+
+// Waiting reports whether a run is pending.
+func (p *Pending) Waiting() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.runs) > 0
+}
+
+// Next takes the first pending run; false when none is.
+func (p *Pending) Next() ([]*Delivery, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.runs) == 0 {
+		return nil, false
+	}
+	if time.Since(p.marked) > p.late {
+		p.marked = time.Now()
+		for _, run := range p.runs {
+			for _, d := range run {
 				_ = d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
 			}
 		}
-		handle(ds[from:to])
 	}
-	for i, d := range ds {
-		if i > start && n+len(d.Events) > max {
-			run(start, i)
-			start, n = i, 0
-		}
-		n += len(d.Events)
-	}
-	if start < len(ds) {
-		run(start, len(ds))
-	}
+	run := p.runs[0]
+	p.runs[0] = nil
+	p.runs = p.runs[1:]
+	return run, true
 }
 
 // Status is what became of one event of a Delivery.

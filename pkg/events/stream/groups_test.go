@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"quotaflow/pkg/events"
 )
 
@@ -39,5 +41,120 @@ func TestGroups(t *testing.T) {
 				t.Errorf("Groups(%v, max %d) = %v, want %v", tc.sizes, tc.max, got, tc.want)
 			}
 		})
+	}
+}
+
+// ids lays out messages of events named by their ids ("" for an event of
+// no group) and lists a split's runs the same way.
+func ids(msgs ...[]string) []*Delivery {
+	var ds []*Delivery
+	for _, m := range msgs {
+		d := &Delivery{}
+		for _, id := range m {
+			d.Events = append(d.Events, events.Event{ID: id})
+		}
+		ds = append(ds, d)
+	}
+	return ds
+}
+
+func runIDs(runs [][]*Delivery) [][][]string {
+	var out [][][]string
+	for _, run := range runs {
+		var r [][]string
+		for _, d := range run {
+			var m []string
+			for _, ev := range d.Events {
+				m = append(m, ev.ID)
+			}
+			r = append(r, m)
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+func TestRunsByKeepsGroupsTogether(t *testing.T) {
+	byID := func(ev events.Event) (string, bool) { return ev.ID, ev.ID != "" }
+	type msgs = [][]string
+	for _, tc := range []struct {
+		name string
+		in   msgs
+		max  int
+		want []msgs
+	}{
+		{
+			// Runs would cut after [c d], parting c and d; cutting after
+			// [a b] parts none, and so does the cut after the second [c d].
+			"the cut that parts none", msgs{{"a", "b"}, {"c", "d"}, {"c", "d"}, {"e"}}, 4,
+			[]msgs{{{"a", "b"}}, {{"c", "d"}, {"c", "d"}}, {{"e"}}},
+		},
+		{
+			"the latest of equal cuts", msgs{{"a", "b"}, {"c", "d"}, {"e", "f"}}, 4,
+			[]msgs{{{"a", "b"}, {"c", "d"}}, {{"e", "f"}}},
+		},
+		{
+			// A cut before half of max is never taken, however few it parts.
+			"at least half of max", msgs{{"a"}, {"b", "c", "d"}, {"b", "c", "d"}}, 6,
+			[]msgs{{{"a"}, {"b", "c", "d"}}, {{"b", "c", "d"}}},
+		},
+		{
+			"events of no group", msgs{{"", ""}, {"a", ""}, {"a", ""}}, 4,
+			[]msgs{{{"", ""}}, {{"a", ""}, {"a", ""}}},
+		},
+		{
+			"a large message alone", msgs{{"a"}, {"a", "b", "c", "d", "e"}, {"e"}}, 4,
+			[]msgs{{{"a"}}, {{"a", "b", "c", "d", "e"}}, {{"e"}}},
+		},
+		{"what fits is one run", msgs{{"a", "b"}, {"b", "c"}}, 4, []msgs{{{"a", "b"}, {"b", "c"}}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := runIDs(RunsBy(ids(tc.in...), tc.max, byID))
+			want := runIDs(nil)
+			for _, run := range tc.want {
+				want = append(want, runIDs([][]*Delivery{ids(run...)})...)
+			}
+			if !slices.EqualFunc(got, want, func(a, b [][]string) bool {
+				return slices.EqualFunc(a, b, slices.Equal)
+			}) {
+				t.Errorf("RunsBy(%v, max %d) = %v, want %v", tc.in, tc.max, got, want)
+			}
+		})
+	}
+}
+
+// progressMsg counts the InProgress marks of a message.
+type progressMsg struct {
+	jetstream.Msg
+	marks *int
+}
+
+func (m progressMsg) InProgress() error { *m.marks++; return nil }
+
+func TestPendingMarksWaitingRunsWhenLate(t *testing.T) {
+	marks := make([]int, 3)
+	var ds []*Delivery
+	for i := range marks {
+		ds = append(ds, &Delivery{Msg: progressMsg{marks: &marks[i]}, Events: make([]events.Event, 1)})
+	}
+	p := NewPending(Config{AckWait: time.Hour})
+	// Fetched an hour ago: the first run taken marks every message pending.
+	p.Add(Fetched{At: time.Now().Add(-time.Hour)}, Runs(ds, 1))
+	for want, i := []int{1, 1, 1}, 0; i < 3; i++ {
+		if _, ok := p.Next(); !ok {
+			t.Fatalf("run %d not pending", i)
+		}
+		// The later runs come within the quarter hour: no new marks.
+		if !slices.Equal(marks, want) {
+			t.Fatalf("after run %d: marks %v, want %v", i, marks, want)
+		}
+	}
+	if _, ok := p.Next(); ok || p.Waiting() {
+		t.Error("a run pending after all were taken")
+	}
+	// A fresh fetch is not late: nothing is marked.
+	p.Add(Fetched{At: time.Now()}, Runs(ds[:1], 1))
+	if _, ok := p.Next(); !ok || marks[0] != 1 {
+		t.Errorf("fresh run: ok %v, marks %v, want the first still 1", ok, marks)
 	}
 }

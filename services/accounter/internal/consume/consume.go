@@ -85,7 +85,12 @@ type Consumer struct {
 	log   *slog.Logger
 	// corrected is the subject of the corrected events, skipped unread.
 	corrected string
-	m         *metrics
+	// fetching lets one worker fetch at a time; fetched is when the last
+	// fetch ended, and pending holds the runs of the fetches (worker).
+	fetching sync.Mutex
+	fetched  time.Time
+	pending  *stream.Pending
+	m        *metrics
 }
 
 // New returns a Consumer of cons writing to store, applying effects in
@@ -108,7 +113,7 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, app *eff
 	opts.Events = opts.Events.WithDefaults()
 	corrected := events.Subject(opts.Events.SubjectPrefix, events.TypeCorrected)
 	return &Consumer{cons: cons, js: js, store: store, app: app, gate: gate, pub: pub, opts: opts, corrected: corrected,
-		log: log.With("component", "consume"), m: m}, nil
+		pending: stream.NewPending(opts.Events), log: log.With("component", "consume"), m: m}, nil
 }
 
 // Run fetches and handles batches with opts.Workers workers until ctx
@@ -124,10 +129,42 @@ func (c *Consumer) Run(ctx context.Context) {
 	wg.Wait()
 }
 
+// minFetchWait is the least a fetch waits for messages.
+const minFetchWait = 50 * time.Millisecond
+
+// worker handles pending runs, and fetches when none is left. One worker
+// fetches at a time (fetching), and a fetch waits until opts.BatchWait
+// after the last one ended: each fetch is a stretch of the stream at least
+// that long, whose runs end where the fewest requests have events on both
+// sides (stream.RunsBy), and its runs go to whichever workers are free. A
+// request's reserved and actual events, published moments apart, then
+// share a batch, and its ledger row is written once; concurrent pulls
+// would get the stream's messages dealt between them, and most requests'
+// events apart. Once ctx ends, a worker still takes what is pending (cut
+// short, its messages are nak'ed for immediate redelivery).
 func (c *Consumer) worker(ctx context.Context) {
 	wait := 100 * time.Millisecond
-	for ctx.Err() == nil {
-		f, err := stream.Fetch(c.cons, c.opts.BatchSize, c.opts.BatchWait)
+	for {
+		if run, ok := c.pending.Next(); ok {
+			c.handle(ctx, run)
+			continue
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		c.fetching.Lock()
+		if c.pending.Waiting() { // fetched by another worker meanwhile
+			c.fetching.Unlock()
+			continue
+		}
+		// The server answers a pull at once with what is there, then
+		// holds it until its count or its wait is reached.
+		f, err := stream.Fetch(c.cons, c.opts.BatchSize, max(time.Until(c.fetched.Add(c.opts.BatchWait)), minFetchWait))
+		c.fetched = time.Now()
+		if len(f.Msgs) > 0 {
+			c.pending.Add(f, stream.RunsBy(c.decode(ctx, f), c.opts.BatchSize, requestOf))
+		}
+		c.fetching.Unlock()
 		if err != nil && len(f.Msgs) == 0 {
 			c.log.Warn("fetch failed; retrying", "err", err, "retry_in", wait.String())
 			service.Sleep(ctx, wait)
@@ -142,8 +179,23 @@ func (c *Consumer) worker(ctx context.Context) {
 			continue
 		}
 		wait = 100 * time.Millisecond
-		c.Handle(ctx, f)
 	}
+}
+
+// request is the ledger row an event writes (its reservation).
+type request struct{ tenant, user, id string }
+
+// requestOf is the request of a reserved, actual or released event.
+func requestOf(ev events.Event) (request, bool) {
+	switch d := ev.Data.(type) {
+	case events.Reserved:
+		return request{d.Tenant, d.User, d.RequestID}, true
+	case events.Actual:
+		return request{d.Tenant, d.User, d.RequestID}, true
+	case events.Released:
+		return request{d.Tenant, d.User, d.RequestID}, true
+	}
+	return request{}, false
 }
 
 // item is one event of a batch and what became of it.
@@ -169,14 +221,10 @@ type item struct {
 	transient bool
 }
 
-// Handle processes fetched messages: it expands batches into their events
-// and handles them in batches of at most opts.BatchSize events (a message's
-// events stay together; stream.Groups keeps the later batches of a large
-// fetch from being redelivered while they wait), each one ledger
-// transaction, Redis round trip and publish of corrections; then each
-// message is finished once, after all its events (stream.Delivery.Finish:
-// ack, nak, or dead letters).
-func (c *Consumer) Handle(ctx context.Context, f stream.Fetched) {
+// decode expands the fetched messages into their events; messages that do
+// not decode are dead-lettered whole, and the accounter's own corrected
+// events acked unread.
+func (c *Consumer) decode(ctx context.Context, f stream.Fetched) []*stream.Delivery {
 	var ds []*stream.Delivery
 	for _, msg := range f.Msgs {
 		// Our own corrected events, half of what the stream carries, are
@@ -194,7 +242,7 @@ func (c *Consumer) Handle(ctx context.Context, f stream.Fetched) {
 		}
 		ds = append(ds, d)
 	}
-	stream.Groups(f, ds, c.opts.BatchSize, c.opts.Events, func(g []*stream.Delivery) { c.handle(ctx, g) })
+	return ds
 }
 
 // count counts an event's (or a whole message's) result: result when err

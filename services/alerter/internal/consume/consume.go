@@ -24,8 +24,9 @@ const maxBatch = 256
 
 // fetchWait is the longest a fetch waits for maxBatch messages: alerts
 // are not on any request's path, and a wait gathers more events into one
-// transaction and fewer fetches.
-const fetchWait = 200 * time.Millisecond
+// transaction and fewer fetches, whose versions are written once each (a
+// tenant's in every fetch).
+const fetchWait = 500 * time.Millisecond
 
 // shutdownFlush bounds the last flush, once the consumer is stopping.
 const shutdownFlush = 5 * time.Second
