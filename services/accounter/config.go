@@ -53,8 +53,8 @@ type Config struct {
 	Durable string `envconfig:"DURABLE" default:"accounter"`
 	// Workers is how many batches one instance handles at once.
 	Workers int `envconfig:"WORKERS"`
-	// BatchSize and BatchWait bound a fetch: at most BatchSize messages,
-	// waiting at most BatchWait for them.
+	// BatchSize bounds a fetch's messages and a batch's events; a fetch
+	// takes what came over at least BatchWait since the last one.
 	BatchSize int           `envconfig:"BATCH_SIZE"`
 	BatchWait time.Duration `envconfig:"BATCH_WAIT"`
 	// ReservationTTL is how long a reservation waits for its actual event

@@ -188,7 +188,14 @@ func Runs(ds []*Delivery, max int) [][]*Delivery { return runs(ds, max, nil) }
 // run at least half of max events (the latest of equals). A consumer keys
 // a request's events by the request, which writes its ledger row once when
 // they share a batch; events key reports false for belong to no group.
-func RunsBy[K comparable](ds []*Delivery, max int, key func(events.Event) (K, bool)) [][]*Delivery {
+//
+// The messages from hold on may be held for the next fetch, where the
+// groups they start may end: ds is cut after the message (hold-1 or later,
+// the first at least) where the fewest groups are parted, counting both
+// those with events on both sides and those of one event from hold on,
+// whose others may come next (the latest of equals); held is the rest.
+// hold = len(ds) holds nothing.
+func RunsBy[K comparable](ds []*Delivery, max int, key func(events.Event) (K, bool), hold int) ([][]*Delivery, []*Delivery) {
 	// span is the first and last message holding a group's events.
 	type span struct{ first, last int }
 	spans := make(map[K]span)
@@ -217,7 +224,29 @@ func RunsBy[K comparable](ds []*Delivery, max int, key func(events.Event) (K, bo
 	for i := 1; i < len(ds); i++ {
 		split[i] += split[i-1]
 	}
-	return runs(ds, max, split[:len(ds)])
+	keep := len(ds)
+	if hold < len(ds) {
+		single := make([]int, len(ds))
+		for _, s := range spans {
+			if s.first == s.last && s.first >= hold {
+				single[s.first]++
+			}
+		}
+		best, least, singles := -1, 0, 0
+		for c := hold - 1; c < len(ds); c++ {
+			if c < 0 {
+				continue
+			}
+			if c >= hold {
+				singles += single[c]
+			}
+			if cost := split[c] + singles; best < 0 || cost <= least {
+				best, least = c, cost
+			}
+		}
+		keep = best + 1
+	}
+	return runs(ds[:keep], max, split[:keep]), ds[keep:]
 }
 
 func runs(ds []*Delivery, max int, split []int) [][]*Delivery {

@@ -109,7 +109,8 @@ func TestRunsByKeepsGroupsTogether(t *testing.T) {
 		{"what fits is one run", msgs{{"a", "b"}, {"b", "c"}}, 4, []msgs{{{"a", "b"}, {"b", "c"}}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got := runIDs(RunsBy(ids(tc.in...), tc.max, byID))
+			runs, held := RunsBy(ids(tc.in...), tc.max, byID, len(tc.in))
+			got := runIDs(runs)
 			want := runIDs(nil)
 			for _, run := range tc.want {
 				want = append(want, runIDs([][]*Delivery{ids(run...)})...)
@@ -118,6 +119,49 @@ func TestRunsByKeepsGroupsTogether(t *testing.T) {
 				return slices.EqualFunc(a, b, slices.Equal)
 			}) {
 				t.Errorf("RunsBy(%v, max %d) = %v, want %v", tc.in, tc.max, got, want)
+			}
+			if len(held) != 0 {
+				t.Errorf("RunsBy(%v, hold none) held %d messages", tc.in, len(held))
+			}
+		})
+	}
+}
+
+func TestRunsByHoldsWhatTheNextFetchMayEnd(t *testing.T) {
+	byID := func(ev events.Event) (string, bool) { return ev.ID, ev.ID != "" }
+	type msgs = [][]string
+	for _, tc := range []struct {
+		name       string
+		in         msgs
+		hold       int
+		kept, held msgs
+	}{
+		// c's one event may meet its other next fetch; a's have met.
+		{"a single at the end", msgs{{"a", "b"}, {"a"}, {"c"}}, 1, msgs{{"a", "b"}, {"a"}}, msgs{{"c"}}},
+		// b's single before hold does not count: it came too early.
+		{"nothing to wait for", msgs{{"a", "b"}, {"a"}}, 1, msgs{{"a", "b"}, {"a"}}, nil},
+		// A cut after {"a", "c"} parts c, one after {"c", "d"} d's
+		// single (one each: the later cut), none holds both singles.
+		{"a group begun in the window", msgs{{"a"}, {"a", "c"}, {"c", "d"}, {"e"}}, 2, msgs{{"a"}, {"a", "c"}, {"c", "d"}}, msgs{{"e"}}},
+		// Held from {"x"} on, x and y wait together for their others.
+		{"singles wait together", msgs{{"a"}, {"a"}, {"x"}, {"y"}}, 2, msgs{{"a"}, {"a"}}, msgs{{"x"}, {"y"}}},
+		// The first message is always kept.
+		{"all within the window", msgs{{"a"}, {"b"}}, 0, msgs{{"a"}}, msgs{{"b"}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			runs, held := RunsBy(ids(tc.in...), 100, byID, tc.hold)
+			var kept []*Delivery
+			for _, r := range runs {
+				kept = append(kept, r...)
+			}
+			eq := func(a, b [][][]string) bool {
+				return slices.EqualFunc(a, b, func(a, b [][]string) bool { return slices.EqualFunc(a, b, slices.Equal) })
+			}
+			if got, want := runIDs([][]*Delivery{kept}), runIDs([][]*Delivery{ids(tc.kept...)}); !eq(got, want) {
+				t.Errorf("kept %v, want %v", got, want)
+			}
+			if got, want := runIDs([][]*Delivery{held}), runIDs([][]*Delivery{ids(tc.held...)}); !eq(got, want) {
+				t.Errorf("held %v, want %v", got, want)
 			}
 		})
 	}

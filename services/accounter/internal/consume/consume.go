@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -64,12 +65,14 @@ type Options struct {
 	BeforeAck func(n int) error
 }
 
-// Defaults of Options: four batches of up to 500 events in flight, a fetch
-// waiting at most 200 ms to fill one, as the accounter benchmark of
-// bench/results.md runs.
+// Defaults of Options: four batches of up to 1000 events in flight, each
+// fetch what came over at least 200 ms. A batch holds two of admission's
+// outbox rounds (50 ms of reserved events each) and the reports of their
+// requests with room to spare, so that its cut parts few of them
+// (bench/results.md).
 const (
 	DefaultWorkers   = 4
-	DefaultBatchSize = 500
+	DefaultBatchSize = 1000
 	DefaultBatchWait = 200 * time.Millisecond
 )
 
@@ -89,8 +92,12 @@ type Consumer struct {
 	// fetch ended, and pending holds the runs of the fetches (worker).
 	fetching sync.Mutex
 	fetched  time.Time
-	pending  *stream.Pending
-	m        *metrics
+	// held are the last fetch's messages kept for the next one (take),
+	// fetched at heldAt; fetching guards them.
+	held    []*stream.Delivery
+	heldAt  time.Time
+	pending *stream.Pending
+	m       *metrics
 }
 
 // New returns a Consumer of cons writing to store, applying effects in
@@ -150,7 +157,15 @@ func (c *Consumer) worker(ctx context.Context) {
 			continue
 		}
 		if ctx.Err() != nil {
-			return
+			c.fetching.Lock()
+			held, at := c.held, c.heldAt
+			c.held = nil
+			c.fetching.Unlock()
+			if len(held) == 0 {
+				return
+			}
+			c.pending.Add(stream.Fetched{At: at}, stream.Runs(held, c.opts.BatchSize))
+			continue
 		}
 		c.fetching.Lock()
 		if c.pending.Waiting() { // fetched by another worker meanwhile
@@ -161,9 +176,7 @@ func (c *Consumer) worker(ctx context.Context) {
 		// holds it until its count or its wait is reached.
 		f, err := stream.Fetch(c.cons, c.opts.BatchSize, max(time.Until(c.fetched.Add(c.opts.BatchWait)), minFetchWait))
 		c.fetched = time.Now()
-		if len(f.Msgs) > 0 {
-			c.pending.Add(f, stream.RunsBy(c.decode(ctx, f), c.opts.BatchSize, requestOf))
-		}
+		c.take(ctx, f)
 		c.fetching.Unlock()
 		if err != nil && len(f.Msgs) == 0 {
 			c.log.Warn("fetch failed; retrying", "err", err, "retry_in", wait.String())
@@ -180,6 +193,46 @@ func (c *Consumer) worker(ctx context.Context) {
 		}
 		wait = 100 * time.Millisecond
 	}
+}
+
+// take queues f's messages, after those held from the last fetch, in
+// runs (stream.RunsBy), and holds for the next fetch its last messages
+// where requests may have begun whose other events are yet to come: those
+// stored within a quarter of opts.BatchWait (50 ms by default, admission's
+// longest outbox round by default) of the fetch's last. A message is held
+// once at most; a fetch of nothing queues what is held.
+func (c *Consumer) take(ctx context.Context, f stream.Fetched) {
+	at := f.At
+	if len(c.held) > 0 {
+		at = c.heldAt
+	}
+	ds := slices.Concat(c.held, c.decode(ctx, f))
+	hold := len(ds)
+	if len(ds) > len(c.held) {
+		hold = max(len(c.held), recent(ds, c.opts.BatchWait/4))
+	}
+	runs, held := stream.RunsBy(ds, c.opts.BatchSize, requestOf, hold)
+	c.held, c.heldAt = held, f.At
+	if len(runs) > 0 {
+		c.pending.Add(stream.Fetched{At: at}, runs)
+	}
+}
+
+// recent is the index of the first of ds's messages stored less than
+// window before its last.
+func recent(ds []*stream.Delivery, window time.Duration) int {
+	last, err := ds[len(ds)-1].Msg.Metadata()
+	if err != nil {
+		return len(ds)
+	}
+	i := len(ds)
+	for ; i > 0; i-- {
+		md, err := ds[i-1].Msg.Metadata()
+		if err != nil || last.Timestamp.Sub(md.Timestamp) >= window {
+			break
+		}
+	}
+	return i
 }
 
 // request is the ledger row an event writes (its reservation).

@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"io"
 	"testing"
+	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/effects"
 )
@@ -40,5 +43,35 @@ func TestTransient(t *testing.T) {
 				t.Errorf("transient(%v) = %v, want %v", tc.err, got, tc.want)
 			}
 		})
+	}
+}
+
+// storedMsg is a message stored at a time.
+type storedMsg struct {
+	jetstream.Msg
+	at time.Time
+}
+
+func (m storedMsg) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{Timestamp: m.at}, nil
+}
+
+func TestRecentIsTheLastStretch(t *testing.T) {
+	t0 := time.Now()
+	var ds []*stream.Delivery
+	for _, ms := range []int{0, 10, 40, 45, 60, 95} {
+		ds = append(ds, &stream.Delivery{Msg: storedMsg{at: t0.Add(time.Duration(ms) * time.Millisecond)}})
+	}
+	for _, tc := range []struct {
+		window time.Duration
+		want   int
+	}{
+		{50 * time.Millisecond, 4}, // 60 and 95: 45 is 50 ms before the last
+		{time.Millisecond, 5},      // the last alone
+		{time.Second, 0},           // all
+	} {
+		if got := recent(ds, tc.window); got != tc.want {
+			t.Errorf("recent(window %v) = %d, want %d", tc.window, got, tc.want)
+		}
 	}
 }
