@@ -74,9 +74,16 @@ func runIDs(runs [][]*Delivery) [][][]string {
 	return out
 }
 
+// msgs are messages of events named by their ids, byID their groups.
+type msgs = [][]string
+
+func byID(ev events.Event) (string, bool) { return ev.ID, ev.ID != "" }
+
+func equalRuns(a, b [][][]string) bool {
+	return slices.EqualFunc(a, b, func(a, b [][]string) bool { return slices.EqualFunc(a, b, slices.Equal) })
+}
+
 func TestRunsByKeepsGroupsTogether(t *testing.T) {
-	byID := func(ev events.Event) (string, bool) { return ev.ID, ev.ID != "" }
-	type msgs = [][]string
 	for _, tc := range []struct {
 		name string
 		in   msgs
@@ -115,9 +122,7 @@ func TestRunsByKeepsGroupsTogether(t *testing.T) {
 			for _, run := range tc.want {
 				want = append(want, runIDs([][]*Delivery{ids(run...)})...)
 			}
-			if !slices.EqualFunc(got, want, func(a, b [][]string) bool {
-				return slices.EqualFunc(a, b, slices.Equal)
-			}) {
+			if !equalRuns(got, want) {
 				t.Errorf("RunsBy(%v, max %d) = %v, want %v", tc.in, tc.max, got, want)
 			}
 			if len(held) != 0 {
@@ -128,8 +133,6 @@ func TestRunsByKeepsGroupsTogether(t *testing.T) {
 }
 
 func TestRunsByHoldsWhatTheNextFetchMayEnd(t *testing.T) {
-	byID := func(ev events.Event) (string, bool) { return ev.ID, ev.ID != "" }
-	type msgs = [][]string
 	for _, tc := range []struct {
 		name       string
 		in         msgs
@@ -154,13 +157,10 @@ func TestRunsByHoldsWhatTheNextFetchMayEnd(t *testing.T) {
 			for _, r := range runs {
 				kept = append(kept, r...)
 			}
-			eq := func(a, b [][][]string) bool {
-				return slices.EqualFunc(a, b, func(a, b [][]string) bool { return slices.EqualFunc(a, b, slices.Equal) })
-			}
-			if got, want := runIDs([][]*Delivery{kept}), runIDs([][]*Delivery{ids(tc.kept...)}); !eq(got, want) {
+			if got, want := runIDs([][]*Delivery{kept}), runIDs([][]*Delivery{ids(tc.kept...)}); !equalRuns(got, want) {
 				t.Errorf("kept %v, want %v", got, want)
 			}
-			if got, want := runIDs([][]*Delivery{held}), runIDs([][]*Delivery{ids(tc.held...)}); !eq(got, want) {
+			if got, want := runIDs([][]*Delivery{held}), runIDs([][]*Delivery{ids(tc.held...)}); !equalRuns(got, want) {
 				t.Errorf("held %v, want %v", got, want)
 			}
 		})
