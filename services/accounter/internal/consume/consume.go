@@ -143,7 +143,7 @@ const minFetchWait = 50 * time.Millisecond
 // fetches at a time (fetching), and a fetch waits until opts.BatchWait
 // after the last one ended: each fetch is a stretch of the stream at least
 // that long, whose runs end where the fewest requests have events on both
-// sides (stream.RunsBy), and its runs go to whichever workers are free. A
+// sides (stream.RunsBy, take), and its runs go to whichever workers are free. A
 // request's reserved and actual events, published moments apart, then
 // share a batch, and its ledger row is written once; concurrent pulls
 // would get the stream's messages dealt between them, and most requests'
@@ -198,8 +198,8 @@ func (c *Consumer) worker(ctx context.Context) {
 // take queues f's messages, after those held from the last fetch, in
 // runs (stream.RunsBy), and holds for the next fetch its last messages
 // where requests may have begun whose other events are yet to come: those
-// stored within a quarter of opts.BatchWait (50 ms by default, admission's
-// longest outbox round by default) of the fetch's last. A message is held
+// stored within a quarter of opts.BatchWait (50 ms by default, as
+// admission's longest outbox round) of the fetch's last. A message is held
 // once at most; a fetch of nothing queues what is held.
 func (c *Consumer) take(ctx context.Context, f stream.Fetched) {
 	at := f.At
