@@ -318,9 +318,13 @@ func (c *Consumer) count(typ, result string, err error) {
 // message.
 func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
 	start := time.Now()
-	var items []item
-	recs := make([]ledger.Record, 0, len(ds))
-	seen := map[string]bool{}
+	n := 0
+	for _, d := range ds {
+		n += len(d.Events)
+	}
+	items := make([]item, 0, n)
+	recs := make([]ledger.Record, 0, n)
+	seen := make(map[string]bool, n)
 	for m, d := range ds {
 		for i, ev := range d.Events {
 			it := item{msg: m, idx: i, ev: ev, bad: d.Errs[i] != nil}
@@ -494,12 +498,12 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 	// of the batch (a release and an actual of one request id both apply:
 	// the later finds the earlier's effect), all in one pipelined round
 	// trip.
-	var tasks []task
+	tasks := make([]task, 0, len(items)/2) // most batches: a reserved and an actual a request
 	type effectKey struct {
 		key     ledger.Key
 		release bool
 	}
-	done := map[effectKey]bool{}
+	done := make(map[effectKey]bool, len(items)/2)
 	for i := range items {
 		it := &items[i]
 		if it.bad || it.dup || it.rejected != nil {
