@@ -193,9 +193,10 @@ func ensureConsumer(js jetstream.JetStream, cfg Config) func(context.Context) (j
 }
 
 // raiseMaxAckPending lets the durable hold every worker's batch in flight
-// twice over: the server's default of 1000 unacknowledged messages would
-// otherwise starve workers whose fetches exceed it together. It only ever
-// raises the limit, so instances with smaller settings keep the larger one.
+// twice over (a fetch takes up to BatchSize messages, and its runs wait
+// for the workers): the server's default of 1000 unacknowledged messages
+// could otherwise hold a fetch back while runs wait. It only ever raises
+// the limit, so instances with smaller settings keep the larger one.
 func raiseMaxAckPending(ctx context.Context, js jetstream.StreamConsumerManager, c jetstream.Consumer, cfg Config) (jetstream.Consumer, error) {
 	info, err := c.Info(ctx)
 	if err != nil {

@@ -990,7 +990,7 @@ func TestReformedBatchesCountOnce(t *testing.T) {
 // TestLargeFetchIsNotRedelivered handles one fetch of three messages of
 // ten events each in three ledger batches that together take longer than
 // AckWait: the later batches' messages must not be redelivered while they
-// wait behind the earlier ones (stream.Groups marks them in progress), so
+// wait behind the earlier ones (stream.Pending marks them in progress), so
 // every event is handled exactly once.
 func TestLargeFetchIsNotRedelivered(t *testing.T) {
 	e := newEnv(t)

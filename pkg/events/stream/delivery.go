@@ -133,8 +133,8 @@ type Fetched struct {
 // Fetch takes the next messages of cons, a consumer made by
 // EnsureConsumer: up to max messages and FetchMaxBytes, waiting at most
 // wait for them. Its error is the fetch's: no messages is no error; msgs
-// that arrived before a failure are returned with it. Handle them in
-// Groups.
+// that arrived before a failure are returned with it. Split them with Runs
+// or RunsBy.
 func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error) {
 	f := Fetched{At: time.Now()}
 	batch, err := cons.Fetch(max, jetstream.FetchMaxWait(wait), jetstream.FetchMaxBytes(FetchMaxBytes))
@@ -144,8 +144,8 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 	// The server ends a pull at its wait with a status the client waits
 	// for; now and then it ends one without (nats-server 2.9 under load:
 	// ~1 fetch in 10), and the client gives up a second after the last
-	// message. The fetch stops a little after the wait instead: a message
-	// the server sent later, if any, comes back after AckWait.
+	// message. The fetch stops a little after the wait instead, with what
+	// has arrived; a message that comes later is nak'ed, to come again.
 	stop := time.NewTimer(wait + fetchGrace)
 	defer stop.Stop()
 	msgs := batch.Messages()
@@ -157,7 +157,22 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 				continue
 			}
 		case <-stop.C:
-			return f, nil
+			for {
+				select {
+				case msg, ok := <-msgs:
+					if ok {
+						f.Msgs = append(f.Msgs, msg)
+						continue
+					}
+				default:
+					go func() {
+						for msg := range msgs { // until the client ends the pull
+							_ = msg.Nak()
+						}
+					}()
+				}
+				return f, nil
+			}
 		}
 		break
 	}
@@ -171,7 +186,7 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 // one run after the other (a Pending of f's runs).
 func Groups(f Fetched, ds []*Delivery, max int, cfg Config, handle func([]*Delivery)) {
 	p := NewPending(cfg)
-	p.Add(f, Runs(ds, max))
+	p.Add(f, Runs(ds, max), nil)
 	for run, ok := p.Next(); ok; run, ok = p.Next() {
 		handle(run)
 	}
@@ -271,16 +286,20 @@ func runs(ds []*Delivery, max int, split []int) [][]*Delivery {
 }
 
 // Pending holds runs of fetched messages until workers take them, and
-// keeps their messages from being redelivered meanwhile: the server's
-// AckWait of each message runs from its delivery, so when a run is taken
-// more than a quarter of AckWait after its fetch or after the last such
-// mark, every message still pending (this run's and the others) is first
-// marked in progress (Msg.InProgress) and gets AckWait anew. A run must
-// then be handled within about three quarters of AckWait; promptly taken
-// runs cost the server nothing more. It is safe for concurrent use.
+// messages held for a later fetch's runs (RunsBy's held), and keeps them
+// from being redelivered meanwhile: the server's AckWait of each message
+// runs from its delivery, so when a run is taken more than a quarter of
+// AckWait after the fetch of the oldest message waiting or after the last
+// such mark, every message waiting (this run's, the other runs', the held)
+// is first marked in progress (Msg.InProgress) and gets AckWait anew. A
+// run must then be handled within about three quarters of AckWait;
+// promptly taken runs cost the server nothing more. It is safe for
+// concurrent use.
 type Pending struct {
 	mu     sync.Mutex
 	runs   [][]*Delivery
+	held   []*Delivery
+	heldAt time.Time
 	late   time.Duration
 	marked time.Time
 }
@@ -290,14 +309,27 @@ func NewPending(cfg Config) *Pending {
 	return &Pending{late: cfg.WithDefaults().AckWait / 4}
 }
 
-// Add queues runs, the messages of f, after those pending.
-func (p *Pending) Add(f Fetched, runs [][]*Delivery) {
+// Add queues runs, messages fetched at f.At or later, after those
+// pending, and holds held, which TakeHeld returns (held replaces what was
+// held: take it first).
+func (p *Pending) Add(f Fetched, runs [][]*Delivery, held []*Delivery) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if len(p.runs) == 0 {
+	if (len(p.runs) == 0 && len(p.held) == 0) || f.At.Before(p.marked) {
 		p.marked = f.At
 	}
 	p.runs = append(p.runs, runs...)
+	p.held, p.heldAt = held, f.At
+}
+
+// TakeHeld returns the messages held and the time Add was given with
+// them, and holds none.
+func (p *Pending) TakeHeld() ([]*Delivery, time.Time) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	held := p.held
+	p.held = nil
+	return held, p.heldAt
 }
 
 // Waiting reports whether a run is pending.
@@ -317,15 +349,20 @@ func (p *Pending) Next() ([]*Delivery, bool) {
 	if time.Since(p.marked) > p.late {
 		p.marked = time.Now()
 		for _, run := range p.runs {
-			for _, d := range run {
-				_ = d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
-			}
+			markInProgress(run)
 		}
+		markInProgress(p.held)
 	}
 	run := p.runs[0]
 	p.runs[0] = nil
 	p.runs = p.runs[1:]
 	return run, true
+}
+
+func markInProgress(ds []*Delivery) {
+	for _, d := range ds {
+		_ = d.Msg.InProgress() // if lost, AckWait redelivers and handlers are idempotent
+	}
 }
 
 // Status is what became of one event of a Delivery.

@@ -176,15 +176,16 @@ type progressMsg struct {
 func (m progressMsg) InProgress() error { *m.marks++; return nil }
 
 func TestPendingMarksWaitingRunsWhenLate(t *testing.T) {
-	marks := make([]int, 3)
+	marks := make([]int, 4)
 	var ds []*Delivery
 	for i := range marks {
 		ds = append(ds, &Delivery{Msg: progressMsg{marks: &marks[i]}, Events: make([]events.Event, 1)})
 	}
 	p := NewPending(Config{AckWait: time.Hour})
-	// Fetched an hour ago: the first run taken marks every message pending.
-	p.Add(Fetched{At: time.Now().Add(-time.Hour)}, Runs(ds, 1))
-	for want, i := []int{1, 1, 1}, 0; i < 3; i++ {
+	// Fetched an hour ago: the first run taken marks every message
+	// waiting, the held one too.
+	p.Add(Fetched{At: time.Now().Add(-time.Hour)}, Runs(ds[:3], 1), ds[3:])
+	for want, i := []int{1, 1, 1, 1}, 0; i < 3; i++ {
 		if _, ok := p.Next(); !ok {
 			t.Fatalf("run %d not pending", i)
 		}
@@ -196,9 +197,20 @@ func TestPendingMarksWaitingRunsWhenLate(t *testing.T) {
 	if _, ok := p.Next(); ok || p.Waiting() {
 		t.Error("a run pending after all were taken")
 	}
-	// A fresh fetch is not late: nothing is marked.
-	p.Add(Fetched{At: time.Now()}, Runs(ds[:1], 1))
+	if held, _ := p.TakeHeld(); len(held) != 1 || held[0] != ds[3] {
+		t.Errorf("held %v, want the fourth message", held)
+	}
+	if held, _ := p.TakeHeld(); len(held) != 0 {
+		t.Errorf("held %v after it was taken", held)
+	}
+	// A fresh fetch is not late: nothing is marked. Behind it, the held
+	// messages of an older fetch make the oldest time the one to mark by.
+	p.Add(Fetched{At: time.Now()}, Runs(ds[:2], 1), nil)
 	if _, ok := p.Next(); !ok || marks[0] != 1 {
 		t.Errorf("fresh run: ok %v, marks %v, want the first still 1", ok, marks)
+	}
+	p.Add(Fetched{At: time.Now().Add(-time.Hour)}, Runs(ds[2:3], 1), nil)
+	if _, ok := p.Next(); !ok || !slices.Equal(marks, []int{1, 2, 2, 1}) {
+		t.Errorf("behind an older fetch: ok %v, marks %v, want the two waiting marked again", ok, marks)
 	}
 }

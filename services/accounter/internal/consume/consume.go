@@ -54,7 +54,8 @@ type Options struct {
 	// stream.FetchMaxBytes), and the most events per ledger transaction
 	// (default DefaultBatchSize).
 	BatchSize int
-	// BatchWait is the longest a fetch waits to fill a batch (default
+	// BatchWait is how long a stretch of the stream a fetch takes at
+	// least, unless it fills BatchSize messages first (default
 	// DefaultBatchWait).
 	BatchWait time.Duration
 	// Source is the CloudEvents source of corrected events.
@@ -89,15 +90,12 @@ type Consumer struct {
 	// corrected is the subject of the corrected events, skipped unread.
 	corrected string
 	// fetching lets one worker fetch at a time; fetched is when the last
-	// fetch ended, and pending holds the runs of the fetches (worker).
+	// fetch ended, and pending holds the runs of the fetches and the
+	// messages held for the next (worker, take).
 	fetching sync.Mutex
 	fetched  time.Time
-	// held are the last fetch's messages kept for the next one (take),
-	// fetched at heldAt; fetching guards them.
-	held    []*stream.Delivery
-	heldAt  time.Time
-	pending *stream.Pending
-	m       *metrics
+	pending  *stream.Pending
+	m        *metrics
 }
 
 // New returns a Consumer of cons writing to store, applying effects in
@@ -157,18 +155,17 @@ func (c *Consumer) worker(ctx context.Context) {
 			continue
 		}
 		if ctx.Err() != nil {
-			c.fetching.Lock()
-			held, at := c.held, c.heldAt
-			c.held = nil
-			c.fetching.Unlock()
+			held, at := c.pending.TakeHeld()
 			if len(held) == 0 {
 				return
 			}
-			c.pending.Add(stream.Fetched{At: at}, stream.Runs(held, c.opts.BatchSize))
+			c.pending.Add(stream.Fetched{At: at}, stream.Runs(held, c.opts.BatchSize), nil)
 			continue
 		}
 		c.fetching.Lock()
-		if c.pending.Waiting() { // fetched by another worker meanwhile
+		// Another worker fetched meanwhile, or ctx ended while this one
+		// waited.
+		if c.pending.Waiting() || ctx.Err() != nil {
 			c.fetching.Unlock()
 			continue
 		}
@@ -179,6 +176,9 @@ func (c *Consumer) worker(ctx context.Context) {
 		c.take(ctx, f)
 		c.fetching.Unlock()
 		if err != nil && len(f.Msgs) == 0 {
+			if c.pending.Waiting() { // what was held, first
+				continue
+			}
 			c.log.Warn("fetch failed; retrying", "err", err, "retry_in", wait.String())
 			service.Sleep(ctx, wait)
 			wait = min(2*wait, 5*time.Second)
@@ -188,7 +188,9 @@ func (c *Consumer) worker(ctx context.Context) {
 			c.log.Debug("fetch ended with an error", "err", err)
 		}
 		if len(f.Msgs) == 0 {
-			c.m.lag.Set(0)
+			if !c.pending.Waiting() {
+				c.m.lag.Set(0)
+			}
 			continue
 		}
 		wait = 100 * time.Millisecond
@@ -196,26 +198,29 @@ func (c *Consumer) worker(ctx context.Context) {
 }
 
 // take queues f's messages, after those held from the last fetch, in
-// runs (stream.RunsBy), and holds for the next fetch its last messages
-// where requests may have begun whose other events are yet to come: those
-// stored within a quarter of opts.BatchWait (50 ms by default, as
-// admission's longest outbox round) of the fetch's last. A message is held
-// once at most; a fetch of nothing queues what is held.
+// runs (queue).
 func (c *Consumer) take(ctx context.Context, f stream.Fetched) {
-	at := f.At
-	if len(c.held) > 0 {
-		at = c.heldAt
+	held, at := c.pending.TakeHeld()
+	if len(held) == 0 {
+		at = f.At
 	}
-	ds := slices.Concat(c.held, c.decode(ctx, f))
+	c.queue(slices.Concat(held, c.decode(ctx, f)), len(held), at)
+}
+
+// queue queues ds, whose first old messages were held by the last fetch
+// and the rest fetched since at, in runs (stream.RunsBy), and holds for
+// the next fetch its last messages where requests may have begun whose
+// other events are yet to come: those stored within a quarter of
+// opts.BatchWait (50 ms by default, as admission's longest outbox round)
+// of the last. A message is held once at most; a fetch of nothing queues
+// what was held.
+func (c *Consumer) queue(ds []*stream.Delivery, old int, at time.Time) {
 	hold := len(ds)
-	if len(ds) > len(c.held) {
-		hold = max(len(c.held), recent(ds, c.opts.BatchWait/4))
+	if len(ds) > old {
+		hold = max(old, recent(ds, c.opts.BatchWait/4))
 	}
 	runs, held := stream.RunsBy(ds, c.opts.BatchSize, requestOf, hold)
-	c.held, c.heldAt = held, f.At
-	if len(runs) > 0 {
-		c.pending.Add(stream.Fetched{At: at}, runs)
-	}
+	c.pending.Add(stream.Fetched{At: at}, runs, held)
 }
 
 // recent is the index of the first of ds's messages stored less than

@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 
+	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/effects"
@@ -73,5 +75,40 @@ func TestRecentIsTheLastStretch(t *testing.T) {
 		if got := recent(ds, tc.window); got != tc.want {
 			t.Errorf("recent(window %v) = %d, want %d", tc.window, got, tc.want)
 		}
+	}
+}
+
+// TestQueueHoldsAMessageOnce plays two fetches of reports whose reserved
+// events have not come: the last 50 ms of the first are held for the
+// second, and kept there even where holding them again would part fewer
+// requests.
+func TestQueueHoldsAMessageOnce(t *testing.T) {
+	c := &Consumer{opts: Options{BatchSize: 100, BatchWait: 200 * time.Millisecond},
+		pending: stream.NewPending(stream.Config{AckWait: time.Hour})}
+	t0 := time.Now()
+	msg := func(ms int, req string) *stream.Delivery {
+		return &stream.Delivery{Msg: storedMsg{at: t0.Add(time.Duration(ms) * time.Millisecond)},
+			Events: []events.Event{{Data: events.Actual{Tenant: "t", User: "u", RequestID: req}}}}
+	}
+	taken := func() (ids []string) {
+		for run, ok := c.pending.Next(); ok; run, ok = c.pending.Next() {
+			for _, d := range run {
+				ids = append(ids, d.Events[0].Data.(events.Actual).RequestID)
+			}
+		}
+		return ids
+	}
+	first := []*stream.Delivery{msg(0, "a"), msg(60, "x"), msg(70, "y")}
+	c.queue(first, 0, t0)
+	if got := taken(); !slices.Equal(got, []string{"a"}) {
+		t.Fatalf("first fetch queued %v, want [a] (x and y held)", got)
+	}
+	held, _ := c.pending.TakeHeld()
+	c.queue(append(held, msg(80, "z")), len(held), t0)
+	if got := taken(); !slices.Equal(got, []string{"x", "y"}) {
+		t.Errorf("second fetch queued %v, want [x y] (held before, z held now)", got)
+	}
+	if held, _ := c.pending.TakeHeld(); len(held) != 1 || held[0].Events[0].Data.(events.Actual).RequestID != "z" {
+		t.Errorf("held %d messages, want z alone", len(held))
 	}
 }
