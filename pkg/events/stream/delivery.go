@@ -149,32 +149,23 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 	stop := time.NewTimer(wait + fetchGrace)
 	defer stop.Stop()
 	msgs := batch.Messages()
-	for {
+	for closed := false; !closed; {
 		select {
 		case msg, ok := <-msgs:
-			if ok {
+			if closed = !ok; ok {
 				f.Msgs = append(f.Msgs, msg)
-				continue
 			}
 		case <-stop.C:
-			for {
-				select {
-				case msg, ok := <-msgs:
-					if ok {
-						f.Msgs = append(f.Msgs, msg)
-						continue
-					}
-				default:
-					go func() {
-						for msg := range msgs { // until the client ends the pull
-							_ = msg.Nak()
-						}
-					}()
-				}
-				return f, nil
+			for len(msgs) > 0 { // arrived already; Fetch is the one receiver
+				f.Msgs = append(f.Msgs, <-msgs)
 			}
+			go func() {
+				for msg := range msgs { // until the client ends the pull
+					_ = msg.Nak()
+				}
+			}()
+			return f, nil
 		}
-		break
 	}
 	if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, context.DeadlineExceeded) {
 		return f, fmt.Errorf("fetch from %s: %w", cons.CachedInfo().Name, err)

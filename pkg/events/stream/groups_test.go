@@ -2,6 +2,7 @@ package stream
 
 import (
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -212,5 +213,59 @@ func TestPendingMarksWaitingRunsWhenLate(t *testing.T) {
 	p.Add(Fetched{At: time.Now().Add(-time.Hour)}, Runs(ds[2:3], 1), nil)
 	if _, ok := p.Next(); !ok || !slices.Equal(marks, []int{1, 2, 2, 1}) {
 		t.Errorf("behind an older fetch: ok %v, marks %v, want the two waiting marked again", ok, marks)
+	}
+}
+
+// stalledConsumer's pulls deliver what their channel gets and never end:
+// a pull the server ended without its status.
+type stalledConsumer struct {
+	jetstream.Consumer
+	msgs chan jetstream.Msg
+}
+
+func (c stalledConsumer) Fetch(int, ...jetstream.FetchOpt) (jetstream.MessageBatch, error) {
+	return stalledBatch{c.msgs}, nil
+}
+
+type stalledBatch struct{ msgs chan jetstream.Msg }
+
+func (b stalledBatch) Messages() <-chan jetstream.Msg { return b.msgs }
+func (stalledBatch) Error() error                     { return nil }
+
+// nakMsg counts its naks.
+type nakMsg struct {
+	jetstream.Msg
+	naks *atomic.Int32
+}
+
+func (m nakMsg) Nak() error { m.naks.Add(1); return nil }
+
+func TestFetchStopsPastItsWait(t *testing.T) {
+	var naks atomic.Int32
+	msgs := make(chan jetstream.Msg, 4)
+	msgs <- nakMsg{naks: &naks}
+	done := make(chan Fetched, 1)
+	go func() {
+		f, err := Fetch(stalledConsumer{msgs: msgs}, 10, 10*time.Millisecond)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- f
+	}()
+	select {
+	case f := <-done:
+		if len(f.Msgs) != 1 {
+			t.Errorf("Fetch took %d messages, want the one that had arrived", len(f.Msgs))
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Fetch still waiting 5 s past its wait of 10 ms")
+	}
+	// A message the stalled pull delivers later is nak'ed, to come again.
+	msgs <- nakMsg{naks: &naks}
+	close(msgs)
+	for deadline := time.Now().Add(5 * time.Second); naks.Load() != 1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d naks 5 s after a late message, want 1", naks.Load())
+		}
 	}
 }
