@@ -183,15 +183,15 @@ func Groups(f Fetched, ds []*Delivery, max int, cfg Config, handle func([]*Deliv
 	}
 }
 
-// Runs splits ds, in order, into runs of whole messages of at most max
+// Runs splits ds, in order, into runs of whole messages of at most size
 // events each (a message of more is a run alone): the batches a consumer
 // handles in one transaction each, whose size its messages' batches must
 // not blow up.
-func Runs(ds []*Delivery, max int) [][]*Delivery { return runs(ds, max, nil) }
+func Runs(ds []*Delivery, size int) [][]*Delivery { return runs(ds, size, nil) }
 
 // RunsBy is Runs ending each run that ds does not end where the fewest of
 // key's groups have events on both sides, among the cuts that leave the
-// run at least half of max events (the latest of equals). A consumer keys
+// run at least half of size events (the latest of equals). A consumer keys
 // a request's events by the request, which writes its ledger row once when
 // they share a batch; events key reports false for belong to no group.
 //
@@ -201,7 +201,7 @@ func Runs(ds []*Delivery, max int) [][]*Delivery { return runs(ds, max, nil) }
 // those with events on both sides and those of one event from hold on,
 // whose others may come next (the latest of equals); held is the rest.
 // hold = len(ds) holds nothing.
-func RunsBy[K comparable](ds []*Delivery, max int, key func(events.Event) (K, bool), hold int) ([][]*Delivery, []*Delivery) {
+func RunsBy[K comparable](ds []*Delivery, size int, key func(events.Event) (K, bool), hold int) ([][]*Delivery, []*Delivery) {
 	// span is the first and last message holding a group's events.
 	type span struct{ first, last int }
 	spans := make(map[K]span)
@@ -239,10 +239,7 @@ func RunsBy[K comparable](ds []*Delivery, max int, key func(events.Event) (K, bo
 			}
 		}
 		best, least, singles := -1, 0, 0
-		for c := hold - 1; c < len(ds); c++ {
-			if c < 0 {
-				continue
-			}
+		for c := max(hold-1, 0); c < len(ds); c++ {
 			if c >= hold {
 				singles += single[c]
 			}
@@ -252,18 +249,18 @@ func RunsBy[K comparable](ds []*Delivery, max int, key func(events.Event) (K, bo
 		}
 		keep = best + 1
 	}
-	return runs(ds[:keep], max, split[:keep]), ds[keep:]
+	return runs(ds[:keep], size, split[:keep]), ds[keep:]
 }
 
-func runs(ds []*Delivery, max int, split []int) [][]*Delivery {
+func runs(ds []*Delivery, size int, split []int) [][]*Delivery {
 	var out [][]*Delivery
 	for start := 0; start < len(ds); {
 		end, n := start, 0
 		best := -1 // the cut RunsBy prefers: after message best-1
-		for end < len(ds) && (end == start || n+len(ds[end].Events) <= max) {
+		for end < len(ds) && (end == start || n+len(ds[end].Events) <= size) {
 			n += len(ds[end].Events)
 			end++
-			if split != nil && end < len(ds) && 2*n >= max && (best < 0 || split[end-1] <= split[best-1]) {
+			if split != nil && end < len(ds) && 2*n >= size && (best < 0 || split[end-1] <= split[best-1]) {
 				best = end
 			}
 		}

@@ -141,12 +141,12 @@ const minFetchWait = 50 * time.Millisecond
 // fetches at a time (fetching), and a fetch waits until opts.BatchWait
 // after the last one ended: each fetch is a stretch of the stream at least
 // that long, whose runs end where the fewest requests have events on both
-// sides (stream.RunsBy, take), and its runs go to whichever workers are free. A
-// request's reserved and actual events, published moments apart, then
-// share a batch, and its ledger row is written once; concurrent pulls
-// would get the stream's messages dealt between them, and most requests'
-// events apart. Once ctx ends, a worker still takes what is pending (cut
-// short, its messages are nak'ed for immediate redelivery).
+// sides (take), and its runs go to whichever workers are free. A request's
+// reserved and actual events, published moments apart, then share a
+// batch, and its ledger row is written once; concurrent pulls would get
+// the stream's messages dealt between them, and most requests' events
+// apart. Once ctx ends, a worker still takes what is pending and held
+// (cut short, its messages are nak'ed for immediate redelivery).
 func (c *Consumer) worker(ctx context.Context) {
 	wait := 100 * time.Millisecond
 	for {
@@ -240,20 +240,18 @@ func recent(ds []*stream.Delivery, window time.Duration) int {
 	return i
 }
 
-// request is the ledger row an event writes (its reservation).
-type request struct{ tenant, user, id string }
-
-// requestOf is the request of a reserved, actual or released event.
-func requestOf(ev events.Event) (request, bool) {
+// requestOf is the key of the reservation row a reserved, actual or
+// released event writes.
+func requestOf(ev events.Event) (ledger.Key, bool) {
 	switch d := ev.Data.(type) {
 	case events.Reserved:
-		return request{d.Tenant, d.User, d.RequestID}, true
+		return ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}, true
 	case events.Actual:
-		return request{d.Tenant, d.User, d.RequestID}, true
+		return ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}, true
 	case events.Released:
-		return request{d.Tenant, d.User, d.RequestID}, true
+		return ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}, true
 	}
-	return request{}, false
+	return ledger.Key{}, false
 }
 
 // item is one event of a batch and what became of it.
@@ -514,16 +512,15 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 		if it.bad || it.dup || it.rejected != nil {
 			continue
 		}
-		var t task
+		key, _ := requestOf(it.ev)
+		t := task{item: i, key: key}
 		switch d := it.ev.Data.(type) {
 		case events.Actual:
-			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
 			t.Endpoint = d.Endpoint
 		case events.Released:
 			if d.Status == events.ReleaseAlreadySettled {
 				continue // admission's release changed nothing in Redis
 			}
-			t = task{item: i, key: ledger.Key{Tenant: d.Tenant, User: d.User, RequestID: d.RequestID}}
 			// A release that found no reservation must not undo one the id
 			// got later; it gives back only what a rebuild put back.
 			t.Release, t.IfGone = true, d.Status == events.ReleaseUnknown
