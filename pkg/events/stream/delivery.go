@@ -173,6 +173,61 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 	return f, nil
 }
 
+// Bursts fetches a consumer's messages in bursts: each fetch first waits
+// until every has passed since the last one ended, with no pull at the
+// server, then takes what is stored at once. A pull left waiting at the
+// server is handed each message as it is stored, one delivery and one
+// wake-up of the server's and the client's goroutines per message, which
+// in the pipeline cost nats-server more than the message itself
+// (bench/results.md, "Consumers fetch in bursts"). A fetch that left
+// messages pending (a backlog) is followed by the next at once. Not safe
+// for concurrent use.
+type Bursts struct {
+	cons  jetstream.Consumer
+	max   int
+	every time.Duration
+	ended time.Time // when the last fetch ended
+	more  bool      // the last fetch left messages pending
+}
+
+// burstWait is how long a burst's pull waits for a first message: a
+// little, since FetchNoWait takes no byte bound (FetchMaxBytes).
+const burstWait = 10 * time.Millisecond
+
+// NewBursts returns Bursts of up to max messages (and FetchMaxBytes) from
+// cons, a fetch every interval at most while there is no backlog.
+func NewBursts(cons jetstream.Consumer, max int, every time.Duration) *Bursts {
+	return &Bursts{cons: cons, max: max, every: every}
+}
+
+// Fetch waits out the interval since the last fetch ended, unless that
+// one left a backlog, then fetches as Fetch does. If ctx ends while it
+// waits, it returns no messages and ctx's error.
+func (b *Bursts) Fetch(ctx context.Context) (Fetched, error) {
+	if d := time.Until(b.ended.Add(b.every)); d > 0 && !b.more {
+		t := time.NewTimer(d)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return Fetched{At: time.Now()}, ctx.Err()
+		}
+	}
+	f, err := Fetch(b.cons, b.max, burstWait)
+	b.ended, b.more = time.Now(), pendingAfter(f.Msgs)
+	return f, err
+}
+
+// pendingAfter reports whether the consumer still had messages pending
+// when the last of msgs was delivered.
+func pendingAfter(msgs []jetstream.Msg) bool {
+	if len(msgs) == 0 {
+		return false
+	}
+	md, err := msgs[len(msgs)-1].Metadata()
+	return err == nil && md.NumPending > 0
+}
+
 // Groups calls handle with ds, the decoded messages of f, split by Runs,
 // one run after the other (a Pending of f's runs).
 func Groups(f Fetched, ds []*Delivery, max int, cfg Config, handle func([]*Delivery)) {

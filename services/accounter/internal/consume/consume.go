@@ -89,11 +89,11 @@ type Consumer struct {
 	log   *slog.Logger
 	// corrected is the subject of the corrected events, skipped unread.
 	corrected string
-	// fetching lets one worker fetch at a time; fetched is when the last
-	// fetch ended, and pending holds the runs of the fetches and the
-	// messages held for the next (worker, take).
+	// fetching lets one worker fetch (bursts) at a time, and pending
+	// holds the runs of the fetches and the messages held for the next
+	// (worker, take).
 	fetching sync.Mutex
-	fetched  time.Time
+	bursts   *stream.Bursts
 	pending  *stream.Pending
 	m        *metrics
 }
@@ -118,7 +118,7 @@ func New(cons jetstream.Consumer, js jetstream.Publisher, store Ledger, app *eff
 	opts.Events = opts.Events.WithDefaults()
 	corrected := events.Subject(opts.Events.SubjectPrefix, events.TypeCorrected)
 	return &Consumer{cons: cons, js: js, store: store, app: app, gate: gate, pub: pub, opts: opts, corrected: corrected,
-		pending: stream.NewPending(opts.Events), log: log.With("component", "consume"), m: m}, nil
+		bursts: stream.NewBursts(cons, opts.BatchSize, opts.BatchWait), pending: stream.NewPending(opts.Events), log: log.With("component", "consume"), m: m}, nil
 }
 
 // Run fetches and handles batches with opts.Workers workers until ctx
@@ -134,13 +134,11 @@ func (c *Consumer) Run(ctx context.Context) {
 	wg.Wait()
 }
 
-// minFetchWait is the least a fetch waits for messages.
-const minFetchWait = 50 * time.Millisecond
-
 // worker handles pending runs, and fetches when none is left. One worker
 // fetches at a time (fetching), and a fetch waits until opts.BatchWait
-// after the last one ended: each fetch is a stretch of the stream at least
-// that long, whose runs end where the fewest requests have events on both
+// after the last one ended, unless that one left a backlog, and then takes
+// what is stored at once (stream.Bursts): each fetch is a stretch of the
+// stream at least that long, whose runs end where the fewest requests have events on both
 // sides (take), and its runs go to whichever workers are free. A request's
 // reserved and actual events, published moments apart, then share a
 // batch, and its ledger row is written once; concurrent pulls would get
@@ -169,14 +167,11 @@ func (c *Consumer) worker(ctx context.Context) {
 			c.fetching.Unlock()
 			continue
 		}
-		// The server answers a pull at once with what is there, then
-		// holds it until its count or its wait is reached.
-		f, err := stream.Fetch(c.cons, c.opts.BatchSize, max(time.Until(c.fetched.Add(c.opts.BatchWait)), minFetchWait))
-		c.fetched = time.Now()
+		f, err := c.bursts.Fetch(ctx)
 		c.take(ctx, f)
 		c.fetching.Unlock()
 		if err != nil && len(f.Msgs) == 0 {
-			if c.pending.Waiting() { // what was held, first
+			if c.pending.Waiting() || ctx.Err() != nil { // what was held, first
 				continue
 			}
 			c.log.Warn("fetch failed; retrying", "err", err, "retry_in", wait.String())

@@ -1,6 +1,6 @@
 // Package consume feeds the alerter's detector from the usage stream: it
-// fetches up to maxBatch messages, waiting at most fetchWait for them,
-// expands batch messages into their events, handles the events in batches, each in one Postgres
+// fetches up to maxBatch messages every fetchWait (at once while there is
+// a backlog), expands batch messages into their events, handles the events in batches, each in one Postgres
 // transaction, and finishes each message once; it falls back to event by
 // event when a batch fails, so one bad event is retried and dead-lettered
 // alone while the others go through.
@@ -22,8 +22,9 @@ import (
 // handled in one Postgres transaction.
 const maxBatch = 256
 
-// fetchWait is the longest a fetch waits for maxBatch messages: alerts
-// are not on any request's path, and a wait gathers more events into one
+// fetchWait is how long after a fetch the next one comes, unless it left
+// a backlog (stream.Bursts): alerts are not on any request's path, and a
+// wait gathers more events into one
 // transaction and fewer fetches, whose versions are written once each (a
 // tenant's in every fetch).
 const fetchWait = 500 * time.Millisecond
@@ -55,8 +56,9 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
 	unread := unreadSubjects(cfg.WithDefaults().SubjectPrefix)
 	w := &waiting{js: js, cfg: cfg, flush: h.Flush, log: log}
+	bursts := stream.NewBursts(cons, maxBatch, fetchWait)
 	for ctx.Err() == nil {
-		f, err := stream.Fetch(cons, maxBatch, fetchWait)
+		f, err := bursts.Fetch(ctx)
 		if err != nil && ctx.Err() == nil {
 			log.Warn("fetch events", "err", err)
 			if len(f.Msgs) == 0 {
