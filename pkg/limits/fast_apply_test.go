@@ -29,8 +29,13 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 	_, rng, _, offset := modelRun(t, c, 23)
 	base := redistest.UniqueName(t)
 	ta, tb := base+"-fast", base+"-general"
+	// prepaid balances, user and tenant, topped up alike in both twins
+	credits := []policy.Rule{
+		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "credits", Kind: policy.Balance}),
+		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "tcredits", Kind: policy.Balance}),
+	}
 	// the fast path's limits, and windows of seconds and refills by the second
-	fastRules := append(fastPathRules(),
+	fastRules := append(append(fastPathRules(), credits...),
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "r4", Kind: policy.Rolling, Limit: 300, Window: policy.Duration(4 * time.Second), Buckets: 4}),
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "f2", Kind: policy.Fixed, Limit: 250, Window: policy.Duration(2 * time.Second)}),
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "tps2", Kind: policy.TokenBucket, Rate: 77, Per: policy.Duration(time.Second), Burst: 150}))
@@ -92,6 +97,14 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 			offset -= time.Duration(1+rng.IntN(40)) * time.Minute
 		}
 		l = at(offset)
+		if rng.IntN(4) == 0 {
+			r, user, amount := &credits[rng.IntN(len(credits))], users[rng.IntN(len(users))], 1+rng.Int64N(1500)
+			for _, tn := range []string{ta, tb} {
+				if _, err := l.TopUp(ctx, tn, user, r, amount, "top-"+strconv.Itoa(step)); err != nil {
+					t.Fatalf("step %d, top-up: %v", step, err)
+				}
+			}
+		}
 		if len(open) > 0 && rng.IntN(2) == 0 {
 			var ops []limits.SettleOp
 			for range 1 + rng.IntN(min(len(open), 5)) {
