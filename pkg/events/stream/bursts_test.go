@@ -34,7 +34,8 @@ func ackAll(t *testing.T, f stream.Fetched) {
 }
 
 // Between fetches no pull waits at the server, so a message stored then
-// is not delivered on its own: it waits for the next burst.
+// is not handed over on its own: the next burst takes it, once the
+// interval since the last fetch ended has passed.
 func TestBurstsWaitWithoutAPull(t *testing.T) {
 	js, cfg := realNATS(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -43,18 +44,17 @@ func TestBurstsWaitWithoutAPull(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := stream.NewBursts(cons, 10, time.Hour)
+	b := stream.NewBursts(cons, 10, 3*time.Second)
 	if f, err := b.Fetch(ctx); err != nil || len(f.Msgs) != 0 {
 		t.Fatalf("first fetch of an empty stream = %d messages, %v; want none at once", len(f.Msgs), err)
 	}
-	wctx, stop := context.WithCancel(ctx)
 	type result struct {
 		f   stream.Fetched
 		err error
 	}
 	done := make(chan result, 1)
 	go func() {
-		f, err := b.Fetch(wctx)
+		f, err := b.Fetch(ctx)
 		done <- result{f, err}
 	}()
 	publishEach(ctx, t, js, cfg, actuals(1, "between"))
@@ -71,17 +71,53 @@ func TestBurstsWaitWithoutAPull(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	stop()
-	if r := <-done; !errors.Is(r.err, context.Canceled) || len(r.f.Msgs) != 0 {
-		t.Errorf("fetch cut short = %d messages, %v; want none and the context's error", len(r.f.Msgs), r.err)
+	r := <-done
+	if r.err != nil || len(r.f.Msgs) != 1 {
+		t.Fatalf("the burst after the interval = %d messages, %v; want the one stored", len(r.f.Msgs), r.err)
+	}
+	ackAll(t, r.f)
+	cctx, ccancel := context.WithCancel(ctx)
+	ccancel()
+	if f, err := b.Fetch(cctx); !errors.Is(err, context.Canceled) || len(f.Msgs) != 0 {
+		t.Errorf("fetch whose context ended = %d messages, %v; want none and the context's error", len(f.Msgs), err)
 	}
 }
 
-// A fetch that leaves messages pending is followed by the next at once;
-// one that leaves none, only after the interval.
+// drain fetches with b until it has n messages, acking them, each fetch
+// within 5 s: one that waited out b's interval (an hour) fails the test.
+func drain(ctx context.Context, t *testing.T, b *stream.Bursts, n int) {
+	t.Helper()
+	for got, fetches := 0, 0; got < n; fetches++ {
+		if fetches == n {
+			t.Fatalf("%d fetches took %d of %d messages", fetches, got, n)
+		}
+		fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		f, err := b.Fetch(fctx)
+		cancel()
+		if err != nil {
+			t.Fatalf("fetch %d, with %d of %d messages taken: %v; want the backlog taken at once", fetches+1, got, n, err)
+		}
+		ackAll(t, f)
+		got += len(f.Msgs)
+	}
+}
+
+// waitsItsInterval fails the test unless b's next fetch waits (its
+// interval: an hour): the backlog is gone.
+func waitsItsInterval(ctx context.Context, t *testing.T, b *stream.Bursts) {
+	t.Helper()
+	sctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if f, err := b.Fetch(sctx); !errors.Is(err, context.DeadlineExceeded) || len(f.Msgs) != 0 {
+		t.Errorf("fetch after the backlog = %d messages, %v; want it waiting its interval", len(f.Msgs), err)
+	}
+}
+
+// A fetch that leaves a backlog is followed by the next at once; one that
+// leaves none, only after the interval.
 func TestBurstsTakeABacklogAtOnce(t *testing.T) {
-	js, cfg := realNATS(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	js, cfg := realNATSWith(t, 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	publishEach(ctx, t, js, cfg, actuals(7, "backlog"))
 	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
@@ -89,16 +125,31 @@ func TestBurstsTakeABacklogAtOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := stream.NewBursts(cons, 5, time.Hour)
-	for i, want := range []int{5, 2} {
-		f, err := b.Fetch(ctx)
-		if err != nil || len(f.Msgs) != want {
-			t.Fatalf("fetch %d = %d messages, %v; want %d without waiting the interval", i+1, len(f.Msgs), err, want)
+	drain(ctx, t, b, 7)
+	waitsItsInterval(ctx, t, b)
+}
+
+// Redelivered messages are in no count of pending ones: a fetch they fill
+// is a backlog too.
+func TestBurstsTakeRedeliveriesAtOnce(t *testing.T) {
+	js, cfg := realNATSWith(t, 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	publishEach(ctx, t, js, cfg, actuals(8, "again"))
+	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := stream.Fetch(cons, 10, time.Second)
+	if err != nil || len(f.Msgs) != 8 {
+		t.Fatalf("first fetch = %d messages, %v; want 8", len(f.Msgs), err)
+	}
+	for _, m := range f.Msgs {
+		if err := m.Nak(); err != nil {
+			t.Fatal(err)
 		}
-		ackAll(t, f)
 	}
-	sctx, scancel := context.WithTimeout(ctx, 300*time.Millisecond)
-	defer scancel()
-	if f, err := b.Fetch(sctx); !errors.Is(err, context.DeadlineExceeded) || len(f.Msgs) != 0 {
-		t.Errorf("fetch after the backlog = %d messages, %v; want it waiting its interval", len(f.Msgs), err)
-	}
+	b := stream.NewBursts(cons, 3, time.Hour)
+	drain(ctx, t, b, 8)
+	waitsItsInterval(ctx, t, b)
 }

@@ -120,7 +120,8 @@ func DecodeMsgWith(msg jetstream.Msg, cfg Config, dec events.Decoder) (*Delivery
 // holds a message larger than a fetch's bytes back from every fetch.
 const FetchMaxBytes = 4 * (events.MaxBatchSize + headerRoom + 1<<10)
 
-// fetchGrace is how long after its wait Fetch waits for a pull's end.
+// fetchGrace is how long after its wait, and after its last message once
+// the wait has passed, Fetch waits for a pull's end.
 const fetchGrace = 100 * time.Millisecond
 
 // Fetched is what one Fetch took: the messages and when they were
@@ -144,7 +145,8 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 	// The server ends a pull at its wait with a status the client waits
 	// for; now and then it ends one without (nats-server 2.9 under load:
 	// ~1 fetch in 10), and the client gives up a second after the last
-	// message. The fetch stops a little after the wait instead, with what
+	// message. The fetch stops a little after the wait instead (after its
+	// last message, while a large fetch is still coming in), with what
 	// has arrived; a message that comes later is nak'ed, to come again.
 	stop := time.NewTimer(wait + fetchGrace)
 	defer stop.Stop()
@@ -154,6 +156,9 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 		case msg, ok := <-msgs:
 			if closed = !ok; ok {
 				f.Msgs = append(f.Msgs, msg)
+				if time.Since(f.At) > wait {
+					stop.Reset(fetchGrace)
+				}
 			}
 		case <-stop.C:
 			for len(msgs) > 0 { // arrived already; Fetch is the one receiver
@@ -179,20 +184,22 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 // server is handed each message as it is stored, one delivery and one
 // wake-up of the server's and the client's goroutines per message, which
 // in the pipeline cost nats-server more than the message itself
-// (bench/results.md, "Consumers fetch in bursts"). A fetch that left
-// messages pending (a backlog) is followed by the next at once. Not safe
-// for concurrent use.
+// (bench/results.md, "Consumers fetch in bursts"). A fetch that left a
+// backlog is followed by the next at once (backlog). Not safe for
+// concurrent use.
 type Bursts struct {
 	cons  jetstream.Consumer
 	max   int
 	every time.Duration
 	ended time.Time // when the last fetch ended
-	more  bool      // the last fetch left messages pending
+	more  bool      // the last fetch left a backlog
 }
 
-// burstWait is how long a burst's pull waits for a first message: a
-// little, since FetchNoWait takes no byte bound (FetchMaxBytes).
-const burstWait = 10 * time.Millisecond
+// burstWait is how long a burst's pull lasts: long enough for a busy
+// server to start delivering before the pull expires (an expired pull
+// gets nothing), short since what it is handed meanwhile comes a message
+// at a time. Not FetchNoWait: it takes no byte bound (FetchMaxBytes).
+const burstWait = 25 * time.Millisecond
 
 // NewBursts returns Bursts of up to max messages (and FetchMaxBytes) from
 // cons, a fetch every interval at most while there is no backlog.
@@ -214,18 +221,31 @@ func (b *Bursts) Fetch(ctx context.Context) (Fetched, error) {
 		}
 	}
 	f, err := Fetch(b.cons, b.max, burstWait)
-	b.ended, b.more = time.Now(), pendingAfter(f.Msgs)
+	b.ended, b.more = time.Now(), backlog(f.Msgs, b.max)
 	return f, err
 }
 
-// pendingAfter reports whether the consumer still had messages pending
-// when the last of msgs was delivered.
-func pendingAfter(msgs []jetstream.Msg) bool {
+// backlog reports whether a fetch of up to size messages left a backlog:
+// it was cut by its count or came near its byte bound (redelivered
+// messages, which no count of pending ones includes, may wait), or the
+// consumer still had a quarter of a fetch pending when the last message
+// was delivered (not the few stored while the pull lasted).
+func backlog(msgs []jetstream.Msg, size int) bool {
 	if len(msgs) == 0 {
 		return false
 	}
+	if len(msgs) >= size {
+		return true
+	}
+	bytes := 0
+	for _, m := range msgs {
+		bytes += len(m.Data())
+	}
+	if bytes >= FetchMaxBytes/2 {
+		return true
+	}
 	md, err := msgs[len(msgs)-1].Metadata()
-	return err == nil && md.NumPending > 0
+	return err == nil && md.NumPending >= uint64(max(1, size/4))
 }
 
 // Groups calls handle with ds, the decoded messages of f, split by Runs,

@@ -55,7 +55,7 @@ type Options struct {
 	// (default DefaultBatchSize).
 	BatchSize int
 	// BatchWait is how long a stretch of the stream a fetch takes at
-	// least, unless it fills BatchSize messages first (default
+	// least, unless the last one left a backlog (stream.Bursts; default
 	// DefaultBatchWait).
 	BatchWait time.Duration
 	// Source is the CloudEvents source of corrected events.
@@ -138,7 +138,7 @@ func (c *Consumer) Run(ctx context.Context) {
 // fetches at a time (fetching), and a fetch waits until opts.BatchWait
 // after the last one ended, unless that one left a backlog, and then takes
 // what is stored at once (stream.Bursts): each fetch is a stretch of the
-// stream at least that long, whose runs end where the fewest requests have events on both
+// stream at least that long (but after a backlog), whose runs end where the fewest requests have events on both
 // sides (take), and its runs go to whichever workers are free. A request's
 // reserved and actual events, published moments apart, then share a
 // batch, and its ledger row is written once; concurrent pulls would get
