@@ -96,6 +96,14 @@ func New(c Client, o Options) *Limiter {
 	return &Limiter{run: script.NewRunner(c), p: p, general: o.general}
 }
 
+// DropOtherEngines deletes from Redis the Lua engine of every other
+// version of this package (script.Runner.DropOtherVersions): each release
+// loads its own, which stays until deleted. It returns their names.
+// Services call it once at start.
+func (l *Limiter) DropOtherEngines(ctx context.Context) ([]string, error) {
+	return l.run.DropOtherVersions(ctx)
+}
+
 // SlotBound reports whether the Redis behind l keeps each tenant in one
 // hash slot of several that lose their data apart (a Redis Cluster's
 // masters, a Ring's shards), so that one tenant's ErrNoEpoch says nothing of

@@ -87,6 +87,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	ready.Watch("nats", natsStatus(nc, ob))
 	stack.Go("streams", func(ctx context.Context) { service.Retry(ctx, log, ready, readyStreams, ensureStreams(js, cfg)) })
 	lim := limits.New(rdb, limits.Options{ReservationTTL: cfg.ReservationTTL, NoEpochGuard: !cfg.RedisEpochGuard})
+	stack.Go("engines", func(ctx context.Context) { service.DropOtherEngines(ctx, lim, log) })
 	dec, err := decide.New(lim, watcher.Current, cfg.decideOptions(), log, reg)
 	if err != nil {
 		return err

@@ -251,6 +251,50 @@ func (r *Runner) loadEngine(ctx context.Context, seen uint64) error {
 	return nil
 }
 
+// DropOtherVersions deletes, on every node, the libraries of the engine's
+// other versions: each release's stays in Redis until deleted. An
+// instance of another version still running loads its own again when a
+// call misses it (RunAll), so a rolling deploy leaves at most the library
+// of the version before behind, which the next deploy drops. It returns
+// the libraries it deleted; a server without functions (or an ACL
+// without FUNCTION) has none to delete.
+func (r *Runner) DropOtherVersions(ctx context.Context) ([]string, error) {
+	var mu sync.Mutex
+	var dropped []string
+	err := EachNode(ctx, r.c, func(ctx context.Context, n redis.Cmdable) error {
+		libs, err := n.FunctionList(ctx, redis.FunctionListQuery{LibraryNamePattern: libraryPrefix + "*"}).Result()
+		if functionsUnavailable(err) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		for _, l := range libs {
+			if l.Name == engine.name || !isLibraryName(l.Name) {
+				continue
+			}
+			err := n.FunctionDelete(ctx, l.Name).Err()
+			if redis.HasErrorPrefix(err, "Library not found") { // another instance's delete came first
+				continue
+			}
+			if functionsUnavailable(err) { // an ACL that lets it list, not delete
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			mu.Lock()
+			dropped = append(dropped, l.Name)
+			mu.Unlock()
+		}
+		return nil
+	})
+	if err != nil {
+		return dropped, fmt.Errorf("drop the limits engine's other versions: %w", err)
+	}
+	return dropped, nil
+}
+
 // EachNode runs f on every node that holds state of c: each master of a
 // Cluster, each shard of a Ring, else c itself (replicas follow their
 // masters).

@@ -2,6 +2,7 @@ package script
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -36,17 +37,63 @@ func TestACallMissingTheLibraryAfterAnotherLoadLoadsIt(t *testing.T) {
 	c := srv.Client()
 	r := NewRunner(c)
 	c.AddHook(&bumpOnFCall{r: r})
+	if err := reserveOnce(t, r); err != nil {
+		t.Fatalf("reserve after a load that did not reach this server: %v", err)
+	}
+}
+
+// reserveOnce makes one reserve through r and returns its error.
+func reserveOnce(t *testing.T, r *Runner) (err error) {
+	t.Helper()
 	rules := []policy.Rule{{Limit: policy.Limit{Name: "5h", Kind: policy.Rolling, Unit: policy.Tokens, Limit: 1000, Window: policy.Duration(5 * time.Hour)}, Scope: policy.ScopeUser}}
 	b := wire.NewParams(0, true, 0).NewReserveBatch()
 	if err := b.Add("acme", "u", "r1", 1, wire.ModeReserve, 0, 0, rules); err != nil {
 		t.Fatal(err)
 	}
 	call := b.Call()
-	wire.DecodeReserves(r.Run(context.Background(), Reserve, &call), &call, func(_ int, _ wire.ReserveReply, err error) {
-		if err != nil {
-			t.Fatalf("reserve after a load that did not reach this server: %v", err)
+	wire.DecodeReserves(r.Run(context.Background(), Reserve, &call), &call, func(_ int, _ wire.ReserveReply, e error) { err = e })
+	return err
+}
+
+// The libraries of the engine's other versions go; this version's, and
+// libraries whose names only look alike, stay.
+func TestDropOtherVersions(t *testing.T) {
+	ctx := context.Background()
+	c := redistest.Start(t).Client()
+	others := []string{"qf0123456789ab", "qfba9876543210"}
+	kept := []string{"qf_hooktest", "qfABCDEF012345", "qf0123456789abc", "other"}
+	for _, name := range append(slices.Clone(others), kept...) {
+		lib := "#!lua name=" + name + "\nredis.register_function('" + name + "_f', function() return 1 end)"
+		if err := c.FunctionLoad(ctx, lib).Err(); err != nil {
+			t.Fatal(err)
 		}
-	})
+	}
+	r := NewRunner(c)
+	if err := reserveOnce(t, r); err != nil { // loads this version's library
+		t.Fatal(err)
+	}
+	dropped, err := r.DropOtherVersions(ctx)
+	if slices.Sort(dropped); err != nil || !slices.Equal(dropped, others) {
+		t.Errorf("DropOtherVersions = %v, %v; want %v", dropped, err, others)
+	}
+	libs, err := c.FunctionList(ctx, redis.FunctionListQuery{}).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, l := range libs {
+		names = append(names, l.Name)
+	}
+	want := append(slices.Clone(kept), engine.name)
+	if slices.Sort(names); !slices.Equal(names, slices.Sorted(slices.Values(want))) {
+		t.Errorf("libraries left = %v, want %v", names, want)
+	}
+	if dropped, err := r.DropOtherVersions(ctx); err != nil || len(dropped) != 0 {
+		t.Errorf("DropOtherVersions again = %v, %v; want nothing to drop", dropped, err)
+	}
+	if err := reserveOnce(t, r); err != nil {
+		t.Errorf("reserve after the drop: %v", err)
+	}
 }
 
 // TestErrorChecksOfASuccessAllocateNothing checks that asking what a

@@ -122,8 +122,27 @@ var (
 
 // library is the engine's code as one Redis function library.
 type library struct {
+	name    string // libraryPrefix and 12 hex digits of the code's hash
 	code    string
 	entries map[string]*Entry
+}
+
+// libraryPrefix starts the name of every version's library.
+const libraryPrefix = "qf"
+
+// isLibraryName reports whether name is that of a version of the engine:
+// libraryPrefix and 12 lowercase hex digits.
+func isLibraryName(name string) bool {
+	rest, ok := strings.CutPrefix(name, libraryPrefix)
+	if !ok || len(rest) != 12 {
+		return false
+	}
+	for _, c := range []byte(rest) {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // newLibrary builds the library of the given entries (name, entry code)
@@ -147,8 +166,8 @@ func newLibrary(lib string, entries [][2]string) *library {
 	}
 	body.WriteString("}\nend\n")
 	sum := sha1.Sum([]byte(body.String()))
-	prefix := "qf" + hex.EncodeToString(sum[:6])
-	l := &library{entries: make(map[string]*Entry, len(codes))}
+	prefix := libraryPrefix + hex.EncodeToString(sum[:6])
+	l := &library{name: prefix, entries: make(map[string]*Entry, len(codes))}
 	for _, c := range codes {
 		fn := prefix + "_" + c[0]
 		l.entries[c[0]] = newEntry(fn, func() string { return lib + c[1] })
