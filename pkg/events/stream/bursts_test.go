@@ -113,17 +113,25 @@ func waitsItsInterval(ctx context.Context, t *testing.T, b *stream.Bursts) {
 	}
 }
 
-// A fetch that leaves a backlog is followed by the next at once; one that
-// leaves none, only after the interval.
-func TestBurstsTakeABacklogAtOnce(t *testing.T) {
+// backlogOf stores n messages and returns the test's context and a
+// consumer of them (AckWait 10 s: none comes again while the test runs).
+func backlogOf(t *testing.T, n int) (context.Context, jetstream.Consumer) {
+	t.Helper()
 	js, cfg := realNATSWith(t, 10*time.Second)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	publishEach(ctx, t, js, cfg, actuals(7, "backlog"))
+	t.Cleanup(cancel)
+	publishEach(ctx, t, js, cfg, actuals(n, "backlog"))
 	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
 	if err != nil {
 		t.Fatal(err)
 	}
+	return ctx, cons
+}
+
+// A fetch that leaves a backlog is followed by the next at once; one that
+// leaves none, only after the interval.
+func TestBurstsTakeABacklogAtOnce(t *testing.T) {
+	ctx, cons := backlogOf(t, 7)
 	b := stream.NewBursts(cons, 5, time.Hour)
 	drain(ctx, t, b, 7)
 	waitsItsInterval(ctx, t, b)
@@ -132,14 +140,7 @@ func TestBurstsTakeABacklogAtOnce(t *testing.T) {
 // Redelivered messages are in no count of pending ones: a fetch they fill
 // is a backlog too.
 func TestBurstsTakeRedeliveriesAtOnce(t *testing.T) {
-	js, cfg := realNATSWith(t, 10*time.Second)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	publishEach(ctx, t, js, cfg, actuals(8, "again"))
-	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ctx, cons := backlogOf(t, 8)
 	f, err := stream.Fetch(cons, 10, time.Second)
 	if err != nil || len(f.Msgs) != 8 {
 		t.Fatalf("first fetch = %d messages, %v; want 8", len(f.Msgs), err)
