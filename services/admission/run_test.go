@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/auth/authtest"
 	"quotaflow/internal/e2e"
@@ -372,4 +373,29 @@ func TestRunReportsEvictingRedis(t *testing.T) {
 	if code, _ := get(t, "http://"+ops+"/debug/pprof/"); code != 200 {
 		t.Errorf("/debug/pprof/ with QF_PPROF = %d, want 200", code)
 	}
+}
+
+// At start admission deletes the engine library of another release from
+// Redis (limits.Limiter.DropOtherEngines), and says so.
+func TestRunDropsOtherEngines(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	const old = "qf0123456789ab"
+	if err := rdb.FunctionLoad(context.Background(), "#!lua name="+old+"\nredis.register_function('"+old+"_f', function() return 1 end)").Err(); err != nil {
+		t.Fatal(err)
+	}
+	cfg := testConfig(t)
+	cfg.RedisURL = "redis://" + srv.Addr + "/0"
+	_, js := natstest.Connect(t, natstest.URL())
+	cfg.Config = natstest.Streams(t, js, "engines", stream.Config{})
+	var logs e2e.Buffer
+	_, _, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
+	defer func() { cancel(); <-done }()
+	e2e.EventuallyLast(t, "the other release's library deleted", func() (bool, string) {
+		libs, err := rdb.FunctionList(context.Background(), redis.FunctionListQuery{LibraryNamePattern: old}).Result()
+		return err == nil && len(libs) == 0, fmt.Sprint(libs, err)
+	})
+	e2e.EventuallyLast(t, "the deletion logged", func() (bool, string) {
+		return strings.Contains(logs.String(), `"libraries":["`+old+`"]`), logs.String()
+	})
 }
