@@ -116,3 +116,29 @@ func ClusterNodes(t testing.TB, replicas int) (*redis.ClusterClient, []*e2e.Serv
 	}
 	return cc, nodes
 }
+
+// LoadLibrary loads a function library named name on c, with one function
+// (name_f, returning 1): another release's engine library, as a test of
+// their clean-up sees it.
+func LoadLibrary(t testing.TB, c *redis.Client, name string) {
+	t.Helper()
+	lib := "#!lua name=" + name + "\nredis.register_function('" + name + "_f', function() return 1 end)"
+	if err := c.FunctionLoad(context.Background(), lib).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Libraries returns the names of the function libraries on c matching
+// pattern (FUNCTION LIST LIBRARYNAME; "" for all).
+func Libraries(t testing.TB, c *redis.Client, pattern string) []string {
+	t.Helper()
+	libs, err := c.FunctionList(context.Background(), redis.FunctionListQuery{LibraryNamePattern: pattern}).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, l := range libs {
+		names = append(names, l.Name)
+	}
+	return names
+}

@@ -1481,3 +1481,17 @@ func TestEvictingRedisIsReportedNotFatal(t *testing.T) {
 			strings.Contains(s.Degraded[eviction.Name], "volatile-lru")
 	})
 }
+
+// At start the accounter deletes the engine library of another release
+// from Redis (limits.Limiter.DropOtherEngines).
+func TestStartDropsOtherEngines(t *testing.T) {
+	e := newEnv(t)
+	rdb := e.redis.Client()
+	const old = "qf0123456789ab"
+	redistest.LoadLibrary(t, rdb, old)
+	e.start(nil)
+	e2e.EventuallyLast(t, "the other release's library deleted", func() (bool, string) {
+		libs := redistest.Libraries(t, rdb, old)
+		return len(libs) == 0, fmt.Sprint(libs)
+	})
+}

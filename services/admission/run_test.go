@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
-	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/auth/authtest"
 	"quotaflow/internal/e2e"
@@ -381,9 +380,7 @@ func TestRunDropsOtherEngines(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client()
 	const old = "qf0123456789ab"
-	if err := rdb.FunctionLoad(context.Background(), "#!lua name="+old+"\nredis.register_function('"+old+"_f', function() return 1 end)").Err(); err != nil {
-		t.Fatal(err)
-	}
+	redistest.LoadLibrary(t, rdb, old)
 	cfg := testConfig(t)
 	cfg.RedisURL = "redis://" + srv.Addr + "/0"
 	_, js := natstest.Connect(t, natstest.URL())
@@ -392,8 +389,8 @@ func TestRunDropsOtherEngines(t *testing.T) {
 	_, _, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
 	defer func() { cancel(); <-done }()
 	e2e.EventuallyLast(t, "the other release's library deleted", func() (bool, string) {
-		libs, err := rdb.FunctionList(context.Background(), redis.FunctionListQuery{LibraryNamePattern: old}).Result()
-		return err == nil && len(libs) == 0, fmt.Sprint(libs, err)
+		libs := redistest.Libraries(t, rdb, old)
+		return len(libs) == 0, fmt.Sprint(libs)
 	})
 	e2e.EventuallyLast(t, "the deletion logged", func() (bool, string) {
 		return strings.Contains(logs.String(), `"libraries":["`+old+`"]`), logs.String()

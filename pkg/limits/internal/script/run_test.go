@@ -63,10 +63,7 @@ func TestDropOtherVersions(t *testing.T) {
 	others := []string{"qf0123456789ab", "qfba9876543210"}
 	kept := []string{"qf_hooktest", "qfABCDEF012345", "qf0123456789abc", "other"}
 	for _, name := range append(slices.Clone(others), kept...) {
-		lib := "#!lua name=" + name + "\nredis.register_function('" + name + "_f', function() return 1 end)"
-		if err := c.FunctionLoad(ctx, lib).Err(); err != nil {
-			t.Fatal(err)
-		}
+		redistest.LoadLibrary(t, c, name)
 	}
 	r := NewRunner(c)
 	if err := reserveOnce(t, r); err != nil { // loads this version's library
@@ -76,14 +73,7 @@ func TestDropOtherVersions(t *testing.T) {
 	if slices.Sort(dropped); err != nil || !slices.Equal(dropped, others) {
 		t.Errorf("DropOtherVersions = %v, %v; want %v", dropped, err, others)
 	}
-	libs, err := c.FunctionList(ctx, redis.FunctionListQuery{}).Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, l := range libs {
-		names = append(names, l.Name)
-	}
+	names := redistest.Libraries(t, c, "")
 	want := append(slices.Clone(kept), engine.name)
 	if slices.Sort(names); !slices.Equal(names, slices.Sorted(slices.Values(want))) {
 		t.Errorf("libraries left = %v, want %v", names, want)
