@@ -54,7 +54,8 @@ type Config struct {
 	// Workers is how many batches one instance handles at once.
 	Workers int `envconfig:"WORKERS"`
 	// BatchSize bounds a fetch's messages and a batch's events; a fetch
-	// takes what came over at least BatchWait since the last one.
+	// takes what came over at least BatchWait since the last one, unless
+	// that one left a backlog.
 	BatchSize int           `envconfig:"BATCH_SIZE"`
 	BatchWait time.Duration `envconfig:"BATCH_WAIT"`
 	// ReservationTTL is how long a reservation waits for its actual event

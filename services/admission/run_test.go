@@ -348,15 +348,23 @@ func get(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
+// onRedis is testConfig on the private Redis srv, with streams of its own
+// named after name.
+func onRedis(t *testing.T, srv *redistest.Server, name string) Config {
+	t.Helper()
+	cfg := testConfig(t)
+	cfg.RedisURL = "redis://" + srv.Addr + "/0"
+	_, js := natstest.Connect(t, natstest.URL())
+	cfg.Config = natstest.Streams(t, js, name, stream.Config{})
+	return cfg
+}
+
 // A Redis that may evict quota state is a warning at start and a degraded
 // note in /readyz, which stays 200; QF_PPROF serves the profiler.
 func TestRunReportsEvictingRedis(t *testing.T) {
 	srv := redistest.Start(t, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
-	cfg := testConfig(t)
-	cfg.RedisURL = "redis://" + srv.Addr + "/0"
+	cfg := onRedis(t, srv, "evict")
 	cfg.Pprof = true
-	_, js := natstest.Connect(t, natstest.URL())
-	cfg.Config = natstest.Streams(t, js, "evict", stream.Config{})
 	var logs e2e.Buffer
 	_, ops, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
 	defer func() { cancel(); <-done }()
@@ -381,12 +389,8 @@ func TestRunDropsOtherEngines(t *testing.T) {
 	rdb := srv.Client()
 	const old = "qf0123456789ab"
 	redistest.LoadLibrary(t, rdb, old)
-	cfg := testConfig(t)
-	cfg.RedisURL = "redis://" + srv.Addr + "/0"
-	_, js := natstest.Connect(t, natstest.URL())
-	cfg.Config = natstest.Streams(t, js, "engines", stream.Config{})
 	var logs e2e.Buffer
-	_, _, done, cancel := startRun(t, cfg, slog.New(slog.NewJSONHandler(&logs, nil)))
+	_, _, done, cancel := startRun(t, onRedis(t, srv, "engines"), slog.New(slog.NewJSONHandler(&logs, nil)))
 	defer func() { cancel(); <-done }()
 	e2e.EventuallyLast(t, "the other release's library deleted", func() (bool, string) {
 		libs := redistest.Libraries(t, rdb, old)

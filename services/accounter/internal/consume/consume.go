@@ -138,8 +138,9 @@ func (c *Consumer) Run(ctx context.Context) {
 // fetches at a time (fetching), and a fetch waits until opts.BatchWait
 // after the last one ended, unless that one left a backlog, and then takes
 // what is stored at once (stream.Bursts): each fetch is a stretch of the
-// stream at least that long (but after a backlog), whose runs end where the fewest requests have events on both
-// sides (take), and its runs go to whichever workers are free. A request's
+// stream at least that long (but after a backlog), whose runs end where
+// the fewest requests have events on both sides (take), and its runs go
+// to whichever workers are free. A request's
 // reserved and actual events, published moments apart, then share a
 // batch, and its ledger row is written once; concurrent pulls would get
 // the stream's messages dealt between them, and most requests' events

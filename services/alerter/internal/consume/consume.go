@@ -1,7 +1,7 @@
 // Package consume feeds the alerter's detector from the usage stream: it
 // fetches up to maxBatch messages every fetchWait (at once while there is
-// a backlog), expands batch messages into their events, handles the events in batches, each in one Postgres
-// transaction, and finishes each message once; it falls back to event by
+// a backlog), expands batch messages into their events, handles the
+// events in batches, each in one Postgres transaction, and finishes each message once; it falls back to event by
 // event when a batch fails, so one bad event is retried and dead-lettered
 // alone while the others go through.
 package consume
@@ -24,9 +24,8 @@ const maxBatch = 256
 
 // fetchWait is how long after a fetch the next one comes, unless it left
 // a backlog (stream.Bursts): alerts are not on any request's path, and a
-// wait gathers more events into one
-// transaction and fewer fetches, whose versions are written once each (a
-// tenant's in every fetch).
+// wait gathers more events into one transaction and fewer fetches, whose
+// versions are written once each (a tenant's in every fetch).
 const fetchWait = 500 * time.Millisecond
 
 // shutdownFlush bounds the last flush, once the consumer is stopping.
