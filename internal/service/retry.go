@@ -25,26 +25,40 @@ const (
 // is ready. When ctx ends first Retry returns false: the service was
 // stopped while it waited, which is no failure.
 func Retry[T any](ctx context.Context, log *slog.Logger, ready *obs.Readiness, component string, f func(context.Context) (T, error)) (T, bool) {
-	wait := firstBackoff
-	for {
-		actx, cancel := context.WithTimeout(ctx, attemptTimeout)
-		v, err := f(actx)
-		cancel()
-		if err == nil {
-			ready.Ready(component)
-			log.Info("start-up step done", "step", component)
-			return v, true
-		}
-		if ctx.Err() != nil {
-			var zero T
-			return zero, false
-		}
+	var v T
+	ok := retry(ctx, func(ctx context.Context) (err error) {
+		v, err = f(ctx)
+		return err
+	}, func(err error, wait time.Duration) {
 		ready.Waiting(component, err.Error())
 		log.Warn("start-up step failed; retrying", "step", component, "err", err, "retry_in", wait.String())
-		if !Sleep(ctx, wait) {
-			var zero T
-			return zero, false
+	})
+	if !ok {
+		var zero T
+		return zero, false
+	}
+	ready.Ready(component)
+	log.Info("start-up step done", "step", component)
+	return v, true
+}
+
+// retry calls f, each attempt within attemptTimeout, until it succeeds
+// (true) or ctx ends (false), telling failed each error and the wait
+// before the next attempt (Retry's schedule).
+func retry(ctx context.Context, f func(context.Context) error, failed func(err error, wait time.Duration)) bool {
+	for wait := firstBackoff; ; wait = min(2*wait, maxBackoff) {
+		actx, cancel := context.WithTimeout(ctx, attemptTimeout)
+		err := f(actx)
+		cancel()
+		if err == nil {
+			return true
 		}
-		wait = min(2*wait, maxBackoff)
+		if ctx.Err() != nil {
+			return false
+		}
+		failed(err, wait)
+		if !Sleep(ctx, wait) {
+			return false
+		}
 	}
 }
