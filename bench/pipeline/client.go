@@ -31,6 +31,12 @@ type tally struct {
 	resent    int64         // reports sent again after a 503
 	rejected  map[int]int64 // reports given up: by status (503 after usageTries)
 	lostAdmit int64         // admits whose answer never came (the connection failed)
+	// admitWait and reportWait sum the answer times of the admits and
+	// of the reports (resent ones each count), admits and reports their
+	// numbers: in a closed loop the rate is the connections over the sum
+	// of a request's two answer times.
+	admitWait, reportWait time.Duration
+	admits, reports       int64
 }
 
 func (t *tally) add(o *tally) {
@@ -39,6 +45,10 @@ func (t *tally) add(o *tally) {
 	t.tokens += o.tokens
 	t.resent += o.resent
 	t.lostAdmit += o.lostAdmit
+	t.admitWait += o.admitWait
+	t.reportWait += o.reportWait
+	t.admits += o.admits
+	t.reports += o.reports
 	for k, v := range o.refused {
 		t.refused[k] += v
 	}
@@ -116,8 +126,10 @@ func (c *pipelineClient) Next(buf []byte) []byte {
 	return c.admit.Append(buf, b)
 }
 
-func (c *pipelineClient) Response(status int, _ []byte, _ time.Duration) {
+func (c *pipelineClient) Response(status int, _ []byte, latency time.Duration) {
 	if !c.pending {
+		c.t.admitWait += latency
+		c.t.admits++
 		c.t.lostAdmit--
 		if status != 200 {
 			c.t.refused[status]++
@@ -132,6 +144,8 @@ func (c *pipelineClient) Response(status int, _ []byte, _ time.Duration) {
 		}
 		return
 	}
+	c.t.reportWait += latency
+	c.t.reports++
 	switch {
 	case status == 202:
 		c.t.reported++

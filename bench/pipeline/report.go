@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"runtime"
 	"slices"
 	"strings"
 	"time"
@@ -46,15 +47,7 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		for i := range ms {
 			c = append(c, f(func(r round) float64 { return µs(r.perAccounted(i)) }))
 		}
-		return append(c, f(func(r round) float64 {
-			var sum time.Duration
-			for i, m := range ms {
-				if !m.part {
-					sum += r.perAccounted(i)
-				}
-			}
-			return µs(sum)
-		}), f(func(r round) float64 { return r.perReport(r.wal.records) }), f(func(r round) float64 { return r.perReport(r.wal.bytes) }),
+		return append(c, f(func(r round) float64 { return µs(r.all(ms)) / float64(max(1, r.t.reported)) }), f(func(r round) float64 { return r.perReport(r.wal.records) }), f(func(r round) float64 { return r.perReport(r.wal.bytes) }),
 			f(func(r round) float64 { return r.batchEvents / max(1, r.batches) }))
 	}
 	for i := range rounds {
@@ -76,6 +69,21 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		row(out, ncells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
 	}
 	row(out, ncells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
+	fmt.Fprintln(out, "\neach call's mean answer time at the load generator, in ms, and the cores every process kept busy (their CPU over the same span, divided by its length; the host has "+fmt.Sprint(runtime.NumCPU())+"): a closed loop's rate is its connections over a request's two answer times, so with cores to spare it is the answers' latency that holds the rate:")
+	fmt.Fprintln(out)
+	row(out, "round", "admit", "report", "cores")
+	row(out, "---", "---", "---", "---")
+	lcells := func(label string, f func(func(r round) float64) string) []string {
+		return []string{label,
+			f(func(r round) float64 { return mean(r.t.admitWait, r.t.admits) }),
+			f(func(r round) float64 { return mean(r.t.reportWait, r.t.reports) }),
+			f(func(r round) float64 { return r.cores(ms) }),
+		}
+	}
+	for i := range rounds {
+		row(out, lcells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
+	}
+	row(out, lcells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
 	redisReport(out, "Redis's commands per accounted request over the same span (INFO commandstats; a script's redis.call commands counted apart and inside its µs)", rounds, func(r round) redisCalls { return r.redis })
 	redisReport(out, "Redis's calls by FCALL function (its slowlog)", rounds, func(r round) redisCalls { return r.slow })
 	fmt.Fprintf(out, "\nrequests (warm-up included): %d admitted, %d reported (%d tokens), %d reports resent after a 503; %.0f admits decided without Redis (failopen)\n",
@@ -88,6 +96,11 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 	for _, b := range bad {
 		fmt.Fprintln(out, "  "+b)
 	}
+}
+
+// mean is sum over n in ms.
+func mean(sum time.Duration, n int64) float64 {
+	return float64(sum) / float64(time.Millisecond) / float64(max(1, n))
 }
 
 func row(out io.Writer, cells ...string) {

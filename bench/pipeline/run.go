@@ -80,8 +80,9 @@ type round struct {
 	// every report and the alerter had consumed every event: all the work
 	// of the round's requests, even when the accounter or the alerter lags
 	// behind the load.
-	cpu []time.Duration
-	wal wal // Postgres's WAL over the same span
+	cpu  []time.Duration
+	span time.Duration // cpu's
+	wal  wal           // Postgres's WAL over the same span
 	// batches and batchEvents are the accounter's batches over the same
 	// span and the events in them.
 	batches, batchEvents float64
@@ -101,6 +102,21 @@ func (r round) keepUp() float64        { return float64(r.accounted) / max(1, fl
 func (r round) perAccounted(i int) time.Duration {
 	return r.cpu[i] / time.Duration(max(1, r.t.reported))
 }
+
+// all is the CPU of every process of ms, not their parts, over the
+// round's span.
+func (r round) all(ms []meter) time.Duration {
+	var sum time.Duration
+	for i, m := range ms {
+		if !m.part {
+			sum += r.cpu[i]
+		}
+	}
+	return sum
+}
+
+// cores is all over the span's length: the cores the processes kept busy.
+func (r round) cores(ms []meter) float64 { return float64(r.all(ms)) / float64(max(1, r.span)) }
 
 // perReport is n per request accounted.
 func (r round) perReport(n int64) float64 { return float64(n) / float64(max(1, r.t.reported)) }
@@ -328,6 +344,7 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	seed := uint64(pl.rounds * pl.cfg.Conns)
 	pl.rounds++
 	cpu0, err := read(pl.meters)
+	start := time.Now()
 	if err != nil {
 		return round{}, err
 	}
@@ -391,6 +408,7 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	if err != nil {
 		return round{}, err
 	}
+	r.span = time.Since(start)
 	nats1, err := readNATS(ctx, pl.p.NATS.Monitor)
 	if err != nil {
 		return round{}, err
