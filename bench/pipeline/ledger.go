@@ -136,6 +136,40 @@ func batches(ctx context.Context, ops string) (n, evs float64) {
 	return n, evs
 }
 
+// handled is admission's own time answering each kind of call, from its
+// request duration histogram (all status classes): the time its handler
+// held a call, without the network, net/http's reading and the wait for a
+// CPU before it.
+type handled struct{ admit, report, admits, reports float64 }
+
+func handlerTimes(ctx context.Context, ops string) (h handled) {
+	samples, _ := e2e.Scrape(ctx, ops)
+	for _, s := range samples {
+		route := s.Labels["route"]
+		switch s.Name {
+		case "quotaflow_admission_request_duration_seconds_sum":
+			switch route {
+			case "admit":
+				h.admit += s.Value
+			case "usage_report":
+				h.report += s.Value
+			}
+		case "quotaflow_admission_request_duration_seconds_count":
+			switch route {
+			case "admit":
+				h.admits += s.Value
+			case "usage_report":
+				h.reports += s.Value
+			}
+		}
+	}
+	return h
+}
+
+func (h handled) sub(o handled) handled {
+	return handled{h.admit - o.admit, h.report - o.report, h.admits - o.admits, h.reports - o.reports}
+}
+
 // reservations counts the ledger's reservations: all, those still open,
 // those settled, and the actual tokens settled.
 type reservations struct{ all, open, settled, tokens int64 }

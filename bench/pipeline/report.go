@@ -69,14 +69,16 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		row(out, ncells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
 	}
 	row(out, ncells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
-	fmt.Fprintln(out, "\neach call's mean answer time at the load generator, in ms, and the cores every process kept busy (their CPU over the same span, divided by its length; the host has "+fmt.Sprint(runtime.NumCPU())+"): a closed loop's rate is its connections over a request's two answer times, so with cores to spare it is the answers' latency that holds the rate:")
+	fmt.Fprintln(out, "\neach call's mean answer time at the load generator and in admission's handler (its request duration histogram), in ms, and the cores every process kept busy (their CPU over the same span, divided by its length; the host has "+fmt.Sprint(runtime.NumCPU())+"): a closed loop's rate is its connections over a request's two answer times, so with cores to spare it is the answers' latency that holds the rate:")
 	fmt.Fprintln(out)
-	row(out, "round", "admit", "report", "cores")
-	row(out, "---", "---", "---", "---")
+	row(out, "round", "admit", "in admission", "report", "in admission", "cores")
+	row(out, slices.Repeat([]string{"---"}, 6)...)
 	lcells := func(label string, f func(func(r round) float64) string) []string {
 		return []string{label,
 			f(func(r round) float64 { return mean(r.t.admitWait, r.t.admits) }),
+			f(func(r round) float64 { return 1000 * r.handled.admit / max(1, r.handled.admits) }),
 			f(func(r round) float64 { return mean(r.t.reportWait, r.t.reports) }),
+			f(func(r round) float64 { return 1000 * r.handled.report / max(1, r.handled.reports) }),
 			f(func(r round) float64 { return r.cores(ms) }),
 		}
 	}

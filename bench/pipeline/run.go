@@ -86,6 +86,8 @@ type round struct {
 	// batches and batchEvents are the accounter's batches over the same
 	// span and the events in them.
 	batches, batchEvents float64
+	// handled is admission's own time on the calls over the same span.
+	handled handled
 	// nats is what nats-server counted over the same span.
 	nats natsCounts
 	// redis is INFO commandstats over the same span; slow the slowlog's
@@ -353,6 +355,7 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 		return round{}, err
 	}
 	b0, e0 := batches(ctx, pl.p.Accounter.Ops)
+	h0 := handlerTimes(ctx, pl.p.Admission.Ops)
 	nats0, err := readNATS(ctx, pl.p.NATS.Monitor)
 	if err != nil {
 		return round{}, err
@@ -433,6 +436,7 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	}
 	r.wal = wal{wal1.records - wal0.records, wal1.bytes - wal0.bytes}
 	b1, e1 := batches(ctx, pl.p.Accounter.Ops)
+	r.handled = handlerTimes(ctx, pl.p.Admission.Ops).sub(h0)
 	r.batches, r.batchEvents = b1-b0, e1-e0
 	return r, nil
 }
