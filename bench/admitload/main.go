@@ -36,11 +36,11 @@ import (
 	"os"
 	"runtime/pprof"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
 	"quotaflow/bench/internal/envoy"
+	"quotaflow/bench/internal/load"
 )
 
 func main() {
@@ -97,14 +97,10 @@ func main() {
 			exit(2)
 		}
 	}
-	var levels []int
-	for _, s := range strings.Split(*concurrency, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil || n < 1 {
-			fmt.Fprintf(os.Stderr, "admitload: -concurrency %q: want positive integers\n", *concurrency)
-			exit(2)
-		}
-		levels = append(levels, n)
+	levels, err := load.Ints(*concurrency, 1)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "admitload: -concurrency", err)
+		exit(2)
 	}
 	if *scaleMode {
 		run := scale

@@ -29,6 +29,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"quotaflow/bench/internal/load"
 	"quotaflow/bench/internal/proc"
 	"quotaflow/pkg/events"
 	"quotaflow/pkg/events/stream"
@@ -82,11 +83,11 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	pers, err := ints(*perList)
+	pers, err := load.Ints(*perList, 1)
 	if err != nil {
 		return fmt.Errorf("-per: %w", err)
 	}
-	lims, err := ints(*limitsList)
+	lims, err := load.Ints(*limitsList, 0)
 	if err != nil {
 		return fmt.Errorf("-limits: %w", err)
 	}
@@ -164,18 +165,6 @@ type result struct {
 
 func (r result) perEvent(n int) float64 { return float64(r.cpu.Microseconds()) / float64(n) }
 func (r result) perMsg() float64        { return float64(r.cpu.Microseconds()) / float64(max(1, r.msgs)) }
-
-func ints(s string) ([]int, error) {
-	var out []int
-	for _, f := range strings.Split(s, ",") {
-		v, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, v)
-	}
-	return out, nil
-}
 
 // round publishes n events and consumes them with each of the consumers,
 // on streams of its own, and returns the server's CPU time over both and

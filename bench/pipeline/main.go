@@ -16,8 +16,9 @@
 // same load generator and prints the ratio of the two rates. With -ab DIR
 // it also runs a second pipeline, its services built from DIR (a checkout
 // of an earlier commit), in the same rounds: before and after, interleaved.
+// Each -concurrency is such a run of its own, on servers of its own.
 //
-//	go run ./bench/pipeline -duration 15s -concurrency 16 -rounds 3
+//	go run ./bench/pipeline -duration 15s -concurrency 16,64 -rounds 3
 package main
 
 import (
@@ -29,13 +30,15 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"quotaflow/bench/internal/load"
 )
 
 func main() {
 	cfg := Config{}
 	flag.DurationVar(&cfg.Duration, "duration", 15*time.Second, "load per round")
 	flag.DurationVar(&cfg.Warmup, "warmup", 3*time.Second, "unmeasured load before the first round")
-	flag.IntVar(&cfg.Conns, "concurrency", 16, "connections of the closed loop")
+	concurrency := flag.String("concurrency", "16,64", "connections of the closed loop, comma-separated: a run of its own for each, one after the other")
 	flag.IntVar(&cfg.Users, "users", 100_000, "distinct users")
 	flag.IntVar(&cfg.Rounds, "rounds", 3, "measured rounds")
 	flag.DurationVar(&cfg.Settle, "settle", time.Minute, "how long to wait for the ledger after a round")
@@ -47,7 +50,8 @@ func main() {
 	env := flag.String("env", "", "extra environment of this checkout's services only, space-separated (e.g. QF_EVENT_BATCH_WAIT=5ms; with -ab, a setting measured both ways)")
 	flag.Parse()
 	cfg.Env = strings.Fields(*env)
-	if cfg.Duration <= 0 || cfg.Warmup <= 0 || cfg.Conns < 1 || cfg.Users < 1 || cfg.Rounds < 1 || cfg.Settle <= 0 {
+	levels, err := load.Ints(*concurrency, 1)
+	if err != nil || cfg.Duration <= 0 || cfg.Warmup <= 0 || cfg.Users < 1 || cfg.Rounds < 1 || cfg.Settle <= 0 {
 		fmt.Fprintln(os.Stderr, "pipeline: -duration, -warmup, -concurrency, -users, -rounds and -settle must be positive")
 		os.Exit(2)
 	}
@@ -59,8 +63,10 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cfg, os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "pipeline:", err)
-		os.Exit(1)
+	for _, cfg.Conns = range levels {
+		if err := run(ctx, cfg, os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, "pipeline:", err)
+			os.Exit(1)
+		}
 	}
 }

@@ -449,3 +449,20 @@ func (c *usersClient) Next(buf []byte) []byte {
 }
 
 func (c *usersClient) Response(int, []byte, time.Duration) {}
+
+// Ints parses a flag's comma-separated list of integers, each at least
+// least (the benchmarks' concurrencies, events per message, ...).
+func Ints(s string, least int) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil {
+			return nil, fmt.Errorf("%q: want integers, comma-separated", s)
+		}
+		if v < least {
+			return nil, fmt.Errorf("%q: want integers of at least %d", s, least)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -421,5 +422,20 @@ func TestSequencer(t *testing.T) {
 	if res.Errors != 0 || steps["/0"] == 0 || steps["/0"] != steps["/1"] || steps["/1"] != steps["/2"] ||
 		res.Requests != uint64(steps["/0"]+steps["/1"]+steps["/2"]) {
 		t.Errorf("Run = %d requests, %d errors; server saw steps %v, want as many of each", res.Requests, res.Errors, steps)
+	}
+}
+
+func TestInts(t *testing.T) {
+	got, err := Ints(" 16, 64", 1)
+	if err != nil || !slices.Equal(got, []int{16, 64}) {
+		t.Fatalf("Ints(\" 16, 64\", 1) = %v, %v; want [16 64]", got, err)
+	}
+	if got, err := Ints("0,5", 0); err != nil || !slices.Equal(got, []int{0, 5}) {
+		t.Fatalf("Ints(\"0,5\", 0) = %v, %v; want [0 5]", got, err)
+	}
+	for _, bad := range []string{"0", "16,", "x", "16;64", "-1"} {
+		if got, err := Ints(bad, 1); err == nil {
+			t.Errorf("Ints(%q, 1) = %v, want an error", bad, got)
+		}
 	}
 }
