@@ -154,3 +154,55 @@ func TestBurstsTakeRedeliveriesAtOnce(t *testing.T) {
 	drain(ctx, t, b, 8)
 	waitsItsInterval(ctx, t, b)
 }
+
+// heldMsg is a delivered message as backlog reads it: its payload's size
+// and the count of messages the consumer still had pending.
+type heldMsg struct {
+	jetstream.Msg // nil: backlog reads only Data and Metadata
+	size          int
+	pending       uint64
+	noMetadata    bool
+}
+
+func (m heldMsg) Data() []byte { return make([]byte, m.size) }
+
+func (m heldMsg) Metadata() (*jetstream.MsgMetadata, error) {
+	if m.noMetadata {
+		return nil, errors.New("not a JetStream message")
+	}
+	return &jetstream.MsgMetadata{NumPending: m.pending}, nil
+}
+
+// TestBacklogRule pins when a burst is followed at once: a fetch cut by
+// its count or near its byte bound, or whose last message left a quarter
+// of a fetch pending; not for the few messages stored while a pull lasts
+// (a steady stream), which wait for the next interval.
+func TestBacklogRule(t *testing.T) {
+	msgs := func(n, size int, pending uint64) []jetstream.Msg {
+		out := make([]jetstream.Msg, n)
+		for i := range out {
+			out[i] = heldMsg{size: size, pending: pending}
+		}
+		return out
+	}
+	for _, c := range []struct {
+		name string
+		msgs []jetstream.Msg
+		size int
+		want bool
+	}{
+		{"nothing", nil, 100, false},
+		{"a few, none pending", msgs(3, 100, 0), 100, false},
+		{"cut by count", msgs(100, 100, 0), 100, true},
+		{"near the byte bound", msgs(2, stream.FetchMaxBytes/4, 0), 100, true},
+		{"under half the byte bound", msgs(2, stream.FetchMaxBytes/4-1, 0), 100, false},
+		{"a quarter of a fetch pending", msgs(3, 100, 25), 100, true},
+		{"a steady stream's few pending", msgs(3, 100, 24), 100, false},
+		{"one pending of a fetch of 2", msgs(1, 100, 1), 2, true},
+		{"no metadata", []jetstream.Msg{heldMsg{size: 100, noMetadata: true}}, 100, false},
+	} {
+		if got := stream.Backlog(c.msgs, c.size); got != c.want {
+			t.Errorf("%s: backlog = %v, want %v", c.name, got, c.want)
+		}
+	}
+}
