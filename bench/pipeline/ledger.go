@@ -139,35 +139,47 @@ func batches(ctx context.Context, ops string) (n, evs float64) {
 // handled is admission's own time answering each kind of call, from its
 // request duration histogram (all status classes): the time its handler
 // held a call, without the network, net/http's reading and the wait for a
-// CPU before it.
-type handled struct{ admit, report, admits, reports float64 }
+// CPU before it; and its reports' publish rounds: how long a report's
+// event waited for its round to start, and the events a round carried.
+type handled struct {
+	admit, report, admits, reports float64
+	roundWait, waited              float64
+	roundEvents, rounds            float64
+}
 
 func handlerTimes(ctx context.Context, ops string) (h handled) {
 	samples, _ := e2e.Scrape(ctx, ops)
 	for _, s := range samples {
-		route := s.Labels["route"]
+		var admit, report *float64
 		switch s.Name {
 		case "quotaflow_admission_request_duration_seconds_sum":
-			switch route {
-			case "admit":
-				h.admit += s.Value
-			case "usage_report":
-				h.report += s.Value
-			}
+			admit, report = &h.admit, &h.report
 		case "quotaflow_admission_request_duration_seconds_count":
-			switch route {
-			case "admit":
-				h.admits += s.Value
-			case "usage_report":
-				h.reports += s.Value
-			}
+			admit, report = &h.admits, &h.reports
+		case "quotaflow_admission_publish_wait_seconds_sum":
+			report = &h.roundWait
+		case "quotaflow_admission_publish_wait_seconds_count":
+			report = &h.waited
+		case "quotaflow_admission_publish_batch_events_sum":
+			report = &h.roundEvents
+		case "quotaflow_admission_publish_batch_events_count":
+			report = &h.rounds
+		default:
+			continue
+		}
+		switch route := s.Labels["route"]; {
+		case route == "admit":
+			*admit += s.Value
+		case route == "usage_report" || s.Labels["publisher"] == "usage":
+			*report += s.Value
 		}
 	}
 	return h
 }
 
 func (h handled) sub(o handled) handled {
-	return handled{h.admit - o.admit, h.report - o.report, h.admits - o.admits, h.reports - o.reports}
+	return handled{h.admit - o.admit, h.report - o.report, h.admits - o.admits, h.reports - o.reports,
+		h.roundWait - o.roundWait, h.waited - o.waited, h.roundEvents - o.roundEvents, h.rounds - o.rounds}
 }
 
 // reservations counts the ledger's reservations: all, those still open,

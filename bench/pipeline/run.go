@@ -346,10 +346,10 @@ func (pl *pipeline) round(ctx context.Context, name string, d time.Duration) (ro
 	seed := uint64(pl.rounds * pl.cfg.Conns)
 	pl.rounds++
 	cpu0, err := read(pl.meters)
-	start := time.Now()
 	if err != nil {
 		return round{}, err
 	}
+	start := time.Now()
 	wal0, err := pl.ledger.wal(ctx)
 	if err != nil {
 		return round{}, err
