@@ -37,6 +37,7 @@ type tally struct {
 	// of a request's two answer times.
 	admitWait, reportWait time.Duration
 	admits, reports       int64
+	admitLat, reportLat   load.Histogram // the same answer times, for their tails
 }
 
 func (t *tally) add(o *tally) {
@@ -49,6 +50,8 @@ func (t *tally) add(o *tally) {
 	t.reportWait += o.reportWait
 	t.admits += o.admits
 	t.reports += o.reports
+	t.admitLat.Merge(&o.admitLat)
+	t.reportLat.Merge(&o.reportLat)
 	for k, v := range o.refused {
 		t.refused[k] += v
 	}
@@ -130,6 +133,7 @@ func (c *pipelineClient) Response(status int, _ []byte, latency time.Duration) {
 	if !c.pending {
 		c.t.admitWait += latency
 		c.t.admits++
+		c.t.admitLat.Record(latency)
 		c.t.lostAdmit--
 		if status != 200 {
 			c.t.refused[status]++
@@ -146,6 +150,7 @@ func (c *pipelineClient) Response(status int, _ []byte, latency time.Duration) {
 	}
 	c.t.reportWait += latency
 	c.t.reports++
+	c.t.reportLat.Record(latency)
 	switch {
 	case status == 202:
 		c.t.reported++

@@ -69,15 +69,17 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		row(out, ncells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
 	}
 	row(out, ncells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
-	fmt.Fprintln(out, "\neach call's mean answer time at the load generator and in admission's handler (its request duration histogram), in ms; of a report's, how long its event waited for its publish round to start (the rest is mostly the round's publish and JetStream's ack) and the reports a round carried; and the cores every process kept busy (their CPU over the same span, divided by its length; the host has "+fmt.Sprint(runtime.NumCPU())+"): a closed loop's rate is its connections over a request's two answer times, so with cores to spare it is the answers' latency that holds the rate:")
+	fmt.Fprintln(out, "\neach call's mean answer time and its 99th percentile at the load generator, and its mean in admission's handler (its request duration histogram), in ms; of a report's, how long its event waited for its publish round to start (the rest is mostly the round's publish and JetStream's ack) and the reports a round carried; and the cores every process kept busy (their CPU over the same span, divided by its length; the host has "+fmt.Sprint(runtime.NumCPU())+"): a closed loop's rate is its connections over a request's two answer times, so with cores to spare it is the answers' latency that holds the rate:")
 	fmt.Fprintln(out)
-	row(out, "round", "admit", "in admission", "report", "in admission", "round's start", "reports a round", "cores")
-	row(out, slices.Repeat([]string{"---"}, 9)...)
+	row(out, "round", "admit", "p99", "in admission", "report", "p99", "in admission", "round's start", "reports a round", "cores")
+	row(out, slices.Repeat([]string{"---"}, 10)...)
 	lcells := func(label string, f func(func(r round) float64) string) []string {
 		return []string{label,
 			f(func(r round) float64 { return mean(r.t.admitWait, r.t.admits) }),
+			f(func(r round) float64 { return millis(r.t.admitLat.Quantile(0.99)) }),
 			f(func(r round) float64 { return 1000 * r.handled.admit / max(1, r.handled.admits) }),
 			f(func(r round) float64 { return mean(r.t.reportWait, r.t.reports) }),
+			f(func(r round) float64 { return millis(r.t.reportLat.Quantile(0.99)) }),
 			f(func(r round) float64 { return 1000 * r.handled.report / max(1, r.handled.reports) }),
 			f(func(r round) float64 { return 1000 * r.handled.roundWait / max(1, r.handled.waited) }),
 			f(func(r round) float64 { return r.handled.roundEvents / max(1, r.handled.rounds) }),
@@ -103,9 +105,9 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 }
 
 // mean is sum over n in ms.
-func mean(sum time.Duration, n int64) float64 {
-	return float64(sum) / float64(time.Millisecond) / float64(max(1, n))
-}
+func mean(sum time.Duration, n int64) float64 { return millis(sum) / float64(max(1, n)) }
+
+func millis(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 func row(out io.Writer, cells ...string) {
 	fmt.Fprintln(out, "| "+strings.Join(cells, " | ")+" |")
