@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/redis/go-redis/v9"
+
 	"quotaflow/pkg/limits/internal/script"
 	"quotaflow/pkg/limits/internal/wire"
 	"quotaflow/pkg/limits/policy"
@@ -164,6 +166,29 @@ func groupCalls[B batch](groups []group[B]) []wire.Call {
 	return calls
 }
 
+// settleRounds splits the calls of groups, in order, into round trips that
+// each send at most one call of a hash slot (on one node, one call). Redis
+// reads a client's pipeline 16 KiB at a time and runs every call in what it
+// read before it serves another client; a settle call of wire.MaxBatch
+// corrections runs ~1.6 ms, so the accounter's batches of ~10 calls in one
+// pipeline held admission's reserves back by several ms each: the admit's
+// p99 in bench-pipeline fell by a quarter with one call at a time
+// (bench/results.md, issue 13, session 21). A Redis Cluster's slots still
+// go out together.
+func settleRounds(groups []group[*wire.SettleBatch]) [][]int {
+	var rounds [][]int
+	taken := map[uint16]int{} // calls of a slot placed so far
+	for k, g := range groups {
+		n := taken[g.slot]
+		taken[g.slot] = n + 1
+		if n == len(rounds) {
+			rounds = append(rounds, nil)
+		}
+		rounds[n] = append(rounds[n], k)
+	}
+	return rounds
+}
+
 // SettleOp is one settlement of SettleMany: a Correct, or a Release when
 // Release is set. With IfGone too, the release applies only when Redis
 // holds no record of the request id: it stands for a release that found
@@ -186,13 +211,13 @@ type SettleResult struct {
 // SettleMany corrects or releases every op as Correct and Release do, with
 // the same guarantees (each reservation settles once, the epoch is checked
 // per op) and the same result as calling them one by one in order (with
-// one Redis time for all): an op repeated within ops finds the earlier
-// one's effect (AlreadySettled). They go out as one script call (settle.lua
-// settles each in turn, atomically) per wire.MaxBatch ops, and on a Redis
-// Cluster or Ring per hash slot too, as ReserveBatch's reserves; the calls
-// in one pipelined round trip. So Redis pays a call's fixed cost once per
-// batch instead of once per op. An invalid op fails alone; a failing
-// connection fails every op of its call.
+// one Redis time for each script call): an op repeated within ops finds
+// the earlier one's effect (AlreadySettled). They go out as one script call
+// (settle.lua settles each in turn, atomically) per wire.MaxBatch ops, and
+// on a Redis Cluster or Ring per hash slot too, as ReserveBatch's reserves.
+// So Redis pays a call's fixed cost once per batch instead of once per op.
+// A slot's calls go one round trip after another (see settleRounds). An
+// invalid op fails alone; a failing connection fails every op of its call.
 func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult {
 	out := make([]SettleResult, len(ops))
 	groups := batches(l, len(ops), func(i int) uint16 { return wire.TenantSlot(ops[i].Tenant) }, nil, l.p.NewSettleBatch,
@@ -202,7 +227,16 @@ func (l *Limiter) SettleMany(ctx context.Context, ops []SettleOp) []SettleResult
 			return err
 		})
 	calls := groupCalls(groups)
-	cmds := l.run.RunAll(ctx, script.Settle, calls)
+	cmds := make([]*redis.Cmd, len(calls))
+	for _, round := range settleRounds(groups) {
+		part := make([]wire.Call, len(round))
+		for j, k := range round {
+			part[j] = calls[k]
+		}
+		for j, cmd := range l.run.RunAll(ctx, script.Settle, part) {
+			cmds[round[j]] = cmd
+		}
+	}
 	for k := range calls {
 		if calls[k].Err != nil {
 			continue

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -373,5 +374,58 @@ func TestPeekBatchWritesNothing(t *testing.T) {
 	}
 	if n := c.ZCard(ctx, zkey).Val(); n != 2 {
 		t.Errorf("%s holds %d members after the peek, want 2 (the live slot and the expired one)", zkey, n)
+	}
+}
+
+// SettleMany sends its script calls one round trip after another on one
+// node, so that Redis serves other clients' calls (admission's reserves)
+// between them, and each op settles as before.
+func TestSettleManySendsItsCallsOneAtATime(t *testing.T) {
+	c, rt := limitstest.CountedShared(t)
+	l := limitstest.At(c, 0)
+	ctx := context.Background()
+	tenant := redistest.UniqueName(t)
+	rules := batchRules()[1:2] // the 5 h window
+	const n = 2*wire.MaxBatch + 2
+	rs := make([]limits.Request, n)
+	ops := make([]limits.SettleOp, n)
+	for i := range n {
+		id := "r" + strconv.Itoa(i)
+		rs[i] = limits.Request{Tenant: tenant, User: "u", RequestID: id, Cost: 10, Rules: rules}
+		ops[i] = limits.SettleOp{Settle: limits.Settle{Tenant: tenant, User: "u", RequestID: id, Actual: 5, Rules: rules}}
+	}
+	for i, r := range l.ReserveBatch(ctx, rs) {
+		if r.Err != nil || !r.Decision.Allowed {
+			t.Fatalf("reserve %d = %+v, %v", i, r.Decision, r.Err)
+		}
+	}
+	rt.Reset()
+	for i, r := range l.SettleMany(ctx, ops) {
+		if r.Err != nil || r.Status != limits.Settled || r.Delta != -5 {
+			t.Fatalf("settle %d = status %v delta %d, %v; want settled, -5", i, r.Status, r.Delta, r.Err)
+		}
+	}
+	if got := rt.Count(); got != 3 {
+		t.Errorf("SettleMany of %d ops took %d round trips, want 3: one a call of %d", n, got, wire.MaxBatch)
+	}
+	if u := limitstest.Used(limitstest.Peek(t, l, tenant, "u", rules).States); fmt.Sprint(u) != fmt.Sprint([]int64{5 * n}) {
+		t.Errorf("used after the settles = %v, want [%d]", u, 5*n)
+	}
+}
+
+// settleRounds puts at most one call of a hash slot in a round trip, in
+// order: one node's calls (slot 0) one by one, a cluster's slots together.
+func TestSettleRounds(t *testing.T) {
+	for _, c := range []struct {
+		slots []uint16
+		want  string
+	}{
+		{[]uint16{0}, "[[0]]"},
+		{[]uint16{0, 0, 0}, "[[0] [1] [2]]"},
+		{[]uint16{5, 7, 5, 9, 7, 5}, "[[0 1 3] [2 4] [5]]"},
+	} {
+		if got := fmt.Sprint(limits.SettleRounds(c.slots)); got != c.want {
+			t.Errorf("settleRounds(%v) = %s, want %s", c.slots, got, c.want)
+		}
 	}
 }

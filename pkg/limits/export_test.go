@@ -1,5 +1,7 @@
 package limits
 
+import "quotaflow/pkg/limits/internal/wire"
+
 // CheckFast returns o with reserve and settle calls that decide every entry
 // the engine's fast paths take on its general path too, in the same call,
 // and fail the call on any difference in the reply or in what they store.
@@ -14,4 +16,13 @@ func CheckFast(o Options) Options {
 func GeneralFor(o Options, tenant string) Options {
 	o.general = tenant
 	return o
+}
+
+// SettleRounds is settleRounds over calls of these hash slots.
+func SettleRounds(slots []uint16) [][]int {
+	groups := make([]group[*wire.SettleBatch], len(slots))
+	for k, s := range slots {
+		groups[k].slot = s
+	}
+	return settleRounds(groups)
 }
