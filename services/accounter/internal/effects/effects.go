@@ -1,7 +1,7 @@
 // Package effects applies the Redis effect of the accounter's events
 // through pkg/limits: an actual event corrects its reservation's token
 // windows to its cost, a released event gives the estimate back, both in
-// one pipelined round trip per batch. It also owns how a ledger row's rules
+// one script call per 64 (limits.SettleMany). It also owns how a ledger row's rules
 // are resolved from the policy (Rules), which the rebuild and the
 // reconciliation use too.
 package effects
@@ -80,10 +80,10 @@ type Outcome struct {
 	Err        error
 }
 
-// Apply applies effects to Redis in one pipelined round trip
-// (limits.SettleMany), in order, and returns one outcome per effect; an
-// effect's failure (its rules unresolvable, Redis unreachable) fails only
-// its own outcome.
+// Apply applies effects to Redis in script calls of up to 64, one round
+// trip after another (limits.SettleMany), in order, and returns one
+// outcome per effect; an effect's failure (its rules unresolvable, Redis
+// unreachable) fails only its own outcome.
 func (a *Applier) Apply(ctx context.Context, effects []Effect) []Outcome {
 	out := make([]Outcome, len(effects))
 	ops := make([]limits.SettleOp, 0, len(effects))
