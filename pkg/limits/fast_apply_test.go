@@ -31,7 +31,7 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 	_, rng, _, offset := modelRun(t, c, 23)
 	base := redistest.UniqueName(t)
 	ta, tb := base+"-fast", base+"-general"
-	// prepaid balances, user and tenant, topped up alike in both twins
+	// prepaid balances, user and tenant, topped up in the fast twin and copied to the other
 	credits := []policy.Rule{
 		limitstest.Rule(policy.ScopeUser, policy.Limit{Name: "credits", Kind: policy.Balance}),
 		limitstest.Rule(policy.ScopeTenant, policy.Limit{Name: "tcredits", Kind: policy.Balance}),
@@ -57,10 +57,17 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 		val    string
 		expiry time.Duration
 	}
+	// blob is the key of a user's blob ("": the tenant's)
+	blob := func(tenant, user string) string {
+		if user == "" {
+			return "q{" + tenant + "}t"
+		}
+		return "q{" + tenant + "}u:" + user
+	}
 	dump := func(tenant string) map[string]stored {
-		keys := []string{"q{" + tenant + "}t"}
+		keys := []string{blob(tenant, "")}
 		for _, u := range users {
-			keys = append(keys, "q{"+tenant+"}u:"+u)
+			keys = append(keys, blob(tenant, u))
 		}
 		for _, x := range touched {
 			keys = append(keys, "q{"+tenant+"}r:"+x.user+":"+x.id)
@@ -107,11 +114,11 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 			if _, err := l.TopUp(ctx, ta, user, r, amount, "top-"+strconv.Itoa(step)); err != nil {
 				t.Fatalf("step %d, top-up: %v", step, err)
 			}
-			blob := "q{%s}u:" + user
+			owner := user
 			if r.Scope == policy.ScopeTenant {
-				blob = "q{%s}t"
+				owner = ""
 			}
-			copyKey(ctx, t, c, fmt.Sprintf(blob, ta), fmt.Sprintf(blob, tb))
+			copyKey(ctx, t, c, blob(ta, owner), blob(tb, owner))
 		}
 		if len(open) > 0 && rng.IntN(2) == 0 {
 			var ops []limits.SettleOp
@@ -166,8 +173,6 @@ func TestFastPathStoresAsTheGeneralPath(t *testing.T) {
 	}
 }
 
-// noRules returns ss without their rules (pointers, which differ between
-// twins).
 // copyKey sets key to to from's value and expiry.
 func copyKey(ctx context.Context, t *testing.T, c *redis.Client, from, to string) {
 	t.Helper()
@@ -188,6 +193,8 @@ func copyKey(ctx context.Context, t *testing.T, c *redis.Client, from, to string
 	}
 }
 
+// noRules returns ss without their rules (pointers, which differ between
+// twins).
 func noRules(ss []limits.State) []limits.State {
 	out := make([]limits.State, len(ss))
 	for i, s := range ss {
