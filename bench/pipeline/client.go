@@ -32,12 +32,11 @@ type tally struct {
 	rejected  map[int]int64 // reports given up: by status (503 after usageTries)
 	lostAdmit int64         // admits whose answer never came (the connection failed)
 	// admitWait and reportWait sum the answer times of the admits and
-	// of the reports (resent ones each count), admits and reports their
-	// numbers: in a closed loop the rate is the connections over the sum
-	// of a request's two answer times.
+	// of the reports (resent ones each count), admitLat and reportLat
+	// count them, for their numbers and tails: in a closed loop the rate
+	// is the connections over the sum of a request's two answer times.
 	admitWait, reportWait time.Duration
-	admits, reports       int64
-	admitLat, reportLat   load.Histogram // the same answer times, for their tails
+	admitLat, reportLat   load.Histogram
 }
 
 func (t *tally) add(o *tally) {
@@ -48,8 +47,6 @@ func (t *tally) add(o *tally) {
 	t.lostAdmit += o.lostAdmit
 	t.admitWait += o.admitWait
 	t.reportWait += o.reportWait
-	t.admits += o.admits
-	t.reports += o.reports
 	t.admitLat.Merge(&o.admitLat)
 	t.reportLat.Merge(&o.reportLat)
 	for k, v := range o.refused {
@@ -132,7 +129,6 @@ func (c *pipelineClient) Next(buf []byte) []byte {
 func (c *pipelineClient) Response(status int, _ []byte, latency time.Duration) {
 	if !c.pending {
 		c.t.admitWait += latency
-		c.t.admits++
 		c.t.admitLat.Record(latency)
 		c.t.lostAdmit--
 		if status != 200 {
@@ -149,7 +145,6 @@ func (c *pipelineClient) Response(status int, _ []byte, latency time.Duration) {
 		return
 	}
 	c.t.reportWait += latency
-	c.t.reports++
 	c.t.reportLat.Record(latency)
 	switch {
 	case status == 202:

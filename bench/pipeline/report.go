@@ -75,10 +75,10 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 	row(out, slices.Repeat([]string{"---"}, 10)...)
 	lcells := func(label string, f func(func(r round) float64) string) []string {
 		return []string{label,
-			f(func(r round) float64 { return mean(r.t.admitWait, r.t.admits) }),
+			f(func(r round) float64 { return mean(r.t.admitWait, r.t.admitLat.Count()) }),
 			f(func(r round) float64 { return millis(r.t.admitLat.Quantile(0.99)) }),
 			f(func(r round) float64 { return 1000 * r.handled.admit / max(1, r.handled.admits) }),
-			f(func(r round) float64 { return mean(r.t.reportWait, r.t.reports) }),
+			f(func(r round) float64 { return mean(r.t.reportWait, r.t.reportLat.Count()) }),
 			f(func(r round) float64 { return millis(r.t.reportLat.Quantile(0.99)) }),
 			f(func(r round) float64 { return 1000 * r.handled.report / max(1, r.handled.reports) }),
 			f(func(r round) float64 { return 1000 * r.handled.roundWait / max(1, r.handled.waited) }),
@@ -105,7 +105,7 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 }
 
 // mean is sum over n in ms.
-func mean(sum time.Duration, n int64) float64 { return millis(sum) / float64(max(1, n)) }
+func mean(sum time.Duration, n uint64) float64 { return millis(sum) / float64(max(1, n)) }
 
 func millis(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
