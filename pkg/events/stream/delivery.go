@@ -179,7 +179,7 @@ func Fetch(cons jetstream.Consumer, max int, wait time.Duration) (Fetched, error
 }
 
 // Bursts fetches a consumer's messages in bursts: each fetch first waits
-// until every has passed since the last one ended, with no pull at the
+// out its interval (every) since the last one ended, with no pull at the
 // server, then takes what is stored at once. A pull left waiting at the
 // server is handed each message as it is stored, one delivery and one
 // wake-up of the server's and the client's goroutines per message, which
