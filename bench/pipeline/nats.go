@@ -11,16 +11,21 @@ import (
 	"time"
 )
 
-// natsCounts are a nats-server's message counters: what the server
-// handles per accounted request, beside its CPU.
+// natsCounts are a nats-server's message and byte counters: what the
+// server handles per accounted request, beside its CPU (its store copies
+// every byte it is given, more than once: bench/results.md).
 type natsCounts struct {
-	In     int64 `json:"in_msgs"`  // from clients: publishes, acks, pull and API requests
-	Out    int64 `json:"out_msgs"` // to clients: deliveries, publish acks, replies
-	Stored int64 `json:"-"`        // messages its streams hold (/jsz)
+	In          int64 `json:"in_msgs"`   // from clients: publishes, acks, pull and API requests
+	Out         int64 `json:"out_msgs"`  // to clients: deliveries, publish acks, replies
+	InBytes     int64 `json:"in_bytes"`  // their payloads
+	OutBytes    int64 `json:"out_bytes"` // their payloads
+	Stored      int64 `json:"-"`         // messages its streams hold (/jsz)
+	StoredBytes int64 `json:"-"`         // and their bytes
 }
 
 func (c natsCounts) sub(o natsCounts) natsCounts {
-	return natsCounts{In: c.In - o.In, Out: c.Out - o.Out, Stored: c.Stored - o.Stored}
+	return natsCounts{In: c.In - o.In, Out: c.Out - o.Out, InBytes: c.InBytes - o.InBytes, OutBytes: c.OutBytes - o.OutBytes,
+		Stored: c.Stored - o.Stored, StoredBytes: c.StoredBytes - o.StoredBytes}
 }
 
 // readNATS reads the counters from the server's monitoring endpoint.
@@ -31,11 +36,12 @@ func readNATS(ctx context.Context, monitor string) (natsCounts, error) {
 	}
 	var jsz struct {
 		Messages int64 `json:"messages"`
+		Bytes    int64 `json:"bytes"`
 	}
 	if err := getJSON(ctx, monitor+"/jsz", &jsz); err != nil {
 		return c, err
 	}
-	c.Stored = jsz.Messages
+	c.Stored, c.StoredBytes = jsz.Messages, jsz.Bytes
 	return c, nil
 }
 

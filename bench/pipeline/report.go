@@ -54,15 +54,18 @@ func report(out io.Writer, cfg Config, pl *pipeline, failopen float64, bad []str
 		row(out, cells(fmt.Sprint(i+1), func(f func(r round) float64) string { return format(f(rounds[i])) })...)
 	}
 	row(out, cells("median", func(f func(r round) float64) string { return format(stats.Median(col(f))) })...)
-	fmt.Fprintln(out, "\nnats-server's messages per accounted request, over the same span: stored in its streams, in from clients (publishes, acks, pulls), out to clients (deliveries, publish acks, replies):")
+	fmt.Fprintln(out, "\nnats-server's messages per accounted request, over the same span: stored in its streams, in from clients (publishes, acks, pulls), out to clients (deliveries, publish acks, replies); and their bytes per accounted request:")
 	fmt.Fprintln(out)
-	row(out, "round", "stored", "in", "out")
-	row(out, "---", "---", "---", "---")
+	row(out, "round", "stored", "in", "out", "stored bytes", "in bytes", "out bytes")
+	row(out, slices.Repeat([]string{"---"}, 7)...)
 	ncells := func(label string, f func(func(r round) float64) string) []string {
 		return []string{label,
 			f(func(r round) float64 { return r.perReport(r.nats.Stored) }),
 			f(func(r round) float64 { return r.perReport(r.nats.In) }),
 			f(func(r round) float64 { return r.perReport(r.nats.Out) }),
+			f(func(r round) float64 { return r.perReport(r.nats.StoredBytes) }),
+			f(func(r round) float64 { return r.perReport(r.nats.InBytes) }),
+			f(func(r round) float64 { return r.perReport(r.nats.OutBytes) }),
 		}
 	}
 	for i := range rounds {
