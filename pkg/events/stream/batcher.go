@@ -22,7 +22,8 @@ const (
 	// DefaultBatchWait is the longest the first event of a round waits for
 	// others: about the time a round takes on a local server under load
 	// (bench/results.md, "Publishing in batches"), so the wait at most
-	// doubles a report's publish latency while several callers share it.
+	// doubles a report's publish latency while several callers share it
+	// (with FollowPublish, a round that takes less waits less).
 	DefaultBatchWait = time.Millisecond
 )
 
@@ -45,6 +46,13 @@ type BatcherOptions struct {
 	// (default DefaultBatchWait). Negative: no wait; a round then takes
 	// the calls that came while the one before it was publishing.
 	MaxWait time.Duration
+	// FollowPublish shortens the wait to how long the last rounds took to
+	// publish (a moving average over about eight, from none before the
+	// first), when that is less than MaxWait: on a server that answers quickly, as on a host with cores
+	// to spare, a caller then waits about as long for its round to start
+	// as for its round, and on a busy one the rounds wait MaxWait and grow
+	// (bench/results.md, issue 13, session 22).
+	FollowPublish bool
 	// Timeout bounds one round's PublishBatch (default 5 s). A caller
 	// whose own context ends first returns then; the round goes on for
 	// the others.
@@ -62,8 +70,8 @@ type BatcherOptions struct {
 // one each.
 //
 // The first call of a round starts it; the round closes when it holds
-// MaxEvents events or MaxWait after that first call, whichever comes
-// first, and rounds go one at a time: calls made while a round is
+// MaxEvents events or its wait after that first call (MaxWait, or less
+// with FollowPublish), whichever comes first, and rounds go one at a time: calls made while a round is
 // publishing wait for the next. Each call returns when the stream has
 // stored its own events (nil) or they failed: a *BatchError whose Errs
 // are the call's own events' errors, so in a partly failed round only the
@@ -92,6 +100,7 @@ type Batcher struct {
 
 	evs   []events.Event  // the round being published (reused)
 	waits []time.Duration // its waits for Observe (reused)
+	took  time.Duration   // the rounds' publish time, averaged (FollowPublish; run's alone)
 }
 
 // call is one Publish waiting for its round.
@@ -270,7 +279,7 @@ func (b *Batcher) run() {
 		case <-b.full:
 		default:
 		}
-		wait := time.Until(b.pending[0].at.Add(b.opt.MaxWait))
+		wait := time.Until(b.pending[0].at.Add(b.wait()))
 		if b.n >= b.opt.MaxEvents || b.closed {
 			wait = 0
 		}
@@ -287,6 +296,14 @@ func (b *Batcher) run() {
 		}
 		b.round(b.take())
 	}
+}
+
+// wait is how long the first call of a round waits for others.
+func (b *Batcher) wait() time.Duration {
+	if b.opt.FollowPublish {
+		return min(b.opt.MaxWait, b.took)
+	}
+	return b.opt.MaxWait
 }
 
 // take removes the next round's calls from pending: whole calls, oldest
@@ -328,6 +345,7 @@ func (b *Batcher) round(calls []*call) {
 		ctx, cancel := context.WithTimeout(b.runCtx, b.opt.Timeout)
 		err := b.pub.PublishBatch(ctx, evs)
 		cancel()
+		b.took += (time.Since(now) - b.took) / 8
 		var be *BatchError
 		if err != nil && (!errors.As(err, &be) || len(be.Errs) != len(evs)) {
 			be = nil // not per event: every event failed with err

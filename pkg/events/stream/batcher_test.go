@@ -254,6 +254,57 @@ func TestBatcherPublishWithin(t *testing.T) {
 	}
 }
 
+// slow publishes through pub after d, as a busy server answers.
+type slow struct {
+	pub stream.BatchPublisher
+	d   time.Duration
+}
+
+func (s slow) PublishBatch(ctx context.Context, evs []events.Event) error {
+	time.Sleep(s.d)
+	return s.pub.PublishBatch(ctx, evs)
+}
+
+// With FollowPublish a round waits about as long as the last rounds took
+// to publish, not MaxWait: lone calls on a quick server go one after
+// another though MaxWait is a minute, and when each round takes 40 ms
+// their wait grows towards that (from none: a timer never fires early,
+// and the average of rounds of at least 40 ms is past 38 ms after 23 of
+// them, so the bound below holds however slow the host).
+func TestBatcherFollowsPublish(t *testing.T) {
+	js, cfg := realNATS(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for g, d := range []time.Duration{0, 40 * time.Millisecond} {
+		var mu sync.Mutex
+		var last time.Duration
+		b := stream.NewBatcher(slow{pub: stream.NewPublisher(js, cfg), d: d}, stream.BatcherOptions{
+			MaxEvents: 16, MaxWait: neverByTime, FollowPublish: true,
+			Observe: func(_ int, waits []time.Duration) {
+				mu.Lock()
+				last = waits[0]
+				mu.Unlock()
+			},
+		})
+		for i := range 24 {
+			if err := b.Publish(ctx, []events.Event{actual(g, i)}); err != nil {
+				t.Fatalf("rounds of %v, call %d = %v: the round waited for MaxWait", d, i, err)
+			}
+		}
+		if err := b.Close(ctx); err != nil {
+			t.Errorf("Close = %v", err)
+		}
+		mu.Lock()
+		if d > 0 && last < 30*time.Millisecond {
+			t.Errorf("rounds of %v: the 24th waited %v for its round, want about as long as a round takes", d, last)
+		}
+		mu.Unlock()
+	}
+	if ids := natstest.StreamEvents(t, js, cfg.Stream); len(ids) != 48 {
+		t.Errorf("stream holds %d distinct events, want 48", len(ids))
+	}
+}
+
 // waitPending waits until b holds n events waiting for a round.
 func waitPending(t *testing.T, b *stream.Batcher, n int) {
 	t.Helper()

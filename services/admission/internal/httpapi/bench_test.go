@@ -66,8 +66,8 @@ func BenchmarkUsageHandler(b *testing.B) {
 // clients on keep-alive TCP connections each post one actual event (the
 // pipeline bench's body) and wait for its 202, through the handler, a
 // stream.Batcher and a JetStream publisher on the shared NATS, as
-// admission's outbox wires them, with no batch wait, the default
-// (QF_EVENT_BATCH_WAIT) and a longer one. cpu-ns/op is this process's CPU
+// admission's outbox wires them (the wait following the publish), with
+// no batch wait, the default bound (QF_EVENT_BATCH_WAIT) and a longer one. cpu-ns/op is this process's CPU
 // per report: the handler, the group commit and the NATS client, plus the
 // clients, which cost the same in any build; events/round is what each
 // JetStream message carried; allocs/op counts the whole process's too.
@@ -79,7 +79,7 @@ func BenchmarkUsageReport(b *testing.B) {
 	for _, wait := range []time.Duration{-1, stream.DefaultBatchWait, 5 * time.Millisecond} {
 		b.Run("wait="+max(wait, 0).String(), func(b *testing.B) {
 			var rounds, reports atomic.Int64
-			bt := stream.NewBatcher(pub, stream.BatcherOptions{MaxWait: wait, Observe: func(n int, _ []time.Duration) {
+			bt := stream.NewBatcher(pub, stream.BatcherOptions{MaxWait: wait, FollowPublish: true, Observe: func(n int, _ []time.Duration) {
 				rounds.Add(1)
 				reports.Add(int64(n))
 			}})

@@ -87,7 +87,8 @@ type Options struct {
 	BatchSize int
 	// BatchWait is the longest a round of PublishNow waits for more
 	// events after its first, when fewer than BatchSize are at hand
-	// (default stream.DefaultBatchWait); negative: no wait.
+	// (default stream.DefaultBatchWait); less while rounds publish in less
+	// (stream.BatcherOptions.FollowPublish); negative: no wait.
 	BatchWait time.Duration
 	// QueueWait bounds the wait of a round of the queue for more events
 	// after its first, which adapts to the load below it (see the package
@@ -269,7 +270,7 @@ func New(pub Publisher, opt Options) (*Outbox, error) {
 	o.m = newMetrics(opt.Registerer, o)
 	o.pub = counted{pub: pub, m: o.m}
 	o.now = stream.NewBatcher(o.pub, stream.BatcherOptions{
-		MaxEvents: opt.BatchSize, MaxWait: opt.BatchWait, Timeout: opt.PublishTimeout, Observe: o.m.usage.observe,
+		MaxEvents: opt.BatchSize, MaxWait: opt.BatchWait, FollowPublish: true, Timeout: opt.PublishTimeout, Observe: o.m.usage.observe,
 	})
 	if n := sp.bytes(); n > 0 {
 		o.log.Info("spilled events from an earlier run will be replayed", "bytes", n, "dir", opt.SpillDir)

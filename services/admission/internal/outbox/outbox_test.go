@@ -404,10 +404,12 @@ func TestCloseEndsTheQueueWait(t *testing.T) {
 	})
 }
 
-// Concurrent PublishNow calls share rounds of at most BatchSize events,
-// reported under publisher="usage", and are counted as published.
+// PublishNow calls made while a round publishes share the next rounds, of
+// at most BatchSize events, reported under publisher="usage", and are
+// counted as published. (The first call's round goes at once: a round
+// waits no longer than the rounds before it took, none before the first.)
 func TestPublishNowSharesRounds(t *testing.T) {
-	pub := newFakePublisher(false)
+	pub := &gatedPublisher{fakePublisher: newFakePublisher(false), gate: make(chan struct{})}
 	reg := prometheus.NewRegistry()
 	o, err := New(pub, Options{SpillDir: t.TempDir(), BatchSize: 4, BatchWait: time.Minute, Registerer: reg})
 	if err != nil {
@@ -417,9 +419,13 @@ func TestPublishNowSharesRounds(t *testing.T) {
 	defer cancel()
 	var wg sync.WaitGroup
 	errs := make([]error, 8)
-	for i := range errs {
+	wg.Go(func() { errs[0] = o.PublishNow(ctx, []events.Event{reserved(0)}, 0) })
+	e2e.Eventually(t, "the first round publishing", func() bool { return pub.count() == 1 })
+	for i := 1; i < len(errs); i++ {
 		wg.Go(func() { errs[i] = o.PublishNow(ctx, []events.Event{reserved(i)}, 0) })
 	}
+	e2e.Eventually(t, "7 calls waiting for a round", func() bool { return o.now.Pending() == 7 })
+	close(pub.gate)
 	wg.Wait()
 	for i, err := range errs {
 		if err != nil {
@@ -427,11 +433,11 @@ func TestPublishNowSharesRounds(t *testing.T) {
 		}
 	}
 	closeOutbox(t, o, 5*time.Second)
-	if got := pub.batchSizes(); !slices.Equal(got, []int{4, 4}) {
-		t.Errorf("rounds carried %v events, want [4 4]", got)
+	if got := pub.batchSizes(); !slices.Equal(got, []int{1, 4, 3}) {
+		t.Errorf("rounds carried %v events, want [1 4 3]", got)
 	}
-	if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "usage"); n != 2 || sum != 8 {
-		t.Errorf("batch_events{usage} count %d sum %v, want 2 and 8", n, sum)
+	if n, sum := histogram(t, reg, "quotaflow_admission_publish_batch_events", "usage"); n != 3 || sum != 8 {
+		t.Errorf("batch_events{usage} count %d sum %v, want 3 and 8", n, sum)
 	}
 	if n, _ := histogram(t, reg, "quotaflow_admission_publish_wait_seconds", "usage"); n != 8 {
 		t.Errorf("wait_seconds{usage} count %d, want 8", n)
