@@ -1,5 +1,5 @@
 // Package consume feeds the alerter's detector from the usage stream: it
-// fetches up to maxBatch messages every fetchWait (at once while there is
+// fetches up to maxFetch messages every fetchWait (at once while there is
 // a backlog), expands batch messages into their events, handles the
 // events in batches, each in one Postgres transaction, and finishes each message once; it falls back to event by
 // event when a batch fails, so one bad event is retried and dead-lettered
@@ -18,9 +18,17 @@ import (
 	"quotaflow/pkg/events/stream"
 )
 
-// maxBatch is the most messages fetched at once, and the most events
-// handled in one Postgres transaction.
+// maxBatch is the most events handled in one Postgres transaction.
 const maxBatch = 256
+
+// maxFetch is the most messages fetched at once (FetchMaxBytes bounds
+// their bytes). The report rounds of POST /v1/usage, which the alerter
+// acks unread, count too: a fetch cut by its count is followed at once,
+// and each fetch writes its versions, so a count smaller than what a
+// fetchWait brings adds fetches and version writes (bench/results.md,
+// issue 13, session 22). Below the consumer's MaxAckPending (the
+// server's default, 1000), since a fetch's messages are acked after it.
+const maxFetch = 512
 
 // fetchWait is how long after a fetch the next one comes, unless it left
 // a backlog (stream.Bursts): alerts are not on any request's path, and a
@@ -55,7 +63,7 @@ func Run(ctx context.Context, cons jetstream.Consumer, js jetstream.JetStream, c
 	hs := stream.Handlers{Reserved: h.Reserved, Corrected: h.Corrected, Denied: h.Denied}
 	unread := unreadSubjects(cfg.WithDefaults().SubjectPrefix)
 	w := &waiting{js: js, cfg: cfg, flush: h.Flush, log: log}
-	bursts := stream.NewBursts(cons, maxBatch, fetchWait)
+	bursts := stream.NewBursts(cons, maxFetch, fetchWait)
 	for ctx.Err() == nil {
 		f, err := bursts.Fetch(ctx)
 		if err != nil && ctx.Err() == nil {
