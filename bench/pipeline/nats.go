@@ -12,8 +12,9 @@ import (
 )
 
 // natsCounts are a nats-server's message and byte counters: what the
-// server handles per accounted request, beside its CPU (its store copies
-// every byte it is given, more than once: bench/results.md).
+// server handles per accounted request, beside its CPU (whose cost goes
+// by messages rather than bytes at the pipeline's sizes:
+// bench/results.md).
 type natsCounts struct {
 	In          int64 `json:"in_msgs"`   // from clients: publishes, acks, pull and API requests
 	Out         int64 `json:"out_msgs"`  // to clients: deliveries, publish acks, replies

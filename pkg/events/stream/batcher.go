@@ -48,10 +48,11 @@ type BatcherOptions struct {
 	MaxWait time.Duration
 	// FollowPublish shortens the wait to how long the last rounds took to
 	// publish (a moving average over about eight, from none before the
-	// first), when that is less than MaxWait: on a server that answers quickly, as on a host with cores
-	// to spare, a caller then waits about as long for its round to start
-	// as for its round, and on a busy one the rounds wait MaxWait and grow
-	// (bench/results.md, issue 13, session 22).
+	// first), when that is less than MaxWait: on a server that answers
+	// quickly, as on a host with cores to spare, a caller then waits about
+	// as long for its round to start as for its round, and on a busy one
+	// the rounds wait MaxWait and grow (bench/results.md, issue 13,
+	// session 22).
 	FollowPublish bool
 	// Timeout bounds one round's PublishBatch (default 5 s). A caller
 	// whose own context ends first returns then; the round goes on for
@@ -71,8 +72,8 @@ type BatcherOptions struct {
 //
 // The first call of a round starts it; the round closes when it holds
 // MaxEvents events or its wait after that first call (MaxWait, or less
-// with FollowPublish), whichever comes first, and rounds go one at a time: calls made while a round is
-// publishing wait for the next. Each call returns when the stream has
+// with FollowPublish), whichever comes first, and rounds go one at a
+// time: calls made while a round is publishing wait for the next. Each call returns when the stream has
 // stored its own events (nil) or they failed: a *BatchError whose Errs
 // are the call's own events' errors, so in a partly failed round only the
 // callers whose events failed see an error. A caller whose context ends

@@ -67,10 +67,11 @@ func BenchmarkUsageHandler(b *testing.B) {
 // pipeline bench's body) and wait for its 202, through the handler, a
 // stream.Batcher and a JetStream publisher on the shared NATS, as
 // admission's outbox wires them (the wait following the publish), with
-// no batch wait, the default bound (QF_EVENT_BATCH_WAIT) and a longer one. cpu-ns/op is this process's CPU
-// per report: the handler, the group commit and the NATS client, plus the
-// clients, which cost the same in any build; events/round is what each
-// JetStream message carried; allocs/op counts the whole process's too.
+// no batch wait, the default bound (QF_EVENT_BATCH_WAIT) and a longer
+// one. cpu-ns/op is this process's CPU per report: the handler, the group
+// commit and the NATS client, plus the clients, which cost the same in
+// any build; events/round is what each JetStream message carried;
+// allocs/op counts the whole process's too.
 func BenchmarkUsageReport(b *testing.B) {
 	_, js := natstest.Connect(b, natstest.URL())
 	cfg := natstest.Streams(b, js, "usagebench", stream.Config{})
