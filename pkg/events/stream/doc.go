@@ -33,8 +33,9 @@
 // A Batcher sits in front of it for services whose callers each wait for
 // a few events to be stored (admission's POST /v1/usage): concurrent
 // calls share one PublishBatch, a round closing at MaxEvents events or
-// MaxWait after its first call, and each caller gets its own events'
-// result.
+// MaxWait after its first call (with FollowPublish, as long as the last
+// rounds took to publish when that is less), and each caller gets its
+// own events' result.
 //
 // # Consuming
 //

@@ -39,7 +39,8 @@
 // PublishNow, for callers that must know their events are stored (POST
 // /v1/usage), goes through a stream.Batcher instead of the queue:
 // concurrent calls share a round, bounded by the same BatchSize and by
-// BatchWait, a fixed wait: each caller waits for it.
+// BatchWait: a round waits as long as the last rounds took to publish, at
+// most BatchWait, and each caller waits for its round.
 //
 // Order is not preserved across a spill: consumers order snapshots by their
 // version, not by arrival.
