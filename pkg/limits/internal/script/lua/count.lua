@@ -36,16 +36,16 @@ local offset, guard = sunpack('<i6B', ARGV[1])
 local t = redis.call('TIME')
 local now = t[1] * 1000 + floor(t[2] / 1000) + offset -- ms, as windows count
 local vals = redis.call('MGET', unpack(KEYS))
--- per KEYS index of a counter: the window and count as this call leaves
--- them, the window as read (false: none), the window's ms once changed
-local win, cnt, read, span = {}, {}, {}, {}
-local dirty, isdirty = {}, {} -- the counters to write, in order; by index
-local out = { now * 1000 + t[2] % 1000 }
+-- The tables are the library's (lib.lua, cwin...), kept from call to call:
+-- new ones, grown key by key, cost a decision in batches of 6 a fifth of
+-- its instructions (bench/results.md). win marks what this call loaded and
+-- isdirty what it will write, so both start over for every key; the rest
+-- is read only where those say this call set it, or up to a count kept.
+local win, cnt, read, span, dirty, isdirty, out, undo = cwin, ccnt, cread, cspan, cdirty, cisdirty, cout, cundo
+for k = 1, #KEYS do win[k], isdirty[k] = false, false end
+local nd = 0 -- #dirty, kept rather than counted
+out[1] = now * 1000 + t[2] % 1000
 local no = 1 -- #out, kept rather than counted
--- what a group changed, to undo: key, window, count as before (one table
--- for every group: a table per group and its growth cost more than the
--- rest of a one-counter decision's bookkeeping)
-local undo = {}
 
 -- load caches counter k's key as read (a decision does the same inline:
 -- keep the two alike; read[k] decides SETRANGE against SET below).
@@ -84,7 +84,7 @@ for g = 2, #ARGV do
           c = c + cost
           if c < 0 then c = 0 elseif c > MAX_COUNT then c = MAX_COUNT end
           win[k], cnt[k], span[k] = wn, c, w
-          if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
+          if not isdirty[k] then nd = nd + 1; dirty[nd], isdirty[k] = k, true end
         end
         no = no + 1
         out[no] = c
@@ -130,7 +130,7 @@ for g = 2, #ARGV do
     else
       for i = 1, u, 3 do
         local k = undo[i]
-        if not isdirty[k] then dirty[#dirty + 1], isdirty[k] = k, true end
+        if not isdirty[k] then nd = nd + 1; dirty[nd], isdirty[k] = k, true end
       end
     end
     if lost then
@@ -141,13 +141,15 @@ for g = 2, #ARGV do
   end
 end
 
-for i = 1, #dirty do
+for i = 1, nd do
   local k = dirty[i]
   if read[k] == win[k] then
-    redis.call('SETRANGE', KEYS[k], 6, spack('<i6', cnt[k]))
+    -- numbers as text: Redis formats a number argument with printf's %.17g
+    redis.call('SETRANGE', KEYS[k], '6', spack('<i6', cnt[k]))
   else
     local w = span[k]
-    redis.call('SET', KEYS[k], spack('<i6i6', win[k], cnt[k]), 'PX', (win[k] + 1) * w - now)
+    redis.call('SET', KEYS[k], spack('<i6i6', win[k], cnt[k]), 'PX', sformat('%d', (win[k] + 1) * w - now))
   end
 end
+out[no + 1] = nil -- the reply ends at its first nil: a longer one before is cut
 return out

@@ -735,6 +735,9 @@ end
 -- call's last loadspecs (nil: none, or the call has one entry).
 local vals, charging, held
 local blobs, opened, recs, out = { NILS(8) }, { NILS(4) }, { NILS(4) }, { NILS(4) }
+-- count.lua's tables, kept with the library as S is (count.lua says how
+-- each call starts them over).
+local cwin, ccnt, cread, cspan, cdirty, cisdirty, cout, cundo = {}, {}, {}, {}, {}, {}, {}, {}
 -- begin reads a batch's head (ARGV 1: '<i6BI2' clock offset, flags, how
 -- many KEYS are strings; ARGV 2: the record ttl) and starts the call: it
 -- returns the guard flag (1: refuse to decide without the epoch), the dry
