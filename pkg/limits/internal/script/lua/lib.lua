@@ -1038,9 +1038,10 @@ local function apply(n, sub, ten, sv, tv, rk)
   charging = false
 end
 
--- fast returns the reply of reserve arg (at: its specs, n of them), or nil
--- when it is not fast's. With dry it changes nothing (verify).
-local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
+-- fast returns the reply of reserve arg (at: its specs, n of them; fp and
+-- nonce: the request's), or nil when it is not fast's. With dry it
+-- changes nothing (verify).
+local function fast(arg, at, n, cost, rk, sub, ten, now, dry, fp, nonce)
   local specs = arg:sub(at)
   local p = plans[specs]
   if p == nil then p = plan(specs, n) end
@@ -1120,7 +1121,10 @@ local function fast(arg, at, n, cost, rk, sub, ten, now, dry)
   if inten then tv = max(tv + 1, now * 1000) end
   out[1], out[2], out[3], out[4], out[5], out[6], out[7] = STATUS_ALLOWED, 0, 0, 0, now, sv, tv
   local reply, record = spack(i8s[i] or fmt(i8s, 'i8', i), unpack(out, 1, i)), false
-  if rk > 0 then record = spack('<i6i6B', now, cost, OPEN) .. arg:sub(RESERVE_HEAD + 1) end
+  -- the record's tail is the argument's from byte RESERVE_HEAD + 1 on (no
+  -- concurrency keys here): packed again, with the specs string made
+  -- above, rather than cut out, a new string of its ~175 bytes
+  if rk > 0 then record = spack('<i6i6BI6I6I2', now, cost, OPEN, fp, nonce, n) .. specs end
   st[6 * n + 1], st[6 * n + 2] = reply, record
   if not dry then apply(n, sub, ten, insub and sv, inten and tv, rk) end
   return reply

@@ -71,7 +71,7 @@ local function reserve(arg)
   -- the common reserve: no peek, no concurrency, no record yet (lib.lua)
   local fastreply
   if not general and mode ~= MODE_PEEK and cost >= 0 and #arg == at - 1 + n * SPEC_LEN and not (rk > 0 and vals[rk]) then
-    fastreply = fast(arg, at, n, cost, rk, sub, ten, now, dry)
+    fastreply = fast(arg, at, n, cost, rk, sub, ten, now, dry, myfp, mynonce)
     if fastreply and not dry then return fastreply end
   end
   peeking = mode == MODE_PEEK
