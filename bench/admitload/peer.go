@@ -80,6 +80,10 @@ type procs [4]float64
 // all is the CPU per request of every process.
 func (r peerRun) all() float64 { return r.server + r.redis + r.nats + r.gen }
 
+// cores is how many of the host's cores the run's processes kept busy: a
+// closed loop below the host's count waits on latency, not on a CPU.
+func (r peerRun) cores() float64 { return r.all() * r.res.Rate() / 1e6 }
+
 // peer loads, in one run and interleaved rounds, a plain net/http handler,
 // envoyproxy/ratelimit and admission with one and with five limits, each
 // server on a Redis (and admission on a nats-server) of its own, and
@@ -173,11 +177,12 @@ func peer(ctx context.Context, o peerOptions) error {
 	}
 	fmt.Println()
 	err = interleave(o.levels, o.rounds, ts, peerRuns, func(t *peerTarget, conc int) (peerRun, error) { return measure(t, conc, 0) },
-		"| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | server RSS | statuses | failopen |\n"+
-			"|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+		"| round | c | target | req/s | p50 | p99 | server µs/req | Redis µs/req | nats-server µs/req | load gen µs/req | cores busy | batch mean | script mean µs | server RSS | statuses | failopen |\n"+
+			"|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 		func(round, conc int, t *peerTarget, run peerRun) {
-			fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %s | %s | %s |\n", round, conc, t.name, run.res.Rate(),
+			fmt.Printf("| %d | %d | %s | %.0f | %s | %s | %.1f | %s | %s | %.1f | %.2f | %s | %s | %s | %s | %s |\n", round, conc, t.name, run.res.Rate(),
 				pct(run.res, 50), pct(run.res, 99), run.server, orDash(t.redis, run.redis), orDash(t.nats, run.nats), run.gen,
+				run.cores(), orDashN(t.ops, run.batchMean, 1), orDashN(t.ops, run.script.mean, 0),
 				mib(run.mem.RSS), run.res.Statuses(), orDashF(t.ops, run.failopen))
 		})
 	if err != nil {
