@@ -22,10 +22,11 @@ import (
 // next, where a script starts each call with a fresh one. Any state that
 // leaked from a call into the next (a limit of another kind, or more limits,
 // at the same position) would make the two disagree: the same random
-// sequence of reserves, corrections, releases, charges and top-ups, mixing
-// every kind of limit in changing orders and counts, must give the same
-// decisions and counters on a server serving functions and on one whose ACL
-// forbids them.
+// sequence of reserves, corrections, releases, charges and top-ups, alone
+// and in batches (where a batch keeps what the entry before it loaded),
+// mixing every kind of limit in changing orders and counts, must give the
+// same decisions and counters on a server serving functions and on one
+// whose ACL forbids them.
 func TestFunctionsDecideLikeScripts(t *testing.T) {
 	ctx := context.Background()
 	fnSrv, scSrv := redistest.Start(t), redistest.Start(t)
@@ -75,7 +76,39 @@ func TestFunctionsDecideLikeScripts(t *testing.T) {
 		id := fmt.Sprintf("r%d", rng.IntN(150))
 		rules := pick()
 		var f, s string
-		switch op := rng.IntN(10); {
+		switch op := rng.IntN(12); {
+		case op == 10:
+			// A batch: the library's tables kept from entry to entry (the
+			// plans, the staged records, the specs held) as well as from
+			// call to call.
+			rs := make([]limits.Request, 2+rng.IntN(5))
+			for j := range rs {
+				rs[j] = limits.Request{Tenant: tenant, User: fmt.Sprintf("u%d", rng.IntN(4)), RequestID: fmt.Sprintf("r%d", rng.IntN(150)),
+					Cost: int64(rng.IntN(120)), Rules: pick()}
+			}
+			for _, out := range []struct {
+				l *limits.Limiter
+				s *string
+			}{{fl, &f}, {sl, &s}} {
+				for _, r := range out.l.ReserveBatch(ctx, rs) {
+					d := r.Decision
+					*out.s += fmt.Sprint(d.Allowed, d.Duplicate, d.DeniedBy, d.Reason, r.Err, show(d.States), "; ")
+				}
+			}
+		case op == 11:
+			ops := make([]limits.SettleOp, 2+rng.IntN(5))
+			for j := range ops {
+				ops[j] = limits.SettleOp{Settle: limits.Settle{Tenant: tenant, User: fmt.Sprintf("u%d", rng.IntN(4)),
+					RequestID: fmt.Sprintf("r%d", rng.IntN(150)), Actual: int64(rng.IntN(150)), Rules: pick()}, Release: rng.IntN(3) == 0}
+			}
+			for _, out := range []struct {
+				l *limits.Limiter
+				s *string
+			}{{fl, &f}, {sl, &s}} {
+				for _, r := range out.l.SettleMany(ctx, ops) {
+					*out.s += fmt.Sprint(r.Status, r.Delta, r.Err, show(r.States), "; ")
+				}
+			}
 		case op < 5:
 			r := limits.Request{Tenant: tenant, User: user, RequestID: id, Cost: int64(rng.IntN(120)), Rules: rules}
 			fd, ferr := fl.Reserve(ctx, r)
