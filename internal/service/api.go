@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"strings"
 
 	"quotaflow/internal/auth"
 	"quotaflow/internal/server"
@@ -24,14 +25,38 @@ func OpenTokens(s *Stack, t auth.Tokens, log *slog.Logger) (*auth.Auth, error) {
 // ListenAPI is Listen for an API that reads tenants' data, authenticated
 // by tokens (OpenTokens): without a token every request would read every
 // tenant, so it then listens on loopback only (LoopbackUnless), with a
-// warning that logs the address under addrKey.
+// warning that logs the address under addrKey, and answers only requests
+// addressed to a loopback host (LoopbackHosts).
 func ListenAPI(s *Stack, name, addrKey, addr string, tokens *auth.Auth, h http.Handler) (*server.Server, error) {
-	if a := LoopbackUnless(tokens != nil, addr); a != addr {
-		s.log.Warn("no API token is configured (QF_API_TOKENS, QF_API_TOKENS_FILE): the "+name+" reads every tenant and listens on loopback only",
-			addrKey, a)
-		addr = a
+	if tokens == nil {
+		if a := LoopbackUnless(false, addr); a != addr {
+			s.log.Warn("no API token is configured (QF_API_TOKENS, QF_API_TOKENS_FILE): the "+name+" reads every tenant and listens on loopback only",
+				addrKey, a)
+			addr = a
+		}
+		h = LoopbackHosts(h)
 	}
 	return Listen(s, name, addr, h)
+}
+
+// LoopbackHosts answers 421 to a request whose Host is not a loopback
+// name or address. A listener on loopback is not enough without tokens: a
+// web page the operator opens can point its own name at 127.0.0.1 (DNS
+// rebinding) and read the API as its own origin; its requests name the
+// page's host.
+func LoopbackHosts(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if hp, _, err := net.SplitHostPort(host); err == nil {
+			host = hp
+		}
+		host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+		if ip, err := netip.ParseAddr(host); !(err == nil && ip.IsLoopback() || strings.EqualFold(host, "localhost")) {
+			http.Error(w, "without API tokens this API answers only requests to a loopback host", http.StatusMisdirectedRequest)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 // LoopbackUnless returns addr, or when not authenticated its port on
