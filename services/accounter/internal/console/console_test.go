@@ -113,6 +113,42 @@ func signin(t *testing.T, srv *httptest.Server, tok string, hdr map[string]strin
 	return resp
 }
 
+// TestCookieSecureBehindTLSProxy: the console is served over plain HTTP
+// and reached over https through a proxy that ends TLS; the cookie holding
+// the token must then be Secure, on sign-in and sign-out.
+func TestCookieSecureBehindTLSProxy(t *testing.T) {
+	srv, _ := newTestServer(t)
+	for _, hdr := range []map[string]string{
+		{"X-Forwarded-Proto": "https"},
+		{"X-Forwarded-Proto": "HTTPS, http"},
+		{"Forwarded": `for=192.0.2.60;proto=https;by=203.0.113.43`},
+		{"Forwarded": `proto="https", proto=http`},
+	} {
+		hdr["Sec-Fetch-Site"] = "same-origin"
+		for _, path := range []string{"/signin", "/signout"} {
+			req, _ := http.NewRequest("POST", srv.URL+path, strings.NewReader(url.Values{"token": {"a-tok"}}.Encode()))
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			for k, v := range hdr {
+				req.Header.Set(k, v)
+			}
+			resp, err := noRedirect.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if cs := resp.Cookies(); len(cs) != 1 || !cs[0].Secure {
+				t.Errorf("POST %s with %v: cookies %v, want one Secure", path, hdr, cs)
+			}
+		}
+	}
+	for _, hdr := range []map[string]string{{"X-Forwarded-Proto": "http"}, {"Forwarded": "for=192.0.2.60;proto=http"}, {"X-Forwarded-Proto": "http, https"}} {
+		hdr["Sec-Fetch-Site"] = "same-origin"
+		if cs := signin(t, srv, "a-tok", hdr).Cookies(); len(cs) != 1 || cs[0].Secure {
+			t.Errorf("sign-in with %v: cookies %v, want one, not Secure", hdr, cs)
+		}
+	}
+}
+
 func TestSignin(t *testing.T) {
 	srv, _ := newTestServer(t)
 	resp := signin(t, srv, "a-tok", map[string]string{"Sec-Fetch-Site": "same-origin"})

@@ -38,7 +38,7 @@ func (h *Handler) signin(w http.ResponseWriter, r *http.Request) {
 	}
 	http.SetCookie(w, &http.Cookie{
 		Name: CookieName, Value: tok, Path: "/",
-		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil,
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: overTLS(r),
 	})
 	http.Redirect(w, r, "/", http.StatusSeeOther)
 }
@@ -51,9 +51,37 @@ func (h *Handler) signout(w http.ResponseWriter, r *http.Request) {
 	}
 	http.SetCookie(w, &http.Cookie{
 		Name: CookieName, Value: "", Path: "/", MaxAge: -1,
-		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil,
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: overTLS(r),
 	})
 	http.Redirect(w, r, "/signin", http.StatusSeeOther)
+}
+
+// overTLS reports whether the browser reached the console over https: the
+// accounter serves plain HTTP, so that is TLS ended by a proxy in front of
+// it, which says so in X-Forwarded-Proto or Forwarded. The cookie holds
+// the token itself and must then never go out over plain HTTP. Believing a
+// client that claims https costs nothing: its browser then keeps the
+// cookie from plain HTTP, its own sign-in included.
+func overTLS(r *http.Request) bool {
+	if r.TLS != nil {
+		return true
+	}
+	if strings.EqualFold(firstHop(r.Header.Get("X-Forwarded-Proto")), "https") {
+		return true
+	}
+	for _, p := range strings.Split(firstHop(r.Header.Get("Forwarded")), ";") {
+		if k, v, ok := strings.Cut(strings.TrimSpace(p), "="); ok && strings.EqualFold(k, "proto") && strings.EqualFold(strings.Trim(v, `"`), "https") {
+			return true
+		}
+	}
+	return false
+}
+
+// firstHop is a forwarding header's first element: the hop next to the
+// browser, as the proxy nearest to it wrote it.
+func firstHop(v string) string {
+	v, _, _ = strings.Cut(v, ",")
+	return strings.TrimSpace(v)
 }
 
 // sameOrigin reports whether a form post came from the console's own
