@@ -30,8 +30,9 @@ const (
 // It finds the usage (chat and completions: the chunk with "usage", which
 // stream_options.include_usage asks for; responses: the response.completed,
 // response.incomplete or response.failed event) and counts the text the
-// stream carries (content, refusal, reasoning and tool-call arguments;
-// responses' *.delta events) for when the usage never comes. When built to
+// stream carries (content, refusal, reasoning, tool-call and legacy
+// function-call names and arguments, audio transcripts; responses' *.delta
+// events) for when the usage never comes. When built to
 // strip, it removes the usage chunk (an event whose data has "choices": []
 // and a usage) from what it forwards, and nothing else: everything Feed and
 // Flush return, joined, is the stream less that event.
@@ -243,6 +244,9 @@ func (m *Meter) read(line []byte) (data, usageChunk bool) {
 			for _, tc := range ch.Delta.ToolCalls {
 				m.addText(ch.Index, tc.Function.Name, tc.Function.Arguments)
 			}
+			// The audio's own tokens (base64 data) are not text: its
+			// transcript is a lower bound, but never the 0 that releases.
+			m.addText(ch.Index, ch.Delta.FunctionCall.Name, ch.Delta.FunctionCall.Arguments, ch.Delta.Audio.Transcript)
 		}
 		u, ok := usageIn(m.kind, c.Usage)
 		if ok {
@@ -280,14 +284,20 @@ type streamChunk struct {
 			ReasoningContent string `json:"reasoning_content"` // vLLM, DeepSeek
 			Reasoning        string `json:"reasoning"`
 			ToolCalls        []struct {
-				Function struct {
-					Name      string `json:"name"`
-					Arguments string `json:"arguments"`
-				} `json:"function"`
+				Function functionDelta `json:"function"`
 			} `json:"tool_calls"`
+			FunctionCall functionDelta `json:"function_call"` // chat's deprecated "functions"
+			Audio        struct {
+				Transcript string `json:"transcript"`
+			} `json:"audio"`
 		} `json:"delta"`
 	} `json:"choices"`
 	Usage json.RawMessage `json:"usage"`
+}
+
+type functionDelta struct {
+	Name      string `json:"name"`
+	Arguments string `json:"arguments"`
 }
 
 // responseEvent is what a Meter reads of a responses stream event.

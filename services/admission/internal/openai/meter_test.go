@@ -27,6 +27,11 @@ var (
 	completionsHead  = data(`{"id":"x","object":"text_completion","choices":[{"text":"Once","index":0,"finish_reason":null}]}`) +
 		data(`{"id":"x","object":"text_completion","choices":[{"text":" upon a","index":0,"finish_reason":"length"}]}`)
 
+	legacyAndAudio = data(`{"choices":[{"index":0,"delta":{"role":"assistant","content":null,"function_call":{"name":"get_weather","arguments":""}}}]}`) +
+		data(`{"choices":[{"index":0,"delta":{"function_call":{"arguments":"{\"city\": \"Paris\"}"}}}]}`) +
+		data(`{"choices":[{"index":1,"delta":{"role":"assistant","audio":{"id":"a1","transcript":"Hello there","data":"UklGRiQAAABXQVZF"}}}]}`) +
+		data(`{"choices":[{"index":0,"delta":{},"finish_reason":"function_call"}]}`)
+
 	responses = event("event: response.created", `data: {"type":"response.created","response":{"id":"r1","status":"in_progress","usage":null}}`) +
 		event("event: response.output_text.delta", `data: {"type":"response.output_text.delta","output_index":0,"content_index":0,"delta":"Hi"}`) +
 		event("event: response.output_text.delta", `data: {"type":"response.output_text.delta","output_index":0,"content_index":0,"delta":" there"}`) +
@@ -70,6 +75,9 @@ func meterCases(t *testing.T) []meterCase {
 				data(`{"choices":[{"index":2,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"get","arguments":"{\"a\":"}}]}}]}`) +
 				data(`{"choices":[{"index":2,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"1}"}}]}}]}`),
 			Usage{0, text("Hello there") + text("Goodbye") + text(`get{"a":1}`)}, false},
+		// Without them a stream cut before its usage counts 0: released.
+		{"legacy function_call and audio transcript counted", Chat, true, legacyAndAudio, legacyAndAudio,
+			Usage{0, text(`get_weather{"city": "Paris"}`) + text("Hello there")}, false},
 		{"completions, usage stripped", Completions, true, completionsHead + completionsUsage + done, completionsHead + done, Usage{4, 3}, true},
 		{"completions, no usage: counted", Completions, false, completionsHead + done, completionsHead + done, Usage{0, text("Once upon a")}, false},
 		{"responses: usage in response.completed", Responses, true, responses, responses, Usage{12, 2}, true},
