@@ -404,7 +404,10 @@ func (in *inspector) message(v any, field string) (int64, error) {
 	if _, has := m["name"]; has {
 		n += tokensPerName
 	}
-	t, err := in.tally(m, 0, field)
+	// Its members, not the message, are tallied: only content parts are
+	// media or files, and upstreams ignore a message's own "type", so a
+	// message tagged "image_url" must not count its text as one image.
+	t, err := in.members(m, 0, field)
 	return n + t, err
 }
 
@@ -446,16 +449,23 @@ func (in *inspector) tally(v any, depth int, field string) (int64, error) {
 		case files[t]:
 			return in.refs, nil
 		}
-		for k, e := range v {
-			if k == "type" || k == "id" {
-				continue
-			}
-			t, err := in.tally(e, depth+1, field)
-			if err != nil {
-				return 0, err
-			}
-			n += t
+		return in.members(v, depth, field)
+	}
+	return n, nil
+}
+
+// members tallies the members of an object at depth but "type" and "id".
+func (in *inspector) members(m map[string]any, depth int, field string) (int64, error) {
+	var n int64
+	for k, e := range m {
+		if k == "type" || k == "id" {
+			continue
 		}
+		t, err := in.tally(e, depth+1, field)
+		if err != nil {
+			return 0, err
+		}
+		n += t
 	}
 	return n, nil
 }

@@ -180,6 +180,14 @@ func TestInspect(t *testing.T) {
 			`{"model":"gpt-4o","max_output_tokens":64,"input":[{"role":"user","content":[{"type":"input_text","text":"Hi"},{"type":"input_image","image_url":"https://x/y.png"}]},{"type":"function_call_output","call_id":"c","output":"42"}]}`,
 			Request{Model: "gpt-4o", OutputTokens: 64,
 				InputTokens: 3 + 3 + tok(t, o200k, "user") + tok(t, o200k, "Hi") + MediaTokens + 3 + tok(t, o200k, "c") + tok(t, o200k, "42")}, true},
+		// Only content parts are media or files: a message's own type is
+		// ignored upstream, and its text counted here.
+		{"a message typed as an image counts its text", Chat,
+			`{"model":"gpt-4o","max_tokens":1,"messages":[{"role":"user","type":"image_url","content":"Hello there"}]}`,
+			Request{Model: "gpt-4o", OutputTokens: 1, InputTokens: hello(o200k)}, true},
+		{"responses: an item typed as a file counts its text", Responses,
+			`{"model":"gpt-4o","max_output_tokens":1,"input":[{"role":"user","type":"input_file","content":"Hello there"}]}`,
+			Request{Model: "gpt-4o", OutputTokens: 1, InputTokens: hello(o200k)}, true},
 		// The body holds no text of a file or of the context kept upstream:
 		// each counts Options.ReferenceTokens.
 		{"chat file parts count the reference floor", Chat,
