@@ -29,7 +29,9 @@
 // messages; an image or audio part counts MediaTokens; a file part, and
 // each context an upstream keeps (previous_response_id, conversation),
 // Options.ReferenceTokens, since the body holds none of their text; tool
-// definitions count as their JSON text. A conversation sends its history
+// definitions count as their JSON text. A request's first 64 KiB of text
+// are tokenized, the rest extrapolated at their ratio but never below the
+// fallback's (the caller chooses what comes first). A conversation sends its history
 // again each turn, so the counts of long texts are remembered (a fixed-size
 // cache per encoding). The actual usage corrects every estimate.
 //

@@ -2,11 +2,13 @@ package openai
 
 import (
 	"bytes"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/maphash"
 	"math"
+	"math/rand"
 	"os"
 	"strings"
 	"sync"
@@ -385,15 +387,30 @@ func TestCountMatchesTheTokenizer(t *testing.T) {
 }
 
 // TestCountBeyondExactBytes: past exactBytes the rest is extrapolated at
-// the ratio measured, so a long text of one kind counts close to the
-// tokenizer.
+// the ratio measured, or minTokensPerByte when that is more. Prose (fewer
+// tokens a byte) is never under-counted, nor counted past the bytes
+// fallback; a dense text is counted at its own ratio; and whatever the
+// first 64 KiB hold (the caller's choice: blanks at 128 bytes a token), a
+// text after them counts at least the bytes fallback's ratio.
 func TestCountBeyondExactBytes(t *testing.T) {
 	prose := readCorpus(t)
 	prose = prose[:strings.Index(prose, "配额流")]
 	long := strings.Repeat(prose, 1+2*exactBytes/len(prose))
 	got, want := newCounter("gpt-4o", 0).count(long), tok(t, o200k, long)
-	if d := float64(got-want) / float64(want); d < -0.05 || d > 0.05 {
-		t.Errorf("count(%d bytes) = %d, want %d ± 5%%", len(long), got, want)
+	if fallback := newCounter("", 0).count(long); got < want || got > fallback {
+		t.Errorf("count(%d bytes of prose) = %d, want from its %d tokens to the fallback's %d", len(long), got, want, fallback)
+	}
+	random := make([]byte, 2*exactBytes)
+	rand.New(rand.NewSource(1)).Read(random)
+	dense := base64.StdEncoding.EncodeToString(random) // ~0.7 tokens a byte
+	sample := newCounter("gpt-4o", 0).count(dense[:exactBytes])
+	if got := newCounter("gpt-4o", 0).count(dense[:2*exactBytes]); got < 2*sample-2 {
+		t.Errorf("count(2 × %d bytes of base64) = %d, want about twice the first half's %d", exactBytes, got, sample)
+	}
+	c := newCounter("gpt-4o", 0)
+	c.count(strings.Repeat(" ", exactBytes))
+	if got, least := c.count(dense), int64(float64(len(dense))/DefaultBytesPerToken); got < least {
+		t.Errorf("after %d blanks, count(%d bytes of base64) = %d, want at least %d", exactBytes, len(dense), got, least)
 	}
 }
 

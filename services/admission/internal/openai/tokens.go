@@ -145,8 +145,17 @@ const segment = 256
 // 2.4-4.8 MB/s of CPU (bench/results.md, "The OpenAI codec"), so 64 KiB
 // costs about 25 ms. A longer text's rest is estimated at the ratio of tokens
 // to bytes of what was tokenized (the same conversation, so the same mix
-// of prose, code and scripts).
+// of prose, code and scripts), but never below minTokensPerByte.
 const exactBytes = 64 << 10
+
+// minTokensPerByte floors the extrapolation's ratio, since what was
+// tokenized first is the caller's to choose: after 64 KiB of blanks (128
+// bytes a token) a prompt would cost almost nothing. It is the bytes
+// fallback's ratio, which over-reserves prose, code and Chinese by 4-41 %
+// and under-reserves none of them (bench/results.md, "The OpenAI codec"),
+// so an honest long text is not under-counted; the densest text (a token
+// a byte) is still counted at a third at least.
+const minTokensPerByte = 1 / DefaultBytesPerToken
 
 // count is the number of tokens of s. Within exactBytes it equals the
 // tokenizer on the whole text when every run of segment bytes holds a cut
@@ -190,7 +199,7 @@ func (c *counter) segments(s string) int64 {
 		s = s[i:]
 	}
 	if s != "" {
-		n += int64(math.Ceil(float64(len(s)) * float64(c.tokens) / float64(c.bytes)))
+		n += int64(math.Ceil(float64(len(s)) * max(float64(c.tokens)/float64(c.bytes), minTokensPerByte)))
 	}
 	return n
 }
