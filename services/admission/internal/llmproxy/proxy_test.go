@@ -3,7 +3,9 @@ package llmproxy
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -135,5 +137,27 @@ func TestFunctionCallStreamIsCharged(t *testing.T) {
 	actual, released := g.settled()
 	if len(released) != 0 || len(actual) != 1 || actual[0].OutputTokens == 0 {
 		t.Errorf("actual %+v, released %v: want the function call charged", actual, released)
+	}
+}
+
+// TestLongResponsesEventIsChargedItsUsage: a /v1/responses stream whose
+// response.completed is over a MiB (it echoes the caller's instructions)
+// is charged the usage the upstream reported in it, not the estimate's
+// input and the streamed text.
+func TestLongResponsesEventIsChargedItsUsage(t *testing.T) {
+	instructions, _ := json.Marshal(strings.Repeat(" ", 1<<20))
+	g := newGateway(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"type\":\"response.output_text.delta\",\"output_index\":0,\"delta\":\"42\"}\n\n")
+		fmt.Fprintf(w, "data: {\"type\":\"response.completed\",\"response\":{\"instructions\":%s,\"usage\":{\"input_tokens\":200000,\"output_tokens\":30000}}}\n\n", instructions)
+	}))
+	resp := g.post("/v1/responses", `{"model":"o3","stream":true,"instructions":`+string(instructions)+`,"input":"What is 6 × 7?"}`)
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	actual, released := g.settled()
+	if len(actual) != 1 || actual[0].InputTokens != 200000 || actual[0].OutputTokens != 30000 {
+		t.Errorf("actual %+v, released %v: want 200000 in, 30000 out as reported", actual, released)
 	}
 }

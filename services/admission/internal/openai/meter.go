@@ -8,10 +8,10 @@ import (
 
 // Bounds of a Meter's memory.
 const (
-	// maxLine is the longest server-sent-event line a Meter reads: a
-	// responses stream's response.completed repeats the whole output, so
-	// it holds about 250k tokens of text. A longer line passes through
-	// unread, and a stream whose usage is in one is counted from its text.
+	// maxLine is the longest server-sent-event line a Meter holds to
+	// read: a responses stream's response.completed repeats the whole
+	// output, so it holds about 250k tokens of text. A longer data line
+	// passes through and is scanned for its usage alone (usageScan).
 	maxLine = 1 << 20
 	// textBuffer is how much streamed text a Meter keeps before counting
 	// it: a stream that reports its usage (most do) is never tokenized
@@ -38,19 +38,21 @@ const (
 // Flush return, joined, is the stream less that event.
 //
 // Lines end in LF, CRLF or CR; each data line is read as one JSON value
-// (the OpenAI-compatible servers send one an event); lines longer than 1 MiB
-// pass through unread. It holds at most the current event until its data
-// line is complete (only when stripping: otherwise Feed returns its input
-// at once), and at most 64 KiB of streamed text. A Meter is not safe for
+// (the OpenAI-compatible servers send one an event); a data line longer
+// than 1 MiB passes through, is never stripped, and is read for its usage
+// alone, a byte at a time (usageScan). It holds at most the current event
+// until its data line is complete (only when stripping: otherwise Feed
+// returns its input at once), and at most 64 KiB of streamed text. A Meter is not safe for
 // concurrent use; its zero value is not usable: NewMeter.
 type Meter struct {
 	kind  Kind
 	strip bool
 	text  *counter
 
-	line []byte // the current line until its end, empty when too long
-	long bool   // the current line passed maxLine: not read
-	cr   bool   // the last byte fed was a CR, whose LF may come next
+	line []byte     // the current line until its end, empty when too long
+	long bool       // the current line passed maxLine: only scanned
+	scan *usageScan // the scan of a long data line, nil for another
+	cr   bool       // the last byte fed was a CR, whose LF may come next
 
 	// While stripping: the bytes of the current event held until its data
 	// line tells whether it is the usage chunk, what the event's bytes
@@ -156,12 +158,17 @@ func (m *Meter) Usage() (u Usage, reported bool) {
 
 // partial takes bytes of the current line.
 func (m *Meter) partial(b []byte) {
-	if !m.long {
-		if len(m.line)+len(b) > maxLine {
-			m.long, m.line = true, nil
-		} else {
-			m.line = append(m.line, b...)
+	switch {
+	case m.long:
+		if m.scan != nil {
+			m.scan.feed(b)
 		}
+	case len(m.line)+len(b) > maxLine:
+		m.long = true
+		m.scanLong(b)
+		m.line = nil
+	default:
+		m.line = append(m.line, b...)
 	}
 	if !m.strip {
 		return
@@ -180,8 +187,8 @@ func (m *Meter) partial(b []byte) {
 
 // end takes a line's ending: the line is complete.
 func (m *Meter) end(eol []byte) {
-	line, long := m.line, m.long
-	m.line, m.long = m.line[:0], false
+	line, long, scan := m.line, m.long, m.scan
+	m.line, m.long, m.scan = m.line[:0], false, nil
 	if !long && len(line) == 0 { // a blank line ends the event
 		if m.strip {
 			to := max(m.state, forward) // a held event goes out whole
@@ -198,6 +205,8 @@ func (m *Meter) end(eol []byte) {
 		if usageChunk && m.strip && m.state == undecided {
 			m.state = drop
 		}
+	} else if scan != nil && scan.complete() && scan.found && (m.kind != Responses || settles(scan.typ)) {
+		m.report(scan.usage)
 	}
 	if !m.strip {
 		return
@@ -248,10 +257,7 @@ func (m *Meter) read(line []byte) (data, usageChunk bool) {
 			// transcript is a lower bound, but never the 0 that releases.
 			m.addText(ch.Index, ch.Delta.FunctionCall.Name, ch.Delta.FunctionCall.Arguments, ch.Delta.Audio.Transcript)
 		}
-		u, ok := usageIn(m.kind, c.Usage)
-		if ok {
-			m.usage, m.reported = u, true
-		}
+		ok := m.report(c.Usage)
 		return true, ok && c.Choices != nil && len(c.Choices) == 0
 	case Responses:
 		var e responseEvent
@@ -259,10 +265,8 @@ func (m *Meter) read(line []byte) (data, usageChunk bool) {
 			return true, false
 		}
 		switch {
-		case e.Type == "response.completed", e.Type == "response.incomplete", e.Type == "response.failed":
-			if u, ok := usageIn(Responses, e.Response.Usage); ok {
-				m.usage, m.reported = u, true
-			}
+		case settles(e.Type):
+			m.report(e.Response.Usage)
 		case strings.HasSuffix(e.Type, ".delta") && e.Type != "response.audio.delta": // audio is base64, not text
 			var s string
 			if json.Unmarshal(e.Delta, &s) == nil {
@@ -271,6 +275,43 @@ func (m *Meter) read(line []byte) (data, usageChunk bool) {
 		}
 	}
 	return true, false
+}
+
+// report takes raw as the stream's usage when it is a usage object.
+func (m *Meter) report(raw []byte) bool {
+	u, ok := usageIn(m.kind, raw)
+	if ok {
+		m.usage, m.reported = u, true
+	}
+	return ok
+}
+
+// settles: a responses event of this type carries the final usage.
+func settles(typ string) bool {
+	return typ == "response.completed" || typ == "response.incomplete" || typ == "response.failed"
+}
+
+// scanLong starts scanning a data line that passes maxLine with b: the
+// line so far, in m.line, then b. Only a data line of a metered stream is
+// scanned ("data:" and its space pass through the scan as they hold no
+// JSON structure).
+func (m *Meter) scanLong(b []byte) {
+	var path []string
+	switch m.kind {
+	case Chat, Completions:
+		path = []string{"usage"}
+	case Responses:
+		path = []string{"response", "usage"}
+	}
+	var head [len("data:")]byte
+	n := copy(head[:], m.line)
+	copy(head[n:], b)
+	if path == nil || string(head[:]) != "data:" {
+		return
+	}
+	m.scan = &usageScan{path: path}
+	m.scan.feed(m.line)
+	m.scan.feed(b)
 }
 
 // streamChunk is what a Meter reads of a chat or completions chunk.

@@ -145,21 +145,26 @@ func TestMeterForwardsAtOnce(t *testing.T) {
 	}
 }
 
-// TestMeterBounded: a line longer than maxLine passes through unread and
-// the Meter's buffers stay bounded.
+// chunked cuts s into chunks of n bytes.
+func chunked(s string, n int) []string {
+	chunks := make([]string, 0, len(s)/n+1)
+	for i := 0; i < len(s); i += n {
+		chunks = append(chunks, s[i:min(i+n, len(s))])
+	}
+	return chunks
+}
+
+// TestMeterBounded: a line longer than maxLine passes through whole, its
+// usage read, and the Meter's buffers stay bounded.
 func TestMeterBounded(t *testing.T) {
 	long := "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1},\"pad\":\"" + strings.Repeat("x", maxLine) + "\"}\n\n"
 	c := meterCase{kind: Chat, strip: true}
-	chunks := make([]string, 0, len(long)/4096+1)
-	for i := 0; i < len(long); i += 4096 {
-		chunks = append(chunks, long[i:min(i+4096, len(long))])
-	}
-	got, m := feed(c, chunks...)
+	got, m := feed(c, chunked(long, 4096)...)
 	if got != long {
 		t.Errorf("a %d-byte line was not forwarded whole (%d bytes)", len(long), len(got))
 	}
-	if u, rep := m.Usage(); rep {
-		t.Errorf("Usage() = %v read from a line past maxLine", u)
+	if u, rep := m.Usage(); !rep || u != (Usage{1, 1}) {
+		t.Errorf("Usage() = %v, %v from a line past maxLine, want {1 1}, true", u, rep)
 	}
 	if cap(m.line) > 2*maxLine || cap(m.hold) > 2*maxLine {
 		t.Errorf("buffers grew to %d and %d bytes", cap(m.line), cap(m.hold))
@@ -177,6 +182,47 @@ func TestMeterBounded(t *testing.T) {
 	most := int64(deltas*len(text)/DefaultBytesPerToken) + 1
 	if u, _ := m.Usage(); u.Output < deltas*4 || u.Output > most {
 		t.Errorf("Usage().Output = %d, want from %d to %d", u.Output, deltas*4, most)
+	}
+}
+
+// TestMeterScansLongLines: the usage of a data line past maxLine is read
+// (a response.completed echoes the caller's instructions, whose length the
+// caller sets), from its place alone: not from a string's text, a deeper
+// object, an event that does not settle, a line cut short or not data.
+func TestMeterScansLongLines(t *testing.T) {
+	pad := strings.Repeat("x", maxLine)
+	// What the caller wrote, echoed: a fake usage and JSON's punctuation in a string.
+	instructions := `"\"usage\":{\"input_tokens\":1,\"output_tokens\":1}}]} \\` + pad + `"`
+	completed := func(typ, usage string) string {
+		return `data: {"type":"` + typ + `","response":{"id":"r","instructions":` + instructions +
+			`,"output":[{"type":"message","usage":{"input_tokens":2,"output_tokens":2}}],"metadata":{"usage":{"input_tokens":3,"output_tokens":3}},` +
+			`"usage":` + usage + `}}`
+	}
+	const reported = `{"input_tokens":200000,"output_tokens":30000,"output_tokens_details":{"reasoning_tokens":29990}}`
+	for _, c := range []struct {
+		name, line string
+		usage      Usage
+		report     bool
+	}{
+		{"response.completed", completed("response.completed", reported), Usage{200000, 30000}, true},
+		{"response.incomplete", completed("response.incomplete", reported), Usage{200000, 30000}, true},
+		{"an event that does not settle", completed("response.in_progress", reported), Usage{}, false},
+		{"a line cut short", strings.TrimSuffix(completed("response.completed", reported), "}}"), Usage{}, false},
+		{"not a data line", ": " + completed("response.completed", reported), Usage{}, false},
+		{"a usage past maxUsageObject", completed("response.completed", `{"input_tokens":1,"output_tokens":1,"pad":"`+pad[:maxUsageObject]+`"}`), Usage{}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			stream := event("event: x", c.line)
+			for _, n := range []int{len(stream), 4096, 999} {
+				got, m := feed(meterCase{kind: Responses}, chunked(stream, n)...)
+				if got != stream {
+					t.Fatalf("chunks of %d: %d bytes forwarded, want %d", n, len(got), len(stream))
+				}
+				if u, rep := m.Usage(); u != c.usage || rep != c.report {
+					t.Errorf("chunks of %d: Usage() = %v, %v; want %v, %v", n, u, rep, c.usage, c.report)
+				}
+			}
+		})
 	}
 }
 
