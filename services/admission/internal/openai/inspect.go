@@ -39,6 +39,11 @@ const (
 	completionsMaxTokens = 16
 	// maxDepth bounds the nesting this package walks in messages and items.
 	maxDepth = 32
+	// maxValues bounds the objects, arrays and elements of a request's
+	// messages or input items, counted before they are decoded: decoded,
+	// each costs ~90 bytes or more, and 8 MiB of empty objects would take
+	// ~250 MB. MaxItems messages of 32 values each fit.
+	maxValues = 32 * MaxItems
 	// Chat counting per OpenAI's cookbook ("How to count tokens with
 	// tiktoken", gpt-4o and gpt-4 models): each message costs 3 tokens
 	// beyond its text, a name 1 more, and every reply is primed with 3.
@@ -343,6 +348,37 @@ func (in *inspector) decode(key string) (any, error) {
 	return v, nil
 }
 
+// items decodes a field of messages or input items, refused unread when
+// it holds more than maxValues values.
+func (in *inspector) items(key string) (any, error) {
+	if countValues(in.obj.value(key)) > maxValues {
+		return nil, bad(key, "must hold at most %d objects, arrays and elements", maxValues)
+	}
+	return in.decode(key)
+}
+
+// countValues is, for valid JSON, at least the values decoding it makes:
+// its objects and arrays and the commas between elements, outside strings.
+// It allocates nothing.
+func countValues(raw []byte) int {
+	n := 0
+	inStr, esc := false, false
+	for _, c := range raw {
+		switch {
+		case esc:
+			esc = false
+		case inStr:
+			esc = c == '\\'
+			inStr = c != '"'
+		case c == '"':
+			inStr = true
+		case c == '{', c == '[', c == ',':
+			n++
+		}
+	}
+	return n
+}
+
 // text counts an optional string field.
 func (in *inspector) text(key string) (int64, error) {
 	v, err := in.decode(key)
@@ -369,7 +405,7 @@ func (in *inspector) tools() int64 {
 }
 
 func (in *inspector) chatInput() (int64, error) {
-	v, err := in.decode("messages")
+	v, err := in.items("messages")
 	if err != nil {
 		return 0, err
 	}
@@ -542,7 +578,7 @@ func (in *inspector) responsesInput() (int64, error) {
 	if instr > 0 {
 		n += tokensPerMessage + instr
 	}
-	v, err := in.decode("input")
+	v, err := in.items("input")
 	if err != nil {
 		return 0, err
 	}

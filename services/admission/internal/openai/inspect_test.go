@@ -334,6 +334,34 @@ func TestInspectFallbackCountAtMostMaxTokens(t *testing.T) {
 	}
 }
 
+// TestInspectRefusesHugeItemsUnread: messages or input items holding more
+// than maxValues objects, arrays and elements are refused before they are
+// decoded (8 MiB of empty objects decoded took ~250 MB), at the top level
+// or within one message, with a few allocations.
+func TestInspectRefusesHugeItemsUnread(t *testing.T) {
+	empties := strings.TrimSuffix(strings.Repeat("{},", maxValues), ",")
+	for _, c := range []struct {
+		name, body, field string
+		kind              Kind
+	}{
+		{"chat messages", `{"model":"gpt-4o","messages":[` + empties + `]}`, "messages", Chat},
+		{"parts of one message", `{"model":"gpt-4o","messages":[{"role":"user","content":[` + empties + `]}]}`, "messages", Chat},
+		{"responses input", `{"model":"gpt-4o","input":[` + empties + `]}`, "input", Responses},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var err error
+			allocs := testing.AllocsPerRun(1, func() { _, err = Inspect(c.kind, []byte(c.body), Options{}) })
+			var fe *FieldError
+			if !errors.As(err, &fe) || fe.Field != c.field {
+				t.Errorf("Inspect(%d values) = %v, want a FieldError on %q", maxValues, err, c.field)
+			}
+			if allocs > 100 {
+				t.Errorf("Inspect(%d values) made %v allocations, want them refused before decoding", maxValues, allocs)
+			}
+		})
+	}
+}
+
 // TestInspectBodyDecodes: the rewritten body decodes to the client's fields
 // plus exactly the ones Inspect set.
 func TestInspectBodyDecodes(t *testing.T) {
