@@ -88,7 +88,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	}
 	lim := limits.New(rdb, cfg.limitsOptions())
 	stack.Go("engines", func(ctx context.Context) { service.DropOtherEngines(ctx, lim, log) })
-	console, err := startConsole(stack, cfg, log, history.NewReader(pool, history.WindowsSource{Limiter: lim, Policy: watcher.Current}))
+	console, err := startConsole(stack, cfg, log, history.NewReader(pool, 0, history.WindowsSource{Limiter: lim, Policy: watcher.Current}))
 	if err != nil {
 		return err
 	}

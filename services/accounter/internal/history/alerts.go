@@ -18,7 +18,10 @@ type AlertSource interface {
 // ledger's database (alertlog.ErrNoOutbox when it does not); the viewer's
 // authorization is not needed: t is one it may read.
 func (rd *Reader) Alerts(ctx context.Context, _ string, t Tenant, p Page) ([]alertlog.Alert, error) {
-	return alertlog.Recent(ctx, rd.pool, t.name, p.Limit, p.Offset)
+	ctx, cancel := rd.bound(ctx)
+	defer cancel()
+	as, err := alertlog.Recent(ctx, rd.pool, t.name, p.Limit, p.Offset)
+	return as, timedOut(ctx, err)
 }
 
 // Alerter reads the alerts from the alerter's API, presenting the

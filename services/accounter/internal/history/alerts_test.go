@@ -81,7 +81,7 @@ func TestAlertsForwarded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	w.srv = httptest.NewServer(history.NewHandler(history.Options{Reader: history.NewReader(w.pool, history.WindowsSource{Limiter: w.lim, Policy: w.pol.Load}), Alerts: history.Alerter{Client: c}, Auth: a}))
+	w.srv = httptest.NewServer(history.NewHandler(history.Options{Reader: history.NewReader(w.pool, 0, history.WindowsSource{Limiter: w.lim, Policy: w.pol.Load}), Alerts: history.Alerter{Client: c}, Auth: a}))
 	t.Cleanup(w.srv.Close)
 
 	var got alertlog.List

@@ -25,6 +25,15 @@
 // run at once, and one more is ErrBusy (503, Retry-After), so that a
 // token asking for pages in a loop cannot take Redis from admission.
 //
+// # The ledger's reads
+//
+// The Reader reads the ledger on a pool of its own (PoolOptions), apart
+// from the consumer's: at most its Conns reads run at once, the others
+// wait for a connection, and each, its wait included, ends at the query
+// timeout (ErrTimeout, 503), which Postgres also enforces as the
+// connections' statement_timeout. However many reads a token keeps in
+// flight, the ledger's writers never wait for them.
+//
 // # The seam with the console's pages
 //
 // NewHandler serves the JSON API under /v1/ and passes every other path to

@@ -110,7 +110,8 @@ func (h *Handler) history(w http.ResponseWriter, r *http.Request) {
 
 // fail answers err: 400 for a bad parameter, 403 for a tenant the token
 // may not read, 503 for alerts kept elsewhere, an alerter that does not
-// answer, Redis unread (logged) or busy (with Retry-After), 502 for the alerter's refusal or a bad
+// answer, Redis unread (logged) or busy (with Retry-After), a read of the
+// ledger past its timeout (logged), 502 for the alerter's refusal or a bad
 // answer (its reason said), else 500 (logged; its text stays in the log).
 func (h *Handler) fail(w http.ResponseWriter, err error) {
 	var pe *ParamError
@@ -129,6 +130,9 @@ func (h *Handler) fail(w http.ResponseWriter, err error) {
 	case errors.Is(err, ErrBusy):
 		w.Header().Set("Retry-After", "1")
 		server.Problem(w, http.StatusServiceUnavailable, ErrBusy.Error()+"; try again in a second")
+	case errors.Is(err, ErrTimeout):
+		h.o.Log.Warn("console read of the ledger timed out", "err", err)
+		server.Problem(w, http.StatusServiceUnavailable, ErrTimeout.Error()+"; try a shorter range, or again later")
 	case errors.Is(err, ErrRedis):
 		h.o.Log.Error("console read of Redis failed", "err", err)
 		server.Problem(w, http.StatusServiceUnavailable, ErrRedis.Error()+"; try again")

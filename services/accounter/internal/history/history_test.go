@@ -56,7 +56,7 @@ func newWorld(t *testing.T, tokens ...string) *world {
 	}
 	w := &world{t: t, pool: pool, store: ledger.New(pool), lim: limits.New(redistest.Shared(t), limits.Options{NoEpochGuard: true})}
 	w.pol.Store(pol)
-	rd := history.NewReader(pool, history.WindowsSource{Limiter: w.lim, Policy: w.pol.Load})
+	rd := history.NewReader(pool, 0, history.WindowsSource{Limiter: w.lim, Policy: w.pol.Load})
 	w.srv = httptest.NewServer(history.NewHandler(history.Options{Reader: rd, Auth: a}))
 	t.Cleanup(w.srv.Close)
 	return w

@@ -31,11 +31,7 @@ LIMIT $4 OFFSET $5`
 // TopUsers returns t's users by tokens used over [from, to), most first,
 // one page.
 func (rd *Reader) TopUsers(ctx context.Context, t Tenant, from, to time.Time, p Page) ([]UserTotal, error) {
-	rows, err := rd.pool.Query(ctx, selectTopUsers, t.name, from, to, p.Limit, p.Offset)
-	if err != nil {
-		return nil, fmt.Errorf("top users of %s: %w", t.name, err)
-	}
-	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[UserTotal])
+	out, err := collect(ctx, rd, selectTopUsers, []any{t.name, from, to, p.Limit, p.Offset}, pgx.RowToStructByPos[UserTotal])
 	if err != nil {
 		return nil, fmt.Errorf("top users of %s: %w", t.name, err)
 	}
@@ -66,11 +62,7 @@ LIMIT $4 OFFSET $5`
 // Denials returns the denials of t's requests over [from, to) by limit,
 // most first, one page.
 func (rd *Reader) Denials(ctx context.Context, t Tenant, from, to time.Time, p Page) ([]Denial, error) {
-	rows, err := rd.pool.Query(ctx, selectDenials, t.name, from, to, p.Limit, p.Offset)
-	if err != nil {
-		return nil, fmt.Errorf("denials of %s: %w", t.name, err)
-	}
-	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[Denial])
+	out, err := collect(ctx, rd, selectDenials, []any{t.name, from, to, p.Limit, p.Offset}, pgx.RowToStructByPos[Denial])
 	if err != nil {
 		return nil, fmt.Errorf("denials of %s: %w", t.name, err)
 	}
@@ -100,11 +92,7 @@ func (rd *Reader) Tenants(ctx context.Context, v Viewer, after string, limit int
 	if err := checkID("after", after, false); err != nil {
 		return nil, err
 	}
-	rows, err := rd.pool.Query(ctx, selectTenants, after, limit)
-	if err != nil {
-		return nil, fmt.Errorf("tenants: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	out, err := collect(ctx, rd, selectTenants, []any{after, limit}, pgx.RowTo[string])
 	if err != nil {
 		return nil, fmt.Errorf("tenants: %w", err)
 	}

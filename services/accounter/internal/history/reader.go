@@ -13,17 +13,33 @@ import (
 // NewReader; it is safe for concurrent use.
 type Reader struct {
 	pool    *pgxpool.Pool
+	timeout time.Duration // of a read of the ledger (bound)
 	windows WindowsSource
 	peeks   chan struct{} // a slot per read of Redis under way (MaxPeeks)
 }
 
-// NewReader returns a Reader of the ledger in pool (migrated) and of the
-// windows in w's Redis.
-func NewReader(pool *pgxpool.Pool, w WindowsSource) *Reader {
+// NewReader returns a Reader of the ledger in pool (migrated; the
+// console's own, configured by PoolOptions) and of the windows in w's
+// Redis. timeout bounds each read of the ledger, its wait for one of
+// pool's connections included (PoolOptions.QueryTimeout; 0: only ctx).
+func NewReader(pool *pgxpool.Pool, timeout time.Duration, w WindowsSource) *Reader {
 	if w.MaxPeeks <= 0 {
 		w.MaxPeeks = DefaultMaxPeeks
 	}
-	return &Reader{pool: pool, windows: w, peeks: make(chan struct{}, w.MaxPeeks)}
+	return &Reader{pool: pool, timeout: timeout, windows: w, peeks: make(chan struct{}, w.MaxPeeks)}
+}
+
+// collect runs sql with args on the ledger and collects its rows with to,
+// within the read's bound: ErrTimeout past it.
+func collect[T any](ctx context.Context, rd *Reader, sql string, args []any, to pgx.RowToFunc[T]) ([]T, error) {
+	ctx, cancel := rd.bound(ctx)
+	defer cancel()
+	rows, err := rd.pool.Query(ctx, sql, args...)
+	var out []T
+	if err == nil {
+		out, err = pgx.CollectRows(rows, to)
+	}
+	return out, timedOut(ctx, err)
 }
 
 // Point is one bucket of a history: Tokens is the actual cost of the
@@ -53,17 +69,13 @@ func (rd *Reader) History(ctx context.Context, t Tenant, user string, r Range) (
 	if err := checkID("user", user, false); err != nil {
 		return nil, err
 	}
-	rows, err := rd.pool.Query(ctx, selectHistory, t.name, user, r.From, r.To, string(r.Step))
+	rows, err := collect(ctx, rd, selectHistory, []any{t.name, user, r.From, r.To, string(r.Step)}, pgx.RowToStructByPos[Point])
 	if err != nil {
 		return nil, fmt.Errorf("history of %s: %w", t.name, err)
 	}
-	got := map[time.Time]Point{}
-	var p Point
-	if _, err := pgx.ForEachRow(rows, []any{&p.Start, &p.Tokens, &p.Requests}, func() error {
+	got := make(map[time.Time]Point, len(rows))
+	for _, p := range rows {
 		got[p.Start.UTC()] = p
-		return nil
-	}); err != nil {
-		return nil, fmt.Errorf("history of %s: %w", t.name, err)
 	}
 	starts := r.buckets()
 	points := make([]Point, len(starts))

@@ -239,11 +239,7 @@ func (rd *Reader) Users(ctx context.Context, t Tenant, plan, after string, limit
 		return SubjectsPage{}, err
 	}
 	// One more than a page: Next only when a user follows.
-	rows, err := rd.pool.Query(ctx, selectSubjects, t.name, after, limit+1)
-	if err != nil {
-		return SubjectsPage{}, fmt.Errorf("users of %s: %w", t.name, err)
-	}
-	users, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	users, err := collect(ctx, rd, selectSubjects, []any{t.name, after, limit + 1}, pgx.RowTo[string])
 	if err != nil {
 		return SubjectsPage{}, fmt.Errorf("users of %s: %w", t.name, err)
 	}

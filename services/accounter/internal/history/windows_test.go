@@ -224,7 +224,7 @@ func TestWindowsRedisDown(t *testing.T) {
 	down := redistest.Start(t)
 	c := down.Client()
 	down.Stop()
-	rd := history.NewReader(w.pool, history.WindowsSource{Limiter: limits.New(c, limits.Options{NoEpochGuard: true}), Policy: w.pol.Load})
+	rd := history.NewReader(w.pool, 0, history.WindowsSource{Limiter: limits.New(c, limits.Options{NoEpochGuard: true}), Policy: w.pol.Load})
 	srv := httptest.NewServer(history.NewHandler(history.Options{Reader: rd}))
 	defer srv.Close()
 	for _, path := range []string{"/v1/usage/windows?user=alice&tenant=", "/v1/usage/near?threshold=1&tenant="} {
@@ -453,7 +453,7 @@ func TestWindowsBusy(t *testing.T) {
 	w, ten, tok := windowsWorld(t)
 	w.reserve(ten, "alice", 10)
 	bp := blockingPeeker{lim: w.lim, started: make(chan struct{}, 1), release: make(chan struct{})}
-	rd := history.NewReader(w.pool, history.WindowsSource{Limiter: bp, Policy: w.pol.Load, MaxPeeks: 1})
+	rd := history.NewReader(w.pool, 0, history.WindowsSource{Limiter: bp, Policy: w.pol.Load, MaxPeeks: 1})
 	a, err := auth.New(auth.Options{Tokens: []string{tok + "@" + ten}})
 	if err != nil {
 		t.Fatal(err)
