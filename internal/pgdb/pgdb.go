@@ -39,14 +39,17 @@ func Open(ctx context.Context, url string, configure ...func(*pgxpool.Config)) (
 
 // Connect returns a start-up step (for service.Open) that opens the
 // database of url, creating it when absent (Open, adjusted by configure),
-// and applies migrate; a failure of either says "waiting for postgres"
-// and why.
+// and applies migrate unless it is nil; a failure of either says "waiting
+// for postgres" and why.
 func Connect(url string, migrate func(context.Context, *pgxpool.Pool, *slog.Logger) error, log *slog.Logger,
 	configure ...func(*pgxpool.Config)) func(context.Context) (*pgxpool.Pool, error) {
 	return func(ctx context.Context) (*pgxpool.Pool, error) {
 		pool, err := Open(ctx, url, configure...)
 		if err != nil {
 			return nil, fmt.Errorf("waiting for postgres: %w", err)
+		}
+		if migrate == nil {
+			return pool, nil
 		}
 		if err := migrate(ctx, pool, log); err != nil {
 			pool.Close()

@@ -16,6 +16,7 @@ import (
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/consume"
 	"quotaflow/services/accounter/internal/expire"
+	"quotaflow/services/accounter/internal/history"
 	"quotaflow/services/accounter/internal/ledger"
 	"quotaflow/services/accounter/internal/retention"
 )
@@ -47,6 +48,17 @@ type Config struct {
 	AlerterURL string `envconfig:"ALERTER_URL"`
 	// AlerterTimeout bounds one request to AlerterURL.
 	AlerterTimeout time.Duration `envconfig:"ALERTER_TIMEOUT"`
+	// ConsoleDBConns is the size of the console's own pool of the
+	// ledger's database, for the reads of its pages and usage API: at most
+	// that many run at once, the others wait for a connection, and none
+	// takes one of the consumer's (poolSize). Default history.DefaultConns.
+	ConsoleDBConns int `envconfig:"CONSOLE_DB_CONNS"`
+	// ConsoleQueryTimeout bounds one such read, its wait for a connection
+	// included (503 past it); Postgres ends a statement running longer
+	// (its statement_timeout). Keep it under the console server's 30 s
+	// write timeout, or the 503 does not reach the client. Default
+	// history.DefaultQueryTimeout.
+	ConsoleQueryTimeout time.Duration `envconfig:"CONSOLE_QUERY_TIMEOUT"`
 
 	// Durable is the consumer's durable name; every accounter instance
 	// shares it to split the stream.
@@ -100,6 +112,7 @@ func defaults() Config {
 		Workers: consume.DefaultWorkers, BatchSize: consume.DefaultBatchSize, BatchWait: consume.DefaultBatchWait,
 		ReservationTTL:  limits.DefaultReservationTTL,
 		ShutdownTimeout: config.DefaultShutdownTimeout, AlerterTimeout: alertlog.DefaultTimeout,
+		ConsoleDBConns: history.DefaultConns, ConsoleQueryTimeout: history.DefaultQueryTimeout,
 		LedgerPartitionDays: ledger.DefaultPartitionDays, LedgerRetentionDays: retention.DefaultDays,
 		Ops: obs.Ops{HeapFloorBytes: obs.HeapFloorConsumers},
 	}
@@ -126,6 +139,12 @@ func (c *Config) Validate() error {
 		if err := alertlog.CheckURL(c.AlerterURL); err != nil {
 			bad("ALERTER_URL", "%v", err)
 		}
+	}
+	if c.ConsoleDBConns < 1 || c.ConsoleDBConns > 100 {
+		bad("CONSOLE_DB_CONNS", "%d: want 1 to 100", c.ConsoleDBConns)
+	}
+	if c.ConsoleQueryTimeout < time.Millisecond {
+		bad("CONSOLE_QUERY_TIMEOUT", "%v: want at least 1ms", c.ConsoleQueryTimeout)
 	}
 	if c.Durable == "" {
 		bad("DURABLE", "required")
@@ -172,7 +191,7 @@ func (c *Config) Validate() error {
 // LogArgs are the settings the "starting" line shows, without secrets.
 func (c Config) LogArgs() []any {
 	return slices.Concat([]any{"ops_addr", c.OpsAddr, "pprof", c.Pprof, "heap_floor_bytes", c.HeapFloorBytes, "console_addr", c.ConsoleAddr, "api_tokens_file", c.APITokensFile,
-		"alerter_url", c.AlerterURL},
+		"alerter_url", c.AlerterURL, "console_db_conns", c.ConsoleDBConns, "console_query_timeout", c.ConsoleQueryTimeout.String()},
 		c.Policy.LogArgs(), c.Redis.LogArgs(), c.Postgres.LogArgs(), c.NATS.LogArgs(), []any{
 			"durable", c.Durable, "workers", c.Workers, "batch_size", c.BatchSize, "batch_wait", c.BatchWait.String(),
 			"reservation_ttl", c.ReservationTTL.String(), "settle_expired_at_estimate", c.SettleExpiredAtEstimate,
@@ -182,9 +201,15 @@ func (c Config) LogArgs() []any {
 
 // poolSize lets each worker hold a connection for its batch's
 // transaction, while a rebuild and a repair each hold a lock's connection
-// and read the ledger on another, and the expiry task needs one.
+// and read the ledger on another, and the expiry task needs one. The
+// console reads on a pool of its own (consolePool).
 func (c Config) poolSize(pc *pgxpool.Config) {
 	pc.MaxConns = max(pc.MaxConns, int32(c.Workers)+5)
+}
+
+// consolePool is the console's own pool of the ledger's database.
+func (c Config) consolePool() history.PoolOptions {
+	return history.PoolOptions{Conns: c.ConsoleDBConns, QueryTimeout: c.ConsoleQueryTimeout}
 }
 
 // limitsOptions are the engine's and the repair tools' options: the same

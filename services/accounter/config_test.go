@@ -28,6 +28,9 @@ func TestConfigDefaultsAreValid(t *testing.T) {
 	if c.HeapFloorBytes != 64<<20 {
 		t.Errorf("defaults: QF_HEAP_FLOOR_BYTES %d, want 64 MiB", c.HeapFloorBytes)
 	}
+	if c.ConsoleDBConns != 4 || c.ConsoleQueryTimeout != 10*time.Second {
+		t.Errorf("defaults: QF_CONSOLE_DB_CONNS %d, QF_CONSOLE_QUERY_TIMEOUT %v; want 4, 10s", c.ConsoleDBConns, c.ConsoleQueryTimeout)
+	}
 	c.AlerterURL = "https://alerter.internal:8082/"
 	if err := c.Validate(); err != nil {
 		t.Errorf("Validate(QF_ALERTER_URL %s) = %v", c.AlerterURL, err)
@@ -56,6 +59,8 @@ func TestConfigValidate(t *testing.T) {
 		{"alerter url scheme", func(c *Config) { c.AlerterURL = "ftp://alerter:8082" }, "QF_ALERTER_URL: want an http or https URL"},
 		{"alerter url credentials", func(c *Config) { c.AlerterURL = "http://qf:s3cret@alerter:8082" }, "QF_ALERTER_URL: want no credentials"},
 		{"alerter timeout", func(c *Config) { c.AlerterTimeout = 0 }, "QF_ALERTER_TIMEOUT: must be positive"},
+		{"console db conns", func(c *Config) { c.ConsoleDBConns = 0 }, "QF_CONSOLE_DB_CONNS: 0: want 1 to 100"},
+		{"console query timeout", func(c *Config) { c.ConsoleQueryTimeout = 0 }, "QF_CONSOLE_QUERY_TIMEOUT: 0s: want at least 1ms"},
 		{"partition days", func(c *Config) { c.LedgerPartitionDays = 0 }, "QF_LEDGER_PARTITION_DAYS: 0: want 1 to 366"},
 		{"retention under a month", func(c *Config) { c.LedgerRetentionDays = 30 }, "QF_LEDGER_RETENTION_DAYS: 30: want 0 (keep everything) or at least 33"},
 		{"dead letters outliving the retention", func(c *Config) { c.LedgerRetentionDays, c.DLQMaxAge = 40, 40*24*time.Hour }, "QF_DLQ_MAX_AGE: 960h0m0s: with QF_STREAM_MAX_AGE 24h0m0s, a dead letter replayed at the end of its age is 42 days"},

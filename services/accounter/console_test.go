@@ -9,7 +9,12 @@ import (
 	"net/url"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
+	"time"
+
+	"quotaflow/internal/alertlog/alertlogtest"
+	"quotaflow/internal/e2e"
 )
 
 // TestConsole signs in on the accounter's real console listener and reads
@@ -156,4 +161,93 @@ func get(t *testing.T, c *http.Client, u string) (int, string) {
 		t.Fatal(err)
 	}
 	return resp.StatusCode, string(b)
+}
+
+// lockOutbox gives the accounter's database the alerter's outbox (the
+// console's alerts then read it) and holds an exclusive lock on it until
+// unlock is called (at the latest when the test ends): every read of
+// alerts waits, as a long read would run, while the consumer, which never
+// touches the outbox, could go on.
+func lockOutbox(t *testing.T, e *env) (unlock func()) {
+	t.Helper()
+	ctx := context.Background()
+	pg := e.pgPool(t)
+	alertlogtest.Migrate(t, pg)
+	tx, err := pg.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock = func() { tx.Rollback(ctx) }
+	t.Cleanup(unlock)
+	if _, err := tx.Exec(ctx, `LOCK TABLE webhook_outbox IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	return unlock
+}
+
+// blockedReads counts the accounter's sessions waiting for a lock.
+func blockedReads(t *testing.T, e *env) int {
+	t.Helper()
+	return int(e.count(`SELECT count(*) FROM pg_stat_activity
+		WHERE datname = current_database() AND wait_event_type = 'Lock' AND application_name <> $1`, testAppName))
+}
+
+// bearerGet GETs u with tok as its bearer token, failing the test (rather
+// than hanging) when no answer comes.
+func bearerGet(t *testing.T, tok, u string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest("GET", u, nil)
+	if err != nil {
+		t.Error(err)
+		return 0, ""
+	}
+	req.Header.Set("Authorization", "Bearer "+tok)
+	resp, err := (&http.Client{Timeout: time.Minute}).Do(req)
+	if err != nil {
+		t.Errorf("GET %s: %v", u, err)
+		return 0, ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestConsoleReadsCannotStarveTheLedger: a token bound to one tenant that
+// keeps 16 of the console's reads in flight, each stuck in Postgres, holds
+// no more than QF_CONSOLE_DB_CONNS connections; the others wait for those,
+// and the consumer goes on writing every tenant's events to the ledger.
+func TestConsoleReadsCannotStarveTheLedger(t *testing.T) {
+	e := newEnv(t)
+	e.initialised(t)
+	e.cfg.Tokens.APITokens = []string{"big-tok@big"}
+	e.cfg.ConsoleDBConns, e.cfg.ConsoleQueryTimeout = 2, 5*time.Minute // the reads stay stuck
+	var consoleAddr string
+	e.start(&hooks{console: func(addr string) { consoleAddr = addr }})
+	unlock := lockOutbox(t, e)
+
+	var wg sync.WaitGroup
+	codes := make(chan int, 16)
+	for range 16 {
+		wg.Go(func() {
+			code, _ := bearerGet(t, "big-tok", "http://"+consoleAddr+"/v1/alerts?tenant=big")
+			codes <- code
+		})
+	}
+	e2e.Eventually(t, "the console's reads stuck", func() bool { return blockedReads(t, e) >= e.cfg.ConsoleDBConns })
+
+	e.reserve("acme", "alice", "r1", 50, true)
+	e.publish(e.actual("acme", "alice", "r1", "", 10, 0))
+	e.consumedAll("acme", 1)
+	if n := blockedReads(t, e); n != e.cfg.ConsoleDBConns {
+		t.Errorf("%d of the accounter's sessions wait behind the console's reads, want QF_CONSOLE_DB_CONNS (%d)", n, e.cfg.ConsoleDBConns)
+	}
+
+	unlock()
+	wg.Wait()
+	close(codes)
+	for code := range codes {
+		if code != 200 {
+			t.Errorf("a read once the lock went = %d, want 200", code)
+		}
+	}
 }

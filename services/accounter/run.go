@@ -41,12 +41,13 @@ const (
 )
 
 // Readiness components: /readyz turns 200 once the streams and consumer
-// exist, the migrations ran and the first epoch check is done (admission
-// decides locally until Redis holds the epoch; a failed check shows as
-// Redis degraded).
+// exist, the migrations ran, the console's pool is open and the first
+// epoch check is done (admission decides locally until Redis holds the
+// epoch; a failed check shows as Redis degraded).
 const (
 	readyStreams    = "nats_streams"
 	readyMigrations = "postgres_migrations"
+	readyConsoleDB  = "postgres_console"
 	readyEpoch      = "redis_epoch"
 )
 
@@ -63,7 +64,7 @@ type hooks struct {
 // the ops server. Stopped while it waits for Postgres or NATS, it returns
 // nil.
 func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
-	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyStreams, readyMigrations, readyEpoch)
+	reg, ready := obs.NewRegistry(), obs.NewReadiness(readyStreams, readyMigrations, readyConsoleDB, readyEpoch)
 	stack := service.NewStack(log, cfg.ShutdownTimeout, ready)
 	defer stack.Close()
 	ops, err := service.Listen(stack, "ops", cfg.OpsAddr, obs.OpsHandler(reg, ready, cfg.Ops))
@@ -81,6 +82,12 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if !ok {
 		return nil
 	}
+	// The console reads on a pool of its own: however many reads a token
+	// keeps in flight, they never take a connection of the ledger's writers.
+	reads, ok := service.Open(ctx, stack, readyConsoleDB, "console postgres", pgdb.Connect(cfg.PostgresURL, nil, log, cfg.consolePool().Configure), (*pgxpool.Pool).Close)
+	if !ok {
+		return nil
+	}
 	store := ledger.New(pool)
 	rdb, err := service.OpenRedis(stack, cfg.RedisURL, newRedisErrors(reg))
 	if err != nil {
@@ -88,7 +95,7 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	}
 	lim := limits.New(rdb, cfg.limitsOptions())
 	stack.Go("engines", func(ctx context.Context) { service.DropOtherEngines(ctx, lim, log) })
-	console, err := startConsole(stack, cfg, log, history.NewReader(pool, 0, history.WindowsSource{Limiter: lim, Policy: watcher.Current}))
+	console, err := startConsole(stack, cfg, log, history.NewReader(reads, cfg.ConsoleQueryTimeout, history.WindowsSource{Limiter: lim, Policy: watcher.Current}))
 	if err != nil {
 		return err
 	}

@@ -36,6 +36,7 @@ import (
 	"quotaflow/pkg/limits"
 	"quotaflow/pkg/limits/policy"
 	"quotaflow/pkg/limits/repair"
+	"quotaflow/services/accounter/internal/history"
 )
 
 // The integration tests run against the real Postgres and NATS of the
@@ -113,6 +114,7 @@ func newEnv(t testing.TB) *env {
 			Redis: config.Redis{RedisURL: "redis://" + rs.Addr + "/0"}, Postgres: config.Postgres{PostgresURL: pgURL},
 			NATS: config.NATS{NATSURL: nc.ConnectedUrl(), Config: ec}, Policy: config.Policy{PolicyFile: policyFile},
 			Log: config.Log{LogLevel: "info"}, OpsAddr: "127.0.0.1:0", ConsoleAddr: "127.0.0.1:0",
+			ConsoleDBConns: history.DefaultConns, ConsoleQueryTimeout: history.DefaultQueryTimeout,
 			Durable: "accounter", Workers: 2, BatchSize: 100, BatchWait: 50 * time.Millisecond,
 			ReservationTTL: time.Hour, SettleExpiredAtEstimate: true,
 			ExpiryInterval: 200 * time.Millisecond, EpochInterval: 200 * time.Millisecond,
