@@ -251,3 +251,36 @@ func TestConsoleReadsCannotStarveTheLedger(t *testing.T) {
 		}
 	}
 }
+
+// TestConsoleReadPastItsTimeoutIsAnswered: a read of the ledger that does
+// not finish within QF_CONSOLE_QUERY_TIMEOUT, the one stuck in Postgres and
+// the one waiting for its connection alike, is answered 503 with a short
+// reason, by the usage API and by the console's page, never a hang or the
+// driver's text.
+func TestConsoleReadPastItsTimeoutIsAnswered(t *testing.T) {
+	e := newEnv(t)
+	e.initialised(t)
+	e.cfg.Tokens.APITokens = []string{"big-tok@big"}
+	e.cfg.ConsoleDBConns, e.cfg.ConsoleQueryTimeout = 1, 300*time.Millisecond
+	var consoleAddr string
+	e.start(&hooks{console: func(addr string) { consoleAddr = addr }})
+	lockOutbox(t, e)
+	base := "http://" + consoleAddr
+
+	var wg sync.WaitGroup
+	for range 3 { // one stuck, two waiting for its connection
+		wg.Go(func() {
+			code, body := bearerGet(t, "big-tok", base+"/v1/alerts?tenant=big")
+			if code != 503 || !strings.Contains(body, "QF_CONSOLE_QUERY_TIMEOUT") || strings.Contains(body, "SQLSTATE") || strings.Contains(body, "context") {
+				t.Errorf("GET /v1/alerts past the timeout = %d %s, want 503 saying the read took too long", code, body)
+			}
+		})
+	}
+	wg.Wait()
+	browser := signIn(t, base, "big-tok")
+	browser.Timeout = time.Minute // only so that a hang fails
+	code, body := get(t, browser, base+"/tenants/big/alerts")
+	if code != 503 || !strings.Contains(body, "Reading the ledger took too long") {
+		t.Errorf("the alerts page past the timeout = %d, want 503 saying the read took too long:\n%s", code, body)
+	}
+}

@@ -32,6 +32,15 @@ func (s consoleSource) tenant(ctx context.Context, tenant string) (history.Tenan
 	return history.ViewerOf(p).Tenant(tenant)
 }
 
+// ledgerErr is err, a failed read of the ledger, as the page says it: a
+// read past QF_CONSOLE_QUERY_TIMEOUT is said (503), not "try again".
+func ledgerErr(err error) error {
+	if errors.Is(err, history.ErrTimeout) {
+		return &console.SourceDown{Why: "Reading the ledger took too long; try a shorter range, or again later.", Err: err}
+	}
+	return err
+}
+
 // tenantsPerPage is how many tenants a page of the console lists.
 const tenantsPerPage = history.MaxLimit
 
@@ -44,7 +53,7 @@ func (s consoleSource) Tenants(ctx context.Context, after string) (console.Tenan
 	}
 	ts, err := s.rd.Tenants(ctx, history.ViewerOf(p), after, tenantsPerPage+1)
 	if err != nil || len(ts) <= tenantsPerPage {
-		return console.Tenants{Tenants: ts}, err
+		return console.Tenants{Tenants: ts}, ledgerErr(err)
 	}
 	ts = ts[:tenantsPerPage]
 	return console.Tenants{Tenants: ts, Next: ts[len(ts)-1]}, nil
@@ -83,7 +92,7 @@ func (s consoleSource) subjectsOf(t history.Tenant, p history.SubjectsPage, err 
 	case errors.Is(err, history.ErrBusy):
 		return console.Subjects{}, &console.SourceDown{Why: "Redis is being read for too many pages at once; try again in a second.", Err: err}
 	case err != nil:
-		return console.Subjects{}, err
+		return console.Subjects{}, ledgerErr(err)
 	}
 	out := console.Subjects{Plan: p.Plan, Plans: s.rd.Plans(t), Tenant: windowsOf(p.Tenant), Next: p.Next}
 	if !slices.Contains(out.Plans, p.Plan) { // an admin may read any plan
@@ -117,7 +126,7 @@ func (s consoleSource) History(ctx context.Context, tenant, user string, from, t
 	}
 	pts, err := s.rd.History(ctx, t, user, history.Range{From: from, To: to, Step: history.Step(step)})
 	if err != nil {
-		return nil, err
+		return nil, ledgerErr(err)
 	}
 	out := make([]console.Point, len(pts))
 	for i, pt := range pts {
@@ -133,7 +142,7 @@ func (s consoleSource) TopUsers(ctx context.Context, tenant string, from, to tim
 	}
 	top, err := s.rd.TopUsers(ctx, t, from, to, history.Page{Limit: limit})
 	if err != nil {
-		return nil, err
+		return nil, ledgerErr(err)
 	}
 	out := make([]console.UserTotal, len(top))
 	for i, u := range top {
@@ -149,7 +158,7 @@ func (s consoleSource) Denials(ctx context.Context, tenant string, from, to time
 	}
 	ds, err := s.rd.Denials(ctx, t, from, to, history.Page{Limit: history.MaxLimit})
 	if err != nil {
-		return nil, err
+		return nil, ledgerErr(err)
 	}
 	out := make([]console.Denial, len(ds))
 	for i, d := range ds {
@@ -174,7 +183,7 @@ func (s consoleSource) Alerts(ctx context.Context, tenant string, limit int) ([]
 	case errors.Is(err, alertlog.ErrBadAnswer):
 		return nil, &console.SourceDown{Why: "Alerts are not available: " + err.Error() + ".", Err: err}
 	case err != nil:
-		return nil, err
+		return nil, ledgerErr(err)
 	}
 	out := make([]console.Alert, len(as))
 	for i, a := range as {
