@@ -170,6 +170,9 @@ func TestInspect(t *testing.T) {
 		{"embeddings: inputs, no output", Embeddings,
 			`{"model":"text-embedding-3-small","input":["one fish","two fish"],"stream":"ignored"}`,
 			Request{Model: "text-embedding-3-small", InputTokens: tok(t, cl100k, "one fish") + tok(t, cl100k, "two fish")}, true},
+		{"embeddings: a token id is any whole number up to 2^31-1", Embeddings,
+			`{"model":"text-embedding-3-small","input":[[0, 1.0 ,1e3,2147483647],"x"]}`,
+			Request{Model: "text-embedding-3-small", InputTokens: 4 + tok(t, cl100k, "x")}, true},
 		{"embeddings: token ids", Embeddings,
 			`{"model":"text-embedding-3-small","input":[5,6,7]}`,
 			Request{Model: "text-embedding-3-small", InputTokens: 3}, true},
@@ -280,6 +283,9 @@ func TestInspectErrors(t *testing.T) {
 		{"empty token list", `{"model":"davinci-002","prompt":[[]]}`, "prompt", Completions},
 		{"negative token id", `{"model":"davinci-002","prompt":[1,-1]}`, "prompt", Completions},
 		{"mixed prompt", `{"model":"davinci-002","prompt":[1,"x"]}`, "prompt", Completions},
+		{"token id 2^31", `{"model":"davinci-002","prompt":[[1],[2147483648]]}`, "prompt", Completions},
+		{"fractional token id", `{"model":"davinci-002","prompt":["x",[1.5]]}`, "prompt", Completions},
+		{"token ids nested deeper", `{"model":"davinci-002","prompt":[[[1]]]}`, "prompt", Completions},
 		{"prompt an object", `{"model":"davinci-002","prompt":{}}`, "prompt", Completions},
 		{"suffix a number", `{"model":"davinci-002","prompt":"x","suffix":1}`, "suffix", Completions},
 		{"no input", `{"model":"text-embedding-3-small"}`, "input", Embeddings},
@@ -357,6 +363,41 @@ func TestInspectRefusesHugeItemsUnread(t *testing.T) {
 			}
 			if allocs > 100 {
 				t.Errorf("Inspect(%d values) made %v allocations, want them refused before decoding", maxValues, allocs)
+			}
+		})
+	}
+}
+
+// TestInspectCountsTokenIDsUndecoded: a prompt or input of token ids is
+// read without decoding it (6 MiB of ids decoded took ~100 MB): ids in
+// arrays are counted, however many, and one flat prompt of more than
+// MaxItems ids is refused, both with a few allocations.
+func TestInspectCountsTokenIDsUndecoded(t *testing.T) {
+	const perArray = 1 << 20 // 2 MiB of "7,"
+	ids := "[" + strings.Repeat("7,", perArray-1) + "7]"
+	nested := "[" + ids + "," + ids + "," + ids + "]"
+	for _, c := range []struct {
+		name, body, field string
+		kind              Kind
+		tokens            int64
+	}{
+		{"arrays of ids", `{"model":"davinci-002","max_tokens":1,"prompt":` + nested + `}`, "", Completions, 3 * perArray},
+		{"arrays of ids and a text", `{"model":"text-embedding-3-small","input":[` + ids + `,"x"]}`, "", Embeddings, perArray + 1},
+		{"one flat prompt of ids", `{"model":"davinci-002","prompt":` + ids + `}`, "prompt", Completions, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var r Request
+			var err error
+			allocs := testing.AllocsPerRun(1, func() { r, err = Inspect(c.kind, []byte(c.body), Options{}) })
+			if c.field == "" && (err != nil || r.InputTokens != c.tokens) {
+				t.Errorf("Inspect = %d tokens, %v; want %d", r.InputTokens, err, c.tokens)
+			}
+			var fe *FieldError
+			if c.field != "" && (!errors.As(err, &fe) || fe.Field != c.field) {
+				t.Errorf("Inspect = %v, want a FieldError on %q", err, c.field)
+			}
+			if allocs > 100 {
+				t.Errorf("Inspect(%d bytes) made %v allocations, want the ids read undecoded", len(c.body), allocs)
 			}
 		})
 	}
