@@ -16,7 +16,6 @@ import (
 	"path"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -59,8 +58,9 @@ type Options struct {
 	// (default 10 s).
 	SettleTimeout time.Duration
 	// BufferBudget bounds the bytes of all the non-stream answers held at
-	// once to read their usage (default DefaultBufferBudget); an answer
-	// that would pass it is passed through and charged the estimate.
+	// once to read their usage (default DefaultBufferBudget), each
+	// tenant's to half of it; an answer that would pass either is passed
+	// through and charged the estimate.
 	BufferBudget int64
 	// WriteTimeout bounds each write to a client (default 30 s): one that
 	// takes nothing for this long is dropped, and the upstream request
@@ -105,7 +105,7 @@ type Proxy struct {
 	transport http.RoundTripper
 	settleTO  time.Duration
 	writeTO   time.Duration
-	buffered  atomic.Int64 // BufferBudget left
+	buffers   budget
 	log       *slog.Logger
 	requests  *prometheus.CounterVec
 	settled   *prometheus.CounterVec
@@ -157,7 +157,7 @@ func New(o Options) (*Proxy, error) {
 			Help: "Admitted gateway requests by how they were settled: usage (reported by the upstream), counted (input and streamed output), estimate (no usage in a response), released (nothing produced).",
 		}, []string{"result"}),
 	}
-	p.buffered.Store(o.BufferBudget)
+	p.buffers = budget{left: o.BufferBudget, share: o.BufferBudget / 2, held: map[string]int64{}}
 	for _, c := range obs.CodeClasses {
 		p.requests.WithLabelValues(c)
 	}
@@ -175,7 +175,7 @@ func New(o Options) (*Proxy, error) {
 }
 
 // DefaultBufferBudget is Options.BufferBudget's default: four answers of
-// maxResponse, or thousands of ordinary ones.
+// maxResponse (two of one tenant's), or thousands of ordinary ones.
 const DefaultBufferBudget = 256 << 20
 
 // newTransport is the default Transport: no compression (a gzip reader
@@ -435,8 +435,8 @@ func (p *Proxy) forward(w *countingWriter, r *http.Request, up *Upstream, body [
 		u, reported := m.Usage()
 		return outcome{usage: u, reported: reported, produced: reported || u.Output > 0}
 	}
-	b, taken, whole := p.buffer(resp.Body)
-	defer p.buffered.Add(taken)
+	b, taken, whole := p.buffer(resp.Body, x.id.Tenant)
+	defer p.buffers.give(x.id.Tenant, taken)
 	w.WriteHeader(resp.StatusCode)
 	w.write(b)
 	if !whole {
@@ -447,21 +447,18 @@ func (p *Proxy) forward(w *countingWriter, r *http.Request, up *Upstream, body [
 	return outcome{usage: u, reported: ok, produced: true, estimate: !ok}
 }
 
-// buffer reads a non-stream answer whole for its usage while it stays under
-// maxResponse and the proxy's budget for buffered answers lasts (at most
-// one more read each). It returns what it read, the budget it took (to
-// give back once written) and whether that is the whole answer; when not,
-// the caller passes the rest through and charges the estimate.
-func (p *Proxy) buffer(src io.Reader) (b []byte, taken int64, whole bool) {
+// buffer reads a non-stream answer of tenant whole for its usage while it
+// stays under maxResponse and the budget for buffered answers lasts (at
+// most one more read each). It returns what it read, the budget it took
+// (to give back once written) and whether that is the whole answer; when
+// not, the caller passes the rest through and charges the estimate.
+func (p *Proxy) buffer(src io.Reader, tenant string) (b []byte, taken int64, whole bool) {
 	chunk := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(chunk)
 		if n > 0 {
 			b = append(b, chunk[:n]...)
-			if len(b) > maxResponse || p.buffered.Add(-int64(n)) < 0 {
-				if len(b) <= maxResponse {
-					p.buffered.Add(int64(n)) // not taken after all
-				}
+			if len(b) > maxResponse || !p.buffers.take(tenant, int64(n)) {
 				return b, taken, false
 			}
 			taken += int64(n)
@@ -472,6 +469,45 @@ func (p *Proxy) buffer(src io.Reader) (b []byte, taken int64, whole bool) {
 		if err != nil {
 			return b, taken, false
 		}
+	}
+}
+
+// budget is Options.BufferBudget: the bytes of buffered answers left, and
+// those each tenant holds. An answer's bytes are held until its client took
+// them, which a client that does not read delays by up to the write
+// timeout; giving its budget back before would leave the memory unbounded.
+// Instead a tenant holds at most share, half of the budget, so that its
+// clients cannot exhaust it and make every other tenant's answers charged
+// their estimate.
+type budget struct {
+	mu          sync.Mutex
+	left, share int64
+	held        map[string]int64 // by tenant, while it holds any
+}
+
+// take takes n bytes for tenant, or nothing and false when that would pass
+// the budget or the tenant's share.
+func (b *budget) take(tenant string, n int64) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if n > b.left || b.held[tenant]+n > b.share {
+		return false
+	}
+	b.left -= n
+	b.held[tenant] += n
+	return true
+}
+
+// give gives back n bytes tenant took.
+func (b *budget) give(tenant string, n int64) {
+	if n == 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.left += n
+	if b.held[tenant] -= n; b.held[tenant] == 0 {
+		delete(b.held, tenant)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -47,9 +48,10 @@ func (a *fakeAdmitter) ReportActual(_ context.Context, ev events.Actual) error {
 	return nil
 }
 
-const testKey = "sk-test"
+// testKey is acme/alice's, otherKey another tenant's: globex/bob.
+const testKey, otherKey = "sk-test", "sk-other"
 
-// gateway is a Proxy in front of upstream, with testKey for acme/alice.
+// gateway is a Proxy in front of upstream, with testKey and otherKey.
 type gateway struct {
 	t   *testing.T
 	px  *Proxy
@@ -57,16 +59,17 @@ type gateway struct {
 	url string
 }
 
-func newGateway(t *testing.T, upstream http.Handler) *gateway {
+func newGateway(t *testing.T, upstream http.Handler, o Options) *gateway {
 	t.Helper()
 	up := httptest.NewServer(upstream)
 	t.Cleanup(up.Close)
-	cfg, err := Build(Settings{GatewayUpstream: up.URL + "/v1", GatewayKeys: []string{testKey + "=acme/alice"}}, nil, func(string) string { return "" })
+	cfg, err := Build(Settings{GatewayUpstream: up.URL + "/v1", GatewayKeys: []string{testKey + "=acme/alice", otherKey + "=globex/bob"}}, nil, func(string) string { return "" })
 	if err != nil {
 		t.Fatal(err)
 	}
 	g := &gateway{t: t, adm: &fakeAdmitter{}}
-	if g.px, err = New(Options{Config: func() *Config { return cfg }, Admitter: g.adm}); err != nil {
+	o.Config, o.Admitter = func() *Config { return cfg }, g.adm
+	if g.px, err = New(o); err != nil {
 		t.Fatal(err)
 	}
 	srv := httptest.NewServer(g.px)
@@ -75,11 +78,18 @@ func newGateway(t *testing.T, upstream http.Handler) *gateway {
 	return g
 }
 
-// post sends body to path and returns the answer, which the caller closes.
+// post sends body to path with testKey and returns the answer, which the
+// caller closes.
 func (g *gateway) post(path, body string) *http.Response {
 	g.t.Helper()
+	return g.postAs(testKey, path, body)
+}
+
+// postAs is post with key.
+func (g *gateway) postAs(key, path, body string) *http.Response {
+	g.t.Helper()
 	req, _ := http.NewRequest("POST", g.url+path, strings.NewReader(body))
-	req.Header.Set("Authorization", "Bearer "+testKey)
+	req.Header.Set("Authorization", "Bearer "+key)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		g.t.Fatal(err)
@@ -124,7 +134,7 @@ func TestFunctionCallStreamIsCharged(t *testing.T) {
 		`{"choices":[{"index":0,"delta":{"role":"assistant","content":null,"function_call":{"name":"lookup","arguments":""}}}]}`,
 		`{"choices":[{"index":0,"delta":{"function_call":{"arguments":"{\"city\": \"Paris\"}"}}}]}`,
 		`{"choices":[{"index":0,"delta":{},"finish_reason":"function_call"}]}`,
-	))
+	), Options{})
 	resp := g.post("/v1/chat/completions", `{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"Weather in Paris?"}],`+
 		`"functions":[{"name":"lookup","parameters":{"type":"object"}}],"function_call":{"name":"lookup"}}`)
 	sc := bufio.NewScanner(resp.Body)
@@ -150,7 +160,7 @@ func TestLongResponsesEventIsChargedItsUsage(t *testing.T) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		fmt.Fprint(w, "data: {\"type\":\"response.output_text.delta\",\"output_index\":0,\"delta\":\"42\"}\n\n")
 		fmt.Fprintf(w, "data: {\"type\":\"response.completed\",\"response\":{\"instructions\":%s,\"usage\":{\"input_tokens\":200000,\"output_tokens\":30000}}}\n\n", instructions)
-	}))
+	}), Options{})
 	resp := g.post("/v1/responses", `{"model":"o3","stream":true,"instructions":`+string(instructions)+`,"input":"What is 6 × 7?"}`)
 	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
 		t.Fatal(err)
@@ -159,5 +169,52 @@ func TestLongResponsesEventIsChargedItsUsage(t *testing.T) {
 	actual, released := g.settled()
 	if len(actual) != 1 || actual[0].InputTokens != 200000 || actual[0].OutputTokens != 30000 {
 		t.Errorf("actual %+v, released %v: want 200000 in, 30000 out as reported", actual, released)
+	}
+}
+
+// TestUnreadAnswerLeavesOtherTenantsTheirUsage: a client that does not read
+// its large non-stream answer holds only its tenant's share of the buffer
+// budget, so another tenant's answer is still read whole and charged the
+// usage its upstream reported, not its estimate (input + max_tokens).
+func TestUnreadAnswerLeavesOtherTenantsTheirUsage(t *testing.T) {
+	large := `{"object":"list","data":[{"embedding":"` + strings.Repeat("A", 16<<20) + `"}],"usage":{"prompt_tokens":1,"total_tokens":1}}`
+	// Over one 32 KiB read: no remainder of the budget holds it by chance.
+	reply := `{"choices":[{"index":0,"message":{"role":"assistant","content":"` + strings.Repeat("hi ", 40<<10) + `"}}],"usage":{"prompt_tokens":10,"completion_tokens":2}}`
+	g := newGateway(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		if strings.HasSuffix(r.URL.Path, "/embeddings") {
+			io.WriteString(w, large)
+			return
+		}
+		io.WriteString(w, reply)
+	}), Options{BufferBudget: 4 << 20})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(g.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.(*net.TCPConn).SetReadBuffer(4 << 10)
+	body := `{"model":"text-embedding-3-small","input":"a"}`
+	fmt.Fprintf(conn, "POST /v1/embeddings HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s", testKey, len(body), body)
+	// Its status line comes after its answer took the budget it holds; the
+	// client reads no further.
+	if line, err := bufio.NewReader(conn).ReadString('\n'); err != nil || !strings.HasPrefix(line, "HTTP/1.1 200") {
+		t.Fatalf("status line %q, %v", line, err)
+	}
+	resp := g.postAs(otherKey, "/v1/chat/completions", `{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}`)
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	conn.Close()
+	actual, _ := g.settled()
+	var other []events.Actual
+	for _, a := range actual {
+		if a.Tenant == "globex" {
+			other = append(other, a)
+		}
+	}
+	if len(other) != 1 || other[0].InputTokens != 10 || other[0].OutputTokens != 2 {
+		t.Errorf("globex charged %+v, want the 10 in / 2 out its upstream reported", other)
 	}
 }
