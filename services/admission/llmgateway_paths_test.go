@@ -157,6 +157,9 @@ func TestGatewayStreamBackPressure(t *testing.T) {
 	if len(actual) != 1 || len(released) != 0 {
 		t.Fatalf("actual %v, released %v; want one actual", actual, released)
 	}
+	// On a busy host the stand-in may write more after the pause taken
+	// for its stop: what passed is bounded by all it wrote by now.
+	written = g.up.Written()
 	for _, a := range actual {
 		if a.OutputTokens <= 0 || a.OutputTokens > (written+1)*int64(size/6) {
 			t.Errorf("charged output %d, want what passed: at most the %d words written (%d tokens)", a.OutputTokens, written+1, (written+1)*int64(size/6))
