@@ -287,7 +287,10 @@ func (in *inspector) maximum(r *Request, field string, def, times int64) error {
 		per = def
 	}
 	for _, f := range maxFields {
-		if n, ok := set[f]; (ok || f == field) && n != per {
+		// A maximum named null is written too: null is absent to the API,
+		// but a server that read it otherwise would have no limit.
+		_, named := in.obj.find(f)
+		if n, ok := set[f]; (named || f == field) && !(ok && n == per) {
 			in.edits = append(in.edits, in.obj.set(f, strconv.FormatInt(per, 10)))
 		}
 	}
