@@ -100,7 +100,13 @@ var noRedirect = &http.Client{CheckRedirect: func(*http.Request, []*http.Request
 
 func signin(t *testing.T, srv *httptest.Server, tok string, hdr map[string]string) *http.Response {
 	t.Helper()
-	req, _ := http.NewRequest("POST", srv.URL+"/signin", strings.NewReader(url.Values{"token": {tok}}.Encode()))
+	return post(t, srv, "/signin", tok, hdr)
+}
+
+// post posts the form of token tok to path with headers hdr.
+func post(t *testing.T, srv *httptest.Server, path, tok string, hdr map[string]string) *http.Response {
+	t.Helper()
+	req, _ := http.NewRequest("POST", srv.URL+path, strings.NewReader(url.Values{"token": {tok}}.Encode()))
 	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
 	for k, v := range hdr {
 		req.Header.Set(k, v)
@@ -126,17 +132,7 @@ func TestCookieSecureBehindTLSProxy(t *testing.T) {
 	} {
 		hdr["Sec-Fetch-Site"] = "same-origin"
 		for _, path := range []string{"/signin", "/signout"} {
-			req, _ := http.NewRequest("POST", srv.URL+path, strings.NewReader(url.Values{"token": {"a-tok"}}.Encode()))
-			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-			for k, v := range hdr {
-				req.Header.Set(k, v)
-			}
-			resp, err := noRedirect.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			resp.Body.Close()
-			if cs := resp.Cookies(); len(cs) != 1 || !cs[0].Secure {
+			if cs := post(t, srv, path, "a-tok", hdr).Cookies(); len(cs) != 1 || !cs[0].Secure {
 				t.Errorf("POST %s with %v: cookies %v, want one Secure", path, hdr, cs)
 			}
 		}
