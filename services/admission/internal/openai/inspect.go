@@ -543,17 +543,20 @@ func (in *inspector) prompts(key string, optional bool) (count, tokens int64, er
 	if raw == nil || raw[0] != '[' {
 		return 0, 0, invalid
 	}
+	if isNumber(bytes.TrimSpace(raw[1:])[0]) {
+		// One prompt of token ids, as long as the body holds: its ids are
+		// its input tokens, read undecoded, not prompts for MaxItems.
+		n, ok := tokenIDs(raw)
+		if !ok {
+			return 0, 0, invalid
+		}
+		return 1, n, nil
+	}
 	for range elements(raw) {
 		count++
 	}
 	if count == 0 || count > MaxItems {
 		return 0, 0, invalid
-	}
-	if isNumber(bytes.TrimSpace(raw[1:])[0]) { // one prompt of token ids
-		if _, ok := tokenIDs(raw); !ok {
-			return 0, 0, invalid
-		}
-		return 1, count, nil
 	}
 	for e := range elements(raw) {
 		switch e[0] {

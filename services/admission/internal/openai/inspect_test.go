@@ -387,7 +387,8 @@ func TestInspectCountsTokenIDsUndecoded(t *testing.T) {
 	}{
 		{"arrays of ids", `{"model":"davinci-002","max_tokens":1,"prompt":` + nested + `}`, "", Completions, 3 * perArray},
 		{"arrays of ids and a text", `{"model":"text-embedding-3-small","input":[` + ids + `,"x"]}`, "", Embeddings, perArray + 1},
-		{"one flat prompt of ids", `{"model":"davinci-002","prompt":` + ids + `}`, "prompt", Completions, 0},
+		{"one flat prompt of ids", `{"model":"davinci-002","max_tokens":1,"prompt":` + ids + `}`, "", Completions, perArray},
+		{"one flat prompt of ids, one not an id", `{"model":"davinci-002","prompt":` + ids[:len(ids)-2] + `1.5]}`, "prompt", Completions, 0},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var r Request
