@@ -62,6 +62,11 @@ type Options struct {
 	// tenant's to half of it; an answer that would pass either is passed
 	// through and charged the estimate.
 	BufferBudget int64
+	// InspectBudget bounds the memory of the request bodies being read and
+	// inspected at once (default DefaultInspectBudget), each tenant's to
+	// half of it: a request takes inspectCost of its declared length, and
+	// one past either is answered 503 with Retry-After.
+	InspectBudget int64
 	// WriteTimeout bounds each write to a client (default 30 s): one that
 	// takes nothing for this long is dropped, and the upstream request
 	// with it.
@@ -106,6 +111,7 @@ type Proxy struct {
 	settleTO  time.Duration
 	writeTO   time.Duration
 	buffers   budget
+	bodies    budget // Options.InspectBudget
 	log       *slog.Logger
 	requests  *prometheus.CounterVec
 	settled   *prometheus.CounterVec
@@ -139,6 +145,9 @@ func New(o Options) (*Proxy, error) {
 	if o.BufferBudget <= 0 {
 		o.BufferBudget = DefaultBufferBudget
 	}
+	if o.InspectBudget <= 0 {
+		o.InspectBudget = DefaultInspectBudget
+	}
 	if o.WriteTimeout <= 0 {
 		o.WriteTimeout = 30 * time.Second
 	}
@@ -158,6 +167,7 @@ func New(o Options) (*Proxy, error) {
 		}, []string{"result"}),
 	}
 	p.buffers = budget{left: o.BufferBudget, share: o.BufferBudget / 2, held: map[string]int64{}}
+	p.bodies = budget{left: o.InspectBudget, share: o.InspectBudget / 2, held: map[string]int64{}}
 	for _, c := range obs.CodeClasses {
 		p.requests.WithLabelValues(c)
 	}
@@ -177,6 +187,16 @@ func New(o Options) (*Proxy, error) {
 // DefaultBufferBudget is Options.BufferBudget's default: four answers of
 // maxResponse (two of one tenant's), or thousands of ordinary ones.
 const DefaultBufferBudget = 256 << 20
+
+// DefaultInspectBudget is Options.InspectBudget's default: sixteen bodies
+// of the largest size at once (eight of one tenant's), or thousands of
+// ordinary ones.
+const DefaultInspectBudget = 16 * inspectCost * openai.DefaultMaxBody
+
+// inspectCost is the memory a body of n bytes takes while it is read and
+// inspected, n bytes at a time: the bytes themselves, what decoding its
+// messages makes, and the rewritten copy (openai.Inspect).
+const inspectCost = 4
 
 // newTransport is the default Transport: no compression (a gzip reader
 // would hold stream chunks back), bounded connection set-up, and no
@@ -234,12 +254,26 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		writeError(w, http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", "use POST")
 		return
 	}
+	// Memory is taken before the body is read: a key's holder sending many
+	// large bodies at once must not take the process (and every other
+	// tenant's admits) down with it. An unknown length counts as the cap.
+	size := r.ContentLength
+	if size < 0 || size > openai.DefaultMaxBody {
+		size = openai.DefaultMaxBody
+	}
+	if !p.bodies.take(id.Tenant, inspectCost*size) {
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusServiceUnavailable, "api_error", "overloaded", "too many large requests are being read: retry shortly")
+		return
+	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, openai.DefaultMaxBody+1))
 	if err != nil {
+		p.bodies.give(id.Tenant, inspectCost*size)
 		writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_body", "body: could not be read")
 		return
 	}
 	req, err := openai.Inspect(kind, body, p.inspect)
+	p.bodies.give(id.Tenant, inspectCost*size)
 	switch {
 	case errors.Is(err, openai.ErrTooLarge):
 		writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", err.Error())
@@ -488,6 +522,9 @@ type budget struct {
 // take takes n bytes for tenant, or nothing and false when that would pass
 // the budget or the tenant's share.
 func (b *budget) take(tenant string, n int64) bool {
+	if n == 0 {
+		return true
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if n > b.left || b.held[tenant]+n > b.share {

@@ -218,3 +218,67 @@ func TestUnreadAnswerLeavesOtherTenantsTheirUsage(t *testing.T) {
 		t.Errorf("globex charged %+v, want the 10 in / 2 out its upstream reported", other)
 	}
 }
+
+// TestBodiesBeingReadAreBounded: the request bodies being read take memory
+// before they are read, a tenant's at most half the budget: a key's holder
+// that keeps large bodies coming slowly gets 503 with Retry-After past its
+// share, and another tenant's request still goes through.
+func TestBodiesBeingReadAreBounded(t *testing.T) {
+	answer := `{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`
+	g := newGateway(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, answer) }),
+		Options{InspectBudget: 2 * inspectCost << 20})
+	body := `{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}`
+	// acme's slow body declares 1 MiB, its share, and sends 64 KiB of it
+	// (past the client's buffer, so the request goes out), then waits.
+	pr, pw := io.Pipe()
+	t.Cleanup(func() { pw.CloseWithError(io.ErrUnexpectedEOF) }) // a failed check must not leave the server waiting for it
+	go pw.Write([]byte(`{"model":"gpt-4o","messages":[{"role":"user","content":"` + strings.Repeat(" ", 64<<10)))
+	slow, _ := http.NewRequest("POST", g.url+"/v1/chat/completions", pr)
+	slow.ContentLength = 1 << 20
+	slow.Header.Set("Authorization", "Bearer "+testKey)
+	done := make(chan error, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(slow)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	// Polling decides when to look, not what is asserted: once the slow
+	// body's memory is taken, acme's next request is refused.
+	for deadline := time.Now().Add(10 * time.Second); g.px.bodies.heldBy("acme") == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the slow body's memory was never taken")
+		}
+	}
+	refused := g.post("/v1/chat/completions", body)
+	refused.Body.Close()
+	if refused.StatusCode != http.StatusServiceUnavailable || refused.Header.Get("Retry-After") == "" {
+		t.Errorf("acme's request while its share is taken by a body being read: %d, Retry-After %q; want 503 with Retry-After",
+			refused.StatusCode, refused.Header.Get("Retry-After"))
+	}
+	resp := g.postAs(otherKey, "/v1/chat/completions", body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("globex's request while acme's body is read: %d, want 200", resp.StatusCode)
+	}
+	pw.CloseWithError(io.ErrUnexpectedEOF) // acme's body ends short: its memory is given back
+	<-done
+	for deadline := time.Now().Add(10 * time.Second); g.px.bodies.heldBy("acme") != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the memory of a body that ended short was never given back")
+		}
+	}
+	resp = g.post("/v1/chat/completions", body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("acme's request once its slow body ended: %d, want 200", resp.StatusCode)
+	}
+}
+
+// heldBy is what tenant holds of b.
+func (b *budget) heldBy(tenant string) int64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.held[tenant]
+}
