@@ -24,7 +24,7 @@ func FuzzPayload(f *testing.F) {
 	f.Add(stream.EncodingS2, s2.Encode(nil, bytes.Repeat(batch, 100)))
 	f.Add(stream.EncodingS2, batch) // not S2
 	f.Add(stream.EncodingS2, []byte{})
-	f.Add(stream.EncodingS2, binary.AppendUvarint(nil, events.MaxBatchSize+1)) // claims more than a batch may hold
+	f.Add(stream.EncodingS2, binary.AppendUvarint(nil, events.MaxBatchSize+1))  // claims more than a batch may hold
 	f.Add(stream.EncodingS2, append(binary.AppendUvarint(nil, 64), 0xfc, 0xff)) // a copy past what was written
 	f.Add("gzip", batch)
 	f.Add("S2", s2.Encode(nil, batch))
