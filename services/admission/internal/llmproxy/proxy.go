@@ -506,13 +506,14 @@ func (p *Proxy) buffer(src io.Reader, tenant string) (b []byte, taken int64, who
 	}
 }
 
-// budget is Options.BufferBudget: the bytes of buffered answers left, and
-// those each tenant holds. An answer's bytes are held until its client took
+// budget is memory the tenants' requests share (Options.BufferBudget,
+// Options.InspectBudget): the bytes left, and those each tenant holds, at
+// most share, half of it, so that one tenant's clients cannot exhaust it
+// for the others. A buffered answer's bytes are held until its client took
 // them, which a client that does not read delays by up to the write
-// timeout; giving its budget back before would leave the memory unbounded.
-// Instead a tenant holds at most share, half of the budget, so that its
-// clients cannot exhaust it and make every other tenant's answers charged
-// their estimate.
+// timeout (giving them back before would leave the memory unbounded); so
+// without shares one tenant could make every other tenant's answers
+// charged their estimate.
 type budget struct {
 	mu          sync.Mutex
 	left, share int64
