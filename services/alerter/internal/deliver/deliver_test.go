@@ -179,6 +179,10 @@ func TestPublic(t *testing.T) {
 		{"127.0.0.1", false}, {"::1", false}, {"10.1.2.3", false}, {"172.16.0.1", false}, {"192.168.1.1", false},
 		{"169.254.169.254", false}, {"fe80::1", false}, {"fd00::1", false}, {"0.0.0.0", false}, {"::", false},
 		{"::ffff:127.0.0.1", false}, {"::ffff:10.0.0.1", false}, {"100.64.0.1", false}, {"224.0.0.1", false},
+		// IPv6 carrying an IPv4 address: judged by it too
+		{"64:ff9b::a00:1", false}, {"64:ff9b::7f00:1", false}, {"64:ff9b::808:808", true}, {"64:ff9b:1::1", false},
+		{"2002:7f00:1::1", false}, {"2002:a9fe:a9fe::1", false}, {"2002:808:808::1", true},
+		{"::7f00:1", false}, {"::808:808", true}, {"::ffff:0:7f00:1", false}, {"::ffff:0:808:808", true},
 	} {
 		if got := Public(netip.MustParseAddr(tt.addr)); got != tt.want {
 			t.Errorf("Public(%s) = %v, want %v", tt.addr, got, tt.want)

@@ -43,7 +43,8 @@ var nonPublic = []netip.Prefix{
 
 // Public reports whether a is a public unicast address: not loopback,
 // private, link-local, multicast, unspecified or otherwise reserved. An
-// IPv4-mapped IPv6 address is judged as its IPv4 address.
+// IPv6 address that carries an IPv4 one to reach it (mapped, NAT64,
+// 6to4, compatible, translated) is judged by that IPv4 address too.
 func Public(a netip.Addr) bool {
 	a = a.Unmap()
 	if !a.IsValid() || a.IsLoopback() || a.IsPrivate() || a.IsLinkLocalUnicast() || a.IsLinkLocalMulticast() ||
@@ -55,7 +56,34 @@ func Public(a netip.Addr) bool {
 			return false
 		}
 	}
+	if v4, ok := carried(a); ok {
+		return Public(v4)
+	}
 	return true
+}
+
+// Prefixes of IPv6 addresses that carry an IPv4 address: a NAT64 gateway
+// or a 6to4 relay on the alerter's network would connect to it, so a
+// hostile name resolving to 64:ff9b::10.0.0.1 reaches 10.0.0.1.
+var (
+	nat64      = netip.MustParsePrefix("64:ff9b::/96")    // well-known NAT64: its last 32 bits
+	compatible = netip.MustParsePrefix("::/96")           // deprecated IPv4-compatible: its last 32 bits
+	translated = netip.MustParsePrefix("::ffff:0:0:0/96") // IPv4-translated (SIIT): its last 32 bits
+	sixToFour  = netip.MustParsePrefix("2002::/16")       // 6to4: bits 16 to 47
+)
+
+// carried is the IPv4 address a carries, if a is of such a prefix.
+func carried(a netip.Addr) (netip.Addr, bool) {
+	b := a.As16()
+	switch {
+	case !a.Is6():
+		return netip.Addr{}, false
+	case nat64.Contains(a), compatible.Contains(a), translated.Contains(a):
+		return netip.AddrFrom4([4]byte(b[12:16])), true
+	case sixToFour.Contains(a):
+		return netip.AddrFrom4([4]byte(b[2:6])), true
+	}
+	return netip.Addr{}, false
 }
 
 // publicOnly is a net.Dialer Control function: it runs after DNS
