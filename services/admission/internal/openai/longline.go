@@ -23,8 +23,7 @@ type usageScan struct {
 	obj   [3]bool   // the container at depth d ≤ 2 is an object
 	key   [3]string // the key of its current member
 	atKey bool      // the next string is a key
-	inStr bool      // within a string
-	esc   bool      // the last byte was its backslash
+	q     quotes    // strings and their escapes
 	str   []byte    // the current string, at most maxKey bytes
 	typ   string    // the top-level "type"
 	usage []byte    // the object at path, as copied
@@ -48,25 +47,18 @@ func (s *usageScan) feed(b []byte) {
 				s.usage = append(s.usage, c)
 			}
 		}
-		if s.inStr {
+		if was := s.q.inStr; !s.q.outside(c) {
 			switch {
-			case s.esc:
-				s.esc = false
-			case c == '\\':
-				s.esc = true
-			case c == '"':
-				s.inStr = false
+			case !was: // its opening quote
+				s.str = s.str[:0]
+			case !s.q.inStr: // its closing one
 				s.endString()
-				continue
-			}
-			if len(s.str) <= maxKey {
+			case len(s.str) <= maxKey:
 				s.str = append(s.str, c)
 			}
 			continue
 		}
 		switch c {
-		case '"':
-			s.inStr, s.str = true, s.str[:0]
 		case '{', '[':
 			if c == '{' && s.atPath() {
 				s.from, s.usage, s.found = s.depth+1, append(s.usage[:0], c), false
@@ -124,4 +116,4 @@ func (s *usageScan) atPath() bool {
 
 // complete: the line held one whole value (its usage is the upstream's
 // last word, not a cut-off line's).
-func (s *usageScan) complete() bool { return s.path != nil && s.depth == 0 && !s.inStr }
+func (s *usageScan) complete() bool { return s.path != nil && s.depth == 0 && !s.q.inStr }
