@@ -21,6 +21,10 @@ type Server struct {
 	done chan error
 }
 
+// WriteTimeout bounds a whole request and its response: a handler that
+// answers later has its answer cut.
+const WriteTimeout = 30 * time.Second
+
 // Listen binds addr and serves h on it from a goroutine that Shutdown
 // waits for. The server has conservative timeouts: 5 s to read a request's
 // headers, 30 s for a whole request and its response, 2 min idle. Errors
@@ -35,7 +39,7 @@ func Listen(addr, name string, h http.Handler, log *slog.Logger) (*Server, error
 			Handler:           h,
 			ReadHeaderTimeout: 5 * time.Second,
 			ReadTimeout:       30 * time.Second,
-			WriteTimeout:      30 * time.Second,
+			WriteTimeout:      WriteTimeout,
 			IdleTimeout:       2 * time.Minute,
 			MaxHeaderBytes:    64 << 10,
 			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),

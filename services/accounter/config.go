@@ -13,6 +13,7 @@ import (
 	"quotaflow/internal/auth"
 	"quotaflow/internal/config"
 	"quotaflow/internal/obs"
+	"quotaflow/internal/server"
 	"quotaflow/pkg/limits"
 	"quotaflow/services/accounter/internal/consume"
 	"quotaflow/services/accounter/internal/expire"
@@ -55,8 +56,8 @@ type Config struct {
 	ConsoleDBConns int `envconfig:"CONSOLE_DB_CONNS"`
 	// ConsoleQueryTimeout bounds one such read, its wait for a connection
 	// included (503 past it); Postgres ends a statement running longer
-	// (its statement_timeout). Keep it under the console server's 30 s
-	// write timeout, or the 503 does not reach the client. Default
+	// (its statement_timeout); under the console server's write timeout
+	// (server.WriteTimeout), or the 503 would not reach the client. Default
 	// history.DefaultQueryTimeout.
 	ConsoleQueryTimeout time.Duration `envconfig:"CONSOLE_QUERY_TIMEOUT"`
 
@@ -143,8 +144,9 @@ func (c *Config) Validate() error {
 	if c.ConsoleDBConns < 1 || c.ConsoleDBConns > 100 {
 		bad("CONSOLE_DB_CONNS", "%d: want 1 to 100", c.ConsoleDBConns)
 	}
-	if c.ConsoleQueryTimeout < time.Millisecond {
-		bad("CONSOLE_QUERY_TIMEOUT", "%v: want at least 1ms", c.ConsoleQueryTimeout)
+	if c.ConsoleQueryTimeout < time.Millisecond || c.ConsoleQueryTimeout >= server.WriteTimeout {
+		// Past the server's write timeout the 503 would never reach the client.
+		bad("CONSOLE_QUERY_TIMEOUT", "%v: want 1ms to under %v", c.ConsoleQueryTimeout, server.WriteTimeout)
 	}
 	if c.Durable == "" {
 		bad("DURABLE", "required")
