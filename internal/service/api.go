@@ -22,21 +22,28 @@ func OpenTokens(s *Stack, t auth.Tokens, log *slog.Logger) (*auth.Auth, error) {
 	return tokens, nil
 }
 
-// ListenAPI is Listen for an API that reads tenants' data, authenticated
-// by tokens (OpenTokens): without a token every request would read every
-// tenant, so it then listens on loopback only (LoopbackUnless), with a
-// warning that logs the address under addrKey, and answers only requests
-// addressed to a loopback host (LoopbackHosts).
+// ListenAPI is Listen for an API that serves tenants' data, authenticated
+// by tokens (OpenTokens): without a token every request would act for
+// every tenant, so it then listens on loopback only (APIAddr) and answers
+// only requests addressed to a loopback host (LoopbackHosts).
 func ListenAPI(s *Stack, name, addrKey, addr string, tokens *auth.Auth, h http.Handler) (*server.Server, error) {
 	if tokens == nil {
-		if a := LoopbackUnless(false, addr); a != addr {
-			s.log.Warn("no API token is configured (QF_API_TOKENS, QF_API_TOKENS_FILE): the "+name+" reads every tenant and listens on loopback only",
-				addrKey, a)
-			addr = a
-		}
 		h = LoopbackHosts(h)
 	}
-	return Listen(s, name, addr, h)
+	return Listen(s, name, APIAddr(s, name, addrKey, addr, tokens), h)
+}
+
+// APIAddr is the address a listener that serves tenants' data binds:
+// addr, or without tokens its port on loopback (LoopbackUnless), with a
+// warning that logs that address under addrKey. Listeners that are not
+// HTTP (admission's gRPC server) use it alone.
+func APIAddr(s *Stack, name, addrKey, addr string, tokens *auth.Auth) string {
+	a := LoopbackUnless(tokens != nil, addr)
+	if a != addr {
+		s.log.Warn("no API token is configured (QF_API_TOKENS, QF_API_TOKENS_FILE): the "+name+" serves every tenant and listens on loopback only",
+			addrKey, a)
+	}
+	return a
 }
 
 // LoopbackHosts answers 421 to a request whose Host is not a loopback
