@@ -100,7 +100,9 @@ func run(ctx context.Context, cfg Config, log *slog.Logger, h hooks) error {
 	if err != nil {
 		return err
 	}
-	srv, err := service.Listen(stack, "api", cfg.AdmissionAddr, api)
+	// Without tokens every caller may act for every tenant (top up, read
+	// usage, release): loopback only, as the accounter's console.
+	srv, err := service.ListenAPI(stack, "api", "admission_addr", cfg.AdmissionAddr, tokens, api)
 	if err != nil {
 		return err
 	}
@@ -166,7 +168,10 @@ func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, rdb redis.
 		}
 		g.Register(&rlspb.RateLimitService_ServiceDesc, h, auth.Gateway)
 	}
-	if err := g.Listen(cfg.GRPCAddr); err != nil {
+	// Loopback only without tokens, as the API, but no check of :authority
+	// (the Host check's analogue): browsers speak no plaintext HTTP/2, so a
+	// rebinding page cannot make a call, while Envoy sends its cluster's name.
+	if err := g.Listen(service.APIAddr(stack, "grpc server", "grpc_addr", cfg.GRPCAddr, tokens)); err != nil {
 		return nil, err
 	}
 	stack.Push("grpc server", g.Stop)
@@ -176,6 +181,9 @@ func startGRPC(stack *service.Stack, cfg Config, dec *decide.Decider, rdb redis.
 // startGateway serves the LLM gateway mode (package llmproxy) on
 // QF_GATEWAY_ADDR, admitting, releasing and charging through api; the
 // stack stops it before the API, then waits for its requests to settle.
+// It keeps its address without API tokens: its callers are identified by
+// the gateway's own keys (or an outer gateway's headers), each for one
+// tenant, never by an API token.
 func startGateway(stack *service.Stack, cfg Config, api *httpapi.Handler, log *slog.Logger,
 	reg prometheus.Registerer, m metrics) (string, error) {
 	// The tokenizer's vocabularies load now, not in the first request.
