@@ -32,12 +32,15 @@ type Config struct {
 	config.NATS   // QF_NATS_URL and the streams (not the consumer settings, which admission does not use)
 	config.Policy // QF_POLICY_FILE
 	config.Log    // QF_LOG_LEVEL
-	// AdmissionAddr is where the API listens.
+	// AdmissionAddr is where the API listens. Without a token configured it
+	// listens on loopback only (its host replaced by 127.0.0.1, with a
+	// warning) and answers only requests to a loopback Host.
 	AdmissionAddr string `envconfig:"ADMISSION_ADDR" default:":8080"`
 	// OpsAddr is where /metrics, /healthz and /readyz listen.
 	OpsAddr string `envconfig:"OPS_ADDR" default:":9090"`
 	// GRPCAddr is where the gRPC services listen (ShouldRateLimit, health);
-	// empty means no gRPC server.
+	// empty means no gRPC server. Without a token configured, on loopback
+	// only, as AdmissionAddr.
 	GRPCAddr string `envconfig:"GRPC_ADDR"`
 	// EnvoyRateLimitConfig is envoyproxy/ratelimit's YAML configuration, a
 	// file or a directory of *.yaml files (package rlsconf), reloaded on
