@@ -116,8 +116,8 @@ func (c Config) Validate() error {
 	if c.Consumer == "" {
 		bad("QF_CONSUMER: required")
 	}
-	if c.Hysteresis < 0 || c.Hysteresis >= 80 {
-		bad("QF_ALERT_HYSTERESIS %v: want 0 to under 80 percentage points", c.Hysteresis)
+	if c.Hysteresis <= 0 || c.Hysteresis >= 80 { // detect takes a 0 for its default
+		bad("QF_ALERT_HYSTERESIS %v: want more than 0 to under 80 percentage points", c.Hysteresis)
 	}
 	if c.SpikeRate <= 0 || c.SpikeRate >= 1 {
 		bad("QF_SPIKE_RATE %v: want a rate between 0 and 1", c.SpikeRate)

@@ -35,6 +35,28 @@ func TestConfigDefaults(t *testing.T) {
 	}
 }
 
+// QF_ALERT_HYSTERESIS 0 was accepted, and detect then used its default
+// of 5 points: a value the alerter does not honour is refused.
+func TestConfigHysteresis(t *testing.T) {
+	for _, c := range []struct {
+		v  float64
+		ok bool
+	}{{0, false}, {-1, false}, {80, false}, {0.5, true}, {79.5, true}} {
+		cfg := defaults()
+		if err := envconfig.Process("QF_ALERTER_TEST_UNSET", &cfg); err != nil {
+			t.Fatal(err)
+		}
+		cfg.Hysteresis = c.v
+		err := cfg.Validate()
+		if c.ok && err != nil {
+			t.Errorf("QF_ALERT_HYSTERESIS %v: %v", c.v, err)
+		}
+		if !c.ok && (err == nil || !strings.Contains(err.Error(), "QF_ALERT_HYSTERESIS")) {
+			t.Errorf("QF_ALERT_HYSTERESIS %v: Validate = %v, want it named", c.v, err)
+		}
+	}
+}
+
 func TestExampleWebhooksFile(t *testing.T) {
 	hooks, err := deliver.Load("../../deploy/webhooks.example.yaml", detect.Kinds)
 	if err != nil || len(hooks) != 1 {
