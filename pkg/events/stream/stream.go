@@ -109,44 +109,65 @@ func (c Config) WithDefaults() Config {
 
 // Validate checks c (zero fields taking their defaults): valid names, a
 // dedup window within both streams' max age, positive durations, a known
-// compression.
+// compression. Each error names the setting's variable (Env).
 func (c Config) Validate() error {
 	c = c.WithDefaults()
 	var errs []error
 	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
-	for _, s := range []struct{ field, v string }{{"stream", c.Stream}, {"dlq_stream", c.DLQStream}} {
+	for _, s := range []struct{ field, v string }{{"Stream", c.Stream}, {"DLQStream", c.DLQStream}} {
 		if strings.ContainsAny(s.v, " \t\r\n.*>/\\") || len(s.v) > 255 {
-			bad("%s %q: a stream name has at most 255 characters and none of space . * > / \\", s.field, s.v)
+			bad("%s %q: a stream name has at most 255 characters and none of space . * > / \\", Env(s.field), s.v)
 		}
 	}
 	if c.Stream == c.DLQStream {
-		bad("stream and dlq_stream are both %q", c.Stream)
+		bad("%s and %s are both %q", Env("Stream"), Env("DLQStream"), c.Stream)
 	}
 	if !validSubject(c.SubjectPrefix) {
-		bad("subject_prefix %q: want dot-separated tokens without spaces or wildcards", c.SubjectPrefix)
+		bad("%s %q: want dot-separated tokens without spaces or wildcards", Env("SubjectPrefix"), c.SubjectPrefix)
 	}
-	if c.MaxAge < 0 || c.DLQMaxAge < 0 || c.AckWait < 0 || c.Duplicates < 0 {
-		bad("durations must be positive")
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{{"MaxAge", c.MaxAge}, {"Duplicates", c.Duplicates}, {"DLQMaxAge", c.DLQMaxAge}, {"AckWait", c.AckWait}} {
+		if d.v < 0 {
+			bad("%s %v: want a positive duration", Env(d.field), d.v)
+		}
 	}
 	if c.Duplicates > c.MaxAge {
-		bad("stream_duplicates %v is longer than stream_max_age %v", c.Duplicates, c.MaxAge)
+		bad("%s %v is longer than %s %v", Env("Duplicates"), c.Duplicates, Env("MaxAge"), c.MaxAge)
 	}
 	if c.Duplicates > c.DLQMaxAge {
-		bad("stream_duplicates %v is longer than dlq_max_age %v", c.Duplicates, c.DLQMaxAge)
+		bad("%s %v is longer than %s %v", Env("Duplicates"), c.Duplicates, Env("DLQMaxAge"), c.DLQMaxAge)
 	}
 	if c.Replicas < 1 || c.Replicas > 5 {
-		bad("stream_replicas %d: want 1 to 5", c.Replicas)
+		bad("%s %d: want 1 to 5", Env("Replicas"), c.Replicas)
 	}
 	if c.MaxDeliver < 1 {
-		bad("max_deliver %d: want at least 1", c.MaxDeliver)
+		bad("%s %d: want at least 1", Env("MaxDeliver"), c.MaxDeliver)
 	}
 	if c.Compression != EncodingS2 && c.Compression != CompressionNone {
-		bad("event_compression %q: want %s or %s", c.Compression, EncodingS2, CompressionNone)
+		bad("%s %q: want %s or %s", Env("Compression"), c.Compression, EncodingS2, CompressionNone)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("stream config: %w", err)
 	}
 	return nil
+}
+
+// envPrefix is the prefix of the variables services read Config from
+// (envconfig.Process("QF", ...)).
+const envPrefix = "QF_"
+
+// Env is the variable that sets Config's field (its name in Go, e.g.
+// "Replicas"): QF_ and the field's envconfig tag, the one place its
+// name is written, as QF_STREAM_REPLICAS. It panics on a field Config does
+// not have.
+func Env(field string) string {
+	f, ok := reflect.TypeFor[Config]().FieldByName(field)
+	if !ok || f.Tag.Get("envconfig") == "" {
+		panic("stream.Env: Config has no setting " + field)
+	}
+	return envPrefix + f.Tag.Get("envconfig")
 }
 
 func validSubject(s string) bool {

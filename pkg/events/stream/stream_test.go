@@ -85,16 +85,20 @@ func TestConfigValidate(t *testing.T) {
 		cfg  stream.Config
 		want string
 	}{
-		{"stream with dot", stream.Config{Stream: "A.B"}, "stream"},
-		{"same streams", stream.Config{Stream: "X", DLQStream: "X"}, "both"},
-		{"wildcard prefix", stream.Config{SubjectPrefix: "qf.*"}, "subject_prefix"},
-		{"empty token", stream.Config{SubjectPrefix: "qf..x"}, "subject_prefix"},
-		{"dup window past max age", stream.Config{MaxAge: time.Hour, Duplicates: 2 * time.Hour}, "stream_duplicates"},
-		{"dup window past dlq age", stream.Config{DLQMaxAge: time.Minute, Duplicates: time.Hour}, "dlq_max_age"},
-		{"replicas", stream.Config{Replicas: 7}, "stream_replicas"},
-		{"negative max deliver", stream.Config{MaxDeliver: -1}, "max_deliver"},
-		{"negative duration", stream.Config{AckWait: -time.Second}, "positive"},
-		{"compression", stream.Config{Compression: "gzip"}, "event_compression"},
+		{"stream with dot", stream.Config{Stream: "A.B"}, `QF_STREAM "A.B"`},
+		{"dlq stream with slash", stream.Config{DLQStream: "A/B"}, `QF_DLQ_STREAM "A/B"`},
+		{"same streams", stream.Config{Stream: "X", DLQStream: "X"}, `QF_STREAM and QF_DLQ_STREAM are both "X"`},
+		{"wildcard prefix", stream.Config{SubjectPrefix: "qf.*"}, "QF_SUBJECT_PREFIX"},
+		{"empty token", stream.Config{SubjectPrefix: "qf..x"}, "QF_SUBJECT_PREFIX"},
+		{"dup window past max age", stream.Config{MaxAge: time.Hour, Duplicates: 2 * time.Hour}, "QF_STREAM_DUPLICATES 2h0m0s is longer than QF_STREAM_MAX_AGE 1h0m0s"},
+		{"dup window past dlq age", stream.Config{DLQMaxAge: time.Minute, Duplicates: time.Hour}, "QF_STREAM_DUPLICATES 1h0m0s is longer than QF_DLQ_MAX_AGE 1m0s"},
+		{"replicas", stream.Config{Replicas: 7}, "QF_STREAM_REPLICAS 7: want 1 to 5"},
+		{"negative max deliver", stream.Config{MaxDeliver: -1}, "QF_MAX_DELIVER -1"},
+		{"negative ack wait", stream.Config{AckWait: -time.Second}, "QF_ACK_WAIT -1s: want a positive duration"},
+		{"negative max age", stream.Config{MaxAge: -time.Second}, "QF_STREAM_MAX_AGE -1s"},
+		{"negative dlq max age", stream.Config{DLQMaxAge: -time.Second}, "QF_DLQ_MAX_AGE -1s"},
+		{"negative dup window", stream.Config{Duplicates: -time.Second}, "QF_STREAM_DUPLICATES -1s"},
+		{"compression", stream.Config{Compression: "gzip"}, `QF_EVENT_COMPRESSION "gzip": want s2 or none`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.cfg.Validate()
@@ -103,6 +107,23 @@ func TestConfigValidate(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Env names the variable of each setting, from its envconfig tag, and
+// refuses a field that is not one.
+func TestEnv(t *testing.T) {
+	if got := stream.Env("Replicas"); got != "QF_STREAM_REPLICAS" {
+		t.Errorf("Env(Replicas) = %q", got)
+	}
+	if got := stream.Env("Compression"); got != "QF_EVENT_COMPRESSION" {
+		t.Errorf("Env(Compression) = %q", got)
+	}
+	defer func() {
+		if recover() == nil {
+			t.Error("Env(NoSuchField) did not panic")
+		}
+	}()
+	stream.Env("NoSuchField")
 }
 
 func TestHandlersDispatch(t *testing.T) {
