@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"reflect"
 	"time"
 
 	"quotaflow/internal/obs"
@@ -88,7 +89,7 @@ func (p Policy) LogArgs() []any { return []any{"policy_file", p.PolicyFile} }
 var (
 	DefaultRedis    = Redis{RedisURL: DefaultRedisURL}
 	DefaultPostgres = Postgres{PostgresURL: DefaultPostgresURL}
-	DefaultNATS     = NATS{NATSURL: DefaultNATSURL}
+	DefaultNATS     = NATS{NATSURL: DefaultNATSURL, Config: stream.Defaults()}
 	DefaultPolicy   = Policy{PolicyFile: DefaultPolicyFile}
 	DefaultLog      = Log{LogLevel: DefaultLogLevel}
 )
@@ -105,9 +106,26 @@ func (p Postgres) Validate() error {
 	return checkURL("POSTGRES_URL", p.PostgresURL, "postgres://user@host:5432/db")
 }
 
-// Validate checks NATSURL and the stream settings.
+// Validate checks NATSURL and the stream settings. A service reads every
+// stream setting, an unset variable taking its default, so a zero one was
+// set to 0 or empty: it is refused, as the services refuse a 0 that means
+// nothing, rather than taking the default unseen (stream.Config's zero
+// fields do, for Go callers).
 func (n NATS) Validate() error {
-	return errors.Join(checkURL("NATS_URL", n.NATSURL, "nats://host:4222"), n.Config.Validate())
+	errs := []error{checkURL("NATS_URL", n.NATSURL, "nats://host:4222"), n.Config.Validate()}
+	v := reflect.ValueOf(n.Config)
+	for i := range v.NumField() {
+		f, fv := v.Type().Field(i), v.Field(i)
+		if !fv.IsZero() {
+			continue
+		}
+		want, shown := "must be positive", fmt.Sprint(fv.Interface())
+		if fv.Kind() == reflect.String {
+			want, shown = "required", `""`
+		}
+		errs = append(errs, fmt.Errorf("%s %s: %s (unset, it is %s)", stream.Env(f.Name), shown, want, f.Tag.Get("default")))
+	}
+	return errors.Join(errs...)
 }
 
 // Validate checks that a policy file is named; it is read at start, not

@@ -4,6 +4,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
+
+	"quotaflow/pkg/events/stream"
 )
 
 func TestRedacted(t *testing.T) {
@@ -43,12 +46,31 @@ func TestValidateNamesTheVariable(t *testing.T) {
 		{NATS{NATSURL: "127.0.0.1:4222"}, "QF_NATS_URL"},
 		{Policy{}, "QF_POLICY_FILE"},
 		{Log{LogLevel: "loud"}, "QF_LOG_LEVEL"},
+		// The stream settings' own checks name the variable too...
+		{natsWith(func(c *stream.Config) { c.Replicas = 7 }), "QF_STREAM_REPLICAS 7: want 1 to 5"},
+		{natsWith(func(c *stream.Config) { c.Compression = "gzip" }), `QF_EVENT_COMPRESSION "gzip"`},
+		{natsWith(func(c *stream.Config) { c.Duplicates = 48 * time.Hour }), "QF_STREAM_DUPLICATES 48h0m0s is longer than QF_STREAM_MAX_AGE 24h0m0s"},
+		// ...and one set to 0 or empty, which the stream package would
+		// silently take for its default, is refused.
+		{natsWith(func(c *stream.Config) { c.Replicas = 0 }), "QF_STREAM_REPLICAS 0: must be positive (unset, it is 1)"},
+		{natsWith(func(c *stream.Config) { c.MaxDeliver = 0 }), "QF_MAX_DELIVER 0: must be positive"},
+		{natsWith(func(c *stream.Config) { c.MaxAge = 0 }), "QF_STREAM_MAX_AGE 0s: must be positive (unset, it is 24h)"},
+		{natsWith(func(c *stream.Config) { c.AckWait = 0 }), "QF_ACK_WAIT 0s: must be positive"},
+		{natsWith(func(c *stream.Config) { c.Stream = "" }), `QF_STREAM "": required (unset, it is QUOTAFLOW_USAGE)`},
+		{natsWith(func(c *stream.Config) { c.Compression = "" }), `QF_EVENT_COMPRESSION "": required`},
 	} {
 		err := tc.part.Validate()
 		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "hunter2") {
 			t.Errorf("%T.Validate() = %v, want an error naming %s and no password", tc.part, err, tc.want)
 		}
 	}
+}
+
+// natsWith is DefaultNATS with edit applied to its stream settings.
+func natsWith(edit func(*stream.Config)) NATS {
+	n := DefaultNATS
+	edit(&n.Config)
+	return n
 }
 
 func TestURLsFromTheEnvironment(t *testing.T) {

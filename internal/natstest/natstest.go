@@ -43,7 +43,10 @@ func Connect(t testing.TB, url string, opts ...nats.Option) (*nats.Conn, jetstre
 
 // Streams creates a usage stream, a dead-letter stream and a subject
 // prefix named after name and a random suffix, on top of base (its
-// redelivery settings are kept), and deletes both streams at cleanup.
+// redelivery settings are kept), and deletes both streams at cleanup. It
+// returns the settings with base's zero ones at their defaults, as Ensure
+// took them: a service's Config validates with them (config.NATS refuses a
+// zero setting).
 func Streams(t testing.TB, js jetstream.JetStream, name string, base stream.Config) stream.Config {
 	t.Helper()
 	sfx := strings.ToUpper(name + "_" + e2e.RandomHex(6))
@@ -64,7 +67,7 @@ func Streams(t testing.TB, js jetstream.JetStream, name string, base stream.Conf
 		_ = js.DeleteStream(ctx, cfg.Stream)
 		_ = js.DeleteStream(ctx, cfg.DLQStream)
 	})
-	return cfg
+	return cfg.WithDefaults()
 }
 
 // StreamMsgs is the number of messages the stream name holds now; it fails the
