@@ -1,8 +1,10 @@
 package deploytest
 
 import (
+	"io/fs"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -115,3 +117,71 @@ func TestNginxStatements(t *testing.T) {
 		t.Errorf("nginxStatements = %q, want %q", got, want)
 	}
 }
+
+// TestAddrPortsDistinct: where the README, design.md or a file under deploy/
+// gives an address variable (QF_*_ADDR) a port, the port is not another
+// address variable's default, which the same machine or pod may already
+// listen on (the Envoy configurations once put QF_GRPC_ADDR on 8081, the
+// console's QF_CONSOLE_ADDR, and the README QF_GATEWAY_ADDR).
+func TestAddrPortsDistinct(t *testing.T) {
+	defaults := map[string]string{} // port: variable
+	files, err := filepath.Glob(filepath.Join(repoRoot, "services", "*", "config.go"))
+	if err != nil || len(files) != len(services) {
+		t.Fatalf("services' config.go: %v, %v", files, err)
+	}
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range addrDefaultRe.FindAllStringSubmatch(string(b), -1) {
+			defaults[m[2]] = "QF_" + m[1]
+		}
+	}
+	if defaults["8081"] != "QF_CONSOLE_ADDR" || defaults["8080"] != "QF_ADMISSION_ADDR" {
+		t.Fatalf("address defaults %v: the scanner is broken", defaults)
+	}
+	docs := []string{filepath.Join(repoRoot, "README.md"), filepath.Join(repoRoot, "docs", "design.md")}
+	err = filepath.WalkDir(deployDir, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && !strings.HasSuffix(p, ".go") && !strings.HasSuffix(p, ".json") {
+			docs = append(docs, p)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := 0
+	for _, p := range docs {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		check := func(v, port string) {
+			seen++
+			if w := defaults[port]; w != "" && w != v {
+				t.Errorf("%s puts %s on port %s, %s's default", p, v, port, w)
+			}
+		}
+		for _, m := range addrThenPortRe.FindAllStringSubmatch(string(b), -1) {
+			check(m[1], m[2])
+		}
+		for _, m := range portThenAddrRe.FindAllStringSubmatch(string(b), -1) {
+			check(m[2], m[1])
+		}
+	}
+	if seen < 10 {
+		t.Fatalf("found %d addresses given a port: the scanner is broken", seen)
+	}
+}
+
+var (
+	// A service's default address: envconfig:"CONSOLE_ADDR" default:":8081".
+	addrDefaultRe = regexp.MustCompile(`envconfig:"([A-Z_]+_ADDR)" default:":(\d+)"`)
+	// QF_GATEWAY_ADDR=:8085, QF_GRPC_ADDR (here 127.0.0.1:8084),
+	// QF_CONSOLE_ADDR: ":8081", {name: QF_CONSOLE_ADDR, value: ":8081"},
+	// `QF_ALERTS_ADDR` (default `:8082`...
+	addrThenPortRe = regexp.MustCompile(`(QF_[A-Z_]+_ADDR)\b[^\n]{0,12}?(?:\d{1,3}(?:\.\d{1,3}){3}|localhost)?:(\d{2,5})\b`)
+	// port_value: 8084}  # QF_GRPC_ADDR, server 127.0.0.1:8080;  # QF_ADMISSION_ADDR
+	portThenAddrRe = regexp.MustCompile(`(?:port_value: *|:)(\d{2,5})\}?;? *# *(QF_[A-Z_]+_ADDR)\b`)
+)
