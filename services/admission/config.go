@@ -246,7 +246,7 @@ func (c *Config) Validate() error {
 	}
 	if c.ReservationTTL <= 0 {
 		bad("RESERVATION_TTL", "must be positive")
-	} else if c.MaxAge > 0 && c.ReservationTTL < c.MaxAge {
+	} else if c.ReservationTTL < c.MaxAge {
 		bad("RESERVATION_TTL", "%v is shorter than QF_STREAM_MAX_AGE %v: a late actual event would find no reservation", c.ReservationTTL, c.MaxAge)
 	}
 	if c.OutboxMaxEvents < 1 {
