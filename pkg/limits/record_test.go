@@ -205,6 +205,14 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		}
 		return st
 	}
+	admitted := func(tenant string) bool {
+		t.Helper()
+		ok, err := l.Admitted(ctx, tenant, "u", "r")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
 
 	t.Run("denied, the call ran", func(t *testing.T) {
 		tenant := redistest.UniqueName(t)
@@ -224,6 +232,11 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		tenant := redistest.UniqueName(t)
 		if st := void(tenant, false); st != limits.VoidMarked {
 			t.Fatalf("VoidReserve = %v, want VoidMarked", st)
+		}
+		// The marker admitted nothing: a retry that the shared layers deny
+		// must not pass them as one of an admitted request.
+		if admitted(tenant) {
+			t.Fatal("Admitted = true for the id of a denied request's marker")
 		}
 		if d := limitstest.ReserveRequest(t, l, req(tenant, 1)); d.Allowed || used(tenant) != [3]int64{} {
 			t.Fatalf("the lost call running late = %+v (used %v), want it to reserve nothing", d, used(tenant))
@@ -262,6 +275,9 @@ func TestVoidReserveMakesRedisAgreeWithTheLocalDecision(t *testing.T) {
 		tenant := redistest.UniqueName(t)
 		if st := void(tenant, true); st != limits.VoidMarked {
 			t.Fatalf("VoidReserve = %v, want VoidMarked", st)
+		}
+		if !admitted(tenant) {
+			t.Fatal("Admitted = false for the id of a request allowed locally")
 		}
 		if d := limitstest.ReserveRequest(t, l, req(tenant, 1)); !d.Duplicate || used(tenant) != [3]int64{} {
 			t.Fatalf("the lost call running late = %+v (used %v), want a duplicate that charges nothing", d, used(tenant))

@@ -73,9 +73,10 @@ func (l *Limiter) VoidMany(ctx context.Context, vs []Void) []VoidResult {
 
 // Admitted reports whether request id of (tenant, user) has a reservation
 // record, i.e. was admitted (and possibly settled) within ReservationTTL.
-// Admission asks it when a shared layer denies a request whose id the
-// caller chose: a retry of an admitted request gets its stored decision,
-// never a denial by a layer it already passed.
+// The marker VoidReserve leaves for a denied request (VoidMarked) is no
+// admission. Admission asks it when a shared layer denies a request whose
+// id the caller chose: a retry of an admitted request gets its stored
+// decision, never a denial by a layer it already passed.
 func (l *Limiter) Admitted(ctx context.Context, tenant, user, requestID string) (bool, error) {
 	c := wire.AdmittedCall(tenant, user, requestID)
 	if c.Err != nil {

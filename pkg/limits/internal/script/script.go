@@ -117,8 +117,13 @@ var (
 // make.
 var (
 	Windows  = newEntry("", func() string { return luaWindows })
-	Admitted = newEntry("", func() string { return luaAdmitted })
+	Admitted = newEntry("", func() string { return admittedCode })
 )
+
+// admittedCode is admitted.lua with its names written in, at
+// initialisation as the library's are, so that a name no table holds fails
+// there and not on the first call.
+var admittedCode = mustExpand("admitted", luaAdmitted)
 
 // library is the engine's code as one Redis function library.
 type library struct {

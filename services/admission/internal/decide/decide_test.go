@@ -618,6 +618,27 @@ func TestRetryOfAdmittedRequestPassesSharedLayers(t *testing.T) {
 	}
 }
 
+// TestRetryOfLocallyDeniedRequestMeetsSharedLayers: the void of a request
+// denied locally, its reserve lost before it ran, leaves a marker
+// (limits.VoidMarked) that admitted nothing, so a retry of that id is
+// denied by the exhausted global layer like any new request. Before,
+// Admitted took the marker for a reservation and the retry passed the
+// global limit as one of an admitted request.
+func TestRetryOfLocallyDeniedRequestMeetsSharedLayers(t *testing.T) {
+	_, d, _, tenant, ep := onEndpoint(t, retryPolicy, "/retry/")
+	wantAllowed(t, admit(t, d, in(tenant, "u", ep, 10)), true) // the global limit's one unit
+	x := in(tenant, "u", ep, 10)
+	x.CallerID = true
+	v := voidOf(&x, "free")
+	v.Nonce = newNonce()
+	if st, err := d.lim.VoidReserve(context.Background(), v); err != nil || st != limits.VoidMarked {
+		t.Fatalf("VoidReserve of the denied request = %v, %v; want VoidMarked", st, err)
+	}
+	if r := admit(t, d, x); r.Allowed || r.DeniedBy == nil || r.DeniedBy.Scope != policy.ScopeGlobal {
+		t.Fatalf("retry of the denied request: allowed %v, limits %s; want denied by the global layer", r.Allowed, scopes(r))
+	}
+}
+
 // The figures a client sees after a denial or for a retried request id are
 // what is counted once the earlier layers got their units back: leased
 // (ip:ipr, global:rate) and reserved in Redis (global:tok, global:log).

@@ -470,6 +470,62 @@ func TestRetryBeforeItsVoidLandsIsDecidedLocally(t *testing.T) {
 	}
 }
 
+const lostReservePolicy = `
+default_plan: free
+plans:
+  free:
+    quotas: [{name: q, kind: fixed, window: 1h, limit: 100000}]
+endpoints:
+  {E}:
+    global: [{name: g, kind: fixed, window: 1h, limit: 10}]
+`
+
+// TestLostReserveDeniedLocallyPassesNoLayerLater: a reserve sent and lost
+// before it reached Redis is decided locally, denied, and its void leaves
+// the id a marker (limits.VoidMarked). A retry of that id once the global
+// limit is exhausted is denied by it. Before, Admitted took the marker for
+// a reservation and the retry skipped the global layer.
+func TestLostReserveDeniedLocallyPassesNoLayerLater(t *testing.T) {
+	c := redistest.Shared(t)
+	hook := &redistest.ScriptHook{}
+	c.AddHook(hook)
+	tenant := newTenant(t)
+	ep := "/lost/" + tenant
+	d := newDecider(t, c, parsePolicy(t, lostReservePolicy, ep), Options{BreakerFailures: 1000, UnseenAllowance: 50, LeaseBatch: 2},
+		limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+	wantAllowed(t, admit(t, d, in(tenant, "warm", ep, 1)), true) // leases the global limit
+	quiesce(t, d)
+
+	// Every script call times out unsent: the subject's reserve may have
+	// run, as far as the Decider can tell.
+	lose := func(cmds []redis.Cmder, _ func() error) error {
+		for _, cmd := range cmds {
+			cmd.SetErr(context.DeadlineExceeded)
+		}
+		return context.DeadlineExceeded
+	}
+	hook.F.Store(&lose)
+	x := in(tenant, "u", ep, 100) // past the unseen allowance: denied locally
+	x.CallerID = true
+	r := admit(t, d, x)
+	hook.F.Store(nil)
+	if r.Allowed || !r.Local {
+		t.Fatalf("Admit whose reserve was lost: allowed %v, local %v; want denied locally", r.Allowed, r.Local)
+	}
+	if !d.voids.drain(context.Background(), nil) || d.voids.pending() != 0 {
+		t.Fatalf("the void did not land: %d pending", d.voids.pending())
+	}
+
+	for i := 0; admit(t, d, in(tenant, "other", ep, 1)).Allowed; i++ {
+		if i == 10 {
+			t.Fatal("the global limit of 10 admitted more than 10")
+		}
+	}
+	if r := admit(t, d, x); r.Allowed {
+		t.Fatalf("retry of the denied request id after the global limit ran out: allowed, limits %s; want denied by the global layer", scopes(r))
+	}
+}
+
 // TestRetryWaitsForTheLastVoidOfItsRequest: a request's retries are
 // decided locally until its last void queued lands; one dropped (the queue
 // full) is not waited for.
