@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/e2e"
 	"quotaflow/internal/redistest"
@@ -305,6 +306,114 @@ endpoints:
     global: [{name: g, kind: fixed, window: 1h, limit: 1000}]
 ip: [{name: i, kind: fixed, window: 1h, limit: 1000}]
 `
+
+// leasePolicyLowered is leasePolicy with its global limit lowered to 10.
+func leasePolicyLowered(t *testing.T, ep string) *policy.Policy {
+	return parsePolicy(t, strings.Replace(leasePolicy, "limit: 1000", "limit: 10", 1), ep)
+}
+
+// wantLoweredHeld fails the test when the window's admits (allowed, and
+// what Redis counts) passed the lowered global limit of 10.
+func wantLoweredHeld(t *testing.T, c *redis.Client, pol *policy.Policy, tenant, ep string, allowed int) {
+	t.Helper()
+	if allowed > 10 {
+		t.Fatalf("the window admitted %d after its leased limit was lowered to 10", allowed)
+	}
+	rs, _ := pol.Resolve(tenant, "", ep)
+	if used := sharedUsed(t, c, policy.ScopeGlobal, ep, rs.Global)[0]; used > 10 {
+		t.Fatalf("redis used = %d, over the lowered limit of 10", used)
+	}
+}
+
+// TestReloadLoweringALeasedLimitOverAdmitsNothing: two instances each hold
+// a lease of a global limit of 1000 when a reload lowers it to 10. Those
+// leases, larger than the new limit, are given back, not spent: the window
+// admits at most 10 in all. Before, each instance went on spending its
+// lease of 100.
+func TestReloadLoweringALeasedLimitOverAdmitsNothing(t *testing.T) {
+	c := redistest.Shared(t)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	var pol atomic.Pointer[policy.Policy]
+	pol.Store(parsePolicy(t, leasePolicy, ep))
+	lo := limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)}
+	ds := []*Decider{reloadingDecider(t, c, pol.Load, Options{}, lo), reloadingDecider(t, c, pol.Load, Options{}, lo)}
+	allowed := 0
+	for _, d := range ds {
+		wantAllowed(t, admit(t, d, in(tenant, "u", ep, 1)), true) // leases 100
+		quiesce(t, d)
+		allowed++
+	}
+	pol.Store(leasePolicyLowered(t, ep))
+	for range 50 {
+		for _, d := range ds {
+			if admit(t, d, in(tenant, "u", ep, 1)).Allowed {
+				allowed++
+			}
+		}
+	}
+	wantLoweredHeld(t, c, pol.Load(), tenant, ep, allowed)
+}
+
+// TestLeaseGrantedAcrossAReloadIsGivenBack: a lease call in flight when a
+// reload lowers its limit was granted under the old size; its caller gets
+// its unit, the rest is given back, and the pool leases again under the
+// new size. Before, it was installed and spent.
+func TestLeaseGrantedAcrossAReloadIsGivenBack(t *testing.T) {
+	c := redistest.Shared(t)
+	hook := &redistest.ScriptHook{}
+	c.AddHook(hook)
+	tenant := newTenant(t)
+	ep := "/t/" + tenant
+	var pol atomic.Pointer[policy.Policy]
+	pol.Store(parsePolicy(t, leasePolicy, ep))
+	d := reloadingDecider(t, c, pol.Load, Options{}, limits.Options{NoEpochGuard: true, ClockOffset: midWindow(time.Hour)})
+
+	// The first lease call is answered, its reply held until the reload.
+	granted, held := make(chan struct{}), make(chan struct{})
+	release := sync.OnceFunc(func() { close(held) })
+	t.Cleanup(release) // before Close: a Fatal must not leave the call held
+	var once sync.Once
+	hold := func(_ []redis.Cmder, next func() error) error {
+		err := next()
+		once.Do(func() {
+			close(granted)
+			<-held
+		})
+		return err
+	}
+	hook.F.Store(&hold)
+	admits := make(chan bool, 2)
+	try := func() {
+		r, err := d.Admit(context.Background(), in(tenant, "u", ep, 1))
+		admits <- err == nil && r.Allowed
+	}
+	go try() // leases under the limit of 1000
+	<-granted
+	pol.Store(leasePolicyLowered(t, ep))
+	go try() // resizes the pool, then waits for the lease call in flight
+	e2e.Eventually(t, "the pool resized", func() bool {
+		resized := false
+		d.pools.Range(func(_, v any) bool {
+			resized = v.(*pool).cfg.Load().rule.Limit.Limit == 10
+			return false
+		})
+		return resized
+	})
+	release()
+	allowed := 0
+	for range 2 {
+		if <-admits {
+			allowed++
+		}
+	}
+	for range 50 {
+		if admit(t, d, in(tenant, "u", ep, 1)).Allowed {
+			allowed++
+		}
+	}
+	wantLoweredHeld(t, c, pol.Load(), tenant, ep, allowed)
+}
 
 func TestCloseReturnsLeases(t *testing.T) {
 	c, d, pol, tenant, ep := onEndpoint(t, leasePolicy, "/t/")

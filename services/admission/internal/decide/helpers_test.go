@@ -52,6 +52,12 @@ func onEndpoint(t *testing.T, policy, prefix string) (*redis.Client, *Decider, *
 // newDecider builds a Decider over c, closed at cleanup.
 func newDecider(t testing.TB, c limits.Client, pol *policy.Policy, o Options, lo limits.Options) *Decider {
 	t.Helper()
+	return reloadingDecider(t, c, func() *policy.Policy { return pol }, o, lo)
+}
+
+// reloadingDecider is newDecider on the policy pol returns at each call.
+func reloadingDecider(t testing.TB, c limits.Client, pol func() *policy.Policy, o Options, lo limits.Options) *Decider {
+	t.Helper()
 	if o.RedisTimeout == 0 {
 		// The shared Redis and -race make a few ms too tight for tests
 		// that check exact Redis state; fault tests set their own.
@@ -62,7 +68,7 @@ func newDecider(t testing.TB, c limits.Client, pol *policy.Policy, o Options, lo
 		o.BreakerWindow = -1
 	}
 	lim := limits.New(c, lo)
-	d, err := New(lim, func() *policy.Policy { return pol }, o, nil, prometheus.NewRegistry())
+	d, err := New(lim, pol, o, nil, prometheus.NewRegistry())
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}

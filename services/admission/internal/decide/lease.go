@@ -25,7 +25,10 @@ import (
 // ends or the bucket refills. A lease is never spent after its expiry (converted
 // to this host's monotonic clock, measured from before the call was sent, so
 // the local deadline is never later than Redis's), so what all instances
-// admit never exceeds the limit.
+// admit never exceeds the limit. Nor is one spent after a policy reload
+// changed its limit's size: a lease of a limit of 1000 may hold more than a
+// limit of 10 allows in all. The pool sets its leases aside (resize), and
+// its next lease call gives them back before it leases under the new size.
 
 // poolKey names a lease pool.
 type poolKey struct {
@@ -46,8 +49,9 @@ type pool struct {
 	lastUse   atomic.Int64            // monotonic ns
 	view      atomic.Pointer[leaseView]
 
-	mu   sync.Mutex // guards installing and sweeping leases
-	dead bool       // swept (evicted or closed): installs nothing more
+	mu    sync.Mutex // guards installing, sweeping and setting leases aside
+	dead  bool       // swept (evicted or closed): installs nothing more
+	stale []unspent  // leases of the limit's old size, for the next lease call to give back
 }
 
 // poolConfig is the limit a pool leases for and its batch sizes.
@@ -101,11 +105,9 @@ func (d *Decider) poolFor(scope policy.Scope, id string, r *policy.Rule) *pool {
 		p := v.(*pool)
 		if c := p.cfg.Load(); !c.rule.Limit.Equal(&r.Limit) {
 			// The policy changed the limit's size (its identity is the
-			// same): lease the new size, and ask Redis again if it was
-			// exhausted.
+			// same).
 			b, low := d.batchFor(r)
-			p.cfg.Store(&poolConfig{rule: *r, batch: b, low: low})
-			p.exhausted.Store(0)
+			p.resize(c, &poolConfig{rule: *r, batch: b, low: low})
 		}
 		return p
 	}
@@ -161,11 +163,12 @@ func (p *pool) available(now int64) int64 {
 	return n
 }
 
-// install adds a lease; false when the pool was swept meanwhile.
-func (p *pool) install(h *held, now int64) bool {
+// install adds a lease granted under config c; false when the pool was
+// swept or resized meanwhile.
+func (p *pool) install(h *held, c *poolConfig, now int64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.dead {
+	if p.dead || p.cfg.Load() != c {
 		return false
 	}
 	var next []*held
@@ -183,25 +186,46 @@ func (p *pool) install(h *held, now int64) bool {
 
 // unspent is what a swept lease still held.
 type unspent struct {
-	lease limits.Lease
-	n     int64
+	lease    limits.Lease
+	n        int64
+	deadline int64 // the lease's (held.deadline)
 }
 
-// sweep marks the pool dead and takes every unit of its live leases out of
-// reach of spenders; the caller returns them to Redis.
-func (p *pool) sweep(now int64) []unspent {
+// sweep marks the pool dead and takes every unit it holds out of reach of
+// spenders; the caller returns them to Redis.
+func (p *pool) sweep() []unspent {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.dead = true
+	out := append(p.stale, p.unloadLocked()...)
+	p.stale = nil
+	return out
+}
+
+// resize moves the pool from config from to config to, unless another
+// request did, and sets its leases aside: they were granted under the old
+// size. Redis is asked again even if it was exhausted.
+func (p *pool) resize(from, to *poolConfig) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.cfg.CompareAndSwap(from, to) {
+		return
+	}
+	p.stale = append(p.stale, p.unloadLocked()...)
+	p.exhausted.Store(0)
+}
+
+// unloadLocked takes every unit of the leases out of reach of spenders;
+// p.mu is held.
+func (p *pool) unloadLocked() []unspent {
 	hs := p.leases.Swap(nil)
 	if hs == nil {
 		return nil
 	}
 	var out []unspent
 	for _, h := range *hs {
-		n := h.left.Swap(0)
-		if n > 0 && now < h.deadline {
-			out = append(out, unspent{lease: h.lease, n: n})
+		if n := h.left.Swap(0); n > 0 {
+			out = append(out, unspent{lease: h.lease, n: n, deadline: h.deadline})
 		}
 	}
 	return out
@@ -313,6 +337,7 @@ func (d *Decider) leaseFor(ctx context.Context, p *pool, r *refill, take bool) (
 		close(r.done)
 	}()
 	c := p.cfg.Load()
+	d.returnStale(ctx, p, c)
 	t0 := d.mono()
 	var l limits.Lease
 	err = d.call(ctx, opLease, func(ctx context.Context) error {
@@ -345,15 +370,17 @@ func (d *Decider) leaseFor(ctx context.Context, p *pool, r *refill, take bool) (
 		n--
 	}
 	h.left.Store(n)
-	if p.install(h, now) {
+	if p.install(h, c, now) {
 		if take {
 			return h, nil
 		}
 		return nil, nil
 	}
-	// Swept meanwhile (Close or eviction): give the rest back at once.
-	if left := h.left.Swap(0); left > 0 && now < h.deadline {
-		d.returnLease(context.WithoutCancel(ctx), p.scope, p.id, &c.rule, unspent{lease: l, n: left})
+	// Swept (Close or eviction) or resized meanwhile: give the rest back at
+	// once. The caller's unit, decided under the limit it resolved, stays
+	// counted in Redis, where a lease under a new size finds it.
+	if left := h.left.Swap(0); left > 0 {
+		d.returnLease(context.WithoutCancel(ctx), p.scope, p.id, &c.rule, unspent{lease: l, n: left, deadline: h.deadline})
 	}
 	if take {
 		return &held{deadline: h.deadline}, nil // the caller's unit, nothing to give back into
@@ -361,8 +388,27 @@ func (d *Decider) leaseFor(ctx context.Context, p *pool, r *refill, take bool) (
 	return nil, nil
 }
 
-// returnLease gives unspent units back to Redis, best effort.
+// returnStale gives back the leases a resize of p set aside, before a
+// lease call under c: while Redis counts them, a lowered limit would seem
+// spent. One that fails stays counted until its window ends.
+func (d *Decider) returnStale(ctx context.Context, p *pool, c *poolConfig) {
+	p.mu.Lock()
+	us := p.stale
+	p.stale = nil
+	p.mu.Unlock()
+	for _, u := range us {
+		if err := d.returnLease(ctx, p.scope, p.id, &c.rule, u); err != nil {
+			d.log.Debug("return resized lease", "err", err)
+		}
+	}
+}
+
+// returnLease gives unspent units back to Redis, best effort; none past
+// the lease's deadline (a refilling bucket has them back by then).
 func (d *Decider) returnLease(ctx context.Context, scope policy.Scope, id string, r *policy.Rule, u unspent) error {
+	if d.mono() >= u.deadline {
+		return nil
+	}
 	err := d.call(ctx, opReturnLease, func(ctx context.Context) error {
 		_, err := d.lim.ReturnLease(ctx, scope, id, r, u.lease, u.n)
 		return err
@@ -375,8 +421,7 @@ func (d *Decider) returnLease(ctx context.Context, scope policy.Scope, id string
 
 // sweepPool evicts a pool and returns its unspent leases.
 func (d *Decider) sweepPool(ctx context.Context, k poolKey, p *pool) error {
-	now := d.mono()
-	us := p.sweep(now)
+	us := p.sweep()
 	if d.pools.CompareAndDelete(k, p) {
 		d.npools.Add(-1)
 	}
