@@ -172,6 +172,37 @@ func TestLongResponsesEventIsChargedItsUsage(t *testing.T) {
 	}
 }
 
+// TestLongDeltaOfACutStreamIsCharged: a stream cut before its usage whose
+// one delta is a 2 MiB line (a tool call's arguments the caller had the
+// model write), which passes through unread, is charged its text at a
+// token per 3 bytes at least, not released as if nothing came.
+func TestLongDeltaOfACutStreamIsCharged(t *testing.T) {
+	const n = 2 << 20
+	text := strings.Repeat("x", n)
+	for _, c := range []struct{ path, body, event string }{
+		{"/v1/chat/completions", `{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"go"}]}`,
+			`{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":"` + text + `"}}]}}]}`},
+		{"/v1/responses", `{"model":"gpt-4o","stream":true,"input":"go"}`,
+			`{"type":"response.function_call_arguments.delta","output_index":0,"delta":"` + text + `"}`},
+	} {
+		t.Run(c.path, func(t *testing.T) {
+			g := newGateway(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				fmt.Fprintf(w, "data: %s\n\n", c.event) // then the upstream fails
+			}), Options{})
+			resp := g.post(c.path, c.body)
+			if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			actual, released := g.settled()
+			if len(actual) != 1 || actual[0].OutputTokens < n/3 {
+				t.Errorf("actual %+v, released %v: want %d output tokens or more", actual, released, n/3)
+			}
+		})
+	}
+}
+
 // TestUnreadAnswerLeavesOtherTenantsTheirUsage: a client that does not read
 // its large non-stream answer holds only its tenant's share of the buffer
 // budget, so another tenant's answer is still read whole and charged the

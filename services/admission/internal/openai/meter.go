@@ -11,7 +11,8 @@ const (
 	// maxLine is the longest server-sent-event line a Meter holds to
 	// read: a responses stream's response.completed repeats the whole
 	// output, so it holds about 250k tokens of text. A longer data line
-	// passes through and is scanned for its usage alone (usageScan).
+	// passes through and is scanned for its usage and its text's length
+	// (usageScan).
 	maxLine = 1 << 20
 	// textBuffer is how much streamed text a Meter keeps before counting
 	// it: a stream that reports its usage (most do) is never tokenized
@@ -39,11 +40,13 @@ const (
 //
 // Lines end in LF, CRLF or CR; each data line is read as one JSON value
 // (the OpenAI-compatible servers send one an event); a data line longer
-// than 1 MiB passes through, is never stripped, and is read for its usage
-// alone, a byte at a time (usageScan). It holds at most the current event
-// until its data line is complete (only when stripping: otherwise Feed
-// returns its input at once), and at most 64 KiB of streamed text. A Meter is not safe for
-// concurrent use; its zero value is not usable: NewMeter.
+// than 1 MiB passes through, is never stripped, and is read a byte at a
+// time for its usage and the length of its text, counted at the ratio of
+// the text tokenized so far, at least a token per 3 bytes (usageScan). It
+// holds at most the current event until its data line is complete (only
+// when stripping: otherwise Feed returns its input at once), and at most
+// 64 KiB of streamed text. A Meter is not safe for concurrent use; its zero
+// value is not usable: NewMeter.
 type Meter struct {
 	kind  Kind
 	strip bool
@@ -205,8 +208,8 @@ func (m *Meter) end(eol []byte) {
 		if usageChunk && m.strip && m.state == undecided {
 			m.state = drop
 		}
-	} else if scan != nil && scan.complete() && scan.found && (m.kind != Responses || settles(scan.typ)) {
-		m.report(scan.usage)
+	} else if scan != nil && scan.complete() {
+		m.readLong(scan)
 	}
 	if !m.strip {
 		return
@@ -267,7 +270,7 @@ func (m *Meter) read(line []byte) (data, usageChunk bool) {
 		switch {
 		case settles(e.Type):
 			m.report(e.Response.Usage)
-		case strings.HasSuffix(e.Type, ".delta") && e.Type != "response.audio.delta": // audio is base64, not text
+		case streamsText(e.Type):
 			var s string
 			if json.Unmarshal(e.Delta, &s) == nil {
 				m.addText(e.OutputIndex, s)
@@ -291,27 +294,38 @@ func settles(typ string) bool {
 	return typ == "response.completed" || typ == "response.incomplete" || typ == "response.failed"
 }
 
+// streamsText: a responses event of this type streams text (audio's
+// deltas are base64, not text).
+func streamsText(typ string) bool {
+	return strings.HasSuffix(typ, ".delta") && typ != "response.audio.delta"
+}
+
 // scanLong starts scanning a data line that passes maxLine with b: the
 // line so far, in m.line, then b. Only a data line of a metered stream is
 // scanned ("data:" and its space pass through the scan as they hold no
 // JSON structure).
 func (m *Meter) scanLong(b []byte) {
-	var path []string
-	switch m.kind {
-	case Chat, Completions:
-		path = []string{"usage"}
-	case Responses:
-		path = []string{"response", "usage"}
-	}
 	var head [len("data:")]byte
 	n := copy(head[:], m.line)
 	copy(head[n:], b)
-	if path == nil || string(head[:]) != "data:" {
+	if string(head[:]) != "data:" {
 		return
 	}
-	m.scan = &usageScan{path: path}
-	m.scan.feed(m.line)
-	m.scan.feed(b)
+	if m.scan = newUsageScan(m.kind); m.scan != nil {
+		m.scan.feed(m.line)
+		m.scan.feed(b)
+	}
+}
+
+// readLong takes what the scan of a complete data line past maxLine found:
+// its usage, and its text, which was never held, so counted by its length.
+func (m *Meter) readLong(s *usageScan) {
+	if s.found && (m.kind != Responses || settles(s.typ)) {
+		m.report(s.usage)
+	}
+	if m.kind != Responses || streamsText(s.typ) {
+		m.streamed += m.text.extrapolate(s.text.n)
+	}
 }
 
 // streamChunk is what a Meter reads of a chat or completions chunk.

@@ -3,6 +3,7 @@ package openai
 import (
 	"bytes"
 	"encoding/json"
+	"math"
 	"strconv"
 	"strings"
 	"testing"
@@ -300,4 +301,62 @@ func withoutUsageChunks(s string, strip bool) string {
 		out.WriteString(ev.String())
 	}
 	return out.String()
+}
+
+// TestMeterCountsLongLines: the text of a data line past maxLine, which
+// passes through unread, is counted (at least a token per 3 bytes) when
+// no usage comes: a cut stream whose only delta is 2 MiB long is not
+// charged 0. Each line puts its text where read() takes it from; text
+// elsewhere (an id, audio's base64) counts nothing, and a usage on the
+// long line is charged as reported.
+func TestMeterCountsLongLines(t *testing.T) {
+	const n = 2 << 20
+	text := strings.Repeat(`ab\"`, n/3) + "ab" // n bytes decoded, a third more on the wire
+	least := int64(math.Ceil(n / DefaultBytesPerToken))
+	for _, c := range []struct {
+		name string
+		kind Kind
+		line string
+		want int64 // the output charged, ⌈n / 3⌉, or 0: at most 2
+	}{
+		{"content", Chat, `{"choices":[{"index":0,"delta":{"content":"` + text + `"}}]}`, least},
+		{"refusal", Chat, `{"choices":[{"index":0,"delta":{"refusal":"` + text + `"}}]}`, least},
+		{"reasoning_content", Chat, `{"choices":[{"index":0,"delta":{"reasoning_content":"` + text + `"}}]}`, least},
+		{"reasoning", Chat, `{"choices":[{"index":0,"delta":{"reasoning":"` + text + `"}}]}`, least},
+		{"tool-call arguments", Chat, `{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":"` + text + `"}}]}}]}`, least},
+		{"tool-call name", Chat, `{"choices":[{"index":1,"delta":{"tool_calls":[{},{"function":{"name":"` + text + `"}}]}}]}`, least},
+		{"function_call arguments", Chat, `{"choices":[{"index":0,"delta":{"function_call":{"arguments":"` + text + `"}}}]}`, least},
+		{"function_call name", Chat, `{"choices":[{"index":0,"delta":{"function_call":{"name":"` + text + `"}}}]}`, least},
+		{"audio transcript", Chat, `{"choices":[{"index":0,"delta":{"audio":{"data":"AAAA","transcript":"` + text + `"}}}]}`, least},
+		{"completions text", Completions, `{"choices":[{"text":"` + text + `","index":0}]}`, least},
+		{"responses output_text delta", Responses, `{"delta":"` + text + `","type":"response.output_text.delta","output_index":0}`, least},
+		{"responses arguments delta", Responses, `{"type":"response.function_call_arguments.delta","delta":"` + text + `"}`, least},
+		{"audio data", Chat, `{"choices":[{"index":0,"delta":{"audio":{"data":"` + text + `"}}}]}`, 0},
+		{"an id", Chat, `{"id":"` + text + `","choices":[{"index":0,"delta":{"content":"x"}}]}`, 0},
+		{"a key, not a value", Chat, `{"choices":[{"index":0,"delta":{"` + text + `":"content"}}]}`, 0},
+		{"responses audio delta", Responses, `{"type":"response.audio.delta","delta":"` + text + `"}`, 0},
+		{"responses event that streams no text", Responses, `{"type":"response.created","delta":"` + text + `"}`, 0},
+		{"a line cut short", Chat, `{"choices":[{"index":0,"delta":{"content":"` + text + `"`, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			stream := event("data: "+c.line) + ": the upstream failed\n\n"
+			got, m := feed(meterCase{kind: c.kind, strip: true}, chunked(stream, 32<<10)...)
+			if got != stream {
+				t.Fatalf("%d bytes forwarded, want %d", len(got), len(stream))
+			}
+			u, rep := m.Usage()
+			// Nothing else was tokenized: the floor rate, each escape
+			// counted as the bytes it stands for.
+			if rep || c.want > 0 && (u.Output < c.want || u.Output > c.want+2) || c.want == 0 && u.Output > 2 {
+				t.Errorf("Usage() = %v, %v; want output %d (0: at most 2), unreported", u, rep, c.want)
+			}
+		})
+	}
+	t.Run("with a usage", func(t *testing.T) {
+		line := `{"choices":[{"index":0,"delta":{"content":"` + text + `"}}],"usage":{"prompt_tokens":7,"completion_tokens":9}}`
+		_, m := feed(meterCase{kind: Chat}, chunked(event("data: "+line), 32<<10)...)
+		if u, rep := m.Usage(); !rep || u != (Usage{7, 9}) {
+			t.Errorf("Usage() = %v, %v; want {7 9} as reported", u, rep)
+		}
+	})
 }

@@ -198,10 +198,19 @@ func (c *counter) segments(s string) int64 {
 		n += t
 		s = s[i:]
 	}
-	if s != "" {
-		n += int64(math.Ceil(float64(len(s)) * max(float64(c.tokens)/float64(c.bytes), minTokensPerByte)))
+	return n + c.extrapolate(len(s))
+}
+
+// extrapolate counts text of n bytes that is not tokenized: at the ratio
+// of tokens to bytes of what was (the same conversation or answer), but
+// at least minTokensPerByte, which is all a counter that tokenized nothing
+// (or has no encoding) has.
+func (c *counter) extrapolate(n int) int64 {
+	ratio := minTokensPerByte
+	if c.bytes > 0 {
+		ratio = max(float64(c.tokens)/float64(c.bytes), ratio)
 	}
-	return n
+	return int64(math.Ceil(float64(n) * ratio))
 }
 
 // fallback counts a text of the given bytes at perToken, at most
