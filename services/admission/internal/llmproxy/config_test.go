@@ -154,7 +154,7 @@ upstreams:
 			r.Header.Set(h, "caller-secret")
 		}
 		r.Header.Set("X-Trace", "kept")
-		resp, err := px.roundTrip(context.Background(), r, c.route(model), []byte("{}"))
+		resp, err := px.roundTrip(context.Background(), r, c.route(model), newSentBody([]byte("{}"), func() {}))
 		if err != nil {
 			t.Fatal(err)
 		}

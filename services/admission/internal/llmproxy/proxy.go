@@ -1,7 +1,6 @@
 package llmproxy
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -65,7 +64,9 @@ type Options struct {
 	// InspectBudget bounds the memory of the request bodies being read and
 	// inspected at once (default DefaultInspectBudget), each tenant's to
 	// half of it: a request takes inspectCost of its declared length, and
-	// one past either is answered 503 with Retry-After.
+	// one past either is answered 503 with Retry-After. Once inspected, it
+	// keeps the length of the copy sent upstream until the upstream read
+	// it and answered.
 	InspectBudget int64
 	// WriteTimeout bounds each write to a client (default 30 s): one that
 	// takes nothing for this long is dropped, and the upstream request
@@ -261,19 +262,27 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 	if size < 0 || size > openai.DefaultMaxBody {
 		size = openai.DefaultMaxBody
 	}
-	if !p.bodies.take(id.Tenant, inspectCost*size) {
+	taken := inspectCost * size
+	if !p.bodies.take(id.Tenant, taken) {
 		w.Header().Set("Retry-After", "1")
 		writeError(w, http.StatusServiceUnavailable, "api_error", "overloaded", "too many large requests are being read: retry shortly")
 		return
 	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, openai.DefaultMaxBody+1))
 	if err != nil {
-		p.bodies.give(id.Tenant, inspectCost*size)
+		p.bodies.give(id.Tenant, taken)
 		writeError(w, http.StatusBadRequest, "invalid_request_error", "invalid_body", "body: could not be read")
 		return
 	}
 	req, err := openai.Inspect(kind, body, p.inspect)
-	p.bodies.give(id.Tenant, inspectCost*size)
+	// The copy to send stays counted until nothing holds it (sentBody), at
+	// the latest until the request ends; the rest is given back now.
+	kept := min(int64(len(req.Body)), taken)
+	p.bodies.give(id.Tenant, taken-kept)
+	free := sync.OnceFunc(func() { p.bodies.give(id.Tenant, kept) })
+	defer free()
+	sent := newSentBody(req.Body, free)
+	req.Body = nil // the exchange outlives the upstream's reading it
 	switch {
 	case errors.Is(err, openai.ErrTooLarge):
 		writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", err.Error())
@@ -341,7 +350,7 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 	if r.Context().Err() != nil {
 		return // the client left while admission decided: released
 	}
-	o = p.forward(w, r, up, req.Body, x)
+	o = p.forward(w, r, up, sent, x)
 }
 
 // enter counts a request about to be admitted, so that Close waits for its
@@ -437,7 +446,7 @@ func (x *exchange) settle(o outcome) {
 const maxResponse = 64 << 20
 
 // forward sends body to up and copies the answer to w, metering it.
-func (p *Proxy) forward(w *countingWriter, r *http.Request, up *Upstream, body []byte, x *exchange) outcome {
+func (p *Proxy) forward(w *countingWriter, r *http.Request, up *Upstream, body *sentBody, x *exchange) outcome {
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
 	resp, err := p.roundTrip(ctx, r, up, body)
@@ -558,7 +567,7 @@ func (p *Proxy) pass(w *countingWriter, r *http.Request, up *Upstream) {
 		writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "body: too large or unreadable")
 		return
 	}
-	resp, err := p.roundTrip(ctx, r, up, body)
+	resp, err := p.roundTrip(ctx, r, up, newSentBody(body, func() {}))
 	if err != nil {
 		if r.Context().Err() == nil {
 			writeError(w, http.StatusBadGateway, "api_error", "upstream_error", "the upstream could not be reached")
@@ -594,14 +603,21 @@ var callerCredentials = []string{"Authorization", "Api-Key", "X-Api-Key", "Cooki
 // roundTrip sends r's method, query and end-to-end headers with body to
 // up: the path after /v1 appended to the upstream's base URL, the
 // upstream's key in its auth header instead of the caller's credentials,
-// no hop-by-hop headers.
-func (p *Proxy) roundTrip(ctx context.Context, r *http.Request, up *Upstream, body []byte) (*http.Response, error) {
+// no hop-by-hop headers. The transport retries (a kept-alive connection
+// the upstream had closed) within RoundTrip, and follows no redirect: once
+// it returns, body is dropped.
+func (p *Proxy) roundTrip(ctx context.Context, r *http.Request, up *Upstream, body *sentBody) (*http.Response, error) {
+	defer body.drop()
 	u := *up.base
 	u.Path += strings.TrimPrefix(r.URL.Path, "/v1")
 	u.RawQuery = r.URL.RawQuery
-	out, err := http.NewRequestWithContext(ctx, r.Method, u.String(), bytes.NewReader(body))
+	out, err := http.NewRequestWithContext(ctx, r.Method, u.String(), http.NoBody)
 	if err != nil {
 		return nil, err
+	}
+	if n := int64(len(body.b)); n > 0 {
+		out.Body, _ = body.reader() // not dropped yet: cannot fail
+		out.GetBody, out.ContentLength = body.reader, n
 	}
 	copyHeader(out.Header, r.Header)
 	for _, h := range append(callerCredentials, up.authHeader) {
@@ -615,10 +631,92 @@ func (p *Proxy) roundTrip(ctx context.Context, r *http.Request, up *Upstream, bo
 	default:
 		out.Header.Set(up.authHeader, up.apiKey)
 	}
-	if len(body) == 0 {
-		out.Body, out.ContentLength = http.NoBody, 0
-	}
 	return p.transport.RoundTrip(out)
+}
+
+// sentBody is a request body on its way upstream. The transport keeps the
+// request, with its Body and GetBody, until the response body is closed
+// (a stream's whole length), so neither holds the bytes: each reader lets
+// go of them at its end (EOF or Close), the sentBody once dropped; when
+// nothing holds them, free gives back the budget they were counted in.
+type sentBody struct {
+	mu      sync.Mutex
+	b       []byte // for new readers, until dropped
+	dropped bool
+	holds   int // the sentBody's until dropped, and each reader's until its end
+	free    func()
+}
+
+// newSentBody sends b, counted in a budget that free gives back.
+func newSentBody(b []byte, free func()) *sentBody {
+	return &sentBody{b: b, holds: 1, free: free}
+}
+
+var errDropped = errors.New("llmproxy: the request body was already sent")
+
+// reader is a new reader of the body (the request's GetBody).
+func (s *sentBody) reader() (io.ReadCloser, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.dropped {
+		return nil, errDropped
+	}
+	s.holds++
+	return &bodyReader{s: s, b: s.b}, nil
+}
+
+// drop lets go of the bytes but for the readers still reading them.
+func (s *sentBody) drop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.dropped {
+		s.b, s.dropped = nil, true
+		s.let()
+	}
+}
+
+// let ends a hold (s.mu held): the last gives the budget back.
+func (s *sentBody) let() {
+	if s.holds--; s.holds == 0 {
+		s.free()
+	}
+}
+
+// bodyReader reads a sentBody once. Read and Close may come from
+// different goroutines (the transport's writer, and a cancellation).
+type bodyReader struct {
+	s     *sentBody
+	b     []byte // what is left to read
+	ended bool
+}
+
+func (r *bodyReader) Read(p []byte) (int, error) {
+	r.s.mu.Lock()
+	defer r.s.mu.Unlock()
+	if r.ended {
+		return 0, io.EOF
+	}
+	n := copy(p, r.b)
+	if r.b = r.b[n:]; len(r.b) > 0 {
+		return n, nil
+	}
+	r.end()
+	return n, io.EOF
+}
+
+func (r *bodyReader) Close() error {
+	r.s.mu.Lock()
+	defer r.s.mu.Unlock()
+	if !r.ended {
+		r.end()
+	}
+	return nil
+}
+
+// end lets go of the bytes (r.s.mu held).
+func (r *bodyReader) end() {
+	r.b, r.ended = nil, true
+	r.s.let()
 }
 
 // copy copies src to w, through feed when set, flushing after each read so

@@ -9,8 +9,11 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
+	"runtime/metrics"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -305,6 +308,105 @@ func TestBodiesBeingReadAreBounded(t *testing.T) {
 	if resp.StatusCode != http.StatusOK {
 		t.Errorf("acme's request once its slow body ended: %d, want 200", resp.StatusCode)
 	}
+}
+
+// TestSentBodyIsLetGoOnceAnswered: the copy of a body sent upstream is
+// held, and counted in the inspect budget, until the upstream read it and
+// answered; then nothing keeps it, however long the answer streams. While
+// acme's first request waits for its answer, a second body past acme's
+// share is refused; once it streams, acme's other requests go through,
+// and with all their streams open the bodies' memory is free.
+func TestSentBodyIsLetGoOnceAnswered(t *testing.T) {
+	const size, streams = 4 << 20, 4
+	body := `{"model":"local","stream":true,"messages":[{"role":"user","content":"` + strings.Repeat("x", size) + `"}]}`
+	var calls atomic.Int32
+	got, answer := make(chan struct{}), make(chan struct{})
+	g := newGateway(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body) // read whole before answering, as servers do
+		if calls.Add(1) == 1 {
+			close(got)
+			<-answer
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n")
+		w.(http.Flusher).Flush()
+		<-r.Context().Done() // streams until the client leaves
+	}), Options{InspectBudget: 2 * inspectCost * int64(len(body))}) // acme's share: one body being read
+	before := liveHeap()
+	first := make(chan *http.Response, 1)
+	go func() { first <- g.post("/v1/chat/completions", body) }()
+	select {
+	case <-got:
+	case resp := <-first:
+		t.Fatalf("acme's first request answered %d before its upstream had it", resp.StatusCode)
+	}
+	if held := g.px.bodies.heldBy("acme"); held < size {
+		t.Errorf("acme holds %d bytes of the budget while the upstream has not answered, want its body's %d", held, size)
+	}
+	refused := g.post("/v1/chat/completions", body)
+	refused.Body.Close()
+	if refused.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("acme's second body while the first awaits its answer: %d, want 503", refused.StatusCode)
+	}
+	close(answer)
+	open := []*http.Response{<-first}
+	for len(open) < streams {
+		open = append(open, g.post("/v1/chat/completions", body))
+	}
+	for i, resp := range open {
+		if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: ") {
+			t.Fatalf("stream %d: status %d, first line %q, %v", i, resp.StatusCode, line, err)
+		}
+		defer resp.Body.Close()
+	}
+	if held := g.px.bodies.heldBy("acme"); held != 0 {
+		t.Errorf("acme holds %d bytes of the budget with its %d streams answered, want 0", held, streams)
+	}
+	if grown := int64(liveHeap()) - int64(before); grown > size {
+		t.Errorf("the live heap grew %d bytes with %d streams of %d-byte bodies open, want their bodies let go", grown, streams, size)
+	}
+}
+
+// TestSentBodyRetries: until dropped, a sent body gives the transport a new
+// reader for each retry (GetBody), each the whole body; its budget is
+// given back once it is dropped and every reader ended, read to its end or
+// closed, whatever the order.
+func TestSentBodyRetries(t *testing.T) {
+	freed := 0
+	s := newSentBody([]byte("{}"), func() { freed++ })
+	first, _ := s.reader()
+	if b, err := io.ReadAll(first); string(b) != "{}" || err != nil {
+		t.Fatalf("first reader: %q, %v", b, err)
+	}
+	retry, err := s.reader() // the connection failed: the transport rewinds
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(retry); string(b) != "{}" || err != nil {
+		t.Fatalf("retry's reader: %q, %v", b, err)
+	}
+	unread, _ := s.reader()
+	s.drop()
+	if _, err := s.reader(); err == nil {
+		t.Error("a reader after the body was dropped")
+	}
+	if freed != 0 {
+		t.Fatal("the budget was given back while a reader still held the body")
+	}
+	unread.Close()
+	first.Close()
+	s.drop()
+	if freed != 1 {
+		t.Errorf("the budget was given back %d times, want once", freed)
+	}
+}
+
+// liveHeap is the heap's live bytes after a collection.
+func liveHeap() uint64 {
+	runtime.GC()
+	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+	metrics.Read(s)
+	return s[0].Value.Uint64()
 }
 
 // heldBy is what tenant holds of b.
