@@ -29,7 +29,8 @@ type Delivery struct {
 	// raw[i] is event i's bytes in a batch; nil for a single event.
 	raw    [][]byte
 	data   []byte    // the message's payload, decompressed (Payload)
-	stored time.Time // HeaderFirstStored or the stream's time; zero if own
+	stored time.Time // the message's FirstStored
+	own    bool      // a batch saying FirstStoredOwn
 }
 
 // Batch reports whether the message is a batch.
@@ -44,11 +45,13 @@ func (d *Delivery) Raw(i int) []byte {
 	return d.raw[i]
 }
 
-// FirstStored is when event i was first stored: its own time for a batch
-// of a Publisher made WithOwnTime, else the message's (FirstStored).
+// FirstStored is when event i was first stored: for a batch of a
+// Publisher made WithOwnTime its own time, but no later than when the
+// stream stored the batch; else, and for an event that is invalid, the
+// message's (FirstStored).
 func (d *Delivery) FirstStored(i int) time.Time {
-	if d.stored.IsZero() {
-		return d.Events[i].Time
+	if d.own && !d.Events[i].Time.IsZero() {
+		return earliest(d.Events[i].Time, d.stored)
 	}
 	return d.stored
 }
@@ -68,11 +71,7 @@ func DecodeMsg(msg jetstream.Msg, cfg Config) (*Delivery, error) {
 // DecodeMsgWith is DecodeMsg, decoding the events with dec: a consumer
 // that reads less of them checks less (events.Decoder.NoSnapshots).
 func DecodeMsgWith(msg jetstream.Msg, cfg Config, dec events.Decoder) (*Delivery, error) {
-	d := &Delivery{Msg: msg}
-	own := msg.Headers().Get(HeaderFirstStored) == FirstStoredOwn
-	if !own {
-		d.stored = FirstStored(msg)
-	}
+	d := &Delivery{Msg: msg, stored: FirstStored(msg)}
 	data, err := Payload(msg.Headers(), msg.Data())
 	if err != nil {
 		return nil, err
@@ -84,11 +83,9 @@ func DecodeMsgWith(msg jetstream.Msg, cfg Config, dec events.Decoder) (*Delivery
 			return nil, err
 		}
 		d.Events, d.Errs, d.raw = evs, errs, raw
+		// Only a batch says "own"; a single event's header is a time.
+		d.own = msg.Headers().Get(HeaderFirstStored) == FirstStoredOwn
 	} else {
-		if own {
-			// Only a batch says "own"; a single event's header is a time.
-			d.stored = FirstStored(msg)
-		}
 		ev, err := dec.Decode(data)
 		if err != nil {
 			return nil, err
@@ -584,8 +581,7 @@ func (d *Delivery) deadLetter(ctx context.Context, js jetstream.Publisher, cfg C
 	return deadLetter(ctx, js, cfg, reason, d.Msg, cause, &letterPart{
 		index:  i,
 		data:   d.raw[i],
-		stored: d.stored.IsZero(),
-		time:   d.Events[i].Time,
+		stored: d.FirstStored(i),
 	})
 }
 
@@ -593,8 +589,7 @@ func (d *Delivery) deadLetter(ctx context.Context, js jetstream.Publisher, cfg C
 type letterPart struct {
 	index  int
 	data   []byte
-	stored bool      // first stored at its own time (FirstStoredOwn)...
-	time   time.Time // ...this one, zero when the event did not decode
+	stored time.Time // when it was first stored; zero if unknown
 }
 
 func (p *letterPart) suffix() string { return "." + strconv.Itoa(p.index) }

@@ -90,10 +90,10 @@ type PublisherOption func(*Publisher)
 
 // WithOwnTime makes the Publisher stamp every event with its own time as
 // its first storage (HeaderFirstStored), so consumers judge the event's
-// time against itself rather than against when the stream stored it: for a
-// publisher that stores events before the stream does and may publish them
-// long after (admission's outbox and spill) and has checked their times
-// itself. A single event's header holds its time; a batch's holds
+// time against itself rather than against when the stream stored it, when
+// that is later (FirstStored): for a publisher that stores events before
+// the stream does and may publish them long after (admission's outbox and
+// spill) and has checked their times itself. A single event's header holds its time; a batch's holds
 // FirstStoredOwn, which means the same for each of its events.
 func WithOwnTime() PublisherOption { return func(p *Publisher) { p.ownTime = true } }
 
@@ -600,16 +600,20 @@ func deadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason 
 		}
 	}
 	suffix := ""
+	stored := FirstStored(msg)
 	if part != nil {
 		dl.Data = part.data
 		dl.Header.Del(HeaderContentEncoding) // the event alone, decompressed
 		dl.Header.Set("Content-Type", events.ContentType)
 		dl.Header.Set(HeaderBatchIndex, strconv.Itoa(part.index))
 		dl.Header.Del(HeaderFirstStored)
-		if part.stored && !part.time.IsZero() {
-			dl.Header.Set(HeaderFirstStored, part.time.UTC().Format(time.RFC3339Nano))
-		}
+		stored = part.stored
 		suffix = part.suffix()
+	}
+	// A replay is judged by when the event was first stored (a batch
+	// dead-lettered whole keeps saying FirstStoredOwn).
+	if dl.Header.Get(HeaderFirstStored) != FirstStoredOwn && !stored.IsZero() {
+		dl.Header.Set(HeaderFirstStored, stored.UTC().Format(time.RFC3339Nano))
 	}
 	errText := "unknown error"
 	if cause != nil {
@@ -622,10 +626,6 @@ func deadLetter(ctx context.Context, js jetstream.Publisher, cfg Config, reason 
 	}
 	var opts []jetstream.PublishOpt
 	if md, err := msg.Metadata(); err == nil {
-		if dl.Header.Get(HeaderFirstStored) == "" {
-			// A replay is judged by when the event was first stored.
-			dl.Header.Set(HeaderFirstStored, md.Timestamp.UTC().Format(time.RFC3339Nano))
-		}
 		seq := strconv.FormatUint(md.Sequence.Stream, 10)
 		dl.Header.Set(HeaderStream, md.Stream)
 		dl.Header.Set(HeaderSequence, seq)

@@ -117,3 +117,68 @@ func checkStored(t *testing.T, first map[string]time.Time, id string, at time.Ti
 	}
 	first[id] = at
 }
+
+// A publisher's claim of when it first stored an event counts only when
+// it is earlier than the stream's: an admission whose clock runs ahead
+// has its events judged against when the stream stored them (the time
+// rule holds, and no event is dated after it was stored), while events it
+// held before publishing (a spill replayed) keep their earlier times.
+func TestFirstStorageIsNoLaterThanTheStreams(t *testing.T) {
+	js, cfg := realNATS(t) // MaxAge 10 minutes
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	own := stream.NewPublisher(js, cfg, stream.WithOwnTime())
+	evs := actuals(3, "skew")
+	evs[0].Time = time.Now().Add(3 * time.Hour).UTC()    // a clock 3 h ahead
+	evs[1].Time = time.Now().Add(30 * time.Second).UTC() // within MaxSkew
+	evs[2].Time = time.Now().Add(-time.Hour).UTC()       // held for an hour
+	if err := own.PublishBatch(ctx, evs); err != nil {
+		t.Fatal(err)
+	}
+	ahead := actuals(1, "ahead")[0]
+	ahead.Time = evs[0].Time
+	if err := own.Publish(ctx, ahead); err != nil { // its header says +3 h
+		t.Fatal(err)
+	}
+	cons, err := stream.EnsureConsumer(ctx, js, cfg, "worker")
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	msg := fetchOne(t, cons, 5*time.Second)
+	md, err := msg.Metadata()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := stream.DecodeMsg(msg, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !errors.Is(d.Errs[0], events.ErrInvalid) {
+		t.Errorf("event 3 h ahead: %v, want invalid", d.Errs[0])
+	}
+	if d.Errs[1] != nil || !d.FirstStored(1).Equal(md.Timestamp) {
+		t.Errorf("event 30 s ahead: %v, first stored %s; want valid, first stored when the stream stored it (%s)", d.Errs[1], d.FirstStored(1), md.Timestamp)
+	}
+	if d.Errs[2] != nil || !d.FirstStored(2).Equal(d.Events[2].Time) {
+		t.Errorf("event held for an hour: %v, first stored %s; want valid, first stored at its time", d.Errs[2], d.FirstStored(2))
+	}
+	if _, err := d.Finish(ctx, js, cfg, make([]error, len(d.Events))); !errors.Is(err, stream.ErrDeadLettered) {
+		t.Fatalf("Finish = %v, want the event 3 h ahead dead-lettered", err)
+	}
+	letters := storedMsgs(t, js, cfg.DLQStream)
+	if len(letters) != 1 {
+		t.Fatalf("DLQ holds %d, want 1", len(letters))
+	}
+	if h, want := letters[0].Header.Get(stream.HeaderFirstStored), md.Timestamp.UTC().Format(time.RFC3339Nano); h != want {
+		t.Errorf("dead letter first stored %s, want the stream's time %s", h, want)
+	}
+
+	msg = fetchOne(t, cons, 5*time.Second)
+	if _, err := stream.DecodeMsg(msg, cfg); !errors.Is(err, events.ErrInvalid) {
+		t.Errorf("single event whose header says 3 h ahead: %v, want invalid", err)
+	}
+	if md, err := msg.Metadata(); err != nil || !stream.FirstStored(msg).Equal(md.Timestamp) {
+		t.Errorf("single event first stored %s, want the stream's time", stream.FirstStored(msg))
+	}
+}
