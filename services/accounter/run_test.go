@@ -881,6 +881,36 @@ func TestConflictingCopiesKeepTheFirst(t *testing.T) {
 	e.countedOnce(ten, n, want)
 }
 
+// TestSameIDOfAnotherTenantIsNoCopy: event ids are unique per tenant (the
+// ledger keys events by tenant and id), so a batch holding two tenants'
+// events of one id records and charges both, not the first alone.
+func TestSameIDOfAnotherTenantIsNoCopy(t *testing.T) {
+	e := newEnv(t)
+	e.start(nil)
+	ctx := context.Background()
+	a, b := "ida-"+e2e.RandomHex(4), "idb-"+e2e.RandomHex(4)
+	evA := e.actual(a, "u", "r1", "", 100, 0)
+	evB := e.actual(b, "u", "r1", "", 900, 0)
+	evB.ID = evA.ID
+	// By hand: a Publisher, as JetStream does with single events, sends
+	// an id once.
+	body, err := events.EncodeBatch([]events.Event{evA, evB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := nats.NewMsg(events.Subject(e.cfg.SubjectPrefix, events.TypeActual))
+	m.Data = body
+	m.Header.Set("Content-Type", events.BatchContentType)
+	if _, err := e.js.PublishMsg(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	e.waitStatus(a, "u", "r1", "settled")
+	e.waitStatus(b, "u", "r1", "settled")
+	if ua, ub := e.used(a, "u", "5h"), e.used(b, "u", "5h"); ua != 100 || ub != 900 {
+		t.Errorf("5h used = %d and %d, want 100 and 900 (each tenant's actual in full)", ua, ub)
+	}
+}
+
 // TestLaterActualSettlesWithTheFirst: a request's first actual is
 // recorded but its Redis correction fails (Redis lost its epoch: the event
 // goes back, the row stays open with that actual); another actual of the

@@ -257,8 +257,9 @@ type item struct {
 	ev  events.Event
 	err error // nil: every effect is in place
 	bad bool  // DecodeMsg found it invalid: Finish dead-letters it
-	// dup marks a later copy of an event id the batch already holds (a
-	// batch re-formed on retry is stored again under another batch id):
+	// dup marks a later copy of an event the batch already holds, by
+	// tenant and id as the ledger keys events (a batch re-formed on retry
+	// is stored again under another batch id):
 	// only the first copy is written and applied, as JetStream's dedup
 	// kept the first of single events, so a re-report with other figures
 	// cannot split the ledger from Redis.
@@ -323,21 +324,21 @@ func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
 	}
 	items := make([]item, 0, n)
 	recs := make([]ledger.Record, 0, n)
-	seen := make(map[string]bool, n)
+	type eventKey struct{ tenant, id string }
+	seen := make(map[eventKey]bool, n)
 	for m, d := range ds {
 		for i, ev := range d.Events {
 			it := item{msg: m, idx: i, ev: ev, bad: d.Errs[i] != nil}
 			if !it.bad {
-				it.dup = seen[ev.ID]
-				seen[ev.ID] = true
-			}
-			if !it.bad && !it.dup {
-				// The ledger stores the event as it came: it must stay
-				// readable by the audit read.
-				if err := ledger.CheckAudit(d.Raw(i)); err != nil {
-					it.rejected = err
-				} else {
-					recs = append(recs, c.record(ev, d.Raw(i), d.FirstStored(i)))
+				rec := c.record(ev, d.Raw(i), d.FirstStored(i))
+				k := eventKey{rec.Tenant, ev.ID}
+				it.dup, seen[k] = seen[k], true
+				if !it.dup {
+					// The ledger stores the event as it came: it must stay
+					// readable by the audit read.
+					if it.rejected = ledger.CheckAudit(d.Raw(i)); it.rejected == nil {
+						recs = append(recs, rec)
+					}
 				}
 			}
 			items = append(items, it)
