@@ -1248,6 +1248,66 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	}
 }
 
+// TestRebuildSpendsBalanceOnlyUnderItsPlans: Redis spends a prepaid
+// balance only for requests under a plan that holds it, so a rebuild must
+// not count the subject's usage under another plan (an unbound gateway
+// token may name any plan; a plan change leaves the old plan's history).
+func TestRebuildSpendsBalanceOnlyUnderItsPlans(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.start(nil)
+	e2e.Eventually(t, "epoch written at start", func() bool {
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	const ten = "prepaid"
+	rules := e.rules(ten)
+	bal := &rules[1]
+	balance := func() (credited, spent int64) {
+		t.Helper()
+		d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: "u", Rules: rules})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d.States[1].Limit, d.States[1].Used
+	}
+	free, err := e.policy.Resolve(ten, "free", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := e.lim.Reserve(ctx, limits.Request{Tenant: ten, User: "u", RequestID: "f1", Cost: 5000, Rules: free.Subject})
+	if err != nil || !d.Allowed {
+		t.Fatalf("Reserve on plan free = %+v, %v", d, err)
+	}
+	e.publish(events.NewReserved("test/admission", events.Reserved{RequestID: "f1", Tenant: ten, User: "u", Plan: "free",
+		Endpoint: "/api/v1/generate", EstimatedTokens: 5000, ExpiresAt: time.Now().Add(time.Hour), Version: d.Version}, time.Now()))
+	e.publish(e.actual(ten, "u", "f1", "", 5000, 0))
+	if _, err := e.lim.TopUp(ctx, ten, "u", bal, 1000, "pay-1"); err != nil {
+		t.Fatal(err)
+	}
+	e.publish(events.NewTopUp("test/admission", events.TopUp{Tenant: ten, User: "u", Amount: 1000, Reference: "pay-1"}, time.Now()))
+	e.reserve(ten, "u", "p1", 300, true) // on the tenant's plan, prepaid
+	e.publish(e.actual(ten, "u", "p1", "", 120, 0))
+	e.waitStatus(ten, "u", "f1", "settled")
+	e.waitStatus(ten, "u", "p1", "settled")
+	e2e.Eventually(t, "top-up in the ledger", func() bool {
+		return e.count("SELECT count(*) FROM usage_events WHERE type = 'quotaflow.balance.topup'") == 1
+	})
+	if c, sp := balance(); c != 1000 || sp != 120 {
+		t.Fatalf("balance before = credited %d, spent %d; want 1000, 120", c, sp)
+	}
+
+	e.redis.Stop()
+	e.redis.Restart()
+	e2e.Eventually(t, "epoch rewritten", func() bool {
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	if c, sp := balance(); c != 1000 || sp != 120 {
+		t.Errorf("balance after the rebuild = credited %d, spent %d; want 1000, 120 (the usage on plan free spent none)", c, sp)
+	}
+}
+
 // metric returns the value of the series name (with its labels, as
 // /metrics prints them) on /metrics.
 func (e *env) metric(name string) float64 {

@@ -780,10 +780,14 @@ func (s *Store) RecentSince(ctx context.Context, now time.Time, ttl time.Duratio
 
 // Balance is what a subject's prepaid balance held: every top-up it
 // received, and what its requests spent (by the same rules as Usage, over
-// all time).
+// all time) by their plan, whose rules say whether Redis spent the balance
+// for them. The plan is the reservation row's, empty for a row without one
+// (an actual alone, which Redis charged under the tenant's plan) and for
+// what dropped partitions spent before migration 011 carried it by plan.
 type Balance struct {
-	Tenant, User    string
-	Credited, Spent int64
+	Tenant, User string
+	Credited     int64
+	Spent        map[string]int64 // by plan; no entry where nothing was spent
 }
 
 // heldTokens is what Redis holds for a reservations row given its status
@@ -798,25 +802,34 @@ const heldTokens = `CASE
         END`
 
 // selectBalances sums the top-ups of every subject that received one, and
-// what its reservations hold given their status: the rows kept, and what
-// the dropped partitions held (balance_carry).
+// by plan what its reservations hold given their status: the rows kept,
+// and what the dropped partitions held (balance_carry). A row per subject
+// and plan spent under, or one with plan NULL for a subject that spent
+// nothing.
 const selectBalances = `
-SELECT t.tenant, t.user_id, t.credited, coalesce(r.spent, 0) + t.carried
+SELECT t.tenant, t.user_id, t.credited, s.plan, coalesce(s.spent, 0)
 FROM (
-    SELECT tenant, user_id, sum(credited)::bigint AS credited, sum(spent)::bigint AS carried
+    SELECT tenant, user_id, sum(credited)::bigint AS credited
     FROM (
-        SELECT tenant, user_id, tokens AS credited, 0 AS spent
+        SELECT tenant, user_id, tokens AS credited
         FROM usage_events WHERE type = 'quotaflow.balance.topup'
         UNION ALL
-        SELECT tenant, user_id, credited, spent FROM balance_carry
+        SELECT tenant, user_id, credited FROM balance_carry
     ) c
     GROUP BY tenant, user_id
     HAVING sum(credited) > 0
 ) t
 LEFT JOIN LATERAL (
-    SELECT sum(` + heldTokens + `)::bigint AS spent
-    FROM reservations r WHERE r.tenant = t.tenant AND r.user_id = t.user_id
-) r ON true
+    SELECT plan, sum(spent)::bigint AS spent
+    FROM (
+        SELECT plan, ` + heldTokens + ` AS spent
+        FROM reservations r WHERE r.tenant = t.tenant AND r.user_id = t.user_id
+        UNION ALL
+        SELECT plan, spent FROM balance_carry c WHERE c.tenant = t.tenant AND c.user_id = t.user_id
+    ) u
+    GROUP BY plan
+    HAVING sum(spent) <> 0
+) s ON true
 ORDER BY t.tenant, t.user_id`
 
 // Balances calls f for every subject that received a top-up.
@@ -825,8 +838,30 @@ func (s *Store) Balances(ctx context.Context, f func(Balance) error) error {
 	if err != nil {
 		return fmt.Errorf("select balances: %w", err)
 	}
-	var b Balance
-	_, err = pgx.ForEachRow(rows, []any{&b.Tenant, &b.User, &b.Credited, &b.Spent}, func() error { return f(b) })
+	var (
+		b              Balance // the subject being read; Spent nil: none yet
+		tenant, user   string
+		plan           *string
+		credited, used int64
+	)
+	_, err = pgx.ForEachRow(rows, []any{&tenant, &user, &credited, &plan, &used}, func() error {
+		if b.Spent != nil && (tenant != b.Tenant || user != b.User) {
+			if err := f(b); err != nil {
+				return err
+			}
+			b.Spent = nil
+		}
+		if b.Spent == nil {
+			b = Balance{Tenant: tenant, User: user, Credited: credited, Spent: map[string]int64{}}
+		}
+		if plan != nil {
+			b.Spent[*plan] = used
+		}
+		return nil
+	})
+	if err == nil && b.Spent != nil {
+		err = f(b)
+	}
 	if err != nil {
 		return fmt.Errorf("select balances: %w", err)
 	}

@@ -194,7 +194,7 @@ func TestMigration009OverOldRows(t *testing.T) {
 	if err := New(pool).Balances(ctx, func(b Balance) error { bs = append(bs, b); return nil }); err != nil {
 		t.Fatal(err)
 	}
-	if want := []Balance{{Tenant: "t", User: "u", Credited: 500, Spent: 140}}; !reflect.DeepEqual(bs, want) {
+	if want := []Balance{{Tenant: "t", User: "u", Credited: 500, Spent: map[string]int64{"": 140}}}; !reflect.DeepEqual(bs, want) {
 		t.Errorf("balances after 009 = %+v, want %+v", bs, want)
 	}
 	var keys, ids, topups int

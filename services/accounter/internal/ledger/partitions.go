@@ -143,18 +143,19 @@ func alignDown(day time.Time, width int) time.Time {
 var ErrRetentionTooShort = errors.New("the retention is shorter than its floor")
 
 // foldSpent and foldCredited add what a partition about to be dropped
-// holds of every prepaid balance to balance_carry (see Balances).
+// holds of every prepaid balance to balance_carry (see Balances): what its
+// reservations spent by their plan, its top-ups under the empty plan.
 const (
 	foldSpent = `
-INSERT INTO balance_carry AS b (tenant, user_id, spent)
-SELECT tenant, user_id, sum(` + heldTokens + `)::bigint FROM %s
-GROUP BY tenant, user_id HAVING sum(` + heldTokens + `) <> 0
-ON CONFLICT (tenant, user_id) DO UPDATE SET spent = b.spent + excluded.spent`
+INSERT INTO balance_carry AS b (tenant, user_id, plan, spent)
+SELECT tenant, user_id, plan, sum(` + heldTokens + `)::bigint FROM %s
+GROUP BY tenant, user_id, plan HAVING sum(` + heldTokens + `) <> 0
+ON CONFLICT (tenant, user_id, plan) DO UPDATE SET spent = b.spent + excluded.spent`
 	foldCredited = `
 INSERT INTO balance_carry AS b (tenant, user_id, credited)
 SELECT tenant, user_id, sum(tokens)::bigint FROM %s WHERE type = 'quotaflow.balance.topup'
 GROUP BY tenant, user_id
-ON CONFLICT (tenant, user_id) DO UPDATE SET credited = b.credited + excluded.credited`
+ON CONFLICT (tenant, user_id, plan) DO UPDATE SET credited = b.credited + excluded.credited`
 	// The dedup rows of a dropped partition's days: its requests' keys,
 	// its events' ids but top-ups'.
 	pruneKeys = `DELETE FROM reservation_keys WHERE day >= $1 AND day < $2`

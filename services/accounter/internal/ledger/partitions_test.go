@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"reflect"
 	"slices"
 	"sync"
 	"testing"
@@ -206,7 +207,7 @@ func TestTopUpReplayCreditsOnce(t *testing.T) {
 		if len(bs) != 1 {
 			t.Fatalf("balances = %+v, want one", bs)
 		}
-		return bs[0].Credited, bs[0].Spent
+		return bs[0].Credited, bs[0].Spent[""]
 	}
 	if n := write(d, topup(d), spend); n != 1 {
 		t.Fatalf("top-up inserted %d rows, want 1", n)
@@ -239,6 +240,47 @@ func TestTopUpReplayCreditsOnce(t *testing.T) {
 	if c, _ := balance(); c != 500 {
 		t.Errorf("credited after the replay = %d, want 500", c)
 	}
+}
+
+// TestBalancesSpentByPlan: a balance's spent comes by the plan of the
+// reservations that spent it (empty for an actual alone), as the rows kept
+// and as balance_carry keeps it after their partition was dropped, so the
+// rebuild can count only the plans that hold the balance.
+func TestBalancesSpentByPlan(t *testing.T) {
+	pool, d := partitionedPool(t)
+	ctx := context.Background()
+	if _, err := storeAt(pool, d).Write(ctx, []Record{
+		{EventID: "pay-u", Kind: "quotaflow.balance.topup", Tenant: "t", User: "u", RequestID: "o1", Tokens: 1000, OccurredAt: d, Payload: []byte(`{}`)},
+		{EventID: "pay-v", Kind: "quotaflow.balance.topup", Tenant: "t", User: "v", RequestID: "o2", Tokens: 500, OccurredAt: d, Payload: []byte(`{}`)},
+		{EventID: "v1", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r1", Plan: "prepaid", Tokens: 300, OccurredAt: d},
+		{EventID: "v2", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "r2", Plan: "free", Tokens: 5000, OccurredAt: d},
+		{EventID: "a3", Kind: kindActual, Tenant: "t", User: "u", RequestID: "r3", Tokens: 40, OccurredAt: d, Payload: []byte(`{}`)},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := New(pool).MarkSettled(ctx, []Mark{{Key: Key{"t", "u", "r3"}, Status: StatusSettled}}); err != nil {
+		t.Fatal(err)
+	}
+	want := []Balance{
+		{Tenant: "t", User: "u", Credited: 1000, Spent: map[string]int64{"prepaid": 300, "free": 5000, "": 40}},
+		{Tenant: "t", User: "v", Credited: 500, Spent: map[string]int64{}},
+	}
+	check := func(when string) {
+		t.Helper()
+		var bs []Balance
+		if err := New(pool).Balances(ctx, func(b Balance) error { bs = append(bs, b); return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(bs, want) {
+			t.Errorf("balances %s = %+v, want %+v", when, bs, want)
+		}
+	}
+	check("kept")
+	now := d.AddDate(0, 0, 1).Add(40 * 24 * time.Hour)
+	if _, err := New(pool).DropPartitions(ctx, now, 40*24*time.Hour, 33*24*time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	check("carried")
 }
 
 // TestRetention drops the partitions whose days all lie beyond the
@@ -397,7 +439,7 @@ func TestDropFoldsWriteCommittedBeforeIt(t *testing.T) {
 	if err := New(pool).Balances(ctx, func(b Balance) error { bs = append(bs, b); return nil }); err != nil {
 		t.Fatal(err)
 	}
-	if len(bs) != 1 || bs[0].Credited != 500 || bs[0].Spent != 30 {
+	if len(bs) != 1 || bs[0].Credited != 500 || bs[0].Spent[""] != 30 {
 		t.Errorf("balances after the drop = %+v, want credited 500, spent 30", bs)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -287,13 +288,36 @@ func (rb *Rebuilder) rebuildBalances(ctx context.Context, epoch string, lost *re
 		reference := "rebuild-" + events.HashID(epoch, b.User)
 		for i := range rules {
 			if r := &rules[i]; r.Kind == policy.Balance {
-				if err := rb.rep.RestoreBalance(ctx, b.Tenant, b.User, r, b.Credited, b.Spent, reference); err != nil {
+				spent, err := rb.spent(b, r)
+				if err != nil {
+					return err
+				}
+				if err := rb.rep.RestoreBalance(ctx, b.Tenant, b.User, r, b.Credited, spent, reference); err != nil {
 					return fmt.Errorf("rebuild balance %s/%s: %w", b.Tenant, b.User, err)
 				}
 			}
 		}
 		return nil
 	})
+}
+
+// spent is what b's requests spent of the balance limit bal: their usage
+// under the plans whose rules hold bal (resolved as the corrections
+// resolve a row's plan, effects.Rules), for Redis spends a balance only for
+// requests under such a plan; a subject's usage under another plan (before
+// a plan change, or through a token naming another plan) spent nothing.
+func (rb *Rebuilder) spent(b ledger.Balance, bal *policy.Rule) (int64, error) {
+	var n int64
+	for plan, tokens := range b.Spent {
+		rules, err := rb.rules(b.Tenant, plan, "")
+		if err != nil {
+			return 0, err
+		}
+		if slices.ContainsFunc(rules, func(r policy.Rule) bool { return r.ID() == bal.ID() }) {
+			n += tokens
+		}
+	}
+	return n, nil
 }
 
 // restoreRecords puts back the reservation records the lost Redis held,
