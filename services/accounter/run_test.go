@@ -1308,6 +1308,70 @@ func TestRebuildSpendsBalanceOnlyUnderItsPlans(t *testing.T) {
 	}
 }
 
+// TestTopUpInFlightAcrossARebuildIsCredited: admission credits a top-up
+// in Redis, then publishes its event. When Redis loses its data before the
+// accounter records the event (it waits in admission's outbox, or behind a
+// backlog), the rebuild cannot count it; the accounter credits it again
+// when it comes, by its reference. A copy of a top-up the rebuild counted
+// (a redelivery, a replayed dead letter) credits nothing.
+func TestTopUpInFlightAcrossARebuildIsCredited(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.start(nil)
+	e2e.Eventually(t, "epoch written at start", func() bool {
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	const ten = "prepaid"
+	rules := e.rules(ten)
+	topUp := func(ref string) events.Event {
+		t.Helper()
+		if _, err := e.lim.TopUp(ctx, ten, "u", &rules[1], 1000, ref); err != nil {
+			t.Fatal(err)
+		}
+		return events.NewTopUp("test/admission", events.TopUp{Tenant: ten, User: "u", Amount: 1000, Reference: ref}, time.Now())
+	}
+	topUps := func() int64 {
+		return e.count("SELECT count(*) FROM usage_events WHERE type = 'quotaflow.balance.topup'")
+	}
+	counted := topUp("pay-1")
+	e.publish(counted)
+	e2e.Eventually(t, "the first top-up in the ledger", func() bool { return topUps() == 1 })
+	inFlight := topUp("pay-2")
+
+	e.redis.Stop()
+	e.redis.Restart()
+	e2e.Eventually(t, "epoch rewritten", func() bool {
+		missing, err := repair.EpochMissing(ctx, e.redis.Client())
+		return err == nil && !missing
+	})
+	e.publish(inFlight)
+	raw, err := events.Encode(counted)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := nats.NewMsg(events.Subject(e.cfg.SubjectPrefix, events.TypeTopUp))
+	m.Data = raw
+	if _, err := e.js.PublishMsg(ctx, m, jetstream.WithMsgID("copy-"+counted.ID)); err != nil {
+		t.Fatal(err)
+	}
+	e2e.Eventually(t, "the second top-up in the ledger and the copy consumed", func() bool {
+		c, err := e.js.Consumer(ctx, e.cfg.Stream, e.cfg.Durable)
+		if err != nil {
+			return false
+		}
+		i, err := c.Info(ctx)
+		return err == nil && i.NumPending == 0 && i.NumAckPending == 0 && topUps() == 2
+	})
+	d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: "u", Rules: rules})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := d.States[1].Limit; got != 2000 {
+		t.Errorf("credited in Redis = %d, want 2000 (the ledger's two top-ups, each once)", got)
+	}
+}
+
 // metric returns the value of the series name (with its labels, as
 // /metrics prints them) on /metrics.
 func (e *env) metric(name string) float64 {

@@ -49,3 +49,17 @@ func (r *Rule) hashID() int64 {
 	}
 	return h.Sum()
 }
+
+// TopUpBalance is the balance limit among a subject's rules that a top-up
+// credits: a user-scope balance over a tenant-wide one; nil when there is
+// none. Admission credits it, and so does the accounter where Redis lost a
+// top-up.
+func TopUpBalance(rules []Rule) *Rule {
+	var bal *Rule
+	for i := range rules {
+		if r := &rules[i]; r.Kind == Balance && (bal == nil || r.Scope == ScopeUser) {
+			bal = r
+		}
+	}
+	return bal
+}

@@ -324,14 +324,13 @@ func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
 	}
 	items := make([]item, 0, n)
 	recs := make([]ledger.Record, 0, n)
-	type eventKey struct{ tenant, id string }
-	seen := make(map[eventKey]bool, n)
+	seen := make(map[ledger.EventKey]bool, n)
 	for m, d := range ds {
 		for i, ev := range d.Events {
 			it := item{msg: m, idx: i, ev: ev, bad: d.Errs[i] != nil}
 			if !it.bad {
 				rec := c.record(ev, d.Raw(i), d.FirstStored(i))
-				k := eventKey{rec.Tenant, ev.ID}
+				k := ledger.EventKey{Tenant: rec.Tenant, EventID: ev.ID}
 				it.dup, seen[k] = seen[k], true
 				if !it.dup {
 					// The ledger stores the event as it came: it must stay
@@ -493,6 +492,7 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 	}
 	defer tx.Rollback(ctx) // unless committed
 	res := tx.Result
+	c.recredit(ctx, items, res.Uncredited)
 
 	// One Redis effect per event that settles a reservation, in the order
 	// of the batch (a release and an actual of one request id both apply:
@@ -626,6 +626,32 @@ func (c *Consumer) applyTx(ctx context.Context, items []item, recs []ledger.Reco
 	t0 = time.Now()
 	defer func() { c.m.phase.WithLabelValues("commit").Observe(time.Since(t0).Seconds()) }()
 	return tx.Commit(ctx, finalMarks(marks))
+}
+
+// recredit credits again in Redis the top-ups of items that Redis lost with
+// its data before a rebuild could count them (uncredited, by the ledger):
+// admission credited them in the Redis that was lost, and the rebuild read
+// the ledger before they reached it. A failure fails the item alone; its
+// redelivery is found uncredited again, and the credit is once per
+// reference.
+func (c *Consumer) recredit(ctx context.Context, items []item, uncredited map[ledger.EventKey]bool) {
+	for i := range items {
+		it := &items[i]
+		d, ok := it.ev.Data.(events.TopUp)
+		if !ok || it.bad || it.dup || it.rejected != nil || !uncredited[ledger.EventKey{Tenant: d.Tenant, EventID: it.ev.ID}] {
+			continue
+		}
+		applied, err := c.app.TopUp(ctx, d)
+		if err != nil {
+			it.err = fmt.Errorf("credit top-up %s/%s %s again: %w", d.Tenant, d.User, d.Reference, err)
+			it.transient = transient(err)
+			continue
+		}
+		if applied {
+			c.log.Info("top-up credited again: Redis lost it before a rebuild could count it",
+				"tenant", d.Tenant, "user", d.User, "reference", d.Reference, "amount", d.Amount)
+		}
+	}
 }
 
 // settles reports whether an event may settle a reservation whose ledger

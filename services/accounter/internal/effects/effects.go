@@ -55,6 +55,24 @@ func (a *Applier) Cost(d events.Actual) int64 {
 	return min(a.policy().Cost(d.Model, d.InputTokens, d.OutputTokens), limits.MaxCost)
 }
 
+// TopUp credits top-up d in Redis by its own reference, as admission did
+// (limits.Limiter.TopUp: once per tenant and reference, however often it
+// is called), to the balance admission credits (policy.TopUpBalance under
+// the tenant's plan); nothing when that plan has none. It reports whether
+// it credited.
+func (a *Applier) TopUp(ctx context.Context, d events.TopUp) (bool, error) {
+	rules, err := Rules(a.policy(), d.Tenant, "", "")
+	if err != nil {
+		return false, err
+	}
+	bal := policy.TopUpBalance(rules)
+	if bal == nil {
+		return false, nil
+	}
+	res, err := a.lim.TopUp(ctx, d.Tenant, d.User, bal, d.Amount, d.Reference)
+	return res.Applied, err
+}
+
 // Effect is the Redis effect of one event: the correction of a reservation
 // to the actual Cost, or its release (Release). Row is the reservation's
 // ledger row (after the batch's write); its estimate and time are the

@@ -52,6 +52,11 @@ type Key struct {
 	Tenant, User, RequestID string
 }
 
+// EventKey identifies an event in the ledger: ids are unique per tenant.
+type EventKey struct {
+	Tenant, EventID string
+}
+
 // Record is one consumed event as the ledger stores it (RequestID holds a
 // top-up's reference and is empty for a denial). Kind is the
 // CloudEvent type; Tokens the weighted cost (reserved: the estimate; actual:
@@ -116,6 +121,7 @@ const (
 	kindReserved = "quotaflow.usage.reserved"
 	kindActual   = "quotaflow.usage.actual"
 	kindReleased = "quotaflow.usage.released"
+	kindTopUp    = "quotaflow.balance.topup"
 )
 
 // insertEvents stores the events of a batch that are new, but reserved
@@ -145,6 +151,21 @@ WITH e AS (
 INSERT INTO usage_events (event_id, type, tenant, user_id, request_id, tokens, occurred_at, event, day)
 SELECT e.event_id, e.type, e.tenant, e.user_id, e.request_id, e.tokens, e.occurred_at, e.event, $9::date
 FROM e JOIN ids USING (tenant, event_id)`
+
+// selectUncredited finds which of the batch's top-ups ($1 tenants, $2
+// event ids, stored by insertEvents before) Redis lost with its data
+// uncounted: first stored (occurred_at) before the last rebuild's mark,
+// recorded (received_at, its transaction's start) after it, so the rebuild,
+// which reads the ledger after its mark and while no batch of its process
+// writes, cannot have credited it, and the Redis that admission credited
+// it in is gone. Its redeliveries are found again, until Redis took it.
+const selectUncredited = `
+SELECT u.tenant, u.event_id
+FROM unnest($1::text[], $2::text[]) AS t(tenant, event_id)
+JOIN event_ids i USING (tenant, event_id)
+JOIN usage_events u ON u.tenant = i.tenant AND u.event_id = i.event_id AND u.day = i.day
+CROSS JOIN (SELECT max(at) AS at FROM rebuilds) b
+WHERE u.type = 'quotaflow.balance.topup' AND u.occurred_at < b.at AND u.received_at > b.at`
 
 // insertKeys gives each request of the batch that has none a key in
 // reservation_keys, on day $4 (today, UTC): its row's partition, and
@@ -261,6 +282,10 @@ type WriteResult struct {
 	// Reservations holds the row of every reservation the batch touched,
 	// after the write.
 	Reservations map[Key]Reservation
+	// Uncredited holds the batch's top-ups that no Redis holds since it
+	// lost its data and was rebuilt without them (selectUncredited): the
+	// consumer credits them again, by their own reference, so once.
+	Uncredited map[EventKey]bool
 }
 
 // Tx is a batch's write in progress: its events and reservation rows are
@@ -314,6 +339,19 @@ func (t *Tx) write(ctx context.Context, recs []Record, day time.Time) error {
 		b.Queue(insertEvents, append(args, day)...).Exec(func(ct pgconn.CommandTag) error {
 			res.Inserted = int(ct.RowsAffected())
 			return nil
+		})
+	}
+	if tenants, ids := topUpArgs(recs); len(ids) > 0 {
+		b.Queue(selectUncredited, tenants, ids).Query(func(rows pgx.Rows) error {
+			var k EventKey
+			_, err := pgx.ForEachRow(rows, []any{&k.Tenant, &k.EventID}, func() error {
+				if res.Uncredited == nil {
+					res.Uncredited = map[EventKey]bool{}
+				}
+				res.Uncredited[k] = true
+				return nil
+			})
+			return err
 		})
 	}
 	rs, keys := reservationRecords(recs)
@@ -411,6 +449,17 @@ func eventArgs(recs []Record) ([]any, int) {
 		tokens, at, payloads = append(tokens, r.Tokens), append(at, r.OccurredAt), append(payloads, r.Payload)
 	}
 	return []any{ids, kinds, tenants, users, reqs, tokens, at, payloads}, len(ids)
+}
+
+// topUpArgs are selectUncredited's arguments: the tenants and event ids of
+// recs' top-ups.
+func topUpArgs(recs []Record) (tenants, ids []string) {
+	for i := range recs {
+		if r := &recs[i]; r.Kind == kindTopUp {
+			tenants, ids = append(tenants, r.Tenant), append(ids, r.EventID)
+		}
+	}
+	return tenants, ids
 }
 
 // reservationRecords are the records of the batch's reservation rows: the

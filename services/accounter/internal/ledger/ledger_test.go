@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -659,5 +660,39 @@ func TestWriteFindsKeysByIndex(t *testing.T) {
 	if !strings.Contains(upsert, "Index Scan using reservation_keys_pkey on reservation_keys k") ||
 		!strings.Contains(upsert, "Index Cond: ((tenant = t.tenant) AND (user_id = t.user_id) AND (request_id = t.request_id))") {
 		t.Errorf("the reservations' write reads reservation_keys without its index:\n%s", upsert)
+	}
+}
+
+// TestUncreditedTopUps: a top-up first stored before the last rebuild and
+// recorded after it is one Redis lost uncounted, at its first write as at
+// its redeliveries; neither one recorded before the rebuild (which counted
+// it) nor one first stored after it is.
+func TestUncreditedTopUps(t *testing.T) {
+	s := New(testPool(t))
+	ctx := context.Background()
+	topUp := func(id string, at time.Time) Record {
+		return Record{EventID: id, Kind: kindTopUp, Tenant: "t", User: "u", RequestID: "ref-" + id, Tokens: 500, OccurredAt: at, Payload: []byte(`{}`)}
+	}
+	before := time.Now().Add(-time.Minute)
+	write := func(recs ...Record) map[EventKey]bool {
+		t.Helper()
+		res, err := s.Write(ctx, recs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Uncredited
+	}
+	if got := write(topUp("counted", before)); len(got) != 0 {
+		t.Errorf("uncredited before any rebuild = %v, want none", got)
+	}
+	if err := s.MarkRebuild(ctx, "1"); err != nil {
+		t.Fatal(err)
+	}
+	want := map[EventKey]bool{{Tenant: "t", EventID: "lost"}: true}
+	for i := range 2 {
+		got := write(topUp("counted", before), topUp("lost", before), topUp("later", time.Now().Add(time.Minute)))
+		if !maps.Equal(got, want) {
+			t.Errorf("write %d: uncredited = %v, want %v", i+1, got, want)
+		}
 	}
 }

@@ -75,13 +75,7 @@ func (d *Decider) TopUp(ctx context.Context, tenant, user string, amount int64, 
 	if err != nil {
 		return limits.TopUpResult{}, err
 	}
-	var bal *policy.Rule
-	for i := range rs.Subject {
-		r := &rs.Subject[i]
-		if r.Kind == policy.Balance && (bal == nil || r.Scope == policy.ScopeUser) {
-			bal = r
-		}
-	}
+	bal := policy.TopUpBalance(rs.Subject)
 	if bal == nil {
 		return limits.TopUpResult{}, &invalidError{field: "tenant", msg: fmt.Sprintf("plan %q has no balance limit to top up", rs.Plan), also: ErrNoBalance}
 	}
