@@ -1621,6 +1621,60 @@ func TestRedisOutageDeadLettersNothing(t *testing.T) {
 	}
 }
 
+// A Redis that answers but refuses writes (at its maxmemory under
+// noeviction, the policy the accounter wants; without the replicas
+// min-replicas-to-write asks for) is out as much as one that is down: the
+// actual waits for it through more deliveries than MaxDeliver, nothing is
+// dead-lettered, and it settles once Redis takes writes again.
+func TestRedisRefusingWritesDeadLettersNothing(t *testing.T) {
+	for _, tc := range []struct {
+		name, param, refuse, allow string
+	}{
+		{"OOM", "maxmemory", "1", "0"},
+		{"NOREPLICAS", "min-replicas-to-write", "1", "0"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t)
+			ctx := context.Background()
+			rdb := e.redis.Client()
+			if err := rdb.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
+				t.Fatal(err)
+			}
+			e.cfg.MaxDeliver = 2
+			e.start(nil)
+			ten, usr, req := "refuse-"+e2e.RandomHex(4), "u1", "r1"
+			e.reserve(ten, usr, req, 100, true)
+			e.waitStatus(ten, usr, req, "open")
+
+			allow := func() {
+				if err := rdb.ConfigSet(ctx, tc.param, tc.allow).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := rdb.ConfigSet(ctx, tc.param, tc.refuse).Err(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(allow)
+			e.publish(e.actual(ten, usr, req, "", 40, 0))
+			dead := func() uint64 {
+				return e.subjectMsgs(e.cfg.DLQStream, events.DLQSubject(e.cfg.SubjectPrefix, stream.ReasonMaxDeliver))
+			}
+			retries := `quotaflow_accounter_events_total{result="retry",type="quotaflow.usage.actual"}`
+			e2e.Eventually(t, "more failed deliveries than MaxDeliver, or a dead letter", func() bool {
+				return e.metric(retries) > float64(e.cfg.MaxDeliver) || dead() > 0
+			})
+			if n := dead(); n != 0 {
+				t.Fatalf("%d events dead-lettered while Redis refused writes (%s), want 0", n, tc.name)
+			}
+			allow()
+			e.waitStatus(ten, usr, req, "settled")
+			if got := e.used(ten, usr, "5h"); got != 40 {
+				t.Errorf("5h used = %d, want 40", got)
+			}
+		})
+	}
+}
+
 // A Redis that may evict quota state keeps the accounter ready, with the
 // policy named under degraded in /readyz.
 func TestEvictingRedisIsReportedNotFatal(t *testing.T) {

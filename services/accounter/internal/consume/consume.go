@@ -22,7 +22,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/redis/go-redis/v9"
 
 	"quotaflow/internal/service"
 	"quotaflow/pkg/events"
@@ -268,9 +267,10 @@ type item struct {
 	// it, or the audit read could not parse it): dead-letter it.
 	rejected error
 	// transient marks err as an outage (Postgres, Redis or NATS
-	// unreachable, Redis without its epoch) rather than a problem of the
-	// event: it is retried without end instead of counting towards
-	// MaxDeliver, so an outage never dead-letters good events.
+	// unreachable, Redis without its epoch or refusing writes: see
+	// transient) rather than a problem of the event: it is retried without
+	// end instead of counting towards MaxDeliver, so an outage never
+	// dead-letters good events.
 	transient bool
 }
 
@@ -409,24 +409,17 @@ func (c *Consumer) handle(ctx context.Context, ds []*stream.Delivery) {
 	c.m.batchSeconds.Observe(time.Since(start).Seconds())
 }
 
-// transient reports whether a Redis effect failed because of Redis itself
-// (unreachable, loading, failing over, without its epoch) rather than the
-// event: invalid arguments, policy errors and script errors may be the
-// event's fault, and go through MaxDeliver to the dead letters.
+// transient reports whether a Redis effect failed because of Redis rather
+// than the event: every failure but the event's own, which are an argument
+// the engine refuses (limits.ErrInvalid, before anything is sent: the
+// scripts take only arguments it checked) and rules the policy cannot
+// resolve (effects.ErrResolve). Those go through MaxDeliver to the dead
+// letters; anything Redis answers (unreachable, loading, failing over,
+// without its epoch, refusing writes: OOM at its maxmemory, MISCONF,
+// NOREPLICAS, an ACL's NOPERM, state it cannot read) is retried without
+// end, so that a Redis in trouble never dead-letters good events.
 func transient(err error) bool {
-	if errors.Is(err, limits.ErrInvalid) || errors.Is(err, effects.ErrResolve) {
-		return false
-	}
-	var rerr redis.Error
-	if errors.As(err, &rerr) {
-		for _, p := range []string{"LOADING", "BUSY", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK"} {
-			if redis.HasErrorPrefix(err, p) {
-				return true
-			}
-		}
-		return false
-	}
-	return true
+	return !errors.Is(err, limits.ErrInvalid) && !errors.Is(err, effects.ErrResolve)
 }
 
 // ReasonRejected is the dead-letter reason of an event Postgres refused

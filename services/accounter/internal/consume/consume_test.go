@@ -36,7 +36,14 @@ func TestTransient(t *testing.T) {
 		{"connection lost", fmt.Errorf("settle: %w", io.EOF), true},
 		{"deadline", context.DeadlineExceeded, true},
 		{"loading", fmt.Errorf("settle: %w", scriptError("LOADING Redis is loading the dataset in memory")), true},
-		{"script error", fmt.Errorf("settle: %w", scriptError("ERR user_script:1: bad argument")), false},
+		// Refusals to write: Redis's condition, not the event's.
+		{"out of memory", fmt.Errorf("settle: %w", scriptError("OOM command not allowed when used memory > 'maxmemory'.")), true},
+		{"failed snapshot", fmt.Errorf("settle: %w", scriptError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.")), true},
+		{"no replicas", fmt.Errorf("settle: %w", scriptError("NOREPLICAS Not enough good replicas to write.")), true},
+		{"acl", fmt.Errorf("settle: %w", scriptError("NOPERM User default has no permissions to run the 'fcall' command")), true},
+		// The scripts take only arguments the engine checked (ErrInvalid):
+		// an error of theirs is a state they cannot read, or a bug.
+		{"script error", fmt.Errorf("settle: %w", scriptError("settle: WRONGTYPE Operation against a key holding the wrong kind of value")), true},
 		{"invalid argument", fmt.Errorf("settle: %w", limits.ErrInvalid), false},
 		{"policy", fmt.Errorf("%w of t: %w", effects.ErrResolve, errors.New("unknown plan")), false},
 	} {
