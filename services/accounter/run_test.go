@@ -1584,6 +1584,90 @@ func TestExpiredReservationReleased(t *testing.T) {
 	}
 }
 
+// A reservation whose actual Redis took while the batch's commit was lost
+// (a crash, Postgres failing) cannot expire: Redis holds its actual, and
+// it waits for its actual's redelivery. The expiry passes it by, and the
+// reservations after it expire all the same.
+func TestExpiryLeavesReservationRedisSettled(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		local bool // decided without Redis (version 0)
+	}{
+		{"local", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t)
+			e.cfg.ReservationTTL = 2 * time.Second
+			e.start(nil)
+			ten, usr, req := "ahead-"+e2e.RandomHex(4), "u1", "r1"
+			at := time.Now()
+			if tc.local {
+				e.publish(events.NewReserved("test/admission", events.Reserved{RequestID: req, Tenant: ten, User: usr,
+					Endpoint: "/x", EstimatedTokens: 100, ExpiresAt: at.Add(time.Hour)}, at))
+			} else {
+				e.reserve(ten, usr, req, 100, true)
+			}
+			e.waitStatus(ten, usr, req, "open")
+			// The actual's first delivery: Redis takes its correction, the
+			// commit fails, and so do those of its redeliveries. Its record
+			// outlives the reservation's expiry, as in production, where it
+			// lives a TTL from the correction (here the test's limiter's
+			// hour, not the accounter's 2 s TTL).
+			keep := e.loseCommits()
+			var fb *limits.Fallback
+			if tc.local {
+				fb = &limits.Fallback{ReservedAt: at, Estimate: limits.NoEstimate}
+			}
+			if _, err := e.lim.Correct(context.Background(), limits.Settle{Tenant: ten, User: usr, RequestID: req, Actual: 400,
+				Rules: e.rules(ten), Fallback: fb}); err != nil {
+				t.Fatal(err)
+			}
+			e.publish(e.actual(ten, usr, req, "", 400, 0))
+			// Past its TTL and two expiry passes: the expiry has met it.
+			time.Sleep(time.Until(at.Add(e.cfg.ReservationTTL + 2*e.cfg.ExpiryInterval)))
+			e.reserve(ten, usr, "later", 50, true)
+			e.waitStatus(ten, usr, "later", "expired")
+			if st := e.status(ten, usr, req); st != "open" {
+				t.Fatalf("status of the reservation Redis settled = %s, want open (left for its actual)", st)
+			}
+			keep()
+			e.waitStatus(ten, usr, req, "settled")
+			e.reconciled(3)
+			if got := e.used(ten, usr, "5h"); got != 450 {
+				t.Errorf("5h used = %d, want 450 (the actual 400, the expired estimate 50)", got)
+			}
+		})
+	}
+}
+
+// loseCommits makes every ledger commit that records an actual fail, as
+// if the accounter died between Redis and its commit: a batch's Redis
+// effects apply, its ledger write does not, and its events come back
+// until keep is called.
+func (e *env) loseCommits() (keep func()) {
+	e.t.Helper()
+	exec := func(q string) {
+		e.t.Helper()
+		if _, err := e.pg.Exec(context.Background(), q); err != nil {
+			e.t.Fatalf("%s: %v", q, err)
+		}
+	}
+	exec(`CREATE FUNCTION qf_test_lose_commit() RETURNS trigger LANGUAGE plpgsql
+    AS $$ BEGIN RAISE EXCEPTION 'commit lost (test)'; END $$`)
+	exec(`CREATE CONSTRAINT TRIGGER qf_test_lose_commit AFTER INSERT OR UPDATE ON reservations
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.actual_tokens IS NOT NULL)
+    EXECUTE FUNCTION qf_test_lose_commit()`)
+	return func() { exec(`DROP TRIGGER qf_test_lose_commit ON reservations`) }
+}
+
+// reconciled waits for n more reconciliation passes.
+func (e *env) reconciled(n float64) {
+	e.t.Helper()
+	const passes = `quotaflow_accounter_reconciliations_total{result="ok"}`
+	from := e.metric(passes)
+	e2e.Eventually(e.t, fmt.Sprintf("%v reconciliations", n), func() bool { return e.metric(passes) >= from+n })
+}
+
 func TestRedisOutageDeadLettersNothing(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()

@@ -20,7 +20,7 @@ import (
 // Ledger is the part of the ledger the expiry task uses.
 type Ledger interface {
 	ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, error)
-	Expired(ctx context.Context, cutoff time.Time, limit int) ([]ledger.Reservation, error)
+	Expired(ctx context.Context, cutoff time.Time, after ledger.Reservation, limit int) ([]ledger.Reservation, error)
 	MarkExpired(ctx context.Context, keys []ledger.Key, status string) error
 }
 
@@ -92,9 +92,12 @@ func (e *Expirer) settle(ctx context.Context, cutoff time.Time, atEstimate bool)
 		}
 		total = n
 	}
+	// A row Redis finds settled already stays open, waiting for the event
+	// that settled it: the pass pages past it, and meets it again next time.
 	err := e.gate.Hold(func() error {
+		var after ledger.Reservation
 		for {
-			rows, err := e.store.Expired(ctx, cutoff, 500)
+			rows, err := e.store.Expired(ctx, cutoff, after, pageSize)
 			if err != nil || len(rows) == 0 {
 				return err
 			}
@@ -105,13 +108,17 @@ func (e *Expirer) settle(ctx context.Context, cutoff time.Time, atEstimate bool)
 				n, err = e.releaseExpired(ctx, rows)
 			}
 			total += n
-			if err != nil {
+			if err != nil || len(rows) < pageSize {
 				return err
 			}
+			after = rows[len(rows)-1]
 		}
 	})
 	return total, err
 }
+
+// pageSize is how many expired reservations settle at a time.
+const pageSize = 500
 
 // releaseExpired gives the estimates of expired rows back in Redis and
 // marks the rows whose release applied expired; it returns how many it

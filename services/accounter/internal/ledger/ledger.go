@@ -689,16 +689,21 @@ func (s *Store) ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, 
 	return tag.RowsAffected(), nil
 }
 
+// selectExpired pages through the expired reservations in the order of
+// (reserved_at, key), from after ($2 to $5): the rows a pass leaves open
+// (Expired) are passed, not read again.
 const selectExpired = `
 SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, -1, reserved_at, reserved_at, status, local
 FROM reservations
 WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1
-ORDER BY reserved_at LIMIT $2`
+    AND reserved_at >= $2 AND (reserved_at, tenant, user_id, request_id) > ($2, $3, $4, $5)
+ORDER BY reserved_at, tenant, user_id, request_id LIMIT $6`
 
 // Expired returns up to limit open reservations reserved before cutoff with
-// neither an actual nor a release, oldest first.
-func (s *Store) Expired(ctx context.Context, cutoff time.Time, limit int) ([]Reservation, error) {
-	rows, err := s.pool.Query(ctx, selectExpired, cutoff, limit)
+// neither an actual nor a release, oldest first, that come after the row
+// after (the zero Reservation: from the first) in that order.
+func (s *Store) Expired(ctx context.Context, cutoff time.Time, after Reservation, limit int) ([]Reservation, error) {
+	rows, err := s.pool.Query(ctx, selectExpired, cutoff, after.ReservedAt, after.Tenant, after.User, after.RequestID, limit)
 	if err != nil {
 		return nil, fmt.Errorf("select expired reservations: %w", err)
 	}

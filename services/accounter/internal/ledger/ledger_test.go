@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"maps"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -105,7 +106,7 @@ func TestExpire(t *testing.T) {
 	if _, err := s.Write(ctx, recs); err != nil {
 		t.Fatal(err)
 	}
-	rows, err := s.Expired(ctx, now.Add(-time.Hour), 10)
+	rows, err := s.Expired(ctx, now.Add(-time.Hour), Reservation{}, 10)
 	if err != nil || len(rows) != 1 || rows[0].RequestID != "old" {
 		t.Fatalf("Expired = %+v, %v; want the old reservation only", rows, err)
 	}
@@ -127,9 +128,38 @@ func TestExpire(t *testing.T) {
 	if n, _ := s.ExpireAtEstimate(ctx, now.Add(-time.Hour)); n != 0 {
 		t.Errorf("ExpireAtEstimate of a local reservation = %d, want 0", n)
 	}
-	rows, err = s.Expired(ctx, now.Add(-time.Hour), 10)
+	rows, err = s.Expired(ctx, now.Add(-time.Hour), Reservation{}, 10)
 	if err != nil || len(rows) != 1 || rows[0].RequestID != "local" || !rows[0].Local {
 		t.Errorf("Expired = %+v, %v; want the local reservation, marked local", rows, err)
+	}
+
+	// Pages go on after the last row of the one before, in the order of
+	// (reserved_at, key): rows left open are passed.
+	var recs2 []Record
+	for _, id := range []string{"p2", "p1", "p3"} { // p1 and p2 reserved at once
+		at := now.Add(-3 * time.Hour)
+		if id == "p3" {
+			at = at.Add(time.Second)
+		}
+		recs2 = append(recs2, Record{EventID: id, Kind: kindReserved, Tenant: "t", User: "u", RequestID: id, Tokens: 10,
+			OccurredAt: at, Payload: []byte(`{}`), Local: true})
+	}
+	if _, err := s.Write(ctx, recs2); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for after := (Reservation{}); ; {
+		page, err := s.Expired(ctx, now.Add(-time.Hour), after, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(page) == 0 {
+			break
+		}
+		got, after = append(got, page[0].RequestID), page[0]
+	}
+	if want := []string{"p1", "p2", "p3", "local"}; !slices.Equal(got, want) {
+		t.Errorf("pages of one = %v, want %v", got, want)
 	}
 }
 
