@@ -1586,18 +1586,24 @@ func TestExpiredReservationReleased(t *testing.T) {
 
 // A reservation whose actual Redis took while the batch's commit was lost
 // (a crash, Postgres failing) cannot expire: Redis holds its actual, and
-// it waits for its actual's redelivery. The expiry passes it by, and the
-// reservations after it expire all the same.
+// it waits for its actual's redelivery, neither settled at its estimate
+// nor given back in the ledger alone (the reconciliation would then take
+// the actual out of Redis). The expiry passes it by, and the reservations
+// after it expire all the same.
 func TestExpiryLeavesReservationRedisSettled(t *testing.T) {
 	for _, tc := range []struct {
-		name  string
-		local bool // decided without Redis (version 0)
+		name    string
+		local   bool // decided without Redis (version 0)
+		release bool // QF_SETTLE_EXPIRED_AT_ESTIMATE=false
 	}{
-		{"local", true},
+		{"at estimate", false, false},
+		{"given back", false, true},
+		{"local", true, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t)
 			e.cfg.ReservationTTL = 2 * time.Second
+			e.cfg.SettleExpiredAtEstimate = !tc.release
 			e.start(nil)
 			ten, usr, req := "ahead-"+e2e.RandomHex(4), "u1", "r1"
 			at := time.Now()
@@ -1626,15 +1632,19 @@ func TestExpiryLeavesReservationRedisSettled(t *testing.T) {
 			// Past its TTL and two expiry passes: the expiry has met it.
 			time.Sleep(time.Until(at.Add(e.cfg.ReservationTTL + 2*e.cfg.ExpiryInterval)))
 			e.reserve(ten, usr, "later", 50, true)
-			e.waitStatus(ten, usr, "later", "expired")
+			later, want := "expired", int64(450) // the actual, and the estimate of later
+			if tc.release {
+				later, want = "expired_released", 400
+			}
+			e.waitStatus(ten, usr, "later", later)
 			if st := e.status(ten, usr, req); st != "open" {
 				t.Fatalf("status of the reservation Redis settled = %s, want open (left for its actual)", st)
 			}
 			keep()
 			e.waitStatus(ten, usr, req, "settled")
 			e.reconciled(3)
-			if got := e.used(ten, usr, "5h"); got != 450 {
-				t.Errorf("5h used = %d, want 450 (the actual 400, the expired estimate 50)", got)
+			if got := e.used(ten, usr, "5h"); got != want {
+				t.Errorf("5h used = %d, want %d", got, want)
 			}
 		})
 	}

@@ -19,9 +19,7 @@ import (
 
 // Ledger is the part of the ledger the expiry task uses.
 type Ledger interface {
-	ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, error)
-	Expired(ctx context.Context, cutoff time.Time, after ledger.Reservation, limit int) ([]ledger.Reservation, error)
-	MarkExpired(ctx context.Context, keys []ledger.Key, status string) error
+	BeginExpired(ctx context.Context, cutoff time.Time, after ledger.Reservation, limit int) (*ledger.Tx, []ledger.Reservation, error)
 }
 
 // Options say which reservations have expired and how they are settled.
@@ -77,36 +75,26 @@ func (e *Expirer) Expire(ctx context.Context) {
 }
 
 // settle settles every reservation reserved before cutoff that got
-// neither an actual nor a release, and returns how many. At the estimate
-// (atEstimate), Redis already counts it and only the ledger changes, but
-// for a reservation decided without Redis (local), whose estimate is
-// charged now; otherwise the estimate is given back in Redis first (a
-// local one has none to give back). A late actual of such a reservation
-// is recorded in the ledger but corrects nothing.
+// neither an actual nor a release, and returns how many, a page at a time:
+// in Redis first, at its estimate (atEstimate: corrected to it, which
+// changes nothing where Redis holds the reservation and charges it where
+// the decision was made without Redis, local) or given back, then in the
+// ledger, whose page holds the rows locked from before Redis (a batch
+// bringing an actual meanwhile waits, finds the row expired, and records
+// the actual without correcting anything). A row Redis finds corrected
+// already stays open: Redis took its actual and the ledger's commit was
+// lost (a crash), and Redis keeps no record of what that actual was, so
+// the row waits for the actual's redelivery; the pass pages past it.
 func (e *Expirer) settle(ctx context.Context, cutoff time.Time, atEstimate bool) (int64, error) {
 	var total int64
-	if atEstimate {
-		n, err := e.store.ExpireAtEstimate(ctx, cutoff) // all but the local ones
-		if err != nil {
-			return n, err
-		}
-		total = n
-	}
-	// A row Redis finds settled already stays open, waiting for the event
-	// that settled it: the pass pages past it, and meets it again next time.
 	err := e.gate.Hold(func() error {
 		var after ledger.Reservation
 		for {
-			rows, err := e.store.Expired(ctx, cutoff, after, pageSize)
-			if err != nil || len(rows) == 0 {
+			tx, rows, err := e.store.BeginExpired(ctx, cutoff, after, pageSize)
+			if err != nil {
 				return err
 			}
-			var n int64
-			if atEstimate {
-				n, err = e.chargeExpired(ctx, rows)
-			} else {
-				n, err = e.releaseExpired(ctx, rows)
-			}
+			n, err := e.expire(ctx, tx, rows, atEstimate)
 			total += n
 			if err != nil || len(rows) < pageSize {
 				return err
@@ -120,52 +108,34 @@ func (e *Expirer) settle(ctx context.Context, cutoff time.Time, atEstimate bool)
 // pageSize is how many expired reservations settle at a time.
 const pageSize = 500
 
-// releaseExpired gives the estimates of expired rows back in Redis and
-// marks the rows whose release applied expired; it returns how many it
-// marked, and the first failure after marking the others.
-func (e *Expirer) releaseExpired(ctx context.Context, rows []ledger.Reservation) (int64, error) {
+// expire settles rows in Redis and commits tx, which locks them, with the
+// rows Redis settled now marked; it returns how many it marked, and the
+// first failure after marking the others.
+func (e *Expirer) expire(ctx context.Context, tx *ledger.Tx, rows []ledger.Reservation, atEstimate bool) (int64, error) {
+	defer tx.Rollback(ctx) // unless committed
+	status := ledger.StatusExpiredReleased
+	if atEstimate {
+		status = ledger.StatusExpired
+	}
 	effs := make([]effects.Effect, len(rows))
 	for i, r := range rows {
-		effs[i] = effects.Effect{Release: true, Row: r}
+		effs[i] = effects.Effect{Release: !atEstimate, Cost: max(r.Estimate, 0), Row: r}
 	}
-	keys := make([]ledger.Key, 0, len(rows))
+	var marks []ledger.Mark
 	var failed error
 	for i, o := range e.app.Apply(ctx, effs) {
-		if r := rows[i]; o.Err != nil {
-			failed = cmp.Or(failed, fmt.Errorf("release expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, o.Err))
-			continue
+		r, s := rows[i], o.Settlement
+		switch {
+		case o.Err != nil:
+			failed = cmp.Or(failed, fmt.Errorf("settle expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, o.Err))
+		// AlreadySettled by a correction: left open (see settle); by a
+		// release: given back, as expiring it would.
+		case s.Status != limits.AlreadySettled || s.ByRelease && !atEstimate:
+			marks = append(marks, ledger.Mark{Key: r.Key, Status: status})
 		}
-		keys = append(keys, rows[i].Key)
 	}
-	if err := e.store.MarkExpired(ctx, keys, ledger.StatusExpiredReleased); err != nil {
+	if err := tx.Commit(ctx, marks); err != nil {
 		return 0, err
 	}
-	return int64(len(keys)), failed
-}
-
-// chargeExpired settles expired local rows at their estimate: each is
-// corrected to its estimate, which charges it at its time where Redis holds
-// nothing for it (the decision was made without Redis) and changes nothing
-// where a Reserve that timed out did reserve it; then the rows are marked
-// expired. A row Redis finds settled already waits for the event that
-// settled it.
-func (e *Expirer) chargeExpired(ctx context.Context, rows []ledger.Reservation) (int64, error) {
-	effs := make([]effects.Effect, len(rows))
-	for i, r := range rows {
-		effs[i] = effects.Effect{Cost: max(r.Estimate, 0), Row: r}
-	}
-	keys := make([]ledger.Key, 0, len(rows))
-	for i, o := range e.app.Apply(ctx, effs) {
-		r := rows[i]
-		if o.Err != nil {
-			return 0, fmt.Errorf("charge expired %s/%s %s: %w", r.Tenant, r.User, r.RequestID, o.Err)
-		}
-		if st := o.Settlement.Status; st == limits.Settled || st == limits.ChargedUnknown {
-			keys = append(keys, r.Key)
-		}
-	}
-	if err := e.store.MarkExpired(ctx, keys, ledger.StatusExpired); err != nil {
-		return 0, err
-	}
-	return int64(len(keys)), nil
+	return int64(len(marks)), failed
 }

@@ -291,7 +291,9 @@ type WriteResult struct {
 // Tx is a batch's write in progress: its events and reservation rows are
 // written and locked, not yet committed. The consumer applies the batch's
 // Redis effects meanwhile, so that Commit records them (marks) in the same
-// transaction. Call Commit or Rollback; Rollback after Commit does nothing.
+// transaction. The expiry's pages are Txs too (BeginExpired), which lock
+// and write nothing but the rows of their marks. Call Commit or Rollback;
+// Rollback after Commit does nothing.
 //
 // It drives the transaction on a pooled connection itself, rather than
 // through pgx.Tx, so that BEGIN and COMMIT travel with other statements:
@@ -585,7 +587,8 @@ func (s *Store) Write(ctx context.Context, recs []Record) (WriteResult, error) {
 }
 
 // Mark records that Redis now holds the effect of a reservation's actual or
-// release event: Status is StatusSettled or StatusReleased.
+// release event (Status is StatusSettled or StatusReleased), or of its
+// expiry (StatusExpired or StatusExpiredReleased).
 type Mark struct {
 	Key
 	Status string
@@ -670,63 +673,51 @@ func markArgs(marks []Mark) []any {
 	return []any{t, u, r, st}
 }
 
-// expireAtEstimate settles, in the ledger only, open reservations without
-// an actual or a release that were reserved before $1: Redis already counts
-// their estimate, which is now final. Local ones are left to the caller,
-// which charges their estimate first.
-const expireAtEstimate = `
-UPDATE reservations SET status = 'expired', settled_at = now()
-WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1 AND NOT local`
-
-// ExpireAtEstimate settles every reservation reserved before cutoff that
-// got neither an actual nor a release at its estimate, but the local ones,
-// and returns how many it settled.
-func (s *Store) ExpireAtEstimate(ctx context.Context, cutoff time.Time) (int64, error) {
-	tag, err := s.pool.Exec(ctx, expireAtEstimate, cutoff)
-	if err != nil {
-		return 0, fmt.Errorf("expire reservations: %w", err)
-	}
-	return tag.RowsAffected(), nil
-}
-
-// selectExpired pages through the expired reservations in the order of
-// (reserved_at, key), from after ($2 to $5): the rows a pass leaves open
-// (Expired) are passed, not read again.
+// selectExpired locks a page of the expired reservations: open, with
+// neither an actual nor a release, reserved before $1, in the order of
+// (reserved_at, key) after ($2 to $5), so that a pass goes past the rows
+// it leaves open. It skips a row a batch holds (SKIP LOCKED), which is
+// getting an event: the next pass sees what the batch made of it.
 const selectExpired = `
-SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, -1, reserved_at, reserved_at, status, local
+SELECT tenant, user_id, request_id, plan, endpoint, estimated_tokens, reserved_at, local, day
 FROM reservations
 WHERE status = 'open' AND actual_tokens IS NULL AND released_at IS NULL AND reserved_at < $1
-    AND reserved_at >= $2 AND (reserved_at, tenant, user_id, request_id) > ($2, $3, $4, $5)
-ORDER BY reserved_at, tenant, user_id, request_id LIMIT $6`
+    AND (reserved_at, tenant, user_id, request_id) > ($2::timestamptz, $3, $4, $5)
+ORDER BY reserved_at, tenant, user_id, request_id LIMIT $6
+FOR UPDATE SKIP LOCKED`
 
-// Expired returns up to limit open reservations reserved before cutoff with
-// neither an actual nor a release, oldest first, that come after the row
-// after (the zero Reservation: from the first) in that order.
-func (s *Store) Expired(ctx context.Context, cutoff time.Time, after Reservation, limit int) ([]Reservation, error) {
-	rows, err := s.pool.Query(ctx, selectExpired, cutoff, after.ReservedAt, after.Tenant, after.User, after.RequestID, limit)
+// BeginExpired begins a transaction that locks up to limit open
+// reservations reserved before cutoff with neither an actual nor a release
+// and returns them, oldest first, after the row after (the zero
+// Reservation: from the first) in that order. The caller settles them in
+// Redis meanwhile and Commits the marks of those Redis settled
+// (StatusExpired, StatusExpiredReleased): a batch bringing an event of one
+// waits for the commit, and finds it expired.
+func (s *Store) BeginExpired(ctx context.Context, cutoff time.Time, after Reservation, limit int) (*Tx, []Reservation, error) {
+	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("select expired reservations: %w", err)
+		return nil, nil, fmt.Errorf("select expired reservations: %w", err)
 	}
+	t := &Tx{conn: conn, days: make(map[Key]time.Time, limit)}
 	var out []Reservation
-	var v Reservation
-	_, err = pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.Actual, &v.ReservedAt, &v.At, &v.Status, &v.Local}, func() error {
-		out = append(out, v)
-		return nil
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue(selectExpired, cutoff, after.ReservedAt, after.Tenant, after.User, after.RequestID, limit).Query(func(rows pgx.Rows) error {
+		v := Reservation{Actual: -1, Status: StatusOpen}
+		var day time.Time
+		_, err := pgx.ForEachRow(rows, []any{&v.Tenant, &v.User, &v.RequestID, &v.Plan, &v.Endpoint, &v.Estimate, &v.ReservedAt, &v.Local, &day}, func() error {
+			v.At = v.ReservedAt
+			out = append(out, v)
+			t.days[v.Key] = day
+			return nil
+		})
+		return err
 	})
-	if err != nil {
-		return nil, fmt.Errorf("select expired reservations: %w", err)
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		t.Rollback(ctx)
+		return nil, nil, fmt.Errorf("select expired reservations: %w", err)
 	}
-	return out, nil
-}
-
-// MarkExpired sets the status of the open reservations keys to status
-// (StatusExpired or StatusExpiredReleased).
-func (s *Store) MarkExpired(ctx context.Context, keys []Key, status string) error {
-	marks := make([]Mark, len(keys))
-	for i, k := range keys {
-		marks[i] = Mark{Key: k, Status: status}
-	}
-	return s.MarkSettled(ctx, marks)
+	return t, out, nil
 }
 
 // Usage is what the windows of a subject hold for its reservations at one

@@ -92,67 +92,113 @@ func TestWriteIsIdempotentAndMergesOutOfOrder(t *testing.T) {
 	}
 }
 
+// TestExpire pages through the expired reservations, each page locked
+// until it commits the marks of the rows Redis settled.
 func TestExpire(t *testing.T) {
 	pool := testPool(t)
 	s := New(pool)
 	ctx := context.Background()
 	now := time.Now()
+	cutoff := now.Add(-time.Hour)
 	recs := []Record{
 		{EventID: "old", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "old", Tokens: 10, OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`)},
 		{EventID: "new", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "new", Tokens: 10, OccurredAt: now, Payload: []byte(`{}`)},
 		{EventID: "done-r", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "done", Tokens: 10, OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`)},
 		{EventID: "done-a", Kind: kindActual, Tenant: "t", User: "u", RequestID: "done", Tokens: 5, OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`)},
+		{EventID: "local", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "local", Tokens: 10,
+			OccurredAt: now.Add(-90 * time.Minute), Payload: []byte(`{}`), Local: true},
 	}
 	if _, err := s.Write(ctx, recs); err != nil {
 		t.Fatal(err)
 	}
-	rows, err := s.Expired(ctx, now.Add(-time.Hour), Reservation{}, 10)
-	if err != nil || len(rows) != 1 || rows[0].RequestID != "old" {
-		t.Fatalf("Expired = %+v, %v; want the old reservation only", rows, err)
+	ids := func(rows []Reservation) (out []string) {
+		for _, r := range rows {
+			out = append(out, r.RequestID)
+		}
+		return out
 	}
-	n, err := s.ExpireAtEstimate(ctx, now.Add(-time.Hour))
-	if err != nil || n != 1 {
-		t.Fatalf("ExpireAtEstimate = %d, %v; want 1", n, err)
+	begin := func(after Reservation, limit int) (*Tx, []Reservation) {
+		t.Helper()
+		tx, rows, err := s.BeginExpired(ctx, cutoff, after, limit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tx.Rollback(ctx) }) // a test that failed holding it
+		return tx, rows
 	}
-	if n, _ := s.ExpireAtEstimate(ctx, now.Add(-time.Hour)); n != 0 {
-		t.Errorf("ExpireAtEstimate again = %d, want 0", n)
+	tx, rows := begin(Reservation{}, 10)
+	if !slices.Equal(ids(rows), []string{"old", "local"}) || rows[0].Local || !rows[1].Local {
+		t.Fatalf("BeginExpired = %+v; want old, then local (marked local)", rows)
 	}
-
-	// A reservation decided without Redis is left to the caller, which
-	// charges its estimate: Expired says it is local.
-	local := Record{EventID: "local", Kind: kindReserved, Tenant: "t", User: "u", RequestID: "local", Tokens: 10,
-		OccurredAt: now.Add(-2 * time.Hour), Payload: []byte(`{}`), Local: true}
-	if _, err := s.Write(ctx, []Record{local}); err != nil {
-		t.Fatal(err)
+	if r := rows[0]; r.Estimate != 10 || r.Actual != -1 || r.Status != StatusOpen || !r.At.Equal(r.ReservedAt) {
+		t.Errorf("expired row = %+v, want estimate 10, no actual, open, at its reservation", r)
 	}
-	if n, _ := s.ExpireAtEstimate(ctx, now.Add(-time.Hour)); n != 0 {
-		t.Errorf("ExpireAtEstimate of a local reservation = %d, want 0", n)
+	// Another page meanwhile passes the rows this one holds.
+	other, rows2 := begin(Reservation{}, 10)
+	if len(rows2) != 0 {
+		t.Fatalf("BeginExpired while the rows are locked = %+v; want none", rows2)
 	}
-	rows, err = s.Expired(ctx, now.Add(-time.Hour), Reservation{}, 10)
-	if err != nil || len(rows) != 1 || rows[0].RequestID != "local" || !rows[0].Local {
-		t.Errorf("Expired = %+v, %v; want the local reservation, marked local", rows, err)
+	other.Rollback(ctx)
+	// A batch bringing old's actual meanwhile waits for the page's commit,
+	// and finds old expired.
+	batch := make(chan *Tx, 1)
+	go func() {
+		b, err := s.Begin(ctx, []Record{{EventID: "old-a", Kind: kindActual, Tenant: "t", User: "u", RequestID: "old", Tokens: 5,
+			OccurredAt: now, Payload: []byte(`{}`)}})
+		if err != nil {
+			t.Error(err)
+		}
+		batch <- b
+	}()
+	waiting := false
+	for deadline := time.Now().Add(5 * time.Second); !waiting && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if err := pool.QueryRow(ctx, "SELECT count(*) > 0 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'").Scan(&waiting); err != nil {
+			t.Error(err)
+		}
+	}
+	if !waiting {
+		t.Error("the batch of old's actual did not wait for the page's lock")
+	}
+	// Redis settled old; local is left open.
+	if err := tx.Commit(ctx, []Mark{{Key: rows[0].Key, Status: StatusExpired}}); err != nil {
+		t.Error(err)
+	}
+	if b := <-batch; b != nil {
+		if st := b.Result.Reservations[rows[0].Key].Status; st != StatusExpired {
+			t.Errorf("status the batch of old's actual found = %s, want expired", st)
+		}
+		if err := b.Commit(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tx, rows = begin(Reservation{}, 10)
+	if !slices.Equal(ids(rows), []string{"local"}) {
+		t.Fatalf("BeginExpired after the commit = %v; want local alone", ids(rows))
+	}
+	tx.Rollback(ctx)
+	var st string
+	if err := pool.QueryRow(ctx, "SELECT status FROM reservations WHERE request_id = 'old'").Scan(&st); err != nil || st != StatusExpired {
+		t.Errorf("status of old = %q, %v; want expired", st, err)
 	}
 
 	// Pages go on after the last row of the one before, in the order of
-	// (reserved_at, key): rows left open are passed.
-	var recs2 []Record
+	// (reserved_at, key): the rows a pass leaves open are passed.
+	var more []Record
 	for _, id := range []string{"p2", "p1", "p3"} { // p1 and p2 reserved at once
 		at := now.Add(-3 * time.Hour)
 		if id == "p3" {
 			at = at.Add(time.Second)
 		}
-		recs2 = append(recs2, Record{EventID: id, Kind: kindReserved, Tenant: "t", User: "u", RequestID: id, Tokens: 10,
-			OccurredAt: at, Payload: []byte(`{}`), Local: true})
+		more = append(more, Record{EventID: id, Kind: kindReserved, Tenant: "t", User: "u", RequestID: id, Tokens: 10,
+			OccurredAt: at, Payload: []byte(`{}`)})
 	}
-	if _, err := s.Write(ctx, recs2); err != nil {
+	if _, err := s.Write(ctx, more); err != nil {
 		t.Fatal(err)
 	}
 	var got []string
 	for after := (Reservation{}); ; {
-		page, err := s.Expired(ctx, now.Add(-time.Hour), after, 1)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tx, page := begin(after, 1)
+		tx.Rollback(ctx)
 		if len(page) == 0 {
 			break
 		}
