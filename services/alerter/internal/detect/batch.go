@@ -184,7 +184,8 @@ func (d *Detector) snapshots(ctx context.Context, snaps []snap) error {
 				}
 				st := states[k]
 				prev := st.Fires
-				st, crossed := step(st, l.Used, l.Limit, s.at, resetAt(s.at, l), d.thresholds(s.tenant, s.plan, l), d.opt.Hysteresis)
+				r := d.rule(s.tenant, s.plan, l)
+				st, crossed := step(st, l.Used, l.Limit, s.at, resetAt(s.at, l), r.thresholds, r.resets, d.opt.Hysteresis)
 				states[k] = st
 				for j, t := range crossed {
 					data := ThresholdData{

@@ -384,19 +384,22 @@ func (d *Detector) Flush(ctx context.Context) error {
 	return nil
 }
 
-// SetPolicy makes p's alert thresholds those of the limits of the
-// snapshots handled from now on (docs/design.md §7: each limit's alerts,
-// or its kind's default). Call it with each policy that comes in force.
-// Threshold state needs no migration: a limit's level is a percentage,
-// which step reads under any list of thresholds.
+// SetPolicy makes p's alert thresholds and kinds those of the limits of
+// the snapshots handled from now on (docs/design.md §7: each limit's
+// alerts, or its kind's default; its kind says what its reset time
+// means). Call it with each policy that comes in force. Threshold state
+// needs no migration: a limit's level is a percentage, which step reads
+// under any list of thresholds; and a limit whose kind changed counts
+// afresh in Redis (policy.Rule.ID hashes the kind), so its first
+// snapshots under the new kind re-arm it by hysteresis.
 func (d *Detector) SetPolicy(p *policy.Policy) {
 	d.policy.Store(newAlertPolicy(p))
 }
 
-// thresholds returns the thresholds of limit l in a snapshot of tenant's
-// decided under plan ("" when unknown), by the policy in force.
-func (d *Detector) thresholds(tenant, plan string, l events.LimitState) []int {
-	return d.policy.Load().thresholds(tenant, plan, l.Scope, l.Endpoint, l.Name)
+// rule returns the rule of limit l in a snapshot of tenant's decided under
+// plan ("" when unknown), by the policy in force.
+func (d *Detector) rule(tenant, plan string, l events.LimitState) limitRule {
+	return d.policy.Load().rule(tenant, plan, l.Scope, l.Endpoint, l.Name)
 }
 
 // Prune re-arms the raised limits that p does not define (ReArmUndefined)
@@ -455,7 +458,7 @@ func (d *Detector) quiet(s snap) bool {
 		if d.raised[k] != 0 || d.unknown[k] {
 			return false
 		}
-		if ts := d.thresholds(s.tenant, s.plan, l); len(ts) > 0 && percent(l.Used, l.Limit) >= float64(ts[0]) {
+		if ts := d.rule(s.tenant, s.plan, l).thresholds; len(ts) > 0 && percent(l.Used, l.Limit) >= float64(ts[0]) {
 			return false
 		}
 	}

@@ -13,11 +13,12 @@ import (
 // cannot tell a limit's kind, so it cannot apply the defaults by kind.
 var legacyThresholds = policy.DefaultAlerts
 
-// alertPolicy finds the thresholds of a snapshot's limit in one policy
-// (policy.Limit.AlertThresholds). A snapshot names a limit by scope,
-// endpoint and name, and says whose it is (tenant, user) but, for a plan's
-// limit, not always its plan (a reserved event does, a corrected one does
-// not):
+// alertPolicy finds the rule of a snapshot's limit in one policy: its
+// thresholds (policy.Limit.AlertThresholds) and what its reset time means
+// (by its kind, which snapshots do not carry). A snapshot names a limit by
+// scope, endpoint and name, and says whose it is (tenant, user) but, for a
+// plan's limit, not always its plan (a reserved event does, a corrected
+// one does not):
 //   - tenant scope: the tenant's entry, by name;
 //   - user scope with an endpoint: that endpoint's user list, by name;
 //   - user scope without one: a plan's limit of that name, from the
@@ -27,18 +28,31 @@ var legacyThresholds = policy.DefaultAlerts
 // A limit the policy does not define (a reload removed it) alerts at
 // nothing; Detector.Prune re-arms it.
 type alertPolicy struct {
-	tenant   map[[2]string][]int // (tenant, name)
-	endpoint map[[2]string][]int // (endpoint, name)
-	plan     map[[2]string][]int // (plan, name)
-	anyPlan  map[string][]int    // name → in the first plan, by name, that has it
-	planOf   map[string]string   // tenant → its plan, when it names one
-	dflt     string              // default_plan
+	tenant   map[[2]string]limitRule // (tenant, name)
+	endpoint map[[2]string]limitRule // (endpoint, name)
+	plan     map[[2]string]limitRule // (plan, name)
+	anyPlan  map[string]limitRule    // name → in the first plan, by name, that has it
+	planOf   map[string]string       // tenant → its plan, when it names one
+	dflt     string                  // default_plan
 }
+
+// limitRule is how a limit alerts: at thresholds, re-armed by resets.
+type limitRule struct {
+	thresholds []int
+	resets     resets
+}
+
+func ruleOf(l *policy.Limit) limitRule {
+	return limitRule{thresholds: l.AlertThresholds(), resets: resetsOf(l.Kind)}
+}
+
+// legacyRule is every limit's when the alerter reads no policy.
+var legacyRule = limitRule{thresholds: legacyThresholds, resets: resetsGuessed}
 
 func newAlertPolicy(p *policy.Policy) *alertPolicy {
 	ap := &alertPolicy{
-		tenant: map[[2]string][]int{}, endpoint: map[[2]string][]int{}, plan: map[[2]string][]int{},
-		anyPlan: map[string][]int{}, planOf: map[string]string{}, dflt: p.DefaultPlan,
+		tenant: map[[2]string]limitRule{}, endpoint: map[[2]string]limitRule{}, plan: map[[2]string]limitRule{},
+		anyPlan: map[string]limitRule{}, planOf: map[string]string{}, dflt: p.DefaultPlan,
 	}
 	for _, name := range slices.Sorted(maps.Keys(p.Plans)) {
 		pl := p.Plans[name]
@@ -46,9 +60,9 @@ func newAlertPolicy(p *policy.Policy) *alertPolicy {
 			continue
 		}
 		for _, l := range slices.Concat(pl.Quotas, pl.Rates) {
-			ap.plan[[2]string{name, l.Name}] = l.AlertThresholds()
+			ap.plan[[2]string{name, l.Name}] = ruleOf(&l)
 			if _, ok := ap.anyPlan[l.Name]; !ok {
-				ap.anyPlan[l.Name] = l.AlertThresholds()
+				ap.anyPlan[l.Name] = ruleOf(&l)
 			}
 		}
 	}
@@ -60,7 +74,7 @@ func newAlertPolicy(p *policy.Policy) *alertPolicy {
 			ap.planOf[id] = t.Plan
 		}
 		for _, l := range slices.Concat(t.Quotas, t.Rates) {
-			ap.tenant[[2]string{id, l.Name}] = l.AlertThresholds()
+			ap.tenant[[2]string{id, l.Name}] = ruleOf(&l)
 		}
 	}
 	for path, e := range p.Endpoints {
@@ -68,33 +82,34 @@ func newAlertPolicy(p *policy.Policy) *alertPolicy {
 			continue
 		}
 		for _, l := range e.User {
-			ap.endpoint[[2]string{path, l.Name}] = l.AlertThresholds()
+			ap.endpoint[[2]string{path, l.Name}] = ruleOf(&l)
 		}
 	}
 	return ap
 }
 
-// thresholds returns the thresholds of a limit of scope, endpoint and name
-// in a snapshot of tenant's, decided under plan ("" when unknown). A nil
-// alertPolicy (no policy read) gives legacyThresholds.
-func (ap *alertPolicy) thresholds(tenant, plan, scope, endpoint, name string) []int {
+// rule returns the rule of a limit of scope, endpoint and name in a
+// snapshot of tenant's, decided under plan ("" when unknown). A nil
+// alertPolicy (no policy read) gives legacyRule; a limit it does not
+// define, the zero rule (no thresholds).
+func (ap *alertPolicy) rule(tenant, plan, scope, endpoint, name string) limitRule {
 	switch {
 	case ap == nil:
-		return legacyThresholds
+		return legacyRule
 	case scope == "tenant":
 		return ap.tenant[[2]string{tenant, name}]
 	case endpoint != "":
 		return ap.endpoint[[2]string{endpoint, name}]
 	}
-	if ts, ok := ap.plan[[2]string{plan, name}]; ok {
-		return ts
+	if r, ok := ap.plan[[2]string{plan, name}]; ok {
+		return r
 	}
 	own, ok := ap.planOf[tenant]
 	if !ok {
 		own = ap.dflt
 	}
-	if ts, ok := ap.plan[[2]string{own, name}]; ok {
-		return ts
+	if r, ok := ap.plan[[2]string{own, name}]; ok {
+		return r
 	}
 	return ap.anyPlan[name]
 }

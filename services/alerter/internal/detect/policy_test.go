@@ -178,14 +178,14 @@ func TestThresholdsReload(t *testing.T) {
 // does not define a limit (a reload removed it) alerts it at nothing.
 func TestThresholdsWithoutPolicy(t *testing.T) {
 	ap := (*alertPolicy)(nil)
-	if got := ap.thresholds("acme", "", "user", "", "rps"); !slices.Equal(got, []int{80, 90, 100}) {
-		t.Errorf("no policy: %v, want 80 90 100", got)
+	if got := ap.rule("acme", "", "user", "", "rps"); !slices.Equal(got.thresholds, []int{80, 90, 100}) || got.resets != resetsGuessed {
+		t.Errorf("no policy: %+v, want 80 90 100, reset guessed", got)
 	}
 	ap = newAlertPolicy(mustPolicy(t, perLimitPolicy))
 	for _, tc := range []struct{ tenant, plan, scope, endpoint, name string }{
 		{"acme", "free", "user", "", "gone"}, {"other", "", "tenant", "", "month"}, {"acme", "", "user", "/x", "ep"},
 	} {
-		if got := ap.thresholds(tc.tenant, tc.plan, tc.scope, tc.endpoint, tc.name); got != nil {
+		if got := ap.rule(tc.tenant, tc.plan, tc.scope, tc.endpoint, tc.name).thresholds; got != nil {
 			t.Errorf("%+v: %v, want none", tc, got)
 		}
 	}
