@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
 
+	"quotaflow/services/alerter/internal/detect"
 	"quotaflow/services/alerter/internal/store"
 )
 
@@ -114,7 +116,7 @@ type Deliverer struct {
 const (
 	ResultDelivered = "delivered" // 2xx
 	ResultFailed    = "failed"    // will be retried
-	ResultDead      = "dead"      // given up: too old, refused address or unknown webhook
+	ResultDead      = "dead"      // given up: too old, refused address, unknown webhook or one that no longer takes it
 )
 
 // New returns a Deliverer over ob sending to hooks, counting attempts in
@@ -146,9 +148,10 @@ func New(ob Outbox, hooks []Webhook, opt Options, log *slog.Logger, reg promethe
 
 // SetWebhooks replaces the webhooks alerts are routed and sent to (a
 // reload of QF_WEBHOOKS_FILE). It changes nothing when one of them is
-// unusable. Deliveries already queued for a webhook that is gone are
-// marked dead at their next attempt; attempts in flight finish with the
-// endpoint they started with.
+// unusable. Deliveries already queued for a webhook that is gone, or that
+// its new kinds, tenants or min_threshold no longer take, are marked dead
+// at their next attempt; attempts in flight finish with the endpoint they
+// started with.
 func (d *Deliverer) SetWebhooks(hooks []Webhook) error {
 	d.mu.RLock()
 	old := d.hooks
@@ -314,6 +317,12 @@ func (d *Deliverer) attempt(ctx context.Context, dl store.Delivery) error {
 	if ep == nil {
 		return d.fail(ctx, log, dl, "webhook not configured", 0, true)
 	}
+	// Routing chose the webhook when the alert was queued; a reload since
+	// may have narrowed its filters, or pointed its name at another
+	// receiver (another tenant's).
+	if !ep.hook.Wants(dl.Kind, dl.Tenant, threshold(dl)) {
+		return d.fail(ctx, log, dl, "webhook no longer takes this alert (its kinds, tenants or min_threshold changed)", 0, true)
+	}
 	status, err := ep.send(ctx, MessageID(dl.AlertID, dl.Webhook), dl.Payload, d.opt.AttemptTimeout)
 	if ctx.Err() != nil {
 		return nil // shutting down: the lease passes and it is retried
@@ -331,6 +340,21 @@ func (d *Deliverer) attempt(ctx context.Context, dl store.Delivery) error {
 	log.Debug("alert delivered", "status", status)
 	d.Notify() // the next alert of its group is due
 	return nil
+}
+
+// threshold is the percentage a quota.threshold delivery's body names, 0
+// for other kinds (as Route was given it).
+func threshold(dl store.Delivery) int {
+	if dl.Kind != detect.KindThreshold {
+		return 0
+	}
+	var b struct {
+		Data struct {
+			Threshold int `json:"threshold"`
+		} `json:"data"`
+	}
+	_ = json.Unmarshal(dl.Payload, &b) // the alerter wrote it: a body without one is 0
+	return b.Data.Threshold
 }
 
 func (d *Deliverer) fail(ctx context.Context, log *slog.Logger, dl store.Delivery, cause string, status int, permanent bool) error {

@@ -1,0 +1,105 @@
+package deliver
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"quotaflow/internal/pgtest"
+	"quotaflow/services/alerter/internal/store"
+)
+
+// A reload that narrows a webhook's filters, or points its name at
+// another receiver for another tenant, sends none of the deliveries queued
+// under its old filters: they die at their next attempt, as a removed
+// webhook's do, and those it still takes go out.
+func TestReloadedFiltersDropPending(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t, "qf_alerter_deliver_reload", store.Migrate)
+	st := store.New(pool)
+	var up atomic.Bool // the first receiver is down until the reload
+	got := make(chan string, 8)
+	recv := func(name string, down *atomic.Bool) *httptest.Server {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if down != nil && !down.Load() {
+				w.WriteHeader(http.StatusServiceUnavailable)
+				return
+			}
+			b, _ := io.ReadAll(r.Body)
+			got <- name + " " + string(b)
+		}))
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	acme, globex := recv("acme", &up), recv("globex", nil)
+	customer := Webhook{Name: "customer", URL: acme.URL, Secret: testSecret, Tenants: []string{"acme"}, AllowPrivate: true}
+	ops := Webhook{Name: "ops", URL: acme.URL, Secret: testSecret, Kinds: []string{"quota.threshold"}, AllowPrivate: true}
+	d, err := New(st, []Webhook{customer, ops}, Options{MinBackoff: time.Millisecond, MaxBackoff: 2 * time.Millisecond},
+		slog.New(slog.DiscardHandler), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range []store.Alert{
+		{ID: "a80", Tenant: "acme", Payload: []byte(`{"type":"quota.threshold","data":{"tenant":"acme","threshold":80}}`)},
+		{ID: "a95", Tenant: "acme", Payload: []byte(`{"type":"quota.threshold","data":{"tenant":"acme","threshold":95}}`)},
+	} { // each queued for both webhooks
+		a.Kind = "quota.threshold"
+		err := st.Update(ctx, func(tx *store.Tx) error { return tx.Enqueue(ctx, a, d.Route(a.Kind, a.Tenant, 80)) })
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := d.Once(ctx); err != nil { // all refused: they wait for a retry
+		t.Fatal(err)
+	}
+
+	customer.URL, customer.Tenants = globex.URL, []string{"globex"} // the name now serves another customer
+	ops.MinThreshold = 90
+	if err := d.SetWebhooks([]Webhook{customer, ops}); err != nil {
+		t.Fatal(err)
+	}
+	up.Store(true)
+	time.Sleep(10 * time.Millisecond) // past the backoff
+	if _, err := d.Once(ctx); err != nil {
+		t.Fatal(err)
+	}
+	close(got)
+	var sent []string
+	for g := range got {
+		sent = append(sent, g)
+	}
+	if len(sent) != 1 || !strings.HasPrefix(sent[0], "acme ") || !strings.Contains(sent[0], `"threshold":95`) {
+		t.Errorf("after the reload the receivers got %q, want only ops's 95 %% alert", sent)
+	}
+	rows, err := pool.Query(ctx, `SELECT alert_id || ' ' || webhook, status, last_error FROM webhook_outbox`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		key, status, lastErr string
+		dropped              []string
+	)
+	_, err = pgx.ForEachRow(rows, []any{&key, &status, &lastErr}, func() error {
+		if status == store.StatusDead && strings.HasPrefix(lastErr, "webhook no longer takes") {
+			dropped = append(dropped, key)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(dropped)
+	if want := []string{"a80 customer", "a80 ops", "a95 customer"}; !slices.Equal(dropped, want) {
+		t.Errorf("deliveries dead as no longer taken: %q, want %q", dropped, want)
+	}
+}
