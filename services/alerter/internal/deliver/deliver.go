@@ -86,7 +86,7 @@ func (o Options) withDefaults() Options {
 
 // Outbox is the part of store.Store the Deliverer uses.
 type Outbox interface {
-	Claim(ctx context.Context, n int, lease time.Duration) ([]store.Delivery, error)
+	Claim(ctx context.Context, n int, lease, maxAge time.Duration) ([]store.Delivery, error)
 	Delivered(ctx context.Context, id int64, status int) error
 	Failed(ctx context.Context, id int64, cause string, status int, backoff, maxAge time.Duration, permanent bool) (string, error)
 	PruneOutbox(ctx context.Context, before time.Time) (int64, error)
@@ -272,7 +272,7 @@ func (d *Deliverer) Retain(ctx context.Context) {
 func (d *Deliverer) Once(ctx context.Context) (int, error) {
 	// The lease outlasts an attempt, so nobody retries one in flight; if
 	// this process dies mid-attempt, the delivery is due again after it.
-	batch, err := d.ob.Claim(ctx, d.opt.Batch, d.opt.AttemptTimeout+5*time.Second)
+	batch, err := d.ob.Claim(ctx, d.opt.Batch, d.opt.AttemptTimeout+5*time.Second, d.opt.MaxAge)
 	if err != nil {
 		return 0, err
 	}
@@ -280,6 +280,10 @@ func (d *Deliverer) Once(ctx context.Context) (int, error) {
 	// one connection at a time per receiver.
 	byHook := map[string][]store.Delivery{}
 	for _, dl := range batch {
+		if dl.Status == store.StatusDead { // past MaxAge: Claim gave it up
+			d.dead(d.logger(dl), dl.LastError)
+			continue
+		}
 		byHook[dl.Webhook] = append(byHook[dl.Webhook], dl)
 	}
 	var (
@@ -310,7 +314,7 @@ func MessageID(alertID, webhook string) string {
 }
 
 func (d *Deliverer) attempt(ctx context.Context, dl store.Delivery) error {
-	log := d.log.With("alert_id", dl.AlertID, "webhook", dl.Webhook, "kind", dl.Kind, "attempt", dl.Attempts)
+	log := d.logger(dl)
 	d.mu.RLock()
 	ep := d.hooks[dl.Webhook]
 	d.mu.RUnlock()
@@ -363,14 +367,23 @@ func (d *Deliverer) fail(ctx context.Context, log *slog.Logger, dl store.Deliver
 		return err
 	}
 	if st == store.StatusDead {
-		d.results.WithLabelValues(ResultDead).Inc()
-		log.Warn("alert delivery dead: giving up", "err", cause)
-		d.Notify() // the next alert of its group is due
+		d.dead(log, cause)
 		return nil
 	}
 	d.results.WithLabelValues(ResultFailed).Inc()
 	log.Info("alert delivery failed; will retry", "err", cause)
 	return nil
+}
+
+func (d *Deliverer) logger(dl store.Delivery) *slog.Logger {
+	return d.log.With("alert_id", dl.AlertID, "webhook", dl.Webhook, "kind", dl.Kind, "attempt", dl.Attempts)
+}
+
+// dead counts and logs a delivery given up.
+func (d *Deliverer) dead(log *slog.Logger, cause string) {
+	d.results.WithLabelValues(ResultDead).Inc()
+	log.Warn("alert delivery dead: giving up", "err", cause)
+	d.Notify() // the next alert of its group is due
 }
 
 // backoff is the delay after the attempts-th failed attempt: MinBackoff

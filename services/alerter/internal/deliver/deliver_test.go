@@ -56,7 +56,7 @@ type fakeOutbox struct {
 	pruned []time.Time // the before of each PruneOutbox
 }
 
-func (f *fakeOutbox) Claim(_ context.Context, n int, _ time.Duration) ([]store.Delivery, error) {
+func (f *fakeOutbox) Claim(_ context.Context, n int, _, _ time.Duration) ([]store.Delivery, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	n = min(n, len(f.due))

@@ -2,8 +2,16 @@ package deliver
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"io"
+	"log"
 	"log/slog"
+	"math/big"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -101,5 +109,52 @@ func TestReloadedFiltersDropPending(t *testing.T) {
 	slices.Sort(dropped)
 	if want := []string{"a80 customer", "a80 ops", "a95 customer"}; !slices.Equal(dropped, want) {
 		t.Errorf("deliveries dead as no longer taken: %q, want %q", dropped, want)
+	}
+}
+
+// A receiver whose TLS certificate names "evil\x00host" puts a NUL byte in
+// the attempt's error, which the outbox stores all the same: before, it
+// could not, and the delivery stayed pending, retried at each lease for
+// ever, past the max age, holding back the later alerts of its limit.
+func TestNulInAttemptErrorIsRecorded(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t, "qf_alerter_deliver_nul", store.Migrate)
+	st := store.New(pool)
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "x"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), DNSNames: []string{"evil\x00host"}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	srv.TLS = &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}}
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0)
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+
+	hook := Webhook{Name: "cust", URL: strings.Replace(srv.URL, "127.0.0.1", "localhost", 1), Secret: testSecret, AllowPrivate: true}
+	d, err := New(st, []Webhook{hook}, Options{MaxAge: time.Nanosecond}, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = st.Update(ctx, func(tx *store.Tx) error {
+		return tx.Enqueue(ctx, store.Alert{ID: "a80", Kind: "quota.threshold", Tenant: "acme", Payload: []byte(`{}`)}, []string{"cust"})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.Once(ctx); err != nil {
+		t.Errorf("Once: %v", err)
+	}
+	var status, lastErr string
+	if err := pool.QueryRow(ctx, `SELECT status, last_error FROM webhook_outbox`).Scan(&status, &lastErr); err != nil {
+		t.Fatal(err)
+	}
+	if status != store.StatusDead || !strings.Contains(lastErr, `evil\x00host`) {
+		t.Errorf("the failed delivery past the max age is %s, last error %q; want dead, naming evil\\x00host", status, lastErr)
 	}
 }

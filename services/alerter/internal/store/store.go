@@ -21,6 +21,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -247,16 +249,25 @@ type Delivery struct {
 	DeliveredAt time.Time // zero until delivered
 }
 
+// qClaim leases the due deliveries, but for those past the max age ($3)
+// that were attempted before: they die instead (recording their last
+// attempt's outcome may have failed, leaving them pending).
 const qClaim = `
-UPDATE webhook_outbox SET attempts = attempts + 1, next_attempt_at = now() + make_interval(secs => $2)
-WHERE id IN (
-  SELECT o.id FROM webhook_outbox o
+WITH due AS (
+  SELECT o.id, o.attempts > 0 AND o.created_at + make_interval(secs => $3) <= now() AS expired
+  FROM webhook_outbox o
   WHERE o.status = 'pending' AND o.next_attempt_at <= now()
     AND (o.order_key = '' OR NOT EXISTS (
       SELECT 1 FROM webhook_outbox p
       WHERE p.webhook = o.webhook AND p.order_key = o.order_key AND p.status = 'pending' AND p.id < o.id))
   ORDER BY o.next_attempt_at LIMIT $1 FOR UPDATE OF o SKIP LOCKED)
-RETURNING id, alert_id, webhook, kind, tenant, payload, attempts, status, created_at`
+UPDATE webhook_outbox w SET
+  status = CASE WHEN due.expired THEN 'dead' ELSE 'pending' END,
+  attempts = w.attempts + CASE WHEN due.expired THEN 0 ELSE 1 END,
+  next_attempt_at = CASE WHEN due.expired THEN w.next_attempt_at ELSE now() + make_interval(secs => $2) END,
+  last_error = CASE WHEN due.expired THEN left('past the max age when due again; last error: ' || w.last_error, $4) ELSE w.last_error END
+FROM due WHERE w.id = due.id
+RETURNING w.id, w.alert_id, w.webhook, w.kind, w.tenant, w.payload, w.attempts, w.status, w.last_error, w.created_at`
 
 // Claim takes up to n due deliveries, in outbox order, and pushes their next attempt lease
 // into the future, so another instance (or this one after a crash) tries
@@ -265,16 +276,18 @@ RETURNING id, alert_id, webhook, kind, tenant, payload, attempts, status, create
 // with an Alert.Order is taken only when no earlier one of its webhook and
 // order is pending, due or waiting for a retry, so backoff never reorders
 // a group: the next one becomes due once the earlier is delivered or dead.
-// (Waiting ages it: past the max age of Failed its first failure is
-// final.)
-func (s *Store) Claim(ctx context.Context, n int, lease time.Duration) ([]Delivery, error) {
-	rows, err := s.pool.Query(ctx, qClaim, n, lease.Seconds())
+// (Waiting ages it: past maxAge its first failure is final.) A delivery
+// attempted before and due again past maxAge is returned dead, not
+// leased: it dies even when recording its attempts' outcome keeps
+// failing.
+func (s *Store) Claim(ctx context.Context, n int, lease, maxAge time.Duration) ([]Delivery, error) {
+	rows, err := s.pool.Query(ctx, qClaim, n, lease.Seconds(), maxAge.Seconds(), maxErrorLen)
 	if err != nil {
 		return nil, fmt.Errorf("claim deliveries: %w", err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Delivery, error) {
 		var d Delivery
-		err := r.Scan(&d.ID, &d.AlertID, &d.Webhook, &d.Kind, &d.Tenant, &d.Payload, &d.Attempts, &d.Status, &d.CreatedAt)
+		err := r.Scan(&d.ID, &d.AlertID, &d.Webhook, &d.Kind, &d.Tenant, &d.Payload, &d.Attempts, &d.Status, &d.LastError, &d.CreatedAt)
 		return d, err
 	})
 	if err != nil {
@@ -306,11 +319,39 @@ WHERE id = $1 RETURNING status`
 // case it is dead. It returns the new status.
 func (s *Store) Failed(ctx context.Context, id int64, cause string, httpStatus int, backoff, maxAge time.Duration, permanent bool) (string, error) {
 	var st string
-	err := s.pool.QueryRow(ctx, qRetry, id, cause, backoff.Seconds(), maxAge.Seconds(), permanent, httpStatus).Scan(&st)
+	err := s.pool.QueryRow(ctx, qRetry, id, storableError(cause), backoff.Seconds(), maxAge.Seconds(), permanent, httpStatus).Scan(&st)
 	if err != nil {
 		return "", fmt.Errorf("mark delivery %d failed: %w", id, err)
 	}
 	return st, nil
+}
+
+// maxErrorLen bounds a stored last_error, in bytes (about).
+const maxErrorLen = 500
+
+// storableError is cause as a text column takes it: valid UTF-8 without
+// NUL (Postgres refuses it) nor other control characters, each byte of
+// them escaped as \xNN (a receiver's TLS certificate may name a host
+// with them), cut after maxErrorLen bytes.
+func storableError(cause string) string {
+	var b strings.Builder
+	i := 0
+	for i < len(cause) && b.Len() < maxErrorLen {
+		r, n := utf8.DecodeRuneInString(cause[i:])
+		switch {
+		case r == utf8.RuneError && n == 1: // not UTF-8
+			fmt.Fprintf(&b, `\x%02x`, cause[i])
+		case unicode.IsControl(r): // C0, DEL or C1: one byte's value
+			fmt.Fprintf(&b, `\x%02x`, r)
+		default:
+			b.WriteString(cause[i : i+n])
+		}
+		i += n
+	}
+	if i < len(cause) {
+		b.WriteString("…")
+	}
+	return b.String()
 }
 
 // pruneBatch bounds the rows one DELETE of PruneOutbox removes, so the

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,12 +82,12 @@ func TestOutbox(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := s.Claim(ctx, 10, time.Hour)
+	got, err := s.Claim(ctx, 10, time.Hour, time.Hour)
 	if err != nil || len(got) != 2 || got[0].AlertID != "a1" || got[1].AlertID != "a2" || got[0].Attempts != 1 {
 		t.Fatalf("Claim = %+v, %v; want a1, a2 at attempt 1", got, err)
 	}
 	// Leased: nothing is due until the lease passes.
-	if again, err := s.Claim(ctx, 10, time.Hour); err != nil || len(again) != 0 {
+	if again, err := s.Claim(ctx, 10, time.Hour, time.Hour); err != nil || len(again) != 0 {
 		t.Fatalf("Claim during the lease = %+v, %v; want none", again, err)
 	}
 	if err := s.Delivered(ctx, got[0].ID, 204); err != nil {
@@ -96,7 +97,7 @@ func TestOutbox(t *testing.T) {
 	if st, err := s.Failed(ctx, got[1].ID, "receiver answered 500", 500, 0, time.Hour, false); err != nil || st != StatusPending {
 		t.Fatalf("Failed = %q, %v; want pending", st, err)
 	}
-	if again, err := s.Claim(ctx, 10, time.Hour); err != nil || len(again) != 1 || again[0].Attempts != 2 {
+	if again, err := s.Claim(ctx, 10, time.Hour, time.Hour); err != nil || len(again) != 1 || again[0].Attempts != 2 {
 		t.Fatalf("Claim after backoff 0 = %+v, %v; want a2 at attempt 2", again, err)
 	}
 	if st, err := s.Failed(ctx, got[1].ID, "receiver answered 500", 500, 0, time.Nanosecond, false); err != nil || st != StatusDead {
@@ -130,7 +131,7 @@ func TestClaimKeepsOrder(t *testing.T) {
 	}
 	claim := func() map[string][]int64 {
 		t.Helper()
-		ds, err := s.Claim(ctx, 100, time.Hour)
+		ds, err := s.Claim(ctx, 100, time.Hour, time.Hour)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -196,5 +197,73 @@ func TestPruneOutbox(t *testing.T) {
 	left, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if want := []string{"at-cutoff", "new-delivered", "old-pending"}; err != nil || !slices.Equal(left, want) {
 		t.Errorf("left %v, %v; want %v", left, err, want)
+	}
+}
+
+// A failure's cause is stored whatever bytes it holds (Postgres text
+// refuses NUL and invalid UTF-8): escaped, and cut when long.
+func TestFailedStoresAnyCause(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	err := s.Update(ctx, func(tx *Tx) error {
+		return tx.Enqueue(ctx, Alert{ID: "a1", Kind: "quota.threshold", Payload: []byte("{}")}, []string{"ops"})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Claim(ctx, 10, time.Hour, time.Hour)
+	if err != nil || len(got) != 1 {
+		t.Fatalf("Claim = %+v, %v", got, err)
+	}
+	cause := "x509: certificate is valid for evil\x00host\xff\u0085, not localhost é"
+	if st, err := s.Failed(ctx, got[0].ID, cause, 0, 0, time.Hour, false); err != nil || st != StatusPending {
+		t.Fatalf("Failed = %q, %v; want pending", st, err)
+	}
+	log, err := s.Deliveries(ctx, "")
+	if want := `x509: certificate is valid for evil\x00host\xff\x85, not localhost é`; err != nil || log[0].LastError != want {
+		t.Fatalf("last_error = %q, %v; want %q", log[0].LastError, err, want)
+	}
+	long := storableError(strings.Repeat("é", maxErrorLen))
+	if len(long) > maxErrorLen+len("é…") || !strings.HasSuffix(long, "é…") {
+		t.Errorf("a long cause is stored as %d bytes ending %q", len(long), long[len(long)-8:])
+	}
+}
+
+// A delivery attempted before and due again past the max age dies at
+// Claim, though no outcome of its attempt was recorded; one never
+// attempted (it waited behind an earlier one of its order) is still
+// handed out once.
+func TestClaimKillsExpired(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	err := s.Update(ctx, func(tx *Tx) error {
+		return tx.Enqueue(ctx, Alert{ID: "tried", Kind: "quota.threshold", Payload: []byte("{}")}, []string{"ops"})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := s.Claim(ctx, 10, time.Millisecond, time.Hour); err != nil || len(got) != 1 {
+		t.Fatalf("Claim = %+v, %v", got, err)
+	}
+	err = s.Update(ctx, func(tx *Tx) error {
+		return tx.Enqueue(ctx, Alert{ID: "waited", Kind: "quota.threshold", Payload: []byte("{}")}, []string{"ops"})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(10 * time.Millisecond) // the lease passes, no outcome recorded
+	got, err := s.Claim(ctx, 10, time.Hour, time.Nanosecond)
+	if err != nil || len(got) != 2 {
+		t.Fatalf("Claim past the max age = %+v, %v; want both", got, err)
+	}
+	byID := map[string]Delivery{got[0].AlertID: got[0], got[1].AlertID: got[1]}
+	if d := byID["tried"]; d.Status != StatusDead || d.Attempts != 1 || !strings.HasPrefix(d.LastError, "past the max age") {
+		t.Errorf("the delivery attempted before: %+v; want dead at attempt 1, past the max age", d)
+	}
+	if d := byID["waited"]; d.Status != StatusPending || d.Attempts != 1 {
+		t.Errorf("the delivery never attempted: %+v; want handed out, attempt 1", d)
+	}
+	if again, err := s.Claim(ctx, 10, time.Hour, time.Nanosecond); err != nil || len(again) != 0 {
+		t.Errorf("Claim after = %+v, %v; want none (dead, leased)", again, err)
 	}
 }
