@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"net/url"
@@ -40,7 +41,9 @@ type Options struct {
 	// Poll is how often the outbox is checked when nothing wakes the
 	// deliverer.
 	Poll time.Duration
-	// Batch is how many deliveries one pass claims and sends in parallel.
+	// Batch is the most deliveries one claim takes; each webhook's are
+	// sent one after another, webhooks in parallel, and a webhook with an
+	// attempt running is not claimed for until its attempts end.
 	Batch int
 	// Retention is how long delivered and dead deliveries stay in the
 	// outbox, which is also the log of a tenant's recent alerts.
@@ -86,7 +89,8 @@ func (o Options) withDefaults() Options {
 
 // Outbox is the part of store.Store the Deliverer uses.
 type Outbox interface {
-	Claim(ctx context.Context, n int, lease, maxAge time.Duration) ([]store.Delivery, error)
+	Claim(ctx context.Context, n int, lease, maxAge time.Duration, skip []string) ([]store.Delivery, error)
+	Extend(ctx context.Context, id int64, attempts int, lease time.Duration) (bool, error)
 	Delivered(ctx context.Context, id int64, status int) error
 	Failed(ctx context.Context, id int64, cause string, status int, backoff, maxAge time.Duration, permanent bool) (string, error)
 	PruneOutbox(ctx context.Context, before time.Time) (int64, error)
@@ -110,6 +114,9 @@ type Deliverer struct {
 	mu    sync.RWMutex
 	hooks map[string]*endpoint // by name
 	list  []Webhook            // in file order, for Route
+
+	flyMu  sync.Mutex
+	flying map[string]bool // the webhooks with attempts running, by name
 }
 
 // Results of quotaflow_webhook_deliveries_total: one per attempt.
@@ -125,7 +132,7 @@ const (
 func New(ob Outbox, hooks []Webhook, opt Options, log *slog.Logger, reg prometheus.Registerer) (*Deliverer, error) {
 	d := &Deliverer{
 		ob: ob, opt: opt.withDefaults(), log: log.With("component", "deliver"),
-		hooks: map[string]*endpoint{}, wake: make(chan struct{}, 1),
+		hooks: map[string]*endpoint{}, wake: make(chan struct{}, 1), flying: map[string]bool{},
 	}
 	if err := d.SetWebhooks(hooks); err != nil {
 		return nil, err
@@ -214,16 +221,24 @@ func (d *Deliverer) Notify() {
 	}
 }
 
-// Run sends due deliveries until ctx ends: at each Notify and every Poll.
-// Attempts in flight when ctx ends are cut short and retried later.
+// Run sends due deliveries until ctx ends: at each Notify, every Poll and
+// whenever a webhook's attempts end. Attempts in flight when ctx ends are
+// cut short and retried later; Run returns once they have.
 func (d *Deliverer) Run(ctx context.Context) {
 	t := time.NewTicker(d.opt.Poll)
 	defer t.Stop()
+	var flights sync.WaitGroup
+	defer flights.Wait()
+	report := func(err error) {
+		if ctx.Err() == nil {
+			d.log.Error("deliver alerts", "err", err)
+		}
+	}
 	for {
 		for {
-			n, err := d.Once(ctx)
-			if err != nil && ctx.Err() == nil {
-				d.log.Error("deliver alerts", "err", err)
+			n, err := d.launch(ctx, &flights, report)
+			if err != nil {
+				report(err)
 			}
 			if err != nil || n < d.opt.Batch {
 				break // more may be due: loop only when the batch was full
@@ -262,48 +277,83 @@ func (d *Deliverer) Retain(ctx context.Context) {
 	}
 }
 
-// Once claims up to Batch due deliveries (oldest first; of an ordered
-// group of alerts only the earliest pending, see store.Claim), attempts
-// them (webhooks in parallel, each webhook's one after another) and
-// records each outcome. It returns how many it claimed. A delivery that
-// ends (delivered or dead) wakes Run, as the next alert of its group is now
-// due: a jump across three thresholds goes out in three passes in a row,
-// not one per Poll.
+// Once claims up to Batch due deliveries (see launch), attempts them and
+// records each outcome, waiting for every attempt. It returns how many it
+// claimed.
 func (d *Deliverer) Once(ctx context.Context) (int, error) {
-	// The lease outlasts an attempt, so nobody retries one in flight; if
-	// this process dies mid-attempt, the delivery is due again after it.
-	batch, err := d.ob.Claim(ctx, d.opt.Batch, d.opt.AttemptTimeout+5*time.Second, d.opt.MaxAge)
-	if err != nil {
-		return 0, err
-	}
-	// One goroutine per webhook, sending its deliveries in outbox order:
-	// one connection at a time per receiver.
-	byHook := map[string][]store.Delivery{}
-	for _, dl := range batch {
-		if dl.Status == store.StatusDead { // past MaxAge: Claim gave it up
-			d.dead(d.logger(dl), dl.LastError)
-			continue
-		}
-		byHook[dl.Webhook] = append(byHook[dl.Webhook], dl)
-	}
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
 		errs []error
 	)
-	for _, dls := range byHook {
+	n, err := d.launch(ctx, &wg, func(err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		errs = append(errs, err)
+	})
+	wg.Wait()
+	return n, errors.Join(append(errs, err)...)
+}
+
+// launch claims up to Batch due deliveries (oldest first; of an ordered
+// group of alerts only the earliest pending, see store.Claim) of the
+// webhooks with no attempt running, and starts one goroutine per webhook
+// in wg attempting its deliveries in outbox order: one connection at a
+// time per receiver, and a receiver that hangs holds back only its own
+// alerts. It reports the goroutines' errors to report and returns how
+// many deliveries it claimed. A webhook whose attempts end wakes Run, as
+// its next delivery may be due (the next alert of a group once the earlier
+// is delivered or dead: a jump across three thresholds goes out in three
+// claims in a row, not one per Poll).
+func (d *Deliverer) launch(ctx context.Context, wg *sync.WaitGroup, report func(error)) (int, error) {
+	// The lease outlasts an attempt, so nobody retries one in flight; if
+	// this process dies mid-attempt, the delivery is due again after it.
+	lease := d.opt.AttemptTimeout + 5*time.Second
+	// Held from reading the busy webhooks to marking the claimed ones, so
+	// no two flights of one webhook overlap.
+	d.flyMu.Lock()
+	defer d.flyMu.Unlock()
+	batch, err := d.ob.Claim(ctx, d.opt.Batch, lease, d.opt.MaxAge, slices.Collect(maps.Keys(d.flying)))
+	if err != nil {
+		return 0, err
+	}
+	byHook := map[string][]store.Delivery{}
+	for _, dl := range batch {
+		if dl.Status == store.StatusDead { // past MaxAge: Claim gave it up
+			d.dead(d.logger(dl), dl.LastError)
+			d.Notify() // the next alert of its group is due
+			continue
+		}
+		byHook[dl.Webhook] = append(byHook[dl.Webhook], dl)
+	}
+	for name, dls := range byHook {
+		d.flying[name] = true
 		wg.Go(func() {
-			for _, dl := range dls {
+			defer func() {
+				d.flyMu.Lock()
+				delete(d.flying, name)
+				d.flyMu.Unlock()
+				d.Notify()
+			}()
+			for i, dl := range dls {
+				if ctx.Err() != nil {
+					return // shutting down: the leases pass and they are retried
+				}
+				if i > 0 { // claimed with the first, its lease ran while they were attempted
+					if ok, err := d.ob.Extend(ctx, dl.ID, dl.Attempts, lease); err != nil || !ok {
+						if err != nil {
+							report(err)
+						}
+						continue // another claim has it now, or it is due again
+					}
+				}
 				if err := d.attempt(ctx, dl); err != nil {
-					mu.Lock()
-					errs = append(errs, err)
-					mu.Unlock()
+					report(err)
 				}
 			}
 		})
 	}
-	wg.Wait()
-	return len(batch), errors.Join(errs...)
+	return len(batch), nil
 }
 
 // MessageID is the webhook-id of an alert sent to a webhook: stable across
@@ -342,7 +392,6 @@ func (d *Deliverer) attempt(ctx context.Context, dl store.Delivery) error {
 	}
 	d.results.WithLabelValues(ResultDelivered).Inc()
 	log.Debug("alert delivered", "status", status)
-	d.Notify() // the next alert of its group is due
 	return nil
 }
 
@@ -383,7 +432,6 @@ func (d *Deliverer) logger(dl store.Delivery) *slog.Logger {
 func (d *Deliverer) dead(log *slog.Logger, cause string) {
 	d.results.WithLabelValues(ResultDead).Inc()
 	log.Warn("alert delivery dead: giving up", "err", cause)
-	d.Notify() // the next alert of its group is due
 }
 
 // backoff is the delay after the attempts-th failed attempt: MinBackoff

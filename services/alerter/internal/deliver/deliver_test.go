@@ -56,13 +56,17 @@ type fakeOutbox struct {
 	pruned []time.Time // the before of each PruneOutbox
 }
 
-func (f *fakeOutbox) Claim(_ context.Context, n int, _, _ time.Duration) ([]store.Delivery, error) {
+func (f *fakeOutbox) Claim(_ context.Context, n int, _, _ time.Duration, _ []string) ([]store.Delivery, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	n = min(n, len(f.due))
 	out := f.due[:n]
 	f.due = f.due[n:]
 	return out, nil
+}
+
+func (f *fakeOutbox) Extend(context.Context, int64, int, time.Duration) (bool, error) {
+	return true, nil
 }
 
 func (f *fakeOutbox) Delivered(_ context.Context, id int64, status int) error {

@@ -8,6 +8,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"fmt"
 	"io"
 	"log"
 	"log/slog"
@@ -16,6 +17,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -156,5 +158,60 @@ func TestNulInAttemptErrorIsRecorded(t *testing.T) {
 	}
 	if status != store.StatusDead || !strings.Contains(lastErr, `evil\x00host`) {
 		t.Errorf("the failed delivery past the max age is %s, last error %q; want dead, naming evil\\x00host", status, lastErr)
+	}
+}
+
+// A receiver that hangs holds back only its own webhook's alerts: another
+// webhook's new alert goes out at once, while the hanging one's attempts
+// (a claim of Batch of them, one after another) run on. Before, each
+// claim waited for all its attempts, up to Batch × AttemptTimeout.
+func TestHangingReceiverDelaysNoOther(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	st := newStore(t)
+	hang := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body) // so that the server sees the client go
+		<-r.Context().Done()               // answers nothing: each attempt times out
+	}))
+	t.Cleanup(hang.Close)
+	fast, got := receiver(t)
+	hooks := []Webhook{
+		{Name: "hang", URL: hang.URL, Secret: testSecret, Tenants: []string{"t1"}, AllowPrivate: true},
+		{Name: "fast", URL: fast.URL, Secret: testSecret, Tenants: []string{"t2"}, AllowPrivate: true},
+	}
+	const timeout = 500 * time.Millisecond
+	d, err := New(st, hooks, Options{AttemptTimeout: timeout}, slog.New(slog.DiscardHandler), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	enqueue := func(id, tenant string) {
+		t.Helper()
+		err := st.Update(ctx, func(tx *store.Tx) error {
+			return tx.Enqueue(ctx, store.Alert{ID: id, Kind: "quota.threshold", Tenant: tenant, Payload: []byte(id)}, d.Route("quota.threshold", tenant, 80))
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range DefaultBatch {
+		enqueue(fmt.Sprint("t1-", i), "t1")
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() { d.Run(ctx) })
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	time.Sleep(2 * timeout) // the hanging receiver's attempts are under way
+
+	enqueue("t2", "t2")
+	queued := time.Now()
+	d.Notify() // as the detector does after queueing
+	select {
+	case c := <-got:
+		if lat := time.Since(queued); lat > 2*timeout {
+			t.Errorf("t2's alert reached its receiver %v after it was queued, want at once (AttemptTimeout %v)", lat, timeout)
+		}
+		if string(c.body) != "t2" {
+			t.Errorf("the receiver got %q, want t2", c.body)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("t2's alert never reached its receiver")
 	}
 }

@@ -256,7 +256,7 @@ const qClaim = `
 WITH due AS (
   SELECT o.id, o.attempts > 0 AND o.created_at + make_interval(secs => $3) <= now() AS expired
   FROM webhook_outbox o
-  WHERE o.status = 'pending' AND o.next_attempt_at <= now()
+  WHERE o.status = 'pending' AND o.next_attempt_at <= now() AND o.webhook <> ALL($5::text[])
     AND (o.order_key = '' OR NOT EXISTS (
       SELECT 1 FROM webhook_outbox p
       WHERE p.webhook = o.webhook AND p.order_key = o.order_key AND p.status = 'pending' AND p.id < o.id))
@@ -279,9 +279,12 @@ RETURNING w.id, w.alert_id, w.webhook, w.kind, w.tenant, w.payload, w.attempts, 
 // (Waiting ages it: past maxAge its first failure is final.) A delivery
 // attempted before and due again past maxAge is returned dead, not
 // leased: it dies even when recording its attempts' outcome keeps
-// failing.
-func (s *Store) Claim(ctx context.Context, n int, lease, maxAge time.Duration) ([]Delivery, error) {
-	rows, err := s.pool.Query(ctx, qClaim, n, lease.Seconds(), maxAge.Seconds(), maxErrorLen)
+// failing. The deliveries of the webhooks in skip are left alone.
+func (s *Store) Claim(ctx context.Context, n int, lease, maxAge time.Duration, skip []string) ([]Delivery, error) {
+	if skip == nil {
+		skip = []string{} // NULL would match no webhook
+	}
+	rows, err := s.pool.Query(ctx, qClaim, n, lease.Seconds(), maxAge.Seconds(), maxErrorLen, skip)
 	if err != nil {
 		return nil, fmt.Errorf("claim deliveries: %w", err)
 	}
@@ -296,6 +299,19 @@ func (s *Store) Claim(ctx context.Context, n int, lease, maxAge time.Duration) (
 	// RETURNING has no order; the outbox's is the alerts' order.
 	slices.SortFunc(out, func(a, b Delivery) int { return cmp.Compare(a.ID, b.ID) })
 	return out, nil
+}
+
+// Extend renews the lease of delivery id, claimed at attempt attempts,
+// for an attempt that starts now, and reports whether it did: not when
+// that claim is over (its lease passed and another Claim took it, or it
+// ended).
+func (s *Store) Extend(ctx context.Context, id int64, attempts int, lease time.Duration) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `UPDATE webhook_outbox SET next_attempt_at = now() + make_interval(secs => $3)
+WHERE id = $1 AND attempts = $2 AND status = 'pending'`, id, attempts, lease.Seconds())
+	if err != nil {
+		return false, fmt.Errorf("extend the lease of delivery %d: %w", id, err)
+	}
+	return tag.RowsAffected() == 1, nil
 }
 
 // Delivered marks delivery id done with the receiver's HTTP status.

@@ -82,12 +82,12 @@ func TestOutbox(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := s.Claim(ctx, 10, time.Hour, time.Hour)
+	got, err := s.Claim(ctx, 10, time.Hour, time.Hour, nil)
 	if err != nil || len(got) != 2 || got[0].AlertID != "a1" || got[1].AlertID != "a2" || got[0].Attempts != 1 {
 		t.Fatalf("Claim = %+v, %v; want a1, a2 at attempt 1", got, err)
 	}
 	// Leased: nothing is due until the lease passes.
-	if again, err := s.Claim(ctx, 10, time.Hour, time.Hour); err != nil || len(again) != 0 {
+	if again, err := s.Claim(ctx, 10, time.Hour, time.Hour, nil); err != nil || len(again) != 0 {
 		t.Fatalf("Claim during the lease = %+v, %v; want none", again, err)
 	}
 	if err := s.Delivered(ctx, got[0].ID, 204); err != nil {
@@ -97,7 +97,7 @@ func TestOutbox(t *testing.T) {
 	if st, err := s.Failed(ctx, got[1].ID, "receiver answered 500", 500, 0, time.Hour, false); err != nil || st != StatusPending {
 		t.Fatalf("Failed = %q, %v; want pending", st, err)
 	}
-	if again, err := s.Claim(ctx, 10, time.Hour, time.Hour); err != nil || len(again) != 1 || again[0].Attempts != 2 {
+	if again, err := s.Claim(ctx, 10, time.Hour, time.Hour, nil); err != nil || len(again) != 1 || again[0].Attempts != 2 {
 		t.Fatalf("Claim after backoff 0 = %+v, %v; want a2 at attempt 2", again, err)
 	}
 	if st, err := s.Failed(ctx, got[1].ID, "receiver answered 500", 500, 0, time.Nanosecond, false); err != nil || st != StatusDead {
@@ -131,7 +131,7 @@ func TestClaimKeepsOrder(t *testing.T) {
 	}
 	claim := func() map[string][]int64 {
 		t.Helper()
-		ds, err := s.Claim(ctx, 100, time.Hour, time.Hour)
+		ds, err := s.Claim(ctx, 100, time.Hour, time.Hour, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -211,7 +211,7 @@ func TestFailedStoresAnyCause(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := s.Claim(ctx, 10, time.Hour, time.Hour)
+	got, err := s.Claim(ctx, 10, time.Hour, time.Hour, nil)
 	if err != nil || len(got) != 1 {
 		t.Fatalf("Claim = %+v, %v", got, err)
 	}
@@ -242,7 +242,7 @@ func TestClaimKillsExpired(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := s.Claim(ctx, 10, time.Millisecond, time.Hour); err != nil || len(got) != 1 {
+	if got, err := s.Claim(ctx, 10, time.Millisecond, time.Hour, nil); err != nil || len(got) != 1 {
 		t.Fatalf("Claim = %+v, %v", got, err)
 	}
 	err = s.Update(ctx, func(tx *Tx) error {
@@ -252,7 +252,7 @@ func TestClaimKillsExpired(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(10 * time.Millisecond) // the lease passes, no outcome recorded
-	got, err := s.Claim(ctx, 10, time.Hour, time.Nanosecond)
+	got, err := s.Claim(ctx, 10, time.Hour, time.Nanosecond, nil)
 	if err != nil || len(got) != 2 {
 		t.Fatalf("Claim past the max age = %+v, %v; want both", got, err)
 	}
@@ -263,7 +263,53 @@ func TestClaimKillsExpired(t *testing.T) {
 	if d := byID["waited"]; d.Status != StatusPending || d.Attempts != 1 {
 		t.Errorf("the delivery never attempted: %+v; want handed out, attempt 1", d)
 	}
-	if again, err := s.Claim(ctx, 10, time.Hour, time.Nanosecond); err != nil || len(again) != 0 {
+	if again, err := s.Claim(ctx, 10, time.Hour, time.Nanosecond, nil); err != nil || len(again) != 0 {
 		t.Errorf("Claim after = %+v, %v; want none (dead, leased)", again, err)
+	}
+}
+
+// Claim leaves the webhooks it is told to skip alone; Extend renews a
+// claim's lease while the claim is still the delivery's, not once its
+// lease passed and another Claim took it.
+func TestClaimSkipsAndExtend(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	err := s.Update(ctx, func(tx *Tx) error {
+		return tx.Enqueue(ctx, Alert{ID: "a1", Kind: "quota.threshold", Payload: []byte("{}")}, []string{"busy", "idle"})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func(skip ...string) map[string]Delivery {
+		t.Helper()
+		ds, err := s.Claim(ctx, 10, time.Millisecond, time.Hour, skip)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]Delivery{}
+		for _, d := range ds {
+			got[d.Webhook] = d
+		}
+		return got
+	}
+	first := claim("busy")
+	if len(first) != 1 || first["idle"].ID == 0 {
+		t.Fatalf("Claim skipping busy = %+v, want idle's only", first)
+	}
+	time.Sleep(10 * time.Millisecond) // idle's lease passes
+	second := claim()
+	if len(second) != 2 || second["idle"].Attempts != 2 {
+		t.Fatalf("Claim = %+v, want busy's and idle's again", second)
+	}
+	id := first["idle"].ID
+	if ok, err := s.Extend(ctx, id, first["idle"].Attempts, time.Hour); err != nil || ok {
+		t.Errorf("Extend of the first claim = %v, %v; want false: the second took it", ok, err)
+	}
+	if ok, err := s.Extend(ctx, id, second["idle"].Attempts, time.Hour); err != nil || !ok {
+		t.Errorf("Extend of the second claim = %v, %v; want true", ok, err)
+	}
+	time.Sleep(10 * time.Millisecond)
+	if third := claim(); len(third) != 1 || third["busy"].ID == 0 {
+		t.Errorf("Claim after idle's lease was extended = %+v, want busy's only", third)
 	}
 }
