@@ -247,6 +247,8 @@ func TestParse(t *testing.T) {
 		{"bad kind", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + ", kinds: [nope]}]", "webhooks[0].kinds[0]"},
 		{"min_threshold too high", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + ", min_threshold: 101}]", "webhooks[0].min_threshold: 101 is not a percentage from 0 to 100"},
 		{"min_threshold negative", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + ", min_threshold: -1}]", "webhooks[0].min_threshold: -1"},
+		{"empty tenant", "webhooks: [{name: cust, url: 'https://x.example', secret: " + testSecret + ", tenants: [acme, '']}]", `webhooks[0].tenants[1] of webhook "cust": not a tenant id: empty`},
+		{"tenant with a NUL", "webhooks: [{name: cust, url: 'https://x.example', secret: " + testSecret + ", tenants: [\"a\\0\"]}]", `webhooks[0].tenants[0] of webhook "cust": not a tenant id: contains a control character`},
 		{"duplicate", "webhooks: [{name: a, url: 'https://x.example', secret: " + testSecret + "}, {name: a, url: 'https://x.example', secret: " + testSecret + "}]", "appears twice"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {

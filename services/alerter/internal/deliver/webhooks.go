@@ -18,6 +18,8 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
+
+	"quotaflow/pkg/ident"
 )
 
 // SecretPrefix starts every webhook secret; the rest is base64.
@@ -36,7 +38,8 @@ type Webhook struct {
 	Kinds []string `yaml:"kinds"`
 	// Tenants are the tenants whose alerts are sent here; empty means all.
 	// Alerts without a tenant (an endpoint's spike, an IP's burst) go only
-	// to endpoints without a tenant filter.
+	// to endpoints without a tenant filter; so an empty id is refused, as
+	// is one ident.Check refuses.
 	Tenants []string `yaml:"tenants"`
 	// MinThreshold drops the quota.threshold alerts of a lower percentage
 	// (1 to 100; 0 sends every one): min_threshold: 90 sends 90 and 100,
@@ -109,6 +112,15 @@ func Parse(b []byte, kinds []string) ([]Webhook, error) {
 		}
 		if w.MinThreshold < 0 || w.MinThreshold > 100 {
 			errs = append(errs, fmt.Errorf("%s.min_threshold: %d is not a percentage from 0 to 100", at, w.MinThreshold))
+		}
+		for j, tenant := range w.Tenants {
+			err := ident.Check(tenant)
+			if tenant == "" { // would take the alerts that have no tenant, meant for unfiltered webhooks
+				err = errors.New("empty")
+			}
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s.tenants[%d] of webhook %q: not a tenant id: %w", at, j, w.Name, err))
+			}
 		}
 		for j, k := range w.Kinds {
 			if !slices.Contains(kinds, k) {
