@@ -205,6 +205,16 @@ func (w testWriter) Write(p []byte) (int, error) {
 var _ io.Writer = testWriter{}
 
 // with returns a copy of e that reports to t (a subtest).
+// waitEpoch waits until Redis holds the epoch: the accounter wrote it at
+// start, or rewrote it after a rebuild.
+func (e *env) waitEpoch(t *testing.T, what string) {
+	t.Helper()
+	e2e.Eventually(t, what, func() bool {
+		missing, err := repair.EpochMissing(context.Background(), e.redis.Client())
+		return err == nil && !missing
+	})
+}
+
 func (e *env) with(t *testing.T) *env {
 	c := *e
 	c.t = t
@@ -324,10 +334,7 @@ func TestAccounterEvents(t *testing.T) {
 	base.start(nil)
 	ctx := context.Background()
 	prefix := base.cfg.SubjectPrefix
-	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := repair.EpochMissing(ctx, base.redis.Client())
-		return err == nil && !missing
-	})
+	base.waitEpoch(t, "epoch written at start")
 
 	t.Run("duplicate event under another Nats-Msg-Id", func(t *testing.T) {
 		e := base.with(t)
@@ -1107,10 +1114,7 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil) // a brand-new Redis and an empty ledger: the epoch is written at once
-	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch written at start")
 
 	ten := "flush-" + e2e.RandomHex(4)
 	users := []string{"a", "b", "c"}
@@ -1143,10 +1147,7 @@ func TestRedisLossRebuildsWindows(t *testing.T) {
 
 	e.redis.Stop()
 	e.redis.Restart() // empty: no persistence
-	e2e.Eventually(t, "epoch rewritten", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch rewritten")
 	for u, want := range before {
 		if got := [2]int64{e.used(ten, u, "5h"), e.used(ten, u, "30d")}; got != want {
 			t.Errorf("%s: used (5h, 30d) after the rebuild = %v, want %v", u, got, want)
@@ -1195,10 +1196,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil)
-	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch written at start")
 	const ten = "prepaid" // the policy's tenant on the plan with a balance
 	rules := e.rules(ten)
 	bal := &rules[1]
@@ -1236,10 +1234,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 
 	e.redis.Stop()
 	e.redis.Restart()
-	e2e.Eventually(t, "epoch rewritten", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch rewritten")
 	if c, sp := balance("u"); c != 2000 || sp != 320 {
 		t.Errorf("balance after the rebuild = credited %d, spent %d; want 2000, 320", c, sp)
 	}
@@ -1256,10 +1251,7 @@ func TestRebuildSpendsBalanceOnlyUnderItsPlans(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil)
-	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch written at start")
 	const ten = "prepaid"
 	rules := e.rules(ten)
 	bal := &rules[1]
@@ -1299,10 +1291,7 @@ func TestRebuildSpendsBalanceOnlyUnderItsPlans(t *testing.T) {
 
 	e.redis.Stop()
 	e.redis.Restart()
-	e2e.Eventually(t, "epoch rewritten", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch rewritten")
 	if c, sp := balance(); c != 1000 || sp != 120 {
 		t.Errorf("balance after the rebuild = credited %d, spent %d; want 1000, 120 (the usage on plan free spent none)", c, sp)
 	}
@@ -1318,10 +1307,7 @@ func TestTopUpInFlightAcrossARebuildIsCredited(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil)
-	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch written at start")
 	const ten = "prepaid"
 	rules := e.rules(ten)
 	topUp := func(ref string) events.Event {
@@ -1341,10 +1327,7 @@ func TestTopUpInFlightAcrossARebuildIsCredited(t *testing.T) {
 
 	e.redis.Stop()
 	e.redis.Restart()
-	e2e.Eventually(t, "epoch rewritten", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch rewritten")
 	e.publish(inFlight)
 	raw, err := events.Encode(counted)
 	if err != nil {
@@ -1398,10 +1381,7 @@ func TestPostgresConnectionsKilledUnderLoad(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	e.start(nil)
-	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch written at start")
 	db := e.pg.Config().ConnConfig.Database
 	admin, err := pgx.Connect(ctx, pgtest.BaseURL())
 	if err != nil {
@@ -1484,10 +1464,7 @@ func TestRequestOnlyPlanSettles(t *testing.T) {
 	ctx := context.Background()
 	e.cfg.ReservationTTL = 3 * time.Second
 	e.start(nil)
-	e2e.Eventually(t, "epoch written at start", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch written at start")
 	ten, usr := "ratesonly-"+e2e.RandomHex(4), "u"
 	rules := func() []policy.Rule {
 		r, err := e.policy.Resolve(ten, "rates", "")
@@ -1550,10 +1527,7 @@ func TestRequestOnlyPlanSettles(t *testing.T) {
 
 	e.redis.Stop()
 	e.redis.Restart() // empty: no persistence
-	e2e.Eventually(t, "epoch rewritten", func() bool {
-		missing, err := repair.EpochMissing(ctx, e.redis.Client())
-		return err == nil && !missing
-	})
+	e.waitEpoch(t, "epoch rewritten")
 	if got := hour(); got != 0 {
 		t.Errorf("hour used = %d after the rebuild, want 0 (request limits start afresh)", got)
 	}
