@@ -66,7 +66,8 @@ type Options struct {
 	// half of it: a request takes inspectCost of its declared length, and
 	// one past either is answered 503 with Retry-After. Once inspected, it
 	// keeps the length of the copy sent upstream until the upstream read
-	// it and answered.
+	// it and answered. A passed-through body counts too, its declared
+	// length once, until the upstream read it and answered.
 	InspectBudget int64
 	// WriteTimeout bounds each write to a client (default 30 s): one that
 	// takes nothing for this long is dropped, and the upstream request
@@ -244,7 +245,7 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 	kind, metered := openai.KindOf(r.URL.Path)
 	switch {
 	case !metered && cfg.passes(r.URL.Path) && cfg.fallback != nil:
-		p.pass(w, r, cfg.fallback)
+		p.pass(w, r, cfg.fallback, id.Tenant)
 		return
 	case !metered:
 		writeError(w, http.StatusNotFound, "invalid_request_error", "unknown_url", "unknown path: this gateway serves "+
@@ -255,17 +256,8 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		writeError(w, http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", "use POST")
 		return
 	}
-	// Memory is taken before the body is read: a key's holder sending many
-	// large bodies at once must not take the process (and every other
-	// tenant's admits) down with it. An unknown length counts as the cap.
-	size := r.ContentLength
-	if size < 0 || size > openai.DefaultMaxBody {
-		size = openai.DefaultMaxBody
-	}
-	taken := inspectCost * size
-	if !p.bodies.take(id.Tenant, taken) {
-		w.Header().Set("Retry-After", "1")
-		writeError(w, http.StatusServiceUnavailable, "api_error", "overloaded", "too many large requests are being read: retry shortly")
+	taken, ok := p.takeBody(w, r, id.Tenant, inspectCost)
+	if !ok {
 		return
 	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, openai.DefaultMaxBody+1))
@@ -275,11 +267,7 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		return
 	}
 	req, err := openai.Inspect(kind, body, p.inspect)
-	// The copy to send stays counted until nothing holds it (sentBody), at
-	// the latest until the request ends; the rest is given back now.
-	kept := min(int64(len(req.Body)), taken)
-	p.bodies.give(id.Tenant, taken-kept)
-	free := sync.OnceFunc(func() { p.bodies.give(id.Tenant, kept) })
+	free := p.keepBody(id.Tenant, taken, int64(len(req.Body)))
 	defer free()
 	sent := newSentBody(req.Body, free)
 	req.Body = nil // the exchange outlives the upstream's reading it
@@ -351,6 +339,36 @@ func (p *Proxy) serve(w *countingWriter, r *http.Request) {
 		return // the client left while admission decided: released
 	}
 	o = p.forward(w, r, up, sent, x)
+}
+
+// takeBody takes the memory r's body will hold, cost bytes for each byte,
+// from tenant's share of the bodies budget before it is read: a key's
+// holder sending many large bodies at once must not take the process (and
+// every other tenant's requests) down with it. An unknown length counts as
+// the cap. When the budget or the share is exhausted it answers 503 with
+// Retry-After and returns false.
+func (p *Proxy) takeBody(w *countingWriter, r *http.Request, tenant string, cost int64) (taken int64, ok bool) {
+	size := r.ContentLength
+	if size < 0 || size > openai.DefaultMaxBody {
+		size = openai.DefaultMaxBody
+	}
+	taken = cost * size
+	if !p.bodies.take(tenant, taken) {
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusServiceUnavailable, "api_error", "overloaded", "too many large requests are being read: retry shortly")
+		return 0, false
+	}
+	return taken, true
+}
+
+// keepBody keeps n of the bytes takeBody took counted for the copy sent
+// upstream, and gives back the rest now; free gives back the kept bytes,
+// once: when nothing holds the copy (sentBody), at the latest when the
+// request ends.
+func (p *Proxy) keepBody(tenant string, taken, n int64) (free func()) {
+	kept := min(n, taken)
+	p.bodies.give(tenant, taken-kept)
+	return sync.OnceFunc(func() { p.bodies.give(tenant, kept) })
 }
 
 // enter counts a request about to be admitted, so that Close waits for its
@@ -558,16 +576,25 @@ func (b *budget) give(tenant string, n int64) {
 	}
 }
 
-// pass forwards a passed path to up unmetered.
-func (p *Proxy) pass(w *countingWriter, r *http.Request, up *Upstream) {
+// pass forwards a passed path to up unmetered. Its body is held in memory
+// as an inspected one is (the transport may resend it), so it counts in
+// the same budget, under tenant's share.
+func (p *Proxy) pass(w *countingWriter, r *http.Request, up *Upstream, tenant string) {
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
+	taken, ok := p.takeBody(w, r, tenant, 1)
+	if !ok {
+		return
+	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, openai.DefaultMaxBody+1))
 	if err != nil || len(body) > openai.DefaultMaxBody {
+		p.bodies.give(tenant, taken)
 		writeError(w, http.StatusRequestEntityTooLarge, "invalid_request_error", "request_too_large", "body: too large or unreadable")
 		return
 	}
-	resp, err := p.roundTrip(ctx, r, up, newSentBody(body, func() {}))
+	free := p.keepBody(tenant, taken, int64(len(body)))
+	defer free()
+	resp, err := p.roundTrip(ctx, r, up, newSentBody(body, free))
 	if err != nil {
 		if r.Context().Err() == nil {
 			writeError(w, http.StatusBadGateway, "api_error", "upstream_error", "the upstream could not be reached")

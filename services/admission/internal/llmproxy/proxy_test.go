@@ -367,6 +367,65 @@ func TestSentBodyIsLetGoOnceAnswered(t *testing.T) {
 	}
 }
 
+// TestPassedBodyIsBounded: a passed-through body is held in memory as an
+// inspected one is, so it counts in the same budget under its tenant's
+// share: one past the share is refused with 503 and Retry-After before it
+// reaches the upstream; one within it is held until the upstream read it
+// and answered, then given back.
+func TestPassedBodyIsBounded(t *testing.T) {
+	const budget = 2 << 20 // acme's share: 1 MiB
+	var calls atomic.Int32
+	got, answer := make(chan int, 1), make(chan struct{})
+	g := newGateway(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		n, _ := io.Copy(io.Discard, r.Body)
+		if r.URL.Path == "/v1/files/held" { // answered once the test looked
+			got <- int(n)
+			<-answer
+		}
+		fmt.Fprint(w, `{"object":"file"}`)
+	}), Options{InspectBudget: budget})
+	g.px.cfg().pass = []string{"/v1/files*"}
+
+	refused := g.post("/v1/files", strings.Repeat("x", 3<<19)) // 1.5 MiB
+	refused.Body.Close()
+	if refused.StatusCode != http.StatusServiceUnavailable || refused.Header.Get("Retry-After") == "" {
+		t.Errorf("a passed body past acme's share: %d, Retry-After %q; want 503 with Retry-After",
+			refused.StatusCode, refused.Header.Get("Retry-After"))
+	}
+	if n := calls.Load(); n != 0 {
+		t.Errorf("the upstream had %d refused bodies, want none", n)
+	}
+
+	const size = 1 << 19
+	first := make(chan *http.Response, 1)
+	go func() { first <- g.post("/v1/files/held", strings.Repeat("x", size)) }()
+	if n := <-got; n != size {
+		t.Errorf("the upstream read %d bytes, want %d", n, size)
+	}
+	if held := g.px.bodies.heldBy("acme"); held != size {
+		t.Errorf("acme holds %d bytes of the budget while the upstream has not answered, want its body's %d", held, size)
+	}
+	close(answer)
+	resp := <-first
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("a passed body within acme's share: %d, want 200", resp.StatusCode)
+	}
+	// Polling decides when to look: the handler may still be returning.
+	for deadline := time.Now().Add(10 * time.Second); g.px.bodies.heldBy("acme") != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the memory of a passed body was never given back")
+		}
+	}
+	g.px.bodies.mu.Lock()
+	left := g.px.bodies.left
+	g.px.bodies.mu.Unlock()
+	if left != budget {
+		t.Errorf("the budget has %d bytes left once the answer was sent, want all %d", left, budget)
+	}
+}
+
 // TestSentBodyRetries: until dropped, a sent body gives the transport a new
 // reader for each retry (GetBody), each the whole body; its budget is
 // given back once it is dropped and every reader ended, read to its end or
