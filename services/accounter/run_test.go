@@ -215,6 +215,17 @@ func (e *env) waitEpoch(t *testing.T, what string) {
 	})
 }
 
+// balance returns what Redis holds of the prepaid balance of tenant's
+// user: the policy's "prepaid" plan's second rule.
+func (e *env) balance(t *testing.T, tenant, user string) (credited, spent int64) {
+	t.Helper()
+	d, err := e.lim.Peek(context.Background(), limits.Request{Tenant: tenant, User: user, Rules: e.rules(tenant)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d.States[1].Limit, d.States[1].Used
+}
+
 func (e *env) with(t *testing.T) *env {
 	c := *e
 	c.t = t
@@ -1200,14 +1211,7 @@ func TestRedisLossRebuildsBalances(t *testing.T) {
 	const ten = "prepaid" // the policy's tenant on the plan with a balance
 	rules := e.rules(ten)
 	bal := &rules[1]
-	balance := func(user string) (credited, spent int64) {
-		t.Helper()
-		d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: user, Rules: rules})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return d.States[1].Limit, d.States[1].Used
-	}
+	balance := func(user string) (credited, spent int64) { return e.balance(t, ten, user) }
 	for _, ref := range []string{"pay-1", "pay-2", "pay-3"} { // as admission does: Redis, then the event
 		user := "u"
 		if ref == "pay-3" {
@@ -1255,14 +1259,7 @@ func TestRebuildSpendsBalanceOnlyUnderItsPlans(t *testing.T) {
 	const ten = "prepaid"
 	rules := e.rules(ten)
 	bal := &rules[1]
-	balance := func() (credited, spent int64) {
-		t.Helper()
-		d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: "u", Rules: rules})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return d.States[1].Limit, d.States[1].Used
-	}
+	balance := func() (credited, spent int64) { return e.balance(t, ten, "u") }
 	free, err := e.policy.Resolve(ten, "free", "")
 	if err != nil {
 		t.Fatal(err)
@@ -1346,11 +1343,7 @@ func TestTopUpInFlightAcrossARebuildIsCredited(t *testing.T) {
 		i, err := c.Info(ctx)
 		return err == nil && i.NumPending == 0 && i.NumAckPending == 0 && topUps() == 2
 	})
-	d, err := e.lim.Peek(ctx, limits.Request{Tenant: ten, User: "u", Rules: rules})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := d.States[1].Limit; got != 2000 {
+	if got, _ := e.balance(t, ten, "u"); got != 2000 {
 		t.Errorf("credited in Redis = %d, want 2000 (the ledger's two top-ups, each once)", got)
 	}
 }
